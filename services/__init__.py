@@ -1,0 +1,1 @@
+"""iserve's shared kernel: settings, Redis state, gRPC bootstrap, estimation maths, CLI."""

@@ -1,0 +1,193 @@
+"""The gRPC bootstrap every iserve process uses.
+
+``run_server`` starts a ``grpc.aio`` server with ``grpc.health.v1``, server reflection
+and the error interceptor, serves until SIGTERM/SIGINT and then stops gracefully.
+Servicers raise ``services.errors.IServeError`` subclasses; the interceptor turns them
+into status codes with the error's message and logs each failed call with its
+request id. Anything else becomes INTERNAL with a one-line message (and a logged
+traceback), never a bare exception text dump.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.errors import IServeError
+
+log = logging.getLogger("iserve.grpc")
+
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def _request_id(request: object) -> str:
+    return getattr(request, "request_id", "") or "-"
+
+
+async def _abort_for(exc: BaseException, method: str, request: object, context: grpc.aio.ServicerContext):
+    rid = _request_id(request)
+    if isinstance(exc, IServeError):
+        log.info("%s request_id=%s -> %s: %s", method, rid, exc.code.name, exc)
+        await context.abort(exc.code, str(exc))
+    log.exception("%s request_id=%s failed", method, rid)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps domain errors to gRPC status codes and logs each call with its request id."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(method, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    @staticmethod
+    def _wrap_unary(method: str, behavior: Callable[..., Awaitable]):
+        async def wrapped(request, context):
+            started = time.perf_counter()
+            try:
+                response = await behavior(request, context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status
+                await _abort_for(exc, method, request, context)
+            log.debug("%s request_id=%s ok in %.1f ms", method, _request_id(request),
+                      (time.perf_counter() - started) * 1e3)
+            return response
+
+        return wrapped
+
+    @staticmethod
+    def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator]):
+        if not inspect.isasyncgenfunction(behavior):
+            return behavior
+
+        async def wrapped(request, context):
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status
+                await _abort_for(exc, method, request, context)
+
+        return wrapped
+
+
+@dataclass
+class ServiceBinding:
+    """A servicer and the generated function that adds it to a server."""
+
+    servicer: object
+    add_to_server: Callable[[object, grpc.aio.Server], None]
+    full_name: str  # e.g. "iserve.v1.ModelService"
+
+
+async def start_server(
+    bindings: Iterable[ServiceBinding], address: str
+) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+    """Start a server on ``address`` (port 0 picks a free port); returns it and its port."""
+    bindings = list(bindings)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [b.full_name for b in bindings]
+    for binding in bindings:
+        binding.add_to_server(binding.servicer, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+async def run_server(
+    name: str,
+    bindings: Iterable[ServiceBinding],
+    address: str,
+    *,
+    on_started: Callable[[int], Awaitable[None] | None] | None = None,
+    background: Iterable[Callable[[], Awaitable[None]]] = (),
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    grace_s: float = 5.0,
+) -> None:
+    """Serve until SIGTERM or SIGINT, running ``background`` coroutines alongside.
+
+    On a signal: health turns NOT_SERVING, background tasks are cancelled, ``on_stop``
+    runs, and in-flight calls get ``grace_s`` seconds to finish.
+    """
+    server, port, health_servicer = await start_server(bindings, address)
+    log.info("%s listening on %s (port %d)", name, address, port)
+    if on_started is not None:
+        result = on_started(port)
+        if inspect.isawaitable(result):
+            await result
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(make(), name=f"{name}:{make.__name__}") for make in background]
+    for task in tasks:
+        task.add_done_callback(_log_task_death)
+    await stop.wait()
+    log.info("%s stopping", name)
+    await health_servicer.enter_graceful_shutdown()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if on_stop is not None:
+        await on_stop()
+    await server.stop(grace_s)
+    log.info("%s stopped", name)
+
+
+def _log_task_death(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s died", task.get_name(), exc_info=task.exception())
+
+
+def configure_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
+    )
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """An insecure aio channel with iserve's message limits."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

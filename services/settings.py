@@ -1,0 +1,128 @@
+"""Process settings, read from environment variables.
+
+Every iserve process (services, agent, CLI) reads the same variables:
+
+==========================  ==============================================  =====================
+variable                    meaning                                         default
+==========================  ==============================================  =====================
+``ISERVE_STATE_DIR``        where ``iserve up`` keeps addresses, logs,      ``~/.iserve``
+                            pids and the embedded Redis's data
+``ISERVE_MODELS_ROOT``      the only directory checkpoints are read from    ``$ISERVE_STATE_DIR/models``
+``REDIS_URL``               Redis to use; unset: ``iserve up`` embeds one   from ``stack.json``
+``ISERVE_HOST``             interface services bind to                      ``127.0.0.1``
+``ISERVE_MODEL_ADDR``       ModelService address                            ``127.0.0.1:50061``
+``ISERVE_ESTIMATOR_ADDR``   EstimatorService address                        ``127.0.0.1:50062``
+``ISERVE_DEPLOY_ADDR``      DeploymentService address                       ``127.0.0.1:50063``
+``ISERVE_SCHEDULER_ADDR``   InferenceService address                        ``127.0.0.1:50064``
+``ISERVE_AGENT_ADDR``       this node's AgentService address                ``127.0.0.1:50065``
+``ISERVE_NODE_ID``          this node's id                                  ``node0``
+``ISERVE_DEVICES``          virtual CPU devices when no GPU is found        ``2``
+``ISERVE_DEVICE_MEMORY_GIB``memory budget of each virtual CPU device        ``4``
+``ISERVE_QUEUE_CAPACITY``   requests waiting per deployment before          ``64``
+                            RESOURCE_EXHAUSTED
+``ISERVE_READY_TIMEOUT_S``  how long Deploy waits for workers to be ready   ``120``
+``ISERVE_HEARTBEAT_TTL_S``  agent heartbeat lifetime                        ``5``
+``ISERVE_LOG_LEVEL``        logging level                                   ``INFO``
+==========================  ==============================================  =====================
+
+Addresses not set in the environment are taken from ``$ISERVE_STATE_DIR/stack.json``
+(written by ``iserve up``) when it exists, else the defaults above.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+DEFAULT_PORTS = {
+    "model": 50061,
+    "estimator": 50062,
+    "deploy": 50063,
+    "scheduler": 50064,
+    "agent": 50065,
+}
+SERVICE_ENV = {
+    "model": "ISERVE_MODEL_ADDR",
+    "estimator": "ISERVE_ESTIMATOR_ADDR",
+    "deploy": "ISERVE_DEPLOY_ADDR",
+    "scheduler": "ISERVE_SCHEDULER_ADDR",
+    "agent": "ISERVE_AGENT_ADDR",
+}
+STACK_FILE = "stack.json"
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_dir: Path
+    models_root: Path
+    redis_url: str | None
+    host: str
+    addresses: Mapping[str, str]
+    node_id: str
+    virtual_devices: int
+    device_memory_bytes: int
+    queue_capacity: int
+    ready_timeout_s: float
+    heartbeat_ttl_s: float
+    log_level: str
+
+    def address(self, service: str) -> str:
+        """host:port of ``service`` (one of ``DEFAULT_PORTS``)."""
+        return self.addresses[service]
+
+    def with_overrides(self, **changes: object) -> Settings:
+        return replace(self, **changes)
+
+
+def _positive(env: Mapping[str, str], name: str, default: float, kind: type = int) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from exc
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
+
+
+def read_stack_file(state_dir: Path) -> dict:
+    """The stack description ``iserve up`` wrote, or ``{}`` when there is none."""
+    path = state_dir / STACK_FILE
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Settings from ``env`` (default: ``os.environ``); raises ValueError on bad values."""
+    env = os.environ if env is None else env
+    state_dir = Path(env.get("ISERVE_STATE_DIR") or Path.home() / ".iserve").expanduser().resolve()
+    models_root = Path(env.get("ISERVE_MODELS_ROOT") or state_dir / "models").expanduser().resolve()
+    host = env.get("ISERVE_HOST", "127.0.0.1")
+    stack = read_stack_file(state_dir)
+    stack_addresses = stack.get("addresses", {})
+    addresses = {
+        name: env.get(SERVICE_ENV[name]) or stack_addresses.get(name) or f"{host}:{port}"
+        for name, port in DEFAULT_PORTS.items()
+    }
+    return Settings(
+        state_dir=state_dir,
+        models_root=models_root,
+        redis_url=env.get("REDIS_URL") or stack.get("redis_url"),
+        host=host,
+        addresses=addresses,
+        node_id=env.get("ISERVE_NODE_ID", "node0"),
+        virtual_devices=int(_positive(env, "ISERVE_DEVICES", 2)),
+        device_memory_bytes=int(_positive(env, "ISERVE_DEVICE_MEMORY_GIB", 4.0, float) * GIB),
+        queue_capacity=int(_positive(env, "ISERVE_QUEUE_CAPACITY", 64)),
+        ready_timeout_s=float(_positive(env, "ISERVE_READY_TIMEOUT_S", 120.0, float)),
+        heartbeat_ttl_s=float(_positive(env, "ISERVE_HEARTBEAT_TTL_S", 5.0, float)),
+        log_level=env.get("ISERVE_LOG_LEVEL", "INFO").upper(),
+    )

@@ -1,0 +1,77 @@
+"""The one place Redis key names are built. Every key lives under ``iserve:``."""
+
+from __future__ import annotations
+
+PREFIX = "iserve:"
+
+
+def _part(value: str) -> str:
+    if not value or ":" in value:
+        raise ValueError(f"invalid key component {value!r}: empty or contains ':'")
+    return value
+
+
+def model(model_id: str) -> str:
+    return f"{PREFIX}model:{_part(model_id)}"
+
+
+def model_index() -> str:
+    return f"{PREFIX}models"
+
+
+def profile(model_id: str) -> str:
+    return f"{PREFIX}profile:{_part(model_id)}"
+
+
+def deployment(deployment_id: str) -> str:
+    return f"{PREFIX}deployment:{_part(deployment_id)}"
+
+
+def deployment_index() -> str:
+    return f"{PREFIX}deployments"
+
+
+def deploy_request(request_id: str) -> str:
+    """Maps a Deploy request id to its deployment id (idempotency)."""
+    return f"{PREFIX}deploy-request:{_part(request_id)}"
+
+
+def node(node_id: str) -> str:
+    return f"{PREFIX}node:{_part(node_id)}"
+
+
+def node_index() -> str:
+    return f"{PREFIX}nodes"
+
+
+def node_heartbeat(node_id: str) -> str:
+    """Exists while the node's agent is alive (TTL)."""
+    return f"{PREFIX}heartbeat:{_part(node_id)}"
+
+
+def node_devices(node_id: str) -> str:
+    return f"{PREFIX}node-devices:{_part(node_id)}"
+
+
+def device(node_id: str, device_id: str) -> str:
+    """Hash: ``info`` (DeviceState JSON), ``total``, ``used``, ``reserved``, ``load``, ``updated_ms``."""
+    return f"{PREFIX}device:{_part(node_id)}:{_part(device_id)}"
+
+
+def reservation(owner: str) -> str:
+    """Hash: device key -> bytes reserved by ``owner`` (a deployment or profiling job)."""
+    return f"{PREFIX}reservation:{_part(owner)}"
+
+
+def reservation_index() -> str:
+    return f"{PREFIX}reservations"
+
+
+def workers(deployment_id: str) -> str:
+    """Hash: rank -> WorkerInfo JSON, written by the agents."""
+    return f"{PREFIX}workers:{_part(deployment_id)}"
+
+
+def events() -> str:
+    """Stream of cluster events (worker deaths, deployment changes)."""
+    return f"{PREFIX}events"

@@ -1,0 +1,312 @@
+"""Async access to iserve's state in Redis.
+
+Capacity changes (reserve / release of device memory) run as Lua scripts, so two
+deployers can never oversubscribe a device: a reservation either fits on every device
+it names and is recorded whole, or changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import model_service_pb2 as model_pb
+from services.state import keys
+from services.state.records import decode, encode
+
+EVENTS_MAXLEN = 10_000
+
+# KEYS: reservation, reservation index, device keys…  ARGV: owner, bytes per device…
+# Returns {1} on success, {0, i, free} when device i lacks room, {-1, i} when device i
+# is unknown, {-2} when the owner already holds a reservation.
+_RESERVE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {-2} end
+for i = 3, #KEYS do
+  local total = redis.call('HGET', KEYS[i], 'total')
+  if not total then return {-1, i - 3} end
+  local used = tonumber(redis.call('HGET', KEYS[i], 'used') or '0')
+  local reserved = tonumber(redis.call('HGET', KEYS[i], 'reserved') or '0')
+  local free = tonumber(total) - math.max(used, reserved)
+  if free < tonumber(ARGV[i - 1]) then return {0, i - 3, free} end
+end
+for i = 3, #KEYS do
+  redis.call('HINCRBY', KEYS[i], 'reserved', ARGV[i - 1])
+  redis.call('HSET', KEYS[1], KEYS[i], ARGV[i - 1])
+end
+redis.call('SADD', KEYS[2], ARGV[1])
+return {1}
+"""
+
+# KEYS: reservation, reservation index.  ARGV: owner.  Returns devices released.
+_RELEASE = """
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  local left = redis.call('HINCRBY', entries[i], 'reserved', -tonumber(entries[i + 1]))
+  if left < 0 then redis.call('HSET', entries[i], 'reserved', 0) end
+end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+return #entries / 2
+"""
+
+
+class ReservationError(Exception):
+    """A reservation could not be made; ``device`` names the device that refused it."""
+
+    def __init__(self, message: str, device: common.DeviceRef | None = None, free_bytes: int = 0):
+        super().__init__(message)
+        self.device = device
+        self.free_bytes = free_bytes
+
+
+@dataclass(frozen=True)
+class DeviceCounters:
+    total_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.total_bytes - max(self.used_bytes, self.reserved_bytes))
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def device_key(ref: common.DeviceRef) -> str:
+    return keys.device(ref.node_id, ref.device_id)
+
+
+class StateStore:
+    """Typed operations on iserve's Redis state; one instance per process."""
+
+    def __init__(self, client: aioredis.Redis):
+        self.redis = client
+        self._reserve = client.register_script(_RESERVE)
+        self._release = client.register_script(_RELEASE)
+
+    @classmethod
+    def from_url(cls, url: str) -> StateStore:
+        return cls(aioredis.Redis.from_url(url, decode_responses=True))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    # ---- models -------------------------------------------------------------------
+    async def create_model(self, model: model_pb.Model) -> bool:
+        """Record a new model; False when the id is taken (nothing written)."""
+        created = await self.redis.set(keys.model(model.model_id), encode(model), nx=True)
+        if created:
+            await self.redis.sadd(keys.model_index(), model.model_id)
+        return bool(created)
+
+    async def put_model(self, model: model_pb.Model) -> None:
+        await self.redis.set(keys.model(model.model_id), encode(model))
+
+    async def get_model(self, model_id: str) -> model_pb.Model | None:
+        raw = await self.redis.get(keys.model(model_id))
+        return None if raw is None else decode(model_pb.Model, raw)
+
+    async def list_models(self) -> list[model_pb.Model]:
+        ids = sorted(await self.redis.smembers(keys.model_index()))
+        return await self._get_many(model_pb.Model, [keys.model(i) for i in ids])
+
+    async def delete_model(self, model_id: str) -> bool:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.model(model_id), keys.profile(model_id))
+            pipe.srem(keys.model_index(), model_id)
+            deleted, _ = await pipe.execute()
+        return bool(deleted)
+
+    # ---- deployments --------------------------------------------------------------
+    async def put_deployment(self, deployment: deploy_pb.Deployment) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.deployment(deployment.deployment_id), encode(deployment))
+            pipe.sadd(keys.deployment_index(), deployment.deployment_id)
+            await pipe.execute()
+
+    async def get_deployment(self, deployment_id: str) -> deploy_pb.Deployment | None:
+        raw = await self.redis.get(keys.deployment(deployment_id))
+        return None if raw is None else decode(deploy_pb.Deployment, raw)
+
+    async def list_deployments(self, model_id: str = "") -> list[deploy_pb.Deployment]:
+        ids = sorted(await self.redis.smembers(keys.deployment_index()))
+        found = await self._get_many(deploy_pb.Deployment, [keys.deployment(i) for i in ids])
+        return [d for d in found if not model_id or d.model_id == model_id]
+
+    async def delete_deployment(self, deployment: deploy_pb.Deployment) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.deployment(deployment.deployment_id), keys.workers(deployment.deployment_id))
+            pipe.srem(keys.deployment_index(), deployment.deployment_id)
+            if deployment.request_id:
+                pipe.delete(keys.deploy_request(deployment.request_id))
+            await pipe.execute()
+
+    async def claim_deploy_request(self, request_id: str, deployment_id: str) -> str | None:
+        """Bind ``request_id`` to ``deployment_id``; returns the earlier binding if any."""
+        if await self.redis.set(keys.deploy_request(request_id), deployment_id, nx=True):
+            return None
+        return await self.redis.get(keys.deploy_request(request_id))
+
+    async def forget_deploy_request(self, request_id: str) -> None:
+        await self.redis.delete(keys.deploy_request(request_id))
+
+    # ---- nodes and devices --------------------------------------------------------
+    async def register_node(self, node: common.NodeState, ttl_s: float) -> None:
+        """Record a node's static description and its devices' static info."""
+        static = common.NodeState(node_id=node.node_id, agent_address=node.agent_address)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.node(node.node_id), encode(static))
+            pipe.sadd(keys.node_index(), node.node_id)
+            pipe.set(keys.node_heartbeat(node.node_id), now_ms(), px=int(ttl_s * 1000))
+            for dev in node.devices:
+                pipe.sadd(keys.node_devices(node.node_id), dev.ref.device_id)
+                pipe.hset(device_key(dev.ref), mapping={"info": encode(dev), "total": dev.total_bytes})
+                pipe.hsetnx(device_key(dev.ref), "reserved", 0)
+            await pipe.execute()
+
+    async def publish_devices(self, node_id: str, devices: Iterable[common.DeviceState], ttl_s: float) -> None:
+        """Publish measured figures (never ``reserved``, which only reservations change)."""
+        stamp = now_ms()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for dev in devices:
+                pipe.hset(
+                    device_key(dev.ref),
+                    mapping={
+                        "total": dev.total_bytes,
+                        "used": dev.used_bytes,
+                        "load": repr(dev.load),
+                        "updated_ms": stamp,
+                    },
+                )
+            pipe.set(keys.node_heartbeat(node_id), stamp, px=int(ttl_s * 1000))
+            await pipe.execute()
+
+    async def list_nodes(self) -> list[common.NodeState]:
+        """Every known node with its devices' current figures and liveness."""
+        node_ids = sorted(await self.redis.smembers(keys.node_index()))
+        nodes = []
+        for node_id in node_ids:
+            raw = await self.redis.get(keys.node(node_id))
+            if raw is None:
+                continue
+            node = decode(common.NodeState, raw)
+            beat = await self.redis.get(keys.node_heartbeat(node_id))
+            node.alive = beat is not None
+            node.heartbeat_at_unix_ms = int(beat or 0)
+            device_ids = sorted(await self.redis.smembers(keys.node_devices(node_id)), key=_natural)
+            for device_id in device_ids:
+                dev = await self.get_device(common.DeviceRef(node_id=node_id, device_id=device_id))
+                if dev is not None:
+                    node.devices.append(dev)
+            nodes.append(node)
+        return nodes
+
+    async def get_device(self, ref: common.DeviceRef) -> common.DeviceState | None:
+        fields = await self.redis.hgetall(device_key(ref))
+        if "info" not in fields:
+            return None
+        dev = decode(common.DeviceState, fields["info"])
+        counters = DeviceCounters(
+            total_bytes=int(fields.get("total", dev.total_bytes)),
+            used_bytes=int(fields.get("used", 0)),
+            reserved_bytes=max(0, int(fields.get("reserved", 0))),
+        )
+        dev.total_bytes = counters.total_bytes
+        dev.used_bytes = counters.used_bytes
+        dev.reserved_bytes = counters.reserved_bytes
+        dev.free_bytes = counters.free_bytes
+        dev.load = float(fields.get("load", 0.0))
+        dev.updated_at_unix_ms = int(fields.get("updated_ms", 0))
+        return dev
+
+    # ---- reservations -------------------------------------------------------------
+    async def reserve(self, owner: str, need: Mapping[tuple[str, str], int]) -> None:
+        """Reserve ``need[(node_id, device_id)]`` bytes on each device for ``owner``,
+        all or nothing. Raises ReservationError naming the device that lacks room."""
+        if not need:
+            raise ValueError("a reservation needs at least one device")
+        refs = list(need)
+        device_keys = [keys.device(n, d) for n, d in refs]
+        amounts = [int(need[r]) for r in refs]
+        if any(a < 0 for a in amounts):
+            raise ValueError("reservation amounts must be non-negative")
+        result = await self._reserve(
+            keys=[keys.reservation(owner), keys.reservation_index(), *device_keys],
+            args=[owner, *amounts],
+        )
+        status = int(result[0])
+        if status == 1:
+            return
+        if status == -2:
+            raise ReservationError(f"{owner} already holds a reservation")
+        node_id, device_id = refs[int(result[1])]
+        ref = common.DeviceRef(node_id=node_id, device_id=device_id)
+        if status == -1:
+            raise ReservationError(f"device {node_id}/{device_id} is unknown", ref)
+        free = int(result[2])
+        raise ReservationError(
+            f"device {node_id}/{device_id} has {free / 2**20:.0f} MiB free, "
+            f"{amounts[int(result[1])] / 2**20:.0f} MiB needed",
+            ref,
+            free,
+        )
+
+    async def release(self, owner: str) -> int:
+        """Release everything ``owner`` holds (idempotent); returns devices released."""
+        return int(await self._release(keys=[keys.reservation(owner), keys.reservation_index()], args=[owner]))
+
+    async def reservation_of(self, owner: str) -> dict[str, int]:
+        return {k: int(v) for k, v in (await self.redis.hgetall(keys.reservation(owner))).items()}
+
+    async def reservation_owners(self) -> set[str]:
+        return set(await self.redis.smembers(keys.reservation_index()))
+
+    # ---- workers ------------------------------------------------------------------
+    async def put_worker(self, info: agent_pb.WorkerInfo) -> None:
+        await self.redis.hset(keys.workers(info.deployment_id), str(info.rank), encode(info))
+
+    async def list_workers(self, deployment_id: str) -> list[agent_pb.WorkerInfo]:
+        raw = await self.redis.hgetall(keys.workers(deployment_id))
+        return sorted((decode(agent_pb.WorkerInfo, v) for v in raw.values()), key=lambda w: w.rank)
+
+    async def delete_workers(self, deployment_id: str) -> None:
+        await self.redis.delete(keys.workers(deployment_id))
+
+    # ---- events -------------------------------------------------------------------
+    async def publish_event(self, kind: str, **fields: object) -> str:
+        body = {"kind": kind, "at_ms": now_ms(), **fields}
+        return await self.redis.xadd(keys.events(), {"json": json.dumps(body)}, maxlen=EVENTS_MAXLEN)
+
+    async def read_events(self, after_id: str = "$", block_ms: int = 1000) -> list[tuple[str, dict]]:
+        """Events after ``after_id`` (``$``: only new ones), waiting up to ``block_ms``."""
+        reply = await self.redis.xread({keys.events(): after_id}, block=block_ms, count=100)
+        out = []
+        for _stream, entries in reply or []:
+            for entry_id, data in entries:
+                out.append((entry_id, json.loads(data["json"])))
+        return out
+
+    # ---- helpers ------------------------------------------------------------------
+    async def _get_many(self, cls, key_list: list[str]):
+        if not key_list:
+            return []
+        values = await self.redis.mget(key_list)
+        return [decode(cls, v) for v in values if v is not None]
+
+
+def _natural(device_id: str) -> tuple[str, int]:
+    stem = device_id.rstrip("0123456789")
+    digits = device_id[len(stem):]
+    return stem, int(digits) if digits else -1
