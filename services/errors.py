@@ -48,3 +48,20 @@ def require(condition: bool, message: str) -> None:
     """Raise InvalidArgument(message) unless ``condition`` holds."""
     if not condition:
         raise InvalidArgument(message)
+
+
+class RemoteError(IServeError):
+    """An error another iserve service returned, passed on with its status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def from_rpc_error(exc: grpc.RpcError, what: str) -> IServeError:
+    """Wrap a failed call to another service, keeping its status and naming ``what`` failed."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"{what}: unreachable ({details})")
+    return RemoteError(code, f"{what}: {details}")

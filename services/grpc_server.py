@@ -38,13 +38,17 @@ def _request_id(request: object) -> str:
     return getattr(request, "request_id", "") or "-"
 
 
-async def _abort_for(exc: BaseException, method: str, request: object, context: grpc.aio.ServicerContext):
+async def _abort_for(
+    exc: BaseException, method: str, request: object, context: grpc.aio.ServicerContext
+):
     rid = _request_id(request)
     if isinstance(exc, IServeError):
         log.info("%s request_id=%s -> %s: %s", method, rid, exc.code.name, exc)
         await context.abort(exc.code, str(exc))
     log.exception("%s request_id=%s failed", method, rid)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+    await context.abort(
+        grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+    )
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -79,8 +83,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 raise
             except Exception as exc:  # noqa: BLE001 - every error becomes a status
                 await _abort_for(exc, method, request, context)
-            log.debug("%s request_id=%s ok in %.1f ms", method, _request_id(request),
-                      (time.perf_counter() - started) * 1e3)
+            log.debug(
+                "%s request_id=%s ok in %.1f ms",
+                method,
+                _request_id(request),
+                (time.perf_counter() - started) * 1e3,
+            )
             return response
 
         return wrapped
@@ -123,7 +131,11 @@ async def start_server(
     for binding in bindings:
         binding.add_to_server(binding.servicer, server)
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
     port = server.add_insecure_port(address)

@@ -36,7 +36,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_redis(
-    data_dir: Path, port: int | None = None, *, host: str = "127.0.0.1", appendonly: bool = True,
+    data_dir: Path,
+    port: int | None = None,
+    *,
+    host: str = "127.0.0.1",
+    appendonly: bool = True,
     timeout_s: float = 10.0,
 ) -> tuple[subprocess.Popen, str]:
     """Start redis-server with its data in ``data_dir``; returns the process and its URL.
@@ -47,20 +51,31 @@ def start_redis(
     port = port or free_port(host)
     cmd = [
         find_redis_server(),
-        "--port", str(port),
-        "--bind", host,
-        "--dir", str(data_dir),
-        "--appendonly", "yes" if appendonly else "no",
-        "--save", "",
-        "--protected-mode", "no",
-        "--logfile", str(data_dir / "redis.log"),
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--dir",
+        str(data_dir),
+        "--appendonly",
+        "yes" if appendonly else "no",
+        "--save",
+        "",
+        "--protected-mode",
+        "no",
+        "--logfile",
+        str(data_dir / "redis.log"),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"redis-server exited with {proc.returncode}: {err or 'see redis.log'}")
+            raise RuntimeError(
+                f"redis-server exited with {proc.returncode}: {err or 'see redis.log'}"
+            )
         try:
             with socket.create_connection((host, port), timeout=0.2) as sock:
                 sock.sendall(b"PING\r\n")

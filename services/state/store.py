@@ -147,7 +147,9 @@ class StateStore:
 
     async def delete_deployment(self, deployment: deploy_pb.Deployment) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.deployment(deployment.deployment_id), keys.workers(deployment.deployment_id))
+            pipe.delete(
+                keys.deployment(deployment.deployment_id), keys.workers(deployment.deployment_id)
+            )
             pipe.srem(keys.deployment_index(), deployment.deployment_id)
             if deployment.request_id:
                 pipe.delete(keys.deploy_request(deployment.request_id))
@@ -172,11 +174,15 @@ class StateStore:
             pipe.set(keys.node_heartbeat(node.node_id), now_ms(), px=int(ttl_s * 1000))
             for dev in node.devices:
                 pipe.sadd(keys.node_devices(node.node_id), dev.ref.device_id)
-                pipe.hset(device_key(dev.ref), mapping={"info": encode(dev), "total": dev.total_bytes})
+                pipe.hset(
+                    device_key(dev.ref), mapping={"info": encode(dev), "total": dev.total_bytes}
+                )
                 pipe.hsetnx(device_key(dev.ref), "reserved", 0)
             await pipe.execute()
 
-    async def publish_devices(self, node_id: str, devices: Iterable[common.DeviceState], ttl_s: float) -> None:
+    async def publish_devices(
+        self, node_id: str, devices: Iterable[common.DeviceState], ttl_s: float
+    ) -> None:
         """Publish measured figures (never ``reserved``, which only reservations change)."""
         stamp = now_ms()
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -265,7 +271,11 @@ class StateStore:
 
     async def release(self, owner: str) -> int:
         """Release everything ``owner`` holds (idempotent); returns devices released."""
-        return int(await self._release(keys=[keys.reservation(owner), keys.reservation_index()], args=[owner]))
+        return int(
+            await self._release(
+                keys=[keys.reservation(owner), keys.reservation_index()], args=[owner]
+            )
+        )
 
     async def reservation_of(self, owner: str) -> dict[str, int]:
         return {k: int(v) for k, v in (await self.redis.hgetall(keys.reservation(owner))).items()}
@@ -287,9 +297,18 @@ class StateStore:
     # ---- events -------------------------------------------------------------------
     async def publish_event(self, kind: str, **fields: object) -> str:
         body = {"kind": kind, "at_ms": now_ms(), **fields}
-        return await self.redis.xadd(keys.events(), {"json": json.dumps(body)}, maxlen=EVENTS_MAXLEN)
+        return await self.redis.xadd(
+            keys.events(), {"json": json.dumps(body)}, maxlen=EVENTS_MAXLEN
+        )
 
-    async def read_events(self, after_id: str = "$", block_ms: int = 1000) -> list[tuple[str, dict]]:
+    async def last_event_id(self) -> str:
+        """Id of the newest event, or ``0-0``: read after it to miss nothing from now on."""
+        newest = await self.redis.xrevrange(keys.events(), count=1)
+        return newest[0][0] if newest else "0-0"
+
+    async def read_events(
+        self, after_id: str = "$", block_ms: int = 1000
+    ) -> list[tuple[str, dict]]:
         """Events after ``after_id`` (``$``: only new ones), waiting up to ``block_ms``."""
         reply = await self.redis.xread({keys.events(): after_id}, block=block_ms, count=100)
         out = []
@@ -308,5 +327,5 @@ class StateStore:
 
 def _natural(device_id: str) -> tuple[str, int]:
     stem = device_id.rstrip("0123456789")
-    digits = device_id[len(stem):]
+    digits = device_id[len(stem) :]
     return stem, int(digits) if digits else -1

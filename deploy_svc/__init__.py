@@ -1,0 +1,1 @@
+"""DeploymentService: configuration -> devices -> layer map -> workers."""

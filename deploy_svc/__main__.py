@@ -1,0 +1,30 @@
+"""``python -m deploy_svc``: serve DeploymentService on ``ISERVE_DEPLOY_ADDR``."""
+
+from deploy_svc.agents import AgentClients
+from deploy_svc.controller import DeploymentController
+from deploy_svc.reconciler import Reconciler
+from deploy_svc.servicer import DeploymentServicer
+from services.api import deployment_service_pb2_grpc
+from services.grpc_server import ServiceBinding
+from services.service_main import ServiceParts, serve_service
+
+
+def build(settings, store) -> ServiceParts:
+    agents = AgentClients()
+    controller = DeploymentController(settings, store, agents)
+    reconciler = Reconciler(controller, store)
+    return ServiceParts(
+        bindings=[
+            ServiceBinding(
+                DeploymentServicer(controller),
+                deployment_service_pb2_grpc.add_DeploymentServiceServicer_to_server,
+                "iserve.v1.DeploymentService",
+            )
+        ],
+        background=[reconciler.run],
+        on_stop=agents.close,
+    )
+
+
+if __name__ == "__main__":
+    serve_service("deploy", build)

@@ -1,0 +1,96 @@
+"""Checking an explicit DeploymentConfig against the model and what the engine runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.api import common_pb2 as common
+from services.api import model_service_pb2 as model_pb
+from services.errors import InvalidArgument, Unimplemented
+
+DEFAULT_MAX_INPUT_TOKENS = 512
+DEFAULT_MAX_OUTPUT_TOKENS = 256
+MAX_BATCH_SIZE = 256
+TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
+SERVED_DTYPES = (common.PRECISION_FLOAT32, common.PRECISION_BFLOAT16)
+
+
+@dataclass(frozen=True)
+class ExplicitPlan:
+    config: common.DeploymentConfig
+    max_input_tokens: int
+    max_output_tokens: int
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_input_tokens + self.max_output_tokens
+
+
+def resolve_explicit(
+    model: model_pb.Model,
+    requested: common.DeploymentConfig,
+    *,
+    batch_size: int,
+    max_input_tokens: int,
+    max_output_tokens: int,
+) -> ExplicitPlan:
+    """Normalise ``requested`` (0 and UNSPECIFIED mean defaults) and check it; raises
+    InvalidArgument for what can never work and Unimplemented for what the engine
+    cannot run yet."""
+    shape = model.shape
+    config = common.DeploymentConfig()
+    config.CopyFrom(requested)
+    config.tensor_parallel = config.tensor_parallel or 1
+    config.pipeline_parallel = config.pipeline_parallel or 1
+    tp, pp = config.tensor_parallel, config.pipeline_parallel
+    if tp not in TENSOR_PARALLEL_DEGREES:
+        raise InvalidArgument(f"tensor_parallel must be one of {TENSOR_PARALLEL_DEGREES}, got {tp}")
+    if shape.num_attention_heads % tp or shape.num_kv_heads % tp:
+        raise InvalidArgument(
+            f"tensor_parallel {tp} must divide the {shape.num_attention_heads} attention heads "
+            f"and {shape.num_kv_heads} KV heads of {model.model_id}"
+        )
+    if not 1 <= pp <= min(8, shape.num_layers):
+        raise InvalidArgument(
+            f"pipeline_parallel must be 1..{min(8, shape.num_layers)} for {shape.num_layers} layers, got {pp}"
+        )
+    if config.variant_name and config.variant_name not in {v.name for v in model.variants}:
+        raise InvalidArgument(
+            f"model {model.model_id} has no variant {config.variant_name!r} "
+            f"(variants: {', '.join(v.name for v in model.variants) or 'none'})"
+        )
+    config.weight_quant = config.weight_quant or common.WEIGHT_QUANT_NONE
+    config.kv_quant = config.kv_quant or common.KV_QUANT_NONE
+    config.pruning = config.pruning or common.PRUNING_NONE
+    config.dtype = config.dtype or shape.dtype or common.PRECISION_FLOAT32
+    config.batch_size = batch_size or config.batch_size or 1
+    if config.batch_size > MAX_BATCH_SIZE:
+        raise InvalidArgument(
+            f"batch_size must be at most {MAX_BATCH_SIZE}, got {config.batch_size}"
+        )
+    max_in = max_input_tokens or DEFAULT_MAX_INPUT_TOKENS
+    max_out = max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
+    if max_in + max_out > shape.max_position_embeddings:
+        raise InvalidArgument(
+            f"max_input_tokens + max_output_tokens = {max_in + max_out} exceeds the model's "
+            f"{shape.max_position_embeddings} positions"
+        )
+    if tp * pp > 1:
+        raise Unimplemented(
+            "tensor and pipeline parallelism arrive with the engine work (issue 3); use tp=1 pp=1"
+        )
+    compressed = (
+        config.variant_name
+        or config.weight_quant != common.WEIGHT_QUANT_NONE
+        or config.kv_quant != common.KV_QUANT_NONE
+        or config.pruning != common.PRUNING_NONE
+    )
+    if compressed:
+        raise Unimplemented(
+            "quantized and pruned deployments arrive with the engine work (issue 3)"
+        )
+    if config.dtype not in SERVED_DTYPES:
+        raise Unimplemented(
+            f"the PyTorch CPU engine serves float32 and bfloat16, not {common.Precision.Name(config.dtype)}"
+        )
+    return ExplicitPlan(config, max_in, max_out)

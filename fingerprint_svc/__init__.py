@@ -1,0 +1,1 @@
+"""ModelService: registers checkpoints (and, later, cuts and profiles fingerprints)."""

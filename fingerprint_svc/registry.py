@@ -1,0 +1,139 @@
+"""Registration decisions, free of gRPC and Redis: which checkpoint path is allowed,
+whether a checkpoint is a model iserve can serve, and the record that describes it."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from services.api import common_pb2 as common
+from services.api import model_service_pb2 as model_pb
+from services.errors import InvalidArgument
+from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
+
+MODEL_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+FAMILIES = {
+    "llama": common.MODEL_FAMILY_LLAMA,
+    "mistral": common.MODEL_FAMILY_MISTRAL,
+    "qwen2": common.MODEL_FAMILY_QWEN2,
+    "falcon": common.MODEL_FAMILY_FALCON,
+    "gptj": common.MODEL_FAMILY_GPTJ,
+}
+PRECISIONS = {
+    "float32": common.PRECISION_FLOAT32,
+    "float16": common.PRECISION_FLOAT16,
+    "bfloat16": common.PRECISION_BFLOAT16,
+}
+
+
+def check_model_id(model_id: str) -> None:
+    if not MODEL_ID.match(model_id):
+        raise InvalidArgument(
+            f"invalid model_id {model_id!r}: use 1-64 lowercase letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+
+
+def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
+    """The checkpoint directory for ``checkpoint_path`` (relative to the models root or
+    absolute inside it); InvalidArgument when it escapes the root or is not a directory."""
+    if not checkpoint_path:
+        raise InvalidArgument("checkpoint_path is empty")
+    root = models_root.resolve()
+    candidate = Path(checkpoint_path)
+    resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
+    if resolved != root and root not in resolved.parents:
+        raise InvalidArgument(
+            f"checkpoint {checkpoint_path!r} is outside the models root {root}; "
+            "iserve only reads checkpoints under ISERVE_MODELS_ROOT"
+        )
+    if not resolved.is_dir():
+        raise InvalidArgument(f"checkpoint {checkpoint_path!r} does not exist under {root}")
+    return resolved
+
+
+def inspect_checkpoint(path: Path, label: str) -> ValidatedCheckpoint:
+    """Validate a checkpoint, turning every problem into InvalidArgument naming ``label``."""
+    try:
+        return validate_checkpoint(path)
+    except (ValueError, OSError) as exc:
+        raise InvalidArgument(f"{label}: {exc}") from exc
+
+
+def check_variants(variants: list[common.CompressionVariant]) -> None:
+    seen: set[str] = set()
+    for variant in variants:
+        if not variant.name:
+            raise InvalidArgument("every compression variant needs a name")
+        if variant.name in seen:
+            raise InvalidArgument(f"compression variant {variant.name!r} is listed twice")
+        seen.add(variant.name)
+        unspecified = [
+            field
+            for field, value in (
+                ("weight_quant", variant.weight_quant),
+                ("kv_quant", variant.kv_quant),
+                ("pruning", variant.pruning),
+            )
+            if value == 0
+        ]
+        if unspecified:
+            raise InvalidArgument(
+                f"variant {variant.name!r}: {', '.join(unspecified)} must be set (not UNSPECIFIED)"
+            )
+        if not 0.0 <= variant.structured_prune_fraction < 1.0:
+            raise InvalidArgument(
+                f"variant {variant.name!r}: structured_prune_fraction must be in [0, 1)"
+            )
+
+
+def model_shape(checkpoint: ValidatedCheckpoint) -> model_pb.ModelShape:
+    spec = checkpoint.spec
+    return model_pb.ModelShape(
+        family=FAMILIES.get(spec.family, common.MODEL_FAMILY_UNSPECIFIED),
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        dtype=PRECISIONS.get(spec.torch_dtype, common.PRECISION_UNSPECIFIED),
+        parameter_count=spec.parameter_count(),
+        weight_bytes=checkpoint.weight_bytes,
+    )
+
+
+def build_model(request: model_pb.RegisterModelRequest, models_root: Path) -> model_pb.Model:
+    """Validate everything a RegisterModel request names and return the record to store."""
+    check_model_id(request.model_id)
+    path = resolve_checkpoint(models_root, request.checkpoint_path)
+    checkpoint = inspect_checkpoint(path, f"checkpoint {request.checkpoint_path!r}")
+    if not checkpoint.has_tokenizer:
+        raise InvalidArgument(f"checkpoint {request.checkpoint_path!r} has no tokenizer.json")
+    variants = list(request.variants)
+    check_variants(variants)
+    for variant in variants:
+        if variant.checkpoint_path:
+            vpath = resolve_checkpoint(models_root, variant.checkpoint_path)
+            vcheck = inspect_checkpoint(vpath, f"variant {variant.name!r}")
+            if vcheck.spec.num_layers != checkpoint.spec.num_layers:
+                raise InvalidArgument(
+                    f"variant {variant.name!r} has {vcheck.spec.num_layers} layers, "
+                    f"the model has {checkpoint.spec.num_layers}"
+                )
+            variant.checkpoint_path = str(vpath.relative_to(models_root.resolve()))
+    model = model_pb.Model(
+        model_id=request.model_id,
+        checkpoint_path=str(path.relative_to(models_root.resolve())),
+        shape=model_shape(checkpoint),
+        variants=variants,
+        state=model_pb.MODEL_STATE_REGISTERED,
+        created_at_unix_ms=int(time.time() * 1000),
+    )
+    if request.HasField("accuracy_score"):
+        model.accuracy_score = request.accuracy_score
+    return model

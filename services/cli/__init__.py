@@ -1,0 +1,1 @@
+"""The ``iserve`` command line."""

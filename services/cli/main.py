@@ -1,0 +1,387 @@
+"""``iserve``: run the stack, manage models and deployments, stream generations.
+
+How the CLI finds the services: each address comes from its ``ISERVE_*_ADDR``
+variable when set, else from ``$ISERVE_STATE_DIR/stack.json`` written by ``iserve up``,
+else the default ports 50061-50065 on 127.0.0.1 (see ``services/settings.py``).
+Errors print as ``error: CODE: message`` on stderr with exit status 1 (2 for usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import uuid
+from collections.abc import Callable
+
+import grpc
+from google.protobuf import json_format
+
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import (
+    deployment_service_pb2_grpc,
+    inference_service_pb2_grpc,
+    model_service_pb2_grpc,
+)
+from services.api import inference_service_pb2 as infer_pb
+from services.api import model_service_pb2 as model_pb
+from services.cli import stack
+from services.cli.status import collect_status, print_status
+from services.grpc_server import CHANNEL_OPTIONS
+from services.settings import Settings, load_settings
+
+PRECISIONS = {"float32": common.PRECISION_FLOAT32, "bfloat16": common.PRECISION_BFLOAT16}
+
+
+def _rid() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _stub(settings: Settings, service: str, stub_cls: Callable):
+    return stub_cls(grpc.insecure_channel(settings.address(service), options=CHANNEL_OPTIONS))
+
+
+def _to_json(message) -> dict:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+# ---- commands ------------------------------------------------------------------------
+def cmd_up(settings: Settings, args) -> int:
+    options = stack.UpOptions(devices=args.devices, device_memory_gib=args.device_memory)
+    info = stack.up(settings, options)
+    print(f"iserve is up (state in {settings.state_dir}); `iserve status` shows it")
+    if args.detach:
+        return 0
+    print("press Ctrl-C to stop")
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        stack.down(settings)
+    return 0 if info else 1
+
+
+def cmd_down(settings: Settings, args) -> int:
+    if not stack.down(settings):
+        print(f"no stack recorded in {settings.state_dir}")
+    return 0
+
+
+def cmd_status(settings: Settings, args) -> int:
+    status = collect_status(settings)
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print_status(status)
+    return 0 if status["healthy"] else 1
+
+
+def cmd_model_create(settings: Settings, args) -> int:
+    from services.models.checkpoint import create_checkpoint
+
+    out = create_checkpoint(
+        args.out,
+        arch=args.arch,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        vocab_size=args.vocab,
+        max_position_embeddings=args.max_positions,
+        tie_word_embeddings=args.tie_embeddings,
+        dtype=args.dtype,
+        seed=args.seed,
+        overwrite=args.force,
+    )
+    print(f"wrote {args.name} checkpoint to {out}")
+    return 0
+
+
+def cmd_register(settings: Settings, args) -> int:
+    reply = _stub(settings, "model", model_service_pb2_grpc.ModelServiceStub).RegisterModel(
+        model_pb.RegisterModelRequest(
+            request_id=_rid(),
+            model_id=args.model_id,
+            checkpoint_path=args.checkpoint,
+            skip_profiling=args.skip_profiling,
+            **({"accuracy_score": args.accuracy} if args.accuracy is not None else {}),
+        )
+    )
+    model = reply.model
+    if args.json:
+        print(json.dumps(_to_json(model)))
+    else:
+        shape = model.shape
+        print(
+            f"registered {model.model_id}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+            f"{shape.parameter_count / 1e6:.1f}M parameters, {shape.weight_bytes / 2**20:.1f} MiB "
+            f"({model_pb.ModelState.Name(model.state)})"
+        )
+    return 0
+
+
+def cmd_models(settings: Settings, args) -> int:
+    reply = _stub(settings, "model", model_service_pb2_grpc.ModelServiceStub).ListModels(
+        model_pb.ListModelsRequest(request_id=_rid())
+    )
+    for model in reply.models:
+        print(
+            json.dumps(_to_json(model))
+            if args.json
+            else f"{model.model_id}\t{model.checkpoint_path}"
+        )
+    return 0
+
+
+def cmd_deploy(settings: Settings, args) -> int:
+    config = common.DeploymentConfig(
+        tensor_parallel=args.tp, pipeline_parallel=args.pp, dtype=PRECISIONS.get(args.dtype, 0)
+    )
+    reply = _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub).Deploy(
+        deploy_pb.DeployRequest(
+            request_id=args.request_id or _rid(),
+            model_id=args.model_id,
+            config=config,
+            batch_size=args.batch,
+            max_input_tokens=args.max_input,
+            max_output_tokens=args.max_output,
+            ready_timeout_ms=int(args.timeout * 1000),
+        )
+    )
+    dep = reply.deployment
+    if args.json:
+        print(json.dumps(_to_json(dep)))
+        return 0
+    devices = ", ".join(
+        f"{ref.node_id}/{ref.device_id}" for stage in dep.placement.stages for ref in stage.devices
+    )
+    print(
+        f"deployed {dep.model_id} tp={dep.config.tensor_parallel} pp={dep.config.pipeline_parallel} "
+        f"batch={dep.config.batch_size} on {devices}; worker {dep.worker_address}",
+        file=sys.stderr,
+    )
+    print(dep.deployment_id)
+    return 0
+
+
+def cmd_deployments(settings: Settings, args) -> int:
+    reply = _stub(
+        settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub
+    ).ListDeployments(
+        deploy_pb.ListDeploymentsRequest(request_id=_rid(), model_id=args.model or "")
+    )
+    for dep in reply.deployments:
+        state = deploy_pb.DeploymentState.Name(dep.state).removeprefix("DEPLOYMENT_STATE_")
+        print(
+            json.dumps(_to_json(dep))
+            if args.json
+            else f"{dep.deployment_id}\t{dep.model_id}\t{state}"
+        )
+    return 0
+
+
+def _is_deployment(settings: Settings, target: str) -> bool:
+    stub = _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub)
+    try:
+        stub.GetDeployment(deploy_pb.GetDeploymentRequest(request_id=_rid(), deployment_id=target))
+    except grpc.RpcError as exc:
+        if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+            return False
+        raise
+    return True
+
+
+def cmd_generate(settings: Settings, args) -> int:
+    target = (
+        {"deployment_id": args.target}
+        if _is_deployment(settings, args.target)
+        else {"model_id": args.target}
+    )
+    sampling = common.SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, ignore_eos=args.ignore_eos
+    )
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = infer_pb.GenerateRequest(
+        request_id=args.request_id or _rid(),
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        sampling=sampling,
+        priority=args.priority,
+        **target,
+    )
+    stub = _stub(settings, "scheduler", inference_service_pb2_grpc.InferenceServiceStub)
+    final = None
+    for message in stub.Generate(request):
+        if message.HasField("delta"):
+            if args.json:
+                print(json.dumps({"delta": _to_json(message.delta)}), flush=True)
+            else:
+                sys.stdout.write(message.delta.text)
+                sys.stdout.flush()
+        elif message.HasField("final"):
+            final = message.final
+    if final is None:
+        print("error: stream ended without a final message", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"final": _to_json(final)}), flush=True)
+    else:
+        t = final.timings
+        reason = (
+            common.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+        )
+        print(
+            f"\n[{final.usage.completion_tokens} tokens, {reason}; queue {t.queue_ms:.1f} ms, "
+            f"TTFT {t.ttft_ms:.1f} ms, TPOT {t.tpot_ms:.2f} ms, total {t.total_ms:.0f} ms; "
+            f"deployment {final.deployment_id}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_remove(settings: Settings, args) -> int:
+    _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub).RemoveDeployment(
+        deploy_pb.RemoveDeploymentRequest(request_id=_rid(), deployment_id=args.deployment_id)
+    )
+    print(f"removed {args.deployment_id}")
+    return 0
+
+
+# ---- parser --------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="iserve", description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1]
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "up", help="start Redis (embedded unless REDIS_URL), every service and a node agent"
+    )
+    p.add_argument("--detach", action="store_true", help="return once everything is ready")
+    p.add_argument("--devices", type=int, help="virtual CPU devices when no GPU (default 2)")
+    p.add_argument(
+        "--device-memory", type=float, metavar="GIB", help="memory per virtual device (default 4)"
+    )
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("down", help="stop the stack started by `iserve up`")
+    p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser(
+        "status", help="services, devices, models and deployments; exit 0 only if all answer"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    model = sub.add_parser("model", help="model checkpoints").add_subparsers(
+        dest="model_command", required=True
+    )
+    p = model.add_parser(
+        "create", help="write a checkpoint with random weights (config, safetensors, tokenizer)"
+    )
+    p.add_argument("name")
+    p.add_argument("--arch", default="llama", choices=["llama"])
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--kv-heads", type=int, help="default: --heads")
+    p.add_argument("--intermediate", type=int, help="MLP width (default: about 8/3 x hidden)")
+    p.add_argument("--vocab", type=int, help="default: the tokenizer's size")
+    p.add_argument("--max-positions", type=int, default=2048)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out", required=True, help="directory to write (under ISERVE_MODELS_ROOT to register it)"
+    )
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
+    p.set_defaults(func=cmd_model_create)
+
+    p = sub.add_parser("register", help="validate a checkpoint under the models root and record it")
+    p.add_argument("model_id")
+    p.add_argument(
+        "checkpoint", help="directory, relative to ISERVE_MODELS_ROOT or absolute inside it"
+    )
+    p.add_argument("--accuracy", type=float, help="accuracy score of the model (e.g. MMLU)")
+    p.add_argument("--skip-profiling", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_register)
+
+    p = sub.add_parser("models", help="list registered models")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("deploy", help="deploy a model; prints the deployment id last")
+    p.add_argument("model_id")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--batch", type=int, default=0, help="concurrent sequences (default 1)")
+    p.add_argument(
+        "--max-input", type=int, default=0, help="longest prompt in tokens (default 512)"
+    )
+    p.add_argument(
+        "--max-output", type=int, default=0, help="longest generation in tokens (default 256)"
+    )
+    p.add_argument("--dtype", choices=sorted(PRECISIONS), help="default: the checkpoint's")
+    p.add_argument(
+        "--timeout", type=float, default=0, help="seconds to wait for the workers (default 120)"
+    )
+    p.add_argument("--request-id", help="idempotency key")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_deploy)
+
+    p = sub.add_parser("deployments", help="list deployments")
+    p.add_argument("--model")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_deployments)
+
+    p = sub.add_parser("generate", help="stream a generation from a model or deployment")
+    p.add_argument("target", metavar="MODEL_ID|DEPLOYMENT_ID")
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--priority", action="store_true", help="go to the front of the queue")
+    p.add_argument("--request-id")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object per delta, then the final message"
+    )
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("remove", help="stop a deployment's workers and release its memory")
+    p.add_argument("deployment_id")
+    p.set_defaults(func=cmd_remove)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings()
+        return args.func(settings, args)
+    except grpc.RpcError as exc:
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            print(
+                f"error: UNAVAILABLE: {exc.details()} (is the stack up? `iserve status`)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: {code.name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except (RuntimeError, ValueError, FileExistsError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""``iserve up`` / ``iserve down``: the whole stack on this machine as child processes.
+
+``up`` starts an embedded redis-server (unless ``REDIS_URL`` is set), the model,
+estimator, deployment and scheduler services and one node agent, waits until every one
+answers its gRPC health check, and writes ``$ISERVE_STATE_DIR/stack.json`` with the
+addresses and pids so that other ``iserve`` commands (and ``down``) find them. Logs go to
+``$ISERVE_STATE_DIR/logs/<service>.log``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.health import wait_serving
+from services.redis_embedded import start_redis
+from services.settings import GIB, SERVICE_ENV, STACK_FILE, Settings, read_stack_file
+
+# Start order; ``down`` stops them in reverse (agent last, so it can stop its workers).
+SERVICES = [
+    ("agent", "monitor_agent"),
+    ("model", "fingerprint_svc"),
+    ("estimator", "services.estimator"),
+    ("deploy", "deploy_svc"),
+    ("scheduler", "scheduler_svc"),
+]
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    devices: int | None = None
+    device_memory_gib: float | None = None
+
+
+def _port_in_use(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex((host or "127.0.0.1", int(port))) == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stack_running(settings: Settings) -> dict:
+    """The recorded stack if any of its processes is still alive, else ``{}``."""
+    stack = read_stack_file(settings.state_dir)
+    pids = list(stack.get("pids", {}).values())
+    return stack if any(_alive(p) for p in pids) else {}
+
+
+def up(settings: Settings, options: UpOptions, log=print) -> dict:
+    """Start the stack; returns what was written to stack.json. Raises RuntimeError."""
+    if stack_running(settings):
+        raise RuntimeError(
+            f"a stack is already running from {settings.state_dir} (see `iserve status`, or `iserve down`)"
+        )
+    busy = [f"{name} {addr}" for name, addr in settings.addresses.items() if _port_in_use(addr)]
+    if busy:
+        raise RuntimeError(
+            f"port(s) already in use: {', '.join(busy)}; set ISERVE_*_ADDR or stop what uses them"
+        )
+    logs = settings.state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    settings.models_root.mkdir(parents=True, exist_ok=True)
+    stack: dict = {"state_dir": str(settings.state_dir), "pids": {}, "addresses": {}}
+    redis_proc = None
+    if settings.redis_url:
+        redis_url = settings.redis_url
+        log(f"using Redis at {redis_url}")
+    else:
+        redis_proc, redis_url = start_redis(settings.state_dir / "redis")
+        stack["pids"]["redis"] = redis_proc.pid
+        stack["embedded_redis"] = True
+        log(f"started embedded redis-server at {redis_url}")
+    stack["redis_url"] = redis_url
+    env = dict(os.environ)
+    env.update(
+        {
+            "REDIS_URL": redis_url,
+            "ISERVE_STATE_DIR": str(settings.state_dir),
+            "ISERVE_MODELS_ROOT": str(settings.models_root),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    for name, var in SERVICE_ENV.items():
+        env[var] = settings.address(name)
+    if options.devices is not None:
+        env["ISERVE_DEVICES"] = str(options.devices)
+    if options.device_memory_gib is not None:
+        env["ISERVE_DEVICE_MEMORY_GIB"] = str(options.device_memory_gib)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name, module in SERVICES:
+            with open(logs / f"{name}.log", "ab") as out:
+                procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", module],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            stack["pids"][name] = procs[name].pid
+            stack["addresses"][name] = settings.address(name)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for name, _ in SERVICES:
+            if not wait_serving(settings.address(name), deadline, procs[name]):
+                tail = _tail(logs / f"{name}.log")
+                raise RuntimeError(f"{name} did not become ready; last log lines:\n{tail}")
+            log(f"{name:<10} ready on {settings.address(name)}")
+    except BaseException:
+        _stop_pids(
+            {n: p.pid for n, p in procs.items()} | ({"redis": redis_proc.pid} if redis_proc else {})
+        )
+        raise
+    stack["started_at_unix_ms"] = int(time.time() * 1000)
+    (settings.state_dir / STACK_FILE).write_text(json.dumps(stack, indent=2))
+    return stack
+
+
+def down(settings: Settings, log=print) -> bool:
+    """Stop the recorded stack; False when there was none."""
+    stack = read_stack_file(settings.state_dir)
+    if not stack:
+        return False
+    pids = stack.get("pids", {})
+    order = [name for name, _ in reversed(SERVICES)] + ["redis"]
+    _stop_pids({name: pids[name] for name in order if name in pids}, log)
+    (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
+    return True
+
+
+def _stop_pids(pids: dict[str, int], log=lambda _msg: None) -> None:
+    for name, pid in pids.items():
+        if _alive(pid):
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while _alive(pid) and time.monotonic() < deadline:
+                _reap(pid)
+                time.sleep(0.05)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+                _reap(pid)
+            log(f"stopped {name} (pid {pid})")
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def describe_memory(gib: float) -> str:
+    return f"{gib:g} GiB ({int(gib * GIB)} bytes)"

@@ -1,0 +1,127 @@
+"""``iserve status``: which services answer, and what the cluster holds."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import json_format
+
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import deployment_service_pb2_grpc, model_service_pb2_grpc
+from services.api import model_service_pb2 as model_pb
+from services.health import check
+from services.settings import Settings
+
+MIB = 1 << 20
+
+
+def collect_status(settings: Settings) -> dict:
+    """Health of every service plus nodes, devices, models and deployments (when the
+    services answer). ``healthy`` is True only when every service is SERVING."""
+    services = {
+        name: {"address": address, "serving": check(address, timeout_s=2.0)}
+        for name, address in settings.addresses.items()
+    }
+    status: dict = {
+        "healthy": all(s["serving"] for s in services.values()),
+        "state_dir": str(settings.state_dir),
+        "models_root": str(settings.models_root),
+        "redis_url": settings.redis_url,
+        "addresses": dict(settings.addresses),
+        "services": services,
+        "nodes": [],
+        "deployments": [],
+        "models": [],
+    }
+    options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
+    if services["deploy"]["serving"]:
+        with grpc.insecure_channel(settings.address("deploy")) as ch:
+            state = deployment_service_pb2_grpc.DeploymentServiceStub(ch).GetClusterState(
+                deploy_pb.GetClusterStateRequest(), timeout=5
+            )
+        status["nodes"] = [json_format.MessageToDict(n, **options) for n in state.nodes]
+        status["deployments"] = [json_format.MessageToDict(d, **options) for d in state.deployments]
+    if services["model"]["serving"]:
+        with grpc.insecure_channel(settings.address("model")) as ch:
+            models = model_service_pb2_grpc.ModelServiceStub(ch).ListModels(
+                model_pb.ListModelsRequest(), timeout=5
+            )
+        status["models"] = [json_format.MessageToDict(m, **options) for m in models.models]
+    return status
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def print_status(status: dict) -> None:
+    print(f"state dir {status['state_dir']}   redis {status['redis_url'] or '(none)'}")
+    rows = [["SERVICE", "ADDRESS", "STATE"]]
+    for name, svc in status["services"].items():
+        rows.append([name, svc["address"], "serving" if svc["serving"] else "DOWN"])
+    print(_table(rows))
+    devices = [
+        [
+            "NODE",
+            "DEVICE",
+            "KIND",
+            "TOTAL MiB",
+            "USED MiB",
+            "RESERVED MiB",
+            "FREE MiB",
+            "LOAD",
+            "DEPLOYMENTS",
+        ]
+    ]
+    for node in status["nodes"]:
+        for dev in node.get("devices", []):
+            devices.append(
+                [
+                    node["node_id"] + ("" if node.get("alive") else " (dead)"),
+                    dev["ref"]["device_id"],
+                    dev["kind"].removeprefix("DEVICE_KIND_").lower(),
+                    f"{int(dev['total_bytes']) / MIB:.0f}",
+                    f"{int(dev['used_bytes']) / MIB:.0f}",
+                    f"{int(dev['reserved_bytes']) / MIB:.0f}",
+                    f"{int(dev['free_bytes']) / MIB:.0f}",
+                    f"{float(dev['load']):.2f}",
+                    ",".join(dev.get("deployment_ids", [])) or "-",
+                ]
+            )
+    if len(devices) > 1:
+        print()
+        print(_table(devices))
+    if status["models"]:
+        print()
+        rows = [["MODEL", "LAYERS", "HIDDEN", "STATE", "CHECKPOINT"]]
+        for m in status["models"]:
+            shape = m.get("shape", {})
+            rows.append(
+                [
+                    m["model_id"],
+                    shape.get("num_layers", ""),
+                    shape.get("hidden_size", ""),
+                    m["state"].removeprefix("MODEL_STATE_"),
+                    m["checkpoint_path"],
+                ]
+            )
+        print(_table(rows))
+    if status["deployments"]:
+        print()
+        rows = [["DEPLOYMENT", "MODEL", "TP", "PP", "BATCH", "STATE", "WORKER"]]
+        for d in status["deployments"]:
+            cfg = d.get("config", {})
+            rows.append(
+                [
+                    d["deployment_id"],
+                    d["model_id"],
+                    cfg.get("tensor_parallel", ""),
+                    cfg.get("pipeline_parallel", ""),
+                    cfg.get("batch_size", ""),
+                    d["state"].removeprefix("DEPLOYMENT_STATE_"),
+                    d.get("worker_address") or "-",
+                ]
+            )
+        print(_table(rows))

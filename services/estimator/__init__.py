@@ -1,0 +1,1 @@
+"""EstimatorService: the configuration map of profiled models (issue 4)."""

@@ -1,0 +1,73 @@
+"""The ``main`` every control-plane service shares: settings, logging, Redis, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from services.grpc_server import ServiceBinding, configure_logging, run_server
+from services.settings import Settings, load_settings
+from services.state.store import StateStore
+
+
+@dataclass
+class ServiceParts:
+    """What a service contributes to its process."""
+
+    bindings: list[ServiceBinding]
+    background: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    on_stop: Callable[[], Awaitable[None]] | None = None
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+async def connect_store(settings: Settings, attempts: int = 50) -> StateStore:
+    """A store connected to ``settings.redis_url``, retrying while Redis starts."""
+    if not settings.redis_url:
+        fail("REDIS_URL is not set (start the stack with `iserve up`, or export REDIS_URL)")
+    store = StateStore.from_url(settings.redis_url)
+    for attempt in range(attempts):
+        try:
+            await store.ping()
+            return store
+        except OSError:
+            if attempt == attempts - 1:
+                raise
+        except Exception as exc:  # redis.ConnectionError is not an OSError
+            if attempt == attempts - 1:
+                fail(f"cannot reach Redis at {settings.redis_url}: {exc}")
+        await asyncio.sleep(0.1)
+    return store
+
+
+def serve_service(name: str, build: Callable[[Settings, StateStore], ServiceParts]) -> None:
+    """Run service ``name`` (a key of ``settings.addresses``) until SIGTERM/SIGINT."""
+    try:
+        settings = load_settings()
+    except ValueError as exc:
+        fail(str(exc))
+    configure_logging(settings.log_level, name)
+
+    async def run() -> None:
+        store = await connect_store(settings)
+        parts = build(settings, store)
+
+        async def stop() -> None:
+            if parts.on_stop is not None:
+                await parts.on_stop()
+            await store.close()
+
+        await run_server(
+            name,
+            parts.bindings,
+            settings.address(name),
+            background=parts.background,
+            on_stop=stop,
+        )
+
+    asyncio.run(run())

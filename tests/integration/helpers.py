@@ -1,0 +1,73 @@
+"""Small helpers for integration tests against the real stack."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import inference_service_pb2 as infer_pb
+from services.api import model_service_pb2 as model_pb
+from services.models.checkpoint import create_checkpoint
+
+TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+
+
+def rid() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def make_checkpoint(stack, name: str, **shape) -> str:
+    """Write a small checkpoint under the stack's models root; returns its relative path."""
+    create_checkpoint(stack.models_root / name, **{**TINY, **shape}, overwrite=True)
+    return name
+
+
+def register(stack, model_id: str, checkpoint: str) -> model_pb.Model:
+    return stack.models.RegisterModel(
+        model_pb.RegisterModelRequest(
+            request_id=rid(), model_id=model_id, checkpoint_path=checkpoint, skip_profiling=True
+        )
+    ).model
+
+
+def deploy(stack, model_id: str, **fields) -> deploy_pb.DeployResponse:
+    fields.setdefault("config", common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1))
+    fields.setdefault("request_id", rid())
+    return stack.deployments.Deploy(
+        deploy_pb.DeployRequest(model_id=model_id, **fields), timeout=180
+    )
+
+
+def reserved_by_device(stack) -> dict[str, int]:
+    state = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
+    return {
+        f"{d.ref.node_id}/{d.ref.device_id}": d.reserved_bytes
+        for n in state.nodes
+        for d in n.devices
+    }
+
+
+def generate(
+    stack, timeout: float = 60, **fields
+) -> tuple[list[infer_pb.TokenDelta], infer_pb.GenerateFinal]:
+    fields.setdefault("request_id", rid())
+    deltas, final = [], None
+    for message in stack.inference.Generate(infer_pb.GenerateRequest(**fields), timeout=timeout):
+        if message.HasField("delta"):
+            deltas.append(message.delta)
+        else:
+            final = message.final
+    assert final is not None, "stream ended without a final message"
+    return deltas, final
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,312 @@
+"""Every bad input gets a clear status and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import grpc
+import pytest
+
+from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import model_service_pb2 as model_pb
+from services.api import worker_service_pb2 as worker_pb
+from services.api import worker_service_pb2_grpc
+from services.models.checkpoint import create_checkpoint
+from tests.conftest import QUEUE_CAPACITY
+from tests.integration.helpers import (
+    TINY,
+    deploy,
+    generate,
+    make_checkpoint,
+    register,
+    reserved_by_device,
+    rid,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details()
+
+
+def _model_ids(stack) -> set[str]:
+    return {m.model_id for m in stack.models.ListModels(model_pb.ListModelsRequest()).models}
+
+
+def _deployment_ids(stack) -> set[str]:
+    return {
+        d.deployment_id
+        for d in stack.deployments.ListDeployments(deploy_pb.ListDeploymentsRequest()).deployments
+    }
+
+
+def test_register_rejects_bad_checkpoints_and_records_nothing(stack, tmp_path):
+    outside = tmp_path / "outside"
+    create_checkpoint(outside, **TINY)
+    malformed = stack.models_root / "malformed"
+    create_checkpoint(malformed, **TINY, overwrite=True)
+    (malformed / "config.json").write_text("{ not json")
+    unsupported = stack.models_root / "unsupported"
+    create_checkpoint(unsupported, **TINY, overwrite=True)
+    config = json.loads((unsupported / "config.json").read_text())
+    config.update(model_type="bert", architectures=["BertModel"])
+    (unsupported / "config.json").write_text(json.dumps(config))
+    truncated = stack.models_root / "truncated"
+    create_checkpoint(truncated, **TINY, overwrite=True)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+    before = _model_ids(stack)
+    cases = {
+        str(outside): "outside the models root",
+        "../outside": "outside the models root",
+        "missing-dir": "does not exist",
+        "malformed": "config.json",
+        "unsupported": "bert",
+        "truncated": "model.safetensors",
+    }
+    for path, phrase in cases.items():
+        code, details = _code(
+            lambda path=path: stack.models.RegisterModel(
+                model_pb.RegisterModelRequest(
+                    request_id=rid(), model_id="bad-model", checkpoint_path=path
+                )
+            )
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (path, details)
+        assert phrase in details, (path, details)
+    code, details = _code(
+        lambda: stack.models.RegisterModel(
+            model_pb.RegisterModelRequest(model_id="Bad Id!", checkpoint_path="malformed")
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "model_id" in details
+    assert _model_ids(stack) == before
+
+
+def test_register_twice_is_already_exists(stack):
+    path = make_checkpoint(stack, "twice")
+    register(stack, "twice", path)
+    code, details = _code(lambda: register(stack, "twice", path))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "twice" in details
+    stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="twice"))
+
+
+def test_deploy_needing_more_memory_than_free_is_resource_exhausted(stack):
+    path = make_checkpoint(
+        stack, "kv-hungry", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8
+    )
+    register(stack, "kv-hungry", path)
+    reserved, deployments = reserved_by_device(stack), _deployment_ids(stack)
+    # 256 slots x 2048 positions of KV cache is 4 GiB; the devices have 2 GiB each.
+    code, details = _code(
+        lambda: deploy(
+            stack, "kv-hungry", batch_size=256, max_input_tokens=1792, max_output_tokens=256
+        )
+    )
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "MiB free" in details
+    assert reserved_by_device(stack) == reserved
+    assert _deployment_ids(stack) == deployments
+    stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="kv-hungry"))
+
+
+def test_deploy_rejects_bad_configurations(stack, served):
+    reserved, deployments = reserved_by_device(stack), _deployment_ids(stack)
+    cases = [
+        (
+            dict(config=common.DeploymentConfig(tensor_parallel=3)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tensor_parallel",
+        ),
+        (
+            dict(config=common.DeploymentConfig(pipeline_parallel=9)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "pipeline_parallel",
+        ),
+        (
+            dict(config=common.DeploymentConfig(variant_name="int3")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "variant",
+        ),
+        (dict(max_input_tokens=4000), grpc.StatusCode.INVALID_ARGUMENT, "positions"),
+        (
+            dict(config=common.DeploymentConfig(tensor_parallel=2)),
+            grpc.StatusCode.UNIMPLEMENTED,
+            "issue 3",
+        ),
+    ]
+    for fields, status, phrase in cases:
+        code, details = _code(lambda fields=fields: deploy(stack, served.model_id, **fields))
+        assert (code, phrase in details) == (status, True), details
+    code, details = _code(
+        lambda: stack.deployments.Deploy(
+            deploy_pb.DeployRequest(request_id=rid(), model_id=served.model_id)
+        )
+    )
+    assert code == grpc.StatusCode.UNIMPLEMENTED and "issue 5" in details
+    assert reserved_by_device(stack) == reserved
+    assert _deployment_ids(stack) == deployments
+
+
+def test_generate_rejects_bad_requests(stack, served):
+    cases = [
+        (dict(prompt=""), "empty"),
+        (dict(prompt="hi", max_tokens=0), "max_tokens"),
+        (dict(prompt="hi", max_tokens=served.max_output_tokens + 1), str(served.max_output_tokens)),
+        (dict(prompt="hi", sampling=common.SamplingParams(temperature=-1)), "temperature"),
+        (dict(prompt="hi", sampling=common.SamplingParams(top_p=1.5)), "top_p"),
+    ]
+    for fields, phrase in cases:
+        fields.setdefault("max_tokens", 4)
+        code, details = _code(
+            lambda fields=fields: generate(stack, deployment_id=served.deployment_id, **fields)
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (fields, details)
+        assert phrase in details, (fields, details)
+    code, _ = _code(lambda: generate(stack, prompt="hi", max_tokens=4))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class _Stream:
+    """A generation consumed on a thread; ``first`` is set at the first delta."""
+
+    def __init__(self, stack, **fields):
+        from services.api import inference_service_pb2 as infer_pb
+
+        self.call = stack.inference.Generate(
+            infer_pb.GenerateRequest(request_id=rid(), **fields), timeout=120
+        )
+        self.first = threading.Event()
+        self.error: grpc.RpcError | None = None
+        self.tokens = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for message in self.call:
+                if message.HasField("delta"):
+                    self.tokens += len(message.delta.token_ids)
+                    self.first.set()
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.first.set()
+
+
+def _long(served) -> dict:
+    return dict(
+        deployment_id=served.deployment_id,
+        prompt="Once upon a time",
+        max_tokens=served.max_output_tokens,
+        sampling=common.SamplingParams(ignore_eos=True),
+    )
+
+
+def _worker_stats(address: str) -> worker_pb.GetWorkerStatsResponse:
+    with grpc.insecure_channel(address) as ch:
+        return worker_service_pb2_grpc.WorkerServiceStub(ch).GetWorkerStats(
+            worker_pb.GetWorkerStatsRequest()
+        )
+
+
+def test_queue_full_is_resource_exhausted(stack, served):
+    running = _Stream(stack, **_long(served))
+    assert running.first.wait(60) and running.error is None
+    waiting = [_Stream(stack, **_long(served)) for _ in range(QUEUE_CAPACITY)]
+    try:
+
+        def rejected():
+            try:
+                generate(stack, deployment_id=served.deployment_id, prompt="hi", max_tokens=2)
+            except grpc.RpcError as exc:
+                return exc
+            return None
+
+        assert wait_for(
+            lambda: (
+                (exc := rejected()) is not None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            ),
+            timeout=10,
+        )
+        exc = rejected()
+        assert "full" in exc.details()
+    finally:
+        for stream in [running, *waiting]:
+            stream.call.cancel()
+        for stream in [running, *waiting]:
+            stream.thread.join(30)
+    # Cancelled calls stop on the worker and free the queue.
+    assert wait_for(lambda: _worker_stats(served.worker_address).active_requests == 0, timeout=15)
+    _, final = generate(stack, deployment_id=served.deployment_id, prompt="hi", max_tokens=2)
+    assert final.usage.completion_tokens == 2
+
+
+def test_cancel_stops_generation_on_the_worker(stack, served):
+    stream = _Stream(stack, **_long(served))
+    assert stream.first.wait(60)
+    before = _worker_stats(served.worker_address).tokens_generated
+    stream.call.cancel()
+    stream.thread.join(30)
+    assert wait_for(lambda: _worker_stats(served.worker_address).active_requests == 0, timeout=10)
+    after = _worker_stats(served.worker_address).tokens_generated
+    assert after - before < served.max_output_tokens // 2
+
+
+def test_worker_killed_mid_stream_is_unavailable_and_releases_memory(stack):
+    register(
+        stack,
+        "doomed",
+        make_checkpoint(
+            stack, "doomed", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4
+        ),
+    )
+    before = reserved_by_device(stack)
+    dep = deploy(stack, "doomed", max_output_tokens=1500).deployment
+    [worker] = stack.agent.ListWorkers(
+        agent_pb.ListWorkersRequest(deployment_id=dep.deployment_id)
+    ).workers
+    stream = _Stream(
+        stack,
+        deployment_id=dep.deployment_id,
+        prompt="hello",
+        max_tokens=1500,
+        sampling=common.SamplingParams(ignore_eos=True),
+    )
+    assert stream.first.wait(60) and stream.error is None
+    os.kill(worker.pid, signal.SIGKILL)
+    stream.thread.join(30)
+    assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "gone" in stream.error.details() or "unavailable" in stream.error.details().lower()
+
+    def failed():
+        d = stack.deployments.GetDeployment(
+            deploy_pb.GetDeploymentRequest(deployment_id=dep.deployment_id)
+        ).deployment
+        return d.state == deploy_pb.DEPLOYMENT_STATE_FAILED
+
+    assert wait_for(failed, timeout=15)
+    assert wait_for(lambda: reserved_by_device(stack) == before, timeout=10)
+    d = stack.deployments.GetDeployment(
+        deploy_pb.GetDeploymentRequest(deployment_id=dep.deployment_id)
+    ).deployment
+    assert "exited" in d.state_reason or "unreachable" in d.state_reason
+    # New requests to the failed deployment are refused, not hung.
+    code, _ = _code(
+        lambda: generate(stack, deployment_id=dep.deployment_id, prompt="hi", max_tokens=1)
+    )
+    assert code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
+    stack.deployments.RemoveDeployment(
+        deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
+    )
+    stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="doomed"))

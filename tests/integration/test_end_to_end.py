@@ -1,0 +1,187 @@
+"""register -> deploy -> stream -> remove through the real stack."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from monitor_agent.engine.engine import Engine, SamplingConfig
+from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import model_service_pb2 as model_pb
+from tests.integration.helpers import (
+    deploy,
+    generate,
+    make_checkpoint,
+    register,
+    reserved_by_device,
+    rid,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_register_deploy_stream_remove(stack):
+    path = make_checkpoint(stack, "e2e-llama", num_layers=3)
+    model = register(stack, "e2e-llama", path)
+    assert model.state == model_pb.MODEL_STATE_REGISTERED
+    assert model.shape.num_layers == 3 and model.shape.weight_bytes > 0
+    assert reserved_by_device(stack) == dict.fromkeys(reserved_by_device(stack), 0)
+
+    reply = deploy(stack, "e2e-llama", max_output_tokens=64)
+    dep = reply.deployment
+    assert dep.state == deploy_pb.DEPLOYMENT_STATE_READY
+    [stage] = dep.placement.stages
+    assert (stage.first_layer, stage.layer_count) == (0, 3)
+    device = f"{stage.devices[0].node_id}/{stage.devices[0].device_id}"
+    assert reserved_by_device(stack)[device] == stage.reserved_bytes[0] > 0
+    state = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
+    [dev] = [
+        d for n in state.nodes for d in n.devices if d.ref.device_id == stage.devices[0].device_id
+    ]
+    assert dep.deployment_id in dev.deployment_ids
+    workers = stack.agent.ListWorkers(
+        agent_pb.ListWorkersRequest(deployment_id=dep.deployment_id)
+    ).workers
+    assert [w.state for w in workers] == [agent_pb.WORKER_STATE_READY]
+
+    deltas, final = generate(
+        stack,
+        deployment_id=dep.deployment_id,
+        prompt="The quick brown fox",
+        max_tokens=12,
+        sampling=common.SamplingParams(ignore_eos=True),
+    )
+    engine = Engine(stack.models_root / path, max_seq_len=128)
+    prompt_ids = engine.encode("The quick brown fox")
+    expected = [
+        s.token_id for s in engine.generate(prompt_ids, 12, SamplingConfig(ignore_eos=True))
+    ]
+    assert [t for d in deltas for t in d.token_ids] == expected
+    assert "".join(d.text for d in deltas) == engine.tokenizer.decode(expected)
+    assert final.finish_reason == common.FINISH_REASON_LENGTH
+    assert final.usage.completion_tokens == 12
+    assert final.usage.prompt_tokens == len(prompt_ids)
+    assert final.deployment_id == dep.deployment_id
+    t = final.timings
+    assert 0 <= t.queue_ms < t.ttft_ms < t.total_ms and t.tpot_ms > 0
+
+    # The model id routes to the same deployment.
+    deltas2, _ = generate(
+        stack,
+        model_id="e2e-llama",
+        prompt_token_ids=prompt_ids,
+        max_tokens=12,
+        sampling=common.SamplingParams(ignore_eos=True),
+    )
+    assert [t for d in deltas2 for t in d.token_ids] == expected
+
+    # Deleting a deployed model is refused and changes nothing.
+    with pytest.raises(grpc.RpcError) as err:
+        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="e2e-llama"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert stack.models.GetModel(model_pb.GetModelRequest(model_id="e2e-llama")).model.model_id
+
+    stack.deployments.RemoveDeployment(
+        deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
+    )
+    assert reserved_by_device(stack)[device] == 0
+    with pytest.raises(grpc.RpcError) as err:
+        stack.deployments.GetDeployment(
+            deploy_pb.GetDeploymentRequest(deployment_id=dep.deployment_id)
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    pid = workers[0].pid
+    assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=10)
+    stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="e2e-llama"))
+
+
+def test_deploy_is_idempotent_on_request_id(stack, served):
+    again = deploy(stack, served.model_id, request_id=served.request_id)
+    assert again.deployment.deployment_id == served.deployment_id
+
+
+def test_cli_status_and_generate_json(stack, served):
+    env = {**os.environ, **stack.env}
+    status = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    body = json.loads(status.stdout)
+    assert body["healthy"] and body["addresses"]["scheduler"] == stack.settings.address("scheduler")
+    assert served.deployment_id in [d["deployment_id"] for d in body["deployments"]]
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "generate",
+            served.deployment_id,
+            "Hello",
+            "--max-tokens",
+            "5",
+            "--ignore-eos",
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [len(line["delta"]["token_ids"]) for line in lines[:-1]] == [1] * 5
+    assert lines[-1]["final"]["usage"]["completion_tokens"] == 5
+
+
+def test_cli_reports_errors_clearly(stack):
+    env = {**os.environ, **stack.env}
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "remove", "no-such-deployment"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: NOT_FOUND:")
+
+
+def test_unknown_ids_are_not_found(stack):
+    calls = [
+        lambda: stack.models.GetModel(model_pb.GetModelRequest(model_id="nope")),
+        lambda: stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="nope")),
+        lambda: stack.deployments.GetDeployment(
+            deploy_pb.GetDeploymentRequest(deployment_id="nope")
+        ),
+        lambda: stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id="nope")
+        ),
+        lambda: deploy(stack, "nope"),
+        lambda: generate(stack, deployment_id="nope", prompt="hi", max_tokens=1),
+        lambda: generate(stack, model_id="nope", prompt="hi", max_tokens=1),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+        assert "nope" in err.value.details()
+
+
+def test_later_issue_rpcs_say_unimplemented(stack):
+    with pytest.raises(grpc.RpcError) as err:
+        stack.agent.RunProfilingJob(agent_pb.RunProfilingJobRequest(request_id=rid()))
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "issue" in err.value.details()

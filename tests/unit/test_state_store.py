@@ -1,0 +1,163 @@
+"""StateStore against a real redis-server: records, reservations, events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import model_service_pb2 as model_pb
+from services.redis_embedded import start_redis
+from services.state import keys
+from services.state.store import ReservationError, StateStore
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def run(redis_url):
+    """Run a coroutine taking a fresh store on a flushed database."""
+
+    def runner(fn):
+        async def main():
+            store = StateStore.from_url(redis_url)
+            await store.redis.flushdb()
+            try:
+                return await fn(store)
+            finally:
+                await store.close()
+
+        return asyncio.run(main())
+
+    return runner
+
+
+def _node(devices=2, total=1024 * MIB) -> common.NodeState:
+    return common.NodeState(
+        node_id="n0",
+        agent_address="127.0.0.1:1",
+        devices=[
+            common.DeviceState(
+                ref=common.DeviceRef(node_id="n0", device_id=f"cpu{i}"), total_bytes=total
+            )
+            for i in range(devices)
+        ],
+    )
+
+
+def test_keys_live_under_the_prefix_and_refuse_colons():
+    assert keys.model("m").startswith("iserve:")
+    assert keys.device("n", "d") == "iserve:device:n:d"
+    with pytest.raises(ValueError):
+        keys.model("a:b")
+    with pytest.raises(ValueError):
+        keys.deployment("")
+
+
+def test_models_are_created_once(run):
+    async def body(store):
+        m = model_pb.Model(model_id="m1", checkpoint_path="m1")
+        assert await store.create_model(m)
+        assert not await store.create_model(m)
+        assert [x.model_id for x in await store.list_models()] == ["m1"]
+        assert (await store.get_model("m1")).checkpoint_path == "m1"
+        assert await store.delete_model("m1")
+        assert await store.get_model("m1") is None and await store.list_models() == []
+
+    run(body)
+
+
+def test_reserve_is_all_or_nothing_and_release_is_idempotent(run):
+    async def body(store):
+        await store.register_node(_node(), ttl_s=5)
+        await store.reserve("a", {("n0", "cpu0"): 600 * MIB})
+        with pytest.raises(ReservationError, match="cpu0"):
+            await store.reserve("b", {("n0", "cpu1"): 100 * MIB, ("n0", "cpu0"): 600 * MIB})
+        # b changed nothing on cpu1 although cpu1 had room.
+        assert (
+            await store.get_device(common.DeviceRef(node_id="n0", device_id="cpu1"))
+        ).reserved_bytes == 0
+        assert await store.reservation_owners() == {"a"}
+        with pytest.raises(ReservationError, match="unknown"):
+            await store.reserve("c", {("n0", "cpu9"): 1})
+        with pytest.raises(ReservationError, match="already"):
+            await store.reserve("a", {("n0", "cpu1"): 1})
+        dev = await store.get_device(common.DeviceRef(node_id="n0", device_id="cpu0"))
+        assert (dev.reserved_bytes, dev.free_bytes) == (600 * MIB, 424 * MIB)
+        assert await store.release("a") == 1
+        assert await store.release("a") == 0
+        dev = await store.get_device(common.DeviceRef(node_id="n0", device_id="cpu0"))
+        assert (dev.reserved_bytes, dev.free_bytes) == (0, 1024 * MIB)
+
+    run(body)
+
+
+def test_concurrent_reservations_never_oversubscribe(run):
+    async def body(store):
+        await store.register_node(_node(devices=1), ttl_s=5)
+        stores = [StateStore(store.redis) for _ in range(20)]
+
+        async def attempt(i, s):
+            try:
+                await s.reserve(f"d{i}", {("n0", "cpu0"): 100 * MIB})
+                return True
+            except ReservationError:
+                return False
+
+        results = await asyncio.gather(*(attempt(i, s) for i, s in enumerate(stores)))
+        assert sum(results) == 10
+        dev = await store.get_device(common.DeviceRef(node_id="n0", device_id="cpu0"))
+        assert dev.reserved_bytes == 1000 * MIB
+
+    run(body)
+
+
+def test_measured_use_counts_against_free_memory(run):
+    async def body(store):
+        node = _node(devices=1)
+        await store.register_node(node, ttl_s=5)
+        node.devices[0].used_bytes = 900 * MIB
+        await store.publish_devices("n0", node.devices, ttl_s=5)
+        with pytest.raises(ReservationError, match="124 MiB free"):
+            await store.reserve("x", {("n0", "cpu0"): 200 * MIB})
+        [listed] = await store.list_nodes()
+        assert listed.alive and listed.devices[0].free_bytes == 124 * MIB
+
+    run(body)
+
+
+def test_deployments_and_request_ids(run):
+    async def body(store):
+        d = deploy_pb.Deployment(deployment_id="d1", model_id="m", request_id="r1")
+        await store.put_deployment(d)
+        assert await store.claim_deploy_request("r1", "d1") is None
+        assert await store.claim_deploy_request("r1", "d2") == "d1"
+        assert [x.deployment_id for x in await store.list_deployments("m")] == ["d1"]
+        assert await store.list_deployments("other") == []
+        await store.delete_deployment(d)
+        assert await store.get_deployment("d1") is None
+        assert await store.claim_deploy_request("r1", "d3") is None
+
+    run(body)
+
+
+def test_events_are_read_in_order_after_an_id(run):
+    async def body(store):
+        start = await store.last_event_id()
+        await store.publish_event("a", deployment_id="d1")
+        await store.publish_event("b", deployment_id="d2")
+        events = await store.read_events(start, block_ms=100)
+        assert [e["kind"] for _, e in events] == ["a", "b"]
+        assert await store.read_events(events[-1][0], block_ms=50) == []
+
+    run(body)
