@@ -1,0 +1,1 @@
+"""The PyTorch engine: one decoder implementation driven by an ArchSpec, behind Engine."""
