@@ -1,0 +1,69 @@
+"""The node agent process: devices, monitor, supervisor and AgentService wired together.
+
+Environment (see ``services.settings``): ``REDIS_URL`` (required), ``ISERVE_NODE_ID``,
+``ISERVE_AGENT_ADDR`` (where AgentService listens and what the node advertises),
+``ISERVE_HOST`` (interface workers bind to), ``ISERVE_STATE_DIR`` (worker logs and ready
+files), ``ISERVE_MODELS_ROOT``, ``ISERVE_DEVICES`` / ``ISERVE_DEVICE_MEMORY_GIB``
+(virtual CPU devices when no GPU is found), ``ISERVE_HEARTBEAT_TTL_S``,
+``ISERVE_READY_TIMEOUT_S``. This process never imports torch; workers do.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from monitor_agent.devices import discover_devices
+from monitor_agent.monitor import DeviceMonitor, NvmlSampler, ProcessSampler
+from monitor_agent.servicer import AgentServicer
+from monitor_agent.supervisor import WorkerSupervisor
+from services.api import agent_service_pb2_grpc
+from services.grpc_server import ServiceBinding
+from services.service_main import ServiceParts, serve_service
+from services.settings import Settings
+from services.state.store import StateStore
+
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def advertised_host(bind_host: str) -> str:
+    """The host other processes use to reach a server bound to ``bind_host``."""
+    return socket.gethostname() if bind_host in _WILDCARD_HOSTS else bind_host
+
+
+def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
+    devices = discover_devices(settings)
+    supervisor = WorkerSupervisor(
+        node_id=settings.node_id,
+        store=store,
+        state_dir=settings.state_dir,
+        bind_host=settings.host,
+        advertise_host=advertised_host(settings.host),
+    )
+    sampler = (
+        NvmlSampler() if any(d.is_cuda for d in devices) else ProcessSampler(supervisor.live_pids)
+    )
+    monitor = DeviceMonitor(
+        node_id=settings.node_id,
+        agent_address=settings.address("agent"),
+        devices=devices,
+        store=store,
+        sampler=sampler,
+        heartbeat_ttl_s=settings.heartbeat_ttl_s,
+        deployments_on=supervisor.deployments_on,
+    )
+    servicer = AgentServicer(settings, devices, supervisor)
+    binding = ServiceBinding(
+        servicer,
+        agent_service_pb2_grpc.add_AgentServiceServicer_to_server,
+        "iserve.v1.AgentService",
+    )
+    return ServiceParts(
+        bindings=[binding],
+        background=[monitor.run, supervisor.reap_forever],
+        on_stop=supervisor.stop_all,
+    )
+
+
+def main() -> int:
+    serve_service("agent", build_agent)
+    return 0

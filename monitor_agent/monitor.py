@@ -1,0 +1,173 @@
+"""Publishes this node's devices to Redis: registration once, then memory and load every second.
+
+Virtual CPU device: used bytes are the summed RSS of its live workers; utilisation is
+their CPU time over the last interval divided by (interval × the device's cores).
+CUDA device: NVML's used memory and ``utilization.gpu``. Either way a second counts busy
+when utilisation passes 1 %, and load is busy seconds over the last 120 s / 120.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import psutil
+
+from monitor_agent.devices import DeviceSpec
+from monitor_agent.load import LoadRing
+from services.api import common_pb2 as common
+from services.state.store import StateStore
+
+log = logging.getLogger("iserve.agent.monitor")
+
+PUBLISH_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    used_bytes: int
+    # Fraction (0..1) of the last interval the device was busy.
+    utilisation: float
+
+
+class ProcessSampler:
+    """Samples virtual CPU devices from their workers' processes (psutil)."""
+
+    def __init__(self, pids_on: Callable[[str], list[int]]):
+        self._pids_on = pids_on
+        self._processes: dict[int, psutil.Process] = {}
+        self._cpu_seconds: dict[int, float] = {}
+        self._last_at: float | None = None
+
+    def sample(self, devices: Sequence[DeviceSpec]) -> dict[str, DeviceSample]:
+        now = time.monotonic()
+        elapsed = None if self._last_at is None else now - self._last_at
+        self._last_at = now
+        seen: set[int] = set()
+        out = {}
+        for device in devices:
+            rss = 0
+            cpu_delta = 0.0
+            for pid in self._pids_on(device.device_id):
+                measured = self._measure(pid)
+                if measured is None:
+                    continue
+                seen.add(pid)
+                pid_rss, cpu_seconds = measured
+                rss += pid_rss
+                # A worker first seen this interval contributes from its next sample on.
+                previous = self._cpu_seconds.get(pid, cpu_seconds)
+                cpu_delta += max(0.0, cpu_seconds - previous)
+                self._cpu_seconds[pid] = cpu_seconds
+            capacity = (elapsed or 0.0) * max(1, len(device.cpu_cores))
+            out[device.device_id] = DeviceSample(rss, cpu_delta / capacity if capacity else 0.0)
+        for gone in set(self._processes) - seen:
+            self._processes.pop(gone, None)
+            self._cpu_seconds.pop(gone, None)
+        return out
+
+    def _measure(self, pid: int) -> tuple[int, float] | None:
+        try:
+            proc = self._processes.get(pid)
+            if proc is None:
+                proc = self._processes[pid] = psutil.Process(pid)
+            with proc.oneshot():
+                times = proc.cpu_times()
+                return proc.memory_info().rss, times.user + times.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return None
+
+
+class NvmlSampler:
+    """Samples CUDA devices through NVML."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self._nvml = pynvml
+
+    def sample(self, devices: Sequence[DeviceSpec]) -> dict[str, DeviceSample]:
+        out = {}
+        for device in devices:
+            handle = self._nvml.nvmlDeviceGetHandleByIndex(device.cuda_index)
+            used = int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used)
+            busy_percent = self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+            out[device.device_id] = DeviceSample(used, busy_percent / 100.0)
+        return out
+
+
+class DeviceMonitor:
+    """Registers the node, then publishes every device's figures each interval."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        agent_address: str,
+        devices: Sequence[DeviceSpec],
+        store: StateStore,
+        sampler: ProcessSampler | NvmlSampler,
+        heartbeat_ttl_s: float,
+        deployments_on: Callable[[str], list[str]] = lambda _device_id: [],
+        interval_s: float = PUBLISH_INTERVAL_S,
+    ):
+        self.node_id = node_id
+        self.agent_address = agent_address
+        self.devices = list(devices)
+        self.store = store
+        self.sampler = sampler
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.deployments_on = deployments_on
+        self.interval_s = interval_s
+        self.loads = {d.device_id: LoadRing() for d in self.devices}
+
+    async def register(self) -> None:
+        node = common.NodeState(
+            node_id=self.node_id,
+            agent_address=self.agent_address,
+            devices=[d.to_state(self.node_id) for d in self.devices],
+        )
+        await self.store.register_node(node, self.heartbeat_ttl_s)
+        log.info(
+            "node %s registered with %d device(s): %s",
+            self.node_id,
+            len(self.devices),
+            ", ".join(f"{d.device_id} ({d.name})" for d in self.devices),
+        )
+
+    def measure(self) -> list[common.DeviceState]:
+        """One sample of every device, folded into its load ring."""
+        samples = self.sampler.sample(self.devices)
+        states = []
+        for device in self.devices:
+            sample = samples.get(device.device_id, DeviceSample(0, 0.0))
+            ring = self.loads[device.device_id]
+            ring.add(sample.utilisation)
+            state = device.to_state(self.node_id)
+            state.used_bytes = sample.used_bytes
+            state.load = ring.load
+            state.deployment_ids.extend(self.deployments_on(device.device_id))
+            states.append(state)
+        return states
+
+    async def run(self) -> None:
+        """Background task: register, then publish every ``interval_s`` until cancelled."""
+        while True:
+            try:
+                await self.register()
+                break
+            except Exception:  # noqa: BLE001 - keep trying until Redis answers
+                log.exception("registering node %s failed; retrying", self.node_id)
+                await asyncio.sleep(self.interval_s)
+        next_at = time.monotonic()
+        while True:
+            try:
+                await self.store.publish_devices(self.node_id, self.measure(), self.heartbeat_ttl_s)
+            except Exception:  # noqa: BLE001 - a Redis hiccup must not stop the heartbeat
+                log.exception("publishing device state failed; retrying")
+            # Keep a steady cadence, but never try to catch up on missed ticks.
+            next_at = max(next_at + self.interval_s, time.monotonic())
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))

@@ -1,0 +1,49 @@
+"""AgentService: protobuf in, supervisor call, protobuf out."""
+
+from __future__ import annotations
+
+import grpc
+
+from monitor_agent.devices import DeviceSpec
+from monitor_agent.launch import build_plan
+from monitor_agent.supervisor import WorkerSupervisor
+from services.api import agent_service_pb2 as agent_pb
+from services.api import agent_service_pb2_grpc
+from services.errors import Unimplemented
+from services.settings import Settings
+
+
+class AgentServicer(agent_service_pb2_grpc.AgentServiceServicer):
+    def __init__(self, settings: Settings, devices: list[DeviceSpec], supervisor: WorkerSupervisor):
+        self.settings = settings
+        self.devices = {d.device_id: d for d in devices}
+        self.supervisor = supervisor
+
+    async def StartWorkers(
+        self, request: agent_pb.StartWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> agent_pb.StartWorkersResponse:
+        plan = build_plan(
+            request,
+            devices=self.devices,
+            models_root=self.settings.models_root,
+            default_ready_timeout_s=self.settings.ready_timeout_s,
+        )
+        workers = await self.supervisor.start_workers(plan)
+        return agent_pb.StartWorkersResponse(request_id=request.request_id, workers=workers)
+
+    async def StopWorkers(
+        self, request: agent_pb.StopWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> agent_pb.StopWorkersResponse:
+        workers = await self.supervisor.stop_workers(request.deployment_id)
+        return agent_pb.StopWorkersResponse(request_id=request.request_id, workers=workers)
+
+    async def ListWorkers(
+        self, request: agent_pb.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> agent_pb.ListWorkersResponse:
+        workers = self.supervisor.list_workers(request.deployment_id)
+        return agent_pb.ListWorkersResponse(request_id=request.request_id, workers=workers)
+
+    async def RunProfilingJob(
+        self, request: agent_pb.RunProfilingJobRequest, context: grpc.aio.ServicerContext
+    ) -> agent_pb.RunProfilingJobResponse:
+        raise Unimplemented("RunProfilingJob arrives with fingerprint profiling (issue 4)")

@@ -1,0 +1,350 @@
+"""Starts, watches and stops this node's worker processes.
+
+Each worker runs ``python -m monitor_agent.worker`` in its own session (so a signal to its
+process group reaches anything it spawns), logs to
+``<state_dir>/logs/worker-<deployment>-r<rank>.log`` and reports readiness by writing a
+ready file (see ``monitor_agent.worker.process``). The supervisor records every worker in
+Redis (STARTING -> READY -> STOPPED, or FAILED with the exit code and the tail of its
+log) and publishes a ``worker_died`` event when a ready worker exits unasked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from monitor_agent.launch import LaunchPlan, WorkerPlan
+from services.api import agent_service_pb2 as agent_pb
+from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
+from services.state.store import StateStore
+
+log = logging.getLogger("iserve.agent.supervisor")
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+LOG_TAIL_LINES = 12
+_LOG_TAIL_BYTES = 8192
+_POLL_S = 0.05
+
+
+@dataclass
+class WorkerProcess:
+    """One worker process and what the agent knows about it."""
+
+    deployment_id: str
+    plan: WorkerPlan
+    popen: subprocess.Popen
+    log_path: Path
+    ready_file: Path
+    info: agent_pb.WorkerInfo
+    # Set once the agent asked it to stop, so its exit is not reported as a death.
+    stopping: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` non-empty lines of a log file ('' when there is none)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - _LOG_TAIL_BYTES))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    kept = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(kept[-lines:])
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def read_ready_file(path: Path) -> dict | None:
+    """The worker's ready record, or None while it has not been written."""
+    try:
+        record = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and "port" in record else None
+
+
+def _copy(info: agent_pb.WorkerInfo) -> agent_pb.WorkerInfo:
+    copy = agent_pb.WorkerInfo()
+    copy.CopyFrom(info)
+    return copy
+
+
+class WorkerSupervisor:
+    """Owns the worker processes of this node; every method runs on the agent's loop."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        store: StateStore,
+        state_dir: Path,
+        bind_host: str,
+        advertise_host: str,
+        stop_timeout_s: float = 5.0,
+        reap_interval_s: float = 0.3,
+    ):
+        self.node_id = node_id
+        self.store = store
+        self.log_dir = state_dir / "logs"
+        self.run_dir = state_dir / "run"
+        self.bind_host = bind_host
+        self.advertise_host = advertise_host
+        self.stop_timeout_s = stop_timeout_s
+        self.reap_interval_s = reap_interval_s
+        self._workers: dict[str, list[WorkerProcess]] = {}
+
+    # ---- queries ----------------------------------------------------------------------
+    def list_workers(self, deployment_id: str = "") -> list[agent_pb.WorkerInfo]:
+        return [
+            _copy(w.info)
+            for dep, procs in sorted(self._workers.items())
+            if not deployment_id or dep == deployment_id
+            for w in procs
+        ]
+
+    def live_pids(self, device_id: str) -> list[int]:
+        """Pids of the live workers (starting or ready) on ``device_id``."""
+        return [
+            w.popen.pid
+            for procs in self._workers.values()
+            for w in procs
+            if w.plan.device.device_id == device_id and w.alive
+        ]
+
+    def deployments_on(self, device_id: str) -> list[str]:
+        return sorted(
+            dep
+            for dep, procs in self._workers.items()
+            if any(w.plan.device.device_id == device_id for w in procs)
+        )
+
+    # ---- start ------------------------------------------------------------------------
+    async def start_workers(self, plan: LaunchPlan) -> list[agent_pb.WorkerInfo]:
+        """Start one process per worker of ``plan`` and wait until all are ready.
+
+        On any failure every worker of the plan is stopped before this raises:
+        FailedPrecondition (a worker exited; its log tail says why), DeadlineExceeded (not
+        ready within ``plan.ready_timeout_s``), Unavailable (a process could not start).
+        """
+        if plan.deployment_id in self._workers:
+            raise AlreadyExists(
+                f"deployment {plan.deployment_id!r} already has workers on node {self.node_id}; "
+                "stop them first"
+            )
+        procs: list[WorkerProcess] = []
+        self._workers[plan.deployment_id] = procs  # claimed now, so stop_all sees them
+        try:
+            for worker in plan.workers:
+                procs.append(self._spawn(plan, worker))
+            for proc in procs:
+                await self.store.put_worker(proc.info)
+            await self._wait_ready(plan, procs)
+        except BaseException as exc:
+            reason = str(exc) if isinstance(exc, Exception) else "start was cancelled"
+            await self._abort_start(plan.deployment_id, procs, reason)
+            raise
+        log.info("deployment %s: %d worker(s) ready", plan.deployment_id, len(procs))
+        return [_copy(p.info) for p in procs]
+
+    def _spawn(self, plan: LaunchPlan, worker: WorkerPlan) -> WorkerProcess:
+        stem = f"worker-{plan.deployment_id}-r{worker.rank}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{stem}.log"
+        ready_file = self.run_dir / f"{stem}.ready.json"
+        ready_file.unlink(missing_ok=True)
+        argv = plan.worker_argv(worker, self.bind_host, ready_file)
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"  # so the log tail is current when a worker dies
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")])
+        )
+        if worker.device.cpu_cores and not worker.device.is_cuda:
+            env["OMP_NUM_THREADS"] = str(len(worker.device.cpu_cores))
+        try:
+            with log_path.open("wb") as log_file:
+                popen = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            raise Unavailable(f"cannot start worker rank {worker.rank}: {exc}") from exc
+        log.info(
+            "deployment %s rank %d: started pid %d on %s (log %s)",
+            plan.deployment_id, worker.rank, popen.pid, worker.device.device_id, log_path,
+        )  # fmt: skip
+        info = agent_pb.WorkerInfo(
+            deployment_id=plan.deployment_id,
+            rank=worker.rank,
+            device_id=worker.device.device_id,
+            pid=popen.pid,
+            state=agent_pb.WORKER_STATE_STARTING,
+        )
+        return WorkerProcess(plan.deployment_id, worker, popen, log_path, ready_file, info)
+
+    async def _wait_ready(self, plan: LaunchPlan, procs: list[WorkerProcess]) -> None:
+        deadline = time.monotonic() + plan.ready_timeout_s
+        pending = list(procs)
+        while pending:
+            for proc in list(pending):
+                record = read_ready_file(proc.ready_file)
+                if record is not None:
+                    proc.info.state = agent_pb.WORKER_STATE_READY
+                    proc.info.address = f"{self.advertise_host}:{int(record['port'])}"
+                    proc.info.resident_bytes = int(record.get("resident_bytes", 0))
+                    await self.store.put_worker(proc.info)
+                    pending.remove(proc)
+                    continue
+                code = proc.popen.poll()
+                if code is not None:
+                    tail = log_tail(proc.log_path)
+                    self._mark_failed(proc, code, tail)
+                    raise FailedPrecondition(
+                        f"worker rank {proc.info.rank} of deployment {plan.deployment_id} "
+                        f"{describe_exit(code)} before it was ready:\n{tail or '(empty log)'}"
+                    )
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                tail = log_tail(pending[0].log_path)
+                raise DeadlineExceeded(
+                    f"worker(s) {[p.info.rank for p in pending]} of deployment "
+                    f"{plan.deployment_id} not ready within {plan.ready_timeout_s:g} s; "
+                    f"last log lines of rank {pending[0].info.rank}:\n{tail or '(empty log)'}"
+                )
+            await asyncio.sleep(_POLL_S)
+
+    async def _abort_start(
+        self, deployment_id: str, procs: list[WorkerProcess], reason: str
+    ) -> None:
+        """Stop every worker of a failed start and record them FAILED (no orphans)."""
+        self._workers.pop(deployment_id, None)
+        await asyncio.gather(*(self._terminate(p) for p in procs))
+        for proc in procs:
+            if proc.info.state != agent_pb.WORKER_STATE_FAILED:
+                proc.info.state = agent_pb.WORKER_STATE_FAILED
+                proc.info.exit_code = proc.popen.returncode or 0
+                proc.info.reason = f"start of the deployment failed: {reason}"
+            with contextlib.suppress(Exception):  # Redis trouble must not hide the cause
+                await self.store.put_worker(proc.info)
+
+    @staticmethod
+    def _mark_failed(proc: WorkerProcess, code: int, tail: str) -> None:
+        proc.info.state = agent_pb.WORKER_STATE_FAILED
+        proc.info.exit_code = code
+        proc.info.reason = f"{describe_exit(code)}: {tail}" if tail else describe_exit(code)
+
+    # ---- stop -------------------------------------------------------------------------
+    async def stop_workers(self, deployment_id: str) -> list[agent_pb.WorkerInfo]:
+        """Stop every worker of ``deployment_id`` (SIGTERM, then SIGKILL after
+        ``stop_timeout_s``). Idempotent: an unknown deployment gives an empty list."""
+        procs = self._workers.pop(deployment_id, [])
+        for proc in procs:
+            proc.stopping = True
+        await asyncio.gather(*(self._terminate(p) for p in procs))
+        for proc in procs:
+            if proc.info.state != agent_pb.WORKER_STATE_FAILED:
+                proc.info.state = agent_pb.WORKER_STATE_STOPPED
+                proc.info.exit_code = proc.popen.returncode or 0
+            await self.store.put_worker(proc.info)
+        if procs:
+            log.info("deployment %s: %d worker(s) stopped", deployment_id, len(procs))
+        return [p.info for p in procs]
+
+    async def stop_all(self) -> None:
+        """Stop every worker of this node (agent shutdown)."""
+        for deployment_id in list(self._workers):
+            try:
+                await self.stop_workers(deployment_id)
+            except Exception:  # noqa: BLE001 - keep stopping the others
+                log.exception("stopping deployment %s failed", deployment_id)
+
+    async def _terminate(self, proc: WorkerProcess) -> None:
+        proc.stopping = True
+        proc.ready_file.unlink(missing_ok=True)
+        if not proc.alive:
+            return
+        self._signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
+        while proc.alive and time.monotonic() < deadline:
+            await asyncio.sleep(_POLL_S)
+        if proc.alive:
+            log.warning("worker pid %d ignored SIGTERM; killing it", proc.popen.pid)
+            self._signal(proc, signal.SIGKILL)
+            while proc.alive:
+                await asyncio.sleep(_POLL_S)
+
+    @staticmethod
+    def _signal(proc: WorkerProcess, sig: signal.Signals) -> None:
+        # The worker leads its own session, so its process group id is its pid.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.popen.pid, sig)
+
+    # ---- deaths -----------------------------------------------------------------------
+    async def reap_forever(self) -> None:
+        """Background task: report ready workers that exit without being asked."""
+        while True:
+            try:
+                await self.reap_once()
+            except Exception:  # noqa: BLE001 - Redis hiccups must not end the reaper
+                log.exception("reaping workers failed; retrying")
+            await asyncio.sleep(self.reap_interval_s)
+
+    async def reap_once(self) -> list[agent_pb.WorkerInfo]:
+        """Mark ready workers that have exited FAILED, in Redis with a ``worker_died`` event."""
+        died = []
+        for deployment_id, procs in list(self._workers.items()):
+            for proc in procs:
+                if proc.stopping or proc.info.state != agent_pb.WORKER_STATE_READY:
+                    continue
+                code = proc.popen.poll()
+                if code is None:
+                    continue
+                tail = log_tail(proc.log_path)
+                failed = _copy(proc.info)
+                failed.state = agent_pb.WORKER_STATE_FAILED
+                failed.exit_code = code
+                failed.reason = f"{describe_exit(code)}: {tail}" if tail else describe_exit(code)
+                # Redis first: if it fails, the worker stays READY here and is retried.
+                await self.store.put_worker(failed)
+                await self.store.publish_event(
+                    "worker_died",
+                    node_id=self.node_id,
+                    deployment_id=deployment_id,
+                    rank=failed.rank,
+                    device_id=failed.device_id,
+                    pid=failed.pid,
+                    exit_code=code,
+                    reason=failed.reason,
+                )
+                proc.info.CopyFrom(failed)
+                log.warning(
+                    "deployment %s rank %d (pid %d) died: %s",
+                    deployment_id, failed.rank, failed.pid, describe_exit(code),
+                )  # fmt: skip
+                died.append(failed)
+        return died

@@ -1,0 +1,1 @@
+"""One engine worker process: ``python -m monitor_agent.worker`` (see ``process``)."""

@@ -1,0 +1,197 @@
+"""The worker process: pin cores, load the engine, serve WorkerService, report readiness.
+
+Readiness protocol: once the server listens, the worker writes
+``{"port": P, "pid": PID, "resident_bytes": N}`` to ``--ready-file`` atomically (a
+temporary file renamed into place), so the agent never reads a half-written file. A
+worker that cannot start exits non-zero with the reason as the last lines of its log:
+2 for bad arguments (including tp or pp other than 1), 1 when the engine cannot load.
+SIGTERM stops it cleanly with exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.grpc_server import ServiceBinding, configure_logging, run_server
+
+if TYPE_CHECKING:
+    from monitor_agent.engine.engine import Engine
+
+log = logging.getLogger("iserve.worker")
+
+EXIT_BAD_ARGUMENTS = 2
+EXIT_ENGINE_FAILED = 1
+# In-flight streams get this long after SIGTERM before they are cancelled; the agent
+# waits 5 s before it escalates to SIGKILL.
+SHUTDOWN_GRACE_S = 1.0
+PARENT_POLL_S = 1.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m monitor_agent.worker", description="Run one iserve engine worker."
+    )
+    parser.add_argument("--deployment-id", required=True)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--pipeline-parallel", type=int, default=1)
+    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--max-batch", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda:N")
+    parser.add_argument(
+        "--cores", default="", help="comma-separated CPU cores to pin to (empty: no pinning)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--ready-file", required=True, type=Path)
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=0,
+        help="stop once this process (the agent that started the worker) is no longer its parent",
+    )
+    parser.add_argument("--log-level", default=os.environ.get("ISERVE_LOG_LEVEL", "INFO"))
+    return parser.parse_args(argv)
+
+
+def parse_cores(text: str) -> list[int]:
+    """``"0,1"`` -> ``[0, 1]``; ValueError names the bad entry."""
+    cores = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if not part.isdigit():
+            raise ValueError(f"--cores: {part!r} is not a core number")
+        cores.append(int(part))
+    return cores
+
+
+def check_args(args: argparse.Namespace) -> list[int]:
+    """The cores to pin to; ValueError with a user-facing message for unsupported args."""
+    if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
+        raise ValueError(
+            f"tensor_parallel={args.tensor_parallel} pipeline_parallel={args.pipeline_parallel}: "
+            "this worker runs tp = pp = 1 only"
+        )
+    if args.rank != 0:
+        raise ValueError(f"rank {args.rank}: with tp = pp = 1 the only rank is 0")
+    if args.max_seq_len < 1 or args.max_batch < 1:
+        raise ValueError("--max-seq-len and --max-batch must be at least 1")
+    return parse_cores(args.cores)
+
+
+def write_ready_file(path: Path, record: dict) -> None:
+    """Write ``record`` as JSON so that readers see the whole file or none of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def peak_memory_probe(device: str) -> Callable[[], int]:
+    """A function returning the worker's peak memory in bytes on ``device``."""
+    if device.startswith("cuda"):
+        import torch
+
+        return lambda: int(torch.cuda.max_memory_allocated(torch.device(device)))
+    # Linux reports ru_maxrss in KiB.
+    return lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def parent_watch(parent_pid: int) -> Callable[[], Awaitable[None]]:
+    """A background task that stops this worker (as SIGTERM would) once ``parent_pid`` is
+    no longer its parent.
+
+    Workers run in their own session so the agent can signal them as a group; that also
+    means nothing stops them if the agent dies without cleaning up, hence this watch.
+    """
+
+    async def watch_parent() -> None:
+        while os.getppid() == parent_pid:
+            await asyncio.sleep(PARENT_POLL_S)
+        log.warning("parent process %d exited; stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return watch_parent
+
+
+async def serve(args: argparse.Namespace, engine: Engine) -> None:
+    # Imported here, not at the top: they import torch, which must start its thread pools
+    # only after main() has pinned the process to its cores.
+    from monitor_agent.worker.runner import EngineRunner
+    from monitor_agent.worker.servicer import WorkerIdentity, WorkerServicer
+    from services.api import worker_service_pb2_grpc
+
+    runner = EngineRunner(engine)
+    resident_bytes = engine.resident_bytes()
+    servicer = WorkerServicer(
+        runner,
+        WorkerIdentity(args.deployment_id, args.rank),
+        max_seq_len=args.max_seq_len,
+        resident_bytes=resident_bytes,
+        peak_memory_bytes=peak_memory_probe(args.device),
+    )
+    binding = ServiceBinding(
+        servicer,
+        worker_service_pb2_grpc.add_WorkerServiceServicer_to_server,
+        "iserve.v1.WorkerService",
+    )
+
+    def announce(port: int) -> None:
+        write_ready_file(
+            args.ready_file, {"port": port, "pid": os.getpid(), "resident_bytes": resident_bytes}
+        )
+        log.info("worker %s rank %d ready on port %d", args.deployment_id, args.rank, port)
+
+    try:
+        await run_server(
+            f"worker-{args.deployment_id}-r{args.rank}",
+            [binding],
+            f"{args.host}:{args.port}",
+            on_started=announce,
+            background=[parent_watch(args.parent_pid)] if args.parent_pid else [],
+            grace_s=SHUTDOWN_GRACE_S,
+        )
+    finally:
+        runner.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level.upper(), f"worker[{args.deployment_id}/r{args.rank}]")
+    try:
+        cores = check_args(args)
+        if cores:
+            # Before torch starts its thread pools, so they inherit the mask.
+            os.sched_setaffinity(0, cores)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_ARGUMENTS
+
+    from monitor_agent.engine.engine import Engine
+
+    try:
+        engine = Engine(
+            args.checkpoint,
+            dtype=args.dtype,
+            max_seq_len=args.max_seq_len,
+            max_batch=args.max_batch,
+            device=args.device,
+            num_threads=len(cores) or None,
+        )
+    except Exception as exc:  # noqa: BLE001 - the agent shows this line as the reason
+        log.debug("engine failed to load", exc_info=True)
+        print(f"error: cannot load {str(args.checkpoint)!r}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ENGINE_FAILED
+    asyncio.run(serve(args, engine))
+    return 0

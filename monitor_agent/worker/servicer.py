@@ -1,0 +1,118 @@
+"""WorkerService: protobuf in, EngineRunner, protobuf out."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from monitor_agent.engine.engine import SamplingConfig
+from monitor_agent.worker.runner import EngineRunner, RequestClock
+from services.api import common_pb2 as common
+from services.api import worker_service_pb2 as worker_pb
+from services.api import worker_service_pb2_grpc
+from services.errors import InvalidArgument, require
+
+FINISH_REASONS = {"length": common.FINISH_REASON_LENGTH, "stop": common.FINISH_REASON_STOP}
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    deployment_id: str
+    rank: int
+
+
+def sampling_config(params: common.SamplingParams) -> SamplingConfig:
+    """The engine's SamplingConfig for ``params``; InvalidArgument on bad values."""
+    try:
+        return SamplingConfig(
+            temperature=float(params.temperature),
+            top_k=int(params.top_k),
+            top_p=float(params.top_p) if params.top_p > 0 else 1.0,
+            seed=int(params.seed) if params.HasField("seed") else None,
+            stop_token_ids=tuple(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(f"sampling: {exc}") from exc
+
+
+class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
+    def __init__(
+        self,
+        runner: EngineRunner,
+        identity: WorkerIdentity,
+        *,
+        max_seq_len: int,
+        resident_bytes: int,
+        peak_memory_bytes: Callable[[], int],
+    ):
+        self.runner = runner
+        self.identity = identity
+        self.max_seq_len = max_seq_len
+        self.vocab_size = runner.engine.spec.vocab_size
+        self.resident_bytes = resident_bytes
+        self.peak_memory_bytes = peak_memory_bytes
+
+    def _prompt_ids(self, request: worker_pb.WorkerServiceGenerateRequest) -> list[int]:
+        if request.prompt_token_ids:
+            ids = list(request.prompt_token_ids)
+            bad = [t for t in ids if t >= self.vocab_size]
+            require(not bad, f"prompt_token_ids outside [0, {self.vocab_size}): {bad[:5]}")
+            return ids
+        require(bool(request.prompt), "prompt is empty: set prompt or prompt_token_ids")
+        return self.runner.engine.encode(request.prompt)
+
+    async def Generate(
+        self, request: worker_pb.WorkerServiceGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb.WorkerServiceGenerateResponse]:
+        clock = RequestClock()
+        prompt_ids = self._prompt_ids(request)
+        max_tokens = request.max_tokens
+        require(max_tokens > 0, "max_tokens must be at least 1")
+        require(
+            len(prompt_ids) + max_tokens <= self.max_seq_len,
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"this worker's max_seq_len ({self.max_seq_len})",
+        )
+        sampling = sampling_config(request.sampling)
+        stop = threading.Event()
+        # Fires on cancellation even if the stream is parked between messages.
+        context.add_done_callback(lambda _context: stop.set())
+        request_id = request.request_id
+        try:
+            async for step in self.runner.generate(prompt_ids, max_tokens, sampling, stop, clock):
+                clock.token()
+                response = worker_pb.WorkerServiceGenerateResponse(
+                    request_id=request_id, token_ids=[step.token_id], text=step.text
+                )
+                if step.finished:
+                    response.finish_reason = FINISH_REASONS[step.finish_reason]
+                    response.usage.prompt_tokens = len(prompt_ids)
+                    response.usage.completion_tokens = clock.tokens
+                    timings = response.timings
+                    timings.queue_ms = clock.queue_ms
+                    timings.ttft_ms = clock.ttft_ms
+                    timings.tpot_ms = clock.tpot_ms
+                    timings.total_ms = clock.total_ms()
+                yield response
+        except ValueError as exc:  # the engine's own input checks, should ours miss one
+            raise InvalidArgument(str(exc)) from exc
+
+    async def GetWorkerStats(
+        self, request: worker_pb.GetWorkerStatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb.GetWorkerStatsResponse:
+        runner = self.runner
+        return worker_pb.GetWorkerStatsResponse(
+            request_id=request.request_id,
+            deployment_id=self.identity.deployment_id,
+            rank=self.identity.rank,
+            resident_bytes=self.resident_bytes,
+            peak_memory_bytes=self.peak_memory_bytes(),
+            requests_served=runner.requests_served,
+            tokens_generated=runner.tokens_generated,
+            busy_seconds=runner.busy_seconds,
+            active_requests=runner.active_requests,
+        )
