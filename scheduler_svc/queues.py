@@ -1,0 +1,177 @@
+"""Admission per deployment: a fixed number of concurrent slots and a policy-ordered wait.
+
+``DeploymentQueue`` lets at most ``slots`` requests run on a deployment's worker at once
+(the deployment's batch size); the others wait, bounded by the policy's capacity, and are
+admitted in the policy's order as slots free up. Each deployment has its own queue and
+nothing is shared between queues, so a slow deployment never holds up another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+
+from scheduler_svc.policies import FcfsPolicy, QueueEntry, QueueFull, QueuePolicy
+from services.errors import DeadlineExceeded, ResourceExhausted
+
+Clock = Callable[[], float]
+PolicyFactory = Callable[[int], QueuePolicy]
+
+
+def slots_for(batch_size: int) -> int:
+    """Concurrent requests a deployment serves: its batch size, where 0 means 1."""
+    return max(1, batch_size)
+
+
+class DeploymentQueue:
+    """Slots and waiting requests of one deployment. Use from one event loop only.
+
+    A request holds a slot from a successful ``acquire`` until its ``release``.
+    """
+
+    def __init__(
+        self, deployment_id: str, slots: int, policy: QueuePolicy, clock: Clock = time.perf_counter
+    ):
+        self.deployment_id = deployment_id
+        self._slots = slots_for(slots)
+        self._policy = policy
+        self._clock = clock
+        self._running = 0
+        self._waiters: dict[QueueEntry, asyncio.Future[None]] = {}
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._policy)
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot."""
+        return self._running
+
+    @property
+    def slots(self) -> int:
+        return self._slots
+
+    @slots.setter
+    def slots(self, slots: int) -> None:
+        self._slots = slots_for(slots)
+        self._dispatch()
+
+    async def acquire(self, entry: QueueEntry) -> None:
+        """Wait until ``entry`` holds a slot, in policy order.
+
+        Raises ResourceExhausted when the queue is full and DeadlineExceeded when the
+        policy drops the request. A caller cancelled while waiting leaves the queue and
+        holds no slot.
+        """
+        try:
+            self._policy.push(entry)
+        except QueueFull as full:
+            raise ResourceExhausted(
+                f"queue of deployment {self.deployment_id} is full ({full.capacity} waiting)"
+            ) from None
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[entry] = waiter
+        self._dispatch()
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            self._waiters.pop(entry, None)
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # Admitted in the same loop iteration as the cancellation: hand it back.
+                self.release()
+            else:
+                self._policy.remove(entry)
+            raise
+
+    def release(self) -> None:
+        """Give back a slot taken by ``acquire`` and admit whoever is next."""
+        if self._running <= 0:
+            raise RuntimeError(f"release without acquire on deployment {self.deployment_id}")
+        self._running -= 1
+        self._dispatch()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, entry: QueueEntry) -> AsyncIterator[None]:
+        """``async with queue.slot(entry):`` holds a slot for the body."""
+        await self.acquire(entry)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def _dispatch(self) -> None:
+        while len(self._policy):
+            admission = self._policy.pop_ready(self._clock(), self._slots - self._running)
+            for entry in admission.dropped:
+                waiter = self._waiters.pop(entry, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_exception(
+                        DeadlineExceeded(
+                            f"request {entry.request_id or '-'} cannot meet its deadline "
+                            f"on deployment {self.deployment_id}"
+                        )
+                    )
+            skipped_cancelled = False
+            for entry in admission.admitted:
+                waiter = self._waiters.pop(entry, None)
+                if waiter is None or waiter.done():
+                    skipped_cancelled = True  # its slot goes to the next in line
+                    continue
+                self._running += 1
+                waiter.set_result(None)
+            if not skipped_cancelled:
+                return
+
+
+class QueueRegistry:
+    """One ``DeploymentQueue`` per deployment, created on first use.
+
+    ``capacity`` is how many requests may wait per deployment (running ones not counted).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        policy_factory: PolicyFactory = FcfsPolicy,
+        clock: Clock = time.perf_counter,
+    ):
+        if capacity < 1:
+            raise ValueError(f"queue capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self._policy_factory = policy_factory
+        self._clock = clock
+        self._queues: dict[str, DeploymentQueue] = {}
+
+    def queue_for(self, deployment_id: str, batch_size: int) -> DeploymentQueue:
+        """The deployment's queue, its slots following ``batch_size`` (0 means 1)."""
+        queue = self._queues.get(deployment_id)
+        if queue is None:
+            queue = DeploymentQueue(
+                deployment_id, batch_size, self._policy_factory(self.capacity), self._clock
+            )
+            self._queues[deployment_id] = queue
+        elif queue.slots != slots_for(batch_size):
+            queue.slots = batch_size
+        return queue
+
+    def get(self, deployment_id: str) -> DeploymentQueue | None:
+        return self._queues.get(deployment_id)
+
+    def backlog(self, deployment_id: str) -> tuple[int, float]:
+        """How busy a deployment is: (waiting requests, running requests per slot)."""
+        queue = self._queues.get(deployment_id)
+        if queue is None:
+            return 0, 0.0
+        return queue.waiting, queue.running / queue.slots
+
+    def prune(self, keep: Iterable[str]) -> None:
+        """Forget idle queues of deployments not in ``keep``."""
+        keep = set(keep)
+        for deployment_id in [d for d in self._queues if d not in keep]:
+            queue = self._queues[deployment_id]
+            if queue.waiting == 0 and queue.running == 0:
+                del self._queues[deployment_id]

@@ -1,0 +1,134 @@
+"""Which deployment serves a request.
+
+Deployment records are cached in memory so the hot path does no Redis round trip: the
+cache is refreshed from Redis every ~1 s by a background task, on a miss, and when a
+cached record is not READY (it may have become ready since the last refresh).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from services.api import deployment_service_pb2 as deploy_pb
+from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.state.store import StateStore
+
+log = logging.getLogger("iserve.scheduler.routing")
+
+READY = deploy_pb.DEPLOYMENT_STATE_READY
+REFRESH_INTERVAL_S = 1.0
+
+Backlog = Callable[[str], tuple[int, float]]
+"""How busy a deployment is, as a sortable key (``QueueRegistry.backlog``)."""
+OnRefresh = Callable[[list[deploy_pb.Deployment]], Awaitable[None]]
+
+
+def state_name(deployment: deploy_pb.Deployment) -> str:
+    """``STARTING``, ``FAILED``… for messages."""
+    name = deploy_pb.DeploymentState.Name(deployment.state)
+    return name.removeprefix("DEPLOYMENT_STATE_")
+
+
+def describe_state(deployment: deploy_pb.Deployment) -> str:
+    """``deployment d1 is FAILED: worker exited`` (the reason only when there is one)."""
+    text = f"deployment {deployment.deployment_id} is {state_name(deployment)}"
+    return f"{text}: {deployment.state_reason}" if deployment.state_reason else text
+
+
+def _check_id(kind: str, value: str) -> None:
+    if not value or ":" in value:
+        raise InvalidArgument(f"invalid {kind} {value!r}: empty or contains ':'")
+
+
+class Router:
+    """Resolves a request's target to a READY deployment, from a cache of Redis records."""
+
+    def __init__(self, store: StateStore, backlog: Backlog):
+        self._store = store
+        self._backlog = backlog
+        self._by_id: dict[str, deploy_pb.Deployment] = {}
+        # True once a full refresh has run: until then the cache may hold only the
+        # deployments looked up by id, too few to choose among a model's deployments.
+        self._complete = False
+
+    def deployments(self) -> list[deploy_pb.Deployment]:
+        """The cached records."""
+        return list(self._by_id.values())
+
+    async def by_deployment_id(self, deployment_id: str) -> deploy_pb.Deployment:
+        """The deployment, which must be READY.
+
+        NOT_FOUND when unknown; FAILED_PRECONDITION naming its state (and why) otherwise.
+        """
+        deployment = self._by_id.get(deployment_id)
+        if deployment is not None and deployment.state == READY:
+            return deployment
+        _check_id("deployment_id", deployment_id)
+        deployment = await self._store.get_deployment(deployment_id)
+        if deployment is None:
+            self._by_id.pop(deployment_id, None)
+            raise NotFound(f"deployment {deployment_id} not found")
+        self._by_id[deployment_id] = deployment
+        if deployment.state != READY:
+            raise FailedPrecondition(describe_state(deployment))
+        return deployment
+
+    async def by_model_id(self, model_id: str) -> deploy_pb.Deployment:
+        """The READY deployment of ``model_id`` with the shortest queue.
+
+        NOT_FOUND when the model has no deployment; FAILED_PRECONDITION listing the states
+        of its deployments when none is READY.
+        """
+        if not self._complete:
+            await self.refresh()
+        ready = self._ready_of(model_id)
+        if not ready:
+            _check_id("model_id", model_id)
+            found = await self._store.list_deployments(model_id)
+            for deployment in found:
+                self._by_id[deployment.deployment_id] = deployment
+            ready = [d for d in found if d.state == READY]
+            if not found:
+                raise NotFound(f"model {model_id} has no deployment")
+            if not ready:
+                states = "; ".join(describe_state(d) for d in found)
+                raise FailedPrecondition(f"model {model_id} has no READY deployment ({states})")
+        if len(ready) == 1:
+            return ready[0]
+        return min(ready, key=lambda d: self._backlog(d.deployment_id))
+
+    def forget(self, deployment_id: str) -> None:
+        """Drop a cached record, so the next request for it reads Redis."""
+        self._by_id.pop(deployment_id, None)
+
+    async def refresh(self) -> None:
+        """Replace the cache with every deployment record in Redis."""
+        found = await self._store.list_deployments()
+        self._by_id = {d.deployment_id: d for d in found}
+        self._complete = True
+
+    async def refresh_forever(
+        self, interval_s: float = REFRESH_INTERVAL_S, on_refresh: OnRefresh | None = None
+    ) -> None:
+        """Refresh every ``interval_s`` seconds until cancelled, then call ``on_refresh``
+        with the records. Logs when Redis fails and when it recovers, not every time."""
+        failing = False
+        while True:
+            try:
+                await self.refresh()
+                if on_refresh is not None:
+                    await on_refresh(self.deployments())
+            except Exception as exc:  # noqa: BLE001 - keep serving from the cache
+                if not failing:
+                    log.warning("cannot refresh deployments from Redis: %s", exc)
+                failing = True
+            else:
+                if failing:
+                    log.info("deployment refresh from Redis works again")
+                failing = False
+            await asyncio.sleep(interval_s)
+
+    def _ready_of(self, model_id: str) -> list[deploy_pb.Deployment]:
+        return [d for d in self._by_id.values() if d.model_id == model_id and d.state == READY]

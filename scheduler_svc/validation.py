@@ -1,0 +1,46 @@
+"""Checks of a GenerateRequest; each failure is an InvalidArgument saying what to fix."""
+
+from __future__ import annotations
+
+import math
+
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import inference_service_pb2 as inference_pb
+from services.errors import InvalidArgument
+
+
+def check_request(request: inference_pb.GenerateRequest) -> None:
+    """Checks that need no deployment: target, prompt, max_tokens ≥ 1, sampling."""
+    target = request.WhichOneof("target")
+    if target is None or not getattr(request, target):
+        raise InvalidArgument("set model_id or deployment_id")
+    if not request.prompt and not request.prompt_token_ids:
+        raise InvalidArgument("prompt is empty")
+    if request.max_tokens < 1:
+        raise InvalidArgument("max_tokens must be at least 1")
+    if request.HasField("sampling"):
+        sampling = request.sampling
+        if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+            raise InvalidArgument(
+                f"sampling.temperature must be a finite number ≥ 0, got {sampling.temperature}"
+            )
+        if not 0 <= sampling.top_p <= 1:
+            raise InvalidArgument(f"sampling.top_p must be within [0, 1], got {sampling.top_p}")
+
+
+def check_for_deployment(
+    request: inference_pb.GenerateRequest, deployment: deploy_pb.Deployment
+) -> None:
+    """Checks against the deployment's limits (a limit of 0 means none is recorded)."""
+    limit = deployment.max_output_tokens
+    if limit and request.max_tokens > limit:
+        raise InvalidArgument(
+            f"max_tokens {request.max_tokens} exceeds max_output_tokens {limit} "
+            f"of deployment {deployment.deployment_id}"
+        )
+    prompt_limit = deployment.max_input_tokens
+    if prompt_limit and len(request.prompt_token_ids) > prompt_limit:
+        raise InvalidArgument(
+            f"prompt has {len(request.prompt_token_ids)} tokens; deployment "
+            f"{deployment.deployment_id} accepts at most {prompt_limit} (max_input_tokens)"
+        )

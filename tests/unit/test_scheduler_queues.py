@@ -1,0 +1,174 @@
+"""DeploymentQueue and QueueRegistry on a real event loop (no server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scheduler_svc.policies import EdfPolicy, FcfsPolicy, QueueEntry
+from scheduler_svc.queues import DeploymentQueue, QueueRegistry
+from services.errors import DeadlineExceeded, ResourceExhausted
+
+
+def entry(name: str, priority: bool = False, **kw) -> QueueEntry:
+    return QueueEntry(request_id=name, arrival_s=0.0, priority=priority, **kw)
+
+
+async def settle() -> None:
+    """Let every ready task run until it blocks again."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_slots_limit_concurrency_and_admit_in_order():
+    async def scenario():
+        queue = DeploymentQueue("d1", slots=2, policy=FcfsPolicy(capacity=10))
+        started: list[str] = []
+
+        async def request(name: str, priority: bool = False):
+            await queue.acquire(entry(name, priority))
+            started.append(name)
+
+        tasks = [asyncio.create_task(request(n)) for n in ("a", "b", "c", "d")]
+        await settle()
+        tasks.append(asyncio.create_task(request("p", priority=True)))
+        await settle()
+        assert started == ["a", "b"]
+        assert (queue.running, queue.waiting) == (2, 3)
+        queue.release()
+        await settle()
+        assert started == ["a", "b", "p"]
+        queue.release()
+        queue.release()
+        await settle()
+        assert started == ["a", "b", "p", "c", "d"]
+        assert (queue.running, queue.waiting) == (2, 0)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+
+
+def test_batch_size_zero_means_one_slot():
+    assert DeploymentQueue("d1", slots=0, policy=FcfsPolicy(capacity=1)).slots == 1
+    assert QueueRegistry(capacity=1).queue_for("d1", batch_size=0).slots == 1
+
+
+def test_full_queue_raises_resource_exhausted():
+    async def scenario():
+        queue = DeploymentQueue("d1", slots=1, policy=FcfsPolicy(capacity=1))
+        await queue.acquire(entry("running"))
+        waiter = asyncio.create_task(queue.acquire(entry("waiting")))
+        await settle()
+        with pytest.raises(
+            ResourceExhausted, match=r"queue of deployment d1 is full \(1 waiting\)"
+        ):
+            await queue.acquire(entry("rejected"))
+        assert (queue.running, queue.waiting) == (1, 1)
+        queue.release()
+        await waiter
+        assert (queue.running, queue.waiting) == (1, 0)
+
+    asyncio.run(scenario())
+
+
+def test_cancelled_waiter_leaves_queue_and_takes_no_slot():
+    async def scenario():
+        queue = DeploymentQueue("d1", slots=1, policy=FcfsPolicy(capacity=10))
+        await queue.acquire(entry("running"))
+        cancelled = asyncio.create_task(queue.acquire(entry("cancelled")))
+        after = asyncio.create_task(queue.acquire(entry("after")))
+        await settle()
+        cancelled.cancel()
+        await settle()
+        assert cancelled.cancelled()
+        assert (queue.running, queue.waiting) == (1, 1)
+        queue.release()
+        await after
+        assert (queue.running, queue.waiting) == (1, 0)
+        queue.release()
+        assert (queue.running, queue.waiting) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_waiter_cancelled_just_after_admission_gives_its_slot_back():
+    async def scenario():
+        queue = DeploymentQueue("d1", slots=1, policy=FcfsPolicy(capacity=10))
+        await queue.acquire(entry("running"))
+        unlucky = asyncio.create_task(queue.acquire(entry("unlucky")))
+        nxt = asyncio.create_task(queue.acquire(entry("next")))
+        await settle()
+        queue.release()  # admits "unlucky": its slot is taken on its behalf...
+        unlucky.cancel()  # ...and it is cancelled before it could run
+        await settle()
+        assert unlucky.cancelled()
+        await nxt  # the slot went to the next waiter
+        assert (queue.running, queue.waiting) == (1, 0)
+
+    asyncio.run(scenario())
+
+
+def test_release_without_acquire_is_an_error():
+    queue = DeploymentQueue("d1", slots=1, policy=FcfsPolicy(capacity=1))
+    with pytest.raises(RuntimeError, match="release without acquire"):
+        queue.release()
+
+
+def test_two_deployments_are_independent():
+    async def scenario():
+        registry = QueueRegistry(capacity=1)
+        slow = registry.queue_for("slow", batch_size=1)
+        fast = registry.queue_for("fast", batch_size=1)
+        await slow.acquire(entry("s1"))
+        blocked = asyncio.create_task(slow.acquire(entry("s2")))
+        await settle()
+        with pytest.raises(ResourceExhausted, match="slow"):
+            await slow.acquire(entry("s3"))
+        for i in range(3):  # slow's queue, full and busy, does not touch fast's
+            async with fast.slot(entry(f"f{i}")):
+                assert fast.running == 1
+        assert registry.backlog("slow") == (1, 1.0)
+        assert registry.backlog("fast") == (0, 0.0)
+        assert registry.backlog("unknown") == (0, 0.0)
+        blocked.cancel()
+        await settle()
+        slow.release()
+
+    asyncio.run(scenario())
+
+
+def test_registry_follows_batch_size_and_prunes_idle_queues():
+    async def scenario():
+        registry = QueueRegistry(capacity=4)
+        queue = registry.queue_for("d1", batch_size=1)
+        await queue.acquire(entry("a"))
+        waiter = asyncio.create_task(queue.acquire(entry("b")))
+        await settle()
+        assert registry.queue_for("d1", batch_size=2) is queue
+        await waiter  # the new slot admits the waiter at once
+        assert queue.running == 2
+        registry.prune(keep=[])
+        assert registry.get("d1") is queue  # busy queues stay
+        queue.release()
+        queue.release()
+        registry.prune(keep=[])
+        assert registry.get("d1") is None
+
+    asyncio.run(scenario())
+
+
+def test_edf_queue_rejects_requests_that_cannot_make_their_deadline():
+    async def scenario():
+        now = [0.0]
+        queue = DeploymentQueue("d1", 1, EdfPolicy(capacity=4), clock=lambda: now[0])
+        await queue.acquire(entry("running"))
+        late = asyncio.create_task(queue.acquire(entry("late", deadline_s=1.0)))
+        await settle()
+        now[0] = 2.0
+        queue.release()
+        with pytest.raises(DeadlineExceeded, match="late cannot meet its deadline"):
+            await late
+        assert (queue.running, queue.waiting) == (0, 0)
+
+    asyncio.run(scenario())

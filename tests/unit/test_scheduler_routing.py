@@ -1,0 +1,159 @@
+"""Router against an in-memory stand-in for StateStore that counts its reads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scheduler_svc.routing import Router
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.errors import FailedPrecondition, InvalidArgument, NotFound
+
+READY = deploy_pb.DEPLOYMENT_STATE_READY
+
+
+class CountingStore:
+    """The two StateStore reads the router uses, from a dict."""
+
+    def __init__(self, *deployments: deploy_pb.Deployment):
+        self.records = {d.deployment_id: d for d in deployments}
+        self.reads = 0
+
+    async def get_deployment(self, deployment_id: str) -> deploy_pb.Deployment | None:
+        self.reads += 1
+        found = self.records.get(deployment_id)
+        return None if found is None else deploy_pb.Deployment.FromString(found.SerializeToString())
+
+    async def list_deployments(self, model_id: str = "") -> list[deploy_pb.Deployment]:
+        self.reads += 1
+        return [
+            deploy_pb.Deployment.FromString(d.SerializeToString())
+            for d in self.records.values()
+            if not model_id or d.model_id == model_id
+        ]
+
+
+def deployment(deployment_id: str, state: int = READY, model_id: str = "m", reason: str = ""):
+    return deploy_pb.Deployment(
+        deployment_id=deployment_id,
+        model_id=model_id,
+        state=state,
+        state_reason=reason,
+        worker_address="127.0.0.1:1",
+        config=common.DeploymentConfig(batch_size=1),
+    )
+
+
+def test_cached_ready_deployment_costs_no_redis_read():
+    async def scenario():
+        store = CountingStore(deployment("d1"))
+        router = Router(store, backlog=lambda _id: (0, 0.0))
+        assert (await router.by_deployment_id("d1")).deployment_id == "d1"
+        assert store.reads == 1  # the miss
+        for _ in range(100):
+            await router.by_deployment_id("d1")
+        assert store.reads == 1
+
+    asyncio.run(scenario())
+
+
+def test_not_ready_cached_record_is_reread_from_redis():
+    async def scenario():
+        store = CountingStore(deployment("d1", deploy_pb.DEPLOYMENT_STATE_STARTING))
+        router = Router(store, backlog=lambda _id: (0, 0.0))
+        with pytest.raises(FailedPrecondition, match="^deployment d1 is STARTING$"):
+            await router.by_deployment_id("d1")
+        store.records["d1"] = deployment("d1")
+        assert (await router.by_deployment_id("d1")).state == READY
+
+    asyncio.run(scenario())
+
+
+def test_forget_makes_the_next_request_read_redis():
+    async def scenario():
+        store = CountingStore(deployment("d1"))
+        router = Router(store, backlog=lambda _id: (0, 0.0))
+        await router.refresh()
+        reads = store.reads
+        await router.by_deployment_id("d1")
+        assert store.reads == reads
+        router.forget("d1")
+        store.records["d1"] = deployment("d1", deploy_pb.DEPLOYMENT_STATE_FAILED, reason="gone")
+        with pytest.raises(FailedPrecondition, match="^deployment d1 is FAILED: gone$"):
+            await router.by_deployment_id("d1")
+        del store.records["d1"]
+        with pytest.raises(NotFound, match="deployment d1 not found"):
+            await router.by_deployment_id("d1")
+
+    asyncio.run(scenario())
+
+
+def test_model_routing_picks_the_smallest_backlog_among_ready_deployments():
+    async def scenario():
+        store = CountingStore(
+            deployment("a"),
+            deployment("b"),
+            deployment("c", deploy_pb.DEPLOYMENT_STATE_STARTING),
+            deployment("other", model_id="m2"),
+        )
+        backlog = {"a": (2, 1.0), "b": (0, 1.0), "c": (0, 0.0)}
+        router = Router(store, backlog=lambda d: backlog.get(d, (0, 0.0)))
+        assert (await router.by_model_id("m")).deployment_id == "b"
+        backlog["b"] = (3, 1.0)
+        assert (await router.by_model_id("m")).deployment_id == "a"
+        assert store.reads == 1  # one full refresh, then the cache
+
+    asyncio.run(scenario())
+
+
+def test_model_routing_errors_name_the_states():
+    async def scenario():
+        store = CountingStore(
+            deployment("x", deploy_pb.DEPLOYMENT_STATE_FAILED, reason="OOM"),
+            deployment("y", deploy_pb.DEPLOYMENT_STATE_REMOVING),
+        )
+        router = Router(store, backlog=lambda _id: (0, 0.0))
+        with pytest.raises(FailedPrecondition) as failure:
+            await router.by_model_id("m")
+        assert str(failure.value) == (
+            "model m has no READY deployment "
+            "(deployment x is FAILED: OOM; deployment y is REMOVING)"
+        )
+        with pytest.raises(NotFound, match="model nothing has no deployment"):
+            await router.by_model_id("nothing")
+
+    asyncio.run(scenario())
+
+
+def test_ids_that_cannot_be_keys_are_invalid():
+    async def scenario():
+        router = Router(CountingStore(), backlog=lambda _id: (0, 0.0))
+        with pytest.raises(InvalidArgument, match="invalid deployment_id 'a:b'"):
+            await router.by_deployment_id("a:b")
+
+    asyncio.run(scenario())
+
+
+def test_refresh_forever_survives_redis_failures():
+    async def scenario():
+        store = CountingStore(deployment("d1"))
+        calls = []
+
+        async def failing_list(model_id: str = ""):
+            calls.append(model_id)
+            if len(calls) < 3:
+                raise ConnectionError("redis down")
+            return [deployment("d1")]
+
+        store.list_deployments = failing_list
+        router = Router(store, backlog=lambda _id: (0, 0.0))
+        task = asyncio.create_task(router.refresh_forever(interval_s=0.001))
+        async with asyncio.timeout(5):
+            while not router.deployments():
+                await asyncio.sleep(0.001)
+        task.cancel()
+        assert len(calls) >= 3
+
+    asyncio.run(scenario())

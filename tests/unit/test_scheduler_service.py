@@ -1,0 +1,464 @@
+"""The scheduler's InferenceService on a real gRPC port, against a real redis-server and
+a fake WorkerService (also on a real port) that streams scripted tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from scheduler_svc.servicer import InferenceServicer
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import inference_service_pb2 as inference_pb
+from services.api import inference_service_pb2_grpc as inference_grpc
+from services.api import worker_service_pb2 as worker_pb
+from services.api import worker_service_pb2_grpc as worker_grpc
+from services.grpc_server import ServiceBinding, channel, start_server
+from services.redis_embedded import free_port, start_redis
+from services.state import keys
+from services.state.store import StateStore
+
+READY = deploy_pb.DEPLOYMENT_STATE_READY
+TOKENS = [(11, "Hel"), (12, "lo"), (13, " world")]
+WAIT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+
+@dataclass
+class FakeWorker(worker_grpc.WorkerServiceServicer):
+    """Streams ``tokens`` one message each, then a final LENGTH message.
+
+    ``gate``: wait for it after the first token. ``hang``: after the first token, never
+    finish. ``abort``: fail at once with this (code, details). ``final``: whether to
+    send the final message.
+    """
+
+    tokens: list[tuple[int, str]] = field(default_factory=lambda: list(TOKENS))
+    token_delay_s: float = 0.0
+    gate: asyncio.Event | None = None
+    hang: bool = False
+    abort: tuple[grpc.StatusCode, str] | None = None
+    final: bool = True
+    received: list[worker_pb.WorkerServiceGenerateRequest] = field(default_factory=list)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def Generate(self, request, context):
+        self.received.append(request)
+        if self.abort is not None:
+            await context.abort(*self.abort)
+        try:
+            for i, (token_id, text) in enumerate(self.tokens):
+                if i:
+                    await asyncio.sleep(self.token_delay_s)
+                yield worker_pb.WorkerServiceGenerateResponse(
+                    request_id=request.request_id, token_ids=[token_id], text=text
+                )
+                if i == 0:
+                    if self.gate is not None:
+                        await self.gate.wait()
+                    if self.hang:
+                        await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        if self.final:
+            yield worker_pb.WorkerServiceGenerateResponse(
+                request_id=request.request_id,
+                finish_reason=common.FINISH_REASON_LENGTH,
+                usage=common.Usage(
+                    prompt_tokens=len(request.prompt_token_ids) or 4,
+                    completion_tokens=len(self.tokens),
+                ),
+                timings=common.Timings(ttft_ms=1.0),
+            )
+
+
+@dataclass
+class Harness:
+    store: StateStore
+    servicer: InferenceServicer
+    client: inference_grpc.InferenceServiceStub
+    workers: dict[str, grpc.aio.Server]
+
+    async def add_deployment(
+        self,
+        deployment_id: str,
+        worker: FakeWorker | None,
+        *,
+        state: int = READY,
+        reason: str = "",
+        model_id: str = "m",
+        batch_size: int = 1,
+        max_output_tokens: int = 16,
+    ) -> deploy_pb.Deployment:
+        if worker is None:  # a port nothing listens on
+            address = f"127.0.0.1:{free_port()}"
+        else:
+            binding = ServiceBinding(
+                worker, worker_grpc.add_WorkerServiceServicer_to_server, "iserve.v1.WorkerService"
+            )
+            server, port, _ = await start_server([binding], "127.0.0.1:0")
+            self.workers[deployment_id] = server
+            address = f"127.0.0.1:{port}"
+        deployment = deploy_pb.Deployment(
+            deployment_id=deployment_id,
+            model_id=model_id,
+            config=common.DeploymentConfig(batch_size=batch_size),
+            state=state,
+            state_reason=reason,
+            worker_address=address,
+            max_output_tokens=max_output_tokens,
+        )
+        await self.store.put_deployment(deployment)
+        return deployment
+
+    def generate(self, **fields) -> grpc.aio.UnaryStreamCall:
+        fields.setdefault("request_id", "r1")
+        fields.setdefault("prompt", "hello")
+        fields.setdefault("max_tokens", 3)
+        return self.client.Generate(inference_pb.GenerateRequest(**fields))
+
+    async def collect(self, **fields) -> list[inference_pb.GenerateResponse]:
+        return [message async for message in self.generate(**fields)]
+
+    async def status_of(self, **fields) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await self.collect(**fields)
+        return failure.value
+
+    async def until(self, condition, what: str) -> None:
+        """Poll ``condition`` until it holds; fail naming ``what`` after WAIT_S."""
+        try:
+            async with asyncio.timeout(WAIT_S):
+                while not condition():
+                    await asyncio.sleep(0.005)
+        except TimeoutError:
+            pytest.fail(f"timed out waiting for {what}")
+
+    async def until_waiting(self, deployment_id: str, count: int) -> None:
+        queue = self.servicer.queues.get(deployment_id)
+        await self.until(lambda: queue.waiting == count, f"{count} waiting on {deployment_id}")
+
+
+@contextlib.asynccontextmanager
+async def harness(redis_url: str, queue_capacity: int = 8) -> AsyncIterator[Harness]:
+    store = StateStore.from_url(redis_url)
+    await store.redis.flushdb()
+    servicer = InferenceServicer(store, queue_capacity)
+    server, port, _ = await start_server([servicer.binding()], "127.0.0.1:0")
+    chan = channel(f"127.0.0.1:{port}")
+    h = Harness(store, servicer, inference_grpc.InferenceServiceStub(chan), {})
+    try:
+        yield h
+    finally:
+        await chan.close()
+        await server.stop(0)
+        for worker_server in h.workers.values():
+            await worker_server.stop(0)
+        await servicer.close()
+        await store.close()
+
+
+def run(redis_url: str, scenario, **options) -> None:
+    async def main():
+        async with harness(redis_url, **options) as h:
+            await scenario(h)
+
+    asyncio.run(main())
+
+
+def test_tokens_are_forwarded_in_order_then_final_with_timings(redis_url):
+    async def scenario(h: Harness):
+        worker = FakeWorker(token_delay_s=0.02)
+        await h.add_deployment("d1", worker)
+        messages = await h.collect(
+            request_id="req-7",
+            deployment_id="d1",
+            prompt_token_ids=[1, 2],
+            max_tokens=3,
+            sampling=common.SamplingParams(temperature=0.5, top_p=0.9, top_k=4),
+        )
+        assert {m.request_id for m in messages} == {"req-7"}
+        deltas = [m.delta for m in messages[:-1]]
+        assert [(list(d.token_ids), d.text) for d in deltas] == [([t], s) for t, s in TOKENS]
+        final = messages[-1].final
+        assert final.deployment_id == "d1"
+        assert final.finish_reason == common.FINISH_REASON_LENGTH
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (2, 3)
+        timings = final.timings
+        assert 0 <= timings.queue_ms < timings.ttft_ms <= timings.total_ms
+        assert 15 <= timings.tpot_ms < 200  # two 20 ms gaps between three tokens
+        sent = worker.received[0]
+        assert (list(sent.prompt_token_ids), sent.max_tokens, sent.request_id) == (
+            [1, 2],
+            3,
+            "req-7",
+        )
+        assert sent.sampling.top_k == 4
+
+    run(redis_url, scenario)
+
+
+def test_model_id_routes_to_the_ready_deployment_with_the_shortest_queue(redis_url):
+    async def scenario(h: Harness):
+        busy, idle = FakeWorker(gate=asyncio.Event()), FakeWorker()
+        await h.add_deployment("busy", busy)
+        await h.add_deployment("idle", idle)
+        await h.add_deployment("starting", None, state=deploy_pb.DEPLOYMENT_STATE_STARTING)
+        first = h.generate(deployment_id="busy")
+        await first.read()
+        messages = await h.collect(model_id="m")
+        assert messages[-1].final.deployment_id == "idle"
+        busy.gate.set()
+        assert (await first.read()).delta.text == "lo"
+
+    run(redis_url, scenario)
+
+
+def test_unknown_targets_are_not_found(redis_url):
+    async def scenario(h: Harness):
+        error = await h.status_of(deployment_id="nope")
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert "deployment nope not found" in error.details()
+        error = await h.status_of(model_id="no-model")
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert "model no-model has no deployment" in error.details()
+
+    run(redis_url, scenario)
+
+
+def test_deployments_that_are_not_ready_fail_precondition(redis_url):
+    async def scenario(h: Harness):
+        await h.add_deployment(
+            "d1", None, state=deploy_pb.DEPLOYMENT_STATE_FAILED, reason="worker exited with 1"
+        )
+        await h.add_deployment("d2", None, state=deploy_pb.DEPLOYMENT_STATE_STARTING)
+        error = await h.status_of(deployment_id="d1")
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error.details() == "deployment d1 is FAILED: worker exited with 1"
+        error = await h.status_of(model_id="m")
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "model m has no READY deployment" in error.details()
+        assert "deployment d2 is STARTING" in error.details()
+
+    run(redis_url, scenario)
+
+
+def test_a_deployment_that_becomes_ready_is_served_without_waiting_for_a_refresh(redis_url):
+    async def scenario(h: Harness):
+        record = await h.add_deployment(
+            "d1", FakeWorker(), state=deploy_pb.DEPLOYMENT_STATE_STARTING
+        )
+        assert (await h.status_of(deployment_id="d1")).code() == grpc.StatusCode.FAILED_PRECONDITION
+        record.state = READY
+        await h.store.put_deployment(record)
+        messages = await h.collect(deployment_id="d1")
+        assert messages[-1].final.deployment_id == "d1"
+
+    run(redis_url, scenario)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"max_tokens": 17}, "max_tokens 17 exceeds max_output_tokens 16 of deployment d1"),
+        ({"sampling": common.SamplingParams(temperature=-1)}, "sampling.temperature"),
+        ({"sampling": common.SamplingParams(top_p=1.5)}, "sampling.top_p must be within [0, 1]"),
+        ({"deployment_id": None}, "set model_id or deployment_id"),
+    ],
+)
+def test_invalid_requests_are_rejected(redis_url, fields, message):
+    async def scenario(h: Harness):
+        worker = FakeWorker()
+        await h.add_deployment("d1", worker, max_output_tokens=16)
+        request = {"deployment_id": "d1", **fields}
+        if request["deployment_id"] is None:
+            del request["deployment_id"]
+        error = await h.status_of(**request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in error.details()
+        assert worker.received == []
+
+    run(redis_url, scenario)
+
+
+def test_full_queue_is_resource_exhausted(redis_url):
+    async def scenario(h: Harness):
+        worker = FakeWorker(gate=asyncio.Event())
+        await h.add_deployment("d1", worker, batch_size=1)
+        running = h.generate(request_id="running", deployment_id="d1")
+        await running.read()
+        waiting = asyncio.create_task(h.collect(request_id="waiting", deployment_id="d1"))
+        await h.until_waiting("d1", 1)
+        error = await h.status_of(request_id="rejected", deployment_id="d1")
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error.details() == "queue of deployment d1 is full (1 waiting)"
+        worker.gate.set()
+        assert (await read_rest(running))[-1].request_id == "running"
+        assert (await waiting)[-1].final.finish_reason == common.FINISH_REASON_LENGTH
+        assert [r.request_id for r in worker.received] == ["running", "waiting"]
+
+    run(redis_url, scenario, queue_capacity=1)
+
+
+def test_priority_request_is_served_before_earlier_queued_ones(redis_url):
+    async def scenario(h: Harness):
+        worker = FakeWorker(gate=asyncio.Event())
+        await h.add_deployment("d1", worker, batch_size=1)
+        running = h.generate(request_id="running", deployment_id="d1")
+        await running.read()
+        queued = []
+        for name, priority in [("b", False), ("c", False), ("p", True)]:
+            queued.append(
+                asyncio.create_task(
+                    h.collect(request_id=name, deployment_id="d1", priority=priority)
+                )
+            )
+            await h.until_waiting("d1", len(queued))
+        worker.gate.set()
+        await asyncio.gather(*queued)
+        assert [r.request_id for r in worker.received] == ["running", "p", "b", "c"]
+        assert (await read_rest(running))[-1].HasField("final")
+
+    run(redis_url, scenario)
+
+
+def test_client_cancel_reaches_the_worker_and_frees_the_slot(redis_url):
+    async def scenario(h: Harness):
+        worker = FakeWorker(hang=True)
+        await h.add_deployment("d1", worker, batch_size=1)
+        call = h.generate(deployment_id="d1")
+        assert (await call.read()).delta.token_ids == [TOKENS[0][0]]
+        call.cancel()
+        async with asyncio.timeout(WAIT_S):
+            await worker.cancelled.wait()
+        queue = h.servicer.queues.get("d1")
+        await h.until(lambda: queue.running == 0, "slot released")
+        worker.hang = False
+        messages = await h.collect(request_id="after", deployment_id="d1")
+        assert messages[-1].final.usage.completion_tokens == 3
+
+    run(redis_url, scenario)
+
+
+def test_client_cancel_while_queued_leaves_the_queue(redis_url):
+    async def scenario(h: Harness):
+        worker = FakeWorker(gate=asyncio.Event())
+        await h.add_deployment("d1", worker, batch_size=1)
+        running = h.generate(request_id="running", deployment_id="d1")
+        await running.read()
+        queued = h.generate(request_id="queued", deployment_id="d1")
+        queue = h.servicer.queues.get("d1")
+        await h.until_waiting("d1", 1)
+        queued.cancel()
+        await h.until_waiting("d1", 0)
+        worker.gate.set()
+        assert (await read_rest(running))[-1].HasField("final")
+        assert [r.request_id for r in worker.received] == ["running"]
+        assert (queue.running, queue.waiting) == (0, 0)
+
+    run(redis_url, scenario)
+
+
+async def unreachable_events(store: StateStore) -> list[dict]:
+    events = [json.loads(data["json"]) for _, data in await store.redis.xrange(keys.events())]
+    return [e for e in events if e["kind"] == "worker_unreachable"]
+
+
+async def read_rest(call: grpc.aio.UnaryStreamCall) -> list[inference_pb.GenerateResponse]:
+    """The remaining messages of a call already read with ``read()`` (the two reading
+    styles cannot be mixed on one call)."""
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages
+
+
+def test_worker_stopped_mid_stream_is_unavailable_and_reported(redis_url):
+    async def scenario(h: Harness):
+        worker = FakeWorker(hang=True)
+        await h.add_deployment("d1", worker)
+        call = h.generate(deployment_id="d1")
+        await call.read()
+        await h.workers["d1"].stop(0)
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await read_rest(call)
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "worker of deployment d1 is gone" in failure.value.details()
+        events = await unreachable_events(h.store)
+        assert [e["deployment_id"] for e in events] == ["d1"]
+        assert events[0]["reason"]
+        assert h.servicer.queues.get("d1").running == 0
+
+    run(redis_url, scenario)
+
+
+def test_unreachable_worker_is_unavailable_and_reported(redis_url):
+    async def scenario(h: Harness):
+        await h.add_deployment("d1", None)
+        error = await h.status_of(deployment_id="d1")
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "worker of deployment d1 is gone: UNAVAILABLE" in error.details()
+        assert [e["deployment_id"] for e in await unreachable_events(h.store)] == ["d1"]
+
+    run(redis_url, scenario)
+
+
+def test_stream_ending_without_final_message_is_unavailable(redis_url):
+    async def scenario(h: Harness):
+        await h.add_deployment("d1", FakeWorker(final=False))
+        error = await h.status_of(deployment_id="d1")
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "stream ended without a final message" in error.details()
+        assert len(await unreachable_events(h.store)) == 1
+
+    run(redis_url, scenario)
+
+
+def test_invalid_argument_from_the_worker_passes_through(redis_url):
+    async def scenario(h: Harness):
+        worker = FakeWorker(
+            abort=(grpc.StatusCode.INVALID_ARGUMENT, "prompt has 900 tokens, max 512")
+        )
+        await h.add_deployment("d1", worker)
+        error = await h.status_of(deployment_id="d1")
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details() == "prompt has 900 tokens, max 512"
+        assert await unreachable_events(h.store) == []
+
+    run(redis_url, scenario)
+
+
+def test_background_refresh_picks_up_state_changes(redis_url):
+    async def scenario(h: Harness):
+        record = await h.add_deployment("d1", FakeWorker())
+        refresher = asyncio.create_task(h.servicer.refresh_forever(interval_s=0.02))
+        try:
+            await h.until(lambda: h.servicer.router.deployments(), "cached")
+            record.state = deploy_pb.DEPLOYMENT_STATE_FAILED
+            record.state_reason = "marked failed"
+            await h.store.put_deployment(record)
+            await h.until(lambda: h.servicer.router.deployments()[0].state != READY, "refreshed")
+            error = await h.status_of(deployment_id="d1")
+            assert error.details() == "deployment d1 is FAILED: marked failed"
+        finally:
+            refresher.cancel()
+
+    run(redis_url, scenario)
