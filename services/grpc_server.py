@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from services.errors import IServeError
@@ -121,11 +122,11 @@ class ServiceBinding:
 
 async def start_server(
     bindings: Iterable[ServiceBinding], address: str
-) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a server on ``address`` (port 0 picks a free port); returns it and its port."""
     bindings = list(bindings)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
-    health_servicer = health.HealthServicer()
+    health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [b.full_name for b in bindings]
     for binding in bindings:

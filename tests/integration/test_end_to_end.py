@@ -33,7 +33,7 @@ def test_register_deploy_stream_remove(stack):
     model = register(stack, "e2e-llama", path)
     assert model.state == model_pb.MODEL_STATE_REGISTERED
     assert model.shape.num_layers == 3 and model.shape.weight_bytes > 0
-    assert reserved_by_device(stack) == dict.fromkeys(reserved_by_device(stack), 0)
+    before = reserved_by_device(stack)
 
     reply = deploy(stack, "e2e-llama", max_output_tokens=64)
     dep = reply.deployment
@@ -41,7 +41,8 @@ def test_register_deploy_stream_remove(stack):
     [stage] = dep.placement.stages
     assert (stage.first_layer, stage.layer_count) == (0, 3)
     device = f"{stage.devices[0].node_id}/{stage.devices[0].device_id}"
-    assert reserved_by_device(stack)[device] == stage.reserved_bytes[0] > 0
+    assert reserved_by_device(stack)[device] == before[device] + stage.reserved_bytes[0]
+    assert stage.reserved_bytes[0] > 0
     state = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
     [dev] = [
         d for n in state.nodes for d in n.devices if d.ref.device_id == stage.devices[0].device_id
@@ -92,7 +93,7 @@ def test_register_deploy_stream_remove(stack):
     stack.deployments.RemoveDeployment(
         deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
     )
-    assert reserved_by_device(stack)[device] == 0
+    assert reserved_by_device(stack) == before
     with pytest.raises(grpc.RpcError) as err:
         stack.deployments.GetDeployment(
             deploy_pb.GetDeploymentRequest(deployment_id=dep.deployment_id)

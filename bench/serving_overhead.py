@@ -1,0 +1,174 @@
+"""What the scheduler path adds to a generation, against calling the worker directly.
+
+Method: start the real stack (embedded redis-server, every service, one node agent) in
+a temporary state directory on free ports, create a tiny Llama checkpoint, register and
+deploy it (tp=1, pp=1), then send N requests through InferenceService.Generate and N
+straight to the deployment's WorkerService.Generate, alternating between the two so
+that drift on this noisy machine hits both alike. Every request is greedy, ignores EOS
+and asks for the same number of tokens. Per request we take the client-side TTFT
+(call start -> first token) and TPOT (mean gap between later tokens). We print the
+medians of each path and their differences: the overhead. Targets: <= 1 ms TTFT and
+<= 0.1 ms per token added.
+
+Run: .venv/bin/python bench/serving_overhead.py [--requests 200] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.api import common_pb2 as common  # noqa: E402
+from services.api import deployment_service_pb2 as deploy_pb  # noqa: E402
+from services.api import (
+    deployment_service_pb2_grpc,  # noqa: E402
+    inference_service_pb2_grpc,  # noqa: E402
+    model_service_pb2_grpc,  # noqa: E402
+    worker_service_pb2_grpc,  # noqa: E402
+)
+from services.api import inference_service_pb2 as infer_pb  # noqa: E402
+from services.api import model_service_pb2 as model_pb  # noqa: E402
+from services.api import worker_service_pb2 as worker_pb  # noqa: E402
+from services.cli import stack as launcher  # noqa: E402
+from services.models.checkpoint import create_checkpoint  # noqa: E402
+from services.redis_embedded import free_port  # noqa: E402
+from services.settings import SERVICE_ENV, load_settings  # noqa: E402
+
+
+def timed(stream) -> tuple[float, float, int]:
+    """(TTFT ms, mean inter-token gap ms, tokens) of one streamed call."""
+    start = time.perf_counter()
+    stamps = []
+    for message in stream:
+        ids = (
+            message.delta.token_ids
+            if isinstance(message, infer_pb.GenerateResponse)
+            else message.token_ids
+        )
+        if len(ids):
+            stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return (stamps[0] - start) * 1e3, statistics.fmean(gaps) * 1e3 if gaps else 0.0, len(stamps)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200, help="requests per path (default 200)")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")
+    parser.add_argument("--warmup", type=int, default=20)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="iserve-bench-") as tmp:
+        env = {
+            "ISERVE_STATE_DIR": tmp,
+            "ISERVE_MODELS_ROOT": f"{tmp}/models",
+            "ISERVE_DEVICES": "1",
+            "ISERVE_DEVICE_MEMORY_GIB": "2",
+            **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+        }
+        os.environ.pop("REDIS_URL", None)
+        os.environ.update(env)
+        settings = load_settings()
+        print("starting the stack ...", file=sys.stderr)
+        launcher.up(settings, launcher.UpOptions(), log=lambda _m: None)
+        try:
+            create_checkpoint(
+                settings.models_root / "bench-tiny",
+                hidden_size=64,
+                num_layers=2,
+                num_heads=4,
+                num_kv_heads=2,
+            )
+            models = model_service_pb2_grpc.ModelServiceStub(
+                grpc.insecure_channel(settings.address("model"))
+            )
+            models.RegisterModel(
+                model_pb.RegisterModelRequest(model_id="bench-tiny", checkpoint_path="bench-tiny")
+            )
+            deployer = deployment_service_pb2_grpc.DeploymentServiceStub(
+                grpc.insecure_channel(settings.address("deploy"))
+            )
+            dep = deployer.Deploy(
+                deploy_pb.DeployRequest(
+                    model_id="bench-tiny",
+                    config=common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1),
+                ),
+                timeout=180,
+            ).deployment
+            scheduler = inference_service_pb2_grpc.InferenceServiceStub(
+                grpc.insecure_channel(settings.address("scheduler"))
+            )
+            worker = worker_service_pb2_grpc.WorkerServiceStub(
+                grpc.insecure_channel(dep.worker_address)
+            )
+            sampling = common.SamplingParams(ignore_eos=True)
+            prompt = "The scheduler should add almost nothing"
+
+            def via_scheduler():
+                return timed(
+                    scheduler.Generate(
+                        infer_pb.GenerateRequest(
+                            deployment_id=dep.deployment_id,
+                            prompt=prompt,
+                            max_tokens=args.tokens,
+                            sampling=sampling,
+                        )
+                    )
+                )
+
+            def direct():
+                return timed(
+                    worker.Generate(
+                        worker_pb.WorkerServiceGenerateRequest(
+                            prompt=prompt, max_tokens=args.tokens, sampling=sampling
+                        )
+                    )
+                )
+
+            for _ in range(args.warmup):
+                via_scheduler()
+                direct()
+            runs = {"direct": [], "scheduler": []}
+            for i in range(args.requests):
+                order = [("direct", direct), ("scheduler", via_scheduler)]
+                for name, fn in order if i % 2 == 0 else reversed(order):
+                    ttft, tpot, n = fn()
+                    assert n == args.tokens, f"{name} streamed {n} tokens, expected {args.tokens}"
+                    runs[name].append((ttft, tpot))
+            deployer.RemoveDeployment(
+                deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
+            )
+        finally:
+            launcher.down(settings, log=lambda _m: None)
+
+    med = {
+        name: (statistics.median(t for t, _ in r), statistics.median(p for _, p in r))
+        for name, r in runs.items()
+    }
+    d_ttft = med["scheduler"][0] - med["direct"][0]
+    d_tpot = med["scheduler"][1] - med["direct"][1]
+    print(
+        f"serving overhead: {args.requests} requests per path, {args.tokens} tokens each, tiny Llama "
+        "(hidden 64, 2 layers), 1 virtual CPU device, greedy; client-side timings, medians"
+    )
+    print(f"{'path':<12}{'TTFT ms':>10}{'TPOT ms':>10}")
+    for name in ("direct", "scheduler"):
+        print(f"{name:<12}{med[name][0]:>10.3f}{med[name][1]:>10.4f}")
+    print(f"added TTFT {d_ttft:+.3f} ms (target <= 1 ms): {'OK' if d_ttft <= 1.0 else 'MISSED'}")
+    print(
+        f"added per token {d_tpot:+.4f} ms (target <= 0.1 ms): {'OK' if d_tpot <= 0.1 else 'MISSED'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
