@@ -4,7 +4,9 @@ Method: start the real stack (embedded redis-server, every service, one node age
 a temporary state directory on free ports, create a tiny Llama checkpoint, register and
 deploy it (tp=1, pp=1), then send N requests through InferenceService.Generate and N
 straight to the deployment's WorkerService.Generate, alternating between the two so
-that drift on this noisy machine hits both alike. Every request is greedy, ignores EOS
+that drift on this noisy machine hits both alike. The stack runs as `iserve up` runs it: with 2 virtual devices on this 2-core
+machine the worker is pinned to one core and the control plane uses the other.
+Every request is greedy, ignores EOS
 and asks for the same number of tokens. Per request we take the client-side TTFT
 (call start -> first token) and TPOT (mean gap between later tokens). We print the
 medians of each path and their differences: the overhead. Targets: <= 1 ms TTFT and
@@ -65,13 +67,19 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200, help="requests per path (default 200)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=2,
+        help="virtual CPU devices; each owns a share of the cores (default 2: the worker gets one core)",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="iserve-bench-") as tmp:
         env = {
             "ISERVE_STATE_DIR": tmp,
             "ISERVE_MODELS_ROOT": f"{tmp}/models",
-            "ISERVE_DEVICES": "1",
+            "ISERVE_DEVICES": str(args.devices),
             "ISERVE_DEVICE_MEMORY_GIB": "2",
             **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
         }

@@ -55,8 +55,10 @@ def cmd_up(settings: Settings, args) -> int:
     if args.detach:
         return 0
     print("press Ctrl-C to stop")
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        signal.sigwait(stop_signals)
     finally:
         stack.down(settings)
     return 0 if info else 1
@@ -78,24 +80,60 @@ def cmd_status(settings: Settings, args) -> int:
 
 
 def cmd_model_create(settings: Settings, args) -> int:
-    from services.models.checkpoint import create_checkpoint
+    from services.models.checkpoint import create_checkpoint, validate_checkpoint
+    from services.models.presets import PRESETS, create_preset_checkpoint
 
-    out = create_checkpoint(
-        args.out,
-        arch=args.arch,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        intermediate_size=args.intermediate,
-        vocab_size=args.vocab,
-        max_position_embeddings=args.max_positions,
-        tie_word_embeddings=args.tie_embeddings,
-        dtype=args.dtype,
-        seed=args.seed,
-        overwrite=args.force,
+    if args.preset is not None:
+        shape_flags = {
+            "--arch": args.arch,
+            "--hidden": args.hidden,
+            "--heads": args.heads,
+            "--kv-heads": args.kv_heads,
+            "--intermediate": args.intermediate,
+            "--vocab": args.vocab,
+            "--max-positions": args.max_positions,
+            "--tie-embeddings": args.tie_embeddings or None,
+        }
+        given = [flag for flag, value in shape_flags.items() if value is not None]
+        if given:
+            raise ValueError(f"--preset fixes the model's shape; drop {', '.join(given)}")
+        if args.preset not in PRESETS:
+            raise ValueError(f"unknown preset {args.preset!r}; known presets: {sorted(PRESETS)}")
+        out = create_preset_checkpoint(
+            args.out,
+            args.preset,
+            num_layers=args.layers,
+            dtype=args.dtype,
+            seed=args.seed,
+            overwrite=args.force,
+        )
+    else:
+        required = {"--hidden": args.hidden, "--layers": args.layers, "--heads": args.heads}
+        missing = [flag for flag, value in required.items() if value is None]
+        if missing:
+            raise ValueError(f"give --preset, or the model's shape: {', '.join(missing)} missing")
+        out = create_checkpoint(
+            args.out,
+            arch=args.arch or "llama",
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate,
+            vocab_size=args.vocab,
+            max_position_embeddings=args.max_positions or 2048,
+            tie_word_embeddings=args.tie_embeddings,
+            dtype=args.dtype or "float32",
+            seed=args.seed,
+            overwrite=args.force,
+        )
+    checked = validate_checkpoint(out)
+    spec = checked.spec
+    print(
+        f"wrote {args.name} checkpoint to {out}: {spec.family}, {spec.num_layers} layers, "
+        f"{spec.parameter_count():,} parameters, {checked.weight_bytes / 2**30:.2f} GiB "
+        f"{spec.torch_dtype}"
     )
-    print(f"wrote {args.name} checkpoint to {out}")
     return 0
 
 
@@ -283,15 +321,30 @@ def build_parser() -> argparse.ArgumentParser:
         "create", help="write a checkpoint with random weights (config, safetensors, tokenizer)"
     )
     p.add_argument("name")
-    p.add_argument("--arch", default="llama", choices=["llama"])
-    p.add_argument("--hidden", type=int, required=True)
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--heads", type=int, required=True)
+    p.add_argument(
+        "--preset",
+        help="exact shapes of a known model: llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, "
+        "mistral-7b, qwen2-7b, falcon-7b, falcon-40b, gpt-j-6b",
+    )
+    p.add_argument(
+        "--layers", type=int, help="decoder layers (required without --preset; default: all)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="default: float32, or the preset's published dtype",
+    )
+    p.add_argument(
+        "--arch",
+        choices=["llama", "mistral", "qwen2", "falcon", "gptj"],
+        help="family of a custom shape (default: llama)",
+    )
+    p.add_argument("--hidden", type=int, help="hidden size (required without --preset)")
+    p.add_argument("--heads", type=int, help="attention heads (required without --preset)")
     p.add_argument("--kv-heads", type=int, help="default: --heads")
-    p.add_argument("--intermediate", type=int, help="MLP width (default: about 8/3 x hidden)")
+    p.add_argument("--intermediate", type=int, help="MLP width (default: the family's usual)")
     p.add_argument("--vocab", type=int, help="default: the tokenizer's size")
-    p.add_argument("--max-positions", type=int, default=2048)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-positions", type=int, help="default: 2048")
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
