@@ -17,7 +17,9 @@ fi
 stamp=".venv/.iserve-installed-$extras"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "== installing iserve[$extras] (torch==2.13.0 CPU comes from the local wheel when present)"
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e ".[$extras]"
+  # This machine's pip config names local indexes that may be absent; hide that noise.
+  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install -q -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import services, grpc, torch" || { echo "installation failed" >&2; exit 1; }
   touch "$stamp"
 fi

@@ -16,10 +16,14 @@ def test_committed_stubs_are_current(tmp_path):
     committed = DEFAULT_OUT / PACKAGE_DIR
     stale = [
         p.name
-        for p in fresh if p.parent.name == committed.name
+        for p in fresh
+        if p.parent.name == committed.name
         if not (committed / p.name).exists() or (committed / p.name).read_text() != p.read_text()
     ]
-    extra = sorted({p.name for p in committed.glob("*.py*")} - {p.name for p in fresh if p.parent.name == committed.name})
+    extra = sorted(
+        {p.name for p in committed.glob("*.py*")}
+        - {p.name for p in fresh if p.parent.name == committed.name}
+    )
     assert not stale and not extra, (
         f"stubs are stale (changed: {stale}, no longer generated: {extra}); "
         "run `python -m services.protogen` and commit the result"
