@@ -9,7 +9,10 @@ machine the worker is pinned to one core and the control plane uses the other.
 Every request is greedy, ignores EOS
 and asks for the same number of tokens. Per request we take the client-side TTFT
 (call start -> first token) and TPOT (mean gap between later tokens). We print the
-medians of each path and their differences: the overhead. Targets: <= 1 ms TTFT and
+medians of each path and their differences: the overhead. A third path, a do-nothing
+pass-through proxy (``bench/bare_proxy.py``) measured in the same interleaved run,
+shows what any Python gRPC hop costs on this machine, apart from the scheduler's own
+work (queueing, routing, timings). Targets: <= 1 ms TTFT and
 <= 0.1 ms per token added.
 
 Run: .venv/bin/python bench/serving_overhead.py [--requests 200] [--tokens 32]
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -133,6 +137,28 @@ def main() -> int:
                     )
                 )
 
+            proxy = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(Path(__file__).with_name("bare_proxy.py")),
+                    dep.worker_address,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            bare = inference_service_pb2_grpc.InferenceServiceStub(
+                grpc.insecure_channel(f"127.0.0.1:{proxy.stdout.readline().strip()}")
+            )
+
+            def via_bare_proxy():
+                return timed(
+                    bare.Generate(
+                        infer_pb.GenerateRequest(
+                            prompt=prompt, max_tokens=args.tokens, sampling=sampling
+                        )
+                    )
+                )
+
             def direct():
                 return timed(
                     worker.Generate(
@@ -142,16 +168,22 @@ def main() -> int:
                     )
                 )
 
+            paths = [
+                ("direct", direct),
+                ("scheduler", via_scheduler),
+                ("bare proxy", via_bare_proxy),
+            ]
             for _ in range(args.warmup):
-                via_scheduler()
-                direct()
-            runs = {"direct": [], "scheduler": []}
+                for _name, fn in paths:
+                    fn()
+            runs = {name: [] for name, _ in paths}
             for i in range(args.requests):
-                order = [("direct", direct), ("scheduler", via_scheduler)]
-                for name, fn in order if i % 2 == 0 else reversed(order):
+                # Rotate the order so that no path always runs first.
+                for name, fn in paths[i % 3 :] + paths[: i % 3]:
                     ttft, tpot, n = fn()
                     assert n == args.tokens, f"{name} streamed {n} tokens, expected {args.tokens}"
                     runs[name].append((ttft, tpot))
+            proxy.kill()
             deployer.RemoveDeployment(
                 deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
             )
@@ -162,15 +194,22 @@ def main() -> int:
         name: (statistics.median(t for t, _ in r), statistics.median(p for _, p in r))
         for name, r in runs.items()
     }
+    print(
+        f"{args.devices} virtual CPU devices on {os.cpu_count()} cores (the worker is pinned to one device's cores)"
+    )
     d_ttft = med["scheduler"][0] - med["direct"][0]
     d_tpot = med["scheduler"][1] - med["direct"][1]
     print(
         f"serving overhead: {args.requests} requests per path, {args.tokens} tokens each, tiny Llama "
-        "(hidden 64, 2 layers), 1 virtual CPU device, greedy; client-side timings, medians"
+        "(hidden 64, 2 layers), greedy; client-side timings, medians"
     )
     print(f"{'path':<12}{'TTFT ms':>10}{'TPOT ms':>10}")
-    for name in ("direct", "scheduler"):
+    for name in runs:
         print(f"{name:<12}{med[name][0]:>10.3f}{med[name][1]:>10.4f}")
+    print(
+        f"a bare pass-through proxy adds {med['bare proxy'][0] - med['direct'][0]:+.3f} ms TTFT and "
+        f"{med['bare proxy'][1] - med['direct'][1]:+.4f} ms per token (the cost of any Python gRPC hop here)"
+    )
     print(f"added TTFT {d_ttft:+.3f} ms (target <= 1 ms): {'OK' if d_ttft <= 1.0 else 'MISSED'}")
     print(
         f"added per token {d_tpot:+.4f} ms (target <= 0.1 ms): {'OK' if d_tpot <= 0.1 else 'MISSED'}"
