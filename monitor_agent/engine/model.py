@@ -1,10 +1,35 @@
-"""One decoder-only transformer, parameterised by an ArchSpec (Llama/Mistral layout).
+"""One decoder-only transformer for every family, parameterised by an ArchSpec.
 
-Module and parameter names follow the Hugging Face checkpoint names
-(``model.layers.0.self_attn.q_proj.weight`` …), so loading is a name-for-name copy.
-RMSNorm, rotary embeddings (rotate_half), SwiGLU MLP and grouped-query attention over a
-static KV cache; tied or untied LM head. Sharding, pipeline slicing and quantization are
-meant to be transforms applied to this model, not forks of it.
+The module tree is canonical, whatever the checkpoint calls things: ``embed_tokens``,
+``layers.{j}.attn_norm`` / ``self_attn.{q,k,v,o}_proj`` / ``mlp_norm`` /
+``mlp.{gate,up,down}_proj``, ``norm``, ``lm_head``. The loader maps checkpoint tensors
+onto it (``ArchSpec.stage_weights``), splitting Falcon's fused ``query_key_value`` into
+q/k/v. Norms are RMSNorm or LayerNorm, the MLP gated (SwiGLU) or plain (GELU), the
+residual sequential or parallel, rotary full or partial, rotate-half or interleaved, all
+as the spec says; attention runs over a static KV cache.
+
+Contract for transforms (tensor parallelism, pipeline stages, quantization, pruning) —
+they are applied to this model, never forks of it:
+
+* Every attention module (``layers.{j}.self_attn``) holds ``n_heads``, ``n_kv_heads`` and
+  ``head_dim`` as instance attributes and reads only those in forward; ``setup_caches``
+  sizes each layer's KV cache from its attention's ``n_kv_heads`` and ``head_dim``. A
+  tensor-parallel shard keeps a slice of the heads by shrinking the q/k/v rows, the
+  o_proj columns and these attributes (call ``setup_caches`` afterwards).
+* Every weight of attention and MLP is an ``nn.Linear`` submodule (``q_proj``, ``k_proj``,
+  ``v_proj``, ``o_proj``; ``gate_proj`` (None when not gated), ``up_proj``,
+  ``down_proj``), so quantization can swap Linear modules for its own, and structured
+  pruning can shrink the MLP's inner width (rows of gate/up, columns of down) or heads.
+* Attention and MLP outputs pass through ``self.reduce(x)``, identity by default;
+  tensor parallelism replaces it per module (``module.reduce = all_reduce``). A
+  row-parallel ``o_proj``/``down_proj`` with a bias must keep that bias on one rank only.
+* Pipeline stages: ``Transformer(spec, first_layer=f, layer_count=n)`` holds only layers
+  ``[f, f + n)`` (``layers[j]`` is global layer ``f + j``). ``has_embedding`` (f == 0) and
+  ``has_head`` (the stage ends at the last layer) say whether it holds ``embed_tokens``
+  and ``norm`` + ``lm_head``; the others are None. forward takes token ids on a stage with
+  the embedding and hidden states [B, T, hidden] otherwise, and returns logits on the
+  last stage and hidden states otherwise. A tied LM head on a last stage that lacks the
+  embedding is an ``lm_head`` of its own, loaded from the embedding tensor.
 """
 
 from __future__ import annotations
@@ -14,155 +39,94 @@ import torch.nn.functional as F
 from torch import nn
 
 from monitor_agent.engine.kv_cache import CacheAddress, LayerKVCache
-from monitor_agent.engine.rope import apply_rope, rope_tables
+from monitor_agent.engine.layers import DecoderLayer, make_norm
+from monitor_agent.engine.rope import rope_tables
 from services.models.arch import ArchSpec
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and scale in the model dtype, as Hugging Face Llama does.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
-        super().__init__()
-        hidden, head_dim = spec.hidden_size, spec.head_dim
-        bias = spec.attention_bias
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_heads,
-            spec.num_kv_heads,
-            head_dim,
-        )
-        self.q_proj = nn.Linear(hidden, spec.num_heads * head_dim, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, spec.num_kv_heads * head_dim, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, spec.num_kv_heads * head_dim, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(spec.num_heads * head_dim, hidden, bias=bias, dtype=dtype)
-        self.kv_cache: LayerKVCache | None = None
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        address: CacheAddress,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        assert self.kv_cache is not None, "call Transformer.setup_caches before forward"
-        keys, values = self.kv_cache.update(address, k, v)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
-        super().__init__()
-        hidden, inner, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.self_attn = Attention(spec, dtype)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = SwiGLU(spec, dtype)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        address: CacheAddress,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, address, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Backbone(nn.Module):
-    """Everything under the ``model.`` prefix: embeddings, layers, final norm."""
-
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-
-
 class Transformer(nn.Module):
-    """Decoder with a static KV cache; call :meth:`setup_caches` once before forward."""
+    """Decoder (or one pipeline stage of it) with a static KV cache; call
+    :meth:`setup_caches` once before forward."""
 
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        spec: ArchSpec,
+        dtype: torch.dtype = torch.float32,
+        *,
+        first_layer: int = 0,
+        layer_count: int | None = None,
+    ) -> None:
         super().__init__()
         self.spec = spec
-        self.model = Backbone(spec, dtype)
+        self.first_layer, self.layer_count = spec.check_stage(first_layer, layer_count)
+        self.has_embedding = self.first_layer == 0
+        self.has_head = self.first_layer + self.layer_count == spec.num_layers
+        hidden, vocab = spec.hidden_size, spec.vocab_size
+        self.embed_tokens = nn.Embedding(vocab, hidden, dtype=dtype) if self.has_embedding else None
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(self.layer_count))
+        self.norm = make_norm(spec, dtype) if self.has_head else None
+        # A tied head reuses the embedding when this stage has it (see forward).
+        own_head = self.has_head and not (spec.tie_word_embeddings and self.has_embedding)
         self.lm_head = (
-            None
-            if spec.tie_word_embeddings
-            else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+            nn.Linear(hidden, vocab, bias=spec.lm_head_bias, dtype=dtype) if own_head else None
         )
         self.max_batch = 0
         self.max_seq_len = 0
 
     def setup_caches(self, max_batch: int, max_seq_len: int) -> None:
         """Allocate the KV cache for max_batch slots of max_seq_len tokens and RoPE tables."""
-        weight = self.model.embed_tokens.weight
-        dtype, device = weight.dtype, weight.device
-        spec = self.spec
-        for layer in self.model.layers:
-            layer.self_attn.kv_cache = LayerKVCache(
-                max_batch, spec.num_kv_heads, max_seq_len, spec.head_dim, dtype, device
+        # Norm weights are in the activation dtype even when a transform quantizes Linears.
+        norm_weight = self.layers[0].attn_norm.weight
+        dtype, device = norm_weight.dtype, norm_weight.device
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.kv_cache = LayerKVCache(
+                max_batch, attn.n_kv_heads, max_seq_len, attn.head_dim, dtype, device
             )
-        cos, sin = rope_tables(spec.head_dim, max_seq_len, spec.rope_theta, dtype, device)
+        spec = self.spec
+        cos, sin = rope_tables(
+            spec.rotary_dim,
+            max_seq_len,
+            spec.rope_theta,
+            dtype,
+            device,
+            interleaved=spec.rotary_interleaved,
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        inputs: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
         *,
         last_token_only: bool = False,
     ) -> torch.Tensor:
-        """Logits [B, T, vocab] (or [B, 1, vocab] with last_token_only) for input_ids [B, T].
+        """Run this stage's layers over one step of a batch.
 
-        positions [B, T] are each token's absolute position in its sequence; slots [B] the
-        cache slot of each row. Every position before a row's tokens must already be cached.
+        ``inputs`` are token ids [B, T] on a stage with the embedding, else the previous
+        stage's hidden states [B, T, hidden]. positions [B, T] are each token's absolute
+        position in its sequence; slots [B] the cache slot of each row. Every position
+        before a row's tokens must already be cached. Returns logits [B, T, vocab] (or
+        [B, 1, vocab] with last_token_only) on the last stage, hidden states otherwise.
         """
         address = CacheAddress(slots, positions)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         mask = self._attention_mask(positions, address.kv_len)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        for layer in self.layers:
             x = layer(x, cos, sin, address, mask)
+        if self.norm is None:
+            return x
         if last_token_only:
             x = x[:, -1:]
-        x = self.model.norm(x)
+        x = self.norm(x)
         if self.lm_head is None:
-            return F.linear(x, self.model.embed_tokens.weight)
+            assert self.embed_tokens is not None
+            return F.linear(x, self.embed_tokens.weight)
         return self.lm_head(x)
 
     def _attention_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:

@@ -1,7 +1,12 @@
-"""Rotary position embeddings in the Hugging Face "rotate_half" convention.
+"""Rotary position embeddings: full or partial, in either pairing convention.
 
-The cos/sin tables are computed once for every position the engine may see; a forward
-pass only gathers rows by position.
+* rotate-half (Llama, Mistral, Qwen2, Falcon): dimension i pairs with i + d/2;
+* interleaved (GPT-J's "rotate every two"): dimension 2i pairs with 2i + 1.
+
+Only the first ``rotary_dim`` dimensions of a head rotate (GPT-J rotates 64 of 256); the
+rest pass through. The cos/sin tables are computed once, in float32, for every position
+the engine may see, already laid out for their convention; a forward pass only gathers
+rows by position.
 """
 
 from __future__ import annotations
@@ -10,19 +15,44 @@ import torch
 
 
 def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, dtype: torch.dtype, device: torch.device | str
+    rotary_dim: int,
+    max_seq_len: int,
+    theta: float,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape [max_seq_len, head_dim], computed in float32."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    """cos and sin tables of shape [max_seq_len, rotary_dim]."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float()
+    inv_freq = 1.0 / (theta ** (exponents / rotary_dim))
     positions = torch.arange(max_seq_len, dtype=torch.float32, device=device)
     freqs = torch.outer(positions, inv_freq)
-    angles = torch.cat((freqs, freqs), dim=-1)
+    if interleaved:
+        angles = torch.repeat_interleave(freqs, 2, dim=-1)
+    else:
+        angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, T, head_dim] by cos/sin [B, 1, T, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of x [B, heads, T, head_dim] by cos/sin
+    [B, 1, T, rotary_dim]; the remaining dims pass through unchanged."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotating, passing = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat((_rotate(rotating, cos, sin, interleaved), passing), dim=-1)
+    return _rotate(x, cos, sin, interleaved)
+
+
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    if interleaved:
+        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

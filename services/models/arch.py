@@ -1,13 +1,20 @@
 """Shapes of decoder-only models, read from a Hugging Face ``config.json``.
 
 An :class:`ArchSpec` is everything the control plane and the engine need to know about a
-model's shape: sizes, tensor names, parameter and KV-cache bytes. It is built once from
-the checkpoint's config (written by transformers 4 or 5) and never imports torch, so the
-fingerprint cutter, the estimator and the engine can all share it.
+model's shape: sizes, layer structure, tensor names, parameter and KV-cache bytes. It is
+built once from the checkpoint's config (written by transformers 4 or 5) and never
+imports torch, so the fingerprint cutter, the estimator and the engine can all share it.
 
-Families are registered in ``_FAMILIES``: a family turns a config dict into an
-``ArchSpec`` and lists the checkpoint tensors that spec implies. Llama and Mistral share
-one layout; Qwen2, Falcon and GPT-J are expected to arrive as further entries.
+One spec describes every supported family with a handful of structural switches (norm
+kind, gated or plain MLP, sequential or parallel residual, biases, partial or interleaved
+rotary); the families themselves live in :mod:`services.models.families`, each turning a
+config into a spec and naming the checkpoint tensors a spec implies.
+
+Two views of the weights exist. :meth:`ArchSpec.expected_tensors` is the checkpoint's
+view (Hugging Face names and shapes). :meth:`ArchSpec.stage_weights` is the engine's view:
+for each parameter of the engine's canonical module tree (Llama-style names, fused
+projections split into q/k/v) the checkpoint tensor and rows it is read from, restricted
+to one pipeline stage's layers.
 """
 
 from __future__ import annotations
@@ -15,24 +22,41 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from services.models.config_fields import DTYPE_BYTES
 from services.models.errors import InvalidConfig, UnsupportedArchitecture
 
-__all__ = ["ArchSpec", "InvalidConfig", "UnsupportedArchitecture", "supported_model_types"]
+if TYPE_CHECKING:
+    from services.models.families import Family
 
-# Bytes per element of the dtypes a checkpoint may declare (config "dtype"/"torch_dtype").
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+__all__ = [
+    "ArchSpec",
+    "CheckpointTensor",
+    "InvalidConfig",
+    "UnsupportedArchitecture",
+    "WeightSource",
+    "config_with_layers",
+    "supported_model_types",
+]
 
 # Tensors that some exporters write but that carry no learned weights (recomputed at load).
 HARMLESS_EXTRA_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
+NORM_KINDS = ("rms", "layer")
+ACTIVATIONS = ("silu", "gelu", "gelu_new")
+
+# Row ranges [start, stop) of a tensor's first dimension, concatenated in order.
+RowRanges = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """Shape of a decoder-only transformer; sizes are element counts unless named bytes."""
+    """Shape of a decoder-only transformer; sizes are element counts unless named bytes.
 
-    family: str
+    The defaults of the structural fields describe Llama; other families set them.
+    """
+
+    family: str  # "llama" | "mistral" | "qwen2" | "falcon" | "gptj"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -41,16 +65,48 @@ class ArchSpec:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
-    rms_norm_eps: float
+    norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
     torch_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    attention_bias: bool = False
+    # "rms": RMSNorm (weight only); "layer": LayerNorm (weight and bias).
+    norm_kind: str = "rms"
+    # MLP activation: "silu", "gelu" (exact, erf) or "gelu_new" (tanh approximation).
+    hidden_act: str = "silu"
+    # down(act(gate(x)) * up(x)) when gated (SwiGLU); down(act(up(x))) otherwise.
+    gated_mlp: bool = True
+    # Parallel: x + attn(norm(x)) + mlp(norm'(x)); sequential: h = x + attn(norm(x)),
+    # then h + mlp(norm'(h)).
+    parallel_residual: bool = False
+    # Parallel layers whose attention and MLP read one norm's output (Falcon-7B, GPT-J).
+    shared_layer_norm: bool = False
+    qkv_bias: bool = False
+    attn_out_bias: bool = False
     mlp_bias: bool = False
+    lm_head_bias: bool = False
+    # Leading dimensions of each head that rotate; 0 (the default) means all of them,
+    # and is stored as head_dim.
+    rotary_dim: int = 0
+    # GPT-J rotates pairs (x0, x1), (x2, x3), …; the others pair x_i with x_{i+d/2}.
+    rotary_interleaved: bool = False
     # Mistral-style local attention: a query sees at most this many keys (itself included).
     sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.norm_kind not in NORM_KINDS:
+            raise ValueError(f"norm_kind must be one of {NORM_KINDS}, got {self.norm_kind!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.shared_layer_norm and not self.parallel_residual:
+            raise ValueError("shared_layer_norm needs parallel_residual")
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(
+                f"rotary_dim ({self.rotary_dim}) must be even and in (0, head_dim={self.head_dim}]"
+            )
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ArchSpec:
@@ -59,10 +115,18 @@ class ArchSpec:
         Raises UnsupportedArchitecture for families or features iserve cannot run, and
         InvalidConfig for missing or inconsistent fields; both messages name the field.
         """
+        from services.models.families import family_of
+
         if not isinstance(cfg, Mapping):
             raise InvalidConfig(f"config must be a JSON object, got {type(cfg).__name__}")
-        family = _family_of(cfg)
-        return _FAMILIES[family].parse(cfg, family)
+        family = family_of(cfg)
+        spec = family.parse(cfg, family.name)
+        for key, token in [("bos_token_id", spec.bos_token_id)] + [
+            ("eos_token_id", t) for t in spec.eos_token_ids
+        ]:
+            if token is not None and token >= spec.vocab_size:
+                raise InvalidConfig(f"{key} {token} is outside the vocabulary ({spec.vocab_size})")
+        return spec
 
     @property
     def dtype_bytes(self) -> int:
@@ -70,8 +134,73 @@ class ArchSpec:
         return DTYPE_BYTES[self.torch_dtype]
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor the checkpoint must hold, by Hugging Face name, with its shape."""
-        return _FAMILIES[self.family].tensors(self)
+        """Every tensor the checkpoint must hold, by Hugging Face name, with its shape,
+        in the order the checkpoint writer stores them."""
+        return {t.name: t.shape for t in self.checkpoint_tensors()}
+
+    def checkpoint_tensors(self) -> list[CheckpointTensor]:
+        """The checkpoint's tensors in file order, each with the engine parameters it fills."""
+        family = self._family()
+        tensors = [
+            CheckpointTensor(
+                family.embedding,
+                (self.vocab_size, self.hidden_size),
+                (("embed_tokens.weight", None),),
+            )
+        ]
+        for layer in range(self.num_layers):
+            tensors.extend(family.layer_tensors(self, layer))
+        return tensors + self._head_tensors(family)
+
+    def stage_weights(
+        self, first_layer: int = 0, layer_count: int | None = None
+    ) -> dict[str, WeightSource]:
+        """Where each engine parameter of one pipeline stage is read from.
+
+        The stage holds layers ``[first_layer, first_layer + layer_count)`` (default: to
+        the last layer), the token embedding only if it is the first stage and the final
+        norm and LM head only if it is the last. Keys are the engine's parameter names:
+        ``embed_tokens.weight``, ``layers.{j}.…`` with j counted from the stage's first
+        layer, ``norm.weight``/``norm.bias``, ``lm_head.weight``/``lm_head.bias``. A tied
+        LM head on a stage without the embedding is read from the embedding tensor.
+        """
+        first, count = self.check_stage(first_layer, layer_count)
+        has_embedding, has_head = first == 0, first + count == self.num_layers
+        weights: dict[str, WeightSource] = {}
+        family = self._family()
+        if has_embedding:
+            weights["embed_tokens.weight"] = WeightSource(family.embedding)
+        for j, layer in enumerate(range(first, first + count)):
+            for tensor in family.layer_tensors(self, layer):
+                for target, rows in tensor.targets:
+                    weights[f"layers.{j}.{target}"] = WeightSource(tensor.name, rows)
+        if has_head:
+            for tensor in self._head_tensors(family):
+                for target, rows in tensor.targets:
+                    weights[target] = WeightSource(tensor.name, rows)
+            if self.tie_word_embeddings and not has_embedding:
+                weights["lm_head.weight"] = WeightSource(family.embedding)
+        return weights
+
+    def check_stage(self, first_layer: int, layer_count: int | None) -> tuple[int, int]:
+        """(first_layer, layer_count) of a valid stage; ValueError names what is wrong."""
+        if not 0 <= first_layer < self.num_layers:
+            raise ValueError(f"first_layer must be in [0, {self.num_layers}), got {first_layer}")
+        remaining = self.num_layers - first_layer
+        count = remaining if layer_count is None else layer_count
+        if not 1 <= count <= remaining:
+            raise ValueError(
+                f"layer_count must be in [1, {remaining}] for first_layer {first_layer} "
+                f"of {self.num_layers} layers, got {layer_count}"
+            )
+        return first_layer, count
+
+    def is_ignorable_tensor(self, name: str) -> bool:
+        """Whether an extra checkpoint tensor carries nothing the engine needs: rotary
+        ``inv_freq`` buffers, attention-mask buffers old exporters saved, or an LM head
+        duplicating tied embeddings."""
+        suffixes = HARMLESS_EXTRA_SUFFIXES + self._family().harmless_suffixes
+        return name.endswith(suffixes) or (self.tie_word_embeddings and name == "lm_head.weight")
 
     def parameter_count(self) -> int:
         """Number of learned parameters (a tied LM head counted once)."""
@@ -89,212 +218,84 @@ class ArchSpec:
         element_bytes = self.dtype_bytes if dtype_bytes is None else dtype_bytes
         return per_token * max_seq_len * batch_size * element_bytes
 
+    def _family(self) -> Family:
+        from services.models.families import FAMILIES
+
+        return FAMILIES[self.family]
+
+    def _head_tensors(self, family: Family) -> list[CheckpointTensor]:
+        hidden = (self.hidden_size,)
+        tensors = [
+            CheckpointTensor(f"{family.final_norm}.weight", hidden, (("norm.weight", None),))
+        ]
+        if self.norm_kind == "layer":
+            tensors.append(
+                CheckpointTensor(f"{family.final_norm}.bias", hidden, (("norm.bias", None),))
+            )
+        if not self.tie_word_embeddings:
+            tensors.append(
+                CheckpointTensor(
+                    "lm_head.weight",
+                    (self.vocab_size, self.hidden_size),
+                    (("lm_head.weight", None),),
+                )
+            )
+        if self.lm_head_bias:
+            tensors.append(
+                CheckpointTensor("lm_head.bias", (self.vocab_size,), (("lm_head.bias", None),))
+            )
+        return tensors
+
 
 @dataclass(frozen=True)
-class _Family:
-    model_types: tuple[str, ...]
-    architectures: tuple[str, ...]
-    parse: Callable[[Mapping[str, Any], str], ArchSpec]
-    tensors: Callable[[ArchSpec], dict[str, tuple[int, ...]]]
+class CheckpointTensor:
+    """One checkpoint tensor and the engine parameters it fills.
 
-
-def _family_of(cfg: Mapping[str, Any]) -> str:
-    model_type = cfg.get("model_type")
-    architectures = cfg.get("architectures") or []
-    if model_type is None and not architectures:
-        raise InvalidConfig("config has neither 'model_type' nor 'architectures'")
-    if architectures and not (
-        isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
-    ):
-        raise InvalidConfig(f"'architectures' must be a list of strings, got {architectures!r}")
-    for family, known in _FAMILIES.items():
-        if model_type is not None and model_type not in known.model_types:
-            continue
-        if architectures and not set(architectures) & set(known.architectures):
-            if model_type is None:
-                continue
-            raise UnsupportedArchitecture(
-                f"architectures {architectures} are not supported for model_type "
-                f"{model_type!r}; supported: {list(known.architectures)}"
-            )
-        return family
-    what = f"model_type {model_type!r}" if model_type is not None else f"{architectures}"
-    raise UnsupportedArchitecture(
-        f"{what} is not supported; supported model types: {supported_model_types()}"
-    )
-
-
-def _positive_int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = cfg.get(key, default)
-    if value is None:
-        raise InvalidConfig(f"config is missing required field {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidConfig(f"config field {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _positive_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
-    value = cfg.get(key, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise InvalidConfig(f"config field {key!r} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _flag(cfg: Mapping[str, Any], key: str, default: bool = False) -> bool:
-    value = cfg.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidConfig(f"config field {key!r} must be true or false, got {value!r}")
-    return value
-
-
-def _token_id(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidConfig(f"config field {key!r} must hold token ids, got {value!r}")
-    return value
-
-
-def _eos_token_ids(cfg: Mapping[str, Any]) -> tuple[int, ...]:
-    value = cfg.get("eos_token_id")
-    if value is None:
-        return ()
-    values = value if isinstance(value, list) else [value]
-    return tuple(_token_id(v, "eos_token_id") for v in values)
-
-
-def _dtype(cfg: Mapping[str, Any]) -> str:
-    # transformers 5 writes "dtype"; transformers 4 wrote "torch_dtype".
-    value = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if isinstance(value, str):
-        value = value.removeprefix("torch.")
-    if value not in DTYPE_BYTES:
-        raise InvalidConfig(f"config dtype {value!r} is not one of {sorted(DTYPE_BYTES)}")
-    return value
-
-
-def _rope_theta(cfg: Mapping[str, Any]) -> float:
-    """Base of the rotary frequencies; only unscaled ("default") RoPE is supported.
-
-    transformers 5 writes ``rope_parameters: {"rope_theta", "rope_type"}``; transformers
-    4 wrote ``rope_theta`` at top level plus an optional ``rope_scaling`` dict.
+    ``targets`` pairs each engine parameter name (relative to its decoder layer for layer
+    tensors) with the rows of this tensor it takes (None: the whole tensor). A plain
+    tensor has one target; Falcon's fused ``query_key_value`` has three.
     """
-    params = cfg.get("rope_parameters")
-    scaling = cfg.get("rope_scaling")
-    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if block is None:
-            continue
-        if not isinstance(block, Mapping):
-            raise InvalidConfig(f"config field {name!r} must be an object, got {block!r}")
-        rope_type = block.get("rope_type", block.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise UnsupportedArchitecture(
-                f"{name} type {rope_type!r} is not supported; only unscaled (default) RoPE is"
-            )
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedArchitecture("partial rotary embeddings are not supported for this family")
-    if isinstance(params, Mapping) and params.get("rope_theta") is not None:
-        return _positive_float(params, "rope_theta", 10000.0)
-    return _positive_float(cfg, "rope_theta", 10000.0)
+
+    name: str
+    shape: tuple[int, ...]
+    targets: tuple[tuple[str, RowRanges | None], ...]
 
 
-def _parse_llama_like(cfg: Mapping[str, Any], family: str) -> ArchSpec:
-    if cfg.get("quantization_config") is not None:
-        raise UnsupportedArchitecture("pre-quantized checkpoints are not supported yet")
-    hidden_act = cfg.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise UnsupportedArchitecture(f"hidden_act {hidden_act!r} is not supported; need 'silu'")
-    hidden_size = _positive_int(cfg, "hidden_size")
-    num_heads = _positive_int(cfg, "num_attention_heads")
-    num_kv_heads = _positive_int(cfg, "num_key_value_heads", num_heads)
-    if num_heads % num_kv_heads:
-        raise InvalidConfig(
-            f"num_attention_heads ({num_heads}) is not divisible by "
-            f"num_key_value_heads ({num_kv_heads})"
-        )
-    if cfg.get("head_dim") is None:
-        if hidden_size % num_heads:
-            raise InvalidConfig(
-                f"hidden_size ({hidden_size}) is not divisible by num_attention_heads ({num_heads})"
-            )
-        head_dim = hidden_size // num_heads
-    else:
-        head_dim = _positive_int(cfg, "head_dim")
-    if head_dim % 2:
-        raise InvalidConfig(f"head_dim ({head_dim}) must be even for rotary embeddings")
-    bos = cfg.get("bos_token_id")
-    sliding_window = cfg.get("sliding_window") if family == "mistral" else None
-    if sliding_window is not None:
-        sliding_window = _positive_int(cfg, "sliding_window")
-    spec = ArchSpec(
-        family=family,
-        hidden_size=hidden_size,
-        num_layers=_positive_int(cfg, "num_hidden_layers"),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=_positive_int(cfg, "intermediate_size"),
-        vocab_size=_positive_int(cfg, "vocab_size"),
-        max_position_embeddings=_positive_int(cfg, "max_position_embeddings", 2048),
-        rms_norm_eps=_positive_float(cfg, "rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(cfg),
-        tie_word_embeddings=_flag(cfg, "tie_word_embeddings"),
-        torch_dtype=_dtype(cfg),
-        bos_token_id=None if bos is None else _token_id(bos, "bos_token_id"),
-        eos_token_ids=_eos_token_ids(cfg),
-        attention_bias=_flag(cfg, "attention_bias"),
-        mlp_bias=_flag(cfg, "mlp_bias"),
-        sliding_window=sliding_window,
-    )
-    for key, token in [("bos_token_id", spec.bos_token_id)] + [
-        ("eos_token_id", t) for t in spec.eos_token_ids
-    ]:
-        if token is not None and token >= spec.vocab_size:
-            raise InvalidConfig(f"{key} {token} is outside the vocabulary ({spec.vocab_size})")
-    return spec
+@dataclass(frozen=True)
+class WeightSource:
+    """Where one engine parameter is read from: a checkpoint tensor, or some of its rows."""
+
+    tensor: str
+    rows: RowRanges | None = None
 
 
-def _llama_tensors(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
-    hidden, head_dim = spec.hidden_size, spec.head_dim
-    q_out, kv_out = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
-    tensors: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, hidden)}
-    for i in range(spec.num_layers):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        projections = {
-            f"{attn}.q_proj": (q_out, hidden),
-            f"{attn}.k_proj": (kv_out, hidden),
-            f"{attn}.v_proj": (kv_out, hidden),
-            f"{attn}.o_proj": (hidden, q_out),
-        }
-        mlp_projections = {
-            f"{mlp}.gate_proj": (spec.intermediate_size, hidden),
-            f"{mlp}.up_proj": (spec.intermediate_size, hidden),
-            f"{mlp}.down_proj": (hidden, spec.intermediate_size),
-        }
-        for group, has_bias in (
-            (projections, spec.attention_bias),
-            (mlp_projections, spec.mlp_bias),
-        ):
-            for name, shape in group.items():
-                tensors[f"{name}.weight"] = shape
-                if has_bias:
-                    tensors[f"{name}.bias"] = (shape[0],)
-        tensors[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
-        tensors[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
-    tensors["model.norm.weight"] = (hidden,)
-    if not spec.tie_word_embeddings:
-        tensors["lm_head.weight"] = (spec.vocab_size, hidden)
-    return tensors
+def config_with_layers(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """A copy of ``cfg`` describing the same model with ``num_layers`` decoder layers.
 
+    Knows each family's name for the layer count (GPT-J's ``n_layer``) and trims or extends
+    per-layer lists such as ``layer_types``; used to cut fingerprints and write presets.
+    """
+    from services.models.families import family_of
 
-_FAMILIES: dict[str, _Family] = {
-    "llama": _Family(("llama",), ("LlamaForCausalLM",), _parse_llama_like, _llama_tensors),
-    "mistral": _Family(("mistral",), ("MistralForCausalLM",), _parse_llama_like, _llama_tensors),
-}
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    family = family_of(cfg)
+    out = dict(cfg)
+    keys = [key for key in family.layer_count_keys if key in cfg] or [family.layer_count_keys[0]]
+    for key in keys:
+        out[key] = num_layers
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        out["layer_types"] = [layer_types[min(i, len(layer_types) - 1)] for i in range(num_layers)]
+    return out
 
 
 def supported_model_types() -> list[str]:
     """The ``model_type`` values :meth:`ArchSpec.from_hf_config` accepts."""
-    return sorted(t for family in _FAMILIES.values() for t in family.model_types)
+    from services.models.families import FAMILIES
+
+    return sorted(t for family in FAMILIES.values() for t in family.model_types)
+
+
+ParseConfig = Callable[[Mapping[str, Any], str], ArchSpec]
+LayerTensors = Callable[[ArchSpec, int], list[CheckpointTensor]]

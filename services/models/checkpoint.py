@@ -8,19 +8,18 @@ is cheap enough to run when a model is registered and again before a worker load
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from services.models.arch import HARMLESS_EXTRA_SUFFIXES, ArchSpec
+from services.models.arch import ArchSpec
 from services.models.errors import InvalidCheckpoint, InvalidConfig, UnsupportedArchitecture
+from services.models.families import FAMILIES, ConfigRequest
+from services.models.random_weights import RandomWeights
 from services.models.safetensors_format import (
     CONFIG_TO_SAFETENSORS_DTYPE,
     TensorInfo,
-    encode_tensor,
     read_safetensors_header,
     write_safetensors,
 )
@@ -39,13 +38,13 @@ __all__ = [
     "read_config",
     "read_safetensors_index",
     "validate_checkpoint",
+    "write_checkpoint",
 ]
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
-_INIT_STD = 0.02
 
 
 @dataclass(frozen=True)
@@ -121,8 +120,9 @@ def validate_checkpoint(
 
     The config must describe a supported architecture; every tensor it implies must be
     present with exactly that shape in a float dtype; no other tensors may be present
-    except harmless ones (rotary ``inv_freq`` buffers, an LM head duplicating tied
-    embeddings); and ``tokenizer.json`` must exist unless ``require_tokenizer`` is False.
+    except harmless ones (rotary ``inv_freq`` buffers, GPT-J's saved attention masks, an
+    LM head duplicating tied embeddings); and ``tokenizer.json`` must exist unless
+    ``require_tokenizer`` is False.
     """
     directory = Path(checkpoint_dir)
     spec = ArchSpec.from_hf_config(read_config(directory))
@@ -145,7 +145,9 @@ def validate_checkpoint(
             raise InvalidCheckpoint(
                 f"tensor {name!r} has dtype {info.dtype}; expected one of {list(_FLOAT_DTYPES)}"
             )
-    extra = [name for name in tensors if name not in expected and not _is_harmless(name, spec)]
+    extra = [
+        name for name in tensors if name not in expected and not spec.is_ignorable_tensor(name)
+    ]
     if extra:
         raise InvalidCheckpoint(
             f"checkpoint has unexpected tensor(s): {', '.join(sorted(extra)[:5])}"
@@ -158,13 +160,6 @@ def validate_checkpoint(
         tensors={name: tensors[name] for name in expected},
         weight_bytes=sum(tensors[name].nbytes for name in expected),
         has_tokenizer=has_tokenizer,
-    )
-
-
-def _is_harmless(name: str, spec: ArchSpec) -> bool:
-    # Some exporters store lm_head.weight even when it is tied to the embeddings.
-    return name.endswith(HARMLESS_EXTRA_SUFFIXES) or (
-        spec.tie_word_embeddings and name == "lm_head.weight"
     )
 
 
@@ -183,80 +178,97 @@ def create_checkpoint(
     dtype: str = "float32",
     seed: int = 0,
     rope_theta: float = 10000.0,
-    rms_norm_eps: float = 1e-6,
+    norm_eps: float | None = None,
     sliding_window: int | None = None,
+    config_overrides: Mapping[str, Any] | None = None,
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write a randomly initialised Hugging Face checkpoint and return its directory.
+    """Write a randomly initialised Hugging Face checkpoint of any family; return its directory.
 
-    Matrices are N(0, 0.02²), norms are ones, biases zeros; the same arguments and seed
-    always give the same bytes. ``vocab_size`` defaults to the tokenizer's; it may be
-    larger (padding rows) but not smaller. ``arch`` is "llama" or "mistral" (the latter
-    with an optional ``sliding_window``). With ``max_shard_bytes`` the weights are split
-    into ``model-0000i-of-0000n.safetensors`` shards plus an index, as transformers does.
-    Refuses to write into a non-empty directory unless ``overwrite`` is True.
+    ``arch`` is "llama", "mistral" (with an optional ``sliding_window``), "qwen2",
+    "falcon" or "gptj". ``num_kv_heads`` defaults to ``num_heads``; for Falcon one KV head
+    gives Falcon-7B's multi-query design and anything between one and ``num_heads`` gives
+    Falcon-40B's grouped one. ``intermediate_size`` and ``norm_eps`` default to the
+    family's usual choice (8/3 × hidden rounded up to 32 for SwiGLU families, 4 × hidden
+    otherwise). ``vocab_size`` defaults to the tokenizer's; it may be larger (padding rows)
+    but not smaller. ``config_overrides`` sets or replaces config fields last (e.g.
+    ``{"parallel_attn": False}`` or GPT-J's ``{"rotary_dim": 8}``); the result must still
+    be a config iserve supports. Weights are written as :func:`write_checkpoint` does.
     """
-    directory = Path(out_dir)
-    if directory.exists() and any(directory.iterdir()) and not overwrite:
-        raise FileExistsError(f"{str(directory)!r} is not empty; pass overwrite=True to replace it")
-    if arch not in ("llama", "mistral"):
+    if arch not in FAMILIES:
         raise UnsupportedArchitecture(
-            f"create_checkpoint writes 'llama' or 'mistral', not {arch!r}"
+            f"create_checkpoint writes one of {sorted(FAMILIES)}, not {arch!r}"
         )
     if sliding_window is not None and arch != "mistral":
         raise InvalidConfig("sliding_window is only meaningful for arch='mistral'")
     tokenizer = build_tokenizer()
-    tokenizer_vocab = tokenizer.get_vocab_size()
-    vocab_size = tokenizer_vocab if vocab_size is None else vocab_size
-    if vocab_size < tokenizer_vocab:
-        raise InvalidConfig(
-            f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_vocab}"
-        )
-    if intermediate_size is None:
-        # Llama's 8/3 expansion, rounded up to a multiple of 32.
-        intermediate_size = 32 * math.ceil(8 * hidden_size / 3 / 32)
-    bos_id, eos_id = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
-    config: dict[str, Any] = {
-        "architectures": ["MistralForCausalLM" if arch == "mistral" else "LlamaForCausalLM"],
-        "model_type": arch,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_heads if num_kv_heads is None else num_kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": rms_norm_eps,
-        "rope_theta": rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": _INIT_STD,
-        "tie_word_embeddings": tie_word_embeddings,
-        "torch_dtype": dtype,
-        "vocab_size": vocab_size,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "use_cache": True,
-    }
-    if arch == "llama":
-        config["mlp_bias"] = False
-        config["pretraining_tp"] = 1
-    else:
-        config["sliding_window"] = sliding_window
-    spec = ArchSpec.from_hf_config(config)  # rejects inconsistent sizes before writing
-
-    directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob("*.safetensors"):
-        stale.unlink()
-    _write_random_weights(
-        directory, spec, CONFIG_TO_SAFETENSORS_DTYPE[dtype], seed, max_shard_bytes
+    request = ConfigRequest(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=tokenizer.get_vocab_size() if vocab_size is None else vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        dtype=dtype,
+        rope_theta=rope_theta,
+        norm_eps=norm_eps,
+        sliding_window=sliding_window,
+        bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+        eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
     )
-    _write_json(directory / CONFIG_FILE, config)
+    config = FAMILIES[arch].build_config(request)
+    config.update(config_overrides or {})
+    return write_checkpoint(
+        out_dir, config, seed=seed, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+    )
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    config: Mapping[str, Any],
+    *,
+    seed: int = 0,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``config`` as ``config.json`` with random weights for every tensor it implies,
+    plus the small test tokenizer, and return the directory.
+
+    The weights are streamed chunk by chunk (see services.models.random_weights), so a
+    full-sized preset needs only megabytes of memory; the same config and seed always give
+    the same bytes. The config's vocabulary must hold the tokenizer's ids. With
+    ``max_shard_bytes`` the weights are split into ``model-0000i-of-0000n.safetensors``
+    shards plus an index, as transformers does. Refuses to write into a non-empty
+    directory unless ``overwrite`` is True.
+    """
+    directory = Path(out_dir)
+    if directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"{str(directory)!r} is not empty; pass overwrite=True to replace it")
+    spec = ArchSpec.from_hf_config(config)  # rejects inconsistent sizes before writing
+    tokenizer = build_tokenizer()
+    if spec.vocab_size < tokenizer.get_vocab_size():
+        raise InvalidConfig(
+            f"vocab_size {spec.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.get_vocab_size()}"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in [*directory.glob("*.safetensors"), directory / SHARD_INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    _write_random_weights(
+        directory, spec, CONFIG_TO_SAFETENSORS_DTYPE[spec.torch_dtype], seed, max_shard_bytes
+    )
+    _write_json(directory / CONFIG_FILE, dict(config))
+    eos = list(spec.eos_token_ids)
     _write_json(
         directory / "generation_config.json",
-        {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False},
+        {
+            "bos_token_id": spec.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else eos,
+            "do_sample": False,
+        },
     )
     tokenizer.save(str(directory / TOKENIZER_FILE))
     _write_json(
@@ -268,7 +280,7 @@ def create_checkpoint(
             "add_bos_token": True,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
-            "model_max_length": max_position_embeddings,
+            "model_max_length": spec.max_position_embeddings,
         },
     )
     return directory
@@ -277,19 +289,22 @@ def create_checkpoint(
 def _write_random_weights(
     directory: Path, spec: ArchSpec, st_dtype: str, seed: int, max_shard_bytes: int | None
 ) -> None:
-    shapes = spec.expected_tensors()
+    tensors = {tensor.name: tensor for tensor in spec.checkpoint_tensors()}
+    shapes = {name: tensor.shape for name, tensor in tensors.items()}
     shards = _split_into_shards(shapes, st_dtype, max_shard_bytes)
-    rng = np.random.default_rng(seed)
+    weights = RandomWeights(seed, st_dtype)
 
-    def tensor_bytes(name: str) -> bytes:
-        shape = shapes[name]
-        if name.endswith("norm.weight"):
-            values = np.ones(shape, dtype=np.float32)
-        elif name.endswith(".bias"):
-            values = np.zeros(shape, dtype=np.float32)
-        else:
-            values = rng.standard_normal(shape, dtype=np.float32) * np.float32(_INIT_STD)
-        return encode_tensor(values, st_dtype)
+    def tensor_chunks(name: str) -> Iterator[bytes | memoryview]:
+        # The engine parameter a tensor fills says what it is, whatever the family calls it.
+        target = tensors[name].targets[0][0]
+        kind = (
+            "ones"
+            if target.endswith("norm.weight")
+            else "zeros"
+            if target.endswith(".bias")
+            else "normal"
+        )
+        return weights.chunks(shapes[name], kind)
 
     if len(shards) == 1:
         names = {"model.safetensors": shards[0]}
@@ -299,7 +314,7 @@ def _write_random_weights(
     total_bytes = 0
     for file_name, shard in names.items():
         layout = [(name, st_dtype, shapes[name]) for name in shard]
-        total_bytes += write_safetensors(directory / file_name, layout, tensor_bytes)
+        total_bytes += write_safetensors(directory / file_name, layout, tensor_chunks)
     if len(names) > 1:
         weight_map = {name: file_name for file_name, shard in names.items() for name in shard}
         _write_json(

@@ -3,8 +3,8 @@
 A safetensors file is an 8-byte little-endian header length, a JSON header mapping each
 tensor name to ``{"dtype", "shape", "data_offsets": [start, end]}`` (offsets relative to
 the end of the header), then the raw little-endian tensor bytes. Reading only the header
-lets the control plane check a 100 GB checkpoint in milliseconds; writing tensor by
-tensor keeps at most one tensor in memory.
+lets the control plane check a 100 GB checkpoint in milliseconds; writing chunk by chunk
+keeps at most a few megabytes of any tensor in memory.
 """
 
 from __future__ import annotations
@@ -152,13 +152,14 @@ def encode_tensor(values: np.ndarray, dtype: str) -> bytes:
 def write_safetensors(
     path: Path,
     layout: Iterable[tuple[str, str, tuple[int, ...]]],
-    tensor_bytes: Callable[[str], bytes],
+    tensor_chunks: Callable[[str], Iterable[bytes | memoryview]],
     metadata: dict[str, str] | None = None,
 ) -> int:
     """Write a safetensors file; returns the number of data bytes written.
 
-    ``layout`` lists (name, safetensors dtype, shape) in file order; ``tensor_bytes(name)``
-    is called once per tensor, in that order, so callers can produce one tensor at a time.
+    ``layout`` lists (name, safetensors dtype, shape) in file order; ``tensor_chunks(name)``
+    is called once per tensor, in that order, and yields the tensor's bytes in pieces, so
+    callers never need a whole tensor (let alone a whole model) in memory.
     """
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     entries = list(layout)
@@ -178,9 +179,10 @@ def write_safetensors(
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for name, dtype, shape in entries:
-            data = tensor_bytes(name)
             expected = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
-            if len(data) != expected:
-                raise ValueError(f"tensor {name!r}: got {len(data)} bytes, expected {expected}")
-            f.write(data)
+            written = 0
+            for chunk in tensor_chunks(name):
+                written += f.write(chunk)
+            if written != expected:
+                raise ValueError(f"tensor {name!r}: got {written} bytes, expected {expected}")
     return offset

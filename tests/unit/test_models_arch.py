@@ -84,7 +84,7 @@ def test_transformers4_config() -> None:
         intermediate_size=11008,
         vocab_size=32000,
         max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
+        norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=False,
         torch_dtype="float16",
@@ -183,7 +183,7 @@ def test_defaults_for_optional_fields() -> None:
     spec = ArchSpec.from_hf_config(config)
     assert spec.num_kv_heads == 32
     assert spec.torch_dtype == "float32"
-    assert spec.rms_norm_eps == 1e-6
+    assert spec.norm_eps == 1e-6
     assert spec.eos_token_ids == ()
     assert spec.bos_token_id is None
 

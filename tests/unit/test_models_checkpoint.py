@@ -162,7 +162,7 @@ def test_create_overwrites_when_asked(checkpoint: Path) -> None:
     [
         ({"num_kv_heads": 3}, InvalidConfig, "num_key_value_heads"),
         ({"vocab_size": 10}, InvalidConfig, "smaller than the tokenizer"),
-        ({"arch": "gptj"}, UnsupportedArchitecture, "gptj"),
+        ({"arch": "gpt2"}, UnsupportedArchitecture, "gpt2"),
         ({"sliding_window": 8}, InvalidConfig, "sliding_window"),
         ({"dtype": "int8"}, InvalidConfig, "int8"),
     ],

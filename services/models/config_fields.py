@@ -1,0 +1,130 @@
+"""Reading single fields of a Hugging Face ``config.json``, with errors that name the field.
+
+Every family parser uses these, so that a user who registers a broken config reads the
+same kind of message whatever the model: which field, what it holds, what was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.models.errors import InvalidConfig, UnsupportedArchitecture
+
+# Bytes per element of the dtypes a checkpoint may declare (config "dtype"/"torch_dtype").
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def first_present(cfg: Mapping[str, Any], keys: Sequence[str]) -> str:
+    """The first of ``keys`` the config sets (to anything but null); else the first key.
+
+    Families whose configs have used several names for one field (GPT-J's ``n_embd`` and
+    ``hidden_size``) read whichever is there and name the canonical one in errors.
+    """
+    return next((key for key in keys if cfg.get(key) is not None), keys[0])
+
+
+def positive_int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        value = default
+    if value is None:
+        raise InvalidConfig(f"config is missing required field {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidConfig(f"config field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def positive_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise InvalidConfig(f"config field {key!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def flag(cfg: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidConfig(f"config field {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def token_id(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidConfig(f"config field {key!r} must hold token ids, got {value!r}")
+    return value
+
+
+def bos_token_id(cfg: Mapping[str, Any]) -> int | None:
+    value = cfg.get("bos_token_id")
+    return None if value is None else token_id(value, "bos_token_id")
+
+
+def eos_token_ids(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    value = cfg.get("eos_token_id")
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    return tuple(token_id(v, "eos_token_id") for v in values)
+
+
+def dtype_name(cfg: Mapping[str, Any]) -> str:
+    # transformers 5 writes "dtype"; transformers 4 wrote "torch_dtype".
+    value = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if isinstance(value, str):
+        value = value.removeprefix("torch.")
+    if value not in DTYPE_BYTES:
+        raise InvalidConfig(f"config dtype {value!r} is not one of {sorted(DTYPE_BYTES)}")
+    return value
+
+
+def rope_theta(cfg: Mapping[str, Any]) -> float:
+    """Base of the rotary frequencies; only unscaled ("default") RoPE is supported.
+
+    transformers 5 writes ``rope_parameters: {"rope_theta", "rope_type"}``; transformers
+    4 wrote ``rope_theta`` at top level plus an optional ``rope_scaling`` dict.
+    """
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if block is None:
+            continue
+        if not isinstance(block, Mapping):
+            raise InvalidConfig(f"config field {name!r} must be an object, got {block!r}")
+        rope_type = block.get("rope_type", block.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise UnsupportedArchitecture(
+                f"{name} type {rope_type!r} is not supported; only unscaled (default) RoPE is"
+            )
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedArchitecture("partial rotary embeddings are not supported for this family")
+    if isinstance(params, Mapping) and params.get("rope_theta") is not None:
+        return positive_float(params, "rope_theta", 10000.0)
+    return positive_float(cfg, "rope_theta", 10000.0)
+
+
+def head_dim_of(hidden_size: int, num_heads: int) -> int:
+    """hidden_size / num_heads, which must divide exactly."""
+    if hidden_size % num_heads:
+        raise InvalidConfig(
+            f"hidden_size ({hidden_size}) is not divisible by num_attention_heads ({num_heads})"
+        )
+    return hidden_size // num_heads
+
+
+def kv_heads_dividing(num_heads: int, num_kv_heads: int, key: str) -> int:
+    """num_kv_heads, which must divide num_heads (each KV head serves a group of queries)."""
+    if num_heads % num_kv_heads:
+        raise InvalidConfig(
+            f"num_attention_heads ({num_heads}) is not divisible by {key} ({num_kv_heads})"
+        )
+    return num_kv_heads
+
+
+def reject_quantized(cfg: Mapping[str, Any]) -> None:
+    if cfg.get("quantization_config") is not None:
+        raise UnsupportedArchitecture("pre-quantized checkpoints are not supported yet")
