@@ -1,38 +1,39 @@
-"""The engine a worker process serves: tokenizer, model, cache slots and the decode loop.
+"""The engine a worker process serves: tokenizer, model, KV cache and its batch core.
 
-``Engine.generate`` prefills the prompt into a free cache slot, then decodes one token
-per step, yielding a StepOutput per token with the text that token made final. Each
-request holds its slot until its generator finishes or is closed.
+``Engine.batch`` is the continuous-batching core (:mod:`monitor_agent.engine.batching`)
+that the worker's engine thread drives. ``Engine.generate`` streams one request through
+that same core for in-process callers: each generator steps the batch when it needs its
+next token, so several generators iterated in turn share decode steps. A request holds
+its cache slot until its generator finishes or is closed.
 """
 
 from __future__ import annotations
 
 import json
-import threading
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from monitor_agent.engine.detokenizer import IncrementalDetokenizer
+from monitor_agent.engine.batching import (
+    BatchEngine,
+    GenerationRequest,
+    SequenceHandle,
+    StepOutput,
+)
+from monitor_agent.engine.kv_cache import kv_cache_quantization
 from monitor_agent.engine.loader import load_model
-from monitor_agent.engine.sampling import SamplingConfig, make_generator, sample_token
+from monitor_agent.engine.memory import MemoryAccount, parameter_and_buffer_bytes
+from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, InvalidCheckpoint
 
 __all__ = ["Engine", "NoFreeSlot", "SamplingConfig", "StepOutput"]
 
-
-@dataclass(frozen=True)
-class StepOutput:
-    """One generated token and the text it completed."""
-
-    token_id: int
-    text: str  # '' while a multi-byte character is incomplete
-    finished: bool
-    finish_reason: str | None  # "length" | "stop" (eos or stop token) | None
+# kv_cache_dtype values besides None (K and V in the model dtype).
+KV_CACHE_DTYPES = ("int8",)
 
 
 class NoFreeSlot(RuntimeError):
@@ -40,7 +41,12 @@ class NoFreeSlot(RuntimeError):
 
 
 class Engine:
-    """A model loaded for serving: max_batch sequences of up to max_seq_len tokens each."""
+    """A model loaded for serving: max_batch sequences of up to max_seq_len tokens each.
+
+    kv_cache_dtype None keeps K and V in the model dtype; "int8" quantizes them (see
+    :mod:`monitor_agent.engine.kv_cache`). prefill_token_budget is passed to the batch
+    core (default: max_seq_len prompt tokens admitted per step).
+    """
 
     def __init__(
         self,
@@ -51,10 +57,17 @@ class Engine:
         max_batch: int = 1,
         device: str = "cpu",
         num_threads: int | None = None,
+        kv_cache_dtype: str | None = None,
+        prefill_token_budget: int | None = None,
     ) -> None:
         directory = Path(checkpoint_dir)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be None (the model dtype) or one of {KV_CACHE_DTYPES}, "
+                f"got {kv_cache_dtype!r}"
+            )
         tokenizer_path = directory / TOKENIZER_FILE
         if not tokenizer_path.is_file():
             raise InvalidCheckpoint(f"{TOKENIZER_FILE} is missing from {str(directory)!r}")
@@ -67,16 +80,31 @@ class Engine:
             )
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.model.setup_caches(max_batch, max_seq_len)
+        with kv_cache_quantization(kv_cache_dtype or "none"):
+            self.model.setup_caches(max_batch, max_seq_len)
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | _generation_eos_ids(directory)
         self._add_bos = _tokenizer_adds_bos(directory) and self.spec.bos_token_id is not None
-        self._free_slots = list(range(max_batch - 1, -1, -1))
-        self._slot_lock = threading.Lock()
+        self.batch = BatchEngine(
+            self.model,
+            self.tokenizer,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            eos_token_ids=self.eos_token_ids,
+            prefill_token_budget=prefill_token_budget or max_seq_len,
+        )
+        # Outputs stepped for Engine.generate's sequences, waiting for their generator.
+        self._outboxes: dict[SequenceHandle, deque[StepOutput]] = {}
+
+    @property
+    def memory(self) -> MemoryAccount:
+        """Weights, KV cache and peak activation bytes (see monitor_agent.engine.memory)."""
+        return self.batch.memory
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text, starting with BOS as Hugging Face Llama tokenizers do."""
@@ -100,103 +128,44 @@ class Engine:
         final output, as soon as should_stop() returns True. Raises ValueError at once
         for an empty prompt, ids outside the vocabulary, max_tokens < 1 or a sequence
         longer than max_seq_len. The cache slot is taken when iteration starts (NoFreeSlot
-        if all are held) and given back when the iterator finishes or is closed.
+        if all are held) and given back when the iterator finishes or is closed. Not for
+        use while another thread drives ``self.batch``.
         """
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if len(prompt) + max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_seq_len ({self.max_seq_len})"
-            )
-        vocab = self.spec.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt holds token ids outside [0, {vocab}): {bad[:5]}")
-        return self._generate(prompt, max_tokens, sampling, should_stop or _never)
+        request = GenerationRequest(tuple(prompt_ids), max_tokens, sampling)
+        self.batch.validate(request)
+        return self._generate(request, should_stop or _never)
 
     def resident_bytes(self) -> int:
         """Bytes held by parameters and buffers (KV cache, RoPE tables), each counted once."""
-        seen: set[int] = set()
-        total = 0
-        for tensor in (*self.model.parameters(), *self.model.buffers()):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
+        return parameter_and_buffer_bytes(self.model)
 
     def _generate(
-        self,
-        prompt: list[int],
-        max_tokens: int,
-        sampling: SamplingConfig,
-        should_stop: Callable[[], bool],
+        self, request: GenerationRequest, should_stop: Callable[[], bool]
     ) -> Iterator[StepOutput]:
-        stop_ids = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        generator = make_generator(sampling.seed, self.device)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt)
         if should_stop():
             return
-        slot = self._acquire_slot()
+        if not self.batch.free_slots or self.batch.num_waiting:
+            raise NoFreeSlot(f"all {self.max_batch} sequence slots are in use")
+        handle = self.batch.submit(request)
+        outbox = self._outboxes[handle] = deque()
         try:
-            token = self._prefill(slot, prompt, sampling, generator)
-            position = len(prompt)
-            for generated in range(1, max_tokens + 1):
-                if token in stop_ids:
-                    yield StepOutput(token, detokenizer.flush(), True, "stop")
+            while True:
+                while not outbox:
+                    self._step()
+                output = outbox.popleft()
+                yield output
+                if output.finished or should_stop():
                     return
-                text = detokenizer.add(token)
-                if generated == max_tokens:
-                    yield StepOutput(token, text + detokenizer.flush(), True, "length")
-                    return
-                yield StepOutput(token, text, False, None)
-                if should_stop():
-                    return
-                token = self._decode(slot, token, position, sampling, generator)
-                position += 1
         finally:
-            self._release_slot(slot)
+            del self._outboxes[handle]
+            self.batch.cancel(handle)
 
-    @torch.inference_mode()
-    def _prefill(
-        self, slot: int, prompt: list[int], sampling: SamplingConfig, generator: torch.Generator
-    ) -> int:
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        positions = torch.arange(len(prompt), device=self.device).unsqueeze(0)
-        slots = torch.tensor([slot], dtype=torch.long, device=self.device)
-        logits = self.model(ids, positions, slots, last_token_only=True)
-        return sample_token(logits[0, -1], sampling, generator)
-
-    @torch.inference_mode()
-    def _decode(
-        self,
-        slot: int,
-        token: int,
-        position: int,
-        sampling: SamplingConfig,
-        generator: torch.Generator,
-    ) -> int:
-        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[position]], dtype=torch.long, device=self.device)
-        slots = torch.tensor([slot], dtype=torch.long, device=self.device)
-        logits = self.model(ids, positions, slots)
-        return sample_token(logits[0, -1], sampling, generator)
-
-    def _acquire_slot(self) -> int:
-        with self._slot_lock:
-            if not self._free_slots:
-                raise NoFreeSlot(f"all {self.max_batch} sequence slots are in use")
-            return self._free_slots.pop()
-
-    def _release_slot(self, slot: int) -> None:
-        with self._slot_lock:
-            self._free_slots.append(slot)
+    def _step(self) -> None:
+        """One batch step, each output filed for the generator that waits for it."""
+        for handle, output in self.batch.step():
+            outbox = self._outboxes.get(handle)
+            if outbox is not None:
+                outbox.append(output)
 
 
 def _never() -> bool:

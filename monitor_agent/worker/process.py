@@ -1,8 +1,9 @@
 """The worker process: pin cores, load the engine, serve WorkerService, report readiness.
 
 Readiness protocol: once the server listens, the worker writes
-``{"port": P, "pid": PID, "resident_bytes": N}`` to ``--ready-file`` atomically (a
-temporary file renamed into place), so the agent never reads a half-written file. A
+``{"port": P, "pid": PID, "resident_bytes": N}`` (N: bytes of weights and KV cache) to
+``--ready-file`` atomically (a temporary file renamed into place), so the agent never
+reads a half-written file. A
 worker that cannot start exits non-zero with the reason as the last lines of its log:
 2 for bad arguments (including tp or pp other than 1), 1 when the engine cannot load.
 SIGTERM stops it cleanly with exit code 0.
@@ -15,7 +16,6 @@ import asyncio
 import json
 import logging
 import os
-import resource
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--max-batch", type=int, default=1)
+    parser.add_argument(
+        "--kv-quant",
+        default="none",
+        choices=["none", "int8"],
+        help="KV-cache storage: the model dtype, or int8 with per-position scales",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda:N")
     parser.add_argument(
         "--cores", default="", help="comma-separated CPU cores to pin to (empty: no pinning)"
@@ -98,14 +104,15 @@ def write_ready_file(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
-def peak_memory_probe(device: str) -> Callable[[], int]:
-    """A function returning the worker's peak memory in bytes on ``device``."""
+def peak_memory_probe(engine: Engine, device: str) -> Callable[[], int]:
+    """A function returning the worker's peak memory in bytes on ``device``: the CUDA
+    allocator's peak on GPUs; on CPU, where the process RSS mostly measures the Python
+    runtime, the engine's own account of weights, KV cache and peak activations."""
     if device.startswith("cuda"):
         import torch
 
         return lambda: int(torch.cuda.max_memory_allocated(torch.device(device)))
-    # Linux reports ru_maxrss in KiB.
-    return lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return lambda: engine.memory.resident_bytes
 
 
 def parent_watch(parent_pid: int) -> Callable[[], Awaitable[None]]:
@@ -133,13 +140,12 @@ async def serve(args: argparse.Namespace, engine: Engine) -> None:
     from services.api import worker_service_pb2_grpc
 
     runner = EngineRunner(engine)
-    resident_bytes = engine.resident_bytes()
+    resident_bytes = engine.memory.resident_bytes
     servicer = WorkerServicer(
         runner,
         WorkerIdentity(args.deployment_id, args.rank),
         max_seq_len=args.max_seq_len,
-        resident_bytes=resident_bytes,
-        peak_memory_bytes=peak_memory_probe(args.device),
+        peak_memory_bytes=peak_memory_probe(engine, args.device),
     )
     binding = ServiceBinding(
         servicer,
@@ -166,6 +172,21 @@ async def serve(args: argparse.Namespace, engine: Engine) -> None:
         runner.close()
 
 
+def load_engine(args: argparse.Namespace, cores: list[int]) -> Engine:
+    """The engine ``args`` describe, computing on ``len(cores)`` threads (all if none)."""
+    from monitor_agent.engine.engine import Engine
+
+    return Engine(
+        args.checkpoint,
+        dtype=args.dtype,
+        max_seq_len=args.max_seq_len,
+        max_batch=args.max_batch,
+        device=args.device,
+        num_threads=len(cores) or None,
+        kv_cache_dtype=None if args.kv_quant == "none" else args.kv_quant,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level.upper(), f"worker[{args.deployment_id}/r{args.rank}]")
@@ -178,17 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_ARGUMENTS
 
-    from monitor_agent.engine.engine import Engine
-
     try:
-        engine = Engine(
-            args.checkpoint,
-            dtype=args.dtype,
-            max_seq_len=args.max_seq_len,
-            max_batch=args.max_batch,
-            device=args.device,
-            num_threads=len(cores) or None,
-        )
+        engine = load_engine(args, cores)
     except Exception as exc:  # noqa: BLE001 - the agent shows this line as the reason
         log.debug("engine failed to load", exc_info=True)
         print(f"error: cannot load {str(args.checkpoint)!r}: {exc}", file=sys.stderr, flush=True)

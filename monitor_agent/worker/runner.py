@@ -1,24 +1,40 @@
-"""Runs the engine's synchronous token generator in a thread and streams it to asyncio.
+"""Drives the engine's batch core from one engine thread and streams tokens to asyncio.
 
-The engine thread hands each StepOutput to the event loop with one
-``loop.call_soon_threadsafe(queue.put_nowait, step)``: no per-token locks, futures or
-allocations beyond the step itself, because this sits on the latency-critical path.
-One generation runs at a time (an asyncio lock admits requests in arrival order and a
-single-thread executor serialises engine calls even if a cancelled request's thread is
-still finishing its step); batching across ``max_batch`` slots comes later.
+One thread owns the engine's BatchEngine. A request arrives from the event loop through
+a deque (appends and pops are atomic) and joins the core's queue at the next step
+boundary; the core admits queued requests into free KV-cache slots first in, first out,
+so while all ``max_batch`` slots are busy a request waits for the first slot that a
+finishing or cancelled sequence gives back. A request whose ``stop`` event is set (its
+gRPC call was cancelled) is cancelled in the core at the next boundary, freeing its slot.
+
+Tokens travel back with ``loop.call_soon_threadsafe``: one call per engine step carries
+every token of that step to its request's own asyncio.Queue; no per-token locks or
+futures, because this sits on the latency-critical path.
+
+Busy time: the engine thread records each step's (start, end) ``time.perf_counter``
+interval in a :class:`BusyLog` (a bounded deque, back-to-back steps merged), from which
+``busy_seconds`` (total since start) and the busy share of a recent window come.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from monitor_agent.engine.batching import GenerationRequest, SequenceHandle, SequenceState
 from monitor_agent.engine.engine import Engine, SamplingConfig, StepOutput
+
+log = logging.getLogger("iserve.worker")
+
+# Steps that start within this many seconds of the previous one's end extend its interval.
+BUSY_MERGE_GAP_S = 1e-3
+BUSY_MAX_INTERVALS = 4096
 
 
 @dataclass
@@ -57,11 +73,52 @@ class RequestClock:
         return (time.perf_counter() - self.arrived) * 1e3
 
 
+class BusyLog:
+    """Intervals (perf_counter seconds) the engine spent stepping; the oldest are dropped
+    beyond ``max_intervals``, but ``total_seconds`` counts every one."""
+
+    def __init__(self, max_intervals: int = BUSY_MAX_INTERVALS) -> None:
+        self.intervals: deque[tuple[float, float]] = deque(maxlen=max_intervals)
+        self.total_seconds = 0.0
+
+    def record(self, start: float, end: float) -> None:
+        self.total_seconds += end - start
+        if self.intervals and start - self.intervals[-1][1] <= BUSY_MERGE_GAP_S:
+            self.intervals[-1] = (self.intervals[-1][0], end)
+        else:
+            self.intervals.append((start, end))
+
+    def busy_fraction(self, window_s: float, now: float | None = None) -> float:
+        """Share (0..1) of the last ``window_s`` seconds before ``now`` spent stepping."""
+        now = time.perf_counter() if now is None else now
+        since = now - window_s
+        busy = sum(
+            min(end, now) - max(start, since)
+            for start, end in self.intervals
+            if end > since and start < now
+        )
+        return busy / window_s
+
+
 @dataclass(frozen=True)
 class _Finished:
-    """Queue sentinel: the engine generator ended, with ``error`` when it raised."""
+    """Queue sentinel: the engine let go of the request, with ``error`` when it failed."""
 
     error: BaseException | None = None
+
+
+_DONE = _Finished()
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request between the event loop and the engine thread."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[StepOutput | _Finished]
+    stop: threading.Event
+    clock: RequestClock
 
 
 class EngineRunner:
@@ -69,14 +126,25 @@ class EngineRunner:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._admission = asyncio.Lock()
+        self._core = engine.batch
+        self._arrivals: deque[_Job] = deque()
+        self._wake = threading.Event()
+        self._closed = False
+        self.busy = BusyLog()
         # Written only by the engine thread; read by the event loop for GetWorkerStats.
         self.requests_served = 0
         self.tokens_generated = 0
-        self.busy_seconds = 0.0
-        # Written only by the event loop: requests waiting for or holding the engine.
+        # Written only by the event loop: requests waiting for or holding a slot.
         self.active_requests = 0
+        # Owned by the engine thread: the jobs the core holds, waiting or running.
+        self._jobs: dict[SequenceHandle, _Job] = {}
+        self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds the engine has spent stepping since it started."""
+        return self.busy.total_seconds
 
     async def generate(
         self,
@@ -89,65 +157,123 @@ class EngineRunner:
         """Stream the engine's StepOutputs for one request.
 
         Setting ``stop`` (or closing this generator) ends the generation at the engine's
-        next step; the engine is free again once this generator has finished. Errors the
-        engine raises (ValueError for bad input) propagate unchanged.
+        next step boundary; the request's slot is free again once this generator has
+        finished. ValueError for a request the engine cannot run, before it is queued;
+        an engine failure during the request propagates unchanged.
         """
+        request = GenerationRequest(tuple(prompt_ids), max_tokens, sampling)
+        self._core.validate(request)
         self.active_requests += 1
         try:
-            async with self._admission:
-                clock.admitted = time.perf_counter()
-                if stop.is_set():
-                    return
-                loop = asyncio.get_running_loop()
-                queue: asyncio.Queue[StepOutput | _Finished] = asyncio.Queue()
-                job = loop.run_in_executor(
-                    self._executor, self._run, loop, queue, prompt_ids, max_tokens, sampling, stop
-                )
-                try:
-                    while True:
-                        item = await queue.get()
-                        if type(item) is _Finished:
-                            if item.error is not None:
-                                raise item.error
-                            return
-                        yield item
-                finally:
+            if stop.is_set():
+                return
+            queue: asyncio.Queue[StepOutput | _Finished] = asyncio.Queue()
+            self._arrivals.append(_Job(request, asyncio.get_running_loop(), queue, stop, clock))
+            self._wake.set()
+            released = False
+            try:
+                while True:
+                    item = await queue.get()
+                    if type(item) is _Finished:
+                        released = True
+                        if item.error is not None:
+                            raise item.error
+                        return
+                    yield item
+            finally:
+                if not released:
                     stop.set()
-                    # Hold admission until the engine has really stopped; a second
-                    # cancellation only skips the wait (the executor still serialises).
+                    # Return once the engine has let go of the request, so its slot is free
+                    # and it is counted; a second cancellation only skips the wait.
                     with contextlib.suppress(asyncio.CancelledError):
-                        await job
+                        while type(await queue.get()) is not _Finished:
+                            pass
         finally:
             self.active_requests -= 1
 
-    def _run(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        queue: asyncio.Queue,
-        prompt_ids: list[int],
-        max_tokens: int,
-        sampling: SamplingConfig,
-        stop: threading.Event,
-    ) -> None:
-        """Engine thread: drive the generator, posting every step to the event loop."""
-        post = loop.call_soon_threadsafe
-        put = queue.put_nowait
-        started = time.perf_counter()
-        tokens = 0
-        finished = _Finished()
-        try:
-            for step in self.engine.generate(prompt_ids, max_tokens, sampling, stop.is_set):
-                tokens += 1
-                post(put, step)
-        except Exception as exc:  # noqa: BLE001 - handed to the caller, who raises it
-            finished = _Finished(exc)
-        finally:
-            self.busy_seconds += time.perf_counter() - started
-            self.tokens_generated += tokens
-            self.requests_served += 1
-        with contextlib.suppress(RuntimeError):  # the loop closed under us: nobody listens
-            post(put, finished)
-
     def close(self) -> None:
-        """Stop accepting engine work; a running step finishes in the background."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the engine thread after its current step; the requests it holds end
+        without a final token. Call once nothing submits any more (the server stopped)."""
+        self._closed = True
+        self._wake.set()
+
+    def _serve(self) -> None:
+        """Engine thread: take arrivals and cancellations at each boundary, then step."""
+        while not self._closed:
+            self._take_arrivals()
+            self._drop_stopped()
+            if not self._jobs:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            self._step()
+        for handle in list(self._jobs):
+            self._core.cancel(handle)
+            self._release(self._jobs.pop(handle), _DONE)
+        while self._arrivals:
+            self._release(self._arrivals.popleft(), _DONE)
+
+    def _take_arrivals(self) -> None:
+        while self._arrivals:
+            job = self._arrivals.popleft()
+            if job.stop.is_set():
+                self._release(job, _DONE)
+                continue
+            try:
+                handle = self._core.submit(job.request)
+            except ValueError as exc:  # validated already; kept so a bad request cannot kill us
+                self._release(job, _Finished(exc))
+                continue
+            self._jobs[handle] = job
+
+    def _drop_stopped(self) -> None:
+        stopped = [handle for handle, job in self._jobs.items() if job.stop.is_set()]
+        for handle in stopped:
+            if handle.state is SequenceState.RUNNING:
+                self.requests_served += 1
+            self._core.cancel(handle)
+            self._release(self._jobs.pop(handle), _DONE)
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self._core.step()
+        except Exception as exc:  # noqa: BLE001 - handed to the requests that were in it
+            self.busy.record(started, time.perf_counter())
+            log.exception("engine step failed")
+            self._fail_admitted(exc)
+            return
+        self.busy.record(started, time.perf_counter())
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[Callable, object]]] = {}
+        for handle, output in outputs:
+            job = self._jobs[handle]
+            if job.clock.admitted is None:
+                job.clock.admitted = handle.admitted_at
+            batch = deliveries.setdefault(job.loop, [])
+            batch.append((job.queue.put_nowait, output))
+            if output.finished:
+                del self._jobs[handle]
+                batch.append((job.queue.put_nowait, _DONE))
+                self.requests_served += 1
+        self.tokens_generated += len(outputs)
+        for loop, batch in deliveries.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed under us: nobody listens
+                loop.call_soon_threadsafe(_deliver, batch)
+
+    def _fail_admitted(self, error: BaseException) -> None:
+        """After a failed step, end every request that had a slot; queued ones stay."""
+        failed = [h for h in self._jobs if h.state is not SequenceState.WAITING]
+        for handle in failed:
+            self.requests_served += 1
+            self._core.cancel(handle)
+            self._release(self._jobs.pop(handle), _Finished(error))
+
+    def _release(self, job: _Job, finished: _Finished) -> None:
+        """Tell the job's generator that the engine is done with it."""
+        with contextlib.suppress(RuntimeError):
+            job.loop.call_soon_threadsafe(job.queue.put_nowait, finished)
+
+
+def _deliver(batch: list[tuple[Callable, object]]) -> None:
+    for put, item in batch:
+        put(item)

@@ -1,4 +1,10 @@
-"""WorkerService: protobuf in, EngineRunner, protobuf out."""
+"""WorkerService: protobuf in, EngineRunner, protobuf out.
+
+GetWorkerStats reports the engine's memory account (weights + KV cache + peak activation
+estimate, see monitor_agent.engine.memory) as resident_bytes, and as peak_memory_bytes
+whatever the worker's probe measures (the same account on CPU, the CUDA allocator's peak
+on GPUs).
+"""
 
 from __future__ import annotations
 
@@ -46,14 +52,12 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         identity: WorkerIdentity,
         *,
         max_seq_len: int,
-        resident_bytes: int,
         peak_memory_bytes: Callable[[], int],
     ):
         self.runner = runner
         self.identity = identity
         self.max_seq_len = max_seq_len
         self.vocab_size = runner.engine.spec.vocab_size
-        self.resident_bytes = resident_bytes
         self.peak_memory_bytes = peak_memory_bytes
 
     def _prompt_ids(self, request: worker_pb.WorkerServiceGenerateRequest) -> list[int]:
@@ -109,7 +113,7 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
             request_id=request.request_id,
             deployment_id=self.identity.deployment_id,
             rank=self.identity.rank,
-            resident_bytes=self.resident_bytes,
+            resident_bytes=runner.engine.memory.resident_bytes,
             peak_memory_bytes=self.peak_memory_bytes(),
             requests_served=runner.requests_served,
             tokens_generated=runner.tokens_generated,

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -66,7 +67,7 @@ def worker(checkpoint, tmp_path_factory):
     assert record["resident_bytes"] > 0
     address = f"127.0.0.1:{record['port']}"
     with grpc.insecure_channel(address) as channel:
-        yield proc, channel
+        yield proc, channel, record
     proc.terminate()
     assert proc.wait(15) == 0, (run_dir / "worker.log").read_text()
 
@@ -209,6 +210,71 @@ def test_stats_describe_the_worker(stub):
     assert after.active_requests == 0
 
 
+@pytest.fixture(scope="module")
+def batch_worker(checkpoint, tmp_path_factory):
+    """A worker with four KV-cache slots."""
+    run_dir = tmp_path_factory.mktemp("batch_worker")
+    proc, record = start_worker(
+        checkpoint, run_dir / "ready.json", run_dir / "worker.log", "--max-batch", "4"
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{record['port']}") as channel:
+        yield worker_service_pb2_grpc.WorkerServiceStub(channel), record
+    proc.terminate()
+    assert proc.wait(15) == 0, (run_dir / "worker.log").read_text()
+
+
+def test_four_concurrent_streams_are_batched_and_match_single_requests(batch_worker, engine):
+    from monitor_agent.engine.engine import SamplingConfig
+
+    stub, ready = batch_worker
+    prompts = [PROMPT, "A quick brown fox", "Once upon a time in a land far away", "Hi there"]
+    lengths = [40, 28, 36, 32]
+    expected = [
+        [s.token_id for s in engine.generate(engine.encode(p), n, SamplingConfig(ignore_eos=True))]
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+
+    def run(prompt: str, max_tokens: int) -> list[worker_pb.WorkerServiceGenerateResponse]:
+        sampling = common.SamplingParams(ignore_eos=True)
+        return _generate(stub, prompt=prompt, max_tokens=max_tokens, sampling=sampling)
+
+    started = time.perf_counter()
+    sequential = [run(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    sequential_s = time.perf_counter() - started
+    started = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        concurrent = list(pool.map(run, prompts, lengths))
+    concurrent_s = time.perf_counter() - started
+    print(
+        f"\n4 streams, max_batch 4: sequential {sequential_s:.3f} s, concurrent {concurrent_s:.3f} s"
+    )
+
+    for responses, want in zip([*sequential, *concurrent], [*expected, *expected], strict=True):
+        assert [r.token_ids[0] for r in responses] == want
+        last = responses[-1]
+        assert last.finish_reason == common.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == len(want)
+        assert 0 < last.timings.ttft_ms <= last.timings.total_ms and last.timings.tpot_ms > 0
+    stats = _stats(stub)
+    assert stats.requests_served == 8 and stats.tokens_generated == 2 * sum(lengths)
+    # resident = weights + KV cache (what the ready file said) + the peak activation estimate
+    assert stats.resident_bytes > ready["resident_bytes"]
+    assert stats.peak_memory_bytes == stats.resident_bytes
+
+
+def test_kv_quant_int8_reaches_the_engine(checkpoint, worker):
+    from monitor_agent.worker.process import load_engine, parse_args
+
+    argv = ["--deployment-id", "d", "--checkpoint", str(checkpoint), "--ready-file", "r"]
+    args = parse_args([*argv, "--max-seq-len", str(MAX_SEQ_LEN), "--kv-quant", "int8"])
+    engine = load_engine(args, cores=[])
+    assert engine.kv_cache_dtype == "int8"
+    # head_dim 16: int8 values + a 2-byte scale per 16 take 18/64 of the float32 cache
+    fp32_cache = 2 * 2 * 2 * 16 * MAX_SEQ_LEN * 4  # K+V, layers, kv_heads, head_dim, seq, fp32
+    saved = fp32_cache - fp32_cache * 18 // 64
+    assert engine.memory.resident_bytes == worker[2]["resident_bytes"] - saved
+
+
 def test_health_and_reflection_say_serving(worker):
     health = health_pb2_grpc.HealthStub(worker[1])
     for service in ("", "iserve.v1.WorkerService"):
@@ -223,6 +289,7 @@ def test_health_and_reflection_say_serving(worker):
         (["--tensor-parallel", "2"], "tp = pp = 1 only"),
         (["--pipeline-parallel", "2"], "tp = pp = 1 only"),
         (["--cores", "0,x"], "not a core number"),
+        (["--kv-quant", "int4"], "invalid choice: 'int4'"),
     ],
 )
 def test_unsupported_arguments_exit_2_with_a_message(tmp_path, args, message):

@@ -1,0 +1,97 @@
+"""The memory a worker reports: weights + KV cache + peak activations, in bytes.
+
+On CPU nothing measures tensor memory for us (the process RSS also holds the Python
+interpreter, torch's libraries and allocator slack), so the engine keeps its own
+account:
+
+* weights: the bytes of every parameter, and the bytes of the other buffers (RoPE
+  tables), each storage counted once;
+* KV cache: the bytes of every LayerKVCache buffer (int8 values and their scales when
+  quantized);
+* activations: for every forward pass the engine runs, an estimate of the bytes live at
+  its peak, computed from the pass's shape (:func:`forward_activation_bytes`); the
+  account keeps the largest seen. It assumes activations in the model dtype with
+  attention scores and sampled logits in float32, and counts within one layer the
+  residual stream plus the larger of the attention block (q, k, v before and after RoPE,
+  the keys/values read back from the cache, scores and mask) and the MLP block (gate, up
+  and their product), or, after the last layer, the logits. Temporaries inside a single
+  kernel are not counted.
+
+On CUDA the worker reports ``torch.cuda.max_memory_allocated`` as its peak instead,
+which measures the same things exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from monitor_agent.engine.kv_cache import kv_cache_bytes
+from services.models.arch import ArchSpec
+
+_FLOAT32_BYTES = 4
+
+
+def forward_activation_bytes(
+    spec: ArchSpec,
+    dtype_bytes: int,
+    *,
+    rows: int,
+    tokens_per_row: int,
+    kv_len: int,
+    logit_rows: int,
+) -> int:
+    """Estimated peak bytes of activations of one forward pass of ``rows`` sequences of
+    ``tokens_per_row`` new tokens each, attending to ``kv_len`` positions, that returns
+    logits for ``logit_rows`` tokens. See the module docstring for what is counted."""
+    tokens = rows * tokens_per_row
+    q_dim = spec.num_heads * spec.head_dim
+    kv_dim = spec.num_kv_heads * spec.head_dim
+    hidden = tokens * spec.hidden_size * dtype_bytes
+    residual = 3 * hidden  # x, its norm, the block's output
+    attention = (
+        2 * tokens * (q_dim + 2 * kv_dim) * dtype_bytes  # q, k, v before and after RoPE
+        + 2 * rows * kv_len * kv_dim * dtype_bytes  # keys and values read from the cache
+        + rows * spec.num_heads * tokens_per_row * kv_len * _FLOAT32_BYTES  # scores
+        + rows * tokens_per_row * kv_len  # boolean mask
+        + tokens * q_dim * dtype_bytes  # attention output
+    )
+    mlp = 3 * tokens * spec.intermediate_size * dtype_bytes
+    logits = logit_rows * spec.vocab_size * (dtype_bytes + _FLOAT32_BYTES)
+    return max(residual + max(attention, mlp), hidden + logits)
+
+
+def parameter_and_buffer_bytes(model: nn.Module) -> int:
+    """Bytes held by parameters and buffers (KV cache included), each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+@dataclass
+class MemoryAccount:
+    """Bytes of a loaded engine's tensors; ``observe_forward`` raises the activation peak."""
+
+    weight_bytes: int  # parameters and non-cache buffers
+    kv_cache_bytes: int
+    peak_activation_bytes: int = 0
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> MemoryAccount:
+        cache = kv_cache_bytes(model)
+        return cls(weight_bytes=parameter_and_buffer_bytes(model) - cache, kv_cache_bytes=cache)
+
+    def observe_forward(self, activation_bytes: int) -> None:
+        if activation_bytes > self.peak_activation_bytes:
+            self.peak_activation_bytes = activation_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """Weights + KV cache + the largest activation estimate so far."""
+        return self.weight_bytes + self.kv_cache_bytes + self.peak_activation_bytes
