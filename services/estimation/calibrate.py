@@ -1,0 +1,316 @@
+"""Calibration: fit the hardware constants on measured full-model data points.
+
+The papers fit Eq. 2's exponents by gradient descent on the mean absolute percentage
+error (MAPE) over a few hundred measured deployments, once per hardware type. This
+module does the same in numpy: projected gradient descent with Adam steps on
+central-difference gradients, from a fixed set of starting points (the loss is not
+convex), keeping the best iterate. Same inputs, same result: nothing is random.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.estimation.latency import (
+    O_PP_FROM_PP2,
+    REFERENCE_LAYOUTS,
+    ParallelConstants,
+    PhaseConstants,
+    ReferenceScales,
+    parallel_latency,
+    phase_latency,
+    split_references,
+)
+from services.estimation.memory import MemoryConstants, solve_memory_components, total_memory_gib
+
+__all__ = [
+    "EXPONENT_BOUNDS",
+    "FitResult",
+    "calibrate_latency",
+    "fit_reference_scales",
+    "calibrate_memory_constants",
+    "calibrate_parallel_constants",
+    "calibrate_phase_constants",
+    "mape_pct",
+    "minimize_mape",
+]
+
+# Bounds of alpha, beta, gamma, delta: none may be negative (the terms would change
+# sign), and beyond these values the model only chases noise.
+EXPONENT_BOUNDS = (np.array([0.0, 0.0, 0.0, 0.0]), np.array([1.5, 4.0, 3.0, 3.0]))
+_EXPONENT_STARTS = (
+    np.array([0.05, 0.75, 0.5, 1.2]),  # MaverIQ's initial values
+    np.array([0.05, 1.5, 0.5, 0.5]),
+    np.array([0.2, 0.5, 1.0, 1.0]),
+)
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Fitted parameters and the MAPE (%) they reach on the fitting data."""
+
+    params: tuple[float, ...]
+    mape_pct: float
+    iterations: int
+
+
+def mape_pct(estimate: np.ndarray, measured: np.ndarray) -> float:
+    """Mean absolute percentage error, %."""
+    measured = np.asarray(measured, dtype=float)
+    return float(100.0 * np.mean(np.abs((np.asarray(estimate) - measured) / measured)))
+
+
+def minimize_mape(
+    predict: Callable[[np.ndarray], np.ndarray],
+    measured: np.ndarray,
+    starts: Sequence[np.ndarray],
+    lower: np.ndarray,
+    upper: np.ndarray,
+    steps: int = 400,
+    learning_rate: float = 0.05,
+) -> FitResult:
+    """Projected Adam descent on MAPE from each start; returns the best point seen.
+
+    ``predict`` maps a parameter vector to estimates shaped like ``measured``. The step
+    size decays from ``learning_rate`` (in parameter units) to a hundredth of it.
+    """
+    measured = np.asarray(measured, dtype=float)
+    if measured.size == 0:
+        raise ValueError("no measurements to fit")
+    if np.any(measured <= 0):
+        raise ValueError("measurements must be positive to compute a percentage error")
+    lower = np.asarray(lower, dtype=float)
+    upper = np.asarray(upper, dtype=float)
+
+    def loss(params: np.ndarray) -> float:
+        value = mape_pct(predict(params), measured)
+        return value if np.isfinite(value) else np.inf
+
+    best_params, best_loss, total = None, np.inf, 0
+    for start in starts:
+        params = np.clip(np.asarray(start, dtype=float), lower, upper)
+        first, second = np.zeros_like(params), np.zeros_like(params)
+        eps = 1e-4 * np.maximum(1.0, np.abs(upper - lower))
+        current = loss(params)
+        for step in range(1, steps + 1):
+            grad = np.empty_like(params)
+            for i in range(params.size):
+                bump = np.zeros_like(params)
+                bump[i] = eps[i]
+                grad[i] = (
+                    loss(np.clip(params + bump, lower, upper))
+                    - loss(np.clip(params - bump, lower, upper))
+                ) / (2 * eps[i])
+            grad = np.where(np.isfinite(grad), grad, 0.0)
+            first = 0.9 * first + 0.1 * grad
+            second = 0.999 * second + 0.001 * grad**2
+            rate = learning_rate * 0.01 ** (step / steps)
+            m_hat = first / (1 - 0.9**step)
+            v_hat = second / (1 - 0.999**step)
+            params = np.clip(params - rate * m_hat / (np.sqrt(v_hat) + 1e-12), lower, upper)
+            current = loss(params)
+            if current < best_loss:
+                best_loss, best_params = current, params.copy()
+        total += steps
+    if best_params is None:
+        raise ValueError("calibration never reached a finite error; check the inputs")
+    return FitResult(tuple(float(p) for p in best_params), float(best_loss), total)
+
+
+def calibrate_parallel_constants(
+    refs: np.ndarray,
+    tp: np.ndarray,
+    pp: np.ndarray,
+    measured: np.ndarray,
+    o_pp_from: str = O_PP_FROM_PP2,
+    clamp_overheads: bool = False,
+    steps: int = 400,
+    layouts: tuple[tuple[int, int], ...] = REFERENCE_LAYOUTS,
+) -> tuple[ParallelConstants, FitResult]:
+    """Fit alpha, beta, gamma, delta of Eq. 2 on one latency-like quantity.
+
+    ``refs`` is (k, len(layouts)): each data point's references in seconds, in the order
+    of ``layouts``; ``measured`` the measured value at (tp, pp).
+    """
+    l11, l21, l12, ladder = split_references(refs, layouts)
+
+    def predict(params: np.ndarray) -> np.ndarray:
+        constants = ParallelConstants.from_array(params)
+        return parallel_latency(
+            l11, l21, l12, tp, pp, constants, o_pp_from, clamp_overheads, tp_ladder=ladder
+        )
+
+    fit = minimize_mape(predict, measured, _EXPONENT_STARTS, *EXPONENT_BOUNDS, steps=steps)
+    return ParallelConstants.from_array(np.array(fit.params)), fit
+
+
+def calibrate_phase_constants(
+    ttft_refs: np.ndarray,
+    tpot_refs: np.ndarray,
+    tp: np.ndarray,
+    pp: np.ndarray,
+    output_tokens: np.ndarray,
+    measured_latency: np.ndarray,
+    initial: PhaseConstants,
+    o_pp_from: str = O_PP_FROM_PP2,
+    steps: int = 400,
+    layouts: tuple[tuple[int, int], ...] = REFERENCE_LAYOUTS,
+) -> tuple[PhaseConstants, FitResult]:
+    """Fit TTFT and TPOT exponents together on end-to-end latency MAPE.
+
+    ``initial`` is usually the result of fitting each phase on its own measurements
+    (:func:`calibrate_parallel_constants`); the joint fit then trades the two off where
+    the end-to-end error, the figure users see, prefers it.
+    """
+
+    def predict(params: np.ndarray) -> np.ndarray:
+        constants = PhaseConstants(
+            ParallelConstants.from_array(params[:4]), ParallelConstants.from_array(params[4:])
+        )
+        return phase_latency(
+            ttft_refs, tpot_refs, tp, pp, output_tokens, constants, o_pp_from, layouts
+        )[2]
+
+    start = np.concatenate([initial.ttft.as_array(), initial.tpot.as_array()])
+    lower = np.concatenate([EXPONENT_BOUNDS[0]] * 2)
+    upper = np.concatenate([EXPONENT_BOUNDS[1]] * 2)
+    fit = minimize_mape(
+        predict, measured_latency, [start], lower, upper, steps=steps, learning_rate=0.02
+    )
+    params = np.array(fit.params)
+    constants = PhaseConstants(
+        ParallelConstants.from_array(params[:4]), ParallelConstants.from_array(params[4:])
+    )
+    return constants, fit
+
+
+def calibrate_memory_constants(
+    refs: np.ndarray,
+    tp: np.ndarray,
+    pp: np.ndarray,
+    measured_gib: np.ndarray,
+    steps: int = 300,
+    layout_residuals: bool = True,
+) -> tuple[MemoryConstants, FitResult]:
+    """Fit the per-peer device overhead on memory MAPE, then the per-layout residuals.
+
+    ``refs`` is (k, 3): each data point's extrapolated (1,1), (2,1), (1,2) footprints
+    in GiB; ``measured_gib`` the measured footprint at (tp, pp). The residual of a
+    layout is the median of (measured - model) over its data points, in GiB; the
+    reference layouts get none (the model reproduces them by construction). The
+    returned fit error is that of the final constants.
+    """
+    refs = np.asarray(refs, dtype=float)[:, :3]
+    tp = np.asarray(tp, dtype=float)
+    pp = np.asarray(pp, dtype=float)
+    measured_gib = np.asarray(measured_gib, dtype=float)
+
+    def predict_with(constants: MemoryConstants) -> np.ndarray:
+        parts = solve_memory_components(refs[:, 0], refs[:, 1], refs[:, 2], constants)
+        return total_memory_gib(parts, tp, pp, constants)
+
+    fit = minimize_mape(
+        lambda params: predict_with(MemoryConstants(tp_peer_gib=float(params[0]))),
+        measured_gib,
+        [np.array([0.0]), np.array([0.5])],
+        np.array([0.0]),
+        np.array([4.0]),
+        steps=steps,
+    )
+    constants = MemoryConstants(tp_peer_gib=fit.params[0])
+    if layout_residuals:
+        base = predict_with(constants)
+        residuals = []
+        for layout in sorted(
+            set(zip(tp.astype(int).tolist(), pp.astype(int).tolist(), strict=True))
+        ):
+            if layout in REFERENCE_LAYOUTS:
+                continue
+            at = (tp == layout[0]) & (pp == layout[1])
+            residuals.append((layout, float(np.median(measured_gib[at] - base[at]))))
+        constants = MemoryConstants(constants.tp_peer_gib, tuple(residuals))
+    final = mape_pct(predict_with(constants), measured_gib)
+    return constants, FitResult(fit.params, final, fit.iterations)
+
+
+def fit_reference_scales(
+    ttft_refs: np.ndarray,
+    tpot_refs: np.ndarray,
+    tp: np.ndarray,
+    pp: np.ndarray,
+    measured_ttft: np.ndarray,
+    measured_tpot: np.ndarray,
+) -> ReferenceScales:
+    """Median measured / extrapolated TTFT and TPOT at each reference layout.
+
+    Rows are data points as in :func:`calibrate_latency`; a reference layout without
+    data points keeps the factor 1.
+    """
+    scales = {}
+    for phase, refs, measured in (
+        ("ttft", ttft_refs, measured_ttft),
+        ("tpot", tpot_refs, measured_tpot),
+    ):
+        refs = np.asarray(refs, dtype=float)
+        factors = []
+        for i, (layout_tp, layout_pp) in enumerate(REFERENCE_LAYOUTS):
+            at = (np.asarray(tp) == layout_tp) & (np.asarray(pp) == layout_pp)
+            ratio = np.asarray(measured, dtype=float)[at] / refs[at, i]
+            ratio = ratio[np.isfinite(ratio) & (ratio > 0)]
+            factors.append(float(np.exp(np.median(np.log(ratio)))) if ratio.size else 1.0)
+        scales[phase] = tuple(factors)
+    return ReferenceScales(ttft=scales["ttft"], tpot=scales["tpot"])
+
+
+def calibrate_latency(
+    ttft_refs: np.ndarray,
+    tpot_refs: np.ndarray,
+    tp: np.ndarray,
+    pp: np.ndarray,
+    output_tokens: np.ndarray,
+    measured_latency: np.ndarray,
+    measured_ttft: np.ndarray,
+    measured_tpot: np.ndarray,
+    o_pp_from: str = O_PP_FROM_PP2,
+    layouts: tuple[tuple[int, int], ...] = REFERENCE_LAYOUTS,
+    steps: int = 250,
+    scale_references: bool = True,
+) -> tuple[PhaseConstants, ReferenceScales, FitResult]:
+    """Fit the latency side of a calibration on measured full-model data points.
+
+    One row per data point: its variant's extrapolated references (``layouts`` order),
+    its layout, output length and the measured end-to-end latency, TTFT and TPOT
+    (seconds; the TTFT and TPOT of a full-model layout come from a least-squares line
+    through its latencies at several output lengths). First the reference scales (when
+    ``scale_references``), then each phase's exponents on its own measurements, then
+    both phases jointly on end-to-end MAPE. Returns the constants, the scales and the
+    end-to-end fit.
+    """
+    scales = (
+        fit_reference_scales(ttft_refs, tpot_refs, tp, pp, measured_ttft, measured_tpot)
+        if scale_references
+        else ReferenceScales()
+    )
+    ttft_refs, tpot_refs = scales.apply(ttft_refs, tpot_refs)
+    ttft_constants, _ = calibrate_parallel_constants(
+        ttft_refs, tp, pp, measured_ttft, o_pp_from, steps=steps, layouts=layouts
+    )
+    tpot_constants, _ = calibrate_parallel_constants(
+        tpot_refs, tp, pp, measured_tpot, o_pp_from, steps=steps, layouts=layouts
+    )
+    constants, fit = calibrate_phase_constants(
+        ttft_refs,
+        tpot_refs,
+        tp,
+        pp,
+        output_tokens,
+        measured_latency,
+        PhaseConstants(ttft_constants, tpot_constants),
+        o_pp_from,
+        steps=steps,
+        layouts=layouts,
+    )
+    return constants, scales, fit

@@ -1,0 +1,365 @@
+"""Layer extrapolation: from fingerprints (a few hidden layers) to the full model.
+
+A fingerprint keeps the embeddings, the LM head and ``n`` hidden layers, so everything it
+costs splits into a per-layer part and an "other" part (the papers' Eq. 4 and 5):
+
+    TTFT(n) = n * TTFT_layer + TTFT_other
+    TPOT(n) = n * TPOT_layer + TPOT_other
+    Lat(n, o) = TTFT(n) + o * TPOT(n)          (end to end, o output tokens)
+    Mem(n) = n * Mem_layer + Mem_other
+
+The four latency unknowns are solved by least squares over every sample given: direct
+TTFT or TPOT measurements (from token timestamps) and end-to-end latencies at several
+output lengths (what the MaverIQ data holds) can be mixed freely. Samples taken with
+different prompts share the TPOT terms but get TTFT terms of their own (``prompt``
+label), so a profile taken with a short prompt still sharpens the TPOT of one taken with
+the deployment's prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "PHASES",
+    "LatencySample",
+    "LayerLatency",
+    "LayerLatencyFit",
+    "LayerMemory",
+    "fit_layer_latency",
+    "fit_layer_memory",
+    "fit_layer_memory_shared",
+]
+
+PHASES = ("end_to_end", "ttft", "tpot")
+
+
+@dataclass(frozen=True)
+class LatencySample:
+    """One timing of a model cut to ``layers`` hidden layers.
+
+    ``phase`` says what ``seconds`` is: ``end_to_end`` (a request producing
+    ``output_tokens`` tokens), ``ttft`` or ``tpot`` (seconds per output token).
+    """
+
+    layers: int
+    seconds: float
+    output_tokens: int = 0
+    phase: str = "end_to_end"
+    prompt: Hashable = "default"
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+        if self.layers < 1:
+            raise ValueError(f"layers must be at least 1, got {self.layers}")
+        if self.phase == "end_to_end" and self.output_tokens < 1:
+            raise ValueError("an end-to-end sample needs output_tokens >= 1")
+
+
+@dataclass(frozen=True)
+class LayerLatency:
+    """Per-layer and other latency of one configuration (seconds; TPOT per token)."""
+
+    ttft_per_layer_s: float
+    ttft_other_s: float
+    tpot_per_layer_s: float
+    tpot_other_s: float
+
+    def ttft(self, layers: float) -> float:
+        """Time to first token with ``layers`` hidden layers, seconds."""
+        return layers * self.ttft_per_layer_s + self.ttft_other_s
+
+    def tpot(self, layers: float) -> float:
+        """Time per output token with ``layers`` hidden layers, seconds."""
+        return layers * self.tpot_per_layer_s + self.tpot_other_s
+
+    def latency(self, layers: float, output_tokens: float) -> float:
+        """End-to-end latency of a request producing ``output_tokens`` tokens, seconds."""
+        return self.ttft(layers) + output_tokens * self.tpot(layers)
+
+
+@dataclass(frozen=True)
+class LayerLatencyFit:
+    """Result of :func:`fit_layer_latency`: shared TPOT terms, TTFT terms per prompt."""
+
+    tpot_per_layer_s: float
+    tpot_other_s: float
+    ttft_terms: Mapping[Hashable, tuple[float, float]]
+    residual_rms_s: float
+
+    def for_prompt(self, prompt: Hashable = "default") -> LayerLatency:
+        """The per-layer model for requests with the given prompt label."""
+        if prompt not in self.ttft_terms:
+            raise KeyError(f"no TTFT samples for prompt {prompt!r}; have {list(self.ttft_terms)}")
+        per_layer, other = self.ttft_terms[prompt]
+        return LayerLatency(per_layer, other, self.tpot_per_layer_s, self.tpot_other_s)
+
+
+def fit_layer_latency(
+    samples: Sequence[LatencySample], fixed_per_layer: LayerLatencyFit | None = None
+) -> LayerLatencyFit:
+    """Least-squares TTFT/TPOT per layer and other from fingerprint samples.
+
+    With ``fixed_per_layer`` the per-layer terms (TPOT, and TTFT of each prompt) are taken
+    from that earlier fit and only the "other" terms are fitted: the right model for a layout whose per-layer work equals a
+    reference's (pipeline stages run the same layers one after another), and one that
+    keeps measurement noise from being multiplied by the layer count.
+
+    Raises ValueError when the samples cannot determine the unknowns (for example a
+    single layer count, or end-to-end samples at a single output length).
+    """
+    if not samples:
+        raise ValueError("no latency samples")
+    prompts = list(dict.fromkeys(s.prompt for s in samples if s.phase != "tpot"))
+    # Columns: tpot_layer, tpot_other, then (ttft_layer, ttft_other) per prompt.
+    n_cols = 2 + 2 * len(prompts)
+    design = np.zeros((len(samples), n_cols))
+    target = np.array([s.seconds for s in samples], dtype=float)
+    for row, s in enumerate(samples):
+        tpot_weight = {"end_to_end": s.output_tokens, "tpot": 1.0, "ttft": 0.0}[s.phase]
+        design[row, 0:2] = (tpot_weight * s.layers, tpot_weight)
+        if s.phase != "tpot":
+            col = 2 + 2 * prompts.index(s.prompt)
+            design[row, col : col + 2] = (s.layers, 1.0)
+    if fixed_per_layer is not None:
+        missing = [p for p in prompts if p not in fixed_per_layer.ttft_terms]
+        if missing:
+            raise ValueError(f"fixed per-layer terms lack prompts {missing}")
+        per_layer_cols = [0] + [2 + 2 * i for i in range(len(prompts))]
+        per_layer_vals = [fixed_per_layer.tpot_per_layer_s] + [
+            fixed_per_layer.ttft_terms[p][0] for p in prompts
+        ]
+        target = target - design[:, per_layer_cols] @ np.array(per_layer_vals)
+        free = [c for c in range(n_cols) if c not in per_layer_cols]
+    else:
+        free = list(range(n_cols))
+    sub = design[:, free]
+    if np.linalg.matrix_rank(sub) < len(free):
+        raise ValueError(
+            "latency samples do not determine TTFT/TPOT per layer and other: give at least "
+            "two layer counts and, for end-to-end samples, two output lengths"
+        )
+    solution, *_ = np.linalg.lstsq(sub, target, rcond=None)
+    coef = np.zeros(n_cols)
+    if fixed_per_layer is not None:
+        coef[per_layer_cols] = per_layer_vals
+    coef[free] = solution
+    residual = target - sub @ solution
+    terms = {p: (float(coef[2 + 2 * i]), float(coef[3 + 2 * i])) for i, p in enumerate(prompts)}
+    return LayerLatencyFit(
+        tpot_per_layer_s=float(coef[0]),
+        tpot_other_s=float(coef[1]),
+        ttft_terms=terms,
+        residual_rms_s=float(np.sqrt(np.mean(residual**2))),
+    )
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Memory footprint linear in the hidden layers deployed (GiB)."""
+
+    per_layer_gib: float
+    other_gib: float
+
+    def at(self, layers: float) -> float:
+        """Footprint with ``layers`` hidden layers, GiB."""
+        return layers * self.per_layer_gib + self.other_gib
+
+
+def fit_layer_memory(layers: Sequence[float], memory_gib: Sequence[float]) -> LayerMemory:
+    """Least-squares line through (layers, memory); needs two distinct layer counts."""
+    fits = fit_layer_memory_shared({"only": (layers, memory_gib)})
+    return fits["only"]
+
+
+def fit_layer_memory_shared(
+    groups: Mapping[Hashable, tuple[Sequence[float], Sequence[float]]],
+) -> dict[Hashable, LayerMemory]:
+    """One per-layer slope shared by every group, an intercept per group (GiB).
+
+    The groups are reference layouts of the same variant. Summed over the devices, a
+    layer costs the same however it is split (tensor parallelism shards its weights and
+    KV cache, pipeline parallelism moves it whole), so pooling the groups averages the
+    measurement noise that extrapolation multiplies by the layer count; the intercepts
+    keep what differs per layout (runtime buffers, replicated activations).
+    """
+    keys = list(groups)
+    if not keys:
+        raise ValueError("no memory samples")
+    rows: list[np.ndarray] = []
+    target: list[float] = []
+    for i, key in enumerate(keys):
+        layer_counts, memory = groups[key]
+        if len(layer_counts) != len(memory):
+            raise ValueError(
+                f"group {key!r}: {len(layer_counts)} layer counts, {len(memory)} values"
+            )
+        for n, m in zip(layer_counts, memory, strict=True):
+            row = np.zeros(1 + len(keys))
+            row[0] = n
+            row[1 + i] = 1.0
+            rows.append(row)
+            target.append(float(m))
+    design = np.array(rows)
+    if np.linalg.matrix_rank(design) < design.shape[1]:
+        raise ValueError("memory samples need two distinct layer counts in at least one group")
+    coef, *_ = np.linalg.lstsq(design, np.array(target), rcond=None)
+    return {key: LayerMemory(float(coef[0]), float(coef[1 + i])) for i, key in enumerate(keys)}
+
+
+@dataclass(frozen=True)
+class PooledLatencyFit:
+    """Per-layer and other latency terms of every variant of one model, fitted together.
+
+    The structure (seconds; TPOT per output token) for variant ``v`` on layout (tp, pp):
+
+        per-layer TPOT = tpot_per_layer[v] / tp + tpot_comm_per_layer[tp]
+        per-layer TTFT = ttft_per_layer[v, prompt] / tp + ttft_comm_per_layer[tp, prompt]
+        other TPOT = tpot_other[(tp, pp)],  other TTFT = ttft_other[(tp, pp), prompt]
+
+    Tensor parallelism splits a layer's work over tp devices and adds an all-reduce whose
+    cost depends on the activations (hidden size, tokens), not on how the weights are
+    quantized, so the communication terms are shared by every variant; so are the
+    "other" terms (embeddings, LM head, runtime), which weight-only quantization leaves
+    alone. Pipeline parallelism at batch size 1 runs the stages one after another: a
+    layer costs the same for every pp, and stage boundaries land in the "other" terms.
+    Sharing is what makes the fit robust: each variant contributes samples to the
+    common terms instead of extrapolating its own two noisy points by the layer count.
+    """
+
+    tpot_per_layer_s: Mapping[Hashable, float]
+    ttft_per_layer_s: Mapping[tuple[Hashable, Hashable], float]
+    tpot_comm_per_layer_s: Mapping[int, float]
+    ttft_comm_per_layer_s: Mapping[tuple[int, Hashable], float]
+    tpot_other_s: Mapping[tuple[int, int], float]
+    ttft_other_s: Mapping[tuple[tuple[int, int], Hashable], float]
+    residual_rms_s: float
+
+    def layer_latency(
+        self, variant: Hashable, layout: tuple[int, int], prompt: Hashable
+    ) -> LayerLatency:
+        """Per-layer model of ``variant`` on ``layout`` for requests with ``prompt``."""
+        tp = layout[0]
+        try:
+            return LayerLatency(
+                ttft_per_layer_s=self.ttft_per_layer_s[(variant, prompt)] / tp
+                + (self.ttft_comm_per_layer_s[(tp, prompt)] if tp > 1 else 0.0),
+                ttft_other_s=self.ttft_other_s[(layout, prompt)],
+                tpot_per_layer_s=self.tpot_per_layer_s[variant] / tp
+                + (self.tpot_comm_per_layer_s[tp] if tp > 1 else 0.0),
+                tpot_other_s=self.tpot_other_s[layout],
+            )
+        except KeyError as missing:
+            raise KeyError(
+                f"no fitted term {missing} for variant {variant!r}, layout {layout}, prompt {prompt!r}"
+            ) from None
+
+
+def _solve_pooled(
+    samples: Mapping[tuple[Hashable, tuple[int, int]], Sequence[LatencySample]],
+    fixed: PooledLatencyFit | None,
+) -> tuple[dict[str, dict], float]:
+    """Least squares for the pooled terms; with ``fixed``, per-layer terms come from it."""
+    columns: dict[tuple, int] = {}
+
+    def col(key: tuple) -> int:
+        return columns.setdefault(key, len(columns))
+
+    entries: list[dict[int, float]] = []
+    target: list[float] = []
+    for (variant, layout), layout_samples in samples.items():
+        tp = layout[0]
+        for s in layout_samples:
+            row: dict[int, float] = {}
+            known = 0.0
+            tpot_weight = {"end_to_end": float(s.output_tokens), "tpot": 1.0, "ttft": 0.0}[s.phase]
+            per_layer = None if fixed is None else fixed.layer_latency(variant, (tp, 1), s.prompt)
+            if tpot_weight:
+                if per_layer is None:
+                    row[col(("tpot_layer", variant))] = tpot_weight * s.layers / tp
+                    if tp > 1:
+                        row[col(("tpot_comm", tp))] = tpot_weight * s.layers
+                else:
+                    known += tpot_weight * s.layers * per_layer.tpot_per_layer_s
+                row[col(("tpot_other", layout))] = tpot_weight
+            if s.phase != "tpot":
+                if per_layer is None:
+                    row[col(("ttft_layer", variant, s.prompt))] = s.layers / tp
+                    if tp > 1:
+                        row[col(("ttft_comm", tp, s.prompt))] = float(s.layers)
+                else:
+                    known += s.layers * per_layer.ttft_per_layer_s
+                row[col(("ttft_other", layout, s.prompt))] = 1.0
+            entries.append(row)
+            target.append(s.seconds - known)
+    design = np.zeros((len(entries), len(columns)))
+    for i, row in enumerate(entries):
+        for j, value in row.items():
+            design[i, j] = value
+    if np.linalg.matrix_rank(design) < len(columns):
+        raise ValueError(
+            "fingerprint samples do not determine the latency terms: every variant needs "
+            "samples at (1, 1) with two layer counts (and two output lengths for end-to-end "
+            "samples), every (tp, 1) used two layer counts"
+        )
+    coef, *_ = np.linalg.lstsq(design, np.array(target), rcond=None)
+    residual = np.array(target) - design @ coef
+    terms: dict[str, dict] = {name: {} for name in _POOLED_TERMS}
+    for key, j in columns.items():
+        name, *rest = key
+        terms[name][rest[0] if len(rest) == 1 else tuple(rest)] = float(coef[j])
+    return terms, float(np.sum(residual**2))
+
+
+_POOLED_TERMS = ("tpot_layer", "ttft_layer", "tpot_comm", "ttft_comm", "tpot_other", "ttft_other")
+
+
+def fit_pooled_latency(
+    samples: Mapping[tuple[Hashable, tuple[int, int]], Sequence[LatencySample]],
+) -> PooledLatencyFit:
+    """Fit :class:`PooledLatencyFit` by least squares over every variant and layout.
+
+    ``samples`` maps (variant, (tp, pp)) to that fingerprint's samples. The per-layer
+    terms come from the pp = 1 layouts only; layouts with pp > 1 then contribute their
+    "other" terms. Pipeline fingerprints are too short to show a layer's cost (with 2
+    and 3 layers over 2 stages their per-layer increments come out 20 % low on the
+    A6000 data), while what pp adds (stage boundaries) does not scale with layers.
+
+    Every variant needs (1, 1) samples with two layer counts; every (tp, pp) layout
+    needs its (tp, 1) counterpart. Raises ValueError otherwise.
+    """
+    if not any(samples.values()):
+        raise ValueError("no latency samples")
+    flat = {key: value for key, value in samples.items() if key[1][1] == 1}
+    staged = {key: value for key, value in samples.items() if key[1][1] > 1}
+    for variant, (tp, pp) in staged:
+        if (variant, (tp, 1)) not in flat:
+            raise ValueError(
+                f"variant {variant!r}: layout {(tp, pp)} needs samples at {(tp, 1)} too"
+            )
+    terms, sse = _solve_pooled(flat, None)
+    count = sum(len(v) for v in flat.values())
+    fit = _pooled_from_terms(terms, sse, count)
+    if staged:
+        staged_terms, staged_sse = _solve_pooled(staged, fit)
+        for name in ("tpot_other", "ttft_other"):
+            terms[name].update(staged_terms[name])
+        count += sum(len(v) for v in staged.values())
+        fit = _pooled_from_terms(terms, sse + staged_sse, count)
+    return fit
+
+
+def _pooled_from_terms(terms: dict[str, dict], sse: float, count: int) -> PooledLatencyFit:
+    return PooledLatencyFit(
+        tpot_per_layer_s=terms["tpot_layer"],
+        ttft_per_layer_s=terms["ttft_layer"],
+        tpot_comm_per_layer_s=terms["tpot_comm"],
+        ttft_comm_per_layer_s=terms["ttft_comm"],
+        tpot_other_s=terms["tpot_other"],
+        ttft_other_s=terms["ttft_other"],
+        residual_rms_s=float(np.sqrt(sse / max(count, 1))),
+    )

@@ -1,0 +1,289 @@
+"""Score every configuration of a model at once, and rank them for an intent.
+
+:func:`estimate_space` turns a :class:`~services.estimation.space.ConfigSpace`, one
+:class:`~services.estimation.references.VariantProfile` per variant and the hardware
+:class:`Calibration` into an :class:`Estimates` of numpy arrays, one entry per
+configuration. It never loops over configurations: each step is array arithmetic over
+the whole space (about 1 µs per configuration for thousands of them).
+
+:func:`rank` orders the configurations for an :class:`Intent` and says in plain words
+what it had to give up (a floor nobody meets, an SLO nobody meets, configurations that
+do not fit the devices). Both are pure functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.estimation.latency import (
+    O_PP_FROM_PP2,
+    PhaseConstants,
+    ReferenceScales,
+    phase_latency,
+)
+from services.estimation.memory import (
+    MemoryComponents,
+    MemoryConstants,
+    kv_cache_gib,
+    per_device_memory_gib,
+    solve_memory_components,
+    total_memory_gib,
+)
+from services.estimation.references import VariantProfile, stack_profiles
+from services.estimation.space import ConfigSpace
+
+__all__ = [
+    "INTENTS",
+    "Calibration",
+    "Estimates",
+    "Intent",
+    "Ranking",
+    "estimate_space",
+    "rank",
+]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The hardware constants scoring needs (see ``calibrate``)."""
+
+    latency: PhaseConstants
+    memory: MemoryConstants = MemoryConstants()
+    reference_scales: ReferenceScales = ReferenceScales()
+    o_pp_from: str = O_PP_FROM_PP2
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """Per-configuration estimates, aligned with ``space.configs``.
+
+    Memory in GiB, times in seconds; ``cost_memory_latency`` in GiB * s (the papers'
+    default cost), ``cost_device_hours`` in device-hours per request, ``throughput`` in
+    generated tokens per second per device, ``accuracy_pct`` NaN where unknown.
+    """
+
+    space: ConfigSpace
+    output_tokens: int
+    memory_total_gib: np.ndarray
+    memory_per_device_gib: np.ndarray
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray
+    latency_s: np.ndarray
+    cost_memory_latency: np.ndarray
+    cost_memory_gib: np.ndarray
+    cost_device_hours: np.ndarray
+    throughput_tokens_per_s_per_device: np.ndarray
+    accuracy_pct: np.ndarray
+    fits: np.ndarray
+
+
+def _per_variant_arrays(
+    profiles: Sequence[VariantProfile],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    first = stack_profiles([p.batch1 for p in profiles])
+    if all(p.batch2 is not None for p in profiles):
+        return first, stack_profiles([p.batch2 for p in profiles])  # type: ignore[misc]
+    return first, None
+
+
+def estimate_space(
+    space: ConfigSpace,
+    profiles: Sequence[VariantProfile],
+    calibration: Calibration,
+    output_tokens: int,
+    max_seq_len: int | None = None,
+    device_memory_gib: float | None = None,
+) -> Estimates:
+    """Estimate every configuration of ``space`` for requests of ``output_tokens`` tokens.
+
+    ``profiles[i]`` belongs to ``space.variants[i]``. ``max_seq_len`` (prompt plus
+    output, tokens) sizes the KV cache each sequence of a batch reserves; without it
+    each sequence of a batch is charged the KV cache the profiling request held. ``device_memory_gib`` marks which configurations
+    fit (per-device footprint at most that); without it every configuration fits.
+    """
+    if len(profiles) != len(space.variants):
+        raise ValueError(f"{len(profiles)} profiles for {len(space.variants)} variants")
+    if output_tokens < 1:
+        raise ValueError(f"output_tokens must be at least 1, got {output_tokens}")
+    layouts = profiles[0].batch1.layouts
+    refs1, refs2 = _per_variant_arrays(profiles)
+    v = space.variant
+    tp = space.tp.astype(float)
+    pp = space.pp.astype(float)
+    batch = space.batch.astype(float)
+    c = calibration
+
+    def phases(refs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        ttft_refs, tpot_refs = c.reference_scales.apply(refs["ttft"], refs["tpot"])
+        ttft, tpot, _ = phase_latency(
+            ttft_refs[v], tpot_refs[v], tp, pp, output_tokens, c.latency, c.o_pp_from, layouts
+        )
+        return ttft, tpot
+
+    ttft, tpot = phases(refs1)
+    if refs2 is not None:
+        ttft2, tpot2 = phases(refs2)
+        # MaverIQ Eq. 6 per phase; a batch never makes a request faster.
+        ttft = ttft + (batch - 1.0) * np.maximum(ttft2 - ttft, 0.0)
+        tpot = tpot + (batch - 1.0) * np.maximum(tpot2 - tpot, 0.0)
+    latency = ttft + output_tokens * tpot
+
+    mem_refs = refs1["memory"][:, :3]
+    parts = solve_memory_components(mem_refs[:, 0], mem_refs[:, 1], mem_refs[:, 2], c.memory)
+    weights = np.asarray(parts.weights_gib)[v]
+    activations = np.asarray(parts.activations_gib)[v]
+    pipeline = np.asarray(parts.pipeline_activations_gib)[v]
+    memory = total_memory_gib(MemoryComponents(weights, activations, pipeline), tp, pp, c.memory)
+    kv_per_token = np.array(
+        [float(kv_cache_gib(space.shape, 1, 1, variant.kv_quant)) for variant in space.variants]
+    )[v]
+    profiled_tokens = np.array([p.kv_tokens_profiled for p in profiles], dtype=float)[v]
+    if max_seq_len is not None:
+        # Swap the profiled KV cache for the deployment's: batch x max_seq_len tokens.
+        memory = memory + kv_per_token * (batch * max_seq_len - profiled_tokens)
+    else:
+        # Each further sequence holds what the profiled one did (Eq. 6 with O_BS_M from
+        # the architecture: fingerprints' batch-2 memory grows by a few MiB, below what
+        # NVML resolves well enough to extrapolate).
+        memory = memory + kv_per_token * (batch - 1.0) * profiled_tokens
+
+    devices = space.device_count.astype(float)
+    per_device = per_device_memory_gib(memory, space.tp, space.pp)
+    accuracy = np.array(
+        [np.nan if var.accuracy_pct is None else var.accuracy_pct for var in space.variants]
+    )[v]
+    fits = (
+        np.ones(space.size, dtype=bool)
+        if device_memory_gib is None
+        else per_device <= device_memory_gib
+    )
+    return Estimates(
+        space=space,
+        output_tokens=output_tokens,
+        memory_total_gib=memory,
+        memory_per_device_gib=per_device,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        latency_s=latency,
+        cost_memory_latency=memory * latency,
+        cost_memory_gib=memory,
+        cost_device_hours=devices * latency / 3600.0,
+        throughput_tokens_per_s_per_device=batch * output_tokens / latency / devices,
+        accuracy_pct=accuracy,
+        fits=fits,
+    )
+
+
+INTENTS = (
+    "min_cost",
+    "min_latency",
+    "min_memory",
+    "min_device_hours",
+    "latency_slo",
+    "cost_slo",
+    "max_throughput",
+)
+
+
+@dataclass(frozen=True)
+class Intent:
+    """What the application developer asked for.
+
+    ``kind`` is one of :data:`INTENTS`. ``latency_slo_s`` goes with ``latency_slo``
+    (keep configurations at most that slow, cheapest first), ``cost_budget`` with
+    ``cost_slo`` (keep those at most that memory x latency, fastest first).
+    ``accuracy_floor_pct`` (% of FP16) applies to every kind.
+    """
+
+    kind: str = "min_cost"
+    latency_slo_s: float | None = None
+    cost_budget: float | None = None
+    accuracy_floor_pct: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in INTENTS:
+            raise ValueError(f"unknown intent {self.kind!r}; known: {list(INTENTS)}")
+        if self.kind == "latency_slo" and (self.latency_slo_s is None or self.latency_slo_s <= 0):
+            raise ValueError("a latency_slo intent needs a positive latency_slo_s")
+        if self.kind == "cost_slo" and (self.cost_budget is None or self.cost_budget <= 0):
+            raise ValueError("a cost_slo intent needs a positive cost_budget")
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Configuration indices, best first, and what the ranking had to give up."""
+
+    indices: np.ndarray
+    notes: tuple[str, ...]
+
+    @property
+    def best(self) -> int | None:
+        """Index of the best configuration, None when nothing fits."""
+        return int(self.indices[0]) if self.indices.size else None
+
+
+def _order(candidates: np.ndarray, key: np.ndarray, devices: np.ndarray) -> np.ndarray:
+    # Ties go to fewer devices, then to the lower index: a deterministic order.
+    sub = candidates[np.lexsort((candidates, devices[candidates], key[candidates]))]
+    return sub
+
+
+def rank(estimates: Estimates, intent: Intent) -> Ranking:
+    """Order the configurations that fit for ``intent``; see :class:`Intent`.
+
+    An accuracy floor is applied first; when no configuration meets it the note says so
+    and the floor is dropped. A latency SLO nobody meets falls back to minimum latency,
+    a cost budget nobody meets to minimum cost; both say so in the notes.
+    """
+    e = estimates
+    notes: list[str] = []
+    devices = e.space.device_count
+    candidates = np.flatnonzero(e.fits)
+    if candidates.size < e.space.size:
+        notes.append(
+            f"{e.space.size - candidates.size} configurations do not fit the device memory"
+        )
+    if candidates.size == 0:
+        notes.append("no configuration fits the device memory")
+        return Ranking(candidates, tuple(notes))
+
+    if intent.accuracy_floor_pct is not None:
+        accurate = candidates[e.accuracy_pct[candidates] >= intent.accuracy_floor_pct]
+        if accurate.size:
+            candidates = accurate
+        else:
+            notes.append(
+                f"no configuration reaches the accuracy floor of {intent.accuracy_floor_pct:g} %; "
+                f"ranking all by {intent.kind}"
+            )
+
+    kind = intent.kind
+    if kind == "latency_slo":
+        meeting = candidates[e.latency_s[candidates] <= intent.latency_slo_s]
+        if meeting.size:
+            return Ranking(_order(meeting, e.cost_memory_latency, devices), tuple(notes))
+        notes.append(
+            f"no configuration meets the latency SLO of {intent.latency_slo_s:g} s; "
+            "falling back to minimum latency"
+        )
+        kind = "min_latency"
+    if kind == "cost_slo":
+        meeting = candidates[e.cost_memory_latency[candidates] <= intent.cost_budget]
+        if meeting.size:
+            return Ranking(_order(meeting, e.latency_s, devices), tuple(notes))
+        notes.append(
+            f"no configuration meets the cost budget of {intent.cost_budget:g} GiB*s; "
+            "falling back to minimum cost"
+        )
+        kind = "min_cost"
+    key = {
+        "min_cost": e.cost_memory_latency,
+        "min_latency": e.latency_s,
+        "min_memory": e.cost_memory_gib,
+        "min_device_hours": e.cost_device_hours,
+        "max_throughput": -e.throughput_tokens_per_s_per_device,
+    }[kind]
+    return Ranking(_order(candidates, key, devices), tuple(notes))

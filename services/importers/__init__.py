@@ -1,0 +1,1 @@
+"""Importers: turn measurements published by other systems into iserve's plain records."""

@@ -1,0 +1,115 @@
+"""Calibration recovers known constants from synthetic data, deterministically."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.estimation.calibrate import (
+    calibrate_latency,
+    calibrate_memory_constants,
+    calibrate_parallel_constants,
+    fit_reference_scales,
+    mape_pct,
+    minimize_mape,
+)
+from services.estimation.latency import (
+    REFERENCE_LAYOUTS,
+    ParallelConstants,
+    PhaseConstants,
+    parallel_latency,
+    phase_latency,
+)
+from services.estimation.memory import MemoryConstants, solve_memory_components, total_memory_gib
+
+PAIRS = [(1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)]
+
+
+def synthetic_rows(seed: int = 0):
+    """Three 'models' x every layout: references and layouts as calibration rows."""
+    rng = np.random.default_rng(seed)
+    base = rng.uniform(0.5, 3.0, size=6)
+    refs = np.stack(
+        [base, base * rng.uniform(0.55, 0.7, 6), base * rng.uniform(0.97, 1.0, 6)], axis=1
+    )
+    rows = [(refs[i], tp, pp) for i in range(6) for tp, pp in PAIRS]
+    return (
+        np.array([r for r, _, _ in rows]),
+        np.array([tp for _, tp, _ in rows], float),
+        np.array([pp for _, _, pp in rows], float),
+    )
+
+
+def test_mape_and_its_guards():
+    assert mape_pct(np.array([1.1, 0.9]), np.array([1.0, 1.0])) == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="positive"):
+        minimize_mape(lambda p: p, np.array([0.0]), [np.array([1.0])], np.zeros(1), np.ones(1))
+    with pytest.raises(ValueError, match="no measurements"):
+        minimize_mape(lambda p: p, np.array([]), [np.array([1.0])], np.zeros(1), np.ones(1))
+
+
+def test_gradient_descent_recovers_known_exponents():
+    refs, tp, pp = synthetic_rows()
+    truth = ParallelConstants(alpha=0.1, beta=1.3, gamma=0.4, delta=0.6)
+    measured = parallel_latency(refs[:, 0], refs[:, 1], refs[:, 2], tp, pp, truth)
+    fitted, fit = calibrate_parallel_constants(refs, tp, pp, measured, steps=300)
+    assert fit.mape_pct < 0.5
+    np.testing.assert_allclose(fitted.as_array(), truth.as_array(), atol=0.08)
+
+
+def test_calibration_is_deterministic():
+    refs, tp, pp = synthetic_rows(1)
+    truth = ParallelConstants(0.05, 0.8, 0.5, 1.0)
+    measured = parallel_latency(refs[:, 0], refs[:, 1], refs[:, 2], tp, pp, truth)
+    first = calibrate_parallel_constants(refs, tp, pp, measured, steps=60)
+    second = calibrate_parallel_constants(refs, tp, pp, measured, steps=60)
+    assert first == second
+
+
+def test_phase_calibration_recovers_ttft_and_tpot_exponents_and_scales():
+    refs, tp, pp = synthetic_rows(2)
+    truth = PhaseConstants(
+        ParallelConstants(0.2, 1.6, 0.1, 0.4), ParallelConstants(0.05, 0.6, 0.5, 0.6)
+    )
+    ttft_refs, tpot_refs = refs * 0.1, refs * 0.01
+    out = np.tile([10.0, 100.0], len(tp) // 2 + 1)[: len(tp)]
+    ttft, tpot, latency = phase_latency(ttft_refs, tpot_refs, tp, pp, out, truth)
+    # The extrapolated references undershoot the truth by 4 % (TTFT) and 2 % (TPOT).
+    constants, scales, fit = calibrate_latency(
+        ttft_refs / 1.04, tpot_refs / 1.02, tp, pp, out, latency, ttft, tpot, steps=200
+    )
+    assert scales.ttft == pytest.approx((1.04, 1.04, 1.04))
+    assert scales.tpot == pytest.approx((1.02, 1.02, 1.02))
+    assert fit.mape_pct < 1.0
+    np.testing.assert_allclose(constants.tpot.as_array(), truth.tpot.as_array(), atol=0.1)
+
+
+def test_reference_scales_default_to_one_without_data_at_a_reference():
+    refs = np.ones((2, 3))
+    scales = fit_reference_scales(
+        refs, refs, np.array([4, 8]), np.array([1, 1]), np.ones(2), np.ones(2)
+    )
+    assert scales.ttft == (1.0, 1.0, 1.0)
+    assert REFERENCE_LAYOUTS == ((1, 1), (2, 1), (1, 2))
+
+
+def test_memory_calibration_recovers_the_peer_overhead_and_layout_residuals():
+    rng = np.random.default_rng(3)
+    rows = []
+    truth = MemoryConstants(tp_peer_gib=0.3, layout_residual_gib=(((1, 4), 0.5),))
+    for weights in rng.uniform(4, 40, size=5):
+        plain = solve_memory_components(weights + 1.0, weights + 2.0, weights + 1.9)
+        for tp, pp in PAIRS:
+            measured = total_memory_gib(plain, tp, pp, truth)
+            refs = [float(total_memory_gib(plain, t, p, truth)) for t, p in REFERENCE_LAYOUTS]
+            rows.append((refs, tp, pp, float(measured)))
+    refs = np.array([r for r, *_ in rows])
+    tp = np.array([r[1] for r in rows], float)
+    pp = np.array([r[2] for r in rows], float)
+    measured = np.array([r[3] for r in rows])
+    constants, fit = calibrate_memory_constants(refs, tp, pp, measured, steps=200)
+    assert constants.tp_peer_gib == pytest.approx(0.3, abs=0.01)
+    residuals = dict(constants.layout_residual_gib)
+    assert residuals[(1, 4)] == pytest.approx(0.5, abs=0.05)
+    assert abs(residuals[(8, 1)]) < 0.1
+    assert fit.mape_pct < 0.2

@@ -1,0 +1,157 @@
+"""Layer extrapolation: per-layer and other terms from fingerprint samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.estimation.extrapolate import (
+    LatencySample,
+    LayerLatency,
+    fit_layer_latency,
+    fit_layer_memory,
+    fit_layer_memory_shared,
+    fit_pooled_latency,
+)
+
+TRUE = LayerLatency(
+    ttft_per_layer_s=0.004, ttft_other_s=0.010, tpot_per_layer_s=0.0007, tpot_other_s=0.0008
+)
+
+
+def end_to_end(
+    terms: LayerLatency, layers: int, output_tokens: int, prompt="default"
+) -> LatencySample:
+    return LatencySample(layers, terms.latency(layers, output_tokens), output_tokens, prompt=prompt)
+
+
+def test_four_end_to_end_points_solve_the_papers_system_exactly():
+    samples = [end_to_end(TRUE, n, o) for n in (1, 2) for o in (10, 20)]
+    fit = fit_layer_latency(samples).for_prompt()
+    assert fit.ttft_per_layer_s == pytest.approx(0.004)
+    assert fit.ttft_other_s == pytest.approx(0.010)
+    assert fit.tpot_per_layer_s == pytest.approx(0.0007)
+    assert fit.tpot_other_s == pytest.approx(0.0008)
+    # Llama-2-7B has 32 layers: TTFT = 32 * 4 ms + 10 ms, TPOT = 32 * 0.7 ms + 0.8 ms.
+    assert fit.ttft(32) == pytest.approx(0.138)
+    assert fit.tpot(32) == pytest.approx(0.0232)
+    assert fit.latency(32, 100) == pytest.approx(0.138 + 100 * 0.0232)
+
+
+def test_direct_ttft_and_tpot_samples_mix_with_end_to_end_ones():
+    samples = [
+        LatencySample(1, TRUE.ttft(1), phase="ttft"),
+        LatencySample(3, TRUE.ttft(3), phase="ttft"),
+        LatencySample(1, TRUE.tpot(1), phase="tpot"),
+        end_to_end(TRUE, 2, 50),
+    ]
+    fit = fit_layer_latency(samples).for_prompt()
+    assert fit.ttft(80) == pytest.approx(TRUE.ttft(80))
+    assert fit.tpot(80) == pytest.approx(TRUE.tpot(80))
+
+
+def test_samples_with_another_prompt_share_tpot_but_not_ttft():
+    short = LayerLatency(0.001, 0.002, TRUE.tpot_per_layer_s, TRUE.tpot_other_s)
+    samples = [end_to_end(TRUE, n, o, "long") for n in (1, 2) for o in (10, 20)]
+    samples += [end_to_end(short, n, o, "short") for n in (1, 2) for o in (10, 20)]
+    fit = fit_layer_latency(samples)
+    assert fit.for_prompt("long").ttft(32) == pytest.approx(TRUE.ttft(32))
+    assert fit.for_prompt("short").ttft(32) == pytest.approx(short.ttft(32))
+    assert fit.residual_rms_s == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(KeyError, match="no TTFT samples for prompt 'other'"):
+        fit.for_prompt("other")
+
+
+def test_fixed_per_layer_terms_leave_only_the_other_terms_to_fit():
+    base = fit_layer_latency([end_to_end(TRUE, n, o) for n in (1, 2) for o in (10, 20)])
+    staged = LayerLatency(TRUE.ttft_per_layer_s, 0.05, TRUE.tpot_per_layer_s, 0.002)
+    fit = fit_layer_latency(
+        [end_to_end(staged, 2, 10), end_to_end(staged, 2, 20)], fixed_per_layer=base
+    )
+    terms = fit.for_prompt()
+    assert terms.ttft_other_s == pytest.approx(0.05)
+    assert terms.tpot_other_s == pytest.approx(0.002)
+
+
+def test_underdetermined_samples_are_rejected():
+    with pytest.raises(ValueError, match="two layer counts"):
+        fit_layer_latency([end_to_end(TRUE, 1, o) for o in (10, 20)])
+    with pytest.raises(ValueError, match="two output lengths"):
+        fit_layer_latency([end_to_end(TRUE, n, 10) for n in (1, 2)])
+    with pytest.raises(ValueError, match="no latency samples"):
+        fit_layer_latency([])
+    with pytest.raises(ValueError, match="output_tokens >= 1"):
+        LatencySample(1, 0.1)
+    with pytest.raises(ValueError, match="phase must be one of"):
+        LatencySample(1, 0.1, 10, phase="prefill")
+
+
+def test_memory_is_linear_in_layers():
+    line = fit_layer_memory([1, 2], [1.372, 1.771])
+    assert line.per_layer_gib == pytest.approx(0.399)
+    assert line.at(32) == pytest.approx(1.372 + 31 * 0.399)
+    with pytest.raises(ValueError, match="two distinct layer counts"):
+        fit_layer_memory([2, 2], [1.0, 1.1])
+
+
+def test_layouts_share_one_memory_slope_and_keep_their_intercepts():
+    groups = {
+        (1, 1): ([1, 2], [1.4, 1.8]),
+        (2, 1): ([1, 2], [2.9, 3.3]),
+        (1, 2): ([2, 3], [2.7, 3.1]),
+    }
+    lines = fit_layer_memory_shared(groups)
+    assert {round(line.per_layer_gib, 9) for line in lines.values()} == {0.4}
+    assert lines[(2, 1)].at(1) == pytest.approx(2.9)
+    assert lines[(1, 2)].at(32) == pytest.approx(2.7 + 30 * 0.4)
+
+
+def _pooled_truth(variant_layer_tpot, tp, pp, comm=0.0001, other=0.001):
+    return LayerLatency(
+        ttft_per_layer_s=0.004 / tp + (0.0005 if tp > 1 else 0.0),
+        ttft_other_s=0.01 + 0.002 * (pp - 1),
+        tpot_per_layer_s=variant_layer_tpot / tp + (comm if tp > 1 else 0.0),
+        tpot_other_s=other + 0.0001 * (pp - 1),
+    )
+
+
+def test_pooled_fit_recovers_shared_structure_across_variants_and_layouts():
+    per_variant = {"fp16": 0.0007, "int4": 0.00025}
+    samples = {}
+    for name, layer_tpot in per_variant.items():
+        for tp, pp in ((1, 1), (2, 1), (1, 2)):
+            truth = _pooled_truth(layer_tpot, tp, pp)
+            layers = (1, 2) if pp == 1 else (2, 3)
+            samples[(name, (tp, pp))] = [end_to_end(truth, n, o) for n in layers for o in (10, 20)]
+    fit = fit_pooled_latency(samples)
+    assert fit.tpot_comm_per_layer_s[2] == pytest.approx(0.0001)
+    for name, layer_tpot in per_variant.items():
+        for tp, pp in ((1, 1), (2, 1), (1, 2)):
+            got = fit.layer_latency(name, (tp, pp), "default")
+            want = _pooled_truth(layer_tpot, tp, pp)
+            assert got.ttft(40) == pytest.approx(want.ttft(40))
+            assert got.tpot(40) == pytest.approx(want.tpot(40))
+
+
+def test_pooled_fit_needs_the_flat_layout_of_every_staged_one():
+    samples = {("fp16", (1, 2)): [end_to_end(TRUE, n, o) for n in (2, 3) for o in (10, 20)]}
+    with pytest.raises(ValueError, match=r"needs samples at \(1, 1\)"):
+        fit_pooled_latency(samples)
+
+
+def test_reference_extrapolation_rejects_what_it_cannot_use():
+    from services.estimation.references import extrapolate_references
+
+    samples = {("fp16", (1, 1)): [end_to_end(TRUE, n, o) for n in (1, 2) for o in (10, 20)]}
+    memory = {("fp16", (1, 1)): ([1, 2], [1.4, 1.8])}
+    profile = extrapolate_references(32, samples, memory)["fp16"]
+    assert profile.layouts == ((1, 1), (2, 1), (1, 2))
+    # No tp = 2 or pp = 2 fingerprints: overheads of zero, as Eq. 3 reads them.
+    assert profile.ttft_s[1] == pytest.approx(profile.ttft_s[0] / 2)
+    assert profile.tpot_s[2] == pytest.approx(profile.tpot_s[0])
+    assert profile.at((1, 1))[2] == pytest.approx(1.4 + 31 * 0.4)
+    with pytest.raises(ValueError, match="num_layers must be positive"):
+        extrapolate_references(0, samples, memory)
+    with pytest.raises(ValueError, match=r"samples of the \(1,1\) reference are required"):
+        extrapolate_references(32, samples, {})
+    with pytest.raises(ValueError, match="layouts must start with"):
+        extrapolate_references(32, samples, memory, layouts=[(1, 1), (1, 2)])

@@ -1,0 +1,145 @@
+"""Scoring every configuration at once and ranking per intent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.estimation.latency import ParallelConstants, PhaseConstants
+from services.estimation.memory import MemoryConstants
+from services.estimation.references import ReferenceProfile, VariantProfile
+from services.estimation.score import Calibration, Intent, estimate_space, rank
+from services.estimation.space import ModelShape, Variant, enumerate_space
+
+SHAPE = ModelShape("toy", num_layers=8, num_heads=8, num_kv_heads=8, head_dim=64)
+LAYOUTS = ((1, 1), (2, 1), (1, 2))
+LINEAR = PhaseConstants(ParallelConstants(0, 1, 0, 1), ParallelConstants(0, 1, 0, 1))
+
+
+def profile(ttft: float, tpot: float, memory: float) -> VariantProfile:
+    refs = ReferenceProfile(
+        LAYOUTS,
+        (ttft, ttft * 0.6, ttft),
+        (tpot, tpot * 0.6, tpot),
+        (memory, memory + 1, memory + 0.5),
+    )
+    return VariantProfile(refs)
+
+
+def small_space(devices: int = 2, batches=(1,)):
+    variants = (
+        Variant("fp16", accuracy_pct=100.0),
+        Variant("int4", weight_quant="int4", accuracy_pct=90.0),
+    )
+    profiles = [profile(0.1, 0.02, 12.0), profile(0.12, 0.008, 4.0)]
+    return enumerate_space(SHAPE, devices, variants, batches), profiles
+
+
+def test_estimates_follow_the_models_by_hand():
+    space, profiles = small_space()  # layouts (1,1), (1,2), (2,1) x 2 variants
+    est = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=100)
+    i = [space.describe(k) for k in range(space.size)].index("tp=2 pp=1 fp16 batch=1")
+    # Reference layouts come back: TTFT 0.06, TPOT 0.012, memory 13 GiB.
+    assert est.ttft_s[i] == pytest.approx(0.06)
+    assert est.latency_s[i] == pytest.approx(0.06 + 100 * 0.012)
+    assert est.memory_total_gib[i] == pytest.approx(13.0)
+    assert est.memory_per_device_gib[i] == pytest.approx(6.5)
+    assert est.cost_memory_latency[i] == pytest.approx(13.0 * est.latency_s[i])
+    assert est.cost_device_hours[i] == pytest.approx(2 * est.latency_s[i] / 3600)
+    assert est.throughput_tokens_per_s_per_device[i] == pytest.approx(100 / est.latency_s[i] / 2)
+    assert est.accuracy_pct[i] == 100.0
+    assert est.fits.all()
+
+
+def test_batch_and_kv_cache_terms():
+    space, profiles = small_space(devices=1, batches=(1, 4))
+    two = [
+        VariantProfile(
+            p.batch1,
+            ReferenceProfile(
+                LAYOUTS,
+                p.batch1.ttft_s,
+                tuple(t + 0.001 for t in p.batch1.tpot_s),
+                p.batch1.memory_gib,
+            ),
+            kv_tokens_profiled=100,
+        )
+        for p in profiles
+    ]
+    est = estimate_space(space, two, Calibration(LINEAR), output_tokens=10)
+    kv_per_token_gib = SHAPE.kv_bytes_per_token() / 2**30
+    b1, b4 = 0, 1  # fp16 at (1,1), batch 1 and 4
+    assert est.tpot_s[b4] == pytest.approx(est.tpot_s[b1] + 3 * 0.001)
+    assert est.memory_total_gib[b4] - est.memory_total_gib[b1] == pytest.approx(
+        3 * 100 * kv_per_token_gib
+    )
+    deployed = estimate_space(space, two, Calibration(LINEAR), output_tokens=10, max_seq_len=2048)
+    assert deployed.memory_total_gib[b4] == pytest.approx(
+        12.0 + (4 * 2048 - 100) * kv_per_token_gib
+    )
+
+
+def test_every_intent_picks_what_it_should():
+    space, profiles = small_space()
+    est = estimate_space(space, profiles, Calibration(LINEAR, MemoryConstants()), output_tokens=100)
+
+    def best(intent: Intent) -> str:
+        return space.describe(rank(est, intent).best)
+
+    assert best(Intent("min_latency")) == "tp=2 pp=1 int4 batch=1"
+    assert best(Intent("min_memory")) == "tp=1 pp=1 int4 batch=1"
+    # int4 at (2,1): 5 GiB x (0.072 + 100 x 0.0048) s = 2.76 GiB*s beats (1,1): 4 x 0.92.
+    assert best(Intent("min_cost")) == "tp=2 pp=1 int4 batch=1"
+    assert best(Intent("min_device_hours")) == "tp=1 pp=1 int4 batch=1"
+    assert best(Intent("max_throughput")) == "tp=1 pp=1 int4 batch=1"
+    assert best(Intent("min_latency", accuracy_floor_pct=95)) == "tp=2 pp=1 fp16 batch=1"
+    # Under a 1.0 s SLO only int4 layouts remain; the cheapest of them wins.
+    slo = rank(est, Intent("latency_slo", latency_slo_s=1.0))
+    assert all(space.variants[space.variant[k]].name == "int4" for k in slo.indices)
+    assert space.describe(slo.best) == "tp=2 pp=1 int4 batch=1"
+    budget = rank(est, Intent("cost_slo", cost_budget=5.0))
+    assert np.all(est.cost_memory_latency[budget.indices] <= 5.0)
+    assert budget.best == int(budget.indices[np.argmin(est.latency_s[budget.indices])])
+
+
+def test_fallbacks_are_explained():
+    space, profiles = small_space()
+    est = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=100)
+    slo = rank(est, Intent("latency_slo", latency_slo_s=0.01))
+    assert "no configuration meets the latency SLO of 0.01 s" in slo.notes[0]
+    assert slo.best == rank(est, Intent("min_latency")).best
+    budget = rank(est, Intent("cost_slo", cost_budget=0.001))
+    assert "falling back to minimum cost" in budget.notes[0]
+    assert budget.best == rank(est, Intent("min_cost")).best
+    floor = rank(est, Intent("min_memory", accuracy_floor_pct=101))
+    assert "no configuration reaches the accuracy floor of 101 %" in floor.notes[0]
+    assert floor.indices.size == space.size
+
+
+def test_configurations_that_do_not_fit_are_left_out():
+    space, profiles = small_space()
+    est = estimate_space(
+        space, profiles, Calibration(LINEAR), output_tokens=100, device_memory_gib=6.6
+    )
+    ranking = rank(est, Intent("min_latency"))
+    assert np.all(est.memory_per_device_gib[ranking.indices] <= 6.6)
+    assert "do not fit" in ranking.notes[0]
+    nothing = estimate_space(
+        space, profiles, Calibration(LINEAR), output_tokens=100, device_memory_gib=0.1
+    )
+    empty = rank(nothing, Intent())
+    assert empty.best is None and "no configuration fits" in empty.notes[-1]
+
+
+def test_bad_requests_say_what_is_wrong():
+    space, profiles = small_space()
+    with pytest.raises(ValueError, match="unknown intent"):
+        Intent("cheapest")
+    with pytest.raises(ValueError, match="latency_slo_s"):
+        Intent("latency_slo")
+    with pytest.raises(ValueError, match="cost_budget"):
+        Intent("cost_slo", cost_budget=0)
+    with pytest.raises(ValueError, match="1 profiles for 2 variants"):
+        estimate_space(space, profiles[:1], Calibration(LINEAR), 10)
+    with pytest.raises(ValueError, match="output_tokens"):
+        estimate_space(space, profiles, Calibration(LINEAR), 0)
