@@ -23,6 +23,20 @@ def profile(model_id: str) -> str:
     return f"{PREFIX}profile:{_part(model_id)}"
 
 
+def calibration(hardware_type: str) -> str:
+    """Latency-model constants of one hardware type (Calibration JSON)."""
+    return f"{PREFIX}calibration:{_part(hardware_type)}"
+
+
+def calibration_index() -> str:
+    return f"{PREFIX}calibrations"
+
+
+def config_map(model_id: str, hardware_type: str) -> str:
+    """The estimator's configuration map of a model on a hardware type."""
+    return f"{PREFIX}config-map:{_part(model_id)}:{_part(hardware_type)}"
+
+
 def deployment(deployment_id: str) -> str:
     return f"{PREFIX}deployment:{_part(deployment_id)}"
 

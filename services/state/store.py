@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
+from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.state import keys
 from services.state.records import decode, encode
@@ -128,6 +129,29 @@ class StateStore:
             pipe.srem(keys.model_index(), model_id)
             deleted, _ = await pipe.execute()
         return bool(deleted)
+
+    # ---- profiles and calibrations -------------------------------------------------
+    async def put_profile(self, profile: model_pb.GetProfileResponse) -> None:
+        """Store a model's raw profiling record (measurements, cost, skipped references)."""
+        await self.redis.set(keys.profile(profile.model_id), encode(profile))
+
+    async def get_profile(self, model_id: str) -> model_pb.GetProfileResponse | None:
+        raw = await self.redis.get(keys.profile(model_id))
+        return None if raw is None else decode(model_pb.GetProfileResponse, raw)
+
+    async def put_calibration(self, calibration: estimator_pb.Calibration) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.calibration(calibration.hardware_type), encode(calibration))
+            pipe.sadd(keys.calibration_index(), calibration.hardware_type)
+            await pipe.execute()
+
+    async def get_calibration(self, hardware_type: str) -> estimator_pb.Calibration | None:
+        raw = await self.redis.get(keys.calibration(hardware_type))
+        return None if raw is None else decode(estimator_pb.Calibration, raw)
+
+    async def list_calibrations(self) -> list[estimator_pb.Calibration]:
+        names = sorted(await self.redis.smembers(keys.calibration_index()))
+        return await self._get_many(estimator_pb.Calibration, [keys.calibration(n) for n in names])
 
     # ---- deployments --------------------------------------------------------------
     async def put_deployment(self, deployment: deploy_pb.Deployment) -> None:

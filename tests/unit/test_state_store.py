@@ -161,3 +161,21 @@ def test_events_are_read_in_order_after_an_id(run):
         assert await store.read_events(events[-1][0], block_ms=50) == []
 
     run(body)
+
+
+def test_profiles_and_calibrations_round_trip(run):
+    from services.api import estimator_service_pb2 as estimator_pb
+
+    async def body(store):
+        profile = model_pb.GetProfileResponse(model_id="m1", skipped=["(2,1): 1 device"])
+        profile.measurements.add(variant_name="fp32", num_layers=2, ttft_ms=1.5)
+        await store.put_profile(profile)
+        assert (await store.get_profile("m1")).measurements[0].ttft_ms == 1.5
+        assert await store.get_profile("m2") is None
+        await store.put_calibration(estimator_pb.Calibration(hardware_type="cpu-x86_64", alpha=1.1))
+        assert (await store.get_calibration("cpu-x86_64")).alpha == pytest.approx(1.1)
+        assert [c.hardware_type for c in await store.list_calibrations()] == ["cpu-x86_64"]
+        await store.delete_model("m1")
+        assert await store.get_profile("m1") is None
+
+    run(body)
