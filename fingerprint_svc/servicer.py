@@ -68,3 +68,6 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     async def GetProfile(self, request, context):
         await self._model(request.model_id)
         raise Unimplemented("GetProfile arrives with fingerprint profiling (issue 4)")
+
+    async def ImportProfiles(self, request, context):
+        raise Unimplemented("ImportProfiles arrives with estimation (issue 4)")

@@ -8,6 +8,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProfileFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROFILE_FORMAT_UNSPECIFIED: _ClassVar[ProfileFormat]
+    PROFILE_FORMAT_MAVERIQ: _ClassVar[ProfileFormat]
+
 class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MODEL_STATE_UNSPECIFIED: _ClassVar[ModelState]
@@ -15,11 +20,21 @@ class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODEL_STATE_PROFILING: _ClassVar[ModelState]
     MODEL_STATE_PROFILED: _ClassVar[ModelState]
     MODEL_STATE_FAILED: _ClassVar[ModelState]
+PROFILE_FORMAT_UNSPECIFIED: ProfileFormat
+PROFILE_FORMAT_MAVERIQ: ProfileFormat
 MODEL_STATE_UNSPECIFIED: ModelState
 MODEL_STATE_REGISTERED: ModelState
 MODEL_STATE_PROFILING: ModelState
 MODEL_STATE_PROFILED: ModelState
 MODEL_STATE_FAILED: ModelState
+
+class ProfileFile(_message.Message):
+    __slots__ = ("name", "content")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    content: bytes
+    def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
 
 class ModelShape(_message.Message):
     __slots__ = ("family", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "dtype", "parameter_count", "weight_bytes")
@@ -162,6 +177,30 @@ class WatchModelResponse(_message.Message):
     current: str
     message: str
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., runs_done: _Optional[int] = ..., runs_total: _Optional[int] = ..., current: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ImportProfilesRequest(_message.Message):
+    __slots__ = ("request_id", "format", "hardware_type", "files")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    format: ProfileFormat
+    hardware_type: str
+    files: _containers.RepeatedCompositeFieldContainer[ProfileFile]
+    def __init__(self, request_id: _Optional[str] = ..., format: _Optional[_Union[ProfileFormat, str]] = ..., hardware_type: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ProfileFile, _Mapping]]] = ...) -> None: ...
+
+class ImportProfilesResponse(_message.Message):
+    __slots__ = ("request_id", "model_ids", "measurements_imported", "skipped")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IDS_FIELD_NUMBER: _ClassVar[int]
+    MEASUREMENTS_IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_ids: _containers.RepeatedScalarFieldContainer[str]
+    measurements_imported: int
+    skipped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model_ids: _Optional[_Iterable[str]] = ..., measurements_imported: _Optional[int] = ..., skipped: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetProfileRequest(_message.Message):
     __slots__ = ("request_id", "model_id")

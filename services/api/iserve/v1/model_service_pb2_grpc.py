@@ -66,6 +66,11 @@ class ModelServiceStub:
                 request_serializer=iserve_dot_v1_dot_model__service__pb2.GetProfileRequest.SerializeToString,
                 response_deserializer=iserve_dot_v1_dot_model__service__pb2.GetProfileResponse.FromString,
                 _registered_method=True)
+        self.ImportProfiles = channel.unary_unary(
+                '/iserve.v1.ModelService/ImportProfiles',
+                request_serializer=iserve_dot_v1_dot_model__service__pb2.ImportProfilesRequest.SerializeToString,
+                response_deserializer=iserve_dot_v1_dot_model__service__pb2.ImportProfilesResponse.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -113,6 +118,14 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportProfiles(self, request, context):
+        """Load measurements taken elsewhere (e.g. MaverIQ's published GPU data) as profiles,
+        creating shape-only model records from the architecture presets where needed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +158,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.GetProfile,
                     request_deserializer=iserve_dot_v1_dot_model__service__pb2.GetProfileRequest.FromString,
                     response_serializer=iserve_dot_v1_dot_model__service__pb2.GetProfileResponse.SerializeToString,
+            ),
+            'ImportProfiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportProfiles,
+                    request_deserializer=iserve_dot_v1_dot_model__service__pb2.ImportProfilesRequest.FromString,
+                    response_serializer=iserve_dot_v1_dot_model__service__pb2.ImportProfilesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +329,33 @@ class ModelService:
             '/iserve.v1.ModelService/GetProfile',
             iserve_dot_v1_dot_model__service__pb2.GetProfileRequest.SerializeToString,
             iserve_dot_v1_dot_model__service__pb2.GetProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportProfiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/iserve.v1.ModelService/ImportProfiles',
+            iserve_dot_v1_dot_model__service__pb2.ImportProfilesRequest.SerializeToString,
+            iserve_dot_v1_dot_model__service__pb2.ImportProfilesResponse.FromString,
             options,
             channel_credentials,
             insecure,
