@@ -13,6 +13,7 @@ DEFAULT_MAX_OUTPUT_TOKENS = 256
 MAX_BATCH_SIZE = 256
 TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
 SERVED_DTYPES = (common.PRECISION_FLOAT32, common.PRECISION_BFLOAT16)
+PRE_QUANTIZED = (common.WEIGHT_QUANT_GPTQ_INT4, common.WEIGHT_QUANT_AWQ_INT4)
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,18 @@ def resolve_explicit(
     tp, pp = config.tensor_parallel, config.pipeline_parallel
     if tp not in TENSOR_PARALLEL_DEGREES:
         raise InvalidArgument(f"tensor_parallel must be one of {TENSOR_PARALLEL_DEGREES}, got {tp}")
-    if shape.num_attention_heads % tp or shape.num_kv_heads % tp:
+    heads, kv_heads = shape.num_attention_heads, shape.num_kv_heads or shape.num_attention_heads
+    # Fewer KV heads than ranks (multi-query, small GQA groups) are replicated, so tp may
+    # also be a multiple of the KV heads (see monitor_agent.engine.tensor_parallel).
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
         raise InvalidArgument(
-            f"tensor_parallel {tp} must divide the {shape.num_attention_heads} attention heads "
-            f"and {shape.num_kv_heads} KV heads of {model.model_id}"
+            f"tensor_parallel {tp} must divide the {heads} attention heads of "
+            f"{model.model_id}, and divide its {kv_heads} KV heads or be a multiple of them"
+        )
+    if shape.intermediate_size % tp:
+        raise InvalidArgument(
+            f"tensor_parallel {tp} must divide the MLP width {shape.intermediate_size} "
+            f"of {model.model_id}"
         )
     if not 1 <= pp <= min(8, shape.num_layers):
         raise InvalidArgument(
@@ -75,22 +84,33 @@ def resolve_explicit(
             f"max_input_tokens + max_output_tokens = {max_in + max_out} exceeds the model's "
             f"{shape.max_position_embeddings} positions"
         )
-    if tp * pp > 1:
-        raise Unimplemented(
-            "tensor and pipeline parallelism arrive with the engine work (issue 3); use tp=1 pp=1"
-        )
-    compressed = (
-        config.variant_name
-        or config.weight_quant != common.WEIGHT_QUANT_NONE
-        or config.kv_quant != common.KV_QUANT_NONE
-        or config.pruning != common.PRUNING_NONE
-    )
-    if compressed:
-        raise Unimplemented(
-            "quantized and pruned deployments arrive with the engine work (issue 3)"
-        )
+    check_compression(config)
     if config.dtype not in SERVED_DTYPES:
         raise Unimplemented(
             f"the PyTorch CPU engine serves float32 and bfloat16, not {common.Precision.Name(config.dtype)}"
         )
     return ExplicitPlan(config, max_in, max_out)
+
+
+def check_compression(config: common.DeploymentConfig) -> None:
+    """The engine quantizes (int8, int4 weights; int8 KV cache) and prunes (2:4,
+    structured) at load time; InvalidArgument for unknown values, Unimplemented for
+    pre-quantized GPTQ/AWQ checkpoints and for deploying a registered variant by name."""
+    for field, enum in (
+        ("weight_quant", common.WeightQuant),
+        ("kv_quant", common.KvQuant),
+        ("pruning", common.Pruning),
+    ):
+        value = getattr(config, field)
+        if value not in enum.values():
+            raise InvalidArgument(f"{field} {value} is not a known value")
+    if config.weight_quant in PRE_QUANTIZED:
+        raise Unimplemented(
+            f"{common.WeightQuant.Name(config.weight_quant)}: the PyTorch engine does not load "
+            "pre-quantized GPTQ/AWQ checkpoints yet; WEIGHT_QUANT_INT4 quantizes at load time"
+        )
+    if config.variant_name:
+        raise Unimplemented(
+            f"deploying variant {config.variant_name!r} by name is not implemented yet; set "
+            "weight_quant, kv_quant and pruning in the config instead"
+        )

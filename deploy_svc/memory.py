@@ -3,6 +3,13 @@
 Used for explicit configurations (and as the floor under estimates): weights split over
 tp·pp ranks, the KV cache for every slot at the maximum sequence length on each rank's
 layers and heads, and a fixed runtime overhead per worker process.
+
+Compression, as the engine applies it to the decoder layers' projections (embeddings,
+norms and the LM head keep the served dtype): int8 weights take 1 byte per weight plus a
+bfloat16 scale per output row, int4 half a byte plus a bfloat16 scale and zero per group
+of 128 inputs; an int8 KV cache 1 byte per element plus a bfloat16 scale per head vector.
+2:4 pruning keeps weights dense (no saving); structured pruning keeps the heads, KV heads
+and MLP channels ``services.models.compression`` says for the default fraction.
 """
 
 from __future__ import annotations
@@ -12,6 +19,12 @@ from dataclasses import dataclass
 
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.models.compression import (
+    DEFAULT_INT4_GROUP_SIZE,
+    DEFAULT_PRUNE_FRACTION,
+    kept_heads,
+    kept_mlp_channels,
+)
 
 MIB = 1 << 20
 # Resident memory of an idle PyTorch worker process (interpreter, torch, gRPC), measured
@@ -22,6 +35,7 @@ DTYPE_BYTES = {
     common.PRECISION_FLOAT16: 2,
     common.PRECISION_BFLOAT16: 2,
 }
+SCALE_BYTES = 2  # bfloat16 quantization scales and zeros
 
 
 @dataclass(frozen=True)
@@ -46,10 +60,59 @@ def rank_memory(
     stored = DTYPE_BYTES.get(shape.dtype, 4)
     served = DTYPE_BYTES.get(config.dtype, stored)
     layers = max(1, shape.num_layers)
-    weights = shape.weight_bytes * served / stored
+    weights = served_weight_bytes(shape, config, served, stored)
     # Layer weights follow the stage's share of layers; embeddings and head ride along.
     per_rank_weights = weights * stage_layers / layers / tp
     kv_heads_per_rank = max(1, math.ceil(shape.num_kv_heads / tp))
+    if config.pruning == common.PRUNING_STRUCTURED and shape.num_kv_heads:
+        heads_per_rank = max(1, shape.num_attention_heads // tp)
+        _, kv_heads_per_rank = kept_heads(heads_per_rank, kv_heads_per_rank, DEFAULT_PRUNE_FRACTION)
     slots = max(1, config.batch_size)
-    kv = 2 * stage_layers * kv_heads_per_rank * shape.head_dim * max_seq_len * slots * served
+    kv_element_bytes = served
+    if config.kv_quant == common.KV_QUANT_INT8:
+        kv_element_bytes = 1 + SCALE_BYTES / max(1, shape.head_dim)
+    kv = (
+        2 * stage_layers * kv_heads_per_rank * shape.head_dim * max_seq_len * slots
+    ) * kv_element_bytes
     return RankMemory(int(per_rank_weights), int(kv), RUNTIME_OVERHEAD_BYTES)
+
+
+def served_weight_bytes(
+    shape: model_pb.ModelShape, config: common.DeploymentConfig, served: int, stored: int
+) -> float:
+    """Bytes of all the model's weights as a worker holds them: the embedding and LM head
+    in the served dtype, the decoder layers pruned and quantized as ``config`` says (see
+    the module docstring)."""
+    total_params = shape.parameter_count or shape.weight_bytes / stored
+    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    embedding_params = min(total_params, embeddings)
+    layer_params = total_params - embedding_params
+    if config.pruning == common.PRUNING_STRUCTURED:
+        layer_params *= _structured_kept_share(shape, layer_params / max(1, shape.num_layers))
+    if config.weight_quant == common.WEIGHT_QUANT_INT8:
+        # A scale per output row of (at least) hidden_size inputs.
+        bytes_per_weight = 1 + SCALE_BYTES / max(1, shape.hidden_size)
+    elif config.weight_quant == common.WEIGHT_QUANT_INT4:
+        bytes_per_weight = 0.5 + 2 * SCALE_BYTES / DEFAULT_INT4_GROUP_SIZE
+    else:
+        bytes_per_weight = served
+    return embedding_params * served + layer_params * bytes_per_weight
+
+
+def _structured_kept_share(shape: model_pb.ModelShape, layer_params: float) -> float:
+    """The share of a decoder layer's ``layer_params`` weights structured pruning keeps:
+    q/o rows scale with the query heads kept, k/v with the KV heads, the MLP (the rest of
+    the layer) with its width. 1 when the shape lacks the sizes."""
+    hidden, heads, kv_heads = shape.hidden_size, shape.num_attention_heads, shape.num_kv_heads
+    dim, inner = shape.head_dim, shape.intermediate_size
+    if not (hidden and heads and kv_heads and dim and inner and layer_params):
+        return 1.0
+    kept_q, kept_kv = kept_heads(heads, kv_heads, DEFAULT_PRUNE_FRACTION)
+    q_o, k_v = 2 * hidden * heads * dim, 2 * hidden * kv_heads * dim
+    mlp = max(0.0, layer_params - q_o - k_v)
+    kept = (
+        q_o * kept_q / heads
+        + k_v * kept_kv / kv_heads
+        + mlp * kept_mlp_channels(inner, DEFAULT_PRUNE_FRACTION) / inner
+    )
+    return kept / (q_o + k_v + mlp)

@@ -6,6 +6,14 @@ process group reaches anything it spawns), logs to
 ready file (see ``monitor_agent.worker.process``). The supervisor records every worker in
 Redis (STARTING -> READY -> STOPPED, or FAILED with the exit code and the tail of its
 log) and publishes a ``worker_died`` event when a ready worker exits unasked.
+
+A tensor/pipeline-parallel deployment is one process per rank, each pinned to its own
+device's cores. When the request names no rendezvous address and this node runs every
+rank, the supervisor picks a free local port for the torch.distributed store. The start
+succeeds once every rank's ready file exists (which the ranks write only after the whole
+group has formed and loaded); if any rank exits first, or time runs out, all are stopped.
+A rank that dies later is reported as above, and the supervisor stops the deployment's
+other ranks on this node (recorded FAILED), since a group missing a rank cannot serve.
 """
 
 from __future__ import annotations
@@ -18,12 +26,13 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from monitor_agent.launch import LaunchPlan, WorkerPlan
 from services.api import agent_service_pb2 as agent_pb
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
+from services.redis_embedded import free_port
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.agent.supervisor")
@@ -151,6 +160,9 @@ class WorkerSupervisor:
                 f"deployment {plan.deployment_id!r} already has workers on node {self.node_id}; "
                 "stop them first"
             )
+        if plan.world_size > 1 and not plan.rendezvous_address:
+            # build_plan allows this only when every rank runs here.
+            plan = replace(plan, rendezvous_address=f"127.0.0.1:{free_port()}")
         procs: list[WorkerProcess] = []
         self._workers[plan.deployment_id] = procs  # claimed now, so stop_all sees them
         try:
@@ -214,7 +226,8 @@ class WorkerSupervisor:
                 record = read_ready_file(proc.ready_file)
                 if record is not None:
                     proc.info.state = agent_pb.WORKER_STATE_READY
-                    proc.info.address = f"{self.advertise_host}:{int(record['port'])}"
+                    if int(record["port"]):  # ranks other than 0 serve nothing
+                        proc.info.address = f"{self.advertise_host}:{int(record['port'])}"
                     proc.info.resident_bytes = int(record.get("resident_bytes", 0))
                     await self.store.put_worker(proc.info)
                     pending.remove(proc)
@@ -315,9 +328,11 @@ class WorkerSupervisor:
             await asyncio.sleep(self.reap_interval_s)
 
     async def reap_once(self) -> list[agent_pb.WorkerInfo]:
-        """Mark ready workers that have exited FAILED, in Redis with a ``worker_died`` event."""
+        """Mark ready workers that have exited FAILED, in Redis with a ``worker_died`` event,
+        and stop the other ranks of their deployments."""
         died = []
         for deployment_id, procs in list(self._workers.items()):
+            dead_rank: int | None = None
             for proc in procs:
                 if proc.stopping or proc.info.state != agent_pb.WORKER_STATE_READY:
                     continue
@@ -347,4 +362,28 @@ class WorkerSupervisor:
                     deployment_id, failed.rank, failed.pid, describe_exit(code),
                 )  # fmt: skip
                 died.append(failed)
+                dead_rank = failed.rank if dead_rank is None else dead_rank
+            if dead_rank is not None:
+                await self._stop_survivors(deployment_id, procs, dead_rank)
         return died
+
+    async def _stop_survivors(
+        self, deployment_id: str, procs: list[WorkerProcess], dead_rank: int
+    ) -> None:
+        """Stop the ranks of ``deployment_id`` still alive after rank ``dead_rank`` died
+        (a parallel group cannot serve without it) and record them FAILED."""
+        survivors = [p for p in procs if not p.stopping and p.alive]
+        if not survivors:
+            return
+        for proc in survivors:
+            proc.stopping = True
+        await asyncio.gather(*(self._terminate(p) for p in survivors))
+        for proc in survivors:
+            proc.info.state = agent_pb.WORKER_STATE_FAILED
+            proc.info.exit_code = proc.popen.returncode or 0
+            proc.info.reason = f"stopped because rank {dead_rank} of the deployment died"
+            await self.store.put_worker(proc.info)
+        log.warning(
+            "deployment %s: stopped rank(s) %s after rank %d died",
+            deployment_id, [p.info.rank for p in survivors], dead_rank,
+        )  # fmt: skip

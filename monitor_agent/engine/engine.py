@@ -9,6 +9,7 @@ its cache slot until its generator finishes or is closed.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -23,9 +24,19 @@ from monitor_agent.engine.batching import (
     SequenceHandle,
     StepOutput,
 )
+from monitor_agent.engine.compression import (
+    DEFAULT_PRUNE_FRACTION,
+    CompressionSpec,
+    apply_compression,
+)
+from monitor_agent.engine.distributed import DistributedModel, ParallelContext
 from monitor_agent.engine.kv_cache import kv_cache_quantization
 from monitor_agent.engine.loader import load_model
-from monitor_agent.engine.memory import MemoryAccount, parameter_and_buffer_bytes
+from monitor_agent.engine.memory import (
+    MemoryAccount,
+    parameter_and_buffer_bytes,
+    return_freed_memory,
+)
 from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, InvalidCheckpoint
@@ -45,7 +56,14 @@ class Engine:
 
     kv_cache_dtype None keeps K and V in the model dtype; "int8" quantizes them (see
     :mod:`monitor_agent.engine.kv_cache`). prefill_token_budget is passed to the batch
-    core (default: max_seq_len prompt tokens admitted per step).
+    core (default: max_seq_len prompt tokens admitted per step). With ``parallel`` this
+    process is one rank of a tensor/pipeline-parallel group: the model is a
+    DistributedModel over the rank's stage and shard, which rank 0's batch core drives
+    and the other ranks serve through ``model.follow()``.
+
+    weight_quant ("none", "int8", "int4"), pruning ("none", "2:4", "2:4-compact",
+    "structured") and prune_fraction (structured only) compress every decoder layer while
+    it loads (see :mod:`monitor_agent.engine.compression`); ValueError for other values.
     """
 
     def __init__(
@@ -59,6 +77,10 @@ class Engine:
         num_threads: int | None = None,
         kv_cache_dtype: str | None = None,
         prefill_token_budget: int | None = None,
+        parallel: ParallelContext | None = None,
+        weight_quant: str = "none",
+        pruning: str = "none",
+        prune_fraction: float = DEFAULT_PRUNE_FRACTION,
     ) -> None:
         directory = Path(checkpoint_dir)
         if num_threads is not None:
@@ -68,10 +90,23 @@ class Engine:
                 f"kv_cache_dtype must be None (the model dtype) or one of {KV_CACHE_DTYPES}, "
                 f"got {kv_cache_dtype!r}"
             )
+        self.compression = CompressionSpec(weight_quant, pruning, prune_fraction)
         tokenizer_path = directory / TOKENIZER_FILE
         if not tokenizer_path.is_file():
             raise InvalidCheckpoint(f"{TOKENIZER_FILE} is missing from {str(directory)!r}")
-        self.model = load_model(directory, dtype=dtype, device=device)
+        # One rank of a tensor/pipeline-parallel group holds its stage's shard, driven in
+        # lock-step with the other ranks (see monitor_agent.engine.distributed).
+        stage = {} if parallel is None else parallel.load_kwargs()
+        # Each layer is compressed as soon as it is read (after sharding).
+        compress = None
+        if not self.compression.is_identity:
+            compress = functools.partial(apply_compression, spec=self.compression)
+        self.model = load_model(
+            directory, dtype=dtype, device=device, on_layer_loaded=compress, **stage
+        )
+        return_freed_memory()
+        if parallel is not None:
+            self.model = DistributedModel(self.model, parallel)
         self.spec: ArchSpec = self.model.spec
         if not 0 < max_seq_len <= self.spec.max_position_embeddings:
             raise ValueError(

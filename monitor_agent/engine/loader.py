@@ -5,18 +5,22 @@ created on the meta device so no memory is spent on a random initialisation, and
 parameter is then read from the safetensors files as ``ArchSpec.stage_weights`` says:
 a whole tensor, or some rows of one (Falcon's fused ``query_key_value`` split into q, k
 and v), converted to the requested dtype. Only the tensors of the stage's own layers (and
-its embedding or head) are read, each through ``safe_open``'s lazy per-tensor access.
+its embedding or head) are read, each through ``safe_open``'s lazy per-tensor access;
+a tensor-parallel shard reads only its own rows or columns of the sharded tensors.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
+from monitor_agent.engine.layers import DecoderLayer
 from monitor_agent.engine.model import Transformer
+from monitor_agent.engine.tensor_parallel import TensorShard, shard_modules, shard_sources
 from services.models.arch import WeightSource
 from services.models.checkpoint import InvalidCheckpoint, validate_checkpoint
 
@@ -43,6 +47,8 @@ def load_model(
     device: str | torch.device = "cpu",
     first_layer: int = 0,
     layer_count: int | None = None,
+    tensor_parallel: TensorShard | None = None,
+    on_layer_loaded: Callable[[DecoderLayer], None] | None = None,
 ) -> Transformer:
     """The checkpoint's model with weights in ``dtype`` on ``device`` (no caches yet).
 
@@ -51,6 +57,14 @@ def load_model(
     the final norm and LM head on the last. Raises InvalidCheckpoint (or the config errors
     of services.models) when a tensor is missing, unexpected or of the wrong shape, and
     ValueError for a stage outside the model's layers.
+
+    With ``tensor_parallel`` the model is this tensor rank's shard (see
+    :mod:`monitor_agent.engine.tensor_parallel`), and only its slices are read; ValueError
+    when the model's heads or MLP width do not split that many ways.
+
+    ``on_layer_loaded(layer)`` is called with each decoder layer once its weights are read
+    (after sharding), before the next layer is allocated: the hook where quantization and
+    pruning (:mod:`monitor_agent.engine.compression`) transform the model layer by layer.
     """
     directory = Path(checkpoint_dir)
     checked = validate_checkpoint(directory, require_tokenizer=False)
@@ -61,32 +75,64 @@ def load_model(
             first_layer=first_layer,
             layer_count=layer_count,
         )
-    model = model.to_empty(device=device)
+        if tensor_parallel is not None:
+            shard_modules(model, tensor_parallel)
     sources = checked.spec.stage_weights(model.first_layer, model.layer_count)
-    params = dict(model.named_parameters())
-    if set(params) != set(sources):
+    if tensor_parallel is not None:
+        sources = shard_sources(checked.spec, sources, tensor_parallel)
+    if {name for name, _ in model.named_parameters()} != set(sources):
         raise AssertionError("Transformer's parameters do not match ArchSpec.stage_weights()")
-    by_file: dict[str, list[str]] = defaultdict(list)
-    for name, source in sources.items():
-        by_file[checked.tensors[source.tensor].file].append(name)
-    for file_name, names in sorted(by_file.items()):
-        with safe_open(str(directory / file_name), framework="pt", device="cpu") as f:
-            for name in names:
-                tensor = _read(f, sources[name])
-                param = params[name]
-                if tensor.shape != param.shape:
-                    raise InvalidCheckpoint(
-                        f"tensor {sources[name].tensor!r} in {file_name} gives {name} shape "
-                        f"{list(tensor.shape)}; expected {list(param.shape)}"
-                    )
-                param.copy_(tensor)
+    # One part at a time (the embedding, each layer, the final norm, the head) is allocated
+    # and read, and each layer goes to on_layer_loaded before the next is read, so a
+    # compressing hook keeps the full-precision model from ever being resident at once.
+    for prefix, part in _parts(model):
+        part.to_empty(device=device)
+        for name, param in part.named_parameters(prefix=prefix):
+            source = sources[name]
+            _load_parameter(param, name, directory / checked.tensors[source.tensor].file, source)
+        if on_layer_loaded is not None and isinstance(part, DecoderLayer):
+            on_layer_loaded(part)
     return model.eval()
 
 
+def _load_parameter(param: nn.Parameter, name: str, path: Path, source: WeightSource) -> None:
+    """Copy ``source`` from the safetensors file at ``path`` into ``param``.
+
+    The file is opened for this one tensor: a read can be a view of the file's memory map,
+    and the map's pages stay resident while anything read from it lives, so one handle
+    held across a layer's tensors would keep the whole layer's bytes mapped beside its
+    copy.
+    """
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        tensor = _read(handle, source)
+        if tensor.shape != param.shape:
+            raise InvalidCheckpoint(
+                f"tensor {source.tensor!r} in {path.name} gives {name} shape "
+                f"{list(tensor.shape)}; expected {list(param.shape)}"
+            )
+        param.copy_(tensor)
+
+
+def _parts(model: Transformer) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of the embedding, each decoder layer, the final norm and the head
+    that ``model`` holds, in that order."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            yield from ((f"{name}.{j}", layer) for j, layer in enumerate(child))
+        else:
+            yield name, child
+
+
 def _read(handle, source: WeightSource) -> torch.Tensor:
-    """The tensor, or the concatenation of its row ranges, reading only those bytes."""
-    if source.rows is None:
+    """The tensor, or the concatenation of its row ranges, or a range of its columns,
+    reading only those bytes."""
+    if source.rows is None and source.columns is None:
         return handle.get_tensor(source.tensor)
     rows = handle.get_slice(source.tensor)
-    parts = [rows[start:stop] for start, stop in source.rows]
+    ranges = source.rows or ((0, rows.get_shape()[0]),)
+    if source.columns is None:
+        parts = [rows[start:stop] for start, stop in ranges]
+    else:
+        first, last = source.columns
+        parts = [rows[start:stop, first:last] for start, stop in ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts)

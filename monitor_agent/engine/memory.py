@@ -23,6 +23,8 @@ which measures the same things exactly.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -60,6 +62,22 @@ def forward_activation_bytes(
     mlp = 3 * tokens * spec.intermediate_size * dtype_bytes
     logits = logit_rows * spec.vocab_size * (dtype_bytes + _FLOAT32_BYTES)
     return max(residual + max(attention, mlp), hidden + logits)
+
+
+def return_freed_memory() -> None:
+    """Give the heap pages freed so far back to the operating system (glibc's
+    ``malloc_trim``; nothing elsewhere).
+
+    Loading frees a lot: each layer's full-precision weights once it is compressed, dtype
+    conversion temporaries. glibc keeps some of that mapped for reuse, by chance ~0-200 MB
+    on a 7B-wide layer, which the process RSS would show as if the model still held it.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        return
 
 
 def parameter_and_buffer_bytes(model: nn.Module) -> int:

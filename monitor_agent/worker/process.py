@@ -5,8 +5,19 @@ Readiness protocol: once the server listens, the worker writes
 ``--ready-file`` atomically (a temporary file renamed into place), so the agent never
 reads a half-written file. A
 worker that cannot start exits non-zero with the reason as the last lines of its log:
-2 for bad arguments (including tp or pp other than 1), 1 when the engine cannot load.
+2 for bad arguments, 1 when the engine cannot load (or its parallel group cannot form).
 SIGTERM stops it cleanly with exit code 0.
+
+Tensor/pipeline parallelism (``--world-size`` = tp·pp > 1): every rank is one process,
+started with its ``--rank``, its stage's ``--first-layer``/``--layer-count`` and the
+``--rendezvous`` address where rank 0 hosts the torch.distributed store. Each joins the
+group, loads its stage's shard and checks the stages' layer map with the others (which
+also waits until every rank has loaded); only then does any rank write its ready file.
+Rank 0 serves WorkerService and drives the steps; the other ranks serve nothing and run
+the steps rank 0 broadcasts (:mod:`monitor_agent.worker.follower`), writing
+``"port": 0`` in their ready files. When the group loses a rank, rank 0 fails the
+requests in flight with UNAVAILABLE and exits with code 3, the others exit with code 3 as
+well (see :mod:`monitor_agent.engine.distributed`).
 """
 
 from __future__ import annotations
@@ -23,14 +34,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.grpc_server import ServiceBinding, configure_logging, run_server
+from services.models.compression import DEFAULT_PRUNE_FRACTION, PRUNINGS, WEIGHT_QUANTIZATIONS
 
 if TYPE_CHECKING:
+    from monitor_agent.engine.distributed import ParallelContext
     from monitor_agent.engine.engine import Engine
 
 log = logging.getLogger("iserve.worker")
 
 EXIT_BAD_ARGUMENTS = 2
 EXIT_ENGINE_FAILED = 1
+EXIT_GROUP_LOST = 3
+# As monitor_agent.engine.tensor_parallel says; not imported, because that imports torch,
+# which must start only after the process is pinned to its cores.
+TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
 # In-flight streams get this long after SIGTERM before they are cancelled; the agent
 # waits 5 s before it escalates to SIGKILL.
 SHUTDOWN_GRACE_S = 1.0
@@ -43,8 +60,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--deployment-id", required=True)
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1, help="tp·pp ranks in all")
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--pipeline-parallel", type=int, default=1)
+    parser.add_argument("--first-layer", type=int, default=0, help="first layer of this stage")
+    parser.add_argument(
+        "--layer-count", type=int, default=0, help="layers of this stage (0: to the last layer)"
+    )
+    parser.add_argument(
+        "--rendezvous", default="", help="HOST:PORT of the torch.distributed store (rank 0's)"
+    )
+    parser.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=300.0,
+        help="a rank that waits this long for a peer in a collective gives the group up",
+    )
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-seq-len", type=int, default=2048)
@@ -54,6 +85,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="none",
         choices=["none", "int8"],
         help="KV-cache storage: the model dtype, or int8 with per-position scales",
+    )
+    parser.add_argument(
+        "--weight-quant",
+        default="none",
+        choices=WEIGHT_QUANTIZATIONS,
+        help="weight-only quantization of the attention and MLP projections",
+    )
+    parser.add_argument(
+        "--pruning",
+        default="none",
+        choices=PRUNINGS,
+        help="2:4 magnitude pruning (dense, or compact values + indices), or structured "
+        "pruning of heads and MLP channels",
+    )
+    parser.add_argument(
+        "--prune-fraction",
+        type=float,
+        default=DEFAULT_PRUNE_FRACTION,
+        help="share of heads and MLP channels --pruning structured drops, in [0, 1)",
     )
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda:N")
     parser.add_argument(
@@ -84,15 +134,27 @@ def parse_cores(text: str) -> list[int]:
 
 def check_args(args: argparse.Namespace) -> list[int]:
     """The cores to pin to; ValueError with a user-facing message for unsupported args."""
-    if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
-        raise ValueError(
-            f"tensor_parallel={args.tensor_parallel} pipeline_parallel={args.pipeline_parallel}: "
-            "this worker runs tp = pp = 1 only"
-        )
-    if args.rank != 0:
-        raise ValueError(f"rank {args.rank}: with tp = pp = 1 the only rank is 0")
+    tp, pp = args.tensor_parallel, args.pipeline_parallel
+    if tp not in TENSOR_PARALLEL_DEGREES:
+        raise ValueError(f"--tensor-parallel must be one of {TENSOR_PARALLEL_DEGREES}, got {tp}")
+    if pp < 1:
+        raise ValueError(f"--pipeline-parallel must be at least 1, got {pp}")
+    if args.world_size != tp * pp:
+        raise ValueError(f"--world-size {args.world_size} must equal tp·pp = {tp * pp}")
+    if not 0 <= args.rank < args.world_size:
+        raise ValueError(f"--rank {args.rank} is outside 0..{args.world_size - 1}")
+    if args.world_size > 1 and not args.rendezvous:
+        raise ValueError("--rendezvous HOST:PORT is required with more than one rank")
+    if args.first_layer < 0 or args.layer_count < 0:
+        raise ValueError("--first-layer and --layer-count must not be negative")
+    if pp == 1 and (args.first_layer or args.layer_count):
+        raise ValueError("--first-layer and --layer-count select a pipeline stage; pp is 1")
+    if args.collective_timeout_s <= 0:
+        raise ValueError("--collective-timeout-s must be positive")
     if args.max_seq_len < 1 or args.max_batch < 1:
         raise ValueError("--max-seq-len and --max-batch must be at least 1")
+    if not 0 <= args.prune_fraction < 1:
+        raise ValueError(f"--prune-fraction must be in [0, 1), got {args.prune_fraction}")
     return parse_cores(args.cores)
 
 
@@ -132,9 +194,12 @@ def parent_watch(parent_pid: int) -> Callable[[], Awaitable[None]]:
     return watch_parent
 
 
-async def serve(args: argparse.Namespace, engine: Engine) -> None:
+async def serve(args: argparse.Namespace, engine: Engine) -> bool:
+    """Serve WorkerService until SIGTERM; True when it stopped because the parallel group
+    lost a rank."""
     # Imported here, not at the top: they import torch, which must start its thread pools
     # only after main() has pinned the process to its cores.
+    from monitor_agent.engine.distributed import DistributedModel
     from monitor_agent.worker.runner import EngineRunner
     from monitor_agent.worker.servicer import WorkerIdentity, WorkerServicer
     from services.api import worker_service_pb2_grpc
@@ -159,6 +224,12 @@ async def serve(args: argparse.Namespace, engine: Engine) -> None:
         )
         log.info("worker %s rank %d ready on port %d", args.deployment_id, args.rank, port)
 
+    group = engine.model if isinstance(engine.model, DistributedModel) else None
+    if group is not None:
+        # A lost group stops this worker as SIGTERM would (streams in flight get their
+        # error during the grace period); main() then exits with EXIT_GROUP_LOST.
+        group.on_lost = lambda _reason: os.kill(os.getpid(), signal.SIGTERM)
+        group.start_keepalive()
     try:
         await run_server(
             f"worker-{args.deployment_id}-r{args.rank}",
@@ -170,10 +241,32 @@ async def serve(args: argparse.Namespace, engine: Engine) -> None:
         )
     finally:
         runner.close()
+        if group is not None:
+            await asyncio.to_thread(group.close)
+    return group is not None and group.lost is not None
 
 
-def load_engine(args: argparse.Namespace, cores: list[int]) -> Engine:
-    """The engine ``args`` describe, computing on ``len(cores)`` threads (all if none)."""
+def join_group(args: argparse.Namespace) -> ParallelContext | None:
+    """This rank's place in the tensor/pipeline-parallel group; None for a single rank."""
+    if args.world_size == 1:
+        return None
+    from monitor_agent.engine.distributed import ParallelLayout, init_parallel
+
+    return init_parallel(
+        ParallelLayout(args.tensor_parallel, args.pipeline_parallel, args.rank),
+        rendezvous=args.rendezvous,
+        device=args.device,
+        first_layer=args.first_layer,
+        layer_count=args.layer_count or None,
+        timeout_s=args.collective_timeout_s,
+    )
+
+
+def load_engine(
+    args: argparse.Namespace, cores: list[int], parallel: ParallelContext | None = None
+) -> Engine:
+    """The engine ``args`` describe, computing on ``len(cores)`` threads (all if none);
+    with ``parallel``, this rank's stage and shard of it."""
     from monitor_agent.engine.engine import Engine
 
     return Engine(
@@ -184,6 +277,10 @@ def load_engine(args: argparse.Namespace, cores: list[int]) -> Engine:
         device=args.device,
         num_threads=len(cores) or None,
         kv_cache_dtype=None if args.kv_quant == "none" else args.kv_quant,
+        parallel=parallel,
+        weight_quant=args.weight_quant,
+        pruning=args.pruning,
+        prune_fraction=args.prune_fraction,
     )
 
 
@@ -200,10 +297,35 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_ARGUMENTS
 
     try:
-        engine = load_engine(args, cores)
+        parallel = join_group(args)
+    except Exception as exc:  # noqa: BLE001 - the agent shows this line as the reason
+        log.debug("joining the group failed", exc_info=True)
+        print(
+            f"error: rank {args.rank} cannot join the parallel group at {args.rendezvous}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_ENGINE_FAILED
+    try:
+        engine = load_engine(args, cores, parallel)
+        if parallel is not None:
+            from monitor_agent.engine.distributed import check_layer_map
+
+            # A collective: it also waits until every rank has loaded its stage.
+            check_layer_map(engine.model.stage, parallel.layout)
     except Exception as exc:  # noqa: BLE001 - the agent shows this line as the reason
         log.debug("engine failed to load", exc_info=True)
         print(f"error: cannot load {str(args.checkpoint)!r}: {exc}", file=sys.stderr, flush=True)
         return EXIT_ENGINE_FAILED
-    asyncio.run(serve(args, engine))
-    return 0
+    if args.rank != 0:
+        from monitor_agent.worker.follower import run_follower
+
+        def announce() -> None:
+            record = {"port": 0, "pid": os.getpid(), "resident_bytes": engine.memory.resident_bytes}
+            write_ready_file(args.ready_file, record)
+            log.info("worker %s rank %d ready", args.deployment_id, args.rank)
+
+        stopped = run_follower(engine.model, parent_pid=args.parent_pid, announce=announce)
+        return 0 if stopped else EXIT_GROUP_LOST
+    lost = asyncio.run(serve(args, engine))
+    return EXIT_GROUP_LOST if lost else 0

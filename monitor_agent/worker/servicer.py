@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from monitor_agent.engine.distributed import GroupLost
 from monitor_agent.engine.engine import SamplingConfig
 from monitor_agent.worker.runner import EngineRunner, RequestClock
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
-from services.errors import InvalidArgument, require
+from services.errors import InvalidArgument, Unavailable, require
 
 FINISH_REASONS = {"length": common.FINISH_REASON_LENGTH, "stop": common.FINISH_REASON_STOP}
 
@@ -104,6 +105,8 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
                 yield response
         except ValueError as exc:  # the engine's own input checks, should ours miss one
             raise InvalidArgument(str(exc)) from exc
+        except GroupLost as exc:  # another rank of this deployment died; so will this one
+            raise Unavailable(f"worker gone: {exc}") from exc
 
     async def GetWorkerStats(
         self, request: worker_pb.GetWorkerStatsRequest, context: grpc.aio.ServicerContext

@@ -263,10 +263,13 @@ class CheckpointTensor:
 
 @dataclass(frozen=True)
 class WeightSource:
-    """Where one engine parameter is read from: a checkpoint tensor, or some of its rows."""
+    """Where one engine parameter is read from: a checkpoint tensor, or some of its rows,
+    and for a tensor-parallel shard of a row-parallel weight a range [start, stop) of its
+    columns (the second dimension)."""
 
     tensor: str
     rows: RowRanges | None = None
+    columns: tuple[int, int] | None = None
 
 
 def config_with_layers(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:

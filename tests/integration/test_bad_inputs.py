@@ -140,9 +140,20 @@ def test_deploy_rejects_bad_configurations(stack, served):
         ),
         (dict(max_input_tokens=4000), grpc.StatusCode.INVALID_ARGUMENT, "positions"),
         (
-            dict(config=common.DeploymentConfig(tensor_parallel=2)),
+            dict(config=common.DeploymentConfig(weight_quant=common.WEIGHT_QUANT_GPTQ_INT4)),
             grpc.StatusCode.UNIMPLEMENTED,
-            "issue 3",
+            "GPTQ/AWQ",
+        ),
+        (
+            dict(config=common.DeploymentConfig(pruning=99)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "pruning 99",
+        ),
+        # tp·pp ranks need as many devices; the stack has two.
+        (
+            dict(config=common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=2)),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "no 4 device(s)",
         ),
     ]
     for fields, status, phrase in cases:

@@ -47,24 +47,135 @@ def test_defaults_fill_in():
     "config,kw,error,phrase",
     [
         (common.DeploymentConfig(tensor_parallel=3), {}, InvalidArgument, "one of"),
-        (common.DeploymentConfig(tensor_parallel=8), {}, InvalidArgument, "divide"),
+        (common.DeploymentConfig(tensor_parallel=16), {}, InvalidArgument, "one of"),
         (common.DeploymentConfig(pipeline_parallel=5), {}, InvalidArgument, "pipeline_parallel"),
         (common.DeploymentConfig(), {"max_input_tokens": 2000}, InvalidArgument, "positions"),
         (common.DeploymentConfig(), {"batch_size": 1000}, InvalidArgument, "batch_size"),
         (common.DeploymentConfig(variant_name="int4"), {}, InvalidArgument, "no variant"),
-        (common.DeploymentConfig(tensor_parallel=2), {}, Unimplemented, "issue 3"),
         (
-            common.DeploymentConfig(weight_quant=common.WEIGHT_QUANT_INT8),
+            common.DeploymentConfig(weight_quant=common.WEIGHT_QUANT_GPTQ_INT4),
             {},
             Unimplemented,
-            "issue 3",
+            "pre-quantized GPTQ/AWQ",
         ),
+        (common.DeploymentConfig(weight_quant=17), {}, InvalidArgument, "weight_quant 17"),
+        (common.DeploymentConfig(pruning=9), {}, InvalidArgument, "pruning 9"),
         (common.DeploymentConfig(dtype=common.PRECISION_FLOAT16), {}, Unimplemented, "float32"),
     ],
 )
 def test_bad_configs(config, kw, error, phrase):
     with pytest.raises(error, match=phrase):
         _resolve(config=config, **kw)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "tp", "pp", "ok"),
+    [
+        (8, 4, 2, 2, True),  # KV heads split
+        (8, 4, 8, 1, True),  # fewer KV heads than ranks: replicated
+        (8, 1, 4, 1, True),  # multi-query
+        (8, 4, 1, 4, True),  # pipeline only
+        (4, 2, 8, 1, False),  # more ranks than attention heads
+        (12, 3, 2, 1, False),  # 2 neither divides 3 KV heads nor is a multiple of them
+    ],
+)
+def test_parallel_configs_need_splittable_heads(heads, kv_heads, tp, pp, ok):
+    model = _model(num_attention_heads=heads, num_kv_heads=kv_heads, intermediate_size=512)
+    config = common.DeploymentConfig(tensor_parallel=tp, pipeline_parallel=pp)
+    if ok:
+        plan = _resolve(model=model, config=config)
+        assert (plan.config.tensor_parallel, plan.config.pipeline_parallel) == (tp, pp)
+    else:
+        with pytest.raises(InvalidArgument, match="divide"):
+            _resolve(model=model, config=config)
+
+
+def test_tensor_parallel_must_divide_the_mlp_width():
+    model = _model(intermediate_size=300)
+    with pytest.raises(InvalidArgument, match="MLP width 300"):
+        _resolve(model=model, config=common.DeploymentConfig(tensor_parallel=8))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        common.DeploymentConfig(weight_quant=common.WEIGHT_QUANT_INT8),
+        common.DeploymentConfig(weight_quant=common.WEIGHT_QUANT_INT4),
+        common.DeploymentConfig(kv_quant=common.KV_QUANT_INT8),
+        common.DeploymentConfig(pruning=common.PRUNING_SEMI_STRUCTURED_2_4),
+        common.DeploymentConfig(
+            weight_quant=common.WEIGHT_QUANT_INT4,
+            kv_quant=common.KV_QUANT_INT8,
+            pruning=common.PRUNING_STRUCTURED,
+        ),
+    ],
+)
+def test_compressed_configs_resolve(config):
+    plan = _resolve(config=config)
+    for field in ("weight_quant", "kv_quant", "pruning"):
+        assert getattr(plan.config, field) == (getattr(config, field) or 1)
+
+
+def test_a_variant_by_name_is_not_deployable_yet():
+    model = _model()
+    model.variants.add(name="int8", weight_quant=common.WEIGHT_QUANT_INT8)
+    with pytest.raises(Unimplemented, match="variant 'int8' by name"):
+        _resolve(model, common.DeploymentConfig(variant_name="int8"))
+
+
+def _llama_7b_shape() -> model_pb.ModelShape:
+    """Llama-2-7B: 32 layers of 202,383,360 weights, a 32000 x 4096 embedding and head."""
+    return model_pb.ModelShape(
+        num_layers=32,
+        num_attention_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        hidden_size=4096,
+        intermediate_size=11008,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        parameter_count=32 * 202_383_360 + 2 * 32000 * 4096,
+        weight_bytes=2 * (32 * 202_383_360 + 2 * 32000 * 4096),
+        dtype=common.PRECISION_BFLOAT16,
+    )
+
+
+def test_rank_memory_counts_quantized_and_pruned_weights():
+    shape = _llama_7b_shape()
+    layers, embeddings = 32 * 202_383_360, 2 * 32000 * 4096
+
+    def weights(**config) -> int:
+        return rank_memory(shape, common.DeploymentConfig(**config), 1024, 32).weights_bytes
+
+    assert weights() == 2 * (layers + embeddings)
+    assert weights(pruning=common.PRUNING_SEMI_STRUCTURED_2_4) == weights()  # dense zeros
+    # int8: 1 byte + a bfloat16 scale per 4096-wide row; int4: 0.5 byte + 4 per 128.
+    assert weights(weight_quant=common.WEIGHT_QUANT_INT8) == int(
+        layers * (1 + 2 / 4096) + 2 * embeddings
+    )
+    assert weights(weight_quant=common.WEIGHT_QUANT_INT4) == int(
+        layers * (0.5 + 4 / 128) + 2 * embeddings
+    )
+    # Structured 25 %: 24 of 32 heads (q, k, v, o) and 8256 of 11008 channels stay.
+    attention, mlp = 4 * 4096 * 4096, 3 * 4096 * 11008
+    kept = 32 * (attention * 24 / 32 + mlp * 8256 / 11008) + embeddings
+    # (the norms, 0.004 % of a layer, are counted with the MLP)
+    assert weights(pruning=common.PRUNING_STRUCTURED) == pytest.approx(2 * kept, rel=1e-4)
+    assert weights(pruning=common.PRUNING_STRUCTURED, weight_quant=common.WEIGHT_QUANT_INT4) < (
+        weights(weight_quant=common.WEIGHT_QUANT_INT4)
+    )
+
+
+def test_rank_memory_counts_int8_and_pruned_kv_caches():
+    shape = _llama_7b_shape()
+
+    def kv(**config) -> int:
+        return rank_memory(shape, common.DeploymentConfig(**config), 1024, 32).kv_cache_bytes
+
+    assert kv() == 2 * 32 * 32 * 128 * 1024 * 2
+    # int8 values and one bfloat16 scale per 128-value head vector
+    assert kv(kv_quant=common.KV_QUANT_INT8) == 2 * 32 * 32 * 1024 * (128 + 2)
+    assert kv(pruning=common.PRUNING_STRUCTURED) == kv() * 24 // 32
 
 
 def test_rank_memory_splits_weights_and_kv():

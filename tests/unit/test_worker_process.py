@@ -285,9 +285,12 @@ def test_health_and_reflection_say_serving(worker):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--rank", "1"], "the only rank is 0"),
-        (["--tensor-parallel", "2"], "tp = pp = 1 only"),
-        (["--pipeline-parallel", "2"], "tp = pp = 1 only"),
+        (["--rank", "1"], "--rank 1 is outside 0..0"),
+        (["--tensor-parallel", "2"], "--world-size 1 must equal tp·pp = 2"),
+        (["--pipeline-parallel", "2"], "--world-size 1 must equal tp·pp = 2"),
+        (["--tensor-parallel", "3", "--world-size", "3"], "must be one of (1, 2, 4, 8)"),
+        (["--tensor-parallel", "2", "--world-size", "2"], "--rendezvous HOST:PORT is required"),
+        (["--layer-count", "1"], "select a pipeline stage; pp is 1"),
         (["--cores", "0,x"], "not a core number"),
         (["--kv-quant", "int4"], "invalid choice: 'int4'"),
     ],

@@ -1,0 +1,387 @@
+"""One model over tp·pp processes with torch.distributed (gloo on CPU, NCCL on CUDA).
+
+Ranks. The world has tp·pp ranks; rank = stage·tp + tensor_rank. The tp ranks of a stage
+hold the same layers, each a tensor-parallel shard (:mod:`tensor_parallel`), and form a
+group whose all-reduce runs in the layers' ``reduce`` hooks. Rank 0 (stage 0, tensor rank
+0) is the driver: it serves requests and runs the batch core (:mod:`batching`), whose
+model is a :class:`DistributedModel` with the ordinary ``forward`` contract. Every other
+rank runs :meth:`DistributedModel.follow` until the driver says stop.
+
+One step (``DistributedModel.forward`` on rank 0, the same step in every follower):
+
+1. rank 0 broadcasts a header, int64 ``[op, rows, tokens, last_token_only]`` with op
+   STEP, KEEPALIVE or STOP, then for a STEP the batch as one int64 tensor: the token ids
+   and positions [rows, tokens] and the cache slots [rows], flattened and concatenated;
+2. every rank runs its stage. Stage 0 embeds the ids; a later stage first receives the
+   hidden states [rows, tokens, hidden] from the same tensor rank of the previous stage,
+   and every stage but the last sends its output to the same tensor rank of the next one
+   (point-to-point send/recv: the tp ranks of a stage hold identical hidden states after
+   their all-reduce, so each pair hands its own copy over);
+3. the last stage's tensor rank 0 sends the logits [rows, tokens or 1, vocab] to rank 0,
+   which returns them to the batch core for sampling. With one stage, rank 0 computed
+   them itself (the LM head is replicated).
+
+Failures. Any error inside a step leaves the ranks out of step, so the group is lost for
+good: a peer that dies is reported by gloo at once ("connection closed by peer"), one that
+hangs when a collective passes ``timeout_s``. Rank 0 then raises :class:`GroupLost` for
+that step and every later one and calls ``on_lost`` (the worker exits), a follower's loop
+raises it. While idle, rank 0 broadcasts a KEEPALIVE header every ``keepalive_s`` (10 s, or a third
+of the timeout if that is shorter), so that followers waiting for the next step can keep
+the same timeout and still notice a driver that hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from monitor_agent.engine.model import Transformer
+from monitor_agent.engine.tensor_parallel import TensorShard
+
+__all__ = [
+    "DistributedModel",
+    "GroupLost",
+    "ParallelContext",
+    "ParallelLayout",
+    "check_layer_map",
+    "init_parallel",
+]
+
+log = logging.getLogger("iserve.engine.distributed")
+
+STOP, STEP, KEEPALIVE = 0, 1, 2
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_KEEPALIVE_S = 10.0
+# How long close() waits for a running step before it gives up sending STOP.
+CLOSE_WAIT_S = 5.0
+
+
+class GroupLost(RuntimeError):
+    """A rank of the tensor/pipeline-parallel group failed; no step can run any more."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where ``rank`` sits in a world of tensor_parallel × pipeline_parallel ranks."""
+
+    tensor_parallel: int
+    pipeline_parallel: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise ValueError(
+                f"tensor_parallel ({self.tensor_parallel}) and pipeline_parallel "
+                f"({self.pipeline_parallel}) must be at least 1"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank {self.rank} is outside the world of tp·pp = {self.world_size} ranks"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tensor_parallel
+
+    @property
+    def tensor_rank(self) -> int:
+        return self.rank % self.tensor_parallel
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pipeline_parallel - 1
+
+    def rank_of(self, stage: int, tensor_rank: int) -> int:
+        return stage * self.tensor_parallel + tensor_rank
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [self.rank_of(stage, t) for t in range(self.tensor_parallel)]
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This process's rank in an initialised process group, and the layers it holds."""
+
+    layout: ParallelLayout
+    device: torch.device
+    first_layer: int = 0
+    layer_count: int | None = None  # None: to the last layer
+    # The tensor-parallel group of this rank's stage; None with tp = 1.
+    tensor_group: dist.ProcessGroup | None = None
+    # How long a collective waits for its peers before the group is given up.
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over this stage's tensor-parallel ranks, in place."""
+        dist.all_reduce(x, group=self.tensor_group)
+        return x
+
+    def load_kwargs(self) -> dict:
+        """The ``load_model`` arguments that build this rank's stage and shard."""
+        layout = self.layout
+        shard = (
+            TensorShard(layout.tensor_parallel, layout.tensor_rank, self.all_reduce)
+            if layout.tensor_parallel > 1
+            else None
+        )
+        return {
+            "first_layer": self.first_layer,
+            "layer_count": self.layer_count,
+            "tensor_parallel": shard,
+        }
+
+
+def init_parallel(
+    layout: ParallelLayout,
+    *,
+    rendezvous: str,
+    device: str | torch.device = "cpu",
+    first_layer: int = 0,
+    layer_count: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ParallelContext:
+    """Join the process group at ``rendezvous`` ("host:port", where rank 0 listens) and
+    create the tensor-parallel groups. Blocks until every rank has joined (at most
+    ``timeout_s``). NCCL when ``device`` is CUDA (which becomes this process's current
+    device), gloo otherwise."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://{rendezvous}",
+        rank=layout.rank,
+        world_size=layout.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        # Binds the NCCL communicators to this rank's GPU, whichever thread calls them.
+        **({"device_id": device} if cuda else {}),
+    )
+    tensor_group = None
+    if layout.tensor_parallel > 1:
+        # Every rank must create every group, in the same order.
+        groups = [
+            dist.new_group(layout.stage_ranks(stage)) for stage in range(layout.pipeline_parallel)
+        ]
+        tensor_group = groups[layout.stage]
+    return ParallelContext(layout, device, first_layer, layer_count, tensor_group, timeout_s)
+
+
+def check_layer_map(stage: Transformer, layout: ParallelLayout) -> None:
+    """Exchange every rank's layer range (a collective: all ranks call it once loaded)
+    and raise ValueError on every rank unless the stages tile the model's layers in
+    order, the tensor ranks of each stage agreeing."""
+    ranges: list[tuple[int, int] | None] = [None] * layout.world_size
+    dist.all_gather_object(ranges, (stage.first_layer, stage.layer_count))
+    expected_first = 0
+    for s in range(layout.pipeline_parallel):
+        members = {ranges[r] for r in layout.stage_ranks(s)}
+        if len(members) != 1:
+            raise ValueError(f"the ranks of stage {s} hold different layers: {sorted(members)}")
+        first, count = members.pop()
+        if first != expected_first:
+            raise ValueError(
+                f"stage {s} starts at layer {first}, expected {expected_first} "
+                f"(layer ranges by rank: {ranges})"
+            )
+        expected_first = first + count
+    if expected_first != stage.spec.num_layers:
+        raise ValueError(
+            f"the stages end at layer {expected_first} of {stage.spec.num_layers} "
+            f"(layer ranges by rank: {ranges})"
+        )
+
+
+class DistributedModel(nn.Module):
+    """This rank's stage, stepped in lock-step with the other ranks (module docstring).
+
+    On rank 0 it is the batch core's model: ``forward(input_ids, positions, slots, *,
+    last_token_only)`` returns the whole model's logits. Other ranks call :meth:`follow`.
+    """
+
+    def __init__(self, stage: Transformer, context: ParallelContext) -> None:
+        super().__init__()
+        layout = context.layout
+        if stage.has_embedding != (layout.stage == 0) or stage.has_head != layout.is_last_stage:
+            raise ValueError(
+                f"rank {layout.rank} (stage {layout.stage} of {layout.pipeline_parallel}) "
+                f"cannot hold layers [{stage.first_layer}, "
+                f"{stage.first_layer + stage.layer_count}) of {stage.spec.num_layers}: the "
+                "first stage must start at layer 0 and only the last may end at the last layer"
+            )
+        self.stage = stage
+        self.spec = stage.spec
+        self.context = context
+        # Often enough that an idle follower never waits a whole timeout for a header.
+        self.keepalive_s = min(DEFAULT_KEEPALIVE_S, context.timeout_s / 3)
+        # Called once, from the thread that noticed, with the reason the group was lost.
+        self.on_lost: Callable[[str], None] | None = None
+        self.lost: str | None = None
+        self._lock = threading.Lock()  # one message sequence at a time
+        self._closed = threading.Event()
+        self._last_sent = time.monotonic()
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.context.layout
+
+    def setup_caches(self, max_batch: int, max_seq_len: int) -> None:
+        self.stage.setup_caches(max_batch, max_seq_len)
+
+    # ---- rank 0 ------------------------------------------------------------------------
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        last_token_only: bool = False,
+    ) -> torch.Tensor:
+        """Run one step on every rank; the logits, as Transformer.forward returns them.
+        GroupLost when a rank failed (now or before)."""
+        if not self.layout.is_driver:
+            raise RuntimeError("only rank 0 drives steps; other ranks call follow()")
+        with self._lock:
+            if self.lost is not None:
+                raise GroupLost(self.lost)
+            if self._closed.is_set():
+                raise GroupLost("the parallel group was closed")
+            rows, tokens = positions.shape
+            try:
+                self._send_header(STEP, rows, tokens, last_token_only)
+                batch = torch.cat((inputs.reshape(-1), positions.reshape(-1), slots.reshape(-1)))
+                dist.broadcast(batch.to(self.context.device), src=0)
+                logits = self._run(inputs, positions, slots, last_token_only)
+            except Exception as exc:
+                raise self._lose(exc) from exc
+        assert logits is not None
+        return logits
+
+    def start_keepalive(self) -> None:
+        """Rank 0: broadcast KEEPALIVE whenever nothing was sent for ``keepalive_s``."""
+        if self.layout.world_size > 1:
+            threading.Thread(target=self._keep_alive, name="keepalive", daemon=True).start()
+
+    def close(self) -> None:
+        """Rank 0: tell the followers to stop (best effort); later steps raise GroupLost."""
+        self._closed.set()
+        if not self._lock.acquire(timeout=CLOSE_WAIT_S):
+            log.warning("a step is still running; followers are not told to stop")
+            return
+        try:
+            if self.lost is None and self.layout.world_size > 1:
+                self._send_header(STOP, 0, 0, False)
+        except Exception as exc:  # noqa: BLE001 - stopping anyway; the peers may be gone
+            log.info("could not send STOP to the followers: %s", exc)
+        finally:
+            self._lock.release()
+
+    def _keep_alive(self) -> None:
+        while not self._closed.wait(self.keepalive_s / 4):
+            if time.monotonic() - self._last_sent < self.keepalive_s:
+                continue
+            with self._lock:
+                if self._closed.is_set() or self.lost is not None:
+                    return
+                try:
+                    self._send_header(KEEPALIVE, 0, 0, False)
+                except Exception as exc:  # noqa: BLE001 - reported through _lose
+                    self._lose(exc)
+                    return
+
+    def _send_header(self, op: int, rows: int, tokens: int, last_token_only: bool) -> None:
+        header = torch.tensor(
+            [op, rows, tokens, int(last_token_only)], dtype=torch.long, device=self.context.device
+        )
+        dist.broadcast(header, src=0)
+        self._last_sent = time.monotonic()
+
+    def _lose(self, exc: BaseException) -> GroupLost:
+        if self.lost is None:
+            self.lost = f"rank {self.layout.rank} lost its parallel group: {exc}"
+            log.error("%s", self.lost)
+            if self.on_lost is not None:
+                self.on_lost(self.lost)
+        return GroupLost(self.lost)
+
+    # ---- other ranks -------------------------------------------------------------------
+    def follow(self) -> None:
+        """Run every step rank 0 broadcasts until it sends STOP. Raises GroupLost when a
+        collective fails (a rank died, or nothing arrived within the group's timeout)."""
+        device = self.context.device
+        header = torch.empty(4, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            while True:
+                try:
+                    dist.broadcast(header, src=0)
+                    op, rows, tokens, last_token_only = header.tolist()
+                    if op == STOP:
+                        return
+                    if op == KEEPALIVE:
+                        continue
+                    cells = rows * tokens
+                    batch = torch.empty(2 * cells + rows, dtype=torch.long, device=device)
+                    dist.broadcast(batch, src=0)
+                    self._run(
+                        batch[:cells].view(rows, tokens),
+                        batch[cells : 2 * cells].view(rows, tokens),
+                        batch[2 * cells :],
+                        bool(last_token_only),
+                    )
+                except Exception as exc:
+                    raise GroupLost(
+                        f"rank {self.layout.rank} lost its parallel group: {exc}"
+                    ) from exc
+
+    # ---- every rank --------------------------------------------------------------------
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        last_token_only: bool,
+    ) -> torch.Tensor | None:
+        """This rank's part of one step; the logits on rank 0, None elsewhere."""
+        layout, stage, device = self.layout, self.stage, self.context.device
+        dtype = stage.layers[0].attn_norm.weight.dtype  # the activation dtype
+        rows, tokens = positions.shape
+        if stage.has_embedding:
+            x = input_ids
+        else:
+            x = torch.empty(rows, tokens, self.spec.hidden_size, dtype=dtype, device=device)
+            dist.recv(x, src=layout.rank_of(layout.stage - 1, layout.tensor_rank))
+        out = stage(x, positions, slots, last_token_only=last_token_only)
+        if not stage.has_head:
+            dist.send(
+                out.to(dtype).contiguous(), dst=layout.rank_of(layout.stage + 1, layout.tensor_rank)
+            )
+            if not layout.is_driver:
+                return None
+            logits = torch.empty(
+                rows,
+                1 if last_token_only else tokens,
+                self.spec.vocab_size,
+                dtype=dtype,
+                device=device,
+            )
+            dist.recv(logits, src=layout.rank_of(layout.pipeline_parallel - 1, 0))
+            return logits
+        if layout.tensor_rank == 0 and not layout.is_driver:
+            dist.send(out.to(dtype).contiguous(), dst=0)
+        return out if layout.is_driver else None
