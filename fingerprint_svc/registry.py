@@ -7,6 +7,7 @@ import re
 import time
 from pathlib import Path
 
+from fingerprint_svc.profile_plan import BASE_VARIANT
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
@@ -66,6 +67,10 @@ def check_variants(variants: list[common.CompressionVariant]) -> None:
     for variant in variants:
         if not variant.name:
             raise InvalidArgument("every compression variant needs a name")
+        if variant.name == BASE_VARIANT:
+            raise InvalidArgument(
+                f"variant name {BASE_VARIANT!r} is reserved for the uncompressed model"
+            )
         if variant.name in seen:
             raise InvalidArgument(f"compression variant {variant.name!r} is listed twice")
         seen.add(variant.name)

@@ -6,10 +6,10 @@ import grpc
 
 from monitor_agent.devices import DeviceSpec
 from monitor_agent.launch import build_plan
+from monitor_agent.profiling import ProfilingJobs
 from monitor_agent.supervisor import WorkerSupervisor
 from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
-from services.errors import Unimplemented
 from services.settings import Settings
 
 
@@ -46,4 +46,11 @@ class AgentServicer(agent_service_pb2_grpc.AgentServiceServicer):
     async def RunProfilingJob(
         self, request: agent_pb.RunProfilingJobRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb.RunProfilingJobResponse:
-        raise Unimplemented("RunProfilingJob arrives with fingerprint profiling (issue 4)")
+        jobs = ProfilingJobs(
+            self.supervisor,
+            self.devices,
+            models_root=self.settings.models_root,
+            ready_timeout_s=self.settings.ready_timeout_s,
+        )
+        runs = await jobs.run(request)
+        return agent_pb.RunProfilingJobResponse(request_id=request.request_id, runs=runs)

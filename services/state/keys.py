@@ -23,6 +23,16 @@ def profile(model_id: str) -> str:
     return f"{PREFIX}profile:{_part(model_id)}"
 
 
+def profile_progress(model_id: str) -> str:
+    """Profiling progress of a model (WatchModelResponse JSON), written by the profiler."""
+    return f"{PREFIX}profile-progress:{_part(model_id)}"
+
+
+def profile_sources(model_id: str) -> str:
+    """Hash: hardware type -> where that hardware's profile rows came from (JSON)."""
+    return f"{PREFIX}profile-sources:{_part(model_id)}"
+
+
 def calibration(hardware_type: str) -> str:
     """Latency-model constants of one hardware type (Calibration JSON)."""
     return f"{PREFIX}calibration:{_part(hardware_type)}"

@@ -125,7 +125,12 @@ class StateStore:
 
     async def delete_model(self, model_id: str) -> bool:
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.model(model_id), keys.profile(model_id))
+            pipe.delete(
+                keys.model(model_id),
+                keys.profile(model_id),
+                keys.profile_progress(model_id),
+                keys.profile_sources(model_id),
+            )
             pipe.srem(keys.model_index(), model_id)
             deleted, _ = await pipe.execute()
         return bool(deleted)
@@ -138,6 +143,31 @@ class StateStore:
     async def get_profile(self, model_id: str) -> model_pb.GetProfileResponse | None:
         raw = await self.redis.get(keys.profile(model_id))
         return None if raw is None else decode(model_pb.GetProfileResponse, raw)
+
+    async def put_profile_progress(
+        self, model_id: str, progress: model_pb.WatchModelResponse
+    ) -> None:
+        """Record where a model's profiling stands (read by WatchModel)."""
+        await self.redis.set(keys.profile_progress(model_id), encode(progress))
+
+    async def get_profile_progress(self, model_id: str) -> model_pb.WatchModelResponse | None:
+        raw = await self.redis.get(keys.profile_progress(model_id))
+        return None if raw is None else decode(model_pb.WatchModelResponse, raw)
+
+    async def put_profile_source(self, model_id: str, hardware_type: str, source: str) -> None:
+        """Record where ``model_id``'s rows for ``hardware_type`` came from (JSON text)."""
+        await self.redis.hset(keys.profile_sources(model_id), hardware_type, source)
+
+    async def get_profile_sources(self, model_id: str) -> dict[str, str]:
+        """Hardware type -> the source recorded by :meth:`put_profile_source`."""
+        return dict(await self.redis.hgetall(keys.profile_sources(model_id)))
+
+    async def put_config_map(self, model_id: str, hardware_type: str, config_map: str) -> None:
+        """Store the estimator's configuration map of a model (JSON text, services/estimator)."""
+        await self.redis.set(keys.config_map(model_id, hardware_type), config_map)
+
+    async def get_config_map(self, model_id: str, hardware_type: str) -> str | None:
+        return await self.redis.get(keys.config_map(model_id, hardware_type))
 
     async def put_calibration(self, calibration: estimator_pb.Calibration) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:

@@ -21,7 +21,6 @@ from tests.integration.helpers import (
     make_checkpoint,
     register,
     reserved_by_device,
-    rid,
     wait_for,
 )
 
@@ -179,10 +178,3 @@ def test_unknown_ids_are_not_found(stack):
             call()
         assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
         assert "nope" in err.value.details()
-
-
-def test_later_issue_rpcs_say_unimplemented(stack):
-    with pytest.raises(grpc.RpcError) as err:
-        stack.agent.RunProfilingJob(agent_pb.RunProfilingJobRequest(request_id=rid()))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "issue" in err.value.details()

@@ -217,12 +217,12 @@ def test_bad_start_requests_get_clear_errors(agent, changes, code, message):
     assert message in caught.value.details()
 
 
-def test_profiling_jobs_are_not_implemented_yet(agent):
+def test_bad_profiling_requests_get_clear_errors(agent):
     stub, _env = agent
     with pytest.raises(grpc.RpcError) as caught:
         stub.RunProfilingJob(agent_pb.RunProfilingJobRequest(), timeout=10)
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "issue 4" in caught.value.details()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "input_tokens must be at least 1"
 
 
 def test_stopping_the_agent_stops_its_workers(redis_url, models_root, tmp_path):

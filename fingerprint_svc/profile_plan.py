@@ -1,0 +1,370 @@
+"""What profiling a model runs and where, decided without I/O.
+
+For every compression variant of the model (the base checkpoint as ``base``, then the
+registered variants) and every reference configuration (tp, pp) in (1,1), (1,2), (2,1)
+that the cluster and the model's heads allow, profiling runs fingerprints of pp and
+pp + 1 layers (MaverIQ's choice: 1, 2 and 3 layers over the three references; capped at
+the model's own layer count, where the fingerprint is the model itself) at every batch
+size (1 and 2). One :class:`ProfileJob` is one such (variant, reference, layers, batch)
+point; the agent runs it at every output length.
+
+A reference is skipped for the whole model, with the reason recorded, when it needs more
+devices than any one node has (a job's ranks run on one agent), more pipeline stages
+than the model has layers, or a tensor-parallel split the engine cannot make: tp must
+divide the attention heads and the MLP width, and either divide the KV heads or be a
+multiple of them (the engine then replicates KV heads, so multi-query models do run at
+tp = 2; see ``monitor_agent.engine.tensor_parallel``).
+
+Settings come from the environment of the ModelService process:
+
+==================================  ===============================  =======
+variable                            meaning                          default
+==================================  ===============================  =======
+``ISERVE_PROFILE_INPUT_TOKENS``     prompt length, tokens            64
+``ISERVE_PROFILE_OUTPUT_TOKENS``    output lengths, comma-separated  8,16
+``ISERVE_PROFILE_BATCH_SIZES``      batch sizes, comma-separated     1,2
+``ISERVE_PROFILE_WARMUP_RUNS``      untimed runs before timing       1
+``ISERVE_PROFILE_TIMED_RUNS``       timed runs (medians are kept)    3
+==================================  ===============================  =======
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
+from services.api import model_service_pb2 as model_pb
+from services.models.arch import ArchSpec
+
+MIB = 1 << 20
+BASE_VARIANT = "base"
+# (tp, pp) in the order profiled: (1,1) first, since the model fails without it.
+REFERENCES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1))
+# Resident memory of an idle PyTorch worker process (interpreter, torch, gRPC): about
+# 330 MiB on CPU, rounded up as the deployer does so reservations cover it.
+RUNTIME_OVERHEAD_BYTES = 512 * MIB
+# Compute dtype bytes of a worker on a virtual CPU device (float32, see
+# monitor_agent.launch.worker_dtype).
+CPU_COMPUTE_BYTES = 4
+
+
+def _int_list(env: Mapping[str, str], name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        values = tuple(int(part) for part in raw.split(","))
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: give comma-separated integers") from exc
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{name}={raw!r}: every value must be at least 1")
+    return tuple(dict.fromkeys(values))
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not an integer") from exc
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ProfilingSettings:
+    input_tokens: int = 64
+    output_tokens: tuple[int, ...] = (8, 16)
+    batch_sizes: tuple[int, ...] = (1, 2)
+    warmup_runs: int = 1
+    timed_runs: int = 3
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ProfilingSettings:
+        """Settings from ``env`` (default: ``os.environ``); ValueError names a bad variable."""
+        env = os.environ if env is None else env
+        return cls(
+            input_tokens=_int(env, "ISERVE_PROFILE_INPUT_TOKENS", cls.input_tokens, 1),
+            output_tokens=_int_list(env, "ISERVE_PROFILE_OUTPUT_TOKENS", cls.output_tokens),
+            batch_sizes=_int_list(env, "ISERVE_PROFILE_BATCH_SIZES", cls.batch_sizes),
+            warmup_runs=_int(env, "ISERVE_PROFILE_WARMUP_RUNS", cls.warmup_runs, 0),
+            timed_runs=_int(env, "ISERVE_PROFILE_TIMED_RUNS", cls.timed_runs, 1),
+        )
+
+    @property
+    def max_seq_len(self) -> int:
+        """Tokens of KV cache a profiling worker holds per sequence."""
+        return self.input_tokens + max(self.output_tokens)
+
+
+@dataclass(frozen=True)
+class VariantTarget:
+    """One compression variant to profile and the checkpoint its fingerprints come from."""
+
+    name: str
+    # Relative to the models root: the variant's own checkpoint, else the model's.
+    checkpoint_path: str
+    weight_quant: int = common.WEIGHT_QUANT_NONE
+    kv_quant: int = common.KV_QUANT_NONE
+    pruning: int = common.PRUNING_NONE
+
+    @property
+    def is_base(self) -> bool:
+        return self.name == BASE_VARIANT
+
+
+def variant_targets(model: model_pb.Model) -> list[VariantTarget]:
+    """The base model, then every registered variant, in registration order."""
+    targets = [VariantTarget(BASE_VARIANT, model.checkpoint_path)]
+    for v in model.variants:
+        targets.append(
+            VariantTarget(
+                v.name,
+                v.checkpoint_path or model.checkpoint_path,
+                v.weight_quant,
+                v.kv_quant,
+                v.pruning,
+            )
+        )
+    return targets
+
+
+def even_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per pipeline stage, split evenly; earlier stages take the remainder."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
+    base, extra = divmod(num_layers, stages)
+    return tuple(base + (1 if stage < extra else 0) for stage in range(stages))
+
+
+@dataclass(frozen=True)
+class ProfileJob:
+    """One RunProfilingJob: a variant's ``num_layers``-layer fingerprint at (tp, pp)."""
+
+    variant: VariantTarget
+    tensor_parallel: int
+    pipeline_parallel: int
+    num_layers: int
+    batch_size: int
+
+    @property
+    def reference(self) -> tuple[int, int]:
+        return self.tensor_parallel, self.pipeline_parallel
+
+    @property
+    def ranks(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        return even_stage_layers(self.num_layers, self.pipeline_parallel)
+
+    def config(self) -> common.DeploymentConfig:
+        return common.DeploymentConfig(
+            tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel,
+            variant_name="" if self.variant.is_base else self.variant.name,
+            weight_quant=self.variant.weight_quant,
+            kv_quant=self.variant.kv_quant,
+            pruning=self.variant.pruning,
+            batch_size=self.batch_size,
+        )
+
+    def describe(self) -> str:
+        layers = f"{self.num_layers} layer{'s' if self.num_layers != 1 else ''}"
+        return (
+            f"{self.variant.name} fingerprint({layers}) tp={self.tensor_parallel} "
+            f"pp={self.pipeline_parallel} batch={self.batch_size}"
+        )
+
+    def worker_specs(self, device_ids: Sequence[str]) -> list[agent_pb.WorkerSpec]:
+        """One WorkerSpec per rank (rank = stage·tp + tensor rank) on ``device_ids``."""
+        if len(device_ids) != self.ranks:
+            raise ValueError(f"{self.ranks} device(s) needed, got {len(device_ids)}")
+        specs, first = [], 0
+        for stage, count in enumerate(self.stage_layers):
+            for tensor_rank in range(self.tensor_parallel):
+                rank = stage * self.tensor_parallel + tensor_rank
+                specs.append(
+                    agent_pb.WorkerSpec(
+                        rank=rank,
+                        device_id=device_ids[rank],
+                        stage=stage,
+                        tensor_rank=tensor_rank,
+                        first_layer=first,
+                        layer_count=count,
+                    )
+                )
+            first += count
+        return specs
+
+
+def reference_label(reference: tuple[int, int]) -> str:
+    return f"tp={reference[0]} pp={reference[1]}"
+
+
+def fingerprint_layers(pipeline_parallel: int, model_layers: int) -> tuple[int, ...]:
+    """Layer counts of the fingerprints profiled at pipeline degree ``pipeline_parallel``:
+    pp and pp + 1, capped at the model's layers (empty when pp exceeds them)."""
+    return tuple(
+        sorted({min(n, model_layers) for n in (pipeline_parallel, pipeline_parallel + 1)})
+        if pipeline_parallel <= model_layers
+        else ()
+    )
+
+
+def tensor_parallel_problem(shape: model_pb.ModelShape, tp: int) -> str | None:
+    """Why the engine cannot split the model ``tp`` ways, or None when it can."""
+    if tp == 1:
+        return None
+    heads, kv_heads = shape.num_attention_heads, shape.num_kv_heads
+    if heads % tp:
+        return f"tp={tp} must divide the {heads} attention heads"
+    if kv_heads % tp and tp % kv_heads:
+        return f"tp={tp} must divide the {kv_heads} KV heads or be a multiple of them"
+    if shape.intermediate_size % tp:
+        return f"tp={tp} must divide the MLP width {shape.intermediate_size}"
+    return None
+
+
+def reference_skip_reason(
+    shape: model_pb.ModelShape, reference: tuple[int, int], node_devices: int
+) -> str | None:
+    """Why no variant can be profiled at ``reference``, or None."""
+    tp, pp = reference
+    if pp > shape.num_layers:
+        return f"pp={pp} needs {pp} layers; the model has {shape.num_layers}"
+    problem = tensor_parallel_problem(shape, tp)
+    if problem:
+        return problem
+    if tp * pp > node_devices:
+        return (
+            f"needs {tp * pp} devices on one node; the largest node has {node_devices}"
+            if node_devices
+            else "no live node has devices"
+        )
+    return None
+
+
+def plan_jobs(
+    model: model_pb.Model, settings: ProfilingSettings, node_devices: int
+) -> tuple[list[ProfileJob], list[str]]:
+    """Every job of ``model`` in run order, and the references skipped with their reason
+    (``node_devices``: devices of the largest live node)."""
+    skipped, allowed = [], []
+    for reference in REFERENCES:
+        reason = reference_skip_reason(model.shape, reference, node_devices)
+        if reason:
+            skipped.append(f"{reference_label(reference)} (every variant): {reason}")
+        else:
+            allowed.append(reference)
+    jobs = [
+        ProfileJob(variant, tp, pp, layers, batch)
+        for variant in variant_targets(model)
+        for tp, pp in allowed
+        for layers in fingerprint_layers(pp, model.shape.num_layers)
+        for batch in settings.batch_sizes
+    ]
+    return jobs, skipped
+
+
+def rank_memory_bytes(
+    spec: ArchSpec, job: ProfileJob, max_seq_len: int, compute_bytes: int
+) -> list[int]:
+    """Memory to reserve for each rank of ``job`` on a fingerprint shaped ``spec``:
+    its stage's weights (layer tensors split tp ways, embedding, norm and LM head whole,
+    as the engine replicates them), its KV cache, activations of a prefill of the whole
+    sequence, and the runtime overhead of a worker process."""
+    if spec.num_layers != job.num_layers:
+        raise ValueError(f"spec has {spec.num_layers} layers, the job {job.num_layers}")
+    tp = job.tensor_parallel
+    shapes = spec.expected_tensors()
+    per_stage, first = [], 0
+    for count in job.stage_layers:
+        layer_tensors, other_tensors = set(), set()
+        for parameter, source in spec.stage_weights(first, count).items():
+            (layer_tensors if parameter.startswith("layers.") else other_tensors).add(source.tensor)
+        weights = (
+            sum(math.prod(shapes[t]) for t in layer_tensors) / tp
+            + sum(math.prod(shapes[t]) for t in other_tensors)
+        ) * compute_bytes
+        kv_heads = max(1, math.ceil(spec.num_kv_heads / tp))
+        kv = 2 * count * kv_heads * spec.head_dim * max_seq_len * job.batch_size * compute_bytes
+        tokens = job.batch_size * max_seq_len
+        activations = (
+            tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size // tp) * compute_bytes
+            + job.batch_size * spec.num_heads // tp * max_seq_len * max_seq_len * 4
+            + job.batch_size * spec.vocab_size * 8
+        )
+        per_stage.append(int(weights + kv + activations) + RUNTIME_OVERHEAD_BYTES)
+        first += count
+    return [per_stage[rank // tp] for rank in range(job.ranks)]
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    node_id: str
+    agent_address: str
+    devices: tuple[common.DeviceState, ...]
+
+    @property
+    def device_ids(self) -> list[str]:
+        return [d.ref.device_id for d in self.devices]
+
+
+def live_node_devices(nodes: Sequence[common.NodeState]) -> int:
+    """Devices of the largest live node."""
+    return max((len(n.devices) for n in nodes if n.alive), default=0)
+
+
+def choose_devices(
+    nodes: Sequence[common.NodeState], need_bytes: Sequence[int]
+) -> DeviceChoice | None:
+    """Devices for one job, all on one live node: idle ones first (lowest load, then most
+    free memory), each with room for the largest rank's need. Among the nodes that can
+    hold the job, the one whose chosen devices are least loaded (then have most free
+    memory) wins. None when no node can."""
+    count, need = len(need_bytes), max(need_bytes)
+    best, best_key = None, None
+    for node in nodes:
+        if not node.alive:
+            continue
+        fitting = sorted(
+            (d for d in node.devices if d.free_bytes >= need),
+            key=lambda d: (d.load, -d.free_bytes, d.ref.device_id),
+        )
+        if len(fitting) < count:
+            continue
+        chosen = tuple(fitting[:count])
+        key = (sum(d.load for d in chosen), -sum(d.free_bytes for d in chosen), node.node_id)
+        if best_key is None or key < best_key:
+            best, best_key = DeviceChoice(node.node_id, node.agent_address, chosen), key
+    return best
+
+
+def no_room_reason(nodes: Sequence[common.NodeState], need_bytes: Sequence[int]) -> str:
+    """Why :func:`choose_devices` found nothing, naming the largest free device."""
+    count, need = len(need_bytes), max(need_bytes)
+    live = [d for n in nodes if n.alive for d in n.devices]
+    if not live:
+        return "no live node agent has devices"
+    biggest = max(live, key=lambda d: d.free_bytes)
+    what = "no device has" if count == 1 else f"no node has {count} devices with"
+    return (
+        f"{what} {need / MIB:.0f} MiB free (largest free: {biggest.free_bytes / MIB:.0f} MiB "
+        f"on {biggest.ref.node_id}/{biggest.ref.device_id})"
+    )
+
+
+def compute_bytes_for(nodes: Sequence[common.NodeState], checkpoint_dtype_bytes: int) -> int:
+    """Bytes per element workers compute in: float32 when any live device is a virtual
+    CPU device (the safe bound), else the checkpoint's dtype."""
+    cpu = any(d.kind != common.DEVICE_KIND_CUDA for n in nodes if n.alive for d in n.devices)
+    return CPU_COMPUTE_BYTES if cpu else checkpoint_dtype_bytes

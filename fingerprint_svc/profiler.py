@@ -1,0 +1,343 @@
+"""The profiler: a background asyncio task per model in the ModelService process.
+
+``start(model)`` moves the model to PROFILING and runs its jobs (planned by
+:mod:`fingerprint_svc.profile_plan`) one at a time across the whole process, so that two
+models' jobs never share the CPU and spoil each other's timings. For each job:
+
+1. the fingerprint is cut, or found in the cache (:mod:`fingerprint_svc.fingerprints`),
+   in a thread so the event loop keeps serving;
+2. devices are chosen on one live node (idle first: lowest load, then most free) and the
+   memory each rank needs is reserved with owner ``profile-<model>-<hex>``;
+3. ``AgentService.RunProfilingJob`` runs it on that node's agent;
+4. the reservation is released, whatever happened.
+
+A job that fails (no room, or the agent's error) fails the model when it belongs to the
+base model's (1,1) reference, which every estimate needs; otherwise the rest of that
+variant's reference (or, for a variant's (1,1), the whole variant) is skipped and the
+agent's message recorded in ``GetProfileResponse.skipped``, so a multi-rank launch the
+agent does not support yet, or a compression it refuses, does not cost the model its
+profile.
+
+Stored raw with ``store.put_profile``: one ProfileMeasurement per job and output length,
+and the cost: wall time from start to finish (cutting fingerprints, and waiting for
+another model's jobs, included), device-seconds (for
+each job, its devices × the RunProfilingJob call's wall time, worker start-up included)
+and the largest peak memory of any one rank. Progress (runs done of runs planned, the
+job running now) goes to ``keys.profile_progress`` for WatchModel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from fingerprint_svc.fingerprints import Fingerprint, FingerprintCache
+from fingerprint_svc.profile_plan import (
+    ProfileJob,
+    ProfilingSettings,
+    VariantTarget,
+    choose_devices,
+    compute_bytes_for,
+    live_node_devices,
+    no_room_reason,
+    plan_jobs,
+    rank_memory_bytes,
+    reference_label,
+)
+from services.api import agent_service_pb2 as agent_pb
+from services.api import agent_service_pb2_grpc
+from services.api import model_service_pb2 as model_pb
+from services.grpc_server import channel
+from services.models.arch import ArchSpec
+from services.models.checkpoint import read_config
+from services.settings import Settings
+from services.state.store import ReservationError, StateStore
+
+log = logging.getLogger("iserve.model.profiler")
+
+RESERVE_ATTEMPTS = 3
+# Beyond the agent's wait for workers to be ready, what a job's timed runs may take.
+JOB_RUN_BUDGET_S = 600.0
+OWNER_PREFIX = "profile-"
+
+
+class JobFailed(Exception):
+    """A job could not run or failed; the message says why."""
+
+
+class ProfilingFailed(Exception):
+    """The model cannot be profiled; the message becomes its ``state_reason``."""
+
+
+@dataclass
+class ProfileRecord:
+    """What one model's profiling gathered so far."""
+
+    measurements: list[model_pb.ProfileMeasurement] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    device_seconds: float = 0.0
+    peak_device_bytes: int = 0
+    runs_total: int = 0
+
+
+def _owner(model_id: str) -> str:
+    return f"{OWNER_PREFIX}{model_id}-{secrets.token_hex(4)}"
+
+
+class Profiler:
+    """Profiles models in the background; one instance per ModelService process."""
+
+    def __init__(
+        self, settings: Settings, store: StateStore, profiling: ProfilingSettings | None = None
+    ):
+        self.settings = settings
+        self.store = store
+        self.profiling = profiling or ProfilingSettings.from_env()
+        self.fingerprints = FingerprintCache(settings.models_root)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._turn = asyncio.Lock()  # one job at a time in this process
+        self._owners: set[str] = set()  # reservations this process holds
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def running(self, model_id: str) -> bool:
+        task = self._tasks.get(model_id)
+        return task is not None and not task.done()
+
+    async def start(self, model: model_pb.Model) -> None:
+        """Record ``model`` as PROFILING and profile it in the background."""
+        # Progress before state, here and below: a watcher that sees the new state must
+        # find the progress that goes with it.
+        await self._progress(model.model_id, 0, 0, "", "waiting to start")
+        model.state = model_pb.MODEL_STATE_PROFILING
+        model.state_reason = ""
+        await self.store.put_model(model)
+        task = asyncio.create_task(self._profile(model), name=f"profile:{model.model_id}")
+        self._tasks[model.model_id] = task
+        task.add_done_callback(lambda t, model_id=model.model_id: self._forget(model_id, t))
+
+    def _forget(self, model_id: str, task: asyncio.Task) -> None:
+        if self._tasks.get(model_id) is task:
+            del self._tasks[model_id]
+
+    async def cancel(self, model_id: str) -> None:
+        """Stop profiling ``model_id`` (its reservations are released); no-op if idle."""
+        task = self._tasks.get(model_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop every profiling task; their models end FAILED (register again to retry)."""
+        model_ids = list(self._tasks)
+        for model_id in model_ids:
+            await self.cancel(model_id)
+            await self._fail(model_id, "profiling was interrupted: the model service stopped")
+
+    async def recover(self) -> None:
+        """At start-up: models left PROFILING by an earlier process end FAILED, and its
+        profiling reservations are released."""
+        for model in await self.store.list_models():
+            if model.state == model_pb.MODEL_STATE_PROFILING and not self.running(model.model_id):
+                await self._fail(
+                    model.model_id,
+                    "profiling was interrupted: the model service restarted; "
+                    "register the model again to retry",
+                )
+        for owner in await self.store.reservation_owners():
+            if owner.startswith(OWNER_PREFIX) and owner not in self._owners:
+                await self.store.release(owner)
+
+    # ---- one model --------------------------------------------------------------------
+    async def _profile(self, model: model_pb.Model) -> None:
+        model_id = model.model_id
+        started = time.perf_counter()
+        try:
+            record = await self._run_all(model)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the model's reason
+            if not isinstance(exc, ProfilingFailed):
+                log.exception("profiling %s failed", model_id)
+            await self._fail(model_id, str(exc) or type(exc).__name__)
+            return
+        current = await self.store.get_model(model_id)
+        if current is None:
+            return
+        profile = model_pb.GetProfileResponse(
+            model_id=model_id, measurements=record.measurements, skipped=record.skipped
+        )
+        profile.cost.wall_time_ms = (time.perf_counter() - started) * 1e3
+        profile.cost.device_seconds = record.device_seconds
+        profile.cost.peak_device_memory_bytes = record.peak_device_bytes
+        await self.store.put_profile(profile)
+        await self._progress(
+            model_id,
+            record.runs_total,
+            record.runs_total,
+            "",
+            f"profiled: {len(record.measurements)} measurements, "
+            f"{len(record.skipped)} skipped, {profile.cost.device_seconds:.1f} device-seconds",
+            model_pb.MODEL_STATE_PROFILED,
+        )
+        current.state = model_pb.MODEL_STATE_PROFILED
+        current.state_reason = ""
+        await self.store.put_model(current)
+        log.info("profiled %s in %.1f s", model_id, profile.cost.wall_time_ms / 1e3)
+
+    async def _run_all(self, model: model_pb.Model) -> ProfileRecord:
+        model_id = model.model_id
+        nodes = await self.store.list_nodes()
+        jobs, skipped = plan_jobs(model, self.profiling, live_node_devices(nodes))
+        record = ProfileRecord(skipped=list(skipped), runs_total=len(jobs))
+        given_up: set[tuple[str, tuple[int, int]]] = set()
+        dropped_variants: set[str] = set()
+        for done, job in enumerate(jobs):
+            variant, reference = job.variant.name, job.reference
+            if variant in dropped_variants or (variant, reference) in given_up:
+                continue
+            if self._turn.locked():
+                await self._progress(
+                    model_id, done, len(jobs), job.describe(), "waiting for another model's job"
+                )
+            try:
+                async with self._turn:
+                    await self._progress(model_id, done, len(jobs), job.describe(), "running")
+                    await self._run_job(model, job, record)
+            except JobFailed as exc:
+                if reference == (1, 1) and job.variant.is_base:
+                    raise ProfilingFailed(f"{job.describe()}: {exc}") from exc
+                if reference == (1, 1):
+                    dropped_variants.add(variant)
+                    record.skipped.append(f"variant {variant}: {job.describe()} failed: {exc}")
+                else:
+                    given_up.add((variant, reference))
+                    record.skipped.append(
+                        f"{variant} {reference_label(reference)}: {job.describe()} failed: {exc}"
+                    )
+                log.info("profiling %s: %s skipped: %s", model_id, job.describe(), exc)
+        return record
+
+    async def _fingerprint(self, variant: VariantTarget, num_layers: int) -> Fingerprint:
+        try:
+            return await asyncio.to_thread(
+                self.fingerprints.fingerprint, variant.checkpoint_path, num_layers
+            )
+        except (OSError, ValueError) as exc:
+            raise JobFailed(f"cannot cut the fingerprint: {exc}") from exc
+
+    async def _run_job(self, model: model_pb.Model, job: ProfileJob, record: ProfileRecord) -> None:
+        fingerprint = await self._fingerprint(job.variant, job.num_layers)
+        spec = await asyncio.to_thread(self._spec_of, fingerprint)
+        owner = _owner(model.model_id)
+        self._owners.add(owner)
+        try:
+            choice = await self._reserve(owner, job, spec)
+        except BaseException:
+            self._owners.discard(owner)
+            raise
+        try:
+            request = agent_pb.RunProfilingJobRequest(
+                request_id=owner,
+                checkpoint_path=fingerprint.checkpoint_path,
+                config=job.config(),
+                workers=job.worker_specs(choice.device_ids),
+                input_tokens=self.profiling.input_tokens,
+                output_tokens=self.profiling.output_tokens,
+                warmup_runs=self.profiling.warmup_runs,
+                timed_runs=self.profiling.timed_runs,
+            )
+            started = time.perf_counter()
+            async with channel(choice.agent_address) as ch:
+                try:
+                    reply = await agent_service_pb2_grpc.AgentServiceStub(ch).RunProfilingJob(
+                        request, timeout=self.settings.ready_timeout_s + JOB_RUN_BUDGET_S
+                    )
+                except grpc.RpcError as exc:
+                    raise JobFailed(f"{exc.code().name}: {exc.details()}") from exc
+            wall_s = time.perf_counter() - started
+        finally:
+            await self.store.release(owner)
+            self._owners.discard(owner)
+        record.device_seconds += wall_s * job.ranks
+        hardware = choice.devices[0].hardware_type
+        for run in reply.runs:
+            record.measurements.append(
+                model_pb.ProfileMeasurement(
+                    variant_name=job.variant.name,
+                    num_layers=fingerprint.num_layers,
+                    full_model=fingerprint.full_model,
+                    config=job.config(),
+                    stage_layers=job.stage_layers,
+                    input_tokens=self.profiling.input_tokens,
+                    output_tokens=run.output_tokens,
+                    ttft_ms=run.ttft_ms,
+                    tpot_ms=run.tpot_ms,
+                    latency_ms=run.latency_ms,
+                    peak_memory_bytes_per_rank=run.peak_memory_bytes_per_rank,
+                    repetitions=self.profiling.timed_runs,
+                    hardware_type=hardware,
+                )
+            )
+            record.peak_device_bytes = max(
+                record.peak_device_bytes, *run.peak_memory_bytes_per_rank, 0
+            )
+
+    def _spec_of(self, fingerprint: Fingerprint) -> ArchSpec:
+        return ArchSpec.from_hf_config(
+            read_config(self.settings.models_root / fingerprint.checkpoint_path)
+        )
+
+    async def _reserve(self, owner: str, job: ProfileJob, spec: ArchSpec):
+        """Reserve each rank's memory on the best devices; JobFailed when none fit."""
+        for _attempt in range(RESERVE_ATTEMPTS):
+            nodes = await self.store.list_nodes()
+            compute = compute_bytes_for(nodes, spec.dtype_bytes)
+            need = rank_memory_bytes(spec, job, self.profiling.max_seq_len, compute)
+            choice = choose_devices(nodes, need)
+            if choice is None:
+                raise JobFailed(no_room_reason(nodes, need))
+            try:
+                await self.store.reserve(
+                    owner,
+                    {(choice.node_id, d): n for d, n in zip(choice.device_ids, need, strict=True)},
+                )
+                return choice
+            except ReservationError as exc:
+                reason = str(exc)  # taken between listing and reserving; look again
+        raise JobFailed(f"cannot reserve memory: {reason}")
+
+    # ---- records ----------------------------------------------------------------------
+    async def _fail(self, model_id: str, reason: str) -> None:
+        log.warning("profiling %s failed: %s", model_id, reason)
+        with contextlib.suppress(Exception):  # Redis trouble must not hide the cause
+            model = await self.store.get_model(model_id)
+            if model is None:
+                return
+            progress = await self.store.get_profile_progress(model_id)
+            done, total = (progress.runs_done, progress.runs_total) if progress else (0, 0)
+            await self._progress(model_id, done, total, "", reason, model_pb.MODEL_STATE_FAILED)
+            model.state = model_pb.MODEL_STATE_FAILED
+            model.state_reason = reason
+            await self.store.put_model(model)
+
+    async def _progress(
+        self,
+        model_id: str,
+        done: int,
+        total: int,
+        current: str,
+        message: str,
+        state: int = model_pb.MODEL_STATE_PROFILING,
+    ) -> None:
+        await self.store.put_profile_progress(
+            model_id,
+            model_pb.WatchModelResponse(
+                state=state, runs_done=done, runs_total=total, current=current, message=message
+            ),
+        )

@@ -1,0 +1,308 @@
+"""Profiling jobs on this node: start a checkpoint's workers, time generations, stop them.
+
+One RunProfilingJob request profiles one checkpoint (usually a fingerprint) under one
+configuration (tp, pp, compression, batch size) at one prompt length and one or more
+output lengths:
+
+1. The workers start as a temporary deployment ``profile-<uuid>`` through the same path
+   as a deployment (:func:`monitor_agent.launch.build_plan` and the supervisor), with the
+   request's WorkerSpecs (ranks, stages and layer ranges; every rank on this node, so the
+   supervisor picks the rendezvous port), ``max_batch`` = the config's batch size and
+   ``max_seq_len`` = prompt + longest output, so the static KV cache holds exactly the
+   tokens profiled.
+2. For each output length: ``warmup_runs`` untimed runs, then ``timed_runs`` timed ones.
+   A run opens ``batch_size`` Generate streams on rank 0 at once (the worker batches
+   them continuously), each with the same prompt of ``input_tokens`` token ids, greedy
+   sampling and ``ignore_eos``, so every stream yields exactly the output length.
+   Per stream, from the agent's own timestamps (``time.perf_counter`` at the call and at
+   each message's arrival): TTFT = first token − call start, TPOT = mean gap between
+   tokens after the first, latency = end of stream − call start. A run's TTFT and TPOT
+   are the means over its streams and its latency the longest stream's (the batch is
+   done when its last sequence is). The ProfiledRun holds the medians over timed runs.
+3. Peak memory per rank, read after each output length's runs. Rank 0: its
+   ``GetWorkerStats.peak_memory_bytes`` (the engine's account of weights, KV cache and
+   peak activations on CPU; the CUDA allocator's peak on GPUs). Other ranks serve no
+   RPCs, so their figure is built from what the agent can see, in the same terms as
+   rank 0's: the rank's own account of its weights and KV cache, which it writes into
+   its ready file (``WorkerInfo.resident_bytes``), plus how much its process's memory
+   peak grew during the runs, measured by the system: on CPU the kernel's peak resident
+   set (``VmHWM`` in ``/proc/<pid>/status``) now minus when the rank became ready; on
+   CUDA the process's device memory as NVML reports it, likewise as growth (the caching
+   allocator keeps its peak segments). The growth covers activations and communication
+   buffers, but not a peak the load itself had already set, so a follower's activations
+   can be undercounted where they stay below its loading peak. Neither figure counts
+   the Python and torch runtime (about 330 MiB per process on CPU).
+4. The workers are stopped and their records deleted whatever happened, also when the
+   call is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from monitor_agent.devices import DeviceSpec
+from monitor_agent.launch import build_plan
+from monitor_agent.supervisor import WorkerSupervisor
+from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
+from services.api import worker_service_pb2 as worker_pb
+from services.api import worker_service_pb2_grpc
+from services.errors import IServeError, RemoteError, require
+from services.grpc_server import channel
+from services.models.arch import ArchSpec
+from services.models.checkpoint import read_config
+
+log = logging.getLogger("iserve.agent.profiling")
+
+DEFAULT_TIMED_RUNS = 3
+# Longest a single profiling stream may take before the job gives up.
+STREAM_TIMEOUT_S = 300.0
+STATS_TIMEOUT_S = 10.0
+_PROMPT_SEED = 20240531
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a RunProfilingJob request asks for, checked."""
+
+    input_tokens: int
+    output_tokens: tuple[int, ...]
+    warmup_runs: int
+    timed_runs: int
+    batch_size: int
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.input_tokens + max(self.output_tokens)
+
+
+@dataclass(frozen=True)
+class StreamTiming:
+    """One Generate stream as the agent saw it, in milliseconds."""
+
+    ttft_ms: float
+    tpot_ms: float
+    latency_ms: float
+
+
+def check_job(request: agent_pb.RunProfilingJobRequest) -> JobSpec:
+    """The job ``request`` describes; InvalidArgument for what a caller got wrong.
+    ``timed_runs`` 0 means DEFAULT_TIMED_RUNS and ``config.batch_size`` 0 means 1."""
+    require(request.input_tokens >= 1, "input_tokens must be at least 1")
+    require(len(request.output_tokens) > 0, "output_tokens is empty: give at least one length")
+    require(
+        all(o >= 1 for o in request.output_tokens), "every output_tokens value must be at least 1"
+    )
+    return JobSpec(
+        input_tokens=request.input_tokens,
+        output_tokens=tuple(request.output_tokens),
+        warmup_runs=request.warmup_runs,
+        timed_runs=request.timed_runs or DEFAULT_TIMED_RUNS,
+        batch_size=request.config.batch_size or 1,
+    )
+
+
+def stream_timing(started: float, token_times: list[float], ended: float) -> StreamTiming:
+    """Timings of a stream that started at ``started`` and received its tokens at
+    ``token_times`` (seconds, one entry per token); TPOT is 0 with fewer than 2 tokens."""
+    if not token_times:
+        raise ValueError("the stream produced no tokens")
+    first, last = token_times[0], token_times[-1]
+    gaps = len(token_times) - 1
+    return StreamTiming(
+        ttft_ms=(first - started) * 1e3,
+        tpot_ms=(last - first) * 1e3 / gaps if gaps else 0.0,
+        latency_ms=(ended - started) * 1e3,
+    )
+
+
+def summarise(
+    output_tokens: int, runs: list[list[StreamTiming]], peaks: list[int]
+) -> agent_pb.ProfiledRun:
+    """Medians over timed ``runs`` (each the streams of one batch) at one output length."""
+    if not runs or not all(runs):
+        raise ValueError("every run needs at least one stream")
+    ttft = [statistics.fmean(s.ttft_ms for s in run) for run in runs]
+    tpot = [statistics.fmean(s.tpot_ms for s in run) for run in runs]
+    latency = [max(s.latency_ms for s in run) for run in runs]
+    return agent_pb.ProfiledRun(
+        output_tokens=output_tokens,
+        ttft_ms=statistics.median(ttft),
+        tpot_ms=statistics.median(tpot),
+        latency_ms=statistics.median(latency),
+        peak_memory_bytes_per_rank=peaks,
+    )
+
+
+def prompt_token_ids(count: int, spec: ArchSpec) -> list[int]:
+    """``count`` reproducible pseudo-random token ids of the model's vocabulary that are
+    not its BOS or EOS tokens."""
+    special = {spec.bos_token_id, *spec.eos_token_ids}
+    pool = [t for t in range(min(spec.vocab_size, 32_000)) if t not in special]
+    rng = random.Random(_PROMPT_SEED)
+    return [rng.choice(pool) for _ in range(count)]
+
+
+def peak_resident_bytes(pid: int, proc_root: Path = Path("/proc")) -> int:
+    """The peak resident set of process ``pid`` (``VmHWM``), in bytes; 0 when unknown."""
+    try:
+        text = (proc_root / str(pid) / "status").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("VmHWM:"):
+            value, unit = line.split()[1:3]
+            return int(value) * (1024 if unit.lower() == "kb" else 1)
+    return 0
+
+
+def _nvml_process_bytes(cuda_index: int, pid: int) -> int:
+    """Device memory NVML attributes to ``pid`` on GPU ``cuda_index`` (0 when none)."""
+    import pynvml
+
+    handle = pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+    for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+        if proc.pid == pid:
+            return int(proc.usedGpuMemory or 0)
+    return 0
+
+
+class ProfilingJobs:
+    """Runs profiling jobs with this node's supervisor; one instance per agent."""
+
+    def __init__(
+        self,
+        supervisor: WorkerSupervisor,
+        devices: dict[str, DeviceSpec],
+        *,
+        models_root: Path,
+        ready_timeout_s: float,
+    ):
+        self.supervisor = supervisor
+        self.devices = devices
+        self.models_root = models_root
+        self.ready_timeout_s = ready_timeout_s
+
+    async def run(self, request: agent_pb.RunProfilingJobRequest) -> list[agent_pb.ProfiledRun]:
+        """Profile as the module docstring says; the workers never outlive the call.
+
+        Errors: InvalidArgument or FailedPrecondition as StartWorkers gives them for the
+        configuration and workers, FailedPrecondition / DeadlineExceeded when a worker
+        fails to start (its log tail says why), RemoteError when a generation fails.
+        """
+        job = check_job(request)
+        deployment_id = f"profile-{uuid.uuid4().hex[:12]}"
+        start = agent_pb.StartWorkersRequest(
+            request_id=request.request_id,
+            deployment_id=deployment_id,
+            checkpoint_path=request.checkpoint_path,
+            config=request.config,
+            workers=request.workers,
+            max_seq_len=job.max_seq_len,
+            engine=agent_pb.ENGINE_KIND_PYTORCH,
+        )
+        plan = build_plan(
+            start,
+            devices=self.devices,
+            models_root=self.models_root,
+            default_ready_timeout_s=self.ready_timeout_s,
+        )
+        spec = ArchSpec.from_hf_config(read_config(plan.checkpoint_dir))
+        require(
+            job.max_seq_len <= spec.max_position_embeddings,
+            f"input_tokens + the longest output ({job.max_seq_len}) exceeds the model's "
+            f"max_position_embeddings ({spec.max_position_embeddings})",
+        )
+        prompt = prompt_token_ids(job.input_tokens, spec)
+        log.info("profiling job %s: %s", deployment_id, request.checkpoint_path)
+        try:
+            workers = await self.supervisor.start_workers(plan)
+            return await self._measure(job, prompt, workers)
+        finally:
+            # Shielded: a cancelled call must still stop its workers.
+            await asyncio.shield(self._stop(deployment_id))
+
+    async def _stop(self, deployment_id: str) -> None:
+        await self.supervisor.stop_workers(deployment_id)
+        await self.supervisor.store.delete_workers(deployment_id)
+
+    async def _measure(
+        self, job: JobSpec, prompt: list[int], workers: list[agent_pb.WorkerInfo]
+    ) -> list[agent_pb.ProfiledRun]:
+        workers = sorted(workers, key=lambda w: w.rank)
+        at_ready = {w.rank: self._process_peak(w) for w in workers[1:]}
+        async with channel(workers[0].address) as ch:
+            stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
+            results = []
+            for output_tokens in job.output_tokens:
+                timed = []
+                for index in range(job.warmup_runs + job.timed_runs):
+                    streams = await asyncio.gather(
+                        *(self._stream(stub, prompt, output_tokens) for _ in range(job.batch_size))
+                    )
+                    if index >= job.warmup_runs:
+                        timed.append(list(streams))
+                peaks = await self._peaks(stub, workers, at_ready)
+                results.append(summarise(output_tokens, timed, peaks))
+        return results
+
+    @staticmethod
+    async def _stream(
+        stub: worker_service_pb2_grpc.WorkerServiceStub, prompt: list[int], output_tokens: int
+    ) -> StreamTiming:
+        request = worker_pb.WorkerServiceGenerateRequest(
+            request_id=f"profile-{uuid.uuid4().hex[:8]}",
+            prompt_token_ids=prompt,
+            max_tokens=output_tokens,
+            sampling=common.SamplingParams(temperature=0.0, ignore_eos=True),
+        )
+        token_times: list[float] = []
+        started = time.perf_counter()
+        try:
+            async for message in stub.Generate(request, timeout=STREAM_TIMEOUT_S):
+                arrived = time.perf_counter()
+                token_times.extend([arrived] * len(message.token_ids))
+        except grpc.RpcError as exc:
+            raise RemoteError(exc.code(), f"profiling generation failed: {exc.details()}") from exc
+        ended = time.perf_counter()
+        if len(token_times) != output_tokens:
+            raise IServeError(
+                f"the worker produced {len(token_times)} tokens, {output_tokens} requested"
+            )
+        return stream_timing(started, token_times, ended)
+
+    def _process_peak(self, worker: agent_pb.WorkerInfo) -> int:
+        """The system's figure for a rank's process: device memory on CUDA, the peak
+        resident set on CPU (bytes)."""
+        device = self.devices[worker.device_id]
+        if device.is_cuda and device.cuda_index is not None:
+            return _nvml_process_bytes(device.cuda_index, worker.pid)
+        return peak_resident_bytes(worker.pid)
+
+    async def _peaks(
+        self,
+        stub: worker_service_pb2_grpc.WorkerServiceStub,
+        workers: list[agent_pb.WorkerInfo],
+        at_ready: dict[int, int],
+    ) -> list[int]:
+        """Peak memory of each rank (see the module docstring)."""
+        try:
+            stats = await stub.GetWorkerStats(
+                worker_pb.GetWorkerStatsRequest(), timeout=STATS_TIMEOUT_S
+            )
+        except grpc.RpcError as exc:
+            raise RemoteError(exc.code(), f"reading worker stats failed: {exc.details()}") from exc
+        peaks = [int(stats.peak_memory_bytes)]
+        for worker in workers[1:]:
+            growth = max(0, self._process_peak(worker) - at_ready[worker.rank])
+            peaks.append(int(worker.resident_bytes) + growth)
+        return peaks

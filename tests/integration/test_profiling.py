@@ -1,0 +1,263 @@
+"""Registration profiles fingerprints on the real stack; bad cases end FAILED, hold
+nothing and can be registered again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from fingerprint_svc.fingerprints import FINGERPRINTS_DIR, content_hash
+from services.api import agent_service_pb2 as agent_pb
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import model_service_pb2 as model_pb
+from services.models.checkpoint import build_tokenizer
+from tests.integration.helpers import TINY, make_checkpoint, reserved_by_device, rid, wait_for
+
+pytestmark = pytest.mark.integration
+
+MIB = 1 << 20
+PROFILED_SHAPE = {"hidden_size": 64, "num_layers": 6, "num_heads": 4, "num_kv_heads": 2}
+WATCH_TIMEOUT_S = 900
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details()
+
+
+def _register(stack, model_id: str, checkpoint: str, **fields) -> model_pb.Model:
+    return stack.models.RegisterModel(
+        model_pb.RegisterModelRequest(
+            request_id=rid(), model_id=model_id, checkpoint_path=checkpoint, **fields
+        )
+    ).model
+
+
+def _watch(stack, model_id: str) -> list[model_pb.WatchModelResponse]:
+    return list(
+        stack.models.WatchModel(
+            model_pb.WatchModelRequest(request_id=rid(), model_id=model_id),
+            timeout=WATCH_TIMEOUT_S,
+        )
+    )
+
+
+def _profile_owners(stack) -> set[str]:
+    async def owners():
+        store = stack.store()
+        try:
+            return {o for o in await store.reservation_owners() if o.startswith("profile-")}
+        finally:
+            await store.close()
+
+    return asyncio.run(owners())
+
+
+def _free_bytes(stack) -> list[int]:
+    cluster = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
+    return [d.free_bytes for n in cluster.nodes for d in n.devices]
+
+
+def _cli(stack, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *args],
+        env={**os.environ, **stack.env},
+        capture_output=True,
+        text=True,
+        timeout=WATCH_TIMEOUT_S,
+    )
+
+
+def _profile_workers(stack) -> list[agent_pb.WorkerInfo]:
+    workers = stack.agent.ListWorkers(agent_pb.ListWorkersRequest()).workers
+    return [w for w in workers if w.deployment_id.startswith("profile-")]
+
+
+def _delete(stack, model_id: str) -> None:
+    stack.models.DeleteModel(model_pb.DeleteModelRequest(request_id=rid(), model_id=model_id))
+
+
+def test_register_profiles_the_fingerprints(stack):
+    before = reserved_by_device(stack)
+    path = make_checkpoint(stack, "prof-llama", **PROFILED_SHAPE)
+    model = _register(stack, "prof-llama", path)
+    assert model.state == model_pb.MODEL_STATE_PROFILING
+
+    events = _watch(stack, "prof-llama")
+    last = events[-1]
+    assert last.state == model_pb.MODEL_STATE_PROFILED, last
+    assert 0 < last.runs_done == last.runs_total
+    done = [e.runs_done for e in events]
+    assert done == sorted(done)
+    assert all(e.state == model_pb.MODEL_STATE_PROFILING for e in events[:-1])
+
+    profile = stack.models.GetProfile(
+        model_pb.GetProfileRequest(request_id="p1", model_id="prof-llama")
+    )
+    assert profile.request_id == "p1" and profile.model_id == "prof-llama"
+    cluster = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
+    hardware = {d.hardware_type for n in cluster.nodes for d in n.devices}
+    single = [
+        m
+        for m in profile.measurements
+        if (m.config.tensor_parallel, m.config.pipeline_parallel) == (1, 1)
+    ]
+    assert {(m.num_layers, m.config.batch_size, m.output_tokens) for m in single} == {
+        (n, b, o) for n in (1, 2) for b in (1, 2) for o in (8, 16)
+    }
+    for m in profile.measurements:
+        assert m.variant_name == "base" and not m.full_model
+        assert m.input_tokens == 64 and m.repetitions == 3 and m.hardware_type in hardware
+        assert m.ttft_ms > 0 and m.tpot_ms > 0 and m.latency_ms > m.ttft_ms
+        ranks = m.config.tensor_parallel * m.config.pipeline_parallel
+        assert len(m.peak_memory_bytes_per_rank) == ranks
+        assert all(peak > 0 for peak in m.peak_memory_bytes_per_rank)
+        assert sum(m.stage_layers) == m.num_layers
+    # Each multi-device reference was either measured or skipped with the reason.
+    for tp, pp in [(1, 2), (2, 1)]:
+        measured = any(
+            (m.config.tensor_parallel, m.config.pipeline_parallel) == (tp, pp)
+            for m in profile.measurements
+        )
+        reasons = [s for s in profile.skipped if f"tp={tp} pp={pp}" in s]
+        assert measured or reasons, (tp, pp, list(profile.skipped))
+    cost = profile.cost
+    assert cost.wall_time_ms > 0 and cost.device_seconds > 0 and cost.peak_device_memory_bytes > 0
+    print(
+        f"\nprofiling cost of a 6-layer hidden-64 model: {cost.wall_time_ms / 1e3:.1f} s wall, "
+        f"{cost.device_seconds:.1f} device-seconds, peak {cost.peak_device_memory_bytes / MIB:.1f} "
+        f"MiB; {len(profile.measurements)} measurements; skipped: {list(profile.skipped)}"
+    )
+
+    key = content_hash(stack.models_root / path)
+    for layers in (1, 2):
+        assert (stack.models_root / FINGERPRINTS_DIR / key / f"L{layers}" / "config.json").is_file()
+    assert _profile_owners(stack) == set() and _profile_workers(stack) == []
+    assert reserved_by_device(stack) == before
+    _delete(stack, "prof-llama")
+
+
+def test_deleting_a_model_stops_its_profiling(stack):
+    path = make_checkpoint(stack, "prof-deleted", **TINY)
+    out = _cli(stack, "register", "prof-deleted", path, "--no-wait")
+    assert out.returncode == 0 and "MODEL_STATE_PROFILING" in out.stdout, out
+    assert wait_for(lambda: _profile_workers(stack) != [], timeout=60)  # a job is running
+    _delete(stack, "prof-deleted")
+    assert wait_for(lambda: _profile_workers(stack) == [], timeout=30)
+    assert _profile_owners(stack) == set()
+    code, _ = _code(lambda: _watch(stack, "prof-deleted"))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_profiling_without_room_fails_and_holds_nothing(stack):
+    path = make_checkpoint(stack, "prof-noroom", **TINY)
+    cluster = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
+    hog = {
+        (d.ref.node_id, d.ref.device_id): max(0, d.free_bytes - 64 * MIB)
+        for n in cluster.nodes
+        for d in n.devices
+    }
+
+    async def reserve(release: bool):
+        store = stack.store()
+        try:
+            await (store.release("test-hog") if release else store.reserve("test-hog", hog))
+        finally:
+            await store.close()
+
+    asyncio.run(reserve(release=False))
+    try:
+        assert all(free < 512 * MIB for free in _free_bytes(stack))
+        _register(stack, "prof-noroom", path)
+        last = _watch(stack, "prof-noroom")[-1]
+    finally:
+        asyncio.run(reserve(release=True))
+    assert last.state == model_pb.MODEL_STATE_FAILED
+    model = stack.models.GetModel(model_pb.GetModelRequest(model_id="prof-noroom")).model
+    assert model.state == model_pb.MODEL_STATE_FAILED and model.state_reason == last.message
+    assert model.state_reason.startswith("base fingerprint(1 layer) tp=1 pp=1 batch=1: ")
+    assert "no device has" in model.state_reason and "MiB free" in model.state_reason
+    assert _profile_owners(stack) == set()
+    code, details = _code(
+        lambda: stack.models.GetProfile(model_pb.GetProfileRequest(model_id="prof-noroom"))
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "not profiled yet" in details
+
+    # A FAILED model is registered again (here without profiling) rather than refused.
+    retried = _register(stack, "prof-noroom", path, skip_profiling=True)
+    assert retried.state == model_pb.MODEL_STATE_REGISTERED and retried.state_reason == ""
+    [event] = _watch(stack, "prof-noroom")
+    assert (event.state, event.message) == (
+        model_pb.MODEL_STATE_REGISTERED,
+        "MODEL_STATE_REGISTERED",
+    )
+    code, _ = _code(lambda: _register(stack, "prof-noroom", path))
+    assert code == grpc.StatusCode.ALREADY_EXISTS
+    _delete(stack, "prof-noroom")
+
+
+def test_a_failing_job_fails_the_model_until_registered_again(stack):
+    path = make_checkpoint(stack, "prof-broken", **TINY)
+    tokenizer = stack.models_root / path / "tokenizer.json"
+    tokenizer.write_text("{ not a tokenizer")  # registration only checks that it exists
+
+    # `iserve register` waits for profiling, drawing its progress on stderr.
+    out = _cli(stack, "register", "prof-broken", path)
+    assert out.returncode == 1, out
+    assert "[" + "." * 30 + "] 0/" in out.stderr and "profiling" in out.stderr
+    assert "error: profiling prof-broken failed: base fingerprint(1 layer)" in out.stderr
+    assert _watch(stack, "prof-broken")[-1].state == model_pb.MODEL_STATE_FAILED
+    model = stack.models.GetModel(model_pb.GetModelRequest(model_id="prof-broken")).model
+    assert model.state_reason.startswith("base fingerprint(1 layer) tp=1 pp=1 batch=1: ")
+    assert "exited with code 1 before it was ready" in model.state_reason
+    assert "cannot load" in model.state_reason
+    assert _profile_owners(stack) == set() and _profile_workers(stack) == []
+
+    other = make_checkpoint(stack, "prof-other", **TINY)
+    code, details = _code(lambda: _register(stack, "prof-broken", other))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "same checkpoint" in details
+
+    build_tokenizer().save(str(tokenizer))  # fixed: new content, new fingerprints
+    retried = _register(stack, "prof-broken", path, skip_profiling=True)
+    assert retried.state == model_pb.MODEL_STATE_REGISTERED
+    _delete(stack, "prof-broken")
+
+
+def test_profile_and_watch_of_models_without_profiles(stack):
+    code, _ = _code(lambda: stack.models.GetProfile(model_pb.GetProfileRequest(model_id="nope")))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, _ = _code(lambda: _watch(stack, "nope"))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+    path = make_checkpoint(stack, "prof-skipped", **TINY)
+    _register(stack, "prof-skipped", path, skip_profiling=True)
+    [event] = _watch(stack, "prof-skipped")  # nothing will change: one event, then the end
+    assert event.state == model_pb.MODEL_STATE_REGISTERED
+    code, details = _code(
+        lambda: stack.models.GetProfile(model_pb.GetProfileRequest(model_id="prof-skipped"))
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert details == "model 'prof-skipped' is not profiled yet (MODEL_STATE_REGISTERED)"
+    _delete(stack, "prof-skipped")
+
+
+def test_profiling_job_requests_are_checked(stack):
+    code, details = _code(
+        lambda: stack.agent.RunProfilingJob(agent_pb.RunProfilingJobRequest(request_id=rid()))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "input_tokens must be at least 1"
+    request = agent_pb.RunProfilingJobRequest(
+        checkpoint_path="../outside",
+        workers=[agent_pb.WorkerSpec(rank=0, device_id="cpu0")],
+        input_tokens=8,
+        output_tokens=[4],
+    )
+    code, details = _code(lambda: stack.agent.RunProfilingJob(request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside the models root" in details
+    assert _profile_workers(stack) == []

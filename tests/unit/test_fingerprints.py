@@ -1,0 +1,159 @@
+"""The fingerprint cutter and its content-addressed cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+
+from fingerprint_svc import fingerprints
+from fingerprint_svc.fingerprints import (
+    FINGERPRINTS_DIR,
+    FingerprintCache,
+    content_hash,
+    cut_fingerprint,
+)
+from services.models.arch import ArchSpec
+from services.models.checkpoint import (
+    create_checkpoint,
+    read_config,
+    read_safetensors_index,
+    validate_checkpoint,
+)
+
+SHAPE = {"hidden_size": 64, "num_layers": 6, "num_heads": 4, "num_kv_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A models root with a sharded bfloat16 Llama and a Falcon (fused QKV, one KV head)."""
+    root = tmp_path_factory.mktemp("models")
+    create_checkpoint(root / "llama", **SHAPE, dtype="bfloat16", max_shard_bytes=150_000)
+    create_checkpoint(root / "falcon", arch="falcon", **{**SHAPE, "num_kv_heads": 1})
+    return root
+
+
+def _raw_tensor_bytes(directory, name: str) -> bytes:
+    info = read_safetensors_index(directory)[name]
+    path = directory / info.file
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + header_len + info.data_offsets[0])
+        return f.read(info.data_offsets[1] - info.data_offsets[0])
+
+
+def test_cut_reads_only_the_tensors_it_keeps(root, tmp_path, monkeypatch):
+    reads = []
+    real_read_range = fingerprints.read_range
+
+    def spy(path, start, stop):
+        reads.append((path.name, start, stop))
+        return real_read_range(path, start, stop)
+
+    monkeypatch.setattr(fingerprints, "read_range", spy)
+    source = root / "llama"
+    cut_fingerprint(source, tmp_path / "fp", 2)
+
+    kept = ArchSpec.from_hf_config(read_config(tmp_path / "fp")).expected_tensors()
+    index = read_safetensors_index(source)
+    expected = set()
+    for name in kept:
+        info = index[name]
+        with (source / info.file).open("rb") as f:
+            data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+        expected.add(
+            (info.file, data_start + info.data_offsets[0], data_start + info.data_offsets[1])
+        )
+    assert set(reads) == expected and len(reads) == len(expected)
+    assert not any(name.startswith("model.layers.2.") for name in kept)
+    assert len(index) > len(kept)  # the model's other layers were there and never read
+
+
+@pytest.mark.parametrize("model", ["llama", "falcon"])
+def test_fingerprint_is_the_first_layers_byte_for_byte(root, tmp_path, model):
+    source = root / model
+    written = cut_fingerprint(source, tmp_path / "fp", 2)
+
+    checked = validate_checkpoint(tmp_path / "fp")
+    assert checked.spec.num_layers == 2 and checked.weight_bytes == written
+    original, cut = read_config(source), read_config(tmp_path / "fp")
+    changed = {key: value for key, value in cut.items() if original.get(key) != value}
+    assert changed and set(changed.values()) == {2} and set(cut) == set(original)
+    assert all("layer" in key for key in changed)
+    for name in checked.spec.expected_tensors():
+        assert _raw_tensor_bytes(tmp_path / "fp", name) == _raw_tensor_bytes(source, name), name
+    for file_name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "fp" / file_name).read_bytes() == (source / file_name).read_bytes()
+
+
+def test_cut_needs_fewer_layers_than_the_model(root, tmp_path):
+    for layers in (0, 6, 7):
+        with pytest.raises(ValueError, match="fingerprint needs 1 to 5 layers"):
+            cut_fingerprint(root / "llama", tmp_path / f"fp{layers}", layers)
+
+
+def test_fingerprint_logits_equal_the_truncated_model(root):
+    torch = pytest.importorskip("torch")
+    from monitor_agent.engine.engine import Engine
+
+    cache = FingerprintCache(root)
+    fingerprint = cache.fingerprint("falcon", 2)
+    cut = Engine(root / fingerprint.checkpoint_path, max_seq_len=16)
+    full = Engine(root / "falcon", max_seq_len=16)
+    full.model.layers = full.model.layers[:2]  # the model's first two layers, then its head
+    ids = torch.tensor([[5, 17, 42, 7, 99]])
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    with torch.inference_mode():
+        expected = full.model(ids, positions, torch.tensor([0]))
+        got = cut.model(ids, positions, torch.tensor([0]))
+    assert torch.equal(got, expected)
+
+
+def test_cache_cuts_once_per_content(root, tmp_path, monkeypatch):
+    models = tmp_path / "models"
+    shutil.copytree(root / "llama", models / "a")
+    shutil.copytree(root / "llama", models / "copy-of-a")
+    cache = FingerprintCache(models)
+    first = cache.fingerprint("a", 1)
+    assert first.checkpoint_path == f"{FINGERPRINTS_DIR}/{content_hash(models / 'a')}/L1"
+    manifest = json.loads((models / first.checkpoint_path / "fingerprint.json").read_text())
+    assert manifest["source"] == "a" and manifest["num_layers"] == 1
+
+    def no_cutting(*args):
+        raise AssertionError("the cache should have been used")
+
+    monkeypatch.setattr(fingerprints, "cut_fingerprint", no_cutting)
+    assert cache.fingerprint("a", 1) == first
+    assert cache.fingerprint("copy-of-a", 1) == first  # same content, another path
+    assert not [p for p in (models / FINGERPRINTS_DIR).rglob(".L*")]  # no temporaries left
+
+
+def test_content_hash_follows_config_weights_and_tokenizer(root, tmp_path):
+    shutil.copytree(root / "llama", tmp_path / "m")
+    base = content_hash(tmp_path / "m")
+    assert content_hash(tmp_path / "m") == base
+
+    config = read_config(tmp_path / "m")
+    config["rope_theta"] = 5000.0
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    assert content_hash(tmp_path / "m") != base
+
+    shutil.copytree(root / "llama", tmp_path / "t")
+    (tmp_path / "t" / "tokenizer.json").write_text("{}")
+    assert content_hash(tmp_path / "t") != base
+
+    shutil.copytree(root / "llama", tmp_path / "w")
+    last_shard = sorted((tmp_path / "w").glob("*.safetensors"))[-1]
+    data = bytearray(last_shard.read_bytes())
+    data[-1] ^= 0xFF  # the last MiB of a shard is hashed
+    last_shard.write_bytes(bytes(data))
+    assert content_hash(tmp_path / "w") != base
+
+
+def test_full_layer_count_is_the_model_itself(root):
+    cache = FingerprintCache(root)
+    full = cache.fingerprint("llama", 6)
+    assert full.full_model and full.checkpoint_path == "llama" and full.num_layers == 6
+    assert full.weight_bytes == validate_checkpoint(root / "llama").weight_bytes

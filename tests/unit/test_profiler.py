@@ -1,0 +1,363 @@
+"""The profiler against a real Redis and a fake AgentService: what it reserves, asks,
+records, skips and fails on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from fingerprint_svc.profile_plan import ProfilingSettings
+from fingerprint_svc.profiler import Profiler
+from services.api import agent_service_pb2 as agent_pb
+from services.api import agent_service_pb2_grpc
+from services.api import common_pb2 as common
+from services.api import model_service_pb2 as model_pb
+from services.models.checkpoint import create_checkpoint
+from services.redis_embedded import start_redis
+from services.settings import load_settings
+from services.state.store import StateStore
+
+MIB = 1 << 20
+GIB = 1 << 30
+SHAPE = {"hidden_size": 64, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2}
+SETTINGS = ProfilingSettings(output_tokens=(4, 8), warmup_runs=0, timed_runs=2)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def models_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    create_checkpoint(root / "tiny", **SHAPE)
+    return root
+
+
+@dataclass
+class FakeAgent(agent_service_pb2_grpc.AgentServiceServicer):
+    """Answers RunProfilingJob with ``answer(request)`` (runs, or (code, message) to abort)
+    and notes each request with the reservations held while it ran."""
+
+    store: StateStore
+    answer: Callable[[agent_pb.RunProfilingJobRequest], object]
+    calls: list[tuple[agent_pb.RunProfilingJobRequest, dict[str, dict[str, int]]]] = field(
+        default_factory=list
+    )
+
+    async def RunProfilingJob(self, request, context):
+        owners = await self.store.reservation_owners()
+        held = {o: await self.store.reservation_of(o) for o in owners}
+        self.calls.append((request, held))
+        result = self.answer(request)
+        if asyncio.iscoroutine(result):
+            result = await result
+        if isinstance(result, tuple):
+            await context.abort(*result)
+        return agent_pb.RunProfilingJobResponse(request_id=request.request_id, runs=result)
+
+
+def measured(request: agent_pb.RunProfilingJobRequest) -> list[agent_pb.ProfiledRun]:
+    """Plausible runs: latency grows with layers, batch and output length."""
+    layers = sum(w.layer_count for w in request.workers) or 1
+    batch = request.config.batch_size
+    return [
+        agent_pb.ProfiledRun(
+            output_tokens=o,
+            ttft_ms=2.0 * layers * batch,
+            tpot_ms=1.0 * layers,
+            latency_ms=2.0 * layers * batch + o * layers,
+            peak_memory_bytes_per_rank=[(10 + layers + batch) * MIB] * len(request.workers),
+        )
+        for o in request.output_tokens
+    ]
+
+
+def single_rank_only(request):
+    if len(request.workers) > 1:
+        return (grpc.StatusCode.FAILED_PRECONDITION, "workers on this node run tp = pp = 1 only")
+    return measured(request)
+
+
+def run_profiler(
+    redis_url: str,
+    models_root,
+    answer,
+    *,
+    devices: int = 2,
+    device_bytes: int = 2 * GIB,
+    model: model_pb.Model | None = None,
+    before: Callable | None = None,
+):
+    """Profile ``model`` (default: the tiny base model) and return what was left behind:
+    (model, profile, progress, agent calls, reservation owners)."""
+
+    async def main():
+        store = StateStore.from_url(redis_url)
+        await store.redis.flushdb()
+        server = grpc.aio.server()
+        agent = FakeAgent(store, answer)
+        agent_service_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            node = common.NodeState(
+                node_id="n0",
+                agent_address=f"127.0.0.1:{port}",
+                devices=[
+                    common.DeviceState(
+                        ref=common.DeviceRef(node_id="n0", device_id=f"cpu{i}"),
+                        kind=common.DEVICE_KIND_CPU_VIRTUAL,
+                        hardware_type="cpu-test",
+                        total_bytes=device_bytes,
+                    )
+                    for i in range(devices)
+                ],
+            )
+            await store.register_node(node, ttl_s=60)
+            settings = load_settings(
+                {"ISERVE_MODELS_ROOT": str(models_root), "ISERVE_STATE_DIR": str(models_root)}
+            )
+            profiler = Profiler(settings, store, SETTINGS)
+            subject = model or model_pb.Model(
+                model_id="tiny",
+                checkpoint_path="tiny",
+                shape=model_pb.ModelShape(**{
+                    "num_layers": 3, "num_attention_heads": 4, "num_kv_heads": 2,
+                    "intermediate_size": 192,
+                }),
+            )  # fmt: skip
+            await store.create_model(subject)
+            if before is not None:
+                await before(store, profiler)
+            await profiler.start(subject)
+            await asyncio.wait_for(asyncio.gather(*profiler._tasks.values()), 60)
+            return (
+                await store.get_model(subject.model_id),
+                await store.get_profile(subject.model_id),
+                await store.get_profile_progress(subject.model_id),
+                agent.calls,
+                await store.reservation_owners(),
+            )
+        finally:
+            await server.stop(0)
+            await store.close()
+
+    return asyncio.run(main())
+
+
+def test_profiles_every_job_and_stores_the_raw_measurements(redis_url, models_root):
+    model, profile, progress, calls, owners = run_profiler(redis_url, models_root, single_rank_only)
+
+    assert model.state == model_pb.MODEL_STATE_PROFILED and model.state_reason == ""
+    assert owners == set()
+    # (1,1) ran at 1 and 2 layers, batch 1 and 2; each multi-rank reference was tried once.
+    singles = [r for r, _ in calls if len(r.workers) == 1]
+    assert [(r.config.batch_size, r.workers[0].layer_count) for r in singles] == [
+        (1, 1),
+        (2, 1),
+        (1, 2),
+        (2, 2),
+    ]
+    assert sorted(len(r.workers) for r, _ in calls) == [1, 1, 1, 1, 2, 2]
+    for request, held in calls:
+        assert list(request.output_tokens) == [4, 8] and request.input_tokens == 64
+        assert (request.warmup_runs, request.timed_runs) == (0, 2)
+        [(owner, devices)] = held.items()  # reserved before the call, by one owner
+        assert owner.startswith("profile-tiny-") and len(devices) == len(request.workers)
+        assert all(amount > 512 * MIB for amount in devices.values())
+    assert singles[0].checkpoint_path.startswith(".fingerprints/")
+    assert singles[0].checkpoint_path.endswith("/L1")
+    assert singles[2].checkpoint_path.endswith("/L2")
+    assert (models_root / singles[0].checkpoint_path / "model.safetensors").is_file()
+
+    assert len(profile.measurements) == 8
+    first = profile.measurements[0]
+    assert (first.variant_name, first.num_layers, first.full_model) == ("base", 1, False)
+    assert (first.config.tensor_parallel, first.config.pipeline_parallel) == (1, 1)
+    assert (first.input_tokens, first.output_tokens, first.repetitions) == (64, 4, 2)
+    assert first.ttft_ms == 2.0 and first.latency_ms == 6.0 and first.hardware_type == "cpu-test"
+    assert list(first.stage_layers) == [1]
+    assert {(m.num_layers, m.config.batch_size, m.output_tokens) for m in profile.measurements} == {
+        (n, b, o) for n in (1, 2) for b in (1, 2) for o in (4, 8)
+    }
+    assert len(profile.skipped) == 2
+    assert all(
+        "FAILED_PRECONDITION: workers on this node run tp = pp = 1 only" in s
+        for s in profile.skipped
+    )
+    assert profile.skipped[0].startswith("base tp=1 pp=2: base fingerprint(2 layers) tp=1 pp=2")
+    assert profile.cost.wall_time_ms > 0 and profile.cost.device_seconds > 0
+    assert profile.cost.peak_device_memory_bytes == (10 + 2 + 2) * MIB
+    assert (progress.state, progress.runs_done) == (model_pb.MODEL_STATE_PROFILED, 12)
+    assert progress.runs_total == 12
+
+
+def test_a_failing_base_reference_fails_the_model(redis_url, models_root):
+    def broken(request):
+        return (grpc.StatusCode.FAILED_PRECONDITION, "worker rank 0 exited with code 1: boom")
+
+    model, profile, progress, calls, owners = run_profiler(redis_url, models_root, broken)
+    assert model.state == model_pb.MODEL_STATE_FAILED
+    assert model.state_reason == (
+        "base fingerprint(1 layer) tp=1 pp=1 batch=1: "
+        "FAILED_PRECONDITION: worker rank 0 exited with code 1: boom"
+    )
+    assert len(calls) == 1 and owners == set() and profile is None
+    assert progress.state == model_pb.MODEL_STATE_FAILED and progress.message == model.state_reason
+
+
+def test_no_device_with_room_fails_the_model_without_calling_the_agent(redis_url, models_root):
+    model, profile, _, calls, owners = run_profiler(
+        redis_url, models_root, measured, device_bytes=300 * MIB
+    )
+    assert model.state == model_pb.MODEL_STATE_FAILED
+    assert "base fingerprint(1 layer) tp=1 pp=1 batch=1: no device has" in model.state_reason
+    assert "largest free: 300 MiB on n0/cpu" in model.state_reason
+    assert calls == [] and owners == set() and profile is None
+
+
+def test_one_device_skips_the_multi_device_references(redis_url, models_root):
+    model, profile, _, calls, _ = run_profiler(redis_url, models_root, measured, devices=1)
+    assert model.state == model_pb.MODEL_STATE_PROFILED
+    assert all(len(r.workers) == 1 for r, _ in calls) and len(calls) == 4
+    assert profile.skipped == [
+        "tp=1 pp=2 (every variant): needs 2 devices on one node; the largest node has 1",
+        "tp=2 pp=1 (every variant): needs 2 devices on one node; the largest node has 1",
+    ]
+
+
+def test_a_variant_the_agent_refuses_is_skipped(redis_url, models_root):
+    def no_int4(request):
+        if request.config.weight_quant == common.WEIGHT_QUANT_INT4:
+            return (grpc.StatusCode.FAILED_PRECONDITION, "int4 is not available")
+        return measured(request)
+
+    model = model_pb.Model(
+        model_id="tiny-v",
+        checkpoint_path="tiny",
+        shape=model_pb.ModelShape(
+            num_layers=3, num_attention_heads=4, num_kv_heads=2, intermediate_size=192
+        ),
+        variants=[
+            common.CompressionVariant(
+                name="int4",
+                weight_quant=common.WEIGHT_QUANT_INT4,
+                kv_quant=common.KV_QUANT_NONE,
+                pruning=common.PRUNING_NONE,
+            )
+        ],
+    )
+    stored, profile, _, calls, _ = run_profiler(
+        redis_url, models_root, no_int4, devices=1, model=model
+    )
+    assert stored.state == model_pb.MODEL_STATE_PROFILED
+    assert {m.variant_name for m in profile.measurements} == {"base"}
+    assert [c.config.variant_name for c, _ in calls] == ["", "", "", "", "int4"]
+    assert profile.skipped[-1] == (
+        "variant int4: int4 fingerprint(1 layer) tp=1 pp=1 batch=1 failed: "
+        "FAILED_PRECONDITION: int4 is not available"
+    )
+
+
+def test_recovery_fails_interrupted_models_and_frees_their_memory(redis_url, models_root):
+    async def interrupted(store, profiler):
+        stale = model_pb.Model(model_id="stale", state=model_pb.MODEL_STATE_PROFILING)
+        await store.create_model(stale)
+        await store.reserve("profile-stale-0000", {("n0", "cpu0"): 600 * MIB})
+        await store.reserve("some-deployment", {("n0", "cpu0"): 100 * MIB})
+        await profiler.recover()
+        model = await store.get_model("stale")
+        assert model.state == model_pb.MODEL_STATE_FAILED
+        assert "register the model again" in model.state_reason
+        assert await store.reservation_owners() == {"some-deployment"}
+        await store.release("some-deployment")
+
+    model, *_ = run_profiler(redis_url, models_root, measured, devices=1, before=interrupted)
+    assert model.state == model_pb.MODEL_STATE_PROFILED
+
+
+def test_cancelling_releases_the_reservation(redis_url, models_root):
+    async def main():
+        store = StateStore.from_url(redis_url)
+        await store.redis.flushdb()
+        started = asyncio.Event()
+
+        async def slow(request):
+            started.set()
+            await asyncio.sleep(30)
+            return measured(request)
+
+        server = grpc.aio.server()
+        agent = FakeAgent(store, slow)
+        agent_service_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            device = common.DeviceState(
+                ref=common.DeviceRef(node_id="n0", device_id="cpu0"), total_bytes=2 * GIB
+            )
+            await store.register_node(
+                common.NodeState(node_id="n0", agent_address=f"127.0.0.1:{port}", devices=[device]),
+                ttl_s=60,
+            )
+            settings = load_settings(
+                {"ISERVE_MODELS_ROOT": str(models_root), "ISERVE_STATE_DIR": str(models_root)}
+            )
+            profiler = Profiler(settings, store, SETTINGS)
+            model = model_pb.Model(
+                model_id="tiny-c",
+                checkpoint_path="tiny",
+                shape=model_pb.ModelShape(
+                    num_layers=3, num_attention_heads=4, num_kv_heads=2, intermediate_size=192
+                ),
+            )
+            await store.create_model(model)
+            await profiler.start(model)
+            await asyncio.wait_for(started.wait(), 30)
+            assert profiler.running("tiny-c")
+            assert len(await store.reservation_owners()) == 1
+            await profiler.cancel("tiny-c")
+            assert not profiler.running("tiny-c")
+            assert await store.reservation_owners() == set()
+        finally:
+            await server.stop(0)
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_two_models_never_profile_at_once(redis_url, models_root):
+    in_flight, most = [0], [0]
+
+    async def one_at_a_time(request):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        await asyncio.sleep(0.02)
+        in_flight[0] -= 1
+        return measured(request)
+
+    async def second_model(store, profiler):
+        other = model_pb.Model(
+            model_id="tiny-2",
+            checkpoint_path="tiny",
+            shape=model_pb.ModelShape(
+                num_layers=3, num_attention_heads=4, num_kv_heads=2, intermediate_size=192
+            ),
+        )
+        await store.create_model(other)
+        await profiler.start(other)
+
+    model, _, _, calls, _ = run_profiler(
+        redis_url, models_root, one_at_a_time, devices=2, before=second_model
+    )
+    assert model.state == model_pb.MODEL_STATE_PROFILED
+    assert len(calls) == 24 and most[0] == 1

@@ -1,0 +1,225 @@
+"""The agent's side of profiling: job checks, timing maths, peak memory, and a job run
+against a fake supervisor and a fake rank-0 WorkerService."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from monitor_agent.devices import DeviceSpec
+from monitor_agent.profiling import (
+    ProfilingJobs,
+    StreamTiming,
+    check_job,
+    peak_resident_bytes,
+    prompt_token_ids,
+    stream_timing,
+    summarise,
+)
+from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
+from services.api import worker_service_pb2 as worker_pb
+from services.api import worker_service_pb2_grpc
+from services.errors import InvalidArgument, RemoteError
+from services.models.arch import ArchSpec
+from services.models.checkpoint import create_checkpoint, read_config
+
+SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+
+
+def _request(**fields) -> agent_pb.RunProfilingJobRequest:
+    fields.setdefault("checkpoint_path", "tiny")
+    fields.setdefault("config", common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1))
+    fields.setdefault("workers", [agent_pb.WorkerSpec(rank=0, device_id="cpu0")])
+    fields.setdefault("input_tokens", 8)
+    fields.setdefault("output_tokens", [3, 5])
+    return agent_pb.RunProfilingJobRequest(**fields)
+
+
+def test_check_job_fills_defaults_and_refuses_bad_requests():
+    job = check_job(_request())
+    assert (job.timed_runs, job.warmup_runs, job.batch_size, job.max_seq_len) == (3, 0, 1, 13)
+    for fields, message in [
+        ({"input_tokens": 0}, "input_tokens"),
+        ({"output_tokens": []}, "output_tokens is empty"),
+        ({"output_tokens": [4, 0]}, "at least 1"),
+    ]:
+        with pytest.raises(InvalidArgument, match=message):
+            check_job(_request(**fields))
+
+
+def test_stream_timing_uses_the_token_timestamps():
+    timing = stream_timing(10.0, [10.050, 10.060, 10.080], 10.081)
+    assert timing.ttft_ms == pytest.approx(50.0)
+    assert timing.tpot_ms == pytest.approx(15.0)
+    assert timing.latency_ms == pytest.approx(81.0)
+    assert stream_timing(0.0, [0.5], 0.5).tpot_ms == 0.0
+    with pytest.raises(ValueError, match="no tokens"):
+        stream_timing(0.0, [], 1.0)
+
+
+def test_summarise_takes_medians_of_batch_means():
+    runs = [
+        [StreamTiming(10, 2, 30), StreamTiming(20, 4, 50)],  # means 15, 3; latency 50
+        [StreamTiming(12, 3, 40), StreamTiming(12, 3, 41)],  # 12, 3; 41
+        [StreamTiming(90, 9, 99), StreamTiming(90, 9, 99)],  # an outlier the median drops
+    ]
+    run = summarise(16, runs, [100, 200])
+    assert (run.output_tokens, run.ttft_ms, run.tpot_ms, run.latency_ms) == (16, 15, 3, 50)
+    assert list(run.peak_memory_bytes_per_rank) == [100, 200]
+
+
+def test_peak_resident_bytes_reads_vmhwm(tmp_path):
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "status").write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t1024 kB\n")
+    assert peak_resident_bytes(42, tmp_path) == 2048 * 1024
+    assert peak_resident_bytes(43, tmp_path) == 0
+    if os.path.exists("/proc/self/status"):
+        assert peak_resident_bytes(os.getpid()) > 1 << 20
+
+
+def test_prompt_ids_avoid_bos_and_eos(tmp_path):
+    create_checkpoint(tmp_path / "m", **SHAPE)
+    spec = ArchSpec.from_hf_config(read_config(tmp_path / "m"))
+    ids = prompt_token_ids(64, spec)
+    assert len(ids) == 64 and ids == prompt_token_ids(64, spec)
+    assert not {spec.bos_token_id, *spec.eos_token_ids} & set(ids)
+    assert all(0 <= t < spec.vocab_size for t in ids)
+
+
+class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
+    """Streams ``max_tokens`` tokens: the first after ``first_s``, then one per ``gap_s``."""
+
+    def __init__(self, first_s: float, gap_s: float, fail: bool = False):
+        self.first_s, self.gap_s, self.fail = first_s, gap_s, fail
+        self.requests: list[worker_pb.WorkerServiceGenerateRequest] = []
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.fail:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker gone")
+        await asyncio.sleep(self.first_s)
+        for i in range(request.max_tokens):
+            if i:
+                await asyncio.sleep(self.gap_s)
+            yield worker_pb.WorkerServiceGenerateResponse(token_ids=[7])
+
+    async def GetWorkerStats(self, request, context):
+        return worker_pb.GetWorkerStatsResponse(peak_memory_bytes=123_456)
+
+
+@dataclass
+class FakeStore:
+    deleted: list[str] = field(default_factory=list)
+
+    async def delete_workers(self, deployment_id: str) -> None:
+        self.deleted.append(deployment_id)
+
+
+@dataclass
+class FakeSupervisor:
+    address: str
+    store: FakeStore = field(default_factory=FakeStore)
+    plans: list = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)
+
+    async def start_workers(self, plan):
+        self.plans.append(plan)
+        # Every rank is this process; the others report their own account of 5000 bytes.
+        return [
+            agent_pb.WorkerInfo(
+                deployment_id=plan.deployment_id,
+                rank=w.rank,
+                device_id=w.device.device_id,
+                address=self.address if w.rank == 0 else "",
+                pid=os.getpid(),
+                resident_bytes=0 if w.rank == 0 else 5000,
+            )
+            for w in plan.workers
+        ]
+
+    async def stop_workers(self, deployment_id: str):
+        self.stopped.append(deployment_id)
+        return []
+
+
+def _run_job(tmp_path, worker: FakeWorker, request: agent_pb.RunProfilingJobRequest):
+    create_checkpoint(tmp_path / "tiny", **SHAPE, overwrite=True)
+    devices = {
+        f"cpu{i}": DeviceSpec(
+            f"cpu{i}", common.DEVICE_KIND_CPU_VIRTUAL, "cpu", "cpu-test", 1 << 30, (i,)
+        )
+        for i in range(2)
+    }
+
+    async def main():
+        server = grpc.aio.server()
+        worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        supervisor = FakeSupervisor(f"127.0.0.1:{port}")
+        jobs = ProfilingJobs(supervisor, devices, models_root=tmp_path, ready_timeout_s=5)
+        try:
+            return await jobs.run(request), supervisor
+        except Exception as exc:
+            return exc, supervisor
+        finally:
+            await server.stop(0)
+
+    return asyncio.run(main())
+
+
+def test_a_job_times_its_streams_and_stops_its_workers(tmp_path):
+    worker = FakeWorker(first_s=0.05, gap_s=0.02)
+    config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1, batch_size=2)
+    runs, supervisor = _run_job(
+        tmp_path, worker, _request(config=config, warmup_runs=1, timed_runs=2)
+    )
+    assert [r.output_tokens for r in runs] == [3, 5]
+    for run in runs:
+        assert 40 <= run.ttft_ms < 500 and 15 <= run.tpot_ms < 200
+        assert run.latency_ms >= run.ttft_ms + (run.output_tokens - 1) * 15
+        assert list(run.peak_memory_bytes_per_rank) == [123_456]
+    # 2 output lengths × (1 warm-up + 2 timed) runs × 2 concurrent streams.
+    assert len(worker.requests) == 12
+    first = worker.requests[0]
+    assert len(first.prompt_token_ids) == 8 and first.sampling.ignore_eos
+    [plan] = supervisor.plans
+    assert plan.deployment_id.startswith("profile-") and plan.max_batch == 2
+    assert plan.max_seq_len == 8 + 5
+    assert supervisor.stopped == [plan.deployment_id] == supervisor.store.deleted
+
+
+def test_other_ranks_report_their_account_plus_measured_growth(tmp_path):
+    config = common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=1)
+    workers = [
+        agent_pb.WorkerSpec(rank=0, device_id="cpu0", tensor_rank=0),
+        agent_pb.WorkerSpec(rank=1, device_id="cpu1", tensor_rank=1),
+    ]
+    runs, supervisor = _run_job(
+        tmp_path, FakeWorker(0.0, 0.0), _request(config=config, workers=workers)
+    )
+    assert [w.rank for w in supervisor.plans[0].workers] == [0, 1]
+    for run in runs:
+        rank0, rank1 = run.peak_memory_bytes_per_rank
+        # Rank 1 is this test's process: its peak RSS barely moves during the runs.
+        assert rank0 == 123_456 and 5000 <= rank1 < 5000 + (64 << 20)
+
+
+def test_a_failing_job_still_stops_its_workers(tmp_path):
+    error, supervisor = _run_job(tmp_path, FakeWorker(0, 0, fail=True), _request())
+    assert isinstance(error, RemoteError) and error.code == grpc.StatusCode.UNAVAILABLE
+    assert "profiling generation failed: worker gone" in str(error)
+    assert supervisor.stopped == [supervisor.plans[0].deployment_id]
+
+
+def test_a_prompt_longer_than_the_model_is_refused_before_starting(tmp_path):
+    error, supervisor = _run_job(
+        tmp_path, FakeWorker(0, 0), _request(input_tokens=4000, output_tokens=[16])
+    )
+    assert isinstance(error, InvalidArgument) and "max_position_embeddings" in str(error)
+    assert supervisor.plans == [] and supervisor.stopped == []
