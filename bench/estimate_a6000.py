@@ -27,40 +27,37 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.estimation.calibrate import (  # noqa: E402
-    calibrate_latency,
-    calibrate_memory_constants,
-    calibrate_parallel_constants,
-)
+from fingerprint_svc.importing import plan_maveriq_import  # noqa: E402
+from services.api import model_service_pb2 as model_pb  # noqa: E402
+from services.estimation.calibrate import calibrate_parallel_constants  # noqa: E402
 from services.estimation.extrapolate import LatencySample, fit_layer_latency  # noqa: E402
 from services.estimation.latency import (  # noqa: E402
     O_PP_FROM_BASE,
     REFERENCE_LAYOUTS,
     parallel_latency,
-    phase_latency,
 )
-from services.estimation.memory import solve_memory_components, total_memory_gib  # noqa: E402
-from services.estimation.references import (  # noqa: E402
-    ReferenceProfile,
-    VariantProfile,
-    extrapolate_references,
+from services.estimator.calibration import (  # noqa: E402
+    CalibrationTable,
+    calibration_table,
+    fit_calibration,
+    predict_rows,
 )
-from services.estimation.score import Calibration, estimate_space  # noqa: E402
-from services.estimation.space import ModelShape, Variant, enumerate_space  # noqa: E402
+from services.estimator.extrapolation import (  # noqa: E402
+    ModelReferences,
+    Workload,
+    estimate,
+    model_references,
+)
+from services.estimator.profiles import (  # noqa: E402
+    Sample,
+    estimation_shape,
+    estimation_variants,
+    sample_from_measurement,
+)
 from services.importers.maveriq import MaverIQData, Measurement, load_directory  # noqa: E402
 
-# Public configs of the six models (layers, attention heads, KV heads, head size).
-SHAPES = {
-    "falcon-7b": ModelShape("falcon-7b", 32, 71, 1, 64),
-    "falcon-40b": ModelShape("falcon-40b", 60, 128, 8, 64),
-    "gptj-6b": ModelShape("gptj-6b", 28, 16, 16, 256),
-    "llama-2-7b": ModelShape("llama-2-7b", 32, 32, 32, 128),
-    "llama-2-13b": ModelShape("llama-2-13b", 40, 40, 40, 128),
-    "llama-2-70b": ModelShape("llama-2-70b", 80, 64, 8, 128),
-}
 MEASURED = ("falcon-7b", "gptj-6b", "llama-2-7b", "llama-2-13b")
 UNMEASURED = ("llama-2-70b", "falcon-40b")
-LONG = "923-token prompt"
 TP_LADDER = REFERENCE_LAYOUTS + ((4, 1), (8, 1))
 DEVICE_GIB = 48.0 * 1e9 / 2**30  # RTX A6000: 48 GB
 
@@ -96,133 +93,63 @@ def data_dir() -> Path:
     return base / "maveriq-a6000"
 
 
-def by_variant_layout(rows: Sequence[Measurement]) -> dict[tuple, list[Measurement]]:
-    out: dict[tuple, list[Measurement]] = collections.defaultdict(list)
-    for r in rows:
-        out[(r.variant, (r.tp, r.pp))].append(r)
-    return out
-
-
-def model_profiles(
-    data: MaverIQData, model: str, layouts: tuple[tuple[int, int], ...]
-) -> dict[tuple, ReferenceProfile]:
-    """iserve's references for every profiled variant of ``model``."""
-    long_rows = by_variant_layout(data.fingerprints)
-    short_rows = by_variant_layout(data.fingerprints_batch)
-    latency, memory = {}, {}
-    for (variant, layout), rows in long_rows.items():
-        if variant[0] != model or layout not in layouts:
-            continue
-        samples = [LatencySample(r.layers, r.latency_s, r.output_tokens, prompt=LONG) for r in rows]
-        samples += [
-            LatencySample(r.layers, r.latency_s, r.output_tokens, prompt=("short", r.batch_size))
-            for r in short_rows.get((variant, layout), [])
-        ]
-        latency[(variant, layout)] = samples
-        memory[(variant, layout)] = ([r.layers for r in rows], [r.memory_gib for r in rows])
-    return extrapolate_references(
-        SHAPES[model].num_layers,
-        latency,
-        memory,
-        prompt=LONG,
-        layouts=layouts,
-        tp_ladder_phases=("ttft",),
-    )
-
-
 @dataclass(frozen=True)
-class Table:
-    """The full-model rows as arrays."""
+class ImportedModel:
+    """One model as ``iserve profile import`` stores it: record and samples."""
 
-    rows: tuple[Measurement, ...]
-    model: np.ndarray
-    tp: np.ndarray
-    pp: np.ndarray
-    out: np.ndarray
-    latency: np.ndarray
-    memory: np.ndarray
-    ttft: np.ndarray  # per (variant, layout) least-squares TTFT of the measured rows
-    tpot: np.ndarray
+    model: model_pb.Model
+    measurements: tuple[model_pb.ProfileMeasurement, ...]
+    samples: tuple[Sample, ...]
 
-
-def full_model_table(data: MaverIQData) -> Table:
-    rows = data.full_models
-    phases = {}
-    for key, group in by_variant_layout(rows).items():
-        design = np.array([[1.0, r.output_tokens] for r in group])
-        phases[key] = np.linalg.lstsq(design, [r.latency_s for r in group], rcond=None)[0]
-    key = [(r.variant, (r.tp, r.pp)) for r in rows]
-    return Table(
-        rows=rows,
-        model=np.array([r.model for r in rows]),
-        tp=np.array([r.tp for r in rows], dtype=float),
-        pp=np.array([r.pp for r in rows], dtype=float),
-        out=np.array([r.output_tokens for r in rows], dtype=float),
-        latency=np.array([r.latency_s for r in rows]),
-        memory=np.array([r.memory_gib for r in rows]),
-        ttft=np.array([phases[k][0] for k in key]),
-        tpot=np.array([phases[k][1] for k in key]),
-    )
+    def references(self, use_tp_ladder: bool) -> ModelReferences:
+        """The service's extrapolation of this model's fingerprints."""
+        return model_references(
+            estimation_shape(self.model),
+            estimation_variants(self.model, self.measurements),
+            self.samples,
+            use_tp_ladder=use_tp_ladder,
+        )
 
 
-def evaluate_iserve(data: MaverIQData, table: Table, layouts, label: str):
-    """Leave-one-model-out estimates of every full-model row; returns (latency, memory)."""
-    profiles = {}
-    for model in MEASURED:
-        profiles.update(model_profiles(data, model, layouts))
-    refs = {
-        name: np.array([getattr(profiles[r.variant], name) for r in table.rows])
-        for name in ("ttft_s", "tpot_s", "memory_gib")
+def import_models(directory: Path) -> dict[str, ImportedModel]:
+    """Every model of the data set, through the same import the service runs."""
+    files = [(p.name, p.read_bytes()) for p in sorted(directory.iterdir()) if p.is_file()]
+    plan = plan_maveriq_import(files, "rtx-a6000")
+    return {
+        m.model_id: ImportedModel(
+            model_pb.Model(model_id=m.model_id, shape=m.shape, variants=m.variants),
+            m.measurements,
+            tuple(sample_from_measurement(x) for x in m.measurements),
+        )
+        for m in plan.models
     }
-    est_latency = np.full(len(table.rows), np.nan)
-    est_memory = np.full(len(table.rows), np.nan)
+
+
+def full_model_table(models: dict[str, ImportedModel], layouts) -> CalibrationTable:
+    """The measured models' full-model rows beside their extrapolated references."""
+    use_ladder = len(layouts) > len(REFERENCE_LAYOUTS)
+    entries = [
+        (name, models[name].references(use_ladder), models[name].samples) for name in MEASURED
+    ]
+    return calibration_table(entries, layouts)
+
+
+def evaluate_iserve(table: CalibrationTable, label: str):
+    """Leave-one-model-out estimates of every full-model row; returns (latency, memory)."""
+    est_latency = np.full(table.size, np.nan)
+    est_memory = np.full(table.size, np.nan)
     for held in MEASURED:
-        train, test = table.model != held, table.model == held
-        # A training row is usable when its own layout's references are known.
-        usable = train & np.isfinite(_ladder_value(refs["ttft_s"], table.tp, layouts))
-        latency_constants, scales, latency_fit = calibrate_latency(
-            refs["ttft_s"][usable],
-            refs["tpot_s"][usable],
-            table.tp[usable],
-            table.pp[usable],
-            table.out[usable],
-            table.latency[usable],
-            table.ttft[usable],
-            table.tpot[usable],
-            layouts=layouts,
-        )
-        ttft_refs, tpot_refs = scales.apply(refs["ttft_s"][test], refs["tpot_s"][test])
-        est_latency[test] = phase_latency(
-            ttft_refs,
-            tpot_refs,
-            table.tp[test],
-            table.pp[test],
-            table.out[test],
-            latency_constants,
-            layouts=layouts,
-        )[2]
-        memory_constants, memory_fit = calibrate_memory_constants(
-            refs["memory_gib"][train], table.tp[train], table.pp[train], table.memory[train]
-        )
-        m = refs["memory_gib"][test]
-        parts = solve_memory_components(m[:, 0], m[:, 1], m[:, 2], memory_constants)
-        est_memory[test] = total_memory_gib(parts, table.tp[test], table.pp[test], memory_constants)
-        c = latency_constants
+        train, test = table.models != held, table.models == held
+        fitted = fit_calibration(table, rows=train)
+        est_latency[test], est_memory[test] = predict_rows(table, fitted.calibration, test)
+        c = fitted.calibration
         print(
-            f"  {label:10s} w/o {held:11s} TTFT a,b,g,d {_fmt(c.ttft)} TPOT {_fmt(c.tpot)}"
-            f" scales {_scales(scales)}"
-            f" fit {latency_fit.mape_pct:3.1f}%; peer {memory_constants.tp_peer_gib:.2f} GiB"
-            f" fit {memory_fit.mape_pct:3.1f}%"
+            f"  {label:10s} w/o {held:11s} TTFT a,b,g,d {_fmt(c.latency.ttft)}"
+            f" TPOT {_fmt(c.latency.tpot)} scales {_scales(c.reference_scales)}"
+            f" fit {fitted.latency_fit_pct:3.1f}%; peer {c.memory.tp_peer_gib:.2f} GiB"
+            f" fit {fitted.memory_fit_pct:3.1f}%"
         )
     return est_latency, est_memory
-
-
-def _ladder_value(refs: np.ndarray, tp: np.ndarray, layouts) -> np.ndarray:
-    """Each row's reference at its own (tp, 1) when that is a ladder layout, else 0."""
-    value = np.zeros(len(tp))
-    for i, (degree, _) in enumerate(layouts[3:], start=3):
-        value = np.where(tp == degree, refs[:, i], value)
-    return value
 
 
 def _scales(scales) -> str:
@@ -233,11 +160,25 @@ def _fmt(constants) -> str:
     return ",".join(f"{x:.2f}" for x in constants.as_array())
 
 
-def maveriq_references(data: MaverIQData, variant: tuple) -> tuple[np.ndarray, ...]:
+def _variant(model: str, name: str) -> tuple[str, str, bool]:
+    """(model, weight quantization, int8 KV cache) of an imported variant name."""
+    return (model, name.removesuffix("-kv8"), name.endswith("-kv8"))
+
+
+def by_variant_layout(rows: Sequence[Measurement]) -> dict[tuple, list[Measurement]]:
+    out: dict[tuple, list[Measurement]] = collections.defaultdict(list)
+    for r in rows:
+        out[(r.variant, (r.tp, r.pp))].append(r)
+    return out
+
+
+def maveriq_references(
+    data: MaverIQData, variant: tuple, num_layers: dict[str, int]
+) -> tuple[np.ndarray, ...]:
     """MaverIQ's code: per-layout 4-point solve, L(1,2) read as L(1,1); memory, o = 10 rows."""
     long_rows = by_variant_layout(data.fingerprints)
     short_rows = by_variant_layout(data.fingerprints_batch)
-    layers = SHAPES[variant[0]].num_layers
+    layers = num_layers[variant[0]]
     ttft, tpot, memory = [], [], []
     for layout in REFERENCE_LAYOUTS:
         rows = long_rows.get((variant, (1, 1) if layout == (1, 2) else layout))
@@ -262,29 +203,29 @@ def maveriq_references(data: MaverIQData, variant: tuple) -> tuple[np.ndarray, .
     return np.array(ttft), np.array(tpot), np.array(memory)
 
 
-def evaluate_maveriq(data: MaverIQData, table: Table):
-    variants = sorted({r.variant for r in table.rows})
-    refs = {v: maveriq_references(data, v) for v in variants}
-    ttft = np.array([refs[r.variant][0] for r in table.rows])
-    tpot = np.array([refs[r.variant][1] for r in table.rows])
-    mem = np.array([refs[r.variant][2] for r in table.rows])
-    latency_refs = ttft + table.out[:, None] * tpot
+def evaluate_maveriq(data: MaverIQData, table: CalibrationTable, num_layers: dict[str, int]):
+    row_variants = [_variant(m, v) for m, v in zip(table.models, table.variants, strict=True)]
+    refs = {v: maveriq_references(data, v, num_layers) for v in sorted(set(row_variants))}
+    ttft = np.array([refs[v][0] for v in row_variants])
+    tpot = np.array([refs[v][1] for v in row_variants])
+    mem = np.array([refs[v][2] for v in row_variants])
+    latency_refs = ttft + table.output_tokens[:, None] * tpot
     # No tp = 2 reference: O_TP = 0 (MaverIQ's code sets it to 0 for falcon-7b).
     latency_refs[:, 1] = np.where(
         np.isnan(latency_refs[:, 1]), latency_refs[:, 0] / 2, latency_refs[:, 1]
     )
     mem[:, 1] = np.where(np.isnan(mem[:, 1]), mem[:, 0], mem[:, 1])
-    quant = np.array([f"{r.weight_quant}/{r.int8_kv_cache}" for r in table.rows])
-    est_latency = np.full(len(table.rows), np.nan)
+    quant = np.array([f"{w}/{kv}" for _, w, kv in row_variants])
+    est_latency = np.full(table.size, np.nan)
     for held in MEASURED:
-        train, test = table.model != held, table.model == held
+        train, test = table.models != held, table.models == held
         for q in np.unique(quant[test]):
             fit_rows, est_rows = train & (quant == q), test & (quant == q)
             constants, _ = calibrate_parallel_constants(
                 latency_refs[fit_rows],
                 table.tp[fit_rows],
                 table.pp[fit_rows],
-                table.latency[fit_rows],
+                table.latency_s[fit_rows],
                 O_PP_FROM_BASE,
                 clamp_overheads=True,
                 steps=250,
@@ -308,51 +249,29 @@ def error_stats(estimate: np.ndarray, measured: np.ndarray, rows: np.ndarray) ->
     return f"{np.median(err):5.1f} {np.percentile(err, 90):5.1f}"
 
 
-def print_errors(table: Table, results: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+def print_errors(
+    table: CalibrationTable, results: dict[str, tuple[np.ndarray, np.ndarray]]
+) -> None:
     print("\nAbsolute percentage error, median and p90 (targets: latency 2.5 / 7, memory 1.5 / 4)")
     head = "".join(f" | {name:^23s}" for name in results)
     print(f"{'':16s}{head}")
     print(f"{'':16s}" + " | latency %   memory %  " * len(results))
-    groups = [(m, table.model == m) for m in MEASURED]
-    groups += [("all", np.ones(len(table.rows), bool))]
+    groups = [(m, table.models == m) for m in MEASURED]
+    groups += [("all", np.ones(table.size, bool))]
     groups += [("  tp <= 2", table.tp <= 2), ("  tp >= 4", table.tp >= 4)]
     for name, rows in groups:
         cells = "".join(
-            f" | {error_stats(lat, table.latency, rows)} {error_stats(mem, table.memory, rows)}"
+            f" | {error_stats(lat, table.latency_s, rows)}"
+            f" {error_stats(mem, table.memory_gib, rows)}"
             for lat, mem in results.values()
         )
         print(f"{name:16s}{cells}  ({rows.sum()} rows)")
 
 
-def calibration_on_all(data: MaverIQData, table: Table, layouts) -> Calibration:
-    """Constants fitted on all four measured models, for the unmeasured ones."""
-    profiles = {}
-    for model in MEASURED:
-        profiles.update(model_profiles(data, model, layouts))
-    refs = {
-        name: np.array([getattr(profiles[r.variant], name) for r in table.rows])
-        for name in ("ttft_s", "tpot_s", "memory_gib")
-    }
-    usable = np.isfinite(_ladder_value(refs["ttft_s"], table.tp, layouts))
-    latency, scales, _ = calibrate_latency(
-        refs["ttft_s"][usable],
-        refs["tpot_s"][usable],
-        table.tp[usable],
-        table.pp[usable],
-        table.out[usable],
-        table.latency[usable],
-        table.ttft[usable],
-        table.tpot[usable],
-        layouts=layouts,
-    )
-    memory, _ = calibrate_memory_constants(refs["memory_gib"], table.tp, table.pp, table.memory)
-    return Calibration(latency=latency, memory=memory, reference_scales=scales)
-
-
-def print_unmeasured(data: MaverIQData, table: Table) -> None:
+def print_unmeasured(models: dict[str, ImportedModel], table: CalibrationTable) -> None:
     print("\nSanity: models never measured in full, estimated from fingerprints (+TP ladder),")
-    print("8 GPUs, batch 1, 100 output tokens, every profiled variant")
-    calibration = calibration_on_all(data, table, TP_LADDER)
+    print("8 GPUs, batch 1, 923-token prompt, 100 output tokens, every profiled variant")
+    calibration = fit_calibration(table).calibration
     c = calibration.latency
     print(
         f"  constants fitted on all four measured models: TTFT a,b,g,d {_fmt(c.ttft)},"
@@ -360,43 +279,43 @@ def print_unmeasured(data: MaverIQData, table: Table) -> None:
         f" peer {calibration.memory.tp_peer_gib:.2f} GiB"
     )
     for model in UNMEASURED:
-        profiles = model_profiles(data, model, TP_LADDER)
-        variants = [
-            Variant(f"{w}/kv-{'int8' if kv else 'fp16'}", w, "int8" if kv else "fp16")
-            for _, w, kv in profiles
-        ]
-        space = enumerate_space(SHAPES[model], 8, variants, (1,))
-        estimates = estimate_space(
-            space,
-            [VariantProfile(p) for p in profiles.values()],
+        estimates = estimate(
+            models[model].references(use_tp_ladder=True),
             calibration,
-            output_tokens=100,
+            Workload(output_tokens=100),
+            devices=8,
             device_memory_gib=DEVICE_GIB,
         )
         fits = estimates.fits
         lat, mem = estimates.latency_s, estimates.memory_total_gib * 2**30 / 1e9
         print(
-            f"  {model:12s} {space.size:3d} configs, {fits.sum():3d} fit 48 GB/GPU: latency "
-            f"{lat[fits].min():5.1f}-{lat[fits].max():5.1f} s, memory {mem[fits].min():5.1f}-"
-            f"{mem[fits].max():5.1f} GB (all configs: {lat.min():.1f}-{lat.max():.1f} s,"
-            f" {mem.min():.1f}-{mem.max():.1f} GB)"
+            f"  {model:12s} {estimates.space.size:3d} configs, {fits.sum():3d} fit 48 GB/GPU: "
+            f"latency {lat[fits].min():5.1f}-{lat[fits].max():5.1f} s, memory "
+            f"{mem[fits].min():5.1f}-{mem[fits].max():5.1f} GB (all configs: "
+            f"{lat.min():.1f}-{lat.max():.1f} s, {mem.min():.1f}-{mem.max():.1f} GB)"
         )
     print("  papers, llama-2-70b on 8 GPUs at 100 tokens: 2.7-21.5 s, 33.7-153.9 GB")
 
 
 def main() -> None:
     started = time.perf_counter()
-    data = load_directory(data_dir())
-    table = full_model_table(data)
+    directory = data_dir()
+    data = load_directory(directory)
+    models = import_models(directory)
+    num_layers = {name: m.model.shape.num_layers for name, m in models.items()}
+    three = full_model_table(models, REFERENCE_LAYOUTS)
+    ladder = full_model_table(models, TP_LADDER)
+    # The same rows in the same order: the error table compares them row by row.
+    assert np.array_equal(three.latency_s, ladder.latency_s)
     print(METHOD)
     print("\nCalibrated constants per fold:")
     results = {
-        "iserve, 3 refs": evaluate_iserve(data, table, REFERENCE_LAYOUTS, "3 refs"),
-        "iserve, +TP ladder": evaluate_iserve(data, table, TP_LADDER, "+TP ladder"),
-        "MaverIQ as published": evaluate_maveriq(data, table),
+        "iserve, 3 refs": evaluate_iserve(three, "3 refs"),
+        "iserve, +TP ladder": evaluate_iserve(ladder, "+TP ladder"),
+        "MaverIQ as published": evaluate_maveriq(data, ladder, num_layers),
     }
-    print_errors(table, results)
-    print_unmeasured(data, table)
+    print_errors(ladder, results)
+    print_unmeasured(models, ladder)
     print(f"\n({time.perf_counter() - started:.0f} s)")
 
 

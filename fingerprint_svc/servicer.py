@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
+from fingerprint_svc.importing import import_profiles
+from fingerprint_svc.profiler import Profiler
 from fingerprint_svc.registry import build_model, check_model_id
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import model_service_pb2_grpc
-from services.errors import AlreadyExists, FailedPrecondition, NotFound, Unimplemented
+from services.errors import AlreadyExists, FailedPrecondition, NotFound
 from services.settings import Settings
 from services.state.store import StateStore
 
@@ -15,12 +19,17 @@ LIVE_DEPLOYMENT_STATES = {
     deploy_pb.DEPLOYMENT_STATE_READY,
     deploy_pb.DEPLOYMENT_STATE_REMOVING,
 }
+# How often WatchModel looks at the model's record and progress.
+WATCH_POLL_S = 0.2
 
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
-    def __init__(self, settings: Settings, store: StateStore):
+    def __init__(self, settings: Settings, store: StateStore, profiler: Profiler | None = None):
         self.settings = settings
         self.store = store
+        self.profiler = profiler or Profiler(settings, store)
+        # Serialises retries of FAILED registrations (read, check, overwrite).
+        self._register_lock = asyncio.Lock()
 
     async def _model(self, model_id: str) -> model_pb.Model:
         check_model_id(model_id)
@@ -31,9 +40,32 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
     async def RegisterModel(self, request, context):
         model = build_model(request, self.settings.models_root)
-        if not await self.store.create_model(model):
-            raise AlreadyExists(f"model {request.model_id!r} is already registered")
+        async with self._register_lock:
+            if not await self.store.create_model(model):
+                await self._retry_failed(model)
+            if not request.skip_profiling:
+                await self.profiler.start(model)
         return model_pb.RegisterModelResponse(request_id=request.request_id, model=model)
+
+    async def _retry_failed(self, model: model_pb.Model) -> None:
+        """Overwrite a FAILED record of the same checkpoint with ``model`` (a retry);
+        AlreadyExists for anything else."""
+        existing = await self.store.get_model(model.model_id)
+        if existing is None:  # deleted since create_model looked
+            if not await self.store.create_model(model):
+                raise AlreadyExists(f"model {model.model_id!r} is already registered")
+            return
+        state = model_pb.ModelState.Name(existing.state)
+        if existing.state != model_pb.MODEL_STATE_FAILED or self.profiler.running(model.model_id):
+            raise AlreadyExists(f"model {model.model_id!r} is already registered ({state})")
+        if existing.checkpoint_path != model.checkpoint_path:
+            raise AlreadyExists(
+                f"model {model.model_id!r} is registered with checkpoint "
+                f"{existing.checkpoint_path!r}; a FAILED model is retried only with the same "
+                "checkpoint (delete it to register another)"
+            )
+        model.created_at_unix_ms = existing.created_at_unix_ms
+        await self.store.put_model(model)
 
     async def GetModel(self, request, context):
         model = await self._model(request.model_id)
@@ -54,20 +86,53 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
             raise FailedPrecondition(
                 f"model {request.model_id!r} is deployed ({', '.join(live)}); remove those first"
             )
+        await self.profiler.cancel(request.model_id)
         await self.store.delete_model(request.model_id)
         return model_pb.DeleteModelResponse(request_id=request.request_id)
 
     async def WatchModel(self, request, context):
         model = await self._model(request.model_id)
-        yield model_pb.WatchModelResponse(
-            request_id=request.request_id,
-            state=model.state,
-            message=model.state_reason or model_pb.ModelState.Name(model.state),
+        last = None
+        while True:
+            event = await self._watch_event(model, request.request_id)
+            if event != last:
+                yield event
+                last = event
+            if model.state != model_pb.MODEL_STATE_PROFILING:
+                return
+            await asyncio.sleep(WATCH_POLL_S)
+            model = await self.store.get_model(request.model_id)
+            if model is None:
+                raise NotFound(f"model {request.model_id!r} was deleted while being watched")
+
+    async def _watch_event(self, model: model_pb.Model, request_id: str):
+        """Where ``model``'s profiling stands: its state, with the profiler's progress."""
+        event = model_pb.WatchModelResponse(request_id=request_id, state=model.state)
+        progress = None
+        if model.state != model_pb.MODEL_STATE_REGISTERED:  # else left from a failed attempt
+            progress = await self.store.get_profile_progress(model.model_id)
+        if progress is not None:
+            event.runs_done, event.runs_total = progress.runs_done, progress.runs_total
+            if model.state == model_pb.MODEL_STATE_PROFILING:
+                event.current = progress.current
+        event.message = (
+            model.state_reason
+            or (progress.message if progress is not None else "")
+            or model_pb.ModelState.Name(model.state)
         )
+        return event
 
     async def GetProfile(self, request, context):
-        await self._model(request.model_id)
-        raise Unimplemented("GetProfile arrives with fingerprint profiling (issue 4)")
+        model = await self._model(request.model_id)
+        profile = await self.store.get_profile(request.model_id)
+        if profile is None:
+            state = model_pb.ModelState.Name(model.state)
+            reason = f": {model.state_reason}" if model.state_reason else ""
+            raise FailedPrecondition(
+                f"model {request.model_id!r} is not profiled yet ({state}{reason})"
+            )
+        profile.request_id = request.request_id
+        return profile
 
     async def ImportProfiles(self, request, context):
-        raise Unimplemented("ImportProfiles arrives with estimation (issue 4)")
+        return await import_profiles(self.store, request)

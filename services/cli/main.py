@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import uuid
@@ -27,7 +28,7 @@ from services.api import (
 )
 from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
-from services.cli import stack
+from services.cli import estimation, stack
 from services.cli.status import collect_status, print_status
 from services.grpc_server import CHANNEL_OPTIONS
 from services.settings import Settings, load_settings
@@ -137,8 +138,43 @@ def cmd_model_create(settings: Settings, args) -> int:
     return 0
 
 
+PROGRESS_BAR_WIDTH = 30
+
+
+def render_progress(event: model_pb.WatchModelResponse, width: int = PROGRESS_BAR_WIDTH) -> str:
+    """One line of profiling progress: a bar of runs done, the count and what runs now."""
+    total = event.runs_total
+    filled = width * event.runs_done // total if total else 0
+    bar = "#" * filled + "." * (width - filled)
+    state = model_pb.ModelState.Name(event.state).removeprefix("MODEL_STATE_").lower()
+    what = event.current or event.message
+    return f"[{bar}] {event.runs_done}/{total} {state}" + (f": {what}" if what else "")
+
+
+def _watch_profiling(stub, model_id: str) -> None:
+    """Follow WatchModel until profiling ends, drawing its progress on stderr (one line
+    redrawn on a terminal, a line per change otherwise)."""
+    tty = sys.stderr.isatty()
+    shown = ""
+    for event in stub.WatchModel(model_pb.WatchModelRequest(request_id=_rid(), model_id=model_id)):
+        line = render_progress(event)
+        if line == shown:
+            continue
+        if tty:
+            sys.stderr.write(
+                "\r" + line[: shutil.get_terminal_size().columns - 1].ljust(len(shown))
+            )
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        shown = line
+    if tty and shown:
+        sys.stderr.write("\n")
+
+
 def cmd_register(settings: Settings, args) -> int:
-    reply = _stub(settings, "model", model_service_pb2_grpc.ModelServiceStub).RegisterModel(
+    stub = _stub(settings, "model", model_service_pb2_grpc.ModelServiceStub)
+    reply = stub.RegisterModel(
         model_pb.RegisterModelRequest(
             request_id=_rid(),
             model_id=args.model_id,
@@ -148,15 +184,25 @@ def cmd_register(settings: Settings, args) -> int:
         )
     )
     model = reply.model
-    if args.json:
-        print(json.dumps(_to_json(model)))
-    else:
+    if not args.json:
         shape = model.shape
         print(
             f"registered {model.model_id}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
             f"{shape.parameter_count / 1e6:.1f}M parameters, {shape.weight_bytes / 2**20:.1f} MiB "
             f"({model_pb.ModelState.Name(model.state)})"
         )
+    if model.state == model_pb.MODEL_STATE_PROFILING and not args.no_wait:
+        _watch_profiling(stub, model.model_id)
+        model = stub.GetModel(
+            model_pb.GetModelRequest(request_id=_rid(), model_id=model.model_id)
+        ).model
+        if not args.json:
+            print(f"{model.model_id}: {model_pb.ModelState.Name(model.state)}")
+    if args.json:
+        print(json.dumps(_to_json(model)))
+    if model.state == model_pb.MODEL_STATE_FAILED:
+        print(f"error: profiling {model.model_id} failed: {model.state_reason}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -360,6 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--accuracy", type=float, help="accuracy score of the model (e.g. MMLU)")
     p.add_argument("--skip-profiling", action="store_true")
+    p.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="return once registered instead of showing profiling progress until it ends",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_register)
 
@@ -410,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("remove", help="stop a deployment's workers and release its memory")
     p.add_argument("deployment_id")
     p.set_defaults(func=cmd_remove)
+
+    estimation.add_commands(sub)
     return parser
 
 

@@ -1,6 +1,7 @@
 """``python -m services.estimator``: serve EstimatorService on ``ISERVE_ESTIMATOR_ADDR``."""
 
 from services.api import estimator_service_pb2_grpc
+from services.estimator.service import Estimator
 from services.estimator.servicer import EstimatorServicer
 from services.grpc_server import ServiceBinding
 from services.service_main import ServiceParts, serve_service
@@ -10,7 +11,7 @@ def build(settings, store) -> ServiceParts:
     return ServiceParts(
         bindings=[
             ServiceBinding(
-                EstimatorServicer(),
+                EstimatorServicer(Estimator(store)),
                 estimator_service_pb2_grpc.add_EstimatorServiceServicer_to_server,
                 "iserve.v1.EstimatorService",
             )

@@ -1,23 +1,55 @@
-"""EstimatorService. Estimation needs fingerprint profiles, which arrive with issue 4;
-until then every RPC answers UNIMPLEMENTED and says so."""
+"""EstimatorService: protobuf in, estimator work (``service``), protobuf out."""
 
 from __future__ import annotations
 
+from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
-from services.errors import Unimplemented
-
-_LATER = "{} arrives with fingerprint profiling and estimation (issue 4)"
+from services.estimator.messages import (
+    check_hardware_type,
+    estimate_messages,
+    ranked_messages,
+    workload_from_proto,
+)
+from services.estimator.ranking import check_intent, rank_for_intent
+from services.estimator.service import Estimator
 
 
 class EstimatorServicer(estimator_service_pb2_grpc.EstimatorServiceServicer):
+    def __init__(self, estimator: Estimator):
+        self.estimator = estimator
+
     async def EstimateConfigs(self, request, context):
-        raise Unimplemented(_LATER.format("EstimateConfigs"))
+        workload = workload_from_proto(request.workload)
+        result = await self.estimator.estimate(
+            request.model_id, request.hardware_type, workload, request.device_count
+        )
+        return estimator_pb.EstimateConfigsResponse(
+            request_id=request.request_id,
+            estimates=estimate_messages(result.estimates, result.workload),
+        )
 
     async def RankConfigs(self, request, context):
-        raise Unimplemented(_LATER.format("RankConfigs"))
+        workload = workload_from_proto(request.workload)
+        check_intent(request.intent)
+        result = await self.estimator.estimate(
+            request.model_id, request.hardware_type, workload, request.device_count
+        )
+        ranked = rank_for_intent(result.estimates, request.intent)
+        return estimator_pb.RankConfigsResponse(
+            request_id=request.request_id,
+            ranked=ranked_messages(result.estimates, result.workload, ranked),
+            note=ranked.note,
+        )
 
     async def GetCalibration(self, request, context):
-        raise Unimplemented(_LATER.format("GetCalibration"))
+        calibration = await self.estimator.get_calibration(request.hardware_type)
+        return estimator_pb.GetCalibrationResponse(
+            request_id=request.request_id, calibration=calibration
+        )
 
     async def Calibrate(self, request, context):
-        raise Unimplemented(_LATER.format("Calibrate"))
+        check_hardware_type(request.hardware_type)
+        calibration = await self.estimator.calibrate(request.hardware_type, request.model_ids)
+        return estimator_pb.CalibrateResponse(
+            request_id=request.request_id, calibration=calibration
+        )

@@ -20,6 +20,7 @@ accuracy key ``gtpj-6b`` (for ``gptj-6b``).
 from __future__ import annotations
 
 import csv
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ __all__ = [
     "load_accuracy",
     "load_directory",
     "load_measurements",
+    "parse_accuracy",
+    "parse_measurements",
 ]
 
 # The CSV files of the published data set, by the role they play.
@@ -41,12 +44,21 @@ FULL_MODELS_BATCH = "full_model_data_collection_BS.csv"
 FULL_MODELS_PRUNED = "full_model_data_collection_pruning.csv"
 UNBALANCED_PP = "unbalanced_PP_data_collection.csv"
 ACCURACY = "MS_model_acc_MMLU.json"
+# Scaling studies: latency and memory against layer count and against batch size.
+FINGERPRINT_SCALING = "fingerprint_scaling_data.csv"
+BATCH_SCALING = "BS_scaling_data.csv"
+# Prompt length (tokens) of the files whose README states it; the others used short
+# prompts of unrecorded length.
+PROMPT_TOKENS = {FINGERPRINTS: 923, FULL_MODELS: 923}
 
 # The engine dtype column, as iserve's weight-quantization names.
 _WEIGHT_QUANT = {"float16": "fp16", "int8": "int8", "int4": "int4", "int4_gptq": "int4_gptq"}
 # Models of the data set; a longer model name is a pruned variant of one of them.
 BASE_MODELS = ("falcon-7b", "falcon-40b", "gptj-6b", "llama-2-7b", "llama-2-13b", "llama-2-70b")
 _MISSPELLED_MODELS = {"gtpj-6b": "gptj-6b"}
+# Architecture presets (services.models.presets) of the data set's models, where the
+# names differ.
+PRESET_NAMES = {"gptj-6b": "gpt-j-6b"}
 _REQUIRED_COLUMNS = (
     "Model",
     "TP",
@@ -135,6 +147,18 @@ def _parse_bool(text: str, where: str) -> bool:
 
 def _parse_row(row: dict[str, str], source: str, line: int) -> Measurement:
     where = f"{source}:{line}"
+    empty = [c for c in _REQUIRED_COLUMNS if not (row.get(c) or "").strip()]
+    if empty:
+        raise ValueError(f"{where}: no value for {empty}")
+    try:
+        return _measurement(row, source, where)
+    except ValueError as exc:
+        if str(exc).startswith(where):
+            raise
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _measurement(row: dict[str, str], source: str, where: str) -> Measurement:
     dtype = row["DTYPE"]
     if dtype not in _WEIGHT_QUANT:
         raise ValueError(f"{where}: unknown DTYPE {dtype!r}; known: {sorted(_WEIGHT_QUANT)}")
@@ -143,7 +167,7 @@ def _parse_row(row: dict[str, str], source: str, line: int) -> Measurement:
     if len(pp_map) != pp:
         raise ValueError(f"{where}: PP_Map {row['PP_Map']!r} has {len(pp_map)} stages, PP={pp}")
     model, pruning = _split_model(row["Model"])
-    return Measurement(
+    measurement = Measurement(
         source=source,
         model=model,
         pruning=pruning,
@@ -158,36 +182,67 @@ def _parse_row(row: dict[str, str], source: str, line: int) -> Measurement:
         memory_gib=float(row["Memory-After-Run"]),
         memory_pre_run_gib=float(row["Memory-Pre-Run"]),
     )
+    if tp < 1 or pp < 1 or any(n < 1 for n in pp_map):
+        raise ValueError(f"{where}: TP, PP and every PP_Map stage must be at least 1")
+    if measurement.output_tokens < 1 or measurement.batch_size < 1:
+        raise ValueError(f"{where}: Output_Lenght and Batch_Size must be at least 1")
+    if not measurement.latency_s > 0 or not measurement.memory_gib >= 0:
+        raise ValueError(f"{where}: Latency must be positive and Memory-After-Run not negative")
+    return measurement
+
+
+def parse_measurements(text: str, source: str) -> tuple[Measurement, ...]:
+    """Parse the text of one MaverIQ CSV named ``source`` (a base name, e.g.
+    ``full_model_data_collection.csv``); raises ValueError naming the file and line of a
+    bad row."""
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    missing = [c for c in _REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ValueError(f"{source}: missing columns {missing}")
+    try:
+        # Line numbers count the header as line 1, as an editor shows them.
+        return tuple(_parse_row(row, source, n) for n, row in enumerate(reader, start=2))
+    except csv.Error as exc:
+        raise ValueError(f"{source}:{reader.line_num}: {exc}") from None
 
 
 def load_measurements(path: str | Path) -> tuple[Measurement, ...]:
     """Parse one MaverIQ CSV; raises ValueError naming the file and line of a bad row."""
     path = Path(path)
-    with path.open(newline="") as handle:
-        reader = csv.DictReader(handle)
-        missing = [c for c in _REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(f"{path.name}: missing columns {missing}")
-        # Line numbers count the header as line 1, as an editor shows them.
-        return tuple(_parse_row(row, path.name, n) for n, row in enumerate(reader, start=2))
+    return parse_measurements(path.read_text(), path.name)
 
 
-def load_accuracy(path: str | Path) -> dict[AccuracyKey, float]:
-    """Relative MMLU accuracy (% of FP16) by model and compression.
+def parse_accuracy(text: str, source: str = ACCURACY) -> dict[AccuracyKey, float]:
+    """Relative MMLU accuracy (% of FP16) by model and compression, from the text of
+    ``MS_model_acc_MMLU.json``; raises ValueError naming ``source`` when it is malformed.
 
     Source keys look like ``llama-2-7b_int4_gptq_False_None``: model, dtype, int8 KV
     cache, pruning (always ``None`` in the published file).
     """
-    path = Path(path)
+    try:
+        entries = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}:{exc.lineno}: not JSON ({exc.msg})") from None
+    if not isinstance(entries, dict):
+        raise ValueError(f"{source}: expected an object of accuracy figures")
     table: dict[AccuracyKey, float] = {}
-    for key, value in json.loads(path.read_text()).items():
-        model, rest = key.split("_", 1)
-        dtype, kv, _pruning = rest.rsplit("_", 2)
+    for key, value in entries.items():
+        parts = key.split("_", 1)
+        fields = parts[1].rsplit("_", 2) if len(parts) == 2 else []
+        if len(fields) != 3 or not isinstance(value, int | float):
+            raise ValueError(f"{source}: entry {key!r}: expected MODEL_DTYPE_KV_PRUNING: number")
+        dtype, kv, _pruning = fields
         if dtype not in _WEIGHT_QUANT:
-            raise ValueError(f"{path.name}: key {key!r} has unknown dtype {dtype!r}")
-        base, _ = _split_model(model)
-        table[AccuracyKey(base, _WEIGHT_QUANT[dtype], _parse_bool(kv, path.name))] = float(value)
+            raise ValueError(f"{source}: key {key!r} has unknown dtype {dtype!r}")
+        base, _ = _split_model(parts[0])
+        table[AccuracyKey(base, _WEIGHT_QUANT[dtype], _parse_bool(kv, source))] = float(value)
     return table
+
+
+def load_accuracy(path: str | Path) -> dict[AccuracyKey, float]:
+    """:func:`parse_accuracy` of a file."""
+    path = Path(path)
+    return parse_accuracy(path.read_text(), path.name)
 
 
 def load_directory(directory: str | Path) -> MaverIQData:

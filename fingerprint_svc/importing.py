@@ -1,0 +1,372 @@
+"""ImportProfiles: measurements taken elsewhere become models' profiles.
+
+The MaverIQ format (``PROFILE_FORMAT_MAVERIQ``) is the data set published with MaverIQ
+(8 x RTX A6000, TensorRT-LLM): CSV files of fingerprint and full-model runs and a JSON
+table of relative MMLU accuracy. :func:`plan_maveriq_import` parses every file first and
+decides everything (pure: a malformed file raises InvalidArgument naming file and line
+before anything is written); :func:`import_profiles` then writes:
+
+* a shape-only model record per model id of the CSVs (``llama-2-7b``, ``gptj-6b``, …)
+  from the architecture presets, state PROFILED, no checkpoint, with one compression
+  variant per (weight quantization, int8 KV cache) measured and its accuracy when the
+  JSON is included; an existing record keeps its state and gains missing variants;
+* the rows into the model's profile: fingerprint rows, and full-model rows with
+  ``full_model = true``; the profile's rows of other hardware types are kept, those of
+  this hardware type replaced;
+* where the rows came from (format, files, date) per hardware type, for provenance.
+
+How a CSV row maps to a :class:`ProfileMeasurement`: latency is end to end
+(``latency_ms``; TTFT and TPOT stay 0, MaverIQ did not time tokens); the memory figure
+(``Memory-After-Run``, summed over the GPUs) is split evenly over the tp * pp ranks;
+``input_tokens`` is 923 for the two files whose prompt the data set documents and 0
+(not recorded) for the short-prompt files; repetitions 3 (mean of 3 runs).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fingerprint_svc.registry import FAMILIES, PRECISIONS, check_model_id
+from services.api import common_pb2 as common
+from services.api import model_service_pb2 as model_pb
+from services.errors import InvalidArgument
+from services.estimation.memory import GIB
+from services.importers import maveriq
+from services.models.arch import ArchSpec
+from services.models.presets import PRESETS, preset_config
+from services.state.store import StateStore
+
+__all__ = [
+    "HARDWARE_TYPE",
+    "ImportPlan",
+    "ImportedModel",
+    "check_hardware_type",
+    "import_profiles",
+    "merge_model",
+    "merge_profile",
+    "plan_maveriq_import",
+    "to_measurement",
+    "variant_name",
+]
+
+HARDWARE_TYPE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+# What the data set's files hold, by name.
+_MEASUREMENT_FILES = (
+    maveriq.FINGERPRINTS,
+    maveriq.FINGERPRINTS_BATCH,
+    maveriq.FULL_MODELS,
+    maveriq.FULL_MODELS_BATCH,
+    maveriq.UNBALANCED_PP,
+)
+_NOT_PROFILES = {
+    maveriq.FULL_MODELS_PRUNED: "pruned llama-2-7b variants measured in full only (no "
+    "fingerprints to estimate them from, and unstructured / 4:8 pruning iserve does not model)",
+    maveriq.FINGERPRINT_SCALING: "a scaling study (latency and memory against layer count), "
+    "not a profile",
+    maveriq.BATCH_SCALING: "a scaling study (latency and memory against batch size), not a profile",
+}
+_WEIGHT_QUANTS = {
+    "fp16": common.WEIGHT_QUANT_NONE,
+    "int8": common.WEIGHT_QUANT_INT8,
+    "int4": common.WEIGHT_QUANT_INT4,
+    "int4_gptq": common.WEIGHT_QUANT_GPTQ_INT4,
+}
+# MaverIQ ran every model in float16.
+_MAVERIQ_DTYPE = "float16"
+
+
+def check_hardware_type(hardware_type: str) -> None:
+    if not HARDWARE_TYPE.match(hardware_type):
+        raise InvalidArgument(
+            f"invalid hardware_type {hardware_type!r}: use 1-64 lowercase letters, digits, "
+            "'.', '_' or '-', e.g. 'rtx-a6000'"
+        )
+
+
+def variant_name(weight_quant: str, int8_kv_cache: bool) -> str:
+    """Name of an imported variant: the weight quantization, ``-kv8`` with an int8 KV cache."""
+    return f"{weight_quant}-kv8" if int8_kv_cache else weight_quant
+
+
+def to_measurement(
+    row: maveriq.Measurement, hardware_type: str, num_layers: int, input_tokens: int
+) -> model_pb.ProfileMeasurement:
+    """One MaverIQ row as a stored measurement (full model when it held every layer)."""
+    ranks = row.tp * row.pp
+    per_rank = round(row.memory_gib * GIB / ranks)
+    return model_pb.ProfileMeasurement(
+        variant_name=variant_name(row.weight_quant, row.int8_kv_cache),
+        num_layers=row.layers,
+        full_model=row.layers == num_layers,
+        config=common.DeploymentConfig(
+            tensor_parallel=row.tp,
+            pipeline_parallel=row.pp,
+            variant_name=variant_name(row.weight_quant, row.int8_kv_cache),
+            weight_quant=_WEIGHT_QUANTS[row.weight_quant],
+            kv_quant=common.KV_QUANT_INT8 if row.int8_kv_cache else common.KV_QUANT_NONE,
+            pruning=common.PRUNING_NONE,
+            batch_size=row.batch_size,
+        ),
+        stage_layers=row.pp_map,
+        input_tokens=input_tokens,
+        output_tokens=row.output_tokens,
+        latency_ms=row.latency_s * 1e3,
+        peak_memory_bytes_per_rank=[per_rank] * ranks,
+        repetitions=3,
+        hardware_type=hardware_type,
+    )
+
+
+@dataclass(frozen=True)
+class ImportedModel:
+    """What an import brings for one model: its preset shape, variants and rows."""
+
+    model_id: str
+    preset: str
+    shape: model_pb.ModelShape
+    variants: tuple[common.CompressionVariant, ...]
+    measurements: tuple[model_pb.ProfileMeasurement, ...]
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    hardware_type: str
+    models: tuple[ImportedModel, ...]
+    files: tuple[str, ...]
+    skipped: tuple[str, ...]
+
+    @property
+    def measurement_count(self) -> int:
+        return sum(len(m.measurements) for m in self.models)
+
+
+def _preset_shape(preset: str) -> tuple[model_pb.ModelShape, ArchSpec]:
+    spec = ArchSpec.from_hf_config(preset_config(preset, dtype=_MAVERIQ_DTYPE))
+    shape = model_pb.ModelShape(
+        family=FAMILIES.get(spec.family, common.MODEL_FAMILY_UNSPECIFIED),
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        dtype=PRECISIONS.get(spec.torch_dtype, common.PRECISION_UNSPECIFIED),
+        parameter_count=spec.parameter_count(),
+        weight_bytes=spec.weight_bytes(),
+    )
+    return shape, spec
+
+
+def _decode(name: str, content: bytes) -> str:
+    try:
+        return content.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"{name}: not UTF-8 text (byte {exc.start})") from None
+
+
+def plan_maveriq_import(files: Sequence[tuple[str, bytes]], hardware_type: str) -> ImportPlan:
+    """Parse MaverIQ files (base name, content) and decide what to store.
+
+    Raises InvalidArgument for a malformed file (naming file and line), a file listed
+    twice or no measurement file; files and rows iserve does not import are listed in
+    ``skipped`` with the reason.
+    """
+    check_hardware_type(hardware_type)
+    if not files:
+        raise InvalidArgument("no files to import")
+    names = [name for name, _ in files]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise InvalidArgument(f"files listed twice: {twice}")
+    skipped: list[str] = []
+    rows: list[tuple[maveriq.Measurement, int]] = []
+    accuracy: dict[maveriq.AccuracyKey, float] = {}
+    imported_files: list[str] = []
+    for name, content in files:
+        if "/" in name or not name:
+            raise InvalidArgument(f"file name {name!r} must be a base name")
+        try:
+            if name == maveriq.ACCURACY:
+                accuracy = maveriq.parse_accuracy(_decode(name, content), name)
+            elif name in _MEASUREMENT_FILES:
+                prompt = maveriq.PROMPT_TOKENS.get(name, 0)
+                parsed = maveriq.parse_measurements(_decode(name, content), name)
+                rows.extend((row, prompt) for row in parsed)
+            elif name in _NOT_PROFILES:
+                skipped.append(f"{name}: {_NOT_PROFILES[name]}")
+                continue
+            else:
+                known = sorted([*_MEASUREMENT_FILES, maveriq.ACCURACY, *_NOT_PROFILES])
+                skipped.append(f"{name}: not a file of MaverIQ's data set (known: {known})")
+                continue
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        imported_files.append(name)
+    if not rows:
+        raise InvalidArgument(
+            "no measurement file among the files; MaverIQ's are " + ", ".join(_MEASUREMENT_FILES)
+        )
+
+    by_model: dict[str, list[tuple[maveriq.Measurement, int]]] = defaultdict(list)
+    pruned: dict[str, int] = defaultdict(int)
+    for row, prompt in rows:
+        if row.pruning is not None:
+            pruned[f"{row.model}-{row.pruning}"] += 1
+        else:
+            by_model[row.model].append((row, prompt))
+    for name, count in sorted(pruned.items()):
+        skipped.append(f"{name}: {count} rows of a pruned variant (no fingerprints); not imported")
+
+    models = []
+    for model_id in sorted(by_model):
+        preset = maveriq.PRESET_NAMES.get(model_id, model_id)
+        if preset not in PRESETS:
+            skipped.append(
+                f"{model_id}: {len(by_model[model_id])} rows; no architecture preset of that "
+                "name, so no shape to estimate with; not imported"
+            )
+            continue
+        check_model_id(model_id)
+        shape, spec = _preset_shape(preset)
+        measurements = tuple(
+            to_measurement(row, hardware_type, spec.num_layers, prompt)
+            for row, prompt in by_model[model_id]
+        )
+        too_deep = [m for m in measurements if m.num_layers > spec.num_layers]
+        if too_deep:
+            raise InvalidArgument(
+                f"{model_id}: a row holds {too_deep[0].num_layers} layers, the model has "
+                f"{spec.num_layers}"
+            )
+        models.append(
+            ImportedModel(
+                model_id=model_id,
+                preset=preset,
+                shape=shape,
+                variants=_variants(model_id, [row for row, _ in by_model[model_id]], accuracy),
+                measurements=measurements,
+            )
+        )
+    return ImportPlan(hardware_type, tuple(models), tuple(imported_files), tuple(skipped))
+
+
+def _variants(
+    model_id: str,
+    rows: Sequence[maveriq.Measurement],
+    accuracy: dict[maveriq.AccuracyKey, float],
+) -> tuple[common.CompressionVariant, ...]:
+    measured = {(r.weight_quant, r.int8_kv_cache) for r in rows}
+    variants = []
+    for weight in _WEIGHT_QUANTS:
+        for int8_kv in (False, True):
+            if (weight, int8_kv) not in measured:
+                continue
+            variant = common.CompressionVariant(
+                name=variant_name(weight, int8_kv),
+                weight_quant=_WEIGHT_QUANTS[weight],
+                kv_quant=common.KV_QUANT_INT8 if int8_kv else common.KV_QUANT_NONE,
+                pruning=common.PRUNING_NONE,
+            )
+            score = accuracy.get(maveriq.AccuracyKey(model_id, weight, int8_kv))
+            if score is not None:
+                variant.accuracy_score = score
+            variants.append(variant)
+    return tuple(variants)
+
+
+def merge_model(
+    existing: model_pb.Model | None, imported: ImportedModel, now_ms: int
+) -> model_pb.Model:
+    """The model record after an import: a new shape-only record, or ``existing`` with
+    the variants it lacks (and accuracy scores the import brings).
+
+    Raises InvalidArgument when an existing record's layer count differs from the
+    imported rows' model (a registered checkpoint that only shares the name).
+    """
+    if existing is None:
+        return model_pb.Model(
+            model_id=imported.model_id,
+            shape=imported.shape,
+            variants=imported.variants,
+            state=model_pb.MODEL_STATE_PROFILED,
+            state_reason=f"shape-only record (preset {imported.preset}) with imported profiles",
+            created_at_unix_ms=now_ms,
+        )
+    if existing.shape.num_layers and existing.shape.num_layers != imported.shape.num_layers:
+        raise InvalidArgument(
+            f"model {imported.model_id!r} is registered with {existing.shape.num_layers} "
+            f"layers; the imported rows are of a {imported.shape.num_layers}-layer model"
+        )
+    model = model_pb.Model()
+    model.CopyFrom(existing)
+    if not model.shape.num_layers:
+        model.shape.CopyFrom(imported.shape)
+    present = {v.name: v for v in model.variants}
+    for variant in imported.variants:
+        if variant.name not in present:
+            model.variants.append(variant)
+        elif variant.HasField("accuracy_score"):
+            present[variant.name].accuracy_score = variant.accuracy_score
+    return model
+
+
+def merge_profile(
+    existing: model_pb.GetProfileResponse | None,
+    model_id: str,
+    hardware_type: str,
+    measurements: Sequence[model_pb.ProfileMeasurement],
+) -> model_pb.GetProfileResponse:
+    """The profile with ``hardware_type``'s rows replaced by ``measurements``."""
+    profile = model_pb.GetProfileResponse(model_id=model_id)
+    if existing is not None:
+        profile.CopyFrom(existing)
+        profile.request_id = ""
+        kept = [m for m in existing.measurements if m.hardware_type != hardware_type]
+        del profile.measurements[:]
+        profile.measurements.extend(kept)
+    profile.measurements.extend(measurements)
+    return profile
+
+
+async def import_profiles(
+    store: StateStore, request: model_pb.ImportProfilesRequest
+) -> model_pb.ImportProfilesResponse:
+    """Carry out an ImportProfiles request; nothing is written unless every file parses."""
+    if request.format == model_pb.PROFILE_FORMAT_UNSPECIFIED:
+        raise InvalidArgument("format is unspecified; use PROFILE_FORMAT_MAVERIQ")
+    if request.format != model_pb.PROFILE_FORMAT_MAVERIQ:
+        raise InvalidArgument(f"unknown profile format {request.format}")
+    plan = plan_maveriq_import([(f.name, f.content) for f in request.files], request.hardware_type)
+    now_ms = int(time.time() * 1000)
+    records = []
+    for imported in plan.models:
+        existing = await store.get_model(imported.model_id)
+        records.append((imported, existing is None, merge_model(existing, imported, now_ms)))
+    source = json.dumps(
+        {"format": "maveriq", "files": list(plan.files), "imported_at_unix_ms": now_ms}
+    )
+    for imported, new, model in records:
+        profile = merge_profile(
+            await store.get_profile(model.model_id),
+            model.model_id,
+            plan.hardware_type,
+            imported.measurements,
+        )
+        if not (new and await store.create_model(model)):
+            await store.put_model(model)
+        await store.put_profile(profile)
+        await store.put_profile_source(model.model_id, plan.hardware_type, source)
+    return model_pb.ImportProfilesResponse(
+        request_id=request.request_id,
+        model_ids=[imported.model_id for imported in plan.models],
+        measurements_imported=plan.measurement_count,
+        skipped=plan.skipped,
+    )

@@ -1,0 +1,216 @@
+"""CLI commands of estimation: ``profile import``, ``estimate``, ``calibrate``.
+
+``build_parser`` in ``services/cli/main.py`` adds them with :func:`add_commands`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+
+from services.api import common_pb2 as common
+from services.api import estimator_service_pb2 as estimator_pb
+from services.api import estimator_service_pb2_grpc, model_service_pb2_grpc
+from services.api import model_service_pb2 as model_pb
+from services.grpc_server import CHANNEL_OPTIONS
+from services.settings import Settings
+
+GIB = float(1 << 30)
+PROFILE_FORMATS = {"maveriq": model_pb.PROFILE_FORMAT_MAVERIQ}
+
+
+def _rid() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _estimator(settings: Settings) -> estimator_service_pb2_grpc.EstimatorServiceStub:
+    channel = grpc.insecure_channel(settings.address("estimator"), options=CHANNEL_OPTIONS)
+    return estimator_service_pb2_grpc.EstimatorServiceStub(channel)
+
+
+def _enum_name(enum, value: int, prefix: str) -> str:
+    return enum.Name(value).removeprefix(prefix).lower()
+
+
+def cmd_profile_import(settings: Settings, args) -> int:
+    files = [
+        model_pb.ProfileFile(name=Path(path).name, content=Path(path).read_bytes())
+        for path in args.files
+    ]
+    channel = grpc.insecure_channel(settings.address("model"), options=CHANNEL_OPTIONS)
+    reply = model_service_pb2_grpc.ModelServiceStub(channel).ImportProfiles(
+        model_pb.ImportProfilesRequest(
+            request_id=_rid(),
+            format=PROFILE_FORMATS[args.format],
+            hardware_type=args.hardware,
+            files=files,
+        )
+    )
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(reply, preserving_proto_field_name=True)))
+        return 0
+    print(
+        f"imported {reply.measurements_imported} measurements on {args.hardware} into "
+        f"{len(reply.model_ids)} models: {', '.join(reply.model_ids)}"
+    )
+    for reason in reply.skipped:
+        print(f"skipped {reason}")
+    return 0
+
+
+def estimate_record(estimate: estimator_pb.ConfigEstimate) -> dict:
+    """One configuration's estimate as a flat JSON object (``iserve estimate --json``)."""
+    config = estimate.config
+    return {
+        "tp": config.tensor_parallel,
+        "pp": config.pipeline_parallel,
+        "variant": config.variant_name,
+        "weight_quant": _enum_name(common.WeightQuant, config.weight_quant, "WEIGHT_QUANT_"),
+        "kv_quant": _enum_name(common.KvQuant, config.kv_quant, "KV_QUANT_"),
+        "pruning": _enum_name(common.Pruning, config.pruning, "PRUNING_"),
+        "batch_size": config.batch_size,
+        "memory_total_bytes": estimate.memory_total_bytes,
+        "memory_per_device_bytes": estimate.memory_per_device_bytes,
+        "kv_cache_bytes": estimate.kv_cache_bytes,
+        "ttft_ms": estimate.ttft_ms,
+        "tpot_ms": estimate.tpot_ms,
+        "latency_ms": estimate.latency_ms,
+        "cost_memory_latency": estimate.cost_memory_latency,
+        "cost_memory": estimate.cost_memory,
+        "cost_device_hours": estimate.cost_device_hours,
+        "throughput_tokens_per_second_per_device": (
+            estimate.throughput_tokens_per_second_per_device
+        ),
+        "accuracy_score": estimate.accuracy_score if estimate.HasField("accuracy_score") else None,
+    }
+
+
+def cmd_estimate(settings: Settings, args) -> int:
+    reply = _estimator(settings).EstimateConfigs(
+        estimator_pb.EstimateConfigsRequest(
+            request_id=_rid(),
+            model_id=args.model_id,
+            hardware_type=args.hardware,
+            workload=estimator_pb.Workload(
+                input_tokens=args.input_len, output_tokens=args.output_len, batch_size=args.batch
+            ),
+            device_count=args.devices,
+        )
+    )
+    records = [estimate_record(e) for e in reply.estimates]
+    if args.json:
+        for record in records:
+            print(json.dumps(record))
+        return 0
+    print(
+        f"{args.model_id} on {args.hardware}: {len(records)} configurations, "
+        f"{args.output_len} output tokens, batch {args.batch or 1}"
+    )
+    print(
+        f"{'tp':>2} {'pp':>2} {'variant':<12} {'batch':>5} {'memory GiB':>10} {'per dev':>8} "
+        f"{'TTFT ms':>8} {'TPOT ms':>8} {'latency s':>9} {'GB*s':>8} {'tok/s/dev':>9} {'acc %':>6}"
+    )
+    for r in records:
+        accuracy = "-" if r["accuracy_score"] is None else f"{r['accuracy_score']:.1f}"
+        print(
+            f"{r['tp']:>2} {r['pp']:>2} {r['variant'] or 'base':<12} {r['batch_size']:>5} "
+            f"{r['memory_total_bytes'] / GIB:>10.2f} {r['memory_per_device_bytes'] / GIB:>8.2f} "
+            f"{r['ttft_ms']:>8.1f} {r['tpot_ms']:>8.2f} {r['latency_ms'] / 1e3:>9.3f} "
+            f"{r['cost_memory_latency']:>8.1f} "
+            f"{r['throughput_tokens_per_second_per_device']:>9.2f} {accuracy:>6}"
+        )
+    return 0
+
+
+def print_calibration(calibration: estimator_pb.Calibration) -> None:
+    terms = dict(calibration.extra_terms)
+    print(
+        f"{calibration.hardware_type}: fit error {calibration.fit_error_percent:.2f} % "
+        "(end-to-end latency MAPE on the fitting data)"
+    )
+    for prefix, label in (("", ""), ("three_refs.", " (three references only)")):
+        for phase in ("ttft", "tpot"):
+            if f"{prefix}{phase}.alpha" in terms:
+                values = " ".join(
+                    f"{name} {terms[f'{prefix}{phase}.{name}']:.3f}"
+                    for name in ("alpha", "beta", "gamma", "delta")
+                )
+                print(f"  {phase.upper()}{label}: {values}")
+    if "ttft.alpha" not in terms:
+        print(
+            f"  alpha {calibration.alpha:.3f} beta {calibration.beta:.3f} "
+            f"gamma {calibration.gamma:.3f} delta {calibration.delta:.3f}"
+        )
+    if "memory.tp_peer_gib" in terms:
+        residuals = sum(1 for name in terms if name.startswith("memory.residual_gib."))
+        print(
+            f"  memory: {terms['memory.tp_peer_gib']:.3f} GiB per TP peer, "
+            f"{residuals} layout residuals"
+        )
+    print(f"  provenance: {calibration.provenance}")
+
+
+def cmd_calibrate(settings: Settings, args) -> int:
+    stub = _estimator(settings)
+    if args.show:
+        calibration = stub.GetCalibration(
+            estimator_pb.GetCalibrationRequest(request_id=_rid(), hardware_type=args.hardware)
+        ).calibration
+    else:
+        models = [m for m in (args.models or "").split(",") if m]
+        calibration = stub.Calibrate(
+            estimator_pb.CalibrateRequest(
+                request_id=_rid(), hardware_type=args.hardware, model_ids=models
+            )
+        ).calibration
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(calibration, preserving_proto_field_name=True)))
+    else:
+        print_calibration(calibration)
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``profile import``, ``estimate`` and ``calibrate`` to the CLI's subcommands."""
+    profile = sub.add_parser("profile", help="model profiles").add_subparsers(
+        dest="profile_command", required=True
+    )
+    p = profile.add_parser(
+        "import", help="load measurements taken elsewhere (e.g. MaverIQ's A6000 data) as profiles"
+    )
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--format", choices=sorted(PROFILE_FORMATS), required=True)
+    p.add_argument("--hardware", required=True, help="hardware type measured, e.g. rtx-a6000")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_profile_import)
+
+    p = sub.add_parser("estimate", help="estimate every configuration of a profiled model")
+    p.add_argument("model_id")
+    p.add_argument("--hardware", required=True, help="hardware type, e.g. cpu-x86_64")
+    p.add_argument("--output-len", type=int, required=True, help="output tokens per request")
+    p.add_argument(
+        "--input-len", type=int, default=0, help="prompt tokens (default: the profiled prompt)"
+    )
+    p.add_argument("--batch", type=int, default=0, help="batch size (default 1)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=0,
+        help="devices available (default: the cluster's of that type, or 8)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per configuration")
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser(
+        "calibrate", help="fit a hardware type's latency and memory constants on full-model runs"
+    )
+    p.add_argument("--hardware", required=True)
+    p.add_argument("--models", help="comma-separated model ids (default: every model with data)")
+    p.add_argument("--show", action="store_true", help="show the current calibration, fit nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_calibrate)

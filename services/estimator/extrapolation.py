@@ -1,0 +1,369 @@
+"""A model's samples to its full-model references per prompt length, and estimates.
+
+:func:`model_references` extrapolates the fingerprint samples of one model on one
+hardware type (``services.estimation.references``) for every prompt length profiled,
+with the batch model's batch-2 references when batch 2 was profiled; :func:`estimate`
+scores every configuration of one workload from them.
+
+Samples with another prompt label (``(input tokens, batch size)``) than the one
+extrapolated for share the TPOT terms of the fit and have TTFT terms of their own, so a
+short-prompt profile at batch 1 and 2 sharpens the TPOT of one taken with a long prompt
+and gives the batch model its per-sequence overhead. A label with ``input_tokens = 0``
+(not recorded) never stands for a deployment's prompt when a recorded one exists.
+
+Pure: no gRPC, Redis or I/O.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from services.estimation.extrapolate import LatencySample
+from services.estimation.latency import BASE, REFERENCE_LAYOUTS, TENSOR
+from services.estimation.references import (
+    ReferenceProfile,
+    VariantProfile,
+    extrapolate_references,
+)
+from services.estimation.score import Calibration, Estimates, estimate_space
+from services.estimation.space import ModelShape, Variant, enumerate_space
+from services.estimator.profiles import Sample
+
+__all__ = [
+    "ModelReferences",
+    "PromptReferences",
+    "Workload",
+    "estimate",
+    "model_references",
+]
+
+Layout = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PromptReferences:
+    """Every variant's references extrapolated for one profiled prompt length.
+
+    ``profiles`` follows :attr:`ModelReferences.variants`; ``kv_tokens_profiled`` is
+    the KV cache (tokens) the profiled memory already holds.
+    """
+
+    input_tokens: int
+    kv_tokens_profiled: int
+    profiles: tuple[VariantProfile, ...]
+
+
+@dataclass(frozen=True)
+class ModelReferences:
+    """A model's full-model reference figures on one hardware type, per prompt length.
+
+    ``layouts`` are those of every :class:`ReferenceProfile`: the three references,
+    then TP-ladder layouts (tp, 1) with tp > 2 when profiled. ``prompts`` are sorted by
+    prompt length.
+    """
+
+    shape: ModelShape
+    variants: tuple[Variant, ...]
+    layouts: tuple[Layout, ...]
+    prompts: tuple[PromptReferences, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def variant_keys(self) -> tuple[str, ...]:
+        """The profile's variant names, aligned with ``variants``."""
+        return tuple(v.name for v in self.variants)
+
+    @property
+    def has_tp_ladder(self) -> bool:
+        return len(self.layouts) > len(REFERENCE_LAYOUTS)
+
+    def default_input_tokens(self) -> int:
+        """The prompt length estimates use when the workload gives none: the longest profiled."""
+        return self.prompts[-1].input_tokens
+
+    def without_tp_ladder(self) -> ModelReferences:
+        """The same references restricted to the three reference layouts."""
+        if not self.has_tp_ladder:
+            return self
+
+        def cut(p: ReferenceProfile) -> ReferenceProfile:
+            return ReferenceProfile(REFERENCE_LAYOUTS, p.ttft_s[:3], p.tpot_s[:3], p.memory_gib[:3])
+
+        prompts = tuple(
+            replace(
+                prompt,
+                profiles=tuple(
+                    VariantProfile(
+                        cut(v.batch1),
+                        None if v.batch2 is None else cut(v.batch2),
+                        v.kv_tokens_profiled,
+                    )
+                    for v in prompt.profiles
+                ),
+            )
+            for prompt in self.prompts
+        )
+        return replace(self, layouts=REFERENCE_LAYOUTS, prompts=prompts)
+
+    def at_input(self, input_tokens: int) -> tuple[VariantProfile, ...]:
+        """Variant profiles for a prompt of ``input_tokens`` tokens.
+
+        Between two profiled prompt lengths every figure is interpolated linearly;
+        outside them the nearest profiled length is used as it is (prefill time does
+        not extrapolate safely in either direction).
+        """
+        lengths = [p.input_tokens for p in self.prompts]
+        if input_tokens <= lengths[0]:
+            return self.prompts[0].profiles
+        if input_tokens >= lengths[-1]:
+            return self.prompts[-1].profiles
+        upper = next(i for i, n in enumerate(lengths) if n >= input_tokens)
+        low, high = self.prompts[upper - 1], self.prompts[upper]
+        weight = (input_tokens - low.input_tokens) / (high.input_tokens - low.input_tokens)
+        return tuple(
+            _blend_variant(a, b, weight) for a, b in zip(low.profiles, high.profiles, strict=True)
+        )
+
+
+def _blend(a: ReferenceProfile, b: ReferenceProfile, weight: float) -> ReferenceProfile:
+    def mix(x: tuple[float, ...], y: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(float(v) for v in (1 - weight) * np.asarray(x) + weight * np.asarray(y))
+
+    return ReferenceProfile(
+        a.layouts, mix(a.ttft_s, b.ttft_s), mix(a.tpot_s, b.tpot_s), mix(a.memory_gib, b.memory_gib)
+    )
+
+
+def _blend_variant(a: VariantProfile, b: VariantProfile, weight: float) -> VariantProfile:
+    batch2 = None
+    if a.batch2 is not None and b.batch2 is not None:
+        batch2 = _blend(a.batch2, b.batch2, weight)
+    tokens = round((1 - weight) * a.kv_tokens_profiled + weight * b.kv_tokens_profiled)
+    return VariantProfile(_blend(a.batch1, b.batch1, weight), batch2, tokens)
+
+
+def _ladder_layouts(fingerprints: Sequence[Sample]) -> tuple[Layout, ...]:
+    return tuple(sorted({s.layout for s in fingerprints if s.pp == 1 and s.tp > 2}))
+
+
+def _prompts_of_every_variant(
+    fingerprints: Sequence[Sample], variants: Sequence[str], batch: int
+) -> set[int]:
+    """Input lengths profiled at (1,1) with ``batch`` for every variant (TTFT-bearing)."""
+    per_variant: dict[str, set[int]] = defaultdict(set)
+    for s in fingerprints:
+        if s.layout == BASE and s.batch == batch and (s.direct_phases or s.latency_s > 0):
+            per_variant[s.variant].add(s.input_tokens)
+    common_lengths = [per_variant[v] for v in variants]
+    return set.intersection(*common_lengths) if common_lengths else set()
+
+
+def _memory_groups(
+    fingerprints: Sequence[Sample], layouts: Sequence[Layout], input_tokens: int
+) -> tuple[dict[tuple[str, Layout], tuple[list[int], list[float]]], int]:
+    """Memory samples per (variant, layout) of prompt ``(input_tokens, 1)`` and the KV
+    cache they hold, in tokens (the longest prompt + output among them: a static cache
+    is sized for it, a paged one holds about that much); a variant without such samples
+    at (1,1) uses its batch-1 samples of any prompt."""
+    chosen: dict[tuple[str, Layout], list[Sample]] = defaultdict(list)
+    fallback: dict[tuple[str, Layout], list[Sample]] = defaultdict(list)
+    for s in fingerprints:
+        if s.layout not in layouts or s.batch != 1 or s.memory_gib <= 0:
+            continue
+        fallback[(s.variant, s.layout)].append(s)
+        if s.input_tokens == input_tokens:
+            chosen[(s.variant, s.layout)].append(s)
+    variants = {v for v, _ in fallback}
+    groups: dict[tuple[str, Layout], list[Sample]] = {}
+    for v in variants:
+        source = chosen if (v, BASE) in chosen else fallback
+        groups.update({key: rows for key, rows in source.items() if key[0] == v})
+    used = [s for rows in groups.values() for s in rows]
+    kv_tokens = max((s.input_tokens + s.output_tokens for s in used), default=0)
+    memory = {
+        key: ([s.layers for s in rows], [s.memory_gib for s in rows])
+        for key, rows in groups.items()
+    }
+    return memory, kv_tokens
+
+
+def _at_least_measured(
+    profile: ReferenceProfile, fingerprints: Sequence[Sample], variant: str, input_tokens: int
+) -> ReferenceProfile:
+    """``profile`` raised, per layout, to what the largest fingerprint there measured
+    directly (mean TTFT and TPOT from timestamps at this prompt and batch 1; memory): the
+    full model holds at least as many layers, so it cannot be faster or smaller. Only
+    noise makes the extrapolation fall below it (a tiny model's extra layer that timed
+    faster), and then the measurement is the better estimate."""
+    largest: dict[Layout, list[Sample]] = {}
+    for s in fingerprints:
+        if s.variant != variant or s.layout not in profile.layouts or s.batch != 1:
+            continue
+        kept = largest.get(s.layout)
+        if kept is None or s.layers > kept[0].layers:
+            largest[s.layout] = [s]
+        elif s.layers == kept[0].layers:
+            kept.append(s)
+    floors = {name: [0.0] * len(profile.layouts) for name in ("ttft_s", "tpot_s", "memory_gib")}
+    for layout, runs in largest.items():
+        i = profile.layouts.index(layout)
+        timed = [s for s in runs if s.direct_phases and s.input_tokens == input_tokens]
+        if timed:
+            floors["ttft_s"][i] = float(np.mean([s.ttft_s for s in timed]))
+            floors["tpot_s"][i] = float(np.mean([s.tpot_s for s in timed]))
+        floors["memory_gib"][i] = float(np.mean([s.memory_gib for s in runs]))
+
+    def raised(name: str) -> tuple[float, ...]:
+        values = getattr(profile, name)
+        # NaN (a TP-ladder figure left to Eq. 2) stays NaN.
+        return tuple(
+            v if np.isnan(v) else max(v, f) for v, f in zip(values, floors[name], strict=True)
+        )
+
+    return ReferenceProfile(
+        profile.layouts, raised("ttft_s"), raised("tpot_s"), raised("memory_gib")
+    )
+
+
+def _batch2(
+    main: ReferenceProfile, one: ReferenceProfile, two: ReferenceProfile
+) -> ReferenceProfile:
+    """Batch-2 references: ``main`` plus the per-sequence overhead measured at another
+    prompt (``two - one`` at the three references). A TP-ladder layout takes the (2,1)
+    overhead scaled by 2/tp: the extra sequence's work is split over the group."""
+    ttft, tpot = list(main.ttft_s), list(main.tpot_s)
+    for i, layout in enumerate(main.layouts):
+        j = REFERENCE_LAYOUTS.index(layout) if layout in REFERENCE_LAYOUTS else 1
+        share = 1.0 if layout in REFERENCE_LAYOUTS else TENSOR[0] / layout[0]
+        ttft[i] += share * (two.ttft_s[j] - one.ttft_s[j])
+        tpot[i] += share * (two.tpot_s[j] - one.tpot_s[j])
+    return ReferenceProfile(main.layouts, tuple(ttft), tuple(tpot), main.memory_gib)
+
+
+def model_references(
+    shape: ModelShape,
+    variants: Mapping[str, Variant],
+    samples: Iterable[Sample],
+    use_tp_ladder: bool = True,
+) -> ModelReferences:
+    """Extrapolate the fingerprint ``samples`` of one model on one hardware type.
+
+    ``variants`` maps the samples' variant keys to estimation variants (those not in it
+    are ignored). Per recorded prompt length profiled for every variant at (1,1) and
+    batch 1, the references follow ``docs/estimation.md``: one pooled fit over every
+    variant and layout (pp = 1 layouts for the per-layer terms), memory from the rows of
+    that prompt, TP-ladder layouts (tp, 1) with tp > 2 when profiled and
+    ``use_tp_ladder`` (their TPOT only when measured from token timestamps: end-to-end
+    TPOT of a one-layer fingerprint is below the timing noise). Batch-2 references come
+    from a prompt profiled at batch 1 and 2 for every variant, when there is one.
+
+    Raises ValueError when the samples cannot determine the references.
+    """
+    samples = [s for s in samples if s.variant in variants]
+    fingerprints = [s for s in samples if not s.full_model]
+    # A model of few layers is its own largest fingerprint (the profiler caps pp + 1
+    # layers at the model's count): its full-model runs join a layout whose fingerprints
+    # have a single layer count. Elsewhere full-model runs stay out of the fit.
+    counts: dict[tuple[str, Layout], set[int]] = defaultdict(set)
+    for s in fingerprints:
+        counts[(s.variant, s.layout)].add(s.layers)
+    fingerprints += [s for s in samples if s.full_model and len(counts[(s.variant, s.layout)]) == 1]
+    keys = [v for v in variants if any(s.variant == v and s.layout == BASE for s in fingerprints)]
+    notes = [
+        f"variant {variants[v].name!r} has no fingerprint runs at tp=1 pp=1; left out"
+        for v in variants
+        if v not in keys
+    ]
+    if not keys:
+        raise ValueError("no variant has fingerprint runs at the (1,1) reference")
+    fingerprints = [s for s in fingerprints if s.variant in keys]
+    ladder = _ladder_layouts(fingerprints) if use_tp_ladder else ()
+    layouts = REFERENCE_LAYOUTS + ladder
+    latency: dict[tuple[str, Layout], list[LatencySample]] = defaultdict(list)
+    for s in fingerprints:
+        if s.layout in layouts:
+            latency[(s.variant, s.layout)].extend(s.latency_samples())
+    latency = {key: value for key, value in latency.items() if value}
+    ladder_direct = all(s.direct_phases for s in fingerprints if s.layout in ladder)
+    ladder_phases = ("ttft", "tpot") if ladder_direct else ("ttft",)
+
+    lengths = _prompts_of_every_variant(fingerprints, keys, batch=1)
+    if not lengths:
+        raise ValueError("no prompt length was profiled at tp=1 pp=1 batch 1 for every variant")
+    recorded = sorted(n for n in lengths if n > 0) or [0]
+    batch_lengths = lengths & _prompts_of_every_variant(fingerprints, keys, batch=2)
+
+    prompts = []
+    for n in recorded:
+        memory, kv_tokens = _memory_groups(fingerprints, layouts, n)
+        refs = extrapolate_references(
+            shape.num_layers, latency, memory, (n, 1), layouts, ladder_phases
+        )
+        refs = {v: _at_least_measured(refs[v], fingerprints, v, n) for v in keys}
+        batch2 = {}
+        m = n if n in batch_lengths else (max(batch_lengths) if batch_lengths else None)
+        if m is not None:
+            one = extrapolate_references(
+                shape.num_layers, latency, memory, (m, 1), REFERENCE_LAYOUTS
+            )
+            two = extrapolate_references(
+                shape.num_layers, latency, memory, (m, 2), REFERENCE_LAYOUTS
+            )
+            batch2 = {v: _batch2(refs[v], one[v], two[v]) for v in keys}
+        profiles = tuple(VariantProfile(refs[v], batch2.get(v), kv_tokens) for v in keys)
+        prompts.append(PromptReferences(n, kv_tokens, profiles))
+    if not batch_lengths:
+        notes.append("batch 2 was not profiled for every variant: latency does not grow with batch")
+    return ModelReferences(
+        shape=shape,
+        variants=tuple(variants[v] for v in keys),
+        layouts=layouts,
+        prompts=tuple(prompts),
+        notes=tuple(notes),
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a configuration is estimated for: prompt and output tokens, batch size.
+
+    ``input_tokens`` 0 means the model's default profiled prompt length.
+    """
+
+    output_tokens: int
+    input_tokens: int = 0
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.output_tokens < 1:
+            raise ValueError(f"output_tokens must be at least 1, got {self.output_tokens}")
+        if self.input_tokens < 0 or self.batch_size < 1:
+            raise ValueError("input_tokens must not be negative and batch_size must be at least 1")
+
+
+def estimate(
+    references: ModelReferences,
+    calibration: Calibration,
+    workload: Workload,
+    devices: int,
+    device_memory_gib: float | None = None,
+) -> Estimates:
+    """Every configuration of the model on ``devices`` devices for ``workload``.
+
+    The KV cache is sized for ``batch_size`` sequences of prompt plus output tokens
+    (the profiled KV cache swapped out, see ``score.estimate_space``).
+    """
+    input_tokens = workload.input_tokens or references.default_input_tokens()
+    space = enumerate_space(references.shape, devices, references.variants, (workload.batch_size,))
+    return estimate_space(
+        space,
+        references.at_input(input_tokens),
+        calibration,
+        workload.output_tokens,
+        max_seq_len=input_tokens + workload.output_tokens,
+        device_memory_gib=device_memory_gib,
+    )

@@ -1,0 +1,127 @@
+"""EstimatorService messages to domain values and back; every check a request needs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from services.api import common_pb2 as common
+from services.api import estimator_service_pb2 as estimator_pb
+from services.errors import InvalidArgument
+from services.estimation.memory import GIB, kv_cache_gib
+from services.estimation.score import Estimates
+from services.estimator.extrapolation import Workload
+from services.estimator.ranking import RankedConfigs
+
+__all__ = [
+    "check_hardware_type",
+    "check_model_id",
+    "estimate_messages",
+    "ranked_messages",
+    "workload_from_proto",
+]
+
+_MODEL_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_HARDWARE_TYPE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_WEIGHT_QUANTS = {
+    "fp16": common.WEIGHT_QUANT_NONE,
+    "int8": common.WEIGHT_QUANT_INT8,
+    "int4": common.WEIGHT_QUANT_INT4,
+    "int4_gptq": common.WEIGHT_QUANT_GPTQ_INT4,
+}
+_KV_QUANTS = {"fp16": common.KV_QUANT_NONE, "int8": common.KV_QUANT_INT8}
+_PRUNINGS = {
+    None: common.PRUNING_NONE,
+    "2:4": common.PRUNING_SEMI_STRUCTURED_2_4,
+    "structured": common.PRUNING_STRUCTURED,
+}
+
+
+def check_model_id(model_id: str) -> None:
+    if not _MODEL_ID.match(model_id):
+        raise InvalidArgument(f"invalid model_id {model_id!r}")
+
+
+def check_hardware_type(hardware_type: str) -> None:
+    if not _HARDWARE_TYPE.match(hardware_type):
+        raise InvalidArgument(
+            f"invalid hardware_type {hardware_type!r}: give the type of the devices, "
+            "e.g. 'cpu-x86_64' or 'rtx-a6000'"
+        )
+
+
+def workload_from_proto(workload: estimator_pb.Workload) -> Workload:
+    """The workload of a request; output_tokens must be set, batch size 0 means 1."""
+    if workload.output_tokens < 1:
+        raise InvalidArgument("workload.output_tokens must be at least 1")
+    return Workload(
+        output_tokens=workload.output_tokens,
+        input_tokens=workload.input_tokens,
+        batch_size=max(1, workload.batch_size),
+    )
+
+
+def estimate_messages(
+    estimates: Estimates, workload: Workload, indices: Sequence[int] | np.ndarray | None = None
+) -> list[estimator_pb.ConfigEstimate]:
+    """``ConfigEstimate`` messages of the configurations at ``indices`` (default: all).
+
+    Bytes from GiB; costs in the API's units (GB x s, GB, device-hours).
+    """
+    e = estimates
+    space = e.space
+    chosen = np.arange(space.size) if indices is None else np.asarray(indices, dtype=int)
+    max_seq_len = workload.input_tokens + workload.output_tokens
+    kv_gib = {
+        v.name: float(kv_cache_gib(space.shape, max_seq_len, workload.batch_size, v.kv_quant))
+        for v in space.variants
+    }
+    gb = e.memory_total_gib * GIB / 1e9
+    messages = []
+    for i in chosen.tolist():
+        row = space.configs[i]
+        variant = space.variants[int(row["variant"])]
+        message = estimator_pb.ConfigEstimate(
+            config=common.DeploymentConfig(
+                tensor_parallel=int(row["tp"]),
+                pipeline_parallel=int(row["pp"]),
+                variant_name=variant.name,
+                weight_quant=_WEIGHT_QUANTS[variant.weight_quant],
+                kv_quant=_KV_QUANTS[variant.kv_quant],
+                pruning=_PRUNINGS.get(variant.pruning, common.PRUNING_UNSPECIFIED),
+                batch_size=int(row["batch"]),
+            ),
+            memory_total_bytes=round(e.memory_total_gib[i] * GIB),
+            memory_per_device_bytes=round(e.memory_per_device_gib[i] * GIB),
+            kv_cache_bytes=round(kv_gib[variant.name] * GIB),
+            ttft_ms=e.ttft_s[i] * 1e3,
+            tpot_ms=e.tpot_s[i] * 1e3,
+            latency_ms=e.latency_s[i] * 1e3,
+            cost_memory_latency=gb[i] * e.latency_s[i],
+            cost_memory=gb[i],
+            cost_device_hours=e.cost_device_hours[i],
+            throughput_tokens_per_second_per_device=e.throughput_tokens_per_s_per_device[i],
+        )
+        if np.isfinite(e.accuracy_pct[i]):
+            message.accuracy_score = float(e.accuracy_pct[i])
+        messages.append(message)
+    return messages
+
+
+def ranked_messages(
+    estimates: Estimates, workload: Workload, ranked: RankedConfigs
+) -> list[estimator_pb.RankedConfig]:
+    """``RankedConfig`` messages, rank 1 first."""
+    return [
+        estimator_pb.RankedConfig(rank=place, estimate=message, meets_intent=bool(meets))
+        for place, (message, meets) in enumerate(
+            zip(
+                estimate_messages(estimates, workload, ranked.indices),
+                ranked.meets_intent,
+                strict=True,
+            ),
+            start=1,
+        )
+    ]

@@ -1,0 +1,253 @@
+"""The estimator's work against iserve's state: load what a request needs from Redis,
+keep the configuration maps current, fit and store calibrations.
+
+The decisions live in the pure modules (``profiles``, ``extrapolation``, ``config_map``,
+``calibration``, ``ranking``); this module only fetches, caches and stores. CPU-heavy steps (building a
+map, fitting a calibration) run in a worker thread so the event loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from services.api import estimator_service_pb2 as estimator_pb
+from services.api import model_service_pb2 as model_pb
+from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.estimation.latency import REFERENCE_LAYOUTS
+from services.estimation.memory import GIB
+from services.estimation.score import Estimates
+from services.estimator import calibration_message, extrapolation, profiles
+from services.estimator.calibration import fit_hardware_calibration
+from services.estimator.config_map import ConfigMap, build_config_map, from_json, source_hash
+from services.estimator.config_map import to_json as config_map_json
+from services.estimator.extrapolation import Workload
+from services.estimator.messages import check_hardware_type, check_model_id
+from services.state.store import StateStore
+
+__all__ = ["DEFAULT_DEVICES", "Estimator", "Estimate"]
+
+log = logging.getLogger(__name__)
+
+# Devices assumed for a hardware type the cluster has none of (imported measurements).
+DEFAULT_DEVICES = 8
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Every configuration estimated for one request, and how it was estimated."""
+
+    estimates: Estimates
+    workload: Workload
+    devices: int
+    config_map: ConfigMap
+
+
+def _utc(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1e3, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+class Estimator:
+    """Estimation requests against one store."""
+
+    def __init__(self, store: StateStore, shipped_dir: Path = calibration_message.SHIPPED_DIR):
+        self.store = store
+        self.shipped_dir = shipped_dir
+
+    # ---- calibrations -------------------------------------------------------------
+    async def get_calibration(self, hardware_type: str) -> estimator_pb.Calibration:
+        """The calibration in Redis, else the one shipped with iserve; NotFound otherwise."""
+        check_hardware_type(hardware_type)
+        stored = await self.store.get_calibration(hardware_type)
+        if stored is not None:
+            return stored
+        shipped = calibration_message.load_shipped(hardware_type, self.shipped_dir)
+        if shipped is None:
+            raise NotFound(
+                f"no calibration for {hardware_type!r}: run `iserve calibrate --hardware "
+                f"{hardware_type}` on full-model measurements of that hardware"
+            )
+        return shipped
+
+    async def calibrate(
+        self, hardware_type: str, model_ids: Sequence[str] = ()
+    ) -> estimator_pb.Calibration:
+        """Fit ``hardware_type``'s constants on the full-model runs stored for it (of
+        ``model_ids``, or of every model that has some) and store them."""
+        check_hardware_type(hardware_type)
+        entries = await self._calibration_entries(hardware_type, model_ids)
+        now_ms = int(time.time() * 1000)
+        device_memory = await self._device_memory_bytes(hardware_type)
+        if not device_memory:
+            # No such devices here (imported measurements): keep what the current one says.
+            try:
+                current = calibration_message.from_proto(await self.get_calibration(hardware_type))
+                device_memory = current.device_memory_bytes
+            except NotFound:
+                pass
+        try:
+            fitted, table = await asyncio.to_thread(
+                fit_hardware_calibration, hardware_type, entries, "", now_ms, device_memory
+            )
+        except ValueError as exc:
+            raise FailedPrecondition(f"cannot calibrate {hardware_type}: {exc}") from None
+        counts = {m: int((table.models == m).sum()) for m, _, _ in entries}
+        fitted_on = [m for m, n in counts.items() if n]
+        sources = set()
+        for model_id in fitted_on:
+            sources |= await self._sources(model_id, hardware_type)
+        message = calibration_message.to_proto(fitted)
+        message.provenance = (
+            f"fitted by Calibrate on {table.size} full-model runs on {hardware_type} "
+            "(batch 1, balanced stages) of "
+            + ", ".join(f"{m} ({counts[m]})" for m in fitted_on)
+            + f"; measurements from {'; '.join(sorted(sources))}"
+            + "; references extrapolated from the same models' fingerprints"
+            + (
+                "; only the reference layouts were measured, so alpha..delta are not "
+                "identified by these runs (they stay near their starting values)"
+                if set(zip(table.tp, table.pp, strict=True)) <= set(REFERENCE_LAYOUTS)
+                else ""
+            )
+            + f"; {_utc(now_ms)}"
+        )
+        await self.store.put_calibration(message)
+        return message
+
+    async def _calibration_entries(
+        self, hardware_type: str, model_ids: Sequence[str]
+    ) -> list[tuple[str, extrapolation.ModelReferences, list[profiles.Sample]]]:
+        """(model id, references, samples) of every model to calibrate on. Named models
+        must exist and have full-model runs that can be used; otherwise models without
+        them are passed over."""
+        if model_ids:
+            models = [await self._model(model_id) for model_id in dict.fromkeys(model_ids)]
+        else:
+            models = await self.store.list_models()
+        entries = []
+        for model in models:
+            rows = await self._rows(model.model_id, hardware_type)
+            try:
+                if not any(m.full_model for m in rows):
+                    raise ValueError(f"no full-model measurements on {hardware_type}")
+                samples = [profiles.sample_from_measurement(m) for m in rows]
+                refs = extrapolation.model_references(
+                    profiles.estimation_shape(model),
+                    profiles.estimation_variants(model, rows),
+                    samples,
+                )
+            except ValueError as exc:
+                if model_ids:
+                    raise FailedPrecondition(f"model {model.model_id!r}: {exc}") from None
+                continue
+            entries.append((model.model_id, refs, samples))
+        if not entries:
+            raise FailedPrecondition(
+                f"no full-model measurements stored for {hardware_type} (with fingerprint runs "
+                "of the same models to extrapolate from); import or profile some first"
+            )
+        return entries
+
+    async def _sources(self, model_id: str, hardware_type: str) -> set[str]:
+        raw = (await self.store.get_profile_sources(model_id)).get(hardware_type)
+        if raw is None:
+            return {"iserve profiling"}
+        source = json.loads(raw)
+        return {f"{source['format']} import of {', '.join(source['files'])}"}
+
+    # ---- configuration maps -------------------------------------------------------
+    async def _model(self, model_id: str) -> model_pb.Model:
+        check_model_id(model_id)
+        model = await self.store.get_model(model_id)
+        if model is None:
+            raise NotFound(f"model {model_id!r} is not registered")
+        return model
+
+    async def _rows(self, model_id: str, hardware_type: str) -> list[model_pb.ProfileMeasurement]:
+        profile = await self.store.get_profile(model_id)
+        if profile is None:
+            return []
+        return [m for m in profile.measurements if m.hardware_type == hardware_type]
+
+    async def config_map(self, model_id: str, hardware_type: str) -> ConfigMap:
+        """The model's configuration map on ``hardware_type``: the stored one while its
+        sources are unchanged, else rebuilt and stored."""
+        check_hardware_type(hardware_type)
+        model = await self._model(model_id)
+        profile = await self.store.get_profile(model_id)
+        measurements = list(profile.measurements) if profile is not None else []
+        rows = [m for m in measurements if m.hardware_type == hardware_type]
+        if not rows:
+            others = sorted({m.hardware_type for m in measurements})
+            raise FailedPrecondition(
+                f"model {model_id!r} is not profiled on {hardware_type}; profiled on: "
+                + (", ".join(others) or "nothing yet")
+            )
+        try:
+            calibration = await self.get_calibration(hardware_type)
+        except NotFound as exc:
+            raise FailedPrecondition(str(exc)) from None
+        current = source_hash(model, rows, calibration)
+        stored = await self.store.get_config_map(model_id, hardware_type)
+        if stored is not None:
+            try:
+                cached = from_json(stored)
+            except ValueError as exc:
+                log.info(
+                    "rebuilding the configuration map of %s on %s: %s", model_id, hardware_type, exc
+                )
+            else:
+                if cached.source_hash == current:
+                    return cached
+        try:
+            built = await asyncio.to_thread(
+                build_config_map, model, rows, calibration, hardware_type, int(time.time() * 1000)
+            )
+        except ValueError as exc:
+            raise FailedPrecondition(
+                f"model {model_id!r} on {hardware_type}: the profile cannot be extrapolated: {exc}"
+            ) from None
+        await self.store.put_config_map(model_id, hardware_type, config_map_json(built))
+        return built
+
+    # ---- devices ------------------------------------------------------------------
+    async def _devices_of(self, hardware_type: str) -> list:
+        nodes = await self.store.list_nodes()
+        return [d for n in nodes if n.alive for d in n.devices if d.hardware_type == hardware_type]
+
+    async def _device_memory_bytes(self, hardware_type: str) -> int:
+        devices = await self._devices_of(hardware_type)
+        return min((d.total_bytes for d in devices), default=0)
+
+    async def devices(self, hardware_type: str, requested: int) -> tuple[int, float | None]:
+        """(device count, memory per device in GiB or None) for a request.
+
+        ``requested`` 0 means the cluster's live devices of that type, or
+        :data:`DEFAULT_DEVICES` when it has none; memory is the smallest such device's
+        (None when there is none: :meth:`estimate` then asks the calibration).
+        """
+        present = await self._devices_of(hardware_type)
+        count = requested or len(present) or DEFAULT_DEVICES
+        if count < 1:
+            raise InvalidArgument(f"device_count must be at least 1, got {count}")
+        memory = min((d.total_bytes for d in present), default=0)
+        return count, (memory / GIB if memory else None)
+
+    # ---- estimates ----------------------------------------------------------------
+    async def estimate(
+        self, model_id: str, hardware_type: str, workload: Workload, device_count: int
+    ) -> Estimate:
+        """Every configuration of ``model_id`` on ``hardware_type`` for ``workload``."""
+        config_map = await self.config_map(model_id, hardware_type)
+        devices, memory_gib = await self.devices(hardware_type, device_count)
+        if memory_gib is None:
+            known = calibration_message.from_proto(config_map.calibration).device_memory_bytes
+            memory_gib = known / GIB if known else None
+        estimates, resolved = config_map.estimate(workload, devices, memory_gib)
+        return Estimate(estimates, resolved, devices, config_map)

@@ -1,0 +1,282 @@
+"""EstimatorService and ImportProfiles on the real stack, with MaverIQ's A6000 data."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from services.api import common_pb2 as common
+from services.api import estimator_service_pb2 as estimator_pb
+from services.api import estimator_service_pb2_grpc
+from services.api import model_service_pb2 as model_pb
+from services.estimation.space import ModelShape, Variant, enumerate_space
+from services.state import keys
+from tests.integration.helpers import rid
+from tests.unit.estimator_data import shared_data
+
+pytestmark = pytest.mark.integration
+
+HARDWARE = "rtx-a6000"
+REQUIRED_KEYS = {
+    "tp",
+    "pp",
+    "weight_quant",
+    "kv_quant",
+    "pruning",
+    "batch_size",
+    "memory_total_bytes",
+    "memory_per_device_bytes",
+    "latency_ms",
+    "ttft_ms",
+    "tpot_ms",
+}
+
+
+def cli(stack, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *args],
+        env={**os.environ, **stack.env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def code_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details()
+
+
+async def _forget(redis_url: str, model_ids: list[str]) -> None:
+    from services.state.store import StateStore
+
+    store = StateStore.from_url(redis_url)
+    try:
+        for model_id in model_ids:
+            await store.delete_model(model_id)
+            await store.redis.delete(keys.config_map(model_id, HARDWARE))
+        await store.redis.delete(keys.calibration(HARDWARE))
+        await store.redis.srem(keys.calibration_index(), HARDWARE)
+    finally:
+        await store.close()
+
+
+@pytest.fixture(scope="module")
+def estimator(stack):
+    channel = grpc.insecure_channel(stack.settings.address("estimator"))
+    yield estimator_service_pb2_grpc.EstimatorServiceStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def imported(stack) -> list[str]:
+    """The A6000 data imported through `iserve profile import`; removed afterwards."""
+    directory = shared_data()
+    if not (directory / "fingerprint_data_collection.csv").is_file():
+        pytest.skip(f"MaverIQ A6000 data not found under {directory}")
+    files = [str(p) for p in sorted(directory.iterdir()) if p.is_file()]
+    out = cli(stack, "profile", "import", "--format", "maveriq", "--hardware", HARDWARE, *files)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("imported 4500 measurements on rtx-a6000 into 6 models:"), first
+    assert "skipped full_model_data_collection_pruning.csv" in out.stdout
+    model_ids = ["falcon-40b", "falcon-7b", "gptj-6b", "llama-2-13b", "llama-2-70b", "llama-2-7b"]
+    yield model_ids
+    asyncio.run(_forget(stack.redis_url, model_ids))
+
+
+def estimate_request(model_id="llama-2-70b", hardware=HARDWARE, output=100, devices=8, **extra):
+    return estimator_pb.EstimateConfigsRequest(
+        request_id=rid(),
+        model_id=model_id,
+        hardware_type=hardware,
+        workload=estimator_pb.Workload(output_tokens=output, **extra),
+        device_count=devices,
+    )
+
+
+def test_imported_models_are_shape_only_profiled_records(stack, imported):
+    model = stack.models.GetModel(model_pb.GetModelRequest(model_id="llama-2-70b")).model
+    assert model.state == model_pb.MODEL_STATE_PROFILED and model.checkpoint_path == ""
+    assert model.shape.num_layers == 80 and model.shape.num_kv_heads == 8
+    scores = {v.name: v.accuracy_score for v in model.variants}
+    assert scores["int4"] == 95.4 and scores["int8-kv8"] == 98.8
+
+
+def test_llama_70b_on_8_a6000s_every_configuration_in_sane_ranges(estimator, imported):
+    reply = estimator.EstimateConfigs(estimate_request(), timeout=60)
+    assert reply.estimates
+    variants = sorted({e.config.variant_name for e in reply.estimates})
+    assert len(variants) == 7
+    space = enumerate_space(
+        ModelShape("llama-2-70b", 80, 64, 8, 128), 8, [Variant(v) for v in variants]
+    )
+    assert len(reply.estimates) == space.size == 105
+    latency_s = [e.latency_ms / 1e3 for e in reply.estimates]
+    # Papers: 2.7-21.5 s at 100 tokens over 180 configurations.
+    assert 2.7 / 3 < min(latency_s) < 2.7 * 3 and 21.5 / 3 < max(latency_s) < 21.5 * 3
+    for e in reply.estimates:
+        assert e.ttft_ms > 0 and e.tpot_ms > 0
+        assert e.latency_ms == pytest.approx(e.ttft_ms + 100 * e.tpot_ms)
+        devices = e.config.tensor_parallel * e.config.pipeline_parallel
+        assert e.memory_per_device_bytes * devices == pytest.approx(e.memory_total_bytes, rel=1e-6)
+        assert 25e9 < e.memory_total_bytes < 200e9 and e.kv_cache_bytes > 0
+    # device_count 0: no rtx-a6000 devices in this cluster, so 8.
+    defaulted = estimator.EstimateConfigs(estimate_request(devices=0), timeout=60)
+    assert len(defaulted.estimates) == 105
+
+
+def test_cli_estimate_json_lines(stack, imported):
+    out = cli(stack, "estimate", "llama-2-70b", "--hardware", HARDWARE, "--output-len", "100")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("llama-2-70b on rtx-a6000: 105 configurations")
+    out = cli(
+        stack,
+        "estimate",
+        "llama-2-7b",
+        "--hardware",
+        HARDWARE,
+        "--output-len",
+        "50",
+        "--input-len",
+        "512",
+        "--batch",
+        "4",
+        "--devices",
+        "4",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert lines and all(set(line) >= REQUIRED_KEYS for line in lines)
+    assert {line["batch_size"] for line in lines} == {4}
+    assert max(line["tp"] * line["pp"] for line in lines) == 4
+
+
+def test_rank_min_latency_and_accuracy_floor(estimator, imported):
+    all_estimates = estimator.EstimateConfigs(estimate_request(), timeout=60).estimates
+    ranked = estimator.RankConfigs(
+        estimator_pb.RankConfigsRequest(
+            request_id=rid(),
+            model_id="llama-2-70b",
+            hardware_type=HARDWARE,
+            workload=estimator_pb.Workload(output_tokens=100),
+            device_count=8,
+            intent=common.Intent(kind=common.INTENT_KIND_MIN_LATENCY),
+        ),
+        timeout=60,
+    )
+    first = ranked.ranked[0]
+    assert first.rank == 1 and first.meets_intent
+    fitting = [r.estimate.latency_ms for r in ranked.ranked]
+    assert first.estimate.latency_ms == min(fitting)
+    # Configurations beyond 48 GB per GPU are left out, and the note says so.
+    assert len(ranked.ranked) < len(all_estimates) and "do not fit" in ranked.note
+
+    floored = estimator.RankConfigs(
+        estimator_pb.RankConfigsRequest(
+            request_id=rid(),
+            model_id="llama-2-70b",
+            hardware_type=HARDWARE,
+            workload=estimator_pb.Workload(output_tokens=100),
+            device_count=8,
+            intent=common.Intent(kind=common.INTENT_KIND_MIN_COST, min_accuracy=96.0),
+        ),
+        timeout=60,
+    )
+    quants = {r.estimate.config.weight_quant for r in floored.ranked}
+    assert common.WEIGHT_QUANT_INT4 not in quants and common.WEIGHT_QUANT_GPTQ_INT4 not in quants
+    assert all(r.estimate.accuracy_score >= 96.0 for r in floored.ranked)
+
+
+def test_calibrations_shipped_fitted_and_missing(stack, estimator, imported):
+    shipped = estimator.GetCalibration(
+        estimator_pb.GetCalibrationRequest(hardware_type=HARDWARE)
+    ).calibration
+    assert "fit_default_calibration.py" in shipped.provenance
+    assert "tpot.alpha" in shipped.extra_terms
+    code, details = code_of(
+        lambda: estimator.GetCalibration(estimator_pb.GetCalibrationRequest(hardware_type="tpu-v9"))
+    )
+    assert code == grpc.StatusCode.NOT_FOUND and "tpu-v9" in details
+    code, _ = code_of(
+        lambda: estimator.Calibrate(estimator_pb.CalibrateRequest(hardware_type="tpu-v9"))
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+
+    out = cli(stack, "calibrate", "--hardware", HARDWARE, "--models", "falcon-7b", "--json")
+    assert out.returncode == 0, out.stderr
+    fitted = json.loads(out.stdout)
+    assert fitted["provenance"].startswith("fitted by Calibrate on 120 full-model runs")
+    assert "full_model_data_collection.csv" in fitted["provenance"]
+    stored = estimator.GetCalibration(
+        estimator_pb.GetCalibrationRequest(hardware_type=HARDWARE)
+    ).calibration
+    assert stored.provenance == fitted["provenance"]
+    # The configuration map follows the new calibration.
+    assert estimator.EstimateConfigs(estimate_request("falcon-7b"), timeout=60).estimates
+
+
+def test_bad_inputs(stack, estimator, imported):
+    cases = [
+        (estimate_request("no-such-model"), grpc.StatusCode.NOT_FOUND, "not registered"),
+        (
+            estimate_request(hardware="cpu-x86_64"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "not profiled on cpu-x86_64; profiled on: rtx-a6000",
+        ),
+        (estimate_request(output=0), grpc.StatusCode.INVALID_ARGUMENT, "output_tokens"),
+        (estimate_request(hardware=""), grpc.StatusCode.INVALID_ARGUMENT, "hardware_type"),
+    ]
+    for request, code, message in cases:
+        got, details = code_of(lambda r=request: estimator.EstimateConfigs(r, timeout=60))
+        assert got == code and message in details, details
+    got, details = code_of(
+        lambda: estimator.RankConfigs(
+            estimator_pb.RankConfigsRequest(
+                model_id="llama-2-70b",
+                hardware_type=HARDWARE,
+                workload=estimator_pb.Workload(output_tokens=100),
+            )
+        )
+    )
+    assert got == grpc.StatusCode.INVALID_ARGUMENT and "intent" in details
+
+    got, details = code_of(
+        lambda: stack.models.ImportProfiles(
+            model_pb.ImportProfilesRequest(
+                hardware_type="test-hw",
+                files=[model_pb.ProfileFile(name="full_model_data_collection.csv", content=b"")],
+            )
+        )
+    )
+    assert got == grpc.StatusCode.INVALID_ARGUMENT and "format" in details
+    text = (shared_data() / "full_model_data_collection.csv").read_text().splitlines()
+    text[5] = text[5].replace("float16", "float13")
+    got, details = code_of(
+        lambda: stack.models.ImportProfiles(
+            model_pb.ImportProfilesRequest(
+                format=model_pb.PROFILE_FORMAT_MAVERIQ,
+                hardware_type="test-hw",
+                files=[
+                    model_pb.ProfileFile(
+                        name="full_model_data_collection.csv", content="\n".join(text).encode()
+                    )
+                ],
+            )
+        )
+    )
+    assert got == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("full_model_data_collection.csv:6: unknown DTYPE 'float13'")
+    # Nothing was written: the rows before the bad one are not there either.
+    got, details = code_of(
+        lambda: estimator.EstimateConfigs(estimate_request("falcon-7b", hardware="test-hw"))
+    )
+    assert got == grpc.StatusCode.FAILED_PRECONDITION and "profiled on: rtx-a6000" in details

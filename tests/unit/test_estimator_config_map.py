@@ -1,0 +1,243 @@
+"""The configuration map (hash, stored form, caching in Redis) and calibrations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+
+from services.api import common_pb2 as common
+from services.api import estimator_service_pb2 as estimator_pb
+from services.api import model_service_pb2 as model_pb
+from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.estimator import calibration_message as calibrations
+from services.estimator import service as service_module
+from services.estimator.config_map import build_config_map, from_json, source_hash, to_json
+from services.estimator.extrapolation import Workload
+from services.estimator.service import DEFAULT_DEVICES, Estimator
+from services.redis_embedded import start_redis
+from services.state import keys
+from services.state.store import StateStore
+from tests.unit.estimator_data import tiny_model, tiny_rows
+
+CPU = "cpu-x86_64"
+
+
+def shipped(hardware_type: str) -> estimator_pb.Calibration:
+    message = calibrations.load_shipped(hardware_type)
+    assert message is not None
+    return message
+
+
+# ---- pure ------------------------------------------------------------------------------
+def test_source_hash_follows_rows_variants_and_calibration():
+    model, rows, calibration = tiny_model(), tiny_rows(), shipped(CPU)
+    base = source_hash(model, rows, calibration)
+    assert base == source_hash(tiny_model(), tiny_rows(), shipped(CPU))
+    changed_row = tiny_rows()
+    changed_row[0].ttft_ms += 1
+    assert source_hash(model, changed_row, calibration) != base
+    assert source_hash(model, rows[1:], calibration) != base
+    changed_model = tiny_model()
+    changed_model.variants[2].accuracy_score = 91.0
+    assert source_hash(changed_model, rows, calibration) != base
+    refit = estimator_pb.Calibration()
+    refit.CopyFrom(calibration)
+    refit.extra_terms["tpot.alpha"] = 0.2
+    assert source_hash(model, rows, refit) != base
+
+
+def test_stored_form_round_trips_to_the_same_estimates():
+    built = build_config_map(tiny_model(), tiny_rows(), shipped(CPU), CPU, now_ms=7)
+    text = to_json(built)
+    json.loads(text)  # strict JSON: no NaN tokens
+    loaded = from_json(text)
+    assert loaded.source_hash == built.source_hash and loaded.built_at_unix_ms == 7
+    workload = Workload(output_tokens=50, input_tokens=0, batch_size=2)
+    (before, resolved), (after, _) = built.estimate(workload, 4), loaded.estimate(workload, 4)
+    assert resolved.input_tokens == 32
+    for field in ("latency_s", "ttft_s", "tpot_s", "memory_total_gib", "accuracy_pct"):
+        np.testing.assert_array_equal(getattr(before, field), getattr(after, field))
+
+
+@pytest.mark.parametrize(
+    "text", ["not json", "{}", json.dumps({"schema": 999}), json.dumps({"schema": 1})]
+)
+def test_malformed_or_old_maps_are_rejected(text):
+    with pytest.raises(ValueError):
+        from_json(text)
+
+
+def test_calibration_message_round_trips():
+    message = shipped("rtx-a6000")
+    calibration = calibrations.from_proto(message)
+    assert calibration.tp_ladder and calibration.three_refs is not None
+    assert calibration.device_memory_bytes == 48_000_000_000
+    assert calibration.primary.memory.tp_peer_gib > 0
+    assert dict(calibrations.to_proto(calibration).extra_terms) == pytest.approx(
+        dict(message.extra_terms)
+    )
+    assert message.alpha == pytest.approx(calibration.primary.latency.tpot.alpha)
+    assert "fit_default_calibration.py" in message.provenance
+
+
+def test_shipped_cpu_calibration_is_an_explicit_placeholder():
+    message = shipped(CPU)
+    assert message.provenance.startswith("PLACEHOLDER")
+    assert "iserve calibrate --hardware cpu-x86_64" in message.provenance
+    calibration = calibrations.from_proto(message)
+    assert calibration.primary.memory.tp_peer_gib == 0
+    a6000 = calibrations.from_proto(shipped("rtx-a6000"))
+    assert calibration.primary.latency == a6000.primary.latency
+
+
+def test_a_calibration_without_phase_terms_applies_its_exponents_to_both_phases():
+    message = estimator_pb.Calibration(hardware_type="x", alpha=0.1, beta=0.5, gamma=0.3, delta=1)
+    calibration = calibrations.from_proto(message)
+    assert calibration.primary.latency.ttft == calibration.primary.latency.tpot
+    assert calibration.primary.latency.ttft.delta == 1
+    assert calibrations.load_shipped("../calibrations/rtx-a6000") is None
+    assert calibrations.load_shipped("no-such-hardware") is None
+
+
+# ---- against a real redis-server ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def run(redis_url, fn):
+    async def main():
+        store = StateStore.from_url(redis_url)
+        await store.redis.flushdb()
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
+
+
+async def put_tiny(store: StateStore, rows=None, model=None) -> None:
+    model = model or tiny_model()
+    if not await store.create_model(model):
+        await store.put_model(model)
+    await store.put_profile(
+        model_pb.GetProfileResponse(model_id=model.model_id, measurements=rows or tiny_rows())
+    )
+
+
+def test_the_map_is_cached_and_rebuilt_when_its_sources_change(redis_url, monkeypatch):
+    builds = []
+    real_build = service_module.build_config_map
+
+    def counting_build(*args):
+        builds.append(args[3])
+        return real_build(*args)
+
+    monkeypatch.setattr(service_module, "build_config_map", counting_build)
+
+    async def scenario(store: StateStore):
+        estimator = Estimator(store)
+        await put_tiny(store)
+        first = await estimator.config_map("tiny", CPU)
+        stored = from_json(await store.get_config_map("tiny", CPU))
+        assert stored.source_hash == first.source_hash and len(builds) == 1
+
+        assert (await estimator.config_map("tiny", CPU)).source_hash == first.source_hash
+        assert len(builds) == 1, "unchanged sources reuse the stored map"
+
+        # Rows of another hardware type leave this map alone.
+        await put_tiny(store, tiny_rows() + tiny_rows("rtx-a6000"))
+        await estimator.config_map("tiny", CPU)
+        assert len(builds) == 1
+
+        # A calibration in Redis replaces the shipped one: rebuilt.
+        calibration = estimator_pb.Calibration()
+        calibration.CopyFrom(shipped(CPU))
+        calibration.extra_terms["tpot.alpha"] = 0.3
+        await store.put_calibration(calibration)
+        rebuilt = await estimator.config_map("tiny", CPU)
+        assert len(builds) == 2 and rebuilt.source_hash != first.source_hash
+
+        # New profile rows of this hardware type, an edited variant: rebuilt.
+        await put_tiny(store, tiny_rows()[1:])
+        await estimator.config_map("tiny", CPU)
+        edited = tiny_model()
+        edited.variants[0].accuracy_score = 98.0
+        await put_tiny(store, tiny_rows()[1:], edited)
+        await estimator.config_map("tiny", CPU)
+        assert len(builds) == 4
+
+        # A stored map that no longer parses is rebuilt.
+        await store.redis.set(keys.config_map("tiny", CPU), "{broken")
+        await estimator.config_map("tiny", CPU)
+        assert len(builds) == 5
+
+    run(redis_url, scenario)
+
+
+def test_estimates_default_the_devices_and_report_bad_requests(redis_url):
+    async def scenario(store: StateStore):
+        estimator = Estimator(store)
+        await put_tiny(store)
+        result = await estimator.estimate("tiny", CPU, Workload(20), 0)
+        assert result.devices == DEFAULT_DEVICES
+        # tp 1 with pp 1..8, tp 2 with pp 1..4, tp 4 with pp 1, 2 (4 KV heads: no tp 8).
+        assert result.estimates.space.size == 3 * 14
+
+        node = common.NodeState(node_id="n0", agent_address="127.0.0.1:1")
+        for i in range(2):
+            node.devices.add(
+                ref=common.DeviceRef(node_id="n0", device_id=f"cpu{i}"),
+                hardware_type=CPU,
+                total_bytes=2 << 30,
+            )
+        await store.register_node(node, ttl_s=30)
+        result = await estimator.estimate("tiny", CPU, Workload(20), 0)
+        assert result.devices == 2 and result.estimates.space.size == 3 * 3  # (1,1) (1,2) (2,1)
+        assert result.estimates.fits.all()
+
+        with pytest.raises(NotFound, match="not registered"):
+            await estimator.estimate("nobody", CPU, Workload(20), 0)
+        with pytest.raises(FailedPrecondition, match="not profiled on rtx-a6000; profiled on: "):
+            await estimator.estimate("tiny", "rtx-a6000", Workload(20), 0)
+        await put_tiny(store, tiny_rows("h100"))
+        with pytest.raises(FailedPrecondition, match="no calibration for 'h100'"):
+            await estimator.estimate("tiny", "h100", Workload(20), 0)
+        with pytest.raises(InvalidArgument, match="hardware_type"):
+            await estimator.estimate("tiny", "", Workload(20), 0)
+
+    run(redis_url, scenario)
+
+
+def test_calibration_lookup_and_calibrate(redis_url):
+    async def scenario(store: StateStore):
+        estimator = Estimator(store)
+        assert (await estimator.get_calibration(CPU)).provenance.startswith("PLACEHOLDER")
+        with pytest.raises(NotFound, match="no calibration for 'h100'"):
+            await estimator.get_calibration("h100")
+        with pytest.raises(FailedPrecondition, match="no full-model measurements stored for"):
+            await estimator.calibrate(CPU)
+        with pytest.raises(NotFound):
+            await estimator.calibrate(CPU, ["nobody"])
+        await put_tiny(store)
+        with pytest.raises(FailedPrecondition, match="no full-model measurements on cpu-x86_64"):
+            await estimator.calibrate(CPU, ["tiny"])
+
+        await put_tiny(store, tiny_rows(full_model=True))
+        fitted = await estimator.calibrate(CPU)
+        assert fitted.provenance.startswith("fitted by Calibrate on 9 full-model runs")
+        assert "tiny (9)" in fitted.provenance and "iserve profiling" in fitted.provenance
+        assert "only the reference layouts were measured" in fitted.provenance
+        assert math.isfinite(fitted.fit_error_percent)
+        stored = await estimator.get_calibration(CPU)
+        assert stored.provenance == fitted.provenance
+
+    run(redis_url, scenario)

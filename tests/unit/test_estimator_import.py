@@ -1,0 +1,235 @@
+"""ImportProfiles: MaverIQ files from bytes to model records and profiles."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from fingerprint_svc.importing import (
+    import_profiles,
+    merge_model,
+    merge_profile,
+    plan_maveriq_import,
+)
+from services.api import common_pb2 as common
+from services.api import model_service_pb2 as model_pb
+from services.errors import InvalidArgument
+from services.estimation.memory import GIB
+from services.redis_embedded import start_redis
+from services.state.store import StateStore
+
+HEADER = (
+    "Model,TP,PP,PP_Map,DTYPE,INT8_KV_Cache,Output_Lenght,Batch_Size,Latency,"
+    "Memory-Pre-Run,Memory-After-Run,Time-Gen-Graph,Time-Prof\n"
+)
+FINGERPRINTS = HEADER + (
+    "llama-2-7b,1,1,1,float16,False,10,1,0.05,1.2,1.25,10,5\n"
+    "llama-2-7b,1,1,2,float16,False,10,1,0.07,1.6,1.75,10,5\n"
+    "llama-2-7b,2,1,1,int4,True,20,1,0.06,2.2,2.5,10,5\n"
+    "llama-2-7b,1,2,1 1,float16,False,10,1,0.08,2.2,2.5,10,5\n"
+    "gtpj-6b,1,1,1,int8,False,10,1,0.04,1.0,1.1,10,5\n"
+)
+FULL = HEADER + "llama-2-7b,2,4,8 8 8 8,float16,False,100,1,3.5,16,16.5,10,5\n"
+BATCH = HEADER + "llama-2-7b,1,1,1,float16,False,10,2,0.05,1.2,1.25,10,5\n"
+PRUNED = HEADER + "llama-2-7b-wanda,1,1,32,float16,False,10,1,0.3,13,13.5,10,5\n"
+ACCURACY = json.dumps({"llama-2-7b_int4_True_None": 87.1, "gtpj-6b_int8_False_None": 99.2})
+DATA_SET = {
+    "fingerprint_data_collection.csv": FINGERPRINTS,
+    "fingerprint_data_collection_BS.csv": BATCH,
+    "full_model_data_collection.csv": FULL,
+    "full_model_data_collection_pruning.csv": PRUNED,
+    "MS_model_acc_MMLU.json": ACCURACY,
+}
+
+
+def plan(named: dict[str, str], hardware_type: str = "rtx-a6000"):
+    return plan_maveriq_import(
+        [(name, text.encode()) for name, text in named.items()], hardware_type
+    )
+
+
+def test_rows_become_measurements_of_shape_only_preset_models():
+    result = plan(DATA_SET)
+    models = {m.model_id: m for m in result.models}
+    assert sorted(models) == ["gptj-6b", "llama-2-7b"]
+    assert result.measurement_count == 7
+    llama = models["llama-2-7b"]
+    assert llama.shape.num_layers == 32 and llama.shape.num_attention_heads == 32
+    assert llama.shape.dtype == common.PRECISION_FLOAT16
+    assert models["gptj-6b"].preset == "gpt-j-6b" and models["gptj-6b"].shape.num_layers == 28
+    assert [v.name for v in llama.variants] == ["fp16", "int4-kv8"]
+    int4 = llama.variants[1]
+    assert int4.weight_quant == common.WEIGHT_QUANT_INT4 and int4.kv_quant == common.KV_QUANT_INT8
+    assert int4.accuracy_score == 87.1 and not llama.variants[0].HasField("accuracy_score")
+    assert models["gptj-6b"].variants[0].accuracy_score == 99.2  # "gtpj" in the source
+
+    rows = llama.measurements
+    fingerprint = rows[0]
+    (full,) = [m for m in rows if m.full_model]
+    (batch2,) = [m for m in rows if m.config.batch_size == 2]
+    assert not fingerprint.full_model and fingerprint.num_layers == 1
+    assert fingerprint.input_tokens == 923 and fingerprint.latency_ms == pytest.approx(50)
+    assert fingerprint.ttft_ms == 0 and fingerprint.repetitions == 3
+    assert fingerprint.hardware_type == "rtx-a6000"
+    assert full.full_model and list(full.stage_layers) == [8, 8, 8, 8]
+    assert full.config.tensor_parallel == 2 and full.config.pipeline_parallel == 4
+    # Memory summed over the GPUs, split evenly over the 8 ranks.
+    assert len(full.peak_memory_bytes_per_rank) == 8
+    assert sum(full.peak_memory_bytes_per_rank) == pytest.approx(16.5 * GIB, abs=8)
+    assert batch2.input_tokens == 0 and batch2.config.batch_size == 2  # prompt not recorded
+    assert any("full_model_data_collection_pruning.csv" in s for s in result.skipped)
+
+
+def test_unknown_files_and_models_are_skipped_with_a_reason():
+    result = plan(
+        {
+            "notes.csv": "x",
+            "fingerprint_data_collection.csv": FINGERPRINTS.replace("gtpj-6b", "mystery-1b"),
+        }
+    )
+    assert any(s.startswith("notes.csv: not a file of MaverIQ's data set") for s in result.skipped)
+    assert any(s.startswith("mystery-1b: 1 rows; no architecture preset") for s in result.skipped)
+    assert [m.model_id for m in result.models] == ["llama-2-7b"]
+
+
+@pytest.mark.parametrize(
+    ("named", "message"),
+    [
+        (
+            {"full_model_data_collection.csv": FULL.replace("3.5", "fast")},
+            "full_model_data_collection.csv:2: could not convert string to float: 'fast'",
+        ),
+        (
+            {"fingerprint_data_collection.csv": FINGERPRINTS.replace("1 1,float16", "1,float16")},
+            "fingerprint_data_collection.csv:5: PP_Map '1' has 1 stages, PP=2",
+        ),
+        (
+            {"fingerprint_data_collection.csv": FINGERPRINTS + "llama-2-7b,1,1\n"},
+            "fingerprint_data_collection.csv:7: no value for",
+        ),
+        ({"full_model_data_collection.csv": "Model,TP\n"}, "missing columns"),
+        ({"full_model_data_collection.csv": HEADER.replace("Latency", "Lat")}, "'Latency'"),
+        ({"MS_model_acc_MMLU.json": "{", "full_model_data_collection.csv": FULL}, "not JSON"),
+        ({"MS_model_acc_MMLU.json": ACCURACY}, "no measurement file"),
+        ({}, "no files"),
+    ],
+)
+def test_malformed_input_is_invalid_argument_naming_file_and_line(named, message):
+    with pytest.raises(InvalidArgument, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan(named)
+
+
+def test_bad_bytes_names_and_hardware_types():
+    with pytest.raises(InvalidArgument, match="not UTF-8"):
+        plan_maveriq_import([("full_model_data_collection.csv", b"\xff\xfe")], "rtx-a6000")
+    with pytest.raises(InvalidArgument, match="listed twice"):
+        plan_maveriq_import([("full_model_data_collection.csv", FULL.encode())] * 2, "rtx-a6000")
+    with pytest.raises(InvalidArgument, match="hardware_type"):
+        plan(DATA_SET, hardware_type="")
+    with pytest.raises(InvalidArgument, match="hardware_type"):
+        plan(DATA_SET, hardware_type="a:b")
+
+
+def test_merge_keeps_other_hardware_and_replaces_this_one():
+    old_cpu = model_pb.ProfileMeasurement(variant_name="", hardware_type="cpu-x86_64")
+    old_gpu = model_pb.ProfileMeasurement(variant_name="fp16", hardware_type="rtx-a6000")
+    existing = model_pb.GetProfileResponse(
+        request_id="r", model_id="m", measurements=[old_cpu, old_gpu]
+    )
+    new = model_pb.ProfileMeasurement(variant_name="int8", hardware_type="rtx-a6000")
+    merged = merge_profile(existing, "m", "rtx-a6000", [new])
+    assert [m.variant_name for m in merged.measurements] == ["", "int8"]
+    assert merged.request_id == ""
+
+
+def test_merge_model_adds_variants_and_refuses_another_shape():
+    imported = {m.model_id: m for m in plan(DATA_SET).models}["llama-2-7b"]
+    created = merge_model(None, imported, now_ms=5)
+    assert created.state == model_pb.MODEL_STATE_PROFILED and created.checkpoint_path == ""
+    assert created.created_at_unix_ms == 5
+
+    registered = model_pb.Model(model_id="llama-2-7b", checkpoint_path="ckpt")
+    registered.shape.CopyFrom(imported.shape)
+    registered.state = model_pb.MODEL_STATE_REGISTERED
+    registered.variants.add(name="int4-kv8", weight_quant=common.WEIGHT_QUANT_INT4)
+    merged = merge_model(registered, imported, now_ms=5)
+    assert merged.state == model_pb.MODEL_STATE_REGISTERED and merged.checkpoint_path == "ckpt"
+    assert [v.name for v in merged.variants] == ["int4-kv8", "fp16"]
+    assert merged.variants[0].accuracy_score == 87.1
+
+    tiny = model_pb.Model(model_id="llama-2-7b")
+    tiny.shape.num_layers = 2
+    with pytest.raises(InvalidArgument, match="registered with 2 layers"):
+        merge_model(tiny, imported, now_ms=5)
+
+
+# ---- against a real redis-server ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def run(redis_url, fn):
+    async def main():
+        store = StateStore.from_url(redis_url)
+        await store.redis.flushdb()
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
+
+
+def request(named: dict[str, str], hardware_type: str = "rtx-a6000", **fields):
+    fields.setdefault("format", model_pb.PROFILE_FORMAT_MAVERIQ)
+    return model_pb.ImportProfilesRequest(
+        request_id="r1",
+        hardware_type=hardware_type,
+        files=[model_pb.ProfileFile(name=n, content=t.encode()) for n, t in named.items()],
+        **fields,
+    )
+
+
+def test_import_stores_models_profiles_and_sources_and_reimport_replaces(redis_url):
+    async def scenario(store: StateStore):
+        reply = await import_profiles(store, request(DATA_SET))
+        assert list(reply.model_ids) == ["gptj-6b", "llama-2-7b"]
+        assert reply.measurements_imported == 7 and reply.request_id == "r1"
+        assert [m.model_id for m in await store.list_models()] == ["gptj-6b", "llama-2-7b"]
+        profile = await store.get_profile("llama-2-7b")
+        assert len(profile.measurements) == 6
+        source = json.loads((await store.get_profile_sources("llama-2-7b"))["rtx-a6000"])
+        assert source["format"] == "maveriq"
+        assert "fingerprint_data_collection.csv" in source["files"]
+
+        # Another hardware type adds rows; the same one again replaces its rows.
+        await import_profiles(store, request({"full_model_data_collection.csv": FULL}, "h100"))
+        await import_profiles(store, request({"full_model_data_collection.csv": FULL}, "rtx-a6000"))
+        rows = (await store.get_profile("llama-2-7b")).measurements
+        assert sorted(m.hardware_type for m in rows) == ["h100", "rtx-a6000"]
+        model = await store.get_model("llama-2-7b")
+        assert [v.name for v in model.variants] == ["fp16", "int4-kv8"]
+
+    run(redis_url, scenario)
+
+
+def test_bad_requests_write_nothing(redis_url):
+    async def scenario(store: StateStore):
+        with pytest.raises(InvalidArgument, match="unspecified"):
+            await import_profiles(
+                store, request(DATA_SET, format=model_pb.PROFILE_FORMAT_UNSPECIFIED)
+            )
+        broken = dict(DATA_SET)
+        broken["full_model_data_collection.csv"] = FULL + "llama-2-7b,2,4,8 8 8 8,float16\n"
+        with pytest.raises(InvalidArgument, match="full_model_data_collection.csv:3"):
+            await import_profiles(store, request(broken))
+        assert await store.list_models() == []
+        assert await store.get_profile("llama-2-7b") is None
+
+    run(redis_url, scenario)

@@ -1,0 +1,224 @@
+"""Stored profile measurements to estimation inputs (services/estimator/profiles.py)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from fingerprint_svc.importing import plan_maveriq_import
+from services.api import common_pb2 as common
+from services.api import model_service_pb2 as model_pb
+from services.estimation.extrapolate import LatencySample
+from services.estimation.latency import REFERENCE_LAYOUTS
+from services.estimation.references import extrapolate_references
+from services.estimation.space import ModelShape, enumerate_space
+from services.estimator import extrapolation, profiles
+from services.estimator.calibration_message import from_proto, load_shipped
+from services.importers.maveriq import load_directory
+from tests.unit.estimator_data import TRUTH, profiler_rows, shared_data
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def a6000():
+    """Every model of the A6000 data as the import stores it: {id: (model, measurements)}."""
+    directory = shared_data()
+    if not (directory / "fingerprint_data_collection.csv").is_file():
+        pytest.skip(f"MaverIQ A6000 data not found under {directory}")
+    files = [(p.name, p.read_bytes()) for p in sorted(directory.iterdir()) if p.is_file()]
+    plan = plan_maveriq_import(files, "rtx-a6000")
+    return {
+        m.model_id: (
+            model_pb.Model(model_id=m.model_id, shape=m.shape, variants=m.variants),
+            m.measurements,
+        )
+        for m in plan.models
+    }
+
+
+def references(a6000, model_id: str) -> extrapolation.ModelReferences:
+    model, rows = a6000[model_id]
+    return extrapolation.model_references(
+        profiles.estimation_shape(model),
+        profiles.estimation_variants(model, rows),
+        [profiles.sample_from_measurement(m) for m in rows],
+    )
+
+
+def test_a6000_references_match_the_direct_extrapolation_of_the_csv_rows(a6000):
+    """The adapter reproduces docs/estimation.md's method on the raw MaverIQ records:
+    923-token rows plus the short-prompt rows at batch 1 and 2, memory from 923-token rows,
+    TP ladder with TTFT only."""
+    data = load_directory(shared_data())
+    layouts = REFERENCE_LAYOUTS + ((4, 1), (8, 1))
+    long_rows, short_rows = collections.defaultdict(list), collections.defaultdict(list)
+    for r in data.fingerprints:
+        if r.model == "llama-2-13b" and (r.tp, r.pp) in layouts:
+            long_rows[(r.variant, (r.tp, r.pp))].append(r)
+    for r in data.fingerprints_batch:
+        if r.model == "llama-2-13b":
+            short_rows[(r.variant, (r.tp, r.pp))].append(r)
+    latency = {
+        key: [LatencySample(r.layers, r.latency_s, r.output_tokens, prompt="long") for r in rows]
+        + [
+            LatencySample(r.layers, r.latency_s, r.output_tokens, prompt=("short", r.batch_size))
+            for r in short_rows.get(key, [])
+        ]
+        for key, rows in long_rows.items()
+    }
+    memory = {
+        key: ([r.layers for r in rows], [r.memory_gib for r in rows])
+        for key, rows in long_rows.items()
+    }
+    direct = extrapolate_references(40, latency, memory, "long", layouts, ("ttft",))
+
+    refs = references(a6000, "llama-2-13b")
+    assert refs.layouts == layouts
+    assert [p.input_tokens for p in refs.prompts] == [923]
+    assert refs.prompts[0].kv_tokens_profiled == 923 + 20  # prompt + the longest output
+    for variant, profile in zip(refs.variants, refs.prompts[0].profiles, strict=True):
+        weight = variant.weight_quant
+        expected = direct[("llama-2-13b", weight, variant.kv_quant == "int8")]
+        for field in ("ttft_s", "tpot_s", "memory_gib"):
+            np.testing.assert_allclose(
+                getattr(profile.batch1, field), getattr(expected, field), rtol=1e-9
+            )
+
+
+def test_a6000_variants_accuracy_and_batch_model(a6000):
+    refs = references(a6000, "llama-2-70b")
+    names = [v.name for v in refs.variants]
+    assert names == ["fp16", "fp16-kv8", "int8", "int8-kv8", "int4", "int4-kv8", "int4_gptq"]
+    accuracy = {v.name: v.accuracy_pct for v in refs.variants}
+    assert accuracy["int4"] == 95.4 and accuracy["int4_gptq"] == 55.7 and accuracy["fp16"] == 100
+    assert {v.kv_quant for v in refs.variants} == {"fp16", "int8"}
+    # Batch 2 was profiled with short prompts: every variant gets batch-2 references.
+    profile = refs.prompts[0].profiles[0]
+    assert profile.batch2 is not None and profile.batch2.layouts == refs.layouts
+    assert np.all(np.isfinite(profile.batch1.ttft_s))
+    # TPOT along the TP ladder is left to Eq. 2 (end-to-end rows are too noisy for it).
+    assert np.isnan(profile.batch1.tpot_s[3:]).all()
+
+
+def test_falcon_7b_has_no_tensor_parallel_references(a6000):
+    refs = references(a6000, "falcon-7b")
+    assert refs.layouts == REFERENCE_LAYOUTS and not refs.has_tp_ladder
+    assert refs.shape.num_heads == 71
+
+
+def test_a6000_llama_70b_estimates_every_configuration_in_the_papers_range(a6000):
+    refs = references(a6000, "llama-2-70b")
+    calibration, refs = from_proto(load_shipped("rtx-a6000")).for_references(refs)
+    estimates = extrapolation.estimate(
+        refs, calibration, extrapolation.Workload(100), 8, 48e9 / GIB
+    )
+    space = enumerate_space(refs.shape, 8, refs.variants)
+    assert estimates.space.size == space.size == 15 * 7
+    fits = estimates.fits
+    latency = estimates.latency_s[fits]
+    # Papers: 2.7-21.5 s over 180 configurations (pruned ones included).
+    assert 2.0 < latency.min() < 4.0 and 15.0 < latency.max() < 30.0
+    memory_gb = estimates.memory_total_gib[fits] * GIB / 1e9
+    assert 30 < memory_gb.min() < 50 and 130 < memory_gb.max() < 180
+
+
+# ---- the profiler's rows: TTFT and TPOT from token timestamps ----------------------------
+def test_direct_ttft_tpot_rows_extrapolate_to_the_full_model():
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    model.variants.add(name="int8", weight_quant=common.WEIGHT_QUANT_INT8, accuracy_score=99.0)
+    rows = profiler_rows("", common.WEIGHT_QUANT_NONE) + profiler_rows(
+        "int8", common.WEIGHT_QUANT_INT8
+    )
+    variants = profiles.estimation_variants(model, rows)
+    assert [v.weight_quant for v in variants.values()] == ["int8", "fp16"]
+    assert variants["int8"].accuracy_pct == 99.0 and variants[""].accuracy_pct is None
+    refs = extrapolation.model_references(
+        shape, variants, [profiles.sample_from_measurement(m) for m in rows]
+    )
+    assert refs.layouts == REFERENCE_LAYOUTS
+    assert "batch 2 was not profiled" in refs.notes[0]
+    base = refs.prompts[0].profiles[0].batch1
+    f_layer, f_other, p_layer, p_other = TRUTH[(1, 1)]
+    assert base.ttft_s[0] == pytest.approx(8 * f_layer + f_other)
+    assert base.tpot_s[0] == pytest.approx(8 * p_layer + p_other)
+    assert base.memory_gib[0] == pytest.approx((8 * 100 + 500) / 1024)
+    assert base.memory_gib[1] == pytest.approx((8 * 100 + 2 * 500) / 1024)
+    assert refs.prompts[0].kv_tokens_profiled == 32 + 16
+
+
+def test_prompt_lengths_are_interpolated_between_profiled_ones():
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    short = profiler_rows("", common.WEIGHT_QUANT_NONE, input_tokens=32)
+    long = profiler_rows("", common.WEIGHT_QUANT_NONE, input_tokens=288)
+    for m in long:  # prefill of the long prompt costs twice as much
+        m.ttft_ms *= 2
+    refs = extrapolation.model_references(
+        shape,
+        profiles.estimation_variants(model, short),
+        [profiles.sample_from_measurement(m) for m in short + long],
+    )
+    assert [p.input_tokens for p in refs.prompts] == [32, 288]
+    assert refs.default_input_tokens() == 288
+    low = refs.at_input(32)[0].batch1.ttft_s[0]
+    assert refs.at_input(160)[0].batch1.ttft_s[0] == pytest.approx(1.5 * low)
+    assert refs.at_input(10)[0].batch1.ttft_s[0] == pytest.approx(low)
+    assert refs.at_input(4000)[0].batch1.ttft_s[0] == pytest.approx(2 * low)
+
+
+def test_references_need_fingerprints_at_the_base_layout():
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    rows = [m for m in profiler_rows("", common.WEIGHT_QUANT_NONE) if m.config.tensor_parallel == 2]
+    with pytest.raises(ValueError, match=r"\(1,1\)"):
+        extrapolation.model_references(
+            shape,
+            profiles.estimation_variants(model, rows),
+            [profiles.sample_from_measurement(m) for m in rows],
+        )
+
+
+def test_workload_rejects_zero_output_tokens():
+    with pytest.raises(ValueError, match="output_tokens"):
+        extrapolation.Workload(output_tokens=0)
+
+
+def test_the_profilers_base_variant_and_a_model_that_is_its_own_fingerprint():
+    """The profiler names the base checkpoint ``base`` (config.variant_name ""), and for a
+    2-layer model its pp + 1 fingerprint is the model itself (full_model = true)."""
+    shape = ModelShape("two", 2, 8, 4, 16)
+    model = model_pb.Model(model_id="two", accuracy_score=61.0)
+    rows = profiler_rows("", common.WEIGHT_QUANT_NONE, model_layers=2)
+    assert rows[0].variant_name == "base" and rows[0].config.variant_name == ""
+    assert any(m.full_model for m in rows)
+    variants = profiles.estimation_variants(model, rows)
+    assert list(variants) == [""] and variants[""].accuracy_pct == 61.0
+    refs = extrapolation.model_references(
+        shape, variants, [profiles.sample_from_measurement(m) for m in rows]
+    )
+    f_layer, f_other, p_layer, p_other = TRUTH[(1, 1)]
+    base = refs.prompts[0].profiles[0].batch1
+    assert base.ttft_s[0] == pytest.approx(2 * f_layer + f_other)
+    assert base.tpot_s[0] == pytest.approx(2 * p_layer + p_other)
+
+
+def test_noise_never_makes_the_full_model_faster_than_its_fingerprints():
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    rows = profiler_rows("", common.WEIGHT_QUANT_NONE)
+    for m in rows:  # the second layer timed faster: a negative per-layer TTFT
+        if m.config.tensor_parallel == 1 and m.config.pipeline_parallel == 1 and m.num_layers == 2:
+            m.ttft_ms = 5.0
+        elif m.config.tensor_parallel == 1 and m.config.pipeline_parallel == 1:
+            m.ttft_ms = 9.0
+    refs = extrapolation.model_references(
+        shape,
+        profiles.estimation_variants(model, rows),
+        [profiles.sample_from_measurement(m) for m in rows],
+    )
+    # Raised to what the largest fingerprint (2 layers) measured.
+    assert refs.prompts[0].profiles[0].batch1.ttft_s[0] == pytest.approx(5e-3)
