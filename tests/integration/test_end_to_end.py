@@ -9,6 +9,7 @@ import sys
 
 import grpc
 import pytest
+import torch
 
 from monitor_agent.engine.engine import Engine, SamplingConfig
 from services.api import agent_service_pb2 as agent_pb
@@ -21,6 +22,7 @@ from tests.integration.helpers import (
     make_checkpoint,
     register,
     reserved_by_device,
+    rid,
     wait_for,
 )
 
@@ -178,3 +180,51 @@ def test_unknown_ids_are_not_found(stack):
             call()
         assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
         assert "nope" in err.value.details()
+
+
+def test_a_compressed_deployment_serves_what_the_engine_computes(stack):
+    """int4 weights, an int8 KV cache and structured pruning, from the deployment config
+    through the agent's worker flags to the tokens; the reservation counts the savings."""
+    path = make_checkpoint(stack, "e2e-int4", hidden_size=128, num_heads=4, num_kv_heads=4)
+    register(stack, "e2e-int4", path)
+    plain = stack.deployments.PlanDeployment(
+        deploy_pb.PlanDeploymentRequest(
+            request_id=rid(),
+            model_id="e2e-int4",
+            max_output_tokens=16,
+            config=common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1),
+        )
+    ).decision
+    config = common.DeploymentConfig(
+        weight_quant=common.WEIGHT_QUANT_INT4,
+        kv_quant=common.KV_QUANT_INT8,
+        pruning=common.PRUNING_STRUCTURED,
+    )
+    dep = deploy(stack, "e2e-int4", max_output_tokens=16, config=config).deployment
+    assert dep.state == deploy_pb.DEPLOYMENT_STATE_READY
+    [stage] = dep.placement.stages
+    assert stage.reserved_bytes[0] < plain.placement.stages[0].reserved_bytes[0]
+    deltas, _ = generate(
+        stack,
+        deployment_id=dep.deployment_id,
+        prompt="The quick brown fox",
+        max_tokens=8,
+        sampling=common.SamplingParams(ignore_eos=True),
+    )
+    threads = torch.get_num_threads()
+    engine = Engine(
+        stack.models_root / path,
+        max_seq_len=128,
+        num_threads=1,  # as the worker on its one core
+        kv_cache_dtype="int8",
+        weight_quant="int4",
+        pruning="structured",
+    )
+    torch.set_num_threads(threads)
+    prompt_ids = engine.encode("The quick brown fox")
+    expected = [s.token_id for s in engine.generate(prompt_ids, 8, SamplingConfig(ignore_eos=True))]
+    assert [t for d in deltas for t in d.token_ids] == expected
+    stack.deployments.RemoveDeployment(
+        deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
+    )
+    stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="e2e-int4"))
