@@ -104,7 +104,9 @@ def main() -> int:
                 grpc.insecure_channel(settings.address("model"))
             )
             models.RegisterModel(
-                model_pb.RegisterModelRequest(model_id="bench-tiny", checkpoint_path="bench-tiny")
+                model_pb.RegisterModelRequest(
+                    model_id="bench-tiny", checkpoint_path="bench-tiny", skip_profiling=True
+                )
             )
             deployer = deployment_service_pb2_grpc.DeploymentServiceStub(
                 grpc.insecure_channel(settings.address("deploy"))

@@ -36,7 +36,6 @@ from services.state.store import ReservationError, StateStore
 
 log = logging.getLogger("iserve.deploy")
 MIB = 1 << 20
-DEPLOYABLE_MODEL_STATES = {model_pb.MODEL_STATE_REGISTERED, model_pb.MODEL_STATE_PROFILED}
 RESERVE_ATTEMPTS = 3
 STOP_TIMEOUT_S = 15.0
 
@@ -86,9 +85,12 @@ class DeploymentController:
         model = await self.store.get_model(model_id)
         if model is None:
             raise NotFound(f"model {model_id!r} is not registered")
-        if model.state not in DEPLOYABLE_MODEL_STATES:
+        # An explicit configuration needs the checkpoint, not a profile: a model can be
+        # deployed while it is being profiled, or after profiling failed.
+        if not model.checkpoint_path:
             raise FailedPrecondition(
-                f"model {model_id!r} is {model_pb.ModelState.Name(model.state)}: {model.state_reason}"
+                f"model {model_id!r} has no checkpoint (its measurements were imported); "
+                "register a checkpoint to deploy it"
             )
         return model
 

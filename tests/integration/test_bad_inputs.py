@@ -321,3 +321,23 @@ def test_worker_killed_mid_stream_is_unavailable_and_releases_memory(stack):
         deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
     )
     stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="doomed"))
+
+
+def test_deploying_a_model_without_a_checkpoint_is_failed_precondition(stack):
+    import asyncio
+
+    async def record():
+        store = stack.store()
+        try:
+            await store.create_model(
+                model_pb.Model(model_id="shape-only", state=model_pb.MODEL_STATE_PROFILED)
+            )
+        finally:
+            await store.close()
+
+    asyncio.run(record())
+    reserved = reserved_by_device(stack)
+    code, details = _code(lambda: deploy(stack, "shape-only"))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "no checkpoint" in details
+    assert reserved_by_device(stack) == reserved
+    stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="shape-only"))
