@@ -219,9 +219,27 @@ def cmd_models(settings: Settings, args) -> int:
     return 0
 
 
+WEIGHT_QUANTS = {
+    "none": common.WEIGHT_QUANT_NONE,
+    "int8": common.WEIGHT_QUANT_INT8,
+    "int4": common.WEIGHT_QUANT_INT4,
+}
+KV_QUANTS = {"none": common.KV_QUANT_NONE, "int8": common.KV_QUANT_INT8}
+PRUNINGS = {
+    "none": common.PRUNING_NONE,
+    "2:4": common.PRUNING_SEMI_STRUCTURED_2_4,
+    "structured": common.PRUNING_STRUCTURED,
+}
+
+
 def cmd_deploy(settings: Settings, args) -> int:
     config = common.DeploymentConfig(
-        tensor_parallel=args.tp, pipeline_parallel=args.pp, dtype=PRECISIONS.get(args.dtype, 0)
+        tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
+        dtype=PRECISIONS.get(args.dtype, 0),
+        weight_quant=WEIGHT_QUANTS[args.weight_quant],
+        kv_quant=KV_QUANTS[args.kv_quant],
+        pruning=PRUNINGS[args.pruning],
     )
     reply = _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub).Deploy(
         deploy_pb.DeployRequest(
@@ -430,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-output", type=int, default=0, help="longest generation in tokens (default 256)"
     )
     p.add_argument("--dtype", choices=sorted(PRECISIONS), help="default: the checkpoint's")
+    p.add_argument("--weight-quant", choices=sorted(WEIGHT_QUANTS), default="none")
+    p.add_argument("--kv-quant", choices=sorted(KV_QUANTS), default="none")
+    p.add_argument("--pruning", choices=sorted(PRUNINGS), default="none")
     p.add_argument(
         "--timeout", type=float, default=0, help="seconds to wait for the workers (default 120)"
     )
