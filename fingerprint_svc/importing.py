@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fingerprint_svc.registry import FAMILIES, PRECISIONS, check_model_id
+from fingerprint_svc.registry import check_model_id, model_shape
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
@@ -147,22 +147,7 @@ class ImportPlan:
 
 def _preset_shape(preset: str) -> tuple[model_pb.ModelShape, ArchSpec]:
     spec = ArchSpec.from_hf_config(preset_config(preset, dtype=_MAVERIQ_DTYPE))
-    shape = model_pb.ModelShape(
-        family=FAMILIES.get(spec.family, common.MODEL_FAMILY_UNSPECIFIED),
-        hidden_size=spec.hidden_size,
-        num_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        intermediate_size=spec.intermediate_size,
-        vocab_size=spec.vocab_size,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        dtype=PRECISIONS.get(spec.torch_dtype, common.PRECISION_UNSPECIFIED),
-        parameter_count=spec.parameter_count(),
-        weight_bytes=spec.weight_bytes(),
-    )
-    return shape, spec
+    return model_shape(spec, spec.weight_bytes()), spec
 
 
 def _decode(name: str, content: bytes) -> str:

@@ -11,6 +11,7 @@ from fingerprint_svc.profile_plan import BASE_VARIANT
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
+from services.models.arch import ArchSpec
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
 
 MODEL_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -93,8 +94,8 @@ def check_variants(variants: list[common.CompressionVariant]) -> None:
             )
 
 
-def model_shape(checkpoint: ValidatedCheckpoint) -> model_pb.ModelShape:
-    spec = checkpoint.spec
+def model_shape(spec: ArchSpec, weight_bytes: int) -> model_pb.ModelShape:
+    """The API's description of a model's shape; ``weight_bytes`` as stored."""
     return model_pb.ModelShape(
         family=FAMILIES.get(spec.family, common.MODEL_FAMILY_UNSPECIFIED),
         hidden_size=spec.hidden_size,
@@ -108,7 +109,7 @@ def model_shape(checkpoint: ValidatedCheckpoint) -> model_pb.ModelShape:
         tie_word_embeddings=spec.tie_word_embeddings,
         dtype=PRECISIONS.get(spec.torch_dtype, common.PRECISION_UNSPECIFIED),
         parameter_count=spec.parameter_count(),
-        weight_bytes=checkpoint.weight_bytes,
+        weight_bytes=weight_bytes,
     )
 
 
@@ -134,7 +135,7 @@ def build_model(request: model_pb.RegisterModelRequest, models_root: Path) -> mo
     model = model_pb.Model(
         model_id=request.model_id,
         checkpoint_path=str(path.relative_to(models_root.resolve())),
-        shape=model_shape(checkpoint),
+        shape=model_shape(checkpoint.spec, checkpoint.weight_bytes),
         variants=variants,
         state=model_pb.MODEL_STATE_REGISTERED,
         created_at_unix_ms=int(time.time() * 1000),
