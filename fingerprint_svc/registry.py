@@ -13,6 +13,7 @@ from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
 from services.models.arch import ArchSpec
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
+from services.models.compression import DEFAULT_PRUNE_FRACTION, kept_heads, kept_mlp_channels
 
 MODEL_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 FAMILIES = {
@@ -94,6 +95,77 @@ def check_variants(variants: list[common.CompressionVariant]) -> None:
             )
 
 
+# Input widths the engine's derived compressions need every projection's to be divisible
+# by: int4 groups of at least 8 inputs (monitor_agent.engine.quantize.int4_group_size),
+# 2:4 pruning groups of 4 inputs (monitor_agent.engine.prune).
+INT4_MIN_GROUP = 8
+SPARSE_2_4_GROUP = 4
+# What a variant's own checkpoint must share with the model (a pruned checkpoint may
+# have fewer heads or MLP channels, never more, and nothing else may differ).
+SAME_FIELDS = ("family", "num_layers", "hidden_size", "head_dim", "vocab_size")
+AT_MOST_FIELDS = ("num_heads", "num_kv_heads", "intermediate_size")
+
+
+def projection_inputs(spec: ArchSpec, prune_fraction: float = 0.0) -> dict[str, int]:
+    """The input widths of a decoder layer's projections after structured pruning of
+    ``prune_fraction``: the hidden size (q/k/v, gate/up), the attention output (o) and
+    the MLP width (down)."""
+    heads, _ = kept_heads(spec.num_heads, spec.num_kv_heads, prune_fraction)
+    return {
+        "hidden_size": spec.hidden_size,
+        "attention output (heads x head_dim)": heads * spec.head_dim,
+        "MLP width": kept_mlp_channels(spec.intermediate_size, prune_fraction),
+    }
+
+
+def variant_problem(
+    variant: common.CompressionVariant, spec: ArchSpec, base: ArchSpec | None = None
+) -> str | None:
+    """Why ``variant`` cannot apply to a model shaped ``spec`` (its own checkpoint's shape
+    when it has one, ``base`` then being the model's), or None."""
+    if base is not None:
+        for name in SAME_FIELDS:
+            if getattr(spec, name) != getattr(base, name):
+                return (
+                    f"its checkpoint has {name} {getattr(spec, name)}, "
+                    f"the model has {getattr(base, name)}"
+                )
+        for name in AT_MOST_FIELDS:
+            if getattr(spec, name) > getattr(base, name):
+                return (
+                    f"its checkpoint has {name} {getattr(spec, name)}, more than "
+                    f"the model's {getattr(base, name)}"
+                )
+    if variant.structured_prune_fraction and variant.pruning != common.PRUNING_STRUCTURED:
+        return "structured_prune_fraction is set but pruning is not PRUNING_STRUCTURED"
+    fractions = [0.0]
+    if variant.pruning == common.PRUNING_STRUCTURED:
+        # Deployments drop the default share (a DeploymentConfig does not carry the
+        # variant's fraction, see monitor_agent.launch); the variant's own must work too.
+        fractions = [
+            f for f in sorted({DEFAULT_PRUNE_FRACTION, variant.structured_prune_fraction}) if f
+        ]
+    needs = []
+    if variant.weight_quant == common.WEIGHT_QUANT_INT4:
+        needs.append(("int4 weight quantization", INT4_MIN_GROUP))
+    if variant.pruning == common.PRUNING_SEMI_STRUCTURED_2_4:
+        needs.append(("2:4 pruning", SPARSE_2_4_GROUP))
+    for fraction in fractions:
+        pruned = f" after structured pruning of {fraction:g}" if fraction else ""
+        widths = projection_inputs(spec, fraction)
+        for name, width in widths.items():
+            if width < 1:
+                return f"the {name}{pruned} would be {width}"
+        for what, multiple in needs:
+            for name, width in widths.items():
+                if width % multiple:
+                    return (
+                        f"{what} needs every projection's input width divisible by "
+                        f"{multiple}; the {name}{pruned} is {width}"
+                    )
+    return None
+
+
 def model_shape(spec: ArchSpec, weight_bytes: int) -> model_pb.ModelShape:
     """The API's description of a model's shape; ``weight_bytes`` as stored."""
     return model_pb.ModelShape(
@@ -123,6 +195,7 @@ def build_model(request: model_pb.RegisterModelRequest, models_root: Path) -> mo
     variants = list(request.variants)
     check_variants(variants)
     for variant in variants:
+        spec, base = checkpoint.spec, None
         if variant.checkpoint_path:
             vpath = resolve_checkpoint(models_root, variant.checkpoint_path)
             vcheck = inspect_checkpoint(vpath, f"variant {variant.name!r}")
@@ -131,7 +204,11 @@ def build_model(request: model_pb.RegisterModelRequest, models_root: Path) -> mo
                     f"variant {variant.name!r} has {vcheck.spec.num_layers} layers, "
                     f"the model has {checkpoint.spec.num_layers}"
                 )
+            spec, base = vcheck.spec, checkpoint.spec
             variant.checkpoint_path = str(vpath.relative_to(models_root.resolve()))
+        problem = variant_problem(variant, spec, base)
+        if problem:
+            raise InvalidArgument(f"variant {variant.name!r} cannot apply to this model: {problem}")
     model = model_pb.Model(
         model_id=request.model_id,
         checkpoint_path=str(path.relative_to(models_root.resolve())),

@@ -69,3 +69,149 @@ def test_variants_are_checked(root):
     other.name, other.checkpoint_path = "pruned", "tiny3"
     with pytest.raises(InvalidArgument, match="3 layers"):
         build_model(request(other), root)
+
+
+def _variant(name="v", **fields) -> common.CompressionVariant:
+    fields.setdefault("weight_quant", common.WEIGHT_QUANT_NONE)
+    fields.setdefault("kv_quant", common.KV_QUANT_NONE)
+    fields.setdefault("pruning", common.PRUNING_NONE)
+    return common.CompressionVariant(name=name, **fields)
+
+
+@pytest.fixture(scope="module")
+def odd_root(tmp_path_factory):
+    """Checkpoints whose widths some compressions cannot take."""
+    root = tmp_path_factory.mktemp("odd-models")
+    # hidden 36 (not a multiple of 8), MLP 96, 2 heads of 18.
+    create_checkpoint(root / "h36", hidden_size=36, num_layers=2, num_heads=2, num_kv_heads=2)
+    # MLP 90: not a multiple of 4.
+    create_checkpoint(root / "mlp90", **{**SHAPE, "intermediate_size": 90})
+    # MLP 200: a multiple of 8 but not of 16, so structured pruning keeps 150.
+    create_checkpoint(root / "mlp200", **{**SHAPE, "intermediate_size": 200})
+    create_checkpoint(root / "tiny", **SHAPE)
+    create_checkpoint(root / "narrow", **{**SHAPE, "hidden_size": 32})
+    create_checkpoint(
+        root / "more-heads",
+        **{**SHAPE, "num_heads": 8, "num_kv_heads": 2},
+        config_overrides={"head_dim": 16},
+    )
+    create_checkpoint(root / "falcon", arch="falcon", **SHAPE)
+    create_checkpoint(root / "slim-mlp", **{**SHAPE, "intermediate_size": 128})
+    return root
+
+
+def _register(root, checkpoint, *variants):
+    return build_model(
+        model_pb.RegisterModelRequest(
+            model_id="odd", checkpoint_path=checkpoint, variants=list(variants)
+        ),
+        root,
+    )
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "variant", "reason"),
+    [
+        (
+            "h36",
+            _variant("int4", weight_quant=common.WEIGHT_QUANT_INT4),
+            "int4 weight quantization needs every projection's input width divisible by 8; "
+            "the hidden_size is 36",
+        ),
+        (
+            "mlp90",
+            _variant("sparse", pruning=common.PRUNING_SEMI_STRUCTURED_2_4),
+            "2:4 pruning needs every projection's input width divisible by 4; the MLP width is 90",
+        ),
+        (
+            "mlp200",
+            _variant(
+                "pruned-int4",
+                weight_quant=common.WEIGHT_QUANT_INT4,
+                pruning=common.PRUNING_STRUCTURED,
+            ),
+            "the MLP width after structured pruning of 0.25 is 150",
+        ),
+        (
+            "tiny",
+            _variant("half", structured_prune_fraction=0.5),
+            "structured_prune_fraction is set but pruning is not PRUNING_STRUCTURED",
+        ),
+        ("tiny", _variant("narrow", checkpoint_path="narrow"), "hidden_size 32, the model has 64"),
+        (
+            "tiny",
+            _variant("falcon", checkpoint_path="falcon"),
+            "family falcon, the model has llama",
+        ),
+        (
+            "tiny",
+            _variant("more", checkpoint_path="more-heads"),
+            "num_heads 8, more than the model's 4",
+        ),
+    ],
+    ids=[
+        "int4-width",
+        "2:4-width",
+        "pruned-int4",
+        "fraction-without-pruning",
+        "other-shape",
+        "other-family",
+        "more-heads",
+    ],
+)
+def test_variants_the_model_cannot_take(odd_root, checkpoint, variant, reason):
+    with pytest.raises(InvalidArgument) as err:
+        _register(odd_root, checkpoint, variant)
+    message = str(err.value)
+    assert message.startswith(f"variant {variant.name!r} cannot apply to this model: "), message
+    assert reason in message
+
+
+def test_variants_the_model_can_take(odd_root):
+    # The same compressions on widths that take them, and a pre-pruned checkpoint.
+    model = _register(
+        odd_root,
+        "tiny",
+        _variant("int4", weight_quant=common.WEIGHT_QUANT_INT4),
+        _variant("sparse", pruning=common.PRUNING_SEMI_STRUCTURED_2_4),
+        _variant(
+            "pruned-int4",
+            weight_quant=common.WEIGHT_QUANT_INT4,
+            pruning=common.PRUNING_STRUCTURED,
+            structured_prune_fraction=0.5,
+        ),
+        _variant("slim", pruning=common.PRUNING_NONE, checkpoint_path="slim-mlp"),
+    )
+    assert [v.name for v in model.variants] == ["int4", "sparse", "pruned-int4", "slim"]
+    # int8 has a fallback for any width; 2:4 takes hidden 36 (a multiple of 4).
+    _register(
+        odd_root,
+        "h36",
+        _variant("int8", weight_quant=common.WEIGHT_QUANT_INT8),
+        _variant("sparse", pruning=common.PRUNING_SEMI_STRUCTURED_2_4),
+    )
+
+
+def test_variant_problem_is_pure():
+    # Built from the config alone, no weights: the check needs only the shape.
+    import tempfile
+    from pathlib import Path
+
+    from fingerprint_svc.registry import projection_inputs, variant_problem
+    from services.models.arch import ArchSpec
+    from services.models.checkpoint import read_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        create_checkpoint(Path(tmp) / "m", **{**SHAPE, "intermediate_size": 200})
+        spec = ArchSpec.from_hf_config(read_config(Path(tmp) / "m"))
+    assert projection_inputs(spec) == {
+        "hidden_size": 64,
+        "attention output (heads x head_dim)": 64,
+        "MLP width": 200,
+    }
+    assert projection_inputs(spec, 0.25)["MLP width"] == 150
+    # GQA (4 heads in 2 groups): each group keeps 2 - floor(0.5 * 2) = 1 query head.
+    assert projection_inputs(spec, 0.5)["attention output (heads x head_dim)"] == 32
+    int4 = _variant("int4", weight_quant=common.WEIGHT_QUANT_INT4)
+    assert variant_problem(int4, spec) is None
+    assert variant_problem(_variant(), spec, base=spec) is None

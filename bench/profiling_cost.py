@@ -1,0 +1,266 @@
+"""What fingerprints save: profiling a 32-layer model's fingerprints against profiling
+the full model under the same reference configurations.
+
+Method: start the real stack (embedded redis-server, every service, one node agent with
+2 virtual CPU devices) in a temporary state directory on free ports, and write a
+32-layer Llama checkpoint (hidden 1024, 16 heads, 4 KV heads, MLP 2752, the tokenizer's
+640-token vocabulary with tied embeddings; float32, about 1.5 GB).
+
+* Fingerprints: RegisterModel with profiling, WatchModel until PROFILED, then GetProfile:
+  the profiler's own record of the cost. It ran its jobs as it always does, the
+  fingerprints of 1 and 2 layers at (1,1), 2 and 3 at (1,2), 1 and 2 at (2,1), each at
+  batch 1 and 2, every job a RunProfilingJob on the agent.
+* Full model: the same jobs (same references, batch sizes, prompt, output lengths,
+  warm-up and timed repetitions, built with the profiler's ``ProfileJob``), with the
+  32-layer checkpoint itself in place of the fingerprints, one per (reference, batch),
+  sent to the same agent's RunProfilingJob one after another.
+
+Both sides are counted as the profiler counts: device-seconds = Σ over jobs of the
+job's devices × the RunProfilingJob call's wall time (worker start-up and stop
+included), peak memory = the largest per-rank peak any run reported (on CPU the
+worker's account of weights + KV cache + peak activations). The breakdown splits
+device-seconds into generation (Σ over output lengths of the median run latency ×
+(warm-up + timed runs) × devices) and the rest (starting the workers, loading weights,
+stopping them, RPCs).
+
+Why this width: the per-rank peak of the fingerprint runs is that of the 2-layer
+fingerprint at (1,1), so the memory ratio is at most about 32/2 = 16 and only comes near
+it when a layer dwarfs what every rank holds whatever its layer count (embeddings, LM
+head, activations). Hidden 1024 with the small tied vocabulary makes a layer ~46 MB
+against ~4 MB of the rest at 16 prompt tokens; at 64 prompt tokens (the profiler's
+default) the activations grow to ~8 MB and the bound falls to ~14.8×. A wider model
+would raise the bound but the full model would no longer profile in minutes on 2 cores.
+
+Run: .venv/bin/python bench/profiling_cost.py [--input-tokens 16] [--hidden 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fingerprint_svc.fingerprints import FingerprintCache  # noqa: E402
+from fingerprint_svc.profile_plan import (  # noqa: E402
+    ProfileJob,
+    ProfilingSettings,
+    plan_jobs,
+)
+from services.api import agent_service_pb2 as agent_pb  # noqa: E402
+from services.api import (  # noqa: E402
+    agent_service_pb2_grpc,
+    deployment_service_pb2_grpc,  # noqa: E402
+    model_service_pb2_grpc,
+)
+from services.api import deployment_service_pb2 as deploy_pb  # noqa: E402
+from services.api import model_service_pb2 as model_pb  # noqa: E402
+from services.cli import stack as launcher  # noqa: E402
+from services.models.checkpoint import create_checkpoint  # noqa: E402
+from services.redis_embedded import free_port  # noqa: E402
+from services.settings import SERVICE_ENV, load_settings  # noqa: E402
+
+MIB = 1 << 20
+MODEL_ID = "bench-32l"
+LAYERS = 32
+
+
+def generation_seconds(runs, settings: ProfilingSettings) -> float:
+    """Seconds a job spent generating: every output length's median latency times the
+    runs made at it (warm-up included)."""
+    per_length = settings.warmup_runs + settings.timed_runs
+    return sum(r.latency_ms / 1e3 for r in runs) * per_length
+
+
+def profile_fingerprints(settings, models, profiling: ProfilingSettings):
+    """Register with profiling, wait, return (profile, wall s, generation device-s)."""
+    started = time.perf_counter()
+    models.RegisterModel(
+        model_pb.RegisterModelRequest(model_id=MODEL_ID, checkpoint_path=MODEL_ID), timeout=60
+    )
+    last = None
+    for last in models.WatchModel(model_pb.WatchModelRequest(model_id=MODEL_ID), timeout=3600):
+        print(f"  fingerprints: {last.runs_done}/{last.runs_total} {last.current}", file=sys.stderr)
+    wall = time.perf_counter() - started
+    if last is None or last.state != model_pb.MODEL_STATE_PROFILED:
+        raise SystemExit(f"fingerprint profiling did not finish: {last}")
+    profile = models.GetProfile(model_pb.GetProfileRequest(model_id=MODEL_ID))
+    jobs = collections.defaultdict(list)
+    for m in profile.measurements:
+        key = (
+            m.config.tensor_parallel,
+            m.config.pipeline_parallel,
+            m.num_layers,
+            m.config.batch_size,
+        )
+        jobs[key].append(m)
+    generation = sum(
+        generation_seconds(runs, profiling) * tp * pp for (tp, pp, _, _), runs in jobs.items()
+    )
+    return profile, wall, generation, len(jobs)
+
+
+def profile_full_model(settings, models, agent, device_ids, profiling: ProfilingSettings):
+    """Every fingerprint job's (reference, batch) on the full checkpoint, through the
+    agent's RunProfilingJob; returns per-job rows."""
+    model = models.GetModel(model_pb.GetModelRequest(model_id=MODEL_ID)).model
+    fingerprint_jobs, skipped = plan_jobs(model, profiling, len(device_ids))
+    if skipped:
+        print(f"  skipped references: {skipped}", file=sys.stderr)
+    full = FingerprintCache(settings.models_root).fingerprint(model.checkpoint_path, LAYERS)
+    assert full.full_model
+    seen, rows = set(), []
+    for fj in fingerprint_jobs:
+        key = (fj.tensor_parallel, fj.pipeline_parallel, fj.batch_size)
+        if key in seen:
+            continue
+        seen.add(key)
+        job = ProfileJob(
+            fj.variant, fj.tensor_parallel, fj.pipeline_parallel, LAYERS, fj.batch_size
+        )
+        request = agent_pb.RunProfilingJobRequest(
+            request_id=f"bench-full-{len(rows)}",
+            checkpoint_path=full.checkpoint_path,
+            config=job.config(),
+            workers=job.worker_specs(device_ids[: job.ranks]),
+            input_tokens=profiling.input_tokens,
+            output_tokens=profiling.output_tokens,
+            warmup_runs=profiling.warmup_runs,
+            timed_runs=profiling.timed_runs,
+        )
+        started = time.perf_counter()
+        reply = agent.RunProfilingJob(request, timeout=3600)
+        wall = time.perf_counter() - started
+        peak = max(max(r.peak_memory_bytes_per_rank) for r in reply.runs)
+        gen = generation_seconds(reply.runs, profiling)
+        rows.append((job, wall, gen, peak, reply.runs))
+        print(
+            f"  full model tp={job.tensor_parallel} pp={job.pipeline_parallel} "
+            f"batch={job.batch_size}: {wall:.1f} s wall ({gen:.1f} s generating), "
+            f"peak {peak / MIB:.0f} MiB",
+            file=sys.stderr,
+        )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--input-tokens", type=int, default=16, help="prompt tokens (default 16)")
+    parser.add_argument("--output-tokens", default="8,16", help="output lengths (default 8,16)")
+    parser.add_argument("--timed-runs", type=int, default=3)
+    parser.add_argument("--warmup-runs", type=int, default=1)
+    args = parser.parse_args()
+
+    profile_env = {
+        "ISERVE_PROFILE_INPUT_TOKENS": str(args.input_tokens),
+        "ISERVE_PROFILE_OUTPUT_TOKENS": args.output_tokens,
+        "ISERVE_PROFILE_BATCH_SIZES": "1,2",
+        "ISERVE_PROFILE_WARMUP_RUNS": str(args.warmup_runs),
+        "ISERVE_PROFILE_TIMED_RUNS": str(args.timed_runs),
+    }
+    profiling = ProfilingSettings.from_env(profile_env)
+    with tempfile.TemporaryDirectory(prefix="iserve-bench-") as tmp:
+        env = {
+            "ISERVE_STATE_DIR": tmp,
+            "ISERVE_MODELS_ROOT": f"{tmp}/models",
+            "ISERVE_DEVICES": "2",
+            "ISERVE_DEVICE_MEMORY_GIB": "6",
+            "ISERVE_READY_TIMEOUT_S": "600",
+            **profile_env,
+            **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+        }
+        os.environ.pop("REDIS_URL", None)
+        os.environ.update(env)
+        settings = load_settings()
+        print("starting the stack ...", file=sys.stderr)
+        launcher.up(settings, launcher.UpOptions(), log=lambda _m: None)
+        try:
+            create_checkpoint(
+                settings.models_root / MODEL_ID,
+                hidden_size=args.hidden,
+                num_layers=LAYERS,
+                num_heads=args.heads,
+                num_kv_heads=args.kv_heads,
+                tie_word_embeddings=True,
+            )
+            models = model_service_pb2_grpc.ModelServiceStub(
+                grpc.insecure_channel(settings.address("model"))
+            )
+            agent = agent_service_pb2_grpc.AgentServiceStub(
+                grpc.insecure_channel(settings.address("agent"))
+            )
+            cluster = deployment_service_pb2_grpc.DeploymentServiceStub(
+                grpc.insecure_channel(settings.address("deploy"))
+            ).GetClusterState(deploy_pb.GetClusterStateRequest())
+            device_ids = sorted(d.ref.device_id for n in cluster.nodes for d in n.devices)
+            print("profiling the fingerprints ...", file=sys.stderr)
+            profile, fp_wall, fp_gen, fp_jobs = profile_fingerprints(settings, models, profiling)
+            print("profiling the full model ...", file=sys.stderr)
+            full_rows = profile_full_model(settings, models, agent, device_ids, profiling)
+            shape = models.GetModel(model_pb.GetModelRequest(model_id=MODEL_ID)).model.shape
+        finally:
+            launcher.down(settings, log=lambda _m: None)
+
+    fp_ds = profile.cost.device_seconds
+    fp_peak = profile.cost.peak_device_memory_bytes
+    full_ds = sum(job.ranks * wall for job, wall, _, _, _ in full_rows)
+    full_gen = sum(job.ranks * gen for job, _, gen, _, _ in full_rows)
+    full_peak = max(peak for *_, peak, _ in full_rows)
+    full_wall = sum(wall for _, wall, *_ in full_rows)
+    print(
+        f"profiling cost: {LAYERS}-layer Llama (hidden {shape.hidden_size}, "
+        f"{shape.num_attention_heads} heads / {shape.num_kv_heads} KV, MLP "
+        f"{shape.intermediate_size}, vocab {shape.vocab_size} tied; "
+        f"{shape.weight_bytes / MIB:.0f} MiB of weights) on 2 virtual CPU devices, "
+        f"{os.cpu_count()} cores"
+    )
+    print(
+        f"references (1,1) (1,2) (2,1) x batch 1,2; prompt {profiling.input_tokens} tokens, "
+        f"outputs {','.join(map(str, profiling.output_tokens))}; {profiling.warmup_runs} warm-up "
+        f"+ {profiling.timed_runs} timed runs per output length; device-seconds = sum of "
+        "devices x RunProfilingJob wall time; peak = largest per-rank peak"
+    )
+    if profile.skipped:
+        print(f"skipped by the profiler: {list(profile.skipped)}")
+    print(
+        f"{'':<26}{'jobs':>6}{'wall s':>9}{'device-s':>10}{'generating':>12}{'start/stop':>12}{'peak MiB':>10}"
+    )
+    print(
+        f"{'fingerprints (1-3 layers)':<26}{fp_jobs:>6}{fp_wall:>9.1f}{fp_ds:>10.1f}"
+        f"{fp_gen:>12.1f}{fp_ds - fp_gen:>12.1f}{fp_peak / MIB:>10.1f}"
+    )
+    print(
+        f"{f'full model ({LAYERS} layers)':<26}{len(full_rows):>6}{full_wall:>9.1f}{full_ds:>10.1f}"
+        f"{full_gen:>12.1f}{full_ds - full_gen:>12.1f}{full_peak / MIB:>10.1f}"
+    )
+    mem_ratio = full_peak / fp_peak
+    ds_ratio = full_ds / fp_ds
+    print(
+        f"peak memory ratio {mem_ratio:.1f}x (target >= 15x): {'OK' if mem_ratio >= 15 else 'MISSED'}"
+    )
+    print(
+        f"device-seconds ratio {ds_ratio:.1f}x (target >= 10x): {'OK' if ds_ratio >= 10 else 'MISSED'}"
+    )
+    print(
+        f"generation-only device-seconds ratio {full_gen / fp_gen:.1f}x; start-up/stop is "
+        f"{(fp_ds - fp_gen) / fp_ds:.0%} of the fingerprints' device-seconds "
+        f"({(fp_ds - fp_gen) / max(1, sum(j for j in [fp_jobs])):.1f} device-s per job)"
+    )
+    per_job_startup = statistics.median(wall - gen for _, wall, gen, _, _ in full_rows)
+    print(f"full-model start-up/stop per job (median): {per_job_startup:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
