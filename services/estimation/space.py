@@ -119,7 +119,11 @@ def parallel_pairs(shape: ModelShape, devices: int) -> tuple[tuple[int, int], ..
         raise ValueError(f"devices must be positive, got {devices}")
     pairs = []
     for tp in TP_DEGREES:
-        if shape.num_heads % tp or shape.num_kv_heads % tp:
+        # tp must divide the heads; KV heads are split when tp divides them and
+        # replicated when tp is a multiple of them (as the engine and the profiler do:
+        # a multi-query model runs at tp = 2).
+        kv = shape.num_kv_heads
+        if shape.num_heads % tp or (kv % tp and tp % kv):
             continue
         for pp in range(1, min(MAX_PP, shape.num_layers) + 1):
             if tp * pp <= devices:

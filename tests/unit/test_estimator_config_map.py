@@ -189,8 +189,9 @@ def test_estimates_default_the_devices_and_report_bad_requests(redis_url):
         await put_tiny(store)
         result = await estimator.estimate("tiny", CPU, Workload(20), 0)
         assert result.devices == DEFAULT_DEVICES
-        # tp 1 with pp 1..8, tp 2 with pp 1..4, tp 4 with pp 1, 2 (4 KV heads: no tp 8).
-        assert result.estimates.space.size == 3 * 14
+        # tp 1 with pp 1..8, tp 2 with pp 1..4, tp 4 with pp 1, 2, tp 8 with pp 1 (8 is a
+        # multiple of the 4 KV heads: each rank holds a replica of its group's KV head).
+        assert result.estimates.space.size == 3 * 15
 
         node = common.NodeState(node_id="n0", agent_address="127.0.0.1:1")
         for i in range(2):
