@@ -25,27 +25,25 @@ How a CSV row maps to a :class:`ProfileMeasurement`: latency is end to end
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fingerprint_svc.registry import check_model_id, model_shape
+from fingerprint_svc.registry import model_shape
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
 from services.estimation.memory import GIB
+from services.ids import check_hardware_type, check_model_id
 from services.importers import maveriq
 from services.models.arch import ArchSpec
 from services.models.presets import PRESETS, preset_config
 from services.state.store import StateStore
 
 __all__ = [
-    "HARDWARE_TYPE",
     "ImportPlan",
     "ImportedModel",
-    "check_hardware_type",
     "import_profiles",
     "merge_model",
     "merge_profile",
@@ -54,7 +52,6 @@ __all__ = [
     "variant_name",
 ]
 
-HARDWARE_TYPE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 # What the data set's files hold, by name.
 _MEASUREMENT_FILES = (
     maveriq.FINGERPRINTS,
@@ -78,14 +75,6 @@ _WEIGHT_QUANTS = {
 }
 # MaverIQ ran every model in float16.
 _MAVERIQ_DTYPE = "float16"
-
-
-def check_hardware_type(hardware_type: str) -> None:
-    if not HARDWARE_TYPE.match(hardware_type):
-        raise InvalidArgument(
-            f"invalid hardware_type {hardware_type!r}: use 1-64 lowercase letters, digits, "
-            "'.', '_' or '-', e.g. 'rtx-a6000'"
-        )
 
 
 def variant_name(weight_quant: str, int8_kv_cache: bool) -> str:

@@ -3,7 +3,6 @@ whether a checkpoint is a model iserve can serve, and the record that describes 
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
@@ -11,11 +10,11 @@ from fingerprint_svc.profile_plan import BASE_VARIANT
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
+from services.ids import check_model_id
 from services.models.arch import ArchSpec
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
 from services.models.compression import DEFAULT_PRUNE_FRACTION, kept_heads, kept_mlp_channels
 
-MODEL_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 FAMILIES = {
     "llama": common.MODEL_FAMILY_LLAMA,
     "mistral": common.MODEL_FAMILY_MISTRAL,
@@ -28,14 +27,6 @@ PRECISIONS = {
     "float16": common.PRECISION_FLOAT16,
     "bfloat16": common.PRECISION_BFLOAT16,
 }
-
-
-def check_model_id(model_id: str) -> None:
-    if not MODEL_ID.match(model_id):
-        raise InvalidArgument(
-            f"invalid model_id {model_id!r}: use 1-64 lowercase letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
 
 
 def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:

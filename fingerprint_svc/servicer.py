@@ -6,11 +6,12 @@ import asyncio
 
 from fingerprint_svc.importing import import_profiles
 from fingerprint_svc.profiler import Profiler
-from fingerprint_svc.registry import build_model, check_model_id
+from fingerprint_svc.registry import build_model
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import model_service_pb2_grpc
 from services.errors import AlreadyExists, FailedPrecondition, NotFound
+from services.ids import require_model
 from services.settings import Settings
 from services.state.store import StateStore
 
@@ -32,11 +33,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         self._register_lock = asyncio.Lock()
 
     async def _model(self, model_id: str) -> model_pb.Model:
-        check_model_id(model_id)
-        model = await self.store.get_model(model_id)
-        if model is None:
-            raise NotFound(f"model {model_id!r} is not registered")
-        return model
+        return await require_model(self.store, model_id)
 
     async def RegisterModel(self, request, context):
         model = build_model(request, self.settings.models_root)

@@ -30,13 +30,13 @@ from services.estimation.latency import (
 from services.estimation.memory import MemoryConstants
 from services.estimation.score import Calibration
 from services.estimator.calibration import HardwareCalibration
+from services.ids import is_valid_id
 from services.state.records import decode
 
 __all__ = ["SHIPPED_DIR", "from_proto", "load_shipped", "to_proto"]
 
 Layout = tuple[int, int]
 SHIPPED_DIR = Path(__file__).resolve().parent / "calibrations"
-_HARDWARE_TYPE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _CONSTANTS = ("alpha", "beta", "gamma", "delta")
 
 
@@ -139,7 +139,7 @@ def load_shipped(
     hardware_type: str, directory: Path = SHIPPED_DIR
 ) -> estimator_pb.Calibration | None:
     """The calibration shipped with iserve for ``hardware_type`` (``<type>.json``), if any."""
-    if not _HARDWARE_TYPE.match(hardware_type):
+    if not is_valid_id(hardware_type):
         return None
     path = directory / f"{hardware_type}.json"
     if not path.is_file():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,15 +15,11 @@ from services.estimator.extrapolation import Workload
 from services.estimator.ranking import RankedConfigs
 
 __all__ = [
-    "check_hardware_type",
-    "check_model_id",
     "estimate_messages",
     "ranked_messages",
     "workload_from_proto",
 ]
 
-_MODEL_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-_HARDWARE_TYPE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _WEIGHT_QUANTS = {
     "fp16": common.WEIGHT_QUANT_NONE,
     "int8": common.WEIGHT_QUANT_INT8,
@@ -37,19 +32,6 @@ _PRUNINGS = {
     "2:4": common.PRUNING_SEMI_STRUCTURED_2_4,
     "structured": common.PRUNING_STRUCTURED,
 }
-
-
-def check_model_id(model_id: str) -> None:
-    if not _MODEL_ID.match(model_id):
-        raise InvalidArgument(f"invalid model_id {model_id!r}")
-
-
-def check_hardware_type(hardware_type: str) -> None:
-    if not _HARDWARE_TYPE.match(hardware_type):
-        raise InvalidArgument(
-            f"invalid hardware_type {hardware_type!r}: give the type of the devices, "
-            "e.g. 'cpu-x86_64' or 'rtx-a6000'"
-        )
 
 
 def workload_from_proto(workload: estimator_pb.Workload) -> Workload:

@@ -28,7 +28,7 @@ from services.estimator.calibration import fit_hardware_calibration
 from services.estimator.config_map import ConfigMap, build_config_map, from_json, source_hash
 from services.estimator.config_map import to_json as config_map_json
 from services.estimator.extrapolation import Workload
-from services.estimator.messages import check_hardware_type, check_model_id
+from services.ids import check_hardware_type, require_model
 from services.state.store import StateStore
 
 __all__ = ["DEFAULT_DEVICES", "Estimator", "Estimate"]
@@ -163,11 +163,7 @@ class Estimator:
 
     # ---- configuration maps -------------------------------------------------------
     async def _model(self, model_id: str) -> model_pb.Model:
-        check_model_id(model_id)
-        model = await self.store.get_model(model_id)
-        if model is None:
-            raise NotFound(f"model {model_id!r} is not registered")
-        return model
+        return await require_model(self.store, model_id)
 
     async def _rows(self, model_id: str, hardware_type: str) -> list[model_pb.ProfileMeasurement]:
         profile = await self.store.get_profile(model_id)

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
-from services.estimator.messages import (
-    check_hardware_type,
-    estimate_messages,
-    ranked_messages,
-    workload_from_proto,
-)
+from services.estimator.messages import estimate_messages, ranked_messages, workload_from_proto
 from services.estimator.ranking import check_intent, rank_for_intent
 from services.estimator.service import Estimator
+from services.ids import check_hardware_type
 
 
 class EstimatorServicer(estimator_service_pb2_grpc.EstimatorServiceServicer):

@@ -1,0 +1,41 @@
+"""Identifiers clients choose (model ids, hardware types): one rule for every service."""
+
+from __future__ import annotations
+
+import re
+
+from services.api import model_service_pb2 as model_pb
+from services.errors import InvalidArgument, NotFound
+from services.state.store import StateStore
+
+# Lowercase letters, digits, '.', '_' and '-', 1-64 characters, starting with a letter or
+# digit: safe in Redis keys, file names and URLs.
+ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_RULE = "use 1-64 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def is_valid_id(value: str) -> bool:
+    return ID_PATTERN.match(value) is not None
+
+
+def check_model_id(model_id: str) -> None:
+    if not is_valid_id(model_id):
+        raise InvalidArgument(f"invalid model_id {model_id!r}: {_RULE}")
+
+
+def check_hardware_type(hardware_type: str) -> None:
+    if not is_valid_id(hardware_type):
+        raise InvalidArgument(
+            f"invalid hardware_type {hardware_type!r}: the type of the devices, "
+            f"e.g. 'cpu-x86_64' or 'rtx-a6000' ({_RULE})"
+        )
+
+
+async def require_model(store: StateStore, model_id: str) -> model_pb.Model:
+    """The registered model ``model_id``; InvalidArgument for a malformed id, NotFound
+    when no such model is registered."""
+    check_model_id(model_id)
+    model = await store.get_model(model_id)
+    if model is None:
+        raise NotFound(f"model {model_id!r} is not registered")
+    return model
