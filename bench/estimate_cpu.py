@@ -43,7 +43,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,8 +67,6 @@ from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.cli import stack as launcher  # noqa: E402
 from services.estimator.calibration_message import SHIPPED_DIR  # noqa: E402
 from services.models.checkpoint import create_checkpoint  # noqa: E402
-from services.redis_embedded import free_port  # noqa: E402
-from services.settings import SERVICE_ENV, load_settings  # noqa: E402
 from services.state.store import StateStore  # noqa: E402
 
 HARDWARE = "cpu-x86_64"
@@ -312,124 +309,113 @@ def main() -> int:
     args = parser.parse_args()
     started = time.perf_counter()
 
-    with tempfile.TemporaryDirectory(prefix="iserve-bench-") as tmp:
-        env = {
-            "ISERVE_STATE_DIR": tmp,
-            "ISERVE_MODELS_ROOT": f"{tmp}/models",
+    log("starting the stack ...")
+    with launcher.temporary_stack(
+        {
             "ISERVE_DEVICES": "2",
             "ISERVE_DEVICE_MEMORY_GIB": "2",
             "ISERVE_PROFILE_INPUT_TOKENS": str(INPUT_TOKENS),
             "ISERVE_PROFILE_OUTPUT_TOKENS": ",".join(map(str, OUTPUT_TOKENS)),
             "ISERVE_PROFILE_BATCH_SIZES": args.batch_sizes,
             "ISERVE_PROFILE_TIMED_RUNS": str(args.profile_timed_runs),
-            **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
         }
-        os.environ.pop("REDIS_URL", None)
-        os.environ.update(env)
-        log("starting the stack ...")
-        launcher.up(load_settings(), launcher.UpOptions(), log=lambda _m: None)
-        settings = load_settings()
-        try:
-            ch = lambda name: grpc.insecure_channel(settings.address(name))  # noqa: E731
-            models_stub = model_service_pb2_grpc.ModelServiceStub(ch("model"))
-            deploy_stub = deployment_service_pb2_grpc.DeploymentServiceStub(ch("deploy"))
-            est_stub = estimator_service_pb2_grpc.EstimatorServiceStub(ch("estimator"))
-            if args.load:
-                raw = json.loads(args.load.read_text())
-                models = {
-                    k: json_format.ParseDict(v, model_pb.Model()) for k, v in raw["models"].items()
-                }
-                fingerprints = {
-                    k: json_format.ParseDict(v, model_pb.GetProfileResponse())
-                    for k, v in raw["profiles"].items()
-                }
-                full_rows = [
-                    json_format.ParseDict(r, model_pb.ProfileMeasurement()) for r in raw["full"]
-                ]
+    ) as settings:
+        ch = lambda name: grpc.insecure_channel(settings.address(name))  # noqa: E731
+        models_stub = model_service_pb2_grpc.ModelServiceStub(ch("model"))
+        deploy_stub = deployment_service_pb2_grpc.DeploymentServiceStub(ch("deploy"))
+        est_stub = estimator_service_pb2_grpc.EstimatorServiceStub(ch("estimator"))
+        if args.load:
+            raw = json.loads(args.load.read_text())
+            models = {
+                k: json_format.ParseDict(v, model_pb.Model()) for k, v in raw["models"].items()
+            }
+            fingerprints = {
+                k: json_format.ParseDict(v, model_pb.GetProfileResponse())
+                for k, v in raw["profiles"].items()
+            }
+            full_rows = [
+                json_format.ParseDict(r, model_pb.ProfileMeasurement()) for r in raw["full"]
+            ]
 
-                async def put_models(store):
-                    for m in models.values():
-                        await store.put_model(m)
+            async def put_models(store):
+                for m in models.values():
+                    await store.put_model(m)
 
-                run_async(_with_store(settings, put_models))
-                profile_s = raw.get("profile_s", 0.0)
-                measure_s = raw.get("measure_s", 0.0)
-            else:
-                t0 = time.perf_counter()
-                models = register_and_profile(settings, models_stub, args.hidden)
-                profile_s = time.perf_counter() - t0
-                fingerprints = {
-                    m: models_stub.GetProfile(model_pb.GetProfileRequest(model_id=m)) for m in ARCHS
-                }
-                t0 = time.perf_counter()
-                full_rows = measure_full_models(settings, deploy_stub, args.timed_runs)
-                measure_s = time.perf_counter() - t0
-                if args.save:
-                    args.save.write_text(
-                        json.dumps(
-                            {
-                                "models": {
-                                    k: json_format.MessageToDict(v) for k, v in models.items()
-                                },
-                                "profiles": {
-                                    k: json_format.MessageToDict(v) for k, v in fingerprints.items()
-                                },
-                                "full": [json_format.MessageToDict(r) for r in full_rows],
-                                "profile_s": profile_s,
-                                "measure_s": measure_s,
-                            }
-                        )
+            run_async(_with_store(settings, put_models))
+            profile_s = raw.get("profile_s", 0.0)
+            measure_s = raw.get("measure_s", 0.0)
+        else:
+            t0 = time.perf_counter()
+            models = register_and_profile(settings, models_stub, args.hidden)
+            profile_s = time.perf_counter() - t0
+            fingerprints = {
+                m: models_stub.GetProfile(model_pb.GetProfileRequest(model_id=m)) for m in ARCHS
+            }
+            t0 = time.perf_counter()
+            full_rows = measure_full_models(settings, deploy_stub, args.timed_runs)
+            measure_s = time.perf_counter() - t0
+            if args.save:
+                args.save.write_text(
+                    json.dumps(
+                        {
+                            "models": {k: json_format.MessageToDict(v) for k, v in models.items()},
+                            "profiles": {
+                                k: json_format.MessageToDict(v) for k, v in fingerprints.items()
+                            },
+                            "full": [json_format.MessageToDict(r) for r in full_rows],
+                            "profile_s": profile_s,
+                            "measure_s": measure_s,
+                        }
                     )
-            hardware = {r.hardware_type for r in full_rows}
-            assert hardware == {HARDWARE}, hardware
-            full_by_model = {m: [] for m in ARCHS}
-            measured = {}
-            # Full-model rows carry no model id: keep them grouped by order.
-            per_model = len(VARIANTS) * len(LAYOUTS) * len(OUTPUT_TOKENS)
-            for i, model_id in enumerate(ARCHS):
-                full_by_model[model_id] = full_rows[i * per_model : (i + 1) * per_model]
-                for r in full_by_model[model_id]:
-                    if r.output_tokens == EVAL_OUTPUT:
-                        key = (
-                            model_id,
-                            r.variant_name,
-                            r.config.tensor_parallel,
-                            r.config.pipeline_parallel,
-                        )
-                        measured[key] = r
-            measured = dict(sorted(measured.items()))
-            profiles = {m: (fingerprints[m], full_by_model[m]) for m in ARCHS}
+                )
+        hardware = {r.hardware_type for r in full_rows}
+        assert hardware == {HARDWARE}, hardware
+        full_by_model = {m: [] for m in ARCHS}
+        measured = {}
+        # Full-model rows carry no model id: keep them grouped by order.
+        per_model = len(VARIANTS) * len(LAYOUTS) * len(OUTPUT_TOKENS)
+        for i, model_id in enumerate(ARCHS):
+            full_by_model[model_id] = full_rows[i * per_model : (i + 1) * per_model]
+            for r in full_by_model[model_id]:
+                if r.output_tokens == EVAL_OUTPUT:
+                    key = (
+                        model_id,
+                        r.variant_name,
+                        r.config.tensor_parallel,
+                        r.config.pipeline_parallel,
+                    )
+                    measured[key] = r
+        measured = dict(sorted(measured.items()))
+        profiles = {m: (fingerprints[m], full_by_model[m]) for m in ARCHS}
 
-            # 1. The calibration shipped before (no full-model rows stored).
-            log("estimating with the shipped calibration ...")
-            set_profiles(settings, profiles, with_full=set())
-            shipped = est_stub.GetCalibration(est_pb.GetCalibrationRequest(hardware_type=HARDWARE))
-            est_placeholder = {m: estimate(est_stub, m) for m in ARCHS}
+        # 1. The calibration shipped before (no full-model rows stored).
+        log("estimating with the shipped calibration ...")
+        set_profiles(settings, profiles, with_full=set())
+        shipped = est_stub.GetCalibration(est_pb.GetCalibrationRequest(hardware_type=HARDWARE))
+        est_placeholder = {m: estimate(est_stub, m) for m in ARCHS}
 
-            # 2. Leave one architecture out.
-            est_loao, folds = {}, []
-            for held in ARCHS:
-                train = [m for m in ARCHS if m != held]
-                log(f"calibrating without {held} ...")
-                set_profiles(settings, profiles, with_full=set(train))
-                cal = est_stub.Calibrate(
-                    est_pb.CalibrateRequest(hardware_type=HARDWARE, model_ids=train)
-                ).calibration
-                folds.append((held, cal))
-                est_loao[held] = estimate(est_stub, held)
-
-            # 3. All three (in-sample) and the calibration to ship.
-            log("calibrating on all three ...")
-            set_profiles(settings, profiles, with_full=set(ARCHS))
-            final = est_stub.Calibrate(
-                est_pb.CalibrateRequest(hardware_type=HARDWARE, model_ids=list(ARCHS))
+        # 2. Leave one architecture out.
+        est_loao, folds = {}, []
+        for held in ARCHS:
+            train = [m for m in ARCHS if m != held]
+            log(f"calibrating without {held} ...")
+            set_profiles(settings, profiles, with_full=set(train))
+            cal = est_stub.Calibrate(
+                est_pb.CalibrateRequest(hardware_type=HARDWARE, model_ids=train)
             ).calibration
-            # In-sample estimates: the held-out rows must not be in the references'
-            # samples, so estimate with the fingerprint-only profiles.
-            set_profiles(settings, profiles, with_full=set())
-            est_all = {m: estimate(est_stub, m) for m in ARCHS}
-        finally:
-            launcher.down(settings, log=lambda _m: None)
+            folds.append((held, cal))
+            est_loao[held] = estimate(est_stub, held)
+
+        # 3. All three (in-sample) and the calibration to ship.
+        log("calibrating on all three ...")
+        set_profiles(settings, profiles, with_full=set(ARCHS))
+        final = est_stub.Calibrate(
+            est_pb.CalibrateRequest(hardware_type=HARDWARE, model_ids=list(ARCHS))
+        ).calibration
+        # In-sample estimates: the held-out rows must not be in the references'
+        # samples, so estimate with the fingerprint-only profiles.
+        set_profiles(settings, profiles, with_full=set())
+        est_all = {m: estimate(est_stub, m) for m in ARCHS}
 
     print(
         "Estimation accuracy on this CPU (2 virtual devices, one core each; "

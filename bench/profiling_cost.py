@@ -41,7 +41,6 @@ import collections
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -65,8 +64,6 @@ from services.api import deployment_service_pb2 as deploy_pb  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.cli import stack as launcher  # noqa: E402
 from services.models.checkpoint import create_checkpoint  # noqa: E402
-from services.redis_embedded import free_port  # noqa: E402
-from services.settings import SERVICE_ENV, load_settings  # noqa: E402
 
 MIB = 1 << 20
 MODEL_ID = "bench-32l"
@@ -170,47 +167,38 @@ def main() -> int:
         "ISERVE_PROFILE_TIMED_RUNS": str(args.timed_runs),
     }
     profiling = ProfilingSettings.from_env(profile_env)
-    with tempfile.TemporaryDirectory(prefix="iserve-bench-") as tmp:
-        env = {
-            "ISERVE_STATE_DIR": tmp,
-            "ISERVE_MODELS_ROOT": f"{tmp}/models",
+    print("starting the stack ...", file=sys.stderr)
+    with launcher.temporary_stack(
+        {
             "ISERVE_DEVICES": "2",
             "ISERVE_DEVICE_MEMORY_GIB": "6",
             "ISERVE_READY_TIMEOUT_S": "600",
             **profile_env,
-            **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
         }
-        os.environ.pop("REDIS_URL", None)
-        os.environ.update(env)
-        settings = load_settings()
-        print("starting the stack ...", file=sys.stderr)
-        launcher.up(settings, launcher.UpOptions(), log=lambda _m: None)
-        try:
-            create_checkpoint(
-                settings.models_root / MODEL_ID,
-                hidden_size=args.hidden,
-                num_layers=LAYERS,
-                num_heads=args.heads,
-                num_kv_heads=args.kv_heads,
-                tie_word_embeddings=True,
-            )
-            models = model_service_pb2_grpc.ModelServiceStub(
-                grpc.insecure_channel(settings.address("model"))
-            )
-            agent = agent_service_pb2_grpc.AgentServiceStub(
-                grpc.insecure_channel(settings.address("agent"))
-            )
-            cluster = deployment_service_pb2_grpc.DeploymentServiceStub(
-                grpc.insecure_channel(settings.address("deploy"))
-            ).GetClusterState(deploy_pb.GetClusterStateRequest())
-            device_ids = sorted(d.ref.device_id for n in cluster.nodes for d in n.devices)
-            print("profiling the fingerprints ...", file=sys.stderr)
-            profile, fp_wall, fp_gen, fp_jobs = profile_fingerprints(settings, models, profiling)
-            print("profiling the full model ...", file=sys.stderr)
-            full_rows = profile_full_model(settings, models, agent, device_ids, profiling)
-            shape = models.GetModel(model_pb.GetModelRequest(model_id=MODEL_ID)).model.shape
-        finally:
-            launcher.down(settings, log=lambda _m: None)
+    ) as settings:
+        create_checkpoint(
+            settings.models_root / MODEL_ID,
+            hidden_size=args.hidden,
+            num_layers=LAYERS,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            tie_word_embeddings=True,
+        )
+        models = model_service_pb2_grpc.ModelServiceStub(
+            grpc.insecure_channel(settings.address("model"))
+        )
+        agent = agent_service_pb2_grpc.AgentServiceStub(
+            grpc.insecure_channel(settings.address("agent"))
+        )
+        cluster = deployment_service_pb2_grpc.DeploymentServiceStub(
+            grpc.insecure_channel(settings.address("deploy"))
+        ).GetClusterState(deploy_pb.GetClusterStateRequest())
+        device_ids = sorted(d.ref.device_id for n in cluster.nodes for d in n.devices)
+        print("profiling the fingerprints ...", file=sys.stderr)
+        profile, fp_wall, fp_gen, fp_jobs = profile_fingerprints(settings, models, profiling)
+        print("profiling the full model ...", file=sys.stderr)
+        full_rows = profile_full_model(settings, models, agent, device_ids, profiling)
+        shape = models.GetModel(model_pb.GetModelRequest(model_id=MODEL_ID)).model.shape
 
     fp_ds = profile.cost.device_seconds
     fp_peak = profile.cost.peak_device_memory_bytes

@@ -25,7 +25,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,8 +45,6 @@ from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.api import worker_service_pb2 as worker_pb  # noqa: E402
 from services.cli import stack as launcher  # noqa: E402
 from services.models.checkpoint import create_checkpoint  # noqa: E402
-from services.redis_embedded import free_port  # noqa: E402
-from services.settings import SERVICE_ENV, load_settings  # noqa: E402
 
 
 def timed(stream) -> tuple[float, float, int]:
@@ -79,118 +76,109 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="iserve-bench-") as tmp:
-        env = {
-            "ISERVE_STATE_DIR": tmp,
-            "ISERVE_MODELS_ROOT": f"{tmp}/models",
+    print("starting the stack ...", file=sys.stderr)
+    with launcher.temporary_stack(
+        {
             "ISERVE_DEVICES": str(args.devices),
             "ISERVE_DEVICE_MEMORY_GIB": "2",
-            **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
         }
-        os.environ.pop("REDIS_URL", None)
-        os.environ.update(env)
-        settings = load_settings()
-        print("starting the stack ...", file=sys.stderr)
-        launcher.up(settings, launcher.UpOptions(), log=lambda _m: None)
-        try:
-            create_checkpoint(
-                settings.models_root / "bench-tiny",
-                hidden_size=64,
-                num_layers=2,
-                num_heads=4,
-                num_kv_heads=2,
+    ) as settings:
+        create_checkpoint(
+            settings.models_root / "bench-tiny",
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+        )
+        models = model_service_pb2_grpc.ModelServiceStub(
+            grpc.insecure_channel(settings.address("model"))
+        )
+        models.RegisterModel(
+            model_pb.RegisterModelRequest(
+                model_id="bench-tiny", checkpoint_path="bench-tiny", skip_profiling=True
             )
-            models = model_service_pb2_grpc.ModelServiceStub(
-                grpc.insecure_channel(settings.address("model"))
-            )
-            models.RegisterModel(
-                model_pb.RegisterModelRequest(
-                    model_id="bench-tiny", checkpoint_path="bench-tiny", skip_profiling=True
-                )
-            )
-            deployer = deployment_service_pb2_grpc.DeploymentServiceStub(
-                grpc.insecure_channel(settings.address("deploy"))
-            )
-            dep = deployer.Deploy(
-                deploy_pb.DeployRequest(
-                    model_id="bench-tiny",
-                    config=common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1),
-                ),
-                timeout=180,
-            ).deployment
-            scheduler = inference_service_pb2_grpc.InferenceServiceStub(
-                grpc.insecure_channel(settings.address("scheduler"))
-            )
-            worker = worker_service_pb2_grpc.WorkerServiceStub(
-                grpc.insecure_channel(dep.worker_address)
-            )
-            sampling = common.SamplingParams(ignore_eos=True)
-            prompt = "The scheduler should add almost nothing"
+        )
+        deployer = deployment_service_pb2_grpc.DeploymentServiceStub(
+            grpc.insecure_channel(settings.address("deploy"))
+        )
+        dep = deployer.Deploy(
+            deploy_pb.DeployRequest(
+                model_id="bench-tiny",
+                config=common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1),
+            ),
+            timeout=180,
+        ).deployment
+        scheduler = inference_service_pb2_grpc.InferenceServiceStub(
+            grpc.insecure_channel(settings.address("scheduler"))
+        )
+        worker = worker_service_pb2_grpc.WorkerServiceStub(
+            grpc.insecure_channel(dep.worker_address)
+        )
+        sampling = common.SamplingParams(ignore_eos=True)
+        prompt = "The scheduler should add almost nothing"
 
-            def via_scheduler():
-                return timed(
-                    scheduler.Generate(
-                        infer_pb.GenerateRequest(
-                            deployment_id=dep.deployment_id,
-                            prompt=prompt,
-                            max_tokens=args.tokens,
-                            sampling=sampling,
-                        )
+        def via_scheduler():
+            return timed(
+                scheduler.Generate(
+                    infer_pb.GenerateRequest(
+                        deployment_id=dep.deployment_id,
+                        prompt=prompt,
+                        max_tokens=args.tokens,
+                        sampling=sampling,
                     )
                 )
-
-            proxy = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(Path(__file__).with_name("bare_proxy.py")),
-                    dep.worker_address,
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            bare = inference_service_pb2_grpc.InferenceServiceStub(
-                grpc.insecure_channel(f"127.0.0.1:{proxy.stdout.readline().strip()}")
             )
 
-            def via_bare_proxy():
-                return timed(
-                    bare.Generate(
-                        infer_pb.GenerateRequest(
-                            prompt=prompt, max_tokens=args.tokens, sampling=sampling
-                        )
+        proxy = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("bare_proxy.py")),
+                dep.worker_address,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        bare = inference_service_pb2_grpc.InferenceServiceStub(
+            grpc.insecure_channel(f"127.0.0.1:{proxy.stdout.readline().strip()}")
+        )
+
+        def via_bare_proxy():
+            return timed(
+                bare.Generate(
+                    infer_pb.GenerateRequest(
+                        prompt=prompt, max_tokens=args.tokens, sampling=sampling
                     )
                 )
+            )
 
-            def direct():
-                return timed(
-                    worker.Generate(
-                        worker_pb.WorkerServiceGenerateRequest(
-                            prompt=prompt, max_tokens=args.tokens, sampling=sampling
-                        )
+        def direct():
+            return timed(
+                worker.Generate(
+                    worker_pb.WorkerServiceGenerateRequest(
+                        prompt=prompt, max_tokens=args.tokens, sampling=sampling
                     )
                 )
-
-            paths = [
-                ("direct", direct),
-                ("scheduler", via_scheduler),
-                ("bare proxy", via_bare_proxy),
-            ]
-            for _ in range(args.warmup):
-                for _name, fn in paths:
-                    fn()
-            runs = {name: [] for name, _ in paths}
-            for i in range(args.requests):
-                # Rotate the order so that no path always runs first.
-                for name, fn in paths[i % 3 :] + paths[: i % 3]:
-                    ttft, tpot, n = fn()
-                    assert n == args.tokens, f"{name} streamed {n} tokens, expected {args.tokens}"
-                    runs[name].append((ttft, tpot))
-            proxy.kill()
-            deployer.RemoveDeployment(
-                deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
             )
-        finally:
-            launcher.down(settings, log=lambda _m: None)
+
+        paths = [
+            ("direct", direct),
+            ("scheduler", via_scheduler),
+            ("bare proxy", via_bare_proxy),
+        ]
+        for _ in range(args.warmup):
+            for _name, fn in paths:
+                fn()
+        runs = {name: [] for name, _ in paths}
+        for i in range(args.requests):
+            # Rotate the order so that no path always runs first.
+            for name, fn in paths[i % 3 :] + paths[: i % 3]:
+                ttft, tpot, n = fn()
+                assert n == args.tokens, f"{name} streamed {n} tokens, expected {args.tokens}"
+                runs[name].append((ttft, tpot))
+        proxy.kill()
+        deployer.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
+        )
 
     med = {
         name: (statistics.median(t for t, _ in r), statistics.median(p for _, p in r))

@@ -19,8 +19,7 @@ from services.api import (
     model_service_pb2_grpc,
 )
 from services.cli import stack as launcher
-from services.redis_embedded import free_port
-from services.settings import SERVICE_ENV, Settings, load_settings
+from services.settings import Settings
 from services.state.store import StateStore
 
 DEVICE_MEMORY_GIB = 2.0
@@ -48,39 +47,31 @@ class Stack:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Iterator[Stack]:
-    state_dir = tmp_path_factory.mktemp("iserve-state")
     env = {
-        "ISERVE_STATE_DIR": str(state_dir),
-        "ISERVE_MODELS_ROOT": str(state_dir / "models"),
         "ISERVE_DEVICES": "2",
         "ISERVE_DEVICE_MEMORY_GIB": str(DEVICE_MEMORY_GIB),
         "ISERVE_QUEUE_CAPACITY": str(QUEUE_CAPACITY),
         "ISERVE_READY_TIMEOUT_S": "90",
         "ISERVE_HEARTBEAT_TTL_S": "5",
-        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
     }
-    saved = {k: os.environ.get(k) for k in [*env, "REDIS_URL"]}
-    os.environ.pop("REDIS_URL", None)
-    os.environ.update(env)
-    settings = load_settings()
-    info = launcher.up(settings, launcher.UpOptions(), log=lambda _msg: None)
-    channels = {name: grpc.insecure_channel(settings.address(name)) for name in settings.addresses}
-    try:
-        yield Stack(
-            settings=settings,
-            env={**env, "REDIS_URL": info["redis_url"]},
-            redis_url=info["redis_url"],
-            models=model_service_pb2_grpc.ModelServiceStub(channels["model"]),
-            deployments=deployment_service_pb2_grpc.DeploymentServiceStub(channels["deploy"]),
-            inference=inference_service_pb2_grpc.InferenceServiceStub(channels["scheduler"]),
-            agent=agent_service_pb2_grpc.AgentServiceStub(channels["agent"]),
-        )
-    finally:
-        for ch in channels.values():
-            ch.close()
-        launcher.down(settings, log=lambda _msg: None)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    state_dir = tmp_path_factory.mktemp("iserve-state")
+    with launcher.temporary_stack(env, state_dir=state_dir) as settings:
+        channels = {
+            name: grpc.insecure_channel(settings.address(name)) for name in settings.addresses
+        }
+        try:
+            yield Stack(
+                settings=settings,
+                env={
+                    **{k: v for k, v in os.environ.items() if k.startswith("ISERVE_")},
+                    "REDIS_URL": settings.redis_url,
+                },
+                redis_url=settings.redis_url,
+                models=model_service_pb2_grpc.ModelServiceStub(channels["model"]),
+                deployments=deployment_service_pb2_grpc.DeploymentServiceStub(channels["deploy"]),
+                inference=inference_service_pb2_grpc.InferenceServiceStub(channels["scheduler"]),
+                agent=agent_service_pb2_grpc.AgentServiceStub(channels["agent"]),
+            )
+        finally:
+            for ch in channels.values():
+                ch.close()

@@ -16,13 +16,22 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.health import wait_serving
-from services.redis_embedded import start_redis
-from services.settings import GIB, SERVICE_ENV, STACK_FILE, Settings, read_stack_file
+from services.redis_embedded import free_port, start_redis
+from services.settings import (
+    GIB,
+    SERVICE_ENV,
+    STACK_FILE,
+    Settings,
+    load_settings,
+    read_stack_file,
+)
 
 # Start order; ``down`` stops them in reverse (agent last, so it can stop its workers).
 SERVICES = [
@@ -146,6 +155,44 @@ def down(settings: Settings, log=print) -> bool:
     _stop_pids({name: pids[name] for name in order if name in pids}, log)
     (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
     return True
+
+
+@contextlib.contextmanager
+def temporary_stack(
+    env: Mapping[str, str] | None = None, *, state_dir: Path | None = None
+) -> Iterator[Settings]:
+    """A whole stack (embedded Redis, every service, one agent) on free ports in
+    ``state_dir`` (default: a temporary directory), for tests and benchmarks.
+
+    ``env`` adds settings (e.g. ``ISERVE_DEVICES``). The process environment names the
+    stack while it runs, so clients and CLI subprocesses find it, and is restored after.
+    Yields the settings, read after start-up (so ``redis_url`` is set).
+    """
+    with contextlib.ExitStack() as cleanup:
+        if state_dir is None:
+            state_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="iserve-")))
+        values = {
+            "ISERVE_STATE_DIR": str(state_dir),
+            "ISERVE_MODELS_ROOT": str(state_dir / "models"),
+            **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+            **(env or {}),
+        }
+        saved = {key: os.environ.get(key) for key in [*values, "REDIS_URL"]}
+        cleanup.callback(_restore_environment, saved)
+        os.environ.pop("REDIS_URL", None)
+        os.environ.update(values)
+        settings = load_settings()
+        up(settings, UpOptions(), log=lambda _msg: None)
+        cleanup.callback(down, settings, lambda _msg: None)
+        yield load_settings()
+
+
+def _restore_environment(saved: Mapping[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _stop_pids(pids: dict[str, int], log=lambda _msg: None) -> None:
