@@ -21,20 +21,11 @@ from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
 from services.errors import FailedPrecondition
 from services.models.checkpoint import create_checkpoint
-from services.redis_embedded import start_redis
 from services.state.store import StateStore
 
 DEVICES = virtual_devices(2, 1 << 30, [0, 1], "x86_64")
 MAX_SEQ_LEN = 128
 READY_TIMEOUT_S = 90.0
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
-    yield url
-    proc.terminate()
-    proc.wait(10)
 
 
 @pytest.fixture(scope="module")

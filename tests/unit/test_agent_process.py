@@ -21,19 +21,11 @@ from services.api import agent_service_pb2_grpc, worker_service_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.models.checkpoint import create_checkpoint
-from services.redis_embedded import free_port, start_redis
+from services.redis_embedded import free_port
 from services.state.store import StateStore
 
 NODE = "node-p"
 GIB = 1 << 30
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
-    yield url
-    proc.terminate()
-    proc.wait(10)
 
 
 @pytest.fixture(scope="module")

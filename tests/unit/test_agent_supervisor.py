@@ -16,20 +16,11 @@ from monitor_agent.supervisor import WorkerSupervisor
 from services.api import agent_service_pb2 as agent_pb
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition
 from services.models.checkpoint import create_checkpoint
-from services.redis_embedded import start_redis
 from services.state.store import StateStore
 
 NODE = "node-t"
 DEVICE = virtual_devices(1, 1 << 30, [0], "x86_64")[0]
 READY_TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
-    yield url
-    proc.terminate()
-    proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
@@ -18,7 +17,6 @@ from services.estimator import service as service_module
 from services.estimator.config_map import build_config_map, from_json, source_hash, to_json
 from services.estimator.extrapolation import Workload
 from services.estimator.service import DEFAULT_DEVICES, Estimator
-from services.redis_embedded import start_redis
 from services.state import keys
 from services.state.store import StateStore
 from tests.unit.estimator_data import tiny_model, tiny_rows
@@ -104,26 +102,6 @@ def test_a_calibration_without_phase_terms_applies_its_exponents_to_both_phases(
 
 
 # ---- against a real redis-server ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-
-
-def run(redis_url, fn):
-    async def main():
-        store = StateStore.from_url(redis_url)
-        await store.redis.flushdb()
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
-
-    return asyncio.run(main())
-
-
 async def put_tiny(store: StateStore, rows=None, model=None) -> None:
     model = model or tiny_model()
     if not await store.create_model(model):
@@ -133,7 +111,7 @@ async def put_tiny(store: StateStore, rows=None, model=None) -> None:
     )
 
 
-def test_the_map_is_cached_and_rebuilt_when_its_sources_change(redis_url, monkeypatch):
+def test_the_map_is_cached_and_rebuilt_when_its_sources_change(run, monkeypatch):
     builds = []
     real_build = service_module.build_config_map
 
@@ -180,10 +158,10 @@ def test_the_map_is_cached_and_rebuilt_when_its_sources_change(redis_url, monkey
         await estimator.config_map("tiny", CPU)
         assert len(builds) == 5
 
-    run(redis_url, scenario)
+    run(scenario)
 
 
-def test_estimates_default_the_devices_and_report_bad_requests(redis_url):
+def test_estimates_default_the_devices_and_report_bad_requests(run):
     async def scenario(store: StateStore):
         estimator = Estimator(store)
         await put_tiny(store)
@@ -215,10 +193,10 @@ def test_estimates_default_the_devices_and_report_bad_requests(redis_url):
         with pytest.raises(InvalidArgument, match="hardware_type"):
             await estimator.estimate("tiny", "", Workload(20), 0)
 
-    run(redis_url, scenario)
+    run(scenario)
 
 
-def test_calibration_lookup_and_calibrate(redis_url):
+def test_calibration_lookup_and_calibrate(run):
     async def scenario(store: StateStore):
         estimator = Estimator(store)
         assert (await estimator.get_calibration(CPU)).provenance.startswith("PLACEHOLDER")
@@ -241,4 +219,4 @@ def test_calibration_lookup_and_calibrate(redis_url):
         stored = await estimator.get_calibration(CPU)
         assert stored.provenance == fitted.provenance
 
-    run(redis_url, scenario)
+    run(scenario)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -17,7 +16,6 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
 from services.estimation.memory import GIB
-from services.redis_embedded import start_redis
 from services.state.store import StateStore
 
 HEADER = (
@@ -166,26 +164,6 @@ def test_merge_model_adds_variants_and_refuses_another_shape():
 
 
 # ---- against a real redis-server ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-
-
-def run(redis_url, fn):
-    async def main():
-        store = StateStore.from_url(redis_url)
-        await store.redis.flushdb()
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
-
-    return asyncio.run(main())
-
-
 def request(named: dict[str, str], hardware_type: str = "rtx-a6000", **fields):
     fields.setdefault("format", model_pb.PROFILE_FORMAT_MAVERIQ)
     return model_pb.ImportProfilesRequest(
@@ -196,7 +174,7 @@ def request(named: dict[str, str], hardware_type: str = "rtx-a6000", **fields):
     )
 
 
-def test_import_stores_models_profiles_and_sources_and_reimport_replaces(redis_url):
+def test_import_stores_models_profiles_and_sources_and_reimport_replaces(run):
     async def scenario(store: StateStore):
         reply = await import_profiles(store, request(DATA_SET))
         assert list(reply.model_ids) == ["gptj-6b", "llama-2-7b"]
@@ -216,10 +194,10 @@ def test_import_stores_models_profiles_and_sources_and_reimport_replaces(redis_u
         model = await store.get_model("llama-2-7b")
         assert [v.name for v in model.variants] == ["fp16", "int4-kv8"]
 
-    run(redis_url, scenario)
+    run(scenario)
 
 
-def test_bad_requests_write_nothing(redis_url):
+def test_bad_requests_write_nothing(run):
     async def scenario(store: StateStore):
         with pytest.raises(InvalidArgument, match="unspecified"):
             await import_profiles(
@@ -232,4 +210,4 @@ def test_bad_requests_write_nothing(redis_url):
         assert await store.list_models() == []
         assert await store.get_profile("llama-2-7b") is None
 
-    run(redis_url, scenario)
+    run(scenario)

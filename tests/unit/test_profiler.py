@@ -17,7 +17,6 @@ from services.api import agent_service_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.models.checkpoint import create_checkpoint
-from services.redis_embedded import start_redis
 from services.settings import load_settings
 from services.state.store import StateStore
 
@@ -25,14 +24,6 @@ MIB = 1 << 20
 GIB = 1 << 30
 SHAPE = {"hidden_size": 64, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2}
 SETTINGS = ProfilingSettings(output_tokens=(4, 8), warmup_runs=0, timed_runs=2)
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
-    yield url
-    proc.terminate()
-    proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,23 +20,13 @@ from services.api import inference_service_pb2_grpc as inference_grpc
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc as worker_grpc
 from services.grpc_server import ServiceBinding, channel, start_server
-from services.redis_embedded import free_port, start_redis
+from services.redis_embedded import free_port
 from services.state import keys
 from services.state.store import StateStore
 
 READY = deploy_pb.DEPLOYMENT_STATE_READY
 TOKENS = [(11, "Hel"), (12, "lo"), (13, " world")]
 WAIT_S = 5.0
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory) -> Iterator[str]:
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
-    if proc.stderr is not None:
-        proc.stderr.close()
 
 
 @dataclass

@@ -9,37 +9,10 @@ import pytest
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
-from services.redis_embedded import start_redis
 from services.state import keys
 from services.state.store import ReservationError, StateStore
 
 MIB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-
-
-@pytest.fixture
-def run(redis_url):
-    """Run a coroutine taking a fresh store on a flushed database."""
-
-    def runner(fn):
-        async def main():
-            store = StateStore.from_url(redis_url)
-            await store.redis.flushdb()
-            try:
-                return await fn(store)
-            finally:
-                await store.close()
-
-        return asyncio.run(main())
-
-    return runner
 
 
 def _node(devices=2, total=1024 * MIB) -> common.NodeState:

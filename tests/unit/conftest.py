@@ -1,0 +1,43 @@
+"""Fixtures shared by unit tests that need a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
+
+import pytest
+
+from services.redis_embedded import start_redis
+from services.state.store import StateStore
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    """A redis-server for one test module, stopped after it."""
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"), appendonly=False)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+
+@pytest.fixture
+def run(redis_url) -> Callable[[Callable[[StateStore], Awaitable[T]]], T]:
+    """Run ``fn(store)`` on a fresh store over a flushed database; returns its result."""
+
+    def runner(fn: Callable[[StateStore], Awaitable[T]]) -> T:
+        async def main() -> T:
+            store = StateStore.from_url(redis_url)
+            await store.redis.flushdb()
+            try:
+                return await fn(store)
+            finally:
+                await store.close()
+
+        return asyncio.run(main())
+
+    return runner
