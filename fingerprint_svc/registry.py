@@ -9,7 +9,7 @@ from pathlib import Path
 from fingerprint_svc.profile_plan import BASE_VARIANT
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.errors import InvalidArgument
+from services.errors import AlreadyExists, InvalidArgument
 from services.ids import check_model_id
 from services.models.arch import ArchSpec
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
@@ -211,3 +211,17 @@ def build_model(request: model_pb.RegisterModelRequest, models_root: Path) -> mo
     if request.HasField("accuracy_score"):
         model.accuracy_score = request.accuracy_score
     return model
+
+
+def check_retry(existing: model_pb.Model, model: model_pb.Model, *, profiling: bool) -> None:
+    """Registering an id that is taken retries it only when the recorded model FAILED (and
+    is not being profiled) with the same checkpoint; anything else is AlreadyExists."""
+    state = model_pb.ModelState.Name(existing.state)
+    if existing.state != model_pb.MODEL_STATE_FAILED or profiling:
+        raise AlreadyExists(f"model {model.model_id!r} is already registered ({state})")
+    if existing.checkpoint_path != model.checkpoint_path:
+        raise AlreadyExists(
+            f"model {model.model_id!r} is registered with checkpoint "
+            f"{existing.checkpoint_path!r}; a FAILED model is retried only with the same "
+            "checkpoint (delete it to register another)"
+        )

@@ -6,7 +6,7 @@ import asyncio
 
 from fingerprint_svc.importing import import_profiles
 from fingerprint_svc.profiler import Profiler
-from fingerprint_svc.registry import build_model
+from fingerprint_svc.registry import build_model, check_retry
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import model_service_pb2_grpc
@@ -52,15 +52,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
             if not await self.store.create_model(model):
                 raise AlreadyExists(f"model {model.model_id!r} is already registered")
             return
-        state = model_pb.ModelState.Name(existing.state)
-        if existing.state != model_pb.MODEL_STATE_FAILED or self.profiler.running(model.model_id):
-            raise AlreadyExists(f"model {model.model_id!r} is already registered ({state})")
-        if existing.checkpoint_path != model.checkpoint_path:
-            raise AlreadyExists(
-                f"model {model.model_id!r} is registered with checkpoint "
-                f"{existing.checkpoint_path!r}; a FAILED model is retried only with the same "
-                "checkpoint (delete it to register another)"
-            )
+        check_retry(existing, model, profiling=self.profiler.running(model.model_id))
         model.created_at_unix_ms = existing.created_at_unix_ms
         await self.store.put_model(model)
 

@@ -215,3 +215,22 @@ def test_variant_problem_is_pure():
     int4 = _variant("int4", weight_quant=common.WEIGHT_QUANT_INT4)
     assert variant_problem(int4, spec) is None
     assert variant_problem(_variant(), spec, base=spec) is None
+
+
+def test_only_a_failed_model_with_the_same_checkpoint_is_retried():
+    from fingerprint_svc.registry import check_retry
+    from services.errors import AlreadyExists
+
+    new = model_pb.Model(model_id="m", checkpoint_path="a")
+    failed = model_pb.Model(model_id="m", checkpoint_path="a", state=model_pb.MODEL_STATE_FAILED)
+    check_retry(failed, new, profiling=False)
+    with pytest.raises(AlreadyExists, match="PROFILED"):
+        check_retry(
+            model_pb.Model(model_id="m", checkpoint_path="a", state=model_pb.MODEL_STATE_PROFILED),
+            new,
+            profiling=False,
+        )
+    with pytest.raises(AlreadyExists, match="already registered"):
+        check_retry(failed, new, profiling=True)
+    with pytest.raises(AlreadyExists, match="same checkpoint"):
+        check_retry(failed, model_pb.Model(model_id="m", checkpoint_path="b"), profiling=False)
