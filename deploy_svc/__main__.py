@@ -22,7 +22,7 @@ def build(settings, store) -> ServiceParts:
             )
         ],
         background=[reconciler.run],
-        on_stop=agents.close,
+        on_stop=controller.close,
     )
 
 

@@ -12,25 +12,29 @@ import asyncio
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 
 import grpc
 
-from deploy_svc import placement
+from deploy_svc import placement, planning
 from deploy_svc.agents import AgentClients
-from deploy_svc.explicit import ExplicitPlan, resolve_explicit
-from deploy_svc.memory import rank_memory
+from deploy_svc.explicit import ExplicitPlan, checkpoint_for, resolve_limits
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
+from services.api import estimator_service_pb2 as estimator_pb
+from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.errors import (
     FailedPrecondition,
     InvalidArgument,
+    IServeError,
     NotFound,
     ResourceExhausted,
-    Unimplemented,
     from_rpc_error,
 )
+from services.estimator.ranking import check_intent
+from services.grpc_server import channel
 from services.settings import Settings
 from services.state.store import ReservationError, StateStore
 
@@ -38,10 +42,25 @@ log = logging.getLogger("iserve.deploy")
 MIB = 1 << 20
 RESERVE_ATTEMPTS = 3
 STOP_TIMEOUT_S = 15.0
+RANK_TIMEOUT_S = 60.0
+
+
+# Reservations and workers of profiling jobs (fingerprint_svc.profiler) are not ours.
+PROFILING_OWNER_PREFIX = "profile-"
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class _NodeWorker:
+    node_id: str
+    rank: int
+
+
+def _rank_count(deployment: deploy_pb.Deployment) -> int:
+    return sum(len(stage.devices) for stage in deployment.placement.stages)
 
 
 class DeploymentController:
@@ -50,6 +69,25 @@ class DeploymentController:
         self.store = store
         self.agents = agents
         self._locks: dict[str, asyncio.Lock] = {}
+        self._estimator: estimator_service_pb2_grpc.EstimatorServiceStub | None = None
+        self._estimator_channel: grpc.aio.Channel | None = None
+        # Set once reconcile() has run; Deploy waits for it so that start-up cleanup never
+        # mistakes a reservation of a Deploy in flight for an orphan.
+        self.reconciled = asyncio.Event()
+
+    @property
+    def estimator(self) -> estimator_service_pb2_grpc.EstimatorServiceStub:
+        if self._estimator is None:
+            self._estimator_channel = channel(self.settings.address("estimator"))
+            self._estimator = estimator_service_pb2_grpc.EstimatorServiceStub(
+                self._estimator_channel
+            )
+        return self._estimator
+
+    async def close(self) -> None:
+        if self._estimator_channel is not None:
+            await self._estimator_channel.close()
+        await self.agents.close()
 
     def _lock(self, deployment_id: str) -> asyncio.Lock:
         return self._locks.setdefault(deployment_id, asyncio.Lock())
@@ -79,91 +117,141 @@ class DeploymentController:
         return deploy_pb.GetClusterStateResponse(nodes=nodes, deployments=deployments)
 
     # ---- planning -------------------------------------------------------------------
-    async def _model(self, model_id: str) -> model_pb.Model:
+    async def _model(self, model_id: str, *, launch: bool) -> model_pb.Model:
         if not model_id:
             raise InvalidArgument("model_id is empty")
         model = await self.store.get_model(model_id)
         if model is None:
             raise NotFound(f"model {model_id!r} is not registered")
-        # An explicit configuration needs the checkpoint, not a profile: a model can be
-        # deployed while it is being profiled, or after profiling failed.
-        if not model.checkpoint_path:
+        # A launch needs the checkpoint, not a profile: a model can be deployed with an
+        # explicit configuration while it is being profiled, or after profiling failed.
+        # A plan needs neither (imported measurements are enough to rank and place).
+        if launch and not model.checkpoint_path:
             raise FailedPrecondition(
                 f"model {model_id!r} has no checkpoint (its measurements were imported); "
                 "register a checkpoint to deploy it"
             )
         return model
 
+    async def _nodes(self, request) -> list[common.NodeState]:
+        """The live nodes, or the request's simulated devices grouped into nodes."""
+        simulated = list(getattr(request, "devices", []))
+        if not simulated:
+            return await self.store.list_nodes()
+        nodes: dict[str, common.NodeState] = {}
+        seen: set[tuple[str, str]] = set()
+        for given in simulated:
+            dev = common.DeviceState()
+            dev.CopyFrom(given)
+            dev.ref.node_id = dev.ref.node_id or "simulated"
+            key = (dev.ref.node_id, dev.ref.device_id)
+            if not dev.ref.device_id or key in seen:
+                raise InvalidArgument(
+                    f"simulated device {dev.ref.node_id}/{dev.ref.device_id!r}: every device "
+                    "needs a device_id, unique within its node"
+                )
+            if not dev.hardware_type or not dev.total_bytes:
+                raise InvalidArgument(
+                    f"simulated device {key[0]}/{key[1]} needs hardware_type and total_bytes"
+                )
+            if not 0.0 <= dev.load <= 1.0:
+                raise InvalidArgument(f"simulated device {key[0]}/{key[1]}: load must be in [0, 1]")
+            seen.add(key)
+            if not dev.free_bytes:
+                dev.free_bytes = max(0, dev.total_bytes - max(dev.used_bytes, dev.reserved_bytes))
+            node = nodes.setdefault(
+                dev.ref.node_id, common.NodeState(node_id=dev.ref.node_id, alive=True)
+            )
+            node.devices.append(dev)
+        return list(nodes.values())
+
+    async def _options(
+        self, model: model_pb.Model, request, limits: ExplicitPlan, nodes
+    ) -> tuple[list[planning.Option], list[placement.Candidate], str]:
+        """The configurations to try in rank order, the devices they may use and the
+        ranking's note. Explicit: the one configuration, any live device. Intent: the
+        estimator's ranking on the hardware type with the most live devices among those
+        the model is profiled on."""
+        if request.HasField("config"):
+            return (
+                [planning.Option(rank=1, config=limits.config)],
+                placement.candidates(nodes),
+                "explicit configuration",
+            )
+        check_intent(request.intent)
+        by_type: dict[str, list[common.DeviceState]] = {}
+        for node in nodes:
+            if node.alive:
+                for dev in node.devices:
+                    by_type.setdefault(dev.hardware_type, []).append(dev)
+        if not by_type:
+            raise ResourceExhausted("no live devices to deploy on")
+        refusals = []
+        for hardware_type, devices in sorted(by_type.items(), key=lambda kv: -len(kv[1])):
+            try:
+                reply = await self.estimator.RankConfigs(
+                    estimator_pb.RankConfigsRequest(
+                        request_id=request.request_id,
+                        model_id=model.model_id,
+                        hardware_type=hardware_type,
+                        workload=estimator_pb.Workload(
+                            input_tokens=limits.max_input_tokens,
+                            output_tokens=limits.max_output_tokens,
+                            batch_size=limits.config.batch_size,
+                        ),
+                        device_count=len(devices),
+                        intent=request.intent,
+                    ),
+                    timeout=RANK_TIMEOUT_S,
+                )
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or "not profiled" not in (
+                    exc.details() or ""
+                ):
+                    raise from_rpc_error(
+                        exc, f"ranking configurations of {model.model_id}"
+                    ) from exc
+                refusals.append(exc.details())
+                continue
+            nodes_of_type = [
+                common.NodeState(
+                    node_id=n.node_id,
+                    alive=n.alive,
+                    devices=[d for d in n.devices if d.hardware_type == hardware_type],
+                )
+                for n in nodes
+            ]
+            options = planning.options_from_ranking(reply.ranked)
+            note = "; ".join(
+                p for p in (f"ranked for {hardware_type} ({len(devices)} devices)", reply.note) if p
+            )
+            return options, placement.candidates(nodes_of_type), note
+        raise FailedPrecondition(
+            f"cannot rank {model.model_id} for an intent: " + "; ".join(refusals)
+        )
+
     async def plan(
-        self, request
+        self, request, *, launch: bool = False, excluded: dict[int, str] | None = None
     ) -> tuple[model_pb.Model, deploy_pb.DeploymentDecision, ExplicitPlan]:
         """The decision for a Deploy/PlanDeployment request against the live cluster (or
         ``request.devices`` when given); returns the model, the decision and the limits."""
-        model = await self._model(request.model_id)
-        if not request.HasField("config"):
-            raise Unimplemented(
-                "intent-based deployment arrives with issue 5; pass an explicit config (tp, pp)"
-            )
-        plan = resolve_explicit(
-            model,
-            request.config,
-            batch_size=request.batch_size,
-            max_input_tokens=request.max_input_tokens,
-            max_output_tokens=request.max_output_tokens,
+        model = await self._model(request.model_id, launch=launch)
+        try:
+            policy = planning.policy_name(request.placement_policy)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        nodes = await self._nodes(request)
+        cuda = any(d.kind == common.DEVICE_KIND_CUDA for n in nodes if n.alive for d in n.devices)
+        limits = resolve_limits(model, request, cuda=cuda)
+        options, devices, note = await self._options(model, request, limits, nodes)
+        decision = planning.decide(
+            model, options, devices, limits, policy=policy, excluded=excluded, note=note, cuda=cuda
         )
-        config = plan.config
-        layer_map = placement.even_layer_map(model.shape.num_layers, config.pipeline_parallel)
-        need = max(
-            rank_memory(model.shape, config, plan.max_seq_len, count).total_bytes
-            for _, count in layer_map
-        )
-        simulated = list(getattr(request, "devices", []))
-        if simulated:
-            nodes = [common.NodeState(node_id="simulated", alive=True, devices=simulated)]
-        else:
-            nodes = await self.store.list_nodes()
-        devices = placement.candidates(nodes)
-        count = config.tensor_parallel * config.pipeline_parallel
-        chosen = placement.choose_devices(devices, count, need)
-        if chosen is None:
-            biggest = placement.largest_free(devices)
-            where = (
-                f"largest free: {biggest.free_bytes / MIB:.0f} MiB on {biggest.node_id}/{biggest.device_id}"
-                if biggest
-                else "no live devices"
-            )
-            raise ResourceExhausted(
-                f"no {count} device(s) with {need / MIB:.0f} MiB free for {model.model_id} "
-                f"(tp={config.tensor_parallel} pp={config.pipeline_parallel} batch={config.batch_size} "
-                f"max_seq_len={plan.max_seq_len}; {where})"
-            )
-        stages = []
-        for stage, (first, layer_count) in enumerate(layer_map):
-            group = chosen[stage * config.tensor_parallel : (stage + 1) * config.tensor_parallel]
-            stages.append(
-                common.StagePlacement(
-                    stage=stage,
-                    first_layer=first,
-                    layer_count=layer_count,
-                    devices=[
-                        common.DeviceRef(node_id=d.node_id, device_id=d.device_id) for d in group
-                    ],
-                    reserved_bytes=[need] * len(group),
-                )
-            )
-        decision = deploy_pb.DeploymentDecision(
-            config=config,
-            placement=common.Placement(stages=stages),
-            winner_rank=1,
-            note="explicit configuration",
-        )
-        decision.estimate.memory_per_device_bytes = need
-        decision.estimate.memory_total_bytes = need * count
-        decision.estimate.config.CopyFrom(config)
-        return model, decision, plan
+        return model, decision, limits
 
     # ---- deploy ---------------------------------------------------------------------
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:
+        await self.reconciled.wait()
         deployment_id = f"{request.model_id}-{secrets.token_hex(4)}"
         if request.request_id:
             if ":" in request.request_id:
@@ -183,8 +271,12 @@ class DeploymentController:
             raise
 
     async def _deploy(self, request, deployment_id: str) -> deploy_pb.DeployResponse:
-        for attempt in range(RESERVE_ATTEMPTS):
-            model, decision, limits = await self.plan(request)
+        """Plan, reserve, launch; on a lost reservation race plan again, on a failed
+        launch roll back and try the next configuration (intents only)."""
+        excluded: dict[int, str] = {}
+        races = 0
+        while True:
+            model, decision, limits = await self.plan(request, launch=True, excluded=excluded)
             need = {
                 (ref.node_id, ref.device_id): stage.reserved_bytes[i]
                 for stage in decision.placement.stages
@@ -192,11 +284,37 @@ class DeploymentController:
             }
             try:
                 await self.store.reserve(deployment_id, need)
-                break
             except ReservationError as exc:
-                # Another deployer took the room between planning and reserving; re-plan.
-                if attempt == RESERVE_ATTEMPTS - 1:
-                    raise ResourceExhausted(f"cannot reserve memory: {exc}") from exc
+                # Another deployer took the room between planning and reserving.
+                races += 1
+                if races >= RESERVE_ATTEMPTS:
+                    excluded[decision.winner_rank] = f"could not reserve memory: {exc}"
+                    races = 0
+                continue
+            try:
+                return await self._launch(request, deployment_id, model, decision, limits)
+            except IServeError as exc:
+                if request.HasField("config"):
+                    raise
+                log.warning(
+                    "configuration #%d of %s failed to launch, trying the next: %s",
+                    decision.winner_rank,
+                    model.model_id,
+                    exc,
+                )
+                excluded[decision.winner_rank] = f"launch failed: {exc}"
+                races = 0
+
+    async def _launch(
+        self,
+        request,
+        deployment_id: str,
+        model: model_pb.Model,
+        decision: deploy_pb.DeploymentDecision,
+        limits: ExplicitPlan,
+    ) -> deploy_pb.DeployResponse:
+        """Record, start and wait for the workers of a reserved decision; on any failure
+        stop what started, release the memory and delete the record."""
         deployment = deploy_pb.Deployment(
             deployment_id=deployment_id,
             model_id=model.model_id,
@@ -223,7 +341,13 @@ class DeploymentController:
         deployment.state = deploy_pb.DEPLOYMENT_STATE_READY
         await self.store.put_deployment(deployment)
         await self.store.publish_event("deployment_ready", deployment_id=deployment_id)
-        log.info("deployment %s ready at %s", deployment_id, deployment.worker_address)
+        log.info(
+            "deployment %s ready at %s (%s, rank %d)",
+            deployment_id,
+            deployment.worker_address,
+            planning.describe(decision.config),
+            decision.winner_rank,
+        )
         return deploy_pb.DeployResponse(
             request_id=request.request_id, deployment=deployment, decision=decision
         )
@@ -260,7 +384,7 @@ class DeploymentController:
                     agent_pb.StartWorkersRequest(
                         request_id=deployment.request_id,
                         deployment_id=deployment.deployment_id,
-                        checkpoint_path=model.checkpoint_path,
+                        checkpoint_path=checkpoint_for(model, config),
                         config=config,
                         workers=specs,
                         max_seq_len=max_seq_len,
@@ -279,18 +403,104 @@ class DeploymentController:
     async def _teardown(self, deployment: deploy_pb.Deployment) -> None:
         """Stop the deployment's workers on every node (best effort) and release its memory."""
         nodes = {ref.node_id for stage in deployment.placement.stages for ref in stage.devices}
-        for node_id in nodes:
-            try:
-                stub = self.agents.stub(await self._agent_address(node_id))
-                await stub.StopWorkers(
-                    agent_pb.StopWorkersRequest(deployment_id=deployment.deployment_id),
-                    timeout=STOP_TIMEOUT_S,
-                )
-            except (grpc.RpcError, FailedPrecondition) as exc:
-                log.warning(
-                    "could not stop workers of %s on %s: %s", deployment.deployment_id, node_id, exc
-                )
+        for node_id in sorted(nodes):
+            await self._stop_on(node_id, deployment.deployment_id)
         await self.store.release(deployment.deployment_id)
+
+    async def _stop_on(self, node_id: str, deployment_id: str) -> None:
+        """Ask one node's agent to stop a deployment's workers (best effort)."""
+        try:
+            stub = self.agents.stub(await self._agent_address(node_id))
+            await stub.StopWorkers(
+                agent_pb.StopWorkersRequest(deployment_id=deployment_id), timeout=STOP_TIMEOUT_S
+            )
+        except (grpc.RpcError, FailedPrecondition) as exc:
+            log.warning("could not stop workers of %s on %s: %s", deployment_id, node_id, exc)
+
+    # ---- start-up reconciliation ------------------------------------------------------
+    async def reconcile(self) -> list[str]:
+        """Make Redis and the agents agree after a (re)start of this service; returns what
+        it did, one line per action.
+
+        READY deployments whose workers all still run are kept; those missing a worker
+        are failed (workers stopped, memory released). STARTING ones were cut off by the
+        restart: failed the same way. REMOVING ones are finished. Reservations with no
+        deployment behind them (and not a profiling job's) are released, and workers of
+        deployments Redis does not know are stopped.
+        """
+        actions: list[str] = []
+        deployments = await self.store.list_deployments()
+        running, answered = await self._running_workers()
+        for dep in deployments:
+            nodes = {ref.node_id for stage in dep.placement.stages for ref in stage.devices}
+            if dep.state == deploy_pb.DEPLOYMENT_STATE_READY and nodes <= answered:
+                # (A node whose agent did not answer is left to the heartbeat check.)
+                ranks = {w.rank for w in running.get(dep.deployment_id, [])}
+                missing = sorted(set(range(_rank_count(dep))) - ranks)
+                if missing:
+                    reason = f"after a deployer restart, rank(s) {missing} are not running"
+                    await self._fail_now(dep, reason)
+                    actions.append(f"failed {dep.deployment_id}: {reason}")
+            elif dep.state == deploy_pb.DEPLOYMENT_STATE_STARTING:
+                reason = "the deployer restarted while the deployment was starting"
+                await self._fail_now(dep, reason)
+                actions.append(f"failed {dep.deployment_id}: {reason}")
+            elif dep.state == deploy_pb.DEPLOYMENT_STATE_REMOVING:
+                await self._teardown(dep)
+                await self.store.delete_deployment(dep)
+                actions.append(f"finished removing {dep.deployment_id}")
+        holding = {
+            d.deployment_id
+            for d in await self.store.list_deployments()
+            if d.state == deploy_pb.DEPLOYMENT_STATE_READY
+        }
+        for owner in sorted(await self.store.reservation_owners()):
+            if owner not in holding and not owner.startswith(PROFILING_OWNER_PREFIX):
+                await self.store.release(owner)
+                actions.append(f"released orphaned reservation {owner}")
+        for deployment_id, workers in running.items():
+            if deployment_id not in holding and not deployment_id.startswith(
+                PROFILING_OWNER_PREFIX
+            ):
+                for node_id in sorted({w.node_id for w in workers}):
+                    await self._stop_on(node_id, deployment_id)
+                actions.append(f"stopped orphaned workers of {deployment_id}")
+        for line in actions:
+            log.info("reconcile: %s", line)
+        self.reconciled.set()
+        return actions
+
+    async def _running_workers(self) -> tuple[dict[str, list[_NodeWorker]], set[str]]:
+        """Live workers by deployment, as the alive nodes' agents report them, and the
+        nodes whose agents answered."""
+        running: dict[str, list[_NodeWorker]] = {}
+        answered: set[str] = set()
+        for node in await self.store.list_nodes():
+            if not node.alive:
+                continue
+            try:
+                reply = await self.agents.stub(node.agent_address).ListWorkers(
+                    agent_pb.ListWorkersRequest(), timeout=STOP_TIMEOUT_S
+                )
+            except grpc.RpcError as exc:
+                log.warning("reconcile: agent of %s did not answer: %s", node.node_id, exc)
+                continue
+            answered.add(node.node_id)
+            for w in reply.workers:
+                if w.state in (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY):
+                    running.setdefault(w.deployment_id, []).append(
+                        _NodeWorker(node.node_id, w.rank)
+                    )
+        return running, answered
+
+    async def _fail_now(self, deployment: deploy_pb.Deployment, reason: str) -> None:
+        deployment.state = deploy_pb.DEPLOYMENT_STATE_FAILED
+        deployment.state_reason = reason
+        await self.store.put_deployment(deployment)
+        await self._teardown(deployment)
+        await self.store.publish_event(
+            "deployment_failed", deployment_id=deployment.deployment_id, reason=reason
+        )
 
     # ---- remove and fail ------------------------------------------------------------
     async def remove(self, deployment_id: str) -> None:

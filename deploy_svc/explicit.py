@@ -13,6 +13,7 @@ DEFAULT_MAX_OUTPUT_TOKENS = 256
 MAX_BATCH_SIZE = 256
 TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
 SERVED_DTYPES = (common.PRECISION_FLOAT32, common.PRECISION_BFLOAT16)
+CUDA_DTYPES = (*SERVED_DTYPES, common.PRECISION_FLOAT16)
 PRE_QUANTIZED = (common.WEIGHT_QUANT_GPTQ_INT4, common.WEIGHT_QUANT_AWQ_INT4)
 
 
@@ -34,10 +35,11 @@ def resolve_explicit(
     batch_size: int,
     max_input_tokens: int,
     max_output_tokens: int,
+    cuda: bool = False,
 ) -> ExplicitPlan:
     """Normalise ``requested`` (0 and UNSPECIFIED mean defaults) and check it; raises
     InvalidArgument for what can never work and Unimplemented for what the engine
-    cannot run yet."""
+    cannot run yet (float16 is served on CUDA devices only: ``cuda``)."""
     shape = model.shape
     config = common.DeploymentConfig()
     config.CopyFrom(requested)
@@ -63,11 +65,8 @@ def resolve_explicit(
         raise InvalidArgument(
             f"pipeline_parallel must be 1..{min(8, shape.num_layers)} for {shape.num_layers} layers, got {pp}"
         )
-    if config.variant_name and config.variant_name not in {v.name for v in model.variants}:
-        raise InvalidArgument(
-            f"model {model.model_id} has no variant {config.variant_name!r} "
-            f"(variants: {', '.join(v.name for v in model.variants) or 'none'})"
-        )
+    if config.variant_name:
+        apply_variant(model, config)
     config.weight_quant = config.weight_quant or common.WEIGHT_QUANT_NONE
     config.kv_quant = config.kv_quant or common.KV_QUANT_NONE
     config.pruning = config.pruning or common.PRUNING_NONE
@@ -85,11 +84,37 @@ def resolve_explicit(
             f"{shape.max_position_embeddings} positions"
         )
     check_compression(config)
-    if config.dtype not in SERVED_DTYPES:
+    if config.dtype not in (CUDA_DTYPES if cuda else SERVED_DTYPES):
         raise Unimplemented(
             f"the PyTorch CPU engine serves float32 and bfloat16, not {common.Precision.Name(config.dtype)}"
         )
     return ExplicitPlan(config, max_in, max_out)
+
+
+def resolve_limits(model: model_pb.Model, request, *, cuda: bool = False) -> ExplicitPlan:
+    """The limits of a Deploy/PlanDeployment request: its explicit configuration
+    resolved, or for an intent only the batch size (0 means 1) and token limits checked."""
+    if request.HasField("config"):
+        return resolve_explicit(
+            model,
+            request.config,
+            batch_size=request.batch_size,
+            max_input_tokens=request.max_input_tokens,
+            max_output_tokens=request.max_output_tokens,
+            cuda=cuda,
+        )
+    batch = request.batch_size or 1
+    if batch > MAX_BATCH_SIZE:
+        raise InvalidArgument(f"batch_size must be at most {MAX_BATCH_SIZE}, got {batch}")
+    max_in = request.max_input_tokens or DEFAULT_MAX_INPUT_TOKENS
+    max_out = request.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
+    positions = model.shape.max_position_embeddings
+    if positions and max_in + max_out > positions:
+        raise InvalidArgument(
+            f"max_input_tokens + max_output_tokens = {max_in + max_out} exceeds the model's "
+            f"{positions} positions"
+        )
+    return ExplicitPlan(common.DeploymentConfig(batch_size=batch), max_in, max_out)
 
 
 def check_compression(config: common.DeploymentConfig) -> None:
@@ -109,8 +134,36 @@ def check_compression(config: common.DeploymentConfig) -> None:
             f"{common.WeightQuant.Name(config.weight_quant)}: the PyTorch engine does not load "
             "pre-quantized GPTQ/AWQ checkpoints yet; WEIGHT_QUANT_INT4 quantizes at load time"
         )
+
+
+def variant_of(model: model_pb.Model, name: str) -> common.CompressionVariant:
+    """The model's variant called ``name``; InvalidArgument when it has none."""
+    for variant in model.variants:
+        if variant.name == name:
+            return variant
+    raise InvalidArgument(
+        f"model {model.model_id} has no variant {name!r} "
+        f"(variants: {', '.join(v.name for v in model.variants) or 'none'})"
+    )
+
+
+def apply_variant(model: model_pb.Model, config: common.DeploymentConfig) -> None:
+    """Fill ``config``'s compression from its named variant. A field the config sets
+    must agree with the variant's (InvalidArgument otherwise)."""
+    variant = variant_of(model, config.variant_name)
+    for field in ("weight_quant", "kv_quant", "pruning"):
+        wanted, given = getattr(variant, field), getattr(config, field)
+        if given and wanted and given != wanted:
+            raise InvalidArgument(
+                f"config.{field} {given} contradicts variant {variant.name!r} ({wanted})"
+            )
+        setattr(config, field, given or wanted)
+
+
+def checkpoint_for(model: model_pb.Model, config: common.DeploymentConfig) -> str:
+    """The checkpoint the workers load: the variant's own one when it has it."""
     if config.variant_name:
-        raise Unimplemented(
-            f"deploying variant {config.variant_name!r} by name is not implemented yet; set "
-            "weight_quant, kv_quant and pruning in the config instead"
-        )
+        own = variant_of(model, config.variant_name).checkpoint_path
+        if own:
+            return own
+    return model.checkpoint_path

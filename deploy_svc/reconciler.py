@@ -73,6 +73,15 @@ class Reconciler:
         last = await self.store.last_event_id()
         while True:
             try:
+                await self.controller.reconcile()
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - retry until Redis and the agents answer
+                log.exception("start-up reconciliation failed; retrying")
+                await asyncio.sleep(1.0)
+        while True:
+            try:
                 for event_id, event in await self.store.read_events(last, block_ms=1000):
                     last = event_id
                     await self.handle(event)

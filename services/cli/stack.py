@@ -100,33 +100,11 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         stack["embedded_redis"] = True
         log(f"started embedded redis-server at {redis_url}")
     stack["redis_url"] = redis_url
-    env = dict(os.environ)
-    env.update(
-        {
-            "REDIS_URL": redis_url,
-            "ISERVE_STATE_DIR": str(settings.state_dir),
-            "ISERVE_MODELS_ROOT": str(settings.models_root),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    for name, var in SERVICE_ENV.items():
-        env[var] = settings.address(name)
-    if options.devices is not None:
-        env["ISERVE_DEVICES"] = str(options.devices)
-    if options.device_memory_gib is not None:
-        env["ISERVE_DEVICE_MEMORY_GIB"] = str(options.device_memory_gib)
+    env = _service_env(settings, redis_url, options)
     procs: dict[str, subprocess.Popen] = {}
     try:
         for name, module in SERVICES:
-            with open(logs / f"{name}.log", "ab") as out:
-                procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", module],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
+            procs[name] = _spawn(module, env, logs / f"{name}.log")
             stack["pids"][name] = procs[name].pid
             stack["addresses"][name] = settings.address(name)
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -143,6 +121,63 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
     stack["started_at_unix_ms"] = int(time.time() * 1000)
     (settings.state_dir / STACK_FILE).write_text(json.dumps(stack, indent=2))
     return stack
+
+
+def _service_env(settings: Settings, redis_url: str, options: UpOptions) -> dict[str, str]:
+    """The environment every service of the stack runs with."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "REDIS_URL": redis_url,
+            "ISERVE_STATE_DIR": str(settings.state_dir),
+            "ISERVE_MODELS_ROOT": str(settings.models_root),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    for name, var in SERVICE_ENV.items():
+        env[var] = settings.address(name)
+    if options.devices is not None:
+        env["ISERVE_DEVICES"] = str(options.devices)
+    if options.device_memory_gib is not None:
+        env["ISERVE_DEVICE_MEMORY_GIB"] = str(options.device_memory_gib)
+    return env
+
+
+def _spawn(module: str, env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=dict(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def restart_service(settings: Settings, name: str, *, kill: bool = False) -> int:
+    """Stop one service of the running stack (SIGKILL with ``kill``, as a crash would;
+    else SIGTERM), start it again with the stack's environment, wait until it answers
+    and record its new pid; returns the pid. RuntimeError when it does not come back."""
+    stack = read_stack_file(settings.state_dir)
+    modules = dict(SERVICES)
+    if not stack or name not in modules:
+        raise RuntimeError(f"no running stack with a {name!r} service in {settings.state_dir}")
+    pid = stack["pids"][name]
+    if kill and _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        while _alive(pid):
+            _reap(pid)
+            time.sleep(0.02)
+    else:
+        _stop_pids({name: pid})
+    log_path = settings.state_dir / "logs" / f"{name}.log"
+    proc = _spawn(modules[name], _service_env(settings, stack["redis_url"], UpOptions()), log_path)
+    if not wait_serving(settings.address(name), time.monotonic() + READY_TIMEOUT_S, proc):
+        raise RuntimeError(f"{name} did not come back; last log lines:\n{_tail(log_path)}")
+    stack["pids"][name] = proc.pid
+    (settings.state_dir / STACK_FILE).write_text(json.dumps(stack, indent=2))
+    return proc.pid
 
 
 def down(settings: Settings, log=print) -> bool:

@@ -3,8 +3,9 @@
 :func:`rank_for_intent` turns an ``Intent`` message into ``estimation.score.rank``'s
 terms and back: the cost formula picks which cost ``MIN_COST``, ``LATENCY_SLO``
 (cheapest under the SLO) and ``COST_SLO`` (budget) use, in the API's units (GB x s, GB,
-device-hours); an accuracy floor nobody meets is dropped with a note, or with
-``allow_best_available_accuracy`` becomes the best accuracy available; an SLO nobody
+device-hours); an accuracy floor nobody meets fails the call (FailedPrecondition),
+unless ``allow_best_available_accuracy`` makes it the best accuracy available, which the
+note says; an SLO nobody
 meets falls back to minimum latency / cost with a note. Each ranked configuration says
 whether it meets the intent itself or is only kept as a fallback.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from services.api import common_pb2 as common
-from services.errors import InvalidArgument
+from services.errors import FailedPrecondition, InvalidArgument
 from services.estimation.memory import GIB
 from services.estimation.score import Estimates, Intent, rank
 
@@ -97,12 +98,17 @@ def rank_for_intent(estimates: Estimates, intent: common.Intent) -> RankedConfig
     accuracy = estimates.accuracy_pct
     if floor is not None and not np.any(estimates.fits & (accuracy >= floor)):
         known = estimates.fits & np.isfinite(accuracy)
-        if intent.allow_best_available_accuracy and known.any():
-            effective_floor = float(np.max(accuracy[known]))
-            notes.append(
-                f"no configuration reaches the accuracy floor of {floor:g}; "
-                f"ranking the most accurate available ({effective_floor:g})"
+        best = f"{np.max(accuracy[known]):g}" if known.any() else "unknown"
+        if not (intent.allow_best_available_accuracy and known.any()):
+            raise FailedPrecondition(
+                f"no variant that fits reaches the accuracy floor of {floor:g} "
+                f"(best available: {best}); lower min_accuracy or allow the best available"
             )
+        effective_floor = float(np.max(accuracy[known]))
+        notes.append(
+            f"no configuration reaches the accuracy floor of {floor:g}; "
+            f"ranking the most accurate available ({effective_floor:g})"
+        )
     ranking = rank(
         scored,
         Intent(

@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import pytest
 
-from tests.integration.helpers import deploy, make_checkpoint, register, rid
+from services.state import keys
+from tests.integration.helpers import cli, deploy, make_checkpoint, register, rid
+from tests.unit.estimator_data import shared_data
+
+A6000 = "rtx-a6000"
 
 # Big enough that a long generation lasts seconds on 2 cores (queue and cancel tests).
 SERVED_SHAPE = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4}
@@ -31,3 +36,34 @@ def served(stack) -> Served:
     return Served(
         "served-llama", dep.deployment_id, request_id, dep.worker_address, SERVED_MAX_OUTPUT
     )
+
+
+async def _forget(redis_url: str, model_ids: list[str]) -> None:
+    from services.state.store import StateStore
+
+    store = StateStore.from_url(redis_url)
+    try:
+        for model_id in model_ids:
+            await store.delete_model(model_id)
+            await store.redis.delete(keys.config_map(model_id, A6000))
+        await store.redis.delete(keys.calibration(A6000))
+        await store.redis.srem(keys.calibration_index(), A6000)
+    finally:
+        await store.close()
+
+
+@pytest.fixture(scope="session")
+def imported(stack) -> list[str]:
+    """The A6000 data imported through `iserve profile import`; removed afterwards."""
+    directory = shared_data()
+    if not (directory / "fingerprint_data_collection.csv").is_file():
+        pytest.skip(f"MaverIQ A6000 data not found under {directory}")
+    files = [str(p) for p in sorted(directory.iterdir()) if p.is_file()]
+    out = cli(stack, "profile", "import", "--format", "maveriq", "--hardware", A6000, *files)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("imported 4500 measurements on rtx-a6000 into 6 models:"), first
+    assert "skipped full_model_data_collection_pruning.csv" in out.stdout
+    model_ids = ["falcon-40b", "falcon-7b", "gptj-6b", "llama-2-13b", "llama-2-70b", "llama-2-7b"]
+    yield model_ids
+    asyncio.run(_forget(stack.redis_url, model_ids))

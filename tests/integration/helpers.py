@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -71,3 +74,13 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, interval: flo
             return True
         time.sleep(interval)
     return predicate()
+
+
+def cli(stack, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *args],
+        env={**os.environ, **stack.env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import subprocess
-import sys
 
 import grpc
 import pytest
@@ -16,8 +12,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.estimation.space import ModelShape, Variant, enumerate_space
-from services.state import keys
-from tests.integration.helpers import rid
+from tests.integration.helpers import cli, rid
 from tests.unit.estimator_data import shared_data
 
 pytestmark = pytest.mark.integration
@@ -38,34 +33,10 @@ REQUIRED_KEYS = {
 }
 
 
-def cli(stack, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
-        env={**os.environ, **stack.env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def code_of(call) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as err:
         call()
     return err.value.code(), err.value.details()
-
-
-async def _forget(redis_url: str, model_ids: list[str]) -> None:
-    from services.state.store import StateStore
-
-    store = StateStore.from_url(redis_url)
-    try:
-        for model_id in model_ids:
-            await store.delete_model(model_id)
-            await store.redis.delete(keys.config_map(model_id, HARDWARE))
-        await store.redis.delete(keys.calibration(HARDWARE))
-        await store.redis.srem(keys.calibration_index(), HARDWARE)
-    finally:
-        await store.close()
 
 
 @pytest.fixture(scope="module")
@@ -73,23 +44,6 @@ def estimator(stack):
     channel = grpc.insecure_channel(stack.settings.address("estimator"))
     yield estimator_service_pb2_grpc.EstimatorServiceStub(channel)
     channel.close()
-
-
-@pytest.fixture(scope="module")
-def imported(stack) -> list[str]:
-    """The A6000 data imported through `iserve profile import`; removed afterwards."""
-    directory = shared_data()
-    if not (directory / "fingerprint_data_collection.csv").is_file():
-        pytest.skip(f"MaverIQ A6000 data not found under {directory}")
-    files = [str(p) for p in sorted(directory.iterdir()) if p.is_file()]
-    out = cli(stack, "profile", "import", "--format", "maveriq", "--hardware", HARDWARE, *files)
-    assert out.returncode == 0, out.stderr
-    first = out.stdout.splitlines()[0]
-    assert first.startswith("imported 4500 measurements on rtx-a6000 into 6 models:"), first
-    assert "skipped full_model_data_collection_pruning.csv" in out.stdout
-    model_ids = ["falcon-40b", "falcon-7b", "gptj-6b", "llama-2-13b", "llama-2-70b", "llama-2-7b"]
-    yield model_ids
-    asyncio.run(_forget(stack.redis_url, model_ids))
 
 
 def estimate_request(model_id="llama-2-70b", hardware=HARDWARE, output=100, devices=8, **extra):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deploy_svc.explicit import resolve_explicit
+from deploy_svc.explicit import checkpoint_for, resolve_explicit
 from deploy_svc.memory import RUNTIME_OVERHEAD_BYTES, rank_memory
 from deploy_svc.placement import Candidate, choose_devices, even_layer_map
 from services.api import common_pb2 as common
@@ -116,11 +116,24 @@ def test_compressed_configs_resolve(config):
         assert getattr(plan.config, field) == (getattr(config, field) or 1)
 
 
-def test_a_variant_by_name_is_not_deployable_yet():
+def test_a_variant_by_name_fills_in_its_compression():
     model = _model()
     model.variants.add(name="int8", weight_quant=common.WEIGHT_QUANT_INT8)
-    with pytest.raises(Unimplemented, match="variant 'int8' by name"):
-        _resolve(model, common.DeploymentConfig(variant_name="int8"))
+    model.variants.add(name="own", kv_quant=common.KV_QUANT_INT8, checkpoint_path="own-ckpt")
+    plan = _resolve(model, common.DeploymentConfig(variant_name="int8"))
+    assert plan.config.weight_quant == common.WEIGHT_QUANT_INT8
+    assert plan.config.kv_quant == common.KV_QUANT_NONE
+    assert checkpoint_for(model, plan.config) == model.checkpoint_path
+    own = _resolve(model, common.DeploymentConfig(variant_name="own"))
+    assert own.config.kv_quant == common.KV_QUANT_INT8
+    assert checkpoint_for(model, own.config) == "own-ckpt"
+    with pytest.raises(InvalidArgument, match="contradicts variant 'int8'"):
+        _resolve(
+            model,
+            common.DeploymentConfig(variant_name="int8", weight_quant=common.WEIGHT_QUANT_INT4),
+        )
+    with pytest.raises(InvalidArgument, match="has no variant 'nope'"):
+        _resolve(model, common.DeploymentConfig(variant_name="nope"))
 
 
 def _llama_7b_shape() -> model_pb.ModelShape:

@@ -7,7 +7,7 @@ import pytest
 
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
-from services.errors import InvalidArgument
+from services.errors import FailedPrecondition, InvalidArgument
 from services.estimation.memory import GIB
 from services.estimator.calibration_message import load_shipped
 from services.estimator.config_map import build_config_map
@@ -69,11 +69,10 @@ def test_an_accuracy_floor_excludes_the_variants_below_it(estimated):
     assert ranked.meets_intent.all()
 
 
-def test_a_floor_nobody_meets_is_dropped_or_relaxed_with_a_note(estimated):
+def test_a_floor_nobody_meets_fails_or_is_relaxed_with_a_note(estimated):
     estimates, _ = estimated
-    dropped = rank_for_intent(estimates, K.Intent(kind=K.INTENT_KIND_MIN_COST, min_accuracy=101))
-    assert "no configuration reaches the accuracy floor of 101" in dropped.note
-    assert dropped.indices.size == estimates.fits.sum() and not dropped.meets_intent.any()
+    with pytest.raises(FailedPrecondition, match="accuracy floor of 101 .best available: 100."):
+        rank_for_intent(estimates, K.Intent(kind=K.INTENT_KIND_MIN_COST, min_accuracy=101))
     relaxed = rank_for_intent(
         estimates,
         K.Intent(kind=K.INTENT_KIND_MIN_COST, min_accuracy=101, allow_best_available_accuracy=True),

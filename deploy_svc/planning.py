@@ -1,0 +1,213 @@
+"""From ranked configurations and device state to one decision, free of gRPC and Redis.
+
+The controller gets the options (one explicit configuration, or the estimator's ranking
+for an intent) and the devices (live or simulated); :func:`decide` walks the options in
+rank order and takes the first one the engine can run and the devices can hold, placing
+it with :func:`deploy_svc.placement.place`. Every better-ranked option it passes over is
+recorded with the reason, so the response can explain the choice.
+
+Memory of one rank holding ``k`` decoder layers is ``fixed + k * block``: ``block`` is
+the papers' ``mem_total / (tp * layers)`` from the estimate, never below what the
+model's shape says a layer's weights and KV cache take; ``fixed`` is the worker's
+runtime overhead (:data:`deploy_svc.memory.RUNTIME_OVERHEAD_BYTES`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from deploy_svc import placement
+from deploy_svc.explicit import ExplicitPlan, resolve_explicit
+from deploy_svc.memory import RUNTIME_OVERHEAD_BYTES, rank_memory
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import estimator_service_pb2 as estimator_pb
+from services.api import model_service_pb2 as model_pb
+from services.errors import IServeError, ResourceExhausted
+
+__all__ = [
+    "POLICIES",
+    "Option",
+    "decide",
+    "memory_blocks",
+    "options_from_ranking",
+    "policy_name",
+]
+
+MIB = 1 << 20
+POLICIES = {
+    common.PLACEMENT_POLICY_UNSPECIFIED: "hybrid",
+    common.PLACEMENT_POLICY_HYBRID: "hybrid",
+    common.PLACEMENT_POLICY_PACKING: "packing",
+    common.PLACEMENT_POLICY_LEAST_LOADED: "least-loaded",
+}
+# Reasons are listed in the error when nothing can be placed; beyond this many, counted.
+MAX_LISTED_REASONS = 5
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configuration to try: its 1-based rank and, when ranked, its estimate."""
+
+    rank: int
+    config: common.DeploymentConfig
+    estimate: estimator_pb.ConfigEstimate | None = None
+    meets_intent: bool = True
+
+
+def policy_name(policy: int) -> str:
+    """The placement module's name of a PlacementPolicy value; ValueError when unknown."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown placement policy {policy}")
+    return POLICIES[policy]
+
+
+def options_from_ranking(ranked: Sequence[estimator_pb.RankedConfig]) -> list[Option]:
+    return [Option(r.rank, r.estimate.config, r.estimate, r.meets_intent) for r in ranked]
+
+
+def memory_blocks(
+    model: model_pb.Model,
+    config: common.DeploymentConfig,
+    max_seq_len: int,
+    estimate: estimator_pb.ConfigEstimate | None = None,
+) -> tuple[int, int]:
+    """(fixed bytes, bytes per decoder layer) of one rank of ``config``."""
+    layers = max(1, model.shape.num_layers)
+    tp = max(1, config.tensor_parallel)
+    whole = rank_memory(model.shape, config, max_seq_len, layers)
+    block = math.ceil((whole.total_bytes - whole.overhead_bytes) / layers)
+    if estimate is not None and estimate.memory_total_bytes:
+        block = max(block, math.ceil(estimate.memory_total_bytes / (tp * layers)))
+    return RUNTIME_OVERHEAD_BYTES, block
+
+
+def _engine_problem(
+    model: model_pb.Model, config: common.DeploymentConfig, limits: ExplicitPlan, cuda: bool
+) -> tuple[common.DeploymentConfig | None, str]:
+    """The configuration as the engine will run it, or None and why it cannot."""
+    try:
+        plan = resolve_explicit(
+            model,
+            config,
+            batch_size=config.batch_size or limits.config.batch_size,
+            max_input_tokens=limits.max_input_tokens,
+            max_output_tokens=limits.max_output_tokens,
+            cuda=cuda,
+        )
+    except IServeError as exc:
+        return None, f"the engine cannot run it: {exc}"
+    return plan.config, ""
+
+
+def describe(config: common.DeploymentConfig) -> str:
+    parts = [f"tp={config.tensor_parallel}", f"pp={config.pipeline_parallel}"]
+    if config.variant_name:
+        parts.append(f"variant={config.variant_name}")
+    parts.append(f"batch={config.batch_size or 1}")
+    return " ".join(parts)
+
+
+def decide(
+    model: model_pb.Model,
+    options: Sequence[Option],
+    devices: Sequence[placement.Candidate],
+    limits: ExplicitPlan,
+    *,
+    policy: str = "hybrid",
+    excluded: Mapping[int, str] | None = None,
+    note: str = "",
+    cuda: bool = False,
+) -> deploy_pb.DeploymentDecision:
+    """The first option, in rank order, the engine can run and ``devices`` can hold.
+
+    ``excluded`` maps ranks already tried (e.g. whose launch failed) to why; ``cuda``
+    says the devices are CUDA devices (which also serve float16). Raises
+    ResourceExhausted, naming the reasons, when no option can be placed.
+    """
+    excluded = excluded or {}
+    skipped: list[deploy_pb.SkippedConfig] = []
+    for option in options:
+        reason = excluded.get(option.rank, "")
+        config = None
+        if not reason:
+            config, reason = _engine_problem(model, option.config, limits, cuda)
+        if config is not None:
+            tp, pp = config.tensor_parallel, config.pipeline_parallel
+            fixed, block = memory_blocks(model, config, limits.max_seq_len, option.estimate)
+            layers = model.shape.num_layers
+            choice = placement.place(
+                devices,
+                tp=tp,
+                pp=pp,
+                num_layers=layers,
+                fixed_bytes=fixed,
+                layer_bytes=block,
+                policy=policy,
+            )
+            if choice is not None:
+                return _decision(option, config, choice, skipped, note)
+            reason = "no room: " + placement.explain_no_fit(
+                devices, tp=tp, pp=pp, num_layers=layers, fixed_bytes=fixed, layer_bytes=block
+            )
+        skipped.append(
+            deploy_pb.SkippedConfig(rank=option.rank, config=option.config, reason=reason)
+        )
+    listed = "; ".join(
+        f"#{s.rank} {describe(s.config)}: {s.reason}" for s in skipped[:MAX_LISTED_REASONS]
+    )
+    more = len(skipped) - MAX_LISTED_REASONS
+    raise ResourceExhausted(
+        f"no configuration of {model.model_id} can be placed on the {len(devices)} "
+        f"device(s) available ({listed}{f'; and {more} more' if more > 0 else ''})"
+        if skipped
+        else f"no configuration of {model.model_id} to place"
+    )
+
+
+def _decision(
+    option: Option,
+    config: common.DeploymentConfig,
+    choice: placement.PlacementChoice,
+    skipped: list[deploy_pb.SkippedConfig],
+    note: str,
+) -> deploy_pb.DeploymentDecision:
+    stages = [
+        common.StagePlacement(
+            stage=index,
+            first_layer=stage.first_layer,
+            layer_count=stage.layer_count,
+            devices=[
+                common.DeviceRef(node_id=d.node_id, device_id=d.device_id) for d in stage.devices
+            ],
+            reserved_bytes=[stage.bytes_per_device] * len(stage.devices),
+        )
+        for index, stage in enumerate(choice.stages)
+    ]
+    notes = [note] if note else []
+    if not option.meets_intent:
+        notes.append(f"configuration #{option.rank} is a fallback: it does not meet the intent")
+    if choice.uneven:
+        counts = "+".join(str(s.layer_count) for s in choice.stages)
+        notes.append(
+            f"uneven layer map {counts}: the even split does not fit the devices' free memory"
+        )
+    decision = deploy_pb.DeploymentDecision(
+        config=config,
+        placement=common.Placement(stages=stages),
+        winner_rank=option.rank,
+        skipped=skipped,
+        note="; ".join(notes),
+    )
+    if option.estimate is not None:
+        decision.estimate.CopyFrom(option.estimate)
+    decision.estimate.config.CopyFrom(config)
+    reserved = [stage.bytes_per_device for stage in choice.stages for _ in stage.devices]
+    decision.estimate.memory_per_device_bytes = max(
+        decision.estimate.memory_per_device_bytes, max(reserved)
+    )
+    if not decision.estimate.memory_total_bytes:
+        decision.estimate.memory_total_bytes = sum(reserved)
+    return decision
