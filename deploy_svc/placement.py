@@ -269,16 +269,20 @@ def _choose_in(
     """Stage groups among ``devices`` (with their capacities) in the order's preference:
     an even fit first, then any fit. None only when these devices cannot hold the model."""
     ordered = sorted(devices, key=lambda dc: order.device_key(dc[0]))
+    # Runs of tp in capacity order give each node its roomiest possible stages, so the
+    # second try of each kind fails only when no choice of these devices fits that way.
+    roomiest = sorted(ordered, key=lambda dc: -dc[1])
+    layouts = (ordered,) if tp == 1 else (ordered, roomiest)
     base, extra = divmod(num_layers, pp)
-    chosen = _pick_even(_groups(ordered, tp, base, order), pp, base, extra)
-    if chosen is None:
-        chosen = _pick_by_capacity(_groups(ordered, tp, 1, order), pp, num_layers)
-    if chosen is None:
-        # Runs of tp in capacity order give each node its roomiest possible stages, so
-        # this last try fails only when no choice of these devices holds the model.
-        roomiest = sorted(ordered, key=lambda dc: -dc[1])
-        chosen = _pick_by_capacity(_groups(roomiest, tp, 1, order), pp, num_layers)
-    return chosen
+    for runs in layouts:
+        chosen = _pick_even(_groups(runs, tp, base, order), pp, base, extra)
+        if chosen is not None:
+            return chosen
+    for runs in layouts:
+        chosen = _pick_by_capacity(_groups(runs, tp, 1, order), pp, num_layers)
+        if chosen is not None:
+            return chosen
+    return None
 
 
 def _validate(
