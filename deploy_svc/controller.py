@@ -30,6 +30,7 @@ from services.errors import (
     InvalidArgument,
     IServeError,
     NotFound,
+    RemoteError,
     ResourceExhausted,
     from_rpc_error,
 )
@@ -275,8 +276,19 @@ class DeploymentController:
         launch roll back and try the next configuration (intents only)."""
         excluded: dict[int, str] = {}
         races = 0
+        last_failure: IServeError | None = None
         while True:
-            model, decision, limits = await self.plan(request, launch=True, excluded=excluded)
+            try:
+                model, decision, limits = await self.plan(request, launch=True, excluded=excluded)
+            except ResourceExhausted as exc:
+                if last_failure is None:
+                    raise
+                # Every configuration left failed to launch: say so with the launch's
+                # own status, and list what was tried.
+                message = f"no configuration could be launched; {exc}"
+                if isinstance(last_failure, RemoteError):
+                    raise RemoteError(last_failure.code, message) from last_failure
+                raise type(last_failure)(message) from last_failure
             need = {
                 (ref.node_id, ref.device_id): stage.reserved_bytes[i]
                 for stage in decision.placement.stages
@@ -303,6 +315,7 @@ class DeploymentController:
                     exc,
                 )
                 excluded[decision.winner_rank] = f"launch failed: {exc}"
+                last_failure = exc
                 races = 0
 
     async def _launch(

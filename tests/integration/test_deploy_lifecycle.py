@@ -1,0 +1,202 @@
+"""Deployment lifecycle under pressure on the real stack: concurrent deploys on a box
+with room for fewer, a failed launch rolled back, and a deployer killed and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from deploy_svc.planning import memory_blocks
+from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import model_service_pb2 as model_pb
+from services.cli import stack as launcher
+from services.state.store import StateStore
+from tests.integration.helpers import (
+    deploy,
+    generate,
+    make_checkpoint,
+    register,
+    reserved_by_device,
+    rid,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+MAX_INPUT, MAX_OUTPUT = 32, 16
+TP1 = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1)
+
+
+async def _with_store(redis_url: str, action):
+    store = StateStore.from_url(redis_url)
+    try:
+        return await action(store)
+    finally:
+        await store.close()
+
+
+def with_store(stack, action):
+    return asyncio.run(_with_store(stack.redis_url, action))
+
+
+def live_devices(stack) -> list[common.DeviceState]:
+    state = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
+    return sorted(
+        (d for n in state.nodes if n.alive for d in n.devices), key=lambda d: d.ref.device_id
+    )
+
+
+@pytest.fixture(scope="module")
+def small_model(stack) -> model_pb.Model:
+    model = register(stack, "life-llama", make_checkpoint(stack, "life-llama"))
+    yield model
+    stack.models.DeleteModel(model_pb.DeleteModelRequest(request_id=rid(), model_id="life-llama"))
+
+
+def need_of(model) -> int:
+    config = common.DeploymentConfig(
+        tensor_parallel=1, pipeline_parallel=1, dtype=model.shape.dtype, batch_size=1
+    )
+    fixed, block = memory_blocks(model, config, MAX_INPUT + MAX_OUTPUT)
+    return fixed + block * model.shape.num_layers
+
+
+def test_concurrent_deploys_never_oversubscribe(stack, small_model):
+    need = need_of(small_model)
+    devices = live_devices(stack)[:2]
+    # Leave room for two deployments on the first device and one on the second.
+    keep = [need * 2 + need // 2, need + need // 2]
+    filler = {
+        (d.ref.node_id, d.ref.device_id): d.free_bytes - k
+        for d, k in zip(devices, keep, strict=True)
+    }
+    owner = f"filler-{rid()}"
+    with_store(stack, lambda s: s.reserve(owner, filler))
+    before = reserved_by_device(stack)
+
+    def one(_):
+        try:
+            return deploy(
+                stack,
+                "life-llama",
+                config=TP1,
+                max_input_tokens=MAX_INPUT,
+                max_output_tokens=MAX_OUTPUT,
+            ).deployment
+        except grpc.RpcError as exc:
+            return exc
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(8)))
+        ok = [r for r in results if isinstance(r, deploy_pb.Deployment)]
+        failed = [r for r in results if isinstance(r, grpc.RpcError)]
+        assert len(ok) + len(failed) == 8
+        assert {f.code() for f in failed} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, [
+            (f.code(), f.details()) for f in failed
+        ]
+        assert len(ok) == 3, [r.details() if isinstance(r, grpc.RpcError) else "" for r in results]
+        for dev in live_devices(stack):
+            assert dev.reserved_bytes <= dev.total_bytes, dev
+        after = reserved_by_device(stack)
+        per_device = {}
+        for dep in ok:
+            for stage in dep.placement.stages:
+                for ref, amount in zip(stage.devices, stage.reserved_bytes, strict=True):
+                    key = f"{ref.node_id}/{ref.device_id}"
+                    per_device[key] = per_device.get(key, 0) + amount
+        for key, amount in per_device.items():
+            assert after[key] - before[key] == amount
+        for dep in ok:
+            _, final = generate(stack, deployment_id=dep.deployment_id, prompt="hi", max_tokens=2)
+            assert final.usage.completion_tokens >= 1
+    finally:
+        for dep in stack.deployments.ListDeployments(
+            deploy_pb.ListDeploymentsRequest(model_id="life-llama")
+        ).deployments:
+            stack.deployments.RemoveDeployment(
+                deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
+            )
+        with_store(stack, lambda s: s.release(owner))
+    assert reserved_by_device(stack) == {k: v - filler_of(filler, k) for k, v in before.items()}
+
+
+def filler_of(filler: dict, key: str) -> int:
+    node_id, device_id = key.split("/")
+    return filler.get((node_id, device_id), 0)
+
+
+def test_a_launch_that_fails_is_rolled_back_leaving_nothing(stack, small_model):
+    before = reserved_by_device(stack)
+    with pytest.raises(grpc.RpcError) as err:
+        deploy(stack, "life-llama", config=TP1, ready_timeout_ms=1)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+    assert reserved_by_device(stack) == before
+    listed = stack.deployments.ListDeployments(
+        deploy_pb.ListDeploymentsRequest(model_id="life-llama")
+    ).deployments
+    assert not listed
+    workers = stack.agent.ListWorkers(agent_pb.ListWorkersRequest()).workers
+    assert not [
+        w
+        for w in workers
+        if w.deployment_id.startswith("life-llama")
+        and w.state in (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY)
+    ]
+
+
+def test_killing_and_restarting_the_deployer_loses_no_deployment(stack, small_model):
+    dep = deploy(
+        stack, "life-llama", config=TP1, max_input_tokens=MAX_INPUT, max_output_tokens=MAX_OUTPUT
+    ).deployment
+    reserved = reserved_by_device(stack)
+    device = live_devices(stack)[0].ref
+    # What a deployer killed mid-deploy leaves behind: a STARTING record holding memory,
+    # and a reservation whose deployment record was never written.
+    starting = deploy_pb.Deployment(
+        deployment_id="life-llama-cutoff",
+        model_id="life-llama",
+        state=deploy_pb.DEPLOYMENT_STATE_STARTING,
+        placement=common.Placement(
+            stages=[common.StagePlacement(stage=0, layer_count=2, devices=[device])]
+        ),
+    )
+
+    async def leave_debris(store: StateStore) -> None:
+        await store.put_deployment(starting)
+        await store.reserve("life-llama-cutoff", {(device.node_id, device.device_id): 1 << 20})
+        await store.reserve("life-llama-orphan", {(device.node_id, device.device_id): 1 << 20})
+
+    with_store(stack, leave_debris)
+    launcher.restart_service(stack.settings, "deploy", kill=True)
+
+    got = stack.deployments.GetDeployment(
+        deploy_pb.GetDeploymentRequest(deployment_id=dep.deployment_id)
+    ).deployment
+    assert got.state == deploy_pb.DEPLOYMENT_STATE_READY
+    assert got.worker_address == dep.worker_address
+    assert wait_for(lambda: reserved_by_device(stack) == reserved, timeout=20), (
+        reserved_by_device(stack),
+        reserved,
+    )
+    cutoff = stack.deployments.GetDeployment(
+        deploy_pb.GetDeploymentRequest(deployment_id="life-llama-cutoff")
+    ).deployment
+    assert cutoff.state == deploy_pb.DEPLOYMENT_STATE_FAILED
+    assert "restarted" in cutoff.state_reason
+    owners = with_store(stack, lambda s: s.reservation_owners())
+    assert "life-llama-orphan" not in owners and "life-llama-cutoff" not in owners
+    _, final = generate(stack, deployment_id=dep.deployment_id, prompt="still here", max_tokens=3)
+    assert final.usage.completion_tokens >= 1
+    # The restarted deployer still deploys and removes.
+    second = deploy(stack, "life-llama", config=TP1, max_input_tokens=MAX_INPUT).deployment
+    for deployment_id in (dep.deployment_id, second.deployment_id):
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=deployment_id)
+        )
+    with_store(stack, lambda s: s.delete_deployment(cutoff))
