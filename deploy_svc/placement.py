@@ -20,7 +20,7 @@ Policies order the devices; the search never enumerates subsets:
 * ``packing`` prefers the busiest devices (highest load; equal load: least free memory,
   best fit), so idle and roomy devices stay free for later deployments.
 * ``least-loaded`` prefers the idlest devices (lowest load; equal load: most free
-  memory), which minimises the average load of the chosen set.
+  memory), which keeps the average load of the chosen set lowest.
 * ``hybrid`` (default) packs like ``packing`` onto devices whose load is below ``theta``;
   when those cannot hold the configuration at all, it chooses like ``least-loaded``
   among every device.
@@ -71,6 +71,21 @@ class PlacementChoice:
     def devices(self) -> tuple[Candidate, ...]:
         """Every device, stage by stage, in tensor-rank order."""
         return tuple(d for stage in self.stages for d in stage.devices)
+
+
+_POLICY_NAMES = {
+    common.PLACEMENT_POLICY_UNSPECIFIED: "hybrid",
+    common.PLACEMENT_POLICY_HYBRID: "hybrid",
+    common.PLACEMENT_POLICY_PACKING: "packing",
+    common.PLACEMENT_POLICY_LEAST_LOADED: "least-loaded",
+}
+
+
+def policy_name(value: int) -> str:
+    """The ``place`` policy for a ``PlacementPolicy`` enum value (unspecified: hybrid)."""
+    if value not in _POLICY_NAMES:
+        raise ValueError(f"unknown placement_policy {value}")
+    return _POLICY_NAMES[value]
 
 
 def candidates(nodes: list[common.NodeState]) -> list[Candidate]:
