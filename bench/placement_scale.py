@@ -10,8 +10,9 @@ below the hybrid threshold θ = 0.7) and free memory per device drawn by regime:
   rest hold fragments of 0–12 GiB, so large configurations need an uneven layer map
   or do not fit at all.
 
-For every regime, configuration below and policy, ``deploy_svc.placement.place`` (the function the deployment controller
-calls) decides on each state; the timer covers that call only. The memory model is the
+For every regime, configuration below and policy, ``deploy_svc.placement.place`` (the
+function the deployment controller calls, through ``deploy_svc.planning.decide``)
+decides on each state; the timer covers that call only. The memory model is the
 controller's: a device of a stage holding k layers needs ``fixed + k * block`` with
 ``block = total / (tp * layers)``. The figures are the median and 90th percentile in ms
 over the decisions, how many placed, how many of those needed an uneven layer map, and

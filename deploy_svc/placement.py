@@ -73,21 +73,6 @@ class PlacementChoice:
         return tuple(d for stage in self.stages for d in stage.devices)
 
 
-_POLICY_NAMES = {
-    common.PLACEMENT_POLICY_UNSPECIFIED: "hybrid",
-    common.PLACEMENT_POLICY_HYBRID: "hybrid",
-    common.PLACEMENT_POLICY_PACKING: "packing",
-    common.PLACEMENT_POLICY_LEAST_LOADED: "least-loaded",
-}
-
-
-def policy_name(value: int) -> str:
-    """The ``place`` policy for a ``PlacementPolicy`` enum value (unspecified: hybrid)."""
-    if value not in _POLICY_NAMES:
-        raise ValueError(f"unknown placement_policy {value}")
-    return _POLICY_NAMES[value]
-
-
 def candidates(nodes: list[common.NodeState]) -> list[Candidate]:
     """Devices of live nodes."""
     return [

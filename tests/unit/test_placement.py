@@ -18,9 +18,7 @@ from deploy_svc.placement import (
     explain_no_fit,
     layer_counts,
     place,
-    policy_name,
 )
-from services.api import common_pb2 as common
 
 GIB = 1 << 30
 # With one GiB fixed and one GiB per layer a device with f GiB free holds f - 1 layers.
@@ -242,15 +240,6 @@ def test_policy_is_recorded_and_unknown_policies_are_refused():
     assert _place(_loaded(), policy="least-loaded").policy == "least-loaded"
     with pytest.raises(ValueError, match="unknown placement policy 'spread'"):
         _place(_loaded(), policy="spread")
-
-
-def test_policy_names_from_the_api_enum():
-    assert policy_name(common.PLACEMENT_POLICY_UNSPECIFIED) == "hybrid"
-    assert policy_name(common.PLACEMENT_POLICY_PACKING) == "packing"
-    assert policy_name(common.PLACEMENT_POLICY_LEAST_LOADED) == "least-loaded"
-    assert {policy_name(v) for v in common.PlacementPolicy.values()} == set(POLICIES)
-    with pytest.raises(ValueError, match="unknown placement_policy 9"):
-        policy_name(9)
 
 
 def test_ties_fall_to_node_then_device_id_whatever_the_input_order():
