@@ -179,7 +179,10 @@ class DeploymentController:
                 placement.candidates(nodes),
                 "explicit configuration",
             )
-        check_intent(request.intent)
+        intent = common.Intent()
+        intent.CopyFrom(request.intent)
+        intent.kind = intent.kind or common.INTENT_KIND_MIN_COST  # the default intent
+        check_intent(intent)
         by_type: dict[str, list[common.DeviceState]] = {}
         for node in nodes:
             if node.alive:
@@ -201,7 +204,7 @@ class DeploymentController:
                             batch_size=limits.config.batch_size,
                         ),
                         device_count=len(devices),
-                        intent=request.intent,
+                        intent=intent,
                     ),
                     timeout=RANK_TIMEOUT_S,
                 )

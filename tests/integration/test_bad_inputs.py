@@ -114,7 +114,7 @@ def test_deploy_needing_more_memory_than_free_is_resource_exhausted(stack):
         )
     )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "MiB free" in details
+    assert "largest free: 2048 MiB" in details
     assert reserved_by_device(stack) == reserved
     assert _deployment_ids(stack) == deployments
     stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="kv-hungry"))
@@ -153,7 +153,7 @@ def test_deploy_rejects_bad_configurations(stack, served):
         (
             dict(config=common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=2)),
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "no 4 device(s)",
+            "needs 4 devices, the cluster has 2",
         ),
     ]
     for fields, status, phrase in cases:
@@ -164,7 +164,17 @@ def test_deploy_rejects_bad_configurations(stack, served):
             deploy_pb.DeployRequest(request_id=rid(), model_id=served.model_id)
         )
     )
-    assert code == grpc.StatusCode.UNIMPLEMENTED and "issue 5" in details
+    # No configuration: the default intent (min-cost) needs a profile this model lacks.
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+    assert "not profiled on cpu-x86_64" in details
+    code, details = _code(
+        lambda: stack.deployments.Deploy(
+            deploy_pb.DeployRequest(
+                request_id=rid(), model_id=served.model_id, intent=common.Intent(kind=42)
+            )
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "intent kind" in details
     assert reserved_by_device(stack) == reserved
     assert _deployment_ids(stack) == deployments
 

@@ -230,7 +230,7 @@ def test_nothing_fits_is_resource_exhausted_with_the_reasons(stack, imported):
 @pytest.mark.parametrize(
     "fields, phrase",
     [
-        ({"intent": common.Intent()}, "intent kind is unspecified"),
+        ({"intent": common.Intent(kind=42)}, "intent kind is unspecified or unknown"),
         (
             {"intent": common.Intent(kind=common.INTENT_KIND_LATENCY_SLO)},
             "needs a positive latency_slo_ms",

@@ -1,0 +1,116 @@
+"""deploy_svc.planning: walking ranked options to one placed decision (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy_svc.explicit import ExplicitPlan
+from deploy_svc.memory import RUNTIME_OVERHEAD_BYTES
+from deploy_svc.placement import Candidate
+from deploy_svc.planning import Option, decide, memory_blocks, policy_name
+from services.api import common_pb2 as common
+from services.api import estimator_service_pb2 as estimator_pb
+from services.api import model_service_pb2 as model_pb
+from services.errors import ResourceExhausted
+
+GIB = 1 << 30
+LIMITS = ExplicitPlan(common.DeploymentConfig(batch_size=1), 64, 64)
+
+
+def model() -> model_pb.Model:
+    m = model_pb.Model(
+        model_id="m",
+        checkpoint_path="m",
+        shape=model_pb.ModelShape(
+            num_layers=8,
+            num_attention_heads=8,
+            num_kv_heads=8,
+            head_dim=64,
+            hidden_size=512,
+            intermediate_size=1024,
+            vocab_size=1000,
+            max_position_embeddings=2048,
+            parameter_count=8 * 3_000_000 + 2 * 512_000,
+            weight_bytes=4 * (8 * 3_000_000 + 2 * 512_000),
+            dtype=common.PRECISION_FLOAT32,
+        ),
+    )
+    m.variants.add(name="fp32", weight_quant=common.WEIGHT_QUANT_NONE)
+    m.variants.add(name="gptq", weight_quant=common.WEIGHT_QUANT_GPTQ_INT4)
+    return m
+
+
+def option(rank, tp=1, pp=1, variant="fp32", memory_total=0, meets=True) -> Option:
+    config = common.DeploymentConfig(
+        tensor_parallel=tp, pipeline_parallel=pp, variant_name=variant, batch_size=1
+    )
+    estimate = estimator_pb.ConfigEstimate(config=config, memory_total_bytes=memory_total)
+    return Option(rank, config, estimate, meets)
+
+
+def devices(*free_gib: float, load: float = 0.0) -> list[Candidate]:
+    return [Candidate("n", f"cpu{i}", int(f * GIB), load) for i, f in enumerate(free_gib)]
+
+
+def test_the_first_option_that_fits_wins_and_the_skipped_ones_say_why():
+    options = [
+        option(1, variant="gptq"),
+        option(2, tp=4),
+        option(3, memory_total=100 * GIB),
+        option(4, pp=2),
+    ]
+    decision = decide(model(), options, devices(2, 2), LIMITS, note="ranked")
+    assert decision.winner_rank == 4
+    assert (decision.config.tensor_parallel, decision.config.pipeline_parallel) == (1, 2)
+    reasons = [s.reason for s in decision.skipped]
+    assert [s.rank for s in decision.skipped] == [1, 2, 3]
+    assert reasons[0].startswith("the engine cannot run it") and "GPTQ" in reasons[0]
+    assert reasons[1].startswith("no room") and "needs 4 devices" in reasons[1]
+    assert reasons[2].startswith("no room")
+    assert decision.note == "ranked"
+    stages = decision.placement.stages
+    assert [(s.first_layer, s.layer_count) for s in stages] == [(0, 4), (4, 4)]
+    assert decision.estimate.config.pipeline_parallel == 2
+
+
+def test_excluded_ranks_are_skipped_with_their_reason_and_fallbacks_are_noted():
+    options = [option(1), option(2, pp=2, meets=False)]
+    decision = decide(model(), options, devices(2, 2), LIMITS, excluded={1: "launch failed: x"})
+    assert decision.winner_rank == 2
+    assert decision.skipped[0].reason == "launch failed: x"
+    assert "is a fallback" in decision.note
+
+
+def test_memory_blocks_take_the_larger_of_estimate_and_shape():
+    m = model()
+    config = common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=1, batch_size=1)
+    fixed, block = memory_blocks(m, config, 128)
+    assert fixed == RUNTIME_OVERHEAD_BYTES and block > 0
+    estimate = estimator_pb.ConfigEstimate(memory_total_bytes=64 * GIB)
+    _, bigger = memory_blocks(m, config, 128, estimate)
+    assert bigger == 64 * GIB // (2 * 8)
+
+
+def test_uneven_maps_are_explained():
+    # The first device holds about one layer besides its fixed overhead.
+    m = model()
+    config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=2, batch_size=1)
+    fixed, block = memory_blocks(m, config, LIMITS.max_seq_len)
+    free = [(fixed + block * 3 // 2) / GIB, 4.0]
+    decision = decide(m, [option(1, pp=2)], devices(*free), LIMITS)
+    assert [s.layer_count for s in decision.placement.stages] == [1, 7]
+    assert "uneven layer map 1+7" in decision.note
+
+
+def test_nothing_placeable_is_resource_exhausted_listing_reasons():
+    options = [option(r, tp=8) for r in range(1, 8)]
+    with pytest.raises(ResourceExhausted) as err:
+        decide(model(), options, devices(1, 1), LIMITS)
+    assert "#1 tp=8 pp=1" in str(err.value) and "and 2 more" in str(err.value)
+
+
+def test_policy_names():
+    assert policy_name(common.PLACEMENT_POLICY_UNSPECIFIED) == "hybrid"
+    assert policy_name(common.PLACEMENT_POLICY_LEAST_LOADED) == "least-loaded"
+    with pytest.raises(ValueError):
+        policy_name(17)
