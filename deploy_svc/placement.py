@@ -83,21 +83,6 @@ def candidates(nodes: list[common.NodeState]) -> list[Candidate]:
     ]
 
 
-def choose_devices(devices: list[Candidate], count: int, need_bytes: int) -> list[Candidate] | None:
-    """``count`` distinct devices with ``need_bytes`` free each, packing first: the ones
-    with the least free memory that still fit (ties: the most loaded), all on one node
-    when any node can hold the whole set. None when no set fits."""
-    fitting = [d for d in devices if d.free_bytes >= need_bytes]
-    by_node: dict[str, list[Candidate]] = {}
-    for d in fitting:
-        by_node.setdefault(d.node_id, []).append(d)
-    order = sorted(fitting, key=lambda d: (d.free_bytes, -d.load, d.node_id, d.device_id))
-    for node_devices in sorted(by_node.values(), key=lambda ds: min(d.free_bytes for d in ds)):
-        if len(node_devices) >= count:
-            return [d for d in order if d.node_id == node_devices[0].node_id][:count]
-    return order[:count] if len(order) >= count else None
-
-
 def even_layer_map(num_layers: int, stages: int) -> list[tuple[int, int]]:
     """(first_layer, layer_count) per stage; earlier stages take the remainder."""
     if stages < 1 or stages > num_layers:

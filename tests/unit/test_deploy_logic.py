@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from deploy_svc.explicit import checkpoint_for, resolve_explicit
 from deploy_svc.memory import RUNTIME_OVERHEAD_BYTES, rank_memory
-from deploy_svc.placement import Candidate, choose_devices, even_layer_map
+from deploy_svc.placement import Candidate, even_layer_map
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument, Unimplemented
@@ -205,14 +205,6 @@ def test_rank_memory_splits_weights_and_kv():
 
 def _dev(node, dev, free, load=0.0):
     return Candidate(node, dev, free * MIB, load)
-
-
-def test_choose_devices_packs_and_prefers_one_node():
-    devices = [_dev("a", "0", 900), _dev("a", "1", 300), _dev("b", "0", 200), _dev("b", "1", 250)]
-    assert [d.device_id for d in choose_devices(devices, 1, 220 * MIB)] == ["1"]
-    pair = choose_devices(devices, 2, 200 * MIB)
-    assert {d.node_id for d in pair} == {"b"}
-    assert choose_devices(devices, 3, 800 * MIB) is None
 
 
 @given(st.integers(1, 200), st.integers(1, 8))
