@@ -25,6 +25,13 @@ try made). The generated states are frozen out of the garbage collector (``gc.fr
 so that collections over the bench's own 400,000 device records do not land in a
 decision's time.
 
+A second table times the whole decision the controller makes for an intent,
+``deploy_svc.planning.decide``: walk a ranked list of every Llama-2-70B configuration on
+8 devices (tp in 1, 2, 4, 8 with tp·pp <= 8, variants fp16, int8 and int4: 45 options,
+ordered fastest first by a simple latency proxy), skip what the engine cannot run or the
+cluster cannot hold, place the first that fits. The timer covers the whole walk,
+including the engine checks and building the protobuf decision.
+
 Run: ``.venv/bin/python bench/placement_scale.py [--decisions N] [--seed S]``.
 """
 
@@ -42,7 +49,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from deploy_svc.explicit import ExplicitPlan  # noqa: E402
 from deploy_svc.placement import POLICIES, Candidate, place  # noqa: E402
+from deploy_svc.planning import Option, decide  # noqa: E402
+from services.api import common_pb2 as common  # noqa: E402
+from services.api import estimator_service_pb2 as estimator_pb  # noqa: E402
+from services.api import model_service_pb2 as model_pb  # noqa: E402
+from services.errors import ResourceExhausted  # noqa: E402
 
 GIB = 1 << 30
 NODES, DEVICES_PER_NODE, DEVICE_GIB = 128, 8, 48
@@ -133,6 +146,22 @@ def main() -> None:
         f"all {len(all_ms)} decisions: median {overall:.2f} ms, "
         f"p90 {statistics.quantiles(all_ms, n=10)[-1]:.2f} ms, max {max(all_ms):.2f} ms  {verdict}"
     )
+    print()
+    print("whole intent decision (planning.decide over 45 ranked Llama-2-70B options):")
+    print(
+        f"{'regime':<9}{'policy':>14}{'median ms':>11}{'p90 ms':>8}{'placed':>8}{'mean rank':>11}"
+    )
+    for regime, free_gib in REGIMES.items():
+        rng = random.Random(args.seed + 1)
+        states = [cluster_state(rng, free_gib) for _ in range(args.decisions)]
+        gc.freeze()
+        for policy in POLICIES:
+            times_ms, ranks = _walk(states, policy)
+            print(
+                f"{regime:<9}{policy:>14}{statistics.median(times_ms):>11.2f}"
+                f"{statistics.quantiles(times_ms, n=10)[-1]:>8.2f}{len(ranks):>8}"
+                f"{(statistics.mean(ranks) if ranks else float('nan')):>11.1f}"
+            )
 
 
 def _decide(
@@ -156,6 +185,69 @@ def _decide(
             placed += 1
             uneven += choice.uneven
     return times_ms, placed, uneven
+
+
+LLAMA_70B = model_pb.Model(
+    model_id="llama-2-70b",
+    checkpoint_path="llama-2-70b",
+    shape=model_pb.ModelShape(
+        num_layers=80,
+        num_attention_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        hidden_size=8192,
+        intermediate_size=28672,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        parameter_count=68_976_648_192,
+        weight_bytes=2 * 68_976_648_192,
+        dtype=common.PRECISION_FLOAT16,
+    ),
+)
+VARIANTS = {"fp16": (common.WEIGHT_QUANT_NONE, 1.0), "int8": (common.WEIGHT_QUANT_INT8, 0.5)}
+VARIANTS["int4"] = (common.WEIGHT_QUANT_INT4, 0.3)
+for _name, (_quant, _) in VARIANTS.items():
+    LLAMA_70B.variants.add(name=_name, weight_quant=_quant)
+LIMITS = ExplicitPlan(common.DeploymentConfig(batch_size=1), 512, 256)
+
+
+def _ranked_options() -> list[Option]:
+    """Every configuration on 8 devices, fastest first by a rough latency proxy."""
+    rows = []
+    for tp in (1, 2, 4, 8):
+        for pp in range(1, 8 // tp + 1):
+            for name, (quant, share) in VARIANTS.items():
+                total = int((140 * share + 2) * GIB)
+                latency = 20.0 * share / (tp * pp**0.1) + 0.5 * (tp - 1) + 0.3 * (pp - 1)
+                config = common.DeploymentConfig(
+                    tensor_parallel=tp,
+                    pipeline_parallel=pp,
+                    variant_name=name,
+                    weight_quant=quant,
+                    batch_size=1,
+                )
+                estimate = estimator_pb.ConfigEstimate(
+                    config=config, memory_total_bytes=total, latency_ms=latency
+                )
+                rows.append((latency, config, estimate))
+    rows.sort(key=lambda r: r[0])
+    return [Option(rank, c, e) for rank, (_, c, e) in enumerate(rows, start=1)]
+
+
+def _walk(states: list[list[Candidate]], policy: str) -> tuple[list[float], list[int]]:
+    """Times in ms of planning.decide on each state, and the winners' ranks."""
+    options = _ranked_options()
+    times_ms, ranks = [], []
+    for devices in states:
+        start = time.perf_counter()
+        try:
+            decision = decide(LLAMA_70B, options, devices, LIMITS, policy=policy, cuda=True)
+        except ResourceExhausted:
+            decision = None
+        times_ms.append((time.perf_counter() - start) * 1000)
+        if decision is not None:
+            ranks.append(decision.winner_rank)
+    return times_ms, ranks
 
 
 if __name__ == "__main__":
