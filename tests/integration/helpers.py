@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -84,3 +85,18 @@ def cli(stack, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         text=True,
         timeout=timeout,
     )
+
+
+async def _with_store(redis_url: str, action):
+    from services.state.store import StateStore
+
+    store = StateStore.from_url(redis_url)
+    try:
+        return await action(store)
+    finally:
+        await store.close()
+
+
+def with_store(stack, action):
+    """Run ``action(store)`` (a coroutine) against the stack's Redis; returns its result."""
+    return asyncio.run(_with_store(stack.redis_url, action))

@@ -3,7 +3,6 @@ with room for fewer, a failed launch rolled back, and a deployer killed and rest
 
 from __future__ import annotations
 
-import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -24,24 +23,13 @@ from tests.integration.helpers import (
     reserved_by_device,
     rid,
     wait_for,
+    with_store,
 )
 
 pytestmark = pytest.mark.integration
 
 MAX_INPUT, MAX_OUTPUT = 32, 16
 TP1 = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1)
-
-
-async def _with_store(redis_url: str, action):
-    store = StateStore.from_url(redis_url)
-    try:
-        return await action(store)
-    finally:
-        await store.close()
-
-
-def with_store(stack, action):
-    return asyncio.run(_with_store(stack.redis_url, action))
 
 
 def live_devices(stack) -> list[common.DeviceState]:

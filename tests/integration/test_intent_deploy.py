@@ -8,8 +8,6 @@ held by a reservation the test makes) force an uneven layer map that the workers
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
@@ -27,6 +25,7 @@ from tests.integration.helpers import (
     register,
     reserved_by_device,
     rid,
+    with_store,
 )
 
 pytestmark = pytest.mark.integration
@@ -42,30 +41,6 @@ INT4 = common.CompressionVariant(
 )
 MAX_INPUT, MAX_OUTPUT = 64, 32
 PROFILE_TIMEOUT_S = 900
-
-
-def _run(coroutine):
-    return asyncio.run(coroutine)
-
-
-async def _reserve(redis_url: str, owner: str, need: dict[tuple[str, str], int]) -> None:
-    from services.state.store import StateStore
-
-    store = StateStore.from_url(redis_url)
-    try:
-        await store.reserve(owner, need)
-    finally:
-        await store.close()
-
-
-async def _release(redis_url: str, owner: str) -> None:
-    from services.state.store import StateStore
-
-    store = StateStore.from_url(redis_url)
-    try:
-        await store.release(owner)
-    finally:
-        await store.close()
 
 
 def cpu_devices(stack) -> list[common.DeviceState]:
@@ -207,7 +182,7 @@ def test_fragmented_devices_get_an_uneven_layer_map_that_serves(stack):
         for d, keep in zip(devices, room, strict=True)
     }
     owner = f"filler-{rid()}"
-    _run(_reserve(stack.redis_url, owner, filler))
+    with_store(stack, lambda store: store.reserve(owner, filler))
     try:
         reply = deploy(
             stack,
@@ -232,7 +207,7 @@ def test_fragmented_devices_get_an_uneven_layer_map_that_serves(stack):
             deploy_pb.RemoveDeploymentRequest(deployment_id=reply.deployment.deployment_id)
         )
     finally:
-        _run(_release(stack.redis_url, owner))
+        with_store(stack, lambda store: store.release(owner))
     stack.models.DeleteModel(model_pb.DeleteModelRequest(request_id=rid(), model_id="frag-llama"))
 
 
