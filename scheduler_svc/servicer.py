@@ -2,8 +2,9 @@
 
 ``Generate`` checks the request, resolves its deployment (``routing``), waits for a slot
 (``queues``), streams the worker's tokens through and ends with the scheduler's own
-timings. The token loop is the hot path: one response message per worker message, no
-logging, no Redis, one clock read per token.
+timings. The request reaches the worker as one message on the worker's open session
+(``worker_client``), not as a new call. The token loop is the hot path: one response
+message per worker message, no logging, no Redis, one clock read per token.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from scheduler_svc.policies import FcfsPolicy, QueueEntry
 from scheduler_svc.queues import Clock, PolicyFactory, QueueRegistry
 from scheduler_svc.routing import REFRESH_INTERVAL_S, Router
 from scheduler_svc.validation import check_for_deployment, check_request
-from scheduler_svc.worker_client import WorkerClients
+from scheduler_svc.worker_client import WorkerClients, WorkerStream, WorkerStreamError
 from services import errors
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -113,21 +114,23 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         final: worker_pb.WorkerServiceGenerateResponse | None = None
         first_at = last_at = 0.0
         deltas = 0
-        call: grpc.aio.UnaryStreamCall | None = None
+        stream: WorkerStream | None = None
         try:
-            call = self.workers.stub(deployment.worker_address).Generate(
+            # No deadline goes to the worker: when the client's passes, gRPC cancels this
+            # handler and closing the stream cancels the generation.
+            stream = self.workers.session(deployment.worker_address).start(
                 worker_pb.WorkerServiceGenerateRequest(
                     request_id=rid,
                     prompt=request.prompt,
                     prompt_token_ids=request.prompt_token_ids,
                     max_tokens=request.max_tokens,
                     sampling=request.sampling,
-                ),
-                timeout=context.time_remaining(),
+                )
             )
+            read = stream.read
             try:
-                read = call.read
-                while (message := await read()) is not grpc.aio.EOF:
+                while final is None:
+                    message = await read()
                     if message.token_ids or message.text:
                         last_at = clock()
                         if not deltas:
@@ -139,13 +142,11 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                         )
                     if message.finish_reason:
                         final = message
-            except grpc.aio.AioRpcError as exc:
+            except WorkerStreamError as exc:
                 await self._worker_failed(deployment, exc)
-            if final is None:
-                await self._worker_gone(deployment, "the stream ended without a final message")
         finally:
-            if call is not None and not call.done():
-                call.cancel()  # the client went away: stop the worker generating
+            if stream is not None:
+                stream.close()  # unless it finished: the client went away, stop the worker
             queue.release()
 
         done = clock()
@@ -165,9 +166,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         )
 
     async def _worker_failed(
-        self, deployment: deploy_pb.Deployment, exc: grpc.aio.AioRpcError
+        self, deployment: deploy_pb.Deployment, exc: WorkerStreamError
     ) -> NoReturn:
-        code, details = exc.code(), exc.details() or ""
+        code, details = exc.code, exc.details
         if code in GONE_CODES:
             await self._worker_gone(deployment, f"{code.name}: {details}")
         if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -1,5 +1,8 @@
 """WorkerService: protobuf in, EngineRunner, protobuf out.
 
+Generate serves one generation per call; Session serves many over one stream
+(:mod:`monitor_agent.worker.session`, what the scheduler uses); both run ``_generate``.
+
 GetWorkerStats reports the engine's memory account (weights + KV cache + peak activation
 estimate, see monitor_agent.engine.memory) as resident_bytes, and as peak_memory_bytes
 whatever the worker's probe measures (the same account on CPU, the CUDA allocator's peak
@@ -17,6 +20,7 @@ import grpc
 from monitor_agent.engine.distributed import GroupLost
 from monitor_agent.engine.engine import SamplingConfig
 from monitor_agent.worker.runner import EngineRunner, RequestClock
+from monitor_agent.worker.session import serve_session
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
@@ -73,6 +77,30 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
     async def Generate(
         self, request: worker_pb.WorkerServiceGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb.WorkerServiceGenerateResponse]:
+        stop = threading.Event()
+        # Fires on cancellation even if the stream is parked between messages.
+        context.add_done_callback(lambda _context: stop.set())
+        async for response in self._generate(request, stop):
+            yield response
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[worker_pb.WorkerServiceSessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        await serve_session(request_iterator, context, self._generate)
+
+    async def _generate(
+        self,
+        request: worker_pb.WorkerServiceGenerateRequest,
+        stop: threading.Event | None = None,
+    ) -> AsyncIterator[worker_pb.WorkerServiceGenerateResponse]:
+        """One generation's responses, the last with finish reason, usage and timings.
+
+        Setting ``stop`` or closing the generator ends it at the engine's next step.
+        InvalidArgument for a request the engine cannot run; Unavailable when another
+        rank of this deployment died.
+        """
         clock = RequestClock()
         prompt_ids = self._prompt_ids(request)
         max_tokens = request.max_tokens
@@ -83,9 +111,8 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
             f"this worker's max_seq_len ({self.max_seq_len})",
         )
         sampling = sampling_config(request.sampling)
-        stop = threading.Event()
-        # Fires on cancellation even if the stream is parked between messages.
-        context.add_done_callback(lambda _context: stop.set())
+        if stop is None:
+            stop = threading.Event()
         request_id = request.request_id
         try:
             async for step in self.runner.generate(prompt_ids, max_tokens, sampling, stop, clock):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from monitor_agent.worker.session import serve_session
 from scheduler_svc.servicer import InferenceServicer
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -19,6 +20,7 @@ from services.api import inference_service_pb2 as inference_pb
 from services.api import inference_service_pb2_grpc as inference_grpc
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc as worker_grpc
+from services.errors import RemoteError
 from services.grpc_server import ServiceBinding, channel, start_server
 from services.redis_embedded import free_port
 from services.state import keys
@@ -31,7 +33,8 @@ WAIT_S = 5.0
 
 @dataclass
 class FakeWorker(worker_grpc.WorkerServiceServicer):
-    """Streams ``tokens`` one message each, then a final LENGTH message.
+    """Streams ``tokens`` one message each, then a final LENGTH message, over the real
+    worker-side session code (``serve_session``).
 
     ``gate``: wait for it after the first token. ``hang``: after the first token, never
     finish. ``abort``: fail at once with this (code, details). ``final``: whether to
@@ -46,11 +49,16 @@ class FakeWorker(worker_grpc.WorkerServiceServicer):
     final: bool = True
     received: list[worker_pb.WorkerServiceGenerateRequest] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    sessions: int = 0
 
-    async def Generate(self, request, context):
+    async def Session(self, request_iterator, context):
+        self.sessions += 1
+        await serve_session(request_iterator, context, self.script)
+
+    async def script(self, request):
         self.received.append(request)
         if self.abort is not None:
-            await context.abort(*self.abort)
+            raise RemoteError(*self.abort)
         try:
             for i, (token_id, text) in enumerate(self.tokens):
                 if i:
@@ -63,7 +71,7 @@ class FakeWorker(worker_grpc.WorkerServiceServicer):
                         await self.gate.wait()
                     if self.hang:
                         await asyncio.Event().wait()
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.set()
             raise
         if self.final:
@@ -450,5 +458,60 @@ def test_background_refresh_picks_up_state_changes(redis_url):
             assert error.details() == "deployment d1 is FAILED: marked failed"
         finally:
             refresher.cancel()
+
+    run(redis_url, scenario)
+
+
+def test_requests_share_one_session_per_worker_and_interleave(redis_url):
+    async def scenario(h: Harness):
+        worker = FakeWorker(gate=asyncio.Event())
+        await h.add_deployment("d1", worker, batch_size=2)
+        first = h.generate(request_id="first", deployment_id="d1")
+        second = h.generate(request_id="second", deployment_id="d1")
+        assert (await first.read()).delta.text == "Hel"
+        assert (await second.read()).delta.text == "Hel"
+        worker.gate.set()
+        for call, rid in [(second, "second"), (first, "first")]:
+            rest = await read_rest(call)
+            assert [m.delta.text for m in rest[:-1]] == ["lo", " world"]
+            assert rest[-1].request_id == rid and rest[-1].HasField("final")
+        await h.collect(request_id="third", deployment_id="d1")
+        assert worker.sessions == 1
+
+    run(redis_url, scenario)
+
+
+@dataclass
+class SessionEndingWorker(FakeWorker):
+    """Ends every session (status OK) once ``end`` is set."""
+
+    end: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def Session(self, request_iterator, context):
+        self.sessions += 1
+        serving = asyncio.ensure_future(serve_session(request_iterator, context, self.script))
+        ending = asyncio.ensure_future(self.end.wait())
+        await asyncio.wait([serving, ending], return_when=asyncio.FIRST_COMPLETED)
+        serving.cancel()
+        ending.cancel()
+        self.end.clear()
+
+
+def test_a_session_the_worker_ends_fails_its_requests_and_the_next_opens_another(redis_url):
+    async def scenario(h: Harness):
+        worker = SessionEndingWorker(hang=True)
+        await h.add_deployment("d1", worker)
+        call = h.generate(deployment_id="d1")
+        await call.read()
+        worker.end.set()
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await read_rest(call)
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the worker ended the session" in failure.value.details()
+        assert h.servicer.queues.get("d1").running == 0
+        worker.hang = False
+        messages = await h.collect(request_id="after", deployment_id="d1")
+        assert messages[-1].final.usage.completion_tokens == 3
+        assert worker.sessions == 2
 
     run(redis_url, scenario)

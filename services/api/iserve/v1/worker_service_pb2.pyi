@@ -37,6 +37,38 @@ class WorkerServiceGenerateResponse(_message.Message):
     timings: _common_pb2.Timings
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
 
+class WorkerServiceSessionRequest(_message.Message):
+    __slots__ = ("stream_id", "generate", "cancel")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    generate: WorkerServiceGenerateRequest
+    cancel: WorkerServiceSessionCancel
+    def __init__(self, stream_id: _Optional[int] = ..., generate: _Optional[_Union[WorkerServiceGenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[WorkerServiceSessionCancel, _Mapping]] = ...) -> None: ...
+
+class WorkerServiceSessionCancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerServiceSessionResponse(_message.Message):
+    __slots__ = ("stream_id", "generate", "error")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    generate: WorkerServiceGenerateResponse
+    error: WorkerServiceSessionError
+    def __init__(self, stream_id: _Optional[int] = ..., generate: _Optional[_Union[WorkerServiceGenerateResponse, _Mapping]] = ..., error: _Optional[_Union[WorkerServiceSessionError, _Mapping]] = ...) -> None: ...
+
+class WorkerServiceSessionError(_message.Message):
+    __slots__ = ("status_code", "message")
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    status_code: int
+    message: str
+    def __init__(self, status_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class GetWorkerStatsRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -41,6 +41,11 @@ class WorkerServiceStub:
                 request_serializer=iserve_dot_v1_dot_worker__service__pb2.WorkerServiceGenerateRequest.SerializeToString,
                 response_deserializer=iserve_dot_v1_dot_worker__service__pb2.WorkerServiceGenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/iserve.v1.WorkerService/Session',
+                request_serializer=iserve_dot_v1_dot_worker__service__pb2.WorkerServiceSessionRequest.SerializeToString,
+                response_deserializer=iserve_dot_v1_dot_worker__service__pb2.WorkerServiceSessionResponse.FromString,
+                _registered_method=True)
         self.GetWorkerStats = channel.unary_unary(
                 '/iserve.v1.WorkerService/GetWorkerStats',
                 request_serializer=iserve_dot_v1_dot_worker__service__pb2.GetWorkerStatsRequest.SerializeToString,
@@ -60,6 +65,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Many generations over one long-lived stream, each tagged with a caller-chosen
+        `stream_id`: the scheduler keeps one session per worker, so a request costs one
+        message instead of a new call. Ending the session cancels every generation in it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetWorkerStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -73,6 +87,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=iserve_dot_v1_dot_worker__service__pb2.WorkerServiceGenerateRequest.FromString,
                     response_serializer=iserve_dot_v1_dot_worker__service__pb2.WorkerServiceGenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=iserve_dot_v1_dot_worker__service__pb2.WorkerServiceSessionRequest.FromString,
+                    response_serializer=iserve_dot_v1_dot_worker__service__pb2.WorkerServiceSessionResponse.SerializeToString,
             ),
             'GetWorkerStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWorkerStats,
@@ -109,6 +128,33 @@ class WorkerService:
             '/iserve.v1.WorkerService/Generate',
             iserve_dot_v1_dot_worker__service__pb2.WorkerServiceGenerateRequest.SerializeToString,
             iserve_dot_v1_dot_worker__service__pb2.WorkerServiceGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/iserve.v1.WorkerService/Session',
+            iserve_dot_v1_dot_worker__service__pb2.WorkerServiceSessionRequest.SerializeToString,
+            iserve_dot_v1_dot_worker__service__pb2.WorkerServiceSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
