@@ -56,13 +56,15 @@ def need_of(model) -> int:
 
 def test_concurrent_deploys_never_oversubscribe(stack, small_model):
     need = need_of(small_model)
-    devices = live_devices(stack)[:2]
-    # Leave room for two deployments on the first device and one on the second.
-    keep = [need * 2 + need // 2, need + need // 2]
-    filler = {
-        (d.ref.node_id, d.ref.device_id): d.free_bytes - k
-        for d, k in zip(devices, keep, strict=True)
-    }
+    # Leave room for exactly three deployments across the devices, whatever the
+    # session's other deployments already hold.
+    filler, wanted = {}, 3
+    for dev in sorted(live_devices(stack), key=lambda d: -d.free_bytes):
+        take = min(dev.free_bytes // need, wanted)
+        wanted -= take
+        keep = take * need + need // 2
+        filler[(dev.ref.node_id, dev.ref.device_id)] = max(0, dev.free_bytes - keep)
+    assert wanted == 0, "the stack has room for fewer than three deployments"
     owner = f"filler-{rid()}"
     with_store(stack, lambda s: s.reserve(owner, filler))
     before = reserved_by_device(stack)
