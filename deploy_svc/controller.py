@@ -12,7 +12,6 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 
 import grpc
 
@@ -46,22 +45,8 @@ STOP_TIMEOUT_S = 15.0
 RANK_TIMEOUT_S = 60.0
 
 
-# Reservations and workers of profiling jobs (fingerprint_svc.profiler) are not ours.
-PROFILING_OWNER_PREFIX = "profile-"
-
-
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-@dataclass(frozen=True)
-class _NodeWorker:
-    node_id: str
-    rank: int
-
-
-def _rank_count(deployment: deploy_pb.Deployment) -> int:
-    return sum(len(stage.devices) for stage in deployment.placement.stages)
 
 
 class DeploymentController:
@@ -72,8 +57,8 @@ class DeploymentController:
         self._locks: dict[str, asyncio.Lock] = {}
         self._estimator: estimator_service_pb2_grpc.EstimatorServiceStub | None = None
         self._estimator_channel: grpc.aio.Channel | None = None
-        # Set once reconcile() has run; Deploy waits for it so that start-up cleanup never
-        # mistakes a reservation of a Deploy in flight for an orphan.
+        # Set once the reconciler's start-up pass has run; Deploy waits for it so that
+        # start-up cleanup never mistakes a reservation of a Deploy in flight for an orphan.
         self.reconciled = asyncio.Event()
 
     @property
@@ -137,34 +122,9 @@ class DeploymentController:
     async def _nodes(self, request) -> list[common.NodeState]:
         """The live nodes, or the request's simulated devices grouped into nodes."""
         simulated = list(getattr(request, "devices", []))
-        if not simulated:
-            return await self.store.list_nodes()
-        nodes: dict[str, common.NodeState] = {}
-        seen: set[tuple[str, str]] = set()
-        for given in simulated:
-            dev = common.DeviceState()
-            dev.CopyFrom(given)
-            dev.ref.node_id = dev.ref.node_id or "simulated"
-            key = (dev.ref.node_id, dev.ref.device_id)
-            if not dev.ref.device_id or key in seen:
-                raise InvalidArgument(
-                    f"simulated device {dev.ref.node_id}/{dev.ref.device_id!r}: every device "
-                    "needs a device_id, unique within its node"
-                )
-            if not dev.hardware_type or not dev.total_bytes:
-                raise InvalidArgument(
-                    f"simulated device {key[0]}/{key[1]} needs hardware_type and total_bytes"
-                )
-            if not 0.0 <= dev.load <= 1.0:
-                raise InvalidArgument(f"simulated device {key[0]}/{key[1]}: load must be in [0, 1]")
-            seen.add(key)
-            if not dev.free_bytes:
-                dev.free_bytes = max(0, dev.total_bytes - max(dev.used_bytes, dev.reserved_bytes))
-            node = nodes.setdefault(
-                dev.ref.node_id, common.NodeState(node_id=dev.ref.node_id, alive=True)
-            )
-            node.devices.append(dev)
-        return list(nodes.values())
+        if simulated:
+            return planning.simulated_nodes(simulated)
+        return await self.store.list_nodes()
 
     async def _options(
         self, model: model_pb.Model, request, limits: ExplicitPlan, nodes
@@ -349,7 +309,7 @@ class DeploymentController:
                 model, deployment, limits.max_seq_len, request.ready_timeout_ms
             )
         except BaseException:
-            await self._teardown(deployment)
+            await self.teardown(deployment)
             await self.store.delete_deployment(deployment)
             raise
         rank0 = next(w for w in workers if w.rank == 0)
@@ -416,14 +376,14 @@ class DeploymentController:
             raise from_rpc_error(exc, f"starting workers of {deployment.deployment_id}") from exc
         return [w for reply in replies for w in reply.workers]
 
-    async def _teardown(self, deployment: deploy_pb.Deployment) -> None:
+    async def teardown(self, deployment: deploy_pb.Deployment) -> None:
         """Stop the deployment's workers on every node (best effort) and release its memory."""
         nodes = {ref.node_id for stage in deployment.placement.stages for ref in stage.devices}
         for node_id in sorted(nodes):
-            await self._stop_on(node_id, deployment.deployment_id)
+            await self.stop_on(node_id, deployment.deployment_id)
         await self.store.release(deployment.deployment_id)
 
-    async def _stop_on(self, node_id: str, deployment_id: str) -> None:
+    async def stop_on(self, node_id: str, deployment_id: str) -> None:
         """Ask one node's agent to stop a deployment's workers (best effort)."""
         try:
             stub = self.agents.stub(await self._agent_address(node_id))
@@ -433,87 +393,11 @@ class DeploymentController:
         except (grpc.RpcError, FailedPrecondition) as exc:
             log.warning("could not stop workers of %s on %s: %s", deployment_id, node_id, exc)
 
-    # ---- start-up reconciliation ------------------------------------------------------
-    async def reconcile(self) -> list[str]:
-        """Make Redis and the agents agree after a (re)start of this service; returns what
-        it did, one line per action.
-
-        READY deployments whose workers all still run are kept; those missing a worker
-        are failed (workers stopped, memory released). STARTING ones were cut off by the
-        restart: failed the same way. REMOVING ones are finished. Reservations with no
-        deployment behind them (and not a profiling job's) are released, and workers of
-        deployments Redis does not know are stopped.
-        """
-        actions: list[str] = []
-        deployments = await self.store.list_deployments()
-        running, answered = await self._running_workers()
-        for dep in deployments:
-            nodes = {ref.node_id for stage in dep.placement.stages for ref in stage.devices}
-            if dep.state == deploy_pb.DEPLOYMENT_STATE_READY and nodes <= answered:
-                # (A node whose agent did not answer is left to the heartbeat check.)
-                ranks = {w.rank for w in running.get(dep.deployment_id, [])}
-                missing = sorted(set(range(_rank_count(dep))) - ranks)
-                if missing:
-                    reason = f"after a deployer restart, rank(s) {missing} are not running"
-                    await self._fail_now(dep, reason)
-                    actions.append(f"failed {dep.deployment_id}: {reason}")
-            elif dep.state == deploy_pb.DEPLOYMENT_STATE_STARTING:
-                reason = "the deployer restarted while the deployment was starting"
-                await self._fail_now(dep, reason)
-                actions.append(f"failed {dep.deployment_id}: {reason}")
-            elif dep.state == deploy_pb.DEPLOYMENT_STATE_REMOVING:
-                await self._teardown(dep)
-                await self.store.delete_deployment(dep)
-                actions.append(f"finished removing {dep.deployment_id}")
-        holding = {
-            d.deployment_id
-            for d in await self.store.list_deployments()
-            if d.state == deploy_pb.DEPLOYMENT_STATE_READY
-        }
-        for owner in sorted(await self.store.reservation_owners()):
-            if owner not in holding and not owner.startswith(PROFILING_OWNER_PREFIX):
-                await self.store.release(owner)
-                actions.append(f"released orphaned reservation {owner}")
-        for deployment_id, workers in running.items():
-            if deployment_id not in holding and not deployment_id.startswith(
-                PROFILING_OWNER_PREFIX
-            ):
-                for node_id in sorted({w.node_id for w in workers}):
-                    await self._stop_on(node_id, deployment_id)
-                actions.append(f"stopped orphaned workers of {deployment_id}")
-        for line in actions:
-            log.info("reconcile: %s", line)
-        self.reconciled.set()
-        return actions
-
-    async def _running_workers(self) -> tuple[dict[str, list[_NodeWorker]], set[str]]:
-        """Live workers by deployment, as the alive nodes' agents report them, and the
-        nodes whose agents answered."""
-        running: dict[str, list[_NodeWorker]] = {}
-        answered: set[str] = set()
-        for node in await self.store.list_nodes():
-            if not node.alive:
-                continue
-            try:
-                reply = await self.agents.stub(node.agent_address).ListWorkers(
-                    agent_pb.ListWorkersRequest(), timeout=STOP_TIMEOUT_S
-                )
-            except grpc.RpcError as exc:
-                log.warning("reconcile: agent of %s did not answer: %s", node.node_id, exc)
-                continue
-            answered.add(node.node_id)
-            for w in reply.workers:
-                if w.state in (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY):
-                    running.setdefault(w.deployment_id, []).append(
-                        _NodeWorker(node.node_id, w.rank)
-                    )
-        return running, answered
-
-    async def _fail_now(self, deployment: deploy_pb.Deployment, reason: str) -> None:
+    async def mark_failed(self, deployment: deploy_pb.Deployment, reason: str) -> None:
         deployment.state = deploy_pb.DEPLOYMENT_STATE_FAILED
         deployment.state_reason = reason
         await self.store.put_deployment(deployment)
-        await self._teardown(deployment)
+        await self.teardown(deployment)
         await self.store.publish_event(
             "deployment_failed", deployment_id=deployment.deployment_id, reason=reason
         )
@@ -524,7 +408,7 @@ class DeploymentController:
             deployment = await self.get(deployment_id)
             deployment.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
             await self.store.put_deployment(deployment)
-            await self._teardown(deployment)
+            await self.teardown(deployment)
             await self.store.delete_deployment(deployment)
             await self.store.publish_event("deployment_removed", deployment_id=deployment_id)
         self._locks.pop(deployment_id, None)
@@ -539,7 +423,7 @@ class DeploymentController:
             deployment.state = deploy_pb.DEPLOYMENT_STATE_FAILED
             deployment.state_reason = reason
             await self.store.put_deployment(deployment)
-            await self._teardown(deployment)
+            await self.teardown(deployment)
             await self.store.publish_event(
                 "deployment_failed", deployment_id=deployment_id, reason=reason
             )

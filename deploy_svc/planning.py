@@ -25,7 +25,7 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
-from services.errors import IServeError, ResourceExhausted
+from services.errors import InvalidArgument, IServeError, ResourceExhausted
 
 __all__ = [
     "POLICIES",
@@ -34,6 +34,7 @@ __all__ = [
     "memory_blocks",
     "options_from_ranking",
     "policy_name",
+    "simulated_nodes",
 ]
 
 MIB = 1 << 20
@@ -211,3 +212,30 @@ def _decision(
     if not decision.estimate.memory_total_bytes:
         decision.estimate.memory_total_bytes = sum(reserved)
     return decision
+
+
+def simulated_nodes(simulated: Sequence[common.DeviceState]) -> list[common.NodeState]:
+    """PlanDeployment's simulated devices as live nodes (a device without a node id is
+    on node "simulated"; free bytes default to total minus max(used, reserved)).
+    InvalidArgument for a device without id, hardware type or total, or a load outside
+    [0, 1]."""
+    nodes: dict[str, common.NodeState] = {}
+    seen: set[tuple[str, str]] = set()
+    for given in simulated:
+        dev = common.DeviceState()
+        dev.CopyFrom(given)
+        dev.ref.node_id = dev.ref.node_id or "simulated"
+        key = (dev.ref.node_id, dev.ref.device_id)
+        name = f"simulated device {key[0]}/{key[1]!r}"
+        if not dev.ref.device_id or key in seen:
+            raise InvalidArgument(f"{name}: every device needs a device_id, unique in its node")
+        if not dev.hardware_type or not dev.total_bytes:
+            raise InvalidArgument(f"{name} needs hardware_type and total_bytes")
+        if not 0.0 <= dev.load <= 1.0:
+            raise InvalidArgument(f"{name}: load must be in [0, 1]")
+        seen.add(key)
+        if not dev.free_bytes:
+            dev.free_bytes = max(0, dev.total_bytes - max(dev.used_bytes, dev.reserved_bytes))
+        node = nodes.setdefault(key[0], common.NodeState(node_id=key[0], alive=True))
+        node.devices.append(dev)
+    return list(nodes.values())

@@ -1,16 +1,21 @@
-"""Keeps deployment records true to the workers: a worker that died, a worker the
-scheduler cannot reach, or a node whose agent stopped heartbeating fails its
+"""Keeps deployment records true to the workers.
+
+On start, :meth:`Reconciler.reconcile_on_start` makes Redis and the agents agree after
+a restart of the deployer. Then, for as long as it runs, a worker that died, a worker
+the scheduler cannot reach, or a node whose agent stopped heartbeating fails its
 deployment, which releases the deployment's memory."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy_svc.controller import DeploymentController
+from services.api import agent_service_pb2 as agent_pb
 from services.api import deployment_service_pb2 as deploy_pb
 from services.grpc_server import channel
 from services.state.store import StateStore
@@ -30,10 +35,100 @@ async def worker_answers(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+# Reservations and workers of profiling jobs (fingerprint_svc.profiler) are not ours.
+PROFILING_OWNER_PREFIX = "profile-"
+LIST_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class _NodeWorker:
+    node_id: str
+    rank: int
+
+
+def _rank_count(deployment: deploy_pb.Deployment) -> int:
+    return sum(len(stage.devices) for stage in deployment.placement.stages)
+
+
 class Reconciler:
     def __init__(self, controller: DeploymentController, store: StateStore):
         self.controller = controller
         self.store = store
+
+    async def reconcile_on_start(self) -> list[str]:
+        """Make Redis and the agents agree after a (re)start of this service; returns what
+        it did, one line per action.
+
+        READY deployments whose workers all still run are kept; those missing a worker
+        are failed (workers stopped, memory released). STARTING ones were cut off by the
+        restart: failed the same way. REMOVING ones are finished. Reservations with no
+        deployment behind them (and not a profiling job's) are released, and workers of
+        deployments Redis does not know are stopped.
+        """
+        actions: list[str] = []
+        deployments = await self.store.list_deployments()
+        running, answered = await self._running_workers()
+        for dep in deployments:
+            nodes = {ref.node_id for stage in dep.placement.stages for ref in stage.devices}
+            if dep.state == deploy_pb.DEPLOYMENT_STATE_READY and nodes <= answered:
+                # (A node whose agent did not answer is left to the heartbeat check.)
+                ranks = {w.rank for w in running.get(dep.deployment_id, [])}
+                missing = sorted(set(range(_rank_count(dep))) - ranks)
+                if missing:
+                    reason = f"after a deployer restart, rank(s) {missing} are not running"
+                    await self.controller.mark_failed(dep, reason)
+                    actions.append(f"failed {dep.deployment_id}: {reason}")
+            elif dep.state == deploy_pb.DEPLOYMENT_STATE_STARTING:
+                reason = "the deployer restarted while the deployment was starting"
+                await self.controller.mark_failed(dep, reason)
+                actions.append(f"failed {dep.deployment_id}: {reason}")
+            elif dep.state == deploy_pb.DEPLOYMENT_STATE_REMOVING:
+                await self.controller.teardown(dep)
+                await self.store.delete_deployment(dep)
+                actions.append(f"finished removing {dep.deployment_id}")
+        holding = {
+            d.deployment_id
+            for d in await self.store.list_deployments()
+            if d.state == deploy_pb.DEPLOYMENT_STATE_READY
+        }
+        for owner in sorted(await self.store.reservation_owners()):
+            if owner not in holding and not owner.startswith(PROFILING_OWNER_PREFIX):
+                await self.store.release(owner)
+                actions.append(f"released orphaned reservation {owner}")
+        for deployment_id, workers in running.items():
+            if deployment_id not in holding and not deployment_id.startswith(
+                PROFILING_OWNER_PREFIX
+            ):
+                for node_id in sorted({w.node_id for w in workers}):
+                    await self.controller.stop_on(node_id, deployment_id)
+                actions.append(f"stopped orphaned workers of {deployment_id}")
+        for line in actions:
+            log.info("reconcile: %s", line)
+        self.controller.reconciled.set()
+        return actions
+
+    async def _running_workers(self) -> tuple[dict[str, list[_NodeWorker]], set[str]]:
+        """Live workers by deployment, as the alive nodes' agents report them, and the
+        nodes whose agents answered."""
+        running: dict[str, list[_NodeWorker]] = {}
+        answered: set[str] = set()
+        for node in await self.store.list_nodes():
+            if not node.alive:
+                continue
+            try:
+                reply = await self.controller.agents.stub(node.agent_address).ListWorkers(
+                    agent_pb.ListWorkersRequest(), timeout=LIST_TIMEOUT_S
+                )
+            except grpc.RpcError as exc:
+                log.warning("reconcile: agent of %s did not answer: %s", node.node_id, exc)
+                continue
+            answered.add(node.node_id)
+            for w in reply.workers:
+                if w.state in (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY):
+                    running.setdefault(w.deployment_id, []).append(
+                        _NodeWorker(node.node_id, w.rank)
+                    )
+        return running, answered
 
     async def handle(self, event: dict) -> None:
         deployment_id = event.get("deployment_id", "")
@@ -73,7 +168,7 @@ class Reconciler:
         last = await self.store.last_event_id()
         while True:
             try:
-                await self.controller.reconcile()
+                await self.reconcile_on_start()
                 break
             except asyncio.CancelledError:
                 raise

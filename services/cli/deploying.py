@@ -1,0 +1,169 @@
+"""``iserve deploy``: its flags, the request they make and how a decision is printed.
+
+``build_parser`` in ``services/cli/main.py`` adds the flags with :func:`add_arguments`;
+``cmd_deploy`` there sends the request (:func:`request_target`) and prints the reply
+(:func:`print_decision`, :func:`describe_config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+
+PRECISIONS = {"float32": common.PRECISION_FLOAT32, "bfloat16": common.PRECISION_BFLOAT16}
+WEIGHT_QUANTS = {
+    "none": common.WEIGHT_QUANT_NONE,
+    "int8": common.WEIGHT_QUANT_INT8,
+    "int4": common.WEIGHT_QUANT_INT4,
+}
+KV_QUANTS = {"none": common.KV_QUANT_NONE, "int8": common.KV_QUANT_INT8}
+PRUNINGS = {
+    "none": common.PRUNING_NONE,
+    "2:4": common.PRUNING_SEMI_STRUCTURED_2_4,
+    "structured": common.PRUNING_STRUCTURED,
+}
+
+
+INTENTS = {
+    "min-cost": common.INTENT_KIND_MIN_COST,
+    "min-latency": common.INTENT_KIND_MIN_LATENCY,
+    "min-memory": common.INTENT_KIND_MIN_MEMORY,
+    "min-device-hours": common.INTENT_KIND_MIN_DEVICE_HOURS,
+    "latency-slo": common.INTENT_KIND_LATENCY_SLO,
+    "cost-slo": common.INTENT_KIND_COST_SLO,
+    "max-throughput": common.INTENT_KIND_MAX_THROUGHPUT,
+}
+COST_FORMULAS = {
+    "memory-latency": common.COST_FORMULA_MEMORY_TIMES_LATENCY,
+    "memory": common.COST_FORMULA_MEMORY,
+    "device-hours": common.COST_FORMULA_DEVICE_HOURS,
+}
+POLICIES = {
+    "hybrid": common.PLACEMENT_POLICY_HYBRID,
+    "packing": common.PLACEMENT_POLICY_PACKING,
+    "least-loaded": common.PLACEMENT_POLICY_LEAST_LOADED,
+}
+EXPLICIT_FLAGS = ("tp", "pp", "dtype", "weight_quant", "kv_quant", "pruning", "variant")
+
+
+def request_target(args) -> dict:
+    """The DeployRequest fields that say what to deploy: an explicit configuration when
+    any configuration flag is given, else the intent (min-cost by default)."""
+    explicit = [f"--{f.replace('_', '-')}" for f in EXPLICIT_FLAGS if getattr(args, f)]
+    intent_flags = [
+        flag
+        for flag, given in (
+            ("--intent", args.intent),
+            ("--slo-ms", args.slo_ms),
+            ("--budget", args.budget),
+            ("--min-accuracy", args.min_accuracy is not None),
+            ("--cost", args.cost),
+        )
+        if given
+    ]
+    if explicit and intent_flags:
+        raise SystemExit(
+            f"iserve deploy: {', '.join(explicit)} and {', '.join(intent_flags)} do not mix; "
+            "give an explicit configuration or an intent"
+        )
+    if explicit:
+        return {
+            "config": common.DeploymentConfig(
+                tensor_parallel=args.tp or 1,
+                pipeline_parallel=args.pp or 1,
+                variant_name=args.variant or "",
+                dtype=PRECISIONS.get(args.dtype, 0),
+                weight_quant=WEIGHT_QUANTS[args.weight_quant or "none"],
+                kv_quant=KV_QUANTS[args.kv_quant or "none"],
+                pruning=PRUNINGS[args.pruning or "none"],
+            )
+        }
+    kind = INTENTS[args.intent or "min-cost"]
+    if kind == common.INTENT_KIND_LATENCY_SLO and not args.slo_ms:
+        raise SystemExit("iserve deploy: --intent latency-slo needs --slo-ms")
+    if kind == common.INTENT_KIND_COST_SLO and not args.budget:
+        raise SystemExit("iserve deploy: --intent cost-slo needs --budget")
+    intent = common.Intent(
+        kind=kind,
+        cost_formula=COST_FORMULAS.get(args.cost, 0),
+        latency_slo_ms=args.slo_ms or 0,
+        cost_budget=args.budget or 0,
+        allow_best_available_accuracy=args.best_available,
+    )
+    if args.min_accuracy is not None:
+        intent.min_accuracy = args.min_accuracy
+    return {"intent": intent}
+
+
+def describe_config(config: common.DeploymentConfig) -> str:
+    parts = [f"tp={config.tensor_parallel}", f"pp={config.pipeline_parallel}"]
+    if config.variant_name:
+        parts.append(f"variant={config.variant_name}")
+    for name, value, table in (
+        ("weights", config.weight_quant, WEIGHT_QUANTS),
+        ("kv", config.kv_quant, KV_QUANTS),
+        ("pruning", config.pruning, PRUNINGS),
+    ):
+        label = next((k for k, v in table.items() if v == value), "none")
+        if label != "none":
+            parts.append(f"{name}={label}")
+    parts.append(f"batch={config.batch_size or 1}")
+    return " ".join(parts)
+
+
+def print_decision(decision: deploy_pb.DeploymentDecision) -> None:
+    """The decision for a person, on stderr: winner, placement, estimate, skipped."""
+    out = sys.stderr
+    print(f"chose #{decision.winner_rank}: {describe_config(decision.config)}", file=out)
+    for stage in decision.placement.stages:
+        devices = ", ".join(f"{d.node_id}/{d.device_id}" for d in stage.devices)
+        last = stage.first_layer + stage.layer_count - 1
+        mib = max(stage.reserved_bytes, default=0) / 2**20
+        print(
+            f"  stage {stage.stage}: layers {stage.first_layer}-{last} on {devices} "
+            f"({mib:.0f} MiB each)",
+            file=out,
+        )
+    e = decision.estimate
+    if e.latency_ms:
+        print(
+            f"  estimate: latency {e.latency_ms:.1f} ms (TTFT {e.ttft_ms:.2f} ms, TPOT "
+            f"{e.tpot_ms:.2f} ms), memory {e.memory_total_bytes / 1e9:.2f} GB",
+            file=out,
+        )
+    for s in decision.skipped:
+        print(f"  skipped #{s.rank} {describe_config(s.config)}: {s.reason}", file=out)
+    if decision.note:
+        print(f"  note: {decision.note}", file=out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The intent, policy and explicit-configuration flags of ``iserve deploy``."""
+    p.add_argument("--intent", choices=sorted(INTENTS), help="what to optimise (default min-cost)")
+    p.add_argument("--slo-ms", type=float, help="latency target at --max-output (latency-slo)")
+    p.add_argument("--budget", type=float, help="cost budget in the --cost unit (cost-slo)")
+    p.add_argument(
+        "--cost",
+        choices=sorted(COST_FORMULAS),
+        help="cost formula for min-cost and cost-slo (default memory-latency: GB x s)",
+    )
+    p.add_argument("--min-accuracy", type=float, help="accuracy floor over the variants' scores")
+    p.add_argument(
+        "--best-available",
+        action="store_true",
+        help="when no variant meets --min-accuracy, take the most accurate instead of failing",
+    )
+    p.add_argument("--policy", choices=sorted(POLICIES), help="device placement (default hybrid)")
+    p.add_argument("--plan", action="store_true", help="show the decision; launch nothing")
+    p.add_argument("--tp", type=int, help="explicit: tensor-parallel degree")
+    p.add_argument("--pp", type=int, help="explicit: pipeline-parallel degree")
+    p.add_argument("--variant", help="explicit: a registered compression variant by name")
+    p.add_argument(
+        "--dtype", choices=sorted(PRECISIONS), help="explicit; default: the checkpoint's"
+    )
+    p.add_argument("--weight-quant", choices=sorted(WEIGHT_QUANTS), help="explicit")
+    p.add_argument("--kv-quant", choices=sorted(KV_QUANTS), help="explicit")
+    p.add_argument("--pruning", choices=sorted(PRUNINGS), help="explicit")
