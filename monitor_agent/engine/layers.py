@@ -3,6 +3,12 @@
 Every block reads its shape from the ArchSpec once, in its constructor, and from its own
 attributes afterwards, so transforms (tensor-parallel sharding, structured pruning,
 quantization) can change a block in place; see model.py for the contract they rely on.
+
+Blocks call their submodules' ``forward`` directly rather than through
+``nn.Module.__call__``: its hook dispatch costs about a microsecond a call, some 15 calls
+per layer and token, which a small model's decode step feels (≈ 6 % of the forward of
+bench/engine_vs_transformers.py's tiny model). Hooks registered on these submodules are
+therefore not run; nothing in iserve registers any.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One op; the same arithmetic as the two-step form below.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 and scale in the model dtype, as Hugging Face Llama does.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -56,6 +65,47 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_out, bias=spec.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_out, hidden, bias=spec.attn_out_bias, dtype=dtype)
         self.kv_cache: LayerKVCache | None = None
+        # Set by fuse_projections: q, k and v rows of one weight, multiplied at once.
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Store q_proj, k_proj and v_proj as one [q + k + v, in] weight (and bias): forward
+        then projects with one matmul and rotates q and k with one RoPE call (≈ 6 % of the
+        tiny benchmark model's decode forward). The three Linears keep their weights as
+        views of it, so no memory is added.
+
+        Fuses only three plain ``nn.Linear`` (a quantized or sparse projection keeps its
+        own module) of one dtype, device and bias-ness; the fused weight keeps their layout
+        (input-major, see ``loader.store_input_major``, when all three are). A transform
+        that replaces or shrinks q/k/v afterwards must call this again
+        (``Transformer.setup_caches`` does).
+        """
+        self.qkv_weight = self.qkv_bias = None
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        if any(type(linear) is not nn.Linear for linear in linears):
+            return
+        weights = [linear.weight for linear in linears]
+        biases = [linear.bias for linear in linears]
+        if len({(w.dtype, w.device) for w in weights}) != 1:
+            return
+        has_bias = [b is not None for b in biases]
+        if any(has_bias) and not all(has_bias):
+            return
+        if all(w.stride(0) == 1 for w in weights):  # input-major
+            fused = torch.cat([w.t() for w in weights], dim=1).t()
+        else:
+            fused = torch.cat(weights)
+        fused_bias = torch.cat(biases) if all(has_bias) else None
+        start = 0
+        for linear in linears:
+            stop = start + linear.out_features
+            linear.weight = nn.Parameter(fused[start:stop], linear.weight.requires_grad)
+            if fused_bias is not None:
+                linear.bias = nn.Parameter(fused_bias[start:stop], linear.bias.requires_grad)
+            start = stop
+        self.qkv_weight, self.qkv_bias = fused, fused_bias
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Combine partial outputs across tensor-parallel ranks; identity on one rank."""
@@ -70,18 +120,26 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin, interleaved=self.rotary_interleaved)
-        k = apply_rope(k, cos, sin, interleaved=self.rotary_interleaved)
+        heads, kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
+        interleaved = self.rotary_interleaved
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = qkv.view(batch, seq, heads + 2 * kv_heads, head_dim).transpose(1, 2)
+            qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin, interleaved=interleaved)
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+        else:
+            q = self.q_proj.forward(x).view(batch, seq, heads, head_dim).transpose(1, 2)
+            k = self.k_proj.forward(x).view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+            v = self.v_proj.forward(x).view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+            q = apply_rope(q, cos, sin, interleaved=interleaved)
+            k = apply_rope(k, cos, sin, interleaved=interleaved)
         assert self.kv_cache is not None, "call Transformer.setup_caches before forward"
         keys, values = self.kv_cache.update(address, k, v)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads
+            q, keys, values, attn_mask=mask, enable_gqa=kv_heads != heads
         )
-        out = out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)
-        return self.reduce(self.o_proj(out))
+        out = out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+        return self.reduce(self.o_proj.forward(out))
 
 
 _ACTIVATIONS = {
@@ -116,10 +174,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is None:
-            inner = self.act(self.up_proj(x))
+            inner = self.act(self.up_proj.forward(x))
         else:
-            inner = self.act(self.gate_proj(x)) * self.up_proj(x)
-        return self.reduce(self.down_proj(inner))
+            inner = self.act(self.gate_proj.forward(x)) * self.up_proj.forward(x)
+        return self.reduce(self.down_proj.forward(inner))
 
 
 class DecoderLayer(nn.Module):
@@ -145,11 +203,11 @@ class DecoderLayer(nn.Module):
         address: CacheAddress,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        normed = self.attn_norm(x)
-        attended = self.self_attn(normed, cos, sin, address, mask)
+        normed = self.attn_norm.forward(x)
+        attended = self.self_attn.forward(normed, cos, sin, address, mask)
         if not self.parallel_residual:
             h = x + attended
             assert self.mlp_norm is not None
-            return h + self.mlp(self.mlp_norm(h))
-        mlp_in = normed if self.mlp_norm is None else self.mlp_norm(x)
-        return x + (attended + self.mlp(mlp_in))
+            return h + self.mlp.forward(self.mlp_norm.forward(h))
+        mlp_in = normed if self.mlp_norm is None else self.mlp_norm.forward(x)
+        return x + (attended + self.mlp.forward(mlp_in))

@@ -87,12 +87,41 @@ def load_model(
     # compressing hook keeps the full-precision model from ever being resident at once.
     for prefix, part in _parts(model):
         part.to_empty(device=device)
+        store_input_major(part, keep_values=False)
         for name, param in part.named_parameters(prefix=prefix):
             source = sources[name]
             _load_parameter(param, name, directory / checked.tensors[source.tensor].file, source)
         if on_layer_loaded is not None and isinstance(part, DecoderLayer):
             on_layer_loaded(part)
+            # Structured pruning builds new, output-major Linears.
+            store_input_major(part, keep_values=True)
     return model.eval()
+
+
+def store_input_major(module: nn.Module, *, keep_values: bool = True) -> None:
+    """Give every float32 CPU ``nn.Linear`` in ``module`` an input-major weight.
+
+    The weight keeps its [out, in] shape but becomes the transpose of a contiguous
+    [in, out] tensor. Whatever multiplies it (``F.linear``, quantization, pruning) sees
+    the same values; MKL's float32 GEMM reads this layout faster when the activation has
+    few rows: 1.3–1.9× for one to a few dozen rows at widths up to 1024 on the
+    development VM (AVX-512), the same at one row of wider matrices, where memory bandwidth
+    decides. bfloat16 and float16 gain nothing from it and keep the usual layout.
+    ``keep_values=False`` only allocates (for a weight about to be read).
+    """
+    for child in module.modules():
+        if type(child) is not nn.Linear:  # quantized and sparse Linears keep their own layout
+            continue
+        weight = child.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            continue
+        if weight.stride(0) == 1:  # already input-major
+            continue
+        if keep_values:
+            storage = weight.detach().t().contiguous()
+        else:
+            storage = torch.empty(weight.shape[::-1], dtype=weight.dtype, device=weight.device)
+        child.weight = nn.Parameter(storage.t(), requires_grad=weight.requires_grad)
 
 
 def _load_parameter(param: nn.Parameter, name: str, path: Path, source: WeightSource) -> None:

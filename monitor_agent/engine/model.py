@@ -20,6 +20,10 @@ they are applied to this model, never forks of it:
   ``v_proj``, ``o_proj``; ``gate_proj`` (None when not gated), ``up_proj``,
   ``down_proj``), so quantization can swap Linear modules for its own, and structured
   pruning can shrink the MLP's inner width (rows of gate/up, columns of down) or heads.
+  ``setup_caches`` then fuses each attention's q/k/v into one weight whose views the
+  three Linears keep (``Attention.fuse_projections``), so every transform comes before
+  it, or calls it again. The loader stores float32 Linear weights input-major
+  (``loader.store_input_major``); a transform reads them as ordinary [out, in] tensors.
 * Attention and MLP outputs pass through ``self.reduce(x)``, identity by default;
   tensor parallelism replaces it per module (``module.reduce = all_reduce``). A
   row-parallel ``o_proj``/``down_proj`` with a bias must keep that bias on one rank only.
@@ -74,12 +78,14 @@ class Transformer(nn.Module):
         self.max_seq_len = 0
 
     def setup_caches(self, max_batch: int, max_seq_len: int) -> None:
-        """Allocate the KV cache for max_batch slots of max_seq_len tokens and RoPE tables."""
+        """Allocate the KV cache for max_batch slots of max_seq_len tokens and RoPE tables,
+        and fuse each attention's q/k/v projections (``Attention.fuse_projections``)."""
         # Norm weights are in the activation dtype even when a transform quantizes Linears.
         norm_weight = self.layers[0].attn_norm.weight
         dtype, device = norm_weight.dtype, norm_weight.device
         for layer in self.layers:
             attn = layer.self_attn
+            attn.fuse_projections()
             attn.kv_cache = LayerKVCache(
                 max_batch, attn.n_kv_heads, max_seq_len, attn.head_dim, dtype, device
             )
@@ -116,18 +122,18 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         mask = self._attention_mask(positions, address.kv_len)
-        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        x = self.embed_tokens.forward(inputs) if self.embed_tokens is not None else inputs
         for layer in self.layers:
-            x = layer(x, cos, sin, address, mask)
+            x = layer.forward(x, cos, sin, address, mask)
         if self.norm is None:
             return x
         if last_token_only:
             x = x[:, -1:]
-        x = self.norm(x)
+        x = self.norm.forward(x)
         if self.lm_head is None:
             assert self.embed_tokens is not None
             return F.linear(x, self.embed_tokens.weight)
-        return self.lm_head(x)
+        return self.lm_head.forward(x)
 
     def _attention_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         """Boolean [B, 1, T, kv_len] mask, True where a query may attend to a key.

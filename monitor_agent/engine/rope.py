@@ -7,6 +7,13 @@ Only the first ``rotary_dim`` dimensions of a head rotate (GPT-J rotates 64 of 2
 rest pass through. The cos/sin tables are computed once, in float32, for every position
 the engine may see, already laid out for their convention; a forward pass only gathers
 rows by position.
+
+The sin table is signed: each dimension's sin carries the sign its partner takes in the
+rotation (−sin for the first of a pair, +sin for the second), so a rotation is
+``x·cos + partner(x)·sin`` with ``partner`` a single roll (rotate-half) or pair swap
+(interleaved), four tensor ops instead of the seven of slicing, negating and
+concatenating. ``(−a)·s`` and ``a·(−s)`` round identically, so the result is bit for bit
+the textbook ``x·cos + rotate_half(x)·sin``.
 """
 
 from __future__ import annotations
@@ -23,23 +30,26 @@ def rope_tables(
     *,
     interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape [max_seq_len, rotary_dim]."""
+    """cos and signed sin tables of shape [max_seq_len, rotary_dim] (see the module
+    docstring for the sin table's signs)."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float()
     inv_freq = 1.0 / (theta ** (exponents / rotary_dim))
     positions = torch.arange(max_seq_len, dtype=torch.float32, device=device)
     freqs = torch.outer(positions, inv_freq)
     if interleaved:
         angles = torch.repeat_interleave(freqs, 2, dim=-1)
+        signs = torch.tensor([-1.0, 1.0], device=device).repeat(rotary_dim // 2)
     else:
         angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+        signs = torch.tensor([-1.0, 1.0], device=device).repeat_interleave(rotary_dim // 2)
+    return angles.cos().to(dtype), (angles.sin() * signs).to(dtype)
 
 
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
 ) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] dims of x [B, heads, T, head_dim] by cos/sin
-    [B, 1, T, rotary_dim]; the remaining dims pass through unchanged."""
+    """Rotate the first cos.shape[-1] dims of x [B, heads, T, head_dim] by cos and signed
+    sin [B, 1, T, rotary_dim]; the remaining dims pass through unchanged."""
     rotary_dim = cos.shape[-1]
     if rotary_dim < x.shape[-1]:
         rotating, passing = x[..., :rotary_dim], x[..., rotary_dim:]
@@ -51,8 +61,7 @@ def _rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
 ) -> torch.Tensor:
     if interleaved:
-        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+        partner = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     else:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        partner = x.roll(x.shape[-1] // 2, dims=-1)
+    return x * cos + partner * sin

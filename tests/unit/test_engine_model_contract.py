@@ -179,6 +179,33 @@ def test_modules_expose_the_transform_contract(checkpoint: Path) -> None:
     assert sorted(calls) == sorted(f"{kind}{j}" for j in range(4) for kind in ("attn", "mlp"))
 
 
+def test_fused_input_major_weights_compute_the_plain_model(checkpoint: Path) -> None:
+    """float32 Linears load input-major and setup_caches fuses q/k/v into views of one
+    weight; the logits match a copy that multiplies [out, in] weights one by one."""
+    model = ready(load_model(checkpoint))
+    plain = load_model(checkpoint)
+    for linear in plain.modules():
+        if type(linear) is nn.Linear:
+            linear.weight = nn.Parameter(linear.weight.detach().contiguous())
+    plain.setup_caches(1, 64)
+    for layer, plain_layer in zip(model.layers, plain.layers, strict=True):
+        attention = layer.self_attn
+        assert attention.qkv_weight is not None
+        fused_storage = attention.qkv_weight.untyped_storage().data_ptr()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            weight = getattr(attention, name).weight
+            assert weight.untyped_storage().data_ptr() == fused_storage
+            assert torch.equal(weight, getattr(plain_layer.self_attn, name).weight)
+        assert layer.mlp.down_proj.weight.stride() == (1, layer.mlp.down_proj.out_features)
+        plain_layer.self_attn.qkv_weight = plain_layer.self_attn.qkv_bias = None
+    fused_logits = step(model, torch.tensor([IDS]), 0)
+    plain_logits = step(plain, torch.tensor([IDS]), 0)
+    torch.testing.assert_close(fused_logits, plain_logits, atol=1e-5, rtol=0)
+    # A second setup_caches re-fuses what it fused before, in the same layout.
+    model.setup_caches(1, 64)
+    assert model.layers[0].self_attn.qkv_weight.stride(0) == 1
+
+
 def test_sharded_checkpoint_loads_stage_by_stage(tmp_path: Path) -> None:
     """Fused Falcon-40B projections sliced by rows out of a multi-file checkpoint."""
     shape = {**SMALL, **FAMILIES["falcon-40b"], "seed": 5}
