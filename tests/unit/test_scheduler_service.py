@@ -356,6 +356,28 @@ def test_client_cancel_reaches_the_worker_and_frees_the_slot(redis_url):
     run(redis_url, scenario)
 
 
+def test_client_deadline_stops_the_worker_and_frees_the_slot(redis_url):
+    async def scenario(h: Harness):
+        worker = FakeWorker(hang=True)
+        await h.add_deployment("d1", worker, batch_size=1)
+        call = h.client.Generate(
+            inference_pb.GenerateRequest(
+                request_id="r1", deployment_id="d1", prompt="hi", max_tokens=3
+            ),
+            timeout=0.5,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await read_rest(call)
+        assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        async with asyncio.timeout(WAIT_S):
+            await worker.cancelled.wait()
+        queue = h.servicer.queues.get("d1")
+        await h.until(lambda: queue.running == 0, "slot released")
+        assert await unreachable_events(h.store) == []
+
+    run(redis_url, scenario)
+
+
 def test_client_cancel_while_queued_leaves_the_queue(redis_url):
     async def scenario(h: Harness):
         worker = FakeWorker(gate=asyncio.Event())
