@@ -1,5 +1,7 @@
-"""A do-nothing InferenceService that forwards Generate to one worker: the floor any
-Python gRPC hop costs. ``bench/serving_overhead.py`` measures it beside the scheduler.
+"""A do-nothing InferenceService that forwards each Generate to one worker as a new
+Generate call: what a plain Python gRPC hop costs (the scheduler instead sends each
+request as one message on an open session). ``bench/serving_overhead.py`` measures it
+beside the scheduler.
 
 Usage: python bench/bare_proxy.py WORKER_ADDRESS  (prints its port, then serves)
 """
