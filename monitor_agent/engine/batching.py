@@ -284,10 +284,14 @@ class BatchEngine:
         return joined
 
     def _decode(self, batch: list[SequenceHandle]) -> list[tuple[SequenceHandle, StepOutput]]:
-        device = self.device
-        ids = torch.tensor([[h._next_token] for h in batch], dtype=torch.long, device=device)
-        positions = torch.tensor([[h._position] for h in batch], dtype=torch.long, device=device)
-        slots = torch.tensor([h.slot for h in batch], dtype=torch.long, device=device)
+        # One tensor of [token, position, slot] rows, read by column: each torch.tensor
+        # call costs a few microseconds of a small model's step.
+        columns = torch.tensor(
+            [[h._next_token, h._position, h.slot] for h in batch],
+            dtype=torch.long,
+            device=self.device,
+        )
+        ids, positions, slots = columns[:, 0:1], columns[:, 1:2], columns[:, 2]
         logits = self.model(ids, positions, slots, last_token_only=True)[:, -1]
         self._observe(len(batch), 1, max(h._position for h in batch) + 1)
         for handle in batch:
