@@ -77,6 +77,14 @@ class _Session:
         generation = _Generation(stream_id)
         self.running[stream_id] = generation
         generation.task = asyncio.create_task(self._serve(generation, message.generate))
+        # Not in _serve's finally: a task cancelled before it ever ran skips its body.
+        generation.task.add_done_callback(lambda task: self._finished(stream_id, task))
+
+    def _finished(self, stream_id: int, task: asyncio.Task) -> None:
+        self.running.pop(stream_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            # Only a write can fail here: the session itself is ending.
+            log.warning("generation on stream %d ended: %r", stream_id, task.exception())
 
     def cancel(self, stream_id: int) -> None:
         generation = self.running.get(stream_id)
@@ -113,8 +121,6 @@ class _Session:
                 )
         except _Cancelled:
             pass
-        finally:
-            self.running.pop(stream_id, None)
 
     async def _write(self, generation: _Generation, response: SessionResponse) -> None:
         """Write ``response`` unless the generation was cancelled; a cancel that arrived

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from monitor_agent.worker.session import serve_session
 from scheduler_svc.worker_client import WorkerClients, WorkerStream, WorkerStreamError
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
@@ -204,3 +205,34 @@ def test_every_stream_fails_unavailable_when_the_worker_dies(checkpoint, tmp_pat
     finally:
         proc.kill()
         proc.wait(15)
+
+
+class RecordingContext:
+    """Stands in for the session's ServicerContext: records what is written."""
+
+    def __init__(self) -> None:
+        self.written: list[worker_pb.WorkerServiceSessionResponse] = []
+
+    async def write(self, message: worker_pb.WorkerServiceSessionResponse) -> None:
+        self.written.append(message)
+
+
+def test_a_cancel_right_behind_its_request_ends_the_generation_before_it_runs():
+    started: list[str] = []
+
+    async def generate(request):
+        started.append(request.request_id)
+        yield worker_pb.WorkerServiceGenerateResponse(token_ids=[1], finish_reason=1)
+
+    async def messages():
+        # No await between the two: the cancel arrives before the generation's task runs.
+        yield worker_pb.WorkerServiceSessionRequest(stream_id=1, generate=request(3))
+        yield worker_pb.WorkerServiceSessionRequest(
+            stream_id=1, cancel=worker_pb.WorkerServiceSessionCancel()
+        )
+        yield worker_pb.WorkerServiceSessionRequest(stream_id=2, generate=request(4))
+
+    context = RecordingContext()
+    asyncio.run(asyncio.wait_for(serve_session(messages(), context, generate), WAIT_S))
+    assert started == ["r4"]
+    assert [m.stream_id for m in context.written] == [2]
