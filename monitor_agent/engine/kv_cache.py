@@ -103,7 +103,14 @@ class LayerKVCache(nn.Module):
 class CacheAddress:
     """Where one forward pass reads and writes: per row a slot, per token a position."""
 
-    __slots__ = ("kv_len", "positions", "single_slot", "slot_window", "slots")
+    __slots__ = (
+        "kv_len",
+        "positions",
+        "single_slot",
+        "single_slot_positions",
+        "slot_window",
+        "slots",
+    )
 
     def __init__(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.slots = slots  # [B] int64
@@ -113,6 +120,8 @@ class CacheAddress:
         slot_list = slots.tolist()
         first, count = slot_list[0], len(slot_list)
         self.single_slot = first if count == 1 else None
+        # The one row's positions, taken once here rather than at each of the writes.
+        self.single_slot_positions = positions[0] if count == 1 else None
         # Rows that address slots first, first + 1, … in order can read the cache as a view.
         consecutive = slot_list == list(range(first, first + count))
         self.slot_window = slice(first, first + count) if consecutive else None
@@ -131,7 +140,7 @@ def kv_cache_bytes(model: nn.Module) -> int:
 def _write(buffer: torch.Tensor, address: CacheAddress, x: torch.Tensor) -> None:
     """Store x [B, kv_heads, T, last] at the addressed slots and positions of buffer."""
     if address.single_slot is not None:
-        buffer[address.single_slot].index_copy_(1, address.positions[0], x[0])
+        buffer.narrow(0, address.single_slot, 1).index_copy_(2, address.single_slot_positions, x)
     else:
         buffer[address.slots[:, None], :, address.positions] = x.transpose(1, 2)
 

@@ -98,8 +98,8 @@ class Transformer(nn.Module):
             device,
             interleaved=spec.rotary_interleaved,
         )
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # cos and sin side by side, so that a forward gathers both with one lookup.
+        self.register_buffer("rope_table", torch.cat((cos, sin), dim=-1), persistent=False)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
 
     def forward(
@@ -119,8 +119,8 @@ class Transformer(nn.Module):
         [B, 1, vocab] with last_token_only) on the last stage, hidden states otherwise.
         """
         address = CacheAddress(slots, positions)
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        rope = torch.embedding(self.rope_table, positions).unsqueeze(1)  # [B, 1, T, 2 · rot]
+        cos, sin = rope.chunk(2, dim=-1)
         mask = self._attention_mask(positions, address.kv_len)
         x = self.embed_tokens.forward(inputs) if self.embed_tokens is not None else inputs
         for layer in self.layers:

@@ -51,4 +51,4 @@ def test_checkpoint_saved_by_transformers_loads(pair: ParityPair, tmp_path: Path
 
 
 def test_rotary_tables_cover_only_the_rotary_dims(pair: ParityPair) -> None:
-    assert pair.engine.model.rope_cos.shape[-1] == pair.engine.spec.rotary_dim
+    assert pair.engine.model.rope_table.shape[-1] == 2 * pair.engine.spec.rotary_dim
