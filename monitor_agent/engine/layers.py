@@ -3,6 +3,9 @@
 Every block reads its shape from the ArchSpec once, in its constructor, and from its own
 attributes afterwards, so transforms (tensor-parallel sharding, structured pruning,
 quantization) can change a block in place; see model.py for the contract they rely on.
+Activations are [B·T, hidden]: a 2-D input lets each Linear go straight to one matrix
+product, without matmul's folding of a 3-D batch (≈ 2 % of a small model's decode step);
+attention takes B and T from the cache address.
 
 Blocks call their submodules' ``forward`` directly rather than through
 ``nn.Module.__call__``: its hook dispatch costs about a microsecond a call, some 15 calls
@@ -121,7 +124,7 @@ class Attention(nn.Module):
         address: CacheAddress,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        batch, seq = address.positions.shape
         heads, kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
         interleaved = self.rotary_interleaved
         if self.qkv_weight is not None:
@@ -140,7 +143,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, enable_gqa=kv_heads != heads
         )
-        out = out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+        out = out.transpose(1, 2).reshape(batch * seq, heads * head_dim)
         return self.reduce(self.o_proj.forward(out))
 
 

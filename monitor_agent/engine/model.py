@@ -122,18 +122,25 @@ class Transformer(nn.Module):
         rope = torch.embedding(self.rope_table, positions).unsqueeze(1)  # [B, 1, T, 2 · rot]
         cos, sin = rope.chunk(2, dim=-1)
         mask = self._attention_mask(positions, address.kv_len)
-        x = self.embed_tokens.forward(inputs) if self.embed_tokens is not None else inputs
+        batch, seq = positions.shape
+        # The layers work on [B·T, hidden] (see layers.py).
+        if self.embed_tokens is not None:
+            x = self.embed_tokens.forward(inputs.reshape(batch * seq))
+        else:
+            x = inputs.reshape(batch * seq, -1)
         for layer in self.layers:
             x = layer.forward(x, cos, sin, address, mask)
         if self.norm is None:
-            return x
+            return x.view(batch, seq, -1)
         if last_token_only:
-            x = x[:, -1:]
+            x, seq = x.view(batch, seq, -1)[:, -1], 1
         x = self.norm.forward(x)
         if self.lm_head is None:
             assert self.embed_tokens is not None
-            return F.linear(x, self.embed_tokens.weight)
-        return self.lm_head.forward(x)
+            logits = F.linear(x, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head.forward(x)
+        return logits.view(batch, seq, -1)
 
     def _attention_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
         """Boolean [B, 1, T, kv_len] mask, True where a query may attend to a key.
