@@ -32,13 +32,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch.rms_norm, not F.rms_norm: the same op without the Python wrapper's
-        # __torch_function__ checks, ≈ 3 % of the tiny benchmark model's decode forward.
+        width = x.shape[-1]
         if x.dtype == torch.float32:
-            # One op; the same arithmetic as the two-step form below.
-            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            # RMSNorm through LayerNorm's fused one-pass CPU kernel: [x, -x] has mean 0 and
+            # variance mean(x²), so LayerNorm of it starts with x / √(mean(x²) + ε).
+            # torch.rms_norm dispatches ~8 elementwise and reduction ops instead; this is
+            # ≈ 8 % of the tiny benchmark model's decode step, and differs from it by
+            # ~2 ulp (the mean of [x, -x] is 0 only up to rounding).
+            doubled = torch.cat((x, x.neg()), dim=-1)
+            normed = torch.layer_norm(doubled, (2 * width,), None, None, self.eps)
+            return normed.narrow(-1, 0, width) * self.weight
         # Normalise in float32 and scale in the model dtype, as Hugging Face Llama does.
-        normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        normed = torch.rms_norm(x.float(), (width,), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
 
