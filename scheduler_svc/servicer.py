@@ -127,6 +127,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     sampling=request.sampling,
                 )
             )
+            # Headers now, while the worker computes, so the first token travels alone; but
+            # first let the request to the worker go out (its write runs in a task).
+            await asyncio.sleep(0)
+            await context.send_initial_metadata(())
             read = stream.read
             try:
                 while final is None:

@@ -36,13 +36,14 @@ class FakeWorker(worker_grpc.WorkerServiceServicer):
     """Streams ``tokens`` one message each, then a final LENGTH message, over the real
     worker-side session code (``serve_session``).
 
-    ``gate``: wait for it after the first token. ``hang``: after the first token, never
-    finish. ``abort``: fail at once with this (code, details). ``final``: whether to
+    ``before_first``: wait for it before the first token. ``gate``: wait for it after the
+    first token. ``hang``: after the first token, never finish. ``abort``: fail at once with this (code, details). ``final``: whether to
     send the final message.
     """
 
     tokens: list[tuple[int, str]] = field(default_factory=lambda: list(TOKENS))
     token_delay_s: float = 0.0
+    before_first: asyncio.Event | None = None
     gate: asyncio.Event | None = None
     hang: bool = False
     abort: tuple[grpc.StatusCode, str] | None = None
@@ -60,6 +61,8 @@ class FakeWorker(worker_grpc.WorkerServiceServicer):
         if self.abort is not None:
             raise RemoteError(*self.abort)
         try:
+            if self.before_first is not None:
+                await self.before_first.wait()
             for i, (token_id, text) in enumerate(self.tokens):
                 if i:
                     await asyncio.sleep(self.token_delay_s)
@@ -208,6 +211,21 @@ def test_tokens_are_forwarded_in_order_then_final_with_timings(redis_url):
             "req-7",
         )
         assert sent.sampling.top_k == 4
+
+    run(redis_url, scenario)
+
+
+def test_headers_reach_the_client_before_the_first_token(redis_url):
+    async def scenario(h: Harness):
+        worker = FakeWorker(before_first=asyncio.Event())
+        await h.add_deployment("d1", worker)
+        call = h.generate(deployment_id="d1")
+        async with asyncio.timeout(WAIT_S):
+            await call.initial_metadata()
+        await h.until(lambda: worker.received, "the request reached the worker")
+        worker.before_first.set()
+        messages = await read_rest(call)
+        assert messages[-1].final.usage.completion_tokens == 3
 
     run(redis_url, scenario)
 
