@@ -104,9 +104,10 @@ def store_input_major(module: nn.Module, *, keep_values: bool = True) -> None:
     The weight keeps its [out, in] shape but becomes the transpose of a contiguous
     [in, out] tensor. Whatever multiplies it (``F.linear``, quantization, pruning) sees
     the same values; MKL's float32 GEMM reads this layout faster when the activation has
-    few rows: 1.3–1.9× for one to a few dozen rows at widths up to 1024 on the
-    development VM (AVX-512), the same at one row of wider matrices, where memory bandwidth
-    decides. bfloat16 and float16 gain nothing from it and keep the usual layout.
+    few rows: 1.2–1.9× for one to a few dozen rows at widths up to 1024 on the
+    development VM (AVX-512), the same for one row of a weight streamed from memory,
+    where bandwidth decides (docs/engine.md). bfloat16 and float16 gain nothing from it
+    and keep the usual layout.
     ``keep_values=False`` only allocates (for a weight about to be read).
     """
     for child in module.modules():
