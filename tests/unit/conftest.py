@@ -1,13 +1,15 @@
-"""Fixtures shared by unit tests that need a real redis-server."""
+"""Fixtures shared by unit tests: a real redis-server, and a tiny checkpoint."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
+from services.models.checkpoint import create_checkpoint
 from services.redis_embedded import start_redis
 from services.state.store import StateStore
 
@@ -41,3 +43,16 @@ def run(redis_url) -> Callable[[Callable[[StateStore], Awaitable[T]]], T]:
         return asyncio.run(main())
 
     return runner
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A 2-layer Llama checkpoint (hidden 64, 4 heads, 2 KV heads) for one test module;
+    a module that needs another shape defines its own ``checkpoint``."""
+    return create_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "tiny",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+    )

@@ -15,23 +15,11 @@ from monitor_agent.launch import LaunchPlan, WorkerPlan
 from monitor_agent.supervisor import WorkerSupervisor
 from services.api import agent_service_pb2 as agent_pb
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition
-from services.models.checkpoint import create_checkpoint
 from services.state.store import StateStore
 
 NODE = "node-t"
 DEVICE = virtual_devices(1, 1 << 30, [0], "x86_64")[0]
 READY_TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return create_checkpoint(
-        tmp_path_factory.mktemp("models") / "tiny",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-    )
 
 
 def _plan(deployment_id: str, checkpoint: Path, ready_timeout_s: float = READY_TIMEOUT_S):

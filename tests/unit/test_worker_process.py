@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
-from services.models.checkpoint import create_checkpoint
 
 MAX_SEQ_LEN = 512
 PROMPT = "The river runs past the old mill"
@@ -46,17 +45,6 @@ def start_worker(checkpoint: Path, ready_file: Path, log_path: Path, *extra: str
         time.sleep(0.05)
     record = json.loads(ready_file.read_text())
     return proc, record
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return create_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "tiny",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -33,19 +32,6 @@ def worker(checkpoint, tmp_path_factory):
     yield f"127.0.0.1:{record['port']}"
     proc.terminate()
     assert proc.wait(15) == 0, (run_dir / "worker.log").read_text()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    from services.models.checkpoint import create_checkpoint
-
-    return create_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "tiny",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-    )
 
 
 def request(
