@@ -87,19 +87,22 @@ def load_model(
     # compressing hook keeps the full-precision model from ever being resident at once.
     for prefix, part in _parts(model):
         part.to_empty(device=device)
+        compressing = on_layer_loaded is not None and isinstance(part, DecoderLayer)
+        if not compressing:
+            # Read straight into the input-major layout: no transient copy.
+            store_input_major(part, keep_values=False)
         for name, param in part.named_parameters(prefix=prefix):
             source = sources[name]
             _load_parameter(param, name, directory / checked.tensors[source.tensor].file, source)
-        if on_layer_loaded is not None and isinstance(part, DecoderLayer):
+        if compressing:
+            # The hook reads the plain layout fastest; what it leaves as float32
+            # nn.Linear (structured pruning) is made input-major after it.
             on_layer_loaded(part)
-        # After the read and the compressing hook: a contiguous read then one transposing
-        # copy is about twice as fast as reading into the transposed layout, and Linears
-        # the hook quantized are no longer float32 nn.Linear (left as they are).
-        store_input_major(part)
+            store_input_major(part)
     return model.eval()
 
 
-def store_input_major(module: nn.Module) -> None:
+def store_input_major(module: nn.Module, *, keep_values: bool = True) -> None:
     """Give every float32 CPU ``nn.Linear`` in ``module`` an input-major weight.
 
     The weight keeps its [out, in] shape but becomes the transpose of a contiguous
@@ -108,7 +111,8 @@ def store_input_major(module: nn.Module) -> None:
     few rows: 1.2–1.9× for one to a few dozen rows at widths up to 1024 on the
     development VM (AVX-512), the same for one row of a weight streamed from memory,
     where bandwidth decides (docs/engine.md). bfloat16 and float16 gain nothing from it
-    and keep the usual layout.
+    and keep the usual layout. ``keep_values=False`` only allocates (for a weight about
+    to be read).
     """
     for child in module.modules():
         if type(child) is not nn.Linear:  # quantized and sparse Linears keep their own layout
@@ -118,7 +122,10 @@ def store_input_major(module: nn.Module) -> None:
             continue
         if weight.stride(0) == 1:  # already input-major
             continue
-        storage = weight.detach().t().contiguous()
+        if keep_values:
+            storage = weight.detach().t().contiguous()
+        else:
+            storage = torch.empty(weight.shape[::-1], dtype=weight.dtype, device=weight.device)
         child.weight = nn.Parameter(storage.t(), requires_grad=weight.requires_grad)
 
 
