@@ -56,8 +56,8 @@ def need_of(model) -> int:
 
 def test_concurrent_deploys_never_oversubscribe(stack, small_model):
     need = need_of(small_model)
-    # Leave room for exactly three deployments across the devices, whatever the
-    # session's other deployments already hold.
+    # Leave room for three deployments across the devices, whatever the session's other
+    # deployments already hold.
     filler, wanted = {}, 3
     for dev in sorted(live_devices(stack), key=lambda d: -d.free_bytes):
         take = min(dev.free_bytes // need, wanted)
@@ -68,6 +68,10 @@ def test_concurrent_deploys_never_oversubscribe(stack, small_model):
     owner = f"filler-{rid()}"
     with_store(stack, lambda s: s.reserve(owner, filler))
     before = reserved_by_device(stack)
+    # The most that can ever fit by reservations alone (measured use that was above the
+    # reservations when the filler was sized may fall while the deploys run).
+    room = sum((d.total_bytes - d.reserved_bytes) // need for d in live_devices(stack))
+    assert room < 8, room
 
     def one(_):
         try:
@@ -90,7 +94,7 @@ def test_concurrent_deploys_never_oversubscribe(stack, small_model):
         assert {f.code() for f in failed} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, [
             (f.code(), f.details()) for f in failed
         ]
-        assert len(ok) == 3, [r.details() if isinstance(r, grpc.RpcError) else "" for r in results]
+        assert failed and 1 <= len(ok) <= room, (len(ok), room)
         for dev in live_devices(stack):
             assert dev.reserved_bytes <= dev.total_bytes, dev
         after = reserved_by_device(stack)
