@@ -12,6 +12,7 @@ import asyncio
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -47,6 +48,20 @@ RANK_TIMEOUT_S = 60.0
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A request's decision inputs that do not change while it is retried."""
+
+    model: model_pb.Model
+    limits: ExplicitPlan
+    policy: str
+    cuda: bool
+    options: list[planning.Option]
+    hardware_type: str | None  # None: any device (an explicit configuration)
+    note: str
+    nodes: list[common.NodeState]  # as seen when the request was prepared
 
 
 class DeploymentController:
@@ -128,17 +143,13 @@ class DeploymentController:
 
     async def _options(
         self, model: model_pb.Model, request, limits: ExplicitPlan, nodes
-    ) -> tuple[list[planning.Option], list[placement.Candidate], str]:
-        """The configurations to try in rank order, the devices they may use and the
-        ranking's note. Explicit: the one configuration, any live device. Intent: the
+    ) -> tuple[list[planning.Option], str | None, str]:
+        """The configurations to try in rank order, the hardware type they are for (None:
+        any device) and the ranking's note. Explicit: the one configuration. Intent: the
         estimator's ranking on the hardware type with the most live devices among those
         the model is profiled on."""
         if request.HasField("config"):
-            return (
-                [planning.Option(rank=1, config=limits.config)],
-                placement.candidates(nodes),
-                "explicit configuration",
-            )
+            return [planning.Option(rank=1, config=limits.config)], None, "explicit configuration"
         intent = common.Intent()
         intent.CopyFrom(request.intent)
         intent.kind = intent.kind or common.INTENT_KIND_MIN_COST  # the default intent
@@ -177,28 +188,18 @@ class DeploymentController:
                     ) from exc
                 refusals.append(exc.details())
                 continue
-            nodes_of_type = [
-                common.NodeState(
-                    node_id=n.node_id,
-                    alive=n.alive,
-                    devices=[d for d in n.devices if d.hardware_type == hardware_type],
-                )
-                for n in nodes
-            ]
             options = planning.options_from_ranking(reply.ranked)
             note = "; ".join(
                 p for p in (f"ranked for {hardware_type} ({len(devices)} devices)", reply.note) if p
             )
-            return options, placement.candidates(nodes_of_type), note
+            return options, hardware_type, note
         raise FailedPrecondition(
             f"cannot rank {model.model_id} for an intent: " + "; ".join(refusals)
         )
 
-    async def plan(
-        self, request, *, launch: bool = False, excluded: dict[int, str] | None = None
-    ) -> tuple[model_pb.Model, deploy_pb.DeploymentDecision, ExplicitPlan]:
-        """The decision for a Deploy/PlanDeployment request against the live cluster (or
-        ``request.devices`` when given); returns the model, the decision and the limits."""
+    async def _prepare(self, request, *, launch: bool) -> _Prepared:
+        """Everything a Deploy/PlanDeployment decision needs but the devices' current
+        state: the model, limits, policy and the ranked options (one ranking per call)."""
         model = await self._model(request.model_id, launch=launch)
         try:
             policy = planning.policy_name(request.placement_policy)
@@ -207,11 +208,37 @@ class DeploymentController:
         nodes = await self._nodes(request)
         cuda = any(d.kind == common.DEVICE_KIND_CUDA for n in nodes if n.alive for d in n.devices)
         limits = resolve_limits(model, request, cuda=cuda)
-        options, devices, note = await self._options(model, request, limits, nodes)
-        decision = planning.decide(
-            model, options, devices, limits, policy=policy, excluded=excluded, note=note, cuda=cuda
+        options, hardware_type, note = await self._options(model, request, limits, nodes)
+        return _Prepared(model, limits, policy, cuda, options, hardware_type, note, nodes)
+
+    def _decide(
+        self,
+        prepared: _Prepared,
+        nodes: list[common.NodeState],
+        excluded: dict[int, str] | None = None,
+    ) -> deploy_pb.DeploymentDecision:
+        """Place the prepared options on ``nodes`` (those of its hardware type)."""
+        devices = [
+            c
+            for c in placement.candidates(nodes)
+            if prepared.hardware_type is None or c.hardware_type == prepared.hardware_type
+        ]
+        return planning.decide(
+            prepared.model,
+            prepared.options,
+            devices,
+            prepared.limits,
+            policy=prepared.policy,
+            excluded=excluded,
+            note=prepared.note,
+            cuda=prepared.cuda,
         )
-        return model, decision, limits
+
+    async def plan(self, request) -> deploy_pb.DeploymentDecision:
+        """The decision for a PlanDeployment request against the live cluster (or
+        ``request.devices`` when given)."""
+        prepared = await self._prepare(request, launch=False)
+        return self._decide(prepared, prepared.nodes)
 
     # ---- deploy ---------------------------------------------------------------------
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:
@@ -237,12 +264,14 @@ class DeploymentController:
     async def _deploy(self, request, deployment_id: str) -> deploy_pb.DeployResponse:
         """Plan, reserve, launch; on a lost reservation race plan again, on a failed
         launch roll back and try the next configuration (intents only)."""
+        prepared = await self._prepare(request, launch=True)
+        model, limits, nodes = prepared.model, prepared.limits, prepared.nodes
         excluded: dict[int, str] = {}
         races = 0
         last_failure: IServeError | None = None
         while True:
             try:
-                model, decision, limits = await self.plan(request, launch=True, excluded=excluded)
+                decision = self._decide(prepared, nodes, excluded)
             except ResourceExhausted as exc:
                 if last_failure is None:
                     raise
@@ -265,6 +294,7 @@ class DeploymentController:
                 if races >= RESERVE_ATTEMPTS:
                     excluded[decision.winner_rank] = f"could not reserve memory: {exc}"
                     races = 0
+                nodes = await self.store.list_nodes()
                 continue
             try:
                 return await self._launch(request, deployment_id, model, decision, limits)
@@ -280,6 +310,7 @@ class DeploymentController:
                 excluded[decision.winner_rank] = f"launch failed: {exc}"
                 last_failure = exc
                 races = 0
+                nodes = await self.store.list_nodes()
 
     async def _launch(
         self,

@@ -71,18 +71,9 @@ def resolve_explicit(
     config.kv_quant = config.kv_quant or common.KV_QUANT_NONE
     config.pruning = config.pruning or common.PRUNING_NONE
     config.dtype = config.dtype or shape.dtype or common.PRECISION_FLOAT32
-    config.batch_size = batch_size or config.batch_size or 1
-    if config.batch_size > MAX_BATCH_SIZE:
-        raise InvalidArgument(
-            f"batch_size must be at most {MAX_BATCH_SIZE}, got {config.batch_size}"
-        )
-    max_in = max_input_tokens or DEFAULT_MAX_INPUT_TOKENS
-    max_out = max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
-    if max_in + max_out > shape.max_position_embeddings:
-        raise InvalidArgument(
-            f"max_input_tokens + max_output_tokens = {max_in + max_out} exceeds the model's "
-            f"{shape.max_position_embeddings} positions"
-        )
+    config.batch_size, max_in, max_out = _limits(
+        model, batch_size or config.batch_size, max_input_tokens, max_output_tokens
+    )
     check_compression(config)
     if config.dtype not in (CUDA_DTYPES if cuda else SERVED_DTYPES):
         raise Unimplemented(
@@ -103,18 +94,29 @@ def resolve_limits(model: model_pb.Model, request, *, cuda: bool = False) -> Exp
             max_output_tokens=request.max_output_tokens,
             cuda=cuda,
         )
-    batch = request.batch_size or 1
+    batch, max_in, max_out = _limits(
+        model, request.batch_size, request.max_input_tokens, request.max_output_tokens
+    )
+    return ExplicitPlan(common.DeploymentConfig(batch_size=batch), max_in, max_out)
+
+
+def _limits(
+    model: model_pb.Model, batch_size: int, max_input_tokens: int, max_output_tokens: int
+) -> tuple[int, int, int]:
+    """(batch size, max input, max output) with defaults for 0, checked against the
+    batch limit and the model's positions (when its shape knows them)."""
+    batch = batch_size or 1
     if batch > MAX_BATCH_SIZE:
         raise InvalidArgument(f"batch_size must be at most {MAX_BATCH_SIZE}, got {batch}")
-    max_in = request.max_input_tokens or DEFAULT_MAX_INPUT_TOKENS
-    max_out = request.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
+    max_in = max_input_tokens or DEFAULT_MAX_INPUT_TOKENS
+    max_out = max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
     positions = model.shape.max_position_embeddings
     if positions and max_in + max_out > positions:
         raise InvalidArgument(
             f"max_input_tokens + max_output_tokens = {max_in + max_out} exceeds the model's "
             f"{positions} positions"
         )
-    return ExplicitPlan(common.DeploymentConfig(batch_size=batch), max_in, max_out)
+    return batch, max_in, max_out
 
 
 def check_compression(config: common.DeploymentConfig) -> None:

@@ -49,6 +49,7 @@ class Candidate:
     device_id: str
     free_bytes: int
     load: float
+    hardware_type: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class PlacementChoice:
 def candidates(nodes: list[common.NodeState]) -> list[Candidate]:
     """Devices of live nodes."""
     return [
-        Candidate(d.ref.node_id, d.ref.device_id, d.free_bytes, d.load)
+        Candidate(d.ref.node_id, d.ref.device_id, d.free_bytes, d.load, d.hardware_type)
         for n in nodes
         if n.alive
         for d in n.devices

@@ -86,10 +86,9 @@ class Reconciler:
                 await self.controller.teardown(dep)
                 await self.store.delete_deployment(dep)
                 actions.append(f"finished removing {dep.deployment_id}")
+        # mark_failed updated the records above in place: what is still READY holds memory.
         holding = {
-            d.deployment_id
-            for d in await self.store.list_deployments()
-            if d.state == deploy_pb.DEPLOYMENT_STATE_READY
+            d.deployment_id for d in deployments if d.state == deploy_pb.DEPLOYMENT_STATE_READY
         }
         for owner in sorted(await self.store.reservation_owners()):
             if owner not in holding and not owner.startswith(PROFILING_OWNER_PREFIX):

@@ -15,7 +15,7 @@ class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
         return await self.controller.deploy(request)
 
     async def PlanDeployment(self, request, context):
-        _, decision, _ = await self.controller.plan(request)
+        decision = await self.controller.plan(request)
         return deploy_pb.PlanDeploymentResponse(request_id=request.request_id, decision=decision)
 
     async def GetDeployment(self, request, context):
