@@ -100,3 +100,11 @@ async def _with_store(redis_url: str, action):
 def with_store(stack, action):
     """Run ``action(store)`` (a coroutine) against the stack's Redis; returns its result."""
     return asyncio.run(_with_store(stack.redis_url, action))
+
+
+def live_devices(stack) -> list[common.DeviceState]:
+    """Every device of the stack's live nodes, by device id."""
+    state = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
+    return sorted(
+        (d for n in state.nodes if n.alive for d in n.devices), key=lambda d: d.ref.device_id
+    )

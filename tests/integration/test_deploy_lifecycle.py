@@ -18,6 +18,7 @@ from services.state.store import StateStore
 from tests.integration.helpers import (
     deploy,
     generate,
+    live_devices,
     make_checkpoint,
     register,
     reserved_by_device,
@@ -30,13 +31,6 @@ pytestmark = pytest.mark.integration
 
 MAX_INPUT, MAX_OUTPUT = 32, 16
 TP1 = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1)
-
-
-def live_devices(stack) -> list[common.DeviceState]:
-    state = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
-    return sorted(
-        (d for n in state.nodes if n.alive for d in n.devices), key=lambda d: d.ref.device_id
-    )
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from tests.integration.helpers import (
     cli,
     deploy,
     generate,
+    live_devices,
     make_checkpoint,
     register,
     reserved_by_device,
@@ -43,14 +44,9 @@ MAX_INPUT, MAX_OUTPUT = 64, 32
 PROFILE_TIMEOUT_S = 900
 
 
-def cpu_devices(stack) -> list[common.DeviceState]:
-    state = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
-    return [d for n in state.nodes if n.alive for d in n.devices]
-
-
 @pytest.fixture(scope="module")
 def profiled(stack) -> model_pb.Model:
-    if {d.hardware_type for d in cpu_devices(stack)} != {HARDWARE}:
+    if {d.hardware_type for d in live_devices(stack)} != {HARDWARE}:
         pytest.skip(f"the node's devices are not {HARDWARE}")
     path = make_checkpoint(stack, MODEL, **SHAPE)
     stack.models.RegisterModel(
@@ -87,7 +83,7 @@ def ranked(stack, kind: int) -> list[estimator_pb.RankedConfig]:
                     workload=estimator_pb.Workload(
                         input_tokens=MAX_INPUT, output_tokens=MAX_OUTPUT
                     ),
-                    device_count=len(cpu_devices(stack)),
+                    device_count=len(live_devices(stack)),
                     intent=common.Intent(kind=kind),
                 ),
                 timeout=60,
@@ -174,7 +170,7 @@ def test_fragmented_devices_get_an_uneven_layer_map_that_serves(stack):
         tensor_parallel=1, pipeline_parallel=2, dtype=common.PRECISION_FLOAT32, batch_size=1
     )
     fixed, block = memory_blocks(model, config, MAX_INPUT + MAX_OUTPUT)
-    devices = sorted(cpu_devices(stack), key=lambda d: d.ref.device_id)[:2]
+    devices = sorted(live_devices(stack), key=lambda d: d.ref.device_id)[:2]
     # The first device keeps room for one and a half layers, the second for plenty.
     room = [fixed + block * 3 // 2, fixed + block * 10]
     filler = {

@@ -246,6 +246,29 @@ def test_nothing_fits_is_resource_exhausted_with_the_reasons(stack, imported):
             {"intent": common.Intent(kind=common.INTENT_KIND_MIN_COST), "placement_policy": 9},
             "unknown placement policy",
         ),
+        (
+            {
+                "intent": common.Intent(kind=common.INTENT_KIND_MIN_COST),
+                "devices": [
+                    common.DeviceState(ref=common.DeviceRef(device_id="d0"), total_bytes=1)
+                ],
+            },
+            "needs hardware_type and total_bytes",
+        ),
+        (
+            {
+                "intent": common.Intent(kind=common.INTENT_KIND_MIN_COST),
+                "devices": [
+                    common.DeviceState(
+                        ref=common.DeviceRef(device_id="d0"),
+                        total_bytes=1,
+                        hardware_type=A6000,
+                        load=1.5,
+                    )
+                ],
+            },
+            "load must be in [0, 1]",
+        ),
     ],
 )
 def test_bad_plan_requests_are_invalid_arguments(stack, imported, fields, phrase):
