@@ -178,6 +178,7 @@ def fit_layer_memory(layers: Sequence[float], memory_gib: Sequence[float]) -> La
 
 def fit_layer_memory_shared(
     groups: Mapping[Hashable, tuple[Sequence[float], Sequence[float]]],
+    slope_from: Hashable | None = None,
 ) -> dict[Hashable, LayerMemory]:
     """One per-layer slope shared by every group, an intercept per group (GiB).
 
@@ -186,6 +187,14 @@ def fit_layer_memory_shared(
     KV cache, pipeline parallelism moves it whole), so pooling the groups averages the
     measurement noise that extrapolation multiplies by the layer count; the intercepts
     keep what differs per layout (runtime buffers, replicated activations).
+
+    With ``slope_from`` naming a group that has two layer counts and a positive slope,
+    groups whose own slope differs from that group's by more than 25 % only fit their
+    intercepts: the choice when one group is measured more exactly than the rest (on
+    CPU the single-rank (1,1) figure is the worker's own account of its tensors, while
+    a follower rank's includes its process's resident-set growth, which moves by
+    several MiB from run to run: int8 Falcon-style slopes 2.6, 4.1 and -4.3 MiB at
+    (1,1), (1,2), (2,1)). Where the groups agree, they are pooled.
     """
     keys = list(groups)
     if not keys:
@@ -212,6 +221,15 @@ def fit_layer_memory_shared(
     own = {key: _own_slope(*groups[key]) for key in keys}
     bad = [key for key, x in own.items() if x is not None and x <= 0]
     good = [x for x in own.values() if x is not None and x > 0]
+    chosen = own.get(slope_from) if slope_from is not None else None
+    if chosen is not None and chosen > 0:
+        # Layouts whose own slope strays from the trusted one measured noise too.
+        bad = [
+            key
+            for key, x in own.items()
+            if x is not None and (x <= 0 or abs(x / chosen - 1.0) > _SLOPE_TOLERANCE)
+        ]
+        good = [x for key, x in own.items() if x is not None and key not in bad]
     if bad and good:
         # More layers cannot hold less memory: a layout whose own slope is not positive
         # measured noise, not layers (on CPU a follower rank's figure includes its
@@ -227,6 +245,10 @@ def fit_layer_memory_shared(
             out[key] = LayerMemory(slope, other)
         return out
     return {key: LayerMemory(slope, float(coef[1 + i])) for i, key in enumerate(keys)}
+
+
+# How far (relative) a group's own memory slope may stray from the trusted group's.
+_SLOPE_TOLERANCE = 0.25
 
 
 def _own_slope(layers: Sequence[float], memory: Sequence[float]) -> float | None:

@@ -17,7 +17,8 @@ How iserve extrapolates, and why it differs from the papers where it does:
   by the layer count: on the A6000 data that is a 20-60 % median error on the (2,1) and
   (1,2) references, 3-9 % here.
 * Memory: one per-layer slope per variant shared by its layouts (a layer costs the same
-  summed over devices however it is split), an intercept per layout.
+  summed over devices however it is split), taken from the (1,1) fingerprints (one rank,
+  the figure measured most exactly), and an intercept per layout.
 * A reference with no fingerprints (a model whose heads forbid tp = 2) gets values that
   make its overhead zero; such a model has no configuration that would use it.
 """
@@ -140,7 +141,8 @@ def extrapolate_references(
     profiles = {}
     for v in variants:
         lines = fit_layer_memory_shared(
-            {layout: memory[(v, layout)] for layout in layouts if (v, layout) in memory}
+            {layout: memory[(v, layout)] for layout in layouts if (v, layout) in memory},
+            slope_from=BASE,
         )
         ttft, tpot, mem = [], [], []
         for layout in layouts:

@@ -105,6 +105,36 @@ def test_layouts_share_one_memory_slope_and_keep_their_intercepts():
     assert lines[(1, 2)].at(32) == pytest.approx(2.7 + 30 * 0.4)
 
 
+def test_a_trusted_group_sets_the_slope_when_other_groups_stray_from_it():
+    mib = 1.0 / 1024
+    # CPU int8 Falcon-style fingerprints: the follower ranks' figures moved by MiBs.
+    groups = {
+        (1, 1): ([1, 2], [7.03 * mib, 9.64 * mib]),
+        (1, 2): ([2, 3], [11.14 * mib, 15.3 * mib]),
+        (2, 1): ([1, 2], [18.1 * mib, 14.0 * mib]),
+    }
+    lines = fit_layer_memory_shared(groups, slope_from=(1, 1))
+    assert lines[(1, 1)].per_layer_gib == pytest.approx(2.61 * mib)
+    assert lines[(1, 1)].at(24) == pytest.approx((7.03 + 23 * 2.61) * mib)
+    assert lines[(1, 2)].per_layer_gib == pytest.approx(2.61 * mib)
+    # Without a trusted group the two positive slopes are averaged: 24 layers come out high.
+    pooled = fit_layer_memory_shared(groups)
+    assert pooled[(1, 1)].at(24) > 1.15 * lines[(1, 1)].at(24)
+
+
+def test_groups_that_agree_with_the_trusted_one_are_still_pooled():
+    groups = {
+        (1, 1): ([1, 2], [1.4, 1.8]),
+        (2, 1): ([1, 2], [2.9, 3.32]),
+        (1, 2): ([2, 3], [2.7, 3.12]),
+    }
+    trusted = fit_layer_memory_shared(groups, slope_from=(1, 1))
+    assert trusted[(1, 1)].per_layer_gib == pytest.approx(
+        fit_layer_memory_shared(groups)[(1, 1)].per_layer_gib
+    )
+    assert trusted[(1, 1)].per_layer_gib > 0.4
+
+
 def _pooled_truth(variant_layer_tpot, tp, pp, comm=0.0001, other=0.001):
     return LayerLatency(
         ttft_per_layer_s=0.004 / tp + (0.0005 if tp > 1 else 0.0),
