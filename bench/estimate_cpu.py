@@ -191,6 +191,8 @@ def measure_full_models(
                     tpot_ms=run.tpot_ms,
                     latency_ms=run.latency_ms,
                     peak_memory_bytes_per_rank=run.peak_memory_bytes_per_rank,
+                    ttft_layer_ms=run.ttft_layer_ms,
+                    tpot_layer_ms=run.tpot_layer_ms,
                     repetitions=timed_runs,
                     hardware_type=hardware,
                 )
@@ -278,6 +280,41 @@ def print_points(est, measured) -> None:
             f" {m.ttft_ms:6.1f} / {e.ttft_ms:6.1f} | {m.tpot_ms:5.2f} / {e.tpot_ms:5.2f} |"
             f" {mem:6.1f} / {e.memory_total_bytes / 2**20:6.1f}"
         )
+
+
+def print_layer_clocks(fingerprints, full_by_model) -> None:
+    """One decoder layer's time inside the runs (the workers' layer clock, rank 0):
+    fingerprints (every size, batch 1) against the full model, per layout."""
+    print(
+        "\nOne decoder layer on rank 0, from the worker's layer clock (ms; batch 1, median "
+        "over runs): fingerprints (1-3 layers) / full model"
+    )
+    print(f"{'model':11s} {'variant':7s} tp pp | {'prefill layer':>15s} | {'decode layer':>13s}")
+    for model_id in ARCHS:
+        for variant in VARIANTS:
+            for tp, pp in LAYOUTS:
+
+                def pick(rows, model_id=model_id, variant=variant, tp=tp, pp=pp):
+                    return [
+                        r
+                        for r in rows
+                        if r.variant_name == variant.name
+                        and r.config.tensor_parallel == tp
+                        and r.config.pipeline_parallel == pp
+                        and (r.config.batch_size or 1) == 1
+                        and r.tpot_layer_ms > 0
+                    ]
+
+                fp = pick(fingerprints[model_id].measurements)
+                full = pick(full_by_model[model_id])
+                if not fp or not full:
+                    continue
+                med = lambda rows, f: statistics.median(getattr(r, f) for r in rows)  # noqa: E731
+                print(
+                    f"{model_id:11s} {variant.name:7s} {tp:2d} {pp:2d} |"
+                    f" {med(fp, 'ttft_layer_ms'):6.2f} / {med(full, 'ttft_layer_ms'):6.2f} |"
+                    f" {med(fp, 'tpot_layer_ms'):5.3f} / {med(full, 'tpot_layer_ms'):5.3f}"
+                )
 
 
 def sane(message: est_pb.Calibration) -> tuple[bool, str]:
@@ -453,6 +490,7 @@ def main() -> int:
     )
     print_table("Calibrated on all three (in-sample, reference only)", errors(est_all, measured))
     print_points(est_loao, measured)
+    print_layer_clocks(fingerprints, full_by_model)
     print("\nCalibrations per fold (TPOT alpha,beta,gamma,delta | scales ttft/tpot | fit %):")
     for held, cal in [*folds, ("(none)", final)]:
         t = dict(cal.extra_terms)

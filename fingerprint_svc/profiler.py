@@ -280,6 +280,8 @@ class Profiler:
                     tpot_ms=run.tpot_ms,
                     latency_ms=run.latency_ms,
                     peak_memory_bytes_per_rank=run.peak_memory_bytes_per_rank,
+                    ttft_layer_ms=run.ttft_layer_ms,
+                    tpot_layer_ms=run.tpot_layer_ms,
                     repetitions=self.profiling.timed_runs,
                     hardware_type=hardware,
                 )

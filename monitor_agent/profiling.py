@@ -18,7 +18,10 @@ output lengths:
    each message's arrival): TTFT = first token − call start, TPOT = mean gap between
    tokens after the first, latency = end of stream − call start. A run's TTFT and TPOT
    are the means over its streams and its latency the longest stream's (the batch is
-   done when its last sequence is). The ProfiledRun holds the medians over timed runs.
+   done when its last sequence is). Around each timed run the agent also reads rank 0's
+   layer clock (``GetWorkerStats``): the time one decoder layer took in the run's
+   prefill and decode steps, measured inside the worker. The ProfiledRun holds the
+   medians over timed runs.
 3. Peak memory per rank, read after each output length's runs. Rank 0: its
    ``GetWorkerStats.peak_memory_bytes`` (the engine's account of weights, KV cache and
    peak activations on CPU; the CUDA allocator's peak on GPUs). Other ranks serve no
@@ -125,21 +128,65 @@ def stream_timing(started: float, token_times: list[float], ended: float) -> Str
     )
 
 
+@dataclass(frozen=True)
+class LayerCounters:
+    """A worker's layer clock as ``GetWorkerStats`` reports it (seconds, layer passes)."""
+
+    prefill_seconds: float = 0.0
+    prefill_passes: int = 0
+    decode_seconds: float = 0.0
+    decode_passes: int = 0
+
+    @classmethod
+    def of(cls, stats: worker_pb.GetWorkerStatsResponse) -> LayerCounters:
+        return cls(
+            stats.prefill_layer_seconds,
+            stats.prefill_layer_passes,
+            stats.decode_layer_seconds,
+            stats.decode_layer_passes,
+        )
+
+    def layer_ms_since(self, before: LayerCounters) -> tuple[float, float]:
+        """(prefill, decode) milliseconds per layer pass between ``before`` and this
+        reading; 0 for a phase without passes."""
+
+        def per_pass(seconds: float, passes: int) -> float:
+            return seconds * 1e3 / passes if passes > 0 else 0.0
+
+        return (
+            per_pass(
+                self.prefill_seconds - before.prefill_seconds,
+                self.prefill_passes - before.prefill_passes,
+            ),
+            per_pass(
+                self.decode_seconds - before.decode_seconds,
+                self.decode_passes - before.decode_passes,
+            ),
+        )
+
+
 def summarise(
-    output_tokens: int, runs: list[list[StreamTiming]], peaks: list[int]
+    output_tokens: int,
+    runs: list[list[StreamTiming]],
+    peaks: list[int],
+    layer_ms: list[tuple[float, float]] | None = None,
 ) -> agent_pb.ProfiledRun:
-    """Medians over timed ``runs`` (each the streams of one batch) at one output length."""
+    """Medians over timed ``runs`` (each the streams of one batch) at one output length;
+    ``layer_ms`` holds each run's (prefill, decode) time per layer on rank 0."""
     if not runs or not all(runs):
         raise ValueError("every run needs at least one stream")
     ttft = [statistics.fmean(s.ttft_ms for s in run) for run in runs]
     tpot = [statistics.fmean(s.tpot_ms for s in run) for run in runs]
     latency = [max(s.latency_ms for s in run) for run in runs]
+    layer_ms = layer_ms or []
     return agent_pb.ProfiledRun(
         output_tokens=output_tokens,
         ttft_ms=statistics.median(ttft),
         tpot_ms=statistics.median(tpot),
         latency_ms=statistics.median(latency),
         peak_memory_bytes_per_rank=peaks,
+        ttft_layer_ms=statistics.median(p for p, _ in layer_ms) if layer_ms else 0.0,
+        tpot_layer_ms=statistics.median(d for _, d in layer_ms) if layer_ms else 0.0,
     )
 
 
@@ -244,15 +291,18 @@ class ProfilingJobs:
             stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
             results = []
             for output_tokens in job.output_tokens:
-                timed = []
+                timed, layer_ms = [], []
                 for index in range(job.warmup_runs + job.timed_runs):
+                    before = await self._layer_counters(stub)
                     streams = await asyncio.gather(
                         *(self._stream(stub, prompt, output_tokens) for _ in range(job.batch_size))
                     )
                     if index >= job.warmup_runs:
                         timed.append(list(streams))
+                        after = await self._layer_counters(stub)
+                        layer_ms.append(after.layer_ms_since(before))
                 peaks = await self._peaks(stub, workers, at_ready)
-                results.append(summarise(output_tokens, timed, peaks))
+                results.append(summarise(output_tokens, timed, peaks, layer_ms))
         return results
 
     @staticmethod
@@ -287,6 +337,16 @@ class ProfilingJobs:
         if device.is_cuda and device.cuda_index is not None:
             return _nvml_process_bytes(device.cuda_index, worker.pid)
         return peak_resident_bytes(worker.pid)
+
+    @staticmethod
+    async def _layer_counters(stub: worker_service_pb2_grpc.WorkerServiceStub) -> LayerCounters:
+        try:
+            stats = await stub.GetWorkerStats(
+                worker_pb.GetWorkerStatsRequest(), timeout=STATS_TIMEOUT_S
+            )
+        except grpc.RpcError as exc:
+            raise RemoteError(exc.code(), f"reading worker stats failed: {exc.details()}") from exc
+        return LayerCounters.of(stats)
 
     async def _peaks(
         self,

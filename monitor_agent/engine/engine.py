@@ -37,6 +37,7 @@ from monitor_agent.engine.memory import (
     parameter_and_buffer_bytes,
     return_freed_memory,
 )
+from monitor_agent.engine.model import LayerClock
 from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, InvalidCheckpoint
@@ -135,6 +136,12 @@ class Engine:
         )
         # Outputs stepped for Engine.generate's sequences, waiting for their generator.
         self._outboxes: dict[SequenceHandle, deque[StepOutput]] = {}
+
+    @property
+    def layer_clock(self) -> LayerClock:
+        """Time this rank's decoder layers took (see monitor_agent.engine.model.LayerClock)."""
+        model = self.model
+        return model.stage.layer_clock if isinstance(model, DistributedModel) else model.layer_clock
 
     @property
     def memory(self) -> MemoryAccount:

@@ -38,6 +38,9 @@ they are applied to this model, never forks of it:
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +49,33 @@ from monitor_agent.engine.kv_cache import CacheAddress, LayerKVCache
 from monitor_agent.engine.layers import DecoderLayer, make_norm
 from monitor_agent.engine.rope import rope_tables
 from services.models.arch import ArchSpec
+
+
+@dataclass
+class LayerClock:
+    """Time this stage's decoder layers take, summed since the model was built.
+
+    A prefill pass is a forward over more than one token per row, a decode pass one token
+    per row; each pass over n layers adds n layer passes. The profiler reads the counters
+    before and after a run (``GetWorkerStats``): seconds / layer passes is the time of one
+    decoder layer measured inside one run, so a fingerprint's per-layer cost needs no
+    difference between two separately timed fingerprints. On CUDA the device is
+    synchronised around the layers so that the clock sees their execution, not their
+    launch.
+    """
+
+    prefill_seconds: float = 0.0
+    prefill_layer_passes: int = 0
+    decode_seconds: float = 0.0
+    decode_layer_passes: int = 0
+
+    def add(self, prefill: bool, seconds: float, layers: int) -> None:
+        if prefill:
+            self.prefill_seconds += seconds
+            self.prefill_layer_passes += layers
+        else:
+            self.decode_seconds += seconds
+            self.decode_layer_passes += layers
 
 
 class Transformer(nn.Module):
@@ -68,6 +98,7 @@ class Transformer(nn.Module):
         hidden, vocab = spec.hidden_size, spec.vocab_size
         self.embed_tokens = nn.Embedding(vocab, hidden, dtype=dtype) if self.has_embedding else None
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(self.layer_count))
+        self.layer_clock = LayerClock()
         self.norm = make_norm(spec, dtype) if self.has_head else None
         # A tied head reuses the embedding when this stage has it (see forward).
         own_head = self.has_head and not (spec.tie_word_embeddings and self.has_embedding)
@@ -128,8 +159,15 @@ class Transformer(nn.Module):
             x = self.embed_tokens.forward(inputs.reshape(batch * seq))
         else:
             x = inputs.reshape(batch * seq, -1)
+        cuda = x.is_cuda
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        started = time.perf_counter()
         for layer in self.layers:
             x = layer.forward(x, cos, sin, address, mask)
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        self.layer_clock.add(seq > 1, time.perf_counter() - started, len(self.layers))
         if self.norm is None:
             return x.view(batch, seq, -1)
         if last_token_only:

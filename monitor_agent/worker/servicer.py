@@ -139,6 +139,7 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb.GetWorkerStatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb.GetWorkerStatsResponse:
         runner = self.runner
+        clock = runner.engine.layer_clock
         return worker_pb.GetWorkerStatsResponse(
             request_id=request.request_id,
             deployment_id=self.identity.deployment_id,
@@ -149,4 +150,8 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
             tokens_generated=runner.tokens_generated,
             busy_seconds=runner.busy_seconds,
             active_requests=runner.active_requests,
+            prefill_layer_seconds=clock.prefill_seconds,
+            prefill_layer_passes=clock.prefill_layer_passes,
+            decode_layer_seconds=clock.decode_seconds,
+            decode_layer_passes=clock.decode_layer_passes,
         )

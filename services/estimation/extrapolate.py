@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "LAYER_PHASES",
     "PHASES",
     "LatencySample",
     "LayerLatency",
@@ -34,7 +35,10 @@ __all__ = [
     "fit_layer_memory_shared",
 ]
 
-PHASES = ("end_to_end", "ttft", "tpot")
+PHASES = ("end_to_end", "ttft", "tpot", "ttft_layer", "tpot_layer")
+# Phases that time one decoder layer inside a run (the worker's layer clock) rather
+# than the whole model.
+LAYER_PHASES = ("ttft_layer", "tpot_layer")
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,10 @@ class LatencySample:
     """One timing of a model cut to ``layers`` hidden layers.
 
     ``phase`` says what ``seconds`` is: ``end_to_end`` (a request producing
-    ``output_tokens`` tokens), ``ttft`` or ``tpot`` (seconds per output token).
+    ``output_tokens`` tokens), ``ttft`` or ``tpot`` (seconds per output token), or
+    ``ttft_layer`` / ``tpot_layer``: the time of one decoder layer in the prefill / a
+    decode step, measured inside the run (on a tensor-parallel layout, with its share
+    of the all-reduces).
     """
 
     layers: int
@@ -112,6 +119,7 @@ def fit_layer_latency(
     Raises ValueError when the samples cannot determine the unknowns (for example a
     single layer count, or end-to-end samples at a single output length).
     """
+    samples = [s for s in samples if s.phase not in LAYER_PHASES]
     if not samples:
         raise ValueError("no latency samples")
     prompts = list(dict.fromkeys(s.prompt for s in samples if s.phase != "tpot"))
@@ -292,19 +300,31 @@ class PooledLatencyFit:
         self, variant: Hashable, layout: tuple[int, int], prompt: Hashable
     ) -> LayerLatency:
         """Per-layer model of ``variant`` on ``layout`` for requests with ``prompt``."""
-        tp = layout[0]
+        ttft_layer, tpot_layer = self.per_layer_s(variant, layout[0], prompt)
         try:
             return LayerLatency(
-                ttft_per_layer_s=self.ttft_per_layer_s[(variant, prompt)] / tp
-                + (self.ttft_comm_per_layer_s[(tp, prompt)] if tp > 1 else 0.0),
+                ttft_per_layer_s=ttft_layer,
                 ttft_other_s=self.ttft_other_s[(layout, prompt)],
-                tpot_per_layer_s=self.tpot_per_layer_s[variant] / tp
-                + (self.tpot_comm_per_layer_s[tp] if tp > 1 else 0.0),
+                tpot_per_layer_s=tpot_layer,
                 tpot_other_s=self.tpot_other_s[layout],
             )
         except KeyError as missing:
             raise KeyError(
                 f"no fitted term {missing} for variant {variant!r}, layout {layout}, prompt {prompt!r}"
+            ) from None
+
+    def per_layer_s(self, variant: Hashable, tp: int, prompt: Hashable) -> tuple[float, float]:
+        """(TTFT, TPOT) of one layer of ``variant`` at tensor degree ``tp``, seconds."""
+        try:
+            return (
+                self.ttft_per_layer_s[(variant, prompt)] / tp
+                + (self.ttft_comm_per_layer_s[(tp, prompt)] if tp > 1 else 0.0),
+                self.tpot_per_layer_s[variant] / tp
+                + (self.tpot_comm_per_layer_s[tp] if tp > 1 else 0.0),
+            )
+        except KeyError as missing:
+            raise KeyError(
+                f"no fitted term {missing} for variant {variant!r}, tp={tp}, prompt {prompt!r}"
             ) from None
 
 
@@ -325,15 +345,17 @@ def _solve_pooled(
         for s in layout_samples:
             row: dict[int, float] = {}
             known = 0.0
+            if s.phase in LAYER_PHASES:
+                continue  # see _clock_terms
             tpot_weight = {"end_to_end": float(s.output_tokens), "tpot": 1.0, "ttft": 0.0}[s.phase]
-            per_layer = None if fixed is None else fixed.layer_latency(variant, (tp, 1), s.prompt)
+            per_layer = None if fixed is None else fixed.per_layer_s(variant, tp, s.prompt)
             if tpot_weight:
                 if per_layer is None:
                     row[col(("tpot_layer", variant))] = tpot_weight * s.layers / tp
                     if tp > 1:
                         row[col(("tpot_comm", tp))] = tpot_weight * s.layers
                 else:
-                    known += tpot_weight * s.layers * per_layer.tpot_per_layer_s
+                    known += tpot_weight * s.layers * per_layer[1]
                 row[col(("tpot_other", layout))] = tpot_weight
             if s.phase != "tpot":
                 if per_layer is None:
@@ -341,7 +363,7 @@ def _solve_pooled(
                     if tp > 1:
                         row[col(("ttft_comm", tp, s.prompt))] = float(s.layers)
                 else:
-                    known += s.layers * per_layer.ttft_per_layer_s
+                    known += s.layers * per_layer[0]
                 row[col(("ttft_other", layout, s.prompt))] = 1.0
             entries.append(row)
             target.append(s.seconds - known)
@@ -367,6 +389,52 @@ def _solve_pooled(
 _POOLED_TERMS = ("tpot_layer", "ttft_layer", "tpot_comm", "ttft_comm", "tpot_other", "ttft_other")
 
 
+def _clock_terms(
+    flat: Mapping[tuple[Hashable, tuple[int, int]], Sequence[LatencySample]],
+) -> PooledLatencyFit | None:
+    """Per-layer terms from layer-clock samples alone, or None when they do not cover
+    every pp = 1 layout's phases and prompts (then the layer counts decide).
+
+    Least squares over the samples with the pooled structure (per-layer work split by
+    tp, a communication term per tp shared by the variants).
+    """
+    columns: dict[tuple, int] = {}
+    entries: list[tuple[dict[int, float], float]] = []
+    for (variant, (tp, _)), layout_samples in flat.items():
+        clocked = {(s.phase, s.prompt) for s in layout_samples if s.phase in LAYER_PHASES}
+        needed = {("tpot_layer", None)} | {
+            ("ttft_layer", s.prompt) for s in layout_samples if s.phase in ("ttft", "end_to_end")
+        }
+        have = {(phase, None if phase == "tpot_layer" else p) for phase, p in clocked}
+        if not needed <= have:
+            return None
+        for s in layout_samples:
+            if s.phase == "tpot_layer":
+                keys = (("tpot_layer", variant), ("tpot_comm", tp))
+            elif s.phase == "ttft_layer":
+                keys = (("ttft_layer", variant, s.prompt), ("ttft_comm", tp, s.prompt))
+            else:
+                continue
+            row = {columns.setdefault(keys[0], len(columns)): 1.0 / tp}
+            if tp > 1:
+                row[columns.setdefault(keys[1], len(columns))] = 1.0
+            entries.append((row, s.seconds))
+    if not entries:
+        return None
+    design = np.zeros((len(entries), len(columns)))
+    for i, (row, _) in enumerate(entries):
+        for j, value in row.items():
+            design[i, j] = value
+    if np.linalg.matrix_rank(design) < len(columns):
+        return None
+    coef, *_ = np.linalg.lstsq(design, np.array([t for _, t in entries]), rcond=None)
+    terms: dict[str, dict] = {name: {} for name in _POOLED_TERMS}
+    for key, j in columns.items():
+        name, *rest = key
+        terms[name][rest[0] if len(rest) == 1 else tuple(rest)] = float(coef[j])
+    return _pooled_from_terms(terms, 0.0, 0)
+
+
 def fit_pooled_latency(
     samples: Mapping[tuple[Hashable, tuple[int, int]], Sequence[LatencySample]],
 ) -> PooledLatencyFit:
@@ -377,6 +445,13 @@ def fit_pooled_latency(
     "other" terms. Pipeline fingerprints are too short to show a layer's cost (with 2
     and 3 layers over 2 stages their per-layer increments come out 20 % low on the
     A6000 data), while what pp adds (stage boundaries) does not scale with layers.
+
+    When every pp = 1 layout also has layer-clock samples (``ttft_layer`` and
+    ``tpot_layer`` for each prompt it was timed with), the per-layer terms come from
+    those alone and the layer counts only fit the "other" terms. A layer timed inside a
+    run does not carry the run-to-run noise that the difference between two separately
+    timed fingerprints does, which extrapolation multiplies by the layer count (on
+    2 CPU cores a 1- and a 2-layer fingerprint's TPOT each wander by 5-15 %).
 
     Every variant needs (1, 1) samples with two layer counts; every (tp, pp) layout
     needs its (tp, 1) counterpart. Raises ValueError otherwise.
@@ -390,7 +465,11 @@ def fit_pooled_latency(
             raise ValueError(
                 f"variant {variant!r}: layout {(tp, pp)} needs samples at {(tp, 1)} too"
             )
-    terms, sse = _solve_pooled(flat, None)
+    clock = _clock_terms(flat)
+    terms, sse = _solve_pooled(flat, clock)
+    if clock is not None:
+        for name in ("tpot_layer", "ttft_layer", "tpot_comm", "ttft_comm"):
+            terms[name] = dict(getattr(clock, _TERM_FIELDS[name]))
     count = sum(len(v) for v in flat.values())
     fit = _pooled_from_terms(terms, sse, count)
     if staged:
@@ -400,6 +479,14 @@ def fit_pooled_latency(
         count += sum(len(v) for v in staged.values())
         fit = _pooled_from_terms(terms, sse + staged_sse, count)
     return fit
+
+
+_TERM_FIELDS = {
+    "tpot_layer": "tpot_per_layer_s",
+    "ttft_layer": "ttft_per_layer_s",
+    "tpot_comm": "tpot_comm_per_layer_s",
+    "ttft_comm": "ttft_comm_per_layer_s",
+}
 
 
 def _pooled_from_terms(terms: dict[str, dict], sse: float, count: int) -> PooledLatencyFit:

@@ -86,6 +86,8 @@ class Sample:
     tpot_s: float
     memory_gib: float
     full_model: bool
+    ttft_layer_s: float = 0.0
+    tpot_layer_s: float = 0.0
 
     @property
     def layout(self) -> Layout:
@@ -106,13 +108,24 @@ class Sample:
         return self.ttft_s > 0 and self.tpot_s > 0
 
     def latency_samples(self) -> list[LatencySample]:
-        """What this run tells the layer fit: TTFT and TPOT when measured directly,
-        else the end-to-end latency (nothing when neither is usable)."""
+        """What this run tells the layer fit: TTFT and TPOT when measured directly (with
+        the layer clock's per-layer times when the run has them), else the end-to-end
+        latency (nothing when neither is usable)."""
         if self.direct_phases:
-            return [
+            samples = [
                 LatencySample(self.layers, self.ttft_s, phase="ttft", prompt=self.prompt),
                 LatencySample(self.layers, self.tpot_s, phase="tpot", prompt=self.prompt),
             ]
+            if self.ttft_layer_s > 0 and self.tpot_layer_s > 0:
+                samples += [
+                    LatencySample(
+                        self.layers, self.ttft_layer_s, phase="ttft_layer", prompt=self.prompt
+                    ),
+                    LatencySample(
+                        self.layers, self.tpot_layer_s, phase="tpot_layer", prompt=self.prompt
+                    ),
+                ]
+            return samples
         if self.latency_s > 0 and self.output_tokens >= 1:
             return [
                 LatencySample(self.layers, self.latency_s, self.output_tokens, prompt=self.prompt)
@@ -154,6 +167,8 @@ def sample_from_measurement(m: model_pb.ProfileMeasurement) -> Sample:
         tpot_s=m.tpot_ms / 1e3,
         memory_gib=sum(m.peak_memory_bytes_per_rank) / GIB,
         full_model=m.full_model,
+        ttft_layer_s=m.ttft_layer_ms / 1e3,
+        tpot_layer_s=m.tpot_layer_ms / 1e3,
     )
 
 

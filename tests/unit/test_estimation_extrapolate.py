@@ -185,3 +185,53 @@ def test_reference_extrapolation_rejects_what_it_cannot_use():
         extrapolate_references(32, samples, {})
     with pytest.raises(ValueError, match="layouts must start with"):
         extrapolate_references(32, samples, memory, layouts=[(1, 1), (1, 2)])
+
+
+def test_layer_clock_samples_set_the_per_layer_terms_and_counts_fit_the_rest():
+    per_variant = {"fp16": 0.0007, "int4": 0.00025}
+    samples = {}
+    for name, layer_tpot in per_variant.items():
+        for tp, pp in ((1, 1), (2, 1), (1, 2)):
+            truth = _pooled_truth(layer_tpot, tp, pp)
+            layers = (1, 2) if pp == 1 else (2, 3)
+            rows = []
+            for n in layers:
+                # The larger fingerprint ran on a slow moment: +8 % on every timing.
+                slow = 1.08 if n == layers[1] else 1.0
+                rows += [
+                    LatencySample(n, slow * truth.ttft(n), phase="ttft"),
+                    LatencySample(n, slow * truth.tpot(n), phase="tpot"),
+                    LatencySample(n, truth.ttft_per_layer_s, phase="ttft_layer"),
+                    LatencySample(n, truth.tpot_per_layer_s, phase="tpot_layer"),
+                ]
+            samples[(name, (tp, pp))] = rows
+    clocked = fit_pooled_latency(samples)
+    counted = fit_pooled_latency(
+        {k: [s for s in v if s.phase in ("ttft", "tpot")] for k, v in samples.items()}
+    )
+    for name, layer_tpot in per_variant.items():
+        for tp in (1, 2):
+            want = _pooled_truth(layer_tpot, tp, 1)
+            got = clocked.layer_latency(name, (tp, 1), "default")
+            assert got.tpot_per_layer_s == pytest.approx(want.tpot_per_layer_s)
+            assert got.ttft_per_layer_s == pytest.approx(want.ttft_per_layer_s)
+            # Extrapolated to 32 layers the clock stays within the slow run's 8 %; the
+            # difference of the two fingerprints multiplies it.
+            assert abs(got.tpot(32) / want.tpot(32) - 1) < 0.08
+            bad = counted.layer_latency(name, (tp, 1), "default")
+            assert abs(bad.tpot(32) / want.tpot(32) - 1) > 0.1
+
+
+def test_layer_clock_samples_missing_for_a_layout_leave_the_counts_in_charge():
+    truth = _pooled_truth(0.0007, 1, 1)
+    two = _pooled_truth(0.0007, 2, 1)
+    samples = {
+        ("fp16", (1, 1)): [LatencySample(n, truth.tpot(n), phase="tpot") for n in (1, 2)]
+        + [LatencySample(n, truth.ttft(n), phase="ttft") for n in (1, 2)]
+        # A clock that disagrees with the counts, but (2,1) has none: not used.
+        + [LatencySample(1, 0.5, phase="tpot_layer"), LatencySample(1, 0.5, phase="ttft_layer")],
+        ("fp16", (2, 1)): [LatencySample(n, two.tpot(n), phase="tpot") for n in (1, 2)]
+        + [LatencySample(n, two.ttft(n), phase="ttft") for n in (1, 2)],
+    }
+    fit = fit_pooled_latency(samples)
+    assert fit.layer_latency("fp16", (1, 1), "default").tpot_per_layer_s == pytest.approx(0.0007)

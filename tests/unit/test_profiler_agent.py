@@ -12,6 +12,7 @@ import pytest
 
 from monitor_agent.devices import DeviceSpec
 from monitor_agent.profiling import (
+    LayerCounters,
     ProfilingJobs,
     StreamTiming,
     check_job,
@@ -71,6 +72,21 @@ def test_summarise_takes_medians_of_batch_means():
     run = summarise(16, runs, [100, 200])
     assert (run.output_tokens, run.ttft_ms, run.tpot_ms, run.latency_ms) == (16, 15, 3, 50)
     assert list(run.peak_memory_bytes_per_rank) == [100, 200]
+    assert (run.ttft_layer_ms, run.tpot_layer_ms) == (0.0, 0.0)  # no layer clock read
+    clocked = summarise(16, runs, [100], [(4.0, 1.0), (5.0, 0.9), (40.0, 9.0)])
+    assert (clocked.ttft_layer_ms, clocked.tpot_layer_ms) == (5.0, 1.0)
+
+
+def test_layer_counters_give_the_time_per_layer_pass_between_two_readings():
+    before = LayerCounters(
+        prefill_seconds=1.0, prefill_passes=10, decode_seconds=2.0, decode_passes=100
+    )
+    after = LayerCounters(
+        prefill_seconds=1.03, prefill_passes=20, decode_seconds=2.05, decode_passes=200
+    )
+    prefill_ms, decode_ms = after.layer_ms_since(before)
+    assert prefill_ms == pytest.approx(3.0) and decode_ms == pytest.approx(0.5)
+    assert before.layer_ms_since(before) == (0.0, 0.0)  # no passes: not measured
 
 
 def test_peak_resident_bytes_reads_vmhwm(tmp_path):
@@ -97,19 +113,32 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
     def __init__(self, first_s: float, gap_s: float, fail: bool = False):
         self.first_s, self.gap_s, self.fail = first_s, gap_s, fail
         self.requests: list[worker_pb.WorkerServiceGenerateRequest] = []
+        # A layer clock as a 2-layer model keeps it: 3 ms per layer in a prefill, 0.5 ms
+        # per layer in a decode step.
+        self.clock = {"prefill_s": 0.0, "prefill": 0, "decode_s": 0.0, "decode": 0}
 
     async def Generate(self, request, context):
         self.requests.append(request)
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker gone")
         await asyncio.sleep(self.first_s)
+        self.clock["prefill_s"] += 2 * 0.003
+        self.clock["prefill"] += 2
         for i in range(request.max_tokens):
             if i:
                 await asyncio.sleep(self.gap_s)
+                self.clock["decode_s"] += 2 * 0.0005
+                self.clock["decode"] += 2
             yield worker_pb.WorkerServiceGenerateResponse(token_ids=[7])
 
     async def GetWorkerStats(self, request, context):
-        return worker_pb.GetWorkerStatsResponse(peak_memory_bytes=123_456)
+        return worker_pb.GetWorkerStatsResponse(
+            peak_memory_bytes=123_456,
+            prefill_layer_seconds=self.clock["prefill_s"],
+            prefill_layer_passes=self.clock["prefill"],
+            decode_layer_seconds=self.clock["decode_s"],
+            decode_layer_passes=self.clock["decode"],
+        )
 
 
 @dataclass
@@ -184,6 +213,9 @@ def test_a_job_times_its_streams_and_stops_its_workers(tmp_path):
         assert 40 <= run.ttft_ms < 500 and 15 <= run.tpot_ms < 200
         assert run.latency_ms >= run.ttft_ms + (run.output_tokens - 1) * 15
         assert list(run.peak_memory_bytes_per_rank) == [123_456]
+        # The worker's layer clock, read around each timed run.
+        assert run.ttft_layer_ms == pytest.approx(3.0)
+        assert run.tpot_layer_ms == pytest.approx(0.5)
     # 2 output lengths × (1 warm-up + 2 timed) runs × 2 concurrent streams.
     assert len(worker.requests) == 12
     first = worker.requests[0]

@@ -76,7 +76,7 @@ class GetWorkerStatsRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class GetWorkerStatsResponse(_message.Message):
-    __slots__ = ("request_id", "deployment_id", "rank", "resident_bytes", "peak_memory_bytes", "requests_served", "tokens_generated", "busy_seconds", "active_requests")
+    __slots__ = ("request_id", "deployment_id", "rank", "resident_bytes", "peak_memory_bytes", "requests_served", "tokens_generated", "busy_seconds", "active_requests", "prefill_layer_seconds", "prefill_layer_passes", "decode_layer_seconds", "decode_layer_passes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,10 @@ class GetWorkerStatsResponse(_message.Message):
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LAYER_PASSES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LAYER_PASSES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     deployment_id: str
     rank: int
@@ -95,4 +99,8 @@ class GetWorkerStatsResponse(_message.Message):
     tokens_generated: int
     busy_seconds: float
     active_requests: int
-    def __init__(self, request_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., rank: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., requests_served: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    prefill_layer_seconds: float
+    prefill_layer_passes: int
+    decode_layer_seconds: float
+    decode_layer_passes: int
+    def __init__(self, request_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., rank: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., requests_served: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., active_requests: _Optional[int] = ..., prefill_layer_seconds: _Optional[float] = ..., prefill_layer_passes: _Optional[int] = ..., decode_layer_seconds: _Optional[float] = ..., decode_layer_passes: _Optional[int] = ...) -> None: ...
