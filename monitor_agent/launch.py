@@ -78,6 +78,8 @@ class LaunchPlan:
     # host:port of the torch.distributed store with tp·pp > 1; the supervisor picks one
     # on this node when it is empty and the node runs every rank.
     rendezvous_address: str = ""
+    # Workers keep a layer clock (profiling jobs; see monitor_agent.engine.model).
+    time_layers: bool = False
 
     @property
     def world_size(self) -> int:
@@ -111,6 +113,7 @@ class LaunchPlan:
             "--ready-file", str(ready_file),
             "--parent-pid", str(os.getpid()),
             *self.compression_args,
+            *(["--time-layers"] if self.time_layers else []),
         ]  # fmt: skip
 
 

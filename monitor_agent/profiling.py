@@ -42,6 +42,7 @@ output lengths:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import statistics
@@ -263,6 +264,7 @@ class ProfilingJobs:
             models_root=self.models_root,
             default_ready_timeout_s=self.ready_timeout_s,
         )
+        plan = dataclasses.replace(plan, time_layers=True)
         spec = ArchSpec.from_hf_config(read_config(plan.checkpoint_dir))
         require(
             job.max_seq_len <= spec.max_position_embeddings,

@@ -62,6 +62,9 @@ class Engine:
     DistributedModel over the rank's stage and shard, which rank 0's batch core drives
     and the other ranks serve through ``model.follow()``.
 
+    time_layers keeps a layer clock (for profiling; on CUDA it synchronises the device
+    around the layers of every forward).
+
     weight_quant ("none", "int8", "int4"), pruning ("none", "2:4", "2:4-compact",
     "structured") and prune_fraction (structured only) compress every decoder layer while
     it loads (see :mod:`monitor_agent.engine.compression`); ValueError for other values.
@@ -82,6 +85,7 @@ class Engine:
         weight_quant: str = "none",
         pruning: str = "none",
         prune_fraction: float = DEFAULT_PRUNE_FRACTION,
+        time_layers: bool = False,
     ) -> None:
         directory = Path(checkpoint_dir)
         if num_threads is not None:
@@ -106,6 +110,8 @@ class Engine:
             directory, dtype=dtype, device=device, on_layer_loaded=compress, **stage
         )
         return_freed_memory()
+        if time_layers:
+            self.model.layer_clock = LayerClock()
         if parallel is not None:
             self.model = DistributedModel(self.model, parallel)
         self.spec: ArchSpec = self.model.spec
@@ -138,8 +144,9 @@ class Engine:
         self._outboxes: dict[SequenceHandle, deque[StepOutput]] = {}
 
     @property
-    def layer_clock(self) -> LayerClock:
-        """Time this rank's decoder layers took (see monitor_agent.engine.model.LayerClock)."""
+    def layer_clock(self) -> LayerClock | None:
+        """Time this rank's decoder layers took (see monitor_agent.engine.model.LayerClock);
+        None unless built with ``time_layers``."""
         model = self.model
         return model.stage.layer_clock if isinstance(model, DistributedModel) else model.layer_clock
 

@@ -55,7 +55,8 @@ from services.models.arch import ArchSpec
 class LayerClock:
     """Time this stage's decoder layers take, summed since the model was built.
 
-    A prefill pass is a forward over more than one token per row, a decode pass one token
+    Kept only by engines built with ``time_layers`` (the agent's profiling workers). A
+    prefill pass is a forward over more than one token per row, a decode pass one token
     per row; each pass over n layers adds n layer passes. The profiler reads the counters
     before and after a run (``GetWorkerStats``): seconds / layer passes is the time of one
     decoder layer measured inside one run, so a fingerprint's per-layer cost needs no
@@ -98,7 +99,8 @@ class Transformer(nn.Module):
         hidden, vocab = spec.hidden_size, spec.vocab_size
         self.embed_tokens = nn.Embedding(vocab, hidden, dtype=dtype) if self.has_embedding else None
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(self.layer_count))
-        self.layer_clock = LayerClock()
+        # Set by Engine(time_layers=True) (profiling workers); None costs nothing.
+        self.layer_clock: LayerClock | None = None
         self.norm = make_norm(spec, dtype) if self.has_head else None
         # A tied head reuses the embedding when this stage has it (see forward).
         own_head = self.has_head and not (spec.tie_word_embeddings and self.has_embedding)
@@ -159,15 +161,20 @@ class Transformer(nn.Module):
             x = self.embed_tokens.forward(inputs.reshape(batch * seq))
         else:
             x = inputs.reshape(batch * seq, -1)
-        cuda = x.is_cuda
-        if cuda:
-            torch.cuda.synchronize(x.device)
-        started = time.perf_counter()
-        for layer in self.layers:
-            x = layer.forward(x, cos, sin, address, mask)
-        if cuda:
-            torch.cuda.synchronize(x.device)
-        self.layer_clock.add(seq > 1, time.perf_counter() - started, len(self.layers))
+        clock = self.layer_clock
+        if clock is None:
+            for layer in self.layers:
+                x = layer.forward(x, cos, sin, address, mask)
+        else:
+            cuda = x.is_cuda
+            if cuda:
+                torch.cuda.synchronize(x.device)
+            started = time.perf_counter()
+            for layer in self.layers:
+                x = layer.forward(x, cos, sin, address, mask)
+            if cuda:
+                torch.cuda.synchronize(x.device)
+            clock.add(seq > 1, time.perf_counter() - started, len(self.layers))
         if self.norm is None:
             return x.view(batch, seq, -1)
         if last_token_only:

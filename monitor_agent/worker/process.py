@@ -105,6 +105,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_PRUNE_FRACTION,
         help="share of heads and MLP channels --pruning structured drops, in [0, 1)",
     )
+    parser.add_argument(
+        "--time-layers",
+        action="store_true",
+        help="keep a layer clock (GetWorkerStats reports it); profiling jobs set this",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda:N")
     parser.add_argument(
         "--cores", default="", help="comma-separated CPU cores to pin to (empty: no pinning)"
@@ -281,6 +286,7 @@ def load_engine(
         weight_quant=args.weight_quant,
         pruning=args.pruning,
         prune_fraction=args.prune_fraction,
+        time_layers=args.time_layers,
     )
 
 

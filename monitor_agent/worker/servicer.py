@@ -19,6 +19,7 @@ import grpc
 
 from monitor_agent.engine.distributed import GroupLost
 from monitor_agent.engine.engine import SamplingConfig
+from monitor_agent.engine.model import LayerClock
 from monitor_agent.worker.runner import EngineRunner, RequestClock
 from monitor_agent.worker.session import serve_session
 from services.api import common_pb2 as common
@@ -139,7 +140,7 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb.GetWorkerStatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb.GetWorkerStatsResponse:
         runner = self.runner
-        clock = runner.engine.layer_clock
+        clock = runner.engine.layer_clock or LayerClock()
         return worker_pb.GetWorkerStatsResponse(
             request_id=request.request_id,
             deployment_id=self.identity.deployment_id,

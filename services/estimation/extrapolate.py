@@ -18,6 +18,7 @@ the deployment's prompt.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -395,43 +396,55 @@ def _clock_terms(
     """Per-layer terms from layer-clock samples alone, or None when they do not cover
     every pp = 1 layout's phases and prompts (then the layer counts decide).
 
-    Least squares over the samples with the pooled structure (per-layer work split by
-    tp, a communication term per tp shared by the variants).
+    A variant's per-layer work is the median of its (1,1) clock samples; the
+    communication term of each tp > 1 is the median, over every variant's (tp, 1)
+    samples, of what they show beyond that work split tp ways. Medians and this order,
+    not one joint least-squares fit: a tp = 2 layer on two CPU cores (a gloo all-reduce
+    per block) wanders by 20-30 % from run to run, and a joint fit let that noise move
+    the per-layer work of every variant.
     """
-    columns: dict[tuple, int] = {}
-    entries: list[tuple[dict[int, float], float]] = []
-    for (variant, (tp, _)), layout_samples in flat.items():
-        clocked = {(s.phase, s.prompt) for s in layout_samples if s.phase in LAYER_PHASES}
-        needed = {("tpot_layer", None)} | {
-            ("ttft_layer", s.prompt) for s in layout_samples if s.phase in ("ttft", "end_to_end")
-        }
-        have = {(phase, None if phase == "tpot_layer" else p) for phase, p in clocked}
-        if not needed <= have:
-            return None
-        for s in layout_samples:
-            if s.phase == "tpot_layer":
-                keys = (("tpot_layer", variant), ("tpot_comm", tp))
-            elif s.phase == "ttft_layer":
-                keys = (("ttft_layer", variant, s.prompt), ("ttft_comm", tp, s.prompt))
-            else:
-                continue
-            row = {columns.setdefault(keys[0], len(columns)): 1.0 / tp}
-            if tp > 1:
-                row[columns.setdefault(keys[1], len(columns))] = 1.0
-            entries.append((row, s.seconds))
-    if not entries:
-        return None
-    design = np.zeros((len(entries), len(columns)))
-    for i, (row, _) in enumerate(entries):
-        for j, value in row.items():
-            design[i, j] = value
-    if np.linalg.matrix_rank(design) < len(columns):
-        return None
-    coef, *_ = np.linalg.lstsq(design, np.array([t for _, t in entries]), rcond=None)
+
+    def clocks(samples: Sequence[LatencySample], phase: str, prompt: Hashable) -> list[float]:
+        return [
+            s.seconds
+            for s in samples
+            if s.phase == phase and (phase == "tpot_layer" or s.prompt == prompt)
+        ]
+
+    def prompts_of(samples: Sequence[LatencySample]) -> set[Hashable]:
+        return {s.prompt for s in samples if s.phase in ("ttft", "end_to_end")}
+
     terms: dict[str, dict] = {name: {} for name in _POOLED_TERMS}
-    for key, j in columns.items():
-        name, *rest = key
-        terms[name][rest[0] if len(rest) == 1 else tuple(rest)] = float(coef[j])
+    for (variant, (tp, _)), samples in flat.items():
+        if tp != 1:
+            continue
+        tpot = clocks(samples, "tpot_layer", None)
+        if not tpot:
+            return None
+        terms["tpot_layer"][variant] = float(np.median(tpot))
+        for prompt in prompts_of(samples):
+            ttft = clocks(samples, "ttft_layer", prompt)
+            if not ttft:
+                return None
+            terms["ttft_layer"][(variant, prompt)] = float(np.median(ttft))
+    beyond: dict[tuple, list[float]] = defaultdict(list)
+    for (variant, (tp, _)), samples in flat.items():
+        if tp == 1:
+            continue
+        if variant not in terms["tpot_layer"]:
+            return None
+        tpot = clocks(samples, "tpot_layer", None)
+        if not tpot:
+            return None
+        beyond[("tpot_comm", tp)] += [t - terms["tpot_layer"][variant] / tp for t in tpot]
+        for prompt in prompts_of(samples):
+            ttft = clocks(samples, "ttft_layer", prompt)
+            if not ttft or (variant, prompt) not in terms["ttft_layer"]:
+                return None
+            work = terms["ttft_layer"][(variant, prompt)] / tp
+            beyond[("ttft_comm", tp, prompt)] += [t - work for t in ttft]
+    for (name, *key), values in beyond.items():
+        terms[name][key[0] if len(key) == 1 else tuple(key)] = float(np.median(values))
     return _pooled_from_terms(terms, 0.0, 0)
 
 

@@ -115,6 +115,8 @@ def test_register_profiles_the_fingerprints(stack):
         assert m.variant_name == "base" and not m.full_model
         assert m.input_tokens == 64 and m.repetitions == 3 and m.hardware_type in hardware
         assert m.ttft_ms > 0 and m.tpot_ms > 0 and m.latency_ms > m.ttft_ms
+        # The workers' layer clock: one layer's time inside the run, below the step's.
+        assert 0 < m.tpot_layer_ms < m.tpot_ms and 0 < m.ttft_layer_ms < m.ttft_ms
         ranks = m.config.tensor_parallel * m.config.pipeline_parallel
         assert len(m.peak_memory_bytes_per_rank) == ranks
         assert all(peak > 0 for peak in m.peak_memory_bytes_per_rank)

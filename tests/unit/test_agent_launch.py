@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -65,7 +66,10 @@ def test_a_valid_request_becomes_a_plan(models_root):
     assert argv[:3] == [sys.executable, "-m", "monitor_agent.worker"]
     assert argv[argv.index("--cores") + 1] == "1"
     assert argv[argv.index("--port") + 1] == "0"
-    assert not {"--weight-quant", "--kv-quant", "--pruning"} & set(argv)
+    assert not {"--weight-quant", "--kv-quant", "--pruning", "--time-layers"} & set(argv)
+    # Profiling jobs ask their workers for a layer clock.
+    timed = dataclasses.replace(plan, time_layers=True)
+    assert "--time-layers" in timed.worker_argv(worker, "127.0.0.1", models_root / "ready.json")
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,10 @@ from monitor_agent.engine.engine import Engine, SamplingConfig
 
 
 def test_the_clock_counts_prefill_and_decode_layer_passes_and_their_time(checkpoint):
-    engine = Engine(checkpoint, max_seq_len=32, num_threads=1)
+    assert Engine(checkpoint, max_seq_len=32, num_threads=1).layer_clock is None  # opt-in
+    engine = Engine(checkpoint, max_seq_len=32, num_threads=1, time_layers=True)
     clock = engine.layer_clock
+    assert clock is not None
     assert (clock.prefill_layer_passes, clock.decode_layer_passes) == (0, 0)
     tokens = list(engine.generate([5, 6, 7, 8], 5, SamplingConfig(ignore_eos=True)))
     assert len(tokens) == 5
