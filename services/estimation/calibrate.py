@@ -197,6 +197,8 @@ def calibrate_memory_constants(
 ) -> tuple[MemoryConstants, FitResult]:
     """Fit the per-peer device overhead on memory MAPE, then the per-layout residuals.
 
+    The per-peer term is fitted only when some data point has tp > 2 (0 otherwise).
+
     ``refs`` is (k, 3): each data point's extrapolated (1,1), (2,1), (1,2) footprints
     in GiB; ``measured_gib`` the measured footprint at (tp, pp). The residual of a
     layout is the median of (measured - model) over its data points, in GiB; the
@@ -212,14 +214,20 @@ def calibrate_memory_constants(
         parts = solve_memory_components(refs[:, 0], refs[:, 1], refs[:, 2], constants)
         return total_memory_gib(parts, tp, pp, constants)
 
-    fit = minimize_mape(
-        lambda params: predict_with(MemoryConstants(tp_peer_gib=float(params[0]))),
-        measured_gib,
-        [np.array([0.0]), np.array([0.5])],
-        np.array([0.0]),
-        np.array([4.0]),
-        steps=steps,
-    )
+    if np.any(tp > 2):
+        fit = minimize_mape(
+            lambda params: predict_with(MemoryConstants(tp_peer_gib=float(params[0]))),
+            measured_gib,
+            [np.array([0.0]), np.array([0.5])],
+            np.array([0.0]),
+            np.array([4.0]),
+            steps=steps,
+        )
+    else:
+        # Only tp <= 2 measured: the references reproduce tp = 1 and 2 whatever the
+        # per-peer term is, so the data cannot identify it (a descent would leave it
+        # wherever it wandered, and tp = 8 would inherit that): keep it at 0.
+        fit = FitResult((0.0,), mape_pct(predict_with(MemoryConstants()), measured_gib), 0)
     constants = MemoryConstants(tp_peer_gib=fit.params[0])
     if layout_residuals:
         base = predict_with(constants)

@@ -113,3 +113,17 @@ def test_memory_calibration_recovers_the_peer_overhead_and_layout_residuals():
     assert residuals[(1, 4)] == pytest.approx(0.5, abs=0.05)
     assert abs(residuals[(8, 1)]) < 0.1
     assert fit.mape_pct < 0.2
+
+
+def test_memory_calibration_keeps_no_peer_term_the_data_cannot_identify():
+    # Only the reference layouts measured (a 2-device CPU node): the references reproduce
+    # tp = 1 and 2 exactly whatever the per-peer term is, so it stays 0.
+    plain = solve_memory_components(5.0, 6.2, 5.9)
+    rows = [(1, 1), (2, 1), (1, 2)]
+    refs = np.array([[5.0, 6.2, 5.9]] * len(rows))
+    tp = np.array([t for t, _ in rows], float)
+    pp = np.array([p for _, p in rows], float)
+    measured = np.array([float(total_memory_gib(plain, t, p)) + 0.01 for t, p in rows])
+    constants, fit = calibrate_memory_constants(refs, tp, pp, measured, steps=50)
+    assert constants.tp_peer_gib == 0.0
+    assert fit.mape_pct < 0.5
