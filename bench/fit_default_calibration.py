@@ -7,15 +7,11 @@ a stack holding only that data: the files go through the service's import
 ``services.estimator.profiles`` and the constants fitted on the full-model runs by
 ``services.estimator.calibration``.
 
-``cpu-x86_64.json``: a placeholder. There are no full-model CPU measurements yet to fit
-on, so it carries the A6000 latency exponents (prefill and decode scale with tensor and
-pipeline parallelism in some way; these are the only fitted values iserve has), no
-reference scales and no memory terms (the A6000 ones are GPU runtime buffers). Its
-provenance says so; ``iserve calibrate --hardware cpu-x86_64`` replaces it in Redis once
-full-model CPU runs are stored.
+``cpu-x86_64.json`` is not written here: ``bench/estimate_cpu.py --write-calibration``
+fits it on full-model runs measured on this machine's CPU.
 
 Run: ``python bench/fit_default_calibration.py`` (data from ``$ISERVE_SHARED_DATA`` or
-``../shared/data`` beside the repository; about 15 s on two cores). Prints both files'
+``../shared/data`` beside the repository; about 15 s on two cores). Prints the file's
 constants; ``--check`` fits and compares with the committed files instead of writing.
 """
 
@@ -37,8 +33,6 @@ from google.protobuf import json_format  # noqa: E402
 
 from fingerprint_svc.importing import plan_maveriq_import  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
-from services.estimation.latency import ReferenceScales  # noqa: E402
-from services.estimation.memory import MemoryConstants  # noqa: E402
 from services.estimator.calibration import (  # noqa: E402
     HardwareCalibration,
     fit_hardware_calibration,
@@ -97,28 +91,6 @@ def _date(calibration: HardwareCalibration) -> str:
     return datetime.fromtimestamp(calibration.fitted_at_unix_ms / 1e3, UTC).strftime("%Y-%m-%d")
 
 
-def cpu_placeholder(a6000: HardwareCalibration) -> HardwareCalibration:
-    def latency_only(calibration):
-        return replace(calibration, memory=MemoryConstants(), reference_scales=ReferenceScales())
-
-    return HardwareCalibration(
-        hardware_type="cpu-x86_64",
-        primary=latency_only(a6000.primary),
-        tp_ladder=a6000.tp_ladder,
-        three_refs=None if a6000.three_refs is None else latency_only(a6000.three_refs),
-        fit_error_pct=0.0,
-        provenance=(
-            "PLACEHOLDER, not fitted on CPU data: the latency exponents (TTFT and TPOT alpha, "
-            "beta, gamma, delta, with and without the TP ladder) are those fitted on the RTX "
-            "A6000 data (services/estimator/calibrations/rtx-a6000.json); no reference scales, "
-            "no memory terms (the A6000's are GPU runtime buffers). Replace it by running "
-            "`iserve calibrate --hardware cpu-x86_64` once full-model CPU measurements are "
-            f"stored. Written by bench/fit_default_calibration.py on {_date(a6000)}"
-        ),
-        fitted_at_unix_ms=a6000.fitted_at_unix_ms,
-    )
-
-
 def render(calibration: HardwareCalibration) -> str:
     message = json_format.MessageToDict(to_proto(calibration), preserving_proto_field_name=True)
     return json.dumps(message, indent=2, sort_keys=True) + "\n"
@@ -130,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     a6000 = fit_a6000(data_dir(), int(time.time() * 1000))
-    outputs = {HARDWARE: a6000, "cpu-x86_64": cpu_placeholder(a6000)}
+    outputs = {HARDWARE: a6000}
     status = 0
     for name, calibration in outputs.items():
         path = SHIPPED_DIR / f"{name}.json"

@@ -82,14 +82,17 @@ def test_calibration_message_round_trips():
     assert "fit_default_calibration.py" in message.provenance
 
 
-def test_shipped_cpu_calibration_is_an_explicit_placeholder():
+def test_shipped_cpu_calibration_was_fitted_on_this_testbed():
     message = shipped(CPU)
-    assert message.provenance.startswith("PLACEHOLDER")
-    assert "iserve calibrate --hardware cpu-x86_64" in message.provenance
+    assert "bench/estimate_cpu.py" in message.provenance
+    assert "full-model runs on cpu-x86_64" in message.provenance
     calibration = calibrations.from_proto(message)
+    # Only tp <= 2 was measured: no per-peer memory term, no device size of its own.
     assert calibration.primary.memory.tp_peer_gib == 0
-    a6000 = calibrations.from_proto(shipped("rtx-a6000"))
-    assert calibration.primary.latency == a6000.primary.latency
+    assert calibration.device_memory_bytes == 0
+    scales = calibration.primary.reference_scales
+    assert all(0.5 <= s <= 2.0 for s in scales.ttft + scales.tpot)
+    assert 0 < message.fit_error_percent < 15
 
 
 def test_a_calibration_without_phase_terms_applies_its_exponents_to_both_phases():
@@ -199,7 +202,7 @@ def test_estimates_default_the_devices_and_report_bad_requests(run):
 def test_calibration_lookup_and_calibrate(run):
     async def scenario(store: StateStore):
         estimator = Estimator(store)
-        assert (await estimator.get_calibration(CPU)).provenance.startswith("PLACEHOLDER")
+        assert "bench/estimate_cpu.py" in (await estimator.get_calibration(CPU)).provenance
         with pytest.raises(NotFound, match="no calibration for 'h100'"):
             await estimator.get_calibration("h100")
         with pytest.raises(FailedPrecondition, match="no full-model measurements stored for"):
