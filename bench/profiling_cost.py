@@ -198,7 +198,15 @@ def main() -> int:
         profile, fp_wall, fp_gen, fp_jobs = profile_fingerprints(settings, models, profiling)
         print("profiling the full model ...", file=sys.stderr)
         full_rows = profile_full_model(settings, models, agent, device_ids, profiling)
-        shape = models.GetModel(model_pb.GetModelRequest(model_id=MODEL_ID)).model.shape
+        model = models.GetModel(model_pb.GetModelRequest(model_id=MODEL_ID)).model
+        shape = model.shape
+        planned, _ = plan_jobs(model, profiling, len(device_ids))
+    # Layer-device units: what the jobs cost at equal per-layer cost and no fixed cost.
+    fp_units = sum(job.ranks * job.num_layers for job in planned)
+    full_units = sum(
+        tp * pp * LAYERS
+        for tp, pp, _ in {(j.tensor_parallel, j.pipeline_parallel, j.batch_size) for j in planned}
+    )
 
     fp_ds = profile.cost.device_seconds
     fp_peak = profile.cost.peak_device_memory_bytes
@@ -244,6 +252,11 @@ def main() -> int:
         f"generation-only device-seconds ratio {full_gen / fp_gen:.1f}x; start-up/stop is "
         f"{(fp_ds - fp_gen) / fp_ds:.0%} of the fingerprints' device-seconds "
         f"({(fp_ds - fp_gen) / max(1, sum(j for j in [fp_jobs])):.1f} device-s per job)"
+    )
+    print(
+        f"bound: the fingerprint jobs run {fp_units} layer x device units, the full model "
+        f"{full_units}; at equal per-layer cost and no start-up or per-token cost the "
+        f"device-seconds ratio is at most {full_units / fp_units:.1f}x with these references"
     )
     per_job_startup = statistics.median(wall - gen for _, wall, gen, _, _ in full_rows)
     print(f"full-model start-up/stop per job (median): {per_job_startup:.1f} s")
