@@ -144,14 +144,25 @@ def _pooled_truth(variant_layer_tpot, tp, pp, comm=0.0001, other=0.001):
     )
 
 
-def test_pooled_fit_recovers_shared_structure_across_variants_and_layouts():
-    per_variant = {"fp16": 0.0007, "int4": 0.00025}
+PER_VARIANT = {"fp16": 0.0007, "int4": 0.00025}
+
+
+def _pooled_samples(rows_of) -> dict:
+    """Samples of every variant of PER_VARIANT at (1,1), (2,1), (1,2): ``rows_of(truth,
+    layers)`` gives a layout's samples from its true terms and fingerprint sizes."""
     samples = {}
-    for name, layer_tpot in per_variant.items():
+    for name, layer_tpot in PER_VARIANT.items():
         for tp, pp in ((1, 1), (2, 1), (1, 2)):
-            truth = _pooled_truth(layer_tpot, tp, pp)
             layers = (1, 2) if pp == 1 else (2, 3)
-            samples[(name, (tp, pp))] = [end_to_end(truth, n, o) for n in layers for o in (10, 20)]
+            samples[(name, (tp, pp))] = rows_of(_pooled_truth(layer_tpot, tp, pp), layers)
+    return samples
+
+
+def test_pooled_fit_recovers_shared_structure_across_variants_and_layouts():
+    per_variant = PER_VARIANT
+    samples = _pooled_samples(
+        lambda truth, layers: [end_to_end(truth, n, o) for n in layers for o in (10, 20)]
+    )
     fit = fit_pooled_latency(samples)
     assert fit.tpot_comm_per_layer_s[2] == pytest.approx(0.0001)
     for name, layer_tpot in per_variant.items():
@@ -188,23 +199,22 @@ def test_reference_extrapolation_rejects_what_it_cannot_use():
 
 
 def test_layer_clock_samples_set_the_per_layer_terms_and_counts_fit_the_rest():
-    per_variant = {"fp16": 0.0007, "int4": 0.00025}
-    samples = {}
-    for name, layer_tpot in per_variant.items():
-        for tp, pp in ((1, 1), (2, 1), (1, 2)):
-            truth = _pooled_truth(layer_tpot, tp, pp)
-            layers = (1, 2) if pp == 1 else (2, 3)
-            rows = []
-            for n in layers:
-                # The larger fingerprint ran on a slow moment: +8 % on every timing.
-                slow = 1.08 if n == layers[1] else 1.0
-                rows += [
-                    LatencySample(n, slow * truth.ttft(n), phase="ttft"),
-                    LatencySample(n, slow * truth.tpot(n), phase="tpot"),
-                    LatencySample(n, truth.ttft_per_layer_s, phase="ttft_layer"),
-                    LatencySample(n, truth.tpot_per_layer_s, phase="tpot_layer"),
-                ]
-            samples[(name, (tp, pp))] = rows
+    per_variant = PER_VARIANT
+
+    def rows_of(truth, layers):
+        rows = []
+        for n in layers:
+            # The larger fingerprint ran on a slow moment: +8 % on every timing.
+            slow = 1.08 if n == layers[1] else 1.0
+            rows += [
+                LatencySample(n, slow * truth.ttft(n), phase="ttft"),
+                LatencySample(n, slow * truth.tpot(n), phase="tpot"),
+                LatencySample(n, truth.ttft_per_layer_s, phase="ttft_layer"),
+                LatencySample(n, truth.tpot_per_layer_s, phase="tpot_layer"),
+            ]
+        return rows
+
+    samples = _pooled_samples(rows_of)
     clocked = fit_pooled_latency(samples)
     counted = fit_pooled_latency(
         {k: [s for s in v if s.phase in ("ttft", "tpot")] for k, v in samples.items()}
