@@ -1,4 +1,5 @@
-"""CLI commands of estimation: ``profile import``, ``estimate``, ``calibrate``.
+"""CLI commands of estimation: ``profile import``, ``profile show``, ``estimate``,
+``calibrate``.
 
 ``build_parser`` in ``services/cli/main.py`` adds them with :func:`add_commands`.
 """
@@ -175,8 +176,53 @@ def cmd_calibrate(settings: Settings, args) -> int:
     return 0
 
 
+def _layout(config: common.DeploymentConfig) -> str:
+    return f"{max(1, config.tensor_parallel)}x{max(1, config.pipeline_parallel)}"
+
+
+def print_profile(profile: model_pb.GetProfileResponse) -> None:
+    """A model's stored profile: what it cost, what was skipped, every measurement."""
+    cost = profile.cost
+    full = sum(m.full_model for m in profile.measurements)
+    print(
+        f"{profile.model_id}: {len(profile.measurements) - full} fingerprint and {full} "
+        f"full-model measurements; profiling took {cost.wall_time_ms / 1e3:.1f} s wall, "
+        f"{cost.device_seconds:.1f} device-s, peak {cost.peak_device_memory_bytes / 2**20:.1f} "
+        "MiB per device"
+    )
+    for reason in profile.skipped:
+        print(f"  skipped: {reason}")
+    print(
+        f"{'variant':<10}{'layers':>7} {'tp x pp':>7}{'batch':>6}{'in':>6}{'out':>5}"
+        f"{'TTFT ms':>10}{'TPOT ms':>9}{'total ms':>10}{'layer ms':>16}  memory MiB per rank"
+    )
+    for m in profile.measurements:
+        layer = f"{m.ttft_layer_ms:.2f}/{m.tpot_layer_ms:.3f}" if m.tpot_layer_ms > 0 else "-"
+        layers = f"{m.num_layers}{'*' if m.full_model else ''}"
+        print(
+            f"{m.variant_name or 'base':<10}{layers:>7} {_layout(m.config):>7}"
+            f"{max(1, m.config.batch_size):>6}{m.input_tokens:>6}{m.output_tokens:>5}"
+            f"{m.ttft_ms:>10.2f}{m.tpot_ms:>9.3f}{m.latency_ms:>10.1f}{layer:>16}  "
+            + " ".join(f"{b / 2**20:.1f}" for b in m.peak_memory_bytes_per_rank)
+        )
+    print("layers* = full model; layer ms = one decoder layer in prefill / decode (layer clock)")
+
+
+def cmd_profile_show(settings: Settings, args) -> int:
+    channel = grpc.insecure_channel(settings.address("model"), options=CHANNEL_OPTIONS)
+    profile = model_service_pb2_grpc.ModelServiceStub(channel).GetProfile(
+        model_pb.GetProfileRequest(request_id=_rid(), model_id=args.model_id)
+    )
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(profile, preserving_proto_field_name=True)))
+    else:
+        print_profile(profile)
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Add ``profile import``, ``estimate`` and ``calibrate`` to the CLI's subcommands."""
+    """Add ``profile import``/``show``, ``estimate`` and ``calibrate`` to the CLI's
+    subcommands."""
     profile = sub.add_parser("profile", help="model profiles").add_subparsers(
         dest="profile_command", required=True
     )
@@ -188,6 +234,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", required=True, help="hardware type measured, e.g. rtx-a6000")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_profile_import)
+    p = profile.add_parser(
+        "show", help="a model's profile: its cost, skipped references and every measurement"
+    )
+    p.add_argument("model_id")
+    p.add_argument("--json", action="store_true", help="the GetProfile reply as JSON")
+    p.set_defaults(func=cmd_profile_show)
 
     p = sub.add_parser("estimate", help="estimate every configuration of a profiled model")
     p.add_argument("model_id")

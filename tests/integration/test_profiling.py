@@ -4,6 +4,7 @@ nothing and can be registered again."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -137,6 +138,17 @@ def test_register_profiles_the_fingerprints(stack):
         f"MiB; {len(profile.measurements)} measurements; skipped: {list(profile.skipped)}"
     )
 
+    # The CLI shows the same profile: its cost, every measurement, the layer clock.
+    shown = _cli(stack, "profile", "show", "prof-llama")
+    assert shown.returncode == 0, shown.stderr
+    assert f"{len(profile.measurements)} fingerprint and 0 full-model measurements" in shown.stdout
+    assert f"{cost.device_seconds:.1f} device-s" in shown.stdout
+    rows = [line for line in shown.stdout.splitlines() if line.startswith("base ")]
+    assert len(rows) == len(profile.measurements)
+    assert all("/" in row for row in rows)  # "prefill/decode" layer ms: the clock ran
+    as_json = json.loads(_cli(stack, "profile", "show", "prof-llama", "--json").stdout)
+    assert len(as_json["measurements"]) == len(profile.measurements)
+
     key = content_hash(stack.models_root / path)
     for layers in (1, 2):
         assert (stack.models_root / FINGERPRINTS_DIR / key / f"L{layers}" / "config.json").is_file()
@@ -246,6 +258,11 @@ def test_profile_and_watch_of_models_without_profiles(stack):
     )
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert details == "model 'prof-skipped' is not profiled yet (MODEL_STATE_REGISTERED)"
+    shown = _cli(stack, "profile", "show", "prof-skipped")
+    assert shown.returncode == 1
+    assert "FAILED_PRECONDITION: model 'prof-skipped' is not profiled yet" in shown.stderr
+    shown = _cli(stack, "profile", "show", "nope")
+    assert shown.returncode == 1 and "NOT_FOUND" in shown.stderr
     _delete(stack, "prof-skipped")
 
 
