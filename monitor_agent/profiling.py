@@ -293,17 +293,18 @@ class ProfilingJobs:
             stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
             results = []
             for output_tokens in job.output_tokens:
+                for _ in range(job.warmup_runs):
+                    await self._batch(stub, prompt, output_tokens, job.batch_size)
+                # Each timed run's layer time: the clock read after it, less the reading
+                # before it (the previous run's).
+                stats = await self._worker_stats(stub)
                 timed, layer_ms = [], []
-                for index in range(job.warmup_runs + job.timed_runs):
-                    before = await self._layer_counters(stub)
-                    streams = await asyncio.gather(
-                        *(self._stream(stub, prompt, output_tokens) for _ in range(job.batch_size))
-                    )
-                    if index >= job.warmup_runs:
-                        timed.append(list(streams))
-                        after = await self._layer_counters(stub)
-                        layer_ms.append(after.layer_ms_since(before))
-                peaks = await self._peaks(stub, workers, at_ready)
+                for _ in range(job.timed_runs):
+                    before = LayerCounters.of(stats)
+                    timed.append(await self._batch(stub, prompt, output_tokens, job.batch_size))
+                    stats = await self._worker_stats(stub)
+                    layer_ms.append(LayerCounters.of(stats).layer_ms_since(before))
+                peaks = self._peaks(stats, workers, at_ready)
                 results.append(summarise(output_tokens, timed, peaks, layer_ms))
         return results
 
@@ -340,29 +341,38 @@ class ProfilingJobs:
             return _nvml_process_bytes(device.cuda_index, worker.pid)
         return peak_resident_bytes(worker.pid)
 
+    async def _batch(
+        self,
+        stub: worker_service_pb2_grpc.WorkerServiceStub,
+        prompt: list[int],
+        output_tokens: int,
+        batch_size: int,
+    ) -> list[StreamTiming]:
+        """One run: ``batch_size`` streams opened at once."""
+        streams = await asyncio.gather(
+            *(self._stream(stub, prompt, output_tokens) for _ in range(batch_size))
+        )
+        return list(streams)
+
     @staticmethod
-    async def _layer_counters(stub: worker_service_pb2_grpc.WorkerServiceStub) -> LayerCounters:
+    async def _worker_stats(
+        stub: worker_service_pb2_grpc.WorkerServiceStub,
+    ) -> worker_pb.GetWorkerStatsResponse:
         try:
-            stats = await stub.GetWorkerStats(
+            return await stub.GetWorkerStats(
                 worker_pb.GetWorkerStatsRequest(), timeout=STATS_TIMEOUT_S
             )
         except grpc.RpcError as exc:
             raise RemoteError(exc.code(), f"reading worker stats failed: {exc.details()}") from exc
-        return LayerCounters.of(stats)
 
-    async def _peaks(
+    def _peaks(
         self,
-        stub: worker_service_pb2_grpc.WorkerServiceStub,
+        stats: worker_pb.GetWorkerStatsResponse,
         workers: list[agent_pb.WorkerInfo],
         at_ready: dict[int, int],
     ) -> list[int]:
-        """Peak memory of each rank (see the module docstring)."""
-        try:
-            stats = await stub.GetWorkerStats(
-                worker_pb.GetWorkerStatsRequest(), timeout=STATS_TIMEOUT_S
-            )
-        except grpc.RpcError as exc:
-            raise RemoteError(exc.code(), f"reading worker stats failed: {exc.details()}") from exc
+        """Peak memory of each rank, rank 0's from ``stats`` read after the runs (see the
+        module docstring)."""
         peaks = [int(stats.peak_memory_bytes)]
         for worker in workers[1:]:
             growth = max(0, self._process_peak(worker) - at_ready[worker.rank])

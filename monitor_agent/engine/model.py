@@ -79,6 +79,13 @@ class LayerClock:
             self.decode_layer_passes += layers
 
 
+def _clock_now(x: torch.Tensor) -> float:
+    """perf_counter once the device has finished the work queued for ``x``."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter()
+
+
 class Transformer(nn.Module):
     """Decoder (or one pipeline stage of it) with a static KV cache; call
     :meth:`setup_caches` once before forward."""
@@ -162,19 +169,12 @@ class Transformer(nn.Module):
         else:
             x = inputs.reshape(batch * seq, -1)
         clock = self.layer_clock
-        if clock is None:
-            for layer in self.layers:
-                x = layer.forward(x, cos, sin, address, mask)
-        else:
-            cuda = x.is_cuda
-            if cuda:
-                torch.cuda.synchronize(x.device)
-            started = time.perf_counter()
-            for layer in self.layers:
-                x = layer.forward(x, cos, sin, address, mask)
-            if cuda:
-                torch.cuda.synchronize(x.device)
-            clock.add(seq > 1, time.perf_counter() - started, len(self.layers))
+        if clock is not None:
+            started = _clock_now(x)
+        for layer in self.layers:
+            x = layer.forward(x, cos, sin, address, mask)
+        if clock is not None:
+            clock.add(seq > 1, _clock_now(x) - started, len(self.layers))
         if self.norm is None:
             return x.view(batch, seq, -1)
         if last_token_only:

@@ -392,7 +392,7 @@ _POOLED_TERMS = ("tpot_layer", "ttft_layer", "tpot_comm", "ttft_comm", "tpot_oth
 
 def _clock_terms(
     flat: Mapping[tuple[Hashable, tuple[int, int]], Sequence[LatencySample]],
-) -> PooledLatencyFit | None:
+) -> dict[str, dict] | None:
     """Per-layer terms from layer-clock samples alone, or None when they do not cover
     every pp = 1 layout's phases and prompts (then the layer counts decide).
 
@@ -445,7 +445,7 @@ def _clock_terms(
             beyond[("ttft_comm", tp, prompt)] += [t - work for t in ttft]
     for (name, *key), values in beyond.items():
         terms[name][key[0] if len(key) == 1 else tuple(key)] = float(np.median(values))
-    return _pooled_from_terms(terms, 0.0, 0)
+    return terms
 
 
 def fit_pooled_latency(
@@ -479,10 +479,11 @@ def fit_pooled_latency(
                 f"variant {variant!r}: layout {(tp, pp)} needs samples at {(tp, 1)} too"
             )
     clock = _clock_terms(flat)
-    terms, sse = _solve_pooled(flat, clock)
+    fixed = None if clock is None else _pooled_from_terms(clock, 0.0, 0)
+    terms, sse = _solve_pooled(flat, fixed)
     if clock is not None:
         for name in ("tpot_layer", "ttft_layer", "tpot_comm", "ttft_comm"):
-            terms[name] = dict(getattr(clock, _TERM_FIELDS[name]))
+            terms[name] = clock[name]
     count = sum(len(v) for v in flat.values())
     fit = _pooled_from_terms(terms, sse, count)
     if staged:
@@ -492,14 +493,6 @@ def fit_pooled_latency(
         count += sum(len(v) for v in staged.values())
         fit = _pooled_from_terms(terms, sse + staged_sse, count)
     return fit
-
-
-_TERM_FIELDS = {
-    "tpot_layer": "tpot_per_layer_s",
-    "ttft_layer": "ttft_per_layer_s",
-    "tpot_comm": "tpot_comm_per_layer_s",
-    "ttft_comm": "ttft_comm_per_layer_s",
-}
 
 
 def _pooled_from_terms(terms: dict[str, dict], sse: float, count: int) -> PooledLatencyFit:
