@@ -283,6 +283,18 @@ def print_points(est, measured) -> None:
         )
 
 
+def _batch1_clocked(rows, variant: str, tp: int, pp: int) -> list:
+    """Rows of ``variant`` at (tp, pp), batch 1, that carry layer-clock figures."""
+    return [
+        r
+        for r in rows
+        if r.variant_name == variant
+        and (r.config.tensor_parallel, r.config.pipeline_parallel) == (tp, pp)
+        and (r.config.batch_size or 1) == 1
+        and r.tpot_layer_ms > 0
+    ]
+
+
 def print_layer_clocks(fingerprints, full_by_model) -> None:
     """One decoder layer's time inside the runs (the workers' layer clock, rank 0):
     fingerprints (every size, batch 1) against the full model, per layout."""
@@ -294,27 +306,20 @@ def print_layer_clocks(fingerprints, full_by_model) -> None:
     for model_id in ARCHS:
         for variant in VARIANTS:
             for tp, pp in LAYOUTS:
-
-                def pick(rows, model_id=model_id, variant=variant, tp=tp, pp=pp):
-                    return [
-                        r
-                        for r in rows
-                        if r.variant_name == variant.name
-                        and r.config.tensor_parallel == tp
-                        and r.config.pipeline_parallel == pp
-                        and (r.config.batch_size or 1) == 1
-                        and r.tpot_layer_ms > 0
-                    ]
-
-                fp = pick(fingerprints[model_id].measurements)
-                full = pick(full_by_model[model_id])
+                fp = _batch1_clocked(fingerprints[model_id].measurements, variant.name, tp, pp)
+                full = _batch1_clocked(full_by_model[model_id], variant.name, tp, pp)
                 if not fp or not full:
                     continue
-                med = lambda rows, f: statistics.median(getattr(r, f) for r in rows)  # noqa: E731
+                med = {
+                    field: [
+                        statistics.median(getattr(r, field) for r in rows) for rows in (fp, full)
+                    ]
+                    for field in ("ttft_layer_ms", "tpot_layer_ms")
+                }
+                (fp_f, full_f), (fp_d, full_d) = med["ttft_layer_ms"], med["tpot_layer_ms"]
                 print(
                     f"{model_id:11s} {variant.name:7s} {tp:2d} {pp:2d} |"
-                    f" {med(fp, 'ttft_layer_ms'):6.2f} / {med(full, 'ttft_layer_ms'):6.2f} |"
-                    f" {med(fp, 'tpot_layer_ms'):5.3f} / {med(full, 'tpot_layer_ms'):5.3f}"
+                    f" {fp_f:6.2f} / {full_f:6.2f} | {fp_d:5.3f} / {full_d:5.3f}"
                 )
 
 

@@ -52,10 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deploy_svc.explicit import ExplicitPlan  # noqa: E402
 from deploy_svc.placement import POLICIES, Candidate, place  # noqa: E402
 from deploy_svc.planning import Option, decide  # noqa: E402
+from fingerprint_svc.registry import model_shape  # noqa: E402
 from services.api import common_pb2 as common  # noqa: E402
 from services.api import estimator_service_pb2 as estimator_pb  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.errors import ResourceExhausted  # noqa: E402
+from services.models.arch import ArchSpec  # noqa: E402
+from services.models.presets import preset_config  # noqa: E402
 
 GIB = 1 << 30
 NODES, DEVICES_PER_NODE, DEVICE_GIB = 128, 8, 48
@@ -187,22 +190,11 @@ def _decide(
     return times_ms, placed, uneven
 
 
+_SPEC = ArchSpec.from_hf_config(preset_config("llama-2-70b", dtype="float16"))
 LLAMA_70B = model_pb.Model(
     model_id="llama-2-70b",
     checkpoint_path="llama-2-70b",
-    shape=model_pb.ModelShape(
-        num_layers=80,
-        num_attention_heads=64,
-        num_kv_heads=8,
-        head_dim=128,
-        hidden_size=8192,
-        intermediate_size=28672,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        parameter_count=68_976_648_192,
-        weight_bytes=2 * 68_976_648_192,
-        dtype=common.PRECISION_FLOAT16,
-    ),
+    shape=model_shape(_SPEC, _SPEC.weight_bytes()),
 )
 VARIANTS = {"fp16": (common.WEIGHT_QUANT_NONE, 1.0), "int8": (common.WEIGHT_QUANT_INT8, 0.5)}
 VARIANTS["int4"] = (common.WEIGHT_QUANT_INT4, 0.3)
