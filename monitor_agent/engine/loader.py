@@ -86,7 +86,7 @@ def load_model(
     # and read, and each layer goes to on_layer_loaded before the next is read, so a
     # compressing hook keeps the full-precision model from ever being resident at once.
     for prefix, part in _parts(model):
-        part.to_empty(device=device)
+        _allocate(part, device)
         compressing = on_layer_loaded is not None and isinstance(part, DecoderLayer)
         if not compressing:
             # Read straight into the input-major layout: no transient copy.
@@ -145,6 +145,19 @@ def _load_parameter(param: nn.Parameter, name: str, path: Path, source: WeightSo
                 f"{list(tensor.shape)}; expected {list(param.shape)}"
             )
         param.copy_(tensor)
+
+
+def _allocate(part: nn.Module, device: torch.device | str) -> None:
+    """Give every parameter and buffer of ``part`` (built on the meta device) uninitialised
+    storage on ``device``. ``Module.to_empty`` would do it through ``torch.empty_like``,
+    whose meta path imports torch.fx's symbolic shapes and sympy (half a second of a
+    worker's start-up on a small machine)."""
+    for module in part.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            storage = torch.empty(param.shape, dtype=param.dtype, device=device)
+            module.register_parameter(name, nn.Parameter(storage, param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
 
 
 def _parts(model: Transformer) -> Iterator[tuple[str, nn.Module]]:

@@ -104,7 +104,14 @@ class Transformer(nn.Module):
         self.has_embedding = self.first_layer == 0
         self.has_head = self.first_layer + self.layer_count == spec.num_layers
         hidden, vocab = spec.hidden_size, spec.vocab_size
-        self.embed_tokens = nn.Embedding(vocab, hidden, dtype=dtype) if self.has_embedding else None
+        # Given its weight, nn.Embedding skips its random initialisation, which on the meta
+        # device goes through torch._refs and imports torch._dynamo (over a second of a
+        # worker's start-up on a small machine); the loader fills the weight in anyway.
+        self.embed_tokens = (
+            nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden, dtype=dtype))
+            if self.has_embedding
+            else None
+        )
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(self.layer_count))
         # Set by Engine(time_layers=True) (profiling workers); None costs nothing.
         self.layer_clock: LayerClock | None = None
