@@ -149,7 +149,7 @@ def register_and_profile(settings, models_stub, hidden: int) -> dict[str, model_
 
 
 def measure_full_models(
-    settings, deploy_stub, timed_runs: int
+    settings, deploy_stub, timed_runs: int, pass_index: int = 0
 ) -> list[model_pb.ProfileMeasurement]:
     cluster = deploy_stub.GetClusterState(deploy_pb.GetClusterStateRequest())
     node = next(n for n in cluster.nodes if n.alive)
@@ -161,7 +161,7 @@ def measure_full_models(
     ordered = []
     for i in range(0, len(points), len(LAYOUTS)):
         group = points[i : i + len(LAYOUTS)]
-        k = (i // len(LAYOUTS)) % len(LAYOUTS)
+        k = (i // len(LAYOUTS) + pass_index) % len(LAYOUTS)
         ordered += group[k:] + group[:k]
     rows = []
     for n, (model_id, variant, (tp, pp)) in enumerate(ordered, 1):
@@ -199,10 +199,72 @@ def measure_full_models(
                 )
             )
         log(
-            f"full model {n}/{len(ordered)}: {model_id} {variant.name} tp={tp} pp={pp} "
+            f"full model {n}/{len(ordered)} (pass {pass_index + 1}): {model_id} {variant.name} "
+            f"tp={tp} pp={pp} "
             f"({time.perf_counter() - started:.1f} s)"
         )
     return rows
+
+
+ROWS_PER_MODEL = len(VARIANTS) * len(LAYOUTS) * len(OUTPUT_TOKENS)
+
+
+def _points(rows) -> dict[tuple, model_pb.ProfileMeasurement]:
+    """A pass's rows by (model index, variant, tp, pp, output tokens). Rows carry no model
+    id; every pass lists the models in ARCHS order, ROWS_PER_MODEL rows each."""
+    return {
+        (
+            i // ROWS_PER_MODEL,
+            r.variant_name,
+            r.config.tensor_parallel,
+            r.config.pipeline_parallel,
+            r.output_tokens,
+        ): r
+        for i, r in enumerate(rows)
+    }
+
+
+def combine_passes(passes) -> list[model_pb.ProfileMeasurement]:
+    """One row per point, in the first pass's order: the median over the passes of every
+    timing, and of each rank's peak memory."""
+    indexed = [_points(rows) for rows in passes]
+    combined = []
+    for point, first in indexed[0].items():
+        same = [p[point] for p in indexed]
+        row = model_pb.ProfileMeasurement()
+        row.CopyFrom(first)
+        for field in ("ttft_ms", "tpot_ms", "latency_ms", "ttft_layer_ms", "tpot_layer_ms"):
+            setattr(row, field, statistics.median(getattr(r, field) for r in same))
+        del row.peak_memory_bytes_per_rank[:]
+        row.peak_memory_bytes_per_rank.extend(
+            int(statistics.median(ranks))
+            for ranks in zip(*(r.peak_memory_bytes_per_rank for r in same), strict=True)
+        )
+        combined.append(row)
+    return combined
+
+
+def print_repeatability(passes) -> None:
+    """How far the same full-model job, measured in two passes minutes apart, disagrees
+    with itself: the floor under any estimate's error against one measurement."""
+    if len(passes) < 2:
+        return
+    a, b = _points(passes[0]), _points(passes[1])
+    print(
+        "\nRepeatability: every full-model job measured again in pass 2 (batch 1, 16 output "
+        "tokens), |pass 2 / pass 1 - 1| (median / p90 %)"
+    )
+    metrics = {
+        "latency": lambda r: r.latency_ms,
+        "TTFT": lambda r: r.ttft_ms,
+        "TPOT": lambda r: r.tpot_ms,
+        "memory": lambda r: sum(r.peak_memory_bytes_per_rank),
+    }
+    cells = []
+    for name, value in metrics.items():
+        ape = [100.0 * abs(value(b[k]) / value(a[k]) - 1.0) for k in a if k[-1] == EVAL_OUTPUT]
+        cells.append(f"{name} {np.median(ape):.1f} / {np.percentile(ape, 90):.1f}")
+    print("  " + ", ".join(cells))
 
 
 # ---- estimates -----------------------------------------------------------------------------
@@ -348,6 +410,13 @@ def main() -> int:
     parser.add_argument(
         "--profile-timed-runs", type=int, default=5, help="fingerprint timed runs (default 5)"
     )
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=2,
+        help="times every full model is measured, in separate passes (default 2): the truth "
+        "is the median over passes, and the passes' disagreement is printed",
+    )
     parser.add_argument("--write-calibration", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -376,8 +445,10 @@ def main() -> int:
                 k: json_format.ParseDict(v, model_pb.GetProfileResponse())
                 for k, v in raw["profiles"].items()
             }
-            full_rows = [
-                json_format.ParseDict(r, model_pb.ProfileMeasurement()) for r in raw["full"]
+            # Files saved before --passes hold one pass under "full".
+            full_passes = [
+                [json_format.ParseDict(r, model_pb.ProfileMeasurement()) for r in rows]
+                for rows in raw.get("full_passes", [raw.get("full", [])])
             ]
 
             async def put_models(store):
@@ -395,7 +466,10 @@ def main() -> int:
                 m: models_stub.GetProfile(model_pb.GetProfileRequest(model_id=m)) for m in ARCHS
             }
             t0 = time.perf_counter()
-            full_rows = measure_full_models(settings, deploy_stub, args.timed_runs)
+            full_passes = [
+                measure_full_models(settings, deploy_stub, args.timed_runs, n)
+                for n in range(args.passes)
+            ]
             measure_s = time.perf_counter() - t0
             if args.save:
                 args.save.write_text(
@@ -405,20 +479,22 @@ def main() -> int:
                             "profiles": {
                                 k: json_format.MessageToDict(v) for k, v in fingerprints.items()
                             },
-                            "full": [json_format.MessageToDict(r) for r in full_rows],
+                            "full_passes": [
+                                [json_format.MessageToDict(r) for r in rows] for rows in full_passes
+                            ],
                             "profile_s": profile_s,
                             "measure_s": measure_s,
                         }
                     )
                 )
+        full_rows = combine_passes(full_passes)
         hardware = {r.hardware_type for r in full_rows}
         assert hardware == {HARDWARE}, hardware
         full_by_model = {m: [] for m in ARCHS}
         measured = {}
         # Full-model rows carry no model id: keep them grouped by order.
-        per_model = len(VARIANTS) * len(LAYOUTS) * len(OUTPUT_TOKENS)
         for i, model_id in enumerate(ARCHS):
-            full_by_model[model_id] = full_rows[i * per_model : (i + 1) * per_model]
+            full_by_model[model_id] = full_rows[i * ROWS_PER_MODEL : (i + 1) * ROWS_PER_MODEL]
             for r in full_by_model[model_id]:
                 if r.output_tokens == EVAL_OUTPUT:
                     key = (
@@ -480,7 +556,8 @@ def main() -> int:
     print(
         f"full models: RunProfilingJob at (1,1), (2,1), (1,2), batch 1, prompt {INPUT_TOKENS}, "
         f"outputs {OUTPUT_TOKENS}, 1 warm-up + {args.timed_runs} timed runs (medians), "
-        f"{measure_s:.0f} s; (2,2) skipped: needs 4 devices, this node has 2"
+        f"{len(full_passes)} pass(es), the median over passes compared; {measure_s:.0f} s; "
+        "(2,2) skipped: needs 4 devices, this node has 2"
     )
     print(
         f"compared: batch 1, prompt {INPUT_TOKENS}, {EVAL_OUTPUT} output tokens; memory = "
@@ -498,6 +575,7 @@ def main() -> int:
         loao,
     )
     print_table("Calibrated on all three (in-sample, reference only)", errors(est_all, measured))
+    print_repeatability(full_passes)
     print_points(est_loao, measured)
     print_layer_clocks(fingerprints, full_by_model)
     print("\nCalibrations per fold (TPOT alpha,beta,gamma,delta | scales ttft/tpot | fit %):")
