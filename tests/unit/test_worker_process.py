@@ -353,3 +353,21 @@ def test_a_worker_whose_agent_died_stops_by_itself(tmp_path, checkpoint):
         worker.kill()
         raise AssertionError("the orphaned worker kept running") from None
     assert (tmp_path / "ready.json").exists()  # it did start, and then noticed
+
+
+def test_loading_a_model_imports_no_compiler_machinery(checkpoint, tmp_path):
+    # torch._dynamo and sympy are over 1.5 s of a worker's start-up on a small machine;
+    # building the model on the meta device and allocating it must not pull them in.
+    script = (
+        "import sys\n"
+        "from monitor_agent.worker import process\n"
+        f"args = process.parse_args(['--deployment-id', 'd', '--checkpoint', {str(checkpoint)!r},\n"
+        f"                           '--ready-file', {str(tmp_path / 'ready.json')!r}])\n"
+        "engine = process.load_engine(args, [], None)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
