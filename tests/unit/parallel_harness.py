@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -99,4 +100,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # As the worker does (monitor_agent/worker/__main__.py): leave without the interpreter's
+    # teardown, where destroying torch.distributed's gloo threads can abort the process
+    # ("terminate called without an active exception") after every result is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
