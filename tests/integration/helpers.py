@@ -108,3 +108,17 @@ def live_devices(stack) -> list[common.DeviceState]:
     return sorted(
         (d for n in state.nodes if n.alive for d in n.devices), key=lambda d: d.ref.device_id
     )
+
+
+def settled_devices(stack, timeout_s: float = 15.0) -> list[common.DeviceState]:
+    """``live_devices`` once every device's state was published after this call, so its
+    measured use no longer counts workers that an earlier test has just stopped."""
+    since_ms = int(time.time() * 1000)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        devices = live_devices(stack)
+        if all(d.updated_at_unix_ms > since_ms for d in devices):
+            return devices
+        if time.monotonic() > deadline:
+            raise AssertionError(f"device states not republished within {timeout_s} s")
+        time.sleep(0.1)

@@ -23,6 +23,7 @@ from tests.integration.helpers import (
     register,
     reserved_by_device,
     rid,
+    settled_devices,
     wait_for,
     with_store,
 )
@@ -53,7 +54,7 @@ def test_concurrent_deploys_never_oversubscribe(stack, small_model):
     # Leave room for three deployments across the devices, whatever the session's other
     # deployments already hold.
     filler, wanted = {}, 3
-    for dev in sorted(live_devices(stack), key=lambda d: -d.free_bytes):
+    for dev in sorted(settled_devices(stack), key=lambda d: -d.free_bytes):
         take = min(dev.free_bytes // need, wanted)
         wanted -= take
         keep = take * need + need // 2

@@ -26,6 +26,7 @@ from tests.integration.helpers import (
     register,
     reserved_by_device,
     rid,
+    settled_devices,
     with_store,
 )
 
@@ -170,7 +171,9 @@ def test_fragmented_devices_get_an_uneven_layer_map_that_serves(stack):
         tensor_parallel=1, pipeline_parallel=2, dtype=common.PRECISION_FLOAT32, batch_size=1
     )
     fixed, block = memory_blocks(model, config, MAX_INPUT + MAX_OUTPUT)
-    devices = sorted(live_devices(stack), key=lambda d: d.ref.device_id)[:2]
+    # Sized from a state published after the previous test's workers stopped: a stale
+    # reading of their memory would leave more room than intended once it is republished.
+    devices = sorted(settled_devices(stack), key=lambda d: d.ref.device_id)[:2]
     # The first device keeps room for one and a half layers, the second for plenty.
     room = [fixed + block * 3 // 2, fixed + block * 10]
     filler = {

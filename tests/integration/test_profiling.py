@@ -17,7 +17,14 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.models.checkpoint import build_tokenizer
-from tests.integration.helpers import TINY, make_checkpoint, reserved_by_device, rid, wait_for
+from tests.integration.helpers import (
+    TINY,
+    make_checkpoint,
+    reserved_by_device,
+    rid,
+    settled_devices,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -171,11 +178,10 @@ def test_deleting_a_model_stops_its_profiling(stack):
 
 def test_profiling_without_room_fails_and_holds_nothing(stack):
     path = make_checkpoint(stack, "prof-noroom", **TINY)
-    cluster = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
+    # Sized from a state published after earlier jobs' workers stopped (see settled_devices).
     hog = {
         (d.ref.node_id, d.ref.device_id): max(0, d.free_bytes - 64 * MIB)
-        for n in cluster.nodes
-        for d in n.devices
+        for d in settled_devices(stack)
     }
 
     async def reserve(release: bool):
