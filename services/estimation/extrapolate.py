@@ -344,10 +344,10 @@ def _solve_pooled(
     for (variant, layout), layout_samples in samples.items():
         tp = layout[0]
         for s in layout_samples:
-            row: dict[int, float] = {}
-            known = 0.0
             if s.phase in LAYER_PHASES:
                 continue  # see _clock_terms
+            row: dict[int, float] = {}
+            known = 0.0
             tpot_weight = {"end_to_end": float(s.output_tokens), "tpot": 1.0, "ttft": 0.0}[s.phase]
             per_layer = None if fixed is None else fixed.per_layer_s(variant, tp, s.prompt)
             if tpot_weight:
