@@ -6,7 +6,10 @@ given, one thread each unless a layout says otherwise), streams ``--tokens`` gre
 tokens ``--repeats`` times through rank 0's WorkerService after one warm-up request and
 prints the median of the worker's own TPOT (mean time between tokens after the first).
 Layouts: tp=1 on one core, tp=1 on two cores (intra-op threads), tp=2 and pp=2 on two
-cores. On a machine shared with other work the figures move; compare within one run.
+cores. Layouts of more than one rank run once per ``--collectives`` transport (the step's
+messages over shared memory, the default, or over gloo's TCP; ``ISERVE_CPU_COLLECTIVES``,
+see monitor_agent/engine/shm_collectives.py), and the bench prints the ratio between the
+two. On a machine shared with other work the figures move; compare within one run.
 
     .venv/bin/python bench/parallel_tpot.py --hidden 1024 --layers 8 --tokens 48
 """
@@ -43,7 +46,9 @@ LAYOUTS = {
 }
 
 
-def start(checkpoint: Path, layers: int, tp: int, pp: int, cores: list[str], run: Path):
+def start(
+    checkpoint: Path, layers: int, tp: int, pp: int, cores: list[str], run: Path, transport: str
+):
     world = tp * pp
     rendezvous = f"127.0.0.1:{free_port()}"
     per_stage = layers // pp
@@ -62,7 +67,11 @@ def start(checkpoint: Path, layers: int, tp: int, pp: int, cores: list[str], run
             argv += ["--rendezvous", rendezvous]
         if pp > 1:
             argv += ["--first-layer", str(stage * per_stage), "--layer-count", str(per_stage)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(len(cores[rank].split(",")))}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(len(cores[rank].split(","))),
+            "ISERVE_CPU_COLLECTIVES": transport,
+        }
         procs.append(subprocess.Popen(argv, env=env, cwd=PROJECT_ROOT))
     deadline = time.monotonic() + 180
     while not all((run / f"ready-{r}.json").exists() for r in range(world)):
@@ -96,6 +105,13 @@ def main() -> int:
     parser.add_argument(
         "--layouts", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS), metavar="LAYOUT"
     )
+    parser.add_argument(
+        "--collectives",
+        nargs="+",
+        choices=("shm", "gloo"),
+        default=["shm", "gloo"],
+        help="transports for layouts of several ranks (default: both, compared)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = create_checkpoint(
@@ -111,18 +127,26 @@ def main() -> int:
         )
         for name in args.layouts:
             tp, pp, cores = LAYOUTS[name]
-            run = Path(tmp) / name.replace(" ", "_")
-            run.mkdir()
-            procs, address = start(checkpoint, args.layers, tp, pp, cores, run)
-            try:
-                tpot_ms(address, 4)  # warm-up
-                samples = [tpot_ms(address, args.tokens) for _ in range(args.repeats)]
-            finally:
-                for proc in procs:
-                    proc.terminate()
-                for proc in procs:
-                    proc.wait(30)
-            print(f"{name:>14}: TPOT {statistics.median(samples):7.2f} ms  (samples {samples})")
+            medians = {}
+            for transport in args.collectives if tp * pp > 1 else ["-"]:
+                run = Path(tmp) / f"{name.replace(' ', '_')}-{transport}"
+                run.mkdir()
+                procs, address = start(checkpoint, args.layers, tp, pp, cores, run, transport)
+                try:
+                    tpot_ms(address, 4)  # warm-up
+                    samples = [tpot_ms(address, args.tokens) for _ in range(args.repeats)]
+                finally:
+                    for proc in procs:
+                        proc.terminate()
+                    for proc in procs:
+                        proc.wait(30)
+                medians[transport] = statistics.median(samples)
+                label = name if transport == "-" else f"{name} ({transport})"
+                rounded = [round(x, 2) for x in samples]
+                print(f"{label:>20}: TPOT {medians[transport]:7.2f} ms  (samples {rounded})")
+            if "shm" in medians and "gloo" in medians:
+                ratio = medians["gloo"] / medians["shm"]
+                print(f"{name:>20}: gloo / shared memory {ratio:.2f}x")
     return 0
 
 

@@ -21,9 +21,15 @@ One step (``DistributedModel.forward`` on rank 0, the same step in every followe
    which returns them to the batch core for sampling. With one stage, rank 0 computed
    them itself (the LM head is replicated).
 
+Transport. On CUDA these messages go through NCCL. CPU ranks of one host send them
+through shared memory (:mod:`monitor_agent.engine.shm_collectives`: gloo's wake-ups made
+tp = 2 slower than one core on a virtual machine); the gloo group still forms the group,
+checks the layer map and carries them where shared memory cannot be used.
+
 Failures. Any error inside a step leaves the ranks out of step, so the group is lost for
-good: a peer that dies is reported by gloo at once ("connection closed by peer"), one that
-hangs when a collective passes ``timeout_s``. Rank 0 then raises :class:`GroupLost` for
+good: a peer that dies is reported at once ("connection closed by peer" from gloo, "exited"
+from the shared-memory transport, which watches its peers' processes), one that hangs when
+a collective passes ``timeout_s``. Rank 0 then raises :class:`GroupLost` for
 that step and every later one and calls ``on_lost`` (the worker exits), a follower's loop
 raises it. While idle, rank 0 broadcasts a KEEPALIVE header every ``keepalive_s`` (10 s, or a third
 of the timeout if that is shorter), so that followers waiting for the next step can keep
@@ -44,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from monitor_agent.engine.model import Transformer
+from monitor_agent.engine.shm_collectives import SharedGroup, open_shared_group
 from monitor_agent.engine.tensor_parallel import TensorShard
 
 __all__ = [
@@ -126,11 +133,35 @@ class ParallelContext:
     tensor_group: dist.ProcessGroup | None = None
     # How long a collective waits for its peers before the group is given up.
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # The messages of a step over shared memory (CPU ranks of one host); None: over the
+    # process group (gloo or NCCL).
+    shared: SharedGroup | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over this stage's tensor-parallel ranks, in place."""
+        if self.shared is not None:
+            return self.shared.all_reduce(x, self.layout.stage_ranks(self.layout.stage))
         dist.all_reduce(x, group=self.tensor_group)
         return x
+
+    def broadcast(self, x: torch.Tensor) -> None:
+        """Rank 0's ``x`` to every rank (in place on the others)."""
+        if self.shared is not None:
+            self.shared.broadcast(x, 0, range(self.layout.world_size))
+        else:
+            dist.broadcast(x, src=0)
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        if self.shared is not None:
+            self.shared.send(x, dst)
+        else:
+            dist.send(x, dst=dst)
+
+    def recv(self, x: torch.Tensor, src: int) -> None:
+        if self.shared is not None:
+            self.shared.recv(x, src)
+        else:
+            dist.recv(x, src=src)
 
     def load_kwargs(self) -> dict:
         """The ``load_model`` arguments that build this rank's stage and shard."""
@@ -180,7 +211,16 @@ def init_parallel(
             dist.new_group(layout.stage_ranks(stage)) for stage in range(layout.pipeline_parallel)
         ]
         tensor_group = groups[layout.stage]
-    return ParallelContext(layout, device, first_layer, layer_count, tensor_group, timeout_s)
+    shared = (
+        None
+        if cuda or layout.world_size == 1
+        else open_shared_group(
+            layout.rank, layout.tensor_parallel, layout.pipeline_parallel, timeout_s
+        )
+    )
+    return ParallelContext(
+        layout, device, first_layer, layer_count, tensor_group, timeout_s, shared
+    )
 
 
 def check_layer_map(stage: Transformer, layout: ParallelLayout) -> None:
@@ -266,7 +306,7 @@ class DistributedModel(nn.Module):
             try:
                 self._send_header(STEP, rows, tokens, last_token_only)
                 batch = torch.cat((inputs.reshape(-1), positions.reshape(-1), slots.reshape(-1)))
-                dist.broadcast(batch.to(self.context.device), src=0)
+                self.context.broadcast(batch.to(self.context.device))
                 logits = self._run(inputs, positions, slots, last_token_only)
             except Exception as exc:
                 raise self._lose(exc) from exc
@@ -309,7 +349,7 @@ class DistributedModel(nn.Module):
         header = torch.tensor(
             [op, rows, tokens, int(last_token_only)], dtype=torch.long, device=self.context.device
         )
-        dist.broadcast(header, src=0)
+        self.context.broadcast(header)
         self._last_sent = time.monotonic()
 
     def _lose(self, exc: BaseException) -> GroupLost:
@@ -329,7 +369,7 @@ class DistributedModel(nn.Module):
         with torch.inference_mode():
             while True:
                 try:
-                    dist.broadcast(header, src=0)
+                    self.context.broadcast(header)
                     op, rows, tokens, last_token_only = header.tolist()
                     if op == STOP:
                         return
@@ -337,7 +377,7 @@ class DistributedModel(nn.Module):
                         continue
                     cells = rows * tokens
                     batch = torch.empty(2 * cells + rows, dtype=torch.long, device=device)
-                    dist.broadcast(batch, src=0)
+                    self.context.broadcast(batch)
                     self._run(
                         batch[:cells].view(rows, tokens),
                         batch[cells : 2 * cells].view(rows, tokens),
@@ -365,11 +405,11 @@ class DistributedModel(nn.Module):
             x = input_ids
         else:
             x = torch.empty(rows, tokens, self.spec.hidden_size, dtype=dtype, device=device)
-            dist.recv(x, src=layout.rank_of(layout.stage - 1, layout.tensor_rank))
+            self.context.recv(x, layout.rank_of(layout.stage - 1, layout.tensor_rank))
         out = stage(x, positions, slots, last_token_only=last_token_only)
         if not stage.has_head:
-            dist.send(
-                out.to(dtype).contiguous(), dst=layout.rank_of(layout.stage + 1, layout.tensor_rank)
+            self.context.send(
+                out.to(dtype).contiguous(), layout.rank_of(layout.stage + 1, layout.tensor_rank)
             )
             if not layout.is_driver:
                 return None
@@ -380,8 +420,8 @@ class DistributedModel(nn.Module):
                 dtype=dtype,
                 device=device,
             )
-            dist.recv(logits, src=layout.rank_of(layout.pipeline_parallel - 1, 0))
+            self.context.recv(logits, layout.rank_of(layout.pipeline_parallel - 1, 0))
             return logits
         if layout.tensor_rank == 0 and not layout.is_driver:
-            dist.send(out.to(dtype).contiguous(), dst=0)
+            self.context.send(out.to(dtype).contiguous(), 0)
         return out if layout.is_driver else None
