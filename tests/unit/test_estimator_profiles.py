@@ -222,3 +222,42 @@ def test_noise_never_makes_the_full_model_faster_than_its_fingerprints():
     )
     # Raised to what the largest fingerprint (2 layers) measured.
     assert refs.prompts[0].profiles[0].batch1.ttft_s[0] == pytest.approx(5e-3)
+
+
+def test_a_prefills_cold_first_layer_is_paid_once_not_per_layer():
+    """The layer clock's prefill layers but the first (``ttft_rest_layer_ms``) set the
+    per-layer prefill cost; the first layer's cold-cache surcharge stays a fixed cost, so
+    a 1- and 2-layer fingerprint do not spread it over every layer of the model."""
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    cold = 0.002  # what a prefill's first layer takes beyond the others
+
+    def rows(with_rest: bool) -> list[model_pb.ProfileMeasurement]:
+        out = profiler_rows("", common.WEIGHT_QUANT_NONE)
+        for m in out:
+            tp, pp = m.config.tensor_parallel, m.config.pipeline_parallel
+            f_layer, _, p_layer, _ = TRUTH[(tp, pp)]
+            m.ttft_ms += 1e3 * cold
+            rank0 = (m.num_layers + pp - 1) // pp  # layers of stage 0
+            m.ttft_layer_ms = 1e3 * (cold + rank0 * f_layer) / rank0
+            m.tpot_layer_ms = 1e3 * p_layer
+            if with_rest and rank0 > 1:
+                m.ttft_rest_layer_ms = 1e3 * f_layer
+        return out
+
+    def ttft_s(with_rest: bool) -> dict:
+        data = rows(with_rest)
+        refs = extrapolation.model_references(
+            shape,
+            profiles.estimation_variants(model, data),
+            [profiles.sample_from_measurement(m) for m in data],
+        )
+        return dict(zip(refs.layouts, refs.prompts[0].profiles[0].batch1.ttft_s, strict=True))
+
+    warm = ttft_s(with_rest=True)
+    for layout in ((1, 1), (2, 1)):
+        f_layer, f_other = TRUTH[layout][:2]
+        assert warm[layout] == pytest.approx(8 * f_layer + f_other + cold)
+    # Without the split, the average over 1-2 layers puts the surcharge on every layer.
+    spread = ttft_s(with_rest=False)
+    assert spread[(1, 1)] > warm[(1, 1)] + 4 * cold
