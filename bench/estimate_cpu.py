@@ -194,7 +194,6 @@ def measure_full_models(
                     peak_memory_bytes_per_rank=run.peak_memory_bytes_per_rank,
                     ttft_layer_ms=run.ttft_layer_ms,
                     tpot_layer_ms=run.tpot_layer_ms,
-                    ttft_rest_layer_ms=run.ttft_rest_layer_ms,
                     repetitions=timed_runs,
                     hardware_type=hardware,
                 )
@@ -234,14 +233,7 @@ def combine_passes(passes) -> list[model_pb.ProfileMeasurement]:
         same = [p[point] for p in indexed]
         row = model_pb.ProfileMeasurement()
         row.CopyFrom(first)
-        for field in (
-            "ttft_ms",
-            "tpot_ms",
-            "latency_ms",
-            "ttft_layer_ms",
-            "tpot_layer_ms",
-            "ttft_rest_layer_ms",
-        ):
+        for field in ("ttft_ms", "tpot_ms", "latency_ms", "ttft_layer_ms", "tpot_layer_ms"):
             setattr(row, field, statistics.median(getattr(r, field) for r in same))
         del row.peak_memory_bytes_per_rank[:]
         row.peak_memory_bytes_per_rank.extend(

@@ -282,7 +282,6 @@ class Profiler:
                     peak_memory_bytes_per_rank=run.peak_memory_bytes_per_rank,
                     ttft_layer_ms=run.ttft_layer_ms,
                     tpot_layer_ms=run.tpot_layer_ms,
-                    ttft_rest_layer_ms=run.ttft_rest_layer_ms,
                     repetitions=self.profiling.timed_runs,
                     hardware_type=hardware,
                 )

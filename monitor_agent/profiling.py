@@ -131,15 +131,12 @@ def stream_timing(started: float, token_times: list[float], ended: float) -> Str
 
 @dataclass(frozen=True)
 class LayerCounters:
-    """A worker's layer clock as ``GetWorkerStats`` reports it (seconds, layer passes;
-    the prefills' first layers also apart)."""
+    """A worker's layer clock as ``GetWorkerStats`` reports it (seconds, layer passes)."""
 
     prefill_seconds: float = 0.0
     prefill_passes: int = 0
     decode_seconds: float = 0.0
     decode_passes: int = 0
-    prefill_first_seconds: float = 0.0
-    prefill_forwards: int = 0
 
     @classmethod
     def of(cls, stats: worker_pb.GetWorkerStatsResponse) -> LayerCounters:
@@ -148,69 +145,49 @@ class LayerCounters:
             stats.prefill_layer_passes,
             stats.decode_layer_seconds,
             stats.decode_layer_passes,
-            stats.prefill_first_layer_seconds,
-            stats.prefill_forwards,
         )
 
-    def layer_ms_since(self, before: LayerCounters) -> LayerTimes:
-        """Milliseconds per layer pass between ``before`` and this reading; 0 for a
-        phase without passes."""
+    def layer_ms_since(self, before: LayerCounters) -> tuple[float, float]:
+        """(prefill, decode) milliseconds per layer pass between ``before`` and this
+        reading; 0 for a phase without passes."""
 
         def per_pass(seconds: float, passes: int) -> float:
             return seconds * 1e3 / passes if passes > 0 else 0.0
 
-        prefill_seconds = self.prefill_seconds - before.prefill_seconds
-        prefill_passes = self.prefill_passes - before.prefill_passes
-        return LayerTimes(
-            prefill_ms=per_pass(prefill_seconds, prefill_passes),
-            decode_ms=per_pass(
+        return (
+            per_pass(
+                self.prefill_seconds - before.prefill_seconds,
+                self.prefill_passes - before.prefill_passes,
+            ),
+            per_pass(
                 self.decode_seconds - before.decode_seconds,
                 self.decode_passes - before.decode_passes,
             ),
-            prefill_rest_ms=per_pass(
-                prefill_seconds - (self.prefill_first_seconds - before.prefill_first_seconds),
-                prefill_passes - (self.prefill_forwards - before.prefill_forwards),
-            ),
         )
-
-
-@dataclass(frozen=True)
-class LayerTimes:
-    """One timed run's layer clock on rank 0: a prefill layer, a decode layer, and a
-    prefill layer other than each prefill's first (0 when rank 0 holds one layer)."""
-
-    prefill_ms: float
-    decode_ms: float
-    prefill_rest_ms: float = 0.0
 
 
 def summarise(
     output_tokens: int,
     runs: list[list[StreamTiming]],
     peaks: list[int],
-    layer_ms: list[LayerTimes] | None = None,
+    layer_ms: list[tuple[float, float]] | None = None,
 ) -> agent_pb.ProfiledRun:
     """Medians over timed ``runs`` (each the streams of one batch) at one output length;
-    ``layer_ms`` holds each run's layer times on rank 0."""
+    ``layer_ms`` holds each run's (prefill, decode) time per layer on rank 0."""
     if not runs or not all(runs):
         raise ValueError("every run needs at least one stream")
     ttft = [statistics.fmean(s.ttft_ms for s in run) for run in runs]
     tpot = [statistics.fmean(s.tpot_ms for s in run) for run in runs]
     latency = [max(s.latency_ms for s in run) for run in runs]
     layer_ms = layer_ms or []
-
-    def median_of(values: list[float]) -> float:
-        return statistics.median(values) if values else 0.0
-
     return agent_pb.ProfiledRun(
         output_tokens=output_tokens,
         ttft_ms=statistics.median(ttft),
         tpot_ms=statistics.median(tpot),
         latency_ms=statistics.median(latency),
         peak_memory_bytes_per_rank=peaks,
-        ttft_layer_ms=median_of([t.prefill_ms for t in layer_ms]),
-        tpot_layer_ms=median_of([t.decode_ms for t in layer_ms]),
-        ttft_rest_layer_ms=median_of([t.prefill_rest_ms for t in layer_ms]),
+        ttft_layer_ms=statistics.median(p for p, _ in layer_ms) if layer_ms else 0.0,
+        tpot_layer_ms=statistics.median(d for _, d in layer_ms) if layer_ms else 0.0,
     )
 
 

@@ -63,27 +63,17 @@ class LayerClock:
     difference between two separately timed fingerprints. On CUDA the device is
     synchronised around the layers so that the clock sees their execution, not their
     launch.
-
-    A prefill's first layer is also timed on its own (``prefill_first_seconds`` over
-    ``prefill_forwards``): after an idle gap between requests it runs on cold caches and
-    takes 20-40 % longer than the next layers on this CPU, a cost paid once per prefill
-    that a 1- or 2-layer fingerprint's average would spread over every layer.
     """
 
     prefill_seconds: float = 0.0
     prefill_layer_passes: int = 0
     decode_seconds: float = 0.0
     decode_layer_passes: int = 0
-    prefill_first_seconds: float = 0.0
-    prefill_forwards: int = 0
 
-    def add(self, prefill: bool, seconds: float, layers: int, first_seconds: float = 0.0) -> None:
+    def add(self, prefill: bool, seconds: float, layers: int) -> None:
         if prefill:
             self.prefill_seconds += seconds
             self.prefill_layer_passes += layers
-            if layers:
-                self.prefill_first_seconds += first_seconds
-                self.prefill_forwards += 1
         else:
             self.decode_seconds += seconds
             self.decode_layer_passes += layers
@@ -186,16 +176,12 @@ class Transformer(nn.Module):
         else:
             x = inputs.reshape(batch * seq, -1)
         clock = self.layer_clock
-        if clock is None:
-            for layer in self.layers:
-                x = layer.forward(x, cos, sin, address, mask)
-        else:
-            started = first_done = _clock_now(x)
-            for index, layer in enumerate(self.layers):
-                x = layer.forward(x, cos, sin, address, mask)
-                if index == 0 and seq > 1:
-                    first_done = _clock_now(x)
-            clock.add(seq > 1, _clock_now(x) - started, len(self.layers), first_done - started)
+        if clock is not None:
+            started = _clock_now(x)
+        for layer in self.layers:
+            x = layer.forward(x, cos, sin, address, mask)
+        if clock is not None:
+            clock.add(seq > 1, _clock_now(x) - started, len(self.layers))
         if self.norm is None:
             return x.view(batch, seq, -1)
         if last_token_only:

@@ -153,8 +153,6 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
             active_requests=runner.active_requests,
             prefill_layer_seconds=clock.prefill_seconds,
             prefill_layer_passes=clock.prefill_layer_passes,
-            prefill_first_layer_seconds=clock.prefill_first_seconds,
-            prefill_forwards=clock.prefill_forwards,
             decode_layer_seconds=clock.decode_seconds,
             decode_layer_passes=clock.decode_layer_passes,
         )

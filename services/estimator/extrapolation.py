@@ -284,10 +284,9 @@ def model_references(
     ladder = _ladder_layouts(fingerprints) if use_tp_ladder else ()
     layouts = REFERENCE_LAYOUTS + ladder
     latency: dict[tuple[str, Layout], list[LatencySample]] = defaultdict(list)
-    warm_prefill = any(s.ttft_rest_layer_s > 0 for s in fingerprints)
     for s in fingerprints:
         if s.layout in layouts:
-            latency[(s.variant, s.layout)].extend(s.latency_samples(warm_prefill))
+            latency[(s.variant, s.layout)].extend(s.latency_samples())
     latency = {key: value for key, value in latency.items() if value}
     ladder_direct = all(s.direct_phases for s in fingerprints if s.layout in ladder)
     ladder_phases = ("ttft", "tpot") if ladder_direct else ("ttft",)

@@ -88,7 +88,6 @@ class Sample:
     full_model: bool
     ttft_layer_s: float = 0.0
     tpot_layer_s: float = 0.0
-    ttft_rest_layer_s: float = 0.0  # a prefill layer but the first (0: not measured)
 
     @property
     def layout(self) -> Layout:
@@ -108,31 +107,24 @@ class Sample:
         """TTFT and TPOT were measured from token timestamps."""
         return self.ttft_s > 0 and self.tpot_s > 0
 
-    def latency_samples(self, warm_prefill: bool = False) -> list[LatencySample]:
+    def latency_samples(self) -> list[LatencySample]:
         """What this run tells the layer fit: TTFT and TPOT when measured directly (with
         the layer clock's per-layer times when the run has them), else the end-to-end
-        latency (nothing when neither is usable).
-
-        ``warm_prefill`` (the profile's runs time a prefill's later layers apart): the
-        prefill layer sample is ``ttft_rest_layer_s``, and runs whose rank 0 held one
-        layer give none. The first layer's cold-cache cost is then left to the fixed
-        "other" term, paid once per prefill as it is."""
+        latency (nothing when neither is usable)."""
         if self.direct_phases:
             samples = [
                 LatencySample(self.layers, self.ttft_s, phase="ttft", prompt=self.prompt),
                 LatencySample(self.layers, self.tpot_s, phase="tpot", prompt=self.prompt),
             ]
             if self.ttft_layer_s > 0 and self.tpot_layer_s > 0:
-                prefill = self.ttft_rest_layer_s if warm_prefill else self.ttft_layer_s
-                if prefill > 0:
-                    samples.append(
-                        LatencySample(self.layers, prefill, phase="ttft_layer", prompt=self.prompt)
-                    )
-                samples.append(
+                samples += [
+                    LatencySample(
+                        self.layers, self.ttft_layer_s, phase="ttft_layer", prompt=self.prompt
+                    ),
                     LatencySample(
                         self.layers, self.tpot_layer_s, phase="tpot_layer", prompt=self.prompt
-                    )
-                )
+                    ),
+                ]
             return samples
         if self.latency_s > 0 and self.output_tokens >= 1:
             return [
@@ -177,7 +169,6 @@ def sample_from_measurement(m: model_pb.ProfileMeasurement) -> Sample:
         full_model=m.full_model,
         ttft_layer_s=m.ttft_layer_ms / 1e3,
         tpot_layer_s=m.tpot_layer_ms / 1e3,
-        ttft_rest_layer_s=m.ttft_rest_layer_ms / 1e3,
     )
 
 

@@ -13,7 +13,6 @@ import pytest
 from monitor_agent.devices import DeviceSpec
 from monitor_agent.profiling import (
     LayerCounters,
-    LayerTimes,
     ProfilingJobs,
     StreamTiming,
     check_job,
@@ -74,41 +73,20 @@ def test_summarise_takes_medians_of_batch_means():
     assert (run.output_tokens, run.ttft_ms, run.tpot_ms, run.latency_ms) == (16, 15, 3, 50)
     assert list(run.peak_memory_bytes_per_rank) == [100, 200]
     assert (run.ttft_layer_ms, run.tpot_layer_ms) == (0.0, 0.0)  # no layer clock read
-    clocked = summarise(
-        16,
-        runs,
-        [100],
-        [LayerTimes(4.0, 1.0, 3.5), LayerTimes(5.0, 0.9, 3.0), LayerTimes(40.0, 9.0, 30.0)],
-    )
+    clocked = summarise(16, runs, [100], [(4.0, 1.0), (5.0, 0.9), (40.0, 9.0)])
     assert (clocked.ttft_layer_ms, clocked.tpot_layer_ms) == (5.0, 1.0)
-    assert clocked.ttft_rest_layer_ms == 3.5
 
 
 def test_layer_counters_give_the_time_per_layer_pass_between_two_readings():
     before = LayerCounters(
-        prefill_seconds=1.0,
-        prefill_passes=10,
-        decode_seconds=2.0,
-        decode_passes=100,
-        prefill_first_seconds=0.5,
-        prefill_forwards=5,
+        prefill_seconds=1.0, prefill_passes=10, decode_seconds=2.0, decode_passes=100
     )
-    # Two prefills over 5 layers: 30 ms, of which the two first layers took 10 ms.
     after = LayerCounters(
-        prefill_seconds=1.03,
-        prefill_passes=20,
-        decode_seconds=2.05,
-        decode_passes=200,
-        prefill_first_seconds=0.51,
-        prefill_forwards=7,
+        prefill_seconds=1.03, prefill_passes=20, decode_seconds=2.05, decode_passes=200
     )
-    times = after.layer_ms_since(before)
-    assert times.prefill_ms == pytest.approx(3.0) and times.decode_ms == pytest.approx(0.5)
-    assert times.prefill_rest_ms == pytest.approx(20.0 / 8)
-    assert before.layer_ms_since(before) == LayerTimes(0.0, 0.0, 0.0)  # no passes
-    # One layer per prefill: nothing beyond the first layer to time.
-    single = LayerCounters(1.01, 11, 2.0, 100, 0.51, 6).layer_ms_since(before)
-    assert single.prefill_ms == pytest.approx(10.0) and single.prefill_rest_ms == 0.0
+    prefill_ms, decode_ms = after.layer_ms_since(before)
+    assert prefill_ms == pytest.approx(3.0) and decode_ms == pytest.approx(0.5)
+    assert before.layer_ms_since(before) == (0.0, 0.0)  # no passes: not measured
 
 
 def test_peak_resident_bytes_reads_vmhwm(tmp_path):
@@ -135,16 +113,9 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
     def __init__(self, first_s: float, gap_s: float, fail: bool = False):
         self.first_s, self.gap_s, self.fail = first_s, gap_s, fail
         self.requests: list[worker_pb.WorkerServiceGenerateRequest] = []
-        # A layer clock as a 2-layer model keeps it: 3 ms per layer in a prefill (4 ms
-        # the first, 2 ms the second), 0.5 ms per layer in a decode step.
-        self.clock = {
-            "prefill_s": 0.0,
-            "prefill": 0,
-            "decode_s": 0.0,
-            "decode": 0,
-            "first_s": 0.0,
-            "forwards": 0,
-        }
+        # A layer clock as a 2-layer model keeps it: 3 ms per layer in a prefill, 0.5 ms
+        # per layer in a decode step.
+        self.clock = {"prefill_s": 0.0, "prefill": 0, "decode_s": 0.0, "decode": 0}
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -153,8 +124,6 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
         await asyncio.sleep(self.first_s)
         self.clock["prefill_s"] += 2 * 0.003
         self.clock["prefill"] += 2
-        self.clock["first_s"] += 0.004
-        self.clock["forwards"] += 1
         for i in range(request.max_tokens):
             if i:
                 await asyncio.sleep(self.gap_s)
@@ -169,8 +138,6 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
             prefill_layer_passes=self.clock["prefill"],
             decode_layer_seconds=self.clock["decode_s"],
             decode_layer_passes=self.clock["decode"],
-            prefill_first_layer_seconds=self.clock["first_s"],
-            prefill_forwards=self.clock["forwards"],
         )
 
 
@@ -249,7 +216,6 @@ def test_a_job_times_its_streams_and_stops_its_workers(tmp_path):
         # The worker's layer clock, read around each timed run.
         assert run.ttft_layer_ms == pytest.approx(3.0)
         assert run.tpot_layer_ms == pytest.approx(0.5)
-        assert run.ttft_rest_layer_ms == pytest.approx(2.0)
     # 2 output lengths × (1 warm-up + 2 timed) runs × 2 concurrent streams.
     assert len(worker.requests) == 12
     first = worker.requests[0]

@@ -159,7 +159,7 @@ class RunProfilingJobResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[ProfiledRun, _Mapping]]] = ...) -> None: ...
 
 class ProfiledRun(_message.Message):
-    __slots__ = ("output_tokens", "ttft_ms", "tpot_ms", "latency_ms", "peak_memory_bytes_per_rank", "ttft_layer_ms", "tpot_layer_ms", "ttft_rest_layer_ms")
+    __slots__ = ("output_tokens", "ttft_ms", "tpot_ms", "latency_ms", "peak_memory_bytes_per_rank", "ttft_layer_ms", "tpot_layer_ms")
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -167,7 +167,6 @@ class ProfiledRun(_message.Message):
     PEAK_MEMORY_BYTES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     TTFT_LAYER_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_LAYER_MS_FIELD_NUMBER: _ClassVar[int]
-    TTFT_REST_LAYER_MS_FIELD_NUMBER: _ClassVar[int]
     output_tokens: int
     ttft_ms: float
     tpot_ms: float
@@ -175,5 +174,4 @@ class ProfiledRun(_message.Message):
     peak_memory_bytes_per_rank: _containers.RepeatedScalarFieldContainer[int]
     ttft_layer_ms: float
     tpot_layer_ms: float
-    ttft_rest_layer_ms: float
-    def __init__(self, output_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., ttft_layer_ms: _Optional[float] = ..., tpot_layer_ms: _Optional[float] = ..., ttft_rest_layer_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, output_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., ttft_layer_ms: _Optional[float] = ..., tpot_layer_ms: _Optional[float] = ...) -> None: ...

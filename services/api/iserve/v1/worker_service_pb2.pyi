@@ -76,7 +76,7 @@ class GetWorkerStatsRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class GetWorkerStatsResponse(_message.Message):
-    __slots__ = ("request_id", "deployment_id", "rank", "resident_bytes", "peak_memory_bytes", "requests_served", "tokens_generated", "busy_seconds", "active_requests", "prefill_layer_seconds", "prefill_layer_passes", "decode_layer_seconds", "decode_layer_passes", "prefill_first_layer_seconds", "prefill_forwards")
+    __slots__ = ("request_id", "deployment_id", "rank", "resident_bytes", "peak_memory_bytes", "requests_served", "tokens_generated", "busy_seconds", "active_requests", "prefill_layer_seconds", "prefill_layer_passes", "decode_layer_seconds", "decode_layer_passes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -90,8 +90,6 @@ class GetWorkerStatsResponse(_message.Message):
     PREFILL_LAYER_PASSES_FIELD_NUMBER: _ClassVar[int]
     DECODE_LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_LAYER_PASSES_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_FIRST_LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     deployment_id: str
     rank: int
@@ -105,6 +103,4 @@ class GetWorkerStatsResponse(_message.Message):
     prefill_layer_passes: int
     decode_layer_seconds: float
     decode_layer_passes: int
-    prefill_first_layer_seconds: float
-    prefill_forwards: int
-    def __init__(self, request_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., rank: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., requests_served: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., active_requests: _Optional[int] = ..., prefill_layer_seconds: _Optional[float] = ..., prefill_layer_passes: _Optional[int] = ..., decode_layer_seconds: _Optional[float] = ..., decode_layer_passes: _Optional[int] = ..., prefill_first_layer_seconds: _Optional[float] = ..., prefill_forwards: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., rank: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., requests_served: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., active_requests: _Optional[int] = ..., prefill_layer_seconds: _Optional[float] = ..., prefill_layer_passes: _Optional[int] = ..., decode_layer_seconds: _Optional[float] = ..., decode_layer_passes: _Optional[int] = ...) -> None: ...
