@@ -331,7 +331,9 @@ def _create(size: int, token: bytes) -> str | None:
         log.info("cannot create %s: %s", name, exc)
         return None
     try:
-        os.ftruncate(fd, size)
+        # Reserve the pages now: a full tmpfs (a container's 64 MiB /dev/shm) is then an
+        # error here, not a SIGBUS when a rank first touches a ring.
+        os.posix_fallocate(fd, 0, size)
         os.pwrite(fd, token, 0)
     except OSError as exc:
         log.info("cannot size %s: %s", name, exc)

@@ -124,3 +124,13 @@ def test_a_silent_peer_times_out(tmp_path) -> None:
     report = json.loads((tmp_path / "0.json").read_text())
     assert "timed out" in report["error"]
     assert 0.5 <= report["waited_s"] < 5
+
+
+def test_a_full_shm_filesystem_means_gloo_and_no_file_left(monkeypatch) -> None:
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm_collectives.os, "posix_fallocate", full)
+    before = set(glob.glob(f"/dev/shm/iserve-{os.getpid()}-*"))
+    assert shm_collectives._create(1 << 20, b"token") is None
+    assert set(glob.glob(f"/dev/shm/iserve-{os.getpid()}-*")) == before
