@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 PROMPTS = ([1, 17, 230, 5, 99], [1, 412, 8], [1, 77, 300, 2, 150, 61, 33])
 MAX_SEQ_LEN = 64
@@ -99,11 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
-    # As the worker does (monitor_agent/worker/__main__.py): leave without the interpreter's
-    # teardown, where destroying torch.distributed's gloo threads can abort the process
-    # ("terminate called without an active exception") after every result is written.
+def leave(code: int) -> NoReturn:
+    """Exit as the worker does (monitor_agent/worker/__main__.py): without the
+    interpreter's teardown, where destroying torch.distributed's gloo threads can abort
+    the process ("terminate called without an active exception") after every result is
+    written."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    leave(main())
