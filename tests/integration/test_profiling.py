@@ -123,8 +123,15 @@ def test_register_profiles_the_fingerprints(stack):
         assert m.variant_name == "base" and not m.full_model
         assert m.input_tokens == 64 and m.repetitions == 3 and m.hardware_type in hardware
         assert m.ttft_ms > 0 and m.tpot_ms > 0 and m.latency_ms > m.ttft_ms
-        # The workers' layer clock: one layer's time inside the run, below the step's.
-        assert 0 < m.tpot_layer_ms < m.tpot_ms and 0 < m.ttft_layer_ms < m.ttft_ms
+        # The workers' layer clock: one layer's time inside the run. Rank 0's layers fit
+        # inside the request: the prefill before the first token, every decode step before
+        # the last. (Not below the stream's TPOT: a tiny model's tokens can reach the agent
+        # in bursts, which makes the gaps between arrivals shorter than a step.)
+        assert m.ttft_layer_ms > 0 and m.tpot_layer_ms > 0
+        layers = m.stage_layers[0] if m.stage_layers else m.num_layers
+        assert layers * m.ttft_layer_ms < m.ttft_ms
+        decode_ms = layers * m.tpot_layer_ms * (m.output_tokens - 1)
+        assert layers * m.ttft_layer_ms + decode_ms < m.latency_ms
         ranks = m.config.tensor_parallel * m.config.pipeline_parallel
         assert len(m.peak_memory_bytes_per_rank) == ranks
         assert all(peak > 0 for peak in m.peak_memory_bytes_per_rank)
