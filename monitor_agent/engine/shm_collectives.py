@@ -205,12 +205,11 @@ class SharedGroup:
             for peer in peers:
                 ring = self._ring(peer, self.rank)
                 parts[peer] = self._take(ring, peer, mine.numel())[: mine.numel()].view(work.dtype)
-            ordered = [parts[r] for r in sorted(parts)]
-            if len(ordered) == 2:
-                # a + b == b + a exactly, so summing into this rank's part is rank order.
-                other = ordered[1] if ordered[0] is parts[self.rank] else ordered[0]
-                parts[self.rank].add_(other)
+            if len(peers) == 1:
+                # a + b == b + a exactly: adding into this rank's part is rank order.
+                parts[self.rank].add_(parts[peers[0]])
             else:
+                ordered = [parts[r] for r in sorted(parts)]
                 total = ordered[0].clone()
                 for part in ordered[1:]:
                     total.add_(part)

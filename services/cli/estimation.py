@@ -34,6 +34,11 @@ def _estimator(settings: Settings) -> estimator_service_pb2_grpc.EstimatorServic
     return estimator_service_pb2_grpc.EstimatorServiceStub(channel)
 
 
+def _models(settings: Settings) -> model_service_pb2_grpc.ModelServiceStub:
+    channel = grpc.insecure_channel(settings.address("model"), options=CHANNEL_OPTIONS)
+    return model_service_pb2_grpc.ModelServiceStub(channel)
+
+
 def _enum_name(enum, value: int, prefix: str) -> str:
     return enum.Name(value).removeprefix(prefix).lower()
 
@@ -43,8 +48,7 @@ def cmd_profile_import(settings: Settings, args) -> int:
         model_pb.ProfileFile(name=Path(path).name, content=Path(path).read_bytes())
         for path in args.files
     ]
-    channel = grpc.insecure_channel(settings.address("model"), options=CHANNEL_OPTIONS)
-    reply = model_service_pb2_grpc.ModelServiceStub(channel).ImportProfiles(
+    reply = _models(settings).ImportProfiles(
         model_pb.ImportProfilesRequest(
             request_id=_rid(),
             format=PROFILE_FORMATS[args.format],
@@ -209,8 +213,7 @@ def print_profile(profile: model_pb.GetProfileResponse) -> None:
 
 
 def cmd_profile_show(settings: Settings, args) -> int:
-    channel = grpc.insecure_channel(settings.address("model"), options=CHANNEL_OPTIONS)
-    profile = model_service_pb2_grpc.ModelServiceStub(channel).GetProfile(
+    profile = _models(settings).GetProfile(
         model_pb.GetProfileRequest(request_id=_rid(), model_id=args.model_id)
     )
     if args.json:
