@@ -51,11 +51,20 @@ class UpOptions:
     device_memory_gib: float | None = None
 
 
-def _port_in_use(address: str) -> bool:
+def port_in_use(address: str) -> bool:
+    """Whether something holds ``address`` ("host:port"), tested by binding it as a server
+    would (SO_REUSEADDR: a closed connection's TIME_WAIT does not count). Not by
+    connecting: the default ports lie in the kernel's ephemeral range, and a connect to
+    an unused one can pick that same port as its source and connect to itself, which
+    both reports the port busy and keeps it from the service for a minute."""
     host, _, port = address.rpartition(":")
     with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex((host or "127.0.0.1", int(port))) == 0
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host or "127.0.0.1", int(port)))
+        except OSError:
+            return True
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -81,7 +90,7 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         raise RuntimeError(
             f"a stack is already running from {settings.state_dir} (see `iserve status`, or `iserve down`)"
         )
-    busy = [f"{name} {addr}" for name, addr in settings.addresses.items() if _port_in_use(addr)]
+    busy = [f"{name} {addr}" for name, addr in settings.addresses.items() if port_in_use(addr)]
     if busy:
         raise RuntimeError(
             f"port(s) already in use: {', '.join(busy)}; set ISERVE_*_ADDR or stop what uses them"
