@@ -30,8 +30,9 @@ from monitor_agent.engine.compression import (
     apply_compression,
 )
 from monitor_agent.engine.distributed import DistributedModel, ParallelContext
+from monitor_agent.engine.kernel_checks import check_kernels
 from monitor_agent.engine.kv_cache import kv_cache_quantization
-from monitor_agent.engine.loader import load_model
+from monitor_agent.engine.loader import load_model, torch_dtype
 from monitor_agent.engine.memory import (
     MemoryAccount,
     parameter_and_buffer_bytes,
@@ -68,6 +69,8 @@ class Engine:
     weight_quant ("none", "int8", "int4"), pruning ("none", "2:4", "2:4-compact",
     "structured") and prune_fraction (structured only) compress every decoder layer while
     it loads (see :mod:`monitor_agent.engine.compression`); ValueError for other values.
+    The fused kernels these need are checked first (KernelCheckFailed, see
+    :mod:`monitor_agent.engine.kernel_checks`).
     """
 
     def __init__(
@@ -99,6 +102,9 @@ class Engine:
         tokenizer_path = directory / TOKENIZER_FILE
         if not tokenizer_path.is_file():
             raise InvalidCheckpoint(f"{TOKENIZER_FILE} is missing from {str(directory)!r}")
+        # Before any weight is read: a fused kernel that computes the wrong thing on this
+        # machine refuses the engine (KernelCheckFailed) instead of serving garbage.
+        check_kernels(weight_quant=weight_quant, device=device, dtype=torch_dtype(dtype))
         # One rank of a tensor/pipeline-parallel group holds its stage's shard, driven in
         # lock-step with the other ranks (see monitor_agent.engine.distributed).
         stage = {} if parallel is None else parallel.load_kwargs()

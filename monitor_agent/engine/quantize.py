@@ -24,10 +24,19 @@ took 30–100 ms per token, and ``torch._int_mm`` would need int8 activations
 int8 kernel crashes the process for an in_features not divisible by 16, the int4 kernel
 takes groups of 32..256) forward dequantizes the weight and uses ``F.linear``.
 
-The int4 bytes are laid out as the CPU kernel reads them: output rows in blocks of 64
-(the weight is padded with zero rows to a multiple of 64); within a block, for each input
-column k, byte j holds row j of the block in its low nibble and row j + 32 in its high
-nibble. :func:`pack_int4` and :func:`unpack_int4` convert exactly in both directions.
+The int4 bytes come in one of two layouts, chosen when a Linear is quantized:
+
+* ``"cpu-kernel"``: whatever ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` writes
+  for the kernel that will read it. That layout depends on the instruction set torch
+  dispatches to (rows in blocks of 64 on AVX-512, of 32 on AVX2 and plain builds), so
+  iserve never writes it by hand: torch packs, torch reads. Rows are padded with zeros to
+  a multiple of 16, which the conversion requires.
+* ``"plain"``: row-major, column 2j in the low nibble of byte j and column 2j+1 in the
+  high one. iserve's own format, read only by :meth:`Int4Linear.dequantize`; used where
+  the CPU kernel does not run.
+
+:mod:`monitor_agent.engine.kernel_checks` runs each kernel once on a random matrix at
+start-up and refuses to serve a quantization whose kernel disagrees with its reference.
 """
 
 from __future__ import annotations
@@ -38,29 +47,38 @@ from torch import nn
 
 __all__ = [
     "INT4_GROUP_SIZES",
+    "INT4_LAYOUTS",
     "Int4Linear",
     "Int8Linear",
     "int4_group_size",
-    "pack_int4",
+    "int4_layout_for",
+    "pack_int4_plain",
+    "quantize_int4_rows",
     "quantize_linears",
-    "unpack_int4",
+    "unpack_int4_plain",
 ]
 
 SCALE_DTYPE = torch.bfloat16
 _INT8_MAX = 127
 _INT4_LEVELS = 15
-_INT4_MID = 8  # the CPU kernel dequantizes as (q - 8) · scale + zero
-_ROW_BLOCK = 64  # rows per block of the int4 layout; half of them per nibble
-# Rows quantized at a time (a multiple of _ROW_BLOCK): bounds the float32 temporaries.
+INT4_MID = 8  # the CPU kernel dequantizes as (q - 8) · scale + zero
+# torch's CPU int4 conversion takes an output width divisible by 16.
+_KERNEL_ROW_MULTIPLE = 16
+# Rows quantized at a time: bounds the float32 temporaries. torch's CPU packing works on
+# row blocks of at most 64, so converting 256 rows at a time equals converting the whole
+# weight; kernel_checks verifies that on the running CPU with a weight of several chunks.
 _CHUNK_ROWS = 256
 # Group sizes the CPU int4 kernel takes; smaller groups (inputs not divisible by 32) run
 # on the dequantizing path.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _MIN_INT4_GROUP = 8
+INT4_LAYOUTS = ("cpu-kernel", "plain")
 
 _aten = torch.ops.aten
 _HAS_INT8_KERNEL = hasattr(_aten, "_weight_int8pack_mm")
-_HAS_INT4_KERNEL = hasattr(_aten, "_weight_int4pack_mm_for_cpu")
+_HAS_INT4_KERNEL = hasattr(_aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+    _aten, "_convert_weight_to_int4pack_for_cpu"
+)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -116,9 +134,10 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """``y = x · Wᵀ + bias`` with W [out, in] in 4-bit groups along the input dimension.
 
-    ``packed`` is uint8 [out rounded up to 64, in / 2] in the layout the module docstring
-    describes; ``scales_and_zeros`` is [in / group_size, out rounded up to 64, 2] with
-    W[n, k] = (q[n, k] − 8) · scale + zero for k's group (the CPU kernel's format).
+    ``packed`` is uint8 [rows, in / 2] in ``layout`` (see the module docstring; rows is
+    ``out`` rounded up to 16 for "cpu-kernel", ``out`` for "plain"); ``scales_and_zeros``
+    is [in / group_size, rows, 2] with W[n, k] = (q[n, k] − 8) · scale + zero for k's
+    group (the CPU kernel's format).
     """
 
     def __init__(
@@ -129,53 +148,92 @@ class Int4Linear(nn.Module):
         *,
         out_features: int,
         group_size: int,
+        layout: str,
     ) -> None:
         super().__init__()
+        if layout not in INT4_LAYOUTS:
+            raise ValueError(f"int4 layout must be one of {INT4_LAYOUTS}, got {layout!r}")
         self.out_features = out_features
         self.in_features = packed.shape[1] * 2
         self.group_size = group_size
+        self.layout = layout
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.register_buffer("bias", bias)
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> Int4Linear:
-        """Quantize ``linear``'s weight in groups of ``int4_group_size(in, group_size)``."""
+    def from_linear(
+        cls, linear: nn.Linear, group_size: int = 128, *, layout: str | None = None
+    ) -> Int4Linear:
+        """Quantize ``linear``'s weight in groups of ``int4_group_size(in, group_size)``,
+        packed in ``layout`` (default: :func:`int4_layout_for` the weight's device)."""
         weight = linear.weight.detach()
         out_features, in_features = weight.shape
         group = int4_group_size(in_features, group_size)
-        rows = _round_up(out_features, _ROW_BLOCK)
+        layout = layout or int4_layout_for(weight.device, group)
+        if layout == "cpu-kernel" and not (
+            _HAS_INT4_KERNEL and weight.device.type == "cpu" and group in INT4_GROUP_SIZES
+        ):
+            raise ValueError(
+                f"the CPU int4 kernel cannot take a {weight.device.type} weight in groups of "
+                f"{group}; use the plain layout"
+            )
+        rows = _round_up(out_features, _KERNEL_ROW_MULTIPLE if layout == "cpu-kernel" else 1)
         packed = torch.empty(rows, in_features // 2, dtype=torch.uint8, device=weight.device)
         scales_and_zeros = torch.empty(
             in_features // group, rows, 2, dtype=SCALE_DTYPE, device=weight.device
         )
-        # Row blocks are independent in the layout: quantize a few at a time, so that the
-        # float32 temporaries stay small next to the layer being loaded.
         for start in range(0, rows, _CHUNK_ROWS):
             chunk = weight[start : start + _CHUNK_ROWS].float()
             height = min(_CHUNK_ROWS, rows - start)
-            if chunk.shape[0] < height:  # the zero rows that pad out to a 64-row block
+            if chunk.shape[0] < height:  # the zero rows that pad out the kernel's width
                 chunk = torch.cat((chunk, chunk.new_zeros(height - chunk.shape[0], in_features)))
-            q, scales, zeros = _quantize_int4_rows(chunk, group)
-            packed[start : start + height] = pack_int4(q)
+            q, scales, zeros = quantize_int4_rows(chunk, group)
+            if layout == "cpu-kernel":
+                packed[start : start + height] = _aten._convert_weight_to_int4pack_for_cpu(
+                    q.to(torch.int32), 1
+                )
+            else:
+                packed[start : start + height] = pack_int4_plain(q)
             scales_and_zeros[:, start : start + height] = torch.stack(
                 (scales, zeros), -1
             ).transpose(0, 1)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(packed, scales_and_zeros, bias, out_features=out_features, group_size=group)
+        return cls(
+            packed,
+            scales_and_zeros,
+            bias,
+            out_features=out_features,
+            group_size=group,
+            layout=layout,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [out, in] the quantized values stand for, in ``dtype``."""
-        q = unpack_int4(self.packed).float()
+        """The weight [out, in] the quantized values stand for, in ``dtype``.
+
+        For the "cpu-kernel" layout this asks the kernel itself: the float32 product of an
+        identity matrix with the packed weight, O(in² · out) work, for checks and tests
+        rather than serving."""
+        if self.layout == "cpu-kernel":
+            identity = torch.eye(self.in_features, dtype=torch.float32)
+            transposed = _aten._weight_int4pack_mm_for_cpu(
+                identity, self.packed, self.group_size, self.scales_and_zeros.float()
+            )
+            return transposed.t()[: self.out_features].to(dtype)
+        q = unpack_int4_plain(self.packed).float()
         rows = q.shape[0]
         groups = q.view(rows, -1, self.group_size)
         scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
-        weight = (groups - _INT4_MID) * scales[..., None] + zeros[..., None]
+        weight = (groups - INT4_MID) * scales[..., None] + zeros[..., None]
         return weight.view(rows, self.in_features)[: self.out_features].to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _HAS_INT4_KERNEL and x.device.type == "cpu" and self.group_size in INT4_GROUP_SIZES:
+        if self.layout == "cpu-kernel":
+            if x.device.type != "cpu":
+                raise RuntimeError(
+                    f"int4 weights packed for the CPU kernel cannot run on {x.device}"
+                )
             flat = x.reshape(-1, self.in_features).to(SCALE_DTYPE)
             out = _aten._weight_int4pack_mm_for_cpu(
                 flat, self.packed, self.group_size, self.scales_and_zeros
@@ -189,11 +247,19 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.group_size}"
+            f"group_size={self.group_size}, layout={self.layout}"
         )
 
 
-def _quantize_int4_rows(
+def int4_layout_for(device: torch.device, group: int) -> str:
+    """The int4 layout a weight on ``device`` in groups of ``group`` is packed in: the CPU
+    kernel's where that kernel can run it, else the plain one."""
+    if _HAS_INT4_KERNEL and device.type == "cpu" and group in INT4_GROUP_SIZES:
+        return "cpu-kernel"
+    return "plain"
+
+
+def quantize_int4_rows(
     weight: torch.Tensor, group: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q uint8 [rows, in], scales [rows, in / group], zeros [same]) of float32 ``weight``
@@ -207,7 +273,7 @@ def _quantize_int4_rows(
     zero_points = torch.round(-low / safe).clamp_(0, _INT4_LEVELS)
     q = torch.round(grouped / safe[..., None]).add_(zero_points[..., None])
     q = q.clamp_(0, _INT4_LEVELS).to(torch.uint8).view(rows, in_features)
-    zeros = (_INT4_MID - zero_points) * scales
+    zeros = (INT4_MID - zero_points) * scales
     return q, scales.to(SCALE_DTYPE), zeros.to(SCALE_DTYPE)
 
 
@@ -226,28 +292,20 @@ def int4_group_size(in_features: int, requested: int) -> int:
     return group
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [rows, in / 2] holding q (integers 0..15, [rows, in], rows a multiple of 64,
-    in even) two per byte, in the blocked layout of the module docstring."""
+def pack_int4_plain(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, in / 2] holding q (integers 0..15, [rows, in], in even) two per byte:
+    column 2j in the low nibble of byte j, column 2j + 1 in the high one."""
     rows, columns = q.shape
-    if rows % _ROW_BLOCK or columns % 2:
-        raise ValueError(
-            f"pack_int4 needs rows % {_ROW_BLOCK} == 0 and even columns, got {rows}×{columns}"
-        )
-    half = _ROW_BLOCK // 2
-    # [blocks, 64, in] -> [blocks, in, 64]: for each column, the block's 64 rows.
-    blocked = q.to(torch.uint8).view(rows // _ROW_BLOCK, _ROW_BLOCK, columns).transpose(1, 2)
-    packed = blocked[..., :half] | (blocked[..., half:] << 4)
-    return packed.contiguous().view(rows, columns // 2)
+    if columns % 2:
+        raise ValueError(f"pack_int4_plain needs an even number of columns, got {columns}")
+    pairs = q.to(torch.uint8).view(rows, columns // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The uint8 [rows, in] values (0..15) that :func:`pack_int4` packed."""
+def unpack_int4_plain(packed: torch.Tensor) -> torch.Tensor:
+    """The uint8 [rows, in] values (0..15) that :func:`pack_int4_plain` packed."""
     rows, half_columns = packed.shape
-    columns = half_columns * 2
-    blocked = packed.view(rows // _ROW_BLOCK, columns, _ROW_BLOCK // 2)
-    values = torch.cat((blocked & 0xF, blocked >> 4), dim=-1)  # [blocks, in, 64]
-    return values.transpose(1, 2).reshape(rows, columns)
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(rows, half_columns * 2)
 
 
 def quantize_linears(module: nn.Module, kind: str, *, int4_group: int = 128) -> None:

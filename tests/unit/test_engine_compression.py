@@ -27,11 +27,13 @@ from monitor_agent.engine.prune import (
     semi_structured_mask,
 )
 from monitor_agent.engine.quantize import (
+    INT4_GROUP_SIZES,
     Int4Linear,
     Int8Linear,
     int4_group_size,
-    pack_int4,
-    unpack_int4,
+    pack_int4_plain,
+    quantize_int4_rows,
+    unpack_int4_plain,
 )
 from monitor_agent.engine.tensor_parallel import TensorShard
 from services.models.checkpoint import create_checkpoint
@@ -93,48 +95,75 @@ def test_int8_linear_is_close_to_the_float_linear(in_features, out_features):
     assert _relative_error(out_bf16, expected) < 0.02
 
 
+@pytest.mark.parametrize("layout", ["cpu-kernel", "plain"])
 @pytest.mark.parametrize(
     ("in_features", "out_features", "group"),
-    [(256, 128, 128), (256, 100, 32), (96, 64, 128), (48, 192, 64)],  # 96 -> 32, 48 -> 16
-)
-def test_int4_linear_is_close_to_the_float_linear(in_features, out_features, group):
+    [(256, 128, 128), (256, 100, 32), (96, 64, 128), (48, 192, 64), (256, 600, 64)],
+)  # 96 -> 32, 48 -> 16 (no kernel), 600 rows: three chunks, the last a partial row block
+def test_int4_linear_is_close_to_the_float_linear(in_features, out_features, group, layout):
     linear = _linear(in_features, out_features)
-    quantized = Int4Linear.from_linear(linear, group)
-    assert quantized.group_size == int4_group_size(in_features, group)
+    effective = int4_group_size(in_features, group)
+    if layout == "cpu-kernel" and effective not in INT4_GROUP_SIZES:
+        with pytest.raises(ValueError, match="use the plain layout"):
+            Int4Linear.from_linear(linear, group, layout=layout)
+        return
+    quantized = Int4Linear.from_linear(linear, group, layout=layout)
+    assert quantized.group_size == effective and quantized.layout == layout
     assert quantized.packed.dtype == torch.uint8
-    assert quantized.packed.shape == (-(-out_features // 64) * 64, in_features // 2)
+    rows = -(-out_features // 16) * 16 if layout == "cpu-kernel" else out_features
+    assert quantized.packed.shape == (rows, in_features // 2)
     x = torch.randn(3, in_features)
     expected = linear(x)
     assert _relative_error(quantized(x), expected) < 0.12
     assert _relative_error(quantized.dequantize(), linear.weight) < 0.12
-    # The fused CPU kernel and dequantize-then-matmul compute the same product.
+    # The layout's own matmul and dequantize-then-matmul compute the same product.
     reference = F.linear(x, quantized.dequantize(), linear.bias)
     assert _relative_error(quantized(x), reference) < 0.01
 
 
+def test_int4_default_layout_is_the_kernels_where_it_runs():
+    linear = _linear(256, 64)
+    assert Int4Linear.from_linear(linear, 64).layout == "cpu-kernel"
+    assert Int4Linear.from_linear(_linear(48, 64), 64).layout == "plain"  # groups of 16
+
+
 def test_the_dequantizing_paths_match_the_kernels(monkeypatch):
     linear = _linear(128, 64)
-    int8, int4 = Int8Linear.from_linear(linear), Int4Linear.from_linear(linear, 64)
+    int8 = Int8Linear.from_linear(linear)
+    kernel = Int4Linear.from_linear(linear, 64, layout="cpu-kernel")
+    plain = Int4Linear.from_linear(linear, 64, layout="plain")
     x = torch.randn(4, 128)
-    with_kernels = int8(x), int4(x)
+    assert torch.equal(kernel.scales_and_zeros, plain.scales_and_zeros)
+    assert _relative_error(plain(x), kernel(x)) < 0.01
+    assert torch.allclose(plain.dequantize(), kernel.dequantize(), rtol=0, atol=1e-6)
+    with_kernel = int8(x)
     monkeypatch.setattr(quantize, "_HAS_INT8_KERNEL", False)
-    monkeypatch.setattr(quantize, "_HAS_INT4_KERNEL", False)
-    assert _relative_error(int8(x), with_kernels[0]) < 0.01
-    assert _relative_error(int4(x), with_kernels[1]) < 0.01
+    assert _relative_error(int8(x), with_kernel) < 0.01
 
 
-def test_int4_packing_round_trips_exactly_two_values_per_byte():
+def test_int4_kernel_layout_is_torchs_own_packing():
+    linear = _linear(256, 96)
+    quantized = Int4Linear.from_linear(linear, 64, layout="cpu-kernel")
+    q, _, _ = quantize_int4_rows(linear.weight.detach().float(), 64)
+    convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+    assert torch.equal(quantized.packed, convert(q.int(), 1))
+
+
+def test_int4_plain_packing_round_trips_exactly_two_values_per_byte():
     torch.manual_seed(1)
-    values = torch.randint(0, 16, (192, 96), dtype=torch.uint8)
-    packed = pack_int4(values)
-    assert packed.dtype == torch.uint8 and packed.shape == (192, 48)
-    assert torch.equal(unpack_int4(packed), values)
-    # The layout is the one torch's CPU int4 kernel reads.
-    convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
-    if convert is not None:
-        assert torch.equal(packed, convert(values.int(), 1))
-    with pytest.raises(ValueError, match="rows % 64"):
-        pack_int4(values[:100])
+    values = torch.randint(0, 16, (100, 96), dtype=torch.uint8)
+    packed = pack_int4_plain(values)
+    assert packed.dtype == torch.uint8 and packed.shape == (100, 48)
+    assert torch.equal(packed[0, 0], values[0, 0] | (values[0, 1] << 4))
+    assert torch.equal(unpack_int4_plain(packed), values)
+    with pytest.raises(ValueError, match="even number of columns"):
+        pack_int4_plain(values[:, :95])
+
+
+def test_int4_weights_packed_for_the_cpu_kernel_refuse_another_device():
+    quantized = Int4Linear.from_linear(_linear(128, 64), 64, layout="cpu-kernel")
+    with pytest.raises(RuntimeError, match="packed for the CPU kernel cannot run on meta"):
+        quantized(torch.empty(1, 128, device="meta"))
 
 
 def test_int4_keeps_pruned_zeros_near_zero():
@@ -311,8 +340,9 @@ def _projection_bytes(model: nn.Module, kind: str) -> tuple[int, int]:
                 if kind == "int8":
                     quantized_bytes += rows * columns + 2 * rows
                 else:
-                    padded = -(-rows // 64) * 64
                     group = int4_group_size(columns, 128)
+                    # The CPU kernel's layout pads the rows to a multiple of 16.
+                    padded = -(-rows // 16) * 16 if group in INT4_GROUP_SIZES else rows
                     quantized_bytes += padded * columns // 2 + (columns // group) * padded * 4
     return float_bytes, quantized_bytes
 
