@@ -433,10 +433,16 @@ def build_parser() -> argparse.ArgumentParser:
     deploying.add_arguments(p)
     p.add_argument("--batch", type=int, default=0, help="concurrent sequences (default 1)")
     p.add_argument(
-        "--max-input", type=int, default=0, help="longest prompt in tokens (default 512)"
+        "--max-input",
+        type=int,
+        default=0,
+        help="longest prompt in tokens (default 512, or 2/3 of a shorter context)",
     )
     p.add_argument(
-        "--max-output", type=int, default=0, help="longest generation in tokens (default 256)"
+        "--max-output",
+        type=int,
+        default=0,
+        help="longest generation in tokens (default 256, or 1/3 of a shorter context)",
     )
     p.add_argument(
         "--timeout", type=float, default=0, help="seconds to wait for the workers (default 120)"

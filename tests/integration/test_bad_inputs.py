@@ -20,6 +20,7 @@ from services.models.checkpoint import create_checkpoint
 from tests.conftest import QUEUE_CAPACITY
 from tests.integration.helpers import (
     TINY,
+    cli,
     deploy,
     generate,
     make_checkpoint,
@@ -351,3 +352,28 @@ def test_deploying_a_model_without_a_checkpoint_is_failed_precondition(stack):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "no checkpoint" in details
     assert reserved_by_device(stack) == reserved
     stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="shape-only"))
+
+
+def test_a_short_context_model_deploys_with_limits_that_fit_it(stack):
+    """Plain `iserve deploy MODEL --tp 1 --pp 1` on a 256-position model: the default
+    limits are split from its context; an explicit limit beyond it is refused, leaving
+    nothing behind."""
+    register(stack, "short-ctx", make_checkpoint(stack, "short-ctx", max_position_embeddings=256))
+    before = (_deployment_ids(stack), reserved_by_device(stack))
+    refused = cli(stack, "deploy", "short-ctx", "--tp", "1", "--pp", "1", "--max-input", "300")
+    assert refused.returncode != 0
+    assert "INVALID_ARGUMENT" in refused.stderr
+    assert "max_input_tokens 300 leaves no room for output" in refused.stderr
+    assert (_deployment_ids(stack), reserved_by_device(stack)) == before
+    out = cli(stack, "deploy", "short-ctx", "--tp", "1", "--pp", "1")
+    assert out.returncode == 0, out.stderr
+    deployment_id = out.stdout.strip().splitlines()[-1]
+    deployment = stack.deployments.GetDeployment(
+        deploy_pb.GetDeploymentRequest(deployment_id=deployment_id)
+    ).deployment
+    assert (deployment.max_input_tokens, deployment.max_output_tokens) == (171, 85)
+    deltas, final = generate(
+        stack, deployment_id=deployment_id, prompt_token_ids=[1, 5, 9], max_tokens=8
+    )
+    assert deltas and final.finish_reason
+    assert cli(stack, "remove", deployment_id).returncode == 0

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deploy_svc.explicit import checkpoint_for, resolve_explicit
+from deploy_svc.explicit import checkpoint_for, resolve_explicit, token_limits
 from deploy_svc.memory import RUNTIME_OVERHEAD_BYTES, rank_memory
 from deploy_svc.placement import Candidate, even_layer_map
 from services.api import common_pb2 as common
@@ -35,6 +35,64 @@ def _resolve(model=None, config=None, **kw):
     return resolve_explicit(model or _model(), config or common.DeploymentConfig(), **kw)
 
 
+@pytest.mark.parametrize(
+    ("positions", "requested", "limits"),
+    [
+        (2048, (0, 0), (512, 256)),  # the defaults, where the context holds them
+        (256, (0, 0), (171, 85)),  # a shorter context, split 2:1
+        (768, (0, 0), (512, 256)),
+        (2, (0, 0), (1, 1)),
+        (1, (0, 0), (0, 1)),  # no room for both: refused below
+        (256, (200, 0), (200, 56)),  # one limit given: the other gets what is left
+        (256, (0, 100), (156, 100)),
+        (2048, (1000, 0), (1000, 256)),
+        (0, (0, 0), (512, 256)),  # context unknown
+        (256, (128, 128), (128, 128)),
+    ],
+)
+def test_token_limits_default_to_what_the_context_holds(positions, requested, limits):
+    if min(limits) < 1:
+        with pytest.raises(InvalidArgument, match="hold no input and output"):
+            token_limits(*requested, positions)
+        return
+    assert token_limits(*requested, positions) == limits
+
+
+@pytest.mark.parametrize(
+    ("requested", "phrase"),
+    [
+        ((256, 0), "max_input_tokens 256 leaves no room for output in the model's 256 positions"),
+        ((300, 0), "max_input_tokens 300 leaves no room for output"),
+        ((0, 256), "max_output_tokens 256 leaves no room for input"),
+        ((200, 57), "= 257 exceeds the model's 256 positions"),
+    ],
+)
+def test_token_limits_beyond_the_context_are_invalid(requested, phrase):
+    with pytest.raises(InvalidArgument, match=phrase):
+        token_limits(*requested, 256)
+
+
+@given(
+    positions=st.integers(1, 1 << 17),
+    max_in=st.integers(0, 1 << 17),
+    max_out=st.integers(0, 1 << 17),
+)
+def test_token_limits_fit_the_context_and_keep_what_was_asked(positions, max_in, max_out):
+    try:
+        got_in, got_out = token_limits(max_in, max_out, positions)
+    except InvalidArgument:
+        alone = max(max_in, max_out) if not (max_in and max_out) else 0
+        assert max_in + max_out > positions or alone >= positions or positions < 2
+        return
+    assert got_in >= 1 and got_out >= 1 and got_in + got_out <= positions
+    assert got_in == (max_in or got_in) and got_out == (max_out or got_out)
+
+
+def test_a_short_context_model_deploys_with_default_limits():
+    plan = _resolve(_model(max_position_embeddings=256))
+    assert (plan.max_input_tokens, plan.max_output_tokens, plan.max_seq_len) == (171, 85, 256)
+
+
 def test_defaults_fill_in():
     plan = _resolve()
     c = plan.config
@@ -49,7 +107,13 @@ def test_defaults_fill_in():
         (common.DeploymentConfig(tensor_parallel=3), {}, InvalidArgument, "one of"),
         (common.DeploymentConfig(tensor_parallel=16), {}, InvalidArgument, "one of"),
         (common.DeploymentConfig(pipeline_parallel=5), {}, InvalidArgument, "pipeline_parallel"),
-        (common.DeploymentConfig(), {"max_input_tokens": 2000}, InvalidArgument, "positions"),
+        (common.DeploymentConfig(), {"max_input_tokens": 2048}, InvalidArgument, "no room"),
+        (
+            common.DeploymentConfig(),
+            {"max_input_tokens": 2000, "max_output_tokens": 100},
+            InvalidArgument,
+            "= 2100 exceeds the model's 2048 positions",
+        ),
         (common.DeploymentConfig(), {"batch_size": 1000}, InvalidArgument, "batch_size"),
         (common.DeploymentConfig(variant_name="int4"), {}, InvalidArgument, "no variant"),
         (
