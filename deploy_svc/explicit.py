@@ -6,15 +6,12 @@ from dataclasses import dataclass
 
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.errors import InvalidArgument, Unimplemented
+from services.engine_rules import check_dtype, check_weight_quant, parallel_problem
+from services.errors import InvalidArgument
 
 DEFAULT_MAX_INPUT_TOKENS = 512
 DEFAULT_MAX_OUTPUT_TOKENS = 256
 MAX_BATCH_SIZE = 256
-TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
-SERVED_DTYPES = (common.PRECISION_FLOAT32, common.PRECISION_BFLOAT16)
-CUDA_DTYPES = (*SERVED_DTYPES, common.PRECISION_FLOAT16)
-PRE_QUANTIZED = (common.WEIGHT_QUANT_GPTQ_INT4, common.WEIGHT_QUANT_AWQ_INT4)
 
 
 @dataclass(frozen=True)
@@ -45,26 +42,16 @@ def resolve_explicit(
     config.CopyFrom(requested)
     config.tensor_parallel = config.tensor_parallel or 1
     config.pipeline_parallel = config.pipeline_parallel or 1
-    tp, pp = config.tensor_parallel, config.pipeline_parallel
-    if tp not in TENSOR_PARALLEL_DEGREES:
-        raise InvalidArgument(f"tensor_parallel must be one of {TENSOR_PARALLEL_DEGREES}, got {tp}")
-    heads, kv_heads = shape.num_attention_heads, shape.num_kv_heads or shape.num_attention_heads
-    # Fewer KV heads than ranks (multi-query, small GQA groups) are replicated, so tp may
-    # also be a multiple of the KV heads (see monitor_agent.engine.tensor_parallel).
-    if heads % tp or (kv_heads % tp and tp % kv_heads):
-        raise InvalidArgument(
-            f"tensor_parallel {tp} must divide the {heads} attention heads of "
-            f"{model.model_id}, and divide its {kv_heads} KV heads or be a multiple of them"
-        )
-    if shape.intermediate_size % tp:
-        raise InvalidArgument(
-            f"tensor_parallel {tp} must divide the MLP width {shape.intermediate_size} "
-            f"of {model.model_id}"
-        )
-    if not 1 <= pp <= min(8, shape.num_layers):
-        raise InvalidArgument(
-            f"pipeline_parallel must be 1..{min(8, shape.num_layers)} for {shape.num_layers} layers, got {pp}"
-        )
+    problem = parallel_problem(
+        config.tensor_parallel,
+        config.pipeline_parallel,
+        heads=shape.num_attention_heads,
+        kv_heads=shape.num_kv_heads or shape.num_attention_heads,
+        mlp_width=shape.intermediate_size,
+        num_layers=shape.num_layers,
+    )
+    if problem:
+        raise InvalidArgument(f"{model.model_id}: {problem}")
     if config.variant_name:
         apply_variant(model, config)
     config.weight_quant = config.weight_quant or common.WEIGHT_QUANT_NONE
@@ -75,10 +62,7 @@ def resolve_explicit(
         model, batch_size or config.batch_size, max_input_tokens, max_output_tokens
     )
     check_compression(config)
-    if config.dtype not in (CUDA_DTYPES if cuda else SERVED_DTYPES):
-        raise Unimplemented(
-            f"the PyTorch CPU engine serves float32 and bfloat16, not {common.Precision.Name(config.dtype)}"
-        )
+    check_dtype(config.dtype, cuda=cuda)
     return ExplicitPlan(config, max_in, max_out)
 
 
@@ -165,11 +149,7 @@ def check_compression(config: common.DeploymentConfig) -> None:
         value = getattr(config, field)
         if value not in enum.values():
             raise InvalidArgument(f"{field} {value} is not a known value")
-    if config.weight_quant in PRE_QUANTIZED:
-        raise Unimplemented(
-            f"{common.WeightQuant.Name(config.weight_quant)}: the PyTorch engine does not load "
-            "pre-quantized GPTQ/AWQ checkpoints yet; WEIGHT_QUANT_INT4 quantizes at load time"
-        )
+    check_weight_quant(config.weight_quant)
 
 
 def variant_of(model: model_pb.Model, name: str) -> common.CompressionVariant:

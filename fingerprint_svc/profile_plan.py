@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.engine_rules import parallel_problem
 from services.models.arch import ArchSpec
 
 MIB = 1 << 20
@@ -220,28 +221,19 @@ def fingerprint_layers(pipeline_parallel: int, model_layers: int) -> tuple[int, 
     )
 
 
-def tensor_parallel_problem(shape: model_pb.ModelShape, tp: int) -> str | None:
-    """Why the engine cannot split the model ``tp`` ways, or None when it can."""
-    if tp == 1:
-        return None
-    heads, kv_heads = shape.num_attention_heads, shape.num_kv_heads
-    if heads % tp:
-        return f"tp={tp} must divide the {heads} attention heads"
-    if kv_heads % tp and tp % kv_heads:
-        return f"tp={tp} must divide the {kv_heads} KV heads or be a multiple of them"
-    if shape.intermediate_size % tp:
-        return f"tp={tp} must divide the MLP width {shape.intermediate_size}"
-    return None
-
-
 def reference_skip_reason(
     shape: model_pb.ModelShape, reference: tuple[int, int], node_devices: int
 ) -> str | None:
     """Why no variant can be profiled at ``reference``, or None."""
     tp, pp = reference
-    if pp > shape.num_layers:
-        return f"pp={pp} needs {pp} layers; the model has {shape.num_layers}"
-    problem = tensor_parallel_problem(shape, tp)
+    problem = parallel_problem(
+        tp,
+        pp,
+        heads=shape.num_attention_heads,
+        kv_heads=shape.num_kv_heads or shape.num_attention_heads,
+        mlp_width=shape.intermediate_size,
+        num_layers=shape.num_layers,
+    )
     if problem:
         return problem
     if tp * pp > node_devices:

@@ -1,5 +1,6 @@
-"""Registration decisions, free of gRPC and Redis: which checkpoint path is allowed,
-whether a checkpoint is a model iserve can serve, and the record that describes it."""
+"""Registration decisions, free of gRPC and Redis: whether a checkpoint is a model iserve
+can serve, and the record that describes it (which paths are allowed is
+``services.engine_rules.resolve_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from fingerprint_svc.profile_plan import BASE_VARIANT
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.engine_rules import resolve_checkpoint
 from services.errors import AlreadyExists, InvalidArgument
 from services.ids import check_model_id
 from services.models.arch import ArchSpec
@@ -27,24 +29,6 @@ PRECISIONS = {
     "float16": common.PRECISION_FLOAT16,
     "bfloat16": common.PRECISION_BFLOAT16,
 }
-
-
-def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
-    """The checkpoint directory for ``checkpoint_path`` (relative to the models root or
-    absolute inside it); InvalidArgument when it escapes the root or is not a directory."""
-    if not checkpoint_path:
-        raise InvalidArgument("checkpoint_path is empty")
-    root = models_root.resolve()
-    candidate = Path(checkpoint_path)
-    resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
-    if resolved != root and root not in resolved.parents:
-        raise InvalidArgument(
-            f"checkpoint {checkpoint_path!r} is outside the models root {root}; "
-            "iserve only reads checkpoints under ISERVE_MODELS_ROOT"
-        )
-    if not resolved.is_dir():
-        raise InvalidArgument(f"checkpoint {checkpoint_path!r} does not exist under {root}")
-    return resolved
 
 
 def inspect_checkpoint(path: Path, label: str) -> ValidatedCheckpoint:

@@ -17,6 +17,12 @@ from pathlib import Path
 from monitor_agent.devices import DeviceSpec
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
+from services.engine_rules import (
+    TENSOR_PARALLEL_DEGREES,
+    check_dtype,
+    check_weight_quant,
+    resolve_checkpoint,
+)
 from services.errors import FailedPrecondition, InvalidArgument, Unimplemented, require
 from services.models.checkpoint import InvalidCheckpoint, read_config
 from services.models.compression import DEFAULT_PRUNE_FRACTION
@@ -24,7 +30,6 @@ from services.models.compression import DEFAULT_PRUNE_FRACTION
 DEFAULT_MAX_SEQ_LEN = 2048
 # Deployment ids become Redis key parts and file names.
 _DEPLOYMENT_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
-TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
 _DTYPES = {
     common.PRECISION_FLOAT32: "float32",
     common.PRECISION_FLOAT16: "float16",
@@ -37,7 +42,6 @@ _WEIGHT_QUANTS = {
     common.WEIGHT_QUANT_INT8: "int8",
     common.WEIGHT_QUANT_INT4: "int4",
 }
-_PRE_QUANTIZED = (common.WEIGHT_QUANT_GPTQ_INT4, common.WEIGHT_QUANT_AWQ_INT4)
 _KV_QUANTS = {
     common.KV_QUANT_UNSPECIFIED: "none",
     common.KV_QUANT_NONE: "none",
@@ -117,27 +121,12 @@ class LaunchPlan:
         ]  # fmt: skip
 
 
-def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
-    """``checkpoint_path`` under ``models_root``; InvalidArgument if it leaves the root
-    (through ``..`` or a symlink) or is not a directory."""
-    require(bool(checkpoint_path), "checkpoint_path is empty")
-    root = models_root.resolve()
-    resolved = (root / checkpoint_path).resolve()
-    require(
-        resolved.is_relative_to(root),
-        f"checkpoint_path {checkpoint_path!r} resolves outside the models root {str(root)!r}",
-    )
-    require(
-        resolved.is_dir(),
-        f"checkpoint_path {checkpoint_path!r} is not a directory under the models root",
-    )
-    return resolved
-
-
 def worker_dtype(precision: int, device: DeviceSpec, checkpoint_dtype: str | None) -> str:
-    """The dtype a worker computes in: the requested precision, else the checkpoint's
-    dtype on GPUs and float32 on CPU devices (where 16-bit matmuls are slow)."""
+    """The dtype a worker computes in: the requested precision (Unimplemented where the
+    engine does not compute in it on ``device``), else the checkpoint's dtype on GPUs and
+    float32 on CPU devices (where 16-bit matmuls are slow)."""
     if precision in _DTYPES:
+        check_dtype(precision, cuda=device.is_cuda)
         return _DTYPES[precision]
     require(
         precision == common.PRECISION_UNSPECIFIED, f"config.dtype {precision} is not a known value"
@@ -217,14 +206,10 @@ def check_ranks(
 
 def compression_args(config: common.DeploymentConfig) -> tuple[str, ...]:
     """The worker flags that apply ``config``'s weight quantization, KV-cache quantization
-    and pruning (none for an uncompressed config). FailedPrecondition for pre-quantized
+    and pruning (none for an uncompressed config). Unimplemented for pre-quantized
     GPTQ/AWQ checkpoints, which the PyTorch engine does not load; InvalidArgument for
     values outside the enums."""
-    if config.weight_quant in _PRE_QUANTIZED:
-        raise FailedPrecondition(
-            f"weight_quant {common.WeightQuant.Name(config.weight_quant)}: the PyTorch engine "
-            "does not load pre-quantized GPTQ/AWQ checkpoints; use WEIGHT_QUANT_INT4"
-        )
+    check_weight_quant(config.weight_quant)
     for field, known in (
         ("weight_quant", _WEIGHT_QUANTS),
         ("kv_quant", _KV_QUANTS),

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from services.engine_rules import TENSOR_PARALLEL_DEGREES, tensor_parallel_problem
 from services.models.arch import ArchSpec, RowRanges, WeightSource
 
 __all__ = [
@@ -46,8 +47,6 @@ __all__ = [
     "shard_modules",
     "shard_sources",
 ]
-
-TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
 
 # "layers.{j}.{module path}.{weight|bias}" of the sharded Linears.
 _LAYER_PARAMETER = re.compile(r"layers\.\d+\.(?P<module>[a-z_.]+)\.(?P<kind>weight|bias)")
@@ -90,22 +89,11 @@ class HeadSlice:
 
 def check_tensor_parallel(spec: ArchSpec, size: int) -> None:
     """ValueError, naming the model's numbers, when ``spec`` cannot be split ``size`` ways."""
-    if size not in TENSOR_PARALLEL_DEGREES:
-        raise ValueError(
-            f"tensor parallel size must be one of {TENSOR_PARALLEL_DEGREES}, got {size}"
-        )
-    heads, kv_heads = spec.num_heads, spec.num_kv_heads
-    if heads % size:
-        raise ValueError(f"tensor parallel size {size} must divide the {heads} attention heads")
-    if kv_heads % size and size % kv_heads:
-        raise ValueError(
-            f"tensor parallel size {size} must divide the {kv_heads} KV heads, or be a "
-            "multiple of them (KV heads are then replicated)"
-        )
-    if spec.intermediate_size % size:
-        raise ValueError(
-            f"tensor parallel size {size} must divide the MLP width {spec.intermediate_size}"
-        )
+    problem = tensor_parallel_problem(
+        size, heads=spec.num_heads, kv_heads=spec.num_kv_heads, mlp_width=spec.intermediate_size
+    )
+    if problem:
+        raise ValueError(problem)
 
 
 def head_slice(spec: ArchSpec, size: int, rank: int) -> HeadSlice:

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.engine_rules import TENSOR_PARALLEL_DEGREES
 from services.grpc_server import ServiceBinding, configure_logging, run_server
 from services.models.compression import DEFAULT_PRUNE_FRACTION, PRUNINGS, WEIGHT_QUANTIZATIONS
 
@@ -45,9 +46,6 @@ log = logging.getLogger("iserve.worker")
 EXIT_BAD_ARGUMENTS = 2
 EXIT_ENGINE_FAILED = 1
 EXIT_GROUP_LOST = 3
-# As monitor_agent.engine.tensor_parallel says; not imported, because that imports torch,
-# which must start only after the process is pinned to its cores.
-TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
 # In-flight streams get this long after SIGTERM before they are cancelled; the agent
 # waits 5 s before it escalates to SIGKILL.
 SHUTDOWN_GRACE_S = 1.0

@@ -5,9 +5,11 @@ A configuration is a tensor-parallel degree ``tp``, a pipeline-parallel degree `
 checkpoint is a variant of its own) and a batch size. The space is held as one numpy
 structured array so that scoring every configuration is array arithmetic, not a loop.
 
-Constraints (DESIGN.md, "Configuration space"): tp in {1, 2, 4, 8} and dividing both the
-attention heads and the KV heads; pp from 1 to 8 and at most the number of layers;
-tp * pp at most the devices available. On 8 devices that leaves 15 (tp, pp) pairs.
+Constraints (DESIGN.md, "Configuration space"): what the engine can run, as
+``services.engine_rules`` says (tp in {1, 2, 4, 8} dividing the heads and the MLP width,
+and dividing the KV heads or a multiple of them; pp from 1 to 8 and at most the number of
+layers), and tp * pp at most the devices available. On 8 devices that leaves 15 (tp, pp)
+pairs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from services.engine_rules import MAX_PIPELINE_PARALLEL, TENSOR_PARALLEL_DEGREES, parallel_problem
 
 __all__ = [
     "CONFIG_DTYPE",
@@ -31,8 +35,8 @@ __all__ = [
     "standard_variants",
 ]
 
-TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
-MAX_PP = 8
+TP_DEGREES = TENSOR_PARALLEL_DEGREES
+MAX_PP = MAX_PIPELINE_PARALLEL
 # Weight quantizations: 16-bit, int8 / int4 weight-only, pre-quantized int4 (GPTQ/AWQ).
 WEIGHT_QUANTS: tuple[str, ...] = ("fp16", "int8", "int4", "int4_gptq")
 KV_QUANTS: tuple[str, ...] = ("fp16", "int8")
@@ -48,8 +52,9 @@ CONFIG_DTYPE = np.dtype(
 class ModelShape:
     """What the estimator needs to know of a model's architecture.
 
-    The heads bound tensor parallelism; ``num_kv_heads`` and ``head_dim`` size the KV
-    cache. Values come from the checkpoint's config.
+    The heads and the MLP width bound tensor parallelism; ``num_kv_heads`` and
+    ``head_dim`` size the KV cache. Values come from the checkpoint's config;
+    ``mlp_width`` 0 means unknown (a shape imported from measurements alone).
     """
 
     name: str
@@ -57,12 +62,15 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    mlp_width: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, field)
             if value <= 0:
                 raise ValueError(f"{self.name}: {field} must be positive, got {value}")
+        if self.mlp_width < 0:
+            raise ValueError(f"{self.name}: mlp_width must not be negative, got {self.mlp_width}")
 
     def kv_bytes_per_token(self, kv_quant: str = "fp16") -> float:
         """Bytes of K and V one token occupies across all layers (unsharded)."""
@@ -114,21 +122,24 @@ def standard_variants(
 
 
 def parallel_pairs(shape: ModelShape, devices: int) -> tuple[tuple[int, int], ...]:
-    """Every allowed (tp, pp), ordered by tp then pp."""
+    """Every (tp, pp) the engine can run on at most ``devices`` devices, ordered by tp
+    then pp."""
     if devices <= 0:
         raise ValueError(f"devices must be positive, got {devices}")
-    pairs = []
-    for tp in TP_DEGREES:
-        # tp must divide the heads; KV heads are split when tp divides them and
-        # replicated when tp is a multiple of them (as the engine and the profiler do:
-        # a multi-query model runs at tp = 2).
-        kv = shape.num_kv_heads
-        if shape.num_heads % tp or (kv % tp and tp % kv):
-            continue
-        for pp in range(1, min(MAX_PP, shape.num_layers) + 1):
-            if tp * pp <= devices:
-                pairs.append((tp, pp))
-    return tuple(pairs)
+    return tuple(
+        (tp, pp)
+        for tp in TP_DEGREES
+        for pp in range(1, MAX_PP + 1)
+        if tp * pp <= devices
+        and not parallel_problem(
+            tp,
+            pp,
+            heads=shape.num_heads,
+            kv_heads=shape.num_kv_heads,
+            mlp_width=shape.mlp_width,
+            num_layers=shape.num_layers,
+        )
+    )
 
 
 @dataclass(frozen=True)

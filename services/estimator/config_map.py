@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 # Bump when the map's content or the way it is built changes: stored maps then rebuild.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def source_hash(

@@ -178,7 +178,12 @@ def estimation_shape(model: model_pb.Model) -> ModelShape:
     if not (s.num_layers and s.num_attention_heads and s.num_kv_heads and s.head_dim):
         raise ValueError(f"model {model.model_id!r} has no shape (layers, heads, head size)")
     return ModelShape(
-        model.model_id, s.num_layers, s.num_attention_heads, s.num_kv_heads, s.head_dim
+        model.model_id,
+        s.num_layers,
+        s.num_attention_heads,
+        s.num_kv_heads,
+        s.head_dim,
+        mlp_width=s.intermediate_size,
     )
 
 

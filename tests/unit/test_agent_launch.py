@@ -167,8 +167,8 @@ def test_tensorrt_llm_needs_its_package(models_root):
         (common.DeploymentConfig(weight_quant=common.WEIGHT_QUANT_AWQ_INT4), "GPTQ/AWQ"),
     ],
 )
-def test_configurations_the_workers_cannot_run_fail_precondition(models_root, config, message):
-    with pytest.raises(FailedPrecondition, match=message):
+def test_configurations_the_workers_cannot_run_are_unimplemented(models_root, config, message):
+    with pytest.raises(Unimplemented, match=message):
         _plan(_request(config=config), models_root)
 
 

@@ -124,9 +124,9 @@ def test_one_device_skips_the_parallel_references_with_the_reason():
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "intermediate", "reason"),
     [
-        (3, 3, 192, "tp=2 must divide the 3 attention heads"),
-        (6, 3, 192, "tp=2 must divide the 3 KV heads or be a multiple of them"),
-        (4, 2, 191, "tp=2 must divide the MLP width 191"),
+        (3, 3, 192, "tensor_parallel 2 must divide the 3 attention heads"),
+        (6, 3, 192, "tensor_parallel 2 must divide the 3 KV heads or be a multiple of them"),
+        (4, 2, 191, "tensor_parallel 2 must divide the MLP width 191"),
         (4, 1, 192, None),  # multi-query: the engine replicates the KV head
     ],
 )
@@ -141,7 +141,9 @@ def test_heads_decide_tensor_parallelism(heads, kv_heads, intermediate, reason):
 
 def test_a_one_layer_model_has_no_pipeline_reference():
     jobs, skipped = plan_jobs(_model(layers=1), ProfilingSettings(), node_devices=2)
-    assert skipped == ["tp=1 pp=2 (every variant): pp=2 needs 2 layers; the model has 1"]
+    assert skipped == [
+        "tp=1 pp=2 (every variant): pipeline_parallel must be 1..1 for 1 layers, got 2"
+    ]
     assert {j.num_layers for j in jobs} == {1}
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fingerprint_svc.registry import build_model, check_model_id, resolve_checkpoint
+from fingerprint_svc.registry import build_model, check_model_id
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.engine_rules import resolve_checkpoint
 from services.errors import InvalidArgument
 from services.models.checkpoint import create_checkpoint
 

@@ -1,0 +1,125 @@
+"""What the engine can run: the one list every service asks.
+
+The estimator's configuration space, the deployer, the profiler's plan, the node agent
+and the worker all take these rules from here, so the estimator never ranks a
+configuration the deployer will refuse for an engine reason, and a refusal reads the same
+wherever it happens. Torch-free (the worker reads it before torch starts its threads).
+
+- Tensor parallelism: tp in TENSOR_PARALLEL_DEGREES, dividing the attention heads and
+  the MLP width, and either dividing the KV heads or being a multiple of them (fewer KV
+  heads than ranks are replicated: a multi-query model runs at tp = 2; see
+  ``monitor_agent.engine.tensor_parallel``).
+- Pipeline parallelism: 1 to MAX_PIPELINE_PARALLEL stages, at most one per layer.
+- Dtypes: float32 and bfloat16 everywhere, float16 on CUDA devices only.
+- Pre-quantized (GPTQ/AWQ) checkpoints are not loaded; int8/int4 quantize at load time.
+- Checkpoints are read only from under the models root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.api import common_pb2 as common
+from services.errors import InvalidArgument, Unimplemented
+
+__all__ = [
+    "CPU_DTYPES",
+    "CUDA_DTYPES",
+    "MAX_PIPELINE_PARALLEL",
+    "PRE_QUANTIZED",
+    "TENSOR_PARALLEL_DEGREES",
+    "check_dtype",
+    "check_weight_quant",
+    "max_pipeline_parallel",
+    "parallel_problem",
+    "resolve_checkpoint",
+    "served_dtypes",
+    "tensor_parallel_problem",
+]
+
+TENSOR_PARALLEL_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
+MAX_PIPELINE_PARALLEL = 8
+CPU_DTYPES = (common.PRECISION_FLOAT32, common.PRECISION_BFLOAT16)
+CUDA_DTYPES = (*CPU_DTYPES, common.PRECISION_FLOAT16)
+PRE_QUANTIZED = (common.WEIGHT_QUANT_GPTQ_INT4, common.WEIGHT_QUANT_AWQ_INT4)
+
+
+def tensor_parallel_problem(tp: int, *, heads: int, kv_heads: int, mlp_width: int) -> str | None:
+    """Why the engine cannot split a model ``tp`` ways, or None when it can.
+    ``mlp_width`` 0 means unknown (a shape imported without it) and is not checked."""
+    if tp not in TENSOR_PARALLEL_DEGREES:
+        return f"tensor_parallel must be one of {TENSOR_PARALLEL_DEGREES}, got {tp}"
+    if heads % tp:
+        return f"tensor_parallel {tp} must divide the {heads} attention heads"
+    if kv_heads % tp and tp % kv_heads:
+        return f"tensor_parallel {tp} must divide the {kv_heads} KV heads or be a multiple of them"
+    if mlp_width and mlp_width % tp:
+        return f"tensor_parallel {tp} must divide the MLP width {mlp_width}"
+    return None
+
+
+def max_pipeline_parallel(num_layers: int) -> int:
+    """The most pipeline stages a model of ``num_layers`` layers runs in."""
+    return min(MAX_PIPELINE_PARALLEL, num_layers)
+
+
+def parallel_problem(
+    tp: int, pp: int, *, heads: int, kv_heads: int, mlp_width: int, num_layers: int
+) -> str | None:
+    """Why the engine cannot run a model at (tp, pp), or None when it can."""
+    problem = tensor_parallel_problem(tp, heads=heads, kv_heads=kv_heads, mlp_width=mlp_width)
+    if problem:
+        return problem
+    limit = max_pipeline_parallel(num_layers)
+    if not 1 <= pp <= limit:
+        return f"pipeline_parallel must be 1..{limit} for {num_layers} layers, got {pp}"
+    return None
+
+
+def served_dtypes(*, cuda: bool) -> tuple[int, ...]:
+    """The precisions the PyTorch engine computes in on CUDA devices or on CPUs."""
+    return CUDA_DTYPES if cuda else CPU_DTYPES
+
+
+def check_dtype(precision: int, *, cuda: bool) -> None:
+    """Unimplemented for a precision the engine does not compute in on that device kind."""
+    if precision not in served_dtypes(cuda=cuda):
+        where = "CUDA" if cuda else "CPU"
+        names = " and ".join(
+            common.Precision.Name(p).removeprefix("PRECISION_").lower()
+            for p in served_dtypes(cuda=cuda)
+        )
+        raise Unimplemented(
+            f"the PyTorch {where} engine serves {names}, not {common.Precision.Name(precision)}"
+        )
+
+
+def check_weight_quant(weight_quant: int) -> None:
+    """Unimplemented for pre-quantized GPTQ/AWQ checkpoints, which the engine cannot load."""
+    if weight_quant in PRE_QUANTIZED:
+        raise Unimplemented(
+            f"{common.WeightQuant.Name(weight_quant)}: the PyTorch engine does not load "
+            "pre-quantized GPTQ/AWQ checkpoints yet; WEIGHT_QUANT_INT4 quantizes at load time"
+        )
+
+
+def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
+    """The checkpoint directory for ``checkpoint_path`` (relative to the models root or
+    absolute inside it); InvalidArgument when it is empty, escapes the root (through
+    ``..`` or a symlink) or is not a directory."""
+    if not checkpoint_path:
+        raise InvalidArgument("checkpoint_path is empty")
+    root = models_root.resolve()
+    candidate = Path(checkpoint_path)
+    resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
+    if not resolved.is_relative_to(root):
+        raise InvalidArgument(
+            f"checkpoint_path {checkpoint_path!r} is outside the models root {str(root)!r}; "
+            "iserve only reads checkpoints under ISERVE_MODELS_ROOT"
+        )
+    if not resolved.is_dir():
+        raise InvalidArgument(
+            f"checkpoint_path {checkpoint_path!r} is not a directory: it does not exist "
+            f"under {str(root)!r}"
+        )
+    return resolved

@@ -1,0 +1,108 @@
+"""What the engine can run, asked in one place: the rules themselves, and the estimator's
+space agreeing with the deployer on every model shape."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deploy_svc.explicit import resolve_explicit
+from services.api import common_pb2 as common
+from services.api import model_service_pb2 as model_pb
+from services.engine_rules import (
+    check_dtype,
+    check_weight_quant,
+    parallel_problem,
+    tensor_parallel_problem,
+)
+from services.errors import IServeError, Unimplemented
+from services.estimation.space import Variant, enumerate_space
+from services.estimator.profiles import estimation_shape
+
+
+def _model(heads: int, kv_heads: int, mlp_width: int, layers: int) -> model_pb.Model:
+    return model_pb.Model(
+        model_id="m",
+        shape=model_pb.ModelShape(
+            num_layers=layers,
+            num_attention_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=16,
+            hidden_size=16 * heads,
+            intermediate_size=mlp_width,
+            max_position_embeddings=2048,
+            weight_bytes=1 << 20,
+            dtype=common.PRECISION_FLOAT32,
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("tp", "shape", "problem"),
+    [
+        (3, (12, 12, 48), "must be one of (1, 2, 4, 8)"),
+        (2, (3, 3, 48), "must divide the 3 attention heads"),
+        (2, (6, 3, 48), "must divide the 3 KV heads or be a multiple of them"),
+        (2, (4, 2, 51), "must divide the MLP width 51"),
+        (2, (4, 1, 48), None),  # multi-query: the KV head is replicated
+        (8, (8, 2, 64), None),  # a multiple of the KV heads
+        (2, (4, 2, 0), None),  # MLP width unknown: not checked
+    ],
+)
+def test_tensor_parallel_rules(tp, shape, problem):
+    heads, kv_heads, mlp_width = shape
+    found = tensor_parallel_problem(tp, heads=heads, kv_heads=kv_heads, mlp_width=mlp_width)
+    assert found == problem or (problem and problem in found)
+
+
+def test_pipeline_stages_are_bounded_by_eight_and_the_layers():
+    common_shape = {"heads": 4, "kv_heads": 4, "mlp_width": 64}
+    assert parallel_problem(1, 8, num_layers=80, **common_shape) is None
+    assert "1..8 for 80 layers" in parallel_problem(1, 9, num_layers=80, **common_shape)
+    assert "1..2 for 2 layers" in parallel_problem(1, 3, num_layers=2, **common_shape)
+
+
+def test_dtypes_and_pre_quantized_checkpoints():
+    check_dtype(common.PRECISION_BFLOAT16, cuda=False)
+    check_dtype(common.PRECISION_FLOAT16, cuda=True)
+    with pytest.raises(Unimplemented, match="CPU engine serves float32 and bfloat16"):
+        check_dtype(common.PRECISION_FLOAT16, cuda=False)
+    with pytest.raises(Unimplemented, match="GPTQ/AWQ"):
+        check_weight_quant(common.WEIGHT_QUANT_AWQ_INT4)
+    check_weight_quant(common.WEIGHT_QUANT_INT4)
+
+
+def test_the_space_leaves_out_a_tensor_parallel_split_of_the_mlp_the_engine_cannot_make():
+    model = _model(heads=4, kv_heads=2, mlp_width=130, layers=4)  # 130 / 4 is not whole
+    pairs = {(int(c["tp"]), int(c["pp"])) for c in _space(model).configs}
+    assert (2, 1) in pairs and (4, 1) not in pairs
+
+
+def _space(model: model_pb.Model):
+    return enumerate_space(estimation_shape(model), 8, (Variant("fp16"),))
+
+
+@given(
+    heads=st.integers(1, 24),
+    kv_divisor=st.integers(1, 24),
+    mlp_width=st.integers(1, 400),
+    layers=st.integers(1, 12),
+)
+def test_every_configuration_the_estimator_ranks_is_one_the_deployer_runs(
+    heads, kv_divisor, mlp_width, layers
+):
+    """The estimator ranks from its space; whichever configuration comes first, the
+    deployer must not skip it for an engine reason."""
+    kv_heads = heads // kv_divisor if heads % kv_divisor == 0 else heads
+    model = _model(heads, kv_heads, mlp_width, layers)
+    for config in _space(model).configs:
+        tp, pp = int(config["tp"]), int(config["pp"])
+        requested = common.DeploymentConfig(tensor_parallel=tp, pipeline_parallel=pp)
+        try:
+            resolve_explicit(
+                model, requested, batch_size=1, max_input_tokens=0, max_output_tokens=0
+            )
+        except IServeError as exc:
+            pytest.fail(f"the estimator ranks tp={tp} pp={pp} but the deployer refuses: {exc}")
+    assert (1, 1) in {(int(c["tp"]), int(c["pp"])) for c in _space(model).configs}
