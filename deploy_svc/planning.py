@@ -6,32 +6,29 @@ rank order and takes the first one the engine can run and the devices can hold, 
 it with :func:`deploy_svc.placement.place`. Every better-ranked option it passes over is
 recorded with the reason, so the response can explain the choice.
 
-Memory of one rank holding ``k`` decoder layers is ``fixed + k * block``: ``block`` is
-the papers' ``mem_total / (tp * layers)`` from the estimate, never below what the
-model's shape says a layer's weights and KV cache take; ``fixed`` is the worker's
-runtime overhead (:data:`deploy_svc.memory.RUNTIME_OVERHEAD_BYTES`).
+Memory of one rank holding ``k`` decoder layers is ``fixed + k * block``, as
+:func:`services.reservation.memory_blocks` sizes it from the shape and the estimate.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from deploy_svc import placement
 from deploy_svc.explicit import ExplicitPlan, resolve_explicit
-from deploy_svc.memory import RUNTIME_OVERHEAD_BYTES, rank_memory
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument, IServeError, ResourceExhausted
+from services.reservation import memory_blocks
+from services.state.capacity import free_bytes
 
 __all__ = [
     "POLICIES",
     "Option",
     "decide",
-    "memory_blocks",
     "options_from_ranking",
     "policy_name",
     "simulated_nodes",
@@ -67,22 +64,6 @@ def policy_name(policy: int) -> str:
 
 def options_from_ranking(ranked: Sequence[estimator_pb.RankedConfig]) -> list[Option]:
     return [Option(r.rank, r.estimate.config, r.estimate, r.meets_intent) for r in ranked]
-
-
-def memory_blocks(
-    model: model_pb.Model,
-    config: common.DeploymentConfig,
-    max_seq_len: int,
-    estimate: estimator_pb.ConfigEstimate | None = None,
-) -> tuple[int, int]:
-    """(fixed bytes, bytes per decoder layer) of one rank of ``config``."""
-    layers = max(1, model.shape.num_layers)
-    tp = max(1, config.tensor_parallel)
-    whole = rank_memory(model.shape, config, max_seq_len, layers)
-    block = math.ceil((whole.total_bytes - whole.overhead_bytes) / layers)
-    if estimate is not None and estimate.memory_total_bytes:
-        block = max(block, math.ceil(estimate.memory_total_bytes / (tp * layers)))
-    return RUNTIME_OVERHEAD_BYTES, block
 
 
 def _engine_problem(
@@ -137,7 +118,8 @@ def decide(
             config, reason = _engine_problem(model, option.config, limits, cuda)
         if config is not None:
             tp, pp = config.tensor_parallel, config.pipeline_parallel
-            fixed, block = memory_blocks(model, config, limits.max_seq_len, option.estimate)
+            estimated = option.estimate.memory_total_bytes if option.estimate else 0
+            fixed, block = memory_blocks(model.shape, config, limits.max_seq_len, estimated)
             layers = model.shape.num_layers
             choice = placement.place(
                 devices,
@@ -235,7 +217,7 @@ def simulated_nodes(simulated: Sequence[common.DeviceState]) -> list[common.Node
             raise InvalidArgument(f"{name}: load must be in [0, 1]")
         seen.add(key)
         if not dev.free_bytes:
-            dev.free_bytes = max(0, dev.total_bytes - max(dev.used_bytes, dev.reserved_bytes))
+            dev.free_bytes = free_bytes(dev.total_bytes, dev.used_bytes, dev.reserved_bytes)
         node = nodes.setdefault(key[0], common.NodeState(node_id=key[0], alive=True))
         node.devices.append(dev)
     return list(nodes.values())

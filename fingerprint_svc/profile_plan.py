@@ -30,7 +30,6 @@ variable                            meaning                          default
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,15 +38,11 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import parallel_problem
-from services.models.arch import ArchSpec
 
 MIB = 1 << 20
 BASE_VARIANT = "base"
 # (tp, pp) in the order profiled: (1,1) first, since the model fails without it.
 REFERENCES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1))
-# Resident memory of an idle PyTorch worker process (interpreter, torch, gRPC): about
-# 330 MiB on CPU, rounded up as the deployer does so reservations cover it.
-RUNTIME_OVERHEAD_BYTES = 512 * MIB
 # Compute dtype bytes of a worker on a virtual CPU device (float32, see
 # monitor_agent.launch.worker_dtype).
 CPU_COMPUTE_BYTES = 4
@@ -265,39 +260,6 @@ def plan_jobs(
         for batch in settings.batch_sizes
     ]
     return jobs, skipped
-
-
-def rank_memory_bytes(
-    spec: ArchSpec, job: ProfileJob, max_seq_len: int, compute_bytes: int
-) -> list[int]:
-    """Memory to reserve for each rank of ``job`` on a fingerprint shaped ``spec``:
-    its stage's weights (layer tensors split tp ways, embedding, norm and LM head whole,
-    as the engine replicates them), its KV cache, activations of a prefill of the whole
-    sequence, and the runtime overhead of a worker process."""
-    if spec.num_layers != job.num_layers:
-        raise ValueError(f"spec has {spec.num_layers} layers, the job {job.num_layers}")
-    tp = job.tensor_parallel
-    shapes = spec.expected_tensors()
-    per_stage, first = [], 0
-    for count in job.stage_layers:
-        layer_tensors, other_tensors = set(), set()
-        for parameter, source in spec.stage_weights(first, count).items():
-            (layer_tensors if parameter.startswith("layers.") else other_tensors).add(source.tensor)
-        weights = (
-            sum(math.prod(shapes[t]) for t in layer_tensors) / tp
-            + sum(math.prod(shapes[t]) for t in other_tensors)
-        ) * compute_bytes
-        kv_heads = max(1, math.ceil(spec.num_kv_heads / tp))
-        kv = 2 * count * kv_heads * spec.head_dim * max_seq_len * job.batch_size * compute_bytes
-        tokens = job.batch_size * max_seq_len
-        activations = (
-            tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size // tp) * compute_bytes
-            + job.batch_size * spec.num_heads // tp * max_seq_len * max_seq_len * 4
-            + job.batch_size * spec.vocab_size * 8
-        )
-        per_stage.append(int(weights + kv + activations) + RUNTIME_OVERHEAD_BYTES)
-        first += count
-    return [per_stage[rank // tp] for rank in range(job.ranks)]
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,6 @@ from fingerprint_svc.profile_plan import (
     live_node_devices,
     no_room_reason,
     plan_jobs,
-    rank_memory_bytes,
     reference_label,
 )
 from services.api import agent_service_pb2 as agent_pb
@@ -56,6 +55,7 @@ from services.api import model_service_pb2 as model_pb
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config
+from services.reservation import fingerprint_rank_bytes
 from services.settings import Settings
 from services.state.store import ReservationError, StateStore
 
@@ -300,7 +300,14 @@ class Profiler:
         for _attempt in range(RESERVE_ATTEMPTS):
             nodes = await self.store.list_nodes()
             compute = compute_bytes_for(nodes, spec.dtype_bytes)
-            need = rank_memory_bytes(spec, job, self.profiling.max_seq_len, compute)
+            need = fingerprint_rank_bytes(
+                spec,
+                tensor_parallel=job.tensor_parallel,
+                stage_layers=job.stage_layers,
+                batch_size=job.batch_size,
+                max_seq_len=self.profiling.max_seq_len,
+                compute_bytes=compute,
+            )
             choice = choose_devices(nodes, need)
             if choice is None:
                 raise JobFailed(no_room_reason(nodes, need))

@@ -20,6 +20,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.state import keys
+from services.state.capacity import FREE_BYTES_LUA, free_bytes
 from services.state.records import decode, encode
 
 EVENTS_MAXLEN = 10_000
@@ -27,22 +28,22 @@ EVENTS_MAXLEN = 10_000
 # KEYS: reservation, reservation index, device keys…  ARGV: owner, bytes per device…
 # Returns {1} on success, {0, i, free} when device i lacks room, {-1, i} when device i
 # is unknown, {-2} when the owner already holds a reservation.
-_RESERVE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {-2} end
+_RESERVE = f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return {{-2}} end
 for i = 3, #KEYS do
-  local total = redis.call('HGET', KEYS[i], 'total')
-  if not total then return {-1, i - 3} end
+  local total = tonumber(redis.call('HGET', KEYS[i], 'total'))
+  if not total then return {{-1, i - 3}} end
   local used = tonumber(redis.call('HGET', KEYS[i], 'used') or '0')
   local reserved = tonumber(redis.call('HGET', KEYS[i], 'reserved') or '0')
-  local free = tonumber(total) - math.max(used, reserved)
-  if free < tonumber(ARGV[i - 1]) then return {0, i - 3, free} end
+  local free = {FREE_BYTES_LUA}
+  if free < tonumber(ARGV[i - 1]) then return {{0, i - 3, free}} end
 end
 for i = 3, #KEYS do
   redis.call('HINCRBY', KEYS[i], 'reserved', ARGV[i - 1])
   redis.call('HSET', KEYS[1], KEYS[i], ARGV[i - 1])
 end
 redis.call('SADD', KEYS[2], ARGV[1])
-return {1}
+return {{1}}
 """
 
 # KEYS: reservation, reservation index.  ARGV: owner.  Returns devices released.
@@ -75,7 +76,7 @@ class DeviceCounters:
 
     @property
     def free_bytes(self) -> int:
-        return max(0, self.total_bytes - max(self.used_bytes, self.reserved_bytes))
+        return free_bytes(self.total_bytes, self.used_bytes, self.reserved_bytes)
 
 
 def now_ms() -> int:

@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from deploy_svc.planning import memory_blocks
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli import stack as launcher
+from services.reservation import memory_blocks
 from services.state.store import StateStore
 from tests.integration.helpers import (
     deploy,
@@ -45,7 +45,7 @@ def need_of(model) -> int:
     config = common.DeploymentConfig(
         tensor_parallel=1, pipeline_parallel=1, dtype=model.shape.dtype, batch_size=1
     )
-    fixed, block = memory_blocks(model, config, MAX_INPUT + MAX_OUTPUT)
+    fixed, block = memory_blocks(model.shape, config, MAX_INPUT + MAX_OUTPUT)
     return fixed + block * model.shape.num_layers
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from deploy_svc.planning import memory_blocks
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
+from services.reservation import memory_blocks
 from tests.integration.helpers import (
     cli,
     deploy,
@@ -170,7 +170,7 @@ def test_fragmented_devices_get_an_uneven_layer_map_that_serves(stack):
     config = common.DeploymentConfig(
         tensor_parallel=1, pipeline_parallel=2, dtype=common.PRECISION_FLOAT32, batch_size=1
     )
-    fixed, block = memory_blocks(model, config, MAX_INPUT + MAX_OUTPUT)
+    fixed, block = memory_blocks(model.shape, config, MAX_INPUT + MAX_OUTPUT)
     # Sized from a state published after the previous test's workers stopped: a stale
     # reading of their memory would leave more room than intended once it is republished.
     devices = sorted(settled_devices(stack), key=lambda d: d.ref.device_id)[:2]

@@ -7,11 +7,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deploy_svc.explicit import checkpoint_for, resolve_explicit, token_limits
-from deploy_svc.memory import RUNTIME_OVERHEAD_BYTES, rank_memory
 from deploy_svc.placement import Candidate, even_layer_map
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument, Unimplemented
+from services.reservation import RUNTIME_OVERHEAD_BYTES, rank_memory
 
 MIB = 1 << 20
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from deploy_svc.explicit import ExplicitPlan
-from deploy_svc.memory import RUNTIME_OVERHEAD_BYTES
 from deploy_svc.placement import Candidate
-from deploy_svc.planning import Option, decide, memory_blocks, policy_name
+from deploy_svc.planning import Option, decide, policy_name
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import ResourceExhausted
+from services.reservation import RUNTIME_OVERHEAD_BYTES, memory_blocks
 
 GIB = 1 << 30
 LIMITS = ExplicitPlan(common.DeploymentConfig(batch_size=1), 64, 64)
@@ -84,10 +84,9 @@ def test_excluded_ranks_are_skipped_with_their_reason_and_fallbacks_are_noted():
 def test_memory_blocks_take_the_larger_of_estimate_and_shape():
     m = model()
     config = common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=1, batch_size=1)
-    fixed, block = memory_blocks(m, config, 128)
+    fixed, block = memory_blocks(m.shape, config, 128)
     assert fixed == RUNTIME_OVERHEAD_BYTES and block > 0
-    estimate = estimator_pb.ConfigEstimate(memory_total_bytes=64 * GIB)
-    _, bigger = memory_blocks(m, config, 128, estimate)
+    _, bigger = memory_blocks(m.shape, config, 128, 64 * GIB)
     assert bigger == 64 * GIB // (2 * 8)
 
 
@@ -95,7 +94,7 @@ def test_uneven_maps_are_explained():
     # The first device holds about one layer besides its fixed overhead.
     m = model()
     config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=2, batch_size=1)
-    fixed, block = memory_blocks(m, config, LIMITS.max_seq_len)
+    fixed, block = memory_blocks(m.shape, config, LIMITS.max_seq_len)
     free = [(fixed + block * 3 // 2) / GIB, 4.0]
     decision = decide(m, [option(1, pp=2)], devices(*free), LIMITS)
     assert [s.layer_count for s in decision.placement.stages] == [1, 7]

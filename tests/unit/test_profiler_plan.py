@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from fingerprint_svc.profile_plan import (
-    RUNTIME_OVERHEAD_BYTES,
     ProfileJob,
     ProfilingSettings,
     VariantTarget,
@@ -13,7 +12,6 @@ from fingerprint_svc.profile_plan import (
     fingerprint_layers,
     no_room_reason,
     plan_jobs,
-    rank_memory_bytes,
     variant_targets,
 )
 from fingerprint_svc.registry import check_variants
@@ -22,6 +20,7 @@ from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
 from services.models.arch import ArchSpec, config_with_layers
 from services.models.families import FAMILIES, ConfigRequest
+from services.reservation import RUNTIME_OVERHEAD_BYTES, fingerprint_rank_bytes
 
 MIB = 1 << 20
 
@@ -191,6 +190,17 @@ def test_worker_specs_split_stages_evenly():
     tp = ProfileJob(VariantTarget("base", "m"), 2, 1, 2, 2).worker_specs(["cpu0", "cpu1"])
     assert [(s.rank, s.tensor_rank, s.layer_count) for s in tp] == [(0, 0, 2), (1, 1, 2)]
     assert job.describe() == "base fingerprint(3 layers) tp=1 pp=2 batch=1"
+
+
+def rank_memory_bytes(spec, job: ProfileJob, max_seq_len: int, compute: int) -> list[int]:
+    return fingerprint_rank_bytes(
+        spec,
+        tensor_parallel=job.tensor_parallel,
+        stage_layers=job.stage_layers,
+        batch_size=job.batch_size,
+        max_seq_len=max_seq_len,
+        compute_bytes=compute,
+    )
 
 
 def test_rank_memory_covers_weights_cache_and_runtime():

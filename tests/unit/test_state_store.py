@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.state import keys
+from services.state.capacity import FREE_BYTES_LUA, free_bytes
 from services.state.store import ReservationError, StateStore
 
 MIB = 1 << 20
@@ -150,5 +154,43 @@ def test_profiles_and_calibrations_round_trip(run):
         assert [c.hardware_type for c in await store.list_calibrations()] == ["cpu-x86_64"]
         await store.delete_model("m1")
         assert await store.get_profile("m1") is None
+
+    run(body)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    total=st.integers(0, 1 << 44),
+    used=st.integers(0, 1 << 44),
+    reserved=st.integers(0, 1 << 44),
+)
+def test_the_free_memory_rule_is_the_same_in_python_and_in_lua(redis_url, total, used, reserved):
+    script = (
+        "local total, used, reserved = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])\n"
+        f"return {FREE_BYTES_LUA}"
+    )
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.eval(script, 0, total, used, reserved) == free_bytes(total, used, reserved)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("used", "reserved"), [(700, 0), (0, 700), (300, 700), (900, 100)])
+def test_a_reservation_fits_exactly_the_free_bytes_python_reports(run, used, reserved):
+    async def body(store):
+        await store.register_node(_node(devices=1, total=1024 * MIB), ttl_s=5)
+        ref = common.DeviceRef(node_id="n0", device_id="cpu0")
+        await store.redis.hset(keys.device("n0", "cpu0"), mapping={"used": used * MIB})
+        if reserved:
+            await store.reserve("held", {("n0", "cpu0"): reserved * MIB})
+        free = (await store.get_device(ref)).free_bytes
+        assert free == free_bytes(1024 * MIB, used * MIB, reserved * MIB)
+        with pytest.raises(ReservationError) as refused:
+            await store.reserve("one-too-many", {("n0", "cpu0"): free + 1})
+        assert refused.value.free_bytes == free
+        await store.reserve("exact", {("n0", "cpu0"): free})
 
     run(body)

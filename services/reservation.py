@@ -1,8 +1,18 @@
-"""How much device memory a deployment needs per rank, from the model's shape alone.
+"""How much device memory a rank reserves: the one sizing rule of the deployer and the
+profiler.
 
-Used for explicit configurations (and as the floor under estimates): weights split over
-tp·pp ranks, the KV cache for every slot at the maximum sequence length on each rank's
-layers and heads, and a fixed runtime overhead per worker process.
+A rank's reservation is a fixed runtime overhead per worker process
+(:data:`RUNTIME_OVERHEAD_BYTES`) plus what its share of the model takes:
+
+* a deployment's rank (:func:`rank_memory`, :func:`memory_blocks`), from the model's
+  shape: weights split over tp·pp ranks, the KV cache for every slot at the maximum
+  sequence length on the rank's layers and heads. With the estimator's figure for the
+  configuration (its total over all devices), a layer's block is the larger of the two,
+  so a reservation never falls below what the shape says a layer takes;
+* a profiling job's rank (:func:`fingerprint_rank_bytes`), from the fingerprint's exact
+  tensors: its stage's layer tensors split tp ways, the embedding, final norm and LM
+  head whole (the engine replicates them), the KV cache and a whole-sequence prefill's
+  activations (there is no estimate before a model is profiled).
 
 Compression, as the engine applies it to the decoder layers' projections (embeddings,
 norms and the LM head keep the served dtype): int8 weights take 1 byte per weight plus a
@@ -19,6 +29,7 @@ from dataclasses import dataclass
 
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.models.arch import ArchSpec
 from services.models.compression import (
     DEFAULT_INT4_GROUP_SIZE,
     DEFAULT_PRUNE_FRACTION,
@@ -71,10 +82,77 @@ def rank_memory(
     kv_element_bytes = served
     if config.kv_quant == common.KV_QUANT_INT8:
         kv_element_bytes = 1 + SCALE_BYTES / max(1, shape.head_dim)
-    kv = (
-        2 * stage_layers * kv_heads_per_rank * shape.head_dim * max_seq_len * slots
-    ) * kv_element_bytes
+    kv = kv_cache_bytes(
+        stage_layers, kv_heads_per_rank, shape.head_dim, max_seq_len, slots, kv_element_bytes
+    )
     return RankMemory(int(per_rank_weights), int(kv), RUNTIME_OVERHEAD_BYTES)
+
+
+def memory_blocks(
+    shape: model_pb.ModelShape,
+    config: common.DeploymentConfig,
+    max_seq_len: int,
+    estimate_total_bytes: int = 0,
+) -> tuple[int, int]:
+    """(fixed bytes, bytes per decoder layer) of one rank of ``config``: a rank holding
+    ``k`` layers reserves ``fixed + k * block``. ``block`` is the papers' ``mem_total /
+    (tp * layers)`` of the estimator's figure (``estimate_total_bytes``, 0 for none),
+    never below what the shape says a layer's weights and KV cache take."""
+    layers = max(1, shape.num_layers)
+    tp = max(1, config.tensor_parallel)
+    whole = rank_memory(shape, config, max_seq_len, layers)
+    block = math.ceil((whole.total_bytes - whole.overhead_bytes) / layers)
+    if estimate_total_bytes:
+        block = max(block, math.ceil(estimate_total_bytes / (tp * layers)))
+    return RUNTIME_OVERHEAD_BYTES, block
+
+
+def fingerprint_rank_bytes(
+    spec: ArchSpec,
+    *,
+    tensor_parallel: int,
+    stage_layers: tuple[int, ...],
+    batch_size: int,
+    max_seq_len: int,
+    compute_bytes: int,
+) -> list[int]:
+    """Memory to reserve for each rank (rank = stage·tp + tensor rank) of a profiling job
+    on a fingerprint shaped ``spec`` whose stages hold ``stage_layers`` layers."""
+    tp = tensor_parallel
+    shapes = spec.expected_tensors()
+    per_stage, first = [], 0
+    for count in stage_layers:
+        layer_tensors, other_tensors = set(), set()
+        for parameter, source in spec.stage_weights(first, count).items():
+            (layer_tensors if parameter.startswith("layers.") else other_tensors).add(source.tensor)
+        weights = (
+            sum(math.prod(shapes[t]) for t in layer_tensors) / tp
+            + sum(math.prod(shapes[t]) for t in other_tensors)
+        ) * compute_bytes
+        kv_heads = max(1, math.ceil(spec.num_kv_heads / tp))
+        kv = kv_cache_bytes(count, kv_heads, spec.head_dim, max_seq_len, batch_size, compute_bytes)
+        tokens = batch_size * max_seq_len
+        activations = (
+            tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size // tp) * compute_bytes
+            + batch_size * spec.num_heads // tp * max_seq_len * max_seq_len * 4
+            + batch_size * spec.vocab_size * 8
+        )
+        per_stage.append(int(weights + kv + activations) + RUNTIME_OVERHEAD_BYTES)
+        first += count
+    return [per_stage[rank // tp] for rank in range(len(stage_layers) * tp)]
+
+
+def kv_cache_bytes(
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    slots: int,
+    element_bytes: float,
+) -> float:
+    """K and V of ``layers`` layers' ``kv_heads`` heads for ``slots`` sequences of
+    ``max_seq_len`` positions, ``element_bytes`` per stored element."""
+    return 2 * layers * kv_heads * head_dim * max_seq_len * slots * element_bytes
 
 
 def served_weight_bytes(

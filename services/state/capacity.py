@@ -1,0 +1,20 @@
+"""A device's free memory: the one rule, in Python and in the Lua that reserves.
+
+Free bytes are the total less the larger of what is measured in use and what is
+reserved: a reservation holds room before its workers have allocated it, and memory used
+beyond any reservation (another process, a worker still exiting) is not free either.
+The reserve script (``services.state.store``) embeds :data:`FREE_BYTES_LUA`;
+``tests/unit/test_state_store.py`` runs both on the same counters and checks they agree.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FREE_BYTES_LUA", "free_bytes"]
+
+# Lua expression over the numbers total, used and reserved (the reserve script's locals).
+FREE_BYTES_LUA = "math.max(0, total - math.max(used, reserved))"
+
+
+def free_bytes(total: int, used: int, reserved: int) -> int:
+    """Bytes of a device that are neither in use nor reserved."""
+    return max(0, total - max(used, reserved))
