@@ -12,7 +12,7 @@ from services.service_main import ServiceParts, serve_service
 def build(settings, store) -> ServiceParts:
     agents = AgentClients()
     controller = DeploymentController(settings, store, agents)
-    reconciler = Reconciler(controller, store)
+    reconciler = Reconciler(controller, store, agents)
     return ServiceParts(
         bindings=[
             ServiceBinding(

@@ -1,9 +1,9 @@
 """Deployment lifecycle: reserve, launch through the agents, record, remove, fail.
 
-The decisions (what config, which devices, which layers) come from the plain modules
-``explicit``, ``memory`` and ``placement``; this module does the I/O around them and
-guarantees that a failed Deploy leaves nothing behind: no reservation, no record, no
-worker.
+The decision (hardware type, configuration, devices, layers) is ``planning``'s; this
+module only reads state, asks the estimator for a ranking, reserves, launches and
+records, and guarantees that a failed Deploy leaves nothing behind: no reservation, no
+record, no worker. A deployment fails through one path (:meth:`mark_failed`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 
 import grpc
 
-from deploy_svc import placement, planning
+from deploy_svc import planning
 from deploy_svc.agents import AgentClients
 from deploy_svc.explicit import ExplicitPlan, checkpoint_for, resolve_limits
 from services.api import agent_service_pb2 as agent_pb
@@ -48,20 +47,6 @@ RANK_TIMEOUT_S = 60.0
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """A request's decision inputs that do not change while it is retried."""
-
-    model: model_pb.Model
-    limits: ExplicitPlan
-    policy: str
-    cuda: bool
-    options: list[planning.Option]
-    hardware_type: str | None  # None: any device (an explicit configuration)
-    note: str
-    nodes: list[common.NodeState]  # as seen when the request was prepared
 
 
 class DeploymentController:
@@ -154,15 +139,11 @@ class DeploymentController:
         intent.CopyFrom(request.intent)
         intent.kind = intent.kind or common.INTENT_KIND_MIN_COST  # the default intent
         check_intent(intent)
-        by_type: dict[str, list[common.DeviceState]] = {}
-        for node in nodes:
-            if node.alive:
-                for dev in node.devices:
-                    by_type.setdefault(dev.hardware_type, []).append(dev)
-        if not by_type:
+        order = planning.hardware_order(nodes)
+        if not order:
             raise ResourceExhausted("no live devices to deploy on")
         refusals = []
-        for hardware_type, devices in sorted(by_type.items(), key=lambda kv: -len(kv[1])):
+        for hardware_type, device_count in order:
             try:
                 reply = await self.estimator.RankConfigs(
                     estimator_pb.RankConfigsRequest(
@@ -174,7 +155,7 @@ class DeploymentController:
                             output_tokens=limits.max_output_tokens,
                             batch_size=limits.config.batch_size,
                         ),
-                        device_count=len(devices),
+                        device_count=device_count,
                         intent=intent,
                     ),
                     timeout=RANK_TIMEOUT_S,
@@ -190,14 +171,14 @@ class DeploymentController:
                 continue
             options = planning.options_from_ranking(reply.ranked)
             note = "; ".join(
-                p for p in (f"ranked for {hardware_type} ({len(devices)} devices)", reply.note) if p
+                p for p in (f"ranked for {hardware_type} ({device_count} devices)", reply.note) if p
             )
             return options, hardware_type, note
         raise FailedPrecondition(
             f"cannot rank {model.model_id} for an intent: " + "; ".join(refusals)
         )
 
-    async def _prepare(self, request, *, launch: bool) -> _Prepared:
+    async def _prepare(self, request, *, launch: bool) -> planning.Prepared:
         """Everything a Deploy/PlanDeployment decision needs but the devices' current
         state: the model, limits, policy and the ranked options (one ranking per call)."""
         model = await self._model(request.model_id, launch=launch)
@@ -206,39 +187,16 @@ class DeploymentController:
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         nodes = await self._nodes(request)
-        cuda = any(d.kind == common.DEVICE_KIND_CUDA for n in nodes if n.alive for d in n.devices)
+        cuda = planning.on_cuda(nodes)
         limits = resolve_limits(model, request, cuda=cuda)
         options, hardware_type, note = await self._options(model, request, limits, nodes)
-        return _Prepared(model, limits, policy, cuda, options, hardware_type, note, nodes)
-
-    def _decide(
-        self,
-        prepared: _Prepared,
-        nodes: list[common.NodeState],
-        excluded: dict[int, str] | None = None,
-    ) -> deploy_pb.DeploymentDecision:
-        """Place the prepared options on ``nodes`` (those of its hardware type)."""
-        devices = [
-            c
-            for c in placement.candidates(nodes)
-            if prepared.hardware_type is None or c.hardware_type == prepared.hardware_type
-        ]
-        return planning.decide(
-            prepared.model,
-            prepared.options,
-            devices,
-            prepared.limits,
-            policy=prepared.policy,
-            excluded=excluded,
-            note=prepared.note,
-            cuda=prepared.cuda,
-        )
+        return planning.Prepared(model, limits, policy, cuda, options, hardware_type, note, nodes)
 
     async def plan(self, request) -> deploy_pb.DeploymentDecision:
         """The decision for a PlanDeployment request against the live cluster (or
         ``request.devices`` when given)."""
         prepared = await self._prepare(request, launch=False)
-        return self._decide(prepared, prepared.nodes)
+        return planning.decide_on(prepared, prepared.nodes)
 
     # ---- deploy ---------------------------------------------------------------------
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:
@@ -271,7 +229,7 @@ class DeploymentController:
         last_failure: IServeError | None = None
         while True:
             try:
-                decision = self._decide(prepared, nodes, excluded)
+                decision = planning.decide_on(prepared, nodes, excluded)
             except ResourceExhausted as exc:
                 if last_failure is None:
                     raise
@@ -359,13 +317,19 @@ class DeploymentController:
             request_id=request.request_id, deployment=deployment, decision=decision
         )
 
-    async def _agent_address(self, node_id: str) -> str:
-        for node in await self.store.list_nodes():
-            if node.node_id == node_id:
-                if not node.alive:
-                    raise FailedPrecondition(f"node {node_id} is not alive")
-                return node.agent_address
-        raise FailedPrecondition(f"node {node_id} is unknown")
+    async def _agent_addresses(self) -> dict[str, str]:
+        """Each node's agent address, "" for a node that is not alive (one listing)."""
+        return {
+            n.node_id: n.agent_address if n.alive else "" for n in await self.store.list_nodes()
+        }
+
+    @staticmethod
+    def _address(addresses: dict[str, str], node_id: str) -> str:
+        if node_id not in addresses:
+            raise FailedPrecondition(f"node {node_id} is unknown")
+        if not addresses[node_id]:
+            raise FailedPrecondition(f"node {node_id} is not alive")
+        return addresses[node_id]
 
     async def _start_workers(self, model, deployment, max_seq_len: int, ready_timeout_ms: int):
         timeout_ms = ready_timeout_ms or int(self.settings.ready_timeout_s * 1000)
@@ -384,8 +348,9 @@ class DeploymentController:
                     )
                 )
         calls = []
+        addresses = await self._agent_addresses()
         for node_id, specs in by_node.items():
-            stub = self.agents.stub(await self._agent_address(node_id))
+            stub = self.agents.stub(self._address(addresses, node_id))
             calls.append(
                 stub.StartWorkers(
                     agent_pb.StartWorkersRequest(
@@ -410,14 +375,18 @@ class DeploymentController:
     async def teardown(self, deployment: deploy_pb.Deployment) -> None:
         """Stop the deployment's workers on every node (best effort) and release its memory."""
         nodes = {ref.node_id for stage in deployment.placement.stages for ref in stage.devices}
-        for node_id in sorted(nodes):
-            await self.stop_on(node_id, deployment.deployment_id)
+        await self.stop_on(sorted(nodes), deployment.deployment_id)
         await self.store.release(deployment.deployment_id)
 
-    async def stop_on(self, node_id: str, deployment_id: str) -> None:
-        """Ask one node's agent to stop a deployment's workers (best effort)."""
+    async def stop_on(self, node_ids: list[str], deployment_id: str) -> None:
+        """Ask the nodes' agents to stop a deployment's workers (best effort)."""
+        addresses = await self._agent_addresses()
+        for node_id in node_ids:
+            await self._stop_one(addresses, node_id, deployment_id)
+
+    async def _stop_one(self, addresses: dict[str, str], node_id: str, deployment_id: str) -> None:
         try:
-            stub = self.agents.stub(await self._agent_address(node_id))
+            stub = self.agents.stub(self._address(addresses, node_id))
             await stub.StopWorkers(
                 agent_pb.StopWorkersRequest(deployment_id=deployment_id), timeout=STOP_TIMEOUT_S
             )
@@ -425,6 +394,8 @@ class DeploymentController:
             log.warning("could not stop workers of %s on %s: %s", deployment_id, node_id, exc)
 
     async def mark_failed(self, deployment: deploy_pb.Deployment, reason: str) -> None:
+        """Record ``deployment`` FAILED with ``reason``, stop what is left of it, release
+        its memory and say so: the one way a deployment fails."""
         deployment.state = deploy_pb.DEPLOYMENT_STATE_FAILED
         deployment.state_reason = reason
         await self.store.put_deployment(deployment)
@@ -432,6 +403,7 @@ class DeploymentController:
         await self.store.publish_event(
             "deployment_failed", deployment_id=deployment.deployment_id, reason=reason
         )
+        log.warning("deployment %s failed: %s", deployment.deployment_id, reason)
 
     # ---- remove and fail ------------------------------------------------------------
     async def remove(self, deployment_id: str) -> None:
@@ -451,12 +423,5 @@ class DeploymentController:
             deployment = await self.store.get_deployment(deployment_id)
             if deployment is None or deployment.state != deploy_pb.DEPLOYMENT_STATE_READY:
                 return False
-            deployment.state = deploy_pb.DEPLOYMENT_STATE_FAILED
-            deployment.state_reason = reason
-            await self.store.put_deployment(deployment)
-            await self.teardown(deployment)
-            await self.store.publish_event(
-                "deployment_failed", deployment_id=deployment_id, reason=reason
-            )
-            log.warning("deployment %s failed: %s", deployment_id, reason)
+            await self.mark_failed(deployment, reason)
             return True

@@ -1,10 +1,14 @@
-"""From ranked configurations and device state to one decision, free of gRPC and Redis.
+"""The whole deploy decision, free of gRPC and Redis.
 
-The controller gets the options (one explicit configuration, or the estimator's ranking
-for an intent) and the devices (live or simulated); :func:`decide` walks the options in
-rank order and takes the first one the engine can run and the devices can hold, placing
-it with :func:`deploy_svc.placement.place`. Every better-ranked option it passes over is
-recorded with the reason, so the response can explain the choice.
+Which hardware type an intent is ranked for (:func:`hardware_order`: the types of the
+live devices, most devices first), whether the devices are CUDA devices
+(:func:`on_cuda`), which devices may take the configuration (:func:`candidates_for`),
+and :func:`decide`, which walks the options in rank order and takes the first one the
+engine can run and the devices can hold, placing it with
+:func:`deploy_svc.placement.place`. Every better-ranked option it passes over is recorded
+with the reason, so the response can explain the choice. The controller only gathers the
+inputs (:class:`Prepared`: the model, limits, the estimator's ranking) and device state,
+then reserves, launches and records what :func:`decide_on` chose.
 
 Memory of one rank holding ``k`` decoder layers is ``fixed + k * block``, as
 :func:`services.reservation.memory_blocks` sizes it from the shape and the estimate.
@@ -28,7 +32,12 @@ from services.state.capacity import free_bytes
 __all__ = [
     "POLICIES",
     "Option",
+    "Prepared",
+    "candidates_for",
     "decide",
+    "decide_on",
+    "hardware_order",
+    "on_cuda",
     "options_from_ranking",
     "policy_name",
     "simulated_nodes",
@@ -53,6 +62,65 @@ class Option:
     config: common.DeploymentConfig
     estimate: estimator_pb.ConfigEstimate | None = None
     meets_intent: bool = True
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request's decision inputs that do not change while it is retried."""
+
+    model: model_pb.Model
+    limits: ExplicitPlan
+    policy: str
+    cuda: bool
+    options: list[Option]
+    hardware_type: str | None  # None: any device (an explicit configuration)
+    note: str
+    nodes: list[common.NodeState]  # as seen when the request was prepared
+
+
+def hardware_order(nodes: Sequence[common.NodeState]) -> list[tuple[str, int]]:
+    """(hardware type, live devices) of every type among the live nodes, most devices
+    first: the order an intent is ranked in until the model is profiled on one."""
+    counts: dict[str, int] = {}
+    for node in nodes:
+        if node.alive:
+            for dev in node.devices:
+                counts[dev.hardware_type] = counts.get(dev.hardware_type, 0) + 1
+    return sorted(counts.items(), key=lambda item: -item[1])
+
+
+def on_cuda(nodes: Sequence[common.NodeState]) -> bool:
+    """Whether the live devices include CUDA devices (which also serve float16)."""
+    return any(d.kind == common.DEVICE_KIND_CUDA for n in nodes if n.alive for d in n.devices)
+
+
+def candidates_for(
+    nodes: Sequence[common.NodeState], hardware_type: str | None
+) -> list[placement.Candidate]:
+    """The devices a configuration ranked for ``hardware_type`` may go on (any: None)."""
+    return [
+        c
+        for c in placement.candidates(nodes)
+        if hardware_type is None or c.hardware_type == hardware_type
+    ]
+
+
+def decide_on(
+    prepared: Prepared,
+    nodes: Sequence[common.NodeState],
+    excluded: Mapping[int, str] | None = None,
+) -> deploy_pb.DeploymentDecision:
+    """:func:`decide` for ``prepared`` on the devices of ``nodes`` it may use."""
+    return decide(
+        prepared.model,
+        prepared.options,
+        candidates_for(nodes, prepared.hardware_type),
+        prepared.limits,
+        policy=prepared.policy,
+        excluded=excluded,
+        note=prepared.note,
+        cuda=prepared.cuda,
+    )
 
 
 def policy_name(policy: int) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deploy_svc.agents import AgentClients
 from deploy_svc.controller import DeploymentController
 from services.api import agent_service_pb2 as agent_pb
 from services.api import deployment_service_pb2 as deploy_pb
@@ -51,9 +52,10 @@ def _rank_count(deployment: deploy_pb.Deployment) -> int:
 
 
 class Reconciler:
-    def __init__(self, controller: DeploymentController, store: StateStore):
+    def __init__(self, controller: DeploymentController, store: StateStore, agents: AgentClients):
         self.controller = controller
         self.store = store
+        self.agents = agents
 
     async def reconcile_on_start(self) -> list[str]:
         """Make Redis and the agents agree after a (re)start of this service; returns what
@@ -98,8 +100,7 @@ class Reconciler:
             if deployment_id not in holding and not deployment_id.startswith(
                 PROFILING_OWNER_PREFIX
             ):
-                for node_id in sorted({w.node_id for w in workers}):
-                    await self.controller.stop_on(node_id, deployment_id)
+                await self.controller.stop_on(sorted({w.node_id for w in workers}), deployment_id)
                 actions.append(f"stopped orphaned workers of {deployment_id}")
         for line in actions:
             log.info("reconcile: %s", line)
@@ -115,7 +116,7 @@ class Reconciler:
             if not node.alive:
                 continue
             try:
-                reply = await self.controller.agents.stub(node.agent_address).ListWorkers(
+                reply = await self.agents.stub(node.agent_address).ListWorkers(
                     agent_pb.ListWorkersRequest(), timeout=LIST_TIMEOUT_S
                 )
             except grpc.RpcError as exc:

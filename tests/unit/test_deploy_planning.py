@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from deploy_svc import planning
 from deploy_svc.explicit import ExplicitPlan
 from deploy_svc.placement import Candidate
 from deploy_svc.planning import Option, decide, policy_name
@@ -113,3 +114,34 @@ def test_policy_names():
     assert policy_name(common.PLACEMENT_POLICY_LEAST_LOADED) == "least-loaded"
     with pytest.raises(ValueError):
         policy_name(17)
+
+
+def _node(node_id: str, *devices: tuple[str, int], alive: bool = True) -> common.NodeState:
+    return common.NodeState(
+        node_id=node_id,
+        alive=alive,
+        devices=[
+            common.DeviceState(
+                ref=common.DeviceRef(node_id=node_id, device_id=f"d{i}"),
+                hardware_type=hardware,
+                kind=kind,
+                total_bytes=GIB,
+                free_bytes=GIB,
+            )
+            for i, (hardware, kind) in enumerate(devices)
+        ],
+    )
+
+
+def test_an_intent_is_ranked_for_the_hardware_type_with_most_live_devices():
+    cpu, cuda = ("cpu-x86_64", common.DEVICE_KIND_CPU_VIRTUAL), ("h100", common.DEVICE_KIND_CUDA)
+    nodes = [
+        _node("a", cpu, cpu),
+        _node("b", cuda, cuda, cuda),
+        _node("c", cuda, cuda, cuda, alive=False),  # dead: counts for nothing
+    ]
+    assert planning.hardware_order(nodes) == [("h100", 3), ("cpu-x86_64", 2)]
+    assert planning.on_cuda(nodes) and not planning.on_cuda(nodes[:1])
+    assert {c.hardware_type for c in planning.candidates_for(nodes, "cpu-x86_64")} == {"cpu-x86_64"}
+    assert len(planning.candidates_for(nodes, None)) == 5  # an explicit configuration
+    assert planning.hardware_order([nodes[2]]) == []
