@@ -27,6 +27,24 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from estimator_svc.calibration import (  # noqa: E402
+    CalibrationTable,
+    calibration_table,
+    fit_calibration,
+    predict_rows,
+)
+from estimator_svc.extrapolation import (  # noqa: E402
+    ModelReferences,
+    Workload,
+    estimate,
+    model_references,
+)
+from estimator_svc.profiles import (  # noqa: E402
+    Sample,
+    estimation_shape,
+    estimation_variants,
+    sample_from_measurement,
+)
 from fingerprint_svc.importing import plan_maveriq_import  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.estimation.calibrate import calibrate_parallel_constants  # noqa: E402
@@ -35,24 +53,6 @@ from services.estimation.latency import (  # noqa: E402
     O_PP_FROM_BASE,
     REFERENCE_LAYOUTS,
     parallel_latency,
-)
-from services.estimator.calibration import (  # noqa: E402
-    CalibrationTable,
-    calibration_table,
-    fit_calibration,
-    predict_rows,
-)
-from services.estimator.extrapolation import (  # noqa: E402
-    ModelReferences,
-    Workload,
-    estimate,
-    model_references,
-)
-from services.estimator.profiles import (  # noqa: E402
-    Sample,
-    estimation_shape,
-    estimation_variants,
-    sample_from_measurement,
 )
 from services.importers.maveriq import MaverIQData, Measurement, load_directory  # noqa: E402
 

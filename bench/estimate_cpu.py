@@ -18,7 +18,7 @@ Estimates come from ``EstimatorService.EstimateConfigs`` (hardware ``cpu-x86_64`
 workload batch 1, 64-token prompt, 16 output tokens, 2 devices), compared with the
 measured full-model run at 16 output tokens. Three estimator states:
 
-  shipped      the calibration committed in services/estimator/calibrations (fitted
+  shipped      the calibration committed in estimator_svc/calibrations (fitted
                by an earlier run of this bench, so in part on the same models);
   LOAO         leave one architecture out: the full-model rows of the other two
                architectures are stored as ``full_model`` measurements, ``Calibrate``
@@ -27,7 +27,7 @@ measured full-model run at 16 output tokens. Three estimator states:
   all          calibrated on all three (in-sample, for reference only).
 
 The calibration fitted on all three is written to
-``services/estimator/calibrations/cpu-x86_64.json`` with ``--write-calibration`` when the
+``estimator_svc/calibrations/cpu-x86_64.json`` with ``--write-calibration`` when the
 fit is sane (finite constants, reference scales within 0.5-2, fit error below 15 %).
 
 Run: .venv/bin/python bench/estimate_cpu.py [--save raw.json] [--load raw.json]
@@ -53,6 +53,7 @@ from google.protobuf import json_format
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from estimator_svc.calibration_message import SHIPPED_DIR  # noqa: E402
 from fingerprint_svc.profile_plan import ProfileJob, VariantTarget  # noqa: E402
 from services.api import agent_service_pb2 as agent_pb  # noqa: E402
 from services.api import (  # noqa: E402
@@ -66,7 +67,6 @@ from services.api import deployment_service_pb2 as deploy_pb  # noqa: E402
 from services.api import estimator_service_pb2 as est_pb  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.cli import stack as launcher  # noqa: E402
-from services.estimator.calibration_message import SHIPPED_DIR  # noqa: E402
 from services.models.checkpoint import create_checkpoint  # noqa: E402
 from services.state.store import StateStore  # noqa: E402
 

@@ -1,11 +1,11 @@
-"""Fit the calibrations shipped with iserve (``services/estimator/calibrations/*.json``).
+"""Fit the calibrations shipped with iserve (``estimator_svc/calibrations/*.json``).
 
 ``rtx-a6000.json``: fitted on MaverIQ's published RTX A6000 measurements, exactly as
 ``iserve profile import`` followed by ``iserve calibrate --hardware rtx-a6000`` would on
 a stack holding only that data: the files go through the service's import
 (``fingerprint_svc.importing``), every model's fingerprint runs are extrapolated by
-``services.estimator.profiles`` and the constants fitted on the full-model runs by
-``services.estimator.calibration``.
+``estimator_svc.profiles`` and the constants fitted on the full-model runs by
+``estimator_svc.calibration``.
 
 ``cpu-x86_64.json`` is not written here: ``bench/estimate_cpu.py --write-calibration``
 fits it on full-model runs measured on this machine's CPU.
@@ -31,19 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from google.protobuf import json_format  # noqa: E402
 
-from fingerprint_svc.importing import plan_maveriq_import  # noqa: E402
-from services.api import model_service_pb2 as model_pb  # noqa: E402
-from services.estimator.calibration import (  # noqa: E402
+from estimator_svc.calibration import (  # noqa: E402
     HardwareCalibration,
     fit_hardware_calibration,
 )
-from services.estimator.calibration_message import SHIPPED_DIR, to_proto  # noqa: E402
-from services.estimator.extrapolation import model_references  # noqa: E402
-from services.estimator.profiles import (  # noqa: E402
+from estimator_svc.calibration_message import SHIPPED_DIR, to_proto  # noqa: E402
+from estimator_svc.extrapolation import model_references  # noqa: E402
+from estimator_svc.profiles import (  # noqa: E402
     estimation_shape,
     estimation_variants,
     sample_from_measurement,
 )
+from fingerprint_svc.importing import plan_maveriq_import  # noqa: E402
+from services.api import model_service_pb2 as model_pb  # noqa: E402
 
 HARDWARE = "rtx-a6000"
 # RTX A6000: 48 GB per GPU (as bench/estimate_a6000.py counts it).

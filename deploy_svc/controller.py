@@ -33,8 +33,8 @@ from services.errors import (
     ResourceExhausted,
     from_rpc_error,
 )
-from services.estimator.ranking import check_intent
 from services.grpc_server import channel
+from services.intents import check_intent, with_default
 from services.settings import Settings
 from services.state.store import ReservationError, StateStore
 
@@ -135,9 +135,7 @@ class DeploymentController:
         the model is profiled on."""
         if request.HasField("config"):
             return [planning.Option(rank=1, config=limits.config)], None, "explicit configuration"
-        intent = common.Intent()
-        intent.CopyFrom(request.intent)
-        intent.kind = intent.kind or common.INTENT_KIND_MIN_COST  # the default intent
+        intent = with_default(request.intent)
         check_intent(intent)
         order = planning.hardware_order(nodes)
         if not order:

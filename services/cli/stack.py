@@ -37,7 +37,7 @@ from services.settings import (
 SERVICES = [
     ("agent", "monitor_agent"),
     ("model", "fingerprint_svc"),
-    ("estimator", "services.estimator"),
+    ("estimator", "estimator_svc"),
     ("deploy", "deploy_svc"),
     ("scheduler", "scheduler_svc"),
 ]

@@ -231,14 +231,18 @@ def _order(candidates: np.ndarray, key: np.ndarray, devices: np.ndarray) -> np.n
     return sub
 
 
-def rank(estimates: Estimates, intent: Intent) -> Ranking:
+def rank(estimates: Estimates, intent: Intent, cost: np.ndarray | None = None) -> Ranking:
     """Order the configurations that fit for ``intent``; see :class:`Intent`.
 
-    An accuracy floor is applied first; when no configuration meets it the note says so
-    and the floor is dropped. A latency SLO nobody meets falls back to minimum latency,
-    a cost budget nobody meets to minimum cost; both say so in the notes.
+    ``cost`` is what ``min_cost`` and ``cost_slo`` rank by (default: memory × latency,
+    ``estimates.cost_memory_latency``). An accuracy floor is applied as given: only
+    configurations that reach it are ranked (what to do with a floor nobody reaches is
+    ``services.intents.resolve_accuracy_floor``'s decision, taken before). A latency SLO
+    nobody meets falls back to minimum latency, a cost budget nobody meets to minimum
+    cost; both say so in the notes.
     """
     e = estimates
+    cost = e.cost_memory_latency if cost is None else cost
     notes: list[str] = []
     devices = e.space.device_count
     candidates = np.flatnonzero(e.fits)
@@ -251,27 +255,26 @@ def rank(estimates: Estimates, intent: Intent) -> Ranking:
         return Ranking(candidates, tuple(notes))
 
     if intent.accuracy_floor_pct is not None:
-        accurate = candidates[e.accuracy_pct[candidates] >= intent.accuracy_floor_pct]
-        if accurate.size:
-            candidates = accurate
-        else:
+        candidates = candidates[e.accuracy_pct[candidates] >= intent.accuracy_floor_pct]
+        if candidates.size == 0:
             notes.append(
-                f"no configuration reaches the accuracy floor of {intent.accuracy_floor_pct:g} %; "
-                f"ranking all by {intent.kind}"
+                f"no configuration that fits reaches the accuracy floor of "
+                f"{intent.accuracy_floor_pct:g} %"
             )
+            return Ranking(candidates, tuple(notes))
 
     kind = intent.kind
     if kind == "latency_slo":
         meeting = candidates[e.latency_s[candidates] <= intent.latency_slo_s]
         if meeting.size:
-            return Ranking(_order(meeting, e.cost_memory_latency, devices), tuple(notes))
+            return Ranking(_order(meeting, cost, devices), tuple(notes))
         notes.append(
             f"no configuration meets the latency SLO of {intent.latency_slo_s:g} s; "
             "falling back to minimum latency"
         )
         kind = "min_latency"
     if kind == "cost_slo":
-        meeting = candidates[e.cost_memory_latency[candidates] <= intent.cost_budget]
+        meeting = candidates[cost[candidates] <= intent.cost_budget]
         if meeting.size:
             return Ranking(_order(meeting, e.latency_s, devices), tuple(notes))
         notes.append(
@@ -280,7 +283,7 @@ def rank(estimates: Estimates, intent: Intent) -> Ranking:
         )
         kind = "min_cost"
     key = {
-        "min_cost": e.cost_memory_latency,
+        "min_cost": cost,
         "min_latency": e.latency_s,
         "min_memory": e.cost_memory_gib,
         "min_device_hours": e.cost_device_hours,

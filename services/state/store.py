@@ -164,7 +164,7 @@ class StateStore:
         return dict(await self.redis.hgetall(keys.profile_sources(model_id)))
 
     async def put_config_map(self, model_id: str, hardware_type: str, config_map: str) -> None:
-        """Store the estimator's configuration map of a model (JSON text, services/estimator)."""
+        """Store the estimator's configuration map of a model (JSON text, estimator_svc)."""
         await self.redis.set(keys.config_map(model_id, hardware_type), config_map)
 
     async def get_config_map(self, model_id: str, hardware_type: str) -> str | None:

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deploy_svc.explicit import resolve_explicit
+from estimator_svc.profiles import estimation_shape
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import (
@@ -18,7 +19,6 @@ from services.engine_rules import (
 )
 from services.errors import IServeError, Unimplemented
 from services.estimation.space import Variant, enumerate_space
-from services.estimator.profiles import estimation_shape
 
 
 def _model(heads: int, kv_heads: int, mlp_width: int, layers: int) -> model_pb.Model:

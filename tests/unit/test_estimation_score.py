@@ -111,9 +111,10 @@ def test_fallbacks_are_explained():
     budget = rank(est, Intent("cost_slo", cost_budget=0.001))
     assert "falling back to minimum cost" in budget.notes[0]
     assert budget.best == rank(est, Intent("min_cost")).best
+    # A floor is applied as given (the fallback is services.intents'): nobody reaches it.
     floor = rank(est, Intent("min_memory", accuracy_floor_pct=101))
-    assert "no configuration reaches the accuracy floor of 101 %" in floor.notes[0]
-    assert floor.indices.size == space.size
+    assert "no configuration that fits reaches the accuracy floor of 101 %" in floor.notes[0]
+    assert floor.indices.size == 0 and floor.best is None
 
 
 def test_configurations_that_do_not_fit_are_left_out():

@@ -1,4 +1,4 @@
-"""Stored profile measurements to estimation inputs (services/estimator/profiles.py)."""
+"""Stored profile measurements to estimation inputs (estimator_svc/profiles.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import collections
 import numpy as np
 import pytest
 
+from estimator_svc import extrapolation, profiles
+from estimator_svc.calibration_message import from_proto, load_shipped
 from fingerprint_svc.importing import plan_maveriq_import
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
@@ -14,8 +16,6 @@ from services.estimation.extrapolate import LatencySample
 from services.estimation.latency import REFERENCE_LAYOUTS
 from services.estimation.references import extrapolate_references
 from services.estimation.space import ModelShape, enumerate_space
-from services.estimator import extrapolation, profiles
-from services.estimator.calibration_message import from_proto, load_shipped
 from services.importers.maveriq import load_directory
 from tests.unit.estimator_data import TRUTH, profiler_rows, shared_data
 

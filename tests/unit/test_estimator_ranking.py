@@ -5,19 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.api import common_pb2 as common
-from services.api import estimator_service_pb2 as estimator_pb
-from services.errors import FailedPrecondition, InvalidArgument
-from services.estimation.memory import GIB
-from services.estimator.calibration_message import load_shipped
-from services.estimator.config_map import build_config_map
-from services.estimator.extrapolation import Workload
-from services.estimator.messages import (
+from estimator_svc.calibration_message import load_shipped
+from estimator_svc.config_map import build_config_map
+from estimator_svc.extrapolation import Workload
+from estimator_svc.messages import (
     estimate_messages,
     ranked_messages,
     workload_from_proto,
 )
-from services.estimator.ranking import formula_cost, rank_for_intent
+from estimator_svc.ranking import formula_cost, rank_for_intent
+from services.api import common_pb2 as common
+from services.api import estimator_service_pb2 as estimator_pb
+from services.errors import FailedPrecondition, InvalidArgument
+from services.estimation.memory import GIB
+from services.intents import check_intent
 from tests.unit.estimator_data import tiny_model, tiny_rows
 
 K = common
@@ -128,9 +129,10 @@ def test_cost_slo_in_the_formulas_unit(estimated):
         (K.Intent(kind=K.INTENT_KIND_MIN_COST, min_accuracy=float("nan")), "min_accuracy"),
     ],
 )
-def test_bad_intents_are_invalid_arguments(estimated, intent, message):
+def test_bad_intents_are_invalid_arguments(intent, message):
+    # Checked once, where the intent enters a service (RankConfigs, Deploy).
     with pytest.raises(InvalidArgument, match=message):
-        rank_for_intent(estimated[0], intent)
+        check_intent(intent)
 
 
 def test_messages_carry_units_and_ranks(estimated):

@@ -27,14 +27,14 @@ from dataclasses import dataclass, replace
 
 from google.protobuf import json_format
 
+from estimator_svc import extrapolation, profiles
+from estimator_svc.calibration_message import from_proto
+from estimator_svc.extrapolation import ModelReferences, PromptReferences, Workload
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.estimation.references import ReferenceProfile, VariantProfile
 from services.estimation.score import Estimates
 from services.estimation.space import ModelShape, Variant
-from services.estimator import extrapolation, profiles
-from services.estimator.calibration_message import from_proto
-from services.estimator.extrapolation import ModelReferences, PromptReferences, Workload
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from estimator_svc.messages import estimate_messages, ranked_messages, workload_from_proto
+from estimator_svc.ranking import rank_for_intent
+from estimator_svc.service import Estimator
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
-from services.estimator.messages import estimate_messages, ranked_messages, workload_from_proto
-from services.estimator.ranking import check_intent, rank_for_intent
-from services.estimator.service import Estimator
 from services.ids import check_hardware_type
+from services.intents import check_intent
 
 
 class EstimatorServicer(estimator_service_pb2_grpc.EstimatorServiceServicer):

@@ -12,32 +12,16 @@ whether it meets the intent itself or is only kept as a fallback.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from services.api import common_pb2 as common
-from services.errors import FailedPrecondition, InvalidArgument
 from services.estimation.memory import GIB
 from services.estimation.score import Estimates, Intent, rank
+from services.intents import COST_UNITS, INTENT_KINDS, resolve_accuracy_floor
 
-__all__ = ["RankedConfigs", "check_intent", "rank_for_intent"]
-
-_KINDS = {
-    common.INTENT_KIND_MIN_COST: "min_cost",
-    common.INTENT_KIND_MIN_LATENCY: "min_latency",
-    common.INTENT_KIND_MIN_MEMORY: "min_memory",
-    common.INTENT_KIND_MIN_DEVICE_HOURS: "min_device_hours",
-    common.INTENT_KIND_LATENCY_SLO: "latency_slo",
-    common.INTENT_KIND_COST_SLO: "cost_slo",
-    common.INTENT_KIND_MAX_THROUGHPUT: "max_throughput",
-}
-_COST_UNITS = {
-    common.COST_FORMULA_MEMORY_TIMES_LATENCY: "GB*s",
-    common.COST_FORMULA_MEMORY: "GB",
-    common.COST_FORMULA_DEVICE_HOURS: "device-hours",
-}
+__all__ = ["RankedConfigs", "formula_cost", "rank_for_intent"]
 
 
 @dataclass(frozen=True)
@@ -53,23 +37,6 @@ class RankedConfigs:
         return "; ".join(self.notes)
 
 
-def check_intent(intent: common.Intent) -> None:
-    """InvalidArgument for an intent that cannot be ranked for."""
-    if intent.kind not in _KINDS:
-        raise InvalidArgument(
-            "intent kind is unspecified or unknown; use one of "
-            + ", ".join(common.IntentKind.Name(k) for k in _KINDS)
-        )
-    if intent.cost_formula not in (common.COST_FORMULA_UNSPECIFIED, *_COST_UNITS):
-        raise InvalidArgument(f"unknown cost formula {intent.cost_formula}")
-    if intent.kind == common.INTENT_KIND_LATENCY_SLO and not intent.latency_slo_ms > 0:
-        raise InvalidArgument("a LATENCY_SLO intent needs a positive latency_slo_ms")
-    if intent.kind == common.INTENT_KIND_COST_SLO and not intent.cost_budget > 0:
-        raise InvalidArgument("a COST_SLO intent needs a positive cost_budget")
-    if intent.HasField("min_accuracy") and not math.isfinite(intent.min_accuracy):
-        raise InvalidArgument("min_accuracy must be a finite number")
-
-
 def formula_cost(estimates: Estimates, cost_formula: int) -> np.ndarray:
     """Each configuration's cost under ``cost_formula``, in the API's unit."""
     if cost_formula == common.COST_FORMULA_MEMORY:
@@ -80,45 +47,36 @@ def formula_cost(estimates: Estimates, cost_formula: int) -> np.ndarray:
 
 
 def rank_for_intent(estimates: Estimates, intent: common.Intent) -> RankedConfigs:
-    """Rank the configurations that fit their devices for ``intent`` (checked first)."""
-    check_intent(intent)
+    """Rank the configurations that fit their devices for ``intent`` (which
+    ``services.intents.check_intent`` passed)."""
     formula = intent.cost_formula or common.COST_FORMULA_MEMORY_TIMES_LATENCY
     cost = formula_cost(estimates, formula)
-    # score.rank's cost is memory x latency; the intent's formula replaces it.
-    scored = replace(estimates, cost_memory_latency=cost)
-    kind = _KINDS[intent.kind]
+    kind = INTENT_KINDS[intent.kind]
     if kind == "min_cost":
         kind = {
             common.COST_FORMULA_MEMORY: "min_memory",
             common.COST_FORMULA_DEVICE_HOURS: "min_device_hours",
         }.get(formula, "min_cost")
-    notes: list[str] = []
     floor = intent.min_accuracy if intent.HasField("min_accuracy") else None
-    effective_floor = floor
     accuracy = estimates.accuracy_pct
-    if floor is not None and not np.any(estimates.fits & (accuracy >= floor)):
-        known = estimates.fits & np.isfinite(accuracy)
-        best = f"{np.max(accuracy[known]):g}" if known.any() else "unknown"
-        if not (intent.allow_best_available_accuracy and known.any()):
-            raise FailedPrecondition(
-                f"no variant that fits reaches the accuracy floor of {floor:g} "
-                f"(best available: {best}); lower min_accuracy or allow the best available"
-            )
-        effective_floor = float(np.max(accuracy[known]))
-        notes.append(
-            f"no configuration reaches the accuracy floor of {floor:g}; "
-            f"ranking the most accurate available ({effective_floor:g})"
-        )
+    effective_floor, floor_note = resolve_accuracy_floor(
+        floor,
+        accuracy,
+        estimates.fits,
+        allow_best_available=intent.allow_best_available_accuracy,
+    )
+    notes = [floor_note] if floor_note else []
     ranking = rank(
-        scored,
+        estimates,
         Intent(
             kind=kind,
             latency_slo_s=intent.latency_slo_ms / 1e3 if kind == "latency_slo" else None,
             cost_budget=intent.cost_budget if kind == "cost_slo" else None,
             accuracy_floor_pct=effective_floor,
         ),
+        cost,
     )
-    unit = _COST_UNITS[formula]
+    unit = COST_UNITS[formula]
     notes.extend(note.replace(" GiB*s", f" {unit}") for note in ranking.notes)
     chosen = ranking.indices
     meets = np.ones(chosen.size, dtype=bool)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from estimator_svc.profiles import Sample
 from services.estimation.extrapolate import LatencySample
 from services.estimation.latency import BASE, REFERENCE_LAYOUTS, TENSOR
 from services.estimation.references import (
@@ -31,7 +32,6 @@ from services.estimation.references import (
 )
 from services.estimation.score import Calibration, Estimates, estimate_space
 from services.estimation.space import ModelShape, Variant, enumerate_space
-from services.estimator.profiles import Sample
 
 __all__ = [
     "ModelReferences",

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from estimator_svc import calibration_message, extrapolation, profiles
+from estimator_svc.calibration import fit_hardware_calibration
+from estimator_svc.config_map import ConfigMap, build_config_map, from_json, source_hash
+from estimator_svc.config_map import to_json as config_map_json
+from estimator_svc.extrapolation import Workload
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.estimation.latency import REFERENCE_LAYOUTS
 from services.estimation.memory import GIB
 from services.estimation.score import Estimates
-from services.estimator import calibration_message, extrapolation, profiles
-from services.estimator.calibration import fit_hardware_calibration
-from services.estimator.config_map import ConfigMap, build_config_map, from_json, source_hash
-from services.estimator.config_map import to_json as config_map_json
-from services.estimator.extrapolation import Workload
 from services.ids import check_hardware_type, require_model
 from services.state.store import StateStore
 

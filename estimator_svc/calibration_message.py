@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from estimator_svc.calibration import HardwareCalibration
 from services.api import estimator_service_pb2 as estimator_pb
 from services.estimation.latency import (
     REFERENCE_LAYOUTS,
@@ -29,7 +30,6 @@ from services.estimation.latency import (
 )
 from services.estimation.memory import MemoryConstants
 from services.estimation.score import Calibration
-from services.estimator.calibration import HardwareCalibration
 from services.ids import is_valid_id
 from services.state.records import decode
 

@@ -6,13 +6,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from estimator_svc.extrapolation import Workload
+from estimator_svc.ranking import RankedConfigs
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.errors import InvalidArgument
 from services.estimation.memory import GIB, kv_cache_gib
 from services.estimation.score import Estimates
-from services.estimator.extrapolation import Workload
-from services.estimator.ranking import RankedConfigs
 
 __all__ = [
     "estimate_messages",

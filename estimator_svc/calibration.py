@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from estimator_svc.extrapolation import ModelReferences
+from estimator_svc.profiles import Sample
 from services.estimation.calibrate import calibrate_latency, calibrate_memory_constants
 from services.estimation.latency import REFERENCE_LAYOUTS, phase_latency
 from services.estimation.memory import MemoryConstants, solve_memory_components, total_memory_gib
 from services.estimation.score import Calibration
-from services.estimator.extrapolation import ModelReferences
-from services.estimator.profiles import Sample
 
 __all__ = [
     "CalibrationTable",

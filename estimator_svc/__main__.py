@@ -1,8 +1,8 @@
-"""``python -m services.estimator``: serve EstimatorService on ``ISERVE_ESTIMATOR_ADDR``."""
+"""``python -m estimator_svc``: serve EstimatorService on ``ISERVE_ESTIMATOR_ADDR``."""
 
+from estimator_svc.service import Estimator
+from estimator_svc.servicer import EstimatorServicer
 from services.api import estimator_service_pb2_grpc
-from services.estimator.service import Estimator
-from services.estimator.servicer import EstimatorServicer
 from services.grpc_server import ServiceBinding
 from services.service_main import ServiceParts, serve_service
 

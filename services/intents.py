@@ -1,0 +1,92 @@
+"""What an intent may say, and what happens to an accuracy floor nobody meets: the rules
+the estimator and the deployer share.
+
+:func:`check_intent` is the one validation of an ``Intent`` message; each service runs it
+once where the message enters (the deployer before it asks for a ranking, the estimator's
+servicer for RankConfigs). :func:`resolve_accuracy_floor` is the one fallback for a floor:
+kept when a configuration that fits meets it; otherwise refused (FailedPrecondition) or,
+when the intent allows the best available accuracy, lowered to the best accuracy a
+fitting configuration has, with a note. ``services.estimation.score.rank`` then applies
+the floor it is given as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from services.api import common_pb2 as common
+from services.errors import FailedPrecondition, InvalidArgument
+
+__all__ = ["COST_UNITS", "INTENT_KINDS", "check_intent", "resolve_accuracy_floor", "with_default"]
+
+# Intent kinds and the names estimation.score ranks them by.
+INTENT_KINDS = {
+    common.INTENT_KIND_MIN_COST: "min_cost",
+    common.INTENT_KIND_MIN_LATENCY: "min_latency",
+    common.INTENT_KIND_MIN_MEMORY: "min_memory",
+    common.INTENT_KIND_MIN_DEVICE_HOURS: "min_device_hours",
+    common.INTENT_KIND_LATENCY_SLO: "latency_slo",
+    common.INTENT_KIND_COST_SLO: "cost_slo",
+    common.INTENT_KIND_MAX_THROUGHPUT: "max_throughput",
+}
+# Cost formulas and the unit their costs are reported in.
+COST_UNITS = {
+    common.COST_FORMULA_MEMORY_TIMES_LATENCY: "GB*s",
+    common.COST_FORMULA_MEMORY: "GB",
+    common.COST_FORMULA_DEVICE_HOURS: "device-hours",
+}
+
+
+def with_default(intent: common.Intent) -> common.Intent:
+    """A copy of ``intent`` whose unspecified kind is the default, MIN_COST."""
+    filled = common.Intent()
+    filled.CopyFrom(intent)
+    filled.kind = filled.kind or common.INTENT_KIND_MIN_COST
+    return filled
+
+
+def check_intent(intent: common.Intent) -> None:
+    """InvalidArgument for an intent that cannot be ranked for."""
+    if intent.kind not in INTENT_KINDS:
+        raise InvalidArgument(
+            "intent kind is unspecified or unknown; use one of "
+            + ", ".join(common.IntentKind.Name(k) for k in INTENT_KINDS)
+        )
+    if intent.cost_formula not in (common.COST_FORMULA_UNSPECIFIED, *COST_UNITS):
+        raise InvalidArgument(f"unknown cost formula {intent.cost_formula}")
+    if intent.kind == common.INTENT_KIND_LATENCY_SLO and not intent.latency_slo_ms > 0:
+        raise InvalidArgument("a LATENCY_SLO intent needs a positive latency_slo_ms")
+    if intent.kind == common.INTENT_KIND_COST_SLO and not intent.cost_budget > 0:
+        raise InvalidArgument("a COST_SLO intent needs a positive cost_budget")
+    if intent.HasField("min_accuracy") and not math.isfinite(intent.min_accuracy):
+        raise InvalidArgument("min_accuracy must be a finite number")
+
+
+def resolve_accuracy_floor(
+    floor: float | None,
+    accuracy: np.ndarray,
+    fits: np.ndarray,
+    *,
+    allow_best_available: bool,
+) -> tuple[float | None, str]:
+    """(the floor to rank with, a note saying what was given up or "") for configurations
+    with ``accuracy`` (NaN: unknown) of which ``fits`` fit their devices.
+
+    FailedPrecondition when no fitting configuration reaches ``floor`` and the best
+    available is not allowed (or no fitting configuration's accuracy is known)."""
+    if floor is None or np.any(fits & (accuracy >= floor)):
+        return floor, ""
+    known = fits & np.isfinite(accuracy)
+    best = float(np.max(accuracy[known])) if known.any() else None
+    if not (allow_best_available and best is not None):
+        raise FailedPrecondition(
+            f"no variant that fits reaches the accuracy floor of {floor:g} "
+            f"(best available: {'unknown' if best is None else f'{best:g}'}); "
+            "lower min_accuracy or allow the best available"
+        )
+    return best, (
+        f"no configuration reaches the accuracy floor of {floor:g}; "
+        f"ranking the most accurate available ({best:g})"
+    )
