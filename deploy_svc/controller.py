@@ -34,6 +34,7 @@ from services.errors import (
     from_rpc_error,
 )
 from services.grpc_server import channel
+from services.ids import check_deployment_id, check_request_id
 from services.intents import check_intent, with_default
 from services.settings import Settings
 from services.state.store import ReservationError, StateStore
@@ -80,8 +81,7 @@ class DeploymentController:
 
     # ---- queries --------------------------------------------------------------------
     async def get(self, deployment_id: str) -> deploy_pb.Deployment:
-        if not deployment_id or ":" in deployment_id:
-            raise InvalidArgument(f"invalid deployment_id {deployment_id!r}")
+        check_deployment_id(deployment_id)
         deployment = await self.store.get_deployment(deployment_id)
         if deployment is None:
             raise NotFound(f"deployment {deployment_id!r} does not exist")
@@ -200,9 +200,8 @@ class DeploymentController:
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:
         await self.reconciled.wait()
         deployment_id = f"{request.model_id}-{secrets.token_hex(4)}"
+        check_request_id(request.request_id)
         if request.request_id:
-            if ":" in request.request_id:
-                raise InvalidArgument("request_id must not contain ':'")
             earlier = await self.store.claim_deploy_request(request.request_id, deployment_id)
             if earlier is not None:
                 existing = await self.store.get_deployment(earlier)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +23,11 @@ from services.engine_rules import (
     resolve_checkpoint,
 )
 from services.errors import FailedPrecondition, InvalidArgument, Unimplemented, require
+from services.ids import check_deployment_id
 from services.models.checkpoint import InvalidCheckpoint, read_config
 from services.models.compression import DEFAULT_PRUNE_FRACTION
 
 DEFAULT_MAX_SEQ_LEN = 2048
-# Deployment ids become Redis key parts and file names.
-_DEPLOYMENT_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _DTYPES = {
     common.PRECISION_FLOAT32: "float32",
     common.PRECISION_FLOAT16: "float16",
@@ -247,11 +245,7 @@ def build_plan(
     package, GPTQ/AWQ weights).
     """
     deployment_id = request.deployment_id
-    require(bool(deployment_id), "deployment_id is empty")
-    require(
-        _DEPLOYMENT_ID.fullmatch(deployment_id) is not None,
-        f"deployment_id {deployment_id!r} must be letters, digits, '.', '_' or '-'",
-    )
+    check_deployment_id(deployment_id)
     require(len(request.workers) > 0, "workers is empty: give at least one WorkerSpec")
     ranks = [w.rank for w in request.workers]
     require(len(set(ranks)) == len(ranks), f"workers repeat a rank: {sorted(ranks)}")

@@ -12,7 +12,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from services.api import deployment_service_pb2 as deploy_pb
-from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.errors import FailedPrecondition, NotFound
+from services.ids import check_deployment_id, check_model_id
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.scheduler.routing")
@@ -35,11 +36,6 @@ def describe_state(deployment: deploy_pb.Deployment) -> str:
     """``deployment d1 is FAILED: worker exited`` (the reason only when there is one)."""
     text = f"deployment {deployment.deployment_id} is {state_name(deployment)}"
     return f"{text}: {deployment.state_reason}" if deployment.state_reason else text
-
-
-def _check_id(kind: str, value: str) -> None:
-    if not value or ":" in value:
-        raise InvalidArgument(f"invalid {kind} {value!r}: empty or contains ':'")
 
 
 class Router:
@@ -65,7 +61,7 @@ class Router:
         deployment = self._by_id.get(deployment_id)
         if deployment is not None and deployment.state == READY:
             return deployment
-        _check_id("deployment_id", deployment_id)
+        check_deployment_id(deployment_id)
         deployment = await self._store.get_deployment(deployment_id)
         if deployment is None:
             self._by_id.pop(deployment_id, None)
@@ -85,7 +81,7 @@ class Router:
             await self.refresh()
         ready = self._ready_of(model_id)
         if not ready:
-            _check_id("model_id", model_id)
+            check_model_id(model_id)
             found = await self._store.list_deployments(model_id)
             for deployment in found:
                 self._by_id[deployment.deployment_id] = deployment

@@ -1,4 +1,9 @@
-"""Identifiers clients choose (model ids, hardware types): one rule for every service."""
+"""Identifiers: one rule per kind of id, for every service.
+
+Ids clients choose (model ids, hardware types) follow :data:`ID_PATTERN`. Ids iserve
+makes and clients pass back (deployment ids: ``<model id>-<hex>``) and request ids follow
+:data:`TOKEN_PATTERN`. Both are safe as Redis key parts (no ':'), file names and URLs;
+``services.state.keys`` still refuses a ':' as a last guard."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from services.state.store import StateStore
 # digit: safe in Redis keys, file names and URLs.
 ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _RULE = "use 1-64 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
+TOKEN_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_TOKEN_RULE = "1-128 letters, digits, '.', '_' or '-'"
 
 
 def is_valid_id(value: str) -> bool:
@@ -21,6 +28,17 @@ def is_valid_id(value: str) -> bool:
 def check_model_id(model_id: str) -> None:
     if not is_valid_id(model_id):
         raise InvalidArgument(f"invalid model_id {model_id!r}: {_RULE}")
+
+
+def check_deployment_id(deployment_id: str) -> None:
+    if TOKEN_PATTERN.fullmatch(deployment_id) is None:
+        raise InvalidArgument(f"invalid deployment_id {deployment_id!r}: {_TOKEN_RULE}")
+
+
+def check_request_id(request_id: str) -> None:
+    """A request id is optional (empty); given, it follows the deployment id's rule."""
+    if request_id and TOKEN_PATTERN.fullmatch(request_id) is None:
+        raise InvalidArgument(f"invalid request_id {request_id!r}: {_TOKEN_RULE}")
 
 
 def check_hardware_type(hardware_type: str) -> None:

@@ -205,12 +205,14 @@ class BatchEngine:
         return bool(self._running or self._waiting)
 
     def validate(self, request: GenerationRequest) -> None:
-        """ValueError, with a message for the user, when ``request`` cannot run here."""
+        """ValueError, with a message for the user, when ``request`` cannot run here: the
+        one check of a generation request, run once where it enters (the worker's
+        servicer, ``Engine.generate``); :meth:`submit` trusts it."""
         prompt = request.prompt_ids
         if not prompt:
             raise ValueError("prompt is empty")
         if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
         if len(prompt) + request.max_tokens > self.max_seq_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds "
@@ -219,11 +221,11 @@ class BatchEngine:
         vocab = self.spec.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt holds token ids outside [0, {vocab}): {bad[:5]}")
+            raise ValueError(f"prompt_token_ids outside [0, {vocab}): {bad[:5]}")
 
     def submit(self, request: GenerationRequest) -> SequenceHandle:
-        """Queue ``request``; it gets a slot at the next step with one free (FIFO)."""
-        self.validate(request)
+        """Queue ``request`` (one :meth:`validate` passed); it gets a slot at the next
+        step with one free (FIFO)."""
         sampling = request.sampling
         stop_ids = frozenset(sampling.stop_token_ids)
         if not sampling.ignore_eos:

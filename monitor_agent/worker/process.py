@@ -212,7 +212,6 @@ async def serve(args: argparse.Namespace, engine: Engine) -> bool:
     servicer = WorkerServicer(
         runner,
         WorkerIdentity(args.deployment_id, args.rank),
-        max_seq_len=args.max_seq_len,
         peak_memory_bytes=peak_memory_probe(engine, args.device),
     )
     binding = ServiceBinding(

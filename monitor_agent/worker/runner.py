@@ -146,23 +146,24 @@ class EngineRunner:
         """Seconds the engine has spent stepping since it started."""
         return self.busy.total_seconds
 
+    def parse(
+        self, prompt_ids: list[int], max_tokens: int, sampling: SamplingConfig
+    ) -> GenerationRequest:
+        """The engine's request for these values; ValueError, saying what to fix, for
+        one the engine cannot run."""
+        request = GenerationRequest(tuple(prompt_ids), max_tokens, sampling)
+        self._core.validate(request)
+        return request
+
     async def generate(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        sampling: SamplingConfig,
-        stop: threading.Event,
-        clock: RequestClock,
+        self, request: GenerationRequest, stop: threading.Event, clock: RequestClock
     ) -> AsyncIterator[StepOutput]:
-        """Stream the engine's StepOutputs for one request.
+        """Stream the engine's StepOutputs for one request (from :meth:`parse`).
 
         Setting ``stop`` (or closing this generator) ends the generation at the engine's
         next step boundary; the request's slot is free again once this generator has
-        finished. ValueError for a request the engine cannot run, before it is queued;
-        an engine failure during the request propagates unchanged.
+        finished. An engine failure during the request propagates unchanged.
         """
-        request = GenerationRequest(tuple(prompt_ids), max_tokens, sampling)
-        self._core.validate(request)
         self.active_requests += 1
         try:
             if stop.is_set():
@@ -219,12 +220,7 @@ class EngineRunner:
             if job.stop.is_set():
                 self._release(job, _DONE)
                 continue
-            try:
-                handle = self._core.submit(job.request)
-            except ValueError as exc:  # validated already; kept so a bad request cannot kill us
-                self._release(job, _Finished(exc))
-                continue
-            self._jobs[handle] = job
+            self._jobs[self._core.submit(job.request)] = job
 
     def _drop_stopped(self) -> None:
         stopped = [handle for handle, job in self._jobs.items() if job.stop.is_set()]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from monitor_agent.engine.batching import GenerationRequest
 from monitor_agent.engine.distributed import GroupLost
 from monitor_agent.engine.engine import SamplingConfig
 from monitor_agent.engine.model import LayerClock
@@ -57,23 +58,25 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         runner: EngineRunner,
         identity: WorkerIdentity,
         *,
-        max_seq_len: int,
         peak_memory_bytes: Callable[[], int],
     ):
         self.runner = runner
         self.identity = identity
-        self.max_seq_len = max_seq_len
-        self.vocab_size = runner.engine.spec.vocab_size
         self.peak_memory_bytes = peak_memory_bytes
 
-    def _prompt_ids(self, request: worker_pb.WorkerServiceGenerateRequest) -> list[int]:
+    def _parse(self, request: worker_pb.WorkerServiceGenerateRequest) -> GenerationRequest:
+        """The engine's request for ``request``, checked once; InvalidArgument saying what
+        to fix."""
         if request.prompt_token_ids:
-            ids = list(request.prompt_token_ids)
-            bad = [t for t in ids if t >= self.vocab_size]
-            require(not bad, f"prompt_token_ids outside [0, {self.vocab_size}): {bad[:5]}")
-            return ids
-        require(bool(request.prompt), "prompt is empty: set prompt or prompt_token_ids")
-        return self.runner.engine.encode(request.prompt)
+            prompt_ids = list(request.prompt_token_ids)
+        else:
+            require(bool(request.prompt), "prompt is empty: set prompt or prompt_token_ids")
+            prompt_ids = self.runner.engine.encode(request.prompt)
+        sampling = sampling_config(request.sampling)
+        try:
+            return self.runner.parse(prompt_ids, request.max_tokens, sampling)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
 
     async def Generate(
         self, request: worker_pb.WorkerServiceGenerateRequest, context: grpc.aio.ServicerContext
@@ -103,27 +106,19 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         rank of this deployment died.
         """
         clock = RequestClock()
-        prompt_ids = self._prompt_ids(request)
-        max_tokens = request.max_tokens
-        require(max_tokens > 0, "max_tokens must be at least 1")
-        require(
-            len(prompt_ids) + max_tokens <= self.max_seq_len,
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-            f"this worker's max_seq_len ({self.max_seq_len})",
-        )
-        sampling = sampling_config(request.sampling)
+        generation = self._parse(request)
         if stop is None:
             stop = threading.Event()
         request_id = request.request_id
         try:
-            async for step in self.runner.generate(prompt_ids, max_tokens, sampling, stop, clock):
+            async for step in self.runner.generate(generation, stop, clock):
                 clock.token()
                 response = worker_pb.WorkerServiceGenerateResponse(
                     request_id=request_id, token_ids=[step.token_id], text=step.text
                 )
                 if step.finished:
                     response.finish_reason = FINISH_REASONS[step.finish_reason]
-                    response.usage.prompt_tokens = len(prompt_ids)
+                    response.usage.prompt_tokens = len(generation.prompt_ids)
                     response.usage.completion_tokens = clock.tokens
                     timings = response.timings
                     timings.queue_ms = clock.queue_ms
@@ -131,8 +126,6 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
                     timings.tpot_ms = clock.tpot_ms
                     timings.total_ms = clock.total_ms()
                 yield response
-        except ValueError as exc:  # the engine's own input checks, should ours miss one
-            raise InvalidArgument(str(exc)) from exc
         except GroupLost as exc:  # another rank of this deployment died; so will this one
             raise Unavailable(f"worker gone: {exc}") from exc
 

@@ -123,8 +123,8 @@ def test_request_values_override_the_defaults(models_root):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"deployment_id": ""}, "deployment_id is empty"),
-        ({"deployment_id": "a:b"}, "must be letters"),
+        ({"deployment_id": ""}, "invalid deployment_id ''"),
+        ({"deployment_id": "a:b"}, "invalid deployment_id"),
         ({"workers": []}, "workers is empty"),
         ({"workers": [agent_pb.WorkerSpec(rank=0, device_id="cuda9")]}, "not on this node"),
         (

@@ -186,7 +186,7 @@ def test_workers_start_serve_show_up_and_stop(agent, redis_url):
             "device 'cuda7' is not on this node",
         ),
         ({"checkpoint_path": "../.."}, grpc.StatusCode.INVALID_ARGUMENT, "outside the models root"),
-        ({"deployment_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, "deployment_id is empty"),
+        ({"deployment_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, "invalid deployment_id ''"),
         (
             {"engine": agent_pb.ENGINE_KIND_TENSORRT_LLM},
             grpc.StatusCode.FAILED_PRECONDITION,

@@ -186,12 +186,15 @@ def test_plan_prefill_groups_bounds_padding() -> None:
     assert plan_prefill_groups([4, 5], max_padding_fraction=0.0) == [[0], [1]]
 
 
-def test_requests_are_validated_on_submit(engine: Engine, core) -> None:
+def test_requests_are_validated_once_where_they_enter(engine: Engine, core) -> None:
     with pytest.raises(ValueError, match="prompt is empty"):
-        core.submit(GenerationRequest((), 4))
+        core.validate(GenerationRequest((), 4))
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
-        core.submit(GenerationRequest((1,) * 120, 9))
-    assert not core.has_work
+        core.validate(GenerationRequest((1,) * 120, 9))
+    # Engine.generate is such an entry: a bad request is refused before it is queued.
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        engine.generate([1, 2], 0, SamplingConfig())
+    assert not core.has_work and not engine.batch.has_work
 
 
 def test_memory_account_tracks_the_largest_forward(engine: Engine, core, tmp_path: Path) -> None:

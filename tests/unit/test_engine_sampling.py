@@ -212,7 +212,7 @@ def test_no_free_slot(checkpoint: Path) -> None:
     ("prompt", "max_tokens", "message"),
     [
         ([], 5, "prompt is empty"),
-        ([0, 5], 0, "max_tokens must be >= 1"),
+        ([0, 5], 0, "max_tokens must be at least 1"),
         ([0] * 250, 7, "exceeds max_seq_len"),
         ([0, 100_000], 5, "outside"),
         ([0, -1], 5, "outside"),

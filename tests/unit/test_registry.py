@@ -9,6 +9,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import resolve_checkpoint
 from services.errors import InvalidArgument
+from services.ids import check_deployment_id, check_request_id
 from services.models.checkpoint import create_checkpoint
 
 SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
@@ -235,3 +236,15 @@ def test_only_a_failed_model_with_the_same_checkpoint_is_retried():
         check_retry(failed, new, profiling=True)
     with pytest.raises(AlreadyExists, match="same checkpoint"):
         check_retry(failed, model_pb.Model(model_id="m", checkpoint_path="b"), profiling=False)
+
+
+@pytest.mark.parametrize("value", ["", "a:b", "a/b", "x" * 129, "sp ace"])
+def test_deployment_and_request_ids_share_one_rule(value):
+    with pytest.raises(InvalidArgument, match="invalid deployment_id"):
+        check_deployment_id(value)
+    if value:
+        with pytest.raises(InvalidArgument, match="invalid request_id"):
+            check_request_id(value)
+    check_deployment_id("llama-2-7b-0a1b2c3d")
+    check_request_id("")  # a request id is optional
+    check_request_id("Req_1.2-3")

@@ -143,7 +143,7 @@ def test_seeded_sampling_is_reproducible(stub):
         ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens must be at least 1"),
         (
             {"prompt_token_ids": [5] * 500, "max_tokens": 13},
-            r"prompt \(500 tokens\) \+ max_tokens \(13\) exceeds this worker's max_seq_len \(512\)",
+            r"prompt \(500 tokens\) \+ max_tokens \(13\) exceeds max_seq_len \(512\)",
         ),
         ({"prompt_token_ids": [5, 99999], "max_tokens": 4}, "outside"),
         (

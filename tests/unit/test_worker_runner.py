@@ -38,7 +38,9 @@ def runner(engine: Engine):
 
 async def collect(runner, prompt_ids, max_tokens, clock=None, stop=None) -> list[int]:
     stream = runner.generate(
-        prompt_ids, max_tokens, GREEDY, stop or threading.Event(), clock or RequestClock()
+        runner.parse(prompt_ids, max_tokens, GREEDY),
+        stop or threading.Event(),
+        clock or RequestClock(),
     )
     return [step.token_id async for step in stream]
 
@@ -74,7 +76,8 @@ def test_a_stopped_request_gives_its_slot_to_a_waiting_one(engine, runner) -> No
     async def scenario():
         long_stops = [threading.Event(), threading.Event()]
         streams = [
-            runner.generate(prompt, 100, GREEDY, stop, RequestClock()) for stop in long_stops
+            runner.generate(runner.parse(prompt, 100, GREEDY), stop, RequestClock())
+            for stop in long_stops
         ]
         for stream in streams:
             await anext(stream)  # both slots are now held
