@@ -15,29 +15,20 @@ divide the attention heads and the MLP width, and either divide the KV heads or 
 multiple of them (the engine then replicates KV heads, so multi-query models do run at
 tp = 2; see ``monitor_agent.engine.tensor_parallel``).
 
-Settings come from the environment of the ModelService process:
-
-==================================  ===============================  =======
-variable                            meaning                          default
-==================================  ===============================  =======
-``ISERVE_PROFILE_INPUT_TOKENS``     prompt length, tokens            64
-``ISERVE_PROFILE_OUTPUT_TOKENS``    output lengths, comma-separated  8,16
-``ISERVE_PROFILE_BATCH_SIZES``      batch sizes, comma-separated     1,2
-``ISERVE_PROFILE_WARMUP_RUNS``      untimed runs before timing       1
-``ISERVE_PROFILE_TIMED_RUNS``       timed runs (medians are kept)    3
-==================================  ===============================  =======
+Its settings (prompt and output lengths, batch sizes, runs) are
+``services.settings.ProfilingSettings``, read from the ModelService's environment.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import parallel_problem
+from services.settings import ProfilingSettings
 
 MIB = 1 << 20
 BASE_VARIANT = "base"
@@ -46,58 +37,6 @@ REFERENCES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1))
 # Compute dtype bytes of a worker on a virtual CPU device (float32, see
 # monitor_agent.launch.worker_dtype).
 CPU_COMPUTE_BYTES = 4
-
-
-def _int_list(env: Mapping[str, str], name: str, default: tuple[int, ...]) -> tuple[int, ...]:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        values = tuple(int(part) for part in raw.split(","))
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r}: give comma-separated integers") from exc
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"{name}={raw!r}: every value must be at least 1")
-    return tuple(dict.fromkeys(values))
-
-
-def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not an integer") from exc
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
-@dataclass(frozen=True)
-class ProfilingSettings:
-    input_tokens: int = 64
-    output_tokens: tuple[int, ...] = (8, 16)
-    batch_sizes: tuple[int, ...] = (1, 2)
-    warmup_runs: int = 1
-    timed_runs: int = 3
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ProfilingSettings:
-        """Settings from ``env`` (default: ``os.environ``); ValueError names a bad variable."""
-        env = os.environ if env is None else env
-        return cls(
-            input_tokens=_int(env, "ISERVE_PROFILE_INPUT_TOKENS", cls.input_tokens, 1),
-            output_tokens=_int_list(env, "ISERVE_PROFILE_OUTPUT_TOKENS", cls.output_tokens),
-            batch_sizes=_int_list(env, "ISERVE_PROFILE_BATCH_SIZES", cls.batch_sizes),
-            warmup_runs=_int(env, "ISERVE_PROFILE_WARMUP_RUNS", cls.warmup_runs, 0),
-            timed_runs=_int(env, "ISERVE_PROFILE_TIMED_RUNS", cls.timed_runs, 1),
-        )
-
-    @property
-    def max_seq_len(self) -> int:
-        """Tokens of KV cache a profiling worker holds per sequence."""
-        return self.input_tokens + max(self.output_tokens)
 
 
 @dataclass(frozen=True)

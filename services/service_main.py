@@ -18,7 +18,13 @@ class ServiceParts:
 
     bindings: list[ServiceBinding]
     background: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # Runs once before the server listens (e.g. loading a cache it serves from).
+    on_start: Callable[[], Awaitable[None]] | None = None
     on_stop: Callable[[], Awaitable[None]] | None = None
+
+
+# How long a starting service waits for Redis to answer (it may be starting beside it).
+REDIS_WAIT_S = 10.0
 
 
 def fail(message: str) -> None:
@@ -26,23 +32,26 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
-async def connect_store(settings: Settings, attempts: int = 50) -> StateStore:
-    """A store connected to ``settings.redis_url``, retrying while Redis starts."""
+async def connect_store(settings: Settings) -> StateStore:
+    """A store connected to ``settings.redis_url``, retrying for REDIS_WAIT_S while Redis
+    starts; exits with status 2 and the reason when there is none or it never answers."""
     if not settings.redis_url:
-        fail("REDIS_URL is not set (start the stack with `iserve up`, or export REDIS_URL)")
+        fail(
+            "REDIS_URL is not set (start the stack with `iserve up`, which writes "
+            f"{settings.state_dir}/stack.json, or export REDIS_URL)"
+        )
     store = StateStore.from_url(settings.redis_url)
-    for attempt in range(attempts):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + REDIS_WAIT_S
+    while True:
         try:
             await store.ping()
             return store
-        except OSError:
-            if attempt == attempts - 1:
-                raise
-        except Exception as exc:  # redis.ConnectionError is not an OSError
-            if attempt == attempts - 1:
+        except Exception as exc:  # noqa: BLE001 - any failure means "not reachable yet"
+            if loop.time() >= deadline:
+                await store.close()
                 fail(f"cannot reach Redis at {settings.redis_url}: {exc}")
         await asyncio.sleep(0.1)
-    return store
 
 
 def serve_service(name: str, build: Callable[[Settings, StateStore], ServiceParts]) -> None:
@@ -56,6 +65,8 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
     async def run() -> None:
         store = await connect_store(settings)
         parts = build(settings, store)
+        if parts.on_start is not None:
+            await parts.on_start()
 
         async def stop() -> None:
             if parts.on_stop is not None:

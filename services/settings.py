@@ -23,7 +23,21 @@ variable                    meaning                                         defa
 ``ISERVE_READY_TIMEOUT_S``  how long Deploy waits for workers to be ready   ``120``
 ``ISERVE_HEARTBEAT_TTL_S``  agent heartbeat lifetime                        ``5``
 ``ISERVE_LOG_LEVEL``        logging level                                   ``INFO``
+``ISERVE_CPU_COLLECTIVES``  how CPU ranks of one host exchange: ``shm``     ``shm``
+                            (shared memory) or ``gloo``
 ==========================  ==============================================  =====================
+
+The ModelService's profiling jobs (:class:`ProfilingSettings`):
+
+==================================  ===============================  =======
+variable                            meaning                          default
+==================================  ===============================  =======
+``ISERVE_PROFILE_INPUT_TOKENS``     prompt length, tokens            64
+``ISERVE_PROFILE_OUTPUT_TOKENS``    output lengths, comma-separated  8,16
+``ISERVE_PROFILE_BATCH_SIZES``      batch sizes, comma-separated     1,2
+``ISERVE_PROFILE_WARMUP_RUNS``      untimed runs before timing       1
+``ISERVE_PROFILE_TIMED_RUNS``       timed runs (medians are kept)    3
+==================================  ===============================  =======
 
 Addresses not set in the environment are taken from ``$ISERVE_STATE_DIR/stack.json``
 (written by ``iserve up``) when it exists, else the defaults above.
@@ -124,5 +138,75 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         queue_capacity=int(_positive(env, "ISERVE_QUEUE_CAPACITY", 64)),
         ready_timeout_s=float(_positive(env, "ISERVE_READY_TIMEOUT_S", 120.0, float)),
         heartbeat_ttl_s=float(_positive(env, "ISERVE_HEARTBEAT_TTL_S", 5.0, float)),
-        log_level=env.get("ISERVE_LOG_LEVEL", "INFO").upper(),
+        log_level=log_level(env),
     )
+
+
+def log_level(env: Mapping[str, str] | None = None) -> str:
+    """``ISERVE_LOG_LEVEL``, upper-cased (default INFO)."""
+    env = os.environ if env is None else env
+    return env.get("ISERVE_LOG_LEVEL", "INFO").upper()
+
+
+CPU_COLLECTIVES_ENV = "ISERVE_CPU_COLLECTIVES"
+
+
+def cpu_collectives(env: Mapping[str, str] | None = None) -> str:
+    """``ISERVE_CPU_COLLECTIVES``: "shm" (default) or "gloo"; ValueError otherwise."""
+    env = os.environ if env is None else env
+    choice = env.get(CPU_COLLECTIVES_ENV, "shm").strip().lower()
+    if choice not in ("shm", "gloo"):
+        raise ValueError(f"{CPU_COLLECTIVES_ENV} must be 'shm' or 'gloo', not {choice!r}")
+    return choice
+
+
+def _int_list(env: Mapping[str, str], name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        values = tuple(int(part) for part in raw.split(","))
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: give comma-separated integers") from exc
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{name}={raw!r}: every value must be at least 1")
+    return tuple(dict.fromkeys(values))
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not an integer") from exc
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ProfilingSettings:
+    input_tokens: int = 64
+    output_tokens: tuple[int, ...] = (8, 16)
+    batch_sizes: tuple[int, ...] = (1, 2)
+    warmup_runs: int = 1
+    timed_runs: int = 3
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ProfilingSettings:
+        """Settings from ``env`` (default: ``os.environ``); ValueError names a bad variable."""
+        env = os.environ if env is None else env
+        return cls(
+            input_tokens=_int(env, "ISERVE_PROFILE_INPUT_TOKENS", cls.input_tokens, 1),
+            output_tokens=_int_list(env, "ISERVE_PROFILE_OUTPUT_TOKENS", cls.output_tokens),
+            batch_sizes=_int_list(env, "ISERVE_PROFILE_BATCH_SIZES", cls.batch_sizes),
+            warmup_runs=_int(env, "ISERVE_PROFILE_WARMUP_RUNS", cls.warmup_runs, 0),
+            timed_runs=_int(env, "ISERVE_PROFILE_TIMED_RUNS", cls.timed_runs, 1),
+        )
+
+    @property
+    def max_seq_len(self) -> int:
+        """Tokens of KV cache a profiling worker holds per sequence."""
+        return self.input_tokens + max(self.output_tokens)

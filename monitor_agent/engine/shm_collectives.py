@@ -53,11 +53,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from services.settings import CPU_COLLECTIVES_ENV, cpu_collectives
+
 __all__ = ["SharedGroup", "channel_pairs", "open_shared_group", "shared_memory_wanted"]
 
 log = logging.getLogger("iserve.engine.shm")
 
-ENV = "ISERVE_CPU_COLLECTIVES"  # "shm" (default) or "gloo"
+ENV = CPU_COLLECTIVES_ENV  # "shm" (default) or "gloo", read by services.settings
 SLOTS = 4
 SLOT_BYTES = 256 * 1024
 LINE = 64  # one cache line per counter
@@ -72,11 +74,8 @@ SHM_DIR = "/dev/shm"
 
 def shared_memory_wanted() -> bool:
     """Whether this process may use shared-memory collectives (x86-64 Linux, not opted out)."""
-    choice = os.environ.get(ENV, "shm").strip().lower()
-    if choice not in ("shm", "gloo"):
-        raise ValueError(f"{ENV} must be 'shm' or 'gloo', not {choice!r}")
     return (
-        choice == "shm"
+        cpu_collectives() == "shm"
         and platform.system() == "Linux"
         and platform.machine().lower() in ("x86_64", "amd64")
         and os.path.isdir(SHM_DIR)

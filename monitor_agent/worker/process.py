@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from services.engine_rules import TENSOR_PARALLEL_DEGREES
 from services.grpc_server import ServiceBinding, configure_logging, run_server
 from services.models.compression import DEFAULT_PRUNE_FRACTION, PRUNINGS, WEIGHT_QUANTIZATIONS
+from services.settings import log_level
 
 if TYPE_CHECKING:
     from monitor_agent.engine.distributed import ParallelContext
@@ -121,7 +122,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="stop once this process (the agent that started the worker) is no longer its parent",
     )
-    parser.add_argument("--log-level", default=os.environ.get("ISERVE_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=log_level())
     return parser.parse_args(argv)
 
 

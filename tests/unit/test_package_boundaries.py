@@ -4,6 +4,7 @@ another service's package, and the shared kernel imports no service."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,37 @@ def test_the_shared_kernel_imports_no_service():
         if names & set(SERVICES)
     }
     assert crossing == {}
+
+
+def _code_strings(path: Path) -> list[tuple[int, str]]:
+    """(line, value) of every string constant in ``path`` that is not a docstring."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if id(node) not in docstrings
+    ]
+
+
+def test_every_environment_variable_is_named_only_in_services_settings():
+    # iserve up (services/cli/stack.py) writes variables for the processes it starts.
+    allowed = {ROOT / "services" / "settings.py", ROOT / "services" / "cli" / "stack.py"}
+    variable = re.compile(r"ISERVE_\w+|REDIS_URL")
+    named = {
+        f"{path.relative_to(ROOT)}:{line}": value
+        for package in ("services", *SERVICES)
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path not in allowed and "api" not in path.relative_to(ROOT).parts
+        for line, value in _code_strings(path)
+        if variable.fullmatch(value)
+    }
+    assert named == {}
