@@ -40,7 +40,6 @@ from services.settings import Settings
 from services.state.store import ReservationError, StateStore
 
 log = logging.getLogger("iserve.deploy")
-MIB = 1 << 20
 RESERVE_ATTEMPTS = 3
 STOP_TIMEOUT_S = 15.0
 RANK_TIMEOUT_S = 60.0

@@ -29,21 +29,6 @@ from services.errors import InvalidArgument, IServeError, ResourceExhausted
 from services.reservation import memory_blocks
 from services.state.capacity import free_bytes
 
-__all__ = [
-    "POLICIES",
-    "Option",
-    "Prepared",
-    "candidates_for",
-    "decide",
-    "decide_on",
-    "hardware_order",
-    "on_cuda",
-    "options_from_ranking",
-    "policy_name",
-    "simulated_nodes",
-]
-
-MIB = 1 << 20
 POLICIES = {
     common.PLACEMENT_POLICY_UNSPECIFIED: "hybrid",
     common.PLACEMENT_POLICY_HYBRID: "hybrid",

@@ -22,21 +22,6 @@ from pathlib import Path
 from services.api import common_pb2 as common
 from services.errors import InvalidArgument, Unimplemented
 
-__all__ = [
-    "CPU_DTYPES",
-    "CUDA_DTYPES",
-    "MAX_PIPELINE_PARALLEL",
-    "PRE_QUANTIZED",
-    "TENSOR_PARALLEL_DEGREES",
-    "check_dtype",
-    "check_weight_quant",
-    "max_pipeline_parallel",
-    "parallel_problem",
-    "resolve_checkpoint",
-    "served_dtypes",
-    "tensor_parallel_problem",
-]
-
 TENSOR_PARALLEL_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 MAX_PIPELINE_PARALLEL = 8
 CPU_DTYPES = (common.PRECISION_FLOAT32, common.PRECISION_BFLOAT16)
@@ -58,11 +43,6 @@ def tensor_parallel_problem(tp: int, *, heads: int, kv_heads: int, mlp_width: in
     return None
 
 
-def max_pipeline_parallel(num_layers: int) -> int:
-    """The most pipeline stages a model of ``num_layers`` layers runs in."""
-    return min(MAX_PIPELINE_PARALLEL, num_layers)
-
-
 def parallel_problem(
     tp: int, pp: int, *, heads: int, kv_heads: int, mlp_width: int, num_layers: int
 ) -> str | None:
@@ -70,24 +50,20 @@ def parallel_problem(
     problem = tensor_parallel_problem(tp, heads=heads, kv_heads=kv_heads, mlp_width=mlp_width)
     if problem:
         return problem
-    limit = max_pipeline_parallel(num_layers)
+    limit = min(MAX_PIPELINE_PARALLEL, num_layers)
     if not 1 <= pp <= limit:
         return f"pipeline_parallel must be 1..{limit} for {num_layers} layers, got {pp}"
     return None
 
 
-def served_dtypes(*, cuda: bool) -> tuple[int, ...]:
-    """The precisions the PyTorch engine computes in on CUDA devices or on CPUs."""
-    return CUDA_DTYPES if cuda else CPU_DTYPES
-
-
 def check_dtype(precision: int, *, cuda: bool) -> None:
-    """Unimplemented for a precision the engine does not compute in on that device kind."""
-    if precision not in served_dtypes(cuda=cuda):
+    """Unimplemented for a precision the engine does not compute in on CUDA devices
+    (``cuda``) or on CPUs."""
+    served = CUDA_DTYPES if cuda else CPU_DTYPES
+    if precision not in served:
         where = "CUDA" if cuda else "CPU"
         names = " and ".join(
-            common.Precision.Name(p).removeprefix("PRECISION_").lower()
-            for p in served_dtypes(cuda=cuda)
+            common.Precision.Name(p).removeprefix("PRECISION_").lower() for p in served
         )
         raise Unimplemented(
             f"the PyTorch {where} engine serves {names}, not {common.Precision.Name(precision)}"

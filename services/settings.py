@@ -92,16 +92,23 @@ class Settings:
         return replace(self, **changes)
 
 
-def _positive(env: Mapping[str, str], name: str, default: float, kind: type = int) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
+def _number(
+    env: Mapping[str, str], name: str, default: float, kind: type = int, minimum: int | None = None
+) -> float:
+    """``env[name]`` as a ``kind``, ``default`` when unset; ValueError naming the variable
+    when it is not a number, not positive (``minimum`` None) or below ``minimum``."""
+    raw = env.get(name, "").strip()
+    if not raw:
         return default
     try:
         value = kind(raw)
     except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from exc
-    if value <= 0:
+        expected = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name}={raw!r} is not {expected}") from exc
+    if minimum is None and value <= 0:
         raise ValueError(f"{name} must be positive, got {raw!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
     return value
 
 
@@ -133,11 +140,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         host=host,
         addresses=addresses,
         node_id=env.get("ISERVE_NODE_ID", "node0"),
-        virtual_devices=int(_positive(env, "ISERVE_DEVICES", 2)),
-        device_memory_bytes=int(_positive(env, "ISERVE_DEVICE_MEMORY_GIB", 4.0, float) * GIB),
-        queue_capacity=int(_positive(env, "ISERVE_QUEUE_CAPACITY", 64)),
-        ready_timeout_s=float(_positive(env, "ISERVE_READY_TIMEOUT_S", 120.0, float)),
-        heartbeat_ttl_s=float(_positive(env, "ISERVE_HEARTBEAT_TTL_S", 5.0, float)),
+        virtual_devices=int(_number(env, "ISERVE_DEVICES", 2)),
+        device_memory_bytes=int(_number(env, "ISERVE_DEVICE_MEMORY_GIB", 4.0, float) * GIB),
+        queue_capacity=int(_number(env, "ISERVE_QUEUE_CAPACITY", 64)),
+        ready_timeout_s=float(_number(env, "ISERVE_READY_TIMEOUT_S", 120.0, float)),
+        heartbeat_ttl_s=float(_number(env, "ISERVE_HEARTBEAT_TTL_S", 5.0, float)),
         log_level=log_level(env),
     )
 
@@ -173,19 +180,6 @@ def _int_list(env: Mapping[str, str], name: str, default: tuple[int, ...]) -> tu
     return tuple(dict.fromkeys(values))
 
 
-def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not an integer") from exc
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
 class ProfilingSettings:
     input_tokens: int = 64
@@ -199,11 +193,11 @@ class ProfilingSettings:
         """Settings from ``env`` (default: ``os.environ``); ValueError names a bad variable."""
         env = os.environ if env is None else env
         return cls(
-            input_tokens=_int(env, "ISERVE_PROFILE_INPUT_TOKENS", cls.input_tokens, 1),
+            input_tokens=int(_number(env, "ISERVE_PROFILE_INPUT_TOKENS", cls.input_tokens)),
             output_tokens=_int_list(env, "ISERVE_PROFILE_OUTPUT_TOKENS", cls.output_tokens),
             batch_sizes=_int_list(env, "ISERVE_PROFILE_BATCH_SIZES", cls.batch_sizes),
-            warmup_runs=_int(env, "ISERVE_PROFILE_WARMUP_RUNS", cls.warmup_runs, 0),
-            timed_runs=_int(env, "ISERVE_PROFILE_TIMED_RUNS", cls.timed_runs, 1),
+            warmup_runs=int(_number(env, "ISERVE_PROFILE_WARMUP_RUNS", cls.warmup_runs, minimum=0)),
+            timed_runs=int(_number(env, "ISERVE_PROFILE_TIMED_RUNS", cls.timed_runs, minimum=1)),
         )
 
     @property

@@ -24,8 +24,6 @@ from services.engine_rules import MAX_PIPELINE_PARALLEL, TENSOR_PARALLEL_DEGREES
 __all__ = [
     "CONFIG_DTYPE",
     "KV_QUANTS",
-    "MAX_PP",
-    "TP_DEGREES",
     "WEIGHT_QUANTS",
     "ConfigSpace",
     "ModelShape",
@@ -35,8 +33,6 @@ __all__ = [
     "standard_variants",
 ]
 
-TP_DEGREES = TENSOR_PARALLEL_DEGREES
-MAX_PP = MAX_PIPELINE_PARALLEL
 # Weight quantizations: 16-bit, int8 / int4 weight-only, pre-quantized int4 (GPTQ/AWQ).
 WEIGHT_QUANTS: tuple[str, ...] = ("fp16", "int8", "int4", "int4_gptq")
 KV_QUANTS: tuple[str, ...] = ("fp16", "int8")
@@ -128,8 +124,8 @@ def parallel_pairs(shape: ModelShape, devices: int) -> tuple[tuple[int, int], ..
         raise ValueError(f"devices must be positive, got {devices}")
     return tuple(
         (tp, pp)
-        for tp in TP_DEGREES
-        for pp in range(1, MAX_PP + 1)
+        for tp in TENSOR_PARALLEL_DEGREES
+        for pp in range(1, MAX_PIPELINE_PARALLEL + 1)
         if tp * pp <= devices
         and not parallel_problem(
             tp,
