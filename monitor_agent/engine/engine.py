@@ -42,6 +42,7 @@ from monitor_agent.engine.model import LayerClock
 from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, InvalidCheckpoint
+from services.models.special_tokens import generation_eos_ids
 
 __all__ = ["Engine", "NoFreeSlot", "SamplingConfig", "StepOutput"]
 
@@ -136,7 +137,9 @@ class Engine:
         self.kv_cache_dtype = kv_cache_dtype
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
-        self.eos_token_ids = frozenset(self.spec.eos_token_ids) | _generation_eos_ids(directory)
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids) | generation_eos_ids(
+            directory, self.spec.vocab_size
+        )
         self._add_bos = _tokenizer_adds_bos(directory) and self.spec.bos_token_id is not None
         self.batch = BatchEngine(
             self.model,
@@ -225,19 +228,6 @@ class Engine:
 
 def _never() -> bool:
     return False
-
-
-def _generation_eos_ids(directory: Path) -> frozenset[int]:
-    """EOS ids from generation_config.json, which chat models often extend beyond config.json."""
-    path = directory / "generation_config.json"
-    if not path.is_file():
-        return frozenset()
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-        raise InvalidCheckpoint(f"generation_config.json is malformed: {exc}") from exc
-    values = value if isinstance(value, list) else [value]
-    return frozenset(v for v in values if isinstance(v, int) and not isinstance(v, bool))
 
 
 def _tokenizer_adds_bos(directory: Path) -> bool:

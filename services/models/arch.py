@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from services.models.config_fields import DTYPE_BYTES
 from services.models.errors import InvalidConfig, UnsupportedArchitecture
+from services.models.special_tokens import ids_in_vocabulary
 
 if TYPE_CHECKING:
     from services.models.families import Family
@@ -114,6 +115,8 @@ class ArchSpec:
 
         Raises UnsupportedArchitecture for families or features iserve cannot run, and
         InvalidConfig for missing or inconsistent fields; both messages name the field.
+        BOS and EOS ids outside the vocabulary are dropped with a warning (see
+        :mod:`services.models.special_tokens`).
         """
         from services.models.families import family_of
 
@@ -121,12 +124,10 @@ class ArchSpec:
             raise InvalidConfig(f"config must be a JSON object, got {type(cfg).__name__}")
         family = family_of(cfg)
         spec = family.parse(cfg, family.name)
-        for key, token in [("bos_token_id", spec.bos_token_id)] + [
-            ("eos_token_id", t) for t in spec.eos_token_ids
-        ]:
-            if token is not None and token >= spec.vocab_size:
-                raise InvalidConfig(f"{key} {token} is outside the vocabulary ({spec.vocab_size})")
-        return spec
+        bos = () if spec.bos_token_id is None else (spec.bos_token_id,)
+        bos = ids_in_vocabulary("config bos_token_id", bos, spec.vocab_size)
+        eos = ids_in_vocabulary("config eos_token_id", spec.eos_token_ids, spec.vocab_size)
+        return replace(spec, bos_token_id=bos[0] if bos else None, eos_token_ids=eos)
 
     @property
     def dtype_bytes(self) -> int:

@@ -23,6 +23,7 @@ from services.models.safetensors_format import (
     read_safetensors_header,
     write_safetensors,
 )
+from services.models.special_tokens import GENERATION_CONFIG_FILE
 from services.models.tokenizer import BOS_TOKEN, EOS_TOKEN, build_tokenizer
 
 __all__ = [
@@ -263,7 +264,7 @@ def write_checkpoint(
     _write_json(directory / CONFIG_FILE, dict(config))
     eos = list(spec.eos_token_ids)
     _write_json(
-        directory / "generation_config.json",
+        directory / GENERATION_CONFIG_FILE,
         {
             "bos_token_id": spec.bos_token_id,
             "eos_token_id": eos[0] if len(eos) == 1 else eos,

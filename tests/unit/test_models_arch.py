@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import pytest
@@ -237,7 +238,6 @@ def test_unsupported_architectures(changes: dict[str, Any], message: str) -> Non
         ({"hidden_size": 4100}, "hidden_size \\(4100\\) is not divisible"),
         ({"num_key_value_heads": 5}, "num_key_value_heads \\(5\\)"),
         ({"torch_dtype": "int8"}, "dtype 'int8'"),
-        ({"eos_token_id": 32000}, "eos_token_id 32000"),
         ({"eos_token_id": [2, "x"]}, "eos_token_id"),
         ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
         ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
@@ -247,6 +247,14 @@ def test_unsupported_architectures(changes: dict[str, Any], message: str) -> Non
 def test_invalid_configs(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidConfig, match=message):
         ArchSpec.from_hf_config(with_changes(LLAMA2_7B_TF4, **changes))
+
+
+def test_an_eos_id_at_the_vocabulary_size_is_dropped(caplog) -> None:
+    config = with_changes(LLAMA2_7B_TF4, eos_token_id=[2, 32000])
+    with caplog.at_level(logging.WARNING, logger="iserve.models"):
+        spec = ArchSpec.from_hf_config(config)
+    assert (spec.bos_token_id, spec.eos_token_ids) == (1, (2,))
+    assert "config eos_token_id 32000 is outside the vocabulary (32000 tokens)" in caplog.text
 
 
 def test_config_must_be_an_object() -> None:

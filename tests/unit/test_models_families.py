@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -167,7 +168,6 @@ def test_unsupported_family_features(base, changes, message) -> None:
         (FALCON_7B, {"hidden_size": 4545}, "not divisible"),
         (FALCON_7B, {"num_ln_in_parallel_attn": 3}, "num_ln_in_parallel_attn"),
         (FALCON_7B, {"layer_norm_epsilon": 0}, "layer_norm_epsilon"),
-        (FALCON_7B, {"eos_token_id": 70000}, "outside the vocabulary"),
         (GPTJ_6B, {"rotary_dim": 7}, "rotary_dim \\(7\\)"),
         (GPTJ_6B, {"rotary_dim": 512}, "at most the head size"),
         (GPTJ_6B, {"n_embd": ...}, "'n_embd'"),
@@ -177,6 +177,23 @@ def test_unsupported_family_features(base, changes, message) -> None:
 def test_invalid_family_configs(base, changes, message) -> None:
     with pytest.raises(InvalidConfig, match=message):
         ArchSpec.from_hf_config(with_changes(base, **changes))
+
+
+def test_special_token_ids_outside_the_vocabulary_are_dropped(caplog) -> None:
+    # Hugging Face's GPT-J config carries 50256 whatever the vocabulary; transformers loads it.
+    tiny_gptj = with_changes(GPTJ_6B, vocab_size=320)
+    with caplog.at_level(logging.WARNING, logger="iserve.models"):
+        spec = ArchSpec.from_hf_config(tiny_gptj)
+    assert (spec.bos_token_id, spec.eos_token_ids) == (None, ())
+    assert [r.getMessage() for r in caplog.records] == [
+        "config bos_token_id 50256 is outside the vocabulary (320 tokens); ignoring it",
+        "config eos_token_id 50256 is outside the vocabulary (320 tokens); ignoring it",
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="iserve.models"):
+        spec = ArchSpec.from_hf_config(with_changes(FALCON_7B, eos_token_id=[11, 70000]))
+    assert (spec.bos_token_id, spec.eos_token_ids) == (11, (11,))
+    assert "eos_token_id 70000 is outside the vocabulary" in caplog.text
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "falcon", "gptj"])
