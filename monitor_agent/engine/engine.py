@@ -10,7 +10,6 @@ its cache slot until its generator finishes or is closed.
 from __future__ import annotations
 
 import functools
-import json
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,7 +41,7 @@ from monitor_agent.engine.model import LayerClock
 from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, InvalidCheckpoint
-from services.models.special_tokens import generation_eos_ids
+from services.models.special_tokens import encode_prompt, generation_eos_ids
 
 __all__ = ["Engine", "NoFreeSlot", "SamplingConfig", "StepOutput"]
 
@@ -140,7 +139,6 @@ class Engine:
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | generation_eos_ids(
             directory, self.spec.vocab_size
         )
-        self._add_bos = _tokenizer_adds_bos(directory) and self.spec.bos_token_id is not None
         self.batch = BatchEngine(
             self.model,
             self.tokenizer,
@@ -165,12 +163,9 @@ class Engine:
         return self.batch.memory
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of text, starting with BOS as Hugging Face Llama tokenizers do."""
-        ids = self.tokenizer.encode(text).ids
-        bos = self.spec.bos_token_id
-        if self._add_bos and bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
-        return ids
+        """Token ids of text, with the special tokens (BOS, EOS) transformers' AutoTokenizer
+        would add for this checkpoint (see services.models.special_tokens)."""
+        return encode_prompt(self.tokenizer, text)
 
     def generate(
         self,
@@ -228,15 +223,3 @@ class Engine:
 
 def _never() -> bool:
     return False
-
-
-def _tokenizer_adds_bos(directory: Path) -> bool:
-    """Whether prompts start with BOS: tokenizer_config.json's add_bos_token, default yes."""
-    path = directory / "tokenizer_config.json"
-    if not path.is_file():
-        return True
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("add_bos_token", True)
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return True
-    return value is not False

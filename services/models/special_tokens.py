@@ -1,4 +1,21 @@
-"""Special tokens: the configured ids the engine may use.
+"""Special tokens: the ones a prompt gets, and the configured ids the engine may use.
+
+Prompt text is encoded as transformers' ``AutoTokenizer`` (5.x) encodes it, since that is
+what users compare iserve's outputs with. Read from its source and checked against it by
+``tests/unit/test_models_special_tokens.py``, its rule for a checkpoint with a
+``tokenizer.json`` (which iserve requires) is:
+
+- a prompt gets exactly the special tokens ``tokenizer.json``'s post-processor adds (a
+  ``TemplateProcessing`` that prepends BOS, ``RobertaProcessing``, a ``Sequence``…), and
+  none when there is no post-processor;
+- ``tokenizer_config.json``'s ``add_bos_token`` and ``add_eos_token`` change nothing:
+  ``PreTrainedTokenizerBase._from_pretrained`` discards them whenever ``tokenizer.json``
+  exists (transformers 4's ``LlamaTokenizerFast`` honoured them; 5 does not);
+- whichever class it picks (``TokenizersBackend`` for llama, mistral and falcon,
+  ``Qwen2Tokenizer`` for qwen2, ``GPT2Tokenizer`` for gptj, or the one
+  ``tokenizer_config.json`` names) keeps the file's post-processor; the special tokens a
+  class defaults to (GPT-2's ``<|endoftext|>``) or that ``tokenizer_config.json`` and
+  ``special_tokens_map.json`` name are registered, never added to a prompt.
 
 Special-token ids in ``config.json`` or ``generation_config.json`` outside the model's
 vocabulary (Hugging Face's GPT-J config carries 50256 whatever the vocabulary) name no
@@ -13,14 +30,24 @@ import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.models.errors import InvalidCheckpoint
 
-__all__ = ["GENERATION_CONFIG_FILE", "generation_eos_ids", "ids_in_vocabulary"]
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+__all__ = ["GENERATION_CONFIG_FILE", "encode_prompt", "generation_eos_ids", "ids_in_vocabulary"]
 
 log = logging.getLogger("iserve.models")
 
 GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` with the special tokens ``tokenizer.json``'s post-processor
+    adds, and no others (see the module docstring)."""
+    return tokenizer.encode(text, add_special_tokens=True).ids
 
 
 def ids_in_vocabulary(source: str, ids: Iterable[int], vocab_size: int) -> tuple[int, ...]:

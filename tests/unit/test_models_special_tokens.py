@@ -1,20 +1,190 @@
-"""Special-token ids outside the vocabulary are dropped with a warning, and a checkpoint
-that has them registers and serves."""
+"""Prompt encoding equals transformers' AutoTokenizer's; special ids outside the vocabulary
+are dropped with a warning, and such a checkpoint registers and serves.
+
+Each case writes the tokenizer files a checkpoint may have (``tokenizer.json`` with or
+without a post-processor, ``tokenizer_config.json``, ``special_tokens_map.json``) next to
+a ``config.json`` naming the family, and compares ``encode_prompt`` with
+``AutoTokenizer.from_pretrained(directory)(text)["input_ids"]``.
+
+The texts are plain prose on purpose. For qwen2 transformers rebuilds the tokenizer with
+Qwen2Tokenizer's own pre-tokenizer instead of the file's, which cuts digits one by one;
+that is how text is split, not which special tokens are added, and is not covered here.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
+from typing import Any
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from monitor_agent.engine.engine import Engine, SamplingConfig
-from services.models.checkpoint import InvalidCheckpoint, create_checkpoint, validate_checkpoint
-from services.models.special_tokens import generation_eos_ids
+from services.models.checkpoint import (
+    InvalidCheckpoint,
+    build_tokenizer,
+    create_checkpoint,
+    validate_checkpoint,
+)
+from services.models.special_tokens import encode_prompt, generation_eos_ids
 
-PROMPT = "The river runs past the old mill, and under the stone bridge."
-EOS_ID = 1
+FAMILIES = ("llama", "mistral", "qwen2", "falcon", "gptj")
+TEXTS = (
+    "The river runs past the old mill, and under the stone bridge.",
+    "Once upon a time there was a small town",
+    "",
+)
+BOS, EOS = "<s>", "</s>"
+# The trainer puts special tokens first.
+BOS_ID, EOS_ID = 0, 1
 VOCAB_SIZE = 300
+
+# tokenizer.json post-processors: what each adds to a single sequence.
+POST_PROCESSORS: dict[str, Any] = {
+    "none": None,
+    "bos": processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    ),
+    "eos": processors.TemplateProcessing(
+        single=f"$A {EOS}", pair=f"$A {EOS} $B {EOS}", special_tokens=[(EOS, EOS_ID)]
+    ),
+    "roberta": processors.RobertaProcessing((EOS, EOS_ID), (BOS, BOS_ID)),
+    "bytelevel-then-bos": processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)]),
+        ]
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json() -> str:
+    """A byte-level BPE tokenizer, trained here on a few lines, with no post-processor."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TEXTS * 4, trainer=trainer)
+    assert (tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)) == (BOS_ID, EOS_ID)
+    return tokenizer.to_str()
+
+
+@pytest.fixture(scope="module")
+def auto_tokenizer() -> Any:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoTokenizer
+
+
+def write_tokenizer_files(
+    directory: Path,
+    tokenizer_json: str,
+    *,
+    model_type: str,
+    post_processor: str,
+    tokenizer_config: dict[str, Any] | None = None,
+    special_tokens_map: dict[str, Any] | None = None,
+) -> Tokenizer:
+    """Write config.json and the tokenizer files; return the tokenizer iserve loads."""
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer.post_processor = POST_PROCESSORS[post_processor]
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"model_type": model_type, "vocab_size": VOCAB_SIZE, "bos_token_id": BOS_ID}
+    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": EOS_ID}))
+    if tokenizer_config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    if special_tokens_map is not None:
+        (directory / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
+    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+
+def assert_encodes_like_transformers(directory: Path, tokenizer: Tokenizer, auto: Any) -> None:
+    reference = auto.from_pretrained(str(directory))
+    for text in TEXTS:
+        assert encode_prompt(tokenizer, text) == reference(text)["input_ids"], text
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize(
+    "tokenizer_config",
+    [None, {"add_bos_token": True}, {"add_bos_token": False}, {"add_eos_token": True}],
+    ids=["no-tokenizer-config", "add-bos", "no-bos", "add-eos"],
+)
+@pytest.mark.parametrize("post_processor", ["none", "bos"])
+def test_prompt_encoding_matches_transformers(
+    tmp_path, tokenizer_json, auto_tokenizer, model_type, tokenizer_config, post_processor
+) -> None:
+    tokenizer = write_tokenizer_files(
+        tmp_path / "ckpt",
+        tokenizer_json,
+        model_type=model_type,
+        post_processor=post_processor,
+        tokenizer_config=tokenizer_config,
+    )
+    assert_encodes_like_transformers(tmp_path / "ckpt", tokenizer, auto_tokenizer)
+    # The post-processor alone decides; tokenizer_config.json's add_*_token flags do not.
+    starts_with_bos = encode_prompt(tokenizer, TEXTS[0])[0] == BOS_ID
+    assert starts_with_bos == (post_processor == "bos")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "post_processor", "tokenizer_config", "special_tokens_map"),
+    [
+        ("llama", "eos", None, None),
+        ("gptj", "roberta", None, None),
+        ("qwen2", "bytelevel-then-bos", None, None),
+        ("llama", "none", {"tokenizer_class": "LlamaTokenizerFast", "add_bos_token": True}, None),
+        ("llama", "bos", {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False}, None),
+        ("falcon", "none", {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS}, None),
+        ("gptj", "none", {"tokenizer_class": "GPT2Tokenizer", "add_bos_token": True}, None),
+        ("mistral", "none", {"bos_token": BOS, "add_bos_token": True}, None),
+        ("mistral", "none", None, {"bos_token": BOS, "eos_token": EOS}),
+    ],
+)
+def test_other_special_token_sources_match_transformers(
+    tmp_path,
+    tokenizer_json,
+    auto_tokenizer,
+    model_type,
+    post_processor,
+    tokenizer_config,
+    special_tokens_map,
+) -> None:
+    tokenizer = write_tokenizer_files(
+        tmp_path / "ckpt",
+        tokenizer_json,
+        model_type=model_type,
+        post_processor=post_processor,
+        tokenizer_config=tokenizer_config,
+        special_tokens_map=special_tokens_map,
+    )
+    assert_encodes_like_transformers(tmp_path / "ckpt", tokenizer, auto_tokenizer)
+
+
+def test_engine_encodes_like_transformers(tmp_path, auto_tokenizer) -> None:
+    """A checkpoint with no tokenizer_config.json and a tokenizer.json that adds no BOS:
+    the engine's prompt starts with no BOS, though config.json names one."""
+    directory = create_checkpoint(
+        tmp_path / "ckpt", arch="llama", seed=1, hidden_size=64, num_layers=1, num_heads=4
+    )
+    (directory / "tokenizer_config.json").unlink()
+    tokenizer = build_tokenizer()
+    tokenizer.post_processor = None
+    tokenizer.save(str(directory / "tokenizer.json"))
+    engine = Engine(directory, max_seq_len=64)
+    reference = auto_tokenizer.from_pretrained(str(directory))
+    for text in TEXTS:
+        assert engine.encode(text) == reference(text)["input_ids"]
+    assert engine.encode(TEXTS[0])[0] != engine.spec.bos_token_id
 
 
 def test_gptj_with_special_ids_outside_the_vocabulary_registers_and_serves(
@@ -40,7 +210,7 @@ def test_gptj_with_special_ids_outside_the_vocabulary_registers_and_serves(
         engine = Engine(directory, max_seq_len=64)
     assert engine.eos_token_ids == frozenset({1})
     assert "generation_config.json eos_token_id 50256 is outside the vocabulary" in caplog.text
-    outputs = list(engine.generate(engine.encode(PROMPT), 4, SamplingConfig(ignore_eos=True)))
+    outputs = list(engine.generate(engine.encode(TEXTS[0]), 4, SamplingConfig(ignore_eos=True)))
     assert len(outputs) == 4
     assert all(0 <= step.token_id < spec.vocab_size for step in outputs)
 
