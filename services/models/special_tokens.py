@@ -37,8 +37,6 @@ from services.models.errors import InvalidCheckpoint
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["GENERATION_CONFIG_FILE", "encode_prompt", "generation_eos_ids", "ids_in_vocabulary"]
-
 log = logging.getLogger("iserve.models")
 
 GENERATION_CONFIG_FILE = "generation_config.json"
