@@ -57,7 +57,7 @@ from services.api import common_pb2 as common  # noqa: E402
 from services.api import estimator_service_pb2 as estimator_pb  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.errors import ResourceExhausted  # noqa: E402
-from services.models.arch import ArchSpec  # noqa: E402
+from services.models.families import parse_config
 from services.models.presets import preset_config  # noqa: E402
 
 GIB = 1 << 30
@@ -190,7 +190,7 @@ def _decide(
     return times_ms, placed, uneven
 
 
-_SPEC = ArchSpec.from_hf_config(preset_config("llama-2-70b", dtype="float16"))
+_SPEC = parse_config(preset_config("llama-2-70b", dtype="float16"))
 LLAMA_70B = model_pb.Model(
     model_id="llama-2-70b",
     checkpoint_path="llama-2-70b",

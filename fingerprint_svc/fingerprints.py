@@ -44,12 +44,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.models.arch import ArchSpec, config_with_layers
 from services.models.checkpoint import (
     CONFIG_FILE,
     read_config,
     read_safetensors_index,
 )
+from services.models.families import config_with_layers, parse_config
 from services.models.safetensors_format import TensorInfo, write_safetensors
 
 FINGERPRINTS_DIR = ".fingerprints"
@@ -141,14 +141,14 @@ def cut_fingerprint(checkpoint_dir: Path, out_dir: Path, num_layers: int) -> int
     count or a tensor's stored shape disagrees with the config.
     """
     config = read_config(checkpoint_dir)
-    spec = ArchSpec.from_hf_config(config)
+    spec = parse_config(config)
     if not 1 <= num_layers < spec.num_layers:
         raise ValueError(
             f"a fingerprint needs 1 to {spec.num_layers - 1} layers of the model's "
             f"{spec.num_layers}, got {num_layers}"
         )
     cut_config = config_with_layers(config, num_layers)
-    cut_spec = ArchSpec.from_hf_config(cut_config)
+    cut_spec = parse_config(cut_config)
     index = read_safetensors_index(checkpoint_dir)
     layout: list[tuple[str, str, tuple[int, ...]]] = []
     sources: dict[str, TensorInfo] = {}
@@ -192,7 +192,7 @@ class FingerprintCache:
         ``num_layers`` equal to the model's layer count, the checkpoint itself."""
         source = (self.models_root / checkpoint_path).resolve()
         key = content_hash(source)
-        model_layers = ArchSpec.from_hf_config(read_config(source)).num_layers
+        model_layers = parse_config(read_config(source)).num_layers
         if num_layers == model_layers:
             weights = sum(info.nbytes for info in read_safetensors_index(source).values())
             return Fingerprint(checkpoint_path, num_layers, True, weights, key)

@@ -38,6 +38,7 @@ from services.estimation.memory import GIB
 from services.ids import check_hardware_type, check_model_id
 from services.importers import maveriq
 from services.models.arch import ArchSpec
+from services.models.families import parse_config
 from services.models.presets import PRESETS, preset_config
 from services.state.store import StateStore
 
@@ -135,7 +136,7 @@ class ImportPlan:
 
 
 def _preset_shape(preset: str) -> tuple[model_pb.ModelShape, ArchSpec]:
-    spec = ArchSpec.from_hf_config(preset_config(preset, dtype=_MAVERIQ_DTYPE))
+    spec = parse_config(preset_config(preset, dtype=_MAVERIQ_DTYPE))
     return model_shape(spec, spec.weight_bytes()), spec
 
 

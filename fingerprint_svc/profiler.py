@@ -55,6 +55,7 @@ from services.api import model_service_pb2 as model_pb
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config
+from services.models.families import parse_config
 from services.reservation import fingerprint_rank_bytes
 from services.settings import Settings
 from services.state.store import ReservationError, StateStore
@@ -291,9 +292,7 @@ class Profiler:
             )
 
     def _spec_of(self, fingerprint: Fingerprint) -> ArchSpec:
-        return ArchSpec.from_hf_config(
-            read_config(self.settings.models_root / fingerprint.checkpoint_path)
-        )
+        return parse_config(read_config(self.settings.models_root / fingerprint.checkpoint_path))
 
     async def _reserve(self, owner: str, job: ProfileJob, spec: ArchSpec):
         """Reserve each rank's memory on the best devices; JobFailed when none fit."""

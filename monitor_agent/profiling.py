@@ -64,6 +64,7 @@ from services.errors import IServeError, RemoteError, require
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config
+from services.models.families import parse_config
 
 log = logging.getLogger("iserve.agent.profiling")
 
@@ -265,7 +266,7 @@ class ProfilingJobs:
             default_ready_timeout_s=self.ready_timeout_s,
         )
         plan = dataclasses.replace(plan, time_layers=True)
-        spec = ArchSpec.from_hf_config(read_config(plan.checkpoint_dir))
+        spec = parse_config(read_config(plan.checkpoint_dir))
         require(
             job.max_seq_len <= spec.max_position_embeddings,
             f"input_tokens + the longest output ({job.max_seq_len}) exceeds the model's "

@@ -21,24 +21,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from services.models.config_fields import DTYPE_BYTES
 from services.models.errors import InvalidConfig, UnsupportedArchitecture
-from services.models.special_tokens import ids_in_vocabulary
-
-if TYPE_CHECKING:
-    from services.models.families import Family
 
 __all__ = [
     "ArchSpec",
     "CheckpointTensor",
     "InvalidConfig",
     "UnsupportedArchitecture",
+    "CheckpointLayout",
     "WeightSource",
-    "config_with_layers",
-    "supported_model_types",
 ]
 
 # Tensors that some exporters write but that carry no learned weights (recomputed at load).
@@ -48,6 +43,17 @@ ACTIVATIONS = ("silu", "gelu", "gelu_new")
 
 # Row ranges [start, stop) of a tensor's first dimension, concatenated in order.
 RowRanges = tuple[tuple[int, int], ...]
+
+
+class CheckpointLayout(Protocol):
+    """What a family says about its checkpoints' tensor names (a ``families.Family``);
+    ``parse_config`` puts it on each spec it parses, so this module needs no family."""
+
+    embedding: str
+    final_norm: str
+    harmless_suffixes: tuple[str, ...]
+
+    def layer_tensors(self, spec: ArchSpec, layer: int) -> list[CheckpointTensor]: ...
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,8 @@ class ArchSpec:
     rotary_interleaved: bool = False
     # Mistral-style local attention: a query sees at most this many keys (itself included).
     sliding_window: int | None = None
+    # The family's checkpoint tensor names (set by families.parse_config; not compared).
+    layout: CheckpointLayout | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.rotary_dim == 0:
@@ -108,26 +116,6 @@ class ArchSpec:
             raise ValueError(
                 f"rotary_dim ({self.rotary_dim}) must be even and in (0, head_dim={self.head_dim}]"
             )
-
-    @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ArchSpec:
-        """Build the spec from a parsed ``config.json``.
-
-        Raises UnsupportedArchitecture for families or features iserve cannot run, and
-        InvalidConfig for missing or inconsistent fields; both messages name the field.
-        BOS and EOS ids outside the vocabulary are dropped with a warning (see
-        :mod:`services.models.special_tokens`).
-        """
-        from services.models.families import family_of
-
-        if not isinstance(cfg, Mapping):
-            raise InvalidConfig(f"config must be a JSON object, got {type(cfg).__name__}")
-        family = family_of(cfg)
-        spec = family.parse(cfg, family.name)
-        bos = () if spec.bos_token_id is None else (spec.bos_token_id,)
-        bos = ids_in_vocabulary("config bos_token_id", bos, spec.vocab_size)
-        eos = ids_in_vocabulary("config eos_token_id", spec.eos_token_ids, spec.vocab_size)
-        return replace(spec, bos_token_id=bos[0] if bos else None, eos_token_ids=eos)
 
     @property
     def dtype_bytes(self) -> int:
@@ -219,12 +207,15 @@ class ArchSpec:
         element_bytes = self.dtype_bytes if dtype_bytes is None else dtype_bytes
         return per_token * max_seq_len * batch_size * element_bytes
 
-    def _family(self) -> Family:
-        from services.models.families import FAMILIES
+    def _family(self) -> CheckpointLayout:
+        if self.layout is None:
+            raise ValueError(
+                "this ArchSpec was built directly, without its family's checkpoint layout; "
+                "parse it with services.models.families.parse_config"
+            )
+        return self.layout
 
-        return FAMILIES[self.family]
-
-    def _head_tensors(self, family: Family) -> list[CheckpointTensor]:
+    def _head_tensors(self, family: CheckpointLayout) -> list[CheckpointTensor]:
         hidden = (self.hidden_size,)
         tensors = [
             CheckpointTensor(f"{family.final_norm}.weight", hidden, (("norm.weight", None),))
@@ -271,34 +262,6 @@ class WeightSource:
     tensor: str
     rows: RowRanges | None = None
     columns: tuple[int, int] | None = None
-
-
-def config_with_layers(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    """A copy of ``cfg`` describing the same model with ``num_layers`` decoder layers.
-
-    Knows each family's name for the layer count (GPT-J's ``n_layer``) and trims or extends
-    per-layer lists such as ``layer_types``; used to cut fingerprints and write presets.
-    """
-    from services.models.families import family_of
-
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    family = family_of(cfg)
-    out = dict(cfg)
-    keys = [key for key in family.layer_count_keys if key in cfg] or [family.layer_count_keys[0]]
-    for key in keys:
-        out[key] = num_layers
-    layer_types = cfg.get("layer_types")
-    if isinstance(layer_types, list) and layer_types:
-        out["layer_types"] = [layer_types[min(i, len(layer_types) - 1)] for i in range(num_layers)]
-    return out
-
-
-def supported_model_types() -> list[str]:
-    """The ``model_type`` values :meth:`ArchSpec.from_hf_config` accepts."""
-    from services.models.families import FAMILIES
-
-    return sorted(t for family in FAMILIES.values() for t in family.model_types)
 
 
 ParseConfig = Callable[[Mapping[str, Any], str], ArchSpec]

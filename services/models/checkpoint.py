@@ -15,7 +15,7 @@ from typing import Any
 
 from services.models.arch import ArchSpec
 from services.models.errors import InvalidCheckpoint, InvalidConfig, UnsupportedArchitecture
-from services.models.families import FAMILIES, ConfigRequest
+from services.models.families import FAMILIES, ConfigRequest, parse_config
 from services.models.random_weights import RandomWeights
 from services.models.safetensors_format import (
     CONFIG_TO_SAFETENSORS_DTYPE,
@@ -126,7 +126,7 @@ def validate_checkpoint(
     ``require_tokenizer`` is False.
     """
     directory = Path(checkpoint_dir)
-    spec = ArchSpec.from_hf_config(read_config(directory))
+    spec = parse_config(read_config(directory))
     tensors = read_safetensors_index(directory)
     expected = spec.expected_tensors()
     missing = [name for name in expected if name not in tensors]
@@ -248,7 +248,7 @@ def write_checkpoint(
     directory = Path(out_dir)
     if directory.exists() and any(directory.iterdir()) and not overwrite:
         raise FileExistsError(f"{str(directory)!r} is not empty; pass overwrite=True to replace it")
-    spec = ArchSpec.from_hf_config(config)  # rejects inconsistent sizes before writing
+    spec = parse_config(config)  # rejects inconsistent sizes before writing
     tokenizer = build_tokenizer()
     if spec.vocab_size < tokenizer.get_vocab_size():
         raise InvalidConfig(

@@ -2,7 +2,7 @@
 
 Each preset holds the fields of the model's published config that decide its shape and
 layer structure (sizes, heads, KV heads, vocabulary, positions, rotary base, norms, tied
-embeddings, biases), so ``ArchSpec.from_hf_config`` reads it exactly as it would read the
+embeddings, biases), so ``services.models.families.parse_config`` reads it exactly as it would read the
 real checkpoint. :func:`create_preset_checkpoint` writes a checkpoint of that shape with
 random weights, optionally with fewer layers (a fingerprint-sized model with the real
 widths), streaming tensor by tensor so even the full models need only megabytes of memory.
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.models.arch import ArchSpec, config_with_layers
+from services.models.arch import ArchSpec
 from services.models.checkpoint import write_checkpoint
 from services.models.config_fields import DTYPE_BYTES
+from services.models.families import config_with_layers, parse_config
 from services.models.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID
 
 
@@ -33,7 +34,7 @@ class Preset:
 
     @property
     def spec(self) -> ArchSpec:
-        return ArchSpec.from_hf_config(self.config)
+        return parse_config(self.config)
 
 
 def _llama2(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> dict:

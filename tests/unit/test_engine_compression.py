@@ -213,7 +213,7 @@ def test_compact_2_4_storage_equals_the_dense_pruned_linear():
 
 
 def test_structured_pruning_drops_the_weakest_heads():
-    from services.models.arch import ArchSpec
+    from services.models.families import parse_config
 
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -225,7 +225,7 @@ def test_structured_pruning_drops_the_weakest_heads():
         "num_key_value_heads": 4,
         "vocab_size": 256,
     }
-    attention = Attention(ArchSpec.from_hf_config(config), torch.float32)
+    attention = Attention(parse_config(config), torch.float32)
     for linear in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
         nn.init.normal_(linear.weight)
     with torch.no_grad():

@@ -19,8 +19,8 @@ from monitor_agent.engine.tensor_parallel import (
     narrow_rows,
     shard_sources,
 )
-from services.models.arch import ArchSpec
 from services.models.checkpoint import create_checkpoint, read_config
+from services.models.families import parse_config
 from tests.parity.harness import randomize_weights
 
 SMALL = {"hidden_size": 64, "num_layers": 2}
@@ -166,7 +166,7 @@ def test_kv_heads_follow_the_query_heads(tmp_path, heads, kv_heads, size, expect
     directory = create_checkpoint(
         tmp_path / "c", hidden_size=8 * heads, num_layers=1, num_heads=heads, num_kv_heads=kv_heads
     )
-    spec = ArchSpec.from_hf_config(read_config(directory))
+    spec = parse_config(read_config(directory))
     group = heads // kv_heads
     for rank in range(size):
         slice_ = head_slice(spec, size, rank)

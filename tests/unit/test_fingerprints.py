@@ -15,13 +15,13 @@ from fingerprint_svc.fingerprints import (
     content_hash,
     cut_fingerprint,
 )
-from services.models.arch import ArchSpec
 from services.models.checkpoint import (
     create_checkpoint,
     read_config,
     read_safetensors_index,
     validate_checkpoint,
 )
+from services.models.families import parse_config
 
 SHAPE = {"hidden_size": 64, "num_layers": 6, "num_heads": 4, "num_kv_heads": 2}
 
@@ -56,7 +56,7 @@ def test_cut_reads_only_the_tensors_it_keeps(root, tmp_path, monkeypatch):
     source = root / "llama"
     cut_fingerprint(source, tmp_path / "fp", 2)
 
-    kept = ArchSpec.from_hf_config(read_config(tmp_path / "fp")).expected_tensors()
+    kept = parse_config(read_config(tmp_path / "fp")).expected_tensors()
     index = read_safetensors_index(source)
     expected = set()
     for name in kept:

@@ -8,12 +8,8 @@ from typing import Any
 
 import pytest
 
-from services.models.arch import (
-    ArchSpec,
-    InvalidConfig,
-    UnsupportedArchitecture,
-    supported_model_types,
-)
+from services.models.arch import ArchSpec, InvalidConfig, UnsupportedArchitecture
+from services.models.families import parse_config, supported_model_types
 
 # Llama-2-7B's config.json as transformers 4 wrote it.
 LLAMA2_7B_TF4: dict[str, Any] = {
@@ -74,7 +70,7 @@ def with_changes(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
 
 
 def test_transformers4_config() -> None:
-    spec = ArchSpec.from_hf_config(LLAMA2_7B_TF4)
+    spec = parse_config(LLAMA2_7B_TF4)
     assert spec == ArchSpec(
         family="llama",
         hidden_size=4096,
@@ -95,7 +91,7 @@ def test_transformers4_config() -> None:
 
 
 def test_transformers5_config() -> None:
-    spec = ArchSpec.from_hf_config(LLAMA3_8B_TF5)
+    spec = parse_config(LLAMA3_8B_TF5)
     assert spec.rope_theta == 500000.0
     assert spec.torch_dtype == "bfloat16"
     assert spec.eos_token_ids == (128001, 128009)
@@ -114,30 +110,30 @@ def test_config_written_by_installed_transformers() -> None:
         rope_theta=5000.0,
         tie_word_embeddings=True,
     ).to_dict()
-    spec = ArchSpec.from_hf_config(config)
+    spec = parse_config(config)
     assert (spec.hidden_size, spec.num_layers, spec.num_kv_heads, spec.head_dim) == (64, 2, 2, 16)
     assert spec.rope_theta == 5000.0
     assert spec.tie_word_embeddings
 
 
 def test_known_parameter_counts() -> None:
-    assert ArchSpec.from_hf_config(LLAMA2_7B_TF4).parameter_count() == 6_738_415_616
-    assert ArchSpec.from_hf_config(LLAMA3_8B_TF5).parameter_count() == 8_030_261_248
+    assert parse_config(LLAMA2_7B_TF4).parameter_count() == 6_738_415_616
+    assert parse_config(LLAMA3_8B_TF5).parameter_count() == 8_030_261_248
 
 
 def test_weight_and_kv_bytes() -> None:
-    spec = ArchSpec.from_hf_config(LLAMA2_7B_TF4)
+    spec = parse_config(LLAMA2_7B_TF4)
     assert spec.weight_bytes() == 2 * 6_738_415_616  # float16 by default
     assert spec.weight_bytes(4) == 4 * 6_738_415_616
     # 2 (K and V) * 32 layers * 32 kv heads * 128 * 4096 tokens * 2 bytes = 2 GiB per sequence.
     assert spec.kv_cache_bytes(4096, 1, 2) == 2 * 1024**3
     assert spec.kv_cache_bytes(1024, 3) == 3 * 2 * 1024**3 // 4
-    gqa = ArchSpec.from_hf_config(LLAMA3_8B_TF5)
+    gqa = parse_config(LLAMA3_8B_TF5)
     assert gqa.kv_cache_bytes(100, 2, 2) == 2 * 32 * 8 * 128 * 100 * 2 * 2
 
 
 def test_expected_tensors_gqa_shapes() -> None:
-    spec = ArchSpec.from_hf_config(LLAMA3_8B_TF5)
+    spec = parse_config(LLAMA3_8B_TF5)
     tensors = spec.expected_tensors()
     assert len(tensors) == 2 + 32 * 9 + 1
     assert tensors["model.embed_tokens.weight"] == (128256, 4096)
@@ -154,7 +150,7 @@ def test_expected_tensors_gqa_shapes() -> None:
 
 
 def test_tied_embeddings_have_no_lm_head() -> None:
-    spec = ArchSpec.from_hf_config(with_changes(LLAMA2_7B_TF4, tie_word_embeddings=True))
+    spec = parse_config(with_changes(LLAMA2_7B_TF4, tie_word_embeddings=True))
     assert "lm_head.weight" not in spec.expected_tensors()
     assert spec.parameter_count() == 6_738_415_616 - 32000 * 4096
 
@@ -163,7 +159,7 @@ def test_explicit_head_dim_and_biases() -> None:
     config = with_changes(
         LLAMA2_7B_TF4, head_dim=64, hidden_size=1000, attention_bias=True, mlp_bias=True
     )
-    tensors = ArchSpec.from_hf_config(config).expected_tensors()
+    tensors = parse_config(config).expected_tensors()
     assert tensors["model.layers.0.self_attn.q_proj.weight"] == (32 * 64, 1000)
     assert tensors["model.layers.0.self_attn.o_proj.weight"] == (1000, 32 * 64)
     assert tensors["model.layers.0.self_attn.q_proj.bias"] == (32 * 64,)
@@ -181,7 +177,7 @@ def test_defaults_for_optional_fields() -> None:
         eos_token_id=...,
         bos_token_id=...,
     )
-    spec = ArchSpec.from_hf_config(config)
+    spec = parse_config(config)
     assert spec.num_kv_heads == 32
     assert spec.torch_dtype == "float32"
     assert spec.norm_eps == 1e-6
@@ -197,13 +193,13 @@ def test_mistral_with_sliding_window() -> None:
         sliding_window=4096,
         num_key_value_heads=8,
     )
-    spec = ArchSpec.from_hf_config(config)
+    spec = parse_config(config)
     assert (spec.family, spec.sliding_window) == ("mistral", 4096)
     assert "mistral" in supported_model_types()
 
 
 def test_spec_is_frozen() -> None:
-    spec = ArchSpec.from_hf_config(LLAMA2_7B_TF4)
+    spec = parse_config(LLAMA2_7B_TF4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.num_layers = 2  # type: ignore[misc]
 
@@ -225,7 +221,7 @@ def test_spec_is_frozen() -> None:
 )
 def test_unsupported_architectures(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(UnsupportedArchitecture, match=message):
-        ArchSpec.from_hf_config(with_changes(LLAMA2_7B_TF4, **changes))
+        parse_config(with_changes(LLAMA2_7B_TF4, **changes))
 
 
 @pytest.mark.parametrize(
@@ -246,20 +242,20 @@ def test_unsupported_architectures(changes: dict[str, Any], message: str) -> Non
 )
 def test_invalid_configs(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidConfig, match=message):
-        ArchSpec.from_hf_config(with_changes(LLAMA2_7B_TF4, **changes))
+        parse_config(with_changes(LLAMA2_7B_TF4, **changes))
 
 
 def test_an_eos_id_at_the_vocabulary_size_is_dropped(caplog) -> None:
     config = with_changes(LLAMA2_7B_TF4, eos_token_id=[2, 32000])
     with caplog.at_level(logging.WARNING, logger="iserve.models"):
-        spec = ArchSpec.from_hf_config(config)
+        spec = parse_config(config)
     assert (spec.bos_token_id, spec.eos_token_ids) == (1, (2,))
     assert "config eos_token_id 32000 is outside the vocabulary (32000 tokens)" in caplog.text
 
 
 def test_config_must_be_an_object() -> None:
     with pytest.raises(InvalidConfig, match="JSON object"):
-        ArchSpec.from_hf_config([1, 2])  # type: ignore[arg-type]
+        parse_config([1, 2])  # type: ignore[arg-type]
 
 
 def test_errors_are_value_errors() -> None:

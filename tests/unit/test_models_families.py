@@ -7,14 +7,8 @@ from typing import Any
 
 import pytest
 
-from services.models.arch import (
-    ArchSpec,
-    InvalidConfig,
-    UnsupportedArchitecture,
-    WeightSource,
-    config_with_layers,
-    supported_model_types,
-)
+from services.models.arch import InvalidConfig, UnsupportedArchitecture, WeightSource
+from services.models.families import config_with_layers, parse_config, supported_model_types
 from services.models.families.falcon import fused_qkv_rows
 from services.models.presets import PRESETS
 
@@ -36,12 +30,12 @@ def with_changes(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
 
 def test_family_names_match_the_registry() -> None:
     assert supported_model_types() == ["falcon", "gptj", "llama", "mistral", "qwen2"]
-    families = {ArchSpec.from_hf_config(p.config).family for p in PRESETS.values()}
+    families = {parse_config(p.config).family for p in PRESETS.values()}
     assert families == {"llama", "mistral", "qwen2", "falcon", "gptj"}
 
 
 def test_qwen2_biases_only_query_key_value() -> None:
-    spec = ArchSpec.from_hf_config(QWEN2_7B)
+    spec = parse_config(QWEN2_7B)
     assert (spec.qkv_bias, spec.attn_out_bias, spec.mlp_bias) == (True, False, False)
     assert (spec.num_kv_heads, spec.head_dim, spec.rope_theta) == (4, 128, 1e6)
     tensors = spec.expected_tensors()
@@ -52,7 +46,7 @@ def test_qwen2_biases_only_query_key_value() -> None:
 
 
 def test_falcon_7b_is_multi_query_with_one_shared_norm() -> None:
-    spec = ArchSpec.from_hf_config(FALCON_7B)
+    spec = parse_config(FALCON_7B)
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (71, 1, 64)
     assert (spec.norm_kind, spec.hidden_act, spec.gated_mlp) == ("layer", "gelu", False)
     assert spec.parallel_residual and spec.shared_layer_norm and spec.tie_word_embeddings
@@ -75,7 +69,7 @@ def test_falcon_7b_is_multi_query_with_one_shared_norm() -> None:
 
 
 def test_falcon_40b_groups_kv_heads_with_two_norms() -> None:
-    spec = ArchSpec.from_hf_config(FALCON_40B)
+    spec = parse_config(FALCON_40B)
     assert (spec.num_heads, spec.num_kv_heads) == (128, 8)
     assert spec.parallel_residual and not spec.shared_layer_norm
     tensors = spec.expected_tensors()
@@ -85,10 +79,10 @@ def test_falcon_40b_groups_kv_heads_with_two_norms() -> None:
 
 
 def test_falcon_variants() -> None:
-    one_norm = ArchSpec.from_hf_config(with_changes(FALCON_40B, num_ln_in_parallel_attn=1))
+    one_norm = parse_config(with_changes(FALCON_40B, num_ln_in_parallel_attn=1))
     assert one_norm.shared_layer_norm
     assert "transformer.h.0.input_layernorm.weight" in one_norm.expected_tensors()
-    sequential = ArchSpec.from_hf_config(
+    sequential = parse_config(
         with_changes(FALCON_7B, multi_query=False, parallel_attn=False, bias=True)
     )
     assert sequential.num_kv_heads == 71 and not sequential.parallel_residual
@@ -108,7 +102,7 @@ def test_fused_qkv_rows_follow_the_kv_groups() -> None:
 
 
 def test_gptj_partial_interleaved_rotary_and_biases() -> None:
-    spec = ArchSpec.from_hf_config(GPTJ_6B)
+    spec = parse_config(GPTJ_6B)
     assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.head_dim) == (4096, 28, 16, 256)
     assert (spec.rotary_dim, spec.rotary_interleaved, spec.rope_theta) == (64, True, 10000.0)
     assert (spec.hidden_act, spec.intermediate_size) == ("gelu_new", 16384)
@@ -130,12 +124,12 @@ def test_gptj_generic_field_names() -> None:
         num_attention_heads=16,
         num_hidden_layers=2,
     )
-    spec = ArchSpec.from_hf_config(generic)
+    spec = parse_config(generic)
     assert (spec.hidden_size, spec.num_heads, spec.num_layers) == (4096, 16, 2)
 
 
 def test_rotary_dim_defaults_to_the_whole_head() -> None:
-    spec = ArchSpec.from_hf_config(PRESETS["llama-2-7b"].config)
+    spec = parse_config(PRESETS["llama-2-7b"].config)
     assert spec.rotary_dim == spec.head_dim == 128 and not spec.rotary_interleaved
 
 
@@ -157,7 +151,7 @@ def test_rotary_dim_defaults_to_the_whole_head() -> None:
 )
 def test_unsupported_family_features(base, changes, message) -> None:
     with pytest.raises(UnsupportedArchitecture, match=message):
-        ArchSpec.from_hf_config(with_changes(base, **changes))
+        parse_config(with_changes(base, **changes))
 
 
 @pytest.mark.parametrize(
@@ -176,14 +170,14 @@ def test_unsupported_family_features(base, changes, message) -> None:
 )
 def test_invalid_family_configs(base, changes, message) -> None:
     with pytest.raises(InvalidConfig, match=message):
-        ArchSpec.from_hf_config(with_changes(base, **changes))
+        parse_config(with_changes(base, **changes))
 
 
 def test_special_token_ids_outside_the_vocabulary_are_dropped(caplog) -> None:
     # Hugging Face's GPT-J config carries 50256 whatever the vocabulary; transformers loads it.
     tiny_gptj = with_changes(GPTJ_6B, vocab_size=320)
     with caplog.at_level(logging.WARNING, logger="iserve.models"):
-        spec = ArchSpec.from_hf_config(tiny_gptj)
+        spec = parse_config(tiny_gptj)
     assert (spec.bos_token_id, spec.eos_token_ids) == (None, ())
     assert [r.getMessage() for r in caplog.records] == [
         "config bos_token_id 50256 is outside the vocabulary (320 tokens); ignoring it",
@@ -191,7 +185,7 @@ def test_special_token_ids_outside_the_vocabulary_are_dropped(caplog) -> None:
     ]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="iserve.models"):
-        spec = ArchSpec.from_hf_config(with_changes(FALCON_7B, eos_token_id=[11, 70000]))
+        spec = parse_config(with_changes(FALCON_7B, eos_token_id=[11, 70000]))
     assert (spec.bos_token_id, spec.eos_token_ids) == (11, (11,))
     assert "eos_token_id 70000 is outside the vocabulary" in caplog.text
 
@@ -215,7 +209,7 @@ def test_config_written_by_installed_transformers(model_type: str) -> None:
     config = transformers.AutoConfig.for_model(
         model_type, num_hidden_layers=2, vocab_size=100, bos_token_id=1, eos_token_id=2, **small
     )
-    spec = ArchSpec.from_hf_config(config.to_dict())
+    spec = parse_config(config.to_dict())
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     hf_tensors = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -226,7 +220,7 @@ def test_config_written_by_installed_transformers(model_type: str) -> None:
 
 
 def test_stage_weights_partition_the_checkpoint() -> None:
-    spec = ArchSpec.from_hf_config(config_with_layers(FALCON_40B, 4))
+    spec = parse_config(config_with_layers(FALCON_40B, 4))
     stages = [spec.stage_weights(0, 1), spec.stage_weights(1, 2), spec.stage_weights(3, 1)]
     first, middle, last = stages
     assert "embed_tokens.weight" in first and "norm.weight" not in first
@@ -243,7 +237,7 @@ def test_stage_weights_partition_the_checkpoint() -> None:
 
 
 def test_stage_weights_split_the_fused_projection() -> None:
-    spec = ArchSpec.from_hf_config(config_with_layers(FALCON_7B, 1))
+    spec = parse_config(config_with_layers(FALCON_7B, 1))
     weights = spec.stage_weights()
     fused = "transformer.h.0.self_attention.query_key_value.weight"
     assert weights["layers.0.self_attn.q_proj.weight"] == WeightSource(fused, ((0, 71 * 64),))
@@ -260,7 +254,7 @@ def test_stage_weights_split_the_fused_projection() -> None:
     [(-1, 1, "first_layer"), (4, 1, "first_layer"), (1, 0, "layer_count"), (2, 3, "layer_count")],
 )
 def test_bad_stages_are_rejected(first: int, count: int, message: str) -> None:
-    spec = ArchSpec.from_hf_config(config_with_layers(FALCON_7B, 4))
+    spec = parse_config(config_with_layers(FALCON_7B, 4))
     with pytest.raises(ValueError, match=message):
         spec.stage_weights(first, count)
 
@@ -271,13 +265,13 @@ def test_config_with_layers_knows_each_family() -> None:
     assert config_with_layers(FALCON_40B, 3)["num_hidden_layers"] == 3
     qwen = with_changes(QWEN2_7B, layer_types=["full_attention"] * 28)
     assert config_with_layers(qwen, 2)["layer_types"] == ["full_attention"] * 2
-    assert ArchSpec.from_hf_config(config_with_layers(GPTJ_6B, 2)).num_layers == 2
+    assert parse_config(config_with_layers(GPTJ_6B, 2)).num_layers == 2
     with pytest.raises(ValueError, match="num_layers"):
         config_with_layers(GPTJ_6B, 0)
 
 
 def test_gptj_mask_buffers_are_ignorable() -> None:
-    spec = ArchSpec.from_hf_config(GPTJ_6B)
+    spec = parse_config(GPTJ_6B)
     assert spec.is_ignorable_tensor("transformer.h.0.attn.masked_bias")
     assert spec.is_ignorable_tensor("transformer.h.0.attn.bias")
     assert not spec.is_ignorable_tensor("transformer.h.0.mlp.fc_in.bias")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from services.cli.main import main as cli_main
-from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config, validate_checkpoint
+from services.models.families import parse_config
 from services.models.presets import PRESETS, create_preset_checkpoint, get_preset, preset_config
 from services.models.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE
 
@@ -48,7 +48,7 @@ def test_preset_shapes_equal_transformers_model(name: str) -> None:
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     config = dict(get_preset(name).config)
-    spec = ArchSpec.from_hf_config(config)
+    spec = parse_config(config)
     hf_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
@@ -62,7 +62,7 @@ def test_preset_shapes_equal_transformers_model(name: str) -> None:
 def test_preset_config_changes_layers_and_dtype() -> None:
     config = preset_config("gpt-j-6b", num_layers=2, dtype="bfloat16")
     assert (config["n_layer"], config["torch_dtype"]) == (2, "bfloat16")
-    spec = ArchSpec.from_hf_config(preset_config("llama-2-70b", num_layers=1))
+    spec = parse_config(preset_config("llama-2-70b", num_layers=1))
     assert (spec.num_layers, spec.hidden_size, spec.num_kv_heads) == (1, 8192, 8)
     with pytest.raises(KeyError, match="known presets"):
         get_preset("llama-1-7b")

@@ -4,6 +4,7 @@ another service's package, and the shared kernel imports no service."""
 from __future__ import annotations
 
 import ast
+import graphlib
 import re
 from pathlib import Path
 
@@ -81,3 +82,42 @@ def test_every_environment_variable_is_named_only_in_services_settings():
         if variable.fullmatch(value)
     }
     assert named == {}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each project module and the project modules it imports (lazy imports too)."""
+    files = {}
+    for package in ("services", *SERVICES):
+        for path in (ROOT / package).rglob("*.py"):
+            relative = path.relative_to(ROOT)
+            if "api" not in relative.parts:
+                name = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
+                files[name] = path
+
+    def resolve(dotted: str) -> str | None:
+        while dotted and dotted not in files:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(max(0, node.level - 1)):
+                    base = base.rpartition(".")[0]
+                module = (
+                    node.module if not node.level else ".".join(filter(None, [base, node.module]))
+                )
+                imported.add(module)
+                imported.update(f"{module}.{alias.name}" for alias in node.names)
+        graph[name] = {target for t in imported if (target := resolve(t)) not in (None, name)}
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    graphlib.TopologicalSorter(_module_graph()).prepare()  # CycleError names the circle

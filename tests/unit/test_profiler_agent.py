@@ -26,8 +26,8 @@ from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
 from services.errors import InvalidArgument, RemoteError
-from services.models.arch import ArchSpec
 from services.models.checkpoint import create_checkpoint, read_config
+from services.models.families import parse_config
 
 SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
@@ -100,7 +100,7 @@ def test_peak_resident_bytes_reads_vmhwm(tmp_path):
 
 def test_prompt_ids_avoid_bos_and_eos(tmp_path):
     create_checkpoint(tmp_path / "m", **SHAPE)
-    spec = ArchSpec.from_hf_config(read_config(tmp_path / "m"))
+    spec = parse_config(read_config(tmp_path / "m"))
     ids = prompt_token_ids(64, spec)
     assert len(ids) == 64 and ids == prompt_token_ids(64, spec)
     assert not {spec.bos_token_id, *spec.eos_token_ids} & set(ids)

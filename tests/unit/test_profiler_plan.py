@@ -18,8 +18,8 @@ from fingerprint_svc.registry import check_variants
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
-from services.models.arch import ArchSpec, config_with_layers
-from services.models.families import FAMILIES, ConfigRequest
+from services.models.arch import ArchSpec
+from services.models.families import FAMILIES, ConfigRequest, config_with_layers, parse_config
 from services.reservation import RUNTIME_OVERHEAD_BYTES, fingerprint_rank_bytes
 
 MIB = 1 << 20
@@ -57,7 +57,7 @@ def _spec(layers: int, **overrides) -> ArchSpec:
         eos_token_id=2,
     )
     config = {**FAMILIES["llama"].build_config(request), **overrides}
-    return ArchSpec.from_hf_config(config_with_layers(config, layers))
+    return parse_config(config_with_layers(config, layers))
 
 
 def test_settings_from_the_environment():

@@ -200,12 +200,12 @@ def test_variant_problem_is_pure():
     from pathlib import Path
 
     from fingerprint_svc.registry import projection_inputs, variant_problem
-    from services.models.arch import ArchSpec
     from services.models.checkpoint import read_config
+    from services.models.families import parse_config
 
     with tempfile.TemporaryDirectory() as tmp:
         create_checkpoint(Path(tmp) / "m", **{**SHAPE, "intermediate_size": 200})
-        spec = ArchSpec.from_hf_config(read_config(Path(tmp) / "m"))
+        spec = parse_config(read_config(Path(tmp) / "m"))
     assert projection_inputs(spec) == {
         "hidden_size": 64,
         "attention output (heads x head_dim)": 64,

@@ -9,52 +9,28 @@ head, stage slicing) is common and lives in ``arch.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from services.models.arch import LayerTensors, ParseConfig
+from services.models.arch import ArchSpec
 from services.models.errors import InvalidConfig, UnsupportedArchitecture
+from services.models.families import falcon, gptj, llama
+from services.models.families.family import ConfigRequest, Family
+from services.models.special_tokens import ids_in_vocabulary
 
-
-@dataclass(frozen=True)
-class ConfigRequest:
-    """The shape ``create_checkpoint`` asks a family to describe in a ``config.json``."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int | None  # None: the family's usual MLP width
-    vocab_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    dtype: str
-    rope_theta: float
-    norm_eps: float | None  # None: the family's usual epsilon
-    sliding_window: int | None
-    bos_token_id: int
-    eos_token_id: int
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    model_types: tuple[str, ...]
-    architectures: tuple[str, ...]
-    parse: ParseConfig
-    layer_tensors: LayerTensors
-    build_config: Callable[[ConfigRequest], dict[str, Any]]
-    embedding: str  # checkpoint name of the token embedding
-    final_norm: str  # checkpoint name of the final norm, without ".weight"
-    layer_count_keys: tuple[str, ...] = ("num_hidden_layers",)
-    # Extra tensors old exporters saved that hold no weights (GPT-J's causal-mask buffers).
-    harmless_suffixes: tuple[str, ...] = ()
+__all__ = [
+    "FAMILIES",
+    "ConfigRequest",
+    "Family",
+    "config_with_layers",
+    "family_of",
+    "parse_config",
+    "supported_model_types",
+]
 
 
 def _registry() -> dict[str, Family]:
-    from services.models.families import falcon, gptj, llama
-
     families = [llama.LLAMA, llama.MISTRAL, llama.QWEN2, falcon.FALCON, gptj.GPTJ]
     return {family.name: family for family in families}
 
@@ -86,3 +62,45 @@ def family_of(cfg: Mapping[str, Any]) -> Family:
     what = f"model_type {model_type!r}" if model_type is not None else f"{architectures}"
     supported = sorted(t for family in FAMILIES.values() for t in family.model_types)
     raise UnsupportedArchitecture(f"{what} is not supported; supported model types: {supported}")
+
+
+def parse_config(cfg: Mapping[str, Any]) -> ArchSpec:
+    """The spec of a parsed ``config.json``, carrying its family's checkpoint layout.
+
+    Raises UnsupportedArchitecture for families or features iserve cannot run, and
+    InvalidConfig for missing or inconsistent fields; both messages name the field.
+    BOS and EOS ids outside the vocabulary are dropped with a warning (see
+    :mod:`services.models.special_tokens`).
+    """
+    if not isinstance(cfg, Mapping):
+        raise InvalidConfig(f"config must be a JSON object, got {type(cfg).__name__}")
+    family = family_of(cfg)
+    spec = family.parse(cfg, family.name)
+    bos = () if spec.bos_token_id is None else (spec.bos_token_id,)
+    bos = ids_in_vocabulary("config bos_token_id", bos, spec.vocab_size)
+    eos = ids_in_vocabulary("config eos_token_id", spec.eos_token_ids, spec.vocab_size)
+    return replace(spec, bos_token_id=bos[0] if bos else None, eos_token_ids=eos, layout=family)
+
+
+def config_with_layers(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """A copy of ``cfg`` describing the same model with ``num_layers`` decoder layers.
+
+    Knows each family's name for the layer count (GPT-J's ``n_layer``) and trims or extends
+    per-layer lists such as ``layer_types``; used to cut fingerprints and write presets.
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    family = family_of(cfg)
+    out = dict(cfg)
+    keys = [key for key in family.layer_count_keys if key in cfg] or [family.layer_count_keys[0]]
+    for key in keys:
+        out[key] = num_layers
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        out["layer_types"] = [layer_types[min(i, len(layer_types) - 1)] for i in range(num_layers)]
+    return out
+
+
+def supported_model_types() -> list[str]:
+    """The ``model_type`` values :func:`parse_config` accepts."""
+    return sorted(t for family in FAMILIES.values() for t in family.model_types)

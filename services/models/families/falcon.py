@@ -24,7 +24,7 @@ from typing import Any
 from services.models import config_fields as fields
 from services.models.arch import ArchSpec, CheckpointTensor, RowRanges
 from services.models.errors import InvalidConfig, UnsupportedArchitecture
-from services.models.families import ConfigRequest, Family
+from services.models.families.family import ConfigRequest, Family
 
 _ACTIVATIONS = ("gelu", "gelu_new")
 

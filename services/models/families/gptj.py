@@ -15,7 +15,7 @@ from typing import Any
 from services.models import config_fields as fields
 from services.models.arch import ArchSpec, CheckpointTensor
 from services.models.errors import InvalidConfig, UnsupportedArchitecture
-from services.models.families import ConfigRequest, Family
+from services.models.families.family import ConfigRequest, Family
 
 # transformers hard-codes GPT-J's rotary base; its config has no field for it.
 GPTJ_ROPE_THETA = 10000.0
