@@ -27,13 +27,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from estimator_svc.calibration import (  # noqa: E402
+from estimator_svc.hardware_calibration import (  # noqa: E402
     CalibrationTable,
     calibration_table,
     fit_calibration,
     predict_rows,
 )
-from estimator_svc.extrapolation import (  # noqa: E402
+from estimator_svc.model_references import (  # noqa: E402
     ModelReferences,
     Workload,
     estimate,

@@ -5,7 +5,7 @@
 a stack holding only that data: the files go through the service's import
 (``fingerprint_svc.importing``), every model's fingerprint runs are extrapolated by
 ``estimator_svc.profiles`` and the constants fitted on the full-model runs by
-``estimator_svc.calibration``.
+``estimator_svc.hardware_calibration``.
 
 ``cpu-x86_64.json`` is not written here: ``bench/estimate_cpu.py --write-calibration``
 fits it on full-model runs measured on this machine's CPU.
@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from google.protobuf import json_format  # noqa: E402
 
-from estimator_svc.calibration import (  # noqa: E402
+from estimator_svc.calibration_message import SHIPPED_DIR, to_proto  # noqa: E402
+from estimator_svc.hardware_calibration import (  # noqa: E402
     HardwareCalibration,
     fit_hardware_calibration,
 )
-from estimator_svc.calibration_message import SHIPPED_DIR, to_proto  # noqa: E402
-from estimator_svc.extrapolation import model_references  # noqa: E402
+from estimator_svc.model_references import model_references  # noqa: E402
 from estimator_svc.profiles import (  # noqa: E402
     estimation_shape,
     estimation_variants,

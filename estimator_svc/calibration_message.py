@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from estimator_svc.calibration import HardwareCalibration
+from estimator_svc.hardware_calibration import HardwareCalibration
 from services.api import estimator_service_pb2 as estimator_pb
 from services.estimation.latency import (
     REFERENCE_LAYOUTS,

@@ -2,7 +2,7 @@
 
 The map is what every estimate of a model on one hardware type starts from: the
 model's full-model reference figures per variant and profiled prompt length
-(extrapolated from its fingerprint runs, :func:`extrapolation.model_references`) and the
+(extrapolated from its fingerprint runs, :func:`model_references.model_references`) and the
 hardware calibration they are scored with. From it, every configuration of any
 workload and device count is one vectorised pass (:meth:`ConfigMap.estimate`), so the
 map is what the estimator keeps in Redis (``keys.config_map(model, hardware)``) rather
@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 
 from google.protobuf import json_format
 
-from estimator_svc import extrapolation, profiles
+from estimator_svc import model_references, profiles
 from estimator_svc.calibration_message import from_proto
-from estimator_svc.extrapolation import ModelReferences, PromptReferences, Workload
+from estimator_svc.model_references import ModelReferences, PromptReferences, Workload
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.estimation.references import ReferenceProfile, VariantProfile
@@ -88,7 +88,7 @@ class ConfigMap:
         resolved = replace(
             workload, input_tokens=workload.input_tokens or references.default_input_tokens()
         )
-        estimates = extrapolation.estimate(
+        estimates = model_references.estimate(
             references, calibration, resolved, devices, device_memory_gib
         )
         return estimates, resolved
@@ -113,7 +113,7 @@ def build_config_map(
         hardware_type=hardware_type,
         source_hash=source_hash(model, measurements, calibration),
         built_at_unix_ms=now_ms,
-        references=extrapolation.model_references(shape, variants, samples),
+        references=model_references.model_references(shape, variants, samples),
         calibration=calibration,
     )
 

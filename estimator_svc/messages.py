@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from estimator_svc.extrapolation import Workload
+from estimator_svc.model_references import Workload
 from estimator_svc.ranking import RankedConfigs
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from estimator_svc import calibration_message, extrapolation, profiles
-from estimator_svc.calibration import fit_hardware_calibration
+from estimator_svc import calibration_message, model_references, profiles
 from estimator_svc.config_map import ConfigMap, build_config_map, from_json, source_hash
 from estimator_svc.config_map import to_json as config_map_json
-from estimator_svc.extrapolation import Workload
+from estimator_svc.hardware_calibration import fit_hardware_calibration
+from estimator_svc.model_references import Workload
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -122,7 +122,7 @@ class Estimator:
 
     async def _calibration_entries(
         self, hardware_type: str, model_ids: Sequence[str]
-    ) -> list[tuple[str, extrapolation.ModelReferences, list[profiles.Sample]]]:
+    ) -> list[tuple[str, model_references.ModelReferences, list[profiles.Sample]]]:
         """(model id, references, samples) of every model to calibrate on. Named models
         must exist and have full-model runs that can be used; otherwise models without
         them are passed over."""
@@ -137,7 +137,7 @@ class Estimator:
                 if not any(m.full_model for m in rows):
                     raise ValueError(f"no full-model measurements on {hardware_type}")
                 samples = [profiles.sample_from_measurement(m) for m in rows]
-                refs = extrapolation.model_references(
+                refs = model_references.model_references(
                     profiles.estimation_shape(model),
                     profiles.estimation_variants(model, rows),
                     samples,

@@ -7,7 +7,7 @@ import collections
 import numpy as np
 import pytest
 
-from estimator_svc import extrapolation, profiles
+from estimator_svc import model_references, profiles
 from estimator_svc.calibration_message import from_proto, load_shipped
 from fingerprint_svc.importing import plan_maveriq_import
 from services.api import common_pb2 as common
@@ -39,9 +39,9 @@ def a6000():
     }
 
 
-def references(a6000, model_id: str) -> extrapolation.ModelReferences:
+def references(a6000, model_id: str) -> model_references.ModelReferences:
     model, rows = a6000[model_id]
-    return extrapolation.model_references(
+    return model_references.model_references(
         profiles.estimation_shape(model),
         profiles.estimation_variants(model, rows),
         [profiles.sample_from_measurement(m) for m in rows],
@@ -112,8 +112,8 @@ def test_falcon_7b_has_no_tensor_parallel_references(a6000):
 def test_a6000_llama_70b_estimates_every_configuration_in_the_papers_range(a6000):
     refs = references(a6000, "llama-2-70b")
     calibration, refs = from_proto(load_shipped("rtx-a6000")).for_references(refs)
-    estimates = extrapolation.estimate(
-        refs, calibration, extrapolation.Workload(100), 8, 48e9 / GIB
+    estimates = model_references.estimate(
+        refs, calibration, model_references.Workload(100), 8, 48e9 / GIB
     )
     space = enumerate_space(refs.shape, 8, refs.variants)
     assert estimates.space.size == space.size == 15 * 7
@@ -136,7 +136,7 @@ def test_direct_ttft_tpot_rows_extrapolate_to_the_full_model():
     variants = profiles.estimation_variants(model, rows)
     assert [v.weight_quant for v in variants.values()] == ["int8", "fp16"]
     assert variants["int8"].accuracy_pct == 99.0 and variants[""].accuracy_pct is None
-    refs = extrapolation.model_references(
+    refs = model_references.model_references(
         shape, variants, [profiles.sample_from_measurement(m) for m in rows]
     )
     assert refs.layouts == REFERENCE_LAYOUTS
@@ -157,7 +157,7 @@ def test_prompt_lengths_are_interpolated_between_profiled_ones():
     long = profiler_rows("", common.WEIGHT_QUANT_NONE, input_tokens=288)
     for m in long:  # prefill of the long prompt costs twice as much
         m.ttft_ms *= 2
-    refs = extrapolation.model_references(
+    refs = model_references.model_references(
         shape,
         profiles.estimation_variants(model, short),
         [profiles.sample_from_measurement(m) for m in short + long],
@@ -175,7 +175,7 @@ def test_references_need_fingerprints_at_the_base_layout():
     model = model_pb.Model(model_id="tiny")
     rows = [m for m in profiler_rows("", common.WEIGHT_QUANT_NONE) if m.config.tensor_parallel == 2]
     with pytest.raises(ValueError, match=r"\(1,1\)"):
-        extrapolation.model_references(
+        model_references.model_references(
             shape,
             profiles.estimation_variants(model, rows),
             [profiles.sample_from_measurement(m) for m in rows],
@@ -184,7 +184,7 @@ def test_references_need_fingerprints_at_the_base_layout():
 
 def test_workload_rejects_zero_output_tokens():
     with pytest.raises(ValueError, match="output_tokens"):
-        extrapolation.Workload(output_tokens=0)
+        model_references.Workload(output_tokens=0)
 
 
 def test_the_profilers_base_variant_and_a_model_that_is_its_own_fingerprint():
@@ -197,7 +197,7 @@ def test_the_profilers_base_variant_and_a_model_that_is_its_own_fingerprint():
     assert any(m.full_model for m in rows)
     variants = profiles.estimation_variants(model, rows)
     assert list(variants) == [""] and variants[""].accuracy_pct == 61.0
-    refs = extrapolation.model_references(
+    refs = model_references.model_references(
         shape, variants, [profiles.sample_from_measurement(m) for m in rows]
     )
     f_layer, f_other, p_layer, p_other = TRUTH[(1, 1)]
@@ -215,7 +215,7 @@ def test_noise_never_makes_the_full_model_faster_than_its_fingerprints():
             m.ttft_ms = 5.0
         elif m.config.tensor_parallel == 1 and m.config.pipeline_parallel == 1:
             m.ttft_ms = 9.0
-    refs = extrapolation.model_references(
+    refs = model_references.model_references(
         shape,
         profiles.estimation_variants(model, rows),
         [profiles.sample_from_measurement(m) for m in rows],

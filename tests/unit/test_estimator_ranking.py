@@ -7,12 +7,12 @@ import pytest
 
 from estimator_svc.calibration_message import load_shipped
 from estimator_svc.config_map import build_config_map
-from estimator_svc.extrapolation import Workload
 from estimator_svc.messages import (
     estimate_messages,
     ranked_messages,
     workload_from_proto,
 )
+from estimator_svc.model_references import Workload
 from estimator_svc.ranking import formula_cost, rank_for_intent
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from estimator_svc.extrapolation import ModelReferences
+from estimator_svc.model_references import ModelReferences
 from estimator_svc.profiles import Sample
 from services.estimation.calibrate import calibrate_latency, calibrate_memory_constants
 from services.estimation.latency import REFERENCE_LAYOUTS, phase_latency
