@@ -14,8 +14,7 @@ from monitor_agent.engine.engine import Engine
 from monitor_agent.engine.loader import load_model
 from services.models.checkpoint import create_checkpoint
 from tests.parity.harness import randomize_weights
-from tests.unit.parallel_harness import MAX_SEQ_LEN, scenario
-from tests.unit.test_engine_parallel import launch, wait_all
+from tests.unit.parallel_harness import MAX_SEQ_LEN, launch, scenario, wait_all
 
 pytestmark = pytest.mark.gpu
 

@@ -8,7 +8,11 @@ stage's first layer and count) and touches ``DIR/ready-<rank>-<index>``. Rank 0 
 ``--idle-s`` seconds, runs :func:`scenario` on it, writes the tokens as JSON to
 ``DIR/<index>.json`` and stops the followers; the other ranks follow until stopped. The
 pytest process runs the same :func:`scenario` on an unsharded Engine for the expected
-tokens.
+tokens. ``--scenario text`` runs :func:`text_scenario` instead (the prompt text encoded
+by the engine, then greedy tokens up to EOS), for comparisons with transformers.
+
+Tests start the ranks of a configuration with :func:`launch` and wait with
+:func:`wait_all`.
 """
 
 from __future__ import annotations
@@ -16,13 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import NoReturn
 
+from services.redis_embedded import free_port
+
 PROMPTS = ([1, 17, 230, 5, 99], [1, 412, 8], [1, 77, 300, 2, 150, 61, 33])
 MAX_SEQ_LEN = 64
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+TEXT_PROMPT = "The model reads the prompt, predicts the next token, and repeats."
+TEXT_TOKENS = 12
 
 
 def scenario(engine) -> dict[str, list]:
@@ -52,6 +62,16 @@ def scenario(engine) -> dict[str, list]:
     return {"alone": alone, "batched": [tokens[handle] for handle in handles]}
 
 
+def text_scenario(engine) -> dict[str, list]:
+    """The ids the engine encodes TEXT_PROMPT to and up to TEXT_TOKENS greedy tokens after
+    them, stopping at EOS as transformers' generate does."""
+    from monitor_agent.engine.engine import SamplingConfig
+
+    ids = engine.encode(TEXT_PROMPT)
+    tokens = [out.token_id for out in engine.generate(ids, TEXT_TOKENS, SamplingConfig())]
+    return {"ids": ids, "tokens": tokens}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -63,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="collective timeout")
     parser.add_argument("--idle-s", type=float, default=0.0, help="rank 0 waits before running")
+    parser.add_argument("--scenario", choices=("batching", "text"), default="batching")
     parser.add_argument("checkpoints", nargs="+", type=Path)
     args = parser.parse_args(argv)
 
@@ -92,12 +113,71 @@ def main(argv: list[str] | None = None) -> int:
         if layout.is_driver:
             engine.model.start_keepalive()
             time.sleep(args.idle_s)
-            result = scenario(engine)
+            result = (text_scenario if args.scenario == "text" else scenario)(engine)
             (args.out / f"{index}.json").write_text(json.dumps(result))
             engine.model.close()
         else:
             engine.model.follow()
     return 0
+
+
+def launch(
+    name: str,
+    tp: int,
+    pp: int,
+    layers,
+    checkpoints: list[Path],
+    out: Path,
+    device: str = "cpu",
+    *options: str,
+) -> list[subprocess.Popen]:
+    """Start every rank of one configuration (with the harness ``options``); rank i logs
+    to out/rank-i.log."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    rendezvous = f"127.0.0.1:{free_port()}"
+    spec = ",".join(f"{first}:{count}" for first, count in layers)
+    procs = []
+    for rank in range(tp * pp):
+        argv = [
+            sys.executable, "-m", "tests.unit.parallel_harness",
+            "--rank", str(rank), "--tp", str(tp), "--pp", str(pp), "--layers", spec,
+            "--rendezvous", rendezvous, "--device", device, "--out", str(out), *options,
+            *map(str, checkpoints),
+        ]  # fmt: skip
+        with (out / f"rank-{rank}.log").open("wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=PROJECT_ROOT
+                )
+            )
+    return procs
+
+
+def wait_all(runs: dict[str, tuple[list[subprocess.Popen], Path]], timeout_s: float) -> None:
+    """Wait for every process; on a failure or the timeout kill all and show the logs."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for name, (procs, out) in runs.items():
+            for rank, proc in enumerate(procs):
+                code = proc.wait(max(0.1, deadline - time.monotonic()))
+                if code != 0:
+                    log = (out / f"rank-{rank}.log").read_text()
+                    raise AssertionError(f"{name} rank {rank} exited {code}:\n{log[-3000:]}")
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"parallel runs did not finish within {timeout_s} s") from None
+    finally:
+        for procs, _ in runs.values():
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
 
 def leave(code: int) -> NoReturn:

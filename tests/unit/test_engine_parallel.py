@@ -12,9 +12,6 @@ followers survive the collective timeout (keepalives) and leave when rank 0 dies
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,11 +20,9 @@ import torch
 
 from monitor_agent.engine.engine import Engine
 from services.models.checkpoint import create_checkpoint
-from services.redis_embedded import free_port
 from tests.parity.harness import randomize_weights
-from tests.unit.parallel_harness import MAX_SEQ_LEN, scenario
+from tests.unit.parallel_harness import MAX_SEQ_LEN, launch, scenario, wait_all
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SHAPE = {"hidden_size": 64, "num_layers": 4, "num_heads": 4}
 CHECKPOINTS = {
     "llama-gqa": {"arch": "llama", "num_kv_heads": 2},
@@ -55,65 +50,6 @@ def checkpoints(tmp_path_factory) -> list[Path]:
         randomize_weights(directory, seed=12)
         out.append(directory)
     return out
-
-
-def launch(
-    name: str,
-    tp: int,
-    pp: int,
-    layers,
-    checkpoints: list[Path],
-    out: Path,
-    device: str = "cpu",
-    *options: str,
-) -> list[subprocess.Popen]:
-    """Start every rank of one configuration (with the harness ``options``); rank i logs
-    to out/rank-i.log."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])
-        ),
-    }
-    rendezvous = f"127.0.0.1:{free_port()}"
-    spec = ",".join(f"{first}:{count}" for first, count in layers)
-    procs = []
-    for rank in range(tp * pp):
-        argv = [
-            sys.executable, "-m", "tests.unit.parallel_harness",
-            "--rank", str(rank), "--tp", str(tp), "--pp", str(pp), "--layers", spec,
-            "--rendezvous", rendezvous, "--device", device, "--out", str(out), *options,
-            *map(str, checkpoints),
-        ]  # fmt: skip
-        with (out / f"rank-{rank}.log").open("wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=PROJECT_ROOT
-                )
-            )
-    return procs
-
-
-def wait_all(runs: dict[str, tuple[list[subprocess.Popen], Path]], timeout_s: float) -> None:
-    """Wait for every process; on a failure or the timeout kill all and show the logs."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        for name, (procs, out) in runs.items():
-            for rank, proc in enumerate(procs):
-                code = proc.wait(max(0.1, deadline - time.monotonic()))
-                if code != 0:
-                    log = (out / f"rank-{rank}.log").read_text()
-                    raise AssertionError(f"{name} rank {rank} exited {code}:\n{log[-3000:]}")
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"parallel runs did not finish within {timeout_s} s") from None
-    finally:
-        for procs, _ in runs.values():
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
 
 
 def test_every_layout_generates_the_same_tokens(checkpoints, tmp_path) -> None:
