@@ -18,6 +18,7 @@ import grpc
 from deploy_svc import planning
 from deploy_svc.agents import AgentClients
 from deploy_svc.explicit import ExplicitPlan, checkpoint_for, resolve_limits
+from deploy_svc.objectives import latency_model, resolve_objectives
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -186,14 +187,72 @@ class DeploymentController:
         nodes = await self._nodes(request)
         cuda = planning.on_cuda(nodes)
         limits = resolve_limits(model, request, cuda=cuda)
+        explicit = request.HasField("config")
+        objectives = resolve_objectives(
+            request.objectives, None if explicit else with_default(request.intent)
+        )
         options, hardware_type, note = await self._options(model, request, limits, nodes)
-        return planning.Prepared(model, limits, policy, cuda, options, hardware_type, note, nodes)
+        auto_batch = not request.batch_size and not (explicit and request.config.batch_size)
+        return planning.Prepared(
+            model, limits, policy, cuda, options, hardware_type, note, nodes, objectives, auto_batch
+        )
+
+    async def _decide(
+        self, request, prepared: planning.Prepared, nodes, excluded=None
+    ) -> tuple[deploy_pb.DeploymentDecision, common.LatencyModel]:
+        """planning's decision on ``nodes`` at the batch it chooses (when the request
+        left it 0), and the scheduler's starting latency model for it."""
+        decision = planning.decide_on(prepared, nodes, excluded)
+        hardware_type = planning.hardware_of(decision, nodes)
+        batch1 = await self._estimate_of(request, prepared, hardware_type, decision.config, 1)
+        batch2 = None
+        if batch1 is not None:
+            batch2 = await self._estimate_of(request, prepared, hardware_type, decision.config, 2)
+        if prepared.auto_batch:
+            decision = planning.size_batch(
+                prepared, decision, nodes, batch1, batch2, prepared.objectives.tpot_slo_ms
+            )
+        return decision, latency_model(batch1, batch2, prepared.limits.max_input_tokens)
+
+    async def _estimate_of(
+        self,
+        request,
+        prepared: planning.Prepared,
+        hardware_type: str,
+        config: common.DeploymentConfig,
+        batch: int,
+    ) -> estimator_pb.ConfigEstimate | None:
+        """The estimator's figures for ``config`` at ``batch`` on ``hardware_type``; None
+        when the model is not profiled there."""
+        try:
+            reply = await self.estimator.EstimateConfigs(
+                estimator_pb.EstimateConfigsRequest(
+                    request_id=request.request_id,
+                    model_id=prepared.model.model_id,
+                    hardware_type=hardware_type,
+                    workload=estimator_pb.Workload(
+                        input_tokens=prepared.limits.max_input_tokens,
+                        output_tokens=prepared.limits.max_output_tokens,
+                        batch_size=batch,
+                    ),
+                ),
+                timeout=RANK_TIMEOUT_S,
+            )
+        except grpc.RpcError as exc:
+            # Not profiled on this hardware type (FAILED_PRECONDITION), or the estimator
+            # is down: an explicit configuration still deploys, at batch 1 when the
+            # batch was left to the deployer.
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                log.warning("no estimate of %s: %s", prepared.model.model_id, exc.details())
+            return None
+        return planning.matching_estimate(reply.estimates, config)
 
     async def plan(self, request) -> deploy_pb.DeploymentDecision:
         """The decision for a PlanDeployment request against the live cluster (or
         ``request.devices`` when given)."""
         prepared = await self._prepare(request, launch=False)
-        return planning.decide_on(prepared, prepared.nodes)
+        decision, _ = await self._decide(request, prepared, prepared.nodes)
+        return decision
 
     # ---- deploy ---------------------------------------------------------------------
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:
@@ -219,13 +278,13 @@ class DeploymentController:
         """Plan, reserve, launch; on a lost reservation race plan again, on a failed
         launch roll back and try the next configuration (intents only)."""
         prepared = await self._prepare(request, launch=True)
-        model, limits, nodes = prepared.model, prepared.limits, prepared.nodes
+        model, nodes = prepared.model, prepared.nodes
         excluded: dict[int, str] = {}
         races = 0
         last_failure: IServeError | None = None
         while True:
             try:
-                decision = planning.decide_on(prepared, nodes, excluded)
+                decision, latency = await self._decide(request, prepared, nodes, excluded)
             except ResourceExhausted as exc:
                 if last_failure is None:
                     raise
@@ -251,7 +310,7 @@ class DeploymentController:
                 nodes = await self.store.list_nodes()
                 continue
             try:
-                return await self._launch(request, deployment_id, model, decision, limits)
+                return await self._launch(request, deployment_id, prepared, decision, latency)
             except IServeError as exc:
                 if request.HasField("config"):
                     raise
@@ -270,12 +329,13 @@ class DeploymentController:
         self,
         request,
         deployment_id: str,
-        model: model_pb.Model,
+        prepared: planning.Prepared,
         decision: deploy_pb.DeploymentDecision,
-        limits: ExplicitPlan,
+        latency: common.LatencyModel,
     ) -> deploy_pb.DeployResponse:
         """Record, start and wait for the workers of a reserved decision; on any failure
         stop what started, release the memory and delete the record."""
+        model, limits = prepared.model, prepared.limits
         deployment = deploy_pb.Deployment(
             deployment_id=deployment_id,
             model_id=model.model_id,
@@ -287,6 +347,8 @@ class DeploymentController:
             created_at_unix_ms=_now_ms(),
             request_id=request.request_id,
             estimate=decision.estimate,
+            objectives=prepared.objectives,
+            latency_model=latency,
         )
         try:
             await self.store.put_deployment(deployment)

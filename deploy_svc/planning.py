@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from deploy_svc import placement
 from deploy_svc.explicit import ExplicitPlan, resolve_explicit
+from deploy_svc.objectives import BatchBound, largest_fitting, per_sequence_ms, tpot_batch_bound
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
@@ -61,6 +62,8 @@ class Prepared:
     hardware_type: str | None  # None: any device (an explicit configuration)
     note: str
     nodes: list[common.NodeState]  # as seen when the request was prepared
+    objectives: common.ServiceObjectives
+    auto_batch: bool  # the request left the batch size to the deployer
 
 
 def hardware_order(nodes: Sequence[common.NodeState]) -> list[tuple[str, int]]:
@@ -106,6 +109,34 @@ def decide_on(
         note=prepared.note,
         cuda=prepared.cuda,
     )
+
+
+def hardware_of(decision: deploy_pb.DeploymentDecision, nodes: Sequence[common.NodeState]) -> str:
+    """The hardware type of the decision's first device ("" when not among ``nodes``)."""
+    first = decision.placement.stages[0].devices[0]
+    for node in nodes:
+        for dev in node.devices:
+            if (dev.ref.node_id, dev.ref.device_id) == (first.node_id, first.device_id):
+                return dev.hardware_type
+    return ""
+
+
+def matching_estimate(
+    estimates: Sequence[estimator_pb.ConfigEstimate], config: common.DeploymentConfig
+) -> estimator_pb.ConfigEstimate | None:
+    """The estimate of ``config``'s layout and compression (by variant name when the
+    configuration names one), or None."""
+
+    def key(c: common.DeploymentConfig) -> tuple:
+        return (c.tensor_parallel, c.pipeline_parallel, c.weight_quant, c.kv_quant, c.pruning)
+
+    for estimate in estimates:
+        same_variant = (
+            not config.variant_name or estimate.config.variant_name == config.variant_name
+        )
+        if same_variant and key(estimate.config) == key(config):
+            return estimate
+    return None
 
 
 def policy_name(policy: int) -> str:
@@ -246,6 +277,94 @@ def _decision(
     )
     if not decision.estimate.memory_total_bytes:
         decision.estimate.memory_total_bytes = sum(reserved)
+    return decision
+
+
+def size_batch(
+    prepared: Prepared,
+    decision: deploy_pb.DeploymentDecision,
+    nodes: Sequence[common.NodeState],
+    batch1: estimator_pb.ConfigEstimate | None,
+    batch2: estimator_pb.ConfigEstimate | None,
+    tpot_slo_ms: int,
+) -> deploy_pb.DeploymentDecision:
+    """``decision`` (made at batch 1) at the batch size the deployer chooses for a
+    Deploy that left it 0: the largest batch whose estimated TPOT meets the objective
+    (:func:`deploy_svc.objectives.tpot_batch_bound`) and whose KV cache still fits the
+    devices it was placed on, placed again on them; its note says which bound decided.
+    ``batch1``/``batch2`` are the chosen configuration's estimates at batch 1 and 2
+    (None: not profiled on this hardware). Without both, or without batch-2 profiles,
+    the batch stays 1: a batch's cost is unknown."""
+    if batch1 is None:
+        return _with_note(decision, "batch 1: no estimate of this configuration's TPOT")
+    if batch2 is None or not batch2.batch_measured:
+        return _with_note(decision, "batch 1: the model was not profiled at batch 2")
+    bound = tpot_batch_bound(batch1.tpot_ms, per_sequence_ms(batch1, batch2), tpot_slo_ms)
+    decisions: dict[int, deploy_pb.DeploymentDecision] = {1: decision}
+
+    def at(batch: int) -> deploy_pb.DeploymentDecision | None:
+        if batch not in decisions:
+            decisions[batch] = _decide_batch(prepared, decision, nodes, batch1, batch)
+        return decisions[batch]
+
+    batch = largest_fitting(bound.batch, lambda b: at(b) is not None)
+    chosen = at(batch)
+    assert chosen is not None  # batch 1 is the decision itself
+    return _with_note(chosen, _batch_reason(batch, bound))
+
+
+def _decide_batch(
+    prepared: Prepared,
+    decision: deploy_pb.DeploymentDecision,
+    nodes: Sequence[common.NodeState],
+    batch1: estimator_pb.ConfigEstimate,
+    batch: int,
+) -> deploy_pb.DeploymentDecision | None:
+    """The decision's configuration at ``batch``, placed anew; None when it does not fit.
+    The estimate's memory grows by one sequence's KV cache per extra sequence."""
+    config = common.DeploymentConfig()
+    config.CopyFrom(decision.config)
+    config.batch_size = batch
+    estimate = estimator_pb.ConfigEstimate()
+    estimate.CopyFrom(batch1)
+    estimate.config.CopyFrom(config)
+    estimate.memory_total_bytes += (batch - 1) * batch1.kv_cache_bytes
+    estimate.kv_cache_bytes *= batch
+    limits = ExplicitPlan(
+        config, prepared.limits.max_input_tokens, prepared.limits.max_output_tokens
+    )
+    option = next((o for o in prepared.options if o.rank == decision.winner_rank), None)
+    meets_intent = option.meets_intent if option is not None else True
+    placed = {(d.node_id, d.device_id) for s in decision.placement.stages for d in s.devices}
+    devices = [
+        c
+        for c in candidates_for(nodes, prepared.hardware_type)
+        if (c.node_id, c.device_id) in placed
+    ]
+    try:
+        sized = decide(
+            prepared.model,
+            [Option(decision.winner_rank, config, estimate, meets_intent)],
+            devices,
+            limits,
+            policy=prepared.policy,
+            note=prepared.note,
+            cuda=prepared.cuda,
+        )
+    except ResourceExhausted:
+        return None
+    sized.skipped.extend(decision.skipped)
+    return sized
+
+
+def _batch_reason(batch: int, bound: BatchBound) -> str:
+    if batch == bound.batch:
+        return f"batch {batch}: bounded by {bound.reason}"
+    return f"batch {batch}: the KV cache of batch {batch + 1} does not fit the devices"
+
+
+def _with_note(decision: deploy_pb.DeploymentDecision, note: str) -> deploy_pb.DeploymentDecision:
+    decision.note = "; ".join(n for n in (decision.note, note) if n)
     return decision
 
 

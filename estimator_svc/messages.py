@@ -85,6 +85,7 @@ def estimate_messages(
             cost_memory=gb[i],
             cost_device_hours=e.cost_device_hours[i],
             throughput_tokens_per_second_per_device=e.throughput_tokens_per_s_per_device[i],
+            batch_measured=e.batch_measured,
         )
         if np.isfinite(e.accuracy_pct[i]):
             message.accuracy_score = float(e.accuracy_pct[i])

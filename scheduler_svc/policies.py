@@ -35,10 +35,14 @@ class QueueEntry:
     request_id: str
     arrival_s: float
     priority: bool = False
-    # Absolute time by which the last token is due; None: no deadline.
+    # Absolute time by which the first token is due; None: no deadline.
     deadline_s: float | None = None
     # Prompt length, for policies that predict prefill time; 0 when unknown.
     prompt_tokens: int = 0
+    # Where the deadline comes from, for the refusal message ("TTFT SLO 200 ms").
+    objective: str = ""
+    # Set by a policy that drops the request: when its first token was predicted.
+    predicted_first_token_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,13 +196,17 @@ class EdfPolicy:
         return Admission(admitted=batch, dropped=dropped)
 
     def _drop_hopeless(self, now_s: float) -> list[QueueEntry]:
-        """Remove the requests that miss their deadline even if started alone right now."""
-        hopeless = [
-            key
-            for key in self._heap
-            if key.entry.deadline_s is not None
-            and now_s + self._prefill_s([key.entry.prompt_tokens]) > key.entry.deadline_s
-        ]
+        """Remove the requests that miss their deadline even if started alone right now;
+        each gets its predicted first-token time."""
+        hopeless = []
+        for key in self._heap:
+            entry = key.entry
+            if entry.deadline_s is None:
+                continue
+            first_token_s = now_s + self._prefill_s([entry.prompt_tokens])
+            if first_token_s > entry.deadline_s:
+                entry.predicted_first_token_s = first_token_s
+                hopeless.append(key)
         if not hopeless:
             return []
         gone = {id(key) for key in hopeless}

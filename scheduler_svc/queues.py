@@ -13,7 +13,10 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
-from scheduler_svc.policies import FcfsPolicy, QueueEntry, QueueFull, QueuePolicy
+from scheduler_svc.policies import EdfPolicy, FcfsPolicy, QueueEntry, QueueFull, QueuePolicy
+from scheduler_svc.predictor import LatencyPredictor
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
 from services.errors import DeadlineExceeded, ResourceExhausted
 
 Clock = Callable[[], float]
@@ -40,6 +43,8 @@ class DeploymentQueue:
         self._clock = clock
         self._running = 0
         self._waiters: dict[QueueEntry, asyncio.Future[None]] = {}
+        # What this deployment's requests take; QueueRegistry gives every queue one.
+        self.predictor: LatencyPredictor | None = None
 
     @property
     def waiting(self) -> int:
@@ -109,12 +114,7 @@ class DeploymentQueue:
             for entry in admission.dropped:
                 waiter = self._waiters.pop(entry, None)
                 if waiter is not None and not waiter.done():
-                    waiter.set_exception(
-                        DeadlineExceeded(
-                            f"request {entry.request_id or '-'} cannot meet its deadline "
-                            f"on deployment {self.deployment_id}"
-                        )
-                    )
+                    waiter.set_exception(DeadlineExceeded(self._miss_message(entry)))
             skipped_cancelled = False
             for entry in admission.admitted:
                 waiter = self._waiters.pop(entry, None)
@@ -126,17 +126,34 @@ class DeploymentQueue:
             if not skipped_cancelled:
                 return
 
+    def _miss_message(self, entry: QueueEntry) -> str:
+        text = (
+            f"request {entry.request_id or '-'} cannot meet its deadline on deployment "
+            f"{self.deployment_id}"
+        )
+        if entry.predicted_first_token_s is None or entry.deadline_s is None:
+            return text
+        predicted_ms = (entry.predicted_first_token_s - entry.arrival_s) * 1e3
+        allowed_ms = (entry.deadline_s - entry.arrival_s) * 1e3
+        why = f" ({entry.objective})" if entry.objective else ""
+        return (
+            f"{text}: first token predicted {predicted_ms:.0f} ms after arrival, "
+            f"allowed {allowed_ms:.0f} ms{why}"
+        )
+
 
 class QueueRegistry:
-    """One ``DeploymentQueue`` per deployment, created on first use.
+    """One ``DeploymentQueue`` per deployment, created on first use with the policy the
+    deployment's objectives name (FCFS or EDF) and its own :class:`LatencyPredictor`.
 
     ``capacity`` is how many requests may wait per deployment (running ones not counted).
+    ``policy_factory``, when given, replaces the deployment's policy (tests).
     """
 
     def __init__(
         self,
         capacity: int,
-        policy_factory: PolicyFactory = FcfsPolicy,
+        policy_factory: PolicyFactory | None = None,
         clock: Clock = time.perf_counter,
     ):
         if capacity < 1:
@@ -146,17 +163,29 @@ class QueueRegistry:
         self._clock = clock
         self._queues: dict[str, DeploymentQueue] = {}
 
-    def queue_for(self, deployment_id: str, batch_size: int) -> DeploymentQueue:
-        """The deployment's queue, its slots following ``batch_size`` (0 means 1)."""
+    def queue_for(self, deployment: deploy_pb.Deployment) -> DeploymentQueue:
+        """The deployment's queue, its slots following its batch size (0 means 1)."""
+        deployment_id, batch_size = deployment.deployment_id, deployment.config.batch_size
         queue = self._queues.get(deployment_id)
         if queue is None:
-            queue = DeploymentQueue(
-                deployment_id, batch_size, self._policy_factory(self.capacity), self._clock
+            predictor = LatencyPredictor(
+                deployment.latency_model, deployment.max_input_tokens, slots_for(batch_size)
             )
+            queue = DeploymentQueue(
+                deployment_id, batch_size, self._policy(deployment, predictor), self._clock
+            )
+            queue.predictor = predictor
             self._queues[deployment_id] = queue
         elif queue.slots != slots_for(batch_size):
             queue.slots = batch_size
         return queue
+
+    def _policy(self, deployment: deploy_pb.Deployment, predictor: LatencyPredictor):
+        if self._policy_factory is not None:
+            return self._policy_factory(self.capacity)
+        if deployment.objectives.scheduling == common.SCHEDULING_POLICY_EDF:
+            return EdfPolicy(self.capacity, predictor.prefill_s)
+        return FcfsPolicy(self.capacity)
 
     def get(self, deployment_id: str) -> DeploymentQueue | None:
         return self._queues.get(deployment_id)
@@ -167,6 +196,10 @@ class QueueRegistry:
         if queue is None:
             return 0, 0.0
         return queue.waiting, queue.running / queue.slots
+
+    def snapshot(self) -> list[tuple[str, int, int]]:
+        """(deployment id, running, waiting) of every queue."""
+        return [(d, q.running, q.waiting) for d, q in self._queues.items()]
 
     def prune(self, keep: Iterable[str]) -> None:
         """Forget idle queues of deployments not in ``keep``."""

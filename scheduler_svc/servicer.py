@@ -17,7 +17,8 @@ from typing import NoReturn
 
 import grpc
 
-from scheduler_svc.policies import FcfsPolicy, QueueEntry
+from scheduler_svc.deadlines import first_token_deadline
+from scheduler_svc.policies import QueueEntry
 from scheduler_svc.queues import Clock, PolicyFactory, QueueRegistry
 from scheduler_svc.routing import REFRESH_INTERVAL_S, Router
 from scheduler_svc.validation import check_for_deployment, check_request
@@ -62,7 +63,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         clock: Clock = time.perf_counter,
     ):
         self.store = store
-        self.queues = QueueRegistry(queue_capacity, policy_factory or FcfsPolicy, clock)
+        self.queues = QueueRegistry(queue_capacity, policy_factory, clock)
         self.router = Router(store, self.queues.backlog)
         self.workers = WorkerClients()
         self._clock = clock
@@ -98,13 +99,25 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             )
 
         deployment_id = deployment.deployment_id
-        queue = self.queues.queue_for(deployment_id, deployment.config.batch_size)
+        queue = self.queues.queue_for(deployment)
+        predictor = queue.predictor
+        prompt_tokens = len(request.prompt_token_ids) or predictor.prompt_tokens(
+            len(request.prompt)
+        )
+        due = first_token_deadline(
+            arrival,
+            deployment.objectives,
+            request.deadline_ms,
+            request.max_tokens,
+            predictor.decode_step_s(queue.running + 1),
+        )
         entry = QueueEntry(
             request.request_id,
             arrival,
             request.priority,
-            arrival + request.deadline_ms / 1000 if request.deadline_ms else None,
-            len(request.prompt_token_ids),
+            due.first_token_s,
+            prompt_tokens,
+            due.objective,
         )
         enqueued = clock()
         await queue.acquire(entry)
@@ -112,8 +125,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
 
         rid = request.request_id
         final: worker_pb.WorkerServiceGenerateResponse | None = None
-        first_at = last_at = 0.0
-        deltas = 0
+        token_times: list[float] = []
         stream: WorkerStream | None = None
         try:
             # No deadline goes to the worker: when the client's passes, gRPC cancels this
@@ -132,14 +144,12 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             await asyncio.sleep(0)
             await context.send_initial_metadata(())
             read = stream.read
+            token_time = token_times.append
             try:
                 while final is None:
                     message = await read()
                     if message.token_ids or message.text:
-                        last_at = clock()
-                        if not deltas:
-                            first_at = last_at
-                        deltas += 1
+                        token_time(clock())
                         yield GenerateResponse(
                             request_id=rid,
                             delta=TokenDelta(token_ids=message.token_ids, text=message.text),
@@ -154,17 +164,29 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             queue.release()
 
         done = clock()
+        deltas = len(token_times)
+        first_at = token_times[0] if deltas else admitted
+        tpot_s = (token_times[-1] - first_at) / (deltas - 1) if deltas > 1 else None
+        timings = common.Timings(
+            queue_ms=(admitted - enqueued) * 1e3,
+            ttft_ms=(first_at - arrival) * 1e3 if deltas else 0.0,
+            tpot_ms=tpot_s * 1e3 if tpot_s is not None else 0.0,
+            total_ms=(done - arrival) * 1e3,
+        )
+        if deltas:
+            predictor.observe(
+                prompt_tokens=final.usage.prompt_tokens,
+                prompt_chars=0 if request.prompt_token_ids else len(request.prompt),
+                first_token_s=first_at - admitted,
+                tpot_s=tpot_s,
+                running=queue.running + 1,
+            )
         yield GenerateResponse(
             request_id=rid,
             final=inference_pb.GenerateFinal(
                 finish_reason=final.finish_reason,
                 usage=final.usage,
-                timings=common.Timings(
-                    queue_ms=(admitted - enqueued) * 1e3,
-                    ttft_ms=(first_at - arrival) * 1e3 if deltas else 0.0,
-                    tpot_ms=(last_at - first_at) * 1e3 / (deltas - 1) if deltas > 1 else 0.0,
-                    total_ms=(done - arrival) * 1e3,
-                ),
+                timings=timings,
                 deployment_id=deployment_id,
             ),
         )

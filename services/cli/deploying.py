@@ -46,6 +46,7 @@ POLICIES = {
     "packing": common.PLACEMENT_POLICY_PACKING,
     "least-loaded": common.PLACEMENT_POLICY_LEAST_LOADED,
 }
+SCHEDULING = {"fcfs": common.SCHEDULING_POLICY_FCFS, "edf": common.SCHEDULING_POLICY_EDF}
 EXPLICIT_FLAGS = ("tp", "pp", "dtype", "weight_quant", "kv_quant", "pruning", "variant")
 
 
@@ -96,6 +97,32 @@ def request_target(args) -> dict:
     if args.min_accuracy is not None:
         intent.min_accuracy = args.min_accuracy
     return {"intent": intent}
+
+
+def objectives(args) -> common.ServiceObjectives:
+    """The DeployRequest's scheduling policy and latency objectives."""
+    for flag, value in (("--ttft-slo-ms", args.ttft_slo_ms), ("--tpot-slo-ms", args.tpot_slo_ms)):
+        if value is not None and value < 1:
+            raise SystemExit(f"iserve deploy: {flag} must be at least 1, got {value}")
+    return common.ServiceObjectives(
+        scheduling=SCHEDULING[args.scheduling] if args.scheduling else 0,
+        ttft_slo_ms=args.ttft_slo_ms or 0,
+        tpot_slo_ms=args.tpot_slo_ms or 0,
+    )
+
+
+def describe_objectives(objectives: common.ServiceObjectives) -> str:
+    """``edf ttft<=200ms tpot<=50ms`` (objectives that are set only)."""
+    name = common.SchedulingPolicy.Name(objectives.scheduling).removeprefix("SCHEDULING_POLICY_")
+    parts = [name.lower() if objectives.scheduling else "fcfs"]
+    for label, value in (
+        ("ttft", objectives.ttft_slo_ms),
+        ("tpot", objectives.tpot_slo_ms),
+        ("deadline", objectives.default_deadline_ms),
+    ):
+        if value:
+            parts.append(f"{label}<={value}ms")
+    return " ".join(parts)
 
 
 def describe_config(config: common.DeploymentConfig) -> str:
@@ -157,6 +184,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="when no variant meets --min-accuracy, take the most accurate instead of failing",
     )
     p.add_argument("--policy", choices=sorted(POLICIES), help="device placement (default hybrid)")
+    p.add_argument(
+        "--scheduling",
+        choices=sorted(SCHEDULING),
+        help="queue policy (default fcfs; edf for --intent latency-slo)",
+    )
+    p.add_argument("--ttft-slo-ms", type=int, help="time-to-first-token objective (ms)")
+    p.add_argument("--tpot-slo-ms", type=int, help="time-per-output-token objective (ms)")
     p.add_argument("--plan", action="store_true", help="show the decision; launch nothing")
     p.add_argument("--tp", type=int, help="explicit: tensor-parallel degree")
     p.add_argument("--pp", type=int, help="explicit: pipeline-parallel degree")

@@ -226,6 +226,7 @@ def cmd_deploy(settings: Settings, args) -> int:
         max_input_tokens=args.max_input,
         max_output_tokens=args.max_output,
         placement_policy=deploying.POLICIES[args.policy] if args.policy else 0,
+        objectives=deploying.objectives(args),
         **deploying.request_target(args),
     )
     if args.plan:
@@ -245,7 +246,8 @@ def cmd_deploy(settings: Settings, args) -> int:
     if reply.HasField("decision"):
         deploying.print_decision(reply.decision)
     print(
-        f"deployed {dep.model_id} {deploying.describe_config(dep.config)}; worker {dep.worker_address}",
+        f"deployed {dep.model_id} {deploying.describe_config(dep.config)} "
+        f"({deploying.describe_objectives(dep.objectives)}); worker {dep.worker_address}",
         file=sys.stderr,
     )
     print(dep.deployment_id)
@@ -263,7 +265,15 @@ def cmd_deployments(settings: Settings, args) -> int:
         print(
             json.dumps(_to_json(dep))
             if args.json
-            else f"{dep.deployment_id}\t{dep.model_id}\t{state}"
+            else "\t".join(
+                (
+                    dep.deployment_id,
+                    dep.model_id,
+                    state,
+                    deploying.describe_config(dep.config),
+                    deploying.describe_objectives(dep.objectives),
+                )
+            )
         )
     return 0
 
@@ -296,6 +306,7 @@ def cmd_generate(settings: Settings, args) -> int:
         max_tokens=args.max_tokens,
         sampling=sampling,
         priority=args.priority,
+        deadline_ms=args.deadline_ms,
         **target,
     )
     stub = _stub(settings, "scheduler", inference_service_pb2_grpc.InferenceServiceStub)
@@ -431,7 +442,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model_id")
     deploying.add_arguments(p)
-    p.add_argument("--batch", type=int, default=0, help="concurrent sequences (default 1)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="concurrent sequences (default: the largest whose estimated TPOT meets "
+        "--tpot-slo-ms, or 1.5x batch 1's without it, and whose KV cache fits; 1 when the "
+        "configuration has no estimate)",
+    )
     p.add_argument(
         "--max-input",
         type=int,
@@ -466,6 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--priority", action="store_true", help="go to the front of the queue")
+    p.add_argument(
+        "--deadline-ms",
+        type=int,
+        default=0,
+        help="arrival to last token (ms); an EDF deployment refuses a request that cannot make it",
+    )
     p.add_argument("--request-id")
     p.add_argument(
         "--json", action="store_true", help="one JSON object per delta, then the final message"

@@ -78,6 +78,9 @@ class Estimates:
     throughput_tokens_per_s_per_device: np.ndarray
     accuracy_pct: np.ndarray
     fits: np.ndarray
+    # Whether batches above 1 are charged from batch-2 profiles (Eq. 6); False: no
+    # profile was taken at batch 2, and a batch is estimated as free in time.
+    batch_measured: bool = False
 
 
 def _per_variant_arrays(
@@ -174,6 +177,7 @@ def estimate_space(
         throughput_tokens_per_s_per_device=batch * output_tokens / latency / devices,
         accuracy_pct=accuracy,
         fits=fits,
+        batch_measured=refs2 is not None,
     )
 
 

@@ -43,6 +43,7 @@ def devices(loads=(0.0,) * 8, free=None) -> list[common.DeviceState]:
 def plan(stack, intent=None, config=None, **fields) -> deploy_pb.DeploymentDecision:
     fields.setdefault("devices", devices())
     fields.setdefault("model_id", MODEL)
+    fields.setdefault("batch_size", 1)  # the ranking's batch; batch 0 is sized afterwards
     request = deploy_pb.PlanDeploymentRequest(
         request_id=rid(), max_output_tokens=OUTPUT, max_input_tokens=0, **fields
     )
@@ -285,3 +286,18 @@ def test_cli_plan_prints_the_decision(stack, imported):
     out = cli(stack, "deploy", MODEL, "--intent", "min-latency", "--plan")
     assert out.returncode != 0
     assert "not profiled on cpu-x86_64" in out.stderr
+
+
+def test_batch_0_is_sized_by_the_tpot_objective_on_the_placed_devices(stack, imported):
+    free = plan(stack, common.Intent(kind=common.INTENT_KIND_MIN_LATENCY), batch_size=1)
+    sized = plan(
+        stack,
+        common.Intent(kind=common.INTENT_KIND_MIN_LATENCY),
+        batch_size=0,
+        objectives=common.ServiceObjectives(tpot_slo_ms=int(free.estimate.tpot_ms * 1.2) + 1),
+    )
+    assert sized.config.batch_size > 1
+    assert f"batch {sized.config.batch_size}: " in sized.note
+    assert sized.estimate.memory_total_bytes > free.estimate.memory_total_bytes
+    placed = {(d.node_id, d.device_id) for s in free.placement.stages for d in s.devices}
+    assert {(d.node_id, d.device_id) for s in sized.placement.stages for d in s.devices} == placed

@@ -8,11 +8,21 @@ import pytest
 
 from scheduler_svc.policies import EdfPolicy, FcfsPolicy, QueueEntry
 from scheduler_svc.queues import DeploymentQueue, QueueRegistry
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
 from services.errors import DeadlineExceeded, ResourceExhausted
 
 
 def entry(name: str, priority: bool = False, **kw) -> QueueEntry:
     return QueueEntry(request_id=name, arrival_s=0.0, priority=priority, **kw)
+
+
+def deployment(deployment_id: str, batch_size: int, **fields) -> deploy_pb.Deployment:
+    return deploy_pb.Deployment(
+        deployment_id=deployment_id,
+        config=common.DeploymentConfig(batch_size=batch_size),
+        **fields,
+    )
 
 
 async def settle() -> None:
@@ -51,7 +61,7 @@ def test_slots_limit_concurrency_and_admit_in_order():
 
 def test_batch_size_zero_means_one_slot():
     assert DeploymentQueue("d1", slots=0, policy=FcfsPolicy(capacity=1)).slots == 1
-    assert QueueRegistry(capacity=1).queue_for("d1", batch_size=0).slots == 1
+    assert QueueRegistry(capacity=1).queue_for(deployment("d1", 0)).slots == 1
 
 
 def test_full_queue_raises_resource_exhausted():
@@ -118,8 +128,8 @@ def test_release_without_acquire_is_an_error():
 def test_two_deployments_are_independent():
     async def scenario():
         registry = QueueRegistry(capacity=1)
-        slow = registry.queue_for("slow", batch_size=1)
-        fast = registry.queue_for("fast", batch_size=1)
+        slow = registry.queue_for(deployment("slow", 1))
+        fast = registry.queue_for(deployment("fast", 1))
         await slow.acquire(entry("s1"))
         blocked = asyncio.create_task(slow.acquire(entry("s2")))
         await settle()
@@ -141,11 +151,11 @@ def test_two_deployments_are_independent():
 def test_registry_follows_batch_size_and_prunes_idle_queues():
     async def scenario():
         registry = QueueRegistry(capacity=4)
-        queue = registry.queue_for("d1", batch_size=1)
+        queue = registry.queue_for(deployment("d1", 1))
         await queue.acquire(entry("a"))
         waiter = asyncio.create_task(queue.acquire(entry("b")))
         await settle()
-        assert registry.queue_for("d1", batch_size=2) is queue
+        assert registry.queue_for(deployment("d1", 2)) is queue
         await waiter  # the new slot admits the waiter at once
         assert queue.running == 2
         registry.prune(keep=[])
@@ -172,3 +182,73 @@ def test_edf_queue_rejects_requests_that_cannot_make_their_deadline():
         assert (queue.running, queue.waiting) == (0, 0)
 
     asyncio.run(scenario())
+
+
+def test_an_impossible_deadline_is_refused_at_once_with_predicted_and_allowed_times():
+    async def scenario():
+        clock = [100.0]
+        queue = DeploymentQueue(
+            "d1",
+            slots=1,
+            policy=EdfPolicy(capacity=10, prefill_s=lambda tokens: 0.002 * sum(tokens)),
+            clock=lambda: clock[0],
+        )
+        hopeless = entry("late", deadline_s=100.1, prompt_tokens=100, objective="TTFT SLO 100 ms")
+        hopeless.arrival_s = 100.0
+        with pytest.raises(DeadlineExceeded) as refused:
+            await queue.acquire(hopeless)  # 200 ms of prefill against 100 ms allowed
+        message = str(refused.value)
+        assert "first token predicted 200 ms after arrival, allowed 100 ms" in message
+        assert "(TTFT SLO 100 ms)" in message
+        assert (queue.running, queue.waiting) == (0, 0)  # nothing queued
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_request_is_refused_once_its_deadline_can_no_longer_be_met():
+    async def scenario():
+        clock = [0.0]
+        queue = DeploymentQueue(
+            "d1",
+            slots=1,
+            policy=EdfPolicy(capacity=10, prefill_s=lambda tokens: 0.1),
+            clock=lambda: clock[0],
+        )
+        await queue.acquire(entry("running"))
+        waiting = asyncio.create_task(queue.acquire(entry("w", deadline_s=0.5)))
+        await settle()
+        assert queue.waiting == 1
+        clock[0] = 0.45  # started now, its first token would come at 0.55 > 0.5
+        queue.release()
+        with pytest.raises(DeadlineExceeded, match="predicted 550 ms after arrival, allowed 500"):
+            await waiting
+        assert (queue.running, queue.waiting) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("scheduling", "policy"),
+    [
+        (common.SCHEDULING_POLICY_FCFS, FcfsPolicy),
+        (common.SCHEDULING_POLICY_UNSPECIFIED, FcfsPolicy),
+        (common.SCHEDULING_POLICY_EDF, EdfPolicy),
+    ],
+)
+def test_each_deployment_gets_the_policy_its_objectives_name(scheduling, policy):
+    registry = QueueRegistry(capacity=4)
+    objectives = common.ServiceObjectives(scheduling=scheduling)
+    queue = registry.queue_for(deployment("d1", 2, objectives=objectives))
+    assert isinstance(queue._policy, policy)
+    assert queue.predictor is not None
+
+
+def test_edf_predicts_prefill_from_the_deployments_latency_model():
+    registry = QueueRegistry(capacity=4)
+    model = common.LatencyModel(prefill_fixed_ms=5, prefill_ms_per_token=1.0)
+    objectives = common.ServiceObjectives(scheduling=common.SCHEDULING_POLICY_EDF)
+    queue = registry.queue_for(
+        deployment("d1", 1, objectives=objectives, latency_model=model, max_input_tokens=64)
+    )
+    queue._policy.push(entry("x", deadline_s=0.05, prompt_tokens=60))  # 65 ms > 50 ms
+    assert [e.request_id for e in queue._policy.pop_ready(0.0, 1).dropped] == ["x"]

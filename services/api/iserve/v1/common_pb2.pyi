@@ -83,6 +83,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class SchedulingPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEDULING_POLICY_UNSPECIFIED: _ClassVar[SchedulingPolicy]
+    SCHEDULING_POLICY_FCFS: _ClassVar[SchedulingPolicy]
+    SCHEDULING_POLICY_EDF: _ClassVar[SchedulingPolicy]
 WEIGHT_QUANT_UNSPECIFIED: WeightQuant
 WEIGHT_QUANT_NONE: WeightQuant
 WEIGHT_QUANT_INT8: WeightQuant
@@ -130,6 +136,9 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
+SCHEDULING_POLICY_UNSPECIFIED: SchedulingPolicy
+SCHEDULING_POLICY_FCFS: SchedulingPolicy
+SCHEDULING_POLICY_EDF: SchedulingPolicy
 
 class CompressionVariant(_message.Message):
     __slots__ = ("name", "weight_quant", "kv_quant", "pruning", "structured_prune_fraction", "accuracy_score", "checkpoint_path")
@@ -238,6 +247,30 @@ class NodeState(_message.Message):
     alive: bool
     heartbeat_at_unix_ms: int
     def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., alive: _Optional[bool] = ..., heartbeat_at_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ServiceObjectives(_message.Message):
+    __slots__ = ("scheduling", "ttft_slo_ms", "tpot_slo_ms", "default_deadline_ms")
+    SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    scheduling: SchedulingPolicy
+    ttft_slo_ms: int
+    tpot_slo_ms: int
+    default_deadline_ms: int
+    def __init__(self, scheduling: _Optional[_Union[SchedulingPolicy, str]] = ..., ttft_slo_ms: _Optional[int] = ..., tpot_slo_ms: _Optional[int] = ..., default_deadline_ms: _Optional[int] = ...) -> None: ...
+
+class LatencyModel(_message.Message):
+    __slots__ = ("prefill_fixed_ms", "prefill_ms_per_token", "decode_step_ms", "decode_ms_per_extra_sequence")
+    PREFILL_FIXED_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_PER_EXTRA_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    prefill_fixed_ms: float
+    prefill_ms_per_token: float
+    decode_step_ms: float
+    decode_ms_per_extra_sequence: float
+    def __init__(self, prefill_fixed_ms: _Optional[float] = ..., prefill_ms_per_token: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., decode_ms_per_extra_sequence: _Optional[float] = ...) -> None: ...
 
 class Intent(_message.Message):
     __slots__ = ("kind", "cost_formula", "latency_slo_ms", "cost_budget", "min_accuracy", "allow_best_available_accuracy")

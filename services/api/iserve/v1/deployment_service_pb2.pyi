@@ -23,7 +23,7 @@ DEPLOYMENT_STATE_FAILED: DeploymentState
 DEPLOYMENT_STATE_REMOVING: DeploymentState
 
 class Deployment(_message.Message):
-    __slots__ = ("deployment_id", "model_id", "config", "placement", "state", "state_reason", "worker_address", "max_input_tokens", "max_output_tokens", "created_at_unix_ms", "request_id", "estimate")
+    __slots__ = ("deployment_id", "model_id", "config", "placement", "state", "state_reason", "worker_address", "max_input_tokens", "max_output_tokens", "created_at_unix_ms", "request_id", "estimate", "objectives", "latency_model")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class Deployment(_message.Message):
     CREATED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVES_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MODEL_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     model_id: str
     config: _common_pb2.DeploymentConfig
@@ -48,7 +50,9 @@ class Deployment(_message.Message):
     created_at_unix_ms: int
     request_id: str
     estimate: _estimator_service_pb2.ConfigEstimate
-    def __init__(self, deployment_id: _Optional[str] = ..., model_id: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., state: _Optional[_Union[DeploymentState, str]] = ..., state_reason: _Optional[str] = ..., worker_address: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., created_at_unix_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., estimate: _Optional[_Union[_estimator_service_pb2.ConfigEstimate, _Mapping]] = ...) -> None: ...
+    objectives: _common_pb2.ServiceObjectives
+    latency_model: _common_pb2.LatencyModel
+    def __init__(self, deployment_id: _Optional[str] = ..., model_id: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., state: _Optional[_Union[DeploymentState, str]] = ..., state_reason: _Optional[str] = ..., worker_address: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., created_at_unix_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., estimate: _Optional[_Union[_estimator_service_pb2.ConfigEstimate, _Mapping]] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ..., latency_model: _Optional[_Union[_common_pb2.LatencyModel, _Mapping]] = ...) -> None: ...
 
 class SkippedConfig(_message.Message):
     __slots__ = ("rank", "config", "reason")
@@ -77,7 +81,7 @@ class DeploymentDecision(_message.Message):
     def __init__(self, config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., winner_rank: _Optional[int] = ..., skipped: _Optional[_Iterable[_Union[SkippedConfig, _Mapping]]] = ..., estimate: _Optional[_Union[_estimator_service_pb2.ConfigEstimate, _Mapping]] = ..., note: _Optional[str] = ...) -> None: ...
 
 class DeployRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "max_input_tokens", "max_output_tokens", "intent", "batch_size", "placement_policy", "config", "ready_timeout_ms")
+    __slots__ = ("request_id", "model_id", "max_input_tokens", "max_output_tokens", "intent", "batch_size", "placement_policy", "config", "ready_timeout_ms", "objectives")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +91,7 @@ class DeployRequest(_message.Message):
     PLACEMENT_POLICY_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     READY_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     max_input_tokens: int
@@ -96,7 +101,8 @@ class DeployRequest(_message.Message):
     placement_policy: _common_pb2.PlacementPolicy
     config: _common_pb2.DeploymentConfig
     ready_timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., intent: _Optional[_Union[_common_pb2.Intent, _Mapping]] = ..., batch_size: _Optional[int] = ..., placement_policy: _Optional[_Union[_common_pb2.PlacementPolicy, str]] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., ready_timeout_ms: _Optional[int] = ...) -> None: ...
+    objectives: _common_pb2.ServiceObjectives
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., intent: _Optional[_Union[_common_pb2.Intent, _Mapping]] = ..., batch_size: _Optional[int] = ..., placement_policy: _Optional[_Union[_common_pb2.PlacementPolicy, str]] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., ready_timeout_ms: _Optional[int] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ...) -> None: ...
 
 class DeployResponse(_message.Message):
     __slots__ = ("request_id", "deployment", "decision")
@@ -109,7 +115,7 @@ class DeployResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., deployment: _Optional[_Union[Deployment, _Mapping]] = ..., decision: _Optional[_Union[DeploymentDecision, _Mapping]] = ...) -> None: ...
 
 class PlanDeploymentRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "max_input_tokens", "max_output_tokens", "intent", "batch_size", "placement_policy", "config", "devices")
+    __slots__ = ("request_id", "model_id", "max_input_tokens", "max_output_tokens", "intent", "batch_size", "placement_policy", "config", "devices", "objectives")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +125,7 @@ class PlanDeploymentRequest(_message.Message):
     PLACEMENT_POLICY_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     max_input_tokens: int
@@ -128,7 +135,8 @@ class PlanDeploymentRequest(_message.Message):
     placement_policy: _common_pb2.PlacementPolicy
     config: _common_pb2.DeploymentConfig
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.DeviceState]
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., intent: _Optional[_Union[_common_pb2.Intent, _Mapping]] = ..., batch_size: _Optional[int] = ..., placement_policy: _Optional[_Union[_common_pb2.PlacementPolicy, str]] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceState, _Mapping]]] = ...) -> None: ...
+    objectives: _common_pb2.ServiceObjectives
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., intent: _Optional[_Union[_common_pb2.Intent, _Mapping]] = ..., batch_size: _Optional[int] = ..., placement_policy: _Optional[_Union[_common_pb2.PlacementPolicy, str]] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceState, _Mapping]]] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ...) -> None: ...
 
 class PlanDeploymentResponse(_message.Message):
     __slots__ = ("request_id", "decision")

@@ -1,0 +1,120 @@
+"""What a deployment promises its requests, and the batch size that keeps the promise.
+
+- :func:`resolve_objectives`: the scheduling policy and latency objectives a deployment
+  records (EDF for a LATENCY_SLO intent unless a policy is named; that intent's latency
+  target becomes the default deadline of requests that carry none).
+- :func:`latency_model`: the scheduler's starting prediction of prefill and decode times,
+  from the deployment's estimates at batch 1 and batch 2 (MaverIQ Eq. 6:
+  ``TPOT(B) = TPOT(1) + (B - 1) * O_BS``). The scheduler corrects it online.
+- :func:`tpot_batch_bound` and :func:`largest_fitting`: the batch size chosen when a
+  Deploy leaves it 0: the largest batch whose estimated TPOT meets the TPOT SLO (or stays
+  within ``UNBOUNDED_TPOT_FACTOR`` x the batch-1 TPOT when there is none) and whose KV
+  cache still fits the devices.
+
+Pure: no gRPC, no Redis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.api import common_pb2 as common
+from services.api import estimator_service_pb2 as estimator_pb
+from services.errors import InvalidArgument
+
+# Without a TPOT SLO, a batch may slow each sequence's decode by at most this factor.
+UNBOUNDED_TPOT_FACTOR = 1.5
+# The largest batch the deployer chooses by itself (an explicit batch_size may go up to
+# deploy_svc.explicit.MAX_BATCH_SIZE).
+MAX_AUTO_BATCH = 64
+
+
+def resolve_objectives(
+    requested: common.ServiceObjectives, intent: common.Intent | None
+) -> common.ServiceObjectives:
+    """``requested`` with the policy resolved (never UNSPECIFIED). ``intent`` is None for
+    an explicit configuration. InvalidArgument for an unknown policy value."""
+    if requested.scheduling not in common.SchedulingPolicy.values():
+        raise InvalidArgument(f"unknown scheduling policy {requested.scheduling}")
+    resolved = common.ServiceObjectives()
+    resolved.CopyFrom(requested)
+    latency_slo = intent is not None and intent.kind == common.INTENT_KIND_LATENCY_SLO
+    if resolved.scheduling == common.SCHEDULING_POLICY_UNSPECIFIED:
+        resolved.scheduling = (
+            common.SCHEDULING_POLICY_EDF if latency_slo else common.SCHEDULING_POLICY_FCFS
+        )
+    if latency_slo and not resolved.default_deadline_ms:
+        resolved.default_deadline_ms = math.ceil(intent.latency_slo_ms)
+    return resolved
+
+
+def per_sequence_ms(
+    batch1: estimator_pb.ConfigEstimate, batch2: estimator_pb.ConfigEstimate | None
+) -> float:
+    """O_BS of Eq. 6 in milliseconds: what each extra running sequence adds to a decode
+    step; 0 when there is no batch-2 estimate (or it is not slower)."""
+    if batch2 is None:
+        return 0.0
+    return max(0.0, batch2.tpot_ms - batch1.tpot_ms)
+
+
+def latency_model(
+    batch1: estimator_pb.ConfigEstimate | None,
+    batch2: estimator_pb.ConfigEstimate | None,
+    input_tokens: int,
+) -> common.LatencyModel:
+    """The scheduler's prior from the estimate at ``input_tokens`` prompt tokens. The
+    estimate gives TTFT at one prompt length only, so prefill starts proportional to
+    prompt tokens (no fixed part); the scheduler learns the fixed part from traffic.
+    All zero without an estimate."""
+    if batch1 is None or not batch1.ttft_ms or input_tokens < 1:
+        return common.LatencyModel()
+    return common.LatencyModel(
+        prefill_fixed_ms=0.0,
+        prefill_ms_per_token=batch1.ttft_ms / input_tokens,
+        decode_step_ms=batch1.tpot_ms,
+        decode_ms_per_extra_sequence=per_sequence_ms(batch1, batch2),
+    )
+
+
+@dataclass(frozen=True)
+class BatchBound:
+    """The largest batch the TPOT objective allows, and why."""
+
+    batch: int
+    reason: str
+
+
+def tpot_batch_bound(tpot1_ms: float, per_sequence: float, tpot_slo_ms: int) -> BatchBound:
+    """Largest B <= MAX_AUTO_BATCH with ``tpot1_ms + (B - 1) * per_sequence`` within the
+    TPOT SLO, or within UNBOUNDED_TPOT_FACTOR x ``tpot1_ms`` when the SLO is 0."""
+    if tpot_slo_ms:
+        limit, what = float(tpot_slo_ms), f"TPOT SLO {tpot_slo_ms} ms"
+        if tpot1_ms > limit:
+            return BatchBound(1, f"{what} is missed even at batch 1 (estimated {tpot1_ms:.1f} ms)")
+    else:
+        limit = UNBOUNDED_TPOT_FACTOR * tpot1_ms
+        what = f"{UNBOUNDED_TPOT_FACTOR}x the batch-1 TPOT ({limit:.1f} ms)"
+    if per_sequence <= 0:
+        return BatchBound(MAX_AUTO_BATCH, f"the cap of {MAX_AUTO_BATCH} (TPOT does not grow)")
+    batch = min(MAX_AUTO_BATCH, 1 + math.floor((limit - tpot1_ms) / per_sequence + 1e-9))
+    if batch == MAX_AUTO_BATCH:
+        return BatchBound(batch, f"the cap of {MAX_AUTO_BATCH}")
+    estimated = tpot1_ms + (batch - 1) * per_sequence
+    return BatchBound(batch, f"{what} (estimated TPOT {estimated:.1f} ms at batch {batch})")
+
+
+def largest_fitting(upper: int, fits: Callable[[int], bool]) -> int:
+    """The largest batch in 1..``upper`` for which ``fits`` holds, given that it holds
+    at 1 and that a batch that does not fit has no larger one that does (KV memory
+    grows with the batch)."""
+    low, high = 1, upper
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low

@@ -1,0 +1,143 @@
+"""What one deployment's requests will take: prefill and decode times, learned online.
+
+The deployer records a starting :class:`LatencyModel` on each deployment (from its
+estimate; all zero when it has none). The scheduler predicts
+
+    prefill(batch)   = fixed + per_token * (prompt tokens in the batch)
+    decode_step(B)   = step + per_sequence * (B - 1)            (MaverIQ Eq. 6)
+
+and corrects both lines from every request it serves by recursive least squares with
+exponential forgetting (:class:`OnlineLine`): each finished request adds one sample, its
+measured time from admission to first token against its prompt tokens, and one sample
+of its mean time per output token against the sequences running beside it. Old samples
+weigh ``FORGETTING ** age``, so the model follows a machine whose speed drifts (other
+load, thermal limits) with a memory of about ``1 / (1 - FORGETTING)`` requests. The
+estimate is the prior: it is what the model predicts before any traffic, and it pulls
+the coefficients as ``ESTIMATE_SAMPLES`` requests would, until the samples outweigh it.
+Without an estimate the first samples set the line.
+
+Pure: no asyncio, gRPC or Redis. Times are seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.api import common_pb2 as common
+
+# Weight of a sample `age` requests old: FORGETTING ** age (memory ~ 50 requests).
+FORGETTING = 0.98
+# How many requests' worth of evidence the deployment's estimate counts for: a few, so
+# that the first measurements already move the model but one outlier does not.
+ESTIMATE_SAMPLES = 2.0
+# Characters per prompt token before any request of the deployment has reported its
+# prompt's token count (English text under a BPE vocabulary).
+DEFAULT_CHARS_PER_TOKEN = 4.0
+
+
+class OnlineLine:
+    """``y = a + b * x`` fitted by recursive least squares with forgetting.
+
+    ``prior`` is (a, b) before any sample and ``prior_samples`` how many samples' worth
+    of evidence it counts for (0: none, the first samples set the line). ``x_scale``
+    normalises x (e.g. the deployment's longest prompt) so that the samples' x lie
+    around [0, 1] and the prior weighs the same on both coefficients.
+    """
+
+    def __init__(
+        self,
+        prior: tuple[float, float],
+        prior_samples: float,
+        x_scale: float = 1.0,
+        forgetting: float = FORGETTING,
+    ):
+        if not 0 < forgetting <= 1:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        if prior_samples < 0 or x_scale <= 0:
+            raise ValueError("prior_samples must be >= 0 and x_scale positive")
+        self._x_scale = x_scale
+        self._forgetting = forgetting
+        self._theta = [prior[0], prior[1] * x_scale]
+        variance = 1.0 / prior_samples if prior_samples > 0 else 1e6
+        self._p = [[variance, 0.0], [0.0, variance]]
+        self._max_trace = 2 * variance
+        self.samples = 0
+
+    @property
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b) in the unit of y and y per unit of x."""
+        return self._theta[0], self._theta[1] / self._x_scale
+
+    def predict(self, x: float) -> float:
+        """The line at ``x``, never below 0."""
+        return max(0.0, self._theta[0] + self._theta[1] * (x / self._x_scale))
+
+    def update(self, x: float, y: float) -> None:
+        """Take one sample (``x``, ``y``) into the fit."""
+        u = (1.0, x / self._x_scale)
+        p = self._p
+        pu = (p[0][0] * u[0] + p[0][1] * u[1], p[1][0] * u[0] + p[1][1] * u[1])
+        denominator = self._forgetting + u[0] * pu[0] + u[1] * pu[1]
+        gain = (pu[0] / denominator, pu[1] / denominator)
+        error = y - (self._theta[0] * u[0] + self._theta[1] * u[1])
+        self._theta = [self._theta[0] + gain[0] * error, self._theta[1] + gain[1] * error]
+        # P = (P - gain * pu^T) / forgetting; capped so that a direction no sample
+        # excites (every prompt the same length) does not grow without bound.
+        for i in range(2):
+            for j in range(2):
+                p[i][j] = (p[i][j] - gain[i] * pu[j]) / self._forgetting
+        trace = p[0][0] + p[1][1]
+        if trace > self._max_trace:
+            shrink = self._max_trace / trace
+            self._p = [[v * shrink for v in row] for row in p]
+        self.samples += 1
+
+
+class LatencyPredictor:
+    """Prefill and decode-step times of one deployment (seconds), corrected online."""
+
+    def __init__(self, model: common.LatencyModel, max_input_tokens: int, batch_size: int):
+        prefill_known = model.prefill_ms_per_token > 0 or model.prefill_fixed_ms > 0
+        self.prefill = OnlineLine(
+            (model.prefill_fixed_ms / 1e3, model.prefill_ms_per_token / 1e3),
+            ESTIMATE_SAMPLES if prefill_known else 0.0,
+            x_scale=max(1, max_input_tokens),
+        )
+        self.decode = OnlineLine(
+            (model.decode_step_ms / 1e3, model.decode_ms_per_extra_sequence / 1e3),
+            ESTIMATE_SAMPLES if model.decode_step_ms > 0 else 0.0,
+            x_scale=max(1, batch_size - 1),
+        )
+        self._chars_per_token = DEFAULT_CHARS_PER_TOKEN
+
+    def prefill_s(self, prompt_tokens: Sequence[int]) -> float:
+        """Predicted prefill of prompts admitted together."""
+        return self.prefill.predict(sum(prompt_tokens))
+
+    def decode_step_s(self, running: int) -> float:
+        """Predicted time of one decode step with ``running`` sequences (at least 1)."""
+        return self.decode.predict(max(1, running) - 1)
+
+    def prompt_tokens(self, prompt_chars: int) -> int:
+        """Tokens a text prompt of ``prompt_chars`` characters will have (from what this
+        deployment's earlier requests reported)."""
+        return max(1, round(prompt_chars / self._chars_per_token))
+
+    def observe(
+        self,
+        *,
+        prompt_tokens: int,
+        prompt_chars: int,
+        first_token_s: float,
+        tpot_s: float | None,
+        running: int,
+    ) -> None:
+        """One finished request: ``first_token_s`` from admission to its first token,
+        ``tpot_s`` its mean time per output token after the first (None with one
+        token), ``running`` the sequences running beside it (itself included)."""
+        self.prefill.update(prompt_tokens, first_token_s)
+        if tpot_s is not None:
+            self.decode.update(max(1, running) - 1, tpot_s)
+        if prompt_chars and prompt_tokens:
+            ratio = prompt_chars / prompt_tokens
+            self._chars_per_token += 0.2 * (ratio - self._chars_per_token)

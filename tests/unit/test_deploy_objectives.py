@@ -1,0 +1,198 @@
+"""A deployment's objectives, the scheduler's starting latency model and the batch size
+the deployer chooses when a Deploy leaves it 0 (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy_svc import planning
+from deploy_svc.objectives import (
+    MAX_AUTO_BATCH,
+    largest_fitting,
+    latency_model,
+    resolve_objectives,
+    tpot_batch_bound,
+)
+from services.api import common_pb2 as common
+from services.api import estimator_service_pb2 as estimator_pb
+from services.errors import InvalidArgument
+from services.state.capacity import free_bytes
+from tests.unit.test_deploy_planning import GIB, LIMITS, model
+
+EDF, FCFS = common.SCHEDULING_POLICY_EDF, common.SCHEDULING_POLICY_FCFS
+
+
+@pytest.mark.parametrize(
+    ("requested", "intent", "scheduling", "default_deadline"),
+    [
+        (common.ServiceObjectives(), None, FCFS, 0),
+        (common.ServiceObjectives(), common.Intent(kind=common.INTENT_KIND_MIN_COST), FCFS, 0),
+        (
+            common.ServiceObjectives(),
+            common.Intent(kind=common.INTENT_KIND_LATENCY_SLO, latency_slo_ms=1500.5),
+            EDF,
+            1501,
+        ),
+        (
+            common.ServiceObjectives(scheduling=FCFS),
+            common.Intent(kind=common.INTENT_KIND_LATENCY_SLO, latency_slo_ms=900),
+            FCFS,
+            900,
+        ),
+        (common.ServiceObjectives(scheduling=EDF, ttft_slo_ms=200), None, EDF, 0),
+    ],
+)
+def test_objectives_resolve_the_policy(requested, intent, scheduling, default_deadline):
+    resolved = resolve_objectives(requested, intent)
+    assert resolved.scheduling == scheduling
+    assert resolved.default_deadline_ms == default_deadline
+    assert resolved.ttft_slo_ms == requested.ttft_slo_ms
+
+
+def test_an_unknown_scheduling_policy_is_invalid():
+    with pytest.raises(InvalidArgument, match="unknown scheduling policy 7"):
+        resolve_objectives(common.ServiceObjectives(scheduling=7), None)
+
+
+def test_the_latency_model_comes_from_the_estimates_at_batch_1_and_2():
+    batch1 = estimator_pb.ConfigEstimate(ttft_ms=256.0, tpot_ms=20.0)
+    batch2 = estimator_pb.ConfigEstimate(ttft_ms=500.0, tpot_ms=23.0)
+    got = latency_model(batch1, batch2, input_tokens=512)
+    assert got.prefill_ms_per_token == pytest.approx(0.5)
+    assert got.prefill_fixed_ms == 0
+    assert got.decode_step_ms == 20.0
+    assert got.decode_ms_per_extra_sequence == pytest.approx(3.0)
+    assert latency_model(None, None, 512) == common.LatencyModel()
+
+
+@pytest.mark.parametrize(
+    ("tpot1", "per_sequence", "slo", "batch", "phrase"),
+    [
+        (20.0, 2.0, 50, 16, "TPOT SLO 50 ms (estimated TPOT 50.0 ms at batch 16)"),
+        (20.0, 2.0, 0, 6, "1.5x the batch-1 TPOT (30.0 ms)"),  # 20 + 5*2 = 30
+        (20.0, 0.0, 0, MAX_AUTO_BATCH, "TPOT does not grow"),
+        (60.0, 2.0, 50, 1, "missed even at batch 1"),
+        (1.0, 0.001, 1000, MAX_AUTO_BATCH, "the cap"),
+    ],
+)
+def test_the_tpot_bound_follows_eq_6(tpot1, per_sequence, slo, batch, phrase):
+    bound = tpot_batch_bound(tpot1, per_sequence, slo)
+    assert bound.batch == batch
+    assert phrase in bound.reason
+
+
+def test_largest_fitting_finds_the_edge():
+    assert largest_fitting(64, lambda b: b <= 23) == 23
+    assert largest_fitting(64, lambda b: True) == 64
+    assert largest_fitting(1, lambda b: True) == 1
+
+
+def _prepared(nodes, options, auto_batch=True, tpot_slo=0) -> planning.Prepared:
+    return planning.Prepared(
+        model(),
+        LIMITS,
+        "hybrid",
+        False,
+        options,
+        None,
+        "ranked",
+        nodes,
+        common.ServiceObjectives(scheduling=EDF, tpot_slo_ms=tpot_slo),
+        auto_batch,
+    )
+
+
+def _nodes(*free_gib: float) -> list[common.NodeState]:
+    node = common.NodeState(node_id="n", alive=True)
+    for i, gib in enumerate(free_gib):
+        total = int(gib * GIB)
+        node.devices.add(
+            ref=common.DeviceRef(node_id="n", device_id=f"cpu{i}"),
+            hardware_type="cpu",
+            total_bytes=total,
+            free_bytes=free_bytes(total, 0, 0),
+        )
+    return [node]
+
+
+def _estimates(kv_bytes: int):
+    config = common.DeploymentConfig(
+        tensor_parallel=1, pipeline_parallel=1, variant_name="fp32", batch_size=1
+    )
+    batch1 = estimator_pb.ConfigEstimate(
+        config=config, ttft_ms=100, tpot_ms=20, kv_cache_bytes=kv_bytes, memory_total_bytes=GIB
+    )
+    batch2 = estimator_pb.ConfigEstimate(
+        config=config, ttft_ms=180, tpot_ms=22, batch_measured=True
+    )
+    return config, batch1, batch2
+
+
+def test_the_batch_is_the_largest_the_tpot_slo_allows_when_memory_is_plenty():
+    config, batch1, batch2 = _estimates(kv_bytes=1 << 20)
+    nodes = _nodes(64)
+    prepared = _prepared(nodes, [planning.Option(1, config, batch1)], tpot_slo=30)
+    decision = planning.decide_on(prepared, nodes)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, 30)
+    assert sized.config.batch_size == 6  # 20 + 5 * 2 = 30 ms
+    assert "batch 6: bounded by TPOT SLO 30 ms" in sized.note
+    assert (
+        sized.placement.stages[0].reserved_bytes[0] > decision.placement.stages[0].reserved_bytes[0]
+    )
+
+
+def test_the_batch_stops_where_the_kv_cache_no_longer_fits():
+    config, batch1, batch2 = _estimates(kv_bytes=256 << 20)  # 256 MiB per sequence
+    nodes = _nodes(2.5)
+    prepared = _prepared(nodes, [planning.Option(1, config, batch1)])
+    decision = planning.decide_on(prepared, nodes)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, 0)
+    batch = sized.config.batch_size
+    assert 1 < batch < 6  # 1.5x TPOT would allow 6 (20 + 5 * 2 = 30 ms)
+    assert f"the KV cache of batch {batch + 1} does not fit" in sized.note
+    reserved = sized.placement.stages[0].reserved_bytes[0]
+    assert reserved <= 2.5 * GIB
+    bigger = planning._decide_batch(prepared, decision, nodes, batch1, batch + 1)
+    assert bigger is None
+
+
+def test_without_an_estimate_the_batch_stays_1_and_says_why():
+    config, batch1, _ = _estimates(kv_bytes=1 << 20)
+    nodes = _nodes(64)
+    prepared = _prepared(nodes, [planning.Option(1, config, None)])
+    decision = planning.decide_on(prepared, nodes)
+    sized = planning.size_batch(prepared, decision, nodes, None, None, 0)
+    assert sized.config.batch_size == 1
+    assert "no estimate" in sized.note
+
+
+def test_without_batch_2_profiles_the_batch_stays_1_and_says_why():
+    config, batch1, batch2 = _estimates(kv_bytes=1 << 20)
+    batch2.batch_measured = False  # the estimator charged nothing for the batch
+    nodes = _nodes(64)
+    prepared = _prepared(nodes, [planning.Option(1, config, batch1)])
+    decision = planning.decide_on(prepared, nodes)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, 0)
+    assert sized.config.batch_size == 1
+    assert "not profiled at batch 2" in sized.note
+
+
+def test_a_bigger_batch_stays_on_the_devices_first_placed():
+    config, batch1, batch2 = _estimates(kv_bytes=256 << 20)
+    nodes = _nodes(2.5, 2.0)  # the second device could hold more layers, but was not chosen
+    prepared = _prepared(nodes, [planning.Option(1, config, batch1)])
+    decision = planning.decide_on(prepared, nodes)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, 0)
+    first = {(d.node_id, d.device_id) for s in decision.placement.stages for d in s.devices}
+    after = {(d.node_id, d.device_id) for s in sized.placement.stages for d in s.devices}
+    assert after == first
+
+
+def test_matching_estimate_finds_the_configuration():
+    config, batch1, _ = _estimates(kv_bytes=1)
+    other = estimator_pb.ConfigEstimate(
+        config=common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=1, variant_name="fp32")
+    )
+    assert planning.matching_estimate([other, batch1], config) is batch1
+    wanted = common.DeploymentConfig(tensor_parallel=4, pipeline_parallel=1)
+    assert planning.matching_estimate([other, batch1], wanted) is None

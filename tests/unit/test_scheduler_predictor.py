@@ -1,0 +1,106 @@
+"""The scheduler's online latency model recovers known constants from synthetic data,
+starts from the deployment's estimate, and follows a machine whose speed changes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler_svc.predictor import DEFAULT_CHARS_PER_TOKEN, LatencyPredictor, OnlineLine
+from services.api import common_pb2 as common
+
+
+def test_a_line_recovers_its_constants_from_noisy_samples():
+    rng = random.Random(1)
+    line = OnlineLine(prior=(0.0, 0.002), prior_samples=2, x_scale=512)
+    for _ in range(300):
+        x = rng.uniform(10, 500)
+        line.update(x, 0.05 + 0.001 * x + rng.gauss(0, 0.001))
+    fixed, slope = line.coefficients
+    assert fixed == pytest.approx(0.05, abs=0.003)
+    assert slope == pytest.approx(0.001, rel=0.03)
+
+
+def test_without_samples_the_prior_predicts():
+    line = OnlineLine(prior=(0.01, 0.002), prior_samples=2, x_scale=100)
+    assert line.predict(50) == pytest.approx(0.11)
+    assert line.coefficients == pytest.approx((0.01, 0.002))
+
+
+def test_a_wrong_prior_gives_way_to_the_measurements():
+    line = OnlineLine(prior=(0.0, 0.004), prior_samples=2, x_scale=256)  # 2x too slow
+    rng = random.Random(2)
+    for _ in range(60):
+        x = rng.uniform(16, 256)
+        line.update(x, 0.002 * x)
+    assert line.predict(128) == pytest.approx(0.256, rel=0.05)
+
+
+def test_forgetting_follows_a_machine_that_slows_down():
+    line = OnlineLine(prior=(0.0, 0.0), prior_samples=0, x_scale=100)
+    rng = random.Random(3)
+    for _ in range(200):
+        line.update(rng.uniform(10, 100), 0.010)
+    for _ in range(200):  # twice as slow now
+        line.update(rng.uniform(10, 100), 0.020)
+    assert line.predict(50) == pytest.approx(0.020, rel=0.05)
+
+
+def test_the_same_x_over_and_over_neither_diverges_nor_moves_elsewhere_wildly():
+    line = OnlineLine(prior=(0.0, 0.001), prior_samples=2, x_scale=512)
+    for _ in range(5000):
+        line.update(256, 0.3)
+    assert line.predict(256) == pytest.approx(0.3, rel=1e-3)
+    assert 0.0 < line.predict(512) < 1.0
+    assert all(abs(v) < 1.0 for row in line._p for v in row)
+
+
+def test_predictions_never_go_below_zero():
+    line = OnlineLine(prior=(-1.0, 0.0), prior_samples=2)
+    assert line.predict(1) == 0.0
+
+
+@pytest.mark.parametrize(
+    "bad", [{"forgetting": 0.0}, {"forgetting": 1.5}, {"prior_samples": -1}, {"x_scale": 0}]
+)
+def test_bad_settings_are_refused(bad):
+    kwargs = {"prior": (0.0, 0.0), "prior_samples": 1.0, **bad}
+    with pytest.raises(ValueError):
+        OnlineLine(**kwargs)
+
+
+def test_the_predictor_starts_from_the_deployments_latency_model():
+    model = common.LatencyModel(
+        prefill_fixed_ms=10.0,
+        prefill_ms_per_token=0.5,
+        decode_step_ms=20.0,
+        decode_ms_per_extra_sequence=2.0,
+    )
+    predictor = LatencyPredictor(model, max_input_tokens=512, batch_size=8)
+    assert predictor.prefill_s([100, 100]) == pytest.approx(0.010 + 0.5e-3 * 200)
+    assert predictor.decode_step_s(1) == pytest.approx(0.020)
+    assert predictor.decode_step_s(5) == pytest.approx(0.028)
+
+
+def test_the_predictor_learns_from_finished_requests():
+    predictor = LatencyPredictor(common.LatencyModel(), max_input_tokens=512, batch_size=4)
+    rng = random.Random(4)
+    for _ in range(100):
+        tokens, running = rng.randint(8, 512), rng.randint(1, 4)
+        predictor.observe(
+            prompt_tokens=tokens,
+            prompt_chars=3 * tokens,
+            first_token_s=0.02 + 0.0004 * tokens,
+            tpot_s=0.015 + 0.003 * (running - 1),
+            running=running,
+        )
+    assert predictor.prefill_s([300]) == pytest.approx(0.02 + 0.12, rel=0.02)
+    assert predictor.decode_step_s(3) == pytest.approx(0.021, rel=0.02)
+    assert predictor.prompt_tokens(300) == pytest.approx(100, abs=2)
+
+
+def test_text_prompts_are_counted_at_four_characters_a_token_until_told_otherwise():
+    predictor = LatencyPredictor(common.LatencyModel(), max_input_tokens=64, batch_size=1)
+    assert predictor.prompt_tokens(400) == round(400 / DEFAULT_CHARS_PER_TOKEN)
+    assert predictor.prompt_tokens(0) == 1
