@@ -5,7 +5,8 @@ Environment (see ``services.settings``): ``REDIS_URL`` (required), ``ISERVE_NODE
 ``ISERVE_HOST`` (interface workers bind to), ``ISERVE_STATE_DIR`` (worker logs and ready
 files), ``ISERVE_MODELS_ROOT``, ``ISERVE_DEVICES`` / ``ISERVE_DEVICE_MEMORY_GIB``
 (virtual CPU devices when no GPU is found), ``ISERVE_HEARTBEAT_TTL_S``,
-``ISERVE_READY_TIMEOUT_S``. This process never imports torch; workers do.
+``ISERVE_READY_TIMEOUT_S``, ``ISERVE_DRAIN_TIMEOUT_S`` (how long a stopped worker may
+finish its generations). This process never imports torch; workers do.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import socket
 
 from monitor_agent.devices import discover_devices
+from monitor_agent.metrics import AgentMetrics
 from monitor_agent.monitor import DeviceMonitor, NvmlSampler, ProcessSampler
 from monitor_agent.servicer import AgentServicer
 from monitor_agent.supervisor import WorkerSupervisor
 from services.api import agent_service_pb2_grpc
 from services.grpc_server import ServiceBinding
+from services.metrics import new_registry
 from services.service_main import ServiceParts, serve_service
 from services.settings import Settings
 from services.state.store import StateStore
@@ -38,9 +41,14 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         state_dir=settings.state_dir,
         bind_host=settings.host,
         advertise_host=advertised_host(settings.host),
+        drain_timeout_s=settings.drain_timeout_s,
     )
     sampler = (
         NvmlSampler() if any(d.is_cuda for d in devices) else ProcessSampler(supervisor.live_pids)
+    )
+    registry = new_registry()
+    metrics = AgentMetrics(
+        registry, settings.node_id, supervisor.list_workers, supervisor.live_pids
     )
     monitor = DeviceMonitor(
         node_id=settings.node_id,
@@ -50,6 +58,7 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         sampler=sampler,
         heartbeat_ttl_s=settings.heartbeat_ttl_s,
         deployments_on=supervisor.deployments_on,
+        on_measure=metrics.update,
     )
     servicer = AgentServicer(settings, devices, supervisor)
     binding = ServiceBinding(
@@ -61,6 +70,7 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         bindings=[binding],
         background=[monitor.run, supervisor.reap_forever],
         on_stop=supervisor.stop_all,
+        registry=registry,
     )
 
 

@@ -113,6 +113,7 @@ class DeviceMonitor:
         heartbeat_ttl_s: float,
         deployments_on: Callable[[str], list[str]] = lambda _device_id: [],
         interval_s: float = PUBLISH_INTERVAL_S,
+        on_measure: Callable[[list[common.DeviceState]], None] = lambda _states: None,
     ):
         self.node_id = node_id
         self.agent_address = agent_address
@@ -122,6 +123,8 @@ class DeviceMonitor:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.deployments_on = deployments_on
         self.interval_s = interval_s
+        # Called with each round's figures (the agent's Prometheus gauges).
+        self.on_measure = on_measure
         self.loads = {d.device_id: LoadRing() for d in self.devices}
 
     async def register(self) -> None:
@@ -151,6 +154,7 @@ class DeviceMonitor:
             state.load = ring.load
             state.deployment_ids.extend(self.deployments_on(device.device_id))
             states.append(state)
+        self.on_measure(states)
         return states
 
     async def run(self) -> None:

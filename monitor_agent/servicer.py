@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from monitor_agent.devices import DeviceSpec
@@ -34,7 +36,9 @@ class AgentServicer(agent_service_pb2_grpc.AgentServiceServicer):
     async def StopWorkers(
         self, request: agent_pb.StopWorkersRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb.StopWorkersResponse:
-        workers = await self.supervisor.stop_workers(request.deployment_id)
+        # Shielded: a caller whose deadline passes while the workers drain must not leave
+        # them half stopped (signalled, but never waited for or recorded STOPPED).
+        workers = await asyncio.shield(self.supervisor.stop_workers(request.deployment_id))
         return agent_pb.StopWorkersResponse(request_id=request.request_id, workers=workers)
 
     async def ListWorkers(

@@ -14,6 +14,11 @@ succeeds once every rank's ready file exists (which the ranks write only after t
 group has formed and loaded); if any rank exits first, or time runs out, all are stopped.
 A rank that dies later is reported as above, and the supervisor stops the deployment's
 other ranks on this node (recorded FAILED), since a group missing a rank cannot serve.
+
+Stopping a deployment drains it: SIGTERM goes to rank 0 first, which finishes the
+generations in flight within ``drain_timeout_s`` (passed to it as ``--drain-timeout-s``)
+and then tells the other ranks to stop; whatever is still alive after the drain plus
+``STOP_MARGIN_S`` gets SIGKILL. A worker with nothing in flight exits at once.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from monitor_agent.launch import LaunchPlan, WorkerPlan
 from services.api import agent_service_pb2 as agent_pb
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
 from services.redis_embedded import free_port
+from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.agent.supervisor")
@@ -41,6 +47,9 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 LOG_TAIL_LINES = 12
 _LOG_TAIL_BYTES = 8192
 _POLL_S = 0.05
+# Beyond its drain, how long a worker gets to exit (close the engine, tell the other
+# ranks to stop) before SIGKILL.
+STOP_MARGIN_S = 5.0
 
 
 @dataclass
@@ -109,7 +118,7 @@ class WorkerSupervisor:
         state_dir: Path,
         bind_host: str,
         advertise_host: str,
-        stop_timeout_s: float = 5.0,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         reap_interval_s: float = 0.3,
     ):
         self.node_id = node_id
@@ -118,7 +127,8 @@ class WorkerSupervisor:
         self.run_dir = state_dir / "run"
         self.bind_host = bind_host
         self.advertise_host = advertise_host
-        self.stop_timeout_s = stop_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.stop_timeout_s = drain_timeout_s + STOP_MARGIN_S
         self.reap_interval_s = reap_interval_s
         self._workers: dict[str, list[WorkerProcess]] = {}
 
@@ -186,6 +196,7 @@ class WorkerSupervisor:
         ready_file = self.run_dir / f"{stem}.ready.json"
         ready_file.unlink(missing_ok=True)
         argv = plan.worker_argv(worker, self.bind_host, ready_file)
+        argv += ["--drain-timeout-s", f"{self.drain_timeout_s:g}"]
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"  # so the log tail is current when a worker dies
         env["PYTHONPATH"] = os.pathsep.join(
@@ -273,12 +284,15 @@ class WorkerSupervisor:
 
     # ---- stop -------------------------------------------------------------------------
     async def stop_workers(self, deployment_id: str) -> list[agent_pb.WorkerInfo]:
-        """Stop every worker of ``deployment_id`` (SIGTERM, then SIGKILL after
-        ``stop_timeout_s``). Idempotent: an unknown deployment gives an empty list."""
+        """Stop every worker of ``deployment_id``: SIGTERM, rank 0 first, then SIGKILL for
+        a worker still alive ``stop_timeout_s`` seconds (the drain plus a margin) after its
+        SIGTERM. Idempotent: an unknown deployment gives an empty list."""
         procs = self._workers.pop(deployment_id, [])
         for proc in procs:
             proc.stopping = True
-        await asyncio.gather(*(self._terminate(p) for p in procs))
+        # Rank 0 drains first: every step of its generations needs the other ranks.
+        await asyncio.gather(*(self._terminate(p) for p in procs if p.info.rank == 0))
+        await asyncio.gather(*(self._terminate(p) for p in procs if p.info.rank != 0))
         for proc in procs:
             if proc.info.state != agent_pb.WORKER_STATE_FAILED:
                 proc.info.state = agent_pb.WORKER_STATE_STOPPED
@@ -289,12 +303,15 @@ class WorkerSupervisor:
         return [p.info for p in procs]
 
     async def stop_all(self) -> None:
-        """Stop every worker of this node (agent shutdown)."""
-        for deployment_id in list(self._workers):
-            try:
-                await self.stop_workers(deployment_id)
-            except Exception:  # noqa: BLE001 - keep stopping the others
-                log.exception("stopping deployment %s failed", deployment_id)
+        """Stop every worker of this node (agent shutdown), the deployments side by side so
+        that their drains overlap."""
+        deployment_ids = list(self._workers)
+        results = await asyncio.gather(
+            *(self.stop_workers(d) for d in deployment_ids), return_exceptions=True
+        )
+        for deployment_id, result in zip(deployment_ids, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("stopping deployment %s failed", deployment_id, exc_info=result)
 
     async def _terminate(self, proc: WorkerProcess) -> None:
         proc.stopping = True

@@ -87,6 +87,11 @@ class WorkerSession:
     def is_open(self) -> bool:
         return self.ended is None
 
+    @property
+    def busy(self) -> bool:
+        """Whether a generation is still streaming on this session."""
+        return bool(self._streams)
+
     def start(self, request: worker_pb.WorkerServiceGenerateRequest) -> WorkerStream:
         """Send ``request`` as a new stream. If the session has ended, or ends later, the
         stream's ``read`` raises the session's error."""
@@ -159,7 +164,7 @@ class WorkerClients:
 
     gRPC channels reconnect on their own, so a channel is kept after a worker error and
     only the session is opened again; ``retain`` closes those of addresses no deployment
-    uses any more.
+    uses any more, once their generations have ended.
     """
 
     def __init__(self) -> None:
@@ -180,8 +185,14 @@ class WorkerClients:
         return session
 
     async def retain(self, addresses: Iterable[str]) -> None:
-        """Close the sessions and channels of every address not in ``addresses``."""
-        keep = set(addresses)
+        """Close the sessions and channels of every address not in ``addresses``, except
+        those of sessions with generations still streaming: the worker of a deployment
+        being removed drains them, and closing the session would cut them. A later call
+        closes such a session once it is idle."""
+        keep = set(addresses) | {a for a, session in self._sessions.items() if session.busy}
+        await self._close_except(keep)
+
+    async def _close_except(self, keep: set[str]) -> None:
         sessions = [self._sessions.pop(a) for a in list(self._sessions) if a not in keep]
         channels = [self._channels.pop(a) for a in list(self._channels) if a not in keep]
         closing = [s.close() for s in sessions] + [c.close() for c in channels]
@@ -189,4 +200,5 @@ class WorkerClients:
             await asyncio.gather(*closing)
 
     async def close(self) -> None:
-        await self.retain(())
+        """Close every session, cutting the generations still streaming, and channel."""
+        await self._close_except(set())

@@ -1,7 +1,9 @@
 """The gRPC bootstrap every iserve process uses.
 
 ``run_server`` starts a ``grpc.aio`` server with ``grpc.health.v1``, server reflection
-and the error interceptor, serves until SIGTERM/SIGINT and then stops gracefully.
+and the error interceptor, serves until SIGTERM/SIGINT and then stops gracefully: with a
+``drain`` (:mod:`services.drain`), calls in flight first get up to ``drain_timeout_s``
+seconds to finish while new ones are refused.
 Servicers raise ``services.errors.IServeError`` subclasses; the interceptor turns them
 into status codes with the error's message and logs each failed call with its
 request id. Anything else becomes INTERNAL with a one-line message (and a logged
@@ -25,8 +27,13 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from services.errors import IServeError
+from services.metrics import RpcMetrics
+from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 
 log = logging.getLogger("iserve.grpc")
+
+Drain = Callable[[float], Awaitable[object]]
+"""Refuse new calls and wait up to the given seconds for those in flight (``InFlight.drain``)."""
 
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
@@ -37,6 +44,10 @@ CHANNEL_OPTIONS = [
 
 def _request_id(request: object) -> str:
     return getattr(request, "request_id", "") or "-"
+
+
+def _code_of(exc: BaseException) -> grpc.StatusCode:
+    return exc.code if isinstance(exc, IServeError) else grpc.StatusCode.INTERNAL
 
 
 async def _abort_for(
@@ -53,7 +64,11 @@ async def _abort_for(
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps domain errors to gRPC status codes and logs each call with its request id."""
+    """Maps domain errors to gRPC status codes and logs each call with its request id;
+    with ``metrics``, counts each call by method and status code."""
+
+    def __init__(self, metrics: RpcMetrics | None = None):
+        self._count = metrics.count if metrics is not None else lambda _method, _code: None
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -74,16 +89,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             )
         return handler
 
-    @staticmethod
-    def _wrap_unary(method: str, behavior: Callable[..., Awaitable]):
+    def _wrap_unary(self, method: str, behavior: Callable[..., Awaitable]):
+        count = self._count
+
         async def wrapped(request, context):
             started = time.perf_counter()
             try:
                 response = await behavior(request, context)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
+            except asyncio.CancelledError:
+                count(method, grpc.StatusCode.CANCELLED)
+                raise
+            except grpc.aio.AbortError:
+                count(method, context.code() or grpc.StatusCode.UNKNOWN)
                 raise
             except Exception as exc:  # noqa: BLE001 - every error becomes a status
+                count(method, _code_of(exc))
                 await _abort_for(exc, method, request, context)
+            count(method, grpc.StatusCode.OK)
             log.debug(
                 "%s request_id=%s ok in %.1f ms",
                 method,
@@ -94,19 +116,25 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return wrapped
 
-    @staticmethod
-    def _wrap_stream(method: str, behavior: Callable[..., AsyncIterator]):
+    def _wrap_stream(self, method: str, behavior: Callable[..., AsyncIterator]):
         if not inspect.isasyncgenfunction(behavior):
             return behavior
+        count = self._count
 
         async def wrapped(request, context):
             try:
                 async for item in behavior(request, context):
                     yield item
-            except (grpc.aio.AbortError, asyncio.CancelledError):
+            except asyncio.CancelledError:
+                count(method, grpc.StatusCode.CANCELLED)
+                raise
+            except grpc.aio.AbortError:
+                count(method, context.code() or grpc.StatusCode.UNKNOWN)
                 raise
             except Exception as exc:  # noqa: BLE001 - every error becomes a status
+                count(method, _code_of(exc))
                 await _abort_for(exc, method, request, context)
+            count(method, grpc.StatusCode.OK)
 
         return wrapped
 
@@ -121,11 +149,12 @@ class ServiceBinding:
 
 
 async def start_server(
-    bindings: Iterable[ServiceBinding], address: str
+    bindings: Iterable[ServiceBinding], address: str, metrics: RpcMetrics | None = None
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    """Start a server on ``address`` (port 0 picks a free port); returns it and its port."""
+    """Start a server on ``address`` (port 0 picks a free port); returns it and its port.
+    With ``metrics``, every call is counted by method and status code."""
     bindings = list(bindings)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=CHANNEL_OPTIONS)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [b.full_name for b in bindings]
@@ -157,13 +186,20 @@ async def run_server(
     background: Iterable[Callable[[], Awaitable[None]]] = (),
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 5.0,
+    drain: Drain | None = None,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    metrics: RpcMetrics | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, running ``background`` coroutines alongside.
 
-    On a signal: health turns NOT_SERVING, background tasks are cancelled, ``on_stop``
-    runs, and in-flight calls get ``grace_s`` seconds to finish.
+    On a signal: health turns NOT_SERVING; with ``drain``, ``drain(drain_timeout_s)``
+    runs while the server still listens (it refuses new calls and waits for those in
+    flight; a second signal cuts it short); background tasks are cancelled; the server
+    stops, giving calls in flight ``grace_s`` seconds, or none after a drain (the drain
+    was their grace); then ``on_stop`` runs, after the last call, so no call sees what
+    it closes.
     """
-    server, port, health_servicer = await start_server(bindings, address)
+    server, port, health_servicer = await start_server(bindings, address, metrics)
     log.info("%s listening on %s (port %d)", name, address, port)
     if on_started is not None:
         result = on_started(port)
@@ -180,13 +216,28 @@ async def run_server(
     await stop.wait()
     log.info("%s stopping", name)
     await health_servicer.enter_graceful_shutdown()
+    if drain is not None:
+        stop.clear()
+        await _drain_unless_signalled(drain, drain_timeout_s, stop)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await server.stop(0 if drain is not None else grace_s)
     if on_stop is not None:
         await on_stop()
-    await server.stop(grace_s)
     log.info("%s stopped", name)
+
+
+async def _drain_unless_signalled(drain: Drain, timeout_s: float, signalled: asyncio.Event) -> None:
+    """Run ``drain(timeout_s)`` until it returns or ``signalled`` is set."""
+    draining = asyncio.create_task(drain(timeout_s))
+    second_signal = asyncio.create_task(signalled.wait())
+    await asyncio.wait({draining, second_signal}, return_when=asyncio.FIRST_COMPLETED)
+    if second_signal.done():
+        log.warning("second signal: stopping without waiting for the calls in flight")
+    for task in (draining, second_signal):
+        task.cancel()
+    await asyncio.gather(draining, second_signal, return_exceptions=True)
 
 
 def _log_task_death(task: asyncio.Task) -> None:

@@ -7,8 +7,11 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from services.grpc_server import ServiceBinding, configure_logging, run_server
-from services.settings import Settings, load_settings
+from prometheus_client import CollectorRegistry
+
+from services.grpc_server import Drain, ServiceBinding, configure_logging, run_server
+from services.metrics import RpcMetrics, new_registry, serve_metrics
+from services.settings import METRICS_ENV, Settings, load_settings
 from services.state.store import StateStore
 
 
@@ -21,6 +24,13 @@ class ServiceParts:
     # Runs once before the server listens (e.g. loading a cache it serves from).
     on_start: Callable[[], Awaitable[None]] | None = None
     on_stop: Callable[[], Awaitable[None]] | None = None
+    # On SIGTERM, awaited with ISERVE_DRAIN_TIMEOUT_S before the server stops (see
+    # services.drain); None: calls in flight get run_server's short grace instead.
+    drain: Drain | None = None
+    # The service's Prometheus metrics (``services.metrics.new_registry`` plus its own);
+    # None: a registry with the process collectors only. Either way the process adds
+    # its RPC counter and serves it on ISERVE_<S>_METRICS_ADDR.
+    registry: CollectorRegistry | None = None
 
 
 # How long a starting service waits for Redis to answer (it may be starting beside it).
@@ -68,6 +78,14 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
         if parts.on_start is not None:
             await parts.on_start()
 
+        registry = parts.registry or new_registry()
+        rpc_metrics = RpcMetrics(registry)
+        try:
+            serve_metrics(settings.metrics_address(name), registry)
+        except OSError as exc:
+            await store.close()
+            fail(f"{exc} (set {METRICS_ENV[name]} to a free host:port)")
+
         async def stop() -> None:
             if parts.on_stop is not None:
                 await parts.on_stop()
@@ -79,6 +97,9 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
             settings.address(name),
             background=parts.background,
             on_stop=stop,
+            drain=parts.drain,
+            drain_timeout_s=settings.drain_timeout_s,
+            metrics=rpc_metrics,
         )
 
     asyncio.run(run())

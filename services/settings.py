@@ -15,6 +15,9 @@ variable                    meaning                                         defa
 ``ISERVE_DEPLOY_ADDR``      DeploymentService address                       ``127.0.0.1:50063``
 ``ISERVE_SCHEDULER_ADDR``   InferenceService address                        ``127.0.0.1:50064``
 ``ISERVE_AGENT_ADDR``       this node's AgentService address                ``127.0.0.1:50065``
+``ISERVE_<S>_METRICS_ADDR``  where service ``<S>`` (MODEL, ESTIMATOR,         ``127.0.0.1:9461``
+                            DEPLOY, SCHEDULER, AGENT) serves Prometheus      … ``9465``
+                            text at ``/metrics`` (port 0: any free port)
 ``ISERVE_NODE_ID``          this node's id                                  ``node0``
 ``ISERVE_DEVICES``          virtual CPU devices when no GPU is found        ``2``
 ``ISERVE_DEVICE_MEMORY_GIB``memory budget of each virtual CPU device        ``4``
@@ -22,6 +25,9 @@ variable                    meaning                                         defa
                             RESOURCE_EXHAUSTED
 ``ISERVE_READY_TIMEOUT_S``  how long Deploy waits for workers to be ready   ``120``
 ``ISERVE_HEARTBEAT_TTL_S``  agent heartbeat lifetime                        ``5``
+``ISERVE_DRAIN_TIMEOUT_S``  on SIGTERM, how long the scheduler (and a        ``30``
+                            stopped worker) lets streams in flight finish
+                            before it cancels them and exits
 ``ISERVE_LOG_LEVEL``        logging level                                   ``INFO``
 ``ISERVE_CPU_COLLECTIVES``  how CPU ranks of one host exchange: ``shm``     ``shm``
                             (shared memory) or ``gloo``
@@ -65,8 +71,20 @@ SERVICE_ENV = {
     "scheduler": "ISERVE_SCHEDULER_ADDR",
     "agent": "ISERVE_AGENT_ADDR",
 }
+# Prometheus ports sit outside the kernel's ephemeral range (32768-60999 on Linux), so a
+# client's outgoing connection never holds one when its service starts.
+DEFAULT_METRICS_PORTS = {
+    "model": 9461,
+    "estimator": 9462,
+    "deploy": 9463,
+    "scheduler": 9464,
+    "agent": 9465,
+}
+METRICS_ENV = {name: f"ISERVE_{name.upper()}_METRICS_ADDR" for name in DEFAULT_METRICS_PORTS}
 STACK_FILE = "stack.json"
 GIB = 1 << 30
+DRAIN_TIMEOUT_ENV = "ISERVE_DRAIN_TIMEOUT_S"
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,7 @@ class Settings:
     redis_url: str | None
     host: str
     addresses: Mapping[str, str]
+    metrics_addresses: Mapping[str, str]
     node_id: str
     virtual_devices: int
     device_memory_bytes: int
@@ -83,10 +102,15 @@ class Settings:
     ready_timeout_s: float
     heartbeat_ttl_s: float
     log_level: str
+    drain_timeout_s: float
 
     def address(self, service: str) -> str:
         """host:port of ``service`` (one of ``DEFAULT_PORTS``)."""
         return self.addresses[service]
+
+    def metrics_address(self, service: str) -> str:
+        """host:port where ``service`` serves its Prometheus metrics."""
+        return self.metrics_addresses[service]
 
     def with_overrides(self, **changes: object) -> Settings:
         return replace(self, **changes)
@@ -133,12 +157,18 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         name: env.get(SERVICE_ENV[name]) or stack_addresses.get(name) or f"{host}:{port}"
         for name, port in DEFAULT_PORTS.items()
     }
+    stack_metrics = stack.get("metrics_addresses", {})
+    metrics_addresses = {
+        name: env.get(METRICS_ENV[name]) or stack_metrics.get(name) or f"{host}:{port}"
+        for name, port in DEFAULT_METRICS_PORTS.items()
+    }
     return Settings(
         state_dir=state_dir,
         models_root=models_root,
         redis_url=env.get("REDIS_URL") or stack.get("redis_url"),
         host=host,
         addresses=addresses,
+        metrics_addresses=metrics_addresses,
         node_id=env.get("ISERVE_NODE_ID", "node0"),
         virtual_devices=int(_number(env, "ISERVE_DEVICES", 2)),
         device_memory_bytes=int(_number(env, "ISERVE_DEVICE_MEMORY_GIB", 4.0, float) * GIB),
@@ -146,6 +176,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         ready_timeout_s=float(_number(env, "ISERVE_READY_TIMEOUT_S", 120.0, float)),
         heartbeat_ttl_s=float(_number(env, "ISERVE_HEARTBEAT_TTL_S", 5.0, float)),
         log_level=log_level(env),
+        drain_timeout_s=drain_timeout_s(env),
     )
 
 
@@ -153,6 +184,12 @@ def log_level(env: Mapping[str, str] | None = None) -> str:
     """``ISERVE_LOG_LEVEL``, upper-cased (default INFO)."""
     env = os.environ if env is None else env
     return env.get("ISERVE_LOG_LEVEL", "INFO").upper()
+
+
+def drain_timeout_s(env: Mapping[str, str] | None = None) -> float:
+    """``ISERVE_DRAIN_TIMEOUT_S`` in seconds (default 30); ValueError unless positive."""
+    env = os.environ if env is None else env
+    return float(_number(env, DRAIN_TIMEOUT_ENV, DEFAULT_DRAIN_TIMEOUT_S, float))
 
 
 CPU_COLLECTIVES_ENV = "ISERVE_CPU_COLLECTIVES"

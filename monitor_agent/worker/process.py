@@ -6,7 +6,10 @@ Readiness protocol: once the server listens, the worker writes
 reads a half-written file. A
 worker that cannot start exits non-zero with the reason as the last lines of its log:
 2 for bad arguments, 1 when the engine cannot load (or its parallel group cannot form).
-SIGTERM stops it cleanly with exit code 0.
+SIGTERM drains it: health turns NOT_SERVING, new generations get UNAVAILABLE, those in
+flight get up to ``--drain-timeout-s`` seconds to finish (the agent passes
+``ISERVE_DRAIN_TIMEOUT_S`` and waits that long plus a margin before SIGKILL), then it
+exits with code 0.
 
 Tensor/pipeline parallelism (``--world-size`` = tp·pp > 1): every rank is one process,
 started with its ``--rank``, its stage's ``--first-layer``/``--layer-count`` and the
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING
 from services.engine_rules import TENSOR_PARALLEL_DEGREES
 from services.grpc_server import ServiceBinding, configure_logging, run_server
 from services.models.compression import DEFAULT_PRUNE_FRACTION, PRUNINGS, WEIGHT_QUANTIZATIONS
-from services.settings import log_level
+from services.settings import drain_timeout_s, log_level
 
 if TYPE_CHECKING:
     from monitor_agent.engine.distributed import ParallelContext
@@ -47,10 +50,9 @@ log = logging.getLogger("iserve.worker")
 EXIT_BAD_ARGUMENTS = 2
 EXIT_ENGINE_FAILED = 1
 EXIT_GROUP_LOST = 3
-# In-flight streams get this long after SIGTERM before they are cancelled; the agent
-# waits 5 s before it escalates to SIGKILL.
-SHUTDOWN_GRACE_S = 1.0
 PARENT_POLL_S = 1.0
+# After the group lost a rank, generations in flight get this long to send their error.
+LOST_GROUP_DRAIN_S = 1.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -122,6 +124,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="stop once this process (the agent that started the worker) is no longer its parent",
     )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=None,
+        help="seconds generations in flight get to finish after SIGTERM "
+        "(default: the drain timeout of services.settings)",
+    )
     parser.add_argument("--log-level", default=log_level())
     return parser.parse_args(argv)
 
@@ -159,6 +168,10 @@ def check_args(args: argparse.Namespace) -> list[int]:
         raise ValueError("--max-seq-len and --max-batch must be at least 1")
     if not 0 <= args.prune_fraction < 1:
         raise ValueError(f"--prune-fraction must be in [0, 1), got {args.prune_fraction}")
+    if args.drain_timeout_s is None:
+        args.drain_timeout_s = drain_timeout_s()
+    if args.drain_timeout_s <= 0:
+        raise ValueError(f"--drain-timeout-s must be positive, got {args.drain_timeout_s:g}")
     return parse_cores(args.cores)
 
 
@@ -230,9 +243,16 @@ async def serve(args: argparse.Namespace, engine: Engine) -> bool:
     group = engine.model if isinstance(engine.model, DistributedModel) else None
     if group is not None:
         # A lost group stops this worker as SIGTERM would (streams in flight get their
-        # error during the grace period); main() then exits with EXIT_GROUP_LOST.
+        # error at the engine's next step); main() then exits with EXIT_GROUP_LOST.
         group.on_lost = lambda _reason: os.kill(os.getpid(), signal.SIGTERM)
         group.start_keepalive()
+
+    async def drain(timeout_s: float) -> bool:
+        # A group that lost a rank finishes nothing: its generations only need the moment
+        # it takes to send their UNAVAILABLE.
+        lost = group is not None and group.lost is not None
+        return await servicer.in_flight.drain(LOST_GROUP_DRAIN_S if lost else timeout_s)
+
     try:
         await run_server(
             f"worker-{args.deployment_id}-r{args.rank}",
@@ -240,7 +260,8 @@ async def serve(args: argparse.Namespace, engine: Engine) -> bool:
             f"{args.host}:{args.port}",
             on_started=announce,
             background=[parent_watch(args.parent_pid)] if args.parent_pid else [],
-            grace_s=SHUTDOWN_GRACE_S,
+            drain=drain,
+            drain_timeout_s=args.drain_timeout_s,
         )
     finally:
         runner.close()

@@ -3,6 +3,10 @@
 Generate serves one generation per call; Session serves many over one stream
 (:mod:`monitor_agent.worker.session`, what the scheduler uses); both run ``_generate``.
 
+Both refuse new generations with UNAVAILABLE once the worker drains (on SIGTERM, see
+:mod:`services.drain`): the generations in flight are counted here, not the calls,
+because the scheduler's Session call stays open for as long as the worker lives.
+
 GetWorkerStats reports the engine's memory account (weights + KV cache + peak activation
 estimate, see monitor_agent.engine.memory) as resident_bytes, and as peak_memory_bytes
 whatever the worker's probe measures (the same account on CPU, the CUDA allocator's peak
@@ -26,6 +30,7 @@ from monitor_agent.worker.session import serve_session
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
+from services.drain import InFlight
 from services.errors import InvalidArgument, Unavailable, require
 
 FINISH_REASONS = {"length": common.FINISH_REASON_LENGTH, "stop": common.FINISH_REASON_STOP}
@@ -63,6 +68,7 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         self.runner = runner
         self.identity = identity
         self.peak_memory_bytes = peak_memory_bytes
+        self.in_flight = InFlight(f"worker of deployment {identity.deployment_id}")
 
     def _parse(self, request: worker_pb.WorkerServiceGenerateRequest) -> GenerationRequest:
         """The engine's request for ``request``, checked once; InvalidArgument saying what
@@ -103,14 +109,15 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
 
         Setting ``stop`` or closing the generator ends it at the engine's next step.
         InvalidArgument for a request the engine cannot run; Unavailable when another
-        rank of this deployment died.
+        rank of this deployment died or the worker is draining.
         """
-        clock = RequestClock()
-        generation = self._parse(request)
-        if stop is None:
-            stop = threading.Event()
-        request_id = request.request_id
+        self.in_flight.enter()
         try:
+            clock = RequestClock()
+            generation = self._parse(request)
+            if stop is None:
+                stop = threading.Event()
+            request_id = request.request_id
             async for step in self.runner.generate(generation, stop, clock):
                 clock.token()
                 response = worker_pb.WorkerServiceGenerateResponse(
@@ -128,6 +135,8 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
                 yield response
         except GroupLost as exc:  # another rank of this deployment died; so will this one
             raise Unavailable(f"worker gone: {exc}") from exc
+        finally:
+            self.in_flight.leave()
 
     async def GetWorkerStats(
         self, request: worker_pb.GetWorkerStatsRequest, context: grpc.aio.ServicerContext

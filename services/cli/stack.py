@@ -26,6 +26,7 @@ from services.health import wait_serving
 from services.redis_embedded import free_port, start_redis
 from services.settings import (
     GIB,
+    METRICS_ENV,
     SERVICE_ENV,
     STACK_FILE,
     Settings,
@@ -42,6 +43,8 @@ SERVICES = [
     ("scheduler", "scheduler_svc"),
 ]
 READY_TIMEOUT_S = 60.0
+# How long a service gets to exit after SIGTERM before SIGKILL, on top of its drain
+# (``Settings.drain_timeout_s``: the scheduler lets streams in flight finish first).
 STOP_TIMEOUT_S = 20.0
 
 
@@ -90,7 +93,14 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         raise RuntimeError(
             f"a stack is already running from {settings.state_dir} (see `iserve status`, or `iserve down`)"
         )
-    busy = [f"{name} {addr}" for name, addr in settings.addresses.items() if port_in_use(addr)]
+    busy = [
+        f"{name} {addr}"
+        for name, addr in [
+            *settings.addresses.items(),
+            *((f"{n} metrics", a) for n, a in settings.metrics_addresses.items()),
+        ]
+        if not addr.endswith(":0") and port_in_use(addr)
+    ]
     if busy:
         raise RuntimeError(
             f"port(s) already in use: {', '.join(busy)}; set ISERVE_*_ADDR or stop what uses them"
@@ -98,7 +108,12 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
     logs = settings.state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     settings.models_root.mkdir(parents=True, exist_ok=True)
-    stack: dict = {"state_dir": str(settings.state_dir), "pids": {}, "addresses": {}}
+    stack: dict = {
+        "state_dir": str(settings.state_dir),
+        "pids": {},
+        "addresses": {},
+        "metrics_addresses": dict(settings.metrics_addresses),
+    }
     redis_proc = None
     if settings.redis_url:
         redis_url = settings.redis_url
@@ -121,7 +136,10 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
             if not wait_serving(settings.address(name), deadline, procs[name]):
                 tail = _tail(logs / f"{name}.log")
                 raise RuntimeError(f"{name} did not become ready; last log lines:\n{tail}")
-            log(f"{name:<10} ready on {settings.address(name)}")
+            log(
+                f"{name:<10} ready on {settings.address(name)} "
+                f"(metrics http://{settings.metrics_address(name)}/metrics)"
+            )
     except BaseException:
         _stop_pids(
             {n: p.pid for n, p in procs.items()} | ({"redis": redis_proc.pid} if redis_proc else {})
@@ -145,6 +163,8 @@ def _service_env(settings: Settings, redis_url: str, options: UpOptions) -> dict
     )
     for name, var in SERVICE_ENV.items():
         env[var] = settings.address(name)
+    for name, var in METRICS_ENV.items():
+        env[var] = settings.metrics_address(name)
     if options.devices is not None:
         env["ISERVE_DEVICES"] = str(options.devices)
     if options.device_memory_gib is not None:
@@ -179,7 +199,7 @@ def restart_service(settings: Settings, name: str, *, kill: bool = False) -> int
             _reap(pid)
             time.sleep(0.02)
     else:
-        _stop_pids({name: pid})
+        _stop_pids({name: pid}, timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s)
     log_path = settings.state_dir / "logs" / f"{name}.log"
     proc = _spawn(modules[name], _service_env(settings, stack["redis_url"], UpOptions()), log_path)
     if not wait_serving(settings.address(name), time.monotonic() + READY_TIMEOUT_S, proc):
@@ -196,7 +216,11 @@ def down(settings: Settings, log=print) -> bool:
         return False
     pids = stack.get("pids", {})
     order = [name for name, _ in reversed(SERVICES)] + ["redis"]
-    _stop_pids({name: pids[name] for name in order if name in pids}, log)
+    _stop_pids(
+        {name: pids[name] for name in order if name in pids},
+        log,
+        timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
+    )
     (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
     return True
 
@@ -219,6 +243,7 @@ def temporary_stack(
             "ISERVE_STATE_DIR": str(state_dir),
             "ISERVE_MODELS_ROOT": str(state_dir / "models"),
             **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+            **{var: f"127.0.0.1:{free_port()}" for var in METRICS_ENV.values()},
             **(env or {}),
         }
         saved = {key: os.environ.get(key) for key in [*values, "REDIS_URL"]}
@@ -239,11 +264,14 @@ def _restore_environment(saved: Mapping[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def _stop_pids(pids: dict[str, int], log=lambda _msg: None) -> None:
+def _stop_pids(
+    pids: dict[str, int], log=lambda _msg: None, timeout_s: float = STOP_TIMEOUT_S
+) -> None:
+    """SIGTERM each process in turn; SIGKILL one still alive ``timeout_s`` seconds later."""
     for name, pid in pids.items():
         if _alive(pid):
             os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + STOP_TIMEOUT_S
+            deadline = time.monotonic() + timeout_s
             while _alive(pid) and time.monotonic() < deadline:
                 _reap(pid)
                 time.sleep(0.05)

@@ -42,6 +42,7 @@ def _agent_env(state_dir: Path, models_root: Path, redis_url: str | None, node_i
         ISERVE_STATE_DIR=str(state_dir),
         ISERVE_MODELS_ROOT=str(models_root),
         ISERVE_AGENT_ADDR=f"127.0.0.1:{free_port()}",
+        ISERVE_AGENT_METRICS_ADDR="127.0.0.1:0",
         ISERVE_NODE_ID=node_id,
         ISERVE_DEVICES="2",
         ISERVE_DEVICE_MEMORY_GIB="1",

@@ -49,7 +49,7 @@ def run(redis_url, tmp_path):
                 state_dir=tmp_path,
                 bind_host="127.0.0.1",
                 advertise_host="127.0.0.1",
-                stop_timeout_s=5.0,
+                drain_timeout_s=1.0,
             )
             try:
                 return await fn(supervisor, store)

@@ -14,6 +14,7 @@ def test_defaults(tmp_path):
     assert s.address("deploy") == f"127.0.0.1:{DEFAULT_PORTS['deploy']}"
     assert s.redis_url is None
     assert s.virtual_devices == 2 and s.device_memory_bytes == 4 * GIB
+    assert s.drain_timeout_s == 30.0
 
 
 def test_environment_beats_stack_file_beats_defaults(tmp_path):
@@ -30,8 +31,19 @@ def test_environment_beats_stack_file_beats_defaults(tmp_path):
 
 @pytest.mark.parametrize(
     "name,value",
-    [("ISERVE_DEVICES", "0"), ("ISERVE_DEVICES", "two"), ("ISERVE_DEVICE_MEMORY_GIB", "-1")],
+    [
+        ("ISERVE_DEVICES", "0"),
+        ("ISERVE_DEVICES", "two"),
+        ("ISERVE_DEVICE_MEMORY_GIB", "-1"),
+        ("ISERVE_DRAIN_TIMEOUT_S", "0"),
+        ("ISERVE_DRAIN_TIMEOUT_S", "soon"),
+    ],
 )
 def test_bad_values_are_named(tmp_path, name, value):
     with pytest.raises(ValueError, match=name):
         load_settings({"ISERVE_STATE_DIR": str(tmp_path), name: value})
+
+
+def test_the_drain_timeout_may_be_a_fraction_of_a_second(tmp_path):
+    s = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_DRAIN_TIMEOUT_S": "0.5"})
+    assert s.drain_timeout_s == 0.5

@@ -161,6 +161,27 @@ def test_closing_the_session_cancels_every_generation(worker):
     assert stats(worker).tokens_generated - before.tokens_generated < 800
 
 
+def test_retain_keeps_a_session_until_its_generations_end(worker):
+    # A removed deployment's worker drains its generations: the scheduler must not cut them.
+    async def scenario():
+        clients = WorkerClients()
+        try:
+            session = clients.session(worker)
+            stream = session.start(request(40))
+            first = await stream.read()
+            await clients.retain(())
+            assert session.is_open
+            rest = await read_all(stream)
+            await clients.retain(())
+            assert not session.is_open  # closed once idle
+            return [first, *rest]
+        finally:
+            await clients.close()
+
+    responses = asyncio.run(scenario())
+    assert len(responses) == 40 and responses[-1].finish_reason == common.FINISH_REASON_LENGTH
+
+
 def test_every_stream_fails_unavailable_when_the_worker_dies(checkpoint, tmp_path):
     proc, record = start_worker(checkpoint, tmp_path / "ready.json", tmp_path / "worker.log")
     address = f"127.0.0.1:{record['port']}"

@@ -1,0 +1,219 @@
+"""Drain on the live stack.
+
+A scheduler that gets SIGTERM answers health NOT_SERVING, refuses new requests with
+UNAVAILABLE ("scheduler is draining: ..."), lets the streams in flight finish within
+``ISERVE_DRAIN_TIMEOUT_S`` (cutting those that outlast it) and exits 0. Each test starts a
+scheduler of its own against the stack's Redis, so the session's scheduler keeps serving.
+Removing a deployment drains its worker the same way: the stream in flight finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import inference_service_pb2 as infer_pb
+from services.api import inference_service_pb2_grpc as infer_grpc
+from services.api import model_service_pb2 as model_pb
+from services.api import worker_service_pb2 as worker_pb
+from services.api import worker_service_pb2_grpc as worker_grpc
+from services.health import wait_serving
+from services.redis_embedded import free_port
+from tests.integration.conftest import SERVED_SHAPE
+from tests.integration.helpers import deploy, make_checkpoint, register, rid, wait_for
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+GREEDY_NO_EOS = common.SamplingParams(ignore_eos=True)
+PROMPT = "The river runs past the old mill"
+# Beyond the drain timeout, what a process gets to exit.
+EXIT_MARGIN_S = 5.0
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Scheduler:
+    """A scheduler process of this test's own, on a free port."""
+
+    def __init__(self, stack, log_path: Path, drain_timeout_s: float):
+        self.address = f"127.0.0.1:{free_port()}"
+        self.log_path = log_path
+        env = {
+            **stack.env,
+            "ISERVE_SCHEDULER_ADDR": self.address,
+            "ISERVE_SCHEDULER_METRICS_ADDR": "127.0.0.1:0",
+            "ISERVE_DRAIN_TIMEOUT_S": str(drain_timeout_s),
+            "PYTHONUNBUFFERED": "1",
+        }
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "scheduler_svc"],
+                cwd=ROOT,
+                env={**os.environ, **env},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        if not wait_serving(self.address, time.monotonic() + 60, self.proc):
+            self.proc.kill()
+            raise AssertionError(f"scheduler did not start:\n{self.log()}")
+        self.channel = grpc.insecure_channel(self.address)
+        self.inference = infer_grpc.InferenceServiceStub(self.channel)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self) -> int | None:
+        """The health status it answers, None when it does not answer."""
+        try:
+            reply = health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2
+            )
+        except grpc.RpcError:
+            return None
+        return reply.status
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def start_scheduler(stack, tmp_path):
+    started: list[Scheduler] = []
+
+    def start(drain_timeout_s: float) -> Scheduler:
+        scheduler = Scheduler(stack, tmp_path / f"scheduler{len(started)}.log", drain_timeout_s)
+        started.append(scheduler)
+        return scheduler
+
+    yield start
+    for scheduler in started:
+        scheduler.close()
+
+
+def long_request(deployment_id: str, max_tokens: int) -> infer_pb.GenerateRequest:
+    return infer_pb.GenerateRequest(
+        request_id=rid(),
+        deployment_id=deployment_id,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        sampling=GREEDY_NO_EOS,
+    )
+
+
+def test_a_draining_scheduler_refuses_new_requests_and_finishes_the_stream(
+    stack, served, start_scheduler
+):
+    drain_timeout_s = 10.0
+    scheduler = start_scheduler(drain_timeout_s)
+    stream = scheduler.inference.Generate(
+        long_request(served.deployment_id, served.max_output_tokens), timeout=120
+    )
+    first = next(stream)
+    assert first.HasField("delta")
+
+    scheduler.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert wait_for(lambda: scheduler.health() == NOT_SERVING, timeout=5), scheduler.log()
+    with pytest.raises(grpc.RpcError) as refused:
+        list(scheduler.inference.Generate(long_request(served.deployment_id, 4), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.value.details().startswith("scheduler is draining: "), refused.value.details()
+    assert scheduler.proc.poll() is None, "the scheduler exited with a stream in flight"
+
+    rest = list(stream)
+    assert rest[-1].HasField("final"), "the stream in flight ended without its final message"
+    final = rest[-1].final
+    assert final.finish_reason == common.FINISH_REASON_LENGTH
+    assert final.usage.completion_tokens == served.max_output_tokens
+    assert sum(len(m.delta.token_ids) for m in [first, *rest[:-1]]) == served.max_output_tokens
+
+    assert scheduler.proc.wait(drain_timeout_s + EXIT_MARGIN_S) == 0, scheduler.log()
+    assert time.monotonic() - signalled < drain_timeout_s + EXIT_MARGIN_S
+    assert "scheduler draining: waiting up to 10 s for 1 call(s)" in scheduler.log()
+
+
+def test_a_stream_that_outlasts_the_drain_timeout_is_cut(stack, served, start_scheduler):
+    drain_timeout_s = 0.5
+    scheduler = start_scheduler(drain_timeout_s)
+    stream = scheduler.inference.Generate(
+        long_request(served.deployment_id, served.max_output_tokens), timeout=120
+    )
+    next(stream)
+    scheduler.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    with pytest.raises(grpc.RpcError) as cut:
+        for _message in stream:
+            pass
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert scheduler.proc.wait(drain_timeout_s + EXIT_MARGIN_S) == 0, scheduler.log()
+    assert time.monotonic() - signalled < drain_timeout_s + EXIT_MARGIN_S
+    assert "still running after 0.5 s; cancelling them" in scheduler.log()
+
+    # The worker stops generating for the scheduler that went away.
+    with grpc.insecure_channel(served.worker_address) as channel:
+        worker = worker_grpc.WorkerServiceStub(channel)
+
+        def idle() -> bool:
+            stats = worker.GetWorkerStats(worker_pb.GetWorkerStatsRequest(), timeout=5)
+            return stats.active_requests == 0
+
+        assert wait_for(idle, timeout=10)
+
+
+def test_removing_a_deployment_lets_its_stream_in_flight_finish(stack):
+    register(stack, "drain-llama", make_checkpoint(stack, "drain-llama", **SERVED_SHAPE))
+    max_tokens = 1500
+    dep = deploy(stack, "drain-llama", max_output_tokens=max_tokens).deployment
+    deployment_id = dep.deployment_id
+    try:
+        stream = stack.inference.Generate(long_request(deployment_id, max_tokens), timeout=120)
+        first = next(stream)
+        assert first.HasField("delta")
+        with ThreadPoolExecutor(1) as pool:
+            removing = pool.submit(
+                stack.deployments.RemoveDeployment,
+                deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=deployment_id),
+                timeout=60,
+            )
+            rest = list(stream)
+            removing.result()
+        assert rest[-1].HasField("final"), "the stream in flight ended without its final message"
+        assert rest[-1].final.finish_reason == common.FINISH_REASON_LENGTH
+        assert rest[-1].final.usage.completion_tokens == max_tokens
+
+        # The worker got its SIGTERM with the generation in flight, and waited for it.
+        log = (stack.settings.state_dir / "logs" / f"worker-{deployment_id}-r0.log").read_text()
+        assert f"worker of deployment {deployment_id} draining: waiting up to" in log
+        assert f"worker of deployment {deployment_id} drained" in log
+    finally:
+        remove_if_there(stack, deployment_id)
+        stack.models.DeleteModel(
+            model_pb.DeleteModelRequest(request_id=rid(), model_id="drain-llama")
+        )
+
+
+def remove_if_there(stack, deployment_id: str) -> None:
+    """Remove a deployment unless it is gone already."""
+    try:
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=deployment_id),
+            timeout=60,
+        )
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            raise

@@ -1,0 +1,150 @@
+"""``run_server`` with a drain, over real gRPC and a real SIGTERM to this process: health
+turns NOT_SERVING, new calls get UNAVAILABLE saying why, calls in flight finish within
+the drain timeout or are cut after it, and a second signal ends the drain at once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.api import inference_service_pb2 as inference_pb
+from services.api import inference_service_pb2_grpc as inference_grpc
+from services.drain import InFlight
+from services.grpc_server import ServiceBinding, channel, run_server
+
+TICK_S = 0.05
+WAIT_S = 20.0
+
+
+class Ticker(inference_grpc.InferenceServiceServicer):
+    """Streams ``max_tokens`` messages, one every TICK_S seconds."""
+
+    def __init__(self) -> None:
+        self.in_flight = InFlight("ticker")
+
+    async def Generate(self, request, context):
+        self.in_flight.admit(context)
+        for i in range(request.max_tokens):
+            await asyncio.sleep(TICK_S)
+            yield inference_pb.GenerateResponse(request_id=f"{request.request_id}:{i}")
+
+
+async def serve_until_stopped(drain_timeout_s: float, client) -> tuple[object, list[str]]:
+    """Run a Ticker server with a drain and ``client(address, events)``; returns what
+    the client returned and the order of events (``"on_stop"``, the client's own)."""
+    servicer = Ticker()
+    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    events: list[str] = []
+
+    async def on_stop() -> None:
+        events.append("on_stop")
+
+    server = asyncio.create_task(
+        run_server(
+            "ticker",
+            [
+                ServiceBinding(
+                    servicer,
+                    inference_grpc.add_InferenceServiceServicer_to_server,
+                    "iserve.v1.InferenceService",
+                )
+            ],
+            "127.0.0.1:0",
+            on_started=started.set_result,
+            on_stop=on_stop,
+            drain=servicer.in_flight.drain,
+            drain_timeout_s=drain_timeout_s,
+        )
+    )
+    port = await started
+    try:
+        result = await asyncio.wait_for(client(f"127.0.0.1:{port}", events), WAIT_S)
+        await asyncio.wait_for(server, WAIT_S)
+    finally:
+        server.cancel()
+    return result, events
+
+
+async def read_rest(call) -> tuple[int, grpc.StatusCode]:
+    """Messages read until the end of the call, and its status."""
+    count = 0
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            count += 1
+    except grpc.aio.AioRpcError as exc:
+        return count, exc.code()
+    return count, await call.code()
+
+
+def sigterm() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_refuses_new_calls_and_lets_the_one_in_flight_finish():
+    async def client(address: str, events: list[str]):
+        async with channel(address) as chan:
+            stub = inference_grpc.InferenceServiceStub(chan)
+            call = stub.Generate(inference_pb.GenerateRequest(request_id="a", max_tokens=30))
+            await call.read()  # the call is in flight
+            sigterm()
+            await asyncio.sleep(TICK_S)
+            health = await health_pb2_grpc.HealthStub(chan).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(
+                    inference_pb.GenerateRequest(request_id="b", max_tokens=1), timeout=5
+                ).read()
+            rest = await read_rest(call)
+            events.append("stream ended")
+            return health.status, refused.value, rest
+
+    (status, refused, rest), events = asyncio.run(serve_until_stopped(30.0, client))
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.details().startswith("ticker is draining: ")
+    assert rest == (29, grpc.StatusCode.OK)
+    # on_stop (which closes what the calls use) runs only after the last call ended.
+    assert events == ["stream ended", "on_stop"]
+
+
+def test_a_call_that_outlasts_the_drain_timeout_is_cut():
+    async def client(address: str, events: list[str]):
+        async with channel(address) as chan:
+            stub = inference_grpc.InferenceServiceStub(chan)
+            call = stub.Generate(inference_pb.GenerateRequest(request_id="a", max_tokens=1000))
+            await call.read()  # the call is in flight
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            sigterm()
+            rest = await read_rest(call)
+            return rest, loop.time() - started
+
+    ((count, code), cut_after_s), _events = asyncio.run(serve_until_stopped(0.5, client))
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert count < 999
+    assert 0.4 <= cut_after_s < 5.0
+
+
+def test_a_second_signal_ends_the_drain_at_once():
+    async def client(address: str, events: list[str]):
+        async with channel(address) as chan:
+            stub = inference_grpc.InferenceServiceStub(chan)
+            call = stub.Generate(inference_pb.GenerateRequest(request_id="a", max_tokens=1000))
+            await call.read()  # the call is in flight
+            loop = asyncio.get_running_loop()
+            sigterm()
+            await asyncio.sleep(0.3)
+            started = loop.time()
+            sigterm()
+            rest = await read_rest(call)
+            return rest, loop.time() - started
+
+    ((_count, code), cut_after_s), _events = asyncio.run(serve_until_stopped(30.0, client))
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert cut_after_s < 5.0
