@@ -1,0 +1,272 @@
+"""SLO attainment of EDF against FCFS, replaying the Azure LLM inference traces (2023).
+
+Method. Start the real stack (embedded redis-server, every service, one node agent with
+2 virtual CPU devices; the worker is pinned to one core, the control plane and this
+client share the machine) in a temporary state directory on loopback ports. Create a
+small Llama checkpoint (``_stack_harness.MODEL_SHAPE``: hidden 512, 6 layers, random
+weights), register it (fingerprint profiling on, so each deployment starts with its own
+latency estimate; ``--skip-profiling`` leaves the scheduler to learn it from traffic),
+and deploy it twice with the same explicit configuration (tp=1, pp=1, ``--batch`` KV
+slots, ``--max-input``/``--max-output`` tokens) on the same virtual device: once FCFS,
+once EDF, both with the same TTFT SLO. Only one of them gets traffic at a time.
+
+The TTFT SLO (``--ttft-slo-ms``) defaults to ``--slo-multiple`` (10) x the unloaded
+TTFT of a prompt of ``--max-input`` tokens (median of 5 sequential requests), rounded
+up to 50 ms: the longest prefill the deployment can be asked for, with room for a few
+requests' worth of queueing.
+
+Each trace (``AzureLLMInferenceTrace_code.csv`` and ``_conv.csv``, columns TIMESTAMP,
+ContextTokens, GeneratedTokens; ``--traces-dir``, default ``../shared/data/
+azure-llm-traces`` next to the repository) is reduced to a window of ``--requests``
+consecutive requests at a start drawn with ``--seed``. Token counts are scaled by one
+factor per column and trace, mapping the trace's 99th percentile to the deployment's
+max_input / max_output (so relative sizes are kept; rounded, clamped to 1..max; the
+longest 1 % are clamped). The deployment's capacity is measured per trace: the window's
+requests sent closed-loop with 2 x batch in flight on the FCFS deployment, completed
+requests per second. For each load factor (0.5x, 1x, 2x capacity) the window's
+inter-arrival gaps are multiplied by one constant so that the mean rate is
+factor x capacity (the trace's burstiness stays; it is not made Poisson), and the
+requests are sent open-loop at those times (one asyncio task per request, a gRPC stream
+each, ``prompt_token_ids`` of the scaled length, ``ignore_eos`` so every output has the
+scaled length) to each policy's deployment in turn (the order alternates per repeat).
+
+Per run: SLO attainment (requests completed with all their tokens and a client-side
+TTFT within the SLO, over requests sent), goodput (those requests per second of the
+run's makespan: first send to last reply), throughput (output tokens of completed
+requests per second of makespan), TTFT p50/p95/p99 and TPOT p50/p95 of completed
+requests (client side: send -> first token, mean gap after it), refusals by status
+code, and the check sent == completed + refused (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED);
+the bench exits 1 when a run does not reconcile. With ``--repeats`` > 1 the figures are
+medians over repeats. Targets (the issue's): at 2x, EDF attainment / FCFS attainment
+>= 1.3 on both traces; at 0.5x both policies >= 95 %.
+
+Run: .venv/bin/python bench/trace_replay.py [--requests 200] [--traces code,conv]
+     [--factors 0.5,1,2] [--repeats 1] [--ttft-slo-ms N] [--skip-profiling]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import _stack_harness as harness
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACES = REPO.parent / "shared" / "data" / "azure-llm-traces"
+TRACE_FILE = "AzureLLMInferenceTrace_{}.csv"
+# Token counts at this quantile of the trace map to the deployment's limits.
+SCALE_QUANTILE = 0.99
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    arrival_s: float
+    context_tokens: int
+    generated_tokens: int
+
+
+def load_trace(path: Path) -> list[TraceRow]:
+    """The trace's rows in file order, arrival times in seconds since its first row."""
+    rows = []
+    with path.open(newline="") as handle:
+        for record in csv.DictReader(handle):
+            stamp, _, fraction = record["TIMESTAMP"].partition(".")
+            when = datetime.fromisoformat(stamp).timestamp() + float(f"0.{fraction or 0}")
+            rows.append(
+                TraceRow(when, int(record["ContextTokens"]), int(record["GeneratedTokens"]))
+            )
+    first = rows[0].arrival_s
+    return [TraceRow(r.arrival_s - first, r.context_tokens, r.generated_tokens) for r in rows]
+
+
+def scaler(values: list[int], limit: int):
+    """Maps a trace's token count to 1..limit, its SCALE_QUANTILE going to ``limit``."""
+    factor = limit / max(1.0, harness.percentile(values, SCALE_QUANTILE))
+    return lambda n: min(limit, max(1, round(n * factor)))
+
+
+def window_jobs(
+    rows: list[TraceRow], count: int, seed: int, max_input: int, max_output: int
+) -> list[harness.Job]:
+    """``count`` consecutive rows from a seeded start, token counts scaled, arrivals
+    relative to the window's first (unscaled seconds)."""
+    scale_in = scaler([r.context_tokens for r in rows], max_input)
+    scale_out = scaler([r.generated_tokens for r in rows], max_output)
+    start = random.Random(seed).randrange(max(1, len(rows) - count))
+    window = rows[start : start + count]
+    t0 = window[0].arrival_s
+    return [
+        harness.Job(r.arrival_s - t0, scale_in(r.context_tokens), scale_out(r.generated_tokens))
+        for r in window
+    ]
+
+
+def at_rate(jobs: list[harness.Job], rate_per_s: float) -> list[harness.Job]:
+    """The same jobs with every gap multiplied by one constant: mean rate ``rate_per_s``."""
+    span = jobs[-1].at_s - jobs[0].at_s
+    stretch = (len(jobs) - 1) / rate_per_s / span if span > 0 else 0.0
+    return [harness.Job(j.at_s * stretch, j.prompt_tokens, j.output_tokens) for j in jobs]
+
+
+def run_figures(
+    jobs: list[harness.Job], outcomes: list[harness.Outcome], slo_ms: float
+) -> dict[str, float]:
+    """Attainment, goodput, throughput and latency percentiles of one run."""
+    done = [(o, j) for o, j in zip(outcomes, jobs, strict=True) if harness.completed(o, j)]
+    met = sum(o.ttft_ms <= slo_ms for o, _ in done)
+    makespan = max(o.done_at_s for o in outcomes) - min(o.sent_at_s for o in outcomes)
+    ttfts = [o.ttft_ms for o, _ in done]
+    tpots = [o.tpot_ms for o, _ in done]
+    return {
+        "attainment": met / len(jobs),
+        "goodput": met / makespan,
+        "throughput": sum(j.output_tokens for _, j in done) / makespan,
+        "ttft_p50": harness.percentile(ttfts, 0.5),
+        "ttft_p95": harness.percentile(ttfts, 0.95),
+        "ttft_p99": harness.percentile(ttfts, 0.99),
+        "tpot_p50": harness.percentile(tpots, 0.5),
+        "tpot_p95": harness.percentile(tpots, 0.95),
+    }
+
+
+def print_run(label: str, figures: dict[str, float], tally: harness.Tally, example: str) -> None:
+    """One run's figures, its reconciliation and one refusal's message (``example``)."""
+    print(
+        f"  {label:<22} attain {figures['attainment']:6.1%}  goodput {figures['goodput']:6.2f} req/s"
+        f"  tput {figures['throughput']:7.1f} tok/s  TTFT p50/p95/p99 {figures['ttft_p50']:6.0f}/"
+        f"{figures['ttft_p95']:6.0f}/{figures['ttft_p99']:6.0f} ms"
+        f"  TPOT p50/p95 {figures['tpot_p50']:5.1f}/{figures['tpot_p95']:5.1f} ms"
+    )
+    print(f"  {'':<22} {tally.line()}")
+    if example:
+        print(f"  {'':<22} e.g. {example}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES)
+    parser.add_argument("--traces", default="code,conv", help="comma-separated (code,conv)")
+    parser.add_argument("--requests", type=int, default=200, help="requests per run window")
+    parser.add_argument("--factors", default="0.5,1,2", help="load factors x capacity")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per point (median)")
+    parser.add_argument("--seed", type=int, default=0, help="picks each trace's window")
+    parser.add_argument("--ttft-slo-ms", type=int, default=0, help="0: slo-multiple x unloaded")
+    parser.add_argument("--slo-multiple", type=float, default=10.0)
+    parser.add_argument("--batch", type=int, default=8, help="KV slots of each deployment")
+    parser.add_argument("--max-input", type=int, default=512)
+    parser.add_argument("--max-output", type=int, default=128)
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="per-request client timeout")
+    parser.add_argument("--skip-profiling", action="store_true")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    factors = [float(f) for f in args.factors.split(",")]
+    traces = {
+        name: load_trace(args.traces_dir / TRACE_FILE.format(name))
+        for name in args.traces.split(",")
+    }
+    results: dict[tuple[str, float, str], list[dict[str, float]]] = {}
+    reconciled = True
+    started = time.monotonic()
+    with harness.running_stack() as settings:
+        register_s = harness.register_model(settings, profile=not args.skip_profiling)
+        served, slo_ms, unloaded = harness.deploy_policies(
+            settings,
+            list(harness.POLICIES),
+            harness.Limits(args.batch, args.max_input, args.max_output),
+            args.ttft_slo_ms,
+            args.slo_multiple,
+        )
+        address = settings.address("scheduler")
+        print(
+            f"model {harness.MODEL_SHAPE} registered in {register_s:.0f} s "
+            f"({'no profiling' if args.skip_profiling else 'profiled'}); deployments tp=1 pp=1 "
+            f"batch {args.batch}, max_input {args.max_input}, max_output {args.max_output}; "
+            f"unloaded TTFT at {args.max_input} prompt tokens {unloaded:.1f} ms; "
+            f"TTFT SLO {slo_ms} ms"
+        )
+        for name, rows in traces.items():
+            window = window_jobs(rows, args.requests, args.seed, args.max_input, args.max_output)
+            capacity = harness.capacity_per_s(address, served["fcfs"], window)
+            span = window[-1].at_s
+            print(
+                f"\ntrace {name}: {len(rows)} rows, window of {len(window)} spanning {span:.1f} s "
+                f"({(len(window) - 1) / span:.2f} req/s); scaled prompt mean "
+                f"{sum(j.prompt_tokens for j in window) / len(window):.0f} tokens, output mean "
+                f"{sum(j.output_tokens for j in window) / len(window):.1f} tokens; "
+                f"capacity {capacity:.2f} req/s"
+            )
+            for factor in factors:
+                jobs = at_rate(window, factor * capacity)
+                for repeat in range(args.repeats):
+                    order = list(harness.POLICIES)[:: 1 if repeat % 2 == 0 else -1]
+                    for policy in order:
+                        outcomes = asyncio.run(
+                            harness.replay(address, served[policy], jobs, args.timeout_s)
+                        )
+                        tally = harness.tally(jobs, outcomes)
+                        figures = run_figures(jobs, outcomes, slo_ms)
+                        reconciled &= tally.reconciles
+                        key = (name, factor, policy)
+                        results.setdefault(key, []).append(figures)
+                        refused = [o.detail for o in outcomes if o.code in harness.REFUSALS]
+                        label = f"{factor:g}x {policy} #{repeat + 1}"
+                        print_run(
+                            label, figures, tally, refused[len(refused) // 2] if refused else ""
+                        )
+    print(f"\n(total {time.monotonic() - started:.0f} s)")
+    return report(results, factors, list(traces), slo_ms, args.repeats, reconciled)
+
+
+def report(results, factors, traces, slo_ms, repeats, reconciled) -> int:
+    """Print the summary table and the targets; the exit status."""
+    med = {
+        key: {m: harness.median([run[m] for run in runs]) for m in runs[0]}
+        for key, runs in results.items()
+    }
+    print(
+        f"\nsummary (TTFT SLO {slo_ms} ms; {'median of ' + str(repeats) if repeats > 1 else 'one run'} "
+        "per point; client-side TTFT)"
+    )
+    print(
+        f"{'trace':<6}{'load':>6}{'FCFS att':>10}{'EDF att':>9}{'EDF/FCFS':>10}"
+        f"{'FCFS good':>11}{'EDF good':>10}{'FCFS p99':>10}{'EDF p99':>9}"
+    )
+    for trace in traces:
+        for factor in factors:
+            fcfs, edf = med[(trace, factor, "fcfs")], med[(trace, factor, "edf")]
+            ratio = edf["attainment"] / fcfs["attainment"] if fcfs["attainment"] else math.inf
+            print(
+                f"{trace:<6}{factor:>5g}x{fcfs['attainment']:>10.1%}{edf['attainment']:>9.1%}"
+                f"{ratio:>10.2f}{fcfs['goodput']:>11.2f}{edf['goodput']:>10.2f}"
+                f"{fcfs['ttft_p99']:>10.0f}{edf['ttft_p99']:>9.0f}"
+            )
+    verdicts = []
+    if 2.0 in factors:
+        for trace in traces:
+            fcfs, edf = med[(trace, 2.0, "fcfs")], med[(trace, 2.0, "edf")]
+            ratio = edf["attainment"] / fcfs["attainment"] if fcfs["attainment"] else math.inf
+            verdicts.append((f"2x {trace}: EDF/FCFS attainment {ratio:.2f} >= 1.3", ratio >= 1.3))
+    if 0.5 in factors:
+        for trace in traces:
+            for policy in harness.POLICIES:
+                attained = med[(trace, 0.5, policy)]["attainment"]
+                verdicts.append((f"0.5x {trace} {policy}: {attained:.1%} >= 95%", attained >= 0.95))
+    for text, met in verdicts:
+        print(f"target {text}: {'MET' if met else 'MISSED'}")
+    print(f"every run reconciles (sent == completed + refused): {'yes' if reconciled else 'NO'}")
+    return 0 if reconciled else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
