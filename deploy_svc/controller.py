@@ -19,6 +19,7 @@ from deploy_svc import planning
 from deploy_svc.agents import AgentClients
 from deploy_svc.explicit import ExplicitPlan, checkpoint_for, resolve_limits
 from deploy_svc.objectives import latency_model, resolve_objectives
+from services import replicas
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -35,7 +36,7 @@ from services.errors import (
     from_rpc_error,
 )
 from services.grpc_server import channel
-from services.ids import check_deployment_id, check_request_id
+from services.ids import check_deployment_id, check_request_id, replica_group_id, split_group_id
 from services.intents import check_intent, with_default
 from services.settings import Settings
 from services.state.store import ReservationError, StateStore
@@ -48,6 +49,15 @@ RANK_TIMEOUT_S = 60.0
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _need(placement: common.Placement) -> dict[tuple[str, str], int]:
+    """Bytes to reserve on each (node id, device id) of a placement."""
+    return {
+        (ref.node_id, ref.device_id): stage.reserved_bytes[i]
+        for stage in placement.stages
+        for i, ref in enumerate(stage.devices)
+    }
 
 
 class DeploymentController:
@@ -94,9 +104,12 @@ class DeploymentController:
         for dep in deployments:
             if dep.state == deploy_pb.DEPLOYMENT_STATE_FAILED:
                 continue
-            for stage in dep.placement.stages:
-                for ref in stage.devices:
-                    where.setdefault((ref.node_id, ref.device_id), []).append(dep.deployment_id)
+            for replica in replicas.replicas_of(dep):
+                if replica.state == deploy_pb.DEPLOYMENT_STATE_FAILED:
+                    continue
+                for stage in replica.placement.stages:
+                    for ref in stage.devices:
+                        where.setdefault((ref.node_id, ref.device_id), []).append(dep.deployment_id)
         for node in nodes:
             for dev in node.devices:
                 dev.deployment_ids.extend(where.get((dev.ref.node_id, dev.ref.device_id), []))
@@ -179,6 +192,7 @@ class DeploymentController:
     async def _prepare(self, request, *, launch: bool) -> planning.Prepared:
         """Everything a Deploy/PlanDeployment decision needs but the devices' current
         state: the model, limits, policy and the ranked options (one ranking per call)."""
+        replicas.check_count(request.replicas)
         model = await self._model(request.model_id, launch=launch)
         try:
             policy = planning.policy_name(request.placement_policy)
@@ -252,6 +266,11 @@ class DeploymentController:
         ``request.devices`` when given)."""
         prepared = await self._prepare(request, launch=False)
         decision, _ = await self._decide(request, prepared, prepared.nodes)
+        decision.replica_placements.extend(
+            planning.replica_placements(
+                prepared, decision, prepared.nodes, replicas.count_of(request.replicas)
+            )
+        )
         return decision
 
     # ---- deploy ---------------------------------------------------------------------
@@ -275,10 +294,12 @@ class DeploymentController:
             raise
 
     async def _deploy(self, request, deployment_id: str) -> deploy_pb.DeployResponse:
-        """Plan, reserve, launch; on a lost reservation race plan again, on a failed
-        launch roll back and try the next configuration (intents only)."""
+        """Plan, reserve (every replica), launch; on a lost reservation race plan again,
+        when the replicas do not fit or the launch fails roll back and try the next
+        configuration (intents only)."""
         prepared = await self._prepare(request, launch=True)
         model, nodes = prepared.model, prepared.nodes
+        count = replicas.count_of(request.replicas)
         excluded: dict[int, str] = {}
         races = 0
         last_failure: IServeError | None = None
@@ -294,13 +315,8 @@ class DeploymentController:
                 if isinstance(last_failure, RemoteError):
                     raise RemoteError(last_failure.code, message) from last_failure
                 raise type(last_failure)(message) from last_failure
-            need = {
-                (ref.node_id, ref.device_id): stage.reserved_bytes[i]
-                for stage in decision.placement.stages
-                for i, ref in enumerate(stage.devices)
-            }
             try:
-                await self.store.reserve(deployment_id, need)
+                await self.store.reserve(deployment_id, _need(decision.placement))
             except ReservationError as exc:
                 # Another deployer took the room between planning and reserving.
                 races += 1
@@ -309,6 +325,18 @@ class DeploymentController:
                     races = 0
                 nodes = await self.store.list_nodes()
                 continue
+            try:
+                more = await self._reserve_replicas(prepared, decision, deployment_id, count)
+            except BaseException as exc:
+                await self.store.release(deployment_id)
+                if not isinstance(exc, ResourceExhausted) or request.HasField("config"):
+                    raise
+                excluded[decision.winner_rank] = str(exc)
+                last_failure = exc
+                races = 0
+                nodes = await self.store.list_nodes()
+                continue
+            decision.replica_placements.extend(more)
             try:
                 return await self._launch(request, deployment_id, prepared, decision, latency)
             except IServeError as exc:
@@ -333,8 +361,10 @@ class DeploymentController:
         decision: deploy_pb.DeploymentDecision,
         latency: common.LatencyModel,
     ) -> deploy_pb.DeployResponse:
-        """Record, start and wait for the workers of a reserved decision; on any failure
-        stop what started, release the memory and delete the record."""
+        """Record, start and wait for the workers of every replica of a reserved decision
+        (replica 0 on ``decision.placement``, the others on ``decision.replica_placements``);
+        on any failure stop what started, release every replica's memory and delete the
+        record."""
         model, limits = prepared.model, prepared.limits
         deployment = deploy_pb.Deployment(
             deployment_id=deployment_id,
@@ -350,30 +380,83 @@ class DeploymentController:
             objectives=prepared.objectives,
             latency_model=latency,
         )
+        for index, where in enumerate([decision.placement, *decision.replica_placements]):
+            deployment.replicas.add(
+                index=index, placement=where, state=deploy_pb.DEPLOYMENT_STATE_STARTING
+            )
         try:
             await self.store.put_deployment(deployment)
-            workers = await self._start_workers(
-                model, deployment, limits.max_seq_len, request.ready_timeout_ms
+            # Every replica starts at once; all are waited for (none is left starting
+            # behind a teardown), and the first failure fails the Deploy.
+            started = await asyncio.gather(
+                *(
+                    self._start_workers(
+                        model, deployment, replica, limits.max_seq_len, request.ready_timeout_ms
+                    )
+                    for replica in deployment.replicas
+                ),
+                return_exceptions=True,
             )
+            for outcome in started:
+                if isinstance(outcome, BaseException):
+                    raise outcome
         except BaseException:
             await self.teardown(deployment)
             await self.store.delete_deployment(deployment)
             raise
-        rank0 = next(w for w in workers if w.rank == 0)
-        deployment.worker_address = rank0.address
+        for replica, address in zip(deployment.replicas, started, strict=True):
+            replica.worker_address = address
+            replica.state = deploy_pb.DEPLOYMENT_STATE_READY
+        deployment.worker_address = deployment.replicas[0].worker_address
         deployment.state = deploy_pb.DEPLOYMENT_STATE_READY
         await self.store.put_deployment(deployment)
         await self.store.publish_event("deployment_ready", deployment_id=deployment_id)
         log.info(
-            "deployment %s ready at %s (%s, rank %d)",
+            "deployment %s ready at %s (%s, rank %d, %d replica(s))",
             deployment_id,
-            deployment.worker_address,
+            ", ".join(r.worker_address for r in deployment.replicas),
             planning.describe(decision.config),
             decision.winner_rank,
+            len(deployment.replicas),
         )
         return deploy_pb.DeployResponse(
             request_id=request.request_id, deployment=deployment, decision=decision
         )
+
+    async def _reserve_replicas(
+        self,
+        prepared: planning.Prepared,
+        decision: deploy_pb.DeploymentDecision,
+        deployment_id: str,
+        count: int,
+    ) -> list[common.Placement]:
+        """Place replicas 1 … ``count`` - 1 beside the reserved replica 0 on the devices as
+        they are now and reserve each under its group id: all of them or none (a lost
+        race places them again). ResourceExhausted naming the replica that does not
+        fit."""
+        if count <= 1:
+            return []
+        for attempt in range(1, RESERVE_ATTEMPTS + 1):
+            nodes = await self.store.list_nodes()
+            placements = planning.replica_placements(prepared, decision, nodes, count)
+            reserved: list[str] = []
+            try:
+                for index, where in enumerate(placements, start=1):
+                    group = replica_group_id(deployment_id, index)
+                    await self.store.reserve(group, _need(where))
+                    reserved.append(group)
+            except BaseException as exc:
+                for group in reserved:
+                    await self.store.release(group)
+                if not isinstance(exc, ReservationError):
+                    raise
+                if attempt == RESERVE_ATTEMPTS:
+                    raise ResourceExhausted(
+                        f"replica {len(reserved) + 1} of {count}: could not reserve memory: {exc}"
+                    ) from None
+                continue
+            return placements
+        raise AssertionError("unreachable")
 
     async def _agent_addresses(self) -> dict[str, str]:
         """Each node's agent address, "" for a node that is not alive (one listing)."""
@@ -389,11 +472,21 @@ class DeploymentController:
             raise FailedPrecondition(f"node {node_id} is not alive")
         return addresses[node_id]
 
-    async def _start_workers(self, model, deployment, max_seq_len: int, ready_timeout_ms: int):
+    async def _start_workers(
+        self,
+        model: model_pb.Model,
+        deployment: deploy_pb.Deployment,
+        replica: deploy_pb.Replica,
+        max_seq_len: int,
+        ready_timeout_ms: int,
+    ) -> str:
+        """Start one replica's workers and wait until they are ready; returns the address
+        of its rank 0."""
         timeout_ms = ready_timeout_ms or int(self.settings.ready_timeout_s * 1000)
         config = deployment.config
+        group = replica_group_id(deployment.deployment_id, replica.index)
         by_node: dict[str, list[agent_pb.WorkerSpec]] = {}
-        for stage in deployment.placement.stages:
+        for stage in replica.placement.stages:
             for tensor_rank, ref in enumerate(stage.devices):
                 by_node.setdefault(ref.node_id, []).append(
                     agent_pb.WorkerSpec(
@@ -413,7 +506,7 @@ class DeploymentController:
                 stub.StartWorkers(
                     agent_pb.StartWorkersRequest(
                         request_id=deployment.request_id,
-                        deployment_id=deployment.deployment_id,
+                        deployment_id=group,
                         checkpoint_path=checkpoint_for(model, config),
                         config=config,
                         workers=specs,
@@ -427,14 +520,19 @@ class DeploymentController:
         try:
             replies = await asyncio.gather(*calls)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"starting workers of {deployment.deployment_id}") from exc
-        return [w for reply in replies for w in reply.workers]
+            raise from_rpc_error(exc, f"starting workers of {group}") from exc
+        return next(w.address for reply in replies for w in reply.workers if w.rank == 0)
 
     async def teardown(self, deployment: deploy_pb.Deployment) -> None:
-        """Stop the deployment's workers on every node (best effort) and release its memory."""
-        nodes = {ref.node_id for stage in deployment.placement.stages for ref in stage.devices}
-        await self.stop_on(sorted(nodes), deployment.deployment_id)
-        await self.store.release(deployment.deployment_id)
+        """Stop every replica's workers on every node (best effort) and release its
+        memory."""
+        for replica in replicas.replicas_of(deployment):
+            await self._teardown_replica(deployment.deployment_id, replica)
+
+    async def _teardown_replica(self, deployment_id: str, replica: deploy_pb.Replica) -> None:
+        group = replica_group_id(deployment_id, replica.index)
+        await self.stop_on(replicas.nodes_of(replica.placement), group)
+        await self.store.release(group)
 
     async def stop_on(self, node_ids: list[str], deployment_id: str) -> None:
         """Ask the nodes' agents to stop a deployment's workers (best effort)."""
@@ -456,6 +554,7 @@ class DeploymentController:
         its memory and say so: the one way a deployment fails."""
         deployment.state = deploy_pb.DEPLOYMENT_STATE_FAILED
         deployment.state_reason = reason
+        replicas.fail_all(deployment, reason)
         await self.store.put_deployment(deployment)
         await self.teardown(deployment)
         await self.store.publish_event(
@@ -474,12 +573,24 @@ class DeploymentController:
             await self.store.publish_event("deployment_removed", deployment_id=deployment_id)
         self._locks.pop(deployment_id, None)
 
-    async def fail(self, deployment_id: str, reason: str) -> bool:
-        """Mark a READY deployment FAILED, stop what is left of it and release its memory.
-        Returns False when the deployment is gone or not READY (nothing to do)."""
+    async def fail(self, group_id: str, reason: str) -> bool:
+        """A worker of ``group_id`` (a deployment id, or a replica's group id) is gone:
+        take that replica out (stop its workers, release its memory) while another
+        replica serves, else mark the READY deployment FAILED the same way. Returns
+        False when the deployment is gone, not READY or the replica already out."""
+        deployment_id, index = split_group_id(group_id)
         async with self._lock(deployment_id):
             deployment = await self.store.get_deployment(deployment_id)
-            if deployment is None or deployment.state != deploy_pb.DEPLOYMENT_STATE_READY:
+            if deployment is None or index not in {r.index for r in replicas.serving(deployment)}:
                 return False
-            await self.mark_failed(deployment, reason)
+            if not replicas.take_out(deployment, index, reason):
+                await self.mark_failed(deployment, reason)
+                return True
+            await self.store.put_deployment(deployment)
+            out = next(r for r in deployment.replicas if r.index == index)
+            await self._teardown_replica(deployment_id, out)
+            await self.store.publish_event(
+                "replica_failed", deployment_id=deployment_id, replica=index, reason=reason
+            )
+            log.warning("deployment %s: replica %d taken out: %s", deployment_id, index, reason)
             return True

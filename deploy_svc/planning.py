@@ -8,7 +8,8 @@ engine can run and the devices can hold, placing it with
 :func:`deploy_svc.placement.place`. Every better-ranked option it passes over is recorded
 with the reason, so the response can explain the choice. The controller only gathers the
 inputs (:class:`Prepared`: the model, limits, the estimator's ranking) and device state,
-then reserves, launches and records what :func:`decide_on` chose.
+then reserves, launches and records what :func:`decide_on` chose, and the further
+replicas :func:`replica_placements` places beside it.
 
 Memory of one rank holding ``k`` decoder layers is ``fixed + k * block``, as
 :func:`services.reservation.memory_blocks` sizes it from the shape and the estimate.
@@ -241,18 +242,6 @@ def _decision(
     skipped: list[deploy_pb.SkippedConfig],
     note: str,
 ) -> deploy_pb.DeploymentDecision:
-    stages = [
-        common.StagePlacement(
-            stage=index,
-            first_layer=stage.first_layer,
-            layer_count=stage.layer_count,
-            devices=[
-                common.DeviceRef(node_id=d.node_id, device_id=d.device_id) for d in stage.devices
-            ],
-            reserved_bytes=[stage.bytes_per_device] * len(stage.devices),
-        )
-        for index, stage in enumerate(choice.stages)
-    ]
     notes = [note] if note else []
     if not option.meets_intent:
         notes.append(f"configuration #{option.rank} is a fallback: it does not meet the intent")
@@ -263,7 +252,7 @@ def _decision(
         )
     decision = deploy_pb.DeploymentDecision(
         config=config,
-        placement=common.Placement(stages=stages),
+        placement=_placement_of(choice),
         winner_rank=option.rank,
         skipped=skipped,
         note="; ".join(notes),
@@ -278,6 +267,24 @@ def _decision(
     if not decision.estimate.memory_total_bytes:
         decision.estimate.memory_total_bytes = sum(reserved)
     return decision
+
+
+def _placement_of(choice: placement.PlacementChoice) -> common.Placement:
+    return common.Placement(
+        stages=[
+            common.StagePlacement(
+                stage=index,
+                first_layer=stage.first_layer,
+                layer_count=stage.layer_count,
+                devices=[
+                    common.DeviceRef(node_id=d.node_id, device_id=d.device_id)
+                    for d in stage.devices
+                ],
+                reserved_bytes=[stage.bytes_per_device] * len(stage.devices),
+            )
+            for index, stage in enumerate(choice.stages)
+        ]
+    )
 
 
 def size_batch(
@@ -355,6 +362,61 @@ def _decide_batch(
         return None
     sized.skipped.extend(decision.skipped)
     return sized
+
+
+def replica_placements(
+    prepared: Prepared,
+    decision: deploy_pb.DeploymentDecision,
+    nodes: Sequence[common.NodeState],
+    count: int,
+) -> list[common.Placement]:
+    """Where replicas 1 … ``count`` - 1 of ``decision``'s configuration go (replica 0 is
+    the decision's own placement): each on devices of ``nodes`` that no other replica
+    uses, of replica 0's hardware type, every rank reserving what a rank of replica 0
+    reserves per layer. Raises ResourceExhausted naming the first replica without room."""
+    config = decision.config
+    tp, pp = config.tensor_parallel, config.pipeline_parallel
+    fixed, _ = memory_blocks(prepared.model.shape, config, prepared.limits.max_seq_len)
+    first = decision.placement.stages[0]
+    block = (first.reserved_bytes[0] - fixed) // first.layer_count
+    hardware_type = hardware_of(decision, nodes) or prepared.hardware_type
+    taken = _devices_of(decision.placement)
+    placements: list[common.Placement] = []
+    for index in range(1, count):
+        left = [
+            c for c in candidates_for(nodes, hardware_type) if (c.node_id, c.device_id) not in taken
+        ]
+        layers = prepared.model.shape.num_layers
+        choice = placement.place(
+            left,
+            tp=tp,
+            pp=pp,
+            num_layers=layers,
+            fixed_bytes=fixed,
+            layer_bytes=block,
+            policy=prepared.policy,
+        )
+        if choice is None:
+            why = (
+                f"{len(left)} device(s) left apart from the other replicas', tp={tp} x pp={pp} "
+                f"needs {tp * pp}"
+                if len(left) < tp * pp
+                else placement.explain_no_fit(
+                    left, tp=tp, pp=pp, num_layers=layers, fixed_bytes=fixed, layer_bytes=block
+                )
+            )
+            raise ResourceExhausted(
+                f"replica {index} of {count} of {prepared.model.model_id} "
+                f"({describe(config)}, each replica on devices of its own) cannot be "
+                f"placed: {why}"
+            )
+        placements.append(_placement_of(choice))
+        taken |= _devices_of(placements[-1])
+    return placements
+
+
+def _devices_of(where: common.Placement) -> set[tuple[str, str]]:
+    return {(d.node_id, d.device_id) for stage in where.stages for d in stage.devices}
 
 
 def _batch_reason(batch: int, bound: BatchBound) -> str:

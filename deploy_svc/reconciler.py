@@ -16,9 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy_svc.agents import AgentClients
 from deploy_svc.controller import DeploymentController
+from services import replicas
 from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.grpc_server import channel
+from services.ids import replica_group_id
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.deploy.reconciler")
@@ -47,8 +50,8 @@ class _NodeWorker:
     rank: int
 
 
-def _rank_count(deployment: deploy_pb.Deployment) -> int:
-    return sum(len(stage.devices) for stage in deployment.placement.stages)
+def _rank_count(placement: common.Placement) -> int:
+    return sum(len(stage.devices) for stage in placement.stages)
 
 
 class Reconciler:
@@ -71,15 +74,18 @@ class Reconciler:
         deployments = await self.store.list_deployments()
         running, answered = await self._running_workers()
         for dep in deployments:
-            nodes = {ref.node_id for stage in dep.placement.stages for ref in stage.devices}
-            if dep.state == deploy_pb.DEPLOYMENT_STATE_READY and nodes <= answered:
-                # (A node whose agent did not answer is left to the heartbeat check.)
-                ranks = {w.rank for w in running.get(dep.deployment_id, [])}
-                missing = sorted(set(range(_rank_count(dep))) - ranks)
-                if missing:
-                    reason = f"after a deployer restart, rank(s) {missing} are not running"
-                    await self.controller.mark_failed(dep, reason)
-                    actions.append(f"failed {dep.deployment_id}: {reason}")
+            if dep.state == deploy_pb.DEPLOYMENT_STATE_READY:
+                for replica in replicas.serving(dep):
+                    group = replica_group_id(dep.deployment_id, replica.index)
+                    # (A node whose agent did not answer is left to the heartbeat check.)
+                    if not set(replicas.nodes_of(replica.placement)) <= answered:
+                        continue
+                    ranks = {w.rank for w in running.get(group, [])}
+                    missing = sorted(set(range(_rank_count(replica.placement))) - ranks)
+                    if missing:
+                        reason = f"after a deployer restart, rank(s) {missing} are not running"
+                        await self.controller.fail(group, reason)
+                        actions.append(f"failed {group}: {reason}")
             elif dep.state == deploy_pb.DEPLOYMENT_STATE_STARTING:
                 reason = "the deployer restarted while the deployment was starting"
                 await self.controller.mark_failed(dep, reason)
@@ -88,9 +94,11 @@ class Reconciler:
                 await self.controller.teardown(dep)
                 await self.store.delete_deployment(dep)
                 actions.append(f"finished removing {dep.deployment_id}")
-        # mark_failed updated the records above in place: what is still READY holds memory.
+        # What still serves holds memory and workers, under each replica's group id.
         holding = {
-            d.deployment_id for d in deployments if d.state == deploy_pb.DEPLOYMENT_STATE_READY
+            replica_group_id(d.deployment_id, r.index)
+            for d in await self.store.list_deployments()
+            for r in replicas.serving(d)
         }
         for owner in sorted(await self.store.reservation_owners()):
             if owner not in holding and not owner.startswith(PROFILING_OWNER_PREFIX):
@@ -141,8 +149,8 @@ class Reconciler:
                 f"worker rank {event.get('rank')} exited ({event.get('exit_code')}): {event.get('reason', '')}".strip(),
             )
         elif kind == "worker_unreachable":
-            deployment = await self.store.get_deployment(deployment_id)
-            if deployment and not await worker_answers(deployment.worker_address):
+            address = event.get("worker_address", "")
+            if address and not await worker_answers(address):
                 await self.controller.fail(
                     deployment_id, f"worker unreachable: {event.get('reason', '')}".strip()
                 )
@@ -150,19 +158,13 @@ class Reconciler:
     async def check_nodes(self) -> None:
         alive = {n.node_id for n in await self.store.list_nodes() if n.alive}
         for deployment in await self.store.list_deployments():
-            if deployment.state != deploy_pb.DEPLOYMENT_STATE_READY:
-                continue
-            dead = {
-                ref.node_id
-                for stage in deployment.placement.stages
-                for ref in stage.devices
-                if ref.node_id not in alive
-            }
-            if dead:
-                await self.controller.fail(
-                    deployment.deployment_id,
-                    f"node agent(s) {', '.join(sorted(dead))} stopped heartbeating",
-                )
+            for replica in replicas.serving(deployment):
+                dead = set(replicas.nodes_of(replica.placement)) - alive
+                if dead:
+                    await self.controller.fail(
+                        replica_group_id(deployment.deployment_id, replica.index),
+                        f"node agent(s) {', '.join(sorted(dead))} stopped heartbeating",
+                    )
 
     async def run(self) -> None:
         last = await self.store.last_event_id()

@@ -30,6 +30,11 @@ FORGETTING = 0.98
 # How many requests' worth of evidence the deployment's estimate counts for: a few, so
 # that the first measurements already move the model but one outlier does not.
 ESTIMATE_SAMPLES = 2.0
+# Weight of the newest request in the mean service time (admission to last token).
+SERVICE_SMOOTHING = 0.1
+# The mean service time before any request has finished: small, so that until then
+# requests ahead count by number (a busy replica never looks as free as an idle one).
+UNMEASURED_SERVICE_S = 1e-3
 # Characters per prompt token before any request of the deployment has reported its
 # prompt's token count (English text under a BPE vocabulary).
 DEFAULT_CHARS_PER_TOKEN = 4.0
@@ -109,6 +114,9 @@ class LatencyPredictor:
             x_scale=max(1, batch_size - 1),
         )
         self._chars_per_token = DEFAULT_CHARS_PER_TOKEN
+        # Mean time a request holds a slot (admission to last token), seconds.
+        self.mean_service_s = UNMEASURED_SERVICE_S
+        self._service_measured = False
 
     def prefill_s(self, prompt_tokens: Sequence[int]) -> float:
         """Predicted prefill of prompts admitted together."""
@@ -131,13 +139,19 @@ class LatencyPredictor:
         first_token_s: float,
         tpot_s: float | None,
         running: int,
+        service_s: float = 0.0,
     ) -> None:
         """One finished request: ``first_token_s`` from admission to its first token,
         ``tpot_s`` its mean time per output token after the first (None with one
-        token), ``running`` the sequences running beside it (itself included)."""
+        token), ``running`` the sequences running beside it (itself included),
+        ``service_s`` from admission to its last token."""
         self.prefill.update(prompt_tokens, first_token_s)
         if tpot_s is not None:
             self.decode.update(max(1, running) - 1, tpot_s)
+        if service_s > 0:
+            if not self._service_measured:
+                self.mean_service_s, self._service_measured = service_s, True
+            self.mean_service_s += SERVICE_SMOOTHING * (service_s - self.mean_service_s)
         if prompt_chars and prompt_tokens:
             ratio = prompt_chars / prompt_tokens
             self._chars_per_token += 0.2 * (ratio - self._chars_per_token)

@@ -1,9 +1,12 @@
-"""Admission per deployment: a fixed number of concurrent slots and a policy-ordered wait.
+"""Admission per deployment replica: a fixed number of concurrent slots and a
+policy-ordered wait.
 
-``DeploymentQueue`` lets at most ``slots`` requests run on a deployment's worker at once
+``DeploymentQueue`` lets at most ``slots`` requests run on a replica's worker at once
 (the deployment's batch size); the others wait, bounded by the policy's capacity, and are
-admitted in the policy's order as slots free up. Each deployment has its own queue and
-nothing is shared between queues, so a slow deployment never holds up another.
+admitted in the policy's order as slots free up. Each replica of each deployment has its
+own queue (named by its group id, ``services.ids.replica_group_id``) and nothing is
+shared between queues, so a slow replica never holds up another.
+:meth:`QueueRegistry.shortest_wait` says which replica a request should join.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from scheduler_svc.policies import EdfPolicy, FcfsPolicy, QueueEntry, QueueFull, QueuePolicy
 from scheduler_svc.predictor import LatencyPredictor
+from services import replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.errors import DeadlineExceeded, ResourceExhausted
+from services.ids import replica_group_id
 
 Clock = Callable[[], float]
 PolicyFactory = Callable[[int], QueuePolicy]
@@ -64,6 +69,19 @@ class DeploymentQueue:
     def slots(self, slots: int) -> None:
         self._slots = slots_for(slots)
         self._dispatch()
+
+    def expected_wait_s(self) -> float:
+        """How long a request arriving now would wait for its first token, in seconds:
+        the predicted prefill of the prompts queued ahead of it, plus the running work
+        that must end before a slot frees (requests ahead of it beyond the free slots,
+        each taking the mean service time observed so far, ``slots`` at a time)."""
+        predictor = self.predictor
+        if predictor is None:
+            return float(self._running + len(self._waiters))
+        queued = [entry.prompt_tokens for entry in self._waiters]
+        ahead = max(0, self._running + len(queued) - self._slots + 1)
+        prefill = predictor.prefill_s(queued) if queued else 0.0
+        return prefill + ahead / self._slots * predictor.mean_service_s
 
     async def acquire(self, entry: QueueEntry) -> None:
         """Wait until ``entry`` holds a slot, in policy order.
@@ -163,19 +181,21 @@ class QueueRegistry:
         self._clock = clock
         self._queues: dict[str, DeploymentQueue] = {}
 
-    def queue_for(self, deployment: deploy_pb.Deployment) -> DeploymentQueue:
-        """The deployment's queue, its slots following its batch size (0 means 1)."""
-        deployment_id, batch_size = deployment.deployment_id, deployment.config.batch_size
-        queue = self._queues.get(deployment_id)
+    def queue_for(self, deployment: deploy_pb.Deployment, replica: int = 0) -> DeploymentQueue:
+        """The queue of one replica of the deployment (each has its own slots, waiting
+        requests and predictor), its slots following the batch size (0 means 1)."""
+        group = replica_group_id(deployment.deployment_id, replica)
+        batch_size = deployment.config.batch_size
+        queue = self._queues.get(group)
         if queue is None:
             predictor = LatencyPredictor(
                 deployment.latency_model, deployment.max_input_tokens, slots_for(batch_size)
             )
             queue = DeploymentQueue(
-                deployment_id, batch_size, self._policy(deployment, predictor), self._clock
+                group, batch_size, self._policy(deployment, predictor), self._clock
             )
             queue.predictor = predictor
-            self._queues[deployment_id] = queue
+            self._queues[group] = queue
         elif queue.slots != slots_for(batch_size):
             queue.slots = batch_size
         return queue
@@ -190,12 +210,19 @@ class QueueRegistry:
     def get(self, deployment_id: str) -> DeploymentQueue | None:
         return self._queues.get(deployment_id)
 
-    def backlog(self, deployment_id: str) -> tuple[int, float]:
-        """How busy a deployment is: (waiting requests, running requests per slot)."""
-        queue = self._queues.get(deployment_id)
-        if queue is None:
-            return 0, 0.0
-        return queue.waiting, queue.running / queue.slots
+    def shortest_wait(self, deployment: deploy_pb.Deployment) -> tuple[float, int]:
+        """(expected wait in seconds, replica index) of the deployment's serving replica
+        a request should go to: the one with the shortest expected wait; on equal waits
+        (say, before any request finished, when nothing is known of service times) the
+        one with fewer requests running and waiting, then the lowest index. (inf, 0)
+        when no replica serves."""
+        choices = []
+        for replica in replicas.serving(deployment):
+            queue = self.queue_for(deployment, replica.index)
+            load = queue.running + queue.waiting
+            choices.append((queue.expected_wait_s(), load, replica.index))
+        wait_s, _, index = min(choices, default=(float("inf"), 0, 0))
+        return wait_s, index
 
     def snapshot(self) -> list[tuple[str, int, int]]:
         """(deployment id, running, waiting) of every queue."""

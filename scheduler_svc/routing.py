@@ -21,8 +21,8 @@ log = logging.getLogger("iserve.scheduler.routing")
 READY = deploy_pb.DEPLOYMENT_STATE_READY
 REFRESH_INTERVAL_S = 1.0
 
-Backlog = Callable[[str], tuple[int, float]]
-"""How busy a deployment is, as a sortable key (``QueueRegistry.backlog``)."""
+Backlog = Callable[[deploy_pb.Deployment], float]
+"""How long a request would wait on a deployment, seconds (``QueueRegistry.shortest_wait``)."""
 OnRefresh = Callable[[list[deploy_pb.Deployment]], Awaitable[None]]
 
 
@@ -72,7 +72,7 @@ class Router:
         return deployment
 
     async def by_model_id(self, model_id: str) -> deploy_pb.Deployment:
-        """The READY deployment of ``model_id`` with the shortest queue.
+        """The READY deployment of ``model_id`` with the shortest expected wait.
 
         NOT_FOUND when the model has no deployment; FAILED_PRECONDITION listing the states
         of its deployments when none is READY.
@@ -93,7 +93,7 @@ class Router:
                 raise FailedPrecondition(f"model {model_id} has no READY deployment ({states})")
         if len(ready) == 1:
             return ready[0]
-        return min(ready, key=lambda d: self._backlog(d.deployment_id))
+        return min(ready, key=self._backlog)
 
     def forget(self, deployment_id: str) -> None:
         """Drop a cached record, so the next request for it reads Redis."""

@@ -35,6 +35,28 @@ def check_deployment_id(deployment_id: str) -> None:
         raise InvalidArgument(f"invalid deployment_id {deployment_id!r}: {_TOKEN_RULE}")
 
 
+# Replica i > 0 of a deployment runs its workers and holds its memory under this suffix.
+# Deployment ids end in "-<hex>", so no deployment id ends like a replica's group id.
+_REPLICA = re.compile(r"(?P<deployment>.+)\.r(?P<index>[1-9][0-9]*)")
+
+
+def replica_group_id(deployment_id: str, index: int) -> str:
+    """The id replica ``index`` of a deployment goes by with agents and reservations:
+    the deployment id itself for replica 0, ``<deployment id>.r<index>`` for others."""
+    if index < 0:
+        raise ValueError(f"a replica index is never negative, got {index}")
+    return deployment_id if index == 0 else f"{deployment_id}.r{index}"
+
+
+def split_group_id(group_id: str) -> tuple[str, int]:
+    """(deployment id, replica index) of a worker group id: the inverse of
+    :func:`replica_group_id`."""
+    match = _REPLICA.fullmatch(group_id)
+    if match is None:
+        return group_id, 0
+    return match["deployment"], int(match["index"])
+
+
 def check_request_id(request_id: str) -> None:
     """A request id is optional (empty); given, it follows the deployment id's rule."""
     if request_id and TOKEN_PATTERN.fullmatch(request_id) is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from services import replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 
@@ -141,19 +142,34 @@ def describe_config(config: common.DeploymentConfig) -> str:
     return " ".join(parts)
 
 
+def replica_count(args) -> int:
+    """The request's ``replicas`` from ``--replicas`` (0, the server's 1, when not
+    given); the server refuses a count above its maximum."""
+    if args.replicas is None:
+        return 0
+    if args.replicas < 1:
+        raise SystemExit(f"iserve deploy: --replicas must be at least 1, got {args.replicas}")
+    return args.replicas
+
+
 def print_decision(decision: deploy_pb.DeploymentDecision) -> None:
-    """The decision for a person, on stderr: winner, placement, estimate, skipped."""
+    """The decision for a person, on stderr: winner, placement of every replica,
+    estimate, skipped."""
     out = sys.stderr
-    print(f"chose #{decision.winner_rank}: {describe_config(decision.config)}", file=out)
-    for stage in decision.placement.stages:
-        devices = ", ".join(f"{d.node_id}/{d.device_id}" for d in stage.devices)
-        last = stage.first_layer + stage.layer_count - 1
-        mib = max(stage.reserved_bytes, default=0) / 2**20
-        print(
-            f"  stage {stage.stage}: layers {stage.first_layer}-{last} on {devices} "
-            f"({mib:.0f} MiB each)",
-            file=out,
-        )
+    placements = [decision.placement, *decision.replica_placements]
+    count = f", {len(placements)} replicas" if len(placements) > 1 else ""
+    print(f"chose #{decision.winner_rank}: {describe_config(decision.config)}{count}", file=out)
+    for index, placement in enumerate(placements):
+        replica = f"replica {index} " if len(placements) > 1 else ""
+        for stage in placement.stages:
+            devices = ", ".join(f"{d.node_id}/{d.device_id}" for d in stage.devices)
+            last = stage.first_layer + stage.layer_count - 1
+            mib = max(stage.reserved_bytes, default=0) / 2**20
+            print(
+                f"  {replica}stage {stage.stage}: layers {stage.first_layer}-{last} on "
+                f"{devices} ({mib:.0f} MiB each)",
+                file=out,
+            )
     e = decision.estimate
     if e.latency_ms:
         print(
@@ -165,6 +181,16 @@ def print_decision(decision: deploy_pb.DeploymentDecision) -> None:
         print(f"  skipped #{s.rank} {describe_config(s.config)}: {s.reason}", file=out)
     if decision.note:
         print(f"  note: {decision.note}", file=out)
+
+
+def describe_replicas(deployment: deploy_pb.Deployment) -> str:
+    """``replica 0 READY 127.0.0.1:40001, replica 1 FAILED 127.0.0.1:40002 (why)``."""
+    parts = []
+    for replica in replicas.replicas_of(deployment):
+        state = deploy_pb.DeploymentState.Name(replica.state).removeprefix("DEPLOYMENT_STATE_")
+        why = f" ({replica.state_reason})" if replica.state_reason else ""
+        parts.append(f"replica {replica.index} {state} {replica.worker_address or '-'}{why}")
+    return ", ".join(parts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -192,6 +218,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo-ms", type=int, help="time-to-first-token objective (ms)")
     p.add_argument("--tpot-slo-ms", type=int, help="time-per-output-token objective (ms)")
     p.add_argument("--plan", action="store_true", help="show the decision; launch nothing")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="independent copies of the configuration behind one deployment id, each on "
+        "devices of its own; requests go to the one with the shortest expected wait "
+        "(default 1, at most 16)",
+    )
     p.add_argument("--tp", type=int, help="explicit: tensor-parallel degree")
     p.add_argument("--pp", type=int, help="explicit: pipeline-parallel degree")
     p.add_argument("--variant", help="explicit: a registered compression variant by name")

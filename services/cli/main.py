@@ -227,6 +227,7 @@ def cmd_deploy(settings: Settings, args) -> int:
         max_output_tokens=args.max_output,
         placement_policy=deploying.POLICIES[args.policy] if args.policy else 0,
         objectives=deploying.objectives(args),
+        replicas=deploying.replica_count(args),
         **deploying.request_target(args),
     )
     if args.plan:
@@ -247,7 +248,12 @@ def cmd_deploy(settings: Settings, args) -> int:
         deploying.print_decision(reply.decision)
     print(
         f"deployed {dep.model_id} {deploying.describe_config(dep.config)} "
-        f"({deploying.describe_objectives(dep.objectives)}); worker {dep.worker_address}",
+        f"({deploying.describe_objectives(dep.objectives)}); "
+        + (
+            f"worker {dep.worker_address}"
+            if len(dep.replicas) <= 1
+            else f"workers {', '.join(r.worker_address for r in dep.replicas)}"
+        ),
         file=sys.stderr,
     )
     print(dep.deployment_id)
@@ -272,6 +278,7 @@ def cmd_deployments(settings: Settings, args) -> int:
                     state,
                     deploying.describe_config(dep.config),
                     deploying.describe_objectives(dep.objectives),
+                    deploying.describe_replicas(dep),
                 )
             )
         )

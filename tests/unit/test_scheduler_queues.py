@@ -138,9 +138,8 @@ def test_two_deployments_are_independent():
         for i in range(3):  # slow's queue, full and busy, does not touch fast's
             async with fast.slot(entry(f"f{i}")):
                 assert fast.running == 1
-        assert registry.backlog("slow") == (1, 1.0)
-        assert registry.backlog("fast") == (0, 0.0)
-        assert registry.backlog("unknown") == (0, 0.0)
+        assert (slow.waiting, slow.running) == (1, 1)
+        assert (fast.waiting, fast.running) == (0, 0)
         blocked.cancel()
         await settle()
         slow.release()

@@ -49,7 +49,7 @@ def deployment(deployment_id: str, state: int = READY, model_id: str = "m", reas
 def test_cached_ready_deployment_costs_no_redis_read():
     async def scenario():
         store = CountingStore(deployment("d1"))
-        router = Router(store, backlog=lambda _id: (0, 0.0))
+        router = Router(store, backlog=lambda _deployment: 0.0)
         assert (await router.by_deployment_id("d1")).deployment_id == "d1"
         assert store.reads == 1  # the miss
         for _ in range(100):
@@ -62,7 +62,7 @@ def test_cached_ready_deployment_costs_no_redis_read():
 def test_not_ready_cached_record_is_reread_from_redis():
     async def scenario():
         store = CountingStore(deployment("d1", deploy_pb.DEPLOYMENT_STATE_STARTING))
-        router = Router(store, backlog=lambda _id: (0, 0.0))
+        router = Router(store, backlog=lambda _deployment: 0.0)
         with pytest.raises(FailedPrecondition, match="^deployment d1 is STARTING$"):
             await router.by_deployment_id("d1")
         store.records["d1"] = deployment("d1")
@@ -74,7 +74,7 @@ def test_not_ready_cached_record_is_reread_from_redis():
 def test_forget_makes_the_next_request_read_redis():
     async def scenario():
         store = CountingStore(deployment("d1"))
-        router = Router(store, backlog=lambda _id: (0, 0.0))
+        router = Router(store, backlog=lambda _deployment: 0.0)
         await router.refresh()
         reads = store.reads
         await router.by_deployment_id("d1")
@@ -90,7 +90,7 @@ def test_forget_makes_the_next_request_read_redis():
     asyncio.run(scenario())
 
 
-def test_model_routing_picks_the_smallest_backlog_among_ready_deployments():
+def test_model_routing_picks_the_shortest_expected_wait_among_ready_deployments():
     async def scenario():
         store = CountingStore(
             deployment("a"),
@@ -98,10 +98,10 @@ def test_model_routing_picks_the_smallest_backlog_among_ready_deployments():
             deployment("c", deploy_pb.DEPLOYMENT_STATE_STARTING),
             deployment("other", model_id="m2"),
         )
-        backlog = {"a": (2, 1.0), "b": (0, 1.0), "c": (0, 0.0)}
-        router = Router(store, backlog=lambda d: backlog.get(d, (0, 0.0)))
+        wait_s = {"a": 2.0, "b": 0.5, "c": 0.0}
+        router = Router(store, backlog=lambda d: wait_s.get(d.deployment_id, 0.0))
         assert (await router.by_model_id("m")).deployment_id == "b"
-        backlog["b"] = (3, 1.0)
+        wait_s["b"] = 3.0
         assert (await router.by_model_id("m")).deployment_id == "a"
         assert store.reads == 1  # one full refresh, then the cache
 
@@ -114,7 +114,7 @@ def test_model_routing_errors_name_the_states():
             deployment("x", deploy_pb.DEPLOYMENT_STATE_FAILED, reason="OOM"),
             deployment("y", deploy_pb.DEPLOYMENT_STATE_REMOVING),
         )
-        router = Router(store, backlog=lambda _id: (0, 0.0))
+        router = Router(store, backlog=lambda _deployment: 0.0)
         with pytest.raises(FailedPrecondition) as failure:
             await router.by_model_id("m")
         assert str(failure.value) == (
@@ -129,7 +129,7 @@ def test_model_routing_errors_name_the_states():
 
 def test_ids_that_cannot_be_keys_are_invalid():
     async def scenario():
-        router = Router(CountingStore(), backlog=lambda _id: (0, 0.0))
+        router = Router(CountingStore(), backlog=lambda _deployment: 0.0)
         with pytest.raises(InvalidArgument, match="invalid deployment_id 'a:b'"):
             await router.by_deployment_id("a:b")
 
@@ -148,7 +148,7 @@ def test_refresh_forever_survives_redis_failures():
             return [deployment("d1")]
 
         store.list_deployments = failing_list
-        router = Router(store, backlog=lambda _id: (0, 0.0))
+        router = Router(store, backlog=lambda _deployment: 0.0)
         task = asyncio.create_task(router.refresh_forever(interval_s=0.001))
         async with asyncio.timeout(5):
             while not router.deployments():

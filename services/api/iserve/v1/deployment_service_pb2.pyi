@@ -22,8 +22,22 @@ DEPLOYMENT_STATE_READY: DeploymentState
 DEPLOYMENT_STATE_FAILED: DeploymentState
 DEPLOYMENT_STATE_REMOVING: DeploymentState
 
+class Replica(_message.Message):
+    __slots__ = ("index", "placement", "worker_address", "state", "state_reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    placement: _common_pb2.Placement
+    worker_address: str
+    state: DeploymentState
+    state_reason: str
+    def __init__(self, index: _Optional[int] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., worker_address: _Optional[str] = ..., state: _Optional[_Union[DeploymentState, str]] = ..., state_reason: _Optional[str] = ...) -> None: ...
+
 class Deployment(_message.Message):
-    __slots__ = ("deployment_id", "model_id", "config", "placement", "state", "state_reason", "worker_address", "max_input_tokens", "max_output_tokens", "created_at_unix_ms", "request_id", "estimate", "objectives", "latency_model")
+    __slots__ = ("deployment_id", "model_id", "config", "placement", "state", "state_reason", "worker_address", "max_input_tokens", "max_output_tokens", "created_at_unix_ms", "request_id", "estimate", "objectives", "latency_model", "replicas")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +52,7 @@ class Deployment(_message.Message):
     ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     OBJECTIVES_FIELD_NUMBER: _ClassVar[int]
     LATENCY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     model_id: str
     config: _common_pb2.DeploymentConfig
@@ -52,7 +67,8 @@ class Deployment(_message.Message):
     estimate: _estimator_service_pb2.ConfigEstimate
     objectives: _common_pb2.ServiceObjectives
     latency_model: _common_pb2.LatencyModel
-    def __init__(self, deployment_id: _Optional[str] = ..., model_id: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., state: _Optional[_Union[DeploymentState, str]] = ..., state_reason: _Optional[str] = ..., worker_address: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., created_at_unix_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., estimate: _Optional[_Union[_estimator_service_pb2.ConfigEstimate, _Mapping]] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ..., latency_model: _Optional[_Union[_common_pb2.LatencyModel, _Mapping]] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, deployment_id: _Optional[str] = ..., model_id: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., state: _Optional[_Union[DeploymentState, str]] = ..., state_reason: _Optional[str] = ..., worker_address: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., created_at_unix_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., estimate: _Optional[_Union[_estimator_service_pb2.ConfigEstimate, _Mapping]] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ..., latency_model: _Optional[_Union[_common_pb2.LatencyModel, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class SkippedConfig(_message.Message):
     __slots__ = ("rank", "config", "reason")
@@ -65,23 +81,25 @@ class SkippedConfig(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DeploymentDecision(_message.Message):
-    __slots__ = ("config", "placement", "winner_rank", "skipped", "estimate", "note")
+    __slots__ = ("config", "placement", "winner_rank", "skipped", "estimate", "note", "replica_placements")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     WINNER_RANK_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     config: _common_pb2.DeploymentConfig
     placement: _common_pb2.Placement
     winner_rank: int
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedConfig]
     estimate: _estimator_service_pb2.ConfigEstimate
     note: str
-    def __init__(self, config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., winner_rank: _Optional[int] = ..., skipped: _Optional[_Iterable[_Union[SkippedConfig, _Mapping]]] = ..., estimate: _Optional[_Union[_estimator_service_pb2.ConfigEstimate, _Mapping]] = ..., note: _Optional[str] = ...) -> None: ...
+    replica_placements: _containers.RepeatedCompositeFieldContainer[_common_pb2.Placement]
+    def __init__(self, config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., winner_rank: _Optional[int] = ..., skipped: _Optional[_Iterable[_Union[SkippedConfig, _Mapping]]] = ..., estimate: _Optional[_Union[_estimator_service_pb2.ConfigEstimate, _Mapping]] = ..., note: _Optional[str] = ..., replica_placements: _Optional[_Iterable[_Union[_common_pb2.Placement, _Mapping]]] = ...) -> None: ...
 
 class DeployRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "max_input_tokens", "max_output_tokens", "intent", "batch_size", "placement_policy", "config", "ready_timeout_ms", "objectives")
+    __slots__ = ("request_id", "model_id", "max_input_tokens", "max_output_tokens", "intent", "batch_size", "placement_policy", "config", "ready_timeout_ms", "objectives", "replicas")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +110,7 @@ class DeployRequest(_message.Message):
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     READY_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     OBJECTIVES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     max_input_tokens: int
@@ -102,7 +121,8 @@ class DeployRequest(_message.Message):
     config: _common_pb2.DeploymentConfig
     ready_timeout_ms: int
     objectives: _common_pb2.ServiceObjectives
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., intent: _Optional[_Union[_common_pb2.Intent, _Mapping]] = ..., batch_size: _Optional[int] = ..., placement_policy: _Optional[_Union[_common_pb2.PlacementPolicy, str]] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., ready_timeout_ms: _Optional[int] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ...) -> None: ...
+    replicas: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., intent: _Optional[_Union[_common_pb2.Intent, _Mapping]] = ..., batch_size: _Optional[int] = ..., placement_policy: _Optional[_Union[_common_pb2.PlacementPolicy, str]] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., ready_timeout_ms: _Optional[int] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class DeployResponse(_message.Message):
     __slots__ = ("request_id", "deployment", "decision")
@@ -115,7 +135,7 @@ class DeployResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., deployment: _Optional[_Union[Deployment, _Mapping]] = ..., decision: _Optional[_Union[DeploymentDecision, _Mapping]] = ...) -> None: ...
 
 class PlanDeploymentRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "max_input_tokens", "max_output_tokens", "intent", "batch_size", "placement_policy", "config", "devices", "objectives")
+    __slots__ = ("request_id", "model_id", "max_input_tokens", "max_output_tokens", "intent", "batch_size", "placement_policy", "config", "devices", "objectives", "replicas")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +146,7 @@ class PlanDeploymentRequest(_message.Message):
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     OBJECTIVES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     max_input_tokens: int
@@ -136,7 +157,8 @@ class PlanDeploymentRequest(_message.Message):
     config: _common_pb2.DeploymentConfig
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.DeviceState]
     objectives: _common_pb2.ServiceObjectives
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., intent: _Optional[_Union[_common_pb2.Intent, _Mapping]] = ..., batch_size: _Optional[int] = ..., placement_policy: _Optional[_Union[_common_pb2.PlacementPolicy, str]] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceState, _Mapping]]] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ...) -> None: ...
+    replicas: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., intent: _Optional[_Union[_common_pb2.Intent, _Mapping]] = ..., batch_size: _Optional[int] = ..., placement_policy: _Optional[_Union[_common_pb2.PlacementPolicy, str]] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceState, _Mapping]]] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class PlanDeploymentResponse(_message.Message):
     __slots__ = ("request_id", "decision")

@@ -1,0 +1,80 @@
+"""A deployment's replicas in its record: which serve, and taking one out.
+
+Replica ``i`` runs its workers and holds its memory under
+``services.ids.replica_group_id(deployment_id, i)``. The record's own ``placement`` and
+``worker_address`` are those of the first replica still serving, so a reader that knows
+nothing of replicas still finds a serving worker. Pure: no gRPC, no Redis.
+"""
+
+from __future__ import annotations
+
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.errors import InvalidArgument
+
+READY = deploy_pb.DEPLOYMENT_STATE_READY
+FAILED = deploy_pb.DEPLOYMENT_STATE_FAILED
+MAX_REPLICAS = 16
+
+
+def check_count(count: int) -> None:
+    """InvalidArgument for a requested replica count above MAX_REPLICAS (0 means 1)."""
+    if count > MAX_REPLICAS:
+        raise InvalidArgument(f"replicas must be at most {MAX_REPLICAS}, got {count}")
+
+
+def count_of(requested: int) -> int:
+    """The replicas a request asks for: its ``replicas`` field, where 0 means 1."""
+    return max(1, requested)
+
+
+def replicas_of(deployment: deploy_pb.Deployment) -> list[deploy_pb.Replica]:
+    """Every replica; a record written before replicas existed is one replica."""
+    if deployment.replicas:
+        return list(deployment.replicas)
+    return [
+        deploy_pb.Replica(
+            index=0,
+            placement=deployment.placement,
+            worker_address=deployment.worker_address,
+            state=deployment.state,
+            state_reason=deployment.state_reason,
+        )
+    ]
+
+
+def serving(deployment: deploy_pb.Deployment) -> list[deploy_pb.Replica]:
+    """The replicas that serve requests (all of them while the deployment is READY, less
+    those taken out)."""
+    if deployment.state != READY:
+        return []
+    return [r for r in replicas_of(deployment) if r.state == READY]
+
+
+def nodes_of(placement: common.Placement) -> list[str]:
+    """The nodes a placement uses, sorted."""
+    return sorted({ref.node_id for stage in placement.stages for ref in stage.devices})
+
+
+def take_out(deployment: deploy_pb.Deployment, index: int, reason: str) -> bool:
+    """Mark replica ``index`` FAILED with ``reason`` in the record and point the record's
+    placement and worker address at the first replica still serving. Returns False (and
+    changes nothing) when no other replica serves: then the deployment itself fails."""
+    others = [r for r in serving(deployment) if r.index != index]
+    if not others or not deployment.replicas:
+        return False
+    for replica in deployment.replicas:
+        if replica.index == index:
+            replica.state = FAILED
+            replica.state_reason = reason
+    deployment.placement.CopyFrom(others[0].placement)
+    deployment.worker_address = others[0].worker_address
+    return True
+
+
+def fail_all(deployment: deploy_pb.Deployment, reason: str) -> None:
+    """Mark every replica still serving FAILED with ``reason`` (the deployment fails)."""
+    for replica in deployment.replicas:
+        if replica.state != FAILED:
+            replica.state = FAILED
+            replica.state_reason = reason

@@ -1,0 +1,183 @@
+"""Replicas on the live stack: two replicas of a tiny model (one per virtual device) both
+serve, one survives the other's worker being killed, remove stops both; counts that are
+invalid or do not fit leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import model_service_pb2 as model_pb
+from services.api import worker_service_pb2 as worker_pb
+from services.api import worker_service_pb2_grpc
+from tests.integration.helpers import (
+    cli,
+    deploy,
+    generate,
+    make_checkpoint,
+    register,
+    reserved_by_device,
+    wait_for,
+)
+
+READY = deploy_pb.DEPLOYMENT_STATE_READY
+FAILED = deploy_pb.DEPLOYMENT_STATE_FAILED
+LIVE = (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY)
+NO_EOS = common.SamplingParams(ignore_eos=True)
+MODEL = "twin-llama"
+
+
+@pytest.fixture(scope="module")
+def twin(stack) -> str:
+    register(stack, MODEL, make_checkpoint(stack, MODEL))
+    yield MODEL
+    stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id=MODEL))
+
+
+def _tokens_generated(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
+        return stub.GetWorkerStats(worker_pb.GetWorkerStatsRequest(), timeout=10).tokens_generated
+
+
+def _live_workers(stack, group_id: str) -> list[agent_pb.WorkerInfo]:
+    reply = stack.agent.ListWorkers(agent_pb.ListWorkersRequest(deployment_id=group_id))
+    return [w for w in reply.workers if w.state in LIVE]
+
+
+def _get(stack, deployment_id: str) -> deploy_pb.Deployment:
+    return stack.deployments.GetDeployment(
+        deploy_pb.GetDeploymentRequest(deployment_id=deployment_id)
+    ).deployment
+
+
+def _model_deployments(stack) -> list[deploy_pb.Deployment]:
+    reply = stack.deployments.ListDeployments(deploy_pb.ListDeploymentsRequest(model_id=MODEL))
+    return list(reply.deployments)
+
+
+def _generate_many(stack, deployment_id: str, count: int) -> list[int]:
+    """``count`` concurrent generations; the tokens each streamed."""
+
+    def one(i: int) -> int:
+        deltas, final = generate(
+            stack,
+            deployment_id=deployment_id,
+            prompt=f"hello {i}",
+            max_tokens=24,
+            sampling=NO_EOS,
+        )
+        assert final.finish_reason
+        return sum(len(d.token_ids) for d in deltas)
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def test_two_replicas_serve_and_one_survives_the_others_worker_dying(stack, twin):
+    before = reserved_by_device(stack)
+    dep = deploy(stack, twin, replicas=2, batch_size=1, max_output_tokens=32).deployment
+    deployment_id = dep.deployment_id
+    assert [(r.index, r.state) for r in dep.replicas] == [(0, READY), (1, READY)]
+    places = [
+        {(d.node_id, d.device_id) for s in r.placement.stages for d in s.devices}
+        for r in dep.replicas
+    ]
+    assert not places[0] & places[1]  # each replica on devices of its own
+    addresses = [r.worker_address for r in dep.replicas]
+    assert len(set(addresses)) == 2
+
+    # Concurrent requests spread over both replicas.
+    tokens = [_tokens_generated(a) for a in addresses]
+    assert _generate_many(stack, deployment_id, 4) == [24] * 4
+    grown = [_tokens_generated(a) - t for a, t in zip(addresses, tokens, strict=True)]
+    assert all(g > 0 for g in grown), grown
+
+    # Kill replica 0's worker: the replica is taken out, its memory released, and the
+    # record points at replica 1; the deployment stays READY.
+    [victim] = _live_workers(stack, deployment_id)
+    os.kill(victim.pid, signal.SIGKILL)
+    assert wait_for(lambda: _get(stack, deployment_id).replicas[0].state == FAILED, timeout=20)
+    now = _get(stack, deployment_id)
+    assert now.state == READY
+    assert now.replicas[1].state == READY
+    assert "exited" in now.replicas[0].state_reason
+    assert now.worker_address == addresses[1]
+    device0 = "/".join(sorted(places[0])[0])
+    assert wait_for(lambda: reserved_by_device(stack)[device0] == before[device0], timeout=10)
+
+    listed = cli(stack, "deployments", "--model", MODEL)
+    assert listed.returncode == 0, listed.stderr
+    assert f"replica 0 FAILED {addresses[0]}" in listed.stdout
+    assert f"replica 1 READY {addresses[1]}" in listed.stdout
+    listed = cli(stack, "deployments", "--model", MODEL, "--json")
+    [record] = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["state"], r["worker_address"]) for r in record["replicas"]] == [
+        ("DEPLOYMENT_STATE_FAILED", addresses[0]),
+        ("DEPLOYMENT_STATE_READY", addresses[1]),
+    ]
+
+    # Generations keep succeeding through the scheduler, on replica 1, once its
+    # routing cache has the new record (it refreshes every second).
+    time.sleep(1.5)
+    tokens1 = _tokens_generated(addresses[1])
+    assert _generate_many(stack, deployment_id, 3) == [24] * 3
+    assert generate(stack, model_id=MODEL, prompt="by model", max_tokens=4)[1].finish_reason
+    assert _tokens_generated(addresses[1]) > tokens1
+
+    # Remove stops every replica and releases every reservation.
+    stack.deployments.RemoveDeployment(
+        deploy_pb.RemoveDeploymentRequest(deployment_id=deployment_id)
+    )
+    assert wait_for(
+        lambda: (
+            not _live_workers(stack, deployment_id)
+            and not _live_workers(stack, f"{deployment_id}.r1")
+        ),
+        timeout=30,
+    )
+    assert reserved_by_device(stack) == before
+    assert _model_deployments(stack) == []
+
+
+def _refused(stack, twin, replicas: int) -> tuple[grpc.StatusCode, str]:
+    before = reserved_by_device(stack)
+    workers = stack.agent.ListWorkers(agent_pb.ListWorkersRequest()).workers
+    with pytest.raises(grpc.RpcError) as failure:
+        deploy(stack, twin, replicas=replicas)
+    assert _model_deployments(stack) == []
+    assert reserved_by_device(stack) == before
+    after = stack.agent.ListWorkers(agent_pb.ListWorkersRequest()).workers
+    assert {(w.deployment_id, w.pid) for w in after if w.state in LIVE} <= {
+        (w.deployment_id, w.pid) for w in workers if w.state in LIVE
+    }
+    return failure.value.code(), failure.value.details()
+
+
+def test_more_than_sixteen_replicas_is_invalid_and_creates_nothing(stack, twin):
+    code, details = _refused(stack, twin, 17)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == "replicas must be at most 16, got 17"
+
+
+def test_replicas_that_do_not_all_fit_are_resource_exhausted_and_leave_nothing(stack, twin):
+    code, details = _refused(stack, twin, 3)  # two devices, one replica each at most
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert details.startswith(f"replica 2 of 3 of {MODEL} "), details
+    planned = cli(stack, "deploy", MODEL, "--tp", "1", "--pp", "1", "--replicas", "3", "--plan")
+    assert planned.returncode == 1
+    assert "RESOURCE_EXHAUSTED" in planned.stderr and "replica 2 of 3" in planned.stderr
+    planned = cli(stack, "deploy", MODEL, "--tp", "1", "--pp", "1", "--replicas", "2", "--plan")
+    assert planned.returncode == 0, planned.stderr
+    assert "2 replicas" in planned.stderr
+    assert "replica 0 stage 0" in planned.stderr and "replica 1 stage 0" in planned.stderr
+    assert _model_deployments(stack) == []

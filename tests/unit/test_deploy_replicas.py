@@ -1,0 +1,428 @@
+"""Deploying replicas: where they go (deploy_svc.planning.replica_placements, pure) and
+the controller's all-or-nothing launch, take-out and removal against a real Redis with
+fake agents and estimator (no server)."""
+
+from __future__ import annotations
+
+import types
+
+import grpc
+import pytest
+
+from deploy_svc import planning
+from deploy_svc.controller import DeploymentController
+from deploy_svc.explicit import ExplicitPlan
+from deploy_svc.reconciler import Reconciler
+from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import estimator_service_pb2 as estimator_pb
+from services.api import model_service_pb2 as model_pb
+from services.errors import InvalidArgument, IServeError, ResourceExhausted
+from services.reservation import memory_blocks
+
+GIB = 1 << 30
+MIB = 1 << 20
+READY = deploy_pb.DEPLOYMENT_STATE_READY
+FAILED = deploy_pb.DEPLOYMENT_STATE_FAILED
+EXPLICIT = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1)
+
+
+def model() -> model_pb.Model:
+    m = model_pb.Model(
+        model_id="m",
+        checkpoint_path="m",
+        state=model_pb.MODEL_STATE_PROFILED,
+        shape=model_pb.ModelShape(
+            num_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            hidden_size=64,
+            intermediate_size=128,
+            vocab_size=1000,
+            max_position_embeddings=2048,
+            parameter_count=300_000,
+            weight_bytes=1_200_000,
+            dtype=common.PRECISION_FLOAT32,
+        ),
+    )
+    m.variants.add(name="fp32", weight_quant=common.WEIGHT_QUANT_NONE)
+    return m
+
+
+def node(*free_gib: float, node_id: str = "node0") -> common.NodeState:
+    return common.NodeState(
+        node_id=node_id,
+        alive=True,
+        agent_address=f"{node_id}:1",
+        devices=[
+            common.DeviceState(
+                ref=common.DeviceRef(node_id=node_id, device_id=f"cpu{i}"),
+                hardware_type="cpu",
+                total_bytes=int(f * GIB),
+                free_bytes=int(f * GIB),
+            )
+            for i, f in enumerate(free_gib)
+        ],
+    )
+
+
+def devices_of(placement: common.Placement) -> list[str]:
+    return [f"{d.node_id}/{d.device_id}" for s in placement.stages for d in s.devices]
+
+
+# ---- planning.replica_placements (pure) ------------------------------------------------
+
+
+def prepared_for(nodes, config=EXPLICIT, policy="hybrid") -> planning.Prepared:
+    limits = ExplicitPlan(config, 64, 64)
+    return planning.Prepared(
+        model(),
+        limits,
+        policy,
+        False,
+        [planning.Option(1, config)],
+        None,
+        "",
+        nodes,
+        common.ServiceObjectives(),
+        False,
+    )
+
+
+def test_each_replica_gets_devices_of_its_own_and_the_same_memory():
+    nodes = [node(4, 4, 4)]
+    prepared = prepared_for(nodes, policy="packing")  # packing would stack them if allowed
+    decision = planning.decide_on(prepared, nodes)
+    more = planning.replica_placements(prepared, decision, nodes, 3)
+    used = [devices_of(p) for p in [decision.placement, *more]]
+    assert sorted(d for ds in used for d in ds) == ["node0/cpu0", "node0/cpu1", "node0/cpu2"]
+    reserved = {tuple(s.reserved_bytes) for p in more for s in p.stages}
+    assert reserved == {tuple(decision.placement.stages[0].reserved_bytes)}
+
+
+def test_one_replica_places_nothing_more():
+    nodes = [node(4)]
+    prepared = prepared_for(nodes)
+    decision = planning.decide_on(prepared, nodes)
+    assert planning.replica_placements(prepared, decision, nodes, 1) == []
+
+
+def test_replicas_beyond_the_devices_name_the_replica_without_room():
+    nodes = [node(4, 4)]
+    prepared = prepared_for(nodes)
+    decision = planning.decide_on(prepared, nodes)
+    with pytest.raises(ResourceExhausted) as failure:
+        planning.replica_placements(prepared, decision, nodes, 3)
+    assert str(failure.value).startswith("replica 2 of 3 of m (tp=1 pp=1 batch=1")
+    assert "0 device(s) left apart from the other replicas'" in str(failure.value)
+
+
+def test_a_device_too_small_for_a_replica_is_explained():
+    nodes = [node(4, 0.1)]
+    prepared = prepared_for(nodes)
+    decision = planning.decide_on(prepared, nodes)
+    with pytest.raises(ResourceExhausted, match=r"^replica 1 of 2 of m .*MiB"):
+        planning.replica_placements(prepared, decision, nodes, 2)
+
+
+def test_pipeline_replicas_keep_their_stage_memory():
+    config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=2)
+    nodes = [node(4, 4, 4, 4)]
+    prepared = prepared_for(nodes, config)
+    decision = planning.decide_on(prepared, nodes)
+    [second] = planning.replica_placements(prepared, decision, nodes, 2)
+    assert len(second.stages) == 2
+    assert not set(devices_of(second)) & set(devices_of(decision.placement))
+    fixed, block = memory_blocks(model().shape, decision.config, 128)
+    assert [s.reserved_bytes[0] for s in second.stages] == [fixed + block, fixed + block]
+
+
+# ---- the controller against Redis -------------------------------------------------------
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class FakeAgent:
+    """StartWorkers answers with one address per rank, or fails for ``fail_group``."""
+
+    def __init__(self, fail_group: str = ""):
+        self.fail_group = fail_group
+        self.started: list[str] = []
+        self.stopped: list[str] = []
+        self._port = 6000
+
+    def stub(self, address: str) -> FakeAgent:
+        return self
+
+    async def close(self) -> None:
+        pass
+
+    async def StartWorkers(self, request: agent_pb.StartWorkersRequest, timeout: float):
+        self.started.append(request.deployment_id)
+        if request.deployment_id == self.fail_group:
+            raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "worker rank 0 exited (1)")
+        workers = []
+        for spec in request.workers:
+            self._port += 1
+            workers.append(
+                agent_pb.WorkerInfo(
+                    deployment_id=request.deployment_id,
+                    rank=spec.rank,
+                    address=f"127.0.0.1:{self._port}",
+                )
+            )
+        return agent_pb.StartWorkersResponse(workers=workers)
+
+    async def StopWorkers(self, request: agent_pb.StopWorkersRequest, timeout: float):
+        self.stopped.append(request.deployment_id)
+        return agent_pb.StopWorkersResponse()
+
+
+class FakeEstimator:
+    """Ranks ``ranked`` for an intent; estimates nothing at a batch size."""
+
+    def __init__(self, ranked: list[estimator_pb.RankedConfig] | None = None):
+        self.ranked = ranked or []
+
+    async def RankConfigs(self, request, timeout: float):
+        return estimator_pb.RankConfigsResponse(ranked=self.ranked)
+
+    async def EstimateConfigs(self, request, timeout: float):
+        raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "not profiled")
+
+
+async def controller_on(store, agent: FakeAgent, *free_gib: float, estimator=None):
+    await store.create_model(model())
+    await store.register_node(node(*free_gib), ttl_s=60)
+    settings = types.SimpleNamespace(ready_timeout_s=5.0)
+    controller = DeploymentController(settings, store, agent)
+    controller._estimator = estimator or FakeEstimator()
+    controller.reconciled.set()
+    return controller
+
+
+async def reserved(store) -> dict[str, int]:
+    return {d.ref.device_id: d.reserved_bytes for n in await store.list_nodes() for d in n.devices}
+
+
+async def nothing_left(store) -> bool:
+    return (
+        await store.list_deployments() == []
+        and await store.reservation_owners() == set()
+        and set((await reserved(store)).values()) == {0}
+    )
+
+
+def deploy_request(replicas: int, **fields) -> deploy_pb.DeployRequest:
+    fields.setdefault("config", EXPLICIT)
+    return deploy_pb.DeployRequest(model_id="m", replicas=replicas, **fields)
+
+
+def test_two_replicas_start_on_two_devices_and_remove_stops_both(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        reply = await controller.deploy(deploy_request(2))
+        dep = reply.deployment
+        group1 = f"{dep.deployment_id}.r1"
+        assert [(r.index, r.state) for r in dep.replicas] == [(0, READY), (1, READY)]
+        assert dep.replicas[0].worker_address != dep.replicas[1].worker_address
+        assert dep.worker_address == dep.replicas[0].worker_address
+        assert devices_of(dep.replicas[0].placement) == ["node0/cpu0"]
+        assert devices_of(dep.replicas[1].placement) == ["node0/cpu1"]
+        assert [devices_of(p) for p in reply.decision.replica_placements] == [["node0/cpu1"]]
+        assert sorted(agent.started) == sorted([dep.deployment_id, group1])
+        assert await store.reservation_owners() == {dep.deployment_id, group1}
+        assert await store.get_deployment(dep.deployment_id) == dep
+        await controller.remove(dep.deployment_id)
+        assert sorted(agent.stopped) == sorted([dep.deployment_id, group1])
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_more_replicas_than_devices_is_resource_exhausted_and_starts_nothing(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        with pytest.raises(ResourceExhausted, match=r"^replica 2 of 3 of m "):
+            await controller.deploy(deploy_request(3, request_id="req-3"))
+        assert agent.started == []
+        assert await nothing_left(store)
+        # The request id is free again: the same request may be retried.
+        assert await store.claim_deploy_request("req-3", "x") is None
+
+    run(scenario)
+
+
+def test_more_than_sixteen_replicas_is_invalid_and_changes_nothing(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        with pytest.raises(InvalidArgument, match="replicas must be at most 16, got 17"):
+            await controller.deploy(deploy_request(17))
+        with pytest.raises(InvalidArgument, match="replicas must be at most 16, got 17"):
+            await controller.plan(deploy_pb.PlanDeploymentRequest(model_id="m", replicas=17))
+        assert agent.started == []
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_replica_that_fails_to_start_tears_down_the_others(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2, 2)
+        agent.fail_group = "pending"
+
+        async def start(request, timeout):
+            if request.deployment_id.endswith(".r2"):
+                agent.fail_group = request.deployment_id
+            return await FakeAgent.StartWorkers(agent, request, timeout)
+
+        agent.StartWorkers = start
+        with pytest.raises(IServeError, match=r"starting workers of m-\w+\.r2") as failure:
+            await controller.deploy(deploy_request(3))
+        assert failure.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert len(agent.started) == 3
+        assert sorted(agent.stopped) == sorted(agent.started)  # every replica stopped
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_dead_replica_is_taken_out_and_the_last_one_fails_the_deployment(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        dep = (await controller.deploy(deploy_request(2))).deployment
+        deployment_id = dep.deployment_id
+        assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
+        now = await store.get_deployment(deployment_id)
+        assert now.state == READY
+        assert [(r.state, r.state_reason) for r in now.replicas] == [
+            (FAILED, "worker rank 0 exited (-9)"),
+            (READY, ""),
+        ]
+        # The record now points at the replica that serves.
+        assert now.worker_address == dep.replicas[1].worker_address
+        assert devices_of(now.placement) == ["node0/cpu1"]
+        assert agent.stopped == [deployment_id]
+        assert await store.reservation_owners() == {f"{deployment_id}.r1"}
+        assert (await reserved(store))["cpu0"] == 0
+        # Out already: a second report of the same replica changes nothing.
+        assert not await controller.fail(deployment_id, "again")
+        assert await controller.fail(f"{deployment_id}.r1", "worker rank 0 exited (-9)")
+        now = await store.get_deployment(deployment_id)
+        assert now.state == FAILED
+        assert [r.state for r in now.replicas] == [FAILED, FAILED]
+        assert await store.reservation_owners() == set()
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_plan_places_every_replica_or_names_the_one_without_room(run):
+    async def scenario(store):
+        controller = await controller_on(store, FakeAgent(), 2, 2)
+        decision = await controller.plan(
+            deploy_pb.PlanDeploymentRequest(model_id="m", config=EXPLICIT, replicas=2)
+        )
+        assert devices_of(decision.placement) == ["node0/cpu0"]
+        assert [devices_of(p) for p in decision.replica_placements] == [["node0/cpu1"]]
+        with pytest.raises(ResourceExhausted, match="^replica 2 of 3 of m"):
+            await controller.plan(
+                deploy_pb.PlanDeploymentRequest(model_id="m", config=EXPLICIT, replicas=3)
+            )
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_an_intent_falls_back_to_a_configuration_whose_replicas_all_fit(run):
+    """#1 fits the big device only; #2 is small enough for a replica on each."""
+
+    def ranked(rank: int, weight_quant: int, memory_gib: float) -> estimator_pb.RankedConfig:
+        config = common.DeploymentConfig(
+            tensor_parallel=1, pipeline_parallel=1, weight_quant=weight_quant, batch_size=1
+        )
+        estimate = estimator_pb.ConfigEstimate(
+            config=config, memory_total_bytes=int(memory_gib * GIB)
+        )
+        return estimator_pb.RankedConfig(rank=rank, estimate=estimate, meets_intent=True)
+
+    async def scenario(store):
+        agent = FakeAgent()
+        estimator = FakeEstimator(
+            [ranked(1, common.WEIGHT_QUANT_NONE, 2.0), ranked(2, common.WEIGHT_QUANT_INT8, 0.2)]
+        )
+        controller = await controller_on(store, agent, 4, 1, estimator=estimator)
+        reply = await controller.deploy(
+            deploy_pb.DeployRequest(
+                model_id="m", intent=common.Intent(kind=common.INTENT_KIND_MIN_COST), replicas=2
+            )
+        )
+        assert reply.decision.winner_rank == 2
+        [skipped] = reply.decision.skipped
+        assert skipped.rank == 1 and skipped.reason.startswith("replica 1 of 2 of m")
+        assert len(reply.deployment.replicas) == 2
+        assert agent.started == [reply.deployment.deployment_id, agent.started[1]]
+        await controller.remove(reply.deployment.deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_the_reconciler_takes_out_a_replica_whose_workers_are_gone(run):
+    """After a deployer restart: replica 0's worker is not running, replica 1's is; a
+    reservation of a replica no record names is an orphan."""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        dep = (await controller.deploy(deploy_request(2))).deployment
+        deployment_id = dep.deployment_id
+        await store.reserve(f"{deployment_id}.r5", {("node0", "cpu1"): MIB})
+
+        async def list_workers(request, timeout):
+            return agent_pb.ListWorkersResponse(
+                workers=[
+                    agent_pb.WorkerInfo(
+                        deployment_id=f"{deployment_id}.r1",
+                        rank=0,
+                        state=agent_pb.WORKER_STATE_READY,
+                    )
+                ]
+            )
+
+        agent.ListWorkers = list_workers
+        actions = await Reconciler(controller, store, agent).reconcile_on_start()
+        assert actions == [
+            f"failed {deployment_id}: after a deployer restart, rank(s) [0] are not running",
+            f"released orphaned reservation {deployment_id}.r5",
+        ]
+        now = await store.get_deployment(deployment_id)
+        assert now.state == READY
+        assert [r.state for r in now.replicas] == [FAILED, READY]
+        assert await store.reservation_owners() == {f"{deployment_id}.r1"}
+
+        # Then the agent reports replica 1's worker dead: the last replica fails it all.
+        await Reconciler(controller, store, agent).handle(
+            {"kind": "worker_died", "deployment_id": f"{deployment_id}.r1", "rank": 0}
+        )
+        assert (await store.get_deployment(deployment_id)).state == FAILED
+        assert await store.reservation_owners() == set()
+
+    run(scenario)

@@ -1,0 +1,172 @@
+"""Which replica a request joins: QueueRegistry.shortest_wait and
+DeploymentQueue.expected_wait_s on a real event loop (no server)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from scheduler_svc.policies import QueueEntry
+from scheduler_svc.queues import QueueRegistry
+from services import replicas
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+
+READY = deploy_pb.DEPLOYMENT_STATE_READY
+# 1 ms per prompt token, so queued prompt work is visible in the expected wait.
+LATENCY = common.LatencyModel(prefill_fixed_ms=0.0, prefill_ms_per_token=1.0, decode_step_ms=5.0)
+
+
+def deployment(count: int = 2, batch_size: int = 1) -> deploy_pb.Deployment:
+    dep = deploy_pb.Deployment(
+        deployment_id="m-0a1b2c3d",
+        state=READY,
+        config=common.DeploymentConfig(batch_size=batch_size),
+        max_input_tokens=512,
+        latency_model=LATENCY,
+    )
+    for i in range(count):
+        dep.replicas.add(index=i, worker_address=f"127.0.0.1:{5000 + i}", state=READY)
+    return dep
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+class Load:
+    """Requests held on replicas' queues: running ones hold a slot, the rest wait."""
+
+    def __init__(self, registry: QueueRegistry, dep: deploy_pb.Deployment):
+        self.registry, self.dep = registry, dep
+        self.tasks: list[asyncio.Task] = []
+
+    async def add(self, replica: int, prompt_tokens: int = 1) -> None:
+        queue = self.registry.queue_for(self.dep, replica)
+        entry = QueueEntry(f"r{replica}-{len(self.tasks)}", 0.0, prompt_tokens=prompt_tokens)
+        self.tasks.append(asyncio.create_task(queue.acquire(entry)))
+        await settle()
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def scenario(body):
+    async def main():
+        registry = QueueRegistry(capacity=8)
+        dep = deployment()
+        load = Load(registry, dep)
+        try:
+            await body(registry, dep, load)
+        finally:
+            await load.close()
+
+    asyncio.run(main())
+
+
+def test_idle_replicas_tie_and_the_lowest_index_wins():
+    async def body(registry, dep, load):
+        assert registry.shortest_wait(dep) == (0.0, 0)
+
+    scenario(body)
+
+
+def test_each_replica_has_its_own_queue_named_by_its_group_id():
+    async def body(registry, dep, load):
+        await load.add(1)
+        assert registry.get("m-0a1b2c3d.r1").running == 1
+        assert registry.get("m-0a1b2c3d") is None  # replica 0 has had no request
+
+    scenario(body)
+
+
+def test_a_busy_replica_loses_to_an_idle_one_before_any_service_time_is_known():
+    async def body(registry, dep, load):
+        await load.add(0)
+        # Nothing is known yet of how long a request runs: still, the idle replica wins,
+        # so concurrent requests spread over the replicas.
+        assert registry.shortest_wait(dep) == (0.0, 1)
+        await load.add(1)
+        assert registry.shortest_wait(dep)[1] == 0  # 1 and 1: the lowest index
+
+    scenario(body)
+
+
+def test_running_work_counts_the_mean_service_time():
+    async def body(registry, dep, load):
+        registry.queue_for(dep, 0).predictor.mean_service_s = 1.0
+        registry.queue_for(dep, 1).predictor.mean_service_s = 4.0
+        await load.add(0)
+        await load.add(1)
+        # One slot each, busy: a new request waits for the running one to end.
+        assert registry.queue_for(dep, 0).expected_wait_s() == pytest.approx(1.0)
+        assert registry.queue_for(dep, 1).expected_wait_s() == pytest.approx(4.0)
+        assert registry.shortest_wait(dep) == (pytest.approx(1.0), 0)
+        await load.add(0)
+        await load.add(0)  # two waiting behind the running one: 3 s ahead, and prefills
+        assert registry.shortest_wait(dep) == (pytest.approx(3.002), 0)
+        await load.add(0)  # 4 s ahead and three prefills: the slower replica now wins
+        assert registry.shortest_wait(dep) == (pytest.approx(4.0), 1)
+
+    scenario(body)
+
+
+def test_queued_prompt_tokens_count_their_predicted_prefill():
+    async def body(registry, dep, load):
+        for replica in (0, 1):
+            registry.queue_for(dep, replica).predictor.mean_service_s = 1.0
+            await load.add(replica)  # running
+        await load.add(0, prompt_tokens=400)
+        await load.add(1, prompt_tokens=10)
+        wait0 = registry.queue_for(dep, 0).expected_wait_s()
+        wait1 = registry.queue_for(dep, 1).expected_wait_s()
+        predictor = registry.queue_for(dep, 0).predictor
+        assert wait0 == pytest.approx(predictor.prefill_s([400]) + 2 * 1.0)
+        assert wait1 < wait0
+        assert registry.shortest_wait(dep) == (pytest.approx(wait1), 1)
+
+    scenario(body)
+
+
+def test_free_slots_mean_no_wait_for_running_work():
+    async def main():
+        registry = QueueRegistry(capacity=8)
+        dep = deployment(count=1, batch_size=4)
+        load = Load(registry, dep)
+        registry.queue_for(dep, 0).predictor.mean_service_s = 2.0
+        for _ in range(3):
+            await load.add(0)
+        assert registry.queue_for(dep, 0).expected_wait_s() == 0.0  # a fourth slot is free
+        await load.add(0)
+        # Four running on four slots: one must end, a quarter of the slots' work.
+        assert registry.queue_for(dep, 0).expected_wait_s() == pytest.approx(2.0 / 4)
+        await load.close()
+
+    asyncio.run(main())
+
+
+def test_a_replica_taken_out_gets_no_requests():
+    async def body(registry, dep, load):
+        await load.add(1)
+        await load.add(1)
+        assert replicas.take_out(dep, 0, "worker gone")
+        assert registry.shortest_wait(dep)[1] == 1
+
+    scenario(body)
+
+
+def test_no_serving_replica_is_an_infinite_wait():
+    dep = deployment()
+    dep.state = deploy_pb.DEPLOYMENT_STATE_FAILED
+    wait_s, index = QueueRegistry(capacity=1).shortest_wait(dep)
+    assert math.isinf(wait_s) and index == 0
+
+
+def test_a_record_without_replicas_routes_to_its_one_worker():
+    dep = deployment(count=0)
+    assert QueueRegistry(capacity=1).shortest_wait(dep) == (0.0, 0)
