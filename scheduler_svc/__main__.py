@@ -11,6 +11,8 @@ def build(settings, store) -> ServiceParts:
         background=[servicer.refresh_forever],
         on_start=servicer.router.refresh,
         on_stop=servicer.close,
+        drain=servicer.in_flight.drain,
+        registry=servicer.registry,
     )
 
 

@@ -16,20 +16,25 @@ from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from scheduler_svc.deadlines import first_token_deadline
+from scheduler_svc.metrics import RequestRecord, ServingMetrics
 from scheduler_svc.policies import QueueEntry
 from scheduler_svc.queues import Clock, PolicyFactory, QueueRegistry
 from scheduler_svc.routing import REFRESH_INTERVAL_S, Router
 from scheduler_svc.validation import check_for_deployment, check_request
 from scheduler_svc.worker_client import WorkerClients, WorkerStream, WorkerStreamError
-from services import errors
+from services import errors, replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
 from services.api import inference_service_pb2_grpc as inference_grpc
 from services.api import worker_service_pb2 as worker_pb
+from services.drain import InFlight
 from services.grpc_server import ServiceBinding
+from services.ids import replica_group_id
+from services.metrics import new_registry
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.scheduler")
@@ -52,6 +57,14 @@ PASSED_THROUGH = {
 EVENT_TIMEOUT_S = 1.0
 
 
+class ReplicaGone(errors.Unavailable):
+    """A replica's worker died before the request streamed any token."""
+
+    def __init__(self, message: str, others_serve: bool):
+        super().__init__(message)
+        self.others_serve = others_serve
+
+
 class InferenceServicer(inference_grpc.InferenceServiceServicer):
     """Serves ``iserve.v1.InferenceService`` from the deployments recorded in ``store``."""
 
@@ -61,12 +74,19 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         queue_capacity: int,
         policy_factory: PolicyFactory | None = None,
         clock: Clock = time.perf_counter,
+        registry: CollectorRegistry | None = None,
     ):
         self.store = store
         self.queues = QueueRegistry(queue_capacity, policy_factory, clock)
-        self.router = Router(store, self.queues.backlog)
+        self.registry = registry if registry is not None else new_registry()
+        self.metrics = ServingMetrics(self.registry, self.queues.snapshot)
+        self.router = Router(store, lambda d: self.queues.shortest_wait(d)[0])
         self.workers = WorkerClients()
         self._clock = clock
+        # Workers found gone, avoided until their replica leaves the records.
+        self._unreachable: set[str] = set()
+        # Generate calls in flight; on SIGTERM new ones get UNAVAILABLE (services.drain).
+        self.in_flight = InFlight("scheduler")
 
     def binding(self) -> ServiceBinding:
         return ServiceBinding(
@@ -85,21 +105,78 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
     async def Generate(
         self, request: inference_pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb.GenerateResponse]:
+        arrival = self._clock()
+        record = RequestRecord(request.model_id, request.deadline_ms, arrival)
+        try:
+            self.in_flight.admit(context)  # UNAVAILABLE once draining; counted until it ends
+            try:
+                async for response in self._generate(request, context, record):
+                    yield response
+            except ReplicaGone as gone:
+                # Its replica's worker died before this request streamed anything: once
+                # more, on another replica, if one still serves.
+                if not gone.others_serve:
+                    raise
+                async for response in self._generate(request, context, record, retry=True):
+                    yield response
+        except errors.IServeError as exc:
+            record.code = exc.code
+            raise
+        except asyncio.CancelledError:
+            record.code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            record.code = grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            self.metrics.record(record)
+
+    async def GetServingStats(
+        self, request: inference_pb.GetServingStatsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb.GetServingStatsResponse:
+        return inference_pb.GetServingStatsResponse(
+            request_id=request.request_id,
+            deployments=[
+                inference_pb.DeploymentServingStats(
+                    deployment_id=s.deployment_id,
+                    model_id=s.model_id,
+                    requests_waiting=s.waiting,
+                    requests_running=s.running,
+                    requests_completed=s.completed,
+                    requests_failed=s.failed,
+                    ttft_p50_ms=s.ttft_p50_s * 1e3,
+                    ttft_p95_ms=s.ttft_p95_s * 1e3,
+                    slo_attained=s.slo_attained,
+                    slo_missed=s.slo_missed,
+                )
+                for s in self.metrics.stats()
+            ],
+        )
+
+    async def _generate(
+        self,
+        request: inference_pb.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        record: RequestRecord,
+        retry: bool = False,
+    ) -> AsyncIterator[inference_pb.GenerateResponse]:
+        """Generate's work; fills ``record`` as it goes. ``retry``: the first attempt
+        already sent the response headers."""
         clock = self._clock
-        arrival = clock()
+        arrival = record.arrival_s
         check_request(request)
         if request.HasField("deployment_id"):
             deployment = await self.router.by_deployment_id(request.deployment_id)
         else:
             deployment = await self.router.by_model_id(request.model_id)
+        record.model_id = deployment.model_id
+        record.deployment_id = deployment.deployment_id
+        record.objectives = deployment.objectives
         check_for_deployment(request, deployment)
-        if not deployment.worker_address:
-            raise errors.FailedPrecondition(
-                f"deployment {deployment.deployment_id} is READY but names no worker address"
-            )
-
+        deployment = self._without_unreachable(deployment)
         deployment_id = deployment.deployment_id
-        queue = self.queues.queue_for(deployment)
+        replica = self._replica_for(deployment)
+        queue = self.queues.queue_for(deployment, replica.index)
         predictor = queue.predictor
         prompt_tokens = len(request.prompt_token_ids) or predictor.prompt_tokens(
             len(request.prompt)
@@ -119,18 +196,18 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             prompt_tokens,
             due.objective,
         )
-        enqueued = clock()
+        enqueued = record.enqueued_s = clock()
         await queue.acquire(entry)
-        admitted = clock()
+        admitted = record.admitted_s = clock()
 
         rid = request.request_id
         final: worker_pb.WorkerServiceGenerateResponse | None = None
-        token_times: list[float] = []
+        token_times: list[float] = record.token_times
         stream: WorkerStream | None = None
         try:
             # No deadline goes to the worker: when the client's passes, gRPC cancels this
             # handler and closing the stream cancels the generation.
-            stream = self.workers.session(deployment.worker_address).start(
+            stream = self.workers.session(replica.worker_address).start(
                 worker_pb.WorkerServiceGenerateRequest(
                     request_id=rid,
                     prompt=request.prompt,
@@ -142,7 +219,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # Headers now, while the worker computes, so the first token travels alone; but
             # first let the request to the worker go out (its write runs in a task).
             await asyncio.sleep(0)
-            await context.send_initial_metadata(())
+            if not retry:
+                await context.send_initial_metadata(())
             read = stream.read
             token_time = token_times.append
             try:
@@ -157,13 +235,16 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     if message.finish_reason:
                         final = message
             except WorkerStreamError as exc:
-                await self._worker_failed(deployment, exc)
+                await self._worker_failed(deployment, replica, exc, streamed=bool(token_times))
         finally:
             if stream is not None:
                 stream.close()  # unless it finished: the client went away, stop the worker
             queue.release()
 
         done = clock()
+        record.prompt_tokens = final.usage.prompt_tokens
+        record.completion_tokens = final.usage.completion_tokens
+        record.finish_reason = final.finish_reason
         deltas = len(token_times)
         first_at = token_times[0] if deltas else admitted
         tpot_s = (token_times[-1] - first_at) / (deltas - 1) if deltas > 1 else None
@@ -180,6 +261,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 first_token_s=first_at - admitted,
                 tpot_s=tpot_s,
                 running=queue.running + 1,
+                service_s=token_times[-1] - admitted,
             )
         yield GenerateResponse(
             request_id=rid,
@@ -191,12 +273,47 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             ),
         )
 
+    def _without_unreachable(self, deployment: deploy_pb.Deployment) -> deploy_pb.Deployment:
+        """``deployment`` less the replicas whose worker this scheduler found gone, until
+        the deployer takes them out of the record (routing refreshes each second); as
+        is when no other replica serves."""
+        if not self._unreachable:
+            return deployment
+        serving = replicas.serving(deployment)
+        gone = [r.index for r in serving if r.worker_address in self._unreachable]
+        if not gone or len(gone) == len(serving):
+            return deployment
+        copy = deploy_pb.Deployment()
+        copy.CopyFrom(deployment)
+        for index in gone:
+            replicas.take_out(copy, index, "its worker is unreachable")
+        return copy
+
+    def _replica_for(self, deployment: deploy_pb.Deployment) -> deploy_pb.Replica:
+        """The serving replica with the shortest expected wait."""
+        _, index = self.queues.shortest_wait(deployment)
+        for replica in replicas.serving(deployment):
+            if replica.index == index:
+                if not replica.worker_address:
+                    raise errors.FailedPrecondition(
+                        f"deployment {deployment.deployment_id} is READY but replica "
+                        f"{index} names no worker address"
+                    )
+                return replica
+        raise errors.FailedPrecondition(
+            f"deployment {deployment.deployment_id} has no replica serving"
+        )
+
     async def _worker_failed(
-        self, deployment: deploy_pb.Deployment, exc: WorkerStreamError
+        self,
+        deployment: deploy_pb.Deployment,
+        replica: deploy_pb.Replica,
+        exc: WorkerStreamError,
+        streamed: bool,
     ) -> NoReturn:
         code, details = exc.code, exc.details
         if code in GONE_CODES:
-            await self._worker_gone(deployment, f"{code.name}: {details}")
+            await self._worker_gone(deployment, replica, f"{code.name}: {details}", streamed)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise errors.InvalidArgument(details)
         error = PASSED_THROUGH.get(code, errors.IServeError)
@@ -204,25 +321,40 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             f"worker of deployment {deployment.deployment_id} failed: {code.name}: {details}"
         )
 
-    async def _worker_gone(self, deployment: deploy_pb.Deployment, reason: str) -> NoReturn:
-        """Report the worker as unreachable (the deployer marks the deployment failed) and
-        fail the request with UNAVAILABLE."""
+    async def _worker_gone(
+        self,
+        deployment: deploy_pb.Deployment,
+        replica: deploy_pb.Replica,
+        reason: str,
+        streamed: bool,
+    ) -> NoReturn:
+        """Report the replica's worker as unreachable (the deployer takes the replica out,
+        or fails the deployment when it was the last) and fail the request with
+        UNAVAILABLE."""
         deployment_id = deployment.deployment_id
         self.router.forget(deployment_id)
+        self._unreachable.add(replica.worker_address)
         try:
             await asyncio.wait_for(
                 self.store.publish_event(
                     "worker_unreachable",
-                    deployment_id=deployment_id,
-                    worker_address=deployment.worker_address,
+                    deployment_id=replica_group_id(deployment_id, replica.index),
+                    worker_address=replica.worker_address,
                     reason=reason,
                 ),
                 EVENT_TIMEOUT_S,
             )
         except Exception as exc:  # noqa: BLE001 - the client still gets its error
             log.warning("cannot publish worker_unreachable for %s: %s", deployment_id, exc)
-        raise errors.Unavailable(f"worker of deployment {deployment_id} is gone: {reason}")
+        message = f"worker of deployment {deployment_id} is gone: {reason}"
+        if not streamed:
+            others = [r for r in replicas.serving(deployment) if r.index != replica.index]
+            raise ReplicaGone(message, others_serve=bool(others))
+        raise errors.Unavailable(message)
 
     async def _forget_removed(self, deployments: list[deploy_pb.Deployment]) -> None:
-        self.queues.prune(d.deployment_id for d in deployments)
-        await self.workers.retain(d.worker_address for d in deployments if d.worker_address)
+        serving = [(d, r) for d in deployments for r in replicas.serving(d)]
+        self.queues.prune(replica_group_id(d.deployment_id, r.index) for d, r in serving)
+        addresses = {r.worker_address for _, r in serving if r.worker_address}
+        self._unreachable &= addresses  # taken out of the records: nothing left to avoid
+        await self.workers.retain(addresses)

@@ -6,7 +6,12 @@ import grpc
 from google.protobuf import json_format
 
 from services.api import deployment_service_pb2 as deploy_pb
-from services.api import deployment_service_pb2_grpc, model_service_pb2_grpc
+from services.api import (
+    deployment_service_pb2_grpc,
+    inference_service_pb2_grpc,
+    model_service_pb2_grpc,
+)
+from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.health import check
 from services.settings import Settings
@@ -18,7 +23,11 @@ def collect_status(settings: Settings) -> dict:
     """Health of every service plus nodes, devices, models and deployments (when the
     services answer). ``healthy`` is True only when every service is SERVING."""
     services = {
-        name: {"address": address, "serving": check(address, timeout_s=2.0)}
+        name: {
+            "address": address,
+            "metrics": f"http://{settings.metrics_address(name)}/metrics",
+            "serving": check(address, timeout_s=2.0),
+        }
         for name, address in settings.addresses.items()
     }
     status: dict = {
@@ -40,6 +49,15 @@ def collect_status(settings: Settings) -> dict:
             )
         status["nodes"] = [json_format.MessageToDict(n, **options) for n in state.nodes]
         status["deployments"] = [json_format.MessageToDict(d, **options) for d in state.deployments]
+    if services["scheduler"]["serving"]:
+        with grpc.insecure_channel(settings.address("scheduler")) as ch:
+            served = inference_service_pb2_grpc.InferenceServiceStub(ch).GetServingStats(
+                inference_pb.GetServingStatsRequest(), timeout=5
+            )
+        by_id = {s.deployment_id: s for s in served.deployments}
+        for deployment in status["deployments"]:
+            stats = by_id.get(deployment["deployment_id"], inference_pb.DeploymentServingStats())
+            deployment["serving"] = json_format.MessageToDict(stats, **options)
     if services["model"]["serving"]:
         with grpc.insecure_channel(settings.address("model")) as ch:
             models = model_service_pb2_grpc.ModelServiceStub(ch).ListModels(
@@ -58,9 +76,10 @@ def _table(rows: list[list[str]]) -> str:
 
 def print_status(status: dict) -> None:
     print(f"state dir {status['state_dir']}   redis {status['redis_url'] or '(none)'}")
-    rows = [["SERVICE", "ADDRESS", "STATE"]]
+    rows = [["SERVICE", "ADDRESS", "STATE", "METRICS"]]
     for name, svc in status["services"].items():
-        rows.append([name, svc["address"], "serving" if svc["serving"] else "DOWN"])
+        state = "serving" if svc["serving"] else "DOWN"
+        rows.append([name, svc["address"], state, svc["metrics"]])
     print(_table(rows))
     devices = [
         [
@@ -110,7 +129,21 @@ def print_status(status: dict) -> None:
         print(_table(rows))
     if status["deployments"]:
         print()
-        rows = [["DEPLOYMENT", "MODEL", "TP", "PP", "BATCH", "STATE", "WORKER"]]
+        rows = [
+            [
+                "DEPLOYMENT",
+                "MODEL",
+                "TP",
+                "PP",
+                "BATCH",
+                "STATE",
+                "WORKER",
+                "QUEUE",
+                "RUNNING",
+                "TTFT P50/P95 ms",
+                "SLO MET",
+            ]
+        ]
         for d in status["deployments"]:
             cfg = d.get("config", {})
             rows.append(
@@ -121,7 +154,35 @@ def print_status(status: dict) -> None:
                     cfg.get("pipeline_parallel", ""),
                     cfg.get("batch_size", ""),
                     d["state"].removeprefix("DEPLOYMENT_STATE_"),
-                    d.get("worker_address") or "-",
+                    _workers(d),
+                    *_serving_columns(d.get("serving")),
                 ]
             )
         print(_table(rows))
+
+
+def _workers(deployment: dict) -> str:
+    """The rank-0 worker address, or each replica's with its state when there are more."""
+    replicas = deployment.get("replicas", [])
+    if len(replicas) <= 1:
+        return deployment.get("worker_address") or "-"
+    return ", ".join(
+        f"{r.get('worker_address') or '-'} ({r['state'].removeprefix('DEPLOYMENT_STATE_').lower()})"
+        for r in replicas
+    )
+
+
+def _serving_columns(serving: dict | None) -> list[str]:
+    """QUEUE, RUNNING, TTFT P50/P95 and SLO MET of a deployment ("-" when unknown)."""
+    if serving is None:
+        return ["-", "-", "-", "-"]
+    ttft = "-"
+    if int(serving["requests_completed"]):
+        ttft = f"{serving['ttft_p50_ms']:.1f}/{serving['ttft_p95_ms']:.1f}"
+    attained, missed = int(serving["slo_attained"]), int(serving["slo_missed"])
+    slo = (
+        f"{100 * attained / (attained + missed):.1f}% of {attained + missed}"
+        if attained + missed
+        else "-"
+    )
+    return [str(serving["requests_waiting"]), str(serving["requests_running"]), ttft, slo]

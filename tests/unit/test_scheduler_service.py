@@ -555,3 +555,41 @@ def test_a_session_the_worker_ends_fails_its_requests_and_the_next_opens_another
         assert worker.sessions == 2
 
     run(redis_url, scenario)
+
+
+def test_a_gone_replica_is_retried_elsewhere_and_avoided_until_taken_out(redis_url):
+    """Replica 0's worker is unreachable: a request routed there before anything streamed
+    runs on replica 1 instead, and the next requests go straight to replica 1."""
+
+    async def scenario(h: Harness):
+        live = FakeWorker()
+        binding = ServiceBinding(
+            live, worker_grpc.add_WorkerServiceServicer_to_server, "iserve.v1.WorkerService"
+        )
+        server, port, _ = await start_server([binding], "127.0.0.1:0")
+        h.workers["d1.r1"] = server
+        deployment = await h.add_deployment("d1", None)  # nothing listens at replica 0's
+        deployment.replicas.add(index=0, worker_address=deployment.worker_address, state=READY)
+        deployment.replicas.add(index=1, worker_address=f"127.0.0.1:{port}", state=READY)
+        await h.store.put_deployment(deployment)
+        for n in range(3):
+            messages = await h.collect(deployment_id="d1", request_id=f"r{n}")
+            assert messages[-1].final.finish_reason == common.FINISH_REASON_LENGTH
+        # One report for the one request that found replica 0 gone; none after it.
+        events = await unreachable_events(h.store)
+        assert [e["deployment_id"] for e in events] == ["d1"]
+        assert h.servicer.queues.get("d1.r1") is not None
+
+    run(redis_url, scenario)
+
+
+def test_the_last_replica_gone_is_unavailable_without_a_retry(redis_url):
+    async def scenario(h: Harness):
+        deployment = await h.add_deployment("d1", None)
+        deployment.replicas.add(index=0, worker_address=deployment.worker_address, state=READY)
+        await h.store.put_deployment(deployment)
+        error = await h.status_of(deployment_id="d1")
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert len(await unreachable_events(h.store)) == 1
+
+    run(redis_url, scenario)

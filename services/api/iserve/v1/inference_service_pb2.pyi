@@ -58,3 +58,41 @@ class GenerateResponse(_message.Message):
     delta: TokenDelta
     final: GenerateFinal
     def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., final: _Optional[_Union[GenerateFinal, _Mapping]] = ...) -> None: ...
+
+class GetServingStatsRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class DeploymentServingStats(_message.Message):
+    __slots__ = ("deployment_id", "model_id", "requests_waiting", "requests_running", "requests_completed", "requests_failed", "ttft_p50_ms", "ttft_p95_ms", "slo_attained", "slo_missed")
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P95_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_ATTAINED_FIELD_NUMBER: _ClassVar[int]
+    SLO_MISSED_FIELD_NUMBER: _ClassVar[int]
+    deployment_id: str
+    model_id: str
+    requests_waiting: int
+    requests_running: int
+    requests_completed: int
+    requests_failed: int
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    slo_attained: int
+    slo_missed: int
+    def __init__(self, deployment_id: _Optional[str] = ..., model_id: _Optional[str] = ..., requests_waiting: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_completed: _Optional[int] = ..., requests_failed: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p95_ms: _Optional[float] = ..., slo_attained: _Optional[int] = ..., slo_missed: _Optional[int] = ...) -> None: ...
+
+class GetServingStatsResponse(_message.Message):
+    __slots__ = ("request_id", "deployments")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    deployments: _containers.RepeatedCompositeFieldContainer[DeploymentServingStats]
+    def __init__(self, request_id: _Optional[str] = ..., deployments: _Optional[_Iterable[_Union[DeploymentServingStats, _Mapping]]] = ...) -> None: ...

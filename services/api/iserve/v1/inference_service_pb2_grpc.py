@@ -41,6 +41,11 @@ class InferenceServiceStub:
                 request_serializer=iserve_dot_v1_dot_inference__service__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=iserve_dot_v1_dot_inference__service__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetServingStats = channel.unary_unary(
+                '/iserve.v1.InferenceService/GetServingStats',
+                request_serializer=iserve_dot_v1_dot_inference__service__pb2.GetServingStatsRequest.SerializeToString,
+                response_deserializer=iserve_dot_v1_dot_inference__service__pb2.GetServingStatsResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -55,6 +60,14 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServingStats(self, request, context):
+        """What this scheduler has served per deployment since it started: its queue, recent
+        TTFT and SLO attainment (what `iserve status` shows).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -62,6 +75,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=iserve_dot_v1_dot_inference__service__pb2.GenerateRequest.FromString,
                     response_serializer=iserve_dot_v1_dot_inference__service__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetServingStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServingStats,
+                    request_deserializer=iserve_dot_v1_dot_inference__service__pb2.GetServingStatsRequest.FromString,
+                    response_serializer=iserve_dot_v1_dot_inference__service__pb2.GetServingStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -93,6 +111,33 @@ class InferenceService:
             '/iserve.v1.InferenceService/Generate',
             iserve_dot_v1_dot_inference__service__pb2.GenerateRequest.SerializeToString,
             iserve_dot_v1_dot_inference__service__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServingStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/iserve.v1.InferenceService/GetServingStats',
+            iserve_dot_v1_dot_inference__service__pb2.GetServingStatsRequest.SerializeToString,
+            iserve_dot_v1_dot_inference__service__pb2.GetServingStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

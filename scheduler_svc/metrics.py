@@ -1,0 +1,275 @@
+"""What the scheduler measures of the requests it serves, for Prometheus and for status.
+
+Names follow what vLLM users already scrape, with the ``iserve_`` prefix, labelled by
+``model_id`` and ``deployment_id``:
+
+- histograms ``time_to_first_token_seconds`` (arrival at the scheduler to the first
+  token), ``inter_token_latency_seconds`` (one observation per gap between tokens),
+  ``e2e_request_latency_seconds`` (arrival to the last token), and
+  ``request_queue_time_seconds`` (waiting for a slot);
+- gauges ``num_requests_running`` and ``num_requests_waiting`` (read from the queues
+  when scraped, summed over a deployment's replicas);
+- counters ``prompt_tokens_total``, ``generation_tokens_total``,
+  ``request_success_total{finished_reason}``, ``request_failure_total{code}`` (every
+  request that ended with an error status: refused, cancelled or failed midway);
+- goodput, which none of vLLM, TGI or Triton exports: ``slo_attained_total`` and
+  ``slo_missed_total``, counting requests that had an objective (the deployment's TTFT
+  or TPOT SLO, its default deadline or their own ``deadline_ms``); a request that did
+  not complete missed it.
+
+A request is recorded once, when it ends, from the times the servicer took anyway, so
+the token loop does no metrics work.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from scheduler_svc.deadlines import has_objective, slo_attained
+from services.api import common_pb2 as common
+from services.ids import split_group_id
+from services.metrics import PREFIX
+
+LABELS = ("model_id", "deployment_id")
+# vLLM's buckets, with finer ones below 10 ms for CPU deployments of small models.
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+INTER_TOKEN_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+REQUEST_BUCKETS = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0,
+)  # fmt: skip
+# Completed requests whose TTFT the status percentiles are taken over, per deployment.
+RECENT_REQUESTS = 1024
+FINISH_NAMES = {
+    common.FINISH_REASON_LENGTH: "length",
+    common.FINISH_REASON_STOP: "stop",
+    common.FINISH_REASON_CANCELLED: "abort",
+}
+
+Snapshot = Callable[[], Iterable[tuple[str, int, int]]]
+"""(queue id, running, waiting) of every queue (``QueueRegistry.snapshot``)."""
+
+
+@dataclass
+class RequestRecord:
+    """One request as the servicer saw it; times in seconds on the scheduler's clock.
+
+    ``code`` is OK for a request that streamed to its end; ``token_times`` holds when
+    each token message reached the scheduler."""
+
+    model_id: str
+    deadline_ms: int
+    arrival_s: float
+    deployment_id: str = ""
+    objectives: common.ServiceObjectives | None = None
+    admitted_s: float | None = None
+    enqueued_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: int = 0
+    code: grpc.StatusCode = grpc.StatusCode.OK
+
+
+@dataclass
+class _Tally:
+    model_id: str
+    completed: int = 0
+    failed: int = 0
+    attained: int = 0
+    missed: int = 0
+    recent_ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+
+
+@dataclass(frozen=True)
+class DeploymentStats:
+    deployment_id: str
+    model_id: str
+    waiting: int
+    running: int
+    completed: int
+    failed: int
+    ttft_p50_s: float
+    ttft_p95_s: float
+    slo_attained: int
+    slo_missed: int
+
+
+def _percentile(values: Iterable[float], q: int) -> float:
+    """The q-th percentile (of 100), 0.0 with no values."""
+    values = sorted(values)
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+class _QueueGauges(Collector):
+    """``num_requests_running`` and ``num_requests_waiting`` per deployment, read at
+    scrape time (the queues change on the event loop; ``snapshot`` copies them in one
+    step under the GIL)."""
+
+    def __init__(self, snapshot: Snapshot, model_of: Callable[[str], str]):
+        self._snapshot = snapshot
+        self._model_of = model_of
+
+    def collect(self):
+        for _attempt in range(3):
+            try:
+                queues = _by_deployment(self._snapshot())
+                break
+            except RuntimeError:  # a queue was added while this thread copied them
+                continue
+        else:
+            queues = {}
+        running = GaugeMetricFamily(
+            f"{PREFIX}num_requests_running", "Requests holding a slot", labels=LABELS
+        )
+        waiting = GaugeMetricFamily(
+            f"{PREFIX}num_requests_waiting", "Requests waiting for a slot", labels=LABELS
+        )
+        for deployment_id, (run, wait) in queues.items():
+            labels = [self._model_of(deployment_id), deployment_id]
+            running.add_metric(labels, run)
+            waiting.add_metric(labels, wait)
+        yield running
+        yield waiting
+
+
+def _by_deployment(queues: Iterable[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
+    """(running, waiting) per deployment, replicas' queues summed."""
+    totals: dict[str, tuple[int, int]] = {}
+    for queue_id, running, waiting in list(queues):
+        deployment_id, _ = split_group_id(queue_id)
+        run, wait = totals.get(deployment_id, (0, 0))
+        totals[deployment_id] = (run + running, wait + waiting)
+    return totals
+
+
+class ServingMetrics:
+    """The scheduler's Prometheus metrics and per-deployment tallies for status."""
+
+    def __init__(self, registry: CollectorRegistry, snapshot: Snapshot):
+        self._snapshot = snapshot
+        self._tallies: dict[str, _Tally] = {}
+
+        def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, help_text, LABELS, buckets=buckets, registry=registry)
+
+        def counter(name: str, help_text: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, help_text, LABELS + extra, registry=registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS)
+        self.inter_token = histogram(
+            "inter_token_latency_seconds", "Gap between consecutive tokens", INTER_TOKEN_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token", REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time waiting for a slot", REQUEST_BUCKETS
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of completed requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated and streamed")
+        self.success = counter(
+            "request_success", "Requests streamed to their end", ("finished_reason",)
+        )
+        self.failure = counter(
+            "request_failure", "Requests ended by an error status (refused or failed)", ("code",)
+        )
+        self.slo_attained = counter("slo_attained", "Requests that met every objective")
+        self.slo_missed = counter("slo_missed", "Requests with an objective they did not meet")
+        registry.register(_QueueGauges(snapshot, self._model_of))
+
+    def _model_of(self, deployment_id: str) -> str:
+        tally = self._tallies.get(deployment_id)
+        return tally.model_id if tally is not None else ""
+
+    def record(self, r: RequestRecord) -> None:
+        """Count one request that has ended, however it ended."""
+        labels = (r.model_id, r.deployment_id)
+        tally = self._tallies.get(r.deployment_id)
+        if tally is None:
+            tally = self._tallies[r.deployment_id] = _Tally(r.model_id)
+        objectives = r.objectives or common.ServiceObjectives()
+        if r.enqueued_s is not None and r.admitted_s is not None:
+            self.queue_time.labels(*labels).observe(r.admitted_s - r.enqueued_s)
+        times = r.token_times
+        if r.code != grpc.StatusCode.OK:
+            tally.failed += 1
+            self.failure.labels(*labels, r.code.name).inc()
+            if times:
+                self.generation_tokens.labels(*labels).inc(len(times))
+            if has_objective(objectives, r.deadline_ms):
+                tally.missed += 1
+                self.slo_missed.labels(*labels).inc()
+            return
+        tally.completed += 1
+        self.success.labels(*labels, FINISH_NAMES.get(r.finish_reason, "unknown")).inc()
+        self.prompt_tokens.labels(*labels).inc(r.prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(r.completion_tokens)
+        if not times:
+            return
+        ttft_s = times[0] - r.arrival_s
+        tally.recent_ttft_s.append(ttft_s)
+        self.ttft.labels(*labels).observe(ttft_s)
+        self.e2e.labels(*labels).observe(times[-1] - r.arrival_s)
+        gaps = self.inter_token.labels(*labels)
+        for before, after in zip(times, times[1:], strict=False):
+            gaps.observe(after - before)
+        tokens = len(times)
+        attained = slo_attained(
+            objectives,
+            r.deadline_ms,
+            ttft_ms=ttft_s * 1e3,
+            tpot_ms=(times[-1] - times[0]) / (tokens - 1) * 1e3 if tokens > 1 else 0.0,
+            total_ms=(times[-1] - r.arrival_s) * 1e3,
+            tokens=tokens,
+        )
+        if attained is True:
+            tally.attained += 1
+            self.slo_attained.labels(*labels).inc()
+        elif attained is False:
+            tally.missed += 1
+            self.slo_missed.labels(*labels).inc()
+
+    def stats(self) -> list[DeploymentStats]:
+        """Per deployment this scheduler has seen or queues for, sorted by id."""
+        queues = _by_deployment(self._snapshot())
+        result = []
+        for deployment_id in sorted(set(self._tallies) | set(queues)):
+            if not deployment_id:
+                continue  # requests refused before any deployment was resolved
+            tally = self._tallies.get(deployment_id) or _Tally("")
+            running, waiting = queues.get(deployment_id, (0, 0))
+            recent = list(tally.recent_ttft_s)
+            result.append(
+                DeploymentStats(
+                    deployment_id=deployment_id,
+                    model_id=tally.model_id,
+                    waiting=waiting,
+                    running=running,
+                    completed=tally.completed,
+                    failed=tally.failed,
+                    ttft_p50_s=_percentile(recent, 50),
+                    ttft_p95_s=_percentile(recent, 95),
+                    slo_attained=tally.attained,
+                    slo_missed=tally.missed,
+                )
+            )
+        return result

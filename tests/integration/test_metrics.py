@@ -1,0 +1,174 @@
+"""Prometheus metrics on the live stack, scraped over HTTP with a real HTTP client.
+
+After a known batch of requests the scheduler's counters and histograms moved by exactly
+what was sent (the scrape before is subtracted: other tests share the stack), every
+service answers at its metrics address, the agent exports its devices and workers, and
+``iserve status`` shows the deployment's queue, TTFT percentiles and request counts.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.api import common_pb2 as common
+from services.api import inference_service_pb2 as infer_pb
+from tests.integration.helpers import cli, generate, rid, wait_for
+
+pytestmark = pytest.mark.integration
+
+GREEDY_NO_EOS = common.SamplingParams(ignore_eos=True)
+# (prompt tokens, output tokens) of each request sent.
+REQUESTS = [(3, 4), (7, 2), (5, 6), (1, 1)]
+
+
+def scrape(address: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample at http://address/metrics, keyed by (name, labels)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def test_scheduler_metrics_count_exactly_what_was_sent(stack, served):
+    address = stack.settings.metrics_address("scheduler")
+    ids = {"model_id": served.model_id, "deployment_id": served.deployment_id}
+    before = scrape(address)
+    messages = []
+    for prompt_len, tokens in REQUESTS:
+        deltas, final = generate(
+            stack,
+            deployment_id=served.deployment_id,
+            prompt_token_ids=list(range(10, 10 + prompt_len)),
+            max_tokens=tokens,
+            sampling=GREEDY_NO_EOS,
+        )
+        assert final.usage.completion_tokens == tokens
+        messages.append(len(deltas))
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(
+            stack,
+            deployment_id=served.deployment_id,
+            prompt="hello",
+            max_tokens=served.max_output_tokens + 1,
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    after = scrape(address)
+
+    def moved(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    sent = len(REQUESTS)
+    assert moved("iserve_request_success_total", **ids, finished_reason="length") == sent
+    assert moved("iserve_prompt_tokens_total", **ids) == sum(p for p, _ in REQUESTS)
+    assert moved("iserve_generation_tokens_total", **ids) == sum(t for _, t in REQUESTS)
+    for histogram in (
+        "iserve_time_to_first_token_seconds",
+        "iserve_e2e_request_latency_seconds",
+        "iserve_request_queue_time_seconds",
+    ):
+        assert moved(f"{histogram}_count", **ids) == sent, histogram
+        assert moved(f"{histogram}_bucket", **ids, le="+Inf") == sent, histogram
+        assert moved(f"{histogram}_sum", **ids) >= 0
+    gaps = sum(m - 1 for m in messages)
+    assert moved("iserve_inter_token_latency_seconds_count", **ids) == gaps
+    assert moved("iserve_request_failure_total", **ids, code="INVALID_ARGUMENT") == 1
+    # The served deployment has no objective: nothing counts for or against goodput.
+    assert moved("iserve_slo_attained_total", **ids) == 0
+    assert moved("iserve_slo_missed_total", **ids) == 0
+    handled = {"grpc_service": "iserve.v1.InferenceService", "grpc_method": "Generate"}
+    assert moved("iserve_grpc_server_handled_total", **handled, grpc_code="OK") == sent
+    assert moved("iserve_grpc_server_handled_total", **handled, grpc_code="INVALID_ARGUMENT") == 1
+    assert value(after, "iserve_num_requests_running", **ids) == 0
+    assert value(after, "iserve_num_requests_waiting", **ids) == 0
+    assert value(after, "process_resident_memory_bytes") > 0
+
+
+def test_slo_attainment_is_counted_per_deployment(stack, served):
+    """A request's own deadline is an objective: a generous one is attained."""
+    address = stack.settings.metrics_address("scheduler")
+    ids = {"model_id": served.model_id, "deployment_id": served.deployment_id}
+    before = scrape(address)
+    generate(
+        stack,
+        deployment_id=served.deployment_id,
+        prompt_token_ids=[5, 6, 7],
+        max_tokens=2,
+        sampling=GREEDY_NO_EOS,
+        deadline_ms=60_000,
+    )
+    after = scrape(address)
+    attained = value(after, "iserve_slo_attained_total", **ids)
+    assert attained - value(before, "iserve_slo_attained_total", **ids) == 1
+    assert value(after, "iserve_slo_missed_total", **ids) == value(
+        before, "iserve_slo_missed_total", **ids
+    )
+
+
+def test_every_service_serves_metrics_and_the_agent_its_devices(stack, served):
+    for name in stack.settings.addresses:
+        samples = scrape(stack.settings.metrics_address(name))
+        assert value(samples, "process_resident_memory_bytes") > 0, name
+    agent = scrape(stack.settings.metrics_address("agent"))
+    devices = {
+        dict(labels)["device_id"]: v
+        for (name, labels), v in agent.items()
+        if name == "iserve_device_memory_total_bytes"
+    }
+    assert len(devices) == 2 and all(v == 2 * (1 << 30) for v in devices.values())
+
+    def ready_workers() -> float:
+        # The agent updates its gauges each second, with its device monitor.
+        samples = scrape(stack.settings.metrics_address("agent"))
+        return value(samples, "iserve_workers", node_id=stack.settings.node_id, state="ready")
+
+    assert wait_for(lambda: ready_workers() >= 1, timeout=5)
+    assert any(name == "iserve_device_load" for name, _ in agent)
+    deploy = scrape(stack.settings.metrics_address("deploy"))
+    assert any(
+        name == "iserve_grpc_server_handled_total" and dict(labels)["grpc_code"] == "OK"
+        for (name, labels) in deploy
+    )
+
+
+def test_status_shows_queue_ttft_and_requests_per_deployment(stack, served):
+    generate(
+        stack,
+        request_id=rid(),
+        deployment_id=served.deployment_id,
+        prompt_token_ids=[1, 2],
+        max_tokens=2,
+        sampling=GREEDY_NO_EOS,
+    )
+    out = cli(stack, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    deployment = next(
+        d for d in status["deployments"] if d["deployment_id"] == served.deployment_id
+    )
+    serving = deployment["serving"]
+    assert int(serving["requests_completed"]) >= 1
+    assert 0 < serving["ttft_p50_ms"] <= serving["ttft_p95_ms"]
+    assert serving["requests_waiting"] == 0
+    assert status["services"]["scheduler"]["metrics"].endswith("/metrics")
+    table = cli(stack, "status")
+    assert table.returncode == 0, table.stderr
+    assert "TTFT P50/P95 ms" in table.stdout and served.deployment_id in table.stdout
+
+
+def test_serving_stats_over_grpc(stack, served):
+    reply = stack.inference.GetServingStats(infer_pb.GetServingStatsRequest(request_id=rid()))
+    assert any(d.deployment_id == served.deployment_id for d in reply.deployments)

@@ -1,0 +1,134 @@
+"""The scheduler's metrics from request records, without a server."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler_svc.metrics import RequestRecord, ServingMetrics
+from services.api import common_pb2 as common
+from services.metrics import RpcMetrics, new_registry
+
+IDS = {"model_id": "m", "deployment_id": "d1"}
+TTFT_SLO = common.ServiceObjectives(ttft_slo_ms=100)
+
+
+def build(queues=()):
+    registry = CollectorRegistry()
+    return registry, ServingMetrics(registry, lambda: list(queues))
+
+
+def served(arrival=0.0, tokens=(0.05, 0.06, 0.07), objectives=None, deadline_ms=0, **fields):
+    return RequestRecord(
+        model_id="m",
+        deadline_ms=deadline_ms,
+        arrival_s=arrival,
+        deployment_id="d1",
+        objectives=objectives,
+        enqueued_s=arrival,
+        admitted_s=arrival + 0.01,
+        token_times=[arrival + t for t in tokens],
+        prompt_tokens=fields.get("prompt_tokens", 5),
+        completion_tokens=len(tokens),
+        finish_reason=common.FINISH_REASON_LENGTH,
+    )
+
+
+def test_a_completed_request_moves_every_series_once():
+    registry, metrics = build()
+    metrics.record(served())
+    get = registry.get_sample_value
+    assert get("iserve_request_success_total", {**IDS, "finished_reason": "length"}) == 1
+    assert get("iserve_prompt_tokens_total", IDS) == 5
+    assert get("iserve_generation_tokens_total", IDS) == 3
+    assert get("iserve_time_to_first_token_seconds_count", IDS) == 1
+    assert get("iserve_time_to_first_token_seconds_sum", IDS) == pytest.approx(0.05)
+    assert get("iserve_inter_token_latency_seconds_count", IDS) == 2
+    assert get("iserve_inter_token_latency_seconds_sum", IDS) == pytest.approx(0.02)
+    assert get("iserve_e2e_request_latency_seconds_sum", IDS) == pytest.approx(0.07)
+    assert get("iserve_request_queue_time_seconds_sum", IDS) == pytest.approx(0.01)
+    # No objective: goodput counts neither way.
+    assert get("iserve_slo_attained_total", IDS) in (None, 0)
+    assert get("iserve_slo_missed_total", IDS) in (None, 0)
+
+
+def test_slo_attained_and_missed_per_request():
+    registry, metrics = build()
+    metrics.record(served(objectives=TTFT_SLO))  # TTFT 50 ms <= 100
+    metrics.record(served(objectives=TTFT_SLO, tokens=(0.2, 0.21)))  # 200 ms > 100
+    metrics.record(served(deadline_ms=50))  # its own deadline, last token at 70 ms
+    assert registry.get_sample_value("iserve_slo_attained_total", IDS) == 1
+    assert registry.get_sample_value("iserve_slo_missed_total", IDS) == 2
+    (stats,) = metrics.stats()
+    assert (stats.slo_attained, stats.slo_missed, stats.completed) == (1, 2, 3)
+
+
+def test_a_refused_request_counts_by_code_and_misses_its_objective():
+    registry, metrics = build()
+    refused = RequestRecord("m", 0, 0.0, deployment_id="d1", objectives=TTFT_SLO)
+    refused.code = grpc.StatusCode.DEADLINE_EXCEEDED
+    metrics.record(refused)
+    early = RequestRecord("m", 0, 0.0)  # refused before a deployment was resolved
+    early.code = grpc.StatusCode.NOT_FOUND
+    metrics.record(early)
+    get = registry.get_sample_value
+    assert get("iserve_request_failure_total", {**IDS, "code": "DEADLINE_EXCEEDED"}) == 1
+    assert get("iserve_slo_missed_total", IDS) == 1
+    assert (
+        get(
+            "iserve_request_failure_total",
+            {"model_id": "m", "deployment_id": "", "code": "NOT_FOUND"},
+        )
+        == 1
+    )
+    assert get("iserve_time_to_first_token_seconds_count", IDS) in (None, 0)
+    assert [s.deployment_id for s in metrics.stats()] == ["d1"]  # "" is not a deployment
+
+
+def test_tokens_streamed_before_a_failure_still_count():
+    registry, metrics = build()
+    cut = served()
+    cut.code = grpc.StatusCode.UNAVAILABLE
+    metrics.record(cut)
+    assert registry.get_sample_value("iserve_generation_tokens_total", IDS) == 3
+    assert (
+        registry.get_sample_value("iserve_request_failure_total", {**IDS, "code": "UNAVAILABLE"})
+        == 1
+    )
+
+
+def test_queue_gauges_sum_replicas_and_status_percentiles():
+    queues = [("d1", 2, 3), ("d1.r1", 1, 4), ("d2", 0, 0)]
+    registry, metrics = build(queues)
+    for i in range(100):
+        metrics.record(served(tokens=(0.001 * (i + 1),)))
+    text = generate_latest(registry).decode()
+    samples = {
+        (s.name, s.labels.get("deployment_id")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples["iserve_num_requests_running", "d1"] == 3
+    assert samples["iserve_num_requests_waiting", "d1"] == 7
+    assert samples["iserve_num_requests_waiting", "d2"] == 0
+    by_id = {s.deployment_id: s for s in metrics.stats()}
+    assert by_id["d1"].ttft_p50_s == pytest.approx(0.0505)
+    assert by_id["d1"].ttft_p95_s == pytest.approx(0.09505)
+    assert (by_id["d1"].running, by_id["d1"].waiting) == (3, 7)
+    assert by_id["d2"].completed == 0 and by_id["d2"].ttft_p50_s == 0.0
+
+
+def test_rpc_counter_splits_the_method_name():
+    registry = new_registry()
+    metrics = RpcMetrics(registry)
+    metrics.count("/iserve.v1.InferenceService/Generate", grpc.StatusCode.OK)
+    metrics.count("/iserve.v1.InferenceService/Generate", grpc.StatusCode.OK)
+    labels = {
+        "grpc_service": "iserve.v1.InferenceService",
+        "grpc_method": "Generate",
+        "grpc_code": "OK",
+    }
+    assert registry.get_sample_value("iserve_grpc_server_handled_total", labels) == 2
+    assert registry.get_sample_value("process_resident_memory_bytes") > 0
