@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from scheduler_svc.deadlines import first_token_deadline
 from scheduler_svc.metrics import RequestRecord, ServingMetrics
 from scheduler_svc.policies import QueueEntry
-from scheduler_svc.queues import Clock, PolicyFactory, QueueRegistry
+from scheduler_svc.queues import Clock, DeploymentQueue, PolicyFactory, QueueRegistry
 from scheduler_svc.routing import REFRESH_INTERVAL_S, Router
 from scheduler_svc.validation import check_for_deployment, check_request
 from scheduler_svc.worker_client import WorkerClients, WorkerStream, WorkerStreamError
@@ -105,20 +105,64 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
     async def Generate(
         self, request: inference_pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb.GenerateResponse]:
-        arrival = self._clock()
-        record = RequestRecord(request.model_id, request.deadline_ms, arrival)
+        clock = self._clock
+        record = RequestRecord(request.model_id, request.deadline_ms, clock())
+        rid = request.request_id
         try:
             self.in_flight.admit(context)  # UNAVAILABLE once draining; counted until it ends
-            try:
-                async for response in self._generate(request, context, record):
-                    yield response
-            except ReplicaGone as gone:
-                # Its replica's worker died before this request streamed anything: once
-                # more, on another replica, if one still serves.
-                if not gone.others_serve:
-                    raise
-                async for response in self._generate(request, context, record, retry=True):
-                    yield response
+            check_request(request)
+            # A second attempt only when the replica's worker was gone before any token.
+            for attempt in range(2):
+                deployment, replica, queue = await self._admit(request, record)
+                final: worker_pb.WorkerServiceGenerateResponse | None = None
+                token_times = record.token_times
+                stream: WorkerStream | None = None
+                try:
+                    # No deadline goes to the worker: when the client's passes, gRPC cancels
+                    # this handler and closing the stream cancels the generation.
+                    stream = self.workers.session(replica.worker_address).start(
+                        worker_pb.WorkerServiceGenerateRequest(
+                            request_id=rid,
+                            prompt=request.prompt,
+                            prompt_token_ids=request.prompt_token_ids,
+                            max_tokens=request.max_tokens,
+                            sampling=request.sampling,
+                        )
+                    )
+                    # Headers now, while the worker computes, so the first token travels
+                    # alone; but first let the request to the worker go out (a task writes it).
+                    await asyncio.sleep(0)
+                    if attempt == 0:
+                        await context.send_initial_metadata(())
+                    read = stream.read
+                    token_time = token_times.append
+                    try:
+                        while final is None:
+                            message = await read()
+                            if message.token_ids or message.text:
+                                token_time(clock())
+                                yield GenerateResponse(
+                                    request_id=rid,
+                                    delta=TokenDelta(
+                                        token_ids=message.token_ids, text=message.text
+                                    ),
+                                )
+                            if message.finish_reason:
+                                final = message
+                    except WorkerStreamError as exc:
+                        await self._worker_failed(
+                            deployment, replica, exc, streamed=bool(token_times)
+                        )
+                except ReplicaGone as gone:
+                    if attempt or not gone.others_serve:
+                        raise
+                    continue  # once more, on a replica that still serves
+                finally:
+                    if stream is not None:
+                        stream.close()  # unless it finished: the client went away
+                    queue.release()
+                break
+            yield self._finish(request, record, queue, final)
         except errors.IServeError as exc:
             record.code = exc.code
             raise
@@ -153,18 +197,13 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             ],
         )
 
-    async def _generate(
-        self,
-        request: inference_pb.GenerateRequest,
-        context: grpc.aio.ServicerContext,
-        record: RequestRecord,
-        retry: bool = False,
-    ) -> AsyncIterator[inference_pb.GenerateResponse]:
-        """Generate's work; fills ``record`` as it goes. ``retry``: the first attempt
-        already sent the response headers."""
+    async def _admit(
+        self, request: inference_pb.GenerateRequest, record: RequestRecord
+    ) -> tuple[deploy_pb.Deployment, deploy_pb.Replica, DeploymentQueue]:
+        """Resolve the request's deployment and replica and wait for a slot on it; fills
+        ``record``. The caller releases the slot."""
         clock = self._clock
         arrival = record.arrival_s
-        check_request(request)
         if request.HasField("deployment_id"):
             deployment = await self.router.by_deployment_id(request.deployment_id)
         else:
@@ -174,7 +213,6 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         record.objectives = deployment.objectives
         check_for_deployment(request, deployment)
         deployment = self._without_unreachable(deployment)
-        deployment_id = deployment.deployment_id
         replica = self._replica_for(deployment)
         queue = self.queues.queue_for(deployment, replica.index)
         predictor = queue.predictor
@@ -196,52 +234,22 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             prompt_tokens,
             due.objective,
         )
-        enqueued = record.enqueued_s = clock()
+        record.enqueued_s = clock()
         await queue.acquire(entry)
-        admitted = record.admitted_s = clock()
+        record.admitted_s = clock()
+        return deployment, replica, queue
 
-        rid = request.request_id
-        final: worker_pb.WorkerServiceGenerateResponse | None = None
-        token_times: list[float] = record.token_times
-        stream: WorkerStream | None = None
-        try:
-            # No deadline goes to the worker: when the client's passes, gRPC cancels this
-            # handler and closing the stream cancels the generation.
-            stream = self.workers.session(replica.worker_address).start(
-                worker_pb.WorkerServiceGenerateRequest(
-                    request_id=rid,
-                    prompt=request.prompt,
-                    prompt_token_ids=request.prompt_token_ids,
-                    max_tokens=request.max_tokens,
-                    sampling=request.sampling,
-                )
-            )
-            # Headers now, while the worker computes, so the first token travels alone; but
-            # first let the request to the worker go out (its write runs in a task).
-            await asyncio.sleep(0)
-            if not retry:
-                await context.send_initial_metadata(())
-            read = stream.read
-            token_time = token_times.append
-            try:
-                while final is None:
-                    message = await read()
-                    if message.token_ids or message.text:
-                        token_time(clock())
-                        yield GenerateResponse(
-                            request_id=rid,
-                            delta=TokenDelta(token_ids=message.token_ids, text=message.text),
-                        )
-                    if message.finish_reason:
-                        final = message
-            except WorkerStreamError as exc:
-                await self._worker_failed(deployment, replica, exc, streamed=bool(token_times))
-        finally:
-            if stream is not None:
-                stream.close()  # unless it finished: the client went away, stop the worker
-            queue.release()
-
-        done = clock()
+    def _finish(
+        self,
+        request: inference_pb.GenerateRequest,
+        record: RequestRecord,
+        queue: DeploymentQueue,
+        final: worker_pb.WorkerServiceGenerateResponse,
+    ) -> inference_pb.GenerateResponse:
+        """The final message with the scheduler's timings; the deployment's predictor
+        learns from them."""
+        done = self._clock()
+        arrival, admitted, token_times = record.arrival_s, record.admitted_s, record.token_times
         record.prompt_tokens = final.usage.prompt_tokens
         record.completion_tokens = final.usage.completion_tokens
         record.finish_reason = final.finish_reason
@@ -249,13 +257,13 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         first_at = token_times[0] if deltas else admitted
         tpot_s = (token_times[-1] - first_at) / (deltas - 1) if deltas > 1 else None
         timings = common.Timings(
-            queue_ms=(admitted - enqueued) * 1e3,
+            queue_ms=(admitted - record.enqueued_s) * 1e3,
             ttft_ms=(first_at - arrival) * 1e3 if deltas else 0.0,
             tpot_ms=tpot_s * 1e3 if tpot_s is not None else 0.0,
             total_ms=(done - arrival) * 1e3,
         )
         if deltas:
-            predictor.observe(
+            queue.predictor.observe(
                 prompt_tokens=final.usage.prompt_tokens,
                 prompt_chars=0 if request.prompt_token_ids else len(request.prompt),
                 first_token_s=first_at - admitted,
@@ -263,13 +271,13 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 running=queue.running + 1,
                 service_s=token_times[-1] - admitted,
             )
-        yield GenerateResponse(
-            request_id=rid,
+        return GenerateResponse(
+            request_id=request.request_id,
             final=inference_pb.GenerateFinal(
                 finish_reason=final.finish_reason,
                 usage=final.usage,
                 timings=timings,
-                deployment_id=deployment_id,
+                deployment_id=record.deployment_id,
             ),
         )
 
