@@ -64,6 +64,8 @@ DEFAULT_TRACES = REPO.parent / "shared" / "data" / "azure-llm-traces"
 TRACE_FILE = "AzureLLMInferenceTrace_{}.csv"
 # Token counts at this quantile of the trace map to the deployment's limits.
 SCALE_QUANTILE = 0.99
+# The busiest part of a window whose rate --rate-basis peak sets: a tenth of its requests.
+PEAK_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -109,10 +111,26 @@ def window_jobs(
     ]
 
 
-def at_rate(jobs: list[harness.Job], rate_per_s: float) -> list[harness.Job]:
-    """The same jobs with every gap multiplied by one constant: mean rate ``rate_per_s``."""
+def mean_rate(jobs: list[harness.Job]) -> float:
+    """Arrivals per second over the whole window."""
     span = jobs[-1].at_s - jobs[0].at_s
-    stretch = (len(jobs) - 1) / rate_per_s / span if span > 0 else 0.0
+    return (len(jobs) - 1) / span if span > 0 else math.inf
+
+
+def peak_rate(jobs: list[harness.Job]) -> float:
+    """Arrivals per second over the busiest tenth of the window: the shortest span that
+    holds PEAK_SHARE of its requests back to back."""
+    k = max(2, round(len(jobs) * PEAK_SHARE))
+    spans = [jobs[i + k - 1].at_s - jobs[i].at_s for i in range(len(jobs) - k + 1)]
+    shortest = min(spans)
+    return (k - 1) / shortest if shortest > 0 else math.inf
+
+
+def at_rate(jobs: list[harness.Job], rate_per_s: float, basis: str) -> list[harness.Job]:
+    """The same jobs with every gap multiplied by one constant, so that their ``basis``
+    rate ("mean" or "peak", see :func:`peak_rate`) is ``rate_per_s``."""
+    rate = mean_rate(jobs) if basis == "mean" else peak_rate(jobs)
+    stretch = rate / rate_per_s if math.isfinite(rate) else 0.0
     return [harness.Job(j.at_s * stretch, j.prompt_tokens, j.output_tokens) for j in jobs]
 
 
@@ -158,6 +176,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--factors", default="0.5,1,2", help="load factors x capacity")
     parser.add_argument("--repeats", type=int, default=1, help="runs per point (median)")
     parser.add_argument("--seed", type=int, default=0, help="picks each trace's window")
+    parser.add_argument(
+        "--rate-basis",
+        choices=("mean", "peak"),
+        default="mean",
+        help="which rate the load factor sets: the window's mean, or its busiest tenth's",
+    )
     parser.add_argument("--ttft-slo-ms", type=int, default=0, help="0: slo-multiple x unloaded")
     parser.add_argument("--slo-multiple", type=float, default=10.0)
     parser.add_argument("--batch", type=int, default=8, help="KV slots of each deployment")
@@ -207,7 +231,11 @@ def main() -> int:
                 f"capacity {capacity:.2f} req/s"
             )
             for factor in factors:
-                jobs = at_rate(window, factor * capacity)
+                jobs = at_rate(window, factor * capacity, args.rate_basis)
+                print(
+                    f"  {factor:g}x: mean {mean_rate(jobs):.2f} req/s, busiest tenth "
+                    f"{peak_rate(jobs):.2f} req/s ({args.rate_basis} = {factor:g} x capacity)"
+                )
                 for repeat in range(args.repeats):
                     order = list(harness.POLICIES)[:: 1 if repeat % 2 == 0 else -1]
                     for policy in order:
