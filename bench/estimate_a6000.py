@@ -1,25 +1,51 @@
-"""Estimation accuracy on real GPU measurements: the MaverIQ A6000 data, leave one model out.
+"""Estimation accuracy on real GPU measurements: the MaverIQ A6000 data, held-out models.
 
-For each model with full-model measurements (falcon-7b, gptj-6b, llama-2-7b,
-llama-2-13b) every full-model row (batch 1, 923-token prompt, outputs 10-200, every
-(tp, pp) on 8 GPUs) is estimated from that model's *fingerprint* rows only, with the
-hardware constants calibrated on the other three models' full-model rows. Printed: the
-median and p90 absolute percentage error of latency and memory per model and overall,
-for iserve's estimator (with the design's three references, and with a TP ladder) and
-for MaverIQ's method as published. Then a sanity line for llama-2-70b and falcon-40b,
-whose full models were never measured.
+Every full-model row (batch 1, 923-token prompt, outputs 10-200, every (tp, pp) on 8
+GPUs) of a held-out model is estimated from that model's *fingerprint* rows only, with
+the hardware constants calibrated on other models' full-model rows. Two splits
+(``--split``, default both):
 
-Run: ``python bench/estimate_a6000.py`` (data from ``$ISERVE_SHARED_DATA`` or
-``../shared/data`` beside the repository). Takes about a minute on two cores.
+``loao``   leave one model out: each of falcon-7b, gptj-6b, llama-2-7b, llama-2-13b held
+           out in turn, calibrated on the other three.
+``scale``  scale transfer: calibrated on the smaller models (falcon-7b, gptj-6b,
+           llama-2-7b) only, llama-2-13b (the largest measured) estimated. On these four
+           models that is the same fold as LOAO's llama-2-13b one (computed once, so the
+           figures agree by construction); it is reported on its own because it is the
+           deployment case, a model larger than anything calibrated on, and it stays that
+           if larger models are ever measured in full (LOAO would calibrate on them).
+
+Printed per split, for iserve's estimator (with the design's three references, and with a
+TP ladder) and for MaverIQ's method as published, on the same rows: the median and p90
+absolute percentage error of latency and memory per held-out model and overall; then per
+(tp, pp) layout and per variant (weight dtype, int8 KV cache) the median and p90 absolute
+error and the signed median bias (estimate / measured - 1).
+
+Decision regret (scale split): for each intent that these measurements can judge
+(min_latency, min_memory, min_cost = memory x latency, min_device_hours; at batch 1
+max_throughput ranks as min_device_hours does) and each output length of the held-out
+model's full-model rows, the configuration ranked first among those measured in full,
+then ``measured metric of it / best measured metric - 1``. iserve's choice is the
+service's own: ``estimate`` over the model's configuration space (KV cache sized for
+prompt + output), ``score.rank`` with the unmeasured configurations marked as not
+fitting. MaverIQ's choice is the lowest estimate of the same metric (ties to fewer
+devices), from its row estimates above. Goal: worst regret at most 5 %.
+
+Then a sanity line for llama-2-70b and falcon-40b, whose full models were never measured.
+
+Run: ``python bench/estimate_a6000.py [--split loao,scale]`` (data from
+``$ISERVE_SHARED_DATA`` or ``../shared/data`` beside the repository). Takes about a
+minute on two cores.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import dataclasses
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,15 +80,27 @@ from services.estimation.latency import (  # noqa: E402
     REFERENCE_LAYOUTS,
     parallel_latency,
 )
+from services.estimation.score import Calibration, Intent, rank  # noqa: E402
 from services.importers.maveriq import MaverIQData, Measurement, load_directory  # noqa: E402
 
 MEASURED = ("falcon-7b", "gptj-6b", "llama-2-7b", "llama-2-13b")
+SCALE_TRAIN = ("falcon-7b", "gptj-6b", "llama-2-7b")
+SCALE_HELD = "llama-2-13b"
+SPLITS = {
+    "loao": "leave one model out",
+    "scale": f"scale transfer: {', '.join(SCALE_TRAIN)} -> {SCALE_HELD}",
+}
+DEVICES = 8
+PRIMARY = "iserve, +TP ladder"  # the service's path for models profiled with a TP ladder
 UNMEASURED = ("llama-2-70b", "falcon-40b")
 TP_LADDER = REFERENCE_LAYOUTS + ((4, 1), (8, 1))
 DEVICE_GIB = 48.0 * 1e9 / 2**30  # RTX A6000: 48 GB
 
 METHOD = """\
-Method (leave one model out; nothing of the held-out model's full-model rows is used)
+Method (held-out models; nothing of a held-out model's full-model rows is used)
+  splits   loao: each measured model held out, calibrated on the other three;
+           scale: calibrated on falcon-7b, gptj-6b, llama-2-7b, llama-2-13b held out
+           (on these four models the same fold as LOAO's llama-2-13b one)
   iserve   references from the held-out model's fingerprints (1-3 hidden layers):
            one least-squares fit per model over all its variants; per-layer TTFT/TPOT per
            variant from the pp=1 fingerprints, TP communication per layer and 'other'
@@ -73,7 +111,7 @@ Method (leave one model out; nothing of the held-out model's full-model rows is 
            Latency: Eq. 2 applied to TTFT and to TPOT with their own alpha..delta,
            O_PP from the (1,2) reference, L = TTFT + o * TPOT. Memory: M2 plus a
            per-TP-peer device overhead and a per-layout residual table.
-           Calibration on the other three models: alpha..delta by gradient descent on
+           Calibration on the fold's models: alpha..delta by gradient descent on
            MAPE (per phase, then jointly on end-to-end latency); memory terms likewise.
     3 refs       the design's references (1,1), (2,1), (1,2)
     +TP ladder   the fingerprints also profiled at (4,1) and (8,1): their measured
@@ -81,10 +119,37 @@ Method (leave one model out; nothing of the held-out model's full-model rows is 
   MaverIQ  as published (its code): per layout a 4-point solve of its two fingerprints
            (923-token rows), O_PP from (1,1) (its code reads L(1,2) as L(1,1)), negative
            terms clipped, Eq. 2 on end-to-end latency with alpha..delta per (dtype, int8 KV)
-           fitted by gradient descent on MAPE over the other models; memory: two-point
+           fitted by gradient descent on MAPE over the fold's models; memory: two-point
            extrapolation per layout (short-prompt rows, o = 10), M = M11 + (tp-1) A +
            tp (pp-1) A_p, no overhead term.
-  Errors: |estimate / measured - 1| over every full-model row; memory = Memory-After-Run."""
+  Errors: |estimate / measured - 1| over every full-model row; memory = Memory-After-Run;
+           bias: signed median of estimate / measured - 1.
+  Regret   (scale split) per intent and output length: measured metric of the
+           configuration ranked first among those measured in full / the best measured
+           - 1; iserve ranks with the service's estimate() and score.rank()."""
+
+# A fold: held-out model -> the models its constants are calibrated on.
+Folds = dict[str, tuple[str, ...]]
+
+
+def split_folds(split: str) -> Folds:
+    if split == "loao":
+        return {held: tuple(m for m in MEASURED if m != held) for held in MEASURED}
+    return {SCALE_HELD: SCALE_TRAIN}
+
+
+def union_folds(splits: Sequence[str]) -> Folds:
+    """Every fold the splits need, each once (a model held out twice must be calibrated
+    on the same models both times)."""
+    folds: Folds = {}
+    for split in splits:
+        for held, train in split_folds(split).items():
+            assert set(folds.setdefault(held, train)) == set(train), (held, train)
+    return folds
+
+
+def _fold_rows(table: CalibrationTable, held: str, train: Sequence[str]):
+    return np.isin(table.models, train), table.models == held
 
 
 def data_dir() -> Path:
@@ -134,22 +199,34 @@ def full_model_table(models: dict[str, ImportedModel], layouts) -> CalibrationTa
     return calibration_table(entries, layouts)
 
 
-def evaluate_iserve(table: CalibrationTable, label: str):
-    """Leave-one-model-out estimates of every full-model row; returns (latency, memory)."""
+@dataclass(frozen=True)
+class Result:
+    """One method's estimates of the table's rows (NaN where not held out) and, for
+    iserve, the constants each held-out model was estimated with."""
+
+    latency: np.ndarray
+    memory: np.ndarray
+    calibrations: dict[str, Calibration] = dataclasses.field(default_factory=dict)
+    tp_ladder: bool = False
+
+
+def evaluate_iserve(table: CalibrationTable, label: str, folds: Folds) -> Result:
+    """Estimates of every held-out model's full-model rows."""
     est_latency = np.full(table.size, np.nan)
     est_memory = np.full(table.size, np.nan)
-    for held in MEASURED:
-        train, test = table.models != held, table.models == held
+    calibrations = {}
+    for held, train_models in folds.items():
+        train, test = _fold_rows(table, held, train_models)
         fitted = fit_calibration(table, rows=train)
         est_latency[test], est_memory[test] = predict_rows(table, fitted.calibration, test)
-        c = fitted.calibration
+        c = calibrations[held] = fitted.calibration
         print(
             f"  {label:10s} w/o {held:11s} TTFT a,b,g,d {_fmt(c.latency.ttft)}"
             f" TPOT {_fmt(c.latency.tpot)} scales {_scales(c.reference_scales)}"
             f" fit {fitted.latency_fit_pct:3.1f}%; peer {c.memory.tp_peer_gib:.2f} GiB"
             f" fit {fitted.memory_fit_pct:3.1f}%"
         )
-    return est_latency, est_memory
+    return Result(est_latency, est_memory, calibrations, len(table.layouts) > 3)
 
 
 def _scales(scales) -> str:
@@ -203,7 +280,9 @@ def maveriq_references(
     return np.array(ttft), np.array(tpot), np.array(memory)
 
 
-def evaluate_maveriq(data: MaverIQData, table: CalibrationTable, num_layers: dict[str, int]):
+def evaluate_maveriq(
+    data: MaverIQData, table: CalibrationTable, num_layers: dict[str, int], folds: Folds
+) -> Result:
     row_variants = [_variant(m, v) for m, v in zip(table.models, table.variants, strict=True)]
     refs = {v: maveriq_references(data, v, num_layers) for v in sorted(set(row_variants))}
     ttft = np.array([refs[v][0] for v in row_variants])
@@ -217,8 +296,8 @@ def evaluate_maveriq(data: MaverIQData, table: CalibrationTable, num_layers: dic
     mem[:, 1] = np.where(np.isnan(mem[:, 1]), mem[:, 0], mem[:, 1])
     quant = np.array([f"{w}/{kv}" for _, w, kv in row_variants])
     est_latency = np.full(table.size, np.nan)
-    for held in MEASURED:
-        train, test = table.models != held, table.models == held
+    for held, train_models in folds.items():
+        train, test = _fold_rows(table, held, train_models)
         for q in np.unique(quant[test]):
             fit_rows, est_rows = train & (quant == q), test & (quant == q)
             constants, _ = calibrate_parallel_constants(
@@ -241,31 +320,208 @@ def evaluate_maveriq(data: MaverIQData, table: CalibrationTable, num_layers: dic
     activations = np.maximum(mem[:, 1] - mem[:, 0], 0.0)
     pipeline = np.maximum(mem[:, 2] - mem[:, 0], 0.0)
     est_memory = mem[:, 0] + (table.tp - 1) * activations + table.tp * (table.pp - 1) * pipeline
-    return est_latency, est_memory
+    est_memory[np.isnan(est_latency)] = np.nan  # only the held-out rows
+    return Result(est_latency, est_memory)
+
+
+def pct_errors(estimate: np.ndarray, measured: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Signed percentage errors of the ``rows`` that have both figures."""
+    err = 100.0 * (estimate[rows] / measured[rows] - 1.0)
+    return err[np.isfinite(err)]
 
 
 def error_stats(estimate: np.ndarray, measured: np.ndarray, rows: np.ndarray) -> str:
-    err = 100.0 * np.abs(estimate[rows] / measured[rows] - 1.0)
+    err = np.abs(pct_errors(estimate, measured, rows))
     return f"{np.median(err):5.1f} {np.percentile(err, 90):5.1f}"
 
 
-def print_errors(
-    table: CalibrationTable, results: dict[str, tuple[np.ndarray, np.ndarray]]
+def bias_stats(estimate: np.ndarray, measured: np.ndarray, rows: np.ndarray) -> str:
+    err = pct_errors(estimate, measured, rows)
+    return f"{error_stats(estimate, measured, rows)} {np.median(err):+5.1f}"
+
+
+def _print_groups(
+    table: CalibrationTable,
+    results: dict[str, Result],
+    groups: Sequence[tuple[str, np.ndarray]],
+    stats: Callable[[np.ndarray, np.ndarray, np.ndarray], str],
+    width: int,
 ) -> None:
-    print("\nAbsolute percentage error, median and p90 (targets: latency 2.5 / 7, memory 1.5 / 4)")
-    head = "".join(f" | {name:^23s}" for name in results)
+    head = "".join(f" | {name:^{width}s}" for name in results)
+    half = (width - 1) // 2
+    units = f"{'latency %':^{half}s} {'memory %':^{half}s}"
     print(f"{'':16s}{head}")
-    print(f"{'':16s}" + " | latency %   memory %  " * len(results))
-    groups = [(m, table.models == m) for m in MEASURED]
-    groups += [("all", np.ones(table.size, bool))]
-    groups += [("  tp <= 2", table.tp <= 2), ("  tp >= 4", table.tp >= 4)]
+    print(f"{'':16s}" + f" | {units}" * len(results))
     for name, rows in groups:
         cells = "".join(
-            f" | {error_stats(lat, table.latency_s, rows)}"
-            f" {error_stats(mem, table.memory_gib, rows)}"
-            for lat, mem in results.values()
+            f" | {stats(r.latency, table.latency_s, rows)} {stats(r.memory, table.memory_gib, rows)}"
+            for r in results.values()
         )
         print(f"{name:16s}{cells}  ({rows.sum()} rows)")
+
+
+def print_errors(table: CalibrationTable, results: dict[str, Result], tested: np.ndarray) -> None:
+    print("\nAbsolute percentage error, median and p90 (targets: latency 2.5 / 7, memory 1.5 / 4)")
+    groups = [(m, table.models == m) for m in MEASURED if (tested & (table.models == m)).any()]
+    groups += [("all", tested)]
+    groups += [("  tp <= 2", tested & (table.tp <= 2)), ("  tp >= 4", tested & (table.tp >= 4))]
+    _print_groups(table, results, groups, error_stats, 23)
+
+
+def print_breakdown(
+    table: CalibrationTable, results: dict[str, Result], tested: np.ndarray
+) -> None:
+    print(
+        "\nPer layout and variant: median, p90 absolute % error and signed median bias"
+        " (estimate / measured - 1)"
+    )
+    layouts = sorted(
+        {(int(tp), int(pp)) for tp, pp in zip(table.tp[tested], table.pp[tested], strict=True)}
+    )
+    groups = [
+        (f"tp {tp} pp {pp}", tested & (table.tp == tp) & (table.pp == pp)) for tp, pp in layouts
+    ]
+    groups += [(v, tested & (table.variants == v)) for v in sorted(set(table.variants[tested]))]
+    _print_groups(table, results, groups, bias_stats, 35)
+
+
+# What each intent minimises, from (latency s, memory GiB, devices) as score.py's
+# Estimates computes it (latency_s, cost_memory_gib, cost_memory_latency, cost_device_hours).
+INTENT_METRICS: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]] = {
+    "min_latency": lambda latency, memory, devices: latency,
+    "min_memory": lambda latency, memory, devices: memory,
+    "min_cost": lambda latency, memory, devices: memory * latency,
+    "min_device_hours": lambda latency, memory, devices: devices * latency / 3600.0,
+}
+
+
+def service_choices(
+    references: ModelReferences,
+    calibration: Calibration,
+    table: CalibrationTable,
+    rows: np.ndarray,
+    output_tokens: int,
+) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
+    """The service's pick per intent among the measured ``rows`` (one output length).
+
+    Returns the table row ranked first per intent, and the service's latency and memory
+    estimates of ``rows`` (to compare with the table's path).
+    """
+    estimates = estimate(
+        references,
+        calibration,
+        Workload(output_tokens=output_tokens),
+        devices=DEVICES,
+        device_memory_gib=DEVICE_GIB,
+    )
+    space = estimates.space
+    config_of = {
+        (space.variants[c["variant"]].name, int(c["tp"]), int(c["pp"])): i
+        for i, c in enumerate(space.configs)
+    }
+    indices = np.flatnonzero(rows)
+    configs = np.array(
+        [config_of[(table.variants[r], int(table.tp[r]), int(table.pp[r]))] for r in indices]
+    )
+    row_of_config = np.full(space.size, -1)
+    row_of_config[configs] = indices
+    measured = dataclasses.replace(estimates, fits=estimates.fits & (row_of_config >= 0))
+    choices = {}
+    for kind in INTENT_METRICS:
+        best = rank(measured, Intent(kind=kind)).best
+        assert best is not None, f"no measured configuration fits for {kind}"
+        choices[kind] = int(row_of_config[best])
+    return choices, estimates.latency_s[configs], estimates.memory_total_gib[configs]
+
+
+def lowest_choices(result: Result, table: CalibrationTable, rows: np.ndarray) -> dict[str, int]:
+    """Per intent, the row whose estimated metric is lowest (ties to fewer devices)."""
+    indices = np.flatnonzero(rows)
+    devices = table.tp[indices] * table.pp[indices]
+    choices = {}
+    for kind, metric in INTENT_METRICS.items():
+        key = metric(result.latency[indices], result.memory[indices], devices)
+        choices[kind] = int(indices[np.lexsort((indices, devices, key))[0]])
+    return choices
+
+
+def _describe(table: CalibrationTable, row: int) -> str:
+    return f"{table.variants[row]}@{int(table.tp[row])}x{int(table.pp[row])}"
+
+
+def regret_choices(
+    models: dict[str, ImportedModel],
+    table: CalibrationTable,
+    results: dict[str, Result],
+    held: str,
+    output_tokens: int,
+) -> tuple[dict[str, dict[str, int]], np.ndarray]:
+    """Per method and intent, the table row chosen among ``held``'s measured rows at
+    ``output_tokens``; and the service's estimates / the table's - 1 (latency, memory)."""
+    rows = (table.models == held) & (table.output_tokens == output_tokens)
+    choices, gaps = {}, []
+    for method, result in results.items():
+        if not result.calibrations:
+            choices[method] = lowest_choices(result, table, rows)
+            continue
+        refs = models[held].references(use_tp_ladder=result.tp_ladder)
+        choices[method], latency, memory = service_choices(
+            refs, result.calibrations[held], table, rows, output_tokens
+        )
+        gaps.append([latency / result.latency[rows] - 1.0, memory / result.memory[rows] - 1.0])
+    return choices, np.concatenate(gaps, axis=1)
+
+
+def print_regret(
+    models: dict[str, ImportedModel],
+    table: CalibrationTable,
+    results: dict[str, Result],
+    held: str,
+) -> None:
+    print(
+        f"\nDecision regret, {held} (batch 1, 923-token prompt; candidates: the configurations"
+        " measured in full):\nmeasured metric of the configuration ranked first / best"
+        " measured - 1, % (goal: worst <= 5 %)"
+    )
+    methods = list(results)
+    short = [m.removeprefix("iserve, ").removesuffix(" as published") for m in methods]
+    print(
+        f"{'intent':17s}{'out':>4s} |"
+        + "".join(f" {name:>8s}" for name in short)
+        + f" | {'chosen (' + PRIMARY.removeprefix('iserve, ') + ')':18s} measured best"
+    )
+    held_rows = table.models == held
+    outputs = sorted({int(o) for o in table.output_tokens[held_rows]})
+    picks = {o: regret_choices(models, table, results, held, o) for o in outputs}
+    every: dict[str, list[float]] = {m: [] for m in methods}
+    for kind, metric in INTENT_METRICS.items():
+        truth = metric(table.latency_s, table.memory_gib, table.tp * table.pp)
+        regrets = {m: [] for m in methods}
+        for o in outputs:
+            rows = np.flatnonzero(held_rows & (table.output_tokens == o))
+            best = int(rows[np.argmin(truth[rows])])
+            choices = picks[o][0]
+            for m in methods:
+                regrets[m].append(100.0 * (truth[choices[m][kind]] / truth[best] - 1.0))
+            cells = "".join(f" {regrets[m][-1]:8.1f}" for m in methods)
+            chosen = _describe(table, choices[PRIMARY][kind])
+            print(f"{kind:17s}{o:4d} |{cells} | {chosen:18s} {_describe(table, best)}")
+        for m in methods:
+            every[m] += regrets[m]
+        _print_reduced("  ", regrets, methods)
+    _print_reduced("all: ", every, methods)
+    gaps = np.abs(np.concatenate([gap for _, gap in picks.values()], axis=1))
+    print(
+        "service path (estimate(), KV cache sized for prompt + output) against the table's"
+        f" row estimates: max |difference| latency {100 * gaps[0].max():.2f} %,"
+        f" memory {100 * gaps[1].max():.2f} %"
+    )
+
+
+def _print_reduced(prefix: str, regrets: dict[str, list[float]], methods: list[str]) -> None:
+    for label, reduce in (("median", np.median), ("worst", np.max)):
+        cells = "".join(f" {reduce(regrets[m]):8.1f}" for m in methods)
+        print(f"{prefix + label:21s} |{cells}")
 
 
 def print_unmeasured(models: dict[str, ImportedModel], table: CalibrationTable) -> None:
@@ -297,7 +553,22 @@ def print_unmeasured(models: dict[str, ImportedModel], table: CalibrationTable) 
     print("  papers, llama-2-70b on 8 GPUs at 100 tokens: 2.7-21.5 s, 33.7-153.9 GB")
 
 
-def main() -> None:
+def parse_splits(argv: Sequence[str] | None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--split",
+        default=",".join(SPLITS),
+        help=f"comma-separated splits to evaluate, of {', '.join(SPLITS)} (default: both)",
+    )
+    splits = [s.strip() for s in parser.parse_args(argv).split.split(",") if s.strip()]
+    unknown = sorted(set(splits) - set(SPLITS))
+    if unknown or not splits:
+        parser.error(f"unknown split {unknown}; known: {', '.join(SPLITS)}")
+    return splits
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    splits = parse_splits(argv)
     started = time.perf_counter()
     directory = data_dir()
     data = load_directory(directory)
@@ -308,13 +579,20 @@ def main() -> None:
     # The same rows in the same order: the error table compares them row by row.
     assert np.array_equal(three.latency_s, ladder.latency_s)
     print(METHOD)
+    folds = union_folds(splits)
     print("\nCalibrated constants per fold:")
     results = {
-        "iserve, 3 refs": evaluate_iserve(three, "3 refs"),
-        "iserve, +TP ladder": evaluate_iserve(ladder, "+TP ladder"),
-        "MaverIQ as published": evaluate_maveriq(data, ladder, num_layers),
+        "iserve, 3 refs": evaluate_iserve(three, "3 refs", folds),
+        PRIMARY: evaluate_iserve(ladder, "+TP ladder", folds),
+        "MaverIQ as published": evaluate_maveriq(data, ladder, num_layers, folds),
     }
-    print_errors(ladder, results)
+    for split in splits:
+        tested = np.isin(ladder.models, list(split_folds(split)))
+        print(f"\n=== Split {split}: {SPLITS[split]} ===")
+        print_errors(ladder, results, tested)
+        print_breakdown(ladder, results, tested)
+        if split == "scale":
+            print_regret(models, ladder, results, SCALE_HELD)
     print_unmeasured(models, ladder)
     print(f"\n({time.perf_counter() - started:.0f} s)")
 
