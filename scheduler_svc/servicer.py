@@ -106,7 +106,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         self, request: inference_pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb.GenerateResponse]:
         clock = self._clock
-        record = RequestRecord(request.model_id, request.deadline_ms, clock())
+        # Labelled by model and deployment only once resolved: ids a client makes up must
+        # not become metric series.
+        record = RequestRecord("", request.deadline_ms, clock())
         rid = request.request_id
         try:
             self.in_flight.admit(context)  # UNAVAILABLE once draining; counted until it ends

@@ -172,3 +172,16 @@ def test_status_shows_queue_ttft_and_requests_per_deployment(stack, served):
 def test_serving_stats_over_grpc(stack, served):
     reply = stack.inference.GetServingStats(infer_pb.GetServingStatsRequest(request_id=rid()))
     assert any(d.deployment_id == served.deployment_id for d in reply.deployments)
+
+
+def test_ids_a_client_makes_up_do_not_become_series(stack):
+    address = stack.settings.metrics_address("scheduler")
+    unresolved = {"model_id": "", "deployment_id": "", "code": "NOT_FOUND"}
+    before = value(scrape(address), "iserve_request_failure_total", **unresolved)
+    for made_up in ("no-such-model-1", "no-such-model-2"):
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(stack, model_id=made_up, prompt="hi", max_tokens=1)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    after = scrape(address)
+    assert value(after, "iserve_request_failure_total", **unresolved) - before == 2
+    assert not any("no-such-model" in v for _, labels in after for _, v in labels)

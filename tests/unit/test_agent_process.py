@@ -6,6 +6,7 @@ import asyncio
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -248,3 +249,29 @@ def test_the_agent_does_not_import_torch():
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [("127.0.0.1:not-a-port", "cannot serve metrics on 127.0.0.1:not-a-port"), ("busy", "")],
+)
+def test_a_metrics_address_that_cannot_be_served_stops_the_agent_with_its_name(
+    redis_url, models_root, tmp_path, address, why
+):
+    env = _agent_env(tmp_path, models_root, redis_url, "node-m")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        if address == "busy":
+            address = f"127.0.0.1:{taken.getsockname()[1]}"
+            why = f"cannot serve metrics on {address}"
+        env["ISERVE_AGENT_METRICS_ADDR"] = address
+        result = subprocess.run(
+            [sys.executable, "-m", "monitor_agent"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 2
+    assert why in result.stderr and "ISERVE_AGENT_METRICS_ADDR" in result.stderr

@@ -70,7 +70,7 @@ def test_a_refused_request_counts_by_code_and_misses_its_objective():
     refused = RequestRecord("m", 0, 0.0, deployment_id="d1", objectives=TTFT_SLO)
     refused.code = grpc.StatusCode.DEADLINE_EXCEEDED
     metrics.record(refused)
-    early = RequestRecord("m", 0, 0.0)  # refused before a deployment was resolved
+    early = RequestRecord("", 0, 0.0)  # refused before a deployment was resolved
     early.code = grpc.StatusCode.NOT_FOUND
     metrics.record(early)
     get = registry.get_sample_value
@@ -79,7 +79,7 @@ def test_a_refused_request_counts_by_code_and_misses_its_objective():
     assert (
         get(
             "iserve_request_failure_total",
-            {"model_id": "m", "deployment_id": "", "code": "NOT_FOUND"},
+            {"model_id": "", "deployment_id": "", "code": "NOT_FOUND"},
         )
         == 1
     )
