@@ -113,18 +113,30 @@ def test_sigterm_refuses_new_calls_and_lets_the_one_in_flight_finish():
     assert events == ["stream ended", "on_stop"]
 
 
-def test_a_call_that_outlasts_the_drain_timeout_is_cut():
+def long_call_cut_by(signals: int):
+    """A client that starts a 1,000-token call, sends SIGTERM ``signals`` times (0.3 s
+    apart) and returns what was left of the call and how long after the last signal it
+    ended."""
+
     async def client(address: str, events: list[str]):
         async with channel(address) as chan:
             stub = inference_grpc.InferenceServiceStub(chan)
             call = stub.Generate(inference_pb.GenerateRequest(request_id="a", max_tokens=1000))
             await call.read()  # the call is in flight
             loop = asyncio.get_running_loop()
-            started = loop.time()
-            sigterm()
+            for n in range(signals):
+                if n:
+                    await asyncio.sleep(0.3)
+                started = loop.time()
+                sigterm()
             rest = await read_rest(call)
             return rest, loop.time() - started
 
+    return client
+
+
+def test_a_call_that_outlasts_the_drain_timeout_is_cut():
+    client = long_call_cut_by(signals=1)
     ((count, code), cut_after_s), _events = asyncio.run(serve_until_stopped(0.5, client))
     assert code == grpc.StatusCode.UNAVAILABLE
     assert count < 999
@@ -132,19 +144,7 @@ def test_a_call_that_outlasts_the_drain_timeout_is_cut():
 
 
 def test_a_second_signal_ends_the_drain_at_once():
-    async def client(address: str, events: list[str]):
-        async with channel(address) as chan:
-            stub = inference_grpc.InferenceServiceStub(chan)
-            call = stub.Generate(inference_pb.GenerateRequest(request_id="a", max_tokens=1000))
-            await call.read()  # the call is in flight
-            loop = asyncio.get_running_loop()
-            sigterm()
-            await asyncio.sleep(0.3)
-            started = loop.time()
-            sigterm()
-            rest = await read_rest(call)
-            return rest, loop.time() - started
-
+    client = long_call_cut_by(signals=2)
     ((_count, code), cut_after_s), _events = asyncio.run(serve_until_stopped(30.0, client))
     assert code == grpc.StatusCode.UNAVAILABLE
     assert cut_after_s < 5.0
