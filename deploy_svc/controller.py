@@ -1,9 +1,10 @@
 """Deployment lifecycle: reserve, launch through the agents, record, remove, fail.
 
-The decision (hardware type, configuration, devices, layers) is ``planning``'s; this
-module only reads state, asks the estimator for a ranking, reserves, launches and
-records, and guarantees that a failed Deploy leaves nothing behind: no reservation, no
-record, no worker. A deployment fails through one path (:meth:`mark_failed`).
+The decision (hardware type, configuration, devices, layers) is ``planning``'s and the
+worker groups on the agents are ``workers``'; this module only reads state, asks the
+estimator for a ranking, reserves, launches, records, and guarantees that a failed
+Deploy leaves nothing behind: no reservation, no record, no worker. A deployment fails
+through one path (:meth:`mark_failed`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import grpc
 
 from deploy_svc import planning
 from deploy_svc.agents import AgentClients
-from deploy_svc.explicit import ExplicitPlan, checkpoint_for, resolve_limits
+from deploy_svc.explicit import ExplicitPlan, resolve_limits
 from deploy_svc.objectives import latency_model, resolve_objectives
+from deploy_svc.workers import WorkerGroups
 from services import replicas
-from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
@@ -43,7 +44,6 @@ from services.state.store import ReservationError, StateStore
 
 log = logging.getLogger("iserve.deploy")
 RESERVE_ATTEMPTS = 3
-STOP_TIMEOUT_S = 15.0
 RANK_TIMEOUT_S = 60.0
 
 
@@ -65,6 +65,7 @@ class DeploymentController:
         self.settings = settings
         self.store = store
         self.agents = agents
+        self.workers = WorkerGroups(settings, store, agents)
         self._locks: dict[str, asyncio.Lock] = {}
         self._estimator: estimator_service_pb2_grpc.EstimatorServiceStub | None = None
         self._estimator_channel: grpc.aio.Channel | None = None
@@ -390,7 +391,7 @@ class DeploymentController:
             # behind a teardown), and the first failure fails the Deploy.
             started = await asyncio.gather(
                 *(
-                    self._start_workers(
+                    self.workers.start(
                         model, deployment, replica, limits.max_seq_len, request.ready_timeout_ms
                     )
                     for replica in deployment.replicas
@@ -401,7 +402,7 @@ class DeploymentController:
                 if isinstance(outcome, BaseException):
                     raise outcome
         except BaseException:
-            await self.teardown(deployment)
+            await self.workers.teardown(deployment)
             await self.store.delete_deployment(deployment)
             raise
         for replica, address in zip(deployment.replicas, started, strict=True):
@@ -458,97 +459,6 @@ class DeploymentController:
             return placements
         raise AssertionError("unreachable")
 
-    async def _agent_addresses(self) -> dict[str, str]:
-        """Each node's agent address, "" for a node that is not alive (one listing)."""
-        return {
-            n.node_id: n.agent_address if n.alive else "" for n in await self.store.list_nodes()
-        }
-
-    @staticmethod
-    def _address(addresses: dict[str, str], node_id: str) -> str:
-        if node_id not in addresses:
-            raise FailedPrecondition(f"node {node_id} is unknown")
-        if not addresses[node_id]:
-            raise FailedPrecondition(f"node {node_id} is not alive")
-        return addresses[node_id]
-
-    async def _start_workers(
-        self,
-        model: model_pb.Model,
-        deployment: deploy_pb.Deployment,
-        replica: deploy_pb.Replica,
-        max_seq_len: int,
-        ready_timeout_ms: int,
-    ) -> str:
-        """Start one replica's workers and wait until they are ready; returns the address
-        of its rank 0."""
-        timeout_ms = ready_timeout_ms or int(self.settings.ready_timeout_s * 1000)
-        config = deployment.config
-        group = replica_group_id(deployment.deployment_id, replica.index)
-        by_node: dict[str, list[agent_pb.WorkerSpec]] = {}
-        for stage in replica.placement.stages:
-            for tensor_rank, ref in enumerate(stage.devices):
-                by_node.setdefault(ref.node_id, []).append(
-                    agent_pb.WorkerSpec(
-                        rank=stage.stage * config.tensor_parallel + tensor_rank,
-                        device_id=ref.device_id,
-                        stage=stage.stage,
-                        tensor_rank=tensor_rank,
-                        first_layer=stage.first_layer,
-                        layer_count=stage.layer_count,
-                    )
-                )
-        calls = []
-        addresses = await self._agent_addresses()
-        for node_id, specs in by_node.items():
-            stub = self.agents.stub(self._address(addresses, node_id))
-            calls.append(
-                stub.StartWorkers(
-                    agent_pb.StartWorkersRequest(
-                        request_id=deployment.request_id,
-                        deployment_id=group,
-                        checkpoint_path=checkpoint_for(model, config),
-                        config=config,
-                        workers=specs,
-                        max_seq_len=max_seq_len,
-                        engine=agent_pb.ENGINE_KIND_PYTORCH,
-                        ready_timeout_ms=timeout_ms,
-                    ),
-                    timeout=timeout_ms / 1000 + 10,
-                )
-            )
-        try:
-            replies = await asyncio.gather(*calls)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"starting workers of {group}") from exc
-        return next(w.address for reply in replies for w in reply.workers if w.rank == 0)
-
-    async def teardown(self, deployment: deploy_pb.Deployment) -> None:
-        """Stop every replica's workers on every node (best effort) and release its
-        memory."""
-        for replica in replicas.replicas_of(deployment):
-            await self._teardown_replica(deployment.deployment_id, replica)
-
-    async def _teardown_replica(self, deployment_id: str, replica: deploy_pb.Replica) -> None:
-        group = replica_group_id(deployment_id, replica.index)
-        await self.stop_on(replicas.nodes_of(replica.placement), group)
-        await self.store.release(group)
-
-    async def stop_on(self, node_ids: list[str], deployment_id: str) -> None:
-        """Ask the nodes' agents to stop a deployment's workers (best effort)."""
-        addresses = await self._agent_addresses()
-        for node_id in node_ids:
-            await self._stop_one(addresses, node_id, deployment_id)
-
-    async def _stop_one(self, addresses: dict[str, str], node_id: str, deployment_id: str) -> None:
-        try:
-            stub = self.agents.stub(self._address(addresses, node_id))
-            await stub.StopWorkers(
-                agent_pb.StopWorkersRequest(deployment_id=deployment_id), timeout=STOP_TIMEOUT_S
-            )
-        except (grpc.RpcError, FailedPrecondition) as exc:
-            log.warning("could not stop workers of %s on %s: %s", deployment_id, node_id, exc)
-
     async def mark_failed(self, deployment: deploy_pb.Deployment, reason: str) -> None:
         """Record ``deployment`` FAILED with ``reason``, stop what is left of it, release
         its memory and say so: the one way a deployment fails."""
@@ -556,7 +466,7 @@ class DeploymentController:
         deployment.state_reason = reason
         replicas.fail_all(deployment, reason)
         await self.store.put_deployment(deployment)
-        await self.teardown(deployment)
+        await self.workers.teardown(deployment)
         await self.store.publish_event(
             "deployment_failed", deployment_id=deployment.deployment_id, reason=reason
         )
@@ -568,7 +478,7 @@ class DeploymentController:
             deployment = await self.get(deployment_id)
             deployment.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
             await self.store.put_deployment(deployment)
-            await self.teardown(deployment)
+            await self.workers.teardown(deployment)
             await self.store.delete_deployment(deployment)
             await self.store.publish_event("deployment_removed", deployment_id=deployment_id)
         self._locks.pop(deployment_id, None)
@@ -588,7 +498,7 @@ class DeploymentController:
                 return True
             await self.store.put_deployment(deployment)
             out = next(r for r in deployment.replicas if r.index == index)
-            await self._teardown_replica(deployment_id, out)
+            await self.workers.teardown_replica(deployment_id, out)
             await self.store.publish_event(
                 "replica_failed", deployment_id=deployment_id, replica=index, reason=reason
             )

@@ -91,7 +91,7 @@ class Reconciler:
                 await self.controller.mark_failed(dep, reason)
                 actions.append(f"failed {dep.deployment_id}: {reason}")
             elif dep.state == deploy_pb.DEPLOYMENT_STATE_REMOVING:
-                await self.controller.teardown(dep)
+                await self.controller.workers.teardown(dep)
                 await self.store.delete_deployment(dep)
                 actions.append(f"finished removing {dep.deployment_id}")
         # What still serves holds memory and workers, under each replica's group id.
@@ -108,7 +108,9 @@ class Reconciler:
             if deployment_id not in holding and not deployment_id.startswith(
                 PROFILING_OWNER_PREFIX
             ):
-                await self.controller.stop_on(sorted({w.node_id for w in workers}), deployment_id)
+                await self.controller.workers.stop_on(
+                    sorted({w.node_id for w in workers}), deployment_id
+                )
                 actions.append(f"stopped orphaned workers of {deployment_id}")
         for line in actions:
             log.info("reconcile: %s", line)

@@ -1,0 +1,127 @@
+"""A deployment's worker groups on the node agents: start one and wait until it is
+ready, stop them, and release the memory they held.
+
+A replica's group goes by ``services.ids.replica_group_id`` with the agents and in the
+reservations. Stopping is best effort: an agent that is gone or does not answer is logged
+and skipped, and its memory is released all the same (the reconciler stops what such an
+agent still runs once it is back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from deploy_svc.agents import AgentClients
+from deploy_svc.explicit import checkpoint_for
+from services import replicas
+from services.api import agent_service_pb2 as agent_pb
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import model_service_pb2 as model_pb
+from services.errors import FailedPrecondition, from_rpc_error
+from services.ids import replica_group_id
+from services.settings import Settings
+from services.state.store import StateStore
+
+log = logging.getLogger("iserve.deploy.workers")
+STOP_TIMEOUT_S = 15.0
+
+
+class WorkerGroups:
+    def __init__(self, settings: Settings, store: StateStore, agents: AgentClients):
+        self.settings = settings
+        self.store = store
+        self.agents = agents
+
+    async def _agent_addresses(self) -> dict[str, str]:
+        """Each node's agent address, "" for a node that is not alive (one listing)."""
+        return {
+            n.node_id: n.agent_address if n.alive else "" for n in await self.store.list_nodes()
+        }
+
+    @staticmethod
+    def _address(addresses: dict[str, str], node_id: str) -> str:
+        if node_id not in addresses:
+            raise FailedPrecondition(f"node {node_id} is unknown")
+        if not addresses[node_id]:
+            raise FailedPrecondition(f"node {node_id} is not alive")
+        return addresses[node_id]
+
+    async def start(
+        self,
+        model: model_pb.Model,
+        deployment: deploy_pb.Deployment,
+        replica: deploy_pb.Replica,
+        max_seq_len: int,
+        ready_timeout_ms: int,
+    ) -> str:
+        """Start one replica's workers and wait until they are ready; returns the address
+        of its rank 0."""
+        timeout_ms = ready_timeout_ms or int(self.settings.ready_timeout_s * 1000)
+        config = deployment.config
+        group = replica_group_id(deployment.deployment_id, replica.index)
+        by_node: dict[str, list[agent_pb.WorkerSpec]] = {}
+        for stage in replica.placement.stages:
+            for tensor_rank, ref in enumerate(stage.devices):
+                by_node.setdefault(ref.node_id, []).append(
+                    agent_pb.WorkerSpec(
+                        rank=stage.stage * config.tensor_parallel + tensor_rank,
+                        device_id=ref.device_id,
+                        stage=stage.stage,
+                        tensor_rank=tensor_rank,
+                        first_layer=stage.first_layer,
+                        layer_count=stage.layer_count,
+                    )
+                )
+        calls = []
+        addresses = await self._agent_addresses()
+        for node_id, specs in by_node.items():
+            stub = self.agents.stub(self._address(addresses, node_id))
+            calls.append(
+                stub.StartWorkers(
+                    agent_pb.StartWorkersRequest(
+                        request_id=deployment.request_id,
+                        deployment_id=group,
+                        checkpoint_path=checkpoint_for(model, config),
+                        config=config,
+                        workers=specs,
+                        max_seq_len=max_seq_len,
+                        engine=agent_pb.ENGINE_KIND_PYTORCH,
+                        ready_timeout_ms=timeout_ms,
+                    ),
+                    timeout=timeout_ms / 1000 + 10,
+                )
+            )
+        try:
+            replies = await asyncio.gather(*calls)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, f"starting workers of {group}") from exc
+        return next(w.address for reply in replies for w in reply.workers if w.rank == 0)
+
+    async def teardown(self, deployment: deploy_pb.Deployment) -> None:
+        """Stop every replica's workers on every node (best effort) and release its
+        memory."""
+        for replica in replicas.replicas_of(deployment):
+            await self.teardown_replica(deployment.deployment_id, replica)
+
+    async def teardown_replica(self, deployment_id: str, replica: deploy_pb.Replica) -> None:
+        group = replica_group_id(deployment_id, replica.index)
+        await self.stop_on(replicas.nodes_of(replica.placement), group)
+        await self.store.release(group)
+
+    async def stop_on(self, node_ids: list[str], deployment_id: str) -> None:
+        """Ask the nodes' agents to stop a deployment's workers (best effort)."""
+        addresses = await self._agent_addresses()
+        for node_id in node_ids:
+            await self._stop_one(addresses, node_id, deployment_id)
+
+    async def _stop_one(self, addresses: dict[str, str], node_id: str, deployment_id: str) -> None:
+        try:
+            stub = self.agents.stub(self._address(addresses, node_id))
+            await stub.StopWorkers(
+                agent_pb.StopWorkersRequest(deployment_id=deployment_id), timeout=STOP_TIMEOUT_S
+            )
+        except (grpc.RpcError, FailedPrecondition) as exc:
+            log.warning("could not stop workers of %s on %s: %s", deployment_id, node_id, exc)
