@@ -8,6 +8,8 @@ held by a reservation the test makes) force an uneven layer map that the workers
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 
@@ -155,7 +157,9 @@ def test_min_latency_and_min_memory_get_different_configurations_and_both_serve(
 def test_cli_deploy_by_intent_plans_and_launches(stack, profiled):
     planned = cli(stack, "deploy", MODEL, "--intent", "min-memory", "--plan", "--max-output", "32")
     assert planned.returncode == 0, planned.stderr
-    assert planned.stderr.startswith("chose #1: tp=1 pp=1 variant=int4"), planned.stderr
+    # The smallest variant, whichever layout: for a model this tiny the layouts' memory
+    # estimates are close, and a fresh-clone CI run ranked (1,2) first.
+    assert re.match(r"chose #1: tp=\d+ pp=\d+ variant=int4 ", planned.stderr), planned.stderr
     out = cli(stack, "deploy", MODEL, "--intent", "min-memory", "--max-output", "32")
     assert out.returncode == 0, out.stderr
     deployment_id = out.stdout.strip().splitlines()[-1]
