@@ -342,7 +342,7 @@ def _decide_batch(
     )
     option = next((o for o in prepared.options if o.rank == decision.winner_rank), None)
     meets_intent = option.meets_intent if option is not None else True
-    placed = {(d.node_id, d.device_id) for s in decision.placement.stages for d in s.devices}
+    placed = _devices_of(decision.placement)
     devices = [
         c
         for c in candidates_for(nodes, prepared.hardware_type)

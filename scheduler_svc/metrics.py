@@ -121,22 +121,14 @@ def _percentile(values: Iterable[float], q: int) -> float:
 
 class _QueueGauges(Collector):
     """``num_requests_running`` and ``num_requests_waiting`` per deployment, read at
-    scrape time (the queues change on the event loop; ``snapshot`` copies them in one
-    step under the GIL)."""
+    scrape time, from this exporter's thread (``QueueRegistry.snapshot`` is safe there)."""
 
     def __init__(self, snapshot: Snapshot, model_of: Callable[[str], str]):
         self._snapshot = snapshot
         self._model_of = model_of
 
     def collect(self):
-        for _attempt in range(3):
-            try:
-                queues = _by_deployment(self._snapshot())
-                break
-            except RuntimeError:  # a queue was added while this thread copied them
-                continue
-        else:
-            queues = {}
+        queues = _by_deployment(self._snapshot())
         running = GaugeMetricFamily(
             f"{PREFIX}num_requests_running", "Requests holding a slot", labels=LABELS
         )
@@ -154,7 +146,7 @@ class _QueueGauges(Collector):
 def _by_deployment(queues: Iterable[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
     """(running, waiting) per deployment, replicas' queues summed."""
     totals: dict[str, tuple[int, int]] = {}
-    for queue_id, running, waiting in list(queues):
+    for queue_id, running, waiting in queues:
         deployment_id, _ = split_group_id(queue_id)
         run, wait = totals.get(deployment_id, (0, 0))
         totals[deployment_id] = (run + running, wait + waiting)

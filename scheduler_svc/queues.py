@@ -225,8 +225,9 @@ class QueueRegistry:
         return wait_s, index
 
     def snapshot(self) -> list[tuple[str, int, int]]:
-        """(deployment id, running, waiting) of every queue."""
-        return [(d, q.running, q.waiting) for d, q in self._queues.items()]
+        """(queue id, running, waiting) of every queue. Safe to call from another thread
+        (a metrics scrape): the queues are copied in one step, which holds the GIL."""
+        return [(d, q.running, q.waiting) for d, q in list(self._queues.items())]
 
     def prune(self, keep: Iterable[str]) -> None:
         """Forget idle queues of deployments not in ``keep``."""

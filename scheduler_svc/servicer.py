@@ -214,7 +214,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         record.deployment_id = deployment.deployment_id
         record.objectives = deployment.objectives
         check_for_deployment(request, deployment)
-        deployment = self._without_unreachable(deployment)
+        # Until the deployer takes them out (routing refreshes each second).
+        deployment = replicas.avoiding(deployment, self._unreachable)
         replica = self._replica_for(deployment)
         queue = self.queues.queue_for(deployment, replica.index)
         predictor = queue.predictor
@@ -283,36 +284,25 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             ),
         )
 
-    def _without_unreachable(self, deployment: deploy_pb.Deployment) -> deploy_pb.Deployment:
-        """``deployment`` less the replicas whose worker this scheduler found gone, until
-        the deployer takes them out of the record (routing refreshes each second); as
-        is when no other replica serves."""
-        if not self._unreachable:
-            return deployment
-        serving = replicas.serving(deployment)
-        gone = [r.index for r in serving if r.worker_address in self._unreachable]
-        if not gone or len(gone) == len(serving):
-            return deployment
-        copy = deploy_pb.Deployment()
-        copy.CopyFrom(deployment)
-        for index in gone:
-            replicas.take_out(copy, index, "its worker is unreachable")
-        return copy
-
     def _replica_for(self, deployment: deploy_pb.Deployment) -> deploy_pb.Replica:
-        """The serving replica with the shortest expected wait."""
-        _, index = self.queues.shortest_wait(deployment)
-        for replica in replicas.serving(deployment):
-            if replica.index == index:
-                if not replica.worker_address:
-                    raise errors.FailedPrecondition(
-                        f"deployment {deployment.deployment_id} is READY but replica "
-                        f"{index} names no worker address"
-                    )
-                return replica
-        raise errors.FailedPrecondition(
-            f"deployment {deployment.deployment_id} has no replica serving"
-        )
+        """The serving replica with the shortest expected wait (the only one, without
+        weighing waits, when one serves)."""
+        serving = replicas.serving(deployment)
+        if not serving:
+            raise errors.FailedPrecondition(
+                f"deployment {deployment.deployment_id} has no replica serving"
+            )
+        if len(serving) == 1:
+            replica = serving[0]
+        else:
+            _, index = self.queues.shortest_wait(deployment)
+            replica = next(r for r in serving if r.index == index)
+        if not replica.worker_address:
+            raise errors.FailedPrecondition(
+                f"deployment {deployment.deployment_id} is READY but replica "
+                f"{replica.index} names no worker address"
+            )
+        return replica
 
     async def _worker_failed(
         self,

@@ -72,6 +72,23 @@ def take_out(deployment: deploy_pb.Deployment, index: int, reason: str) -> bool:
     return True
 
 
+def avoiding(deployment: deploy_pb.Deployment, addresses: set[str]) -> deploy_pb.Deployment:
+    """``deployment`` less the serving replicas whose worker is at one of ``addresses``
+    (a copy; the record itself is left alone), or ``deployment`` as it is when that
+    would leave no replica serving."""
+    if not addresses:
+        return deployment
+    serving_now = serving(deployment)
+    gone = [r.index for r in serving_now if r.worker_address in addresses]
+    if not gone or len(gone) == len(serving_now):
+        return deployment
+    copy = deploy_pb.Deployment()
+    copy.CopyFrom(deployment)
+    for index in gone:
+        take_out(copy, index, "its worker is unreachable")
+    return copy
+
+
 def fail_all(deployment: deploy_pb.Deployment, reason: str) -> None:
     """Mark every replica still serving FAILED with ``reason`` (the deployment fails)."""
     for replica in deployment.replicas:

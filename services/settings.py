@@ -152,16 +152,20 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     models_root = Path(env.get("ISERVE_MODELS_ROOT") or state_dir / "models").expanduser().resolve()
     host = env.get("ISERVE_HOST", "127.0.0.1")
     stack = read_stack_file(state_dir)
-    stack_addresses = stack.get("addresses", {})
-    addresses = {
-        name: env.get(SERVICE_ENV[name]) or stack_addresses.get(name) or f"{host}:{port}"
-        for name, port in DEFAULT_PORTS.items()
-    }
-    stack_metrics = stack.get("metrics_addresses", {})
-    metrics_addresses = {
-        name: env.get(METRICS_ENV[name]) or stack_metrics.get(name) or f"{host}:{port}"
-        for name, port in DEFAULT_METRICS_PORTS.items()
-    }
+
+    def resolve(
+        variables: Mapping[str, str], recorded: Mapping[str, str], ports: Mapping[str, int]
+    ):
+        # The environment, else what `iserve up` recorded, else the default port.
+        return {
+            name: env.get(variables[name]) or recorded.get(name) or f"{host}:{port}"
+            for name, port in ports.items()
+        }
+
+    addresses = resolve(SERVICE_ENV, stack.get("addresses", {}), DEFAULT_PORTS)
+    metrics_addresses = resolve(
+        METRICS_ENV, stack.get("metrics_addresses", {}), DEFAULT_METRICS_PORTS
+    )
     return Settings(
         state_dir=state_dir,
         models_root=models_root,

@@ -159,3 +159,19 @@ def test_group_ids_round_trip(deployment_id, index):
 def test_group_ids_of_different_replicas_differ(deployment_id, first, second):
     same = replica_group_id(deployment_id, first) == replica_group_id(deployment_id, second)
     assert same == (first == second)
+
+
+def test_avoiding_leaves_out_replicas_at_gone_addresses_in_a_copy():
+    dep = _deployment(3)
+    gone = {dep.replicas[0].worker_address}
+    routed = replicas.avoiding(dep, gone)
+    assert [r.index for r in replicas.serving(routed)] == [1, 2]
+    assert routed.worker_address == dep.replicas[1].worker_address
+    assert [r.index for r in replicas.serving(dep)] == [0, 1, 2]  # the record is untouched
+
+
+def test_avoiding_keeps_the_deployment_when_nothing_else_serves():
+    dep = _deployment(2)
+    every = {r.worker_address for r in dep.replicas}
+    assert replicas.avoiding(dep, every) is dep
+    assert replicas.avoiding(dep, set()) is dep
