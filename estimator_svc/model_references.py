@@ -164,7 +164,7 @@ def _prompts_of_every_variant(
 
 def _memory_groups(
     fingerprints: Sequence[Sample], layouts: Sequence[Layout], input_tokens: int
-) -> tuple[dict[tuple[str, Layout], tuple[list[int], list[float]]], int]:
+) -> tuple[dict[tuple[str, Layout], tuple[list[int], list[float]]], int, dict[str, float]]:
     """Memory samples per (variant, layout) of prompt ``(input_tokens, 1)`` and the KV
     cache they hold, in tokens (the longest prompt + output among them: a static cache
     is sized for it, a paged one holds about that much); a variant without such samples
@@ -188,7 +188,21 @@ def _memory_groups(
         key: ([s.layers for s in rows], [s.memory_gib for s in rows])
         for key, rows in groups.items()
     }
-    return memory, kv_tokens
+    return memory, kv_tokens, _known_slopes(used, kv_tokens)
+
+
+def _known_slopes(used: Sequence[Sample], kv_tokens: int) -> dict[str, float]:
+    """Per variant, what one decoder layer holds summed over the ranks (GiB): its
+    weights and the KV cache of ``kv_tokens`` tokens, as the measurements' engine stores
+    them. Variants whose measurements do not say are left out (their slope is fitted)."""
+    slopes = {}
+    for variant in {s.variant for s in used}:
+        mine = [s for s in used if s.variant == variant]
+        if all(s.layer_weight_gib > 0 and s.layer_kv_gib_per_token > 0 for s in mine):
+            weights = float(np.median([s.layer_weight_gib for s in mine]))
+            kv = float(np.median([s.layer_kv_gib_per_token for s in mine]))
+            slopes[variant] = weights + kv * kv_tokens
+    return slopes
 
 
 def _at_least_measured(
@@ -299,19 +313,19 @@ def model_references(
 
     prompts = []
     for n in recorded:
-        memory, kv_tokens = _memory_groups(fingerprints, layouts, n)
+        memory, kv_tokens, slopes = _memory_groups(fingerprints, layouts, n)
         refs = extrapolate_references(
-            shape.num_layers, latency, memory, (n, 1), layouts, ladder_phases
+            shape.num_layers, latency, memory, (n, 1), layouts, ladder_phases, slopes
         )
         refs = {v: _at_least_measured(refs[v], fingerprints, v, n) for v in keys}
         batch2 = {}
         m = n if n in batch_lengths else (max(batch_lengths) if batch_lengths else None)
         if m is not None:
             one = extrapolate_references(
-                shape.num_layers, latency, memory, (m, 1), REFERENCE_LAYOUTS
+                shape.num_layers, latency, memory, (m, 1), REFERENCE_LAYOUTS, memory_slopes=slopes
             )
             two = extrapolate_references(
-                shape.num_layers, latency, memory, (m, 2), REFERENCE_LAYOUTS
+                shape.num_layers, latency, memory, (m, 2), REFERENCE_LAYOUTS, memory_slopes=slopes
             )
             batch2 = {v: _batch2(refs[v], one[v], two[v]) for v in keys}
         profiles = tuple(VariantProfile(refs[v], batch2.get(v), kv_tokens) for v in keys)

@@ -88,6 +88,10 @@ class Sample:
     full_model: bool
     ttft_layer_s: float = 0.0
     tpot_layer_s: float = 0.0
+    # One decoder layer's weights as the engine holds them, all ranks (0: unknown).
+    layer_weight_gib: float = 0.0
+    # One token's K and V in one decoder layer, all ranks, GiB (0: unknown).
+    layer_kv_gib_per_token: float = 0.0
 
     @property
     def layout(self) -> Layout:
@@ -169,6 +173,8 @@ def sample_from_measurement(m: model_pb.ProfileMeasurement) -> Sample:
         full_model=m.full_model,
         ttft_layer_s=m.ttft_layer_ms / 1e3,
         tpot_layer_s=m.tpot_layer_ms / 1e3,
+        layer_weight_gib=m.layer_weight_bytes / GIB,
+        layer_kv_gib_per_token=m.layer_kv_bytes_per_token / GIB,
     )
 
 

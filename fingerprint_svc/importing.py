@@ -40,6 +40,7 @@ from services.importers import maveriq
 from services.models.arch import ArchSpec
 from services.models.families import parse_config
 from services.models.presets import PRESETS, preset_config
+from services.reservation import params_per_layer
 from services.state.store import StateStore
 
 __all__ = [
@@ -83,10 +84,39 @@ def variant_name(weight_quant: str, int8_kv_cache: bool) -> str:
     return f"{weight_quant}-kv8" if int8_kv_cache else weight_quant
 
 
+# Bytes per decoder-layer weight in TensorRT-LLM 0.9's formats, which MaverIQ's engines
+# used: weight-only int8 and int4 keep one float16 scale per output channel (2 bytes over
+# a row of hidden-size inputs), GPTQ int4 a float16 scale and zero per group of 128.
+_GPTQ_GROUP = 128
+
+
+def trtllm_weight_bytes(weight_quant: str, hidden_size: int) -> float:
+    """Bytes one decoder-layer weight takes in the engines MaverIQ measured."""
+    per_channel = 2.0 / max(1, hidden_size)
+    return {
+        "fp16": 2.0,
+        "int8": 1.0 + per_channel,
+        "int4": 0.5 + per_channel,
+        "int4_gptq": 0.5 + 4.0 / _GPTQ_GROUP,
+    }[weight_quant]
+
+
 def to_measurement(
-    row: maveriq.Measurement, hardware_type: str, num_layers: int, input_tokens: int
+    row: maveriq.Measurement,
+    hardware_type: str,
+    num_layers: int,
+    input_tokens: int,
+    shape: model_pb.ModelShape | None = None,
 ) -> model_pb.ProfileMeasurement:
-    """One MaverIQ row as a stored measurement (full model when it held every layer)."""
+    """One MaverIQ row as a stored measurement (full model when it held every layer);
+    with the model's ``shape``, the layer weight bytes its format implies."""
+    layer_bytes = kv_bytes = 0.0
+    if shape is not None and shape.parameter_count:
+        layer_bytes = params_per_layer(shape) * trtllm_weight_bytes(
+            row.weight_quant, shape.hidden_size
+        )
+        # K and V per token and layer: float16, or int8 with one scale per tensor.
+        kv_bytes = 2.0 * shape.num_kv_heads * shape.head_dim * (1 if row.int8_kv_cache else 2)
     ranks = row.tp * row.pp
     per_rank = round(row.memory_gib * GIB / ranks)
     return model_pb.ProfileMeasurement(
@@ -109,6 +139,8 @@ def to_measurement(
         peak_memory_bytes_per_rank=[per_rank] * ranks,
         repetitions=3,
         hardware_type=hardware_type,
+        layer_weight_bytes=layer_bytes,
+        layer_kv_bytes_per_token=kv_bytes,
     )
 
 
@@ -212,7 +244,7 @@ def plan_maveriq_import(files: Sequence[tuple[str, bytes]], hardware_type: str) 
         check_model_id(model_id)
         shape, spec = _preset_shape(preset)
         measurements = tuple(
-            to_measurement(row, hardware_type, spec.num_layers, prompt)
+            to_measurement(row, hardware_type, spec.num_layers, prompt, shape)
             for row, prompt in by_model[model_id]
         )
         too_deep = [m for m in measurements if m.num_layers > spec.num_layers]

@@ -56,7 +56,11 @@ from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config
 from services.models.families import parse_config
-from services.reservation import fingerprint_rank_bytes
+from services.reservation import (
+    fingerprint_rank_bytes,
+    layer_kv_bytes_per_token,
+    layer_weight_bytes,
+)
 from services.settings import Settings
 from services.state.store import ReservationError, StateStore
 
@@ -283,6 +287,8 @@ class Profiler:
                     peak_memory_bytes_per_rank=run.peak_memory_bytes_per_rank,
                     ttft_layer_ms=run.ttft_layer_ms,
                     tpot_layer_ms=run.tpot_layer_ms,
+                    layer_weight_bytes=layer_weight_bytes(model.shape, job.config()),
+                    layer_kv_bytes_per_token=layer_kv_bytes_per_token(model.shape, job.config()),
                     repetitions=self.profiling.timed_runs,
                     hardware_type=hardware,
                 )

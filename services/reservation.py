@@ -161,12 +161,25 @@ def served_weight_bytes(
     """Bytes of all the model's weights as a worker holds them: the embedding and LM head
     in the served dtype, the decoder layers pruned and quantized as ``config`` says (see
     the module docstring)."""
-    total_params = shape.parameter_count or shape.weight_bytes / stored
-    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-    embedding_params = min(total_params, embeddings)
-    layer_params = total_params - embedding_params
+    embedding_params, _ = _split_params(shape, stored)
+    layers = max(1, shape.num_layers)
+    return embedding_params * served + layers * _layer_weight_bytes(shape, config, served, stored)
+
+
+def layer_weight_bytes(shape: model_pb.ModelShape, config: common.DeploymentConfig) -> float:
+    """Bytes of one decoder layer's weights as the engine holds them (all ranks together):
+    pruned and quantized as ``config`` says, scales and zeros included; what a profile
+    records so that the estimator need not extrapolate weights from fingerprints."""
+    stored = DTYPE_BYTES.get(shape.dtype, 4)
+    return _layer_weight_bytes(shape, config, DTYPE_BYTES.get(config.dtype, stored), stored)
+
+
+def _layer_weight_bytes(
+    shape: model_pb.ModelShape, config: common.DeploymentConfig, served: int, stored: int
+) -> float:
+    per_layer = params_per_layer(shape, stored)
     if config.pruning == common.PRUNING_STRUCTURED:
-        layer_params *= _structured_kept_share(shape, layer_params / max(1, shape.num_layers))
+        per_layer *= _structured_kept_share(shape, per_layer)
     if config.weight_quant == common.WEIGHT_QUANT_INT8:
         # A scale per output row of (at least) hidden_size inputs.
         bytes_per_weight = 1 + SCALE_BYTES / max(1, shape.hidden_size)
@@ -174,7 +187,33 @@ def served_weight_bytes(
         bytes_per_weight = 0.5 + 2 * SCALE_BYTES / DEFAULT_INT4_GROUP_SIZE
     else:
         bytes_per_weight = served
-    return embedding_params * served + layer_params * bytes_per_weight
+    return per_layer * bytes_per_weight
+
+
+def layer_kv_bytes_per_token(shape: model_pb.ModelShape, config: common.DeploymentConfig) -> float:
+    """Bytes one token's K and V take in one decoder layer (all ranks together), in the
+    served dtype or int8 with a bfloat16 scale per head vector, as the engine stores them."""
+    stored = DTYPE_BYTES.get(shape.dtype, 4)
+    element = DTYPE_BYTES.get(config.dtype, stored)
+    if config.kv_quant == common.KV_QUANT_INT8:
+        element = 1 + SCALE_BYTES / max(1, shape.head_dim)
+    kv_heads = shape.num_kv_heads
+    if config.pruning == common.PRUNING_STRUCTURED and kv_heads:
+        _, kv_heads = kept_heads(shape.num_attention_heads, kv_heads, DEFAULT_PRUNE_FRACTION)
+    return 2.0 * kv_heads * shape.head_dim * element
+
+
+def params_per_layer(shape: model_pb.ModelShape, stored: int = 2) -> float:
+    """Parameters of one decoder layer: all but the embedding and LM head, per layer."""
+    return _split_params(shape, stored)[1] / max(1, shape.num_layers)
+
+
+def _split_params(shape: model_pb.ModelShape, stored: int) -> tuple[float, float]:
+    """(embedding and LM head parameters, decoder-layer parameters) of ``shape``."""
+    total_params = shape.parameter_count or shape.weight_bytes / stored
+    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    embedding_params = min(total_params, embeddings)
+    return embedding_params, total_params - embedding_params
 
 
 def _structured_kept_share(shape: model_pb.ModelShape, layer_params: float) -> float:

@@ -188,8 +188,14 @@ def fit_layer_memory(layers: Sequence[float], memory_gib: Sequence[float]) -> La
 def fit_layer_memory_shared(
     groups: Mapping[Hashable, tuple[Sequence[float], Sequence[float]]],
     slope_from: Hashable | None = None,
+    known_slope: float | None = None,
 ) -> dict[Hashable, LayerMemory]:
     """One per-layer slope shared by every group, an intercept per group (GiB).
+
+    With ``known_slope`` (what a layer's weights and KV cache take, known from the
+    architecture and the engine's formats) the samples fit only the intercepts, the
+    mean of ``memory - known_slope * layers`` per group: nothing measured is multiplied
+    by the layer count. Otherwise the slope is fitted as follows.
 
     The groups are reference layouts of the same variant. Summed over the devices, a
     layer costs the same however it is split (tensor parallelism shards its weights and
@@ -208,6 +214,21 @@ def fit_layer_memory_shared(
     keys = list(groups)
     if not keys:
         raise ValueError("no memory samples")
+    if known_slope is not None:
+        if not known_slope > 0:
+            raise ValueError(f"known_slope must be positive, got {known_slope}")
+        return {
+            key: LayerMemory(
+                known_slope,
+                float(
+                    np.mean(
+                        np.asarray(groups[key][1], float)
+                        - known_slope * np.asarray(groups[key][0], float)
+                    )
+                ),
+            )
+            for key in keys
+        }
     rows: list[np.ndarray] = []
     target: list[float] = []
     for i, key in enumerate(keys):

@@ -110,6 +110,7 @@ def extrapolate_references(
     prompt: Hashable = "default",
     layouts: Sequence[tuple[int, int]] | None = None,
     tp_ladder_phases: tuple[str, ...] = ("ttft", "tpot"),
+    memory_slopes: Mapping[Hashable, float] | None = None,
 ) -> dict[Hashable, ReferenceProfile]:
     """Extrapolate every variant of one model from its fingerprint samples.
 
@@ -124,7 +125,9 @@ def extrapolate_references(
     TP-ladder figures are trusted; the others are left NaN so that Eq. 2 extrapolates
     them. (TPOT from end-to-end timings at 10 and 20 output tokens of a one-layer
     fingerprint at tp = 8 is below the timing noise on the A6000 data, to the point of
-    coming out negative; TPOT from token timestamps need not be.)
+    coming out negative; TPOT from token timestamps need not be.) ``memory_slopes`` maps
+    a variant to its per-layer GiB when known a priori (weights and KV cache from the
+    architecture and the engine's formats); its samples then fit only the intercepts.
     """
     if num_layers < 1:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
@@ -143,6 +146,7 @@ def extrapolate_references(
         lines = fit_layer_memory_shared(
             {layout: memory[(v, layout)] for layout in layouts if (v, layout) in memory},
             slope_from=BASE,
+            known_slope=(memory_slopes or {}).get(v),
         )
         ttft, tpot, mem = [], [], []
         for layout in layouts:

@@ -17,6 +17,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.models.checkpoint import build_tokenizer
+from services.reservation import layer_kv_bytes_per_token, layer_weight_bytes
 from tests.integration.helpers import (
     TINY,
     make_checkpoint,
@@ -136,6 +137,16 @@ def test_register_profiles_the_fingerprints(stack):
         assert len(m.peak_memory_bytes_per_rank) == ranks
         assert all(peak > 0 for peak in m.peak_memory_bytes_per_rank)
         assert sum(m.stage_layers) == m.num_layers
+        # What a layer holds is known, not measured: the engine's formats on the shape.
+        assert (
+            m.layer_weight_bytes == pytest.approx(layer_weight_bytes(model.shape, m.config))
+            and m.layer_weight_bytes > 0
+        )
+        assert (
+            m.layer_kv_bytes_per_token
+            == pytest.approx(layer_kv_bytes_per_token(model.shape, m.config))
+            and m.layer_kv_bytes_per_token > 0
+        )
     # Each multi-device reference was either measured or skipped with the reason.
     for tp, pp in [(1, 2), (2, 1)]:
         measured = any(

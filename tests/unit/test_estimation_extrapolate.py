@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from services.estimation.extrapolate import (
@@ -245,3 +246,25 @@ def test_layer_clock_samples_missing_for_a_layout_leave_the_counts_in_charge():
     }
     fit = fit_pooled_latency(samples)
     assert fit.layer_latency("fp16", (1, 1), "default").tpot_per_layer_s == pytest.approx(0.0007)
+
+
+def test_a_known_memory_slope_leaves_only_the_intercepts_to_the_samples():
+    """With each layer's bytes known, noisy fingerprints fit only 'other': the
+    synthetic truth (2.5 GiB per layer, 1.25 GiB other, +-0.01 GiB noise that a fitted
+    slope would multiply by the layer count) comes back exactly in the slope and within
+    the noise in the intercepts."""
+    rng = np.random.default_rng(7)
+    truth_slope, truth_other = {(1, 1): 2.5, (2, 1): 2.5}, {(1, 1): 1.25, (2, 1): 1.75}
+    groups = {}
+    for layout in truth_slope:
+        layers = [1, 2, 1, 2]
+        memory = [
+            truth_slope[layout] * n + truth_other[layout] + rng.uniform(-0.01, 0.01) for n in layers
+        ]
+        groups[layout] = (layers, memory)
+    fits = fit_layer_memory_shared(groups, slope_from=(1, 1), known_slope=2.5)
+    for layout, fit in fits.items():
+        assert fit.per_layer_gib == 2.5
+        assert abs(fit.other_gib - truth_other[layout]) < 0.01
+    with pytest.raises(ValueError, match="positive"):
+        fit_layer_memory_shared(groups, known_slope=0.0)

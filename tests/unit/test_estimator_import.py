@@ -211,3 +211,23 @@ def test_bad_requests_write_nothing(run):
         assert await store.get_profile("llama-2-7b") is None
 
     run(scenario)
+
+
+def test_imported_rows_carry_the_layer_bytes_their_engine_format_implies():
+    """Llama-2-7B's decoder layer has 4 * 4096^2 + 3 * 4096 * 11008 + 2 * 4096 weights;
+    TensorRT-LLM 0.9 holds them in float16, or int4 with a float16 scale per output
+    channel; K and V of a token take 2 * 4096 elements per layer (float16, or int8)."""
+    plan = plan_maveriq_import(
+        [(name, text.encode()) for name, text in DATA_SET.items()], "rtx-a6000"
+    )
+    llama = next(m for m in plan.models if m.model_id == "llama-2-7b")
+    params = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+    final_norm_share = 4096 / 32  # the final norm, spread over the layers
+    by_variant = {m.variant_name: m for m in llama.measurements}
+    fp16, int4_kv8 = by_variant["fp16"], by_variant["int4-kv8"]
+    assert fp16.layer_weight_bytes == pytest.approx(2 * (params + final_norm_share))
+    assert int4_kv8.layer_weight_bytes == pytest.approx(
+        (0.5 + 2 / 4096) * (params + final_norm_share)
+    )
+    assert fp16.layer_kv_bytes_per_token == 2 * 4096 * 2
+    assert int4_kv8.layer_kv_bytes_per_token == 2 * 4096 * 1

@@ -1,0 +1,53 @@
+"""services.reservation: the bytes a layer takes in the engine's formats."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.api import common_pb2 as common
+from services.api import model_service_pb2 as model_pb
+from services.reservation import (
+    layer_kv_bytes_per_token,
+    layer_weight_bytes,
+    params_per_layer,
+    served_weight_bytes,
+)
+
+# A Llama-style shape: 4 layers of 64 wide (8 heads of 8, 2 KV heads), MLP 128, vocab 100.
+LAYER = 2 * 64 * 64 + 2 * 64 * 16 + 3 * 64 * 128 + 2 * 64
+SHAPE = model_pb.ModelShape(
+    hidden_size=64,
+    num_layers=4,
+    num_attention_heads=8,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=128,
+    vocab_size=100,
+    dtype=common.PRECISION_FLOAT32,
+    parameter_count=2 * 100 * 64 + 4 * LAYER + 64,
+)
+
+
+@pytest.mark.parametrize(
+    ("quant", "per_weight"),
+    [
+        (common.WEIGHT_QUANT_NONE, 4.0),
+        (common.WEIGHT_QUANT_INT8, 1 + 2 / 64),
+        (common.WEIGHT_QUANT_INT4, 0.5 + 4 / 128),
+    ],
+)
+def test_layer_bytes_follow_the_format_and_add_up_to_the_served_weights(quant, per_weight):
+    config = common.DeploymentConfig(weight_quant=quant)
+    per_layer = params_per_layer(SHAPE, 4)
+    assert per_layer == pytest.approx(LAYER + 64 / 4)  # the final norm spread over layers
+    assert layer_weight_bytes(SHAPE, config) == pytest.approx(per_layer * per_weight)
+    whole = served_weight_bytes(SHAPE, config, 4, 4)
+    assert whole == pytest.approx(2 * 100 * 64 * 4 + 4 * layer_weight_bytes(SHAPE, config))
+
+
+def test_kv_bytes_per_token_in_the_served_dtype_or_int8_with_a_scale_per_head_vector():
+    plain = common.DeploymentConfig(dtype=common.PRECISION_BFLOAT16)
+    assert layer_kv_bytes_per_token(SHAPE, plain) == 2 * 2 * 8 * 2
+    assert layer_kv_bytes_per_token(SHAPE, common.DeploymentConfig()) == 2 * 2 * 8 * 4
+    int8 = common.DeploymentConfig(kv_quant=common.KV_QUANT_INT8)
+    assert layer_kv_bytes_per_token(SHAPE, int8) == pytest.approx(2 * 2 * 8 * (1 + 2 / 8))
