@@ -3,7 +3,8 @@
 How the message carries it: ``alpha``, ``beta``, ``gamma``, ``delta`` are the TPOT
 exponents of the primary fit (decode dominates end-to-end latency at the papers' output
 lengths); ``extra_terms`` has every constant by name: ``ttft.alpha`` … ``tpot.delta``,
-``scale.ttft.1x1`` … (reference scales), ``tp_ladder`` (1 when the primary fit used
+``scale.ttft.1x1`` … (reference scales), ``tpot.tp_ratio.8`` … (the hardware's
+measured ``O_TP(tp) / O_TP(2)`` per tensor degree above 2), ``tp_ladder`` (1 when the primary fit used
 the ladder), the same under ``three_refs.`` for the second fit, ``memory.tp_peer_gib``,
 ``memory.residual_gib.TPxPP``, ``memory.fit_error_percent`` and ``device_memory_bytes``
 (0 or absent: unknown). A message with no ``ttft.alpha`` (constants from elsewhere)
@@ -50,6 +51,8 @@ def _latency_terms(calibration: Calibration, prefix: str) -> dict[str, float]:
         constants = getattr(calibration.latency, phase)
         for name in _CONSTANTS:
             terms[f"{prefix}{phase}.{name}"] = getattr(constants, name)
+        for degree, ratio in constants.tp_ratio:
+            terms[f"{prefix}{phase}.tp_ratio.{degree}"] = ratio
         for layout, factor in zip(
             REFERENCE_LAYOUTS, getattr(calibration.reference_scales, phase), strict=True
         ):
@@ -90,7 +93,10 @@ def _latency_from_terms(
 ) -> Calibration:
     if f"{prefix}ttft.alpha" in terms:
         phases = {
-            phase: ParallelConstants(*(terms[f"{prefix}{phase}.{n}"] for n in _CONSTANTS))
+            phase: ParallelConstants(
+                *(terms[f"{prefix}{phase}.{n}"] for n in _CONSTANTS),
+                tp_ratio=_tp_ratios(terms, f"{prefix}{phase}."),
+            )
             for phase in ("ttft", "tpot")
         }
     else:
@@ -108,6 +114,12 @@ def _latency_from_terms(
         memory=memory,
         reference_scales=ReferenceScales(ttft=scales["ttft"], tpot=scales["tpot"]),
     )
+
+
+def _tp_ratios(terms: dict[str, float], prefix: str) -> tuple[tuple[int, float], ...]:
+    pattern = re.compile(re.escape(prefix) + r"tp_ratio\.(\d+)")
+    found = ((pattern.fullmatch(name), value) for name, value in terms.items())
+    return tuple(sorted((int(match[1]), value) for match, value in found if match))
 
 
 def from_proto(message: estimator_pb.Calibration) -> HardwareCalibration:

@@ -34,6 +34,7 @@ __all__ = [
     "calibrate_memory_constants",
     "calibrate_parallel_constants",
     "calibrate_phase_constants",
+    "fit_tp_ratios",
     "mape_pct",
     "minimize_mape",
 ]
@@ -129,8 +130,10 @@ def calibrate_parallel_constants(
     clamp_overheads: bool = False,
     steps: int = 400,
     layouts: tuple[tuple[int, int], ...] = REFERENCE_LAYOUTS,
+    tp_ratio: tuple[tuple[int, float], ...] = (),
 ) -> tuple[ParallelConstants, FitResult]:
-    """Fit alpha, beta, gamma, delta of Eq. 2 on one latency-like quantity.
+    """Fit alpha, beta, gamma, delta of Eq. 2 on one latency-like quantity (with the
+    hardware's ``tp_ratio`` table fixed, when given).
 
     ``refs`` is (k, len(layouts)): each data point's references in seconds, in the order
     of ``layouts``; ``measured`` the measured value at (tp, pp).
@@ -138,13 +141,39 @@ def calibrate_parallel_constants(
     l11, l21, l12, ladder = split_references(refs, layouts)
 
     def predict(params: np.ndarray) -> np.ndarray:
-        constants = ParallelConstants.from_array(params)
+        constants = ParallelConstants.from_array(params, tp_ratio)
         return parallel_latency(
             l11, l21, l12, tp, pp, constants, o_pp_from, clamp_overheads, tp_ladder=ladder
         )
 
     fit = minimize_mape(predict, measured, _EXPONENT_STARTS, *EXPONENT_BOUNDS, steps=steps)
-    return ParallelConstants.from_array(np.array(fit.params)), fit
+    return ParallelConstants.from_array(np.array(fit.params), tp_ratio), fit
+
+
+def fit_tp_ratios(
+    refs: np.ndarray,
+    tp: np.ndarray,
+    pp: np.ndarray,
+    measured: np.ndarray,
+    layouts: tuple[tuple[int, int], ...] = REFERENCE_LAYOUTS,
+) -> tuple[tuple[int, float], ...]:
+    """Per tensor degree above 2 measured at pp = 1: the median over those data points of
+    ``(measured - L(1,1)/tp) / O_TP(2)``, points with a positive ``O_TP(2)`` only.
+
+    The hardware's own TP ladder, measured on the calibration models in full: it replaces
+    Eq. 2's ``(tp - 1)**beta`` at those degrees (see :class:`ParallelConstants`).
+    """
+    l11, l21, _, _ = split_references(refs, layouts)
+    tp = np.asarray(tp, dtype=float)
+    pp = np.asarray(pp, dtype=float)
+    o_tp2 = l21 - l11 / 2.0
+    ratios = []
+    for degree in sorted({int(t) for t in tp[(tp > 2) & (pp == 1)]}):
+        at = (tp == degree) & (pp == 1) & (o_tp2 > 0) & np.isfinite(o_tp2)
+        if at.any():
+            ratio = (np.asarray(measured, dtype=float)[at] - l11[at] / degree) / o_tp2[at]
+            ratios.append((degree, float(np.median(ratio))))
+    return tuple(ratios)
 
 
 def calibrate_phase_constants(
@@ -166,10 +195,14 @@ def calibrate_phase_constants(
     the end-to-end error, the figure users see, prefers it.
     """
 
-    def predict(params: np.ndarray) -> np.ndarray:
-        constants = PhaseConstants(
-            ParallelConstants.from_array(params[:4]), ParallelConstants.from_array(params[4:])
+    def constants_of(params: np.ndarray) -> PhaseConstants:
+        return PhaseConstants(
+            ParallelConstants.from_array(params[:4], initial.ttft.tp_ratio),
+            ParallelConstants.from_array(params[4:], initial.tpot.tp_ratio),
         )
+
+    def predict(params: np.ndarray) -> np.ndarray:
+        constants = constants_of(params)
         return phase_latency(
             ttft_refs, tpot_refs, tp, pp, output_tokens, constants, o_pp_from, layouts
         )[2]
@@ -180,11 +213,7 @@ def calibrate_phase_constants(
     fit = minimize_mape(
         predict, measured_latency, [start], lower, upper, steps=steps, learning_rate=0.02
     )
-    params = np.array(fit.params)
-    constants = PhaseConstants(
-        ParallelConstants.from_array(params[:4]), ParallelConstants.from_array(params[4:])
-    )
-    return constants, fit
+    return constants_of(np.array(fit.params)), fit
 
 
 def calibrate_memory_constants(
@@ -286,6 +315,7 @@ def calibrate_latency(
     layouts: tuple[tuple[int, int], ...] = REFERENCE_LAYOUTS,
     steps: int = 250,
     scale_references: bool = True,
+    tp_ratios: bool = True,
 ) -> tuple[PhaseConstants, ReferenceScales, FitResult]:
     """Fit the latency side of a calibration on measured full-model data points.
 
@@ -303,11 +333,32 @@ def calibrate_latency(
         else ReferenceScales()
     )
     ttft_refs, tpot_refs = scales.apply(ttft_refs, tpot_refs)
+    ratios = {
+        phase: fit_tp_ratios(refs, tp, pp, measured, layouts) if tp_ratios else ()
+        for phase, refs, measured in (
+            ("ttft", ttft_refs, measured_ttft),
+            ("tpot", tpot_refs, measured_tpot),
+        )
+    }
     ttft_constants, _ = calibrate_parallel_constants(
-        ttft_refs, tp, pp, measured_ttft, o_pp_from, steps=steps, layouts=layouts
+        ttft_refs,
+        tp,
+        pp,
+        measured_ttft,
+        o_pp_from,
+        steps=steps,
+        layouts=layouts,
+        tp_ratio=ratios["ttft"],
     )
     tpot_constants, _ = calibrate_parallel_constants(
-        tpot_refs, tp, pp, measured_tpot, o_pp_from, steps=steps, layouts=layouts
+        tpot_refs,
+        tp,
+        pp,
+        measured_tpot,
+        o_pp_from,
+        steps=steps,
+        layouts=layouts,
+        tp_ratio=ratios["tpot"],
     )
     constants, fit = calibrate_phase_constants(
         ttft_refs,

@@ -10,6 +10,7 @@ from services.estimation.calibrate import (
     calibrate_memory_constants,
     calibrate_parallel_constants,
     fit_reference_scales,
+    fit_tp_ratios,
     mape_pct,
     minimize_mape,
 )
@@ -81,7 +82,46 @@ def test_phase_calibration_recovers_ttft_and_tpot_exponents_and_scales():
     assert scales.ttft == pytest.approx((1.04, 1.04, 1.04))
     assert scales.tpot == pytest.approx((1.02, 1.02, 1.02))
     assert fit.mape_pct < 1.0
-    np.testing.assert_allclose(constants.tpot.as_array(), truth.tpot.as_array(), atol=0.1)
+    # tp = 4 and 8 take the measured ladder, here the power law's own values; beta then
+    # only reaches tp = 2, where (2 - 1)**beta = 1 whatever it is.
+    for phase in ("ttft", "tpot"):
+        fitted, true = getattr(constants, phase), getattr(truth, phase)
+        assert dict(fitted.tp_ratio) == pytest.approx({4: 3**true.beta, 8: 7**true.beta})
+    alpha_gamma_delta = [0, 2, 3]
+    np.testing.assert_allclose(
+        constants.tpot.as_array()[alpha_gamma_delta],
+        truth.tpot.as_array()[alpha_gamma_delta],
+        atol=0.1,
+    )
+
+
+def test_the_hardware_tp_ladder_is_recovered_where_no_power_law_fits():
+    """A PCIe box whose tp = 8 overhead is 4.9 times tp = 2's while tp = 4 is 1.8 times
+    (no beta gives both): fit_tp_ratios recovers the table exactly from synthetic full
+    models, and a calibration with it reproduces every layout."""
+    refs, tp, pp = synthetic_rows(3)
+    truth = ParallelConstants(0.1, 0.7, 0.4, 0.6, tp_ratio=((4, 1.8), (8, 4.9)))
+    measured = parallel_latency(refs[:, 0], refs[:, 1], refs[:, 2], tp, pp, truth)
+    assert dict(fit_tp_ratios(refs, tp, pp, measured)) == pytest.approx({4: 1.8, 8: 4.9})
+    out = np.full(len(tp), 50.0)
+    constants, _, fit = calibrate_latency(
+        refs,
+        refs * 0.1,
+        tp,
+        pp,
+        out,
+        measured + out * measured * 0.1,
+        measured,
+        measured * 0.1,
+        steps=150,
+        scale_references=False,
+    )
+    assert dict(constants.tpot.tp_ratio) == pytest.approx({4: 1.8, 8: 4.9})
+    assert fit.mape_pct < 1.0
+    power_law = ParallelConstants(0.1, 0.7, 0.4, 0.6)
+    without = parallel_latency(refs[:, 0], refs[:, 1], refs[:, 2], tp, pp, power_law)
+    eight = tp == 8
+    assert mape_pct(without[eight], measured[eight]) > 10.0  # what the table is for
 
 
 def test_reference_scales_default_to_one_without_data_at_a_reference():

@@ -75,6 +75,9 @@ def test_calibration_message_round_trips():
     assert calibration.tp_ladder and calibration.three_refs is not None
     assert calibration.device_memory_bytes == 48_000_000_000
     assert calibration.primary.memory.tp_peer_gib > 0
+    # The A6000 box's own TP ladder (O_TP(tp) / O_TP(2) of decode), stored and read back.
+    ratios = dict(calibration.primary.latency.tpot.tp_ratio)
+    assert set(ratios) == {4, 8} and 1 < ratios[4] < ratios[8]
     assert dict(calibrations.to_proto(calibration).extra_terms) == pytest.approx(
         dict(message.extra_terms)
     )
