@@ -106,10 +106,14 @@ Method (held-out models; nothing of a held-out model's full-model rows is used)
            variant from the pp=1 fingerprints, TP communication per layer and 'other'
            terms shared by the variants, pp>1 fingerprints fit only their 'other' terms;
            samples = the 923-token-prompt rows (o = 10, 20) plus the short-prompt rows at
-           batch 1 and 2 (shared TPOT, own TTFT). Memory: one per-layer slope per
-           variant over its layouts, an intercept per layout (923-token rows only).
+           batch 1 and 2 (shared TPOT, own TTFT). Memory: each layer's weights and
+           KV cache known from the architecture and TensorRT-LLM's formats (the
+           import's layer_weight_bytes, layer_kv_bytes_per_token); the fingerprints
+           fit an intercept per layout (923-token rows only).
            Latency: Eq. 2 applied to TTFT and to TPOT with their own alpha..delta,
-           O_PP from the (1,2) reference, L = TTFT + o * TPOT. Memory: M2 plus a
+           O_PP from the (1,2) reference, L = TTFT + o * TPOT; at tp = 4 and 8 the
+           hardware's measured O_TP(tp)/O_TP(2) (median over the fold's models at
+           pp = 1) replaces (tp-1)^beta. Memory: M2 plus a
            per-TP-peer device overhead and a per-layout residual table.
            Calibration on the fold's models: alpha..delta by gradient descent on
            MAPE (per phase, then jointly on end-to-end latency); memory terms likewise.
