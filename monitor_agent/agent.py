@@ -18,6 +18,7 @@ from monitor_agent.metrics import AgentMetrics
 from monitor_agent.monitor import DeviceMonitor, NvmlSampler, ProcessSampler
 from monitor_agent.servicer import AgentServicer
 from monitor_agent.supervisor import WorkerSupervisor
+from monitor_agent.worker_pool import WorkerPool
 from services.api import agent_service_pb2_grpc
 from services.grpc_server import ServiceBinding
 from services.metrics import new_registry
@@ -35,6 +36,10 @@ def advertised_host(bind_host: str) -> str:
 
 def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
     devices = discover_devices(settings)
+    pool = None
+    if settings.worker_pool:
+        pool = WorkerPool()
+        pool.start()
     supervisor = WorkerSupervisor(
         node_id=settings.node_id,
         store=store,
@@ -42,6 +47,7 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         bind_host=settings.host,
         advertise_host=advertised_host(settings.host),
         drain_timeout_s=settings.drain_timeout_s,
+        pool=pool,
     )
     sampler = (
         NvmlSampler() if any(d.is_cuda for d in devices) else ProcessSampler(supervisor.live_pids)

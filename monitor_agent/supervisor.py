@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from monitor_agent.launch import LaunchPlan, WorkerPlan
+from monitor_agent.worker_pool import PooledProcess, WorkerPool
 from services.api import agent_service_pb2 as agent_pb
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
 from services.redis_embedded import free_port
@@ -58,7 +59,7 @@ class WorkerProcess:
 
     deployment_id: str
     plan: WorkerPlan
-    popen: subprocess.Popen
+    popen: subprocess.Popen | PooledProcess
     log_path: Path
     ready_file: Path
     info: agent_pb.WorkerInfo
@@ -120,6 +121,7 @@ class WorkerSupervisor:
         advertise_host: str,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         reap_interval_s: float = 0.3,
+        pool: WorkerPool | None = None,
     ):
         self.node_id = node_id
         self.store = store
@@ -130,6 +132,7 @@ class WorkerSupervisor:
         self.drain_timeout_s = drain_timeout_s
         self.stop_timeout_s = drain_timeout_s + STOP_MARGIN_S
         self.reap_interval_s = reap_interval_s
+        self.pool = pool
         self._workers: dict[str, list[WorkerProcess]] = {}
 
     # ---- queries ----------------------------------------------------------------------
@@ -205,15 +208,18 @@ class WorkerSupervisor:
         if worker.device.cpu_cores and not worker.device.is_cuda:
             env["OMP_NUM_THREADS"] = str(len(worker.device.cpu_cores))
         try:
-            with log_path.open("wb") as log_file:
-                popen = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
+            if self.pool is not None:
+                popen = self.pool.spawn(argv, env, log_path)
+            else:
+                with log_path.open("wb") as log_file:
+                    popen = subprocess.Popen(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                    )
         except OSError as exc:
             raise Unavailable(f"cannot start worker rank {worker.rank}: {exc}") from exc
         log.info(
@@ -330,9 +336,15 @@ class WorkerSupervisor:
 
     @staticmethod
     def _signal(proc: WorkerProcess, sig: signal.Signals) -> None:
-        # The worker leads its own session, so its process group id is its pid.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        # The worker leads its own session, so its process group id is its pid; a worker
+        # forked from the pool an instant ago may not have left the server's session yet.
+        try:
             os.killpg(proc.popen.pid, sig)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.popen.pid, sig)
+        except PermissionError:
+            pass
 
     # ---- deaths -----------------------------------------------------------------------
     async def reap_forever(self) -> None:

@@ -31,6 +31,9 @@ variable                    meaning                                         defa
 ``ISERVE_LOG_LEVEL``        logging level                                   ``INFO``
 ``ISERVE_CPU_COLLECTIVES``  how CPU ranks of one host exchange: ``shm``     ``shm``
                             (shared memory) or ``gloo``
+``ISERVE_WORKER_POOL``      ``1``: the agent forks workers from a warm       ``1``
+                            process that has imported torch; ``0``: each
+                            worker is a fresh ``python`` process
 ==========================  ==============================================  =====================
 
 The ModelService's profiling jobs (:class:`ProfilingSettings`):
@@ -103,6 +106,7 @@ class Settings:
     heartbeat_ttl_s: float
     log_level: str
     drain_timeout_s: float
+    worker_pool: bool = True
 
     def address(self, service: str) -> str:
         """host:port of ``service`` (one of ``DEFAULT_PORTS``)."""
@@ -181,7 +185,20 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         heartbeat_ttl_s=float(_number(env, "ISERVE_HEARTBEAT_TTL_S", 5.0, float)),
         log_level=log_level(env),
         drain_timeout_s=drain_timeout_s(env),
+        worker_pool=_flag(env, "ISERVE_WORKER_POOL", True),
     )
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """``env[name]`` as 1/0 (also true/false, yes/no, on/off); ValueError otherwise."""
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0, got {raw!r}")
 
 
 def log_level(env: Mapping[str, str] | None = None) -> str:

@@ -13,6 +13,7 @@ import pytest
 from monitor_agent.devices import virtual_devices
 from monitor_agent.launch import LaunchPlan, WorkerPlan
 from monitor_agent.supervisor import WorkerSupervisor
+from monitor_agent.worker_pool import WorkerPool
 from services.api import agent_service_pb2 as agent_pb
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition
 from services.state.store import StateStore
@@ -36,13 +37,24 @@ def _plan(deployment_id: str, checkpoint: Path, ready_timeout_s: float = READY_T
     )
 
 
-@pytest.fixture
-def run(redis_url, tmp_path):
-    """Run ``fn(supervisor, store)`` on a fresh event loop; no worker may outlive it."""
+@pytest.fixture(scope="module")
+def pool():
+    """The warm worker pool (a fork server with torch imported), shared by the module."""
+    warm = WorkerPool()
+    warm.start()
+    return warm
+
+
+@pytest.fixture(params=["fresh", "pool"])
+def run(request, redis_url, tmp_path):
+    """Run ``fn(supervisor, store)`` on a fresh event loop; no worker may outlive it.
+    Every test runs twice: workers as fresh processes, and forked from the warm pool."""
+    pool = request.getfixturevalue("pool") if request.param == "pool" else None
 
     def runner(fn):
         async def main():
             store = StateStore.from_url(redis_url)
+            await store.redis.flushdb()  # the other variant's workers and events
             supervisor = WorkerSupervisor(
                 node_id=NODE,
                 store=store,
@@ -50,6 +62,7 @@ def run(redis_url, tmp_path):
                 bind_host="127.0.0.1",
                 advertise_host="127.0.0.1",
                 drain_timeout_s=1.0,
+                pool=pool,
             )
             try:
                 return await fn(supervisor, store)
@@ -169,11 +182,53 @@ def test_a_worker_that_cannot_load_fails_the_start_with_its_log_tail(run, checkp
 
 def test_a_worker_not_ready_in_time_is_killed(run, checkpoint):
     async def scenario(supervisor: WorkerSupervisor, store: StateStore):
-        with pytest.raises(DeadlineExceeded, match=r"not ready within 0.3 s"):
-            await supervisor.start_workers(_plan("dep-slow", checkpoint, ready_timeout_s=0.3))
+        # 10 ms: a worker forked from the warm pool can be ready within 0.3 s.
+        with pytest.raises(DeadlineExceeded, match=r"not ready within 0.01 s"):
+            await supervisor.start_workers(_plan("dep-slow", checkpoint, ready_timeout_s=0.01))
         [stored] = await store.list_workers("dep-slow")
         assert stored.state == agent_pb.WORKER_STATE_FAILED
         assert not _alive(stored.pid)
         assert supervisor.list_workers() == []
 
     run(scenario)
+
+
+def test_a_pooled_worker_is_a_fork_of_the_warm_server_in_a_session_of_its_own(
+    redis_url, tmp_path, checkpoint, pool
+):
+    """Forked from the pool: parent is the fork server (not this process), own session,
+    its log written, ready, and stopped like any worker; when the fork server dies (the
+    agent gone), the worker does not outlive it."""
+    from multiprocessing import forkserver
+
+    async def main():
+        store = StateStore.from_url(redis_url)
+        supervisor = WorkerSupervisor(
+            node_id=NODE,
+            store=store,
+            state_dir=tmp_path,
+            bind_host="127.0.0.1",
+            advertise_host="127.0.0.1",
+            drain_timeout_s=1.0,
+            pool=pool,
+        )
+        try:
+            [info] = await supervisor.start_workers(_plan("dep-pool", checkpoint))
+            worker = psutil.Process(info.pid)
+            server = worker.parent()
+            assert server is not None and server.pid != os.getpid()
+            assert server.pid == forkserver._forkserver._forkserver_pid
+            assert os.getsid(info.pid) == info.pid
+            assert (tmp_path / "logs" / "worker-dep-pool-r0.log").stat().st_size > 0
+            # The agent's death takes the fork server with it; then the worker leaves.
+            server.kill()
+            for _ in range(200):
+                if not _alive(info.pid):
+                    break
+                await asyncio.sleep(0.05)
+            assert not _alive(info.pid)
+        finally:
+            await supervisor.stop_all()
+            await store.close()
+
+    asyncio.run(main())

@@ -1,0 +1,109 @@
+"""A warm worker pool: engine workers forked from a process that has imported torch.
+
+A fresh worker process spends most of its start importing torch and the engine (about
+1.3 s of a 1.6 s start on a 2-core VM), and a profiling job starts and stops one per
+layout and batch. The pool is Python's own ``multiprocessing`` fork server
+(``multiprocessing.get_context("forkserver")``) with the engine's modules preloaded: the
+agent starts it once, and each worker is a fork of it, so torch is imported once per
+node instead of once per worker. Deployments and profiling jobs both go through the
+supervisor, so both use it.
+
+What a forked worker does before it runs ``monitor_agent.worker.process.main``: leaves
+the server's session (so a signal to its process group reaches it alone), points its
+stdin at /dev/null and its stdout and stderr at its log file, takes the environment the
+supervisor built for it, and watches its own parent (the fork server, which exits when
+the agent does) instead of the agent. Nothing in the server has run a torch operator, so
+no thread pool exists to be broken by the fork; each worker sizes its own
+(``torch.set_num_threads``, its CPU mask) as a fresh process does.
+
+``ISERVE_WORKER_POOL=0`` turns it off: workers are then started with ``subprocess`` as
+``python -m monitor_agent.worker``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("iserve.agent.pool")
+
+# Imported once in the fork server: torch and everything a worker imports to load and
+# serve a model.
+PRELOAD = ("torch", "monitor_agent.worker.process", "monitor_agent.engine.engine")
+_WORKER_MODULE = ("-m", "monitor_agent.worker")
+
+
+def _run_worker(args: list[str], env: dict[str, str], log_path: str) -> None:
+    """Body of a forked worker (runs in the child)."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    if "--parent-pid" in args:
+        # The fork server is this process's parent; it exits when the agent does.
+        args[args.index("--parent-pid") + 1] = str(os.getppid())
+    from monitor_agent.worker.process import main
+
+    code = 1
+    try:
+        code = main(args)
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class PooledProcess:
+    """A forked worker, with the part of ``subprocess.Popen`` the supervisor uses."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess):
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        return int(self._process.pid or 0)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+
+class WorkerPool:
+    """The node's fork server; :meth:`start` warms it, :meth:`spawn` forks a worker."""
+
+    def __init__(self, preload: tuple[str, ...] = PRELOAD):
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(list(preload))
+
+    def start(self) -> None:
+        """Start the fork server now (it imports ``PRELOAD``), not at the first worker."""
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+        log.info("warm worker pool ready (preloaded %s)", ", ".join(PRELOAD))
+
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> PooledProcess:
+        """Fork a worker for ``argv`` (a ``python -m monitor_agent.worker …`` line)."""
+        if tuple(argv[1:3]) != _WORKER_MODULE:
+            raise ValueError(f"the pool runs only monitor_agent.worker, not {argv[:3]}")
+        process = self._context.Process(
+            target=_run_worker,
+            args=(list(argv[3:]), dict(env), str(log_path)),
+            name="iserve-worker",
+            daemon=True,
+        )
+        process.start()
+        return PooledProcess(process)
