@@ -1,12 +1,14 @@
-"""Worker start-up and stop: fresh processes against the warm worker pool.
+"""Worker start-up, stop and decode speed: fresh processes against the warm worker pool.
 
 Method: a real redis-server (embedded) and the agent's real ``WorkerSupervisor``; a
-1-layer Llama-style checkpoint (hidden 256) on one virtual CPU device. Each round starts
+2-layer Llama-style checkpoint (hidden 512, like a fingerprint of the CPU bench's models) on one virtual CPU device. Each round starts
 one worker (``start_workers``: process start, imports, model load, kernel self-checks,
 gRPC server up, ready file) and stops it (``stop_workers``: SIGTERM, exit), once as
 ``python -m monitor_agent.worker`` (``subprocess``, what every worker was before the
 pool) and once forked from the warm pool (``monitor_agent.worker_pool``), alternating,
-``--rounds`` times. Prints the median and the spread of each.
+``--rounds`` times. Each ready worker also serves four requests (a 64-token prompt, 32
+greedy tokens, EOS ignored; the first untimed, the medians of the others kept) so that the bench shows a forked worker decodes as fast as a
+fresh one: the worker's own TTFT and TPOT. Prints the median and the spread of each.
 
 Run: ``python bench/worker_startup.py [--rounds 7]`` (about a minute on two cores).
 """
@@ -23,13 +25,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import grpc  # noqa: E402
+
 from monitor_agent.devices import virtual_devices  # noqa: E402
 from monitor_agent.launch import LaunchPlan, WorkerPlan  # noqa: E402
 from monitor_agent.supervisor import WorkerSupervisor  # noqa: E402
 from monitor_agent.worker_pool import WorkerPool  # noqa: E402
+from services.api import common_pb2 as common_pb  # noqa: E402
+from services.api import worker_service_pb2 as worker_pb  # noqa: E402
+from services.api import worker_service_pb2_grpc as worker_grpc  # noqa: E402
 from services.models.checkpoint import create_checkpoint  # noqa: E402
 from services.redis_embedded import start_redis  # noqa: E402
 from services.state.store import StateStore  # noqa: E402
+
+TIMED_REQUESTS = 3
 
 
 async def one_round(supervisor: WorkerSupervisor, checkpoint: Path, name: str):
@@ -46,14 +55,37 @@ async def one_round(supervisor: WorkerSupervisor, checkpoint: Path, name: str):
         ready_timeout_s=120.0,
     )
     started = time.perf_counter()
-    await supervisor.start_workers(plan)
+    [info] = await supervisor.start_workers(plan)
     ready = time.perf_counter()
+    ttft_ms, tpot_ms = await generate(info.address)
+    stopping = time.perf_counter()
     await supervisor.stop_workers(name)
-    return ready - started, time.perf_counter() - ready
+    return ready - started, time.perf_counter() - stopping, ttft_ms, tpot_ms
 
 
-async def run(rounds: int, root: Path, redis_url: str) -> dict[str, list[tuple[float, float]]]:
-    checkpoint = create_checkpoint(root / "ckpt", hidden_size=256, num_layers=1, num_heads=4)
+async def generate(address: str):
+    """The worker's own TTFT and TPOT (ms), medians of TIMED_REQUESTS greedy requests
+    after an untimed one."""
+    request = worker_pb.WorkerServiceGenerateRequest(
+        request_id="bench",
+        prompt_token_ids=[5 + i % 200 for i in range(64)],
+        max_tokens=32,
+        sampling=common_pb.SamplingParams(temperature=0.0, ignore_eos=True),
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_grpc.WorkerServiceStub(channel)
+        timings = []
+        for _ in range(1 + TIMED_REQUESTS):  # the first is a warm-up
+            replies = [reply async for reply in stub.Generate(request)]
+            timings.append(replies[-1].timings)
+    return (
+        statistics.median(t.ttft_ms for t in timings[1:]),
+        statistics.median(t.tpot_ms for t in timings[1:]),
+    )
+
+
+async def run(rounds: int, root: Path, redis_url: str) -> dict[str, list[tuple]]:
+    checkpoint = create_checkpoint(root / "ckpt", hidden_size=512, num_layers=2, num_heads=8)
     store = StateStore.from_url(redis_url)
     pool = WorkerPool()
     pool.start()
@@ -68,7 +100,7 @@ async def run(rounds: int, root: Path, redis_url: str) -> dict[str, list[tuple[f
         )
         for mode in ("fresh", "pool")
     }
-    times: dict[str, list[tuple[float, float]]] = {mode: [] for mode in supervisors}
+    times: dict[str, list[tuple]] = {mode: [] for mode in supervisors}
     try:
         for mode, supervisor in supervisors.items():  # warm-up: page cache, the server
             await one_round(supervisor, checkpoint, f"warm-{mode}")
@@ -93,16 +125,22 @@ def main() -> int:
         finally:
             redis.kill()
             redis.wait()
-    print(f"worker start-up and stop, {args.rounds} rounds each (median, min-max), seconds")
+    print(
+        f"worker start-up, stop (s) and its requests' TTFT, TPOT (ms); {args.rounds} rounds "
+        "each, median (min-max)"
+    )
     medians = {}
     for mode, rows in times.items():
-        start = [r[0] for r in rows]
-        stop = [r[1] for r in rows]
-        medians[mode] = statistics.median(start)
-        print(
-            f"  {mode:5s}  ready {statistics.median(start):6.3f} ({min(start):.3f}-{max(start):.3f})"
-            f"   stopped {statistics.median(stop):6.3f} ({min(stop):.3f}-{max(stop):.3f})"
-        )
+        cells = []
+        for i, (label, unit) in enumerate(
+            (("ready", "s"), ("stopped", "s"), ("TTFT", "ms"), ("TPOT", "ms"))
+        ):
+            values = [r[i] for r in rows]
+            cells.append(
+                f"{label} {statistics.median(values):.3f} {unit} ({min(values):.3f}-{max(values):.3f})"
+            )
+        medians[mode] = statistics.median(r[0] for r in rows)
+        print(f"  {mode:5s}  " + "   ".join(cells))
     print(f"  start-up: pool is {medians['fresh'] / medians['pool']:.1f}x faster than fresh")
     return 0
 
