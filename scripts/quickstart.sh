@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # README command 1: set up, start the whole stack on this machine (embedded Redis unless
 # REDIS_URL is set, every service, one node agent with virtual CPU devices), create a
-# small Llama checkpoint, register it, deploy it, stream a generation, show the status,
+# small Llama checkpoint, register it, deploy it, stream a generation (from the CLI, and
+# with curl from the OpenAI-compatible gateway), show the status,
 # then stop everything (KEEP_UP=1 leaves the stack running).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,11 +20,29 @@ echo "== iserve model create demo-llama"
 iserve model create demo-llama --arch llama --hidden 256 --layers 4 --heads 8 --kv-heads 4 \
   --out "$ISERVE_MODELS_ROOT/demo-llama" --force
 echo "== iserve register demo-llama"
-iserve register demo-llama demo-llama --skip-profiling
+# A second run finds it registered already (the embedded Redis keeps its data in the state dir).
+iserve register demo-llama demo-llama --skip-profiling 2>/dev/null \
+  || iserve models | grep -E '^demo-llama[[:space:]]' >/dev/null || iserve register demo-llama demo-llama --skip-profiling
 echo "== iserve deploy demo-llama --tp 1 --pp 1"
 deployment=$(iserve deploy demo-llama --tp 1 --pp 1 | tail -n 1)
 echo "== iserve generate $deployment (random weights: the text is gibberish, the streaming is real)"
 iserve generate "$deployment" "Once upon a time" --max-tokens 48 --temperature 0.8 --seed 7
+gateway=$(python -c 'from services.settings import load_settings; print(load_settings().gateway_address)')
+body='{"model": "demo-llama", "messages": [{"role": "user", "content": "Tell me a story"}],
+       "max_tokens": 12, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}'
+echo "== curl -N http://$gateway/v1/chat/completions (OpenAI-compatible gateway, streamed)"
+if command -v curl >/dev/null 2>&1; then
+  curl -sSN "http://$gateway/v1/chat/completions" -H 'content-type: application/json' -d "$body"
+else
+  python - "$gateway" "$body" <<'PY'
+import sys, urllib.request
+request = urllib.request.Request(f"http://{sys.argv[1]}/v1/chat/completions", sys.argv[2].encode(),
+                                 {"content-type": "application/json"})
+with urllib.request.urlopen(request) as reply:
+    for line in reply:
+        print(line.decode(), end="")
+PY
+fi
 echo "== iserve status"
 iserve status
 echo "== iserve remove $deployment"

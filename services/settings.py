@@ -31,6 +31,7 @@ variable                    meaning                                         defa
 ``ISERVE_LOG_LEVEL``        logging level                                   ``INFO``
 ``ISERVE_CPU_COLLECTIVES``  how CPU ranks of one host exchange: ``shm``     ``shm``
                             (shared memory) or ``gloo``
+``ISERVE_GATEWAY_ADDR``     the OpenAI-compatible HTTP gateway              ``127.0.0.1:8000``
 ``ISERVE_WORKER_POOL``      ``1``: the agent forks workers from a warm       ``1``
                             process that has imported torch; ``0``: each
                             worker is a fresh ``python`` process
@@ -86,6 +87,8 @@ DEFAULT_METRICS_PORTS = {
 METRICS_ENV = {name: f"ISERVE_{name.upper()}_METRICS_ADDR" for name in DEFAULT_METRICS_PORTS}
 STACK_FILE = "stack.json"
 GIB = 1 << 30
+GATEWAY_ENV = "ISERVE_GATEWAY_ADDR"
+DEFAULT_GATEWAY_ADDR = "127.0.0.1:8000"
 DRAIN_TIMEOUT_ENV = "ISERVE_DRAIN_TIMEOUT_S"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
@@ -107,6 +110,7 @@ class Settings:
     log_level: str
     drain_timeout_s: float
     worker_pool: bool = True
+    gateway_address: str = DEFAULT_GATEWAY_ADDR
 
     def address(self, service: str) -> str:
         """host:port of ``service`` (one of ``DEFAULT_PORTS``)."""
@@ -186,6 +190,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         log_level=log_level(env),
         drain_timeout_s=drain_timeout_s(env),
         worker_pool=_flag(env, "ISERVE_WORKER_POOL", True),
+        gateway_address=env.get(GATEWAY_ENV)
+        or stack.get("gateway_address")
+        or DEFAULT_GATEWAY_ADDR,
     )
 
 

@@ -69,6 +69,13 @@ def cmd_down(settings: Settings, args) -> int:
     return 0
 
 
+def cmd_gateway(settings: Settings, args) -> int:
+    """Run the OpenAI-compatible gateway in the foreground (``iserve up`` starts one)."""
+    from gateway_svc.__main__ import main as gateway_main
+
+    return gateway_main()
+
+
 def cmd_status(settings: Settings, args) -> int:
     status = collect_status(settings)
     if args.json:
@@ -373,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("down", help="stop the stack started by `iserve up`")
     p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser(
+        "gateway",
+        help="run the OpenAI-compatible HTTP gateway in the foreground on ISERVE_GATEWAY_ADDR "
+        "(`iserve up` starts one)",
+    )
+    p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser(
         "status", help="services, devices, models and deployments; exit 0 only if all answer"

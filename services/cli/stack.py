@@ -2,7 +2,8 @@
 
 ``up`` starts an embedded redis-server (unless ``REDIS_URL`` is set), the model,
 estimator, deployment and scheduler services and one node agent, waits until every one
-answers its gRPC health check, and writes ``$ISERVE_STATE_DIR/stack.json`` with the
+answers its gRPC health check, then the OpenAI-compatible HTTP gateway (until its
+``/health`` answers), and writes ``$ISERVE_STATE_DIR/stack.json`` with the
 addresses and pids so that other ``iserve`` commands (and ``down``) find them. Logs go to
 ``$ISERVE_STATE_DIR/logs/<service>.log``.
 """
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,7 @@ from pathlib import Path
 from services.health import wait_serving
 from services.redis_embedded import free_port, start_redis
 from services.settings import (
+    GATEWAY_ENV,
     GIB,
     METRICS_ENV,
     SERVICE_ENV,
@@ -42,6 +46,8 @@ SERVICES = [
     ("deploy", "deploy_svc"),
     ("scheduler", "scheduler_svc"),
 ]
+# The OpenAI-compatible HTTP gateway starts last (it calls the others) and stops first.
+GATEWAY, GATEWAY_MODULE = "gateway", "gateway_svc"
 READY_TIMEOUT_S = 60.0
 # How long a service gets to exit after SIGTERM before SIGKILL, on top of its drain
 # (``Settings.drain_timeout_s``: the scheduler lets streams in flight finish first).
@@ -101,6 +107,8 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         ]
         if not addr.endswith(":0") and port_in_use(addr)
     ]
+    if port_in_use(settings.gateway_address):
+        busy.append(f"gateway {settings.gateway_address}")
     if busy:
         raise RuntimeError(
             f"port(s) already in use: {', '.join(busy)}; set ISERVE_*_ADDR or stop what uses them"
@@ -140,6 +148,16 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
                 f"{name:<10} ready on {settings.address(name)} "
                 f"(metrics http://{settings.metrics_address(name)}/metrics)"
             )
+        procs[GATEWAY] = _spawn(GATEWAY_MODULE, env, logs / f"{GATEWAY}.log")
+        stack["pids"][GATEWAY] = procs[GATEWAY].pid
+        stack["gateway_address"] = settings.gateway_address
+        if not wait_http(f"http://{settings.gateway_address}/health", deadline, procs[GATEWAY]):
+            tail = _tail(logs / f"{GATEWAY}.log")
+            raise RuntimeError(f"the gateway did not become ready; last log lines:\n{tail}")
+        log(
+            f"{GATEWAY:<10} ready on http://{settings.gateway_address}/v1 "
+            f"(OpenAI-compatible; metrics http://{settings.gateway_address}/metrics)"
+        )
     except BaseException:
         _stop_pids(
             {n: p.pid for n, p in procs.items()} | ({"redis": redis_proc.pid} if redis_proc else {})
@@ -165,11 +183,27 @@ def _service_env(settings: Settings, redis_url: str, options: UpOptions) -> dict
         env[var] = settings.address(name)
     for name, var in METRICS_ENV.items():
         env[var] = settings.metrics_address(name)
+    env[GATEWAY_ENV] = settings.gateway_address
     if options.devices is not None:
         env["ISERVE_DEVICES"] = str(options.devices)
     if options.device_memory_gib is not None:
         env["ISERVE_DEVICE_MEMORY_GIB"] = str(options.device_memory_gib)
     return env
+
+
+def wait_http(url: str, deadline: float, proc: subprocess.Popen) -> bool:
+    """Poll ``url`` until it answers 200, the process exits (False) or ``deadline``."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:
+                if reply.status == 200:
+                    return True
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def _spawn(module: str, env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
@@ -215,7 +249,7 @@ def down(settings: Settings, log=print) -> bool:
     if not stack:
         return False
     pids = stack.get("pids", {})
-    order = [name for name, _ in reversed(SERVICES)] + ["redis"]
+    order = [GATEWAY, *(name for name, _ in reversed(SERVICES)), "redis"]
     _stop_pids(
         {name: pids[name] for name in order if name in pids},
         log,
@@ -244,6 +278,7 @@ def temporary_stack(
             "ISERVE_MODELS_ROOT": str(state_dir / "models"),
             **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
             **{var: f"127.0.0.1:{free_port()}" for var in METRICS_ENV.values()},
+            GATEWAY_ENV: f"127.0.0.1:{free_port()}",
             **(env or {}),
         }
         saved = {key: os.environ.get(key) for key in [*values, "REDIS_URL"]}

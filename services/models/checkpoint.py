@@ -164,6 +164,14 @@ def validate_checkpoint(
     )
 
 
+# The chat template written into tokenizer_config.json (``chat_template`` None: none),
+# a plain role-tagged layout in the jinja2 form transformers' apply_chat_template renders.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def create_checkpoint(
     out_dir: str | Path,
     *,
@@ -184,6 +192,7 @@ def create_checkpoint(
     config_overrides: Mapping[str, Any] | None = None,
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
+    chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
 ) -> Path:
     """Write a randomly initialised Hugging Face checkpoint of any family; return its directory.
 
@@ -223,7 +232,12 @@ def create_checkpoint(
     config = FAMILIES[arch].build_config(request)
     config.update(config_overrides or {})
     return write_checkpoint(
-        out_dir, config, seed=seed, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+        out_dir,
+        config,
+        seed=seed,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        chat_template=chat_template,
     )
 
 
@@ -234,6 +248,7 @@ def write_checkpoint(
     seed: int = 0,
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
+    chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
 ) -> Path:
     """Write ``config`` as ``config.json`` with random weights for every tensor it implies,
     plus the small test tokenizer, and return the directory.
@@ -243,7 +258,8 @@ def write_checkpoint(
     the same bytes. The config's vocabulary must hold the tokenizer's ids. With
     ``max_shard_bytes`` the weights are split into ``model-0000i-of-0000n.safetensors``
     shards plus an index, as transformers does. Refuses to write into a non-empty
-    directory unless ``overwrite`` is True.
+    directory unless ``overwrite`` is True. ``chat_template`` goes into
+    tokenizer_config.json (None: the checkpoint has none).
     """
     directory = Path(out_dir)
     if directory.exists() and any(directory.iterdir()) and not overwrite:
@@ -282,6 +298,7 @@ def write_checkpoint(
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
             "model_max_length": spec.max_position_embeddings,
+            **({"chat_template": chat_template} if chat_template else {}),
         },
     )
     return directory

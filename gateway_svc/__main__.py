@@ -1,0 +1,47 @@
+"""``python -m gateway_svc`` (``iserve gateway``): the OpenAI-compatible HTTP gateway.
+
+Listens on ``ISERVE_GATEWAY_ADDR`` (default 127.0.0.1:8000) and talks to the scheduler,
+deployment and model services at their configured addresses (``services.settings``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from gateway_svc.app import Backend, create_app
+from services.grpc_server import configure_logging
+from services.settings import load_settings
+
+
+def main() -> int:
+    settings = load_settings()
+    configure_logging(settings.log_level, "gateway")
+    host, _, port = settings.gateway_address.rpartition(":")
+
+    def connect() -> Backend:
+        return Backend.connect(
+            settings.address("scheduler"),
+            settings.address("deploy"),
+            settings.address("model"),
+            settings.models_root,
+        )
+
+    logging.getLogger("iserve.gateway").info(
+        "OpenAI-compatible gateway on http://%s/v1", settings.gateway_address
+    )
+    uvicorn.run(
+        create_app(connect),
+        host=host or "127.0.0.1",
+        port=int(port),
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.drain_timeout_s),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

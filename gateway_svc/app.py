@@ -1,0 +1,497 @@
+"""The OpenAI-compatible HTTP API, translated to iserve's gRPC services.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` become one
+``InferenceService.Generate`` call each (the scheduler picks the deployment, queues and
+streams: the gateway schedules nothing of its own); ``GET /v1/models`` lists the models
+with a ready deployment; ``GET /health`` and ``GET /metrics`` (Prometheus text) serve
+operators. FastAPI parses and validates the bodies, ``sse-starlette`` frames the streams
+(``data: {json}`` events, ``data: [DONE]`` last); when a streaming client disconnects, the
+gRPC call is cancelled and with it the worker's generation.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with the
+status of the gRPC code (:func:`http_status`): unknown model 404, bad parameters 400,
+queue full 429, deadline missed 504, worker gone or service down 503.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sse_starlette.sse import EventSourceResponse
+
+from gateway_svc.chat import ChatTemplateError, NoChatTemplate, read_template, render
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import (
+    deployment_service_pb2_grpc,
+    inference_service_pb2_grpc,
+    model_service_pb2_grpc,
+)
+from services.api import inference_service_pb2 as inference_pb
+from services.api import model_service_pb2 as model_pb
+from services.metrics import new_registry
+
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+}
+_FINISH = {
+    common.FINISH_REASON_LENGTH: "length",
+    common.FINISH_REASON_STOP: "stop",
+    common.FINISH_REASON_CANCELLED: "stop",
+}
+
+
+def http_status(code: grpc.StatusCode) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) of a gRPC status code (500 for the rest)."""
+    return _STATUS.get(code, (500, "internal_error"))
+
+
+def error_response(status: int, kind: str, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}},
+        status_code=status,
+    )
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.message, self.param = status, kind, message, param
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.aio.AioRpcError) -> GatewayError:
+        status, kind = http_status(exc.code())
+        return cls(status, kind, exc.details() or exc.code().name)
+
+
+# ---- request bodies -------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share (OpenAI's names), plus iserve's ``priority`` and
+    ``deadline_ms``. Unknown fields are ignored, as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: bool = False
+    deadline_ms: int = Field(default=0, ge=0)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stop
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionBody(_Sampling):
+    prompt: str
+    max_tokens: int | None = Field(default=16, ge=1)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+# ---- stop strings ---------------------------------------------------------------------
+class StopScanner:
+    """Cuts the stream at the first stop string; text that could still begin one is held
+    back until the next delta shows whether it does."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        if not self.stops:
+            return text
+        self.held += text
+        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.held, self.stopped = self.held[:cut], "", True
+            return out
+        keep = max(len(s) for s in self.stops) - 1
+        out = self.held[: max(0, len(self.held) - keep)]
+        self.held = self.held[len(out) :]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+# ---- the backend ----------------------------------------------------------------------
+@dataclass
+class Backend:
+    """gRPC stubs the gateway calls, and where checkpoints live (for chat templates)."""
+
+    inference: inference_service_pb2_grpc.InferenceServiceStub
+    deployments: deployment_service_pb2_grpc.DeploymentServiceStub
+    models: model_service_pb2_grpc.ModelServiceStub
+    models_root: Path
+    rpc_timeout_s: float = 10.0
+
+    channels: tuple[grpc.aio.Channel, ...] = ()
+
+    @classmethod
+    def connect(cls, scheduler: str, deploy: str, model: str, models_root: Path) -> Backend:
+        """Channels to the three services; call it on the loop that will use them."""
+        channels = tuple(grpc.aio.insecure_channel(a) for a in (scheduler, deploy, model))
+        return cls(
+            inference_service_pb2_grpc.InferenceServiceStub(channels[0]),
+            deployment_service_pb2_grpc.DeploymentServiceStub(channels[1]),
+            model_service_pb2_grpc.ModelServiceStub(channels[2]),
+            models_root,
+            channels=channels,
+        )
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+    async def chat_template(self, model_id: str) -> tuple[str, dict[str, str]]:
+        try:
+            reply = await self.models.GetModel(
+                model_pb.GetModelRequest(model_id=model_id), timeout=self.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise GatewayError.from_rpc(exc) from None
+        try:
+            return read_template(self.models_root / reply.model.checkpoint_path)
+        except NoChatTemplate as exc:
+            raise GatewayError(400, "invalid_request_error", f"model {model_id!r}: {exc}") from None
+
+
+@dataclass
+class _Generation:
+    """One request's Generate call, opened and its first reply read (so that errors
+    before any token become HTTP errors, not a broken stream)."""
+
+    call: Any
+    first: inference_pb.GenerateResponse | None
+
+
+async def _open(backend: Backend, request: inference_pb.GenerateRequest) -> _Generation:
+    call = backend.inference.Generate(request)
+    try:
+        first = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        call.cancel()
+        raise GatewayError.from_rpc(exc) from None
+    return _Generation(call, None if first is grpc.aio.EOF else first)
+
+
+async def _replies(gen: _Generation) -> AsyncIterator[inference_pb.GenerateResponse]:
+    try:
+        if gen.first is not None:
+            yield gen.first
+        while True:
+            reply = await gen.call.read()
+            if reply is grpc.aio.EOF:
+                return
+            yield reply
+    finally:
+        gen.call.cancel()  # a no-op once finished; cancels the worker's generation if not
+
+
+def _generate_request(
+    body: _Sampling, prompt: str, max_tokens: int | None
+) -> inference_pb.GenerateRequest:
+    sampling = common.SamplingParams(temperature=body.temperature, top_p=body.top_p)
+    if body.seed is not None:
+        sampling.seed = body.seed
+    return inference_pb.GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        model_id=body.model,
+        prompt=prompt,
+        max_tokens=max_tokens or 0,
+        sampling=sampling,
+        priority=body.priority,
+        deadline_ms=body.deadline_ms,
+    )
+
+
+# ---- the app --------------------------------------------------------------------------
+def create_app(connect: Callable[[], Backend]) -> FastAPI:
+    """The app; ``connect`` builds the backend on the server's own event loop (gRPC aio
+    channels belong to the loop they were made on)."""
+    backend: Backend | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        nonlocal backend
+        backend = connect()
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(
+        title="iserve OpenAI-compatible gateway", docs_url=None, redoc_url=None, lifespan=lifespan
+    )
+    registry = new_registry()
+    requests = Counter(
+        "iserve_gateway_requests",
+        "HTTP requests by endpoint and status",
+        ["endpoint", "status"],
+        registry=registry,
+    )
+    latency = Histogram(
+        "iserve_gateway_request_seconds",
+        "Time from request to the last byte of a non-streaming reply, or to the stream's start",
+        ["endpoint"],
+        registry=registry,
+    )
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        started = time.perf_counter()
+        response = await call_next(request)
+        endpoint = request.url.path if request.url.path.startswith("/v1/") else "other"
+        requests.labels(endpoint, str(response.status_code)).inc()
+        latency.labels(endpoint).observe(time.perf_counter() - started)
+        return response
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_request: Request, exc: GatewayError):
+        return error_response(exc.status, exc.kind, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
+            for e in exc.errors()
+        )
+        return error_response(400, "invalid_request_error", message or "invalid body", where)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models():
+        try:
+            reply = await backend.deployments.ListDeployments(
+                deploy_pb.ListDeploymentsRequest(), timeout=backend.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise GatewayError.from_rpc(exc) from None
+        ready = sorted(
+            {
+                d.model_id: d.created_at_unix_ms
+                for d in reply.deployments
+                if d.state == deploy_pb.DEPLOYMENT_STATE_READY
+            }.items()
+        )
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": created // 1000, "owned_by": "iserve"}
+                for m, created in ready
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        request = _generate_request(body, body.prompt, body.max_tokens)
+        return await _respond(body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody):
+        template, tokens = await backend.chat_template(body.model)
+        try:
+            prompt = render(template, [m.as_template_input() for m in body.messages], tokens)
+        except ChatTemplateError as exc:
+            raise GatewayError(400, "invalid_request_error", str(exc), "messages") from None
+        request = _generate_request(body, prompt, body.max_completion_tokens or body.max_tokens)
+        return await _respond(body, request, chat=True)
+
+    async def _respond(body: _Sampling, request: inference_pb.GenerateRequest, chat: bool):
+        gen = await _open(backend, request)
+        ident = ("chatcmpl-" if chat else "cmpl-") + request.request_id
+        created = int(time.time())
+        if body.stream:
+            usage_too = bool(body.stream_options and body.stream_options.include_usage)
+            events = _stream(gen, body, ident, created, chat, usage_too)
+            return EventSourceResponse(events, ping=15, sep="\n")
+        return await _complete(gen, body, ident, created, chat)
+
+    return app
+
+
+def _usage(final: inference_pb.GenerateFinal | None) -> dict[str, int]:
+    prompt = final.usage.prompt_tokens if final else 0
+    completion = final.usage.completion_tokens if final else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def _complete(gen: _Generation, body: _Sampling, ident: str, created: int, chat: bool):
+    scanner = StopScanner(body.stop_strings())
+    text, final = [], None
+    try:
+        async for reply in _replies(gen):
+            if reply.HasField("delta"):
+                text.append(scanner.feed(reply.delta.text))
+                if scanner.stopped:
+                    gen.call.cancel()  # the rest of the generation is not wanted
+                    break
+            elif reply.HasField("final"):
+                final = reply.final
+    except grpc.aio.AioRpcError as exc:
+        raise GatewayError.from_rpc(exc) from None
+    if not scanner.stopped:
+        text.append(scanner.flush())
+    reason = (
+        "stop" if scanner.stopped else _FINISH.get(final.finish_reason, "stop") if final else "stop"
+    )
+    content = "".join(text)
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": content}
+    else:
+        choice["text"] = content
+    return {
+        "id": ident,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": body.model,
+        "choices": [choice],
+        "usage": _usage(final),
+    }
+
+
+async def _stream(
+    gen: _Generation, body: _Sampling, ident: str, created: int, chat: bool, usage_too: bool
+) -> AsyncIterator[str]:
+    """The SSE events of one streamed generation (sse-starlette adds ``data: ``)."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return json.dumps(
+            {
+                "id": ident,
+                "object": kind,
+                "created": created,
+                "model": body.model,
+                "choices": [choice],
+            }
+        )
+
+    scanner = StopScanner(body.stop_strings())
+    final = None
+    if chat:
+        yield chunk("", None, role=True)
+    try:
+        async for reply in _replies(gen):
+            if reply.HasField("delta"):
+                text = scanner.feed(reply.delta.text)
+                if text:
+                    yield chunk(text, None)
+                if scanner.stopped:
+                    gen.call.cancel()
+                    break
+            elif reply.HasField("final"):
+                final = reply.final
+    except grpc.aio.AioRpcError as exc:
+        status, kind_ = http_status(exc.code())
+        yield json.dumps(
+            {"error": {"message": exc.details(), "type": kind_, "param": None, "code": status}}
+        )
+        yield "[DONE]"
+        return
+    if not scanner.stopped:
+        rest = scanner.flush()
+        if rest:
+            yield chunk(rest, None)
+    reason = (
+        "stop" if scanner.stopped else _FINISH.get(final.finish_reason, "stop") if final else "stop"
+    )
+    yield chunk(None if chat else "", reason)
+    if usage_too:
+        yield json.dumps(
+            {
+                "id": ident,
+                "object": kind,
+                "created": created,
+                "model": body.model,
+                "choices": [],
+                "usage": _usage(final),
+            }
+        )
+    yield "[DONE]"

@@ -1,0 +1,183 @@
+"""The OpenAI-compatible gateway against the live stack: the official ``openai`` client,
+raw HTTP for the SSE framing, a disconnect cancelling the generation, error statuses."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import inference_service_pb2 as infer_pb
+from services.models.checkpoint import create_checkpoint
+from tests.integration.helpers import TINY, deploy, make_checkpoint, register, rid
+
+pytestmark = pytest.mark.integration
+
+MODEL, PLAIN = "gw-llama", "gw-plain"
+MAX_OUTPUT = 1500
+
+
+@pytest.fixture(scope="module")
+def gateway(stack):
+    """The stack's gateway base URL, with MODEL (a chat template) and PLAIN (none) deployed."""
+    register(stack, MODEL, make_checkpoint(stack, MODEL))
+    create_checkpoint(stack.models_root / PLAIN, **TINY, chat_template=None, overwrite=True)
+    register(stack, PLAIN, PLAIN)
+    deployed = [
+        deploy(stack, MODEL, max_output_tokens=MAX_OUTPUT).deployment.deployment_id,
+        deploy(stack, PLAIN).deployment.deployment_id,
+    ]
+    yield f"http://{stack.settings.gateway_address}"
+    for deployment_id in deployed:
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=deployment_id),
+            timeout=60,
+        )
+
+
+@pytest.fixture
+def client(gateway):
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="not-checked", max_retries=0)
+
+
+def test_the_openai_client_streams_a_chat_and_a_completion_with_usage(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert usage.completion_tokens >= 1 and usage.prompt_tokens > 3  # the template's tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert isinstance(text, str)
+
+    streamed = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The quick brown fox",
+            max_tokens=8,
+            temperature=0,
+            seed=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert streamed[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
+    whole = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=0, seed=3
+    )
+    # Greedy: the same text streamed or not.
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in streamed if c.choices)
+    assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens == 5
+
+
+def test_models_lists_what_is_deployed(client):
+    ids = {m.id for m in client.models.list()}
+    assert {MODEL, PLAIN} <= ids
+
+
+def test_sse_framing_is_data_lines_ending_with_done(gateway):
+    body = {"model": MODEL, "prompt": "a b c", "max_tokens": 6, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in reply.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    assert all(e["object"] == "text_completion" for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stop_string_ends_the_text_before_it(client):
+    whole = client.completions.create(model=MODEL, prompt="x y", max_tokens=24, temperature=0)
+    text = whole.choices[0].text
+    if len(text) < 4:
+        pytest.skip(f"the random model's greedy text is too short to cut: {text!r}")
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = client.completions.create(
+        model=MODEL, prompt="x y", max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def _running(stack) -> int:
+    stats = stack.inference.GetServingStats(infer_pb.GetServingStatsRequest(), timeout=10)
+    return sum(d.requests_running for d in stats.deployments if d.model_id == MODEL)
+
+
+def test_a_client_that_disconnects_cancels_its_generation(stack, gateway):
+    body = {"model": MODEL, "prompt": "go", "max_tokens": MAX_OUTPUT, "stream": True}
+    with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert _running(stack) == 1
+    # Closed after the first event; 1500 tokens would take far longer than this.
+    deadline = time.monotonic() + 5.0
+    while _running(stack) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(stack) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "kind", "says"),
+    [
+        ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "not_found_error", "nope"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "invalid_request_error", "n=1"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 9}, 400, "invalid_request_error", "temperature"),
+        ("/v1/completions", {"model": MODEL}, 400, "invalid_request_error", "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": MAX_OUTPUT + 1}, 400, "invalid_request_error", "max"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "invalid_request_error", "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request_error", "role"),
+        ("/v1/chat/completions", {"model": PLAIN, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error", "chat_template"),
+        ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "not_found_error", "nope"),
+    ],
+)  # fmt: skip
+def test_errors_have_openais_body_and_the_status_of_their_cause(
+    gateway, path, body, status, kind, says
+):
+    for stream in (False, True):
+        reply = httpx.post(f"{gateway}{path}", json={**body, "stream": stream}, timeout=60)
+        assert reply.status_code == status, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == kind and error["code"] == status
+        assert says in error["message"], error
+
+
+def test_a_body_that_is_not_json_is_a_400(gateway):
+    reply = httpx.post(
+        f"{gateway}/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_health_and_metrics(gateway):
+    assert httpx.get(f"{gateway}/health", timeout=10).json() == {"status": "ok"}
+    metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
+    assert "iserve_gateway_requests_total" in metrics
