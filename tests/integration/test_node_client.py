@@ -1,0 +1,79 @@
+"""clients/node against the live stack: register, deploy, stream, timings, remove.
+
+Needs ``node`` and ``npm`` (skipped with the reason where either is absent); the client's
+dependencies are installed from its committed package-lock.json with ``npm ci``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.api import deployment_service_pb2 as deploy_pb
+from tests.integration.helpers import make_checkpoint
+
+pytestmark = pytest.mark.integration
+
+CLIENT = Path(__file__).resolve().parents[2] / "clients" / "node"
+
+
+@pytest.fixture(scope="module")
+def node_client():
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("node and npm are needed for the Node client (apt-get install nodejs npm)")
+    lock = CLIENT / "package-lock.json"
+    installed = CLIENT / "node_modules" / ".package-lock.json"
+    if not installed.is_file() or installed.stat().st_mtime < lock.stat().st_mtime:
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=CLIENT, check=True, timeout=300)
+    return node
+
+
+def test_the_node_client_registers_deploys_and_streams_with_timings(stack, node_client):
+    checkpoint = make_checkpoint(stack, "node-llama")
+    env = {**os.environ, **stack.env}
+    run = subprocess.run(
+        [
+            node_client,
+            str(CLIENT / "demo.js"),
+            "node-llama",
+            checkpoint,
+            "hello",
+            "--max-tokens",
+            "8",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr + run.stdout
+    out = run.stdout
+    assert "registered node-llama" in out
+    deployed = re.search(r"deployed (\S+) on \S+:\d+", out)
+    assert deployed, out
+    timings = re.search(
+        r"\[8 tokens, FINISH_REASON_LENGTH; queue [\d.]+ ms, TTFT ([\d.]+) ms, TPOT ([\d.]+) ms",
+        out,
+    )
+    assert timings and float(timings[1]) > 0 and float(timings[2]) > 0, out
+    assert f"removed {deployed[1]}" in out
+    gone = stack.deployments.ListDeployments(
+        deploy_pb.ListDeploymentsRequest(model_id="node-llama")
+    )
+    assert all(d.state != deploy_pb.DEPLOYMENT_STATE_READY for d in gone.deployments)
+
+    # A bad request is a clear error and a non-zero exit, not a hang.
+    bad = subprocess.run(
+        [node_client, str(CLIENT / "demo.js"), "no-such-model", "no/such/dir"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 1 and "RegisterModel: " in bad.stderr, bad.stderr
