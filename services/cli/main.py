@@ -28,7 +28,7 @@ from services.api import (
 )
 from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
-from services.cli import deploying, estimation, stack
+from services.cli import deploying, estimation, plan, stack
 from services.cli.status import collect_status, print_status
 from services.grpc_server import CHANNEL_OPTIONS
 from services.settings import Settings, load_settings
@@ -522,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_remove)
 
     estimation.add_commands(sub)
+    plan.add_command(sub)
     return parser
 
 

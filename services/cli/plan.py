@@ -1,0 +1,293 @@
+"""``iserve plan``: what each intent would deploy, and the latency–memory Pareto front.
+
+Against the live cluster, or, with ``--hardware HW --devices N [--device-memory GIB]``,
+against N idle simulated devices of a hardware type the model is profiled on (the
+deployer's PlanDeployment takes simulated devices; nothing is launched). One
+PlanDeployment per intent gives the table; the estimator's EstimateConfigs gives every
+configuration for the plot (``--png``, drawn with matplotlib's non-interactive Agg
+backend): latency against memory, the Pareto front (no configuration both faster and
+smaller) and each intent's choice marked and labelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import grpc
+
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import (
+    deployment_service_pb2_grpc,
+    estimator_service_pb2_grpc,
+)
+from services.api import estimator_service_pb2 as estimator_pb
+from services.grpc_server import CHANNEL_OPTIONS
+from services.settings import Settings
+
+GIB = float(1 << 30)
+INTENTS = {
+    "min-cost": common.INTENT_KIND_MIN_COST,
+    "min-latency": common.INTENT_KIND_MIN_LATENCY,
+    "min-memory": common.INTENT_KIND_MIN_MEMORY,
+    "min-device-hours": common.INTENT_KIND_MIN_DEVICE_HOURS,
+    "max-throughput": common.INTENT_KIND_MAX_THROUGHPUT,
+}
+DEFAULT_INPUT, DEFAULT_OUTPUT = 512, 256  # what Deploy assumes for 0
+
+
+def simulated_devices(hardware: str, count: int, memory_gib: float) -> list[common.DeviceState]:
+    """``count`` idle devices of ``hardware`` with ``memory_gib`` each (GPU hardware types
+    are CUDA devices; ``cpu-…`` ones virtual CPU devices)."""
+    kind = common.DEVICE_KIND_CPU_VIRTUAL if hardware.startswith("cpu") else common.DEVICE_KIND_CUDA
+    total = int(memory_gib * GIB)
+    return [
+        common.DeviceState(
+            ref=common.DeviceRef(node_id="simulated", device_id=f"dev{i}"),
+            kind=kind,
+            name=hardware,
+            hardware_type=hardware,
+            total_bytes=total,
+            free_bytes=total,
+        )
+        for i in range(count)
+    ]
+
+
+def short_config(config: common.DeploymentConfig) -> str:
+    """``variant tp x pp, batch b`` (the variant names its quantization and pruning)."""
+    return (
+        f"{config.variant_name or 'base'} {config.tensor_parallel}x{config.pipeline_parallel}"
+        f", batch {config.batch_size or 1}"
+    )
+
+
+def _rid() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def plan_intents(settings: Settings, args) -> list[dict]:
+    """One row per intent: its decision, or why there is none."""
+    stub = deployment_service_pb2_grpc.DeploymentServiceStub(
+        grpc.insecure_channel(settings.address("deploy"), options=CHANNEL_OPTIONS)
+    )
+    devices = (
+        simulated_devices(args.hardware, args.devices, args.device_memory) if args.hardware else []
+    )
+    rows = []
+    for name, kind in INTENTS.items():
+        request = deploy_pb.PlanDeploymentRequest(
+            request_id=_rid(),
+            model_id=args.model_id,
+            max_input_tokens=args.max_input,
+            max_output_tokens=args.max_output,
+            intent=common.Intent(kind=kind),
+            batch_size=args.batch,
+            devices=devices,
+        )
+        try:
+            decision = stub.PlanDeployment(request, timeout=120).decision
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise  # the same for every intent: the model or the request is wrong
+            rows.append({"intent": name, "error": f"{exc.code().name}: {exc.details()}"})
+            continue
+        e = decision.estimate
+        rows.append(
+            {
+                "intent": name,
+                "config": short_config(decision.config),
+                "tp": decision.config.tensor_parallel,
+                "pp": decision.config.pipeline_parallel,
+                "variant": decision.config.variant_name or "base",
+                "batch": decision.config.batch_size,
+                "devices": sum(len(s.devices) for s in decision.placement.stages),
+                "ttft_ms": e.ttft_ms,
+                "tpot_ms": e.tpot_ms,
+                "latency_ms": e.latency_ms,
+                "memory_gib": e.memory_total_bytes / GIB,
+                "cost_gib_s": e.cost_memory_latency,
+                "accuracy": e.accuracy_score if e.HasField("accuracy_score") else None,
+                "note": decision.note,
+            }
+        )
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(
+        f"{'INTENT':<17} {'CONFIG (variant tp x pp)':<26} {'DEV':>3} {'TTFT ms':>8} {'TPOT ms':>8} "
+        f"{'LATENCY s':>9} {'MEMORY GiB':>10} {'GiB*s':>8} {'ACC %':>6}"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['intent']:<17} no configuration: {r['error']}")
+            continue
+        accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.1f}"
+        print(
+            f"{r['intent']:<17} {r['config']:<26} {r['devices']:>3} {r['ttft_ms']:>8.1f} "
+            f"{r['tpot_ms']:>8.2f} {r['latency_ms'] / 1e3:>9.3f} {r['memory_gib']:>10.2f} "
+            f"{r['cost_gib_s']:>8.1f} {accuracy:>6}"
+        )
+        if r["note"]:
+            print(f"{'':<17} note: {r['note']}")
+
+
+def all_estimates(settings: Settings, args, hardware: str) -> list[estimator_pb.ConfigEstimate]:
+    stub = estimator_service_pb2_grpc.EstimatorServiceStub(
+        grpc.insecure_channel(settings.address("estimator"), options=CHANNEL_OPTIONS)
+    )
+    reply = stub.EstimateConfigs(
+        estimator_pb.EstimateConfigsRequest(
+            request_id=_rid(),
+            model_id=args.model_id,
+            hardware_type=hardware,
+            workload=estimator_pb.Workload(
+                input_tokens=args.max_input or DEFAULT_INPUT,
+                output_tokens=args.max_output or DEFAULT_OUTPUT,
+                batch_size=args.batch or 1,
+            ),
+            device_count=args.devices or 0,
+        ),
+        timeout=120,
+    )
+    return list(reply.estimates)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both axes (smaller is better),
+    sorted by the first coordinate."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front, best = [], float("inf")
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def write_png(path: Path, title: str, estimates, rows: list[dict], fits) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("error: --png needs matplotlib (pip install 'iserve[plot]')") from None
+    points = [(e.memory_total_bytes / GIB, e.latency_ms / 1e3) for e in estimates]
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
+    fit = [p for p, ok in zip(points, fits, strict=True) if ok]
+    unfit = [p for p, ok in zip(points, fits, strict=True) if not ok]
+    if unfit:
+        ax.scatter(*zip(*unfit, strict=True), s=12, c="lightgray", label="does not fit the devices")
+    if fit:
+        ax.scatter(*zip(*fit, strict=True), s=14, c="tab:blue", alpha=0.6, label="configuration")
+        front = pareto_front(fit)
+        ax.plot(
+            [fit[i][0] for i in front],
+            [fit[i][1] for i in front],
+            c="tab:orange",
+            lw=1.5,
+            marker="o",
+            ms=4,
+            label="Pareto front (latency, memory)",
+        )
+    chosen: dict[str, list[dict]] = {}
+    for r in rows:
+        if "error" not in r:
+            chosen.setdefault(r["config"], []).append(r)
+    for n, (config, same) in enumerate(chosen.items()):
+        x, y = same[0]["memory_gib"], same[0]["latency_ms"] / 1e3
+        ax.scatter([x], [y], s=110, marker="*", c="tab:red", zorder=3)
+        ax.annotate(
+            f"{', '.join(r['intent'] for r in same)}: {config}",
+            (x, y),
+            textcoords="offset points",
+            xytext=(12, 16 + 16 * (n % 3)),
+            fontsize=8,
+            arrowprops={"arrowstyle": "-", "color": "tab:red", "lw": 0.6},
+            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
+        )
+    ax.set_xlabel("memory, all devices (GiB)")
+    ax.set_ylabel("latency per request (s)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def cmd_plan(settings: Settings, args) -> int:
+    if args.hardware and not args.devices:
+        raise SystemExit("error: --hardware needs --devices N (how many simulated devices)")
+    if args.device_memory is not None and not args.hardware:
+        raise SystemExit("error: --device-memory describes simulated devices: give --hardware too")
+    if args.hardware and args.device_memory is None:
+        raise SystemExit(
+            "error: --hardware needs --device-memory GIB (each simulated device's memory)"
+        )
+    rows = plan_intents(settings, args)
+    where = (
+        f"{args.devices} simulated {args.hardware} ({args.device_memory:g} GiB each)"
+        if args.hardware
+        else "the live cluster"
+    )
+    if args.json:
+        print(json.dumps({"model_id": args.model_id, "devices": where, "intents": rows}))
+    else:
+        print(
+            f"{args.model_id} on {where}: input {args.max_input or DEFAULT_INPUT}, output "
+            f"{args.max_output or DEFAULT_OUTPUT} tokens"
+        )
+        print_rows(rows)
+    if args.png:
+        hardware = args.hardware or _live_hardware(settings)
+        estimates = all_estimates(settings, args, hardware)
+        memory_bytes = int(args.device_memory * GIB) if args.hardware else 0
+        fits = [not memory_bytes or e.memory_per_device_bytes <= memory_bytes for e in estimates]
+        write_png(
+            Path(args.png),
+            f"{args.model_id} on {where}: {len(estimates)} configurations, "
+            f"output {args.max_output or DEFAULT_OUTPUT} tokens",
+            estimates,
+            rows,
+            fits,
+        )
+        print(f"wrote {args.png}", file=sys.stderr)
+    return 0 if any("error" not in r for r in rows) else 1
+
+
+def _live_hardware(settings: Settings) -> str:
+    stub = deployment_service_pb2_grpc.DeploymentServiceStub(
+        grpc.insecure_channel(settings.address("deploy"), options=CHANNEL_OPTIONS)
+    )
+    state = stub.GetClusterState(deploy_pb.GetClusterStateRequest(), timeout=30)
+    kinds = sorted({d.hardware_type for n in state.nodes for d in n.devices})
+    if not kinds:
+        raise SystemExit(
+            "error: the cluster has no devices; plan against --hardware HW --devices N"
+        )
+    return kinds[0]
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="what each intent would deploy (live cluster or simulated devices), "
+        "and a PNG of the latency-memory Pareto front",
+    )
+    p.add_argument("model_id")
+    p.add_argument("--hardware", help="plan on simulated idle devices of this hardware type")
+    p.add_argument("--devices", type=int, default=0, help="how many simulated devices")
+    p.add_argument("--device-memory", type=float, help="memory of each simulated device, GiB")
+    p.add_argument("--max-input", type=int, default=0, help="longest prompt (default 512)")
+    p.add_argument("--max-output", type=int, default=0, help="longest generation (default 256)")
+    p.add_argument("--batch", type=int, default=1, help="batch size to rank at (default 1)")
+    p.add_argument("--png", help="write the latency-memory plot here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)

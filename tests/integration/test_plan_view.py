@@ -1,0 +1,51 @@
+"""``iserve plan`` after ``iserve profile import``: every intent's choice on 8 simulated
+48 GiB A6000s, the PNG of the latency-memory front, and its clear refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.cli.plan import pareto_front
+from tests.integration.conftest import A6000
+from tests.integration.helpers import cli
+
+pytestmark = pytest.mark.integration
+
+ARGS = ["--hardware", A6000, "--devices", "8", "--device-memory", "48", "--max-output", "100"]
+
+
+def test_plan_shows_each_intents_choice_and_draws_the_front(stack, imported, tmp_path):
+    png = tmp_path / "plan.png"
+    out = cli(stack, "plan", "llama-2-70b", *ARGS, "--png", str(png))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("llama-2-70b on 8 simulated rtx-a6000 (48 GiB each)")
+    for intent in ("min-cost", "min-latency", "min-memory", "min-device-hours", "max-throughput"):
+        assert any(line.startswith(intent) for line in lines), out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+    data = json.loads(cli(stack, "plan", "llama-2-70b", *ARGS, "--json").stdout)
+    chosen = {row["intent"]: row for row in data["intents"]}
+    assert all("error" not in row for row in chosen.values()), chosen
+    # Each intent's choice is at least as good as the others' by its own metric.
+    for row in chosen.values():
+        assert chosen["min-latency"]["latency_ms"] <= row["latency_ms"] + 1e-6
+        assert chosen["min-memory"]["memory_gib"] <= row["memory_gib"] + 1e-6
+    # Each choice is placed on as many simulated devices as its layout has ranks.
+    assert all(row["devices"] == row["tp"] * row["pp"] for row in chosen.values())
+
+
+def test_plan_refuses_half_described_simulations_and_unknown_models(stack, imported):
+    out = cli(stack, "plan", "llama-2-70b", "--hardware", A6000, "--devices", "8")
+    assert out.returncode != 0 and "--device-memory" in out.stderr
+    out = cli(stack, "plan", "llama-2-70b", "--device-memory", "48")
+    assert out.returncode != 0 and "--hardware" in out.stderr
+    out = cli(stack, "plan", "no-such-model", *ARGS)
+    assert out.returncode != 0 and "NOT_FOUND" in out.stderr
+
+
+def test_the_pareto_front_keeps_only_undominated_points():
+    points = [(1.0, 5.0), (2.0, 3.0), (2.5, 4.0), (3.0, 1.0), (4.0, 1.0), (0.5, 9.0)]
+    assert pareto_front(points) == [5, 0, 1, 3]
