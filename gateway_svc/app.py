@@ -93,7 +93,8 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     """Fields both endpoints share (OpenAI's names), plus iserve's ``priority`` and
-    ``deadline_ms``. Unknown fields are ignored, as OpenAI-compatible servers do."""
+    ``deadline_ms`` and vLLM's ``ignore_eos``. Unknown fields are ignored, as
+    OpenAI-compatible servers do."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -108,6 +109,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     priority: bool = False
     deadline_ms: int = Field(default=0, ge=0)
+    # vLLM's extra: generate max_tokens even past the end-of-sequence token.
+    ignore_eos: bool = False
 
     @field_validator("n")
     @classmethod
@@ -256,7 +259,9 @@ async def _replies(gen: _Generation) -> AsyncIterator[inference_pb.GenerateRespo
 def _generate_request(
     body: _Sampling, prompt: str, max_tokens: int | None
 ) -> inference_pb.GenerateRequest:
-    sampling = common.SamplingParams(temperature=body.temperature, top_p=body.top_p)
+    sampling = common.SamplingParams(
+        temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos
+    )
     if body.seed is not None:
         sampling.seed = body.seed
     return inference_pb.GenerateRequest(

@@ -18,6 +18,7 @@ from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc, model_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
+from services.cli.output import show_tables
 from services.grpc_server import CHANNEL_OPTIONS
 from services.settings import Settings
 
@@ -116,19 +117,26 @@ def cmd_estimate(settings: Settings, args) -> int:
         f"{args.model_id} on {args.hardware}: {len(records)} configurations, "
         f"{args.output_len} output tokens, batch {args.batch or 1}"
     )
-    print(
-        f"{'tp':>2} {'pp':>2} {'variant':<12} {'batch':>5} {'memory GiB':>10} {'per dev':>8} "
-        f"{'TTFT ms':>8} {'TPOT ms':>8} {'latency s':>9} {'GB*s':>8} {'tok/s/dev':>9} {'acc %':>6}"
-    )
-    for r in records:
-        accuracy = "-" if r["accuracy_score"] is None else f"{r['accuracy_score']:.1f}"
-        print(
-            f"{r['tp']:>2} {r['pp']:>2} {r['variant'] or 'base':<12} {r['batch_size']:>5} "
-            f"{r['memory_total_bytes'] / GIB:>10.2f} {r['memory_per_device_bytes'] / GIB:>8.2f} "
-            f"{r['ttft_ms']:>8.1f} {r['tpot_ms']:>8.2f} {r['latency_ms'] / 1e3:>9.3f} "
-            f"{r['cost_memory_latency']:>8.1f} "
-            f"{r['throughput_tokens_per_second_per_device']:>9.2f} {accuracy:>6}"
-        )
+    headers = ["TP", "PP", "VARIANT", "BATCH", "MEMORY GiB", "PER DEV GiB", "TTFT ms"]
+    headers += ["TPOT ms", "LATENCY s", "GiB*s", "TOK/S/DEV", "ACC %"]
+    rows = [
+        [
+            r["tp"],
+            r["pp"],
+            r["variant"] or "base",
+            r["batch_size"],
+            f"{r['memory_total_bytes'] / GIB:.2f}",
+            f"{r['memory_per_device_bytes'] / GIB:.2f}",
+            f"{r['ttft_ms']:.1f}",
+            f"{r['tpot_ms']:.2f}",
+            f"{r['latency_ms'] / 1e3:.3f}",
+            f"{r['cost_memory_latency']:.1f}",
+            f"{r['throughput_tokens_per_second_per_device']:.2f}",
+            "-" if r["accuracy_score"] is None else f"{r['accuracy_score']:.1f}",
+        ]
+        for r in records
+    ]
+    show_tables([(None, headers, rows)])
     return 0
 
 

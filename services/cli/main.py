@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable
 
 import grpc
 from google.protobuf import json_format
+from rich.console import Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -28,8 +31,8 @@ from services.api import (
 )
 from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
-from services.cli import deploying, estimation, plan, stack
-from services.cli.status import collect_status, print_status
+from services.cli import deploying, estimation, output, plan, stack
+from services.cli.status import collect_status, print_status, status_header, status_tables
 from services.grpc_server import CHANNEL_OPTIONS
 from services.settings import Settings, load_settings
 
@@ -77,12 +80,46 @@ def cmd_gateway(settings: Settings, args) -> int:
 
 
 def cmd_status(settings: Settings, args) -> int:
+    if args.watch:
+        return _watch_status(settings, args)
     status = collect_status(settings)
     if args.json:
         print(json.dumps(status, indent=2))
     else:
         print_status(status)
     return 0 if status["healthy"] else 1
+
+
+def _watch_status(settings: Settings, args) -> int:
+    """Redraw the status every ``args.watch`` seconds until Ctrl-C: in place on a terminal
+    (rich's Live), as successive blocks (JSON lines with --json) otherwise."""
+    out = output.console()
+    try:
+        if out.is_terminal and not args.json:
+            with Live(console=out, auto_refresh=False, transient=False) as live:
+                while True:
+                    status = collect_status(settings)
+                    stamp = time.strftime("%H:%M:%S")
+                    live.update(
+                        Group(
+                            f"{status_header(status)}   [dim]{stamp}, every {args.watch:g} s; "
+                            "Ctrl-C stops[/]",
+                            output.renderable(status_tables(status)),
+                        ),
+                        refresh=True,
+                    )
+                    time.sleep(args.watch)
+        while True:
+            status = collect_status(settings)
+            if args.json:
+                print(json.dumps(status), flush=True)
+            else:
+                print(f"--- {time.strftime('%H:%M:%S')}")
+                print_status(status)
+                sys.stdout.flush()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
 
 
 def cmd_model_create(settings: Settings, args) -> int:
@@ -157,24 +194,37 @@ def render_progress(event: model_pb.WatchModelResponse, width: int = PROGRESS_BA
 
 
 def _watch_profiling(stub, model_id: str) -> None:
-    """Follow WatchModel until profiling ends, drawing its progress on stderr (one line
-    redrawn on a terminal, a line per change otherwise)."""
-    tty = sys.stderr.isatty()
-    shown = ""
-    for event in stub.WatchModel(model_pb.WatchModelRequest(request_id=_rid(), model_id=model_id)):
-        line = render_progress(event)
-        if line == shown:
-            continue
-        if tty:
-            sys.stderr.write(
-                "\r" + line[: shutil.get_terminal_size().columns - 1].ljust(len(shown))
+    """Follow WatchModel until profiling ends, drawing its progress on stderr: a rich
+    progress bar (runs done, elapsed time, the job now running) on a terminal, a line
+    per change otherwise."""
+    events = stub.WatchModel(model_pb.WatchModelRequest(request_id=_rid(), model_id=model_id))
+    err = output.console(stderr=True)
+    if not err.is_terminal:
+        shown = ""
+        for event in events:
+            line = render_progress(event)
+            if line != shown:
+                print(line, file=sys.stderr, flush=True)
+                shown = line
+        return
+    columns = (
+        TextColumn("[bold]{task.fields[state]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    )
+    with Progress(*columns, console=err, transient=False) as progress:
+        task = progress.add_task("", total=None, state="profiling")
+        for event in events:
+            state = model_pb.ModelState.Name(event.state).removeprefix("MODEL_STATE_").lower()
+            progress.update(
+                task,
+                total=event.runs_total or None,
+                completed=event.runs_done,
+                description=event.current or event.message,
+                state=state,
             )
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-        shown = line
-    if tty and shown:
-        sys.stderr.write("\n")
 
 
 def cmd_register(settings: Settings, args) -> int:
@@ -215,7 +265,20 @@ def cmd_models(settings: Settings, args) -> int:
     reply = _stub(settings, "model", model_service_pb2_grpc.ModelServiceStub).ListModels(
         model_pb.ListModelsRequest(request_id=_rid())
     )
-    for model in reply.models:
+    if output.stdout_is_terminal() and not args.json:
+        rows = [
+            [
+                m.model_id,
+                model_pb.ModelState.Name(m.state).removeprefix("MODEL_STATE_"),
+                m.shape.num_layers,
+                m.shape.hidden_size,
+                m.checkpoint_path,
+            ]
+            for m in reply.models
+        ]
+        output.show_tables([(None, ["MODEL", "STATE", "LAYERS", "HIDDEN", "CHECKPOINT"], rows)])
+        return 0
+    for model in reply.models:  # not a terminal: tab-separated lines, for scripts
         print(
             json.dumps(_to_json(model))
             if args.json
@@ -273,6 +336,22 @@ def cmd_deployments(settings: Settings, args) -> int:
     ).ListDeployments(
         deploy_pb.ListDeploymentsRequest(request_id=_rid(), model_id=args.model or "")
     )
+    if output.stdout_is_terminal() and not args.json:
+        rows = [
+            [
+                dep.deployment_id,
+                dep.model_id,
+                deploy_pb.DeploymentState.Name(dep.state).removeprefix("DEPLOYMENT_STATE_"),
+                deploying.describe_config(dep.config),
+                deploying.describe_objectives(dep.objectives),
+                deploying.describe_replicas(dep),
+            ]
+            for dep in reply.deployments
+        ]
+        headers = ["DEPLOYMENT", "MODEL", "STATE", "CONFIG", "OBJECTIVES", "REPLICAS"]
+        output.show_tables([(None, headers, rows)])
+        return 0
+    # Not a terminal: one tab-separated line per deployment, for scripts.
     for dep in reply.deployments:
         state = deploy_pb.DeploymentState.Name(dep.state).removeprefix("DEPLOYMENT_STATE_")
         print(
@@ -392,6 +471,15 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="services, devices, models and deployments; exit 0 only if all answer"
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=0.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C, in place on a terminal",
+    )
     p.set_defaults(func=cmd_status)
 
     model = sub.add_parser("model", help="model checkpoints").add_subparsers(

@@ -26,6 +26,7 @@ from services.api import (
     estimator_service_pb2_grpc,
 )
 from services.api import estimator_service_pb2 as estimator_pb
+from services.cli.output import show_tables
 from services.grpc_server import CHANNEL_OPTIONS
 from services.settings import Settings
 
@@ -119,22 +120,29 @@ def plan_intents(settings: Settings, args) -> list[dict]:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(
-        f"{'INTENT':<17} {'CONFIG (variant tp x pp)':<26} {'DEV':>3} {'TTFT ms':>8} {'TPOT ms':>8} "
-        f"{'LATENCY s':>9} {'MEMORY GiB':>10} {'GiB*s':>8} {'ACC %':>6}"
-    )
+    headers = ["INTENT", "CONFIG (variant tp x pp)", "DEV", "TTFT ms", "TPOT ms"]
+    headers += ["LATENCY s", "MEMORY GiB", "GiB*s", "ACC %"]
+    table = []
     for r in rows:
         if "error" in r:
-            print(f"{r['intent']:<17} no configuration: {r['error']}")
+            table.append([r["intent"], f"none: {r['error']}", "", "", "", "", "", "", ""])
             continue
-        accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.1f}"
-        print(
-            f"{r['intent']:<17} {r['config']:<26} {r['devices']:>3} {r['ttft_ms']:>8.1f} "
-            f"{r['tpot_ms']:>8.2f} {r['latency_ms'] / 1e3:>9.3f} {r['memory_gib']:>10.2f} "
-            f"{r['cost_gib_s']:>8.1f} {accuracy:>6}"
+        table.append(
+            [
+                r["intent"],
+                r["config"],
+                r["devices"],
+                f"{r['ttft_ms']:.1f}",
+                f"{r['tpot_ms']:.2f}",
+                f"{r['latency_ms'] / 1e3:.3f}",
+                f"{r['memory_gib']:.2f}",
+                f"{r['cost_gib_s']:.1f}",
+                "-" if r["accuracy"] is None else f"{r['accuracy']:.1f}",
+            ]
         )
-        if r["note"]:
-            print(f"{'':<17} note: {r['note']}")
+    show_tables([(None, headers, table)])
+    for note in dict.fromkeys(r["note"] for r in rows if r.get("note")):
+        print(f"note: {note}")
 
 
 def all_estimates(settings: Settings, args, hardware: str) -> list[estimator_pb.ConfigEstimate]:

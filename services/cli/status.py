@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
+
 import grpc
 from google.protobuf import json_format
 
@@ -13,6 +16,7 @@ from services.api import (
 )
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
+from services.cli.output import TableSpec, show_tables
 from services.health import check
 from services.settings import Settings
 
@@ -29,6 +33,12 @@ def collect_status(settings: Settings) -> dict:
             "serving": check(address, timeout_s=2.0),
         }
         for name, address in settings.addresses.items()
+    }
+    gateway = settings.gateway_address
+    services["gateway"] = {
+        "address": f"http://{gateway}/v1",
+        "metrics": f"http://{gateway}/metrics",
+        "serving": _http_ok(f"http://{gateway}/health"),
     }
     status: dict = {
         "healthy": all(s["serving"] for s in services.values()),
@@ -67,98 +77,77 @@ def collect_status(settings: Settings) -> dict:
     return status
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as reply:
+            return reply.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def status_tables(status: dict) -> list[TableSpec]:
+    """The tables ``iserve status`` shows: services, devices, models, deployments."""
+    services = [
+        [name, svc["address"], "serving" if svc["serving"] else "DOWN", svc["metrics"]]
+        for name, svc in status["services"].items()
+    ]
+    tables: list[TableSpec] = [(None, ["SERVICE", "ADDRESS", "STATE", "METRICS"], services)]
+    devices = [
+        [
+            node["node_id"] + ("" if node.get("alive") else " (dead)"),
+            dev["ref"]["device_id"],
+            dev["kind"].removeprefix("DEVICE_KIND_").lower(),
+            f"{int(dev['total_bytes']) / MIB:.0f}",
+            f"{int(dev['used_bytes']) / MIB:.0f}",
+            f"{int(dev['reserved_bytes']) / MIB:.0f}",
+            f"{int(dev['free_bytes']) / MIB:.0f}",
+            f"{float(dev['load']):.2f}",
+            ",".join(dev.get("deployment_ids", [])) or "-",
+        ]
+        for node in status["nodes"]
+        for dev in node.get("devices", [])
+    ]
+    if devices:
+        headers = ["NODE", "DEVICE", "KIND", "TOTAL MiB", "USED MiB", "RESERVED MiB"]
+        tables.append((None, [*headers, "FREE MiB", "LOAD", "DEPLOYMENTS"], devices))
+    if status["models"]:
+        rows = [
+            [
+                m["model_id"],
+                m.get("shape", {}).get("num_layers", ""),
+                m.get("shape", {}).get("hidden_size", ""),
+                m["state"].removeprefix("MODEL_STATE_"),
+                m["checkpoint_path"],
+            ]
+            for m in status["models"]
+        ]
+        tables.append((None, ["MODEL", "LAYERS", "HIDDEN", "STATE", "CHECKPOINT"], rows))
+    if status["deployments"]:
+        rows = [
+            [
+                d["deployment_id"],
+                d["model_id"],
+                d.get("config", {}).get("tensor_parallel", ""),
+                d.get("config", {}).get("pipeline_parallel", ""),
+                d.get("config", {}).get("batch_size", ""),
+                d["state"].removeprefix("DEPLOYMENT_STATE_"),
+                _workers(d),
+                *_serving_columns(d.get("serving")),
+            ]
+            for d in status["deployments"]
+        ]
+        headers = ["DEPLOYMENT", "MODEL", "TP", "PP", "BATCH", "STATE", "WORKER"]
+        tables.append((None, [*headers, "QUEUE", "RUNNING", "TTFT P50/P95 ms", "SLO MET"], rows))
+    return tables
+
+
+def status_header(status: dict) -> str:
+    return f"state dir {status['state_dir']}   redis {status['redis_url'] or '(none)'}"
 
 
 def print_status(status: dict) -> None:
-    print(f"state dir {status['state_dir']}   redis {status['redis_url'] or '(none)'}")
-    rows = [["SERVICE", "ADDRESS", "STATE", "METRICS"]]
-    for name, svc in status["services"].items():
-        state = "serving" if svc["serving"] else "DOWN"
-        rows.append([name, svc["address"], state, svc["metrics"]])
-    print(_table(rows))
-    devices = [
-        [
-            "NODE",
-            "DEVICE",
-            "KIND",
-            "TOTAL MiB",
-            "USED MiB",
-            "RESERVED MiB",
-            "FREE MiB",
-            "LOAD",
-            "DEPLOYMENTS",
-        ]
-    ]
-    for node in status["nodes"]:
-        for dev in node.get("devices", []):
-            devices.append(
-                [
-                    node["node_id"] + ("" if node.get("alive") else " (dead)"),
-                    dev["ref"]["device_id"],
-                    dev["kind"].removeprefix("DEVICE_KIND_").lower(),
-                    f"{int(dev['total_bytes']) / MIB:.0f}",
-                    f"{int(dev['used_bytes']) / MIB:.0f}",
-                    f"{int(dev['reserved_bytes']) / MIB:.0f}",
-                    f"{int(dev['free_bytes']) / MIB:.0f}",
-                    f"{float(dev['load']):.2f}",
-                    ",".join(dev.get("deployment_ids", [])) or "-",
-                ]
-            )
-    if len(devices) > 1:
-        print()
-        print(_table(devices))
-    if status["models"]:
-        print()
-        rows = [["MODEL", "LAYERS", "HIDDEN", "STATE", "CHECKPOINT"]]
-        for m in status["models"]:
-            shape = m.get("shape", {})
-            rows.append(
-                [
-                    m["model_id"],
-                    shape.get("num_layers", ""),
-                    shape.get("hidden_size", ""),
-                    m["state"].removeprefix("MODEL_STATE_"),
-                    m["checkpoint_path"],
-                ]
-            )
-        print(_table(rows))
-    if status["deployments"]:
-        print()
-        rows = [
-            [
-                "DEPLOYMENT",
-                "MODEL",
-                "TP",
-                "PP",
-                "BATCH",
-                "STATE",
-                "WORKER",
-                "QUEUE",
-                "RUNNING",
-                "TTFT P50/P95 ms",
-                "SLO MET",
-            ]
-        ]
-        for d in status["deployments"]:
-            cfg = d.get("config", {})
-            rows.append(
-                [
-                    d["deployment_id"],
-                    d["model_id"],
-                    cfg.get("tensor_parallel", ""),
-                    cfg.get("pipeline_parallel", ""),
-                    cfg.get("batch_size", ""),
-                    d["state"].removeprefix("DEPLOYMENT_STATE_"),
-                    _workers(d),
-                    *_serving_columns(d.get("serving")),
-                ]
-            )
-        print(_table(rows))
+    print(status_header(status))
+    show_tables(status_tables(status))
 
 
 def _workers(deployment: dict) -> str:

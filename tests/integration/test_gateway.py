@@ -4,16 +4,22 @@ raw HTTP for the SSE framing, a disconnect cancelling the generation, error stat
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 
 import httpx
 import openai
 import pytest
 
+from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as infer_pb
 from services.models.checkpoint import create_checkpoint
-from tests.integration.helpers import TINY, deploy, make_checkpoint, register, rid
+from tests.conftest import QUEUE_CAPACITY
+from tests.integration.helpers import TINY, deploy, make_checkpoint, register, rid, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +34,7 @@ def gateway(stack):
     create_checkpoint(stack.models_root / PLAIN, **TINY, chat_template=None, overwrite=True)
     register(stack, PLAIN, PLAIN)
     deployed = [
-        deploy(stack, MODEL, max_output_tokens=MAX_OUTPUT).deployment.deployment_id,
+        deploy(stack, MODEL, max_output_tokens=MAX_OUTPUT, batch_size=1).deployment.deployment_id,
         deploy(stack, PLAIN).deployment.deployment_id,
     ]
     yield f"http://{stack.settings.gateway_address}"
@@ -129,6 +135,7 @@ def _running(stack) -> int:
 
 def test_a_client_that_disconnects_cancels_its_generation(stack, gateway):
     body = {"model": MODEL, "prompt": "go", "max_tokens": MAX_OUTPUT, "stream": True}
+    body["ignore_eos"] = True
     with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200
         lines = reply.iter_lines()
@@ -181,3 +188,98 @@ def test_health_and_metrics(gateway):
     assert httpx.get(f"{gateway}/health", timeout=10).json() == {"status": "ok"}
     metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
     assert "iserve_gateway_requests_total" in metrics
+
+
+def _hold(gateway: str, stop: threading.Event, started: list[int]) -> None:
+    """A long streamed completion, read until ``stop`` (then the connection closes)."""
+    body = {"model": MODEL, "prompt": "hold", "max_tokens": MAX_OUTPUT, "stream": True}
+    body["ignore_eos"] = True
+    with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=120) as reply:
+        started.append(reply.status_code)
+        for _ in reply.iter_lines():
+            if stop.is_set():
+                return
+
+
+def test_a_full_queue_is_429(stack, gateway):
+    """Batch 1 and room for QUEUE_CAPACITY waiting: one more is refused at once."""
+    stop, started = threading.Event(), []
+    holders = [
+        threading.Thread(target=_hold, args=(gateway, stop, started), daemon=True)
+        for _ in range(1 + QUEUE_CAPACITY)
+    ]
+    for holder in holders:
+        holder.start()
+        time.sleep(0.3)
+    try:
+        assert wait_for(lambda: _waiting(stack) == QUEUE_CAPACITY, timeout=20)
+        reply = httpx.post(
+            f"{gateway}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30
+        )
+        assert reply.status_code == 429, reply.text
+        assert reply.json()["error"]["type"] == "rate_limit_error"
+        assert "full" in reply.json()["error"]["message"]
+    finally:
+        stop.set()
+        for holder in holders:
+            holder.join(timeout=60)
+    assert started == [200] * len(holders)
+
+
+def _waiting(stack) -> int:
+    stats = stack.inference.GetServingStats(infer_pb.GetServingStatsRequest(), timeout=10)
+    return sum(d.requests_waiting for d in stats.deployments if d.model_id == MODEL)
+
+
+def test_a_deadline_edf_cannot_meet_is_504(stack, gateway):
+    register(stack, "gw-edf", make_checkpoint(stack, "gw-edf"))
+    dep = deploy(
+        stack,
+        "gw-edf",
+        batch_size=1,
+        max_output_tokens=600,
+        objectives=common.ServiceObjectives(scheduling=common.SCHEDULING_POLICY_EDF),
+    ).deployment
+    try:
+        warm = {"model": "gw-edf", "prompt": "warm up", "max_tokens": 20}
+        assert httpx.post(f"{gateway}/v1/completions", json=warm, timeout=60).status_code == 200
+        late = {"model": "gw-edf", "prompt": "x", "max_tokens": 500, "deadline_ms": 1}
+        reply = httpx.post(f"{gateway}/v1/completions", json=late, timeout=60)
+        assert reply.status_code == 504, reply.text
+        assert reply.json()["error"]["type"] == "timeout_error"
+    finally:
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=dep.deployment_id),
+            timeout=60,
+        )
+
+
+def test_a_worker_that_dies_mid_request_is_503(stack, gateway):
+    # Wide enough that 1,500 tokens take seconds, not a blink.
+    shape = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4}
+    register(stack, "gw-doomed", make_checkpoint(stack, "gw-doomed", **shape))
+    dep = deploy(stack, "gw-doomed", max_output_tokens=MAX_OUTPUT).deployment
+    try:
+        [worker] = stack.agent.ListWorkers(
+            agent_pb.ListWorkersRequest(request_id=rid(), deployment_id=dep.deployment_id)
+        ).workers
+        body = {"model": "gw-doomed", "prompt": "x", "max_tokens": MAX_OUTPUT, "ignore_eos": True}
+        result: list[httpx.Response] = []
+        caller = threading.Thread(
+            target=lambda: result.append(
+                httpx.post(f"{gateway}/v1/completions", json=body, timeout=120)
+            )
+        )
+        caller.start()
+        time.sleep(1.5)  # generating: 1,500 tokens of this model take about 7 s here
+        assert caller.is_alive() and not result
+        os.kill(worker.pid, signal.SIGKILL)
+        caller.join(timeout=60)
+        [reply] = result
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["type"] == "service_unavailable_error"
+    finally:
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=dep.deployment_id),
+            timeout=60,
+        )

@@ -9,6 +9,11 @@ service answers at its metrics address, the agent exports its devices and worker
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import urllib.request
 
 import grpc
@@ -185,3 +190,30 @@ def test_ids_a_client_makes_up_do_not_become_series(stack):
     after = scrape(address)
     assert value(after, "iserve_request_failure_total", **unresolved) - before == 2
     assert not any("no-such-model" in v for _, labels in after for _, v in labels)
+
+
+def _watch_status(stack, extra_env: dict[str, str]) -> tuple[int, str]:
+    """Run ``iserve status --watch 0.3`` for ~2.5 s, then Ctrl-C; (exit code, stdout)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "status", "--watch", "0.3"],
+        env={**os.environ, **stack.env, **extra_env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.5)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    return proc.returncode, out
+
+
+def test_status_watch_redraws_until_ctrl_c(stack, served):
+    code, out = _watch_status(stack, {})
+    assert code == 0
+    blocks = [line for line in out.splitlines() if line.startswith("--- ")]
+    assert len(blocks) >= 2 and out.count("SERVICE") == len(blocks)  # plain text, repeated
+    assert "gateway" in out and "\x1b[" not in out
+    # On a terminal (forced), rich redraws in place: cursor movements, colours, one header.
+    code, out = _watch_status(stack, {"FORCE_COLOR": "1", "COLUMNS": "200"})
+    assert code == 0
+    assert "\x1b[" in out and "Ctrl-C stops" in out and "--- " not in out

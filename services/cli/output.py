@@ -1,0 +1,77 @@
+"""How the CLI shows things: on a terminal, rich tables, progress bars and colours; when
+stdout is not a terminal (a pipe, a file, a test), the same tables as plain aligned
+text with no colour or box characters; with ``--json``, JSON (each command's own).
+
+rich (https://github.com/Textualize/rich) does the terminal side: it measures the
+terminal, wraps cells, colours states and redraws ``iserve status --watch`` in place.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console, Group
+from rich.table import Table
+
+# Cell values drawn in colour on a terminal.
+STYLES = {
+    "serving": "green",
+    "READY": "green",
+    "PROFILED": "green",
+    "REGISTERED": "cyan",
+    "STARTING": "yellow",
+    "PROFILING": "yellow",
+    "DEGRADED": "yellow",
+    "DOWN": "bold red",
+    "FAILED": "bold red",
+    "STOPPED": "dim",
+}
+
+TableSpec = tuple[str | None, Sequence[str], Sequence[Sequence[object]]]
+
+
+def console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr, highlight=False)
+
+
+def stdout_is_terminal() -> bool:
+    return console().is_terminal
+
+
+def plain_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Columns aligned with spaces, headers first: what scripts and tests read."""
+    every = [list(map(str, headers)), *([str(c) for c in r] for r in rows)]
+    widths = [max(len(r[i]) for r in every) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in every
+    )
+
+
+def rich_table(
+    title: str | None, headers: Sequence[str], rows: Sequence[Sequence[object]]
+) -> Table:
+    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
+    for header in headers:
+        numeric = any(word in header for word in ("MiB", "GiB", " ms", "TP", "PP", "BATCH", "LOAD"))
+        table.add_column(header, justify="right" if numeric else "left", overflow="fold")
+    for row in rows:
+        cells = [str(c) for c in row]
+        table.add_row(*(f"[{STYLES[c]}]{c}[/]" if c in STYLES else c for c in cells))
+    return table
+
+
+def renderable(tables: Sequence[TableSpec]) -> Group:
+    return Group(*(rich_table(title, headers, rows) for title, headers, rows in tables))
+
+
+def show_tables(tables: Sequence[TableSpec], out: Console | None = None) -> None:
+    """Rich tables on a terminal, plain aligned text otherwise (a blank line between)."""
+    out = out or console()
+    if out.is_terminal:
+        out.print(renderable(tables))
+        return
+    chunks = []
+    for title, headers, rows in tables:
+        chunks.append((f"{title}\n" if title else "") + plain_table(headers, rows))
+    sys.stdout.write("\n\n".join(chunks) + "\n")
