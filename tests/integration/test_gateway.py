@@ -39,10 +39,14 @@ def gateway(stack):
     ]
     yield f"http://{stack.settings.gateway_address}"
     for deployment_id in deployed:
-        stack.deployments.RemoveDeployment(
-            deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=deployment_id),
-            timeout=60,
-        )
+        _remove(stack, deployment_id)
+
+
+def _remove(stack, deployment_id: str) -> None:
+    stack.deployments.RemoveDeployment(
+        deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=deployment_id),
+        timeout=60,
+    )
 
 
 @pytest.fixture
@@ -248,10 +252,7 @@ def test_a_deadline_edf_cannot_meet_is_504(stack, gateway):
         assert reply.status_code == 504, reply.text
         assert reply.json()["error"]["type"] == "timeout_error"
     finally:
-        stack.deployments.RemoveDeployment(
-            deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=dep.deployment_id),
-            timeout=60,
-        )
+        _remove(stack, dep.deployment_id)
 
 
 def test_a_worker_that_dies_mid_request_is_503(stack, gateway):
@@ -279,7 +280,4 @@ def test_a_worker_that_dies_mid_request_is_503(stack, gateway):
         assert reply.status_code == 503, reply.text
         assert reply.json()["error"]["type"] == "service_unavailable_error"
     finally:
-        stack.deployments.RemoveDeployment(
-            deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=dep.deployment_id),
-            timeout=60,
-        )
+        _remove(stack, dep.deployment_id)

@@ -50,29 +50,32 @@ def run(request, redis_url, tmp_path):
     """Run ``fn(supervisor, store)`` on a fresh event loop; no worker may outlive it.
     Every test runs twice: workers as fresh processes, and forked from the warm pool."""
     pool = request.getfixturevalue("pool") if request.param == "pool" else None
+    return lambda fn: run_with(redis_url, tmp_path, pool, fn)
 
-    def runner(fn):
-        async def main():
-            store = StateStore.from_url(redis_url)
-            await store.redis.flushdb()  # the other variant's workers and events
-            supervisor = WorkerSupervisor(
-                node_id=NODE,
-                store=store,
-                state_dir=tmp_path,
-                bind_host="127.0.0.1",
-                advertise_host="127.0.0.1",
-                drain_timeout_s=1.0,
-                pool=pool,
-            )
-            try:
-                return await fn(supervisor, store)
-            finally:
-                await supervisor.stop_all()
-                await store.close()
 
-        return asyncio.run(main())
+def run_with(redis_url: str, state_dir: Path, pool: WorkerPool | None, fn):
+    """``fn(supervisor, store)`` on a fresh event loop and a clean Redis; every worker is
+    stopped afterwards."""
 
-    return runner
+    async def main():
+        store = StateStore.from_url(redis_url)
+        await store.redis.flushdb()  # the other variant's workers and events
+        supervisor = WorkerSupervisor(
+            node_id=NODE,
+            store=store,
+            state_dir=state_dir,
+            bind_host="127.0.0.1",
+            advertise_host="127.0.0.1",
+            drain_timeout_s=1.0,
+            pool=pool,
+        )
+        try:
+            return await fn(supervisor, store)
+        finally:
+            await supervisor.stop_all()
+            await store.close()
+
+    return asyncio.run(main())
 
 
 def _alive(pid: int) -> bool:
@@ -201,34 +204,20 @@ def test_a_pooled_worker_is_a_fork_of_the_warm_server_in_a_session_of_its_own(
     agent gone), the worker does not outlive it."""
     from multiprocessing import forkserver
 
-    async def main():
-        store = StateStore.from_url(redis_url)
-        supervisor = WorkerSupervisor(
-            node_id=NODE,
-            store=store,
-            state_dir=tmp_path,
-            bind_host="127.0.0.1",
-            advertise_host="127.0.0.1",
-            drain_timeout_s=1.0,
-            pool=pool,
-        )
-        try:
-            [info] = await supervisor.start_workers(_plan("dep-pool", checkpoint))
-            worker = psutil.Process(info.pid)
-            server = worker.parent()
-            assert server is not None and server.pid != os.getpid()
-            assert server.pid == forkserver._forkserver._forkserver_pid
-            assert os.getsid(info.pid) == info.pid
-            assert (tmp_path / "logs" / "worker-dep-pool-r0.log").stat().st_size > 0
-            # The agent's death takes the fork server with it; then the worker leaves.
-            server.kill()
-            for _ in range(200):
-                if not _alive(info.pid):
-                    break
-                await asyncio.sleep(0.05)
-            assert not _alive(info.pid)
-        finally:
-            await supervisor.stop_all()
-            await store.close()
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        [info] = await supervisor.start_workers(_plan("dep-pool", checkpoint))
+        worker = psutil.Process(info.pid)
+        server = worker.parent()
+        assert server is not None and server.pid != os.getpid()
+        assert server.pid == forkserver._forkserver._forkserver_pid
+        assert os.getsid(info.pid) == info.pid
+        assert (tmp_path / "logs" / "worker-dep-pool-r0.log").stat().st_size > 0
+        # The agent's death takes the fork server with it; then the worker leaves.
+        server.kill()
+        for _ in range(200):
+            if not _alive(info.pid):
+                break
+            await asyncio.sleep(0.05)
+        assert not _alive(info.pid)
 
-    asyncio.run(main())
+    run_with(redis_url, tmp_path, pool, scenario)
