@@ -239,6 +239,16 @@ class WorkerSupervisor:
         deadline = time.monotonic() + plan.ready_timeout_s
         pending = list(procs)
         while pending:
+            # Before reading the ready files: a worker that became ready after the
+            # deadline (forked from the warm pool, a small model can be ready within one
+            # poll) is late all the same.
+            if time.monotonic() > deadline:
+                tail = log_tail(pending[0].log_path)
+                raise DeadlineExceeded(
+                    f"worker(s) {[p.info.rank for p in pending]} of deployment "
+                    f"{plan.deployment_id} not ready within {plan.ready_timeout_s:g} s; "
+                    f"last log lines of rank {pending[0].info.rank}:\n{tail or '(empty log)'}"
+                )
             for proc in list(pending):
                 record = read_ready_file(proc.ready_file)
                 if record is not None:
@@ -257,16 +267,8 @@ class WorkerSupervisor:
                         f"worker rank {proc.info.rank} of deployment {plan.deployment_id} "
                         f"{describe_exit(code)} before it was ready:\n{tail or '(empty log)'}"
                     )
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                tail = log_tail(pending[0].log_path)
-                raise DeadlineExceeded(
-                    f"worker(s) {[p.info.rank for p in pending]} of deployment "
-                    f"{plan.deployment_id} not ready within {plan.ready_timeout_s:g} s; "
-                    f"last log lines of rank {pending[0].info.rank}:\n{tail or '(empty log)'}"
-                )
-            await asyncio.sleep(_POLL_S)
+            if pending:
+                await asyncio.sleep(_POLL_S)
 
     async def _abort_start(
         self, deployment_id: str, procs: list[WorkerProcess], reason: str
