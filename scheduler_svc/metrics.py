@@ -192,6 +192,12 @@ class ServingMetrics:
         tally = self._tallies.get(deployment_id)
         return tally.model_id if tally is not None else ""
 
+    def seen(self, deployment_id: str, model_id: str) -> None:
+        """A request was routed to ``deployment_id`` of ``model_id``: its stats and queue
+        gauges carry the model from now on, not only once a request has ended."""
+        if deployment_id and deployment_id not in self._tallies:
+            self._tallies[deployment_id] = _Tally(model_id)
+
     def record(self, r: RequestRecord) -> None:
         """Count one request that has ended, however it ended."""
         labels = (r.model_id, r.deployment_id)

@@ -212,6 +212,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             deployment = await self.router.by_model_id(request.model_id)
         record.model_id = deployment.model_id
         record.deployment_id = deployment.deployment_id
+        self.metrics.seen(deployment.deployment_id, deployment.model_id)
         record.objectives = deployment.objectives
         check_for_deployment(request, deployment)
         # Until the deployer takes them out (routing refreshes each second).

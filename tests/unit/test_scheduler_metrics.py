@@ -120,6 +120,15 @@ def test_queue_gauges_sum_replicas_and_status_percentiles():
     assert by_id["d2"].completed == 0 and by_id["d2"].ttft_p50_s == 0.0
 
 
+def test_a_deployment_names_its_model_before_any_request_has_ended():
+    registry, metrics = build([("d1", 1, 0)])
+    metrics.seen("d1", "m")
+    [stats] = metrics.stats()
+    assert (stats.model_id, stats.running, stats.completed) == ("m", 1, 0)
+    text = generate_latest(registry).decode()
+    assert 'iserve_num_requests_running{deployment_id="d1",model_id="m"} 1.0' in text
+
+
 def test_rpc_counter_splits_the_method_name():
     registry = new_registry()
     metrics = RpcMetrics(registry)
