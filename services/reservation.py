@@ -68,8 +68,7 @@ def rank_memory(
 ) -> RankMemory:
     """Memory of one rank that holds ``stage_layers`` decoder layers."""
     tp = max(1, config.tensor_parallel)
-    stored = DTYPE_BYTES.get(shape.dtype, 4)
-    served = DTYPE_BYTES.get(config.dtype, stored)
+    served, stored = _dtype_bytes(shape, config)
     layers = max(1, shape.num_layers)
     weights = served_weight_bytes(shape, config, served, stored)
     # Layer weights follow the stage's share of layers; embeddings and head ride along.
@@ -79,11 +78,13 @@ def rank_memory(
         heads_per_rank = max(1, shape.num_attention_heads // tp)
         _, kv_heads_per_rank = kept_heads(heads_per_rank, kv_heads_per_rank, DEFAULT_PRUNE_FRACTION)
     slots = max(1, config.batch_size)
-    kv_element_bytes = served
-    if config.kv_quant == common.KV_QUANT_INT8:
-        kv_element_bytes = 1 + SCALE_BYTES / max(1, shape.head_dim)
     kv = kv_cache_bytes(
-        stage_layers, kv_heads_per_rank, shape.head_dim, max_seq_len, slots, kv_element_bytes
+        stage_layers,
+        kv_heads_per_rank,
+        shape.head_dim,
+        max_seq_len,
+        slots,
+        _kv_element_bytes(shape, config, served),
     )
     return RankMemory(int(per_rank_weights), int(kv), RUNTIME_OVERHEAD_BYTES)
 
@@ -170,8 +171,7 @@ def layer_weight_bytes(shape: model_pb.ModelShape, config: common.DeploymentConf
     """Bytes of one decoder layer's weights as the engine holds them (all ranks together):
     pruned and quantized as ``config`` says, scales and zeros included; what a profile
     records so that the estimator need not extrapolate weights from fingerprints."""
-    stored = DTYPE_BYTES.get(shape.dtype, 4)
-    return _layer_weight_bytes(shape, config, DTYPE_BYTES.get(config.dtype, stored), stored)
+    return _layer_weight_bytes(shape, config, *_dtype_bytes(shape, config))
 
 
 def _layer_weight_bytes(
@@ -193,14 +193,27 @@ def _layer_weight_bytes(
 def layer_kv_bytes_per_token(shape: model_pb.ModelShape, config: common.DeploymentConfig) -> float:
     """Bytes one token's K and V take in one decoder layer (all ranks together), in the
     served dtype or int8 with a bfloat16 scale per head vector, as the engine stores them."""
-    stored = DTYPE_BYTES.get(shape.dtype, 4)
-    element = DTYPE_BYTES.get(config.dtype, stored)
-    if config.kv_quant == common.KV_QUANT_INT8:
-        element = 1 + SCALE_BYTES / max(1, shape.head_dim)
+    element = _kv_element_bytes(shape, config, _dtype_bytes(shape, config)[0])
     kv_heads = shape.num_kv_heads
     if config.pruning == common.PRUNING_STRUCTURED and kv_heads:
         _, kv_heads = kept_heads(shape.num_attention_heads, kv_heads, DEFAULT_PRUNE_FRACTION)
     return 2.0 * kv_heads * shape.head_dim * element
+
+
+def _dtype_bytes(shape: model_pb.ModelShape, config: common.DeploymentConfig) -> tuple[int, int]:
+    """(served, stored) bytes per element: the config's dtype, else the checkpoint's."""
+    stored = DTYPE_BYTES.get(shape.dtype, 4)
+    return DTYPE_BYTES.get(config.dtype, stored), stored
+
+
+def _kv_element_bytes(
+    shape: model_pb.ModelShape, config: common.DeploymentConfig, served: int
+) -> float:
+    """Bytes of one K or V element: the served dtype, or int8 plus a bfloat16 scale per
+    head vector."""
+    if config.kv_quant == common.KV_QUANT_INT8:
+        return 1 + SCALE_BYTES / max(1, shape.head_dim)
+    return served
 
 
 def params_per_layer(shape: model_pb.ModelShape, stored: int = 2) -> float:
