@@ -1,9 +1,13 @@
-"""gRPC health checks used by the CLI, the launcher and tests."""
+"""Health checks used by the CLI, the launcher and tests: gRPC health for the services,
+an HTTP 200 for the gateway."""
 
 from __future__ import annotations
 
 import subprocess
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,13 +25,31 @@ def check(address: str, timeout_s: float = 2.0, service: str = "") -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when ``url`` answers 200 within ``timeout_s``."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return reply.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
 def wait_serving(address: str, deadline: float, proc: subprocess.Popen | None = None) -> bool:
     """Poll until ``address`` is SERVING, ``proc`` exits, or ``time.monotonic()`` passes
     ``deadline``."""
+    return _wait(lambda: check(address, timeout_s=0.5), deadline, proc)
+
+
+def wait_http(url: str, deadline: float, proc: subprocess.Popen | None = None) -> bool:
+    """Poll until ``url`` answers 200, ``proc`` exits, or ``deadline`` passes."""
+    return _wait(lambda: http_ok(url, timeout_s=1.0), deadline, proc)
+
+
+def _wait(probe: Callable[[], bool], deadline: float, proc: subprocess.Popen | None) -> bool:
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             return False
-        if check(address, timeout_s=0.5):
+        if probe():
             return True
         time.sleep(0.1)
     return False

@@ -19,13 +19,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.health import wait_serving
+from services.health import wait_http, wait_serving
 from services.redis_embedded import free_port, start_redis
 from services.settings import (
     GATEWAY_ENV,
@@ -189,21 +187,6 @@ def _service_env(settings: Settings, redis_url: str, options: UpOptions) -> dict
     if options.device_memory_gib is not None:
         env["ISERVE_DEVICE_MEMORY_GIB"] = str(options.device_memory_gib)
     return env
-
-
-def wait_http(url: str, deadline: float, proc: subprocess.Popen) -> bool:
-    """Poll ``url`` until it answers 200, the process exits (False) or ``deadline``."""
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as reply:
-                if reply.status == 200:
-                    return True
-        except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(0.1)
-    return False
 
 
 def _spawn(module: str, env: Mapping[str, str], log_path: Path) -> subprocess.Popen:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
-
 import grpc
 from google.protobuf import json_format
 
@@ -17,7 +14,7 @@ from services.api import (
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli.output import TableSpec, show_tables
-from services.health import check
+from services.health import check, http_ok
 from services.settings import Settings
 
 MIB = 1 << 20
@@ -38,7 +35,7 @@ def collect_status(settings: Settings) -> dict:
     services["gateway"] = {
         "address": f"http://{gateway}/v1",
         "metrics": f"http://{gateway}/metrics",
-        "serving": _http_ok(f"http://{gateway}/health"),
+        "serving": http_ok(f"http://{gateway}/health"),
     }
     status: dict = {
         "healthy": all(s["serving"] for s in services.values()),
@@ -75,14 +72,6 @@ def collect_status(settings: Settings) -> dict:
             )
         status["models"] = [json_format.MessageToDict(m, **options) for m in models.models]
     return status
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as reply:
-            return reply.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
 
 
 def status_tables(status: dict) -> list[TableSpec]:
