@@ -389,6 +389,14 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
     return app
 
 
+def _finish_reason(scanner: StopScanner, final: inference_pb.GenerateFinal | None) -> str:
+    """OpenAI's finish_reason: "stop" for a stop string (or no final message), else the
+    generation's own."""
+    if scanner.stopped or final is None:
+        return "stop"
+    return _FINISH.get(final.finish_reason, "stop")
+
+
 def _usage(final: inference_pb.GenerateFinal | None) -> dict[str, int]:
     prompt = final.usage.prompt_tokens if final else 0
     completion = final.usage.completion_tokens if final else 0
@@ -415,9 +423,7 @@ async def _complete(gen: _Generation, body: _Sampling, ident: str, created: int,
         raise GatewayError.from_rpc(exc) from None
     if not scanner.stopped:
         text.append(scanner.flush())
-    reason = (
-        "stop" if scanner.stopped else _FINISH.get(final.finish_reason, "stop") if final else "stop"
-    )
+    reason = _finish_reason(scanner, final)
     content = "".join(text)
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
     if chat:
@@ -484,9 +490,7 @@ async def _stream(
         rest = scanner.flush()
         if rest:
             yield chunk(rest, None)
-    reason = (
-        "stop" if scanner.stopped else _FINISH.get(final.finish_reason, "stop") if final else "stop"
-    )
+    reason = _finish_reason(scanner, final)
     yield chunk(None if chat else "", reason)
     if usage_too:
         yield json.dumps(

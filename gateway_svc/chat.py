@@ -61,9 +61,21 @@ def read_template(checkpoint_dir: Path) -> tuple[str, dict[str, str]]:
     """
     path = checkpoint_dir / TOKENIZER_CONFIG
     try:
-        config = json.loads(path.read_text())
+        stat = path.stat()
     except FileNotFoundError:
         raise NoChatTemplate(f"the checkpoint has no {TOKENIZER_CONFIG}") from None
+    except OSError as exc:
+        raise NoChatTemplate(f"cannot read {TOKENIZER_CONFIG}: {exc}") from None
+    template, tokens = _parse(str(path), stat.st_mtime_ns, stat.st_size)
+    return template, dict(tokens)
+
+
+@lru_cache(maxsize=64)
+def _parse(path: str, _mtime_ns: int, _size: int) -> tuple[str, dict[str, str]]:
+    """The template and special tokens of one version of a tokenizer_config.json (a chat
+    request reads the file again only when it changed)."""
+    try:
+        config = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise NoChatTemplate(f"cannot read {TOKENIZER_CONFIG}: {exc}") from None
     template = config.get("chat_template")
