@@ -24,21 +24,19 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import (
     deployment_service_pb2_grpc,
     estimator_service_pb2_grpc,
+    model_service_pb2_grpc,
 )
 from services.api import estimator_service_pb2 as estimator_pb
+from services.api import model_service_pb2 as model_pb
+from services.cli import deploying
 from services.cli.output import show_tables
 from services.grpc_server import CHANNEL_OPTIONS
 from services.settings import Settings
+from services.token_limits import token_limits
 
 GIB = float(1 << 30)
-INTENTS = {
-    "min-cost": common.INTENT_KIND_MIN_COST,
-    "min-latency": common.INTENT_KIND_MIN_LATENCY,
-    "min-memory": common.INTENT_KIND_MIN_MEMORY,
-    "min-device-hours": common.INTENT_KIND_MIN_DEVICE_HOURS,
-    "max-throughput": common.INTENT_KIND_MAX_THROUGHPUT,
-}
-DEFAULT_INPUT, DEFAULT_OUTPUT = 512, 256  # what Deploy assumes for 0
+# Every intent of `iserve deploy --intent` that needs no target (the SLO ones do).
+INTENTS = {name: kind for name, kind in deploying.INTENTS.items() if not name.endswith("-slo")}
 
 
 def simulated_devices(hardware: str, count: int, memory_gib: float) -> list[common.DeviceState]:
@@ -145,7 +143,19 @@ def print_rows(rows: list[dict]) -> None:
         print(f"note: {note}")
 
 
-def all_estimates(settings: Settings, args, hardware: str) -> list[estimator_pb.ConfigEstimate]:
+def token_limits_of(settings: Settings, args) -> tuple[int, int]:
+    """(input, output) tokens the deployer takes for this request: the user's limits, or
+    its defaults for the model's context (``services.token_limits``)."""
+    stub = model_service_pb2_grpc.ModelServiceStub(
+        grpc.insecure_channel(settings.address("model"), options=CHANNEL_OPTIONS)
+    )
+    model = stub.GetModel(model_pb.GetModelRequest(model_id=args.model_id), timeout=30).model
+    return token_limits(args.max_input, args.max_output, model.shape.max_position_embeddings)
+
+
+def all_estimates(
+    settings: Settings, args, hardware: str, limits: tuple[int, int]
+) -> list[estimator_pb.ConfigEstimate]:
     stub = estimator_service_pb2_grpc.EstimatorServiceStub(
         grpc.insecure_channel(settings.address("estimator"), options=CHANNEL_OPTIONS)
     )
@@ -155,8 +165,8 @@ def all_estimates(settings: Settings, args, hardware: str) -> list[estimator_pb.
             model_id=args.model_id,
             hardware_type=hardware,
             workload=estimator_pb.Workload(
-                input_tokens=args.max_input or DEFAULT_INPUT,
-                output_tokens=args.max_output or DEFAULT_OUTPUT,
+                input_tokens=limits[0],
+                output_tokens=limits[1],
                 batch_size=args.batch or 1,
             ),
             device_count=args.devices or 0,
@@ -240,6 +250,7 @@ def cmd_plan(settings: Settings, args) -> int:
             "error: --hardware needs --device-memory GIB (each simulated device's memory)"
         )
     rows = plan_intents(settings, args)
+    limits = token_limits_of(settings, args)
     where = (
         f"{args.devices} simulated {args.hardware} ({args.device_memory:g} GiB each)"
         if args.hardware
@@ -248,20 +259,17 @@ def cmd_plan(settings: Settings, args) -> int:
     if args.json:
         print(json.dumps({"model_id": args.model_id, "devices": where, "intents": rows}))
     else:
-        print(
-            f"{args.model_id} on {where}: input {args.max_input or DEFAULT_INPUT}, output "
-            f"{args.max_output or DEFAULT_OUTPUT} tokens"
-        )
+        print(f"{args.model_id} on {where}: input {limits[0]}, output {limits[1]} tokens")
         print_rows(rows)
     if args.png:
         hardware = args.hardware or _live_hardware(settings)
-        estimates = all_estimates(settings, args, hardware)
+        estimates = all_estimates(settings, args, hardware, limits)
         memory_bytes = int(args.device_memory * GIB) if args.hardware else 0
         fits = [not memory_bytes or e.memory_per_device_bytes <= memory_bytes for e in estimates]
         write_png(
             Path(args.png),
             f"{args.model_id} on {where}: {len(estimates)} configurations, "
-            f"output {args.max_output or DEFAULT_OUTPUT} tokens",
+            f"output {limits[1]} tokens",
             estimates,
             rows,
             fits,
@@ -293,8 +301,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", help="plan on simulated idle devices of this hardware type")
     p.add_argument("--devices", type=int, default=0, help="how many simulated devices")
     p.add_argument("--device-memory", type=float, help="memory of each simulated device, GiB")
-    p.add_argument("--max-input", type=int, default=0, help="longest prompt (default 512)")
-    p.add_argument("--max-output", type=int, default=0, help="longest generation (default 256)")
+    p.add_argument(
+        "--max-input", type=int, default=0, help="longest prompt (default: Deploy's, 512)"
+    )
+    p.add_argument(
+        "--max-output", type=int, default=0, help="longest generation (default: Deploy's, 256)"
+    )
     p.add_argument("--batch", type=int, default=1, help="batch size to rank at (default 1)")
     p.add_argument("--png", help="write the latency-memory plot here")
     p.add_argument("--json", action="store_true")

@@ -1,0 +1,48 @@
+"""How many prompt and output tokens a deployment takes: the one rule of the deployer
+(``deploy_svc``) and of ``iserve plan``, which estimates what the deployer would."""
+
+from __future__ import annotations
+
+from services.errors import InvalidArgument
+
+DEFAULT_MAX_INPUT_TOKENS = 512
+DEFAULT_MAX_OUTPUT_TOKENS = 256
+
+
+def token_limits(max_input_tokens: int, max_output_tokens: int, positions: int) -> tuple[int, int]:
+    """(max input, max output) tokens, 0 meaning a default that fits ``positions`` (the
+    model's context; 0 when unknown).
+
+    The defaults are DEFAULT_MAX_INPUT_TOKENS and DEFAULT_MAX_OUTPUT_TOKENS where the
+    context holds them (the KV cache a deployment reserves grows with their sum, so a
+    long context is opted into, not reserved by default). A shorter context is split
+    between input and output in the same 2:1 proportion; a limit given alone leaves the
+    other what remains, up to its default. InvalidArgument when the limits do not fit.
+    """
+    max_in, max_out = max_input_tokens, max_output_tokens
+    default_in, default_out = DEFAULT_MAX_INPUT_TOKENS, DEFAULT_MAX_OUTPUT_TOKENS
+    if not positions:
+        return max_in or default_in, max_out or default_out
+    if not max_in and not max_out:
+        total = min(positions, default_in + default_out)
+        max_out = max(1, total * default_out // (default_in + default_out))
+        max_in = total - max_out
+    elif not max_out:
+        max_out = min(default_out, positions - max_in)
+    elif not max_in:
+        max_in = min(default_in, positions - max_out)
+    if max_in + max_out > positions:
+        raise InvalidArgument(
+            f"max_input_tokens + max_output_tokens = {max_in + max_out} exceeds the model's "
+            f"{positions} positions"
+        )
+    if max_in < 1 or max_out < 1:
+        if max_input_tokens or max_output_tokens:
+            given = "max_input_tokens" if max_input_tokens else "max_output_tokens"
+            other = "output" if max_input_tokens else "input"
+            value = max_input_tokens or max_output_tokens
+            raise InvalidArgument(
+                f"{given} {value} leaves no room for {other} in the model's {positions} positions"
+            )
+        raise InvalidArgument(f"the model's {positions} positions hold no input and output")
+    return max_in, max_out
