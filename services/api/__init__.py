@@ -15,6 +15,8 @@ from services.api.iserve.v1 import (
     inference_service_pb2_grpc,
     model_service_pb2,
     model_service_pb2_grpc,
+    token_service_pb2,
+    token_service_pb2_grpc,
     worker_service_pb2,
     worker_service_pb2_grpc,
 )
@@ -31,6 +33,8 @@ __all__ = [
     "inference_service_pb2_grpc",
     "model_service_pb2",
     "model_service_pb2_grpc",
+    "token_service_pb2",
+    "token_service_pb2_grpc",
     "worker_service_pb2",
     "worker_service_pb2_grpc",
 ]

@@ -26,47 +26,47 @@ from services.api.iserve.v1 import common_pb2 as iserve_dot_v1_dot_common__pb2
 from services.api.iserve.v1 import estimator_service_pb2 as iserve_dot_v1_dot_estimator__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"iserve/v1/deployment_service.proto\x12\tiserve.v1\x1a\x16iserve/v1/common.proto\x1a!iserve/v1/estimator_service.proto\"\x9a\x01\n\x07Replica\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\tplacement\x18\x02 \x01(\x0b\x32\x14.iserve.v1.Placement\x12\x16\n\x0eworker_address\x18\x03 \x01(\t\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.iserve.v1.DeploymentState\x12\x14\n\x0cstate_reason\x18\x05 \x01(\t\"\xfe\x03\n\nDeployment\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12+\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\'\n\tplacement\x18\x04 \x01(\x0b\x32\x14.iserve.v1.Placement\x12)\n\x05state\x18\x05 \x01(\x0e\x32\x1a.iserve.v1.DeploymentState\x12\x14\n\x0cstate_reason\x18\x06 \x01(\t\x12\x16\n\x0eworker_address\x18\x07 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x08 \x01(\r\x12\x19\n\x11max_output_tokens\x18\t \x01(\r\x12\x1a\n\x12\x63reated_at_unix_ms\x18\n \x01(\x03\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12+\n\x08\x65stimate\x18\x0c \x01(\x0b\x32\x19.iserve.v1.ConfigEstimate\x12\x30\n\nobjectives\x18\r \x01(\x0b\x32\x1c.iserve.v1.ServiceObjectives\x12.\n\rlatency_model\x18\x0e \x01(\x0b\x32\x17.iserve.v1.LatencyModel\x12$\n\x08replicas\x18\x0f \x03(\x0b\x32\x12.iserve.v1.Replica\"Z\n\rSkippedConfig\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12+\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x97\x02\n\x12\x44\x65ploymentDecision\x12+\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\'\n\tplacement\x18\x02 \x01(\x0b\x32\x14.iserve.v1.Placement\x12\x13\n\x0bwinner_rank\x18\x03 \x01(\r\x12)\n\x07skipped\x18\x04 \x03(\x0b\x32\x18.iserve.v1.SkippedConfig\x12+\n\x08\x65stimate\x18\x05 \x01(\x0b\x32\x19.iserve.v1.ConfigEstimate\x12\x0c\n\x04note\x18\x06 \x01(\t\x12\x30\n\x12replica_placements\x18\x07 \x03(\x0b\x32\x14.iserve.v1.Placement\"\xe2\x02\n\rDeployRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x03 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x04 \x01(\r\x12!\n\x06intent\x18\x05 \x01(\x0b\x32\x11.iserve.v1.Intent\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x34\n\x10placement_policy\x18\x07 \x01(\x0e\x32\x1a.iserve.v1.PlacementPolicy\x12+\n\x06\x63onfig\x18\x08 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\x18\n\x10ready_timeout_ms\x18\t \x01(\r\x12\x30\n\nobjectives\x18\n \x01(\x0b\x32\x1c.iserve.v1.ServiceObjectives\x12\x10\n\x08replicas\x18\x0b \x01(\r\"\x80\x01\n\x0e\x44\x65ployResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\ndeployment\x18\x02 \x01(\x0b\x32\x15.iserve.v1.Deployment\x12/\n\x08\x64\x65\x63ision\x18\x03 \x01(\x0b\x32\x1d.iserve.v1.DeploymentDecision\"\xf9\x02\n\x15PlanDeploymentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x03 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x04 \x01(\r\x12!\n\x06intent\x18\x05 \x01(\x0b\x32\x11.iserve.v1.Intent\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x34\n\x10placement_policy\x18\x07 \x01(\x0e\x32\x1a.iserve.v1.PlacementPolicy\x12+\n\x06\x63onfig\x18\x08 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\'\n\x07\x64\x65vices\x18\t \x03(\x0b\x32\x16.iserve.v1.DeviceState\x12\x30\n\nobjectives\x18\n \x01(\x0b\x32\x1c.iserve.v1.ServiceObjectives\x12\x10\n\x08replicas\x18\x0b \x01(\r\"]\n\x16PlanDeploymentResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x1d.iserve.v1.DeploymentDecision\"A\n\x14GetDeploymentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\"V\n\x15GetDeploymentResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\ndeployment\x18\x02 \x01(\x0b\x32\x15.iserve.v1.Deployment\">\n\x16ListDeploymentsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\"Y\n\x17ListDeploymentsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x0b\x64\x65ployments\x18\x02 \x03(\x0b\x32\x15.iserve.v1.Deployment\"D\n\x17RemoveDeploymentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\".\n\x18RemoveDeploymentResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\",\n\x16GetClusterStateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"~\n\x17GetClusterStateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05nodes\x18\x02 \x03(\x0b\x32\x14.iserve.v1.NodeState\x12*\n\x0b\x64\x65ployments\x18\x03 \x03(\x0b\x32\x15.iserve.v1.Deployment*\xaa\x01\n\x0f\x44\x65ploymentState\x12 \n\x1c\x44\x45PLOYMENT_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44\x45PLOYMENT_STATE_STARTING\x10\x01\x12\x1a\n\x16\x44\x45PLOYMENT_STATE_READY\x10\x02\x12\x1b\n\x17\x44\x45PLOYMENT_STATE_FAILED\x10\x03\x12\x1d\n\x19\x44\x45PLOYMENT_STATE_REMOVING\x10\x04\x32\x8e\x04\n\x11\x44\x65ploymentService\x12=\n\x06\x44\x65ploy\x12\x18.iserve.v1.DeployRequest\x1a\x19.iserve.v1.DeployResponse\x12U\n\x0ePlanDeployment\x12 .iserve.v1.PlanDeploymentRequest\x1a!.iserve.v1.PlanDeploymentResponse\x12R\n\rGetDeployment\x12\x1f.iserve.v1.GetDeploymentRequest\x1a .iserve.v1.GetDeploymentResponse\x12X\n\x0fListDeployments\x12!.iserve.v1.ListDeploymentsRequest\x1a\".iserve.v1.ListDeploymentsResponse\x12[\n\x10RemoveDeployment\x12\".iserve.v1.RemoveDeploymentRequest\x1a#.iserve.v1.RemoveDeploymentResponse\x12X\n\x0fGetClusterState\x12!.iserve.v1.GetClusterStateRequest\x1a\".iserve.v1.GetClusterStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"iserve/v1/deployment_service.proto\x12\tiserve.v1\x1a\x16iserve/v1/common.proto\x1a!iserve/v1/estimator_service.proto\"\x9a\x01\n\x07Replica\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\tplacement\x18\x02 \x01(\x0b\x32\x14.iserve.v1.Placement\x12\x16\n\x0eworker_address\x18\x03 \x01(\t\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.iserve.v1.DeploymentState\x12\x14\n\x0cstate_reason\x18\x05 \x01(\t\"\x8d\x04\n\nDeployment\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12+\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\'\n\tplacement\x18\x04 \x01(\x0b\x32\x14.iserve.v1.Placement\x12)\n\x05state\x18\x05 \x01(\x0e\x32\x1a.iserve.v1.DeploymentState\x12\x14\n\x0cstate_reason\x18\x06 \x01(\t\x12\x16\n\x0eworker_address\x18\x07 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x08 \x01(\r\x12\x19\n\x11max_output_tokens\x18\t \x01(\r\x12\x1a\n\x12\x63reated_at_unix_ms\x18\n \x01(\x03\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12+\n\x08\x65stimate\x18\x0c \x01(\x0b\x32\x19.iserve.v1.ConfigEstimate\x12\x30\n\nobjectives\x18\r \x01(\x0b\x32\x1c.iserve.v1.ServiceObjectives\x12.\n\rlatency_model\x18\x0e \x01(\x0b\x32\x17.iserve.v1.LatencyModel\x12$\n\x08replicas\x18\x0f \x03(\x0b\x32\x12.iserve.v1.Replica\x12\r\n\x05owner\x18\x10 \x01(\t\"Z\n\rSkippedConfig\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12+\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x97\x02\n\x12\x44\x65ploymentDecision\x12+\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\'\n\tplacement\x18\x02 \x01(\x0b\x32\x14.iserve.v1.Placement\x12\x13\n\x0bwinner_rank\x18\x03 \x01(\r\x12)\n\x07skipped\x18\x04 \x03(\x0b\x32\x18.iserve.v1.SkippedConfig\x12+\n\x08\x65stimate\x18\x05 \x01(\x0b\x32\x19.iserve.v1.ConfigEstimate\x12\x0c\n\x04note\x18\x06 \x01(\t\x12\x30\n\x12replica_placements\x18\x07 \x03(\x0b\x32\x14.iserve.v1.Placement\"\xe2\x02\n\rDeployRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x03 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x04 \x01(\r\x12!\n\x06intent\x18\x05 \x01(\x0b\x32\x11.iserve.v1.Intent\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x34\n\x10placement_policy\x18\x07 \x01(\x0e\x32\x1a.iserve.v1.PlacementPolicy\x12+\n\x06\x63onfig\x18\x08 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\x18\n\x10ready_timeout_ms\x18\t \x01(\r\x12\x30\n\nobjectives\x18\n \x01(\x0b\x32\x1c.iserve.v1.ServiceObjectives\x12\x10\n\x08replicas\x18\x0b \x01(\r\"\x80\x01\n\x0e\x44\x65ployResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\ndeployment\x18\x02 \x01(\x0b\x32\x15.iserve.v1.Deployment\x12/\n\x08\x64\x65\x63ision\x18\x03 \x01(\x0b\x32\x1d.iserve.v1.DeploymentDecision\"\xf9\x02\n\x15PlanDeploymentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10max_input_tokens\x18\x03 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x04 \x01(\r\x12!\n\x06intent\x18\x05 \x01(\x0b\x32\x11.iserve.v1.Intent\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x34\n\x10placement_policy\x18\x07 \x01(\x0e\x32\x1a.iserve.v1.PlacementPolicy\x12+\n\x06\x63onfig\x18\x08 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\'\n\x07\x64\x65vices\x18\t \x03(\x0b\x32\x16.iserve.v1.DeviceState\x12\x30\n\nobjectives\x18\n \x01(\x0b\x32\x1c.iserve.v1.ServiceObjectives\x12\x10\n\x08replicas\x18\x0b \x01(\r\"]\n\x16PlanDeploymentResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x1d.iserve.v1.DeploymentDecision\"A\n\x14GetDeploymentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\"V\n\x15GetDeploymentResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\ndeployment\x18\x02 \x01(\x0b\x32\x15.iserve.v1.Deployment\">\n\x16ListDeploymentsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\"Y\n\x17ListDeploymentsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x0b\x64\x65ployments\x18\x02 \x03(\x0b\x32\x15.iserve.v1.Deployment\"D\n\x17RemoveDeploymentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\".\n\x18RemoveDeploymentResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\",\n\x16GetClusterStateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"~\n\x17GetClusterStateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05nodes\x18\x02 \x03(\x0b\x32\x14.iserve.v1.NodeState\x12*\n\x0b\x64\x65ployments\x18\x03 \x03(\x0b\x32\x15.iserve.v1.Deployment*\xaa\x01\n\x0f\x44\x65ploymentState\x12 \n\x1c\x44\x45PLOYMENT_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44\x45PLOYMENT_STATE_STARTING\x10\x01\x12\x1a\n\x16\x44\x45PLOYMENT_STATE_READY\x10\x02\x12\x1b\n\x17\x44\x45PLOYMENT_STATE_FAILED\x10\x03\x12\x1d\n\x19\x44\x45PLOYMENT_STATE_REMOVING\x10\x04\x32\x8e\x04\n\x11\x44\x65ploymentService\x12=\n\x06\x44\x65ploy\x12\x18.iserve.v1.DeployRequest\x1a\x19.iserve.v1.DeployResponse\x12U\n\x0ePlanDeployment\x12 .iserve.v1.PlanDeploymentRequest\x1a!.iserve.v1.PlanDeploymentResponse\x12R\n\rGetDeployment\x12\x1f.iserve.v1.GetDeploymentRequest\x1a .iserve.v1.GetDeploymentResponse\x12X\n\x0fListDeployments\x12!.iserve.v1.ListDeploymentsRequest\x1a\".iserve.v1.ListDeploymentsResponse\x12[\n\x10RemoveDeployment\x12\".iserve.v1.RemoveDeploymentRequest\x1a#.iserve.v1.RemoveDeploymentResponse\x12X\n\x0fGetClusterState\x12!.iserve.v1.GetClusterStateRequest\x1a\".iserve.v1.GetClusterStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'iserve.v1.deployment_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DEPLOYMENTSTATE']._serialized_start=2718
-  _globals['_DEPLOYMENTSTATE']._serialized_end=2888
+  _globals['_DEPLOYMENTSTATE']._serialized_start=2733
+  _globals['_DEPLOYMENTSTATE']._serialized_end=2903
   _globals['_REPLICA']._serialized_start=109
   _globals['_REPLICA']._serialized_end=263
   _globals['_DEPLOYMENT']._serialized_start=266
-  _globals['_DEPLOYMENT']._serialized_end=776
-  _globals['_SKIPPEDCONFIG']._serialized_start=778
-  _globals['_SKIPPEDCONFIG']._serialized_end=868
-  _globals['_DEPLOYMENTDECISION']._serialized_start=871
-  _globals['_DEPLOYMENTDECISION']._serialized_end=1150
-  _globals['_DEPLOYREQUEST']._serialized_start=1153
-  _globals['_DEPLOYREQUEST']._serialized_end=1507
-  _globals['_DEPLOYRESPONSE']._serialized_start=1510
-  _globals['_DEPLOYRESPONSE']._serialized_end=1638
-  _globals['_PLANDEPLOYMENTREQUEST']._serialized_start=1641
-  _globals['_PLANDEPLOYMENTREQUEST']._serialized_end=2018
-  _globals['_PLANDEPLOYMENTRESPONSE']._serialized_start=2020
-  _globals['_PLANDEPLOYMENTRESPONSE']._serialized_end=2113
-  _globals['_GETDEPLOYMENTREQUEST']._serialized_start=2115
-  _globals['_GETDEPLOYMENTREQUEST']._serialized_end=2180
-  _globals['_GETDEPLOYMENTRESPONSE']._serialized_start=2182
-  _globals['_GETDEPLOYMENTRESPONSE']._serialized_end=2268
-  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_start=2270
-  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_end=2332
-  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_start=2334
-  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_end=2423
-  _globals['_REMOVEDEPLOYMENTREQUEST']._serialized_start=2425
-  _globals['_REMOVEDEPLOYMENTREQUEST']._serialized_end=2493
-  _globals['_REMOVEDEPLOYMENTRESPONSE']._serialized_start=2495
-  _globals['_REMOVEDEPLOYMENTRESPONSE']._serialized_end=2541
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=2543
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=2587
-  _globals['_GETCLUSTERSTATERESPONSE']._serialized_start=2589
-  _globals['_GETCLUSTERSTATERESPONSE']._serialized_end=2715
-  _globals['_DEPLOYMENTSERVICE']._serialized_start=2891
-  _globals['_DEPLOYMENTSERVICE']._serialized_end=3417
+  _globals['_DEPLOYMENT']._serialized_end=791
+  _globals['_SKIPPEDCONFIG']._serialized_start=793
+  _globals['_SKIPPEDCONFIG']._serialized_end=883
+  _globals['_DEPLOYMENTDECISION']._serialized_start=886
+  _globals['_DEPLOYMENTDECISION']._serialized_end=1165
+  _globals['_DEPLOYREQUEST']._serialized_start=1168
+  _globals['_DEPLOYREQUEST']._serialized_end=1522
+  _globals['_DEPLOYRESPONSE']._serialized_start=1525
+  _globals['_DEPLOYRESPONSE']._serialized_end=1653
+  _globals['_PLANDEPLOYMENTREQUEST']._serialized_start=1656
+  _globals['_PLANDEPLOYMENTREQUEST']._serialized_end=2033
+  _globals['_PLANDEPLOYMENTRESPONSE']._serialized_start=2035
+  _globals['_PLANDEPLOYMENTRESPONSE']._serialized_end=2128
+  _globals['_GETDEPLOYMENTREQUEST']._serialized_start=2130
+  _globals['_GETDEPLOYMENTREQUEST']._serialized_end=2195
+  _globals['_GETDEPLOYMENTRESPONSE']._serialized_start=2197
+  _globals['_GETDEPLOYMENTRESPONSE']._serialized_end=2283
+  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_start=2285
+  _globals['_LISTDEPLOYMENTSREQUEST']._serialized_end=2347
+  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_start=2349
+  _globals['_LISTDEPLOYMENTSRESPONSE']._serialized_end=2438
+  _globals['_REMOVEDEPLOYMENTREQUEST']._serialized_start=2440
+  _globals['_REMOVEDEPLOYMENTREQUEST']._serialized_end=2508
+  _globals['_REMOVEDEPLOYMENTRESPONSE']._serialized_start=2510
+  _globals['_REMOVEDEPLOYMENTRESPONSE']._serialized_end=2556
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=2558
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=2602
+  _globals['_GETCLUSTERSTATERESPONSE']._serialized_start=2604
+  _globals['_GETCLUSTERSTATERESPONSE']._serialized_end=2730
+  _globals['_DEPLOYMENTSERVICE']._serialized_start=2906
+  _globals['_DEPLOYMENTSERVICE']._serialized_end=3432
 # @@protoc_insertion_point(module_scope)

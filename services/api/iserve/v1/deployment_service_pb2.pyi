@@ -37,7 +37,7 @@ class Replica(_message.Message):
     def __init__(self, index: _Optional[int] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., worker_address: _Optional[str] = ..., state: _Optional[_Union[DeploymentState, str]] = ..., state_reason: _Optional[str] = ...) -> None: ...
 
 class Deployment(_message.Message):
-    __slots__ = ("deployment_id", "model_id", "config", "placement", "state", "state_reason", "worker_address", "max_input_tokens", "max_output_tokens", "created_at_unix_ms", "request_id", "estimate", "objectives", "latency_model", "replicas")
+    __slots__ = ("deployment_id", "model_id", "config", "placement", "state", "state_reason", "worker_address", "max_input_tokens", "max_output_tokens", "created_at_unix_ms", "request_id", "estimate", "objectives", "latency_model", "replicas", "owner")
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class Deployment(_message.Message):
     OBJECTIVES_FIELD_NUMBER: _ClassVar[int]
     LATENCY_MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     deployment_id: str
     model_id: str
     config: _common_pb2.DeploymentConfig
@@ -68,7 +69,8 @@ class Deployment(_message.Message):
     objectives: _common_pb2.ServiceObjectives
     latency_model: _common_pb2.LatencyModel
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, deployment_id: _Optional[str] = ..., model_id: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., state: _Optional[_Union[DeploymentState, str]] = ..., state_reason: _Optional[str] = ..., worker_address: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., created_at_unix_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., estimate: _Optional[_Union[_estimator_service_pb2.ConfigEstimate, _Mapping]] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ..., latency_model: _Optional[_Union[_common_pb2.LatencyModel, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+    owner: str
+    def __init__(self, deployment_id: _Optional[str] = ..., model_id: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., placement: _Optional[_Union[_common_pb2.Placement, _Mapping]] = ..., state: _Optional[_Union[DeploymentState, str]] = ..., state_reason: _Optional[str] = ..., worker_address: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., created_at_unix_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., estimate: _Optional[_Union[_estimator_service_pb2.ConfigEstimate, _Mapping]] = ..., objectives: _Optional[_Union[_common_pb2.ServiceObjectives, _Mapping]] = ..., latency_model: _Optional[_Union[_common_pb2.LatencyModel, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class SkippedConfig(_message.Message):
     __slots__ = ("rank", "config", "reason")

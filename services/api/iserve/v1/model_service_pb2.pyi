@@ -67,7 +67,7 @@ class ModelShape(_message.Message):
     def __init__(self, family: _Optional[_Union[_common_pb2.ModelFamily, str]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., tie_word_embeddings: _Optional[bool] = ..., dtype: _Optional[_Union[_common_pb2.Precision, str]] = ..., parameter_count: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("model_id", "checkpoint_path", "shape", "variants", "state", "state_reason", "created_at_unix_ms", "accuracy_score")
+    __slots__ = ("model_id", "checkpoint_path", "shape", "variants", "state", "state_reason", "created_at_unix_ms", "accuracy_score", "owner")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class Model(_message.Message):
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_SCORE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     checkpoint_path: str
     shape: ModelShape
@@ -84,7 +85,8 @@ class Model(_message.Message):
     state_reason: str
     created_at_unix_ms: int
     accuracy_score: float
-    def __init__(self, model_id: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., variants: _Optional[_Iterable[_Union[_common_pb2.CompressionVariant, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_reason: _Optional[str] = ..., created_at_unix_ms: _Optional[int] = ..., accuracy_score: _Optional[float] = ...) -> None: ...
+    owner: str
+    def __init__(self, model_id: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., shape: _Optional[_Union[ModelShape, _Mapping]] = ..., variants: _Optional[_Iterable[_Union[_common_pb2.CompressionVariant, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_reason: _Optional[str] = ..., created_at_unix_ms: _Optional[int] = ..., accuracy_score: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class RegisterModelRequest(_message.Message):
     __slots__ = ("request_id", "model_id", "checkpoint_path", "variants", "accuracy_score", "skip_profiling")
