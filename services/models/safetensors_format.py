@@ -44,9 +44,11 @@ CONFIG_TO_SAFETENSORS_DTYPE: dict[str, str] = {
     "float16": "F16",
     "bfloat16": "BF16",
 }
-# A header larger than this is corruption, not a model (safetensors itself caps it lower).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# A header larger than this is corruption, not a model: the reference library's cap.
+MAX_HEADER_BYTES = 100_000_000
 _LENGTH_PREFIX_BYTES = 8
+# Sizes the reference library computes in 64 bits; a tensor this large is a lying header.
+_MAX_TENSOR_BYTES = 2**64
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,12 @@ class TensorInfo:
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Tensor names to TensorInfo from one file's header; tensor data is never read.
 
-    Raises InvalidCheckpoint when the header is truncated or malformed, or when a tensor's
-    bytes would lie past the end of the file (a truncated download).
+    Accepts what the reference ``safetensors`` library accepts: a UTF-8 JSON object of at
+    most MAX_HEADER_BYTES whose ``__metadata__`` (optional) maps strings to strings and
+    whose tensors, in offset order, tile the data section exactly. Raises
+    InvalidCheckpoint, naming the file and the problem, for anything else: a truncated
+    or oversized header, invalid JSON, an unknown dtype, a malformed shape, offsets that
+    overlap, leave gaps, disagree with the shape or lie past the end of the file.
     """
     size = path.stat().st_size
     with path.open("rb") as f:
@@ -78,58 +84,122 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
                 f"{path.name}: {size} bytes is too short for a safetensors file"
             )
         (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(MAX_HEADER_BYTES, size - _LENGTH_PREFIX_BYTES):
+        if header_len > MAX_HEADER_BYTES:
+            raise InvalidCheckpoint(
+                f"{path.name}: header claims {header_len} bytes, more than the "
+                f"{MAX_HEADER_BYTES} a safetensors header may have (corrupt or not a "
+                "safetensors file)"
+            )
+        if header_len > size - _LENGTH_PREFIX_BYTES:
             raise InvalidCheckpoint(
                 f"{path.name}: header claims {header_len} bytes but the file has {size} bytes "
                 "(truncated or not a safetensors file)"
             )
         raw = f.read(header_len)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidCheckpoint(
-            f"{path.name}: safetensors header is not valid JSON: {exc}"
-        ) from exc
-    if not isinstance(header, dict):
-        raise InvalidCheckpoint(f"{path.name}: safetensors header is not a JSON object")
+    header = _parse_header(path.name, raw)
     data_bytes = size - _LENGTH_PREFIX_BYTES - header_len
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
+            _check_metadata(path.name, entry)
             continue
-        tensors[name] = _tensor_info(path.name, name, entry, data_bytes)
+        tensors[name] = _tensor_info(path.name, name, entry)
+    _check_tiling(path.name, tensors, data_bytes)
     return tensors
 
 
-def _tensor_info(file: str, name: str, entry: object, data_bytes: int) -> TensorInfo:
-    where = f"{file}: tensor {name!r}"
+def _parse_header(file: str, raw: bytes) -> dict[str, object]:
+    """The header's JSON object; InvalidCheckpoint for anything but UTF-8 JSON holding an
+    object (deep nesting and over-long numbers included, which Python's json refuses with
+    RecursionError and ValueError)."""
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidCheckpoint(f"{file}: safetensors header is not UTF-8: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidCheckpoint(
+            f"{file}: safetensors header is not valid JSON: nested too deeply"
+        ) from exc
+    except ValueError as exc:  # json.JSONDecodeError and over-long integers
+        raise InvalidCheckpoint(f"{file}: safetensors header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise InvalidCheckpoint(f"{file}: safetensors header is not a JSON object")
+    return header
+
+
+def _check_metadata(file: str, metadata: object) -> None:
+    if not isinstance(metadata, dict) or not all(
+        isinstance(value, str) for value in metadata.values()
+    ):
+        raise InvalidCheckpoint(
+            f"{file}: __metadata__ must map names to strings, got {_shown(metadata)}"
+        )
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """repr of a header value cut to ``limit`` characters, for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tensor_info(file: str, name: str, entry: object) -> TensorInfo:
+    where = f"{file}: tensor {_shown(name)}"
     if not isinstance(entry, dict):
         raise InvalidCheckpoint(f"{where}: header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in SAFETENSORS_DTYPE_BYTES:
-        raise InvalidCheckpoint(f"{where}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        raise InvalidCheckpoint(f"{where}: shape {shape!r} is not a list of sizes")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-    ):
-        raise InvalidCheckpoint(f"{where}: data_offsets {offsets!r} is not [start, end]")
-    info = TensorInfo(dtype=dtype, shape=tuple(shape), file=file, data_offsets=tuple(offsets))
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPE_BYTES:
+        raise InvalidCheckpoint(f"{where}: unknown dtype {_shown(dtype)}")
+    if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
+        raise InvalidCheckpoint(f"{where}: shape {_shown(shape)} is not a list of sizes")
+    # The reference library computes sizes in 64 bits; past that a shape is a lie, and
+    # refusing it early keeps a hostile shape from costing a huge multiplication.
+    nbytes = SAFETENSORS_DTYPE_BYTES[dtype]
+    for dim in shape:
+        nbytes *= dim
+        if nbytes >= _MAX_TENSOR_BYTES:
+            raise InvalidCheckpoint(
+                f"{where}: shape {_shown(shape)} of {dtype} is larger than any file"
+            )
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_size, offsets))):
+        raise InvalidCheckpoint(
+            f"{where}: data_offsets {_shown(offsets)} is not [start, end] byte offsets"
+        )
     start, end = offsets
-    if not 0 <= start <= end or end - start != info.nbytes:
+    if end < start or end - start != nbytes:
         raise InvalidCheckpoint(
-            f"{where}: data_offsets {offsets} do not hold {info.nbytes} bytes of {dtype}{shape}"
+            f"{where}: data_offsets {offsets} do not hold {nbytes} bytes of {dtype}{shape}"
         )
-    if end > data_bytes:
+    return TensorInfo(dtype=dtype, shape=tuple(shape), file=file, data_offsets=(start, end))
+
+
+def _check_tiling(file: str, tensors: dict[str, TensorInfo], data_bytes: int) -> None:
+    """The tensors, in offset order, must cover the data section exactly, as the
+    reference library demands: an overlap or a gap means the header lies about where
+    each tensor is; bytes past the last tensor, a file not written as the header says."""
+    covered = 0
+    for name, info in sorted(tensors.items(), key=lambda item: item[1].data_offsets):
+        start, end = info.data_offsets
+        if start != covered:
+            problem = "overlaps the tensor before it" if start < covered else "leaves a gap"
+            raise InvalidCheckpoint(
+                f"{file}: tensor {_shown(name)}: data_offsets [{start}, {end}] {problem} "
+                f"(the data before it ends at byte {covered})"
+            )
+        covered = end
+    if covered > data_bytes:
         raise InvalidCheckpoint(
-            f"{where}: data ends at byte {end} but the file holds only {data_bytes} data bytes "
-            "(truncated file)"
+            f"{file}: tensor data ends at byte {covered} but the file holds only {data_bytes} "
+            "data bytes (truncated file)"
         )
-    return info
+    if covered < data_bytes:
+        raise InvalidCheckpoint(
+            f"{file}: the tensors cover {covered} of the file's {data_bytes} data bytes "
+            "(trailing bytes: not written as its header says)"
+        )
 
 
 def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
