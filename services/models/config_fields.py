@@ -6,6 +6,7 @@ same kind of message whatever the model: which field, what it holds, what was ex
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,6 +14,35 @@ from services.models.errors import InvalidConfig, UnsupportedArchitecture
 
 # Bytes per element of the dtypes a checkpoint may declare (config "dtype"/"torch_dtype").
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+# The largest value iserve accepts for each size field, under every name families use for
+# it: generous beyond any published model (Llama-3.1-405B: 126 layers, hidden 16384,
+# 53248 MLP; vocabularies of 256k; contexts of 10M), small enough that a config claiming
+# 10^12 layers is refused before its 10^13 tensor names are listed, and under 2^32, so
+# that every size fits the API's uint32 shape fields.
+_LAYERS, _HEADS, _HIDDEN, _MLP = 1024, 4096, 1 << 17, 1 << 20
+_VOCAB, _POSITIONS = 1 << 22, 1 << 24
+FIELD_MAXIMA: dict[str, int] = {
+    "num_hidden_layers": _LAYERS,
+    "n_layer": _LAYERS,
+    "num_attention_heads": _HEADS,
+    "n_head": _HEADS,
+    "num_key_value_heads": _HEADS,
+    "num_kv_heads": _HEADS,
+    "hidden_size": _HIDDEN,
+    "n_embd": _HIDDEN,
+    "head_dim": _HIDDEN,
+    "rotary_dim": _HIDDEN,
+    "intermediate_size": _MLP,
+    "ffn_hidden_size": _MLP,
+    "n_inner": _MLP,
+    "vocab_size": _VOCAB,
+    "max_position_embeddings": _POSITIONS,
+    "n_positions": _POSITIONS,
+    "sliding_window": _POSITIONS,
+}
+# Any other integer field.
+_DEFAULT_MAXIMUM = 2**31 - 1
 
 
 def first_present(cfg: Mapping[str, Any], keys: Sequence[str]) -> str:
@@ -32,6 +62,11 @@ def positive_int(cfg: Mapping[str, Any], key: str, default: int | None = None) -
         raise InvalidConfig(f"config is missing required field {key!r}")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidConfig(f"config field {key!r} must be a positive integer, got {value!r}")
+    maximum = FIELD_MAXIMA.get(key, _DEFAULT_MAXIMUM)
+    if value > maximum:
+        raise InvalidConfig(
+            f"config field {key!r} is {value}, more than the {maximum} iserve accepts"
+        )
     return value
 
 
@@ -39,8 +74,13 @@ def positive_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
     value = cfg.get(key, default)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise InvalidConfig(f"config field {key!r} must be a positive number, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise InvalidConfig(f"config field {key!r} must be a positive finite number, got {value!r}")
     return float(value)
 
 
@@ -77,7 +117,7 @@ def dtype_name(cfg: Mapping[str, Any]) -> str:
     value = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     if isinstance(value, str):
         value = value.removeprefix("torch.")
-    if value not in DTYPE_BYTES:
+    if not isinstance(value, str) or value not in DTYPE_BYTES:
         raise InvalidConfig(f"config dtype {value!r} is not one of {sorted(DTYPE_BYTES)}")
     return value
 
