@@ -16,9 +16,10 @@ import time
 
 import grpc
 
-from deploy_svc import planning
+from deploy_svc import healing, planning
 from deploy_svc.agents import AgentClients
 from deploy_svc.explicit import ExplicitPlan, resolve_limits
+from deploy_svc.healer import Healer
 from deploy_svc.objectives import latency_model, resolve_objectives
 from deploy_svc.workers import WorkerGroups
 from services import replicas
@@ -61,11 +62,18 @@ def _need(placement: common.Placement) -> dict[tuple[str, str], int]:
 
 
 class DeploymentController:
-    def __init__(self, settings: Settings, store: StateStore, agents: AgentClients):
+    def __init__(
+        self,
+        settings: Settings,
+        store: StateStore,
+        agents: AgentClients,
+        restart_policy: healing.RestartPolicy | None = None,
+    ):
         self.settings = settings
         self.store = store
         self.agents = agents
         self.workers = WorkerGroups(settings, store, agents)
+        self.healer = Healer(self, restart_policy or healing.RestartPolicy())
         self._locks: dict[str, asyncio.Lock] = {}
         self._estimator: estimator_service_pb2_grpc.EstimatorServiceStub | None = None
         self._estimator_channel: grpc.aio.Channel | None = None
@@ -83,11 +91,12 @@ class DeploymentController:
         return self._estimator
 
     async def close(self) -> None:
+        await self.healer.close()
         if self._estimator_channel is not None:
             await self._estimator_channel.close()
         await self.agents.close()
 
-    def _lock(self, deployment_id: str) -> asyncio.Lock:
+    def lock(self, deployment_id: str) -> asyncio.Lock:
         return self._locks.setdefault(deployment_id, asyncio.Lock())
 
     # ---- queries --------------------------------------------------------------------
@@ -474,7 +483,7 @@ class DeploymentController:
 
     # ---- remove and fail ------------------------------------------------------------
     async def remove(self, deployment_id: str) -> None:
-        async with self._lock(deployment_id):
+        async with self.lock(deployment_id):
             deployment = await self.get(deployment_id)
             deployment.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
             await self.store.put_deployment(deployment)
@@ -485,22 +494,14 @@ class DeploymentController:
 
     async def fail(self, group_id: str, reason: str) -> bool:
         """A worker of ``group_id`` (a deployment id, or a replica's group id) is gone:
-        take that replica out (stop its workers, release its memory) while another
-        replica serves, else mark the READY deployment FAILED the same way. Returns
+        take that replica out (stop its workers, release its memory) and start it again
+        after a backoff (``deploy_svc.healer``); once the restart budget is spent it
+        stays out, and the deployment is FAILED when no other replica serves. Returns
         False when the deployment is gone, not READY or the replica already out."""
         deployment_id, index = split_group_id(group_id)
-        async with self._lock(deployment_id):
+        async with self.lock(deployment_id):
             deployment = await self.store.get_deployment(deployment_id)
             if deployment is None or index not in {r.index for r in replicas.serving(deployment)}:
                 return False
-            if not replicas.take_out(deployment, index, reason):
-                await self.mark_failed(deployment, reason)
-                return True
-            await self.store.put_deployment(deployment)
-            out = next(r for r in deployment.replicas if r.index == index)
-            await self.workers.teardown_replica(deployment_id, out)
-            await self.store.publish_event(
-                "replica_failed", deployment_id=deployment_id, replica=index, reason=reason
-            )
-            log.warning("deployment %s: replica %d taken out: %s", deployment_id, index, reason)
+            await self.healer.replica_failed(deployment, index, reason)
             return True

@@ -252,7 +252,7 @@ def _decision(
         )
     decision = deploy_pb.DeploymentDecision(
         config=config,
-        placement=_placement_of(choice),
+        placement=placement_of(choice),
         winner_rank=option.rank,
         skipped=skipped,
         note="; ".join(notes),
@@ -269,7 +269,7 @@ def _decision(
     return decision
 
 
-def _placement_of(choice: placement.PlacementChoice) -> common.Placement:
+def placement_of(choice: placement.PlacementChoice) -> common.Placement:
     return common.Placement(
         stages=[
             common.StagePlacement(
@@ -410,7 +410,7 @@ def replica_placements(
                 f"({describe(config)}, each replica on devices of its own) cannot be "
                 f"placed: {why}"
             )
-        placements.append(_placement_of(choice))
+        placements.append(placement_of(choice))
         taken |= _devices_of(placements[-1])
     return placements
 

@@ -2,8 +2,9 @@
 
 On start, :meth:`Reconciler.reconcile_on_start` makes Redis and the agents agree after
 a restart of the deployer. Then, for as long as it runs, a worker that died, a worker
-the scheduler cannot reach, or a node whose agent stopped heartbeating fails its
-deployment, which releases the deployment's memory."""
+the scheduler cannot reach, or a node whose agent stopped heartbeating takes its replica
+out (workers stopped, memory released) to be restarted with backoff, elsewhere when its
+node is gone (``deploy_svc.healer``)."""
 
 from __future__ import annotations
 
@@ -64,9 +65,10 @@ class Reconciler:
         """Make Redis and the agents agree after a (re)start of this service; returns what
         it did, one line per action.
 
-        READY deployments whose workers all still run are kept; those missing a worker
-        are failed (workers stopped, memory released). STARTING ones were cut off by the
-        restart: failed the same way. REMOVING ones are finished. Reservations with no
+        READY deployments whose workers all still run are kept; a replica missing a
+        worker is taken out and restarted (``deploy_svc.healer``), as after a stop and
+        start of the whole stack. STARTING ones restarting a replica go on; other STARTING
+        ones were cut off by the restart: failed. REMOVING ones are finished. Reservations with no
         deployment behind them (and not a profiling job's) are released, and workers of
         deployments Redis does not know are stopped.
         """
@@ -87,6 +89,8 @@ class Reconciler:
                         await self.controller.fail(group, reason)
                         actions.append(f"failed {group}: {reason}")
             elif dep.state == deploy_pb.DEPLOYMENT_STATE_STARTING:
+                if await self.controller.healer.record_of(dep.deployment_id) is not None:
+                    continue  # restarting a replica: resumed below
                 reason = "the deployer restarted while the deployment was starting"
                 await self.controller.mark_failed(dep, reason)
                 actions.append(f"failed {dep.deployment_id}: {reason}")
@@ -112,6 +116,9 @@ class Reconciler:
                     sorted({w.node_id for w in workers}), deployment_id
                 )
                 actions.append(f"stopped orphaned workers of {deployment_id}")
+        # Restarts in progress go on, now that no reservation of theirs can pass for an
+        # orphan (they also wait for ``reconciled``).
+        actions += await self.controller.healer.resume(await self.store.list_deployments())
         for line in actions:
             log.info("reconcile: %s", line)
         self.controller.reconciled.set()

@@ -12,6 +12,7 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.errors import InvalidArgument
 
+STARTING = deploy_pb.DEPLOYMENT_STATE_STARTING
 READY = deploy_pb.DEPLOYMENT_STATE_READY
 FAILED = deploy_pb.DEPLOYMENT_STATE_FAILED
 MAX_REPLICAS = 16
@@ -70,6 +71,56 @@ def take_out(deployment: deploy_pb.Deployment, index: int, reason: str) -> bool:
     deployment.placement.CopyFrom(others[0].placement)
     deployment.worker_address = others[0].worker_address
     return True
+
+
+def _point_at_first_serving(deployment: deploy_pb.Deployment) -> bool:
+    """Point the record's placement and worker address at the first replica serving;
+    False when none serves."""
+    first = next((r for r in deployment.replicas if r.state == READY), None)
+    if first is None:
+        return False
+    deployment.placement.CopyFrom(first.placement)
+    deployment.worker_address = first.worker_address
+    return True
+
+
+def restarting(deployment: deploy_pb.Deployment, index: int, reason: str) -> None:
+    """Mark replica ``index`` STARTING (its workers gone, to be started again) with
+    ``reason``. While another replica serves the deployment stays READY on it; else the
+    deployment is STARTING with ``reason`` too (never READY without a worker)."""
+    if not deployment.replicas:
+        deployment.replicas.extend(replicas_of(deployment))
+    for replica in deployment.replicas:
+        if replica.index == index:
+            replica.state = STARTING
+            replica.state_reason = reason
+            replica.worker_address = ""
+    if deployment.state == READY and _point_at_first_serving(deployment):
+        return
+    deployment.state = STARTING
+    deployment.state_reason = reason
+    deployment.worker_address = ""
+
+
+def back_in(
+    deployment: deploy_pb.Deployment,
+    index: int,
+    placement: common.Placement,
+    worker_address: str,
+    note: str,
+) -> None:
+    """Replica ``index`` serves again on ``placement`` at ``worker_address``; the
+    deployment is READY (``note`` its reason when it was not serving before)."""
+    for replica in deployment.replicas:
+        if replica.index == index:
+            replica.placement.CopyFrom(placement)
+            replica.worker_address = worker_address
+            replica.state = READY
+            replica.state_reason = note
+    if deployment.state != READY:
+        deployment.state = READY
+        deployment.state_reason = note
+    _point_at_first_serving(deployment)
 
 
 def avoiding(deployment: deploy_pb.Deployment, addresses: set[str]) -> deploy_pb.Deployment:

@@ -55,6 +55,11 @@ def deployment_index() -> str:
     return f"{PREFIX}deployments"
 
 
+def deployment_restarts(deployment_id: str) -> str:
+    """A deployment's restart record (``deploy_svc.healing.RestartRecord`` JSON)."""
+    return f"{PREFIX}deployment-restarts:{_part(deployment_id)}"
+
+
 def deploy_request(request_id: str) -> str:
     """Maps a Deploy request id to its deployment id (idempotency)."""
     return f"{PREFIX}deploy-request:{_part(request_id)}"

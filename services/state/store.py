@@ -7,23 +7,32 @@ it names and is recorded whole, or changes nothing.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
+from services.errors import Unavailable
 from services.state import keys
 from services.state.capacity import FREE_BYTES_LUA, free_bytes
 from services.state.records import decode, encode
 
 EVENTS_MAXLEN = 10_000
+# A call to a Redis that is down fails after these (seconds) instead of hanging; longer
+# than any blocking read (``read_events`` waits 1 s).
+CONNECT_TIMEOUT_S = 2.0
+REPLY_TIMEOUT_S = 10.0
 
 # KEYS: reservation, reservation index, device keys…  ARGV: owner, bytes per device…
 # Returns {1} on success, {0, i, free} when device i lacks room, {-1, i} when device i
@@ -59,6 +68,11 @@ return #entries / 2
 """
 
 
+class StateStoreUnavailable(Unavailable):
+    """Redis, which holds iserve's state, cannot be reached (down, restarting, loading
+    its data): UNAVAILABLE, and the call may be retried once it is back."""
+
+
 class ReservationError(Exception):
     """A reservation could not be made; ``device`` names the device that refused it."""
 
@@ -87,8 +101,35 @@ def device_key(ref: common.DeviceRef) -> str:
     return keys.device(ref.node_id, ref.device_id)
 
 
+def _unavailable_when_redis_is_down(method):
+    """``method`` raising StateStoreUnavailable (UNAVAILABLE, naming where Redis should
+    be) instead of redis-py's connection and timeout errors."""
+
+    @functools.wraps(method)
+    async def call(self: StateStore, *args, **kwargs):
+        try:
+            return await method(self, *args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise StateStoreUnavailable(
+                f"state store (Redis) unreachable at {self.location}: {exc}"
+            ) from exc
+
+    return call
+
+
+def _translating_redis_errors(cls: type) -> type:
+    """Wrap every public coroutine method of ``cls`` with _unavailable_when_redis_is_down."""
+    for name, member in list(vars(cls).items()):
+        if not name.startswith("_") and name != "close" and inspect.iscoroutinefunction(member):
+            setattr(cls, name, _unavailable_when_redis_is_down(member))
+    return cls
+
+
+@_translating_redis_errors
 class StateStore:
-    """Typed operations on iserve's Redis state; one instance per process."""
+    """Typed operations on iserve's Redis state; one instance per process. Every call
+    raises ``services.errors.StateStoreUnavailable`` while Redis cannot be reached;
+    redis-py reconnects by itself once it is back."""
 
     def __init__(self, client: aioredis.Redis):
         self.redis = client
@@ -97,7 +138,23 @@ class StateStore:
 
     @classmethod
     def from_url(cls, url: str) -> StateStore:
-        return cls(aioredis.Redis.from_url(url, decode_responses=True))
+        return cls(
+            aioredis.Redis.from_url(
+                url,
+                decode_responses=True,
+                socket_connect_timeout=CONNECT_TIMEOUT_S,
+                socket_timeout=REPLY_TIMEOUT_S,
+            )
+        )
+
+    @property
+    def location(self) -> str:
+        """host:port of Redis (or its socket path), for messages."""
+        pool = getattr(self.redis, "connection_pool", None)
+        options = getattr(pool, "connection_kwargs", {}) or {}
+        if "path" in options:
+            return str(options["path"])
+        return f"{options.get('host', '?')}:{options.get('port', '?')}"
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -203,12 +260,22 @@ class StateStore:
     async def delete_deployment(self, deployment: deploy_pb.Deployment) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(
-                keys.deployment(deployment.deployment_id), keys.workers(deployment.deployment_id)
+                keys.deployment(deployment.deployment_id),
+                keys.workers(deployment.deployment_id),
+                keys.deployment_restarts(deployment.deployment_id),
             )
             pipe.srem(keys.deployment_index(), deployment.deployment_id)
             if deployment.request_id:
                 pipe.delete(keys.deploy_request(deployment.request_id))
             await pipe.execute()
+
+    async def get_restarts(self, deployment_id: str) -> str | None:
+        """A deployment's restart record (JSON text, ``deploy_svc.healing``), None when
+        it never restarted."""
+        return await self.redis.get(keys.deployment_restarts(deployment_id))
+
+    async def put_restarts(self, deployment_id: str, record: str) -> None:
+        await self.redis.set(keys.deployment_restarts(deployment_id), record)
 
     async def claim_deploy_request(self, request_id: str, deployment_id: str) -> str | None:
         """Bind ``request_id`` to ``deployment_id``; returns the earlier binding if any."""

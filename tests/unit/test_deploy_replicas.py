@@ -12,6 +12,7 @@ import pytest
 from deploy_svc import planning
 from deploy_svc.controller import DeploymentController
 from deploy_svc.explicit import ExplicitPlan
+from deploy_svc.healing import RestartPolicy
 from deploy_svc.reconciler import Reconciler
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
@@ -202,11 +203,13 @@ class FakeEstimator:
         raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "not profiled")
 
 
-async def controller_on(store, agent: FakeAgent, *free_gib: float, estimator=None):
+async def controller_on(
+    store, agent: FakeAgent, *free_gib: float, estimator=None, policy: RestartPolicy | None = None
+):
     await store.create_model(model())
     await store.register_node(node(*free_gib), ttl_s=60)
     settings = types.SimpleNamespace(ready_timeout_s=5.0)
-    controller = DeploymentController(settings, store, agent)
+    controller = DeploymentController(settings, store, agent, policy)
     controller._estimator = estimator or FakeEstimator()
     controller.reconciled.set()
     return controller
@@ -302,17 +305,23 @@ def test_a_replica_that_fails_to_start_tears_down_the_others(run):
     run(scenario)
 
 
-def test_a_dead_replica_is_taken_out_and_the_last_one_fails_the_deployment(run):
+NO_RESTARTS = RestartPolicy(max_restarts=0)
+GAVE_UP = "gave up after 0 restart(s) in a row (at most 0); last error: "
+
+
+def test_with_no_restarts_left_a_dead_replica_is_taken_out_and_the_last_one_fails_all(run):
+    """(Restarts themselves: tests/unit/test_deploy_healing.py.)"""
+
     async def scenario(store):
         agent = FakeAgent()
-        controller = await controller_on(store, agent, 2, 2)
+        controller = await controller_on(store, agent, 2, 2, policy=NO_RESTARTS)
         dep = (await controller.deploy(deploy_request(2))).deployment
         deployment_id = dep.deployment_id
         assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
         now = await store.get_deployment(deployment_id)
         assert now.state == READY
         assert [(r.state, r.state_reason) for r in now.replicas] == [
-            (FAILED, "worker rank 0 exited (-9)"),
+            (FAILED, GAVE_UP + "worker rank 0 exited (-9)"),
             (READY, ""),
         ]
         # The record now points at the replica that serves.
@@ -391,7 +400,7 @@ def test_the_reconciler_takes_out_a_replica_whose_workers_are_gone(run):
 
     async def scenario(store):
         agent = FakeAgent()
-        controller = await controller_on(store, agent, 2, 2)
+        controller = await controller_on(store, agent, 2, 2, policy=NO_RESTARTS)
         dep = (await controller.deploy(deploy_request(2))).deployment
         deployment_id = dep.deployment_id
         await store.reserve(f"{deployment_id}.r5", {("node0", "cpu1"): MIB})

@@ -1,0 +1,195 @@
+"""Self-healing deployments: a failed replica is taken out and started again.
+
+The decisions (how long to wait, when to give up, which devices) are
+``deploy_svc.healing``'s; this module keeps the restart record in Redis, takes the
+replica out (workers stopped, memory released, the record STARTING while nothing else
+serves), waits the backoff, reserves and launches it again, and records the outcome.
+A restart in progress survives a restart of the deployer: the record says STARTING and
+the restart record exists, and :meth:`Healer.resume` picks it up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from deploy_svc import healing
+from services import replicas
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.ids import replica_group_id
+from services.state.store import ReservationError
+
+if TYPE_CHECKING:
+    from deploy_svc.controller import DeploymentController
+
+log = logging.getLogger("iserve.deploy.healer")
+GONE = (deploy_pb.DEPLOYMENT_STATE_FAILED, deploy_pb.DEPLOYMENT_STATE_REMOVING)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _need(where: common.Placement) -> dict[tuple[str, str], int]:
+    return {
+        (ref.node_id, ref.device_id): stage.reserved_bytes[i]
+        for stage in where.stages
+        for i, ref in enumerate(stage.devices)
+    }
+
+
+class Healer:
+    def __init__(self, controller: DeploymentController, policy: healing.RestartPolicy):
+        self.controller = controller
+        self.store = controller.store
+        self.policy = policy
+        self._tasks: set[asyncio.Task] = set()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def record_of(self, deployment_id: str) -> healing.RestartRecord | None:
+        raw = await self.store.get_restarts(deployment_id)
+        return None if raw is None else healing.RestartRecord.from_json(raw)
+
+    async def replica_failed(
+        self, deployment: deploy_pb.Deployment, index: int, error: str
+    ) -> None:
+        """Replica ``index`` of ``deployment`` (the caller holds its lock) failed with
+        ``error``: schedule its restart, or when the budget is spent take it out for good
+        (the deployment FAILED when no other replica serves)."""
+        deployment_id = deployment.deployment_id
+        step = healing.after_failure(
+            self.policy, await self.record_of(deployment_id), error, _now_ms()
+        )
+        await self.store.put_restarts(deployment_id, step.record.to_json())
+        replica = next(r for r in replicas.replicas_of(deployment) if r.index == index)
+        if isinstance(step, healing.GiveUp):
+            if not replicas.take_out(deployment, index, step.reason):
+                await self.controller.mark_failed(deployment, step.reason)
+                return
+            await self.store.put_deployment(deployment)
+            await self.controller.workers.teardown_replica(deployment_id, replica)
+            await self.store.publish_event(
+                "replica_failed", deployment_id=deployment_id, replica=index, reason=step.reason
+            )
+            log.warning("deployment %s: replica %d out: %s", deployment_id, index, step.reason)
+            return
+        replicas.restarting(deployment, index, step.note)
+        await self.store.put_deployment(deployment)
+        await self.controller.workers.teardown_replica(deployment_id, replica)
+        await self.store.publish_event(
+            "replica_restarting",
+            deployment_id=deployment_id,
+            replica=index,
+            restart=step.record.in_a_row,
+            delay_s=step.delay_s,
+            reason=error,
+        )
+        log.warning("deployment %s replica %d: %s", deployment_id, index, step.note)
+        self.schedule(deployment_id, index, step.delay_s)
+
+    def schedule(self, deployment_id: str, index: int, delay_s: float) -> None:
+        task = asyncio.get_running_loop().create_task(self._restart(deployment_id, index, delay_s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def resume(self, deployments: list[deploy_pb.Deployment]) -> list[str]:
+        """After a deployer restart: schedule again the restarts that were in progress
+        (replicas STARTING in a deployment that has a restart record); returns what it
+        did, one line each."""
+        actions = []
+        for deployment in deployments:
+            if deployment.state in GONE or await self.record_of(deployment.deployment_id) is None:
+                continue
+            for replica in deployment.replicas:
+                if replica.state == replicas.STARTING:
+                    self.schedule(deployment.deployment_id, replica.index, 0.0)
+                    actions.append(
+                        f"resumed restarting {replica_group_id(deployment.deployment_id, replica.index)}"
+                    )
+        return actions
+
+    async def _restart(self, deployment_id: str, index: int, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        # Never before start-up reconciliation, which would take the new workers and
+        # reservation for orphans.
+        await self.controller.reconciled.wait()
+        try:
+            error = await self._relaunch(deployment_id, index)
+        except Exception as exc:  # noqa: BLE001 - e.g. Redis down: counts as a failure
+            error = f"restart failed: {exc}"
+        if error is None:
+            return
+        async with self.controller.lock(deployment_id):
+            deployment = await self.store.get_deployment(deployment_id)
+            if not self._still_restarting(deployment, index):
+                return
+            await self.replica_failed(deployment, index, error)
+
+    @staticmethod
+    def _still_restarting(deployment: deploy_pb.Deployment | None, index: int) -> bool:
+        if deployment is None or deployment.state in GONE:
+            return False
+        return any(r.index == index and r.state == replicas.STARTING for r in deployment.replicas)
+
+    async def _relaunch(self, deployment_id: str, index: int) -> str | None:
+        """Place, reserve and start replica ``index`` again; None when it serves (or
+        needs no restart any more), else why it could not."""
+        async with self.controller.lock(deployment_id):
+            deployment = await self.store.get_deployment(deployment_id)
+            if not self._still_restarting(deployment, index):
+                return None
+            replica = next(r for r in deployment.replicas if r.index == index)
+            model = await self.store.get_model(deployment.model_id)
+            if model is None:
+                return f"model {deployment.model_id} is no longer registered"
+            max_seq_len = deployment.max_input_tokens + deployment.max_output_tokens
+            others = [
+                r.placement
+                for r in deployment.replicas
+                if r.index != index and r.state != replicas.FAILED
+            ]
+            tries = healing.placements_to_try(
+                model,
+                deployment.config,
+                replica.placement,
+                await self.store.list_nodes(),
+                others,
+                max_seq_len,
+            )
+            if not tries:
+                return "no live devices with room to start it again"
+            group = replica_group_id(deployment_id, index)
+            refused = []
+            for chosen in tries:
+                try:
+                    await self.store.reserve(group, _need(chosen))
+                except ReservationError as exc:
+                    refused.append(str(exc))
+                    continue
+                replica.placement.CopyFrom(chosen)
+                break
+            else:
+                return "could not reserve memory to start it again: " + "; ".join(refused)
+            try:
+                address = await self.controller.workers.start(
+                    model, deployment, replica, max_seq_len, 0
+                )
+            except Exception as exc:  # noqa: BLE001 - any failed launch is retried
+                await self.controller.workers.teardown_replica(deployment_id, replica)
+                return f"restart failed: {exc}"
+            record = await self.record_of(deployment_id) or healing.RestartRecord()
+            note = healing.served_again_note(record)
+            replicas.back_in(deployment, index, chosen, address, note)
+            await self.store.put_deployment(deployment)
+            await self.store.publish_event(
+                "replica_restarted", deployment_id=deployment_id, replica=index, address=address
+            )
+            log.info("deployment %s replica %d serves again at %s", deployment_id, index, address)
+            return None

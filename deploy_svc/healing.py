@@ -1,0 +1,153 @@
+"""When and where a failed replica starts again. Pure: no gRPC, no Redis.
+
+A replica whose worker dies (or whose node stops heartbeating, or whose workers are gone
+after a restart of the stack) is taken out: its workers are stopped and its memory
+released. Then, as Ray Serve restarts replicas, it is placed and launched again after an
+exponential backoff (:meth:`RestartPolicy.backoff_s`), its old devices first. A
+deployment gets ``max_restarts`` restarts in a row; a failure more than
+``reset_after_s`` after the one before starts a fresh run (it served in between). A
+failed restart counts as a failure. Once the budget is spent the replica stays out, and
+when no other replica serves the deployment is FAILED saying why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from deploy_svc import placement
+from deploy_svc.planning import placement_of
+from services.api import common_pb2 as common
+from services.api import model_service_pb2 as model_pb
+from services.reservation import memory_blocks
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Bounded retries with exponential backoff (seconds)."""
+
+    max_restarts: int = 5
+    first_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    reset_after_s: float = 600.0
+
+    def backoff_s(self, restart: int) -> float:
+        """How long to wait before the ``restart``-th restart of a run (1-based):
+        ``first_backoff_s``, doubling each time, at most ``max_backoff_s``."""
+        return min(self.max_backoff_s, self.first_backoff_s * 2 ** max(0, restart - 1))
+
+
+@dataclass(frozen=True)
+class RestartRecord:
+    """What is kept per deployment about its restarts (JSON in Redis)."""
+
+    in_a_row: int = 0  # restarts in the current run of failures: what the budget counts
+    total: int = 0  # restarts over the deployment's life
+    last_error: str = ""
+    last_failure_ms: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RestartRecord:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Start the replica again after ``delay_s``; ``record`` is to be stored."""
+
+    delay_s: float
+    record: RestartRecord
+
+    @property
+    def note(self) -> str:
+        return (
+            f"restart {self.record.in_a_row} in {self.delay_s:g} s after: {self.record.last_error}"
+        )
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """The budget is spent; ``reason`` says so and names the last error."""
+
+    reason: str
+    record: RestartRecord
+
+
+def after_failure(
+    policy: RestartPolicy, record: RestartRecord | None, error: str, now_ms: int
+) -> Restart | GiveUp:
+    """What to do about a failure (``error``) of a deployment's replica at ``now_ms``,
+    given what happened before (``record``, None when it never failed)."""
+    record = record or RestartRecord()
+    in_a_row = record.in_a_row
+    if record.last_failure_ms and now_ms - record.last_failure_ms >= policy.reset_after_s * 1000:
+        in_a_row = 0
+    if in_a_row >= policy.max_restarts:
+        spent = RestartRecord(in_a_row, record.total, error, now_ms)
+        return GiveUp(
+            f"gave up after {in_a_row} restart(s) in a row "
+            f"(at most {policy.max_restarts}); last error: {error}",
+            spent,
+        )
+    nth = in_a_row + 1
+    return Restart(policy.backoff_s(nth), RestartRecord(nth, record.total + 1, error, now_ms))
+
+
+def served_again_note(record: RestartRecord) -> str:
+    """The state reason of a deployment serving again after a restart."""
+    return f"restarted {record.total} time(s); last error: {record.last_error}"
+
+
+def _devices(where: common.Placement) -> set[tuple[str, str]]:
+    return {(d.node_id, d.device_id) for stage in where.stages for d in stage.devices}
+
+
+def placements_to_try(
+    model: model_pb.Model,
+    config: common.DeploymentConfig,
+    old: common.Placement,
+    nodes: Sequence[common.NodeState],
+    others: Sequence[common.Placement],
+    max_seq_len: int,
+) -> list[common.Placement]:
+    """Where a replica may start again, best first: its old placement while every node
+    of it is alive, then a fresh placement (hybrid policy) on alive devices of the same
+    hardware type that no other replica (``others``) uses, each rank reserving what a
+    rank of the old placement reserved per layer. Empty when nothing fits."""
+    alive = {n.node_id for n in nodes if n.alive}
+    found: list[common.Placement] = []
+    if {node for node, _ in _devices(old)} <= alive:
+        found.append(old)
+    first = old.stages[0]
+    hardware = {
+        d.hardware_type
+        for n in nodes
+        for d in n.devices
+        if (d.ref.node_id, d.ref.device_id) in _devices(old)
+    }
+    taken = set().union(*(_devices(p) for p in others)) if others else set()
+    fixed, _ = memory_blocks(model.shape, config, max_seq_len)
+    block = max(0, first.reserved_bytes[0] - fixed) // max(1, first.layer_count)
+    left = [
+        c
+        for c in placement.candidates(nodes)
+        if (c.node_id, c.device_id) not in taken and (not hardware or c.hardware_type in hardware)
+    ]
+    choice = placement.place(
+        left,
+        tp=config.tensor_parallel,
+        pp=config.pipeline_parallel,
+        num_layers=model.shape.num_layers,
+        fixed_bytes=fixed,
+        layer_bytes=block,
+        policy="hybrid",
+    )
+    if choice is not None:
+        fresh = placement_of(choice)
+        if not found or _devices(fresh) != _devices(old):
+            found.append(fresh)
+    return found

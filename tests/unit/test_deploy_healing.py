@@ -1,0 +1,241 @@
+"""Self-healing deployments: the restart budget and backoff and where a replica starts
+again (deploy_svc.healing, pure), and the controller restarting a replica against a real
+Redis with a fake agent (deploy_svc.healer)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from deploy_svc.healing import (
+    GiveUp,
+    Restart,
+    RestartPolicy,
+    RestartRecord,
+    after_failure,
+    placements_to_try,
+)
+from deploy_svc.reconciler import Reconciler
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.reservation import memory_blocks
+from services.state.store import StateStore
+from tests.unit.test_deploy_replicas import (
+    FAILED,
+    READY,
+    FakeAgent,
+    controller_on,
+    deploy_request,
+    devices_of,
+    model,
+    node,
+    nothing_left,
+    reserved,
+)
+
+STARTING = deploy_pb.DEPLOYMENT_STATE_STARTING
+FAST = RestartPolicy(max_restarts=2, first_backoff_s=0.01, max_backoff_s=0.02)
+
+
+# ---- budget and backoff (pure) -----------------------------------------------------------
+
+
+def test_backoff_doubles_from_the_first_and_stops_at_the_cap():
+    policy = RestartPolicy(first_backoff_s=1.0, max_backoff_s=10.0)
+    assert [policy.backoff_s(n) for n in range(1, 7)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+def test_restarts_are_counted_until_the_budget_is_spent_then_it_gives_up():
+    policy = RestartPolicy(max_restarts=3, first_backoff_s=1.0)
+    record, delays, now = None, [], 1_000
+    for error in ["e1", "e2", "e3"]:
+        step = after_failure(policy, record, error, now)
+        assert isinstance(step, Restart)
+        delays.append(step.delay_s)
+        record, now = step.record, now + 5_000
+    assert delays == [1.0, 2.0, 4.0]
+    assert record == RestartRecord(in_a_row=3, total=3, last_error="e3", last_failure_ms=11_000)
+    step = after_failure(policy, record, "e4", now)
+    assert isinstance(step, GiveUp)
+    assert step.reason == "gave up after 3 restart(s) in a row (at most 3); last error: e4"
+    assert step.record.last_error == "e4" and step.record.total == 3
+
+
+def test_a_failure_long_after_the_last_one_starts_a_fresh_budget():
+    policy = RestartPolicy(max_restarts=1, reset_after_s=60)
+    spent = RestartRecord(in_a_row=1, total=4, last_error="old", last_failure_ms=1_000)
+    assert isinstance(after_failure(policy, spent, "soon", 30_000), GiveUp)
+    step = after_failure(policy, spent, "later", 61_000)
+    assert isinstance(step, Restart)
+    assert step.delay_s == policy.first_backoff_s
+    assert (step.record.in_a_row, step.record.total) == (1, 5)
+    assert step.note == "restart 1 in 1 s after: later"
+
+
+def test_a_record_round_trips_through_json():
+    record = RestartRecord(2, 7, "worker rank 0 exited (-9)", 123)
+    assert RestartRecord.from_json(record.to_json()) == record
+
+
+# ---- where it starts again (pure) --------------------------------------------------------
+
+
+CONFIG = common.DeploymentConfig(
+    tensor_parallel=1, pipeline_parallel=1, batch_size=1, dtype=common.PRECISION_FLOAT32
+)
+FIXED, BLOCK = memory_blocks(model().shape, CONFIG, 128)
+RANK_BYTES = FIXED + 2 * BLOCK
+
+
+def placed_on(node_id: str, device_id: str) -> common.Placement:
+    return common.Placement(
+        stages=[
+            common.StagePlacement(
+                stage=0,
+                first_layer=0,
+                layer_count=2,
+                devices=[common.DeviceRef(node_id=node_id, device_id=device_id)],
+                reserved_bytes=[RANK_BYTES],
+            )
+        ]
+    )
+
+
+def test_the_old_devices_come_first_while_their_node_lives():
+    nodes = [node(1, 1)]
+    tries = placements_to_try(model(), CONFIG, placed_on("node0", "cpu1"), nodes, [], 128)
+    assert [devices_of(p) for p in tries][0] == ["node0/cpu1"]
+    assert tries[0].stages[0].reserved_bytes == [RANK_BYTES]
+
+
+def test_a_replica_whose_node_is_gone_goes_elsewhere_and_not_on_another_replica():
+    dead = node(1, node_id="node0")
+    dead.alive = False
+    nodes = [dead, node(1, 1, node_id="node1")]
+    other = placed_on("node1", "cpu0")
+    tries = placements_to_try(model(), CONFIG, placed_on("node0", "cpu0"), nodes, [other], 128)
+    assert [devices_of(p) for p in tries] == [["node1/cpu1"]]
+    assert tries[0].stages[0].reserved_bytes == [RANK_BYTES]
+
+
+def test_nothing_to_try_when_no_live_device_has_room():
+    dead = node(1)
+    dead.alive = False
+    assert placements_to_try(model(), CONFIG, placed_on("node0", "cpu0"), [dead], [], 128) == []
+    small = node(0.01)
+    tries = placements_to_try(model(), CONFIG, placed_on("node0", "cpu0"), [small], [], 128)
+    # The old placement is still offered (the reservation will say it has no room).
+    assert [devices_of(p) for p in tries] == [["node0/cpu0"]]
+
+
+# ---- the controller restarting a replica (Redis, fake agent) -----------------------------
+
+
+async def settle(store: StateStore, deployment_id: str, timeout_s: float = 5.0):
+    """The record once it is no longer STARTING."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        found = await store.get_deployment(deployment_id)
+        if found.state != STARTING or asyncio.get_running_loop().time() > deadline:
+            return found
+        await asyncio.sleep(0.01)
+
+
+def test_a_dead_worker_is_restarted_on_its_devices_without_a_deploy(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        deployment_id = dep.deployment_id
+        held = await reserved(store)
+        assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
+        now = await store.get_deployment(deployment_id)
+        # Out and restarting: never READY without a worker, its memory released.
+        assert now.state == STARTING and now.worker_address == ""
+        assert now.state_reason == "restart 1 in 0.01 s after: worker rank 0 exited (-9)"
+        assert agent.stopped == [deployment_id]
+        assert set((await reserved(store)).values()) == {0}
+        healed = await settle(store, deployment_id)
+        assert healed.state == READY
+        assert healed.state_reason == "restarted 1 time(s); last error: worker rank 0 exited (-9)"
+        assert healed.worker_address and healed.worker_address != dep.worker_address
+        assert healed.replicas[0].worker_address == healed.worker_address
+        assert devices_of(healed.placement) == devices_of(dep.placement)
+        assert agent.started == [deployment_id, deployment_id]
+        assert await reserved(store) == held
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+        assert await store.get_restarts(deployment_id) is None
+
+    run(scenario)
+
+
+def test_a_restart_that_keeps_failing_spends_the_budget_and_fails_the_deployment(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        deployment_id = dep.deployment_id
+        agent.fail_group = deployment_id
+        assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
+        final = await settle(store, deployment_id)
+        assert final.state == FAILED
+        assert final.state_reason.startswith("gave up after 2 restart(s) in a row (at most 2)")
+        assert "starting workers of" in final.state_reason
+        assert agent.started == [deployment_id] * 3  # the deploy, then two restarts
+        assert set((await reserved(store)).values()) == {0}
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_one_replica_restarts_while_the_other_serves(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(2))).deployment
+        deployment_id = dep.deployment_id
+        assert await controller.fail(f"{deployment_id}.r1", "worker rank 0 exited (-9)")
+        now = await store.get_deployment(deployment_id)
+        assert now.state == READY and now.worker_address == dep.worker_address
+        assert [r.state for r in now.replicas] == [READY, STARTING]
+        for _ in range(500):
+            now = await store.get_deployment(deployment_id)
+            if now.replicas[1].state == READY:
+                break
+            await asyncio.sleep(0.01)
+        assert [r.state for r in now.replicas] == [READY, READY]
+        assert devices_of(now.replicas[1].placement) == ["node0/cpu1"]
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_restart_cut_off_by_a_deployer_restart_goes_on(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        slow = RestartPolicy(first_backoff_s=60.0)
+        first = await controller_on(store, agent, 2, 2, policy=slow)
+        dep = (await first.deploy(deploy_request(1))).deployment
+        deployment_id = dep.deployment_id
+        assert await first.fail(deployment_id, "worker rank 0 exited (-9)")
+        await first.close()  # the deployer dies while waiting the backoff
+        assert (await store.get_deployment(deployment_id)).state == STARTING
+        second = await controller_on(store, agent, 2, 2, policy=FAST)
+        second.reconciled.clear()
+
+        async def no_workers(request, timeout):
+            from services.api import agent_service_pb2 as agent_pb
+
+            return agent_pb.ListWorkersResponse()
+
+        agent.ListWorkers = no_workers
+        actions = await Reconciler(second, store, agent).reconcile_on_start()
+        assert actions == [f"resumed restarting {deployment_id}"]
+        healed = await settle(store, deployment_id)
+        assert healed.state == READY
+        await second.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
