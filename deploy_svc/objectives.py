@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.errors import InvalidArgument
+from services.intents import check_intent
 
 # Without a TPOT SLO, a batch may slow each sequence's decode by at most this factor.
 UNBOUNDED_TPOT_FACTOR = 1.5
@@ -35,7 +36,10 @@ def resolve_objectives(
     requested: common.ServiceObjectives, intent: common.Intent | None
 ) -> common.ServiceObjectives:
     """``requested`` with the policy resolved (never UNSPECIFIED). ``intent`` is None for
-    an explicit configuration. InvalidArgument for an unknown policy value."""
+    an explicit configuration. InvalidArgument for an unknown policy value or an intent
+    ``check_intent`` refuses (checked here, where its latency first becomes a deadline)."""
+    if intent is not None:
+        check_intent(intent)
     if requested.scheduling not in common.SchedulingPolicy.values():
         raise InvalidArgument(f"unknown scheduling policy {requested.scheduling}")
     resolved = common.ServiceObjectives()

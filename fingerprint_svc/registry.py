@@ -4,6 +4,7 @@ can serve, and the record that describes it (which paths are allowed is
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import resolve_checkpoint
 from services.errors import AlreadyExists, InvalidArgument
-from services.ids import check_model_id
+from services.ids import check_model_id, check_request_id, check_variant_name
 from services.models.arch import ArchSpec
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
 from services.models.compression import DEFAULT_PRUNE_FRACTION, kept_heads, kept_mlp_channels
@@ -44,6 +45,7 @@ def check_variants(variants: list[common.CompressionVariant]) -> None:
     for variant in variants:
         if not variant.name:
             raise InvalidArgument("every compression variant needs a name")
+        check_variant_name(variant.name)
         if variant.name == BASE_VARIANT:
             raise InvalidArgument(
                 f"variant name {BASE_VARIANT!r} is reserved for the uncompressed model"
@@ -64,10 +66,28 @@ def check_variants(variants: list[common.CompressionVariant]) -> None:
             raise InvalidArgument(
                 f"variant {variant.name!r}: {', '.join(unspecified)} must be set (not UNSPECIFIED)"
             )
+        for field, enum in (
+            ("weight_quant", common.WeightQuant),
+            ("kv_quant", common.KvQuant),
+            ("pruning", common.Pruning),
+        ):
+            if getattr(variant, field) not in enum.values():
+                raise InvalidArgument(
+                    f"variant {variant.name!r}: {field} {getattr(variant, field)} is not a "
+                    "known value"
+                )
+        if variant.HasField("accuracy_score"):
+            check_accuracy_score(variant.accuracy_score, f"variant {variant.name!r}")
         if not 0.0 <= variant.structured_prune_fraction < 1.0:
             raise InvalidArgument(
                 f"variant {variant.name!r}: structured_prune_fraction must be in [0, 1)"
             )
+
+
+def check_accuracy_score(score: float, what: str) -> None:
+    """An accuracy score (MMLU-style, higher is better) is a finite number."""
+    if not math.isfinite(score):
+        raise InvalidArgument(f"{what}: accuracy_score must be a finite number, got {score}")
 
 
 # Input widths the engine's derived compressions need every projection's to be divisible
@@ -162,7 +182,10 @@ def model_shape(spec: ArchSpec, weight_bytes: int) -> model_pb.ModelShape:
 
 def build_model(request: model_pb.RegisterModelRequest, models_root: Path) -> model_pb.Model:
     """Validate everything a RegisterModel request names and return the record to store."""
+    check_request_id(request.request_id)
     check_model_id(request.model_id)
+    if request.HasField("accuracy_score"):
+        check_accuracy_score(request.accuracy_score, f"model {request.model_id!r}")
     path = resolve_checkpoint(models_root, request.checkpoint_path)
     checkpoint = inspect_checkpoint(path, f"checkpoint {request.checkpoint_path!r}")
     if not checkpoint.has_tokenizer:

@@ -7,10 +7,13 @@ import math
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
 from services.errors import InvalidArgument
+from services.ids import check_request_id
 
 
 def check_request(request: inference_pb.GenerateRequest) -> None:
-    """Checks that need no deployment: target, prompt, max_tokens ≥ 1, sampling."""
+    """Checks that need no deployment: request id, target, prompt, max_tokens ≥ 1,
+    sampling. (The target's id is checked where it is looked up, by the router.)"""
+    check_request_id(request.request_id)
     target = request.WhichOneof("target")
     if target is None or not getattr(request, target):
         raise InvalidArgument("set model_id or deployment_id")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.api import common_pb2 as common
-from services.errors import InvalidArgument, Unimplemented
+from services.errors import InvalidArgument, Unimplemented, shown
 
 TENSOR_PARALLEL_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 MAX_PIPELINE_PARALLEL = 8
@@ -58,7 +58,9 @@ def parallel_problem(
 
 def check_dtype(precision: int, *, cuda: bool) -> None:
     """Unimplemented for a precision the engine does not compute in on CUDA devices
-    (``cuda``) or on CPUs."""
+    (``cuda``) or on CPUs; InvalidArgument for a value the Precision enum lacks."""
+    if precision not in common.Precision.values():
+        raise InvalidArgument(f"dtype {precision} is not a known Precision value")
     served = CUDA_DTYPES if cuda else CPU_DTYPES
     if precision not in served:
         where = "CUDA" if cuda else "CPU"
@@ -81,21 +83,45 @@ def check_weight_quant(weight_quant: int) -> None:
 
 def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
     """The checkpoint directory for ``checkpoint_path`` (relative to the models root or
-    absolute inside it); InvalidArgument when it is empty, escapes the root (through
-    ``..`` or a symlink) or is not a directory."""
+    absolute inside it); InvalidArgument when it is empty or not a path, escapes the root
+    (through ``..`` or a symlink), is not a directory, or holds a link to a file outside
+    the root (a weight file linked to /etc/shadow is read as surely as the directory)."""
     if not checkpoint_path:
         raise InvalidArgument("checkpoint_path is empty")
+    if "\0" in checkpoint_path:
+        raise InvalidArgument(f"checkpoint_path {shown(checkpoint_path)} contains a NUL byte")
     root = models_root.resolve()
     candidate = Path(checkpoint_path)
-    resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
+    try:
+        resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
+        if resolved.is_relative_to(root) and resolved.is_dir():
+            _check_entries_inside(checkpoint_path, resolved, root)
+    except (OSError, RuntimeError) as exc:
+        # A name too long, a link loop (RuntimeError before Python 3.13), a directory it
+        # may not list.
+        reason = getattr(exc, "strerror", None) or exc
+        raise InvalidArgument(
+            f"checkpoint_path {shown(checkpoint_path)} cannot be read: {reason}"
+        ) from exc
     if not resolved.is_relative_to(root):
         raise InvalidArgument(
-            f"checkpoint_path {checkpoint_path!r} is outside the models root {str(root)!r}; "
-            "iserve only reads checkpoints under ISERVE_MODELS_ROOT"
+            f"checkpoint_path {shown(checkpoint_path)} is outside the models root "
+            f"{str(root)!r}; iserve only reads checkpoints under ISERVE_MODELS_ROOT"
         )
     if not resolved.is_dir():
         raise InvalidArgument(
-            f"checkpoint_path {checkpoint_path!r} is not a directory: it does not exist "
+            f"checkpoint_path {shown(checkpoint_path)} is not a directory: it does not exist "
             f"under {str(root)!r}"
         )
     return resolved
+
+
+def _check_entries_inside(checkpoint_path: str, directory: Path, root: Path) -> None:
+    """InvalidArgument when an entry of ``directory`` is a link resolving outside ``root``."""
+    for entry in directory.iterdir():
+        if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+            raise InvalidArgument(
+                f"checkpoint_path {shown(checkpoint_path)}: {entry.name} links outside the "
+                f"models root {str(root)!r}; iserve only reads checkpoints under "
+                "ISERVE_MODELS_ROOT"
+            )

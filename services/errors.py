@@ -44,6 +44,20 @@ class Unimplemented(IServeError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
 
+# How much of a client's value an error message repeats: an id of a megabyte must not come
+# back as a megabyte of status details.
+_SHOWN_CHARS = 80
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut to a readable length, for messages about what a client sent."""
+    text = repr(value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    size = f" ({len(value)} characters)" if isinstance(value, str) else ""
+    return f"{text[: _SHOWN_CHARS - 3]}...{size}"
+
+
 def require(condition: bool, message: str) -> None:
     """Raise InvalidArgument(message) unless ``condition`` holds."""
     if not condition:

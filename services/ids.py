@@ -10,29 +10,39 @@ from __future__ import annotations
 import re
 
 from services.api import model_service_pb2 as model_pb
-from services.errors import InvalidArgument, NotFound
+from services.errors import InvalidArgument, NotFound, shown
 from services.state.store import StateStore
 
 # Lowercase letters, digits, '.', '_' and '-', 1-64 characters, starting with a letter or
-# digit: safe in Redis keys, file names and URLs.
-ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+# digit: safe in Redis keys, file names and URLs. Always matched whole (fullmatch): "$"
+# alone would let a trailing newline through.
+ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _RULE = "use 1-64 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
-TOKEN_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_TOKEN_RULE = "1-128 letters, digits, '.', '_' or '-'"
+# The same characters in either case, 1-128 of them, but not dots alone ("." and ".."
+# name directories in a path).
+TOKEN_PATTERN = re.compile(r"(?!\.+\Z)[A-Za-z0-9._-]{1,128}")
+_TOKEN_RULE = "1-128 letters, digits, '.', '_' or '-', not dots alone"
 
 
 def is_valid_id(value: str) -> bool:
-    return ID_PATTERN.match(value) is not None
+    return ID_PATTERN.fullmatch(value) is not None
 
 
 def check_model_id(model_id: str) -> None:
     if not is_valid_id(model_id):
-        raise InvalidArgument(f"invalid model_id {model_id!r}: {_RULE}")
+        raise InvalidArgument(f"invalid model_id {shown(model_id)}: {_RULE}")
+
+
+def check_variant_name(name: str) -> None:
+    """A compression variant's name follows the model id's rule (it names fingerprints
+    and appears in deployment configurations)."""
+    if not is_valid_id(name):
+        raise InvalidArgument(f"invalid compression variant name {shown(name)}: {_RULE}")
 
 
 def check_deployment_id(deployment_id: str) -> None:
     if TOKEN_PATTERN.fullmatch(deployment_id) is None:
-        raise InvalidArgument(f"invalid deployment_id {deployment_id!r}: {_TOKEN_RULE}")
+        raise InvalidArgument(f"invalid deployment_id {shown(deployment_id)}: {_TOKEN_RULE}")
 
 
 # Replica i > 0 of a deployment runs its workers and holds its memory under this suffix.
@@ -60,13 +70,13 @@ def split_group_id(group_id: str) -> tuple[str, int]:
 def check_request_id(request_id: str) -> None:
     """A request id is optional (empty); given, it follows the deployment id's rule."""
     if request_id and TOKEN_PATTERN.fullmatch(request_id) is None:
-        raise InvalidArgument(f"invalid request_id {request_id!r}: {_TOKEN_RULE}")
+        raise InvalidArgument(f"invalid request_id {shown(request_id)}: {_TOKEN_RULE}")
 
 
 def check_hardware_type(hardware_type: str) -> None:
     if not is_valid_id(hardware_type):
         raise InvalidArgument(
-            f"invalid hardware_type {hardware_type!r}: the type of the devices, "
+            f"invalid hardware_type {shown(hardware_type)}: the type of the devices, "
             f"e.g. 'cpu-x86_64' or 'rtx-a6000' ({_RULE})"
         )
 

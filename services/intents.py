@@ -19,7 +19,14 @@ import numpy as np
 from services.api import common_pb2 as common
 from services.errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["COST_UNITS", "INTENT_KINDS", "check_intent", "resolve_accuracy_floor", "with_default"]
+__all__ = [
+    "COST_UNITS",
+    "INTENT_KINDS",
+    "MAX_LATENCY_SLO_MS",
+    "check_intent",
+    "resolve_accuracy_floor",
+    "with_default",
+]
 
 # Intent kinds and the names estimation.score ranks them by.
 INTENT_KINDS = {
@@ -31,6 +38,9 @@ INTENT_KINDS = {
     common.INTENT_KIND_COST_SLO: "cost_slo",
     common.INTENT_KIND_MAX_THROUGHPUT: "max_throughput",
 }
+# A LATENCY_SLO intent's latency becomes its deployment's default request deadline, a
+# uint32 of milliseconds (about 49 days).
+MAX_LATENCY_SLO_MS = 2**32 - 1
 # Cost formulas and the unit their costs are reported in.
 COST_UNITS = {
     common.COST_FORMULA_MEMORY_TIMES_LATENCY: "GB*s",
@@ -58,8 +68,15 @@ def check_intent(intent: common.Intent) -> None:
         raise InvalidArgument(f"unknown cost formula {intent.cost_formula}")
     if intent.kind == common.INTENT_KIND_LATENCY_SLO and not intent.latency_slo_ms > 0:
         raise InvalidArgument("a LATENCY_SLO intent needs a positive latency_slo_ms")
+    if not intent.latency_slo_ms <= MAX_LATENCY_SLO_MS:  # NaN and infinity included
+        raise InvalidArgument(
+            f"latency_slo_ms must be at most {MAX_LATENCY_SLO_MS} (the longest deadline a "
+            f"request can carry), got {intent.latency_slo_ms}"
+        )
     if intent.kind == common.INTENT_KIND_COST_SLO and not intent.cost_budget > 0:
         raise InvalidArgument("a COST_SLO intent needs a positive cost_budget")
+    if not math.isfinite(intent.cost_budget):
+        raise InvalidArgument(f"cost_budget must be a finite number, got {intent.cost_budget}")
     if intent.HasField("min_accuracy") and not math.isfinite(intent.min_accuracy):
         raise InvalidArgument("min_accuracy must be a finite number")
 

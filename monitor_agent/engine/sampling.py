@@ -11,12 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
+# A temperature below this samples as greedy: dividing float32 logits by a temperature
+# near 1e-38 overflows them to infinity, and the NaN probabilities that follow fail the
+# whole batch's step. vLLM draws the same line (its _SAMPLING_EPS).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
     """How one request picks tokens and when it stops early."""
 
-    temperature: float = 0.0  # 0 => greedy
+    temperature: float = 0.0  # 0 (below GREEDY_BELOW_TEMPERATURE) => greedy
     top_k: int = 0  # 0 => off
     top_p: float = 1.0  # 1 => off
     seed: int | None = None
@@ -33,7 +38,7 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
