@@ -1,10 +1,12 @@
-"""``python -m deploy_svc``: serve DeploymentService on ``ISERVE_DEPLOY_ADDR``."""
+"""``python -m deploy_svc``: serve DeploymentService (and TokenService, which issues the
+bearer tokens) on ``ISERVE_DEPLOY_ADDR``."""
 
 from deploy_svc.agents import AgentClients
 from deploy_svc.controller import DeploymentController
 from deploy_svc.reconciler import Reconciler
 from deploy_svc.servicer import DeploymentServicer
 from services.api import deployment_service_pb2_grpc
+from services.auth.servicer import TokenServicer
 from services.grpc_server import ServiceBinding
 from services.service_main import ServiceParts, serve_service
 
@@ -19,7 +21,8 @@ def build(settings, store) -> ServiceParts:
                 DeploymentServicer(controller),
                 deployment_service_pb2_grpc.add_DeploymentServiceServicer_to_server,
                 "iserve.v1.DeploymentService",
-            )
+            ),
+            TokenServicer(store).binding(),
         ],
         background=[reconciler.run],
         on_stop=controller.close,

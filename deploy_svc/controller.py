@@ -28,6 +28,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
+from services.auth import access
 from services.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -387,6 +388,7 @@ class DeploymentController:
             created_at_unix_ms=_now_ms(),
             request_id=request.request_id,
             estimate=decision.estimate,
+            owner=access.owner(),
             objectives=prepared.objectives,
             latency_model=latency,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from deploy_svc.controller import DeploymentController
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
+from services.auth import access
 
 
 class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
@@ -12,7 +13,13 @@ class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
         self.controller = controller
 
     async def Deploy(self, request, context):
-        return await self.controller.deploy(request)
+        response = await self.controller.deploy(request)
+        # A request id another owner used returns their deployment: not to this caller.
+        access.check_owner(
+            f"request_id {request.request_id!r} names deployment {response.deployment.deployment_id}, which",
+            response.deployment.owner,
+        )
+        return response
 
     async def PlanDeployment(self, request, context):
         decision = await self.controller.plan(request)
@@ -20,15 +27,19 @@ class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
 
     async def GetDeployment(self, request, context):
         deployment = await self.controller.get(request.deployment_id)
+        access.check_use(deployment.deployment_id, deployment.owner)
         return deploy_pb.GetDeploymentResponse(request_id=request.request_id, deployment=deployment)
 
     async def ListDeployments(self, request, context):
         deployments = await self.controller.store.list_deployments(request.model_id)
+        deployments = access.visible(deployments)
         return deploy_pb.ListDeploymentsResponse(
             request_id=request.request_id, deployments=deployments
         )
 
     async def RemoveDeployment(self, request, context):
+        deployment = await self.controller.get(request.deployment_id)
+        access.check_owner(f"deployment {deployment.deployment_id}", deployment.owner)
         await self.controller.remove(request.deployment_id)
         return deploy_pb.RemoveDeploymentResponse(request_id=request.request_id)
 

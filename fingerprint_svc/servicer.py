@@ -10,6 +10,7 @@ from fingerprint_svc.registry import build_model, check_retry
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import model_service_pb2_grpc
+from services.auth import access
 from services.errors import AlreadyExists, FailedPrecondition, NotFound
 from services.ids import require_model
 from services.settings import Settings
@@ -37,6 +38,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
     async def RegisterModel(self, request, context):
         model = build_model(request, self.settings.models_root)
+        model.owner = access.owner()
         async with self._register_lock:
             if not await self.store.create_model(model):
                 await self._retry_failed(model)
@@ -52,6 +54,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
             if not await self.store.create_model(model):
                 raise AlreadyExists(f"model {model.model_id!r} is already registered")
             return
+        access.check_owner(f"model {model.model_id!r}", existing.owner)
         check_retry(existing, model, profiling=self.profiler.running(model.model_id))
         model.created_at_unix_ms = existing.created_at_unix_ms
         await self.store.put_model(model)
@@ -65,7 +68,8 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         return model_pb.ListModelsResponse(request_id=request.request_id, models=models)
 
     async def DeleteModel(self, request, context):
-        await self._model(request.model_id)
+        model = await self._model(request.model_id)
+        access.check_owner(f"model {request.model_id!r}", model.owner)
         live = [
             d.deployment_id
             for d in await self.store.list_deployments(request.model_id)

@@ -12,6 +12,7 @@ import sys
 import uvicorn
 
 from gateway_svc.app import Backend, create_app
+from services import transport
 from services.grpc_server import configure_logging
 from services.settings import load_settings
 
@@ -19,6 +20,14 @@ from services.settings import load_settings
 def main() -> int:
     settings = load_settings()
     configure_logging(settings.log_level, "gateway")
+    # The gateway is one of iserve's processes: model records are read with the service
+    # token; each client's own token goes with its generations (Backend.connect).
+    transport.configure(transport.Transport.for_service(settings))
+    if not settings.auth:
+        logging.getLogger("iserve.gateway").warning(
+            "AUTHENTICATION IS OFF: anything that reaches %s may generate (set ISERVE_AUTH=on)",
+            settings.gateway_address,
+        )
     host, _, port = settings.gateway_address.rpartition(":")
 
     def connect() -> Backend:
@@ -27,6 +36,7 @@ def main() -> int:
             settings.address("deploy"),
             settings.address("model"),
             settings.models_root,
+            auth=settings.auth,
         )
 
     logging.getLogger("iserve.gateway").info(

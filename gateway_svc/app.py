@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sse_starlette.sse import EventSourceResponse
 
 from gateway_svc.chat import ChatTemplateError, NoChatTemplate, read_template, render
+from services import transport
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import (
@@ -42,6 +43,7 @@ from services.api import (
 )
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
+from services.auth.tokens import bearer
 from services.metrics import new_registry
 
 _STATUS = {
@@ -192,20 +194,50 @@ class Backend:
     models: model_service_pb2_grpc.ModelServiceStub
     models_root: Path
     rpc_timeout_s: float = 10.0
+    # Authentication on: every API request must carry ``Authorization: Bearer <token>``.
+    auth: bool = False
 
     channels: tuple[grpc.aio.Channel, ...] = ()
 
     @classmethod
-    def connect(cls, scheduler: str, deploy: str, model: str, models_root: Path) -> Backend:
-        """Channels to the three services; call it on the loop that will use them."""
-        channels = tuple(grpc.aio.insecure_channel(a) for a in (scheduler, deploy, model))
+    def connect(
+        cls, scheduler: str, deploy: str, model: str, models_root: Path, *, auth: bool = False
+    ) -> Backend:
+        """Channels to the three services; call it on the loop that will use them.
+
+        Generations and deployment listings go with the HTTP client's own token (each
+        call names it, so the services judge the client, not the gateway); model records,
+        read for chat templates, with this process's token (services.transport).
+        """
+        own = transport.current()
+        channels = (
+            own.aio_channel(scheduler, token=""),
+            own.aio_channel(deploy, token=""),
+            own.aio_channel(model),
+        )
         return cls(
             inference_service_pb2_grpc.InferenceServiceStub(channels[0]),
             deployment_service_pb2_grpc.DeploymentServiceStub(channels[1]),
             model_service_pb2_grpc.ModelServiceStub(channels[2]),
             models_root,
+            auth=auth,
             channels=channels,
         )
+
+    def caller(self, request: Request) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata carrying the HTTP client's bearer token; 401 when authentication
+        is on and it sent none."""
+        token = bearer(request.headers.get("authorization", ""))
+        if not token:
+            if self.auth:
+                raise GatewayError(
+                    401,
+                    "authentication_error",
+                    "missing `Authorization: Bearer <token>` (an iserve token; "
+                    "`iserve token create` issues them)",
+                )
+            return ()
+        return (("authorization", f"Bearer {token}"),)
 
     async def close(self) -> None:
         for channel in self.channels:
@@ -233,8 +265,10 @@ class _Generation:
     first: inference_pb.GenerateResponse | None
 
 
-async def _open(backend: Backend, request: inference_pb.GenerateRequest) -> _Generation:
-    call = backend.inference.Generate(request)
+async def _open(
+    backend: Backend, request: inference_pb.GenerateRequest, metadata: tuple = ()
+) -> _Generation:
+    call = backend.inference.Generate(request, metadata=metadata)
     try:
         first = await call.read()
     except grpc.aio.AioRpcError as exc:
@@ -339,10 +373,12 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def list_models():
+    async def list_models(http: Request):
         try:
             reply = await backend.deployments.ListDeployments(
-                deploy_pb.ListDeploymentsRequest(), timeout=backend.rpc_timeout_s
+                deploy_pb.ListDeploymentsRequest(),
+                timeout=backend.rpc_timeout_s,
+                metadata=backend.caller(http),
             )
         except grpc.aio.AioRpcError as exc:
             raise GatewayError.from_rpc(exc) from None
@@ -362,22 +398,26 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
         }
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def completions(body: CompletionBody, http: Request):
+        caller = backend.caller(http)
         request = _generate_request(body, body.prompt, body.max_tokens)
-        return await _respond(body, request, chat=False)
+        return await _respond(body, request, caller, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
+    async def chat_completions(body: ChatBody, http: Request):
+        caller = backend.caller(http)
         template, tokens = await backend.chat_template(body.model)
         try:
             prompt = render(template, [m.as_template_input() for m in body.messages], tokens)
         except ChatTemplateError as exc:
             raise GatewayError(400, "invalid_request_error", str(exc), "messages") from None
         request = _generate_request(body, prompt, body.max_completion_tokens or body.max_tokens)
-        return await _respond(body, request, chat=True)
+        return await _respond(body, request, caller, chat=True)
 
-    async def _respond(body: _Sampling, request: inference_pb.GenerateRequest, chat: bool):
-        gen = await _open(backend, request)
+    async def _respond(
+        body: _Sampling, request: inference_pb.GenerateRequest, caller: tuple, chat: bool
+    ):
+        gen = await _open(backend, request, caller)
         ident = ("chatcmpl-" if chat else "cmpl-") + request.request_id
         created = int(time.time())
         if body.stream:

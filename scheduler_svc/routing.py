@@ -12,7 +12,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from services.api import deployment_service_pb2 as deploy_pb
-from services.errors import FailedPrecondition, NotFound
+from services.auth import access
+from services.errors import FailedPrecondition, NotFound, PermissionDenied
 from services.ids import check_deployment_id, check_model_id
 from services.state.store import StateStore
 
@@ -54,12 +55,14 @@ class Router:
         return list(self._by_id.values())
 
     async def by_deployment_id(self, deployment_id: str) -> deploy_pb.Deployment:
-        """The deployment, which must be READY.
+        """The deployment, which must be READY and usable by the caller.
 
-        NOT_FOUND when unknown; FAILED_PRECONDITION naming its state (and why) otherwise.
+        NOT_FOUND when unknown; PERMISSION_DENIED when the caller's token does not grant
+        it (services.auth.access); FAILED_PRECONDITION naming its state (and why) otherwise.
         """
         deployment = self._by_id.get(deployment_id)
         if deployment is not None and deployment.state == READY:
+            access.check_use(deployment_id, deployment.owner)
             return deployment
         check_deployment_id(deployment_id)
         deployment = await self._store.get_deployment(deployment_id)
@@ -67,6 +70,7 @@ class Router:
             self._by_id.pop(deployment_id, None)
             raise NotFound(f"deployment {deployment_id} not found")
         self._by_id[deployment_id] = deployment
+        access.check_use(deployment_id, deployment.owner)
         if deployment.state != READY:
             raise FailedPrecondition(describe_state(deployment))
         return deployment
@@ -91,9 +95,14 @@ class Router:
             if not ready:
                 states = "; ".join(describe_state(d) for d in found)
                 raise FailedPrecondition(f"model {model_id} has no READY deployment ({states})")
-        if len(ready) == 1:
-            return ready[0]
-        return min(ready, key=self._backlog)
+        usable = [d for d in ready if access.may_use(d.deployment_id, d.owner)]
+        if not usable:
+            raise PermissionDenied(
+                f"{access.caller().describe()} may use no deployment of model {model_id}"
+            )
+        if len(usable) == 1:
+            return usable[0]
+        return min(usable, key=self._backlog)
 
     def forget(self, deployment_id: str) -> None:
         """Drop a cached record, so the next request for it reads Redis."""

@@ -44,6 +44,14 @@ class Unimplemented(IServeError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
 
+class Unauthenticated(IServeError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(IServeError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 # How much of a client's value an error message repeats: an id of a megabyte must not come
 # back as a megabyte of status details.
 _SHOWN_CHARS = 80

@@ -26,20 +26,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services import transport
+from services.auth.interceptor import AuthInterceptor
+from services.auth.tokens import Authenticator
 from services.errors import IServeError
 from services.metrics import RpcMetrics
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
+from services.transport import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, Transport
 
 log = logging.getLogger("iserve.grpc")
 
 Drain = Callable[[float], Awaitable[object]]
 """Refuse new calls and wait up to the given seconds for those in flight (``InFlight.drain``)."""
 
-MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+__all__ = ["CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "ServerSecurity", "channel", "start_server"]
 
 
 def _request_id(request: object) -> str:
@@ -148,13 +148,30 @@ class ServiceBinding:
     full_name: str  # e.g. "iserve.v1.ModelService"
 
 
+@dataclass(frozen=True)
+class ServerSecurity:
+    """How a server listens (plaintext or TLS) and who may call it."""
+
+    transport: Transport = Transport()
+    # Resolves bearer tokens; None: every call is let in (authentication off).
+    authenticator: Authenticator | None = None
+
+
 async def start_server(
-    bindings: Iterable[ServiceBinding], address: str, metrics: RpcMetrics | None = None
+    bindings: Iterable[ServiceBinding],
+    address: str,
+    metrics: RpcMetrics | None = None,
+    security: ServerSecurity | None = None,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a server on ``address`` (port 0 picks a free port); returns it and its port.
-    With ``metrics``, every call is counted by method and status code."""
+    With ``metrics``, every call is counted by method and status code; ``security``
+    (default: plaintext, open) sets TLS and the access policy."""
     bindings = list(bindings)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=CHANNEL_OPTIONS)
+    security = security or ServerSecurity()
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
+    if security.authenticator is not None:
+        interceptors.append(AuthInterceptor(security.authenticator))
+    server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [b.full_name for b in bindings]
@@ -168,7 +185,7 @@ async def start_server(
         ],
         server,
     )
-    port = server.add_insecure_port(address)
+    port = security.transport.add_port(server, address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
     await server.start()
@@ -189,6 +206,7 @@ async def run_server(
     drain: Drain | None = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     metrics: RpcMetrics | None = None,
+    security: ServerSecurity | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, running ``background`` coroutines alongside.
 
@@ -199,8 +217,26 @@ async def run_server(
     was their grace); then ``on_stop`` runs, after the last call, so no call sees what
     it closes.
     """
-    server, port, health_servicer = await start_server(bindings, address, metrics)
-    log.info("%s listening on %s (port %d)", name, address, port)
+    server, port, health_servicer = await start_server(bindings, address, metrics, security)
+    if security is not None:
+        tls = security.transport.server_credentials() is not None
+        log.info(
+            "%s listening on %s (port %d, %s, authentication %s)",
+            name,
+            address,
+            port,
+            "TLS" if tls else "plaintext",
+            "on" if security.authenticator is not None else "OFF",
+        )
+        if security.authenticator is None:
+            log.warning(
+                "AUTHENTICATION IS OFF: anything that reaches %s may call every RPC of %s "
+                "(set ISERVE_AUTH=on; docs/security.md)",
+                address,
+                name,
+            )
+    else:
+        log.info("%s listening on %s (port %d)", name, address, port)
     if on_started is not None:
         result = on_started(port)
         if inspect.isawaitable(result):
@@ -253,5 +289,6 @@ def configure_logging(level: str, name: str) -> None:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    """An insecure aio channel with iserve's message limits."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """An aio channel to ``address`` with iserve's message limits, this process's TLS
+    settings and its bearer token (:mod:`services.transport`)."""
+    return transport.current().aio_channel(address)

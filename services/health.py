@@ -12,10 +12,12 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import transport
+
 
 def check(address: str, timeout_s: float = 2.0, service: str = "") -> bool:
     """True when ``address`` answers SERVING within ``timeout_s``."""
-    with grpc.insecure_channel(address) as ch:
+    with transport.sync_channel(address) as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s

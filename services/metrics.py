@@ -11,6 +11,11 @@ serves it at ``http://<ISERVE_<S>_METRICS_ADDR>/metrics``.
 from __future__ import annotations
 
 import logging
+import ssl
+import threading
+from collections.abc import Callable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from prometheus_client import (
@@ -19,8 +24,10 @@ from prometheus_client import (
     PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
-    start_http_server,
+    make_wsgi_app,
 )
+
+from services.settings import TlsFiles
 
 log = logging.getLogger("iserve.metrics")
 
@@ -35,17 +42,69 @@ def new_registry() -> CollectorRegistry:
     return registry
 
 
-def serve_metrics(address: str, registry: CollectorRegistry) -> int:
-    """Serve ``registry`` as Prometheus text at ``http://address/metrics`` from a daemon
-    thread; returns the port (``host:0`` picks a free one). OSError naming the address
+Guard = Callable[[str], bool]
+"""Whether an ``Authorization`` header value may read the metrics."""
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+        pass
+
+
+def _guarded(app, guard: Guard):
+    def guarded(environ, start_response):
+        if guard(environ.get("HTTP_AUTHORIZATION", "")):
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="iserve"')],
+        )
+        return [b"iserve metrics need `Authorization: Bearer <admin or service token>`\n"]
+
+    return guarded
+
+
+def serve_metrics(
+    address: str,
+    registry: CollectorRegistry,
+    *,
+    guard: Guard | None = None,
+    tls: TlsFiles | None = None,
+) -> int:
+    """Serve ``registry`` as Prometheus text at ``http(s)://address/metrics`` from a daemon
+    thread; returns the port (``host:0`` picks a free one). ``guard`` (authentication on)
+    decides from each request's ``Authorization`` header; ``tls`` with a certificate serves
+    HTTPS. The app is prometheus-client's own WSGI exporter. OSError naming the address
     when it cannot be bound."""
     host, _, port = address.rpartition(":")
+    app = make_wsgi_app(registry)
+    if guard is not None:
+        app = _guarded(app, guard)
     try:
-        server, _thread = start_http_server(int(port), host or "127.0.0.1", registry)
+        server = make_server(
+            host or "127.0.0.1", int(port), app, server_class=_Server, handler_class=_Quiet
+        )
     except (OSError, ValueError) as exc:
         raise OSError(f"cannot serve metrics on {address}: {exc}") from exc
+    scheme = "http"
+    if tls is not None and tls.serves:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(str(tls.cert), str(tls.key))
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     bound = server.server_address[1]
-    log.info("metrics on http://%s:%d/metrics", host or "127.0.0.1", bound)
+    log.info(
+        "metrics on %s://%s:%d/metrics%s",
+        scheme,
+        host or "127.0.0.1",
+        bound,
+        " (bearer token required)" if guard is not None else "",
+    )
     return bound
 
 

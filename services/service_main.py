@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from services.auth.bootstrap import metrics_guard, server_security
 from services.grpc_server import Drain, ServiceBinding, configure_logging, run_server
 from services.metrics import RpcMetrics, new_registry, serve_metrics
 from services.settings import METRICS_ENV, Settings, load_settings
@@ -74,6 +75,11 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
 
     async def run() -> None:
         store = await connect_store(settings)
+        try:
+            security = await server_security(settings, store)
+        except ValueError as exc:
+            await store.close()
+            fail(str(exc))
         parts = build(settings, store)
         if parts.on_start is not None:
             await parts.on_start()
@@ -81,7 +87,12 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
         registry = parts.registry or new_registry()
         rpc_metrics = RpcMetrics(registry)
         try:
-            serve_metrics(settings.metrics_address(name), registry)
+            serve_metrics(
+                settings.metrics_address(name),
+                registry,
+                guard=metrics_guard(security, asyncio.get_running_loop()),
+                tls=settings.tls,
+            )
         except OSError as exc:
             await store.close()
             fail(f"{exc} (set {METRICS_ENV[name]} to a free host:port)")
@@ -100,6 +111,7 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
             drain=parts.drain,
             drain_timeout_s=settings.drain_timeout_s,
             metrics=rpc_metrics,
+            security=security,
         )
 
     asyncio.run(run())

@@ -37,6 +37,29 @@ variable                    meaning                                         defa
                             worker is a fresh ``python`` process
 ==========================  ==============================================  =====================
 
+Authentication and TLS (docs/security.md):
+
+==========================  ==============================================  =====================
+variable                    meaning                                         default
+==========================  ==============================================  =====================
+``ISERVE_AUTH``             ``on``: every RPC needs a bearer token with a    ``off``
+                            role that may call it; ``off``: open (logged
+                            loudly at start)
+``ISERVE_TOKEN``            the token this CLI or client sends               ``$STATE/tokens/admin``
+``ISERVE_SERVICE_TOKEN``    the token iserve's processes send each other     ``$STATE/tokens/service``
+``ISERVE_ADMIN_TOKEN``      an administrator token each service registers    ``$STATE/tokens/admin``
+                            at start (the first token of a new cluster)
+``ISERVE_TLS_CERT``         PEM certificate chain this process presents      none: plaintext
+``ISERVE_TLS_KEY``          its private key                                  none
+``ISERVE_TLS_CA``           PEM CA bundle that verifies peers                system roots
+``ISERVE_TLS_CLIENT_AUTH``  ``on``: servers require client certificates      ``off``
+                            signed by ``ISERVE_TLS_CA`` (mutual TLS)
+``ISERVE_TLS_SERVER_NAME``  the name clients expect in server certificates   the address's host
+==========================  ==============================================  =====================
+
+``iserve up`` with ``ISERVE_AUTH=on`` writes ``$ISERVE_STATE_DIR/tokens/admin`` and
+``…/service`` (mode 0600) when they are absent.
+
 The ModelService's profiling jobs (:class:`ProfilingSettings`):
 
 ==================================  ===============================  =======
@@ -58,7 +81,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DEFAULT_PORTS = {
@@ -111,6 +134,12 @@ class Settings:
     drain_timeout_s: float
     worker_pool: bool = True
     gateway_address: str = DEFAULT_GATEWAY_ADDR
+    auth: bool = False
+    # The bearer token this process sends (ISERVE_TOKEN); "" none.
+    token: str = field(default="", repr=False)
+    service_token: str = field(default="", repr=False)
+    admin_token: str = field(default="", repr=False)
+    tls: TlsFiles | None = None
 
     def address(self, service: str) -> str:
         """host:port of ``service`` (one of ``DEFAULT_PORTS``)."""
@@ -120,8 +149,97 @@ class Settings:
         """host:port where ``service`` serves its Prometheus metrics."""
         return self.metrics_addresses[service]
 
+    def require_service_token(self) -> str:
+        """The service token, which authentication needs; ValueError saying how to set it."""
+        if not self.service_token:
+            raise ValueError(
+                "ISERVE_AUTH=on needs ISERVE_SERVICE_TOKEN (or `iserve up`, which writes "
+                f"{token_file(self.state_dir, 'service')})"
+            )
+        return self.service_token
+
     def with_overrides(self, **changes: object) -> Settings:
         return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a process's TLS identity and the CA it trusts."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+    client_auth: bool = False
+    server_name: str = ""
+
+    @property
+    def serves(self) -> bool:
+        """Whether a server of this process can listen with TLS."""
+        return self.cert is not None and self.key is not None
+
+
+TOKENS_DIR = "tokens"
+AUTH_ENV = "ISERVE_AUTH"
+
+
+def token_file(state_dir: Path, name: str) -> Path:
+    """Where ``iserve up`` keeps the ``admin`` or ``service`` token of its stack."""
+    return state_dir / TOKENS_DIR / name
+
+
+MIN_TOKEN_LENGTH = 24
+MAX_TOKEN_LENGTH = 512
+
+
+def _token(env: Mapping[str, str], variable: str, state_dir: Path, file_name: str) -> str:
+    """``env[variable]``, else the stack's token file; ValueError naming the variable
+    (or file) when it is too short or long, or holds spaces or control characters."""
+    value = env.get(variable, "").strip()
+    source = variable
+    if not value:
+        path = token_file(state_dir, file_name)
+        try:
+            value = path.read_text().strip()
+        except OSError:
+            return ""
+        source = str(path)
+    if not MIN_TOKEN_LENGTH <= len(value) <= MAX_TOKEN_LENGTH:
+        raise ValueError(
+            f"{source}: a token is {MIN_TOKEN_LENGTH}-{MAX_TOKEN_LENGTH} characters "
+            "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+        )
+    if any(c.isspace() or not c.isprintable() for c in value):
+        raise ValueError(f"{source}: a token is printable and has no spaces")
+    return value
+
+
+def _tls(env: Mapping[str, str]) -> TlsFiles | None:
+    """The ISERVE_TLS_* files; None when none is set. ValueError naming a variable whose
+    file does not exist, or a certificate given without its key."""
+    paths: dict[str, Path | None] = {}
+    for part in ("cert", "key", "ca"):
+        variable = f"ISERVE_TLS_{part.upper()}"
+        raw = env.get(variable, "").strip()
+        path = Path(raw).expanduser() if raw else None
+        if path is not None and not path.is_file():
+            raise ValueError(f"{variable}={raw!r}: no such file")
+        paths[part] = path
+    client_auth = _flag(env, "ISERVE_TLS_CLIENT_AUTH", False)
+    if not any(paths.values()):
+        if client_auth:
+            raise ValueError("ISERVE_TLS_CLIENT_AUTH=on needs ISERVE_TLS_CERT, _KEY and _CA")
+        return None
+    if (paths["cert"] is None) != (paths["key"] is None):
+        raise ValueError("ISERVE_TLS_CERT and ISERVE_TLS_KEY go together: set both or neither")
+    if client_auth and (paths["ca"] is None or paths["cert"] is None):
+        raise ValueError("ISERVE_TLS_CLIENT_AUTH=on needs ISERVE_TLS_CERT, _KEY and _CA")
+    return TlsFiles(
+        paths["cert"],
+        paths["key"],
+        paths["ca"],
+        client_auth,
+        env.get("ISERVE_TLS_SERVER_NAME", "").strip(),
+    )
 
 
 def _number(
@@ -193,6 +311,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         gateway_address=env.get(GATEWAY_ENV)
         or stack.get("gateway_address")
         or DEFAULT_GATEWAY_ADDR,
+        auth=_flag(env, AUTH_ENV, False),
+        token=_token(env, "ISERVE_TOKEN", state_dir, "admin"),
+        service_token=_token(env, "ISERVE_SERVICE_TOKEN", state_dir, "service"),
+        admin_token=_token(env, "ISERVE_ADMIN_TOKEN", state_dir, "admin"),
+        tls=_tls(env),
     )
 
 

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING
 from services.engine_rules import TENSOR_PARALLEL_DEGREES
 from services.grpc_server import ServiceBinding, configure_logging, run_server
 from services.models.compression import DEFAULT_PRUNE_FRACTION, PRUNINGS, WEIGHT_QUANTIZATIONS
-from services.settings import drain_timeout_s, log_level
+from services.auth.bootstrap import server_security
+from services.settings import drain_timeout_s, load_settings, log_level
 
 if TYPE_CHECKING:
     from monitor_agent.engine.distributed import ParallelContext
@@ -253,6 +254,9 @@ async def serve(args: argparse.Namespace, engine: Engine) -> bool:
         lost = group is not None and group.lost is not None
         return await servicer.in_flight.drain(LOST_GROUP_DRAIN_S if lost else timeout_s)
 
+    # The agent's environment: its TLS files and the service token, the only token a
+    # worker accepts (it holds no connection to the registry in Redis).
+    security = await server_security(load_settings(), None)
     try:
         await run_server(
             f"worker-{args.deployment_id}-r{args.rank}",
@@ -262,6 +266,7 @@ async def serve(args: argparse.Namespace, engine: Engine) -> bool:
             background=[parent_watch(args.parent_pid)] if args.parent_pid else [],
             drain=drain,
             drain_timeout_s=args.drain_timeout_s,
+            security=security,
         )
     finally:
         runner.close()

@@ -11,15 +11,14 @@ import json
 import uuid
 from pathlib import Path
 
-import grpc
 from google.protobuf import json_format
 
+from services import transport
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc, model_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.cli.output import show_tables
-from services.grpc_server import CHANNEL_OPTIONS
 from services.settings import Settings
 
 GIB = float(1 << 30)
@@ -31,12 +30,12 @@ def _rid() -> str:
 
 
 def _estimator(settings: Settings) -> estimator_service_pb2_grpc.EstimatorServiceStub:
-    channel = grpc.insecure_channel(settings.address("estimator"), options=CHANNEL_OPTIONS)
+    channel = transport.sync_channel(settings.address("estimator"))
     return estimator_service_pb2_grpc.EstimatorServiceStub(channel)
 
 
 def _models(settings: Settings) -> model_service_pb2_grpc.ModelServiceStub:
-    channel = grpc.insecure_channel(settings.address("model"), options=CHANNEL_OPTIONS)
+    channel = transport.sync_channel(settings.address("model"))
     return model_service_pb2_grpc.ModelServiceStub(channel)
 
 

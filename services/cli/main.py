@@ -22,6 +22,7 @@ from rich.console import Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from services import transport
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import (
@@ -31,9 +32,8 @@ from services.api import (
 )
 from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
-from services.cli import deploying, estimation, output, plan, stack
+from services.cli import deploying, estimation, output, plan, stack, tokens
 from services.cli.status import collect_status, print_status, status_header, status_tables
-from services.grpc_server import CHANNEL_OPTIONS
 from services.settings import Settings, load_settings
 
 
@@ -42,7 +42,7 @@ def _rid() -> str:
 
 
 def _stub(settings: Settings, service: str, stub_cls: Callable):
-    return stub_cls(grpc.insecure_channel(settings.address(service), options=CHANNEL_OPTIONS))
+    return stub_cls(transport.sync_channel(settings.address(service)))
 
 
 def _to_json(message) -> dict:
@@ -610,6 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_remove)
 
     estimation.add_commands(sub)
+    tokens.add_commands(sub)
     plan.add_command(sub)
     return parser
 
@@ -619,12 +620,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = load_settings()
+        transport.configure(transport.Transport.for_client(settings))
         return args.func(settings, args)
     except grpc.RpcError as exc:
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE:
             print(
                 f"error: UNAVAILABLE: {exc.details()} (is the stack up? `iserve status`)",
+                file=sys.stderr,
+            )
+        elif code == grpc.StatusCode.UNAUTHENTICATED:
+            print(
+                f"error: UNAUTHENTICATED: {exc.details()} (export ISERVE_TOKEN; an "
+                "administrator issues tokens with `iserve token create`)",
                 file=sys.stderr,
             )
         else:

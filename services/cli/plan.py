@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from services import transport
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import (
@@ -30,7 +31,6 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli import deploying
 from services.cli.output import show_tables
-from services.grpc_server import CHANNEL_OPTIONS
 from services.settings import Settings
 from services.token_limits import token_limits
 
@@ -72,7 +72,7 @@ def _rid() -> str:
 def plan_intents(settings: Settings, args) -> list[dict]:
     """One row per intent: its decision, or why there is none."""
     stub = deployment_service_pb2_grpc.DeploymentServiceStub(
-        grpc.insecure_channel(settings.address("deploy"), options=CHANNEL_OPTIONS)
+        transport.sync_channel(settings.address("deploy"))
     )
     devices = (
         simulated_devices(args.hardware, args.devices, args.device_memory) if args.hardware else []
@@ -147,7 +147,7 @@ def token_limits_of(settings: Settings, args) -> tuple[int, int]:
     """(input, output) tokens the deployer takes for this request: the user's limits, or
     its defaults for the model's context (``services.token_limits``)."""
     stub = model_service_pb2_grpc.ModelServiceStub(
-        grpc.insecure_channel(settings.address("model"), options=CHANNEL_OPTIONS)
+        transport.sync_channel(settings.address("model"))
     )
     model = stub.GetModel(model_pb.GetModelRequest(model_id=args.model_id), timeout=30).model
     return token_limits(args.max_input, args.max_output, model.shape.max_position_embeddings)
@@ -157,7 +157,7 @@ def all_estimates(
     settings: Settings, args, hardware: str, limits: tuple[int, int]
 ) -> list[estimator_pb.ConfigEstimate]:
     stub = estimator_service_pb2_grpc.EstimatorServiceStub(
-        grpc.insecure_channel(settings.address("estimator"), options=CHANNEL_OPTIONS)
+        transport.sync_channel(settings.address("estimator"))
     )
     reply = stub.EstimateConfigs(
         estimator_pb.EstimateConfigsRequest(
@@ -280,7 +280,7 @@ def cmd_plan(settings: Settings, args) -> int:
 
 def _live_hardware(settings: Settings) -> str:
     stub = deployment_service_pb2_grpc.DeploymentServiceStub(
-        grpc.insecure_channel(settings.address("deploy"), options=CHANNEL_OPTIONS)
+        transport.sync_channel(settings.address("deploy"))
     )
     state = stub.GetClusterState(deploy_pb.GetClusterStateRequest(), timeout=30)
     kinds = sorted({d.hardware_type for n in state.nodes for d in n.devices})

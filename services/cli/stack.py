@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,6 +35,7 @@ from services.settings import (
     Settings,
     load_settings,
     read_stack_file,
+    token_file,
 )
 
 # Start order; ``down`` stops them in reverse (agent last, so it can stop its workers).
@@ -130,6 +132,10 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         stack["embedded_redis"] = True
         log(f"started embedded redis-server at {redis_url}")
     stack["redis_url"] = redis_url
+    if settings.auth:
+        for path in write_stack_tokens(settings):
+            log(f"authentication on: wrote {path}")
+        log(f"authentication on: the CLI uses {token_file(settings.state_dir, 'admin')}")
     env = _service_env(settings, redis_url, options)
     procs: dict[str, subprocess.Popen] = {}
     try:
@@ -164,6 +170,22 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
     stack["started_at_unix_ms"] = int(time.time() * 1000)
     (settings.state_dir / STACK_FILE).write_text(json.dumps(stack, indent=2))
     return stack
+
+
+def write_stack_tokens(settings: Settings) -> list[Path]:
+    """Create the stack's admin and service tokens (mode 0600) where the environment
+    gives none and no file holds one; returns the files written."""
+    written = []
+    for name, given in (("admin", settings.admin_token), ("service", settings.service_token)):
+        path = token_file(settings.state_dir, name)
+        if given or path.exists():
+            continue
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(32) + "\n")
+        written.append(path)
+    return written
 
 
 def _service_env(settings: Settings, redis_url: str, options: UpOptions) -> dict[str, str]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import grpc
 from google.protobuf import json_format
 
+from services import transport
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import (
     deployment_service_pb2_grpc,
@@ -50,14 +50,14 @@ def collect_status(settings: Settings) -> dict:
     }
     options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
     if services["deploy"]["serving"]:
-        with grpc.insecure_channel(settings.address("deploy")) as ch:
+        with transport.sync_channel(settings.address("deploy")) as ch:
             state = deployment_service_pb2_grpc.DeploymentServiceStub(ch).GetClusterState(
                 deploy_pb.GetClusterStateRequest(), timeout=5
             )
         status["nodes"] = [json_format.MessageToDict(n, **options) for n in state.nodes]
         status["deployments"] = [json_format.MessageToDict(d, **options) for d in state.deployments]
     if services["scheduler"]["serving"]:
-        with grpc.insecure_channel(settings.address("scheduler")) as ch:
+        with transport.sync_channel(settings.address("scheduler")) as ch:
             served = inference_service_pb2_grpc.InferenceServiceStub(ch).GetServingStats(
                 inference_pb.GetServingStatsRequest(), timeout=5
             )
@@ -66,7 +66,7 @@ def collect_status(settings: Settings) -> dict:
             stats = by_id.get(deployment["deployment_id"], inference_pb.DeploymentServingStats())
             deployment["serving"] = json_format.MessageToDict(stats, **options)
     if services["model"]["serving"]:
-        with grpc.insecure_channel(settings.address("model")) as ch:
+        with transport.sync_channel(settings.address("model")) as ch:
             models = model_service_pb2_grpc.ModelServiceStub(ch).ListModels(
                 model_pb.ListModelsRequest(), timeout=5
             )

@@ -104,3 +104,12 @@ def workers(deployment_id: str) -> str:
 def events() -> str:
     """Stream of cluster events (worker deaths, deployment changes)."""
     return f"{PREFIX}events"
+
+
+def token(token_id: str) -> str:
+    """Hash: ``info`` (TokenInfo JSON) and ``sha256`` (of the whole token), by token id."""
+    return f"{PREFIX}token:{_part(token_id)}"
+
+
+def token_index() -> str:
+    return f"{PREFIX}tokens"

@@ -23,6 +23,7 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
+from services.api import token_service_pb2 as token_pb
 from services.errors import Unavailable
 from services.state import keys
 from services.state.capacity import FREE_BYTES_LUA, free_bytes
@@ -438,6 +439,42 @@ class StateStore:
             for entry_id, data in entries:
                 out.append((entry_id, json.loads(data["json"])))
         return out
+
+    # ---- tokens -------------------------------------------------------------------
+    async def put_token(self, info: token_pb.TokenInfo, sha256: str) -> bool:
+        """Record a token (its public part and the hash of the whole); False when the id
+        is taken (nothing written)."""
+        key = keys.token(info.token_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hsetnx(key, "info", encode(info))
+            pipe.hsetnx(key, "sha256", sha256)
+            pipe.sadd(keys.token_index(), info.token_id)
+            created, _, _ = await pipe.execute()
+        return bool(created)
+
+    async def get_token(self, token_id: str) -> tuple[token_pb.TokenInfo, str] | None:
+        if not token_id or ":" in token_id:
+            return None
+        found = await self.redis.hmget(keys.token(token_id), ["info", "sha256"])
+        if found[0] is None or found[1] is None:
+            return None
+        return decode(token_pb.TokenInfo, found[0]), found[1]
+
+    async def list_tokens(self) -> list[token_pb.TokenInfo]:
+        ids = sorted(await self.redis.smembers(keys.token_index()))
+        infos = []
+        for token_id in ids:
+            found = await self.get_token(token_id)
+            if found is not None:
+                infos.append(found[0])
+        return infos
+
+    async def delete_token(self, token_id: str) -> bool:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.token(token_id))
+            pipe.srem(keys.token_index(), token_id)
+            deleted, _ = await pipe.execute()
+        return bool(deleted)
 
     # ---- helpers ------------------------------------------------------------------
     async def _get_many(self, cls, key_list: list[str]):

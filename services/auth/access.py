@@ -1,0 +1,81 @@
+"""Ownership rules, applied by servicers to the caller the interceptor let in.
+
+The interceptor (:mod:`services.auth.interceptor`) sets :func:`caller` for the duration
+of each call. With authentication off every call is made by :data:`ANONYMOUS`, an
+administrator with no subject, so these checks pass and records get no owner.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterable
+
+from services.auth import policy
+from services.auth.tokens import Principal
+from services.errors import PermissionDenied
+
+ANONYMOUS = Principal(token_id="", subject="", role=policy.ADMIN, deployments=("*",))
+_caller: contextvars.ContextVar[Principal] = contextvars.ContextVar(
+    "iserve_caller", default=ANONYMOUS
+)
+# Roles that act on everything, whoever owns it.
+_UNRESTRICTED = frozenset({policy.ADMIN, policy.SERVICE})
+
+
+def caller() -> Principal:
+    """Who makes the current call (ANONYMOUS with authentication off)."""
+    return _caller.get()
+
+
+def set_caller(principal: Principal) -> contextvars.Token:
+    return _caller.set(principal)
+
+
+def reset_caller(token: contextvars.Token) -> None:
+    _caller.reset(token)
+
+
+def owner() -> str:
+    """The owner recorded on what the current call creates: the caller's subject."""
+    return caller().subject
+
+
+def check_owner(what: str, owner_subject: str) -> None:
+    """PermissionDenied unless the caller may change ``what``, owned by ``owner_subject``:
+    administrators and services may change anything; others only what they own."""
+    who = caller()
+    if who.role in _UNRESTRICTED or (owner_subject and who.subject == owner_subject):
+        return
+    owned = f"owned by {owner_subject}" if owner_subject else "with no owner"
+    raise PermissionDenied(f"{what} is {owned}; {who.describe()} may change only its own")
+
+
+def may_use(deployment_id: str, owner_subject: str) -> bool:
+    """Whether the caller may see and generate on a deployment: administrators and
+    services any; application developers those they own; application users those their
+    token grants (``*``: all)."""
+    who = caller()
+    if who.role in _UNRESTRICTED:
+        return True
+    if who.role == policy.APP_DEVELOPER:
+        return bool(owner_subject) and who.subject == owner_subject
+    if who.role == policy.APP_USER:
+        return "*" in who.deployments or deployment_id in who.deployments
+    return False
+
+
+def check_use(deployment_id: str, owner_subject: str) -> None:
+    """PermissionDenied unless :func:`may_use`."""
+    if not may_use(deployment_id, owner_subject):
+        raise PermissionDenied(
+            f"{caller().describe()} may not use deployment {deployment_id}"
+            " (a user token must grant it; a developer must own it)"
+        )
+
+
+def visible(deployments: Iterable) -> list:
+    """The deployments (records with ``deployment_id`` and ``owner``) the caller may see:
+    all for developers, administrators and services; the granted ones for users."""
+    if caller().role != policy.APP_USER:
+        return list(deployments)
+    return [d for d in deployments if may_use(d.deployment_id, d.owner)]

@@ -1,0 +1,120 @@
+"""The server interceptor that enforces :mod:`services.auth.policy` on every call.
+
+Each call's ``authorization: Bearer <token>`` metadata is resolved to a
+:class:`~services.auth.tokens.Principal` by the process's authenticator and checked
+against the method's roles before the servicer runs; the servicer then sees the caller
+through :func:`services.auth.access.caller`. Refusals: UNAUTHENTICATED without a valid
+token, PERMISSION_DENIED when the role may not call the method or the method is not in
+the policy. When the token registry cannot be read (Redis down) the call is UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from services.auth import access, policy
+from services.auth.tokens import Authenticator, Principal, bearer
+from services.errors import IServeError
+
+log = logging.getLogger("iserve.auth")
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, authenticator: Authenticator):
+        self.authenticator = authenticator
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        roles = policy.roles_for(method)
+        if roles is not None and not roles:
+            return handler  # open: the health probes
+        check = self._checker(method, roles)
+        kinds = (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler),
+        )
+        for attribute, make in kinds:
+            behavior = getattr(handler, attribute)
+            if behavior is not None:
+                return make(
+                    _guarded(behavior, check),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+    def _checker(self, method: str, roles: frozenset[int] | None):
+        async def check(context: grpc.aio.ServicerContext) -> Principal:
+            if roles is None:
+                log.warning("refused %s: not in the access policy", method)
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED, f"{method} is not in iserve's access policy"
+                )
+            token = bearer(context.invocation_metadata())
+            if not token:
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"{method} needs a bearer token (gRPC metadata `authorization: Bearer "
+                    "<token>`; the CLI sends ISERVE_TOKEN)",
+                )
+            try:
+                principal = await self.authenticator.authenticate(token)
+            except IServeError as exc:
+                await context.abort(exc.code, f"cannot check the token: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the registry is unreachable
+                log.warning("token check failed for %s: %s", method, exc)
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"cannot check the token: token registry unreachable ({type(exc).__name__})",
+                )
+            if principal is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or revoked token")
+            if principal.role not in roles:
+                allowed = ", ".join(sorted(policy.role_name(r) for r in roles))
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method} is for {allowed}; {principal.describe()} may not call it",
+                )
+            return principal
+
+        return check
+
+
+def _guarded(behavior: Callable, check: Callable):
+    """``behavior`` run only after ``check`` admits the caller, who is then the call's
+    :func:`~services.auth.access.caller`."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def guarded_stream(request, context):
+            principal = await check(context)
+            token = access.set_caller(principal)
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            finally:
+                # A stream closed from another context (its client went away) cannot
+                # reset; the call's task ends with it anyway.
+                with contextlib.suppress(ValueError):
+                    access.reset_caller(token)
+
+        return guarded_stream
+
+    async def guarded(request, context):
+        principal = await check(context)
+        token = access.set_caller(principal)
+        try:
+            return await behavior(request, context)
+        finally:
+            access.reset_caller(token)
+
+    return guarded

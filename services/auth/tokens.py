@@ -1,0 +1,142 @@
+"""Bearer tokens: their format, how they are kept (hashed, in Redis) and how a presented
+token becomes a :class:`Principal`.
+
+A token iserve issues reads ``isv_<token id>_<secret>``: the id is public (``iserve token
+list`` shows it, ``revoke`` takes it); the secret is 32 random bytes from :mod:`secrets`.
+Redis keeps, under the id, the SHA-256 of the whole token and what it may do; a
+presented token is looked up by its id and its hash compared with
+:func:`hmac.compare_digest`, in constant time. Tokens an operator supplies
+(the admin and service tokens of services.settings, e.g. from a Kubernetes Secret) may
+be any printable string of 24-512 characters; their id is derived from their hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.api import token_service_pb2 as token_pb
+from services.auth import policy
+from services.errors import InvalidArgument
+
+PREFIX = "isv_"
+_ISSUED = re.compile(r"^isv_([0-9a-f]{16})_[A-Za-z0-9_-]{20,}$")
+from services.settings import MAX_TOKEN_LENGTH  # noqa: E402
+
+_SUBJECT = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_id_of(token: str) -> str:
+    """The public id of ``token``: the one an issued token carries, else one derived from
+    its hash (operator-supplied tokens)."""
+    match = _ISSUED.match(token)
+    return match.group(1) if match else "s" + digest(token)[:15]
+
+
+def new_token() -> tuple[str, str]:
+    """A fresh ``(token id, token)``."""
+    token_id = secrets.token_hex(8)
+    return token_id, f"{PREFIX}{token_id}_{secrets.token_urlsafe(32)}"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the holder of a valid token."""
+
+    token_id: str
+    subject: str
+    role: int
+    deployments: tuple[str, ...] = field(default=())
+
+    @property
+    def role_name(self) -> str:
+        return policy.role_name(self.role)
+
+    def describe(self) -> str:
+        return f"{self.subject} ({self.role_name}, token {self.token_id})"
+
+
+def check_subject(subject: str) -> str:
+    if not _SUBJECT.match(subject):
+        raise InvalidArgument(
+            f"invalid subject {subject!r}: 1-64 characters of letters, digits, '.', '_', '-', '@'"
+        )
+    return subject
+
+
+def check_role(role: int) -> int:
+    if role not in policy.ROLE_NAMES:
+        names = ", ".join(policy.ROLE_NAMES.values())
+        raise InvalidArgument(f"invalid role {role}: give one of {names}")
+    return role
+
+
+def principal_of(info: token_pb.TokenInfo) -> Principal:
+    return Principal(info.token_id, info.subject, info.role, tuple(info.deployments))
+
+
+class TokenRecords(Protocol):
+    """Where tokens are kept (``services.state.store.StateStore``)."""
+
+    async def get_token(self, token_id: str) -> tuple[token_pb.TokenInfo, str] | None: ...
+
+
+class Authenticator(Protocol):
+    async def authenticate(self, token: str) -> Principal | None: ...
+
+
+class StoreAuthenticator:
+    """Resolves tokens against the registry in Redis (the control plane and agents)."""
+
+    def __init__(self, records: TokenRecords):
+        self.records = records
+
+    async def authenticate(self, token: str) -> Principal | None:
+        if not token or len(token) > MAX_TOKEN_LENGTH:
+            return None
+        found = await self.records.get_token(token_id_of(token))
+        if found is None:
+            return None
+        info, hashed = found
+        if not hmac.compare_digest(digest(token), hashed):
+            return None
+        return principal_of(info)
+
+
+class ServiceTokenAuthenticator:
+    """Knows only the service token (workers, which hold no connection to Redis)."""
+
+    def __init__(self, service_token: str):
+        self._hash = digest(service_token)
+        self._principal = Principal(token_id_of(service_token), "iserve", policy.SERVICE)
+
+    async def authenticate(self, token: str) -> Principal | None:
+        if not token or len(token) > MAX_TOKEN_LENGTH:
+            return None
+        if hmac.compare_digest(digest(token), self._hash):
+            return self._principal
+        return None
+
+
+def bearer(metadata: object) -> str:
+    """The token of an ``authorization: Bearer <token>`` entry of gRPC metadata (or an
+    HTTP header value), or ""."""
+    if isinstance(metadata, str):
+        values = [metadata]
+    else:
+        values = [v for k, v in (metadata or ()) if k == "authorization"]
+    for value in values:
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() == "bearer":
+            return token.strip()
+    return ""

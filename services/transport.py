@@ -1,0 +1,210 @@
+"""How iserve's processes and clients reach each other: plaintext or TLS channels whose
+calls carry the caller's bearer token, and the credentials servers listen with.
+
+One :class:`Transport` per process, from its settings (:func:`configure`; otherwise
+read from the environment on first use): ``ISERVE_TLS_*`` picks TLS (mutual with
+``ISERVE_TLS_CLIENT_AUTH=on``), and the token is ``ISERVE_TOKEN`` for clients and the
+service token for iserve's own processes. TLS uses gRPC's own credentials
+(``grpc.ssl_server_credentials``, ``grpc.ssl_channel_credentials``); the token travels
+as ``authorization: Bearer <token>`` metadata, added by a client interceptor so it works
+over plaintext loopback as well as TLS.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import grpc
+
+from services.settings import Settings, TlsFiles, load_settings
+
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def _read(path) -> bytes | None:
+    return None if path is None else path.read_bytes()
+
+
+@dataclass(frozen=True)
+class Transport:
+    tls: TlsFiles | None = None
+    # The bearer token calls carry ("" none).
+    token: str = ""
+
+    @classmethod
+    def for_client(cls, settings: Settings) -> Transport:
+        """A CLI's or client's: ``ISERVE_TOKEN`` (or the local stack's admin token)."""
+        return cls(settings.tls, settings.token)
+
+    @classmethod
+    def for_service(cls, settings: Settings) -> Transport:
+        """An iserve process's: the service token."""
+        return cls(settings.tls, settings.service_token)
+
+    # ---- servers ------------------------------------------------------------------
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials to listen with; None for plaintext."""
+        if self.tls is None or not self.tls.serves:
+            return None
+        return grpc.ssl_server_credentials(
+            [(self.tls.key.read_bytes(), self.tls.cert.read_bytes())],
+            root_certificates=_read(self.tls.ca),
+            require_client_auth=self.tls.client_auth,
+        )
+
+    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+        credentials = self.server_credentials()
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+
+    # ---- clients ------------------------------------------------------------------
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if self.tls is None:
+            return None
+        mutual = self.tls.client_auth and self.tls.serves
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.tls.ca),
+            private_key=_read(self.tls.key) if mutual else None,
+            certificate_chain=_read(self.tls.cert) if mutual else None,
+        )
+
+    def options(self) -> list[tuple[str, object]]:
+        options = list(CHANNEL_OPTIONS)
+        if self.tls is not None and self.tls.server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        return options
+
+    def aio_channel(self, address: str, *, token: str | None = None) -> grpc.aio.Channel:
+        """A ``grpc.aio`` channel to ``address`` whose calls carry ``token`` (default: the
+        process's)."""
+        token = self.token if token is None else token
+        interceptors = _aio_interceptors(token) if token else None
+        credentials = self.channel_credentials()
+        if credentials is None:
+            return grpc.aio.insecure_channel(
+                address, options=self.options(), interceptors=interceptors
+            )
+        return grpc.aio.secure_channel(
+            address, credentials, options=self.options(), interceptors=interceptors
+        )
+
+    def sync_channel(self, address: str, *, token: str | None = None) -> grpc.Channel:
+        """A blocking channel to ``address`` (the CLI's), calls carrying ``token``."""
+        token = self.token if token is None else token
+        credentials = self.channel_credentials()
+        if credentials is None:
+            channel = grpc.insecure_channel(address, options=self.options())
+        else:
+            channel = grpc.secure_channel(address, credentials, options=self.options())
+        if token:
+            channel = grpc.intercept_channel(channel, _SyncBearer(token))
+        return channel
+
+
+_process: Transport | None = None
+
+
+def configure(transport: Transport) -> None:
+    """Set this process's transport (services do at start, with their service token)."""
+    global _process
+    _process = transport
+
+
+def current() -> Transport:
+    """This process's transport: as configured, else a client's from the environment as
+    it is now (a process that never configures one, such as a test, may change it)."""
+    return _process if _process is not None else Transport.for_client(load_settings())
+
+
+# ---- the bearer token on every call -------------------------------------------------
+def _with_token(metadata, token: str) -> list[tuple[str, str]]:
+    entries = [(k, v) for k, v in (metadata or ()) if k != "authorization"]
+    entries.append(("authorization", f"Bearer {token}"))
+    return entries
+
+
+def _aio_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    def details(call_details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        # A call that names its own token (the gateway's, forwarding its client's) keeps it.
+        if any(k == "authorization" for k, _ in (call_details.metadata or ())):
+            return call_details
+        return grpc.aio.ClientCallDetails(
+            call_details.method,
+            call_details.timeout,
+            _with_token(call_details.metadata, token),
+            call_details.credentials,
+            call_details.wait_for_ready,
+        )
+
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, call_details, request):
+            return await continuation(details(call_details), request)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, call_details, request):
+            return await continuation(details(call_details), request)
+
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation, call_details, request_iterator):
+            return await continuation(details(call_details), request_iterator)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation, call_details, request_iterator):
+            return await continuation(details(call_details), request_iterator)
+
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
+
+
+class _Details(
+    collections.namedtuple(
+        "_Details",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _SyncBearer(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    def __init__(self, token: str):
+        self.token = token
+
+    def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        if any(k == "authorization" for k, _ in (d.metadata or ())):
+            return d
+        return _Details(
+            d.method,
+            d.timeout,
+            _with_token(d.metadata, self.token),
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def sync_channel(address: str) -> grpc.Channel:
+    """A blocking channel to ``address`` with this process's TLS settings and token."""
+    return current().sync_channel(address)

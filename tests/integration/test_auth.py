@@ -1,0 +1,444 @@
+"""Authentication on (ISERVE_AUTH=on), on a real stack: every RPC of every server walked
+with every role, ownership between developers, users limited to what their token
+grants, revocation, the CLI, the gateway and the metrics endpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import pytest
+
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import (
+    deployment_service_pb2_grpc,
+    inference_service_pb2_grpc,
+    model_service_pb2_grpc,
+    token_service_pb2_grpc,
+)
+from services.api import inference_service_pb2 as infer_pb
+from services.api import model_service_pb2 as model_pb
+from services.api import token_service_pb2 as token_pb
+from services.auth import policy
+from services.cli import stack as launcher
+from services.models.checkpoint import create_checkpoint
+from services.settings import Settings, token_file
+from tests.integration.helpers import TINY, rid
+
+MODEL = "auth-llama"
+
+
+@dataclass
+class AuthStack:
+    settings: Settings
+    env: dict[str, str]
+    tokens: dict[str, str]  # role name -> token
+    deployment_id: str = ""
+    worker_address: str = ""
+
+    def channel(self, service: str) -> grpc.Channel:
+        return grpc.insecure_channel(self.settings.address(service))
+
+
+def _md(token: str) -> tuple:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+@pytest.fixture(scope="module")
+def auth_stack(tmp_path_factory) -> Iterator[AuthStack]:
+    env = {
+        "ISERVE_AUTH": "on",
+        "ISERVE_DEVICES": "2",
+        "ISERVE_DEVICE_MEMORY_GIB": "2",
+        "ISERVE_READY_TIMEOUT_S": "90",
+    }
+    state_dir = tmp_path_factory.mktemp("iserve-auth")
+    with launcher.temporary_stack(env, state_dir=state_dir) as settings:
+        admin = token_file(settings.state_dir, "admin").read_text().strip()
+        service = token_file(settings.state_dir, "service").read_text().strip()
+        assert oct(token_file(settings.state_dir, "admin").stat().st_mode & 0o777) == "0o600"
+        tokens = {"admin": admin, "service": service}
+        with grpc.insecure_channel(settings.address("deploy")) as ch:
+            stub = token_service_pb2_grpc.TokenServiceStub(ch)
+            for role, subject, grants in (
+                (policy.MODEL_DEVELOPER, "mia", ()),
+                (policy.APP_DEVELOPER, "adam", ()),
+                (policy.APP_USER, "ursula", ("*",)),
+            ):
+                reply = stub.CreateToken(
+                    token_pb.CreateTokenRequest(subject=subject, role=role, deployments=grants),
+                    metadata=_md(admin),
+                )
+                tokens[policy.role_name(role)] = reply.secret
+        env_now = {k: v for k, v in os.environ.items() if k.startswith("ISERVE_")}
+        yield AuthStack(settings, env_now, tokens)
+
+
+@pytest.fixture(scope="module")
+def deployed(auth_stack) -> AuthStack:
+    """The model registered by the model developer, deployed by the app developer."""
+    s = auth_stack
+    create_checkpoint(s.settings.models_root / MODEL, **TINY, overwrite=True)
+    with s.channel("model") as ch:
+        model_service_pb2_grpc.ModelServiceStub(ch).RegisterModel(
+            model_pb.RegisterModelRequest(
+                model_id=MODEL, checkpoint_path=MODEL, skip_profiling=True
+            ),
+            metadata=_md(s.tokens["model-developer"]),
+        )
+    with s.channel("deploy") as ch:
+        reply = deployment_service_pb2_grpc.DeploymentServiceStub(ch).Deploy(
+            deploy_pb.DeployRequest(
+                request_id=rid(),
+                model_id=MODEL,
+                config=common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1),
+            ),
+            metadata=_md(s.tokens["app-developer"]),
+            timeout=180,
+        )
+    assert reply.deployment.owner == "adam"
+    s.deployment_id = reply.deployment.deployment_id
+    s.worker_address = reply.deployment.worker_address
+    return s
+
+
+def _kind(method: str) -> str:
+    from tests.unit.test_auth_policy import _served_methods  # noqa: F401 (same walk)
+
+    service, name = method.strip("/").rsplit("/", 1)
+    import services.api as api
+
+    descriptors = [getattr(api, n).DESCRIPTOR for n in api.__all__ if n.endswith("_pb2")]
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    descriptors += [health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR]
+    for file in descriptors:
+        for svc in file.services_by_name.values():
+            if svc.full_name == service:
+                m = svc.methods_by_name[name]
+                return (
+                    ("stream" if m.client_streaming else "unary")
+                    + "_"
+                    + ("stream" if m.server_streaming else "unary")
+                )
+    raise KeyError(method)
+
+
+def _call(address: str, method: str, token: str) -> grpc.StatusCode:
+    """Call ``method`` with an empty request; the status it ends with."""
+    ident = lambda b: b  # noqa: E731
+    kind = _kind(method)
+    with grpc.insecure_channel(address) as ch:
+        factory = getattr(ch, kind)(method, request_serializer=ident, response_deserializer=ident)
+        try:
+            if kind == "unary_unary":
+                factory(b"", metadata=_md(token), timeout=30)
+            else:
+                request = b"" if kind.startswith("unary") else iter(())
+                call = factory(request, metadata=_md(token), timeout=30)
+                for _ in call:
+                    call.cancel()
+                    break
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+
+
+def _address_of(s: AuthStack, method: str) -> list[str]:
+    service = method.strip("/").split("/")[0]
+    by_service = {
+        "iserve.v1.ModelService": ["model"],
+        "iserve.v1.EstimatorService": ["estimator"],
+        "iserve.v1.DeploymentService": ["deploy"],
+        "iserve.v1.TokenService": ["deploy"],
+        "iserve.v1.InferenceService": ["scheduler"],
+        "iserve.v1.AgentService": ["agent"],
+    }
+    if service == "iserve.v1.WorkerService":
+        return [s.worker_address]
+    names = by_service.get(service, ["model", "scheduler", "agent"])
+    addresses = [s.settings.address(n) for n in names]
+    if service.startswith("grpc."):
+        addresses.append(s.worker_address)  # workers answer health and reflection too
+    return addresses
+
+
+# Calls whose empty request would change the cluster if a role were let through that
+# should be: they are walked with the denied roles only (allowed ones are shown by the
+# flows below).
+_MUTATING_WHEN_ALLOWED = {"/iserve.v1.AgentService/StopWorkers"}
+
+
+def test_every_rpc_refuses_every_role_the_policy_does_not_list(deployed):
+    s = deployed
+    refused_wrongly, let_through = [], []
+    roles = ["admin", "model-developer", "app-developer", "app-user", "service"]
+    for method, allowed in sorted(policy.POLICY.items()):
+        for address in _address_of(s, method):
+            anonymous = _call(address, method, "")
+            if allowed:
+                if anonymous != grpc.StatusCode.UNAUTHENTICATED:
+                    let_through.append((method, address, "no token", anonymous))
+            elif anonymous in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                refused_wrongly.append((method, address, "no token", anonymous))
+            for role in roles:
+                may = not allowed or policy.ROLES_BY_NAME[role] in allowed
+                if address == s.worker_address and allowed:
+                    may = role == "service"  # the only token a worker knows
+                if may and method in _MUTATING_WHEN_ALLOWED:
+                    continue
+                code = _call(address, method, s.tokens[role])
+                denied = code in (
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                )
+                if may and denied:
+                    refused_wrongly.append((method, address, role, code))
+                # A worker knows only the service token: other tokens are unknown to it.
+                refused = (
+                    denied
+                    if address == s.worker_address
+                    else code == grpc.StatusCode.PERMISSION_DENIED
+                )
+                if not may and not refused:
+                    let_through.append((method, address, role, code))
+    assert let_through == [], "roles the policy does not list got in:\n" + "\n".join(
+        map(str, let_through)
+    )
+    assert refused_wrongly == [], "roles the policy lists were refused:\n" + "\n".join(
+        map(str, refused_wrongly)
+    )
+    # A forged token of the right shape is refused everywhere it is checked.
+    forged = "isv_" + "0" * 16 + "_" + "A" * 43
+    assert (
+        _call(s.settings.address("deploy"), "/iserve.v1.DeploymentService/ListDeployments", forged)
+        == grpc.StatusCode.UNAUTHENTICATED
+    )
+    # The walk changed nothing the deployment needs: it still serves.
+    _generate(s, s.tokens["app-user"], deployment_id=s.deployment_id)
+
+
+def _generate(s: AuthStack, token: str, **target) -> int:
+    with s.channel("scheduler") as ch:
+        stub = inference_service_pb2_grpc.InferenceServiceStub(ch)
+        n = 0
+        for reply in stub.Generate(
+            infer_pb.GenerateRequest(request_id=rid(), prompt="hello", max_tokens=4, **target),
+            metadata=_md(token),
+            timeout=60,
+        ):
+            n += reply.HasField("delta")
+        return n
+
+
+def _code(fn) -> grpc.StatusCode:
+    try:
+        fn()
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_developers_change_only_what_they_own(deployed):
+    s = deployed
+    with grpc.insecure_channel(s.settings.address("deploy")) as ch:
+        tokens = token_service_pb2_grpc.TokenServiceStub(ch)
+        other_dev = tokens.CreateToken(
+            token_pb.CreateTokenRequest(subject="otto", role=policy.APP_DEVELOPER),
+            metadata=_md(s.tokens["admin"]),
+        ).secret
+        other_modeller = tokens.CreateToken(
+            token_pb.CreateTokenRequest(subject="max", role=policy.MODEL_DEVELOPER),
+            metadata=_md(s.tokens["admin"]),
+        ).secret
+        deployments = deployment_service_pb2_grpc.DeploymentServiceStub(ch)
+        code = _code(
+            lambda: deployments.RemoveDeployment(
+                deploy_pb.RemoveDeploymentRequest(deployment_id=s.deployment_id),
+                metadata=_md(other_dev),
+            )
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        still = deployments.GetDeployment(
+            deploy_pb.GetDeploymentRequest(deployment_id=s.deployment_id),
+            metadata=_md(s.tokens["admin"]),
+        ).deployment
+        assert still.state == deploy_pb.DEPLOYMENT_STATE_READY
+    # Another developer may not generate on adam's deployment; adam may.
+    assert _code(lambda: _generate(s, other_dev, deployment_id=s.deployment_id)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    assert _generate(s, s.tokens["app-developer"], deployment_id=s.deployment_id) > 0
+    with s.channel("model") as ch:
+        models = model_service_pb2_grpc.ModelServiceStub(ch)
+        code = _code(
+            lambda: models.DeleteModel(
+                model_pb.DeleteModelRequest(model_id=MODEL), metadata=_md(other_modeller)
+            )
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        model = models.GetModel(
+            model_pb.GetModelRequest(model_id=MODEL), metadata=_md(s.tokens["admin"])
+        ).model
+        assert model.owner == "mia"
+
+
+def test_users_generate_only_on_what_their_token_grants_until_revoked(deployed):
+    s = deployed
+    with grpc.insecure_channel(s.settings.address("deploy")) as ch:
+        tokens = token_service_pb2_grpc.TokenServiceStub(ch)
+        granted = tokens.CreateToken(
+            token_pb.CreateTokenRequest(
+                subject="app1", role=policy.APP_USER, deployments=[s.deployment_id]
+            ),
+            metadata=_md(s.tokens["admin"]),
+        )
+        elsewhere = tokens.CreateToken(
+            token_pb.CreateTokenRequest(
+                subject="app2", role=policy.APP_USER, deployments=["other-0000"]
+            ),
+            metadata=_md(s.tokens["admin"]),
+        ).secret
+        listed = tokens.ListTokens(token_pb.ListTokensRequest(), metadata=_md(s.tokens["admin"]))
+        assert granted.token.token_id in {t.token_id for t in listed.tokens}
+        assert granted.secret not in str(listed)  # secrets are never listed
+        deployments = deployment_service_pb2_grpc.DeploymentServiceStub(ch)
+        seen = deployments.ListDeployments(
+            deploy_pb.ListDeploymentsRequest(), metadata=_md(elsewhere)
+        )
+        assert list(seen.deployments) == []
+        seen = deployments.ListDeployments(
+            deploy_pb.ListDeploymentsRequest(), metadata=_md(granted.secret)
+        )
+        assert [d.deployment_id for d in seen.deployments] == [s.deployment_id]
+
+        assert _generate(s, granted.secret, deployment_id=s.deployment_id) > 0
+        assert _generate(s, granted.secret, model_id=MODEL) > 0
+        for target in ({"deployment_id": s.deployment_id}, {"model_id": MODEL}):
+            assert _code(lambda t=target: _generate(s, elsewhere, **t)) == (
+                grpc.StatusCode.PERMISSION_DENIED
+            )
+        # A user token cannot deploy, register or issue tokens.
+        assert (
+            _code(
+                lambda: deployments.Deploy(
+                    deploy_pb.DeployRequest(model_id=MODEL), metadata=_md(granted.secret)
+                )
+            )
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
+        tokens.RevokeToken(
+            token_pb.RevokeTokenRequest(token_id=granted.token.token_id),
+            metadata=_md(s.tokens["admin"]),
+        )
+    assert _code(lambda: _generate(s, granted.secret, deployment_id=s.deployment_id)) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+
+
+def _cli(s: AuthStack, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **s.env}
+    env.pop("ISERVE_TOKEN", None)
+    if token is not None:
+        env["ISERVE_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_cli_issues_lists_and_revokes_tokens(deployed):
+    s = deployed
+    # Without ISERVE_TOKEN the CLI uses the stack's admin token file.
+    made = _cli(
+        s,
+        "token",
+        "create",
+        "carla",
+        "--role",
+        "app-user",
+        "--deployment",
+        s.deployment_id,
+        "--json",
+    )
+    assert made.returncode == 0, made.stderr
+    record = json.loads(made.stdout)
+    assert record["role"] == "ROLE_APP_USER" and record["token"].startswith("isv_")
+    listed = _cli(s, "token", "list", "--json")
+    assert record["token_id"] in listed.stdout and record["token"] not in listed.stdout
+    denied = _cli(s, "models", token=record["token"])
+    assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr
+    generated = _cli(
+        s, "generate", s.deployment_id, "hi", "--max-tokens", "3", token=record["token"]
+    )
+    assert generated.returncode == 0, generated.stderr
+    assert _cli(s, "token", "revoke", record["token_id"]).returncode == 0
+    refused = _cli(s, "models", token=record["token"])
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+    assert "ISERVE_TOKEN" in refused.stderr
+    bad = _cli(s, "token", "create", "x y", "--role", "admin")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_the_gateway_forwards_the_client_token(deployed):
+    s = deployed
+    base = f"http://{s.settings.gateway_address}/v1"
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+    with httpx.Client(timeout=60) as client:
+        missing = client.post(f"{base}/completions", json=body)
+        assert missing.status_code == 401
+        assert missing.json()["error"]["type"] == "authentication_error"
+        wrong = client.post(
+            f"{base}/completions", json=body, headers={"Authorization": "Bearer nope-nope"}
+        )
+        assert wrong.status_code == 401
+        dev = client.post(
+            f"{base}/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {s.tokens['model-developer']}"},
+        )
+        assert dev.status_code == 403
+        ok = client.post(
+            f"{base}/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {s.tokens['app-user']}"},
+        )
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 3
+        models = client.get(
+            f"{base}/models", headers={"Authorization": f"Bearer {s.tokens['app-user']}"}
+        )
+        assert [m["id"] for m in models.json()["data"]] == [MODEL]
+
+
+def test_metrics_answer_only_admin_and_service_tokens(deployed):
+    s = deployed
+    url = f"http://{s.settings.metrics_address('scheduler')}/metrics"
+
+    def status(token: str) -> int:
+        request = urllib.request.Request(
+            url, headers=dict(_md(token)) and {"Authorization": f"Bearer {token}"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return reply.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert status("") == 401
+    assert status(s.tokens["app-user"]) == 401
+    assert status(s.tokens["service"]) == 200
+    assert status(s.tokens["admin"]) == 200

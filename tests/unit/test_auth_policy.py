@@ -1,0 +1,174 @@
+"""The access policy lists every RPC iserve serves, and nothing else; tokens, the
+ownership rules and the bearer header parse as documented."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import services.api as api
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import token_service_pb2 as token_pb
+from services.auth import access, policy
+from services.auth.tokens import (
+    Principal,
+    ServiceTokenAuthenticator,
+    StoreAuthenticator,
+    bearer,
+    digest,
+    new_token,
+    token_id_of,
+)
+from services.errors import PermissionDenied
+
+
+def _served_methods() -> set[str]:
+    files = [getattr(api, name).DESCRIPTOR for name in api.__all__ if name.endswith("_pb2")]
+    files += [health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR]
+    methods = set()
+    for file in files:
+        for service in file.services_by_name.values():
+            for method in service.methods:
+                methods.add(f"/{service.full_name}/{method.name}")
+    return methods
+
+
+def test_every_served_rpc_is_in_the_policy_and_nothing_else():
+    served = _served_methods()
+    assert served - set(policy.POLICY) == set(), "RPCs missing from services.auth.policy"
+    assert set(policy.POLICY) - served == set(), "policy names RPCs nobody serves"
+
+
+def test_unlisted_methods_are_refused_and_only_health_is_open():
+    assert policy.roles_for("/iserve.v1.ModelService/Nope") is None
+    open_methods = {m for m, roles in policy.POLICY.items() if not roles}
+    assert open_methods == {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"}
+    # Workers know only the service token; tokens are the administrators'.
+    for method, roles in policy.POLICY.items():
+        if method.startswith("/iserve.v1.WorkerService/"):
+            assert roles == {policy.SERVICE}
+        if method.startswith("/iserve.v1.TokenService/"):
+            assert roles == {policy.ADMIN}
+
+
+class _Records:
+    def __init__(self):
+        self.rows: dict[str, tuple[token_pb.TokenInfo, str]] = {}
+
+    def add(self, token: str, role: int, subject: str, grants=()) -> None:
+        info = token_pb.TokenInfo(
+            token_id=token_id_of(token), subject=subject, role=role, deployments=grants
+        )
+        self.rows[info.token_id] = (info, digest(token))
+
+    async def get_token(self, token_id):
+        return self.rows.get(token_id)
+
+
+def test_issued_tokens_resolve_and_altered_ones_do_not():
+    records = _Records()
+    token_id, token = new_token()
+    assert token.startswith(f"isv_{token_id}_") and token_id_of(token) == token_id
+    records.add(token, policy.APP_USER, "alice", ("dep-1",))
+    auth = StoreAuthenticator(records)
+    found = asyncio.run(auth.authenticate(token))
+    assert found == Principal(token_id, "alice", policy.APP_USER, ("dep-1",))
+    altered = token[:-1] + ("A" if token[-1] != "A" else "B")  # same id, other secret
+    assert token_id_of(altered) == token_id
+    for bad in (altered, "", "isv_" + "0" * 16 + "_" + "x" * 40, token + "x" * 600):
+        assert asyncio.run(auth.authenticate(bad)) is None
+
+
+def test_supplied_tokens_get_an_id_from_their_hash():
+    supplied = "operator-chosen-secret-0123456789"
+    assert token_id_of(supplied) == "s" + digest(supplied)[:15]
+    service = ServiceTokenAuthenticator(supplied)
+    assert asyncio.run(service.authenticate(supplied)).role == policy.SERVICE
+    assert asyncio.run(service.authenticate(supplied + "x")) is None
+
+
+@pytest.mark.parametrize(
+    "value,token",
+    [
+        ("Bearer abc", "abc"),
+        ("bearer  abc ", "abc"),
+        ("Basic abc", ""),
+        ("", ""),
+        ([("authorization", "Bearer t1"), ("x", "y")], "t1"),
+        ([("authorization", b"Bearer t2")], "t2"),
+        ([("x-other", "Bearer t3")], ""),
+    ],
+)
+def test_bearer_reads_the_authorization_entry(value, token):
+    assert bearer(value) == token
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=700))
+def test_any_presented_text_is_refused_without_raising(text):
+    records = _Records()
+    records.add("a-real-token-of-enough-length-000", policy.ADMIN, "admin")
+    assert bearer(text) == "" or isinstance(bearer(text), str)
+    assert asyncio.run(StoreAuthenticator(records).authenticate(text)) is None
+
+
+def _as(principal: Principal):
+    token = access.set_caller(principal)
+    return token
+
+
+def _dep(deployment_id: str, owner: str) -> deploy_pb.Deployment:
+    return deploy_pb.Deployment(deployment_id=deployment_id, owner=owner)
+
+
+def test_ownership_rules_by_role():
+    alice = Principal("t1", "alice", policy.APP_DEVELOPER)
+    bob = Principal("t2", "bob", policy.MODEL_DEVELOPER)
+    user = Principal("t3", "app", policy.APP_USER, ("d1",))
+    everyone = Principal("t4", "ops", policy.APP_USER, ("*",))
+    admin = Principal("t5", "root", policy.ADMIN)
+    deployments = [_dep("d1", "alice"), _dep("d2", "carol")]
+
+    token = _as(alice)
+    try:
+        access.check_owner("deployment d1", "alice")
+        with pytest.raises(PermissionDenied, match="owned by carol"):
+            access.check_owner("deployment d2", "carol")
+        assert access.may_use("d1", "alice") and not access.may_use("d2", "carol")
+        assert access.visible(deployments) == deployments  # developers see the cluster
+    finally:
+        access.reset_caller(token)
+
+    token = _as(bob)
+    try:
+        with pytest.raises(PermissionDenied):
+            access.check_owner("model m", "")  # no owner: only administrators
+        assert not access.may_use("d1", "alice")
+    finally:
+        access.reset_caller(token)
+
+    token = _as(user)
+    try:
+        assert access.may_use("d1", "alice") and not access.may_use("d2", "carol")
+        assert [d.deployment_id for d in access.visible(deployments)] == ["d1"]
+        with pytest.raises(PermissionDenied, match="may not use deployment d2"):
+            access.check_use("d2", "carol")
+    finally:
+        access.reset_caller(token)
+
+    for who in (everyone, admin):
+        token = _as(who)
+        try:
+            assert access.may_use("d2", "carol")
+            assert access.visible(deployments) == deployments
+        finally:
+            access.reset_caller(token)
+
+    # Authentication off: an anonymous administrator owning nothing.
+    assert access.caller() is access.ANONYMOUS and access.owner() == ""
+    access.check_owner("anything", "someone")
