@@ -39,7 +39,13 @@ from services.errors import (
     from_rpc_error,
 )
 from services.grpc_server import channel
-from services.ids import check_deployment_id, check_request_id, replica_group_id, split_group_id
+from services.ids import (
+    check_deployment_id,
+    check_request_id,
+    replica_group_id,
+    require_model,
+    split_group_id,
+)
 from services.intents import check_intent, with_default
 from services.settings import Settings
 from services.state.store import ReservationError, StateStore
@@ -128,11 +134,7 @@ class DeploymentController:
 
     # ---- planning -------------------------------------------------------------------
     async def _model(self, model_id: str, *, launch: bool) -> model_pb.Model:
-        if not model_id:
-            raise InvalidArgument("model_id is empty")
-        model = await self.store.get_model(model_id)
-        if model is None:
-            raise NotFound(f"model {model_id!r} is not registered")
+        model = await require_model(self.store, model_id)
         # A launch needs the checkpoint, not a profile: a model can be deployed with an
         # explicit configuration while it is being profiled, or after profiling failed.
         # A plan needs neither (imported measurements are enough to rank and place).
