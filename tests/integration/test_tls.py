@@ -1,0 +1,215 @@
+"""TLS on real processes: every gRPC server listens with the stack's certificate and
+requires a client certificate (mutual TLS), every client — the CLI, the services
+calling each other, the scheduler streaming from workers — connects with it, and
+plaintext or uncertified clients are turned away."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import ssl
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services import transport
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import deployment_service_pb2_grpc, model_service_pb2_grpc
+from services.api import model_service_pb2 as model_pb
+from services.cli import stack as launcher
+from services.models.checkpoint import create_checkpoint
+from services.settings import Settings, token_file
+from tests.integration.helpers import TINY, rid
+
+MODEL = "tls-llama"
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _write_key(key, path: Path) -> None:
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+
+
+def make_pki(directory: Path, ca_name: str = "iserve test CA") -> dict[str, Path]:
+    """A CA and one certificate it signs for 127.0.0.1/localhost, usable by servers and
+    clients alike (what each iserve process presents)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name(ca_name))
+        .issuer_name(_name(ca_name))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("iserve"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = {
+        "ca": directory / "ca.pem",
+        "cert": directory / "cert.pem",
+        "key": directory / "key.pem",
+    }
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(key, paths["key"])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tmp_path_factory) -> Iterator[tuple[Settings, dict[str, Path], Path]]:
+    root = tmp_path_factory.mktemp("iserve-tls")
+    pki = make_pki(root / "pki")
+    env = {
+        "ISERVE_AUTH": "on",
+        "ISERVE_TLS_CERT": str(pki["cert"]),
+        "ISERVE_TLS_KEY": str(pki["key"]),
+        "ISERVE_TLS_CA": str(pki["ca"]),
+        "ISERVE_TLS_CLIENT_AUTH": "on",
+        "ISERVE_DEVICES": "2",
+        "ISERVE_DEVICE_MEMORY_GIB": "2",
+        "ISERVE_READY_TIMEOUT_S": "90",
+    }
+    with launcher.temporary_stack(env, state_dir=root / "state") as settings:
+        yield settings, pki, root
+
+
+def _serving(channel: grpc.Channel) -> grpc.StatusCode:
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_services_and_workers_talk_over_mutual_tls(tls_stack):
+    settings, pki, root = tls_stack
+    create_checkpoint(settings.models_root / MODEL, **TINY, overwrite=True)
+    own = transport.current()  # the environment's: TLS with the certificate, admin token
+    assert own.tls is not None and own.tls.client_auth
+    with own.sync_channel(settings.address("model")) as ch:
+        model_service_pb2_grpc.ModelServiceStub(ch).RegisterModel(
+            model_pb.RegisterModelRequest(
+                model_id=MODEL, checkpoint_path=MODEL, skip_profiling=True
+            )
+        )
+    with own.sync_channel(settings.address("deploy")) as ch:
+        deployment = (
+            deployment_service_pb2_grpc.DeploymentServiceStub(ch)
+            .Deploy(
+                deploy_pb.DeployRequest(
+                    request_id=rid(),
+                    model_id=MODEL,
+                    config=common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1),
+                ),
+                timeout=180,
+            )
+            .deployment
+        )
+    # The CLI, in its own process, streams through the scheduler from the worker: three
+    # TLS hops (CLI -> scheduler -> worker), the deploy having used deployer -> agent.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "generate",
+            MODEL,
+            "hello",
+            "--max-tokens",
+            "5",
+        ],
+        env={**os.environ},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "[5 tokens, length; " in out.stderr and deployment.deployment_id in out.stderr, out
+
+    # Every server, the worker too, turns away plaintext and uncertified clients.
+    addresses = [*settings.addresses.values(), deployment.worker_address]
+    other_ca = make_pki(root / "other", "another CA")
+    for address in addresses:
+        assert _serving(own.sync_channel(address)) == grpc.StatusCode.OK, address
+        assert _serving(grpc.insecure_channel(address)) == grpc.StatusCode.UNAVAILABLE, address
+        no_cert = grpc.ssl_channel_credentials(root_certificates=pki["ca"].read_bytes())
+        assert _serving(grpc.secure_channel(address, no_cert)) == grpc.StatusCode.UNAVAILABLE
+        foreign = grpc.ssl_channel_credentials(
+            root_certificates=pki["ca"].read_bytes(),
+            private_key=other_ca["key"].read_bytes(),
+            certificate_chain=other_ca["cert"].read_bytes(),
+        )
+        assert _serving(grpc.secure_channel(address, foreign)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_metrics_are_served_over_https_to_admin_tokens(tls_stack):
+    settings, pki, _root = tls_stack
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    admin = token_file(settings.state_dir, "admin").read_text().strip()
+    request = urllib.request.Request(
+        f"https://{settings.metrics_address('deploy')}/metrics",
+        headers={"Authorization": f"Bearer {admin}"},
+    )
+    with urllib.request.urlopen(request, timeout=10, context=context) as reply:
+        assert reply.status == 200
+        assert b"iserve_grpc_server_handled_total" in reply.read()
