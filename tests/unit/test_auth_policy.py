@@ -172,3 +172,21 @@ def test_ownership_rules_by_role():
     # Authentication off: an anonymous administrator owning nothing.
     assert access.caller() is access.ANONYMOUS and access.owner() == ""
     access.check_owner("anything", "someone")
+
+
+def test_the_security_page_lists_the_policy_as_it_is():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    documented = {}
+    for line in page.splitlines():
+        if line.startswith("| `/"):
+            method, roles = (cell.strip() for cell in line.strip("|").split("|"))
+            documented[method.strip("`")] = roles
+    expected = {
+        method: "anyone (no token)"
+        if not roles
+        else ", ".join(sorted(policy.role_name(r) for r in roles))
+        for method, roles in policy.POLICY.items()
+    }
+    assert documented == expected
