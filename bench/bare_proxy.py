@@ -16,6 +16,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services import transport  # noqa: E402
 from services.api import inference_service_pb2 as infer_pb  # noqa: E402
 from services.api import (
     inference_service_pb2_grpc,  # noqa: E402
@@ -26,8 +27,9 @@ from services.api import worker_service_pb2 as worker_pb  # noqa: E402
 
 class BareProxy(inference_service_pb2_grpc.InferenceServiceServicer):
     def __init__(self, worker_address: str):
+        # With authentication on, ISERVE_TOKEN holds the service token (workers accept no other).
         self.worker = worker_service_pb2_grpc.WorkerServiceStub(
-            grpc.aio.insecure_channel(worker_address)
+            transport.current().aio_channel(worker_address)
         )
 
     async def Generate(self, request, context):

@@ -22,7 +22,11 @@ path, a do-nothing pass-through proxy (``bench/bare_proxy.py``, a new worker cal
 request) measured in the same interleaved run, shows what a plain Python gRPC hop costs
 on this machine. Targets: <= 1 ms TTFT and <= 0.1 ms per token added.
 
-Run: .venv/bin/python bench/serving_overhead.py [--requests 200] [--tokens 32] [--no-pin-client]
+With ``--auth`` the stack runs with ISERVE_AUTH=on: the client sends the admin token, the
+scheduler checks it in Redis on each call and sends the service token to the worker,
+which checks it too; run it without and with to see what authentication adds.
+
+Run: .venv/bin/python bench/serving_overhead.py [--requests 200] [--tokens 32] [--no-pin-client] [--auth]
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services import transport  # noqa: E402
 from services.api import agent_service_pb2 as agent_pb  # noqa: E402
 from services.api import (
     agent_service_pb2_grpc,  # noqa: E402
@@ -72,10 +77,10 @@ def timed(stream) -> tuple[float, float, int]:
     return (stamps[0] - start) * 1e3, statistics.fmean(gaps) * 1e3 if gaps else 0.0, len(stamps)
 
 
-def pin_off_worker(agent_address: str, deployment_id: str) -> str:
+def pin_off_worker(agent_channel: grpc.Channel, deployment_id: str) -> str:
     """Pin this process to the cores the deployment's worker does not own; returns them
     as text ("all" when the worker owns every core, and then nothing is pinned)."""
-    agent = agent_service_pb2_grpc.AgentServiceStub(grpc.insecure_channel(agent_address))
+    agent = agent_service_pb2_grpc.AgentServiceStub(agent_channel)
     workers = agent.ListWorkers(agent_pb.ListWorkersRequest(deployment_id=deployment_id)).workers
     worker_cores = set().union(*(os.sched_getaffinity(w.pid) for w in workers))
     free = os.sched_getaffinity(0) - worker_cores
@@ -104,6 +109,9 @@ def main() -> int:
         default=2,
         help="virtual CPU devices; each owns a share of the cores (default 2: the worker gets one core)",
     )
+    parser.add_argument(
+        "--auth", action="store_true", help="run the stack with ISERVE_AUTH=on (tokens checked)"
+    )
     args = parser.parse_args()
 
     print("starting the stack ...", file=sys.stderr)
@@ -111,8 +119,13 @@ def main() -> int:
         {
             "ISERVE_DEVICES": str(args.devices),
             "ISERVE_DEVICE_MEMORY_GIB": "2",
+            "ISERVE_AUTH": "on" if args.auth else "off",
         }
     ) as settings:
+        # The admin token with --auth (the CLI's, from the stack's state directory); the
+        # worker wants the service token.
+        client = transport.Transport.for_client(settings)
+        as_service = transport.Transport.for_service(settings)
         create_checkpoint(
             settings.models_root / "bench-tiny",
             hidden_size=64,
@@ -121,7 +134,7 @@ def main() -> int:
             num_kv_heads=2,
         )
         models = model_service_pb2_grpc.ModelServiceStub(
-            grpc.insecure_channel(settings.address("model"))
+            client.sync_channel(settings.address("model"))
         )
         models.RegisterModel(
             model_pb.RegisterModelRequest(
@@ -129,7 +142,7 @@ def main() -> int:
             )
         )
         deployer = deployment_service_pb2_grpc.DeploymentServiceStub(
-            grpc.insecure_channel(settings.address("deploy"))
+            client.sync_channel(settings.address("deploy"))
         )
         dep = deployer.Deploy(
             deploy_pb.DeployRequest(
@@ -139,10 +152,10 @@ def main() -> int:
             timeout=180,
         ).deployment
         scheduler = inference_service_pb2_grpc.InferenceServiceStub(
-            grpc.insecure_channel(settings.address("scheduler"))
+            client.sync_channel(settings.address("scheduler"))
         )
         worker = worker_service_pb2_grpc.WorkerServiceStub(
-            grpc.insecure_channel(dep.worker_address)
+            as_service.sync_channel(dep.worker_address)
         )
         sampling = common.SamplingParams(ignore_eos=True)
         prompt = "The scheduler should add almost nothing"
@@ -167,10 +180,13 @@ def main() -> int:
             ],
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, "ISERVE_TOKEN": settings.service_token},
         )
         client_cores = "all"
         if args.pin_client:
-            client_cores = pin_off_worker(settings.address("agent"), dep.deployment_id)
+            client_cores = pin_off_worker(
+                as_service.sync_channel(settings.address("agent")), dep.deployment_id
+            )
         bare = inference_service_pb2_grpc.InferenceServiceStub(
             grpc.insecure_channel(f"127.0.0.1:{proxy.stdout.readline().strip()}")
         )
@@ -217,6 +233,7 @@ def main() -> int:
         name: (statistics.median(t for t, _ in r), statistics.median(p for _, p in r))
         for name, r in runs.items()
     }
+    print(f"authentication {'on (tokens checked on both hops)' if args.auth else 'off'}")
     print(
         f"{args.devices} virtual CPU devices on {os.cpu_count()} cores (the worker is pinned to "
         f"one device's cores); measuring client on cores: {client_cores}"

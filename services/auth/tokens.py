@@ -16,16 +16,21 @@ import hashlib
 import hmac
 import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.api import token_service_pb2 as token_pb
 from services.auth import policy
 from services.errors import InvalidArgument
+from services.settings import MAX_TOKEN_LENGTH
 
 PREFIX = "isv_"
 _ISSUED = re.compile(r"^isv_([0-9a-f]{16})_[A-Za-z0-9_-]{20,}$")
-from services.settings import MAX_TOKEN_LENGTH  # noqa: E402
+
+# How long a process trusts a token it found valid, and how many it remembers.
+CACHE_S = 1.0
+CACHE_ENTRIES = 10_000
 
 _SUBJECT = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
 
@@ -94,21 +99,36 @@ class Authenticator(Protocol):
 
 
 class StoreAuthenticator:
-    """Resolves tokens against the registry in Redis (the control plane and agents)."""
+    """Resolves tokens against the registry in Redis (the control plane and agents).
 
-    def __init__(self, records: TokenRecords):
+    A token found valid is remembered for ``cache_s`` seconds (by its hash), so a client
+    streaming many requests costs one Redis read a second, not one per call: a revoked
+    token is refused within that time. Tokens not found are never remembered."""
+
+    def __init__(self, records: TokenRecords, cache_s: float = CACHE_S, clock=time.monotonic):
         self.records = records
+        self.cache_s = cache_s
+        self._clock = clock
+        self._valid: dict[str, tuple[Principal, float]] = {}
 
     async def authenticate(self, token: str) -> Principal | None:
         if not token or len(token) > MAX_TOKEN_LENGTH:
             return None
+        hashed = digest(token)
+        now = self._clock()
+        cached = self._valid.get(hashed)
+        if cached is not None and cached[1] > now:
+            return cached[0]
         found = await self.records.get_token(token_id_of(token))
-        if found is None:
+        if found is None or not hmac.compare_digest(hashed, found[1]):
+            self._valid.pop(hashed, None)
             return None
-        info, hashed = found
-        if not hmac.compare_digest(digest(token), hashed):
-            return None
-        return principal_of(info)
+        principal = principal_of(found[0])
+        if len(self._valid) >= CACHE_ENTRIES:
+            self._valid = {k: v for k, v in self._valid.items() if v[1] > now}
+        if len(self._valid) < CACHE_ENTRIES:
+            self._valid[hashed] = (principal, now + self.cache_s)
+        return principal
 
 
 class ServiceTokenAuthenticator:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from services.auth import policy
 from services.cli import stack as launcher
 from services.models.checkpoint import create_checkpoint
 from services.settings import Settings, token_file
-from tests.integration.helpers import TINY, rid
+from tests.integration.helpers import TINY, rid, wait_for
 
 MODEL = "auth-llama"
 
@@ -341,8 +342,12 @@ def test_users_generate_only_on_what_their_token_grants_until_revoked(deployed):
             token_pb.RevokeTokenRequest(token_id=granted.token.token_id),
             metadata=_md(s.tokens["admin"]),
         )
-    assert _code(lambda: _generate(s, granted.secret, deployment_id=s.deployment_id)) == (
-        grpc.StatusCode.UNAUTHENTICATED
+    # Each process trusts a checked token for a second (services.auth.tokens.CACHE_S).
+    assert wait_for(
+        lambda: _code(lambda: _generate(s, granted.secret, deployment_id=s.deployment_id))
+        == grpc.StatusCode.UNAUTHENTICATED,
+        timeout=5,
+        interval=0.5,
     )
 
 
@@ -387,6 +392,11 @@ def test_the_cli_issues_lists_and_revokes_tokens(deployed):
     assert generated.returncode == 0, generated.stderr
     assert _cli(s, "token", "revoke", record["token_id"]).returncode == 0
     refused = _cli(s, "models", token=record["token"])
+    for _ in range(10):  # a checked token is trusted for a second (tokens.CACHE_S)
+        if "UNAUTHENTICATED" in refused.stderr:
+            break
+        time.sleep(0.5)
+        refused = _cli(s, "models", token=record["token"])
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
     assert "ISERVE_TOKEN" in refused.stderr
     bad = _cli(s, "token", "create", "x y", "--role", "admin")

@@ -190,3 +190,18 @@ def test_the_security_page_lists_the_policy_as_it_is():
         for method, roles in policy.POLICY.items()
     }
     assert documented == expected
+
+
+def test_a_valid_token_is_remembered_for_its_cache_time_and_no_longer():
+    records = _Records()
+    token = "an-operator-token-of-enough-length"
+    records.add(token, policy.ADMIN, "ops")
+    now = [100.0]
+    auth = StoreAuthenticator(records, cache_s=1.0, clock=lambda: now[0])
+    assert asyncio.run(auth.authenticate(token)).subject == "ops"
+    records.rows.clear()  # revoked
+    now[0] += 0.5
+    assert asyncio.run(auth.authenticate(token)).subject == "ops"  # still remembered
+    now[0] += 0.6
+    assert asyncio.run(auth.authenticate(token)) is None  # read again: gone
+    assert asyncio.run(auth.authenticate(token)) is None  # refusals are never remembered

@@ -73,7 +73,8 @@ class TokenServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RevokeToken(self, request, context):
-        """Revoked tokens are refused from the next call on.
+        """A revoked token is refused within a second (each process trusts a checked token
+        for a second).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
