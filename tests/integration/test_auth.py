@@ -344,8 +344,10 @@ def test_users_generate_only_on_what_their_token_grants_until_revoked(deployed):
         )
     # Each process trusts a checked token for a second (services.auth.tokens.CACHE_S).
     assert wait_for(
-        lambda: _code(lambda: _generate(s, granted.secret, deployment_id=s.deployment_id))
-        == grpc.StatusCode.UNAUTHENTICATED,
+        lambda: (
+            _code(lambda: _generate(s, granted.secret, deployment_id=s.deployment_id))
+            == grpc.StatusCode.UNAUTHENTICATED
+        ),
         timeout=5,
         interval=0.5,
     )
@@ -452,3 +454,24 @@ def test_metrics_answer_only_admin_and_service_tokens(deployed):
     assert status(s.tokens["app-user"]) == 401
     assert status(s.tokens["service"]) == 200
     assert status(s.tokens["admin"]) == 200
+
+
+def test_profiling_runs_on_service_tokens(auth_stack):
+    """Registering profiles the fingerprints: model service -> agent -> profiling workers,
+    every hop carrying the service token."""
+    s = auth_stack
+    create_checkpoint(s.settings.models_root / "auth-prof", **TINY, overwrite=True)
+    with s.channel("model") as ch:
+        models = model_service_pb2_grpc.ModelServiceStub(ch)
+        models.RegisterModel(
+            model_pb.RegisterModelRequest(model_id="auth-prof", checkpoint_path="auth-prof"),
+            metadata=_md(s.tokens["model-developer"]),
+        )
+        events = list(
+            models.WatchModel(
+                model_pb.WatchModelRequest(model_id="auth-prof"),
+                metadata=_md(s.tokens["model-developer"]),
+                timeout=300,
+            )
+        )
+    assert events[-1].state == model_pb.MODEL_STATE_PROFILED, events[-1]
