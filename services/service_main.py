@@ -69,6 +69,8 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
     """Run service ``name`` (a key of ``settings.addresses``) until SIGTERM/SIGINT."""
     try:
         settings = load_settings()
+        if settings.auth:
+            settings.require_service_token()
     except ValueError as exc:
         fail(str(exc))
     configure_logging(settings.log_level, name)

@@ -47,3 +47,59 @@ def test_bad_values_are_named(tmp_path, name, value):
 def test_the_drain_timeout_may_be_a_fraction_of_a_second(tmp_path):
     s = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_DRAIN_TIMEOUT_S": "0.5"})
     assert s.drain_timeout_s == 0.5
+
+
+@pytest.mark.parametrize(
+    "env,named",
+    [
+        ({"ISERVE_AUTH": "maybe"}, "ISERVE_AUTH"),
+        ({"ISERVE_TOKEN": "short"}, "ISERVE_TOKEN"),
+        ({"ISERVE_SERVICE_TOKEN": "has a space in it somewhere ok"}, "ISERVE_SERVICE_TOKEN"),
+        ({"ISERVE_ADMIN_TOKEN": "x" * 513}, "ISERVE_ADMIN_TOKEN"),
+        ({"ISERVE_TLS_CERT": "/nonexistent/cert.pem"}, "ISERVE_TLS_CERT"),
+        ({"ISERVE_TLS_CLIENT_AUTH": "on"}, "ISERVE_TLS_CLIENT_AUTH"),
+    ],
+)
+def test_bad_security_settings_are_named(tmp_path, env, named):
+    with pytest.raises(ValueError, match=named):
+        load_settings({"ISERVE_STATE_DIR": str(tmp_path), **env})
+
+
+def test_tls_files_go_together_and_tokens_come_from_the_stack(tmp_path):
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    with pytest.raises(ValueError, match="ISERVE_TLS_KEY go together"):
+        load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_TLS_CERT": str(cert)})
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    s = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_TLS_CA": str(ca)})
+    assert s.tls is not None and s.tls.ca == ca and not s.tls.serves  # a client of TLS
+    assert load_settings({"ISERVE_STATE_DIR": str(tmp_path)}).tls is None
+
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    (tokens / "admin").write_text("admin-token-from-the-stack-0123\n")
+    s = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
+    assert s.token == s.admin_token == "admin-token-from-the-stack-0123"
+    assert "admin-token" not in repr(s)  # tokens never appear in logged settings
+    with pytest.raises(ValueError, match="ISERVE_SERVICE_TOKEN"):
+        s.require_service_token()
+    s = load_settings(
+        {"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_TOKEN": "a-user-token-0123456789abcdef"}
+    )
+    assert s.token == "a-user-token-0123456789abcdef"
+    assert s.admin_token == "admin-token-from-the-stack-0123"
+
+
+def test_a_service_with_authentication_on_and_no_service_token_says_so(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")}
+    env.update(ISERVE_STATE_DIR=str(tmp_path), ISERVE_AUTH="on", REDIS_URL="redis://127.0.0.1:1/0")
+    out = subprocess.run(
+        [sys.executable, "-m", "estimator_svc"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "ISERVE_AUTH=on needs ISERVE_SERVICE_TOKEN" in out.stderr
