@@ -2,6 +2,7 @@
 // repository's protos/ by @grpc/proto-loader (no generated or copied stubs to go stale).
 "use strict";
 
+const fs = require("node:fs");
 const path = require("node:path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
@@ -54,15 +55,49 @@ function unary(client, method, request, deadlineSeconds = 120) {
   });
 }
 
+// TLS from the same variables as the Python side (ISERVE_TLS_CA, and ISERVE_TLS_CERT /
+// ISERVE_TLS_KEY for mutual TLS); plaintext when none is set.
+function channelCredentials() {
+  const read = (variable) => (process.env[variable] ? fs.readFileSync(process.env[variable]) : null);
+  const ca = read("ISERVE_TLS_CA");
+  const cert = read("ISERVE_TLS_CERT");
+  const key = read("ISERVE_TLS_KEY");
+  if (!ca && !cert) return grpc.credentials.createInsecure();
+  return grpc.credentials.createSsl(ca, key, cert);
+}
+
+// Every call carries `authorization: Bearer <ISERVE_TOKEN>` when the variable is set
+// (authentication on; docs/security.md).
+function clientOptions() {
+  const options = {};
+  if (process.env.ISERVE_TLS_SERVER_NAME) {
+    options["grpc.ssl_target_name_override"] = process.env.ISERVE_TLS_SERVER_NAME;
+  }
+  const token = process.env.ISERVE_TOKEN;
+  if (token) {
+    options.interceptors = [
+      (callOptions, nextCall) =>
+        new grpc.InterceptingCall(nextCall(callOptions), {
+          start(metadata, listener, next) {
+            metadata.set("authorization", `Bearer ${token}`);
+            next(metadata, listener);
+          },
+        }),
+    ];
+  }
+  return options;
+}
+
 // The clients of the model, deployment, inference and estimator services.
 function connect() {
   const v1 = load();
-  const credentials = grpc.credentials.createInsecure();
+  const credentials = channelCredentials();
+  const options = clientOptions();
   return {
-    models: new v1.ModelService(address("model"), credentials),
-    deployments: new v1.DeploymentService(address("deploy"), credentials),
-    inference: new v1.InferenceService(address("scheduler"), credentials),
-    estimator: new v1.EstimatorService(address("estimator"), credentials),
+    models: new v1.ModelService(address("model"), credentials, options),
+    deployments: new v1.DeploymentService(address("deploy"), credentials, options),
+    inference: new v1.InferenceService(address("scheduler"), credentials, options),
+    estimator: new v1.EstimatorService(address("estimator"), credentials, options),
     close() {
       for (const client of [this.models, this.deployments, this.inference, this.estimator]) {
         client.close();

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -475,3 +476,34 @@ def test_profiling_runs_on_service_tokens(auth_stack):
             )
         )
     assert events[-1].state == model_pb.MODEL_STATE_PROFILED, events[-1]
+
+
+def test_the_node_client_sends_iserve_token(auth_stack):
+    """clients/node with authentication on: refused without ISERVE_TOKEN, served with it."""
+    from tests.integration.test_node_client import CLIENT
+
+    node = shutil.which("node")
+    if node is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are needed for the Node client")
+    lock = CLIENT / "package-lock.json"
+    installed = CLIENT / "node_modules" / ".package-lock.json"
+    if not installed.is_file() or installed.stat().st_mtime < lock.stat().st_mtime:
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund"], cwd=CLIENT, check=True, timeout=300
+        )
+    s = auth_stack
+    create_checkpoint(s.settings.models_root / "auth-node", **TINY, overwrite=True)
+    env = {**os.environ, **s.env}
+    env.pop("ISERVE_TOKEN", None)
+    command = [node, str(CLIENT / "demo.js"), "auth-node", "auth-node", "hi", "--max-tokens", "4"]
+    refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr + refused.stdout
+    served = subprocess.run(
+        command,
+        env={**env, "ISERVE_TOKEN": s.tokens["admin"]},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert served.returncode == 0, served.stderr + served.stdout
+    assert "registered auth-node" in served.stdout
