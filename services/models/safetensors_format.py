@@ -70,7 +70,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Tensor names to TensorInfo from one file's header; tensor data is never read.
 
     Accepts what the reference ``safetensors`` library accepts: a UTF-8 JSON object of at
-    most MAX_HEADER_BYTES whose ``__metadata__`` (optional) maps strings to strings and
+    most MAX_HEADER_BYTES whose ``__metadata__`` (optional, or null) maps strings to strings and
     whose tensors, in offset order, tile the data section exactly. Raises
     InvalidCheckpoint, naming the file and the problem, for anything else: a truncated
     or oversized header, invalid JSON, an unknown dtype, a malformed shape, offsets that
@@ -128,6 +128,8 @@ def _parse_header(file: str, raw: bytes) -> dict[str, object]:
 
 
 def _check_metadata(file: str, metadata: object) -> None:
+    if metadata is None:  # the reference library reads null as no metadata
+        return
     if not isinstance(metadata, dict) or not all(
         isinstance(value, str) for value in metadata.values()
     ):
