@@ -5,8 +5,8 @@ from deploy_svc.agents import AgentClients
 from deploy_svc.controller import DeploymentController
 from deploy_svc.reconciler import Reconciler
 from deploy_svc.servicer import DeploymentServicer
+from deploy_svc.tokens import TokenServicer
 from services.api import deployment_service_pb2_grpc
-from services.auth.servicer import TokenServicer
 from services.grpc_server import ServiceBinding
 from services.service_main import ServiceParts, serve_service
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from services.auth.bootstrap import metrics_guard, server_security
 from services.grpc_server import Drain, ServiceBinding, configure_logging, run_server
 from services.metrics import RpcMetrics, new_registry, serve_metrics
+from services.security import metrics_guard, server_security
 from services.settings import METRICS_ENV, Settings, load_settings
 from services.state.store import StateStore
 

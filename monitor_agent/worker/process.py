@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from services.engine_rules import TENSOR_PARALLEL_DEGREES
 from services.grpc_server import ServiceBinding, configure_logging, run_server
 from services.models.compression import DEFAULT_PRUNE_FRACTION, PRUNINGS, WEIGHT_QUANTIZATIONS
-from services.auth.bootstrap import server_security
+from services.security import server_security
 from services.settings import drain_timeout_s, load_settings, log_level
 
 if TYPE_CHECKING:

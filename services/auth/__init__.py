@@ -4,5 +4,7 @@
 - :mod:`services.auth.tokens`: the token format, hashing, and the registry in Redis.
 - :mod:`services.auth.interceptor`: the server interceptor that enforces the policy.
 - :mod:`services.auth.access`: ownership rules servicers apply to the caller.
-- :mod:`services.auth.servicer`: TokenService (``iserve token create|list|revoke``).
+
+Built on them: :mod:`services.security` wires a process (TLS, its own token, who may
+call it) and :mod:`deploy_svc.tokens` serves TokenService (``iserve token``).
 """
