@@ -280,6 +280,8 @@ def test_hostile_deploy_requests_are_refused_leaving_nothing(stack, served):
         (dict(objectives=common.ServiceObjectives(scheduling=42)), "scheduling policy 42"),
         (dict(batch_size=2**32 - 1), "batch_size"),
         (dict(max_output_tokens=2**32 - 1), "max_output_tokens"),
+        (dict(max_input_tokens=2**32 - 1), "max_input_tokens"),
+        (dict(replicas=2**32 - 1), "replicas must be at most"),
         (dict(request_id=f"{MARK}:1"), "request_id"),
         (dict(request_id=".."), "request_id"),
     ]
