@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import statistics
 import sys
@@ -70,13 +71,16 @@ class Served:
 
 
 @contextlib.contextmanager
-def running_stack(devices: int = 2, device_memory_gib: float = 2.0) -> Iterator[Settings]:
+def running_stack(
+    devices: int = 2, device_memory_gib: float = 2.0, queue_capacity: int | None = None
+) -> Iterator[Settings]:
     """The real stack (embedded Redis, every service, one agent) in a temporary directory
     on loopback, as ``serving_overhead.py`` starts it; stopped on exit."""
     print("starting the stack ...", file=sys.stderr)
-    with launcher.temporary_stack(
-        {"ISERVE_DEVICES": str(devices), "ISERVE_DEVICE_MEMORY_GIB": str(device_memory_gib)}
-    ) as settings:
+    env = {"ISERVE_DEVICES": str(devices), "ISERVE_DEVICE_MEMORY_GIB": str(device_memory_gib)}
+    if queue_capacity is not None:
+        env["ISERVE_QUEUE_CAPACITY"] = str(queue_capacity)
+    with launcher.temporary_stack(env) as settings:
         yield settings
 
 
@@ -209,11 +213,14 @@ def scheduler_pid(settings: Settings) -> int:
 
 @dataclass(frozen=True)
 class Job:
-    """One request to send: when (seconds after the run starts) and its token counts."""
+    """One request to send: when (seconds after the run starts), its token counts, and
+    whether it asks for the front of the queue or carries its own deadline."""
 
     at_s: float
     prompt_tokens: int
     output_tokens: int
+    priority: bool = False
+    deadline_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -256,6 +263,8 @@ async def send(
             prompt_token_ids=prompt_ids(job.prompt_tokens, salt),
             max_tokens=job.output_tokens,
             sampling=common.SamplingParams(ignore_eos=True),
+            priority=job.priority,
+            deadline_ms=job.deadline_ms,
         ),
         timeout=timeout_s,
     )
@@ -297,6 +306,35 @@ async def replay(
         )
 
 
+def mixed_jobs(
+    clients: int, per_client: int, prompt_tokens: int, output_tokens: int, deadline_ms: int
+) -> list[list[Job]]:
+    """Each client's requests: every third asks for the front of the queue, every fourth
+    carries ``deadline_ms`` (the rest none)."""
+    return [
+        [
+            Job(0.0, prompt_tokens, output_tokens, n % 3 == 0, deadline_ms if n % 4 == 3 else 0)
+            for n in range(per_client)
+        ]
+        for _ in range(clients)
+    ]
+
+
+async def clients_closed_loop(
+    address: str, served: Served, per_client: Sequence[Sequence[Job]], timeout_s: float
+) -> tuple[list[Outcome], float]:
+    """Each client (its own channel) sends its jobs back to back, all clients at once;
+    (outcomes in client then job order, seconds it took)."""
+    start = time.perf_counter()
+    runs = await asyncio.gather(
+        *(
+            closed_loop(address, served, jobs, 1, timeout_s, salt=i * 100_000)
+            for i, jobs in enumerate(per_client)
+        )
+    )
+    return [o for outcomes, _ in runs for o in outcomes], time.perf_counter() - start
+
+
 async def closed_loop(
     address: str,
     served: Served,
@@ -319,7 +357,7 @@ async def closed_loop(
                 outcomes[i] = await send(
                     stub,
                     served,
-                    Job(now, job.prompt_tokens, job.output_tokens),
+                    dataclasses.replace(job, at_s=now),
                     salt + i,
                     start,
                     timeout_s,
@@ -381,6 +419,23 @@ class Tally:
 def tally(jobs: Sequence[Job], outcomes: Sequence[Outcome]) -> Tally:
     done = sum(completed(o, j) for o, j in zip(outcomes, jobs, strict=True))
     return Tally(len(jobs), done, Counter(o.code for o in outcomes))
+
+
+def scheduler_counts(samples: dict, deployment_id: str) -> dict[str, float]:
+    """The scheduler's own tally of one deployment's requests, from its Prometheus samples
+    ({(name, labels): value}): completed ("OK"), each failure code, and "tokens" streamed."""
+    counts: Counter = Counter()
+    for (name, labels), value in samples.items():
+        labels = dict(labels)
+        if labels.get("deployment_id") != deployment_id:
+            continue
+        if name == "iserve_request_success_total":
+            counts[OK] += value
+        elif name == "iserve_request_failure_total":
+            counts[labels["code"]] += value
+        elif name == "iserve_generation_tokens_total":
+            counts["tokens"] += value
+    return dict(counts)
 
 
 def median(values: Sequence[float]) -> float:
