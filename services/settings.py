@@ -35,6 +35,10 @@ variable                    meaning                                         defa
 ``ISERVE_WORKER_POOL``      ``1``: the agent forks workers from a warm       ``1``
                             process that has imported torch; ``0``: each
                             worker is a fresh ``python`` process
+``ISERVE_ENGINE``           a worker's engine: ``pytorch``, ``tensorrt_llm``  ``auto``
+                            or ``auto`` (TensorRT-LLM on a GPU when
+                            ``tensorrt_llm`` imports and the configuration
+                            maps to it; else PyTorch), see docs/engine.md
 ==========================  ==============================================  =====================
 
 Authentication and TLS (docs/security.md):
@@ -352,6 +356,19 @@ def cpu_collectives(env: Mapping[str, str] | None = None) -> str:
     choice = env.get(CPU_COLLECTIVES_ENV, "shm").strip().lower()
     if choice not in ("shm", "gloo"):
         raise ValueError(f"{CPU_COLLECTIVES_ENV} must be 'shm' or 'gloo', not {choice!r}")
+    return choice
+
+
+ENGINE_ENV = "ISERVE_ENGINE"
+ENGINE_CHOICES = ("auto", "pytorch", "tensorrt_llm")
+
+
+def engine_choice(env: Mapping[str, str] | None = None) -> str:
+    """``ISERVE_ENGINE``: "auto" (default), "pytorch" or "tensorrt_llm"; ValueError otherwise."""
+    env = os.environ if env is None else env
+    choice = env.get(ENGINE_ENV, "auto").strip().lower() or "auto"
+    if choice not in ENGINE_CHOICES:
+        raise ValueError(f"{ENGINE_ENV} must be one of {ENGINE_CHOICES}, not {choice!r}")
     return choice
 
 
