@@ -73,13 +73,13 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
     def _parse(self, request: worker_pb.WorkerServiceGenerateRequest) -> GenerationRequest:
         """The engine's request for ``request``, checked once; InvalidArgument saying what
         to fix."""
-        if request.prompt_token_ids:
-            prompt_ids = list(request.prompt_token_ids)
-        else:
-            require(bool(request.prompt), "prompt is empty: set prompt or prompt_token_ids")
-            prompt_ids = self.runner.engine.encode(request.prompt)
         sampling = sampling_config(request.sampling)
         try:
+            if request.prompt_token_ids:
+                prompt_ids = list(request.prompt_token_ids)
+            else:
+                require(bool(request.prompt), "prompt is empty: set prompt or prompt_token_ids")
+                prompt_ids = self.runner.engine.encode(request.prompt)
             return self.runner.parse(prompt_ids, request.max_tokens, sampling)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc

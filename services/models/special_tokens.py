@@ -48,6 +48,23 @@ def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True).ids
 
 
+# Characters one token may stand for at most, beyond the vocabulary's longest piece: an
+# unknown-word token covers a whole word (WordPiece's cap is 100 characters).
+_UNKNOWN_WORD_CHARS = 128
+# Normalizers (NFKC and the like) may fold a few characters into one before encoding.
+_NORMALIZER_FOLD = 4
+
+
+def max_prompt_chars(tokenizer: Tokenizer, max_tokens: int) -> int:
+    """A text longer than this cannot encode to ``max_tokens`` tokens or fewer with
+    ``tokenizer``: no token stands for more characters than the vocabulary's longest
+    piece (or an unknown word), allowing for normalizers that fold characters. Lets a
+    worker refuse a huge prompt without tokenizing it."""
+    pieces = tokenizer.get_vocab(with_added_tokens=True)
+    longest = max((len(piece) for piece in pieces), default=1)
+    return _NORMALIZER_FOLD * max_tokens * max(longest, _UNKNOWN_WORD_CHARS)
+
+
 def ids_in_vocabulary(source: str, ids: Iterable[int], vocab_size: int) -> tuple[int, ...]:
     """``ids`` less those outside ``[0, vocab_size)``, each dropped with a warning that
     names ``source`` (e.g. "config eos_token_id")."""

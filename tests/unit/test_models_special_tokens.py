@@ -13,12 +13,15 @@ that is how text is split, not which special tokens are added, and is not covere
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from monitor_agent.engine.engine import Engine, SamplingConfig
@@ -28,7 +31,7 @@ from services.models.checkpoint import (
     create_checkpoint,
     validate_checkpoint,
 )
-from services.models.special_tokens import encode_prompt, generation_eos_ids
+from services.models.special_tokens import encode_prompt, generation_eos_ids, max_prompt_chars
 
 FAMILIES = ("llama", "mistral", "qwen2", "falcon", "gptj")
 TEXTS = (
@@ -225,3 +228,20 @@ def test_generation_config_eos_ids(tmp_path) -> None:
     path.write_text("[1, 2]")
     with pytest.raises(InvalidCheckpoint, match="generation_config.json is malformed"):
         generation_eos_ids(tmp_path, VOCAB_SIZE)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=400))
+def test_no_text_is_longer_than_the_bound_for_its_own_token_count(text):
+    """max_prompt_chars(tokenizer, n) bounds the length of every text that encodes to n
+    tokens, so a worker may refuse a longer one without encoding it."""
+    tokenizer = _bound_tokenizer()
+    n = len(tokenizer.encode(text, add_special_tokens=False).ids)
+    assert len(text) <= max_prompt_chars(tokenizer, max(n, 1))
+
+
+@functools.cache
+def _bound_tokenizer():
+    from services.models.tokenizer import build_tokenizer
+
+    return build_tokenizer()

@@ -371,3 +371,14 @@ def test_loading_a_model_imports_no_compiler_machinery(checkpoint, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_without_tokenizing(stub):
+    huge = "the river runs past the mill " * 400_000  # 12 MB of text
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(stub, prompt=huge, max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "characters cannot fit" in err.value.details()
+    assert time.monotonic() - start < 10  # refused by length, not after encoding it all
+    assert len(_generate(stub, prompt=PROMPT, max_tokens=2)) == 2  # and the worker serves on
