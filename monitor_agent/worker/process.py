@@ -21,6 +21,12 @@ the steps rank 0 broadcasts (:mod:`monitor_agent.worker.follower`), writing
 ``"port": 0`` in their ready files. When the group loses a rank, rank 0 fails the
 requests in flight with UNAVAILABLE and exits with code 3, the others exit with code 3 as
 well (see :mod:`monitor_agent.engine.distributed`).
+
+Engines (``--engine``, default ``ISERVE_ENGINE``, see
+:mod:`monitor_agent.engine.trtllm.selection`): the PyTorch engine, or TensorRT-LLM on
+NVIDIA GPUs, which runs a whole tp·pp group from rank 0's process (``--group-devices``,
+``--stage-layers``) and accepts the quantizations only it has (GPTQ/AWQ int4, an fp8 KV
+cache).
 """
 
 from __future__ import annotations
@@ -38,13 +44,26 @@ from typing import TYPE_CHECKING
 
 from services.engine_rules import TENSOR_PARALLEL_DEGREES
 from services.grpc_server import ServiceBinding, configure_logging, run_server
-from services.models.compression import DEFAULT_PRUNE_FRACTION, PRUNINGS, WEIGHT_QUANTIZATIONS
+from services.models.compression import (
+    DEFAULT_PRUNE_FRACTION,
+    KV_QUANTIZATIONS,
+    PRUNINGS,
+    WEIGHT_QUANTIZATIONS,
+)
 from services.security import server_security
-from services.settings import drain_timeout_s, load_settings, log_level
+from services.settings import (
+    ENGINE_CHOICES,
+    drain_timeout_s,
+    engine_choice,
+    load_settings,
+    log_level,
+)
 
 if TYPE_CHECKING:
     from monitor_agent.engine.distributed import ParallelContext
     from monitor_agent.engine.engine import Engine
+    from monitor_agent.engine.trtllm.engine import TrtLlmEngine
+    from monitor_agent.engine.trtllm.mapping import TrtLlmConfig
 
 log = logging.getLogger("iserve.worker")
 
@@ -54,6 +73,11 @@ EXIT_GROUP_LOST = 3
 PARENT_POLL_S = 1.0
 # After the group lost a rank, generations in flight get this long to send their error.
 LOST_GROUP_DRAIN_S = 1.0
+PYTORCH_ENGINE = "pytorch"
+TENSORRT_LLM_ENGINE = "tensorrt_llm"
+# Options only the TensorRT-LLM engine runs (monitor_agent.engine.trtllm.mapping).
+TRTLLM_ONLY_WEIGHT_QUANTIZATIONS = ("gptq-int4", "awq-int4")
+TRTLLM_ONLY_KV_QUANTIZATIONS = ("fp8",)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -85,14 +109,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--kv-quant",
         default="none",
-        choices=["none", "int8"],
-        help="KV-cache storage: the model dtype, or int8 with per-position scales",
+        choices=[*KV_QUANTIZATIONS, *TRTLLM_ONLY_KV_QUANTIZATIONS],
+        help="KV-cache storage: the model dtype, or int8 with per-position scales; fp8 "
+        "with the TensorRT-LLM engine only",
     )
     parser.add_argument(
         "--weight-quant",
         default="none",
-        choices=WEIGHT_QUANTIZATIONS,
-        help="weight-only quantization of the attention and MLP projections",
+        choices=[*WEIGHT_QUANTIZATIONS, *TRTLLM_ONLY_WEIGHT_QUANTIZATIONS],
+        help="weight-only quantization of the attention and MLP projections; the GPTQ/AWQ "
+        "int4 checkpoints with the TensorRT-LLM engine only",
     )
     parser.add_argument(
         "--pruning",
@@ -113,6 +139,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="keep a layer clock (GetWorkerStats reports it); profiling jobs set this",
     )
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda:N")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINE_CHOICES,
+        default=None,
+        help="the engine to run (default: ISERVE_ENGINE, else auto)",
+    )
+    parser.add_argument(
+        "--group-devices",
+        default="",
+        help="TensorRT-LLM engine: comma-separated CUDA device indices of every rank of the "
+        "group, in rank order (default: --device's, for one rank)",
+    )
+    parser.add_argument(
+        "--stage-layers",
+        default="",
+        help="TensorRT-LLM engine: each pipeline stage's layer count, comma-separated "
+        "(default: an even split)",
+    )
     parser.add_argument(
         "--cores", default="", help="comma-separated CPU cores to pin to (empty: no pinning)"
     )
@@ -157,7 +201,8 @@ def check_args(args: argparse.Namespace) -> list[int]:
         raise ValueError(f"--world-size {args.world_size} must equal tp·pp = {tp * pp}")
     if not 0 <= args.rank < args.world_size:
         raise ValueError(f"--rank {args.rank} is outside 0..{args.world_size - 1}")
-    if args.world_size > 1 and not args.rendezvous:
+    check_engine(args)
+    if args.world_size > 1 and args.engine == PYTORCH_ENGINE and not args.rendezvous:
         raise ValueError("--rendezvous HOST:PORT is required with more than one rank")
     if args.first_layer < 0 or args.layer_count < 0:
         raise ValueError("--first-layer and --layer-count must not be negative")
@@ -176,6 +221,73 @@ def check_args(args: argparse.Namespace) -> list[int]:
     return parse_cores(args.cores)
 
 
+def check_engine(args: argparse.Namespace) -> None:
+    """Set ``args.engine`` to the engine this worker runs ("pytorch" or "tensorrt_llm");
+    ValueError (CannotMap, EngineUnavailable) saying why when the choice cannot run."""
+    from monitor_agent.engine.trtllm.selection import choose_engine
+
+    choice = args.engine or engine_choice()
+    # auto may run TensorRT-LLM only where the agent started this process as the group.
+    args.engine = choose_engine(
+        choice, trtllm_config(args), device=args.device, worker_ranks=args.world_size
+    )
+    if args.engine == TENSORRT_LLM_ENGINE:
+        if args.rank != 0:
+            raise ValueError(
+                f"--rank {args.rank}: the TensorRT-LLM engine runs every rank of the group "
+                "from rank 0's worker; start rank 0 only"
+            )
+        return
+    only = {
+        "--weight-quant": (args.weight_quant, TRTLLM_ONLY_WEIGHT_QUANTIZATIONS),
+        "--kv-quant": (args.kv_quant, TRTLLM_ONLY_KV_QUANTIZATIONS),
+    }
+    for option, (value, trtllm_only) in only.items():
+        if value in trtllm_only:
+            raise ValueError(f"{option} {value} needs the TensorRT-LLM engine (--engine)")
+    for option, value in (
+        ("--group-devices", args.group_devices),
+        ("--stage-layers", args.stage_layers),
+    ):
+        if value:
+            raise ValueError(
+                f"{option} is for the TensorRT-LLM engine; the PyTorch engine "
+                "takes one rank's --device and --first-layer/--layer-count"
+            )
+
+
+def trtllm_config(args: argparse.Namespace) -> TrtLlmConfig:
+    """The TensorRT-LLM engine's configuration in ``args``; ValueError for a malformed
+    --group-devices or --stage-layers."""
+    from monitor_agent.engine.trtllm.mapping import TrtLlmConfig
+
+    if args.group_devices:
+        devices = tuple(_int_list(args.group_devices, "--group-devices"))
+    else:
+        _, _, index = args.device.partition(":")
+        devices = (int(index) if index.isdigit() else 0,)
+    return TrtLlmConfig(
+        checkpoint_dir=args.checkpoint,
+        devices=devices,
+        dtype=args.dtype,
+        max_seq_len=args.max_seq_len,
+        max_batch=args.max_batch,
+        tensor_parallel=args.tensor_parallel,
+        pipeline_parallel=args.pipeline_parallel,
+        stage_layers=tuple(_int_list(args.stage_layers, "--stage-layers")),
+        weight_quant=args.weight_quant,
+        kv_cache_dtype=None if args.kv_quant == "none" else args.kv_quant,
+        pruning=args.pruning,
+    )
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"{option}: give comma-separated non-negative integers, got {text!r}")
+    return [int(p) for p in parts]
+
+
 def write_ready_file(path: Path, record: dict) -> None:
     """Write ``record`` as JSON so that readers see the whole file or none of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,11 +296,15 @@ def write_ready_file(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
-def peak_memory_probe(engine: Engine, device: str) -> Callable[[], int]:
+def peak_memory_probe(
+    engine: Engine | TrtLlmEngine, device: str, engine_kind: str = PYTORCH_ENGINE
+) -> Callable[[], int]:
     """A function returning the worker's peak memory in bytes on ``device``: the CUDA
     allocator's peak on GPUs; on CPU, where the process RSS mostly measures the Python
-    runtime, the engine's own account of weights, KV cache and peak activations."""
-    if device.startswith("cuda"):
+    runtime, the engine's own account of weights, KV cache and peak activations. The
+    TensorRT-LLM engine allocates outside torch's allocator (and in its own rank
+    processes), so its own account is its peak: what its build took on the devices."""
+    if device.startswith("cuda") and engine_kind == PYTORCH_ENGINE:
         import torch
 
         return lambda: int(torch.cuda.max_memory_allocated(torch.device(device)))
@@ -212,7 +328,7 @@ def parent_watch(parent_pid: int) -> Callable[[], Awaitable[None]]:
     return watch_parent
 
 
-async def serve(args: argparse.Namespace, engine: Engine) -> bool:
+async def serve(args: argparse.Namespace, engine: Engine | TrtLlmEngine) -> bool:
     """Serve WorkerService until SIGTERM; True when it stopped because the parallel group
     lost a rank."""
     # Imported here, not at the top: they import torch, which must start its thread pools
@@ -227,7 +343,7 @@ async def serve(args: argparse.Namespace, engine: Engine) -> bool:
     servicer = WorkerServicer(
         runner,
         WorkerIdentity(args.deployment_id, args.rank),
-        peak_memory_bytes=peak_memory_probe(engine, args.device),
+        peak_memory_bytes=peak_memory_probe(engine, args.device, args.engine),
     )
     binding = ServiceBinding(
         servicer,
@@ -272,12 +388,15 @@ async def serve(args: argparse.Namespace, engine: Engine) -> bool:
         runner.close()
         if group is not None:
             await asyncio.to_thread(group.close)
+        if args.engine == TENSORRT_LLM_ENGINE:
+            await asyncio.to_thread(engine.close)
     return group is not None and group.lost is not None
 
 
 def join_group(args: argparse.Namespace) -> ParallelContext | None:
-    """This rank's place in the tensor/pipeline-parallel group; None for a single rank."""
-    if args.world_size == 1:
+    """This rank's place in the tensor/pipeline-parallel group; None for a single rank or
+    the TensorRT-LLM engine (which forms its group itself)."""
+    if args.world_size == 1 or args.engine == TENSORRT_LLM_ENGINE:
         return None
     from monitor_agent.engine.distributed import ParallelLayout, init_parallel
 
@@ -293,9 +412,13 @@ def join_group(args: argparse.Namespace) -> ParallelContext | None:
 
 def load_engine(
     args: argparse.Namespace, cores: list[int], parallel: ParallelContext | None = None
-) -> Engine:
+) -> Engine | TrtLlmEngine:
     """The engine ``args`` describe, computing on ``len(cores)`` threads (all if none);
     with ``parallel``, this rank's stage and shard of it."""
+    if getattr(args, "engine", None) == TENSORRT_LLM_ENGINE:
+        from monitor_agent.engine.trtllm.engine import TrtLlmEngine
+
+        return TrtLlmEngine(trtllm_config(args))
     from monitor_agent.engine.engine import Engine
 
     return Engine(
