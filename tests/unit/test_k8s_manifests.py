@@ -22,8 +22,10 @@ kubernetes_validate = pytest.importorskip(
 yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
+DEPLOY = ROOT / "deploy" / "k8s"
+K8S = DEPLOY / "base"
 KUSTOMIZATION = K8S / "kustomization.yaml"
+HOSTNETWORK = DEPLOY / "hostnetwork"
 # The oldest release these manifests target (native gRPC probes are GA since 1.27) and the
 # newest the installed schemas know.
 VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
@@ -147,18 +149,42 @@ def test_kustomization_lists_every_manifest_but_the_secret_example():
     assert yaml.safe_load(KUSTOMIZATION.read_text())["namespace"] == "iserve"
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) not on PATH")
-def test_rendered_kustomization_is_valid():
+def test_top_level_kustomization_applies_the_base():
+    top = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    assert top["resources"] == ["base"]
+    overlay = yaml.safe_load((HOSTNETWORK / "kustomization.yaml").read_text())
+    assert overlay["resources"] == ["../base"]
+    for patch in overlay["patches"]:
+        (doc,) = documents(HOSTNETWORK / patch["path"])
+        assert (doc["kind"], doc["metadata"]["name"]) == ("DaemonSet", "agent")
+        assert doc["spec"]["template"]["spec"]["hostNetwork"] is True
+
+
+def _kustomize(folder: Path) -> list[dict]:
     reply = subprocess.run(
-        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60
+        ["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60
     )
     assert reply.returncode == 0, reply.stderr
-    rendered = [d for d in yaml.safe_load_all(reply.stdout) if d]
+    return [d for d in yaml.safe_load_all(reply.stdout) if d]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) not on PATH")
+@pytest.mark.parametrize("folder", [DEPLOY, HOSTNETWORK], ids=["base", "hostnetwork"])
+def test_rendered_kustomization_is_valid(folder):
+    rendered = _kustomize(folder)
     assert len(rendered) == len(all_objects()) - 1  # all but the Secret example
     for doc in rendered:
         assert not validation_errors(doc), (doc["kind"], doc["metadata"]["name"])
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == "iserve"
+    agent = next(d for d in rendered if d["kind"] == "DaemonSet")
+    spec = agent["spec"]["template"]["spec"]
+    assert spec.get("hostNetwork", False) is (folder == HOSTNETWORK)
+    if folder == HOSTNETWORK:
+        assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        # The patch adds to the agent's environment; it does not replace it.
+        names = {e["name"] for e in spec["containers"][0]["env"]}
+        assert {"ISERVE_NODE_ID", "ISERVE_AGENT_ADDR", "NCCL_SOCKET_IFNAME"} <= names
 
 
 # ---- what the manifests hold ---------------------------------------------------------------
