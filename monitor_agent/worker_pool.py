@@ -22,6 +22,7 @@ no thread pool exists to be broken by the fork; each worker sizes its own
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -36,6 +37,26 @@ PRELOAD = ("torch", "monitor_agent.worker.process", "monitor_agent.engine.engine
 _WORKER_MODULE = ("-m", "monitor_agent.worker")
 
 
+def _let_go_of_the_fork_server() -> None:
+    """Close this child's copy of the fork server's "alive" pipe.
+
+    The fork server exits once no process holds the pipe's write end, and it hands that
+    end to every process it forks (for multiprocessing's own children, which must keep
+    it alive). A worker holding it would keep the fork server alive after the agent
+    dies (SIGKILL), and with it the worker, which stops only when its parent, the fork
+    server, is gone: orphans holding device memory and ports. Without it the fork
+    server exits with the agent and the worker follows (its parent watch).
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # noqa: SLF001 - where _serve_one left the fd
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None  # noqa: SLF001
+
+
 def _run_worker(args: list[str], env: dict[str, str], log_path: str) -> None:
     """Body of a forked worker (runs in the child)."""
     os.setsid()
@@ -48,6 +69,7 @@ def _run_worker(args: list[str], env: dict[str, str], log_path: str) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
+    _let_go_of_the_fork_server()
     if "--parent-pid" in args:
         # The fork server is this process's parent; it exits when the agent does.
         args[args.index("--parent-pid") + 1] = str(os.getppid())
