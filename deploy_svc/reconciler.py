@@ -23,7 +23,7 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.grpc_server import channel
 from services.ids import replica_group_id
-from services.state.store import StateStore
+from services.state.store import StateStore, StateStoreUnavailable
 
 log = logging.getLogger("iserve.deploy.reconciler")
 HEALTH_TIMEOUT_S = 1.0
@@ -43,6 +43,8 @@ async def worker_answers(address: str) -> bool:
 # Reservations and workers of profiling jobs (fingerprint_svc.profiler) are not ours.
 PROFILING_OWNER_PREFIX = "profile-"
 LIST_TIMEOUT_S = 15.0
+# How often the agents are asked which workers they run (``Reconciler.check_workers``).
+WORKER_CHECK_INTERVAL_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -75,20 +77,11 @@ class Reconciler:
         actions: list[str] = []
         deployments = await self.store.list_deployments()
         running, answered = await self._running_workers()
+        actions += await self._fail_missing(
+            deployments, running, answered, "after a deployer restart"
+        )
         for dep in deployments:
-            if dep.state == deploy_pb.DEPLOYMENT_STATE_READY:
-                for replica in replicas.serving(dep):
-                    group = replica_group_id(dep.deployment_id, replica.index)
-                    # (A node whose agent did not answer is left to the heartbeat check.)
-                    if not set(replicas.nodes_of(replica.placement)) <= answered:
-                        continue
-                    ranks = {w.rank for w in running.get(group, [])}
-                    missing = sorted(set(range(_rank_count(replica.placement))) - ranks)
-                    if missing:
-                        reason = f"after a deployer restart, rank(s) {missing} are not running"
-                        await self.controller.fail(group, reason)
-                        actions.append(f"failed {group}: {reason}")
-            elif dep.state == deploy_pb.DEPLOYMENT_STATE_STARTING:
+            if dep.state == deploy_pb.DEPLOYMENT_STATE_STARTING:
                 if await self.controller.healer.record_of(dep.deployment_id) is not None:
                     continue  # restarting a replica: resumed below
                 reason = "the deployer restarted while the deployment was starting"
@@ -122,6 +115,41 @@ class Reconciler:
         for line in actions:
             log.info("reconcile: %s", line)
         self.controller.reconciled.set()
+        return actions
+
+    async def check_workers(self) -> list[str]:
+        """Restart the serving replicas whose workers their (answering) agents no longer
+        run: an agent restarted on its own (its old workers stop with it), or the whole
+        stack stopped and started while an agent was slow to answer. Returns what it did.
+
+        Records are read before the agents are asked, so a replica started in between is
+        not mistaken for one without workers."""
+        deployments = await self.store.list_deployments()
+        running, answered = await self._running_workers()
+        return await self._fail_missing(deployments, running, answered, "its agent reports")
+
+    async def _fail_missing(
+        self,
+        deployments: list[deploy_pb.Deployment],
+        running: dict[str, list[_NodeWorker]],
+        answered: set[str],
+        when: str,
+    ) -> list[str]:
+        """Fail (to be restarted) each serving replica of ``deployments`` missing a rank
+        among ``running``; nodes whose agents did not answer are left to the heartbeat
+        check."""
+        actions = []
+        for dep in deployments:
+            for replica in replicas.serving(dep):
+                group = replica_group_id(dep.deployment_id, replica.index)
+                if not set(replicas.nodes_of(replica.placement)) <= answered:
+                    continue
+                ranks = {w.rank for w in running.get(group, [])}
+                missing = sorted(set(range(_rank_count(replica.placement))) - ranks)
+                if missing:
+                    reason = f"{when}, rank(s) {missing} are not running"
+                    if await self.controller.fail(group, reason):
+                        actions.append(f"failed {group}: {reason}")
         return actions
 
     async def _running_workers(self) -> tuple[dict[str, list[_NodeWorker]], set[str]]:
@@ -186,14 +214,29 @@ class Reconciler:
             except Exception:  # noqa: BLE001 - retry until Redis and the agents answer
                 log.exception("start-up reconciliation failed; retrying")
                 await asyncio.sleep(1.0)
+        loop = asyncio.get_running_loop()
+        workers_checked_at = loop.time()
+        # After Redis was unreachable, heartbeats may have lapsed while the agents could
+        # not renew them: nodes are judged again only once they had a TTL to do so.
+        judge_nodes_from = 0.0
+        heartbeat_ttl_s = float(getattr(self.controller.settings, "heartbeat_ttl_s", 5.0))
         while True:
             try:
                 for event_id, event in await self.store.read_events(last, block_ms=1000):
                     last = event_id
                     await self.handle(event)
-                await self.check_nodes()
+                if loop.time() >= judge_nodes_from:
+                    await self.check_nodes()
+                if loop.time() - workers_checked_at >= WORKER_CHECK_INTERVAL_S:
+                    workers_checked_at = loop.time()
+                    for line in await self.check_workers():
+                        log.warning("reconcile: %s", line)
             except asyncio.CancelledError:
                 raise
+            except StateStoreUnavailable as exc:
+                log.warning("reconciliation paused: %s", exc)
+                judge_nodes_from = loop.time() + heartbeat_ttl_s + 1.0
+                await asyncio.sleep(1.0)
             except Exception:  # noqa: BLE001 - the loop must survive a bad event or a Redis blip
                 log.exception("reconciliation step failed")
                 await asyncio.sleep(1.0)

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -34,6 +36,7 @@ EVENTS_MAXLEN = 10_000
 # than any blocking read (``read_events`` waits 1 s).
 CONNECT_TIMEOUT_S = 2.0
 REPLY_TIMEOUT_S = 10.0
+RECONNECT_RETRIES = 2
 
 # KEYS: reservation, reservation index, device keys…  ARGV: owner, bytes per device…
 # Returns {1} on success, {0, i, free} when device i lacks room, {-1, i} when device i
@@ -145,6 +148,11 @@ class StateStore:
                 decode_responses=True,
                 socket_connect_timeout=CONNECT_TIMEOUT_S,
                 socket_timeout=REPLY_TIMEOUT_S,
+                # A pooled connection to a Redis that has since restarted fails once
+                # ("Connection closed by server"): try again on a new one. Not on a
+                # timeout, after which the command may have run.
+                retry=Retry(ExponentialBackoff(cap=0.5, base=0.1), RECONNECT_RETRIES),
+                retry_on_error=[RedisConnectionError],
             )
         )
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 
 import grpc
 import pytest
 
-from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
@@ -283,55 +280,6 @@ def test_cancel_stops_generation_on_the_worker(stack, served):
     assert wait_for(lambda: _worker_stats(served.worker_address).active_requests == 0, timeout=10)
     after = _worker_stats(served.worker_address).tokens_generated
     assert after - before < served.max_output_tokens // 2
-
-
-def test_worker_killed_mid_stream_is_unavailable_and_releases_memory(stack):
-    register(
-        stack,
-        "doomed",
-        make_checkpoint(
-            stack, "doomed", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4
-        ),
-    )
-    before = reserved_by_device(stack)
-    dep = deploy(stack, "doomed", max_output_tokens=1500).deployment
-    [worker] = stack.agent.ListWorkers(
-        agent_pb.ListWorkersRequest(deployment_id=dep.deployment_id)
-    ).workers
-    stream = _Stream(
-        stack,
-        deployment_id=dep.deployment_id,
-        prompt="hello",
-        max_tokens=1500,
-        sampling=common.SamplingParams(ignore_eos=True),
-    )
-    assert stream.first.wait(60) and stream.error is None
-    os.kill(worker.pid, signal.SIGKILL)
-    stream.thread.join(30)
-    assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
-    assert "gone" in stream.error.details() or "unavailable" in stream.error.details().lower()
-
-    def failed():
-        d = stack.deployments.GetDeployment(
-            deploy_pb.GetDeploymentRequest(deployment_id=dep.deployment_id)
-        ).deployment
-        return d.state == deploy_pb.DEPLOYMENT_STATE_FAILED
-
-    assert wait_for(failed, timeout=15)
-    assert wait_for(lambda: reserved_by_device(stack) == before, timeout=10)
-    d = stack.deployments.GetDeployment(
-        deploy_pb.GetDeploymentRequest(deployment_id=dep.deployment_id)
-    ).deployment
-    assert "exited" in d.state_reason or "unreachable" in d.state_reason
-    # New requests to the failed deployment are refused, not hung.
-    code, _ = _code(
-        lambda: generate(stack, deployment_id=dep.deployment_id, prompt="hi", max_tokens=1)
-    )
-    assert code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
-    stack.deployments.RemoveDeployment(
-        deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
-    )
-    stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="doomed"))
 
 
 def test_deploying_a_model_without_a_checkpoint_is_failed_precondition(stack):

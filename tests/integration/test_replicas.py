@@ -30,7 +30,7 @@ from tests.integration.helpers import (
 )
 
 READY = deploy_pb.DEPLOYMENT_STATE_READY
-FAILED = deploy_pb.DEPLOYMENT_STATE_FAILED
+STARTING = deploy_pb.DEPLOYMENT_STATE_STARTING
 LIVE = (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY)
 NO_EOS = common.SamplingParams(ignore_eos=True)
 MODEL = "twin-llama"
@@ -83,7 +83,7 @@ def _generate_many(stack, deployment_id: str, count: int) -> list[int]:
         return list(pool.map(one, range(count)))
 
 
-def test_two_replicas_serve_and_one_survives_the_others_worker_dying(stack, twin):
+def test_two_replicas_serve_and_one_heals_while_the_other_serves(stack, twin):
     before = reserved_by_device(stack)
     dep = deploy(stack, twin, replicas=2, batch_size=1, max_output_tokens=32).deployment
     deployment_id = dep.deployment_id
@@ -102,37 +102,49 @@ def test_two_replicas_serve_and_one_survives_the_others_worker_dying(stack, twin
     grown = [_tokens_generated(a) - t for a, t in zip(addresses, tokens, strict=True)]
     assert all(g > 0 for g in grown), grown
 
-    # Kill replica 0's worker: the replica is taken out, its memory released, and the
-    # record points at replica 1; the deployment stays READY.
+    # Kill replica 0's worker: the replica is taken out to be restarted while the record
+    # points at replica 1; the deployment stays READY. Then replica 0 serves again.
+    held = reserved_by_device(stack)
     [victim] = _live_workers(stack, deployment_id)
     os.kill(victim.pid, signal.SIGKILL)
-    assert wait_for(lambda: _get(stack, deployment_id).replicas[0].state == FAILED, timeout=20)
+    assert wait_for(lambda: _get(stack, deployment_id).replicas[0].state != READY, timeout=20)
     now = _get(stack, deployment_id)
     assert now.state == READY
     assert now.replicas[1].state == READY
-    assert "exited" in now.replicas[0].state_reason
+    assert now.replicas[0].state == STARTING
+    reason = now.replicas[0].state_reason
+    assert reason.startswith("restart 1 in 1 s after: worker"), reason
     assert now.worker_address == addresses[1]
-    device0 = "/".join(sorted(places[0])[0])
-    assert wait_for(lambda: reserved_by_device(stack)[device0] == before[device0], timeout=10)
+
+    def replica0_back() -> bool:
+        again = _get(stack, deployment_id).replicas[0]
+        return again.state == READY and again.worker_address not in ("", addresses[0])
+
+    assert wait_for(replica0_back, timeout=120)
+    now = _get(stack, deployment_id)
+    assert now.replicas[0].state_reason.startswith("restarted 1 time(s); last error: worker")
+    assert now.worker_address == now.replicas[0].worker_address
+    addresses = [now.replicas[0].worker_address, addresses[1]]
+    assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20)
 
     listed = cli(stack, "deployments", "--model", MODEL)
     assert listed.returncode == 0, listed.stderr
-    assert f"replica 0 FAILED {addresses[0]}" in listed.stdout
+    assert f"replica 0 READY {addresses[0]}" in listed.stdout
     assert f"replica 1 READY {addresses[1]}" in listed.stdout
     listed = cli(stack, "deployments", "--model", MODEL, "--json")
     [record] = [json.loads(line) for line in listed.stdout.splitlines()]
     assert [(r["state"], r["worker_address"]) for r in record["replicas"]] == [
-        ("DEPLOYMENT_STATE_FAILED", addresses[0]),
+        ("DEPLOYMENT_STATE_READY", addresses[0]),
         ("DEPLOYMENT_STATE_READY", addresses[1]),
     ]
 
-    # Generations keep succeeding through the scheduler, on replica 1, once its
-    # routing cache has the new record (it refreshes every second).
+    # Generations keep succeeding through the scheduler, on both replicas again, once
+    # its routing cache has the new record (it refreshes every second).
     time.sleep(1.5)
-    tokens1 = _tokens_generated(addresses[1])
-    assert _generate_many(stack, deployment_id, 3) == [24] * 3
+    tokens = [_tokens_generated(a) for a in addresses]
+    assert _generate_many(stack, deployment_id, 4) == [24] * 4
     assert generate(stack, model_id=MODEL, prompt="by model", max_tokens=4)[1].finish_reason
-    assert _tokens_generated(addresses[1]) > tokens1
+    assert sum(_tokens_generated(a) for a in addresses) > sum(tokens)
 
     # Remove stops every replica and releases every reservation.
     stack.deployments.RemoveDeployment(

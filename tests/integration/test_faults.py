@@ -1,0 +1,345 @@
+"""Faults on real processes, on a stack of this module's own (it kills its services,
+its agent and its Redis): a worker killed mid-stream, the deployer and the scheduler
+SIGKILLed, the agent SIGKILLed until its heartbeat lapses, Redis down and back, and the
+whole stack stopped and started. Each time the deployment serves again without a Deploy
+call, its memory reserved once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import grpc
+import pytest
+
+from services.api import agent_service_pb2 as agent_pb
+from services.api import (
+    agent_service_pb2_grpc,
+    deployment_service_pb2_grpc,
+    inference_service_pb2_grpc,
+    model_service_pb2_grpc,
+)
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import inference_service_pb2 as infer_pb
+from services.api import model_service_pb2 as model_pb
+from services.cli import stack as launcher
+from services.redis_embedded import start_redis
+from services.settings import load_settings, read_stack_file
+from tests.conftest import DEVICE_MEMORY_GIB, QUEUE_CAPACITY, Stack
+from tests.integration.conftest import SERVED_SHAPE
+from tests.integration.helpers import (
+    deploy,
+    generate,
+    make_checkpoint,
+    register,
+    reserved_by_device,
+    rid,
+    wait_for,
+    with_store,
+)
+
+pytestmark = pytest.mark.integration
+
+READY = deploy_pb.DEPLOYMENT_STATE_READY
+MODEL = "faulty-llama"
+LONG = 1500
+HEAL_TIMEOUT_S = 120
+
+
+def _stack_of(settings, channels) -> Stack:
+    return Stack(
+        settings=settings,
+        env={
+            **{k: v for k, v in os.environ.items() if k.startswith("ISERVE_")},
+            "REDIS_URL": settings.redis_url,
+        },
+        redis_url=settings.redis_url,
+        models=model_service_pb2_grpc.ModelServiceStub(channels["model"]),
+        deployments=deployment_service_pb2_grpc.DeploymentServiceStub(channels["deploy"]),
+        inference=inference_service_pb2_grpc.InferenceServiceStub(channels["scheduler"]),
+        agent=agent_service_pb2_grpc.AgentServiceStub(channels["agent"]),
+    )
+
+
+@pytest.fixture(scope="module")
+def own_stack(tmp_path_factory) -> Iterator[Stack]:
+    env = {
+        "ISERVE_DEVICES": "2",
+        "ISERVE_DEVICE_MEMORY_GIB": str(DEVICE_MEMORY_GIB),
+        "ISERVE_QUEUE_CAPACITY": str(QUEUE_CAPACITY),
+        "ISERVE_READY_TIMEOUT_S": "90",
+        "ISERVE_HEARTBEAT_TTL_S": "5",
+    }
+    state_dir = tmp_path_factory.mktemp("iserve-faults")
+    with launcher.temporary_stack(env, state_dir=state_dir) as settings:
+        channels = {
+            name: grpc.insecure_channel(settings.address(name)) for name in settings.addresses
+        }
+        try:
+            yield _stack_of(settings, channels)
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+
+@pytest.fixture(scope="module")
+def model(own_stack) -> str:
+    register(own_stack, MODEL, make_checkpoint(own_stack, MODEL, **SERVED_SHAPE))
+    return MODEL
+
+
+@pytest.fixture
+def deployment(own_stack, model) -> Iterator[deploy_pb.Deployment]:
+    """A READY deployment of the test's own (its restart budget fresh), removed after."""
+    dep = deploy(own_stack, model, max_output_tokens=LONG).deployment
+    yield dep
+    try:
+        own_stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id), timeout=60
+        )
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+
+
+class Stream:
+    """A long generation consumed on a thread; ``first`` is set at the first delta."""
+
+    def __init__(self, stack: Stack, deployment_id: str):
+        self.call = stack.inference.Generate(
+            infer_pb.GenerateRequest(
+                request_id=rid(),
+                deployment_id=deployment_id,
+                prompt="Once upon a time",
+                max_tokens=LONG,
+                sampling=common.SamplingParams(ignore_eos=True),
+            ),
+            timeout=300,
+        )
+        self.first = threading.Event()
+        self.error: grpc.RpcError | None = None
+        self.final: infer_pb.GenerateFinal | None = None
+        self.tokens = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for message in self.call:
+                if message.HasField("delta"):
+                    self.tokens += len(message.delta.token_ids)
+                    self.first.set()
+                else:
+                    self.final = message.final
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.first.set()
+
+
+def current(stack: Stack, deployment_id: str) -> deploy_pb.Deployment | None:
+    try:
+        return stack.deployments.GetDeployment(
+            deploy_pb.GetDeploymentRequest(deployment_id=deployment_id), timeout=10
+        ).deployment
+    except grpc.RpcError:
+        return None  # the deployer (or Redis) is not back yet
+
+
+def worker_pids(stack: Stack, deployment_id: str) -> list[int]:
+    try:
+        reply = stack.agent.ListWorkers(
+            agent_pb.ListWorkersRequest(deployment_id=deployment_id), timeout=10
+        )
+    except grpc.RpcError:
+        return []
+    return [w.pid for w in reply.workers if w.state == agent_pb.WORKER_STATE_READY]
+
+
+def serving_again(stack: Stack, deployment_id: str, old_pids: list[int]) -> deploy_pb.Deployment:
+    """The deployment once it is READY on new workers (asserts it gets there)."""
+
+    def healed() -> bool:
+        now = current(stack, deployment_id)
+        pids = worker_pids(stack, deployment_id)
+        return now is not None and now.state == READY and bool(pids) and pids != old_pids
+
+    assert wait_for(healed, timeout=HEAL_TIMEOUT_S, interval=0.5), current(stack, deployment_id)
+    return current(stack, deployment_id)
+
+
+def restart_reasons(stack: Stack, deployment_id: str) -> list[str]:
+    """Why each restart of the deployment's replicas was needed, oldest first (from the
+    events the deployer published when it took a replica out to restart it)."""
+
+    async def events(store):
+        return await store.read_events("0-0", block_ms=10)
+
+    found = []
+    for _id, event in with_store(stack, events):
+        if event.get("kind") == "replica_restarting" and event.get("deployment_id") == (
+            deployment_id
+        ):
+            found.append(event["reason"])
+    return found
+
+
+def serves(stack: Stack, deployment_id: str) -> None:
+    _, final = generate(
+        stack, timeout=120, deployment_id=deployment_id, prompt="still here", max_tokens=4
+    )
+    assert final.usage.completion_tokens >= 1
+
+
+def test_a_worker_killed_mid_stream_heals_without_a_deploy(own_stack, deployment):
+    stack, deployment_id = own_stack, deployment.deployment_id
+    held = reserved_by_device(stack)
+    [pid] = worker_pids(stack, deployment_id)
+    stream = Stream(stack, deployment_id)
+    assert stream.first.wait(60) and stream.error is None
+    os.kill(pid, signal.SIGKILL)
+    stream.thread.join(60)
+    # The stream in flight is lost, and says so.
+    assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
+    healed = serving_again(stack, deployment_id, [pid])
+    # The agent saw its worker die, or the scheduler found it gone: either took it out.
+    [reason] = restart_reasons(stack, deployment_id)
+    assert reason.startswith(("worker rank 0 exited (-9)", "worker unreachable")), reason
+    assert healed.state_reason == f"restarted 1 time(s); last error: {reason}"
+    assert healed.worker_address
+    serves(stack, deployment_id)
+    # Taken out (memory released) and reserved again: once, as before.
+    assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20), (
+        reserved_by_device(stack),
+        held,
+    )
+
+
+def test_the_deployer_and_the_scheduler_killed_and_restarted_lose_nothing(own_stack, deployment):
+    stack, deployment_id = own_stack, deployment.deployment_id
+    before = current(stack, deployment_id)
+    pids = worker_pids(stack, deployment_id)
+    held = reserved_by_device(stack)
+    launcher.restart_service(stack.settings, "deploy", kill=True)
+    launcher.restart_service(stack.settings, "scheduler", kill=True)
+    after = current(stack, deployment_id)
+    assert after.state == READY and after.worker_address == before.worker_address
+    serves(stack, deployment_id)
+    assert worker_pids(stack, deployment_id) == pids  # the same workers serve
+    assert reserved_by_device(stack) == held
+    deployments = stack.deployments.ListDeployments(deploy_pb.ListDeploymentsRequest())
+    assert deployment_id in {d.deployment_id for d in deployments.deployments}
+
+
+def test_an_agent_killed_until_its_heartbeat_lapses_is_healed_when_it_is_back(
+    own_stack, deployment
+):
+    """The agent's workers stop with it (they watch their parent); once its heartbeat
+    lapses its deployment leaves READY and restarts with backoff until a live agent
+    takes it; the new agent starts with no worker of the old one."""
+    stack, deployment_id = own_stack, deployment.deployment_id
+    held = reserved_by_device(stack)
+    pids = worker_pids(stack, deployment_id)
+    agent_pid = read_stack_file(stack.settings.state_dir)["pids"]["agent"]
+    os.kill(agent_pid, signal.SIGKILL)
+
+    def out_of_service() -> bool:
+        now = current(stack, deployment_id)
+        return now is not None and now.state != READY
+
+    assert wait_for(out_of_service, timeout=30, interval=0.5)
+    assert restart_reasons(stack, deployment_id)[0] == "node agent(s) node0 stopped heartbeating"
+    assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=30)
+    launcher.restart_service(stack.settings, "agent")
+    healed = serving_again(stack, deployment_id, pids)
+    # Each try while no agent answered counted against the budget (no live device, or
+    # the agent registered but not yet listening).
+    reasons = restart_reasons(stack, deployment_id)
+    assert all(
+        r == "no live devices with room to start it again" or r.startswith("restart failed")
+        for r in reasons[1:]
+    ), reasons
+    assert healed.state_reason.startswith(f"restarted {len(reasons)} time(s)")
+    serves(stack, deployment_id)
+    assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_redis_down_is_unavailable_streams_go_on_and_state_survives_a_restart(
+    own_stack, deployment
+):
+    stack, deployment_id = own_stack, deployment.deployment_id
+    before = current(stack, deployment_id)
+    pids = worker_pids(stack, deployment_id)
+    held = reserved_by_device(stack)
+    recorded = read_stack_file(stack.settings.state_dir)
+    port = urlparse(recorded["redis_url"]).port
+    stream = Stream(stack, deployment_id)
+    assert stream.first.wait(60) and stream.error is None
+    os.kill(recorded["pids"]["redis"], signal.SIGKILL)
+    try:
+        with pytest.raises(grpc.RpcError) as down:
+            stack.models.ListModels(model_pb.ListModelsRequest(), timeout=30)
+        assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"state store (Redis) unreachable at 127.0.0.1:{port}" in down.value.details()
+        with pytest.raises(grpc.RpcError) as down:
+            stack.deployments.GetDeployment(
+                deploy_pb.GetDeploymentRequest(deployment_id=deployment_id), timeout=30
+            )
+        assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "state store (Redis) unreachable" in down.value.details()
+        time.sleep(6)  # past the heartbeat TTL: the agent could not renew it
+    finally:
+        redis, _ = start_redis(stack.settings.state_dir / "redis", port=port)
+        recorded["pids"]["redis"] = redis.pid
+        (stack.settings.state_dir / "stack.json").write_text(json.dumps(recorded))
+    # The stream in flight never needed Redis.
+    stream.thread.join(240)
+    assert stream.error is None, stream.error
+    assert stream.final is not None and stream.final.usage.completion_tokens == LONG
+    # Everything is back from the append-only file, and new calls work.
+    models = stack.models.ListModels(model_pb.ListModelsRequest(), timeout=30).models
+    assert MODEL in {m.model_id for m in models}
+    serves(stack, deployment_id)
+    # Lapsed heartbeats are not taken for a dead node: the same workers still serve.
+    time.sleep(8)
+    after = current(stack, deployment_id)
+    assert after.state == READY and after.worker_address == before.worker_address
+    assert worker_pids(stack, deployment_id) == pids
+    assert reserved_by_device(stack) == held
+
+
+def test_the_whole_stack_stopped_and_started_serves_again(own_stack, deployment):
+    """`iserve down` then `iserve up` on the same state directory: Redis comes back from
+    its append-only file, the new agent runs no worker, and the deployer restarts the
+    deployment instead of leaving it READY with nothing behind it."""
+    stack, deployment_id = own_stack, deployment.deployment_id
+    held = reserved_by_device(stack)
+    pids = worker_pids(stack, deployment_id)
+    assert launcher.down(stack.settings, log=lambda _msg: None)
+    settings = load_settings()  # no stack.json any more: up starts its own Redis again
+    launcher.up(settings, launcher.UpOptions(), log=lambda _msg: None)
+    stack.settings = load_settings()
+    stack.redis_url = stack.settings.redis_url
+    healed = serving_again(stack, deployment_id, pids)
+    reasons = restart_reasons(stack, deployment_id)
+    assert reasons and all(
+        "rank(s) [0] are not running" in r or "stopped heartbeating" in r for r in reasons
+    ), reasons
+    assert healed.state_reason.startswith(f"restarted {len(reasons)} time(s)")
+    serves(stack, deployment_id)
+    assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20)
