@@ -11,9 +11,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from services import replicas
 from services.api import deployment_service_pb2 as deploy_pb
 from services.auth import access
-from services.errors import FailedPrecondition, NotFound, PermissionDenied
+from services.errors import FailedPrecondition, NotFound, PermissionDenied, Unavailable
 from services.ids import check_deployment_id, check_model_id
 from services.state.store import StateStore
 
@@ -58,7 +59,8 @@ class Router:
         """The deployment, which must be READY and usable by the caller.
 
         NOT_FOUND when unknown; PERMISSION_DENIED when the caller's token does not grant
-        it (services.auth.access); FAILED_PRECONDITION naming its state (and why) otherwise.
+        it (services.auth.access); UNAVAILABLE while it is being restarted (a retry
+        will find it back); FAILED_PRECONDITION naming its state (and why) otherwise.
         """
         deployment = self._by_id.get(deployment_id)
         if deployment is not None and deployment.state == READY:
@@ -71,6 +73,8 @@ class Router:
             raise NotFound(f"deployment {deployment_id} not found")
         self._by_id[deployment_id] = deployment
         access.check_use(deployment_id, deployment.owner)
+        if replicas.is_restarting(deployment):
+            raise Unavailable(describe_state(deployment))  # back soon: worth a retry
         if deployment.state != READY:
             raise FailedPrecondition(describe_state(deployment))
         return deployment
@@ -78,8 +82,8 @@ class Router:
     async def by_model_id(self, model_id: str) -> deploy_pb.Deployment:
         """The READY deployment of ``model_id`` with the shortest expected wait.
 
-        NOT_FOUND when the model has no deployment; FAILED_PRECONDITION listing the states
-        of its deployments when none is READY.
+        NOT_FOUND when the model has no deployment; when none is READY, UNAVAILABLE if one
+        of them is being restarted, else FAILED_PRECONDITION, listing their states.
         """
         if not self._complete:
             await self.refresh()
@@ -94,7 +98,12 @@ class Router:
                 raise NotFound(f"model {model_id} has no deployment")
             if not ready:
                 states = "; ".join(describe_state(d) for d in found)
-                raise FailedPrecondition(f"model {model_id} has no READY deployment ({states})")
+                error = (
+                    Unavailable
+                    if any(replicas.is_restarting(d) for d in found)
+                    else FailedPrecondition
+                )
+                raise error(f"model {model_id} has no READY deployment ({states})")
         usable = [d for d in ready if access.may_use(d.deployment_id, d.owner)]
         if not usable:
             raise PermissionDenied(

@@ -84,6 +84,13 @@ def _point_at_first_serving(deployment: deploy_pb.Deployment) -> bool:
     return True
 
 
+def is_restarting(deployment: deploy_pb.Deployment) -> bool:
+    """Whether the deployment serves nowhere because a replica is being restarted (not
+    being deployed): STARTING with a reason, which only :func:`restarting` gives (a
+    Deploy in progress is STARTING with none)."""
+    return deployment.state == STARTING and bool(deployment.state_reason)
+
+
 def restarting(deployment: deploy_pb.Deployment, index: int, reason: str) -> None:
     """Mark replica ``index`` STARTING (its workers gone, to be started again) with
     ``reason``. While another replica serves the deployment stays READY on it; else the

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+
 from deploy_svc.healing import (
     GiveUp,
     Restart,
@@ -23,6 +25,7 @@ from tests.unit.test_deploy_replicas import (
     FAILED,
     READY,
     FakeAgent,
+    FakeRpcError,
     controller_on,
     deploy_request,
     devices_of,
@@ -236,6 +239,42 @@ def test_a_restart_cut_off_by_a_deployer_restart_goes_on(run):
         healed = await settle(store, deployment_id)
         assert healed.state == READY
         await second.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_replica_whose_agent_no_longer_runs_it_is_restarted(run):
+    """An agent restarted on its own (or the whole stack): it answers, with no worker."""
+
+    async def scenario(store):
+        from services.api import agent_service_pb2 as agent_pb
+
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        deployment_id = dep.deployment_id
+        reconciler = Reconciler(controller, store, agent)
+
+        async def not_answering(request, timeout):
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+        agent.ListWorkers = not_answering
+        assert await reconciler.check_workers() == []  # left to the heartbeat check
+        assert (await store.get_deployment(deployment_id)).state == READY
+
+        async def none_running(request, timeout):
+            return agent_pb.ListWorkersResponse()
+
+        agent.ListWorkers = none_running
+        assert await reconciler.check_workers() == [
+            f"failed {deployment_id}: its agent reports, rank(s) [0] are not running"
+        ]
+        assert (await store.get_deployment(deployment_id)).state == STARTING
+        healed = await settle(store, deployment_id)
+        assert healed.state == READY
+        assert agent.started == [deployment_id, deployment_id]
+        await controller.remove(deployment_id)
         assert await nothing_left(store)
 
     run(scenario)

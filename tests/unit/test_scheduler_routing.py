@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
 from scheduler_svc.routing import Router
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
-from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 READY = deploy_pb.DEPLOYMENT_STATE_READY
 
@@ -123,6 +124,29 @@ def test_model_routing_errors_name_the_states():
         )
         with pytest.raises(NotFound, match="model nothing has no deployment"):
             await router.by_model_id("nothing")
+
+    asyncio.run(scenario())
+
+
+def test_a_deployment_being_restarted_is_unavailable_not_failed_precondition():
+    """Restarting (deploy_svc.healer: STARTING with a reason) is worth a retry; a Deploy
+    still in progress (STARTING, no reason) is not there yet."""
+
+    async def scenario():
+        restarting = "restart 1 in 1 s after: worker rank 0 exited (-9)"
+        store = CountingStore(
+            deployment("r", deploy_pb.DEPLOYMENT_STATE_STARTING, reason=restarting),
+            deployment("s", deploy_pb.DEPLOYMENT_STATE_STARTING, model_id="other"),
+        )
+        router = Router(store, backlog=lambda _deployment: 0.0)
+        with pytest.raises(Unavailable, match=f"^deployment r is STARTING: {re.escape(restarting)}$"):
+            await router.by_deployment_id("r")
+        with pytest.raises(Unavailable, match="^model m has no READY deployment"):
+            await router.by_model_id("m")
+        with pytest.raises(FailedPrecondition, match="^deployment s is STARTING$"):
+            await router.by_deployment_id("s")
+        with pytest.raises(FailedPrecondition, match="^model other has no READY deployment"):
+            await router.by_model_id("other")
 
     asyncio.run(scenario())
 
