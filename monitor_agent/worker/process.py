@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from monitor_agent.engine.trtllm import mapping as trtllm_mapping
 from services.engine_rules import TENSOR_PARALLEL_DEGREES
 from services.grpc_server import ServiceBinding, configure_logging, run_server
 from services.models.compression import (
@@ -75,9 +76,13 @@ PARENT_POLL_S = 1.0
 LOST_GROUP_DRAIN_S = 1.0
 PYTORCH_ENGINE = "pytorch"
 TENSORRT_LLM_ENGINE = "tensorrt_llm"
-# Options only the TensorRT-LLM engine runs (monitor_agent.engine.trtllm.mapping).
-TRTLLM_ONLY_WEIGHT_QUANTIZATIONS = ("gptq-int4", "awq-int4")
-TRTLLM_ONLY_KV_QUANTIZATIONS = ("fp8",)
+# Options only the TensorRT-LLM engine runs.
+TRTLLM_ONLY_WEIGHT_QUANTIZATIONS = tuple(
+    q for q in trtllm_mapping.WEIGHT_QUANTIZATIONS if q not in WEIGHT_QUANTIZATIONS
+)
+TRTLLM_ONLY_KV_QUANTIZATIONS = tuple(
+    q for q in trtllm_mapping.KV_CACHE_DTYPES if q not in KV_QUANTIZATIONS
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -227,6 +232,11 @@ def check_engine(args: argparse.Namespace) -> None:
     from monitor_agent.engine.trtllm.selection import choose_engine
 
     choice = args.engine or engine_choice()
+    if args.time_layers:
+        # Profiling times layers, which only the PyTorch engine's layer clock does.
+        if choice == TENSORRT_LLM_ENGINE:
+            raise ValueError("--time-layers needs the PyTorch engine's layer clock")
+        choice = PYTORCH_ENGINE
     # auto may run TensorRT-LLM only where the agent started this process as the group.
     args.engine = choose_engine(
         choice, trtllm_config(args), device=args.device, worker_ranks=args.world_size

@@ -673,6 +673,19 @@ def test_worker_refuses_tensorrt_llm_only_options_on_pytorch(checkpoint, extra, 
         process.check_args(args)
 
 
+def test_profiling_workers_run_the_pytorch_engine(checkpoint, monkeypatch):
+    """A profiling job times layers, which only the PyTorch engine's layer clock does."""
+    monkeypatch.setattr(
+        "monitor_agent.engine.trtllm.selection.tensorrt_llm_installed", lambda: True
+    )
+    gpu = worker_args(checkpoint, "--device", "cuda:0", "--time-layers")
+    args = process.parse_args([*gpu, "--engine", "auto"])
+    process.check_args(args)
+    assert args.engine == "pytorch"
+    with pytest.raises(ValueError, match="--time-layers needs the PyTorch engine"):
+        process.check_args(process.parse_args([*gpu, "--engine", "tensorrt_llm"]))
+
+
 def test_worker_builds_the_tensorrt_llm_configuration(checkpoint, monkeypatch):
     monkeypatch.setattr(
         "monitor_agent.engine.trtllm.selection.tensorrt_llm_installed", lambda: True
