@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from monitor_agent.engine.batching import GenerationRequest
+from monitor_agent.engine.detokenizer import IncrementalDetokenizer
 from monitor_agent.engine.sampling import SamplingConfig
 from monitor_agent.engine.trtllm import mapping
 from monitor_agent.engine.trtllm.engine import TrtLlmEngine, narrow_visible_devices
@@ -241,6 +242,7 @@ def test_plain_configuration_runs_on_the_pytorch_backend(checkpoint, stand_in):
     assert result.backend == "pytorch"
     assert result.kwargs == {
         "model": str(checkpoint),
+        "skip_tokenizer_init": True,
         "tensor_parallel_size": 1,
         "pipeline_parallel_size": 1,
         "dtype": "bfloat16",
@@ -390,6 +392,8 @@ def sampled(sampling: SamplingConfig, max_tokens: int = 7, eos=frozenset({2})) -
 
 def test_greedy_requests_decode_with_top_k_one(stand_in):
     assert sampled(SamplingConfig()) == {
+        "end_id": 2,
+        "detokenize": False,
         "max_tokens": 7,
         "ignore_eos": False,
         "stop_token_ids": [2],
@@ -402,6 +406,8 @@ def test_greedy_requests_decode_with_top_k_one(stand_in):
 def test_sampled_requests_carry_temperature_top_k_top_p_and_seed(stand_in):
     kwargs = sampled(SamplingConfig(temperature=0.7, top_k=40, top_p=0.9, seed=11), max_tokens=3)
     assert kwargs == {
+        "end_id": 2,
+        "detokenize": False,
         "max_tokens": 3,
         "ignore_eos": False,
         "stop_token_ids": [2],
@@ -412,6 +418,14 @@ def test_sampled_requests_carry_temperature_top_k_top_p_and_seed(stand_in):
     }
     # top_k 0 (off) is unset in TensorRT-LLM: all tokens.
     assert sampled(SamplingConfig(temperature=1.0))["top_k"] is None
+
+
+def test_end_id_is_the_checkpoints_first_eos_id(stand_in):
+    request = GenerationRequest((1,), 1, SamplingConfig())
+    api = sys.modules["tensorrt_llm"]
+    assert mapping.sampling_params(api, request, frozenset({7, 3}), (7,)).kwargs["end_id"] == 7
+    assert mapping.sampling_params(api, request, frozenset({7, 3})).kwargs["end_id"] == 3
+    assert mapping.sampling_params(api, request, frozenset()).kwargs["end_id"] is None
 
 
 def test_stop_tokens_and_ignore_eos(stand_in):
@@ -475,33 +489,59 @@ def test_engine_refuses_what_the_checkpoint_cannot_hold(checkpoint, stand_in, tm
     assert stand_in.built == []
 
 
-STREAM = [
-    Snapshot([5], "a"),
-    Snapshot([5, 6, 7], "abc"),
-    Snapshot([5, 6, 7, 8], "abcd", finished=True, finish_reason="length"),
-]
+# Token ids of " the quick brown fox" in the test tokenizer, streamed 1, 2, then 1 at a time.
+STREAM_TEXT = " the quick brown fox"
 
 
-def test_generate_streams_each_new_token_once(checkpoint, stand_in):
-    engine = build(checkpoint, stand_in, max_seq_len=64)
-    stand_in.scripts.append(list(STREAM))
-    outputs = list(engine.generate([1, 2, 3], 4, SamplingConfig(temperature=0.5, seed=3)))
-    assert [(o.token_id, o.text, o.finished, o.finish_reason) for o in outputs] == [
-        (5, "a", False, None),
-        (6, "", False, None),
-        (7, "bc", False, None),
-        (8, "d", True, "length"),
+def stream_script(engine: TrtLlmEngine, finish_reason: str = "length") -> list[Snapshot]:
+    ids = engine.tokenizer.encode(STREAM_TEXT, add_special_tokens=False).ids
+    cuts = [1, 3, *range(4, len(ids) + 1)]
+    return [
+        Snapshot(ids[:cut], "", cut == len(ids), finish_reason if cut == len(ids) else None)
+        for cut in cuts
     ]
+
+
+def test_generate_streams_each_new_token_once_with_the_pytorch_engines_text(checkpoint, stand_in):
+    engine = build(checkpoint, stand_in, max_seq_len=64)
+    script = stream_script(engine)
+    ids = script[-1].token_ids
+    stand_in.scripts.append(script)
+    outputs = list(engine.generate([1, 2, 3], len(ids), SamplingConfig(temperature=0.5, seed=3)))
+    assert [o.token_id for o in outputs] == ids
+    assert [(o.finished, o.finish_reason) for o in outputs] == [(False, None)] * (len(ids) - 1) + [
+        (True, "length")
+    ]
+    # Text per token as the PyTorch engine emits it: iserve's incremental detokenizer.
+    reference = IncrementalDetokenizer(engine.tokenizer, [1, 2, 3])
+    expected = [reference.add(t) for t in ids]
+    expected[-1] += reference.flush()
+    assert [o.text for o in outputs] == expected
+    assert "".join(expected) == STREAM_TEXT
     ((prompt, params, streaming),) = stand_in.calls
     assert prompt == [1, 2, 3]
     assert streaming is True
     assert params.kwargs["seed"] == 3
+    assert params.kwargs["detokenize"] is False
     engine.close()
 
 
-def test_a_stop_token_left_out_of_the_output_ends_the_stream(checkpoint, stand_in):
+def test_a_stop_token_ends_the_stream_without_text(checkpoint, stand_in):
     engine = build(checkpoint, stand_in, max_seq_len=64)
-    stand_in.scripts.append([Snapshot([5], "a"), Snapshot([5], "a", True, "stop", stop_reason=9)])
+    eos = engine.spec.eos_token_ids[0]
+    stand_in.scripts.append([Snapshot([5], ""), Snapshot([5, eos], "", True, "stop")])
+    outputs = list(engine.generate([1], 4, SamplingConfig()))
+    assert [(o.token_id, o.finished, o.finish_reason) for o in outputs] == [
+        (5, False, None),
+        (eos, True, "stop"),
+    ]
+    assert outputs[-1].text == ""
+    engine.close()
+
+
+def test_a_stop_token_left_out_of_the_output_still_ends_the_stream(checkpoint, stand_in):
+    engine = build(checkpoint, stand_in, max_seq_len=64)
+    stand_in.scripts.append([Snapshot([5], ""), Snapshot([5], "", True, "stop", stop_reason=9)])
     outputs = list(engine.generate([1], 4, SamplingConfig()))
     assert [(o.token_id, o.finished, o.finish_reason) for o in outputs] == [
         (5, False, None),
@@ -533,14 +573,18 @@ def test_the_worker_runner_streams_cancels_and_fails_through_the_core(checkpoint
         return [o async for o in runner.generate(request, stop, RequestClock())]
 
     async def scenario() -> None:
-        stand_in.scripts.append(list(STREAM))
-        tokens = await collect(runner.parse([1, 2], 4, SamplingConfig()), threading.Event())
-        assert [o.token_id for o in tokens] == [5, 6, 7, 8]
+        script = stream_script(engine)
+        ids = script[-1].token_ids
+        stand_in.scripts.append(script)
+        request = runner.parse([1, 2], len(ids), SamplingConfig())
+        tokens = await collect(request, threading.Event())
+        assert [o.token_id for o in tokens] == ids
+        assert "".join(o.text for o in tokens) == STREAM_TEXT
         assert tokens[-1].finished
 
         # A cancelled request is aborted in TensorRT-LLM.
         stand_in.hold = threading.Event()
-        stand_in.scripts.append(list(STREAM))
+        stand_in.scripts.append(stream_script(engine))
         stop = threading.Event()
         task = asyncio.ensure_future(collect(runner.parse([1], 4, SamplingConfig()), stop))
         for _ in range(200):
@@ -557,7 +601,7 @@ def test_the_worker_runner_streams_cancels_and_fails_through_the_core(checkpoint
         stand_in.hold.set()
 
         # A request failing inside TensorRT-LLM fails with its error.
-        stand_in.scripts.append([Snapshot([5], "a"), RuntimeError("executor died")])
+        stand_in.scripts.append([Snapshot([5], ""), RuntimeError("executor died")])
         with pytest.raises(RuntimeError, match="executor died"):
             await collect(runner.parse([1], 4, SamplingConfig()), threading.Event())
 

@@ -3,10 +3,13 @@
 TensorRT-LLM batches on its own (in-flight batching in its executor), so this core does
 not step a model: ``submit`` starts ``llm.generate_async(prompt_ids, params,
 streaming=True)`` on a private asyncio loop thread, each streamed ``RequestOutput`` (the
-same object, its ``outputs[0].token_ids`` and ``.text`` grown) is turned into the tokens
-it added, and ``step`` hands over what arrived (waiting up to ``STEP_WAIT_S`` for
-something), so the runner's loop neither spins nor changes. ``cancel`` aborts the request
-in TensorRT-LLM.
+same object, its ``outputs[0].token_ids`` grown) is turned into the tokens it added, and
+``step`` hands over what arrived (waiting up to ``STEP_WAIT_S`` for something), so the
+runner's loop neither spins nor changes. ``cancel`` aborts the request in TensorRT-LLM.
+
+Text comes from iserve's own incremental detokenizer, token by token, exactly as the
+PyTorch engine emits it (TensorRT-LLM is built with ``skip_tokenizer_init`` and asked
+for no text), so both engines stream the same text for the same tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from tokenizers import Tokenizer
+
 from monitor_agent.engine.batching import GenerationRequest, SequenceState, StepOutput
+from monitor_agent.engine.detokenizer import IncrementalDetokenizer
 from monitor_agent.engine.trtllm.mapping import sampling_params
 from services.models.arch import ArchSpec
 
@@ -46,14 +52,14 @@ class TrtLlmSequence:
     """A submitted request as the core sees it (the runner reads ``state`` and
     ``admitted_at``, as it does a SequenceHandle)."""
 
-    __slots__ = ("admitted_at", "generated", "request", "result", "state", "task", "text")
+    __slots__ = ("admitted_at", "detokenizer", "generated", "request", "result", "state", "task")
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, detokenizer: IncrementalDetokenizer) -> None:
         self.request = request
         self.state = SequenceState.RUNNING  # TensorRT-LLM queues it; iserve does not
         self.admitted_at: float | None = time.perf_counter()
         self.generated = 0  # tokens handed out so far
-        self.text = ""  # text handed out so far
+        self.detokenizer = detokenizer
         self.result: Any = None  # TensorRT-LLM's RequestOutput, once generate_async returned
         self.task: Any = None  # the concurrent future of the streaming coroutine
 
@@ -66,7 +72,6 @@ class _Progress:
     """What one streamed RequestOutput added to its request."""
 
     token_ids: tuple[int, ...]
-    text: str
     finished: bool
     finish_reason: str | None
     stop_reason: Any
@@ -83,6 +88,7 @@ class TrtLlmBatch:
         self,
         llm: Any,
         api: ModuleType,
+        tokenizer: Tokenizer,
         *,
         spec: ArchSpec,
         max_batch: int,
@@ -93,6 +99,7 @@ class TrtLlmBatch:
     ) -> None:
         self.llm = llm
         self.api = api
+        self.tokenizer = tokenizer
         self.spec = spec
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
@@ -137,8 +144,10 @@ class TrtLlmBatch:
 
     def submit(self, request: GenerationRequest) -> TrtLlmSequence:
         """Start streaming ``request`` (one :meth:`validate` passed) in TensorRT-LLM."""
-        handle = TrtLlmSequence(request)
-        params = sampling_params(self.api, request, self.eos_token_ids)
+        handle = TrtLlmSequence(
+            request, IncrementalDetokenizer(self.tokenizer, list(request.prompt_ids))
+        )
+        params = sampling_params(self.api, request, self.eos_token_ids, self.spec.eos_token_ids)
         self._running.add(handle)
         handle.task = asyncio.run_coroutine_threadsafe(self._stream(handle, params), self._loop)
         return handle
@@ -152,9 +161,8 @@ class TrtLlmBatch:
         self._loop.call_soon_threadsafe(_abort, handle)
 
     def step(self) -> list[tuple[TrtLlmSequence, StepOutput]]:
-        """The tokens TensorRT-LLM streamed since the last step, one StepOutput per token
-        (a delta's text rides on its last token), waiting up to ``step_wait_s`` for the
-        first. A request that failed in TensorRT-LLM raises its error here, after the
+        """The tokens TensorRT-LLM streamed since the last step, one StepOutput per token,
+        waiting up to ``step_wait_s`` for the first. A request that failed in TensorRT-LLM raises its error here, after the
         outputs of the others were taken (the runner then fails the requests in flight,
         as after a failed forward of the PyTorch engine)."""
         try:
@@ -194,19 +202,26 @@ class TrtLlmBatch:
             stop = progress.stop_reason
             tokens = [stop if isinstance(stop, int) else min(self.spec.eos_token_ids, default=0)]
         handle.generated += len(tokens)
-        handle.text += progress.text
-        outputs = [StepOutput(t, "", False, None) for t in tokens[:-1]]
-        reason = None
-        if progress.finished:
-            reason = "length" if progress.finish_reason in _LENGTH_REASONS else "stop"
-            handle.state = SequenceState.FINISHED
-            self._running.discard(handle)
-        outputs.append(StepOutput(tokens[-1], progress.text, progress.finished, reason))
+        detokenizer = handle.detokenizer
+        outputs = [StepOutput(t, detokenizer.add(t), False, None) for t in tokens[:-1]]
+        last = tokens[-1]
+        if not progress.finished:
+            outputs.append(StepOutput(last, detokenizer.add(last), False, None))
+            return outputs
+        handle.state = SequenceState.FINISHED
+        self._running.discard(handle)
+        # As the PyTorch engine: a stop token adds no text, a last token by length does.
+        if progress.finish_reason in _LENGTH_REASONS:
+            outputs.append(
+                StepOutput(last, detokenizer.add(last) + detokenizer.flush(), True, "length")
+            )
+        else:
+            outputs.append(StepOutput(last, detokenizer.flush(), True, "stop"))
         return outputs
 
     async def _stream(self, handle: TrtLlmSequence, params: Any) -> None:
         """Runs on the loop thread: follow one request's stream into the queue."""
-        seen_tokens, seen_text = 0, ""
+        seen = 0
         try:
             result = self.llm.generate_async(
                 list(handle.request.prompt_ids), sampling_params=params, streaming=True
@@ -215,16 +230,13 @@ class TrtLlmBatch:
             async for output in result:
                 completion = output.outputs[0]
                 token_ids = list(completion.token_ids)
-                text = completion.text or ""
-                new_text = text[len(seen_text) :] if text.startswith(seen_text) else text
                 progress = _Progress(
-                    tuple(token_ids[seen_tokens:]),
-                    new_text,
+                    tuple(token_ids[seen:]),
                     bool(output.finished),
                     completion.finish_reason,
                     getattr(completion, "stop_reason", None),
                 )
-                seen_tokens, seen_text = len(token_ids), text
+                seen = len(token_ids)
                 if progress.token_ids or progress.finished:
                     self._events.put((handle, progress))
                 if progress.finished:

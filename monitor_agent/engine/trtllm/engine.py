@@ -100,6 +100,7 @@ class TrtLlmEngine:
         self.batch = TrtLlmBatch(
             self.model,
             api,
+            self.tokenizer,
             spec=self.spec,
             max_batch=config.max_batch,
             max_seq_len=config.max_seq_len,

@@ -174,6 +174,7 @@ def plan_llm(config: TrtLlmConfig, num_layers: int, api: ModuleType) -> LlmPlan:
     ========================  ================================================  ========
     iserve                    LLM argument                                      backend
     ========================  ================================================  ========
+    (always)                  skip_tokenizer_init=True (token ids in and out)   both
     tp, pp                    tensor_parallel_size, pipeline_parallel_size      both
     uneven layer map          pp_partition=[layers of each stage] (prototype;   both
                               when absent: even split and a warning)
@@ -197,6 +198,8 @@ def plan_llm(config: TrtLlmConfig, num_layers: int, api: ModuleType) -> LlmPlan:
     kv_cache = {"max_tokens": config.max_batch * config.max_seq_len}
     kwargs: dict[str, Any] = {
         "model": str(config.checkpoint_dir),
+        # iserve tokenizes prompts and detokenizes outputs itself, as for the PyTorch engine.
+        "skip_tokenizer_init": True,
         "tensor_parallel_size": config.tensor_parallel,
         "pipeline_parallel_size": config.pipeline_parallel,
         "dtype": config.dtype,
@@ -258,11 +261,16 @@ def llm_class(api: ModuleType, backend: str) -> type:
 
 
 def sampling_params(
-    api: ModuleType, request: GenerationRequest, eos_token_ids: frozenset[int]
+    api: ModuleType,
+    request: GenerationRequest,
+    eos_token_ids: frozenset[int],
+    config_eos_ids: tuple[int, ...] = (),
 ) -> Any:
     """``tensorrt_llm.SamplingParams`` for one request.
 
-    Greedy requests (temperature below the engine's greedy threshold) get ``top_k=1``,
+    TensorRT-LLM runs without its tokenizer (``skip_tokenizer_init``), so ``end_id`` is
+    the checkpoint's first EOS id (``config_eos_ids``, else the smallest of
+    ``eos_token_ids``; unset when it has none) and no text is asked for. Greedy requests (temperature below the engine's greedy threshold) get ``top_k=1``,
     which TensorRT-LLM decodes greedily; others their temperature, top_k (0: unset, all
     tokens) and top_p. Unless ``ignore_eos``, every EOS id of the checkpoint stops the
     request as it stops the PyTorch engine's, besides the request's own stop tokens.
@@ -271,7 +279,10 @@ def sampling_params(
     stop_ids = set(sampling.stop_token_ids)
     if not sampling.ignore_eos:
         stop_ids |= eos_token_ids
+    end_id = config_eos_ids[0] if config_eos_ids else min(eos_token_ids, default=None)
     kwargs: dict[str, Any] = {
+        "end_id": end_id,
+        "detokenize": False,
         "max_tokens": request.max_tokens,
         "ignore_eos": sampling.ignore_eos,
         "stop_token_ids": sorted(stop_ids) or None,
