@@ -162,9 +162,9 @@ class TrtLlmBatch:
 
     def step(self) -> list[tuple[TrtLlmSequence, StepOutput]]:
         """The tokens TensorRT-LLM streamed since the last step, one StepOutput per token,
-        waiting up to ``step_wait_s`` for the first. A request that failed in TensorRT-LLM raises its error here, after the
-        outputs of the others were taken (the runner then fails the requests in flight,
-        as after a failed forward of the PyTorch engine)."""
+        waiting up to ``step_wait_s`` for the first. A request that failed in TensorRT-LLM
+        raises its error here (the runner then fails the requests in flight, as after a
+        failed forward of the PyTorch engine; their tokens of this step are dropped)."""
         try:
             events = [self._events.get(timeout=self.step_wait_s)]
         except queue.Empty:

@@ -33,7 +33,13 @@ from tokenizers import Tokenizer
 from monitor_agent.engine.batching import GenerationRequest, StepOutput
 from monitor_agent.engine.sampling import SamplingConfig
 from monitor_agent.engine.trtllm.core import STEP_WAIT_S, TrtLlmBatch, TrtLlmMemory, TrtLlmSequence
-from monitor_agent.engine.trtllm.mapping import TrtLlmConfig, check_options, llm_class, plan_llm
+from monitor_agent.engine.trtllm.mapping import (
+    TrtLlmConfig,
+    check_layer_map,
+    check_options,
+    llm_class,
+    plan_llm,
+)
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, InvalidCheckpoint, read_config
 from services.models.families import parse_config
@@ -76,6 +82,7 @@ class TrtLlmEngine:
             )
         if config.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {config.max_batch}")
+        check_layer_map(config, self.spec.num_layers)
         narrow_visible_devices(config.devices)
         api = importlib.import_module("tensorrt_llm")
         importlib.import_module("tensorrt_llm.llmapi")

@@ -270,10 +270,11 @@ def sampling_params(
 
     TensorRT-LLM runs without its tokenizer (``skip_tokenizer_init``), so ``end_id`` is
     the checkpoint's first EOS id (``config_eos_ids``, else the smallest of
-    ``eos_token_ids``; unset when it has none) and no text is asked for. Greedy requests (temperature below the engine's greedy threshold) get ``top_k=1``,
-    which TensorRT-LLM decodes greedily; others their temperature, top_k (0: unset, all
-    tokens) and top_p. Unless ``ignore_eos``, every EOS id of the checkpoint stops the
-    request as it stops the PyTorch engine's, besides the request's own stop tokens.
+    ``eos_token_ids``; unset when it has none) and no text is asked for. Greedy requests
+    (temperature below the engine's greedy threshold) get ``top_k=1``, which TensorRT-LLM
+    decodes greedily; others their temperature, top_k (0: unset, all tokens) and top_p.
+    Unless ``ignore_eos``, every EOS id of the checkpoint stops the request as it stops
+    the PyTorch engine's, besides the request's own stop tokens.
     """
     sampling = request.sampling
     stop_ids = set(sampling.stop_token_ids)
