@@ -180,7 +180,11 @@ def restart_reasons(stack: Stack, deployment_id: str) -> list[str]:
     events the deployer published when it took a replica out to restart it)."""
 
     async def events(store):
-        return await store.read_events("0-0", block_ms=10)
+        found, last = [], "0-0"
+        while batch := await store.read_events(last, block_ms=10):
+            found += batch
+            last = batch[-1][0]
+        return found
 
     found = []
     for _id, event in with_store(stack, events):
@@ -209,10 +213,11 @@ def test_a_worker_killed_mid_stream_heals_without_a_deploy(own_stack, deployment
     # The stream in flight is lost, and says so.
     assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
     healed = serving_again(stack, deployment_id, [pid])
-    # The agent saw its worker die, or the scheduler found it gone: either took it out.
-    [reason] = restart_reasons(stack, deployment_id)
-    assert reason.startswith(("worker rank 0 exited (-9)", "worker unreachable")), reason
-    assert healed.state_reason == f"restarted 1 time(s); last error: {reason}"
+    # The agent saw its worker die, or the scheduler found it gone: either took it out
+    # (and a first try may have found the device's memory not yet republished).
+    reasons = restart_reasons(stack, deployment_id)
+    assert reasons[0].startswith(("worker rank 0 exited (-9)", "worker unreachable")), reasons
+    assert healed.state_reason == f"restarted {len(reasons)} time(s); last error: {reasons[-1]}"
     assert healed.worker_address
     serves(stack, deployment_id)
     # Taken out (memory released) and reserved again: once, as before.
