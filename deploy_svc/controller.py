@@ -80,13 +80,20 @@ class DeploymentController:
         self.store = store
         self.agents = agents
         self.workers = WorkerGroups(settings, store, agents)
-        self.healer = Healer(self, restart_policy or healing.RestartPolicy())
         self._locks: dict[str, asyncio.Lock] = {}
         self._estimator: estimator_service_pb2_grpc.EstimatorServiceStub | None = None
         self._estimator_channel: grpc.aio.Channel | None = None
         # Set once the reconciler's start-up pass has run; Deploy waits for it so that
         # start-up cleanup never mistakes a reservation of a Deploy in flight for an orphan.
         self.reconciled = asyncio.Event()
+        self.healer = Healer(
+            store,
+            self.workers,
+            self.lock,
+            self.mark_failed,
+            self.reconciled,
+            restart_policy or healing.RestartPolicy(),
+        )
 
     @property
     def estimator(self) -> estimator_service_pb2_grpc.EstimatorServiceStub:

@@ -13,17 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from deploy_svc import healing
+from deploy_svc.workers import WorkerGroups
 from services import replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.ids import replica_group_id
-from services.state.store import ReservationError
-
-if TYPE_CHECKING:
-    from deploy_svc.controller import DeploymentController
+from services.state.store import ReservationError, StateStore
 
 log = logging.getLogger("iserve.deploy.healer")
 GONE = (deploy_pb.DEPLOYMENT_STATE_FAILED, deploy_pb.DEPLOYMENT_STATE_REMOVING)
@@ -42,9 +40,24 @@ def _need(where: common.Placement) -> dict[tuple[str, str], int]:
 
 
 class Healer:
-    def __init__(self, controller: DeploymentController, policy: healing.RestartPolicy):
-        self.controller = controller
-        self.store = controller.store
+    """Restarts failed replicas for the deployment controller, sharing its per-deployment
+    ``lock``, its one way to fail a deployment (``mark_failed``) and its ``reconciled``
+    event (set once start-up reconciliation has run)."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        workers: WorkerGroups,
+        lock: Callable[[str], asyncio.Lock],
+        mark_failed: Callable[[deploy_pb.Deployment, str], Awaitable[None]],
+        reconciled: asyncio.Event,
+        policy: healing.RestartPolicy,
+    ):
+        self.store = store
+        self.workers = workers
+        self.lock = lock
+        self.mark_failed = mark_failed
+        self.reconciled = reconciled
         self.policy = policy
         self._tasks: set[asyncio.Task] = set()
 
@@ -71,10 +84,10 @@ class Healer:
         replica = next(r for r in replicas.replicas_of(deployment) if r.index == index)
         if isinstance(step, healing.GiveUp):
             if not replicas.take_out(deployment, index, step.reason):
-                await self.controller.mark_failed(deployment, step.reason)
+                await self.mark_failed(deployment, step.reason)
                 return
             await self.store.put_deployment(deployment)
-            await self.controller.workers.teardown_replica(deployment_id, replica)
+            await self.workers.teardown_replica(deployment_id, replica)
             await self.store.publish_event(
                 "replica_failed", deployment_id=deployment_id, replica=index, reason=step.reason
             )
@@ -82,7 +95,7 @@ class Healer:
             return
         replicas.restarting(deployment, index, step.note)
         await self.store.put_deployment(deployment)
-        await self.controller.workers.teardown_replica(deployment_id, replica)
+        await self.workers.teardown_replica(deployment_id, replica)
         await self.store.publish_event(
             "replica_restarting",
             deployment_id=deployment_id,
@@ -119,14 +132,14 @@ class Healer:
         await asyncio.sleep(delay_s)
         # Never before start-up reconciliation, which would take the new workers and
         # reservation for orphans.
-        await self.controller.reconciled.wait()
+        await self.reconciled.wait()
         try:
             error = await self._relaunch(deployment_id, index)
         except Exception as exc:  # noqa: BLE001 - e.g. Redis down: counts as a failure
             error = f"restart failed: {exc}"
         if error is None:
             return
-        async with self.controller.lock(deployment_id):
+        async with self.lock(deployment_id):
             deployment = await self.store.get_deployment(deployment_id)
             if not self._still_restarting(deployment, index):
                 return
@@ -141,7 +154,7 @@ class Healer:
     async def _relaunch(self, deployment_id: str, index: int) -> str | None:
         """Place, reserve and start replica ``index`` again; None when it serves (or
         needs no restart any more), else why it could not."""
-        async with self.controller.lock(deployment_id):
+        async with self.lock(deployment_id):
             deployment = await self.store.get_deployment(deployment_id)
             if not self._still_restarting(deployment, index):
                 return None
@@ -178,11 +191,9 @@ class Healer:
             else:
                 return "could not reserve memory to start it again: " + "; ".join(refused)
             try:
-                address = await self.controller.workers.start(
-                    model, deployment, replica, max_seq_len, 0
-                )
+                address = await self.workers.start(model, deployment, replica, max_seq_len, 0)
             except Exception as exc:  # noqa: BLE001 - any failed launch is retried
-                await self.controller.workers.teardown_replica(deployment_id, replica)
+                await self.workers.teardown_replica(deployment_id, replica)
                 return f"restart failed: {exc}"
             record = await self.record_of(deployment_id) or healing.RestartRecord()
             note = healing.served_again_note(record)
