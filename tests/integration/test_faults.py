@@ -35,6 +35,7 @@ from services.settings import load_settings, read_stack_file
 from tests.conftest import DEVICE_MEMORY_GIB, QUEUE_CAPACITY, Stack
 from tests.integration.conftest import SERVED_SHAPE
 from tests.integration.helpers import (
+    cli,
     deploy,
     generate,
     make_checkpoint,
@@ -219,6 +220,10 @@ def test_a_worker_killed_mid_stream_heals_without_a_deploy(own_stack, deployment
     assert reasons[0].startswith(("worker rank 0 exited (-9)", "worker unreachable")), reasons
     assert healed.state_reason == f"restarted {len(reasons)} time(s); last error: {reasons[-1]}"
     assert healed.worker_address
+    # Where people look: `iserve deployments` shows the replica's restarts and last error.
+    listed = cli(stack, "deployments", "--model", MODEL)
+    assert listed.returncode == 0, listed.stderr
+    assert f"READY {healed.worker_address} ({healed.state_reason})" in listed.stdout
     serves(stack, deployment_id)
     # Taken out (memory released) and reserved again: once, as before.
     assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20), (
