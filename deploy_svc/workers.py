@@ -2,7 +2,9 @@
 ready, stop them, and release the memory they held.
 
 A replica's group goes by ``services.ids.replica_group_id`` with the agents and in the
-reservations. Stopping is best effort: an agent that is gone or does not answer is logged
+reservations. A group whose ranks span nodes meets at a rendezvous on rank 0's node: its
+agent's host and a port drawn from ``RENDEZVOUS_PORTS`` for each launch (an agent whose
+node runs every rank picks a free loopback port itself). Stopping is best effort: an agent that is gone or does not answer is logged
 and skipped, and its memory is released all the same (the reconciler stops what such an
 agent still runs once it is back).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 
 import grpc
 
@@ -27,6 +30,24 @@ from services.state.store import StateStore
 
 log = logging.getLogger("iserve.deploy.workers")
 STOP_TIMEOUT_S = 15.0
+# Where rank 0 of a group spread over nodes listens for the others (torch.distributed's
+# TCP store): below Linux's ephemeral ports (32768-60999), so no outgoing connection holds
+# one, beside torch's customary 29500. A port in use fails that launch with rank 0's
+# "address already in use"; the next launch draws again.
+RENDEZVOUS_PORTS = range(29500, 30500)
+
+
+def rendezvous_for(replica: deploy_pb.Replica, addresses: dict[str, str]) -> str:
+    """The rendezvous of ``replica``'s group: "" when one node runs every rank (its agent
+    picks one), else rank 0's agent host and a drawn port."""
+    nodes = replicas.nodes_of(replica.placement)
+    if len(nodes) <= 1:
+        return ""
+    rank0_node = replica.placement.stages[0].devices[0].node_id
+    host = addresses.get(rank0_node, "").rpartition(":")[0]
+    if not host:
+        raise FailedPrecondition(f"node {rank0_node} (rank 0) is not alive")
+    return f"{host}:{secrets.choice(RENDEZVOUS_PORTS)}"
 
 
 class WorkerGroups:
@@ -77,6 +98,7 @@ class WorkerGroups:
                 )
         calls = []
         addresses = await self._agent_addresses()
+        rendezvous = rendezvous_for(replica, addresses)
         for node_id, specs in by_node.items():
             stub = self.agents.stub(self._address(addresses, node_id))
             calls.append(
@@ -90,6 +112,7 @@ class WorkerGroups:
                         max_seq_len=max_seq_len,
                         engine=agent_pb.ENGINE_KIND_PYTORCH,
                         ready_timeout_ms=timeout_ms,
+                        rendezvous_address=rendezvous,
                     ),
                     timeout=timeout_ms / 1000 + 10,
                 )

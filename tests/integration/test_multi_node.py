@@ -1,0 +1,129 @@
+"""A pipeline whose stages sit on two nodes: two agents (node0 and node1, one device
+each, on this host over loopback) register in the same Redis; a pp = 2 deployment must
+then span both, its ranks meet at the rendezvous the deployer gives them on rank 0's
+node, and it generates what one process generates."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import (
+    deployment_service_pb2_grpc,
+    inference_service_pb2_grpc,
+    model_service_pb2_grpc,
+)
+from services.api import inference_service_pb2 as infer_pb
+from services.api import model_service_pb2 as model_pb
+from services.cli import stack as launcher
+from services.health import wait_serving
+from services.models.checkpoint import create_checkpoint
+from services.redis_embedded import free_port
+from tests.integration.helpers import TINY, rid, wait_for
+
+MODEL = "two-node-llama"
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> Iterator:
+    root = tmp_path_factory.mktemp("iserve-two-nodes")
+    env = {"ISERVE_DEVICES": "1", "ISERVE_DEVICE_MEMORY_GIB": "2", "ISERVE_READY_TIMEOUT_S": "120"}
+    with launcher.temporary_stack(env, state_dir=root / "node0") as settings:
+        agent_address = f"127.0.0.1:{free_port()}"
+        second = subprocess.Popen(
+            [sys.executable, "-m", "monitor_agent"],
+            env={
+                **os.environ,
+                "REDIS_URL": settings.redis_url,
+                "ISERVE_STATE_DIR": str(root / "node1"),
+                "ISERVE_MODELS_ROOT": str(settings.models_root),
+                "ISERVE_NODE_ID": "node1",
+                "ISERVE_AGENT_ADDR": agent_address,
+                "ISERVE_AGENT_METRICS_ADDR": f"127.0.0.1:{free_port()}",
+            },
+            stdout=subprocess.DEVNULL,
+            stderr=open(root / "node1-agent.log", "w"),  # noqa: SIM115 - closed with the process
+        )
+        try:
+            import time
+
+            assert wait_serving(agent_address, time.monotonic() + 60, second), (
+                root / "node1-agent.log"
+            ).read_text()[-2000:]
+            deployer = deployment_service_pb2_grpc.DeploymentServiceStub(
+                grpc.insecure_channel(settings.address("deploy"))
+            )
+
+            def both_alive() -> bool:
+                state = deployer.GetClusterState(deploy_pb.GetClusterStateRequest())
+                return sorted(n.node_id for n in state.nodes if n.alive) == ["node0", "node1"]
+
+            assert wait_for(both_alive, timeout=30)
+            yield settings
+        finally:
+            second.terminate()
+            try:
+                second.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                second.kill()
+
+
+def _greedy(settings, deployment_id: str) -> list[int]:
+    with grpc.insecure_channel(settings.address("scheduler")) as ch:
+        stub = inference_service_pb2_grpc.InferenceServiceStub(ch)
+        ids = []
+        for reply in stub.Generate(
+            infer_pb.GenerateRequest(
+                request_id=rid(),
+                deployment_id=deployment_id,
+                prompt="The river runs past the old mill",
+                max_tokens=8,
+                sampling=common.SamplingParams(ignore_eos=True),
+            ),
+            timeout=120,
+        ):
+            if reply.HasField("delta"):
+                ids.extend(reply.delta.token_ids)
+        return ids
+
+
+def test_a_pipeline_spans_two_nodes_and_generates_what_one_process_does(two_nodes):
+    settings = two_nodes
+    create_checkpoint(settings.models_root / MODEL, **{**TINY, "num_layers": 4}, overwrite=True)
+    with grpc.insecure_channel(settings.address("model")) as ch:
+        model_service_pb2_grpc.ModelServiceStub(ch).RegisterModel(
+            model_pb.RegisterModelRequest(
+                model_id=MODEL, checkpoint_path=MODEL, skip_profiling=True
+            )
+        )
+    deployer = deployment_service_pb2_grpc.DeploymentServiceStub(
+        grpc.insecure_channel(settings.address("deploy"))
+    )
+
+    def deploy(tp: int, pp: int) -> deploy_pb.Deployment:
+        return deployer.Deploy(
+            deploy_pb.DeployRequest(
+                request_id=rid(),
+                model_id=MODEL,
+                config=common.DeploymentConfig(tensor_parallel=tp, pipeline_parallel=pp),
+            ),
+            timeout=240,
+        ).deployment
+
+    spread = deploy(1, 2)
+    nodes = [stage.devices[0].node_id for stage in spread.placement.stages]
+    assert sorted(nodes) == ["node0", "node1"], spread.placement
+    across = _greedy(settings, spread.deployment_id)
+    deployer.RemoveDeployment(deploy_pb.RemoveDeploymentRequest(deployment_id=spread.deployment_id))
+
+    single = deploy(1, 1)
+    alone = _greedy(settings, single.deployment_id)
+    deployer.RemoveDeployment(deploy_pb.RemoveDeploymentRequest(deployment_id=single.deployment_id))
+    assert len(across) == 8 and across == alone
