@@ -139,7 +139,9 @@ def test_a_deployment_being_restarted_is_unavailable_not_failed_precondition():
             deployment("s", deploy_pb.DEPLOYMENT_STATE_STARTING, model_id="other"),
         )
         router = Router(store, backlog=lambda _deployment: 0.0)
-        with pytest.raises(Unavailable, match=f"^deployment r is STARTING: {re.escape(restarting)}$"):
+        with pytest.raises(
+            Unavailable, match=f"^deployment r is STARTING: {re.escape(restarting)}$"
+        ):
             await router.by_deployment_id("r")
         with pytest.raises(Unavailable, match="^model m has no READY deployment"):
             await router.by_model_id("m")
