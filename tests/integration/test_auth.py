@@ -114,8 +114,6 @@ def deployed(auth_stack) -> AuthStack:
 
 
 def _kind(method: str) -> str:
-    from tests.unit.test_auth_policy import _served_methods  # noqa: F401 (same walk)
-
     service, name = method.strip("/").rsplit("/", 1)
     import services.api as api
 
