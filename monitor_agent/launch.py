@@ -3,17 +3,26 @@
 The servicer turns the request into a :class:`LaunchPlan` (checking everything a caller
 can get wrong); the supervisor turns a plan into processes. Keeping the plan a plain
 dataclass lets tests drive the supervisor without protobufs or gRPC.
+
+The plan also records the engine (:func:`monitor_agent.launch_engine.resolve_engine`:
+the request's engine, or for ``ENGINE_KIND_UNSPECIFIED`` this node's ``ISERVE_ENGINE``,
+read against the node's devices and package). A PyTorch group is one process per rank; a
+TensorRT-LLM group is one process, rank 0's, which runs every rank
+(:attr:`LaunchPlan.processes`).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from monitor_agent.devices import DeviceSpec
+from monitor_agent.engine.trtllm.mapping import TrtLlmConfig
+from monitor_agent.engine.trtllm.selection import PYTORCH, TENSORRT_LLM
+from monitor_agent.launch_engine import resolve_engine
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.engine_rules import (
@@ -22,10 +31,12 @@ from services.engine_rules import (
     check_weight_quant,
     resolve_checkpoint,
 )
-from services.errors import FailedPrecondition, InvalidArgument, Unimplemented, require
+from services.errors import require
 from services.ids import check_deployment_id
 from services.models.checkpoint import InvalidCheckpoint, read_config
 from services.models.compression import DEFAULT_PRUNE_FRACTION
+
+log = logging.getLogger("iserve.agent.launch")
 
 DEFAULT_MAX_SEQ_LEN = 2048
 _DTYPES = {
@@ -33,12 +44,15 @@ _DTYPES = {
     common.PRECISION_FLOAT16: "float16",
     common.PRECISION_BFLOAT16: "bfloat16",
 }
-# DeploymentConfig compression -> the worker's --weight-quant / --kv-quant / --pruning.
+# DeploymentConfig compression -> the worker's --weight-quant / --kv-quant / --pruning
+# (GPTQ/AWQ with the TensorRT-LLM engine only).
 _WEIGHT_QUANTS = {
     common.WEIGHT_QUANT_UNSPECIFIED: "none",
     common.WEIGHT_QUANT_NONE: "none",
     common.WEIGHT_QUANT_INT8: "int8",
     common.WEIGHT_QUANT_INT4: "int4",
+    common.WEIGHT_QUANT_GPTQ_INT4: "gptq-int4",
+    common.WEIGHT_QUANT_AWQ_INT4: "awq-int4",
 }
 _KV_QUANTS = {
     common.KV_QUANT_UNSPECIFIED: "none",
@@ -82,13 +96,31 @@ class LaunchPlan:
     rendezvous_address: str = ""
     # Workers keep a layer clock (profiling jobs; see monitor_agent.engine.model).
     time_layers: bool = False
+    # The engine the workers run: "pytorch" (a process per rank) or "tensorrt_llm" (one
+    # process, rank 0's, for the whole group, which this node then runs entirely).
+    engine: str = PYTORCH
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
 
+    @property
+    def processes(self) -> tuple[WorkerPlan, ...]:
+        """The workers that get a process of their own: every rank with the PyTorch
+        engine; rank 0 alone with TensorRT-LLM, whose process hosts the other ranks."""
+        if self.engine == TENSORRT_LLM:
+            return tuple(w for w in self.workers if w.rank == 0)
+        return self.workers
+
+    @property
+    def needs_rendezvous(self) -> bool:
+        """Whether the ranks meet at a torch.distributed store (PyTorch, tp·pp > 1)."""
+        return self.engine == PYTORCH and self.world_size > 1
+
     def worker_argv(self, worker: WorkerPlan, host: str, ready_file: Path) -> list[str]:
-        """Command line of ``worker``'s process."""
+        """Command line of ``worker``'s process (one of :attr:`processes`)."""
+        if self.engine == TENSORRT_LLM:
+            return self._group_argv(worker, host, ready_file)
         return [
             sys.executable,
             "-m",
@@ -114,9 +146,61 @@ class LaunchPlan:
             "--port", "0",
             "--ready-file", str(ready_file),
             "--parent-pid", str(os.getpid()),
+            "--engine", PYTORCH,
             *self.compression_args,
             *(["--time-layers"] if self.time_layers else []),
         ]  # fmt: skip
+
+    def _group_argv(self, worker: WorkerPlan, host: str, ready_file: Path) -> list[str]:
+        """Rank 0's command line for a TensorRT-LLM group: every rank's device in rank
+        order and each stage's layer count; no rendezvous (TensorRT-LLM forms the group).
+        It pins to the cores of every device of the group, which the rank processes
+        TensorRT-LLM starts inherit."""
+        assert worker.rank == 0, "a TensorRT-LLM group runs from rank 0's process"
+        cores = sorted({c for w in self.workers for c in w.device.cpu_cores})
+        stages = layers_per_stage(self.workers, self.tensor_parallel)
+        return [
+            sys.executable,
+            "-m",
+            "monitor_agent.worker",
+            "--deployment-id", self.deployment_id,
+            "--rank", "0",
+            "--tensor-parallel", str(self.tensor_parallel),
+            "--pipeline-parallel", str(self.pipeline_parallel),
+            "--world-size", str(self.world_size),
+            "--checkpoint", str(self.checkpoint_dir),
+            "--dtype", self.dtype,
+            "--max-seq-len", str(self.max_seq_len),
+            "--max-batch", str(self.max_batch),
+            "--device", worker.device.torch_device,
+            "--cores", ",".join(str(c) for c in cores),
+            "--host", host,
+            "--port", "0",
+            "--ready-file", str(ready_file),
+            "--parent-pid", str(os.getpid()),
+            "--engine", TENSORRT_LLM,
+            "--group-devices", ",".join(str(i) for i in group_devices(self.workers)),
+            *(
+                ["--stage-layers", ",".join(str(n) for n in stages)]
+                if self.pipeline_parallel > 1
+                else []
+            ),
+            *self.compression_args,
+        ]  # fmt: skip
+
+
+def group_devices(workers: tuple[WorkerPlan, ...]) -> tuple[int, ...]:
+    """The CUDA index of every rank's device, in rank order (-1 for a non-CUDA device,
+    which TensorRT-LLM refuses before this is used)."""
+    ordered = sorted(workers, key=lambda w: w.rank)
+    return tuple(-1 if w.device.cuda_index is None else w.device.cuda_index for w in ordered)
+
+
+def layers_per_stage(workers: tuple[WorkerPlan, ...], tensor_parallel: int) -> tuple[int, ...]:
+    """Each pipeline stage's layer count, stage by stage (rank = stage·tp + tensor rank),
+    for workers whose stages check_ranks found consistent."""
+    by_stage = {w.rank // tensor_parallel: w.layer_count for w in workers}
+    return tuple(by_stage[stage] for stage in sorted(by_stage))
 
 
 def worker_dtype(precision: int, device: DeviceSpec, checkpoint_dtype: str | None) -> str:
@@ -132,19 +216,6 @@ def worker_dtype(precision: int, device: DeviceSpec, checkpoint_dtype: str | Non
     if device.is_cuda and checkpoint_dtype in _DTYPES.values():
         return checkpoint_dtype
     return "float32"
-
-
-def check_engine(engine: int) -> None:
-    """Only the PyTorch engine runs here; TensorRT-LLM needs its package (and a GPU)."""
-    if engine == agent_pb.ENGINE_KIND_PYTORCH:
-        return
-    if engine == agent_pb.ENGINE_KIND_TENSORRT_LLM:
-        if importlib.util.find_spec("tensorrt_llm") is None:
-            raise FailedPrecondition(
-                "engine TENSORRT_LLM is not available on this node: tensorrt_llm is not installed"
-            )
-        raise Unimplemented("the TensorRT-LLM worker is not implemented yet")
-    raise InvalidArgument("engine must be ENGINE_KIND_PYTORCH or ENGINE_KIND_TENSORRT_LLM")
 
 
 def check_config(config: common.DeploymentConfig) -> tuple[int, int]:
@@ -202,12 +273,8 @@ def check_ranks(
     )
 
 
-def compression_args(config: common.DeploymentConfig) -> tuple[str, ...]:
-    """The worker flags that apply ``config``'s weight quantization, KV-cache quantization
-    and pruning (none for an uncompressed config). Unimplemented for pre-quantized
-    GPTQ/AWQ checkpoints, which the PyTorch engine does not load; InvalidArgument for
-    values outside the enums."""
-    check_weight_quant(config.weight_quant)
+def check_compression(config: common.DeploymentConfig) -> None:
+    """InvalidArgument for compression values outside the enums."""
     for field, known in (
         ("weight_quant", _WEIGHT_QUANTS),
         ("kv_quant", _KV_QUANTS),
@@ -215,6 +282,16 @@ def compression_args(config: common.DeploymentConfig) -> tuple[str, ...]:
     ):
         value = getattr(config, field)
         require(value in known, f"config.{field} {value} is not a known value")
+
+
+def compression_args(config: common.DeploymentConfig, engine: str = PYTORCH) -> tuple[str, ...]:
+    """The worker flags that apply ``config``'s weight quantization, KV-cache quantization
+    and pruning (none for an uncompressed config). With the PyTorch engine, Unimplemented
+    for pre-quantized GPTQ/AWQ checkpoints, which it does not load; InvalidArgument for
+    values outside the enums."""
+    check_compression(config)
+    if engine == PYTORCH:
+        check_weight_quant(config.weight_quant)
     args: list[str] = []
     for flag, value in (
         ("--weight-quant", _WEIGHT_QUANTS[config.weight_quant]),
@@ -236,13 +313,20 @@ def build_plan(
     devices: dict[str, DeviceSpec],
     models_root: Path,
     default_ready_timeout_s: float,
+    node_engine_choice: str | None = None,
+    tensorrt_llm_installed: bool | None = None,
 ) -> LaunchPlan:
     """Validate ``request`` against this node and turn it into a LaunchPlan.
 
     Raises InvalidArgument for malformed requests (unknown devices, a checkpoint outside
-    the models root, duplicate ranks, ranks or layers that do not form a tp × pp group)
-    and FailedPrecondition for requests this node cannot serve (TensorRT-LLM without its
-    package, GPTQ/AWQ weights).
+    the models root, duplicate ranks, ranks or layers that do not form a tp × pp group, a
+    configuration TensorRT-LLM cannot map when it was asked for), FailedPrecondition for
+    requests this node cannot serve (TensorRT-LLM asked for without its package, on a
+    device that is not a CUDA GPU, or for part of a group) and Unimplemented for GPTQ/AWQ
+    weights on the PyTorch engine. The engine is
+    :func:`monitor_agent.launch_engine.resolve_engine`'s, ``node_engine_choice``
+    (default ``ISERVE_ENGINE``) and ``tensorrt_llm_installed`` (default: look for the
+    package) standing for this node.
     """
     deployment_id = request.deployment_id
     check_deployment_id(deployment_id)
@@ -255,9 +339,8 @@ def build_plan(
             f"worker rank {spec.rank}: device {spec.device_id!r} is not on this node "
             f"(devices: {', '.join(devices)})",
         )
-    check_engine(request.engine)
     tp, pp = check_config(request.config)
-    compression = compression_args(request.config)
+    check_compression(request.config)
     checkpoint_dir = resolve_checkpoint(models_root, request.checkpoint_path)
     config = _checkpoint_config(checkpoint_dir)
     num_layers = config.get("num_hidden_layers") or config.get("n_layer")
@@ -276,7 +359,7 @@ def build_plan(
     ready_timeout_s = (
         request.ready_timeout_ms / 1000 if request.ready_timeout_ms else default_ready_timeout_s
     )
-    return LaunchPlan(
+    plan = LaunchPlan(
         deployment_id=deployment_id,
         checkpoint_dir=checkpoint_dir,
         dtype=worker_dtype(
@@ -290,8 +373,47 @@ def build_plan(
         pipeline_parallel=pp,
         workers=workers,
         ready_timeout_s=ready_timeout_s,
-        compression_args=compression,
         rendezvous_address=request.rendezvous_address,
+    )
+    engine = resolve_engine(
+        request.engine,
+        trtllm_config(plan, request.config),
+        devices=[w.device for w in workers],
+        node_ranks=len(workers),
+        num_layers=num_layers if isinstance(num_layers, int) else None,
+        node_choice=node_engine_choice,
+        installed=tensorrt_llm_installed,
+    )
+    log.info("deployment %s: the %s engine", deployment_id, engine)
+    return replace(
+        plan,
+        engine=engine,
+        compression_args=compression_args(request.config, engine),
+        # TensorRT-LLM forms its group itself, inside rank 0's process.
+        rendezvous_address=request.rendezvous_address if engine == PYTORCH else "",
+    )
+
+
+def trtllm_config(plan: LaunchPlan, config: common.DeploymentConfig) -> TrtLlmConfig:
+    """What TensorRT-LLM would be asked to run for ``plan`` (its compression from
+    ``config``, whose values check_compression accepted)."""
+    kv_quant = _KV_QUANTS[config.kv_quant]
+    return TrtLlmConfig(
+        checkpoint_dir=plan.checkpoint_dir,
+        devices=group_devices(plan.workers),
+        dtype=plan.dtype,
+        max_seq_len=plan.max_seq_len,
+        max_batch=plan.max_batch,
+        tensor_parallel=plan.tensor_parallel,
+        pipeline_parallel=plan.pipeline_parallel,
+        stage_layers=(
+            layers_per_stage(plan.workers, plan.tensor_parallel)
+            if plan.pipeline_parallel > 1
+            else ()
+        ),
+        weight_quant=_WEIGHT_QUANTS[config.weight_quant],
+        kv_cache_dtype=None if kv_quant == "none" else kv_quant,
+        pruning=_PRUNINGS[config.pruning],
     )
 
 

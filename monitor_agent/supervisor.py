@@ -15,6 +15,12 @@ group has formed and loaded); if any rank exits first, or time runs out, all are
 A rank that dies later is reported as above, and the supervisor stops the deployment's
 other ranks on this node (recorded FAILED), since a group missing a rank cannot serve.
 
+A TensorRT-LLM group (``plan.engine``) is one process, rank 0's, which starts the other
+ranks itself: the supervisor spawns rank 0 alone (no rendezvous) and records every other
+rank as hosted by it (same pid, no address, its state following rank 0's), so ListWorkers
+still shows the whole group. Rank 0's exit, asked or not, ends the hosted ranks with it;
+only rank 0's death is a ``worker_died`` event.
+
 Stopping a deployment drains it: SIGTERM goes to rank 0 first, which finishes the
 generations in flight within ``drain_timeout_s`` (passed to it as ``--drain-timeout-s``)
 and then tells the other ranks to stop; whatever is still alive after the drain plus
@@ -65,6 +71,9 @@ class WorkerProcess:
     info: agent_pb.WorkerInfo
     # Set once the agent asked it to stop, so its exit is not reported as a death.
     stopping: bool = False
+    # The process that runs this rank when it has none of its own (a TensorRT-LLM
+    # group's ranks other than 0); ``popen`` is then the host's.
+    host: WorkerProcess | None = None
 
     @property
     def alive(self) -> bool:
@@ -162,7 +171,9 @@ class WorkerSupervisor:
 
     # ---- start ------------------------------------------------------------------------
     async def start_workers(self, plan: LaunchPlan) -> list[agent_pb.WorkerInfo]:
-        """Start one process per worker of ``plan`` and wait until all are ready.
+        """Start the processes of ``plan`` (one per rank, or one for a TensorRT-LLM group:
+        :attr:`LaunchPlan.processes`) and wait until all are ready; returns every rank's
+        WorkerInfo.
 
         On any failure every worker of the plan is stopped before this raises:
         FailedPrecondition (a worker exited; its log tail says why), DeadlineExceeded (not
@@ -173,14 +184,20 @@ class WorkerSupervisor:
                 f"deployment {plan.deployment_id!r} already has workers on node {self.node_id}; "
                 "stop them first"
             )
-        if plan.world_size > 1 and not plan.rendezvous_address:
+        if plan.needs_rendezvous and not plan.rendezvous_address:
             # build_plan allows this only when every rank runs here.
             plan = replace(plan, rendezvous_address=f"127.0.0.1:{free_port()}")
         procs: list[WorkerProcess] = []
         self._workers[plan.deployment_id] = procs  # claimed now, so stop_all sees them
         try:
-            for worker in plan.workers:
+            for worker in plan.processes:
                 procs.append(self._spawn(plan, worker))
+            if len(plan.processes) < len(plan.workers):
+                host = procs[0]  # one process runs the group: the others are its ranks
+                procs[:] = [
+                    host if worker in plan.processes else hosted_rank(host, worker)
+                    for worker in plan.workers
+                ]
             for proc in procs:
                 await self.store.put_worker(proc.info)
             await self._wait_ready(plan, procs)
@@ -237,7 +254,7 @@ class WorkerSupervisor:
 
     async def _wait_ready(self, plan: LaunchPlan, procs: list[WorkerProcess]) -> None:
         deadline = time.monotonic() + plan.ready_timeout_s
-        pending = list(procs)
+        pending = [p for p in procs if p.host is None]
         while pending:
             # Before reading the ready files: a worker that became ready after the
             # deadline (forked from the warm pool, a small model can be ready within one
@@ -257,6 +274,9 @@ class WorkerSupervisor:
                         proc.info.address = f"{self.advertise_host}:{int(record['port'])}"
                     proc.info.resident_bytes = int(record.get("resident_bytes", 0))
                     await self.store.put_worker(proc.info)
+                    for hosted in (p for p in procs if p.host is proc):
+                        hosted.info.state = agent_pb.WORKER_STATE_READY
+                        await self.store.put_worker(hosted.info)
                     pending.remove(proc)
                     continue
                 code = proc.popen.poll()
@@ -323,6 +343,8 @@ class WorkerSupervisor:
 
     async def _terminate(self, proc: WorkerProcess) -> None:
         proc.stopping = True
+        if proc.host is not None:
+            return  # a hosted rank ends with its host's process, terminated on its own
         proc.ready_file.unlink(missing_ok=True)
         if not proc.alive:
             return
@@ -365,7 +387,9 @@ class WorkerSupervisor:
         for deployment_id, procs in list(self._workers.items()):
             dead_rank: int | None = None
             for proc in procs:
-                if proc.stopping or proc.info.state != agent_pb.WORKER_STATE_READY:
+                if proc.stopping or proc.host is not None:
+                    continue
+                if proc.info.state != agent_pb.WORKER_STATE_READY:
                     continue
                 code = proc.popen.poll()
                 if code is None:
@@ -375,7 +399,10 @@ class WorkerSupervisor:
                 failed.state = agent_pb.WORKER_STATE_FAILED
                 failed.exit_code = code
                 failed.reason = f"{describe_exit(code)}: {tail}" if tail else describe_exit(code)
+                hosted = [(p, _hosted_failed(p, failed)) for p in procs if p.host is proc]
                 # Redis first: if it fails, the worker stays READY here and is retried.
+                for _, info in hosted:
+                    await self.store.put_worker(info)
                 await self.store.put_worker(failed)
                 await self.store.publish_event(
                     "worker_died",
@@ -388,6 +415,8 @@ class WorkerSupervisor:
                     reason=failed.reason,
                 )
                 proc.info.CopyFrom(failed)
+                for hosted_proc, info in hosted:
+                    hosted_proc.info.CopyFrom(info)
                 log.warning(
                     "deployment %s rank %d (pid %d) died: %s",
                     deployment_id, failed.rank, failed.pid, describe_exit(code),
@@ -418,3 +447,27 @@ class WorkerSupervisor:
             "deployment %s: stopped rank(s) %s after rank %d died",
             deployment_id, [p.info.rank for p in survivors], dead_rank,
         )  # fmt: skip
+
+
+def hosted_rank(host: WorkerProcess, worker: WorkerPlan) -> WorkerProcess:
+    """``worker``'s record as a rank that ``host``'s process runs: the host's pid, log and
+    ready file, no address of its own (only rank 0 serves)."""
+    info = agent_pb.WorkerInfo(
+        deployment_id=host.deployment_id,
+        rank=worker.rank,
+        device_id=worker.device.device_id,
+        pid=host.info.pid,
+        state=host.info.state,
+    )
+    return WorkerProcess(
+        host.deployment_id, worker, host.popen, host.log_path, host.ready_file, info, host=host
+    )
+
+
+def _hosted_failed(hosted: WorkerProcess, host_failed: agent_pb.WorkerInfo) -> agent_pb.WorkerInfo:
+    """``hosted``'s record once its host's process died (``host_failed``)."""
+    failed = _copy(hosted.info)
+    failed.state = agent_pb.WORKER_STATE_FAILED
+    failed.exit_code = host_failed.exit_code
+    failed.reason = f"rank {host_failed.rank}'s process, which ran this rank, {host_failed.reason}"
+    return failed

@@ -35,10 +35,12 @@ variable                    meaning                                         defa
 ``ISERVE_WORKER_POOL``      ``1``: the agent forks workers from a warm       ``1``
                             process that has imported torch; ``0``: each
                             worker is a fresh ``python`` process
-``ISERVE_ENGINE``           a worker's engine: ``pytorch``, ``tensorrt_llm``  ``auto``
-                            or ``auto`` (TensorRT-LLM on a GPU when
-                            ``tensorrt_llm`` imports and the configuration
-                            maps to it; else PyTorch), see docs/engine.md
+``ISERVE_ENGINE``           the engine the agent picks for a deployment's   ``auto``
+                            group (``pytorch``, ``tensorrt_llm`` or
+                            ``auto``: TensorRT-LLM when ``tensorrt_llm``
+                            imports, every device is a GPU, the node runs
+                            the whole group and the configuration maps to
+                            it; else PyTorch), see docs/engine.md
 ==========================  ==============================================  =====================
 
 Authentication and TLS (docs/security.md):

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
 import json
+import logging
 import sys
+import types
 
 import pytest
 
-from monitor_agent.devices import virtual_devices
+from monitor_agent.devices import DeviceSpec, virtual_devices
 from monitor_agent.launch import build_plan
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.errors import FailedPrecondition, InvalidArgument, Unimplemented
 
 DEVICES = {d.device_id: d for d in virtual_devices(2, 1 << 30, [0, 1], "x86_64")}
+GPUS = [
+    DeviceSpec(f"cuda{i}", common.DEVICE_KIND_CUDA, "H100", "h100", 80 << 30, (i,), cuda_index=i)
+    for i in range(4)
+]
+DEVICES |= {d.device_id: d for d in GPUS}
 
 
 @pytest.fixture
@@ -140,7 +148,7 @@ def test_request_values_override_the_defaults(models_root):
         ({"checkpoint_path": "../outside"}, "outside the models root"),
         ({"checkpoint_path": "/etc"}, "outside the models root"),
         ({"checkpoint_path": "missing"}, "not a directory"),
-        ({"engine": agent_pb.ENGINE_KIND_UNSPECIFIED}, "engine must be"),
+        ({"engine": 7}, "engine 7 is not an EngineKind"),
     ],
 )
 def test_malformed_requests_are_invalid_arguments(models_root, changes, message):
@@ -154,9 +162,10 @@ def test_a_symlink_out_of_the_models_root_is_refused(models_root):
         _plan(_request(checkpoint_path="escape"), models_root)
 
 
-def test_tensorrt_llm_needs_its_package(models_root):
+def test_tensorrt_llm_needs_its_package(models_root, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # find_spec: not installed
     request = _request(engine=agent_pb.ENGINE_KIND_TENSORRT_LLM)
-    with pytest.raises((FailedPrecondition, Unimplemented), match="TensorRT-LLM|tensorrt_llm"):
+    with pytest.raises(FailedPrecondition, match="tensorrt_llm is not installed"):
         _plan(request, models_root)
 
 
@@ -244,3 +253,246 @@ def test_malformed_parallel_requests_are_invalid(
     request = _request(config=config, workers=workers, checkpoint_path=four_layers)
     with pytest.raises(InvalidArgument, match=message):
         _plan(request, models_root)
+
+
+# --- the engine: ENGINE_KIND x ISERVE_ENGINE x the node --------------------------------
+
+
+def _installed(monkeypatch: pytest.MonkeyPatch, installed: bool) -> None:
+    """Make ``tensorrt_llm`` findable (a stand-in module with a spec) or not (None in
+    sys.modules, which find_spec reads as absent)."""
+    if installed:
+        stand_in = types.ModuleType("tensorrt_llm")
+        stand_in.__spec__ = importlib.machinery.ModuleSpec("tensorrt_llm", None)
+        monkeypatch.setitem(sys.modules, "tensorrt_llm", stand_in)
+    else:
+        monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
+
+
+# Rank r's device for each kind of node: four GPUs, two CPU devices, or GPUs and a CPU.
+_GROUP_DEVICES = {
+    "cuda": ["cuda0", "cuda1", "cuda2", "cuda3"],
+    "cpu": ["cpu0", "cpu1", "cpu0", "cpu1"],
+    "mixed": ["cuda0", "cuda1", "cuda2", "cpu1"],
+}
+
+
+def _group_request(
+    engine: int, devices: str = "cuda", whole: bool = True, **config
+) -> agent_pb.StartWorkersRequest:
+    """A tp=2 × pp=2 group of the 4-layer model (stages of 3 and 1 layers); ``whole``:
+    this node runs every rank, else ranks 0 and 1 with a rendezvous."""
+    workers = _ranks(2, 2, [(0, 3), (3, 1)])
+    for spec, device_id in zip(workers, _GROUP_DEVICES[devices], strict=True):
+        spec.device_id = device_id
+    return _request(
+        config=common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=2, **config),
+        workers=workers if whole else workers[:2],
+        checkpoint_path="four",
+        engine=engine,
+        rendezvous_address="" if whole else "10.0.0.1:29500",
+    )
+
+
+UNSPECIFIED = agent_pb.ENGINE_KIND_UNSPECIFIED
+PYTORCH = agent_pb.ENGINE_KIND_PYTORCH
+TRTLLM = agent_pb.ENGINE_KIND_TENSORRT_LLM
+PRUNED = {"pruning": common.PRUNING_SEMI_STRUCTURED_2_4}
+
+
+@pytest.mark.parametrize(
+    ("engine", "env", "installed", "devices", "whole", "config", "expected"),
+    [
+        # PYTORCH is the PyTorch engine whatever the node offers or prefers.
+        (PYTORCH, "auto", True, "cuda", True, {}, "pytorch"),
+        (PYTORCH, "tensorrt_llm", True, "cuda", True, {}, "pytorch"),
+        (PYTORCH, "tensorrt_llm", False, "cpu", False, {}, "pytorch"),
+        # TENSORRT_LLM: TensorRT-LLM, or the error saying why not.
+        (TRTLLM, "pytorch", True, "cuda", True, {}, "tensorrt_llm"),
+        (TRTLLM, "auto", True, "cuda", True, {}, "tensorrt_llm"),
+        (
+            TRTLLM,
+            "auto",
+            False,
+            "cuda",
+            True,
+            {},
+            "FailedPrecondition:tensorrt_llm is not installed",
+        ),
+        (
+            TRTLLM,
+            "auto",
+            True,
+            "cpu",
+            True,
+            {},
+            "FailedPrecondition:NVIDIA GPUs only, not on 'cpu'",
+        ),
+        (TRTLLM, "auto", True, "mixed", True, {}, "FailedPrecondition:NVIDIA GPUs only"),
+        (
+            TRTLLM,
+            "auto",
+            True,
+            "cuda",
+            False,
+            {},
+            "FailedPrecondition:runs 2 of the group's 4 ranks",
+        ),
+        (TRTLLM, "auto", True, "cuda", True, PRUNED, "InvalidArgument:pruning '2:4' does not map"),
+        # UNSPECIFIED: the node's ISERVE_ENGINE; auto takes TensorRT-LLM where it runs.
+        (UNSPECIFIED, "auto", True, "cuda", True, {}, "tensorrt_llm"),
+        (UNSPECIFIED, "auto", False, "cuda", True, {}, "pytorch"),
+        (UNSPECIFIED, "auto", True, "cpu", True, {}, "pytorch"),
+        (UNSPECIFIED, "auto", True, "mixed", True, {}, "pytorch"),
+        (UNSPECIFIED, "auto", True, "cuda", False, {}, "pytorch"),
+        (UNSPECIFIED, "auto", True, "cuda", True, PRUNED, "pytorch"),
+        (UNSPECIFIED, "auto", False, "cpu", False, {}, "pytorch"),
+        (UNSPECIFIED, "pytorch", True, "cuda", True, {}, "pytorch"),
+        (UNSPECIFIED, "tensorrt_llm", True, "cuda", True, {}, "tensorrt_llm"),
+        (
+            UNSPECIFIED,
+            "tensorrt_llm",
+            False,
+            "cuda",
+            True,
+            {},
+            "FailedPrecondition:ISERVE_ENGINE=tensorrt_llm on this node: tensorrt_llm is not",
+        ),
+        (
+            UNSPECIFIED,
+            "tensorrt_llm",
+            True,
+            "cuda",
+            False,
+            {},
+            "FailedPrecondition:ISERVE_ENGINE=tensorrt_llm on this node: this node runs 2",
+        ),
+        (UNSPECIFIED, "tensorrt_llm", True, "cpu", True, {}, "FailedPrecondition:NVIDIA GPUs"),
+        (UNSPECIFIED, "vllm", True, "cuda", True, {}, "FailedPrecondition:ISERVE_ENGINE must be"),
+    ],
+)
+def test_the_engine_is_the_requests_or_the_nodes_choice(
+    models_root, four_layers, monkeypatch, caplog, engine, env, installed, devices, whole, config,
+    expected,
+):  # fmt: skip
+    monkeypatch.setenv("ISERVE_ENGINE", env)
+    _installed(monkeypatch, installed)
+    request = _group_request(engine, devices, whole, **config)
+    if ":" in expected:
+        error, message = expected.split(":", 1)
+        with pytest.raises({"FailedPrecondition": FailedPrecondition,
+                            "InvalidArgument": InvalidArgument}[error], match=message):  # fmt: skip
+            _plan(request, models_root)
+        return
+    with caplog.at_level(logging.INFO, logger="iserve.engine.trtllm"):
+        plan = _plan(request, models_root)
+    assert plan.engine == expected
+    if engine == UNSPECIFIED and env == "auto" and expected == "pytorch":
+        # auto says why it did not take TensorRT-LLM.
+        assert "the PyTorch engine, not TensorRT-LLM" in caplog.text
+    if expected == "pytorch":
+        assert plan.processes == plan.workers  # a process per rank, as before
+        assert plan.rendezvous_address == request.rendezvous_address
+    else:
+        assert [w.rank for w in plan.processes] == [0]
+        assert plan.rendezvous_address == "" and not plan.needs_rendezvous
+
+
+def test_a_layer_map_that_does_not_cover_the_model_cannot_map(
+    models_root, four_layers, monkeypatch
+):
+    _installed(monkeypatch, True)
+    workers = _ranks(1, 2, [(0, 2), (2, 1)])  # 3 of the 4 layers
+    for spec, gpu in zip(workers, GPUS, strict=False):
+        spec.device_id = gpu.device_id
+    config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=2)
+    request = _request(config=config, workers=workers, checkpoint_path=four_layers)
+    with pytest.raises(InvalidArgument, match=r"layer map \[2, 1\] must give each"):
+        _plan(_with_engine(request, TRTLLM), models_root)
+    monkeypatch.setenv("ISERVE_ENGINE", "auto")
+    assert _plan(_with_engine(request, UNSPECIFIED), models_root).engine == "pytorch"
+
+
+def _with_engine(request: agent_pb.StartWorkersRequest, engine: int):
+    copy = agent_pb.StartWorkersRequest()
+    copy.CopyFrom(request)
+    copy.engine = engine
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("weight_quant", "flag"),
+    [(common.WEIGHT_QUANT_GPTQ_INT4, "gptq-int4"), (common.WEIGHT_QUANT_AWQ_INT4, "awq-int4")],
+)
+def test_gptq_and_awq_go_to_tensorrt_llm_where_it_runs(
+    models_root, four_layers, monkeypatch, weight_quant, flag
+):
+    monkeypatch.setenv("ISERVE_ENGINE", "auto")
+    _installed(monkeypatch, True)
+    plan = _plan(_group_request(UNSPECIFIED, weight_quant=weight_quant), models_root)
+    assert plan.engine == "tensorrt_llm"
+    argv = plan.worker_argv(plan.workers[0], "127.0.0.1", models_root / "ready.json")
+    assert argv[argv.index("--weight-quant") + 1] == flag
+    # Without TensorRT-LLM the PyTorch engine cannot load them.
+    _installed(monkeypatch, False)
+    with pytest.raises(Unimplemented, match="GPTQ/AWQ"):
+        _plan(_group_request(UNSPECIFIED, weight_quant=weight_quant), models_root)
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    return {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
+
+
+def test_a_tensorrt_llm_group_is_one_process_with_every_ranks_device(
+    models_root, four_layers, monkeypatch
+):
+    _installed(monkeypatch, True)
+    request = _group_request(TRTLLM, kv_quant=common.KV_QUANT_INT8)
+    plan = _plan(request, models_root)
+    assert plan.engine == "tensorrt_llm" and len(plan.workers) == 4
+    [rank0] = plan.processes
+    argv = plan.worker_argv(rank0, "127.0.0.1", models_root / "ready.json")
+    flags = _flags(argv)
+    assert flags["--engine"] == "tensorrt_llm"
+    assert flags["--rank"] == "0" and flags["--world-size"] == "4"
+    assert (flags["--tensor-parallel"], flags["--pipeline-parallel"]) == ("2", "2")
+    assert flags["--group-devices"] == "0,1,2,3"  # rank order
+    assert flags["--stage-layers"] == "3,1"
+    assert flags["--device"] == "cuda:0"
+    assert flags["--cores"] == "0,1,2,3"  # every rank's cores: its rank processes inherit them
+    assert flags["--kv-quant"] == "int8"
+    assert not {"--rendezvous", "--first-layer", "--layer-count", "--time-layers"} & set(argv)
+    # The worker accepts it as the group's rank 0 (tensorrt_llm found, CUDA devices).
+    from monitor_agent.worker.process import check_args, parse_args
+
+    monkeypatch.setattr(
+        "monitor_agent.engine.trtllm.selection.tensorrt_llm_installed", lambda: True
+    )
+    args = parse_args(argv[3:])
+    assert check_args(args) == [0, 1, 2, 3]
+    assert args.engine == "tensorrt_llm"
+    from monitor_agent.worker.process import trtllm_config
+
+    config = trtllm_config(args)
+    assert config.devices == (0, 1, 2, 3) and config.stage_layers == (3, 1)
+    assert config.kv_cache_dtype == "int8"
+
+
+def test_a_tensorrt_llm_group_of_one_stage_gives_no_layer_map(models_root, monkeypatch):
+    _installed(monkeypatch, True)
+    workers = [
+        agent_pb.WorkerSpec(rank=r, device_id=f"cuda{3 - r}", tensor_rank=r) for r in range(2)
+    ]
+    config = common.DeploymentConfig(tensor_parallel=2)
+    plan = _plan(_request(config=config, workers=workers, engine=TRTLLM), models_root)
+    flags = _flags(plan.worker_argv(plan.processes[0], "127.0.0.1", models_root / "r.json"))
+    assert flags["--group-devices"] == "3,2" and "--stage-layers" not in flags
+    assert flags["--device"] == "cuda:3"
+
+
+def test_the_pytorch_engine_is_named_on_each_ranks_command_line(models_root, four_layers):
+    # The agent decides; a worker does not decide again from ISERVE_ENGINE.
+    plan = _plan(_group_request(PYTORCH, devices="cpu"), models_root)
+    for worker in plan.workers:
+        argv = plan.worker_argv(worker, "127.0.0.1", models_root / "r.json")
+        assert _flags(argv)["--engine"] == "pytorch" and "--group-devices" not in argv

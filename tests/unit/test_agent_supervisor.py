@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import os
 import signal
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 
-from monitor_agent.devices import virtual_devices
+from monitor_agent.devices import DeviceSpec, virtual_devices
 from monitor_agent.launch import LaunchPlan, WorkerPlan
 from monitor_agent.supervisor import WorkerSupervisor
 from monitor_agent.worker_pool import WorkerPool
 from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
+from services.api import worker_service_pb2 as worker_pb
+from services.api import worker_service_pb2_grpc
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition
 from services.state.store import StateStore
 
@@ -221,3 +227,143 @@ def test_a_pooled_worker_is_a_fork_of_the_warm_server_in_a_session_of_its_own(
         assert not _alive(info.pid)
 
     run_with(redis_url, tmp_path, pool, scenario)
+
+
+# --- a TensorRT-LLM group: one process for every rank ----------------------------------
+# No GPU and no TensorRT-LLM here: the worker runs the TensorRT-LLM engine over the
+# stand-in package in trtllm_stand_in/ (put on its PYTHONPATH), on devices the plan calls
+# CUDA GPUs. What this shows is the supervisor's side: one process, every rank listed.
+
+STAND_IN = Path(__file__).parent / "trtllm_stand_in"
+GPUS = tuple(
+    DeviceSpec(f"cuda{i}", common.DEVICE_KIND_CUDA, "H100", "h100", 80 << 30, (i % 2,), i)
+    for i in range(4)
+)
+
+
+def _group_plan(deployment_id: str, checkpoint: Path) -> LaunchPlan:
+    """tp=2 × pp=2 over four stand-in GPUs, a layer per stage of the 2-layer checkpoint."""
+    return LaunchPlan(
+        deployment_id=deployment_id,
+        checkpoint_dir=checkpoint,
+        dtype="float32",
+        max_seq_len=256,
+        max_batch=1,
+        tensor_parallel=2,
+        pipeline_parallel=2,
+        workers=tuple(WorkerPlan(r, GPUS[r], r // 2, 1) for r in range(4)),
+        ready_timeout_s=READY_TIMEOUT_S,
+        engine="tensorrt_llm",
+    )
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path) -> Path:
+    """Workers started from now on import the stand-in tensorrt_llm; returns the file its
+    LLM records its arguments in."""
+    record = tmp_path / "llm-calls.jsonl"
+    path = os.pathsep.join(filter(None, [str(STAND_IN), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("TRTLLM_STAND_IN_RECORD", str(record))
+    return record
+
+
+def _generate(address: str, max_tokens: int) -> list[int]:
+    with grpc.insecure_channel(address) as ch:
+        stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
+        request = worker_pb.WorkerServiceGenerateRequest(
+            request_id="r", prompt_token_ids=[1, 17, 230], max_tokens=max_tokens
+        )
+        return [t for reply in stub.Generate(request, timeout=30) for t in reply.token_ids]
+
+
+def test_a_tensorrt_llm_group_is_one_process_listed_as_every_rank(
+    redis_url, tmp_path, checkpoint, stand_in
+):
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        infos = await supervisor.start_workers(_group_plan("dep-trt", checkpoint))
+        assert [(i.rank, i.device_id, i.state) for i in infos] == [
+            (r, f"cuda{r}", agent_pb.WORKER_STATE_READY) for r in range(4)
+        ]
+        pid = infos[0].pid
+        assert {i.pid for i in infos} == {pid} and _alive(pid)
+        assert infos[0].address.startswith("127.0.0.1:")
+        assert [i.address for i in infos[1:]] == ["", "", ""]  # only rank 0 serves
+        # The engine's own account: 1 GiB of each stand-in GPU, all reported by rank 0.
+        assert [i.resident_bytes for i in infos] == [4 << 30, 0, 0, 0]
+        assert psutil.Process(pid).cpu_affinity() == [0, 1]  # every device's cores
+        # One process, one log: rank 0's.
+        assert [p.name for p in (tmp_path / "logs").iterdir()] == ["worker-dep-trt-r0.log"]
+        stored = await store.list_workers("dep-trt")
+        assert sorted((w.rank, w.pid, w.state) for w in stored) == [
+            (r, pid, agent_pb.WORKER_STATE_READY) for r in range(4)
+        ]
+        assert supervisor.list_workers("dep-trt") == infos
+        assert supervisor.deployments_on("cuda3") == ["dep-trt"]
+        # TensorRT-LLM was asked for the whole group, from that one process.
+        [built] = [json.loads(line) for line in stand_in.read_text().splitlines()]
+        kwargs = built["kwargs"]
+        assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"]) == (2, 2)
+        assert kwargs["pp_partition"] == [1, 1]
+        assert await asyncio.to_thread(_generate, infos[0].address, 5) == [21, 22, 23, 24, 25]
+
+        stopped = await supervisor.stop_workers("dep-trt")
+        assert [(w.rank, w.state, w.exit_code) for w in stopped] == [
+            (r, agent_pb.WORKER_STATE_STOPPED, 0) for r in range(4)
+        ]
+        assert not _alive(pid)
+        stored = await store.list_workers("dep-trt")
+        assert {w.state for w in stored} == {agent_pb.WORKER_STATE_STOPPED}
+        assert supervisor.list_workers() == []
+        assert await _died_events(store, "dep-trt") == []
+
+    run_with(redis_url, tmp_path, None, scenario)
+
+
+def test_a_tensorrt_llm_group_dies_with_its_process(redis_url, tmp_path, checkpoint, stand_in):
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        infos = await supervisor.start_workers(_group_plan("dep-trt-kill", checkpoint))
+        os.kill(infos[0].pid, signal.SIGKILL)
+        died = []
+        for _ in range(100):
+            died = await supervisor.reap_once()
+            if died:
+                break
+            await asyncio.sleep(0.05)
+        # One death, rank 0's process; the ranks it ran follow it.
+        assert [(d.rank, d.exit_code) for d in died] == [(0, -signal.SIGKILL)]
+        listed = supervisor.list_workers("dep-trt-kill")
+        assert [(w.rank, w.state, w.exit_code) for w in listed] == [
+            (r, agent_pb.WORKER_STATE_FAILED, -signal.SIGKILL) for r in range(4)
+        ]
+        for hosted in listed[1:]:
+            assert hosted.reason.startswith("rank 0's process, which ran this rank, killed by")
+        stored = await store.list_workers("dep-trt-kill")
+        assert {w.state for w in stored} == {agent_pb.WORKER_STATE_FAILED}
+        [event] = await _died_events(store, "dep-trt-kill")
+        assert event["rank"] == 0
+        assert await supervisor.reap_once() == []
+        after = await supervisor.stop_workers("dep-trt-kill")
+        assert {w.state for w in after} == {agent_pb.WORKER_STATE_FAILED}
+
+    run_with(redis_url, tmp_path, None, scenario)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed"
+)
+def test_a_tensorrt_llm_group_that_cannot_start_fails_every_rank(redis_url, tmp_path, checkpoint):
+    # No stand-in on the worker's path: it finds no tensorrt_llm and says so.
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        with pytest.raises(FailedPrecondition) as caught:
+            await supervisor.start_workers(_group_plan("dep-trt-bad", checkpoint))
+        message = str(caught.value)
+        assert "worker rank 0 of deployment dep-trt-bad exited with code 2" in message
+        assert "tensorrt_llm is not installed" in message
+        stored = await store.list_workers("dep-trt-bad")
+        assert sorted((w.rank, w.state) for w in stored) == [
+            (r, agent_pb.WORKER_STATE_FAILED) for r in range(4)
+        ]
+        assert supervisor.list_workers() == []
+
+    run_with(redis_url, tmp_path, None, scenario)

@@ -64,8 +64,10 @@ class AgentServiceServicer:
     """
 
     def StartWorkers(self, request, context):
-        """Start one worker process per rank of a deployment on this node and wait until
-        all are ready (or one fails, or the timeout passes, in which case all are stopped).
+        """Start the workers of a deployment's ranks on this node and wait until all are
+        ready (or one fails, or the timeout passes, in which case all are stopped): one
+        process per rank with the PyTorch engine; with TensorRT-LLM one process, rank 0's,
+        that runs every rank of the group (ListWorkers shows the others with its pid).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
