@@ -110,7 +110,9 @@ class WorkerGroups:
                         config=config,
                         workers=specs,
                         max_seq_len=max_seq_len,
-                        engine=agent_pb.ENGINE_KIND_PYTORCH,
+                        # Each node's choice (its ISERVE_ENGINE): TensorRT-LLM where it
+                        # runs the whole group, else the PyTorch engine.
+                        engine=agent_pb.ENGINE_KIND_UNSPECIFIED,
                         ready_timeout_ms=timeout_ms,
                         rendezvous_address=rendezvous,
                     ),

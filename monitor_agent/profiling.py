@@ -257,6 +257,8 @@ class ProfilingJobs:
             config=request.config,
             workers=request.workers,
             max_seq_len=job.max_seq_len,
+            # Whatever the node's ISERVE_ENGINE: the layer clock read here is the
+            # PyTorch engine's.
             engine=agent_pb.ENGINE_KIND_PYTORCH,
         )
         plan = build_plan(

@@ -160,6 +160,7 @@ class FakeAgent:
     def __init__(self, fail_group: str = ""):
         self.fail_group = fail_group
         self.started: list[str] = []
+        self.engines: list[int] = []
         self.stopped: list[str] = []
         self._port = 6000
 
@@ -171,6 +172,7 @@ class FakeAgent:
 
     async def StartWorkers(self, request: agent_pb.StartWorkersRequest, timeout: float):
         self.started.append(request.deployment_id)
+        self.engines.append(request.engine)
         if request.deployment_id == self.fail_group:
             raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "worker rank 0 exited (1)")
         workers = []
@@ -246,6 +248,8 @@ def test_two_replicas_start_on_two_devices_and_remove_stops_both(run):
         assert devices_of(dep.replicas[1].placement) == ["node0/cpu1"]
         assert [devices_of(p) for p in reply.decision.replica_placements] == [["node0/cpu1"]]
         assert sorted(agent.started) == sorted([dep.deployment_id, group1])
+        # Each node chooses the engine (its ISERVE_ENGINE): the deployer names none.
+        assert agent.engines == [agent_pb.ENGINE_KIND_UNSPECIFIED] * 2
         assert await store.reservation_owners() == {dep.deployment_id, group1}
         assert await store.get_deployment(dep.deployment_id) == dep
         await controller.remove(dep.deployment_id)

@@ -202,7 +202,10 @@ def _run_job(tmp_path, worker: FakeWorker, request: agent_pb.RunProfilingJobRequ
     return asyncio.run(main())
 
 
-def test_a_job_times_its_streams_and_stops_its_workers(tmp_path):
+def test_a_job_times_its_streams_and_stops_its_workers(tmp_path, monkeypatch):
+    # Whatever this node prefers, profiling runs the PyTorch engine, whose layer clock
+    # it reads.
+    monkeypatch.setenv("ISERVE_ENGINE", "tensorrt_llm")
     worker = FakeWorker(first_s=0.05, gap_s=0.02)
     config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1, batch_size=2)
     runs, supervisor = _run_job(
@@ -223,6 +226,7 @@ def test_a_job_times_its_streams_and_stops_its_workers(tmp_path):
     [plan] = supervisor.plans
     assert plan.deployment_id.startswith("profile-") and plan.max_batch == 2
     assert plan.max_seq_len == 8 + 5
+    assert plan.engine == "pytorch" and plan.time_layers
     assert supervisor.stopped == [plan.deployment_id] == supervisor.store.deleted
 
 
