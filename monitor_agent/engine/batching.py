@@ -147,6 +147,25 @@ def plan_prefill_groups(
     return groups
 
 
+def check_request(request: GenerationRequest, max_seq_len: int, vocab_size: int) -> None:
+    """ValueError, with a message for the user, when ``request`` cannot run on an engine
+    holding ``max_seq_len`` tokens per sequence of a ``vocab_size`` vocabulary (both
+    engines' one check)."""
+    prompt = request.prompt_ids
+    if not prompt:
+        raise ValueError("prompt is empty")
+    if request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+    if len(prompt) + request.max_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds "
+            f"max_seq_len ({max_seq_len})"
+        )
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_token_ids outside [0, {vocab_size}): {bad[:5]}")
+
+
 class BatchEngine:
     """The scheduler core: up to ``max_batch`` sequences decoding together.
 
@@ -208,20 +227,7 @@ class BatchEngine:
         """ValueError, with a message for the user, when ``request`` cannot run here: the
         one check of a generation request, run once where it enters (the worker's
         servicer, ``Engine.generate``); :meth:`submit` trusts it."""
-        prompt = request.prompt_ids
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
-        if len(prompt) + request.max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds "
-                f"max_seq_len ({self.max_seq_len})"
-            )
-        vocab = self.spec.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids outside [0, {vocab}): {bad[:5]}")
+        check_request(request, self.max_seq_len, self.spec.vocab_size)
 
     def submit(self, request: GenerationRequest) -> SequenceHandle:
         """Queue ``request`` (one :meth:`validate` passed); it gets a slot at the next

@@ -41,7 +41,7 @@ from monitor_agent.engine.model import LayerClock
 from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, InvalidCheckpoint
-from services.models.special_tokens import encode_prompt, generation_eos_ids, max_prompt_chars
+from services.models.special_tokens import PromptEncoder, generation_eos_ids
 
 __all__ = ["Engine", "NoFreeSlot", "SamplingConfig", "StepOutput"]
 
@@ -136,7 +136,7 @@ class Engine:
         self.kv_cache_dtype = kv_cache_dtype
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
-        self._max_prompt_chars: int | None = None  # from the vocabulary, when first needed
+        self._encode = PromptEncoder(self.tokenizer, max_seq_len)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | generation_eos_ids(
             directory, self.spec.vocab_size
         )
@@ -165,18 +165,9 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text, with the special tokens (BOS, EOS) transformers' AutoTokenizer
-        would add for this checkpoint (see services.models.special_tokens). ValueError,
-        without tokenizing, for a text too long to fit ``max_seq_len`` tokens whatever it
-        says (a tokenizer takes seconds on megabytes, and the worker waits meanwhile)."""
-        if self._max_prompt_chars is None:
-            self._max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_seq_len)
-        if len(text) > self._max_prompt_chars:
-            raise ValueError(
-                f"prompt of {len(text)} characters cannot fit the {self.max_seq_len} tokens "
-                f"this deployment holds per sequence (at most {self._max_prompt_chars} "
-                "characters with this tokenizer)"
-            )
-        return encode_prompt(self.tokenizer, text)
+        would add for this checkpoint; ValueError for a text too long to fit
+        ``max_seq_len`` tokens (services.models.special_tokens.PromptEncoder)."""
+        return self._encode(text)
 
     def generate(
         self,

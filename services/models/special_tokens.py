@@ -65,6 +65,29 @@ def max_prompt_chars(tokenizer: Tokenizer, max_tokens: int) -> int:
     return _NORMALIZER_FOLD * max_tokens * max(longest, _UNKNOWN_WORD_CHARS)
 
 
+class PromptEncoder:
+    """A deployment's prompts to token ids: :func:`encode_prompt`, refusing (ValueError,
+    without tokenizing) a text too long for ``max_seq_len`` tokens whatever it says; a
+    tokenizer takes seconds on megabytes, and the worker would wait meanwhile. Both
+    engines encode through one."""
+
+    def __init__(self, tokenizer: Tokenizer, max_seq_len: int):
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self._max_chars: int | None = None  # from the vocabulary, when first needed
+
+    def __call__(self, text: str) -> list[int]:
+        if self._max_chars is None:
+            self._max_chars = max_prompt_chars(self.tokenizer, self.max_seq_len)
+        if len(text) > self._max_chars:
+            raise ValueError(
+                f"prompt of {len(text)} characters cannot fit the {self.max_seq_len} tokens "
+                f"this deployment holds per sequence (at most {self._max_chars} "
+                "characters with this tokenizer)"
+            )
+        return encode_prompt(self.tokenizer, text)
+
+
 def ids_in_vocabulary(source: str, ids: Iterable[int], vocab_size: int) -> tuple[int, ...]:
     """``ids`` less those outside ``[0, vocab_size)``, each dropped with a warning that
     names ``source`` (e.g. "config eos_token_id")."""

@@ -211,8 +211,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine narrows CUDA_VISIBLE_DEVICES; keep that inside each test."""
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    """The engine narrows CUDA_VISIBLE_DEVICES; keep that inside each test. (delenv of an
+    absent variable records nothing to undo, so setenv first: teardown then removes what
+    the engine set, and later tests' worker processes do not inherit it.)"""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
 
 
 @pytest.fixture

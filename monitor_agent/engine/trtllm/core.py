@@ -25,7 +25,12 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from monitor_agent.engine.batching import GenerationRequest, SequenceState, StepOutput
+from monitor_agent.engine.batching import (
+    GenerationRequest,
+    SequenceState,
+    StepOutput,
+    check_request,
+)
 from monitor_agent.engine.detokenizer import IncrementalDetokenizer
 from monitor_agent.engine.trtllm.mapping import sampling_params
 from services.models.arch import ArchSpec
@@ -127,20 +132,7 @@ class TrtLlmBatch:
     def validate(self, request: GenerationRequest) -> None:
         """ValueError, with a message for the user, when ``request`` cannot run here (the
         same checks and messages as the PyTorch engine's core)."""
-        prompt = request.prompt_ids
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
-        if len(prompt) + request.max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds "
-                f"max_seq_len ({self.max_seq_len})"
-            )
-        vocab = self.spec.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids outside [0, {vocab}): {bad[:5]}")
+        check_request(request, self.max_seq_len, self.spec.vocab_size)
 
     def submit(self, request: GenerationRequest) -> TrtLlmSequence:
         """Start streaming ``request`` (one :meth:`validate` passed) in TensorRT-LLM."""

@@ -43,7 +43,7 @@ from monitor_agent.engine.trtllm.mapping import (
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, InvalidCheckpoint, read_config
 from services.models.families import parse_config
-from services.models.special_tokens import encode_prompt, generation_eos_ids
+from services.models.special_tokens import PromptEncoder, generation_eos_ids
 
 log = logging.getLogger("iserve.engine.trtllm")
 
@@ -100,6 +100,7 @@ class TrtLlmEngine:
         self.config = config
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         self.max_seq_len = config.max_seq_len
+        self._encode = PromptEncoder(self.tokenizer, config.max_seq_len)
         self.max_batch = config.max_batch
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | generation_eos_ids(
             directory, self.spec.vocab_size
@@ -124,8 +125,9 @@ class TrtLlmEngine:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text, as the PyTorch engine encodes them (iserve's tokenizer,
-        with the special tokens the checkpoint's tokenizer adds)."""
-        return encode_prompt(self.tokenizer, text)
+        with the special tokens the checkpoint's tokenizer adds; a text too long for
+        ``max_seq_len`` tokens refused unread)."""
+        return self._encode(text)
 
     def generate(
         self,
