@@ -400,6 +400,9 @@ def test_the_cli_issues_lists_and_revokes_tokens(deployed):
         refused = _cli(s, "models", token=record["token"])
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
     assert "ISERVE_TOKEN" in refused.stderr
+    status = _cli(s, "status", "--json")  # the stack's admin token, every service answers
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["deployments"], status.stdout
     bad = _cli(s, "token", "create", "x y", "--role", "admin")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
 

@@ -141,10 +141,13 @@ def _serving(channel: grpc.Channel) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_services_and_workers_talk_over_mutual_tls(tls_stack):
-    settings, pki, root = tls_stack
+@pytest.fixture(scope="module")
+def tls_deployed(tls_stack) -> deploy_pb.Deployment:
+    """The model registered and deployed over TLS by this process (the environment's
+    transport: TLS with the certificate, the stack's admin token)."""
+    settings, _pki, _root = tls_stack
     create_checkpoint(settings.models_root / MODEL, **TINY, overwrite=True)
-    own = transport.current()  # the environment's: TLS with the certificate, admin token
+    own = transport.current()
     assert own.tls is not None and own.tls.client_auth
     with own.sync_channel(settings.address("model")) as ch:
         model_service_pb2_grpc.ModelServiceStub(ch).RegisterModel(
@@ -153,7 +156,7 @@ def test_services_and_workers_talk_over_mutual_tls(tls_stack):
             )
         )
     with own.sync_channel(settings.address("deploy")) as ch:
-        deployment = (
+        return (
             deployment_service_pb2_grpc.DeploymentServiceStub(ch)
             .Deploy(
                 deploy_pb.DeployRequest(
@@ -165,6 +168,12 @@ def test_services_and_workers_talk_over_mutual_tls(tls_stack):
             )
             .deployment
         )
+
+
+def test_services_and_workers_talk_over_mutual_tls(tls_stack, tls_deployed):
+    settings, pki, root = tls_stack
+    deployment = tls_deployed
+    own = transport.current()
     # The CLI, in its own process, streams through the scheduler from the worker: three
     # TLS hops (CLI -> scheduler -> worker), the deploy having used deployer -> agent.
     out = subprocess.run(
@@ -213,3 +222,20 @@ def test_metrics_are_served_over_https_to_admin_tokens(tls_stack):
     with urllib.request.urlopen(request, timeout=10, context=context) as reply:
         assert reply.status == 200
         assert b"iserve_grpc_server_handled_total" in reply.read()
+
+
+def test_the_gateway_reaches_the_services_over_mutual_tls(tls_stack, tls_deployed):
+    """The HTTP gateway is a client of the scheduler, deployer and model service: over
+    the stack's TLS it forwards a client's token and streams a completion."""
+    import httpx
+
+    settings, _pki, _root = tls_stack
+    admin = token_file(settings.state_dir, "admin").read_text().strip()
+    with httpx.Client(timeout=60) as client:
+        reply = client.post(
+            f"http://{settings.gateway_address}/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 3
