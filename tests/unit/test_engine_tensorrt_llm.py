@@ -6,7 +6,7 @@ selection and the errors for configurations that do not map."""
 from __future__ import annotations
 
 import asyncio
-import enum
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -36,25 +36,24 @@ NUM_LAYERS = 4
 # --- the stand-in tensorrt_llm ------------------------------------------------------
 
 
-class QuantAlgo(enum.Enum):
-    W8A16 = "W8A16"
-    W4A16 = "W4A16"
-    W4A16_AWQ = "W4A16_AWQ"
-    W4A16_GPTQ = "W4A16_GPTQ"
-    INT8 = "INT8"
-    FP8 = "FP8"
+def _llmapi_stand_in():
+    """The stand-in ``tensorrt_llm.llmapi`` the supervisor's worker tests import
+    (tests/unit/trtllm_stand_in), loaded by path under a name of its own: its classes
+    (QuantAlgo, QuantConfig, KvCacheConfig) serve this module's in-process stand-in too."""
+    path = Path(__file__).parent / "trtllm_stand_in" / "tensorrt_llm" / "llmapi.py"
+    spec = importlib.util.spec_from_file_location("trtllm_stand_in_llmapi", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while built
+    spec.loader.exec_module(module)
+    return module
 
 
-@dataclass
-class QuantConfig:
-    quant_algo: QuantAlgo | None = None
-    kv_cache_quant_algo: QuantAlgo | None = None
-
-
-@dataclass
-class KvCacheConfig:
-    max_tokens: int | None = None
-    dtype: str = "auto"
+_llmapi = _llmapi_stand_in()
+QuantAlgo, QuantConfig, KvCacheConfig = (
+    _llmapi.QuantAlgo,
+    _llmapi.QuantConfig,
+    _llmapi.KvCacheConfig,
+)
 
 
 class SamplingParams:
