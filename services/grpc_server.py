@@ -32,14 +32,12 @@ from services.auth.tokens import Authenticator
 from services.errors import IServeError
 from services.metrics import RpcMetrics
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
-from services.transport import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, Transport
+from services.transport import CHANNEL_OPTIONS, Transport
 
 log = logging.getLogger("iserve.grpc")
 
 Drain = Callable[[float], Awaitable[object]]
 """Refuse new calls and wait up to the given seconds for those in flight (``InFlight.drain``)."""
-
-__all__ = ["CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "ServerSecurity", "channel", "start_server"]
 
 
 def _request_id(request: object) -> str:
@@ -219,7 +217,7 @@ async def run_server(
     """
     server, port, health_servicer = await start_server(bindings, address, metrics, security)
     if security is not None:
-        tls = security.transport.server_credentials() is not None
+        tls = security.transport.tls is not None and security.transport.tls.serves
         log.info(
             "%s listening on %s (port %d, %s, authentication %s)",
             name,

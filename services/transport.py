@@ -1,8 +1,8 @@
 """How iserve's processes and clients reach each other: plaintext or TLS channels whose
 calls carry the caller's bearer token, and the credentials servers listen with.
 
-One :class:`Transport` per process, from its settings (:func:`configure`; otherwise
-read from the environment on first use): ``ISERVE_TLS_*`` picks TLS (mutual with
+One :class:`Transport` per process, from its settings (:func:`configure`; a process that
+configures none, such as a test, gets a client's, read from the environment each time): ``ISERVE_TLS_*`` picks TLS (mutual with
 ``ISERVE_TLS_CLIENT_AUTH=on``), and the token is ``ISERVE_TOKEN`` for clients and the
 service token for iserve's own processes. TLS uses gRPC's own credentials
 (``grpc.ssl_server_credentials``, ``grpc.ssl_channel_credentials``); the token travels
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from functools import cached_property
 
 import grpc
 
@@ -28,6 +29,15 @@ CHANNEL_OPTIONS = [
 
 def _read(path) -> bytes | None:
     return None if path is None else path.read_bytes()
+
+
+@dataclass(frozen=True)
+class _Pem:
+    """The PEM bytes of a process's TLS files, read once."""
+
+    cert: bytes | None
+    key: bytes | None
+    ca: bytes | None
 
 
 @dataclass(frozen=True)
@@ -46,14 +56,20 @@ class Transport:
         """An iserve process's: the service token."""
         return cls(settings.tls, settings.service_token)
 
+    @cached_property
+    def _pem(self) -> _Pem:
+        tls = self.tls or TlsFiles()
+        return _Pem(_read(tls.cert), _read(tls.key), _read(tls.ca))
+
     # ---- servers ------------------------------------------------------------------
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials to listen with; None for plaintext."""
         if self.tls is None or not self.tls.serves:
             return None
+        pem = self._pem
         return grpc.ssl_server_credentials(
-            [(self.tls.key.read_bytes(), self.tls.cert.read_bytes())],
-            root_certificates=_read(self.tls.ca),
+            [(pem.key, pem.cert)],
+            root_certificates=pem.ca,
             require_client_auth=self.tls.client_auth,
         )
 
@@ -68,10 +84,11 @@ class Transport:
         if self.tls is None:
             return None
         mutual = self.tls.client_auth and self.tls.serves
+        pem = self._pem
         return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.tls.ca),
-            private_key=_read(self.tls.key) if mutual else None,
-            certificate_chain=_read(self.tls.cert) if mutual else None,
+            root_certificates=pem.ca,
+            private_key=pem.key if mutual else None,
+            certificate_chain=pem.cert if mutual else None,
         )
 
     def options(self) -> list[tuple[str, object]]:
@@ -84,7 +101,7 @@ class Transport:
         """A ``grpc.aio`` channel to ``address`` whose calls carry ``token`` (default: the
         process's)."""
         token = self.token if token is None else token
-        interceptors = _aio_interceptors(token) if token else None
+        interceptors = [kind(token) for kind in _AIO_BEARERS] if token else None
         credentials = self.channel_credentials()
         if credentials is None:
             return grpc.aio.insecure_channel(
@@ -123,42 +140,51 @@ def current() -> Transport:
 
 
 # ---- the bearer token on every call -------------------------------------------------
-def _with_token(metadata, token: str) -> list[tuple[str, str]]:
-    entries = [(k, v) for k, v in (metadata or ()) if k != "authorization"]
+def _with_token(metadata, token: str) -> list[tuple[str, str]] | None:
+    """``metadata`` with ``authorization: Bearer <token>`` added; None when it names a
+    token already (the gateway's calls, forwarding its client's), which it keeps."""
+    entries = list(metadata or ())
+    if any(k == "authorization" for k, _ in entries):
+        return None
     entries.append(("authorization", f"Bearer {token}"))
     return entries
 
 
-def _aio_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
-    def details(call_details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        # A call that names its own token (the gateway's, forwarding its client's) keeps it.
-        if any(k == "authorization" for k, _ in (call_details.metadata or ())):
-            return call_details
+class _AioBearer:
+    def __init__(self, token: str):
+        self.token = token
+
+    def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = _with_token(d.metadata, self.token)
+        if metadata is None:
+            return d
         return grpc.aio.ClientCallDetails(
-            call_details.method,
-            call_details.timeout,
-            _with_token(call_details.metadata, token),
-            call_details.credentials,
-            call_details.wait_for_ready,
+            d.method, d.timeout, metadata, d.credentials, d.wait_for_ready
         )
 
-    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-        async def intercept_unary_unary(self, continuation, call_details, request):
-            return await continuation(details(call_details), request)
 
-    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-        async def intercept_unary_stream(self, continuation, call_details, request):
-            return await continuation(details(call_details), request)
+# grpc.aio files each interceptor under one kind of call: one class per kind.
+class _AioUnaryUnary(_AioBearer, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, call_details, request):
+        return await continuation(self._details(call_details), request)
 
-    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-        async def intercept_stream_unary(self, continuation, call_details, request_iterator):
-            return await continuation(details(call_details), request_iterator)
 
-    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
-        async def intercept_stream_stream(self, continuation, call_details, request_iterator):
-            return await continuation(details(call_details), request_iterator)
+class _AioUnaryStream(_AioBearer, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, call_details, request):
+        return await continuation(self._details(call_details), request)
 
-    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
+
+class _AioStreamUnary(_AioBearer, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, call_details, request_iterator):
+        return await continuation(self._details(call_details), request_iterator)
+
+
+class _AioStreamStream(_AioBearer, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, call_details, request_iterator):
+        return await continuation(self._details(call_details), request_iterator)
+
+
+_AIO_BEARERS = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
 
 
 class _Details(
@@ -181,12 +207,13 @@ class _SyncBearer(
         self.token = token
 
     def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        if any(k == "authorization" for k, _ in (d.metadata or ())):
+        metadata = _with_token(d.metadata, self.token)
+        if metadata is None:
             return d
         return _Details(
             d.method,
             d.timeout,
-            _with_token(d.metadata, self.token),
+            metadata,
             d.credentials,
             getattr(d, "wait_for_ready", None),
             getattr(d, "compression", None),
