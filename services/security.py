@@ -6,7 +6,6 @@ import asyncio
 import logging
 
 from services import transport
-from services.api import token_service_pb2 as token_pb
 from services.auth import policy
 from services.auth.tokens import (
     ServiceTokenAuthenticator,
@@ -14,11 +13,12 @@ from services.auth.tokens import (
     bearer,
     digest,
     token_id_of,
+    token_info,
 )
 from services.grpc_server import ServerSecurity
 from services.metrics import Guard
 from services.settings import Settings
-from services.state.store import StateStore, now_ms
+from services.state.store import StateStore
 from services.transport import Transport
 
 log = logging.getLogger("iserve.auth")
@@ -27,10 +27,7 @@ METRICS_CHECK_TIMEOUT_S = 5.0
 
 async def register_supplied(store: StateStore, token: str, role: int, subject: str) -> None:
     """Record an operator-supplied token (idempotent: a token already there is kept)."""
-    info = token_pb.TokenInfo(
-        token_id=token_id_of(token), subject=subject, role=role, created_at_unix_ms=now_ms()
-    )
-    await store.put_token(info, digest(token))
+    await store.put_token(token_info(token_id_of(token), subject, role), digest(token))
 
 
 async def server_security(settings: Settings, store: StateStore | None) -> ServerSecurity:

@@ -22,17 +22,21 @@ from typing import Protocol
 
 from services.api import token_service_pb2 as token_pb
 from services.auth import policy
-from services.errors import InvalidArgument
+from services.errors import InvalidArgument, shown
+from services.ids import check_deployment_id
 from services.settings import MAX_TOKEN_LENGTH
 
 PREFIX = "isv_"
-_ISSUED = re.compile(r"^isv_([0-9a-f]{16})_[A-Za-z0-9_-]{20,}$")
+_ISSUED = re.compile(r"isv_([0-9a-f]{16})_[A-Za-z0-9_-]{20,}")
+# Issued tokens' ids are 16 hex digits; supplied tokens' "s" and 15 (token_id_of).
+_TOKEN_ID = re.compile(r"[0-9a-fs][0-9a-f]{15}")
+MAX_GRANTS = 256
 
 # How long a process trusts a token it found valid, and how many it remembers.
 CACHE_S = 1.0
 CACHE_ENTRIES = 10_000
 
-_SUBJECT = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
+_SUBJECT = re.compile(r"[A-Za-z0-9._@-]{1,64}")
 
 
 def digest(token: str) -> str:
@@ -42,7 +46,7 @@ def digest(token: str) -> str:
 def token_id_of(token: str) -> str:
     """The public id of ``token``: the one an issued token carries, else one derived from
     its hash (operator-supplied tokens)."""
-    match = _ISSUED.match(token)
+    match = _ISSUED.fullmatch(token)
     return match.group(1) if match else "s" + digest(token)[:15]
 
 
@@ -70,7 +74,7 @@ class Principal:
 
 
 def check_subject(subject: str) -> str:
-    if not _SUBJECT.match(subject):
+    if not _SUBJECT.fullmatch(subject):
         raise InvalidArgument(
             f"invalid subject {subject!r}: 1-64 characters of letters, digits, '.', '_', '-', '@'"
         )
@@ -84,6 +88,57 @@ def check_role(role: int) -> int:
     return role
 
 
+def check_grants(role: int, deployments) -> list[str]:
+    """The deployments a token of ``role`` grants, each once; InvalidArgument unless an
+    app-user token grants 1-MAX_GRANTS deployment ids (or "*") and no other role any."""
+    grants = list(dict.fromkeys(deployments))
+    if len(grants) > MAX_GRANTS:
+        raise InvalidArgument(f"a token grants at most {MAX_GRANTS} deployments")
+    for grant in grants:
+        if grant != "*":
+            check_deployment_id(grant)
+    if grants and role != policy.APP_USER:
+        raise InvalidArgument(
+            "only app-user tokens grant deployments (developers use what they own)"
+        )
+    if role == policy.APP_USER and not grants:
+        raise InvalidArgument("an app-user token must grant deployments (ids, or '*')")
+    return grants
+
+
+def check_token_id(token_id: str) -> str:
+    if not _TOKEN_ID.fullmatch(token_id):
+        raise InvalidArgument(f"invalid token id {shown(token_id)}: see `iserve token list`")
+    return token_id
+
+
+def token_info(
+    token_id: str, subject: str, role: int, deployments: list[str] | tuple = ()
+) -> token_pb.TokenInfo:
+    """What the registry keeps of a token besides its hash, created now."""
+    return token_pb.TokenInfo(
+        token_id=token_id,
+        subject=subject,
+        role=role,
+        deployments=deployments,
+        created_at_unix_ms=int(time.time() * 1000),
+    )
+
+
+async def issue(
+    records: TokenRecords, subject: str, role: int, deployments
+) -> tuple[token_pb.TokenInfo, str]:
+    """A new token for ``subject`` with ``role`` (checked), recorded hashed in
+    ``records``: (what was recorded, the token itself, shown once)."""
+    subject, role = check_subject(subject), check_role(role)
+    grants = check_grants(role, deployments)
+    while True:  # a fresh id: 64 random bits, so a second draw is all but never needed
+        token_id, token = new_token()
+        info = token_info(token_id, subject, role, grants)
+        if await records.put_token(info, digest(token)):
+            return info, token
+
+
 def principal_of(info: token_pb.TokenInfo) -> Principal:
     return Principal(info.token_id, info.subject, info.role, tuple(info.deployments))
 
@@ -92,6 +147,8 @@ class TokenRecords(Protocol):
     """Where tokens are kept (``services.state.store.StateStore``)."""
 
     async def get_token(self, token_id: str) -> tuple[token_pb.TokenInfo, str] | None: ...
+
+    async def put_token(self, info: token_pb.TokenInfo, sha256: str) -> bool: ...
 
 
 class Authenticator(Protocol):
