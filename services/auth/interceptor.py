@@ -24,26 +24,38 @@ from services.errors import IServeError
 log = logging.getLogger("iserve.auth")
 
 
+_KINDS = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler),
+)
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, authenticator: Authenticator):
         self.authenticator = authenticator
+        # Each method's guarded handler, built on its first call (a server's handlers do
+        # not change while it runs).
+        self._guarded: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        guarded = self._guarded.get(method)
+        if guarded is not None:
+            return guarded
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method
+        self._guarded[method] = guarded = self._guard(method, handler)
+        return guarded
+
+    def _guard(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         roles = policy.roles_for(method)
         if roles is not None and not roles:
             return handler  # open: the health probes
         check = self._checker(method, roles)
-        kinds = (
-            ("unary_unary", grpc.unary_unary_rpc_method_handler),
-            ("unary_stream", grpc.unary_stream_rpc_method_handler),
-            ("stream_unary", grpc.stream_unary_rpc_method_handler),
-            ("stream_stream", grpc.stream_stream_rpc_method_handler),
-        )
-        for attribute, make in kinds:
+        for attribute, make in _KINDS:
             behavior = getattr(handler, attribute)
             if behavior is not None:
                 return make(
