@@ -132,7 +132,7 @@ def _translating_redis_errors(cls: type) -> type:
 @_translating_redis_errors
 class StateStore:
     """Typed operations on iserve's Redis state; one instance per process. Every call
-    raises ``services.errors.StateStoreUnavailable`` while Redis cannot be reached;
+    raises :class:`StateStoreUnavailable` while Redis cannot be reached;
     redis-py reconnects by itself once it is back."""
 
     def __init__(self, client: aioredis.Redis):
@@ -470,12 +470,11 @@ class StateStore:
 
     async def list_tokens(self) -> list[token_pb.TokenInfo]:
         ids = sorted(await self.redis.smembers(keys.token_index()))
-        infos = []
-        for token_id in ids:
-            found = await self.get_token(token_id)
-            if found is not None:
-                infos.append(found[0])
-        return infos
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for token_id in ids:
+                pipe.hget(keys.token(token_id), "info")
+            found = await pipe.execute()
+        return [decode(token_pb.TokenInfo, raw) for raw in found if raw is not None]
 
     async def delete_token(self, token_id: str) -> bool:
         async with self.redis.pipeline(transaction=True) as pipe:
