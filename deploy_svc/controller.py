@@ -303,6 +303,12 @@ class DeploymentController:
             if earlier is not None:
                 existing = await self.store.get_deployment(earlier)
                 if existing is not None:
+                    # Another owner's request id names their deployment: not this caller's.
+                    access.check_owner(
+                        f"request_id {request.request_id!r} names deployment "
+                        f"{existing.deployment_id}, which",
+                        existing.owner,
+                    )
                     return deploy_pb.DeployResponse(
                         request_id=request.request_id, deployment=existing
                     )
@@ -496,6 +502,7 @@ class DeploymentController:
     async def remove(self, deployment_id: str) -> None:
         async with self.lock(deployment_id):
             deployment = await self.get(deployment_id)
+            access.check_owner(f"deployment {deployment_id}", deployment.owner)
             deployment.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
             await self.store.put_deployment(deployment)
             await self.workers.teardown(deployment)
