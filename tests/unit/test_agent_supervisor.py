@@ -235,8 +235,12 @@ def test_a_pooled_worker_is_a_fork_of_the_warm_server_in_a_session_of_its_own(
 # CUDA GPUs. What this shows is the supervisor's side: one process, every rank listed.
 
 STAND_IN = Path(__file__).parent / "trtllm_stand_in"
+# Two of the cores this process may use (whichever this machine allows), two GPUs each.
+CORES = sorted(os.sched_getaffinity(0))[:2]
 GPUS = tuple(
-    DeviceSpec(f"cuda{i}", common.DEVICE_KIND_CUDA, "H100", "h100", 80 << 30, (i % 2,), i)
+    DeviceSpec(
+        f"cuda{i}", common.DEVICE_KIND_CUDA, "H100", "h100", 80 << 30, (CORES[i % len(CORES)],), i
+    )
     for i in range(4)
 )
 
@@ -291,7 +295,7 @@ def test_a_tensorrt_llm_group_is_one_process_listed_as_every_rank(
         assert [i.address for i in infos[1:]] == ["", "", ""]  # only rank 0 serves
         # The engine's own account: 1 GiB of each stand-in GPU, all reported by rank 0.
         assert [i.resident_bytes for i in infos] == [4 << 30, 0, 0, 0]
-        assert psutil.Process(pid).cpu_affinity() == [0, 1]  # every device's cores
+        assert psutil.Process(pid).cpu_affinity() == CORES  # every device's cores
         # One process, one log: rank 0's.
         assert [p.name for p in (tmp_path / "logs").iterdir()] == ["worker-dep-trt-r0.log"]
         stored = await store.list_workers("dep-trt")
