@@ -403,6 +403,10 @@ def test_the_cli_issues_lists_and_revokes_tokens(deployed):
     status = _cli(s, "status", "--json")  # the stack's admin token, every service answers
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["deployments"], status.stdout
+    before = _cli(s, "token", "list", "--json").stdout
+    bad_revoke = _cli(s, "token", "revoke", "x:y")
+    assert bad_revoke.returncode == 1 and "INVALID_ARGUMENT" in bad_revoke.stderr
+    assert _cli(s, "token", "list", "--json").stdout == before  # nothing revoked
     bad = _cli(s, "token", "create", "x y", "--role", "admin")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
 

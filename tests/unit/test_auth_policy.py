@@ -20,11 +20,14 @@ from services.auth.tokens import (
     ServiceTokenAuthenticator,
     StoreAuthenticator,
     bearer,
+    check_grants,
+    check_token_id,
     digest,
+    issue,
     new_token,
     token_id_of,
 )
-from services.errors import PermissionDenied
+from services.errors import InvalidArgument, PermissionDenied
 
 
 def _served_methods() -> set[str]:
@@ -205,3 +208,44 @@ def test_a_valid_token_is_remembered_for_its_cache_time_and_no_longer():
     now[0] += 0.6
     assert asyncio.run(auth.authenticate(token)) is None  # read again: gone
     assert asyncio.run(auth.authenticate(token)) is None  # refusals are never remembered
+
+
+@pytest.mark.parametrize(
+    "role,grants,message",
+    [
+        (policy.APP_USER, [], "must grant deployments"),
+        (policy.APP_DEVELOPER, ["d1"], "only app-user tokens grant"),
+        (policy.APP_USER, ["bad:id"], "invalid deployment_id"),
+        (policy.APP_USER, [f"d{i}" for i in range(257)], "at most 256"),
+    ],
+)
+def test_bad_grants_are_refused(role, grants, message):
+    with pytest.raises(InvalidArgument, match=message):
+        check_grants(role, grants)
+
+
+def test_grants_are_kept_once_and_token_ids_follow_the_issued_shape():
+    assert check_grants(policy.APP_USER, ["d1", "d1", "*"]) == ["d1", "*"]
+    token_id, token = new_token()
+    assert check_token_id(token_id) == token_id
+    assert check_token_id(token_id_of("an-operator-token-of-enough-length")).startswith("s")
+    for bad in ("", "x:y", token_id + "\n", "0" * 17, "g" * 16):
+        with pytest.raises(InvalidArgument, match="invalid token id"):
+            check_token_id(bad)
+
+
+def test_issuing_checks_the_request_and_records_only_the_hash():
+    class Records(_Records):
+        async def put_token(self, info, sha256):
+            self.rows[info.token_id] = (info, sha256)
+            return True
+
+    records = Records()
+    with pytest.raises(InvalidArgument, match="invalid subject"):
+        asyncio.run(issue(records, "alice\n", policy.ADMIN, []))
+    with pytest.raises(InvalidArgument, match="invalid role"):
+        asyncio.run(issue(records, "alice", 99, []))
+    assert records.rows == {}  # nothing recorded for a refused request
+    info, token = asyncio.run(issue(records, "alice", policy.APP_USER, ["d1"]))
+    stored, hashed = records.rows[info.token_id]
+    assert stored == info and hashed == digest(token) and token not in str(stored)
