@@ -117,22 +117,40 @@ class Sample:
         latency (nothing when neither is usable)."""
         if self.direct_phases:
             samples = [
-                LatencySample(self.layers, self.ttft_s, phase="ttft", prompt=self.prompt),
-                LatencySample(self.layers, self.tpot_s, phase="tpot", prompt=self.prompt),
+                LatencySample(
+                    self.layers, self.ttft_s, phase="ttft", prompt=self.prompt, batch=self.batch
+                ),
+                LatencySample(
+                    self.layers, self.tpot_s, phase="tpot", prompt=self.prompt, batch=self.batch
+                ),
             ]
             if self.ttft_layer_s > 0 and self.tpot_layer_s > 0:
                 samples += [
                     LatencySample(
-                        self.layers, self.ttft_layer_s, phase="ttft_layer", prompt=self.prompt
+                        self.layers,
+                        self.ttft_layer_s,
+                        phase="ttft_layer",
+                        prompt=self.prompt,
+                        batch=self.batch,
                     ),
                     LatencySample(
-                        self.layers, self.tpot_layer_s, phase="tpot_layer", prompt=self.prompt
+                        self.layers,
+                        self.tpot_layer_s,
+                        phase="tpot_layer",
+                        prompt=self.prompt,
+                        batch=self.batch,
                     ),
                 ]
             return samples
         if self.latency_s > 0 and self.output_tokens >= 1:
             return [
-                LatencySample(self.layers, self.latency_s, self.output_tokens, prompt=self.prompt)
+                LatencySample(
+                    self.layers,
+                    self.latency_s,
+                    self.output_tokens,
+                    prompt=self.prompt,
+                    batch=self.batch,
+                )
             ]
         return []
 

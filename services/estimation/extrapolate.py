@@ -50,7 +50,8 @@ class LatencySample:
     ``output_tokens`` tokens), ``ttft`` or ``tpot`` (seconds per output token), or
     ``ttft_layer`` / ``tpot_layer``: the time of one decoder layer in the prefill / a
     decode step, measured inside the run (on a tensor-parallel layout, with its share
-    of the all-reduces).
+    of the all-reduces). ``batch``: the sequences each step carried (the pooled fit
+    shares TPOT terms only between samples of one batch size).
     """
 
     layers: int
@@ -58,8 +59,11 @@ class LatencySample:
     output_tokens: int = 0
     phase: str = "end_to_end"
     prompt: Hashable = "default"
+    batch: int = 1
 
     def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise ValueError(f"batch must be at least 1, got {self.batch}")
         if self.phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
         if self.layers < 1:
@@ -296,9 +300,18 @@ class PooledLatencyFit:
 
     The structure (seconds; TPOT per output token) for variant ``v`` on layout (tp, pp):
 
-        per-layer TPOT = tpot_per_layer[v] / tp + tpot_comm_per_layer[tp]
+        per-layer TPOT = tpot_per_layer[v, b] / tp + tpot_comm_per_layer[tp, b]
         per-layer TTFT = ttft_per_layer[v, prompt] / tp + ttft_comm_per_layer[tp, prompt]
-        other TPOT = tpot_other[(tp, pp)],  other TTFT = ttft_other[(tp, pp), prompt]
+        other TPOT = tpot_other[(tp, pp), b],  other TTFT = ttft_other[(tp, pp), prompt]
+
+    where ``b`` is the prompt's decode group. With layer clocks (iserve's profiler) the
+    group is the batch size: a step that carries two sequences is not one that carries
+    one (on this project's CPU devices a decode layer takes 1.3-1.65 ms at batch 2
+    against 0.96-1.08 ms at batch 1; one median over both put the batch-1 TPOT of every
+    full model 10-17 % high, and the batch-2 overhead at zero). From end-to-end timings
+    alone every prompt shares one group: on the A6000 data batch-2 decode costs what
+    batch 1 does within noise, and keeping them apart there made held-out latency worse
+    (LOAO 2.2 / 6.5 % -> 2.5 / 6.7 %, scale transfer 2.2 / 5.6 -> 2.6 / 6.4).
 
     Tensor parallelism splits a layer's work over tp devices and adds an all-reduce whose
     cost depends on the activations (hidden size, tokens), not on how the weights are
@@ -314,9 +327,18 @@ class PooledLatencyFit:
     ttft_per_layer_s: Mapping[tuple[Hashable, Hashable], float]
     tpot_comm_per_layer_s: Mapping[int, float]
     ttft_comm_per_layer_s: Mapping[tuple[int, Hashable], float]
-    tpot_other_s: Mapping[tuple[int, int], float]
+    tpot_other_s: Mapping[tuple[tuple[int, int], int], float]
     ttft_other_s: Mapping[tuple[tuple[int, int], Hashable], float]
     residual_rms_s: float
+    decode_group: Mapping[Hashable, int]
+
+    def batch_of(self, prompt: Hashable) -> int:
+        """The group of ``prompt`` whose TPOT terms it uses: its batch size when the
+        per-layer terms came from layer clocks, 1 (one group) otherwise."""
+        try:
+            return self.decode_group[prompt]
+        except KeyError:
+            raise KeyError(f"no samples for prompt {prompt!r}") from None
 
     def layer_latency(
         self, variant: Hashable, layout: tuple[int, int], prompt: Hashable
@@ -328,7 +350,7 @@ class PooledLatencyFit:
                 ttft_per_layer_s=ttft_layer,
                 ttft_other_s=self.ttft_other_s[(layout, prompt)],
                 tpot_per_layer_s=tpot_layer,
-                tpot_other_s=self.tpot_other_s[layout],
+                tpot_other_s=self.tpot_other_s[(layout, self.batch_of(prompt))],
             )
         except KeyError as missing:
             raise KeyError(
@@ -338,11 +360,12 @@ class PooledLatencyFit:
     def per_layer_s(self, variant: Hashable, tp: int, prompt: Hashable) -> tuple[float, float]:
         """(TTFT, TPOT) of one layer of ``variant`` at tensor degree ``tp``, seconds."""
         try:
+            batch = self.batch_of(prompt)
             return (
                 self.ttft_per_layer_s[(variant, prompt)] / tp
                 + (self.ttft_comm_per_layer_s[(tp, prompt)] if tp > 1 else 0.0),
-                self.tpot_per_layer_s[variant] / tp
-                + (self.tpot_comm_per_layer_s[tp] if tp > 1 else 0.0),
+                self.tpot_per_layer_s[(variant, batch)] / tp
+                + (self.tpot_comm_per_layer_s[(tp, batch)] if tp > 1 else 0.0),
             )
         except KeyError as missing:
             raise KeyError(
@@ -353,8 +376,10 @@ class PooledLatencyFit:
 def _solve_pooled(
     samples: Mapping[tuple[Hashable, tuple[int, int]], Sequence[LatencySample]],
     fixed: PooledLatencyFit | None,
+    decode_group: Mapping[Hashable, int],
 ) -> tuple[dict[str, dict], float]:
-    """Least squares for the pooled terms; with ``fixed``, per-layer terms come from it."""
+    """Least squares for the pooled terms; with ``fixed``, per-layer terms come from it.
+    ``decode_group`` maps each prompt label to the group whose TPOT terms it shares."""
     columns: dict[tuple, int] = {}
 
     def col(key: tuple) -> int:
@@ -373,12 +398,13 @@ def _solve_pooled(
             per_layer = None if fixed is None else fixed.per_layer_s(variant, tp, s.prompt)
             if tpot_weight:
                 if per_layer is None:
-                    row[col(("tpot_layer", variant))] = tpot_weight * s.layers / tp
+                    group = decode_group[s.prompt]
+                    row[col(("tpot_layer", variant, group))] = tpot_weight * s.layers / tp
                     if tp > 1:
-                        row[col(("tpot_comm", tp))] = tpot_weight * s.layers
+                        row[col(("tpot_comm", tp, group))] = tpot_weight * s.layers
                 else:
                     known += tpot_weight * s.layers * per_layer[1]
-                row[col(("tpot_other", layout))] = tpot_weight
+                row[col(("tpot_other", layout, decode_group[s.prompt]))] = tpot_weight
             if s.phase != "tpot":
                 if per_layer is None:
                     row[col(("ttft_layer", variant, s.prompt))] = s.layers / tp
@@ -397,7 +423,7 @@ def _solve_pooled(
         raise ValueError(
             "fingerprint samples do not determine the latency terms: every variant needs "
             "samples at (1, 1) with two layer counts (and two output lengths for end-to-end "
-            "samples), every (tp, 1) used two layer counts"
+            "samples) at each batch size, every (tp, 1) used two layer counts"
         )
     coef, *_ = np.linalg.lstsq(design, np.array(target), rcond=None)
     residual = np.array(target) - design @ coef
@@ -425,12 +451,16 @@ def _clock_terms(
     the per-layer work of every variant.
     """
 
-    def clocks(samples: Sequence[LatencySample], phase: str, prompt: Hashable) -> list[float]:
+    def clocks(samples: Sequence[LatencySample], phase: str, key: Hashable) -> list[float]:
+        # TTFT clocks per prompt, TPOT clocks per batch size.
         return [
             s.seconds
             for s in samples
-            if s.phase == phase and (phase == "tpot_layer" or s.prompt == prompt)
+            if s.phase == phase and (s.batch if phase == "tpot_layer" else s.prompt) == key
         ]
+
+    def batches_of(samples: Sequence[LatencySample]) -> set[int]:
+        return {s.batch for s in samples if s.phase in ("tpot", "end_to_end")}
 
     def prompts_of(samples: Sequence[LatencySample]) -> set[Hashable]:
         return {s.prompt for s in samples if s.phase in ("ttft", "end_to_end")}
@@ -439,10 +469,11 @@ def _clock_terms(
     for (variant, (tp, _)), samples in flat.items():
         if tp != 1:
             continue
-        tpot = clocks(samples, "tpot_layer", None)
-        if not tpot:
-            return None
-        terms["tpot_layer"][variant] = float(np.median(tpot))
+        for batch in batches_of(samples):
+            tpot = clocks(samples, "tpot_layer", batch)
+            if not tpot:
+                return None
+            terms["tpot_layer"][(variant, batch)] = float(np.median(tpot))
         for prompt in prompts_of(samples):
             ttft = clocks(samples, "ttft_layer", prompt)
             if not ttft:
@@ -452,12 +483,12 @@ def _clock_terms(
     for (variant, (tp, _)), samples in flat.items():
         if tp == 1:
             continue
-        if variant not in terms["tpot_layer"]:
-            return None
-        tpot = clocks(samples, "tpot_layer", None)
-        if not tpot:
-            return None
-        beyond[("tpot_comm", tp)] += [t - terms["tpot_layer"][variant] / tp for t in tpot]
+        for batch in batches_of(samples):
+            tpot = clocks(samples, "tpot_layer", batch)
+            if not tpot or (variant, batch) not in terms["tpot_layer"]:
+                return None
+            work = terms["tpot_layer"][(variant, batch)] / tp
+            beyond[("tpot_comm", tp, batch)] += [t - work for t in tpot]
         for prompt in prompts_of(samples):
             ttft = clocks(samples, "ttft_layer", prompt)
             if not ttft or (variant, prompt) not in terms["ttft_layer"]:
@@ -465,7 +496,7 @@ def _clock_terms(
             work = terms["ttft_layer"][(variant, prompt)] / tp
             beyond[("ttft_comm", tp, prompt)] += [t - work for t in ttft]
     for (name, *key), values in beyond.items():
-        terms[name][key[0] if len(key) == 1 else tuple(key)] = float(np.median(values))
+        terms[name][tuple(key)] = float(np.median(values))
     return terms
 
 
@@ -499,33 +530,55 @@ def fit_pooled_latency(
             raise ValueError(
                 f"variant {variant!r}: layout {(tp, pp)} needs samples at {(tp, 1)} too"
             )
+    batches = _prompt_batches(samples)
     clock = _clock_terms(flat)
-    fixed = None if clock is None else _pooled_from_terms(clock, 0.0, 0)
-    terms, sse = _solve_pooled(flat, fixed)
+    # Layer clocks time a decode step at each batch size as it is; end-to-end timings
+    # share one set of TPOT terms over every batch size profiled (item 3 of
+    # docs/estimation.md: on the A6000 data batch-2 decode costs what batch 1 does
+    # within noise, and its samples halve the TPOT noise).
+    groups = batches if clock is not None else dict.fromkeys(batches, 1)
+    fixed = None if clock is None else _pooled_from_terms(clock, 0.0, 0, groups)
+    terms, sse = _solve_pooled(flat, fixed, groups)
     if clock is not None:
         for name in ("tpot_layer", "ttft_layer", "tpot_comm", "ttft_comm"):
             terms[name] = clock[name]
     else:
-        robust = _robust_comm_terms(flat, terms)
+        robust = _robust_comm_terms(flat, terms, groups)
         if robust != {name: terms[name] for name in robust}:
             terms.update(robust)
-            refit, sse = _solve_pooled(flat, _pooled_from_terms(terms, 0.0, 0))
+            refit, sse = _solve_pooled(flat, _pooled_from_terms(terms, 0.0, 0, groups), groups)
             for name in ("tpot_other", "ttft_other"):
                 terms[name] = refit[name]
     count = sum(len(v) for v in flat.values())
-    fit = _pooled_from_terms(terms, sse, count)
+    fit = _pooled_from_terms(terms, sse, count, groups)
     if staged:
-        staged_terms, staged_sse = _solve_pooled(staged, fit)
+        staged_terms, staged_sse = _solve_pooled(staged, fit, groups)
         for name in ("tpot_other", "ttft_other"):
             terms[name].update(staged_terms[name])
         count += sum(len(v) for v in staged.values())
-        fit = _pooled_from_terms(terms, sse + staged_sse, count)
+        fit = _pooled_from_terms(terms, sse + staged_sse, count, groups)
     return fit
+
+
+def _prompt_batches(
+    samples: Mapping[tuple[Hashable, tuple[int, int]], Sequence[LatencySample]],
+) -> dict[Hashable, int]:
+    """Each prompt label's batch size; a label used at two batch sizes is refused (its
+    TTFT terms would mix two kinds of step)."""
+    seen: dict[Hashable, set[int]] = defaultdict(set)
+    for rows in samples.values():
+        for s in rows:
+            seen[s.prompt].add(s.batch)
+    mixed = {prompt: sorted(b) for prompt, b in seen.items() if len(b) > 1}
+    if mixed:
+        raise ValueError(f"prompt labels with samples at several batch sizes: {mixed}")
+    return {prompt: next(iter(b)) for prompt, b in seen.items()}
 
 
 def _robust_comm_terms(
     flat: Mapping[tuple[Hashable, tuple[int, int]], Sequence[LatencySample]],
     terms: Mapping[str, Mapping],
+    decode_group: Mapping[Hashable, int],
 ) -> dict[str, dict]:
     """The communication terms per tensor degree as the median over the variants of
     what each variant's own (tp, 1) fingerprints show beyond its work split tp ways,
@@ -543,36 +596,41 @@ def _robust_comm_terms(
     full model measured 2.25 ms).
     """
     increments: dict[tuple, list[float]] = defaultdict(list)
-    for (variant, (tp, _)), samples in flat.items():
+    for (variant, (tp, _)), layout_samples in flat.items():
         if tp <= 2:
             continue
-        try:
-            own = fit_layer_latency([s for s in samples if s.phase not in LAYER_PHASES])
-        except ValueError:
-            continue  # one layer count only: the joint fit's term stands
-        if variant in terms["tpot_layer"]:
-            work = terms["tpot_layer"][variant] / tp
-            increments[("tpot_comm", tp)].append(own.tpot_per_layer_s - work)
-        for prompt, (per_layer, _) in own.ttft_terms.items():
-            if (variant, prompt) in terms["ttft_layer"]:
-                work = terms["ttft_layer"][(variant, prompt)] / tp
-                increments[("ttft_comm", tp, prompt)].append(per_layer - work)
+        for batch in sorted({decode_group[s.prompt] for s in layout_samples}):
+            samples = [s for s in layout_samples if decode_group[s.prompt] == batch]
+            try:
+                own = fit_layer_latency([s for s in samples if s.phase not in LAYER_PHASES])
+            except ValueError:
+                continue  # one layer count only: the joint fit's term stands
+            if (variant, batch) in terms["tpot_layer"]:
+                work = terms["tpot_layer"][(variant, batch)] / tp
+                increments[("tpot_comm", tp, batch)].append(own.tpot_per_layer_s - work)
+            for prompt, (per_layer, _) in own.ttft_terms.items():
+                if (variant, prompt) in terms["ttft_layer"]:
+                    work = terms["ttft_layer"][(variant, prompt)] / tp
+                    increments[("ttft_comm", tp, prompt)].append(per_layer - work)
     robust: dict[str, dict] = {
         "tpot_comm": dict(terms["tpot_comm"]),
         "ttft_comm": dict(terms["ttft_comm"]),
     }
     for (name, *key), values in increments.items():
-        robust[name][key[0] if len(key) == 1 else tuple(key)] = float(np.median(values))
+        robust[name][tuple(key)] = float(np.median(values))
     for name in ("tpot_comm", "ttft_comm"):
         for key, value in list(robust[name].items()):
-            tp = key if name == "tpot_comm" else key[0]
-            at_two = robust[name].get(2 if name == "tpot_comm" else (2, *key[1:]))
+            tp = key[0]
+            at_two = robust[name].get((2, *key[1:]))
             if tp > 2 and at_two is not None and at_two > 0:
                 robust[name][key] = max(value, at_two * 2.0 * (tp - 1) / tp)
     return robust
 
 
-def _pooled_from_terms(terms: dict[str, dict], sse: float, count: int) -> PooledLatencyFit:
+def _pooled_from_terms(
+    terms: dict[str, dict], sse: float, count: int, prompt_batch: Mapping[Hashable, int]
+) -> PooledLatencyFit:
+    """The fit from its terms; ``prompt_batch`` maps each prompt to its TPOT group."""
     return PooledLatencyFit(
         tpot_per_layer_s=terms["tpot_layer"],
         ttft_per_layer_s=terms["ttft_layer"],
@@ -581,4 +639,5 @@ def _pooled_from_terms(terms: dict[str, dict], sse: float, count: int) -> Pooled
         tpot_other_s=terms["tpot_other"],
         ttft_other_s=terms["ttft_other"],
         residual_rms_s=float(np.sqrt(sse / max(count, 1))),
+        decode_group=dict(prompt_batch),
     )

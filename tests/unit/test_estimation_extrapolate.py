@@ -165,7 +165,7 @@ def test_pooled_fit_recovers_shared_structure_across_variants_and_layouts():
         lambda truth, layers: [end_to_end(truth, n, o) for n in layers for o in (10, 20)]
     )
     fit = fit_pooled_latency(samples)
-    assert fit.tpot_comm_per_layer_s[2] == pytest.approx(0.0001)
+    assert fit.tpot_comm_per_layer_s[(2, 1)] == pytest.approx(0.0001)
     for name, layer_tpot in per_variant.items():
         for tp, pp in ((1, 1), (2, 1), (1, 2)):
             got = fit.layer_latency(name, (tp, pp), "default")
@@ -306,7 +306,7 @@ def test_ladder_communication_recovers_the_known_terms():
     fit = fit_pooled_latency(_ladder_samples())
     for tp, (ttft_comm, tpot_comm) in LADDER_COMM.items():
         assert fit.ttft_comm_per_layer_s[(tp, "default")] == pytest.approx(ttft_comm)
-        assert fit.tpot_comm_per_layer_s[tp] == pytest.approx(tpot_comm)
+        assert fit.tpot_comm_per_layer_s[(tp, 1)] == pytest.approx(tpot_comm)
     for name, layer_tpot in LADDER_VARIANTS.items():
         got = fit.layer_latency(name, (8, 1), "default")
         want = _ladder_truth(layer_tpot, 8)
@@ -336,8 +336,91 @@ def test_ladder_communication_is_no_less_than_the_tp2_all_reduce_over_more_peers
     fit = fit_pooled_latency(_ladder_samples(comm))
     assert fit.ttft_comm_per_layer_s[(2, "default")] == pytest.approx(0.0005)
     assert fit.ttft_comm_per_layer_s[(4, "default")] == pytest.approx(1.5 * 0.0005)
-    assert fit.tpot_comm_per_layer_s[4] == pytest.approx(1.5 * 0.0001)
+    assert fit.tpot_comm_per_layer_s[(4, 1)] == pytest.approx(1.5 * 0.0001)
     assert fit.ttft_comm_per_layer_s[(8, "default")] == pytest.approx(0.002)
     # The "other" terms are refitted around the raised per-layer term.
     got = fit.layer_latency("fp16", (4, 1), "default")
     assert got.ttft(1) == pytest.approx(_ladder_truth(0.0007, 4, comm).ttft(1), abs=0.001)
+
+
+def _batched_clock_samples(batch_slowdown: float) -> dict:
+    """Clocked samples of PER_VARIANT at (1,1) and (2,1), at batch 1 (prompt "b1") and
+    batch 2 (prompt "b2"), where a batch-2 decode layer and its 'other' part take
+    ``batch_slowdown`` times the batch-1 ones."""
+    samples = {}
+    for name, layer_tpot in PER_VARIANT.items():
+        for tp in (1, 2):
+            one = _pooled_truth(layer_tpot, tp, 1)
+            two = LayerLatency(
+                one.ttft_per_layer_s * 1.5,
+                one.ttft_other_s * 1.5,
+                one.tpot_per_layer_s * batch_slowdown,
+                one.tpot_other_s * batch_slowdown,
+            )
+            rows = []
+            for truth, prompt, batch in ((one, "b1", 1), (two, "b2", 2)):
+                for n in (1, 2):
+                    rows += [
+                        LatencySample(n, truth.ttft(n), phase="ttft", prompt=prompt, batch=batch),
+                        LatencySample(n, truth.tpot(n), phase="tpot", prompt=prompt, batch=batch),
+                        LatencySample(
+                            n,
+                            truth.ttft_per_layer_s,
+                            phase="ttft_layer",
+                            prompt=prompt,
+                            batch=batch,
+                        ),
+                        LatencySample(
+                            n,
+                            truth.tpot_per_layer_s,
+                            phase="tpot_layer",
+                            prompt=prompt,
+                            batch=batch,
+                        ),
+                    ]
+            samples[(name, (tp, 1))] = rows
+    return samples
+
+
+def test_layer_clocks_keep_each_batch_size_its_own_decode_terms():
+    # A batch-2 decode step costing 40 % more than a batch-1 one (what a CPU device
+    # shows) must not move the batch-1 terms: one median over both batch sizes put the
+    # batch-1 TPOT of the CPU bench's full models 10-17 % high.
+    fit = fit_pooled_latency(_batched_clock_samples(1.4))
+    for name, layer_tpot in PER_VARIANT.items():
+        for tp in (1, 2):
+            one = _pooled_truth(layer_tpot, tp, 1)
+            got = fit.layer_latency(name, (tp, 1), "b1")
+            assert got.tpot_per_layer_s == pytest.approx(one.tpot_per_layer_s)
+            assert got.tpot(32) == pytest.approx(one.tpot(32))
+            batch2 = fit.layer_latency(name, (tp, 1), "b2")
+            assert batch2.tpot(32) == pytest.approx(1.4 * one.tpot(32))
+
+
+def test_end_to_end_timings_share_one_set_of_decode_terms_over_batch_sizes():
+    # Without layer clocks (imported end-to-end data) the batch sizes pool their TPOT
+    # samples, as on the A6000 data where batch-2 decode costs what batch 1 does.
+    samples = {
+        key: [s for s in rows if s.phase in ("ttft", "tpot")]
+        for key, rows in _batched_clock_samples(1.0).items()
+    }
+    fit = fit_pooled_latency(samples)
+    assert fit.batch_of("b1") == fit.batch_of("b2") == 1
+    got = fit.layer_latency("fp16", (1, 1), "b1")
+    assert got.tpot(32) == pytest.approx(_pooled_truth(PER_VARIANT["fp16"], 1, 1).tpot(32))
+
+
+def test_a_prompt_label_at_two_batch_sizes_is_refused():
+    truth = _pooled_truth(0.0007, 1, 1)
+    samples = {
+        ("fp16", (1, 1)): [
+            LatencySample(n, truth.latency(n, o), o, batch=b)
+            for n in (1, 2)
+            for o in (10, 20)
+            for b in (1, 2)
+        ]
+    }
+    with pytest.raises(ValueError, match="several batch sizes"):
+        fit_pooled_latency(samples)
+    with pytest.raises(ValueError, match="batch must be at least 1"):
+        LatencySample(1, 0.1, 10, batch=0)
