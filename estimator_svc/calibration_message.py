@@ -3,7 +3,7 @@
 How the message carries it: ``alpha``, ``beta``, ``gamma``, ``delta`` are the TPOT
 exponents of the primary fit (decode dominates end-to-end latency at the papers' output
 lengths); ``extra_terms`` has every constant by name: ``ttft.alpha`` … ``tpot.delta``,
-``scale.ttft.1x1`` … (reference scales), ``tpot.tp_ratio.8`` … (the hardware's
+``scale.ttft.1x1`` … (reference scales; ``scale.ttft.1x1.int8`` … a weight format's own), ``tpot.tp_ratio.8`` … (the hardware's
 measured ``O_TP(tp) / O_TP(2)`` per tensor degree above 2), ``tp_ladder`` (1 when the primary fit used
 the ladder), the same under ``three_refs.`` for the second fit, ``memory.tp_peer_gib``,
 ``memory.residual_gib.TPxPP``, ``memory.fit_error_percent`` and ``device_memory_bytes``
@@ -57,6 +57,10 @@ def _latency_terms(calibration: Calibration, prefix: str) -> dict[str, float]:
             REFERENCE_LAYOUTS, getattr(calibration.reference_scales, phase), strict=True
         ):
             terms[f"{prefix}scale.{phase}.{_layout_name(layout)}"] = factor
+    for weight, *per_phase in calibration.reference_scales.by_weight:
+        for phase, factors in zip(("ttft", "tpot"), per_phase, strict=True):
+            for layout, factor in zip(REFERENCE_LAYOUTS, factors, strict=True):
+                terms[f"{prefix}scale.{phase}.{_layout_name(layout)}.{weight}"] = factor
     return terms
 
 
@@ -109,10 +113,32 @@ def _latency_from_terms(
         )
         for phase in ("ttft", "tpot")
     }
+    pattern = re.compile(re.escape(prefix) + r"scale\.(ttft|tpot)\.(\d+)x(\d+)\.(\w+)")
+    found: dict[str, dict[tuple[str, Layout], float]] = {}
+    for name, value in terms.items():
+        match = pattern.fullmatch(name)
+        if match:
+            layout = (int(match[2]), int(match[3]))
+            found.setdefault(match[4], {})[(match[1], layout)] = value
+    by_weight = tuple(
+        (
+            weight,
+            *(
+                tuple(
+                    factors.get((phase, layout), scales[phase][i])
+                    for i, layout in enumerate(REFERENCE_LAYOUTS)
+                )
+                for phase in ("ttft", "tpot")
+            ),
+        )
+        for weight, factors in sorted(found.items())
+    )
     return Calibration(
         latency=PhaseConstants(phases["ttft"], phases["tpot"]),
         memory=memory,
-        reference_scales=ReferenceScales(ttft=scales["ttft"], tpot=scales["tpot"]),
+        reference_scales=ReferenceScales(
+            ttft=scales["ttft"], tpot=scales["tpot"], by_weight=by_weight
+        ),
     )
 
 

@@ -55,6 +55,7 @@ class CalibrationTable:
 
     models: np.ndarray
     variants: np.ndarray
+    weights: np.ndarray
     tp: np.ndarray
     pp: np.ndarray
     output_tokens: np.ndarray
@@ -134,6 +135,7 @@ def calibration_table(
             for s in group:
                 rows["models"].append(model_id)
                 rows["variants"].append(variant)
+                rows["weights"].append(refs.variants[refs.variant_keys.index(variant)].weight_quant)
                 rows["tp"].append(s.tp)
                 rows["pp"].append(s.pp)
                 rows["output_tokens"].append(s.output_tokens)
@@ -148,6 +150,7 @@ def calibration_table(
     return CalibrationTable(
         models=np.array(rows["models"], dtype=object),
         variants=np.array(rows["variants"], dtype=object),
+        weights=np.array(rows["weights"], dtype=object),
         **{
             name: np.array(rows[name], dtype=float)
             for name in ("tp", "pp", "output_tokens", "latency_s", "ttft_s", "tpot_s", "memory_gib")
@@ -197,6 +200,8 @@ def fit_calibration(
         table.tpot_s[usable],
         layouts=table.layouts,
         steps=steps,
+        weights=table.weights[usable],
+        models=table.models[usable],
     )
     memory_rows = chosen & table.memory_usable()
     memory_fit = float("nan")
@@ -225,7 +230,7 @@ def predict_rows(
     """Estimated end-to-end latency (s) and memory (GiB) of the table's ``rows``."""
     chosen = np.ones(table.size, dtype=bool) if rows is None else np.asarray(rows, dtype=bool)
     ttft_refs, tpot_refs = calibration.reference_scales.apply(
-        table.ttft_refs[chosen], table.tpot_refs[chosen]
+        table.ttft_refs[chosen], table.tpot_refs[chosen], table.weights[chosen]
     )
     tp, pp = table.tp[chosen], table.pp[chosen]
     latency = phase_latency(

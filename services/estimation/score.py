@@ -118,9 +118,10 @@ def estimate_space(
     pp = space.pp.astype(float)
     batch = space.batch.astype(float)
     c = calibration
+    weights = np.array([variant.weight_quant for variant in space.variants], dtype=object)
 
     def phases(refs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        ttft_refs, tpot_refs = c.reference_scales.apply(refs["ttft"], refs["tpot"])
+        ttft_refs, tpot_refs = c.reference_scales.apply(refs["ttft"], refs["tpot"], weights)
         ttft, tpot, _ = phase_latency(
             ttft_refs[v], tpot_refs[v], tp, pp, output_tokens, c.latency, c.o_pp_from, layouts
         )

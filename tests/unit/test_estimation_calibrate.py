@@ -167,3 +167,70 @@ def test_memory_calibration_keeps_no_peer_term_the_data_cannot_identify():
     constants, fit = calibrate_memory_constants(refs, tp, pp, measured, steps=50)
     assert constants.tp_peer_gib == 0.0
     assert fit.mape_pct < 0.5
+
+
+def _format_rows(departure: dict[str, dict[str, float]], model_factor: dict[str, float]):
+    """Rows at (1,1) of every model x weight format x 5 outputs: measured = reference x
+    the model's own factor x the format's departure on that model (TPOT; TTFT exact)."""
+    models, weights, ttft_refs, tpot_refs, ttft, tpot = [], [], [], [], [], []
+    for model, factor in model_factor.items():
+        for weight, by_model in departure.items():
+            for i in range(5):
+                ref = 0.01 + 0.001 * i
+                models.append(model)
+                weights.append(weight)
+                ttft_refs.append([0.1, 0.06, 0.1])
+                tpot_refs.append([ref, ref * 0.6, ref])
+                ttft.append(0.1)
+                tpot.append(ref * factor * by_model[model])
+    n = len(models)
+    return dict(
+        ttft_refs=np.array(ttft_refs),
+        tpot_refs=np.array(tpot_refs),
+        tp=np.ones(n),
+        pp=np.ones(n),
+        measured_ttft=np.array(ttft),
+        measured_tpot=np.array(tpot),
+        weights=np.array(weights, dtype=object),
+        models=np.array(models, dtype=object),
+    )
+
+
+def test_a_weight_format_that_departs_the_same_way_on_every_model_gets_its_own_scale():
+    # int8 runs 15 % above its model's median and fp16 below, on both models (what a CPU
+    # shows for an int8 kernel whose fingerprint weights stay in cache); the models' own
+    # factors agree to 1 %.
+    rows = _format_rows(
+        {"int8": {"a": 1.15, "b": 1.15}, "fp16": {"a": 1 / 1.15, "b": 1 / 1.15}},
+        {"a": 1.0, "b": 1.02},
+    )
+    scales = fit_reference_scales(**rows)
+    ttft, tpot = scales.factors("int8")
+    assert ttft == scales.ttft  # no TTFT departure: the all-format factors
+    # Each model's median over its rows sits between the formats; int8 is 15 % above it.
+    assert tpot[0] / scales.tpot[0] == pytest.approx(1.15, rel=0.02)
+    assert scales.factors("fp16")[1][0] / scales.tpot[0] == pytest.approx(1 / 1.15, rel=0.02)
+    assert scales.factors("int4") == (scales.ttft, scales.tpot)  # not calibrated: all-format
+    # Applied per row: an int8 and an fp16 row of the same references scale apart.
+    refs = np.array([[0.01, 0.006, 0.01]] * 2)
+    _, scaled = scales.apply(refs, refs, np.array(["int8", "fp16"], dtype=object))
+    assert scaled[0, 0] / scaled[1, 0] == pytest.approx(1.15**2, rel=0.03)
+    # Without the formats the rows share one factor.
+    plain = fit_reference_scales(
+        **{k: v for k, v in rows.items() if k not in ("weights", "models")}
+    )
+    assert plain.by_weight == ()
+
+
+def test_a_format_departure_that_flips_between_models_or_hides_in_their_spread_is_dropped():
+    flips = _format_rows(
+        {"int8": {"a": 1.1, "b": 0.9}, "fp16": {"a": 1 / 1.1, "b": 1 / 0.9}},
+        {"a": 1.0, "b": 1.0},
+    )
+    assert fit_reference_scales(**flips).by_weight == ()
+    # 3 % the same way on every model, but the models' own factors differ by 30 %.
+    small = _format_rows(
+        {"int4": {m: 1.03 for m in "abc"}, "fp16": {m: 1 / 1.03 for m in "abc"}},
+        {"a": 0.85, "b": 1.0, "c": 1.15},
+    )
+    assert fit_reference_scales(**small).by_weight == ()

@@ -85,6 +85,19 @@ def test_calibration_message_round_trips():
     assert "fit_default_calibration.py" in message.provenance
 
 
+def test_per_format_reference_scales_round_trip():
+    message = shipped(CPU)
+    calibration = calibrations.from_proto(message)
+    scales = calibration.primary.reference_scales
+    # The CPU devices' int8 kernel departs from the float one the same way on every
+    # calibration model: it has factors of its own, stored and read back.
+    assert "int8" in {weight for weight, _, _ in scales.by_weight}
+    assert any(name.startswith("scale.tpot.1x1.") for name in message.extra_terms)
+    assert dict(calibrations.to_proto(calibration).extra_terms) == pytest.approx(
+        dict(message.extra_terms)
+    )
+
+
 def test_shipped_cpu_calibration_was_fitted_on_this_testbed():
     message = shipped(CPU)
     assert "bench/estimate_cpu.py" in message.provenance
