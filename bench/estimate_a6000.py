@@ -118,8 +118,12 @@ Method (held-out models; nothing of a held-out model's full-model rows is used)
            hardware's measured O_TP(tp)/O_TP(2) (median over the fold's models at
            pp = 1) replaces (tp-1)^beta. Memory: M2 plus a
            per-TP-peer device overhead and a per-layout residual table.
-           Calibration on the fold's models: alpha..delta by gradient descent on
-           MAPE (per phase, then jointly on end-to-end latency); memory terms likewise.
+           Calibration on the fold's models: reference scales per layout and phase
+           (and per weight format where it departs the same way on every fold model,
+           beyond their spread); alpha..delta by gradient descent on MAPE (per phase,
+           then jointly on end-to-end latency); memory terms likewise. At (4,1) and
+           (8,1) the communication per layer is the median over variants, no lower
+           than 2(tp-1)/tp x the tp = 2 one.
     3 refs       the design's references (1,1), (2,1), (1,2)
     +TP ladder   the fingerprints also profiled at (4,1) and (8,1): their measured
                  O_TP(tp) replaces (tp-1)^beta * O_TP
