@@ -127,7 +127,9 @@ def calibration_table(
             phases = _measured_phases(group)
             if phases is None:
                 continue
-            profile = prompts[input_tokens].profiles[refs.variant_keys.index(variant)].batch1
+            index = refs.variant_keys.index(variant)
+            profile = prompts[input_tokens].profiles[index].batch1
+            weight = refs.variants[index].weight_quant
             references = {
                 name: _padded(getattr(profile, name), profile.layouts, layouts)
                 for name in ("ttft_s", "tpot_s", "memory_gib")
@@ -135,7 +137,7 @@ def calibration_table(
             for s in group:
                 rows["models"].append(model_id)
                 rows["variants"].append(variant)
-                rows["weights"].append(refs.variants[refs.variant_keys.index(variant)].weight_quant)
+                rows["weights"].append(weight)
                 rows["tp"].append(s.tp)
                 rows["pp"].append(s.pp)
                 rows["output_tokens"].append(s.output_tokens)

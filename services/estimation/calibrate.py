@@ -292,32 +292,28 @@ def fit_reference_scales(
     same way on every calibration model gets factors of its own (:func:`_weight_factors`).
     """
     tp, pp = np.asarray(tp), np.asarray(pp)
-
-    def factors(rows: np.ndarray, fallback: tuple[float, ...]) -> dict[str, tuple]:
-        out = {}
+    # Per phase, measured / extrapolated of every row at each reference layout's column.
+    ratios = {
+        phase: np.asarray(measured, dtype=float)[:, None] / np.asarray(refs, dtype=float)[:, :3]
         for phase, refs, measured in (
             ("ttft", ttft_refs, measured_ttft),
             ("tpot", tpot_refs, measured_tpot),
-        ):
-            refs = np.asarray(refs, dtype=float)
-            values = []
-            for i, (layout_tp, layout_pp) in enumerate(REFERENCE_LAYOUTS):
-                at = rows & (tp == layout_tp) & (pp == layout_pp)
-                ratio = np.asarray(measured, dtype=float)[at] / refs[at, i]
-                ratio = ratio[np.isfinite(ratio) & (ratio > 0)]
-                values.append(
-                    float(np.exp(np.median(np.log(ratio)))) if ratio.size else fallback[phase][i]
-                )
-            out[phase] = tuple(values)
-        return out
-
-    every = factors(np.ones(tp.shape, dtype=bool), {"ttft": (1.0,) * 3, "tpot": (1.0,) * 3})
+        )
+    }
+    every = {}
+    for phase, ratio in ratios.items():
+        factors = []
+        for i, (layout_tp, layout_pp) in enumerate(REFERENCE_LAYOUTS):
+            at = ratio[(tp == layout_tp) & (pp == layout_pp), i]
+            at = at[np.isfinite(at) & (at > 0)]
+            factors.append(float(np.exp(np.median(np.log(at)))) if at.size else 1.0)
+        every[phase] = tuple(factors)
     by_weight = ()
     if weights is not None and models is not None:
+        base = (tp == BASE[0]) & (pp == BASE[1])
         by_weight = _weight_factors(
-            {"ttft": (ttft_refs, measured_ttft), "tpot": (tpot_refs, measured_tpot)},
-            tp == BASE[0],
-            pp == BASE[1],
+            {phase: ratio[:, 0] for phase, ratio in ratios.items()},
+            base,
             np.asarray(weights),
             np.asarray(models),
             every,
@@ -326,9 +322,8 @@ def fit_reference_scales(
 
 
 def _weight_factors(
-    phases: dict[str, tuple[np.ndarray, np.ndarray]],
-    at_tp: np.ndarray,
-    at_pp: np.ndarray,
+    base_ratios: dict[str, np.ndarray],
+    at: np.ndarray,
     weights: np.ndarray,
     models: np.ndarray,
     every: dict[str, tuple[float, ...]],
@@ -347,18 +342,18 @@ def _weight_factors(
     formats' departures are a few percent with signs that vary between models, and
     factors of their own for every format made held-out latency worse (LOAO 2.2 / 6.5 %
     -> 2.5 / 7.2 %), which the same-sign rule leaves out.
+
+    ``base_ratios``: per phase, each row's measured / extrapolated at (1,1); ``at``: the
+    rows measured at (1,1).
     """
-    at = at_tp & at_pp
     out = []
     spread = {}
-    for phase, (refs, measured) in phases.items():
-        ratio = np.asarray(measured, dtype=float) / np.asarray(refs, dtype=float)[:, 0]
+    for phase, ratio in base_ratios.items():
         per_model = np.log([np.median(ratio[at & (models == m)]) for m in set(models[at].tolist())])
         spread[phase] = float(np.median(np.abs(per_model - np.median(per_model))))
     for weight in sorted(set(weights[at].tolist())):
         chosen = {}
-        for phase, (refs, measured) in phases.items():
-            ratio = np.asarray(measured, dtype=float) / np.asarray(refs, dtype=float)[:, 0]
+        for phase, ratio in base_ratios.items():
             relative = []
             for model in sorted(set(models[at & (weights == weight)].tolist())):
                 mine = at & (models == model)

@@ -599,15 +599,15 @@ def _robust_comm_terms(
     for (variant, (tp, _)), layout_samples in flat.items():
         if tp <= 2:
             continue
-        for batch in sorted({decode_group[s.prompt] for s in layout_samples}):
-            samples = [s for s in layout_samples if decode_group[s.prompt] == batch]
+        for group in sorted({decode_group[s.prompt] for s in layout_samples}):
+            samples = [s for s in layout_samples if decode_group[s.prompt] == group]
             try:
                 own = fit_layer_latency([s for s in samples if s.phase not in LAYER_PHASES])
             except ValueError:
                 continue  # one layer count only: the joint fit's term stands
-            if (variant, batch) in terms["tpot_layer"]:
-                work = terms["tpot_layer"][(variant, batch)] / tp
-                increments[("tpot_comm", tp, batch)].append(own.tpot_per_layer_s - work)
+            if (variant, group) in terms["tpot_layer"]:
+                work = terms["tpot_layer"][(variant, group)] / tp
+                increments[("tpot_comm", tp, group)].append(own.tpot_per_layer_s - work)
             for prompt, (per_layer, _) in own.ttft_terms.items():
                 if (variant, prompt) in terms["ttft_layer"]:
                     work = terms["ttft_layer"][(variant, prompt)] / tp
@@ -628,9 +628,9 @@ def _robust_comm_terms(
 
 
 def _pooled_from_terms(
-    terms: dict[str, dict], sse: float, count: int, prompt_batch: Mapping[Hashable, int]
+    terms: dict[str, dict], sse: float, count: int, decode_group: Mapping[Hashable, int]
 ) -> PooledLatencyFit:
-    """The fit from its terms; ``prompt_batch`` maps each prompt to its TPOT group."""
+    """The fit from its terms; ``decode_group`` maps each prompt to its TPOT group."""
     return PooledLatencyFit(
         tpot_per_layer_s=terms["tpot_layer"],
         ttft_per_layer_s=terms["ttft_layer"],
@@ -639,5 +639,5 @@ def _pooled_from_terms(
         tpot_other_s=terms["tpot_other"],
         ttft_other_s=terms["ttft_other"],
         residual_rms_s=float(np.sqrt(sse / max(count, 1))),
-        decode_group=dict(prompt_batch),
+        decode_group=dict(decode_group),
     )
