@@ -4,6 +4,7 @@ same launcher ``iserve up`` uses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +48,14 @@ class Stack:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("iserve-state")) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def running_stack(state_dir: Path) -> Iterator[Stack]:
+    """A whole stack (2 devices, the test sizes) in ``state_dir``, with a client per
+    service; stopped on exit."""
     env = {
         "ISERVE_DEVICES": "2",
         "ISERVE_DEVICE_MEMORY_GIB": str(DEVICE_MEMORY_GIB),
@@ -54,7 +63,6 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         "ISERVE_READY_TIMEOUT_S": "90",
         "ISERVE_HEARTBEAT_TTL_S": "5",
     }
-    state_dir = tmp_path_factory.mktemp("iserve-state")
     with launcher.temporary_stack(env, state_dir=state_dir) as settings:
         channels = {
             name: grpc.insecure_channel(settings.address(name)) for name in settings.addresses

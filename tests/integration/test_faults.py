@@ -19,12 +19,6 @@ import grpc
 import pytest
 
 from services.api import agent_service_pb2 as agent_pb
-from services.api import (
-    agent_service_pb2_grpc,
-    deployment_service_pb2_grpc,
-    inference_service_pb2_grpc,
-    model_service_pb2_grpc,
-)
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as infer_pb
@@ -32,7 +26,7 @@ from services.api import model_service_pb2 as model_pb
 from services.cli import stack as launcher
 from services.redis_embedded import start_redis
 from services.settings import load_settings, read_stack_file
-from tests.conftest import DEVICE_MEMORY_GIB, QUEUE_CAPACITY, Stack
+from tests.conftest import Stack, running_stack
 from tests.integration.conftest import SERVED_SHAPE
 from tests.integration.helpers import (
     cli,
@@ -54,40 +48,10 @@ LONG = 1500
 HEAL_TIMEOUT_S = 120
 
 
-def _stack_of(settings, channels) -> Stack:
-    return Stack(
-        settings=settings,
-        env={
-            **{k: v for k, v in os.environ.items() if k.startswith("ISERVE_")},
-            "REDIS_URL": settings.redis_url,
-        },
-        redis_url=settings.redis_url,
-        models=model_service_pb2_grpc.ModelServiceStub(channels["model"]),
-        deployments=deployment_service_pb2_grpc.DeploymentServiceStub(channels["deploy"]),
-        inference=inference_service_pb2_grpc.InferenceServiceStub(channels["scheduler"]),
-        agent=agent_service_pb2_grpc.AgentServiceStub(channels["agent"]),
-    )
-
-
 @pytest.fixture(scope="module")
 def own_stack(tmp_path_factory) -> Iterator[Stack]:
-    env = {
-        "ISERVE_DEVICES": "2",
-        "ISERVE_DEVICE_MEMORY_GIB": str(DEVICE_MEMORY_GIB),
-        "ISERVE_QUEUE_CAPACITY": str(QUEUE_CAPACITY),
-        "ISERVE_READY_TIMEOUT_S": "90",
-        "ISERVE_HEARTBEAT_TTL_S": "5",
-    }
-    state_dir = tmp_path_factory.mktemp("iserve-faults")
-    with launcher.temporary_stack(env, state_dir=state_dir) as settings:
-        channels = {
-            name: grpc.insecure_channel(settings.address(name)) for name in settings.addresses
-        }
-        try:
-            yield _stack_of(settings, channels)
-        finally:
-            for ch in channels.values():
-                ch.close()
+    with running_stack(tmp_path_factory.mktemp("iserve-faults")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
