@@ -35,7 +35,7 @@ from services.api import common_pb2 as common  # noqa: E402
 from services.api import worker_service_pb2 as worker_pb  # noqa: E402
 from services.api import worker_service_pb2_grpc  # noqa: E402
 from services.models.checkpoint import create_checkpoint  # noqa: E402
-from services.redis_embedded import free_port  # noqa: E402
+from services.ports import free_port  # noqa: E402
 
 # name: (tp, pp, cores of each rank)
 LAYOUTS = {

@@ -44,7 +44,7 @@ from monitor_agent.launch import LaunchPlan, WorkerPlan
 from monitor_agent.worker_pool import PooledProcess, WorkerPool
 from services.api import agent_service_pb2 as agent_pb
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
-from services.redis_embedded import free_port
+from services.ports import free_port
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 from services.state.store import StateStore
 

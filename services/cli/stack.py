@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.health import wait_http, wait_serving
-from services.redis_embedded import free_port, start_redis
+from services.ports import bindable, free_port
+from services.redis_embedded import start_redis
 from services.settings import (
     GATEWAY_ENV,
     GIB,
@@ -62,18 +62,12 @@ class UpOptions:
 
 def port_in_use(address: str) -> bool:
     """Whether something holds ``address`` ("host:port"), tested by binding it as a server
-    would (SO_REUSEADDR: a closed connection's TIME_WAIT does not count). Not by
-    connecting: the default ports lie in the kernel's ephemeral range, and a connect to
-    an unused one can pick that same port as its source and connect to itself, which
-    both reports the port busy and keeps it from the service for a minute."""
+    would (``services.ports.bindable``). Not by connecting: the default ports lie in the
+    kernel's ephemeral range, and a connect to an unused one can pick that same port as its
+    source and connect to itself, which both reports the port busy and keeps it from the
+    service for a minute."""
     host, _, port = address.rpartition(":")
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host or "127.0.0.1", int(port)))
-        except OSError:
-            return True
-    return False
+    return not bindable(host or "127.0.0.1", int(port))
 
 
 def _alive(pid: int) -> bool:

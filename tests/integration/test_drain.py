@@ -29,7 +29,7 @@ from services.api import model_service_pb2 as model_pb
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc as worker_grpc
 from services.health import wait_serving
-from services.redis_embedded import free_port
+from services.ports import free_port
 from tests.integration.conftest import SERVED_SHAPE
 from tests.integration.helpers import deploy, make_checkpoint, register, rid, wait_for
 

@@ -25,7 +25,7 @@ from services.api import model_service_pb2 as model_pb
 from services.cli import stack as launcher
 from services.health import wait_serving
 from services.models.checkpoint import create_checkpoint
-from services.redis_embedded import free_port
+from services.ports import free_port
 from tests.integration.helpers import TINY, rid, wait_for
 
 MODEL = "two-node-llama"

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from services.redis_embedded import free_port
+from services.ports import free_port
 
 PROMPTS = ([1, 17, 230, 5, 99], [1, 412, 8], [1, 77, 300, 2, 150, 61, 33])
 MAX_SEQ_LEN = 64

@@ -22,7 +22,7 @@ from services.api import agent_service_pb2_grpc, worker_service_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.models.checkpoint import create_checkpoint
-from services.redis_embedded import free_port
+from services.ports import free_port
 from services.state.store import StateStore
 
 NODE = "node-p"

@@ -22,7 +22,7 @@ from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc as worker_grpc
 from services.errors import RemoteError
 from services.grpc_server import ServiceBinding, channel, start_server
-from services.redis_embedded import free_port
+from services.ports import free_port
 from services.state import keys
 from services.state.store import StateStore
 

@@ -15,7 +15,7 @@ import torch
 
 from monitor_agent.engine import shm_collectives
 from monitor_agent.engine.shm_collectives import channel_pairs, shared_memory_wanted
-from services.redis_embedded import free_port
+from services.ports import free_port
 from tests.unit.shm_harness import inputs
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,79 @@
+"""Free ports for child servers (services/ports.py): drawn outside the kernel's ephemeral
+range, so an outgoing connection opened before the child binds cannot hold one."""
+
+from __future__ import annotations
+
+import socket
+
+from services import ports
+
+
+def test_the_kernel_range_is_read_and_a_bad_file_is_unknown(tmp_path) -> None:
+    good = tmp_path / "range"
+    good.write_text("32768\t60999\n")
+    assert ports.ephemeral_range(good) == range(32768, 61000)
+    for text in ("", "nonsense", "60999 32768", "1 70000"):
+        good.write_text(text)
+        assert ports.ephemeral_range(good) is None
+    assert ports.ephemeral_range(tmp_path / "missing") is None
+
+
+def test_the_drawn_ranges_avoid_the_ephemeral_range_and_the_customary_ports() -> None:
+    parts = ports.drawable_ports(range(32768, 61000))
+    assert parts == [range(10000, 32768), range(61000, 65536)]
+    # A range that starts low leaves only what lies above it.
+    assert ports.drawable_ports(range(1024, 65536)) == []
+    assert ports.drawable_ports(range(1024, 50000)) == [range(50000, 65536)]
+    assert ports.drawable_ports(None) == []
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
+    ephemeral = ports.ephemeral_range()
+    drawn = [ports.free_port() for _ in range(50)]
+    assert len(set(drawn)) == len(drawn)
+    for port in drawn:
+        assert ports.bindable("127.0.0.1", port)
+        if ephemeral is not None:
+            assert port not in ephemeral
+            assert port >= ports.LOWEST_DRAWN_PORT
+
+
+def test_a_port_a_server_holds_is_never_drawn(monkeypatch) -> None:
+    with socket.socket() as server, socket.socket() as probe:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        held = server.getsockname()[1]
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+        probe.close()
+        assert not ports.bindable("127.0.0.1", held)
+        monkeypatch.setattr(
+            ports, "drawable_ports", lambda _eph: [range(held, held + 1), range(free, free + 1)]
+        )
+        assert ports.free_port() == free
+
+
+def test_without_a_known_range_the_kernel_chooses(monkeypatch) -> None:
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: None)
+    port = ports.free_port()
+    assert ports.bindable("127.0.0.1", port)
+
+
+def test_when_every_draw_is_taken_the_kernel_chooses(monkeypatch) -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        held = server.getsockname()[1]
+        monkeypatch.setattr(ports, "drawable_ports", lambda _eph: [range(held, held + 1)])
+        port = ports.free_port()
+    assert port != held
+
+
+def test_bindable_tells_a_listening_port_from_a_closed_one() -> None:
+    host = "127.0.0.1"
+    with socket.socket() as server:
+        server.bind((host, 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert not ports.bindable(host, port)
+    assert ports.bindable(host, port)
