@@ -47,7 +47,6 @@ __all__ = [
     "MemoryComponents",
     "MemoryConstants",
     "kv_cache_gib",
-    "memory_at_batch",
     "per_device_memory_gib",
     "solve_memory_components",
     "total_memory_gib",
@@ -156,13 +155,3 @@ def kv_cache_gib(
     """
     tokens = np.asarray(max_seq_len, dtype=float) * np.asarray(batch, dtype=float)
     return shape.kv_bytes_per_token(kv_quant) * tokens / GIB
-
-
-def memory_at_batch(
-    memory_1_gib: np.ndarray, per_sequence_gib: np.ndarray, batch: np.ndarray
-) -> np.ndarray:
-    """MaverIQ Eq. 6 for memory: ``M(B) = M(1) + (B - 1) * O_BS_M`` (GiB)."""
-    batch = np.asarray(batch, dtype=float)
-    if np.any(batch < 1):
-        raise ValueError("batch sizes must be at least 1")
-    return np.asarray(memory_1_gib, dtype=float) + (batch - 1.0) * np.asarray(per_sequence_gib)

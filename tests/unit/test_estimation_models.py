@@ -18,7 +18,6 @@ from services.estimation.latency import (
 from services.estimation.memory import (
     MemoryConstants,
     kv_cache_gib,
-    memory_at_batch,
     per_device_memory_gib,
     solve_memory_components,
     total_memory_gib,
@@ -79,9 +78,6 @@ def test_per_device_memory_and_kv_cache():
     # 2 x 32 layers x 32 heads x 128 x 2 bytes = 512 KiB per token; 4096 tokens x 2 = 4 GiB
     assert kv_cache_gib(llama, 4096, 2) == pytest.approx(4.0)
     assert kv_cache_gib(llama, 4096, 2, "int8") == pytest.approx(2.0)
-    assert memory_at_batch(10.0, 0.5, 9) == pytest.approx(14.0)
-    with pytest.raises(ValueError, match="at least 1"):
-        memory_at_batch(10.0, 0.5, 0)
 
 
 def test_equation_two_by_hand():
