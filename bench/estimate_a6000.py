@@ -588,14 +588,18 @@ def held_out_calibrations(
     """The constants each of ``names`` is estimated with out of sample: a measured model's
     fold (the other three; reused from ``result`` when it ran), an unmeasured one's fit on
     all four."""
+    by_train: dict[tuple[str, ...], Calibration] = {}
     out = {}
     for model in names:
-        train = [m for m in MEASURED if m != model]
-        out[model] = result.calibrations.get(model) or out.get(tuple(train))
-        if out[model] is None:
+        train = tuple(m for m in MEASURED if m != model)
+        if model in result.calibrations:
+            out[model] = result.calibrations[model]
+            continue
+        if train not in by_train:
             rows = np.isin(table.models, train)
-            out[model] = out[tuple(train)] = fit_calibration(table, rows=rows).calibration
-    return {model: out[model] for model in names}
+            by_train[train] = fit_calibration(table, rows=rows).calibration
+        out[model] = by_train[train]
+    return out
 
 
 def print_larger_models(
@@ -634,11 +638,11 @@ def print_larger_models(
                 device_memory_gib=DEVICE_GIB,
             )
             space = estimates.space
-            names = [v.name for v in space.variants]
+            variant = [v.name for v in space.variants].index(
+                variant_name(run.weight_quant, run.int8_kv_cache)
+            )
             i = np.flatnonzero(
-                (space.tp == run.tp)
-                & (space.pp == run.pp)
-                & (space.variant == names.index(variant_name(run.weight_quant, run.int8_kv_cache)))
+                (space.tp == run.tp) & (space.pp == run.pp) & (space.variant == variant)
             )[0]
             lat = estimates.latency_s[i] / run.latency_s - 1
             mem = estimates.memory_total_gib[i] / run.memory_gib - 1
