@@ -20,6 +20,7 @@ Pure: no gRPC, Redis or I/O; protobuf messages are only read.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -115,43 +116,17 @@ class Sample:
         """What this run tells the layer fit: TTFT and TPOT when measured directly (with
         the layer clock's per-layer times when the run has them), else the end-to-end
         latency (nothing when neither is usable)."""
+        sample = functools.partial(LatencySample, self.layers, prompt=self.prompt, batch=self.batch)
         if self.direct_phases:
-            samples = [
-                LatencySample(
-                    self.layers, self.ttft_s, phase="ttft", prompt=self.prompt, batch=self.batch
-                ),
-                LatencySample(
-                    self.layers, self.tpot_s, phase="tpot", prompt=self.prompt, batch=self.batch
-                ),
-            ]
+            samples = [sample(self.ttft_s, phase="ttft"), sample(self.tpot_s, phase="tpot")]
             if self.ttft_layer_s > 0 and self.tpot_layer_s > 0:
                 samples += [
-                    LatencySample(
-                        self.layers,
-                        self.ttft_layer_s,
-                        phase="ttft_layer",
-                        prompt=self.prompt,
-                        batch=self.batch,
-                    ),
-                    LatencySample(
-                        self.layers,
-                        self.tpot_layer_s,
-                        phase="tpot_layer",
-                        prompt=self.prompt,
-                        batch=self.batch,
-                    ),
+                    sample(self.ttft_layer_s, phase="ttft_layer"),
+                    sample(self.tpot_layer_s, phase="tpot_layer"),
                 ]
             return samples
         if self.latency_s > 0 and self.output_tokens >= 1:
-            return [
-                LatencySample(
-                    self.layers,
-                    self.latency_s,
-                    self.output_tokens,
-                    prompt=self.prompt,
-                    batch=self.batch,
-                )
-            ]
+            return [sample(self.latency_s, self.output_tokens)]
         return []
 
     def end_to_end_s(self) -> float:

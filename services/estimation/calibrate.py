@@ -346,20 +346,26 @@ def _weight_factors(
     ``base_ratios``: per phase, each row's measured / extrapolated at (1,1); ``at``: the
     rows measured at (1,1).
     """
-    out = []
+    # Each calibration model's factor per phase, and how far the models' factors spread.
+    model_factor = {
+        phase: {m: float(np.median(ratio[at & (models == m)])) for m in set(models[at].tolist())}
+        for phase, ratio in base_ratios.items()
+    }
     spread = {}
-    for phase, ratio in base_ratios.items():
-        per_model = np.log([np.median(ratio[at & (models == m)]) for m in set(models[at].tolist())])
-        spread[phase] = float(np.median(np.abs(per_model - np.median(per_model))))
+    for phase, factors in model_factor.items():
+        logs = np.log(list(factors.values()))
+        spread[phase] = float(np.median(np.abs(logs - np.median(logs))))
+    out = []
     for weight in sorted(set(weights[at].tolist())):
         chosen = {}
         for phase, ratio in base_ratios.items():
-            relative = []
-            for model in sorted(set(models[at & (weights == weight)].tolist())):
-                mine = at & (models == model)
-                format_ratio = np.median(ratio[mine & (weights == weight)])
-                relative.append(float(format_ratio / np.median(ratio[mine])))
-            relative = np.array(relative)
+            relative = np.array(
+                [
+                    np.median(ratio[at & (models == model) & (weights == weight)])
+                    / model_factor[phase][model]
+                    for model in sorted(set(models[at & (weights == weight)].tolist()))
+                ]
+            )
             same_side = np.all(relative > 1.0) or np.all(relative < 1.0)
             above_spread = abs(np.log(np.median(relative))) > spread[phase]
             if relative.size >= 2 and same_side and above_spread:

@@ -456,45 +456,30 @@ def _clock_terms(
         return [
             s.seconds
             for s in samples
-            if s.phase == phase and (s.batch if phase == "tpot_layer" else s.prompt) == key
+            if s.phase == f"{phase}_layer" and (s.batch if phase == "tpot" else s.prompt) == key
         ]
 
-    def batches_of(samples: Sequence[LatencySample]) -> set[int]:
-        return {s.batch for s in samples if s.phase in ("tpot", "end_to_end")}
-
-    def prompts_of(samples: Sequence[LatencySample]) -> set[Hashable]:
+    def keys_of(samples: Sequence[LatencySample], phase: str) -> set[Hashable]:
+        # The batch sizes a layout's TPOT was timed at, the prompts its TTFT was.
+        if phase == "tpot":
+            return {s.batch for s in samples if s.phase in ("tpot", "end_to_end")}
         return {s.prompt for s in samples if s.phase in ("ttft", "end_to_end")}
 
     terms: dict[str, dict] = {name: {} for name in _POOLED_TERMS}
-    for (variant, (tp, _)), samples in flat.items():
-        if tp != 1:
-            continue
-        for batch in batches_of(samples):
-            tpot = clocks(samples, "tpot_layer", batch)
-            if not tpot:
-                return None
-            terms["tpot_layer"][(variant, batch)] = float(np.median(tpot))
-        for prompt in prompts_of(samples):
-            ttft = clocks(samples, "ttft_layer", prompt)
-            if not ttft:
-                return None
-            terms["ttft_layer"][(variant, prompt)] = float(np.median(ttft))
     beyond: dict[tuple, list[float]] = defaultdict(list)
-    for (variant, (tp, _)), samples in flat.items():
-        if tp == 1:
-            continue
-        for batch in batches_of(samples):
-            tpot = clocks(samples, "tpot_layer", batch)
-            if not tpot or (variant, batch) not in terms["tpot_layer"]:
-                return None
-            work = terms["tpot_layer"][(variant, batch)] / tp
-            beyond[("tpot_comm", tp, batch)] += [t - work for t in tpot]
-        for prompt in prompts_of(samples):
-            ttft = clocks(samples, "ttft_layer", prompt)
-            if not ttft or (variant, prompt) not in terms["ttft_layer"]:
-                return None
-            work = terms["ttft_layer"][(variant, prompt)] / tp
-            beyond[("ttft_comm", tp, prompt)] += [t - work for t in ttft]
+    # The (1,1) work first: each tp > 1 term is what its clocks show beyond it.
+    for (variant, (tp, _)), samples in sorted(flat.items(), key=lambda item: item[0][1][0] != 1):
+        for phase in ("tpot", "ttft"):
+            work = terms[f"{phase}_layer"]
+            for key in keys_of(samples, phase):
+                values = clocks(samples, phase, key)
+                if not values or (tp > 1 and (variant, key) not in work):
+                    return None
+                if tp == 1:
+                    work[(variant, key)] = float(np.median(values))
+                else:
+                    share = work[(variant, key)] / tp
+                    beyond[(f"{phase}_comm", tp, key)] += [v - share for v in values]
     for (name, *key), values in beyond.items():
         terms[name][tuple(key)] = float(np.median(values))
     return terms
