@@ -6,8 +6,12 @@ table of relative MMLU accuracy. :func:`plan_maveriq_import` parses every file f
 decides everything (pure: a malformed file raises InvalidArgument naming file and line
 before anything is written); :func:`import_profiles` then writes:
 
-* a shape-only model record per model id of the CSVs (``llama-2-7b``, ``gptj-6b``, …)
-  from the architecture presets, state PROFILED, no checkpoint, with one compression
+* a shape-only model record per model of the CSVs (``llama-2-7b``, ``gptj-6b``, …), its
+  shape from the model's config.json when the request gives one (``model_configs``),
+  else from the architecture preset its name denotes (``Llama-2-70B`` and
+  ``meta-llama/Llama-2-70b-hf`` denote ``llama-2-70b``; the model id is the name in lower
+  case, or the preset's name where that is no valid id, and a note says so); state
+  PROFILED, no checkpoint, with one compression
   variant per (weight quantization, int8 KV cache) measured and its accuracy when the
   JSON is included; an existing record keeps its state and gains missing variants;
 * the rows into the model's profile: fingerprint rows, and full-model rows with
@@ -27,7 +31,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fingerprint_svc.registry import model_shape
@@ -35,11 +39,11 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
 from services.estimation.memory import GIB
-from services.ids import check_hardware_type, check_model_id
+from services.ids import check_hardware_type, check_model_id, is_valid_id
 from services.importers import maveriq
 from services.models.arch import ArchSpec
 from services.models.families import parse_config
-from services.models.presets import PRESETS, preset_config
+from services.models.presets import find_preset, preset_config
 from services.reservation import params_per_layer
 from services.state.store import StateStore
 
@@ -146,10 +150,11 @@ def to_measurement(
 
 @dataclass(frozen=True)
 class ImportedModel:
-    """What an import brings for one model: its preset shape, variants and rows."""
+    """What an import brings for one model: its shape, where that came from (a preset or
+    a given config.json), variants and rows."""
 
     model_id: str
-    preset: str
+    shape_source: str
     shape: model_pb.ModelShape
     variants: tuple[common.CompressionVariant, ...]
     measurements: tuple[model_pb.ProfileMeasurement, ...]
@@ -161,15 +166,11 @@ class ImportPlan:
     models: tuple[ImportedModel, ...]
     files: tuple[str, ...]
     skipped: tuple[str, ...]
+    notes: tuple[str, ...] = ()
 
     @property
     def measurement_count(self) -> int:
         return sum(len(m.measurements) for m in self.models)
-
-
-def _preset_shape(preset: str) -> tuple[model_pb.ModelShape, ArchSpec]:
-    spec = parse_config(preset_config(preset, dtype=_MAVERIQ_DTYPE))
-    return model_shape(spec, spec.weight_bytes()), spec
 
 
 def _decode(name: str, content: bytes) -> str:
@@ -179,12 +180,19 @@ def _decode(name: str, content: bytes) -> str:
         raise InvalidArgument(f"{name}: not UTF-8 text (byte {exc.start})") from None
 
 
-def plan_maveriq_import(files: Sequence[tuple[str, bytes]], hardware_type: str) -> ImportPlan:
+def plan_maveriq_import(
+    files: Sequence[tuple[str, bytes]],
+    hardware_type: str,
+    model_configs: Mapping[str, str] | None = None,
+) -> ImportPlan:
     """Parse MaverIQ files (base name, content) and decide what to store.
 
-    Raises InvalidArgument for a malformed file (naming file and line), a file listed
-    twice or no measurement file; files and rows iserve does not import are listed in
-    ``skipped`` with the reason.
+    A model's shape comes from the config.json text ``model_configs`` gives for its name
+    (any case), else from the architecture preset its name denotes (a preset's name or
+    Hugging Face repository, any case). Raises InvalidArgument for a malformed file
+    (naming file and line), a file listed twice, no measurement file, or a config that
+    is not JSON, names no model of the rows or describes a model iserve cannot read;
+    files and rows iserve does not import are listed in ``skipped`` with the reason.
     """
     check_hardware_type(hardware_type)
     if not files:
@@ -194,6 +202,7 @@ def plan_maveriq_import(files: Sequence[tuple[str, bytes]], hardware_type: str) 
     if twice:
         raise InvalidArgument(f"files listed twice: {twice}")
     skipped: list[str] = []
+    notes: list[str] = []
     rows: list[tuple[maveriq.Measurement, int]] = []
     accuracy: dict[maveriq.AccuracyKey, float] = {}
     imported_files: list[str] = []
@@ -222,27 +231,42 @@ def plan_maveriq_import(files: Sequence[tuple[str, bytes]], hardware_type: str) 
             "no measurement file among the files; MaverIQ's are " + ", ".join(_MEASUREMENT_FILES)
         )
 
-    by_model: dict[str, list[tuple[maveriq.Measurement, int]]] = defaultdict(list)
+    by_name: dict[str, list[tuple[maveriq.Measurement, int]]] = defaultdict(list)
     pruned: dict[str, int] = defaultdict(int)
     for row, prompt in rows:
         if row.pruning is not None:
             pruned[f"{row.model}-{row.pruning}"] += 1
         else:
-            by_model[row.model].append((row, prompt))
+            by_name[row.model].append((row, prompt))
     for name, count in sorted(pruned.items()):
         skipped.append(f"{name}: {count} rows of a pruned variant (no fingerprints); not imported")
 
-    models = []
-    for model_id in sorted(by_model):
-        preset = maveriq.PRESET_NAMES.get(model_id, model_id)
-        if preset not in PRESETS:
+    configs = _given_configs(model_configs or {}, by_name)
+    by_model: dict[str, list[tuple[maveriq.Measurement, int]]] = defaultdict(list)
+    sources: dict[str, tuple[str, dict]] = {}
+    for name in sorted(by_name):
+        found = _model_of(name, configs)
+        if found is None:
             skipped.append(
-                f"{model_id}: {len(by_model[model_id])} rows; no architecture preset of that "
-                "name, so no shape to estimate with; not imported"
+                f"{name}: {len(by_name[name])} rows; no architecture preset of that name, so "
+                "no shape to estimate with; not imported (give its config.json: "
+                f"--model-config {name}=PATH)"
             )
             continue
-        check_model_id(model_id)
-        shape, spec = _preset_shape(preset)
+        model_id, source, config = found
+        if model_id != name:
+            notes.append(f"{name}: rows stored under model id {model_id!r}")
+        if sources.setdefault(model_id, (source, config))[1] != config:
+            raise InvalidArgument(
+                f"{name}: rows of model id {model_id!r} come under two names with different "
+                "shapes; name each model once"
+            )
+        by_model[model_id].extend(by_name[name])
+
+    models = []
+    for model_id in sorted(by_model):
+        source, config = sources[model_id]
+        shape, spec = _shape_of(model_id, config)
         measurements = tuple(
             to_measurement(row, hardware_type, spec.num_layers, prompt, shape)
             for row, prompt in by_model[model_id]
@@ -253,24 +277,78 @@ def plan_maveriq_import(files: Sequence[tuple[str, bytes]], hardware_type: str) 
                 f"{model_id}: a row holds {too_deep[0].num_layers} layers, the model has "
                 f"{spec.num_layers}"
             )
+        rows_of = [row for row, _ in by_model[model_id]]
         models.append(
             ImportedModel(
                 model_id=model_id,
-                preset=preset,
+                shape_source=source,
                 shape=shape,
-                variants=_variants(model_id, [row for row, _ in by_model[model_id]], accuracy),
+                variants=_variants(rows_of, accuracy),
                 measurements=measurements,
             )
         )
-    return ImportPlan(hardware_type, tuple(models), tuple(imported_files), tuple(skipped))
+    return ImportPlan(
+        hardware_type, tuple(models), tuple(imported_files), tuple(skipped), tuple(notes)
+    )
+
+
+def _given_configs(
+    model_configs: Mapping[str, str], by_name: Mapping[str, object]
+) -> dict[str, dict]:
+    """The given config.json texts, parsed, by lower-case model name; raises
+    InvalidArgument for one that is not a JSON object or names no model of the rows."""
+    names = {name.lower() for name in by_name}
+    configs: dict[str, dict] = {}
+    for name, text in sorted(model_configs.items()):
+        if name.lower() not in names:
+            raise InvalidArgument(
+                f"a config.json is given for {name!r}, which no row names; the rows name: "
+                + ", ".join(sorted(by_name))
+            )
+        try:
+            config = json.loads(text)
+        except ValueError as exc:
+            raise InvalidArgument(f"{name}: its config.json is not JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise InvalidArgument(f"{name}: its config.json must be a JSON object")
+        configs[name.lower()] = config
+    return configs
+
+
+def _model_of(name: str, configs: Mapping[str, dict]) -> tuple[str, str, dict] | None:
+    """(model id, where its shape comes from, its config) of the rows of model ``name``:
+    the config.json given for it, else the architecture preset the name denotes; None
+    when there is neither. The model id is the name in lower case, or the preset's name
+    where that is no valid id (``meta-llama/Llama-2-70b-hf``)."""
+    model_id = name.lower()
+    if model_id in configs:
+        check_model_id(model_id)
+        return model_id, "config.json given with the import", configs[model_id]
+    preset = maveriq.PRESET_NAMES.get(name) or find_preset(name)
+    if preset is None:
+        return None
+    if not is_valid_id(model_id):
+        model_id = preset
+    return model_id, f"preset {preset}", preset_config(preset)
+
+
+def _shape_of(model_id: str, config: dict) -> tuple[model_pb.ModelShape, ArchSpec]:
+    """The shape of ``config`` with MaverIQ's float16 weights; InvalidArgument naming the
+    model when iserve cannot read it."""
+    try:
+        spec = parse_config({**config, "torch_dtype": _MAVERIQ_DTYPE})
+    except ValueError as exc:
+        raise InvalidArgument(f"{model_id}: its config.json: {exc}") from None
+    return model_shape(spec, spec.weight_bytes()), spec
 
 
 def _variants(
-    model_id: str,
-    rows: Sequence[maveriq.Measurement],
-    accuracy: dict[maveriq.AccuracyKey, float],
+    rows: Sequence[maveriq.Measurement], accuracy: dict[maveriq.AccuracyKey, float]
 ) -> tuple[common.CompressionVariant, ...]:
+    """One variant per (weight format, int8 KV cache) the rows measured, with its accuracy
+    under any name the rows give the model."""
     measured = {(r.weight_quant, r.int8_kv_cache) for r in rows}
+    names = sorted({spelling for r in rows for spelling in (r.model, r.model.lower())})
     variants = []
     for weight in _WEIGHT_QUANTS:
         for int8_kv in (False, True):
@@ -282,7 +360,8 @@ def _variants(
                 kv_quant=common.KV_QUANT_INT8 if int8_kv else common.KV_QUANT_NONE,
                 pruning=common.PRUNING_NONE,
             )
-            score = accuracy.get(maveriq.AccuracyKey(model_id, weight, int8_kv))
+            scores = [accuracy.get(maveriq.AccuracyKey(n, weight, int8_kv)) for n in names]
+            score = next((score for score in scores if score is not None), None)
             if score is not None:
                 variant.accuracy_score = score
             variants.append(variant)
@@ -304,7 +383,7 @@ def merge_model(
             shape=imported.shape,
             variants=imported.variants,
             state=model_pb.MODEL_STATE_PROFILED,
-            state_reason=f"shape-only record (preset {imported.preset}) with imported profiles",
+            state_reason=f"shape-only record ({imported.shape_source}) with imported profiles",
             created_at_unix_ms=now_ms,
         )
     if existing.shape.num_layers and existing.shape.num_layers != imported.shape.num_layers:
@@ -351,7 +430,11 @@ async def import_profiles(
         raise InvalidArgument("format is unspecified; use PROFILE_FORMAT_MAVERIQ")
     if request.format != model_pb.PROFILE_FORMAT_MAVERIQ:
         raise InvalidArgument(f"unknown profile format {request.format}")
-    plan = plan_maveriq_import([(f.name, f.content) for f in request.files], request.hardware_type)
+    plan = plan_maveriq_import(
+        [(f.name, f.content) for f in request.files],
+        request.hardware_type,
+        dict(request.model_configs),
+    )
     now_ms = int(time.time() * 1000)
     records = []
     for imported in plan.models:
@@ -376,4 +459,5 @@ async def import_profiles(
         model_ids=[imported.model_id for imported in plan.models],
         measurements_imported=plan.measurement_count,
         skipped=plan.skipped,
+        notes=plan.notes,
     )

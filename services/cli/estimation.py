@@ -43,6 +43,19 @@ def _enum_name(enum, value: int, prefix: str) -> str:
     return enum.Name(value).removeprefix(prefix).lower()
 
 
+def _model_configs(pairs: list[str]) -> dict[str, str]:
+    """``NAME=PATH`` pairs of ``--model-config`` as {name: config.json text}."""
+    configs: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not (sep and name and path):
+            raise ValueError(f"--model-config {pair!r}: use NAME=PATH (the model name of the rows)")
+        if name in configs:
+            raise ValueError(f"--model-config names {name!r} twice")
+        configs[name] = Path(path).read_text(encoding="utf-8")
+    return configs
+
+
 def cmd_profile_import(settings: Settings, args) -> int:
     files = [
         model_pb.ProfileFile(name=Path(path).name, content=Path(path).read_bytes())
@@ -54,6 +67,7 @@ def cmd_profile_import(settings: Settings, args) -> int:
             format=PROFILE_FORMATS[args.format],
             hardware_type=args.hardware,
             files=files,
+            model_configs=_model_configs(args.model_config),
         )
     )
     if args.json:
@@ -65,6 +79,8 @@ def cmd_profile_import(settings: Settings, args) -> int:
     )
     for reason in reply.skipped:
         print(f"skipped {reason}")
+    for note in reply.notes:
+        print(f"note: {note}")
     return 0
 
 
@@ -242,6 +258,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--format", choices=sorted(PROFILE_FORMATS), required=True)
     p.add_argument("--hardware", required=True, help="hardware type measured, e.g. rtx-a6000")
+    p.add_argument(
+        "--model-config",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="the config.json of the model the rows name NAME: its shape, for a model with "
+        "no architecture preset (or in place of the preset's); repeatable",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_profile_import)
     p = profile.add_parser(

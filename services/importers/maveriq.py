@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +54,9 @@ PROMPT_TOKENS = {FINGERPRINTS: 923, FULL_MODELS: 923}
 
 # The engine dtype column, as iserve's weight-quantization names.
 _WEIGHT_QUANT = {"float16": "fp16", "int8": "int8", "int4": "int4", "int4_gptq": "int4_gptq"}
-# Models of the data set; a longer model name is a pruned variant of one of them.
-BASE_MODELS = ("falcon-7b", "falcon-40b", "gptj-6b", "llama-2-7b", "llama-2-13b", "llama-2-70b")
+# A pruned variant's name is its model's name and the pruning method's
+# (``llama-2-7b-wanda24``); any other name is a model's, whole (``llama-2-70b-hf``).
+_PRUNED = re.compile(r"(?P<model>.+)-(?P<pruning>(?:sparsegpt|wanda)\d*)", re.IGNORECASE)
 _MISSPELLED_MODELS = {"gtpj-6b": "gptj-6b"}
 # Architecture presets (services.models.presets) of the data set's models, where the
 # names differ.
@@ -131,12 +133,8 @@ class MaverIQData:
 
 def _split_model(name: str) -> tuple[str, str | None]:
     name = _MISSPELLED_MODELS.get(name, name)
-    for base in sorted(BASE_MODELS, key=len, reverse=True):
-        if name == base:
-            return base, None
-        if name.startswith(base + "-"):
-            return base, name[len(base) + 1 :]
-    return name, None
+    pruned = _PRUNED.fullmatch(name)
+    return (pruned["model"], pruned["pruning"]) if pruned else (name, None)
 
 
 def _parse_bool(text: str, where: str) -> bool:

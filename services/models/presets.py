@@ -64,6 +64,16 @@ _PRESETS = [
     Preset("llama-2-13b", "meta-llama/Llama-2-13b-hf", _llama2(5120, 13824, 40, 40, 40)),
     Preset("llama-2-70b", "meta-llama/Llama-2-70b-hf", _llama2(8192, 28672, 80, 64, 8)),
     Preset(
+        "codellama-34b",
+        "codellama/CodeLlama-34b-hf",
+        {
+            **_llama2(8192, 22016, 48, 64, 8),
+            "max_position_embeddings": 16384,
+            "rope_theta": 1000000.0,
+            "torch_dtype": "bfloat16",
+        },
+    ),
+    Preset(
         "llama-3-8b",
         "meta-llama/Meta-Llama-3-8B",
         {
@@ -73,6 +83,30 @@ _PRESETS = [
             "intermediate_size": 14336,
             "num_hidden_layers": 32,
             "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "hidden_act": "silu",
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": None,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "vocab_size": 128256,
+            "bos_token_id": 128000,
+            "eos_token_id": 128001,
+        },
+    ),
+    Preset(
+        "llama-3-70b",
+        "meta-llama/Meta-Llama-3-70B",
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 8192,
+            "intermediate_size": 28672,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
             "num_key_value_heads": 8,
             "hidden_act": "silu",
             "max_position_embeddings": 8192,
@@ -128,6 +162,31 @@ _PRESETS = [
             "use_sliding_window": False,
             "sliding_window": 131072,
             "max_window_layers": 28,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "vocab_size": 152064,
+            "bos_token_id": 151643,
+            "eos_token_id": 151643,
+        },
+    ),
+    Preset(
+        "qwen2-72b",
+        "Qwen/Qwen2-72B",
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "hidden_size": 8192,
+            "intermediate_size": 29568,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "hidden_act": "silu",
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "sliding_window": 131072,
+            "max_window_layers": 80,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
             "vocab_size": 152064,
@@ -206,6 +265,26 @@ _PRESETS = [
     ),
 ]
 PRESETS: dict[str, Preset] = {preset.name: preset for preset in _PRESETS}
+
+
+def _spellings(preset: Preset) -> set[str]:
+    repository = preset.source.lower()
+    base = repository.rsplit("/", 1)[-1]
+    return {preset.name, repository, base, base.removesuffix("-hf")}
+
+
+# Every way a preset is commonly written, lower case: its name, its Hugging Face
+# repository ("meta-llama/Llama-2-70b-hf"), that repository's base name, and the base
+# name without the "-hf" suffix of converted Llama checkpoints.
+_BY_SPELLING: dict[str, str] = {
+    spelling: preset.name for preset in _PRESETS for spelling in _spellings(preset)
+}
+
+
+def find_preset(name: str) -> str | None:
+    """The preset a model name denotes, in any case: a preset's name or its Hugging Face
+    repository, whole or its base name (``Llama-2-70b-hf``); None when none does."""
+    return _BY_SPELLING.get(name.strip().lower())
 
 
 def get_preset(name: str) -> Preset:

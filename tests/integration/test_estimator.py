@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -12,6 +13,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.estimation.space import ModelShape, Variant, enumerate_space
+from tests.integration.conftest import _forget
 from tests.integration.helpers import cli, rid
 from tests.unit.estimator_data import shared_data
 
@@ -234,3 +236,64 @@ def test_bad_inputs(stack, estimator, imported):
         lambda: estimator.EstimateConfigs(estimate_request("falcon-7b", hardware="test-hw"))
     )
     assert got == grpc.StatusCode.FAILED_PRECONDITION and "profiled on: rtx-a6000" in details
+
+
+def test_import_with_a_models_config_json_estimates_as_its_preset_does(
+    stack, estimator, imported, tmp_path
+):
+    """Llama-2-13B's fingerprint rows under a name no preset knows, imported with the
+    model's config.json (`--model-config`), estimate exactly as the same rows under a name
+    that denotes the preset (its Hugging Face repository's)."""
+    from services.models.presets import preset_config
+
+    source = (shared_data() / "fingerprint_data_collection.csv").read_text().splitlines()
+    rows = [line for line in source[1:] if line.startswith("llama-2-13b,")]
+
+    def write(name: str) -> str:
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "fingerprint_data_collection.csv"
+        renamed = [line.replace("llama-2-13b,", f"{name},", 1) for line in rows]
+        path.write_text("\n".join([source[0], *renamed]) + "\n")
+        return str(path)
+
+    mystery, repository = write("Mystery-13B"), write("Llama-2-13b-hf")
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(preset_config("llama-2-13b")))
+    args = ["profile", "import", "--format", "maveriq", "--hardware", HARDWARE]
+
+    # Without a shape the rows are skipped, saying how to give one; nothing is created.
+    out = cli(stack, *args, mystery)
+    assert out.returncode == 0, out.stderr
+    assert "skipped Mystery-13B:" in out.stdout and "--model-config Mystery-13B=PATH" in out.stdout
+    # A config that is not JSON, for a name no row uses, or missing: refused, nothing written.
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    out = cli(stack, *args, "--model-config", f"Mystery-13B={bad}", mystery)
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT: Mystery-13B: its config.json is not JSON" in out.stderr
+    out = cli(stack, *args, "--model-config", f"other-13b={config_path}", mystery)
+    assert out.returncode == 1 and "which no row names" in out.stderr
+    out = cli(stack, *args, "--model-config", f"Mystery-13B={tmp_path / 'nope'}", mystery)
+    assert out.returncode == 1 and "nope" in out.stderr
+    call = lambda: estimator.EstimateConfigs(estimate_request("mystery-13b"), timeout=60)  # noqa: E731
+    assert code_of(call)[0] == grpc.StatusCode.NOT_FOUND
+
+    try:
+        out = cli(stack, *args, "--model-config", f"Mystery-13B={config_path}", mystery)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(
+            f"imported {len(rows)} measurements on {HARDWARE} into 1 models: mystery-13b"
+        )
+        assert "note: Mystery-13B: rows stored under model id 'mystery-13b'" in out.stdout
+        out = cli(stack, *args, repository)
+        assert out.returncode == 0, out.stderr
+        assert "into 1 models: llama-2-13b-hf" in out.stdout
+        given = estimator.EstimateConfigs(estimate_request("mystery-13b"), timeout=60).estimates
+        preset = estimator.EstimateConfigs(estimate_request("llama-2-13b-hf"), timeout=60)
+        assert len(given) == len(preset.estimates) > 0
+        for a, b in zip(given, preset.estimates, strict=True):
+            assert a.config == b.config
+            assert a.memory_total_bytes == b.memory_total_bytes
+            assert a.latency_ms == pytest.approx(b.latency_ms, rel=1e-9)
+    finally:
+        asyncio.run(_forget(stack.redis_url, ["mystery-13b", "llama-2-13b-hf"]))

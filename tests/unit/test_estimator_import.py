@@ -56,7 +56,8 @@ def test_rows_become_measurements_of_shape_only_preset_models():
     llama = models["llama-2-7b"]
     assert llama.shape.num_layers == 32 and llama.shape.num_attention_heads == 32
     assert llama.shape.dtype == common.PRECISION_FLOAT16
-    assert models["gptj-6b"].preset == "gpt-j-6b" and models["gptj-6b"].shape.num_layers == 28
+    assert models["gptj-6b"].shape_source == "preset gpt-j-6b"
+    assert models["gptj-6b"].shape.num_layers == 28
     assert [v.name for v in llama.variants] == ["fp16", "int4-kv8"]
     int4 = llama.variants[1]
     assert int4.weight_quant == common.WEIGHT_QUANT_INT4 and int4.kv_quant == common.KV_QUANT_INT8
@@ -90,6 +91,115 @@ def test_unknown_files_and_models_are_skipped_with_a_reason():
     assert any(s.startswith("notes.csv: not a file of MaverIQ's data set") for s in result.skipped)
     assert any(s.startswith("mystery-1b: 1 rows; no architecture preset") for s in result.skipped)
     assert [m.model_id for m in result.models] == ["llama-2-7b"]
+
+
+def test_names_in_any_spelling_denote_their_preset_and_pruning_only_its_methods():
+    rows = [
+        "Llama-2-70B,1,1,1,float16,False,10,1,0.05,3.0,3.1",
+        "meta-llama/Llama-2-70b-hf,1,1,2,float16,False,10,1,0.07,4.0,4.1",
+        "Llama-2-7b-hf,1,1,1,int8,False,10,1,0.04,1.0,1.1",
+        "Meta-Llama-3-70B,1,1,1,float16,False,10,1,0.05,3.0,3.1",
+        "Llama-2-7B-SparseGPT,1,1,32,float16,False,10,1,0.3,13,13.5",
+    ]
+    result = plan({"fingerprint_data_collection.csv": HEADER + "\n".join(rows) + "\n"})
+    models = {m.model_id: m for m in result.models}
+    assert sorted(models) == ["llama-2-70b", "llama-2-7b-hf", "meta-llama-3-70b"]
+    assert len(models["llama-2-70b"].measurements) == 2  # two spellings, one model
+    assert models["llama-2-70b"].shape_source == "preset llama-2-70b"
+    assert models["llama-2-7b-hf"].shape_source == "preset llama-2-7b"
+    llama3 = models["meta-llama-3-70b"]
+    assert llama3.shape_source == "preset llama-3-70b"
+    assert (llama3.shape.vocab_size, llama3.shape.num_layers) == (128256, 80)
+    assert "Llama-2-7B-SparseGPT: 1 rows of a pruned variant (no fingerprints); not imported" in (
+        result.skipped
+    )
+    assert "meta-llama/Llama-2-70b-hf: rows stored under model id 'llama-2-70b'" in result.notes
+    assert "Llama-2-70B: rows stored under model id 'llama-2-70b'" in result.notes
+
+
+# A model of no preset: Llama's layout at 1024 wide, 24 layers, grouped-query attention.
+MYSTERY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_a_given_config_json_shapes_a_model_no_preset_knows_and_overrides_a_preset():
+    named = {"fingerprint_data_collection.csv": FINGERPRINTS.replace("gtpj-6b", "Mystery-1B")}
+    configs = {"Mystery-1B": json.dumps(MYSTERY_CONFIG)}
+    result = plan_maveriq_import([(n, t.encode()) for n, t in named.items()], "rtx-a6000", configs)
+    models = {m.model_id: m for m in result.models}
+    mystery = models["mystery-1b"]
+    assert mystery.shape_source == "config.json given with the import"
+    shape = mystery.shape
+    assert (shape.num_layers, shape.hidden_size, shape.num_kv_heads) == (24, 1024, 4)
+    assert shape.dtype == common.PRECISION_FLOAT16  # MaverIQ ran float16, whatever it says
+    # KV bytes per token and layer follow from the given shape: 2 * 4 heads * 64 * 2 bytes.
+    assert mystery.measurements[0].layer_kv_bytes_per_token == 2 * 4 * 64 * 2
+    assert not result.skipped
+
+    wider = dict(MYSTERY_CONFIG, num_hidden_layers=32, hidden_size=2048, num_attention_heads=16)
+    result = plan_maveriq_import(
+        [(n, t.encode()) for n, t in DATA_SET.items()],
+        "rtx-a6000",
+        {"LLAMA-2-7B": json.dumps(wider)},
+    )
+    llama = {m.model_id: m for m in result.models}["llama-2-7b"]
+    assert llama.shape.hidden_size == 2048 and llama.shape_source.startswith("config.json")
+
+
+@pytest.mark.parametrize(
+    ("configs", "message"),
+    [
+        ({"llama-2-7b": "{"}, "llama-2-7b: its config.json is not JSON"),
+        ({"llama-2-7b": "[1, 2]"}, "llama-2-7b: its config.json must be a JSON object"),
+        ({"nobody-1b": "{}"}, "a config.json is given for 'nobody-1b', which no row names"),
+        (
+            {"llama-2-7b": json.dumps({"model_type": "bert", "architectures": ["BertModel"]})},
+            "llama-2-7b: its config.json: ",
+        ),
+        (
+            {"llama-2-7b": json.dumps(dict(MYSTERY_CONFIG, hidden_size=1000))},
+            "llama-2-7b: its config.json: ",
+        ),
+        # The rows hold a 2-layer fingerprint of a model the config gives 1 layer.
+        (
+            {"llama-2-7b": json.dumps(dict(MYSTERY_CONFIG, num_hidden_layers=1))},
+            "llama-2-7b: a row holds 2 layers, the model has 1",
+        ),
+    ],
+)
+def test_bad_model_configs_are_invalid_argument(configs, message):
+    with pytest.raises(InvalidArgument, match=message.replace("[", r"\[")):
+        plan_maveriq_import([(n, t.encode()) for n, t in DATA_SET.items()], "rtx-a6000", configs)
+
+
+def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_refused():
+    rows = HEADER + "My Model,1,1,1,float16,False,10,1,0.05,3.0,3.1\n"
+    with pytest.raises(InvalidArgument, match="invalid model_id 'my model'"):
+        plan_maveriq_import(
+            [("fingerprint_data_collection.csv", rows.encode())],
+            "rtx-a6000",
+            {"My Model": json.dumps(MYSTERY_CONFIG)},
+        )
+    rows = HEADER + (
+        "meta-llama/Llama-2-70b-hf,1,1,1,float16,False,10,1,0.05,3.0,3.1\n"
+        "llama-2-70b,1,1,1,float16,False,10,1,0.05,3.0,3.1\n"
+    )
+    with pytest.raises(InvalidArgument, match="two names with different shapes"):
+        plan_maveriq_import(
+            [("fingerprint_data_collection.csv", rows.encode())],
+            "rtx-a6000",
+            {"llama-2-70b": json.dumps(MYSTERY_CONFIG)},
+        )
 
 
 @pytest.mark.parametrize(
@@ -209,6 +319,35 @@ def test_bad_requests_write_nothing(run):
             await import_profiles(store, request(broken))
         assert await store.list_models() == []
         assert await store.get_profile("llama-2-7b") is None
+
+        bad_config = request(DATA_SET, model_configs={"gptj-6b": "{"})
+        with pytest.raises(InvalidArgument, match="gptj-6b: its config.json is not JSON"):
+            await import_profiles(store, bad_config)
+        assert await store.list_models() == []
+        assert await store.get_profile("llama-2-7b") is None
+
+    run(scenario)
+
+
+def test_a_model_given_by_its_config_is_stored_with_that_shape_and_a_note(run):
+    async def scenario(store: StateStore):
+        rows = HEADER + (
+            "Mystery-1B,1,1,1,float16,False,10,1,0.05,1.0,1.1\n"
+            "Mystery-1B,1,1,2,float16,False,10,1,0.07,1.2,1.3\n"
+        )
+        reply = await import_profiles(
+            store,
+            request(
+                {"fingerprint_data_collection.csv": rows},
+                model_configs={"Mystery-1B": json.dumps(MYSTERY_CONFIG)},
+            ),
+        )
+        assert list(reply.model_ids) == ["mystery-1b"]
+        assert list(reply.notes) == ["Mystery-1B: rows stored under model id 'mystery-1b'"]
+        model = await store.get_model("mystery-1b")
+        assert model.shape.num_layers == 24 and model.shape.hidden_size == 1024
+        assert "config.json given with the import" in model.state_reason
+        assert len((await store.get_profile("mystery-1b")).measurements) == 2
 
     run(scenario)
 

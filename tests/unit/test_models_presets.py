@@ -11,11 +11,18 @@ import pytest
 from services.cli.main import main as cli_main
 from services.models.checkpoint import read_config, validate_checkpoint
 from services.models.families import parse_config
-from services.models.presets import PRESETS, create_preset_checkpoint, get_preset, preset_config
+from services.models.presets import (
+    PRESETS,
+    create_preset_checkpoint,
+    find_preset,
+    get_preset,
+    preset_config,
+)
 from services.models.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE
 
-# Published parameter counts. Llama, Mistral, Qwen2: transformers' num_parameters() of the
-# released checkpoints (their authors round them to 7B, 13B, 70B, 8B, 7.3B, 7.6B); GPT-J:
+# Published parameter counts. Llama, Code Llama, Mistral, Qwen2: transformers'
+# num_parameters() of the released checkpoints (their authors round them to 7B, 13B, 70B,
+# 8B, 70B, 34B, 7.3B, 7.6B, 72.7B); GPT-J:
 # its model card; Falcon: num_parameters() of the released configs, whose LM head is tied
 # to the embeddings and so counted once (TII rounds them to 7B and 40B).
 PUBLISHED_PARAMETERS = {
@@ -23,6 +30,9 @@ PUBLISHED_PARAMETERS = {
     "llama-2-13b": 13_015_864_320,
     "llama-2-70b": 68_976_648_192,
     "llama-3-8b": 8_030_261_248,
+    "llama-3-70b": 70_553_706_496,
+    "codellama-34b": 33_743_970_304,
+    "qwen2-72b": 72_706_203_648,
     "mistral-7b": 7_241_732_096,
     "qwen2-7b": 7_615_616_512,
     "falcon-7b": 6_921_720_704,
@@ -57,6 +67,27 @@ def test_preset_shapes_equal_transformers_model(name: str) -> None:
         hf_tensors.pop("lm_head.weight", None)
     assert spec.expected_tensors() == hf_tensors
     assert spec.parameter_count() == model.num_parameters()
+
+
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [
+        ("llama-2-70b", "llama-2-70b"),
+        ("Llama-2-70B", "llama-2-70b"),
+        ("meta-llama/Llama-2-70b-hf", "llama-2-70b"),
+        ("Llama-2-70b-hf", "llama-2-70b"),
+        (" Meta-Llama-3-70B ", "llama-3-70b"),
+        ("Qwen/Qwen2-72B", "qwen2-72b"),
+        ("EleutherAI/gpt-j-6b", "gpt-j-6b"),
+        ("tiiuae/falcon-40b", "falcon-40b"),
+        ("mistralai/Mistral-7B-v0.1", "mistral-7b"),
+        ("llama-2-70", None),
+        ("llama-2-70b-chat", None),
+        ("", None),
+    ],
+)
+def test_find_preset_reads_names_and_repositories_in_any_case(name, preset) -> None:
+    assert find_preset(name) == preset
 
 
 def test_preset_config_changes_layers_and_dtype() -> None:

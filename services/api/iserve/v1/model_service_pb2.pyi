@@ -181,28 +181,39 @@ class WatchModelResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., runs_done: _Optional[int] = ..., runs_total: _Optional[int] = ..., current: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ImportProfilesRequest(_message.Message):
-    __slots__ = ("request_id", "format", "hardware_type", "files")
+    __slots__ = ("request_id", "format", "hardware_type", "files", "model_configs")
+    class ModelConfigsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_TYPE_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     format: ProfileFormat
     hardware_type: str
     files: _containers.RepeatedCompositeFieldContainer[ProfileFile]
-    def __init__(self, request_id: _Optional[str] = ..., format: _Optional[_Union[ProfileFormat, str]] = ..., hardware_type: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ProfileFile, _Mapping]]] = ...) -> None: ...
+    model_configs: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., format: _Optional[_Union[ProfileFormat, str]] = ..., hardware_type: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ProfileFile, _Mapping]]] = ..., model_configs: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ImportProfilesResponse(_message.Message):
-    __slots__ = ("request_id", "model_ids", "measurements_imported", "skipped")
+    __slots__ = ("request_id", "model_ids", "measurements_imported", "skipped", "notes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDS_FIELD_NUMBER: _ClassVar[int]
     MEASUREMENTS_IMPORTED_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_ids: _containers.RepeatedScalarFieldContainer[str]
     measurements_imported: int
     skipped: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model_ids: _Optional[_Iterable[str]] = ..., measurements_imported: _Optional[int] = ..., skipped: _Optional[_Iterable[str]] = ...) -> None: ...
+    notes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model_ids: _Optional[_Iterable[str]] = ..., measurements_imported: _Optional[int] = ..., skipped: _Optional[_Iterable[str]] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetProfileRequest(_message.Message):
     __slots__ = ("request_id", "model_id")
