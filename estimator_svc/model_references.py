@@ -24,14 +24,14 @@ import numpy as np
 
 from estimator_svc.profiles import Sample
 from services.estimation.extrapolate import LatencySample
-from services.estimation.latency import BASE, REFERENCE_LAYOUTS, TENSOR
+from services.estimation.latency import BASE, PIPELINE, REFERENCE_LAYOUTS, TENSOR
 from services.estimation.references import (
     ReferenceProfile,
     VariantProfile,
     extrapolate_references,
 )
 from services.estimation.score import Calibration, Estimates, estimate_space
-from services.estimation.space import ModelShape, Variant, enumerate_space
+from services.estimation.space import ModelShape, Variant, enumerate_space, parallel_pairs
 
 __all__ = [
     "ModelReferences",
@@ -295,6 +295,14 @@ def model_references(
     if not keys:
         raise ValueError("no variant has fingerprint runs at the (1,1) reference")
     fingerprints = [s for s in fingerprints if s.variant in keys]
+    profiled = {s.layout for s in fingerprints}
+    runnable = parallel_pairs(shape, 2)
+    for layout, kind in ((TENSOR, "tensor"), (PIPELINE, "pipeline")):
+        if layout in runnable and layout not in profiled:
+            notes.append(
+                f"no fingerprint runs at tp={layout[0]} pp={layout[1]}: {kind}-parallel "
+                "configurations are estimated without its communication cost"
+            )
     ladder = _ladder_layouts(fingerprints) if use_tp_ladder else ()
     layouts = REFERENCE_LAYOUTS + ladder
     latency: dict[tuple[str, Layout], list[LatencySample]] = defaultdict(list)

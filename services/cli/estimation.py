@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import uuid
 from pathlib import Path
 
@@ -127,6 +128,8 @@ def cmd_estimate(settings: Settings, args) -> int:
     if args.json:
         for record in records:
             print(json.dumps(record))
+        for note in reply.notes:
+            print(f"note: {note}", file=sys.stderr)
         return 0
     print(
         f"{args.model_id} on {args.hardware}: {len(records)} configurations, "
@@ -152,6 +155,8 @@ def cmd_estimate(settings: Settings, args) -> int:
         for r in records
     ]
     show_tables([(None, headers, rows)])
+    for note in reply.notes:
+        print(f"note: {note}")
     return 0
 
 

@@ -201,6 +201,10 @@ def parallel_latency(
     tp_overhead = _power(tp - 1.0, c.beta) * o_tp
     for degree, ratio in c.tp_ratio:
         tp_overhead = np.where(tp == degree, ratio * o_tp, tp_overhead)
+    # Beyond tp = 2 the overhead is extrapolated: a negative O_TP (L(2,1) a little under
+    # half of L(1,1), within the fingerprints' timing noise) multiplied by (tp - 1)**beta
+    # would make communication speed a layout up, down to a negative latency.
+    tp_overhead = np.where(tp > 2, np.maximum(tp_overhead, 0.0), tp_overhead)
     for degree, measured in (tp_ladder or {}).items():
         measured = np.asarray(measured, dtype=float)
         # NaN: that variant was not profiled at (degree, 1); keep the extrapolation.

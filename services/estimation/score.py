@@ -82,6 +82,25 @@ class Estimates:
     # profile was taken at batch 2, and a batch is estimated as free in time.
     batch_measured: bool = False
 
+    @property
+    def estimable(self) -> np.ndarray:
+        """Configurations whose TTFT, TPOT and memory came out finite and positive.
+        Fingerprints too noisy or too few for a layout can extrapolate to a negative or
+        undefined figure there; such a configuration is never ranked."""
+        figures = (self.ttft_s, self.tpot_s, self.latency_s, self.memory_total_gib)
+        return np.logical_and.reduce([np.isfinite(f) & (f > 0) for f in figures])
+
+    def unestimable_note(self) -> str | None:
+        """What was left out for want of a usable estimate, or None."""
+        count = int(self.space.size - np.count_nonzero(self.estimable))
+        if not count:
+            return None
+        return (
+            f"{count} configurations left out: their fingerprints extrapolate to a negative "
+            "or undefined latency or memory (too few or too noisy profiling runs for those "
+            "layouts; profile again, or check imported rows)"
+        )
+
 
 def _per_variant_arrays(
     profiles: Sequence[VariantProfile],
@@ -250,13 +269,19 @@ def rank(estimates: Estimates, intent: Intent, cost: np.ndarray | None = None) -
     cost = e.cost_memory_latency if cost is None else cost
     notes: list[str] = []
     devices = e.space.device_count
-    candidates = np.flatnonzero(e.fits)
-    if candidates.size < e.space.size:
-        notes.append(
-            f"{e.space.size - candidates.size} configurations do not fit the device memory"
-        )
+    unestimable = e.unestimable_note()
+    if unestimable:
+        notes.append(unestimable)
+    candidates = np.flatnonzero(e.fits & e.estimable)
+    misfits = int(np.count_nonzero(e.estimable & ~e.fits))
+    if misfits:
+        notes.append(f"{misfits} configurations do not fit the device memory")
     if candidates.size == 0:
-        notes.append("no configuration fits the device memory")
+        notes.append(
+            "no configuration fits the device memory"
+            if misfits
+            else "no configuration has a usable estimate"
+        )
         return Ranking(candidates, tuple(notes))
 
     if intent.accuracy_floor_pct is not None:

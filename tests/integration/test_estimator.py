@@ -297,3 +297,58 @@ def test_import_with_a_models_config_json_estimates_as_its_preset_does(
             assert a.latency_ms == pytest.approx(b.latency_ms, rel=1e-9)
     finally:
         asyncio.run(_forget(stack.redis_url, ["mystery-13b", "llama-2-13b-hf"]))
+
+
+def test_fingerprints_that_extrapolate_to_nothing_usable_are_never_ranked(
+    stack, estimator, tmp_path
+):
+    """Hostile rows: every 2-layer run faster than the 1-layer one (a negative time per
+    layer). The estimator returns no configuration and says why; nothing is ranked."""
+    from services.models.presets import preset_config
+
+    rows = [
+        "Model,TP,PP,PP_Map,DTYPE,INT8_KV_Cache,Output_Lenght,Batch_Size,Latency,"
+        "Memory-Pre-Run,Memory-After-Run"
+    ]
+    for tp, pp, stages, at_10, at_20 in [
+        (1, 1, "1", 0.05, 0.09),
+        (1, 1, "2", 0.04, 0.07),
+        (2, 1, "1", 0.03, 0.05),
+        (2, 1, "2", 0.025, 0.04),
+        (1, 2, "1 1", 0.05, 0.09),
+        (1, 2, "2 1", 0.045, 0.08),
+    ]:
+        for output, latency in ((10, at_10), (20, at_20)):
+            rows.append(f"noisy-7b,{tp},{pp},{stages},float16,False,{output},1,{latency},2.0,2.1")
+    csv_path = tmp_path / "fingerprint_data_collection.csv"
+    csv_path.write_text("\n".join(rows) + "\n")
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(preset_config("llama-2-7b")))
+    try:
+        out = cli(
+            stack, "profile", "import", "--format", "maveriq", "--hardware", HARDWARE,
+            "--model-config", f"noisy-7b={config_path}", str(csv_path),
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        reply = estimator.EstimateConfigs(estimate_request("noisy-7b"), timeout=60)
+        assert list(reply.estimates) == []
+        # No batch-2 rows: the profile's own note, then what was left out.
+        assert reply.notes[0].startswith("batch 2 was not profiled")
+        assert reply.notes[-1].startswith("15 configurations left out: their fingerprints")
+        ranked = estimator.RankConfigs(
+            estimator_pb.RankConfigsRequest(
+                model_id="noisy-7b",
+                hardware_type=HARDWARE,
+                workload=estimator_pb.Workload(output_tokens=100),
+                device_count=8,
+                intent=common.Intent(kind=common.INTENT_KIND_MIN_LATENCY),
+            ),
+            timeout=60,
+        )
+        assert list(ranked.ranked) == []
+        assert "no configuration has a usable estimate" in ranked.note
+        out = cli(stack, "estimate", "noisy-7b", "--hardware", HARDWARE, "--output-len", "100")
+        assert out.returncode == 0, out.stderr
+        assert "note: 15 configurations left out" in out.stdout
+    finally:
+        asyncio.run(_forget(stack.redis_url, ["noisy-7b"]))

@@ -119,6 +119,22 @@ def test_tp_ladder_replaces_the_extrapolated_overhead_where_measured():
     np.testing.assert_allclose(got, [0.5 + 1.5, 5.0, 2.0 / 8 + 7 * 0.5 / 2])
 
 
+def test_an_extrapolated_tp_overhead_never_speeds_a_layout_up():
+    """O_TP < 0 (L(2,1) under half of L(1,1), within timing noise) reproduces L(2,1) at
+    tp = 2 but is not multiplied into a speed-up beyond it; a measured ladder stands."""
+    c = ParallelConstants(alpha=0.0, beta=1.5, gamma=0.0, delta=1.0, tp_ratio=((8, 9.0),))
+    l11, l21 = 120.0, 58.0  # O_TP = -2
+    tp = np.array([2, 4, 8, 8])
+    pp = np.array([1, 1, 1, 2])
+    got = parallel_latency(l11, l21, l11, tp, pp, c)
+    # alpha = 0 and L(1,2) = L(1,1): a second stage changes nothing (O_PP = 0).
+    np.testing.assert_allclose(got, [58.0, 30.0, 15.0, 15.0])
+    # Unclamped, tp = 8 would have been 15 + 9 * (-2) = -3 s.
+    ladder = {8: np.array([14.0, 14.0, 14.0, 14.0])}
+    got = parallel_latency(l11, l21, l11, tp, pp, c, tp_ladder=ladder)
+    np.testing.assert_allclose(got[2], 14.0)
+
+
 def test_phases_compose_and_scales_apply_to_the_references_only():
     constants = PhaseConstants(ParallelConstants(0, 1, 0, 1), ParallelConstants(0, 1, 0, 1))
     ttft_refs = np.array([0.1, 0.06, 0.1])

@@ -132,6 +132,25 @@ def test_configurations_that_do_not_fit_are_left_out():
     assert empty.best is None and "no configuration fits" in empty.notes[-1]
 
 
+def test_configurations_without_a_usable_estimate_are_never_ranked():
+    space, profiles = small_space()
+    est = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=100)
+    assert est.estimable.all() and est.unestimable_note() is None
+    # Noisy fingerprints: an undefined memory, a non-positive TPOT.
+    fastest = rank(est, Intent("min_latency")).best
+    est.tpot_s[fastest] = -0.001
+    est.memory_total_gib[0] = np.nan
+    left_out = {0, fastest}
+    assert set(np.flatnonzero(~est.estimable)) == left_out
+    ranking = rank(est, Intent("min_latency"))
+    assert not left_out & set(ranking.indices.tolist())
+    assert ranking.indices.size == space.size - len(left_out)
+    assert ranking.notes[0].startswith(f"{len(left_out)} configurations left out: their")
+    est.ttft_s[:] = 0.0
+    empty = rank(est, Intent("min_cost"))
+    assert empty.best is None and empty.notes[-1] == "no configuration has a usable estimate"
+
+
 def test_bad_requests_say_what_is_wrong():
     space, profiles = small_space()
     with pytest.raises(ValueError, match="unknown intent"):

@@ -125,6 +125,28 @@ def test_falcon_7b_has_no_tensor_parallel_references(a6000):
     refs = references(a6000, "falcon-7b")
     assert refs.layouts == REFERENCE_LAYOUTS and not refs.has_tp_ladder
     assert refs.shape.num_heads == 71
+    # Its 71 heads allow no tp = 2: no configuration is estimated without the reference.
+    assert not any(note.startswith("no fingerprint runs") for note in refs.notes)
+
+
+def test_a_reference_layout_never_profiled_is_said():
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    rows = profiler_rows("", common.WEIGHT_QUANT_NONE)
+    base_only = [m for m in rows if m.config.tensor_parallel * m.config.pipeline_parallel == 1]
+
+    def notes(measurements):
+        variants = profiles.estimation_variants(model, measurements)
+        samples = [profiles.sample_from_measurement(m) for m in measurements]
+        return model_references.model_references(shape, variants, samples).notes
+
+    assert not any(n.startswith("no fingerprint runs") for n in notes(rows))
+    said = notes(base_only)
+    assert (
+        "no fingerprint runs at tp=2 pp=1: tensor-parallel configurations are estimated "
+        "without its communication cost"
+    ) in said
+    assert any(n.startswith("no fingerprint runs at tp=1 pp=2: pipeline-parallel") for n in said)
 
 
 def test_a6000_llama_70b_estimates_every_configuration_in_the_papers_range(a6000):

@@ -62,12 +62,14 @@ class EstimateConfigsRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., hardware_type: _Optional[str] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., device_count: _Optional[int] = ...) -> None: ...
 
 class EstimateConfigsResponse(_message.Message):
-    __slots__ = ("request_id", "estimates")
+    __slots__ = ("request_id", "estimates", "notes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ESTIMATES_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     estimates: _containers.RepeatedCompositeFieldContainer[ConfigEstimate]
-    def __init__(self, request_id: _Optional[str] = ..., estimates: _Optional[_Iterable[_Union[ConfigEstimate, _Mapping]]] = ...) -> None: ...
+    notes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., estimates: _Optional[_Iterable[_Union[ConfigEstimate, _Mapping]]] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankedConfig(_message.Message):
     __slots__ = ("rank", "estimate", "meets_intent")
