@@ -601,6 +601,52 @@ def held_out_calibrations(
     return out
 
 
+def print_decode_comm(
+    data: MaverIQData, models: dict[str, ImportedModel], calibration: Calibration
+) -> None:
+    """Why tp = 8 stays above the goal: the decode overhead of tensor parallelism per
+    layer, measured in full against what a model's fingerprints give at tp = 2."""
+    rows = collections.defaultdict(list)
+    for m in data.full_models:
+        if m.batch_size == 1 and m.pp == 1:
+            rows[(m.model, m.variant, m.tp)].append((m.output_tokens, m.latency_s))
+    tpot = {}  # (model, variant, tp): seconds per token, the slope over output lengths
+    for key, points in rows.items():
+        outputs, latency = np.array(points, dtype=float).T
+        if np.unique(outputs).size > 1:
+            tpot[key] = np.polyfit(outputs, latency, 1)[0]
+    ratios = dict(calibration.latency.tpot.tp_ratio)
+    print(
+        "\nDecode overhead of tensor parallelism per layer, ms: O_TP(tp) / layers, O_TP(tp) ="
+        " TPOT(tp,1) - TPOT(1,1)/tp.\nFull models: median over variants of the slopes over"
+        " output lengths (batch 1). Fingerprints:\nthe pooled fit's O_TP(2), and Eq. 2's"
+        f" tp = 4, 8 from it with the hardware ratios {ratios[4]:.2f}, {ratios[8]:.2f}"
+        " (all four)."
+    )
+    columns = "  ".join(f"{f'tp {tp}':>5s}" for tp in (2, 4, 8))
+    print(f"{'':12s} | {'full models':12s}{columns} | {'fingerprints':12s}{columns}")
+    for name in (*MEASURED, *UNMEASURED):
+        layers = models[name].model.shape.num_layers
+        full = []
+        for tp in (2, 4, 8):
+            per_layer = [
+                (t - tpot[(name, *variant, 1)] / tp) / layers * 1e3
+                for (model, *variant, degree), t in tpot.items()
+                if model == name and degree == tp and (name, *variant, 1) in tpot
+            ]
+            full.append(f"{np.median(per_layer):5.3f}" if per_layer else "    -")
+        refs = models[name].references(use_tp_ladder=True)
+        profile = refs.at_input(refs.default_input_tokens())[0].batch1
+        if refs.shape.num_heads % 2:
+            print(
+                f"{name:12s} | {' ' * 12}{'  '.join(full)} |   (no tp = 2: {refs.shape.num_heads} heads)"
+            )
+            continue
+        two = (profile.tpot_s[1] - profile.tpot_s[0] / 2) / layers * 1e3
+        implied = [f"{two:5.3f}", *(f"{ratios[tp] * two:5.3f}" for tp in (4, 8))]
+        print(f"{name:12s} | {' ' * 12}{'  '.join(full)} | {' ' * 12}{'  '.join(implied)}")
+
+
 def print_larger_models(
     data: MaverIQData, models: dict[str, ImportedModel], calibrations: dict[str, Calibration]
 ) -> None:
@@ -706,6 +752,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     calibrations = held_out_calibrations(ladder, results[PRIMARY], (*MEASURED, *UNMEASURED))
     print_unmeasured(models, calibrations[UNMEASURED[0]])
     print_larger_models(data, models, calibrations)
+    print_decode_comm(data, models, calibrations[UNMEASURED[0]])
     print(f"\n({time.perf_counter() - started:.0f} s)")
 
 
