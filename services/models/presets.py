@@ -37,25 +37,65 @@ class Preset:
         return parse_config(self.config)
 
 
-def _llama2(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> dict:
+def _gated(architecture: str, shape: tuple[int, int, int, int, int]) -> dict:
+    """The fields a Llama-layout config (gated SiLU MLP, RMS norm, rotary positions,
+    grouped-query attention) shares: (hidden, intermediate, layers, heads, KV heads)."""
+    hidden, intermediate, layers, heads, kv_heads = shape
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [f"{architecture}ForCausalLM"],
+        "model_type": architecture.lower(),
         "hidden_size": hidden,
         "intermediate_size": intermediate,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
+
+
+def _llama2(*shape: int) -> dict:
+    return {
+        **_gated("Llama", shape),
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
         "rope_scaling": None,
         "pretraining_tp": 1,
-        "tie_word_embeddings": False,
         "torch_dtype": "float16",
         "vocab_size": 32000,
         "bos_token_id": 1,
         "eos_token_id": 2,
+    }
+
+
+def _llama3(*shape: int) -> dict:
+    return {
+        **_gated("Llama", shape),
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 128256,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    }
+
+
+def _qwen2(*shape: int) -> dict:
+    return {
+        **_gated("Qwen2", shape),
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "use_sliding_window": False,
+        "sliding_window": 131072,
+        "max_window_layers": shape[2],
+        "torch_dtype": "bfloat16",
+        "vocab_size": 152064,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
     }
 
 
@@ -73,54 +113,8 @@ _PRESETS = [
             "torch_dtype": "bfloat16",
         },
     ),
-    Preset(
-        "llama-3-8b",
-        "meta-llama/Meta-Llama-3-8B",
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "hidden_act": "silu",
-            "max_position_embeddings": 8192,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "rope_scaling": None,
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "vocab_size": 128256,
-            "bos_token_id": 128000,
-            "eos_token_id": 128001,
-        },
-    ),
-    Preset(
-        "llama-3-70b",
-        "meta-llama/Meta-Llama-3-70B",
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 8192,
-            "intermediate_size": 28672,
-            "num_hidden_layers": 80,
-            "num_attention_heads": 64,
-            "num_key_value_heads": 8,
-            "hidden_act": "silu",
-            "max_position_embeddings": 8192,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "rope_scaling": None,
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "vocab_size": 128256,
-            "bos_token_id": 128000,
-            "eos_token_id": 128001,
-        },
-    ),
+    Preset("llama-3-8b", "meta-llama/Meta-Llama-3-8B", _llama3(4096, 14336, 32, 32, 8)),
+    Preset("llama-3-70b", "meta-llama/Meta-Llama-3-70B", _llama3(8192, 28672, 80, 64, 8)),
     Preset(
         "mistral-7b",
         "mistralai/Mistral-7B-v0.1",
@@ -144,56 +138,8 @@ _PRESETS = [
             "eos_token_id": 2,
         },
     ),
-    Preset(
-        "qwen2-7b",
-        "Qwen/Qwen2-7B",
-        {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "hidden_size": 3584,
-            "intermediate_size": 18944,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 28,
-            "num_key_value_heads": 4,
-            "hidden_act": "silu",
-            "max_position_embeddings": 131072,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0,
-            "use_sliding_window": False,
-            "sliding_window": 131072,
-            "max_window_layers": 28,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "vocab_size": 152064,
-            "bos_token_id": 151643,
-            "eos_token_id": 151643,
-        },
-    ),
-    Preset(
-        "qwen2-72b",
-        "Qwen/Qwen2-72B",
-        {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "hidden_size": 8192,
-            "intermediate_size": 29568,
-            "num_hidden_layers": 80,
-            "num_attention_heads": 64,
-            "num_key_value_heads": 8,
-            "hidden_act": "silu",
-            "max_position_embeddings": 131072,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0,
-            "use_sliding_window": False,
-            "sliding_window": 131072,
-            "max_window_layers": 80,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "vocab_size": 152064,
-            "bos_token_id": 151643,
-            "eos_token_id": 151643,
-        },
-    ),
+    Preset("qwen2-7b", "Qwen/Qwen2-7B", _qwen2(3584, 18944, 28, 28, 4)),
+    Preset("qwen2-72b", "Qwen/Qwen2-72B", _qwen2(8192, 29568, 80, 64, 8)),
     Preset(
         "falcon-7b",
         "tiiuae/falcon-7b",

@@ -58,6 +58,17 @@ def estimate_request(model_id="llama-2-70b", hardware=HARDWARE, output=100, devi
     )
 
 
+def min_latency_request(model_id: str) -> estimator_pb.RankConfigsRequest:
+    return estimator_pb.RankConfigsRequest(
+        request_id=rid(),
+        model_id=model_id,
+        hardware_type=HARDWARE,
+        workload=estimator_pb.Workload(output_tokens=100),
+        device_count=8,
+        intent=common.Intent(kind=common.INTENT_KIND_MIN_LATENCY),
+    )
+
+
 def test_imported_models_are_shape_only_profiled_records(stack, imported):
     model = stack.models.GetModel(model_pb.GetModelRequest(model_id="llama-2-70b")).model
     assert model.state == model_pb.MODEL_STATE_PROFILED and model.checkpoint_path == ""
@@ -118,17 +129,7 @@ def test_cli_estimate_json_lines(stack, imported):
 
 def test_rank_min_latency_and_accuracy_floor(estimator, imported):
     all_estimates = estimator.EstimateConfigs(estimate_request(), timeout=60).estimates
-    ranked = estimator.RankConfigs(
-        estimator_pb.RankConfigsRequest(
-            request_id=rid(),
-            model_id="llama-2-70b",
-            hardware_type=HARDWARE,
-            workload=estimator_pb.Workload(output_tokens=100),
-            device_count=8,
-            intent=common.Intent(kind=common.INTENT_KIND_MIN_LATENCY),
-        ),
-        timeout=60,
-    )
+    ranked = estimator.RankConfigs(min_latency_request("llama-2-70b"), timeout=60)
     first = ranked.ranked[0]
     assert first.rank == 1 and first.meets_intent
     fitting = [r.estimate.latency_ms for r in ranked.ranked]
@@ -335,16 +336,7 @@ def test_fingerprints_that_extrapolate_to_nothing_usable_are_never_ranked(
         # No batch-2 rows: the profile's own note, then what was left out.
         assert reply.notes[0].startswith("batch 2 was not profiled")
         assert reply.notes[-1].startswith("15 configurations left out: their fingerprints")
-        ranked = estimator.RankConfigs(
-            estimator_pb.RankConfigsRequest(
-                model_id="noisy-7b",
-                hardware_type=HARDWARE,
-                workload=estimator_pb.Workload(output_tokens=100),
-                device_count=8,
-                intent=common.Intent(kind=common.INTENT_KIND_MIN_LATENCY),
-            ),
-            timeout=60,
-        )
+        ranked = estimator.RankConfigs(min_latency_request("noisy-7b"), timeout=60)
         assert list(ranked.ranked) == []
         assert "no configuration has a usable estimate" in ranked.note
         out = cli(stack, "estimate", "noisy-7b", "--hardware", HARDWARE, "--output-len", "100")
