@@ -101,8 +101,8 @@ UNMEASURED = ("llama-2-70b", "falcon-40b")
 # check quoted (issue 15), printed beside the estimates; nothing is fitted on them.
 QUOTED = {"falcon-40b": {("int4", (8, 1)): 2.2, ("int4", (4, 2)): 1.6}}
 TP_LADDER = REFERENCE_LAYOUTS + ((4, 1), (8, 1))
-# Files the import can do without: the short-prompt fingerprints at batch 1 and 2, the
-# accuracy table (min_cost regret ignores accuracy), the uneven-pipeline runs.
+# Files the import can do without: the short-prompt fingerprints at batch 1 and 2, and
+# the accuracy table (the regret's intents set no accuracy floor).
 LEAVE_OUT = ("fingerprint_data_collection_BS.csv", "MS_model_acc_MMLU.json")
 DEVICE_GIB = 48.0 * 1e9 / 2**30  # RTX A6000: 48 GB
 
