@@ -82,9 +82,11 @@ from services.estimation.extrapolate import LatencySample, fit_layer_latency  # 
 from services.estimation.latency import (  # noqa: E402
     O_PP_FROM_BASE,
     REFERENCE_LAYOUTS,
+    TENSOR,
     parallel_latency,
 )
 from services.estimation.score import Calibration, Intent, rank  # noqa: E402
+from services.estimation.space import parallel_pairs  # noqa: E402
 from services.importers.maveriq import MaverIQData, Measurement, load_directory  # noqa: E402
 
 MEASURED = ("falcon-7b", "gptj-6b", "llama-2-7b", "llama-2-13b")
@@ -646,7 +648,7 @@ def print_decode_comm(
             full.append(f"{np.median(per_layer):5.3f}" if per_layer else "    -")
         refs = models[name].references(use_tp_ladder=True)
         profile = refs.at_input(refs.default_input_tokens())[0].batch1
-        if refs.shape.num_heads % 2:
+        if TENSOR not in parallel_pairs(refs.shape, 2):
             print(
                 f"{name:12s} | {' ' * 12}{'  '.join(full)} |   (no tp = 2: {refs.shape.num_heads} heads)"
             )

@@ -62,7 +62,7 @@ def rank_for_intent(estimates: Estimates, intent: common.Intent) -> RankedConfig
     effective_floor, floor_note = resolve_accuracy_floor(
         floor,
         accuracy,
-        estimates.fits & estimates.estimable,
+        estimates.candidates,
         allow_best_available=intent.allow_best_available_accuracy,
     )
     notes = [floor_note] if floor_note else []

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
+
 from estimator_svc import calibration_message, model_references, profiles
 from estimator_svc.config_map import ConfigMap, build_config_map, from_json, source_hash
 from estimator_svc.config_map import to_json as config_map_json
@@ -47,6 +49,17 @@ class Estimate:
     workload: Workload
     devices: int
     config_map: ConfigMap
+
+    @property
+    def usable(self) -> np.ndarray:
+        """Indices of the configurations with a usable estimate (the others are left out)."""
+        return np.flatnonzero(self.estimates.estimable)
+
+    @property
+    def notes(self) -> list[str]:
+        """How the profile limits the estimates, then what was left out and why."""
+        left_out = self.estimates.unestimable_note()
+        return [*self.config_map.references.notes, *([left_out] if left_out else [])]
 
 
 def _utc(ms: int) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from estimator_svc.messages import estimate_messages, ranked_messages, workload_from_proto
 from estimator_svc.ranking import rank_for_intent
 from estimator_svc.service import Estimator
@@ -22,15 +20,10 @@ class EstimatorServicer(estimator_service_pb2_grpc.EstimatorServiceServicer):
         result = await self.estimator.estimate(
             request.model_id, request.hardware_type, workload, request.device_count
         )
-        estimates = result.estimates
-        notes = list(result.config_map.references.notes)
-        left_out = estimates.unestimable_note()
         return estimator_pb.EstimateConfigsResponse(
             request_id=request.request_id,
-            estimates=estimate_messages(
-                estimates, result.workload, np.flatnonzero(estimates.estimable)
-            ),
-            notes=notes + [left_out] if left_out else notes,
+            estimates=estimate_messages(result.estimates, result.workload, result.usable),
+            notes=result.notes,
         )
 
     async def RankConfigs(self, request, context):

@@ -90,6 +90,11 @@ class Estimates:
         figures = (self.ttft_s, self.tpot_s, self.latency_s, self.memory_total_gib)
         return np.logical_and.reduce([np.isfinite(f) & (f > 0) for f in figures])
 
+    @property
+    def candidates(self) -> np.ndarray:
+        """Configurations that may be ranked: they fit and have a usable estimate."""
+        return self.fits & self.estimable
+
     def unestimable_note(self) -> str | None:
         """What was left out for want of a usable estimate, or None."""
         count = int(self.space.size - np.count_nonzero(self.estimable))
@@ -272,8 +277,9 @@ def rank(estimates: Estimates, intent: Intent, cost: np.ndarray | None = None) -
     unestimable = e.unestimable_note()
     if unestimable:
         notes.append(unestimable)
-    candidates = np.flatnonzero(e.fits & e.estimable)
-    misfits = int(np.count_nonzero(e.estimable & ~e.fits))
+    usable = e.estimable
+    candidates = np.flatnonzero(usable & e.fits)
+    misfits = int(np.count_nonzero(usable & ~e.fits))
     if misfits:
         notes.append(f"{misfits} configurations do not fit the device memory")
     if candidates.size == 0:

@@ -1,12 +1,19 @@
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import pytest
 
 from services.state import keys
-from tests.integration.helpers import cli, deploy, make_checkpoint, register, rid
+from tests.integration.helpers import (
+    cli,
+    deploy,
+    forget_models,
+    make_checkpoint,
+    register,
+    rid,
+    with_store,
+)
 from tests.unit.estimator_data import shared_data
 
 A6000 = "rtx-a6000"
@@ -38,18 +45,9 @@ def served(stack) -> Served:
     )
 
 
-async def _forget(redis_url: str, model_ids: list[str]) -> None:
-    from services.state.store import StateStore
-
-    store = StateStore.from_url(redis_url)
-    try:
-        for model_id in model_ids:
-            await store.delete_model(model_id)
-            await store.redis.delete(keys.config_map(model_id, A6000))
-        await store.redis.delete(keys.calibration(A6000))
-        await store.redis.srem(keys.calibration_index(), A6000)
-    finally:
-        await store.close()
+async def _forget_calibration(store) -> None:
+    await store.redis.delete(keys.calibration(A6000))
+    await store.redis.srem(keys.calibration_index(), A6000)
 
 
 @pytest.fixture(scope="session")
@@ -66,4 +64,5 @@ def imported(stack) -> list[str]:
     assert "skipped full_model_data_collection_pruning.csv" in out.stdout
     model_ids = ["falcon-40b", "falcon-7b", "gptj-6b", "llama-2-13b", "llama-2-70b", "llama-2-7b"]
     yield model_ids
-    asyncio.run(_forget(stack.redis_url, model_ids))
+    forget_models(stack, model_ids, A6000)
+    with_store(stack, _forget_calibration)

@@ -102,6 +102,18 @@ def with_store(stack, action):
     return asyncio.run(_with_store(stack.redis_url, action))
 
 
+def forget_models(stack, model_ids: list[str], hardware_type: str) -> None:
+    """Delete the models and their configuration maps on ``hardware_type``."""
+    from services.state import keys
+
+    async def forget(store) -> None:
+        for model_id in model_ids:
+            await store.delete_model(model_id)
+            await store.redis.delete(keys.config_map(model_id, hardware_type))
+
+    with_store(stack, forget)
+
+
 def live_devices(stack) -> list[common.DeviceState]:
     """Every device of the stack's live nodes, by device id."""
     state = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())

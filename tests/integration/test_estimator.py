@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import grpc
@@ -13,8 +12,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.estimation.space import ModelShape, Variant, enumerate_space
-from tests.integration.conftest import _forget
-from tests.integration.helpers import cli, rid
+from tests.integration.helpers import cli, forget_models, rid
 from tests.unit.estimator_data import shared_data
 
 pytestmark = pytest.mark.integration
@@ -297,7 +295,7 @@ def test_import_with_a_models_config_json_estimates_as_its_preset_does(
             assert a.memory_total_bytes == b.memory_total_bytes
             assert a.latency_ms == pytest.approx(b.latency_ms, rel=1e-9)
     finally:
-        asyncio.run(_forget(stack.redis_url, ["mystery-13b", "llama-2-13b-hf"]))
+        forget_models(stack, ["mystery-13b", "llama-2-13b-hf"], HARDWARE)
 
 
 def test_fingerprints_that_extrapolate_to_nothing_usable_are_never_ranked(
@@ -343,4 +341,4 @@ def test_fingerprints_that_extrapolate_to_nothing_usable_are_never_ranked(
         assert out.returncode == 0, out.stderr
         assert "note: 15 configurations left out" in out.stdout
     finally:
-        asyncio.run(_forget(stack.redis_url, ["noisy-7b"]))
+        forget_models(stack, ["noisy-7b"], HARDWARE)
