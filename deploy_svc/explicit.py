@@ -8,9 +8,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import check_dtype, check_weight_quant, parallel_problem
 from services.errors import InvalidArgument
-from services.token_limits import token_limits
-
-MAX_BATCH_SIZE = 256
+from services.token_limits import check_batch_size, token_limits
 
 
 @dataclass(frozen=True)
@@ -89,8 +87,7 @@ def _limits(
     """(batch size, max input, max output) with defaults for 0, checked against the
     batch limit and the model's positions (when its shape knows them)."""
     batch = batch_size or 1
-    if batch > MAX_BATCH_SIZE:
-        raise InvalidArgument(f"batch_size must be at most {MAX_BATCH_SIZE}, got {batch}")
+    check_batch_size(batch)
     max_in, max_out = token_limits(
         max_input_tokens, max_output_tokens, model.shape.max_position_embeddings
     )

@@ -28,7 +28,7 @@ from services.intents import check_intent
 # Without a TPOT SLO, a batch may slow each sequence's decode by at most this factor.
 UNBOUNDED_TPOT_FACTOR = 1.5
 # The largest batch the deployer chooses by itself (an explicit batch_size may go up to
-# deploy_svc.explicit.MAX_BATCH_SIZE).
+# services.token_limits.MAX_BATCH_SIZE).
 MAX_AUTO_BATCH = 64
 
 

@@ -23,7 +23,7 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from google.protobuf import json_format
 
@@ -35,6 +35,7 @@ from services.api import model_service_pb2 as model_pb
 from services.estimation.references import ReferenceProfile, VariantProfile
 from services.estimation.score import Estimates
 from services.estimation.space import ModelShape, Variant
+from services.token_limits import check_positions
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 # Bump when the map's content or the way it is built changes: stored maps then rebuild.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def source_hash(
@@ -83,10 +84,18 @@ class ConfigMap:
         self, workload: Workload, devices: int, device_memory_gib: float | None = None
     ) -> tuple[Estimates, Workload]:
         """Every configuration on ``devices`` devices for ``workload``, and the workload
-        as estimated (``input_tokens`` resolved to the default prompt length when 0)."""
+        as estimated (``input_tokens`` resolved to the default prompt length when 0).
+
+        InvalidArgument when prompt plus output tokens exceed the model's context."""
         calibration, references = from_proto(self.calibration).for_references(self.references)
         resolved = replace(
             workload, input_tokens=workload.input_tokens or references.default_input_tokens()
+        )
+        check_positions(
+            resolved.input_tokens,
+            resolved.output_tokens,
+            references.shape.max_positions,
+            "workload input_tokens + output_tokens",
         )
         estimates = model_references.estimate(
             references, calibration, resolved, devices, device_memory_gib
@@ -154,13 +163,7 @@ def to_json(config_map: ConfigMap) -> str:
             "hardware_type": config_map.hardware_type,
             "source_hash": config_map.source_hash,
             "built_at_unix_ms": config_map.built_at_unix_ms,
-            "shape": {
-                "name": refs.shape.name,
-                "num_layers": refs.shape.num_layers,
-                "num_heads": refs.shape.num_heads,
-                "num_kv_heads": refs.shape.num_kv_heads,
-                "head_dim": refs.shape.head_dim,
-            },
+            "shape": asdict(refs.shape),
             "layouts": [list(layout) for layout in refs.layouts],
             "variants": [
                 {

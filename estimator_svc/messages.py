@@ -13,6 +13,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.errors import InvalidArgument
 from services.estimation.memory import GIB, kv_cache_gib
 from services.estimation.score import Estimates
+from services.token_limits import check_batch_size
 
 __all__ = [
     "estimate_messages",
@@ -35,9 +36,12 @@ _PRUNINGS = {
 
 
 def workload_from_proto(workload: estimator_pb.Workload) -> Workload:
-    """The workload of a request; output_tokens must be set, batch size 0 means 1."""
+    """The workload of a request; output_tokens must be set, batch size 0 means 1 (at
+    most a deployment's largest batch). Prompt and output against the model's context
+    are checked once the model is known (``ConfigMap.estimate``)."""
     if workload.output_tokens < 1:
         raise InvalidArgument("workload.output_tokens must be at least 1")
+    check_batch_size(workload.batch_size, "workload.batch_size")
     return Workload(
         output_tokens=workload.output_tokens,
         input_tokens=workload.input_tokens,

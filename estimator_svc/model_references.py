@@ -109,6 +109,20 @@ class ModelReferences:
         )
         return replace(self, layouts=REFERENCE_LAYOUTS, prompts=prompts)
 
+    def prompt_note(self, input_tokens: int) -> str | None:
+        """What an estimate for an ``input_tokens`` prompt outside the profiled prompt
+        lengths stands on (None inside them): see :meth:`at_input`."""
+        lengths = [p.input_tokens for p in self.prompts]
+        if lengths[0] <= input_tokens <= lengths[-1]:
+            return None
+        nearest = lengths[0] if input_tokens < lengths[0] else lengths[-1]
+        profiled = ", ".join(str(n) for n in lengths)
+        return (
+            f"a {input_tokens}-token prompt is outside the prompt lengths profiled "
+            f"({profiled} tokens): TTFT and TPOT are the {nearest}-token prompt's, not "
+            f"extrapolated; memory holds the KV cache of {input_tokens} tokens plus the output"
+        )
+
     def at_input(self, input_tokens: int) -> tuple[VariantProfile, ...]:
         """Variant profiles for a prompt of ``input_tokens`` tokens.
 

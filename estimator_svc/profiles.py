@@ -183,6 +183,7 @@ def estimation_shape(model: model_pb.Model) -> ModelShape:
         s.num_kv_heads,
         s.head_dim,
         mlp_width=s.intermediate_size,
+        max_positions=s.max_position_embeddings,
     )
 
 

@@ -57,9 +57,14 @@ class Estimate:
 
     @property
     def notes(self) -> list[str]:
-        """How the profile limits the estimates, then what was left out and why."""
-        left_out = self.estimates.unestimable_note()
-        return [*self.config_map.references.notes, *([left_out] if left_out else [])]
+        """How the profile limits the estimates (and this workload's prompt length), then
+        what was left out and why."""
+        references = self.config_map.references
+        extra = (
+            references.prompt_note(self.workload.input_tokens),
+            self.estimates.unestimable_note(),
+        )
+        return [*references.notes, *(note for note in extra if note)]
 
 
 def _utc(ms: int) -> str:

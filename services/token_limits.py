@@ -1,5 +1,6 @@
-"""How many prompt and output tokens a deployment takes: the one rule of the deployer
-(``deploy_svc``) and of ``iserve plan``, which estimates what the deployer would."""
+"""How many sequences, prompt and output tokens a deployment takes: the one rule of the
+deployer (``deploy_svc``), of the estimator's workloads and of ``iserve plan``, which
+estimates what the deployer would."""
 
 from __future__ import annotations
 
@@ -7,6 +8,25 @@ from services.errors import InvalidArgument
 
 DEFAULT_MAX_INPUT_TOKENS = 512
 DEFAULT_MAX_OUTPUT_TOKENS = 256
+# The largest batch a deployment (and so an estimate) may hold.
+MAX_BATCH_SIZE = 256
+
+
+def check_batch_size(batch_size: int, field: str = "batch_size") -> None:
+    """InvalidArgument when ``batch_size`` is above MAX_BATCH_SIZE."""
+    if batch_size > MAX_BATCH_SIZE:
+        raise InvalidArgument(f"{field} must be at most {MAX_BATCH_SIZE}, got {batch_size}")
+
+
+def check_positions(
+    input_tokens: int, output_tokens: int, positions: int, names: str = "input + output tokens"
+) -> None:
+    """InvalidArgument when prompt plus output tokens exceed the model's ``positions``
+    (its context; 0 when unknown, and then nothing is checked)."""
+    if positions and input_tokens + output_tokens > positions:
+        raise InvalidArgument(
+            f"{names} = {input_tokens + output_tokens} exceeds the model's {positions} positions"
+        )
 
 
 def token_limits(max_input_tokens: int, max_output_tokens: int, positions: int) -> tuple[int, int]:
@@ -31,11 +51,7 @@ def token_limits(max_input_tokens: int, max_output_tokens: int, positions: int) 
         max_out = min(default_out, positions - max_in)
     elif not max_in:
         max_in = min(default_in, positions - max_out)
-    if max_in + max_out > positions:
-        raise InvalidArgument(
-            f"max_input_tokens + max_output_tokens = {max_in + max_out} exceeds the model's "
-            f"{positions} positions"
-        )
+    check_positions(max_in, max_out, positions, "max_input_tokens + max_output_tokens")
     if max_in < 1 or max_out < 1:
         if max_input_tokens or max_output_tokens:
             given = "max_input_tokens" if max_input_tokens else "max_output_tokens"

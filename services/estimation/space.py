@@ -49,8 +49,9 @@ class ModelShape:
     """What the estimator needs to know of a model's architecture.
 
     The heads and the MLP width bound tensor parallelism; ``num_kv_heads`` and
-    ``head_dim`` size the KV cache. Values come from the checkpoint's config;
-    ``mlp_width`` 0 means unknown (a shape imported from measurements alone).
+    ``head_dim`` size the KV cache; ``max_positions`` (the model's context) bounds
+    prompt plus output tokens. Values come from the checkpoint's config; ``mlp_width``
+    and ``max_positions`` 0 mean unknown (a shape imported from measurements alone).
     """
 
     name: str
@@ -59,14 +60,17 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     mlp_width: int = 0
+    max_positions: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, field)
             if value <= 0:
                 raise ValueError(f"{self.name}: {field} must be positive, got {value}")
-        if self.mlp_width < 0:
-            raise ValueError(f"{self.name}: mlp_width must not be negative, got {self.mlp_width}")
+        for field in ("mlp_width", "max_positions"):
+            value = getattr(self, field)
+            if value < 0:
+                raise ValueError(f"{self.name}: {field} must not be negative, got {value}")
 
     def kv_bytes_per_token(self, kv_quant: str = "fp16") -> float:
         """Bytes of K and V one token occupies across all layers (unsharded)."""

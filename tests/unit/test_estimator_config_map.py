@@ -61,6 +61,39 @@ def test_stored_form_round_trips_to_the_same_estimates():
         np.testing.assert_array_equal(getattr(before, field), getattr(after, field))
 
 
+def test_the_stored_form_keeps_the_whole_shape():
+    # An MLP width that 8 does not divide bars tp = 8, and the context bounds the tokens:
+    # a map read back from Redis must know both, as the one it was built as did (before,
+    # the stored shape lost them and a cached map offered tp = 8).
+    model = tiny_model()
+    model.shape.intermediate_size = 36
+    model.shape.max_position_embeddings = 64
+    built = build_config_map(model, tiny_rows(), shipped(CPU), CPU, now_ms=7)
+    loaded = from_json(to_json(built))
+    assert built.references.shape.mlp_width == 36
+    assert built.references.shape.max_positions == 64
+    assert loaded.references.shape == built.references.shape
+    (before, _), (after, _) = built.estimate(Workload(20), 8), loaded.estimate(Workload(20), 8)
+    assert 8 not in set(before.space.tp.tolist())
+    np.testing.assert_array_equal(before.space.tp, after.space.tp)
+    np.testing.assert_array_equal(before.latency_s, after.latency_s)
+
+
+def test_a_workload_longer_than_the_context_is_invalid_argument():
+    model = tiny_model()
+    model.shape.max_position_embeddings = 64
+    built = build_config_map(model, tiny_rows(), shipped(CPU), CPU, now_ms=7)
+    assert built.estimate(Workload(output_tokens=32), 1)[1].input_tokens == 32  # 64: fits
+    with pytest.raises(InvalidArgument, match="= 65 exceeds the model's 64 positions"):
+        built.estimate(Workload(output_tokens=33), 1)
+    with pytest.raises(InvalidArgument, match="= 70 exceeds the model's 64 positions"):
+        built.estimate(Workload(output_tokens=10, input_tokens=60), 1)
+    # A shape without a known context (imported rows alone) is not bounded.
+    unknown = build_config_map(tiny_model(), tiny_rows(), shipped(CPU), CPU, now_ms=7)
+    assert unknown.references.shape.max_positions == 0
+    unknown.estimate(Workload(output_tokens=10_000, input_tokens=100_000), 1)
+
+
 @pytest.mark.parametrize(
     "text", ["not json", "{}", json.dumps({"schema": 999}), json.dumps({"schema": 1})]
 )
@@ -211,6 +244,24 @@ def test_estimates_default_the_devices_and_report_bad_requests(run):
             await estimator.estimate("tiny", "h100", Workload(20), 0)
         with pytest.raises(InvalidArgument, match="hardware_type"):
             await estimator.estimate("tiny", "", Workload(20), 0)
+
+    run(scenario)
+
+
+def test_a_prompt_outside_the_profiled_lengths_says_what_it_stands_on(run):
+    async def scenario(store: StateStore):
+        estimator = Estimator(store)
+        await put_tiny(store)  # profiled with a 32-token prompt only
+        profiled = await estimator.estimate("tiny", CPU, Workload(20), 0)
+        assert profiled.workload.input_tokens == 32
+        assert not any("outside the prompt lengths" in n for n in profiled.notes)
+        longer = await estimator.estimate("tiny", CPU, Workload(20, input_tokens=500), 0)
+        (note,) = [n for n in longer.notes if "outside the prompt lengths" in n]
+        assert note.startswith("a 500-token prompt is outside the prompt lengths profiled (32")
+        assert "the 32-token prompt's, not extrapolated" in note
+        # The latency is the profiled prompt's; the KV cache is the longer prompt's.
+        np.testing.assert_array_equal(longer.estimates.ttft_s, profiled.estimates.ttft_s)
+        assert (longer.estimates.memory_total_gib > profiled.estimates.memory_total_gib).all()
 
     run(scenario)
 

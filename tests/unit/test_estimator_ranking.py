@@ -160,3 +160,12 @@ def test_workload_checks():
     with pytest.raises(InvalidArgument, match="output_tokens"):
         workload_from_proto(estimator_pb.Workload(input_tokens=10))
     assert workload_from_proto(estimator_pb.Workload(output_tokens=5)).batch_size == 1
+    # A deployment holds at most MAX_BATCH_SIZE sequences; beyond it (up to the uint32
+    # the field carries) the request is refused, not an overflow deep in numpy.
+    assert (
+        workload_from_proto(estimator_pb.Workload(output_tokens=5, batch_size=256)).batch_size
+        == 256
+    )
+    for batch in (257, 2**32 - 1):
+        with pytest.raises(InvalidArgument, match=f"batch_size must be at most 256, got {batch}"):
+            workload_from_proto(estimator_pb.Workload(output_tokens=5, batch_size=batch))
