@@ -13,6 +13,7 @@ import sys
 from services import replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
+from services.cli.arguments import whole_number
 
 PRECISIONS = {"float32": common.PRECISION_FLOAT32, "bfloat16": common.PRECISION_BFLOAT16}
 WEIGHT_QUANTS = {
@@ -101,10 +102,8 @@ def request_target(args) -> dict:
 
 
 def objectives(args) -> common.ServiceObjectives:
-    """The DeployRequest's scheduling policy and latency objectives."""
-    for flag, value in (("--ttft-slo-ms", args.ttft_slo_ms), ("--tpot-slo-ms", args.tpot_slo_ms)):
-        if value is not None and value < 1:
-            raise SystemExit(f"iserve deploy: {flag} must be at least 1, got {value}")
+    """The DeployRequest's scheduling policy and latency objectives (argparse has
+    checked the objectives are whole numbers of at least 1 ms)."""
     return common.ServiceObjectives(
         scheduling=SCHEDULING[args.scheduling] if args.scheduling else 0,
         ttft_slo_ms=args.ttft_slo_ms or 0,
@@ -144,12 +143,9 @@ def describe_config(config: common.DeploymentConfig) -> str:
 
 def replica_count(args) -> int:
     """The request's ``replicas`` from ``--replicas`` (0, the server's 1, when not
-    given); the server refuses a count above its maximum."""
-    if args.replicas is None:
-        return 0
-    if args.replicas < 1:
-        raise SystemExit(f"iserve deploy: --replicas must be at least 1, got {args.replicas}")
-    return args.replicas
+    given; argparse has checked it is at least 1); the server refuses a count above its
+    maximum."""
+    return args.replicas or 0
 
 
 def print_decision(decision: deploy_pb.DeploymentDecision) -> None:
@@ -215,18 +211,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(SCHEDULING),
         help="queue policy (default fcfs; edf for --intent latency-slo)",
     )
-    p.add_argument("--ttft-slo-ms", type=int, help="time-to-first-token objective (ms)")
-    p.add_argument("--tpot-slo-ms", type=int, help="time-per-output-token objective (ms)")
+    p.add_argument("--ttft-slo-ms", type=whole_number(), help="time-to-first-token objective (ms)")
+    p.add_argument(
+        "--tpot-slo-ms", type=whole_number(), help="time-per-output-token objective (ms)"
+    )
     p.add_argument("--plan", action="store_true", help="show the decision; launch nothing")
     p.add_argument(
         "--replicas",
-        type=int,
+        type=whole_number(),
         help="independent copies of the configuration behind one deployment id, each on "
         "devices of its own; requests go to the one with the shortest expected wait "
         "(default 1, at most 16)",
     )
-    p.add_argument("--tp", type=int, help="explicit: tensor-parallel degree")
-    p.add_argument("--pp", type=int, help="explicit: pipeline-parallel degree")
+    p.add_argument("--tp", type=whole_number(), help="explicit: tensor-parallel degree")
+    p.add_argument("--pp", type=whole_number(), help="explicit: pipeline-parallel degree")
     p.add_argument("--variant", help="explicit: a registered compression variant by name")
     p.add_argument(
         "--dtype", choices=sorted(PRECISIONS), help="explicit; default: the checkpoint's"

@@ -19,6 +19,7 @@ from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc, model_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
+from services.cli.arguments import whole_number
 from services.cli.output import show_tables
 from services.settings import Settings
 
@@ -283,14 +284,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="estimate every configuration of a profiled model")
     p.add_argument("model_id")
     p.add_argument("--hardware", required=True, help="hardware type, e.g. cpu-x86_64")
-    p.add_argument("--output-len", type=int, required=True, help="output tokens per request")
     p.add_argument(
-        "--input-len", type=int, default=0, help="prompt tokens (default: the profiled prompt)"
+        "--output-len", type=whole_number(), required=True, help="output tokens per request"
     )
-    p.add_argument("--batch", type=int, default=0, help="batch size (default 1)")
+    p.add_argument(
+        "--input-len",
+        type=whole_number(),
+        default=0,
+        help="prompt tokens (default: the profiled prompt)",
+    )
+    p.add_argument("--batch", type=whole_number(), default=0, help="batch size (default 1)")
     p.add_argument(
         "--devices",
-        type=int,
+        type=whole_number(),
         default=0,
         help="devices available (default: the cluster's of that type, or 8)",
     )

@@ -3,13 +3,16 @@
 How the CLI finds the services: each address comes from its ``ISERVE_*_ADDR``
 variable when set, else from ``$ISERVE_STATE_DIR/stack.json`` written by ``iserve up``,
 else the default ports 50061-50065 on 127.0.0.1 (see ``services/settings.py``).
-Errors print as ``error: CODE: message`` on stderr with exit status 1 (2 for usage).
+Errors print as ``error: CODE: message`` on stderr with exit status 1 (2 for usage: a
+numeric option outside what its request field carries, e.g. a count below 1, is one).
+Output into a pipe whose reader has gone (``| head``) ends quietly with status 141.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -33,6 +36,7 @@ from services.api import (
 from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli import deploying, estimation, output, plan, stack, tokens
+from services.cli.arguments import UINT64_MAX, positive_number, whole_number
 from services.cli.status import collect_status, print_status, status_header, status_tables
 from services.settings import Settings, load_settings
 
@@ -441,6 +445,24 @@ def cmd_remove(settings: Settings, args) -> int:
 
 
 # ---- parser --------------------------------------------------------------------------
+# `iserve model create --preset`'s names, listed without importing services.models (a
+# tenth of a second on every CLI call); a unit test holds them to presets.PRESETS.
+PRESET_NAMES = (
+    "llama-2-7b",
+    "llama-2-13b",
+    "llama-2-70b",
+    "codellama-34b",
+    "llama-3-8b",
+    "llama-3-70b",
+    "mistral-7b",
+    "qwen2-7b",
+    "qwen2-72b",
+    "falcon-7b",
+    "falcon-40b",
+    "gpt-j-6b",
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iserve", description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1]
@@ -451,9 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
         "up", help="start Redis (embedded unless REDIS_URL), every service and a node agent"
     )
     p.add_argument("--detach", action="store_true", help="return once everything is ready")
-    p.add_argument("--devices", type=int, help="virtual CPU devices when no GPU (default 2)")
     p.add_argument(
-        "--device-memory", type=float, metavar="GIB", help="memory per virtual device (default 4)"
+        "--devices", type=whole_number(), help="virtual CPU devices when no GPU (default 2)"
+    )
+    p.add_argument(
+        "--device-memory",
+        type=positive_number,
+        metavar="GIB",
+        help="memory per virtual device (default 4)",
     )
     p.set_defaults(func=cmd_up)
 
@@ -491,11 +518,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     p.add_argument(
         "--preset",
-        help="exact shapes of a known model: llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, "
-        "mistral-7b, qwen2-7b, falcon-7b, falcon-40b, gpt-j-6b",
+        help="exact shapes of a known model: " + ", ".join(PRESET_NAMES),
     )
     p.add_argument(
-        "--layers", type=int, help="decoder layers (required without --preset; default: all)"
+        "--layers",
+        type=whole_number(),
+        help="decoder layers (required without --preset; default: all)",
     )
     p.add_argument(
         "--dtype",
@@ -507,14 +535,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["llama", "mistral", "qwen2", "falcon", "gptj"],
         help="family of a custom shape (default: llama)",
     )
-    p.add_argument("--hidden", type=int, help="hidden size (required without --preset)")
-    p.add_argument("--heads", type=int, help="attention heads (required without --preset)")
-    p.add_argument("--kv-heads", type=int, help="default: --heads")
-    p.add_argument("--intermediate", type=int, help="MLP width (default: the family's usual)")
-    p.add_argument("--vocab", type=int, help="default: the tokenizer's size")
-    p.add_argument("--max-positions", type=int, help="default: 2048")
+    p.add_argument("--hidden", type=whole_number(), help="hidden size (required without --preset)")
+    p.add_argument(
+        "--heads", type=whole_number(), help="attention heads (required without --preset)"
+    )
+    p.add_argument("--kv-heads", type=whole_number(), help="default: --heads")
+    p.add_argument(
+        "--intermediate", type=whole_number(), help="MLP width (default: the family's usual)"
+    )
+    p.add_argument("--vocab", type=whole_number(), help="default: the tokenizer's size")
+    p.add_argument("--max-positions", type=whole_number(), help="default: 2048")
     p.add_argument("--tie-embeddings", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=whole_number(0, UINT64_MAX), default=0)
     p.add_argument(
         "--out", required=True, help="directory to write (under ISERVE_MODELS_ROOT to register it)"
     )
@@ -553,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     deploying.add_arguments(p)
     p.add_argument(
         "--batch",
-        type=int,
+        type=whole_number(),
         default=0,
         help="concurrent sequences (default: the largest whose estimated TPOT meets "
         "--tpot-slo-ms, or 1.5x batch 1's without it, and whose KV cache fits; 1 when the "
@@ -561,18 +593,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-input",
-        type=int,
+        type=whole_number(),
         default=0,
         help="longest prompt in tokens (default 512, or 2/3 of a shorter context)",
     )
     p.add_argument(
         "--max-output",
-        type=int,
+        type=whole_number(),
         default=0,
         help="longest generation in tokens (default 256, or 1/3 of a shorter context)",
     )
     p.add_argument(
-        "--timeout", type=float, default=0, help="seconds to wait for the workers (default 120)"
+        "--timeout",
+        type=positive_number,
+        default=0,
+        help="seconds to wait for the workers (default 120)",
     )
     p.add_argument("--request-id", help="idempotency key")
     p.add_argument("--json", action="store_true")
@@ -586,16 +621,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream a generation from a model or deployment")
     p.add_argument("target", metavar="MODEL_ID|DEPLOYMENT_ID")
     p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=whole_number(), default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=whole_number(0), default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=whole_number(0, UINT64_MAX))
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--priority", action="store_true", help="go to the front of the queue")
     p.add_argument(
         "--deadline-ms",
-        type=int,
+        type=whole_number(),
         default=0,
         help="arrival to last token (ms); an EDF deployment refuses a request that cannot make it",
     )
@@ -616,12 +651,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        # The reader went away (`iserve estimate ... | head`): stop quietly, as a program
+        # killed by SIGPIPE would, and keep Python from reporting the unflushed stdout.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         settings = load_settings()
         transport.configure(transport.Transport.for_client(settings))
         return args.func(settings, args)
+    except BrokenPipeError:
+        raise
     except grpc.RpcError as exc:
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE:

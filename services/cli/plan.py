@@ -30,6 +30,7 @@ from services.api import (
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli import deploying
+from services.cli.arguments import positive_number, whole_number
 from services.cli.output import show_tables
 from services.settings import Settings
 from services.token_limits import token_limits
@@ -299,15 +300,25 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model_id")
     p.add_argument("--hardware", help="plan on simulated idle devices of this hardware type")
-    p.add_argument("--devices", type=int, default=0, help="how many simulated devices")
-    p.add_argument("--device-memory", type=float, help="memory of each simulated device, GiB")
+    p.add_argument("--devices", type=whole_number(), default=0, help="how many simulated devices")
     p.add_argument(
-        "--max-input", type=int, default=0, help="longest prompt (default: Deploy's, 512)"
+        "--device-memory", type=positive_number, help="memory of each simulated device, GiB"
     )
     p.add_argument(
-        "--max-output", type=int, default=0, help="longest generation (default: Deploy's, 256)"
+        "--max-input",
+        type=whole_number(),
+        default=0,
+        help="longest prompt (default: Deploy's, 512)",
     )
-    p.add_argument("--batch", type=int, default=1, help="batch size to rank at (default 1)")
+    p.add_argument(
+        "--max-output",
+        type=whole_number(),
+        default=0,
+        help="longest generation (default: Deploy's, 256)",
+    )
+    p.add_argument(
+        "--batch", type=whole_number(), default=1, help="batch size to rank at (default 1)"
+    )
     p.add_argument("--png", help="write the latency-memory plot here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)

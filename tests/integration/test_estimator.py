@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -123,6 +126,47 @@ def test_cli_estimate_json_lines(stack, imported):
     assert lines and all(set(line) >= REQUIRED_KEYS for line in lines)
     assert {line["batch_size"] for line in lines} == {4}
     assert max(line["tp"] * line["pp"] for line in lines) == 4
+
+
+def test_workloads_the_model_cannot_hold_are_refused_and_odd_prompts_noted(
+    stack, estimator, imported
+):
+    def estimate(**workload):
+        request = estimate_request()
+        request.workload.CopyFrom(estimator_pb.Workload(**workload))
+        return estimator.EstimateConfigs(request, timeout=60)
+
+    # Llama-2-70B's context is 4096 positions; the deployer's largest batch is 256.
+    for workload, phrase in (
+        ({"output_tokens": 4000, "input_tokens": 923}, "= 4923 exceeds the model's 4096"),
+        ({"output_tokens": 4000}, "= 4923 exceeds the model's 4096"),  # the profiled prompt
+        ({"output_tokens": 10, "batch_size": 257}, "batch_size must be at most 256"),
+        ({"output_tokens": 10, "batch_size": 2**32 - 1}, "batch_size must be at most 256"),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            estimate(**workload)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert phrase in refused.value.details()
+    assert len(estimate(output_tokens=4096 - 923).estimates) == 105
+    # Only a 923-token prompt was profiled: a shorter one is estimated as that prompt
+    # (its KV cache excepted), and the reply says so.
+    short = estimate(output_tokens=100, input_tokens=100)
+    assert any("a 100-token prompt is outside the prompt lengths" in n for n in short.notes)
+    assert not any("outside the prompt lengths" in n for n in estimate(output_tokens=100).notes)
+
+
+def test_cli_estimate_into_a_closed_pipe_ends_quietly(stack, imported):
+    # `iserve estimate ... | head`: the reader goes away before the CLI writes; it exits
+    # as a process killed by SIGPIPE would (141), with nothing on stderr.
+    command = [sys.executable, "-m", "services.cli.main", "estimate", "llama-2-70b"]
+    command += ["--hardware", HARDWARE, "--output-len", "100", "--json"]
+    process = subprocess.Popen(
+        command, env={**os.environ, **stack.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141, err
+    assert err == b""
 
 
 def test_rank_min_latency_and_accuracy_floor(estimator, imported):

@@ -1,0 +1,46 @@
+"""Argument types of the CLI's numeric options.
+
+The requests carry counts as protobuf ``uint32`` (a seed as ``uint64``), so a negative or
+huge value would otherwise reach the message and fail there as "Value out of range";
+argparse instead names the option and its range, and exits with status 2 before anything
+is sent (``argparse.ArgumentTypeError`` is argparse's own way to refuse a value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+__all__ = ["UINT32_MAX", "UINT64_MAX", "positive_number", "whole_number"]
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
+
+def whole_number(minimum: int = 1, maximum: int = UINT32_MAX) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number from ``minimum`` to ``maximum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            value = None
+        if value is None or not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number from {minimum} to {maximum}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """An argparse ``type``: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value

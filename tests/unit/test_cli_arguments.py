@@ -1,0 +1,82 @@
+"""The CLI's numeric options refuse what their requests cannot carry, before sending."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.cli.arguments import UINT32_MAX, UINT64_MAX, positive_number, whole_number
+from services.cli.main import PRESET_NAMES, build_parser
+from services.models.presets import PRESETS
+
+
+@given(st.integers(min_value=-(2**70), max_value=2**70))
+def test_whole_numbers_in_range_pass_and_others_are_refused(value):
+    parse = whole_number()
+    if 1 <= value <= UINT32_MAX:
+        assert parse(str(value)) == value
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match="from 1 to 4294967295"):
+            parse(str(value))
+
+
+@pytest.mark.parametrize("text", ["", "1e3", "2.0", "0x10", "ten", "nan", " "])
+def test_what_is_not_a_whole_number_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="must be a whole number"):
+        whole_number(0)(text)
+
+
+def test_the_bounds_are_the_fields_own():
+    assert whole_number(0)("0") == 0
+    assert whole_number(0, UINT64_MAX)(str(UINT64_MAX)) == UINT64_MAX
+    with pytest.raises(argparse.ArgumentTypeError):
+        whole_number(0, UINT64_MAX)(str(UINT64_MAX + 1))
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "-inf", "x", ""])
+def test_a_positive_number_is_finite_and_above_zero(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="finite number above 0"):
+        positive_number(text)
+    assert positive_number("0.5") == 0.5
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["estimate", "m", "--hardware", "h", "--output-len", "-1"], "--output-len"),
+        (
+            ["estimate", "m", "--hardware", "h", "--output-len", "9", "--input-len", "0"],
+            "--input-len",
+        ),
+        (["estimate", "m", "--hardware", "h", "--output-len", "9", "--batch", "1e3"], "--batch"),
+        (["deploy", "m", "--tp", "-1"], "--tp"),
+        (["deploy", "m", "--replicas", "0"], "--replicas"),
+        (["deploy", "m", "--ttft-slo-ms", "0"], "--ttft-slo-ms"),
+        (["deploy", "m", "--max-input", "99999999999"], "--max-input"),
+        (["generate", "d", "hi", "--max-tokens", "-1"], "--max-tokens"),
+        (["generate", "d", "hi", "--seed", "-3"], "--seed"),
+        (["generate", "d", "hi", "--top-k", "-3"], "--top-k"),
+        (["plan", "m", "--device-memory", "nan"], "--device-memory"),
+        (["up", "--devices", "0"], "--devices"),
+        (["model", "create", "x", "--layers", "0", "--out", "d"], "--layers"),
+    ],
+)
+def test_the_parser_names_the_option_and_exits_2(argv, option, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {option}: must be a" in capsys.readouterr().err
+
+
+def test_defaults_still_mean_the_servers_default():
+    args = build_parser().parse_args(["estimate", "m", "--hardware", "h", "--output-len", "9"])
+    assert (args.input_len, args.batch, args.devices) == (0, 0, 0)
+    args = build_parser().parse_args(["generate", "d", "hi", "--seed", str(UINT64_MAX)])
+    assert args.seed == UINT64_MAX
+
+
+def test_the_preset_help_lists_every_preset():
+    assert tuple(PRESETS) == PRESET_NAMES
