@@ -227,6 +227,9 @@ def plan_maveriq_import(
             raise InvalidArgument(str(exc)) from None
         imported_files.append(name)
     if not rows:
+        given = [name for name in imported_files if name in _MEASUREMENT_FILES]
+        if given:
+            raise InvalidArgument(f"no measurement rows in {', '.join(given)} (a header alone)")
         raise InvalidArgument(
             "no measurement file among the files; MaverIQ's are " + ", ".join(_MEASUREMENT_FILES)
         )

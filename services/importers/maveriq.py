@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,10 @@ def _parse_row(row: dict[str, str], source: str, line: int) -> Measurement:
         raise ValueError(f"{where}: {exc}") from None
 
 
+# Counts are stored in uint32 fields (ProfileMeasurement, DeploymentConfig).
+_MAX_COUNT = 2**32 - 1
+
+
 def _measurement(row: dict[str, str], source: str, where: str) -> Measurement:
     dtype = row["DTYPE"]
     if dtype not in _WEIGHT_QUANT:
@@ -180,12 +185,18 @@ def _measurement(row: dict[str, str], source: str, where: str) -> Measurement:
         memory_gib=float(row["Memory-After-Run"]),
         memory_pre_run_gib=float(row["Memory-Pre-Run"]),
     )
-    if tp < 1 or pp < 1 or any(n < 1 for n in pp_map):
-        raise ValueError(f"{where}: TP, PP and every PP_Map stage must be at least 1")
-    if measurement.output_tokens < 1 or measurement.batch_size < 1:
-        raise ValueError(f"{where}: Output_Lenght and Batch_Size must be at least 1")
-    if not measurement.latency_s > 0 or not measurement.memory_gib >= 0:
-        raise ValueError(f"{where}: Latency must be positive and Memory-After-Run not negative")
+    if not all(1 <= n <= _MAX_COUNT for n in (tp, pp, *pp_map)):
+        raise ValueError(f"{where}: TP, PP and every PP_Map stage must be from 1 to {_MAX_COUNT}")
+    counts = (measurement.output_tokens, measurement.batch_size)
+    if not all(1 <= n <= _MAX_COUNT for n in counts):
+        raise ValueError(f"{where}: Output_Lenght and Batch_Size must be from 1 to {_MAX_COUNT}")
+    if not (0 < measurement.latency_s < math.inf and 0 <= measurement.memory_gib < math.inf):
+        raise ValueError(
+            f"{where}: Latency must be a finite positive number and Memory-After-Run a "
+            "finite one, not negative"
+        )
+    if not 0 <= measurement.memory_pre_run_gib < math.inf:
+        raise ValueError(f"{where}: Memory-Pre-Run must be a finite number, not negative")
     return measurement
 
 
@@ -227,8 +238,10 @@ def parse_accuracy(text: str, source: str = ACCURACY) -> dict[AccuracyKey, float
     for key, value in entries.items():
         parts = key.split("_", 1)
         fields = parts[1].rsplit("_", 2) if len(parts) == 2 else []
-        if len(fields) != 3 or not isinstance(value, int | float):
+        if len(fields) != 3 or not isinstance(value, int | float) or isinstance(value, bool):
             raise ValueError(f"{source}: entry {key!r}: expected MODEL_DTYPE_KV_PRUNING: number")
+        if not 0 <= value < math.inf:
+            raise ValueError(f"{source}: entry {key!r}: accuracy must be a finite number >= 0")
         dtype, kv, _pruning = fields
         if dtype not in _WEIGHT_QUANT:
             raise ValueError(f"{source}: key {key!r} has unknown dtype {dtype!r}")

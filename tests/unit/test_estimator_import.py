@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -221,7 +222,50 @@ def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_re
         ({"full_model_data_collection.csv": HEADER.replace("Latency", "Lat")}, "'Latency'"),
         ({"MS_model_acc_MMLU.json": "{", "full_model_data_collection.csv": FULL}, "not JSON"),
         ({"MS_model_acc_MMLU.json": ACCURACY}, "no measurement file"),
+        ({"full_model_data_collection.csv": HEADER}, "no measurement rows in full_model_data"),
         ({}, "no files"),
+        # Values no measurement has: not finite, negative, or beyond the uint32 fields.
+        *(
+            (
+                {"full_model_data_collection.csv": FULL.replace(",3.5,", f",{bad},")},
+                "full_model_data_collection.csv:2: Latency must be a finite positive number",
+            )
+            for bad in ("inf", "nan", "-3.5", "0", "1e400")
+        ),
+        *(
+            (
+                {"full_model_data_collection.csv": FULL.replace(",16.5,", f",{bad},")},
+                "Memory-After-Run a finite one, not negative",
+            )
+            for bad in ("inf", "nan", "-1")
+        ),
+        (
+            {"full_model_data_collection.csv": FULL.replace(",16,", ",-inf,")},
+            "full_model_data_collection.csv:2: Memory-Pre-Run must be a finite number",
+        ),
+        (
+            {"full_model_data_collection.csv": FULL.replace(",100,", ",99999999999999999999,")},
+            "full_model_data_collection.csv:2: Output_Lenght and Batch_Size must be from 1 to",
+        ),
+        (
+            {"full_model_data_collection.csv": FULL.replace("8 8 8 8", "8 8 8 4294967296")},
+            "full_model_data_collection.csv:2: TP, PP and every PP_Map stage must be from 1 to",
+        ),
+        *(
+            (
+                {
+                    "MS_model_acc_MMLU.json": json.dumps({"llama-2-7b_int4_True_None": bad}),
+                    "full_model_data_collection.csv": FULL,
+                },
+                message,
+            )
+            for bad, message in (
+                (math.inf, "accuracy must be a finite number >= 0"),
+                (math.nan, "accuracy must be a finite number >= 0"),
+                (-1.0, "accuracy must be a finite number >= 0"),
+                (True, "expected MODEL_DTYPE_KV_PRUNING: number"),
+            )
+        ),
     ],
 )
 def test_malformed_input_is_invalid_argument_naming_file_and_line(named, message):
