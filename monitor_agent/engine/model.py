@@ -144,6 +144,7 @@ class Transformer(nn.Module):
             dtype,
             device,
             interleaved=spec.rotary_interleaved,
+            scaling=spec.rope_scaling,
         )
         # cos and sin side by side, so that a forward gathers both with one lookup.
         self.register_buffer("rope_table", torch.cat((cos, sin), dim=-1), persistent=False)

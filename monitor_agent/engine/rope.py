@@ -18,7 +18,40 @@ the textbook ``x·cos + rotate_half(x)·sin``.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from services.models.rope_scaling import RopeScaling
+
+
+def inverse_frequencies(
+    rotary_dim: int,
+    theta: float,
+    device: torch.device | str = "cpu",
+    scaling: RopeScaling | None = None,
+) -> torch.Tensor:
+    """The rotary frequencies (radians per position) of each rotating pair, float32,
+    stretched as ``scaling`` says (see :class:`RopeScaling`)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float()
+    inv_freq = 1.0 / (theta ** (exponents / rotary_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep the short wavelengths, stretch the long ones by the factor, and blend
+    # in between with a weight linear in (pretrained context / wavelength).
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    stretched = inv_freq / scaling.factor
+    weight = (original / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    # Associated as transformers does, so that the tables agree with it to the bit.
+    blended = (1 - weight) * inv_freq / scaling.factor + weight * inv_freq
+    long = wavelength > original / scaling.low_freq_factor
+    short = wavelength < original / scaling.high_freq_factor
+    return torch.where(long, stretched, torch.where(short, inv_freq, blended))
 
 
 def rope_tables(
@@ -29,11 +62,11 @@ def rope_tables(
     device: torch.device | str,
     *,
     interleaved: bool = False,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin tables of shape [max_seq_len, rotary_dim] (see the module
     docstring for the sin table's signs)."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float()
-    inv_freq = 1.0 / (theta ** (exponents / rotary_dim))
+    inv_freq = inverse_frequencies(rotary_dim, theta, device, scaling)
     positions = torch.arange(max_seq_len, dtype=torch.float32, device=device)
     freqs = torch.outer(positions, inv_freq)
     if interleaved:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from services.models.config_fields import DTYPE_BYTES
 from services.models.errors import InvalidConfig, UnsupportedArchitecture
+from services.models.rope_scaling import RopeScaling
 
 __all__ = [
     "ArchSpec",
@@ -100,6 +101,8 @@ class ArchSpec:
     rotary_interleaved: bool = False
     # Mistral-style local attention: a query sees at most this many keys (itself included).
     sliding_window: int | None = None
+    # Rotary frequencies stretched for a longer context (Llama 3.1's "llama3", "linear").
+    rope_scaling: RopeScaling | None = None
     # The family's checkpoint tensor names (set by families.parse_config; not compared).
     layout: CheckpointLayout | None = field(default=None, compare=False, repr=False)
 

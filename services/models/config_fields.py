@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from services.models.errors import InvalidConfig, UnsupportedArchitecture
+from services.models.rope_scaling import ROPE_SCALING_KINDS, RopeScaling
 
 # Bytes per element of the dtypes a checkpoint may declare (config "dtype"/"torch_dtype").
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -122,24 +123,71 @@ def dtype_name(cfg: Mapping[str, Any]) -> str:
     return value
 
 
-def rope_theta(cfg: Mapping[str, Any]) -> float:
-    """Base of the rotary frequencies; only unscaled ("default") RoPE is supported.
-
-    transformers 5 writes ``rope_parameters: {"rope_theta", "rope_type"}``; transformers
-    4 wrote ``rope_theta`` at top level plus an optional ``rope_scaling`` dict.
-    """
-    params = cfg.get("rope_parameters")
-    scaling = cfg.get("rope_scaling")
-    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+def _rope_blocks(cfg: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], str]]:
+    """(field name, block, RoPE type) of each RoPE block the config has: transformers 5
+    writes ``rope_parameters: {"rope_theta", "rope_type", ...}``; transformers 4 wrote
+    ``rope_theta`` at top level plus an optional ``rope_scaling`` dict ("type" before
+    4.45, "rope_type" since). Types other than unscaled, linear and llama3 are refused."""
+    blocks = []
+    for name in ("rope_parameters", "rope_scaling"):
+        block = cfg.get(name)
         if block is None:
             continue
         if not isinstance(block, Mapping):
             raise InvalidConfig(f"config field {name!r} must be an object, got {block!r}")
-        rope_type = block.get("rope_type", block.get("type", "default"))
-        if rope_type not in (None, "default"):
+        rope_type = block.get("rope_type", block.get("type")) or "default"
+        if rope_type != "default" and rope_type not in ROPE_SCALING_KINDS:
             raise UnsupportedArchitecture(
-                f"{name} type {rope_type!r} is not supported; only unscaled (default) RoPE is"
+                f"{name} type {rope_type!r} is not supported; supported: default (unscaled), "
+                + ", ".join(ROPE_SCALING_KINDS)
             )
+        blocks.append((name, block, rope_type))
+    return blocks
+
+
+def rope_scaling(cfg: Mapping[str, Any]) -> RopeScaling | None:
+    """The config's RoPE frequency scaling, or None for unscaled RoPE (see
+    :class:`~services.models.arch.RopeScaling`). A llama3 block without
+    ``original_max_position_embeddings`` takes the config's ``max_position_embeddings``,
+    as transformers does."""
+    scaled = [(name, block, kind) for name, block, kind in _rope_blocks(cfg) if kind != "default"]
+    if not scaled:
+        return None
+    name, block, kind = scaled[0]
+
+    def number(key: str, default: float | None = None) -> float:
+        try:
+            return positive_float(block, key, default)
+        except InvalidConfig:
+            raise InvalidConfig(
+                f"config field '{name}.{key}' must be a positive finite number, "
+                f"got {block.get(key)!r}"
+            ) from None
+
+    if kind == "linear":
+        return RopeScaling("linear", number("factor"))
+    original = block.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise InvalidConfig(
+            f"config field '{name}.original_max_position_embeddings' must be a positive "
+            f"integer, got {original!r}"
+        )
+    try:
+        return RopeScaling(
+            "llama3",
+            number("factor"),
+            number("low_freq_factor"),
+            number("high_freq_factor"),
+            original,
+        )
+    except ValueError as exc:
+        raise InvalidConfig(f"config field {name!r}: {exc}") from None
+
+
+def rope_theta(cfg: Mapping[str, Any]) -> float:
+    """Base of the rotary frequencies (any scaling is :func:`rope_scaling`'s)."""
+    params = cfg.get("rope_parameters")
+    _rope_blocks(cfg)
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedArchitecture("partial rotary embeddings are not supported for this family")
     if isinstance(params, Mapping) and params.get("rope_theta") is not None:

@@ -36,7 +36,7 @@ def transformers_greedy(directory) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("family", ["gptj", "llama"])
+@pytest.mark.parametrize("family", ["gptj", "llama", "llama-3.1-style"])
 def test_cli_defaults_serve_a_transformers_checkpoint_from_text(stack, family):
     model_id = f"hf-{family}"
     directory = write_checkpoint(stack.models_root / model_id, family, seed=7)

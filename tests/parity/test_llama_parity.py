@@ -125,3 +125,35 @@ def test_mistral_sliding_window_matches(tmp_path: Path) -> None:
                 torch.tensor([[ids[position]]]), torch.tensor([[position]]), torch.tensor([0])
             )
             torch.testing.assert_close(step[0, 0], expected[position], atol=ATOL, rtol=0)
+
+
+def test_llama3_rope_scaling_matches(tmp_path: Path) -> None:
+    """Llama 3.1's stretched RoPE, in a checkpoint transformers wrote: the prompt's logits
+    and every cached decode step equal transformers', and they are not those of the same
+    weights with plain RoPE (so the scaling is what is being compared)."""
+    import json
+
+    from tests.parity.transformers_checkpoints import write_checkpoint
+
+    directory = write_checkpoint(tmp_path / "llama31", "llama-3.1-style", seed=11)
+    engine, hf = Engine(directory, max_seq_len=64), _load_hf(directory)
+    assert engine.spec.rope_scaling is not None and engine.spec.rope_scaling.kind == "llama3"
+    ids = engine.encode(PROMPT)
+    assert len(ids) > 8  # beyond the 8 pretrained positions
+    expected = _hf_logits(hf, ids)
+    torch.testing.assert_close(_iserve_logits(engine, ids), expected, atol=ATOL, rtol=0)
+    _iserve_logits(engine, ids[:3])
+    with torch.inference_mode():
+        for position in range(3, len(ids)):
+            step = engine.model(
+                torch.tensor([[ids[position]]]), torch.tensor([[position]]), torch.tensor([0])
+            )
+            torch.testing.assert_close(step[0, 0], expected[position], atol=ATOL, rtol=0)
+
+    plain = tmp_path / "plain"
+    shutil.copytree(directory, plain)
+    config = json.loads((plain / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (plain / "config.json").write_text(json.dumps(config))
+    unscaled = _iserve_logits(Engine(plain, max_seq_len=64), ids)
+    assert (unscaled - expected).abs().max() > 100 * ATOL

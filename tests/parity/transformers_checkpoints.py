@@ -14,6 +14,7 @@ and MLP widths that split two ways):
 family                    heads  KV heads     also
 ========================  =====  ===========  ==========================================
 llama                     6      2 (GQA)      untied embeddings, BOS from the post-processor
+llama-3.1-style           6      2            llama3 RoPE scaling (a context of 8 stretched)
 mistral                   4      1 (MQA)      tied embeddings
 qwen2                     6      2            qkv bias, tied embeddings
 falcon (7B style)         6      1 (MQA)      parallel attention, old decoder layout
@@ -51,6 +52,28 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
             "tie_word_embeddings": False,
         },
         True,
+    ),
+    # Llama 3.1's stretched RoPE, with a pretrained context of 8 positions so that the
+    # prompt and its generation (~30 positions) run where every branch of it matters:
+    # head_dim 16 has wavelengths of 6.3 (blended) and 20-6283 (stretched 4x) positions.
+    "llama-3.1-style": (
+        "LlamaConfig",
+        {
+            "hidden_size": 96,
+            "intermediate_size": 176,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        },
+        False,
     ),
     "mistral": (
         "MistralConfig",

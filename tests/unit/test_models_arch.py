@@ -10,6 +10,7 @@ import pytest
 
 from services.models.arch import ArchSpec, InvalidConfig, UnsupportedArchitecture
 from services.models.families import parse_config, supported_model_types
+from services.models.rope_scaling import RopeScaling
 
 # Llama-2-7B's config.json as transformers 4 wrote it.
 LLAMA2_7B_TF4: dict[str, Any] = {
@@ -211,10 +212,10 @@ def test_spec_is_frozen() -> None:
         ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
         ({"model_type": ..., "architectures": ["BertModel"]}, "BertModel"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
         (
-            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-            "llama3",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
+            "'yarn' is not supported; supported: default \\(unscaled\\), linear, llama3",
         ),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantized"),
     ],
@@ -222,6 +223,67 @@ def test_spec_is_frozen() -> None:
 def test_unsupported_architectures(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(UnsupportedArchitecture, match=message):
         parse_config(with_changes(LLAMA2_7B_TF4, **changes))
+
+
+LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        # transformers 4 before 4.45 ("type"), and after ("rope_type").
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, RopeScaling("linear", 2.0)),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 4}}, RopeScaling("linear", 4.0)),
+        # Llama 3.1 as transformers 5 writes it, and without the original context (which
+        # is then the config's max_position_embeddings, as transformers takes it).
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 5e5,
+                    "original_max_position_embeddings": 8192,
+                    **LLAMA3_SCALING,
+                }
+            },
+            RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+        ),
+        (
+            {"rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALING}},
+            RopeScaling("llama3", 8.0, 1.0, 4.0, 4096),
+        ),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, None),
+        ({"rope_scaling": {"type": None}}, None),
+    ],
+)
+def test_rope_scaling_is_read(changes: dict[str, Any], expected: RopeScaling | None) -> None:
+    assert parse_config(with_changes(LLAMA2_7B_TF4, **changes)).rope_scaling == expected
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"rope_type": "linear"}, "'rope_scaling.factor' must be a positive finite number"),
+        ({"rope_type": "linear", "factor": 0}, "'rope_scaling.factor'"),
+        ({"rope_type": "linear", "factor": float("inf")}, "'rope_scaling.factor'"),
+        ({"rope_type": "linear", "factor": True}, "'rope_scaling.factor'"),
+        ({"rope_type": "llama3", "factor": 8.0}, "'rope_scaling.low_freq_factor'"),
+        (
+            {**LLAMA3_SCALING, "rope_type": "llama3", "low_freq_factor": 4.0},
+            "needs 0 < low_freq_factor < high_freq_factor",
+        ),
+        (
+            {**LLAMA3_SCALING, "rope_type": "llama3", "original_max_position_embeddings": 0},
+            "'rope_scaling.original_max_position_embeddings' must be a positive integer",
+        ),
+        (
+            {**LLAMA3_SCALING, "rope_type": "llama3", "original_max_position_embeddings": "8k"},
+            "original_max_position_embeddings",
+        ),
+    ],
+)
+def test_bad_rope_scaling_is_invalid_config(block: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidConfig, match=message):
+        parse_config(with_changes(LLAMA2_7B_TF4, rope_scaling=block))
 
 
 @pytest.mark.parametrize(

@@ -140,7 +140,7 @@ def test_rotary_dim_defaults_to_the_whole_head() -> None:
         (FALCON_40B, {"parallel_attn": False}, "parallel_attn"),
         (FALCON_7B, {"num_ln_in_parallel_attn": 2}, "new_decoder_architecture"),
         (FALCON_7B, {"activation": "relu"}, "relu"),
-        (FALCON_7B, {"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+        (FALCON_7B, {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
         (GPTJ_6B, {"tie_word_embeddings": True}, "tied"),
         (GPTJ_6B, {"rotary_dim": None}, "rotary_dim"),
         (GPTJ_6B, {"activation_function": "relu"}, "relu"),

@@ -87,6 +87,7 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
         max_position_embeddings=fields.positive_int(cfg, "max_position_embeddings", 2048),
         norm_eps=fields.positive_float(cfg, "layer_norm_epsilon", 1e-5),
         rope_theta=fields.rope_theta(cfg),
+        rope_scaling=fields.rope_scaling(cfg),
         # FalconConfig ties the LM head to the embeddings unless told otherwise.
         tie_word_embeddings=fields.flag(cfg, "tie_word_embeddings", True),
         torch_dtype=fields.dtype_name(cfg),

@@ -67,6 +67,7 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
         max_position_embeddings=fields.positive_int(cfg, "max_position_embeddings", 2048),
         norm_eps=fields.positive_float(cfg, "rms_norm_eps", 1e-6),
         rope_theta=fields.rope_theta(cfg),
+        rope_scaling=fields.rope_scaling(cfg),
         tie_word_embeddings=fields.flag(cfg, "tie_word_embeddings"),
         torch_dtype=fields.dtype_name(cfg),
         bos_token_id=fields.bos_token_id(cfg),
