@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway_svc.chat import ChatTemplateError, NoChatTemplate, read_template, render
 from services import transport
@@ -89,6 +90,12 @@ class GatewayError(Exception):
 
 
 # ---- request bodies -------------------------------------------------------------------
+# The GenerateRequest fields these become are uint32 (max_tokens, deadline_ms) and uint64
+# (seed): a larger number is a 400 here, not a failed message build (a 500).
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -101,18 +108,22 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: bool = False
-    deadline_ms: int = Field(default=0, ge=0)
+    deadline_ms: int = Field(default=0, ge=0, le=UINT32_MAX)
     # vLLM's extra: generate max_tokens even past the end-of-sequence token.
     ignore_eos: bool = False
+    # Asked for, they would be answered with nothing: the workers do not return
+    # log-probabilities, so a request for them is refused rather than given null.
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
 
     @field_validator("n")
     @classmethod
@@ -120,6 +131,13 @@ class _Sampling(BaseModel):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value:  # true, or a positive count (the completions endpoint's form)
+            raise ValueError("log-probabilities are not supported by this server")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -135,7 +153,7 @@ class _Sampling(BaseModel):
 
 class CompletionBody(_Sampling):
     prompt: str
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
 
 
 class ChatMessage(BaseModel):
@@ -144,16 +162,30 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: str | list[dict[str, Any]] | None):
+        # The models are text-only: an image or audio part dropped in silence would be
+        # answered as if the user had not sent it.
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"only text content parts ({{'type': 'text', 'text': ...}}) are "
+                    f"supported, got type {kind!r}"
+                )
+        return content
+
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        if isinstance(content, list):  # OpenAI content parts, text only (checked above)
+            content = "".join(part["text"] for part in content)
         return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
 
 
 class ChatBody(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
 
 
 # ---- stop strings ---------------------------------------------------------------------
@@ -356,13 +388,28 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            # Its loc is the character offset, not a field.
+            at = errors[0].get("loc", ("body", "?"))[-1]
+            error = (errors[0].get("ctx") or {}).get("error", "")
+            message = (
+                f"the body is not valid JSON (at character {at}{': ' if error else ''}{error})"
+            )
+            return error_response(400, "invalid_request_error", message)
+        first = errors[0] if errors else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         message = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
-            for e in exc.errors()
+            for e in errors
         )
         return error_response(400, "invalid_request_error", message or "invalid body", where)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException):
+        # Unknown paths and methods answer in OpenAI's error body too.
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, kind, str(exc.detail))
 
     @app.get("/health")
     async def health():

@@ -165,6 +165,18 @@ def test_a_client_that_disconnects_cancels_its_generation(stack, gateway):
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request_error", "role"),
         ("/v1/chat/completions", {"model": PLAIN, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error", "chat_template"),
         ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "not_found_error", "nope"),
+        # Beyond the uint32 / uint64 fields they become (a 500 before).
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2**32}, 400, "invalid_request_error", "max_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2**40}, 400, "invalid_request_error", "max_completion_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "invalid_request_error", "seed"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "deadline_ms": 2**32}, 400, "invalid_request_error", "deadline_ms"),
+        # What would be dropped or answered with null is refused instead.
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "invalid_request_error", "only text content parts"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "invalid_request_error", "only text content parts"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "invalid_request_error", "log-probabilities"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "invalid_request_error", "log-probabilities"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "invalid_request_error", "log-probabilities"),
+        ("/v1/embeddings", {"model": MODEL, "input": "x"}, 404, "not_found_error", "Not Found"),
     ],
 )  # fmt: skip
 def test_errors_have_openais_body_and_the_status_of_their_cause(
@@ -186,6 +198,20 @@ def test_a_body_that_is_not_json_is_a_400(gateway):
         timeout=30,
     )
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+    error = reply.json()["error"]
+    assert error["message"].startswith("the body is not valid JSON (at character 1")
+    assert error["param"] is None
+
+
+def test_text_parts_and_declined_logprobs_are_served(client):
+    # Text content parts are joined; logprobs false (as many clients send) is no request.
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+        max_tokens=2,
+        logprobs=False,
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
 
 
 def test_health_and_metrics(gateway):
