@@ -40,24 +40,27 @@ the bench exits 1 when a run does not reconcile. With ``--repeats`` > 1 the figu
 medians over repeats. Targets (the issue's): at 2x, EDF attainment / FCFS attainment
 >= 1.3 on both traces; at 0.5x both policies >= 95 %.
 
+Other traces: ``--trace PATH`` (repeatable) reads any file ``bench/traces.py`` reads
+(the Azure 2024 week-long traces, BurstGPT, Mooncake with ``--time-unit ms``), beside
+or instead of (``--traces ''``) the two above.
+
 Run: .venv/bin/python bench/trace_replay.py [--requests 200] [--traces code,conv]
-     [--factors 0.5,1,2] [--repeats 1] [--ttft-slo-ms N] [--skip-profiling]
+     [--trace PATH ...] [--factors 0.5,1,2] [--repeats 1] [--ttft-slo-ms N]
+     [--skip-profiling]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import math
 import random
 import sys
 import time
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import _stack_harness as harness
+from traces import TIME_UNITS, TraceRow, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACES = REPO.parent / "shared" / "data" / "azure-llm-traces"
@@ -66,27 +69,6 @@ TRACE_FILE = "AzureLLMInferenceTrace_{}.csv"
 SCALE_QUANTILE = 0.99
 # The busiest part of a window whose rate --rate-basis peak sets: a tenth of its requests.
 PEAK_SHARE = 0.1
-
-
-@dataclass(frozen=True)
-class TraceRow:
-    arrival_s: float
-    context_tokens: int
-    generated_tokens: int
-
-
-def load_trace(path: Path) -> list[TraceRow]:
-    """The trace's rows in file order, arrival times in seconds since its first row."""
-    rows = []
-    with path.open(newline="") as handle:
-        for record in csv.DictReader(handle):
-            stamp, _, fraction = record["TIMESTAMP"].partition(".")
-            when = datetime.fromisoformat(stamp).timestamp() + float(f"0.{fraction or 0}")
-            rows.append(
-                TraceRow(when, int(record["ContextTokens"]), int(record["GeneratedTokens"]))
-            )
-    first = rows[0].arrival_s
-    return [TraceRow(r.arrival_s - first, r.context_tokens, r.generated_tokens) for r in rows]
 
 
 def scaler(values: list[int], limit: int):
@@ -171,7 +153,27 @@ def print_run(label: str, figures: dict[str, float], tally: harness.Tally, examp
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES)
-    parser.add_argument("--traces", default="code,conv", help="comma-separated (code,conv)")
+    parser.add_argument(
+        "--traces",
+        default="code,conv",
+        help="comma-separated names of AzureLLMInferenceTrace_NAME.csv in --traces-dir "
+        "(code,conv); empty with --trace",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="any other trace file (Azure 2023/2024, BurstGPT CSV, Mooncake JSON lines; "
+        "see bench/traces.py), named by its file name; repeatable",
+    )
+    parser.add_argument(
+        "--time-unit",
+        choices=sorted(TIME_UNITS),
+        default="s",
+        help="unit of numeric timestamps in --trace files (Mooncake's are ms)",
+    )
     parser.add_argument("--requests", type=int, default=200, help="requests per run window")
     parser.add_argument("--factors", default="0.5,1,2", help="load factors x capacity")
     parser.add_argument("--repeats", type=int, default=1, help="runs per point (median)")
@@ -197,8 +199,11 @@ def main() -> int:
     factors = [float(f) for f in args.factors.split(",")]
     traces = {
         name: load_trace(args.traces_dir / TRACE_FILE.format(name))
-        for name in args.traces.split(",")
+        for name in filter(None, args.traces.split(","))
     }
+    traces |= {path.name: load_trace(path, args.time_unit) for path in args.trace}
+    if not traces:
+        raise SystemExit("no trace to replay: give --traces names or --trace files")
     results: dict[tuple[str, float, str], list[dict[str, float]]] = {}
     reconciled = True
     started = time.monotonic()
