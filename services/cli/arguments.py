@@ -12,7 +12,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["UINT32_MAX", "UINT64_MAX", "positive_number", "whole_number"]
+__all__ = ["UINT32_MAX", "UINT64_MAX", "add_token_limits", "positive_number", "whole_number"]
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -44,3 +44,10 @@ def positive_number(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
     return value
+
+
+def add_token_limits(parser: argparse.ArgumentParser, input_help: str, output_help: str) -> None:
+    """``--max-input`` and ``--max-output``: whole numbers, 0 (not given) meaning the
+    deployer's default (``services.token_limits``)."""
+    parser.add_argument("--max-input", type=whole_number(), default=0, help=input_help)
+    parser.add_argument("--max-output", type=whole_number(), default=0, help=output_help)

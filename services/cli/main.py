@@ -36,7 +36,7 @@ from services.api import (
 from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli import deploying, estimation, output, plan, stack, tokens
-from services.cli.arguments import UINT64_MAX, positive_number, whole_number
+from services.cli.arguments import UINT64_MAX, add_token_limits, positive_number, whole_number
 from services.cli.status import collect_status, print_status, status_header, status_tables
 from services.settings import Settings, load_settings
 
@@ -591,17 +591,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--tpot-slo-ms, or 1.5x batch 1's without it, and whose KV cache fits; 1 when the "
         "configuration has no estimate)",
     )
-    p.add_argument(
-        "--max-input",
-        type=whole_number(),
-        default=0,
-        help="longest prompt in tokens (default 512, or 2/3 of a shorter context)",
-    )
-    p.add_argument(
-        "--max-output",
-        type=whole_number(),
-        default=0,
-        help="longest generation in tokens (default 256, or 1/3 of a shorter context)",
+    add_token_limits(
+        p,
+        "longest prompt in tokens (default 512, or 2/3 of a shorter context)",
+        "longest generation in tokens (default 256, or 1/3 of a shorter context)",
     )
     p.add_argument(
         "--timeout",

@@ -30,7 +30,7 @@ from services.api import (
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli import deploying
-from services.cli.arguments import positive_number, whole_number
+from services.cli.arguments import add_token_limits, positive_number, whole_number
 from services.cli.output import show_tables
 from services.settings import Settings
 from services.token_limits import token_limits
@@ -304,17 +304,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--device-memory", type=positive_number, help="memory of each simulated device, GiB"
     )
-    p.add_argument(
-        "--max-input",
-        type=whole_number(),
-        default=0,
-        help="longest prompt (default: Deploy's, 512)",
-    )
-    p.add_argument(
-        "--max-output",
-        type=whole_number(),
-        default=0,
-        help="longest generation (default: Deploy's, 256)",
+    add_token_limits(
+        p, "longest prompt (default: Deploy's, 512)", "longest generation (default: Deploy's, 256)"
     )
     p.add_argument(
         "--batch", type=whole_number(), default=1, help="batch size to rank at (default 1)"

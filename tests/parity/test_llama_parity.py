@@ -116,11 +116,18 @@ def test_mistral_sliding_window_matches(tmp_path: Path) -> None:
     engine, hf = Engine(directory, max_seq_len=64), _load_hf(directory, "MistralForCausalLM")
     ids = engine.encode(PROMPT)
     assert len(ids) > 8
-    expected = _hf_logits(hf, ids)
+    _assert_prompt_and_steps_match(engine, _hf_logits(hf, ids), ids)
+
+
+def _assert_prompt_and_steps_match(
+    engine: Engine, expected: torch.Tensor, ids: list[int], cached: int = 3
+) -> None:
+    """The prompt's logits, then each token after the first ``cached`` fed one at a time
+    through the KV cache, equal ``expected`` (transformers' logits of ``ids``)."""
     torch.testing.assert_close(_iserve_logits(engine, ids), expected, atol=ATOL, rtol=0)
-    _iserve_logits(engine, ids[:3])
+    _iserve_logits(engine, ids[:cached])
     with torch.inference_mode():
-        for position in range(3, len(ids)):
+        for position in range(cached, len(ids)):
             step = engine.model(
                 torch.tensor([[ids[position]]]), torch.tensor([[position]]), torch.tensor([0])
             )
@@ -141,14 +148,7 @@ def test_llama3_rope_scaling_matches(tmp_path: Path) -> None:
     ids = engine.encode(PROMPT)
     assert len(ids) > 8  # beyond the 8 pretrained positions
     expected = _hf_logits(hf, ids)
-    torch.testing.assert_close(_iserve_logits(engine, ids), expected, atol=ATOL, rtol=0)
-    _iserve_logits(engine, ids[:3])
-    with torch.inference_mode():
-        for position in range(3, len(ids)):
-            step = engine.model(
-                torch.tensor([[ids[position]]]), torch.tensor([[position]]), torch.tensor([0])
-            )
-            torch.testing.assert_close(step[0, 0], expected[position], atol=ATOL, rtol=0)
+    _assert_prompt_and_steps_match(engine, expected, ids)
 
     plain = tmp_path / "plain"
     shutil.copytree(directory, plain)

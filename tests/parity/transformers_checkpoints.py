@@ -40,30 +40,24 @@ CORPUS = [
     "Every layer of the decoder attends to the tokens before it.",
 ]
 
+LLAMA = {
+    "hidden_size": 96,
+    "intermediate_size": 176,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
+
 # name: (transformers config class, its fields, BOS added by the tokenizer file?)
 FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
-    "llama": (
-        "LlamaConfig",
-        {
-            "hidden_size": 96,
-            "intermediate_size": 176,
-            "num_attention_heads": 6,
-            "num_key_value_heads": 2,
-            "tie_word_embeddings": False,
-        },
-        True,
-    ),
+    "llama": ("LlamaConfig", LLAMA, True),
     # Llama 3.1's stretched RoPE, with a pretrained context of 8 positions so that the
     # prompt and its generation (~30 positions) run where every branch of it matters:
     # head_dim 16 has wavelengths of 6.3 (blended) and 20-6283 (stretched 4x) positions.
     "llama-3.1-style": (
         "LlamaConfig",
         {
-            "hidden_size": 96,
-            "intermediate_size": 176,
-            "num_attention_heads": 6,
-            "num_key_value_heads": 2,
-            "tie_word_embeddings": False,
+            **LLAMA,
             "rope_parameters": {
                 "rope_type": "llama3",
                 "rope_theta": 10000.0,
