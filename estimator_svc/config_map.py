@@ -95,7 +95,9 @@ class ConfigMap:
             resolved.input_tokens,
             resolved.output_tokens,
             references.shape.max_positions,
-            "workload input_tokens + output_tokens",
+            "workload input_tokens + output_tokens"
+            if workload.input_tokens
+            else f"the profiled {resolved.input_tokens}-token prompt + output_tokens",
         )
         estimates = model_references.estimate(
             references, calibration, resolved, devices, device_memory_gib

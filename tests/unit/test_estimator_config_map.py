@@ -84,7 +84,10 @@ def test_a_workload_longer_than_the_context_is_invalid_argument():
     model.shape.max_position_embeddings = 64
     built = build_config_map(model, tiny_rows(), shipped(CPU), CPU, now_ms=7)
     assert built.estimate(Workload(output_tokens=32), 1)[1].input_tokens == 32  # 64: fits
-    with pytest.raises(InvalidArgument, match="= 65 exceeds the model's 64 positions"):
+    with pytest.raises(
+        InvalidArgument,
+        match="the profiled 32-token prompt \\+ output_tokens = 65 exceeds the model's 64 positions",
+    ):
         built.estimate(Workload(output_tokens=33), 1)
     with pytest.raises(InvalidArgument, match="= 70 exceeds the model's 64 positions"):
         built.estimate(Workload(output_tokens=10, input_tokens=60), 1)
