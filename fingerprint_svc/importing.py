@@ -42,6 +42,7 @@ from services.estimation.memory import GIB
 from services.ids import check_hardware_type, check_model_id, is_valid_id
 from services.importers import maveriq
 from services.models.arch import ArchSpec
+from services.models.errors import shape_only
 from services.models.families import parse_config
 from services.models.presets import find_preset, preset_config
 from services.reservation import params_per_layer
@@ -269,7 +270,13 @@ def plan_maveriq_import(
     models = []
     for model_id in sorted(by_model):
         source, config = sources[model_id]
-        shape, spec = _shape_of(model_id, config)
+        shape, spec, unrunnable = _shape_of(model_id, config)
+        if unrunnable:
+            notes.append(
+                f"{model_id}: its {source} has what iserve's engine does not run "
+                f"({'; '.join(unrunnable)}); only its shape is read, which is all the "
+                "estimates need"
+            )
         measurements = tuple(
             to_measurement(row, hardware_type, spec.num_layers, prompt, shape)
             for row, prompt in by_model[model_id]
@@ -335,14 +342,17 @@ def _model_of(name: str, configs: Mapping[str, dict]) -> tuple[str, str, dict] |
     return model_id, f"preset {preset}", preset_config(preset)
 
 
-def _shape_of(model_id: str, config: dict) -> tuple[model_pb.ModelShape, ArchSpec]:
-    """The shape of ``config`` with MaverIQ's float16 weights; InvalidArgument naming the
-    model when iserve cannot read it."""
+def _shape_of(model_id: str, config: dict) -> tuple[model_pb.ModelShape, ArchSpec, list[str]]:
+    """The shape of ``config`` with MaverIQ's float16 weights, and what in it iserve's
+    engine could not run (an imported model is estimated, never deployed, so that is a
+    note, not a refusal); InvalidArgument naming the model when iserve cannot read the
+    shape itself (an unknown family, a missing or contradictory field)."""
     try:
-        spec = parse_config({**config, "torch_dtype": _MAVERIQ_DTYPE})
+        with shape_only() as unrunnable:
+            spec = parse_config({**config, "torch_dtype": _MAVERIQ_DTYPE})
     except ValueError as exc:
         raise InvalidArgument(f"{model_id}: its config.json: {exc}") from None
-    return model_shape(spec, spec.weight_bytes()), spec
+    return model_shape(spec, spec.weight_bytes()), spec, unrunnable
 
 
 def _variants(

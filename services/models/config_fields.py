@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.models.errors import InvalidConfig, UnsupportedArchitecture
+from services.models.errors import InvalidConfig, engine_cannot_run
 from services.models.rope_scaling import ROPE_SCALING_KINDS, RopeScaling
 
 # Bytes per element of the dtypes a checkpoint may declare (config "dtype"/"torch_dtype").
@@ -137,10 +137,11 @@ def _rope_blocks(cfg: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], s
             raise InvalidConfig(f"config field {name!r} must be an object, got {block!r}")
         rope_type = block.get("rope_type", block.get("type")) or "default"
         if rope_type != "default" and rope_type not in ROPE_SCALING_KINDS:
-            raise UnsupportedArchitecture(
+            engine_cannot_run(
                 f"{name} type {rope_type!r} is not supported; supported: default (unscaled), "
                 + ", ".join(ROPE_SCALING_KINDS)
             )
+            continue  # read for the shape alone: as if unscaled
         blocks.append((name, block, rope_type))
     return blocks
 
@@ -189,7 +190,7 @@ def rope_theta(cfg: Mapping[str, Any]) -> float:
     params = cfg.get("rope_parameters")
     _rope_blocks(cfg)
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedArchitecture("partial rotary embeddings are not supported for this family")
+        engine_cannot_run("partial rotary embeddings are not supported for this family")
     if isinstance(params, Mapping) and params.get("rope_theta") is not None:
         return positive_float(params, "rope_theta", 10000.0)
     return positive_float(cfg, "rope_theta", 10000.0)
@@ -215,4 +216,4 @@ def kv_heads_dividing(num_heads: int, num_kv_heads: int, key: str) -> int:
 
 def reject_quantized(cfg: Mapping[str, Any]) -> None:
     if cfg.get("quantization_config") is not None:
-        raise UnsupportedArchitecture("pre-quantized checkpoints are not supported yet")
+        engine_cannot_run("pre-quantized checkpoints are not supported yet")

@@ -17,6 +17,8 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument
 from services.estimation.memory import GIB
+from services.models.errors import UnsupportedArchitecture, engine_cannot_run, shape_only
+from services.models.families import parse_config
 from services.state.store import StateStore
 
 HEADER = (
@@ -158,9 +160,68 @@ def test_a_given_config_json_shapes_a_model_no_preset_knows_and_overrides_a_pres
 
 
 @pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            ["rope_scaling type 'yarn' is not supported"],
+        ),
+        (
+            {"hidden_act": "gelu", "quantization_config": {"quant_method": "gptq", "bits": 4}},
+            ["pre-quantized checkpoints", "hidden_act 'gelu'"],
+        ),
+        (
+            {
+                "model_type": "qwen2",
+                "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": True,
+                "partial_rotary_factor": 0.5,
+            },
+            ["use_sliding_window: true", "partial rotary"],
+        ),
+    ],
+)
+def test_what_the_engine_cannot_run_is_a_note_on_an_import(changes, says):
+    # An imported model is estimated, never run: a feature iserve's engine lacks does not
+    # change its shape, so the import reads the shape and says what it set aside (once
+    # each, though a RoPE block is read twice), where registration refuses it.
+    config = {**MYSTERY_CONFIG, **changes}
+    named = {"fingerprint_data_collection.csv": FINGERPRINTS.replace("gtpj-6b", "Mystery-1B")}
+    result = plan_maveriq_import(
+        [(n, t.encode()) for n, t in named.items()],
+        "rtx-a6000",
+        {"Mystery-1B": json.dumps(config)},
+    )
+    shape = {m.model_id: m for m in result.models}["mystery-1b"].shape
+    assert (shape.num_layers, shape.hidden_size, shape.num_kv_heads) == (24, 1024, 4)
+    (note,) = [n for n in result.notes if n.startswith("mystery-1b: its config.json")]
+    assert "only its shape is read" in note
+    for phrase in says:
+        assert note.count(phrase) == 1, note
+    with pytest.raises(UnsupportedArchitecture):
+        parse_config(config)
+
+
+def test_outside_an_import_the_same_features_are_refused():
+    with shape_only() as notes:
+        with shape_only() as inner:
+            engine_cannot_run("a")
+        engine_cannot_run("b")
+        engine_cannot_run("b")
+    assert (inner, notes) == (["a"], ["b"])
+    with pytest.raises(UnsupportedArchitecture, match="c"):
+        engine_cannot_run("c")
+
+
+@pytest.mark.parametrize(
     ("configs", "message"),
     [
         ({"llama-2-7b": "{"}, "llama-2-7b: its config.json is not JSON"),
+        # What changes the shape, or is no family iserve reads, is still refused.
+        (
+            {"llama-2-7b": json.dumps({**MYSTERY_CONFIG, "model_type": "mixtral"})},
+            "llama-2-7b: its config.json: model_type 'mixtral' is not supported",
+        ),
         ({"llama-2-7b": "[1, 2]"}, "llama-2-7b: its config.json must be a JSON object"),
         ({"nobody-1b": "{}"}, "a config.json is given for 'nobody-1b', which no row names"),
         (

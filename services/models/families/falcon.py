@@ -23,7 +23,7 @@ from typing import Any
 
 from services.models import config_fields as fields
 from services.models.arch import ArchSpec, CheckpointTensor, RowRanges
-from services.models.errors import InvalidConfig, UnsupportedArchitecture
+from services.models.errors import InvalidConfig, UnsupportedArchitecture, engine_cannot_run
 from services.models.families.family import ConfigRequest, Family
 
 _ACTIVATIONS = ("gelu", "gelu_new")
@@ -32,7 +32,7 @@ _ACTIVATIONS = ("gelu", "gelu_new")
 def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
     fields.reject_quantized(cfg)
     if fields.flag(cfg, "alibi"):
-        raise UnsupportedArchitecture("Falcon with ALiBi positions (alibi: true) is not supported")
+        engine_cannot_run("Falcon with ALiBi positions (alibi: true) is not supported")
     hidden_size = fields.positive_int(cfg, "hidden_size")
     num_heads = fields.positive_int(cfg, "num_attention_heads")
     head_dim = fields.head_dim_of(hidden_size, num_heads)
@@ -71,9 +71,10 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
         shared_norm = parallel
     activation = cfg.get("activation", "gelu")
     if activation not in _ACTIVATIONS:
-        raise UnsupportedArchitecture(
+        engine_cannot_run(
             f"Falcon activation {activation!r} is not supported; need one of {list(_ACTIVATIONS)}"
         )
+        activation = _ACTIVATIONS[0]  # read for the shape alone
     bias = fields.flag(cfg, "bias")
     return ArchSpec(
         family=family,

@@ -14,7 +14,7 @@ from typing import Any
 
 from services.models import config_fields as fields
 from services.models.arch import ArchSpec, CheckpointTensor
-from services.models.errors import InvalidConfig, UnsupportedArchitecture
+from services.models.errors import InvalidConfig, UnsupportedArchitecture, engine_cannot_run
 from services.models.families.family import ConfigRequest, Family
 
 # transformers hard-codes GPT-J's rotary base; its config has no field for it.
@@ -32,7 +32,7 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
     num_heads = _int(cfg, ("n_head", "num_attention_heads"))
     head_dim = fields.head_dim_of(hidden_size, num_heads)
     if "rotary_dim" in cfg and cfg["rotary_dim"] is None:
-        raise UnsupportedArchitecture("GPT-J without rotary_dim (rotary over the whole embedding)")
+        engine_cannot_run("GPT-J without rotary_dim (rotary over the whole embedding)")
     rotary_dim = fields.positive_int(cfg, "rotary_dim", 64)
     if rotary_dim % 2 or rotary_dim > head_dim:
         raise InvalidConfig(
@@ -40,10 +40,11 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
         )
     activation = cfg.get("activation_function", "gelu_new")
     if activation not in _ACTIVATIONS:
-        raise UnsupportedArchitecture(
+        engine_cannot_run(
             f"GPT-J activation_function {activation!r} is not supported; "
             f"need one of {list(_ACTIVATIONS)}"
         )
+        activation = _ACTIVATIONS[0]  # read for the shape alone
     if fields.flag(cfg, "tie_word_embeddings"):
         raise UnsupportedArchitecture("GPT-J with tied embeddings (and a biased LM head)")
     return ArchSpec(

@@ -14,7 +14,7 @@ from typing import Any
 
 from services.models import config_fields as fields
 from services.models.arch import ArchSpec, CheckpointTensor
-from services.models.errors import InvalidConfig, UnsupportedArchitecture
+from services.models.errors import InvalidConfig, engine_cannot_run
 from services.models.families.family import ConfigRequest, Family
 
 _ARCHITECTURES = {
@@ -28,7 +28,7 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
     fields.reject_quantized(cfg)
     hidden_act = cfg.get("hidden_act", "silu")
     if hidden_act != "silu":
-        raise UnsupportedArchitecture(f"hidden_act {hidden_act!r} is not supported; need 'silu'")
+        engine_cannot_run(f"hidden_act {hidden_act!r} is not supported; need 'silu'")
     hidden_size = fields.positive_int(cfg, "hidden_size")
     num_heads = fields.positive_int(cfg, "num_attention_heads")
     num_kv_heads = fields.kv_heads_dividing(
@@ -44,7 +44,7 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
         raise InvalidConfig(f"head_dim ({head_dim}) must be even for rotary embeddings")
     if family == "qwen2":
         if fields.flag(cfg, "use_sliding_window"):
-            raise UnsupportedArchitecture(
+            engine_cannot_run(
                 "Qwen2 sliding-window layers (use_sliding_window: true) are not supported"
             )
         qkv_bias, out_bias, mlp_bias = True, False, False
