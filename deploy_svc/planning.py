@@ -29,6 +29,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument, IServeError, ResourceExhausted
 from services.reservation import memory_blocks
+from services.simulation import MAX_SIMULATED_DEVICES
 from services.state.capacity import free_bytes
 
 POLICIES = {
@@ -434,7 +435,11 @@ def simulated_nodes(simulated: Sequence[common.DeviceState]) -> list[common.Node
     """PlanDeployment's simulated devices as live nodes (a device without a node id is
     on node "simulated"; free bytes default to total minus max(used, reserved)).
     InvalidArgument for a device without id, hardware type or total, or a load outside
-    [0, 1]."""
+    [0, 1], and for more than MAX_SIMULATED_DEVICES devices."""
+    if len(simulated) > MAX_SIMULATED_DEVICES:
+        raise InvalidArgument(
+            f"at most {MAX_SIMULATED_DEVICES} simulated devices, got {len(simulated)}"
+        )
     nodes: dict[str, common.NodeState] = {}
     seen: set[tuple[str, str]] = set()
     for given in simulated:

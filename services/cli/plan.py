@@ -33,29 +33,12 @@ from services.cli import deploying
 from services.cli.arguments import add_token_limits, positive_number, whole_number
 from services.cli.output import show_tables
 from services.settings import Settings
+from services.simulation import MAX_SIMULATED_DEVICES, simulated_devices
 from services.token_limits import token_limits
 
 GIB = float(1 << 30)
 # Every intent of `iserve deploy --intent` that needs no target (the SLO ones do).
 INTENTS = {name: kind for name, kind in deploying.INTENTS.items() if not name.endswith("-slo")}
-
-
-def simulated_devices(hardware: str, count: int, memory_gib: float) -> list[common.DeviceState]:
-    """``count`` idle devices of ``hardware`` with ``memory_gib`` each (GPU hardware types
-    are CUDA devices; ``cpu-…`` ones virtual CPU devices)."""
-    kind = common.DEVICE_KIND_CPU_VIRTUAL if hardware.startswith("cpu") else common.DEVICE_KIND_CUDA
-    total = int(memory_gib * GIB)
-    return [
-        common.DeviceState(
-            ref=common.DeviceRef(node_id="simulated", device_id=f"dev{i}"),
-            kind=kind,
-            name=hardware,
-            hardware_type=hardware,
-            total_bytes=total,
-            free_bytes=total,
-        )
-        for i in range(count)
-    ]
 
 
 def short_config(config: common.DeploymentConfig) -> str:
@@ -300,7 +283,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model_id")
     p.add_argument("--hardware", help="plan on simulated idle devices of this hardware type")
-    p.add_argument("--devices", type=whole_number(), default=0, help="how many simulated devices")
+    p.add_argument(
+        "--devices",
+        type=whole_number(1, MAX_SIMULATED_DEVICES),
+        default=0,
+        help=f"how many simulated devices (at most {MAX_SIMULATED_DEVICES})",
+    )
     p.add_argument(
         "--device-memory", type=positive_number, help="memory of each simulated device, GiB"
     )

@@ -60,6 +60,7 @@ def test_a_positive_number_is_finite_and_above_zero(text):
         (["generate", "d", "hi", "--seed", "-3"], "--seed"),
         (["generate", "d", "hi", "--top-k", "-3"], "--top-k"),
         (["plan", "m", "--device-memory", "nan"], "--device-memory"),
+        (["plan", "m", "--hardware", "h", "--devices", "4097"], "--devices"),
         (["up", "--devices", "0"], "--devices"),
         (["model", "create", "x", "--layers", "0", "--out", "d"], "--layers"),
     ],

@@ -11,8 +11,9 @@ from deploy_svc.planning import Option, decide, policy_name
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
-from services.errors import ResourceExhausted
+from services.errors import InvalidArgument, ResourceExhausted
 from services.reservation import RUNTIME_OVERHEAD_BYTES, memory_blocks
+from services.simulation import MAX_SIMULATED_DEVICES, simulated_devices
 
 GIB = 1 << 30
 LIMITS = ExplicitPlan(common.DeploymentConfig(batch_size=1), 64, 64)
@@ -145,3 +146,18 @@ def test_an_intent_is_ranked_for_the_hardware_type_with_most_live_devices():
     assert {c.hardware_type for c in planning.candidates_for(nodes, "cpu-x86_64")} == {"cpu-x86_64"}
     assert len(planning.candidates_for(nodes, None)) == 5  # an explicit configuration
     assert planning.hardware_order([nodes[2]]) == []
+
+
+def test_simulated_devices_are_bounded_on_both_sides_of_the_wire():
+    # The CLI builds them (iserve plan --devices N) and PlanDeployment reads them: 4096 at
+    # most, so that a request's planning stays bounded (4294967295 hung the CLI before).
+    devices = simulated_devices("rtx-a6000", MAX_SIMULATED_DEVICES, 48)
+    (node,) = planning.simulated_nodes(devices)
+    assert len(node.devices) == MAX_SIMULATED_DEVICES
+    with pytest.raises(InvalidArgument, match="at most 4096 simulated devices, got 4097"):
+        planning.simulated_nodes(
+            [*devices, common.DeviceState(ref=common.DeviceRef(device_id="x"))]
+        )
+    for count in (0, MAX_SIMULATED_DEVICES + 1):
+        with pytest.raises(ValueError, match="simulated devices must number 1 to 4096"):
+            simulated_devices("rtx-a6000", count, 48)
