@@ -20,6 +20,7 @@ variable                    meaning                                         defa
                             text at ``/metrics`` (port 0: any free port)
 ``ISERVE_NODE_ID``          this node's id                                  ``node0``
 ``ISERVE_DEVICES``          virtual CPU devices when no GPU is found        ``2``
+                            (at most 256)
 ``ISERVE_DEVICE_MEMORY_GIB``memory budget of each virtual CPU device        ``4``
 ``ISERVE_QUEUE_CAPACITY``   requests waiting per deployment before          ``64``
                             RESOURCE_EXHAUSTED
@@ -85,6 +86,7 @@ Addresses not set in the environment are taken from ``$ISERVE_STATE_DIR/stack.js
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -115,6 +117,8 @@ DEFAULT_METRICS_PORTS = {
 }
 METRICS_ENV = {name: f"ISERVE_{name.upper()}_METRICS_ADDR" for name in DEFAULT_METRICS_PORTS}
 STACK_FILE = "stack.json"
+# Virtual CPU devices one agent may present (ISERVE_DEVICES, `iserve up --devices`).
+MAX_VIRTUAL_DEVICES = 256
 GIB = 1 << 30
 GATEWAY_ENV = "ISERVE_GATEWAY_ADDR"
 DEFAULT_GATEWAY_ADDR = "127.0.0.1:8000"
@@ -249,10 +253,16 @@ def _tls(env: Mapping[str, str]) -> TlsFiles | None:
 
 
 def _number(
-    env: Mapping[str, str], name: str, default: float, kind: type = int, minimum: int | None = None
+    env: Mapping[str, str],
+    name: str,
+    default: float,
+    kind: type = int,
+    minimum: int | None = None,
+    maximum: float | None = None,
 ) -> float:
     """``env[name]`` as a ``kind``, ``default`` when unset; ValueError naming the variable
-    when it is not a number, not positive (``minimum`` None) or below ``minimum``."""
+    when it is not a finite number, not positive (``minimum`` None), below ``minimum``
+    or above ``maximum``."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -261,10 +271,14 @@ def _number(
     except ValueError as exc:
         expected = "an integer" if kind is int else "a number"
         raise ValueError(f"{name}={raw!r} is not {expected}") from exc
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={raw!r} is not a finite number")
     if minimum is None and value <= 0:
         raise ValueError(f"{name} must be positive, got {raw!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum:g}, got {raw!r}")
     return value
 
 
@@ -306,7 +320,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         addresses=addresses,
         metrics_addresses=metrics_addresses,
         node_id=env.get("ISERVE_NODE_ID", "node0"),
-        virtual_devices=int(_number(env, "ISERVE_DEVICES", 2)),
+        virtual_devices=int(_number(env, "ISERVE_DEVICES", 2, maximum=MAX_VIRTUAL_DEVICES)),
         device_memory_bytes=int(_number(env, "ISERVE_DEVICE_MEMORY_GIB", 4.0, float) * GIB),
         queue_capacity=int(_number(env, "ISERVE_QUEUE_CAPACITY", 64)),
         ready_timeout_s=float(_number(env, "ISERVE_READY_TIMEOUT_S", 120.0, float)),

@@ -38,7 +38,7 @@ from services.api import model_service_pb2 as model_pb
 from services.cli import deploying, estimation, output, plan, stack, tokens
 from services.cli.arguments import UINT64_MAX, add_token_limits, positive_number, whole_number
 from services.cli.status import collect_status, print_status, status_header, status_tables
-from services.settings import Settings, load_settings
+from services.settings import MAX_VIRTUAL_DEVICES, Settings, load_settings
 
 
 def _rid() -> str:
@@ -474,7 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--detach", action="store_true", help="return once everything is ready")
     p.add_argument(
-        "--devices", type=whole_number(), help="virtual CPU devices when no GPU (default 2)"
+        "--devices",
+        type=whole_number(1, MAX_VIRTUAL_DEVICES),
+        help=f"virtual CPU devices when no GPU (default 2, at most {MAX_VIRTUAL_DEVICES})",
     )
     p.add_argument(
         "--device-memory",

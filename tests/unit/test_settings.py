@@ -34,7 +34,11 @@ def test_environment_beats_stack_file_beats_defaults(tmp_path):
     [
         ("ISERVE_DEVICES", "0"),
         ("ISERVE_DEVICES", "two"),
+        ("ISERVE_DEVICES", "257"),  # MAX_VIRTUAL_DEVICES: 4294967295 would hang the agent
         ("ISERVE_DEVICE_MEMORY_GIB", "-1"),
+        ("ISERVE_DEVICE_MEMORY_GIB", "nan"),
+        ("ISERVE_DEVICE_MEMORY_GIB", "inf"),
+        ("ISERVE_HEARTBEAT_TTL_S", "nan"),
         ("ISERVE_DRAIN_TIMEOUT_S", "0"),
         ("ISERVE_DRAIN_TIMEOUT_S", "soon"),
     ],
