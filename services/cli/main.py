@@ -11,6 +11,7 @@ Output into a pipe whose reader has gone (``| head``) ends quietly with status 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +24,16 @@ import grpc
 from google.protobuf import json_format
 from rich.console import Group
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from services import transport
 from services.api import common_pb2 as common
@@ -127,7 +137,43 @@ def _watch_status(settings: Settings, args) -> int:
 
 
 def cmd_model_create(settings: Settings, args) -> int:
-    from services.models.checkpoint import create_checkpoint, validate_checkpoint
+    from services.models.checkpoint import validate_checkpoint
+
+    with _writing_progress() as progress:
+        out = _create_checkpoint(args, progress)
+    checked = validate_checkpoint(out)
+    spec = checked.spec
+    print(
+        f"wrote {args.name} checkpoint to {out}: {spec.family}, {spec.num_layers} layers, "
+        f"{spec.parameter_count():,} parameters, {checked.weight_bytes / 2**30:.2f} GiB "
+        f"{spec.torch_dtype}"
+    )
+    return 0
+
+
+@contextlib.contextmanager
+def _writing_progress():
+    """A ``progress(done, total)`` callback drawing a byte bar on stderr when it is a
+    terminal (a full-size preset takes minutes to write); None otherwise."""
+    err = output.console(stderr=True)
+    if not err.is_terminal:
+        yield None
+        return
+    columns = (
+        TextColumn("writing weights"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _create_checkpoint(args, progress):
+    """The checkpoint ``iserve model create`` asks for, written; its directory."""
+    from services.models.checkpoint import create_checkpoint
     from services.models.presets import PRESETS, create_preset_checkpoint
 
     if args.preset is not None:
@@ -153,6 +199,7 @@ def cmd_model_create(settings: Settings, args) -> int:
             dtype=args.dtype,
             seed=args.seed,
             overwrite=args.force,
+            progress=progress,
         )
     else:
         required = {"--hidden": args.hidden, "--layers": args.layers, "--heads": args.heads}
@@ -173,15 +220,9 @@ def cmd_model_create(settings: Settings, args) -> int:
             dtype=args.dtype or "float32",
             seed=args.seed,
             overwrite=args.force,
+            progress=progress,
         )
-    checked = validate_checkpoint(out)
-    spec = checked.spec
-    print(
-        f"wrote {args.name} checkpoint to {out}: {spec.family}, {spec.num_layers} layers, "
-        f"{spec.parameter_count():,} parameters, {checked.weight_bytes / 2**30:.2f} GiB "
-        f"{spec.torch_dtype}"
-    )
-    return 0
+    return out
 
 
 PROGRESS_BAR_WIDTH = 30

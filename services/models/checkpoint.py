@@ -7,8 +7,10 @@ is cheap enough to run when a model is registered and again before a worker load
 
 from __future__ import annotations
 
+import errno
 import json
-from collections.abc import Iterator, Mapping
+import shutil
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,6 +195,7 @@ def create_checkpoint(
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
     chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write a randomly initialised Hugging Face checkpoint of any family; return its directory.
 
@@ -238,6 +241,7 @@ def create_checkpoint(
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
         chat_template=chat_template,
+        progress=progress,
     )
 
 
@@ -249,6 +253,7 @@ def write_checkpoint(
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
     chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write ``config`` as ``config.json`` with random weights for every tensor it implies,
     plus the small test tokenizer, and return the directory.
@@ -259,7 +264,9 @@ def write_checkpoint(
     ``max_shard_bytes`` the weights are split into ``model-0000i-of-0000n.safetensors``
     shards plus an index, as transformers does. Refuses to write into a non-empty
     directory unless ``overwrite`` is True. ``chat_template`` goes into
-    tokenizer_config.json (None: the checkpoint has none).
+    tokenizer_config.json (None: the checkpoint has none). ``progress(done, total)`` is
+    told the weight bytes written so far. OSError (ENOSPC), before anything is written,
+    when the disk cannot hold the weights.
     """
     directory = Path(out_dir)
     if directory.exists() and any(directory.iterdir()) and not overwrite:
@@ -271,12 +278,13 @@ def write_checkpoint(
             f"vocab_size {spec.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.get_vocab_size()}"
         )
+    st_dtype = CONFIG_TO_SAFETENSORS_DTYPE[spec.torch_dtype]
+    stale = [*directory.glob("*.safetensors"), directory / SHARD_INDEX_FILE]
+    _check_disk_space(directory, spec, st_dtype, stale)
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in [*directory.glob("*.safetensors"), directory / SHARD_INDEX_FILE]:
-        stale.unlink(missing_ok=True)
-    _write_random_weights(
-        directory, spec, CONFIG_TO_SAFETENSORS_DTYPE[spec.torch_dtype], seed, max_shard_bytes
-    )
+    for path in stale:
+        path.unlink(missing_ok=True)
+    _write_random_weights(directory, spec, st_dtype, seed, max_shard_bytes, progress)
     _write_json(directory / CONFIG_FILE, dict(config))
     eos = list(spec.eos_token_ids)
     _write_json(
@@ -304,15 +312,50 @@ def write_checkpoint(
     return directory
 
 
+def _weight_bytes(spec: ArchSpec, st_dtype: str) -> int:
+    """Bytes of every tensor ``spec`` implies, stored as ``st_dtype``."""
+    return sum(TensorInfo(st_dtype, t.shape, "").nbytes for t in spec.checkpoint_tensors())
+
+
+# Headers, config, tokenizer: what a checkpoint holds beyond its tensors, with room to spare.
+_FILES_MARGIN_BYTES = 64 << 20
+
+
+def _check_disk_space(directory: Path, spec: ArchSpec, st_dtype: str, stale: list[Path]) -> None:
+    """OSError (ENOSPC) when the disk under ``directory`` cannot hold the weights, counting
+    the ``stale`` files the write replaces as free: a full-size preset is hundreds of GiB,
+    and a disk filled half-way leaves a broken checkpoint and a full disk behind."""
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    free += sum(path.stat().st_size for path in stale if path.is_file())
+    needed = _weight_bytes(spec, st_dtype) + _FILES_MARGIN_BYTES
+    if needed > free:
+        full = OSError(
+            f"{str(directory)!r}: the checkpoint needs {needed / 2**30:.1f} GiB and its disk "
+            f"has {free / 2**30:.1f} GiB free (--layers writes fewer layers)"
+        )
+        full.errno = errno.ENOSPC
+        raise full
+
+
 def _write_random_weights(
-    directory: Path, spec: ArchSpec, st_dtype: str, seed: int, max_shard_bytes: int | None
+    directory: Path,
+    spec: ArchSpec,
+    st_dtype: str,
+    seed: int,
+    max_shard_bytes: int | None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     tensors = {tensor.name: tensor for tensor in spec.checkpoint_tensors()}
     shapes = {name: tensor.shape for name, tensor in tensors.items()}
     shards = _split_into_shards(shapes, st_dtype, max_shard_bytes)
     weights = RandomWeights(seed, st_dtype)
+    weight_total, done = _weight_bytes(spec, st_dtype), 0
 
     def tensor_chunks(name: str) -> Iterator[bytes | memoryview]:
+        nonlocal done
         # The engine parameter a tensor fills says what it is, whatever the family calls it.
         target = tensors[name].targets[0][0]
         kind = (
@@ -322,7 +365,11 @@ def _write_random_weights(
             if target.endswith(".bias")
             else "normal"
         )
-        return weights.chunks(shapes[name], kind)
+        for chunk in weights.chunks(shapes[name], kind):
+            yield chunk
+            if progress is not None:
+                done += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+                progress(done, weight_total)
 
     if len(shards) == 1:
         names = {"model.safetensors": shards[0]}

@@ -14,7 +14,7 @@ ones; the vocabulary size, and with it the embedding's shape, stays exact.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,6 +265,7 @@ def create_preset_checkpoint(
     seed: int = 0,
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write a random-weight checkpoint with the preset's exact shapes; return its directory.
 
@@ -275,5 +276,10 @@ def create_preset_checkpoint(
     config = preset_config(name, num_layers=num_layers, dtype=dtype)
     config.update(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID)
     return write_checkpoint(
-        out_dir, config, seed=seed, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+        out_dir,
+        config,
+        seed=seed,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        progress=progress,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import struct
@@ -136,6 +137,46 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
     (directory / shards[-1]).unlink()
     with pytest.raises(InvalidCheckpoint, match=f"missing: \\['{shards[-1]}'\\]"):
         validate_checkpoint(directory)
+
+
+def test_progress_counts_every_weight_byte(tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    directory = create_checkpoint(
+        tmp_path / "p", **SMALL, max_shard_bytes=40_000, progress=lambda *x: seen.append(x)
+    )
+    total = validate_checkpoint(directory).weight_bytes
+    assert seen[-1] == (total, total)
+    assert all(a[0] < b[0] and a[1] == total for a, b in zip(seen, seen[1:], strict=False))
+
+
+def test_a_disk_too_small_is_refused_before_anything_is_written(tmp_path, monkeypatch) -> None:
+    # A full-size preset is hundreds of GiB: a disk filled half-way would leave a broken
+    # checkpoint and a full disk behind. The free space is the library's figure, shrunk.
+    real = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(
+        "services.models.checkpoint.shutil.disk_usage",
+        lambda path: real._replace(free=1 << 20),
+    )
+    with pytest.raises(OSError, match="needs 0.1 GiB and its disk has 0.0 GiB free") as full:
+        create_checkpoint(tmp_path / "new" / "ckpt", **SMALL)
+    assert full.value.errno == errno.ENOSPC
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_files_an_overwrite_replaces_count_as_free(checkpoint: Path, monkeypatch) -> None:
+    stored = validate_checkpoint(checkpoint).weight_bytes
+    real = shutil.disk_usage(checkpoint)
+    monkeypatch.setattr(
+        "services.models.checkpoint.shutil.disk_usage",
+        lambda path: real._replace(free=(64 << 20) + 1),
+    )
+    # The same shape again fits in the space its old weights free...
+    create_checkpoint(checkpoint, **SMALL, overwrite=True)
+    assert validate_checkpoint(checkpoint).weight_bytes == stored
+    # ...a larger one does not, and the old checkpoint stays whole.
+    with pytest.raises(OSError, match="GiB free"):
+        create_checkpoint(checkpoint, **{**SMALL, "hidden_size": 1024}, overwrite=True)
+    assert validate_checkpoint(checkpoint).weight_bytes == stored
 
 
 def test_tied_and_mistral_checkpoints(tmp_path: Path) -> None:
