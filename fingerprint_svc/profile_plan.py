@@ -250,10 +250,17 @@ def no_room_reason(nodes: Sequence[common.NodeState], need_bytes: Sequence[int])
         return "no live node agent has devices"
     biggest = max(live, key=lambda d: d.free_bytes)
     what = "no device has" if count == 1 else f"no node has {count} devices with"
-    return (
+    reason = (
         f"{what} {need / MIB:.0f} MiB free (largest free: {biggest.free_bytes / MIB:.0f} MiB "
         f"on {biggest.ref.node_id}/{biggest.ref.device_id})"
     )
+    if all(d.kind == common.DEVICE_KIND_CPU_VIRTUAL and d.total_bytes < need for d in live):
+        # No amount of waiting frees enough: the budget is the operator's to raise.
+        reason += (
+            "; virtual CPU devices are as large as `iserve up --device-memory GIB` "
+            "(ISERVE_DEVICE_MEMORY_GIB) makes them"
+        )
+    return reason
 
 
 def compute_bytes_for(nodes: Sequence[common.NodeState], checkpoint_dtype_bytes: int) -> int:

@@ -261,3 +261,17 @@ def test_no_room_names_the_largest_free_device():
     )
     assert no_room_reason(nodes, [600 * MIB] * 2).startswith("no node has 2 devices with 600 MiB")
     assert no_room_reason([], [1]) == "no live node agent has devices"
+
+
+def test_no_room_on_virtual_devices_too_small_says_how_to_size_them():
+    # A 70B model's one-layer fingerprint needs 5.8 GiB; virtual devices default to 4.
+    small = [_device("cpu0", 4096), _device("cpu1", 2048)]
+    for device in small:
+        device.kind, device.total_bytes = common.DEVICE_KIND_CPU_VIRTUAL, 4096 * MIB
+    reason = no_room_reason([_node(*small)], [5815 * MIB])
+    assert reason.startswith("no device has 5815 MiB free (largest free: 4096 MiB on n0/cpu0)")
+    assert reason.endswith(
+        "as large as `iserve up --device-memory GIB` (ISERVE_DEVICE_MEMORY_GIB) makes them"
+    )
+    # Large enough but busy: waiting helps, and the hint would mislead.
+    assert "device-memory" not in no_room_reason([_node(*small)], [3000 * MIB, 3000 * MIB])
