@@ -295,11 +295,17 @@ def model_references(
     fingerprints = [s for s in samples if not s.full_model]
     # A model of few layers is its own largest fingerprint (the profiler caps pp + 1
     # layers at the model's count): its full-model runs join a layout whose fingerprints
-    # have a single layer count. Elsewhere full-model runs stay out of the fit.
+    # have a single layer count, or have none because the model is no deeper than that
+    # layout's pp + 1 (a 2-layer model at pp = 2). Elsewhere full-model runs stay out of
+    # the fit (a measured 32-layer model is what is being estimated, not a fingerprint).
     counts: dict[tuple[str, Layout], set[int]] = defaultdict(set)
     for s in fingerprints:
         counts[(s.variant, s.layout)].add(s.layers)
-    fingerprints += [s for s in samples if s.full_model and len(counts[(s.variant, s.layout)]) == 1]
+    fingerprints += [
+        s
+        for s in samples
+        if s.full_model and (len(counts[(s.variant, s.layout)]) == 1 or s.layers <= s.pp + 1)
+    ]
     keys = [v for v in variants if any(s.variant == v and s.layout == BASE for s in fingerprints)]
     notes = [
         f"variant {variants[v].name!r} has no fingerprint runs at tp=1 pp=1; left out"

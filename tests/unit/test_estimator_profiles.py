@@ -244,6 +244,12 @@ def test_the_profilers_base_variant_and_a_model_that_is_its_own_fingerprint():
     base = refs.prompts[0].profiles[0].batch1
     assert base.ttft_s[0] == pytest.approx(2 * f_layer + f_other)
     assert base.tpot_s[0] == pytest.approx(2 * p_layer + p_other)
+    # At pp = 2 the only fingerprint is the whole model (pp + 1 = 3 layers, capped at 2):
+    # its runs are the (1,2) reference, and no note says that layout was not profiled.
+    f_layer, f_other, p_layer, p_other = TRUTH[(1, 2)]
+    assert base.ttft_s[2] == pytest.approx(2 * f_layer + f_other)
+    assert base.tpot_s[2] == pytest.approx(2 * p_layer + p_other)
+    assert not any("no fingerprint runs" in note for note in refs.notes), refs.notes
 
 
 def test_noise_never_makes_the_full_model_faster_than_its_fingerprints():
