@@ -405,6 +405,14 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
         )
         return error_response(400, "invalid_request_error", message or "invalid body", where)
 
+    @app.exception_handler(UnicodeEncodeError)
+    async def not_unicode(_request: Request, exc: UnicodeEncodeError):
+        # JSON may escape a lone surrogate ("\ud800"); no UTF-8 text holds one, so the
+        # request cannot be passed on (a 500 before).
+        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode("ascii")
+        message = f"the request holds text that is not valid Unicode: {bad} (a lone surrogate)"
+        return error_response(400, "invalid_request_error", message)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException):
         # Unknown paths and methods answer in OpenAI's error body too.

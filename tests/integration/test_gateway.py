@@ -203,6 +203,29 @@ def test_a_body_that_is_not_json_is_a_400(gateway):
     assert error["param"] is None
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}'),
+        (
+            "/v1/chat/completions",
+            b'{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}',
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_a_400(gateway, path, body):
+    for stream in (b"false", b"true"):
+        content = body.replace(b"%s", MODEL.encode())[:-1] + b', "stream": ' + stream + b"}"
+        reply = httpx.post(
+            f"{gateway}{path}",
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert reply.status_code == 400, reply.text
+        assert "not valid Unicode" in reply.json()["error"]["message"]
+
+
 def test_text_parts_and_declined_logprobs_are_served(client):
     # Text content parts are joined; logprobs false (as many clients send) is no request.
     reply = client.chat.completions.create(
