@@ -705,6 +705,11 @@ def _run(argv: list[str] | None) -> int:
         return args.func(settings, args)
     except BrokenPipeError:
         raise
+    except UnicodeEncodeError as exc:
+        # Bytes that are not UTF-8 reach argv as lone surrogates (Python's surrogateescape).
+        bad = exc.object[exc.start : exc.end].encode("utf-8", "surrogateescape")
+        print(f"error: an argument is not UTF-8 text (bytes {bad!r})", file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE:

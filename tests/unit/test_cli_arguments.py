@@ -81,3 +81,12 @@ def test_defaults_still_mean_the_servers_default():
 
 def test_the_preset_help_lists_every_preset():
     assert tuple(PRESETS) == PRESET_NAMES
+
+
+def test_an_argument_that_is_not_utf8_is_named(capsys):
+    # A shell passes bytes; Python turns the ones that are not UTF-8 into lone surrogates,
+    # which no request can carry. The CLI says so before connecting to anything.
+    from services.cli.main import main
+
+    assert main(["generate", "d", "a\udcff\udcfe"]) == 1
+    assert "an argument is not UTF-8 text (bytes b'\\xff\\xfe')" in capsys.readouterr().err
