@@ -46,6 +46,7 @@ from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.auth.tokens import bearer
 from services.metrics import new_registry
+from services.proto_limits import UINT32_MAX, UINT64_MAX
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -92,8 +93,6 @@ class GatewayError(Exception):
 # ---- request bodies -------------------------------------------------------------------
 # The GenerateRequest fields these become are uint32 (max_tokens, deadline_ms) and uint64
 # (seed): a larger number is a 400 here, not a failed message build (a 500).
-UINT32_MAX = 2**32 - 1
-UINT64_MAX = 2**64 - 1
 
 
 class StreamOptions(BaseModel):

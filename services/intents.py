@@ -18,6 +18,7 @@ import numpy as np
 
 from services.api import common_pb2 as common
 from services.errors import FailedPrecondition, InvalidArgument
+from services.proto_limits import UINT32_MAX
 
 __all__ = [
     "COST_UNITS",
@@ -40,7 +41,7 @@ INTENT_KINDS = {
 }
 # A LATENCY_SLO intent's latency becomes its deployment's default request deadline, a
 # uint32 of milliseconds (about 49 days).
-MAX_LATENCY_SLO_MS = 2**32 - 1
+MAX_LATENCY_SLO_MS = UINT32_MAX
 # Cost formulas and the unit their costs are reported in.
 COST_UNITS = {
     common.COST_FORMULA_MEMORY_TIMES_LATENCY: "GB*s",

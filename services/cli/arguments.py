@@ -12,10 +12,9 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["UINT32_MAX", "UINT64_MAX", "add_token_limits", "positive_number", "whole_number"]
+from services.proto_limits import UINT32_MAX
 
-UINT32_MAX = 2**32 - 1
-UINT64_MAX = 2**64 - 1
+__all__ = ["add_token_limits", "positive_number", "whole_number"]
 
 
 def whole_number(minimum: int = 1, maximum: int = UINT32_MAX) -> Callable[[str], int]:

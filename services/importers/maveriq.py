@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.proto_limits import UINT32_MAX
+
 __all__ = [
     "AccuracyKey",
     "MaverIQData",
@@ -158,7 +160,7 @@ def _parse_row(row: dict[str, str], source: str, line: int) -> Measurement:
 
 
 # Counts are stored in uint32 fields (ProfileMeasurement, DeploymentConfig).
-_MAX_COUNT = 2**32 - 1
+_MAX_COUNT = UINT32_MAX
 
 
 def _measurement(row: dict[str, str], source: str, where: str) -> Measurement:

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.cli.arguments import UINT32_MAX, UINT64_MAX, positive_number, whole_number
+from services.cli.arguments import positive_number, whole_number
 from services.cli.main import PRESET_NAMES, build_parser
 from services.models.presets import PRESETS
+from services.proto_limits import UINT32_MAX, UINT64_MAX
 
 
 @given(st.integers(min_value=-(2**70), max_value=2**70))

@@ -1,0 +1,16 @@
+"""The largest values the API's unsigned protobuf fields carry.
+
+A count or duration beyond them cannot be put in a request message at all (protobuf
+raises "Value out of range" while building it), so every edge that takes such numbers
+from a user (the CLI, the HTTP gateway, file importers) refuses them against these, with
+the field's name, before building a message.
+"""
+
+from __future__ import annotations
+
+__all__ = ["UINT32_MAX", "UINT64_MAX"]
+
+# uint32 fields: token counts, batch sizes, parallel degrees, milliseconds.
+UINT32_MAX = 2**32 - 1
+# uint64 fields: seeds, byte counts.
+UINT64_MAX = 2**64 - 1
