@@ -7,6 +7,8 @@
 * "40b-one-norm": the new architecture with num_ln_in_parallel_attn 1.
 * "sequential-bias": the original multi-head design without parallel_attn, with biases
   on every linear layer.
+* "40b-rope-linear": the new architecture with linear RoPE scaling (factor 4), written
+  the transformers 4 way (``rope_scaling``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import torch  # noqa: E402
+
+from monitor_agent.engine.rope import inverse_frequencies  # noqa: E402
 from services.models.checkpoint import create_checkpoint  # noqa: E402
 from tests.parity.harness import (  # noqa: E402
     ParityPair,
@@ -40,6 +45,11 @@ VARIANTS = {
         **SMALL,
         "num_heads": 4,
         "config_overrides": {"parallel_attn": False, "bias": True},
+    },
+    "40b-rope-linear": {
+        **SMALL,
+        "num_kv_heads": 2,
+        "config_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
     },
 }
 
@@ -72,3 +82,17 @@ def test_kv_cache_holds_only_the_kv_heads(pair: ParityPair) -> None:
     cache = pair.engine.model.layers[0].self_attn.kv_cache
     assert cache is not None
     assert cache.keys.shape[1] == pair.engine.spec.num_kv_heads
+
+
+def test_a_scaled_rope_is_applied_by_both(tmp_path: Path) -> None:
+    """Where the config scales RoPE, both sides read it: transformers' rotary frequencies
+    are the engine's, and not the unscaled ones (so the "40b-rope-linear" logits compared
+    above differ from plain RoPE's)."""
+    directory = tmp_path / "ckpt"
+    create_checkpoint(directory, arch="falcon", seed=21, **VARIANTS["40b-rope-linear"])
+    pair = parity_pair(directory, "FalconForCausalLM", seed=22)
+    spec = pair.engine.spec
+    assert spec.rope_scaling is not None and spec.rope_scaling.kind == "linear"
+    ours = inverse_frequencies(spec.rotary_dim, spec.rope_theta, scaling=spec.rope_scaling)
+    assert torch.equal(pair.hf.transformer.rotary_emb.inv_freq.float(), ours)
+    assert not torch.equal(ours, inverse_frequencies(spec.rotary_dim, spec.rope_theta))
