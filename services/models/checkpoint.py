@@ -278,13 +278,19 @@ def write_checkpoint(
             f"vocab_size {spec.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.get_vocab_size()}"
         )
-    st_dtype = CONFIG_TO_SAFETENSORS_DTYPE[spec.torch_dtype]
     stale = [*directory.glob("*.safetensors"), directory / SHARD_INDEX_FILE]
-    _check_disk_space(directory, spec, st_dtype, stale)
+    _check_disk_space(directory, spec.weight_bytes(), stale)
     directory.mkdir(parents=True, exist_ok=True)
     for path in stale:
         path.unlink(missing_ok=True)
-    _write_random_weights(directory, spec, st_dtype, seed, max_shard_bytes, progress)
+    _write_random_weights(
+        directory,
+        spec,
+        CONFIG_TO_SAFETENSORS_DTYPE[spec.torch_dtype],
+        seed,
+        max_shard_bytes,
+        progress,
+    )
     _write_json(directory / CONFIG_FILE, dict(config))
     eos = list(spec.eos_token_ids)
     _write_json(
@@ -312,25 +318,21 @@ def write_checkpoint(
     return directory
 
 
-def _weight_bytes(spec: ArchSpec, st_dtype: str) -> int:
-    """Bytes of every tensor ``spec`` implies, stored as ``st_dtype``."""
-    return sum(TensorInfo(st_dtype, t.shape, "").nbytes for t in spec.checkpoint_tensors())
-
-
 # Headers, config, tokenizer: what a checkpoint holds beyond its tensors, with room to spare.
 _FILES_MARGIN_BYTES = 64 << 20
 
 
-def _check_disk_space(directory: Path, spec: ArchSpec, st_dtype: str, stale: list[Path]) -> None:
-    """OSError (ENOSPC) when the disk under ``directory`` cannot hold the weights, counting
-    the ``stale`` files the write replaces as free: a full-size preset is hundreds of GiB,
-    and a disk filled half-way leaves a broken checkpoint and a full disk behind."""
+def _check_disk_space(directory: Path, weight_bytes: int, stale: list[Path]) -> None:
+    """OSError (ENOSPC) when the disk under ``directory`` cannot hold ``weight_bytes`` of
+    weights, counting the ``stale`` files the write replaces as free: a full-size preset
+    is hundreds of GiB, and a disk filled half-way leaves a broken checkpoint and a full
+    disk behind."""
     existing = directory
     while not existing.exists():
         existing = existing.parent
     free = shutil.disk_usage(existing).free
     free += sum(path.stat().st_size for path in stale if path.is_file())
-    needed = _weight_bytes(spec, st_dtype) + _FILES_MARGIN_BYTES
+    needed = weight_bytes + _FILES_MARGIN_BYTES
     if needed > free:
         full = OSError(
             f"{str(directory)!r}: the checkpoint needs {needed / 2**30:.1f} GiB and its disk "
@@ -352,7 +354,7 @@ def _write_random_weights(
     shapes = {name: tensor.shape for name, tensor in tensors.items()}
     shards = _split_into_shards(shapes, st_dtype, max_shard_bytes)
     weights = RandomWeights(seed, st_dtype)
-    weight_total, done = _weight_bytes(spec, st_dtype), 0
+    weight_total, done = spec.weight_bytes(), 0
 
     def tensor_chunks(name: str) -> Iterator[bytes | memoryview]:
         nonlocal done

@@ -146,19 +146,32 @@ def _rope_blocks(cfg: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], s
     return blocks
 
 
-def rope_scaling(cfg: Mapping[str, Any]) -> RopeScaling | None:
-    """The config's RoPE frequency scaling, or None for unscaled RoPE (see
-    :class:`~services.models.arch.RopeScaling`). A llama3 block without
+def rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(base of the rotary frequencies, their scaling or None for unscaled RoPE), read
+    from the config's RoPE blocks once (see :func:`_rope_blocks`)."""
+    blocks = _rope_blocks(cfg)
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        engine_cannot_run("partial rotary embeddings are not supported for this family")
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping) and params.get("rope_theta") is not None:
+        theta = positive_float(params, "rope_theta", 10000.0)
+    else:
+        theta = positive_float(cfg, "rope_theta", 10000.0)
+    scaled = [block for block in blocks if block[2] != "default"]
+    return theta, (_rope_scaling(cfg, *scaled[0]) if scaled else None)
+
+
+def _rope_scaling(
+    cfg: Mapping[str, Any], name: str, block: Mapping[str, Any], kind: str
+) -> RopeScaling:
+    """The scaling a ``kind`` block (``name``) declares (see
+    :class:`~services.models.rope_scaling.RopeScaling`). A llama3 block without
     ``original_max_position_embeddings`` takes the config's ``max_position_embeddings``,
     as transformers does."""
-    scaled = [(name, block, kind) for name, block, kind in _rope_blocks(cfg) if kind != "default"]
-    if not scaled:
-        return None
-    name, block, kind = scaled[0]
 
-    def number(key: str, default: float | None = None) -> float:
+    def number(key: str) -> float:
         try:
-            return positive_float(block, key, default)
+            return positive_float(block, key, None)
         except InvalidConfig:
             raise InvalidConfig(
                 f"config field '{name}.{key}' must be a positive finite number, "
@@ -183,17 +196,6 @@ def rope_scaling(cfg: Mapping[str, Any]) -> RopeScaling | None:
         )
     except ValueError as exc:
         raise InvalidConfig(f"config field {name!r}: {exc}") from None
-
-
-def rope_theta(cfg: Mapping[str, Any]) -> float:
-    """Base of the rotary frequencies (any scaling is :func:`rope_scaling`'s)."""
-    params = cfg.get("rope_parameters")
-    _rope_blocks(cfg)
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        engine_cannot_run("partial rotary embeddings are not supported for this family")
-    if isinstance(params, Mapping) and params.get("rope_theta") is not None:
-        return positive_float(params, "rope_theta", 10000.0)
-    return positive_float(cfg, "rope_theta", 10000.0)
 
 
 def head_dim_of(hidden_size: int, num_heads: int) -> int:

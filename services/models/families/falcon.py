@@ -76,6 +76,7 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
         )
         activation = _ACTIVATIONS[0]  # read for the shape alone
     bias = fields.flag(cfg, "bias")
+    rope_theta, rope_scaling = fields.rope(cfg)
     return ArchSpec(
         family=family,
         hidden_size=hidden_size,
@@ -87,8 +88,8 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
         vocab_size=fields.positive_int(cfg, "vocab_size"),
         max_position_embeddings=fields.positive_int(cfg, "max_position_embeddings", 2048),
         norm_eps=fields.positive_float(cfg, "layer_norm_epsilon", 1e-5),
-        rope_theta=fields.rope_theta(cfg),
-        rope_scaling=fields.rope_scaling(cfg),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         # FalconConfig ties the LM head to the embeddings unless told otherwise.
         tie_word_embeddings=fields.flag(cfg, "tie_word_embeddings", True),
         torch_dtype=fields.dtype_name(cfg),

@@ -55,6 +55,7 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
     sliding_window = None
     if family == "mistral" and cfg.get("sliding_window") is not None:
         sliding_window = fields.positive_int(cfg, "sliding_window")
+    rope_theta, rope_scaling = fields.rope(cfg)
     return ArchSpec(
         family=family,
         hidden_size=hidden_size,
@@ -66,8 +67,8 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
         vocab_size=fields.positive_int(cfg, "vocab_size"),
         max_position_embeddings=fields.positive_int(cfg, "max_position_embeddings", 2048),
         norm_eps=fields.positive_float(cfg, "rms_norm_eps", 1e-6),
-        rope_theta=fields.rope_theta(cfg),
-        rope_scaling=fields.rope_scaling(cfg),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         tie_word_embeddings=fields.flag(cfg, "tie_word_embeddings"),
         torch_dtype=fields.dtype_name(cfg),
         bos_token_id=fields.bos_token_id(cfg),
