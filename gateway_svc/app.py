@@ -91,10 +91,6 @@ class GatewayError(Exception):
 
 
 # ---- request bodies -------------------------------------------------------------------
-# The GenerateRequest fields these become are uint32 (max_tokens, deadline_ms) and uint64
-# (seed): a larger number is a 400 here, not a failed message build (a 500).
-
-
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -107,6 +103,8 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
+    # GenerateRequest carries max_tokens and deadline_ms as uint32 and the seed as uint64:
+    # a larger number is a 400 here, not a failed message build (a 500).
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

@@ -277,9 +277,8 @@ def rank(estimates: Estimates, intent: Intent, cost: np.ndarray | None = None) -
     unestimable = e.unestimable_note()
     if unestimable:
         notes.append(unestimable)
-    usable = e.estimable
-    candidates = np.flatnonzero(usable & e.fits)
-    misfits = int(np.count_nonzero(usable & ~e.fits))
+    candidates = np.flatnonzero(e.candidates)
+    misfits = int(np.count_nonzero(e.estimable & ~e.fits))
     if misfits:
         notes.append(f"{misfits} configurations do not fit the device memory")
     if candidates.size == 0:

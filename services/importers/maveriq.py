@@ -159,10 +159,6 @@ def _parse_row(row: dict[str, str], source: str, line: int) -> Measurement:
         raise ValueError(f"{where}: {exc}") from None
 
 
-# Counts are stored in uint32 fields (ProfileMeasurement, DeploymentConfig).
-_MAX_COUNT = UINT32_MAX
-
-
 def _measurement(row: dict[str, str], source: str, where: str) -> Measurement:
     dtype = row["DTYPE"]
     if dtype not in _WEIGHT_QUANT:
@@ -187,11 +183,12 @@ def _measurement(row: dict[str, str], source: str, where: str) -> Measurement:
         memory_gib=float(row["Memory-After-Run"]),
         memory_pre_run_gib=float(row["Memory-Pre-Run"]),
     )
-    if not all(1 <= n <= _MAX_COUNT for n in (tp, pp, *pp_map)):
-        raise ValueError(f"{where}: TP, PP and every PP_Map stage must be from 1 to {_MAX_COUNT}")
+    # Counts are stored in uint32 fields (ProfileMeasurement, DeploymentConfig).
+    if not all(1 <= n <= UINT32_MAX for n in (tp, pp, *pp_map)):
+        raise ValueError(f"{where}: TP, PP and every PP_Map stage must be from 1 to {UINT32_MAX}")
     counts = (measurement.output_tokens, measurement.batch_size)
-    if not all(1 <= n <= _MAX_COUNT for n in counts):
-        raise ValueError(f"{where}: Output_Lenght and Batch_Size must be from 1 to {_MAX_COUNT}")
+    if not all(1 <= n <= UINT32_MAX for n in counts):
+        raise ValueError(f"{where}: Output_Lenght and Batch_Size must be from 1 to {UINT32_MAX}")
     if not (0 < measurement.latency_s < math.inf and 0 <= measurement.memory_gib < math.inf):
         raise ValueError(
             f"{where}: Latency must be a finite positive number and Memory-After-Run a "
