@@ -23,7 +23,7 @@ from scheduler_svc.metrics import RequestRecord, ServingMetrics
 from scheduler_svc.policies import QueueEntry
 from scheduler_svc.queues import Clock, DeploymentQueue, PolicyFactory, QueueRegistry
 from scheduler_svc.routing import REFRESH_INTERVAL_S, Router
-from scheduler_svc.validation import check_for_deployment, check_request
+from scheduler_svc.validation import check_for_deployment, check_request, resolve_max_tokens
 from scheduler_svc.worker_client import WorkerClients, WorkerStream, WorkerStreamError
 from services import errors, replicas
 from services.api import common_pb2 as common
@@ -214,6 +214,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         record.deployment_id = deployment.deployment_id
         self.metrics.seen(deployment.deployment_id, deployment.model_id)
         record.objectives = deployment.objectives
+        resolve_max_tokens(request, deployment)
         check_for_deployment(request, deployment)
         # Until the deployer takes them out (routing refreshes each second).
         deployment = replicas.avoiding(deployment, self._unreachable)

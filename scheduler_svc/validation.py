@@ -8,19 +8,19 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
 from services.errors import InvalidArgument
 from services.ids import check_request_id
+from services.token_limits import DEFAULT_MAX_OUTPUT_TOKENS
 
 
 def check_request(request: inference_pb.GenerateRequest) -> None:
-    """Checks that need no deployment: request id, target, prompt, max_tokens ≥ 1,
-    sampling. (The target's id is checked where it is looked up, by the router.)"""
+    """Checks that need no deployment: request id, target, prompt, sampling. (The
+    target's id is checked where it is looked up, by the router; max_tokens, once
+    :func:`resolve_max_tokens` has filled it in, against the deployment.)"""
     check_request_id(request.request_id)
     target = request.WhichOneof("target")
     if target is None or not getattr(request, target):
         raise InvalidArgument("set model_id or deployment_id")
     if not request.prompt and not request.prompt_token_ids:
         raise InvalidArgument("prompt is empty")
-    if request.max_tokens < 1:
-        raise InvalidArgument("max_tokens must be at least 1")
     if request.HasField("sampling"):
         sampling = request.sampling
         if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
@@ -29,6 +29,16 @@ def check_request(request: inference_pb.GenerateRequest) -> None:
             )
         if not 0 <= sampling.top_p <= 1:
             raise InvalidArgument(f"sampling.top_p must be within [0, 1], got {sampling.top_p}")
+
+
+def resolve_max_tokens(
+    request: inference_pb.GenerateRequest, deployment: deploy_pb.Deployment
+) -> None:
+    """An unset max_tokens (0) becomes the deployment's max_output_tokens, as OpenAI's
+    chat API generates up to the model's limit when no max_tokens is given (a deployment
+    that records no limit gets the deployer's default)."""
+    if not request.max_tokens:
+        request.max_tokens = deployment.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
 
 
 def check_for_deployment(

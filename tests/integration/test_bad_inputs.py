@@ -180,7 +180,6 @@ def test_deploy_rejects_bad_configurations(stack, served):
 def test_generate_rejects_bad_requests(stack, served):
     cases = [
         (dict(prompt=""), "empty"),
-        (dict(prompt="hi", max_tokens=0), "max_tokens"),
         (dict(prompt="hi", max_tokens=served.max_output_tokens + 1), str(served.max_output_tokens)),
         (dict(prompt="hi", sampling=common.SamplingParams(temperature=-1)), "temperature"),
         (dict(prompt="hi", sampling=common.SamplingParams(top_p=1.5)), "top_p"),

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from deploy_svc.explicit import resolve_explicit
 from deploy_svc.objectives import resolve_objectives
 from fingerprint_svc.registry import build_model, check_variants
-from scheduler_svc.validation import check_for_deployment, check_request
+from scheduler_svc.validation import check_for_deployment, check_request, resolve_max_tokens
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as infer_pb
@@ -326,7 +326,6 @@ def test_a_tiny_temperature_samples_greedily_instead_of_failing_the_batch():
 @pytest.mark.parametrize(
     "fields,phrase",
     [
-        (dict(max_tokens=0), "max_tokens"),
         (dict(prompt="", prompt_token_ids=[]), "empty"),
         (dict(request_id="a b"), "request_id"),
         (dict(request_id=".."), "request_id"),
@@ -401,6 +400,7 @@ def test_any_generate_request_is_checked_or_invalid_argument(
     )
     try:
         check_request(request)
+        resolve_max_tokens(request, deployment)
         check_for_deployment(request, deployment)
     except IServeError as exc:
         assert exc.code == grpc.StatusCode.INVALID_ARGUMENT

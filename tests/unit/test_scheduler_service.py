@@ -293,7 +293,6 @@ def test_a_deployment_that_becomes_ready_is_served_without_waiting_for_a_refresh
     ("fields", "message"),
     [
         ({"prompt": ""}, "prompt is empty"),
-        ({"max_tokens": 0}, "max_tokens must be at least 1"),
         ({"max_tokens": 17}, "max_tokens 17 exceeds max_output_tokens 16 of deployment d1"),
         ({"sampling": common.SamplingParams(temperature=-1)}, "sampling.temperature"),
         ({"sampling": common.SamplingParams(top_p=1.5)}, "sampling.top_p must be within [0, 1]"),
@@ -311,6 +310,18 @@ def test_invalid_requests_are_rejected(redis_url, fields, message):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert message in error.details()
         assert worker.received == []
+
+    run(redis_url, scenario)
+
+
+def test_an_unset_max_tokens_is_the_deployments_max_output_tokens(redis_url):
+    # OpenAI's chat API: no max_tokens means as many as the model allows.
+    async def scenario(h: Harness):
+        worker = FakeWorker()
+        await h.add_deployment("d1", worker, max_output_tokens=16)
+        await h.collect(deployment_id="d1", max_tokens=0)
+        await h.collect(request_id="r2", deployment_id="d1", max_tokens=5)
+        assert [r.max_tokens for r in worker.received] == [16, 5]
 
     run(redis_url, scenario)
 
