@@ -22,14 +22,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -72,11 +72,62 @@ def http_status(code: grpc.StatusCode) -> tuple[int, str]:
     return _STATUS.get(code, (500, "internal_error"))
 
 
-def error_response(status: int, kind: str, message: str, param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    kind: str,
+    message: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": param, "code": status}},
         status_code=status,
+        headers=headers,
     )
+
+
+# ---- what the OpenAPI document says of the replies ----------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body, which every error of the gateway has."""
+
+    error: ErrorDetail
+
+
+def _error_replies(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The documented error replies of a route: these statuses, and ``default`` for the
+    rest (a 500). Declaring ``default`` also keeps FastAPI from documenting a 422: the
+    gateway answers a body that fails validation with 400, as OpenAI does."""
+    what = {
+        400: "Bad request: the body fails validation or the parameters are refused",
+        401: "No credentials, or credentials that are not valid",
+        403: "The credentials do not allow this",
+        404: "The model is not registered, or has no deployment",
+        429: "The deployment's queue is full",
+        503: "No worker or service can take the request now",
+        504: "The request's deadline passed",
+    }
+    replies: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorBody, "description": what[status]} for status in statuses
+    }
+    replies["default"] = {"model": ErrorBody, "description": "Any other error"}
+    return replies
+
+
+_GENERATION_REPLIES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion; with stream: true, server-sent events ending in "
+        "data: [DONE]",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+    **_error_replies(400, 401, 403, 404, 429, 503, 504),
+}
 
 
 class GatewayError(Exception):
@@ -95,6 +146,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_MAX_STOPS = 4
+# OpenAI's default max_tokens of /v1/completions.
+COMPLETION_MAX_TOKENS = 16
+_STOP_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": _MAX_STOPS},
+        {"type": "null"},
+    ]
+}
+# Absent, null, false or 0: a request for log-probabilities is refused.
+_NO_LOGPROBS = {"anyOf": [{"const": False}, {"const": 0}, {"type": "null"}]}
+# An OpenAI text content part; the validator refuses any other kind by name.
+_TEXT_PARTS = WithJsonSchema(
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+            "required": ["type", "text"],
+        },
+    }
+)
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share (OpenAI's names), plus iserve's ``priority`` and
     ``deadline_ms`` and vLLM's ``ignore_eos``. Unknown fields are ignored, as
@@ -109,8 +185,10 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
-    stop: str | list[str] | None = None
-    n: int = 1
+    # The validators below give the clear messages; the json_schema_extra say the same
+    # in the OpenAPI document, so that a request it calls valid is one the gateway takes.
+    stop: str | list[str] | None = Field(default=None, json_schema_extra=_STOP_SCHEMA)
+    n: int = Field(default=1, json_schema_extra={"const": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: bool = False
@@ -119,8 +197,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     # Asked for, they would be answered with nothing: the workers do not return
     # log-probabilities, so a request for them is refused rather than given null.
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | int | None = Field(default=None, json_schema_extra=_NO_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, json_schema_extra=_NO_LOGPROBS)
 
     @field_validator("n")
     @classmethod
@@ -140,8 +218,8 @@ class _Sampling(BaseModel):
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else (stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > _MAX_STOPS or any(not s for s in stops):
+            raise ValueError(f"stop takes up to {_MAX_STOPS} non-empty strings")
         return stop
 
     def stop_strings(self) -> list[str]:
@@ -149,15 +227,23 @@ class _Sampling(BaseModel):
 
 
 class CompletionBody(_Sampling):
-    prompt: str
-    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
+    # An empty prompt gives the model nothing to continue: the scheduler refuses it too.
+    prompt: str = Field(min_length=1)
+    # OpenAI's default, absent or null. (A chat without max_tokens generates up to the
+    # deployment's max_output_tokens: the scheduler reads an unset max_tokens so.)
+    max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1, le=UINT32_MAX)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _default_for_null(cls, max_tokens: int | None) -> int:
+        return COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], _TEXT_PARTS] | None = None
 
     @field_validator("content")
     @classmethod
@@ -338,6 +424,19 @@ def _generate_request(
     )
 
 
+def _not_unicode(text: str) -> str:
+    surrogate = next((c for c in text if "\ud800" <= c <= "\udfff"), text[:1])
+    escaped = surrogate.encode("unicode_escape").decode("ascii")
+    return f"text that is not valid Unicode: {escaped} (a lone surrogate)"
+
+
+def _reason(error: dict[str, Any]) -> str:
+    """A validation error's message; pydantic's own, but for text that is not Unicode."""
+    if error.get("type") == "string_unicode" and isinstance(error.get("input"), str):
+        return _not_unicode(error["input"])
+    return str(error.get("msg"))
+
+
 # ---- the app --------------------------------------------------------------------------
 def create_app(connect: Callable[[], Backend]) -> FastAPI:
     """The app; ``connect`` builds the backend on the server's own event loop (gRPC aio
@@ -397,7 +496,7 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
         first = errors[0] if errors else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {_reason(e)}"
             for e in errors
         )
         return error_response(400, "invalid_request_error", message or "invalid body", where)
@@ -406,25 +505,25 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
     async def not_unicode(_request: Request, exc: UnicodeEncodeError):
         # JSON may escape a lone surrogate ("\ud800"); no UTF-8 text holds one, so the
         # request cannot be passed on (a 500 before).
-        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode("ascii")
-        message = f"the request holds text that is not valid Unicode: {bad} (a lone surrogate)"
+        message = f"the request holds {_not_unicode(exc.object[exc.start : exc.end])}"
         return error_response(400, "invalid_request_error", message)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException):
         # Unknown paths and methods answer in OpenAI's error body too.
+        # A 405 keeps Starlette's Allow header (RFC 9110 requires it).
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, kind, str(exc.detail))
+        return error_response(exc.status_code, kind, str(exc.detail), headers=exc.headers)
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_error_replies(401, 403, 503))
     async def list_models(http: Request):
         try:
             reply = await backend.deployments.ListDeployments(
@@ -449,13 +548,13 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATION_REPLIES)
     async def completions(body: CompletionBody, http: Request):
         caller = backend.caller(http)
         request = _generate_request(body, body.prompt, body.max_tokens)
         return await _respond(body, request, caller, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATION_REPLIES)
     async def chat_completions(body: ChatBody, http: Request):
         caller = backend.caller(http)
         template, tokens = await backend.chat_template(body.model)

@@ -1,0 +1,162 @@
+"""The gateway's OpenAPI document against the live gateway, checked by schemathesis: it
+generates requests from the document (valid ones, and invalid ones) and checks each reply
+against it.
+
+- Requests for a model that is not deployed: every body the document calls valid gets
+  the 404 of an unknown model, never a 400, and every body it calls invalid gets a 4xx.
+  A 400 for a valid body would mean the document promises more than the gateway takes.
+- Requests for a deployed model (a tiny one, whose context bounds every generation):
+  no 5xx, and every status, content type and body is one the document declares.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, assume, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    not_a_server_error,
+    positive_data_acceptance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from services.models.checkpoint import create_checkpoint
+from services.proto_limits import UINT64_MAX
+from tests.integration.helpers import TINY, deploy, register
+
+pytestmark = pytest.mark.integration
+
+MODEL, ABSENT = "openapi-llama", "openapi-absent"
+CONTEXT = 96  # positions: no generation the fuzzer asks for runs longer than this
+MAX_OUTPUT = 32  # the deployer's default share of CONTEXT for output
+
+CONFORMANCE = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
+FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+    database=None,
+)
+
+
+@pytest.fixture(scope="module")
+def gateway_url(stack) -> str:
+    create_checkpoint(
+        stack.models_root / MODEL, **TINY, max_position_embeddings=CONTEXT, overwrite=True
+    )
+    register(stack, MODEL, MODEL)
+    assert deploy(stack, MODEL).deployment.max_output_tokens == MAX_OUTPUT
+    return f"http://{stack.settings.gateway_address}"
+
+
+@pytest.fixture(scope="module")
+def operations(gateway_url) -> dict[str, schemathesis.APIOperation]:
+    document = schemathesis.openapi.from_url(f"{gateway_url}/openapi.json")
+    found = {}
+    for result in document.get_all_operations():
+        operation = result.ok()
+        found[f"{operation.method.upper()} {operation.path}"] = operation
+    return found
+
+
+def _fuzz(operation, mode: GenerationMode, model: str, check) -> None:
+    """Runs ``check(case)`` on the cases hypothesis draws for the operation (schemathesis's
+    strategy, driven here: its pytest plugin predates this pytest)."""
+
+    @FUZZ
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case) -> None:
+        if isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = model
+        check(case)
+
+    run()
+
+
+POSTS = ["POST /v1/completions", "POST /v1/chat/completions"]
+
+
+@pytest.mark.parametrize("label", POSTS)
+def test_a_body_the_document_calls_valid_is_taken_and_an_invalid_one_refused(
+    operations, gateway_url, label
+):
+    def valid(case) -> None:
+        # The generator compares integers beyond 2^53 as floats, so it draws seeds up to
+        # ~400 above the documented maximum 2^64-1 as valid ones; the gateway rightly
+        # refuses those.
+        seed = case.body.get("seed") if isinstance(case.body, dict) else None
+        assume(not (isinstance(seed, int) and seed > UINT64_MAX))
+        reply = case.call(base_url=gateway_url, timeout=30)
+        case.validate_response(reply, checks=[positive_data_acceptance, *CONFORMANCE])
+        assert reply.status_code == 404, reply.text  # the model, not the body, is refused
+
+    def invalid(case) -> None:
+        reply = case.call(base_url=gateway_url, timeout=30)
+        case.validate_response(reply, checks=[negative_data_rejection, *CONFORMANCE])
+
+    _fuzz(operations[label], GenerationMode.POSITIVE, ABSENT, valid)
+    _fuzz(operations[label], GenerationMode.NEGATIVE, ABSENT, invalid)
+
+
+@pytest.mark.parametrize("label", [*POSTS, "GET /v1/models", "GET /health", "GET /metrics"])
+def test_every_reply_of_a_deployed_model_is_what_the_document_declares(
+    operations, gateway_url, label
+):
+    def conforms(case) -> None:
+        reply = case.call(base_url=gateway_url, timeout=60)
+        case.validate_response(reply, checks=CONFORMANCE)
+
+    _fuzz(operations[label], GenerationMode.POSITIVE, MODEL, conforms)
+
+
+def test_without_max_tokens_a_chat_runs_to_the_limit_and_a_completion_to_16(gateway_url):
+    # OpenAI's defaults: a chat generates up to the model's limit (here the deployment's
+    # max_output_tokens), a completion 16 tokens, whether max_tokens is absent or null.
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    completion = {"model": MODEL, "prompt": "once", "ignore_eos": True}
+    for body, tokens in [
+        (chat, MAX_OUTPUT),
+        ({**chat, "max_tokens": None, "max_completion_tokens": None}, MAX_OUTPUT),
+        (completion, 16),
+        ({**completion, "max_tokens": None}, 16),
+    ]:
+        reply = httpx.post(
+            f"{gateway_url}/v1/chat/completions"
+            if "messages" in body
+            else f"{gateway_url}/v1/completions",
+            json=body,
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == tokens, body
+        assert reply.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("DELETE", "/v1/completions", "POST"),
+        ("PUT", "/v1/models", "GET"),
+        ("POST", "/health", "GET"),
+    ],
+)
+def test_a_method_a_path_does_not_take_is_a_405_naming_those_it_does(
+    gateway_url, method, path, allowed
+):
+    reply = httpx.request(method, f"{gateway_url}{path}", timeout=30)
+    assert reply.status_code == 405
+    assert reply.headers["allow"] == allowed  # RFC 9110 requires it
+    assert reply.json()["error"]["type"] == "invalid_request_error"
