@@ -29,7 +29,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -171,6 +178,57 @@ _TEXT_PARTS = WithJsonSchema(
 )
 
 
+# OpenAI fields whose effect this server does not have. Ignored, they would change the
+# answer in silence (a penalty not applied, JSON not enforced, a tool never offered), so
+# any value but the neutral one is a 400 naming the field; the document says the same.
+def _is_number(value: Any, number: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and value == number
+
+
+_Declined = dict[str, tuple[Callable[[Any], bool], list[dict[str, Any]], str]]
+# name: (whether a value is the neutral one, the neutral values' JSON schema, what is
+# not supported)
+_DECLINED: _Declined = {
+    "frequency_penalty": (lambda v: _is_number(v, 0), [{"const": 0}], "frequency penalties are"),
+    "presence_penalty": (lambda v: _is_number(v, 0), [{"const": 0}], "presence penalties are"),
+    "logit_bias": (lambda v: v == {}, [{"type": "object", "maxProperties": 0}], "logit biases are"),
+}
+_DECLINED_CHAT: _Declined = {
+    "response_format": (
+        lambda v: isinstance(v, dict) and v.get("type") == "text",
+        [{"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}],
+        "response formats other than text (JSON mode, JSON schemas) are",
+    ),
+    "tools": (lambda v: v == [], [{"type": "array", "maxItems": 0}], "tool calling is"),
+    "functions": (lambda v: v == [], [{"type": "array", "maxItems": 0}], "function calling is"),
+    "modalities": (
+        lambda v: v == ["text"],
+        [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}],
+        "output modalities other than text are",
+    ),
+    "audio": (lambda v: False, [], "audio output is"),
+}
+_DECLINED_COMPLETION: _Declined = {
+    "echo": (lambda v: v is False, [{"const": False}], "echo is"),
+    "suffix": (lambda v: v == "", [{"type": "string", "maxLength": 0}], "suffixes are"),
+    "best_of": (lambda v: _is_number(v, 1), [{"const": 1}], "best_of above 1 is"),
+}
+
+
+def _declined(declined: _Declined, name: str) -> Any:
+    """The field of a declined parameter: null by default, documented by its neutral
+    values."""
+    schema = declined[name][1]
+    return Field(default=None, json_schema_extra={"anyOf": [*schema, {"type": "null"}]})
+
+
+def _check_declined(declined: _Declined, value: Any, info: ValidationInfo) -> Any:
+    neutral, _schema, what = declined[info.field_name]
+    if value is not None and not neutral(value):
+        raise ValueError(f"{what} not supported by this server")
+    return value
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share (OpenAI's names), plus iserve's ``priority`` and
     ``deadline_ms`` and vLLM's ``ignore_eos``. Unknown fields are ignored, as
@@ -199,6 +257,14 @@ class _Sampling(BaseModel):
     # log-probabilities, so a request for them is refused rather than given null.
     logprobs: bool | int | None = Field(default=None, json_schema_extra=_NO_LOGPROBS)
     top_logprobs: int | None = Field(default=None, json_schema_extra=_NO_LOGPROBS)
+    frequency_penalty: Any = _declined(_DECLINED, "frequency_penalty")
+    presence_penalty: Any = _declined(_DECLINED, "presence_penalty")
+    logit_bias: Any = _declined(_DECLINED, "logit_bias")
+
+    @field_validator(*_DECLINED)
+    @classmethod
+    def _refuse_declined(cls, value: Any, info: ValidationInfo) -> Any:
+        return _check_declined(_DECLINED, value, info)
 
     @field_validator("n")
     @classmethod
@@ -233,10 +299,19 @@ class CompletionBody(_Sampling):
     # deployment's max_output_tokens: the scheduler reads an unset max_tokens so.)
     max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1, le=UINT32_MAX)
 
+    echo: Any = _declined(_DECLINED_COMPLETION, "echo")
+    suffix: Any = _declined(_DECLINED_COMPLETION, "suffix")
+    best_of: Any = _declined(_DECLINED_COMPLETION, "best_of")
+
     @field_validator("max_tokens")
     @classmethod
     def _default_for_null(cls, max_tokens: int | None) -> int:
         return COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+
+    @field_validator(*_DECLINED_COMPLETION)
+    @classmethod
+    def _refuse_declined_here(cls, value: Any, info: ValidationInfo) -> Any:
+        return _check_declined(_DECLINED_COMPLETION, value, info)
 
 
 class ChatMessage(BaseModel):
@@ -269,6 +344,16 @@ class ChatMessage(BaseModel):
 class ChatBody(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    response_format: Any = _declined(_DECLINED_CHAT, "response_format")
+    tools: Any = _declined(_DECLINED_CHAT, "tools")
+    functions: Any = _declined(_DECLINED_CHAT, "functions")
+    modalities: Any = _declined(_DECLINED_CHAT, "modalities")
+    audio: Any = _declined(_DECLINED_CHAT, "audio")
+
+    @field_validator(*_DECLINED_CHAT)
+    @classmethod
+    def _refuse_declined_here(cls, value: Any, info: ValidationInfo) -> Any:
+        return _check_declined(_DECLINED_CHAT, value, info)
 
 
 # ---- stop strings ---------------------------------------------------------------------

@@ -176,6 +176,17 @@ def test_a_client_that_disconnects_cancels_its_generation(stack, gateway):
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "invalid_request_error", "log-probabilities"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "invalid_request_error", "log-probabilities"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "invalid_request_error", "log-probabilities"),
+        # Parameters whose effect the server does not have: ignored, they would change the
+        # answer in silence.
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1.5}, 400, "invalid_request_error", "presence penalties are not supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -0.5}, 400, "invalid_request_error", "frequency penalties are not supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"7": 100}}, 400, "invalid_request_error", "logit biases are not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400, "invalid_request_error", "response formats other than text"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "invalid_request_error", "tool calling is not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, 400, "invalid_request_error", "modalities"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "invalid_request_error", "echo is not supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "end"}, 400, "invalid_request_error", "suffixes are not supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "invalid_request_error", "best_of above 1"),
         ("/v1/embeddings", {"model": MODEL, "input": "x"}, 404, "not_found_error", "Not Found"),
     ],
 )  # fmt: skip
@@ -227,12 +238,24 @@ def test_a_lone_surrogate_is_a_400(gateway, path, body):
 
 
 def test_text_parts_and_declined_logprobs_are_served(client):
-    # Text content parts are joined; logprobs false (as many clients send) is no request.
+    # Text content parts are joined; logprobs false (as many clients send) is no request,
+    # nor are the neutral values of the parameters the server does not have.
     reply = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
         max_tokens=2,
         logprobs=False,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logit_bias={},
+        response_format={"type": "text"},
+        tools=[],
+        modalities=["text"],
+        user="someone",
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    reply = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=2, echo=False, best_of=1, suffix=""
     )
     assert reply.choices[0].finish_reason in ("length", "stop")
 
