@@ -40,7 +40,7 @@ from monitor_agent.engine.memory import (
 from monitor_agent.engine.model import LayerClock
 from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
-from services.models.checkpoint import TOKENIZER_FILE, InvalidCheckpoint
+from services.models.checkpoint import TOKENIZER_FILE, missing_tokenizer
 from services.models.special_tokens import PromptEncoder, generation_eos_ids
 
 __all__ = ["Engine", "NoFreeSlot", "SamplingConfig", "StepOutput"]
@@ -101,7 +101,7 @@ class Engine:
         self.compression = CompressionSpec(weight_quant, pruning, prune_fraction)
         tokenizer_path = directory / TOKENIZER_FILE
         if not tokenizer_path.is_file():
-            raise InvalidCheckpoint(f"{TOKENIZER_FILE} is missing from {str(directory)!r}")
+            raise missing_tokenizer(directory)
         # Before any weight is read: a fused kernel that computes the wrong thing on this
         # machine refuses the engine (KernelCheckFailed) instead of serving garbage.
         check_kernels(weight_quant=weight_quant, device=device, dtype=torch_dtype(dtype))

@@ -31,6 +31,7 @@ from services.models.tokenizer import BOS_TOKEN, EOS_TOKEN, build_tokenizer
 __all__ = [
     "CONFIG_FILE",
     "TOKENIZER_FILE",
+    "missing_tokenizer",
     "InvalidCheckpoint",
     "InvalidConfig",
     "TensorInfo",
@@ -116,6 +117,27 @@ def _check_shard_index(directory: Path, present: set[str]) -> None:
         raise InvalidCheckpoint(f"shards named in {SHARD_INDEX_FILE} are missing: {missing}")
 
 
+# The files of transformers' slow tokenizers, which its converter turns into tokenizer.json.
+_SLOW_TOKENIZER_FILES = (("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
+
+
+def missing_tokenizer(directory: Path) -> InvalidCheckpoint:
+    """The error for a checkpoint without ``tokenizer.json``; where the checkpoint has a
+    slow tokenizer's files instead, it says how transformers writes the fast one."""
+    message = f"{TOKENIZER_FILE} is missing from {str(directory)!r}"
+    slow = next(
+        (files for files in _SLOW_TOKENIZER_FILES if all((directory / f).is_file() for f in files)),
+        None,
+    )
+    if slow:
+        message += (
+            f": it has a slow tokenizer's {' and '.join(slow)}, and iserve reads the fast "
+            f"tokenizer's {TOKENIZER_FILE}; transformers writes it beside them with "
+            f"AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
+        )
+    return InvalidCheckpoint(message)
+
+
 def validate_checkpoint(
     checkpoint_dir: str | Path, *, require_tokenizer: bool = True
 ) -> ValidatedCheckpoint:
@@ -157,7 +179,7 @@ def validate_checkpoint(
         )
     has_tokenizer = (directory / TOKENIZER_FILE).is_file()
     if require_tokenizer and not has_tokenizer:
-        raise InvalidCheckpoint(f"{TOKENIZER_FILE} is missing from {str(directory)!r}")
+        raise missing_tokenizer(directory)
     return ValidatedCheckpoint(
         spec=spec,
         tensors={name: tensors[name] for name in expected},

@@ -350,6 +350,21 @@ def test_missing_tokenizer(checkpoint: Path) -> None:
     assert validate_checkpoint(checkpoint, require_tokenizer=False).has_tokenizer is False
 
 
+def test_a_slow_tokenizer_alone_is_named_with_how_to_write_the_fast_one(checkpoint: Path) -> None:
+    # GPT-2-style BPE files, as a slow tokenizer keeps them (the same vocabulary).
+    TOKENIZER.model.save(str(checkpoint))
+    (checkpoint / "tokenizer.json").unlink()
+    (checkpoint / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "GPT2Tokenizer", "bos_token": "<s>", "eos_token": "</s>"})
+    )
+    with pytest.raises(InvalidCheckpoint, match="slow tokenizer's vocab.json and merges.txt"):
+        validate_checkpoint(checkpoint)
+    # Doing what the message says makes the checkpoint whole.
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoTokenizer.from_pretrained(checkpoint).save_pretrained(checkpoint)
+    assert validate_checkpoint(checkpoint).has_tokenizer
+
+
 # --- the tokenizer ------------------------------------------------------------------------
 
 

@@ -41,7 +41,11 @@ from monitor_agent.engine.trtllm.mapping import (
     plan_llm,
 )
 from services.models.arch import ArchSpec
-from services.models.checkpoint import TOKENIZER_FILE, InvalidCheckpoint, read_config
+from services.models.checkpoint import (
+    TOKENIZER_FILE,
+    missing_tokenizer,
+    read_config,
+)
 from services.models.families import parse_config
 from services.models.special_tokens import PromptEncoder, generation_eos_ids
 
@@ -73,7 +77,7 @@ class TrtLlmEngine:
         directory = Path(config.checkpoint_dir)
         tokenizer_path = directory / TOKENIZER_FILE
         if not tokenizer_path.is_file():
-            raise InvalidCheckpoint(f"{TOKENIZER_FILE} is missing from {str(directory)!r}")
+            raise missing_tokenizer(directory)
         self.spec: ArchSpec = parse_config(read_config(directory))
         if not 0 < config.max_seq_len <= self.spec.max_position_embeddings:
             raise ValueError(
