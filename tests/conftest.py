@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,9 +53,11 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
 
 
 @contextlib.contextmanager
-def running_stack(state_dir: Path) -> Iterator[Stack]:
+def running_stack(
+    state_dir: Path, log: Callable[[str], None] = lambda _msg: None
+) -> Iterator[Stack]:
     """A whole stack (2 devices, the test sizes) in ``state_dir``, with a client per
-    service; stopped on exit."""
+    service; stopped on exit. ``log`` gets what ``iserve up`` would print."""
     env = {
         "ISERVE_DEVICES": "2",
         "ISERVE_DEVICE_MEMORY_GIB": str(DEVICE_MEMORY_GIB),
@@ -63,7 +65,7 @@ def running_stack(state_dir: Path) -> Iterator[Stack]:
         "ISERVE_READY_TIMEOUT_S": "90",
         "ISERVE_HEARTBEAT_TTL_S": "5",
     }
-    with launcher.temporary_stack(env, state_dir=state_dir) as settings:
+    with launcher.temporary_stack(env, state_dir=state_dir, log=log) as settings:
         channels = {
             name: grpc.insecure_channel(settings.address(name)) for name in settings.addresses
         }

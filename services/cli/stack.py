@@ -19,11 +19,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.health import wait_http, wait_serving
+from services import transport
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import deployment_service_pb2_grpc
+from services.health import check, wait_http, wait_serving
 from services.ports import bindable, free_port
 from services.redis_embedded import start_redis
 from services.settings import (
@@ -49,6 +52,8 @@ SERVICES = [
 # The OpenAI-compatible HTTP gateway starts last (it calls the others) and stops first.
 GATEWAY, GATEWAY_MODULE = "gateway", "gateway_svc"
 READY_TIMEOUT_S = 60.0
+# How long ``up`` waits for the deployments kept from before to be served again.
+RESTORE_TIMEOUT_S = 300.0
 # How long a service gets to exit after SIGTERM before SIGKILL, on top of its drain
 # (``Settings.drain_timeout_s``: the scheduler lets streams in flight finish first).
 STOP_TIMEOUT_S = 20.0
@@ -163,7 +168,67 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         raise
     stack["started_at_unix_ms"] = int(time.time() * 1000)
     (settings.state_dir / STACK_FILE).write_text(json.dumps(stack, indent=2))
+    wait_for_restored(settings, log)
     return stack
+
+
+def _serving(deployment: deploy_pb.Deployment) -> bool:
+    """READY, and every replica's worker answers: a record from before a stop names
+    workers that are gone until the deployer has restarted them."""
+    addresses = [r.worker_address for r in deployment.replicas] or [deployment.worker_address]
+    return deployment.state == deploy_pb.DEPLOYMENT_STATE_READY and all(
+        a and check(a, timeout_s=0.5) for a in addresses
+    )
+
+
+def wait_for_restored(
+    settings: Settings, log=print, timeout_s: float = RESTORE_TIMEOUT_S
+) -> list[str]:
+    """Wait until the deployments Redis kept from before are served again (the deployer
+    restarts their workers); returns the ids of those that are not, after saying why.
+    Until then, requests for them would get 503s."""
+    stub = deployment_service_pb2_grpc.DeploymentServiceStub(
+        transport.sync_channel(settings.address("deploy"))
+    )
+    live = (deploy_pb.DEPLOYMENT_STATE_READY, deploy_pb.DEPLOYMENT_STATE_STARTING)
+
+    def listed() -> dict[str, deploy_pb.Deployment]:
+        reply = stub.ListDeployments(deploy_pb.ListDeploymentsRequest(), timeout=10)
+        return {d.deployment_id: d for d in reply.deployments}
+
+    waiting = sorted(i for i, d in listed().items() if d.state in live and not _serving(d))
+    if not waiting:
+        return []
+    started = time.monotonic()
+    log(f"restoring {len(waiting)} deployment(s) kept in Redis: {', '.join(waiting)}")
+    failed = []
+    while waiting and time.monotonic() - started < timeout_s:
+        time.sleep(0.25)
+        now = listed()
+        for deployment_id in list(waiting):
+            deployment = now.get(deployment_id)
+            if deployment is not None and deployment.state in live and not _serving(deployment):
+                continue
+            waiting.remove(deployment_id)
+            if deployment is not None and _serving(deployment):
+                log(f"deployment {deployment_id} restored ({time.monotonic() - started:.1f} s)")
+                continue
+            failed.append(deployment_id)
+            state = (
+                "removed"
+                if deployment is None
+                else deploy_pb.DeploymentState.Name(deployment.state).removeprefix(
+                    "DEPLOYMENT_STATE_"
+                )
+                + (f": {deployment.state_reason}" if deployment.state_reason else "")
+            )
+            log(f"deployment {deployment_id} was not restored ({state})")
+    if waiting:
+        log(
+            f"not restored within {timeout_s:.0f} s: {', '.join(waiting)} "
+            f"(`iserve status` shows their state)"
+        )
+    return failed + waiting
 
 
 def write_stack_tokens(settings: Settings) -> list[Path]:
@@ -260,14 +325,18 @@ def down(settings: Settings, log=print) -> bool:
 
 @contextlib.contextmanager
 def temporary_stack(
-    env: Mapping[str, str] | None = None, *, state_dir: Path | None = None
+    env: Mapping[str, str] | None = None,
+    *,
+    state_dir: Path | None = None,
+    log: Callable[[str], None] = lambda _msg: None,
 ) -> Iterator[Settings]:
     """A whole stack (embedded Redis, every service, one agent) on free ports in
     ``state_dir`` (default: a temporary directory), for tests and benchmarks.
 
     ``env`` adds settings (e.g. ``ISERVE_DEVICES``). The process environment names the
     stack while it runs, so clients and CLI subprocesses find it, and is restored after.
-    Yields the settings, read after start-up (so ``redis_url`` is set).
+    Yields the settings, read after start-up (so ``redis_url`` is set). ``log`` gets
+    what ``iserve up`` would print.
     """
     with contextlib.ExitStack() as cleanup:
         if state_dir is None:
@@ -285,7 +354,7 @@ def temporary_stack(
         os.environ.pop("REDIS_URL", None)
         os.environ.update(values)
         settings = load_settings()
-        up(settings, UpOptions(), log=lambda _msg: None)
+        up(settings, UpOptions(), log=log)
         cleanup.callback(down, settings, lambda _msg: None)
         yield load_settings()
 
