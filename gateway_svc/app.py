@@ -222,13 +222,6 @@ def _declined(declined: _Declined, name: str) -> Any:
     return Field(default=None, json_schema_extra={"anyOf": [*schema, {"type": "null"}]})
 
 
-def _check_declined(declined: _Declined, value: Any, info: ValidationInfo) -> Any:
-    neutral, _schema, what = declined[info.field_name]
-    if value is not None and not neutral(value):
-        raise ValueError(f"{what} not supported by this server")
-    return value
-
-
 class _Sampling(BaseModel):
     """Fields both endpoints share (OpenAI's names), plus iserve's ``priority`` and
     ``deadline_ms`` and vLLM's ``ignore_eos``. Unknown fields are ignored, as
@@ -261,10 +254,17 @@ class _Sampling(BaseModel):
     presence_penalty: Any = _declined(_DECLINED, "presence_penalty")
     logit_bias: Any = _declined(_DECLINED, "logit_bias")
 
-    @field_validator(*_DECLINED)
+    # Also the endpoints' own declined fields (check_fields=False: they are declared in
+    # the subclasses).
+    @field_validator(*_DECLINED, *_DECLINED_CHAT, *_DECLINED_COMPLETION, check_fields=False)
     @classmethod
     def _refuse_declined(cls, value: Any, info: ValidationInfo) -> Any:
-        return _check_declined(_DECLINED, value, info)
+        neutral, _schema, what = {**_DECLINED, **_DECLINED_CHAT, **_DECLINED_COMPLETION}[
+            info.field_name
+        ]
+        if value is not None and not neutral(value):
+            raise ValueError(f"{what} not supported by this server")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -308,11 +308,6 @@ class CompletionBody(_Sampling):
     def _default_for_null(cls, max_tokens: int | None) -> int:
         return COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
 
-    @field_validator(*_DECLINED_COMPLETION)
-    @classmethod
-    def _refuse_declined_here(cls, value: Any, info: ValidationInfo) -> Any:
-        return _check_declined(_DECLINED_COMPLETION, value, info)
-
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -349,11 +344,6 @@ class ChatBody(_Sampling):
     functions: Any = _declined(_DECLINED_CHAT, "functions")
     modalities: Any = _declined(_DECLINED_CHAT, "modalities")
     audio: Any = _declined(_DECLINED_CHAT, "audio")
-
-    @field_validator(*_DECLINED_CHAT)
-    @classmethod
-    def _refuse_declined_here(cls, value: Any, info: ValidationInfo) -> Any:
-        return _check_declined(_DECLINED_CHAT, value, info)
 
 
 # ---- stop strings ---------------------------------------------------------------------
