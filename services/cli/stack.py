@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from services import transport
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
@@ -187,16 +189,25 @@ def wait_for_restored(
     """Wait until the deployments Redis kept from before are served again (the deployer
     restarts their workers); returns the ids of those that are not, after saying why.
     Until then, requests for them would get 503s."""
-    stub = deployment_service_pb2_grpc.DeploymentServiceStub(
-        transport.sync_channel(settings.address("deploy"))
+    # The stack's own admin token: the CLI's transport was set up before `up` wrote it.
+    admin = token_file(settings.state_dir, "admin")
+    token = settings.admin_token or (admin.read_text().strip() if admin.is_file() else "")
+    channel = transport.current().sync_channel(
+        settings.address("deploy"), token=token if settings.auth else None
     )
+    stub = deployment_service_pb2_grpc.DeploymentServiceStub(channel)
     live = (deploy_pb.DEPLOYMENT_STATE_READY, deploy_pb.DEPLOYMENT_STATE_STARTING)
 
     def listed() -> dict[str, deploy_pb.Deployment]:
         reply = stub.ListDeployments(deploy_pb.ListDeploymentsRequest(), timeout=10)
         return {d.deployment_id: d for d in reply.deployments}
 
-    waiting = sorted(i for i, d in listed().items() if d.state in live and not _serving(d))
+    try:
+        waiting = sorted(i for i, d in listed().items() if d.state in live and not _serving(d))
+    except grpc.RpcError as exc:
+        # The stack is up; only the wait is skipped.
+        log(f"could not list the deployments kept from before ({exc.code().name}: {exc.details()})")
+        return []
     if not waiting:
         return []
     started = time.monotonic()
