@@ -292,9 +292,47 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": UINT32_MAX}
+# OpenAI's four forms of a completion prompt: text, token ids, and a list of either,
+# which here holds one prompt (one choice per request, as n = 1). An empty prompt gives
+# the model nothing to continue: the scheduler refuses it too.
+_PROMPT = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+            {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1},
+                "minItems": 1,
+                "maxItems": 1,
+            },
+            {
+                "type": "array",
+                "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+                "minItems": 1,
+                "maxItems": 1,
+            },
+        ]
+    }
+)
+
+
+def _token_ids(values: list[Any]) -> list[int] | None:
+    """``values`` as token ids, or None when they are not all integers in uint32's range
+    (JSON's 7.0 is the integer 7, as JSON Schema counts it)."""
+    ids = []
+    for value in values:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= UINT32_MAX:
+            return None
+        ids.append(value)
+    return ids
+
+
 class CompletionBody(_Sampling):
-    # An empty prompt gives the model nothing to continue: the scheduler refuses it too.
-    prompt: str = Field(min_length=1)
+    prompt: Annotated[Any, _PROMPT]
     # OpenAI's default, absent or null. (A chat without max_tokens generates up to the
     # deployment's max_output_tokens: the scheduler reads an unset max_tokens so.)
     max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1, le=UINT32_MAX)
@@ -307,6 +345,27 @@ class CompletionBody(_Sampling):
     @classmethod
     def _default_for_null(cls, max_tokens: int | None) -> int:
         return COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        """The prompt as text or token ids."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            if isinstance(prompt[0], str) or _token_ids(prompt[0]) is not None:
+                prompt = prompt[0]  # a list of one prompt
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            raise ValueError(f"one prompt per request (n = 1), got a list of {len(prompt)}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt
+        ids = _token_ids(prompt) if isinstance(prompt, list) else None
+        if not ids:
+            raise ValueError(
+                "the prompt must be text, token ids (integers from 0 to 2^32-1), or a list "
+                "of one of those; it is empty or holds something else"
+            )
+        return ids
 
 
 class ChatMessage(BaseModel):
@@ -481,8 +540,9 @@ async def _replies(gen: _Generation) -> AsyncIterator[inference_pb.GenerateRespo
 
 
 def _generate_request(
-    body: _Sampling, prompt: str, max_tokens: int | None
+    body: _Sampling, prompt: str | list[int], max_tokens: int | None
 ) -> inference_pb.GenerateRequest:
+    """The GenerateRequest of a body, its prompt text or token ids."""
     sampling = common.SamplingParams(
         temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos
     )
@@ -491,7 +551,7 @@ def _generate_request(
     return inference_pb.GenerateRequest(
         request_id=uuid.uuid4().hex,
         model_id=body.model,
-        prompt=prompt,
+        **({"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}),
         max_tokens=max_tokens or 0,
         sampling=sampling,
         priority=body.priority,

@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
@@ -176,6 +177,9 @@ def test_a_client_that_disconnects_cancels_its_generation(stack, gateway):
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "invalid_request_error", "log-probabilities"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "invalid_request_error", "log-probabilities"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "invalid_request_error", "log-probabilities"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["one", "two"]}, 400, "invalid_request_error", "one prompt per request"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, 400, "invalid_request_error", "token ids"),
+        ("/v1/completions", {"model": MODEL, "prompt": [10**6], "max_tokens": 2}, 400, "invalid_request_error", "prompt_token_ids outside [0, 640)"),
         # Parameters whose effect the server does not have: ignored, they would change the
         # answer in silence.
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1.5}, 400, "invalid_request_error", "presence penalties are not supported"),
@@ -353,3 +357,18 @@ def test_a_worker_that_dies_mid_request_is_503(stack, gateway):
         assert reply.json()["error"]["type"] == "service_unavailable_error"
     finally:
         _remove(stack, dep.deployment_id)
+
+
+def test_a_completion_prompt_may_be_token_ids_or_a_list_of_one_prompt(stack, gateway):
+    # OpenAI's prompt forms (lm-eval-harness sends token ids): the same greedy tokens
+    # whichever form carries the same prompt.
+    text = "The quick brown fox"
+    ids = Tokenizer.from_file(str(stack.models_root / MODEL / "tokenizer.json")).encode(text).ids
+    replies = []
+    for prompt in (text, [text], ids, [ids]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        reply = httpx.post(f"{gateway}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        replies.append(reply.json())
+    assert len({r["choices"][0]["text"] for r in replies}) == 1
+    assert {r["usage"]["prompt_tokens"] for r in replies} == {len(ids)}
