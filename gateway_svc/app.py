@@ -658,8 +658,8 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", responses=_error_replies(401, 403, 503))
-    async def list_models(http: Request):
+    async def served_models(http: Request) -> dict[str, int]:
+        """Model id -> creation time (s) of its earliest ready deployment."""
         try:
             reply = await backend.deployments.ListDeployments(
                 deploy_pb.ListDeploymentsRequest(),
@@ -668,20 +668,31 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
             )
         except grpc.aio.AioRpcError as exc:
             raise GatewayError.from_rpc(exc) from None
-        ready = sorted(
-            {
-                d.model_id: d.created_at_unix_ms
-                for d in reply.deployments
-                if d.state == deploy_pb.DEPLOYMENT_STATE_READY
-            }.items()
-        )
-        return {
-            "object": "list",
-            "data": [
-                {"id": m, "object": "model", "created": created // 1000, "owned_by": "iserve"}
-                for m, created in ready
-            ],
-        }
+        served: dict[str, int] = {}
+        for d in reply.deployments:
+            if d.state == deploy_pb.DEPLOYMENT_STATE_READY:
+                created = d.created_at_unix_ms // 1000
+                served[d.model_id] = min(served.get(d.model_id, created), created)
+        return served
+
+    def model_object(model_id: str, created: int) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "iserve"}
+
+    @app.get("/v1/models", responses=_error_replies(401, 403, 503))
+    async def list_models(http: Request):
+        served = await served_models(http)
+        return {"object": "list", "data": [model_object(m, served[m]) for m in sorted(served)]}
+
+    @app.get("/v1/models/{model_id:path}", responses=_error_replies(401, 403, 404, 503))
+    async def retrieve_model(model_id: str, http: Request):
+        # OpenAI's retrieve. iserve's ids hold no '/', but a hub-style name asked for
+        # (meta-llama/Llama-3.1-8B) gets this 404 naming it, not an unknown path's.
+        served = await served_models(http)
+        if model_id not in served:
+            raise GatewayError(
+                404, "not_found_error", f"model {model_id!r} has no ready deployment", "model"
+            )
+        return model_object(model_id, served[model_id])
 
     @app.post("/v1/completions", responses=_GENERATION_REPLIES)
     async def completions(body: CompletionBody, http: Request):

@@ -105,6 +105,12 @@ def test_the_openai_client_streams_a_chat_and_a_completion_with_usage(client):
 def test_models_lists_what_is_deployed(client):
     ids = {m.id for m in client.models.list()}
     assert {MODEL, PLAIN} <= ids
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "iserve")
+    assert model.created == next(m.created for m in client.models.list() if m.id == MODEL)
+    for absent in ("nope", "meta-llama/Llama-3.1-8B"):
+        with pytest.raises(openai.NotFoundError, match=absent):
+            client.models.retrieve(absent)
 
 
 def test_sse_framing_is_data_lines_ending_with_done(gateway):

@@ -111,7 +111,9 @@ def test_a_body_the_document_calls_valid_is_taken_and_an_invalid_one_refused(
     _fuzz(operations[label], GenerationMode.NEGATIVE, ABSENT, invalid)
 
 
-@pytest.mark.parametrize("label", [*POSTS, "GET /v1/models", "GET /health", "GET /metrics"])
+@pytest.mark.parametrize(
+    "label", [*POSTS, "GET /v1/models", "GET /v1/models/{model_id}", "GET /health", "GET /metrics"]
+)
 def test_every_reply_of_a_deployed_model_is_what_the_document_declares(
     operations, gateway_url, label
 ):
