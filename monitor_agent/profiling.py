@@ -65,6 +65,7 @@ from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config
 from services.models.families import parse_config
+from services.proto_limits import UINT32_MAX
 
 log = logging.getLogger("iserve.agent.profiling")
 
@@ -106,6 +107,13 @@ def check_job(request: agent_pb.RunProfilingJobRequest) -> JobSpec:
     require(len(request.output_tokens) > 0, "output_tokens is empty: give at least one length")
     require(
         all(o >= 1 for o in request.output_tokens), "every output_tokens value must be at least 1"
+    )
+    # The sequence length travels as a uint32 (StartWorkersRequest.max_seq_len); the
+    # model's own context is checked once its config is read.
+    longest = request.input_tokens + max(request.output_tokens)
+    require(
+        longest <= UINT32_MAX,
+        f"input_tokens + the longest output ({longest}) exceeds any sequence length",
     )
     return JobSpec(
         input_tokens=request.input_tokens,

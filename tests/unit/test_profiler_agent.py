@@ -48,6 +48,8 @@ def test_check_job_fills_defaults_and_refuses_bad_requests():
         ({"input_tokens": 0}, "input_tokens"),
         ({"output_tokens": []}, "output_tokens is empty"),
         ({"output_tokens": [4, 0]}, "at least 1"),
+        # Beyond the uint32 sequence length (an INTERNAL "Value out of range" before).
+        ({"input_tokens": 256, "output_tokens": [1024, 2**32 - 1]}, "exceeds any sequence"),
     ]:
         with pytest.raises(InvalidArgument, match=message):
             check_job(_request(**fields))
