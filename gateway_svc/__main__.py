@@ -1,6 +1,7 @@
 """``python -m gateway_svc`` (``iserve gateway``): the OpenAI-compatible HTTP gateway.
 
-Listens on ``ISERVE_GATEWAY_ADDR`` (default 127.0.0.1:8000) and talks to the scheduler,
+Listens on ``ISERVE_GATEWAY_ADDR`` (default 127.0.0.1:8000; ``ISERVE_CORS_ORIGINS`` lets
+web pages of those origins call it) and talks to the scheduler,
 deployment and model services at their configured addresses (``services.settings``).
 """
 
@@ -43,7 +44,7 @@ def main() -> int:
         "OpenAI-compatible gateway on http://%s/v1", settings.gateway_address
     )
     uvicorn.run(
-        create_app(connect),
+        create_app(connect, settings.cors_origins),
         host=host or "127.0.0.1",
         port=int(port),
         log_level=settings.log_level.lower(),

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import (
@@ -573,9 +574,11 @@ def _reason(error: dict[str, Any]) -> str:
 
 
 # ---- the app --------------------------------------------------------------------------
-def create_app(connect: Callable[[], Backend]) -> FastAPI:
+def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = ()) -> FastAPI:
     """The app; ``connect`` builds the backend on the server's own event loop (gRPC aio
-    channels belong to the loop they were made on)."""
+    channels belong to the loop they were made on). Pages from ``cors_origins`` (``*``:
+    any) may call it from a browser (Starlette's CORSMiddleware answers the preflight;
+    the token goes in the Authorization header, so no cookies are allowed)."""
     backend: Backend | None = None
 
     @contextlib.asynccontextmanager
@@ -590,6 +593,14 @@ def create_app(connect: Callable[[], Backend]) -> FastAPI:
     app = FastAPI(
         title="iserve OpenAI-compatible gateway", docs_url=None, redoc_url=None, lifespan=lifespan
     )
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+            max_age=600,
+        )
     registry = new_registry()
     requests = Counter(
         "iserve_gateway_requests",

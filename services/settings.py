@@ -33,6 +33,9 @@ variable                    meaning                                         defa
 ``ISERVE_CPU_COLLECTIVES``  how CPU ranks of one host exchange: ``shm``     ``shm``
                             (shared memory) or ``gloo``
 ``ISERVE_GATEWAY_ADDR``     the OpenAI-compatible HTTP gateway              ``127.0.0.1:8000``
+``ISERVE_CORS_ORIGINS``     web origins whose pages may call the gateway     none
+                            (CORS), comma-separated: ``*`` or
+                            ``http(s)://host[:port]``
 ``ISERVE_WORKER_POOL``      ``1``: the agent forks workers from a warm       ``1``
                             process that has imported torch; ``0``: each
                             worker is a fresh ``python`` process
@@ -88,6 +91,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -121,6 +125,7 @@ STACK_FILE = "stack.json"
 MAX_VIRTUAL_DEVICES = 256
 GIB = 1 << 30
 GATEWAY_ENV = "ISERVE_GATEWAY_ADDR"
+CORS_ENV = "ISERVE_CORS_ORIGINS"
 DEFAULT_GATEWAY_ADDR = "127.0.0.1:8000"
 DRAIN_TIMEOUT_ENV = "ISERVE_DRAIN_TIMEOUT_S"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -144,6 +149,8 @@ class Settings:
     drain_timeout_s: float
     worker_pool: bool = True
     gateway_address: str = DEFAULT_GATEWAY_ADDR
+    # Web origins whose pages may call the gateway (ISERVE_CORS_ORIGINS); () none.
+    cors_origins: tuple[str, ...] = ()
     auth: bool = False
     # The bearer token this process sends (ISERVE_TOKEN); "" none.
     token: str = field(default="", repr=False)
@@ -331,12 +338,31 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         gateway_address=env.get(GATEWAY_ENV)
         or stack.get("gateway_address")
         or DEFAULT_GATEWAY_ADDR,
+        cors_origins=cors_origins(env.get(CORS_ENV, "")),
         auth=_flag(env, AUTH_ENV, False),
         token=_token(env, "ISERVE_TOKEN", state_dir, "admin"),
         service_token=_token(env, "ISERVE_SERVICE_TOKEN", state_dir, "service"),
         admin_token=_token(env, "ISERVE_ADMIN_TOKEN", state_dir, "admin"),
         tls=_tls(env),
     )
+
+
+_ORIGIN = re.compile(
+    r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?"
+)
+
+
+def cors_origins(raw: str) -> tuple[str, ...]:
+    """``ISERVE_CORS_ORIGINS``: ``*`` or origins ``scheme://host[:port]`` (as a browser
+    sends them: no path, no trailing slash), comma-separated; ValueError naming a bad one."""
+    origins = tuple(o.strip() for o in raw.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise ValueError(
+                f"{CORS_ENV}: {origin!r} is not an origin; give '*' or "
+                f"scheme://host[:port] such as http://localhost:3000 (no path)"
+            )
+    return origins
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -41,6 +41,9 @@ def test_environment_beats_stack_file_beats_defaults(tmp_path):
         ("ISERVE_HEARTBEAT_TTL_S", "nan"),
         ("ISERVE_DRAIN_TIMEOUT_S", "0"),
         ("ISERVE_DRAIN_TIMEOUT_S", "soon"),
+        ("ISERVE_CORS_ORIGINS", "localhost:3000"),
+        ("ISERVE_CORS_ORIGINS", "http://localhost:3000/"),  # a browser sends no path
+        ("ISERVE_CORS_ORIGINS", "http://a.test,ftp://b.test"),
     ],
 )
 def test_bad_values_are_named(tmp_path, name, value):
@@ -107,3 +110,18 @@ def test_a_service_with_authentication_on_and_no_service_token_says_so(tmp_path)
     )
     assert out.returncode == 2
     assert "ISERVE_AUTH=on needs ISERVE_SERVICE_TOKEN" in out.stderr
+
+
+def test_cors_origins_are_a_list_of_origins(tmp_path):
+    def origins(raw: str) -> tuple[str, ...]:
+        return load_settings(
+            {"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_CORS_ORIGINS": raw}
+        ).cors_origins
+
+    assert load_settings({"ISERVE_STATE_DIR": str(tmp_path)}).cors_origins == ()
+    assert origins("*") == ("*",)
+    assert origins(" http://localhost:3000 ,https://chat.example.com:8443,") == (
+        "http://localhost:3000",
+        "https://chat.example.com:8443",
+    )
+    assert origins("http://[::1]:8080") == ("http://[::1]:8080",)

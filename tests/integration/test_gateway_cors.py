@@ -1,0 +1,70 @@
+"""A gateway started with ISERVE_CORS_ORIGINS answers browsers' CORS preflights for
+those origins only; the stack's own gateway (no origins set) sends no CORS headers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from services.health import wait_http
+from services.ports import free_port
+from services.settings import CORS_ENV, GATEWAY_ENV
+
+pytestmark = pytest.mark.integration
+
+PAGE = "http://localhost:3000"
+PREFLIGHT = {
+    "access-control-request-method": "POST",
+    "access-control-request-headers": "authorization, content-type",
+}
+
+
+@pytest.fixture(scope="module")
+def cors_gateway(stack):
+    address = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, **stack.env, GATEWAY_ENV: address, CORS_ENV: f"{PAGE}, https://x.test"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway_svc"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert wait_http(f"http://{address}/health", time.monotonic() + 60, proc)
+        yield f"http://{address}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_listed_origin_may_call_and_another_may_not(cors_gateway):
+    url = f"{cors_gateway}/v1/chat/completions"
+    allowed = httpx.options(url, headers={"origin": PAGE, **PREFLIGHT}, timeout=10)
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == PAGE
+    assert "POST" in allowed.headers["access-control-allow-methods"]
+    assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    assert "access-control-allow-credentials" not in allowed.headers
+
+    refused = httpx.options(url, headers={"origin": "http://evil.test", **PREFLIGHT}, timeout=10)
+    assert refused.status_code == 400
+    assert "access-control-allow-origin" not in refused.headers
+
+    listed = httpx.get(f"{cors_gateway}/v1/models", headers={"origin": PAGE}, timeout=10)
+    assert listed.status_code == 200
+    assert listed.headers["access-control-allow-origin"] == PAGE
+
+
+def test_without_origins_no_cors_headers(stack):
+    gateway = f"http://{stack.settings.gateway_address}"
+    reply = httpx.get(f"{gateway}/v1/models", headers={"origin": PAGE}, timeout=10)
+    assert "access-control-allow-origin" not in reply.headers
+    preflight = httpx.options(
+        f"{gateway}/v1/chat/completions", headers={"origin": PAGE, **PREFLIGHT}, timeout=10
+    )
+    assert "access-control-allow-origin" not in preflight.headers
