@@ -77,14 +77,19 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, interval: flo
     return predicate()
 
 
-def cli(stack, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def run_cli(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``iserve ARGS`` as a separate process with exactly ``env``."""
     return subprocess.run(
         [sys.executable, "-m", "services.cli.main", *args],
-        env={**os.environ, **stack.env},
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def cli(stack, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return run_cli({**os.environ, **stack.env}, *args, timeout=timeout)
 
 
 async def _with_store(redis_url: str, action):

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -34,7 +33,7 @@ from services.auth import policy
 from services.cli import stack as launcher
 from services.models.checkpoint import create_checkpoint
 from services.settings import Settings, token_file
-from tests.integration.helpers import TINY, rid, wait_for
+from tests.integration.helpers import TINY, rid, run_cli, wait_for
 
 MODEL = "auth-llama"
 
@@ -357,13 +356,7 @@ def _cli(s: AuthStack, *args: str, token: str | None = None) -> subprocess.Compl
     env.pop("ISERVE_TOKEN", None)
     if token is not None:
         env["ISERVE_TOKEN"] = token
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_cli(env, *args, timeout=120)
 
 
 def test_the_cli_issues_lists_and_revokes_tokens(deployed):

@@ -4,25 +4,14 @@ CLI's own transport (set up before `up` writes the stack's tokens)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from services.ports import free_port
 from services.settings import GATEWAY_ENV, METRICS_ENV, SERVICE_ENV
+from tests.integration.helpers import run_cli
 
 pytestmark = pytest.mark.integration
-
-
-def _iserve(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
 
 
 def test_up_with_authentication_on_starts_and_down_stops(tmp_path):
@@ -37,13 +26,13 @@ def test_up_with_authentication_on_starts_and_down_stops(tmp_path):
     }
     env.pop("REDIS_URL", None)
     try:
-        up = _iserve(env, "up", "--detach")
+        up = run_cli(env, "up", "--detach")
         # It lists the deployments kept from before with the admin token it just wrote
         # (an UNAUTHENTICATED error before).
         assert up.returncode == 0, up.stderr
         assert "iserve is up" in up.stdout and "could not list" not in up.stdout, up.stdout
-        status = _iserve(env, "status", "--json")
+        status = run_cli(env, "status", "--json")
         assert status.returncode == 0, status.stderr
     finally:
-        down = _iserve(env, "down")
+        down = run_cli(env, "down")
     assert down.returncode == 0 and "stopped" in down.stdout, down.stderr
