@@ -117,6 +117,7 @@ def _error_replies(*statuses: int) -> dict[int | str, dict[str, Any]]:
         401: "No credentials, or credentials that are not valid",
         403: "The credentials do not allow this",
         404: "The model is not registered, or has no deployment",
+        413: "The body is larger than MAX_BODY_BYTES (32 MiB)",
         429: "The deployment's queue is full",
         503: "No worker or service can take the request now",
         504: "The request's deadline passed",
@@ -134,7 +135,7 @@ _GENERATION_REPLIES: dict[int | str, dict[str, Any]] = {
         "data: [DONE]",
         "content": {"application/json": {}, "text/event-stream": {}},
     },
-    **_error_replies(400, 401, 403, 404, 429, 503, 504),
+    **_error_replies(400, 401, 403, 404, 413, 429, 503, 504),
 }
 
 
@@ -573,6 +574,43 @@ def _reason(error: dict[str, Any]) -> str:
     return str(error.get("msg"))
 
 
+# ---- the body size limit -----------------------------------------------------------
+# No prompt a model can take comes near this (a million-token context is a few MiB of
+# text, ~6x that JSON-escaped); without a bound, a body of gigabytes would be read and
+# parsed into memory before any check.
+MAX_BODY_BYTES = 32 * 2**20
+_TOO_LARGE = f"the body is larger than {MAX_BODY_BYTES} bytes"
+
+
+class BodyLimit:
+    """ASGI middleware refusing a body above ``MAX_BODY_BYTES`` with 413: at once by its
+    Content-Length, else once the chunks read pass it (the endpoint never runs)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            too_large = error_response(413, "invalid_request_error", _TOO_LARGE)
+            return await too_large(scope, receive, send)
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > MAX_BODY_BYTES:
+                # Starlette's HTTPException passes FastAPI's body reading and reaches the
+                # app's handler, which answers in OpenAI's error body.
+                raise StarletteHTTPException(413, _TOO_LARGE)
+            return message
+
+        return await self.app(scope, limited, send)
+
+
 # ---- the app --------------------------------------------------------------------------
 def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = ()) -> FastAPI:
     """The app; ``connect`` builds the backend on the server's own event loop (gRPC aio
@@ -593,6 +631,7 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
     app = FastAPI(
         title="iserve OpenAI-compatible gateway", docs_url=None, redoc_url=None, lifespan=lifespan
     )
+    app.add_middleware(BodyLimit)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,

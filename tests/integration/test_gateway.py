@@ -14,6 +14,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from gateway_svc.app import MAX_BODY_BYTES
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -378,3 +379,31 @@ def test_a_completion_prompt_may_be_token_ids_or_a_list_of_one_prompt(stack, gat
         replies.append(reply.json())
     assert len({r["choices"][0]["text"] for r in replies}) == 1
     assert {r["usage"]["prompt_tokens"] for r in replies} == {len(ids)}
+
+
+def test_a_body_above_the_limit_is_a_413_whether_its_length_is_given_or_not(gateway):
+    # Refused before it is read whole: no body of gigabytes is parsed into memory.
+    big = json.dumps({"model": MODEL, "prompt": "a" * (MAX_BODY_BYTES + 1)}).encode()
+
+    def chunks():
+        for start in range(0, len(big), 2**20):
+            yield big[start : start + 2**20]
+
+    for content in (big, chunks()):
+        reply = httpx.post(
+            f"{gateway}/v1/completions",
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        assert reply.status_code == 413, reply.text
+        assert reply.json()["error"]["message"] == f"the body is larger than {MAX_BODY_BYTES} bytes"
+    # A body in chunks under the limit is served.
+    body = json.dumps({"model": MODEL, "prompt": "a b", "max_tokens": 2}).encode()
+    reply = httpx.post(
+        f"{gateway}/v1/completions",
+        content=iter([body[:7], body[7:]]),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
