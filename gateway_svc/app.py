@@ -567,6 +567,16 @@ def _not_unicode(text: str) -> str:
     return f"text that is not valid Unicode: {escaped} (a lone surrogate)"
 
 
+def _located(error: dict[str, Any]) -> str:
+    """``field.path: reason``; an error of the whole body says what a body must be."""
+    where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    if where:
+        return f"{where}: {_reason(error)}"
+    if error.get("type") == "missing":
+        return "the body is empty: send a JSON object (content-type: application/json)"
+    return "the body must be a JSON object (content-type: application/json)"
+
+
 def _reason(error: dict[str, Any]) -> str:
     """A validation error's message; pydantic's own, but for text that is not Unicode."""
     if error.get("type") == "string_unicode" and isinstance(error.get("input"), str):
@@ -680,10 +690,7 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
             return error_response(400, "invalid_request_error", message)
         first = errors[0] if errors else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {_reason(e)}"
-            for e in errors
-        )
+        message = "; ".join(_located(e) for e in errors)
         return error_response(400, "invalid_request_error", message or "invalid body", where)
 
     @app.exception_handler(UnicodeEncodeError)
@@ -698,7 +705,13 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         # Unknown paths and methods answer in OpenAI's error body too.
         # A 405 keeps Starlette's Allow header (RFC 9110 requires it).
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, kind, str(exc.detail), headers=exc.headers)
+        message = str(exc.detail)
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            # FastAPI's "There was an error parsing the body": say what the parser met (a
+            # nesting too deep, an integer of thousands of digits, bytes not UTF-8).
+            cause = exc.__cause__
+            message = f"the body is not valid JSON ({type(cause).__name__}: {cause})"[:300]
+        return error_response(exc.status_code, kind, message, headers=exc.headers)
 
     @app.get("/health")
     async def health():

@@ -212,16 +212,30 @@ def test_errors_have_openais_body_and_the_status_of_their_cause(
         assert says in error["message"], error
 
 
-def test_a_body_that_is_not_json_is_a_400(gateway):
+@pytest.mark.parametrize(
+    ("content", "content_type", "says"),
+    [
+        (b"{not json", "application/json", "the body is not valid JSON (at character 1"),
+        # What Python's parser meets, named (FastAPI said "There was an error parsing the body").
+        (b'{"stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json", "the body is not valid JSON (RecursionError"),
+        (b'{"max_tokens": ' + b"9" * 100_000 + b"}", "application/json", "the body is not valid JSON (ValueError: Exceeds the limit"),
+        ('{"prompt": "caf\xe9"}'.encode("latin-1"), "application/json", "the body is not valid JSON (UnicodeDecodeError"),
+        # A body that is not an object (the message had an empty field name before).
+        (b"[1, 2]", "application/json", "the body must be a JSON object"),
+        (b"", "application/json", "the body is empty"),
+        (b'{"model": "x", "prompt": "y"}', "text/plain", "the body must be a JSON object (content-type: application/json)"),
+    ],
+)  # fmt: skip
+def test_a_body_that_is_not_a_json_object_is_a_400_saying_why(gateway, content, content_type, says):
     reply = httpx.post(
         f"{gateway}/v1/completions",
-        content=b"{not json",
-        headers={"content-type": "application/json"},
+        content=content,
+        headers={"content-type": content_type},
         timeout=30,
     )
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
     error = reply.json()["error"]
-    assert error["message"].startswith("the body is not valid JSON (at character 1")
+    assert error["message"].startswith(says), error
     assert error["param"] is None
 
 
