@@ -235,8 +235,8 @@ class _Sampling(BaseModel):
     # GenerateRequest carries max_tokens and deadline_ms as uint32 and the seed as uint64:
     # a larger number is a 400 here, not a failed message build (a 500).
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     # The validators below give the clear messages; the json_schema_extra say the same
     # in the OpenAPI document, so that a request it calls valid is one the gateway takes.

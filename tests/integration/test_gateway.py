@@ -421,3 +421,19 @@ def test_a_body_above_the_limit_is_a_413_whether_its_length_is_given_or_not(gate
         timeout=60,
     )
     assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+def test_a_sampling_number_that_is_not_finite_is_named_so(gateway, number):
+    # Python's JSON reads NaN and Infinity; "less than or equal to 2" was the message.
+    for field in (b"temperature", b"top_p"):
+        body = b'{"model": "%s", "prompt": "x", "%s": %s}' % (MODEL.encode(), field, number)
+        reply = httpx.post(
+            f"{gateway}/v1/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["message"] == f"{field.decode()}: Input should be a finite number", error
