@@ -675,7 +675,10 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
 
     @app.exception_handler(GatewayError)
     async def gateway_error(_request: Request, exc: GatewayError):
-        return error_response(exc.status, exc.kind, exc.message, exc.param)
+        # A 401 names the scheme it wants (RFC 6750), as clients that retry with a token
+        # expect.
+        challenge = {"WWW-Authenticate": 'Bearer realm="iserve"'} if exc.status == 401 else None
+        return error_response(exc.status, exc.kind, exc.message, exc.param, headers=challenge)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request: Request, exc: RequestValidationError):

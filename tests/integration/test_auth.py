@@ -412,6 +412,7 @@ def test_the_gateway_forwards_the_client_token(deployed):
         missing = client.post(f"{base}/completions", json=body)
         assert missing.status_code == 401
         assert missing.json()["error"]["type"] == "authentication_error"
+        assert missing.headers["www-authenticate"] == 'Bearer realm="iserve"'
         wrong = client.post(
             f"{base}/completions", json=body, headers={"Authorization": "Bearer nope-nope"}
         )
