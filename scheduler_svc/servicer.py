@@ -113,6 +113,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         try:
             self.in_flight.admit(context)  # UNAVAILABLE once draining; counted until it ends
             check_request(request)
+            # Unset: the deployment's max_output_tokens, as far as the prompt leaves room.
+            max_tokens_is_bound = request.max_tokens == 0
             # A second attempt only when the replica's worker was gone before any token.
             for attempt in range(2):
                 deployment, replica, queue = await self._admit(request, record)
@@ -128,6 +130,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                             prompt=request.prompt,
                             prompt_token_ids=request.prompt_token_ids,
                             max_tokens=request.max_tokens,
+                            max_tokens_is_bound=max_tokens_is_bound,
                             sampling=request.sampling,
                         )
                     )

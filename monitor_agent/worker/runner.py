@@ -142,6 +142,11 @@ class EngineRunner:
         self._thread.start()
 
     @property
+    def max_seq_len(self) -> int:
+        """Prompt plus generated tokens one sequence may hold."""
+        return self._core.max_seq_len
+
+    @property
     def busy_seconds(self) -> float:
         """Seconds the engine has spent stepping since it started."""
         return self.busy.total_seconds

@@ -162,3 +162,31 @@ def test_a_method_a_path_does_not_take_is_a_405_naming_those_it_does(
     assert reply.status_code == 405
     assert reply.headers["allow"] == allowed  # RFC 9110 requires it
     assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_without_max_tokens_a_long_chat_gets_what_the_sequence_leaves(gateway_url):
+    # A prompt longer than the deployment's max_input_tokens (CONTEXT - MAX_OUTPUT) is
+    # served up to the context, as OpenAI's API serves a chat without max_tokens; asked
+    # for MAX_OUTPUT tokens explicitly, the same prompt is refused.
+    def chat(words: int, **fields) -> httpx.Response:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "river " * words}],
+            "ignore_eos": True,
+            **fields,
+        }
+        return httpx.post(f"{gateway_url}/v1/chat/completions", json=body, timeout=60)
+
+    words = next(
+        w
+        for w in range(10, CONTEXT)
+        if chat(w, max_tokens=1).json()["usage"]["prompt_tokens"] > CONTEXT - MAX_OUTPUT + 8
+    )
+    prompt = chat(words, max_tokens=1).json()["usage"]["prompt_tokens"]
+    assert prompt < CONTEXT
+    reply = chat(words)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == CONTEXT - prompt
+    assert reply.json()["choices"][0]["finish_reason"] == "length"
+    refused = chat(words, max_tokens=MAX_OUTPUT)
+    assert refused.status_code == 400 and "exceeds" in refused.json()["error"]["message"]

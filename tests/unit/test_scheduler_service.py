@@ -322,6 +322,8 @@ def test_an_unset_max_tokens_is_the_deployments_max_output_tokens(redis_url):
         await h.collect(deployment_id="d1", max_tokens=0)
         await h.collect(request_id="r2", deployment_id="d1", max_tokens=5)
         assert [r.max_tokens for r in worker.received] == [16, 5]
+        # Only the unset one may be cut to what the worker's sequence leaves.
+        assert [r.max_tokens_is_bound for r in worker.received] == [True, False]
 
     run(redis_url, scenario)
 
