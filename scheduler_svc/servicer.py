@@ -117,7 +117,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             max_tokens_is_bound = request.max_tokens == 0
             # A second attempt only when the replica's worker was gone before any token.
             for attempt in range(2):
-                deployment, replica, queue = await self._admit(request, record)
+                deployment, replica, queue = await self._admit(request, record, max_tokens_is_bound)
                 final: worker_pb.WorkerServiceGenerateResponse | None = None
                 token_times = record.token_times
                 stream: WorkerStream | None = None
@@ -203,10 +203,14 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         )
 
     async def _admit(
-        self, request: inference_pb.GenerateRequest, record: RequestRecord
+        self,
+        request: inference_pb.GenerateRequest,
+        record: RequestRecord,
+        max_tokens_is_bound: bool,
     ) -> tuple[deploy_pb.Deployment, deploy_pb.Replica, DeploymentQueue]:
         """Resolve the request's deployment and replica and wait for a slot on it; fills
-        ``record``. The caller releases the slot."""
+        ``record``. The caller releases the slot. ``max_tokens_is_bound``: the client set
+        no max_tokens (it is filled in here)."""
         clock = self._clock
         arrival = record.arrival_s
         if request.HasField("deployment_id"):
@@ -218,7 +222,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         self.metrics.seen(deployment.deployment_id, deployment.model_id)
         record.objectives = deployment.objectives
         resolve_max_tokens(request, deployment)
-        check_for_deployment(request, deployment)
+        check_for_deployment(request, deployment, max_tokens_is_bound)
         # Until the deployer takes them out (routing refreshes each second).
         deployment = replicas.avoiding(deployment, self._unreachable)
         replica = self._replica_for(deployment)

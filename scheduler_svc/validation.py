@@ -42,18 +42,25 @@ def resolve_max_tokens(
 
 
 def check_for_deployment(
-    request: inference_pb.GenerateRequest, deployment: deploy_pb.Deployment
+    request: inference_pb.GenerateRequest,
+    deployment: deploy_pb.Deployment,
+    max_tokens_is_bound: bool = False,
 ) -> None:
-    """Checks against the deployment's limits (a limit of 0 means none is recorded)."""
+    """Checks against the deployment's limits (a limit of 0 means none is recorded).
+    With ``max_tokens_is_bound`` (the client set none) a prompt may take the whole
+    sequence but one token: the worker generates what it leaves, as for a text prompt."""
     limit = deployment.max_output_tokens
     if limit and request.max_tokens > limit:
         raise InvalidArgument(
             f"max_tokens {request.max_tokens} exceeds max_output_tokens {limit} "
             f"of deployment {deployment.deployment_id}"
         )
-    prompt_limit = deployment.max_input_tokens
+    prompt_limit, what = deployment.max_input_tokens, "max_input_tokens"
+    if max_tokens_is_bound and prompt_limit and limit:
+        prompt_limit = prompt_limit + limit - 1
+        what = "max_input_tokens + max_output_tokens - 1, max_tokens being unset"
     if prompt_limit and len(request.prompt_token_ids) > prompt_limit:
         raise InvalidArgument(
             f"prompt has {len(request.prompt_token_ids)} tokens; deployment "
-            f"{deployment.deployment_id} accepts at most {prompt_limit} (max_input_tokens)"
+            f"{deployment.deployment_id} accepts at most {prompt_limit} ({what})"
         )

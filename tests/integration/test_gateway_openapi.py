@@ -11,6 +11,7 @@ against it.
 
 from __future__ import annotations
 
+import grpc
 import httpx
 import pytest
 import schemathesis
@@ -26,9 +27,11 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from services.api import common_pb2 as common
+from services.api import inference_service_pb2 as infer_pb
 from services.models.checkpoint import create_checkpoint
 from services.proto_limits import UINT64_MAX
-from tests.integration.helpers import TINY, deploy, register
+from tests.integration.helpers import TINY, deploy, register, rid
 
 pytestmark = pytest.mark.integration
 
@@ -190,3 +193,26 @@ def test_without_max_tokens_a_long_chat_gets_what_the_sequence_leaves(gateway_ur
     assert reply.json()["choices"][0]["finish_reason"] == "length"
     refused = chat(words, max_tokens=MAX_OUTPUT)
     assert refused.status_code == 400 and "exceeds" in refused.json()["error"]["message"]
+
+
+def test_without_max_tokens_a_long_token_id_prompt_gets_what_the_sequence_leaves(
+    stack, gateway_url
+):
+    # The same over gRPC with token ids, which the scheduler counts itself.
+    def generate(max_tokens: int):
+        replies = stack.inference.Generate(
+            infer_pb.GenerateRequest(
+                request_id=rid(),
+                model_id=MODEL,
+                prompt_token_ids=[7] * 80,
+                max_tokens=max_tokens,
+                sampling=common.SamplingParams(ignore_eos=True),
+            ),
+            timeout=60,
+        )
+        return [r for r in replies if r.HasField("final")][-1].final
+
+    assert generate(0).usage.completion_tokens == CONTEXT - 80
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(MAX_OUTPUT)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -352,6 +352,13 @@ def test_oversized_requests_for_a_deployment_are_invalid_argument():
     assert "accepts at most 16" in message
     message = _refused(check_for_deployment, _generate(max_tokens=2**32 - 1), deployment)
     assert "exceeds max_output_tokens 8" in message
+    # With max_tokens unset, a prompt may fill the sequence but one token (the worker
+    # generates what is left), as a text prompt may.
+    unset = _generate(prompt_token_ids=[1] * 23, max_tokens=8)
+    check_for_deployment(unset, deployment, max_tokens_is_bound=True)
+    unset = _generate(prompt_token_ids=[1] * 24, max_tokens=8)
+    message = _refused(check_for_deployment, unset, deployment, max_tokens_is_bound=True)
+    assert "accepts at most 23 (max_input_tokens + max_output_tokens - 1" in message
 
 
 _floats = st.floats(width=32) | st.sampled_from([math.nan, math.inf, -math.inf, 0.0, 1.0])
