@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import inspect
 import logging
 import signal
@@ -35,6 +36,9 @@ from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 from services.transport import CHANNEL_OPTIONS, Transport
 
 log = logging.getLogger("iserve.grpc")
+# Seconds past the grace a stop may take before every thread's stack is written to the
+# log (faulthandler): a stop that hangs then says where.
+STOP_STACKS_AFTER_S = 10.0
 
 Drain = Callable[[float], Awaitable[object]]
 """Refuse new calls and wait up to the given seconds for those in flight (``InFlight.drain``)."""
@@ -253,13 +257,36 @@ async def run_server(
     if drain is not None:
         stop.clear()
         await _drain_unless_signalled(drain, drain_timeout_s, stop)
+    # What is left takes seconds (grace_s and on_stop); should it hang, the log says
+    # where: every asyncio task's stack, and (should the loop itself be blocked) every
+    # thread's, which faulthandler writes to stderr.
+    faulthandler.dump_traceback_later(grace_s + STOP_STACKS_AFTER_S, exit=False)
+    watchdog = loop.call_later(grace_s + STOP_STACKS_AFTER_S, _log_tasks, name)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await server.stop(0 if drain is not None else grace_s)
     if on_stop is not None:
         await on_stop()
+    faulthandler.cancel_dump_traceback_later()
+    watchdog.cancel()
     log.info("%s stopped", name)
+
+
+def _log_tasks(name: str) -> None:
+    """Log where each asyncio task waits: its chain of awaited coroutines, outermost
+    first (a task's own stack shows only its outermost frame)."""
+    for task in asyncio.all_tasks():
+        where, coro = [], task.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                code = frame.f_code
+                where.append(f"  {code.co_filename}:{frame.f_lineno} in {code.co_name}")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        log.warning(
+            "%s still stopping; task %s waits at:\n%s", name, task.get_name(), "\n".join(where)
+        )
 
 
 async def _drain_unless_signalled(drain: Drain, timeout_s: float, signalled: asyncio.Event) -> None:

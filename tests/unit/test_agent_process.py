@@ -76,13 +76,17 @@ def _start_agent(env: dict, log_path: Path) -> subprocess.Popen:
             time.sleep(0.05)
 
 
-def _stop_agent(proc: subprocess.Popen) -> int:
+def _stop_agent(proc: subprocess.Popen) -> int | None:
+    """SIGTERM and its exit code; None when it has not exited within 20 s (then killed:
+    the callers' assertions print its log, where a stop hanging past its grace has
+    written every thread's stack)."""
     proc.send_signal(signal.SIGTERM)
     try:
         return proc.wait(20)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise
+        proc.wait(10)
+        return None
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -152,3 +154,29 @@ def test_a_second_signal_ends_the_drain_at_once():
     ((_count, code), cut_after_s), _events = asyncio.run(serve_until_stopped(30.0, client))
     assert code == grpc.StatusCode.UNAVAILABLE
     assert cut_after_s < 5.0
+
+
+HANGING_STOP = """
+import asyncio, logging, os, signal
+import services.grpc_server as server
+logging.basicConfig(level=logging.INFO)
+server.STOP_STACKS_AFTER_S = 0.3
+async def close_the_store():
+    await asyncio.sleep(60)  # a stop step that never ends
+async def main():
+    asyncio.get_running_loop().call_later(0.3, os.kill, os.getpid(), signal.SIGTERM)
+    await server.run_server("probe", [], "127.0.0.1:0", on_stop=close_the_store, grace_s=0.1)
+asyncio.run(main())
+"""
+
+
+def test_a_stop_that_hangs_logs_where_each_task_and_thread_waits():
+    proc = subprocess.Popen([sys.executable, "-c", HANGING_STOP], stderr=subprocess.PIPE, text=True)
+    try:
+        proc.wait(3)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log = proc.stderr.read()
+    assert "probe still stopping; task" in log, log
+    assert "in close_the_store" in log  # the awaited chain, not only the outer frame
+    assert "Thread 0x" in log  # faulthandler's stacks of every thread
