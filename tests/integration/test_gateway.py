@@ -44,6 +44,13 @@ def gateway(stack):
         _remove(stack, deployment_id)
 
 
+def _post_raw(
+    url: str, content, content_type: str = "application/json", timeout: float = 30
+) -> httpx.Response:
+    """POST ``content`` (bytes or an iterator of chunks) exactly as given."""
+    return httpx.post(url, content=content, headers={"content-type": content_type}, timeout=timeout)
+
+
 def _remove(stack, deployment_id: str) -> None:
     stack.deployments.RemoveDeployment(
         deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=deployment_id),
@@ -227,12 +234,7 @@ def test_errors_have_openais_body_and_the_status_of_their_cause(
     ],
 )  # fmt: skip
 def test_a_body_that_is_not_a_json_object_is_a_400_saying_why(gateway, content, content_type, says):
-    reply = httpx.post(
-        f"{gateway}/v1/completions",
-        content=content,
-        headers={"content-type": content_type},
-        timeout=30,
-    )
+    reply = _post_raw(f"{gateway}/v1/completions", content, content_type=content_type, timeout=30)
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
     error = reply.json()["error"]
     assert error["message"].startswith(says), error
@@ -252,12 +254,7 @@ def test_a_body_that_is_not_a_json_object_is_a_400_saying_why(gateway, content, 
 def test_a_lone_surrogate_is_a_400(gateway, path, body):
     for stream in (b"false", b"true"):
         content = body.replace(b"%s", MODEL.encode())[:-1] + b', "stream": ' + stream + b"}"
-        reply = httpx.post(
-            f"{gateway}{path}",
-            content=content,
-            headers={"content-type": "application/json"},
-            timeout=30,
-        )
+        reply = _post_raw(f"{gateway}{path}", content, timeout=30)
         assert reply.status_code == 400, reply.text
         assert "not valid Unicode" in reply.json()["error"]["message"]
 
@@ -404,22 +401,12 @@ def test_a_body_above_the_limit_is_a_413_whether_its_length_is_given_or_not(gate
             yield big[start : start + 2**20]
 
     for content in (big, chunks()):
-        reply = httpx.post(
-            f"{gateway}/v1/completions",
-            content=content,
-            headers={"content-type": "application/json"},
-            timeout=60,
-        )
+        reply = _post_raw(f"{gateway}/v1/completions", content, timeout=60)
         assert reply.status_code == 413, reply.text
         assert reply.json()["error"]["message"] == f"the body is larger than {MAX_BODY_BYTES} bytes"
     # A body in chunks under the limit is served.
     body = json.dumps({"model": MODEL, "prompt": "a b", "max_tokens": 2}).encode()
-    reply = httpx.post(
-        f"{gateway}/v1/completions",
-        content=iter([body[:7], body[7:]]),
-        headers={"content-type": "application/json"},
-        timeout=60,
-    )
+    reply = _post_raw(f"{gateway}/v1/completions", iter([body[:7], body[7:]]), timeout=60)
     assert reply.status_code == 200, reply.text
 
 
@@ -428,12 +415,7 @@ def test_a_sampling_number_that_is_not_finite_is_named_so(gateway, number):
     # Python's JSON reads NaN and Infinity; "less than or equal to 2" was the message.
     for field in (b"temperature", b"top_p"):
         body = b'{"model": "%s", "prompt": "x", "%s": %s}' % (MODEL.encode(), field, number)
-        reply = httpx.post(
-            f"{gateway}/v1/completions",
-            content=body,
-            headers={"content-type": "application/json"},
-            timeout=30,
-        )
+        reply = _post_raw(f"{gateway}/v1/completions", body, timeout=30)
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["message"] == f"{field.decode()}: Input should be a finite number", error
