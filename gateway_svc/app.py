@@ -217,6 +217,9 @@ _DECLINED_COMPLETION: _Declined = {
 }
 
 
+_ALL_DECLINED: _Declined = {**_DECLINED, **_DECLINED_CHAT, **_DECLINED_COMPLETION}
+
+
 def _declined(declined: _Declined, name: str) -> Any:
     """The field of a declined parameter: null by default, documented by its neutral
     values."""
@@ -258,12 +261,10 @@ class _Sampling(BaseModel):
 
     # Also the endpoints' own declined fields (check_fields=False: they are declared in
     # the subclasses).
-    @field_validator(*_DECLINED, *_DECLINED_CHAT, *_DECLINED_COMPLETION, check_fields=False)
+    @field_validator(*_ALL_DECLINED, check_fields=False)
     @classmethod
     def _refuse_declined(cls, value: Any, info: ValidationInfo) -> Any:
-        neutral, _schema, what = {**_DECLINED, **_DECLINED_CHAT, **_DECLINED_COMPLETION}[
-            info.field_name
-        ]
+        neutral, _schema, what = _ALL_DECLINED[info.field_name]
         if value is not None and not neutral(value):
             raise ValueError(f"{what} not supported by this server")
         return value
@@ -352,11 +353,11 @@ class CompletionBody(_Sampling):
     @classmethod
     def _one_prompt(cls, prompt: Any) -> str | list[int]:
         """The prompt as text or token ids."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            if isinstance(prompt[0], str) or _token_ids(prompt[0]) is not None:
-                prompt = prompt[0]  # a list of one prompt
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            raise ValueError(f"one prompt per request (n = 1), got a list of {len(prompt)}")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            # A list of prompts (texts, or token id lists): one per request.
+            if len(prompt) > 1:
+                raise ValueError(f"one prompt per request (n = 1), got a list of {len(prompt)}")
+            prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
