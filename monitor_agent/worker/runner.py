@@ -142,20 +142,24 @@ class EngineRunner:
         self._thread.start()
 
     @property
-    def max_seq_len(self) -> int:
-        """Prompt plus generated tokens one sequence may hold."""
-        return self._core.max_seq_len
-
-    @property
     def busy_seconds(self) -> float:
         """Seconds the engine has spent stepping since it started."""
         return self.busy.total_seconds
 
     def parse(
-        self, prompt_ids: list[int], max_tokens: int, sampling: SamplingConfig
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingConfig,
+        max_tokens_is_bound: bool = False,
     ) -> GenerationRequest:
         """The engine's request for these values; ValueError, saying what to fix, for
-        one the engine cannot run."""
+        one the engine cannot run. With ``max_tokens_is_bound`` (the client set none),
+        max_tokens is cut to what the sequence leaves after the prompt; a prompt that
+        leaves nothing is still refused."""
+        room = self._core.max_seq_len - len(prompt_ids)
+        if max_tokens_is_bound and room >= 1:
+            max_tokens = min(max_tokens, room)
         request = GenerationRequest(tuple(prompt_ids), max_tokens, sampling)
         self._core.validate(request)
         return request

@@ -80,12 +80,9 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
             else:
                 require(bool(request.prompt), "prompt is empty: set prompt or prompt_token_ids")
                 prompt_ids = self.runner.engine.encode(request.prompt)
-            max_tokens = request.max_tokens
-            if request.max_tokens_is_bound:
-                # What the sequence leaves; a prompt that leaves nothing is refused below.
-                room = self.runner.max_seq_len - len(prompt_ids)
-                max_tokens = min(max_tokens, room) if room >= 1 else max_tokens
-            return self.runner.parse(prompt_ids, max_tokens, sampling)
+            return self.runner.parse(
+                prompt_ids, request.max_tokens, sampling, request.max_tokens_is_bound
+            )
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
 
