@@ -208,6 +208,12 @@ MIN_TOKEN_LENGTH = 24
 MAX_TOKEN_LENGTH = 512
 
 
+def stack_token(state_dir: Path, name: str) -> str:
+    """The ``admin`` or ``service`` token ``iserve up`` wrote in ``state_dir`` ("" none),
+    checked as a token given in the environment is."""
+    return _token({}, f"ISERVE_{name.upper()}_TOKEN", state_dir, name)
+
+
 def _token(env: Mapping[str, str], variable: str, state_dir: Path, file_name: str) -> str:
     """``env[variable]``, else the stack's token file; ValueError naming the variable
     (or file) when it is too short or long, or holds spaces or control characters."""

@@ -179,11 +179,16 @@ def print_decision(decision: deploy_pb.DeploymentDecision) -> None:
         print(f"  note: {decision.note}", file=out)
 
 
+def state_name(state: int) -> str:
+    """A DeploymentState as the CLI shows it: ``READY``, ``STARTING``, ``FAILED``…"""
+    return deploy_pb.DeploymentState.Name(state).removeprefix("DEPLOYMENT_STATE_")
+
+
 def describe_replicas(deployment: deploy_pb.Deployment) -> str:
     """``replica 0 READY 127.0.0.1:40001, replica 1 FAILED 127.0.0.1:40002 (why)``."""
     parts = []
     for replica in replicas.replicas_of(deployment):
-        state = deploy_pb.DeploymentState.Name(replica.state).removeprefix("DEPLOYMENT_STATE_")
+        state = state_name(replica.state)
         why = f" ({replica.state_reason})" if replica.state_reason else ""
         parts.append(f"replica {replica.index} {state} {replica.worker_address or '-'}{why}")
     return ", ".join(parts)

@@ -387,7 +387,7 @@ def cmd_deployments(settings: Settings, args) -> int:
             [
                 dep.deployment_id,
                 dep.model_id,
-                deploy_pb.DeploymentState.Name(dep.state).removeprefix("DEPLOYMENT_STATE_"),
+                deploying.state_name(dep.state),
                 deploying.describe_config(dep.config),
                 deploying.describe_objectives(dep.objectives),
                 deploying.describe_replicas(dep),
@@ -399,7 +399,7 @@ def cmd_deployments(settings: Settings, args) -> int:
         return 0
     # Not a terminal: one tab-separated line per deployment, for scripts.
     for dep in reply.deployments:
-        state = deploy_pb.DeploymentState.Name(dep.state).removeprefix("DEPLOYMENT_STATE_")
+        state = deploying.state_name(dep.state)
         print(
             json.dumps(_to_json(dep))
             if args.json

@@ -28,6 +28,7 @@ import grpc
 from services import transport
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
+from services.cli import deploying
 from services.health import check, wait_http, wait_serving
 from services.ports import bindable, free_port
 from services.redis_embedded import start_redis
@@ -40,6 +41,7 @@ from services.settings import (
     Settings,
     load_settings,
     read_stack_file,
+    stack_token,
     token_file,
 )
 
@@ -189,9 +191,8 @@ def wait_for_restored(
     """Wait until the deployments Redis kept from before are served again (the deployer
     restarts their workers); returns the ids of those that are not, after saying why.
     Until then, requests for them would get 503s."""
-    # The stack's own admin token: the CLI's transport was set up before `up` wrote it.
-    admin = token_file(settings.state_dir, "admin")
-    token = settings.admin_token or (admin.read_text().strip() if admin.is_file() else "")
+    # The stack's own admin token: the CLI's settings were read before `up` wrote it.
+    token = settings.admin_token or stack_token(settings.state_dir, "admin")
     channel = transport.current().sync_channel(
         settings.address("deploy"), token=token if settings.auth else None
     )
@@ -218,21 +219,19 @@ def wait_for_restored(
         now = listed()
         for deployment_id in list(waiting):
             deployment = now.get(deployment_id)
-            if deployment is not None and deployment.state in live and not _serving(deployment):
+            serving = deployment is not None and _serving(deployment)
+            if deployment is not None and deployment.state in live and not serving:
                 continue
             waiting.remove(deployment_id)
-            if deployment is not None and _serving(deployment):
+            if serving:
                 log(f"deployment {deployment_id} restored ({time.monotonic() - started:.1f} s)")
                 continue
             failed.append(deployment_id)
-            state = (
-                "removed"
-                if deployment is None
-                else deploy_pb.DeploymentState.Name(deployment.state).removeprefix(
-                    "DEPLOYMENT_STATE_"
-                )
-                + (f": {deployment.state_reason}" if deployment.state_reason else "")
-            )
+            if deployment is None:
+                state = "removed"
+            else:
+                why = f": {deployment.state_reason}" if deployment.state_reason else ""
+                state = deploying.state_name(deployment.state) + why
             log(f"deployment {deployment_id} was not restored ({state})")
     if waiting:
         log(
