@@ -8,7 +8,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import check_dtype, check_weight_quant, parallel_problem
 from services.errors import InvalidArgument
-from services.token_limits import check_batch_size, token_limits
+from services.token_limits import check_batch_size, sequence_length, token_limits
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class ExplicitPlan:
 
     @property
     def max_seq_len(self) -> int:
-        return self.max_input_tokens + self.max_output_tokens
+        return sequence_length(self.max_input_tokens, self.max_output_tokens)
 
 
 def resolve_explicit(

@@ -22,6 +22,7 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.ids import replica_group_id
 from services.state.store import ReservationError, StateStore
+from services.token_limits import sequence_length
 
 log = logging.getLogger("iserve.deploy.healer")
 GONE = (deploy_pb.DEPLOYMENT_STATE_FAILED, deploy_pb.DEPLOYMENT_STATE_REMOVING)
@@ -162,7 +163,7 @@ class Healer:
             model = await self.store.get_model(deployment.model_id)
             if model is None:
                 return f"model {deployment.model_id} is no longer registered"
-            max_seq_len = deployment.max_input_tokens + deployment.max_output_tokens
+            max_seq_len = sequence_length(deployment.max_input_tokens, deployment.max_output_tokens)
             others = [
                 r.placement
                 for r in deployment.replicas

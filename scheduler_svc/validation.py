@@ -8,7 +8,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
 from services.errors import InvalidArgument
 from services.ids import check_request_id
-from services.token_limits import DEFAULT_MAX_OUTPUT_TOKENS
+from services.token_limits import DEFAULT_MAX_OUTPUT_TOKENS, sequence_length
 
 
 def check_request(request: inference_pb.GenerateRequest) -> None:
@@ -57,7 +57,7 @@ def check_for_deployment(
         )
     prompt_limit, what = deployment.max_input_tokens, "max_input_tokens"
     if max_tokens_is_bound and prompt_limit and limit:
-        prompt_limit = prompt_limit + limit - 1
+        prompt_limit = sequence_length(prompt_limit, limit) - 1
         what = "max_input_tokens + max_output_tokens - 1, max_tokens being unset"
     if prompt_limit and len(request.prompt_token_ids) > prompt_limit:
         raise InvalidArgument(

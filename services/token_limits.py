@@ -12,6 +12,12 @@ DEFAULT_MAX_OUTPUT_TOKENS = 256
 MAX_BATCH_SIZE = 256
 
 
+def sequence_length(max_input_tokens: int, max_output_tokens: int) -> int:
+    """Positions of KV cache a deployment's worker holds per sequence: its prompt limit
+    plus its output limit (the engine's ``max_seq_len``)."""
+    return max_input_tokens + max_output_tokens
+
+
 def check_batch_size(batch_size: int, field: str = "batch_size") -> None:
     """InvalidArgument when ``batch_size`` is above MAX_BATCH_SIZE."""
     if batch_size > MAX_BATCH_SIZE:
