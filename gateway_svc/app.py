@@ -392,10 +392,9 @@ class ChatMessage(BaseModel):
         return content
 
     def as_template_input(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):  # OpenAI content parts, text only (checked above)
-            content = "".join(part["text"] for part in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        # As sent: a template may loop over content parts, as transformers lets it; keys
+        # set to null are dropped by gateway_svc.chat.template_messages.
+        return {**(self.model_extra or {}), "role": self.role, "content": self.content}
 
 
 class ChatBody(_Sampling):
@@ -776,6 +775,8 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         except ChatTemplateError as exc:
             raise GatewayError(400, "invalid_request_error", str(exc), "messages") from None
         request = _generate_request(body, prompt, body.max_completion_tokens or body.max_tokens)
+        # The template wrote the special tokens (BOS) it wants; the tokenizer adds none.
+        request.prompt_has_special_tokens = True
         return await _respond(body, request, caller, chat=True)
 
     async def _respond(

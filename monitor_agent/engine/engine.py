@@ -163,11 +163,12 @@ class Engine:
         """Weights, KV cache and peak activation bytes (see monitor_agent.engine.memory)."""
         return self.batch.memory
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text, with the special tokens (BOS, EOS) transformers' AutoTokenizer
-        would add for this checkpoint; ValueError for a text too long to fit
-        ``max_seq_len`` tokens (services.models.special_tokens.PromptEncoder)."""
-        return self._encode(text)
+        would add for this checkpoint (none unless ``add_special_tokens``); ValueError for
+        a text too long to fit ``max_seq_len`` tokens
+        (services.models.special_tokens.PromptEncoder)."""
+        return self._encode(text, add_special_tokens)
 
     def generate(
         self,

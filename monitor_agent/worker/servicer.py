@@ -79,7 +79,9 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
                 prompt_ids = list(request.prompt_token_ids)
             else:
                 require(bool(request.prompt), "prompt is empty: set prompt or prompt_token_ids")
-                prompt_ids = self.runner.engine.encode(request.prompt)
+                prompt_ids = self.runner.engine.encode(
+                    request.prompt, add_special_tokens=not request.prompt_has_special_tokens
+                )
             return self.runner.parse(
                 prompt_ids, request.max_tokens, sampling, request.max_tokens_is_bound
             )

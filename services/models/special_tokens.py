@@ -42,10 +42,12 @@ log = logging.getLogger("iserve.models")
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text`` with the special tokens ``tokenizer.json``'s post-processor
-    adds, and no others (see the module docstring)."""
-    return tokenizer.encode(text, add_special_tokens=True).ids
+    adds, and no others (see the module docstring); without any when not
+    ``add_special_tokens`` (a rendered chat template holds its own, and transformers'
+    ``apply_chat_template`` encodes it so)."""
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 # Characters one token may stand for at most, beyond the vocabulary's longest piece: an
@@ -76,7 +78,7 @@ class PromptEncoder:
         self.max_seq_len = max_seq_len
         self._max_chars: int | None = None  # from the vocabulary, when first needed
 
-    def __call__(self, text: str) -> list[int]:
+    def __call__(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._max_chars is None:
             self._max_chars = max_prompt_chars(self.tokenizer, self.max_seq_len)
         if len(text) > self._max_chars:
@@ -85,7 +87,7 @@ class PromptEncoder:
                 f"this deployment holds per sequence (at most {self._max_chars} "
                 "characters with this tokenizer)"
             )
-        return encode_prompt(self.tokenizer, text)
+        return encode_prompt(self.tokenizer, text, add_special_tokens)
 
 
 def ids_in_vocabulary(source: str, ids: Iterable[int], vocab_size: int) -> tuple[int, ...]:

@@ -66,10 +66,20 @@ def test_templates_render_as_transformers_does(tmp_path):
 
 
 def test_no_template_and_a_refusing_template_are_clear_errors(tmp_path):
-    with pytest.raises(NoChatTemplate, match="no tokenizer_config.json"):
+    with pytest.raises(NoChatTemplate, match="no chat template"):
         read_template(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
-    with pytest.raises(NoChatTemplate, match="no chat_template"):
+    with pytest.raises(NoChatTemplate, match="no chat template"):
+        read_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(NoChatTemplate, match="not a JSON object"):
+        read_template(tmp_path)
+    named = [{"name": "tool_use", "template": "x"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    with pytest.raises(NoChatTemplate, match="no non-empty 'default'"):
+        read_template(tmp_path)
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe")
+    with pytest.raises(NoChatTemplate, match="cannot read chat_template.jinja"):
         read_template(tmp_path)
     strict = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
     with pytest.raises(ChatTemplateError, match="user first"):
@@ -77,3 +87,10 @@ def test_no_template_and_a_refusing_template_are_clear_errors(tmp_path):
     # The sandbox: a template cannot reach Python internals.
     with pytest.raises(ChatTemplateError):
         render("{{ messages.__class__.__mro__[1].__subclasses__() }}", [], {})
+    with pytest.raises(ChatTemplateError, match="underscore"):
+        render("{% set ns = namespace(_x=1) %}", [], {})
+    # A template failing in Python (not jinja2) is the same clear refusal, not a 500.
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        render("{{ messages[0]['content'] + 1 }}", [{"role": "user", "content": "x"}], {})
+    with pytest.raises(ChatTemplateError, match="(?i)expected an expression"):
+        render("{% for %}", [], {})

@@ -127,11 +127,11 @@ class TrtLlmEngine:
     def memory(self) -> TrtLlmMemory:
         return self.batch.memory
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text, as the PyTorch engine encodes them (iserve's tokenizer,
-        with the special tokens the checkpoint's tokenizer adds; a text too long for
-        ``max_seq_len`` tokens refused unread)."""
-        return self._encode(text)
+        with the special tokens the checkpoint's tokenizer adds unless not
+        ``add_special_tokens``; a text too long for ``max_seq_len`` tokens refused unread)."""
+        return self._encode(text, add_special_tokens)
 
     def generate(
         self,

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "deployment_id", "prompt", "prompt_token_ids", "max_tokens", "sampling", "priority", "deadline_ms")
+    __slots__ = ("request_id", "model_id", "deployment_id", "prompt", "prompt_token_ids", "max_tokens", "sampling", "priority", "deadline_ms", "prompt_has_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_HAS_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     deployment_id: str
@@ -27,7 +28,8 @@ class GenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     priority: bool
     deadline_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[bool] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    prompt_has_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[bool] = ..., deadline_ms: _Optional[int] = ..., prompt_has_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "text")
