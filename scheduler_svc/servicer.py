@@ -115,6 +115,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             check_request(request)
             # Unset: the deployment's max_output_tokens, as far as the prompt leaves room.
             max_tokens_is_bound = request.max_tokens == 0
+            by_model = request.WhichOneof("target") == "model_id"
             # A second attempt only when the replica's worker was gone before any token.
             for attempt in range(2):
                 deployment, replica, queue = await self._admit(request, record, max_tokens_is_bound)
@@ -129,6 +130,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                             request_id=rid,
                             prompt=request.prompt,
                             prompt_token_ids=request.prompt_token_ids,
+                            prompt_has_special_tokens=request.prompt_has_special_tokens,
                             max_tokens=request.max_tokens,
                             max_tokens_is_bound=max_tokens_is_bound,
                             sampling=request.sampling,
@@ -159,9 +161,12 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                             deployment, replica, exc, streamed=bool(token_times)
                         )
                 except ReplicaGone as gone:
-                    if attempt or not gone.others_serve:
+                    if attempt or not (gone.others_serve or by_model):
                         raise
-                    continue  # once more, on a replica that still serves
+                    # Once more: on a replica that still serves, or, for a model's
+                    # request, on whichever deployment of it Redis now says is READY
+                    # (the cached record may be of one removed since the last refresh).
+                    continue
                 finally:
                     if stream is not None:
                         stream.close()  # unless it finished: the client went away

@@ -606,3 +606,36 @@ def test_the_last_replica_gone_is_unavailable_without_a_retry(redis_url):
         assert len(await unreachable_events(h.store)) == 1
 
     run(redis_url, scenario)
+
+
+def test_a_prompt_with_its_special_tokens_reaches_the_worker_so(redis_url):
+    # The gateway's rendered chat template holds its BOS: the worker must add none.
+    async def scenario(h: Harness):
+        worker = FakeWorker()
+        await h.add_deployment("d1", worker, max_output_tokens=16)
+        await h.collect(deployment_id="d1", max_tokens=2, prompt_has_special_tokens=True)
+        await h.collect(request_id="r2", deployment_id="d1", max_tokens=2)
+        assert [r.prompt_has_special_tokens for r in worker.received] == [True, False]
+
+    run(redis_url, scenario)
+
+
+def test_a_model_request_routed_to_a_just_removed_deployment_runs_on_its_successor(redis_url):
+    """The router's cache still holds d1 READY when it is removed and d2 deployed (a
+    refresh is up to a second away): the request by model id that finds d1's worker gone
+    is served by d2, not failed; one by deployment id is not rerouted."""
+
+    async def scenario(h: Harness):
+        removed = await h.add_deployment("d1", None)  # nothing listens: workers stopped
+        await h.servicer.router.refresh()  # the cache: d1 READY
+        await h.store.delete_deployment(removed)
+        successor = FakeWorker()
+        await h.add_deployment("d2", successor)
+        messages = await h.collect(model_id="m")
+        assert messages[-1].final.deployment_id == "d2"
+        assert len(successor.received) == 1
+        await h.add_deployment("d3", None)
+        error = await h.status_of(request_id="r3", deployment_id="d3")
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+
+    run(redis_url, scenario)
