@@ -697,20 +697,30 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
 
 
+def _not_utf8(exc: UnicodeEncodeError) -> int:
+    # Bytes that are not UTF-8 reach argv as lone surrogates (Python's surrogateescape).
+    bad = exc.object[exc.start : exc.end].encode("utf-8", "surrogateescape")
+    print(f"error: an argument is not UTF-8 text (bytes {bad!r})", file=sys.stderr)
+    return 1
+
+
 def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Before connecting to anything: no request can carry such an argument.
+    for arg in sys.argv[1:] if argv is None else argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return _not_utf8(exc)
     try:
         settings = load_settings()
         transport.configure(transport.Transport.for_client(settings))
         return args.func(settings, args)
     except BrokenPipeError:
         raise
-    except UnicodeEncodeError as exc:
-        # Bytes that are not UTF-8 reach argv as lone surrogates (Python's surrogateescape).
-        bad = exc.object[exc.start : exc.end].encode("utf-8", "surrogateescape")
-        print(f"error: an argument is not UTF-8 text (bytes {bad!r})", file=sys.stderr)
-        return 1
+    except UnicodeEncodeError as exc:  # text from elsewhere (a file, the environment)
+        return _not_utf8(exc)
     except grpc.RpcError as exc:
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE:
