@@ -5,10 +5,13 @@ A rank's reservation is a fixed runtime overhead per worker process
 (:data:`RUNTIME_OVERHEAD_BYTES`) plus what its share of the model takes:
 
 * a deployment's rank (:func:`rank_memory`, :func:`memory_blocks`), from the model's
-  shape: weights split over tp·pp ranks, the KV cache for every slot at the maximum
-  sequence length on the rank's layers and heads. With the estimator's figure for the
-  configuration (its total over all devices), a layer's block is the larger of the two,
-  so a reservation never falls below what the shape says a layer takes;
+  shape: its decoder layers' weights split tp ways, the KV cache for every slot at the
+  maximum sequence length on the rank's layers and heads, and the token embedding and
+  LM head whole (:func:`embedding_rank_bytes`: the engine replicates them on every
+  tensor rank; a Llama-3-70B rank at tp = 8 holds 3.9 GiB of them in bfloat16, eight
+  times what a split would say). With the estimator's figure for the configuration
+  (its total over all devices), a layer's block is the larger of the two, so a
+  reservation never falls below what the shape says a layer takes;
 * a profiling job's rank (:func:`fingerprint_rank_bytes`), from the fingerprint's exact
   tensors: its stage's layer tensors split tp ways, the embedding, final norm and LM
   head whole (the engine replicates them), the KV cache and a whole-sequence prefill's
@@ -51,9 +54,9 @@ SCALE_BYTES = 2  # bfloat16 quantization scales and zeros
 
 @dataclass(frozen=True)
 class RankMemory:
-    weights_bytes: int
+    weights_bytes: int  # the rank's share of its decoder layers
     kv_cache_bytes: int
-    overhead_bytes: int
+    overhead_bytes: int  # the runtime's, and the embedding and LM head the rank holds
 
     @property
     def total_bytes(self) -> int:
@@ -69,10 +72,7 @@ def rank_memory(
     """Memory of one rank that holds ``stage_layers`` decoder layers."""
     tp = max(1, config.tensor_parallel)
     served, stored = _dtype_bytes(shape, config)
-    layers = max(1, shape.num_layers)
-    weights = served_weight_bytes(shape, config, served, stored)
-    # Layer weights follow the stage's share of layers; embeddings and head ride along.
-    per_rank_weights = weights * stage_layers / layers / tp
+    per_rank_weights = stage_layers * _rank_layer_bytes(shape, config, served, stored, tp)
     kv_heads_per_rank = max(1, math.ceil(shape.num_kv_heads / tp))
     if config.pruning == common.PRUNING_STRUCTURED and shape.num_kv_heads:
         heads_per_rank = max(1, shape.num_attention_heads // tp)
@@ -86,7 +86,20 @@ def rank_memory(
         slots,
         _kv_element_bytes(shape, config, served),
     )
-    return RankMemory(int(per_rank_weights), int(kv), RUNTIME_OVERHEAD_BYTES)
+    overhead = RUNTIME_OVERHEAD_BYTES + embedding_rank_bytes(shape, config)
+    return RankMemory(int(per_rank_weights), int(kv), overhead)
+
+
+def embedding_rank_bytes(shape: model_pb.ModelShape, config: common.DeploymentConfig) -> int:
+    """Bytes of the token embedding and LM head (served dtype) one rank holds: whole on
+    every tensor rank; both on a single-stage pipeline (one matrix when they are tied),
+    the embedding on the first stage and the head on the last otherwise (so a rank of any
+    stage holds at most one; middle stages are counted as if they held one too)."""
+    served, stored = _dtype_bytes(shape, config)
+    embedding_params, _ = _split_params(shape, stored)
+    if config.pipeline_parallel > 1 and not shape.tie_word_embeddings:
+        embedding_params /= 2
+    return int(embedding_params * served)
 
 
 def memory_blocks(
@@ -96,16 +109,17 @@ def memory_blocks(
     estimate_total_bytes: int = 0,
 ) -> tuple[int, int]:
     """(fixed bytes, bytes per decoder layer) of one rank of ``config``: a rank holding
-    ``k`` layers reserves ``fixed + k * block``. ``block`` is the papers' ``mem_total /
-    (tp * layers)`` of the estimator's figure (``estimate_total_bytes``, 0 for none),
-    never below what the shape says a layer's weights and KV cache take."""
+    ``k`` layers reserves ``fixed + k * block``. ``fixed`` is the runtime's overhead and
+    the embedding and LM head a rank holds; ``block`` is the papers' ``mem_total / (tp *
+    layers)`` of the estimator's figure (``estimate_total_bytes``, 0 for none), never
+    below what the shape says a layer's weights and KV cache take."""
     layers = max(1, shape.num_layers)
     tp = max(1, config.tensor_parallel)
     whole = rank_memory(shape, config, max_seq_len, layers)
     block = math.ceil((whole.total_bytes - whole.overhead_bytes) / layers)
     if estimate_total_bytes:
         block = max(block, math.ceil(estimate_total_bytes / (tp * layers)))
-    return RUNTIME_OVERHEAD_BYTES, block
+    return whole.overhead_bytes, block
 
 
 def fingerprint_rank_bytes(
@@ -180,14 +194,46 @@ def _layer_weight_bytes(
     per_layer = params_per_layer(shape, stored)
     if config.pruning == common.PRUNING_STRUCTURED:
         per_layer *= _structured_kept_share(shape, per_layer)
+    return per_layer * _bytes_per_weight(shape, config, served)
+
+
+def _bytes_per_weight(
+    shape: model_pb.ModelShape, config: common.DeploymentConfig, served: int
+) -> float:
     if config.weight_quant == common.WEIGHT_QUANT_INT8:
         # A scale per output row of (at least) hidden_size inputs.
-        bytes_per_weight = 1 + SCALE_BYTES / max(1, shape.hidden_size)
-    elif config.weight_quant == common.WEIGHT_QUANT_INT4:
-        bytes_per_weight = 0.5 + 2 * SCALE_BYTES / DEFAULT_INT4_GROUP_SIZE
-    else:
-        bytes_per_weight = served
-    return per_layer * bytes_per_weight
+        return 1 + SCALE_BYTES / max(1, shape.hidden_size)
+    if config.weight_quant == common.WEIGHT_QUANT_INT4:
+        return 0.5 + 2 * SCALE_BYTES / DEFAULT_INT4_GROUP_SIZE
+    return served
+
+
+# Vectors of hidden_size a decoder layer has at most (two norms with biases, the
+# attention and MLP output biases): tensor ranks hold them whole.
+_VECTORS_PER_LAYER = 6
+
+
+def _rank_layer_bytes(
+    shape: model_pb.ModelShape,
+    config: common.DeploymentConfig,
+    served: int,
+    stored: int,
+    tp: int,
+) -> float:
+    """One decoder layer's weights on one of ``tp`` tensor ranks, as
+    ``monitor_agent.engine.tensor_parallel`` shards them: a 1/tp share, plus the K and V
+    projections of the KV heads a rank holds beyond its share (each rank holds one whole
+    KV head when tp does not divide them) and the vectors ranks hold whole."""
+    whole = _layer_weight_bytes(shape, config, served, stored)
+    if tp == 1:
+        return whole
+    extra = _VECTORS_PER_LAYER * shape.hidden_size * served * (1 - 1 / tp)
+    kv_heads = shape.num_kv_heads
+    if kv_heads:
+        held = math.ceil(kv_heads / tp)
+        kv_weights = 2 * shape.hidden_size * shape.head_dim * (held - kv_heads / tp)
+        extra += kv_weights * _bytes_per_weight(shape, config, served)
+    return whole / tp + extra
 
 
 def layer_kv_bytes_per_token(shape: model_pb.ModelShape, config: common.DeploymentConfig) -> float:

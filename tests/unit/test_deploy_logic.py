@@ -224,18 +224,18 @@ def test_rank_memory_counts_quantized_and_pruned_weights():
     def weights(**config) -> int:
         return rank_memory(shape, common.DeploymentConfig(**config), 1024, 32).weights_bytes
 
-    assert weights() == 2 * (layers + embeddings)
+    # The embedding and LM head are the rank's fixed part, in the served dtype.
+    for quant in (common.WEIGHT_QUANT_NONE, common.WEIGHT_QUANT_INT4):
+        memory = rank_memory(shape, common.DeploymentConfig(weight_quant=quant), 1024, 32)
+        assert memory.overhead_bytes == RUNTIME_OVERHEAD_BYTES + 2 * embeddings
+    assert weights() == 2 * layers
     assert weights(pruning=common.PRUNING_SEMI_STRUCTURED_2_4) == weights()  # dense zeros
     # int8: 1 byte + a bfloat16 scale per 4096-wide row; int4: 0.5 byte + 4 per 128.
-    assert weights(weight_quant=common.WEIGHT_QUANT_INT8) == int(
-        layers * (1 + 2 / 4096) + 2 * embeddings
-    )
-    assert weights(weight_quant=common.WEIGHT_QUANT_INT4) == int(
-        layers * (0.5 + 4 / 128) + 2 * embeddings
-    )
+    assert weights(weight_quant=common.WEIGHT_QUANT_INT8) == int(layers * (1 + 2 / 4096))
+    assert weights(weight_quant=common.WEIGHT_QUANT_INT4) == int(layers * (0.5 + 4 / 128))
     # Structured 25 %: 24 of 32 heads (q, k, v, o) and 8256 of 11008 channels stay.
     attention, mlp = 4 * 4096 * 4096, 3 * 4096 * 11008
-    kept = 32 * (attention * 24 / 32 + mlp * 8256 / 11008) + embeddings
+    kept = 32 * (attention * 24 / 32 + mlp * 8256 / 11008)
     # (the norms, 0.004 % of a layer, are counted with the MLP)
     assert weights(pruning=common.PRUNING_STRUCTURED) == pytest.approx(2 * kept, rel=1e-4)
     assert weights(pruning=common.PRUNING_STRUCTURED, weight_quant=common.WEIGHT_QUANT_INT4) < (
@@ -262,7 +262,10 @@ def test_rank_memory_splits_weights_and_kv():
     assert one.kv_cache_bytes == 2 * 4 * 4 * 32 * 1000 * 1 * 4
     assert one.total_bytes == one.weights_bytes + one.kv_cache_bytes + RUNTIME_OVERHEAD_BYTES
     half = rank_memory(shape, common.DeploymentConfig(tensor_parallel=2, batch_size=1), 1000, 2)
-    assert half.weights_bytes == 25 * MIB and half.kv_cache_bytes == one.kv_cache_bytes // 4
+    # A quarter of the weights, and the norms and output biases each rank holds whole.
+    vectors = 2 * 6 * 256 * 4 // 2
+    assert half.weights_bytes == 25 * MIB + vectors
+    assert half.kv_cache_bytes == one.kv_cache_bytes // 4
     bf16 = rank_memory(shape, common.DeploymentConfig(dtype=common.PRECISION_BFLOAT16), 1000, 4)
     assert bf16.weights_bytes == 50 * MIB
 

@@ -51,3 +51,48 @@ def test_kv_bytes_per_token_in_the_served_dtype_or_int8_with_a_scale_per_head_ve
     assert layer_kv_bytes_per_token(SHAPE, common.DeploymentConfig()) == 2 * 2 * 8 * 4
     int8 = common.DeploymentConfig(kv_quant=common.KV_QUANT_INT8)
     assert layer_kv_bytes_per_token(SHAPE, int8) == pytest.approx(2 * 2 * 8 * (1 + 2 / 8))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (4, 1), (2, 2), (1, 3)])
+def test_a_rank_reserves_at_least_the_weights_the_engine_loads_on_it(tmp_path, tp, pp, tied):
+    """The engine's own rank (load_model with its TensorShard and stage) against the
+    deployer's rule, on a shape whose embedding and LM head outweigh its layers: they
+    are replicated on every tensor rank, not split (the rule once divided them by tp and
+    by the stage's share of layers, and a tp = 2 rank of a large-vocabulary model used
+    more than it reserved)."""
+    from fingerprint_svc.registry import model_shape
+    from monitor_agent.engine.loader import load_model
+    from monitor_agent.engine.tensor_parallel import TensorShard
+    from services.models.checkpoint import create_checkpoint, read_config
+    from services.models.families import parse_config
+    from services.reservation import RUNTIME_OVERHEAD_BYTES, memory_blocks
+
+    layers = 6
+    directory = create_checkpoint(
+        tmp_path / "ckpt",
+        hidden_size=32,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=8192,
+        tie_word_embeddings=tied,
+    )
+    spec = parse_config(read_config(directory))
+    shape = model_shape(spec, 0)
+    config = common.DeploymentConfig(tensor_parallel=tp, pipeline_parallel=pp, batch_size=1)
+    fixed, block = memory_blocks(shape, config, max_seq_len=1)
+    per_stage = layers // pp
+    for stage in range(pp):
+        for rank in range(tp):
+            model = load_model(
+                directory,
+                first_layer=stage * per_stage,
+                layer_count=per_stage,
+                tensor_parallel=TensorShard(tp, rank) if tp > 1 else None,
+            )
+            loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+            reserved = fixed - RUNTIME_OVERHEAD_BYTES + per_stage * block
+            assert loaded <= reserved, (stage, rank, loaded, reserved)
+            # Not wildly above either: at most one unneeded embedding-sized matrix.
+            assert reserved - loaded <= 8192 * 32 * 4 + per_stage * block
