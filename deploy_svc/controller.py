@@ -187,6 +187,7 @@ class DeploymentController:
                             batch_size=limits.config.batch_size,
                         ),
                         device_count=device_count,
+                        device_memory_bytes=planning.device_memory(nodes, hardware_type),
                         intent=intent,
                     ),
                     timeout=RANK_TIMEOUT_S,

@@ -255,11 +255,19 @@ class Estimator:
 
     # ---- estimates ----------------------------------------------------------------
     async def estimate(
-        self, model_id: str, hardware_type: str, workload: Workload, device_count: int
+        self,
+        model_id: str,
+        hardware_type: str,
+        workload: Workload,
+        device_count: int,
+        device_memory_bytes: int = 0,
     ) -> Estimate:
-        """Every configuration of ``model_id`` on ``hardware_type`` for ``workload``."""
+        """Every configuration of ``model_id`` on ``hardware_type`` for ``workload``, on
+        ``device_count`` devices of ``device_memory_bytes`` each (0: see :meth:`devices`)."""
         config_map = await self.config_map(model_id, hardware_type)
         devices, memory_gib = await self.devices(hardware_type, device_count)
+        if device_memory_bytes:
+            memory_gib = device_memory_bytes / GIB
         if memory_gib is None:
             known = calibration_message.from_proto(config_map.calibration).device_memory_bytes
             memory_gib = known / GIB if known else None

@@ -18,7 +18,11 @@ class EstimatorServicer(estimator_service_pb2_grpc.EstimatorServiceServicer):
     async def EstimateConfigs(self, request, context):
         workload = workload_from_proto(request.workload)
         result = await self.estimator.estimate(
-            request.model_id, request.hardware_type, workload, request.device_count
+            request.model_id,
+            request.hardware_type,
+            workload,
+            request.device_count,
+            request.device_memory_bytes,
         )
         return estimator_pb.EstimateConfigsResponse(
             request_id=request.request_id,
@@ -30,7 +34,11 @@ class EstimatorServicer(estimator_service_pb2_grpc.EstimatorServiceServicer):
         workload = workload_from_proto(request.workload)
         check_intent(request.intent)
         result = await self.estimator.estimate(
-            request.model_id, request.hardware_type, workload, request.device_count
+            request.model_id,
+            request.hardware_type,
+            workload,
+            request.device_count,
+            request.device_memory_bytes,
         )
         ranked = rank_for_intent(result.estimates, request.intent)
         return estimator_pb.RankConfigsResponse(

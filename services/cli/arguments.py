@@ -14,7 +14,12 @@ from collections.abc import Callable
 
 from services.proto_limits import UINT32_MAX
 
-__all__ = ["add_token_limits", "positive_number", "whole_number"]
+__all__ = ["add_token_limits", "device_memory_gib", "positive_number", "whole_number"]
+
+# A device's memory in GiB: from 1 MiB (less rounds to nothing) to 1 PiB (a uint64 of
+# bytes holds 16 EiB; no device comes near it).
+MIN_DEVICE_MEMORY_GIB = 1 / 1024
+MAX_DEVICE_MEMORY_GIB = float(1 << 20)
 
 
 def whole_number(minimum: int = 1, maximum: int = UINT32_MAX) -> Callable[[str], int]:
@@ -42,6 +47,17 @@ def positive_number(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value
+
+
+def device_memory_gib(text: str) -> float:
+    """An argparse ``type``: a device's memory in GiB, from 1 MiB to 1 PiB."""
+    value = positive_number(text)
+    if not MIN_DEVICE_MEMORY_GIB <= value <= MAX_DEVICE_MEMORY_GIB:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of GiB from 1/1024 (1 MiB) to {MAX_DEVICE_MEMORY_GIB:.0f} "
+            f"(1 PiB), got {text!r}"
+        )
     return value
 
 

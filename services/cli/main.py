@@ -46,7 +46,12 @@ from services.api import (
 from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli import deploying, estimation, output, plan, stack, tokens
-from services.cli.arguments import add_token_limits, positive_number, whole_number
+from services.cli.arguments import (
+    add_token_limits,
+    device_memory_gib,
+    positive_number,
+    whole_number,
+)
 from services.cli.status import collect_status, print_status, status_header, status_tables
 from services.proto_limits import UINT64_MAX
 from services.settings import MAX_VIRTUAL_DEVICES, Settings, load_settings
@@ -522,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--device-memory",
-        type=positive_number,
+        type=device_memory_gib,
         metavar="GIB",
         help="memory per virtual device (default 4)",
     )

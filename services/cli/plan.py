@@ -30,7 +30,7 @@ from services.api import (
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli import deploying
-from services.cli.arguments import add_token_limits, positive_number, whole_number
+from services.cli.arguments import add_token_limits, device_memory_gib, whole_number
 from services.cli.output import show_tables
 from services.settings import Settings
 from services.simulation import MAX_SIMULATED_DEVICES, simulated_devices
@@ -154,6 +154,7 @@ def all_estimates(
                 batch_size=args.batch or 1,
             ),
             device_count=args.devices or 0,
+            device_memory_bytes=int(args.device_memory * GIB) if args.hardware else 0,
         ),
         timeout=120,
     )
@@ -290,7 +291,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
         help=f"how many simulated devices (at most {MAX_SIMULATED_DEVICES})",
     )
     p.add_argument(
-        "--device-memory", type=positive_number, help="memory of each simulated device, GiB"
+        "--device-memory",
+        type=device_memory_gib,
+        help="memory of each simulated device, GiB (1 MiB to 1 PiB)",
     )
     add_token_limits(
         p, "longest prompt (default: Deploy's, 512)", "longest generation (default: Deploy's, 256)"

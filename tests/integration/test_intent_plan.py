@@ -301,3 +301,26 @@ def test_batch_0_is_sized_by_the_tpot_objective_on_the_placed_devices(stack, imp
     assert sized.estimate.memory_total_bytes > free.estimate.memory_total_bytes
     placed = {(d.node_id, d.device_id) for s in free.placement.stages for d in s.devices}
     assert {(d.node_id, d.device_id) for s in sized.placement.stages for d in s.devices} == placed
+
+
+def test_what_fits_is_judged_by_the_simulated_devices_memory(stack, imported):
+    """Llama-2-70B in float16 (about 129 GiB) on one simulated device: with 200 GiB it
+    fits, so an accuracy floor only fp16 reaches is met; with 48 GiB nothing at that floor
+    fits. The estimator once judged fit by the live devices or the calibration's 48 GB
+    whatever the simulated devices said."""
+    floor = common.Intent(kind=common.INTENT_KIND_MIN_LATENCY, min_accuracy=100)
+
+    def one_device(gib: int) -> list[common.DeviceState]:
+        (device,) = devices(loads=(0.0,))
+        device.total_bytes = device.free_bytes = gib << 30
+        return [device]
+
+    decision = plan(stack, floor, model_id="llama-2-70b", devices=one_device(200))
+    assert decision.config.variant_name == "fp16", decision.config
+    assert (decision.config.tensor_parallel, decision.config.pipeline_parallel) == (1, 1)
+    with pytest.raises(grpc.RpcError) as err:
+        plan(stack, floor, model_id="llama-2-70b", devices=one_device(48))
+    assert err.value.code() in (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ), err.value.details()

@@ -61,6 +61,11 @@ def test_a_positive_number_is_finite_and_above_zero(text):
         (["generate", "d", "hi", "--seed", "-3"], "--seed"),
         (["generate", "d", "hi", "--top-k", "-3"], "--top-k"),
         (["plan", "m", "--device-memory", "nan"], "--device-memory"),
+        # Beyond what a request's uint64 of bytes carries, or rounding to nothing.
+        (["plan", "m", "--device-memory", "1e300"], "--device-memory"),
+        (["plan", "m", "--device-memory", "1.8e10"], "--device-memory"),
+        (["plan", "m", "--device-memory", "1e-300"], "--device-memory"),
+        (["up", "--device-memory", "1e300"], "--device-memory"),
         (["plan", "m", "--hardware", "h", "--devices", "4097"], "--devices"),
         (["up", "--devices", "0"], "--devices"),
         (["model", "create", "x", "--layers", "0", "--out", "d"], "--layers"),

@@ -48,18 +48,20 @@ class ConfigEstimate(_message.Message):
     def __init__(self, config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., memory_total_bytes: _Optional[int] = ..., memory_per_device_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., cost_memory_latency: _Optional[float] = ..., cost_memory: _Optional[float] = ..., cost_device_hours: _Optional[float] = ..., accuracy_score: _Optional[float] = ..., throughput_tokens_per_second_per_device: _Optional[float] = ..., batch_measured: _Optional[bool] = ...) -> None: ...
 
 class EstimateConfigsRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "hardware_type", "workload", "device_count")
+    __slots__ = ("request_id", "model_id", "hardware_type", "workload", "device_count", "device_memory_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_TYPE_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     hardware_type: str
     workload: Workload
     device_count: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., hardware_type: _Optional[str] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., device_count: _Optional[int] = ...) -> None: ...
+    device_memory_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., hardware_type: _Optional[str] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., device_count: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class EstimateConfigsResponse(_message.Message):
     __slots__ = ("request_id", "estimates", "notes")
@@ -82,20 +84,22 @@ class RankedConfig(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., estimate: _Optional[_Union[ConfigEstimate, _Mapping]] = ..., meets_intent: _Optional[bool] = ...) -> None: ...
 
 class RankConfigsRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "hardware_type", "workload", "device_count", "intent")
+    __slots__ = ("request_id", "model_id", "hardware_type", "workload", "device_count", "intent", "device_memory_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_TYPE_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
     INTENT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     hardware_type: str
     workload: Workload
     device_count: int
     intent: _common_pb2.Intent
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., hardware_type: _Optional[str] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., device_count: _Optional[int] = ..., intent: _Optional[_Union[_common_pb2.Intent, _Mapping]] = ...) -> None: ...
+    device_memory_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., hardware_type: _Optional[str] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., device_count: _Optional[int] = ..., intent: _Optional[_Union[_common_pb2.Intent, _Mapping]] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class RankConfigsResponse(_message.Message):
     __slots__ = ("request_id", "ranked", "note")
