@@ -242,6 +242,21 @@ def choose_devices(
     return best
 
 
+def room_once_settled(nodes: Sequence[common.NodeState], need_bytes: Sequence[int]) -> bool:
+    """Whether :func:`choose_devices` would find room if measured use beyond the
+    reservations were gone: what a worker that just exited (its node's monitor not yet
+    refreshed) or another passing process holds. Waiting is worth it then; otherwise
+    only other jobs' reservations or too small devices stand in the way."""
+    settled = []
+    for node in nodes:
+        copy = common.NodeState()
+        copy.CopyFrom(node)
+        for device in copy.devices:
+            device.free_bytes = max(0, device.total_bytes - device.reserved_bytes)
+        settled.append(copy)
+    return choose_devices(settled, need_bytes) is not None
+
+
 def no_room_reason(nodes: Sequence[common.NodeState], need_bytes: Sequence[int]) -> str:
     """Why :func:`choose_devices` found nothing, naming the largest free device."""
     count, need = len(need_bytes), max(need_bytes)

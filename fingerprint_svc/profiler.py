@@ -48,6 +48,7 @@ from fingerprint_svc.profile_plan import (
     no_room_reason,
     plan_jobs,
     reference_label,
+    room_once_settled,
 )
 from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
@@ -67,6 +68,10 @@ from services.state.store import ReservationError, StateStore
 log = logging.getLogger("iserve.model.profiler")
 
 RESERVE_ATTEMPTS = 3
+# How long a job waits for memory held beyond reservations (the previous job's worker
+# exiting, measured by a monitor that refreshes about once a second) to be given back.
+SETTLE_WAIT_S = 15.0
+SETTLE_POLL_S = 0.25
 # Beyond the agent's wait for workers to be ready, what a job's timed runs may take.
 JOB_RUN_BUDGET_S = 600.0
 OWNER_PREFIX = "profile-"
@@ -301,8 +306,12 @@ class Profiler:
         return parse_config(read_config(self.settings.models_root / fingerprint.checkpoint_path))
 
     async def _reserve(self, owner: str, job: ProfileJob, spec: ArchSpec):
-        """Reserve each rank's memory on the best devices; JobFailed when none fit."""
-        for _attempt in range(RESERVE_ATTEMPTS):
+        """Reserve each rank's memory on the best devices; JobFailed when none fit.
+        Memory in use beyond the reservations (the job before's worker still exiting) is
+        waited for, up to SETTLE_WAIT_S; nothing else is."""
+        settle_by = time.monotonic() + SETTLE_WAIT_S
+        attempt = 0
+        while True:
             nodes = await self.store.list_nodes()
             compute = compute_bytes_for(nodes, spec.dtype_bytes)
             need = fingerprint_rank_bytes(
@@ -315,6 +324,9 @@ class Profiler:
             )
             choice = choose_devices(nodes, need)
             if choice is None:
+                if time.monotonic() < settle_by and room_once_settled(nodes, need):
+                    await asyncio.sleep(SETTLE_POLL_S)
+                    continue
                 raise JobFailed(no_room_reason(nodes, need))
             try:
                 await self.store.reserve(
@@ -323,8 +335,9 @@ class Profiler:
                 )
                 return choice
             except ReservationError as exc:
-                reason = str(exc)  # taken between listing and reserving; look again
-        raise JobFailed(f"cannot reserve memory: {reason}")
+                attempt += 1  # taken between listing and reserving; look again
+                if attempt >= RESERVE_ATTEMPTS:
+                    raise JobFailed(f"cannot reserve memory: {exc}") from None
 
     # ---- records ----------------------------------------------------------------------
     async def _fail(self, model_id: str, reason: str) -> None:

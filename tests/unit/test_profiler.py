@@ -4,6 +4,7 @@ records, skips and fails on."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -352,3 +353,47 @@ def test_two_models_never_profile_at_once(redis_url, models_root):
     )
     assert model.state == model_pb.MODEL_STATE_PROFILED
     assert len(calls) == 24 and most[0] == 1
+
+
+def test_memory_an_exiting_worker_still_holds_is_waited_for(redis_url, models_root):
+    """The node's monitor still counts the previous job's worker (used beyond any
+    reservation) for a moment after it exits: the next job waits for it to be given back
+    instead of skipping a reference as if the devices were full."""
+
+    async def busy_for_a_second(store, profiler):
+        (node,) = await store.list_nodes()
+        for device in node.devices:
+            device.used_bytes = device.total_bytes
+        await store.publish_devices(node.node_id, node.devices, ttl_s=60)
+
+        async def exit_worker():
+            await asyncio.sleep(1.0)
+            for device in node.devices:
+                device.used_bytes = 0
+            await store.publish_devices(node.node_id, node.devices, ttl_s=60)
+
+        profiler._settle = asyncio.get_running_loop().create_task(exit_worker())
+
+    model, profile, _, calls, owners = run_profiler(
+        redis_url, models_root, measured, before=busy_for_a_second
+    )
+    assert model.state == model_pb.MODEL_STATE_PROFILED, model.state_reason
+    assert list(profile.skipped) == [] and len(calls) > 0 and owners == set()
+
+
+def test_devices_full_of_other_reservations_fail_at_once(redis_url, models_root):
+    """Reserved room is not waited for (that job may run for minutes): the reason says so."""
+
+    async def reserved_elsewhere(store, profiler):
+        (node,) = await store.list_nodes()
+        await store.reserve(
+            "another-deployment",
+            {(node.node_id, d.ref.device_id): d.total_bytes for d in node.devices},
+        )
+
+    started = time.monotonic()
+    model, _, _, calls, _ = run_profiler(
+        redis_url, models_root, measured, before=reserved_elsewhere
+    )
+    assert model.state == model_pb.MODEL_STATE_FAILED and "no device has" in model.state_reason
+    assert time.monotonic() - started < 10 and calls == []
