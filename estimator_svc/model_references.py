@@ -109,6 +109,24 @@ class ModelReferences:
         )
         return replace(self, layouts=REFERENCE_LAYOUTS, prompts=prompts)
 
+    def batch_note(self, batch_size: int) -> str | None:
+        """What an estimate for ``batch_size`` sequences stands on, beyond the batches
+        profiled (None for batch 1 and 2)."""
+        if batch_size <= 2:
+            return None
+        if not all(v.batch2 is not None for p in self.prompts for v in p.profiles):
+            return (
+                f"batch {batch_size}: no batch-2 profile, so each further sequence adds "
+                "only its KV cache's memory and nothing to TTFT or TPOT"
+            )
+        return (
+            f"batch {batch_size} is extrapolated linearly from the profiled batches 1 and 2 "
+            "(MaverIQ Eq. 6); a batch-2 difference within measurement noise adds nothing "
+            "per sequence. Decode's KV-cache reads and prefill's compute grow faster than "
+            "that line at large batches: read TTFT and TPOT beyond a few dozen sequences "
+            "as lower bounds"
+        )
+
     def prompt_note(self, input_tokens: int) -> str | None:
         """What an estimate for an ``input_tokens`` prompt outside the profiled prompt
         lengths stands on (None inside them): see :meth:`at_input`."""

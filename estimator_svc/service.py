@@ -62,6 +62,7 @@ class Estimate:
         references = self.config_map.references
         extra = (
             references.prompt_note(self.workload.input_tokens),
+            references.batch_note(self.workload.batch_size),
             self.estimates.unestimable_note(),
         )
         return [*references.notes, *(note for note in extra if note)]

@@ -293,3 +293,19 @@ def test_calibration_lookup_and_calibrate(run):
         assert stored.provenance == fitted.provenance
 
     run(scenario)
+
+
+def test_a_batch_beyond_the_profiled_ones_says_what_it_stands_on(run):
+    async def scenario(store: StateStore):
+        estimator = Estimator(store)
+        await put_tiny(store)
+        for batch in (1, 2):
+            result = await estimator.estimate("tiny", CPU, Workload(20, batch_size=batch), 0)
+            assert not any(
+                "extrapolated linearly" in n or "no batch-2" in n for n in result.notes
+            ), result.notes
+        large = await estimator.estimate("tiny", CPU, Workload(20, batch_size=64), 0)
+        (note,) = [n for n in large.notes if n.startswith("batch 64")]
+        assert "lower bounds" in note or "no batch-2 profile" in note
+
+    run(scenario)
