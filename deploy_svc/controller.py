@@ -148,7 +148,8 @@ class DeploymentController:
         if launch and not model.checkpoint_path:
             raise FailedPrecondition(
                 f"model {model_id!r} has no checkpoint (its measurements were imported); "
-                "register a checkpoint to deploy it"
+                "to deploy it, register its checkpoint under another model id "
+                "(`iserve register ID DIR`): the imported id keeps its measurements"
             )
         return model
 

@@ -16,7 +16,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
 from tests.integration.conftest import A6000
-from tests.integration.helpers import cli, rid
+from tests.integration.helpers import cli, deploy, reserved_by_device, rid
 
 pytestmark = pytest.mark.integration
 
@@ -324,3 +324,12 @@ def test_what_fits_is_judged_by_the_simulated_devices_memory(stack, imported):
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     ), err.value.details()
+
+
+def test_deploying_an_imported_model_says_how_to_deploy_it_and_reserves_nothing(stack, imported):
+    before = reserved_by_device(stack)
+    with pytest.raises(grpc.RpcError) as err:
+        deploy(stack, "llama-2-70b")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "register its checkpoint under another model id" in err.value.details()
+    assert reserved_by_device(stack) == before
