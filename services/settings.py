@@ -312,12 +312,18 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     host = env.get("ISERVE_HOST", "127.0.0.1")
     stack = read_stack_file(state_dir)
 
+    def pick(given: str | None, recorded: str | None, default: str) -> str:
+        # The environment, else what `iserve up` recorded, else the default port; a
+        # given "host:0" (any free port) is the port `iserve up` chose and recorded.
+        if given and not (given.endswith(":0") and recorded):
+            return given
+        return recorded or given or default
+
     def resolve(
         variables: Mapping[str, str], recorded: Mapping[str, str], ports: Mapping[str, int]
     ):
-        # The environment, else what `iserve up` recorded, else the default port.
         return {
-            name: env.get(variables[name]) or recorded.get(name) or f"{host}:{port}"
+            name: pick(env.get(variables[name]), recorded.get(name), f"{host}:{port}")
             for name, port in ports.items()
         }
 
@@ -341,9 +347,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         log_level=log_level(env),
         drain_timeout_s=drain_timeout_s(env),
         worker_pool=_flag(env, "ISERVE_WORKER_POOL", True),
-        gateway_address=env.get(GATEWAY_ENV)
-        or stack.get("gateway_address")
-        or DEFAULT_GATEWAY_ADDR,
+        gateway_address=pick(
+            env.get(GATEWAY_ENV), stack.get("gateway_address"), DEFAULT_GATEWAY_ADDR
+        ),
         cors_origins=cors_origins(env.get(CORS_ENV, "")),
         auth=_flag(env, AUTH_ENV, False),
         token=_token(env, "ISERVE_TOKEN", state_dir, "admin"),

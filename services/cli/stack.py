@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -96,8 +96,25 @@ def stack_running(settings: Settings) -> dict:
     return stack if any(_alive(p) for p in pids) else {}
 
 
+def with_chosen_ports(settings: Settings) -> Settings:
+    """``settings`` with each ``host:0`` address (any free port) naming a free port chosen
+    now, so that every process, stack.json and ``iserve status`` say the same port."""
+
+    def chosen(address: str) -> str:
+        host, _, port = address.rpartition(":")
+        return f"{host}:{free_port(host or '127.0.0.1')}" if port == "0" else address
+
+    return replace(
+        settings,
+        addresses={name: chosen(a) for name, a in settings.addresses.items()},
+        metrics_addresses={name: chosen(a) for name, a in settings.metrics_addresses.items()},
+        gateway_address=chosen(settings.gateway_address),
+    )
+
+
 def up(settings: Settings, options: UpOptions, log=print) -> dict:
     """Start the stack; returns what was written to stack.json. Raises RuntimeError."""
+    settings = with_chosen_ports(settings)
     if stack_running(settings):
         raise RuntimeError(
             f"a stack is already running from {settings.state_dir} (see `iserve status`, or `iserve down`)"

@@ -36,3 +36,37 @@ def test_up_with_authentication_on_starts_and_down_stops(tmp_path):
     finally:
         down = run_cli(env, "down")
     assert down.returncode == 0 and "stopped" in down.stdout, down.stderr
+
+
+def test_any_free_port_is_chosen_once_and_reported(tmp_path):
+    """"host:0" (any free port) for every metrics server, the gateway and a service: `up`
+    chooses the ports, and `iserve status` names them and each answers there (status
+    printed ":0" before, so the metrics could not be found)."""
+    import json
+
+    import httpx
+
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
+        "ISERVE_STATE_DIR": str(tmp_path / "state"),
+        "ISERVE_DEVICES": "1",
+        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+        **{var: "127.0.0.1:0" for var in METRICS_ENV.values()},
+        SERVICE_ENV["estimator"]: "127.0.0.1:0",
+        GATEWAY_ENV: "127.0.0.1:0",
+    }
+    env.pop("REDIS_URL", None)
+    try:
+        up = run_cli(env, "up", "--detach")
+        assert up.returncode == 0, up.stderr
+        status = run_cli(env, "status", "--json")
+        assert status.returncode == 0, status.stderr
+        services = json.loads(status.stdout)["services"]
+        assert all(s["serving"] for s in services.values()), services
+        for name, service in services.items():
+            for url in (service["address"], service["metrics"]):
+                assert ":0/" not in url and not url.endswith(":0"), (name, url)
+            assert httpx.get(service["metrics"], timeout=10).status_code == 200, name
+    finally:
+        down = run_cli(env, "down")
+    assert down.returncode == 0 and "stopped" in down.stdout, down.stderr
