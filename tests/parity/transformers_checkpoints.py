@@ -127,6 +127,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
 def write_tokenizer(path: Path, *, add_bos: bool) -> None:
     """A byte-level BPE tokenizer.json with <s> (id 0) and </s> (id 1), adding <s> to
     every encoding when ``add_bos``."""
+    bpe_tokenizer(add_bos=add_bos).save(str(path))
+
+
+def bpe_tokenizer(*, add_bos: bool):
+    """The byte-level BPE of :func:`write_tokenizer`, trained on CORPUS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -143,7 +148,7 @@ def write_tokenizer(path: Path, *, add_bos: bool) -> None:
         tokenizer.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
         )
-    tokenizer.save(str(path))
+    return tokenizer
 
 
 def write_checkpoint(directory: Path, family: str, seed: int) -> Path:

@@ -14,14 +14,13 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from gateway_svc.chat import read_template, render
 from services.models.special_tokens import encode_prompt
+from tests.parity.transformers_checkpoints import bpe_tokenizer
 
 transformers = pytest.importorskip("transformers")
-
-CORPUS = ["The river runs past the mill.", "Serving systems stream tokens back to users."]
 
 # Llama 2 / Mistral: the template writes BOS and the tokenizer adds one too.
 BOS_TEMPLATE = (
@@ -60,27 +59,9 @@ MESSAGES = [
 ]
 
 
-def _tokenizer(add_bos: bool):
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    if add_bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
-        )
-    return tok
-
-
 def _save(directory: Path, template, *, jinja_files: bool = True) -> Path:
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_tokenizer(add_bos=True), bos_token="<s>", eos_token="</s>"
+        tokenizer_object=bpe_tokenizer(add_bos=True), bos_token="<s>", eos_token="</s>"
     )
     fast.chat_template = template
     fast.save_pretrained(str(directory), save_jinja_files=jinja_files)
