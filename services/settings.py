@@ -166,6 +166,25 @@ class Settings:
         """host:port where ``service`` serves its Prometheus metrics."""
         return self.metrics_addresses[service]
 
+    def as_recorded(self) -> Settings:
+        """These settings with each "host:0" address (a server binds any free port) read
+        from what ``iserve up`` recorded in stack.json, where it names the port chosen:
+        what a client needs, not a server (which binds host:0 as given)."""
+        stack = read_stack_file(self.state_dir)
+
+        def recorded(given: str, found: str | None) -> str:
+            return found if given.endswith(":0") and found else given
+
+        addresses, metrics = stack.get("addresses", {}), stack.get("metrics_addresses", {})
+        return replace(
+            self,
+            addresses={n: recorded(a, addresses.get(n)) for n, a in self.addresses.items()},
+            metrics_addresses={
+                n: recorded(a, metrics.get(n)) for n, a in self.metrics_addresses.items()
+            },
+            gateway_address=recorded(self.gateway_address, stack.get("gateway_address")),
+        )
+
     def require_service_token(self) -> str:
         """The service token, which authentication needs; ValueError saying how to set it."""
         if not self.service_token:
@@ -313,11 +332,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     stack = read_stack_file(state_dir)
 
     def pick(given: str | None, recorded: str | None, default: str) -> str:
-        # The environment, else what `iserve up` recorded, else the default port; a
-        # given "host:0" (any free port) is the port `iserve up` chose and recorded.
-        if given and not (given.endswith(":0") and recorded):
-            return given
-        return recorded or given or default
+        # The environment, else what `iserve up` recorded, else the default port.
+        return given or recorded or default
 
     def resolve(
         variables: Mapping[str, str], recorded: Mapping[str, str], ports: Mapping[str, int]

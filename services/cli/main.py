@@ -702,6 +702,10 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
 
 
+# Commands that start servers, which bind a "host:0" address as given.
+SERVER_COMMANDS = ("up", "gateway")
+
+
 def _not_utf8(exc: UnicodeEncodeError) -> int:
     # Bytes that are not UTF-8 reach argv as lone surrogates (Python's surrogateescape).
     bad = exc.object[exc.start : exc.end].encode("utf-8", "surrogateescape")
@@ -720,6 +724,8 @@ def _run(argv: list[str] | None) -> int:
             return _not_utf8(exc)
     try:
         settings = load_settings()
+        if args.command not in SERVER_COMMANDS:  # a client: "host:0" means the port up chose
+            settings = settings.as_recorded()
         transport.configure(transport.Transport.for_client(settings))
         return args.func(settings, args)
     except BrokenPipeError:

@@ -39,7 +39,7 @@ def test_up_with_authentication_on_starts_and_down_stops(tmp_path):
 
 
 def test_any_free_port_is_chosen_once_and_reported(tmp_path):
-    """ "host:0" (any free port) for every metrics server, the gateway and a service: `up`
+    """A "host:0" (any free port) for every metrics server, the gateway and a service: `up`
     chooses the ports, and `iserve status` names them and each answers there (status
     printed ":0" before, so the metrics could not be found)."""
     import json
