@@ -262,7 +262,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "import", help="load measurements taken elsewhere (e.g. MaverIQ's A6000 data) as profiles"
     )
     p.add_argument("files", nargs="+", metavar="FILE")
-    p.add_argument("--format", choices=sorted(PROFILE_FORMATS), required=True)
+    p.add_argument(
+        "--format", choices=sorted(PROFILE_FORMATS), required=True, help="the files' layout"
+    )
     p.add_argument("--hardware", required=True, help="hardware type measured, e.g. rtx-a6000")
     p.add_argument(
         "--model-config",
@@ -272,7 +274,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="the config.json of the model the rows name NAME: its shape, for a model with "
         "no architecture preset (or in place of the preset's); repeatable",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="what was imported, as JSON")
     p.set_defaults(func=cmd_profile_import)
     p = profile.add_parser(
         "show", help="a model's profile: its cost, skipped references and every measurement"
@@ -306,8 +308,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "calibrate", help="fit a hardware type's latency and memory constants on full-model runs"
     )
-    p.add_argument("--hardware", required=True)
+    p.add_argument("--hardware", required=True, help="hardware type, e.g. rtx-a6000")
     p.add_argument("--models", help="comma-separated model ids (default: every model with data)")
     p.add_argument("--show", action="store_true", help="show the current calibration, fit nothing")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the calibration as JSON")
     p.set_defaults(func=cmd_calibrate)

@@ -517,19 +517,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
-        "up", help="start Redis (embedded unless REDIS_URL), every service and a node agent"
+        "up",
+        help="start Redis (embedded unless REDIS_URL), every service, a node agent and the "
+        "OpenAI-compatible gateway",
     )
     p.add_argument("--detach", action="store_true", help="return once everything is ready")
     p.add_argument(
         "--devices",
         type=whole_number(1, MAX_VIRTUAL_DEVICES),
-        help=f"virtual CPU devices when no GPU (default 2, at most {MAX_VIRTUAL_DEVICES})",
+        help=f"virtual CPU devices when no GPU (default: ISERVE_DEVICES, else 2; at most "
+        f"{MAX_VIRTUAL_DEVICES})",
     )
     p.add_argument(
         "--device-memory",
         type=device_memory_gib,
         metavar="GIB",
-        help="memory per virtual device (default 4)",
+        help="memory per virtual device (default: ISERVE_DEVICE_MEMORY_GIB, else 4)",
     )
     p.set_defaults(func=cmd_up)
 
@@ -546,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "status", help="services, devices, models and deployments; exit 0 only if all answer"
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument(
         "--watch",
         type=float,
@@ -594,8 +597,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--vocab", type=whole_number(), help="default: the tokenizer's size")
     p.add_argument("--max-positions", type=whole_number(), help="default: 2048")
-    p.add_argument("--tie-embeddings", action="store_true")
-    p.add_argument("--seed", type=whole_number(0, UINT64_MAX), default=0)
+    p.add_argument(
+        "--tie-embeddings", action="store_true", help="the LM head shares the embedding's weights"
+    )
+    p.add_argument(
+        "--seed", type=whole_number(0, UINT64_MAX), default=0, help="of the random weights"
+    )
     p.add_argument(
         "--out", required=True, help="directory to write (under ISERVE_MODELS_ROOT to register it)"
     )
@@ -608,17 +615,21 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint", help="directory, relative to ISERVE_MODELS_ROOT or absolute inside it"
     )
     p.add_argument("--accuracy", type=float, help="accuracy score of the model (e.g. MMLU)")
-    p.add_argument("--skip-profiling", action="store_true")
+    p.add_argument(
+        "--skip-profiling",
+        action="store_true",
+        help="record it without profiling (explicit deploys only; intents need a profile)",
+    )
     p.add_argument(
         "--no-wait",
         action="store_true",
         help="return once registered instead of showing profiling progress until it ends",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the model record as JSON")
     p.set_defaults(func=cmd_register)
 
     p = sub.add_parser("models", help="list registered models")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser(
@@ -649,26 +660,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=positive_number,
         default=0,
-        help="seconds to wait for the workers (default 120)",
+        help="seconds to wait for the workers (default: the deployer's "
+        "ISERVE_READY_TIMEOUT_S, 120 unless set)",
     )
     p.add_argument("--request-id", help="idempotency key")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the decision and deployment as JSON")
     p.set_defaults(func=cmd_deploy)
 
     p = sub.add_parser("deployments", help="list deployments")
-    p.add_argument("--model")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--model", help="only this model's deployments")
+    p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=cmd_deployments)
 
     p = sub.add_parser("generate", help="stream a generation from a model or deployment")
     p.add_argument("target", metavar="MODEL_ID|DEPLOYMENT_ID")
     p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=whole_number(), default=64)
+    p.add_argument(
+        "--max-tokens", type=whole_number(), default=64, help="tokens to generate (default 64)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=whole_number(0), default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=whole_number(0, UINT64_MAX))
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--top-k", type=whole_number(0), default=0, help="sample among the K likeliest (0: all)"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="sample within probability mass P (default 1)"
+    )
+    p.add_argument("--seed", type=whole_number(0, UINT64_MAX), help="makes sampling repeatable")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
     p.add_argument("--priority", action="store_true", help="go to the front of the queue")
     p.add_argument(
         "--deadline-ms",
@@ -676,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="arrival to last token (ms); an EDF deployment refuses a request that cannot make it",
     )
-    p.add_argument("--request-id")
+    p.add_argument("--request-id", help="the request's id (default: a new one)")
     p.add_argument(
         "--json", action="store_true", help="one JSON object per delta, then the final message"
     )

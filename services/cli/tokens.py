@@ -103,6 +103,8 @@ def add_commands(sub) -> None:
     p = tokens.add_parser("list", help="tokens: id, subject, role, grants (never the secrets)")
     p.add_argument("--json", action="store_true", help="one JSON object a line")
     p.set_defaults(func=cmd_list)
-    p = tokens.add_parser("revoke", help="refuse a token from the next call on")
+    p = tokens.add_parser(
+        "revoke", help="refuse a token (every process within a second: each caches a check for 1 s)"
+    )
     p.add_argument("token_id", help="the id `iserve token list` shows")
     p.set_defaults(func=cmd_revoke)
