@@ -16,6 +16,7 @@ import json
 import sys
 import uuid
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 
@@ -225,15 +226,21 @@ def write_png(path: Path, title: str, estimates, rows: list[dict], fits) -> None
     plt.close(fig)
 
 
+def _usage_error(message: str) -> NoReturn:
+    """A usage error, as argparse reports one: the message on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def cmd_plan(settings: Settings, args) -> int:
     if args.hardware and not args.devices:
-        raise SystemExit("error: --hardware needs --devices N (how many simulated devices)")
+        _usage_error("--hardware needs --devices N (how many simulated devices)")
+    if args.devices and not args.hardware:
+        _usage_error("--devices N counts simulated devices: give --hardware too")
     if args.device_memory is not None and not args.hardware:
-        raise SystemExit("error: --device-memory describes simulated devices: give --hardware too")
+        _usage_error("--device-memory describes simulated devices: give --hardware too")
     if args.hardware and args.device_memory is None:
-        raise SystemExit(
-            "error: --hardware needs --device-memory GIB (each simulated device's memory)"
-        )
+        _usage_error("--hardware needs --device-memory GIB (each simulated device's memory)")
     rows = plan_intents(settings, args)
     limits = token_limits_of(settings, args)
     where = (

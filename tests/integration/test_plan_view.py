@@ -39,9 +39,12 @@ def test_plan_shows_each_intents_choice_and_draws_the_front(stack, imported, tmp
 
 def test_plan_refuses_half_described_simulations_and_unknown_models(stack, imported):
     out = cli(stack, "plan", "llama-2-70b", "--hardware", A6000, "--devices", "8")
-    assert out.returncode != 0 and "--device-memory" in out.stderr
+    assert out.returncode == 2 and "--device-memory" in out.stderr
     out = cli(stack, "plan", "llama-2-70b", "--device-memory", "48")
-    assert out.returncode != 0 and "--hardware" in out.stderr
+    assert out.returncode == 2 and "--hardware" in out.stderr
+    # --devices counts simulated devices: alone it would plan on the live cluster.
+    out = cli(stack, "plan", "llama-2-70b", "--devices", "8")
+    assert out.returncode == 2 and "--hardware" in out.stderr
     out = cli(stack, "plan", "no-such-model", *ARGS)
     assert out.returncode != 0 and "NOT_FOUND" in out.stderr
 
