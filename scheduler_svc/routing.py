@@ -21,6 +21,8 @@ from services.state.store import StateStore
 log = logging.getLogger("iserve.scheduler.routing")
 
 READY = deploy_pb.DEPLOYMENT_STATE_READY
+STARTING = deploy_pb.DEPLOYMENT_STATE_STARTING
+REMOVING = deploy_pb.DEPLOYMENT_STATE_REMOVING
 REFRESH_INTERVAL_S = 1.0
 
 Backlog = Callable[[deploy_pb.Deployment], float]
@@ -38,6 +40,12 @@ def describe_state(deployment: deploy_pb.Deployment) -> str:
     """``deployment d1 is FAILED: worker exited`` (the reason only when there is one)."""
     text = f"deployment {deployment.deployment_id} is {state_name(deployment)}"
     return f"{text}: {deployment.state_reason}" if deployment.state_reason else text
+
+
+def _passing(deployment: deploy_pb.Deployment) -> bool:
+    """A state that passes on its own: starting, removing (a successor may be starting),
+    or a replica being restarted."""
+    return replicas.is_restarting(deployment) or deployment.state in (STARTING, REMOVING)
 
 
 class Router:
@@ -59,8 +67,9 @@ class Router:
         """The deployment, which must be READY and usable by the caller.
 
         NOT_FOUND when unknown; PERMISSION_DENIED when the caller's token does not grant
-        it (services.auth.access); UNAVAILABLE while it is being restarted (a retry
-        will find it back); FAILED_PRECONDITION naming its state (and why) otherwise.
+        it (services.auth.access); UNAVAILABLE while it starts or is being restarted (a
+        retry will find it serving); FAILED_PRECONDITION naming its state (and why)
+        otherwise.
         """
         deployment = self._by_id.get(deployment_id)
         if deployment is not None and deployment.state == READY:
@@ -73,7 +82,7 @@ class Router:
             raise NotFound(f"deployment {deployment_id} not found")
         self._by_id[deployment_id] = deployment
         access.check_use(deployment_id, deployment.owner)
-        if replicas.is_restarting(deployment):
+        if replicas.is_restarting(deployment) or deployment.state == STARTING:
             raise Unavailable(describe_state(deployment))  # back soon: worth a retry
         if deployment.state != READY:
             raise FailedPrecondition(describe_state(deployment))
@@ -83,7 +92,8 @@ class Router:
         """The READY deployment of ``model_id`` with the shortest expected wait.
 
         NOT_FOUND when the model has no deployment; when none is READY, UNAVAILABLE if one
-        of them is being restarted, else FAILED_PRECONDITION, listing their states.
+        of them is starting, removing or being restarted, else FAILED_PRECONDITION,
+        listing their states.
         """
         if not self._complete:
             await self.refresh()
@@ -98,11 +108,9 @@ class Router:
                 raise NotFound(f"model {model_id} has no deployment")
             if not ready:
                 states = "; ".join(describe_state(d) for d in found)
-                error = (
-                    Unavailable
-                    if any(replicas.is_restarting(d) for d in found)
-                    else FailedPrecondition
-                )
+                # A model being deployed, redeployed or restarted serves again soon: a
+                # client should retry (503), not give up (400).
+                error = Unavailable if any(_passing(d) for d in found) else FailedPrecondition
                 raise error(f"model {model_id} has no READY deployment ({states})")
         usable = [d for d in ready if access.may_use(d.deployment_id, d.owner)]
         if not usable:

@@ -64,7 +64,7 @@ def test_not_ready_cached_record_is_reread_from_redis():
     async def scenario():
         store = CountingStore(deployment("d1", deploy_pb.DEPLOYMENT_STATE_STARTING))
         router = Router(store, backlog=lambda _deployment: 0.0)
-        with pytest.raises(FailedPrecondition, match="^deployment d1 is STARTING$"):
+        with pytest.raises(Unavailable, match="^deployment d1 is STARTING$"):
             await router.by_deployment_id("d1")
         store.records["d1"] = deployment("d1")
         assert (await router.by_deployment_id("d1")).state == READY
@@ -113,14 +113,18 @@ def test_model_routing_errors_name_the_states():
     async def scenario():
         store = CountingStore(
             deployment("x", deploy_pb.DEPLOYMENT_STATE_FAILED, reason="OOM"),
-            deployment("y", deploy_pb.DEPLOYMENT_STATE_REMOVING),
+            deployment("y", deploy_pb.DEPLOYMENT_STATE_FAILED, model_id="n"),
+            deployment("z", deploy_pb.DEPLOYMENT_STATE_REMOVING, model_id="n"),
         )
         router = Router(store, backlog=lambda _deployment: 0.0)
         with pytest.raises(FailedPrecondition) as failure:
             await router.by_model_id("m")
-        assert str(failure.value) == (
-            "model m has no READY deployment "
-            "(deployment x is FAILED: OOM; deployment y is REMOVING)"
+        assert str(failure.value) == "model m has no READY deployment (deployment x is FAILED: OOM)"
+        # One being removed may have a successor starting (remove, then deploy again).
+        with pytest.raises(Unavailable) as passing:
+            await router.by_model_id("n")
+        assert str(passing.value) == (
+            "model n has no READY deployment (deployment y is FAILED; deployment z is REMOVING)"
         )
         with pytest.raises(NotFound, match="model nothing has no deployment"):
             await router.by_model_id("nothing")
@@ -129,8 +133,9 @@ def test_model_routing_errors_name_the_states():
 
 
 def test_a_deployment_being_restarted_is_unavailable_not_failed_precondition():
-    """Restarting (deploy_svc.healer: STARTING with a reason) is worth a retry; a Deploy
-    still in progress (STARTING, no reason) is not there yet."""
+    """Restarting (deploy_svc.healer: STARTING with a reason) and a Deploy still in
+    progress (STARTING) are worth a retry: 503 to an OpenAI client, which retries it, not
+    400, which it does not."""
 
     async def scenario():
         restarting = "restart 1 in 1 s after: worker rank 0 exited (-9)"
@@ -145,9 +150,9 @@ def test_a_deployment_being_restarted_is_unavailable_not_failed_precondition():
             await router.by_deployment_id("r")
         with pytest.raises(Unavailable, match="^model m has no READY deployment"):
             await router.by_model_id("m")
-        with pytest.raises(FailedPrecondition, match="^deployment s is STARTING$"):
+        with pytest.raises(Unavailable, match="^deployment s is STARTING$"):
             await router.by_deployment_id("s")
-        with pytest.raises(FailedPrecondition, match="^model other has no READY deployment"):
+        with pytest.raises(Unavailable, match="^model other has no READY deployment"):
             await router.by_model_id("other")
 
     asyncio.run(scenario())

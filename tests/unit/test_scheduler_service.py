@@ -268,7 +268,7 @@ def test_deployments_that_are_not_ready_fail_precondition(redis_url):
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert error.details() == "deployment d1 is FAILED: worker exited with 1"
         error = await h.status_of(model_id="m")
-        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error.code() == grpc.StatusCode.UNAVAILABLE  # d2 serves soon: retry
         assert "model m has no READY deployment" in error.details()
         assert "deployment d2 is STARTING" in error.details()
 
@@ -280,7 +280,7 @@ def test_a_deployment_that_becomes_ready_is_served_without_waiting_for_a_refresh
         record = await h.add_deployment(
             "d1", FakeWorker(), state=deploy_pb.DEPLOYMENT_STATE_STARTING
         )
-        assert (await h.status_of(deployment_id="d1")).code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (await h.status_of(deployment_id="d1")).code() == grpc.StatusCode.UNAVAILABLE
         record.state = READY
         await h.store.put_deployment(record)
         messages = await h.collect(deployment_id="d1")
