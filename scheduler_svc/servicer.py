@@ -176,7 +176,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         except errors.IServeError as exc:
             record.code = exc.code
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # GeneratorExit: the stream closed at a yield (the client went away between
+            # messages); counted as a success once, with no finish reason.
             record.code = grpc.StatusCode.CANCELLED
             raise
         except Exception:

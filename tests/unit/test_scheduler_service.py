@@ -639,3 +639,29 @@ def test_a_model_request_routed_to_a_just_removed_deployment_runs_on_its_success
         assert error.code() == grpc.StatusCode.UNAVAILABLE
 
     run(redis_url, scenario)
+
+
+def test_a_stream_closed_between_messages_is_counted_cancelled(redis_url):
+    """gRPC closes a handler's generator at a yield when the client goes away between
+    messages: that request failed (CANCELLED), it did not succeed with no finish reason."""
+
+    class Context:
+        def add_done_callback(self, _callback) -> None:
+            pass
+
+        async def send_initial_metadata(self, _metadata) -> None:
+            pass
+
+    async def scenario(h: Harness):
+        await h.add_deployment("d1", FakeWorker(hang=True))
+        request = inference_pb.GenerateRequest(
+            request_id="r1", deployment_id="d1", prompt="hello", max_tokens=3
+        )
+        stream = h.servicer.Generate(request, Context())
+        first = await stream.__anext__()
+        assert first.HasField("delta")
+        await stream.aclose()
+        (tally,) = h.servicer.metrics.stats()
+        assert (tally.completed, tally.failed) == (0, 1)
+
+    run(redis_url, scenario)
