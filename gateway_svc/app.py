@@ -15,6 +15,7 @@ queue full 429, deadline missed 504, worker gone or service down 503.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -525,7 +526,44 @@ async def _open(
     except grpc.aio.AioRpcError as exc:
         call.cancel()
         raise GatewayError.from_rpc(exc) from None
+    except asyncio.CancelledError:  # the client went away while the request waited
+        call.cancel()
+        raise
     return _Generation(call, None if first is grpc.aio.EOF else first)
+
+
+# nginx's status for a request whose client closed the connection first (never sent).
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _client_gone(http: Request) -> None:
+    """Returns once the client has disconnected. The body has been read by then, so the
+    next message the server has for this request is ``http.disconnect``."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_gone(http: Request, work):
+    """``work``'s result, or None when the client disconnects first: ``work`` is then
+    cancelled, and with it its Generate call (the scheduler drops the request from its
+    queue, or the worker stops generating). sse-starlette watches a streamed reply once
+    it has started; this covers the wait before the first token and a whole non-streamed
+    reply."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(http))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 async def _replies(gen: _Generation) -> AsyncIterator[inference_pb.GenerateResponse]:
@@ -764,7 +802,7 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
     async def completions(body: CompletionBody, http: Request):
         caller = backend.caller(http)
         request = _generate_request(body, body.prompt, body.max_tokens)
-        return await _respond(body, request, caller, chat=False)
+        return await _respond(body, request, caller, http, chat=False)
 
     @app.post("/v1/chat/completions", responses=_GENERATION_REPLIES)
     async def chat_completions(body: ChatBody, http: Request):
@@ -777,19 +815,26 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         request = _generate_request(body, prompt, body.max_completion_tokens or body.max_tokens)
         # The template wrote the special tokens (BOS) it wants; the tokenizer adds none.
         request.prompt_has_special_tokens = True
-        return await _respond(body, request, caller, chat=True)
+        return await _respond(body, request, caller, http, chat=True)
 
     async def _respond(
-        body: _Sampling, request: inference_pb.GenerateRequest, caller: tuple, chat: bool
+        body: _Sampling,
+        request: inference_pb.GenerateRequest,
+        caller: tuple,
+        http: Request,
+        chat: bool,
     ):
-        gen = await _open(backend, request, caller)
+        gen = await _unless_client_gone(http, _open(backend, request, caller))
+        if gen is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         ident = ("chatcmpl-" if chat else "cmpl-") + request.request_id
         created = int(time.time())
         if body.stream:
             usage_too = bool(body.stream_options and body.stream_options.include_usage)
             events = _stream(gen, body, ident, created, chat, usage_too)
             return EventSourceResponse(events, ping=15, sep="\n")
-        return await _complete(gen, body, ident, created, chat)
+        reply = await _unless_client_gone(http, _complete(gen, body, ident, created, chat))
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if reply is None else reply
 
     return app
 

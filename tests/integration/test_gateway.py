@@ -167,6 +167,68 @@ def test_a_client_that_disconnects_cancels_its_generation(stack, gateway):
     assert _running(stack) == 0
 
 
+def _until(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+SLOW = "gw-slow"
+
+
+@pytest.fixture(scope="module")
+def slow(stack, gateway):
+    """A model slow enough (hidden 512, 8 layers: milliseconds a token on this CPU) that a
+    generation of MAX_OUTPUT tokens outlasts a client's patience; batch 1."""
+    register(stack, SLOW, make_checkpoint(stack, SLOW, hidden_size=512, num_layers=8))
+    deployed = deploy(stack, SLOW, max_output_tokens=MAX_OUTPUT, batch_size=1)
+    yield SLOW
+    _remove(stack, deployed.deployment.deployment_id)
+
+
+def _slow_stats(stack) -> tuple[int, int]:
+    """(waiting, running) of the slow model's deployment."""
+    stats = stack.inference.GetServingStats(infer_pb.GetServingStatsRequest(), timeout=10)
+    (mine,) = [d for d in stats.deployments if d.model_id == SLOW]
+    return mine.requests_waiting, mine.requests_running
+
+
+def _until(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, gateway, slow):
+    """Not streamed, or streamed but still queued: nothing has been sent when the client
+    goes, and the request is cancelled all the same (before, it ran to the end, or waited
+    for a slot holding a queue place)."""
+    long = {"model": slow, "prompt": "go", "max_tokens": MAX_OUTPUT, "ignore_eos": True}
+    started = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway}/v1/completions", json=long, timeout=1.0)
+    assert _until(lambda: _slow_stats(stack) == (0, 0)), "the generation went on"
+    cancelled_after = time.monotonic() - started
+
+    # The deployment's one slot held by a stream; a second request waits in the queue.
+    url = f"{gateway}/v1/completions"
+    with httpx.stream("POST", url, json={**long, "stream": True}, timeout=60) as held:
+        lines = held.iter_lines()  # kept: a discarded iterator closes the stream
+        next(line for line in lines if line.startswith("data: "))
+        for stream in (True, False):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url, json={**long, "stream": stream}, timeout=0.5)
+            assert _until(lambda: _slow_stats(stack) == (0, 1), 2.0), "it kept its place"
+    assert _until(lambda: _slow_stats(stack) == (0, 0))
+
+    # The whole generation would have taken 15 times a 100-token one.
+    start = time.monotonic()
+    assert httpx.post(url, json={**long, "max_tokens": 100}, timeout=120).status_code == 200
+    assert cancelled_after < 15 * (time.monotonic() - start) / 2
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "kind", "says"),
     [
