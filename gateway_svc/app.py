@@ -847,9 +847,21 @@ def _finish_reason(scanner: StopScanner, final: inference_pb.GenerateFinal | Non
     return _FINISH.get(final.finish_reason, "stop")
 
 
-def _usage(final: inference_pb.GenerateFinal | None) -> dict[str, int]:
-    prompt = final.usage.prompt_tokens if final else 0
-    completion = final.usage.completion_tokens if final else 0
+class _Count:
+    """Tokens seen in the deltas, for the usage of a generation cut short by a stop
+    string (no final message arrives once it is cancelled)."""
+
+    def __init__(self) -> None:
+        self.prompt = self.completion = 0
+
+    def add(self, delta: inference_pb.TokenDelta) -> None:
+        self.prompt = self.prompt or delta.prompt_tokens
+        self.completion += len(delta.token_ids)
+
+
+def _usage(final: inference_pb.GenerateFinal | None, seen: _Count) -> dict[str, int]:
+    prompt = final.usage.prompt_tokens if final else seen.prompt
+    completion = final.usage.completion_tokens if final else seen.completion
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -859,10 +871,11 @@ def _usage(final: inference_pb.GenerateFinal | None) -> dict[str, int]:
 
 async def _complete(gen: _Generation, body: _Sampling, ident: str, created: int, chat: bool):
     scanner = StopScanner(body.stop_strings())
-    text, final = [], None
+    text, final, seen = [], None, _Count()
     try:
         async for reply in _replies(gen):
             if reply.HasField("delta"):
+                seen.add(reply.delta)
                 text.append(scanner.feed(reply.delta.text))
                 if scanner.stopped:
                     gen.call.cancel()  # the rest of the generation is not wanted
@@ -886,7 +899,7 @@ async def _complete(gen: _Generation, body: _Sampling, ident: str, created: int,
         "created": created,
         "model": body.model,
         "choices": [choice],
-        "usage": _usage(final),
+        "usage": _usage(final, seen),
     }
 
 
@@ -915,12 +928,13 @@ async def _stream(
         )
 
     scanner = StopScanner(body.stop_strings())
-    final = None
+    final, seen = None, _Count()
     if chat:
         yield chunk("", None, role=True)
     try:
         async for reply in _replies(gen):
             if reply.HasField("delta"):
+                seen.add(reply.delta)
                 text = scanner.feed(reply.delta.text)
                 if text:
                     yield chunk(text, None)
@@ -950,7 +964,7 @@ async def _stream(
                 "created": created,
                 "model": body.model,
                 "choices": [],
-                "usage": _usage(final),
+                "usage": _usage(final, seen),
             }
         )
     yield "[DONE]"

@@ -151,7 +151,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                                 yield GenerateResponse(
                                     request_id=rid,
                                     delta=TokenDelta(
-                                        token_ids=message.token_ids, text=message.text
+                                        token_ids=message.token_ids,
+                                        text=message.text,
+                                        prompt_tokens=message.prompt_tokens,
                                     ),
                                 )
                             if message.finish_reason:

@@ -127,6 +127,8 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
                 response = worker_pb.WorkerServiceGenerateResponse(
                     request_id=request_id, token_ids=[step.token_id], text=step.text
                 )
+                if clock.tokens == 1:
+                    response.prompt_tokens = len(generation.prompt_ids)
                 if step.finished:
                     response.finish_reason = FINISH_REASONS[step.finish_reason]
                     response.usage.prompt_tokens = len(generation.prompt_ids)

@@ -145,6 +145,23 @@ def test_a_stop_string_ends_the_text_before_it(client):
     )
     assert cut.choices[0].text == text[: text.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    # Usage counts what ran before the stop (the generation is cancelled there, so no
+    # final message brings it: it was all zeros).
+    assert cut.usage.prompt_tokens == whole.usage.prompt_tokens > 0
+    assert 1 <= cut.usage.completion_tokens < whole.usage.completion_tokens
+    assert cut.usage.total_tokens == cut.usage.prompt_tokens + cut.usage.completion_tokens
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt="x y",
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    (usage,) = [chunk.usage for chunk in streamed if chunk.usage is not None]
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == cut.usage.completion_tokens
 
 
 def _running(stack) -> int:
