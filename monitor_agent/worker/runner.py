@@ -158,7 +158,12 @@ class EngineRunner:
         max_tokens is cut to what the sequence leaves after the prompt; a prompt that
         leaves nothing is still refused."""
         room = self._core.max_seq_len - len(prompt_ids)
-        if max_tokens_is_bound and room >= 1:
+        if max_tokens_is_bound:
+            if room < 1:  # named without the max_tokens the client never sent
+                raise ValueError(
+                    f"prompt ({len(prompt_ids)} tokens) leaves no room to generate in the "
+                    f"{self._core.max_seq_len} positions this deployment holds per sequence"
+                )
             max_tokens = min(max_tokens, room)
         request = GenerationRequest(tuple(prompt_ids), max_tokens, sampling)
         self._core.validate(request)

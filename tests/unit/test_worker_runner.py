@@ -133,3 +133,18 @@ def test_busy_log_merges_back_to_back_steps_and_measures_a_window() -> None:
     assert log.busy_fraction(10.0, now=20.0) == pytest.approx(0.15)
     log.record(13.0, 13.5)  # the oldest interval falls out; the total keeps it
     assert len(log.intervals) == 2 and log.total_seconds == pytest.approx(1.9995)
+
+
+def test_an_unset_max_tokens_is_cut_to_the_room_left_or_says_there_is_none(runner) -> None:
+    # 128 positions: a 100-token prompt leaves 28; one of 128 leaves none, and the
+    # refusal does not name the max_tokens the client never sent.
+    cut = runner.parse([1] * 100, 64, GREEDY, max_tokens_is_bound=True)
+    assert cut.max_tokens == 28
+    with pytest.raises(ValueError) as refused:
+        runner.parse([1] * 128, 64, GREEDY, max_tokens_is_bound=True)
+    assert str(refused.value) == (
+        "prompt (128 tokens) leaves no room to generate in the 128 positions this "
+        "deployment holds per sequence"
+    )
+    with pytest.raises(ValueError, match="max_tokens"):
+        runner.parse([1] * 100, 64, GREEDY)  # set by the client: refused, naming it
