@@ -114,9 +114,24 @@ class LatencyPredictor:
             x_scale=max(1, batch_size - 1),
         )
         self._chars_per_token = DEFAULT_CHARS_PER_TOKEN
-        # Mean time a request holds a slot (admission to last token), seconds.
-        self.mean_service_s = UNMEASURED_SERVICE_S
-        self._service_measured = False
+        # Mean time a request holds a slot (admission to last token), seconds; None
+        # until a request has finished.
+        self._mean_service_s: float | None = None
+
+    @property
+    def service_measured(self) -> bool:
+        """Whether a request has finished here (``mean_service_s`` is a measurement)."""
+        return self._mean_service_s is not None
+
+    @property
+    def mean_service_s(self) -> float:
+        """Mean time a request holds a slot, seconds (UNMEASURED_SERVICE_S before any
+        has finished: see ``service_measured``)."""
+        return UNMEASURED_SERVICE_S if self._mean_service_s is None else self._mean_service_s
+
+    @mean_service_s.setter
+    def mean_service_s(self, seconds: float) -> None:
+        self._mean_service_s = seconds
 
     def prefill_s(self, prompt_tokens: Sequence[int]) -> float:
         """Predicted prefill of prompts admitted together."""
@@ -149,9 +164,9 @@ class LatencyPredictor:
         if tpot_s is not None:
             self.decode.update(max(1, running) - 1, tpot_s)
         if service_s > 0:
-            if not self._service_measured:
-                self.mean_service_s, self._service_measured = service_s, True
-            self.mean_service_s += SERVICE_SMOOTHING * (service_s - self.mean_service_s)
+            if self._mean_service_s is None:
+                self._mean_service_s = service_s
+            self._mean_service_s += SERVICE_SMOOTHING * (service_s - self._mean_service_s)
         if prompt_chars and prompt_tokens:
             ratio = prompt_chars / prompt_tokens
             self._chars_per_token += 0.2 * (ratio - self._chars_per_token)

@@ -50,6 +50,7 @@ class DeploymentQueue:
         self._waiters: dict[QueueEntry, asyncio.Future[None]] = {}
         # What this deployment's requests take; QueueRegistry gives every queue one.
         self.predictor: LatencyPredictor | None = None
+        self.model_id = ""  # whose deployment it is (QueueRegistry sets it)
 
     @property
     def waiting(self) -> int:
@@ -70,18 +71,20 @@ class DeploymentQueue:
         self._slots = slots_for(slots)
         self._dispatch()
 
-    def expected_wait_s(self) -> float:
+    def expected_wait_s(self, unmeasured_service_s: float = 1.0) -> float:
         """How long a request arriving now would wait for its first token, in seconds:
         the predicted prefill of the prompts queued ahead of it, plus the running work
         that must end before a slot frees (requests ahead of it beyond the free slots,
-        each taking the mean service time observed so far, ``slots`` at a time)."""
+        each taking the mean service time observed so far, ``slots`` at a time; before
+        any request has finished here, ``unmeasured_service_s``)."""
         predictor = self.predictor
         if predictor is None:
             return float(self._running + len(self._waiters))
         queued = [entry.prompt_tokens for entry in self._waiters]
         ahead = max(0, self._running + len(queued) - self._slots + 1)
         prefill = predictor.prefill_s(queued) if queued else 0.0
-        return prefill + ahead / self._slots * predictor.mean_service_s
+        service_s = predictor.mean_service_s if predictor.service_measured else unmeasured_service_s
+        return prefill + ahead / self._slots * service_s
 
     async def acquire(self, entry: QueueEntry) -> None:
         """Wait until ``entry`` holds a slot, in policy order.
@@ -195,6 +198,7 @@ class QueueRegistry:
                 group, batch_size, self._policy(deployment, predictor), self._clock
             )
             queue.predictor = predictor
+            queue.model_id = deployment.model_id
             self._queues[group] = queue
         elif queue.slots != slots_for(batch_size):
             queue.slots = batch_size
@@ -213,16 +217,34 @@ class QueueRegistry:
     def shortest_wait(self, deployment: deploy_pb.Deployment) -> tuple[float, int]:
         """(expected wait in seconds, replica index) of the deployment's serving replica
         a request should go to: the one with the shortest expected wait; on equal waits
-        (say, before any request finished, when nothing is known of service times) the
-        one with fewer requests running and waiting, then the lowest index. (inf, 0)
-        when no replica serves."""
+        the one with fewer requests running and waiting, then the lowest index. (inf, 0)
+        when no replica serves.
+
+        A full queue waits forever (a request there would be refused while another copy
+        has room), and a copy where no request has finished yet is charged the slowest
+        service time measured on the model's other copies (1 s when none is): counting
+        its queue as free would send every request to a fresh copy."""
         choices = []
+        unmeasured = self._unmeasured_service_s(deployment.model_id)
         for replica in replicas.serving(deployment):
             queue = self.queue_for(deployment, replica.index)
             load = queue.running + queue.waiting
-            choices.append((queue.expected_wait_s(), load, replica.index))
+            wait_s = (
+                float("inf")
+                if queue.waiting >= self.capacity
+                else queue.expected_wait_s(unmeasured)
+            )
+            choices.append((wait_s, load, replica.index))
         wait_s, _, index = min(choices, default=(float("inf"), 0, 0))
         return wait_s, index
+
+    def _unmeasured_service_s(self, model_id: str) -> float:
+        measured = [
+            q.predictor.mean_service_s
+            for q in self._queues.values()
+            if q.model_id == model_id and q.predictor is not None and q.predictor.service_measured
+        ]
+        return max(measured, default=1.0)
 
     def snapshot(self) -> list[tuple[str, int, int]]:
         """(queue id, running, waiting) of every queue. Safe to call from another thread

@@ -170,3 +170,41 @@ def test_no_serving_replica_is_an_infinite_wait():
 def test_a_record_without_replicas_routes_to_its_one_worker():
     dep = deployment(count=0)
     assert QueueRegistry(capacity=1).shortest_wait(dep) == (0.0, 0)
+
+
+def test_a_copy_with_nothing_finished_is_charged_the_slowest_measured_service_time():
+    """Replica 1 is fresh (no request finished): its queue of six is not free work. It
+    was charged a millisecond a request, and took every request while replica 0 idled."""
+
+    async def body(registry, dep, load):
+        registry.queue_for(dep, 0).predictor.mean_service_s = 2.0
+        await load.add(0)  # replica 0: one running, 2 s to a free slot
+        for _ in range(6):
+            await load.add(1)  # replica 1: one running, five waiting, nothing measured
+        assert not registry.queue_for(dep, 1).predictor.service_measured
+        wait_s, index = registry.shortest_wait(dep)
+        assert index == 0 and wait_s == pytest.approx(2.0)
+
+    scenario(body)
+
+
+def test_a_full_queue_is_not_chosen_while_another_copy_has_room():
+    async def main():
+        registry = QueueRegistry(capacity=2)
+        dep = deployment()
+        load = Load(registry, dep)
+        try:
+            for queue in (registry.queue_for(dep, 0), registry.queue_for(dep, 1)):
+                queue.predictor.mean_service_s = 1.0
+            for _ in range(3):
+                await load.add(0)  # one running, two waiting: full
+            registry.queue_for(dep, 1).predictor.mean_service_s = 100.0  # slow, but room
+            await load.add(1)
+            assert registry.shortest_wait(dep) == (pytest.approx(100.0), 1)
+            for _ in range(2):
+                await load.add(1)  # both full: nowhere to go
+            assert registry.shortest_wait(dep)[0] == math.inf
+        finally:
+            await load.close()
+
+    asyncio.run(main())
