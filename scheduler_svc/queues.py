@@ -93,6 +93,16 @@ class DeploymentQueue:
         policy drops the request. A caller cancelled while waiting leaves the queue and
         holds no slot.
         """
+        if isinstance(self._policy, EdfPolicy):
+            earliest = self._first_token_if_admitted_next(entry)
+            if (
+                entry.deadline_s is not None
+                and earliest is not None
+                and earliest > entry.deadline_s
+            ):
+                # At once: waiting would only report it when a slot frees, seconds later.
+                entry.predicted_first_token_s = earliest
+                raise DeadlineExceeded(self._miss_message(entry))
         try:
             self._policy.push(entry)
         except QueueFull as full:
@@ -112,6 +122,19 @@ class DeploymentQueue:
             else:
                 self._policy.remove(entry)
             raise
+
+    def _first_token_if_admitted_next(self, entry: QueueEntry) -> float | None:
+        """When ``entry``'s first token would come were it next in line (EDF may put it
+        before everything queued, never before what runs): the expected wait for a slot
+        (running requests beyond the free slots, each taking the mean service time,
+        ``slots`` at a time), then its prefill. None before any request has finished
+        here (nothing is known of service times)."""
+        predictor = self.predictor
+        if predictor is None or not predictor.service_measured:
+            return None
+        must_end = max(0, self._running - self._slots + 1)
+        slot_wait_s = must_end / self._slots * predictor.mean_service_s
+        return self._clock() + slot_wait_s + predictor.prefill_s([entry.prompt_tokens])
 
     def release(self) -> None:
         """Give back a slot taken by ``acquire`` and admit whoever is next."""

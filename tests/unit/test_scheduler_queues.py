@@ -251,3 +251,44 @@ def test_edf_predicts_prefill_from_the_deployments_latency_model():
     )
     queue._policy.push(entry("x", deadline_s=0.05, prompt_tokens=60))  # 65 ms > 50 ms
     assert [e.request_id for e in queue._policy.pop_ready(0.0, 1).dropped] == ["x"]
+
+
+def test_edf_refuses_at_once_what_even_the_next_free_slot_comes_too_late_for():
+    """Both slots run requests of about 5.8 s: a 300 ms TTFT objective cannot be met
+    whatever EDF puts first, and is refused when it arrives, not seconds later when a
+    slot frees. A request whose deadline the next slot can make still waits."""
+    from scheduler_svc.predictor import LatencyPredictor
+
+    async def scenario():
+        clock = [10.0]
+        predictor = LatencyPredictor(
+            common.LatencyModel(prefill_ms_per_token=1.0), max_input_tokens=512, batch_size=2
+        )
+        queue = DeploymentQueue("d1", 2, EdfPolicy(capacity=4), clock=lambda: clock[0])
+        queue.predictor = predictor
+        await queue.acquire(entry("a"))
+        await queue.acquire(entry("b"))
+        hopeless = entry("late", deadline_s=10.3, prompt_tokens=5, objective="TTFT SLO 300 ms")
+        hopeless.arrival_s = 10.0
+        # Nothing measured yet: nothing to predict with, so it waits.
+        waiting = asyncio.create_task(queue.acquire(hopeless))
+        await settle()
+        assert queue.waiting == 1
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+        predictor.mean_service_s = 5.8  # as measured
+        with pytest.raises(DeadlineExceeded) as refused:
+            await asyncio.wait_for(queue.acquire(hopeless), 2.0)  # at once, not queued
+        assert "first token predicted 2905 ms after arrival, allowed 300 ms" in str(refused.value)
+        assert (queue.running, queue.waiting) == (2, 0)
+        patient = entry("patient", deadline_s=20.0, prompt_tokens=5)
+        patient.arrival_s = 10.0
+        queued = asyncio.create_task(queue.acquire(patient))
+        await settle()
+        assert queue.waiting == 1
+        queue.release()
+        await queued
+        assert (queue.running, queue.waiting) == (2, 0)
+
+    asyncio.run(scenario())
