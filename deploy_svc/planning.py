@@ -79,21 +79,6 @@ def hardware_order(nodes: Sequence[common.NodeState]) -> list[tuple[str, int]]:
     return sorted(counts.items(), key=lambda item: -item[1])
 
 
-def device_memory(nodes: Sequence[common.NodeState], hardware_type: str) -> int:
-    """Total bytes of the smallest live device of ``hardware_type`` (0 when none): what
-    the estimator judges a configuration's fit by, live or simulated alike."""
-    return min(
-        (
-            d.total_bytes
-            for n in nodes
-            if n.alive
-            for d in n.devices
-            if d.hardware_type == hardware_type
-        ),
-        default=0,
-    )
-
-
 def on_cuda(nodes: Sequence[common.NodeState]) -> bool:
     """Whether the live devices include CUDA devices (which also serve float16)."""
     return any(d.kind == common.DEVICE_KIND_CUDA for n in nodes if n.alive for d in n.devices)

@@ -31,6 +31,7 @@ from services.estimation.latency import REFERENCE_LAYOUTS
 from services.estimation.memory import GIB
 from services.estimation.score import Estimates
 from services.ids import check_hardware_type, require_model
+from services.state.capacity import smallest_device_bytes
 from services.state.store import StateStore
 
 __all__ = ["DEFAULT_DEVICES", "Estimator", "Estimate"]
@@ -232,13 +233,8 @@ class Estimator:
         return built
 
     # ---- devices ------------------------------------------------------------------
-    async def _devices_of(self, hardware_type: str) -> list:
-        nodes = await self.store.list_nodes()
-        return [d for n in nodes if n.alive for d in n.devices if d.hardware_type == hardware_type]
-
     async def _device_memory_bytes(self, hardware_type: str) -> int:
-        devices = await self._devices_of(hardware_type)
-        return min((d.total_bytes for d in devices), default=0)
+        return smallest_device_bytes(await self.store.list_nodes(), hardware_type)
 
     async def devices(self, hardware_type: str, requested: int) -> tuple[int, float | None]:
         """(device count, memory per device in GiB or None) for a request.
@@ -247,11 +243,12 @@ class Estimator:
         :data:`DEFAULT_DEVICES` when it has none; memory is the smallest such device's
         (None when there is none: :meth:`estimate` then asks the calibration).
         """
-        present = await self._devices_of(hardware_type)
-        count = requested or len(present) or DEFAULT_DEVICES
+        nodes = await self.store.list_nodes()
+        present = sum(d.hardware_type == hardware_type for n in nodes if n.alive for d in n.devices)
+        count = requested or present or DEFAULT_DEVICES
         if count < 1:
             raise InvalidArgument(f"device_count must be at least 1, got {count}")
-        memory = min((d.total_bytes for d in present), default=0)
+        memory = smallest_device_bytes(nodes, hardware_type)
         return count, (memory / GIB if memory else None)
 
     # ---- estimates ----------------------------------------------------------------

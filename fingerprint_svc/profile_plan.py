@@ -29,6 +29,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import parallel_problem
 from services.settings import ProfilingSettings
+from services.state.capacity import free_bytes
 
 MIB = 1 << 20
 BASE_VARIANT = "base"
@@ -252,7 +253,7 @@ def room_once_settled(nodes: Sequence[common.NodeState], need_bytes: Sequence[in
         copy = common.NodeState()
         copy.CopyFrom(node)
         for device in copy.devices:
-            device.free_bytes = max(0, device.total_bytes - device.reserved_bytes)
+            device.free_bytes = free_bytes(device.total_bytes, 0, device.reserved_bytes)
         settled.append(copy)
     return choose_devices(settled, need_bytes) is not None
 

@@ -824,17 +824,18 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         http: Request,
         chat: bool,
     ):
-        gen = await _unless_client_gone(http, _open(backend, request, caller))
-        if gen is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        ident = ("chatcmpl-" if chat else "cmpl-") + request.request_id
-        created = int(time.time())
-        if body.stream:
-            usage_too = bool(body.stream_options and body.stream_options.include_usage)
-            events = _stream(gen, body, ident, created, chat, usage_too)
-            return EventSourceResponse(events, ping=15, sep="\n")
-        reply = await _unless_client_gone(http, _complete(gen, body, ident, created, chat))
-        return Response(status_code=CLIENT_CLOSED_REQUEST) if reply is None else reply
+        async def reply():
+            gen = await _open(backend, request, caller)
+            ident = ("chatcmpl-" if chat else "cmpl-") + request.request_id
+            created = int(time.time())
+            if body.stream:
+                usage_too = bool(body.stream_options and body.stream_options.include_usage)
+                events = _stream(gen, body, ident, created, chat, usage_too)
+                return EventSourceResponse(events, ping=15, sep="\n")
+            return await _complete(gen, body, ident, created, chat)
+
+        answer = await _unless_client_gone(http, reply())
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if answer is None else answer
 
     return app
 

@@ -81,10 +81,15 @@ class DeploymentQueue:
         if predictor is None:
             return float(self._running + len(self._waiters))
         queued = [entry.prompt_tokens for entry in self._waiters]
-        ahead = max(0, self._running + len(queued) - self._slots + 1)
         prefill = predictor.prefill_s(queued) if queued else 0.0
         service_s = predictor.mean_service_s if predictor.service_measured else unmeasured_service_s
-        return prefill + ahead / self._slots * service_s
+        return prefill + self._slot_wait_s(len(queued), service_s)
+
+    def _slot_wait_s(self, queued: int, service_s: float) -> float:
+        """Expected wait for a slot behind the running requests and ``queued`` more: those
+        beyond the free slots must end, each taking ``service_s``, ``slots`` at a time."""
+        ahead = max(0, self._running + queued - self._slots + 1)
+        return ahead / self._slots * service_s
 
     async def acquire(self, entry: QueueEntry) -> None:
         """Wait until ``entry`` holds a slot, in policy order.
@@ -132,8 +137,7 @@ class DeploymentQueue:
         predictor = self.predictor
         if predictor is None or not predictor.service_measured:
             return None
-        must_end = max(0, self._running - self._slots + 1)
-        slot_wait_s = must_end / self._slots * predictor.mean_service_s
+        slot_wait_s = self._slot_wait_s(0, predictor.mean_service_s)
         return self._clock() + slot_wait_s + predictor.prefill_s([entry.prompt_tokens])
 
     def release(self) -> None:
@@ -248,15 +252,18 @@ class QueueRegistry:
         service time measured on the model's other copies (1 s when none is): counting
         its queue as free would send every request to a fresh copy."""
         choices = []
-        unmeasured = self._unmeasured_service_s(deployment.model_id)
+        unmeasured: float | None = None  # the model's slowest measured, when first needed
         for replica in replicas.serving(deployment):
             queue = self.queue_for(deployment, replica.index)
             load = queue.running + queue.waiting
-            wait_s = (
-                float("inf")
-                if queue.waiting >= self.capacity
-                else queue.expected_wait_s(unmeasured)
-            )
+            if queue.waiting >= self.capacity:
+                wait_s = float("inf")
+            elif queue.predictor is not None and not queue.predictor.service_measured:
+                if unmeasured is None:
+                    unmeasured = self._unmeasured_service_s(deployment.model_id)
+                wait_s = queue.expected_wait_s(unmeasured)
+            else:
+                wait_s = queue.expected_wait_s()
             choices.append((wait_s, load, replica.index))
         wait_s, _, index = min(choices, default=(float("inf"), 0, 0))
         return wait_s, index

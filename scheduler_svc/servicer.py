@@ -179,8 +179,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             record.code = exc.code
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            # GeneratorExit: the stream closed at a yield (the client went away between
-            # messages); counted as a success once, with no finish reason.
+            # GeneratorExit: the stream was closed at a yield (the client went away
+            # between messages): a cancellation, not a success with no finish reason.
             record.code = grpc.StatusCode.CANCELLED
             raise
         except Exception:

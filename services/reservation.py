@@ -73,7 +73,7 @@ def rank_memory(
     tp = max(1, config.tensor_parallel)
     served, stored = _dtype_bytes(shape, config)
     per_rank_weights = stage_layers * _rank_layer_bytes(shape, config, served, stored, tp)
-    kv_heads_per_rank = max(1, math.ceil(shape.num_kv_heads / tp))
+    kv_heads_per_rank = kv_heads_on_rank(shape.num_kv_heads, tp)
     if config.pruning == common.PRUNING_STRUCTURED and shape.num_kv_heads:
         heads_per_rank = max(1, shape.num_attention_heads // tp)
         _, kv_heads_per_rank = kept_heads(heads_per_rank, kv_heads_per_rank, DEFAULT_PRUNE_FRACTION)
@@ -144,7 +144,7 @@ def fingerprint_rank_bytes(
             sum(math.prod(shapes[t]) for t in layer_tensors) / tp
             + sum(math.prod(shapes[t]) for t in other_tensors)
         ) * compute_bytes
-        kv_heads = max(1, math.ceil(spec.num_kv_heads / tp))
+        kv_heads = kv_heads_on_rank(spec.num_kv_heads, tp)
         kv = kv_cache_bytes(count, kv_heads, spec.head_dim, max_seq_len, batch_size, compute_bytes)
         tokens = batch_size * max_seq_len
         activations = (
@@ -155,6 +155,12 @@ def fingerprint_rank_bytes(
         per_stage.append(int(weights + kv + activations) + RUNTIME_OVERHEAD_BYTES)
         first += count
     return [per_stage[rank // tp] for rank in range(len(stage_layers) * tp)]
+
+
+def kv_heads_on_rank(kv_heads: int, tp: int) -> int:
+    """KV heads one of ``tp`` tensor ranks holds: its share, or one whole head when tp
+    does not divide them (the engine replicates it; ``tensor_parallel.head_slice``)."""
+    return max(1, math.ceil(kv_heads / tp))
 
 
 def kv_cache_bytes(
@@ -230,7 +236,7 @@ def _rank_layer_bytes(
     extra = _VECTORS_PER_LAYER * shape.hidden_size * served * (1 - 1 / tp)
     kv_heads = shape.num_kv_heads
     if kv_heads:
-        held = math.ceil(kv_heads / tp)
+        held = kv_heads_on_rank(kv_heads, tp)
         kv_weights = 2 * shape.hidden_size * shape.head_dim * (held - kv_heads / tp)
         extra += kv_weights * _bytes_per_weight(shape, config, served)
     return whole / tp + extra

@@ -1,4 +1,5 @@
-"""A device's free memory: the one rule, in Python and in the Lua that reserves.
+"""A device's free memory: the one rule, in Python and in the Lua that reserves; and
+the memory a hardware type's devices are judged by (:func:`smallest_device_bytes`).
 
 Free bytes are the total less the larger of what is measured in use and what is
 reserved: a reservation holds room before its workers have allocated it, and memory used
@@ -9,7 +10,11 @@ The reserve script (``services.state.store``) embeds :data:`FREE_BYTES_LUA`;
 
 from __future__ import annotations
 
-__all__ = ["FREE_BYTES_LUA", "free_bytes"]
+from collections.abc import Sequence
+
+from services.api import common_pb2 as common
+
+__all__ = ["FREE_BYTES_LUA", "free_bytes", "smallest_device_bytes"]
 
 # Lua expression over the numbers total, used and reserved (the reserve script's locals).
 FREE_BYTES_LUA = "math.max(0, total - math.max(used, reserved))"
@@ -18,3 +23,18 @@ FREE_BYTES_LUA = "math.max(0, total - math.max(used, reserved))"
 def free_bytes(total: int, used: int, reserved: int) -> int:
     """Bytes of a device that are neither in use nor reserved."""
     return max(0, total - max(used, reserved))
+
+
+def smallest_device_bytes(nodes: Sequence[common.NodeState], hardware_type: str) -> int:
+    """Total bytes of the smallest live device of ``hardware_type`` among ``nodes`` (live
+    or simulated; 0 when there is none): what a configuration must fit on every device."""
+    return min(
+        (
+            d.total_bytes
+            for n in nodes
+            if n.alive
+            for d in n.devices
+            if d.hardware_type == hardware_type
+        ),
+        default=0,
+    )
