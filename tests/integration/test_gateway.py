@@ -204,18 +204,23 @@ def slow(stack, gateway):
     _remove(stack, deployed.deployment.deployment_id)
 
 
-def _slow_stats(stack) -> tuple[int, int]:
-    """(waiting, running) of the slow model's deployment."""
+def _slow_deployment(stack) -> infer_pb.DeploymentServingStats:
     stats = stack.inference.GetServingStats(infer_pb.GetServingStatsRequest(), timeout=10)
     (mine,) = [d for d in stats.deployments if d.model_id == SLOW]
+    return mine
+
+
+def _slow_stats(stack) -> tuple[int, int]:
+    """(waiting, running) of the slow model's deployment."""
+    mine = _slow_deployment(stack)
     return mine.requests_waiting, mine.requests_running
 
 
-def _until(condition, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
+def _slow_ended(stack) -> tuple[int, int]:
+    """(completed, failed) requests of the slow model's deployment (a cancelled one
+    failed)."""
+    mine = _slow_deployment(stack)
+    return mine.requests_completed, mine.requests_failed
 
 
 def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, gateway, slow):
@@ -223,11 +228,11 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
     goes, and the request is cancelled all the same (before, it ran to the end, or waited
     for a slot holding a queue place)."""
     long = {"model": slow, "prompt": "go", "max_tokens": MAX_OUTPUT, "ignore_eos": True}
-    started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{gateway}/v1/completions", json=long, timeout=1.0)
     assert _until(lambda: _slow_stats(stack) == (0, 0)), "the generation went on"
-    cancelled_after = time.monotonic() - started
+    # Cancelled, not finished (on a fast machine it might have finished in the wait).
+    assert _slow_ended(stack) == (0, 1)
 
     # The deployment's one slot held by a stream; a second request waits in the queue.
     url = f"{gateway}/v1/completions"
@@ -239,11 +244,7 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
                 httpx.post(url, json={**long, "stream": stream}, timeout=0.5)
             assert _until(lambda: _slow_stats(stack) == (0, 1), 2.0), "it kept its place"
     assert _until(lambda: _slow_stats(stack) == (0, 0))
-
-    # The whole generation would have taken 15 times a 100-token one.
-    start = time.monotonic()
-    assert httpx.post(url, json={**long, "max_tokens": 100}, timeout=120).status_code == 200
-    assert cancelled_after < 15 * (time.monotonic() - start) / 2
+    assert _slow_ended(stack) == (0, 4)  # the held stream too, closed by its client
 
 
 @pytest.mark.parametrize(
