@@ -15,9 +15,19 @@ before anything is written); :func:`import_profiles` then writes:
   variant per (weight quantization, int8 KV cache) measured and its accuracy when the
   JSON is included; an existing record keeps its state and gains missing variants;
 * the rows into the model's profile: fingerprint rows, and full-model rows with
-  ``full_model = true``; the profile's rows of other hardware types are kept, those of
-  this hardware type replaced;
+  ``full_model = true``, each naming its file (``source_file``). Of the profile's rows of
+  this hardware type, those of the files imported are replaced and those of other files
+  kept, so the data set imported a file at a time is the data set imported at once (rows
+  that name no file, iserve's own profiling on this hardware type, are replaced: the two
+  engines' rows are not mixed); rows of other hardware types are kept;
 * where the rows came from (format, files, date) per hardware type, for provenance.
+
+Rows are checked against the model they are for, naming file and line: a tensor
+parallelism its heads cannot split (or outside TENSOR_PARALLEL_DEGREES) and a prompt plus
+output beyond its context are refused, as are, in any model, a latency over a day and
+memory over a pebibyte (``services.importers.maveriq``). A shape-only record whose
+imported shape changes (a corrected ``--model-config``) takes the new shape when the
+import replaces every row it has; a registered checkpoint's shape never changes.
 
 How a CSV row maps to a :class:`ProfileMeasurement`: latency is end to end
 (``latency_ms``; TTFT and TPOT stay 0, MaverIQ did not time tokens); the memory figure
@@ -37,6 +47,7 @@ from dataclasses import dataclass
 from fingerprint_svc.registry import model_shape
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.engine_rules import tensor_parallel_problem
 from services.errors import InvalidArgument
 from services.estimation.memory import GIB
 from services.ids import check_hardware_type, check_model_id, is_valid_id
@@ -146,6 +157,7 @@ def to_measurement(
         hardware_type=hardware_type,
         layer_weight_bytes=layer_bytes,
         layer_kv_bytes_per_token=kv_bytes,
+        source_file=row.source,
     )
 
 
@@ -277,16 +289,12 @@ def plan_maveriq_import(
                 f"({'; '.join(unrunnable)}); only its shape is read, which is all the "
                 "estimates need"
             )
+        for row, prompt in by_model[model_id]:
+            _check_row(row, prompt, model_id, spec)
         measurements = tuple(
             to_measurement(row, hardware_type, spec.num_layers, prompt, shape)
             for row, prompt in by_model[model_id]
         )
-        too_deep = [m for m in measurements if m.num_layers > spec.num_layers]
-        if too_deep:
-            raise InvalidArgument(
-                f"{model_id}: a row holds {too_deep[0].num_layers} layers, the model has "
-                f"{spec.num_layers}"
-            )
         rows_of = [row for row, _ in by_model[model_id]]
         models.append(
             ImportedModel(
@@ -297,9 +305,36 @@ def plan_maveriq_import(
                 measurements=measurements,
             )
         )
+    if not models:
+        raise InvalidArgument("nothing to import: " + "; ".join(skipped))
     return ImportPlan(
         hardware_type, tuple(models), tuple(imported_files), tuple(skipped), tuple(notes)
     )
+
+
+def _check_row(row: maveriq.Measurement, prompt: int, model_id: str, spec: ArchSpec) -> None:
+    """InvalidArgument naming the row's file and line when it cannot be a run of the model
+    ``spec`` describes: more layers than it has, a tensor parallelism its heads cannot
+    split, or a prompt plus output beyond its context."""
+    where = f"{row.where}: {model_id}"
+    if row.layers > spec.num_layers:
+        raise InvalidArgument(
+            f"{where}: the row holds {row.layers} layers, the model has {spec.num_layers}"
+        )
+    problem = tensor_parallel_problem(
+        row.tp,
+        heads=spec.num_heads,
+        kv_heads=spec.num_kv_heads,
+        mlp_width=spec.intermediate_size,
+    )
+    if problem:
+        raise InvalidArgument(f"{where}: TP={row.tp} cannot be a run of this model: {problem}")
+    if prompt + row.output_tokens > spec.max_position_embeddings:
+        tokens = f"a {prompt}-token prompt and " if prompt else ""
+        raise InvalidArgument(
+            f"{where}: {tokens}{row.output_tokens} output tokens pass the model's context "
+            f"of {spec.max_position_embeddings} positions"
+        )
 
 
 def _given_configs(
@@ -381,14 +416,42 @@ def _variants(
     return tuple(variants)
 
 
+# The fields of a shape that decide what a layer computes and holds.
+_ARCHITECTURE_FIELDS = (
+    "family",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def shape_changes(old: model_pb.ModelShape, new: model_pb.ModelShape) -> list[str]:
+    """``field old -> new`` for each architecture field in which ``new`` departs."""
+    return [
+        f"{name} {getattr(old, name)} -> {getattr(new, name)}"
+        for name in _ARCHITECTURE_FIELDS
+        if getattr(old, name) != getattr(new, name)
+    ]
+
+
 def merge_model(
-    existing: model_pb.Model | None, imported: ImportedModel, now_ms: int
+    existing: model_pb.Model | None,
+    imported: ImportedModel,
+    now_ms: int,
+    *,
+    kept_rows: int = 0,
 ) -> model_pb.Model:
     """The model record after an import: a new shape-only record, or ``existing`` with
     the variants it lacks (and accuracy scores the import brings).
 
-    Raises InvalidArgument when an existing record's layer count differs from the
-    imported rows' model (a registered checkpoint that only shares the name).
+    A shape-only record whose shape the import changes takes the new shape when no row
+    of the old one stays (``kept_rows``: the rows the import leaves in the profile).
+    Raises InvalidArgument, naming the fields, when the shapes differ otherwise: a
+    registered checkpoint's shape is its own, and kept rows were measured on the old one.
     """
     if existing is None:
         return model_pb.Model(
@@ -399,15 +462,25 @@ def merge_model(
             state_reason=f"shape-only record ({imported.shape_source}) with imported profiles",
             created_at_unix_ms=now_ms,
         )
-    if existing.shape.num_layers and existing.shape.num_layers != imported.shape.num_layers:
-        raise InvalidArgument(
-            f"model {imported.model_id!r} is registered with {existing.shape.num_layers} "
-            f"layers; the imported rows are of a {imported.shape.num_layers}-layer model"
-        )
     model = model_pb.Model()
     model.CopyFrom(existing)
-    if not model.shape.num_layers:
+    changes = shape_changes(existing.shape, imported.shape) if existing.shape.num_layers else []
+    if changes and existing.checkpoint_path:
+        raise InvalidArgument(
+            f"model {imported.model_id!r} is a registered checkpoint of another shape than "
+            f"the imported rows' model ({'; '.join(changes)}); import them under another "
+            "name"
+        )
+    if changes and kept_rows:
+        raise InvalidArgument(
+            f"model {imported.model_id!r} was imported with another shape "
+            f"({'; '.join(changes)}), and {kept_rows} of its rows come from files or "
+            "hardware types this import does not bring; import every file of the model "
+            "again with the new shape, or delete the model first (iserve model delete)"
+        )
+    if changes or not model.shape.num_layers:
         model.shape.CopyFrom(imported.shape)
+        model.state_reason = f"shape-only record ({imported.shape_source}) with imported profiles"
     present = {v.name: v for v in model.variants}
     for variant in imported.variants:
         if variant.name not in present:
@@ -417,22 +490,50 @@ def merge_model(
     return model
 
 
+def kept_measurements(
+    existing: model_pb.GetProfileResponse | None, hardware_type: str, files: Sequence[str]
+) -> list[model_pb.ProfileMeasurement]:
+    """The rows of ``existing`` an import of ``files`` on ``hardware_type`` keeps: those of
+    other hardware types, and of this one those of other files (not those naming no file,
+    iserve's own profiling, which an import of another engine's runs replaces)."""
+    if existing is None:
+        return []
+    return [
+        m
+        for m in existing.measurements
+        if m.hardware_type != hardware_type or (m.source_file and m.source_file not in files)
+    ]
+
+
 def merge_profile(
     existing: model_pb.GetProfileResponse | None,
     model_id: str,
     hardware_type: str,
     measurements: Sequence[model_pb.ProfileMeasurement],
+    files: Sequence[str] = (),
 ) -> model_pb.GetProfileResponse:
-    """The profile with ``hardware_type``'s rows replaced by ``measurements``."""
+    """The profile after importing ``files`` on ``hardware_type``: the rows
+    :func:`kept_measurements` keeps, then ``measurements``."""
     profile = model_pb.GetProfileResponse(model_id=model_id)
     if existing is not None:
         profile.CopyFrom(existing)
         profile.request_id = ""
-        kept = [m for m in existing.measurements if m.hardware_type != hardware_type]
         del profile.measurements[:]
-        profile.measurements.extend(kept)
+        profile.measurements.extend(kept_measurements(existing, hardware_type, files))
     profile.measurements.extend(measurements)
     return profile
+
+
+def _merged_source(files: Sequence[str], kept_files: set[str], now_ms: int) -> str:
+    """The provenance of a hardware type's rows after an import: the files of rows kept
+    from earlier imports, and the imported ones."""
+    return json.dumps(
+        {
+            "format": "maveriq",
+            "files": sorted(kept_files | set(files)),
+            "imported_at_unix_ms": now_ms,
+        }
+    )
 
 
 async def import_profiles(
@@ -450,19 +551,26 @@ async def import_profiles(
     )
     now_ms = int(time.time() * 1000)
     records = []
+    notes = list(plan.notes)
     for imported in plan.models:
         existing = await store.get_model(imported.model_id)
-        records.append((imported, existing is None, merge_model(existing, imported, now_ms)))
-    source = json.dumps(
-        {"format": "maveriq", "files": list(plan.files), "imported_at_unix_ms": now_ms}
-    )
-    for imported, new, model in records:
+        old_profile = await store.get_profile(imported.model_id)
+        kept = kept_measurements(old_profile, plan.hardware_type, plan.files)
+        model = merge_model(existing, imported, now_ms, kept_rows=len(kept))
         profile = merge_profile(
-            await store.get_profile(model.model_id),
-            model.model_id,
-            plan.hardware_type,
-            imported.measurements,
+            old_profile, model.model_id, plan.hardware_type, imported.measurements, plan.files
         )
+        kept_files = {m.source_file for m in kept if m.hardware_type == plan.hardware_type}
+        source = _merged_source(plan.files, kept_files, now_ms)
+        records.append((existing is None, model, profile, source))
+        if existing is not None and existing.shape.num_layers:
+            changes = shape_changes(existing.shape, model.shape)
+            if changes:
+                notes.append(
+                    f"{model.model_id}: its shape changed ({'; '.join(changes)}); every "
+                    "row it had is replaced by this import's"
+                )
+    for new, model, profile, source in records:
         if not (new and await store.create_model(model)):
             await store.put_model(model)
         await store.put_profile(profile)
@@ -472,5 +580,5 @@ async def import_profiles(
         model_ids=[imported.model_id for imported in plan.models],
         measurements_imported=plan.measurement_count,
         skipped=plan.skipped,
-        notes=plan.notes,
+        notes=notes,
     )

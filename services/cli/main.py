@@ -312,6 +312,13 @@ def cmd_register(settings: Settings, args) -> int:
     return 0
 
 
+def cmd_model_delete(settings: Settings, args) -> int:
+    stub = _stub(settings, "model", model_service_pb2_grpc.ModelServiceStub)
+    stub.DeleteModel(model_pb.DeleteModelRequest(request_id=_rid(), model_id=args.model_id))
+    print(f"deleted {args.model_id} (its record and profiles; checkpoint files are kept)")
+    return 0
+
+
 def cmd_models(settings: Settings, args) -> int:
     reply = _stub(settings, "model", model_service_pb2_grpc.ModelServiceStub).ListModels(
         model_pb.ListModelsRequest(request_id=_rid())
@@ -608,6 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     p.set_defaults(func=cmd_model_create)
+    p = model.add_parser(
+        "delete",
+        help="forget a registered or imported model: its record, profiles and profiling "
+        "jobs (its checkpoint files stay on disk); refused while it is deployed",
+    )
+    p.add_argument("model_id")
+    p.set_defaults(func=cmd_model_delete)
 
     p = sub.add_parser("register", help="validate a checkpoint under the models root and record it")
     p.add_argument("model_id")

@@ -55,6 +55,12 @@ BATCH_SCALING = "BS_scaling_data.csv"
 # prompts of unrecorded length.
 PROMPT_TOKENS = {FINGERPRINTS: 923, FULL_MODELS: 923}
 
+# Bounds of a believable row: a timed run longer than a day, or more memory than a
+# pebibyte over the deployment's GPUs, is a unit or typing error, and one such row would
+# dominate the least-squares fits of every configuration of its model.
+MAX_LATENCY_S = 86_400.0
+MAX_MEMORY_GIB = float(2**20)
+
 # The engine dtype column, as iserve's weight-quantization names.
 _WEIGHT_QUANT = {"float16": "fp16", "int8": "int8", "int4": "int4", "int4_gptq": "int4_gptq"}
 # A pruned variant's name is its model's name and the pruning method's
@@ -85,6 +91,7 @@ class Measurement:
 
     ``layers`` is the number of hidden layers the engine held (the sum of ``pp_map``),
     so a fingerprint row has a small ``layers`` and a full-model row the model's count.
+    ``line`` is the row's line in ``source`` (the header is line 1).
     """
 
     source: str
@@ -100,6 +107,12 @@ class Measurement:
     latency_s: float
     memory_gib: float
     memory_pre_run_gib: float
+    line: int = 0
+
+    @property
+    def where(self) -> str:
+        """``file:line`` of the row, as errors name it."""
+        return f"{self.source}:{self.line}"
 
     @property
     def layers(self) -> int:
@@ -152,14 +165,14 @@ def _parse_row(row: dict[str, str], source: str, line: int) -> Measurement:
     if empty:
         raise ValueError(f"{where}: no value for {empty}")
     try:
-        return _measurement(row, source, where)
+        return _measurement(row, source, where, line)
     except ValueError as exc:
         if str(exc).startswith(where):
             raise
         raise ValueError(f"{where}: {exc}") from None
 
 
-def _measurement(row: dict[str, str], source: str, where: str) -> Measurement:
+def _measurement(row: dict[str, str], source: str, where: str, line: int) -> Measurement:
     dtype = row["DTYPE"]
     if dtype not in _WEIGHT_QUANT:
         raise ValueError(f"{where}: unknown DTYPE {dtype!r}; known: {sorted(_WEIGHT_QUANT)}")
@@ -182,6 +195,7 @@ def _measurement(row: dict[str, str], source: str, where: str) -> Measurement:
         latency_s=float(row["Latency"]),
         memory_gib=float(row["Memory-After-Run"]),
         memory_pre_run_gib=float(row["Memory-Pre-Run"]),
+        line=line,
     )
     # Counts are stored in uint32 fields (ProfileMeasurement, DeploymentConfig).
     if not all(1 <= n <= UINT32_MAX for n in (tp, pp, *pp_map)):
@@ -189,13 +203,17 @@ def _measurement(row: dict[str, str], source: str, where: str) -> Measurement:
     counts = (measurement.output_tokens, measurement.batch_size)
     if not all(1 <= n <= UINT32_MAX for n in counts):
         raise ValueError(f"{where}: Output_Lenght and Batch_Size must be from 1 to {UINT32_MAX}")
-    if not (0 < measurement.latency_s < math.inf and 0 <= measurement.memory_gib < math.inf):
+    if not 0 < measurement.latency_s <= MAX_LATENCY_S:
         raise ValueError(
-            f"{where}: Latency must be a finite positive number and Memory-After-Run a "
-            "finite one, not negative"
+            f"{where}: Latency must be a positive number of seconds up to {MAX_LATENCY_S:g} "
+            f"(a day), got {row['Latency']}"
         )
-    if not 0 <= measurement.memory_pre_run_gib < math.inf:
-        raise ValueError(f"{where}: Memory-Pre-Run must be a finite number, not negative")
+    for column in ("Memory-After-Run", "Memory-Pre-Run"):
+        if not 0 <= float(row[column]) <= MAX_MEMORY_GIB:
+            raise ValueError(
+                f"{where}: {column} must be from 0 to {MAX_MEMORY_GIB:.0f} GiB (a pebibyte), "
+                f"got {row[column]}"
+            )
     return measurement
 
 

@@ -47,6 +47,11 @@ def config_map(model_id: str, hardware_type: str) -> str:
     return f"{PREFIX}config-map:{_part(model_id)}:{_part(hardware_type)}"
 
 
+def config_maps(model_id: str) -> str:
+    """A SCAN pattern of every configuration map of a model (ids hold no glob character)."""
+    return f"{PREFIX}config-map:{_part(model_id)}:*"
+
+
 def deployment(deployment_id: str) -> str:
     return f"{PREFIX}deployment:{_part(deployment_id)}"
 

@@ -191,12 +191,16 @@ class StateStore:
         return await self._get_many(model_pb.Model, [keys.model(i) for i in ids])
 
     async def delete_model(self, model_id: str) -> bool:
+        """Delete a model's record, profile, progress, sources and configuration maps;
+        whether the record existed."""
+        maps = [key async for key in self.redis.scan_iter(match=keys.config_maps(model_id))]
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(
                 keys.model(model_id),
                 keys.profile(model_id),
                 keys.profile_progress(model_id),
                 keys.profile_sources(model_id),
+                *maps,
             )
             pipe.srem(keys.model_index(), model_id)
             deleted, _ = await pipe.execute()

@@ -15,7 +15,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.estimation.space import ModelShape, Variant, enumerate_space
-from tests.integration.helpers import cli, forget_models, rid
+from tests.integration.helpers import cli, forget_models, rid, with_store
 from tests.unit.estimator_data import shared_data
 
 pytestmark = pytest.mark.integration
@@ -304,10 +304,11 @@ def test_import_with_a_models_config_json_estimates_as_its_preset_does(
     config_path.write_text(json.dumps(preset_config("llama-2-13b")))
     args = ["profile", "import", "--format", "maveriq", "--hardware", HARDWARE]
 
-    # Without a shape the rows are skipped, saying how to give one; nothing is created.
+    # Without a shape there is nothing to import: refused, saying how to give one.
     out = cli(stack, *args, mystery)
-    assert out.returncode == 0, out.stderr
-    assert "skipped Mystery-13B:" in out.stdout and "--model-config Mystery-13B=PATH" in out.stdout
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT: nothing to import: Mystery-13B:" in out.stderr
+    assert "--model-config Mystery-13B=PATH" in out.stderr
     # A config that is not JSON, for a name no row uses, or missing: refused, nothing written.
     bad = tmp_path / "bad.json"
     bad.write_text("{")
@@ -338,6 +339,17 @@ def test_import_with_a_models_config_json_estimates_as_its_preset_does(
             assert a.config == b.config
             assert a.memory_total_bytes == b.memory_total_bytes
             assert a.latency_ms == pytest.approx(b.latency_ms, rel=1e-9)
+
+        # iserve model delete forgets an imported model; a second delete finds nothing.
+        out = cli(stack, "model", "delete", "llama-2-13b-hf")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("deleted llama-2-13b-hf")
+        call = lambda: estimator.EstimateConfigs(estimate_request("llama-2-13b-hf"), timeout=60)  # noqa: E731
+        assert code_of(call)[0] == grpc.StatusCode.NOT_FOUND
+        out = cli(stack, "model", "delete", "llama-2-13b-hf")
+        assert out.returncode == 1 and "NOT_FOUND" in out.stderr
+        leftovers = with_store(stack, lambda store: store.redis.keys("iserve:*llama-2-13b-hf*"))
+        assert leftovers == []
     finally:
         forget_models(stack, ["mystery-13b", "llama-2-13b-hf"], HARDWARE)
 

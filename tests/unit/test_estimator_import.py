@@ -235,7 +235,7 @@ def test_outside_an_import_the_same_features_are_refused():
         # The rows hold a 2-layer fingerprint of a model the config gives 1 layer.
         (
             {"llama-2-7b": json.dumps(dict(MYSTERY_CONFIG, num_hidden_layers=1))},
-            "llama-2-7b: a row holds 2 layers, the model has 1",
+            "fingerprint_data_collection.csv:3: llama-2-7b: the row holds 2 layers, the model has 1",
         ),
     ],
 )
@@ -285,24 +285,61 @@ def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_re
         ({"MS_model_acc_MMLU.json": ACCURACY}, "no measurement file"),
         ({"full_model_data_collection.csv": HEADER}, "no measurement rows in full_model_data"),
         ({}, "no files"),
-        # Values no measurement has: not finite, negative, or beyond the uint32 fields.
+        # Values no measurement has: not finite, negative, beyond a day or a pebibyte, or
+        # beyond the uint32 fields.
         *(
             (
                 {"full_model_data_collection.csv": FULL.replace(",3.5,", f",{bad},")},
-                "full_model_data_collection.csv:2: Latency must be a finite positive number",
+                "full_model_data_collection.csv:2: Latency must be a positive number of "
+                f"seconds up to 86400 (a day), got {bad}",
             )
-            for bad in ("inf", "nan", "-3.5", "0", "1e400")
+            for bad in ("inf", "nan", "-3.5", "0", "1e400", "1e300", "86401")
         ),
         *(
             (
                 {"full_model_data_collection.csv": FULL.replace(",16.5,", f",{bad},")},
-                "Memory-After-Run a finite one, not negative",
+                "full_model_data_collection.csv:2: Memory-After-Run must be from 0 to "
+                f"1048576 GiB (a pebibyte), got {bad}",
             )
-            for bad in ("inf", "nan", "-1")
+            for bad in ("inf", "nan", "-1", "1e12", "1e300")
         ),
         (
             {"full_model_data_collection.csv": FULL.replace(",16,", ",-inf,")},
-            "full_model_data_collection.csv:2: Memory-Pre-Run must be a finite number",
+            "full_model_data_collection.csv:2: Memory-Pre-Run must be from 0 to",
+        ),
+        # Rows that cannot be runs of the model they name.
+        (
+            {
+                "fingerprint_data_collection.csv": FINGERPRINTS.replace(
+                    "llama-2-7b,2,", "llama-2-7b,3,"
+                )
+            },
+            "fingerprint_data_collection.csv:4: llama-2-7b: TP=3 cannot be a run of this model: "
+            "tensor_parallel must be one of (1, 2, 4, 8), got 3",
+        ),
+        (
+            {
+                "full_model_data_collection.csv": HEADER
+                + "falcon-7b,2,1,32,float16,False,10,1,1,9,9\n"
+            },
+            "full_model_data_collection.csv:2: falcon-7b: TP=2 cannot be a run of this model: "
+            "tensor_parallel 2 must divide the 71 attention heads",
+        ),
+        (
+            {"full_model_data_collection.csv": FULL.replace(",100,", ",4294967295,")},
+            "full_model_data_collection.csv:2: llama-2-7b: a 923-token prompt and 4294967295 "
+            "output tokens pass the model's context of 4096 positions",
+        ),
+        (
+            {"fingerprint_data_collection_BS.csv": BATCH.replace(",10,2,", ",4097,2,")},
+            "fingerprint_data_collection_BS.csv:2: llama-2-7b: 4097 output tokens pass the model's",
+        ),
+        (
+            {
+                "full_model_data_collection.csv": HEADER
+                + "mystery-3b,1,1,32,float16,False,10,1,1,9,9\n"
+            },
+            "nothing to import: mystery-3b: 1 rows; no architecture preset of that name",
         ),
         (
             {"full_model_data_collection.csv": FULL.replace(",100,", ",99999999999999999999,")},
@@ -372,10 +409,22 @@ def test_merge_model_adds_variants_and_refuses_another_shape():
     assert [v.name for v in merged.variants] == ["int4-kv8", "fp16"]
     assert merged.variants[0].accuracy_score == 87.1
 
-    tiny = model_pb.Model(model_id="llama-2-7b")
-    tiny.shape.num_layers = 2
-    with pytest.raises(InvalidArgument, match="registered with 2 layers"):
+    tiny = model_pb.Model(model_id="llama-2-7b", checkpoint_path="tiny")
+    tiny.shape.CopyFrom(imported.shape)
+    tiny.shape.num_layers, tiny.shape.num_kv_heads = 2, 8
+    with pytest.raises(
+        InvalidArgument,
+        match="registered checkpoint of another shape than the imported rows' model "
+        r"\(num_layers 2 -> 32; num_kv_heads 8 -> 32\)",
+    ):
         merge_model(tiny, imported, now_ms=5)
+
+    # A shape-only record takes a corrected shape when none of its rows stays.
+    shape_only = model_pb.Model(model_id="llama-2-7b")
+    shape_only.shape.CopyFrom(tiny.shape)
+    assert merge_model(shape_only, imported, now_ms=5).shape == imported.shape
+    with pytest.raises(InvalidArgument, match="3 of its rows come from files or hardware"):
+        merge_model(shape_only, imported, now_ms=5, kept_rows=3)
 
 
 # ---- against a real redis-server ---------------------------------------------------------
@@ -401,13 +450,106 @@ def test_import_stores_models_profiles_and_sources_and_reimport_replaces(run):
         assert source["format"] == "maveriq"
         assert "fingerprint_data_collection.csv" in source["files"]
 
-        # Another hardware type adds rows; the same one again replaces its rows.
+        # Another hardware type adds rows; a file imported again replaces its own rows and
+        # keeps the other files'.
+        before = sorted(m.SerializeToString() for m in profile.measurements)
         await import_profiles(store, request({"full_model_data_collection.csv": FULL}, "h100"))
         await import_profiles(store, request({"full_model_data_collection.csv": FULL}, "rtx-a6000"))
         rows = (await store.get_profile("llama-2-7b")).measurements
-        assert sorted(m.hardware_type for m in rows) == ["h100", "rtx-a6000"]
+        assert [m.source_file for m in rows if m.hardware_type == "h100"] == [
+            "full_model_data_collection.csv"
+        ]
+        a6000 = [m for m in rows if m.hardware_type == "rtx-a6000"]
+        assert sorted(m.SerializeToString() for m in a6000) == before
         model = await store.get_model("llama-2-7b")
         assert [v.name for v in model.variants] == ["fp16", "int4-kv8"]
+
+    run(scenario)
+
+
+def test_files_imported_one_at_a_time_store_what_importing_them_at_once_stores(run):
+    async def scenario(store: StateStore):
+        await import_profiles(store, request(DATA_SET))
+        at_once = {
+            model_id: sorted(
+                m.SerializeToString() for m in (await store.get_profile(model_id)).measurements
+            )
+            for model_id in ("gptj-6b", "llama-2-7b")
+        }
+        await store.redis.flushdb()
+        for name, text in DATA_SET.items():
+            if name not in ("fingerprint_data_collection_BS.csv", "full_model_data_collection.csv"):
+                continue
+            await import_profiles(store, request({name: text}))
+        await import_profiles(
+            store,
+            request(
+                {
+                    "fingerprint_data_collection.csv": FINGERPRINTS,
+                    "MS_model_acc_MMLU.json": ACCURACY,
+                }
+            ),
+        )
+        for model_id, rows in at_once.items():
+            profile = await store.get_profile(model_id)
+            assert sorted(m.SerializeToString() for m in profile.measurements) == rows
+        source = json.loads((await store.get_profile_sources("llama-2-7b"))["rtx-a6000"])
+        assert source["files"] == sorted(
+            n for n in DATA_SET if n != "full_model_data_collection_pruning.csv"
+        )
+
+    run(scenario)
+
+
+def test_a_corrected_config_reshapes_a_model_only_when_all_its_rows_are_imported_again(run):
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    shape = dict(
+        llama,
+        hidden_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=1024,
+        vocab_size=1000,
+        max_position_embeddings=2048,
+    )
+    fingerprints = HEADER + "mine-1b,1,1,1,float16,False,10,1,0.05,1.0,1.1,10,5\n"
+    full = HEADER + "mine-1b,1,1,2,float16,False,10,1,0.09,1.5,1.6,10,5\n"
+
+    async def scenario(store: StateStore):
+        first = {"mine-1b": json.dumps(shape)}
+        await import_profiles(
+            store,
+            request(
+                {
+                    "fingerprint_data_collection.csv": fingerprints,
+                    "full_model_data_collection.csv": full,
+                },
+                model_configs=first,
+            ),
+        )
+        corrected = {"mine-1b": json.dumps(dict(shape, num_key_value_heads=2))}
+        # Rows of a file this import does not bring were measured on the old shape.
+        with pytest.raises(InvalidArgument, match="1 of its rows come from files"):
+            await import_profiles(
+                store,
+                request({"fingerprint_data_collection.csv": fingerprints}, model_configs=corrected),
+            )
+        assert (await store.get_model("mine-1b")).shape.num_kv_heads == 8
+        reply = await import_profiles(
+            store,
+            request(
+                {
+                    "fingerprint_data_collection.csv": fingerprints,
+                    "full_model_data_collection.csv": full,
+                },
+                model_configs=corrected,
+            ),
+        )
+        assert any("num_kv_heads 8 -> 2" in note for note in reply.notes)
+        assert (await store.get_model("mine-1b")).shape.num_kv_heads == 2
+        kv = {m.layer_kv_bytes_per_token for m in (await store.get_profile("mine-1b")).measurements}
+        assert kv == {2.0 * 2 * 64 * 2}
 
     run(scenario)
 
