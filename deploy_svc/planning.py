@@ -246,6 +246,12 @@ def _decision(
     notes = [note] if note else []
     if not option.meets_intent:
         notes.append(f"configuration #{option.rank} is a fallback: it does not meet the intent")
+    if option.estimate is not None and option.estimate.communication_unprofiled:
+        notes.append(
+            f"configuration #{option.rank} splits the model a way its fingerprints never "
+            "ran (tp = 2 or pp = 2 was not profiled): its estimate leaves out that "
+            "communication, so it will run slower than estimated"
+        )
     if choice.uneven:
         counts = "+".join(str(s.layer_count) for s in choice.stages)
         notes.append(

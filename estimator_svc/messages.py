@@ -50,11 +50,15 @@ def workload_from_proto(workload: estimator_pb.Workload) -> Workload:
 
 
 def estimate_messages(
-    estimates: Estimates, workload: Workload, indices: Sequence[int] | np.ndarray | None = None
+    estimates: Estimates,
+    workload: Workload,
+    indices: Sequence[int] | np.ndarray | None = None,
+    communication_unprofiled: np.ndarray | None = None,
 ) -> list[estimator_pb.ConfigEstimate]:
     """``ConfigEstimate`` messages of the configurations at ``indices`` (default: all).
 
-    Bytes from GiB; costs in the API's units (GB x s, GB, device-hours).
+    Bytes from GiB; costs in the API's units (GB x s, GB, device-hours);
+    ``communication_unprofiled`` per configuration of the space (default: none).
     """
     e = estimates
     space = e.space
@@ -90,6 +94,9 @@ def estimate_messages(
             cost_device_hours=e.cost_device_hours[i],
             throughput_tokens_per_second_per_device=e.throughput_tokens_per_s_per_device[i],
             batch_measured=e.batch_measured,
+            communication_unprofiled=(
+                communication_unprofiled is not None and bool(communication_unprofiled[i])
+            ),
         )
         if np.isfinite(e.accuracy_pct[i]):
             message.accuracy_score = float(e.accuracy_pct[i])
@@ -98,14 +105,17 @@ def estimate_messages(
 
 
 def ranked_messages(
-    estimates: Estimates, workload: Workload, ranked: RankedConfigs
+    estimates: Estimates,
+    workload: Workload,
+    ranked: RankedConfigs,
+    communication_unprofiled: np.ndarray | None = None,
 ) -> list[estimator_pb.RankedConfig]:
     """``RankedConfig`` messages, rank 1 first."""
     return [
         estimator_pb.RankedConfig(rank=place, estimate=message, meets_intent=bool(meets))
         for place, (message, meets) in enumerate(
             zip(
-                estimate_messages(estimates, workload, ranked.indices),
+                estimate_messages(estimates, workload, ranked.indices, communication_unprofiled),
                 ranked.meets_intent,
                 strict=True,
             ),

@@ -57,6 +57,16 @@ class PromptReferences:
     profiles: tuple[VariantProfile, ...]
 
 
+def unprofiled_note(layout: Layout) -> str:
+    """The note of a model whose fingerprints were never run at ``layout`` (TENSOR or
+    PIPELINE)."""
+    kind = "tensor" if layout == TENSOR else "pipeline"
+    return (
+        f"no fingerprint runs at tp={layout[0]} pp={layout[1]}: {kind}-parallel "
+        "configurations are estimated without its communication cost"
+    )
+
+
 @dataclass(frozen=True)
 class ModelReferences:
     """A model's full-model reference figures on one hardware type, per prompt length.
@@ -76,6 +86,15 @@ class ModelReferences:
     def variant_keys(self) -> tuple[str, ...]:
         """The profile's variant names, aligned with ``variants``."""
         return tuple(v.name for v in self.variants)
+
+    def communication_unprofiled(self, tp: np.ndarray, pp: np.ndarray) -> np.ndarray:
+        """Per configuration (``tp``, ``pp`` arrays), whether it splits the model a way
+        whose communication the fingerprints never ran (:func:`unprofiled_note`)."""
+        unprofiled = np.zeros(np.shape(tp), dtype=bool)
+        for layout, degree in ((TENSOR, tp), (PIPELINE, pp)):
+            if unprofiled_note(layout) in self.notes:
+                unprofiled |= np.asarray(degree) > 1
+        return unprofiled
 
     @property
     def has_tp_ladder(self) -> bool:
@@ -335,12 +354,9 @@ def model_references(
     fingerprints = [s for s in fingerprints if s.variant in keys]
     profiled = {s.layout for s in fingerprints}
     runnable = parallel_pairs(shape, 2)
-    for layout, kind in ((TENSOR, "tensor"), (PIPELINE, "pipeline")):
+    for layout in (TENSOR, PIPELINE):
         if layout in runnable and layout not in profiled:
-            notes.append(
-                f"no fingerprint runs at tp={layout[0]} pp={layout[1]}: {kind}-parallel "
-                "configurations are estimated without its communication cost"
-            )
+            notes.append(unprofiled_note(layout))
     ladder = _ladder_layouts(fingerprints) if use_tp_ladder else ()
     layouts = REFERENCE_LAYOUTS + ladder
     latency: dict[tuple[str, Layout], list[LatencySample]] = defaultdict(list)

@@ -57,6 +57,13 @@ class Estimate:
         return np.flatnonzero(self.estimates.estimable)
 
     @property
+    def communication_unprofiled(self) -> np.ndarray:
+        """Per configuration, whether it splits the model a way the fingerprints never ran
+        (its communication is left out of its estimate)."""
+        space = self.estimates.space
+        return self.config_map.references.communication_unprofiled(space.tp, space.pp)
+
+    @property
     def notes(self) -> list[str]:
         """How the profile limits the estimates (and this workload's prompt length), then
         what was left out and why."""

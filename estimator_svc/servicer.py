@@ -26,7 +26,12 @@ class EstimatorServicer(estimator_service_pb2_grpc.EstimatorServiceServicer):
         )
         return estimator_pb.EstimateConfigsResponse(
             request_id=request.request_id,
-            estimates=estimate_messages(result.estimates, result.workload, result.usable),
+            estimates=estimate_messages(
+                result.estimates,
+                result.workload,
+                result.usable,
+                result.communication_unprofiled,
+            ),
             notes=result.notes,
         )
 
@@ -43,7 +48,9 @@ class EstimatorServicer(estimator_service_pb2_grpc.EstimatorServiceServicer):
         ranked = rank_for_intent(result.estimates, request.intent)
         return estimator_pb.RankConfigsResponse(
             request_id=request.request_id,
-            ranked=ranked_messages(result.estimates, result.workload, ranked),
+            ranked=ranked_messages(
+                result.estimates, result.workload, ranked, result.communication_unprofiled
+            ),
             note=ranked.note,
         )
 

@@ -83,6 +83,15 @@ def test_excluded_ranks_are_skipped_with_their_reason_and_fallbacks_are_noted():
     assert "is a fallback" in decision.note
 
 
+def test_a_choice_whose_communication_was_never_profiled_says_so():
+    measured, unprofiled = option(1, pp=2), option(1, pp=2)
+    unprofiled.estimate.communication_unprofiled = True
+    assert decide(model(), [measured], devices(2, 2), LIMITS).note == ""
+    note = decide(model(), [unprofiled], devices(2, 2), LIMITS).note
+    assert note.startswith("configuration #1 splits the model a way its fingerprints never ran")
+    assert "it will run slower than estimated" in note
+
+
 def test_memory_blocks_take_the_larger_of_estimate_and_shape():
     m = model()
     config = common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=1, batch_size=1)

@@ -148,6 +148,18 @@ def test_a_reference_layout_never_profiled_is_said():
     ) in said
     assert any(n.startswith("no fingerprint runs at tp=1 pp=2: pipeline-parallel") for n in said)
 
+    # Which configurations lack their communication: tp > 1 or pp > 1, not (1, 1).
+    def unprofiled(measurements):
+        variants = profiles.estimation_variants(model, measurements)
+        samples = [profiles.sample_from_measurement(m) for m in measurements]
+        refs = model_references.model_references(shape, variants, samples)
+        return refs.communication_unprofiled(np.array([1, 2, 1, 2]), np.array([1, 1, 2, 2]))
+
+    assert unprofiled(base_only).tolist() == [False, True, True, True]
+    assert unprofiled(rows).tolist() == [False, False, False, False]
+    no_pipeline = [m for m in rows if m.config.pipeline_parallel == 1]
+    assert unprofiled(no_pipeline).tolist() == [False, False, True, True]
+
 
 def test_a6000_llama_70b_estimates_every_configuration_in_the_papers_range(a6000):
     refs = references(a6000, "llama-2-70b")
