@@ -1,6 +1,9 @@
 """``python -m deploy_svc``: serve DeploymentService (and TokenService, which issues the
 bearer tokens) on ``ISERVE_DEPLOY_ADDR``."""
 
+import logging
+import time
+
 from deploy_svc.agents import AgentClients
 from deploy_svc.controller import DeploymentController
 from deploy_svc.reconciler import Reconciler
@@ -15,6 +18,16 @@ def build(settings, store) -> ServiceParts:
     agents = AgentClients()
     controller = DeploymentController(settings, store, agents)
     reconciler = Reconciler(controller, store, agents)
+
+    async def stop() -> None:
+        await controller.close()
+        # The workers the agents stop next (iserve down) are then restored at the next
+        # start without counting against any restart budget (deploy_svc.reconciler).
+        try:
+            await store.mark_deployer_stopped(int(time.time() * 1000))
+        except Exception as exc:  # noqa: BLE001 - Redis gone first: the restore counts
+            logging.getLogger("iserve.deploy").warning("could not record a clean stop: %s", exc)
+
     return ServiceParts(
         bindings=[
             ServiceBinding(
@@ -25,7 +38,7 @@ def build(settings, store) -> ServiceParts:
             TokenServicer(store).binding(),
         ],
         background=[reconciler.run],
-        on_stop=controller.close,
+        on_stop=stop,
     )
 
 

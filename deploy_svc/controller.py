@@ -513,16 +513,18 @@ class DeploymentController:
             await self.store.publish_event("deployment_removed", deployment_id=deployment_id)
         self._locks.pop(deployment_id, None)
 
-    async def fail(self, group_id: str, reason: str) -> bool:
+    async def fail(self, group_id: str, reason: str, *, planned: bool = False) -> bool:
         """A worker of ``group_id`` (a deployment id, or a replica's group id) is gone:
         take that replica out (stop its workers, release its memory) and start it again
         after a backoff (``deploy_svc.healer``); once the restart budget is spent it
-        stays out, and the deployment is FAILED when no other replica serves. Returns
-        False when the deployment is gone, not READY or the replica already out."""
+        stays out, and the deployment is FAILED when no other replica serves. A
+        ``planned`` loss (the stack was stopped on purpose) starts it again at once and
+        spends no budget. Returns False when the deployment is gone, not READY or the
+        replica already out."""
         deployment_id, index = split_group_id(group_id)
         async with self.lock(deployment_id):
             deployment = await self.store.get_deployment(deployment_id)
             if deployment is None or index not in {r.index for r in replicas.serving(deployment)}:
                 return False
-            await self.healer.replica_failed(deployment, index, reason)
+            await self.healer.replica_failed(deployment, index, reason, planned=planned)
             return True

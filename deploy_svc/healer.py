@@ -72,14 +72,19 @@ class Healer:
         return None if raw is None else healing.RestartRecord.from_json(raw)
 
     async def replica_failed(
-        self, deployment: deploy_pb.Deployment, index: int, error: str
+        self, deployment: deploy_pb.Deployment, index: int, error: str, *, planned: bool = False
     ) -> None:
         """Replica ``index`` of ``deployment`` (the caller holds its lock) failed with
         ``error``: schedule its restart, or when the budget is spent take it out for good
-        (the deployment FAILED when no other replica serves)."""
+        (the deployment FAILED when no other replica serves). ``planned``: its workers
+        were stopped on purpose; it starts again at once, its restart record unchanged
+        (kept, so a restart of the deployer resumes it)."""
         deployment_id = deployment.deployment_id
-        step = healing.after_failure(
-            self.policy, await self.record_of(deployment_id), error, _now_ms()
+        record = await self.record_of(deployment_id)
+        step = (
+            healing.restore(record, error)
+            if planned
+            else healing.after_failure(self.policy, record, error, _now_ms())
         )
         await self.store.put_restarts(deployment_id, step.record.to_json())
         replica = next(r for r in replicas.replicas_of(deployment) if r.index == index)

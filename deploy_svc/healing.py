@@ -57,13 +57,17 @@ class RestartRecord:
 
 @dataclass(frozen=True)
 class Restart:
-    """Start the replica again after ``delay_s``; ``record`` is to be stored."""
+    """Start the replica again after ``delay_s``; ``record`` is to be stored. A
+    ``restore`` is no failure's restart (the stack was stopped on purpose)."""
 
     delay_s: float
     record: RestartRecord
+    restore: str = ""
 
     @property
     def note(self) -> str:
+        if self.restore:
+            return f"starting again: {self.restore}"
         return (
             f"restart {self.record.in_a_row} in {self.delay_s:g} s after: {self.record.last_error}"
         )
@@ -97,8 +101,17 @@ def after_failure(
     return Restart(policy.backoff_s(nth), RestartRecord(nth, record.total + 1, error, now_ms))
 
 
+def restore(record: RestartRecord | None, why: str) -> Restart:
+    """Start a replica whose workers were stopped on purpose (``why``) again at once,
+    spending no restart budget: its record stays as it was."""
+    return Restart(0.0, record or RestartRecord(), restore=why)
+
+
 def served_again_note(record: RestartRecord) -> str:
-    """The state reason of a deployment serving again after a restart."""
+    """The state reason of a deployment serving again after a restart (or a restore of
+    one that never failed)."""
+    if not record.total:
+        return "serves again after a stop of the stack"
     return f"restarted {record.total} time(s); last error: {record.last_error}"
 
 

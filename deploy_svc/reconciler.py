@@ -62,6 +62,9 @@ class Reconciler:
         self.controller = controller
         self.store = store
         self.agents = agents
+        # Replicas whose workers were stopped on purpose (the deployer stopped cleanly,
+        # then the agents stopped their workers): not yet seen by an answering agent.
+        self._stopped_on_purpose: set[str] = set()
 
     async def reconcile_on_start(self) -> list[str]:
         """Make Redis and the agents agree after a (re)start of this service; returns what
@@ -76,6 +79,15 @@ class Reconciler:
         """
         actions: list[str] = []
         deployments = await self.store.list_deployments()
+        # After a clean stop (iserve down: this service first, then the agents stop their
+        # workers) a missing worker is a restore, not a failure: no restart budget spent,
+        # whether its agent answers now or only once it has started.
+        if await self.store.take_deployer_stopped() is not None:
+            self._stopped_on_purpose = {
+                replica_group_id(d.deployment_id, r.index)
+                for d in deployments
+                for r in replicas.serving(d)
+            }
         running, answered = await self._running_workers()
         actions += await self._fail_missing(
             deployments, running, answered, "after a deployer restart"
@@ -137,7 +149,8 @@ class Reconciler:
     ) -> list[str]:
         """Fail (to be restarted) each serving replica of ``deployments`` missing a rank
         among ``running``; nodes whose agents did not answer are left to the heartbeat
-        check."""
+        check. A replica whose workers were stopped on purpose is restored instead,
+        spending no restart budget."""
         actions = []
         for dep in deployments:
             for replica in replicas.serving(dep):
@@ -146,9 +159,13 @@ class Reconciler:
                     continue
                 ranks = {w.rank for w in running.get(group, [])}
                 missing = sorted(set(range(_rank_count(replica.placement))) - ranks)
+                planned = group in self._stopped_on_purpose
+                self._stopped_on_purpose.discard(group)
                 if missing:
                     reason = f"{when}, rank(s) {missing} are not running"
-                    if await self.controller.fail(group, reason):
+                    if planned:
+                        reason = f"the stack was stopped on purpose, rank(s) {missing} with it"
+                    if await self.controller.fail(group, reason, planned=planned):
                         actions.append(f"failed {group}: {reason}")
         return actions
 

@@ -23,13 +23,13 @@ from services import replicas
 from services.api import agent_service_pb2 as agent_pb
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
+from services.drain import WORKER_STOP_MARGIN_S, worker_stop_s
 from services.errors import FailedPrecondition, from_rpc_error
 from services.ids import replica_group_id
 from services.settings import Settings
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.deploy.workers")
-STOP_TIMEOUT_S = 15.0
 # Where rank 0 of a group spread over nodes listens for the others (torch.distributed's
 # TCP store): below Linux's ephemeral ports (32768-60999), so no outgoing connection holds
 # one, beside torch's customary 29500. A port in use fails that launch with rank 0's
@@ -96,13 +96,12 @@ class WorkerGroups:
                         layer_count=stage.layer_count,
                     )
                 )
-        calls = []
         addresses = await self._agent_addresses()
         rendezvous = rendezvous_for(replica, addresses)
-        for node_id, specs in by_node.items():
-            stub = self.agents.stub(self._address(addresses, node_id))
-            calls.append(
-                stub.StartWorkers(
+
+        async def start_all() -> list:
+            calls = [
+                self.agents.stub(self._address(addresses, node_id)).StartWorkers(
                     agent_pb.StartWorkersRequest(
                         request_id=deployment.request_id,
                         deployment_id=group,
@@ -118,11 +117,28 @@ class WorkerGroups:
                     ),
                     timeout=timeout_ms / 1000 + 10,
                 )
-            )
-        try:
-            replies = await asyncio.gather(*calls)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"starting workers of {group}") from exc
+                for node_id, specs in by_node.items()
+            ]
+            # Every call ends before this returns: none is left starting behind a failure.
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        replies = await start_all()
+        stale = [
+            r
+            for r in replies
+            if isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.ALREADY_EXISTS
+        ]
+        if stale:
+            # Workers of this group outlived their replica where its agent could not be
+            # told to stop them (it was not answering): stop them, then start once more.
+            log.warning("stopping stale workers of %s before starting it again", group)
+            await self.stop_on(sorted(by_node), group)
+            replies = await start_all()
+        failed = next((r for r in replies if isinstance(r, BaseException)), None)
+        if isinstance(failed, grpc.RpcError):
+            raise from_rpc_error(failed, f"starting workers of {group}") from failed
+        if failed is not None:
+            raise failed
         return next(w.address for reply in replies for w in reply.workers if w.rank == 0)
 
     async def teardown(self, deployment: deploy_pb.Deployment) -> None:
@@ -146,7 +162,10 @@ class WorkerGroups:
         try:
             stub = self.agents.stub(self._address(addresses, node_id))
             await stub.StopWorkers(
-                agent_pb.StopWorkersRequest(deployment_id=deployment_id), timeout=STOP_TIMEOUT_S
+                agent_pb.StopWorkersRequest(deployment_id=deployment_id),
+                # The agent answers once the workers exited (their streams drained), so
+                # their memory is released only then.
+                timeout=worker_stop_s(self.settings.drain_timeout_s) + WORKER_STOP_MARGIN_S,
             )
         except (grpc.RpcError, FailedPrecondition) as exc:
             log.warning("could not stop workers of %s on %s: %s", deployment_id, node_id, exc)

@@ -24,7 +24,7 @@ only rank 0's death is a ``worker_died`` event.
 Stopping a deployment drains it: SIGTERM goes to rank 0 first, which finishes the
 generations in flight within ``drain_timeout_s`` (passed to it as ``--drain-timeout-s``)
 and then tells the other ranks to stop; whatever is still alive after the drain plus
-``STOP_MARGIN_S`` gets SIGKILL. A worker with nothing in flight exits at once.
+``services.drain.WORKER_STOP_MARGIN_S`` gets SIGKILL. A worker with nothing in flight exits at once.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from pathlib import Path
 from monitor_agent.launch import LaunchPlan, WorkerPlan
 from monitor_agent.worker_pool import PooledProcess, WorkerPool
 from services.api import agent_service_pb2 as agent_pb
+from services.drain import WORKER_STOP_MARGIN_S
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
 from services.ports import free_port
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
@@ -54,9 +55,6 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 LOG_TAIL_LINES = 12
 _LOG_TAIL_BYTES = 8192
 _POLL_S = 0.05
-# Beyond its drain, how long a worker gets to exit (close the engine, tell the other
-# ranks to stop) before SIGKILL.
-STOP_MARGIN_S = 5.0
 
 
 @dataclass
@@ -139,7 +137,7 @@ class WorkerSupervisor:
         self.bind_host = bind_host
         self.advertise_host = advertise_host
         self.drain_timeout_s = drain_timeout_s
-        self.stop_timeout_s = drain_timeout_s + STOP_MARGIN_S
+        self.stop_timeout_s = drain_timeout_s + WORKER_STOP_MARGIN_S
         self.reap_interval_s = reap_interval_s
         self.pool = pool
         self._workers: dict[str, list[WorkerProcess]] = {}

@@ -22,6 +22,15 @@ import grpc
 from services.errors import Unavailable
 
 log = logging.getLogger("iserve.drain")
+# Beyond its drain, how long a worker gets to exit (close the engine, tell the other
+# ranks to stop) before its agent sends SIGKILL.
+WORKER_STOP_MARGIN_S = 5.0
+
+
+def worker_stop_s(drain_timeout_s: float) -> float:
+    """How long an agent may take to stop one group's workers: rank 0 drains and exits
+    first, then the other ranks, each within the drain plus WORKER_STOP_MARGIN_S."""
+    return 2 * (drain_timeout_s + WORKER_STOP_MARGIN_S)
 
 
 class InFlight:

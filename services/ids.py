@@ -8,10 +8,13 @@ makes and clients pass back (deployment ids: ``<model id>-<hex>``) and request i
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument, NotFound, shown
-from services.state.store import StateStore
+
+if TYPE_CHECKING:  # the store builds its keys with these rules
+    from services.state.store import StateStore
 
 # Lowercase letters, digits, '.', '_' and '-', 1-64 characters, starting with a letter or
 # digit: safe in Redis keys, file names and URLs. Always matched whole (fullmatch): "$"

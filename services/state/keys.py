@@ -65,6 +65,11 @@ def deployment_restarts(deployment_id: str) -> str:
     return f"{PREFIX}deployment-restarts:{_part(deployment_id)}"
 
 
+def deployer_stopped() -> str:
+    """Set when the deployment service stopped cleanly (SIGTERM), taken when it starts."""
+    return f"{PREFIX}deployer-stopped"
+
+
 def deploy_request(request_id: str) -> str:
     """Maps a Deploy request id to its deployment id (idempotency)."""
     return f"{PREFIX}deploy-request:{_part(request_id)}"

@@ -27,6 +27,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import token_service_pb2 as token_pb
 from services.errors import Unavailable
+from services.ids import replica_group_id
 from services.state import keys
 from services.state.capacity import FREE_BYTES_LUA, free_bytes
 from services.state.records import decode, encode
@@ -272,9 +273,12 @@ class StateStore:
 
     async def delete_deployment(self, deployment: deploy_pb.Deployment) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
+            groups = {deployment.deployment_id} | {
+                replica_group_id(deployment.deployment_id, r.index) for r in deployment.replicas
+            }
             pipe.delete(
                 keys.deployment(deployment.deployment_id),
-                keys.workers(deployment.deployment_id),
+                *(keys.workers(group) for group in sorted(groups)),
                 keys.deployment_restarts(deployment.deployment_id),
             )
             pipe.srem(keys.deployment_index(), deployment.deployment_id)
@@ -289,6 +293,16 @@ class StateStore:
 
     async def put_restarts(self, deployment_id: str, record: str) -> None:
         await self.redis.set(keys.deployment_restarts(deployment_id), record)
+
+    async def mark_deployer_stopped(self, now_ms: int) -> None:
+        """Record that the deployment service stopped cleanly at ``now_ms``."""
+        await self.redis.set(keys.deployer_stopped(), str(now_ms))
+
+    async def take_deployer_stopped(self) -> int | None:
+        """When the deployment service last stopped cleanly (ms), clearing it; None when
+        its last stop was not clean (a crash) or it never stopped."""
+        raw = await self.redis.getdel(keys.deployer_stopped())
+        return None if raw is None else int(raw)
 
     async def claim_deploy_request(self, request_id: str, deployment_id: str) -> str | None:
         """Bind ``request_id`` to ``deployment_id``; returns the earlier binding if any."""

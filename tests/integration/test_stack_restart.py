@@ -4,14 +4,16 @@ answered (it got 503s for about a second before), and it names any it could not 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 
 from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as infer_pb
 from tests.conftest import running_stack
-from tests.integration.helpers import deploy, make_checkpoint, register, rid
+from tests.integration.helpers import deploy, make_checkpoint, register, rid, with_store
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +48,14 @@ def test_up_returns_once_the_deployments_kept_from_before_are_served(tmp_path):
         for deployment_id in kept:
             assert _generate(second, deployment_id=deployment_id).usage.completion_tokens == 2
         assert _generate(second, model_id="kept").usage.completion_tokens == 2
+        # A stop of the whole stack is no failure: the restores spent no restart budget.
+        for deployment_id in kept:
+            record = json.loads(with_store(second, lambda st, d=deployment_id: st.get_restarts(d)))
+            assert (record["in_a_row"], record["total"]) == (0, 0), record
+            reason = second.deployments.GetDeployment(
+                deploy_pb.GetDeploymentRequest(deployment_id=deployment_id)
+            ).deployment.state_reason
+            assert reason == "serves again after a stop of the stack"
 
     assert f"restoring 3 deployment(s) kept in Redis: {', '.join(sorted([*kept, lost]))}" in said
     for deployment_id in kept:

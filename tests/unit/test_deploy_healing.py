@@ -15,6 +15,8 @@ from deploy_svc.healing import (
     RestartRecord,
     after_failure,
     placements_to_try,
+    restore,
+    served_again_note,
 )
 from deploy_svc.reconciler import Reconciler
 from services.api import common_pb2 as common
@@ -72,6 +74,16 @@ def test_a_failure_long_after_the_last_one_starts_a_fresh_budget():
     assert step.delay_s == policy.first_backoff_s
     assert (step.record.in_a_row, step.record.total) == (1, 5)
     assert step.note == "restart 1 in 1 s after: later"
+
+
+def test_a_restore_spends_no_budget_and_says_why():
+    spent = RestartRecord(in_a_row=2, total=4, last_error="old", last_failure_ms=1_000)
+    step = restore(spent, "the stack stopped")
+    assert (step.delay_s, step.record) == (0.0, spent)
+    assert step.note == "starting again: the stack stopped"
+    assert restore(None, "x").record == RestartRecord()
+    assert served_again_note(RestartRecord()) == "serves again after a stop of the stack"
+    assert served_again_note(spent) == "restarted 4 time(s); last error: old"
 
 
 def test_a_record_round_trips_through_json():
@@ -168,6 +180,49 @@ def test_a_dead_worker_is_restarted_on_its_devices_without_a_deploy(run):
         await controller.remove(deployment_id)
         assert await nothing_left(store)
         assert await store.get_restarts(deployment_id) is None
+
+    run(scenario)
+
+
+def test_planned_losses_restore_at_once_however_many_and_spend_no_budget(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        deployment_id = (await controller.deploy(deploy_request(1))).deployment.deployment_id
+        # More stops of the stack than the budget (2) allows failures.
+        for _ in range(4):
+            assert await controller.fail(deployment_id, "stack stopped", planned=True)
+            healed = await settle(store, deployment_id)
+            assert healed.state == READY
+            assert healed.state_reason == "serves again after a stop of the stack"
+        record = RestartRecord.from_json(await store.get_restarts(deployment_id))
+        assert (record.in_a_row, record.total) == (0, 0)
+        # A real failure after them still counts from zero.
+        assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
+        assert (await settle(store, deployment_id)).state_reason.startswith("restarted 1 time")
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_workers_that_outlived_their_replica_are_stopped_before_it_starts_again(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        deployment_id = (await controller.deploy(deploy_request(1))).deployment.deployment_id
+        assert await controller.fail(deployment_id, "node agent(s) node0 stopped heartbeating")
+        # Its agent was not answering when told to stop them: they still run (the restart
+        # waits its 0.01 s backoff, and nothing was awaited since the take-out).
+        agent.stale.add(deployment_id)
+        healed = await settle(store, deployment_id)
+        assert healed.state == READY
+        assert healed.state_reason.startswith("restarted 1 time(s)")
+        # Taken out (stop), the stale start refused, stopped, started: one restart spent.
+        assert agent.started == [deployment_id] * 3
+        assert agent.stopped == [deployment_id] * 2
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
 
     run(scenario)
 

@@ -155,10 +155,13 @@ class FakeRpcError(grpc.RpcError):
 
 
 class FakeAgent:
-    """StartWorkers answers with one address per rank, or fails for ``fail_group``."""
+    """StartWorkers answers with one address per rank, or fails for ``fail_group``; a
+    group in ``stale`` still has workers (ALREADY_EXISTS, as the real agent answers)
+    until StopWorkers stops them."""
 
     def __init__(self, fail_group: str = ""):
         self.fail_group = fail_group
+        self.stale: set[str] = set()
         self.started: list[str] = []
         self.engines: list[int] = []
         self.stopped: list[str] = []
@@ -175,6 +178,8 @@ class FakeAgent:
         self.engines.append(request.engine)
         if request.deployment_id == self.fail_group:
             raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "worker rank 0 exited (1)")
+        if request.deployment_id in self.stale:
+            raise FakeRpcError(grpc.StatusCode.ALREADY_EXISTS, "already has workers")
         workers = []
         for spec in request.workers:
             self._port += 1
@@ -189,6 +194,7 @@ class FakeAgent:
 
     async def StopWorkers(self, request: agent_pb.StopWorkersRequest, timeout: float):
         self.stopped.append(request.deployment_id)
+        self.stale.discard(request.deployment_id)
         return agent_pb.StopWorkersResponse()
 
 
@@ -210,7 +216,7 @@ async def controller_on(
 ):
     await store.create_model(model())
     await store.register_node(node(*free_gib), ttl_s=60)
-    settings = types.SimpleNamespace(ready_timeout_s=5.0)
+    settings = types.SimpleNamespace(ready_timeout_s=5.0, drain_timeout_s=30.0)
     controller = DeploymentController(settings, store, agent, policy)
     controller._estimator = estimator or FakeEstimator()
     controller.reconciled.set()
