@@ -21,6 +21,7 @@ from deploy_svc.healing import (
 from deploy_svc.reconciler import Reconciler
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
+from services.drain import worker_stop_s
 from services.reservation import memory_blocks
 from services.state.store import StateStore
 from tests.unit.test_deploy_replicas import (
@@ -221,6 +222,9 @@ def test_workers_that_outlived_their_replica_are_stopped_before_it_starts_again(
         # Taken out (stop), the stale start refused, stopped, started: one restart spent.
         assert agent.started == [deployment_id] * 3
         assert agent.stopped == [deployment_id] * 2
+        # Each stop waits as long as the agent may take: rank 0's drain and exit, then the
+        # other ranks' (a remove or restart releases the memory only once they exited).
+        assert min(agent.stop_timeouts) > worker_stop_s(30.0) == 70.0
         await controller.remove(deployment_id)
         assert await nothing_left(store)
 

@@ -162,6 +162,7 @@ class FakeAgent:
     def __init__(self, fail_group: str = ""):
         self.fail_group = fail_group
         self.stale: set[str] = set()
+        self.stop_timeouts: list[float] = []
         self.started: list[str] = []
         self.engines: list[int] = []
         self.stopped: list[str] = []
@@ -194,6 +195,7 @@ class FakeAgent:
 
     async def StopWorkers(self, request: agent_pb.StopWorkersRequest, timeout: float):
         self.stopped.append(request.deployment_id)
+        self.stop_timeouts.append(timeout)
         self.stale.discard(request.deployment_id)
         return agent_pb.StopWorkersResponse()
 
