@@ -25,7 +25,10 @@ longest 1 % are clamped). The deployment's capacity is measured per trace: the w
 requests sent closed-loop with 2 x batch in flight on the FCFS deployment, completed
 requests per second. For each load factor (0.5x, 1x, 2x capacity) the window's
 inter-arrival gaps are multiplied by one constant so that the mean rate is
-factor x capacity (the trace's burstiness stays; it is not made Poisson), and the
+factor x capacity (the trace's burstiness stays; it is not made Poisson). With
+``--rate-basis peak`` the rate of its busiest tenth is set instead (``traces.peak_rate``:
+requests that share a timestamp count as arriving over one step of the timestamps'
+resolution, so whole-second traces such as BurstGPT have a finite peak rate too). The
 requests are sent open-loop at those times (one asyncio task per request, a gRPC stream
 each, ``prompt_token_ids`` of the scaled length, ``ignore_eos`` so every output has the
 scaled length) to each policy's deployment in turn (the order alternates per repeat).
@@ -42,7 +45,9 @@ medians over repeats. Targets (the issue's): at 2x, EDF attainment / FCFS attain
 
 Other traces: ``--trace PATH`` (repeatable) reads any file ``bench/traces.py`` reads
 (the Azure 2024 week-long traces, BurstGPT, Mooncake with ``--time-unit ms``), beside
-or instead of (``--traces ''``) the two above.
+or instead of (``--traces ''``) the two above. Results are named by file name, so two
+files with one name are refused. A window without two distinct arrival times has no rate
+to scale; it is refused, as are bad load factors, before the stack starts.
 
 Run: .venv/bin/python bench/trace_replay.py [--requests 200] [--traces code,conv]
      [--trace PATH ...] [--factors 0.5,1,2] [--repeats 1] [--ttft-slo-ms N]
@@ -60,15 +65,13 @@ import time
 from pathlib import Path
 
 import _stack_harness as harness
-from traces import TIME_UNITS, TraceRow, load_trace
+from traces import RATE_BASES, TIME_UNITS, TraceRow, load_trace, mean_rate, peak_rate
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACES = REPO.parent / "shared" / "data" / "azure-llm-traces"
 TRACE_FILE = "AzureLLMInferenceTrace_{}.csv"
 # Token counts at this quantile of the trace map to the deployment's limits.
 SCALE_QUANTILE = 0.99
-# The busiest part of a window whose rate --rate-basis peak sets: a tenth of its requests.
-PEAK_SHARE = 0.1
 
 
 def scaler(values: list[int], limit: int):
@@ -93,26 +96,17 @@ def window_jobs(
     ]
 
 
-def mean_rate(jobs: list[harness.Job]) -> float:
-    """Arrivals per second over the whole window."""
-    span = jobs[-1].at_s - jobs[0].at_s
-    return (len(jobs) - 1) / span if span > 0 else math.inf
-
-
-def peak_rate(jobs: list[harness.Job]) -> float:
-    """Arrivals per second over the busiest tenth of the window: the shortest span that
-    holds PEAK_SHARE of its requests back to back."""
-    k = max(2, round(len(jobs) * PEAK_SHARE))
-    spans = [jobs[i + k - 1].at_s - jobs[i].at_s for i in range(len(jobs) - k + 1)]
-    shortest = min(spans)
-    return (k - 1) / shortest if shortest > 0 else math.inf
+def arrivals(jobs: list[harness.Job]) -> list[float]:
+    """The jobs' send times, in seconds: what ``traces``' rates measure."""
+    return [j.at_s for j in jobs]
 
 
 def at_rate(jobs: list[harness.Job], rate_per_s: float, basis: str) -> list[harness.Job]:
-    """The same jobs with every gap multiplied by one constant, so that their ``basis``
-    rate ("mean" or "peak", see :func:`peak_rate`) is ``rate_per_s``."""
-    rate = mean_rate(jobs) if basis == "mean" else peak_rate(jobs)
-    stretch = rate / rate_per_s if math.isfinite(rate) else 0.0
+    """The same jobs with every arrival multiplied by one constant, so that their
+    ``basis`` rate (a key of ``traces.RATE_BASES``: "mean", or "peak", see
+    ``traces.peak_rate``) is ``rate_per_s``. The jobs have two distinct arrival times and
+    ``rate_per_s`` is positive (:func:`windows` and :func:`parse_args` check)."""
+    stretch = RATE_BASES[basis](arrivals(jobs)) / rate_per_s
     return [harness.Job(j.at_s * stretch, j.prompt_tokens, j.output_tokens) for j in jobs]
 
 
@@ -150,6 +144,28 @@ def print_run(label: str, figures: dict[str, float], tally: harness.Tally, examp
         print(f"  {'':<22} e.g. {example}")
 
 
+def load_factors(text: str) -> list[float]:
+    """``--factors``: comma-separated multiples of capacity, each positive and finite."""
+    try:
+        factors = [float(f) for f in text.split(",")]
+    except ValueError:
+        factors = []
+    if not factors or not all(math.isfinite(f) and f > 0 for f in factors):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive numbers (0.5,1,2)")
+    return factors
+
+
+def window_size(text: str) -> int:
+    """``--requests``: at least two, since one request has no arrival rate."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: a window needs at least 2 requests")
+    return count
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES)
@@ -174,13 +190,17 @@ def parse_args() -> argparse.Namespace:
         default="s",
         help="unit of numeric timestamps in --trace files (Mooncake's are ms)",
     )
-    parser.add_argument("--requests", type=int, default=200, help="requests per run window")
-    parser.add_argument("--factors", default="0.5,1,2", help="load factors x capacity")
+    parser.add_argument(
+        "--requests", type=window_size, default=200, help="requests per run window (>= 2)"
+    )
+    parser.add_argument(
+        "--factors", type=load_factors, default="0.5,1,2", help="load factors x capacity"
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs per point (median)")
     parser.add_argument("--seed", type=int, default=0, help="picks each trace's window")
     parser.add_argument(
         "--rate-basis",
-        choices=("mean", "peak"),
+        choices=sorted(RATE_BASES),
         default="mean",
         help="which rate the load factor sets: the window's mean, or its busiest tenth's",
     )
@@ -194,16 +214,56 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def read_traces(args: argparse.Namespace) -> dict[str, list[TraceRow]]:
+    """Every trace to replay, by the name its results carry. SystemExit for none, for a
+    name two files share, or for a file ``load_trace`` refuses."""
+    sources = [
+        (name, args.traces_dir / TRACE_FILE.format(name), "s")
+        for name in filter(None, args.traces.split(","))
+    ]
+    sources += [(path.name, path, args.time_unit) for path in args.trace]
+    if not sources:
+        raise SystemExit("no trace to replay: give --traces names or --trace files")
+    traces: dict[str, list[TraceRow]] = {}
+    paths: dict[str, Path] = {}
+    for name, path, time_unit in sources:
+        if name in paths:
+            raise SystemExit(
+                f"two traces are named {name} ({paths[name]} and {path}); results are named "
+                "by file name, so rename one"
+            )
+        paths[name] = path
+        try:
+            traces[name] = load_trace(path, time_unit)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    return traces
+
+
+def windows(
+    traces: dict[str, list[TraceRow]], args: argparse.Namespace
+) -> dict[str, list[harness.Job]]:
+    """Each trace's window (:func:`window_jobs`). SystemExit for a window whose rate cannot
+    be measured (fewer than two distinct arrival times), before anything is started."""
+    chosen = {}
+    for name, rows in traces.items():
+        window = window_jobs(rows, args.requests, args.seed, args.max_input, args.max_output)
+        try:
+            peak_rate(arrivals(window))
+        except ValueError as exc:
+            raise SystemExit(
+                f"trace {name}: the window of {len(window)} of its {len(rows)} requests "
+                f"(--requests {args.requests}, --seed {args.seed}) {exc}"
+            ) from None
+        chosen[name] = window
+    return chosen
+
+
 def main() -> int:
     args = parse_args()
-    factors = [float(f) for f in args.factors.split(",")]
-    traces = {
-        name: load_trace(args.traces_dir / TRACE_FILE.format(name))
-        for name in filter(None, args.traces.split(","))
-    }
-    traces |= {path.name: load_trace(path, args.time_unit) for path in args.trace}
-    if not traces:
-        raise SystemExit("no trace to replay: give --traces names or --trace files")
+    factors = args.factors
+    traces = read_traces(args)
+    replayed = windows(traces, args)
     results: dict[tuple[str, float, str], list[dict[str, float]]] = {}
     reconciled = True
     started = time.monotonic()
@@ -224,13 +284,12 @@ def main() -> int:
             f"unloaded TTFT at {args.max_input} prompt tokens {unloaded:.1f} ms; "
             f"TTFT SLO {slo_ms} ms"
         )
-        for name, rows in traces.items():
-            window = window_jobs(rows, args.requests, args.seed, args.max_input, args.max_output)
+        for name, window in replayed.items():
             capacity = harness.capacity_per_s(address, served["fcfs"], window)
-            span = window[-1].at_s
             print(
-                f"\ntrace {name}: {len(rows)} rows, window of {len(window)} spanning {span:.1f} s "
-                f"({(len(window) - 1) / span:.2f} req/s); scaled prompt mean "
+                f"\ntrace {name}: {len(traces[name])} rows, window of {len(window)} spanning "
+                f"{window[-1].at_s:.1f} s ({mean_rate(arrivals(window)):.2f} req/s); "
+                "scaled prompt mean "
                 f"{sum(j.prompt_tokens for j in window) / len(window):.0f} tokens, output mean "
                 f"{sum(j.output_tokens for j in window) / len(window):.1f} tokens; "
                 f"capacity {capacity:.2f} req/s"
@@ -238,8 +297,9 @@ def main() -> int:
             for factor in factors:
                 jobs = at_rate(window, factor * capacity, args.rate_basis)
                 print(
-                    f"  {factor:g}x: mean {mean_rate(jobs):.2f} req/s, busiest tenth "
-                    f"{peak_rate(jobs):.2f} req/s ({args.rate_basis} = {factor:g} x capacity)"
+                    f"  {factor:g}x: mean {mean_rate(arrivals(jobs)):.2f} req/s, busiest tenth "
+                    f"{peak_rate(arrivals(jobs)):.2f} req/s "
+                    f"({args.rate_basis} = {factor:g} x capacity)"
                 )
                 for repeat in range(args.repeats):
                     order = list(harness.POLICIES)[:: 1 if repeat % 2 == 0 else -1]

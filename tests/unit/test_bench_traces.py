@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.traces import TraceRow, load_trace
+from bench.traces import TraceRow, load_trace, mean_rate, peak_rate, timestamp_resolution_s
 from tests.unit.estimator_data import shared_data
 
 
@@ -76,8 +76,12 @@ def test_rows_come_in_arrival_order_and_a_bom_is_no_column(tmp_path):
         ("timestamp,input_tokens,output_tokens\n1,2,3\nyesterday,2,3\n", "t.csv:3: "),
         ("timestamp,input_tokens,output_tokens\n1,-2,3\n", "t.csv:2: input_tokens '-2'"),
         ("timestamp,input_tokens,output_tokens\n1,2,3.5\n", "t.csv:2: output_tokens '3.5'"),
-        ("timestamp,input_tokens,output_tokens\nnan,2,3\n", "t.csv:2: arrival 'nan'"),
-        ("timestamp,input_tokens,output_tokens\n1,2\n", "t.csv:2: "),
+        ("timestamp,input_tokens,output_tokens\nnan,2,3\n", "t.csv:2: timestamp 'nan'"),
+        ("timestamp,input_tokens,output_tokens\n1,2\n", "t.csv:2: no output_tokens value"),
+        ("timestamp,input_tokens,output_tokens\n1,,3\n", "t.csv:2: no input_tokens value"),
+        ("timestamp,input_tokens,output_tokens\n ,2,3\n", "t.csv:2: no timestamp value"),
+        ("timestamp,input_tokens,output_tokens\n1,many,3\n", "t.csv:2: input_tokens 'many'"),
+        ("timestamp,input_tokens,output_tokens\nnoon,2,3\n", "t.csv:2: timestamp 'noon'"),
     ],
 )
 def test_bad_files_name_the_file_and_line(tmp_path, text, message):
@@ -91,3 +95,46 @@ def test_bad_json_lines_and_units(tmp_path):
         load_trace(path)
     with pytest.raises(ValueError, match="time_unit"):
         load_trace(path, time_unit="h")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"timestamp": 2, "input_length": 2}', "t.jsonl:2: no output_length value"),
+        ('{"timestamp": null, "input_length": 2, "output_length": 3}', "t.jsonl:2: no timestamp"),
+        ('{"timestamp": 2, "input_length": [2], "output_length": 3}', "t.jsonl:2: input_length"),
+    ],
+)
+def test_a_missing_json_value_names_its_line_and_column(tmp_path, line, message):
+    first = '{"timestamp": 1, "input_length": 2, "output_length": 3}'
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        load_trace(_write(tmp_path, "t.jsonl", f"{first}\n{line}\n"))
+
+
+def test_a_json_array_is_named_as_such(tmp_path):
+    text = json.dumps([{"timestamp": 0, "input_length": 2, "output_length": 3}], indent=1)
+    with pytest.raises(ValueError, match="t.json: a JSON array; expected JSON lines"):
+        load_trace(_write(tmp_path, "t.json", text))
+
+
+@pytest.mark.parametrize("arrivals", [[], [0.0], [4.0, 4.0, 4.0]])
+def test_rates_need_two_distinct_arrival_times(arrivals):
+    for measure in (mean_rate, peak_rate, timestamp_resolution_s):
+        with pytest.raises(ValueError, match="needs at least two distinct arrival times"):
+            measure(arrivals)
+
+
+def test_the_peak_rate_of_whole_second_ties_is_measured_over_one_second():
+    # 20 requests: the busiest tenth (2) share a second, and 3 share another.
+    arrivals = [0.0, 1.0, 1.0, 1.0] + [float(t) for t in range(3, 19)]
+    assert timestamp_resolution_s(arrivals) == 1.0
+    assert peak_rate(arrivals) == 1.0  # k = 2 within one second, not infinitely fast
+    assert mean_rate(arrivals) == pytest.approx(19 / 18)
+    # Scale-free: stretching the times divides every rate by the stretch.
+    assert peak_rate([t * 4 for t in arrivals]) == 0.25
+
+
+def test_a_positive_span_is_never_floored():
+    arrivals = [0.0, 0.001, 0.5, 2.0, 2.0005, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert timestamp_resolution_s(arrivals) == pytest.approx(0.0005)
+    assert peak_rate(arrivals) == pytest.approx(1 / 0.0005)

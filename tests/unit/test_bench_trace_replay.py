@@ -1,0 +1,94 @@
+"""bench/trace_replay.py without the stack: what it refuses before starting anything, and
+how a load factor sets a window's arrival times."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+# The modules trace_replay.py imports by bare name, as a script run from bench/ does.
+SCRIPT_MODULES = ("trace_replay", "traces", "_stack_harness")
+
+
+@pytest.fixture
+def trace_replay(monkeypatch):
+    """The script's module, its siblings importable as when it runs, and a stack that
+    fails the test if anything starts it."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    for name in SCRIPT_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    module = importlib.import_module("trace_replay")
+
+    def no_stack():
+        raise AssertionError("the stack was started")
+
+    monkeypatch.setattr(module.harness, "running_stack", no_stack)
+    yield module
+    for name in SCRIPT_MODULES:
+        sys.modules.pop(name, None)
+
+
+def _run(monkeypatch, module, *argv: str) -> None:
+    monkeypatch.setattr(sys, "argv", ["trace_replay.py", "--traces", "", *argv])
+    module.main()
+
+
+def _trace(path: Path, arrivals: list[float]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["timestamp,input_tokens,output_tokens"] + [f"{t},100,10" for t in arrivals]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "requests"),
+    [
+        ([0.0], 200),  # a one-row trace
+        ([5.0, 5.0, 5.0], 200),  # every request at one time
+        ([0.0, 1.0, 1.0, 1.0], 2),  # the seeded window (start 1 of 0..1) has one time
+        ([0.0, 1.0, 2.0], 1),  # a one-request window
+    ],
+)
+def test_a_window_without_a_span_is_refused_before_the_stack_starts(
+    trace_replay, monkeypatch, capsys, tmp_path, arrivals, requests
+):
+    path = _trace(tmp_path / "flat.csv", arrivals)
+    with pytest.raises(SystemExit) as refused:
+        _run(monkeypatch, trace_replay, "--trace", str(path), "--requests", str(requests))
+    message = str(refused.value.code)
+    if requests < 2:  # argparse's refusal, on stderr
+        assert "--requests" in capsys.readouterr().err
+    else:
+        assert "flat.csv" in message
+        assert "needs at least two distinct arrival times" in message
+
+
+def test_two_trace_files_with_one_name_are_refused(trace_replay, monkeypatch, tmp_path):
+    first = _trace(tmp_path / "a" / "t.csv", [0.0, 1.0])
+    second = _trace(tmp_path / "b" / "t.csv", [0.0, 2.0])
+    with pytest.raises(SystemExit, match="t.csv"):
+        _run(monkeypatch, trace_replay, "--trace", str(first), "--trace", str(second))
+
+
+@pytest.mark.parametrize("factors", ["0", "1,-2", "fast"])
+def test_load_factors_must_be_positive_numbers(trace_replay, monkeypatch, tmp_path, factors):
+    path = _trace(tmp_path / "t.csv", [0.0, 1.0])
+    with pytest.raises(SystemExit):
+        _run(monkeypatch, trace_replay, "--trace", str(path), "--factors", factors)
+
+
+def test_peak_basis_sets_whole_second_traces_by_the_load_factor(trace_replay):
+    """BurstGPT-style seconds: the busiest tenth (2 of 10) share a second. Its rate is
+    measured over that second, so the factor stretches the gaps instead of every request
+    going at t=0."""
+    times = [0, 1, 1, 2, 5, 8, 9, 9, 12, 15]
+    window = [trace_replay.harness.Job(float(t), 100, 10) for t in times]
+    for rate_per_s in (0.5, 1.0, 2.0):
+        jobs = trace_replay.at_rate(window, rate_per_s, "peak")
+        assert [j.at_s for j in jobs] == pytest.approx([t / rate_per_s for t in times])
+    mean = trace_replay.at_rate(window, 1.0, "mean")
+    assert [j.at_s for j in mean] == pytest.approx([t * 9 / 15 for t in times])
