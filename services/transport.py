@@ -21,9 +21,21 @@ import grpc
 from services.settings import Settings, TlsFiles, load_settings
 
 MAX_MESSAGE_BYTES = 64 << 20
+# HTTP/2 keepalive while calls are open: a peer that stops answering pings (a process
+# hung or SIGSTOPped, a host gone without closing its sockets) fails its calls with
+# UNAVAILABLE within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS, instead of a stream that
+# waits forever for its next token. Pings are sent however long no data flows (a long
+# prefill, a request queued at its worker), and servers accept them that often.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 20_000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
 ]
 
 

@@ -7,6 +7,7 @@ call, its memory reserved once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -194,6 +195,26 @@ def test_a_worker_killed_mid_stream_heals_without_a_deploy(own_stack, deployment
         reserved_by_device(stack),
         held,
     )
+
+
+def test_a_worker_that_hangs_mid_stream_fails_its_stream_and_is_replaced(own_stack, deployment):
+    stack, deployment_id = own_stack, deployment.deployment_id
+    [pid] = worker_pids(stack, deployment_id)
+    stream = Stream(stack, deployment_id)
+    assert stream.first.wait(60) and stream.error is None
+    os.kill(pid, signal.SIGSTOP)  # alive, its sockets open, answering nothing
+    try:
+        # HTTP/2 keepalive finds the worker silent: the stream fails rather than waiting
+        # (300 s, its deadline) for a token that never comes.
+        stream.thread.join(60)
+        assert not stream.thread.is_alive(), "the stream still waits on a hung worker"
+        assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
+        serving_again(stack, deployment_id, [pid])
+        assert restart_reasons(stack, deployment_id)[0].startswith("worker unreachable")
+        serves(stack, deployment_id)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # stopped for good by its agent
+            os.kill(pid, signal.SIGCONT)
 
 
 def test_the_deployer_and_the_scheduler_killed_and_restarted_lose_nothing(own_stack, deployment):
