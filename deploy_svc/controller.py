@@ -43,7 +43,6 @@ from services.ids import (
     check_deployment_id,
     check_request_id,
     replica_group_id,
-    require_model,
     split_group_id,
 )
 from services.intents import check_intent, with_default
@@ -142,7 +141,7 @@ class DeploymentController:
 
     # ---- planning -------------------------------------------------------------------
     async def _model(self, model_id: str, *, launch: bool) -> model_pb.Model:
-        model = await require_model(self.store, model_id)
+        model = await self.store.require_model(model_id)
         # A launch needs the checkpoint, not a profile: a model can be deployed with an
         # explicit configuration while it is being profiled, or after profiling failed.
         # A plan needs neither (imported measurements are enough to rank and place).

@@ -30,7 +30,7 @@ from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.estimation.latency import REFERENCE_LAYOUTS
 from services.estimation.memory import GIB
 from services.estimation.score import Estimates
-from services.ids import check_hardware_type, require_model
+from services.ids import check_hardware_type
 from services.state.capacity import smallest_device_bytes
 from services.state.store import StateStore
 
@@ -190,7 +190,7 @@ class Estimator:
 
     # ---- configuration maps -------------------------------------------------------
     async def _model(self, model_id: str) -> model_pb.Model:
-        return await require_model(self.store, model_id)
+        return await self.store.require_model(model_id)
 
     async def _rows(self, model_id: str, hardware_type: str) -> list[model_pb.ProfileMeasurement]:
         profile = await self.store.get_profile(model_id)

@@ -12,7 +12,6 @@ from services.api import model_service_pb2 as model_pb
 from services.api import model_service_pb2_grpc
 from services.auth import access
 from services.errors import AlreadyExists, FailedPrecondition, NotFound
-from services.ids import require_model
 from services.settings import Settings
 from services.state.store import StateStore
 
@@ -34,7 +33,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         self._register_lock = asyncio.Lock()
 
     async def _model(self, model_id: str) -> model_pb.Model:
-        return await require_model(self.store, model_id)
+        return await self.store.require_model(model_id)
 
     async def RegisterModel(self, request, context):
         model = build_model(request, self.settings.models_root)

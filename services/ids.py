@@ -8,13 +8,8 @@ makes and clients pass back (deployment ids: ``<model id>-<hex>``) and request i
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
-from services.api import model_service_pb2 as model_pb
-from services.errors import InvalidArgument, NotFound, shown
-
-if TYPE_CHECKING:  # the store builds its keys with these rules
-    from services.state.store import StateStore
+from services.errors import InvalidArgument, shown
 
 # Lowercase letters, digits, '.', '_' and '-', 1-64 characters, starting with a letter or
 # digit: safe in Redis keys, file names and URLs. Always matched whole (fullmatch): "$"
@@ -82,13 +77,3 @@ def check_hardware_type(hardware_type: str) -> None:
             f"invalid hardware_type {shown(hardware_type)}: the type of the devices, "
             f"e.g. 'cpu-x86_64' or 'rtx-a6000' ({_RULE})"
         )
-
-
-async def require_model(store: StateStore, model_id: str) -> model_pb.Model:
-    """The registered model ``model_id``; InvalidArgument for a malformed id, NotFound
-    when no such model is registered."""
-    check_model_id(model_id)
-    model = await store.get_model(model_id)
-    if model is None:
-        raise NotFound(f"model {model_id!r} is not registered")
-    return model

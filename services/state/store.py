@@ -26,8 +26,8 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import token_service_pb2 as token_pb
-from services.errors import Unavailable
-from services.ids import replica_group_id
+from services.errors import NotFound, Unavailable
+from services.ids import check_model_id, replica_group_id
 from services.state import keys
 from services.state.capacity import FREE_BYTES_LUA, free_bytes
 from services.state.records import decode, encode
@@ -186,6 +186,15 @@ class StateStore:
     async def get_model(self, model_id: str) -> model_pb.Model | None:
         raw = await self.redis.get(keys.model(model_id))
         return None if raw is None else decode(model_pb.Model, raw)
+
+    async def require_model(self, model_id: str) -> model_pb.Model:
+        """The registered model ``model_id``; InvalidArgument for a malformed id, NotFound
+        when no such model is registered."""
+        check_model_id(model_id)
+        model = await self.get_model(model_id)
+        if model is None:
+            raise NotFound(f"model {model_id!r} is not registered")
+        return model
 
     async def list_models(self) -> list[model_pb.Model]:
         ids = sorted(await self.redis.smembers(keys.model_index()))
