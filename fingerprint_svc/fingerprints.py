@@ -48,6 +48,7 @@ from services.models.checkpoint import (
     CONFIG_FILE,
     read_config,
     read_safetensors_index,
+    served_spec,
 )
 from services.models.families import config_with_layers, parse_config
 from services.models.safetensors_format import TensorInfo, write_safetensors
@@ -141,13 +142,17 @@ def cut_fingerprint(checkpoint_dir: Path, out_dir: Path, num_layers: int) -> int
     count or a tensor's stored shape disagrees with the config.
     """
     config = read_config(checkpoint_dir)
-    spec = parse_config(config)
+    spec = served_spec(checkpoint_dir)
     if not 1 <= num_layers < spec.num_layers:
         raise ValueError(
             f"a fingerprint needs 1 to {spec.num_layers - 1} layers of the model's "
             f"{spec.num_layers}, got {num_layers}"
         )
     cut_config = config_with_layers(config, num_layers)
+    if not spec.tie_word_embeddings:
+        # A head of its own under a config that ties it (or Falcon's default): the
+        # fingerprint keeps that head, as the model serves it.
+        cut_config["tie_word_embeddings"] = False
     cut_spec = parse_config(cut_config)
     index = read_safetensors_index(checkpoint_dir)
     layout: list[tuple[str, str, tuple[int, ...]]] = []

@@ -55,8 +55,7 @@ from services.api import agent_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
-from services.models.checkpoint import read_config
-from services.models.families import parse_config
+from services.models.checkpoint import served_spec
 from services.reservation import (
     fingerprint_rank_bytes,
     layer_kv_bytes_per_token,
@@ -303,7 +302,8 @@ class Profiler:
             )
 
     def _spec_of(self, fingerprint: Fingerprint) -> ArchSpec:
-        return parse_config(read_config(self.settings.models_root / fingerprint.checkpoint_path))
+        # As served: a head of its own under a config that ties it is reserved for.
+        return served_spec(self.settings.models_root / fingerprint.checkpoint_path)
 
     async def _reserve(self, owner: str, job: ProfileJob, spec: ArchSpec):
         """Reserve each rank's memory on the best devices; JobFailed when none fit.

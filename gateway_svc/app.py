@@ -42,7 +42,13 @@ from pydantic import (
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway_svc.chat import ChatTemplateError, NoChatTemplate, read_template, render
+from gateway_svc.chat import (
+    BrokenChatTemplate,
+    ChatTemplateError,
+    NoChatTemplate,
+    read_template,
+    render,
+)
 from services import transport
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -812,6 +818,8 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
             prompt = render(template, [m.as_template_input() for m in body.messages], tokens)
         except ChatTemplateError as exc:
             raise GatewayError(400, "invalid_request_error", str(exc), "messages") from None
+        except BrokenChatTemplate as exc:
+            raise GatewayError(500, "internal_error", f"model {body.model!r}: {exc}") from None
         request = _generate_request(body, prompt, body.max_completion_tokens or body.max_tokens)
         # The template wrote the special tokens (BOS) it wants; the tokenizer adds none.
         request.prompt_has_special_tokens = True

@@ -75,6 +75,8 @@ class ArchSpec:
     max_position_embeddings: int
     norm_eps: float
     rope_theta: float
+    # The LM head is the token embedding: the config's flag, which validating the
+    # checkpoint turns off over a head of other values (services.models.tied_head).
     tie_word_embeddings: bool
     torch_dtype: str
     bos_token_id: int | None
@@ -187,12 +189,17 @@ class ArchSpec:
             )
         return first_layer, count
 
+    @property
+    def embedding_tensor(self) -> str:
+        """The checkpoint name of the token embedding (the family's)."""
+        return self._family().embedding
+
     def is_ignorable_tensor(self, name: str) -> bool:
-        """Whether an extra checkpoint tensor carries nothing the engine needs: rotary
-        ``inv_freq`` buffers, attention-mask buffers old exporters saved, or an LM head
-        duplicating tied embeddings."""
-        suffixes = HARMLESS_EXTRA_SUFFIXES + self._family().harmless_suffixes
-        return name.endswith(suffixes) or (self.tie_word_embeddings and name == "lm_head.weight")
+        """Whether an extra checkpoint tensor is a buffer carrying nothing the engine
+        needs: rotary ``inv_freq`` buffers, or attention-mask buffers old exporters saved.
+        (An LM head beside a tied embedding is not: whether it is a mere copy depends on
+        its values, see :mod:`services.models.tied_head`.)"""
+        return name.endswith(HARMLESS_EXTRA_SUFFIXES + self._family().harmless_suffixes)
 
     def parameter_count(self) -> int:
         """Number of learned parameters (a tied LM head counted once)."""

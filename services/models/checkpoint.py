@@ -1,8 +1,11 @@
 """Hugging Face checkpoint directories: read, validate and (for tests) create them.
 
 A checkpoint directory holds ``config.json``, one or more ``*.safetensors`` files and a
-``tokenizer.json``. Validation reads only the config and the safetensors headers, so it
-is cheap enough to run when a model is registered and again before a worker loads it.
+``tokenizer.json``. Validation reads the config and the safetensors headers, and tensor
+data only where a config ties the LM head over a checkpoint that also holds one (the
+two are compared chunk by chunk, see services.models.tied_head), so it is cheap enough
+to run when a model is registered and again before a worker loads it. At registration
+it also loads the tokenizer and compiles the chat template (tokenizer_files).
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from services.models.families import FAMILIES, ConfigRequest, parse_config
 from services.models.random_weights import RandomWeights
 from services.models.safetensors_format import (
     CONFIG_TO_SAFETENSORS_DTYPE,
+    FLOAT_DTYPES,
     TensorInfo,
     read_safetensors_header,
     write_safetensors,
 )
 from services.models.special_tokens import GENERATION_CONFIG_FILE
+from services.models.tied_head import is_duplicate_head, resolve_tied_head
 from services.models.tokenizer import BOS_TOKEN, EOS_TOKEN, build_tokenizer
+from services.models.tokenizer_files import TOKENIZER_FILE, check_tokenizer_files
 
 __all__ = [
     "CONFIG_FILE",
@@ -46,9 +52,7 @@ __all__ = [
 ]
 
 CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
-_FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True)
@@ -138,20 +142,35 @@ def missing_tokenizer(directory: Path) -> InvalidCheckpoint:
     return InvalidCheckpoint(message)
 
 
+def served_spec(checkpoint_dir: str | Path) -> ArchSpec:
+    """The checkpoint's spec as it is served: its config's, with the LM head untied where
+    the checkpoint holds a head of its own (:mod:`services.models.tied_head`). Reads the
+    headers, and both head tensors only where the config ties them."""
+    directory = Path(checkpoint_dir)
+    spec = parse_config(read_config(directory))
+    return resolve_tied_head(directory, spec, read_safetensors_index(directory))
+
+
 def validate_checkpoint(
     checkpoint_dir: str | Path, *, require_tokenizer: bool = True
 ) -> ValidatedCheckpoint:
-    """Check that a checkpoint can be served; every error names the field or tensor at fault.
+    """Check that a checkpoint can be served; every error names the field, tensor or file
+    at fault.
 
     The config must describe a supported architecture; every tensor it implies must be
     present with exactly that shape in a float dtype; no other tensors may be present
     except harmless ones (rotary ``inv_freq`` buffers, GPT-J's saved attention masks, an
-    LM head duplicating tied embeddings); and ``tokenizer.json`` must exist unless
-    ``require_tokenizer`` is False.
+    LM head duplicating tied embeddings). A config that ties the LM head over a
+    checkpoint holding a head of other values gets a spec with it untied, as transformers
+    loads it (:mod:`services.models.tied_head`). Unless ``require_tokenizer`` is False
+    (the loader, which reads weights only), ``tokenizer.json`` must exist, load, and fit
+    the vocabulary, and the chat template must compile
+    (:mod:`services.models.tokenizer_files`).
     """
     directory = Path(checkpoint_dir)
     spec = parse_config(read_config(directory))
     tensors = read_safetensors_index(directory)
+    spec = resolve_tied_head(directory, spec, tensors)
     expected = spec.expected_tensors()
     missing = [name for name in expected if name not in tensors]
     if missing:
@@ -166,20 +185,26 @@ def validate_checkpoint(
                 f"tensor {name!r} has shape {list(info.shape)} in {info.file}; "
                 f"the config implies {list(shape)}"
             )
-        if info.dtype not in _FLOAT_DTYPES:
+        if info.dtype not in FLOAT_DTYPES:
             raise InvalidCheckpoint(
-                f"tensor {name!r} has dtype {info.dtype}; expected one of {list(_FLOAT_DTYPES)}"
+                f"tensor {name!r} has dtype {info.dtype}; expected one of {list(FLOAT_DTYPES)}"
             )
     extra = [
-        name for name in tensors if name not in expected and not spec.is_ignorable_tensor(name)
+        name
+        for name in tensors
+        if name not in expected
+        and not spec.is_ignorable_tensor(name)
+        and not is_duplicate_head(spec, name)
     ]
     if extra:
         raise InvalidCheckpoint(
             f"checkpoint has unexpected tensor(s): {', '.join(sorted(extra)[:5])}"
         )
     has_tokenizer = (directory / TOKENIZER_FILE).is_file()
-    if require_tokenizer and not has_tokenizer:
-        raise missing_tokenizer(directory)
+    if require_tokenizer:
+        if not has_tokenizer:
+            raise missing_tokenizer(directory)
+        check_tokenizer_files(directory, spec)
     return ValidatedCheckpoint(
         spec=spec,
         tensors={name: tensors[name] for name in expected},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +44,8 @@ CONFIG_TO_SAFETENSORS_DTYPE: dict[str, str] = {
     "float16": "F16",
     "bfloat16": "BF16",
 }
+# The float dtypes a checkpoint's weights may be stored in (and decode_float_tensor reads).
+FLOAT_DTYPES = ("F32", "F16", "BF16")
 # A header larger than this is corruption, not a model: the reference library's cap.
 MAX_HEADER_BYTES = 100_000_000
 _LENGTH_PREFIX_BYTES = 8
@@ -209,6 +211,35 @@ def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
     return ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
+
+
+def decode_float_tensor(raw: bytes, dtype: str) -> np.ndarray:
+    """float32 values of raw little-endian F32, F16 or BF16 bytes (exact: float32 holds
+    every value of the other two)."""
+    if dtype == "BF16":
+        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << np.uint32(16)
+        return bits.view(np.float32)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"cannot decode {dtype} bytes as float values")
+    return np.frombuffer(raw, dtype="<f4" if dtype == "F32" else "<f2").astype(np.float32)
+
+
+def read_tensor_chunks(directory: Path, info: TensorInfo, chunk_elements: int) -> Iterator[bytes]:
+    """The stored bytes of one tensor of a checkpoint directory, ``chunk_elements``
+    elements at a time (the last piece may hold fewer), read straight from its file."""
+    path = directory / info.file
+    element_bytes = SAFETENSORS_DTYPE_BYTES[info.dtype]
+    start, stop = info.data_offsets
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(_LENGTH_PREFIX_BYTES))
+        f.seek(_LENGTH_PREFIX_BYTES + header_len + start)
+        left = stop - start
+        while left > 0:
+            chunk = f.read(min(chunk_elements * element_bytes, left))
+            if not chunk:
+                raise InvalidCheckpoint(f"{info.file} ended {left} bytes early (truncated?)")
+            left -= len(chunk)
+            yield chunk
 
 
 def encode_tensor(values: np.ndarray, dtype: str) -> bytes:

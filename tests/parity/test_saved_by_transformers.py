@@ -20,6 +20,7 @@ from monitor_agent.engine.engine import Engine  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.models.checkpoint import validate_checkpoint  # noqa: E402
 from tests.parity.transformers_checkpoints import (  # noqa: E402
+    CONFIG_EDITS,
     FAMILIES,
     VOCAB_SIZE,
     write_checkpoint,
@@ -71,6 +72,9 @@ def test_registration_accepts_the_checkpoint(checkpoints, family, caplog):
     request = model_pb.RegisterModelRequest(model_id=family, checkpoint_path=directory.name)
     model = build_model(request, directory.parent)  # what RegisterModel validates and stores
     assert model.shape.num_layers == 3 and model.shape.vocab_size == VOCAB_SIZE
+    if family in CONFIG_EDITS:  # tied by the config over a head of other values
+        assert not model.shape.tie_word_embeddings
+        assert "serving the checkpoint's own head" in caplog.text
     if family == "gptj":  # HF's GPT-J config keeps 50256 whatever the vocabulary
         spec = validate_checkpoint(directory).spec
         assert spec.bos_token_id is None and spec.eos_token_ids == ()
@@ -110,3 +114,12 @@ def test_the_bos_comes_only_from_the_tokenizer_file(expected):
     # llama's tokenizer.json adds <s>; the others add nothing (no tokenizer_config.json).
     assert expected["llama"]["ids"][0] == 0
     assert all(expected[name]["ids"][0] != 0 for name in expected if name != "llama")
+
+
+@pytest.mark.parametrize("family", sorted(CONFIG_EDITS))
+def test_transformers_keeps_the_head_a_config_ties_over(checkpoints, family):
+    # What the greedy tokens above hold iserve to: the checkpoint's own LM head, untied.
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints[family]))
+    assert model.config.tie_word_embeddings
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert head.data_ptr() != embedding.data_ptr() and not torch.equal(head, embedding)

@@ -21,11 +21,20 @@ falcon (7B style)         6      1 (MQA)      parallel attention, old decoder la
 falcon (40B style)        6      2            new_decoder_architecture, two layer norms
 gptj                      6      6            partial rotary (8 of 16 dims), biased LM head,
                                               BOS/EOS 50256 beyond a 320-token vocabulary
+llama-tied-config         6      2            saved untied, config.json then edited to
+                                              ``tie_word_embeddings: true``
+falcon-tied-by-default    6      2            40B style saved untied, ``tie_word_embeddings``
+                                              then removed (FalconConfig defaults to tied)
 ========================  =====  ===========  ==========================================
+
+The last two are tied by their config over an LM head of values of its own, which
+transformers keeps ("both are present in the checkpoints with different values, so we
+will NOT tie them"): CONFIG_EDITS are applied to config.json after save_pretrained.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -116,11 +125,32 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
         },
         False,
     ),
+    "llama-tied-config": ("LlamaConfig", LLAMA, False),
+    "falcon-tied-by-default": (
+        "FalconConfig",
+        {
+            "hidden_size": 96,
+            "num_attention_heads": 6,
+            "num_kv_heads": 2,
+            "new_decoder_architecture": True,
+            "parallel_attn": True,
+            "bias": False,
+            "tie_word_embeddings": False,
+        },
+        False,
+    ),
     "gptj": (
         "GPTJConfig",
         {"n_embd": 96, "n_head": 6, "rotary_dim": 8, "n_positions": 256},
         False,
     ),
+}
+
+
+# family: config.json fields replaced after saving (None: the field removed)
+CONFIG_EDITS: dict[str, dict[str, Any]] = {
+    "llama-tied-config": {"tie_word_embeddings": True},
+    "falcon-tied-by-default": {"tie_word_embeddings": None},
 }
 
 
@@ -181,4 +211,8 @@ def write_checkpoint(directory: Path, family: str, seed: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))
     write_tokenizer(directory / "tokenizer.json", add_bos=add_bos)
+    if family in CONFIG_EDITS:
+        path = directory / "config.json"
+        edited = {**json.loads(path.read_text()), **CONFIG_EDITS[family]}
+        path.write_text(json.dumps({k: v for k, v in edited.items() if v is not None}))
     return directory

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import grpc
 import pytest
+from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway_svc.app import StopScanner, http_status
-from gateway_svc.chat import ChatTemplateError, NoChatTemplate, read_template, render
+from gateway_svc.app import Backend, StopScanner, create_app, http_status
+from gateway_svc.chat import (
+    BrokenChatTemplate,
+    ChatTemplateError,
+    NoChatTemplate,
+    read_template,
+    render,
+)
 from services.models.checkpoint import DEFAULT_CHAT_TEMPLATE
 
 
@@ -84,13 +92,54 @@ def test_no_template_and_a_refusing_template_are_clear_errors(tmp_path):
     strict = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
     with pytest.raises(ChatTemplateError, match="user first"):
         render(strict, [{"role": "assistant", "content": "x"}], {})
-    # The sandbox: a template cannot reach Python internals.
-    with pytest.raises(ChatTemplateError):
-        render("{{ messages.__class__.__mro__[1].__subclasses__() }}", [], {})
-    with pytest.raises(ChatTemplateError, match="underscore"):
-        render("{% set ns = namespace(_x=1) %}", [], {})
-    # A template failing in Python (not jinja2) is the same clear refusal, not a 500.
-    with pytest.raises(ChatTemplateError, match="TypeError"):
+
+
+@pytest.mark.parametrize(
+    ("template", "messages", "reason"),
+    [
+        # The sandbox: a template cannot reach Python internals.
+        ("{{ messages.__class__.__mro__[1].__subclasses__() }}", [], "SecurityError"),
+        ("{% set ns = namespace(_x=1) %}", [], "underscore"),
+        # One that does not compile (registration refuses it; one edited since is caught here).
+        ("{% for %}", [], "(?i)expected an expression"),
+        ("{% for m in messages %}{{ m['content'] }{% endfor %}", [], "unexpected '}'"),
+    ],
+)
+def test_a_template_failing_of_itself_is_not_the_requests_fault(template, messages, reason):
+    with pytest.raises(BrokenChatTemplate, match=reason) as failed:
+        render(template, messages, {})
+    assert "not of the request" in str(failed.value)
+
+
+def test_a_template_whose_code_fails_on_these_messages_refuses_them():
+    # Content of a shape the template did not expect: another conversation may render.
+    with pytest.raises(ChatTemplateError, match="could not render these messages: TypeError"):
         render("{{ messages[0]['content'] + 1 }}", [{"role": "user", "content": "x"}], {})
-    with pytest.raises(ChatTemplateError, match="(?i)expected an expression"):
-        render("{% for %}", [], {})
+
+
+class _TemplateBackend(Backend):
+    """A backend whose model has ``template``; nothing reaches a service before it renders."""
+
+    def __init__(self, template: str):
+        super().__init__(None, None, None, Path("."))
+        self.template = template
+
+    async def chat_template(self, model_id: str) -> tuple[str, dict[str, str]]:
+        return self.template, {}
+
+
+@pytest.mark.parametrize(
+    ("template", "status", "kind", "says"),
+    [
+        ("{{ raise_exception('no system messages') }}", 400, "invalid_request_error", "no system"),
+        ("{{ messages[0]['content'] }", 500, "internal_error", "not of the request"),
+    ],
+)
+def test_the_chat_endpoint_blames_the_request_only_for_a_refusal(template, status, kind, says):
+    app = create_app(lambda: _TemplateBackend(template))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(app) as client:
+        reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert error["type"] == kind and says in error["message"]

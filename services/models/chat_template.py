@@ -1,0 +1,250 @@
+"""A checkpoint's chat template: where it is read from, and the Jinja environment it runs in.
+
+Both follow transformers' ``apply_chat_template`` (5.x, read from its source and checked
+against it by ``tests/unit/test_gateway_chat_parity.py``); the gateway renders chat
+prompts with them (``gateway_svc.chat``) and registration compiles the template with them
+(``services.models.tokenizer_files``), so a template registration accepts is one the
+gateway can run.
+
+- **Where the template comes from.** ``chat_template.jinja`` beside the tokenizer is
+  what ``save_pretrained`` writes. Named templates go in
+  ``additional_chat_templates/<name>.jinja``. Older checkpoints keep the template in
+  ``tokenizer_config.json``'s ``chat_template``, as a string or a list of
+  ``{"name", "template"}``. The files take precedence over the config. Of several named
+  templates, "default" is used. The tokenizer's named special tokens that are set come
+  from ``tokenizer_config.json`` (or ``special_tokens_map.json`` for older checkpoints).
+- **How it is compiled and rendered.** With jinja2 in an immutable sandbox
+  (``trim_blocks``, ``lstrip_blocks``, the ``loopcontrols`` extension), with these helpers:
+  - ``raise_exception`` (raising :class:`TemplateRefusal`) and ``strftime_now``;
+  - a ``tojson`` that neither escapes HTML nor sorts keys;
+  - ``dict``, and a ``namespace`` that refuses underscore names;
+  - the ``{% generation %}`` tag, which marks the assistant's part for training masks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2 import Template, TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the named tokens a template sees.
+_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# Files larger than this are not read as templates or tokenizer configs.
+_MAX_FILE_BYTES = 16 << 20
+
+
+class NoChatTemplate(ValueError):
+    """The checkpoint has no chat template: the chat endpoint cannot lay out messages."""
+
+
+class TemplateRefusal(TemplateError):
+    """What a template's ``raise_exception(message)`` raises: the template refusing the
+    conversation on purpose (roles out of order, an unsupported feature)."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The template the chat endpoint renders, and where it was read from."""
+
+    source: str  # the file, relative to the checkpoint directory
+    text: str
+    # (name, text) of the named special tokens that are set (``bos_token``…).
+    special_tokens: tuple[tuple[str, str], ...]
+
+
+def _raise(message: str) -> None:
+    raise TemplateRefusal(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja2's own filter escapes <, >, & and ' for HTML and sorts keys; templates are
+    # written against transformers' plain json.dumps.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _Namespace(Namespace):
+    """jinja2's ``namespace`` refusing names that start with an underscore, which could
+    reach the interpreter's internals."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attributes = dict(*args, **kwargs)
+        for name in attributes:
+            _Namespace._check(name)
+        Namespace.__init__(self, attributes)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot set underscore-prefixed attributes, got {name!r}"
+            )
+
+
+class _Dict:
+    """``dict(...)`` for templates, without the class's other attributes."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers records where the
+    assistant's tokens are (for training masks); for a prompt it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
+@lru_cache(maxsize=64)
+def compile_template(source: str) -> Template:
+    """``source`` compiled in transformers' environment (nothing of it runs yet);
+    jinja2's TemplateSyntaxError when it is not a valid template."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = _Dict()
+    env.globals["namespace"] = _Namespace
+    return env.from_string(source)
+
+
+def _token_text(value: object) -> str | None:
+    # A special token is a string or an AddedToken dict ({"content": ...}).
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return None if value is None else str(value)
+
+
+def _stamp(path: Path) -> tuple[str, int, int] | None:
+    """(path, mtime, size) of a file, None when it is absent: a cache key that changes
+    when the file does."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise NoChatTemplate(f"cannot read {path.name}: {exc}") from None
+    return str(path), stat.st_mtime_ns, stat.st_size
+
+
+def read_chat_template(checkpoint_dir: Path) -> ChatTemplate:
+    """The chat template of a checkpoint; NoChatTemplate when it has none (or its files
+    cannot be read). The sources and their order are transformers' (see the module
+    docstring); the files are read again only when they change."""
+    names = []
+    template_dir = checkpoint_dir / CHAT_TEMPLATE_DIR
+    if template_dir.is_dir():
+        names = sorted(p.name for p in template_dir.iterdir() if p.suffix == ".jinja")
+    return _parse(
+        _stamp(checkpoint_dir / TOKENIZER_CONFIG),
+        _stamp(checkpoint_dir / SPECIAL_TOKENS_MAP),
+        _stamp(checkpoint_dir / CHAT_TEMPLATE_FILE),
+        tuple(_stamp(template_dir / name) for name in names),
+    )
+
+
+def _read(stamp: tuple[str, int, int], what: str) -> str:
+    path, _mtime, size = stamp
+    if size > _MAX_FILE_BYTES:
+        raise NoChatTemplate(f"{what} is {size} bytes, more than {_MAX_FILE_BYTES}")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise NoChatTemplate(f"cannot read {what}: {exc}") from None
+
+
+def _json_object(stamp: tuple[str, int, int] | None, what: str) -> dict[str, Any]:
+    if stamp is None:
+        return {}
+    try:
+        value = json.loads(_read(stamp, what))
+    except json.JSONDecodeError as exc:
+        raise NoChatTemplate(f"cannot read {what}: {exc}") from None
+    if not isinstance(value, dict):
+        raise NoChatTemplate(f"{what} is not a JSON object")
+    return value
+
+
+@lru_cache(maxsize=64)
+def _parse(config_stamp, tokens_map_stamp, file_stamp, named_stamps) -> ChatTemplate:
+    """The template and special tokens of one version of a checkpoint's tokenizer files."""
+    config = _json_object(config_stamp, TOKENIZER_CONFIG)
+    # name: (file it came from, template)
+    templates: dict[str, tuple[str, Any]] = {}
+    if file_stamp is not None:
+        templates["default"] = (CHAT_TEMPLATE_FILE, _read(file_stamp, CHAT_TEMPLATE_FILE))
+    for stamp in named_stamps:
+        name = Path(stamp[0]).stem
+        source = f"{CHAT_TEMPLATE_DIR}/{name}.jinja"
+        templates[name] = (source, _read(stamp, source))
+    if not templates:
+        configured = config.get("chat_template")
+        if isinstance(configured, list):
+            for entry in configured:
+                if isinstance(entry, Mapping) and isinstance(entry.get("name"), str):
+                    templates[entry["name"]] = (TOKENIZER_CONFIG, entry.get("template"))
+        elif configured is not None:
+            templates["default"] = (TOKENIZER_CONFIG, configured)
+    if not templates:
+        raise NoChatTemplate(
+            f"the model has no chat template ({CHAT_TEMPLATE_FILE}, or chat_template in "
+            f"{TOKENIZER_CONFIG}); use /v1/completions with a prompt instead"
+        )
+    source, template = templates.get("default", ("", None))
+    if not isinstance(template, str) or not template.strip():
+        raise NoChatTemplate(
+            f"the model's chat templates {sorted(templates)} have no non-empty 'default' one; "
+            "use /v1/completions with a prompt instead"
+        )
+    # transformers reads special_tokens_map.json only for a config without
+    # added_tokens_decoder (older checkpoints), and then its values win.
+    merged = dict(config)
+    if "added_tokens_decoder" not in config:
+        merged.update(_json_object(tokens_map_stamp, SPECIAL_TOKENS_MAP))
+    tokens = {name: _token_text(merged.get(name)) for name in _SPECIAL_TOKENS}
+    return ChatTemplate(
+        source=source,
+        text=template,
+        special_tokens=tuple((name, text) for name, text in tokens.items() if text is not None),
+    )
