@@ -54,7 +54,7 @@ from services.cli.arguments import (
 )
 from services.cli.status import collect_status, print_status, status_header, status_tables
 from services.proto_limits import UINT64_MAX
-from services.settings import MAX_VIRTUAL_DEVICES, Settings, load_settings
+from services.settings import MAX_VIRTUAL_DEVICES, Settings, load_settings, read_stack_file
 
 
 def _rid() -> str:
@@ -79,10 +79,19 @@ def cmd_up(settings: Settings, args) -> int:
     print("press Ctrl-C to stop")
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    started = info.get("started_at_unix_ms")
     try:
-        signal.sigwait(stop_signals)
-    finally:
+        while signal.sigtimedwait(stop_signals, 1.0) is None:
+            stack.reap_children()
+            # `iserve down` from elsewhere stopped this stack (its record is gone or is
+            # another up's): nothing is left to stop, and a stack started since is not ours.
+            if read_stack_file(settings.state_dir).get("started_at_unix_ms") != started:
+                print("the stack was stopped (iserve down)")
+                return 0
+    except BaseException:
         stack.down(settings)
+        raise
+    stack.down(settings)
     return 0 if info else 1
 
 

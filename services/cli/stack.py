@@ -80,13 +80,19 @@ def port_in_use(address: str) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (exited, its parent not yet told, as the children
+    of a foreground ``iserve up`` while another process runs ``iserve down``) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no procfs: signal 0 is all there is
+    return state != "Z"
 
 
 def stack_running(settings: Settings) -> dict:
@@ -409,6 +415,14 @@ def _stop_pids(
                 os.kill(pid, signal.SIGKILL)
                 _reap(pid)
             log(f"stopped {name} (pid {pid})")
+
+
+def reap_children() -> None:
+    """Collect the exit status of every child that has exited (the stack's processes,
+    stopped by an ``iserve down`` of another process), so none stays a zombie."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
 
 
 def _reap(pid: int) -> None:

@@ -4,12 +4,14 @@ CLI's own transport (set up before `up` writes the stack's tokens)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from services.ports import free_port
 from services.settings import GATEWAY_ENV, METRICS_ENV, SERVICE_ENV
-from tests.integration.helpers import run_cli
+from tests.integration.helpers import run_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -56,9 +58,16 @@ def test_any_free_port_is_chosen_once_and_reported(tmp_path):
         GATEWAY_ENV: "127.0.0.1:0",
     }
     env.pop("REDIS_URL", None)
+    # In the foreground this time: `iserve down` from another shell ends it too.
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        up = run_cli(env, "up", "--detach")
-        assert up.returncode == 0, up.stderr
+        assert wait_for(lambda: run_cli(env, "status").returncode == 0, timeout=180), up.poll()
         status = run_cli(env, "status", "--json")
         assert status.returncode == 0, status.stderr
         services = json.loads(status.stdout)["services"]
@@ -70,3 +79,9 @@ def test_any_free_port_is_chosen_once_and_reported(tmp_path):
     finally:
         down = run_cli(env, "down")
     assert down.returncode == 0 and "stopped" in down.stdout, down.stderr
+    try:
+        out, _ = up.communicate(timeout=30)  # it blocked until a signal before
+    except subprocess.TimeoutExpired:
+        up.kill()
+        raise
+    assert up.returncode == 0 and "the stack was stopped (iserve down)" in out, out
