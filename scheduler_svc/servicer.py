@@ -163,11 +163,16 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                             deployment, replica, exc, streamed=bool(token_times)
                         )
                 except ReplicaGone as gone:
-                    if attempt or not (gone.others_serve or by_model):
+                    if attempt or not (
+                        gone.others_serve
+                        or by_model
+                        or await self._restarted_elsewhere(request, replica.worker_address)
+                    ):
                         raise
-                    # Once more: on a replica that still serves, or, for a model's
-                    # request, on whichever deployment of it Redis now says is READY
-                    # (the cached record may be of one removed since the last refresh).
+                    # Once more: on a replica that still serves, on the worker Redis now
+                    # names for it (the cached record was of the one before a restart),
+                    # or, for a model's request, on whichever deployment of it Redis now
+                    # says is READY (the cached one may have been removed since).
                     continue
                 finally:
                     if stream is not None:
@@ -210,6 +215,14 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 for s in self.metrics.stats()
             ],
         )
+
+    async def _restarted_elsewhere(
+        self, request: inference_pb.GenerateRequest, gone_address: str
+    ) -> bool:
+        """Whether the deployment ``request`` names, read afresh, serves on a worker other
+        than ``gone_address`` (the router's cached record was of one restarted since)."""
+        fresh = await self.router.by_deployment_id(request.deployment_id)
+        return any(r.worker_address != gone_address for r in replicas.serving(fresh))
 
     async def _admit(
         self,

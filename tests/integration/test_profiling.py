@@ -16,7 +16,6 @@ from fingerprint_svc.fingerprints import FINGERPRINTS_DIR, content_hash
 from services.api import agent_service_pb2 as agent_pb
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
-from services.models.checkpoint import build_tokenizer
 from services.reservation import layer_kv_bytes_per_token, layer_weight_bytes
 from tests.integration.helpers import (
     TINY,
@@ -242,8 +241,9 @@ def test_profiling_without_room_fails_and_holds_nothing(stack):
 
 def test_a_failing_job_fails_the_model_until_registered_again(stack):
     path = make_checkpoint(stack, "prof-broken", **TINY)
-    tokenizer = stack.models_root / path / "tokenizer.json"
-    tokenizer.write_text("{ not a tokenizer")  # registration only checks that it exists
+    # Registration does not read generation_config.json; the worker does, and fails.
+    generation = stack.models_root / path / "generation_config.json"
+    generation.write_text("{ not json")
 
     # `iserve register` waits for profiling, drawing its progress on stderr.
     out = _cli(stack, "register", "prof-broken", path)
@@ -254,14 +254,14 @@ def test_a_failing_job_fails_the_model_until_registered_again(stack):
     model = stack.models.GetModel(model_pb.GetModelRequest(model_id="prof-broken")).model
     assert model.state_reason.startswith("base fingerprint(1 layer) tp=1 pp=1 batch=1: ")
     assert "exited with code 1 before it was ready" in model.state_reason
-    assert "cannot load" in model.state_reason
+    assert "generation_config.json is malformed" in model.state_reason
     assert _profile_owners(stack) == set() and _profile_workers(stack) == []
 
     other = make_checkpoint(stack, "prof-other", **TINY)
     code, details = _code(lambda: _register(stack, "prof-broken", other))
     assert code == grpc.StatusCode.ALREADY_EXISTS and "same checkpoint" in details
 
-    build_tokenizer().save(str(tokenizer))  # fixed: new content, new fingerprints
+    generation.unlink()  # fixed: new content, new fingerprints
     retried = _register(stack, "prof-broken", path, skip_profiling=True)
     assert retried.state == model_pb.MODEL_STATE_REGISTERED
     _delete(stack, "prof-broken")

@@ -641,6 +641,23 @@ def test_a_model_request_routed_to_a_just_removed_deployment_runs_on_its_success
     run(redis_url, scenario)
 
 
+def test_a_deployment_request_finds_the_worker_its_deployment_was_restarted_on(redis_url):
+    """The router's cache holds d1 READY on a worker that is gone; Redis already names
+    the one it was restarted on (a restart or `iserve up` a moment ago): a request by
+    deployment id runs there instead of failing."""
+
+    async def scenario(h: Harness):
+        await h.add_deployment("d1", None)  # the worker before the restart: gone
+        await h.servicer.router.refresh()  # the cache: d1 READY there
+        restarted = FakeWorker()
+        await h.add_deployment("d1", restarted)  # the same deployment, a new worker
+        messages = await h.collect(deployment_id="d1")
+        assert messages[-1].final.deployment_id == "d1"
+        assert len(restarted.received) == 1
+
+    run(redis_url, scenario)
+
+
 def test_a_stream_closed_between_messages_is_counted_cancelled(redis_url):
     """gRPC closes a handler's generator at a yield when the client goes away between
     messages: that request failed (CANCELLED), it did not succeed with no finish reason."""
