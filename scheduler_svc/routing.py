@@ -39,7 +39,8 @@ def state_name(deployment: deploy_pb.Deployment) -> str:
 def describe_state(deployment: deploy_pb.Deployment) -> str:
     """``deployment d1 is FAILED: worker exited`` (the reason only when there is one)."""
     text = f"deployment {deployment.deployment_id} is {state_name(deployment)}"
-    return f"{text}: {deployment.state_reason}" if deployment.state_reason else text
+    reason = replicas.reason_summary(deployment.state_reason)
+    return f"{text}: {reason}" if reason else text
 
 
 def _passing(deployment: deploy_pb.Deployment) -> bool:

@@ -18,6 +18,14 @@ FAILED = deploy_pb.DEPLOYMENT_STATE_FAILED
 MAX_REPLICAS = 16
 
 
+def reason_summary(reason: str) -> str:
+    """The first line of a state reason: a worker's failure carries its log's last lines
+    after it, which go neither to clients (they are the server's logs) nor into one-line
+    listings; ``iserve deployments --json`` (GetDeployment) keeps the whole reason."""
+    first, _, rest = reason.strip().partition("\n")
+    return f"{first.rstrip(':').rstrip()} (log lines in the full reason)" if rest.strip() else first
+
+
 def check_count(count: int) -> None:
     """InvalidArgument for a requested replica count above MAX_REPLICAS (0 means 1)."""
     if count > MAX_REPLICAS:

@@ -189,7 +189,8 @@ def describe_replicas(deployment: deploy_pb.Deployment) -> str:
     parts = []
     for replica in replicas.replicas_of(deployment):
         state = state_name(replica.state)
-        why = f" ({replica.state_reason})" if replica.state_reason else ""
+        reason = replicas.reason_summary(replica.state_reason)
+        why = f" ({reason})" if reason else ""
         parts.append(f"replica {replica.index} {state} {replica.worker_address or '-'}{why}")
     return ", ".join(parts)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from services import transport
+from services import replicas, transport
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
 from services.cli import deploying
@@ -253,7 +253,8 @@ def wait_for_restored(
             if deployment is None:
                 state = "removed"
             else:
-                why = f": {deployment.state_reason}" if deployment.state_reason else ""
+                reason = replicas.reason_summary(deployment.state_reason)
+                why = f": {reason}" if reason else ""
                 state = deploying.state_name(deployment.state) + why
             log(f"deployment {deployment_id} was not restored ({state})")
     if waiting:

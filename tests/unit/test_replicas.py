@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from scheduler_svc.routing import describe_state
 from services import replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -175,3 +176,20 @@ def test_avoiding_keeps_the_deployment_when_nothing_else_serves():
     every = {r.worker_address for r in dep.replicas}
     assert replicas.avoiding(dep, every) is dep
     assert replicas.avoiding(dep, set()) is dep
+
+
+def test_a_reason_shown_to_clients_and_listings_is_its_first_line():
+    failed = deploy_pb.Deployment(
+        deployment_id="d1",
+        state=deploy_pb.DEPLOYMENT_STATE_FAILED,
+        state_reason="worker rank 0 exited with code 1:\nTraceback (most recent call last):\n  x",
+    )
+    said = describe_state(failed)
+    assert (
+        said
+        == "deployment d1 is FAILED: worker rank 0 exited with code 1 (log lines in the full reason)"
+    )
+    assert "Traceback" not in said
+    assert replicas.reason_summary("restarted 1 time(s); last error: x") == (
+        "restarted 1 time(s); last error: x"
+    )
