@@ -36,6 +36,7 @@ from services.errors import (
     NotFound,
     RemoteError,
     ResourceExhausted,
+    Unavailable,
     from_rpc_error,
 )
 from services.grpc_server import channel
@@ -303,7 +304,7 @@ class DeploymentController:
         if request.request_id:
             earlier = await self.store.claim_deploy_request(request.request_id, deployment_id)
             if earlier is not None:
-                existing = await self.store.get_deployment(earlier)
+                existing = await self._outcome_of(request.request_id, earlier)
                 if existing is not None:
                     # Another owner's request id names their deployment: not this caller's.
                     access.check_owner(
@@ -314,12 +315,37 @@ class DeploymentController:
                     return deploy_pb.DeployResponse(
                         request_id=request.request_id, deployment=existing
                     )
+                # The earlier call failed (its claim was forgotten): this one deploys.
+                return await self.deploy(request)
         try:
             return await self._deploy(request, deployment_id)
         except BaseException:
             if request.request_id:
                 await self.store.forget_deploy_request(request.request_id)
             raise
+
+    async def _outcome_of(self, request_id: str, deployment_id: str) -> deploy_pb.Deployment | None:
+        """The deployment an earlier Deploy with ``request_id`` made, once it is no longer
+        starting (a repeat while the first still places and launches answers what the
+        first does, not a STARTING record without a worker); None when that call failed
+        and forgot the request id. After ``ready_timeout_s`` and a margin, the record as
+        it stands."""
+        deadline = time.monotonic() + 2 * self.settings.ready_timeout_s + 30.0
+        while True:
+            existing = await self.store.get_deployment(deployment_id)
+            if existing is not None:
+                starting = existing.state == deploy_pb.DEPLOYMENT_STATE_STARTING
+                if not starting or replicas.is_restarting(existing):
+                    return existing  # served before: a restart is not the first call's
+                if time.monotonic() > deadline:
+                    return existing
+            elif await self.store.deploy_request(request_id) != deployment_id:
+                return None
+            elif time.monotonic() > deadline:
+                raise Unavailable(
+                    f"the Deploy with request_id {request_id!r} is still being planned; try again"
+                )
+            await asyncio.sleep(0.1)
 
     async def _deploy(self, request, deployment_id: str) -> deploy_pb.DeployResponse:
         """Plan, reserve (every replica), launch; on a lost reservation race plan again,

@@ -319,6 +319,10 @@ class StateStore:
             return None
         return await self.redis.get(keys.deploy_request(request_id))
 
+    async def deploy_request(self, request_id: str) -> str | None:
+        """The deployment id ``request_id`` is bound to, if any."""
+        return await self.redis.get(keys.deploy_request(request_id))
+
     async def forget_deploy_request(self, request_id: str) -> None:
         await self.redis.delete(keys.deploy_request(request_id))
 

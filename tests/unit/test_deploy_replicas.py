@@ -4,6 +4,7 @@ fake agents and estimator (no server)."""
 
 from __future__ import annotations
 
+import asyncio
 import types
 
 import grpc
@@ -163,6 +164,7 @@ class FakeAgent:
         self.fail_group = fail_group
         self.stale: set[str] = set()
         self.stop_timeouts: list[float] = []
+        self.gate: asyncio.Event | None = None  # StartWorkers waits for it when set
         self.started: list[str] = []
         self.engines: list[int] = []
         self.stopped: list[str] = []
@@ -177,6 +179,8 @@ class FakeAgent:
     async def StartWorkers(self, request: agent_pb.StartWorkersRequest, timeout: float):
         self.started.append(request.deployment_id)
         self.engines.append(request.engine)
+        if self.gate is not None:
+            await self.gate.wait()
         if request.deployment_id == self.fail_group:
             raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "worker rank 0 exited (1)")
         if request.deployment_id in self.stale:
@@ -445,5 +449,28 @@ def test_the_reconciler_takes_out_a_replica_whose_workers_are_gone(run):
         )
         assert (await store.get_deployment(deployment_id)).state == FAILED
         assert await store.reservation_owners() == set()
+
+    run(scenario)
+
+
+def test_a_repeat_of_a_deploy_still_starting_answers_what_the_first_does(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        agent.gate = asyncio.Event()
+        controller = await controller_on(store, agent, 2, 2)
+        request = deploy_request(1, request_id="same-id")
+        first = asyncio.create_task(controller.deploy(request))
+        while not agent.started:  # the first has placed, reserved and is launching
+            await asyncio.sleep(0.01)
+        repeat = asyncio.create_task(controller.deploy(request))
+        await asyncio.sleep(0.3)
+        assert not repeat.done()  # it returned STARTING with no worker before
+        agent.gate.set()
+        one, two = (await first).deployment, (await repeat).deployment
+        assert one.deployment_id == two.deployment_id and two.state == READY
+        assert two.worker_address == one.worker_address != ""
+        assert agent.started == [one.deployment_id]  # launched once
+        await controller.remove(one.deployment_id)
+        assert await nothing_left(store)
 
     run(scenario)
