@@ -56,6 +56,14 @@ LLAMA = {
     "num_key_value_heads": 2,
     "tie_word_embeddings": False,
 }
+FALCON_40B_STYLE = {
+    "hidden_size": 96,
+    "num_attention_heads": 6,
+    "num_kv_heads": 2,
+    "new_decoder_architecture": True,
+    "parallel_attn": True,
+    "bias": False,
+}
 
 # name: (transformers config class, its fields, BOS added by the tokenizer file?)
 FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
@@ -113,30 +121,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
         },
         False,
     ),
-    "falcon-40b-style": (
-        "FalconConfig",
-        {
-            "hidden_size": 96,
-            "num_attention_heads": 6,
-            "num_kv_heads": 2,
-            "new_decoder_architecture": True,
-            "parallel_attn": True,
-            "bias": False,
-        },
-        False,
-    ),
+    "falcon-40b-style": ("FalconConfig", FALCON_40B_STYLE, False),
     "llama-tied-config": ("LlamaConfig", LLAMA, False),
     "falcon-tied-by-default": (
         "FalconConfig",
-        {
-            "hidden_size": 96,
-            "num_attention_heads": 6,
-            "num_kv_heads": 2,
-            "new_decoder_architecture": True,
-            "parallel_attn": True,
-            "bias": False,
-            "tie_word_embeddings": False,
-        },
+        {**FALCON_40B_STYLE, "tie_word_embeddings": False},
         False,
     ),
     "gptj": (
