@@ -78,8 +78,11 @@ def check_intent(intent: common.Intent) -> None:
         raise InvalidArgument("a COST_SLO intent needs a positive cost_budget")
     if not math.isfinite(intent.cost_budget):
         raise InvalidArgument(f"cost_budget must be a finite number, got {intent.cost_budget}")
-    if intent.HasField("min_accuracy") and not math.isfinite(intent.min_accuracy):
-        raise InvalidArgument("min_accuracy must be a finite number")
+    if intent.HasField("min_accuracy") and not 0 <= intent.min_accuracy < math.inf:
+        raise InvalidArgument(
+            f"min_accuracy must be a finite number, 0 or more (an accuracy score), got "
+            f"{intent.min_accuracy}"
+        )
 
 
 def resolve_accuracy_floor(
@@ -98,10 +101,16 @@ def resolve_accuracy_floor(
         return floor, ""
     known = fits & np.isfinite(accuracy)
     best = float(np.max(accuracy[known])) if known.any() else None
-    if not (allow_best_available and best is not None):
+    if best is None:
+        raise FailedPrecondition(
+            f"an accuracy floor of {floor:g} cannot be checked: no variant that fits has a "
+            "known accuracy score (register the model with --accuracy, or import the "
+            "variants' scores)"
+        )
+    if not allow_best_available:
         raise FailedPrecondition(
             f"no variant that fits reaches the accuracy floor of {floor:g} "
-            f"(best available: {'unknown' if best is None else f'{best:g}'}); "
+            f"(best available: {best:g}); "
             "lower min_accuracy or allow the best available"
         )
     return best, (

@@ -20,6 +20,11 @@ def test_an_unspecified_kind_defaults_to_min_cost_and_bad_intents_are_invalid():
         check_intent(common.Intent(kind=common.INTENT_KIND_LATENCY_SLO))
     with pytest.raises(InvalidArgument, match="unspecified or unknown"):
         check_intent(common.Intent())
+    # A floor is an accuracy score: 0 or more, finite.
+    check_intent(common.Intent(kind=common.INTENT_KIND_MIN_COST, min_accuracy=0.0))
+    for floor in (-5.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument, match="min_accuracy must be a finite number, 0 or"):
+            check_intent(common.Intent(kind=common.INTENT_KIND_MIN_COST, min_accuracy=floor))
 
 
 @pytest.mark.parametrize(
@@ -39,5 +44,5 @@ def test_a_floor_nobody_fitting_reaches_is_refused_unless_the_best_is_allowed():
     with pytest.raises(FailedPrecondition, match=r"floor of 99.5 \(best available: 99\)"):
         resolve_accuracy_floor(99.5, ACCURACY, FITS, allow_best_available=False)
     unknown = np.array([np.nan, np.nan])
-    with pytest.raises(FailedPrecondition, match="best available: unknown"):
+    with pytest.raises(FailedPrecondition, match="floor of 90 cannot be checked.*--accuracy"):
         resolve_accuracy_floor(90.0, unknown, np.ones(2, bool), allow_best_available=True)
