@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 from google.protobuf import json_format
 
 from services import transport
@@ -47,31 +48,59 @@ def collect_status(settings: Settings) -> dict:
         "nodes": [],
         "deployments": [],
         "models": [],
+        # What a serving service could not tell (Redis down, say): the rest still shows.
+        "errors": [],
     }
     options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
+    state = served = models = None
     if services["deploy"]["serving"]:
         with transport.sync_channel(settings.address("deploy")) as ch:
-            state = deployment_service_pb2_grpc.DeploymentServiceStub(ch).GetClusterState(
-                deploy_pb.GetClusterStateRequest(), timeout=5
+            state = _asked(
+                status,
+                "deploy: cluster state",
+                lambda: deployment_service_pb2_grpc.DeploymentServiceStub(ch).GetClusterState(
+                    deploy_pb.GetClusterStateRequest(), timeout=5
+                ),
             )
+    if state is not None:
         status["nodes"] = [json_format.MessageToDict(n, **options) for n in state.nodes]
         status["deployments"] = [json_format.MessageToDict(d, **options) for d in state.deployments]
     if services["scheduler"]["serving"]:
         with transport.sync_channel(settings.address("scheduler")) as ch:
-            served = inference_service_pb2_grpc.InferenceServiceStub(ch).GetServingStats(
-                inference_pb.GetServingStatsRequest(), timeout=5
+            served = _asked(
+                status,
+                "scheduler: serving stats",
+                lambda: inference_service_pb2_grpc.InferenceServiceStub(ch).GetServingStats(
+                    inference_pb.GetServingStatsRequest(), timeout=5
+                ),
             )
+    if served is not None:
         by_id = {s.deployment_id: s for s in served.deployments}
         for deployment in status["deployments"]:
             stats = by_id.get(deployment["deployment_id"], inference_pb.DeploymentServingStats())
             deployment["serving"] = json_format.MessageToDict(stats, **options)
     if services["model"]["serving"]:
         with transport.sync_channel(settings.address("model")) as ch:
-            models = model_service_pb2_grpc.ModelServiceStub(ch).ListModels(
-                model_pb.ListModelsRequest(), timeout=5
+            models = _asked(
+                status,
+                "model: models",
+                lambda: model_service_pb2_grpc.ModelServiceStub(ch).ListModels(
+                    model_pb.ListModelsRequest(), timeout=5
+                ),
             )
+    if models is not None:
         status["models"] = [json_format.MessageToDict(m, **options) for m in models.models]
     return status
+
+
+def _asked(status: dict, what: str, call):
+    """``call()``'s reply, or None with the error recorded in ``status`` (unhealthy)."""
+    try:
+        return call()
+    except grpc.RpcError as exc:
+        status["errors"].append(f"{what}: {exc.code().name}: {exc.details()}")
+        status["healthy"] = False
+        return None
 
 
 def status_tables(status: dict) -> list[TableSpec]:
@@ -137,6 +166,8 @@ def status_header(status: dict) -> str:
 def print_status(status: dict) -> None:
     print(status_header(status))
     show_tables(status_tables(status))
+    for error in status.get("errors", []):
+        print(f"error: {error}")
 
 
 def _workers(deployment: dict) -> str:
