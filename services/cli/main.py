@@ -57,6 +57,12 @@ from services.proto_limits import UINT64_MAX
 from services.settings import MAX_VIRTUAL_DEVICES, Settings, load_settings, read_stack_file
 
 
+def _unreached(details: str) -> bool:
+    """Whether an UNAVAILABLE is gRPC's own "no connection" (the service is not there),
+    not a service's answer (a deployment starting, Redis down, a server draining)."""
+    return "failed to connect" in details or "Connection refused" in details
+
+
 def _rid() -> str:
     return uuid.uuid4().hex[:16]
 
@@ -775,7 +781,7 @@ def _run(argv: list[str] | None) -> int:
         return _not_utf8(exc)
     except grpc.RpcError as exc:
         code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if code == grpc.StatusCode.UNAVAILABLE and _unreached(exc.details()):
             print(
                 f"error: UNAVAILABLE: {exc.details()} (is the stack up? `iserve status`)",
                 file=sys.stderr,

@@ -30,3 +30,15 @@ def test_a_terminal_gets_a_rich_table_with_coloured_states():
     out = buffer.getvalue()
     assert "\x1b[" in out and "─" in out  # colours and box lines
     assert "READY" in out and "FAILED" in out and "dep-b" in out
+
+
+def test_the_is_the_stack_up_hint_follows_only_a_connection_that_failed():
+    from services.cli.main import _unreached
+
+    assert _unreached(
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50064: "
+        "Failed to connect to remote host: Connection refused"
+    )
+    # A service that answered: the hint would send the user looking in the wrong place.
+    assert not _unreached("deployment big-1 is STARTING: restart 1 in 1 s after: x")
+    assert not _unreached("state store (Redis) unreachable at 127.0.0.1:6379")
