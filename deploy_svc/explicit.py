@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.engine_rules import check_dtype, check_weight_quant, parallel_problem
+from services.engine_rules import (
+    check_dtype,
+    check_weight_quant,
+    parallel_problem,
+    served_dtypes,
+)
 from services.errors import InvalidArgument
 from services.token_limits import check_batch_size, sequence_length, token_limits
 
@@ -33,7 +38,8 @@ def resolve_explicit(
 ) -> ExplicitPlan:
     """Normalise ``requested`` (0 and UNSPECIFIED mean defaults) and check it; raises
     InvalidArgument for what can never work and Unimplemented for what the engine
-    cannot run yet (float16 is served on CUDA devices only: ``cuda``)."""
+    cannot run yet (float16 is served on CUDA devices only: ``cuda``; a dtype left
+    unset is the checkpoint's where the devices serve it, else float32)."""
     shape = model.shape
     config = common.DeploymentConfig()
     config.CopyFrom(requested)
@@ -54,7 +60,12 @@ def resolve_explicit(
     config.weight_quant = config.weight_quant or common.WEIGHT_QUANT_NONE
     config.kv_quant = config.kv_quant or common.KV_QUANT_NONE
     config.pruning = config.pruning or common.PRUNING_NONE
-    config.dtype = config.dtype or shape.dtype or common.PRECISION_FLOAT32
+    if not config.dtype:
+        # The checkpoint's own dtype where these devices compute in it; else float32,
+        # which holds float16 and bfloat16 values exactly (a float16 checkpoint, as
+        # transformers often saves them, is served on CPUs without a --dtype).
+        native = shape.dtype or common.PRECISION_FLOAT32
+        config.dtype = native if native in served_dtypes(cuda=cuda) else common.PRECISION_FLOAT32
     config.batch_size, max_in, max_out = _limits(
         model, batch_size or config.batch_size, max_input_tokens, max_output_tokens
     )

@@ -56,12 +56,17 @@ def parallel_problem(
     return None
 
 
+def served_dtypes(*, cuda: bool) -> tuple[int, ...]:
+    """The precisions the engine computes in on CUDA devices (``cuda``) or on CPUs."""
+    return CUDA_DTYPES if cuda else CPU_DTYPES
+
+
 def check_dtype(precision: int, *, cuda: bool) -> None:
     """Unimplemented for a precision the engine does not compute in on CUDA devices
     (``cuda``) or on CPUs; InvalidArgument for a value the Precision enum lacks."""
     if precision not in common.Precision.values():
         raise InvalidArgument(f"dtype {precision} is not a known Precision value")
-    served = CUDA_DTYPES if cuda else CPU_DTYPES
+    served = served_dtypes(cuda=cuda)
     if precision not in served:
         where = "CUDA" if cuda else "CPU"
         names = " and ".join(

@@ -189,3 +189,19 @@ def test_killing_and_restarting_the_deployer_loses_no_deployment(stack, small_mo
             deploy_pb.RemoveDeploymentRequest(deployment_id=deployment_id)
         )
     with_store(stack, lambda s: s.delete_deployment(cutoff))
+
+
+def test_a_float16_checkpoint_is_served_on_cpus_without_a_dtype(stack):
+    """transformers often saves float16; the CPU engine computes in float32 or bfloat16,
+    so an unset dtype is float32 there (UNIMPLEMENTED before, unless --dtype was given)."""
+    register(stack, "half-llama", make_checkpoint(stack, "half-llama", dtype="float16"))
+    dep = deploy(stack, "half-llama").deployment
+    try:
+        assert dep.config.dtype == common.PRECISION_FLOAT32
+        _, final = generate(stack, deployment_id=dep.deployment_id, prompt="hi", max_tokens=3)
+        assert final.usage.completion_tokens >= 1
+    finally:
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id), timeout=120
+        )
+        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="half-llama"))
