@@ -52,55 +52,58 @@ def collect_status(settings: Settings) -> dict:
         "errors": [],
     }
     options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
-    state = served = models = None
-    if services["deploy"]["serving"]:
-        with transport.sync_channel(settings.address("deploy")) as ch:
-            state = _asked(
-                status,
-                "deploy: cluster state",
-                lambda: deployment_service_pb2_grpc.DeploymentServiceStub(ch).GetClusterState(
-                    deploy_pb.GetClusterStateRequest(), timeout=5
-                ),
-            )
+    state = _asked(
+        settings,
+        status,
+        "deploy",
+        "cluster state",
+        lambda ch: deployment_service_pb2_grpc.DeploymentServiceStub(ch).GetClusterState(
+            deploy_pb.GetClusterStateRequest(), timeout=5
+        ),
+    )
     if state is not None:
         status["nodes"] = [json_format.MessageToDict(n, **options) for n in state.nodes]
         status["deployments"] = [json_format.MessageToDict(d, **options) for d in state.deployments]
-    if services["scheduler"]["serving"]:
-        with transport.sync_channel(settings.address("scheduler")) as ch:
-            served = _asked(
-                status,
-                "scheduler: serving stats",
-                lambda: inference_service_pb2_grpc.InferenceServiceStub(ch).GetServingStats(
-                    inference_pb.GetServingStatsRequest(), timeout=5
-                ),
-            )
+    served = _asked(
+        settings,
+        status,
+        "scheduler",
+        "serving stats",
+        lambda ch: inference_service_pb2_grpc.InferenceServiceStub(ch).GetServingStats(
+            inference_pb.GetServingStatsRequest(), timeout=5
+        ),
+    )
     if served is not None:
         by_id = {s.deployment_id: s for s in served.deployments}
         for deployment in status["deployments"]:
             stats = by_id.get(deployment["deployment_id"], inference_pb.DeploymentServingStats())
             deployment["serving"] = json_format.MessageToDict(stats, **options)
-    if services["model"]["serving"]:
-        with transport.sync_channel(settings.address("model")) as ch:
-            models = _asked(
-                status,
-                "model: models",
-                lambda: model_service_pb2_grpc.ModelServiceStub(ch).ListModels(
-                    model_pb.ListModelsRequest(), timeout=5
-                ),
-            )
+    models = _asked(
+        settings,
+        status,
+        "model",
+        "models",
+        lambda ch: model_service_pb2_grpc.ModelServiceStub(ch).ListModels(
+            model_pb.ListModelsRequest(), timeout=5
+        ),
+    )
     if models is not None:
         status["models"] = [json_format.MessageToDict(m, **options) for m in models.models]
     return status
 
 
-def _asked(status: dict, what: str, call):
-    """``call()``'s reply, or None with the error recorded in ``status`` (unhealthy)."""
-    try:
-        return call()
-    except grpc.RpcError as exc:
-        status["errors"].append(f"{what}: {exc.code().name}: {exc.details()}")
-        status["healthy"] = False
+def _asked(settings: Settings, status: dict, service: str, what: str, call):
+    """``call(channel)``'s reply from ``service`` when it serves; None when it does not,
+    or when its call fails (the error recorded in ``status``, which is then unhealthy)."""
+    if not status["services"][service]["serving"]:
         return None
+    with transport.sync_channel(settings.address(service)) as channel:
+        try:
+            return call(channel)
+        except grpc.RpcError as exc:
+            status["errors"].append(f"{service}: {what}: {exc.code().name}: {exc.details()}")
+            status["healthy"] = False
+            return None
 
 
 def status_tables(status: dict) -> list[TableSpec]:
