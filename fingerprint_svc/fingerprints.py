@@ -4,7 +4,7 @@ A fingerprint holds the token embedding, decoder layers ``0 .. n-1``, the final 
 LM head, ``config.json`` with the layer count edited (:func:`config_with_layers`) and the
 tokenizer files, so that the engine loads it like any checkpoint. It is written by
 reading only those tensors, each as a byte range of its shard streamed in
-``COPY_CHUNK_BYTES`` pieces into the safetensors writer: the rest of the checkpoint is
+``READ_CHUNK_BYTES`` pieces (``safetensors_format.read_range``) into the safetensors writer: the rest of the checkpoint is
 never read, and no tensor is ever whole in memory (an LM head of a 70B model is 1 GiB).
 The bytes are copied unchanged, so the fingerprint keeps the checkpoint's dtype
 (bfloat16 included, which numpy cannot represent; this is also why the cutter reads the
@@ -51,7 +51,12 @@ from services.models.checkpoint import (
     served_spec,
 )
 from services.models.families import config_with_layers, parse_config
-from services.models.safetensors_format import TensorInfo, write_safetensors
+from services.models.safetensors_format import (
+    TensorInfo,
+    data_start,
+    read_range,
+    write_safetensors,
+)
 
 FINGERPRINTS_DIR = ".fingerprints"
 MANIFEST_FILE = "fingerprint.json"
@@ -68,7 +73,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 HASH_SAMPLE_BYTES = 1 << 20
-COPY_CHUNK_BYTES = 8 << 20
 _HASH_DIGITS = 32
 _LENGTH_PREFIX_BYTES = 8
 
@@ -113,26 +117,6 @@ def content_hash(checkpoint_dir: Path) -> str:
     return digest.hexdigest()[:_HASH_DIGITS]
 
 
-def read_range(path: Path, start: int, stop: int) -> Iterator[bytes]:
-    """Bytes ``[start, stop)`` of ``path`` in pieces of at most ``COPY_CHUNK_BYTES``."""
-    with path.open("rb") as f:
-        f.seek(start)
-        left = stop - start
-        while left > 0:
-            chunk = f.read(min(COPY_CHUNK_BYTES, left))
-            if not chunk:
-                raise ValueError(f"{path.name} ended {left} bytes early (truncated file?)")
-            left -= len(chunk)
-            yield chunk
-
-
-def _data_start(path: Path) -> int:
-    """File offset of the first tensor byte of a safetensors file."""
-    with path.open("rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(_LENGTH_PREFIX_BYTES))
-    return _LENGTH_PREFIX_BYTES + header_len
-
-
 def cut_fingerprint(checkpoint_dir: Path, out_dir: Path, num_layers: int) -> int:
     """Write the first ``num_layers`` layers of ``checkpoint_dir`` as a checkpoint in
     ``out_dir`` (created; must not hold weights yet); returns the weight bytes written.
@@ -167,7 +151,7 @@ def cut_fingerprint(checkpoint_dir: Path, out_dir: Path, num_layers: int) -> int
             )
         layout.append((name, info.dtype, info.shape))
         sources[name] = info
-    starts = {info.file: _data_start(checkpoint_dir / info.file) for info in sources.values()}
+    starts = {info.file: data_start(checkpoint_dir / info.file) for info in sources.values()}
 
     def tensor_chunks(name: str) -> Iterator[bytes]:
         info = sources[name]

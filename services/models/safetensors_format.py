@@ -46,6 +46,9 @@ CONFIG_TO_SAFETENSORS_DTYPE: dict[str, str] = {
 }
 # The float dtypes a checkpoint's weights may be stored in (and decode_float_tensor reads).
 FLOAT_DTYPES = ("F32", "F16", "BF16")
+# Pieces tensor data is read in (read_range): big enough for few system calls, small
+# enough that copying a 70B checkpoint's tensors never holds much of one in memory.
+READ_CHUNK_BYTES = 8 << 20
 # A header larger than this is corruption, not a model: the reference library's cap.
 MAX_HEADER_BYTES = 100_000_000
 _LENGTH_PREFIX_BYTES = 8
@@ -224,22 +227,37 @@ def decode_float_tensor(raw: bytes, dtype: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<f4" if dtype == "F32" else "<f2").astype(np.float32)
 
 
+def data_start(path: Path) -> int:
+    """File offset of the first tensor byte of a safetensors file (after its header)."""
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(_LENGTH_PREFIX_BYTES))
+    return _LENGTH_PREFIX_BYTES + header_len
+
+
+def read_range(
+    path: Path, start: int, stop: int, chunk_bytes: int = READ_CHUNK_BYTES
+) -> Iterator[bytes]:
+    """Bytes ``[start, stop)`` of ``path`` in pieces of at most ``chunk_bytes``;
+    InvalidCheckpoint when the file ends before ``stop``."""
+    with path.open("rb") as f:
+        f.seek(start)
+        left = stop - start
+        while left > 0:
+            chunk = f.read(min(chunk_bytes, left))
+            if not chunk:
+                raise InvalidCheckpoint(f"{path.name} ended {left} bytes early (truncated?)")
+            left -= len(chunk)
+            yield chunk
+
+
 def read_tensor_chunks(directory: Path, info: TensorInfo, chunk_elements: int) -> Iterator[bytes]:
     """The stored bytes of one tensor of a checkpoint directory, ``chunk_elements``
     elements at a time (the last piece may hold fewer), read straight from its file."""
     path = directory / info.file
-    element_bytes = SAFETENSORS_DTYPE_BYTES[info.dtype]
-    start, stop = info.data_offsets
-    with path.open("rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(_LENGTH_PREFIX_BYTES))
-        f.seek(_LENGTH_PREFIX_BYTES + header_len + start)
-        left = stop - start
-        while left > 0:
-            chunk = f.read(min(chunk_elements * element_bytes, left))
-            if not chunk:
-                raise InvalidCheckpoint(f"{info.file} ended {left} bytes early (truncated?)")
-            left -= len(chunk)
-            yield chunk
+    base = data_start(path)
+    first, last = info.data_offsets
+    chunk_bytes = chunk_elements * SAFETENSORS_DTYPE_BYTES[info.dtype]
+    return read_range(path, base + first, base + last, chunk_bytes)
 
 
 def encode_tensor(values: np.ndarray, dtype: str) -> bytes:
