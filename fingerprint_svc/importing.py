@@ -554,12 +554,16 @@ async def import_profiles(
     notes = list(plan.notes)
     for imported in plan.models:
         existing = await store.get_model(imported.model_id)
-        old_profile = await store.get_profile(imported.model_id)
-        kept = kept_measurements(old_profile, plan.hardware_type, plan.files)
-        model = merge_model(existing, imported, now_ms, kept_rows=len(kept))
         profile = merge_profile(
-            old_profile, model.model_id, plan.hardware_type, imported.measurements, plan.files
+            await store.get_profile(imported.model_id),
+            imported.model_id,
+            plan.hardware_type,
+            imported.measurements,
+            plan.files,
         )
+        # The rows kept come first, the imported ones after them.
+        kept = profile.measurements[: len(profile.measurements) - len(imported.measurements)]
+        model = merge_model(existing, imported, now_ms, kept_rows=len(kept))
         kept_files = {m.source_file for m in kept if m.hardware_type == plan.hardware_type}
         source = _merged_source(plan.files, kept_files, now_ms)
         records.append((existing is None, model, profile, source))
