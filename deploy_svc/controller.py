@@ -333,15 +333,15 @@ class DeploymentController:
         deadline = time.monotonic() + 2 * self.settings.ready_timeout_s + 30.0
         while True:
             existing = await self.store.get_deployment(deployment_id)
+            late = time.monotonic() > deadline
             if existing is not None:
-                starting = existing.state == deploy_pb.DEPLOYMENT_STATE_STARTING
-                if not starting or replicas.is_restarting(existing):
-                    return existing  # served before: a restart is not the first call's
-                if time.monotonic() > deadline:
+                # A restart is not the first call's launch: the deployment served before.
+                first_launch = existing.state == deploy_pb.DEPLOYMENT_STATE_STARTING
+                if late or not first_launch or replicas.is_restarting(existing):
                     return existing
             elif await self.store.deploy_request(request_id) != deployment_id:
                 return None
-            elif time.monotonic() > deadline:
+            elif late:
                 raise Unavailable(
                     f"the Deploy with request_id {request_id!r} is still being planned; try again"
                 )
