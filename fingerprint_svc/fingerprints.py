@@ -48,7 +48,6 @@ from services.models.checkpoint import (
     CONFIG_FILE,
     read_config,
     read_safetensors_index,
-    served_spec,
 )
 from services.models.families import config_with_layers, parse_config
 from services.models.safetensors_format import (
@@ -57,6 +56,7 @@ from services.models.safetensors_format import (
     read_range,
     write_safetensors,
 )
+from services.models.tied_head import resolve_tied_head
 
 FINGERPRINTS_DIR = ".fingerprints"
 MANIFEST_FILE = "fingerprint.json"
@@ -126,7 +126,8 @@ def cut_fingerprint(checkpoint_dir: Path, out_dir: Path, num_layers: int) -> int
     count or a tensor's stored shape disagrees with the config.
     """
     config = read_config(checkpoint_dir)
-    spec = served_spec(checkpoint_dir)
+    index = read_safetensors_index(checkpoint_dir)
+    spec = resolve_tied_head(checkpoint_dir, parse_config(config), index)
     if not 1 <= num_layers < spec.num_layers:
         raise ValueError(
             f"a fingerprint needs 1 to {spec.num_layers - 1} layers of the model's "
@@ -138,7 +139,6 @@ def cut_fingerprint(checkpoint_dir: Path, out_dir: Path, num_layers: int) -> int
         # fingerprint keeps that head, as the model serves it.
         cut_config["tie_word_embeddings"] = False
     cut_spec = parse_config(cut_config)
-    index = read_safetensors_index(checkpoint_dir)
     layout: list[tuple[str, str, tuple[int, ...]]] = []
     sources: dict[str, TensorInfo] = {}
     for name, shape in cut_spec.expected_tensors().items():
