@@ -21,6 +21,7 @@ Pure: no asyncio, gRPC or Redis. Times are seconds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from services.api import common_pb2 as common
@@ -65,7 +66,7 @@ class OnlineLine:
         self._theta = [prior[0], prior[1] * x_scale]
         variance = 1.0 / prior_samples if prior_samples > 0 else 1e6
         self._p = [[variance, 0.0], [0.0, variance]]
-        self._max_trace = 2 * variance
+        self._max_variance = variance
         self.samples = 0
 
     @property
@@ -86,16 +87,40 @@ class OnlineLine:
         gain = (pu[0] / denominator, pu[1] / denominator)
         error = y - (self._theta[0] * u[0] + self._theta[1] * u[1])
         self._theta = [self._theta[0] + gain[0] * error, self._theta[1] + gain[1] * error]
-        # P = (P - gain * pu^T) / forgetting; capped so that a direction no sample
-        # excites (every prompt the same length) does not grow without bound.
+        # P = (P - gain * pu^T) / forgetting
         for i in range(2):
             for j in range(2):
                 p[i][j] = (p[i][j] - gain[i] * pu[j]) / self._forgetting
-        trace = p[0][0] + p[1][1]
-        if trace > self._max_trace:
-            shrink = self._max_trace / trace
-            self._p = [[v * shrink for v in row] for row in p]
+        self._p = _clip_eigenvalues(p, self._max_variance)
         self.samples += 1
+
+
+def _clip_eigenvalues(p: list[list[float]], cap: float) -> list[list[float]]:
+    """The symmetric 2x2 ``p`` with its eigenvalues above ``cap`` lowered to ``cap``.
+
+    Forgetting divides P by the forgetting factor at every sample, so the variance along
+    a direction no sample excites (every prompt the same length, every decode at one
+    batch size) grows without bound. Lowering only that direction's eigenvalue keeps it
+    finite and leaves the excited direction's gain, and so its memory of about
+    ``1 / (1 - forgetting)`` samples, as it is; scaling the whole matrix would shrink
+    that gain too and the line would follow a drift several times more slowly.
+    """
+    a, b, c = p[0][0], (p[0][1] + p[1][0]) / 2, p[1][1]
+    if b == 0:  # the axes are the eigenvectors
+        return [[min(a, cap), 0.0], [0.0, min(c, cap)]]
+    half_gap = math.hypot((a - c) / 2, b)
+    clipped = [[a, b], [b, c]]
+    for eigenvalue in ((a + c) / 2 + half_gap, (a + c) / 2 - half_gap):
+        excess = eigenvalue - cap
+        if excess > 0:
+            # (b, eigenvalue - a) is its eigenvector; subtract excess * v v^T, v normalised.
+            vx, vy = b, eigenvalue - a
+            scale = excess / (vx * vx + vy * vy)
+            clipped[0][0] -= scale * vx * vx
+            clipped[0][1] -= scale * vx * vy
+            clipped[1][0] -= scale * vx * vy
+            clipped[1][1] -= scale * vy * vy
+    return clipped
 
 
 class LatencyPredictor:

@@ -56,6 +56,19 @@ def test_the_same_x_over_and_over_neither_diverges_nor_moves_elsewhere_wildly():
     assert all(abs(v) < 1.0 for row in line._p for v in row)
 
 
+@pytest.mark.parametrize("x", [0, 256])
+def test_a_drift_at_one_x_is_followed_with_the_memory_forgetting_gives(x):
+    """Every sample at one x (a batch-1 deployment's decode, prompts of one length): the
+    unexcited direction's variance is held back without slowing the excited one, so a
+    step from 2.0 to 3.65 ms is 80 % followed after 80 samples (0.98 ** 80 = 0.2)."""
+    line = OnlineLine(prior=(0.002, 0.0001), prior_samples=2, x_scale=512)
+    for _ in range(300):
+        line.update(x, 0.0020)
+    for _ in range(80):
+        line.update(x, 0.00365)
+    assert line.predict(x) == pytest.approx(0.0020 + 0.8 * 0.00165, rel=0.02)
+
+
 def test_predictions_never_go_below_zero():
     line = OnlineLine(prior=(-1.0, 0.0), prior_samples=2)
     assert line.predict(1) == 0.0
