@@ -213,7 +213,11 @@ class ServingMetrics:
             self.failure.labels(*labels, r.code.name).inc()
             if times:
                 self.generation_tokens.labels(*labels).inc(len(times))
-            if has_objective(objectives, r.deadline_ms):
+            # A request refused as invalid was never the deployment's to serve: it fails,
+            # but a client's malformed requests must not lower the deployment's goodput.
+            if r.code != grpc.StatusCode.INVALID_ARGUMENT and has_objective(
+                objectives, r.deadline_ms
+            ):
                 tally.missed += 1
                 self.slo_missed.labels(*labels).inc()
             return
