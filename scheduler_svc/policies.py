@@ -39,6 +39,8 @@ class QueueEntry:
     deadline_s: float | None = None
     # Prompt length, for policies that predict prefill time; 0 when unknown.
     prompt_tokens: int = 0
+    # Tokens it may generate, for a prediction of how long it holds its slot; 0 unknown.
+    max_tokens: int = 0
     # Where the deadline comes from, for the refusal message ("TTFT SLO 200 ms").
     objective: str = ""
     # Set by a policy that drops the request: when its first token was predicted.
@@ -174,6 +176,28 @@ class EdfPolicy:
                 heapq.heapify(self._heap)
                 return True
         return False
+
+    def ordered(self) -> list[QueueEntry]:
+        """The waiting requests in the order they would start."""
+        return [key.entry for key in sorted(self._heap)]
+
+    def ahead_of(self, entry: QueueEntry) -> list[QueueEntry]:
+        """The waiting requests that would start before ``entry`` were it pushed now (on
+        an equal deadline, those already waiting)."""
+        rank, deadline = (0 if entry.priority else 1), _deadline(entry)
+        return [k.entry for k in sorted(self._heap) if (k.rank, k.deadline_s) <= (rank, deadline)]
+
+    def last_start(self) -> float | None:
+        """The earliest time by which a waiting request must start to meet its deadline
+        (its deadline less its predicted prefill); None when none has a deadline."""
+        return min(
+            (
+                key.deadline_s - self._prefill_s([key.entry.prompt_tokens])
+                for key in self._heap
+                if key.entry.deadline_s is not None
+            ),
+            default=None,
+        )
 
     def pop_ready(self, now_s: float, free_slots: int) -> Admission:
         dropped = self._drop_hopeless(now_s)

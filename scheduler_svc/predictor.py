@@ -139,6 +139,9 @@ class LatencyPredictor:
             x_scale=max(1, batch_size - 1),
         )
         self._chars_per_token = DEFAULT_CHARS_PER_TOKEN
+        # Mean share of its max_tokens a request generates before it stops (EOS, a stop
+        # sequence); 1 until requests have finished.
+        self._output_share = 1.0
         # Mean time a request holds a slot (admission to last token), seconds; None
         # until a request has finished.
         self._mean_service_s: float | None = None
@@ -162,9 +165,19 @@ class LatencyPredictor:
         """Predicted prefill of prompts admitted together."""
         return self.prefill.predict(sum(prompt_tokens))
 
-    def decode_step_s(self, running: int) -> float:
+    def decode_step_s(self, running: float) -> float:
         """Predicted time of one decode step with ``running`` sequences (at least 1)."""
         return self.decode.predict(max(1, running) - 1)
+
+    def service_s(self, prompt_tokens: int, max_tokens: int, running: int) -> float:
+        """Predicted time a request holds its slot: its prefill, then a decode step with
+        ``running`` sequences for each output token after the first it is expected to
+        generate (its max_tokens times the share of their max_tokens this deployment's
+        requests have generated). Without max_tokens, the mean service time."""
+        if max_tokens <= 0:
+            return self.mean_service_s
+        tokens = max(1.0, max_tokens * self._output_share)
+        return self.prefill_s([prompt_tokens]) + (tokens - 1) * self.decode_step_s(running)
 
     def prompt_tokens(self, prompt_chars: int) -> int:
         """Tokens a text prompt of ``prompt_chars`` characters will have (from what this
@@ -178,13 +191,15 @@ class LatencyPredictor:
         prompt_chars: int,
         first_token_s: float,
         tpot_s: float | None,
-        running: int,
+        running: float,
         service_s: float = 0.0,
+        output_share: float | None = None,
     ) -> None:
         """One finished request: ``first_token_s`` from admission to its first token,
         ``tpot_s`` its mean time per output token after the first (None with one
-        token), ``running`` the sequences running beside it (itself included),
-        ``service_s`` from admission to its last token."""
+        token), ``running`` the sequences running beside it (itself included; a mean
+        where it changed), ``service_s`` from admission to its last token,
+        ``output_share`` its output tokens over its max_tokens."""
         self.prefill.update(prompt_tokens, first_token_s)
         if tpot_s is not None:
             self.decode.update(max(1, running) - 1, tpot_s)
@@ -192,6 +207,8 @@ class LatencyPredictor:
             if self._mean_service_s is None:
                 self._mean_service_s = service_s
             self._mean_service_s += SERVICE_SMOOTHING * (service_s - self._mean_service_s)
+        if output_share is not None:
+            self._output_share += SERVICE_SMOOTHING * (output_share - self._output_share)
         if prompt_chars and prompt_tokens:
             ratio = prompt_chars / prompt_tokens
             self._chars_per_token += 0.2 * (ratio - self._chars_per_token)

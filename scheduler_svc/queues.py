@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
@@ -25,6 +26,8 @@ from services.errors import DeadlineExceeded, ResourceExhausted
 from services.ids import replica_group_id
 
 Clock = Callable[[], float]
+# After a waiting request's last start: its prediction then says it misses.
+_WAKE_MARGIN_S = 1e-3
 PolicyFactory = Callable[[int], QueuePolicy]
 
 
@@ -46,8 +49,11 @@ class DeploymentQueue:
         self._slots = slots_for(slots)
         self._policy = policy
         self._clock = clock
-        self._running = 0
+        # Requests holding a slot, with when each was admitted.
+        self._running: dict[QueueEntry, float] = {}
         self._waiters: dict[QueueEntry, asyncio.Future[None]] = {}
+        # EDF: wakes the queue when a waiting request's last start for its deadline comes.
+        self._deadline_timer: asyncio.TimerHandle | None = None
         # What this deployment's requests take; QueueRegistry gives every queue one.
         self.predictor: LatencyPredictor | None = None
         self.model_id = ""  # whose deployment it is (QueueRegistry sets it)
@@ -60,7 +66,7 @@ class DeploymentQueue:
     @property
     def running(self) -> int:
         """Requests holding a slot."""
-        return self._running
+        return len(self._running)
 
     @property
     def slots(self) -> int:
@@ -83,13 +89,8 @@ class DeploymentQueue:
         queued = [entry.prompt_tokens for entry in self._waiters]
         prefill = predictor.prefill_s(queued) if queued else 0.0
         service_s = predictor.mean_service_s if predictor.service_measured else unmeasured_service_s
-        return prefill + self._slot_wait_s(len(queued), service_s)
-
-    def _slot_wait_s(self, queued: int, service_s: float) -> float:
-        """Expected wait for a slot behind the running requests and ``queued`` more: those
-        beyond the free slots must end, each taking ``service_s``, ``slots`` at a time."""
-        ahead = max(0, self._running + queued - self._slots + 1)
-        return ahead / self._slots * service_s
+        ahead = max(0, len(self._running) + len(queued) - self._slots + 1)
+        return prefill + ahead / self._slots * service_s
 
     async def acquire(self, entry: QueueEntry) -> None:
         """Wait until ``entry`` holds a slot, in policy order.
@@ -98,16 +99,14 @@ class DeploymentQueue:
         policy drops the request. A caller cancelled while waiting leaves the queue and
         holds no slot.
         """
-        if isinstance(self._policy, EdfPolicy):
-            earliest = self._first_token_if_admitted_next(entry)
-            if (
-                entry.deadline_s is not None
-                and earliest is not None
-                and earliest > entry.deadline_s
-            ):
-                # At once: waiting would only report it when a slot frees, seconds later.
-                entry.predicted_first_token_s = earliest
-                raise DeadlineExceeded(self._miss_message(entry))
+        policy = self._policy
+        # At once: waiting would only report it when a slot frees, seconds later.
+        if (
+            isinstance(policy, EdfPolicy)
+            and entry.deadline_s is not None
+            and entry in self._predicted_misses([*policy.ahead_of(entry), entry])
+        ):
+            raise DeadlineExceeded(self._miss_message(entry))
         try:
             self._policy.push(entry)
         except QueueFull as full:
@@ -123,28 +122,48 @@ class DeploymentQueue:
             self._waiters.pop(entry, None)
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 # Admitted in the same loop iteration as the cancellation: hand it back.
-                self.release()
+                self.release(entry)
             else:
                 self._policy.remove(entry)
             raise
 
-    def _first_token_if_admitted_next(self, entry: QueueEntry) -> float | None:
-        """When ``entry``'s first token would come were it next in line (EDF may put it
-        before everything queued, never before what runs): the expected wait for a slot
-        (running requests beyond the free slots, each taking the mean service time,
-        ``slots`` at a time), then its prefill. None before any request has finished
-        here (nothing is known of service times)."""
+    def _predicted_misses(self, ordered: list[QueueEntry]) -> list[QueueEntry]:
+        """The requests of ``ordered`` (waiting, in the order they would start) predicted
+        to miss their deadlines, each given its predicted first-token time; none before
+        a request has finished here (nothing is known of service times yet).
+
+        Each running request holds its slot until its admission plus its predicted
+        service (``LatencyPredictor.service_s``: its own prompt and max_tokens), and not
+        before now; each request of ``ordered`` takes the first slot to free, in turn,
+        and its first token follows its prefill. A request predicted to miss is taken to
+        be refused: it holds no slot for those after it."""
         predictor = self.predictor
         if predictor is None or not predictor.service_measured:
-            return None
-        slot_wait_s = self._slot_wait_s(0, predictor.mean_service_s)
-        return self._clock() + slot_wait_s + predictor.prefill_s([entry.prompt_tokens])
+            return []
+        now, slots = self._clock(), self._slots
+        ends = sorted(
+            max(now, admitted + predictor.service_s(e.prompt_tokens, e.max_tokens, slots))
+            for e, admitted in self._running.items()
+        )
+        # More running than slots (the batch size was lowered): the first to end free none.
+        free = ends[-slots:] if len(ends) >= slots else ends + [now] * (slots - len(ends))
+        heapq.heapify(free)
+        missed = []
+        for entry in ordered:
+            start = free[0]
+            first_token = start + predictor.prefill_s([entry.prompt_tokens])
+            if entry.deadline_s is not None and first_token > entry.deadline_s:
+                entry.predicted_first_token_s = first_token
+                missed.append(entry)
+                continue
+            service = predictor.service_s(entry.prompt_tokens, entry.max_tokens, slots)
+            heapq.heapreplace(free, start + service)
+        return missed
 
-    def release(self) -> None:
-        """Give back a slot taken by ``acquire`` and admit whoever is next."""
-        if self._running <= 0:
+    def release(self, entry: QueueEntry) -> None:
+        """Give back the slot ``entry`` took in ``acquire`` and admit whoever is next."""
+        if self._running.pop(entry, None) is None:
             raise RuntimeError(f"release without acquire on deployment {self.deployment_id}")
-        self._running -= 1
         self._dispatch()
 
     @contextlib.asynccontextmanager
@@ -154,25 +173,55 @@ class DeploymentQueue:
         try:
             yield
         finally:
-            self.release()
+            self.release(entry)
 
     def _dispatch(self) -> None:
-        while len(self._policy):
-            admission = self._policy.pop_ready(self._clock(), self._slots - self._running)
+        policy = self._policy
+        if isinstance(policy, EdfPolicy):
+            # The arrival check again, on everything still waiting.
+            for entry in self._predicted_misses(policy.ordered()):
+                policy.remove(entry)
+                self._refuse(entry)
+        while len(policy):
+            now = self._clock()
+            admission = policy.pop_ready(now, self._slots - len(self._running))
             for entry in admission.dropped:
-                waiter = self._waiters.pop(entry, None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_exception(DeadlineExceeded(self._miss_message(entry)))
+                self._refuse(entry)
             skipped_cancelled = False
             for entry in admission.admitted:
                 waiter = self._waiters.pop(entry, None)
                 if waiter is None or waiter.done():
                     skipped_cancelled = True  # its slot goes to the next in line
                     continue
-                self._running += 1
+                self._running[entry] = now
                 waiter.set_result(None)
             if not skipped_cancelled:
-                return
+                break
+        if isinstance(policy, EdfPolicy):
+            self._wake_at_last_start(policy)
+
+    def _refuse(self, entry: QueueEntry) -> None:
+        waiter = self._waiters.pop(entry, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(DeadlineExceeded(self._miss_message(entry)))
+
+    def _wake_at_last_start(self, policy: EdfPolicy) -> None:
+        """Dispatch again when the first waiting request's deadline can no longer be met
+        even if it started then (its deadline less its prefill), though nothing arrives
+        or ends before: it is refused then, not at the next arrival or release."""
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        last_start = policy.last_start()
+        if last_start is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without an event loop: nothing to wake
+            return
+        self._deadline_timer = loop.call_later(
+            max(0.0, last_start - self._clock()) + _WAKE_MARGIN_S, self._dispatch
+        )
 
     def _miss_message(self, entry: QueueEntry) -> str:
         text = (

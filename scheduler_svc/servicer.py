@@ -118,7 +118,11 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             by_model = request.WhichOneof("target") == "model_id"
             # A second attempt only when the replica's worker was gone before any token.
             for attempt in range(2):
-                deployment, replica, queue = await self._admit(request, record, max_tokens_is_bound)
+                deployment, replica, queue, entry = await self._admit(
+                    request, record, max_tokens_is_bound
+                )
+                # Sequences running beside it, itself included: at admission and at its end.
+                beside = [queue.running]
                 final: worker_pb.WorkerServiceGenerateResponse | None = None
                 token_times = record.token_times
                 stream: WorkerStream | None = None
@@ -177,9 +181,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 finally:
                     if stream is not None:
                         stream.close()  # unless it finished: the client went away
-                    queue.release()
+                    beside.append(queue.running)
+                    queue.release(entry)
                 break
-            yield self._finish(request, record, queue, final)
+            yield self._finish(request, record, queue, final, sum(beside) / len(beside))
         except errors.IServeError as exc:
             record.code = exc.code
             raise
@@ -229,7 +234,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         request: inference_pb.GenerateRequest,
         record: RequestRecord,
         max_tokens_is_bound: bool,
-    ) -> tuple[deploy_pb.Deployment, deploy_pb.Replica, DeploymentQueue]:
+    ) -> tuple[deploy_pb.Deployment, deploy_pb.Replica, DeploymentQueue, QueueEntry]:
         """Resolve the request's deployment and replica and wait for a slot on it; fills
         ``record``. The caller releases the slot. ``max_tokens_is_bound``: the client set
         no max_tokens (it is filled in here)."""
@@ -263,15 +268,16 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         entry = QueueEntry(
             request.request_id,
             arrival,
-            request.priority,
-            due.first_token_s,
-            prompt_tokens,
-            due.objective,
+            priority=request.priority,
+            deadline_s=due.first_token_s,
+            prompt_tokens=prompt_tokens,
+            max_tokens=request.max_tokens,
+            objective=due.objective,
         )
         record.enqueued_s = clock()
         await queue.acquire(entry)
         record.admitted_s = clock()
-        return deployment, replica, queue
+        return deployment, replica, queue, entry
 
     def _finish(
         self,
@@ -279,9 +285,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         record: RequestRecord,
         queue: DeploymentQueue,
         final: worker_pb.WorkerServiceGenerateResponse,
+        running: float,
     ) -> inference_pb.GenerateResponse:
         """The final message with the scheduler's timings; the deployment's predictor
-        learns from them."""
+        learns from them (``running``: the sequences beside it, itself included)."""
         done = self._clock()
         arrival, admitted, token_times = record.arrival_s, record.admitted_s, record.token_times
         record.prompt_tokens = final.usage.prompt_tokens
@@ -302,8 +309,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 prompt_chars=0 if request.prompt_token_ids else len(request.prompt),
                 first_token_s=first_at - admitted,
                 tpot_s=tpot_s,
-                running=queue.running + 1,
+                running=running,
                 service_s=token_times[-1] - admitted,
+                output_share=final.usage.completion_tokens / request.max_tokens,
             )
         return GenerateResponse(
             request_id=request.request_id,

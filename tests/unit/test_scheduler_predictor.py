@@ -117,3 +117,27 @@ def test_text_prompts_are_counted_at_four_characters_a_token_until_told_otherwis
     predictor = LatencyPredictor(common.LatencyModel(), max_input_tokens=64, batch_size=1)
     assert predictor.prompt_tokens(400) == round(400 / DEFAULT_CHARS_PER_TOKEN)
     assert predictor.prompt_tokens(0) == 1
+
+
+def test_service_time_counts_a_requests_own_max_tokens_times_the_share_generated():
+    """Requests that stop (EOS) at a quarter of their max_tokens: a request of 100 tokens
+    is predicted to hold its slot for its prefill and 24 decode steps."""
+    predictor = LatencyPredictor(
+        common.LatencyModel(prefill_ms_per_token=1.0, decode_step_ms=10.0),
+        max_input_tokens=512,
+        batch_size=1,
+    )
+    assert predictor.service_s(50, 100, 1) == pytest.approx(0.05 + 99 * 0.01)
+    for _ in range(100):
+        predictor.observe(
+            prompt_tokens=50,
+            prompt_chars=0,
+            first_token_s=0.05,
+            tpot_s=0.01,
+            running=1,
+            service_s=0.29,
+            output_share=0.25,
+        )
+    assert predictor.service_s(50, 100, 1) == pytest.approx(0.05 + 24 * 0.01, rel=0.01)
+    # Without max_tokens: the measured mean service time.
+    assert predictor.service_s(50, 0, 1) == pytest.approx(0.29)

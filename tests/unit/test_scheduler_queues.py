@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from scheduler_svc.policies import EdfPolicy, FcfsPolicy, QueueEntry
+from scheduler_svc.predictor import LatencyPredictor
 from scheduler_svc.queues import DeploymentQueue, QueueRegistry
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -35,9 +37,10 @@ def test_slots_limit_concurrency_and_admit_in_order():
     async def scenario():
         queue = DeploymentQueue("d1", slots=2, policy=FcfsPolicy(capacity=10))
         started: list[str] = []
+        entries = {name: entry(name, priority=name == "p") for name in "abcdp"}
 
         async def request(name: str, priority: bool = False):
-            await queue.acquire(entry(name, priority))
+            await queue.acquire(entries[name])
             started.append(name)
 
         tasks = [asyncio.create_task(request(n)) for n in ("a", "b", "c", "d")]
@@ -46,11 +49,11 @@ def test_slots_limit_concurrency_and_admit_in_order():
         await settle()
         assert started == ["a", "b"]
         assert (queue.running, queue.waiting) == (2, 3)
-        queue.release()
+        queue.release(entries["a"])
         await settle()
         assert started == ["a", "b", "p"]
-        queue.release()
-        queue.release()
+        queue.release(entries["b"])
+        queue.release(entries["p"])
         await settle()
         assert started == ["a", "b", "p", "c", "d"]
         assert (queue.running, queue.waiting) == (2, 0)
@@ -67,7 +70,8 @@ def test_batch_size_zero_means_one_slot():
 def test_full_queue_raises_resource_exhausted():
     async def scenario():
         queue = DeploymentQueue("d1", slots=1, policy=FcfsPolicy(capacity=1))
-        await queue.acquire(entry("running"))
+        running = entry("running")
+        await queue.acquire(running)
         waiter = asyncio.create_task(queue.acquire(entry("waiting")))
         await settle()
         with pytest.raises(
@@ -75,7 +79,7 @@ def test_full_queue_raises_resource_exhausted():
         ):
             await queue.acquire(entry("rejected"))
         assert (queue.running, queue.waiting) == (1, 1)
-        queue.release()
+        queue.release(running)
         await waiter
         assert (queue.running, queue.waiting) == (1, 0)
 
@@ -85,18 +89,19 @@ def test_full_queue_raises_resource_exhausted():
 def test_cancelled_waiter_leaves_queue_and_takes_no_slot():
     async def scenario():
         queue = DeploymentQueue("d1", slots=1, policy=FcfsPolicy(capacity=10))
-        await queue.acquire(entry("running"))
+        running, later = entry("running"), entry("after")
+        await queue.acquire(running)
         cancelled = asyncio.create_task(queue.acquire(entry("cancelled")))
-        after = asyncio.create_task(queue.acquire(entry("after")))
+        after = asyncio.create_task(queue.acquire(later))
         await settle()
         cancelled.cancel()
         await settle()
         assert cancelled.cancelled()
         assert (queue.running, queue.waiting) == (1, 1)
-        queue.release()
+        queue.release(running)
         await after
         assert (queue.running, queue.waiting) == (1, 0)
-        queue.release()
+        queue.release(later)
         assert (queue.running, queue.waiting) == (0, 0)
 
     asyncio.run(scenario())
@@ -105,11 +110,12 @@ def test_cancelled_waiter_leaves_queue_and_takes_no_slot():
 def test_waiter_cancelled_just_after_admission_gives_its_slot_back():
     async def scenario():
         queue = DeploymentQueue("d1", slots=1, policy=FcfsPolicy(capacity=10))
-        await queue.acquire(entry("running"))
+        running = entry("running")
+        await queue.acquire(running)
         unlucky = asyncio.create_task(queue.acquire(entry("unlucky")))
         nxt = asyncio.create_task(queue.acquire(entry("next")))
         await settle()
-        queue.release()  # admits "unlucky": its slot is taken on its behalf...
+        queue.release(running)  # admits "unlucky": its slot is taken on its behalf...
         unlucky.cancel()  # ...and it is cancelled before it could run
         await settle()
         assert unlucky.cancelled()
@@ -122,7 +128,7 @@ def test_waiter_cancelled_just_after_admission_gives_its_slot_back():
 def test_release_without_acquire_is_an_error():
     queue = DeploymentQueue("d1", slots=1, policy=FcfsPolicy(capacity=1))
     with pytest.raises(RuntimeError, match="release without acquire"):
-        queue.release()
+        queue.release(entry("never"))
 
 
 def test_two_deployments_are_independent():
@@ -130,7 +136,8 @@ def test_two_deployments_are_independent():
         registry = QueueRegistry(capacity=1)
         slow = registry.queue_for(deployment("slow", 1))
         fast = registry.queue_for(deployment("fast", 1))
-        await slow.acquire(entry("s1"))
+        s1 = entry("s1")
+        await slow.acquire(s1)
         blocked = asyncio.create_task(slow.acquire(entry("s2")))
         await settle()
         with pytest.raises(ResourceExhausted, match="slow"):
@@ -142,7 +149,7 @@ def test_two_deployments_are_independent():
         assert (fast.waiting, fast.running) == (0, 0)
         blocked.cancel()
         await settle()
-        slow.release()
+        slow.release(s1)
 
     asyncio.run(scenario())
 
@@ -151,16 +158,17 @@ def test_registry_follows_batch_size_and_prunes_idle_queues():
     async def scenario():
         registry = QueueRegistry(capacity=4)
         queue = registry.queue_for(deployment("d1", 1))
-        await queue.acquire(entry("a"))
-        waiter = asyncio.create_task(queue.acquire(entry("b")))
+        a, b = entry("a"), entry("b")
+        await queue.acquire(a)
+        waiter = asyncio.create_task(queue.acquire(b))
         await settle()
         assert registry.queue_for(deployment("d1", 2)) is queue
         await waiter  # the new slot admits the waiter at once
         assert queue.running == 2
         registry.prune(keep=[])
         assert registry.get("d1") is queue  # busy queues stay
-        queue.release()
-        queue.release()
+        queue.release(a)
+        queue.release(b)
         registry.prune(keep=[])
         assert registry.get("d1") is None
 
@@ -171,11 +179,12 @@ def test_edf_queue_rejects_requests_that_cannot_make_their_deadline():
     async def scenario():
         now = [0.0]
         queue = DeploymentQueue("d1", 1, EdfPolicy(capacity=4), clock=lambda: now[0])
-        await queue.acquire(entry("running"))
+        running = entry("running")
+        await queue.acquire(running)
         late = asyncio.create_task(queue.acquire(entry("late", deadline_s=1.0)))
         await settle()
         now[0] = 2.0
-        queue.release()
+        queue.release(running)
         with pytest.raises(DeadlineExceeded, match="late cannot meet its deadline"):
             await late
         assert (queue.running, queue.waiting) == (0, 0)
@@ -213,12 +222,13 @@ def test_a_waiting_request_is_refused_once_its_deadline_can_no_longer_be_met():
             policy=EdfPolicy(capacity=10, prefill_s=lambda tokens: 0.1),
             clock=lambda: clock[0],
         )
-        await queue.acquire(entry("running"))
+        running = entry("running")
+        await queue.acquire(running)
         waiting = asyncio.create_task(queue.acquire(entry("w", deadline_s=0.5)))
         await settle()
         assert queue.waiting == 1
         clock[0] = 0.45  # started now, its first token would come at 0.55 > 0.5
-        queue.release()
+        queue.release(running)
         with pytest.raises(DeadlineExceeded, match="predicted 550 ms after arrival, allowed 500"):
             await waiting
         assert (queue.running, queue.waiting) == (0, 0)
@@ -254,10 +264,9 @@ def test_edf_predicts_prefill_from_the_deployments_latency_model():
 
 
 def test_edf_refuses_at_once_what_even_the_next_free_slot_comes_too_late_for():
-    """Both slots run requests of about 5.8 s: a 300 ms TTFT objective cannot be met
+    """Both slots run requests of 5.8 s: a 300 ms TTFT objective cannot be met
     whatever EDF puts first, and is refused when it arrives, not seconds later when a
     slot frees. A request whose deadline the next slot can make still waits."""
-    from scheduler_svc.predictor import LatencyPredictor
 
     async def scenario():
         clock = [10.0]
@@ -266,7 +275,8 @@ def test_edf_refuses_at_once_what_even_the_next_free_slot_comes_too_late_for():
         )
         queue = DeploymentQueue("d1", 2, EdfPolicy(capacity=4), clock=lambda: clock[0])
         queue.predictor = predictor
-        await queue.acquire(entry("a"))
+        a = entry("a")
+        await queue.acquire(a)
         await queue.acquire(entry("b"))
         hopeless = entry("late", deadline_s=10.3, prompt_tokens=5, objective="TTFT SLO 300 ms")
         hopeless.arrival_s = 10.0
@@ -280,15 +290,134 @@ def test_edf_refuses_at_once_what_even_the_next_free_slot_comes_too_late_for():
         predictor.mean_service_s = 5.8  # as measured
         with pytest.raises(DeadlineExceeded) as refused:
             await asyncio.wait_for(queue.acquire(hopeless), 2.0)  # at once, not queued
-        assert "first token predicted 2905 ms after arrival, allowed 300 ms" in str(refused.value)
+        # Both were admitted at 10.0 and hold their slots 5.8 s: the next frees at 15.8.
+        assert "first token predicted 5805 ms after arrival, allowed 300 ms" in str(refused.value)
         assert (queue.running, queue.waiting) == (2, 0)
         patient = entry("patient", deadline_s=20.0, prompt_tokens=5)
         patient.arrival_s = 10.0
         queued = asyncio.create_task(queue.acquire(patient))
         await settle()
         assert queue.waiting == 1
-        queue.release()
+        queue.release(a)
         await queued
         assert (queue.running, queue.waiting) == (2, 0)
+
+    asyncio.run(scenario())
+
+
+def measured_predictor(step_ms: float = 10.0) -> LatencyPredictor:
+    """1 ms of prefill per prompt token, ``step_ms`` per decode step; a request has
+    finished (refusals may use service times)."""
+    predictor = LatencyPredictor(
+        common.LatencyModel(prefill_ms_per_token=1.0, decode_step_ms=step_ms),
+        max_input_tokens=512,
+        batch_size=1,
+    )
+    predictor.mean_service_s = 5.0  # long requests came before
+    return predictor
+
+
+def edf_queue(clock: list[float], slots: int = 1) -> DeploymentQueue:
+    predictor = measured_predictor()
+    queue = DeploymentQueue(
+        "d1", slots, EdfPolicy(capacity=8, prefill_s=predictor.prefill_s), lambda: clock[0]
+    )
+    queue.predictor = predictor
+    return queue
+
+
+def test_edf_counts_the_requests_queued_ahead_when_it_refuses_at_once():
+    """One slot: the running request and two queued with earlier deadlines each hold it
+    ~1 s (100 tokens of 10 ms), so a request due in 2.5 s cannot make it, though the
+    running one alone would leave it time."""
+
+    async def scenario():
+        clock = [0.0]
+        queue = edf_queue(clock)
+        running = entry("running", max_tokens=100)
+        await queue.acquire(running)
+        ahead = [
+            asyncio.create_task(queue.acquire(entry(n, deadline_s=d, max_tokens=100)))
+            for n, d in (("x", 1.5), ("y", 2.2))
+        ]
+        await settle()
+        late = entry("late", deadline_s=2.5, prompt_tokens=10, max_tokens=100)
+        with pytest.raises(DeadlineExceeded, match="first token predicted 2980 ms"):
+            await queue.acquire(late)
+        assert (queue.running, queue.waiting) == (1, 2)
+        for task in ahead:
+            task.cancel()
+        await asyncio.gather(*ahead, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_edf_charges_a_running_request_its_own_length_not_the_mean():
+    """The mean service time is 5 s (long requests came before), but the request running
+    now asks for 4 tokens: a request due in 300 ms is admitted after it, not refused."""
+
+    async def scenario():
+        clock = [0.0]
+        queue = edf_queue(clock)
+        short = entry("short", max_tokens=4)
+        await queue.acquire(short)
+        soon = entry("soon", deadline_s=0.3, prompt_tokens=10, max_tokens=8)
+        waiting = asyncio.create_task(queue.acquire(soon))
+        await settle()
+        assert queue.waiting == 1
+        clock[0] = 0.04
+        queue.release(short)
+        await waiting
+        assert queue.running == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_request_is_refused_when_its_slot_is_predicted_to_come_too_late():
+    """The check made at arrival runs again on what waits: once the running request is
+    seen to run long (its own prediction, not the prefill alone), the next arrival's
+    dispatch refuses the waiting request whose slot now comes too late."""
+
+    async def scenario():
+        clock = [0.0]
+        queue = edf_queue(clock)
+        running = entry("running", max_tokens=50)  # 0.49 s
+        await queue.acquire(running)
+        waiting = asyncio.create_task(
+            queue.acquire(entry("w", deadline_s=1.0, prompt_tokens=10, max_tokens=10))
+        )
+        await settle()
+        assert queue.waiting == 1
+        # Another request queues ahead of it (earlier deadline, 0.59 s of service):
+        # w's slot would now come at 1.08 s.
+        first = asyncio.create_task(
+            queue.acquire(entry("first", deadline_s=0.6, prompt_tokens=10, max_tokens=60))
+        )
+        with pytest.raises(DeadlineExceeded, match="w cannot meet its deadline"):
+            await waiting
+        assert queue.waiting == 1
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_request_is_refused_at_its_last_start_though_nothing_happens():
+    """Nothing arrives or ends: the queue wakes at the waiting request's deadline less
+    its prefill and refuses it then, not at the next arrival or release."""
+
+    async def scenario():
+        queue = DeploymentQueue(
+            "d1", 1, EdfPolicy(capacity=4, prefill_s=lambda tokens: 0.05), time.perf_counter
+        )
+        running = entry("running")
+        await queue.acquire(running)
+        start = time.perf_counter()
+        due = entry("due", deadline_s=start + 0.25)
+        with pytest.raises(DeadlineExceeded, match="due cannot meet its deadline"):
+            await asyncio.wait_for(queue.acquire(due), 5.0)
+        assert time.perf_counter() - start < 2.0  # woken at about 0.2 s
+        assert (queue.running, queue.waiting) == (1, 0)
+        queue.release(running)
 
     asyncio.run(scenario())
