@@ -187,10 +187,34 @@ class ServingMetrics:
         self.slo_attained = counter("slo_attained", "Requests that met every objective")
         self.slo_missed = counter("slo_missed", "Requests with an objective they did not meet")
         registry.register(_QueueGauges(snapshot, self._model_of))
+        self._labelled = (
+            self.ttft,
+            self.inter_token,
+            self.e2e,
+            self.queue_time,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.success,
+            self.failure,
+            self.slo_attained,
+            self.slo_missed,
+        )
 
     def _model_of(self, deployment_id: str) -> str:
         tally = self._tallies.get(deployment_id)
         return tally.model_id if tally is not None else ""
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the series and tallies of deployments not in ``keep`` (removed ones):
+        kept, each removed deployment would cost every scrape and status call its ~100
+        series for the life of the scheduler. Rates over a removed deployment's counters
+        end with it, as for any series whose object is gone."""
+        keep = set(keep)
+        gone = [d for d in self._tallies if d and d not in keep]
+        for deployment_id in gone:
+            del self._tallies[deployment_id]
+            for metric in self._labelled:
+                metric.remove_by_labels({"deployment_id": deployment_id})
 
     def seen(self, deployment_id: str, model_id: str) -> None:
         """A request was routed to ``deployment_id`` of ``model_id``: its stats and queue

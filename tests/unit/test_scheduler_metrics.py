@@ -101,6 +101,23 @@ def test_an_invalid_request_fails_without_missing_an_objective():
     assert (stats.failed, stats.slo_missed) == (1, 0)
 
 
+def test_a_removed_deployment_leaves_no_series_or_tally():
+    registry, metrics = build()
+    metrics.record(served())
+    other = served()
+    other.deployment_id = "d2"
+    metrics.record(other)
+    refused = RequestRecord("", 0, 0.0)  # refused before a deployment was resolved
+    refused.code = grpc.StatusCode.NOT_FOUND
+    metrics.record(refused)
+    metrics.forget(keep=["d2"])
+    scraped = generate_latest(registry).decode()
+    assert 'deployment_id="d1"' not in scraped
+    assert 'deployment_id="d2"' in scraped
+    assert 'deployment_id=""' in scraped  # not a deployment: refusals before routing stay
+    assert [s.deployment_id for s in metrics.stats()] == ["d2"]
+
+
 def test_tokens_streamed_before_a_failure_still_count():
     registry, metrics = build()
     cut = served()
