@@ -31,6 +31,10 @@ _WAKE_MARGIN_S = 1e-3
 PolicyFactory = Callable[[int], QueuePolicy]
 
 
+class QueueClosed(Exception):
+    """The replica stopped serving (removed, or taken out) while the request waited."""
+
+
 def slots_for(batch_size: int) -> int:
     """Concurrent requests a deployment serves: its batch size, where 0 means 1."""
     return max(1, batch_size)
@@ -200,6 +204,19 @@ class DeploymentQueue:
         if isinstance(policy, EdfPolicy):
             self._wake_at_last_start(policy)
 
+    def close(self) -> None:
+        """The replica no longer serves: every waiting request leaves with QueueClosed at
+        once (rather than waiting for a slot on a worker that is draining or gone).
+        Running requests keep their slots until they end."""
+        policy = self._policy
+        for entry, waiter in list(self._waiters.items()):
+            policy.remove(entry)
+            del self._waiters[entry]
+            if not waiter.done():
+                waiter.set_exception(
+                    QueueClosed(f"deployment {self.deployment_id} stopped serving")
+                )
+
     def _refuse(self, entry: QueueEntry) -> None:
         waiter = self._waiters.pop(entry, None)
         if waiter is not None and not waiter.done():
@@ -259,6 +276,8 @@ class QueueRegistry:
         self._policy_factory = policy_factory
         self._clock = clock
         self._queues: dict[str, DeploymentQueue] = {}
+        # Queues the last prune did not keep.
+        self._left_out: set[str] = set()
 
     def queue_for(self, deployment: deploy_pb.Deployment, replica: int = 0) -> DeploymentQueue:
         """The queue of one replica of the deployment (each has its own slots, waiting
@@ -331,9 +350,15 @@ class QueueRegistry:
         return [(d, q.running, q.waiting) for d, q in list(self._queues.items())]
 
     def prune(self, keep: Iterable[str]) -> None:
-        """Forget idle queues of deployments not in ``keep``."""
+        """Close the queues of replicas not in ``keep`` two calls in a row (they no longer
+        serve: once alone may be a deployment created while ``keep`` was read), and forget
+        idle queues not in ``keep``."""
         keep = set(keep)
-        for deployment_id in [d for d in self._queues if d not in keep]:
+        left_out = {d for d in self._queues if d not in keep}
+        for deployment_id in left_out:
             queue = self._queues[deployment_id]
-            if queue.waiting == 0 and queue.running == 0:
+            if deployment_id in self._left_out:
+                queue.close()
+            if queue.running == 0 and queue.waiting == 0:
                 del self._queues[deployment_id]
+        self._left_out = left_out & self._queues.keys()

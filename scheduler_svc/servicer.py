@@ -21,7 +21,13 @@ from prometheus_client import CollectorRegistry
 from scheduler_svc.deadlines import first_token_deadline
 from scheduler_svc.metrics import RequestRecord, ServingMetrics
 from scheduler_svc.policies import QueueEntry
-from scheduler_svc.queues import Clock, DeploymentQueue, PolicyFactory, QueueRegistry
+from scheduler_svc.queues import (
+    Clock,
+    DeploymentQueue,
+    PolicyFactory,
+    QueueClosed,
+    QueueRegistry,
+)
 from scheduler_svc.routing import REFRESH_INTERVAL_S, Router
 from scheduler_svc.validation import check_for_deployment, check_request, resolve_max_tokens
 from scheduler_svc.worker_client import WorkerClients, WorkerStream, WorkerStreamError
@@ -116,11 +122,19 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # Unset: the deployment's max_output_tokens, as far as the prompt leaves room.
             max_tokens_is_bound = request.max_tokens == 0
             by_model = request.WhichOneof("target") == "model_id"
-            # A second attempt only when the replica's worker was gone before any token.
+            # A second attempt only when the replica's worker was gone before any token,
+            # or the replica stopped serving while the request waited.
             for attempt in range(2):
-                deployment, replica, queue, entry = await self._admit(
-                    request, record, max_tokens_is_bound
-                )
+                try:
+                    deployment, replica, queue, entry = await self._admit(
+                        request, record, max_tokens_is_bound
+                    )
+                except QueueClosed as closed:
+                    # Removed or taken out while it waited: routed afresh, it goes to what
+                    # serves now, or is told at once why nothing does.
+                    if attempt:
+                        raise errors.Unavailable(str(closed)) from None
+                    continue
                 # Sequences running beside it, itself included: at admission and at its end.
                 beside = [queue.running]
                 final: worker_pb.WorkerServiceGenerateResponse | None = None

@@ -207,6 +207,57 @@ def test_removing_a_deployment_lets_its_stream_in_flight_finish(stack):
         )
 
 
+def test_requests_waiting_when_a_deployment_is_removed_are_told_at_once(stack):
+    """One slot: a stream runs, another request waits for the slot. Removing the
+    deployment lets the stream finish (the drain) but sends the waiting request away
+    within a refresh or two, not when the stream ends and the worker is gone."""
+    register(stack, "drain-wait", make_checkpoint(stack, "drain-wait", **SERVED_SHAPE))
+    max_tokens = 1500
+    dep = deploy(stack, "drain-wait", max_output_tokens=max_tokens, batch_size=1).deployment
+    deployment_id = dep.deployment_id
+    ended: dict[str, float] = {}
+
+    def waiting_request() -> grpc.RpcError | None:
+        try:
+            list(stack.inference.Generate(long_request(deployment_id, 8), timeout=120))
+        except grpc.RpcError as exc:
+            return exc
+        finally:
+            ended["waiting"] = time.monotonic()
+        return None
+
+    try:
+        stream = stack.inference.Generate(long_request(deployment_id, max_tokens), timeout=120)
+        assert next(stream).HasField("delta")
+        with ThreadPoolExecutor(2) as pool:
+            waiting = pool.submit(waiting_request)
+            assert wait_for(lambda: waiting_count(stack, deployment_id) == 1, timeout=10)
+            removing = pool.submit(
+                stack.deployments.RemoveDeployment,
+                deploy_pb.RemoveDeploymentRequest(request_id=rid(), deployment_id=deployment_id),
+                timeout=60,
+            )
+            rest = list(stream)
+            ended["stream"] = time.monotonic()
+            removing.result()
+            refused = waiting.result()
+        assert rest[-1].final.usage.completion_tokens == max_tokens  # drained, not cut
+        assert refused is not None, "the waiting request was served by a removed deployment"
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.details()
+        assert "REMOVING" in refused.details() or "not found" in refused.details().lower()
+        assert ended["waiting"] < ended["stream"], "it waited for the stream in flight to end"
+    finally:
+        remove_if_there(stack, deployment_id)
+        stack.models.DeleteModel(
+            model_pb.DeleteModelRequest(request_id=rid(), model_id="drain-wait")
+        )
+
+
+def waiting_count(stack, deployment_id: str) -> int:
+    stats = stack.inference.GetServingStats(infer_pb.GetServingStatsRequest(request_id=rid()))
+    return sum(s.requests_waiting for s in stats.deployments if s.deployment_id == deployment_id)
+
+
 def remove_if_there(stack, deployment_id: str) -> None:
     """Remove a deployment unless it is gone already."""
     try:

@@ -9,7 +9,7 @@ import pytest
 
 from scheduler_svc.policies import EdfPolicy, FcfsPolicy, QueueEntry
 from scheduler_svc.predictor import LatencyPredictor
-from scheduler_svc.queues import DeploymentQueue, QueueRegistry
+from scheduler_svc.queues import DeploymentQueue, QueueClosed, QueueRegistry
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.errors import DeadlineExceeded, ResourceExhausted
@@ -419,5 +419,37 @@ def test_a_waiting_request_is_refused_at_its_last_start_though_nothing_happens()
         assert time.perf_counter() - start < 2.0  # woken at about 0.2 s
         assert (queue.running, queue.waiting) == (1, 0)
         queue.release(running)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_stops_serving_sends_its_waiting_requests_away_at_once():
+    """Removed (or taken out) while requests wait: they leave with QueueClosed once two
+    prunes in a row leave the replica out (one alone may be a deployment created while
+    the list was read), not when a slot frees on a worker that is draining or gone.
+    The running request keeps its slot."""
+
+    async def scenario():
+        registry = QueueRegistry(capacity=4)
+        queue = registry.queue_for(deployment("d1", 1))
+        running = entry("running")
+        await queue.acquire(running)
+        waiting = asyncio.create_task(queue.acquire(entry("waiting")))
+        await settle()
+        registry.prune(keep=[])
+        await settle()
+        assert not waiting.done()
+        registry.prune(keep=["d1"])  # serving again: the count starts over
+        registry.prune(keep=[])
+        await settle()
+        assert not waiting.done()
+        registry.prune(keep=[])
+        with pytest.raises(QueueClosed, match="deployment d1 stopped serving"):
+            await waiting
+        assert (queue.running, queue.waiting) == (1, 0)
+        assert registry.get("d1") is queue  # until its running request ends
+        queue.release(running)
+        registry.prune(keep=[])
+        assert registry.get("d1") is None
 
     asyncio.run(scenario())
