@@ -63,6 +63,15 @@ PASSED_THROUGH = {
 EVENT_TIMEOUT_S = 1.0
 
 
+def ended_by_client(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """How a request the client ended counts: DEADLINE_EXCEEDED when its deadline had
+    passed (what the client saw), else CANCELLED."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
 class ReplicaGone(errors.Unavailable):
     """A replica's worker died before the request streamed any token."""
 
@@ -205,7 +214,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         except (asyncio.CancelledError, GeneratorExit):
             # GeneratorExit: the stream was closed at a yield (the client went away
             # between messages): a cancellation, not a success with no finish reason.
-            record.code = grpc.StatusCode.CANCELLED
+            record.code = ended_by_client(context)
             raise
         except Exception:
             record.code = grpc.StatusCode.INTERNAL

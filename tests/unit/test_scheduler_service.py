@@ -669,6 +669,9 @@ def test_a_stream_closed_between_messages_is_counted_cancelled(redis_url):
         async def send_initial_metadata(self, _metadata) -> None:
             pass
 
+        def time_remaining(self) -> float | None:
+            return None  # no deadline
+
     async def scenario(h: Harness):
         await h.add_deployment("d1", FakeWorker(hang=True))
         request = inference_pb.GenerateRequest(
@@ -680,5 +683,39 @@ def test_a_stream_closed_between_messages_is_counted_cancelled(redis_url):
         await stream.aclose()
         (tally,) = h.servicer.metrics.stats()
         assert (tally.completed, tally.failed) == (0, 1)
+
+    run(redis_url, scenario)
+
+
+def test_a_client_deadline_passing_while_queued_counts_as_deadline_exceeded(redis_url):
+    """What the client saw, DEADLINE_EXCEEDED, not CANCELLED; a client that hangs up is
+    still CANCELLED."""
+
+    async def scenario(h: Harness):
+        worker = FakeWorker(gate=asyncio.Event())
+        await h.add_deployment("d1", worker, batch_size=1)
+        running = h.generate(request_id="running", deployment_id="d1")
+        await running.read()
+        timed = h.client.Generate(
+            inference_pb.GenerateRequest(
+                request_id="timed", deployment_id="d1", prompt="hello", max_tokens=3
+            ),
+            timeout=0.3,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as expired:
+            await timed.read()
+        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        hung_up = h.generate(request_id="hung-up", deployment_id="d1")
+        await h.until_waiting("d1", 1)
+        hung_up.cancel()
+
+        def failures(code: str) -> float | None:
+            labels = {"model_id": "m", "deployment_id": "d1", "code": code}
+            return h.servicer.registry.get_sample_value("iserve_request_failure_total", labels)
+
+        await h.until(lambda: failures("CANCELLED") == 1, "the hang-up to be counted")
+        assert failures("DEADLINE_EXCEEDED") == 1
+        worker.gate.set()
+        await read_rest(running)
 
     run(redis_url, scenario)
