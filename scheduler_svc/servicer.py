@@ -29,7 +29,12 @@ from scheduler_svc.queues import (
     QueueRegistry,
 )
 from scheduler_svc.routing import REFRESH_INTERVAL_S, Router
-from scheduler_svc.validation import check_for_deployment, check_request, resolve_max_tokens
+from scheduler_svc.validation import (
+    check_for_deployment,
+    check_request,
+    prompt_token_limit,
+    resolve_max_tokens,
+)
 from scheduler_svc.worker_client import WorkerClients, WorkerStream, WorkerStreamError
 from services import errors, replicas
 from services.api import common_pb2 as common
@@ -161,6 +166,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                             max_tokens=request.max_tokens,
                             max_tokens_is_bound=max_tokens_is_bound,
                             sampling=request.sampling,
+                            max_prompt_tokens=prompt_token_limit(deployment, max_tokens_is_bound)[
+                                0
+                            ],
                         )
                     )
                     # Headers now, while the worker computes, so the first token travels

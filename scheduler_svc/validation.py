@@ -41,6 +41,21 @@ def resolve_max_tokens(
         request.max_tokens = deployment.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
 
 
+def prompt_token_limit(
+    deployment: deploy_pb.Deployment, max_tokens_is_bound: bool
+) -> tuple[int, str]:
+    """The most prompt tokens a request may have on ``deployment`` (0: no limit is
+    recorded) and what the limit is. With ``max_tokens_is_bound`` (the client set no
+    max_tokens) a prompt may take the whole sequence but one token."""
+    prompt_limit, limit = deployment.max_input_tokens, deployment.max_output_tokens
+    if max_tokens_is_bound and prompt_limit and limit:
+        return (
+            sequence_length(prompt_limit, limit) - 1,
+            "max_input_tokens + max_output_tokens - 1, max_tokens being unset",
+        )
+    return prompt_limit, "max_input_tokens"
+
+
 def check_for_deployment(
     request: inference_pb.GenerateRequest,
     deployment: deploy_pb.Deployment,
@@ -55,10 +70,7 @@ def check_for_deployment(
             f"max_tokens {request.max_tokens} exceeds max_output_tokens {limit} "
             f"of deployment {deployment.deployment_id}"
         )
-    prompt_limit, what = deployment.max_input_tokens, "max_input_tokens"
-    if max_tokens_is_bound and prompt_limit and limit:
-        prompt_limit = sequence_length(prompt_limit, limit) - 1
-        what = "max_input_tokens + max_output_tokens - 1, max_tokens being unset"
+    prompt_limit, what = prompt_token_limit(deployment, max_tokens_is_bound)
     if prompt_limit and len(request.prompt_token_ids) > prompt_limit:
         raise InvalidArgument(
             f"prompt has {len(request.prompt_token_ids)} tokens; deployment "

@@ -82,6 +82,12 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
                 prompt_ids = self.runner.engine.encode(
                     request.prompt, add_special_tokens=not request.prompt_has_special_tokens
                 )
+            limit = request.max_prompt_tokens
+            require(
+                not limit or len(prompt_ids) <= limit,
+                f"prompt has {len(prompt_ids)} tokens; deployment "
+                f"{self.identity.deployment_id} accepts at most {limit}",
+            )
             return self.runner.parse(
                 prompt_ids, request.max_tokens, sampling, request.max_tokens_is_bound
             )
@@ -102,7 +108,14 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         request_iterator: AsyncIterator[worker_pb.WorkerServiceSessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        await serve_session(request_iterator, context, self._generate)
+        import asyncio, logging, traceback
+        try:
+            await serve_session(request_iterator, context, self._generate)
+        except asyncio.CancelledError:
+            logging.getLogger("dbg").warning("session cancelled: %s", asyncio.current_task().cancelling())
+            return
+        finally:
+            logging.getLogger("dbg").warning("session ended")
 
     async def _generate(
         self,

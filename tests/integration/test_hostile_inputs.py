@@ -208,6 +208,16 @@ def test_register_refuses_lying_checkpoints_and_records_nothing(stack, tmp_path)
     stack.models.ListModels(model_pb.ListModelsRequest(), timeout=10)
 
 
+def _text_of_tokens(count: int) -> str:
+    """Text that create_checkpoint's tokenizer encodes to at least ``count`` tokens and
+    not many more."""
+    tokenizer = build_tokenizer()
+    words = ["river"]
+    while len(tokenizer.encode(" ".join(words)).ids) < count:
+        words.append("river")
+    return " ".join(words)
+
+
 def test_hostile_generate_requests_are_refused_and_the_worker_lives_on(stack, served):
     [worker] = stack.agent.ListWorkers(
         agent_pb.ListWorkersRequest(deployment_id=served.deployment_id)
@@ -223,7 +233,9 @@ def test_hostile_generate_requests_are_refused_and_the_worker_lives_on(stack, se
         (dict(prompt_token_ids=[1, vocab + 10, 2]), f"outside [0, {vocab})"),
         (dict(prompt_token_ids=[2**32 - 1]), f"outside [0, {vocab})"),
         (dict(prompt_token_ids=[1] * (max_input + 1)), f"accepts at most {max_input}"),
-        (dict(prompt="word " * 4000), "max_seq_len"),
+        # The same bound on a text prompt, which only the worker encodes.
+        (dict(prompt=_text_of_tokens(max_input + 2)), f"accepts at most {max_input}"),
+        (dict(prompt="word " * 4000), f"accepts at most {max_input}"),
         (dict(prompt="hi", max_tokens=2**32 - 1), "max_output_tokens"),
         (dict(prompt="hi", sampling=common.SamplingParams(temperature=math.nan)), "temperature"),
         (dict(prompt="hi", sampling=common.SamplingParams(temperature=math.inf)), "temperature"),
