@@ -174,6 +174,17 @@ _STOP_SCHEMA = {
 }
 # Absent, null, false or 0: a request for log-probabilities is refused.
 _NO_LOGPROBS = {"anyOf": [{"const": False}, {"const": 0}, {"type": "null"}]}
+# A completion's logprobs is a count of alternatives beside the sampled token's, so 0
+# asks for log-probabilities too.
+_NO_COMPLETION_LOGPROBS = {"anyOf": [{"const": False}, {"type": "null"}]}
+# OpenAI refuses stream_options without a stream: the body's schema takes stream true,
+# or no stream_options.
+_STREAM_OPTIONS_IF_STREAMED = {
+    "anyOf": [
+        {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+        {"properties": {"stream_options": {"type": "null"}}},
+    ]
+}
 # An OpenAI text content part; the validator refuses any other kind by name.
 _TEXT_PARTS = WithJsonSchema(
     {
@@ -187,9 +198,29 @@ _TEXT_PARTS = WithJsonSchema(
 )
 
 
-# OpenAI fields whose effect this server does not have. Ignored, they would change the
-# answer in silence (a penalty not applied, JSON not enforced, a tool never offered), so
-# any value but the neutral one is a 400 naming the field; the document says the same.
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": UINT32_MAX}
+_STOP_TOKEN_IDS = WithJsonSchema(
+    {"anyOf": [{"type": "array", "items": _TOKEN_ID}, {"type": "null"}]}
+)
+
+
+def _token_ids(values: list[Any]) -> list[int] | None:
+    """``values`` as token ids, or None when they are not all integers in uint32's range
+    (JSON's 7.0 is the integer 7, as JSON Schema counts it)."""
+    ids = []
+    for value in values:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= UINT32_MAX:
+            return None
+        ids.append(value)
+    return ids
+
+
+# OpenAI's (and vLLM's) fields whose effect this server does not have. Ignored, they
+# would change the answer in silence (a penalty not applied, JSON not enforced, a tool
+# never offered), so any value but the neutral one is a 400 naming the field; the
+# document says the same.
 def _is_number(value: Any, number: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and value == number
 
@@ -201,6 +232,40 @@ _DECLINED: _Declined = {
     "frequency_penalty": (lambda v: _is_number(v, 0), [{"const": 0}], "frequency penalties are"),
     "presence_penalty": (lambda v: _is_number(v, 0), [{"const": 0}], "presence penalties are"),
     "logit_bias": (lambda v: v == {}, [{"type": "object", "maxProperties": 0}], "logit biases are"),
+    # vLLM's extras, which clients written for vLLM send.
+    "repetition_penalty": (
+        lambda v: _is_number(v, 1),
+        [{"const": 1}],
+        "repetition penalties are",
+    ),
+    "min_p": (lambda v: _is_number(v, 0), [{"const": 0}], "min_p is"),
+    "min_tokens": (lambda v: _is_number(v, 0), [{"const": 0}], "min_tokens is"),
+    "use_beam_search": (lambda v: v is False, [{"const": False}], "beam search is"),
+    "length_penalty": (
+        lambda v: _is_number(v, 1),
+        [{"const": 1}],
+        "length penalties (of beam search) are",
+    ),
+    "bad_words": (lambda v: v == [], [{"type": "array", "maxItems": 0}], "bad_words is"),
+    # An empty list allows no token (vLLM refuses it): only null is neutral.
+    "allowed_token_ids": (lambda v: False, [], "allowed_token_ids is"),
+    "guided_json": (lambda v: False, [], "guided decoding is"),
+    "guided_regex": (lambda v: False, [], "guided decoding is"),
+    "guided_choice": (lambda v: False, [], "guided decoding is"),
+    "guided_grammar": (lambda v: False, [], "guided decoding is"),
+    "include_stop_str_in_output": (
+        lambda v: v is False,
+        [{"const": False}],
+        "include_stop_str_in_output is",
+    ),
+    # The workers' detokenizers always skip them (monitor_agent/engine/detokenizer.py).
+    "skip_special_tokens": (
+        lambda v: v is True,
+        [{"const": True}],
+        "special tokens in the output (skip_special_tokens: false) are",
+    ),
+    # 0 asks for the prompt tokens' own log-probabilities: only null is neutral.
+    "prompt_logprobs": (lambda v: False, [], "prompt log-probabilities are"),
 }
 _DECLINED_CHAT: _Declined = {
     "response_format": (
@@ -209,7 +274,18 @@ _DECLINED_CHAT: _Declined = {
         "response formats other than text (JSON mode, JSON schemas) are",
     ),
     "tools": (lambda v: v == [], [{"type": "array", "maxItems": 0}], "tool calling is"),
+    # With no tools, "required" or a named function cannot be met: OpenAI answers 400.
+    "tool_choice": (
+        lambda v: v in ("none", "auto"),
+        [{"enum": ["none", "auto"]}],
+        "tool calling is",
+    ),
     "functions": (lambda v: v == [], [{"type": "array", "maxItems": 0}], "function calling is"),
+    "function_call": (
+        lambda v: v in ("none", "auto"),
+        [{"enum": ["none", "auto"]}],
+        "function calling is",
+    ),
     "modalities": (
         lambda v: v == ["text"],
         [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}],
@@ -236,10 +312,10 @@ def _declined(declined: _Declined, name: str) -> Any:
 
 class _Sampling(BaseModel):
     """Fields both endpoints share (OpenAI's names), plus iserve's ``priority`` and
-    ``deadline_ms`` and vLLM's ``ignore_eos``. Unknown fields are ignored, as
-    OpenAI-compatible servers do."""
+    ``deadline_ms`` and vLLM's ``ignore_eos``, ``top_k`` and ``stop_token_ids``. Unknown
+    fields are ignored, as OpenAI-compatible servers do."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_STREAM_OPTIONS_IF_STREAMED)
 
     model: str = Field(min_length=1)
     # GenerateRequest carries max_tokens and deadline_ms as uint32 and the seed as uint64:
@@ -256,8 +332,12 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     priority: bool = False
     deadline_ms: int = Field(default=0, ge=0, le=UINT32_MAX)
-    # vLLM's extra: generate max_tokens even past the end-of-sequence token.
+    # vLLM's extras: generate max_tokens even past the end-of-sequence token; sample among
+    # the top_k likeliest tokens (0, or vLLM's -1: all); end the generation at any of
+    # stop_token_ids too. SamplingParams carries both as uint32.
     ignore_eos: bool = False
+    top_k: int | None = Field(default=0, ge=-1, le=UINT32_MAX)
+    stop_token_ids: Annotated[Any, _STOP_TOKEN_IDS] = None
     # Asked for, they would be answered with nothing: the workers do not return
     # log-probabilities, so a request for them is refused rather than given null.
     logprobs: bool | int | None = Field(default=None, json_schema_extra=_NO_LOGPROBS)
@@ -265,6 +345,20 @@ class _Sampling(BaseModel):
     frequency_penalty: Any = _declined(_DECLINED, "frequency_penalty")
     presence_penalty: Any = _declined(_DECLINED, "presence_penalty")
     logit_bias: Any = _declined(_DECLINED, "logit_bias")
+    repetition_penalty: Any = _declined(_DECLINED, "repetition_penalty")
+    min_p: Any = _declined(_DECLINED, "min_p")
+    min_tokens: Any = _declined(_DECLINED, "min_tokens")
+    use_beam_search: Any = _declined(_DECLINED, "use_beam_search")
+    length_penalty: Any = _declined(_DECLINED, "length_penalty")
+    bad_words: Any = _declined(_DECLINED, "bad_words")
+    allowed_token_ids: Any = _declined(_DECLINED, "allowed_token_ids")
+    guided_json: Any = _declined(_DECLINED, "guided_json")
+    guided_regex: Any = _declined(_DECLINED, "guided_regex")
+    guided_choice: Any = _declined(_DECLINED, "guided_choice")
+    guided_grammar: Any = _declined(_DECLINED, "guided_grammar")
+    include_stop_str_in_output: Any = _declined(_DECLINED, "include_stop_str_in_output")
+    skip_special_tokens: Any = _declined(_DECLINED, "skip_special_tokens")
+    prompt_logprobs: Any = _declined(_DECLINED, "prompt_logprobs")
 
     # Also the endpoints' own declined fields (check_fields=False: they are declared in
     # the subclasses).
@@ -290,6 +384,30 @@ class _Sampling(BaseModel):
             raise ValueError("log-probabilities are not supported by this server")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_with_a_stream(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        # A stream that failed validation is not in info.data: it has its own error.
+        if options is not None and info.data.get("stream") is False:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, top_k: int | None) -> int:
+        """vLLM's -1 and null as the engine's 0: all tokens."""
+        return max(top_k or 0, 0)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, values: Any) -> list[int] | None:
+        ids = _token_ids(values) if isinstance(values, list) else None
+        if values is not None and ids is None:
+            raise ValueError("stop_token_ids takes token ids (integers from 0 to 2^32-1)")
+        return ids
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
@@ -302,7 +420,6 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": UINT32_MAX}
 # OpenAI's four forms of a completion prompt: text, token ids, and a list of either,
 # which here holds one prompt (one choice per request, as n = 1). An empty prompt gives
 # the model nothing to continue: the scheduler refuses it too.
@@ -328,24 +445,12 @@ _PROMPT = WithJsonSchema(
 )
 
 
-def _token_ids(values: list[Any]) -> list[int] | None:
-    """``values`` as token ids, or None when they are not all integers in uint32's range
-    (JSON's 7.0 is the integer 7, as JSON Schema counts it)."""
-    ids = []
-    for value in values:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= UINT32_MAX:
-            return None
-        ids.append(value)
-    return ids
-
-
 class CompletionBody(_Sampling):
     prompt: Annotated[Any, _PROMPT]
     # OpenAI's default, absent or null. (A chat without max_tokens generates up to the
     # deployment's max_output_tokens: the scheduler reads an unset max_tokens so.)
     max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1, le=UINT32_MAX)
+    logprobs: bool | int | None = Field(default=None, json_schema_extra=_NO_COMPLETION_LOGPROBS)
 
     echo: Any = _declined(_DECLINED_COMPLETION, "echo")
     suffix: Any = _declined(_DECLINED_COMPLETION, "suffix")
@@ -355,6 +460,14 @@ class CompletionBody(_Sampling):
     @classmethod
     def _default_for_null(cls, max_tokens: int | None) -> int:
         return COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs_count(cls, logprobs: bool | int | None) -> bool | None:
+        # 0 too: OpenAI and vLLM answer it with the sampled token's log-probability.
+        if not isinstance(logprobs, bool | None):
+            raise ValueError("log-probabilities are not supported by this server")
+        return logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -409,7 +522,9 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     response_format: Any = _declined(_DECLINED_CHAT, "response_format")
     tools: Any = _declined(_DECLINED_CHAT, "tools")
+    tool_choice: Any = _declined(_DECLINED_CHAT, "tool_choice")
     functions: Any = _declined(_DECLINED_CHAT, "functions")
+    function_call: Any = _declined(_DECLINED_CHAT, "function_call")
     modalities: Any = _declined(_DECLINED_CHAT, "modalities")
     audio: Any = _declined(_DECLINED_CHAT, "audio")
 
@@ -590,7 +705,11 @@ def _generate_request(
 ) -> inference_pb.GenerateRequest:
     """The GenerateRequest of a body, its prompt text or token ids."""
     sampling = common.SamplingParams(
-        temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
     )
     if body.seed is not None:
         sampling.seed = body.seed
@@ -622,10 +741,11 @@ def _located(error: dict[str, Any]) -> str:
 
 
 def _reason(error: dict[str, Any]) -> str:
-    """A validation error's message; pydantic's own, but for text that is not Unicode."""
+    """A validation error's message; pydantic's own, but for text that is not Unicode, and
+    without the "Value error, " pydantic puts before a validator's own message."""
     if error.get("type") == "string_unicode" and isinstance(error.get("input"), str):
         return _not_unicode(error["input"])
-    return str(error.get("msg"))
+    return str(error.get("msg")).removeprefix("Value error, ")
 
 
 # ---- the body size limit -----------------------------------------------------------

@@ -21,7 +21,15 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as infer_pb
 from services.models.checkpoint import create_checkpoint
 from tests.conftest import QUEUE_CAPACITY
-from tests.integration.helpers import TINY, deploy, make_checkpoint, register, rid, wait_for
+from tests.integration.helpers import (
+    TINY,
+    deploy,
+    generate,
+    make_checkpoint,
+    register,
+    rid,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -285,6 +293,14 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
         ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "invalid_request_error", "echo is not supported"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "end"}, 400, "invalid_request_error", "suffixes are not supported"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "invalid_request_error", "best_of above 1"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 1.1}, 400, "invalid_request_error", "repetition_penalty: repetition penalties are not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "guided_json": {"type": "object"}}, 400, "invalid_request_error", "guided_json: guided decoding is not supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "skip_special_tokens": False}, 400, "invalid_request_error", "skip_special_tokens: special tokens in the output"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "invalid_request_error", "tool_choice: tool calling is not supported"),
+        # OpenAI and vLLM answer 0 with the sampled token's log-probability.
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "invalid_request_error", "logprobs: log-probabilities are not supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -2}, 400, "invalid_request_error", "top_k: Input should be greater than or equal to -1"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400, "invalid_request_error", "stop_token_ids: stop_token_ids takes token ids"),
         ("/v1/embeddings", {"model": MODEL, "input": "x"}, 404, "not_found_error", "Not Found"),
     ],
 )  # fmt: skip
@@ -360,6 +376,57 @@ def test_text_parts_and_declined_logprobs_are_served(client):
         model=MODEL, prompt="Hello", max_tokens=2, echo=False, best_of=1, suffix=""
     )
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_stream_options_without_a_stream_is_a_400(gateway):
+    body = {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}
+    for stream in ({}, {"stream": False}):
+        reply = httpx.post(f"{gateway}/v1/completions", json={**body, **stream}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "stream_options"
+        assert error["message"].endswith("stream_options is only allowed when stream is true")
+
+
+def test_vllms_top_k_and_stop_token_ids_steer_the_generation(stack, client):
+    # Accepted and dropped before: top_k 1 sampled at temperature 1.5, and a stop token
+    # id ended nothing.
+    prompt, tokens = "The quick brown fox", 12
+    run = {"model": MODEL, "prompt": prompt, "max_tokens": tokens}
+    greedy = client.completions.create(**run, temperature=0, extra_body={"ignore_eos": True})
+    hot = {**run, "temperature": 1.5, "seed": 5}
+    sampled = client.completions.create(**hot, extra_body={"ignore_eos": True})
+    assert sampled.choices[0].text != greedy.choices[0].text  # else top_k 1 shows nothing
+    top1 = client.completions.create(**hot, extra_body={"ignore_eos": True, "top_k": 1})
+    assert top1.choices[0].text == greedy.choices[0].text
+
+    # The greedy run's token ids; the first that does not repeat an earlier one, past
+    # the second, is where a stop on its id ends the same run.
+    deltas, _ = generate(
+        stack,
+        model_id=MODEL,
+        prompt=prompt,
+        max_tokens=tokens,
+        sampling=common.SamplingParams(ignore_eos=True),
+    )
+    ids = [t for delta in deltas for t in delta.token_ids]
+    assert len(ids) == tokens
+    at = next(i for i in range(2, tokens) if ids[i] not in ids[:i])
+    cut = client.completions.create(
+        **run, temperature=0, extra_body={"ignore_eos": True, "stop_token_ids": [ids[at]]}
+    )
+    before = client.completions.create(
+        **{**run, "max_tokens": at}, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == before.choices[0].text  # the stop token's text left out
+    assert cut.usage.completion_tokens == at + 1
+    # An id outside the vocabulary (640 tokens) is never sampled, so it stops nothing.
+    beyond = client.completions.create(
+        **run, temperature=0, extra_body={"ignore_eos": True, "stop_token_ids": [10**6]}
+    )
+    assert beyond.choices[0].finish_reason == "length"
+    assert beyond.choices[0].text == greedy.choices[0].text
 
 
 def test_health_and_metrics(gateway):

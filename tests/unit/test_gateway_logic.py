@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
 
 from gateway_svc.app import Backend, StopScanner, create_app, http_status
 from gateway_svc.chat import (
@@ -19,6 +20,7 @@ from gateway_svc.chat import (
     read_template,
     render,
 )
+from services.api import inference_service_pb2 as inference_pb
 from services.models.checkpoint import DEFAULT_CHAT_TEMPLATE
 
 
@@ -143,3 +145,147 @@ def test_the_chat_endpoint_blames_the_request_only_for_a_refusal(template, statu
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["type"] == kind and says in error["message"]
+
+
+class _Call:
+    """A Generate call that ends before any token."""
+
+    async def read(self):
+        return grpc.aio.EOF
+
+    def cancel(self) -> bool:
+        return False
+
+
+class _Recorder:
+    """An InferenceService stub that keeps the requests it is sent."""
+
+    def __init__(self) -> None:
+        self.requests: list[inference_pb.GenerateRequest] = []
+
+    def Generate(self, request: inference_pb.GenerateRequest, metadata=()) -> _Call:
+        self.requests.append(request)
+        return _Call()
+
+
+def _sent(path: str, body: dict) -> inference_pb.GenerateRequest:
+    """The GenerateRequest the gateway makes of ``body``."""
+    recorder = _Recorder()
+    backend = _TemplateBackend(DEFAULT_CHAT_TEMPLATE)
+    backend.inference = recorder
+    with TestClient(create_app(lambda: backend)) as client:
+        reply = client.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    (request,) = recorder.requests
+    return request
+
+
+def _document_takes(path: str, body: dict) -> bool:
+    """Whether the gateway's OpenAPI document calls ``body`` a valid body of ``path``."""
+    document = create_app(lambda: None).openapi()
+    schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+    root = {**schema["schema"], "components": document["components"]}
+    return Draft202012Validator(root).is_valid(body)
+
+
+COMPLETION = ("/v1/completions", {"model": "m", "prompt": "hi"})
+CHAT = ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+
+@pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT])
+def test_vllms_top_k_and_stop_token_ids_reach_the_sampling(path, body):
+    sampling = _sent(path, {**body, "top_k": 40, "stop_token_ids": [7, 2**32 - 1, 3.0]}).sampling
+    assert sampling.top_k == 40
+    assert list(sampling.stop_token_ids) == [7, 2**32 - 1, 3]
+    # vLLM's -1 and 0 turn top-k off, as absent does: the engine's 0.
+    for off in ({"top_k": -1}, {"top_k": 0}, {"top_k": None}, {}):
+        sampling = _sent(path, {**body, **off, "stop_token_ids": None}).sampling
+        assert sampling.top_k == 0 and not sampling.stop_token_ids
+
+
+# The fields a vLLM client sends that change the output and that the server does not
+# have, each with a value that asks for the effect.
+VLLM_DECLINED = [
+    ("repetition_penalty", 1.2, "repetition penalties are not supported by this server"),
+    ("min_p", 0.1, "min_p is not supported by this server"),
+    ("min_tokens", 4, "min_tokens is not supported by this server"),
+    ("use_beam_search", True, "beam search is not supported by this server"),
+    ("length_penalty", 0.5, "length penalties (of beam search) are not supported by this server"),
+    ("bad_words", ["no"], "bad_words is not supported by this server"),
+    ("allowed_token_ids", [1, 2], "allowed_token_ids is not supported by this server"),
+    ("guided_json", {"type": "object"}, "guided decoding is not supported by this server"),
+    ("guided_regex", "[a-z]+", "guided decoding is not supported by this server"),
+    ("guided_choice", ["yes", "no"], "guided decoding is not supported by this server"),
+    ("guided_grammar", "root ::= 'a'", "guided decoding is not supported by this server"),
+    ("include_stop_str_in_output", True, "include_stop_str_in_output is not supported by this server"),
+    ("skip_special_tokens", False, "special tokens in the output (skip_special_tokens: false) are not supported by this server"),
+    ("prompt_logprobs", 0, "prompt log-probabilities are not supported by this server"),
+]  # fmt: skip
+NOT_TOKEN_IDS = "stop_token_ids takes token ids (integers from 0 to 2^32-1)"
+NOT_STREAMED = "stream_options is only allowed when stream is true"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field", "value", "message"),
+    [
+        *[(*endpoint, *declined) for endpoint in (COMPLETION, CHAT) for declined in VLLM_DECLINED],
+        (*COMPLETION, "top_k", -2, "Input should be greater than or equal to -1"),
+        (*CHAT, "top_k", 2**32, "Input should be less than or equal to 4294967295"),
+        (*COMPLETION, "stop_token_ids", [-1], NOT_TOKEN_IDS),
+        (*CHAT, "stop_token_ids", [2**32], NOT_TOKEN_IDS),
+        (*COMPLETION, "stop_token_ids", 7, NOT_TOKEN_IDS),
+        (*CHAT, "tool_choice", "required", "tool calling is not supported by this server"),
+        (*CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}, "tool calling is not supported by this server"),
+        (*CHAT, "function_call", {"name": "f"}, "function calling is not supported by this server"),
+        (*COMPLETION, "stream_options", {"include_usage": True}, NOT_STREAMED),
+        (CHAT[0], {**CHAT[1], "stream": False}, "stream_options", {}, NOT_STREAMED),
+        # 0 asks for the sampled token's log-probability (OpenAI, vLLM).
+        (*COMPLETION, "logprobs", 0, "log-probabilities are not supported by this server"),
+        # Without pydantic's "Value error, " before a validator's own message.
+        (*COMPLETION, "stop", ["a", ""], "stop takes up to 4 non-empty strings"),
+    ],
+)  # fmt: skip
+def test_a_parameter_whose_effect_would_be_missing_is_a_400_naming_it(
+    path, body, field, value, message
+):
+    app = create_app(lambda: _TemplateBackend(DEFAULT_CHAT_TEMPLATE))
+    with TestClient(app) as client:
+        reply = client.post(path, json={**body, field: value})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"] == f"{field}: {message}"
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert not _document_takes(path, {**body, field: value})  # the document says so too
+
+
+@pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT])
+def test_the_neutral_values_of_declined_parameters_are_served(path, body):
+    neutral = {
+        "repetition_penalty": 1,
+        "min_p": 0,
+        "min_tokens": 0,
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "bad_words": [],
+        "allowed_token_ids": None,
+        "guided_json": None,
+        "guided_regex": None,
+        "guided_choice": None,
+        "guided_grammar": None,
+        "include_stop_str_in_output": False,
+        "skip_special_tokens": True,
+        "prompt_logprobs": None,
+        "logprobs": False,
+        "top_logprobs": 0,
+        "stream_options": None,
+    }
+    served = [
+        {**body, **neutral},
+        {**body, "logprobs": None, "stop_token_ids": [], "top_k": -1},
+        {**body, "stream": True, "stream_options": {"include_usage": True}},
+    ]
+    if path == CHAT[0]:
+        served += [{**body, "tool_choice": c, "function_call": c} for c in ("none", "auto", None)]
+    for taken in served:
+        _sent(path, taken)
+        assert _document_takes(path, taken)
