@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
@@ -33,15 +33,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import (
     BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    WithJsonSchema,
-    field_validator,
 )
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway_svc.bodies import ChatBody, CompletionBody, GenerationBody
 from gateway_svc.chat import (
     BrokenChatTemplate,
     ChatTemplateError,
@@ -61,7 +57,6 @@ from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.auth.tokens import bearer
 from services.metrics import new_registry
-from services.proto_limits import UINT32_MAX, UINT64_MAX
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -155,378 +150,6 @@ class GatewayError(Exception):
     def from_rpc(cls, exc: grpc.aio.AioRpcError) -> GatewayError:
         status, kind = http_status(exc.code())
         return cls(status, kind, exc.details() or exc.code().name)
-
-
-# ---- request bodies -------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-_MAX_STOPS = 4
-# OpenAI's default max_tokens of /v1/completions.
-COMPLETION_MAX_TOKENS = 16
-_STOP_SCHEMA = {
-    "anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": _MAX_STOPS},
-        {"type": "null"},
-    ]
-}
-# Absent, null, false or 0: a request for log-probabilities is refused.
-_NO_LOGPROBS = {"anyOf": [{"const": False}, {"const": 0}, {"type": "null"}]}
-# A completion's logprobs is a count of alternatives beside the sampled token's, so 0
-# asks for log-probabilities too.
-_NO_COMPLETION_LOGPROBS = {"anyOf": [{"const": False}, {"type": "null"}]}
-# OpenAI refuses stream_options without a stream: the body's schema takes stream true,
-# or no stream_options.
-_STREAM_OPTIONS_IF_STREAMED = {
-    "anyOf": [
-        {"properties": {"stream": {"const": True}}, "required": ["stream"]},
-        {"properties": {"stream_options": {"type": "null"}}},
-    ]
-}
-# An OpenAI text content part; the validator refuses any other kind by name.
-_TEXT_PARTS = WithJsonSchema(
-    {
-        "type": "array",
-        "items": {
-            "type": "object",
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-            "required": ["type", "text"],
-        },
-    }
-)
-
-
-_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": UINT32_MAX}
-_STOP_TOKEN_IDS = WithJsonSchema(
-    {"anyOf": [{"type": "array", "items": _TOKEN_ID}, {"type": "null"}]}
-)
-
-
-def _token_ids(values: list[Any]) -> list[int] | None:
-    """``values`` as token ids, or None when they are not all integers in uint32's range
-    (JSON's 7.0 is the integer 7, as JSON Schema counts it)."""
-    ids = []
-    for value in values:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= UINT32_MAX:
-            return None
-        ids.append(value)
-    return ids
-
-
-# OpenAI's (and vLLM's) fields whose effect this server does not have. Ignored, they
-# would change the answer in silence (a penalty not applied, JSON not enforced, a tool
-# never offered), so any value but the neutral one is a 400 naming the field; the
-# document says the same.
-def _is_number(value: Any, number: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and value == number
-
-
-_Declined = dict[str, tuple[Callable[[Any], bool], list[dict[str, Any]], str]]
-# name: (whether a value is the neutral one, the neutral values' JSON schema, what is
-# not supported)
-_DECLINED: _Declined = {
-    "frequency_penalty": (lambda v: _is_number(v, 0), [{"const": 0}], "frequency penalties are"),
-    "presence_penalty": (lambda v: _is_number(v, 0), [{"const": 0}], "presence penalties are"),
-    "logit_bias": (lambda v: v == {}, [{"type": "object", "maxProperties": 0}], "logit biases are"),
-    # vLLM's extras, which clients written for vLLM send.
-    "repetition_penalty": (
-        lambda v: _is_number(v, 1),
-        [{"const": 1}],
-        "repetition penalties are",
-    ),
-    "min_p": (lambda v: _is_number(v, 0), [{"const": 0}], "min_p is"),
-    "min_tokens": (lambda v: _is_number(v, 0), [{"const": 0}], "min_tokens is"),
-    "use_beam_search": (lambda v: v is False, [{"const": False}], "beam search is"),
-    "length_penalty": (
-        lambda v: _is_number(v, 1),
-        [{"const": 1}],
-        "length penalties (of beam search) are",
-    ),
-    "bad_words": (lambda v: v == [], [{"type": "array", "maxItems": 0}], "bad_words is"),
-    # An empty list allows no token (vLLM refuses it): only null is neutral.
-    "allowed_token_ids": (lambda v: False, [], "allowed_token_ids is"),
-    "guided_json": (lambda v: False, [], "guided decoding is"),
-    "guided_regex": (lambda v: False, [], "guided decoding is"),
-    "guided_choice": (lambda v: False, [], "guided decoding is"),
-    "guided_grammar": (lambda v: False, [], "guided decoding is"),
-    "include_stop_str_in_output": (
-        lambda v: v is False,
-        [{"const": False}],
-        "include_stop_str_in_output is",
-    ),
-    # The workers' detokenizers always skip them (monitor_agent/engine/detokenizer.py).
-    "skip_special_tokens": (
-        lambda v: v is True,
-        [{"const": True}],
-        "special tokens in the output (skip_special_tokens: false) are",
-    ),
-    # 0 asks for the prompt tokens' own log-probabilities: only null is neutral.
-    "prompt_logprobs": (lambda v: False, [], "prompt log-probabilities are"),
-}
-_DECLINED_CHAT: _Declined = {
-    "response_format": (
-        lambda v: isinstance(v, dict) and v.get("type") == "text",
-        [{"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}],
-        "response formats other than text (JSON mode, JSON schemas) are",
-    ),
-    "tools": (lambda v: v == [], [{"type": "array", "maxItems": 0}], "tool calling is"),
-    # With no tools, "required" or a named function cannot be met: OpenAI answers 400.
-    "tool_choice": (
-        lambda v: v in ("none", "auto"),
-        [{"enum": ["none", "auto"]}],
-        "tool calling is",
-    ),
-    "functions": (lambda v: v == [], [{"type": "array", "maxItems": 0}], "function calling is"),
-    "function_call": (
-        lambda v: v in ("none", "auto"),
-        [{"enum": ["none", "auto"]}],
-        "function calling is",
-    ),
-    "modalities": (
-        lambda v: v == ["text"],
-        [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}],
-        "output modalities other than text are",
-    ),
-    "audio": (lambda v: False, [], "audio output is"),
-}
-_DECLINED_COMPLETION: _Declined = {
-    "echo": (lambda v: v is False, [{"const": False}], "echo is"),
-    "suffix": (lambda v: v == "", [{"type": "string", "maxLength": 0}], "suffixes are"),
-    "best_of": (lambda v: _is_number(v, 1), [{"const": 1}], "best_of above 1 is"),
-}
-
-
-_ALL_DECLINED: _Declined = {**_DECLINED, **_DECLINED_CHAT, **_DECLINED_COMPLETION}
-
-
-def _declined(declined: _Declined, name: str) -> Any:
-    """The field of a declined parameter: null by default, documented by its neutral
-    values."""
-    schema = declined[name][1]
-    return Field(default=None, json_schema_extra={"anyOf": [*schema, {"type": "null"}]})
-
-
-class _Sampling(BaseModel):
-    """Fields both endpoints share (OpenAI's names), plus iserve's ``priority`` and
-    ``deadline_ms`` and vLLM's ``ignore_eos``, ``top_k`` and ``stop_token_ids``. Unknown
-    fields are ignored, as OpenAI-compatible servers do."""
-
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_STREAM_OPTIONS_IF_STREAMED)
-
-    model: str = Field(min_length=1)
-    # GenerateRequest carries max_tokens and deadline_ms as uint32 and the seed as uint64:
-    # a larger number is a 400 here, not a failed message build (a 500).
-    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
-    # The validators below give the clear messages; the json_schema_extra say the same
-    # in the OpenAPI document, so that a request it calls valid is one the gateway takes.
-    stop: str | list[str] | None = Field(default=None, json_schema_extra=_STOP_SCHEMA)
-    n: int = Field(default=1, json_schema_extra={"const": 1})
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    priority: bool = False
-    deadline_ms: int = Field(default=0, ge=0, le=UINT32_MAX)
-    # vLLM's extras: generate max_tokens even past the end-of-sequence token; sample among
-    # the top_k likeliest tokens (0, or vLLM's -1: all); end the generation at any of
-    # stop_token_ids too. SamplingParams carries both as uint32.
-    ignore_eos: bool = False
-    top_k: int | None = Field(default=0, ge=-1, le=UINT32_MAX)
-    stop_token_ids: Annotated[Any, _STOP_TOKEN_IDS] = None
-    # Asked for, they would be answered with nothing: the workers do not return
-    # log-probabilities, so a request for them is refused rather than given null.
-    logprobs: bool | int | None = Field(default=None, json_schema_extra=_NO_LOGPROBS)
-    top_logprobs: int | None = Field(default=None, json_schema_extra=_NO_LOGPROBS)
-    frequency_penalty: Any = _declined(_DECLINED, "frequency_penalty")
-    presence_penalty: Any = _declined(_DECLINED, "presence_penalty")
-    logit_bias: Any = _declined(_DECLINED, "logit_bias")
-    repetition_penalty: Any = _declined(_DECLINED, "repetition_penalty")
-    min_p: Any = _declined(_DECLINED, "min_p")
-    min_tokens: Any = _declined(_DECLINED, "min_tokens")
-    use_beam_search: Any = _declined(_DECLINED, "use_beam_search")
-    length_penalty: Any = _declined(_DECLINED, "length_penalty")
-    bad_words: Any = _declined(_DECLINED, "bad_words")
-    allowed_token_ids: Any = _declined(_DECLINED, "allowed_token_ids")
-    guided_json: Any = _declined(_DECLINED, "guided_json")
-    guided_regex: Any = _declined(_DECLINED, "guided_regex")
-    guided_choice: Any = _declined(_DECLINED, "guided_choice")
-    guided_grammar: Any = _declined(_DECLINED, "guided_grammar")
-    include_stop_str_in_output: Any = _declined(_DECLINED, "include_stop_str_in_output")
-    skip_special_tokens: Any = _declined(_DECLINED, "skip_special_tokens")
-    prompt_logprobs: Any = _declined(_DECLINED, "prompt_logprobs")
-
-    # Also the endpoints' own declined fields (check_fields=False: they are declared in
-    # the subclasses).
-    @field_validator(*_ALL_DECLINED, check_fields=False)
-    @classmethod
-    def _refuse_declined(cls, value: Any, info: ValidationInfo) -> Any:
-        neutral, _schema, what = _ALL_DECLINED[info.field_name]
-        if value is not None and not neutral(value):
-            raise ValueError(f"{what} not supported by this server")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
-        if value:  # true, or a positive count (the completions endpoint's form)
-            raise ValueError("log-probabilities are not supported by this server")
-        return value
-
-    @field_validator("stream_options")
-    @classmethod
-    def _only_with_a_stream(
-        cls, options: StreamOptions | None, info: ValidationInfo
-    ) -> StreamOptions | None:
-        # A stream that failed validation is not in info.data: it has its own error.
-        if options is not None and info.data.get("stream") is False:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return options
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_off(cls, top_k: int | None) -> int:
-        """vLLM's -1 and null as the engine's 0: all tokens."""
-        return max(top_k or 0, 0)
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_token_ids(cls, values: Any) -> list[int] | None:
-        ids = _token_ids(values) if isinstance(values, list) else None
-        if values is not None and ids is None:
-            raise ValueError("stop_token_ids takes token ids (integers from 0 to 2^32-1)")
-        return ids
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else (stop or [])
-        if len(stops) > _MAX_STOPS or any(not s for s in stops):
-            raise ValueError(f"stop takes up to {_MAX_STOPS} non-empty strings")
-        return stop
-
-    def stop_strings(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-
-# OpenAI's four forms of a completion prompt: text, token ids, and a list of either,
-# which here holds one prompt (one choice per request, as n = 1). An empty prompt gives
-# the model nothing to continue: the scheduler refuses it too.
-_PROMPT = WithJsonSchema(
-    {
-        "anyOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "items": _TOKEN_ID, "minItems": 1},
-            {
-                "type": "array",
-                "items": {"type": "string", "minLength": 1},
-                "minItems": 1,
-                "maxItems": 1,
-            },
-            {
-                "type": "array",
-                "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1},
-                "minItems": 1,
-                "maxItems": 1,
-            },
-        ]
-    }
-)
-
-
-class CompletionBody(_Sampling):
-    prompt: Annotated[Any, _PROMPT]
-    # OpenAI's default, absent or null. (A chat without max_tokens generates up to the
-    # deployment's max_output_tokens: the scheduler reads an unset max_tokens so.)
-    max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1, le=UINT32_MAX)
-    logprobs: bool | int | None = Field(default=None, json_schema_extra=_NO_COMPLETION_LOGPROBS)
-
-    echo: Any = _declined(_DECLINED_COMPLETION, "echo")
-    suffix: Any = _declined(_DECLINED_COMPLETION, "suffix")
-    best_of: Any = _declined(_DECLINED_COMPLETION, "best_of")
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _default_for_null(cls, max_tokens: int | None) -> int:
-        return COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs_count(cls, logprobs: bool | int | None) -> bool | None:
-        # 0 too: OpenAI and vLLM answer it with the sampled token's log-probability.
-        if not isinstance(logprobs, bool | None):
-            raise ValueError("log-probabilities are not supported by this server")
-        return logprobs
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        """The prompt as text or token ids."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            # A list of prompts (texts, or token id lists): one per request.
-            if len(prompt) > 1:
-                raise ValueError(f"one prompt per request (n = 1), got a list of {len(prompt)}")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt
-        ids = _token_ids(prompt) if isinstance(prompt, list) else None
-        if not ids:
-            raise ValueError(
-                "the prompt must be text, token ids (integers from 0 to 2^32-1), or a list "
-                "of one of those; it is empty or holds something else"
-            )
-        return ids
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | Annotated[list[dict[str, Any]], _TEXT_PARTS] | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _text_parts_only(cls, content: str | list[dict[str, Any]] | None):
-        # The models are text-only: an image or audio part dropped in silence would be
-        # answered as if the user had not sent it.
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type")
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(
-                    f"only text content parts ({{'type': 'text', 'text': ...}}) are "
-                    f"supported, got type {kind!r}"
-                )
-        return content
-
-    def as_template_input(self) -> dict[str, Any]:
-        # As sent: a template may loop over content parts, as transformers lets it; keys
-        # set to null are dropped by gateway_svc.chat.template_messages.
-        return {**(self.model_extra or {}), "role": self.role, "content": self.content}
-
-
-class ChatBody(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    response_format: Any = _declined(_DECLINED_CHAT, "response_format")
-    tools: Any = _declined(_DECLINED_CHAT, "tools")
-    tool_choice: Any = _declined(_DECLINED_CHAT, "tool_choice")
-    functions: Any = _declined(_DECLINED_CHAT, "functions")
-    function_call: Any = _declined(_DECLINED_CHAT, "function_call")
-    modalities: Any = _declined(_DECLINED_CHAT, "modalities")
-    audio: Any = _declined(_DECLINED_CHAT, "audio")
 
 
 # ---- stop strings ---------------------------------------------------------------------
@@ -701,7 +324,7 @@ async def _replies(gen: _Generation) -> AsyncIterator[inference_pb.GenerateRespo
 
 
 def _generate_request(
-    body: _Sampling, prompt: str | list[int], max_tokens: int | None
+    body: GenerationBody, prompt: str | list[int], max_tokens: int | None
 ) -> inference_pb.GenerateRequest:
     """The GenerateRequest of a body, its prompt text or token ids."""
     sampling = common.SamplingParams(
@@ -946,7 +569,7 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         return await _respond(body, request, caller, http, chat=True)
 
     async def _respond(
-        body: _Sampling,
+        body: GenerationBody,
         request: inference_pb.GenerateRequest,
         caller: tuple,
         http: Request,
@@ -998,7 +621,7 @@ def _usage(final: inference_pb.GenerateFinal | None, seen: _Count) -> dict[str, 
     }
 
 
-async def _complete(gen: _Generation, body: _Sampling, ident: str, created: int, chat: bool):
+async def _complete(gen: _Generation, body: GenerationBody, ident: str, created: int, chat: bool):
     scanner = StopScanner(body.stop_strings())
     text, final, seen = [], None, _Count()
     try:
@@ -1033,7 +656,7 @@ async def _complete(gen: _Generation, body: _Sampling, ident: str, created: int,
 
 
 async def _stream(
-    gen: _Generation, body: _Sampling, ident: str, created: int, chat: bool, usage_too: bool
+    gen: _Generation, body: GenerationBody, ident: str, created: int, chat: bool, usage_too: bool
 ) -> AsyncIterator[str]:
     """The SSE events of one streamed generation (sse-starlette adds ``data: ``)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
