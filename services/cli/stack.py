@@ -11,7 +11,6 @@ addresses and pids so that other ``iserve`` commands (and ``down``) find them. L
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import signal
@@ -41,8 +40,10 @@ from services.settings import (
     Settings,
     load_settings,
     read_stack_file,
+    redacted_url,
     stack_token,
     token_file,
+    write_stack_file,
 )
 
 # Start order; ``down`` stops them in reverse (agent last, so it can stop its workers).
@@ -151,7 +152,7 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
     redis_proc = None
     if settings.redis_url:
         redis_url = settings.redis_url
-        log(f"using Redis at {redis_url}")
+        log(f"using Redis at {redacted_url(redis_url)}")
     else:
         redis_proc, redis_url = start_redis(settings.state_dir / "redis")
         stack["pids"]["redis"] = redis_proc.pid
@@ -194,7 +195,7 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         )
         raise
     stack["started_at_unix_ms"] = int(time.time() * 1000)
-    (settings.state_dir / STACK_FILE).write_text(json.dumps(stack, indent=2))
+    write_stack_file(settings.state_dir, stack)
     wait_for_restored(settings, log)
     return stack
 
@@ -337,7 +338,7 @@ def restart_service(settings: Settings, name: str, *, kill: bool = False) -> int
     if not wait_serving(settings.address(name), time.monotonic() + READY_TIMEOUT_S, proc):
         raise RuntimeError(f"{name} did not come back; last log lines:\n{_tail(log_path)}")
     stack["pids"][name] = proc.pid
-    (settings.state_dir / STACK_FILE).write_text(json.dumps(stack, indent=2))
+    write_stack_file(settings.state_dir, stack)
     return proc.pid
 
 

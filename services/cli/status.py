@@ -16,7 +16,7 @@ from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli.output import TableSpec, show_tables
 from services.health import check, http_ok
-from services.settings import Settings
+from services.settings import Settings, redacted_url
 
 MIB = 1 << 20
 
@@ -42,7 +42,7 @@ def collect_status(settings: Settings) -> dict:
         "healthy": all(s["serving"] for s in services.values()),
         "state_dir": str(settings.state_dir),
         "models_root": str(settings.models_root),
-        "redis_url": settings.redis_url,
+        "redis_url": redacted_url(settings.redis_url) if settings.redis_url else None,
         "addresses": dict(settings.addresses),
         "services": services,
         "nodes": [],

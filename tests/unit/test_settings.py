@@ -1,10 +1,19 @@
 from __future__ import annotations
 
 import json
+import stat
 
 import pytest
 
-from services.settings import DEFAULT_PORTS, GIB, load_settings
+from services.settings import (
+    DEFAULT_PORTS,
+    GIB,
+    STACK_FILE,
+    load_settings,
+    read_stack_file,
+    redacted_url,
+    write_stack_file,
+)
 
 
 def test_defaults(tmp_path):
@@ -125,3 +134,25 @@ def test_cors_origins_are_a_list_of_origins(tmp_path):
         "https://chat.example.com:8443",
     )
     assert origins("http://[::1]:8080") == ("http://[::1]:8080",)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://:S3cret@redis:6379/0", "redis://:***@redis:6379/0"),
+        ("rediss://iserve:p%40ss@[::1]:6380/1", "rediss://iserve:***@[::1]:6380/1"),
+        ("unix:///tmp/redis.sock", "unix:///tmp/redis.sock"),
+    ],
+)
+def test_a_redis_url_is_shown_without_its_password(url, shown):
+    assert redacted_url(url) == shown
+
+
+def test_stack_json_is_readable_by_its_owner_only(tmp_path):
+    """It holds the Redis URL, password and all; an older, wider file is narrowed."""
+    (tmp_path / STACK_FILE).write_text("{}")
+    (tmp_path / STACK_FILE).chmod(0o644)
+    write_stack_file(tmp_path, {"redis_url": "redis://:S3cret@redis:6379/0"})
+    assert stat.S_IMODE((tmp_path / STACK_FILE).stat().st_mode) == 0o600
+    assert read_stack_file(tmp_path)["redis_url"] == "redis://:S3cret@redis:6379/0"

@@ -1,0 +1,43 @@
+"""The embedded Redis of ``iserve up`` asks for a password that no other local user can
+read: not on its command line, in files of mode 0600, the same across restarts."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.redis_embedded import CONFIG_FILE, PASSWORD_FILE, start_redis
+
+
+def stop(proc) -> None:
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_the_embedded_redis_asks_for_a_password_kept_from_others(tmp_path):
+    data = tmp_path / "redis"
+    proc, url = start_redis(data, appendonly=False)
+    try:
+        password = (data / PASSWORD_FILE).read_text().strip()
+        assert f":{password}@" in url
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+        port = client.connection_pool.connection_kwargs["port"]
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port).ping()
+        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        for name in (PASSWORD_FILE, CONFIG_FILE):
+            assert stat.S_IMODE((data / name).stat().st_mode) == 0o600, name
+        client.set("kept", "yes")
+        client.close()
+    finally:
+        stop(proc)
+    again, url_again = start_redis(data, appendonly=False)  # as iserve up after down
+    try:
+        assert url_again.split("@")[0] == url.split("@")[0]  # the same password
+        assert redis.Redis.from_url(url_again).ping()
+    finally:
+        stop(again)
