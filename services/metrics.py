@@ -32,6 +32,7 @@ from services.settings import TlsFiles
 log = logging.getLogger("iserve.metrics")
 
 PREFIX = "iserve_"
+CONNECTION_TIMEOUT_S = 30.0
 
 
 def new_registry() -> CollectorRegistry:
@@ -51,6 +52,10 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _Quiet(WSGIRequestHandler):
+    # Seconds a connection may stay silent (its TLS handshake included) before it is
+    # dropped: each holds a thread.
+    timeout = CONNECTION_TIMEOUT_S
+
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         pass
 
@@ -78,7 +83,8 @@ def serve_metrics(
     """Serve ``registry`` as Prometheus text at ``http(s)://address/metrics`` from a daemon
     thread; returns the port (``host:0`` picks a free one). ``guard`` (authentication on)
     decides from each request's ``Authorization`` header; ``tls`` with a certificate serves
-    HTTPS. The app is prometheus-client's own WSGI exporter. OSError naming the address
+    HTTPS (asking for a client certificate when ``tls.client_auth``). The app is
+    prometheus-client's own WSGI exporter. OSError naming the address
     when it cannot be bound."""
     host, _, port = address.rpartition(":")
     app = make_wsgi_app(registry)
@@ -94,7 +100,14 @@ def serve_metrics(
     if tls is not None and tls.serves:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(str(tls.cert), str(tls.key))
-        server.socket = context.wrap_socket(server.socket, server_side=True)
+        if tls.client_auth:  # as the gRPC servers: a certificate the cluster's CA signed
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(str(tls.ca))
+        # The handshake then happens in the connection's own thread, on its first read,
+        # not in accept(): there a client that never sends would block every scrape.
+        server.socket = context.wrap_socket(
+            server.socket, server_side=True, do_handshake_on_connect=False
+        )
         scheme = "https"
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     bound = server.server_address[1]

@@ -8,9 +8,11 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import socket
 import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,16 +214,48 @@ def test_services_and_workers_talk_over_mutual_tls(tls_stack, tls_deployed):
 
 
 def test_metrics_are_served_over_https_to_admin_tokens(tls_stack):
-    settings, pki, _root = tls_stack
-    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    settings, pki, root = tls_stack
     admin = token_file(settings.state_dir, "admin").read_text().strip()
-    request = urllib.request.Request(
-        f"https://{settings.metrics_address('deploy')}/metrics",
-        headers={"Authorization": f"Bearer {admin}"},
-    )
-    with urllib.request.urlopen(request, timeout=10, context=context) as reply:
+    url = f"https://{settings.metrics_address('deploy')}/metrics"
+    scraped = scrape(url, admin, client_tls(pki))
+    assert b"iserve_grpc_server_handled_total" in scraped
+    # Mutual TLS holds here as on the gRPC ports: no certificate, or one another CA
+    # signed, is turned away before the token is read.
+    stranger = make_pki(root / "stranger-pki", ca_name="another CA")
+    for context in (client_tls(pki, certificate=False), client_tls(pki, presents=stranger)):
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            scrape(url, admin, context)
+
+
+def test_a_silent_connection_does_not_hold_up_the_scrapes(tls_stack):
+    """The TLS handshake runs in the connection's own thread: a client that connects and
+    never sends used to block every other scrape of that port."""
+    settings, pki, _root = tls_stack
+    admin = token_file(settings.state_dir, "admin").read_text().strip()
+    address = settings.metrics_address("deploy")
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port))):
+        scraped = scrape(f"https://{address}/metrics", admin, client_tls(pki), timeout=5)
+    assert b"iserve_grpc_server_handled_total" in scraped
+
+
+def client_tls(
+    pki: dict[str, Path], *, certificate: bool = True, presents: dict[str, Path] | None = None
+) -> ssl.SSLContext:
+    """A client context trusting the stack's CA, presenting the stack's certificate (or
+    ``presents``'s, or none)."""
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    identity = presents or (pki if certificate else None)
+    if identity is not None:
+        context.load_cert_chain(str(identity["cert"]), str(identity["key"]))
+    return context
+
+
+def scrape(url: str, token: str, context: ssl.SSLContext, timeout: float = 10) -> bytes:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as reply:
         assert reply.status == 200
-        assert b"iserve_grpc_server_handled_total" in reply.read()
+        return reply.read()
 
 
 def test_the_gateway_reaches_the_services_over_mutual_tls(tls_stack, tls_deployed):
