@@ -31,11 +31,14 @@ def main() -> int:
         )
     host, _, port = settings.gateway_address.rpartition(":")
 
+    # The services it calls: where one is "host:0", the port `iserve up` chose for it.
+    services = settings.as_recorded()
+
     def connect() -> Backend:
         return Backend.connect(
-            settings.address("scheduler"),
-            settings.address("deploy"),
-            settings.address("model"),
+            services.address("scheduler"),
+            services.address("deploy"),
+            services.address("model"),
             settings.models_root,
             auth=settings.auth,
         )

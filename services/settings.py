@@ -167,6 +167,11 @@ class Settings:
         """host:port where ``service`` serves its Prometheus metrics."""
         return self.metrics_addresses[service]
 
+    def metrics_url(self, service: str) -> str:
+        """The URL of ``service``'s metrics: HTTPS where this process serves TLS."""
+        scheme = "https" if self.tls is not None and self.tls.serves else "http"
+        return f"{scheme}://{self.metrics_address(service)}/metrics"
+
     def as_recorded(self) -> Settings:
         """These settings with each "host:0" address (a server binds any free port) read
         from what ``iserve up`` recorded in stack.json, where it names the port chosen:

@@ -632,8 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_model_create)
     p = model.add_parser(
         "delete",
-        help="forget a registered or imported model: its record, profiles and profiling "
-        "jobs (its checkpoint files stay on disk); refused while it is deployed",
+        help="forget a registered or imported model: its record, profiles, configuration "
+        "maps and profiling jobs (its checkpoint files stay on disk); refused while it is "
+        "deployed",
     )
     p.add_argument("model_id")
     p.set_defaults(func=cmd_model_delete)

@@ -177,7 +177,7 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
                 raise RuntimeError(f"{name} did not become ready; last log lines:\n{tail}")
             log(
                 f"{name:<10} ready on {settings.address(name)} "
-                f"(metrics http://{settings.metrics_address(name)}/metrics)"
+                f"(metrics {settings.metrics_url(name)})"
             )
         procs[GATEWAY] = _spawn(GATEWAY_MODULE, env, logs / f"{GATEWAY}.log")
         stack["pids"][GATEWAY] = procs[GATEWAY].pid

@@ -27,7 +27,7 @@ def collect_status(settings: Settings) -> dict:
     services = {
         name: {
             "address": address,
-            "metrics": f"http://{settings.metrics_address(name)}/metrics",
+            "metrics": settings.metrics_url(name),
             "serving": check(address, timeout_s=2.0),
         }
         for name, address in settings.addresses.items()

@@ -54,7 +54,7 @@ def test_any_free_port_is_chosen_once_and_reported(tmp_path):
         "ISERVE_DEVICES": "1",
         **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
         **{var: "127.0.0.1:0" for var in METRICS_ENV.values()},
-        SERVICE_ENV["estimator"]: "127.0.0.1:0",
+        **{SERVICE_ENV[name]: "127.0.0.1:0" for name in ("estimator", "model", "deploy")},
         GATEWAY_ENV: "127.0.0.1:0",
     }
     env.pop("REDIS_URL", None)
@@ -76,6 +76,26 @@ def test_any_free_port_is_chosen_once_and_reported(tmp_path):
             for url in (service["address"], service["metrics"]):
                 assert ":0/" not in url and not url.endswith(":0"), (name, url)
             assert httpx.get(service["metrics"], timeout=10).status_code == 200, name
+        # A gateway of one's own, in the foreground, with the same "host:0" addresses:
+        # it calls the services at the ports `up` chose (it dialled port 0 before: 503).
+        gateway = f"127.0.0.1:{free_port()}"
+        foreground = subprocess.Popen(
+            [sys.executable, "-m", "services.cli.main", "gateway"],
+            env={**env, GATEWAY_ENV: gateway},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            assert wait_for(lambda: _answers(f"http://{gateway}/health"), timeout=60)
+            reply = httpx.post(
+                f"http://{gateway}/v1/chat/completions",
+                json={"model": "nothing-here", "messages": [{"role": "user", "content": "hi"}]},
+                timeout=30,
+            )
+            assert reply.status_code == 404, reply.text
+        finally:
+            foreground.terminate()
+            foreground.wait(timeout=30)
     finally:
         down = run_cli(env, "down")
     assert down.returncode == 0 and "stopped" in down.stdout, down.stderr
@@ -85,3 +105,12 @@ def test_any_free_port_is_chosen_once_and_reported(tmp_path):
         up.kill()
         raise
     assert up.returncode == 0 and "the stack was stopped (iserve down)" in out, out
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -156,3 +156,19 @@ def test_stack_json_is_readable_by_its_owner_only(tmp_path):
     write_stack_file(tmp_path, {"redis_url": "redis://:S3cret@redis:6379/0"})
     assert stat.S_IMODE((tmp_path / STACK_FILE).stat().st_mode) == 0o600
     assert read_stack_file(tmp_path)["redis_url"] == "redis://:S3cret@redis:6379/0"
+
+
+def test_metrics_urls_say_https_where_the_processes_serve_tls(tmp_path):
+    plain = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
+    assert plain.metrics_url("deploy").startswith("http://")
+    pem = tmp_path / "x.pem"
+    pem.write_text("")
+    tls = load_settings(
+        {
+            "ISERVE_STATE_DIR": str(tmp_path),
+            "ISERVE_TLS_CERT": str(pem),
+            "ISERVE_TLS_KEY": str(pem),
+            "ISERVE_TLS_CA": str(pem),
+        }
+    )
+    assert tls.metrics_url("deploy") == f"https://{tls.metrics_address('deploy')}/metrics"
