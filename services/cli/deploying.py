@@ -15,7 +15,11 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.cli.arguments import whole_number
 
-PRECISIONS = {"float32": common.PRECISION_FLOAT32, "bfloat16": common.PRECISION_BFLOAT16}
+PRECISIONS = {
+    "float32": common.PRECISION_FLOAT32,
+    "bfloat16": common.PRECISION_BFLOAT16,
+    "float16": common.PRECISION_FLOAT16,  # GPUs only: the deployer refuses it on CPUs
+}
 WEIGHT_QUANTS = {
     "none": common.WEIGHT_QUANT_NONE,
     "int8": common.WEIGHT_QUANT_INT8,
@@ -233,7 +237,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=whole_number(), help="explicit: pipeline-parallel degree")
     p.add_argument("--variant", help="explicit: a registered compression variant by name")
     p.add_argument(
-        "--dtype", choices=sorted(PRECISIONS), help="explicit; default: the checkpoint's"
+        "--dtype",
+        choices=sorted(PRECISIONS),
+        help="explicit; default: the checkpoint's where the devices compute in it, else "
+        "float32 (float16 on GPUs only)",
     )
     p.add_argument("--weight-quant", choices=sorted(WEIGHT_QUANTS), help="explicit")
     p.add_argument("--kv-quant", choices=sorted(KV_QUANTS), help="explicit")

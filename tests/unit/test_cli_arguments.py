@@ -96,3 +96,19 @@ def test_an_argument_that_is_not_utf8_is_named(capsys):
 
     assert main(["generate", "d", "a\udcff\udcfe"]) == 1
     assert "an argument is not UTF-8 text (bytes b'\\xff\\xfe')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("dtype", "precision"),
+    [
+        ("float32", "PRECISION_FLOAT32"),
+        ("bfloat16", "PRECISION_BFLOAT16"),
+        ("float16", "PRECISION_FLOAT16"),  # a GPU's; the deployer refuses it on CPUs
+    ],
+)
+def test_every_precision_the_engines_serve_can_be_asked_for(dtype, precision):
+    from services.api import common_pb2 as common
+    from services.cli.deploying import request_target
+
+    args = build_parser().parse_args(["deploy", "m", "--dtype", dtype])
+    assert request_target(args)["config"].dtype == getattr(common, precision)
