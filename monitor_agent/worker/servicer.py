@@ -108,14 +108,7 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         request_iterator: AsyncIterator[worker_pb.WorkerServiceSessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        import asyncio, logging, traceback
-        try:
-            await serve_session(request_iterator, context, self._generate)
-        except asyncio.CancelledError:
-            logging.getLogger("dbg").warning("session cancelled: %s", asyncio.current_task().cancelling())
-            return
-        finally:
-            logging.getLogger("dbg").warning("session ended")
+        await serve_session(request_iterator, context, self._generate)
 
     async def _generate(
         self,
