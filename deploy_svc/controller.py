@@ -4,15 +4,19 @@ The decision (hardware type, configuration, devices, layers) is ``planning``'s a
 worker groups on the agents are ``workers``'; this module only reads state, asks the
 estimator for a ranking, reserves, launches, records, and guarantees that a failed
 Deploy leaves nothing behind: no reservation, no record, no worker. A deployment fails
-through one path (:meth:`mark_failed`).
+through one path (:meth:`mark_failed`). A Remove that comes while Deploy still starts the
+workers aborts that Deploy (ABORTED, :class:`DeploymentRemoved`): it never answers READY
+for a deployment that was removed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -60,6 +64,25 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+class DeploymentRemoved(IServeError):
+    """A Remove of the deployment came while its Deploy was starting it. Not a failed
+    launch: nothing failed, and no other configuration is tried."""
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self, deployment_id: str):
+        super().__init__(f"deployment {deployment_id} was removed while it was starting")
+
+
+@dataclass(eq=False)
+class _DeployCall:
+    """A Deploy running in this process, as a repeat of its request id waits for it."""
+
+    owner: str
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    removed: bool = False
+
+
 def _need(placement: common.Placement) -> dict[tuple[str, str], int]:
     """Bytes to reserve on each (node id, device id) of a placement."""
     return {
@@ -82,6 +105,8 @@ class DeploymentController:
         self.agents = agents
         self.workers = WorkerGroups(settings, store, agents)
         self._locks: dict[str, asyncio.Lock] = {}
+        # The Deploy calls running here, by the deployment id each would create.
+        self._calls: dict[str, _DeployCall] = {}
         self._estimator: estimator_service_pb2_grpc.EstimatorServiceStub | None = None
         self._estimator_channel: grpc.aio.Channel | None = None
         # Set once the reconciler's start-up pass has run; Deploy waits for it so that
@@ -301,6 +326,21 @@ class DeploymentController:
         await self.reconciled.wait()
         deployment_id = f"{request.model_id}-{secrets.token_hex(4)}"
         check_request_id(request.request_id)
+        # Known before the request id is claimed, so that a repeat that finds the claim
+        # finds this call too (_outcome_of).
+        call = self._calls[deployment_id] = _DeployCall(access.owner())
+        try:
+            return await self._deploy_once(request, deployment_id)
+        except DeploymentRemoved:
+            call.removed = True
+            raise
+        finally:
+            call.ended.set()
+            del self._calls[deployment_id]
+
+    async def _deploy_once(self, request, deployment_id: str) -> deploy_pb.DeployResponse:
+        """Deploy as ``deployment_id``, or answer what an earlier Deploy with the same
+        request id answers."""
         if request.request_id:
             earlier = await self.store.claim_deploy_request(request.request_id, deployment_id)
             if earlier is not None:
@@ -320,7 +360,11 @@ class DeploymentController:
         try:
             return await self._deploy(request, deployment_id)
         except BaseException:
-            if request.request_id:
+            # Only this call's claim: a rollback or a Remove may have freed it already,
+            # and another Deploy may have claimed it since.
+            if request.request_id and (
+                await self.store.deploy_request(request.request_id) == deployment_id
+            ):
                 await self.store.forget_deploy_request(request.request_id)
             raise
 
@@ -328,9 +372,21 @@ class DeploymentController:
         """The deployment an earlier Deploy with ``request_id`` made, once it is no longer
         starting (a repeat while the first still places and launches answers what the
         first does, not a STARTING record without a worker); None when that call failed
-        and forgot the request id. After ``ready_timeout_s`` and a margin, the record as
-        it stands."""
+        and forgot the request id; DeploymentRemoved when a Remove aborted it. After
+        ``ready_timeout_s`` and a margin, the record as it stands."""
         deadline = time.monotonic() + 2 * self.settings.ready_timeout_s + 30.0
+        first = self._calls.get(deployment_id)
+        if first is not None:
+            # The first call runs here: its end tells a removal from a failure, which
+            # leave Redis alike (no record, no request id).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(first.ended.wait(), deadline - time.monotonic())
+            if first.removed:
+                access.check_owner(
+                    f"request_id {request_id!r} names deployment {deployment_id}, which",
+                    first.owner,
+                )
+                raise DeploymentRemoved(deployment_id)
         while True:
             existing = await self.store.get_deployment(deployment_id)
             late = time.monotonic() > deadline
@@ -393,6 +449,8 @@ class DeploymentController:
             decision.replica_placements.extend(more)
             try:
                 return await self._launch(request, deployment_id, prepared, decision, latency)
+            except DeploymentRemoved:
+                raise
             except IServeError as exc:
                 if request.HasField("config"):
                     raise
@@ -417,8 +475,8 @@ class DeploymentController:
     ) -> deploy_pb.DeployResponse:
         """Record, start and wait for the workers of every replica of a reserved decision
         (replica 0 on ``decision.placement``, the others on ``decision.replica_placements``);
-        on any failure stop what started, release every replica's memory and delete the
-        record."""
+        on any failure, or a Remove meanwhile (DeploymentRemoved), stop what started,
+        release every replica's memory and delete the record."""
         model, limits = prepared.model, prepared.limits
         deployment = deploy_pb.Deployment(
             deployment_id=deployment_id,
@@ -452,20 +510,32 @@ class DeploymentController:
                 ),
                 return_exceptions=True,
             )
-            for outcome in started:
-                if isinstance(outcome, BaseException):
-                    raise outcome
         except BaseException:
-            await self.workers.teardown(deployment)
-            await self.store.delete_deployment(deployment)
+            await self._roll_back(deployment)
             raise
-        for replica, address in zip(deployment.replicas, started, strict=True):
-            replica.worker_address = address
-            replica.state = deploy_pb.DEPLOYMENT_STATE_READY
-        deployment.worker_address = deployment.replicas[0].worker_address
-        deployment.state = deploy_pb.DEPLOYMENT_STATE_READY
-        await self.store.put_deployment(deployment)
-        await self.store.publish_event("deployment_ready", deployment_id=deployment_id)
+        failure = next((o for o in started if isinstance(o, BaseException)), None)
+        # Remove holds the lock from start to end: one that came while the workers started
+        # has ended (it stopped them, or they started after it and are stopped here), and
+        # one that comes later finds the record READY, or none.
+        async with self.lock(deployment_id):
+            current = await self.store.get_deployment(deployment_id)
+            removed = current is None or current.state == deploy_pb.DEPLOYMENT_STATE_REMOVING
+            if removed or failure is not None:
+                await self._roll_back(deployment)
+            else:
+                for replica, address in zip(deployment.replicas, started, strict=True):
+                    replica.worker_address = address
+                    replica.state = deploy_pb.DEPLOYMENT_STATE_READY
+                deployment.worker_address = deployment.replicas[0].worker_address
+                deployment.state = deploy_pb.DEPLOYMENT_STATE_READY
+                await self.store.put_deployment(deployment)
+                await self.store.publish_event("deployment_ready", deployment_id=deployment_id)
+        if removed or failure is not None:
+            self._locks.pop(deployment_id, None)
+            if removed:
+                # The workers' failure, if any, is the Remove stopping them.
+                raise DeploymentRemoved(deployment_id) from failure
+            raise failure
         log.info(
             "deployment %s ready at %s (%s, rank %d, %d replica(s))",
             deployment_id,
@@ -477,6 +547,11 @@ class DeploymentController:
         return deploy_pb.DeployResponse(
             request_id=request.request_id, deployment=deployment, decision=decision
         )
+
+    async def _roll_back(self, deployment: deploy_pb.Deployment) -> None:
+        """Stop every replica's workers, release their memory, delete the record."""
+        await self.workers.teardown(deployment)
+        await self.store.delete_deployment(deployment)
 
     async def _reserve_replicas(
         self,

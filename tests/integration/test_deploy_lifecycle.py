@@ -1,5 +1,6 @@
 """Deployment lifecycle under pressure on the real stack: concurrent deploys on a box
-with room for fewer, a failed launch rolled back, and a deployer killed and restarted."""
+with room for fewer, a failed launch rolled back, a deployment removed while it starts,
+and a deployer killed and restarted."""
 
 from __future__ import annotations
 
@@ -137,6 +138,73 @@ def test_a_launch_that_fails_is_rolled_back_leaving_nothing(stack, small_model):
         if w.deployment_id.startswith("life-llama")
         and w.state in (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY)
     ]
+
+
+def test_a_remove_while_the_deploy_starts_aborts_it_leaving_nothing(stack, small_model):
+    before = reserved_by_device(stack)
+    request_id = rid()
+    deploying = stack.deployments.Deploy.future(
+        deploy_pb.DeployRequest(
+            model_id="life-llama",
+            config=TP1,
+            request_id=request_id,
+            max_input_tokens=MAX_INPUT,
+            max_output_tokens=MAX_OUTPUT,
+        ),
+        timeout=180,
+    )
+    try:
+        starting = first_record_of(stack, deploying)
+        assert starting.state == deploy_pb.DEPLOYMENT_STATE_STARTING
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=starting.deployment_id), timeout=120
+        )
+        with pytest.raises(grpc.RpcError) as aborted:
+            deploying.result(timeout=180)
+    finally:
+        for dep in life_llama_deployments(stack):
+            stack.deployments.RemoveDeployment(
+                deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id), timeout=120
+            )
+    # Neither READY nor the workers' "killed by SIGTERM before it was ready" of a crash.
+    assert aborted.value.code() == grpc.StatusCode.ABORTED, aborted.value.details()
+    assert aborted.value.details() == (
+        f"deployment {starting.deployment_id} was removed while it was starting"
+    )
+    assert not life_llama_deployments(stack)
+    assert reserved_by_device(stack) == before
+
+    async def leftovers(store: StateStore):
+        keys = [k async for k in store.redis.scan_iter(match=f"*{starting.deployment_id}*")]
+        return keys, await store.reservation_owners(), await store.deploy_request(request_id)
+
+    keys, owners, bound = with_store(stack, leftovers)
+    assert keys == [] and bound is None
+    assert not [o for o in owners if o.startswith(starting.deployment_id)]
+    workers = stack.agent.ListWorkers(agent_pb.ListWorkersRequest()).workers
+    assert not [
+        w
+        for w in workers
+        if w.deployment_id == starting.deployment_id
+        and w.state in (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY)
+    ]
+
+
+def life_llama_deployments(stack) -> list[deploy_pb.Deployment]:
+    return list(
+        stack.deployments.ListDeployments(
+            deploy_pb.ListDeploymentsRequest(model_id="life-llama")
+        ).deployments
+    )
+
+
+def first_record_of(stack, deploying: grpc.Future) -> deploy_pb.Deployment:
+    """The record of the Deploy in flight, as soon as it is written."""
+    while not deploying.done():
+        found = life_llama_deployments(stack)
+        if found:
+            return found[0]
+    raise AssertionError(f"the Deploy ended before its record was seen: {deploying.exception()}")
 
 
 def test_killing_and_restarting_the_deployer_loses_no_deployment(stack, small_model):

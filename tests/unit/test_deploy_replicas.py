@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from deploy_svc import planning
-from deploy_svc.controller import DeploymentController
+from deploy_svc.controller import DeploymentController, DeploymentRemoved
 from deploy_svc.explicit import ExplicitPlan
 from deploy_svc.healing import RestartPolicy
 from deploy_svc.reconciler import Reconciler
@@ -471,6 +471,55 @@ def test_a_repeat_of_a_deploy_still_starting_answers_what_the_first_does(run):
         assert two.worker_address == one.worker_address != ""
         assert agent.started == [one.deployment_id]  # launched once
         await controller.remove(one.deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("how", ["explicit", "intent"])
+def test_a_remove_while_the_workers_start_aborts_the_deploy_and_its_repeat(run, how):
+    # The workers come up only after the Remove has stopped the group (the agent had not
+    # started them yet). Deploy answered READY for the removed deployment; an intent
+    # must not go on to its next configuration under the removed id either.
+    def ranked(rank: int) -> estimator_pb.RankedConfig:
+        config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1, batch_size=1)
+        estimate = estimator_pb.ConfigEstimate(config=config, memory_total_bytes=GIB // 10)
+        return estimator_pb.RankedConfig(rank=rank, estimate=estimate, meets_intent=True)
+
+    async def scenario(store):
+        agent = FakeAgent()
+        agent.gate = asyncio.Event()
+        controller = await controller_on(
+            store, agent, 2, 2, estimator=FakeEstimator([ranked(1), ranked(2)])
+        )
+        if how == "explicit":
+            request = deploy_request(1, request_id="removed-id")
+        else:
+            intent = common.Intent(kind=common.INTENT_KIND_MIN_COST)
+            request = deploy_pb.DeployRequest(model_id="m", intent=intent, request_id="removed-id")
+        first = asyncio.create_task(controller.deploy(request))
+        while not agent.started:
+            await asyncio.sleep(0.01)
+        repeat = asyncio.create_task(controller.deploy(request))
+        await asyncio.sleep(0.3)  # the repeat waits for the first
+        [deployment] = await store.list_deployments()
+        await controller.remove(deployment.deployment_id)
+        agent.gate.set()
+        for call in (first, repeat):
+            with pytest.raises(DeploymentRemoved) as removed:
+                await call
+            assert removed.value.code == grpc.StatusCode.ABORTED
+            assert str(removed.value) == (
+                f"deployment {deployment.deployment_id} was removed while it was starting"
+            )
+        assert agent.started == [deployment.deployment_id]  # nothing else launched
+        assert agent.stopped == [deployment.deployment_id] * 2  # by Remove, then by Deploy
+        assert await nothing_left(store)
+        assert await store.deploy_request("removed-id") is None
+        # The request id is free again: a Deploy with it now deploys afresh.
+        again = (await controller.deploy(request)).deployment
+        assert again.deployment_id != deployment.deployment_id and again.state == READY
+        await controller.remove(again.deployment_id)
         assert await nothing_left(store)
 
     run(scenario)
