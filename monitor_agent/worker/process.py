@@ -76,6 +76,8 @@ PARENT_POLL_S = 1.0
 LOST_GROUP_DRAIN_S = 1.0
 PYTORCH_ENGINE = "pytorch"
 TENSORRT_LLM_ENGINE = "tensorrt_llm"
+# How long the worker waits, once its server stopped, for gRPC to end the calls it cut.
+CUT_CALLS_WAIT_S = 1.0
 # Options only the TensorRT-LLM engine runs.
 TRTLLM_ONLY_WEIGHT_QUANTIZATIONS = tuple(
     q for q in trtllm_mapping.WEIGHT_QUANTIZATIONS if q not in WEIGHT_QUANTIZATIONS
@@ -338,6 +340,20 @@ def parent_watch(parent_pid: int) -> Callable[[], Awaitable[None]]:
     return watch_parent
 
 
+async def wait_for_cut_calls(timeout_s: float = CUT_CALLS_WAIT_S) -> None:
+    """Wait up to ``timeout_s`` seconds for the loop's other tasks to end.
+
+    Stopping the server cuts the calls still open (the scheduler's Session stays open for
+    as long as the worker lives), and gRPC's task for each call takes a few loop steps
+    more to end. One that the closing event loop cancels instead is logged as an ERROR
+    traceback ("Exception not handled by _handle_exceptions ... CancelledError") although
+    nothing failed.
+    """
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=timeout_s)
+
+
 async def serve(args: argparse.Namespace, engine: Engine | TrtLlmEngine) -> bool:
     """Serve WorkerService until SIGTERM; True when it stopped because the parallel group
     lost a rank."""
@@ -394,6 +410,7 @@ async def serve(args: argparse.Namespace, engine: Engine | TrtLlmEngine) -> bool
             drain_timeout_s=args.drain_timeout_s,
             security=security,
         )
+        await wait_for_cut_calls()
     finally:
         runner.close()
         if group is not None:

@@ -112,6 +112,37 @@ def test_a_generation_that_outlasts_the_drain_timeout_is_cut(checkpoint, tmp_pat
         proc.wait(EXIT_WAIT_S)
 
 
+def test_a_worker_stopped_with_the_schedulers_session_open_logs_no_error(checkpoint, tmp_path):
+    # Removing a deployment stops its worker while the scheduler's Session is still open:
+    # that is no error (each such stop used to log an ERROR traceback of a CancelledError
+    # in gRPC's task for the Session, cancelled by the closing event loop).
+    proc, address = start(checkpoint, tmp_path, drain_timeout_s=5)
+
+    async def scenario():
+        # Three sessions, one per scheduler: the error came with most stops of a worker
+        # with one session open, with every stop of one with three.
+        schedulers = [WorkerClients() for _ in range(3)]
+        try:
+            for clients in schedulers:
+                stream = clients.session(address).start(request("short", 4))
+                while not (await stream.read()).finish_reason:
+                    pass
+            proc.send_signal(signal.SIGTERM)
+            return await asyncio.to_thread(proc.wait, EXIT_WAIT_S)
+        finally:
+            for clients in schedulers:
+                await clients.close()
+
+    try:
+        exit_code = asyncio.run(asyncio.wait_for(scenario(), 60))
+        log = (tmp_path / "worker.log").read_text()
+        assert exit_code == 0, log
+        assert " ERROR " not in log and "Traceback" not in log, log
+    finally:
+        proc.kill()
+        proc.wait(EXIT_WAIT_S)
+
+
 def test_the_drain_timeout_comes_from_the_environment_unless_given(monkeypatch):
     argv = ["--deployment-id", "d", "--checkpoint", "c", "--ready-file", "r"]
     monkeypatch.setenv("ISERVE_DRAIN_TIMEOUT_S", "7.5")
