@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,7 @@ from pydantic import (
 )
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from gateway_svc.bodies import ChatBody, CompletionBody, GenerationBody
 from gateway_svc.chat import (
@@ -56,7 +58,10 @@ from services.api import (
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.auth.tokens import bearer
+from services.errors import InvalidArgument
+from services.ids import check_model_id
 from services.metrics import new_registry
+from services.settings import MAX_TOKEN_LENGTH, MIN_TOKEN_LENGTH
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -181,6 +186,20 @@ class StopScanner:
 
 
 # ---- the backend ----------------------------------------------------------------------
+# gRPC metadata: the caller's ``authorization`` entry, or none.
+Metadata = tuple[tuple[str, str], ...]
+
+# What can be an iserve token (services.auth.tokens: ``isv_...`` or an operator's 24-512
+# printable characters), in the printable ASCII without spaces that gRPC metadata
+# carries. Anything else is refused at the gateway: passed on, it would fail in the gRPC
+# library (a 500) or on the services' metadata size limit (a 429 naming gRPC internals).
+_TOKEN_SHAPE = re.compile(rf"[!-~]{{{MIN_TOKEN_LENGTH},{MAX_TOKEN_LENGTH}}}")
+_NOT_A_TOKEN = (
+    f"the bearer token is not an iserve token ({MIN_TOKEN_LENGTH}-{MAX_TOKEN_LENGTH} "
+    "printable ASCII characters without spaces; `iserve token create` issues them)"
+)
+
+
 @dataclass
 class Backend:
     """gRPC stubs the gateway calls, and where checkpoints live (for chat templates)."""
@@ -220,10 +239,17 @@ class Backend:
             channels=channels,
         )
 
-    def caller(self, request: Request) -> tuple[tuple[str, str], ...]:
+    def caller(self, request: Request) -> Metadata:
         """gRPC metadata carrying the HTTP client's bearer token; 401 when authentication
-        is on and it sent none."""
+        is on and it sent none, or something that cannot be a token (before any call)."""
         token = bearer(request.headers.get("authorization", ""))
+        if token and not _TOKEN_SHAPE.fullmatch(token):
+            if self.auth:
+                raise GatewayError(401, "authentication_error", _NOT_A_TOKEN)
+            # Nothing is checked with authentication off, yet OpenAI's clients must send
+            # a key, and those written for vLLM send placeholders ("EMPTY"): sent on as
+            # no token, they are served as before instead of refused.
+            token = ""
         if not token:
             if self.auth:
                 raise GatewayError(
@@ -239,7 +265,42 @@ class Backend:
         for channel in self.channels:
             await channel.close()
 
-    async def chat_template(self, model_id: str) -> tuple[str, dict[str, str]]:
+    async def check_deployed_for(self, model_id: str, caller: Metadata) -> None:
+        """Returns when the caller may see a deployment of ``model_id``, or authentication
+        is off. Otherwise the scheduler's answer for a model without a deployment, whether
+        it exists or not: 400 for an id that cannot be a model's, else 404. A token the
+        deployment service refuses is its 401 (403 for a role that sees no deployment).
+
+        A deployment in any state will do: the caller may list it anyway, and the
+        scheduler answers for one not READY (503 while it starts, which a 404 here would
+        turn into "give up"). One ListDeployments with the caller's token, uncached, so a
+        revoked token is refused as soon as the services refuse it."""
+        if not self.auth:
+            return  # every caller may use everything: the model record says what is missing
+        try:
+            reply = await self.deployments.ListDeployments(
+                deploy_pb.ListDeploymentsRequest(model_id=model_id),
+                timeout=self.rpc_timeout_s,
+                metadata=caller,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise GatewayError.from_rpc(exc) from None
+        if reply.deployments:
+            return
+        try:
+            check_model_id(model_id)
+        except InvalidArgument as exc:
+            raise GatewayError(400, "invalid_request_error", str(exc), "model") from None
+        raise GatewayError(404, "not_found_error", f"model {model_id} has no deployment", "model")
+
+    async def chat_template(self, model_id: str, caller: Metadata) -> tuple[str, dict[str, str]]:
+        """The chat template of ``model_id``'s checkpoint and its special tokens.
+
+        The model record is read with the gateway's own token, so only once the caller
+        has shown it may use the model (:meth:`check_deployed_for`): else any token, even
+        one the services refuse, would learn which models exist and which have a
+        template, and make the gateway read their checkpoints."""
+        await self.check_deployed_for(model_id, caller)
         try:
             reply = await self.models.GetModel(
                 model_pb.GetModelRequest(model_id=model_id), timeout=self.rpc_timeout_s
@@ -409,6 +470,10 @@ class BodyLimit:
 
 
 # ---- the app --------------------------------------------------------------------------
+# The /metrics endpoint label of a request no route takes.
+UNMATCHED = "unmatched"
+
+
 def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = ()) -> FastAPI:
     """The app; ``connect`` builds the backend on the server's own event loop (gRPC aio
     channels belong to the loop they were made on). Pages from ``cors_origins`` (``*``:
@@ -451,11 +516,27 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         registry=registry,
     )
 
+    def endpoint_of(scope: dict[str, Any]) -> str:
+        """The path template of the route that takes the request (the router's choice:
+        the first full match, else the first that takes the path but not the method), or
+        UNMATCHED. Matched here rather than read from the scope, because a request the
+        body limit answers never reaches the router."""
+        partial = None
+        for route in app.router.routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return route.path_format
+            if match is Match.PARTIAL and partial is None:
+                partial = route.path_format
+        return partial or UNMATCHED
+
     @app.middleware("http")
     async def count(request: Request, call_next):
         started = time.perf_counter()
         response = await call_next(request)
-        endpoint = request.url.path if request.url.path.startswith("/v1/") else "other"
+        # Labelled by route, never by the path sent: /metrics is open, and a series per
+        # path would name the model ids asked for and grow with every path anyone sends.
+        endpoint = endpoint_of(request.scope)
         requests.labels(endpoint, str(response.status_code)).inc()
         latency.labels(endpoint).observe(time.perf_counter() - started)
         return response
@@ -556,7 +637,7 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
     @app.post("/v1/chat/completions", responses=_GENERATION_REPLIES)
     async def chat_completions(body: ChatBody, http: Request):
         caller = backend.caller(http)
-        template, tokens = await backend.chat_template(body.model)
+        template, tokens = await backend.chat_template(body.model, caller)
         try:
             prompt = render(template, [m.as_template_input() for m in body.messages], tokens)
         except ChatTemplateError as exc:

@@ -435,6 +435,42 @@ def test_health_and_metrics(gateway):
     assert "iserve_gateway_requests_total" in metrics
 
 
+def test_metrics_count_routes_not_the_paths_asked_for(gateway):
+    # /metrics is open: a series per path sent named every model id asked for, and
+    # grew without bound (3,000 requests made it 17 MB).
+    with httpx.Client(base_url=gateway, timeout=30) as client:
+
+        def series() -> set[str]:
+            text = client.get("/metrics").text
+            assert "secret-model" not in text and "/probe" not in text
+            return {line.split(" ")[0] for line in text.splitlines() if "endpoint=" in line}
+
+        def ask(first: int, count: int) -> None:
+            for i in range(first, first + count):
+                assert client.get(f"/v1/models/secret-model-{i}").status_code == 404
+                assert client.get(f"/probe/{i}/{'x' * 200}").status_code == 404
+
+        ask(0, 2)
+        settled = series()
+        ask(2, 300)
+        assert series() == settled
+    assert 'iserve_gateway_requests_total{endpoint="/v1/models/{model_id}",status="404"}' in settled
+    assert 'iserve_gateway_requests_total{endpoint="unmatched",status="404"}' in settled
+
+
+def test_with_authentication_off_a_header_that_cannot_be_a_token_is_ignored(gateway):
+    # Non-ASCII was a 500 (gRPC metadata is ASCII) and 60 KB a 429 (the services'
+    # metadata limit); with nothing checked they are served as no token is.
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    for header in (b"Bearer \xe9" + b"a" * 40, b"Bearer " + b"a" * 60_000):
+        listed = httpx.get(f"{gateway}/v1/models", headers=[(b"authorization", header)], timeout=30)
+        assert listed.status_code == 200, listed.text
+        served = httpx.post(
+            f"{gateway}/v1/completions", json=body, headers=[(b"authorization", header)], timeout=60
+        )
+        assert served.status_code == 200, served.text
+
+
 def _hold(gateway: str, stop: threading.Event, started: list[int]) -> None:
     """A long streamed completion, read until ``stop`` (then the connection closes)."""
     body = {"model": MODEL, "prompt": "hold", "max_tokens": MAX_OUTPUT, "stream": True}

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from gateway_svc.app import Backend, StopScanner, create_app, http_status
+from gateway_svc.app import UNMATCHED, Backend, StopScanner, create_app, http_status
 from gateway_svc.chat import (
     BrokenChatTemplate,
     ChatTemplateError,
@@ -20,7 +20,9 @@ from gateway_svc.chat import (
     read_template,
     render,
 )
+from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
+from services.api import model_service_pb2 as model_pb
 from services.models.checkpoint import DEFAULT_CHAT_TEMPLATE
 
 
@@ -126,7 +128,7 @@ class _TemplateBackend(Backend):
         super().__init__(None, None, None, Path("."))
         self.template = template
 
-    async def chat_template(self, model_id: str) -> tuple[str, dict[str, str]]:
+    async def chat_template(self, model_id: str, caller) -> tuple[str, dict[str, str]]:
         return self.template, {}
 
 
@@ -289,3 +291,147 @@ def test_the_neutral_values_of_declined_parameters_are_served(path, body):
     for taken in served:
         _sent(path, taken)
         assert _document_takes(path, taken)
+
+
+class _Deployments:
+    """A DeploymentService stub: ``deployments`` are what the caller's token sees."""
+
+    def __init__(self, deployments: list[deploy_pb.Deployment]) -> None:
+        self.deployments = deployments
+        self.callers: list[tuple] = []
+
+    async def ListDeployments(self, request, timeout=None, metadata=()):
+        self.callers.append(metadata)
+        found = [d for d in self.deployments if request.model_id in ("", d.model_id)]
+        return deploy_pb.ListDeploymentsResponse(deployments=found)
+
+
+class _Models:
+    """A ModelService stub whose every model's checkpoint is ``checkpoint_path``; it keeps
+    the ids it was asked for (read with the gateway's own token)."""
+
+    def __init__(self, checkpoint_path: str) -> None:
+        self.checkpoint_path = checkpoint_path
+        self.read: list[str] = []
+
+    async def GetModel(self, request, timeout=None):
+        self.read.append(request.model_id)
+        model = model_pb.Model(model_id=request.model_id, checkpoint_path=self.checkpoint_path)
+        return model_pb.GetModelResponse(model=model)
+
+
+TOKEN = "isv_0123456789abcdef_" + "A" * 43
+
+
+def _backend(
+    tmp_path: Path, deployments: tuple[deploy_pb.Deployment, ...] = (), *, auth: bool = True
+) -> Backend:
+    """A backend on stubs; every model's checkpoint has the default chat template."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": DEFAULT_CHAT_TEMPLATE})
+    )
+    stubs = (_Recorder(), _Deployments(list(deployments)), _Models("ckpt"))
+    return Backend(*stubs, tmp_path, auth=auth)
+
+
+@pytest.mark.parametrize(
+    ("model", "status", "says"),
+    [
+        ("zz9", 404, "model zz9 has no deployment"),
+        ("Not/An/Id", 400, "invalid model_id 'Not/An/Id'"),
+    ],
+)
+def test_a_chat_reads_no_model_record_before_the_caller_sees_a_deployment(
+    tmp_path, model, status, says
+):
+    backend = _backend(tmp_path)
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(create_app(lambda: backend)) as client:
+        reply = client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+    assert reply.status_code == status, reply.text
+    assert reply.json()["error"]["message"].startswith(says)
+    assert reply.json()["error"]["param"] == "model"
+    assert backend.models.read == []  # asked with the caller's token only
+    assert backend.deployments.callers == [(("authorization", f"Bearer {TOKEN}"),)]
+
+
+def test_a_chat_on_a_deployment_the_caller_sees_reads_the_template(tmp_path):
+    seen = deploy_pb.Deployment(deployment_id="m1-0000", model_id="m1")
+    backend = _backend(tmp_path, (seen,))
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(create_app(lambda: backend)) as client:
+        reply = client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+    assert reply.status_code == 200, reply.text
+    assert backend.models.read == ["m1"]
+    (sent,) = backend.inference.requests
+    assert sent.prompt == "<|user|>\nhi\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        b"Bearer \xe9" + TOKEN.encode(),  # latin-1: gRPC metadata is ASCII
+        b"Bearer " + b"a" * 60_000,  # past the services' metadata limit
+        b"Bearer short",  # no token is under 24 characters
+        b"Bearer " + TOKEN[:30].encode() + b"\x7f" + TOKEN[30:].encode(),
+    ],
+)
+def test_what_cannot_be_a_token_is_a_401_before_any_call(tmp_path, authorization):
+    backend = _backend(tmp_path)
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(create_app(lambda: backend)) as client:
+        replies = [
+            client.get("/v1/models", headers=[(b"authorization", authorization)]),
+            client.post(
+                "/v1/chat/completions", json=body, headers=[(b"authorization", authorization)]
+            ),
+        ]
+    for reply in replies:
+        assert reply.status_code == 401, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "authentication_error"
+        assert error["message"].startswith("the bearer token is not an iserve token")
+        assert reply.headers["www-authenticate"] == 'Bearer realm="iserve"'
+    assert backend.deployments.callers == [] and backend.inference.requests == []
+
+
+def test_with_authentication_off_what_cannot_be_a_token_is_not_sent_on(tmp_path):
+    # OpenAI's clients must send a key: those written for vLLM send a placeholder.
+    backend = _backend(tmp_path, auth=False)
+    with TestClient(create_app(lambda: backend)) as client:
+        for authorization in (b"Bearer EMPTY", b"Bearer \xe9" + TOKEN.encode()):
+            reply = client.get("/v1/models", headers=[(b"authorization", authorization)])
+            assert reply.status_code == 200, reply.text
+    assert backend.deployments.callers == [(), ()]
+
+
+def test_metrics_count_requests_by_route_not_by_the_path_sent(tmp_path):
+    backend = _backend(tmp_path, auth=False)
+    with TestClient(create_app(lambda: backend)) as client:
+        client.get("/metrics")
+        for i in range(50):
+            assert client.get(f"/v1/models/secret-model-{i}").status_code == 404
+            assert client.get(f"/probe-{i}/{'x' * 200}").status_code == 404
+        assert client.get("/v1/completions").status_code == 405
+        too_large = client.post("/v1/completions", headers={"content-length": "x"})
+        assert too_large.status_code == 413
+        after = client.get("/metrics").text
+    assert "secret-model" not in after and "probe-" not in after
+    counted = {
+        line.split(" ")[0].removeprefix("iserve_gateway_requests_total")
+        for line in after.splitlines()
+        if line.startswith("iserve_gateway_requests_total")
+    }
+    # A method the route does not take, and a body refused before routing, are the route's.
+    assert counted == {
+        '{endpoint="/metrics",status="200"}',
+        '{endpoint="/v1/models/{model_id}",status="404"}',
+        f'{{endpoint="{UNMATCHED}",status="404"}}',
+        '{endpoint="/v1/completions",status="405"}',
+        '{endpoint="/v1/completions",status="413"}',
+    }
