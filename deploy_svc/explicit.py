@@ -12,7 +12,7 @@ from services.engine_rules import (
     parallel_problem,
     served_dtypes,
 )
-from services.errors import InvalidArgument
+from services.errors import InvalidArgument, shown
 from services.token_limits import check_batch_size, sequence_length, token_limits
 
 
@@ -126,7 +126,7 @@ def variant_of(model: model_pb.Model, name: str) -> common.CompressionVariant:
         if variant.name == name:
             return variant
     raise InvalidArgument(
-        f"model {model.model_id} has no variant {name!r} "
+        f"model {model.model_id} has no variant {shown(name)} "
         f"(variants: {', '.join(v.name for v in model.variants) or 'none'})"
     )
 

@@ -6,6 +6,7 @@ from deploy_svc.controller import DeploymentController
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
 from services.auth import access
+from services.errors import NotFound
 
 
 class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
@@ -21,7 +22,12 @@ class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
 
     async def GetDeployment(self, request, context):
         deployment = await self.controller.get(request.deployment_id)
-        access.check_use(deployment.deployment_id, deployment.owner)
+        access.check_use(
+            deployment.deployment_id,
+            deployment.owner,
+            # What controller.get answers for an id that does not exist.
+            unknown=NotFound(f"deployment {request.deployment_id!r} does not exist"),
+        )
         return deploy_pb.GetDeploymentResponse(request_id=request.request_id, deployment=deployment)
 
     async def ListDeployments(self, request, context):

@@ -47,8 +47,9 @@ from dataclasses import dataclass
 from fingerprint_svc.registry import model_shape
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.auth import access
 from services.engine_rules import tensor_parallel_problem
-from services.errors import InvalidArgument
+from services.errors import InvalidArgument, shown
 from services.estimation.memory import GIB
 from services.ids import check_hardware_type, check_model_id, is_valid_id
 from services.importers import maveriq
@@ -213,7 +214,7 @@ def plan_maveriq_import(
     names = [name for name, _ in files]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise InvalidArgument(f"files listed twice: {twice}")
+        raise InvalidArgument(f"files listed twice: {', '.join(map(shown, twice))}")
     skipped: list[str] = []
     notes: list[str] = []
     rows: list[tuple[maveriq.Measurement, int]] = []
@@ -221,7 +222,7 @@ def plan_maveriq_import(
     imported_files: list[str] = []
     for name, content in files:
         if "/" in name or not name:
-            raise InvalidArgument(f"file name {name!r} must be a base name")
+            raise InvalidArgument(f"file name {shown(name)} must be a base name")
         try:
             if name == maveriq.ACCURACY:
                 accuracy = maveriq.parse_accuracy(_decode(name, content), name)
@@ -347,7 +348,7 @@ def _given_configs(
     for name, text in sorted(model_configs.items()):
         if name.lower() not in names:
             raise InvalidArgument(
-                f"a config.json is given for {name!r}, which no row names; the rows name: "
+                f"a config.json is given for {shown(name)}, which no row names; the rows name: "
                 + ", ".join(sorted(by_name))
             )
         try:
@@ -444,9 +445,11 @@ def merge_model(
     now_ms: int,
     *,
     kept_rows: int = 0,
+    owner: str = "",
 ) -> model_pb.Model:
-    """The model record after an import: a new shape-only record, or ``existing`` with
-    the variants it lacks (and accuracy scores the import brings).
+    """The model record after an import: a new shape-only record owned by ``owner``, or
+    ``existing`` (its owner unchanged) with the variants it lacks (and accuracy scores
+    the import brings).
 
     A shape-only record whose shape the import changes takes the new shape when no row
     of the old one stays (``kept_rows``: the rows the import leaves in the profile).
@@ -461,6 +464,7 @@ def merge_model(
             state=model_pb.MODEL_STATE_PROFILED,
             state_reason=f"shape-only record ({imported.shape_source}) with imported profiles",
             created_at_unix_ms=now_ms,
+            owner=owner,
         )
     model = model_pb.Model()
     model.CopyFrom(existing)
@@ -539,7 +543,10 @@ def _merged_source(files: Sequence[str], kept_files: set[str], now_ms: int) -> s
 async def import_profiles(
     store: StateStore, request: model_pb.ImportProfilesRequest
 ) -> model_pb.ImportProfilesResponse:
-    """Carry out an ImportProfiles request; nothing is written unless every file parses."""
+    """Carry out an ImportProfiles request for the caller (services.auth.access), who
+    must own every model it changes (an administrator any) and owns those it creates.
+    Nothing is written unless every file parses and every model may be changed
+    (InvalidArgument, PermissionDenied)."""
     if request.format == model_pb.PROFILE_FORMAT_UNSPECIFIED:
         raise InvalidArgument("format is unspecified; use PROFILE_FORMAT_MAVERIQ")
     if request.format != model_pb.PROFILE_FORMAT_MAVERIQ:
@@ -554,6 +561,8 @@ async def import_profiles(
     notes = list(plan.notes)
     for imported in plan.models:
         existing = await store.get_model(imported.model_id)
+        if existing is not None:
+            access.check_owner(f"model {imported.model_id!r}", existing.owner)
         profile = merge_profile(
             await store.get_profile(imported.model_id),
             imported.model_id,
@@ -563,7 +572,7 @@ async def import_profiles(
         )
         # The rows kept come first, the imported ones after them.
         kept = profile.measurements[: len(profile.measurements) - len(imported.measurements)]
-        model = merge_model(existing, imported, now_ms, kept_rows=len(kept))
+        model = merge_model(existing, imported, now_ms, kept_rows=len(kept), owner=access.owner())
         kept_files = {m.source_file for m in kept if m.hardware_type == plan.hardware_type}
         source = _merged_source(plan.files, kept_files, now_ms)
         records.append((existing is None, model, profile, source))

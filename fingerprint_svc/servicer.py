@@ -29,7 +29,8 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         self.settings = settings
         self.store = store
         self.profiler = profiler or Profiler(settings, store)
-        # Serialises retries of FAILED registrations (read, check, overwrite).
+        # Serialises what reads a model record, checks it and writes it: retries of FAILED
+        # registrations, and imports (which check the owner of each model they change).
         self._register_lock = asyncio.Lock()
 
     async def _model(self, model_id: str) -> model_pb.Model:
@@ -127,4 +128,5 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         return profile
 
     async def ImportProfiles(self, request, context):
-        return await import_profiles(self.store, request)
+        async with self._register_lock:
+            return await import_profiles(self.store, request)

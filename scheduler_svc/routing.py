@@ -43,6 +43,11 @@ def describe_state(deployment: deploy_pb.Deployment) -> str:
     return f"{text}: {reason}" if reason else text
 
 
+def _unknown(deployment_id: str) -> NotFound:
+    """What a request for a deployment that does not exist gets."""
+    return NotFound(f"deployment {deployment_id} not found")
+
+
 def _passing(deployment: deploy_pb.Deployment) -> bool:
     """A state that passes on its own: starting, removing (a successor may be starting),
     or a replica being restarted."""
@@ -67,22 +72,22 @@ class Router:
     async def by_deployment_id(self, deployment_id: str) -> deploy_pb.Deployment:
         """The deployment, which must be READY and usable by the caller.
 
-        NOT_FOUND when unknown; PERMISSION_DENIED when the caller's token does not grant
-        it (services.auth.access); UNAVAILABLE while it starts or is being restarted (a
-        retry will find it serving); FAILED_PRECONDITION naming its state (and why)
-        otherwise.
+        NOT_FOUND when unknown, and to a user whose token does not grant it;
+        PERMISSION_DENIED when a developer does not own it (services.auth.access);
+        UNAVAILABLE while it starts or is being restarted (a retry will find it serving);
+        FAILED_PRECONDITION naming its state (and why) otherwise.
         """
         deployment = self._by_id.get(deployment_id)
         if deployment is not None and deployment.state == READY:
-            access.check_use(deployment_id, deployment.owner)
+            access.check_use(deployment_id, deployment.owner, unknown=_unknown(deployment_id))
             return deployment
         check_deployment_id(deployment_id)
         deployment = await self._store.get_deployment(deployment_id)
         if deployment is None:
             self._by_id.pop(deployment_id, None)
-            raise NotFound(f"deployment {deployment_id} not found")
+            raise _unknown(deployment_id)
         self._by_id[deployment_id] = deployment
-        access.check_use(deployment_id, deployment.owner)
+        access.check_use(deployment_id, deployment.owner, unknown=_unknown(deployment_id))
         if replicas.is_restarting(deployment) or deployment.state == STARTING:
             raise Unavailable(describe_state(deployment))  # back soon: worth a retry
         if deployment.state != READY:
@@ -94,16 +99,19 @@ class Router:
 
         NOT_FOUND when the model has no deployment; when none is READY, UNAVAILABLE if one
         of them is starting, removing or being restarted, else FAILED_PRECONDITION,
-        listing their states.
+        listing their states; PERMISSION_DENIED when a developer owns none of the READY
+        ones. A user's token sees only the deployments it grants (access.visible), so a
+        model with none of those is to it a model with no deployment.
         """
         if not self._complete:
             await self.refresh()
-        ready = self._ready_of(model_id)
+        ready = access.visible(self._ready_of(model_id))
         if not ready:
             check_model_id(model_id)
             found = await self._store.list_deployments(model_id)
             for deployment in found:
                 self._by_id[deployment.deployment_id] = deployment
+            found = access.visible(found)
             ready = [d for d in found if d.state == READY]
             if not found:
                 raise NotFound(f"model {model_id} has no deployment")

@@ -141,6 +141,28 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
 
+class HealthServicer(health_aio.HealthServicer):
+    """grpcio-health-checking's servicer with List, which it leaves unimplemented (an
+    exception, so INTERNAL and a logged traceback on every call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._services = {""}  # the server's overall health, set by the library itself
+
+    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        self._services.add(service)
+        await super().set(service, status)
+
+    async def List(self, request, context) -> health_pb2.HealthListResponse:
+        """Each service :meth:`set` named, with what Check answers for it."""
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: await self.Check(health_pb2.HealthCheckRequest(service=name), context)
+                for name in sorted(self._services)
+            }
+        )
+
+
 @dataclass
 class ServiceBinding:
     """A servicer and the generated function that adds it to a server."""
@@ -164,7 +186,7 @@ async def start_server(
     address: str,
     metrics: RpcMetrics | None = None,
     security: ServerSecurity | None = None,
-) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """Start a server on ``address`` (port 0 picks a free port); returns it and its port.
     With ``metrics``, every call is counted by method and status code; ``security``
     (default: plaintext, open) sets TLS and the access policy."""
@@ -174,7 +196,7 @@ async def start_server(
     if security.authenticator is not None:
         interceptors.append(AuthInterceptor(security.authenticator))
     server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
-    health_servicer = health_aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [b.full_name for b in bindings]
     for binding in bindings:

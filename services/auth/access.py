@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from services.auth import policy
 from services.auth.tokens import Principal
-from services.errors import PermissionDenied
+from services.errors import IServeError, PermissionDenied
 
 ANONYMOUS = Principal(token_id="", subject="", role=policy.ADMIN, deployments=("*",))
 _caller: contextvars.ContextVar[Principal] = contextvars.ContextVar(
@@ -64,13 +64,17 @@ def may_use(deployment_id: str, owner_subject: str) -> bool:
     return False
 
 
-def check_use(deployment_id: str, owner_subject: str) -> None:
-    """PermissionDenied unless :func:`may_use`."""
-    if not may_use(deployment_id, owner_subject):
-        raise PermissionDenied(
-            f"{caller().describe()} may not use deployment {deployment_id}"
-            " (a user token must grant it; a developer must own it)"
-        )
+def check_use(deployment_id: str, owner_subject: str, *, unknown: IServeError) -> None:
+    """Nothing when :func:`may_use`; else ``unknown`` (the error a deployment that does
+    not exist gets) for an application user, which sees only what its token grants and
+    so must not learn that other deployments exist, and PermissionDenied for others."""
+    if may_use(deployment_id, owner_subject):
+        return
+    if caller().role == policy.APP_USER:
+        raise unknown
+    raise PermissionDenied(
+        f"{caller().describe()} may not use deployment {deployment_id} (a developer must own it)"
+    )
 
 
 def visible(deployments: Iterable) -> list:

@@ -76,7 +76,8 @@ class Principal:
 def check_subject(subject: str) -> str:
     if not _SUBJECT.fullmatch(subject):
         raise InvalidArgument(
-            f"invalid subject {subject!r}: 1-64 characters of letters, digits, '.', '_', '-', '@'"
+            f"invalid subject {shown(subject)}: 1-64 characters of letters, digits, '.', '_', "
+            "'-', '@'"
         )
     return subject
 

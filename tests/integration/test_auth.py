@@ -248,6 +248,126 @@ def _code(fn) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+def _refusal(fn, value: str = "") -> tuple[grpc.StatusCode, str]:
+    """The status ``fn`` ends with and its details, ``value`` in them written ``<id>``."""
+    try:
+        fn()
+    except grpc.RpcError as exc:
+        details = exc.details() or ""
+        return exc.code(), details.replace(value, "<id>") if value else details
+    return grpc.StatusCode.OK, ""
+
+
+def _new_token(s: AuthStack, subject: str, role: int) -> str:
+    with s.channel("deploy") as ch:
+        return (
+            token_service_pb2_grpc.TokenServiceStub(ch)
+            .CreateToken(
+                token_pb.CreateTokenRequest(subject=subject, role=role),
+                metadata=_md(s.tokens["admin"]),
+            )
+            .secret
+        )
+
+
+def _import_request(s: AuthStack, model: str) -> model_pb.ImportProfilesRequest:
+    """One MaverIQ row for ``model``, shaped by the stack's tiny checkpoint."""
+    rows = (
+        "Model,TP,PP,PP_Map,DTYPE,INT8_KV_Cache,Output_Lenght,Batch_Size,Latency,"
+        "Memory-Pre-Run,Memory-After-Run,Time-Gen-Graph,Time-Prof\n"
+        f"{model},1,1,1,float16,False,10,1,0.05,1.0,1.1,10,5\n"
+    )
+    return model_pb.ImportProfilesRequest(
+        format=model_pb.PROFILE_FORMAT_MAVERIQ,
+        hardware_type="rtx-a6000",
+        files=[
+            model_pb.ProfileFile(name="fingerprint_data_collection_BS.csv", content=rows.encode())
+        ],
+        model_configs={model: (s.settings.models_root / MODEL / "config.json").read_text()},
+    )
+
+
+def test_model_developers_import_profiles_only_into_their_own_models(deployed):
+    s = deployed
+    ines = _new_token(s, "ines", policy.MODEL_DEVELOPER)
+    admin = _md(s.tokens["admin"])
+    with s.channel("model") as ch:
+        models = model_service_pb2_grpc.ModelServiceStub(ch)
+        before = models.GetModel(model_pb.GetModelRequest(model_id=MODEL), metadata=admin).model
+        code, details = _refusal(
+            lambda: models.ImportProfiles(_import_request(s, MODEL), metadata=_md(ines))
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert f"model {MODEL!r} is owned by mia" in details
+        # Nothing written: the record as it was, and still no profile.
+        after = models.GetModel(model_pb.GetModelRequest(model_id=MODEL), metadata=admin).model
+        assert after == before
+        no_profile = _code(
+            lambda: models.GetProfile(model_pb.GetProfileRequest(model_id=MODEL), metadata=admin)
+        )
+        assert no_profile == grpc.StatusCode.FAILED_PRECONDITION
+
+        # A model an import creates is the importer's: others may not import into it,
+        # its owner may delete it.
+        models.ImportProfiles(_import_request(s, "ines-import"), metadata=_md(ines))
+        created = models.GetModel(
+            model_pb.GetModelRequest(model_id="ines-import"), metadata=admin
+        ).model
+        assert created.owner == "ines"
+        code, details = _refusal(
+            lambda: models.ImportProfiles(
+                _import_request(s, "ines-import"), metadata=_md(s.tokens["model-developer"])
+            )
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "owned by ines" in details
+        models.DeleteModel(model_pb.DeleteModelRequest(model_id="ines-import"), metadata=_md(ines))
+
+
+def test_refused_values_come_back_at_most_80_characters_long(deployed):
+    """docs/security.md: a megabyte value must not come back as a megabyte of details
+    (a 10 MB token subject made the client see RESOURCE_EXHAUSTED, not the refusal)."""
+    s = deployed
+    with s.channel("deploy") as ch:
+        code, details = _refusal(
+            lambda: token_service_pb2_grpc.TokenServiceStub(ch).CreateToken(
+                token_pb.CreateTokenRequest(subject="a" * 10_000_000, role=policy.APP_DEVELOPER),
+                metadata=_md(s.tokens["admin"]),
+                timeout=60,
+            )
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "invalid subject" in details
+        assert len(details) < 300, len(details)
+        code, details = _refusal(
+            lambda: deployment_service_pb2_grpc.DeploymentServiceStub(ch).PlanDeployment(
+                deploy_pb.PlanDeploymentRequest(
+                    model_id=MODEL,
+                    config=common.DeploymentConfig(variant_name="z" + "q" * 100_000),
+                ),
+                metadata=_md(s.tokens["app-developer"]),
+                timeout=60,
+            )
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "has no variant" in details
+        assert len(details) < 300, len(details)
+
+
+def test_health_list_answers_any_token(deployed):
+    """Health/List is for any valid token (the policy); it answered INTERNAL, the
+    library's servicer lacking it."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    s = deployed
+    for address, token in [
+        *((s.settings.address(n), s.tokens["app-user"]) for n in ("model", "scheduler", "agent")),
+        (s.worker_address, s.tokens["service"]),
+    ]:
+        with grpc.insecure_channel(address) as ch:
+            listed = health_pb2_grpc.HealthStub(ch).List(
+                health_pb2.HealthListRequest(), metadata=_md(token), timeout=30
+            )
+        assert listed.statuses[""].status == health_pb2.HealthCheckResponse.SERVING, address
+
+
 def test_developers_change_only_what_they_own(deployed):
     s = deployed
     with grpc.insecure_channel(s.settings.address("deploy")) as ch:
@@ -323,10 +443,26 @@ def test_users_generate_only_on_what_their_token_grants_until_revoked(deployed):
 
         assert _generate(s, granted.secret, deployment_id=s.deployment_id) > 0
         assert _generate(s, granted.secret, model_id=MODEL) > 0
-        for target in ({"deployment_id": s.deployment_id}, {"model_id": MODEL}):
-            assert _code(lambda t=target: _generate(s, elsewhere, **t)) == (
-                grpc.StatusCode.PERMISSION_DENIED
-            )
+        # A user learns nothing of what its token does not grant: a deployment, or a
+        # model, it may not use answers as one that does not exist.
+        for other, unknown, call in (
+            (
+                s.deployment_id,
+                "other-0001",
+                lambda t: _generate(s, elsewhere, deployment_id=t),
+            ),
+            (MODEL, "no-such-model", lambda t: _generate(s, elsewhere, model_id=t)),
+            (
+                s.deployment_id,
+                "other-0001",
+                lambda t: deployments.GetDeployment(
+                    deploy_pb.GetDeploymentRequest(deployment_id=t), metadata=_md(elsewhere)
+                ),
+            ),
+        ):
+            missing = _refusal(lambda c=call, t=unknown: c(t), unknown)
+            assert missing[0] == grpc.StatusCode.NOT_FOUND, missing
+            assert _refusal(lambda c=call, t=other: c(t), other) == missing
         # A user token cannot deploy, register or issue tokens.
         assert (
             _code(
@@ -434,6 +570,104 @@ def test_the_gateway_forwards_the_client_token(deployed):
             f"{base}/models", headers={"Authorization": f"Bearer {s.tokens['app-user']}"}
         )
         assert [m["id"] for m in models.json()["data"]] == [MODEL]
+
+
+def _chat(s: AuthStack, token: str, model: str) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return httpx.post(
+        f"http://{s.settings.gateway_address}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    )
+
+
+def test_a_gateway_chat_tells_of_no_model_the_caller_may_not_use(deployed):
+    """The chat template is read with the gateway's own token: before, any token (or none
+    the services accept) learned which models are registered and which have a template,
+    and made the gateway read their checkpoints."""
+    s = deployed
+    plain = "auth-plain"  # registered, no chat template, no deployment
+    create_checkpoint(s.settings.models_root / plain, **TINY, chat_template=None, overwrite=True)
+    with s.channel("model") as ch:
+        models = model_service_pb2_grpc.ModelServiceStub(ch)
+        models.RegisterModel(
+            model_pb.RegisterModelRequest(
+                model_id=plain, checkpoint_path=plain, skip_profiling=True
+            ),
+            metadata=_md(s.tokens["model-developer"]),
+        )
+        try:
+            with grpc.insecure_channel(s.settings.address("deploy")) as deploy_ch:
+                elsewhere = (
+                    token_service_pb2_grpc.TokenServiceStub(deploy_ch)
+                    .CreateToken(
+                        token_pb.CreateTokenRequest(
+                            subject="app3", role=policy.APP_USER, deployments=["other-0000"]
+                        ),
+                        metadata=_md(s.tokens["admin"]),
+                    )
+                    .secret
+                )
+            forged = "isv_0123456789abcdef_" + "A" * 43  # a token's shape, not a token
+            for model in (MODEL, plain, "auth-unknown"):
+                refused = _chat(s, forged, model)
+                assert refused.status_code == 401, refused.text
+                assert refused.json()["error"] == {
+                    "message": "invalid or revoked token",
+                    "type": "authentication_error",
+                    "param": None,
+                    "code": 401,
+                }
+                # A user whose token grants none of its deployments: as if unknown.
+                hidden = _chat(s, elsewhere, model)
+                assert hidden.status_code == 404, hidden.text
+                assert hidden.json()["error"]["message"] == f"model {model} has no deployment"
+            # Not the template's 400: a model without a deployment is not served.
+            for role in ("app-user", "admin"):
+                missing = _chat(s, s.tokens[role], plain)
+                assert missing.status_code == 404, missing.text
+                assert missing.json()["error"]["message"] == f"model {plain} has no deployment"
+            # A model developer sees no deployment (nor may it generate).
+            assert _chat(s, s.tokens["model-developer"], MODEL).status_code == 403
+            served = _chat(s, s.tokens["app-user"], MODEL)
+            assert served.status_code == 200, served.text
+            assert served.json()["usage"]["completion_tokens"] == 2
+        finally:
+            models.DeleteModel(
+                model_pb.DeleteModelRequest(model_id=plain),
+                metadata=_md(s.tokens["model-developer"]),
+            )
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"Bearer \xe9" + b"a" * 40,  # a 500 before: gRPC metadata is ASCII
+        b"Bearer " + b"a" * 60_000,  # a 429 naming gRPC internals: the metadata limit
+        b"Bearer short",  # no token is under 24 characters
+    ],
+    ids=["latin-1", "60KB", "short"],
+)
+def test_the_gateway_refuses_what_cannot_be_a_token_with_a_401(deployed, header):
+    s = deployed
+    base = f"http://{s.settings.gateway_address}/v1"
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    with httpx.Client(timeout=60, headers=[(b"authorization", header)]) as client:
+        replies = [
+            client.get(f"{base}/models"),
+            client.post(f"{base}/completions", json=body),
+            client.post(
+                f"{base}/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            ),
+        ]
+    for reply in replies:
+        assert reply.status_code == 401, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "authentication_error"
+        assert error["message"].startswith("the bearer token is not an iserve token (24-512 ")
+        assert reply.headers["www-authenticate"] == 'Bearer realm="iserve"'
 
 
 def test_metrics_answer_only_admin_and_service_tokens(deployed):

@@ -27,7 +27,7 @@ from services.auth.tokens import (
     new_token,
     token_id_of,
 )
-from services.errors import InvalidArgument, PermissionDenied
+from services.errors import InvalidArgument, NotFound, PermissionDenied
 
 
 def _served_methods() -> set[str]:
@@ -155,12 +155,22 @@ def test_ownership_rules_by_role():
     finally:
         access.reset_caller(token)
 
+    token = _as(alice)
+    try:
+        with pytest.raises(PermissionDenied, match="may not use deployment d2"):
+            access.check_use("d2", "carol", unknown=NotFound("deployment d2 not found"))
+    finally:
+        access.reset_caller(token)
+
     token = _as(user)
     try:
         assert access.may_use("d1", "alice") and not access.may_use("d2", "carol")
         assert [d.deployment_id for d in access.visible(deployments)] == ["d1"]
-        with pytest.raises(PermissionDenied, match="may not use deployment d2"):
-            access.check_use("d2", "carol")
+        access.check_use("d1", "alice", unknown=NotFound("deployment d1 not found"))
+        # A user learns nothing of deployments its token does not grant: one it may not
+        # use is refused as one that does not exist.
+        with pytest.raises(NotFound, match="^deployment d2 not found$"):
+            access.check_use("d2", "carol", unknown=NotFound("deployment d2 not found"))
     finally:
         access.reset_caller(token)
 
@@ -245,6 +255,10 @@ def test_issuing_checks_the_request_and_records_only_the_hash():
         asyncio.run(issue(records, "alice\n", policy.ADMIN, []))
     with pytest.raises(InvalidArgument, match="invalid role"):
         asyncio.run(issue(records, "alice", 99, []))
+    # A refused subject comes back cut to a readable length, not a megabyte of details.
+    with pytest.raises(InvalidArgument, match=r"invalid subject 'aaa.*\(10000 characters\)") as cut:
+        asyncio.run(issue(records, "a" * 10_000, policy.APP_DEVELOPER, []))
+    assert len(str(cut.value)) < 200
     assert records.rows == {}  # nothing recorded for a refused request
     info, token = asyncio.run(issue(records, "alice", policy.APP_USER, ["d1"]))
     stored, hashed = records.rows[info.token_id]

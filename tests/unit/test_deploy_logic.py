@@ -220,6 +220,10 @@ def test_a_variant_by_name_fills_in_its_compression():
         )
     with pytest.raises(InvalidArgument, match="has no variant 'nope'"):
         _resolve(model, common.DeploymentConfig(variant_name="nope"))
+    # A refused name comes back cut to a readable length (docs/security.md).
+    with pytest.raises(InvalidArgument, match=r"has no variant 'ZQQ.*\(10001 characters\)") as cut:
+        _resolve(model, common.DeploymentConfig(variant_name="Z" + "Q" * 10_000))
+    assert len(str(cut.value)) < 200
 
 
 def _llama_7b_shape() -> model_pb.ModelShape:

@@ -15,7 +15,9 @@ from fingerprint_svc.importing import (
 )
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.errors import InvalidArgument
+from services.auth import access, policy
+from services.auth.tokens import Principal
+from services.errors import InvalidArgument, PermissionDenied
 from services.estimation.memory import GIB
 from services.models.errors import UnsupportedArchitecture, engine_cannot_run, shape_only
 from services.models.families import parse_config
@@ -380,6 +382,16 @@ def test_bad_bytes_names_and_hardware_types():
         plan(DATA_SET, hardware_type="")
     with pytest.raises(InvalidArgument, match="hardware_type"):
         plan(DATA_SET, hardware_type="a:b")
+    # Refused names come back cut to a readable length, not whole (docs/security.md).
+    long = "x" * 10_000
+    for files, configs in (
+        ([(f"{long}/a.csv", b"")], {}),
+        ([(long, b"")] * 2, {}),
+        ([("full_model_data_collection.csv", FULL.encode())], {long: "{}"}),
+    ):
+        with pytest.raises(InvalidArgument, match=r"'xxx.*\(1000\d characters\)") as cut:
+            plan_maveriq_import(files, "rtx-a6000", configs)
+        assert len(str(cut.value)) < 300
 
 
 def test_merge_keeps_other_hardware_and_replaces_this_one():
@@ -572,6 +584,66 @@ def test_bad_requests_write_nothing(run):
             await import_profiles(store, bad_config)
         assert await store.list_models() == []
         assert await store.get_profile("llama-2-7b") is None
+
+    run(scenario)
+
+
+async def _import_as(who: Principal, store: StateStore, named: dict[str, str]):
+    token = access.set_caller(who)
+    try:
+        return await import_profiles(store, request(named))
+    finally:
+        access.reset_caller(token)
+
+
+async def _snapshot(store: StateStore) -> dict[str, tuple]:
+    """Every model record with its profile and the profile's sources."""
+    found = {}
+    for model in await store.list_models():
+        found[model.model_id] = (
+            model,
+            await store.get_profile(model.model_id),
+            await store.get_profile_sources(model.model_id),
+        )
+    return found
+
+
+def test_an_import_changes_only_the_callers_models_and_owns_what_it_creates(run):
+    """docs/security.md: a model developer imports profiles only for its own models; a
+    model an import creates belongs to the importer; a refused import writes nothing."""
+    mia = Principal("t1", "mia", policy.MODEL_DEVELOPER)
+    max_ = Principal("t2", "max", policy.MODEL_DEVELOPER)
+    admin = Principal("t3", "root", policy.ADMIN)
+    gptj = {
+        "fingerprint_data_collection.csv": HEADER + "gtpj-6b,1,1,1,int8,False,10,1,0.04,1,1,1,1\n"
+    }
+    llama = {"full_model_data_collection.csv": FULL}
+
+    async def scenario(store: StateStore):
+        await _import_as(mia, store, llama)
+        assert (await store.get_model("llama-2-7b")).owner == "mia"
+        before = await _snapshot(store)
+        # gptj-6b would be new, llama-2-7b is mia's: refused whole, gptj-6b not created.
+        with pytest.raises(PermissionDenied, match="model 'llama-2-7b' is owned by mia; max"):
+            await _import_as(max_, store, {**gptj, "MS_model_acc_MMLU.json": ACCURACY, **llama})
+        assert await _snapshot(store) == before
+
+        await _import_as(max_, store, gptj)
+        assert (await store.get_model("gptj-6b")).owner == "max"
+        before = await _snapshot(store)
+        with pytest.raises(PermissionDenied, match="model 'gptj-6b' is owned by max; mia"):
+            await _import_as(mia, store, gptj)
+        assert await _snapshot(store) == before
+        await _import_as(max_, store, gptj)  # its own: imported again
+
+        # A record with no owner (made with authentication off): administrators only.
+        unowned = await store.get_model("llama-2-7b")
+        unowned.owner = ""
+        await store.put_model(unowned)
+        with pytest.raises(PermissionDenied, match="with no owner"):
+            await _import_as(mia, store, llama)
+        await _import_as(admin, store, llama)
+        assert (await store.get_model("llama-2-7b")).owner == ""
 
     run(scenario)
 

@@ -1,6 +1,7 @@
 """``run_server`` with a drain, over real gRPC and a real SIGTERM to this process: health
 turns NOT_SERVING, new calls get UNAVAILABLE saying why, calls in flight finish within
-the drain timeout or are cut after it, and a second signal ends the drain at once."""
+the drain timeout or are cut after it, and a second signal ends the drain at once.
+Health's List answers what Check answers, for every service."""
 
 from __future__ import annotations
 
@@ -16,8 +17,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api import inference_service_pb2 as inference_pb
 from services.api import inference_service_pb2_grpc as inference_grpc
+from services.auth import policy
+from services.auth.tokens import Principal
 from services.drain import InFlight
-from services.grpc_server import ServiceBinding, channel, run_server
+from services.grpc_server import (
+    ServerSecurity,
+    ServiceBinding,
+    channel,
+    run_server,
+    start_server,
+)
 
 TICK_S = 0.05
 WAIT_S = 20.0
@@ -154,6 +163,50 @@ def test_a_second_signal_ends_the_drain_at_once():
     ((_count, code), cut_after_s), _events = asyncio.run(serve_until_stopped(30.0, client))
     assert code == grpc.StatusCode.UNAVAILABLE
     assert cut_after_s < 5.0
+
+
+class OneToken:
+    """Knows one app-user token, ``user-token``."""
+
+    async def authenticate(self, token: str) -> Principal | None:
+        return Principal("t1", "app", policy.APP_USER, ("*",)) if token == "user-token" else None
+
+
+def test_health_list_answers_each_services_status_to_any_token(caplog):
+    """List was INTERNAL with a logged traceback: the library's servicer lacks it."""
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+
+    async def scenario():
+        binding = ServiceBinding(
+            Ticker([]),
+            inference_grpc.add_InferenceServiceServicer_to_server,
+            "iserve.v1.InferenceService",
+        )
+        server, port, health = await start_server(
+            [binding], "127.0.0.1:0", security=ServerSecurity(authenticator=OneToken())
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as chan:
+                stub = health_pb2_grpc.HealthStub(chan)
+                with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+                    await stub.List(health_pb2.HealthListRequest(), timeout=5)
+                token = (("authorization", "Bearer user-token"),)
+                listed = await stub.List(health_pb2.HealthListRequest(), metadata=token, timeout=5)
+                await health.enter_graceful_shutdown()
+                after = await stub.List(health_pb2.HealthListRequest(), metadata=token, timeout=5)
+        finally:
+            await server.stop(0)
+        return anonymous.value.code(), listed, after
+
+    anonymous, listed, after = asyncio.run(scenario())
+    assert anonymous == grpc.StatusCode.UNAUTHENTICATED
+    names = ["", "iserve.v1.InferenceService"]
+    assert {n: s.status for n, s in listed.statuses.items()} == dict.fromkeys(names, serving)
+    assert {n: s.status for n, s in after.statuses.items()} == dict.fromkeys(names, not_serving)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
 
 
 HANGING_STOP = """

@@ -10,7 +10,15 @@ import pytest
 from scheduler_svc.routing import Router
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
-from services.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.auth import access, policy
+from services.auth.tokens import Principal
+from services.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 
 READY = deploy_pb.DEPLOYMENT_STATE_READY
 
@@ -154,6 +162,49 @@ def test_a_deployment_being_restarted_is_unavailable_not_failed_precondition():
             await router.by_deployment_id("s")
         with pytest.raises(Unavailable, match="^model other has no READY deployment"):
             await router.by_model_id("other")
+
+    asyncio.run(scenario())
+
+
+def test_a_user_is_refused_what_its_token_does_not_grant_as_if_it_did_not_exist():
+    """docs/security.md: an app-user sees only the deployments its token grants, so one
+    it may not use, or a model with none it may use, answers as an unknown one does."""
+
+    async def refusal(route, target: str) -> tuple[type, str]:
+        with pytest.raises((NotFound, PermissionDenied)) as refused:
+            await route(target)
+        return type(refused.value), str(refused.value).replace(target, "<id>")
+
+    async def scenario():
+        store = CountingStore(
+            deployment("d1"),
+            deployment("d2", model_id="m2"),
+            deployment("d3", deploy_pb.DEPLOYMENT_STATE_STARTING, model_id="m3"),
+        )
+        for record in store.records.values():
+            record.owner = "carol"
+        router = Router(store, backlog=lambda _deployment: 0.0)
+        token = access.set_caller(Principal("t1", "app", policy.APP_USER, ("d1",)))
+        try:
+            assert (await router.by_deployment_id("d1")).deployment_id == "d1"
+            assert (await router.by_model_id("m")).deployment_id == "d1"
+            unknown = await refusal(router.by_deployment_id, "d9")
+            assert unknown == (NotFound, "deployment <id> not found")
+            for target in ("d2", "d3"):
+                assert await refusal(router.by_deployment_id, target) == unknown
+            unknown = await refusal(router.by_model_id, "m9")
+            assert unknown == (NotFound, "model <id> has no deployment")
+            for target in ("m2", "m3"):  # READY, and only STARTING
+                assert await refusal(router.by_model_id, target) == unknown
+        finally:
+            access.reset_caller(token)
+        # A developer may list every deployment: it is told it may not use another's.
+        token = access.set_caller(Principal("t2", "otto", policy.APP_DEVELOPER))
+        try:
+            assert (await refusal(router.by_deployment_id, "d2"))[0] is PermissionDenied
+            assert (await refusal(router.by_model_id, "m2"))[0] is PermissionDenied
+        finally:
+            access.reset_caller(token)
 
     asyncio.run(scenario())
 
