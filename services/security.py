@@ -8,6 +8,8 @@ import logging
 from services import transport
 from services.auth import policy
 from services.auth.tokens import (
+    ADMIN_SUBJECT,
+    SERVICE_SUBJECT,
     ServiceTokenAuthenticator,
     StoreAuthenticator,
     bearer,
@@ -43,9 +45,9 @@ async def server_security(settings: Settings, store: StateStore | None) -> Serve
     service_token = settings.require_service_token()
     if store is None:
         return ServerSecurity(own, ServiceTokenAuthenticator(service_token))
-    await register_supplied(store, service_token, policy.SERVICE, "iserve")
+    await register_supplied(store, service_token, policy.SERVICE, SERVICE_SUBJECT)
     if settings.admin_token:
-        await register_supplied(store, settings.admin_token, policy.ADMIN, "admin")
+        await register_supplied(store, settings.admin_token, policy.ADMIN, ADMIN_SUBJECT)
     return ServerSecurity(own, StoreAuthenticator(store))
 
 

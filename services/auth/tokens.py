@@ -82,6 +82,14 @@ def check_subject(subject: str) -> str:
     return subject
 
 
+# The subjects of the supplied service and admin tokens (services.security). Records are
+# owned by subject, so an issued token of either name would own, and may change, what
+# the stack's own tokens made: a model developer named "admin" deleted the admin's model.
+SERVICE_SUBJECT = "iserve"
+ADMIN_SUBJECT = "admin"
+RESERVED_SUBJECTS = (SERVICE_SUBJECT, ADMIN_SUBJECT)
+
+
 def check_role(role: int) -> int:
     if role not in policy.ROLE_NAMES:
         names = ", ".join(policy.ROLE_NAMES.values())
@@ -132,6 +140,11 @@ async def issue(
     """A new token for ``subject`` with ``role`` (checked), recorded hashed in
     ``records``: (what was recorded, the token itself, shown once)."""
     subject, role = check_subject(subject), check_role(role)
+    if subject in RESERVED_SUBJECTS:
+        raise InvalidArgument(
+            f"subject {subject!r} is the stack's own {subject} token's: issue tokens to "
+            "people or teams by their own names"
+        )
     grants = check_grants(role, deployments)
     while True:  # a fresh id: 64 random bits, so a second draw is all but never needed
         token_id, token = new_token()

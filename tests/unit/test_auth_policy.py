@@ -259,6 +259,10 @@ def test_issuing_checks_the_request_and_records_only_the_hash():
     with pytest.raises(InvalidArgument, match=r"invalid subject 'aaa.*\(10000 characters\)") as cut:
         asyncio.run(issue(records, "a" * 10_000, policy.APP_DEVELOPER, []))
     assert len(str(cut.value)) < 200
+    # The supplied tokens' subjects: records are owned by subject.
+    for reserved in ("admin", "iserve"):
+        with pytest.raises(InvalidArgument, match=f"subject '{reserved}' is the stack's own"):
+            asyncio.run(issue(records, reserved, policy.MODEL_DEVELOPER, []))
     assert records.rows == {}  # nothing recorded for a refused request
     info, token = asyncio.run(issue(records, "alice", policy.APP_USER, ["d1"]))
     stored, hashed = records.rows[info.token_id]
