@@ -138,6 +138,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             by_model = request.WhichOneof("target") == "model_id"
             # A second attempt only when the replica's worker was gone before any token,
             # or the replica stopped serving while the request waited.
+            retried_after = ""  # why the second attempt is made
             for attempt in range(2):
                 try:
                     deployment, replica, queue, entry = await self._admit(
@@ -148,7 +149,16 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     # serves now, or is told at once why nothing does.
                     if attempt:
                         raise errors.Unavailable(str(closed)) from None
+                    retried_after = str(closed)
                     continue
+                except errors.ResourceExhausted as full:
+                    if not retried_after:
+                        raise
+                    # The replica it was accepted on is gone and the others are full: say
+                    # so, not only "queue full" of a request the client saw accepted.
+                    raise errors.ResourceExhausted(
+                        f"{full} (tried there after: {retried_after})"
+                    ) from None
                 # Sequences running beside it, itself included: at admission and at its end.
                 beside = [queue.running]
                 final: worker_pb.WorkerServiceGenerateResponse | None = None
@@ -208,6 +218,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     # names for it (the cached record was of the one before a restart),
                     # or, for a model's request, on whichever deployment of it Redis now
                     # says is READY (the cached one may have been removed since).
+                    retried_after = str(gone)
                     continue
                 finally:
                     if stream is not None:

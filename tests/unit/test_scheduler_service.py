@@ -719,3 +719,38 @@ def test_a_client_deadline_passing_while_queued_counts_as_deadline_exceeded(redi
         await read_rest(running)
 
     run(redis_url, scenario)
+
+
+def test_a_request_sent_on_from_a_deployment_gone_to_a_full_queue_says_why(redis_url):
+    """A model's request accepted and waiting on d1, which is removed: routed afresh to
+    d2, whose queue is full. The client, which saw it accepted, is told why it moved,
+    not only that a queue is full."""
+
+    async def scenario(h: Harness):
+        workers = {d: FakeWorker(gate=asyncio.Event()) for d in ("d1", "d2")}
+        d1 = await h.add_deployment("d1", workers["d1"], batch_size=1)
+        await h.add_deployment("d2", workers["d2"], batch_size=1)
+        running = {d: h.generate(request_id=f"run-{d}", deployment_id=d) for d in workers}
+        for call in running.values():
+            await call.read()
+        filler = asyncio.create_task(h.collect(request_id="fill-d2", deployment_id="d2"))
+        await h.until_waiting("d2", 1)
+        moved = asyncio.create_task(h.status_of(request_id="moved", model_id="m"))
+        await h.until_waiting("d1", 1)  # d2's queue is full: the model's request waits on d1
+        d1.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
+        await h.store.put_deployment(d1)
+        router = h.servicer.router
+        for _ in range(2):  # a replica left out twice in a row is closed
+            await router.refresh()
+            await h.servicer._forget_removed(router.deployments())
+        error = await moved
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        assert "queue of deployment d2 is full" in error.details()
+        assert "tried there after: deployment d1 stopped serving" in error.details()
+        for worker in workers.values():
+            worker.gate.set()
+        for call in running.values():
+            await read_rest(call)
+        await filler
+
+    run(redis_url, scenario, queue_capacity=1)
