@@ -34,6 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from scheduler_svc.deadlines import has_objective, slo_attained
+from scheduler_svc.predictor import LatencyPredictor
 from services.api import common_pb2 as common
 from services.ids import split_group_id
 from services.metrics import PREFIX
@@ -62,6 +63,9 @@ FINISH_NAMES = {
 
 Snapshot = Callable[[], Iterable[tuple[str, int, int]]]
 """(queue id, running, waiting) of every queue (``QueueRegistry.snapshot``)."""
+
+Predictions = Callable[[], Iterable[tuple[str, LatencyPredictor]]]
+"""(queue id, its predictor) of every queue (``QueueRegistry.predictions``)."""
 
 
 @dataclass
@@ -143,6 +147,37 @@ class _QueueGauges(Collector):
         yield waiting
 
 
+class _PredictionGauges(Collector):
+    """What each replica's online latency model predicts now (scheduler_svc.predictor),
+    read at scrape time: the lines EDF refuses and routes by, after their corrections."""
+
+    def __init__(self, predictions: Predictions, model_of: Callable[[str], str]):
+        self._predictions = predictions
+        self._model_of = model_of
+
+    def collect(self):
+        labels = [*LABELS, "replica"]
+        families = {
+            name: GaugeMetricFamily(f"{PREFIX}predicted_{name}", text, labels=labels)
+            for name, text in (
+                ("prefill_fixed_seconds", "Predicted prefill time of a batch, fixed part"),
+                ("prefill_seconds_per_token", "Predicted prefill time per prompt token"),
+                ("decode_step_seconds", "Predicted decode step with one sequence"),
+                (
+                    "decode_seconds_per_extra_sequence",
+                    "Predicted decode step time added by each further sequence",
+                ),
+            )
+        }
+        for queue_id, predictor in list(self._predictions()):
+            deployment_id, replica = split_group_id(queue_id)
+            values = (*predictor.prefill.coefficients, *predictor.decode.coefficients)
+            label_values = [self._model_of(deployment_id), deployment_id, str(replica)]
+            for family, value in zip(families.values(), values, strict=True):
+                family.add_metric(label_values, max(0.0, value))
+        yield from families.values()
+
+
 def _by_deployment(queues: Iterable[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
     """(running, waiting) per deployment, replicas' queues summed."""
     totals: dict[str, tuple[int, int]] = {}
@@ -156,7 +191,12 @@ def _by_deployment(queues: Iterable[tuple[str, int, int]]) -> dict[str, tuple[in
 class ServingMetrics:
     """The scheduler's Prometheus metrics and per-deployment tallies for status."""
 
-    def __init__(self, registry: CollectorRegistry, snapshot: Snapshot):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        snapshot: Snapshot,
+        predictions: Predictions = lambda: (),
+    ):
         self._snapshot = snapshot
         self._tallies: dict[str, _Tally] = {}
 
@@ -187,6 +227,7 @@ class ServingMetrics:
         self.slo_attained = counter("slo_attained", "Requests that met every objective")
         self.slo_missed = counter("slo_missed", "Requests with an objective they did not meet")
         registry.register(_QueueGauges(snapshot, self._model_of))
+        registry.register(_PredictionGauges(predictions, self._model_of))
         self._labelled = (
             self.ttft,
             self.inter_token,

@@ -349,6 +349,11 @@ class QueueRegistry:
         (a metrics scrape): the queues are copied in one step, which holds the GIL."""
         return [(d, q.running, q.waiting) for d, q in list(self._queues.items())]
 
+    def predictions(self) -> list[tuple[str, LatencyPredictor]]:
+        """(queue id, its predictor) of every queue; safe from another thread, as
+        :meth:`snapshot` (a predictor replaces its coefficients in one assignment)."""
+        return [(d, q.predictor) for d, q in list(self._queues.items()) if q.predictor]
+
     def prune(self, keep: Iterable[str]) -> None:
         """Close the queues of replicas not in ``keep`` two calls in a row (they no longer
         serve: once alone may be a deployment created while ``keep`` was read), and forget

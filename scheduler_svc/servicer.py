@@ -99,7 +99,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         self.store = store
         self.queues = QueueRegistry(queue_capacity, policy_factory, clock)
         self.registry = registry if registry is not None else new_registry()
-        self.metrics = ServingMetrics(self.registry, self.queues.snapshot)
+        self.metrics = ServingMetrics(self.registry, self.queues.snapshot, self.queues.predictions)
         self.router = Router(store, lambda d: self.queues.shortest_wait(d)[0])
         self.workers = WorkerClients()
         self._clock = clock

@@ -172,3 +172,31 @@ def test_rpc_counter_splits_the_method_name():
     }
     assert registry.get_sample_value("iserve_grpc_server_handled_total", labels) == 2
     assert registry.get_sample_value("process_resident_memory_bytes") > 0
+
+
+def test_each_replicas_prediction_is_a_gauge():
+    from scheduler_svc.predictor import LatencyPredictor
+
+    predictor = LatencyPredictor(
+        common.LatencyModel(
+            prefill_fixed_ms=5,
+            prefill_ms_per_token=0.5,
+            decode_step_ms=20,
+            decode_ms_per_extra_sequence=2,
+        ),
+        max_input_tokens=512,
+        batch_size=4,
+    )
+    registry = CollectorRegistry()
+    metrics = ServingMetrics(registry, lambda: [], lambda: [("d1.r1", predictor)])
+    metrics.seen("d1", "m")
+    get = registry.get_sample_value
+    labels = {**IDS, "replica": "1"}
+    assert get("iserve_predicted_prefill_fixed_seconds", labels) == pytest.approx(0.005)
+    assert get("iserve_predicted_prefill_seconds_per_token", labels) == pytest.approx(0.0005)
+    assert get("iserve_predicted_decode_step_seconds", labels) == pytest.approx(0.020)
+    assert get("iserve_predicted_decode_seconds_per_extra_sequence", labels) == pytest.approx(0.002)
+    predictor.observe(
+        prompt_tokens=100, prompt_chars=0, first_token_s=0.5, tpot_s=0.2, running=1
+    )  # ten times slower than predicted: the gauges follow
+    assert get("iserve_predicted_decode_step_seconds", labels) > 0.05
