@@ -45,8 +45,8 @@ from gateway_svc.chat import (
     ChatTemplateError,
     NoChatTemplate,
     read_template,
-    render,
 )
+from gateway_svc.render_pool import RenderPool
 from services import transport
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -58,7 +58,7 @@ from services.api import (
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.auth.tokens import bearer
-from services.errors import InvalidArgument
+from services.errors import InvalidArgument, shown
 from services.ids import check_model_id
 from services.metrics import new_registry
 from services.settings import MAX_TOKEN_LENGTH, MIN_TOKEN_LENGTH
@@ -480,6 +480,7 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
     any) may call it from a browser (Starlette's CORSMiddleware answers the preflight;
     the token goes in the Authorization header, so no cookies are allowed)."""
     backend: Backend | None = None
+    renders = RenderPool()  # chat templates run beside the event loop, bounded
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -488,6 +489,7 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         try:
             yield
         finally:
+            renders.close()
             await backend.close()
 
     app = FastAPI(
@@ -624,7 +626,7 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         served = await served_models(http)
         if model_id not in served:
             raise GatewayError(
-                404, "not_found_error", f"model {model_id!r} has no ready deployment", "model"
+                404, "not_found_error", f"model {shown(model_id)} has no ready deployment", "model"
             )
         return model_object(model_id, served[model_id])
 
@@ -639,7 +641,9 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         caller = backend.caller(http)
         template, tokens = await backend.chat_template(body.model, caller)
         try:
-            prompt = render(template, [m.as_template_input() for m in body.messages], tokens)
+            prompt = await renders.render(
+                template, [m.as_template_input() for m in body.messages], tokens
+            )
         except ChatTemplateError as exc:
             raise GatewayError(400, "invalid_request_error", str(exc), "messages") from None
         except BrokenChatTemplate as exc:

@@ -97,6 +97,8 @@ def render(
         )
     except TemplateRefusal as exc:
         raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
+    except MemoryError:
+        raise  # the render process's limit: the template's fault (gateway_svc.render_pool)
     except (TemplateSyntaxError, SecurityError) as exc:
         raise BrokenChatTemplate(
             "the model's chat template failed (a fault of the model's template, not of "

@@ -134,13 +134,61 @@ class _GenerationTag(Extension):
         return caller()
 
 
+# The longest string or sequence one operator may build in a template, and the largest
+# power (in bits) it may raise a number to: far beyond any prompt's layout.
+MAX_BUILT_LENGTH = 1 << 20
+MAX_POWER_BITS = 4096
+
+
+def _built_length(operator: str, left: object, right: object) -> int:
+    """The length of the string or sequence ``left operator right`` would build (0 when
+    it builds none)."""
+    sized = (str, list, tuple)
+    if operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+        return len(left) + len(right)
+    if operator == "*":
+        for seq, count in ((left, right), (right, left)):
+            if isinstance(seq, sized) and isinstance(count, int):
+                return len(seq) * max(count, 0)
+    return 0
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """transformers' immutable sandbox, with ``*``, ``**`` and ``+`` bounded.
+
+    Intercepted, those operators are also never folded at compile time: jinja2 computed
+    a constant ``("x" * 100000000) * 100`` while compiling, and a registration took the
+    model service (and 22 GB) down with it. Rendering gets a SecurityError instead (the
+    template's fault). What the sandbox cannot bound this way (loops, strings joined with
+    ``~``) the gateway bounds by rendering in processes of its own (gateway_svc.render_pool).
+    """
+
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def call_binop(self, context, operator, left, right):
+        if _built_length(operator, left, right) > MAX_BUILT_LENGTH:
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates may build at most {MAX_BUILT_LENGTH} characters or items "
+                f"with {operator!r}"
+            )
+        if (
+            operator == "**"
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and right > 0
+            and right * abs(left).bit_length() > MAX_POWER_BITS
+        ):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates may raise numbers to at most {MAX_POWER_BITS} bits"
+            )
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=64)
 def compile_template(source: str) -> Template:
     """``source`` compiled in transformers' environment (nothing of it runs yet);
     jinja2's TemplateSyntaxError when it is not a valid template."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
-    )
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
