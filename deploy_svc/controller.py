@@ -74,6 +74,14 @@ class DeploymentRemoved(IServeError):
         super().__init__(f"deployment {deployment_id} was removed while it was starting")
 
 
+class ModelBeingDeleted(FailedPrecondition):
+    """A DeleteModel of the model came while Deploy recorded its deployment: not a
+    failed launch, and no other configuration is tried."""
+
+    def __init__(self, model_id: str):
+        super().__init__(f"model {model_id!r} is being deleted")
+
+
 @dataclass(eq=False)
 class _DeployCall:
     """A Deploy running in this process, as a repeat of its request id waits for it."""
@@ -449,7 +457,7 @@ class DeploymentController:
             decision.replica_placements.extend(more)
             try:
                 return await self._launch(request, deployment_id, prepared, decision, latency)
-            except DeploymentRemoved:
+            except (DeploymentRemoved, ModelBeingDeleted):
                 raise
             except IServeError as exc:
                 if request.HasField("config"):
@@ -499,6 +507,12 @@ class DeploymentController:
             )
         try:
             await self.store.put_deployment(deployment)
+            # DeleteModel (the model service) marks the model, then looks for its
+            # deployments; this records one, then looks at the model: one of the two sees
+            # the other. A model deleted and registered again since is another model.
+            current = await self.store.get_model_unless_deleting(model.model_id)
+            if current is None or current.created_at_unix_ms != model.created_at_unix_ms:
+                raise ModelBeingDeleted(model.model_id)
             # Every replica starts at once; all are waited for (none is left starting
             # behind a teardown), and the first failure fails the Deploy.
             started = await asyncio.gather(

@@ -7,7 +7,6 @@ import asyncio
 from fingerprint_svc.importing import import_profiles
 from fingerprint_svc.profiler import Profiler
 from fingerprint_svc.registry import build_model, check_retry
-from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import model_service_pb2_grpc
 from services.auth import access
@@ -15,11 +14,9 @@ from services.errors import AlreadyExists, FailedPrecondition, NotFound
 from services.settings import Settings
 from services.state.store import StateStore
 
-LIVE_DEPLOYMENT_STATES = {
-    deploy_pb.DEPLOYMENT_STATE_STARTING,
-    deploy_pb.DEPLOYMENT_STATE_READY,
-    deploy_pb.DEPLOYMENT_STATE_REMOVING,
-}
+# How long a DeleteModel's mark on its model lasts at most (a crash leaves it behind):
+# longer than a delete takes between marking and deleting.
+DELETE_MARK_TTL_S = 120.0
 # How often WatchModel looks at the model's record and progress.
 WATCH_POLL_S = 0.2
 
@@ -30,7 +27,9 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         self.store = store
         self.profiler = profiler or Profiler(settings, store)
         # Serialises what reads a model record, checks it and writes it: retries of FAILED
-        # registrations, and imports (which check the owner of each model they change).
+        # registrations, imports (which check the owner of each model they change and
+        # write its record, profile and sources in steps) and deletes. Within this
+        # process only: the manifests run one model service.
         self._register_lock = asyncio.Lock()
 
     async def _model(self, model_id: str) -> model_pb.Model:
@@ -68,20 +67,31 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         return model_pb.ListModelsResponse(request_id=request.request_id, models=models)
 
     async def DeleteModel(self, request, context):
-        model = await self._model(request.model_id)
-        access.check_owner(f"model {request.model_id!r}", model.owner)
-        live = [
-            d.deployment_id
-            for d in await self.store.list_deployments(request.model_id)
-            if d.state in LIVE_DEPLOYMENT_STATES
-        ]
-        if live:
-            raise FailedPrecondition(
-                f"model {request.model_id!r} is deployed ({', '.join(live)}); remove those first"
-            )
-        await self.profiler.cancel(request.model_id)
-        await self.store.delete_model(request.model_id)
+        async with self._register_lock:
+            model = await self._model(request.model_id)
+            access.check_owner(f"model {request.model_id!r}", model.owner)
+            try:
+                await self._mark_deleting(request.model_id)
+                if self.profiler.running(request.model_id):
+                    await self.profiler.cancel(request.model_id)
+                    # Cancelling may outlast the mark: mark and look again.
+                    await self._mark_deleting(request.model_id)
+                await self.store.delete_model(request.model_id)
+            finally:
+                await self.store.clear_model_deleting(request.model_id)
         return model_pb.DeleteModelResponse(request_id=request.request_id)
+
+    async def _mark_deleting(self, model_id: str) -> None:
+        """Mark the model as being deleted, then refuse (FailedPrecondition) when it has
+        deployments in any state. The deployment service, another process, records a
+        deployment, then looks for the mark (``deploy_svc.controller``): whichever
+        order they run in, one of the two sees the other."""
+        await self.store.mark_model_deleting(model_id, DELETE_MARK_TTL_S)
+        deployed = [d.deployment_id for d in await self.store.list_deployments(model_id)]
+        if deployed:
+            raise FailedPrecondition(
+                f"model {model_id!r} has deployments ({', '.join(deployed)}); remove those first"
+            )
 
     async def WatchModel(self, request, context):
         model = await self._model(request.model_id)

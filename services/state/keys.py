@@ -15,6 +15,11 @@ def model(model_id: str) -> str:
     return f"{PREFIX}model:{_part(model_id)}"
 
 
+def model_deleting(model_id: str) -> str:
+    """Exists while a DeleteModel of the model runs (a Deploy then refuses it)."""
+    return f"{model(model_id)}:deleting"
+
+
 def model_index() -> str:
     return f"{PREFIX}models"
 

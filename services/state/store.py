@@ -216,6 +216,20 @@ class StateStore:
             deleted, _ = await pipe.execute()
         return bool(deleted)
 
+    async def mark_model_deleting(self, model_id: str, ttl_s: float) -> None:
+        """Mark ``model_id`` as being deleted for at most ``ttl_s`` seconds (so that a
+        delete that crashed does not block the model for ever)."""
+        await self.redis.set(keys.model_deleting(model_id), now_ms(), px=int(ttl_s * 1000))
+
+    async def clear_model_deleting(self, model_id: str) -> None:
+        await self.redis.delete(keys.model_deleting(model_id))
+
+    async def get_model_unless_deleting(self, model_id: str) -> model_pb.Model | None:
+        """The model's record; None when there is none or it is marked as being deleted
+        (both read in one command, so never a record that a delete removed since)."""
+        raw, deleting = await self.redis.mget([keys.model(model_id), keys.model_deleting(model_id)])
+        return None if raw is None or deleting is not None else decode(model_pb.Model, raw)
+
     # ---- profiles and calibrations -------------------------------------------------
     async def put_profile(self, profile: model_pb.GetProfileResponse) -> None:
         """Store a model's raw profiling record (measurements, cost, skipped references)."""

@@ -273,3 +273,43 @@ def test_a_float16_checkpoint_is_served_on_cpus_without_a_dtype(stack):
             deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id), timeout=120
         )
         stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="half-llama"))
+
+
+def test_a_deploy_of_a_model_being_deleted_fails_and_a_deployed_model_is_kept(stack):
+    """DeleteModel marks its model before it looks for deployments, and Deploy looks for
+    the mark after recording its deployment (the two services are separate processes):
+    here the mark of a delete that is between the two steps, or crashed there."""
+    register(stack, "doomed-llama", make_checkpoint(stack, "doomed-llama"))
+    before = reserved_by_device(stack)
+    request_id = rid()
+    with_store(stack, lambda s: s.mark_model_deleting("doomed-llama", 60))
+    with pytest.raises(grpc.RpcError) as refused:
+        deploy(stack, "doomed-llama", request_id=request_id)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details() == "model 'doomed-llama' is being deleted"
+    assert reserved_by_device(stack) == before
+
+    async def leftovers(store: StateStore):
+        deployments = await store.list_deployments("doomed-llama")
+        owners = [o for o in await store.reservation_owners() if o.startswith("doomed-llama")]
+        return deployments, owners, await store.deploy_request(request_id)
+
+    assert with_store(stack, leftovers) == ([], [], None)
+    # Once the mark is gone the model deploys, and a delete is refused while it is.
+    with_store(stack, lambda s: s.clear_model_deleting("doomed-llama"))
+    dep = deploy(stack, "doomed-llama").deployment
+    try:
+        with pytest.raises(grpc.RpcError) as kept:
+            stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="doomed-llama"))
+        assert kept.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "has deployments" in kept.value.details()
+    finally:
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id), timeout=120
+        )
+    stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="doomed-llama"))
+
+    async def keys_left(store: StateStore):
+        return [k async for k in store.redis.scan_iter(match="*doomed-llama*")]
+
+    assert with_store(stack, keys_left) == []
