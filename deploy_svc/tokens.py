@@ -7,6 +7,7 @@ from services.api import token_service_pb2_grpc
 from services.auth.tokens import check_token_id, issue
 from services.errors import NotFound
 from services.grpc_server import ServiceBinding
+from services.ids import check_request_id
 from services.state.store import StateStore
 
 
@@ -22,16 +23,19 @@ class TokenServicer(token_service_pb2_grpc.TokenServiceServicer):
         )
 
     async def CreateToken(self, request, context):
+        check_request_id(request.request_id)
         info, secret = await issue(self.store, request.subject, request.role, request.deployments)
         return token_pb.CreateTokenResponse(
             request_id=request.request_id, token=info, secret=secret
         )
 
     async def ListTokens(self, request, context):
+        check_request_id(request.request_id)
         tokens = await self.store.list_tokens()
         return token_pb.ListTokensResponse(request_id=request.request_id, tokens=tokens)
 
     async def RevokeToken(self, request, context):
+        check_request_id(request.request_id)
         if not await self.store.delete_token(check_token_id(request.token_id)):
             raise NotFound(f"token {request.token_id} not found")
         return token_pb.RevokeTokenResponse(request_id=request.request_id)

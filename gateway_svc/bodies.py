@@ -258,6 +258,15 @@ class GenerationBody(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return options
 
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_a_number(cls, top_k: Any) -> Any:
+        """JSON's true and "3" are no count of tokens (pydantic's lax ints would take
+        them as 1 and 3); 3.0 is 3, as for stop_token_ids."""
+        if isinstance(top_k, bool | str):
+            raise ValueError("top_k takes an integer from -1 to 2^32-1")
+        return top_k
+
     @field_validator("top_k")
     @classmethod
     def _top_k_off(cls, top_k: int | None) -> int:

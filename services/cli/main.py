@@ -158,10 +158,15 @@ def _watch_status(settings: Settings, args) -> int:
 
 
 def cmd_model_create(settings: Settings, args) -> int:
-    from services.models.checkpoint import validate_checkpoint
+    from services.models.checkpoint import CheckpointDirectoryNotEmpty, validate_checkpoint
 
-    with _writing_progress() as progress:
-        out = _create_checkpoint(args, progress)
+    try:
+        with _writing_progress() as progress:
+            out = _create_checkpoint(args, progress)
+    except CheckpointDirectoryNotEmpty as exc:
+        raise FileExistsError(
+            f"{str(exc.directory)!r} is not empty; give --force to replace it"
+        ) from None
     checked = validate_checkpoint(out)
     spec = checked.spec
     print(

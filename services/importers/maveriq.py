@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.errors import shown
 from services.proto_limits import UINT32_MAX
 
 __all__ = [
@@ -70,6 +71,9 @@ _MISSPELLED_MODELS = {"gtpj-6b": "gptj-6b"}
 # Architecture presets (services.models.presets) of the data set's models, where the
 # names differ.
 PRESET_NAMES = {"gptj-6b": "gpt-j-6b"}
+# A model name goes whole into the import's skipped lists and notes: printable (no NUL
+# or newline) and far longer than any model's name, not a 100 KB field.
+MAX_MODEL_NAME_CHARS = 128
 _REQUIRED_COLUMNS = (
     "Model",
     "TP",
@@ -155,7 +159,7 @@ def _split_model(name: str) -> tuple[str, str | None]:
 
 def _parse_bool(text: str, where: str) -> bool:
     if text not in ("True", "False"):
-        raise ValueError(f"{where}: INT8_KV_Cache must be True or False, got {text!r}")
+        raise ValueError(f"{where}: INT8_KV_Cache must be True or False, got {shown(text)}")
     return text == "True"
 
 
@@ -175,12 +179,20 @@ def _parse_row(row: dict[str, str], source: str, line: int) -> Measurement:
 def _measurement(row: dict[str, str], source: str, where: str, line: int) -> Measurement:
     dtype = row["DTYPE"]
     if dtype not in _WEIGHT_QUANT:
-        raise ValueError(f"{where}: unknown DTYPE {dtype!r}; known: {sorted(_WEIGHT_QUANT)}")
+        raise ValueError(f"{where}: unknown DTYPE {shown(dtype)}; known: {sorted(_WEIGHT_QUANT)}")
+    name = row["Model"]
+    if not name.isprintable() or len(name) > MAX_MODEL_NAME_CHARS:
+        raise ValueError(
+            f"{where}: Model {shown(name)} must be printable and at most "
+            f"{MAX_MODEL_NAME_CHARS} characters"
+        )
     pp_map = tuple(int(part) for part in row["PP_Map"].split())
     tp, pp = int(row["TP"]), int(row["PP"])
     if len(pp_map) != pp:
-        raise ValueError(f"{where}: PP_Map {row['PP_Map']!r} has {len(pp_map)} stages, PP={pp}")
-    model, pruning = _split_model(row["Model"])
+        raise ValueError(
+            f"{where}: PP_Map {shown(row['PP_Map'])} has {len(pp_map)} stages, PP={pp}"
+        )
+    model, pruning = _split_model(name)
     measurement = Measurement(
         source=source,
         model=model,
@@ -206,13 +218,13 @@ def _measurement(row: dict[str, str], source: str, where: str, line: int) -> Mea
     if not 0 < measurement.latency_s <= MAX_LATENCY_S:
         raise ValueError(
             f"{where}: Latency must be a positive number of seconds up to {MAX_LATENCY_S:g} "
-            f"(a day), got {row['Latency']}"
+            f"(a day), got {shown(row['Latency'])}"
         )
     for column in ("Memory-After-Run", "Memory-Pre-Run"):
         if not 0 <= float(row[column]) <= MAX_MEMORY_GIB:
             raise ValueError(
                 f"{where}: {column} must be from 0 to {MAX_MEMORY_GIB:.0f} GiB (a pebibyte), "
-                f"got {row[column]}"
+                f"got {shown(row[column])}"
             )
     return measurement
 
@@ -229,7 +241,8 @@ def parse_measurements(text: str, source: str) -> tuple[Measurement, ...]:
         # Line numbers count the header as line 1, as an editor shows them.
         return tuple(_parse_row(row, source, n) for n, row in enumerate(reader, start=2))
     except csv.Error as exc:
-        raise ValueError(f"{source}:{reader.line_num}: {exc}") from None
+        # The csv reader's own count: the DictReader's is the line of the last good row.
+        raise ValueError(f"{source}:{reader.reader.line_num}: {exc}") from None
 
 
 def load_measurements(path: str | Path) -> tuple[Measurement, ...]:
@@ -256,14 +269,20 @@ def parse_accuracy(text: str, source: str = ACCURACY) -> dict[AccuracyKey, float
         parts = key.split("_", 1)
         fields = parts[1].rsplit("_", 2) if len(parts) == 2 else []
         if len(fields) != 3 or not isinstance(value, int | float) or isinstance(value, bool):
-            raise ValueError(f"{source}: entry {key!r}: expected MODEL_DTYPE_KV_PRUNING: number")
-        if not 0 <= value < math.inf:
-            raise ValueError(f"{source}: entry {key!r}: accuracy must be a finite number >= 0")
+            raise ValueError(
+                f"{source}: entry {shown(key)}: expected MODEL_DTYPE_KV_PRUNING: number"
+            )
+        try:
+            accuracy = float(value)
+        except OverflowError:  # JSON's 10**400 is an int no float holds
+            accuracy = math.inf
+        if not 0 <= accuracy < math.inf:
+            raise ValueError(f"{source}: entry {shown(key)}: accuracy must be a finite number >= 0")
         dtype, kv, _pruning = fields
         if dtype not in _WEIGHT_QUANT:
-            raise ValueError(f"{source}: key {key!r} has unknown dtype {dtype!r}")
+            raise ValueError(f"{source}: key {shown(key)} has unknown dtype {shown(dtype)}")
         base, _ = _split_model(parts[0])
-        table[AccuracyKey(base, _WEIGHT_QUANT[dtype], _parse_bool(kv, source))] = float(value)
+        table[AccuracyKey(base, _WEIGHT_QUANT[dtype], _parse_bool(kv, source))] = accuracy
     return table
 
 

@@ -36,6 +36,7 @@ from services.models.tokenizer_files import TOKENIZER_FILE, check_tokenizer_file
 
 __all__ = [
     "CONFIG_FILE",
+    "CheckpointDirectoryNotEmpty",
     "TOKENIZER_FILE",
     "missing_tokenizer",
     "InvalidCheckpoint",
@@ -53,6 +54,15 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointDirectoryNotEmpty(FileExistsError):
+    """A checkpoint is not written into a non-empty ``directory`` unless asked to; the
+    CLI says how its users ask (``--force``), this message how a Python caller does."""
+
+    def __init__(self, directory: Path):
+        super().__init__(f"{str(directory)!r} is not empty; pass overwrite=True to replace it")
+        self.directory = directory
 
 
 @dataclass(frozen=True)
@@ -317,7 +327,7 @@ def write_checkpoint(
     """
     directory = Path(out_dir)
     if directory.exists() and any(directory.iterdir()) and not overwrite:
-        raise FileExistsError(f"{str(directory)!r} is not empty; pass overwrite=True to replace it")
+        raise CheckpointDirectoryNotEmpty(directory)
     spec = parse_config(config)  # rejects inconsistent sizes before writing
     tokenizer = build_tokenizer()
     if spec.vocab_size < tokenizer.get_vocab_size():

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from services.errors import shown
 from services.models.errors import InvalidConfig, engine_cannot_run
 from services.models.rope_scaling import ROPE_SCALING_KINDS, RopeScaling
 
@@ -62,11 +63,11 @@ def positive_int(cfg: Mapping[str, Any], key: str, default: int | None = None) -
     if value is None:
         raise InvalidConfig(f"config is missing required field {key!r}")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidConfig(f"config field {key!r} must be a positive integer, got {value!r}")
+        raise InvalidConfig(f"config field {key!r} must be a positive integer, got {shown(value)}")
     maximum = FIELD_MAXIMA.get(key, _DEFAULT_MAXIMUM)
     if value > maximum:
         raise InvalidConfig(
-            f"config field {key!r} is {value}, more than the {maximum} iserve accepts"
+            f"config field {key!r} is {shown(value)}, more than the {maximum} iserve accepts"
         )
     return value
 
@@ -75,14 +76,23 @@ def positive_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
     value = cfg.get(key, default)
     if value is None:
         value = default
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise InvalidConfig(f"config field {key!r} must be a positive finite number, got {value!r}")
-    return float(value)
+    number = _as_float(value)
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise InvalidConfig(
+            f"config field {key!r} must be a positive finite number, got {shown(value)}"
+        )
+    return number
+
+
+def _as_float(value: Any) -> float | None:
+    """A JSON number as a float; None for anything else, and for an integer too large
+    for a float (JSON allows 10**400, where float() overflows)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def flag(cfg: Mapping[str, Any], key: str, default: bool = False) -> bool:
@@ -90,13 +100,13 @@ def flag(cfg: Mapping[str, Any], key: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidConfig(f"config field {key!r} must be true or false, got {value!r}")
+        raise InvalidConfig(f"config field {key!r} must be true or false, got {shown(value)}")
     return value
 
 
 def token_id(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidConfig(f"config field {key!r} must hold token ids, got {value!r}")
+        raise InvalidConfig(f"config field {key!r} must hold token ids, got {shown(value)}")
     return value
 
 
@@ -119,7 +129,7 @@ def dtype_name(cfg: Mapping[str, Any]) -> str:
     if isinstance(value, str):
         value = value.removeprefix("torch.")
     if not isinstance(value, str) or value not in DTYPE_BYTES:
-        raise InvalidConfig(f"config dtype {value!r} is not one of {sorted(DTYPE_BYTES)}")
+        raise InvalidConfig(f"config dtype {shown(value)} is not one of {sorted(DTYPE_BYTES)}")
     return value
 
 
@@ -134,11 +144,11 @@ def _rope_blocks(cfg: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], s
         if block is None:
             continue
         if not isinstance(block, Mapping):
-            raise InvalidConfig(f"config field {name!r} must be an object, got {block!r}")
+            raise InvalidConfig(f"config field {name!r} must be an object, got {shown(block)}")
         rope_type = block.get("rope_type", block.get("type")) or "default"
         if rope_type != "default" and rope_type not in ROPE_SCALING_KINDS:
             engine_cannot_run(
-                f"{name} type {rope_type!r} is not supported; supported: default (unscaled), "
+                f"{name} type {shown(rope_type)} is not supported; supported: default (unscaled), "
                 + ", ".join(ROPE_SCALING_KINDS)
             )
             continue  # read for the shape alone: as if unscaled
@@ -175,16 +185,20 @@ def _rope_scaling(
         except InvalidConfig:
             raise InvalidConfig(
                 f"config field '{name}.{key}' must be a positive finite number, "
-                f"got {block.get(key)!r}"
+                f"got {shown(block.get(key))}"
             ) from None
 
     if kind == "linear":
         return RopeScaling("linear", number("factor"))
     original = block.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
-    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+    if (
+        isinstance(original, bool)
+        or not isinstance(original, int)
+        or not 0 < original <= FIELD_MAXIMA["max_position_embeddings"]
+    ):
         raise InvalidConfig(
             f"config field '{name}.original_max_position_embeddings' must be a positive "
-            f"integer, got {original!r}"
+            f"integer up to {FIELD_MAXIMA['max_position_embeddings']}, got {shown(original)}"
         )
     try:
         return RopeScaling(

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import services.api as api
+from deploy_svc.tokens import TokenServicer
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import token_service_pb2 as token_pb
 from services.auth import access, policy
@@ -267,3 +268,30 @@ def test_issuing_checks_the_request_and_records_only_the_hash():
     info, token = asyncio.run(issue(records, "alice", policy.APP_USER, ["d1"]))
     stored, hashed = records.rows[info.token_id]
     assert stored == info and hashed == digest(token) and token not in str(stored)
+
+
+def test_token_rpcs_refuse_a_bad_request_id_before_touching_the_store():
+    class Untouched:
+        def __getattr__(self, name):
+            raise AssertionError(f"the store was asked for {name}")
+
+    servicer = TokenServicer(Untouched())
+    request_id = "r" * 100_000
+    calls = [
+        servicer.CreateToken(
+            token_pb.CreateTokenRequest(
+                request_id=request_id, subject="alice", role=policy.APP_USER, deployments=["d1"]
+            ),
+            None,
+        ),
+        servicer.ListTokens(token_pb.ListTokensRequest(request_id=request_id), None),
+        servicer.RevokeToken(
+            token_pb.RevokeTokenRequest(request_id=request_id, token_id="0" * 16), None
+        ),
+    ]
+    for call in calls:
+        with pytest.raises(
+            InvalidArgument, match=r"invalid request_id 'rrr.*\(100000 characters\)"
+        ) as err:
+            asyncio.run(call)
+        assert len(str(err.value)) < 200

@@ -234,6 +234,11 @@ def test_outside_an_import_the_same_features_are_refused():
             {"llama-2-7b": json.dumps(dict(MYSTERY_CONFIG, hidden_size=1000))},
             "llama-2-7b: its config.json: ",
         ),
+        # JSON's 10**400 in a float field: no float holds it.
+        (
+            {"llama-2-7b": json.dumps(dict(MYSTERY_CONFIG, rope_theta=10**400))},
+            "llama-2-7b: its config.json: config field 'rope_theta' must be a positive finite",
+        ),
         # The rows hold a 2-layer fingerprint of a model the config gives 1 layer.
         (
             {"llama-2-7b": json.dumps(dict(MYSTERY_CONFIG, num_hidden_layers=1))},
@@ -293,7 +298,7 @@ def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_re
             (
                 {"full_model_data_collection.csv": FULL.replace(",3.5,", f",{bad},")},
                 "full_model_data_collection.csv:2: Latency must be a positive number of "
-                f"seconds up to 86400 (a day), got {bad}",
+                f"seconds up to 86400 (a day), got {bad!r}",
             )
             for bad in ("inf", "nan", "-3.5", "0", "1e400", "1e300", "86401")
         ),
@@ -301,7 +306,7 @@ def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_re
             (
                 {"full_model_data_collection.csv": FULL.replace(",16.5,", f",{bad},")},
                 "full_model_data_collection.csv:2: Memory-After-Run must be from 0 to "
-                f"1048576 GiB (a pebibyte), got {bad}",
+                f"1048576 GiB (a pebibyte), got {bad!r}",
             )
             for bad in ("inf", "nan", "-1", "1e12", "1e300")
         ),
@@ -364,13 +369,41 @@ def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_re
                 (math.nan, "accuracy must be a finite number >= 0"),
                 (-1.0, "accuracy must be a finite number >= 0"),
                 (True, "expected MODEL_DTYPE_KV_PRUNING: number"),
+                # An int no float holds: refused, not an OverflowError.
+                (10**400, "accuracy must be a finite number >= 0"),
             )
+        ),
+        # The line the csv module was reading when it failed, not the last good row's.
+        (
+            {
+                "fingerprint_data_collection.csv": FINGERPRINTS
+                + "llama-2-7b,1,1,"
+                + "1" * 200_000
+                + ",float16,False,10,1,0.05,1.2,1.25,10,5\n"
+            },
+            "fingerprint_data_collection.csv:7: field larger than field limit",
         ),
     ],
 )
 def test_malformed_input_is_invalid_argument_naming_file_and_line(named, message):
     with pytest.raises(InvalidArgument, match=message.replace("(", r"\(").replace(")", r"\)")):
         plan(named)
+
+
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [
+        ("llama\x00-2-7b", "'llama\\x00-2-7b'"),
+        ('"llama\n-2-7b"', "'llama\\n-2-7b'"),
+        ("m" * 100_000, "'" + "m" * 76 + "... (100000 characters)"),
+    ],
+)
+def test_a_model_name_the_skipped_lists_would_carry_raw_is_refused_cut(name, shown):
+    with pytest.raises(InvalidArgument) as err:
+        plan({"full_model_data_collection.csv": FULL.replace("llama-2-7b", name)})
+    message = str(err.value)
+    assert message.startswith(f"full_model_data_collection.csv:2: Model {shown} must be printable")
+    assert len(message) < 200
 
 
 def test_bad_bytes_names_and_hardware_types():

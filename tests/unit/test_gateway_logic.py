@@ -224,6 +224,7 @@ VLLM_DECLINED = [
     ("prompt_logprobs", 0, "prompt log-probabilities are not supported by this server"),
 ]  # fmt: skip
 NOT_TOKEN_IDS = "stop_token_ids takes token ids (integers from 0 to 2^32-1)"
+NOT_TOP_K = "top_k takes an integer from -1 to 2^32-1"
 NOT_STREAMED = "stream_options is only allowed when stream is true"
 
 
@@ -233,6 +234,9 @@ NOT_STREAMED = "stream_options is only allowed when stream is true"
         *[(*endpoint, *declined) for endpoint in (COMPLETION, CHAT) for declined in VLLM_DECLINED],
         (*COMPLETION, "top_k", -2, "Input should be greater than or equal to -1"),
         (*CHAT, "top_k", 2**32, "Input should be less than or equal to 4294967295"),
+        # JSON's true and "3" are no counts, as in stop_token_ids.
+        (*COMPLETION, "top_k", True, NOT_TOP_K),
+        (*CHAT, "top_k", "3", NOT_TOP_K),
         (*COMPLETION, "stop_token_ids", [-1], NOT_TOKEN_IDS),
         (*CHAT, "stop_token_ids", [2**32], NOT_TOKEN_IDS),
         (*COMPLETION, "stop_token_ids", 7, NOT_TOKEN_IDS),
@@ -408,6 +412,16 @@ def test_with_authentication_off_what_cannot_be_a_token_is_not_sent_on(tmp_path)
             reply = client.get("/v1/models", headers=[(b"authorization", authorization)])
             assert reply.status_code == 200, reply.text
     assert backend.deployments.callers == [(), ()]
+
+
+def test_a_model_asked_for_by_a_long_name_is_echoed_cut_in_the_404(tmp_path):
+    backend = _backend(tmp_path, auth=False)
+    with TestClient(create_app(lambda: backend)) as client:
+        reply = client.get(f"/v1/models/{'m' * 60_000}")
+    assert reply.status_code == 404, reply.text
+    message = reply.json()["error"]["message"]
+    assert message.endswith("... (60000 characters) has no ready deployment"), message
+    assert len(message) < 200
 
 
 def test_metrics_count_requests_by_route_not_by_the_path_sent(tmp_path):

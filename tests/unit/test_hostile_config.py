@@ -93,6 +93,39 @@ def test_a_non_finite_or_non_positive_float_names_the_field(value):
     assert "'rms_norm_eps'" in _refused({**LLAMA, "rms_norm_eps": value})
 
 
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"rms_norm_eps": 10**400}, "'rms_norm_eps'"),
+        ({"rope_theta": 10**400}, "'rope_theta'"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10**400}}, "'rope_theta'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 10**400}}, "'rope_scaling.factor'"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 10**400}},
+            "'rope_scaling.low_freq_factor'",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 10**400,
+                }
+            },
+            "'rope_scaling.original_max_position_embeddings'",
+        ),
+        ({"max_position_embeddings": 10**400}, "'max_position_embeddings'"),
+        ({"vocab_size": -(10**400)}, "'vocab_size'"),
+    ],
+)
+def test_an_integer_no_float_holds_is_refused_by_name_and_shown_cut(changes, field):
+    """JSON allows 10**400 in any number field: a float field overflows float(); an
+    integer field would echo all 401 digits."""
+    message = _refused({**LLAMA, **changes})
+    assert field in message, message
+    assert len(message) < 200, message
+
+
 @pytest.mark.parametrize("value", [["float32"], {"float": 32}, 32, "float8", "torch.int8"])
 def test_an_unknown_or_mistyped_dtype_is_named(value):
     assert "dtype" in _refused({**LLAMA, "torch_dtype": value, "dtype": value})
@@ -118,17 +151,22 @@ def test_other_fields_of_the_wrong_type_are_refused(field, value):
     assert field.split("_")[0] in message or "quantized" in message, message
 
 
-def test_registration_reports_a_bad_config_as_invalid_argument(tmp_path):
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_hidden_layers", "1"), ("rms_norm_eps", 10**400)],
+    ids=["string-count", "huge-int-float"],
+)
+def test_registration_reports_a_bad_config_as_invalid_argument(tmp_path, field, value):
     directory = create_checkpoint(
         tmp_path / "bad", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64
     )
     config = json.loads((directory / "config.json").read_text())
-    config["num_hidden_layers"] = "1"
+    config[field] = value
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(InvalidArgument) as err:
         inspect_checkpoint(directory, "checkpoint 'bad'")
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "'num_hidden_layers'" in str(err.value)
+    assert f"checkpoint 'bad': config field {field!r}" in str(err.value), str(err.value)
 
 
 _json_values = st.recursive(

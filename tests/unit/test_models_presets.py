@@ -184,3 +184,15 @@ def test_cli_model_create_errors(tmp_path: Path, capsys, extra: list[str], messa
     status = cli_main(["model", "create", "bad", *extra, "--out", str(tmp_path / "bad")])
     assert status == 1
     assert message in capsys.readouterr().err
+
+
+def test_cli_model_create_into_a_non_empty_directory_names_force(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "full"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    argv = ["model", "create", "m", "--hidden", "32", "--layers", "1", "--heads", "4"]
+    assert cli_main([*argv, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "is not empty; give --force to replace it" in err and "overwrite=True" not in err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert cli_main([*argv, "--out", str(out), "--force"]) == 0
