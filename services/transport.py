@@ -28,6 +28,10 @@ MAX_MESSAGE_BYTES = 64 << 20
 # prefill, a request queued at its worker), and servers accept them that often.
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 20_000
+# A channel whose peer went away retries with growing pauses; gRPC's default cap of
+# 120 s left a node's agent unreachable for 35-70 s after it came back from a one- or
+# two-minute outage. Capped, a peer that is back is reached within seconds.
+MAX_RECONNECT_BACKOFF_MS = 5_000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -36,6 +40,7 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
 ]
 
 
