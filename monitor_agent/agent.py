@@ -11,19 +11,29 @@ finish its generations). This process never imports torch; workers do.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
 
 from monitor_agent.devices import discover_devices
 from monitor_agent.metrics import AgentMetrics
-from monitor_agent.monitor import DeviceMonitor, NvmlSampler, ProcessSampler
+from monitor_agent.monitor import (
+    HOLDER_CHECK_TIMEOUT_S,
+    DeviceMonitor,
+    NvmlSampler,
+    ProcessSampler,
+    live_holder,
+)
 from monitor_agent.servicer import AgentServicer
 from monitor_agent.supervisor import WorkerSupervisor
 from monitor_agent.worker_pool import WorkerPool
+from services import health
 from services.api import agent_service_pb2_grpc
 from services.grpc_server import ServiceBinding
 from services.metrics import new_registry
-from services.service_main import ServiceParts, serve_service
-from services.settings import Settings
+from services.ports import free_port
+from services.service_main import ServiceParts, fail, serve_service
+from services.settings import SERVICE_ENV, Settings
 from services.state.store import StateStore
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -32,6 +42,12 @@ _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 def advertised_host(bind_host: str) -> str:
     """The host other processes use to reach a server bound to ``bind_host``."""
     return socket.gethostname() if bind_host in _WILDCARD_HOSTS else bind_host
+
+
+async def answers_health(address: str) -> bool:
+    """True when an agent at ``address`` answers its health check within
+    HOLDER_CHECK_TIMEOUT_S."""
+    return await asyncio.to_thread(health.check, address, HOLDER_CHECK_TIMEOUT_S)
 
 
 def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
@@ -66,6 +82,15 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         deployments_on=supervisor.deployments_on,
         on_measure=metrics.update,
     )
+
+    async def refuse_a_node_id_in_use() -> None:
+        holder = await live_holder(store, settings.node_id, monitor.agent_address, answers_health)
+        if holder is not None:
+            fail(
+                f"node id {settings.node_id!r} is held by a live agent at {holder}; "
+                "stop that agent or give this one another ISERVE_NODE_ID"
+            )
+
     servicer = AgentServicer(settings, devices, supervisor)
     binding = ServiceBinding(
         servicer,
@@ -74,12 +99,24 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
     )
     return ServiceParts(
         bindings=[binding],
+        on_start=refuse_a_node_id_in_use,
         background=[monitor.run, supervisor.reap_forever],
         on_stop=supervisor.stop_all,
         registry=registry,
     )
 
 
+def pin_any_port(env: dict[str, str] | os._Environ) -> None:
+    """Replace port 0 in ISERVE_AGENT_ADDR by a free port, so the address the node
+    advertises is the one the agent listens on (the kernel's pick is known only after
+    binding, too late for the registration)."""
+    name = SERVICE_ENV["agent"]
+    host, sep, port = env.get(name, "").rpartition(":")
+    if sep and port == "0":
+        env[name] = f"{host}:{free_port(host.strip('[]') or '127.0.0.1')}"
+
+
 def main() -> int:
+    pin_any_port(os.environ)
     serve_service("agent", build_agent)
     return 0

@@ -1,4 +1,7 @@
-"""Publishes this node's devices to Redis: registration once, then memory and load every second.
+"""Publishes this node's devices to Redis: registration, memory and load every second.
+
+Each round registers the node again (address and device set), so should another agent
+have claimed this node id, the agent that still heartbeats is the one the node names.
 
 Virtual CPU device: used bytes are the summed RSS of its live workers; utilisation is
 their CPU time over the last interval divided by (interval × the device's cores).
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -24,6 +27,8 @@ from services.state.store import StateStore
 log = logging.getLogger("iserve.agent.monitor")
 
 PUBLISH_INTERVAL_S = 1.0
+# How long a starting agent waits for the agent that holds its node id to answer.
+HOLDER_CHECK_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -127,19 +132,21 @@ class DeviceMonitor:
         self.on_measure = on_measure
         self.loads = {d.device_id: LoadRing() for d in self.devices}
 
-    async def register(self) -> None:
+    async def register(self, *, announce: bool = True) -> None:
         node = common.NodeState(
             node_id=self.node_id,
             agent_address=self.agent_address,
             devices=[d.to_state(self.node_id) for d in self.devices],
         )
         await self.store.register_node(node, self.heartbeat_ttl_s)
-        log.info(
-            "node %s registered with %d device(s): %s",
-            self.node_id,
-            len(self.devices),
-            ", ".join(f"{d.device_id} ({d.name})" for d in self.devices),
-        )
+        if announce:
+            log.info(
+                "node %s registered at %s with %d device(s): %s",
+                self.node_id,
+                self.agent_address,
+                len(self.devices),
+                ", ".join(f"{d.device_id} ({d.name})" for d in self.devices),
+            )
 
     def measure(self) -> list[common.DeviceState]:
         """One sample of every device, folded into its load ring."""
@@ -158,20 +165,32 @@ class DeviceMonitor:
         return states
 
     async def run(self) -> None:
-        """Background task: register, then publish every ``interval_s`` until cancelled."""
-        while True:
-            try:
-                await self.register()
-                break
-            except Exception:  # noqa: BLE001 - keep trying until Redis answers
-                log.exception("registering node %s failed; retrying", self.node_id)
-                await asyncio.sleep(self.interval_s)
+        """Background task: every ``interval_s`` until cancelled, register the node and
+        publish its devices' figures (a failed round is logged and tried again)."""
+        registered = False
         next_at = time.monotonic()
         while True:
             try:
+                await self.register(announce=not registered)
+                registered = True
                 await self.store.publish_devices(self.node_id, self.measure(), self.heartbeat_ttl_s)
             except Exception:  # noqa: BLE001 - a Redis hiccup must not stop the heartbeat
-                log.exception("publishing device state failed; retrying")
+                log.exception("publishing node %s failed; retrying", self.node_id)
             # Keep a steady cadence, but never try to catch up on missed ticks.
             next_at = max(next_at + self.interval_s, time.monotonic())
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+
+async def live_holder(
+    store: StateStore,
+    node_id: str,
+    agent_address: str,
+    answers: Callable[[str], Awaitable[bool]],
+) -> str | None:
+    """The address of another live agent that holds ``node_id``, or None when the id
+    is free: unregistered, not heartbeating, registered at ``agent_address`` (this
+    agent restarting), or held by an agent that does not answer ``answers``."""
+    node = await store.get_node(node_id)
+    if node is None or not node.alive or node.agent_address == agent_address:
+        return None
+    return node.agent_address if await answers(node.agent_address) else None

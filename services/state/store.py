@@ -19,6 +19,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import WatchError
 
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
@@ -60,12 +61,16 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return {{1}}
 """
 
-# KEYS: reservation, reservation index.  ARGV: owner.  Returns devices released.
+# KEYS: reservation, reservation index.  ARGV: owner.  Returns devices released (a
+# device that no longer exists is skipped, not recreated).
 _RELEASE = """
 local entries = redis.call('HGETALL', KEYS[1])
 for i = 1, #entries, 2 do
-  local left = redis.call('HINCRBY', entries[i], 'reserved', -tonumber(entries[i + 1]))
-  if left < 0 then redis.call('HSET', entries[i], 'reserved', 0) end
+  -- A device its node no longer registers is gone, and its counters with it.
+  if redis.call('EXISTS', entries[i]) == 1 then
+    local left = redis.call('HINCRBY', entries[i], 'reserved', -tonumber(entries[i + 1]))
+    if left < 0 then redis.call('HSET', entries[i], 'reserved', 0) end
+  end
 end
 redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], ARGV[1])
@@ -342,19 +347,58 @@ class StateStore:
 
     # ---- nodes and devices --------------------------------------------------------
     async def register_node(self, node: common.NodeState, ttl_s: float) -> None:
-        """Record a node's static description and its devices' static info."""
-        static = common.NodeState(node_id=node.node_id, agent_address=node.agent_address)
+        """Record a node's address and devices, replacing what it registered before.
+
+        Atomic: a device the node no longer has leaves its device set and its record is
+        deleted, so placement stops seeing it (reservations naming it keep their entry;
+        releasing them skips the missing device). A device that joins the set gets its
+        ``reserved`` counter from the reservations that still name it.
+        """
+        node_id = node.node_id
+        static = common.NodeState(node_id=node_id, agent_address=node.agent_address)
+        wanted = {dev.ref.device_id for dev in node.devices}
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(keys.node(node.node_id), encode(static))
-            pipe.sadd(keys.node_index(), node.node_id)
-            pipe.set(keys.node_heartbeat(node.node_id), now_ms(), px=int(ttl_s * 1000))
-            for dev in node.devices:
-                pipe.sadd(keys.node_devices(node.node_id), dev.ref.device_id)
-                pipe.hset(
-                    device_key(dev.ref), mapping={"info": encode(dev), "total": dev.total_bytes}
-                )
-                pipe.hsetnx(device_key(dev.ref), "reserved", 0)
-            await pipe.execute()
+            while True:
+                try:
+                    # Watched so a concurrent registration or release makes this retry.
+                    await pipe.watch(keys.node_devices(node_id), keys.reservation_index())
+                    registered = set(await pipe.smembers(keys.node_devices(node_id)))
+                    joined = wanted - registered
+                    reserved = await self._reserved_by_reservations(
+                        pipe, [keys.device(node_id, d) for d in joined]
+                    )
+                    pipe.multi()
+                    pipe.set(keys.node(node_id), encode(static))
+                    pipe.sadd(keys.node_index(), node_id)
+                    pipe.set(keys.node_heartbeat(node_id), now_ms(), px=int(ttl_s * 1000))
+                    pipe.delete(keys.node_devices(node_id))
+                    if wanted:
+                        pipe.sadd(keys.node_devices(node_id), *sorted(wanted))
+                    for device_id in registered - wanted:
+                        pipe.delete(keys.device(node_id, device_id))
+                    for dev in node.devices:
+                        key = device_key(dev.ref)
+                        pipe.hset(key, mapping={"info": encode(dev), "total": dev.total_bytes})
+                        if key in reserved:
+                            pipe.hset(key, "reserved", reserved[key])
+                        else:
+                            pipe.hsetnx(key, "reserved", 0)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue
+
+    @staticmethod
+    async def _reserved_by_reservations(pipe, device_keys: list[str]) -> dict[str, int]:
+        """Bytes the recorded reservations hold on each of ``device_keys``."""
+        if not device_keys:
+            return {}
+        totals = dict.fromkeys(device_keys, 0)
+        for owner in await pipe.smembers(keys.reservation_index()):
+            held = await pipe.hmget(keys.reservation(owner), device_keys)
+            for key, amount in zip(device_keys, held, strict=True):
+                totals[key] += int(amount or 0)
+        return totals
 
     async def publish_devices(
         self, node_id: str, devices: Iterable[common.DeviceState], ttl_s: float
@@ -377,23 +421,28 @@ class StateStore:
 
     async def list_nodes(self) -> list[common.NodeState]:
         """Every known node with its devices' current figures and liveness."""
-        node_ids = sorted(await self.redis.smembers(keys.node_index()))
         nodes = []
-        for node_id in node_ids:
-            raw = await self.redis.get(keys.node(node_id))
-            if raw is None:
-                continue
-            node = decode(common.NodeState, raw)
-            beat = await self.redis.get(keys.node_heartbeat(node_id))
-            node.alive = beat is not None
-            node.heartbeat_at_unix_ms = int(beat or 0)
-            device_ids = sorted(await self.redis.smembers(keys.node_devices(node_id)), key=_natural)
-            for device_id in device_ids:
-                dev = await self.get_device(common.DeviceRef(node_id=node_id, device_id=device_id))
-                if dev is not None:
-                    node.devices.append(dev)
-            nodes.append(node)
+        for node_id in sorted(await self.redis.smembers(keys.node_index())):
+            node = await self.get_node(node_id)
+            if node is not None:
+                nodes.append(node)
         return nodes
+
+    async def get_node(self, node_id: str) -> common.NodeState | None:
+        """One node with its devices' current figures and liveness; None if unknown."""
+        raw = await self.redis.get(keys.node(node_id))
+        if raw is None:
+            return None
+        node = decode(common.NodeState, raw)
+        beat = await self.redis.get(keys.node_heartbeat(node_id))
+        node.alive = beat is not None
+        node.heartbeat_at_unix_ms = int(beat or 0)
+        device_ids = sorted(await self.redis.smembers(keys.node_devices(node_id)), key=_natural)
+        for device_id in device_ids:
+            dev = await self.get_device(common.DeviceRef(node_id=node_id, device_id=device_id))
+            if dev is not None:
+                node.devices.append(dev)
+        return node
 
     async def get_device(self, ref: common.DeviceRef) -> common.DeviceState | None:
         fields = await self.redis.hgetall(device_key(ref))

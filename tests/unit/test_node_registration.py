@@ -1,0 +1,126 @@
+"""Node registration against a real redis-server: a node's registration replaces its
+device set, the live agent's address wins back the node, a node id held by a live
+agent is refused, and port 0 is pinned before the agent registers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from monitor_agent.agent import pin_any_port
+from monitor_agent.devices import virtual_devices
+from monitor_agent.monitor import DeviceMonitor, DeviceSample, live_holder
+from services.api import common_pb2 as common
+from services.state import keys
+from services.state.store import ReservationError
+
+MIB = 1 << 20
+
+
+def _node(address: str, *device_ids: str) -> common.NodeState:
+    return common.NodeState(
+        node_id="n0",
+        agent_address=address,
+        devices=[
+            common.DeviceState(
+                ref=common.DeviceRef(node_id="n0", device_id=d), total_bytes=1024 * MIB
+            )
+            for d in device_ids
+        ],
+    )
+
+
+def test_registering_fewer_devices_removes_the_missing_ones(run):
+    async def body(store):
+        await store.register_node(_node("127.0.0.1:1", "cpu0", "cpu1"), ttl_s=5)
+        await store.reserve("dep", {("n0", "cpu1"): 100 * MIB})
+        await store.register_node(_node("127.0.0.1:1", "cpu0"), ttl_s=5)
+        [node] = await store.list_nodes()
+        assert [d.ref.device_id for d in node.devices] == ["cpu0"]
+        assert not await store.redis.exists(keys.device("n0", "cpu1"))
+        with pytest.raises(ReservationError, match="n0/cpu1 is unknown"):
+            await store.reserve("other", {("n0", "cpu1"): MIB})
+        # Releasing a reservation on the gone device neither fails nor recreates it.
+        assert await store.release("dep") == 1
+        assert not await store.redis.exists(keys.device("n0", "cpu1"))
+
+    run(body)
+
+
+def test_a_device_that_returns_counts_the_reservations_still_naming_it(run):
+    async def body(store):
+        await store.register_node(_node("127.0.0.1:1", "cpu0", "cpu1"), ttl_s=5)
+        await store.reserve("dep", {("n0", "cpu1"): 100 * MIB})
+        await store.register_node(_node("127.0.0.1:1", "cpu0"), ttl_s=5)
+        await store.register_node(_node("127.0.0.1:1", "cpu0", "cpu1"), ttl_s=5)
+        back = await store.get_device(common.DeviceRef(node_id="n0", device_id="cpu1"))
+        assert back.reserved_bytes == 100 * MIB
+        await store.release("dep")
+        back = await store.get_device(common.DeviceRef(node_id="n0", device_id="cpu1"))
+        assert back.reserved_bytes == 0
+
+    run(body)
+
+
+class _IdleSampler:
+    def sample(self, devices):
+        return {d.device_id: DeviceSample(0, 0.0) for d in devices}
+
+
+def test_the_heartbeating_agent_takes_its_node_back_from_a_duplicate(run):
+    async def body(store):
+        monitor = DeviceMonitor(
+            node_id="n0",
+            agent_address="127.0.0.1:1",
+            devices=virtual_devices(2, 1024 * MIB, [0], "x86_64"),
+            store=store,
+            sampler=_IdleSampler(),
+            heartbeat_ttl_s=5,
+            interval_s=0.05,
+        )
+        task = asyncio.create_task(monitor.run())
+        try:
+            await asyncio.sleep(0.2)
+            # A duplicate agent with the same node id registers, then dies.
+            await store.register_node(_node("127.0.0.1:2", "cpu0"), ttl_s=5)
+            await asyncio.sleep(0.2)
+        finally:
+            task.cancel()
+        node = await store.get_node("n0")
+        assert node.agent_address == "127.0.0.1:1"
+        assert [d.ref.device_id for d in node.devices] == ["cpu0", "cpu1"]
+
+    run(body)
+
+
+def test_a_node_id_held_by_a_live_answering_agent_is_refused(run):
+    asked = []
+
+    async def answers(address):
+        asked.append(address)
+        return address == "127.0.0.1:1"
+
+    async def body(store):
+        assert await live_holder(store, "n0", "127.0.0.1:2", answers) is None  # unknown
+        await store.register_node(_node("127.0.0.1:1", "cpu0"), ttl_s=5)
+        assert await live_holder(store, "n0", "127.0.0.1:2", answers) == "127.0.0.1:1"
+        # The same address is this agent restarting.
+        assert await live_holder(store, "n0", "127.0.0.1:1", answers) is None
+        await store.register_node(_node("127.0.0.1:3", "cpu0"), ttl_s=5)
+        assert await live_holder(store, "n0", "127.0.0.1:2", answers) is None  # silent
+        await store.redis.delete(keys.node_heartbeat("n0"))
+        assert await live_holder(store, "n0", "127.0.0.1:2", answers) is None  # dead
+
+    run(body)
+    assert asked == ["127.0.0.1:1", "127.0.0.1:3"]
+
+
+def test_port_zero_is_pinned_to_a_real_port_before_the_agent_registers():
+    env = {"ISERVE_AGENT_ADDR": "127.0.0.1:0"}
+    pin_any_port(env)
+    host, _, port = env["ISERVE_AGENT_ADDR"].rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    env = {"ISERVE_AGENT_ADDR": "127.0.0.1:50065"}
+    pin_any_port(env)
+    assert env == {"ISERVE_AGENT_ADDR": "127.0.0.1:50065"}
