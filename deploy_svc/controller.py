@@ -64,6 +64,12 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def unknown_deployment(deployment_id: str) -> NotFound:
+    """What a request naming a deployment that does not exist gets (and an application
+    user, one its token does not grant)."""
+    return NotFound(f"deployment {deployment_id!r} does not exist")
+
+
 class DeploymentRemoved(IServeError):
     """A Remove of the deployment came while its Deploy was starting it. Not a failed
     launch: nothing failed, and no other configuration is tried."""
@@ -152,7 +158,7 @@ class DeploymentController:
         check_deployment_id(deployment_id)
         deployment = await self.store.get_deployment(deployment_id)
         if deployment is None:
-            raise NotFound(f"deployment {deployment_id!r} does not exist")
+            raise unknown_deployment(deployment_id)
         return deployment
 
     async def cluster_state(self) -> deploy_pb.GetClusterStateResponse:

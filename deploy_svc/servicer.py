@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from deploy_svc.controller import DeploymentController
+from deploy_svc.controller import DeploymentController, unknown_deployment
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
 from services.auth import access
-from services.errors import NotFound
 
 
 class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
@@ -25,8 +24,7 @@ class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
         access.check_use(
             deployment.deployment_id,
             deployment.owner,
-            # What controller.get answers for an id that does not exist.
-            unknown=NotFound(f"deployment {request.deployment_id!r} does not exist"),
+            unknown=unknown_deployment(request.deployment_id),
         )
         return deploy_pb.GetDeploymentResponse(request_id=request.request_id, deployment=deployment)
 

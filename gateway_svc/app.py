@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -57,7 +56,7 @@ from services.api import (
 )
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
-from services.auth.tokens import bearer
+from services.auth.tokens import bearer, could_be_token
 from services.errors import InvalidArgument, shown
 from services.ids import check_model_id
 from services.metrics import new_registry
@@ -189,11 +188,9 @@ class StopScanner:
 # gRPC metadata: the caller's ``authorization`` entry, or none.
 Metadata = tuple[tuple[str, str], ...]
 
-# What can be an iserve token (services.auth.tokens: ``isv_...`` or an operator's 24-512
-# printable characters), in the printable ASCII without spaces that gRPC metadata
-# carries. Anything else is refused at the gateway: passed on, it would fail in the gRPC
-# library (a 500) or on the services' metadata size limit (a 429 naming gRPC internals).
-_TOKEN_SHAPE = re.compile(rf"[!-~]{{{MIN_TOKEN_LENGTH},{MAX_TOKEN_LENGTH}}}")
+# What cannot be a token (services.auth.tokens.could_be_token) is refused at the gateway:
+# passed on, it would fail in the gRPC library (a 500) or on the services' metadata size
+# limit (a 429 naming gRPC internals).
 _NOT_A_TOKEN = (
     f"the bearer token is not an iserve token ({MIN_TOKEN_LENGTH}-{MAX_TOKEN_LENGTH} "
     "printable ASCII characters without spaces; `iserve token create` issues them)"
@@ -243,7 +240,7 @@ class Backend:
         """gRPC metadata carrying the HTTP client's bearer token; 401 when authentication
         is on and it sent none, or something that cannot be a token (before any call)."""
         token = bearer(request.headers.get("authorization", ""))
-        if token and not _TOKEN_SHAPE.fullmatch(token):
+        if token and not could_be_token(token):
             if self.auth:
                 raise GatewayError(401, "authentication_error", _NOT_A_TOKEN)
             # Nothing is checked with authentication off, yet OpenAI's clients must send

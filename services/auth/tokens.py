@@ -24,7 +24,7 @@ from services.api import token_service_pb2 as token_pb
 from services.auth import policy
 from services.errors import InvalidArgument, shown
 from services.ids import check_deployment_id
-from services.settings import MAX_TOKEN_LENGTH
+from services.settings import MAX_TOKEN_LENGTH, MIN_TOKEN_LENGTH
 
 PREFIX = "isv_"
 _ISSUED = re.compile(r"isv_([0-9a-f]{16})_[A-Za-z0-9_-]{20,}")
@@ -215,6 +215,17 @@ class ServiceTokenAuthenticator:
         if hmac.compare_digest(digest(token), self._hash):
             return self._principal
         return None
+
+
+# What can be an iserve token (``isv_...``, or an operator's 24-512 characters) in the
+# printable ASCII without spaces that gRPC metadata carries.
+_TOKEN_SHAPE = re.compile(rf"[!-~]{{{MIN_TOKEN_LENGTH},{MAX_TOKEN_LENGTH}}}")
+
+
+def could_be_token(text: str) -> bool:
+    """Whether ``text`` has the shape of a token a call can carry (not whether one is
+    registered)."""
+    return _TOKEN_SHAPE.fullmatch(text) is not None
 
 
 def bearer(metadata: object) -> str:
