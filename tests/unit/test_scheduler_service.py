@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from monitor_agent.worker.session import serve_session
-from scheduler_svc.servicer import InferenceServicer
+from scheduler_svc.servicer import InferenceServicer, ended_by_client
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
@@ -687,6 +687,27 @@ def test_a_stream_closed_between_messages_is_counted_cancelled(redis_url):
     run(redis_url, scenario)
 
 
+@pytest.mark.parametrize(
+    ("budget_s", "remaining_s", "code"),
+    [
+        (0.3, 0.0, grpc.StatusCode.DEADLINE_EXCEEDED),
+        # the client's deadline passed; its hang-up reached the server 2 ms before the
+        # server's own deadline, which started when the headers arrived
+        (0.3, 0.002, grpc.StatusCode.DEADLINE_EXCEEDED),
+        (0.3, 0.2, grpc.StatusCode.CANCELLED),
+        (60.0, 0.06, grpc.StatusCode.CANCELLED),  # the tolerance is 50 ms at most
+        (0.01, 0.002, grpc.StatusCode.CANCELLED),  # and a tenth of a short call
+        (None, None, grpc.StatusCode.CANCELLED),  # no deadline: a hang-up
+    ],
+)
+def test_a_hang_up_at_the_deadline_counts_as_the_deadline(budget_s, remaining_s, code):
+    class Context:
+        def time_remaining(self):
+            return remaining_s
+
+    assert ended_by_client(Context(), budget_s) == code
+
+
 def test_a_client_deadline_passing_while_queued_counts_as_deadline_exceeded(redis_url):
     """What the client saw, DEADLINE_EXCEEDED, not CANCELLED; a client that hangs up is
     still CANCELLED."""
@@ -705,13 +726,18 @@ def test_a_client_deadline_passing_while_queued_counts_as_deadline_exceeded(redi
         with pytest.raises(grpc.aio.AioRpcError) as expired:
             await timed.read()
         assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        hung_up = h.generate(request_id="hung-up", deployment_id="d1")
-        await h.until_waiting("d1", 1)
-        hung_up.cancel()
 
         def failures(code: str) -> float | None:
             labels = {"model_id": "m", "deployment_id": "d1", "code": code}
             return h.servicer.registry.get_sample_value("iserve_request_failure_total", labels)
+
+        # The server learns of the deadline on its own clock: until it has, the expired
+        # request still counts as waiting and would pass for the next one.
+        await h.until(lambda: failures("DEADLINE_EXCEEDED") == 1, "the expiry to be counted")
+        await h.until_waiting("d1", 0)
+        hung_up = h.generate(request_id="hung-up", deployment_id="d1")
+        await h.until_waiting("d1", 1)
+        hung_up.cancel()
 
         await h.until(lambda: failures("CANCELLED") == 1, "the hang-up to be counted")
         assert failures("DEADLINE_EXCEEDED") == 1
