@@ -10,6 +10,7 @@ import pytest
 
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
+from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
@@ -238,27 +239,28 @@ def _worker_stats(address: str) -> worker_pb.GetWorkerStatsResponse:
         )
 
 
+def _waiting(stack, deployment_id: str) -> int:
+    """Requests of the deployment waiting for a slot, as the scheduler counts them."""
+    stats = stack.inference.GetServingStats(infer_pb.GetServingStatsRequest(), timeout=10)
+    return sum(d.requests_waiting for d in stats.deployments if d.deployment_id == deployment_id)
+
+
 def test_queue_full_is_resource_exhausted(stack, served):
     running = _Stream(stack, **_long(served))
     assert running.first.wait(60) and running.error is None
     waiting = [_Stream(stack, **_long(served)) for _ in range(QUEUE_CAPACITY)]
     try:
-
-        def rejected():
-            try:
-                generate(stack, deployment_id=served.deployment_id, prompt="hi", max_tokens=2)
-            except grpc.RpcError as exc:
-                return exc
-            return None
-
+        # The scheduler says its queue is full (QUEUE_CAPACITY waiting behind the running
+        # one) before the probe: one sent earlier would be queued, not refused.
         assert wait_for(
-            lambda: (
-                (exc := rejected()) is not None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            ),
-            timeout=10,
-        )
-        exc = rejected()
-        assert "full" in exc.details()
+            lambda: _waiting(stack, served.deployment_id) >= QUEUE_CAPACITY, timeout=60
+        ), (_waiting(stack, served.deployment_id), running.error, [w.error for w in waiting])
+        with pytest.raises(grpc.RpcError) as rejected:
+            generate(
+                stack, timeout=30, deployment_id=served.deployment_id, prompt="hi", max_tokens=2
+            )
+        assert rejected.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, rejected.value
+        assert "full" in rejected.value.details()
     finally:
         for stream in [running, *waiting]:
             stream.call.cancel()

@@ -4,6 +4,9 @@ and a deployer killed and restarted."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -33,6 +36,7 @@ pytestmark = pytest.mark.integration
 
 MAX_INPUT, MAX_OUTPUT = 32, 16
 TP1 = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1)
+STARTING = deploy_pb.DEPLOYMENT_STATE_STARTING
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +146,9 @@ def test_a_launch_that_fails_is_rolled_back_leaving_nothing(stack, small_model):
 
 def test_a_remove_while_the_deploy_starts_aborts_it_leaving_nothing(stack, small_model):
     before = reserved_by_device(stack)
+    known = {
+        w.deployment_id for w in stack.agent.ListWorkers(agent_pb.ListWorkersRequest()).workers
+    }
     request_id = rid()
     deploying = stack.deployments.Deploy.future(
         deploy_pb.DeployRequest(
@@ -153,15 +160,36 @@ def test_a_remove_while_the_deploy_starts_aborts_it_leaving_nothing(stack, small
         ),
         timeout=180,
     )
+    held = None
     try:
-        starting = first_record_of(stack, deploying)
-        assert starting.state == deploy_pb.DEPLOYMENT_STATE_STARTING
-        stack.deployments.RemoveDeployment(
+        # Its worker is held (SIGSTOP) while the Remove lands: from the warm pool a small
+        # model can be ready within a fraction of a second, before any Remove could come.
+        worker = starting_worker_of(stack, deploying, known)
+        os.kill(worker.pid, signal.SIGSTOP)
+        held = worker.pid
+        ready_file = (
+            stack.settings.state_dir / "run" / f"worker-{worker.deployment_id}-r0.ready.json"
+        )
+        assert not ready_file.exists(), "the worker was ready before it could be held"
+        starting = stack.deployments.GetDeployment(
+            deploy_pb.GetDeploymentRequest(deployment_id=worker.deployment_id)
+        ).deployment
+        assert starting.state == STARTING
+        removing = stack.deployments.RemoveDeployment.future(
             deploy_pb.RemoveDeploymentRequest(deployment_id=starting.deployment_id), timeout=120
         )
+        # The Remove has the deployment (REMOVING, or gone already) before its worker may
+        # go on.
+        assert wait_for(lambda: state_of(stack, starting.deployment_id) != STARTING, timeout=60)
+        os.kill(held, signal.SIGCONT)
+        held = None
+        removing.result()
         with pytest.raises(grpc.RpcError) as aborted:
             deploying.result(timeout=180)
     finally:
+        if held is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(held, signal.SIGCONT)
         for dep in life_llama_deployments(stack):
             stack.deployments.RemoveDeployment(
                 deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id), timeout=120
@@ -198,13 +226,31 @@ def life_llama_deployments(stack) -> list[deploy_pb.Deployment]:
     )
 
 
-def first_record_of(stack, deploying: grpc.Future) -> deploy_pb.Deployment:
-    """The record of the Deploy in flight, as soon as it is written."""
+def state_of(stack, deployment_id: str) -> int | None:
+    """The deployment's state; None once it is gone."""
+    try:
+        return stack.deployments.GetDeployment(
+            deploy_pb.GetDeploymentRequest(deployment_id=deployment_id), timeout=10
+        ).deployment.state
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return None
+        raise
+
+
+def starting_worker_of(stack, deploying: grpc.Future, known: set[str]) -> agent_pb.WorkerInfo:
+    """The worker the Deploy in flight starts (of a deployment not in ``known``), as soon
+    as its agent has started it (the deployment's record is written before)."""
     while not deploying.done():
-        found = life_llama_deployments(stack)
-        if found:
-            return found[0]
-    raise AssertionError(f"the Deploy ended before its record was seen: {deploying.exception()}")
+        for worker in stack.agent.ListWorkers(agent_pb.ListWorkersRequest(), timeout=10).workers:
+            if (
+                worker.deployment_id.startswith("life-llama")
+                and worker.state == agent_pb.WORKER_STATE_STARTING
+                and worker.pid
+                and worker.deployment_id not in known
+            ):
+                return worker
+    raise AssertionError(f"the Deploy ended before its worker was seen: {deploying.exception()}")
 
 
 def test_killing_and_restarting_the_deployer_loses_no_deployment(stack, small_model):

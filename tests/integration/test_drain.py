@@ -38,8 +38,9 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY_NO_EOS = common.SamplingParams(ignore_eos=True)
 PROMPT = "The river runs past the old mill"
-# Beyond the drain timeout, what a process gets to exit.
-EXIT_MARGIN_S = 5.0
+# Beyond the drain timeout (or the end of the last call in flight), what a process gets
+# to exit: generous, for a loaded 2-core box.
+EXIT_MARGIN_S = 20.0
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -118,7 +119,9 @@ def long_request(deployment_id: str, max_tokens: int) -> infer_pb.GenerateReques
 def test_a_draining_scheduler_refuses_new_requests_and_finishes_the_stream(
     stack, served, start_scheduler
 ):
-    drain_timeout_s = 10.0
+    # Far beyond what the stream in flight takes (about 7 s here, idle; more when the box
+    # is loaded): it must finish, not be cut.
+    drain_timeout_s = 120.0
     scheduler = start_scheduler(drain_timeout_s)
     stream = scheduler.inference.Generate(
         long_request(served.deployment_id, served.max_output_tokens), timeout=120
@@ -128,7 +131,7 @@ def test_a_draining_scheduler_refuses_new_requests_and_finishes_the_stream(
 
     scheduler.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
-    assert wait_for(lambda: scheduler.health() == NOT_SERVING, timeout=5), scheduler.log()
+    assert wait_for(lambda: scheduler.health() == NOT_SERVING, timeout=15), scheduler.log()
     with pytest.raises(grpc.RpcError) as refused:
         list(scheduler.inference.Generate(long_request(served.deployment_id, 4), timeout=10))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -142,9 +145,12 @@ def test_a_draining_scheduler_refuses_new_requests_and_finishes_the_stream(
     assert final.usage.completion_tokens == served.max_output_tokens
     assert sum(len(m.delta.token_ids) for m in [first, *rest[:-1]]) == served.max_output_tokens
 
-    assert scheduler.proc.wait(drain_timeout_s + EXIT_MARGIN_S) == 0, scheduler.log()
+    # The drain ends with the last call in flight, not at its timeout.
+    assert scheduler.proc.wait(EXIT_MARGIN_S) == 0, scheduler.log()
     assert time.monotonic() - signalled < drain_timeout_s + EXIT_MARGIN_S
-    assert "scheduler draining: waiting up to 10 s for 1 call(s)" in scheduler.log()
+    log = scheduler.log()
+    assert "scheduler draining: waiting up to 120 s for 1 call(s)" in log, log
+    assert "scheduler drained" in log and "cancelling them" not in log, log
 
 
 def test_a_stream_that_outlasts_the_drain_timeout_is_cut(stack, served, start_scheduler):

@@ -179,10 +179,17 @@ def test_a_worker_killed_mid_stream_heals_without_a_deploy(own_stack, deployment
     # The stream in flight is lost, and says so.
     assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
     healed = serving_again(stack, deployment_id, [pid])
-    # The agent saw its worker die, or the scheduler found it gone: either took it out
-    # (and a first try may have found the device's memory not yet republished).
+    # The agent saw its worker die, the scheduler found it gone, or the deployer's periodic
+    # check of what the agents run found it missing: any took it out (and a first try may
+    # have found the device's memory not yet republished).
     reasons = restart_reasons(stack, deployment_id)
-    assert reasons[0].startswith(("worker rank 0 exited (-9)", "worker unreachable")), reasons
+    assert reasons[0].startswith(
+        (
+            "worker rank 0 exited (-9)",
+            "worker unreachable",
+            "its agent reports, rank(s) [0] are not running",
+        )
+    ), reasons
     assert healed.state_reason == f"restarted {len(reasons)} time(s); last error: {reasons[-1]}"
     assert healed.worker_address
     # Where people look: `iserve deployments` shows the replica's restarts and last error.

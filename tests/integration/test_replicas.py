@@ -17,6 +17,7 @@ import pytest
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
+from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
@@ -27,6 +28,7 @@ from tests.integration.helpers import (
     make_checkpoint,
     register,
     reserved_by_device,
+    rid,
     wait_for,
 )
 
@@ -35,6 +37,8 @@ STARTING = deploy_pb.DEPLOYMENT_STATE_STARTING
 LIVE = (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY)
 NO_EOS = common.SamplingParams(ignore_eos=True)
 MODEL = "twin-llama"
+# Tokens of a generation that holds its replica's slot for a while (about 2 s here, idle).
+HOLD = 1500
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +52,12 @@ def _tokens_generated(address: str) -> int:
     with grpc.insecure_channel(address) as ch:
         stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
         return stub.GetWorkerStats(worker_pb.GetWorkerStatsRequest(), timeout=10).tokens_generated
+
+
+def _active_requests(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
+        return stub.GetWorkerStats(worker_pb.GetWorkerStatsRequest(), timeout=10).active_requests
 
 
 def _live_workers(stack, group_id: str) -> list[agent_pb.WorkerInfo]:
@@ -86,7 +96,7 @@ def _generate_many(stack, deployment_id: str, count: int) -> list[int]:
 
 def test_two_replicas_serve_and_one_heals_while_the_other_serves(stack, twin):
     before = reserved_by_device(stack)
-    dep = deploy(stack, twin, replicas=2, batch_size=1, max_output_tokens=32).deployment
+    dep = deploy(stack, twin, replicas=2, batch_size=1, max_output_tokens=HOLD).deployment
     deployment_id = dep.deployment_id
     assert [(r.index, r.state) for r in dep.replicas] == [(0, READY), (1, READY)]
     places = [
@@ -97,11 +107,34 @@ def test_two_replicas_serve_and_one_heals_while_the_other_serves(stack, twin):
     addresses = [r.worker_address for r in dep.replicas]
     assert len(set(addresses)) == 2
 
-    # Concurrent requests spread over both replicas.
+    # Concurrent requests spread over both replicas: while one stream holds a replica's
+    # only slot (it is generating: its first token came), the router sends the next
+    # request to the idle replica. Long generations, so both are still running together.
     tokens = [_tokens_generated(a) for a in addresses]
-    assert _generate_many(stack, deployment_id, 4) == [24] * 4
+    holders = []
+    try:
+        for i in range(2):
+            stream = stack.inference.Generate(
+                infer_pb.GenerateRequest(
+                    request_id=rid(),
+                    deployment_id=deployment_id,
+                    prompt=f"hold {i}",
+                    max_tokens=HOLD,
+                    sampling=NO_EOS,
+                ),
+                timeout=120,
+            )
+            holders.append(stream)
+            assert next(stream).HasField("delta")
+        active = [_active_requests(a) for a in addresses]
+        assert active == [1, 1], active
+    finally:
+        for stream in holders:
+            stream.cancel()
     grown = [_tokens_generated(a) - t for a, t in zip(addresses, tokens, strict=True)]
     assert all(g > 0 for g in grown), grown
+    assert wait_for(lambda: [_active_requests(a) for a in addresses] == [0, 0], timeout=30)
+    assert _generate_many(stack, deployment_id, 4) == [24] * 4
 
     # Kill replica 0's worker: the replica is taken out to be restarted while the record
     # points at replica 1; the deployment stays READY. Then replica 0 serves again.
@@ -114,7 +147,14 @@ def test_two_replicas_serve_and_one_heals_while_the_other_serves(stack, twin):
     assert now.replicas[1].state == READY
     assert now.replicas[0].state == STARTING
     reason = now.replicas[0].state_reason
-    assert reason.startswith("restart 1 in 1 s after: worker"), reason
+    # The agent's death event, or the deployer's periodic check of what the agents run,
+    # whichever saw it first.
+    assert reason.startswith(
+        (
+            "restart 1 in 1 s after: worker",
+            "restart 1 in 1 s after: its agent reports, rank(s) [0] are not running",
+        )
+    ), reason
     assert now.worker_address == addresses[1]
 
     def replica0_back() -> bool:
