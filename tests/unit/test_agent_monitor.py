@@ -20,16 +20,36 @@ def _spin(seconds: float) -> None:
         pass
 
 
+def _cpu_seconds() -> float:
+    """This process's CPU time as the sampler reads it (psutil: user + system)."""
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
 def test_a_virtual_device_counts_its_workers_memory_and_cpu_time():
     me = os.getpid()
     sampler = ProcessSampler(lambda device_id: [me] if device_id == "cpu0" else [])
+    # Each sample reads the clock, then the CPU time, somewhere between the readings
+    # taken just before and just after it.
+    wall_a, cpu_a = time.monotonic(), _cpu_seconds()
     first = sampler.sample(DEVICES)
+    wall_b, cpu_b = time.monotonic(), _cpu_seconds()
     assert first["cpu0"].utilisation == 0.0  # no interval yet
     assert first["cpu0"].used_bytes == pytest.approx(psutil.Process().memory_info().rss, rel=0.1)
     assert first["cpu1"] == DeviceSample(0, 0.0)
     _spin(0.2)
+    wall_c, cpu_c = time.monotonic(), _cpu_seconds()
     second = sampler.sample(DEVICES)
-    assert 0.3 < second["cpu0"].utilisation <= 1.5
+    wall_d, cpu_d = time.monotonic(), _cpu_seconds()
+    # Utilisation is the CPU time the workers used over the wall time between the two
+    # samples, per core of the device. However busy the machine (which stretches the
+    # wall time of the spin), it lies between the least CPU over the most wall time and
+    # the most CPU over the least wall time those readings allow.
+    cores = len(DEVICES[0].cpu_cores)
+    least = (cpu_c - cpu_b) / ((wall_d - wall_a) * cores)
+    most = (cpu_d - cpu_a) / ((wall_c - wall_b) * cores)
+    assert cpu_c - cpu_b >= 0.15  # the spin used its CPU time (psutil counts 10 ms ticks)
+    assert least * 0.99 <= second["cpu0"].utilisation <= most * 1.01
     assert second["cpu1"].utilisation == 0.0
 
 

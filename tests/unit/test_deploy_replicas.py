@@ -497,12 +497,26 @@ def test_a_remove_while_the_workers_start_aborts_the_deploy_and_its_repeat(run, 
         else:
             intent = common.Intent(kind=common.INTENT_KIND_MIN_COST)
             request = deploy_pb.DeployRequest(model_id="m", intent=intent, request_id="removed-id")
+        # What each Deploy's claim of the request id answered: the earlier binding.
+        claims: list[str | None] = []
+        claim = store.claim_deploy_request
+
+        async def recorded_claim(request_id: str, deployment_id: str) -> str | None:
+            earlier = await claim(request_id, deployment_id)
+            claims.append(earlier)
+            return earlier
+
+        store.claim_deploy_request = recorded_claim
         first = asyncio.create_task(controller.deploy(request))
         while not agent.started:
             await asyncio.sleep(0.01)
         repeat = asyncio.create_task(controller.deploy(request))
-        await asyncio.sleep(0.3)  # the repeat waits for the first
+        # The repeat found the first's claim: it now waits for the first to end.
+        async with asyncio.timeout(10):
+            while len(claims) < 2:
+                await asyncio.sleep(0.01)
         [deployment] = await store.list_deployments()
+        assert claims == [None, deployment.deployment_id]
         await controller.remove(deployment.deployment_id)
         agent.gate.set()
         for call in (first, repeat):

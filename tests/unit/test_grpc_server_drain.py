@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import grpc
 import pytest
@@ -223,13 +225,35 @@ asyncio.run(main())
 """
 
 
+# What the hanging stop logs: the tasks' stacks (logging) and every thread's (faulthandler,
+# written from its own watchdog thread, in either order).
+HANG_LOGGED = ("probe still stopping; task", "in close_the_store", "Thread 0x")
+HANG_LOGGED_WITHIN_S = 60.0
+
+
 def test_a_stop_that_hangs_logs_where_each_task_and_thread_waits():
     proc = subprocess.Popen([sys.executable, "-c", HANGING_STOP], stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+
+    def read_stderr() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+
+    # Read stderr beside the wait: the process never ends by itself (its stop hangs), so
+    # it is killed once everything looked for is logged, or after HANG_LOGGED_WITHIN_S.
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + HANG_LOGGED_WITHIN_S
     try:
-        proc.wait(3)
-    except subprocess.TimeoutExpired:
+        while not all(part in "".join(lines) for part in HANG_LOGGED):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
         proc.kill()
-    log = proc.stderr.read()
+        proc.wait()
+        reader.join(10)
+    log = "".join(lines)
     assert "probe still stopping; task" in log, log
     assert "in close_the_store" in log  # the awaited chain, not only the outer frame
     assert "Thread 0x" in log  # faulthandler's stacks of every thread

@@ -16,6 +16,8 @@ from services.state import keys
 from services.state.store import ReservationError
 
 MIB = 1 << 20
+# The monitor registers every 50 ms here: a limit for one that never does.
+NODE_WAIT_S = 10.0
 
 
 def _node(address: str, *device_ids: str) -> common.NodeState:
@@ -68,6 +70,21 @@ class _IdleSampler:
         return {d.device_id: DeviceSample(0, 0.0) for d in devices}
 
 
+async def node_until(store, address: str, what: str) -> common.NodeState:
+    """Node n0 once it is registered at ``address``; fails naming ``what`` after
+    NODE_WAIT_S."""
+    node = None
+    try:
+        async with asyncio.timeout(NODE_WAIT_S):
+            while True:
+                node = await store.get_node("n0")
+                if node is not None and node.agent_address == address:
+                    return node
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        pytest.fail(f"timed out waiting for {what}: {node}")
+
+
 def test_the_heartbeating_agent_takes_its_node_back_from_a_duplicate(run):
     async def body(store):
         monitor = DeviceMonitor(
@@ -81,14 +98,12 @@ def test_the_heartbeating_agent_takes_its_node_back_from_a_duplicate(run):
         )
         task = asyncio.create_task(monitor.run())
         try:
-            await asyncio.sleep(0.2)
+            await node_until(store, "127.0.0.1:1", "the agent to register")
             # A duplicate agent with the same node id registers, then dies.
             await store.register_node(_node("127.0.0.1:2", "cpu0"), ttl_s=5)
-            await asyncio.sleep(0.2)
+            node = await node_until(store, "127.0.0.1:1", "the agent to take its node back")
         finally:
             task.cancel()
-        node = await store.get_node("n0")
-        assert node.agent_address == "127.0.0.1:1"
         assert [d.ref.device_id for d in node.devices] == ["cpu0", "cpu1"]
 
     run(body)

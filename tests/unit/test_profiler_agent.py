@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
 
+from monitor_agent import profiling
 from monitor_agent.devices import DeviceSpec
 from monitor_agent.profiling import (
     LayerCounters,
@@ -204,19 +206,44 @@ def _run_job(tmp_path, worker: FakeWorker, request: agent_pb.RunProfilingJobRequ
     return asyncio.run(main())
 
 
+class StreamClock:
+    """``time.perf_counter`` as the agent's streams read it on a worker that sends the
+    first token ``first_s`` after the call and the others ``gap_s`` apart.
+
+    The agent times each stream (a task of its own) by its clock readings: at the call,
+    at each token and at the end. Real timestamps there move with the machine's load (a
+    stall between two tokens' arrivals bunches them); these follow the worker's schedule:
+    a stream's first reading is 0, its next ``first_s``, and each one after ``gap_s``
+    later (its end one gap after its last token)."""
+
+    def __init__(self, first_s: float, gap_s: float) -> None:
+        self.first_s, self.gap_s = first_s, gap_s
+        self.readings: dict[asyncio.Task, int] = {}
+
+    def perf_counter(self) -> float:
+        task = asyncio.current_task()
+        index = self.readings[task] = self.readings.get(task, -1) + 1
+        return 0.0 if index == 0 else self.first_s + (index - 1) * self.gap_s
+
+    def __getattr__(self, name: str):  # the rest of the time module, as it is
+        return getattr(time, name)
+
+
 def test_a_job_times_its_streams_and_stops_its_workers(tmp_path, monkeypatch):
     # Whatever this node prefers, profiling runs the PyTorch engine, whose layer clock
     # it reads.
     monkeypatch.setenv("ISERVE_ENGINE", "tensorrt_llm")
-    worker = FakeWorker(first_s=0.05, gap_s=0.02)
+    monkeypatch.setattr(profiling, "time", StreamClock(first_s=0.05, gap_s=0.02))
+    worker = FakeWorker(first_s=0.0, gap_s=0.0)
     config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1, batch_size=2)
     runs, supervisor = _run_job(
         tmp_path, worker, _request(config=config, warmup_runs=1, timed_runs=2)
     )
     assert [r.output_tokens for r in runs] == [3, 5]
     for run in runs:
-        assert 40 <= run.ttft_ms < 500 and 15 <= run.tpot_ms < 200
-        assert run.latency_ms >= run.ttft_ms + (run.output_tokens - 1) * 15
+        assert run.ttft_ms == pytest.approx(50.0)
+        assert run.tpot_ms == pytest.approx(20.0)
+        assert run.latency_ms == pytest.approx(50.0 + run.output_tokens * 20.0)
         assert list(run.peak_memory_bytes_per_rank) == [123_456]
         # The worker's layer clock, read around each timed run.
         assert run.ttft_layer_ms == pytest.approx(3.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -37,7 +37,8 @@ class FakeWorker(worker_grpc.WorkerServiceServicer):
     worker-side session code (``serve_session``).
 
     ``before_first``: wait for it before the first token. ``gate``: wait for it after the
-    first token. ``hang``: after the first token, never finish. ``abort``: fail at once with this (code, details). ``final``: whether to
+    first token. ``steps``: take an item from it before each token after the first.
+    ``hang``: after the first token, never finish. ``abort``: fail at once with this (code, details). ``final``: whether to
     send the final message.
     """
 
@@ -45,6 +46,7 @@ class FakeWorker(worker_grpc.WorkerServiceServicer):
     token_delay_s: float = 0.0
     before_first: asyncio.Event | None = None
     gate: asyncio.Event | None = None
+    steps: asyncio.Queue | None = None
     hang: bool = False
     abort: tuple[grpc.StatusCode, str] | None = None
     final: bool = True
@@ -66,6 +68,8 @@ class FakeWorker(worker_grpc.WorkerServiceServicer):
             for i, (token_id, text) in enumerate(self.tokens):
                 if i:
                     await asyncio.sleep(self.token_delay_s)
+                    if self.steps is not None:
+                        await self.steps.get()
                 yield worker_pb.WorkerServiceGenerateResponse(
                     request_id=request.request_id, token_ids=[token_id], text=text
                 )
@@ -157,10 +161,15 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def harness(redis_url: str, queue_capacity: int = 8) -> AsyncIterator[Harness]:
+async def harness(
+    redis_url: str, queue_capacity: int = 8, clock: Callable[[], float] | None = None
+) -> AsyncIterator[Harness]:
     store = StateStore.from_url(redis_url)
     await store.redis.flushdb()
-    servicer = InferenceServicer(store, queue_capacity)
+    if clock is None:
+        servicer = InferenceServicer(store, queue_capacity)
+    else:
+        servicer = InferenceServicer(store, queue_capacity, clock=clock)
     server, port, _ = await start_server([servicer.binding()], "127.0.0.1:0")
     chan = channel(f"127.0.0.1:{port}")
     h = Harness(store, servicer, inference_grpc.InferenceServiceStub(chan), {})
@@ -183,17 +192,45 @@ def run(redis_url: str, scenario, **options) -> None:
     asyncio.run(main())
 
 
+class ManualClock:
+    """The scheduler's clock, moved on only by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_tokens_are_forwarded_in_order_then_final_with_timings(redis_url):
+    # The scheduler times each token as it receives it. On a manual clock, moved on only
+    # once the previous token has reached the client (so the scheduler has timed it), the
+    # worker's first token comes 5 ms after the request and the others 20 ms apart
+    # whatever else the machine is doing.
+    clock = ManualClock()
+
     async def scenario(h: Harness):
-        worker = FakeWorker(token_delay_s=0.02)
+        worker = FakeWorker(before_first=asyncio.Event(), steps=asyncio.Queue())
         await h.add_deployment("d1", worker)
-        messages = await h.collect(
+        call = h.generate(
             request_id="req-7",
             deployment_id="d1",
             prompt_token_ids=[1, 2],
             max_tokens=3,
             sampling=common.SamplingParams(temperature=0.5, top_p=0.9, top_k=4),
         )
+        await h.until(lambda: worker.received, "the request reached the worker")
+        clock.advance(0.005)
+        worker.before_first.set()
+        messages = [await call.read()]
+        for _ in TOKENS[1:]:
+            clock.advance(0.020)
+            worker.steps.put_nowait(None)
+            messages.append(await call.read())
+        messages += await read_rest(call)
         assert {m.request_id for m in messages} == {"req-7"}
         deltas = [m.delta for m in messages[:-1]]
         assert [(list(d.token_ids), d.text) for d in deltas] == [([t], s) for t, s in TOKENS]
@@ -202,8 +239,10 @@ def test_tokens_are_forwarded_in_order_then_final_with_timings(redis_url):
         assert final.finish_reason == common.FINISH_REASON_LENGTH
         assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (2, 3)
         timings = final.timings
-        assert 0 <= timings.queue_ms < timings.ttft_ms <= timings.total_ms
-        assert 15 <= timings.tpot_ms < 200  # two 20 ms gaps between three tokens
+        assert timings.queue_ms == 0.0  # a free slot at once
+        assert timings.ttft_ms == pytest.approx(5.0)
+        assert timings.tpot_ms == pytest.approx(20.0)  # two 20 ms gaps between three tokens
+        assert timings.total_ms == pytest.approx(45.0)  # the final follows the last token
         sent = worker.received[0]
         assert (list(sent.prompt_token_ids), sent.max_tokens, sent.request_id) == (
             [1, 2],
@@ -212,7 +251,7 @@ def test_tokens_are_forwarded_in_order_then_final_with_timings(redis_url):
         )
         assert sent.sampling.top_k == 4
 
-    run(redis_url, scenario)
+    run(redis_url, scenario, clock=clock)
 
 
 def test_headers_reach_the_client_before_the_first_token(redis_url):
@@ -391,12 +430,15 @@ def test_client_deadline_stops_the_worker_and_frees_the_slot(redis_url):
     async def scenario(h: Harness):
         worker = FakeWorker(hang=True)
         await h.add_deployment("d1", worker, batch_size=1)
+        # Time for the lookup and the worker's session before the first token; the
+        # deadline then passes while the worker hangs.
         call = h.client.Generate(
             inference_pb.GenerateRequest(
                 request_id="r1", deployment_id="d1", prompt="hi", max_tokens=3
             ),
-            timeout=0.5,
+            timeout=3.0,
         )
+        assert (await call.read()).delta.token_ids == [TOKENS[0][0]]
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await read_rest(call)
         assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -721,7 +763,9 @@ def test_a_client_deadline_passing_while_queued_counts_as_deadline_exceeded(redi
             inference_pb.GenerateRequest(
                 request_id="timed", deployment_id="d1", prompt="hello", max_tokens=3
             ),
-            timeout=0.3,
+            # Long enough that the server takes a hang-up up to 50 ms (DEADLINE_SKEW_S)
+            # before its own deadline for the deadline, not a tenth of the budget.
+            timeout=1.0,
         )
         with pytest.raises(grpc.aio.AioRpcError) as expired:
             await timed.read()

@@ -45,5 +45,6 @@ def test_a_peer_back_from_an_outage_is_reached_within_the_capped_backoff():
             await server.stop(0)
 
     reached_s = asyncio.run(scenario())
-    # The cap, its 20 % jitter, and a poll's worth of slack.
-    assert reached_s < MAX_RECONNECT_BACKOFF_MS / 1000 * 1.2 + 1.0, reached_s
+    # The cap and its 20 % jitter, with slack for polls (0.5 s calls 0.2 s apart) and a
+    # busy machine; without the cap it took 35-70 s.
+    assert reached_s < MAX_RECONNECT_BACKOFF_MS / 1000 * 1.2 + 5.0, reached_s

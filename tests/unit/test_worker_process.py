@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,10 +19,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
+from services.models.checkpoint import create_checkpoint
 
 MAX_SEQ_LEN = 512
 PROMPT = "The river runs past the old mill"
 START_TIMEOUT_S = 60
+# For tests that cut a generation short: a model slow enough (about 9 ms a token on one
+# core of the dev box) that SLOW_TOKENS take some 14 s, longer than any stall of the test
+# between reading the first tokens and cutting the stream. The tiny checkpoint's 400
+# tokens took 0.2-0.5 s, and a stall that long let the generation finish first.
+SLOW_SHAPE = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
+SLOW_MAX_SEQ_LEN = 1600
+SLOW_TOKENS = 1500
+# How long a cancelled generation may take to leave the worker on a busy machine.
+CANCEL_WAIT_S = 30.0
 
 
 def start_worker(checkpoint: Path, ready_file: Path, log_path: Path, *extra: str):
@@ -63,6 +74,29 @@ def worker(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def stub(worker) -> worker_service_pb2_grpc.WorkerServiceStub:
     return worker_service_pb2_grpc.WorkerServiceStub(worker[1])
+
+
+def start_slow_worker(checkpoint: Path, run_dir: Path, *extra: str):
+    """A worker on ``create_slow_checkpoint``'s model with room for SLOW_TOKENS."""
+    return start_worker(
+        checkpoint, run_dir / "ready.json", run_dir / "worker.log",
+        "--max-seq-len", str(SLOW_MAX_SEQ_LEN), *extra,
+    )  # fmt: skip
+
+
+def create_slow_checkpoint(tmp_path_factory) -> Path:
+    return create_checkpoint(tmp_path_factory.mktemp("slow_ckpt") / "slow", **SLOW_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def slow_stub(tmp_path_factory) -> Iterator[worker_service_pb2_grpc.WorkerServiceStub]:
+    checkpoint = create_slow_checkpoint(tmp_path_factory)
+    run_dir = tmp_path_factory.mktemp("slow_worker")
+    proc, record = start_slow_worker(checkpoint, run_dir)
+    with grpc.insecure_channel(f"127.0.0.1:{record['port']}") as channel:
+        yield worker_service_pb2_grpc.WorkerServiceStub(channel)
+    proc.terminate()
+    assert proc.wait(15) == 0, (run_dir / "worker.log").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -163,24 +197,25 @@ def test_bad_requests_are_invalid_arguments(stub, fields, message):
     assert re.search(message, caught.value.details())
 
 
-def test_cancelling_a_stream_stops_the_generation(stub):
+def test_cancelling_a_stream_stops_the_generation(slow_stub):
+    stub = slow_stub
     before = _stats(stub)
     call = stub.Generate(
         worker_pb.WorkerServiceGenerateRequest(
-            prompt=PROMPT, max_tokens=400, sampling=common.SamplingParams(ignore_eos=True)
+            prompt=PROMPT, max_tokens=SLOW_TOKENS, sampling=common.SamplingParams(ignore_eos=True)
         ),
-        timeout=60,
+        timeout=120,
     )
     for _ in range(3):
         next(call)
-    call.cancel()
-    deadline = time.monotonic() + 2.0
+    assert call.cancel(), "the generation had ended before it was cancelled"
+    deadline = time.monotonic() + CANCEL_WAIT_S
     while _stats(stub).active_requests != 0:
         assert time.monotonic() < deadline, "the worker kept generating after cancellation"
         time.sleep(0.02)
     after = _stats(stub)
     assert after.requests_served == before.requests_served + 1
-    assert after.tokens_generated - before.tokens_generated < 400
+    assert after.tokens_generated - before.tokens_generated < SLOW_TOKENS
     # The engine is free again.
     assert len(_generate(stub, prompt=PROMPT, max_tokens=3)) == 3
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,7 +17,14 @@ from scheduler_svc.worker_client import WorkerClients, WorkerStream, WorkerStrea
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
-from tests.unit.test_worker_process import PROMPT, start_worker
+from tests.unit.test_worker_process import (
+    CANCEL_WAIT_S,
+    PROMPT,
+    SLOW_TOKENS,
+    create_slow_checkpoint,
+    start_slow_worker,
+    start_worker,
+)
 
 GREEDY = common.SamplingParams(ignore_eos=True)
 WAIT_S = 30.0
@@ -29,6 +37,22 @@ def worker(checkpoint, tmp_path_factory):
     proc, record = start_worker(
         checkpoint, run_dir / "ready.json", run_dir / "worker.log", "--max-batch", "2"
     )
+    yield f"127.0.0.1:{record['port']}"
+    proc.terminate()
+    assert proc.wait(15) == 0, (run_dir / "worker.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def slow_checkpoint(tmp_path_factory) -> Path:
+    """A model whose SLOW_TOKENS take seconds: for generations cut short."""
+    return create_slow_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def slow_worker(slow_checkpoint, tmp_path_factory):
+    """A worker of the slow model with two KV-cache slots; yields its address."""
+    run_dir = tmp_path_factory.mktemp("slow_session_worker")
+    proc, record = start_slow_worker(slow_checkpoint, run_dir, "--max-batch", "2")
     yield f"127.0.0.1:{record['port']}"
     proc.terminate()
     assert proc.wait(15) == 0, (run_dir / "worker.log").read_text()
@@ -112,18 +136,19 @@ def test_a_bad_request_fails_alone_with_its_status(worker):
     assert "prompt_token_ids outside" in error.details
 
 
-def test_closing_a_stream_cancels_its_generation_on_the_worker(worker):
+def test_closing_a_stream_cancels_its_generation_on_the_worker(slow_worker):
+    worker = slow_worker
     before = stats(worker)
 
     async def scenario():
         clients = WorkerClients()
         try:
             session = clients.session(worker)
-            stream = session.start(request(400))
+            stream = session.start(request(SLOW_TOKENS))
             for _ in range(3):
                 await stream.read()
             stream.close()
-            deadline = time.monotonic() + 5.0
+            deadline = time.monotonic() + CANCEL_WAIT_S
             while (await asyncio.to_thread(stats, worker)).active_requests:
                 assert time.monotonic() < deadline, "the worker kept generating"
                 await asyncio.sleep(0.02)
@@ -135,16 +160,17 @@ def test_closing_a_stream_cancels_its_generation_on_the_worker(worker):
     asyncio.run(scenario())
     after = stats(worker)
     assert after.requests_served == before.requests_served + 2
-    assert after.tokens_generated - before.tokens_generated < 400
+    assert after.tokens_generated - before.tokens_generated < SLOW_TOKENS
 
 
-def test_closing_the_session_cancels_every_generation(worker):
+def test_closing_the_session_cancels_every_generation(slow_worker):
+    worker = slow_worker
     before = stats(worker)
 
     async def scenario():
         clients = WorkerClients()
         session = clients.session(worker)
-        streams = [session.start(request(400)), session.start(request(400))]
+        streams = [session.start(request(SLOW_TOKENS)), session.start(request(SLOW_TOKENS))]
         for stream in streams:
             await stream.read()
         await clients.close()
@@ -154,11 +180,13 @@ def test_closing_the_session_cancels_every_generation(worker):
             assert failure.value.code == grpc.StatusCode.CANCELLED
 
     asyncio.run(scenario())
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + CANCEL_WAIT_S
     while stats(worker).active_requests:
         assert time.monotonic() < deadline, "the worker kept generating"
         time.sleep(0.02)
-    assert stats(worker).tokens_generated - before.tokens_generated < 800
+    # The two run side by side, one slot each, so had either run to its end the two
+    # together would have made some 2 * SLOW_TOKENS.
+    assert stats(worker).tokens_generated - before.tokens_generated < SLOW_TOKENS
 
 
 def test_retain_keeps_a_session_until_its_generations_end(worker):
@@ -182,15 +210,16 @@ def test_retain_keeps_a_session_until_its_generations_end(worker):
     assert len(responses) == 40 and responses[-1].finish_reason == common.FINISH_REASON_LENGTH
 
 
-def test_every_stream_fails_unavailable_when_the_worker_dies(checkpoint, tmp_path):
-    proc, record = start_worker(checkpoint, tmp_path / "ready.json", tmp_path / "worker.log")
+def test_every_stream_fails_unavailable_when_the_worker_dies(slow_checkpoint, tmp_path):
+    # The slow model: neither generation may have ended by the time the worker is killed.
+    proc, record = start_slow_worker(slow_checkpoint, tmp_path)
     address = f"127.0.0.1:{record['port']}"
 
     async def scenario():
         clients = WorkerClients()
         try:
             session = clients.session(address)
-            streams = [session.start(request(400)), session.start(request(400))]
+            streams = [session.start(request(SLOW_TOKENS)), session.start(request(SLOW_TOKENS))]
             await streams[0].read()
             proc.send_signal(signal.SIGKILL)
             for stream in streams:
