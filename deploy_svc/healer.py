@@ -185,7 +185,9 @@ class Healer:
             if not tries:
                 return "no live devices with room to start it again"
             group = replica_group_id(deployment_id, index)
-            refused = []
+            refused, failed = [], []
+            # Best first; a start that fails (its old devices broken, say) tries the next
+            # place in the same attempt rather than the same place at every restart.
             for chosen in tries:
                 try:
                     await self.store.reserve(group, _need(chosen))
@@ -193,14 +195,17 @@ class Healer:
                     refused.append(str(exc))
                     continue
                 replica.placement.CopyFrom(chosen)
+                try:
+                    address = await self.workers.start(model, deployment, replica, max_seq_len, 0)
+                except Exception as exc:  # noqa: BLE001 - any failed launch is retried
+                    await self.workers.teardown_replica(deployment_id, replica)
+                    failed.append(f"on {healing.where(chosen)}: {exc}")
+                    continue
                 break
             else:
+                if failed:
+                    return "restart failed " + "; ".join(failed)
                 return "could not reserve memory to start it again: " + "; ".join(refused)
-            try:
-                address = await self.workers.start(model, deployment, replica, max_seq_len, 0)
-            except Exception as exc:  # noqa: BLE001 - any failed launch is retried
-                await self.workers.teardown_replica(deployment_id, replica)
-                return f"restart failed: {exc}"
             record = await self.record_of(deployment_id) or healing.RestartRecord()
             note = healing.served_again_note(record)
             replicas.back_in(deployment, index, chosen, address, note)

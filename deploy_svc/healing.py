@@ -115,6 +115,11 @@ def served_again_note(record: RestartRecord) -> str:
     return f"restarted {record.total} time(s); last error: {record.last_error}"
 
 
+def where(placement: common.Placement) -> str:
+    """A placement's devices, for messages: ``node-0/cpu0,node-0/cpu1``."""
+    return ",".join(f"{node}/{device}" for node, device in sorted(_devices(placement)))
+
+
 def _devices(where: common.Placement) -> set[tuple[str, str]]:
     return {(d.node_id, d.device_id) for stage in where.stages for d in stage.devices}
 
@@ -129,8 +134,9 @@ def placements_to_try(
 ) -> list[common.Placement]:
     """Where a replica may start again, best first: its old placement while every node
     of it is alive, then a fresh placement (hybrid policy) on alive devices of the same
-    hardware type that no other replica (``others``) uses, each rank reserving what a
-    rank of the old placement reserved per layer. Empty when nothing fits."""
+    hardware type that no other replica (``others``) uses, nor the old placement when
+    that was offered, each rank reserving what a rank of the old placement reserved per
+    layer. Empty when nothing fits."""
     alive = {n.node_id for n in nodes if n.alive}
     found: list[common.Placement] = []
     if {node for node, _ in _devices(old)} <= alive:
@@ -143,6 +149,9 @@ def placements_to_try(
         if (d.ref.node_id, d.ref.device_id) in _devices(old)
     }
     taken = set().union(*(_devices(p) for p in others)) if others else set()
+    if found:
+        # The alternative to the old devices, should starting there fail, is elsewhere.
+        taken |= _devices(old)
     fixed, _ = memory_blocks(model.shape, config, max_seq_len)
     block = max(0, first.reserved_bytes[0] - fixed) // max(1, first.layer_count)
     left = [
@@ -160,7 +169,5 @@ def placements_to_try(
         policy="hybrid",
     )
     if choice is not None:
-        fresh = placement_of(choice)
-        if not found or _devices(fresh) != _devices(old):
-            found.append(fresh)
+        found.append(placement_of(choice))
     return found

@@ -119,7 +119,8 @@ def placed_on(node_id: str, device_id: str) -> common.Placement:
 def test_the_old_devices_come_first_while_their_node_lives():
     nodes = [node(1, 1)]
     tries = placements_to_try(model(), CONFIG, placed_on("node0", "cpu1"), nodes, [], 128)
-    assert [devices_of(p) for p in tries][0] == ["node0/cpu1"]
+    # Then, should it fail to start there, elsewhere (not the old device again).
+    assert [devices_of(p) for p in tries] == [["node0/cpu1"], ["node0/cpu0"]]
     assert tries[0].stages[0].reserved_bytes == [RANK_BYTES]
 
 
@@ -163,6 +164,9 @@ def test_a_dead_worker_is_restarted_on_its_devices_without_a_deploy(run):
         dep = (await controller.deploy(deploy_request(1))).deployment
         deployment_id = dep.deployment_id
         held = await reserved(store)
+        # Hold the restart back while the state between is read: after its backoff it
+        # waits for start-up reconciliation (here: until the test says it has run).
+        controller.reconciled.clear()
         assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
         now = await store.get_deployment(deployment_id)
         # Out and restarting: never READY without a worker, its memory released.
@@ -170,6 +174,8 @@ def test_a_dead_worker_is_restarted_on_its_devices_without_a_deploy(run):
         assert now.state_reason == "restart 1 in 0.01 s after: worker rank 0 exited (-9)"
         assert agent.stopped == [deployment_id]
         assert set((await reserved(store)).values()) == {0}
+        assert agent.started == [deployment_id]
+        controller.reconciled.set()
         healed = await settle(store, deployment_id)
         assert healed.state == READY
         assert healed.state_reason == "restarted 1 time(s); last error: worker rank 0 exited (-9)"
@@ -243,8 +249,52 @@ def test_a_restart_that_keeps_failing_spends_the_budget_and_fails_the_deployment
         assert final.state == FAILED
         assert final.state_reason.startswith("gave up after 2 restart(s) in a row (at most 2)")
         assert "starting workers of" in final.state_reason
-        assert agent.started == [deployment_id] * 3  # the deploy, then two restarts
+        # The deploy, then two restarts, each on its old device, then on the other.
+        assert agent.started == [deployment_id] * 5
         assert set((await reserved(store)).values()) == {0}
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+class BrokenDeviceAgent(FakeAgent):
+    """Workers on a device in ``broken`` fail to start (a GPU gone bad, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.broken: set[str] = set()
+        self.devices_tried: list[list[str]] = []
+
+    async def StartWorkers(self, request, timeout: float):
+        devices = sorted(spec.device_id for spec in request.workers)
+        self.devices_tried.append(devices)
+        if self.broken.intersection(devices):
+            self.started.append(request.deployment_id)
+            raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "worker rank 0 exited (1)")
+        return await super().StartWorkers(request, timeout)
+
+
+def test_a_restart_that_fails_on_its_old_devices_starts_elsewhere_in_the_same_attempt(run):
+    async def scenario(store):
+        agent = BrokenDeviceAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        deployment_id = dep.deployment_id
+        (old,) = devices_of(dep.placement)
+        agent.broken.add(old.split("/")[1])
+        assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
+        healed = await settle(store, deployment_id)
+        # One restart: its old device refused, the other took it (before, every restart
+        # tried the old device again, and the deployment failed with a device free).
+        assert healed.state == READY, healed.state_reason
+        assert healed.state_reason.startswith("restarted 1 time(s)")
+        (new,) = devices_of(healed.placement)
+        assert new != old
+        assert [d[0] for d in agent.devices_tried] == [old.split("/")[1]] * 2 + [new.split("/")[1]]
+        # Only the device it serves on holds memory for it.
+        held = await reserved(store)
+        assert held[old.split("/")[1]] == 0 and held[new.split("/")[1]] > 0
         await controller.remove(deployment_id)
         assert await nothing_left(store)
 
