@@ -6,6 +6,7 @@ import time
 
 from deploy_svc.agents import AgentClients
 from deploy_svc.controller import DeploymentController
+from deploy_svc.healing import RestartPolicy
 from deploy_svc.reconciler import Reconciler
 from deploy_svc.servicer import DeploymentServicer
 from deploy_svc.tokens import TokenServicer
@@ -16,7 +17,7 @@ from services.service_main import ServiceParts, serve_service
 
 def build(settings, store) -> ServiceParts:
     agents = AgentClients()
-    controller = DeploymentController(settings, store, agents)
+    controller = DeploymentController(settings, store, agents, RestartPolicy.of(settings))
     reconciler = Reconciler(controller, store, agents)
 
     async def stop() -> None:

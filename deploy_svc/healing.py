@@ -32,6 +32,17 @@ class RestartPolicy:
     max_backoff_s: float = 30.0
     reset_after_s: float = 600.0
 
+    @classmethod
+    def of(cls, settings) -> RestartPolicy:
+        """The policy ``ISERVE_MAX_RESTARTS`` and ``ISERVE_RESTART_BACKOFF_S`` set; the
+        backoff doubles up to 30 s, or the first backoff when that is longer."""
+        first = settings.restart_backoff_s
+        return cls(
+            max_restarts=settings.max_restarts,
+            first_backoff_s=first,
+            max_backoff_s=max(cls.max_backoff_s, first),
+        )
+
     def backoff_s(self, restart: int) -> float:
         """How long to wait before the ``restart``-th restart of a run (1-based):
         ``first_backoff_s``, doubling each time, at most ``max_backoff_s``."""

@@ -26,6 +26,10 @@ variable                    meaning                                         defa
                             RESOURCE_EXHAUSTED
 ``ISERVE_READY_TIMEOUT_S``  how long Deploy waits for workers to be ready   ``120``
 ``ISERVE_HEARTBEAT_TTL_S``  agent heartbeat lifetime                        ``5``
+``ISERVE_MAX_RESTARTS``     restarts in a row of a failed replica before    ``5``
+                            it is given up (0: never restarted)
+``ISERVE_RESTART_BACKOFF_S``the wait before a first restart, doubling up    ``1``
+                            to 30 s (or itself, if longer)
 ``ISERVE_DRAIN_TIMEOUT_S``  on SIGTERM, how long the scheduler (and a        ``30``
                             stopped worker) lets streams in flight finish
                             before it cancels them and exits
@@ -149,6 +153,9 @@ class Settings:
     log_level: str
     drain_timeout_s: float
     worker_pool: bool = True
+    # The deployer's restart policy (deploy_svc.healing.RestartPolicy).
+    max_restarts: int = 5
+    restart_backoff_s: float = 1.0
     gateway_address: str = DEFAULT_GATEWAY_ADDR
     # Web origins whose pages may call the gateway (ISERVE_CORS_ORIGINS); () none.
     cors_origins: tuple[str, ...] = ()
@@ -392,6 +399,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         log_level=log_level(env),
         drain_timeout_s=drain_timeout_s(env),
         worker_pool=_flag(env, "ISERVE_WORKER_POOL", True),
+        max_restarts=int(_number(env, "ISERVE_MAX_RESTARTS", 5, minimum=0, maximum=1000)),
+        restart_backoff_s=float(_number(env, "ISERVE_RESTART_BACKOFF_S", 1.0, float, maximum=3600)),
         gateway_address=pick(
             env.get(GATEWAY_ENV), stack.get("gateway_address"), DEFAULT_GATEWAY_ADDR
         ),

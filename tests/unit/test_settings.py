@@ -5,6 +5,7 @@ import stat
 
 import pytest
 
+from deploy_svc.healing import GiveUp, RestartPolicy, after_failure
 from services.settings import (
     DEFAULT_PORTS,
     GIB,
@@ -50,6 +51,10 @@ def test_environment_beats_stack_file_beats_defaults(tmp_path):
         ("ISERVE_HEARTBEAT_TTL_S", "nan"),
         ("ISERVE_DRAIN_TIMEOUT_S", "0"),
         ("ISERVE_DRAIN_TIMEOUT_S", "soon"),
+        ("ISERVE_MAX_RESTARTS", "-1"),
+        ("ISERVE_MAX_RESTARTS", "2.5"),
+        ("ISERVE_RESTART_BACKOFF_S", "0"),
+        ("ISERVE_RESTART_BACKOFF_S", "inf"),
         ("ISERVE_CORS_ORIGINS", "localhost:3000"),
         ("ISERVE_CORS_ORIGINS", "http://localhost:3000/"),  # a browser sends no path
         ("ISERVE_CORS_ORIGINS", "http://a.test,ftp://b.test"),
@@ -58,6 +63,28 @@ def test_environment_beats_stack_file_beats_defaults(tmp_path):
 def test_bad_values_are_named(tmp_path, name, value):
     with pytest.raises(ValueError, match=name):
         load_settings({"ISERVE_STATE_DIR": str(tmp_path), name: value})
+
+
+def test_the_restart_policy_is_the_operators_to_set(tmp_path):
+    default = RestartPolicy.of(load_settings({"ISERVE_STATE_DIR": str(tmp_path)}))
+    assert default == RestartPolicy()  # 5 restarts, 1 s doubling to 30 s
+    never = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_MAX_RESTARTS": "0"})
+    assert RestartPolicy.of(never).max_restarts == 0
+    assert isinstance(after_failure(RestartPolicy.of(never), None, "exited", 1), GiveUp)
+    patient = RestartPolicy.of(
+        load_settings(
+            {
+                "ISERVE_STATE_DIR": str(tmp_path),
+                "ISERVE_MAX_RESTARTS": "10",
+                "ISERVE_RESTART_BACKOFF_S": "0.25",
+            }
+        )
+    )
+    assert patient.max_restarts == 10
+    assert [patient.backoff_s(n) for n in (1, 2, 3, 9)] == [0.25, 0.5, 1.0, 30.0]
+    # A first backoff above the usual cap is not cut to it.
+    slow = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_RESTART_BACKOFF_S": "60"})
+    assert [RestartPolicy.of(slow).backoff_s(n) for n in (1, 2)] == [60.0, 60.0]
 
 
 def test_the_drain_timeout_may_be_a_fraction_of_a_second(tmp_path):
