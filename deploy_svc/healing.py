@@ -21,14 +21,15 @@ from deploy_svc.planning import placement_of
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.reservation import memory_blocks
+from services.settings import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF_S
 
 
 @dataclass(frozen=True)
 class RestartPolicy:
     """Bounded retries with exponential backoff (seconds)."""
 
-    max_restarts: int = 5
-    first_backoff_s: float = 1.0
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    first_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
     max_backoff_s: float = 30.0
     reset_after_s: float = 600.0
 

@@ -134,6 +134,9 @@ CORS_ENV = "ISERVE_CORS_ORIGINS"
 DEFAULT_GATEWAY_ADDR = "127.0.0.1:8000"
 DRAIN_TIMEOUT_ENV = "ISERVE_DRAIN_TIMEOUT_S"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# The deployer's restart policy (deploy_svc.healing.RestartPolicy's defaults too).
+DEFAULT_MAX_RESTARTS = 5
+DEFAULT_RESTART_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -153,9 +156,9 @@ class Settings:
     log_level: str
     drain_timeout_s: float
     worker_pool: bool = True
-    # The deployer's restart policy (deploy_svc.healing.RestartPolicy).
-    max_restarts: int = 5
-    restart_backoff_s: float = 1.0
+    # The deployer's restart policy (deploy_svc.healing.RestartPolicy.of).
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
     gateway_address: str = DEFAULT_GATEWAY_ADDR
     # Web origins whose pages may call the gateway (ISERVE_CORS_ORIGINS); () none.
     cors_origins: tuple[str, ...] = ()
@@ -399,8 +402,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         log_level=log_level(env),
         drain_timeout_s=drain_timeout_s(env),
         worker_pool=_flag(env, "ISERVE_WORKER_POOL", True),
-        max_restarts=int(_number(env, "ISERVE_MAX_RESTARTS", 5, minimum=0, maximum=1000)),
-        restart_backoff_s=float(_number(env, "ISERVE_RESTART_BACKOFF_S", 1.0, float, maximum=3600)),
+        max_restarts=int(
+            _number(env, "ISERVE_MAX_RESTARTS", DEFAULT_MAX_RESTARTS, minimum=0, maximum=1000)
+        ),
+        restart_backoff_s=float(
+            _number(env, "ISERVE_RESTART_BACKOFF_S", DEFAULT_RESTART_BACKOFF_S, float, maximum=3600)
+        ),
         gateway_address=pick(
             env.get(GATEWAY_ENV), stack.get("gateway_address"), DEFAULT_GATEWAY_ADDR
         ),
