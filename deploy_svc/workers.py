@@ -99,47 +99,64 @@ class WorkerGroups:
         addresses = await self._agent_addresses()
         rendezvous = rendezvous_for(replica, addresses)
 
-        async def start_all() -> list:
-            calls = [
-                self.agents.stub(self._address(addresses, node_id)).StartWorkers(
-                    agent_pb.StartWorkersRequest(
-                        request_id=deployment.request_id,
-                        deployment_id=group,
-                        checkpoint_path=checkpoint_for(model, config),
-                        config=config,
-                        workers=specs,
-                        max_seq_len=max_seq_len,
-                        # Each node's choice (its ISERVE_ENGINE): TensorRT-LLM where it
-                        # runs the whole group, else the PyTorch engine.
-                        engine=agent_pb.ENGINE_KIND_UNSPECIFIED,
-                        ready_timeout_ms=timeout_ms,
-                        rendezvous_address=rendezvous,
-                    ),
-                    timeout=timeout_ms / 1000 + 10,
-                )
-                for node_id, specs in by_node.items()
+        async def start_all() -> list[tuple[str, object]]:
+            """(node, reply or error) for each node whose call ended on its own. The
+            first failure cancels the calls still waiting (their agents stop what they
+            started), so a node that cannot start its ranks fails the group at once
+            rather than after the others' ready timeout (rank 0 waits that long for a
+            peer that never comes); none is left running when this returns."""
+            calls = {
+                asyncio.ensure_future(
+                    self.agents.stub(address).StartWorkers(
+                        agent_pb.StartWorkersRequest(
+                            request_id=deployment.request_id,
+                            deployment_id=group,
+                            checkpoint_path=checkpoint_for(model, config),
+                            config=config,
+                            workers=by_node[node_id],
+                            max_seq_len=max_seq_len,
+                            # Each node's choice (its ISERVE_ENGINE): TensorRT-LLM where
+                            # it runs the whole group, else the PyTorch engine.
+                            engine=agent_pb.ENGINE_KIND_UNSPECIFIED,
+                            ready_timeout_ms=timeout_ms,
+                            rendezvous_address=rendezvous,
+                        ),
+                        timeout=timeout_ms / 1000 + 10,
+                    )
+                ): node_id
+                for node_id, address in node_addresses.items()
+            }
+            try:
+                done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+            finally:
+                for call in calls:
+                    call.cancel()
+                await asyncio.gather(*calls, return_exceptions=True)
+            return [
+                (calls[call], call.exception() or call.result()) for call in calls if call in done
             ]
-            # Every call ends before this returns: none is left starting behind a failure.
-            return await asyncio.gather(*calls, return_exceptions=True)
 
+        node_addresses = {node_id: self._address(addresses, node_id) for node_id in by_node}
         replies = await start_all()
-        stale = [
-            r
-            for r in replies
-            if isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.ALREADY_EXISTS
-        ]
-        if stale:
+        if any(
+            isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.ALREADY_EXISTS
+            for _, r in replies
+        ):
             # Workers of this group outlived their replica where its agent could not be
             # told to stop them (it was not answering): stop them, then start once more.
             log.warning("stopping stale workers of %s before starting it again", group)
             await self.stop_on(sorted(by_node), group)
             replies = await start_all()
-        failed = next((r for r in replies if isinstance(r, BaseException)), None)
+        node_id, failed = next(
+            ((n, r) for n, r in replies if isinstance(r, BaseException)), ("", None)
+        )
         if isinstance(failed, grpc.RpcError):
-            raise from_rpc_error(failed, f"starting workers of {group}") from failed
+            raise from_rpc_error(
+                failed, f"starting workers of {group} on node {node_id}"
+            ) from failed
         if failed is not None:
             raise failed
-        return next(w.address for reply in replies for w in reply.workers if w.rank == 0)
+        return next(w.address for _, reply in replies for w in reply.workers if w.rank == 0)
 
     async def teardown(self, deployment: deploy_pb.Deployment) -> None:
         """Stop every replica's workers on every node (best effort) and release its

@@ -1,25 +1,31 @@
 """A pipeline whose stages sit on two nodes: two agents (node0 and node1, one device
 each, on this host over loopback) register in the same Redis; a pp = 2 deployment must
 then span both, its ranks meet at the rendezvous the deployer gives them on rank 0's
-node, and it generates what one process generates."""
+node, and it generates what one process generates. When one node cannot start its
+ranks, the deploy fails at once with that node's reason, and nothing is left starting
+on the other."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from services.api import common_pb2 as common
-from services.api import deployment_service_pb2 as deploy_pb
+from services.api import agent_service_pb2 as agent_pb
 from services.api import (
+    agent_service_pb2_grpc,
     deployment_service_pb2_grpc,
     inference_service_pb2_grpc,
     model_service_pb2_grpc,
 )
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli import stack as launcher
@@ -29,21 +35,31 @@ from services.ports import free_port
 from tests.integration.helpers import TINY, rid, wait_for
 
 MODEL = "two-node-llama"
+# Only on node0's models root: node1 cannot start its ranks.
+NODE0_ONLY = "node0-only-llama"
+READY_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory) -> Iterator:
     root = tmp_path_factory.mktemp("iserve-two-nodes")
-    env = {"ISERVE_DEVICES": "1", "ISERVE_DEVICE_MEMORY_GIB": "2", "ISERVE_READY_TIMEOUT_S": "120"}
+    env = {
+        "ISERVE_DEVICES": "1",
+        "ISERVE_DEVICE_MEMORY_GIB": "2",
+        "ISERVE_READY_TIMEOUT_S": str(READY_TIMEOUT_S),
+    }
     with launcher.temporary_stack(env, state_dir=root / "node0") as settings:
         agent_address = f"127.0.0.1:{free_port()}"
+        node1_models(settings).mkdir()
         second = subprocess.Popen(
             [sys.executable, "-m", "monitor_agent"],
             env={
                 **os.environ,
                 "REDIS_URL": settings.redis_url,
                 "ISERVE_STATE_DIR": str(root / "node1"),
-                "ISERVE_MODELS_ROOT": str(settings.models_root),
+                # Its own models root (a node without the shared volume), filled by the
+                # tests.
+                "ISERVE_MODELS_ROOT": str(node1_models(settings)),
                 "ISERVE_NODE_ID": "node1",
                 "ISERVE_AGENT_ADDR": agent_address,
                 "ISERVE_AGENT_METRICS_ADDR": f"127.0.0.1:{free_port()}",
@@ -52,8 +68,6 @@ def two_nodes(tmp_path_factory) -> Iterator:
             stderr=open(root / "node1-agent.log", "w"),  # noqa: SIM115 - closed with the process
         )
         try:
-            import time
-
             assert wait_serving(agent_address, time.monotonic() + 60, second), (
                 root / "node1-agent.log"
             ).read_text()[-2000:]
@@ -73,6 +87,19 @@ def two_nodes(tmp_path_factory) -> Iterator:
                 second.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 second.kill()
+
+
+def node1_models(settings):
+    return settings.models_root.parent / "node1-models"
+
+
+def _register(settings, model_id: str) -> None:
+    with grpc.insecure_channel(settings.address("model")) as ch:
+        model_service_pb2_grpc.ModelServiceStub(ch).RegisterModel(
+            model_pb.RegisterModelRequest(
+                model_id=model_id, checkpoint_path=model_id, skip_profiling=True
+            )
+        )
 
 
 def _greedy(settings, deployment_id: str) -> list[int]:
@@ -97,12 +124,8 @@ def _greedy(settings, deployment_id: str) -> list[int]:
 def test_a_pipeline_spans_two_nodes_and_generates_what_one_process_does(two_nodes):
     settings = two_nodes
     create_checkpoint(settings.models_root / MODEL, **{**TINY, "num_layers": 4}, overwrite=True)
-    with grpc.insecure_channel(settings.address("model")) as ch:
-        model_service_pb2_grpc.ModelServiceStub(ch).RegisterModel(
-            model_pb.RegisterModelRequest(
-                model_id=MODEL, checkpoint_path=MODEL, skip_profiling=True
-            )
-        )
+    shutil.copytree(settings.models_root / MODEL, node1_models(settings) / MODEL)
+    _register(settings, MODEL)
     deployer = deployment_service_pb2_grpc.DeploymentServiceStub(
         grpc.insecure_channel(settings.address("deploy"))
     )
@@ -127,3 +150,46 @@ def test_a_pipeline_spans_two_nodes_and_generates_what_one_process_does(two_node
     alone = _greedy(settings, single.deployment_id)
     deployer.RemoveDeployment(deploy_pb.RemoveDeploymentRequest(deployment_id=single.deployment_id))
     assert len(across) == 8 and across == alone
+
+
+def test_a_node_that_cannot_start_its_ranks_fails_the_deploy_at_once(two_nodes):
+    """node1 has no copy of the checkpoint: its agent refuses at once, while rank 0 on
+    node0 would wait at the rendezvous for the whole ready timeout. The deploy must fail
+    with node1's reason without that wait, and rank 0 must be stopped, its memory free."""
+    settings = two_nodes
+    create_checkpoint(
+        settings.models_root / NODE0_ONLY, **{**TINY, "num_layers": 4}, overwrite=True
+    )
+    _register(settings, NODE0_ONLY)
+    deployer = deployment_service_pb2_grpc.DeploymentServiceStub(
+        grpc.insecure_channel(settings.address("deploy"))
+    )
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as failed:
+        deployer.Deploy(
+            deploy_pb.DeployRequest(
+                request_id=rid(),
+                model_id=NODE0_ONLY,
+                config=common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=2),
+            ),
+            # Well under the ready timeout: waiting it out would end in DEADLINE_EXCEEDED.
+            timeout=READY_TIMEOUT_S * 3 / 4,
+        )
+    took = time.monotonic() - started
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failed.value.details()
+    details = failed.value.details()
+    assert "on node node1" in details and "does not exist" in details, details
+    assert took < READY_TIMEOUT_S / 2, took
+
+    deployments = deployer.ListDeployments(deploy_pb.ListDeploymentsRequest()).deployments
+    assert [d for d in deployments if d.model_id == NODE0_ONLY] == []
+    with grpc.insecure_channel(settings.address("agent")) as ch:
+        agent = agent_service_pb2_grpc.AgentServiceStub(ch)
+        workers = agent.ListWorkers(agent_pb.ListWorkersRequest()).workers
+    assert [w for w in workers if w.state != agent_pb.WORKER_STATE_STOPPED] == [], workers
+
+    def nothing_reserved() -> bool:
+        state = deployer.GetClusterState(deploy_pb.GetClusterStateRequest())
+        return all(d.reserved_bytes == 0 for n in state.nodes for d in n.devices)
+
+    assert wait_for(nothing_reserved, timeout=30)
