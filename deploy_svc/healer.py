@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from deploy_svc import healing
 from deploy_svc.workers import WorkerGroups
 from services import replicas
+from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.ids import replica_group_id
@@ -63,9 +64,7 @@ class Healer:
         self._tasks: set[asyncio.Task] = set()
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
 
     async def record_of(self, deployment_id: str) -> healing.RestartRecord | None:
         raw = await self.store.get_restarts(deployment_id)

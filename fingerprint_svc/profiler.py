@@ -50,6 +50,7 @@ from fingerprint_svc.profile_plan import (
     reference_label,
     room_once_settled,
 )
+from services.aio import cancel_and_wait
 from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
@@ -138,8 +139,7 @@ class Profiler:
         """Stop profiling ``model_id`` (its reservations are released); no-op if idle."""
         task = self._tasks.get(model_id)
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
 
     async def close(self) -> None:
         """Stop every profiling task; their models end FAILED (register again to retry)."""

@@ -28,6 +28,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from services import transport
+from services.aio import cancel_and_wait
 from services.auth.interceptor import AuthInterceptor
 from services.auth.tokens import Authenticator
 from services.errors import IServeError
@@ -284,9 +285,7 @@ async def run_server(
     # thread's, which faulthandler writes to stderr.
     faulthandler.dump_traceback_later(grace_s + STOP_STACKS_AFTER_S, exit=False)
     watchdog = loop.call_later(grace_s + STOP_STACKS_AFTER_S, _log_tasks, name)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await cancel_and_wait(tasks)
     await server.stop(0 if drain is not None else grace_s)
     if on_stop is not None:
         await on_stop()
@@ -318,9 +317,7 @@ async def _drain_unless_signalled(drain: Drain, timeout_s: float, signalled: asy
     await asyncio.wait({draining, second_signal}, return_when=asyncio.FIRST_COMPLETED)
     if second_signal.done():
         log.warning("second signal: stopping without waiting for the calls in flight")
-    for task in (draining, second_signal):
-        task.cancel()
-    await asyncio.gather(draining, second_signal, return_exceptions=True)
+    await cancel_and_wait((draining, second_signal))
 
 
 def _log_task_death(task: asyncio.Task) -> None:
