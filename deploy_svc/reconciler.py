@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deploy_svc.agents import AgentClients
 from deploy_svc.controller import DeploymentController
 from services import replicas
+from services.aio import cancel_and_wait
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -171,19 +172,26 @@ class Reconciler:
 
     async def _running_workers(self) -> tuple[dict[str, list[_NodeWorker]], set[str]]:
         """Live workers by deployment, as the alive nodes' agents report them, and the
-        nodes whose agents answered."""
-        running: dict[str, list[_NodeWorker]] = {}
-        answered: set[str] = set()
-        for node in await self.store.list_nodes():
-            if not node.alive:
-                continue
-            try:
-                reply = await self.agents.stub(node.agent_address).ListWorkers(
+        nodes whose agents answered. The agents are asked together: one that hangs costs
+        its timeout once, not once for every node after it."""
+        nodes = [node for node in await self.store.list_nodes() if node.alive]
+        replies = await asyncio.gather(
+            *(
+                self.agents.stub(node.agent_address).ListWorkers(
                     agent_pb.ListWorkersRequest(), timeout=LIST_TIMEOUT_S
                 )
-            except grpc.RpcError as exc:
-                log.warning("reconcile: agent of %s did not answer: %s", node.node_id, exc)
+                for node in nodes
+            ),
+            return_exceptions=True,
+        )
+        running: dict[str, list[_NodeWorker]] = {}
+        answered: set[str] = set()
+        for node, reply in zip(nodes, replies, strict=True):
+            if isinstance(reply, grpc.RpcError):
+                log.warning("reconcile: agent of %s did not answer: %s", node.node_id, reply)
                 continue
+            if isinstance(reply, BaseException):
+                raise reply
             answered.add(node.node_id)
             for w in reply.workers:
                 if w.state in (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY):
@@ -198,15 +206,15 @@ class Reconciler:
         if not deployment_id:
             return
         if kind == "worker_died":
-            await self.controller.fail(
-                deployment_id,
-                f"worker rank {event.get('rank')} exited ({event.get('exit_code')}): {event.get('reason', '')}".strip(),
-            )
+            said = f"worker rank {event.get('rank')} exited ({event.get('exit_code')})"
+            why = str(event.get("reason") or "").strip()
+            await self.controller.fail(deployment_id, f"{said}: {why}" if why else said)
         elif kind == "worker_unreachable":
             address = event.get("worker_address", "")
             if address and not await worker_answers(address):
+                why = str(event.get("reason") or "").strip()
                 await self.controller.fail(
-                    deployment_id, f"worker unreachable: {event.get('reason', '')}".strip()
+                    deployment_id, f"worker unreachable: {why}" if why else "worker unreachable"
                 )
 
     async def check_nodes(self) -> None:
@@ -233,27 +241,43 @@ class Reconciler:
                 await asyncio.sleep(1.0)
         loop = asyncio.get_running_loop()
         workers_checked_at = loop.time()
+        # The agents are asked beside the loop, so that one slow to answer (up to
+        # LIST_TIMEOUT_S) holds up neither the events nor the heartbeat check.
+        workers_check: asyncio.Task | None = None
         # After Redis was unreachable, heartbeats may have lapsed while the agents could
         # not renew them: nodes are judged again only once they had a TTL to do so.
         judge_nodes_from = 0.0
         heartbeat_ttl_s = float(getattr(self.controller.settings, "heartbeat_ttl_s", 5.0))
-        while True:
-            try:
-                for event_id, event in await self.store.read_events(last, block_ms=1000):
-                    last = event_id
-                    await self.handle(event)
-                if loop.time() >= judge_nodes_from:
-                    await self.check_nodes()
-                if loop.time() - workers_checked_at >= WORKER_CHECK_INTERVAL_S:
-                    workers_checked_at = loop.time()
-                    for line in await self.check_workers():
-                        log.warning("reconcile: %s", line)
-            except asyncio.CancelledError:
-                raise
-            except StateStoreUnavailable as exc:
-                log.warning("reconciliation paused: %s", exc)
-                judge_nodes_from = loop.time() + heartbeat_ttl_s + 1.0
-                await asyncio.sleep(1.0)
-            except Exception:  # noqa: BLE001 - the loop must survive a bad event or a Redis blip
-                log.exception("reconciliation step failed")
-                await asyncio.sleep(1.0)
+        try:
+            while True:
+                try:
+                    for event_id, event in await self.store.read_events(last, block_ms=1000):
+                        last = event_id
+                        await self.handle(event)
+                    if loop.time() >= judge_nodes_from:
+                        await self.check_nodes()
+                    idle = workers_check is None or workers_check.done()
+                    if idle and loop.time() - workers_checked_at >= WORKER_CHECK_INTERVAL_S:
+                        workers_checked_at = loop.time()
+                        workers_check = loop.create_task(self._check_workers_logged())
+                except asyncio.CancelledError:
+                    raise
+                except StateStoreUnavailable as exc:
+                    log.warning("reconciliation paused: %s", exc)
+                    judge_nodes_from = loop.time() + heartbeat_ttl_s + 1.0
+                    await asyncio.sleep(1.0)
+                except Exception:  # noqa: BLE001 - the loop must survive a bad event or a Redis blip
+                    log.exception("reconciliation step failed")
+                    await asyncio.sleep(1.0)
+        finally:
+            if workers_check is not None:
+                await cancel_and_wait([workers_check])
+
+    async def _check_workers_logged(self) -> None:
+        try:
+            for line in await self.check_workers():
+                log.warning("reconcile: %s", line)
+        except StateStoreUnavailable as exc:
+            log.warning("workers check skipped: %s", exc)
+        except Exception:  # noqa: BLE001 - the next check runs all the same
+            log.exception("workers check failed")

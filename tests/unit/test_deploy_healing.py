@@ -5,6 +5,7 @@ Redis with a fake agent (deploy_svc.healer)."""
 from __future__ import annotations
 
 import asyncio
+import types
 
 import grpc
 
@@ -19,6 +20,7 @@ from deploy_svc.healing import (
     served_again_note,
 )
 from deploy_svc.reconciler import Reconciler
+from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.drain import worker_stop_s
@@ -383,6 +385,76 @@ def test_a_replica_whose_agent_no_longer_runs_it_is_restarted(run):
         healed = await settle(store, deployment_id)
         assert healed.state == READY
         assert agent.started == [deployment_id, deployment_id]
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+class OneHungAgent(FakeAgent):
+    """node0's agent runs what it started; node1's hangs on ListWorkers (until the call's
+    timeout) once ``hang`` is set, and sets ``hanging`` when such a call is under way."""
+
+    def __init__(self):
+        super().__init__()
+        self.hang = asyncio.Event()
+        self.hanging = asyncio.Event()
+        self.node1 = types.SimpleNamespace(ListWorkers=self._node1_workers)
+
+    def stub(self, address: str):
+        return self.node1 if address == "node1:1" else self
+
+    async def ListWorkers(self, request, timeout):
+        from services.api import agent_service_pb2 as agent_pb
+
+        running = [g for g in self.started if g not in self.stopped]
+        return agent_pb.ListWorkersResponse(
+            workers=[
+                agent_pb.WorkerInfo(deployment_id=g, rank=0, state=agent_pb.WORKER_STATE_READY)
+                for g in running
+            ]
+        )
+
+    async def _node1_workers(self, request, timeout):
+        from services.api import agent_service_pb2 as agent_pb
+
+        if self.hang.is_set():
+            self.hanging.set()
+            await asyncio.sleep(timeout)
+            raise FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        return agent_pb.ListWorkersResponse()
+
+
+def test_an_agent_that_hangs_holds_up_no_other_replica_s_healing(run):
+    """While node1's agent takes its whole timeout (15 s) to not answer the workers check,
+    a worker that died on node0 is restarted at once, not after that timeout."""
+
+    async def scenario(store):
+        agent = OneHungAgent()
+        controller = await controller_on(store, agent, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        deployment_id = dep.deployment_id
+        await store.register_node(node(1, node_id="node1"), ttl_s=60)
+        reconciler = Reconciler(controller, store, agent)
+        controller.reconciled.clear()
+        loop = asyncio.get_running_loop()
+        running = loop.create_task(reconciler.run())
+        try:
+            await asyncio.wait_for(controller.reconciled.wait(), 10)
+            agent.hang.set()
+            await asyncio.wait_for(agent.hanging.wait(), 10)  # the next workers check
+            await store.publish_event(
+                "worker_died", deployment_id=deployment_id, rank=0, exit_code=-9, reason=""
+            )
+            started = loop.time()
+            while agent.started.count(deployment_id) < 2:
+                assert loop.time() - started < 5.0, "the restart waited for the hung agent"
+                await asyncio.sleep(0.01)
+            healed = await settle(store, deployment_id)
+            assert healed.state == READY
+            assert healed.state_reason.endswith("worker rank 0 exited (-9)")
+        finally:
+            await cancel_and_wait([running])
         await controller.remove(deployment_id)
         assert await nothing_left(store)
 
