@@ -11,6 +11,7 @@ import pytest
 from monitor_agent.agent import pin_any_port
 from monitor_agent.devices import virtual_devices
 from monitor_agent.monitor import DeviceMonitor, DeviceSample, live_holder
+from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.state import keys
 from services.state.store import ReservationError
@@ -103,7 +104,7 @@ def test_the_heartbeating_agent_takes_its_node_back_from_a_duplicate(run):
             await store.register_node(_node("127.0.0.1:2", "cpu0"), ttl_s=5)
             node = await node_until(store, "127.0.0.1:1", "the agent to take its node back")
         finally:
-            task.cancel()
+            await cancel_and_wait([task])
         assert [d.ref.device_id for d in node.devices] == ["cpu0", "cpu1"]
 
     run(body)

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from scheduler_svc.routing import Router
+from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.auth import access, policy
@@ -235,7 +236,7 @@ def test_refresh_forever_survives_redis_failures():
         async with asyncio.timeout(5):
             while not router.deployments():
                 await asyncio.sleep(0.001)
-        task.cancel()
+        await cancel_and_wait([task])
         assert len(calls) >= 3
 
     asyncio.run(scenario())

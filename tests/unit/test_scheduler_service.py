@@ -14,6 +14,7 @@ import pytest
 
 from monitor_agent.worker.session import serve_session
 from scheduler_svc.servicer import InferenceServicer, ended_by_client
+from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
@@ -552,7 +553,7 @@ def test_background_refresh_picks_up_state_changes(redis_url):
             error = await h.status_of(deployment_id="d1")
             assert error.details() == "deployment d1 is FAILED: marked failed"
         finally:
-            refresher.cancel()
+            await cancel_and_wait([refresher])
 
     run(redis_url, scenario)
 
