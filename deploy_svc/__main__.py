@@ -36,7 +36,7 @@ def build(settings, store) -> ServiceParts:
                 deployment_service_pb2_grpc.add_DeploymentServiceServicer_to_server,
                 "iserve.v1.DeploymentService",
             ),
-            TokenServicer(store).binding(),
+            TokenServicer(store, settings).binding(),
         ],
         background=[reconciler.run],
         on_stop=stop,

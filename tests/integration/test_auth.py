@@ -536,6 +536,15 @@ def test_the_cli_issues_lists_and_revokes_tokens(deployed):
     bad_revoke = _cli(s, "token", "revoke", "x:y")
     assert bad_revoke.returncode == 1 and "INVALID_ARGUMENT" in bad_revoke.stderr
     assert _cli(s, "token", "list", "--json").stdout == before  # nothing revoked
+    # The stack's own tokens, in use by every service and the CLI: refused, with the
+    # way to rotate them, and nothing revoked.
+    own = {t["subject"]: t["token_id"] for t in map(json.loads, before.splitlines())}
+    for subject, setting in (("iserve", "ISERVE_SERVICE_TOKEN"), ("admin", "ISERVE_ADMIN_TOKEN")):
+        kept = _cli(s, "token", "revoke", own[subject])
+        assert kept.returncode == 1 and "FAILED_PRECONDITION" in kept.stderr, kept.stderr
+        assert setting in kept.stderr and "restart" in kept.stderr, kept.stderr
+    assert _cli(s, "token", "list", "--json").stdout == before
+    assert _cli(s, "status", "--json").returncode == 0
     bad = _cli(s, "token", "create", "x y", "--role", "admin")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
 
