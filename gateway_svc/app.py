@@ -38,7 +38,13 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from gateway_svc.bodies import ChatBody, CompletionBody, GenerationBody
+from gateway_svc.bodies import (
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    GenerationBody,
+    StreamOptions,
+)
 from gateway_svc.chat import (
     BrokenChatTemplate,
     ChatTemplateError,
@@ -411,14 +417,35 @@ def _not_unicode(text: str) -> str:
     return f"text that is not valid Unicode: {escaped} (a lone surrogate)"
 
 
-def _located(error: dict[str, Any]) -> str:
-    """``field.path: reason``; an error of the whole body says what a body must be."""
-    where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
-    if where:
-        return f"{where}: {_reason(error)}"
-    if error.get("type") == "missing":
-        return "the body is empty: send a JSON object (content-type: application/json)"
-    return "the body must be a JSON object (content-type: application/json)"
+# The names a body's location can hold (with list indices); pydantic also puts the
+# member of a union it tried there ("logprobs.bool", "stop.list[str]"), which is no
+# field a client sent.
+_BODY_FIELDS = frozenset(
+    name
+    for model in (ChatBody, CompletionBody, ChatMessage, StreamOptions)
+    for name in model.model_fields
+)
+
+
+def _where(error: dict[str, Any]) -> str:
+    """The field path of ``error`` as the client wrote it: ``messages.0.content``."""
+    return ".".join(str(p) for p in error.get("loc", ()) if isinstance(p, int) or p in _BODY_FIELDS)
+
+
+def _located(errors: list[dict[str, Any]]) -> str:
+    """``field.path: reason`` for each field, a union's refusals of one value joined by
+    "or"; an error of the whole body says what a body must be."""
+    reasons: dict[str, list[str]] = {}
+    for error in errors:
+        where = _where(error)
+        if not where:
+            if error.get("type") == "missing":
+                return "the body is empty: send a JSON object (content-type: application/json)"
+            return "the body must be a JSON object (content-type: application/json)"
+        reason = _reason(error)
+        if reason not in reasons.setdefault(where, []):
+            reasons[where].append(reason)
+    return "; ".join(f"{where}: {' or '.join(said)}" for where, said in reasons.items())
 
 
 def _reason(error: dict[str, Any]) -> str:
@@ -558,10 +585,11 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
                 f"the body is not valid JSON (at character {at}{': ' if error else ''}{error})"
             )
             return error_response(400, "invalid_request_error", message)
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = "; ".join(_located(e) for e in errors)
-        return error_response(400, "invalid_request_error", message or "invalid body", where)
+        where = _where(errors[0]) if errors else None
+        message = _located(errors)
+        return error_response(
+            400, "invalid_request_error", message or "invalid body", where or None
+        )
 
     @app.exception_handler(UnicodeEncodeError)
     async def not_unicode(_request: Request, exc: UnicodeEncodeError):

@@ -21,8 +21,21 @@ from pydantic import (
 
 from services.proto_limits import UINT32_MAX, UINT64_MAX
 
+# Strict: a field takes its own JSON type only. pydantic's lax mode would take "5" and
+# true as max_tokens 5 and 1, "yes" as stream true, "0.5" as a temperature: what the
+# document calls invalid (and OpenAI refuses), taken and guessed at. JSON's 7.0 is still
+# the integer 7, as JSON Schema counts it (:func:`_integral`).
+_STRICT = ConfigDict(strict=True)
+
+
+def _integral(value: Any) -> Any:
+    """An integral float (JSON's 7.0) as the integer it is; anything else as it came."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
@@ -179,7 +192,9 @@ class GenerationBody(BaseModel):
     ``deadline_ms`` and vLLM's ``ignore_eos``, ``top_k`` and ``stop_token_ids``. Unknown
     fields are ignored, as OpenAI-compatible servers do."""
 
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_STREAM_OPTIONS_IF_STREAMED)
+    model_config = ConfigDict(
+        strict=True, extra="ignore", json_schema_extra=_STREAM_OPTIONS_IF_STREAMED
+    )
 
     model: str = Field(min_length=1)
     # GenerateRequest carries max_tokens and deadline_ms as uint32 and the seed as uint64:
@@ -233,6 +248,23 @@ class GenerationBody(BaseModel):
         if value is not None and not neutral(value):
             raise ValueError(f"{what} not supported by this server")
         return value
+
+    # Also ChatBody's max_completion_tokens (check_fields=False: declared there).
+    @field_validator(
+        "max_tokens",
+        "max_completion_tokens",
+        "seed",
+        "n",
+        "deadline_ms",
+        "top_k",
+        "logprobs",
+        "top_logprobs",
+        mode="before",
+        check_fields=False,
+    )
+    @classmethod
+    def _integers(cls, value: Any) -> Any:
+        return _integral(value)
 
     @field_validator("n")
     @classmethod
@@ -365,7 +397,7 @@ class CompletionBody(GenerationBody):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | Annotated[list[dict[str, Any]], _TEXT_PARTS] | None = None

@@ -264,6 +264,60 @@ def test_a_parameter_whose_effect_would_be_missing_is_a_400_naming_it(
     assert not _document_takes(path, {**body, field: value})  # the document says so too
 
 
+# What pydantic's lax mode took and guessed at (max_tokens "5" and true as 5 and 1,
+# stream "yes" as true): each is the wrong JSON type, which the document refuses, as
+# OpenAI does.
+WRONG_TYPES = [
+    (COMPLETION, "max_tokens", "5", "Input should be a valid integer"),
+    (CHAT, "max_tokens", True, "Input should be a valid integer"),
+    (CHAT, "max_completion_tokens", "8", "Input should be a valid integer"),
+    (COMPLETION, "seed", "3", "Input should be a valid integer"),
+    (CHAT, "n", True, "Input should be a valid integer"),
+    (COMPLETION, "deadline_ms", "100", "Input should be a valid integer"),
+    (CHAT, "temperature", "0.5", "Input should be a valid number"),
+    (COMPLETION, "top_p", True, "Input should be a valid number"),
+    (CHAT, "stream", "yes", "Input should be a valid boolean"),
+    (COMPLETION, "stream", 1, "Input should be a valid boolean"),
+    (CHAT, "priority", "on", "Input should be a valid boolean"),
+    (COMPLETION, "ignore_eos", 0, "Input should be a valid boolean"),
+    (CHAT, "logprobs", "false", "Input should be a valid boolean"),
+    (COMPLETION, "model", 5, "Input should be a valid string"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "field", "value", "message"), WRONG_TYPES)
+def test_a_value_of_the_wrong_json_type_is_a_400_not_a_guess(endpoint, field, value, message):
+    path, body = endpoint
+    app = create_app(lambda: _TemplateBackend(DEFAULT_CHAT_TEMPLATE))
+    with TestClient(app) as client:
+        reply = client.post(path, json={**body, field: value})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"].startswith(f"{field}: {message}"), error
+    assert error["param"] == field
+    assert not _document_takes(path, {**body, field: value})
+
+
+def test_nested_values_of_the_wrong_type_are_refused_too():
+    app = create_app(lambda: _TemplateBackend(DEFAULT_CHAT_TEMPLATE))
+    with TestClient(app) as client:
+        for path, body in (
+            (CHAT[0], {**CHAT[1], "stream": True, "stream_options": {"include_usage": "true"}}),
+            (CHAT[0], {**CHAT[1], "messages": [{"role": "user", "content": 5}]}),
+        ):
+            reply = client.post(path, json=body)
+            assert reply.status_code == 400, reply.text
+            assert not _document_takes(path, body)
+
+
+@pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT])
+def test_an_integral_float_is_the_integer_json_schema_counts_it(path, body):
+    taken = {**body, "max_tokens": 5.0, "seed": 7.0, "n": 1.0, "top_k": 3.0, "temperature": 0}
+    sent = _sent(path, taken)
+    assert (sent.max_tokens, sent.sampling.seed, sent.sampling.top_k) == (5, 7, 3)
+    assert _document_takes(path, taken)
+
+
 @pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT])
 def test_the_neutral_values_of_declined_parameters_are_served(path, body):
     neutral = {
