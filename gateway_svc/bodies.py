@@ -220,7 +220,7 @@ class GenerationBody(BaseModel):
     # Asked for, they would be answered with nothing: the workers do not return
     # log-probabilities, so a request for them is refused rather than given null.
     logprobs: bool | int | None = Field(default=None, json_schema_extra=_NO_LOGPROBS)
-    top_logprobs: int | None = Field(default=None, json_schema_extra=_NO_LOGPROBS)
+    top_logprobs: bool | int | None = Field(default=None, json_schema_extra=_NO_LOGPROBS)
     frequency_penalty: Any = _declined(_DECLINED, "frequency_penalty")
     presence_penalty: Any = _declined(_DECLINED, "presence_penalty")
     logit_bias: Any = _declined(_DECLINED, "logit_bias")
