@@ -66,6 +66,8 @@ class Reconciler:
         # Replicas whose workers were stopped on purpose (the deployer stopped cleanly,
         # then the agents stopped their workers): not yet seen by an answering agent.
         self._stopped_on_purpose: set[str] = set()
+        # (group, node) of the workers no deployment held at the last workers check.
+        self._unheld_seen: set[tuple[str, str]] = set()
 
     async def reconcile_on_start(self) -> list[str]:
         """Make Redis and the agents agree after a (re)start of this service; returns what
@@ -139,7 +141,46 @@ class Reconciler:
         not mistaken for one without workers."""
         deployments = await self.store.list_deployments()
         running, answered = await self._running_workers()
-        return await self._fail_missing(deployments, running, answered, "its agent reports")
+        actions = await self._fail_missing(deployments, running, answered, "its agent reports")
+        return actions + await self._stop_unheld(running)
+
+    async def _stop_unheld(self, running: dict[str, list[_NodeWorker]]) -> list[str]:
+        """Stop the workers that no deployment holds on their node, seen so at two checks
+        in a row: what outlived its replica where the agent could not be told to stop it
+        (it was stopped or cut off while its deployment was removed, failed, or moved
+        elsewhere), which would otherwise hold memory that is no longer reserved.
+
+        The records are read after the agents answered, so every worker they reported
+        was started under a record read here. A replica that is STARTING (being deployed,
+        or restarted: its new placement is written once it serves) holds its group on any
+        node, and so does a deployment being removed (the remove stops its workers)."""
+        held: set[tuple[str, str]] = set()
+        held_anywhere: set[str] = set()
+        for dep in await self.store.list_deployments():
+            for replica in replicas.replicas_of(dep):
+                group = replica_group_id(dep.deployment_id, replica.index)
+                if (
+                    dep.state == deploy_pb.DEPLOYMENT_STATE_REMOVING
+                    or dep.state == replicas.STARTING
+                    or replica.state == replicas.STARTING
+                ):
+                    held_anywhere.add(group)
+            for replica in replicas.serving(dep):
+                group = replica_group_id(dep.deployment_id, replica.index)
+                held.update((group, node) for node in replicas.nodes_of(replica.placement))
+        unheld = {
+            (group, worker.node_id)
+            for group, workers in running.items()
+            if group not in held_anywhere and not group.startswith(PROFILING_OWNER_PREFIX)
+            for worker in workers
+            if (group, worker.node_id) not in held
+        }
+        confirmed, self._unheld_seen = unheld & self._unheld_seen, unheld
+        actions = []
+        for group, node_id in sorted(confirmed):
+            await self.controller.workers.stop_on([node_id], group)
+            actions.append(f"stopped workers of {group} on {node_id}: no deployment holds them")
+        return actions
 
     async def _fail_missing(
         self,

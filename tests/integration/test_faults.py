@@ -273,6 +273,38 @@ def test_an_agent_killed_until_its_heartbeat_lapses_is_healed_when_it_is_back(
     assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20)
 
 
+def test_workers_an_agent_kept_while_it_was_stopped_are_stopped_when_it_is_back(
+    own_stack, deployment
+):
+    """The agent stopped (SIGSTOP: its workers live on) until its heartbeat lapses; the
+    deployment is removed meanwhile, which cannot reach it. Once it runs again, the
+    deployer sees workers no deployment holds and stops them: they would hold memory
+    that is no longer reserved."""
+    stack, deployment_id = own_stack, deployment.deployment_id
+    held = reserved_by_device(stack)
+    pids = worker_pids(stack, deployment_id)
+    assert pids
+    agent_pid = read_stack_file(stack.settings.state_dir)["pids"]["agent"]
+    os.kill(agent_pid, signal.SIGSTOP)
+    try:
+
+        def node_dead() -> bool:
+            state = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
+            return not any(n.alive for n in state.nodes)
+
+        assert wait_for(node_dead, timeout=30, interval=0.5)
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=deployment_id), timeout=60
+        )
+        assert all(_alive(p) for p in pids)  # out of reach, running on
+        assert all(v == 0 for v in reserved_by_device(stack).values())
+    finally:
+        os.kill(agent_pid, signal.SIGCONT)
+    assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=60, interval=0.5)
+    assert worker_pids(stack, deployment_id) == []
+    assert all(v == 0 for v in reserved_by_device(stack).values()), held
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

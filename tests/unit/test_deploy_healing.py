@@ -459,3 +459,59 @@ def test_an_agent_that_hangs_holds_up_no_other_replica_s_healing(run):
         assert await nothing_left(store)
 
     run(scenario)
+
+
+class ReportingAgent(FakeAgent):
+    """Reports what it started and not stopped, plus ``extra`` (group, rank) workers."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra: list[str] = []
+
+    async def ListWorkers(self, request, timeout):
+        from services.api import agent_service_pb2 as agent_pb
+
+        running = [g for g in self.started if g not in self.stopped] + self.extra
+        return agent_pb.ListWorkersResponse(
+            workers=[
+                agent_pb.WorkerInfo(deployment_id=g, rank=0, state=agent_pb.WORKER_STATE_READY)
+                for g in running
+            ]
+        )
+
+    async def StopWorkers(self, request, timeout):
+        if request.deployment_id in self.extra:
+            self.extra.remove(request.deployment_id)
+        return await super().StopWorkers(request, timeout)
+
+
+def test_workers_no_deployment_holds_are_stopped_at_the_second_check_that_sees_them(run):
+    """Workers that outlived their replica where the agent could not be told (a removed
+    deployment's, a replica's that moved on) hold memory no longer reserved: stopped,
+    once two checks in a row saw them. What a deployment holds, is starting, or a
+    profiling job runs is left alone."""
+
+    async def scenario(store):
+        agent = ReportingAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        deployment_id = (await controller.deploy(deploy_request(1))).deployment.deployment_id
+        starting = (await controller.deploy(deploy_request(1))).deployment.deployment_id
+        reconciler = Reconciler(controller, store, agent)
+        # A replica being restarted: its record says STARTING, its new workers start.
+        controller.reconciled.clear()
+        assert await controller.fail(starting, "worker rank 0 exited (-9)")
+        agent.extra = [starting, "m-removed0", "profile-m-0"]
+        assert await reconciler.check_workers() == []  # seen once: could be a race
+        assert await reconciler.check_workers() == [
+            "stopped workers of m-removed0 on node0: no deployment holds them"
+        ]
+        assert agent.extra == [starting, "profile-m-0"]
+        assert deployment_id not in agent.stopped
+        assert await reconciler.check_workers() == []
+        controller.reconciled.set()
+        assert (await settle(store, starting)).state == READY
+        for done in (deployment_id, starting):
+            await controller.remove(done)
+        assert await nothing_left(store)
+
+    run(scenario)
