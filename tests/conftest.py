@@ -54,16 +54,18 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
 
 @contextlib.contextmanager
 def running_stack(
-    state_dir: Path, log: Callable[[str], None] = lambda _msg: None
+    state_dir: Path, log: Callable[[str], None] = lambda _msg: None, **extra_env: str
 ) -> Iterator[Stack]:
     """A whole stack (2 devices, the test sizes) in ``state_dir``, with a client per
-    service; stopped on exit. ``log`` gets what ``iserve up`` would print."""
+    service; stopped on exit. ``log`` gets what ``iserve up`` would print; ``extra_env``
+    are more ``ISERVE_*`` variables."""
     env = {
         "ISERVE_DEVICES": "2",
         "ISERVE_DEVICE_MEMORY_GIB": str(DEVICE_MEMORY_GIB),
         "ISERVE_QUEUE_CAPACITY": str(QUEUE_CAPACITY),
         "ISERVE_READY_TIMEOUT_S": "90",
         "ISERVE_HEARTBEAT_TTL_S": "5",
+        **extra_env,
     }
     with launcher.temporary_stack(env, state_dir=state_dir, log=log) as settings:
         channels = {

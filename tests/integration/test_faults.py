@@ -51,7 +51,11 @@ HEAL_TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def own_stack(tmp_path_factory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("iserve-faults")) as running:
+    # A budget no test here spends: an agent restarted slowly on a loaded machine must not
+    # outlast the default five tries (31 s of backoff) and fail the deployment.
+    with running_stack(
+        tmp_path_factory.mktemp("iserve-faults"), ISERVE_MAX_RESTARTS="50"
+    ) as running:
         yield running
 
 
