@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -259,7 +260,24 @@ class Reconciler:
                 )
 
     async def check_nodes(self) -> None:
-        alive = {n.node_id for n in await self.store.list_nodes() if n.alive}
+        """Take out the serving replicas on nodes whose agents stopped heartbeating, and
+        forget the nodes dead for longer than ``ISERVE_NODE_FORGET_AFTER_S`` that hold
+        no reserved memory (``iserve status`` lists a dead node until then, with when it
+        was last seen)."""
+        nodes = await self.store.list_nodes()
+        alive = {n.node_id for n in nodes if n.alive}
+        forget_after_s = float(getattr(self.controller.settings, "node_forget_after_s", 0.0))
+        if forget_after_s > 0:
+            unseen_since_ms = int(time.time() * 1000 - forget_after_s * 1000)
+            for node in nodes:
+                if (
+                    not node.alive
+                    and node.heartbeat_at_unix_ms < unseen_since_ms
+                    and await self.store.forget_node(node.node_id, unseen_since_ms)
+                ):
+                    log.warning(
+                        "forgot node %s: dead for more than %g s", node.node_id, forget_after_s
+                    )
         for deployment in await self.store.list_deployments():
             for replica in replicas.serving(deployment):
                 dead = set(replicas.nodes_of(replica.placement)) - alive

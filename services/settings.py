@@ -30,6 +30,9 @@ variable                    meaning                                         defa
                             it is given up (0: never restarted)
 ``ISERVE_RESTART_BACKOFF_S``the wait before a first restart, doubling up    ``1``
                             to 30 s (or itself, if longer)
+``ISERVE_NODE_FORGET_AFTER_S`` how long a dead node (its heartbeat gone,  ``3600``
+                            no memory reserved on it) stays listed before
+                            the deployer forgets it (0: listed for ever)
 ``ISERVE_DRAIN_TIMEOUT_S``  on SIGTERM, how long the scheduler (and a        ``30``
                             stopped worker) lets streams in flight finish
                             before it cancels them and exits
@@ -137,6 +140,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # The deployer's restart policy (deploy_svc.healing.RestartPolicy's defaults too).
 DEFAULT_MAX_RESTARTS = 5
 DEFAULT_RESTART_BACKOFF_S = 1.0
+# How long the deployer lists a dead node before it forgets it (0: for ever).
+DEFAULT_NODE_FORGET_AFTER_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,7 @@ class Settings:
     # The deployer's restart policy (deploy_svc.healing.RestartPolicy.of).
     max_restarts: int = DEFAULT_MAX_RESTARTS
     restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
+    node_forget_after_s: float = DEFAULT_NODE_FORGET_AFTER_S
     gateway_address: str = DEFAULT_GATEWAY_ADDR
     # Web origins whose pages may call the gateway (ISERVE_CORS_ORIGINS); () none.
     cors_origins: tuple[str, ...] = ()
@@ -407,6 +413,16 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         ),
         restart_backoff_s=float(
             _number(env, "ISERVE_RESTART_BACKOFF_S", DEFAULT_RESTART_BACKOFF_S, float, maximum=3600)
+        ),
+        node_forget_after_s=float(
+            _number(
+                env,
+                "ISERVE_NODE_FORGET_AFTER_S",
+                DEFAULT_NODE_FORGET_AFTER_S,
+                float,
+                minimum=0,
+                maximum=30 * 86400,
+            )
         ),
         gateway_address=pick(
             env.get(GATEWAY_ENV), stack.get("gateway_address"), DEFAULT_GATEWAY_ADDR

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 from google.protobuf import json_format
 
@@ -106,6 +108,18 @@ def _asked(settings: Settings, status: dict, service: str, what: str, call):
             return None
 
 
+def _dead(node: dict) -> str:
+    """ " (dead, last seen <UTC time>)" for a node whose agent stopped heartbeating."""
+    if node.get("alive"):
+        return ""
+    last_ms = int(node.get("heartbeat_at_unix_ms") or 0)
+    if not last_ms:
+        return " (dead)"
+    return (
+        f" (dead, last seen {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(last_ms / 1000))} UTC)"
+    )
+
+
 def status_tables(status: dict) -> list[TableSpec]:
     """The tables ``iserve status`` shows: services, devices, models, deployments."""
     services = [
@@ -115,7 +129,7 @@ def status_tables(status: dict) -> list[TableSpec]:
     tables: list[TableSpec] = [(None, ["SERVICE", "ADDRESS", "STATE", "METRICS"], services)]
     devices = [
         [
-            node["node_id"] + ("" if node.get("alive") else " (dead)"),
+            node["node_id"] + _dead(node),
             dev["ref"]["device_id"],
             dev["kind"].removeprefix("DEVICE_KIND_").lower(),
             f"{int(dev['total_bytes']) / MIB:.0f}",

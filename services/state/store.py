@@ -436,13 +436,54 @@ class StateStore:
         node = decode(common.NodeState, raw)
         beat = await self.redis.get(keys.node_heartbeat(node_id))
         node.alive = beat is not None
-        node.heartbeat_at_unix_ms = int(beat or 0)
         device_ids = sorted(await self.redis.smembers(keys.node_devices(node_id)), key=_natural)
         for device_id in device_ids:
             dev = await self.get_device(common.DeviceRef(node_id=node_id, device_id=device_id))
             if dev is not None:
                 node.devices.append(dev)
+        # A dead node's last heartbeat is its devices' last update (the heartbeat's key
+        # expired with it).
+        last = max((d.updated_at_unix_ms for d in node.devices), default=0)
+        node.heartbeat_at_unix_ms = int(beat) if beat is not None else last
         return node
+
+    async def forget_node(self, node_id: str, unseen_since_ms: int) -> bool:
+        """Delete the records of node ``node_id`` (its entry, its devices) when it is dead,
+        was last seen before ``unseen_since_ms`` and no reservation holds memory on its
+        devices; True when it did. An agent of that node that comes back registers it
+        again as new. Atomic with registrations, heartbeats and reservations."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(
+                        keys.node_heartbeat(node_id),
+                        keys.node_devices(node_id),
+                        keys.reservation_index(),
+                        keys.node(node_id),
+                    )
+                    if await pipe.exists(keys.node_heartbeat(node_id)) or not await pipe.exists(
+                        keys.node(node_id)
+                    ):
+                        return False
+                    device_keys = [
+                        keys.device(node_id, d)
+                        for d in await pipe.smembers(keys.node_devices(node_id))
+                    ]
+                    if device_keys:
+                        await pipe.watch(*device_keys)
+                    seen = [int(await pipe.hget(k, "updated_ms") or 0) for k in device_keys]
+                    if max(seen, default=0) >= unseen_since_ms:
+                        return False
+                    held = await self._reserved_by_reservations(pipe, device_keys)
+                    if any(held.values()):
+                        return False
+                    pipe.multi()
+                    pipe.srem(keys.node_index(), node_id)
+                    pipe.delete(keys.node(node_id), keys.node_devices(node_id), *device_keys)
+                    await pipe.execute()
+                    return True
+                except WatchError:
+                    continue
 
     async def get_device(self, ref: common.DeviceRef) -> common.DeviceState | None:
         fields = await self.redis.hgetall(device_key(ref))

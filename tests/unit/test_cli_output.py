@@ -42,3 +42,34 @@ def test_the_is_the_stack_up_hint_follows_only_a_connection_that_failed():
     # A service that answered: the hint would send the user looking in the wrong place.
     assert not _unreached("deployment big-1 is STARTING: restart 1 in 1 s after: x")
     assert not _unreached("state store (Redis) unreachable at 127.0.0.1:6379")
+
+
+def test_status_lists_a_dead_node_with_when_it_was_last_seen():
+    from services.cli.status import status_tables
+
+    device = {
+        "ref": {"device_id": "cpu0"},
+        "kind": "DEVICE_KIND_CPU",
+        "total_bytes": "1048576",
+        "used_bytes": "0",
+        "reserved_bytes": "0",
+        "free_bytes": "1048576",
+        "load": 0.0,
+    }
+    status = {
+        "services": {},
+        "nodes": [
+            {"node_id": "a", "alive": True, "heartbeat_at_unix_ms": "1", "devices": [device]},
+            # 2026-11-26 05:00:00 UTC, as MessageToDict writes an int64.
+            {"node_id": "b", "heartbeat_at_unix_ms": "1795669200000", "devices": [device]},
+            {"node_id": "c", "devices": [device]},
+        ],
+        "models": [],
+        "deployments": [],
+    }
+    [_services, (_title, _headers, rows), *_] = status_tables(status)
+    assert [row[0] for row in rows] == [
+        "a",
+        "b (dead, last seen 2026-11-26 05:00:00 UTC)",
+        "c (dead)",
+    ]

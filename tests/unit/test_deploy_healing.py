@@ -515,3 +515,27 @@ def test_workers_no_deployment_holds_are_stopped_at_the_second_check_that_sees_t
         assert await nothing_left(store)
 
     run(scenario)
+
+
+def test_a_node_dead_for_longer_than_the_setting_is_forgotten(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, policy=FAST)
+        gone = node(1, node_id="node1")
+        await store.register_node(gone, ttl_s=0.05)
+        await store.publish_devices("node1", gone.devices, ttl_s=0.05)
+        reconciler = Reconciler(controller, store, agent)
+        await asyncio.sleep(0.3)  # its heartbeat lapsed 0.25 s ago
+        controller.settings.node_forget_after_s = 0  # listed for ever
+        await reconciler.check_nodes()
+        controller.settings.node_forget_after_s = 60.0
+        await reconciler.check_nodes()
+        assert [(n.node_id, n.alive) for n in await store.list_nodes()] == [
+            ("node0", True),
+            ("node1", False),
+        ]
+        controller.settings.node_forget_after_s = 0.1
+        await reconciler.check_nodes()
+        assert [n.node_id for n in await store.list_nodes()] == ["node0"]
+
+    run(scenario)

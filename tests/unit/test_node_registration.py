@@ -66,6 +66,35 @@ def test_a_device_that_returns_counts_the_reservations_still_naming_it(run):
     run(body)
 
 
+def test_a_dead_node_shows_when_it_was_last_seen_and_is_forgotten_only_when_unheld(run):
+    async def body(store):
+        node = _node("127.0.0.1:1", "cpu0", "cpu1")
+        await store.register_node(node, ttl_s=0.05)
+        await store.publish_devices("n0", node.devices, ttl_s=0.05)
+        [alive] = await store.list_nodes()
+        seen = alive.heartbeat_at_unix_ms
+        assert alive.alive and seen > 0
+        await store.reserve("dep", {("n0", "cpu1"): 100 * MIB})
+        await asyncio.sleep(0.1)  # the heartbeat lapses
+        [dead] = await store.list_nodes()
+        assert not dead.alive and dead.heartbeat_at_unix_ms == seen  # its last heartbeat
+        # Seen since the cut-off, or memory reserved on it: kept.
+        assert not await store.forget_node("n0", seen)
+        assert not await store.forget_node("n0", seen + 1)
+        await store.release("dep")
+        assert await store.forget_node("n0", seen + 1)
+        assert await store.list_nodes() == []
+        assert not await store.redis.exists(keys.device("n0", "cpu0"), keys.node_devices("n0"))
+        assert not await store.forget_node("n0", seen + 1)  # nothing left to forget
+        # Its agent back: registered as new.
+        await store.register_node(node, ttl_s=5)
+        [back] = await store.list_nodes()
+        assert back.alive and [d.reserved_bytes for d in back.devices] == [0, 0]
+        assert not await store.forget_node("n0", seen + 10**9)  # alive: kept
+
+    run(body)
+
+
 class _IdleSampler:
     def sample(self, devices):
         return {d.device_id: DeviceSample(0, 0.0) for d in devices}

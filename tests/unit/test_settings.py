@@ -55,6 +55,9 @@ def test_environment_beats_stack_file_beats_defaults(tmp_path):
         ("ISERVE_MAX_RESTARTS", "2.5"),
         ("ISERVE_RESTART_BACKOFF_S", "0"),
         ("ISERVE_RESTART_BACKOFF_S", "inf"),
+        ("ISERVE_NODE_FORGET_AFTER_S", "-1"),
+        ("ISERVE_NODE_FORGET_AFTER_S", "nan"),
+        ("ISERVE_NODE_FORGET_AFTER_S", "2592001"),  # more than 30 days
         ("ISERVE_CORS_ORIGINS", "localhost:3000"),
         ("ISERVE_CORS_ORIGINS", "http://localhost:3000/"),  # a browser sends no path
         ("ISERVE_CORS_ORIGINS", "http://a.test,ftp://b.test"),
@@ -85,6 +88,12 @@ def test_the_restart_policy_is_the_operators_to_set(tmp_path):
     # A first backoff above the usual cap is not cut to it.
     slow = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_RESTART_BACKOFF_S": "60"})
     assert [RestartPolicy.of(slow).backoff_s(n) for n in (1, 2)] == [60.0, 60.0]
+
+
+def test_dead_nodes_are_forgotten_after_an_hour_unless_the_operator_says_otherwise(tmp_path):
+    assert load_settings({"ISERVE_STATE_DIR": str(tmp_path)}).node_forget_after_s == 3600
+    kept = {"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_NODE_FORGET_AFTER_S": "0"}
+    assert load_settings(kept).node_forget_after_s == 0  # listed for ever
 
 
 def test_the_drain_timeout_may_be_a_fraction_of_a_second(tmp_path):
