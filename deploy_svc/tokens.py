@@ -8,7 +8,7 @@ from services.auth.tokens import check_token_id, issue, token_id_of
 from services.errors import FailedPrecondition, NotFound
 from services.grpc_server import ServiceBinding
 from services.ids import check_request_id
-from services.settings import Settings
+from services.settings import ADMIN_TOKEN_ENV, SERVICE_TOKEN_ENV, Settings
 from services.state.store import StateStore
 
 
@@ -21,8 +21,8 @@ class TokenServicer(token_service_pb2_grpc.TokenServiceServicer):
         self.in_use: dict[str, str] = {}
         if settings is not None and settings.auth:
             for setting, token in (
-                ("ISERVE_SERVICE_TOKEN", settings.service_token),
-                ("ISERVE_ADMIN_TOKEN", settings.admin_token),
+                (SERVICE_TOKEN_ENV, settings.service_token),
+                (ADMIN_TOKEN_ENV, settings.admin_token),
             ):
                 if token:
                     self.in_use[token_id_of(token)] = setting

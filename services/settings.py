@@ -238,6 +238,8 @@ class TlsFiles:
 
 TOKENS_DIR = "tokens"
 AUTH_ENV = "ISERVE_AUTH"
+SERVICE_TOKEN_ENV = "ISERVE_SERVICE_TOKEN"
+ADMIN_TOKEN_ENV = "ISERVE_ADMIN_TOKEN"
 
 
 def token_file(state_dir: Path, name: str) -> Path:
@@ -430,8 +432,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         cors_origins=cors_origins(env.get(CORS_ENV, "")),
         auth=_flag(env, AUTH_ENV, False),
         token=_token(env, "ISERVE_TOKEN", state_dir, "admin"),
-        service_token=_token(env, "ISERVE_SERVICE_TOKEN", state_dir, "service"),
-        admin_token=_token(env, "ISERVE_ADMIN_TOKEN", state_dir, "admin"),
+        service_token=_token(env, SERVICE_TOKEN_ENV, state_dir, "service"),
+        admin_token=_token(env, ADMIN_TOKEN_ENV, state_dir, "admin"),
         tls=_tls(env),
     )
 
