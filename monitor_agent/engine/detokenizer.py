@@ -4,7 +4,10 @@ Decoding one token at a time is wrong for byte-level and SentencePiece vocabular
 character may span tokens; a leading space depends on the previous token), so each step
 decodes a short window of recent ids and emits only the text that has become final. Text
 ending in U+FFFD (an incomplete UTF-8 sequence) is held back until the next token
-completes it, or until the stream ends.
+completes it, or until the stream ends; so is text ending in a byte token of a
+ByteFallback decoder (SentencePiece vocabularies such as Llama 2's), whose whole run the
+next byte may turn into U+FFFD. The streamed text is then what decoding every generated
+id at once gives.
 
 The left context taken from the prompt starts at a character boundary: a window cut
 inside a character decodes with U+FFFD first, and tokenizers' ByteFallback decoder turns
@@ -14,6 +17,9 @@ that continue the run would stream as U+FFFD too.
 
 from __future__ import annotations
 
+import json
+import re
+
 from tokenizers import Tokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -22,11 +28,51 @@ _REPLACEMENT_CHAR = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 6
 # A UTF-8 character has at most 4 bytes, so at most 3 tokens before a cut start it.
 _MAX_CUT_TOKENS = 3
+# The tokens tokenizers' ByteFallback decoder reads as one byte each.
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# (tokenizer, its byte token ids, its special token ids) of the last tokenizer asked
+# about: a worker has one.
+_ids_of: tuple[Tokenizer, frozenset[int], frozenset[int]] | None = None
+
+
+def _has_byte_fallback(decoder: object) -> bool:
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "ByteFallback":
+        return True
+    return any(_has_byte_fallback(d) for d in decoder.get("decoders") or ())
+
+
+def byte_fallback_ids(tokenizer: Tokenizer) -> tuple[frozenset[int], frozenset[int]]:
+    """The ids of ``tokenizer``'s byte tokens (``<0xNN>``) when its decoder, as the
+    tokenizer's own serialisation says, has a ByteFallback step (empty otherwise), and
+    the ids of its special tokens, which decoding skips.
+
+    ByteFallback decodes a run of consecutive byte tokens as one: into its characters
+    when the run is valid UTF-8, else into one U+FFFD per byte, the valid characters
+    before the bad byte included. So text ending in a byte token is not final: the next
+    token may extend the run and undo it; a skipped special token between two byte
+    tokens does not end the run."""
+    global _ids_of
+    if _ids_of is not None and _ids_of[0] is tokenizer:
+        return _ids_of[1], _ids_of[2]
+    decoder = json.loads(tokenizer.to_str()).get("decoder")
+    byte_ids = frozenset(
+        i
+        for token, i in tokenizer.get_vocab(with_added_tokens=True).items()
+        if _has_byte_fallback(decoder) and _BYTE_TOKEN.fullmatch(token)
+    )
+    special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+    _ids_of = (tokenizer, byte_ids, special)
+    return byte_ids, special
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
         self._tokenizer = tokenizer
+        self._byte_ids, self._special_ids = byte_fallback_ids(tokenizer)
+        # Whether the last token decoding does not skip was a ByteFallback byte token.
+        self._in_byte_run = False
         self._ids = list(prompt_ids[self._context_start(prompt_ids) :])
         # ids[prefix:read] is text already emitted; ids[read:] is still pending.
         self._prefix = 0
@@ -48,8 +94,13 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> str:
-        """Append one token; return the text it makes final ('' while incomplete)."""
+        """Append one token; return the text it makes final ('' while incomplete, or
+        while a run of ByteFallback byte tokens may go on)."""
         self._ids.append(token_id)
+        if token_id not in self._special_ids:
+            self._in_byte_run = token_id in self._byte_ids
+        if self._in_byte_run:
+            return ""
         emitted = self._decode(self._ids[self._prefix : self._read])
         text = self._decode(self._ids[self._prefix :])
         if len(text) <= len(emitted) or text.endswith(_REPLACEMENT_CHAR):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from monitor_agent.engine.detokenizer import IncrementalDetokenizer
@@ -299,3 +301,36 @@ def test_prompt_context_cut_inside_a_character_keeps_generated_bytes(prompt: str
     pieces = [detokenizer.add(token) for token in generated]
     assert "".join(pieces) + detokenizer.flush() == "🦊ok"
     assert all("\ufffd" not in piece for piece in pieces)
+
+
+def _streamed(tokenizer: Tokenizer, prompt_ids: list[int], generated: list[int]) -> str:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    return "".join(detokenizer.add(t) for t in generated) + detokenizer.flush()
+
+
+_TOKENIZERS = {"byte-fallback": byte_fallback_tokenizer(), "byte-level": build_tokenizer()}
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    name=st.sampled_from(sorted(_TOKENIZERS)),
+    picks=st.lists(st.integers(min_value=0), min_size=1, max_size=12),
+    after_prompt=st.booleans(),
+)
+def test_the_streamed_text_is_what_decoding_every_generated_id_gives(name, picks, after_prompt):
+    """Any ids, byte tokens that are not valid UTF-8 included (a random model emits them
+    all the time): the pieces streamed add up to tokenizer.decode of the ids. Before,
+    a ByteFallback run that a later byte made invalid had already streamed its valid
+    first characters (42 % of random 1-11 token generations differed)."""
+    tokenizer = _TOKENIZERS[name]
+    size = tokenizer.get_vocab_size()
+    generated = [pick % size for pick in picks]
+    prompt = tokenizer.encode("Hi ok", add_special_tokens=False).ids if after_prompt else []
+    expected = tokenizer.decode(generated, skip_special_tokens=True)
+    streamed = _streamed(tokenizer, prompt, generated)
+    if after_prompt and not expected.startswith(" "):
+        # Mid-text, a SentencePiece first piece keeps the space the decoder strips at
+        # the start of a text.
+        assert streamed in (expected, " " + expected)
+    else:
+        assert streamed == expected
