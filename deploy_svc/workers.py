@@ -120,6 +120,7 @@ class WorkerGroups:
                             engine=agent_pb.ENGINE_KIND_UNSPECIFIED,
                             ready_timeout_ms=timeout_ms,
                             rendezvous_address=rendezvous,
+                            expected_shape=model.shape,
                         ),
                         timeout=timeout_ms / 1000 + 10,
                     )

@@ -14,7 +14,7 @@ from services.api import model_service_pb2 as model_pb
 from services.engine_rules import resolve_checkpoint
 from services.errors import AlreadyExists, InvalidArgument
 from services.ids import check_model_id, check_request_id, check_variant_name
-from services.models.arch import ArchSpec
+from services.models.arch import ArchSpec, unlike_model
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
 from services.models.compression import DEFAULT_PRUNE_FRACTION, kept_heads, kept_mlp_channels
 
@@ -95,10 +95,6 @@ def check_accuracy_score(score: float, what: str) -> None:
 # 2:4 pruning groups of 4 inputs (monitor_agent.engine.prune).
 INT4_MIN_GROUP = 8
 SPARSE_2_4_GROUP = 4
-# What a variant's own checkpoint must share with the model (a pruned checkpoint may
-# have fewer heads or MLP channels, never more, and nothing else may differ).
-SAME_FIELDS = ("family", "num_layers", "hidden_size", "head_dim", "vocab_size")
-AT_MOST_FIELDS = ("num_heads", "num_kv_heads", "intermediate_size")
 
 
 def projection_inputs(spec: ArchSpec, prune_fraction: float = 0.0) -> dict[str, int]:
@@ -119,18 +115,9 @@ def variant_problem(
     """Why ``variant`` cannot apply to a model shaped ``spec`` (its own checkpoint's shape
     when it has one, ``base`` then being the model's), or None."""
     if base is not None:
-        for name in SAME_FIELDS:
-            if getattr(spec, name) != getattr(base, name):
-                return (
-                    f"its checkpoint has {name} {getattr(spec, name)}, "
-                    f"the model has {getattr(base, name)}"
-                )
-        for name in AT_MOST_FIELDS:
-            if getattr(spec, name) > getattr(base, name):
-                return (
-                    f"its checkpoint has {name} {getattr(spec, name)}, more than "
-                    f"the model's {getattr(base, name)}"
-                )
+        unlike = unlike_model(spec, lambda name: getattr(base, name))
+        if unlike is not None:
+            return unlike
     if variant.structured_prune_fraction and variant.pruning != common.PRUNING_STRUCTURED:
         return "structured_prune_fraction is set but pruning is not PRUNING_STRUCTURED"
     fractions = [0.0]

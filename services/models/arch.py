@@ -276,3 +276,26 @@ class WeightSource:
 
 ParseConfig = Callable[[Mapping[str, Any], str], ArchSpec]
 LayerTensors = Callable[[ArchSpec, int], list[CheckpointTensor]]
+
+
+# What any checkpoint of a model (a compressed variant's own too) keeps of it: these
+# fields equal, these at most the model's (structured pruning keeps fewer heads and MLP
+# channels, never more).
+SAME_FIELDS = ("family", "num_layers", "hidden_size", "head_dim", "vocab_size")
+AT_MOST_FIELDS = ("num_heads", "num_kv_heads", "intermediate_size")
+
+
+def unlike_model(spec: ArchSpec, model_field: Callable[[str], object]) -> str | None:
+    """Why a checkpoint of shape ``spec`` cannot be one of the model whose value of each
+    field ``model_field(name)`` gives (None: not known, not compared); None when it can."""
+    for name in SAME_FIELDS:
+        theirs = model_field(name)
+        if theirs is not None and getattr(spec, name) != theirs:
+            return f"its checkpoint has {name} {getattr(spec, name)}, the model has {theirs}"
+    for name in AT_MOST_FIELDS:
+        theirs = model_field(name)
+        if theirs is not None and getattr(spec, name) > theirs:
+            return (
+                f"its checkpoint has {name} {getattr(spec, name)}, more than the model's {theirs}"
+            )
+    return None

@@ -20,6 +20,7 @@ from services.cli import stack as launcher
 from services.reservation import memory_blocks
 from services.state.store import StateStore
 from tests.integration.helpers import (
+    TINY,
     deploy,
     generate,
     live_devices,
@@ -359,3 +360,28 @@ def test_a_deploy_of_a_model_being_deleted_fails_and_a_deployed_model_is_kept(st
         return [k async for k in store.redis.scan_iter(match="*doomed-llama*")]
 
     assert with_store(stack, keys_left) == []
+
+
+def test_a_checkpoint_rewritten_as_another_model_is_refused_leaving_nothing(stack):
+    """Registered, then overwritten with a wider model: the deployer reserved memory for
+    the registered shape, so the agent refuses to load the other model, and the deploy
+    leaves no record, worker or reservation behind."""
+    register(stack, "rewritten-llama", make_checkpoint(stack, "rewritten-llama"))
+    before = reserved_by_device(stack)
+    make_checkpoint(stack, "rewritten-llama", hidden_size=2 * TINY["hidden_size"])
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            deploy(stack, "rewritten-llama")
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (
+            "checkpoint 'rewritten-llama' is no longer the model registered from it: its "
+            f"checkpoint has hidden_size {2 * TINY['hidden_size']}, the model has "
+            f"{TINY['hidden_size']}"
+        ) in refused.value.details()
+        deployments = stack.deployments.ListDeployments(
+            deploy_pb.ListDeploymentsRequest()
+        ).deployments
+        assert [d for d in deployments if d.model_id == "rewritten-llama"] == []
+        assert reserved_by_device(stack) == before
+    finally:
+        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="rewritten-llama"))

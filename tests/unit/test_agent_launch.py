@@ -44,8 +44,8 @@ def _request(**changes) -> agent_pb.StartWorkersRequest:
         engine=agent_pb.ENGINE_KIND_PYTORCH,
     )
     for name, value in changes.items():
-        if name == "config":
-            request.config.CopyFrom(value)
+        if name in ("config", "expected_shape"):
+            getattr(request, name).CopyFrom(value)
         elif name == "workers":
             del request.workers[:]
             request.workers.extend(value)
@@ -496,3 +496,45 @@ def test_the_pytorch_engine_is_named_on_each_ranks_command_line(models_root, fou
     for worker in plan.workers:
         argv = plan.worker_argv(worker, "127.0.0.1", models_root / "r.json")
         assert _flags(argv)["--engine"] == "pytorch" and "--group-devices" not in argv
+
+
+def test_a_checkpoint_rewritten_as_another_model_is_refused(models_root):
+    """The deployer sends the model's registered shape; the checkpoint on this node must
+    still be that model (the memory reserved was for that shape). A config that does not
+    parse, or a request without a shape, is not checked here."""
+    from services.api import model_service_pb2 as model_pb
+    from services.models.checkpoint import create_checkpoint
+
+    create_checkpoint(
+        models_root / "llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2
+    )
+    registered = model_pb.ModelShape(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=json.loads((models_root / "llama" / "config.json").read_text())[
+            "intermediate_size"
+        ],
+        vocab_size=json.loads((models_root / "llama" / "config.json").read_text())["vocab_size"],
+    )
+    _plan(_request(checkpoint_path="llama", expected_shape=registered), models_root)
+    _plan(_request(checkpoint_path="llama"), models_root)
+    wider = model_pb.ModelShape()
+    wider.CopyFrom(registered)
+    wider.hidden_size = 128  # registered wider than the checkpoint is now
+    with pytest.raises(FailedPrecondition) as refused:
+        _plan(_request(checkpoint_path="llama", expected_shape=wider), models_root)
+    assert str(refused.value) == (
+        "checkpoint 'llama' is no longer the model registered from it: its checkpoint has "
+        "hidden_size 64, the model has 128; register it again (as a new model id, or after "
+        "`iserve model delete`)"
+    )
+    fewer_heads = model_pb.ModelShape()
+    fewer_heads.CopyFrom(registered)
+    fewer_heads.num_kv_heads = 1
+    with pytest.raises(FailedPrecondition, match="num_kv_heads 2, more than the model's 1"):
+        _plan(_request(checkpoint_path="llama", expected_shape=fewer_heads), models_root)
+    # "tiny" has a config that describes no model: left to the worker to explain.
+    _plan(_request(expected_shape=wider), models_root)

@@ -1,4 +1,5 @@
 from services.api.iserve.v1 import common_pb2 as _common_pb2
+from services.api.iserve.v1 import model_service_pb2 as _model_service_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -47,7 +48,7 @@ class WorkerSpec(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., device_id: _Optional[str] = ..., stage: _Optional[int] = ..., tensor_rank: _Optional[int] = ..., first_layer: _Optional[int] = ..., layer_count: _Optional[int] = ...) -> None: ...
 
 class StartWorkersRequest(_message.Message):
-    __slots__ = ("request_id", "deployment_id", "checkpoint_path", "config", "workers", "rendezvous_address", "max_seq_len", "engine", "ready_timeout_ms")
+    __slots__ = ("request_id", "deployment_id", "checkpoint_path", "config", "workers", "rendezvous_address", "max_seq_len", "engine", "ready_timeout_ms", "expected_shape")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +58,7 @@ class StartWorkersRequest(_message.Message):
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     READY_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SHAPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     deployment_id: str
     checkpoint_path: str
@@ -66,7 +68,8 @@ class StartWorkersRequest(_message.Message):
     max_seq_len: int
     engine: EngineKind
     ready_timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerSpec, _Mapping]]] = ..., rendezvous_address: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., engine: _Optional[_Union[EngineKind, str]] = ..., ready_timeout_ms: _Optional[int] = ...) -> None: ...
+    expected_shape: _model_service_pb2.ModelShape
+    def __init__(self, request_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerSpec, _Mapping]]] = ..., rendezvous_address: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., engine: _Optional[_Union[EngineKind, str]] = ..., ready_timeout_ms: _Optional[int] = ..., expected_shape: _Optional[_Union[_model_service_pb2.ModelShape, _Mapping]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("deployment_id", "rank", "device_id", "pid", "address", "state", "exit_code", "reason", "resident_bytes")
