@@ -290,10 +290,6 @@ class Backend:
             raise GatewayError.from_rpc(exc) from None
         if reply.deployments:
             return
-        try:
-            check_model_id(model_id)
-        except InvalidArgument as exc:
-            raise GatewayError(400, "invalid_request_error", str(exc), "model") from None
         raise GatewayError(404, "not_found_error", f"model {model_id} has no deployment", "model")
 
     async def chat_template(self, model_id: str, caller: Metadata) -> tuple[str, dict[str, str]]:
@@ -385,6 +381,20 @@ async def _replies(gen: _Generation) -> AsyncIterator[inference_pb.GenerateRespo
             yield reply
     finally:
         gen.call.cancel()  # a no-op once finished; cancels the worker's generation if not
+
+
+def served_model_id(model: str) -> str:
+    """``model`` when it can name an iserve model. A name that cannot (a hub name such as
+    ``meta-llama/Llama-3.1-8B``, capitals) is a model this server does not have: the 404
+    OpenAI gives a model it does not serve, not a 400, so that a client's fallback on an
+    unknown model works; the message says what the ids here look like."""
+    try:
+        check_model_id(model)
+    except InvalidArgument as exc:
+        raise GatewayError(
+            404, "not_found_error", f"model {shown(model)} does not exist here ({exc})", "model"
+        ) from None
+    return model
 
 
 def _generate_request(
@@ -657,12 +667,14 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
 
     @app.post("/v1/completions", responses=_GENERATION_REPLIES)
     async def completions(body: CompletionBody, http: Request):
+        served_model_id(body.model)
         caller = backend.caller(http)
         request = _generate_request(body, body.prompt, body.max_tokens)
         return await _respond(body, request, caller, http, chat=False)
 
     @app.post("/v1/chat/completions", responses=_GENERATION_REPLIES)
     async def chat_completions(body: ChatBody, http: Request):
+        served_model_id(body.model)
         caller = backend.caller(http)
         template, tokens = await backend.chat_template(body.model, caller)
         try:

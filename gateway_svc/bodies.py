@@ -200,14 +200,15 @@ class GenerationBody(BaseModel):
     # GenerateRequest carries max_tokens and deadline_ms as uint32 and the seed as uint64:
     # a larger number is a 400 here, not a failed message build (a 500).
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    # OpenAI's nullable fields: null is the default (clients send None for "not set").
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     # The validators below give the clear messages; the json_schema_extra say the same
     # in the OpenAPI document, so that a request it calls valid is one the gateway takes.
     stop: str | list[str] | None = Field(default=None, json_schema_extra=_STOP_SCHEMA)
-    n: int = Field(default=1, json_schema_extra={"const": 1})
-    stream: bool = False
+    n: int | None = Field(default=1, json_schema_extra={"anyOf": [{"const": 1}, {"type": "null"}]})
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: bool = False
     deadline_ms: int = Field(default=0, ge=0, le=UINT32_MAX)
@@ -265,6 +266,11 @@ class GenerationBody(BaseModel):
     @classmethod
     def _integers(cls, value: Any) -> Any:
         return _integral(value)
+
+    @field_validator("temperature", "top_p", "n", "stream")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @field_validator("n")
     @classmethod

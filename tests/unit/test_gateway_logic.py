@@ -394,14 +394,15 @@ def _backend(
 
 
 @pytest.mark.parametrize(
-    ("model", "status", "says"),
+    ("model", "status", "says", "asked"),
     [
-        ("zz9", 404, "model zz9 has no deployment"),
-        ("Not/An/Id", 400, "invalid model_id 'Not/An/Id'"),
+        ("zz9", 404, "model zz9 has no deployment", [(("authorization", f"Bearer {TOKEN}"),)]),
+        # No iserve id: not served here, asked of no service (OpenAI's 404, not a 400).
+        ("Not/An/Id", 404, "model 'Not/An/Id' does not exist here (invalid model_id", []),
     ],
 )
 def test_a_chat_reads_no_model_record_before_the_caller_sees_a_deployment(
-    tmp_path, model, status, says
+    tmp_path, model, status, says, asked
 ):
     backend = _backend(tmp_path)
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
@@ -413,7 +414,7 @@ def test_a_chat_reads_no_model_record_before_the_caller_sees_a_deployment(
     assert reply.json()["error"]["message"].startswith(says)
     assert reply.json()["error"]["param"] == "model"
     assert backend.models.read == []  # asked with the caller's token only
-    assert backend.deployments.callers == [(("authorization", f"Bearer {TOKEN}"),)]
+    assert backend.deployments.callers == asked
 
 
 def test_a_chat_on_a_deployment_the_caller_sees_reads_the_template(tmp_path):
@@ -503,3 +504,29 @@ def test_metrics_count_requests_by_route_not_by_the_path_sent(tmp_path):
         '{endpoint="/v1/completions",status="405"}',
         '{endpoint="/v1/completions",status="413"}',
     }
+
+
+@pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT])
+@pytest.mark.parametrize("model", ["meta-llama/Llama-3-8B", "Tiny"])
+def test_a_model_name_no_iserve_id_can_be_is_a_404_as_openai_gives(path, body, model):
+    """A hub name or capitals cannot name a model here: OpenAI's 404 for a model it does
+    not serve (clients fall back on it), not a 400."""
+    recorder = _Recorder()
+    backend = _TemplateBackend(DEFAULT_CHAT_TEMPLATE)
+    backend.inference = recorder
+    with TestClient(create_app(lambda: backend)) as client:
+        reply = client.post(path, json={**body, "model": model})
+    assert reply.status_code == 404, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "not_found_error" and error["param"] == "model"
+    assert error["message"].startswith(f"model '{model}' does not exist here (invalid model_id")
+    assert recorder.requests == []
+
+
+@pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT])
+def test_null_for_openais_nullable_fields_is_their_default(path, body):
+    """The openai client sends None as null (temperature=None: "not set")."""
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "seed": None}
+    sent = _sent(path, {**body, **nulls})
+    assert (sent.sampling.temperature, sent.sampling.top_p) == (1.0, 1.0)
+    assert _document_takes(path, {**body, **nulls})
