@@ -8,6 +8,12 @@ registration compiles it too), then:
 - **Its variables.** ``messages``, whose keys with a ``None`` value are dropped and whose
   reasoning is aliased as ``reasoning_content`` and ``thinking``; ``add_generation_prompt``;
   and the tokenizer's named special tokens that are set.
+
+One departure, as vLLM's OpenAI server makes it: a message's text content parts reach a
+template that never loops over a message's content as one string, the parts' texts
+joined by newlines (:func:`loops_over_content`). transformers would hand such a template
+the list, and ``{{ message['content'] }}`` would print the list's Python repr into the
+prompt; OpenAI clients send parts and mean their text.
 - **How the text is encoded.** Without adding special tokens: the template writes its
   own BOS (the scheduler's ``prompt_has_special_tokens``).
 
@@ -26,10 +32,11 @@ reaches past the sandbox) is a fault of the model's checkpoint, not the request'
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateSyntaxError
+from jinja2 import TemplateSyntaxError, nodes
 from jinja2.exceptions import SecurityError
 
 from services.models.chat_template import (
@@ -68,12 +75,54 @@ def read_template(checkpoint_dir: Path) -> tuple[str, dict[str, str]]:
     return template.text, dict(template.special_tokens)
 
 
-def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _reads_content(node: nodes.Node, names: set[str]) -> bool:
+    """Whether ``node`` reads a message's content: ``m['content']``, ``m.content`` (through
+    filters or tests too), or a name set from one of them."""
+    return any(
+        (isinstance(found, nodes.Getitem) and getattr(found.arg, "value", None) == "content")
+        or (isinstance(found, nodes.Getattr) and found.attr == "content")
+        or (isinstance(found, nodes.Name) and found.name in names)
+        for found in (node, *node.find_all((nodes.Getitem, nodes.Getattr, nodes.Name)))
+    )
+
+
+@lru_cache(maxsize=64)
+def loops_over_content(template: str) -> bool:
+    """Whether ``template`` iterates over a message's content (it reads content parts)
+    anywhere, judged from its syntax tree as vLLM judges a template's content format.
+    False for a template that does not parse (rendering it says why)."""
+    try:
+        tree = compile_template(template).environment.parse(template)
+    except (TemplateSyntaxError, SecurityError):
+        return False
+    names: set[str] = set()
+    for assign in tree.find_all(nodes.Assign):
+        if isinstance(assign.target, nodes.Name) and _reads_content(assign.node, names):
+            names.add(assign.target.name)
+    return any(_reads_content(loop.iter, names) for loop in tree.find_all(nodes.For))
+
+
+def _joined_text(content: Any) -> Any:
+    """Text content parts as one string, their texts joined by newlines (as vLLM joins
+    them for templates that read content as a string); other content as it is."""
+    if isinstance(content, list) and all(
+        isinstance(part, Mapping) and isinstance(part.get("text"), str) for part in content
+    ):
+        return "\n".join(part["text"] for part in content)
+    return content
+
+
+def template_messages(
+    messages: Sequence[Mapping[str, Any]], *, join_text_parts: bool = False
+) -> list[dict[str, Any]]:
     """``messages`` as transformers hands them to a template: keys with a ``None`` value
-    dropped, reasoning under ``reasoning_content`` and ``thinking`` too."""
+    dropped, reasoning under ``reasoning_content`` and ``thinking`` too; with
+    ``join_text_parts``, text content parts as one string."""
     prepared = []
     for message in messages:
         message = {key: value for key, value in message.items() if value is not None}
+        if join_text_parts and "content" in message:
+            message["content"] = _joined_text(message["content"])
         reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -91,7 +140,7 @@ def render(
     BrokenChatTemplate when it fails of itself."""
     try:
         return compile_template(template).render(
-            messages=template_messages(messages),
+            messages=template_messages(messages, join_text_parts=not loops_over_content(template)),
             add_generation_prompt=add_generation_prompt,
             **special_tokens,
         )

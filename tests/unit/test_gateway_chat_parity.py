@@ -68,6 +68,27 @@ def _save(directory: Path, template, *, jinja_files: bool = True) -> Path:
     return directory
 
 
+def _text_parts_joined(messages: list[dict]) -> list[dict]:
+    return [
+        {**m, "content": "\n".join(p["text"] for p in m["content"])}
+        if isinstance(m.get("content"), list)
+        else m
+        for m in messages
+    ]
+
+
+def test_text_parts_reach_a_template_that_reads_content_as_a_string_as_their_text():
+    """OpenAI clients send parts and mean their text: a template that prints
+    message['content'] must not print the list's repr into the prompt."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "again"}]}]
+    plain = [{"role": "user", "content": "again"}]
+    for case in ("helpers", "tojson"):
+        assert render(CASES[case], parts, {}) == render(CASES[case], plain, {})
+        assert "'type'" not in render(CASES[case], parts, {})
+    looped = render(CASES["parts"], MESSAGES[1:2], {})
+    assert looped == "<|user|>The river runs<|assistant|>"  # the template joins them itself
+
+
 def _messages(case: str) -> list[dict]:
     if case in ("bos", "generation"):  # templates that read content as a string
         return [
@@ -86,16 +107,15 @@ def test_rendered_text_and_ids_equal_transformers(tmp_path, case, jinja_files):
     reference = transformers.AutoTokenizer.from_pretrained(str(directory))
     messages = _messages(case)
 
-    expected_text = reference.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
+    # Only "parts" loops over content; the others get text parts as one string, joined
+    # by newlines, as vLLM gives them (gateway_svc.chat): transformers is handed the same.
+    given = messages if case == "parts" else _text_parts_joined(messages)
+    expected_text = reference.apply_chat_template(given, tokenize=False, add_generation_prompt=True)
     template, tokens = read_template(directory)
     text = render(template, messages, tokens)
     assert text == expected_text
 
-    expected_ids = reference.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=True
-    )
+    expected_ids = reference.apply_chat_template(given, tokenize=True, add_generation_prompt=True)
     if isinstance(expected_ids, dict) or hasattr(expected_ids, "keys"):
         expected_ids = expected_ids["input_ids"]
     file_tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
