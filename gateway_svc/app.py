@@ -163,33 +163,6 @@ class GatewayError(Exception):
 
 
 # ---- stop strings ---------------------------------------------------------------------
-class StopScanner:
-    """Cuts the stream at the first stop string; text that could still begin one is held
-    back until the next delta shows whether it does."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.held = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> str:
-        if not self.stops:
-            return text
-        self.held += text
-        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.held, self.stopped = self.held[:cut], "", True
-            return out
-        keep = max(len(s) for s in self.stops) - 1
-        out = self.held[: max(0, len(self.held) - keep)]
-        self.held = self.held[len(out) :]
-        return out
-
-    def flush(self) -> str:
-        out, self.held = self.held, ""
-        return out
-
-
 # ---- the backend ----------------------------------------------------------------------
 # gRPC metadata: the caller's ``authorization`` entry, or none.
 Metadata = tuple[tuple[str, str], ...]
@@ -406,6 +379,9 @@ def _generate_request(
         top_k=body.top_k,
         top_p=body.top_p,
         stop_token_ids=body.stop_token_ids or [],
+        # The worker ends the generation at them (services.stop_strings): a finished
+        # generation, not a call the gateway cancels.
+        stop=body.stop_strings(),
         ignore_eos=body.ignore_eos,
     )
     if body.seed is not None:
@@ -713,17 +689,16 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
     return app
 
 
-def _finish_reason(scanner: StopScanner, final: inference_pb.GenerateFinal | None) -> str:
-    """OpenAI's finish_reason: "stop" for a stop string (or no final message), else the
-    generation's own."""
-    if scanner.stopped or final is None:
+def _finish_reason(final: inference_pb.GenerateFinal | None) -> str:
+    """OpenAI's finish_reason: the generation's own ("stop" for a stop string too)."""
+    if final is None:
         return "stop"
     return _FINISH.get(final.finish_reason, "stop")
 
 
 class _Count:
-    """Tokens seen in the deltas, for the usage of a generation cut short by a stop
-    string (no final message arrives once it is cancelled)."""
+    """Tokens seen in the deltas, for the usage of a generation that sent no final
+    message."""
 
     def __init__(self) -> None:
         self.prompt = self.completion = 0
@@ -744,23 +719,17 @@ def _usage(final: inference_pb.GenerateFinal | None, seen: _Count) -> dict[str, 
 
 
 async def _complete(gen: _Generation, body: GenerationBody, ident: str, created: int, chat: bool):
-    scanner = StopScanner(body.stop_strings())
     text, final, seen = [], None, _Count()
     try:
         async for reply in _replies(gen):
             if reply.HasField("delta"):
                 seen.add(reply.delta)
-                text.append(scanner.feed(reply.delta.text))
-                if scanner.stopped:
-                    gen.call.cancel()  # the rest of the generation is not wanted
-                    break
+                text.append(reply.delta.text)
             elif reply.HasField("final"):
                 final = reply.final
     except grpc.aio.AioRpcError as exc:
         raise GatewayError.from_rpc(exc) from None
-    if not scanner.stopped:
-        text.append(scanner.flush())
-    reason = _finish_reason(scanner, final)
+    reason = _finish_reason(final)
     content = "".join(text)
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
     if chat:
@@ -801,7 +770,6 @@ async def _stream(
             }
         )
 
-    scanner = StopScanner(body.stop_strings())
     final, seen = None, _Count()
     if chat:
         yield chunk("", None, role=True)
@@ -809,12 +777,8 @@ async def _stream(
         async for reply in _replies(gen):
             if reply.HasField("delta"):
                 seen.add(reply.delta)
-                text = scanner.feed(reply.delta.text)
-                if text:
-                    yield chunk(text, None)
-                if scanner.stopped:
-                    gen.call.cancel()
-                    break
+                if reply.delta.text:
+                    yield chunk(reply.delta.text, None)
             elif reply.HasField("final"):
                 final = reply.final
     except grpc.aio.AioRpcError as exc:
@@ -824,11 +788,7 @@ async def _stream(
         )
         yield "[DONE]"
         return
-    if not scanner.stopped:
-        rest = scanner.flush()
-        if rest:
-            yield chunk(rest, None)
-    reason = _finish_reason(scanner, final)
+    reason = _finish_reason(final)
     yield chunk(None if chat else "", reason)
     if usage_too:
         yield json.dumps(

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from services.proto_limits import UINT32_MAX, UINT64_MAX
+from services.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # Strict: a field takes its own JSON type only. pydantic's lax mode would take "5" and
 # true as max_tokens 5 and 1, "yes" as stream true, "0.5" as a temperature: what the
@@ -39,13 +40,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-_MAX_STOPS = 4
+_MAX_STOPS = MAX_STOP_STRINGS
 # OpenAI's default max_tokens of /v1/completions.
 COMPLETION_MAX_TOKENS = 16
 _STOP_SCHEMA = {
     "anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": _MAX_STOPS},
+        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+        {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+            "maxItems": _MAX_STOPS,
+        },
         {"type": "null"},
     ]
 }
@@ -323,8 +328,10 @@ class GenerationBody(BaseModel):
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else (stop or [])
-        if len(stops) > _MAX_STOPS or any(not s for s in stops):
-            raise ValueError(f"stop takes up to {_MAX_STOPS} non-empty strings")
+        if len(stops) > _MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(
+                f"stop takes up to {_MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters"
+            )
         return stop
 
     def stop_strings(self) -> list[str]:

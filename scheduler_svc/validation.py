@@ -8,6 +8,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
 from services.errors import InvalidArgument
 from services.ids import check_request_id
+from services.stop_strings import check_stop_strings
 from services.token_limits import DEFAULT_MAX_OUTPUT_TOKENS, sequence_length
 
 
@@ -29,6 +30,10 @@ def check_request(request: inference_pb.GenerateRequest) -> None:
             )
         if not 0 <= sampling.top_p <= 1:
             raise InvalidArgument(f"sampling.top_p must be within [0, 1], got {sampling.top_p}")
+        try:
+            check_stop_strings(tuple(sampling.stop))
+        except ValueError as exc:
+            raise InvalidArgument(f"sampling.stop: {exc}") from None
 
 
 def resolve_max_tokens(

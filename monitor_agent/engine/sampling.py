@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.stop_strings import check_stop_strings
+
 # A temperature below this samples as greedy: dividing float32 logits by a temperature
 # near 1e-38 overflows them to infinity, and the NaN probabilities that follow fail the
 # whole batch's step. vLLM draws the same line (its _SAMPLING_EPS).
@@ -27,6 +29,8 @@ class SamplingConfig:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Text that ends the generation (services.stop_strings).
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -35,6 +39,7 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_stop_strings(self.stop_strings)
 
     @property
     def greedy(self) -> bool:

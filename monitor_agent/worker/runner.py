@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from monitor_agent.engine.batching import GenerationRequest, SequenceHandle, SequenceState
 from monitor_agent.engine.engine import Engine, SamplingConfig, StepOutput
+from services.stop_strings import StopScanner
 
 log = logging.getLogger("iserve.worker")
 
@@ -119,6 +120,8 @@ class _Job:
     queue: asyncio.Queue[StepOutput | _Finished]
     stop: threading.Event
     clock: RequestClock
+    # Its stop strings' scanner (engine thread only); None without stop strings.
+    stops: StopScanner | None = None
 
 
 class EngineRunner:
@@ -234,6 +237,8 @@ class EngineRunner:
             if job.stop.is_set():
                 self._release(job, _DONE)
                 continue
+            if job.request.sampling.stop_strings:
+                job.stops = StopScanner(job.request.sampling.stop_strings)
             self._jobs[self._core.submit(job.request)] = job
 
     def _drop_stopped(self) -> None:
@@ -256,19 +261,38 @@ class EngineRunner:
         self.busy.record(started, time.perf_counter())
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[Callable, object]]] = {}
         for handle, output in outputs:
-            job = self._jobs[handle]
+            job = self._jobs.get(handle)
+            if job is None:
+                continue  # a stop string ended it earlier in this step's outputs
             if job.clock.admitted is None:
                 job.clock.admitted = handle.admitted_at
+            if job.stops is not None:
+                output = self._cut_at_stop(handle, job.stops, output)
             batch = deliveries.setdefault(job.loop, [])
             batch.append((job.queue.put_nowait, output))
+            self.tokens_generated += 1
             if output.finished:
                 del self._jobs[handle]
                 batch.append((job.queue.put_nowait, _DONE))
                 self.requests_served += 1
-        self.tokens_generated += len(outputs)
         for loop, batch in deliveries.items():
             with contextlib.suppress(RuntimeError):  # the loop closed under us: nobody listens
                 loop.call_soon_threadsafe(_deliver, batch)
+
+    def _cut_at_stop(
+        self, handle: SequenceHandle, stops: StopScanner, output: StepOutput
+    ) -> StepOutput:
+        """``output`` with its text cut at the request's first stop string, which ends the
+        generation (finish reason "stop"; the core lets go of it now, freeing its slot);
+        text that could still begin one is held back until the next token, or the end."""
+        text = stops.feed(output.text)
+        if stops.stopped:
+            if not output.finished:
+                self._core.cancel(handle)
+            return StepOutput(output.token_id, text, True, "stop")
+        if output.finished:
+            text += stops.flush()
+        return StepOutput(output.token_id, text, output.finished, output.finish_reason)
 
     def _fail_admitted(self, error: BaseException) -> None:
         """After a failed step, end every request that had a slot; queued ones stay."""

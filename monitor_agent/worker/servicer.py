@@ -52,6 +52,7 @@ def sampling_config(params: common.SamplingParams) -> SamplingConfig:
             seed=int(params.seed) if params.HasField("seed") else None,
             stop_token_ids=tuple(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
+            stop_strings=tuple(params.stop),
         )
     except ValueError as exc:
         raise InvalidArgument(f"sampling: {exc}") from exc

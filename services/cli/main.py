@@ -467,7 +467,11 @@ def cmd_generate(settings: Settings, args) -> int:
         else {"model_id": args.target}
     )
     sampling = common.SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, ignore_eos=args.ignore_eos
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        ignore_eos=args.ignore_eos,
+        stop=args.stop or [],
     )
     if args.seed is not None:
         sampling.seed = args.seed
@@ -722,6 +726,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=whole_number(0, UINT64_MAX), help="makes sampling repeatable")
     p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end the text before TEXT (repeat for up to 4)",
+    )
     p.add_argument("--priority", action="store_true", help="go to the front of the queue")
     p.add_argument(
         "--deadline-ms",

@@ -154,8 +154,7 @@ def test_a_stop_string_ends_the_text_before_it(client):
     )
     assert cut.choices[0].text == text[: text.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    # Usage counts what ran before the stop (the generation is cancelled there, so no
-    # final message brings it: it was all zeros).
+    # Usage counts what ran up to the stop (the worker ends the generation there).
     assert cut.usage.prompt_tokens == whole.usage.prompt_tokens > 0
     assert 1 <= cut.usage.completion_tokens < whole.usage.completion_tokens
     assert cut.usage.total_tokens == cut.usage.prompt_tokens + cut.usage.completion_tokens

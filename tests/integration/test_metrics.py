@@ -104,6 +104,43 @@ def test_scheduler_metrics_count_exactly_what_was_sent(stack, served):
     assert value(after, "process_resident_memory_bytes") > 0
 
 
+def test_a_stop_string_ends_a_generation_that_counts_as_a_success(stack, served):
+    """The worker ends the generation at the stop string: a finished request
+    (finished_reason "stop"), not a call cancelled and counted as a failure, as when the
+    gateway applied stop strings by hanging up."""
+    address = stack.settings.metrics_address("scheduler")
+    ids = {"model_id": served.model_id, "deployment_id": served.deployment_id}
+    run = {
+        "deployment_id": served.deployment_id,
+        "prompt": "The river runs past the old mill",
+        "max_tokens": 16,
+    }
+    deltas, whole = generate(stack, **run, sampling=GREEDY_NO_EOS)
+    text = "".join(d.text for d in deltas)
+    # Two characters of its second half whose first occurrence is not at the start.
+    middle = range(len(text) // 2, len(text) - 1)
+    stop = next((text[k : k + 2] for k in middle if text.find(text[k : k + 2]) > 0), "")
+    if not stop:
+        pytest.skip(f"the random model's greedy text has nothing to cut at: {text!r}")
+    before = scrape(address)
+    sampling = common.SamplingParams(ignore_eos=True, stop=[stop])
+    deltas, final = generate(stack, **run, sampling=sampling)
+    after = scrape(address)
+    assert "".join(d.text for d in deltas) == text[: text.find(stop)]
+    assert final.finish_reason == common.FINISH_REASON_STOP
+    assert 1 <= final.usage.completion_tokens < whole.usage.completion_tokens
+
+    def moved(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("iserve_request_success_total", **ids, finished_reason="stop") == 1
+    assert moved("iserve_request_failure_total", **ids, code="CANCELLED") == 0
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(stack, **run, sampling=common.SamplingParams(stop=["a", "b", "c", "d", "e"]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.stop: at most 4 stop strings, got 5" in refused.value.details()
+
+
 def test_slo_attainment_is_counted_per_deployment(stack, served):
     """A request's own deadline is an objective: a generous one is attained."""
     address = stack.settings.metrics_address("scheduler")
