@@ -178,7 +178,7 @@ _DECLINED_CHAT: _Declined = {
 _DECLINED_COMPLETION: _Declined = {
     "echo": (lambda v: v is False, [{"const": False}], "echo is"),
     "suffix": (lambda v: v == "", [{"type": "string", "maxLength": 0}], "suffixes are"),
-    "best_of": (lambda v: _is_number(v, 1), [{"const": 1}], "best_of above 1 is"),
+    "best_of": (lambda v: _is_number(v, 1), [{"const": 1}], "best_of other than 1 is"),
 }
 
 

@@ -322,7 +322,7 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, 400, "invalid_request_error", "modalities"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "invalid_request_error", "echo is not supported"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "end"}, 400, "invalid_request_error", "suffixes are not supported"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "invalid_request_error", "best_of above 1"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "invalid_request_error", "best_of other than 1"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 1.1}, 400, "invalid_request_error", "repetition_penalty: repetition penalties are not supported"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "guided_json": {"type": "object"}}, 400, "invalid_request_error", "guided_json: guided decoding is not supported"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "skip_special_tokens": False}, 400, "invalid_request_error", "skip_special_tokens: special tokens in the output"),
