@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from services.grpc_server import Drain, ServiceBinding, configure_logging, run_server
 from services.metrics import RpcMetrics, new_registry, serve_metrics
 from services.security import metrics_guard, server_security
-from services.settings import METRICS_ENV, Settings, load_settings
+from services.settings import METRICS_ENV, Settings, load_settings, redacted_url
 from services.state.store import StateStore
 
 
@@ -61,7 +61,8 @@ async def connect_store(settings: Settings) -> StateStore:
         except Exception as exc:  # noqa: BLE001 - any failure means "not reachable yet"
             if loop.time() >= deadline:
                 await store.close()
-                fail(f"cannot reach Redis at {settings.redis_url}: {exc}")
+                # Never the password: this lands in the service's log and terminal.
+                fail(f"cannot reach Redis at {redacted_url(settings.redis_url)}: {exc}")
         await asyncio.sleep(0.1)
 
 

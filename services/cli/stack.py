@@ -126,6 +126,12 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         raise RuntimeError(
             f"a stack is already running from {settings.state_dir} (see `iserve status`, or `iserve down`)"
         )
+    recorded = read_stack_file(settings.state_dir)
+    if recorded.get("embedded_redis") and settings.redis_url == recorded.get("redis_url"):
+        # The Redis a stack that is no longer running embedded (it was killed, or the
+        # machine restarted without `iserve down`): gone with it, so started again on
+        # its data, not taken for a Redis of the operator's.
+        settings = replace(settings, redis_url=None)
     busy = [
         f"{name} {addr}"
         for name, addr in [
@@ -157,7 +163,7 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         redis_proc, redis_url = start_redis(settings.state_dir / "redis")
         stack["pids"]["redis"] = redis_proc.pid
         stack["embedded_redis"] = True
-        log(f"started embedded redis-server at {redis_url}")
+        log(f"started embedded redis-server at {redacted_url(redis_url)}")
     stack["redis_url"] = redis_url
     if settings.auth:
         for path in write_stack_tokens(settings):

@@ -114,3 +114,53 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_up_after_the_stack_was_killed_starts_its_embedded_redis_again(tmp_path):
+    """Every process of the stack killed (a crash, a reboot without `iserve down`):
+    stack.json still names the embedded Redis, which is gone. `up` starts it again on
+    its data instead of taking it for the operator's Redis and failing, and no message
+    shows Redis's password."""
+    import json
+    import signal
+
+    state = tmp_path / "state"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
+        "ISERVE_STATE_DIR": str(state),
+        "ISERVE_DEVICES": "1",
+        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+        **{var: f"127.0.0.1:{free_port()}" for var in METRICS_ENV.values()},
+        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
+    }
+    env.pop("REDIS_URL", None)
+    password = None
+    try:
+        first = run_cli(env, "up", "--detach")
+        assert first.returncode == 0, first.stderr
+        pids = json.loads((state / "stack.json").read_text())["pids"]
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: all(not _running(p) for p in pids.values()), timeout=30)
+        again = run_cli(env, "up", "--detach")
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "started embedded redis-server" in again.stdout, again.stdout
+        password = (state / "redis" / "password").read_text().strip()
+        assert password not in again.stdout + again.stderr
+        assert run_cli(env, "status").returncode == 0
+    finally:
+        down = run_cli(env, "down")
+    assert down.returncode == 0, down.stderr
+    logs = "".join(p.read_text(errors="replace") for p in (state / "logs").glob("*.log"))
+    assert password is not None and password not in logs
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
