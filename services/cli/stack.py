@@ -148,6 +148,7 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         )
     logs = settings.state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    logs.chmod(0o700)  # the services' logs are the operator's to read, no one else's
     settings.models_root.mkdir(parents=True, exist_ok=True)
     stack: dict = {
         "state_dir": str(settings.state_dir),

@@ -148,6 +148,7 @@ def test_up_after_the_stack_was_killed_starts_its_embedded_redis_again(tmp_path)
         password = (state / "redis" / "password").read_text().strip()
         assert password not in again.stdout + again.stderr
         assert run_cli(env, "status").returncode == 0
+        assert (state / "logs").stat().st_mode & 0o077 == 0  # the operator's alone
     finally:
         down = run_cli(env, "down")
     assert down.returncode == 0, down.stderr
