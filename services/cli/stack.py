@@ -208,12 +208,28 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
 
 
 def _serving(deployment: deploy_pb.Deployment) -> bool:
-    """READY, and every replica's worker answers: a record from before a stop names
-    workers that are gone until the deployer has restarted them."""
-    addresses = [r.worker_address for r in deployment.replicas] or [deployment.worker_address]
-    return deployment.state == deploy_pb.DEPLOYMENT_STATE_READY and all(
-        a and check(a, timeout_s=0.5) for a in addresses
+    """READY, and the worker of every replica not taken out for good answers: a record
+    from before a stop names workers that are gone until the deployer has restarted
+    them. A replica the deployer gave up on (FAILED) is not waited for."""
+    kept = [r for r in replicas.replicas_of(deployment) if r.state != replicas.FAILED]
+    return (
+        deployment.state == deploy_pb.DEPLOYMENT_STATE_READY
+        and bool(kept)
+        and all(
+            r.state == replicas.READY and r.worker_address and check(r.worker_address, 0.5)
+            for r in kept
+        )
     )
+
+
+def _replicas_out(deployment: deploy_pb.Deployment) -> str:
+    """ " (replica N out: reason; …)" for the replicas the deployer gave up on, else ""."""
+    out = [
+        f"replica {r.index} out: {replicas.reason_summary(r.state_reason)}"
+        for r in deployment.replicas
+        if r.state == replicas.FAILED
+    ]
+    return f" ({'; '.join(out)})" if out else ""
 
 
 def wait_for_restored(
@@ -255,7 +271,10 @@ def wait_for_restored(
                 continue
             waiting.remove(deployment_id)
             if serving:
-                log(f"deployment {deployment_id} restored ({time.monotonic() - started:.1f} s)")
+                log(
+                    f"deployment {deployment_id} restored ({time.monotonic() - started:.1f} s)"
+                    + _replicas_out(deployment)
+                )
                 continue
             failed.append(deployment_id)
             if deployment is None:
