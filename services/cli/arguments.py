@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from services.proto_limits import UINT32_MAX
 
-__all__ = ["add_token_limits", "device_memory_gib", "positive_number", "whole_number"]
+__all__ = [
+    "add_token_limits",
+    "device_memory_gib",
+    "positive_number",
+    "usage_error",
+    "watch_seconds",
+    "whole_number",
+]
 
 # A device's memory in GiB: from 1 MiB (less rounds to nothing) to 1 PiB (a uint64 of
 # bytes holds 16 EiB; no device comes near it).
@@ -37,6 +46,31 @@ def whole_number(minimum: int = 1, maximum: int = UINT32_MAX) -> Callable[[str],
         return value
 
     return parse
+
+
+# The longest refresh period of `iserve status --watch`: a day.
+MAX_WATCH_SECONDS = 86400.0
+
+
+def usage_error(message: str) -> NoReturn:
+    """A usage error found after parsing (options that do not go together), reported as
+    argparse reports its own: ``error: message`` on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def watch_seconds(text: str) -> float:
+    """An argparse ``type``: a refresh period, a finite number of seconds above 0 and at
+    most a day (``sleep`` takes no negative, NaN or infinite time)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_WATCH_SECONDS):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds above 0 and at most {MAX_WATCH_SECONDS:g}, got {text!r}"
+        )
+    return value
 
 
 def positive_number(text: str) -> float:

@@ -13,7 +13,7 @@ import sys
 from services import replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
-from services.cli.arguments import whole_number
+from services.cli.arguments import usage_error, whole_number
 
 PRECISIONS = {
     "float32": common.PRECISION_FLOAT32,
@@ -72,7 +72,7 @@ def request_target(args) -> dict:
         if given
     ]
     if explicit and intent_flags:
-        raise SystemExit(
+        usage_error(
             f"iserve deploy: {', '.join(explicit)} and {', '.join(intent_flags)} do not mix; "
             "give an explicit configuration or an intent"
         )
@@ -90,9 +90,9 @@ def request_target(args) -> dict:
         }
     kind = INTENTS[args.intent or "min-cost"]
     if kind == common.INTENT_KIND_LATENCY_SLO and not args.slo_ms:
-        raise SystemExit("iserve deploy: --intent latency-slo needs --slo-ms")
+        usage_error("iserve deploy: --intent latency-slo needs --slo-ms")
     if kind == common.INTENT_KIND_COST_SLO and not args.budget:
-        raise SystemExit("iserve deploy: --intent cost-slo needs --budget")
+        usage_error("iserve deploy: --intent cost-slo needs --budget")
     intent = common.Intent(
         kind=kind,
         cost_formula=COST_FORMULAS.get(args.cost, 0),

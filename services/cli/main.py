@@ -50,6 +50,7 @@ from services.cli.arguments import (
     add_token_limits,
     device_memory_gib,
     positive_number,
+    watch_seconds,
     whole_number,
 )
 from services.cli.status import collect_status, print_status, status_header, status_tables
@@ -583,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument(
         "--watch",
-        type=float,
+        type=watch_seconds,
         nargs="?",
         const=2.0,
         default=0.0,

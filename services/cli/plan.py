@@ -16,7 +16,6 @@ import json
 import sys
 import uuid
 from pathlib import Path
-from typing import NoReturn
 
 import grpc
 
@@ -31,7 +30,12 @@ from services.api import (
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli import deploying
-from services.cli.arguments import add_token_limits, device_memory_gib, whole_number
+from services.cli.arguments import (
+    add_token_limits,
+    device_memory_gib,
+    usage_error,
+    whole_number,
+)
 from services.cli.output import show_tables
 from services.settings import Settings
 from services.simulation import MAX_SIMULATED_DEVICES, simulated_devices
@@ -226,21 +230,15 @@ def write_png(path: Path, title: str, estimates, rows: list[dict], fits) -> None
     plt.close(fig)
 
 
-def _usage_error(message: str) -> NoReturn:
-    """A usage error, as argparse reports one: the message on stderr, exit status 2."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def cmd_plan(settings: Settings, args) -> int:
     if args.hardware and not args.devices:
-        _usage_error("--hardware needs --devices N (how many simulated devices)")
+        usage_error("--hardware needs --devices N (how many simulated devices)")
     if args.devices and not args.hardware:
-        _usage_error("--devices N counts simulated devices: give --hardware too")
+        usage_error("--devices N counts simulated devices: give --hardware too")
     if args.device_memory is not None and not args.hardware:
-        _usage_error("--device-memory describes simulated devices: give --hardware too")
+        usage_error("--device-memory describes simulated devices: give --hardware too")
     if args.hardware and args.device_memory is None:
-        _usage_error("--hardware needs --device-memory GIB (each simulated device's memory)")
+        usage_error("--hardware needs --device-memory GIB (each simulated device's memory)")
     rows = plan_intents(settings, args)
     limits = token_limits_of(settings, args)
     where = (

@@ -69,6 +69,10 @@ def test_a_positive_number_is_finite_and_above_zero(text):
         (["plan", "m", "--hardware", "h", "--devices", "4097"], "--devices"),
         (["up", "--devices", "0"], "--devices"),
         (["model", "create", "x", "--layers", "0", "--out", "d"], "--layers"),
+        # A refresh period sleep can take: not negative, NaN, infinite (a traceback).
+        (["status", "--watch", "-1"], "--watch"),
+        (["status", "--watch", "nan"], "--watch"),
+        (["status", "--watch", "inf"], "--watch"),
     ],
 )
 def test_the_parser_names_the_option_and_exits_2(argv, option, capsys):
@@ -112,3 +116,23 @@ def test_every_precision_the_engines_serve_can_be_asked_for(dtype, precision):
 
     args = build_parser().parse_args(["deploy", "m", "--dtype", dtype])
     assert request_target(args)["config"].dtype == getattr(common, precision)
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["deploy", "m", "--intent", "latency-slo"], "--intent latency-slo needs --slo-ms"),
+        (["deploy", "m", "--intent", "cost-slo"], "--intent cost-slo needs --budget"),
+        (["deploy", "m", "--tp", "1", "--intent", "min-cost"], "--tp and --intent do not mix"),
+    ],
+)
+def test_options_that_do_not_go_together_are_usage_errors(argv, says, capsys):
+    """Exit 2 with "error: …", as argparse's own refusals (exit 1 without the prefix
+    before), and nothing sent."""
+    from services.cli import deploying
+
+    with pytest.raises(SystemExit) as exit_info:
+        deploying.request_target(build_parser().parse_args(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: iserve deploy: ") and says in err
