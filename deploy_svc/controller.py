@@ -366,6 +366,14 @@ class DeploymentController:
                         f"{existing.deployment_id}, which",
                         existing.owner,
                     )
+                    if existing.model_id != request.model_id:
+                        # A repeat is the same request; this one names another model.
+                        raise FailedPrecondition(
+                            f"request_id {request.request_id!r} was used by a Deploy of "
+                            f"model {existing.model_id} (deployment "
+                            f"{existing.deployment_id}); give this Deploy of "
+                            f"{request.model_id} a request id of its own"
+                        )
                     return deploy_pb.DeployResponse(
                         request_id=request.request_id, deployment=existing
                     )

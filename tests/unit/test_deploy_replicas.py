@@ -20,7 +20,7 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
-from services.errors import InvalidArgument, IServeError, ResourceExhausted
+from services.errors import FailedPrecondition, InvalidArgument, IServeError, ResourceExhausted
 from services.reservation import memory_blocks
 
 GIB = 1 << 30
@@ -243,7 +243,8 @@ async def nothing_left(store) -> bool:
 
 def deploy_request(replicas: int, **fields) -> deploy_pb.DeployRequest:
     fields.setdefault("config", EXPLICIT)
-    return deploy_pb.DeployRequest(model_id="m", replicas=replicas, **fields)
+    fields.setdefault("model_id", "m")
+    return deploy_pb.DeployRequest(replicas=replicas, **fields)
 
 
 def test_two_replicas_start_on_two_devices_and_remove_stops_both(run):
@@ -534,6 +535,34 @@ def test_a_remove_while_the_workers_start_aborts_the_deploy_and_its_repeat(run, 
         again = (await controller.deploy(request)).deployment
         assert again.deployment_id != deployment.deployment_id and again.state == READY
         await controller.remove(again.deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_request_id_reused_for_another_model_is_refused_not_answered(run):
+    """A repeat of a Deploy answers what the first made; a Deploy of another model with
+    the same request id is no repeat: refused, the first deployment untouched (before,
+    it was handed back as if it were this model's)."""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        other = model()
+        other.model_id = "m2"
+        await store.create_model(other)
+        first = (await controller.deploy(deploy_request(1, request_id="rid-1"))).deployment
+        again = (await controller.deploy(deploy_request(1, request_id="rid-1"))).deployment
+        assert again.deployment_id == first.deployment_id
+        with pytest.raises(FailedPrecondition) as refused:
+            await controller.deploy(deploy_request(1, request_id="rid-1", model_id="m2"))
+        assert str(refused.value) == (
+            f"request_id 'rid-1' was used by a Deploy of model m (deployment "
+            f"{first.deployment_id}); give this Deploy of m2 a request id of its own"
+        )
+        assert agent.started == [first.deployment_id]
+        assert [d.deployment_id for d in await store.list_deployments()] == [first.deployment_id]
+        await controller.remove(first.deployment_id)
         assert await nothing_left(store)
 
     run(scenario)
