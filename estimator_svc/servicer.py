@@ -51,7 +51,10 @@ class EstimatorServicer(estimator_service_pb2_grpc.EstimatorServiceServicer):
             ranked=ranked_messages(
                 result.estimates, result.workload, ranked, result.communication_unprofiled
             ),
-            note=ranked.note,
+            # The ranking's fallbacks, then what the estimates stand on (a prompt length
+            # or batch beyond those profiled, a layout never profiled), as
+            # EstimateConfigs gives them: a plan or deploy shows them too.
+            note="; ".join(n for n in (ranked.note, *result.notes) if n),
         )
 
     async def GetCalibration(self, request, context):

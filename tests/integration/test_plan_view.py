@@ -37,6 +37,16 @@ def test_plan_shows_each_intents_choice_and_draws_the_front(stack, imported, tmp
     assert all(row["devices"] == row["tp"] * row["pp"] for row in chosen.values())
 
 
+def test_plan_says_what_estimates_beyond_the_profiled_workload_stand_on(stack, imported):
+    """A batch and a prompt beyond those profiled: the plan prints the estimator's notes,
+    as `iserve estimate` does (before, only the ranking's own note reached it)."""
+    out = cli(stack, "plan", "llama-2-70b", *ARGS, "--batch", "64", "--max-input", "3000")
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stdout.splitlines() if line.startswith("note: ")]
+    assert any("batch 64 is extrapolated linearly" in n for n in notes), out.stdout
+    assert any("a 3000-token prompt is outside the prompt lengths profiled" in n for n in notes)
+
+
 def test_plan_refuses_half_described_simulations_and_unknown_models(stack, imported):
     out = cli(stack, "plan", "llama-2-70b", "--hardware", A6000, "--devices", "8")
     assert out.returncode == 2 and "--device-memory" in out.stderr
