@@ -206,7 +206,7 @@ class Healer:
                     return "restart failed " + "; ".join(failed)
                 return "could not reserve memory to start it again: " + "; ".join(refused)
             record = await self.record_of(deployment_id) or healing.RestartRecord()
-            note = healing.served_again_note(record)
+            note = healing.served_again_note(record, replica.state_reason)
             replicas.back_in(deployment, index, chosen, address, note)
             await self.store.put_deployment(deployment)
             await self.store.publish_event(

@@ -67,6 +67,10 @@ class RestartRecord:
         return cls(**json.loads(text))
 
 
+# The STARTING note of a replica started again after a stop on purpose.
+RESTORING = "starting again: "
+
+
 @dataclass(frozen=True)
 class Restart:
     """Start the replica again after ``delay_s``; ``record`` is to be stored. A
@@ -79,7 +83,7 @@ class Restart:
     @property
     def note(self) -> str:
         if self.restore:
-            return f"starting again: {self.restore}"
+            return f"{RESTORING}{self.restore}"
         return (
             f"restart {self.record.in_a_row} in {self.delay_s:g} s after: {self.record.last_error}"
         )
@@ -119,10 +123,11 @@ def restore(record: RestartRecord | None, why: str) -> Restart:
     return Restart(0.0, record or RestartRecord(), restore=why)
 
 
-def served_again_note(record: RestartRecord) -> str:
-    """The state reason of a deployment serving again after a restart (or a restore of
-    one that never failed)."""
-    if not record.total:
+def served_again_note(record: RestartRecord, restoring_note: str = "") -> str:
+    """The state reason of a replica serving again after a restart, or after a restore
+    (its STARTING note ``restoring_note`` says which): a restore names no failure, which
+    would be another replica's, or one from before the stop."""
+    if not record.total or restoring_note.startswith(RESTORING):
         return "serves again after a stop of the stack"
     return f"restarted {record.total} time(s); last error: {record.last_error}"
 

@@ -87,6 +87,9 @@ def test_a_restore_spends_no_budget_and_says_why():
     assert restore(None, "x").record == RestartRecord()
     assert served_again_note(RestartRecord()) == "serves again after a stop of the stack"
     assert served_again_note(spent) == "restarted 4 time(s); last error: old"
+    # A restore names no failure: the record's last error was another replica's, or
+    # from before the stop.
+    assert served_again_note(spent, step.note) == "serves again after a stop of the stack"
 
 
 def test_a_record_round_trips_through_json():
@@ -209,6 +212,10 @@ def test_planned_losses_restore_at_once_however_many_and_spend_no_budget(run):
         # A real failure after them still counts from zero.
         assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
         assert (await settle(store, deployment_id)).state_reason.startswith("restarted 1 time")
+        # A stop after that failure: the restore names no failure of before.
+        assert await controller.fail(deployment_id, "stack stopped", planned=True)
+        healed = await settle(store, deployment_id)
+        assert healed.state_reason == "serves again after a stop of the stack"
         await controller.remove(deployment_id)
         assert await nothing_left(store)
 
