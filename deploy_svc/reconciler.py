@@ -24,7 +24,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.grpc_server import channel
-from services.ids import replica_group_id
+from services.ids import replica_group_id, split_group_id
 from services.state.store import StateStore, StateStoreUnavailable
 
 log = logging.getLogger("iserve.deploy.reconciler")
@@ -248,16 +248,36 @@ class Reconciler:
         if not deployment_id:
             return
         if kind == "worker_died":
+            if not await self._current(deployment_id, node_id=event.get("node_id", "")):
+                return
             said = f"worker rank {event.get('rank')} exited ({event.get('exit_code')})"
             why = str(event.get("reason") or "").strip()
             await self.controller.fail(deployment_id, f"{said}: {why}" if why else said)
         elif kind == "worker_unreachable":
             address = event.get("worker_address", "")
-            if address and not await worker_answers(address):
+            if not address or not await self._current(deployment_id, address=address):
+                return
+            if not await worker_answers(address):
                 why = str(event.get("reason") or "").strip()
                 await self.controller.fail(
                     deployment_id, f"worker unreachable: {why}" if why else "worker unreachable"
                 )
+
+    async def _current(self, group: str, *, node_id: str = "", address: str = "") -> bool:
+        """Whether an event about a worker of ``group`` on ``node_id`` (or at ``address``)
+        is about the replica as it is now. A late report of a worker the replica had before
+        a restart (a scheduler that cached its old address, an agent cut off while the
+        replica moved to another node) must not fail the replica that replaced it."""
+        deployment_id, index = split_group_id(group)
+        deployment = await self.store.get_deployment(deployment_id)
+        if deployment is None:
+            return False
+        replica = next((r for r in replicas.replicas_of(deployment) if r.index == index), None)
+        if replica is None:
+            return False
+        if address:
+            return replica.worker_address == address
+        return not node_id or node_id in replicas.nodes_of(replica.placement)
 
     async def check_nodes(self) -> None:
         """Take out the serving replicas on nodes whose agents stopped heartbeating, and

@@ -546,3 +546,49 @@ def test_a_node_dead_for_longer_than_the_setting_is_forgotten(run):
         assert [n.node_id for n in await store.list_nodes()] == ["node0"]
 
     run(scenario)
+
+
+def test_a_late_report_about_a_worker_replaced_since_fails_nothing(run):
+    """A scheduler that cached the address of the worker before a restart reports it
+    unreachable, or an agent cut off while the replica moved reports its old worker
+    dead: the replica that replaced it keeps serving. (A stack stopped and started lost
+    its restored replica so, as the scheduler tried the old address first.)"""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        deployment_id, old_address = dep.deployment_id, dep.worker_address
+        assert await controller.fail(deployment_id, "stack stopped", planned=True)
+        healed = await settle(store, deployment_id)
+        assert healed.state == READY and healed.worker_address != old_address
+        reconciler = Reconciler(controller, store, agent)
+        late = [
+            {"kind": "worker_unreachable", "worker_address": old_address, "reason": "refused"},
+            {"kind": "worker_died", "node_id": "node9", "rank": 0, "exit_code": -9},
+        ]
+        for event in late:
+            await reconciler.handle({**event, "deployment_id": deployment_id})
+        now = await store.get_deployment(deployment_id)
+        assert now.state == READY and now.worker_address == healed.worker_address
+        assert agent.started == [deployment_id, deployment_id]
+        # About the worker it has now: taken out and restarted (the fake address answers
+        # no health check).
+        await reconciler.handle(
+            {
+                "kind": "worker_unreachable",
+                "deployment_id": deployment_id,
+                "worker_address": healed.worker_address,
+            }
+        )
+        assert (await store.get_deployment(deployment_id)).state == STARTING
+        assert (await settle(store, deployment_id)).state == READY
+        await reconciler.handle(
+            {"kind": "worker_died", "deployment_id": deployment_id, "node_id": "node0", "rank": 0}
+        )
+        assert (await store.get_deployment(deployment_id)).state == STARTING
+        assert (await settle(store, deployment_id)).state == READY
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
