@@ -32,16 +32,29 @@ KEEPALIVE_TIMEOUT_MS = 20_000
 # 120 s left a node's agent unreachable for 35-70 s after it came back from a one- or
 # two-minute outage. Capped, a peer that is back is reached within seconds.
 MAX_RECONNECT_BACKOFF_MS = 5_000
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
-]
+
+
+def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, int]]:
+    """The options of every channel and server: message limits, keepalive pings every
+    ``keepalive_time_ms`` while calls are open, and servers that accept pings twice that
+    often. gRPC core ignores a name it does not know, so these are its own
+    (grpc_types.h); the server's is GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+    whose value is "grpc.http2.min_ping_interval_without_data_ms". With the macro's name
+    there instead, servers kept their 5-minute minimum and ended any call idle for about
+    40 s with GOAWAY "too_many_pings" (a registration waiting on profiling, the
+    profiler's own calls to the agents)."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_time_ms // 2),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+    ]
+
+
+CHANNEL_OPTIONS = channel_options()
 
 
 def _read(path) -> bytes | None:
