@@ -137,7 +137,7 @@ def cmd_estimate(settings: Settings, args) -> int:
         f"{args.output_len} output tokens, batch {args.batch or 1}"
     )
     headers = ["TP", "PP", "VARIANT", "BATCH", "MEMORY GiB", "PER DEV GiB", "TTFT ms"]
-    headers += ["TPOT ms", "LATENCY s", "GiB*s", "TOK/S/DEV", "ACC %"]
+    headers += ["TPOT ms", "LATENCY s", "GB*s", "TOK/S/DEV", "ACC %"]
     rows = [
         [
             r["tp"],

@@ -98,7 +98,7 @@ def plan_intents(settings: Settings, args) -> list[dict]:
                 "tpot_ms": e.tpot_ms,
                 "latency_ms": e.latency_ms,
                 "memory_gib": e.memory_total_bytes / GIB,
-                "cost_gib_s": e.cost_memory_latency,
+                "cost_gb_s": e.cost_memory_latency,
                 "accuracy": e.accuracy_score if e.HasField("accuracy_score") else None,
                 "note": decision.note,
             }
@@ -108,7 +108,7 @@ def plan_intents(settings: Settings, args) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     headers = ["INTENT", "CONFIG (variant tp x pp)", "DEV", "TTFT ms", "TPOT ms"]
-    headers += ["LATENCY s", "MEMORY GiB", "GiB*s", "ACC %"]
+    headers += ["LATENCY s", "MEMORY GiB", "GB*s", "ACC %"]
     table = []
     for r in rows:
         if "error" in r:
@@ -123,7 +123,7 @@ def print_rows(rows: list[dict]) -> None:
                 f"{r['tpot_ms']:.2f}",
                 f"{r['latency_ms'] / 1e3:.3f}",
                 f"{r['memory_gib']:.2f}",
-                f"{r['cost_gib_s']:.1f}",
+                f"{r['cost_gb_s']:.1f}",
                 "-" if r["accuracy"] is None else f"{r['accuracy']:.1f}",
             ]
         )
