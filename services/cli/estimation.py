@@ -58,9 +58,17 @@ def _model_configs(pairs: list[str]) -> dict[str, str]:
     return configs
 
 
+def _file_content(path: str) -> bytes:
+    """The bytes of the file ``path``; ValueError naming it when it is not one to read."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path!r}: {exc.strerror or exc}") from None
+
+
 def cmd_profile_import(settings: Settings, args) -> int:
     files = [
-        model_pb.ProfileFile(name=Path(path).name, content=Path(path).read_bytes())
+        model_pb.ProfileFile(name=Path(path).name, content=_file_content(path))
         for path in args.files
     ]
     reply = _models(settings).ImportProfiles(

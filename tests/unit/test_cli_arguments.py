@@ -136,3 +136,15 @@ def test_options_that_do_not_go_together_are_usage_errors(argv, says, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: iserve deploy: ") and says in err
+
+
+def test_a_profile_file_that_cannot_be_read_is_named_and_nothing_is_sent(tmp_path, capsys):
+    """A directory or a missing path given as FILE: 'cannot read' with the path and the
+    reason (a bare "[Errno 21]" before), exit 1, before any service is asked."""
+    from services.cli.main import main
+
+    for path, reason in ((tmp_path, "Is a directory"), (tmp_path / "no.csv", "No such file")):
+        code = main(["profile", "import", "--format", "maveriq", "--hardware", "h", str(path)])
+        assert code == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: cannot read '{path}': {reason}"), err
