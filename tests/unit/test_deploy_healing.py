@@ -398,8 +398,32 @@ def test_a_replica_whose_agent_no_longer_runs_it_is_restarted(run):
     run(scenario)
 
 
-class OneHungAgent(FakeAgent):
-    """node0's agent runs what it started; node1's hangs on ListWorkers (until the call's
+class ReportingAgent(FakeAgent):
+    """Reports what it started and not stopped, plus ``extra`` (group, rank) workers."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra: list[str] = []
+
+    async def ListWorkers(self, request, timeout):
+        from services.api import agent_service_pb2 as agent_pb
+
+        running = [g for g in self.started if g not in self.stopped] + self.extra
+        return agent_pb.ListWorkersResponse(
+            workers=[
+                agent_pb.WorkerInfo(deployment_id=g, rank=0, state=agent_pb.WORKER_STATE_READY)
+                for g in running
+            ]
+        )
+
+    async def StopWorkers(self, request, timeout):
+        if request.deployment_id in self.extra:
+            self.extra.remove(request.deployment_id)
+        return await super().StopWorkers(request, timeout)
+
+
+class OneHungAgent(ReportingAgent):
+    """node0's agent runs what it started (ReportingAgent); node1's hangs on ListWorkers (until the call's
     timeout) once ``hang`` is set, and sets ``hanging`` when such a call is under way."""
 
     def __init__(self):
@@ -410,17 +434,6 @@ class OneHungAgent(FakeAgent):
 
     def stub(self, address: str):
         return self.node1 if address == "node1:1" else self
-
-    async def ListWorkers(self, request, timeout):
-        from services.api import agent_service_pb2 as agent_pb
-
-        running = [g for g in self.started if g not in self.stopped]
-        return agent_pb.ListWorkersResponse(
-            workers=[
-                agent_pb.WorkerInfo(deployment_id=g, rank=0, state=agent_pb.WORKER_STATE_READY)
-                for g in running
-            ]
-        )
 
     async def _node1_workers(self, request, timeout):
         from services.api import agent_service_pb2 as agent_pb
@@ -466,30 +479,6 @@ def test_an_agent_that_hangs_holds_up_no_other_replica_s_healing(run):
         assert await nothing_left(store)
 
     run(scenario)
-
-
-class ReportingAgent(FakeAgent):
-    """Reports what it started and not stopped, plus ``extra`` (group, rank) workers."""
-
-    def __init__(self):
-        super().__init__()
-        self.extra: list[str] = []
-
-    async def ListWorkers(self, request, timeout):
-        from services.api import agent_service_pb2 as agent_pb
-
-        running = [g for g in self.started if g not in self.stopped] + self.extra
-        return agent_pb.ListWorkersResponse(
-            workers=[
-                agent_pb.WorkerInfo(deployment_id=g, rank=0, state=agent_pb.WORKER_STATE_READY)
-                for g in running
-            ]
-        )
-
-    async def StopWorkers(self, request, timeout):
-        if request.deployment_id in self.extra:
-            self.extra.remove(request.deployment_id)
-        return await super().StopWorkers(request, timeout)
 
 
 def test_workers_no_deployment_holds_are_stopped_at_the_second_check_that_sees_them(run):
