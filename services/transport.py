@@ -48,6 +48,9 @@ def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[st
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # How long a ping may wait for its ack before the connection is closed: what
+        # fails the calls to a hung peer (test_faults' SIGSTOPped worker).
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", keepalive_time_ms // 2),
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
