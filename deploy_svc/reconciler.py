@@ -59,6 +59,12 @@ def _rank_count(placement: common.Placement) -> int:
     return sum(len(stage.devices) for stage in placement.stages)
 
 
+def _with_reason(said: str, event: dict) -> str:
+    """``said``, then the event's reason after a colon when it gives one."""
+    why = str(event.get("reason") or "").strip()
+    return f"{said}: {why}" if why else said
+
+
 class Reconciler:
     def __init__(self, controller: DeploymentController, store: StateStore, agents: AgentClients):
         self.controller = controller
@@ -251,17 +257,13 @@ class Reconciler:
             if not await self._current(deployment_id, node_id=event.get("node_id", "")):
                 return
             said = f"worker rank {event.get('rank')} exited ({event.get('exit_code')})"
-            why = str(event.get("reason") or "").strip()
-            await self.controller.fail(deployment_id, f"{said}: {why}" if why else said)
+            await self.controller.fail(deployment_id, _with_reason(said, event))
         elif kind == "worker_unreachable":
             address = event.get("worker_address", "")
             if not address or not await self._current(deployment_id, address=address):
                 return
             if not await worker_answers(address):
-                why = str(event.get("reason") or "").strip()
-                await self.controller.fail(
-                    deployment_id, f"worker unreachable: {why}" if why else "worker unreachable"
-                )
+                await self.controller.fail(deployment_id, _with_reason("worker unreachable", event))
 
     async def _current(self, group: str, *, node_id: str = "", address: str = "") -> bool:
         """Whether an event about a worker of ``group`` on ``node_id`` (or at ``address``)

@@ -4,28 +4,18 @@ from __future__ import annotations
 
 from services.api import token_service_pb2 as token_pb
 from services.api import token_service_pb2_grpc
-from services.auth.tokens import check_token_id, issue, token_id_of
-from services.errors import FailedPrecondition, NotFound
+from services.auth.tokens import check_revocable, check_token_id, issue, tokens_in_use
+from services.errors import NotFound
 from services.grpc_server import ServiceBinding
 from services.ids import check_request_id
-from services.settings import ADMIN_TOKEN_ENV, SERVICE_TOKEN_ENV, Settings
+from services.settings import Settings
 from services.state.store import StateStore
 
 
 class TokenServicer(token_service_pb2_grpc.TokenServiceServicer):
     def __init__(self, store: StateStore, settings: Settings | None = None):
         self.store = store
-        # The tokens this stack runs on, by id: revoking one would lock every service
-        # (the service token) or the operator (the admin token) out until a restart
-        # registered it again. They are rotated by their settings (docs/security.md).
-        self.in_use: dict[str, str] = {}
-        if settings is not None and settings.auth:
-            for setting, token in (
-                (SERVICE_TOKEN_ENV, settings.service_token),
-                (ADMIN_TOKEN_ENV, settings.admin_token),
-            ):
-                if token:
-                    self.in_use[token_id_of(token)] = setting
+        self.in_use = tokens_in_use(settings) if settings is not None else {}
 
     def binding(self) -> ServiceBinding:
         return ServiceBinding(
@@ -49,13 +39,7 @@ class TokenServicer(token_service_pb2_grpc.TokenServiceServicer):
     async def RevokeToken(self, request, context):
         check_request_id(request.request_id)
         token_id = check_token_id(request.token_id)
-        setting = self.in_use.get(token_id)
-        if setting is not None:
-            raise FailedPrecondition(
-                f"token {token_id} is this stack's {setting}, which the services use: to "
-                f"rotate it, set a new {setting}, restart the services, then revoke the "
-                "old id"
-            )
+        check_revocable(token_id, self.in_use)
         if not await self.store.delete_token(token_id):
             raise NotFound(f"token {token_id} not found")
         return token_pb.RevokeTokenResponse(request_id=request.request_id)

@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from services.proto_limits import UINT32_MAX, UINT64_MAX
-from services.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from services.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_stop_strings
 
 # Strict: a field takes its own JSON type only. pydantic's lax mode would take "5" and
 # true as max_tokens 5 and 1, "yes" as stream true, "0.5" as a temperature: what the
@@ -40,7 +40,6 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-_MAX_STOPS = MAX_STOP_STRINGS
 # OpenAI's default max_tokens of /v1/completions.
 COMPLETION_MAX_TOKENS = 16
 _STOP_SCHEMA = {
@@ -49,7 +48,7 @@ _STOP_SCHEMA = {
         {
             "type": "array",
             "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
-            "maxItems": _MAX_STOPS,
+            "maxItems": MAX_STOP_STRINGS,
         },
         {"type": "null"},
     ]
@@ -328,10 +327,12 @@ class GenerationBody(BaseModel):
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else (stop or [])
-        if len(stops) > _MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        try:
+            check_stop_strings(tuple(stops))  # the worker's rule, said the gateway's way
+        except ValueError:
             raise ValueError(
-                f"stop takes up to {_MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters"
-            )
+                f"stop takes up to {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters"
+            ) from None
         return stop
 
     def stop_strings(self) -> list[str]:

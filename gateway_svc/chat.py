@@ -9,17 +9,18 @@ registration compiles it too), then:
   reasoning is aliased as ``reasoning_content`` and ``thinking``; ``add_generation_prompt``;
   and the tokenizer's named special tokens that are set.
 
-One departure, as vLLM's OpenAI server makes it: a message's text content parts reach a
-template that never loops over a message's content as one string, the parts' texts
-joined by newlines (:func:`loops_over_content`). transformers would hand such a template
-the list, and ``{{ message['content'] }}`` would print the list's Python repr into the
-prompt; OpenAI clients send parts and mean their text.
 - **How the text is encoded.** Without adding special tokens: the template writes its
   own BOS (the scheduler's ``prompt_has_special_tokens``).
 
 This module does the same with jinja2 (transformers is not a dependency of the gateway).
 So a model's own template, not a convention guessed here, decides how its conversation
 is laid out.
+
+One departure, as vLLM's OpenAI server makes it: a message's text content parts reach a
+template that never loops over a message's content as one string, the parts' texts
+joined by newlines (:func:`loops_over_content`). transformers would hand such a template
+the list, and ``{{ message['content'] }}`` would print the list's Python repr into the
+prompt; OpenAI clients send parts and mean their text.
 
 A template that refuses a conversation on purpose (``raise_exception``), or whose code
 fails on these messages (a TypeError where it expected another shape of content),

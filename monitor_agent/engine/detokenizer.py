@@ -56,12 +56,13 @@ def byte_fallback_ids(tokenizer: Tokenizer) -> tuple[frozenset[int], frozenset[i
     global _ids_of
     if _ids_of is not None and _ids_of[0] is tokenizer:
         return _ids_of[1], _ids_of[2]
-    decoder = json.loads(tokenizer.to_str()).get("decoder")
-    byte_ids = frozenset(
-        i
-        for token, i in tokenizer.get_vocab(with_added_tokens=True).items()
-        if _has_byte_fallback(decoder) and _BYTE_TOKEN.fullmatch(token)
-    )
+    byte_ids = frozenset()
+    if _has_byte_fallback(json.loads(tokenizer.to_str()).get("decoder")):
+        byte_ids = frozenset(
+            i
+            for token, i in tokenizer.get_vocab(with_added_tokens=True).items()
+            if _BYTE_TOKEN.fullmatch(token)
+        )
     special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
     _ids_of = (tokenizer, byte_ids, special)
     return byte_ids, special

@@ -22,9 +22,15 @@ from typing import Protocol
 
 from services.api import token_service_pb2 as token_pb
 from services.auth import policy
-from services.errors import InvalidArgument, shown
+from services.errors import FailedPrecondition, InvalidArgument, shown
 from services.ids import check_deployment_id
-from services.settings import MAX_TOKEN_LENGTH, MIN_TOKEN_LENGTH
+from services.settings import (
+    ADMIN_TOKEN_ENV,
+    MAX_TOKEN_LENGTH,
+    MIN_TOKEN_LENGTH,
+    SERVICE_TOKEN_ENV,
+    Settings,
+)
 
 PREFIX = "isv_"
 _ISSUED = re.compile(r"isv_([0-9a-f]{16})_[A-Za-z0-9_-]{20,}")
@@ -119,6 +125,28 @@ def check_token_id(token_id: str) -> str:
     if not _TOKEN_ID.fullmatch(token_id):
         raise InvalidArgument(f"invalid token id {shown(token_id)}: see `iserve token list`")
     return token_id
+
+
+def tokens_in_use(settings: Settings) -> dict[str, str]:
+    """The ids of the tokens this stack runs on (its service and admin tokens, when
+    authentication is on), each with the setting it comes from. Revoking one would lock
+    every service, or the operator, out until a restart registered it again; they are
+    rotated by their settings (docs/security.md)."""
+    if not settings.auth:
+        return {}
+    given = ((SERVICE_TOKEN_ENV, settings.service_token), (ADMIN_TOKEN_ENV, settings.admin_token))
+    return {token_id_of(token): setting for setting, token in given if token}
+
+
+def check_revocable(token_id: str, in_use: dict[str, str]) -> None:
+    """FailedPrecondition, saying how to rotate it, for a token the stack runs on."""
+    setting = in_use.get(token_id)
+    if setting is not None:
+        raise FailedPrecondition(
+            f"token {token_id} is this stack's {setting}, which the services use: to "
+            f"rotate it, set a new {setting}, restart the services, then revoke the "
+            "old id"
+        )
 
 
 def token_info(
