@@ -280,8 +280,12 @@ class DeploymentController:
         left it 0), and the scheduler's starting latency model for it."""
         decision = planning.decide_on(prepared, nodes, excluded)
         hardware_type = planning.hardware_of(decision, nodes)
-        batch1 = await self._estimate_of(request, prepared, hardware_type, decision.config, 1)
-        batch2 = None
+        unprofiled = planning.unprofiled_dtype(prepared, decision.config)
+        batch1 = batch2 = None
+        if unprofiled:
+            decision = planning.with_note(decision, unprofiled)
+        else:
+            batch1 = await self._estimate_of(request, prepared, hardware_type, decision.config, 1)
         if batch1 is not None:
             batch2 = await self._estimate_of(request, prepared, hardware_type, decision.config, 2)
         if prepared.auto_batch:

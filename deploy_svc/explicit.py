@@ -9,8 +9,8 @@ from services.api import model_service_pb2 as model_pb
 from services.engine_rules import (
     check_dtype,
     check_weight_quant,
+    default_dtype,
     parallel_problem,
-    served_dtypes,
 )
 from services.errors import InvalidArgument, shown
 from services.token_limits import check_batch_size, sequence_length, token_limits
@@ -39,7 +39,7 @@ def resolve_explicit(
     """Normalise ``requested`` (0 and UNSPECIFIED mean defaults) and check it; raises
     InvalidArgument for what can never work and Unimplemented for what the engine
     cannot run yet (float16 is served on CUDA devices only: ``cuda``; a dtype left
-    unset is the checkpoint's where the devices serve it, else float32)."""
+    unset is engine_rules.default_dtype's)."""
     shape = model.shape
     config = common.DeploymentConfig()
     config.CopyFrom(requested)
@@ -61,11 +61,7 @@ def resolve_explicit(
     config.kv_quant = config.kv_quant or common.KV_QUANT_NONE
     config.pruning = config.pruning or common.PRUNING_NONE
     if not config.dtype:
-        # The checkpoint's own dtype where these devices compute in it; else float32,
-        # which holds float16 and bfloat16 values exactly (a float16 checkpoint, as
-        # transformers often saves them, is served on CPUs without a --dtype).
-        native = shape.dtype or common.PRECISION_FLOAT32
-        config.dtype = native if native in served_dtypes(cuda=cuda) else common.PRECISION_FLOAT32
+        config.dtype = default_dtype(shape.dtype, cuda=cuda)
     config.batch_size, max_in, max_out = _limits(
         model, batch_size or config.batch_size, max_input_tokens, max_output_tokens
     )

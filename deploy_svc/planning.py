@@ -27,6 +27,7 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
+from services.engine_rules import default_dtype
 from services.errors import InvalidArgument, IServeError, ResourceExhausted
 from services.reservation import memory_blocks
 from services.simulation import MAX_SIMULATED_DEVICES
@@ -139,6 +140,23 @@ def matching_estimate(
         if same_variant and key(estimate.config) == key(config):
             return estimate
     return None
+
+
+def unprofiled_dtype(prepared: Prepared, config: common.DeploymentConfig) -> str:
+    """Why the model's estimates do not describe ``config``, or "" when they do: profiling
+    jobs compute in engine_rules.default_dtype's precision, and a dtype asked for by name
+    (bfloat16 on CPUs) runs at a speed and in memory those profiles never measured."""
+    profiled = default_dtype(prepared.model.shape.dtype, cuda=prepared.cuda)
+    if config.dtype in (common.PRECISION_UNSPECIFIED, profiled):
+        return ""
+    return (
+        f"no estimate: {prepared.model.model_id} was profiled in {_dtype_name(profiled)}, "
+        f"this deployment computes in {_dtype_name(config.dtype)}"
+    )
+
+
+def _dtype_name(precision: int) -> str:
+    return common.Precision.Name(precision).removeprefix("PRECISION_").lower()
 
 
 def policy_name(policy: int) -> str:
@@ -310,9 +328,9 @@ def size_batch(
     (None: not profiled on this hardware). Without both, or without batch-2 profiles,
     the batch stays 1: a batch's cost is unknown."""
     if batch1 is None:
-        return _with_note(decision, "batch 1: no estimate of this configuration's TPOT")
+        return with_note(decision, "batch 1: no estimate of this configuration's TPOT")
     if batch2 is None or not batch2.batch_measured:
-        return _with_note(decision, "batch 1: the model was not profiled at batch 2")
+        return with_note(decision, "batch 1: the model was not profiled at batch 2")
     bound = tpot_batch_bound(batch1.tpot_ms, per_sequence_ms(batch1, batch2), tpot_slo_ms)
     decisions: dict[int, deploy_pb.DeploymentDecision] = {1: decision}
 
@@ -324,7 +342,7 @@ def size_batch(
     batch = largest_fitting(bound.batch, lambda b: at(b) is not None)
     chosen = at(batch)
     assert chosen is not None  # batch 1 is the decision itself
-    return _with_note(chosen, _batch_reason(batch, bound))
+    return with_note(chosen, _batch_reason(batch, bound))
 
 
 def _decide_batch(
@@ -432,7 +450,7 @@ def _batch_reason(batch: int, bound: BatchBound) -> str:
     return f"batch {batch}: the KV cache of batch {batch + 1} does not fit the devices"
 
 
-def _with_note(decision: deploy_pb.DeploymentDecision, note: str) -> deploy_pb.DeploymentDecision:
+def with_note(decision: deploy_pb.DeploymentDecision, note: str) -> deploy_pb.DeploymentDecision:
     decision.note = "; ".join(n for n in (decision.note, note) if n)
     return decision
 

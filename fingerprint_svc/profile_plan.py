@@ -36,7 +36,7 @@ BASE_VARIANT = "base"
 # (tp, pp) in the order profiled: (1,1) first, since the model fails without it.
 REFERENCES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1))
 # Compute dtype bytes of a worker on a virtual CPU device (float32, see
-# monitor_agent.launch.worker_dtype).
+# services.engine_rules.default_dtype).
 CPU_COMPUTE_BYTES = 4
 
 

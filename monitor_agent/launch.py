@@ -30,6 +30,7 @@ from services.engine_rules import (
     TENSOR_PARALLEL_DEGREES,
     check_dtype,
     check_weight_quant,
+    default_dtype,
     resolve_checkpoint,
 )
 from services.errors import FailedPrecondition, require
@@ -208,17 +209,16 @@ def layers_per_stage(workers: tuple[WorkerPlan, ...], tensor_parallel: int) -> t
 
 def worker_dtype(precision: int, device: DeviceSpec, checkpoint_dtype: str | None) -> str:
     """The dtype a worker computes in: the requested precision (Unimplemented where the
-    engine does not compute in it on ``device``), else the checkpoint's dtype on GPUs and
-    float32 on CPU devices (where 16-bit matmuls are slow)."""
+    engine does not compute in it on ``device``), else engine_rules.default_dtype's for
+    the checkpoint's dtype (a config-style name, None when the config names none)."""
     if precision in _DTYPES:
         check_dtype(precision, cuda=device.is_cuda)
         return _DTYPES[precision]
     require(
         precision == common.PRECISION_UNSPECIFIED, f"config.dtype {precision} is not a known value"
     )
-    if device.is_cuda and checkpoint_dtype in _DTYPES.values():
-        return checkpoint_dtype
-    return "float32"
+    stored = next((p for p, name in _DTYPES.items() if name == checkpoint_dtype), 0)
+    return _DTYPES[default_dtype(stored, cuda=device.is_cuda)]
 
 
 def check_config(config: common.DeploymentConfig) -> tuple[int, int]:

@@ -10,7 +10,9 @@ wherever it happens. Torch-free (the worker reads it before torch starts its thr
   heads than ranks are replicated: a multi-query model runs at tp = 2; see
   ``monitor_agent.engine.tensor_parallel``).
 - Pipeline parallelism: 1 to MAX_PIPELINE_PARALLEL stages, at most one per layer.
-- Dtypes: float32 and bfloat16 everywhere, float16 on CUDA devices only.
+- Dtypes: float32 and bfloat16 everywhere, float16 on CUDA devices only. Left unset, a
+  deployment computes in the checkpoint's dtype on CUDA devices and in float32 on CPUs
+  (``default_dtype``), as profiling jobs do, so estimates describe what is served.
 - Pre-quantized (GPTQ/AWQ) checkpoints are not loaded; int8/int4 quantize at load time.
 - Checkpoints are read only from under the models root.
 """
@@ -59,6 +61,18 @@ def parallel_problem(
 def served_dtypes(*, cuda: bool) -> tuple[int, ...]:
     """The precisions the engine computes in on CUDA devices (``cuda``) or on CPUs."""
     return CUDA_DTYPES if cuda else CPU_DTYPES
+
+
+def default_dtype(checkpoint: int, *, cuda: bool) -> int:
+    """The precision a deployment or profiling job computes in when none is asked for: the
+    checkpoint's own (``checkpoint``, a Precision; UNSPECIFIED when unknown) on CUDA
+    devices, float32 on CPUs. On CPUs bfloat16 speed depends on the instruction set: a
+    128-row product ran 2.7x faster than float32 with AVX-512 BF16 and 3.1x slower with
+    AVX2 only (docs/engine.md, "float32 on CPUs"), so float32 is the default that is
+    slow on no CPU and is what the profiles measured."""
+    if cuda and checkpoint in CUDA_DTYPES:
+        return checkpoint
+    return common.PRECISION_FLOAT32
 
 
 def check_dtype(precision: int, *, cuda: bool) -> None:

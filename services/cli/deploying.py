@@ -239,8 +239,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         choices=sorted(PRECISIONS),
-        help="explicit; default: the checkpoint's where the devices compute in it, else "
-        "float32 (float16 on GPUs only)",
+        help="explicit; default: the checkpoint's on GPUs, float32 on CPUs, as profiled "
+        "(float16 on GPUs only)",
     )
     p.add_argument("--weight-quant", choices=sorted(WEIGHT_QUANTS), help="explicit")
     p.add_argument("--kv-quant", choices=sorted(KV_QUANTS), help="explicit")

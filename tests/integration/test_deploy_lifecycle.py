@@ -306,20 +306,32 @@ def test_killing_and_restarting_the_deployer_loses_no_deployment(stack, small_mo
     with_store(stack, lambda s: s.delete_deployment(cutoff))
 
 
-def test_a_float16_checkpoint_is_served_on_cpus_without_a_dtype(stack):
-    """transformers often saves float16; the CPU engine computes in float32 or bfloat16,
-    so an unset dtype is float32 there (UNIMPLEMENTED before, unless --dtype was given)."""
-    register(stack, "half-llama", make_checkpoint(stack, "half-llama", dtype="float16"))
-    dep = deploy(stack, "half-llama").deployment
+@pytest.mark.parametrize("stored", ["float16", "bfloat16"])
+def test_a_16_bit_checkpoint_is_served_on_cpus_in_float32_without_a_dtype(stack, stored):
+    """transformers often saves float16 or bfloat16; without a dtype the CPU engine
+    computes in float32, as profiling jobs do (float16 was UNIMPLEMENTED before, bfloat16
+    served as bfloat16 against float32 profiles); asked for by name, bfloat16 is served
+    and the decision says the profiles do not describe it."""
+    name = f"{stored}-llama"
+    register(stack, name, make_checkpoint(stack, name, dtype=stored))
+    dep = deploy(stack, name).deployment
     try:
         assert dep.config.dtype == common.PRECISION_FLOAT32
         _, final = generate(stack, deployment_id=dep.deployment_id, prompt="hi", max_tokens=3)
         assert final.usage.completion_tokens >= 1
+        plan = stack.deployments.PlanDeployment(
+            deploy_pb.PlanDeploymentRequest(
+                model_id=name, config=common.DeploymentConfig(dtype=common.PRECISION_BFLOAT16)
+            ),
+            timeout=60,
+        )
+        assert plan.decision.config.dtype == common.PRECISION_BFLOAT16
+        assert f"no estimate: {name} was profiled in float32" in plan.decision.note
     finally:
         stack.deployments.RemoveDeployment(
             deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id), timeout=120
         )
-        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="half-llama"))
+        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id=name))
 
 
 def test_a_deploy_of_a_model_being_deleted_fails_and_a_deployed_model_is_kept(stack):

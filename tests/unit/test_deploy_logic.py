@@ -135,23 +135,31 @@ def test_bad_configs(config, kw, error, phrase):
 @pytest.mark.parametrize(
     ("stored", "cuda", "served"),
     [
-        # A float16 checkpoint (as transformers often saves them): float32 on CPUs,
-        # where the engine does not compute in float16, and its own dtype on CUDA.
+        # float32 on CPUs whatever the checkpoint holds: profiling jobs compute in it
+        # there, so the estimates describe what is served (engine_rules.default_dtype).
         (common.PRECISION_FLOAT16, False, common.PRECISION_FLOAT32),
-        (common.PRECISION_FLOAT16, True, common.PRECISION_FLOAT16),
-        (common.PRECISION_BFLOAT16, False, common.PRECISION_BFLOAT16),
+        (common.PRECISION_BFLOAT16, False, common.PRECISION_FLOAT32),
         (common.PRECISION_FLOAT32, False, common.PRECISION_FLOAT32),
+        (common.PRECISION_UNSPECIFIED, False, common.PRECISION_FLOAT32),
+        # The checkpoint's own dtype on CUDA devices.
+        (common.PRECISION_FLOAT16, True, common.PRECISION_FLOAT16),
+        (common.PRECISION_BFLOAT16, True, common.PRECISION_BFLOAT16),
+        (common.PRECISION_UNSPECIFIED, True, common.PRECISION_FLOAT32),
     ],
 )
-def test_an_unset_dtype_is_the_checkpoints_where_the_devices_serve_it(stored, cuda, served):
+def test_an_unset_dtype_is_the_one_profiling_computes_in(stored, cuda, served):
     plan = _resolve(model=_model(dtype=stored), cuda=cuda)
     assert plan.config.dtype == served
-    # Asked for by name, float16 on CPUs is still refused.
+    # Asked for by name, float16 on CPUs is still refused, bfloat16 taken.
     with pytest.raises(Unimplemented, match="float32"):
         _resolve(
             model=_model(dtype=stored),
             config=common.DeploymentConfig(dtype=common.PRECISION_FLOAT16),
         )
+    asked = _resolve(
+        model=_model(dtype=stored), config=common.DeploymentConfig(dtype=common.PRECISION_BFLOAT16)
+    )
+    assert asked.config.dtype == common.PRECISION_BFLOAT16
 
 
 @pytest.mark.parametrize(

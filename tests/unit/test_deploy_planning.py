@@ -92,6 +92,32 @@ def test_a_choice_whose_communication_was_never_profiled_says_so():
     assert "it will run slower than estimated" in note
 
 
+@pytest.mark.parametrize(
+    ("stored", "cuda", "asked", "profiled_in"),
+    [
+        (common.PRECISION_BFLOAT16, False, common.PRECISION_BFLOAT16, "float32"),
+        (common.PRECISION_FLOAT32, False, common.PRECISION_BFLOAT16, "float32"),
+        (common.PRECISION_BFLOAT16, True, common.PRECISION_FLOAT32, "bfloat16"),
+        (common.PRECISION_BFLOAT16, False, common.PRECISION_FLOAT32, ""),
+        (common.PRECISION_BFLOAT16, True, common.PRECISION_BFLOAT16, ""),
+        (common.PRECISION_BFLOAT16, False, common.PRECISION_UNSPECIFIED, ""),
+    ],
+)
+def test_a_dtype_the_profiles_never_computed_in_gets_no_estimate(stored, cuda, asked, profiled_in):
+    m = model()
+    m.shape.dtype = stored
+    prepared = planning.Prepared(m, LIMITS, "hybrid", cuda, [], None, "", [], None, True)
+    note = planning.unprofiled_dtype(prepared, common.DeploymentConfig(dtype=asked))
+    if profiled_in:
+        asked_name = common.Precision.Name(asked).removeprefix("PRECISION_").lower()
+        assert note == (
+            f"no estimate: m was profiled in {profiled_in}, this deployment computes in "
+            f"{asked_name}"
+        )
+    else:
+        assert note == ""
+
+
 def test_memory_blocks_take_the_larger_of_estimate_and_shape():
     m = model()
     config = common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=1, batch_size=1)

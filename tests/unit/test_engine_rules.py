@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from deploy_svc.explicit import resolve_explicit
 from estimator_svc.profiles import estimation_shape
+from monitor_agent.devices import DeviceSpec
+from monitor_agent.launch import worker_dtype
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import (
@@ -106,3 +108,38 @@ def test_every_configuration_the_estimator_ranks_is_one_the_deployer_runs(
         except IServeError as exc:
             pytest.fail(f"the estimator ranks tp={tp} pp={pp} but the deployer refuses: {exc}")
     assert (1, 1) in {(int(c["tp"]), int(c["pp"])) for c in _space(model).configs}
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("stored", [None, "float32", "float16", "bfloat16"])
+def test_the_deployer_and_the_worker_default_to_the_same_dtype(stored, cuda):
+    """A deployment with no dtype is reserved and estimated for the dtype the deployer
+    resolves, and profiled in the one the worker picks: the two must agree."""
+    precision = {
+        None: common.PRECISION_UNSPECIFIED,
+        "float32": common.PRECISION_FLOAT32,
+        "float16": common.PRECISION_FLOAT16,
+        "bfloat16": common.PRECISION_BFLOAT16,
+    }[stored]
+    model = _model(8, 8, 512, 4)
+    model.shape.dtype = precision
+    resolved = resolve_explicit(
+        model,
+        common.DeploymentConfig(),
+        batch_size=0,
+        max_input_tokens=0,
+        max_output_tokens=0,
+        cuda=cuda,
+    ).config.dtype
+    device = DeviceSpec(
+        device_id="d0",
+        kind=common.DEVICE_KIND_CUDA if cuda else common.DEVICE_KIND_CPU_VIRTUAL,
+        name="d0",
+        hardware_type="h",
+        total_bytes=1 << 30,
+        cpu_cores=(0,),
+        cuda_index=0 if cuda else None,
+    )
+    worker = worker_dtype(common.PRECISION_UNSPECIFIED, device, stored)
+    assert worker == common.Precision.Name(resolved).removeprefix("PRECISION_").lower()
+    assert worker == (stored if cuda and stored else "float32")
