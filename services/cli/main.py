@@ -19,6 +19,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
@@ -299,13 +300,25 @@ def _watch_profiling(stub, model_id: str) -> None:
             )
 
 
+def checkpoint_argument(checkpoint: str, models_root: Path) -> str:
+    """The checkpoint_path to send for ``iserve register``'s CHECKPOINT: as given when it
+    is absolute or a directory under the models root, else, when it names a directory
+    relative to the current one (where `iserve model create --out` writes), that
+    directory's absolute path, which the service takes when it is inside its models root
+    and otherwise refuses naming the root."""
+    given = Path(checkpoint)
+    if given.is_absolute() or (models_root / given).is_dir() or not given.is_dir():
+        return checkpoint
+    return str(given.resolve())
+
+
 def cmd_register(settings: Settings, args) -> int:
     stub = _stub(settings, "model", model_service_pb2_grpc.ModelServiceStub)
     reply = stub.RegisterModel(
         model_pb.RegisterModelRequest(
             request_id=_rid(),
             model_id=args.model_id,
-            checkpoint_path=args.checkpoint,
+            checkpoint_path=checkpoint_argument(args.checkpoint, settings.models_root),
             skip_profiling=args.skip_profiling,
             **({"accuracy_score": args.accuracy} if args.accuracy is not None else {}),
         )
@@ -487,15 +500,27 @@ def cmd_generate(settings: Settings, args) -> int:
     )
     stub = _stub(settings, "scheduler", inference_service_pb2_grpc.InferenceServiceStub)
     final = None
-    for message in stub.Generate(request):
-        if message.HasField("delta"):
-            if args.json:
-                print(json.dumps({"delta": _to_json(message.delta)}), flush=True)
-            else:
-                sys.stdout.write(message.delta.text)
-                sys.stdout.flush()
-        elif message.HasField("final"):
-            final = message.final
+    try:
+        for message in stub.Generate(request):
+            if message.HasField("delta"):
+                if args.json:
+                    print(json.dumps({"delta": _to_json(message.delta)}), flush=True)
+                else:
+                    sys.stdout.write(message.delta.text)
+                    sys.stdout.flush()
+            elif message.HasField("final"):
+                final = message.final
+    except grpc.RpcError as exc:
+        if "model_id" in target and exc.code() == grpc.StatusCode.NOT_FOUND:
+            # Not a deployment id, and no model of that name is deployed: a mistyped
+            # deployment id reads as a model id, so the error names both readings.
+            print(
+                f"error: NOT_FOUND: no deployment is named {args.target} and no model of "
+                "that name has a deployment (`iserve deployments` lists them)",
+                file=sys.stderr,
+            )
+            return 1
+        raise
     if final is None:
         print("error: stream ended without a final message", file=sys.stderr)
         return 1
@@ -652,7 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("register", help="validate a checkpoint under the models root and record it")
     p.add_argument("model_id")
     p.add_argument(
-        "checkpoint", help="directory, relative to ISERVE_MODELS_ROOT or absolute inside it"
+        "checkpoint",
+        help="directory, relative to ISERVE_MODELS_ROOT (or else to the current directory) "
+        "or absolute, inside the models root",
     )
     p.add_argument("--accuracy", type=float, help="accuracy score of the model (e.g. MMLU)")
     p.add_argument(

@@ -161,6 +161,26 @@ def test_cli_reports_errors_clearly(stack):
     assert out.stderr.startswith("error: NOT_FOUND:")
 
 
+def test_cli_generate_names_both_readings_of_an_unknown_target(stack, served):
+    """`iserve generate TARGET` takes a deployment id or a model id: a mistyped deployment
+    id is no model either, and the error says both (it said "model ... has no
+    deployment")."""
+    env = {**os.environ, **stack.env}
+    typo = served.deployment_id[:-1] + ("0" if served.deployment_id[-1] != "0" else "1")
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "generate", typo, "hi", "--max-tokens", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert out.stderr == (
+        f"error: NOT_FOUND: no deployment is named {typo} and no model of that name has a "
+        "deployment (`iserve deployments` lists them)\n"
+    )
+
+
 def test_unknown_ids_are_not_found(stack):
     calls = [
         lambda: stack.models.GetModel(model_pb.GetModelRequest(model_id="nope")),

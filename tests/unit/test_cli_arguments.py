@@ -148,3 +148,24 @@ def test_a_profile_file_that_cannot_be_read_is_named_and_nothing_is_sent(tmp_pat
         assert code == 1
         err = capsys.readouterr().err
         assert err.startswith(f"error: cannot read '{path}': {reason}"), err
+
+
+def test_a_checkpoint_relative_to_the_current_directory_is_sent_absolute(tmp_path, monkeypatch):
+    """`iserve model create --out DIR` writes DIR relative to the current directory, and
+    `iserve register ID DIR` reads paths relative to the models root: a directory found
+    only under the current one is sent absolute (the service takes it inside its root and
+    refuses it naming the root outside)."""
+    from services.cli.main import checkpoint_argument
+
+    root, work = tmp_path / "models", tmp_path / "work"
+    (root / "both").mkdir(parents=True)
+    (work / "both").mkdir(parents=True)
+    (work / "here").mkdir()
+    monkeypatch.chdir(work)
+    assert checkpoint_argument("here", root) == str(work / "here")
+    assert checkpoint_argument("./here/", root) == str(work / "here")
+    assert checkpoint_argument("both", root) == "both"  # under the root wins
+    assert checkpoint_argument("missing", root) == "missing"  # the service says where
+    assert checkpoint_argument(str(work / "here"), root) == str(work / "here")
+    monkeypatch.chdir(root)
+    assert checkpoint_argument("both", root) == "both"
