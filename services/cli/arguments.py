@@ -73,6 +73,15 @@ def watch_seconds(text: str) -> float:
     return value
 
 
+def id_list(text: str) -> list[str]:
+    """An argparse ``type``: comma-separated ids, at least one, none empty (``--models
+    ,,`` named no model and fell back to every model)."""
+    ids = [part.strip() for part in text.split(",")]
+    if not all(ids):
+        raise argparse.ArgumentTypeError(f"must be comma-separated ids, none empty, got {text!r}")
+    return ids
+
+
 def positive_number(text: str) -> float:
     """An argparse ``type``: a finite number above 0."""
     try:

@@ -19,7 +19,7 @@ from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc, model_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
-from services.cli.arguments import whole_number
+from services.cli.arguments import id_list, whole_number
 from services.cli.output import show_tables
 from services.settings import Settings
 
@@ -204,7 +204,7 @@ def cmd_calibrate(settings: Settings, args) -> int:
             estimator_pb.GetCalibrationRequest(request_id=_rid(), hardware_type=args.hardware)
         ).calibration
     else:
-        models = [m for m in (args.models or "").split(",") if m]
+        models = args.models or []
         calibration = stub.Calibrate(
             estimator_pb.CalibrateRequest(
                 request_id=_rid(), hardware_type=args.hardware, model_ids=models
@@ -317,7 +317,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "calibrate", help="fit a hardware type's latency and memory constants on full-model runs"
     )
     p.add_argument("--hardware", required=True, help="hardware type, e.g. rtx-a6000")
-    p.add_argument("--models", help="comma-separated model ids (default: every model with data)")
+    p.add_argument(
+        "--models",
+        type=id_list,
+        help="comma-separated model ids (default: every model with data)",
+    )
     p.add_argument("--show", action="store_true", help="show the current calibration, fit nothing")
     p.add_argument("--json", action="store_true", help="the calibration as JSON")
     p.set_defaults(func=cmd_calibrate)

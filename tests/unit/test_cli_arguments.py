@@ -169,3 +169,16 @@ def test_a_checkpoint_relative_to_the_current_directory_is_sent_absolute(tmp_pat
     assert checkpoint_argument(str(work / "here"), root) == str(work / "here")
     monkeypatch.chdir(root)
     assert checkpoint_argument("both", root) == "both"
+
+
+@pytest.mark.parametrize("text", ["", ",", ",,", "a,,b", "a,", " , "])
+def test_an_id_list_with_an_empty_entry_is_refused(text):
+    """`iserve calibrate --models ,,` named no model and refitted every model's data."""
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["calibrate", "--hardware", "h", "--models", text])
+    assert exit_.value.code == 2
+    assert parser.parse_args(["calibrate", "--hardware", "h", "--models", "a, b"]).models == [
+        "a",
+        "b",
+    ]
