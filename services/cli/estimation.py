@@ -222,14 +222,22 @@ def _layout(config: common.DeploymentConfig) -> str:
 
 
 def print_profile(profile: model_pb.GetProfileResponse) -> None:
-    """A model's stored profile: what it cost, what was skipped, every measurement."""
+    """A model's stored profile: what it cost, what was skipped, every measurement. A
+    figure an imported row does not carry (MaverIQ's rows have no TTFT, TPOT or prompt
+    length, and no profiling cost) shows as "-", not as 0."""
     cost = profile.cost
     full = sum(m.full_model for m in profile.measurements)
+    imported = sorted({m.source_file for m in profile.measurements if m.source_file})
+    took = (
+        f"profiling took {cost.wall_time_ms / 1e3:.1f} s wall, {cost.device_seconds:.1f} "
+        f"device-s, peak {cost.peak_device_memory_bytes / 2**20:.1f} MiB per device"
+        if cost.wall_time_ms > 0
+        else "no profiling cost recorded"
+    )
+    source = f"; imported from {', '.join(imported)}" if imported else ""
     print(
         f"{profile.model_id}: {len(profile.measurements) - full} fingerprint and {full} "
-        f"full-model measurements; profiling took {cost.wall_time_ms / 1e3:.1f} s wall, "
-        f"{cost.device_seconds:.1f} device-s, peak {cost.peak_device_memory_bytes / 2**20:.1f} "
-        "MiB per device"
+        f"full-model measurements; {took}{source}"
     )
     for reason in profile.skipped:
         print(f"  skipped: {reason}")
@@ -240,13 +248,22 @@ def print_profile(profile: model_pb.GetProfileResponse) -> None:
     for m in profile.measurements:
         layer = f"{m.ttft_layer_ms:.2f}/{m.tpot_layer_ms:.3f}" if m.tpot_layer_ms > 0 else "-"
         layers = f"{m.num_layers}{'*' if m.full_model else ''}"
+        memory = " ".join(f"{b / 2**20:.1f}" for b in m.peak_memory_bytes_per_rank if b)
         print(
             f"{m.variant_name or 'base':<10}{layers:>7} {_layout(m.config):>7}"
-            f"{max(1, m.config.batch_size):>6}{m.input_tokens:>6}{m.output_tokens:>5}"
-            f"{m.ttft_ms:>10.2f}{m.tpot_ms:>9.3f}{m.latency_ms:>10.1f}{layer:>16}  "
-            + " ".join(f"{b / 2**20:.1f}" for b in m.peak_memory_bytes_per_rank)
+            f"{max(1, m.config.batch_size):>6}{_known(m.input_tokens, 'd'):>6}"
+            f"{m.output_tokens:>5}{_known(m.ttft_ms, '.2f'):>10}{_known(m.tpot_ms, '.3f'):>9}"
+            f"{_known(m.latency_ms, '.1f'):>10}{layer:>16}  {memory or '-'}"
         )
-    print("layers* = full model; layer ms = one decoder layer in prefill / decode (layer clock)")
+    print(
+        "layers* = full model; layer ms = one decoder layer in prefill / decode (layer "
+        "clock); - = not in the row"
+    )
+
+
+def _known(value: float, spec: str) -> str:
+    """``value`` formatted, or "-" for 0 (a figure the row does not carry)."""
+    return format(value, spec) if value > 0 else "-"
 
 
 def cmd_profile_show(settings: Settings, args) -> int:

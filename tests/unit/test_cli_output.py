@@ -6,6 +6,7 @@ import io
 
 from rich.console import Console
 
+from services.api import common_pb2 as common
 from services.cli.output import plain_table, show_tables
 
 TABLES = [(None, ["NAME", "STATE", "FREE MiB"], [["dep-a", "READY", 512], ["dep-b", "FAILED", 7]])]
@@ -72,4 +73,31 @@ def test_status_lists_a_dead_node_with_when_it_was_last_seen():
         "a",
         "b (dead, last seen 2026-11-26 05:00:00 UTC)",
         "c (dead)",
+    ]
+
+
+def test_profile_show_marks_what_an_imported_row_does_not_carry(capsys):
+    """MaverIQ's rows carry the latency and memory, not TTFT, TPOT, prompt length or a
+    profiling cost: those show as "-" (they printed as 0.00 and "took 0.0 s")."""
+    from services.api import model_service_pb2 as model_pb
+    from services.cli.estimation import print_profile
+
+    profile = model_pb.GetProfileResponse(model_id="m")
+    profile.measurements.add(
+        num_layers=1,
+        config=common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=1),
+        output_tokens=10,
+        latency_ms=812.5,
+        peak_memory_bytes_per_rank=[3 << 30, 3 << 30],
+        source_file="fingerprint_data_collection.csv",
+    )
+    print_profile(profile)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        "m: 1 fingerprint and 0 full-model measurements; no profiling cost recorded; "
+        "imported from fingerprint_data_collection.csv"
+    )
+    assert out[2].split() == ["base", "1", "2x1", "1", "-", "10", "-", "-", "812.5", "-"] + [
+        "3072.0",
+        "3072.0",
     ]
