@@ -296,6 +296,8 @@ def plan_maveriq_import(
             to_measurement(row, hardware_type, spec.num_layers, prompt, shape)
             for row, prompt in by_model[model_id]
         )
+        for (row, _), measurement in zip(by_model[model_id], measurements, strict=True):
+            _check_memory(row, measurement, model_id)
         rows_of = [row for row, _ in by_model[model_id]]
         models.append(
             ImportedModel(
@@ -335,6 +337,22 @@ def _check_row(row: maveriq.Measurement, prompt: int, model_id: str, spec: ArchS
         raise InvalidArgument(
             f"{where}: {tokens}{row.output_tokens} output tokens pass the model's context "
             f"of {spec.max_position_embeddings} positions"
+        )
+
+
+def _check_memory(
+    row: maveriq.Measurement, measurement: model_pb.ProfileMeasurement, model_id: str
+) -> None:
+    """InvalidArgument naming the row's file and line when its memory is below what its
+    decoder layers' weights alone take in its format (known from the shape): no run
+    holds its weights in less. MaverIQ's own rows hold at least 1.07 times that."""
+    weights = measurement.layer_weight_bytes * measurement.num_layers
+    held = sum(measurement.peak_memory_bytes_per_rank)
+    if weights and held < weights:
+        raise InvalidArgument(
+            f"{row.where}: {model_id}: {row.memory_gib:g} GiB of memory is less than the "
+            f"{weights / GIB:.2f} GiB the weights of its {row.layers} decoder layers take "
+            f"in {row.weight_quant}; a run cannot hold them in less"
         )
 
 

@@ -373,6 +373,12 @@ def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_re
                 (10**400, "accuracy must be a finite number >= 0"),
             )
         ),
+        # Less memory than the 32 layers' float16 weights take (12.06 GiB): no run.
+        (
+            {"full_model_data_collection.csv": FULL.replace(",16,16.5,", ",6,6,")},
+            "full_model_data_collection.csv:2: llama-2-7b: 6 GiB of memory is less than the "
+            "12.06 GiB the weights of its 32 decoder layers take in fp16",
+        ),
         # The line the csv module was reading when it failed, not the last good row's.
         (
             {
