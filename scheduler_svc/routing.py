@@ -95,7 +95,13 @@ class Router:
         return deployment
 
     async def by_model_id(self, model_id: str) -> deploy_pb.Deployment:
-        """The READY deployment of ``model_id`` with the shortest expected wait.
+        """The READY deployment of ``model_id`` with the shortest expected wait (the first
+        of :meth:`ranked_for_model`)."""
+        return (await self.ranked_for_model(model_id))[0]
+
+    async def ranked_for_model(self, model_id: str) -> list[deploy_pb.Deployment]:
+        """The READY deployments of ``model_id`` the caller may use, shortest expected
+        wait first (at least one).
 
         NOT_FOUND when the model has no deployment; when none is READY, UNAVAILABLE if one
         of them is starting, removing or being restarted, else FAILED_PRECONDITION,
@@ -127,8 +133,8 @@ class Router:
                 f"{access.caller().describe()} may use no deployment of model {model_id}"
             )
         if len(usable) == 1:
-            return usable[0]
-        return min(usable, key=self._backlog)
+            return usable
+        return sorted(usable, key=self._backlog)
 
     def forget(self, deployment_id: str) -> None:
         """Drop a cached record, so the next request for it reads Redis."""

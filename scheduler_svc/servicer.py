@@ -66,6 +66,9 @@ PASSED_THROUGH = {
     )
 }
 EVENT_TIMEOUT_S = 1.0
+# What a deployment answers a request it does not take; a model's request then tries its
+# other deployments (SchedulerServicer._admit).
+ADMISSION_REFUSALS = (errors.InvalidArgument, errors.ResourceExhausted, errors.DeadlineExceeded)
 
 
 # The server's clock for a call's deadline starts when its headers arrive, after the
@@ -163,6 +166,13 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                         raise errors.Unavailable(str(closed)) from None
                     retried_after = str(closed)
                     continue
+                except errors.NotFound:
+                    if not retried_after or by_model:
+                        raise
+                    # The deployment it waited on was removed since: not an unknown id.
+                    raise errors.FailedPrecondition(
+                        f"{retried_after}: it was removed while the request waited"
+                    ) from None
                 except errors.ResourceExhausted as full:
                     if not retried_after:
                         raise
@@ -291,17 +301,45 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
     ) -> tuple[deploy_pb.Deployment, deploy_pb.Replica, DeploymentQueue, QueueEntry]:
         """Resolve the request's deployment and replica and wait for a slot on it; fills
         ``record``. The caller releases the slot. ``max_tokens_is_bound``: the client set
-        no max_tokens (it is filled in here)."""
-        clock = self._clock
-        arrival = record.arrival_s
+        no max_tokens (it is filled in here, from the deployment that takes it).
+
+        A model's request goes to its READY deployments in turn, shortest expected wait
+        first, until one takes it: one that refuses it at admission (its limits, a full
+        queue, a first token its EDF queue predicts late) leaves it to the next. When all
+        refuse, the first one's refusal is raised and recorded."""
         if request.HasField("deployment_id"):
-            deployment = await self.router.by_deployment_id(request.deployment_id)
+            candidates = [await self.router.by_deployment_id(request.deployment_id)]
         else:
-            deployment = await self.router.by_model_id(request.model_id)
+            candidates = await self.router.ranked_for_model(request.model_id)
+        refusals: list[tuple[deploy_pb.Deployment, errors.IServeError]] = []
+        for deployment in candidates:
+            try:
+                return await self._admit_to(deployment, request, record, max_tokens_is_bound)
+            except ADMISSION_REFUSALS as refused:
+                refusals.append((deployment, refused))
+        deployment, refused = refusals[0]
+        self._label(record, deployment)
+        raise refused
+
+    def _label(self, record: RequestRecord, deployment: deploy_pb.Deployment) -> None:
         record.model_id = deployment.model_id
         record.deployment_id = deployment.deployment_id
         self.metrics.seen(deployment.deployment_id, deployment.model_id)
         record.objectives = deployment.objectives
+
+    async def _admit_to(
+        self,
+        deployment: deploy_pb.Deployment,
+        request: inference_pb.GenerateRequest,
+        record: RequestRecord,
+        max_tokens_is_bound: bool,
+    ) -> tuple[deploy_pb.Deployment, deploy_pb.Replica, DeploymentQueue, QueueEntry]:
+        """:meth:`_admit` on ``deployment``."""
+        clock = self._clock
+        arrival = record.arrival_s
+        self._label(record, deployment)
+        if max_tokens_is_bound:
+            request.max_tokens = 0  # filled in by the deployment tried before
         resolve_max_tokens(request, deployment)
         check_for_deployment(request, deployment, max_tokens_is_bound)
         # Until the deployer takes them out (routing refreshes each second).
@@ -312,6 +350,13 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         prompt_tokens = len(request.prompt_token_ids) or predictor.prompt_tokens(
             len(request.prompt)
         )
+        # A text prompt's count is a guess from its characters; the worker refuses one
+        # over the limit, so no request prefills more than the limit: one guessed longer
+        # is predicted at the limit, and a prompt that is too long gets the worker's 400,
+        # not a predicted deadline miss.
+        limit = prompt_token_limit(deployment, max_tokens_is_bound)[0]
+        if limit:
+            prompt_tokens = min(prompt_tokens, limit)
         due = first_token_deadline(
             arrival,
             deployment.objectives,

@@ -111,6 +111,7 @@ class Harness:
         model_id: str = "m",
         batch_size: int = 1,
         max_output_tokens: int = 16,
+        **record,
     ) -> deploy_pb.Deployment:
         if worker is None:  # a port nothing listens on
             address = f"127.0.0.1:{free_port()}"
@@ -129,6 +130,7 @@ class Harness:
             state_reason=reason,
             worker_address=address,
             max_output_tokens=max_output_tokens,
+            **record,
         )
         await self.store.put_deployment(deployment)
         return deployment
@@ -825,3 +827,121 @@ def test_a_request_sent_on_from_a_deployment_gone_to_a_full_queue_says_why(redis
         await filler
 
     run(redis_url, scenario, queue_capacity=1)
+
+
+def test_a_model_request_one_deployment_refuses_at_admission_goes_to_another(redis_url):
+    """Routed by model id, a request the deployment with the shortest wait refuses at
+    admission (a first token its EDF queue predicts late; likewise its limits or a full
+    queue) is served by another deployment of the model, not refused while that one has
+    room. When every deployment refuses, the first one's refusal is the answer."""
+
+    async def scenario(h: Harness):
+        strict, lenient = FakeWorker(), FakeWorker()
+        # An EDF deployment whose first token of a 4000-token prompt is predicted at 4 s,
+        # past its 300 ms TTFT objective (its prefill model says 1 ms a token).
+        await h.add_deployment(
+            "a-edf",
+            strict,
+            max_output_tokens=4,
+            objectives=common.ServiceObjectives(
+                scheduling=common.SCHEDULING_POLICY_EDF, ttft_slo_ms=300
+            ),
+            latency_model=common.LatencyModel(prefill_ms_per_token=1.0),
+        )
+        await h.collect(request_id="warm", deployment_id="a-edf", max_tokens=1)  # measured
+        refused = await h.status_of(
+            request_id="edf-only", deployment_id="a-edf", prompt="x" * 16_000
+        )
+        assert refused.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await h.add_deployment("b-fcfs", lenient, max_output_tokens=16)
+        messages = await h.collect(request_id="r1", model_id="m", prompt="x" * 16_000)
+        assert messages[-1].final.deployment_id == "b-fcfs"
+        # Over one deployment's max_output_tokens, within the other's.
+        messages = await h.collect(request_id="r2", model_id="m", max_tokens=10)
+        assert messages[-1].final.deployment_id == "b-fcfs"
+        assert [r.request_id for r in lenient.received] == ["r1", "r2"]
+        error = await h.status_of(request_id="r3", model_id="m", max_tokens=20)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_tokens 20 exceeds max_output_tokens" in error.details()
+
+    run(redis_url, scenario)
+
+
+def test_an_unset_max_tokens_is_resolved_again_where_a_request_moves(redis_url):
+    """A model's request with no max_tokens waits on d1 (max_output_tokens 16), which is
+    removed; routed afresh to d2 (max_output_tokens 4) it gets d2's limit, not a refusal
+    of the 16 d1 filled in."""
+
+    async def scenario(h: Harness):
+        first, second = FakeWorker(gate=asyncio.Event()), FakeWorker()
+        d1 = await h.add_deployment("d1", first, batch_size=1, max_output_tokens=16)
+        running = h.generate(request_id="run", deployment_id="d1")
+        await running.read()
+        moved = asyncio.create_task(h.collect(request_id="moved", model_id="m", max_tokens=0))
+        await h.until_waiting("d1", 1)
+        await h.add_deployment("d2", second, max_output_tokens=4)
+        d1.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
+        await h.store.put_deployment(d1)
+        router = h.servicer.router
+        for _ in range(2):  # a replica left out twice in a row is closed
+            await router.refresh()
+            await h.servicer._forget_removed(router.deployments())
+        messages = await moved
+        assert messages[-1].final.deployment_id == "d2"
+        assert [(r.max_tokens, r.max_tokens_is_bound) for r in second.received] == [(4, True)]
+        first.gate.set()
+        await read_rest(running)
+
+    run(redis_url, scenario)
+
+
+def test_a_request_waiting_on_a_deployment_removed_meanwhile_is_told_so(redis_url):
+    """By deployment id, waiting on d1 when its record is deleted: FAILED_PRECONDITION
+    saying it was removed, not NOT_FOUND as for an id that never existed."""
+
+    async def scenario(h: Harness):
+        worker = FakeWorker(gate=asyncio.Event())
+        d1 = await h.add_deployment("d1", worker, batch_size=1)
+        running = h.generate(request_id="run", deployment_id="d1")
+        await running.read()
+        waiting = asyncio.create_task(h.status_of(request_id="waiting", deployment_id="d1"))
+        await h.until_waiting("d1", 1)
+        await h.store.delete_deployment(d1)
+        router = h.servicer.router
+        for _ in range(2):
+            await router.refresh()
+            await h.servicer._forget_removed(router.deployments())
+        error = await waiting
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+        assert error.details() == (
+            "deployment d1 stopped serving: it was removed while the request waited"
+        )
+        worker.gate.set()
+        await read_rest(running)
+
+    run(redis_url, scenario)
+
+
+def test_an_edf_queue_predicts_a_text_prompt_at_most_at_the_prompt_limit(redis_url):
+    """A text prompt's token count is guessed from its characters; the worker refuses one
+    over the deployment's limit. A 4000-token guess on a deployment taking 256 prompt
+    tokens is predicted as 256 (0.26 s of prefill, inside the 2 s objective): it reaches
+    the worker, which says it is too long, instead of a predicted-deadline refusal."""
+
+    async def scenario(h: Harness):
+        worker = FakeWorker()
+        await h.add_deployment(
+            "d1",
+            worker,
+            max_output_tokens=4,
+            max_input_tokens=256,
+            objectives=common.ServiceObjectives(
+                scheduling=common.SCHEDULING_POLICY_EDF, ttft_slo_ms=2000
+            ),
+            latency_model=common.LatencyModel(prefill_ms_per_token=1.0),
+        )
+        await h.collect(request_id="warm", deployment_id="d1", max_tokens=1)
+        await h.collect(request_id="long", deployment_id="d1", max_tokens=1, prompt="x" * 16_000)
+        assert [r.request_id for r in worker.received] == ["warm", "long"]
+
+    run(redis_url, scenario)
