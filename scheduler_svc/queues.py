@@ -250,9 +250,17 @@ class DeploymentQueue:
         predicted_ms = (entry.predicted_first_token_s - entry.arrival_s) * 1e3
         allowed_ms = (entry.deadline_s - entry.arrival_s) * 1e3
         why = f" ({entry.objective})" if entry.objective else ""
+        # A deadline on the last token less the predicted decode of max_tokens can fall
+        # before the arrival: no first token could be on time, whatever the queue.
+        hint = (
+            "; the decode of max_tokens alone takes longer than the deadline: ask for "
+            "fewer tokens or a later deadline"
+            if allowed_ms <= 0
+            else ""
+        )
         return (
             f"{text}: first token predicted {predicted_ms:.0f} ms after arrival, "
-            f"allowed {allowed_ms:.0f} ms{why}"
+            f"allowed {allowed_ms:.0f} ms{why}{hint}"
         )
 
 

@@ -208,7 +208,19 @@ def test_an_impossible_deadline_is_refused_at_once_with_predicted_and_allowed_ti
         message = str(refused.value)
         assert "first token predicted 200 ms after arrival, allowed 100 ms" in message
         assert "(TTFT SLO 100 ms)" in message
+        assert "ask for fewer tokens" not in message
         assert (queue.running, queue.waiting) == (0, 0)  # nothing queued
+        # A deadline whose predicted decode alone passes it leaves no time at all: said.
+        decode_bound = entry(
+            "long", deadline_s=99.8, prompt_tokens=1, objective="deadline_ms 300 ms less 500 ms"
+        )
+        decode_bound.arrival_s = 100.0
+        with pytest.raises(DeadlineExceeded) as refused:
+            await queue.acquire(decode_bound)
+        assert str(refused.value).endswith(
+            "allowed -200 ms (deadline_ms 300 ms less 500 ms); the decode of max_tokens "
+            "alone takes longer than the deadline: ask for fewer tokens or a later deadline"
+        )
 
     asyncio.run(scenario())
 
