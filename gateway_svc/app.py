@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -674,7 +675,12 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         chat: bool,
     ):
         async def reply():
-            gen = await _open(backend, request, caller)
+            try:
+                gen = await _open(backend, request, caller)
+            except GatewayError as exc:
+                if exc.status == 400 and exc.param is None:
+                    exc.param = refused_param(exc.message, body, chat)
+                raise
             ident = ("chatcmpl-" if chat else "cmpl-") + request.request_id
             created = int(time.time())
             if body.stream:
@@ -687,6 +693,24 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
         return Response(status_code=CLIENT_CLOSED_REQUEST) if answer is None else answer
 
     return app
+
+
+# A service's refusal of a generation begins with the request field it is about:
+# "max_tokens 600 exceeds ...", "prompt has 9000 tokens; ...", "sampling.top_p must ...",
+# "sampling: temperature must ...".
+_SAMPLING_FIELD = re.compile(r"sampling[.:]\s*(temperature|top_p|top_k|seed|stop)\b")
+
+
+def refused_param(message: str, body: GenerationBody, chat: bool) -> str | None:
+    """OpenAI's ``param`` for a 400 a service gave a generation: the body field its
+    message names first, None when it names none."""
+    if message.startswith("max_tokens"):
+        given = getattr(body, "max_completion_tokens", None)
+        return "max_completion_tokens" if chat and given else "max_tokens"
+    if message.startswith("prompt"):
+        return "messages" if chat else "prompt"
+    sampling = _SAMPLING_FIELD.match(message)
+    return sampling.group(1) if sampling else None
 
 
 def _finish_reason(final: inference_pb.GenerateFinal | None) -> str:

@@ -201,6 +201,11 @@ def test_without_max_tokens_a_long_chat_gets_what_the_sequence_leaves(gateway_ur
     refused = chat(words, max_tokens=1)
     assert refused.status_code == 400
     assert f"accepts at most {CONTEXT - MAX_OUTPUT}" in refused.json()["error"]["message"]
+    # The field a service's refusal is about is OpenAI's param (it was null).
+    assert refused.json()["error"]["param"] == "messages"
+    over = chat(1, max_completion_tokens=MAX_OUTPUT + 1)
+    assert over.status_code == 400 and "exceeds max_output_tokens" in over.text, over.text
+    assert over.json()["error"]["param"] == "max_completion_tokens"
 
 
 def test_without_max_tokens_a_long_token_id_prompt_gets_what_the_sequence_leaves(
