@@ -43,7 +43,7 @@ from services.api import inference_service_pb2 as inference_pb
 from services.api import inference_service_pb2_grpc as inference_grpc
 from services.api import worker_service_pb2 as worker_pb
 from services.drain import InFlight
-from services.grpc_server import ServiceBinding
+from services.grpc_server import ServiceBinding, ended_by_client
 from services.ids import replica_group_id
 from services.metrics import new_registry
 from services.state.store import StateStore
@@ -69,26 +69,6 @@ EVENT_TIMEOUT_S = 1.0
 # What a deployment answers a request it does not take; a model's request then tries its
 # other deployments (SchedulerServicer._admit).
 ADMISSION_REFUSALS = (errors.InvalidArgument, errors.ResourceExhausted, errors.DeadlineExceeded)
-
-
-# The server's clock for a call's deadline starts when its headers arrive, after the
-# client's: a client whose deadline passed hangs up while the server still sees a few
-# milliseconds left (2 ms seen on a busy 2-core box). A hang-up this close to the deadline
-# is taken for the deadline.
-DEADLINE_SKEW_S = 0.05
-
-
-def ended_by_client(context: grpc.aio.ServicerContext, budget_s: float | None) -> grpc.StatusCode:
-    """How a request the client ended counts: DEADLINE_EXCEEDED when its deadline had
-    passed (what the client saw), else CANCELLED. ``budget_s`` is the time the call had
-    left when it arrived (None: no deadline); a hang-up within a tenth of it, at most
-    DEADLINE_SKEW_S, before the server's deadline counts as the deadline."""
-    remaining = context.time_remaining()
-    if remaining is None or budget_s is None:
-        return grpc.StatusCode.CANCELLED
-    if remaining <= min(DEADLINE_SKEW_S, budget_s / 10):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    return grpc.StatusCode.CANCELLED
 
 
 class ReplicaGone(errors.Unavailable):

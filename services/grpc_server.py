@@ -66,6 +66,26 @@ async def _abort_for(
     )
 
 
+# The server's clock for a call's deadline starts when its headers arrive, after the
+# client's: a client whose deadline passed hangs up while the server still sees a few
+# milliseconds left (2 ms seen on a busy 2-core box). A hang-up this close to the deadline
+# is taken for the deadline.
+DEADLINE_SKEW_S = 0.05
+
+
+def ended_by_client(context: grpc.aio.ServicerContext, budget_s: float | None) -> grpc.StatusCode:
+    """How a request the client ended counts: DEADLINE_EXCEEDED when its deadline had
+    passed (what the client saw), else CANCELLED. ``budget_s`` is the time the call had
+    left when it arrived (None: no deadline); a hang-up within a tenth of it, at most
+    DEADLINE_SKEW_S, before the server's deadline counts as the deadline."""
+    remaining = context.time_remaining()
+    if remaining is None or budget_s is None:
+        return grpc.StatusCode.CANCELLED
+    if remaining <= min(DEADLINE_SKEW_S, budget_s / 10):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps domain errors to gRPC status codes and logs each call with its request id;
     with ``metrics``, counts each call by method and status code."""
@@ -97,10 +117,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def wrapped(request, context):
             started = time.perf_counter()
+            budget_s = context.time_remaining()
             try:
                 response = await behavior(request, context)
             except asyncio.CancelledError:
-                count(method, grpc.StatusCode.CANCELLED)
+                count(method, ended_by_client(context, budget_s))
                 raise
             except grpc.aio.AbortError:
                 count(method, context.code() or grpc.StatusCode.UNKNOWN)
@@ -125,11 +146,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         count = self._count
 
         async def wrapped(request, context):
+            budget_s = context.time_remaining()
             try:
                 async for item in behavior(request, context):
                     yield item
-            except asyncio.CancelledError:
-                count(method, grpc.StatusCode.CANCELLED)
+            except (asyncio.CancelledError, GeneratorExit):
+                # GeneratorExit: the stream was closed at a yield, the client gone between
+                # messages; counted as the handler's own metrics count it.
+                count(method, ended_by_client(context, budget_s))
                 raise
             except grpc.aio.AbortError:
                 count(method, context.code() or grpc.StatusCode.UNKNOWN)

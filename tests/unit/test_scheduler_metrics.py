@@ -200,3 +200,36 @@ def test_each_replicas_prediction_is_a_gauge():
         prompt_tokens=100, prompt_chars=0, first_token_s=0.5, tpot_s=0.2, running=1
     )  # ten times slower than predicted: the gauges follow
     assert get("iserve_predicted_decode_step_seconds", labels) > 0.05
+
+
+def test_a_stream_the_client_closes_between_messages_is_counted_by_the_rpc_counter():
+    """gRPC closes a streaming handler at a yield when the client goes away between
+    messages (GeneratorExit): the per-call counter counts it CANCELLED, as the serving
+    counters do; it counted nothing, so the two disagreed under cancellations."""
+    import asyncio
+
+    from services.grpc_server import ErrorInterceptor
+
+    registry = new_registry()
+    method = "/iserve.v1.InferenceService/Generate"
+
+    async def behavior(_request, _context):
+        for i in range(3):
+            yield i
+
+    class Context:
+        def time_remaining(self) -> float | None:
+            return None
+
+    async def scenario():
+        wrapped = ErrorInterceptor(RpcMetrics(registry))._wrap_stream(method, behavior)
+        stream = wrapped(None, Context())
+        assert await stream.__anext__() == 0
+        await stream.aclose()
+        assert [item async for item in wrapped(None, Context())] == [0, 1, 2]
+
+    asyncio.run(scenario())
+    get = registry.get_sample_value
+    labels = {"grpc_service": "iserve.v1.InferenceService", "grpc_method": "Generate"}
+    assert get("iserve_grpc_server_handled_total", {**labels, "grpc_code": "CANCELLED"}) == 1
+    assert get("iserve_grpc_server_handled_total", {**labels, "grpc_code": "OK"}) == 1

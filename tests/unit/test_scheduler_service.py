@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from monitor_agent.worker.session import serve_session
-from scheduler_svc.servicer import InferenceServicer, ended_by_client
+from scheduler_svc.servicer import InferenceServicer
 from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -22,7 +22,7 @@ from services.api import inference_service_pb2_grpc as inference_grpc
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc as worker_grpc
 from services.errors import RemoteError
-from services.grpc_server import ServiceBinding, channel, start_server
+from services.grpc_server import ServiceBinding, channel, ended_by_client, start_server
 from services.ports import free_port
 from services.state import keys
 from services.state.store import StateStore
