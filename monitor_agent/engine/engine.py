@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
 from monitor_agent.engine.batching import (
     BatchEngine,
@@ -42,6 +41,7 @@ from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, missing_tokenizer
 from services.models.special_tokens import PromptEncoder, generation_eos_ids
+from services.models.tokenizer_files import load_tokenizer
 
 __all__ = ["Engine", "NoFreeSlot", "SamplingConfig", "StepOutput"]
 
@@ -130,7 +130,7 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         with kv_cache_quantization(kv_cache_dtype or "none"):
             self.model.setup_caches(max_batch, max_seq_len)
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        self.tokenizer = load_tokenizer(directory)
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype

@@ -15,7 +15,11 @@ what users compare iserve's outputs with. Read from its source and checked again
   ``Qwen2Tokenizer`` for qwen2, ``GPT2Tokenizer`` for gptj, or the one
   ``tokenizer_config.json`` names) keeps the file's post-processor; the special tokens a
   class defaults to (GPT-2's ``<|endoftext|>``) or that ``tokenizer_config.json`` and
-  ``special_tokens_map.json`` name are registered, never added to a prompt.
+  ``special_tokens_map.json`` name are registered, never added to a prompt;
+- a ``llama`` model's ``LlamaTokenizer`` or ``CodeLlamaTokenizer`` runs with the class's
+  own pre-tokenizer and decoder, not the file's normalizer
+  (``services.models.tokenizer_files.as_transformers_runs_it``), which the engines'
+  loader applies.
 
 Special-token ids in ``config.json`` or ``generation_config.json`` outside the model's
 vocabulary (Hugging Face's GPT-J config carries 50256 whatever the vocabulary) name no

@@ -10,6 +10,7 @@ here, naming the file:
   smaller one makes ordinary text fail. A larger ``vocab_size`` (rows padded to a round
   number) is fine, and so are added tokens beyond it (a ``<pad>`` appended at 32000 to a
   32000-row Llama-2, which transformers loads): only a prompt holding one is refused;
+- a Llama or Code Llama tokenizer is run as transformers 5 runs it (below);
 - the chat template the gateway renders (:mod:`services.models.chat_template`) must
   compile in the same Jinja environment. A checkpoint without one is fine: its chat
   requests are refused with the reason, and completions work.
@@ -17,10 +18,11 @@ here, naming the file:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from jinja2 import TemplateSyntaxError
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders, pre_tokenizers
 
 from services.models.arch import ArchSpec
 from services.models.chat_template import NoChatTemplate, compile_template, read_chat_template
@@ -29,16 +31,106 @@ from services.models.errors import InvalidCheckpoint
 TOKENIZER_FILE = "tokenizer.json"
 
 
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# The SentencePiece-style word marker that Metaspace writes for a space.
+_METASPACE = "\u2581"
+
+
 def load_tokenizer(directory: Path) -> Tokenizer:
-    """The checkpoint's ``tokenizer.json``, loaded as the worker loads it; InvalidCheckpoint
-    naming the file when the ``tokenizers`` library cannot read it."""
+    """The checkpoint's tokenizer as the engines and registration use it: its
+    ``tokenizer.json``, run the way transformers' ``AutoTokenizer`` runs it (see
+    :func:`as_transformers_runs_it`); InvalidCheckpoint naming the file when the
+    ``tokenizers`` library cannot read it."""
     try:
-        return Tokenizer.from_file(str(directory / TOKENIZER_FILE))
+        tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
     except Exception as exc:  # the library raises its own Exception for every problem
         raise InvalidCheckpoint(
             f"{TOKENIZER_FILE} in {str(directory)!r} is not a tokenizer the tokenizers "
             f"library can load: {exc}"
         ) from None
+    as_transformers_runs_it(
+        tokenizer,
+        _json_object(directory / "config.json"),
+        _json_object(directory / TOKENIZER_CONFIG_FILE),
+    )
+    return tokenizer
+
+
+def _json_object(path: Path) -> dict:
+    """``path``'s JSON object; {} when it is missing or not one (registration checks
+    config.json; tokenizer_config.json is optional)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def as_transformers_runs_it(tokenizer: Tokenizer, config: dict, tokenizer_config: dict) -> None:
+    """Give ``tokenizer`` the pipeline transformers 5's ``AutoTokenizer`` runs it with,
+    where that differs from its ``tokenizer.json``.
+
+    For a ``llama`` model whose ``tokenizer_config.json`` names ``LlamaTokenizer`` or
+    ``CodeLlamaTokenizer`` (``Fast`` or not), transformers builds the tokenizer from
+    that class's own code. Only the file's vocabulary, merges and post-processor are
+    kept. There is no normalizer: Llama 2's ``Prepend("▁")`` + ``Replace(" ", "▁")``
+    normalizer put a "▁" after every special token of a chat prompt. Instead a
+    ``Metaspace(split=False)`` pre-tokenizer prepends "▁" only where the text does not
+    start with one, as ``prepend_scheme`` says:
+
+    - ``add_prefix_space`` false gives "never";
+    - Llama with ``legacy`` true gives "always";
+    - otherwise "first", only at the start of the prompt.
+
+    The decoder is Replace, ByteFallback, Fuse, and then Strip of one leading space
+    (Code Llama always; Llama with ``add_prefix_space``). The BPE model fuses unknown
+    pieces and falls back to bytes. Checked against transformers itself by
+    ``tests/unit/test_models_tokenizer_files.py``.
+
+    Left as the file says: a byte-level ``tokenizer.json`` (Llama 3's, whose hub
+    config still names ``LlamaTokenizer``: transformers runs the file); other model
+    types (a ``mistral`` model runs the file whatever class is named); any other class.
+    """
+    named = str(tokenizer_config.get("tokenizer_class") or "").removesuffix("Fast")
+    if config.get("model_type") != "llama" or named not in ("LlamaTokenizer", "CodeLlamaTokenizer"):
+        return
+    spec = json.loads(tokenizer.to_str())
+    if spec.get("model", {}).get("type") != "BPE" or _byte_level(spec):
+        return
+    code_llama = named == "CodeLlamaTokenizer"
+    add_prefix_space = tokenizer_config.get("add_prefix_space")
+    add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
+    if not add_prefix_space:
+        scheme = "never"
+    elif not code_llama and tokenizer_config.get("legacy", False):
+        scheme = "always"
+    else:
+        scheme = "first"
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_METASPACE, prepend_scheme=scheme, split=False
+    )
+    steps = [decoders.Replace(_METASPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if code_llama or add_prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tokenizer.decoder = decoders.Sequence(steps)
+    tokenizer.model.fuse_unk = True
+    tokenizer.model.byte_fallback = True
+    tokenizer.model.dropout = None
+
+
+def _byte_level(spec: dict) -> bool:
+    """Whether a tokenizer.json's pre-tokenizer or decoder is (or holds) ByteLevel."""
+
+    def holds(part: object) -> bool:
+        if not isinstance(part, dict):
+            return False
+        if part.get("type") == "ByteLevel":
+            return True
+        inner = part.get("pretokenizers") or part.get("decoders") or ()
+        return any(holds(p) for p in inner)
+
+    return holds(spec.get("pre_tokenizer")) or holds(spec.get("decoder"))
 
 
 def check_tokenizer_files(directory: Path, spec: ArchSpec) -> None:

@@ -32,6 +32,7 @@ from services.models.checkpoint import (
     validate_checkpoint,
 )
 from services.models.special_tokens import encode_prompt, generation_eos_ids, max_prompt_chars
+from services.models.tokenizer_files import load_tokenizer
 
 FAMILIES = ("llama", "mistral", "qwen2", "falcon", "gptj")
 TEXTS = (
@@ -107,7 +108,7 @@ def write_tokenizer_files(
         (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     if special_tokens_map is not None:
         (directory / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
-    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+    return load_tokenizer(directory)
 
 
 def assert_encodes_like_transformers(directory: Path, tokenizer: Tokenizer, auto: Any) -> None:
@@ -188,6 +189,31 @@ def test_engine_encodes_like_transformers(tmp_path, auto_tokenizer) -> None:
     for text in TEXTS:
         assert engine.encode(text) == reference(text)["input_ids"]
     assert engine.encode(TEXTS[0])[0] != engine.spec.bos_token_id
+
+
+def test_engine_runs_a_llama_2_style_tokenizer_as_transformers_does(
+    tmp_path, auto_tokenizer
+) -> None:
+    """A llama checkpoint whose tokenizer_config.json names LlamaTokenizerFast over a
+    transformers-4-style SentencePiece tokenizer.json: the engine encodes a chat prompt
+    (special tokens inside the text) as AutoTokenizer does, without a "▁" after <s>."""
+    from tests.unit.test_models_tokenizer_files import llama_2_style_tokenizer_json
+
+    directory = create_checkpoint(
+        tmp_path / "ckpt", arch="llama", seed=1, hidden_size=64, num_layers=1, num_heads=4
+    )
+    (directory / "tokenizer.json").write_text(llama_2_style_tokenizer_json())
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config |= {"tokenizer_class": "LlamaTokenizerFast", "legacy": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = Engine(directory, max_seq_len=128)
+    reference = auto_tokenizer.from_pretrained(str(directory))
+    chat = "<s>[INST] hi there [/INST]"
+    assert (
+        engine.encode(chat, add_special_tokens=False)
+        == reference(chat, add_special_tokens=False)["input_ids"]
+    )
+    assert engine.encode("  two spaces") == reference("  two spaces")["input_ids"]
 
 
 def test_gptj_with_special_ids_outside_the_vocabulary_registers_and_serves(

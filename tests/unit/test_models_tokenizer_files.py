@@ -108,3 +108,135 @@ def test_templates_that_compile_or_are_absent_are_accepted(tmp_path: Path) -> No
 def test_the_loader_skips_the_tokenizer_checks(checkpoint: Path) -> None:
     (checkpoint / "tokenizer.json").write_text("{}")
     assert validate_checkpoint(checkpoint, require_tokenizer=False).spec.num_layers == 2
+
+
+# ---- Llama-2-style SentencePiece tokenizers, run as transformers runs them ------------
+# A tokenizer.json as transformers 4 wrote Llama 2's: byte-fallback BPE under a
+# Prepend("▁") + Replace(" ", "▁") normalizer, BOS added by the post-processor.
+SPM_SPECIALS = ("<unk>", "<s>", "</s>")
+SPM_LINES = (
+    "The river runs past the old mill, and under the stone bridge.\n",
+    "Once upon a time there was a small town by the sea.\n",
+    "  indented   with   runs of spaces\tand tabs\n",
+)
+
+
+@pytest.fixture(scope="module")
+def spm_tokenizer_json() -> str:
+    return llama_2_style_tokenizer_json()
+
+
+def llama_2_style_tokenizer_json() -> str:
+    """The tokenizer.json text (see SPM_SPECIALS' comment)."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=list(SPM_SPECIALS), show_progress=False
+    )
+    tokenizer.train_from_iterator(SPM_LINES * 8, trainer=trainer)
+    spec = json.loads(tokenizer.to_str())
+    learned = sorted(spec["model"]["vocab"].items(), key=lambda item: item[1])
+    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+    order = [*SPM_SPECIALS, *byte_tokens]
+    order += [t for t, _ in learned if t not in order]
+    spec["model"]["vocab"] = {t: i for i, t in enumerate(order)}
+    spec["model"].update(byte_fallback=True, fuse_unk=True)
+    for added in spec["added_tokens"]:
+        added["id"] = order.index(added["content"])
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ],
+    }
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+    }  # fmt: skip
+    return json.dumps(spec)
+
+
+def _spm_texts() -> list[str]:
+    """Fixed prompts (leading and repeated spaces, special tokens inside the text, as a
+    rendered Llama 2 chat prompt has them, non-ASCII) and random ones from a seeded
+    generator over the pieces where the pipelines could differ."""
+    import random
+
+    fixed = [
+        "  two spaces",
+        " lead",
+        "a  b   c",
+        "<s>[INST] hi [/INST]",
+        "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nhi [/INST] ok </s><s>[INST] more [/INST]",
+        "\u2581already marked",
+        "caf\u00e9 \u4e2d\u6587 \U0001f600",
+        "\n\nnew lines",
+        "",
+    ]
+    pieces = [
+        " ",
+        "  ",
+        "\u2581",
+        "<s>",
+        "</s>",
+        "\n",
+        "the",
+        "river",
+        "\u00e9",
+        "\u4e2d",
+        "x",
+        "[INST]",
+    ]
+    rng = random.Random(7)
+    return fixed + ["".join(rng.choices(pieces, k=rng.randint(1, 12))) for _ in range(60)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+@pytest.mark.parametrize(
+    "tokenizer_class",
+    [None, "LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "PreTrainedTokenizerFast"],
+)
+@pytest.mark.parametrize("legacy", [None, True, False])
+@pytest.mark.parametrize("add_prefix_space", [None, False])
+def test_a_sentencepiece_style_tokenizer_encodes_and_decodes_as_transformers_runs_it(
+    tmp_path, spm_tokenizer_json, model_type, tokenizer_class, legacy, add_prefix_space
+) -> None:
+    """transformers 5 rebuilds a llama model's LlamaTokenizer / CodeLlamaTokenizer with
+    the class's own pipeline (services.models.tokenizer_files.as_transformers_runs_it);
+    iserve encoded with the file's normalizer, a "▁" more after each special token."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    from services.models.special_tokens import encode_prompt
+    from services.models.tokenizer_files import load_tokenizer
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(spm_tokenizer_json)
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    tokenizer_config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    optional = {
+        "tokenizer_class": tokenizer_class,
+        "legacy": legacy,
+        "add_prefix_space": add_prefix_space,
+    }
+    tokenizer_config |= {k: v for k, v in optional.items() if v is not None}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    tokenizer = load_tokenizer(directory)
+    for text in _spm_texts():
+        for special in (True, False):  # a chat prompt is encoded without (it holds them)
+            ids = encode_prompt(tokenizer, text, add_special_tokens=special)
+            assert ids == reference(text, add_special_tokens=special)["input_ids"], (text, special)
+        ids = encode_prompt(tokenizer, text, add_special_tokens=False)
+        assert tokenizer.decode(ids, skip_special_tokens=True) == reference.decode(
+            ids, skip_special_tokens=True
+        ), text

@@ -28,8 +28,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
-
 from monitor_agent.engine.batching import GenerationRequest, StepOutput
 from monitor_agent.engine.sampling import SamplingConfig
 from monitor_agent.engine.trtllm.core import STEP_WAIT_S, TrtLlmBatch, TrtLlmMemory, TrtLlmSequence
@@ -48,6 +46,7 @@ from services.models.checkpoint import (
 )
 from services.models.families import parse_config
 from services.models.special_tokens import PromptEncoder, generation_eos_ids
+from services.models.tokenizer_files import load_tokenizer
 
 log = logging.getLogger("iserve.engine.trtllm")
 
@@ -102,7 +101,7 @@ class TrtLlmEngine:
         memory = TrtLlmMemory(tuple(max(0, b - a) for b, a in zip(before, after, strict=True)))
         self.backend = plan.backend
         self.config = config
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        self.tokenizer = load_tokenizer(directory)
         self.max_seq_len = config.max_seq_len
         self._encode = PromptEncoder(self.tokenizer, config.max_seq_len)
         self.max_batch = config.max_batch
