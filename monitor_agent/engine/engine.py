@@ -40,7 +40,7 @@ from monitor_agent.engine.model import LayerClock
 from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, missing_tokenizer
-from services.models.special_tokens import PromptEncoder, generation_eos_ids
+from services.models.special_tokens import PromptEncoder, stop_eos_ids
 from services.models.tokenizer_files import load_tokenizer
 
 __all__ = ["Engine", "NoFreeSlot", "SamplingConfig", "StepOutput"]
@@ -137,9 +137,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
         self._encode = PromptEncoder(self.tokenizer, max_seq_len)
-        self.eos_token_ids = frozenset(self.spec.eos_token_ids) | generation_eos_ids(
-            directory, self.spec.vocab_size
-        )
+        self.eos_token_ids = stop_eos_ids(self.spec.eos_token_ids, directory, self.spec.vocab_size)
         self.batch = BatchEngine(
             self.model,
             self.tokenizer,

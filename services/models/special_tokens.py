@@ -111,18 +111,32 @@ def ids_in_vocabulary(source: str, ids: Iterable[int], vocab_size: int) -> tuple
     return tuple(kept)
 
 
-def generation_eos_ids(checkpoint_dir: Path, vocab_size: int) -> frozenset[int]:
+def generation_eos_ids(checkpoint_dir: Path, vocab_size: int) -> frozenset[int] | None:
     """EOS ids from ``generation_config.json`` (chat models often list more than
-    ``config.json``), those outside the vocabulary dropped; empty without the file.
+    ``config.json``), those outside the vocabulary dropped; None when there is no such
+    file or it names no ``eos_token_id``.
 
     InvalidCheckpoint when the file is not a JSON object."""
     path = checkpoint_dir / GENERATION_CONFIG_FILE
     if not path.is_file():
-        return frozenset()
+        return None
     try:
         value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
         raise InvalidCheckpoint(f"{GENERATION_CONFIG_FILE} is malformed: {exc}") from exc
     values = value if isinstance(value, list) else [value]
-    ids = (v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    ids = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if not ids:
+        return None
     return frozenset(ids_in_vocabulary(f"{GENERATION_CONFIG_FILE} eos_token_id", ids, vocab_size))
+
+
+def stop_eos_ids(
+    config_eos_ids: Iterable[int], checkpoint_dir: Path, vocab_size: int
+) -> frozenset[int]:
+    """The EOS ids a generation stops on, as transformers' ``generate`` has them:
+    ``generation_config.json``'s when it names any (those alone, as the model's
+    generation config is read from that file), else ``config.json``'s
+    (``config_eos_ids``, already within the vocabulary)."""
+    generation = generation_eos_ids(checkpoint_dir, vocab_size)
+    return frozenset(config_eos_ids) if generation is None else generation

@@ -31,7 +31,12 @@ from services.models.checkpoint import (
     create_checkpoint,
     validate_checkpoint,
 )
-from services.models.special_tokens import encode_prompt, generation_eos_ids, max_prompt_chars
+from services.models.special_tokens import (
+    encode_prompt,
+    generation_eos_ids,
+    max_prompt_chars,
+    stop_eos_ids,
+)
 from services.models.tokenizer_files import load_tokenizer
 
 FAMILIES = ("llama", "mistral", "qwen2", "falcon", "gptj")
@@ -245,12 +250,19 @@ def test_gptj_with_special_ids_outside_the_vocabulary_registers_and_serves(
 
 
 def test_generation_config_eos_ids(tmp_path) -> None:
-    assert generation_eos_ids(tmp_path, VOCAB_SIZE) == frozenset()
+    assert generation_eos_ids(tmp_path, VOCAB_SIZE) is None
+    assert stop_eos_ids([EOS_ID, 33], tmp_path, VOCAB_SIZE) == frozenset({EOS_ID, 33})
     path = tmp_path / "generation_config.json"
     path.write_text(json.dumps({"eos_token_id": [EOS_ID, 7, 50256, True, "x"]}))
     assert generation_eos_ids(tmp_path, VOCAB_SIZE) == frozenset({EOS_ID, 7})
     path.write_text(json.dumps({"eos_token_id": 5}))
     assert generation_eos_ids(tmp_path, VOCAB_SIZE) == frozenset({5})
+    # As transformers' generate: generation_config.json's ids alone when it names any
+    # (config.json's 33 is not a stop then; the union stopped on it), else config.json's.
+    assert stop_eos_ids([EOS_ID, 33], tmp_path, VOCAB_SIZE) == frozenset({5})
+    path.write_text(json.dumps({"do_sample": True}))
+    assert generation_eos_ids(tmp_path, VOCAB_SIZE) is None
+    assert stop_eos_ids([EOS_ID, 33], tmp_path, VOCAB_SIZE) == frozenset({EOS_ID, 33})
     path.write_text("[1, 2]")
     with pytest.raises(InvalidCheckpoint, match="generation_config.json is malformed"):
         generation_eos_ids(tmp_path, VOCAB_SIZE)

@@ -45,7 +45,7 @@ from services.models.checkpoint import (
     read_config,
 )
 from services.models.families import parse_config
-from services.models.special_tokens import PromptEncoder, generation_eos_ids
+from services.models.special_tokens import PromptEncoder, stop_eos_ids
 from services.models.tokenizer_files import load_tokenizer
 
 log = logging.getLogger("iserve.engine.trtllm")
@@ -105,9 +105,7 @@ class TrtLlmEngine:
         self.max_seq_len = config.max_seq_len
         self._encode = PromptEncoder(self.tokenizer, config.max_seq_len)
         self.max_batch = config.max_batch
-        self.eos_token_ids = frozenset(self.spec.eos_token_ids) | generation_eos_ids(
-            directory, self.spec.vocab_size
-        )
+        self.eos_token_ids = stop_eos_ids(self.spec.eos_token_ids, directory, self.spec.vocab_size)
         self.batch = TrtLlmBatch(
             self.model,
             api,
