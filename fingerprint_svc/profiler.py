@@ -201,8 +201,13 @@ class Profiler:
 
     async def _run_all(self, model: model_pb.Model) -> ProfileRecord:
         model_id = model.model_id
+        try:
+            # A model with a short context is profiled on shorter prompts and outputs.
+            profiling = self.profiling.fitted(model.shape.max_position_embeddings)
+        except ValueError as exc:
+            raise ProfilingFailed(f"{model_id}: {exc}") from None
         nodes = await self.store.list_nodes()
-        jobs, skipped = plan_jobs(model, self.profiling, live_node_devices(nodes))
+        jobs, skipped = plan_jobs(model, profiling, live_node_devices(nodes))
         record = ProfileRecord(skipped=list(skipped), runs_total=len(jobs))
         given_up: set[tuple[str, tuple[int, int]]] = set()
         dropped_variants: set[str] = set()
@@ -217,7 +222,7 @@ class Profiler:
             try:
                 async with self._turn:
                     await self._progress(model_id, done, len(jobs), job.describe(), "running")
-                    await self._run_job(model, job, record)
+                    await self._run_job(model, job, record, profiling)
             except JobFailed as exc:
                 if reference == (1, 1) and job.variant.is_base:
                     raise ProfilingFailed(f"{job.describe()}: {exc}") from exc
@@ -240,13 +245,19 @@ class Profiler:
         except (OSError, ValueError) as exc:
             raise JobFailed(f"cannot cut the fingerprint: {exc}") from exc
 
-    async def _run_job(self, model: model_pb.Model, job: ProfileJob, record: ProfileRecord) -> None:
+    async def _run_job(
+        self,
+        model: model_pb.Model,
+        job: ProfileJob,
+        record: ProfileRecord,
+        profiling: ProfilingSettings,
+    ) -> None:
         fingerprint = await self._fingerprint(job.variant, job.num_layers)
         spec = await asyncio.to_thread(self._spec_of, fingerprint)
         owner = _owner(model.model_id)
         self._owners.add(owner)
         try:
-            choice = await self._reserve(owner, job, spec)
+            choice = await self._reserve(owner, job, spec, profiling)
         except BaseException:
             self._owners.discard(owner)
             raise
@@ -256,10 +267,10 @@ class Profiler:
                 checkpoint_path=fingerprint.checkpoint_path,
                 config=job.config(),
                 workers=job.worker_specs(choice.device_ids),
-                input_tokens=self.profiling.input_tokens,
-                output_tokens=self.profiling.output_tokens,
-                warmup_runs=self.profiling.warmup_runs,
-                timed_runs=self.profiling.timed_runs,
+                input_tokens=profiling.input_tokens,
+                output_tokens=profiling.output_tokens,
+                warmup_runs=profiling.warmup_runs,
+                timed_runs=profiling.timed_runs,
             )
             started = time.perf_counter()
             async with channel(choice.agent_address) as ch:
@@ -283,7 +294,7 @@ class Profiler:
                     full_model=fingerprint.full_model,
                     config=job.config(),
                     stage_layers=job.stage_layers,
-                    input_tokens=self.profiling.input_tokens,
+                    input_tokens=profiling.input_tokens,
                     output_tokens=run.output_tokens,
                     ttft_ms=run.ttft_ms,
                     tpot_ms=run.tpot_ms,
@@ -293,7 +304,7 @@ class Profiler:
                     tpot_layer_ms=run.tpot_layer_ms,
                     layer_weight_bytes=layer_weight_bytes(model.shape, job.config()),
                     layer_kv_bytes_per_token=layer_kv_bytes_per_token(model.shape, job.config()),
-                    repetitions=self.profiling.timed_runs,
+                    repetitions=profiling.timed_runs,
                     hardware_type=hardware,
                 )
             )
@@ -305,7 +316,9 @@ class Profiler:
         # As served: a head of its own under a config that ties it is reserved for.
         return served_spec(self.settings.models_root / fingerprint.checkpoint_path)
 
-    async def _reserve(self, owner: str, job: ProfileJob, spec: ArchSpec):
+    async def _reserve(
+        self, owner: str, job: ProfileJob, spec: ArchSpec, profiling: ProfilingSettings
+    ):
         """Reserve each rank's memory on the best devices; JobFailed when none fit.
         Memory in use beyond the reservations (the job before's worker still exiting) is
         waited for, up to SETTLE_WAIT_S; nothing else is."""
@@ -319,7 +332,7 @@ class Profiler:
                 tensor_parallel=job.tensor_parallel,
                 stage_layers=job.stage_layers,
                 batch_size=job.batch_size,
-                max_seq_len=self.profiling.max_seq_len,
+                max_seq_len=profiling.max_seq_len,
                 compute_bytes=compute,
             )
             choice = choose_devices(nodes, need)

@@ -542,3 +542,21 @@ class ProfilingSettings:
     def max_seq_len(self) -> int:
         """Tokens of KV cache a profiling worker holds per sequence."""
         return self.input_tokens + max(self.output_tokens)
+
+    def fitted(self, max_positions: int) -> ProfilingSettings:
+        """These lengths, shortened for a model whose context of ``max_positions``
+        (0: unknown) cannot hold the prompt and the longest output: the outputs get at
+        most half the context, scaled down in proportion (distinct, at least 1 token),
+        and the prompt what is left, at most its own length. ValueError below 2
+        positions, which hold no prompt and output."""
+        if not max_positions or self.max_seq_len <= max_positions:
+            return self
+        if max_positions < 2:
+            raise ValueError(
+                f"a context of {max_positions} position holds no prompt and output to profile"
+            )
+        longest = max(self.output_tokens)
+        budget = min(longest, max_positions // 2)
+        outputs = tuple(dict.fromkeys(max(1, o * budget // longest) for o in self.output_tokens))
+        prompt = min(self.input_tokens, max_positions - max(outputs))
+        return replace(self, input_tokens=prompt, output_tokens=outputs)

@@ -267,6 +267,21 @@ def test_a_failing_job_fails_the_model_until_registered_again(stack):
     _delete(stack, "prof-broken")
 
 
+def test_a_model_with_a_short_context_is_profiled_on_shorter_lengths(stack):
+    """A 32-position context cannot hold the 64-token prompt and 16-token output the
+    profiler uses: it profiles with outputs of 8 and 16 after a 16-token prompt (the
+    model ended FAILED before, and only explicit deploys were left to it)."""
+    path = make_checkpoint(stack, "prof-short", **TINY, max_position_embeddings=32)
+    _register(stack, "prof-short", path)
+    assert _watch(stack, "prof-short")[-1].state == model_pb.MODEL_STATE_PROFILED
+    profile = stack.models.GetProfile(model_pb.GetProfileRequest(model_id="prof-short"))
+    assert {(m.input_tokens, m.output_tokens) for m in profile.measurements} == {
+        (16, 8),
+        (16, 16),
+    }
+    _delete(stack, "prof-short")
+
+
 def test_profile_and_watch_of_models_without_profiles(stack):
     code, _ = _code(lambda: stack.models.GetProfile(model_pb.GetProfileRequest(model_id="nope")))
     assert code == grpc.StatusCode.NOT_FOUND

@@ -208,3 +208,26 @@ def test_metrics_urls_say_https_where_the_processes_serve_tls(tmp_path):
         }
     )
     assert tls.metrics_url("deploy") == f"https://{tls.metrics_address('deploy')}/metrics"
+
+
+@pytest.mark.parametrize(
+    ("max_positions", "prompt", "outputs"),
+    [
+        (0, 64, (8, 16)),  # unknown: unchanged
+        (2048, 64, (8, 16)),
+        (80, 64, (8, 16)),  # exactly fits
+        (79, 63, (8, 16)),
+        (32, 16, (8, 16)),
+        (20, 10, (5, 10)),
+        (3, 2, (1,)),
+        (2, 1, (1,)),
+    ],
+)
+def test_profiling_lengths_shrink_to_a_short_context(max_positions, prompt, outputs):
+    from services.settings import ProfilingSettings
+
+    fitted = ProfilingSettings().fitted(max_positions)
+    assert (fitted.input_tokens, fitted.output_tokens) == (prompt, outputs)
+    assert not max_positions or fitted.max_seq_len <= max_positions
+    with pytest.raises(ValueError, match="a context of 1 position holds no prompt"):
+        ProfilingSettings().fitted(1)
