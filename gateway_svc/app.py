@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from gateway_svc.bodies import (
+    COMPLETION_MAX_TOKENS,
     ChatBody,
     ChatMessage,
     CompletionBody,
@@ -646,7 +647,11 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
     async def completions(body: CompletionBody, http: Request):
         served_model_id(body.model)
         caller = backend.caller(http)
-        request = _generate_request(body, body.prompt, body.max_tokens)
+        if body.max_tokens_given:
+            request = _generate_request(body, body.prompt, body.max_tokens)
+        else:  # OpenAI's 16, as far as the deployment allows
+            request = _generate_request(body, body.prompt, None)
+            request.max_tokens_default = COMPLETION_MAX_TOKENS
         return await _respond(body, request, caller, http, chat=False)
 
     @app.post("/v1/chat/completions", responses=_GENERATION_REPLIES)

@@ -375,10 +375,12 @@ class CompletionBody(GenerationBody):
     suffix: Any = _declined(_DECLINED_COMPLETION, "suffix")
     best_of: Any = _declined(_DECLINED_COMPLETION, "best_of")
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _default_for_null(cls, max_tokens: int | None) -> int:
-        return COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+    @property
+    def max_tokens_given(self) -> bool:
+        """Whether the client set max_tokens (null counts as unset). The default of 16
+        goes as GenerateRequest.max_tokens_default, which a deployment allowing fewer
+        output tokens caps instead of refusing."""
+        return "max_tokens" in self.model_fields_set and self.max_tokens is not None
 
     @field_validator("logprobs")
     @classmethod

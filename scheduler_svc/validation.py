@@ -41,9 +41,12 @@ def resolve_max_tokens(
 ) -> None:
     """An unset max_tokens (0) becomes the deployment's max_output_tokens, as OpenAI's
     chat API generates up to the model's limit when no max_tokens is given (a deployment
-    that records no limit gets the deployer's default)."""
+    that records no limit gets the deployer's default), or the request's
+    max_tokens_default where that is fewer (OpenAI's completions: 16)."""
     if not request.max_tokens:
-        request.max_tokens = deployment.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
+        limit = deployment.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
+        default = request.max_tokens_default
+        request.max_tokens = min(limit, default) if default else limit
 
 
 def prompt_token_limit(

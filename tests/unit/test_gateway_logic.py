@@ -509,3 +509,15 @@ def test_null_for_openais_nullable_fields_is_their_default(path, body):
     sent = _sent(path, {**body, **nulls})
     assert (sent.sampling.temperature, sent.sampling.top_p) == (1.0, 1.0)
     assert _document_takes(path, {**body, **nulls})
+
+
+def test_a_completion_without_max_tokens_sends_openais_16_as_a_default_to_cap():
+    """OpenAI's completions generate 16 tokens when max_tokens is absent or null. Sent
+    as max_tokens 16, a deployment allowing fewer output tokens refused a request whose
+    client set no max_tokens; sent as max_tokens_default, the scheduler caps it."""
+    path, body = COMPLETION
+    for unset in (body, {**body, "max_tokens": None}):
+        sent = _sent(path, {k: v for k, v in unset.items() if k != "max_tokens" or v is None})
+        assert (sent.max_tokens, sent.max_tokens_default) == (0, 16)
+    sent = _sent(path, {**body, "max_tokens": 16})
+    assert (sent.max_tokens, sent.max_tokens_default) == (16, 0)

@@ -370,6 +370,21 @@ def test_an_unset_max_tokens_is_the_deployments_max_output_tokens(redis_url):
     run(redis_url, scenario)
 
 
+def test_a_max_tokens_default_is_capped_by_the_deployment_not_refused(redis_url):
+    # OpenAI's completions default (16) on a deployment allowing 10 output tokens: 10,
+    # as for an unset max_tokens; on one allowing 16 or more: 16.
+    async def scenario(h: Harness):
+        small, large = FakeWorker(), FakeWorker()
+        await h.add_deployment("small", small, max_output_tokens=10)
+        await h.add_deployment("large", large, max_output_tokens=64)
+        await h.collect(deployment_id="small", max_tokens=0, max_tokens_default=16)
+        await h.collect(request_id="r2", deployment_id="large", max_tokens=0, max_tokens_default=16)
+        assert [(r.max_tokens, r.max_tokens_is_bound) for r in small.received] == [(10, True)]
+        assert [(r.max_tokens, r.max_tokens_is_bound) for r in large.received] == [(16, True)]
+
+    run(redis_url, scenario)
+
+
 def test_full_queue_is_resource_exhausted(redis_url):
     async def scenario(h: Harness):
         worker = FakeWorker(gate=asyncio.Event())

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.api.iserve.v1 import common_pb2 as iserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!iserve/v1/inference_service.proto\x12\tiserve.v1\x1a\x16iserve/v1/common.proto\"\x91\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x08model_id\x18\x02 \x01(\tH\x00\x12\x17\n\rdeployment_id\x18\x03 \x01(\tH\x00\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.iserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\t \x01(\r\x12!\n\x19prompt_has_special_tokens\x18\n \x01(\x08\x42\x08\n\x06target\"D\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"\x9c\x01\n\rGenerateFinal\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.iserve.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.iserve.v1.Usage\x12#\n\x07timings\x18\x03 \x01(\x0b\x32\x12.iserve.v1.Timings\x12\x15\n\rdeployment_id\x18\x04 \x01(\t\"\x82\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x15.iserve.v1.TokenDeltaH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.iserve.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\",\n\x16GetServingStatsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xfe\x01\n\x16\x44\x65ploymentServingStats\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10requests_waiting\x18\x03 \x01(\r\x12\x18\n\x10requests_running\x18\x04 \x01(\r\x12\x1a\n\x12requests_completed\x18\x05 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x06 \x01(\x04\x12\x13\n\x0bttft_p50_ms\x18\x07 \x01(\x01\x12\x13\n\x0bttft_p95_ms\x18\x08 \x01(\x01\x12\x14\n\x0cslo_attained\x18\t \x01(\x04\x12\x12\n\nslo_missed\x18\n \x01(\x04\"e\n\x17GetServingStatsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x36\n\x0b\x64\x65ployments\x18\x02 \x03(\x0b\x32!.iserve.v1.DeploymentServingStats2\xb3\x01\n\x10InferenceService\x12\x45\n\x08Generate\x12\x1a.iserve.v1.GenerateRequest\x1a\x1b.iserve.v1.GenerateResponse0\x01\x12X\n\x0fGetServingStats\x12!.iserve.v1.GetServingStatsRequest\x1a\".iserve.v1.GetServingStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!iserve/v1/inference_service.proto\x12\tiserve.v1\x1a\x16iserve/v1/common.proto\"\xad\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x08model_id\x18\x02 \x01(\tH\x00\x12\x17\n\rdeployment_id\x18\x03 \x01(\tH\x00\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.iserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\t \x01(\r\x12!\n\x19prompt_has_special_tokens\x18\n \x01(\x08\x12\x1a\n\x12max_tokens_default\x18\x0b \x01(\rB\x08\n\x06target\"D\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"\x9c\x01\n\rGenerateFinal\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.iserve.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.iserve.v1.Usage\x12#\n\x07timings\x18\x03 \x01(\x0b\x32\x12.iserve.v1.Timings\x12\x15\n\rdeployment_id\x18\x04 \x01(\t\"\x82\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x15.iserve.v1.TokenDeltaH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.iserve.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\",\n\x16GetServingStatsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xfe\x01\n\x16\x44\x65ploymentServingStats\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10requests_waiting\x18\x03 \x01(\r\x12\x18\n\x10requests_running\x18\x04 \x01(\r\x12\x1a\n\x12requests_completed\x18\x05 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x06 \x01(\x04\x12\x13\n\x0bttft_p50_ms\x18\x07 \x01(\x01\x12\x13\n\x0bttft_p95_ms\x18\x08 \x01(\x01\x12\x14\n\x0cslo_attained\x18\t \x01(\x04\x12\x12\n\nslo_missed\x18\n \x01(\x04\"e\n\x17GetServingStatsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x36\n\x0b\x64\x65ployments\x18\x02 \x03(\x0b\x32!.iserve.v1.DeploymentServingStats2\xb3\x01\n\x10InferenceService\x12\x45\n\x08Generate\x12\x1a.iserve.v1.GenerateRequest\x1a\x1b.iserve.v1.GenerateResponse0\x01\x12X\n\x0fGetServingStats\x12!.iserve.v1.GetServingStatsRequest\x1a\".iserve.v1.GetServingStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'iserve.v1.inference_service
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=73
-  _globals['_GENERATEREQUEST']._serialized_end=346
-  _globals['_TOKENDELTA']._serialized_start=348
-  _globals['_TOKENDELTA']._serialized_end=416
-  _globals['_GENERATEFINAL']._serialized_start=419
-  _globals['_GENERATEFINAL']._serialized_end=575
-  _globals['_GENERATERESPONSE']._serialized_start=578
-  _globals['_GENERATERESPONSE']._serialized_end=708
-  _globals['_GETSERVINGSTATSREQUEST']._serialized_start=710
-  _globals['_GETSERVINGSTATSREQUEST']._serialized_end=754
-  _globals['_DEPLOYMENTSERVINGSTATS']._serialized_start=757
-  _globals['_DEPLOYMENTSERVINGSTATS']._serialized_end=1011
-  _globals['_GETSERVINGSTATSRESPONSE']._serialized_start=1013
-  _globals['_GETSERVINGSTATSRESPONSE']._serialized_end=1114
-  _globals['_INFERENCESERVICE']._serialized_start=1117
-  _globals['_INFERENCESERVICE']._serialized_end=1296
+  _globals['_GENERATEREQUEST']._serialized_end=374
+  _globals['_TOKENDELTA']._serialized_start=376
+  _globals['_TOKENDELTA']._serialized_end=444
+  _globals['_GENERATEFINAL']._serialized_start=447
+  _globals['_GENERATEFINAL']._serialized_end=603
+  _globals['_GENERATERESPONSE']._serialized_start=606
+  _globals['_GENERATERESPONSE']._serialized_end=736
+  _globals['_GETSERVINGSTATSREQUEST']._serialized_start=738
+  _globals['_GETSERVINGSTATSREQUEST']._serialized_end=782
+  _globals['_DEPLOYMENTSERVINGSTATS']._serialized_start=785
+  _globals['_DEPLOYMENTSERVINGSTATS']._serialized_end=1039
+  _globals['_GETSERVINGSTATSRESPONSE']._serialized_start=1041
+  _globals['_GETSERVINGSTATSRESPONSE']._serialized_end=1142
+  _globals['_INFERENCESERVICE']._serialized_start=1145
+  _globals['_INFERENCESERVICE']._serialized_end=1324
 # @@protoc_insertion_point(module_scope)

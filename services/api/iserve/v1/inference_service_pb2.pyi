@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "deployment_id", "prompt", "prompt_token_ids", "max_tokens", "sampling", "priority", "deadline_ms", "prompt_has_special_tokens")
+    __slots__ = ("request_id", "model_id", "deployment_id", "prompt", "prompt_token_ids", "max_tokens", "sampling", "priority", "deadline_ms", "prompt_has_special_tokens", "max_tokens_default")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_HAS_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     deployment_id: str
@@ -29,7 +30,8 @@ class GenerateRequest(_message.Message):
     priority: bool
     deadline_ms: int
     prompt_has_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[bool] = ..., deadline_ms: _Optional[int] = ..., prompt_has_special_tokens: _Optional[bool] = ...) -> None: ...
+    max_tokens_default: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[bool] = ..., deadline_ms: _Optional[int] = ..., prompt_has_special_tokens: _Optional[bool] = ..., max_tokens_default: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "text", "prompt_tokens")
