@@ -158,6 +158,20 @@ class Harness:
         except TimeoutError:
             pytest.fail(f"timed out waiting for {what}")
 
+    async def close_left_out(self) -> None:
+        """Refresh the router twice and close the queues of the deployments Redis no
+        longer has serving (a replica left out twice in a row is closed)."""
+        router = self.servicer.router
+        for _ in range(2):
+            await router.refresh()
+            await self.servicer._forget_removed(router.deployments())
+
+    async def mark_removing(self, deployment: deploy_pb.Deployment) -> None:
+        """Record ``deployment`` REMOVING and let the scheduler see it."""
+        deployment.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
+        await self.store.put_deployment(deployment)
+        await self.close_left_out()
+
     async def until_waiting(self, deployment_id: str, count: int) -> None:
         queue = self.servicer.queues.get(deployment_id)
         await self.until(lambda: queue.waiting == count, f"{count} waiting on {deployment_id}")
@@ -825,12 +839,7 @@ def test_a_request_sent_on_from_a_deployment_gone_to_a_full_queue_says_why(redis
         await h.until_waiting("d2", 1)
         moved = asyncio.create_task(h.status_of(request_id="moved", model_id="m"))
         await h.until_waiting("d1", 1)  # d2's queue is full: the model's request waits on d1
-        d1.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
-        await h.store.put_deployment(d1)
-        router = h.servicer.router
-        for _ in range(2):  # a replica left out twice in a row is closed
-            await router.refresh()
-            await h.servicer._forget_removed(router.deployments())
+        await h.mark_removing(d1)
         error = await moved
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
         assert "queue of deployment d2 is full" in error.details()
@@ -895,12 +904,7 @@ def test_an_unset_max_tokens_is_resolved_again_where_a_request_moves(redis_url):
         moved = asyncio.create_task(h.collect(request_id="moved", model_id="m", max_tokens=0))
         await h.until_waiting("d1", 1)
         await h.add_deployment("d2", second, max_output_tokens=4)
-        d1.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
-        await h.store.put_deployment(d1)
-        router = h.servicer.router
-        for _ in range(2):  # a replica left out twice in a row is closed
-            await router.refresh()
-            await h.servicer._forget_removed(router.deployments())
+        await h.mark_removing(d1)
         messages = await moved
         assert messages[-1].final.deployment_id == "d2"
         assert [(r.max_tokens, r.max_tokens_is_bound) for r in second.received] == [(4, True)]
@@ -922,10 +926,7 @@ def test_a_request_waiting_on_a_deployment_removed_meanwhile_is_told_so(redis_ur
         waiting = asyncio.create_task(h.status_of(request_id="waiting", deployment_id="d1"))
         await h.until_waiting("d1", 1)
         await h.store.delete_deployment(d1)
-        router = h.servicer.router
-        for _ in range(2):
-            await router.refresh()
-            await h.servicer._forget_removed(router.deployments())
+        await h.close_left_out()
         error = await waiting
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
         assert error.details() == (
