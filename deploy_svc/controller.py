@@ -52,7 +52,7 @@ from services.ids import (
 )
 from services.intents import check_intent, with_default
 from services.settings import Settings
-from services.state.capacity import smallest_device_bytes
+from services.state.capacity import largest_device_bytes
 from services.state.store import ReservationError, StateStore
 
 log = logging.getLogger("iserve.deploy")
@@ -228,7 +228,7 @@ class DeploymentController:
                             batch_size=limits.config.batch_size,
                         ),
                         device_count=device_count,
-                        device_memory_bytes=smallest_device_bytes(nodes, hardware_type),
+                        device_memory_bytes=largest_device_bytes(nodes, hardware_type),
                         intent=intent,
                     ),
                     timeout=RANK_TIMEOUT_S,

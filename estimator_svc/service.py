@@ -31,7 +31,7 @@ from services.estimation.latency import REFERENCE_LAYOUTS
 from services.estimation.memory import GIB
 from services.estimation.score import Estimates
 from services.ids import check_hardware_type
-from services.state.capacity import smallest_device_bytes
+from services.state.capacity import largest_device_bytes
 from services.state.store import StateStore
 
 __all__ = ["DEFAULT_DEVICES", "Estimator", "Estimate"]
@@ -241,13 +241,13 @@ class Estimator:
 
     # ---- devices ------------------------------------------------------------------
     async def _device_memory_bytes(self, hardware_type: str) -> int:
-        return smallest_device_bytes(await self.store.list_nodes(), hardware_type)
+        return largest_device_bytes(await self.store.list_nodes(), hardware_type)
 
     async def devices(self, hardware_type: str, requested: int) -> tuple[int, float | None]:
         """(device count, memory per device in GiB or None) for a request.
 
         ``requested`` 0 means the cluster's live devices of that type, or
-        :data:`DEFAULT_DEVICES` when it has none; memory is the smallest such device's
+        :data:`DEFAULT_DEVICES` when it has none; memory is the largest such device's
         (None when there is none: :meth:`estimate` then asks the calibration).
         """
         nodes = await self.store.list_nodes()
@@ -255,7 +255,7 @@ class Estimator:
         count = requested or present or DEFAULT_DEVICES
         if count < 1:
             raise InvalidArgument(f"device_count must be at least 1, got {count}")
-        memory = smallest_device_bytes(nodes, hardware_type)
+        memory = largest_device_bytes(nodes, hardware_type)
         return count, (memory / GIB if memory else None)
 
     # ---- estimates ----------------------------------------------------------------

@@ -1,5 +1,5 @@
 """A device's free memory: the one rule, in Python and in the Lua that reserves; and
-the memory a hardware type's devices are judged by (:func:`smallest_device_bytes`).
+the memory a hardware type's configurations are judged by (:func:`largest_device_bytes`).
 
 Free bytes are the total less the larger of what is measured in use and what is
 reserved: a reservation holds room before its workers have allocated it, and memory used
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from services.api import common_pb2 as common
 
-__all__ = ["FREE_BYTES_LUA", "free_bytes", "smallest_device_bytes"]
+__all__ = ["FREE_BYTES_LUA", "free_bytes", "largest_device_bytes"]
 
 # Lua expression over the numbers total, used and reserved (the reserve script's locals).
 FREE_BYTES_LUA = "math.max(0, total - math.max(used, reserved))"
@@ -25,10 +25,13 @@ def free_bytes(total: int, used: int, reserved: int) -> int:
     return max(0, total - max(used, reserved))
 
 
-def smallest_device_bytes(nodes: Sequence[common.NodeState], hardware_type: str) -> int:
-    """Total bytes of the smallest live device of ``hardware_type`` among ``nodes`` (live
-    or simulated; 0 when there is none): what a configuration must fit on every device."""
-    return min(
+def largest_device_bytes(nodes: Sequence[common.NodeState], hardware_type: str) -> int:
+    """Total bytes of the largest live device of ``hardware_type`` among ``nodes`` (live
+    or simulated; 0 when there is none): what a configuration must fit on a device to be
+    placeable at all. One that fits only the larger devices is placed on them: the
+    deployer walks the ranking until a configuration places. Judged by the smallest
+    device, one small device beside large ones ruled out what the large ones hold."""
+    return max(
         (
             d.total_bytes
             for n in nodes

@@ -326,6 +326,23 @@ def test_what_fits_is_judged_by_the_simulated_devices_memory(stack, imported):
     ), err.value.details()
 
 
+def test_one_small_device_beside_large_ones_does_not_rule_out_what_the_large_ones_hold(
+    stack, imported
+):
+    """Llama-2-70B, fp16 only (about 129 GiB), on one 200 GiB device beside a 1 GiB one
+    of the same type: placed on the large one. Ranking once judged every configuration
+    against the smallest device of the type, so nothing was left to place."""
+    floor = common.Intent(kind=common.INTENT_KIND_MIN_LATENCY, min_accuracy=100)
+    large, small = devices(loads=(0.0, 0.0))
+    large.total_bytes = large.free_bytes = 200 << 30
+    small.total_bytes = small.free_bytes = 1 << 30
+    decision = plan(stack, floor, model_id="llama-2-70b", devices=[large, small])
+    assert decision.config.variant_name == "fp16", decision.config
+    assert [d.device_id for s in decision.placement.stages for d in s.devices] == [
+        large.ref.device_id
+    ]
+
+
 def test_deploying_an_imported_model_says_how_to_deploy_it_and_reserves_nothing(stack, imported):
     before = reserved_by_device(stack)
     with pytest.raises(grpc.RpcError) as err:
