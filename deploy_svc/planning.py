@@ -250,7 +250,7 @@ def decide(
         f"no configuration of {model.model_id} can be placed on the {len(devices)} "
         f"device(s) available ({listed}{f'; and {more} more' if more > 0 else ''})"
         if skipped
-        else f"no configuration of {model.model_id} to place"
+        else f"no configuration of {model.model_id} to place" + (f" ({note})" if note else "")
     )
 
 

@@ -260,6 +260,20 @@ def _order(candidates: np.ndarray, key: np.ndarray, devices: np.ndarray) -> np.n
     return sub
 
 
+def _nothing_fits(e: Estimates) -> str:
+    """Why nothing fits: the least memory per device any configuration needs, and its
+    layout (the engine splits a model at most tp x pp ways, however many devices)."""
+    estimable = np.flatnonzero(e.estimable)
+    least = estimable[np.argmin(e.memory_per_device_gib[estimable])]
+    space = e.space
+    return (
+        "no configuration fits the device memory: the least any needs is "
+        f"{e.memory_per_device_gib[least]:.1f} GiB per device "
+        f"({space.variants[space.variant[least]].name} at tp={space.tp[least]} "
+        f"pp={space.pp[least]}, {space.device_count[least]} devices)"
+    )
+
+
 def rank(estimates: Estimates, intent: Intent, cost: np.ndarray | None = None) -> Ranking:
     """Order the configurations that fit for ``intent``; see :class:`Intent`.
 
@@ -282,11 +296,7 @@ def rank(estimates: Estimates, intent: Intent, cost: np.ndarray | None = None) -
     if misfits:
         notes.append(f"{misfits} configurations do not fit the device memory")
     if candidates.size == 0:
-        notes.append(
-            "no configuration fits the device memory"
-            if misfits
-            else "no configuration has a usable estimate"
-        )
+        notes.append(_nothing_fits(e) if misfits else "no configuration has a usable estimate")
         return Ranking(candidates, tuple(notes))
 
     if intent.accuracy_floor_pct is not None:

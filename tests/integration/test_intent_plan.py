@@ -324,6 +324,20 @@ def test_what_fits_is_judged_by_the_simulated_devices_memory(stack, imported):
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     ), err.value.details()
+    # Nothing of any variant fits 1 GiB: the refusal says by how much (it said only
+    # "no configuration of llama-2-70b to place").
+    with pytest.raises(grpc.RpcError) as err:
+        plan(
+            stack,
+            common.Intent(kind=common.INTENT_KIND_MIN_COST),
+            model_id="llama-2-70b",
+            devices=one_device(1),
+        )
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "no configuration of llama-2-70b to place (" in err.value.details()
+    assert "no configuration fits the device memory: the least any needs is" in (
+        err.value.details()
+    )
 
 
 def test_one_small_device_beside_large_ones_does_not_rule_out_what_the_large_ones_hold(

@@ -130,6 +130,14 @@ def test_configurations_that_do_not_fit_are_left_out():
     )
     empty = rank(nothing, Intent())
     assert empty.best is None and "no configuration fits" in empty.notes[-1]
+    # It says how far off the closest configuration is, and which one that is.
+    least = int(np.argmin(nothing.memory_per_device_gib))
+    tp, pp = int(space.tp[least]), int(space.pp[least])
+    assert empty.notes[-1].startswith(
+        "no configuration fits the device memory: the least any needs is "
+        f"{nothing.memory_per_device_gib[least]:.1f} GiB per device ("
+        f"{space.variants[space.variant[least]].name} at tp={tp} pp={pp}, {tp * pp} devices)"
+    )
 
 
 def test_configurations_without_a_usable_estimate_are_never_ranked():
