@@ -331,13 +331,20 @@ class DeploymentController:
         """The decision for a PlanDeployment request against the live cluster (or
         ``request.devices`` when given)."""
         prepared = await self._prepare(request, launch=False)
-        decision, _ = await self._decide(request, prepared, prepared.nodes)
-        decision.replica_placements.extend(
-            planning.replica_placements(
-                prepared, decision, prepared.nodes, replicas.count_of(request.replicas)
-            )
-        )
-        return decision
+        count = replicas.count_of(request.replicas)
+        excluded: dict[int, str] = {}
+        while True:
+            decision, _ = await self._decide(request, prepared, prepared.nodes, excluded)
+            try:
+                more = planning.replica_placements(prepared, decision, prepared.nodes, count)
+            except ResourceExhausted as exc:
+                if request.HasField("config"):
+                    raise
+                # As a deploy does: the next configuration whose replicas all fit.
+                excluded[decision.winner_rank] = str(exc)
+                continue
+            decision.replica_placements.extend(more)
+            return decision
 
     # ---- deploy ---------------------------------------------------------------------
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:

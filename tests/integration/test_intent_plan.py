@@ -357,6 +357,27 @@ def test_one_small_device_beside_large_ones_does_not_rule_out_what_the_large_one
     ]
 
 
+def test_replicas_that_do_not_fit_make_the_plan_take_the_next_configuration(stack, imported):
+    """Two replicas of Llama-2-70B on six 48 GB devices: the cheapest configuration
+    alone takes four of them, so the plan goes on down the ranking, as a deploy does, to
+    one whose two replicas fit (it was refused naming replica 1)."""
+    intent = common.Intent(kind=common.INTENT_KIND_MIN_COST)
+    six = devices(loads=(0.0,) * 6)
+    alone = plan(stack, intent, model_id="llama-2-70b", devices=six)
+    pair = plan(stack, intent, model_id="llama-2-70b", devices=six, replicas=2)
+    tp, pp = alone.config.tensor_parallel, alone.config.pipeline_parallel
+    assert tp * pp > 3, alone.config  # the premise: one replica of it takes most devices
+    assert pair.winner_rank > alone.winner_rank
+    assert any(
+        s.rank == alone.winner_rank and "replica 1 of 2" in s.reason for s in pair.skipped
+    ), pair.skipped
+    used = [
+        {d.device_id for s in where.stages for d in s.devices}
+        for where in (pair.placement, *pair.replica_placements)
+    ]
+    assert len(used) == 2 and not used[0] & used[1]
+
+
 def test_deploying_an_imported_model_says_how_to_deploy_it_and_reserves_nothing(stack, imported):
     before = reserved_by_device(stack)
     with pytest.raises(grpc.RpcError) as err:
