@@ -11,7 +11,7 @@ from estimator_svc.ranking import RankedConfigs
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.errors import InvalidArgument
-from services.estimation.memory import GIB, kv_cache_gib
+from services.estimation.memory import GIB, kv_cache_gib, kv_replication
 from services.estimation.score import Estimates
 from services.token_limits import check_batch_size
 
@@ -85,7 +85,11 @@ def estimate_messages(
             ),
             memory_total_bytes=round(e.memory_total_gib[i] * GIB),
             memory_per_device_bytes=round(e.memory_per_device_gib[i] * GIB),
-            kv_cache_bytes=round(kv_gib[variant.name] * GIB),
+            kv_cache_bytes=round(
+                kv_gib[variant.name]
+                * float(kv_replication(space.shape.num_kv_heads, row["tp"]))
+                * GIB
+            ),
             ttft_ms=e.ttft_s[i] * 1e3,
             tpot_ms=e.tpot_s[i] * 1e3,
             latency_ms=e.latency_s[i] * 1e3,

@@ -142,16 +142,28 @@ def per_device_memory_gib(total_gib: np.ndarray, tp: np.ndarray, pp: np.ndarray)
     return np.asarray(total_gib, dtype=float) / (np.asarray(tp) * np.asarray(pp))
 
 
+def kv_replication(kv_heads: int, tp: np.ndarray | int) -> np.ndarray:
+    """How many copies of the K and V heads ``tp`` tensor ranks hold together: 1 when tp
+    divides the KV heads, more when it does not and each rank holds a whole head
+    (``services.reservation.kv_heads_on_rank``: a multi-query model at tp = 8 stores its
+    one KV head 8 times)."""
+    tp = np.asarray(tp, dtype=float)
+    return tp * np.maximum(1.0, np.ceil(kv_heads / tp)) / kv_heads
+
+
 def kv_cache_gib(
     shape: ModelShape,
     max_seq_len: np.ndarray | int,
     batch: np.ndarray | int = 1,
     kv_quant: str = "fp16",
+    tp: np.ndarray | int = 1,
 ) -> np.ndarray:
     """Static K and V cache for ``batch`` sequences of ``max_seq_len`` tokens, GiB.
 
     Summed over devices: tensor parallelism shards the KV heads and pipeline parallelism
-    the layers, so the total does not depend on the layout.
+    the layers, so the total depends on the layout only where ``tp`` ranks hold copies
+    of heads it does not divide (:func:`kv_replication`).
     """
     tokens = np.asarray(max_seq_len, dtype=float) * np.asarray(batch, dtype=float)
-    return shape.kv_bytes_per_token(kv_quant) * tokens / GIB
+    copies = kv_replication(shape.num_kv_heads, tp)
+    return shape.kv_bytes_per_token(kv_quant) * tokens * copies / GIB

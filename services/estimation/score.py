@@ -28,6 +28,7 @@ from services.estimation.memory import (
     MemoryComponents,
     MemoryConstants,
     kv_cache_gib,
+    kv_replication,
     per_device_memory_gib,
     solve_memory_components,
     total_memory_gib,
@@ -167,7 +168,7 @@ def estimate_space(
     memory = total_memory_gib(MemoryComponents(weights, activations, pipeline), tp, pp, c.memory)
     kv_per_token = np.array(
         [float(kv_cache_gib(space.shape, 1, 1, variant.kv_quant)) for variant in space.variants]
-    )[v]
+    )[v] * kv_replication(space.shape.num_kv_heads, tp)
     profiled_tokens = np.array([p.kv_tokens_profiled for p in profiles], dtype=float)[v]
     if max_seq_len is not None:
         # Swap the profiled KV cache for the deployment's: batch x max_seq_len tokens.

@@ -18,6 +18,7 @@ from services.estimation.latency import (
 from services.estimation.memory import (
     MemoryConstants,
     kv_cache_gib,
+    kv_replication,
     per_device_memory_gib,
     solve_memory_components,
     total_memory_gib,
@@ -78,6 +79,14 @@ def test_per_device_memory_and_kv_cache():
     # 2 x 32 layers x 32 heads x 128 x 2 bytes = 512 KiB per token; 4096 tokens x 2 = 4 GiB
     assert kv_cache_gib(llama, 4096, 2) == pytest.approx(4.0)
     assert kv_cache_gib(llama, 4096, 2, "int8") == pytest.approx(2.0)
+    # Sharded, not copied, wherever tp divides the KV heads: the total is the layout's.
+    assert kv_cache_gib(llama, 4096, 2, tp=8) == pytest.approx(4.0)
+    # A model with 2 KV heads at tp = 8: each rank holds a whole head, 8 heads in all,
+    # 4 times the unsharded cache (the total reported once ignored the copies).
+    two = ModelShape("gqa-2", 32, 32, 2, 128)
+    np.testing.assert_allclose(kv_replication(2, np.array([1, 2, 4, 8])), [1, 1, 2, 4])
+    assert kv_cache_gib(two, 4096, 2, tp=8) == pytest.approx(4 * kv_cache_gib(two, 4096, 2))
+    assert kv_replication(1, 8) == pytest.approx(8.0)  # multi-query
 
 
 def test_equation_two_by_hand():

@@ -79,6 +79,25 @@ def test_batch_and_kv_cache_terms():
     )
 
 
+def test_the_kv_cache_a_deployment_adds_counts_the_heads_tensor_ranks_copy():
+    """One KV head (multi-query) at tp = 2: each rank stores it, so every token the
+    deployment adds beyond the profiled ones costs twice the unsharded K and V."""
+    mqa = ModelShape("mqa", num_layers=8, num_heads=8, num_kv_heads=1, head_dim=64)
+    variants = (Variant("fp16", accuracy_pct=100.0),)
+    space = enumerate_space(mqa, 2, variants, (1,))
+    profiles = [profile(0.1, 0.02, 12.0)]
+    profiled = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=10)
+    deployed = estimate_space(
+        space, profiles, Calibration(LINEAR), output_tokens=10, max_seq_len=4096
+    )
+    per_token = mqa.kv_bytes_per_token() / 2**30
+    tokens = 4096 - profiles[0].kv_tokens_profiled
+    added = deployed.memory_total_gib - profiled.memory_total_gib
+    for i in range(space.size):
+        copies = int(space.tp[i])  # tp = 1 or 2, one KV head: a copy per rank
+        assert added[i] == pytest.approx(copies * tokens * per_token), space.describe(i)
+
+
 def test_every_intent_picks_what_it_should():
     space, profiles = small_space()
     est = estimate_space(space, profiles, Calibration(LINEAR, MemoryConstants()), output_tokens=100)
