@@ -51,7 +51,7 @@ from services.auth import access
 from services.engine_rules import tensor_parallel_problem
 from services.errors import InvalidArgument, shown
 from services.estimation.memory import GIB
-from services.ids import check_hardware_type, check_model_id, is_valid_id
+from services.ids import ID_RULE, check_hardware_type, check_model_id, is_valid_id
 from services.importers import maveriq
 from services.models.arch import ArchSpec
 from services.models.errors import shape_only
@@ -264,10 +264,14 @@ def plan_maveriq_import(
     for name in sorted(by_name):
         found = _model_of(name, configs)
         if found is None:
+            remedy = (
+                f"give its config.json: --model-config {name}=PATH"
+                if is_valid_id(name.lower())
+                else f"the name cannot be a model id ({ID_RULE}): rename it in the file"
+            )
             skipped.append(
                 f"{name}: {len(by_name[name])} rows; no architecture preset of that name, so "
-                "no shape to estimate with; not imported (give its config.json: "
-                f"--model-config {name}=PATH)"
+                f"no shape to estimate with; not imported ({remedy})"
             )
             continue
         model_id, source, config = found

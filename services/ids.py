@@ -15,7 +15,7 @@ from services.errors import InvalidArgument, shown
 # digit: safe in Redis keys, file names and URLs. Always matched whole (fullmatch): "$"
 # alone would let a trailing newline through.
 ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
-_RULE = "use 1-64 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
+ID_RULE = "use 1-64 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
 # The same characters in either case, 1-128 of them, but not dots alone ("." and ".."
 # name directories in a path).
 TOKEN_PATTERN = re.compile(r"(?!\.+\Z)[A-Za-z0-9._-]{1,128}")
@@ -28,14 +28,14 @@ def is_valid_id(value: str) -> bool:
 
 def check_model_id(model_id: str) -> None:
     if not is_valid_id(model_id):
-        raise InvalidArgument(f"invalid model_id {shown(model_id)}: {_RULE}")
+        raise InvalidArgument(f"invalid model_id {shown(model_id)}: {ID_RULE}")
 
 
 def check_variant_name(name: str) -> None:
     """A compression variant's name follows the model id's rule (it names fingerprints
     and appears in deployment configurations)."""
     if not is_valid_id(name):
-        raise InvalidArgument(f"invalid compression variant name {shown(name)}: {_RULE}")
+        raise InvalidArgument(f"invalid compression variant name {shown(name)}: {ID_RULE}")
 
 
 def check_deployment_id(deployment_id: str) -> None:
@@ -75,5 +75,5 @@ def check_hardware_type(hardware_type: str) -> None:
     if not is_valid_id(hardware_type):
         raise InvalidArgument(
             f"invalid hardware_type {shown(hardware_type)}: the type of the devices, "
-            f"e.g. 'cpu-x86_64' or 'rtx-a6000' ({_RULE})"
+            f"e.g. 'cpu-x86_64' or 'rtx-a6000' ({ID_RULE})"
         )

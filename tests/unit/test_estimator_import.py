@@ -95,7 +95,17 @@ def test_unknown_files_and_models_are_skipped_with_a_reason():
     )
     assert any(s.startswith("notes.csv: not a file of MaverIQ's data set") for s in result.skipped)
     assert any(s.startswith("mystery-1b: 1 rows; no architecture preset") for s in result.skipped)
+    assert any("--model-config mystery-1b=PATH" in s for s in result.skipped)
     assert [m.model_id for m in result.models] == ["llama-2-7b"]
+    # A name no model id can be: the --model-config hint would be refused; say so.
+    wide = "\uff2c\uff4c\uff41\uff4d\uff41-9b"  # full-width letters
+    result = plan({"fingerprint_data_collection.csv": FINGERPRINTS.replace("gtpj-6b", wide)})
+    (skip,) = [s for s in result.skipped if s.startswith(wide)]
+    assert "--model-config" not in skip
+    assert skip.endswith(
+        "the name cannot be a model id (use 1-64 lowercase letters, digits, "
+        "'.', '_' or '-', starting with a letter or digit): rename it in the file)"
+    )
 
 
 def test_names_in_any_spelling_denote_their_preset_and_pruning_only_its_methods():
