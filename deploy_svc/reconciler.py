@@ -257,13 +257,25 @@ class Reconciler:
             if not await self._current(deployment_id, node_id=event.get("node_id", "")):
                 return
             said = f"worker rank {event.get('rank')} exited ({event.get('exit_code')})"
-            await self.controller.fail(deployment_id, _with_reason(said, event))
+            await self._lost(deployment_id, _with_reason(said, event))
         elif kind == "worker_unreachable":
             address = event.get("worker_address", "")
             if not address or not await self._current(deployment_id, address=address):
                 return
             if not await worker_answers(address):
-                await self.controller.fail(deployment_id, _with_reason("worker unreachable", event))
+                await self._lost(deployment_id, _with_reason("worker unreachable", event))
+
+    async def _lost(self, group: str, reason: str) -> None:
+        """``controller.fail`` for a replica whose worker is gone: a restore, spending no
+        restart budget, when its workers were stopped on purpose (a clean stop of the
+        stack) and no agent has answered for them since. The scheduler, which still has
+        the old worker's address, often reports it unreachable before the agents answer
+        the deployer, and each such restart of the stack cost a step of the budget."""
+        planned = group in self._stopped_on_purpose
+        self._stopped_on_purpose.discard(group)
+        if planned:
+            reason = f"the stack was stopped on purpose ({reason})"
+        await self.controller.fail(group, reason, planned=planned)
 
     async def _current(self, group: str, *, node_id: str = "", address: str = "") -> bool:
         """Whether an event about a worker of ``group`` on ``node_id`` (or at ``address``)

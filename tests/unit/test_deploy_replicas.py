@@ -454,6 +454,46 @@ def test_the_reconciler_takes_out_a_replica_whose_workers_are_gone(run):
     run(scenario)
 
 
+def test_a_worker_reported_unreachable_after_a_clean_stop_is_restored_not_failed(run):
+    """`iserve down` then `iserve up` with clients still sending: the scheduler reports
+    the old worker unreachable before any agent has answered the deployer. Its replica
+    was stopped on purpose: it is restored at once, spending no restart budget (five such
+    restarts of the stack left busy deployments FAILED)."""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        await store.mark_deployer_stopped(1)
+
+        async def starting(request, timeout):  # the agent is not up yet
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+        agent.ListWorkers = starting
+        reconciler = Reconciler(controller, store, agent)
+        assert await reconciler.reconcile_on_start() == []
+        await reconciler.handle(
+            {
+                "kind": "worker_unreachable",
+                "deployment_id": dep.deployment_id,
+                "worker_address": dep.worker_address,
+            }
+        )
+        record = await controller.healer.record_of(dep.deployment_id)
+        assert (record.in_a_row, record.total) == (0, 0)
+        events, last = [], "0-0"
+        while batch := await store.read_events(last, block_ms=10):
+            events += [e for _, e in batch]
+            last = batch[-1][0]
+        [restarting] = [e for e in events if e["kind"] == "replica_restarting"]
+        assert restarting["reason"] == "the stack was stopped on purpose (worker unreachable)"
+        # Only once: a later loss of the restored replica is a failure again.
+        assert dep.deployment_id not in reconciler._stopped_on_purpose
+        await controller.healer.close()
+
+    run(scenario)
+
+
 def test_a_repeat_of_a_deploy_still_starting_answers_what_the_first_does(run):
     async def scenario(store):
         agent = FakeAgent()
