@@ -46,8 +46,11 @@ def main() -> int:
     logging.getLogger("iserve.gateway").info(
         "OpenAI-compatible gateway on http://%s/v1", settings.gateway_address
     )
+    # Streams in flight at a stop finish within the drain timeout, as the scheduler's do;
+    # the grace ends a second before uvicorn's own graceful-shutdown timeout.
+    stream_grace_s = max(0.0, settings.drain_timeout_s - 1.0)
     uvicorn.run(
-        create_app(connect, settings.cors_origins),
+        create_app(connect, settings.cors_origins, stream_grace_s),
         host=host or "127.0.0.1",
         port=int(port),
         log_level=settings.log_level.lower(),

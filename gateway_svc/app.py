@@ -486,11 +486,17 @@ class BodyLimit:
 UNMATCHED = "unmatched"
 
 
-def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = ()) -> FastAPI:
+def create_app(
+    connect: Callable[[], Backend],
+    cors_origins: tuple[str, ...] = (),
+    stream_grace_s: float = 0.0,
+) -> FastAPI:
     """The app; ``connect`` builds the backend on the server's own event loop (gRPC aio
     channels belong to the loop they were made on). Pages from ``cors_origins`` (``*``:
     any) may call it from a browser (Starlette's CORSMiddleware answers the preflight;
-    the token goes in the Authorization header, so no cookies are allowed)."""
+    the token goes in the Authorization header, so no cookies are allowed). A stream in
+    flight when the server is told to stop runs on for up to ``stream_grace_s`` seconds
+    (sse-starlette's shutdown grace period; 0 cuts it at once, without its [DONE])."""
     backend: Backend | None = None
     renders = RenderPool()  # chat templates run beside the event loop, bounded
 
@@ -691,7 +697,9 @@ def create_app(connect: Callable[[], Backend], cors_origins: tuple[str, ...] = (
             if body.stream:
                 usage_too = bool(body.stream_options and body.stream_options.include_usage)
                 events = _stream(gen, body, ident, created, chat, usage_too)
-                return EventSourceResponse(events, ping=15, sep="\n")
+                return EventSourceResponse(
+                    events, ping=15, sep="\n", shutdown_grace_period=stream_grace_s
+                )
             return await _complete(gen, body, ident, created, chat)
 
         answer = await _unless_client_gone(http, reply())

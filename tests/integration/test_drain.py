@@ -274,3 +274,66 @@ def remove_if_there(stack, deployment_id: str) -> None:
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.NOT_FOUND:
             raise
+
+
+def test_a_gateway_told_to_stop_lets_its_streams_finish_with_done(stack, served, tmp_path):
+    """SIGTERM (every `iserve down`) to a gateway with an SSE stream in flight: the
+    stream runs to its last chunk and [DONE] within the drain timeout. sse-starlette
+    cancelled it at once: it ended cleanly but truncated, with neither a finish_reason
+    nor [DONE], which a client cannot tell from a complete answer."""
+    import httpx
+
+    address = f"127.0.0.1:{free_port()}"
+    env = {
+        **os.environ,
+        **stack.env,
+        "ISERVE_GATEWAY_ADDR": address,
+        "ISERVE_DRAIN_TIMEOUT_S": "120",
+        "PYTHONUNBUFFERED": "1",
+    }
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log:
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "gateway_svc"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://{address}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_for(up, timeout=60), log_path.read_text(errors="replace")
+        body = {
+            "model": served.model_id,
+            "prompt": PROMPT,
+            "max_tokens": served.max_output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        lines = []
+        with httpx.stream(
+            "POST", f"http://{address}/v1/completions", json=body, timeout=120
+        ) as reply:
+            events = reply.iter_lines()
+            for line in events:
+                lines.append(line)
+                if line.startswith("data: {"):
+                    break  # the first chunk: the stream is in flight
+            gateway.send_signal(signal.SIGTERM)
+            lines += list(events)
+        data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert data[-1] == "[DONE]", data[-3:]
+        assert '"finish_reason":"length"' in data[-2].replace(" ", ""), data[-2]
+        # uvicorn re-raises the signal once it has shut down: the exit is by SIGTERM.
+        assert gateway.wait(EXIT_MARGIN_S) in (0, -signal.SIGTERM)
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+        gateway.wait(10)
