@@ -22,7 +22,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +178,10 @@ _NOT_A_TOKEN = (
 )
 
 
+# A service that did not answer, as opposed to one that answered no.
+_UNANSWERED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
 @dataclass
 class Backend:
     """gRPC stubs the gateway calls, and where checkpoints live (for chat templates)."""
@@ -191,6 +195,9 @@ class Backend:
     auth: bool = False
 
     channels: tuple[grpc.aio.Channel, ...] = ()
+    # Each model's checkpoint path as last read: a chat is not refused while the model
+    # service is unreachable (restarting, say) for a model whose record was read before.
+    checkpoint_paths: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def connect(
@@ -279,10 +286,15 @@ class Backend:
             reply = await self.models.GetModel(
                 model_pb.GetModelRequest(model_id=model_id), timeout=self.rpc_timeout_s
             )
+            path = self.checkpoint_paths[model_id] = reply.model.checkpoint_path
         except grpc.aio.AioRpcError as exc:
-            raise GatewayError.from_rpc(exc) from None
+            # Read fresh each time (a model registered again may have moved), but the
+            # path read last will do while the model service does not answer.
+            path = self.checkpoint_paths.get(model_id)
+            if path is None or exc.code() not in _UNANSWERED:
+                raise GatewayError.from_rpc(exc) from None
         try:
-            return read_template(self.models_root / reply.model.checkpoint_path)
+            return read_template(self.models_root / path)
         except NoChatTemplate as exc:
             raise GatewayError(400, "invalid_request_error", f"model {model_id!r}: {exc}") from None
 

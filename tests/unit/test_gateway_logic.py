@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from jsonschema import Draft202012Validator
 
-from gateway_svc.app import UNMATCHED, Backend, create_app, http_status
+from gateway_svc.app import UNMATCHED, Backend, GatewayError, create_app, http_status
 from gateway_svc.chat import (
     BrokenChatTemplate,
     ChatTemplateError,
@@ -521,3 +521,43 @@ def test_a_completion_without_max_tokens_sends_openais_16_as_a_default_to_cap():
         assert (sent.max_tokens, sent.max_tokens_default) == (0, 16)
     sent = _sent(path, {**body, "max_tokens": 16})
     assert (sent.max_tokens, sent.max_tokens_default) == (16, 0)
+
+
+def test_a_chat_is_not_refused_while_the_model_service_does_not_answer(tmp_path):
+    """The chat template is read from the checkpoint the model record names. With the
+    model service down (restarting), a model whose record was read before keeps its
+    chats; every chat got a 503 (completions, which need no record, kept working). An
+    answer that is a refusal (the model is gone) is still passed on."""
+    import asyncio
+
+    from services.models.checkpoint import create_checkpoint
+
+    create_checkpoint(tmp_path / "ckpt", hidden_size=32, num_layers=1, num_heads=4)
+
+    class Models:
+        def __init__(self):
+            self.answer: grpc.StatusCode | None = None  # None: the record
+
+        async def GetModel(self, request, timeout):
+            if self.answer is None:
+                return model_pb.GetModelResponse(
+                    model=model_pb.Model(model_id=request.model_id, checkpoint_path="ckpt")
+                )
+            raise grpc.aio.AioRpcError(self.answer, None, None, details="said so")
+
+    models = Models()
+    backend = Backend(None, None, models, tmp_path)
+
+    async def scenario():
+        template, _ = await backend.chat_template("m", ())
+        models.answer = grpc.StatusCode.UNAVAILABLE
+        assert (await backend.chat_template("m", ()))[0] == template
+        with pytest.raises(GatewayError) as never_read:
+            await backend.chat_template("other", ())  # no record read before: 503
+        assert never_read.value.status == 503
+        models.answer = grpc.StatusCode.NOT_FOUND
+        with pytest.raises(GatewayError) as gone:
+            await backend.chat_template("m", ())
+        assert gone.value.status == 404
+
+    asyncio.run(scenario())
