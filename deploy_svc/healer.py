@@ -26,6 +26,16 @@ from services.state.store import ReservationError, StateStore
 from services.token_limits import sequence_length
 
 log = logging.getLogger("iserve.deploy.healer")
+# How often a restart waiting for a live node looks again.
+NODE_WAIT_POLL_S = 2.0
+
+
+class NoLiveNode(str):
+    """Why a restart cannot start for want of any live node with devices like its own:
+    tried again every NODE_WAIT_POLL_S, spending no restart budget (a node agent down
+    for half a minute made every deployment on it FAILED for good)."""
+
+
 GONE = (deploy_pb.DEPLOYMENT_STATE_FAILED, deploy_pb.DEPLOYMENT_STATE_REMOVING)
 
 
@@ -144,11 +154,28 @@ class Healer:
             error = f"restart failed: {exc}"
         if error is None:
             return
+        if isinstance(error, NoLiveNode):
+            # Not a failure of the replica: it waits for its node, spending no budget.
+            await self._note_waiting(deployment_id, index, error)
+            self.schedule(deployment_id, index, NODE_WAIT_POLL_S)
+            return
         async with self.lock(deployment_id):
             deployment = await self.store.get_deployment(deployment_id)
             if not self._still_restarting(deployment, index):
                 return
             await self.replica_failed(deployment, index, error)
+
+    async def _note_waiting(self, deployment_id: str, index: int, why: str) -> None:
+        """Say in the replica's record (once) that its restart waits for a node."""
+        async with self.lock(deployment_id):
+            deployment = await self.store.get_deployment(deployment_id)
+            if not self._still_restarting(deployment, index):
+                return
+            replica = next(r for r in deployment.replicas if r.index == index)
+            if replica.state_reason != why:
+                log.warning("deployment %s replica %d: %s", deployment_id, index, why)
+                replica.state_reason = why
+                await self.store.put_deployment(deployment)
 
     @staticmethod
     def _still_restarting(deployment: deploy_pb.Deployment | None, index: int) -> bool:
@@ -173,15 +200,14 @@ class Healer:
                 for r in deployment.replicas
                 if r.index != index and r.state != replicas.FAILED
             ]
+            nodes = await self.store.list_nodes()
             tries = healing.placements_to_try(
-                model,
-                deployment.config,
-                replica.placement,
-                await self.store.list_nodes(),
-                others,
-                max_seq_len,
+                model, deployment.config, replica.placement, nodes, others, max_seq_len
             )
             if not tries:
+                waiting = healing.waiting_for_nodes(replica.placement, nodes)
+                if waiting:
+                    return NoLiveNode(waiting)
                 return "no live devices with room to start it again"
             group = replica_group_id(deployment_id, index)
             refused, failed = [], []

@@ -141,6 +141,28 @@ def _devices(where: common.Placement) -> set[tuple[str, str]]:
     return {(d.node_id, d.device_id) for stage in where.stages for d in stage.devices}
 
 
+def waiting_for_nodes(old: common.Placement, nodes: Sequence[common.NodeState]) -> str:
+    """Why a replica placed on ``old`` can start nowhere until a node comes back: no live
+    node has a device of the hardware types it ran on (any device, when its nodes are
+    no longer listed); "" when some live device could take it, room permitting."""
+    used = _devices(old)
+    hardware = {
+        d.hardware_type
+        for n in nodes
+        for d in n.devices
+        if (d.ref.node_id, d.ref.device_id) in used
+    }
+    live = [d for n in nodes if n.alive for d in n.devices]
+    if any(not hardware or d.hardware_type in hardware for d in live):
+        return ""
+    dead = sorted({node for node, _ in used})
+    kind = f" with {', '.join(sorted(hardware))} devices" if hardware else ""
+    return (
+        f"waiting for a live node{kind}: node(s) {', '.join(dead)} stopped heartbeating; "
+        "it starts again once one is back (no restart budget is spent meanwhile)"
+    )
+
+
 def placements_to_try(
     model: model_pb.Model,
     config: common.DeploymentConfig,

@@ -581,3 +581,39 @@ def test_a_late_report_about_a_worker_replaced_since_fails_nothing(run):
         assert await nothing_left(store)
 
     run(scenario)
+
+
+def test_a_replica_whose_only_node_is_dead_waits_for_it_spending_no_budget(run, monkeypatch):
+    """A single-node stack whose agent is down for a while (killed, or stopped): its
+    replicas cannot start anywhere. The restarts used to fail one after another ("no
+    live devices with room") and spend the whole budget within half a minute, leaving
+    every deployment FAILED for good. They wait for the node instead, saying so, and
+    start once it is back."""
+    from deploy_svc import healer
+    from services.state import keys
+
+    monkeypatch.setattr(healer, "NODE_WAIT_POLL_S", 0.01)
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        deployment_id = dep.deployment_id
+        await store.redis.delete(keys.node_heartbeat("node0"))  # the agent is gone
+        assert await controller.fail(deployment_id, "node agent(s) node0 stopped heartbeating")
+        await asyncio.sleep(0.5)  # dozens of polls, far beyond FAST's two restarts
+        waiting = await store.get_deployment(deployment_id)
+        assert waiting.state == STARTING
+        assert waiting.replicas[0].state_reason == (
+            "waiting for a live node with cpu devices: node(s) node0 stopped heartbeating; "
+            "it starts again once one is back (no restart budget is spent meanwhile)"
+        )
+        record = await controller.healer.record_of(deployment_id)
+        assert record.in_a_row == 1  # the node's loss itself, nothing more
+        await store.register_node(node(2), ttl_s=60)  # the agent is back
+        served = await settle(store, deployment_id)
+        assert served.state == READY, served.state_reason
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
