@@ -122,7 +122,16 @@ def with_chosen_ports(settings: Settings) -> Settings:
 def up(settings: Settings, options: UpOptions, log=print) -> dict:
     """Start the stack; returns what was written to stack.json. Raises RuntimeError."""
     settings = with_chosen_ports(settings)
-    if stack_running(settings):
+    running = stack_running(settings)
+    if running:
+        dead = sorted(name for name, pid in running.get("pids", {}).items() if not _alive(pid))
+        if dead:
+            raise RuntimeError(
+                f"the stack from {settings.state_dir} is running without its "
+                f"{', '.join(dead)} (exited; logs in {settings.state_dir / 'logs'}): "
+                "`iserve down`, then `iserve up` starts it all again, and restores the "
+                "deployments without spending their restart budget"
+            )
         raise RuntimeError(
             f"a stack is already running from {settings.state_dir} (see `iserve status`, or `iserve down`)"
         )

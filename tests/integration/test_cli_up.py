@@ -139,8 +139,19 @@ def test_up_after_the_stack_was_killed_starts_its_embedded_redis_again(tmp_path)
         first = run_cli(env, "up", "--detach")
         assert first.returncode == 0, first.stderr
         pids = json.loads((state / "stack.json").read_text())["pids"]
+        # One service crashed: `up` names it and says how to bring it back (it said
+        # only "a stack is already running").
+        os.kill(pids["estimator"], signal.SIGKILL)
+        assert wait_for(lambda: not _running(pids["estimator"]), timeout=30)
+        partial = run_cli(env, "up", "--detach")
+        assert partial.returncode == 1
+        assert f"the stack from {state} is running without its estimator (exited;" in (
+            partial.stderr
+        ), partial.stderr
+        assert "`iserve down`, then `iserve up` starts it all again" in partial.stderr
         for pid in pids.values():
-            os.kill(pid, signal.SIGKILL)
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
         assert wait_for(lambda: all(not _running(p) for p in pids.values()), timeout=30)
         again = run_cli(env, "up", "--detach")
         assert again.returncode == 0, again.stdout + again.stderr
