@@ -22,7 +22,7 @@ import psutil
 from monitor_agent.devices import DeviceSpec
 from monitor_agent.load import LoadRing
 from services.api import common_pb2 as common
-from services.state.store import StateStore
+from services.state.store import StateStore, StateStoreUnavailable
 
 log = logging.getLogger("iserve.agent.monitor")
 
@@ -168,14 +168,27 @@ class DeviceMonitor:
         """Background task: every ``interval_s`` until cancelled, register the node and
         publish its devices' figures (a failed round is logged and tried again)."""
         registered = False
+        failing = False  # the last round failed: the next failure is not logged again
         next_at = time.monotonic()
         while True:
             try:
                 await self.register(announce=not registered)
                 registered = True
                 await self.store.publish_devices(self.node_id, self.measure(), self.heartbeat_ttl_s)
+            except StateStoreUnavailable as exc:
+                # Redis down: one line when it starts, not a traceback every second.
+                if not failing:
+                    log.warning(
+                        "publishing node %s failed, retrying each round: %s", self.node_id, exc
+                    )
+                failing = True
             except Exception:  # noqa: BLE001 - a Redis hiccup must not stop the heartbeat
                 log.exception("publishing node %s failed; retrying", self.node_id)
+                failing = True
+            else:
+                if failing:
+                    log.info("publishing node %s works again", self.node_id)
+                failing = False
             # Keep a steady cadence, but never try to catch up on missed ticks.
             next_at = max(next_at + self.interval_s, time.monotonic())
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))

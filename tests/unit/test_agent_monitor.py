@@ -87,3 +87,60 @@ def test_measure_folds_samples_into_each_devices_load():
     assert list(cpu0.deployment_ids) == ["dep"]
     assert cpu1.used_bytes == 0 and cpu1.load == 0.0 and not cpu1.deployment_ids
     assert cpu0.total_bytes == 1 << 30
+
+
+def test_redis_down_is_one_warning_not_a_traceback_every_round(caplog):
+    """While Redis is unreachable each round fails; the log says so once, and once more
+    when publishing works again (it wrote a 66-line traceback every second)."""
+    import asyncio
+    import logging
+
+    from services.state.store import StateStoreUnavailable
+
+    class Store:
+        def __init__(self):
+            self.down = True
+            self.rounds = 0
+
+        async def publish_devices(self, *args):
+            self.rounds += 1
+            if self.down:
+                raise StateStoreUnavailable("state store (Redis) unreachable at 127.0.0.1:1")
+
+    store = Store()
+    monitor = DeviceMonitor(
+        node_id="n0",
+        agent_address="127.0.0.1:1",
+        devices=DEVICES,
+        store=store,
+        sampler=_FixedSampler(0.0),
+        heartbeat_ttl_s=5,
+        deployments_on=lambda device_id: [],
+        interval_s=0.001,
+    )
+
+    async def register(announce: bool) -> None:
+        return None
+
+    monitor.register = register
+
+    async def scenario():
+        task = asyncio.create_task(monitor.run())
+        while store.rounds < 20:
+            await asyncio.sleep(0.001)
+        store.down = False
+        while store.rounds < 25:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger="iserve.agent"):
+        asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records]
+    failed = [m for m in said if "publishing node n0 failed" in m]
+    assert failed == [
+        "publishing node n0 failed, retrying each round: "
+        "state store (Redis) unreachable at 127.0.0.1:1"
+    ]
+    assert not any(r.exc_info for r in caplog.records)
+    assert said.count("publishing node n0 works again") == 1
