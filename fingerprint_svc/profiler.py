@@ -50,6 +50,7 @@ from fingerprint_svc.profile_plan import (
     reference_label,
     room_once_settled,
 )
+from services import health
 from services.aio import cancel_and_wait
 from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
@@ -74,6 +75,8 @@ SETTLE_WAIT_S = 15.0
 SETTLE_POLL_S = 0.25
 # Beyond the agent's wait for workers to be ready, what a job's timed runs may take.
 JOB_RUN_BUDGET_S = 600.0
+# How long an agent whose job failed UNAVAILABLE gets to answer a health check.
+AGENT_CHECK_S = 1.0
 OWNER_PREFIX = "profile-"
 
 
@@ -279,7 +282,18 @@ class Profiler:
                         request, timeout=self.settings.ready_timeout_s + JOB_RUN_BUDGET_S
                     )
                 except grpc.RpcError as exc:
-                    raise JobFailed(f"{exc.code().name}: {exc.details()}") from exc
+                    said = f"{exc.code().name}: {exc.details()}"
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE and not await asyncio.to_thread(
+                        health.check, choice.agent_address, AGENT_CHECK_S
+                    ):
+                        # The agent itself is gone (killed, restarted): say which, and
+                        # that registering again retries once it is back.
+                        said = (
+                            f"the agent of node {choice.node_id} ({choice.agent_address}) "
+                            f"stopped answering ({said}); register the model again once "
+                            "it is back"
+                        )
+                    raise JobFailed(said) from exc
             wall_s = time.perf_counter() - started
         finally:
             await self.store.release(owner)

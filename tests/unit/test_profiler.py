@@ -207,6 +207,27 @@ def test_a_failing_base_reference_fails_the_model(redis_url, models_root):
     assert progress.state == model_pb.MODEL_STATE_FAILED and progress.message == model.state_reason
 
 
+def test_an_agent_that_stops_answering_is_named_in_the_models_reason(redis_url, models_root):
+    """The job's agent gone (killed mid-profiling): the reason names its node and says
+    how to retry, not only gRPC's "UNAVAILABLE: Socket closed"."""
+    from services.ports import free_port
+
+    gone = f"127.0.0.1:{free_port()}"
+
+    async def agent_gone(store, profiler):
+        node = (await store.list_nodes())[0]
+        node.agent_address = gone
+        await store.register_node(node, ttl_s=60)
+
+    model, *_ = run_profiler(redis_url, models_root, measured, before=agent_gone)
+    assert model.state == model_pb.MODEL_STATE_FAILED
+    assert model.state_reason.startswith(
+        f"base fingerprint(1 layer) tp=1 pp=1 batch=1: the agent of node n0 ({gone}) "
+        "stopped answering (UNAVAILABLE: "
+    ), model.state_reason
+    assert model.state_reason.endswith("register the model again once it is back")
+
+
 def test_no_device_with_room_fails_the_model_without_calling_the_agent(redis_url, models_root):
     model, profile, _, calls, owners = run_profiler(
         redis_url, models_root, measured, device_bytes=300 * MIB
