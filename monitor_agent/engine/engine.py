@@ -130,7 +130,7 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         with kv_cache_quantization(kv_cache_dtype or "none"):
             self.model.setup_caches(max_batch, max_seq_len)
-        self.tokenizer = load_tokenizer(directory)
+        self.tokenizer = load_tokenizer(directory, self.spec.family)
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype

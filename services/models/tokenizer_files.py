@@ -25,20 +25,23 @@ from jinja2 import TemplateSyntaxError
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 
 from services.models.arch import ArchSpec
-from services.models.chat_template import NoChatTemplate, compile_template, read_chat_template
+from services.models.chat_template import (
+    TOKENIZER_CONFIG,
+    NoChatTemplate,
+    compile_template,
+    read_chat_template,
+)
 from services.models.errors import InvalidCheckpoint
 
 TOKENIZER_FILE = "tokenizer.json"
-
-
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # The SentencePiece-style word marker that Metaspace writes for a space.
 _METASPACE = "\u2581"
 
 
-def load_tokenizer(directory: Path) -> Tokenizer:
+def load_tokenizer(directory: Path, family: str) -> Tokenizer:
     """The checkpoint's tokenizer as the engines and registration use it: its
-    ``tokenizer.json``, run the way transformers' ``AutoTokenizer`` runs it (see
+    ``tokenizer.json``, run the way transformers' ``AutoTokenizer`` runs it for a model
+    of ``family`` (its ``ArchSpec.family``, the config's model type; see
     :func:`as_transformers_runs_it`); InvalidCheckpoint naming the file when the
     ``tokenizers`` library cannot read it."""
     try:
@@ -48,17 +51,13 @@ def load_tokenizer(directory: Path) -> Tokenizer:
             f"{TOKENIZER_FILE} in {str(directory)!r} is not a tokenizer the tokenizers "
             f"library can load: {exc}"
         ) from None
-    as_transformers_runs_it(
-        tokenizer,
-        _json_object(directory / "config.json"),
-        _json_object(directory / TOKENIZER_CONFIG_FILE),
-    )
+    as_transformers_runs_it(tokenizer, family, _json_object(directory / TOKENIZER_CONFIG))
     return tokenizer
 
 
 def _json_object(path: Path) -> dict:
-    """``path``'s JSON object; {} when it is missing or not one (registration checks
-    config.json; tokenizer_config.json is optional)."""
+    """``path``'s JSON object; {} when it is missing or not one (tokenizer_config.json
+    is optional; what the chat template needs of it is checked elsewhere)."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -66,7 +65,7 @@ def _json_object(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def as_transformers_runs_it(tokenizer: Tokenizer, config: dict, tokenizer_config: dict) -> None:
+def as_transformers_runs_it(tokenizer: Tokenizer, family: str, tokenizer_config: dict) -> None:
     """Give ``tokenizer`` the pipeline transformers 5's ``AutoTokenizer`` runs it with,
     where that differs from its ``tokenizer.json``.
 
@@ -92,7 +91,7 @@ def as_transformers_runs_it(tokenizer: Tokenizer, config: dict, tokenizer_config
     types (a ``mistral`` model runs the file whatever class is named); any other class.
     """
     named = str(tokenizer_config.get("tokenizer_class") or "").removesuffix("Fast")
-    if config.get("model_type") != "llama" or named not in ("LlamaTokenizer", "CodeLlamaTokenizer"):
+    if family != "llama" or named not in ("LlamaTokenizer", "CodeLlamaTokenizer"):
         return
     spec = json.loads(tokenizer.to_str())
     if spec.get("model", {}).get("type") != "BPE" or _byte_level(spec):
@@ -137,7 +136,7 @@ def check_tokenizer_files(directory: Path, spec: ArchSpec) -> None:
     """Refuse (InvalidCheckpoint) a ``tokenizer.json`` that does not load or whose
     vocabulary holds ids the model's ``vocab_size`` lacks, and a chat template that does
     not compile."""
-    tokenizer = load_tokenizer(directory)
+    tokenizer = load_tokenizer(directory, spec.family)
     vocabulary = tokenizer.get_vocab(with_added_tokens=False)
     highest = max(vocabulary.values(), default=-1)
     if highest >= spec.vocab_size:

@@ -113,7 +113,7 @@ def write_tokenizer_files(
         (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     if special_tokens_map is not None:
         (directory / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
-    return load_tokenizer(directory)
+    return load_tokenizer(directory, model_type)
 
 
 def assert_encodes_like_transformers(directory: Path, tokenizer: Tokenizer, auto: Any) -> None:

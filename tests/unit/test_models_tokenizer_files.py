@@ -231,7 +231,7 @@ def test_a_sentencepiece_style_tokenizer_encodes_and_decodes_as_transformers_run
     tokenizer_config |= {k: v for k, v in optional.items() if v is not None}
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     reference = transformers.AutoTokenizer.from_pretrained(str(directory))
-    tokenizer = load_tokenizer(directory)
+    tokenizer = load_tokenizer(directory, model_type)
     for text in _spm_texts():
         for special in (True, False):  # a chat prompt is encoded without (it holds them)
             ids = encode_prompt(tokenizer, text, add_special_tokens=special)

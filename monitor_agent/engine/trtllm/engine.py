@@ -101,7 +101,7 @@ class TrtLlmEngine:
         memory = TrtLlmMemory(tuple(max(0, b - a) for b, a in zip(before, after, strict=True)))
         self.backend = plan.backend
         self.config = config
-        self.tokenizer = load_tokenizer(directory)
+        self.tokenizer = load_tokenizer(directory, self.spec.family)
         self.max_seq_len = config.max_seq_len
         self._encode = PromptEncoder(self.tokenizer, config.max_seq_len)
         self.max_batch = config.max_batch
