@@ -32,6 +32,7 @@ from scheduler_svc.routing import REFRESH_INTERVAL_S, Router
 from scheduler_svc.validation import (
     check_for_deployment,
     check_request,
+    predicted_prompt_tokens,
     prompt_token_limit,
     resolve_max_tokens,
 )
@@ -291,15 +292,15 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             candidates = [await self.router.by_deployment_id(request.deployment_id)]
         else:
             candidates = await self.router.ranked_for_model(request.model_id)
-        refusals: list[tuple[deploy_pb.Deployment, errors.IServeError]] = []
+        first: tuple[deploy_pb.Deployment, errors.IServeError] | None = None
         for deployment in candidates:
             try:
                 return await self._admit_to(deployment, request, record, max_tokens_is_bound)
             except ADMISSION_REFUSALS as refused:
-                refusals.append((deployment, refused))
-        deployment, refused = refusals[0]
-        self._label(record, deployment)
-        raise refused
+                first = first or (deployment, refused)
+        assert first is not None  # the router names at least one deployment
+        self._label(record, first[0])
+        raise first[1]
 
     def _label(self, record: RequestRecord, deployment: deploy_pb.Deployment) -> None:
         record.model_id = deployment.model_id
@@ -327,16 +328,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         replica = self._replica_for(deployment)
         queue = self.queues.queue_for(deployment, replica.index)
         predictor = queue.predictor
-        prompt_tokens = len(request.prompt_token_ids) or predictor.prompt_tokens(
-            len(request.prompt)
+        prompt_tokens = predicted_prompt_tokens(
+            request, deployment, max_tokens_is_bound, predictor.prompt_tokens
         )
-        # A text prompt's count is a guess from its characters; the worker refuses one
-        # over the limit, so no request prefills more than the limit: one guessed longer
-        # is predicted at the limit, and a prompt that is too long gets the worker's 400,
-        # not a predicted deadline miss.
-        limit = prompt_token_limit(deployment, max_tokens_is_bound)[0]
-        if limit:
-            prompt_tokens = min(prompt_tokens, limit)
         due = first_token_deadline(
             arrival,
             deployment.objectives,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
@@ -62,6 +63,22 @@ def prompt_token_limit(
             "max_input_tokens + max_output_tokens - 1, max_tokens being unset",
         )
     return prompt_limit, "max_input_tokens"
+
+
+def predicted_prompt_tokens(
+    request: inference_pb.GenerateRequest,
+    deployment: deploy_pb.Deployment,
+    max_tokens_is_bound: bool,
+    tokens_of_chars: Callable[[int], int],
+) -> int:
+    """The prompt length a queue predicts the request's prefill by: its token ids'
+    count, or for text the guess ``tokens_of_chars`` makes from its characters, at most
+    the deployment's prompt limit. The worker refuses a longer prompt, so no request
+    prefills more: one guessed longer gets the worker's 400 for being too long, not a
+    predicted-deadline refusal."""
+    tokens = len(request.prompt_token_ids) or tokens_of_chars(len(request.prompt))
+    limit = prompt_token_limit(deployment, max_tokens_is_bound)[0]
+    return min(tokens, limit) if limit else tokens
 
 
 def check_for_deployment(
