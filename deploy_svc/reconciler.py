@@ -208,8 +208,7 @@ class Reconciler:
                     continue
                 ranks = {w.rank for w in running.get(group, [])}
                 missing = sorted(set(range(_rank_count(replica.placement))) - ranks)
-                planned = group in self._stopped_on_purpose
-                self._stopped_on_purpose.discard(group)
+                planned = self._was_stopped_on_purpose(group)
                 if missing:
                     reason = f"{when}, rank(s) {missing} are not running"
                     if planned:
@@ -271,11 +270,17 @@ class Reconciler:
         stack) and no agent has answered for them since. The scheduler, which still has
         the old worker's address, often reports it unreachable before the agents answer
         the deployer, and each such restart of the stack cost a step of the budget."""
-        planned = group in self._stopped_on_purpose
-        self._stopped_on_purpose.discard(group)
+        planned = self._was_stopped_on_purpose(group)
         if planned:
             reason = f"the stack was stopped on purpose ({reason})"
         await self.controller.fail(group, reason, planned=planned)
+
+    def _was_stopped_on_purpose(self, group: str) -> bool:
+        """Whether ``group``'s workers were stopped on purpose and nothing was heard of
+        them since; asked once per group: what is heard next is news."""
+        planned = group in self._stopped_on_purpose
+        self._stopped_on_purpose.discard(group)
+        return planned
 
     async def _current(self, group: str, *, node_id: str = "", address: str = "") -> bool:
         """Whether an event about a worker of ``group`` on ``node_id`` (or at ``address``)
