@@ -11,7 +11,7 @@ from estimator_svc.ranking import RankedConfigs
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.errors import InvalidArgument
-from services.estimation.memory import GIB, kv_cache_gib, kv_replication
+from services.estimation.memory import GIB, kv_cache_gib
 from services.estimation.score import Estimates
 from services.token_limits import check_batch_size
 
@@ -64,10 +64,6 @@ def estimate_messages(
     space = e.space
     chosen = np.arange(space.size) if indices is None else np.asarray(indices, dtype=int)
     max_seq_len = workload.input_tokens + workload.output_tokens
-    kv_gib = {
-        v.name: float(kv_cache_gib(space.shape, max_seq_len, workload.batch_size, v.kv_quant))
-        for v in space.variants
-    }
     gb = e.memory_total_gib * GIB / 1e9
     messages = []
     for i in chosen.tolist():
@@ -86,8 +82,15 @@ def estimate_messages(
             memory_total_bytes=round(e.memory_total_gib[i] * GIB),
             memory_per_device_bytes=round(e.memory_per_device_gib[i] * GIB),
             kv_cache_bytes=round(
-                kv_gib[variant.name]
-                * float(kv_replication(space.shape.num_kv_heads, row["tp"]))
+                float(
+                    kv_cache_gib(
+                        space.shape,
+                        max_seq_len,
+                        workload.batch_size,
+                        variant.kv_quant,
+                        int(row["tp"]),
+                    )
+                )
                 * GIB
             ),
             ttft_ms=e.ttft_s[i] * 1e3,

@@ -45,6 +45,12 @@ def tensor_parallel_problem(tp: int, *, heads: int, kv_heads: int, mlp_width: in
     return None
 
 
+def kv_heads_on_rank(kv_heads: int, tp: int) -> int:
+    """KV heads one of ``tp`` tensor ranks holds: its share, or one whole head when tp
+    does not divide them (the engine replicates it; ``tensor_parallel.head_slice``)."""
+    return max(1, -(-kv_heads // tp))
+
+
 def parallel_problem(
     tp: int, pp: int, *, heads: int, kv_heads: int, mlp_width: int, num_layers: int
 ) -> str | None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.engine_rules import kv_heads_on_rank
 from services.models.arch import ArchSpec
 from services.models.compression import (
     DEFAULT_INT4_GROUP_SIZE,
@@ -155,12 +156,6 @@ def fingerprint_rank_bytes(
         per_stage.append(int(weights + kv + activations) + RUNTIME_OVERHEAD_BYTES)
         first += count
     return [per_stage[rank // tp] for rank in range(len(stage_layers) * tp)]
-
-
-def kv_heads_on_rank(kv_heads: int, tp: int) -> int:
-    """KV heads one of ``tp`` tensor ranks holds: its share, or one whole head when tp
-    does not divide them (the engine replicates it; ``tensor_parallel.head_slice``)."""
-    return max(1, math.ceil(kv_heads / tp))
 
 
 def kv_cache_bytes(

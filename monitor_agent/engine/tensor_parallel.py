@@ -36,7 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.engine_rules import TENSOR_PARALLEL_DEGREES, tensor_parallel_problem
+from services.engine_rules import (
+    TENSOR_PARALLEL_DEGREES,
+    kv_heads_on_rank,
+    tensor_parallel_problem,
+)
 from services.models.arch import ArchSpec, RowRanges, WeightSource
 
 __all__ = [
@@ -101,12 +105,11 @@ def head_slice(spec: ArchSpec, size: int, rank: int) -> HeadSlice:
     check_tensor_parallel(spec, size)
     q_per_rank = spec.num_heads // size
     q_start = rank * q_per_rank
+    kv_per_rank = kv_heads_on_rank(spec.num_kv_heads, size)
     if spec.num_kv_heads % size == 0:
-        kv_per_rank = spec.num_kv_heads // size
         kv_start = rank * kv_per_rank
     else:
         # Fewer KV heads than ranks: the one KV head this rank's query heads belong to.
-        kv_per_rank = 1
         kv_start = q_start // (spec.num_heads // spec.num_kv_heads)
     inner_per_rank = spec.intermediate_size // size
     return HeadSlice(

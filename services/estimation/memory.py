@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.engine_rules import kv_heads_on_rank
 from services.estimation.space import ModelShape
 
 __all__ = [
@@ -145,10 +146,11 @@ def per_device_memory_gib(total_gib: np.ndarray, tp: np.ndarray, pp: np.ndarray)
 def kv_replication(kv_heads: int, tp: np.ndarray | int) -> np.ndarray:
     """How many copies of the K and V heads ``tp`` tensor ranks hold together: 1 when tp
     divides the KV heads, more when it does not and each rank holds a whole head
-    (``services.reservation.kv_heads_on_rank``: a multi-query model at tp = 8 stores its
-    one KV head 8 times)."""
-    tp = np.asarray(tp, dtype=float)
-    return tp * np.maximum(1.0, np.ceil(kv_heads / tp)) / kv_heads
+    (``services.engine_rules.kv_heads_on_rank``: a multi-query model at tp = 8 stores
+    its one KV head 8 times)."""
+    tp = np.asarray(tp)
+    per_rank = np.vectorize(lambda t: kv_heads_on_rank(kv_heads, int(t)), otypes=[float])
+    return tp * per_rank(tp) / kv_heads
 
 
 def kv_cache_gib(
