@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.engine_rules import parallel_problem
+from services.engine_rules import default_dtype, parallel_problem
+from services.reservation import DTYPE_BYTES
 from services.settings import ProfilingSettings
 from services.state.capacity import free_bytes
 
@@ -35,9 +36,6 @@ MIB = 1 << 20
 BASE_VARIANT = "base"
 # (tp, pp) in the order profiled: (1,1) first, since the model fails without it.
 REFERENCES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1))
-# Compute dtype bytes of a worker on a virtual CPU device (float32, see
-# services.engine_rules.default_dtype).
-CPU_COMPUTE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -279,8 +277,9 @@ def no_room_reason(nodes: Sequence[common.NodeState], need_bytes: Sequence[int])
     return reason
 
 
-def compute_bytes_for(nodes: Sequence[common.NodeState], checkpoint_dtype_bytes: int) -> int:
-    """Bytes per element workers compute in: float32 when any live device is a virtual
-    CPU device (the safe bound), else the checkpoint's dtype."""
+def compute_bytes_for(nodes: Sequence[common.NodeState], checkpoint_dtype: int) -> int:
+    """Bytes per element a profiling job's workers compute in: engine_rules.default_dtype's
+    for the checkpoint's dtype (a Precision) on CPU devices when any live device is one
+    (the safe bound: float32), else on CUDA devices."""
     cpu = any(d.kind != common.DEVICE_KIND_CUDA for n in nodes if n.alive for d in n.devices)
-    return CPU_COMPUTE_BYTES if cpu else checkpoint_dtype_bytes
+    return DTYPE_BYTES[default_dtype(checkpoint_dtype, cuda=not cpu)]

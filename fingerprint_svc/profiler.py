@@ -50,6 +50,7 @@ from fingerprint_svc.profile_plan import (
     reference_label,
     room_once_settled,
 )
+from fingerprint_svc.registry import PRECISIONS
 from services import health
 from services.aio import cancel_and_wait
 from services.api import agent_service_pb2 as agent_pb
@@ -340,7 +341,7 @@ class Profiler:
         attempt = 0
         while True:
             nodes = await self.store.list_nodes()
-            compute = compute_bytes_for(nodes, spec.dtype_bytes)
+            compute = compute_bytes_for(nodes, PRECISIONS.get(spec.torch_dtype, 0))
             need = fingerprint_rank_bytes(
                 spec,
                 tensor_parallel=job.tensor_parallel,
