@@ -30,8 +30,14 @@ The calibration fitted on all three is written to
 ``estimator_svc/calibrations/cpu-x86_64.json`` with ``--write-calibration`` when the
 fit is sane (finite constants, reference scales within 0.5-2, fit error below 15 %).
 
+On a machine with NVIDIA GPUs the agent finds them through NVML instead of making
+virtual CPU devices, and the same method runs on CUDA (the hardware type, the device
+count and the layouts they allow come from the node the agent registered). For one GPU:
+``--devices 1 --dtype bfloat16 --hidden 2048`` measures (1,1) only, batch 1 and 2
+fingerprints, every model in bfloat16 as served (the checkpoint's dtype on CUDA).
+
 Run: .venv/bin/python bench/estimate_cpu.py [--save raw.json] [--load raw.json]
-     [--write-calibration]
+     [--devices N] [--dtype float32|bfloat16|float16] [--write-calibration]
 ``--load`` skips profiling and measuring: it puts the saved models and measurements
 into a fresh stack's Redis and redoes the estimates (for iterating on the estimator).
 """
@@ -70,12 +76,16 @@ from services.cli import stack as launcher  # noqa: E402
 from services.models.checkpoint import create_checkpoint  # noqa: E402
 from services.state.store import StateStore  # noqa: E402
 
-HARDWARE = "cpu-x86_64"
+# The node's hardware type, e.g. "cpu-x86_64" or "nvidia-h100-80gb-hbm3": set by main from
+# the node the agent registered.
+HARDWARE = ""
 LAYERS = 24
 INPUT_TOKENS = 64
 OUTPUT_TOKENS = (8, 16)
 EVAL_OUTPUT = 16
-LAYOUTS = ((1, 1), (2, 1), (1, 2))
+ALL_LAYOUTS = ((1, 1), (2, 1), (1, 2))
+# The layouts the node's devices allow (main narrows it to one GPU's (1,1)).
+LAYOUTS = ALL_LAYOUTS
 ARCHS = {
     # model id: create_checkpoint arguments
     "cpu-llama": dict(arch="llama", num_heads=8, num_kv_heads=4),
@@ -104,11 +114,43 @@ async def _with_store(settings, fn):
         await store.close()
 
 
+# ---- the node ------------------------------------------------------------------------------
+def describe_node(deploy_stub) -> dict:
+    """The live node's devices as the agent registered them (GPUs through NVML, else the
+    virtual CPU devices)."""
+    cluster = deploy_stub.GetClusterState(deploy_pb.GetClusterStateRequest())
+    node = next(n for n in cluster.nodes if n.alive)
+    kinds = {common.DEVICE_KIND_CUDA: "cuda", common.DEVICE_KIND_CPU_VIRTUAL: "cpu"}
+    return {
+        "hardware_type": node.devices[0].hardware_type,
+        "kind": kinds.get(node.devices[0].kind, "other"),
+        "name": node.devices[0].name,
+        "count": len(node.devices),
+        "total_bytes": node.devices[0].total_bytes,
+    }
+
+
+def use_node(node: dict, devices: int) -> None:
+    """Measure and estimate on ``node``'s hardware, at the layouts that
+    min(its devices, ``devices``) allow."""
+    global HARDWARE, LAYOUTS
+    HARDWARE = node["hardware_type"]
+    usable = min(node["count"], devices)
+    LAYOUTS = tuple((tp, pp) for tp, pp in ALL_LAYOUTS if tp * pp <= usable)
+
+
+def layouts_text() -> str:
+    return ", ".join(f"({tp},{pp})" for tp, pp in LAYOUTS)
+
+
 # ---- profiling and measuring -------------------------------------------------------------
-def register_and_profile(settings, models_stub, hidden: int) -> dict[str, model_pb.Model]:
+def register_and_profile(
+    settings, models_stub, hidden: int, dtype: str
+) -> dict[str, model_pb.Model]:
     for model_id, shape in ARCHS.items():
         shape["hidden_size"] = hidden
-        create_checkpoint(settings.models_root / model_id, num_layers=LAYERS, **shape)
+        log(f"writing {model_id} ({shape['arch']}, {LAYERS} layers, hidden {hidden}, {dtype}) ...")
+        create_checkpoint(settings.models_root / model_id, num_layers=LAYERS, dtype=dtype, **shape)
         models_stub.RegisterModel(
             model_pb.RegisterModelRequest(
                 model_id=model_id,
@@ -206,15 +248,16 @@ def measure_full_models(
     return rows
 
 
-ROWS_PER_MODEL = len(VARIANTS) * len(LAYOUTS) * len(OUTPUT_TOKENS)
+def rows_per_model() -> int:
+    return len(VARIANTS) * len(LAYOUTS) * len(OUTPUT_TOKENS)
 
 
 def _points(rows) -> dict[tuple, model_pb.ProfileMeasurement]:
     """A pass's rows by (model index, variant, tp, pp, output tokens). Rows carry no model
-    id; every pass lists the models in ARCHS order, ROWS_PER_MODEL rows each."""
+    id; every pass lists the models in ARCHS order, rows_per_model() rows each."""
     return {
         (
-            i // ROWS_PER_MODEL,
+            i // rows_per_model(),
             r.variant_name,
             r.config.tensor_parallel,
             r.config.pipeline_parallel,
@@ -283,7 +326,7 @@ def estimate(est_stub, model_id: str) -> dict[tuple[str, int, int], est_pb.Confi
             workload=est_pb.Workload(
                 input_tokens=INPUT_TOKENS, output_tokens=EVAL_OUTPUT, batch_size=1
             ),
-            device_count=2,
+            device_count=max(max(tp * pp for tp, pp in LAYOUTS), 1),
         )
     )
     out = {}
@@ -424,27 +467,53 @@ def main() -> int:
         help="times every full model is measured, in separate passes (default 2): the truth "
         "is the median over passes, and the passes' disagreement is printed",
     )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=2,
+        help="virtual CPU devices (default 2); a node with GPUs uses them instead, and the "
+        "layouts measured are those this many devices allow",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the checkpoints' dtype (default float32); CUDA serves a checkpoint in its own "
+        "dtype, CPUs in float32",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help="run the stack in this directory and keep it (its logs/ say what each process "
+        "did); default: a temporary one, removed after",
+    )
     parser.add_argument("--write-calibration", action="store_true")
     args = parser.parse_args()
+    if args.devices < 1:
+        parser.error("--devices must be at least 1")
     started = time.perf_counter()
 
     log("starting the stack ...")
     with launcher.temporary_stack(
         {
-            "ISERVE_DEVICES": "2",
+            "ISERVE_DEVICES": str(args.devices),
             "ISERVE_DEVICE_MEMORY_GIB": "2",
             "ISERVE_PROFILE_INPUT_TOKENS": str(INPUT_TOKENS),
             "ISERVE_PROFILE_OUTPUT_TOKENS": ",".join(map(str, OUTPUT_TOKENS)),
             "ISERVE_PROFILE_BATCH_SIZES": args.batch_sizes,
             "ISERVE_PROFILE_TIMED_RUNS": str(args.profile_timed_runs),
-        }
+        },
+        state_dir=args.state_dir,
     ) as settings:
         ch = lambda name: grpc.insecure_channel(settings.address(name))  # noqa: E731
         models_stub = model_service_pb2_grpc.ModelServiceStub(ch("model"))
         deploy_stub = deployment_service_pb2_grpc.DeploymentServiceStub(ch("deploy"))
         est_stub = estimator_service_pb2_grpc.EstimatorServiceStub(ch("estimator"))
+        node = describe_node(deploy_stub)
         if args.load:
             raw = json.loads(args.load.read_text())
+            # Saved on another node (a GPU's, say): estimate for that node's hardware.
+            node = raw.get("node", node)
             models = {
                 k: json_format.ParseDict(v, model_pb.Model()) for k, v in raw["models"].items()
             }
@@ -465,9 +534,12 @@ def main() -> int:
             run_async(_with_store(settings, put_models))
             profile_s = raw.get("profile_s", 0.0)
             measure_s = raw.get("measure_s", 0.0)
+            use_node(node, raw.get("devices", 2))
+            args.dtype = raw.get("dtype", "float32")
         else:
             t0 = time.perf_counter()
-            models = register_and_profile(settings, models_stub, args.hidden)
+            use_node(node, args.devices)
+            models = register_and_profile(settings, models_stub, args.hidden, args.dtype)
             profile_s = time.perf_counter() - t0
             fingerprints = {
                 m: models_stub.GetProfile(model_pb.GetProfileRequest(model_id=m)) for m in ARCHS
@@ -491,6 +563,9 @@ def main() -> int:
                             ],
                             "profile_s": profile_s,
                             "measure_s": measure_s,
+                            "node": node,
+                            "devices": args.devices,
+                            "dtype": args.dtype,
                         }
                     )
                 )
@@ -501,7 +576,8 @@ def main() -> int:
         measured = {}
         # Full-model rows carry no model id: keep them grouped by order.
         for i, model_id in enumerate(ARCHS):
-            full_by_model[model_id] = full_rows[i * ROWS_PER_MODEL : (i + 1) * ROWS_PER_MODEL]
+            per = rows_per_model()
+            full_by_model[model_id] = full_rows[i * per : (i + 1) * per]
             for r in full_by_model[model_id]:
                 if r.output_tokens == EVAL_OUTPUT:
                     key = (
@@ -517,8 +593,13 @@ def main() -> int:
         # 1. The calibration shipped before (no full-model rows stored).
         log("estimating with the shipped calibration ...")
         set_profiles(settings, profiles, with_full=set())
-        shipped = est_stub.GetCalibration(est_pb.GetCalibrationRequest(hardware_type=HARDWARE))
-        est_shipped = {m: estimate(est_stub, m) for m in ARCHS}
+        try:
+            shipped = est_stub.GetCalibration(est_pb.GetCalibrationRequest(hardware_type=HARDWARE))
+            est_shipped = {m: estimate(est_stub, m) for m in ARCHS}
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            shipped, est_shipped = None, None  # none shipped for this hardware (a GPU's)
 
         # 2. Leave one architecture out.
         est_loao, folds = {}, []
@@ -543,10 +624,17 @@ def main() -> int:
         set_profiles(settings, profiles, with_full=set())
         est_all = {m: estimate(est_stub, m) for m in ARCHS}
 
-    print(
-        "Estimation accuracy on this CPU (2 virtual devices, one core each; "
-        f"{os.cpu_count()} cores; another job may share the machine)"
-    )
+    usable = max(tp * pp for tp, pp in LAYOUTS)
+    if node["kind"] == "cuda":
+        print(
+            f"Estimation accuracy on CUDA: {usable} x {node['name']} "
+            f"({node['total_bytes'] / 2**30:.0f} GiB; hardware type {HARDWARE})"
+        )
+    else:
+        print(
+            f"Estimation accuracy on this CPU ({usable} virtual device(s), one core each; "
+            f"{os.cpu_count()} cores; another job may share the machine)"
+        )
     for model_id, shape in ARCHS.items():
         shape.setdefault("hidden_size", models[model_id].shape.hidden_size)
     described = [
@@ -554,28 +642,31 @@ def main() -> int:
         f"{a.get('num_kv_heads', a['num_heads'])} KV)"
         for m, a in ARCHS.items()
     ]
-    print(f"models: {', '.join(described)}")
+    print(f"models: {', '.join(described)}; checkpoints in {args.dtype}")
     print(f"variants: {', '.join(v.name for v in VARIANTS)} (int8 = int8 weight-only)")
     print(
-        f"fingerprints: profiled by the real profiler at (1,1), (1,2), (2,1), batch {args.batch_sizes}, "
+        f"fingerprints: profiled by the real profiler at {layouts_text()}, batch {args.batch_sizes}, "
         f"prompt {INPUT_TOKENS}, outputs {OUTPUT_TOKENS} ({profile_s:.0f} s for the three models)"
     )
     print(
-        f"full models: RunProfilingJob at (1,1), (2,1), (1,2), batch 1, prompt {INPUT_TOKENS}, "
+        f"full models: RunProfilingJob at {layouts_text()}, batch 1, prompt {INPUT_TOKENS}, "
         f"outputs {OUTPUT_TOKENS}, 1 warm-up + {args.timed_runs} timed runs (medians), "
         f"{len(full_passes)} pass(es), the median over passes compared; {measure_s:.0f} s; "
-        "(2,2) skipped: needs 4 devices, this node has 2"
+        f"(2,2) skipped: needs 4 devices, this node has {usable}"
     )
     print(
         f"compared: batch 1, prompt {INPUT_TOKENS}, {EVAL_OUTPUT} output tokens; memory = "
         "sum over ranks of the workers' peak accounting (weights + KV + activation peak) "
         "against EstimateConfigs memory_total_bytes"
     )
-    print(f"\nshipped calibration: {shipped.calibration.provenance[:120]}...")
-    print_table(
-        "Shipped calibration (committed; fitted by an earlier run of this bench)",
-        errors(est_shipped, measured),
-    )
+    if shipped is None:
+        print(f"\nshipped calibration: none for {HARDWARE}")
+    else:
+        print(f"\nshipped calibration: {shipped.calibration.provenance[:120]}...")
+        print_table(
+            "Shipped calibration (committed; fitted by an earlier run of this bench)",
+            errors(est_shipped, measured),
+        )
     loao = errors(est_loao, measured)
     print_table(
         "Leave one architecture out (Calibrate on the other two; targets median <= 5, p90 <= 10)",

@@ -10,7 +10,10 @@ pool) and once forked from the warm pool (``monitor_agent.worker_pool``), altern
 greedy tokens, EOS ignored; the first untimed, the medians of the others kept) so that the bench shows a forked worker decodes as fast as a
 fresh one: the worker's own TTFT and TPOT. Prints the median and the spread of each.
 
-Run: ``python bench/worker_startup.py [--rounds 7]`` (about a minute on two cores).
+``--device cuda`` runs the worker on the first GPU (found through NVML) in bfloat16 instead.
+
+Run: ``python bench/worker_startup.py [--rounds 7] [--device cpu|cuda]`` (about a minute
+on two cores).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from monitor_agent.devices import virtual_devices  # noqa: E402
+from monitor_agent.devices import DeviceSpec, cuda_devices, host_cores, virtual_devices  # noqa: E402
 from monitor_agent.launch import LaunchPlan, WorkerPlan  # noqa: E402
 from monitor_agent.supervisor import WorkerSupervisor  # noqa: E402
 from monitor_agent.worker_pool import WorkerPool  # noqa: E402
@@ -41,12 +44,21 @@ from services.state.store import StateStore  # noqa: E402
 TIMED_REQUESTS = 3
 
 
-async def one_round(supervisor: WorkerSupervisor, checkpoint: Path, name: str):
-    device = virtual_devices(1, 1 << 30, [0], "x86_64")[0]
+def bench_device(kind: str) -> DeviceSpec:
+    """One virtual CPU device on core 0, or the first GPU."""
+    if kind == "cpu":
+        return virtual_devices(1, 1 << 30, [0], "x86_64")[0]
+    found = cuda_devices(host_cores())
+    if not found:
+        raise SystemExit("--device cuda: NVML finds no GPU (is nvidia-ml-py installed?)")
+    return found[0]
+
+
+async def one_round(supervisor: WorkerSupervisor, checkpoint: Path, name: str, device):
     plan = LaunchPlan(
         deployment_id=name,
         checkpoint_dir=checkpoint,
-        dtype="float32",
+        dtype="bfloat16" if device.is_cuda else "float32",
         max_seq_len=256,
         max_batch=1,
         tensor_parallel=1,
@@ -84,7 +96,7 @@ async def generate(address: str):
     )
 
 
-async def run(rounds: int, root: Path, redis_url: str) -> dict[str, list[tuple]]:
+async def run(rounds: int, root: Path, redis_url: str, device) -> dict[str, list[tuple]]:
     checkpoint = create_checkpoint(root / "ckpt", hidden_size=512, num_layers=2, num_heads=8)
     store = StateStore.from_url(redis_url)
     pool = WorkerPool()
@@ -103,10 +115,10 @@ async def run(rounds: int, root: Path, redis_url: str) -> dict[str, list[tuple]]
     times: dict[str, list[tuple]] = {mode: [] for mode in supervisors}
     try:
         for mode, supervisor in supervisors.items():  # warm-up: page cache, the server
-            await one_round(supervisor, checkpoint, f"warm-{mode}")
+            await one_round(supervisor, checkpoint, f"warm-{mode}", device)
         for i in range(rounds):
             for mode, supervisor in supervisors.items():
-                times[mode].append(await one_round(supervisor, checkpoint, f"{mode}-{i}"))
+                times[mode].append(await one_round(supervisor, checkpoint, f"{mode}-{i}", device))
     finally:
         for supervisor in supervisors.values():
             await supervisor.stop_all()
@@ -117,17 +129,19 @@ async def run(rounds: int, root: Path, redis_url: str) -> dict[str, list[tuple]]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    device = bench_device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         redis, url = start_redis(Path(tmp) / "redis", appendonly=False)
         try:
-            times = asyncio.run(run(args.rounds, Path(tmp), url))
+            times = asyncio.run(run(args.rounds, Path(tmp), url, device))
         finally:
             redis.kill()
             redis.wait()
     print(
-        f"worker start-up, stop (s) and its requests' TTFT, TPOT (ms); {args.rounds} rounds "
-        "each, median (min-max)"
+        f"worker start-up, stop (s) and its requests' TTFT, TPOT (ms) on {device.name}; "
+        f"{args.rounds} rounds each, median (min-max)"
     )
     medians = {}
     for mode, rows in times.items():
