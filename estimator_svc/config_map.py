@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 # Bump when the map's content or the way it is built changes: stored maps then rebuild.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 def source_hash(
@@ -182,7 +182,11 @@ def to_json(config_map: ConfigMap) -> str:
                     "input_tokens": prompt.input_tokens,
                     "kv_tokens_profiled": prompt.kv_tokens_profiled,
                     "profiles": [
-                        {"batch1": _reference_json(p.batch1), "batch2": _reference_json(p.batch2)}
+                        {
+                            "batch1": _reference_json(p.batch1),
+                            "batch2": _reference_json(p.batch2),
+                            "end_to_end_split": p.end_to_end_split,
+                        }
                         for p in prompt.profiles
                     ],
                 }
@@ -213,6 +217,7 @@ def from_json(text: str) -> ConfigMap:
                         _reference(p["batch1"], layouts),
                         _reference(p["batch2"], layouts),
                         prompt["kv_tokens_profiled"],
+                        bool(p["end_to_end_split"]),
                     )
                     for p in prompt["profiles"]
                 ),

@@ -25,7 +25,7 @@ import numpy as np
 from estimator_svc.model_references import ModelReferences
 from estimator_svc.profiles import Sample
 from services.estimation.calibrate import calibrate_latency, calibrate_memory_constants
-from services.estimation.latency import REFERENCE_LAYOUTS, phase_latency
+from services.estimation.latency import REFERENCE_LAYOUTS, decode_steps, phase_latency
 from services.estimation.memory import MemoryConstants, solve_memory_components, total_memory_gib
 from services.estimation.score import Calibration
 
@@ -59,6 +59,8 @@ class CalibrationTable:
     tp: np.ndarray
     pp: np.ndarray
     output_tokens: np.ndarray
+    # TPOTs after the TTFT (decode_steps of output_tokens, by the references' phases).
+    tpot_counts: np.ndarray
     latency_s: np.ndarray
     ttft_s: np.ndarray
     tpot_s: np.ndarray
@@ -84,14 +86,18 @@ class CalibrationTable:
         return np.isfinite(self.memory_gib) & np.all(np.isfinite(self.memory_refs[:, :3]), axis=1)
 
 
-def _measured_phases(group: Sequence[Sample]) -> tuple[float, float] | None:
-    """(TTFT, TPOT) seconds of one (variant, layout, prompt) measured in full."""
+def _measured_phases(group: Sequence[Sample], split: bool) -> tuple[float, float] | None:
+    """(TTFT, TPOT) seconds of one (variant, layout, prompt) measured in full, as the
+    references they are compared with count them (``split``: split out of end-to-end
+    latencies, whose TTFT leaves the first token's step to the TPOTs; decode_steps)."""
     if all(s.direct_phases for s in group):
-        return float(np.mean([s.ttft_s for s in group])), float(np.mean([s.tpot_s for s in group]))
+        ttft = float(np.mean([s.ttft_s for s in group]))
+        tpot = float(np.mean([s.tpot_s for s in group]))
+        return (ttft - tpot if split else ttft), tpot
     points = [(s.output_tokens, s.latency_s) for s in group if s.latency_s > 0]
     if len({o for o, _ in points}) < 2:
         return None
-    design = np.array([[1.0, o] for o, _ in points])
+    design = np.array([[1.0, float(decode_steps(o, split))] for o, _ in points])
     ttft, tpot = np.linalg.lstsq(design, np.array([lat for _, lat in points]), rcond=None)[0]
     return float(ttft), float(tpot)
 
@@ -124,10 +130,11 @@ def calibration_table(
             ):
                 groups[(s.variant, s.layout, s.input_tokens)].append(s)
         for (variant, _layout, input_tokens), group in groups.items():
-            phases = _measured_phases(group)
+            index = refs.variant_keys.index(variant)
+            split = prompts[input_tokens].profiles[index].end_to_end_split
+            phases = _measured_phases(group, split)
             if phases is None:
                 continue
-            index = refs.variant_keys.index(variant)
             profile = prompts[input_tokens].profiles[index].batch1
             weight = refs.variants[index].weight_quant
             references = {
@@ -141,6 +148,7 @@ def calibration_table(
                 rows["tp"].append(s.tp)
                 rows["pp"].append(s.pp)
                 rows["output_tokens"].append(s.output_tokens)
+                rows["tpot_counts"].append(float(decode_steps(s.output_tokens, split)))
                 rows["latency_s"].append(s.end_to_end_s())
                 rows["ttft_s"].append(phases[0])
                 rows["tpot_s"].append(phases[1])
@@ -155,7 +163,16 @@ def calibration_table(
         weights=np.array(rows["weights"], dtype=object),
         **{
             name: np.array(rows[name], dtype=float)
-            for name in ("tp", "pp", "output_tokens", "latency_s", "ttft_s", "tpot_s", "memory_gib")
+            for name in (
+                "tp",
+                "pp",
+                "output_tokens",
+                "tpot_counts",
+                "latency_s",
+                "ttft_s",
+                "tpot_s",
+                "memory_gib",
+            )
         },
         **{
             name: np.array(rows[name], dtype=float).reshape(-1, width)
@@ -196,7 +213,7 @@ def fit_calibration(
         table.tpot_refs[usable],
         table.tp[usable],
         table.pp[usable],
-        table.output_tokens[usable],
+        table.tpot_counts[usable],
         table.latency_s[usable],
         table.ttft_s[usable],
         table.tpot_s[usable],
@@ -240,7 +257,7 @@ def predict_rows(
         tpot_refs,
         tp,
         pp,
-        table.output_tokens[chosen],
+        table.tpot_counts[chosen],
         calibration.latency,
         calibration.o_pp_from,
         table.layouts,

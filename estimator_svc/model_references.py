@@ -194,7 +194,7 @@ def _blend_variant(a: VariantProfile, b: VariantProfile, weight: float) -> Varia
     if a.batch2 is not None and b.batch2 is not None:
         batch2 = _blend(a.batch2, b.batch2, weight)
     tokens = round((1 - weight) * a.kv_tokens_profiled + weight * b.kv_tokens_profiled)
-    return VariantProfile(_blend(a.batch1, b.batch1, weight), batch2, tokens)
+    return VariantProfile(_blend(a.batch1, b.batch1, weight), batch2, tokens, a.end_to_end_split)
 
 
 def _ladder_layouts(fingerprints: Sequence[Sample]) -> tuple[Layout, ...]:
@@ -365,6 +365,8 @@ def model_references(
             latency[(s.variant, s.layout)].extend(s.latency_samples())
     latency = {key: value for key, value in latency.items() if value}
     ladder_direct = all(s.direct_phases for s in fingerprints if s.layout in ladder)
+    # Variants whose phases come from end-to-end latencies alone (decode_steps).
+    split = {v for v in keys if not any(s.direct_phases for s in fingerprints if s.variant == v)}
     ladder_phases = ("ttft", "tpot") if ladder_direct else ("ttft",)
 
     lengths = _prompts_of_every_variant(fingerprints, keys, batch=1)
@@ -390,7 +392,9 @@ def model_references(
                 shape.num_layers, latency, memory, (m, 2), REFERENCE_LAYOUTS, memory_slopes=slopes
             )
             batch2 = {v: _batch2(refs[v], one[v], two[v]) for v in keys}
-        profiles = tuple(VariantProfile(refs[v], batch2.get(v), kv_tokens) for v in keys)
+        profiles = tuple(
+            VariantProfile(refs[v], batch2.get(v), kv_tokens, v in split) for v in keys
+        )
         prompts.append(PromptReferences(n, kv_tokens, profiles))
     if not batch_lengths:
         notes.append("batch 2 was not profiled for every variant: latency does not grow with batch")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.estimation.extrapolate import LatencySample
+from services.estimation.latency import decode_steps
 from services.estimation.memory import GIB
 from services.estimation.space import ModelShape, Variant
 
@@ -133,7 +134,9 @@ class Sample:
         """End-to-end latency, measured or composed from TTFT and TPOT (0 when neither)."""
         if self.latency_s > 0:
             return self.latency_s
-        return self.ttft_s + self.output_tokens * self.tpot_s if self.direct_phases else 0.0
+        if not self.direct_phases:
+            return 0.0
+        return self.ttft_s + float(decode_steps(self.output_tokens)) * self.tpot_s
 
 
 def variant_key(m: model_pb.ProfileMeasurement) -> str:

@@ -182,7 +182,7 @@ def calibrate_phase_constants(
     tpot_refs: np.ndarray,
     tp: np.ndarray,
     pp: np.ndarray,
-    output_tokens: np.ndarray,
+    tpot_counts: np.ndarray,
     measured_latency: np.ndarray,
     initial: PhaseConstants,
     o_pp_from: str = O_PP_FROM_PP2,
@@ -205,7 +205,7 @@ def calibrate_phase_constants(
     def predict(params: np.ndarray) -> np.ndarray:
         constants = constants_of(params)
         return phase_latency(
-            ttft_refs, tpot_refs, tp, pp, output_tokens, constants, o_pp_from, layouts
+            ttft_refs, tpot_refs, tp, pp, tpot_counts, constants, o_pp_from, layouts
         )[2]
 
     start = np.concatenate([initial.ttft.as_array(), initial.tpot.as_array()])
@@ -382,7 +382,7 @@ def calibrate_latency(
     tpot_refs: np.ndarray,
     tp: np.ndarray,
     pp: np.ndarray,
-    output_tokens: np.ndarray,
+    tpot_counts: np.ndarray,
     measured_latency: np.ndarray,
     measured_ttft: np.ndarray,
     measured_tpot: np.ndarray,
@@ -397,7 +397,9 @@ def calibrate_latency(
     """Fit the latency side of a calibration on measured full-model data points.
 
     One row per data point: its variant's extrapolated references (``layouts`` order),
-    its layout, output length and the measured end-to-end latency, TTFT and TPOT
+    its layout, the TPOTs after its TTFT (``tpot_counts``: :func:`decode_steps` of its output
+    length, by how its references' phases were measured), the measured end-to-end
+    latency, TTFT and TPOT
     (seconds; the TTFT and TPOT of a full-model layout come from a least-squares line
     through its latencies at several output lengths). First the reference scales (when
     ``scale_references``), then each phase's exponents on its own measurements, then
@@ -445,7 +447,7 @@ def calibrate_latency(
         tpot_refs,
         tp,
         pp,
-        output_tokens,
+        tpot_counts,
         measured_latency,
         PhaseConstants(ttft_constants, tpot_constants),
         o_pp_from,

@@ -12,7 +12,9 @@ output length; iserve applies it separately to TTFT and to TPOT with constants o
 own (:class:`PhaseConstants`), because prefill and decode scale very differently with
 tensor parallelism on the same hardware (prefill moves prompt-sized activations through
 every all-reduce, decode moves one token's), and then composes
-``L = TTFT + output_tokens * TPOT``.
+``L = TTFT + count * TPOT`` with :func:`decode_steps`' count: ``output_tokens - 1`` for
+phases timed from a token stream (the prefill gives the first token), ``output_tokens``
+for phases split out of end-to-end latencies the papers' way.
 
 When a model was also profiled at (tp, 1) for a tp above 2 (a "TP ladder"), the measured
 overhead ``O_TP(tp) = L(tp,1) - L(1,1)/tp`` replaces the extrapolated
@@ -41,6 +43,7 @@ __all__ = [
     "ParallelConstants",
     "PhaseConstants",
     "ReferenceScales",
+    "decode_steps",
     "latency_at_batch",
     "parallel_latency",
     "parallel_overheads",
@@ -51,6 +54,21 @@ __all__ = [
 BASE, TENSOR, PIPELINE = (1, 1), (2, 1), (1, 2)
 # The references of Eq. 2, in the order every reference triple of this package uses.
 REFERENCE_LAYOUTS: tuple[tuple[int, int], ...] = (BASE, TENSOR, PIPELINE)
+
+
+def decode_steps(output_tokens, end_to_end_split=False) -> np.ndarray:
+    """How many TPOTs follow the TTFT in a request of ``output_tokens`` tokens, by how
+    TTFT and TPOT were measured.
+
+    Timed from a token stream (the profiler's jobs, the scheduler's requests): TTFT is
+    the first token's arrival, which the prefill produced, and TPOT the mean gap between
+    the tokens after it, so ``latency = TTFT + (N - 1) * TPOT``. Split out of end-to-end
+    latencies at two or more output lengths (``end_to_end_split``; measurements with no
+    token timestamps, such as MaverIQ's): the papers fit ``L = TTFT + N * TPOT``, so N.
+    Broadcasts over numpy arrays; 0 for one token from a stream."""
+    n = np.asarray(output_tokens, dtype=float)
+    return np.where(np.asarray(end_to_end_split, dtype=bool), n, np.maximum(n - 1.0, 0.0))
+
 
 # Where O_PP comes from: the measured pp = 2 reference (iServe) or the base layout
 # (MaverIQ's code, which in effect set L(1,2) = L(1,1)).
@@ -237,12 +255,13 @@ def phase_latency(
     tpot_refs: np.ndarray,
     tp: np.ndarray,
     pp: np.ndarray,
-    output_tokens: np.ndarray,
+    tpot_counts: np.ndarray,
     constants: PhaseConstants,
     o_pp_from: str = O_PP_FROM_PP2,
     layouts: tuple[tuple[int, int], ...] = REFERENCE_LAYOUTS,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(TTFT, TPOT, end-to-end latency) at (tp, pp), seconds.
+    """(TTFT, TPOT, end-to-end latency) at (tp, pp), seconds; the latency is TTFT plus
+    ``tpot_counts`` TPOTs (:func:`decode_steps` of the output length).
 
     The last axis of ``ttft_refs`` and ``tpot_refs`` follows ``layouts``: the (1,1),
     (2,1), (1,2) references, then any TP-ladder layouts (tp, 1).
@@ -251,7 +270,7 @@ def phase_latency(
     *p_refs, p_ladder = split_references(tpot_refs, layouts)
     ttft = parallel_latency(*f_refs, tp, pp, constants.ttft, o_pp_from, tp_ladder=f_ladder)
     tpot = parallel_latency(*p_refs, tp, pp, constants.tpot, o_pp_from, tp_ladder=p_ladder)
-    return ttft, tpot, ttft + np.asarray(output_tokens, dtype=float) * tpot
+    return ttft, tpot, ttft + np.asarray(tpot_counts, dtype=float) * tpot
 
 
 def latency_at_batch(

@@ -70,7 +70,8 @@ class ReferenceProfile:
         return self.ttft_s[i], self.tpot_s[i], self.memory_gib[i]
 
     def latency_s(self, output_tokens: float) -> tuple[float, ...]:
-        """End-to-end latency of each layout for ``output_tokens`` tokens."""
+        """End-to-end latency of each layout for ``output_tokens`` tokens, for references
+        split out of end-to-end latencies (``L = TTFT + N * TPOT``)."""
         return tuple(f + output_tokens * p for f, p in zip(self.ttft_s, self.tpot_s, strict=True))
 
 
@@ -84,11 +85,16 @@ class VariantProfile:
     holds (prompt plus output of the profiling requests, for an engine that allocates
     KV pages on demand; 0 for one that allocates nothing before the requests arrive),
     so that scoring can replace it with the deployment's own KV cache.
+    ``end_to_end_split`` says the TTFT and TPOT references were split out of end-to-end
+    latencies (``L = TTFT + N * TPOT``, measurements without token timestamps) rather
+    than timed from token streams (``L = TTFT + (N - 1) * TPOT``): see
+    :func:`services.estimation.latency.decode_steps`.
     """
 
     batch1: ReferenceProfile
     batch2: ReferenceProfile | None = None
     kv_tokens_profiled: int = 0
+    end_to_end_split: bool = False
 
     def __post_init__(self) -> None:
         if self.batch2 is not None and self.batch2.layouts != self.batch1.layouts:

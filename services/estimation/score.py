@@ -22,6 +22,7 @@ from services.estimation.latency import (
     O_PP_FROM_PP2,
     PhaseConstants,
     ReferenceScales,
+    decode_steps,
     phase_latency,
 )
 from services.estimation.memory import (
@@ -144,11 +145,12 @@ def estimate_space(
     batch = space.batch.astype(float)
     c = calibration
     weights = np.array([variant.weight_quant for variant in space.variants], dtype=object)
+    split = np.array([p.end_to_end_split for p in profiles], dtype=bool)[v]
 
     def phases(refs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         ttft_refs, tpot_refs = c.reference_scales.apply(refs["ttft"], refs["tpot"], weights)
         ttft, tpot, _ = phase_latency(
-            ttft_refs[v], tpot_refs[v], tp, pp, output_tokens, c.latency, c.o_pp_from, layouts
+            ttft_refs[v], tpot_refs[v], tp, pp, 0.0, c.latency, c.o_pp_from, layouts
         )
         return ttft, tpot
 
@@ -158,7 +160,10 @@ def estimate_space(
         # MaverIQ Eq. 6 per phase; a batch never makes a request faster.
         ttft = ttft + (batch - 1.0) * np.maximum(ttft2 - ttft, 0.0)
         tpot = tpot + (batch - 1.0) * np.maximum(tpot2 - tpot, 0.0)
-    latency = ttft + output_tokens * tpot
+    # A TTFT split out of end-to-end latencies leaves the first token's step in the TPOTs
+    # (decode_steps); every estimate's TTFT is the first token's arrival, as streamed.
+    latency = ttft + decode_steps(output_tokens, split) * tpot
+    ttft = ttft + np.where(split, tpot, 0.0)
 
     mem_refs = refs1["memory"][:, :3]
     parts = solve_memory_components(mem_refs[:, 0], mem_refs[:, 1], mem_refs[:, 2], c.memory)

@@ -41,7 +41,7 @@ def test_estimates_follow_the_models_by_hand():
     i = [space.describe(k) for k in range(space.size)].index("tp=2 pp=1 fp16 batch=1")
     # Reference layouts come back: TTFT 0.06, TPOT 0.012, memory 13 GiB.
     assert est.ttft_s[i] == pytest.approx(0.06)
-    assert est.latency_s[i] == pytest.approx(0.06 + 100 * 0.012)
+    assert est.latency_s[i] == pytest.approx(0.06 + 99 * 0.012)
     assert est.memory_total_gib[i] == pytest.approx(13.0)
     assert est.memory_per_device_gib[i] == pytest.approx(6.5)
     assert est.cost_memory_latency[i] == pytest.approx(13.0 * est.latency_s[i])
@@ -190,3 +190,24 @@ def test_bad_requests_say_what_is_wrong():
         estimate_space(space, profiles[:1], Calibration(LINEAR), 10)
     with pytest.raises(ValueError, match="output_tokens"):
         estimate_space(space, profiles, Calibration(LINEAR), 0)
+
+
+def test_latency_counts_a_tpot_for_every_token_after_the_first():
+    # The first token comes out of the prefill (TTFT); each other takes one decode step,
+    # as the profiler's and the scheduler's stream timings count them.
+    space, profiles = small_space()
+    for output_tokens in (1, 2, 16):
+        est = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=output_tokens)
+        np.testing.assert_allclose(est.latency_s, est.ttft_s + (output_tokens - 1) * est.tpot_s)
+
+
+def test_phases_split_from_end_to_end_latency_count_every_token_as_a_tpot():
+    # MaverIQ-style references (L = TTFT + N * TPOT) keep their latency; the TTFT an
+    # estimate reports is the first token's arrival, one TPOT after the split's TTFT.
+    space, profiles = small_space()
+    split = [VariantProfile(p.batch1, p.batch2, p.kv_tokens_profiled, True) for p in profiles]
+    streamed = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=16)
+    est = estimate_space(space, split, Calibration(LINEAR), output_tokens=16)
+    np.testing.assert_allclose(est.latency_s, streamed.ttft_s + 16 * streamed.tpot_s)
+    np.testing.assert_allclose(est.ttft_s, streamed.ttft_s + streamed.tpot_s)
+    np.testing.assert_allclose(est.latency_s, est.ttft_s + 15 * est.tpot_s)

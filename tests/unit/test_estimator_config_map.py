@@ -61,6 +61,30 @@ def test_stored_form_round_trips_to_the_same_estimates():
         np.testing.assert_array_equal(getattr(before, field), getattr(after, field))
 
 
+def test_the_stored_form_keeps_how_each_variants_phases_were_measured():
+    # Stream-timed rows (the profiler's) and the same rows with end-to-end latency only
+    # (as imported): decode_steps composes them differently, so a map read back must know.
+    ended = []
+    for timed in tiny_rows():
+        for output_tokens in (8, 16):
+            row = type(timed)()
+            row.CopyFrom(timed)
+            row.output_tokens = output_tokens
+            row.latency_ms = timed.ttft_ms + (output_tokens - 1) * timed.tpot_ms
+            row.ttft_ms = row.tpot_ms = row.ttft_layer_ms = row.tpot_layer_ms = 0.0
+            ended.append(row)
+    for rows, split in ((tiny_rows(), False), (ended, True)):
+        built = build_config_map(tiny_model(), rows, shipped(CPU), CPU, now_ms=7)
+        loaded = from_json(to_json(built))
+        flags = [p.end_to_end_split for pr in loaded.references.prompts for p in pr.profiles]
+        assert flags and set(flags) == {split}
+        workload = Workload(output_tokens=20, input_tokens=0, batch_size=1)
+        estimates, _ = loaded.estimate(workload, 2)
+        np.testing.assert_allclose(
+            estimates.latency_s, estimates.ttft_s + 19 * estimates.tpot_s, rtol=1e-9
+        )
+
+
 def test_the_stored_form_keeps_the_whole_shape():
     # An MLP width that 8 does not divide bars tp = 8, and the context bounds the tokens:
     # a map read back from Redis must know both, as the one it was built as did (before,

@@ -143,7 +143,10 @@ def test_messages_carry_units_and_ranks(estimated):
     assert first.config.tensor_parallel == 1 and first.config.variant_name == "fp16"
     assert first.config.weight_quant == K.WEIGHT_QUANT_NONE
     assert first.memory_total_bytes == round(estimates.memory_total_gib[0] * GIB)
-    assert first.latency_ms == pytest.approx(first.ttft_ms + workload.output_tokens * first.tpot_ms)
+    # The first token is TTFT's; each further one a TPOT.
+    assert first.latency_ms == pytest.approx(
+        first.ttft_ms + (workload.output_tokens - 1) * first.tpot_ms
+    )
     assert first.cost_memory == pytest.approx(first.memory_total_bytes / 1e9)
     assert first.accuracy_score == 100.0
     # KV cache of batch x (prompt + output) tokens: 2 x 8 layers x 4 heads x 16 x 2 bytes.
