@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 # Bump when the map's content or the way it is built changes: stored maps then rebuild.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 def source_hash(
@@ -186,6 +186,7 @@ def to_json(config_map: ConfigMap) -> str:
                             "batch1": _reference_json(p.batch1),
                             "batch2": _reference_json(p.batch2),
                             "end_to_end_split": p.end_to_end_split,
+                            "kv_gib_per_token": p.kv_gib_per_token,
                         }
                         for p in prompt.profiles
                     ],
@@ -218,6 +219,7 @@ def from_json(text: str) -> ConfigMap:
                         _reference(p["batch2"], layouts),
                         prompt["kv_tokens_profiled"],
                         bool(p["end_to_end_split"]),
+                        float(p["kv_gib_per_token"]),
                     )
                     for p in prompt["profiles"]
                 ),

@@ -11,7 +11,7 @@ from estimator_svc.ranking import RankedConfigs
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.errors import InvalidArgument
-from services.estimation.memory import GIB, kv_cache_gib
+from services.estimation.memory import GIB
 from services.estimation.score import Estimates
 from services.token_limits import check_batch_size
 
@@ -63,7 +63,6 @@ def estimate_messages(
     e = estimates
     space = e.space
     chosen = np.arange(space.size) if indices is None else np.asarray(indices, dtype=int)
-    max_seq_len = workload.input_tokens + workload.output_tokens
     gb = e.memory_total_gib * GIB / 1e9
     messages = []
     for i in chosen.tolist():
@@ -81,18 +80,7 @@ def estimate_messages(
             ),
             memory_total_bytes=round(e.memory_total_gib[i] * GIB),
             memory_per_device_bytes=round(e.memory_per_device_gib[i] * GIB),
-            kv_cache_bytes=round(
-                float(
-                    kv_cache_gib(
-                        space.shape,
-                        max_seq_len,
-                        workload.batch_size,
-                        variant.kv_quant,
-                        int(row["tp"]),
-                    )
-                )
-                * GIB
-            ),
+            kv_cache_bytes=round(float(e.kv_cache_gib[i]) * GIB),
             ttft_ms=e.ttft_s[i] * 1e3,
             tpot_ms=e.tpot_s[i] * 1e3,
             latency_ms=e.latency_s[i] * 1e3,

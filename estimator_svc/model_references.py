@@ -116,10 +116,8 @@ class ModelReferences:
             replace(
                 prompt,
                 profiles=tuple(
-                    VariantProfile(
-                        cut(v.batch1),
-                        None if v.batch2 is None else cut(v.batch2),
-                        v.kv_tokens_profiled,
+                    replace(
+                        v, batch1=cut(v.batch1), batch2=None if v.batch2 is None else cut(v.batch2)
                     )
                     for v in prompt.profiles
                 ),
@@ -194,7 +192,9 @@ def _blend_variant(a: VariantProfile, b: VariantProfile, weight: float) -> Varia
     if a.batch2 is not None and b.batch2 is not None:
         batch2 = _blend(a.batch2, b.batch2, weight)
     tokens = round((1 - weight) * a.kv_tokens_profiled + weight * b.kv_tokens_profiled)
-    return VariantProfile(_blend(a.batch1, b.batch1, weight), batch2, tokens, a.end_to_end_split)
+    return replace(
+        a, batch1=_blend(a.batch1, b.batch1, weight), batch2=batch2, kv_tokens_profiled=tokens
+    )
 
 
 def _ladder_layouts(fingerprints: Sequence[Sample]) -> tuple[Layout, ...]:
@@ -254,6 +254,19 @@ def _known_slopes(used: Sequence[Sample], kv_tokens: int) -> dict[str, float]:
             kv = float(np.median([s.layer_kv_gib_per_token for s in mine]))
             slopes[variant] = weights + kv * kv_tokens
     return slopes
+
+
+def _kv_gib_per_token(fingerprints: Sequence[Sample], num_layers: int) -> dict[str, float]:
+    """Per variant, the K and V one token holds in all ``num_layers`` layers (unsharded,
+    GiB) as the measurements' engine stores them (their recorded layer bytes: the dtype
+    the workers computed in, int8 with its scales); variants whose measurements do not
+    say are left out (scoring then takes the architecture's 16-bit figure)."""
+    out = {}
+    for variant in {s.variant for s in fingerprints}:
+        known = [s.layer_kv_gib_per_token for s in fingerprints if s.variant == variant]
+        if known and all(k > 0 for k in known):
+            out[variant] = float(np.median(known)) * num_layers
+    return out
 
 
 def _at_least_measured(
@@ -367,6 +380,7 @@ def model_references(
     ladder_direct = all(s.direct_phases for s in fingerprints if s.layout in ladder)
     # Variants whose phases come from end-to-end latencies alone (decode_steps).
     split = {v for v in keys if not any(s.direct_phases for s in fingerprints if s.variant == v)}
+    kv_per_token = _kv_gib_per_token(fingerprints, shape.num_layers)
     ladder_phases = ("ttft", "tpot") if ladder_direct else ("ttft",)
 
     lengths = _prompts_of_every_variant(fingerprints, keys, batch=1)
@@ -393,7 +407,8 @@ def model_references(
             )
             batch2 = {v: _batch2(refs[v], one[v], two[v]) for v in keys}
         profiles = tuple(
-            VariantProfile(refs[v], batch2.get(v), kv_tokens, v in split) for v in keys
+            VariantProfile(refs[v], batch2.get(v), kv_tokens, v in split, kv_per_token.get(v, 0.0))
+            for v in keys
         )
         prompts.append(PromptReferences(n, kv_tokens, profiles))
     if not batch_lengths:

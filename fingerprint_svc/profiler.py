@@ -55,7 +55,9 @@ from services import health
 from services.aio import cancel_and_wait
 from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
+from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.engine_rules import default_dtype
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import served_spec
@@ -301,13 +303,19 @@ class Profiler:
             self._owners.discard(owner)
         record.device_seconds += wall_s * job.ranks
         hardware = choice.devices[0].hardware_type
+        # The precision the workers computed in (the job asks for none): what a layer's
+        # weights and a token's KV took, and what this measurement describes.
+        measured = job.config()
+        measured.dtype = default_dtype(
+            model.shape.dtype, cuda=choice.devices[0].kind == common.DEVICE_KIND_CUDA
+        )
         for run in reply.runs:
             record.measurements.append(
                 model_pb.ProfileMeasurement(
                     variant_name=job.variant.name,
                     num_layers=fingerprint.num_layers,
                     full_model=fingerprint.full_model,
-                    config=job.config(),
+                    config=measured,
                     stage_layers=job.stage_layers,
                     input_tokens=profiling.input_tokens,
                     output_tokens=run.output_tokens,
@@ -317,8 +325,8 @@ class Profiler:
                     peak_memory_bytes_per_rank=run.peak_memory_bytes_per_rank,
                     ttft_layer_ms=run.ttft_layer_ms,
                     tpot_layer_ms=run.tpot_layer_ms,
-                    layer_weight_bytes=layer_weight_bytes(model.shape, job.config()),
-                    layer_kv_bytes_per_token=layer_kv_bytes_per_token(model.shape, job.config()),
+                    layer_weight_bytes=layer_weight_bytes(model.shape, measured),
+                    layer_kv_bytes_per_token=layer_kv_bytes_per_token(model.shape, measured),
                     repetitions=profiling.timed_runs,
                     hardware_type=hardware,
                 )

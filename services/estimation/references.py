@@ -88,19 +88,25 @@ class VariantProfile:
     ``end_to_end_split`` says the TTFT and TPOT references were split out of end-to-end
     latencies (``L = TTFT + N * TPOT``, measurements without token timestamps) rather
     than timed from token streams (``L = TTFT + (N - 1) * TPOT``): see
-    :func:`services.estimation.latency.decode_steps`.
+    :func:`services.estimation.latency.decode_steps`. ``kv_gib_per_token`` is what one
+    token's K and V take in every layer (unsharded, GiB) as the profiled engine stored
+    them, in the dtype it computed in (0: unknown; scoring then takes the architecture's
+    16-bit figure).
     """
 
     batch1: ReferenceProfile
     batch2: ReferenceProfile | None = None
     kv_tokens_profiled: int = 0
     end_to_end_split: bool = False
+    kv_gib_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.batch2 is not None and self.batch2.layouts != self.batch1.layouts:
             raise ValueError("batch-2 references must have the batch-1 layouts")
         if self.kv_tokens_profiled < 0:
             raise ValueError("kv_tokens_profiled must not be negative")
+        if not self.kv_gib_per_token >= 0:
+            raise ValueError("kv_gib_per_token must not be negative")
 
 
 def _layouts_of(keys: Sequence[tuple[Hashable, tuple[int, int]]]) -> tuple[tuple[int, int], ...]:

@@ -71,6 +71,8 @@ class Estimates:
     output_tokens: int
     memory_total_gib: np.ndarray
     memory_per_device_gib: np.ndarray
+    # The KV cache within memory_total_gib (all devices): batch x max_seq_len tokens.
+    kv_cache_gib: np.ndarray
     ttft_s: np.ndarray
     tpot_s: np.ndarray
     latency_s: np.ndarray
@@ -171,17 +173,25 @@ def estimate_space(
     activations = np.asarray(parts.activations_gib)[v]
     pipeline = np.asarray(parts.pipeline_activations_gib)[v]
     memory = total_memory_gib(MemoryComponents(weights, activations, pipeline), tp, pp, c.memory)
-    kv_per_token = np.array(
+    # One token's K and V as the profiled engine stored them (its dtype: float32 on a
+    # CPU), else the architecture's 16-bit figure; tp ranks may hold copies of heads.
+    known = np.array([p.kv_gib_per_token for p in profiles], dtype=float)
+    architecture = np.array(
         [float(kv_cache_gib(space.shape, 1, 1, variant.kv_quant)) for variant in space.variants]
-    )[v] * kv_replication(space.shape.num_kv_heads, tp)
+    )
+    kv_per_token = np.where(known > 0, known, architecture)[v] * kv_replication(
+        space.shape.num_kv_heads, tp
+    )
     profiled_tokens = np.array([p.kv_tokens_profiled for p in profiles], dtype=float)[v]
     if max_seq_len is not None:
         # Swap the profiled KV cache for the deployment's: batch x max_seq_len tokens.
-        memory = memory + kv_per_token * (batch * max_seq_len - profiled_tokens)
+        kv_cache = kv_per_token * batch * max_seq_len
+        memory = memory + kv_cache - kv_per_token * profiled_tokens
     else:
         # Each further sequence holds what the profiled one did (Eq. 6 with O_BS_M from
         # the architecture: fingerprints' batch-2 memory grows by a few MiB, below what
         # NVML resolves well enough to extrapolate).
+        kv_cache = kv_per_token * batch * profiled_tokens
         memory = memory + kv_per_token * (batch - 1.0) * profiled_tokens
 
     devices = space.device_count.astype(float)
@@ -199,6 +209,7 @@ def estimate_space(
         output_tokens=output_tokens,
         memory_total_gib=memory,
         memory_per_device_gib=per_device,
+        kv_cache_gib=kv_cache,
         ttft_s=ttft,
         tpot_s=tpot,
         latency_s=latency,

@@ -15,6 +15,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
+from services.reservation import layer_weight_bytes
 from tests.conftest import running_stack
 from tests.integration.helpers import (
     cli,
@@ -109,11 +110,11 @@ def test_a_deployment_serves_from_the_gpu_in_the_checkpoints_dtype(gpu_stack) ->
 def test_profiling_measures_fingerprints_on_the_gpu(gpu_stack) -> None:
     path = make_checkpoint(gpu_stack, "gpu-profiled", dtype="bfloat16", **SHAPE)
     before = reserved_by_device(gpu_stack)
-    gpu_stack.models.RegisterModel(
+    model = gpu_stack.models.RegisterModel(
         model_pb.RegisterModelRequest(
             request_id=rid(), model_id="gpu-profiled", checkpoint_path=path
         )
-    )
+    ).model
     events = list(
         gpu_stack.models.WatchModel(
             model_pb.WatchModelRequest(request_id=rid(), model_id="gpu-profiled"), timeout=600
@@ -127,7 +128,9 @@ def test_profiling_measures_fingerprints_on_the_gpu(gpu_stack) -> None:
     for m in profile.measurements:
         assert m.hardware_type == hardware
         assert m.config.tensor_parallel * m.config.pipeline_parallel <= len(devices)
-        assert m.config.dtype in (common.PRECISION_UNSPECIFIED, common.PRECISION_BFLOAT16)
+        # Profiled in the checkpoint's dtype, as CUDA serves it, and recorded so.
+        assert m.config.dtype == common.PRECISION_BFLOAT16
+        assert m.layer_weight_bytes == pytest.approx(layer_weight_bytes(model.shape, m.config))
         assert 0 < m.ttft_ms < m.latency_ms and m.tpot_ms > 0
         assert m.ttft_layer_ms > 0 and m.tpot_layer_ms > 0
         # Measured on the device: at least the fingerprint's weights.

@@ -14,6 +14,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.estimation.space import ModelShape, Variant, enumerate_space
+from services.reservation import layer_weight_bytes
 from tests.integration.helpers import TINY, make_checkpoint, rid
 
 pytestmark = pytest.mark.integration
@@ -139,3 +140,49 @@ def test_a_variant_the_model_cannot_take_is_refused_and_nothing_recorded(stack):
     with pytest.raises(grpc.RpcError) as err:
         stack.models.GetModel(model_pb.GetModelRequest(model_id="pte-mlp90"))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_bfloat16_checkpoint_is_profiled_and_estimated_as_the_cpu_computes_it(stack, estimator):
+    # CPUs compute in float32 whatever the checkpoint holds (engine_rules.default_dtype):
+    # what a layer's weights and a token's K and V take is float32's, not bfloat16's.
+    if _hardware_types(stack) != {HARDWARE}:
+        pytest.skip(f"the node's devices are {_hardware_types(stack)}, not {HARDWARE}")
+    path = make_checkpoint(stack, "pte-bf16", **{**TINY, "dtype": "bfloat16"})
+    model = stack.models.RegisterModel(
+        model_pb.RegisterModelRequest(request_id=rid(), model_id="pte-bf16", checkpoint_path=path)
+    ).model
+    assert model.shape.dtype == common.PRECISION_BFLOAT16
+    events = list(
+        stack.models.WatchModel(
+            model_pb.WatchModelRequest(request_id=rid(), model_id="pte-bf16"),
+            timeout=WATCH_TIMEOUT_S,
+        )
+    )
+    assert events[-1].state == model_pb.MODEL_STATE_PROFILED, events[-1]
+    try:
+        fp32 = common.DeploymentConfig(dtype=common.PRECISION_FLOAT32)
+        bf16 = common.DeploymentConfig(dtype=common.PRECISION_BFLOAT16)
+        profile = stack.models.GetProfile(model_pb.GetProfileRequest(model_id="pte-bf16"))
+        assert profile.measurements
+        for m in profile.measurements:
+            assert m.config.dtype == common.PRECISION_FLOAT32
+            assert m.layer_weight_bytes == pytest.approx(layer_weight_bytes(model.shape, fp32))
+            assert m.layer_weight_bytes > 1.9 * layer_weight_bytes(model.shape, bf16)
+            assert m.layer_kv_bytes_per_token == 2 * TINY["num_kv_heads"] * model.shape.head_dim * 4
+        reply = estimator.EstimateConfigs(
+            estimator_pb.EstimateConfigsRequest(
+                request_id=rid(),
+                model_id="pte-bf16",
+                hardware_type=HARDWARE,
+                workload=estimator_pb.Workload(input_tokens=64, output_tokens=OUTPUT_TOKENS),
+                device_count=1,
+            ),
+            timeout=60,
+        )
+        [single] = reply.estimates
+        layers = model.shape.num_layers
+        assert single.memory_total_bytes > layers * layer_weight_bytes(model.shape, fp32)
+        kv_per_token = layers * 2 * TINY["num_kv_heads"] * model.shape.head_dim * 4
+        assert single.kv_cache_bytes == kv_per_token * (64 + OUTPUT_TOKENS)
+    finally:
+        stack.models.DeleteModel(model_pb.DeleteModelRequest(request_id=rid(), model_id="pte-bf16"))

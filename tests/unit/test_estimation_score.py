@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -211,3 +213,24 @@ def test_phases_split_from_end_to_end_latency_count_every_token_as_a_tpot():
     np.testing.assert_allclose(est.latency_s, streamed.ttft_s + 16 * streamed.tpot_s)
     np.testing.assert_allclose(est.ttft_s, streamed.ttft_s + streamed.tpot_s)
     np.testing.assert_allclose(est.latency_s, est.ttft_s + 15 * est.tpot_s)
+
+
+def test_the_kv_cache_is_sized_in_the_dtype_the_profile_was_stored_in():
+    # Profiled in float32 (a CPU): each token's K and V take twice the 16-bit figure,
+    # and a deployment's cache is charged at that size.
+    space, profiles = small_space(devices=1)
+    fp32 = 2 * SHAPE.kv_bytes_per_token() / 2**30
+    stored = [replace(p, kv_tokens_profiled=100, kv_gib_per_token=fp32) for p in profiles]
+    profiled = estimate_space(space, stored, Calibration(LINEAR), output_tokens=10)
+    deployed = estimate_space(
+        space, stored, Calibration(LINEAR), output_tokens=10, max_seq_len=2048
+    )
+    np.testing.assert_allclose(
+        deployed.memory_total_gib - profiled.memory_total_gib, (2048 - 100) * fp32
+    )
+    np.testing.assert_allclose(deployed.kv_cache_gib, 2048 * fp32)
+    # Unknown (0): the architecture's 16-bit figure.
+    unknown = estimate_space(
+        space, profiles, Calibration(LINEAR), output_tokens=10, max_seq_len=2048
+    )
+    np.testing.assert_allclose(unknown.kv_cache_gib, 2048 * fp32 / 2)
