@@ -47,6 +47,7 @@ __all__ = [
     "build_tokenizer",
     "create_checkpoint",
     "read_config",
+    "weights_dtype",
     "read_safetensors_index",
     "validate_checkpoint",
     "write_checkpoint",
@@ -76,7 +77,8 @@ class ValidatedCheckpoint:
 
 
 def read_config(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of a checkpoint directory."""
+    """The parsed ``config.json`` of a checkpoint directory; a config that names no dtype
+    gets the weights' (:func:`weights_dtype`), as transformers loads it."""
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise InvalidCheckpoint(f"checkpoint directory {str(directory)!r} does not exist")
@@ -91,7 +93,30 @@ def read_config(checkpoint_dir: str | Path) -> dict[str, Any]:
         ) from exc
     if not isinstance(config, dict):
         raise InvalidCheckpoint(f"{CONFIG_FILE} in {str(directory)!r} is not a JSON object")
+    if config.get("dtype") is None and config.get("torch_dtype") is None:
+        found = weights_dtype(directory)
+        if found is not None:
+            config["dtype"] = found
     return config
+
+
+_CONFIG_DTYPE_OF = {code: name for name, code in CONFIG_TO_SAFETENSORS_DTYPE.items()}
+
+
+def weights_dtype(checkpoint_dir: str | Path) -> str | None:
+    """The dtype transformers' ``from_pretrained`` (whose default is ``dtype="auto"``)
+    loads a checkpoint in when its config names none: the first floating-point tensor's
+    of the first weights file (``model.safetensors``, or the first shard by name), in
+    the order safetensors' ``keys()`` lists them (by name). None without weights files
+    or a float tensor iserve reads (then the config's default, float32, stands)."""
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    header = read_safetensors_header(files[0])
+    for name in sorted(header):
+        if header[name].dtype in _CONFIG_DTYPE_OF:
+            return _CONFIG_DTYPE_OF[header[name].dtype]
+    return None
 
 
 def read_safetensors_index(checkpoint_dir: str | Path) -> dict[str, TensorInfo]:

@@ -26,6 +26,7 @@ from services.models.checkpoint import (
     create_checkpoint,
     read_config,
     read_safetensors_index,
+    served_spec,
     validate_checkpoint,
 )
 from services.models.safetensors_format import float32_to_bfloat16_bits
@@ -406,3 +407,28 @@ def test_package_does_not_import_torch() -> None:
     )
     root = Path(__file__).resolve().parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_config_naming_no_dtype_takes_the_weights_dtype_as_transformers_does(
+    tmp_path: Path, dtype: str
+) -> None:
+    # transformers' from_pretrained defaults to dtype="auto": the config's dtype, else
+    # the first floating weight's. A checkpoint whose config names none is not float32.
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    directory = create_checkpoint(tmp_path / "ckpt", **SMALL, dtype=dtype)
+    config = json.loads((directory / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        config.pop(key, None)
+    (directory / "config.json").write_text(json.dumps(config))
+
+    assert read_config(directory)["dtype"] == dtype
+    assert served_spec(directory).torch_dtype == dtype
+    assert validate_checkpoint(directory).spec.torch_dtype == dtype
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    assert loaded.dtype == getattr(torch, dtype)
+    # A config that names one keeps it, whatever the weights hold.
+    config["torch_dtype"] = "float32"
+    (directory / "config.json").write_text(json.dumps(config))
+    assert served_spec(directory).torch_dtype == "float32"
