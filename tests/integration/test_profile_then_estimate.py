@@ -43,23 +43,29 @@ def _hardware_types(stack) -> set[str]:
     return {d.hardware_type for n in cluster.nodes for d in n.devices}
 
 
-def test_profiled_model_has_an_estimate_for_every_configuration(stack, estimator):
-    if _hardware_types(stack) != {HARDWARE}:
-        pytest.skip(f"the node's devices are {_hardware_types(stack)}, not {HARDWARE}")
-    path = make_checkpoint(stack, "pte-llama", **TINY)
+def _register_and_profile(stack, model_id: str, path: str, **fields) -> model_pb.Model:
+    """Register ``model_id`` with profiling and wait until it is PROFILED."""
     model = stack.models.RegisterModel(
         model_pb.RegisterModelRequest(
-            request_id=rid(), model_id="pte-llama", checkpoint_path=path, variants=[KV8]
+            request_id=rid(), model_id=model_id, checkpoint_path=path, **fields
         )
     ).model
     assert model.state == model_pb.MODEL_STATE_PROFILING
     events = list(
         stack.models.WatchModel(
-            model_pb.WatchModelRequest(request_id=rid(), model_id="pte-llama"),
+            model_pb.WatchModelRequest(request_id=rid(), model_id=model_id),
             timeout=WATCH_TIMEOUT_S,
         )
     )
     assert events[-1].state == model_pb.MODEL_STATE_PROFILED, events[-1]
+    return model
+
+
+def test_profiled_model_has_an_estimate_for_every_configuration(stack, estimator):
+    if _hardware_types(stack) != {HARDWARE}:
+        pytest.skip(f"the node's devices are {_hardware_types(stack)}, not {HARDWARE}")
+    path = make_checkpoint(stack, "pte-llama", **TINY)
+    model = _register_and_profile(stack, "pte-llama", path, variants=[KV8])
     try:
         profile = stack.models.GetProfile(model_pb.GetProfileRequest(model_id="pte-llama"))
         assert not profile.skipped, list(profile.skipped)
@@ -148,17 +154,8 @@ def test_a_bfloat16_checkpoint_is_profiled_and_estimated_as_the_cpu_computes_it(
     if _hardware_types(stack) != {HARDWARE}:
         pytest.skip(f"the node's devices are {_hardware_types(stack)}, not {HARDWARE}")
     path = make_checkpoint(stack, "pte-bf16", **{**TINY, "dtype": "bfloat16"})
-    model = stack.models.RegisterModel(
-        model_pb.RegisterModelRequest(request_id=rid(), model_id="pte-bf16", checkpoint_path=path)
-    ).model
+    model = _register_and_profile(stack, "pte-bf16", path)
     assert model.shape.dtype == common.PRECISION_BFLOAT16
-    events = list(
-        stack.models.WatchModel(
-            model_pb.WatchModelRequest(request_id=rid(), model_id="pte-bf16"),
-            timeout=WATCH_TIMEOUT_S,
-        )
-    )
-    assert events[-1].state == model_pb.MODEL_STATE_PROFILED, events[-1]
     try:
         fp32 = common.DeploymentConfig(dtype=common.PRECISION_FLOAT32)
         bf16 = common.DeploymentConfig(dtype=common.PRECISION_BFLOAT16)
