@@ -6,6 +6,7 @@ dtype and streams, and a profiling job measures fingerprints there. Skipped with
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -141,3 +142,47 @@ def test_profiling_measures_fingerprints_on_the_gpu(gpu_stack) -> None:
     assert wait_for(
         lambda: not gpu_stack.agent.ListWorkers(agent_pb.ListWorkersRequest()).workers, timeout=15
     )
+
+
+@pytest.mark.parametrize(
+    "weight_quant, kv_quant",
+    [
+        (common.WEIGHT_QUANT_INT8, common.KV_QUANT_NONE),
+        (common.WEIGHT_QUANT_INT4, common.KV_QUANT_INT8),
+    ],
+)
+def test_compressed_deployments_stream_concurrently_from_the_gpu(
+    gpu_stack, weight_quant, kv_quant
+) -> None:
+    name = f"gpu-q{weight_quant}-{kv_quant}"
+    path = make_checkpoint(gpu_stack, name, dtype="bfloat16", **SHAPE)
+    register(gpu_stack, name, path)
+    before = reserved_by_device(gpu_stack)
+    config = common.DeploymentConfig(weight_quant=weight_quant, kv_quant=kv_quant)
+    dep = deploy(gpu_stack, name, max_output_tokens=16, config=config).deployment
+    try:
+        assert dep.state == deploy_pb.DEPLOYMENT_STATE_READY
+        assert [d.device_id for d in dep.placement.stages[0].devices] == ["cuda0"]
+        prompts = ["The quick brown fox", "Once upon a time", "In a hole in the ground"]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(
+                pool.map(
+                    lambda prompt: generate(
+                        gpu_stack,
+                        deployment_id=dep.deployment_id,
+                        prompt=prompt,
+                        max_tokens=12,
+                        sampling=common.SamplingParams(ignore_eos=True),
+                    ),
+                    prompts,
+                )
+            )
+        for deltas, final in replies:
+            assert sum(len(d.token_ids) for d in deltas) == 12
+            assert final.finish_reason == common.FINISH_REASON_LENGTH
+    finally:
+        gpu_stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
+        )
+    assert reserved_by_device(gpu_stack) == before
+    gpu_stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id=name))
