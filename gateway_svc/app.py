@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -64,6 +65,7 @@ from services.api import (
 )
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
+from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
 from services.errors import InvalidArgument, shown
 from services.ids import check_model_id
@@ -172,6 +174,8 @@ Metadata = tuple[tuple[str, str], ...]
 # What cannot be a token (services.auth.tokens.could_be_token) is refused at the gateway:
 # passed on, it would fail in the gRPC library (a 500) or on the services' metadata size
 # limit (a 429 naming gRPC internals).
+log = logging.getLogger("iserve.gateway")
+
 _NOT_A_TOKEN = (
     f"the bearer token is not an iserve token ({MIN_TOKEN_LENGTH}-{MAX_TOKEN_LENGTH} "
     "printable ASCII characters without spaces; `iserve token create` issues them)"
@@ -198,6 +202,8 @@ class Backend:
     # Each model's checkpoint path as last read: a chat is not refused while the model
     # service is unreachable (restarting, say) for a model whose record was read before.
     checkpoint_paths: dict[str, str] = field(default_factory=dict)
+    # The 401s given here, before any call (the services log what they refuse).
+    refusals: RefusalLog = field(default_factory=lambda: RefusalLog(log))
 
     @classmethod
     def connect(
@@ -227,9 +233,12 @@ class Backend:
     def caller(self, request: Request) -> Metadata:
         """gRPC metadata carrying the HTTP client's bearer token; 401 when authentication
         is on and it sent none, or something that cannot be a token (before any call)."""
-        token = bearer(request.headers.get("authorization", ""))
+        header = request.headers.get("authorization", "")
+        token = bearer(header)
+        client = request.client.host if request.client else "unknown"
         if token and not could_be_token(token):
             if self.auth:
+                self.refusals.refused(client, "not an iserve token", request.url.path)
                 raise GatewayError(401, "authentication_error", _NOT_A_TOKEN)
             # Nothing is checked with authentication off, yet OpenAI's clients must send
             # a key, and those written for vLLM send placeholders ("EMPTY"): sent on as
@@ -237,11 +246,16 @@ class Backend:
             token = ""
         if not token:
             if self.auth:
+                said = (
+                    "the Authorization header is not `Bearer <token>`"
+                    if header.strip()
+                    else "missing `Authorization: Bearer <token>`"
+                )
+                self.refusals.refused(client, said, request.url.path)
                 raise GatewayError(
                     401,
                     "authentication_error",
-                    "missing `Authorization: Bearer <token>` (an iserve token; "
-                    "`iserve token create` issues them)",
+                    f"{said} (an iserve token; `iserve token create` issues them)",
                 )
             return ()
         return (("authorization", f"Bearer {token}"),)

@@ -99,6 +99,7 @@ import json
 import math
 import os
 import re
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -274,8 +275,9 @@ def _token(env: Mapping[str, str], variable: str, state_dir: Path, file_name: st
             f"{source}: a token is {MIN_TOKEN_LENGTH}-{MAX_TOKEN_LENGTH} characters "
             "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
         )
-    if any(c.isspace() or not c.isprintable() for c in value):
-        raise ValueError(f"{source}: a token is printable and has no spaces")
+    if any(c.isspace() or not c.isprintable() or not c.isascii() for c in value):
+        # gRPC metadata and HTTP headers carry ASCII: another token could never be sent.
+        raise ValueError(f"{source}: a token is printable ASCII and has no spaces")
     return value
 
 
@@ -299,6 +301,7 @@ def _tls(env: Mapping[str, str]) -> TlsFiles | None:
         raise ValueError("ISERVE_TLS_CERT and ISERVE_TLS_KEY go together: set both or neither")
     if client_auth and (paths["ca"] is None or paths["cert"] is None):
         raise ValueError("ISERVE_TLS_CLIENT_AUTH=on needs ISERVE_TLS_CERT, _KEY and _CA")
+    _check_pem(paths["cert"], paths["key"], paths["ca"])
     return TlsFiles(
         paths["cert"],
         paths["key"],
@@ -306,6 +309,37 @@ def _tls(env: Mapping[str, str]) -> TlsFiles | None:
         client_auth,
         env.get("ISERVE_TLS_SERVER_NAME", "").strip(),
     )
+
+
+def _check_pem(cert: Path | None, key: Path | None, ca: Path | None) -> None:
+    """ValueError naming the variable whose file OpenSSL (Python's ``ssl``, the library
+    gRPC's TLS builds on too) cannot read as what it is set for: PEM certificates for
+    ISERVE_TLS_CA and _CERT, the certificate's own unencrypted private key for _KEY.
+    Without this the first handshake fails with a message that names no file."""
+    for variable, path in (("ISERVE_TLS_CA", ca), ("ISERVE_TLS_CERT", cert)):
+        if path is None:
+            continue
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=str(path))
+        except (ssl.SSLError, UnicodeDecodeError) as exc:
+            what = "CA certificate" if variable == "ISERVE_TLS_CA" else "certificate"
+            raise ValueError(f"{variable}={str(path)!r}: not a PEM {what} ({exc})") from None
+    if cert is None or key is None:
+        return
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+            str(cert), str(key), password=lambda: b""
+        )
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(
+                f"ISERVE_TLS_KEY={str(key)!r} does not match ISERVE_TLS_CERT={str(cert)!r}: "
+                "give the private key the certificate was issued for"
+            ) from None
+        raise ValueError(
+            f"ISERVE_TLS_KEY={str(key)!r}: not a PEM private key, or an encrypted one "
+            f"(gRPC reads unencrypted keys) ({exc})"
+        ) from None
 
 
 def _number(

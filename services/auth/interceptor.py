@@ -6,6 +6,8 @@ against the method's roles before the servicer runs; the servicer then sees the 
 through :func:`services.auth.access.caller`. Refusals: UNAUTHENTICATED without a valid
 token, PERMISSION_DENIED when the role may not call the method or the method is not in
 the policy. When the token registry cannot be read (Redis down) the call is UNAVAILABLE.
+Every refusal is logged (:class:`~services.auth.refusals.RefusalLog`: the method, the
+client's host and the reason, at most once per 10 s per method, host and reason).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 import grpc
 
 from services.auth import access, policy
+from services.auth.refusals import RefusalLog, client_host
 from services.auth.tokens import Authenticator, Principal, bearer
 from services.errors import IServeError
 
@@ -35,6 +38,7 @@ _KINDS = (
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, authenticator: Authenticator):
         self.authenticator = authenticator
+        self.refusals = RefusalLog(log)
         # Each method's guarded handler, built on its first call (a server's handlers do
         # not change while it runs).
         self._guarded: dict[str, grpc.RpcMethodHandler] = {}
@@ -66,16 +70,24 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
     def _checker(self, method: str, roles: frozenset[int] | None):
+        async def refuse(context, code: grpc.StatusCode, reason: str, message: str):
+            self.refusals.refused(client_host(context.peer()), reason, method)
+            await context.abort(code, message)
+
         async def check(context: grpc.aio.ServicerContext) -> Principal:
             if roles is None:
-                log.warning("refused %s: not in the access policy", method)
-                await context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED, f"{method} is not in iserve's access policy"
+                await refuse(
+                    context,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "not in the access policy",
+                    f"{method} is not in iserve's access policy",
                 )
             token = bearer(context.invocation_metadata())
             if not token:
-                await context.abort(
+                await refuse(
+                    context,
                     grpc.StatusCode.UNAUTHENTICATED,
+                    "no bearer token",
                     f"{method} needs a bearer token (gRPC metadata `authorization: Bearer "
                     "<token>`; the CLI sends ISERVE_TOKEN)",
                 )
@@ -90,11 +102,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     f"cannot check the token: token registry unreachable ({type(exc).__name__})",
                 )
             if principal is None:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or revoked token")
+                await refuse(
+                    context,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "invalid or revoked token",
+                    "invalid or revoked token",
+                )
             if principal.role not in roles:
                 allowed = ", ".join(sorted(policy.role_name(r) for r in roles))
-                await context.abort(
+                await refuse(
+                    context,
                     grpc.StatusCode.PERMISSION_DENIED,
+                    f"{principal.describe()} may not call it",
                     f"{method} is for {allowed}; {principal.describe()} may not call it",
                 )
             return principal

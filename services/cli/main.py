@@ -65,6 +65,29 @@ def _unreached(details: str) -> bool:
     return "failed to connect" in details or "Connection refused" in details
 
 
+def _unreached_hint(details: str, tls_configured: bool) -> str:
+    """What to check when the CLI reached no service: a failed TLS handshake names the
+    TLS files; a connection the server closed at once is what a stack serving TLS does
+    to a plaintext client (or, with mutual TLS, to one without a certificate)."""
+    lowered = details.lower()
+    if any(word in lowered for word in ("handshake", "ssl", "certificate", "tls")):
+        return (
+            "the TLS handshake failed: check this client's ISERVE_TLS_CA, ISERVE_TLS_CERT "
+            "and ISERVE_TLS_KEY against the stack's certificates"
+        )
+    if "socket closed" in lowered:
+        needs = (
+            "with mutual TLS on, ISERVE_TLS_CERT and ISERVE_TLS_KEY too"
+            if tls_configured
+            else "set ISERVE_TLS_CA (and ISERVE_TLS_CERT/_KEY with mutual TLS)"
+        )
+        return (
+            "is the stack up? `iserve status`; a stack serving TLS closes connections "
+            f"that do not speak it: {needs}"
+        )
+    return "is the stack up? `iserve status`"
+
+
 def _rid() -> str:
     return uuid.uuid4().hex[:16]
 
@@ -826,10 +849,8 @@ def _run(argv: list[str] | None) -> int:
     except grpc.RpcError as exc:
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE and _unreached(exc.details()):
-            print(
-                f"error: UNAVAILABLE: {exc.details()} (is the stack up? `iserve status`)",
-                file=sys.stderr,
-            )
+            hint = _unreached_hint(exc.details(), settings.tls is not None)
+            print(f"error: UNAVAILABLE: {exc.details()} ({hint})", file=sys.stderr)
         elif code == grpc.StatusCode.UNAUTHENTICATED:
             print(
                 f"error: UNAUTHENTICATED: {exc.details()} (export ISERVE_TOKEN; an "

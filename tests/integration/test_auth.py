@@ -749,3 +749,34 @@ def test_the_node_client_sends_iserve_token(auth_stack):
     )
     assert served.returncode == 0, served.stderr + served.stdout
     assert "registered auth-node" in served.stdout
+
+
+def test_refused_callers_are_logged_and_named_without_their_token(deployed):
+    s = deployed
+    wrong = "not-a-real-token-but-long-enough-0123456789"
+    with s.channel("deploy") as ch:
+        stub = deployment_service_pb2_grpc.DeploymentServiceStub(ch)
+        for _ in range(3):  # a client retrying: one line
+            code, _ = _refusal(
+                lambda: stub.GetClusterState(
+                    deploy_pb.GetClusterStateRequest(), metadata=_md(wrong)
+                )
+            )
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+    base = f"http://{s.settings.gateway_address}/v1"
+    with httpx.Client(timeout=60) as client:
+        reply = client.get(f"{base}/models", headers={"authorization": f"Basic {wrong}"})
+    assert reply.status_code == 401
+    assert reply.json()["error"]["message"].startswith(
+        "the Authorization header is not `Bearer <token>`"
+    )
+    logs = s.settings.state_dir / "logs"
+
+    def logged() -> str:
+        return "".join(p.read_text(errors="replace") for p in logs.glob("*.log"))
+
+    assert wait_for(lambda: "GetClusterState from 127.0.0.1: invalid or revoked token" in logged())
+    assert wait_for(lambda: "the Authorization header is not `Bearer <token>`" in logged())
+    text = logged()
+    assert text.count("/iserve.v1.DeploymentService/GetClusterState from 127.0.0.1: invalid") == 1
+    assert wrong not in text

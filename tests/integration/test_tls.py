@@ -5,8 +5,6 @@ plaintext or uncertified clients are turned away."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import socket
 import ssl
@@ -19,10 +17,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import transport
@@ -34,87 +28,9 @@ from services.cli import stack as launcher
 from services.models.checkpoint import create_checkpoint
 from services.settings import Settings, token_file
 from tests.integration.helpers import TINY, rid
+from tests.pki import make_pki
 
 MODEL = "tls-llama"
-
-
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _write_key(key, path: Path) -> None:
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-
-
-def make_pki(directory: Path, ca_name: str = "iserve test CA") -> dict[str, Path]:
-    """A CA and one certificate it signs for 127.0.0.1/localhost, usable by servers and
-    clients alike (what each iserve process presents)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(_name(ca_name))
-        .issuer_name(_name(ca_name))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name("iserve"))
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    paths = {
-        "ca": directory / "ca.pem",
-        "cert": directory / "cert.pem",
-        "key": directory / "key.pem",
-    }
-    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    _write_key(key, paths["key"])
-    return paths
 
 
 @pytest.fixture(scope="module")

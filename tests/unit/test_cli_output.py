@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from services.api import common_pb2 as common
+from services.cli import main as cli_main
 from services.cli.output import plain_table, show_tables
 
 TABLES = [(None, ["NAME", "STATE", "FREE MiB"], [["dep-a", "READY", 512], ["dep-b", "FAILED", 7]])]
@@ -101,3 +103,38 @@ def test_profile_show_marks_what_an_imported_row_does_not_carry(capsys):
         "3072.0",
         "3072.0",
     ]
+
+
+@pytest.mark.parametrize(
+    ("details", "tls", "says"),
+    [
+        # What gRPC says when nothing listens.
+        (
+            "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: "
+            "Failed to connect to remote host: Connection refused",
+            False,
+            "is the stack up?",
+        ),
+        # A plaintext client against a stack serving TLS: the server closes at once.
+        (
+            "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: "
+            "Socket closed",
+            False,
+            "set ISERVE_TLS_CA",
+        ),
+        (
+            "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: "
+            "Socket closed",
+            True,
+            "ISERVE_TLS_CERT and ISERVE_TLS_KEY too",
+        ),
+        (
+            "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Ssl "
+            "handshake failed: SSL_ERROR_SSL: CERTIFICATE_VERIFY_FAILED",
+            True,
+            "TLS handshake",
+        ),
+    ],
+)
+def test_an_unreached_stack_says_what_to_check(details, tls, says):
+    assert says in cli_main._unreached_hint(details, tls)

@@ -15,6 +15,7 @@ from services.settings import (
     redacted_url,
     write_stack_file,
 )
+from tests.pki import make_pki
 
 
 def test_defaults(tmp_path):
@@ -108,6 +109,8 @@ def test_the_drain_timeout_may_be_a_fraction_of_a_second(tmp_path):
         ({"ISERVE_TOKEN": "short"}, "ISERVE_TOKEN"),
         ({"ISERVE_SERVICE_TOKEN": "has a space in it somewhere ok"}, "ISERVE_SERVICE_TOKEN"),
         ({"ISERVE_ADMIN_TOKEN": "x" * 513}, "ISERVE_ADMIN_TOKEN"),
+        # gRPC metadata and HTTP headers carry ASCII: such a token could never be sent.
+        ({"ISERVE_ADMIN_TOKEN": "admin-token-with-an-accent-é-0123"}, "ISERVE_ADMIN_TOKEN"),
         ({"ISERVE_TLS_CERT": "/nonexistent/cert.pem"}, "ISERVE_TLS_CERT"),
         ({"ISERVE_TLS_CLIENT_AUTH": "on"}, "ISERVE_TLS_CLIENT_AUTH"),
     ],
@@ -118,12 +121,10 @@ def test_bad_security_settings_are_named(tmp_path, env, named):
 
 
 def test_tls_files_go_together_and_tokens_come_from_the_stack(tmp_path):
-    cert = tmp_path / "cert.pem"
-    cert.write_text("x")
+    pki = make_pki(tmp_path / "pki")
     with pytest.raises(ValueError, match="ISERVE_TLS_KEY go together"):
-        load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_TLS_CERT": str(cert)})
-    ca = tmp_path / "ca.pem"
-    ca.write_text("x")
+        load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_TLS_CERT": str(pki["cert"])})
+    ca = pki["ca"]
     s = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_TLS_CA": str(ca)})
     assert s.tls is not None and s.tls.ca == ca and not s.tls.serves  # a client of TLS
     assert load_settings({"ISERVE_STATE_DIR": str(tmp_path)}).tls is None
@@ -197,14 +198,13 @@ def test_stack_json_is_readable_by_its_owner_only(tmp_path):
 def test_metrics_urls_say_https_where_the_processes_serve_tls(tmp_path):
     plain = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
     assert plain.metrics_url("deploy").startswith("http://")
-    pem = tmp_path / "x.pem"
-    pem.write_text("")
+    pki = make_pki(tmp_path / "pki")
     tls = load_settings(
         {
             "ISERVE_STATE_DIR": str(tmp_path),
-            "ISERVE_TLS_CERT": str(pem),
-            "ISERVE_TLS_KEY": str(pem),
-            "ISERVE_TLS_CA": str(pem),
+            "ISERVE_TLS_CERT": str(pki["cert"]),
+            "ISERVE_TLS_KEY": str(pki["key"]),
+            "ISERVE_TLS_CA": str(pki["ca"]),
         }
     )
     assert tls.metrics_url("deploy") == f"https://{tls.metrics_address('deploy')}/metrics"
@@ -231,3 +231,30 @@ def test_profiling_lengths_shrink_to_a_short_context(max_positions, prompt, outp
     assert not max_positions or fitted.max_seq_len <= max_positions
     with pytest.raises(ValueError, match="a context of 1 position holds no prompt"):
         ProfilingSettings().fitted(1)
+
+
+def test_tls_files_that_are_not_what_they_claim_are_named_at_load(tmp_path):
+    # Checked where the settings are read, not at the first handshake, whose error
+    # (gRPC's "Failed to create security handshaker") names no file.
+    pki, other = make_pki(tmp_path / "pki"), make_pki(tmp_path / "other")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    base = {"ISERVE_STATE_DIR": str(tmp_path)}
+    cases = [
+        ({"ISERVE_TLS_CA": str(junk)}, "ISERVE_TLS_CA.*not a PEM CA certificate"),
+        (
+            {"ISERVE_TLS_CERT": str(junk), "ISERVE_TLS_KEY": str(pki["key"])},
+            "ISERVE_TLS_CERT.*not a PEM certificate",
+        ),
+        (
+            {"ISERVE_TLS_CERT": str(pki["cert"]), "ISERVE_TLS_KEY": str(junk)},
+            "ISERVE_TLS_KEY.*not a PEM private key",
+        ),
+        (
+            {"ISERVE_TLS_CERT": str(pki["cert"]), "ISERVE_TLS_KEY": str(other["key"])},
+            "ISERVE_TLS_KEY.*does not match ISERVE_TLS_CERT",
+        ),
+    ]
+    for env, message in cases:
+        with pytest.raises(ValueError, match=message):
+            load_settings({**base, **env})
