@@ -105,6 +105,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from redis.connection import parse_url
+
 DEFAULT_PORTS = {
     "model": 50061,
     "estimator": 50062,
@@ -382,16 +384,36 @@ def write_stack_file(state_dir: Path, stack: dict) -> None:
         out.write(json.dumps(stack, indent=2))
 
 
+def _redis_url(url: str | None) -> str | None:
+    """``url`` when redis-py (which connects with it) can parse it; ValueError naming
+    REDIS_URL, its password hidden, otherwise (a bad scheme or port used to end in a
+    traceback at the first connection)."""
+    if not url:
+        return None
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ValueError(
+            f"REDIS_URL={redacted_url(url)!r}: {exc} "
+            "(e.g. redis://:PASSWORD@HOST:6379/0, rediss://… with TLS, unix:///PATH)"
+        ) from None
+    return url
+
+
 def redacted_url(url: str) -> str:
     """``url`` with its password, if any, shown as ``***`` (for logs and status)."""
     parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # not a number: hide whatever stands before the host
+        return re.sub(r"//[^@/]*@", "//***@", url)
     if parts.password is None:
         return url
     user = parts.username or ""
     host = parts.hostname or ""
     if ":" in host:  # an IPv6 literal
         host = f"[{host}]"
-    port = f":{parts.port}" if parts.port is not None else ""
+    port = f":{port}" if port is not None else ""
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
@@ -431,7 +453,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     return Settings(
         state_dir=state_dir,
         models_root=models_root,
-        redis_url=env.get("REDIS_URL") or stack.get("redis_url"),
+        redis_url=_redis_url(env.get("REDIS_URL") or stack.get("redis_url")),
         host=host,
         addresses=addresses,
         metrics_addresses=metrics_addresses,

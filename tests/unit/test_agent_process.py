@@ -247,6 +247,16 @@ def test_the_agent_refuses_to_start_without_redis(models_root, tmp_path):
     assert "REDIS_URL is not set" in result.stderr
 
 
+def test_an_agent_given_a_malformed_redis_url_says_so_in_one_line(models_root, tmp_path):
+    env = _agent_env(tmp_path, models_root, "redis://:sekret@localhost:notaport/0", "node-x")
+    result = subprocess.run(
+        [sys.executable, "-m", "monitor_agent"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    assert "REDIS_URL='redis://***@localhost:notaport/0'" in result.stderr
+    assert "Traceback" not in result.stderr and "sekret" not in result.stderr
+
+
 def test_the_agent_does_not_import_torch():
     probe = "import sys, monitor_agent.agent; print('torch' in sys.modules)"
     result = subprocess.run(

@@ -112,6 +112,7 @@ def test_the_drain_timeout_may_be_a_fraction_of_a_second(tmp_path):
         # gRPC metadata and HTTP headers carry ASCII: such a token could never be sent.
         ({"ISERVE_ADMIN_TOKEN": "admin-token-with-an-accent-é-0123"}, "ISERVE_ADMIN_TOKEN"),
         ({"ISERVE_TLS_CERT": "/nonexistent/cert.pem"}, "ISERVE_TLS_CERT"),
+        ({"REDIS_URL": "localhost:6379"}, "REDIS_URL.*schemes"),
         ({"ISERVE_TLS_CLIENT_AUTH": "on"}, "ISERVE_TLS_CLIENT_AUTH"),
     ],
 )
