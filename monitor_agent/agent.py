@@ -12,6 +12,8 @@ finish its generations). This process never imports torch; workers do.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import logging
 import os
 import socket
 
@@ -36,12 +38,33 @@ from services.service_main import ServiceParts, fail, serve_service
 from services.settings import SERVICE_ENV, Settings
 from services.state.store import StateStore
 
+log = logging.getLogger("iserve.agent")
+
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
 def advertised_host(bind_host: str) -> str:
     """The host other processes use to reach a server bound to ``bind_host``."""
     return socket.gethostname() if bind_host in _WILDCARD_HOSTS else bind_host
+
+
+def advertised_address(address: str) -> str:
+    """``host:port`` as other processes reach it: a wildcard host (``0.0.0.0:7000``,
+    what an agent listening on every interface is given) becomes this machine's name, as
+    for the workers (:func:`advertised_host`); a wildcard means "here" to whoever dials
+    it, and a deployer or a remote rank on another host would dial itself."""
+    host, sep, port = address.rpartition(":")
+    return f"{advertised_host(host)}:{port}" if sep and host in _WILDCARD_HOSTS else address
+
+
+def _loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 async def answers_health(address: str) -> bool:
@@ -72,9 +95,17 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
     metrics = AgentMetrics(
         registry, settings.node_id, supervisor.list_workers, supervisor.live_pids
     )
+    agent_address = advertised_address(settings.address("agent"))
+    if not _loopback(agent_address.rpartition(":")[0]) and _loopback(settings.host):
+        log.warning(
+            "this agent is reached at %s but its workers bind %s (ISERVE_HOST): other "
+            "hosts cannot reach them; set ISERVE_HOST to this host's address (or 0.0.0.0)",
+            agent_address,
+            settings.host,
+        )
     monitor = DeviceMonitor(
         node_id=settings.node_id,
-        agent_address=settings.address("agent"),
+        agent_address=agent_address,
         devices=devices,
         store=store,
         sampler=sampler,

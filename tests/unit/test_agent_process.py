@@ -247,6 +247,23 @@ def test_the_agent_refuses_to_start_without_redis(models_root, tmp_path):
     assert "REDIS_URL is not set" in result.stderr
 
 
+def test_an_agent_on_every_interface_advertises_this_machines_name(
+    redis_url, models_root, tmp_path
+):
+    # 0.0.0.0 means "here" to whoever dials it: a deployer on another host would dial
+    # itself. Workers still bind ISERVE_HOST (127.0.0.1), which the agent warns of.
+    env = _agent_env(tmp_path, models_root, redis_url, "node-wild")
+    port = free_port()
+    env["ISERVE_AGENT_ADDR"] = f"0.0.0.0:{port}"
+    proc = _start_agent(env, tmp_path / "agent.log")
+    try:
+        node = _nodes(redis_url)["node-wild"]
+        assert node.agent_address == f"{socket.gethostname()}:{port}"
+    finally:
+        assert _stop_agent(proc) == 0
+    assert "its workers bind 127.0.0.1 (ISERVE_HOST)" in (tmp_path / "agent.log").read_text()
+
+
 def test_an_agent_given_a_malformed_redis_url_says_so_in_one_line(models_root, tmp_path):
     env = _agent_env(tmp_path, models_root, "redis://:sekret@localhost:notaport/0", "node-x")
     result = subprocess.run(
