@@ -142,10 +142,17 @@ def _devices(where: common.Placement) -> set[tuple[str, str]]:
 
 
 def waiting_for_nodes(old: common.Placement, nodes: Sequence[common.NodeState]) -> str:
-    """Why a replica placed on ``old`` can start nowhere until a node comes back: no live
-    node has a device of the hardware types it ran on (any device, when its nodes are
-    no longer listed); "" when some live device could take it, room permitting."""
+    """Why a replica placed on ``old``, for which the live devices have no placement
+    now, waits for a node rather than spending its restart budget; "" when it does not.
+
+    It waits while a node it ran on is still registered but has stopped heartbeating (an
+    agent restarting, a host rebooting): that node may come back, and with it the room.
+    Once the node's record is forgotten (``ISERVE_NODE_FORGET_AFTER_S``), or while every
+    node it ran on lives, it is room that lacks and the restarts count. It also waits
+    while no live node has a device of the hardware types it ran on (any device, when
+    its nodes are no longer listed)."""
     used = _devices(old)
+    on = {node for node, _ in used}
     hardware = {
         d.hardware_type
         for n in nodes
@@ -153,14 +160,21 @@ def waiting_for_nodes(old: common.Placement, nodes: Sequence[common.NodeState]) 
         if (d.ref.node_id, d.ref.device_id) in used
     }
     live = [d for n in nodes if n.alive for d in n.devices]
-    if any(not hardware or d.hardware_type in hardware for d in live):
-        return ""
-    dead = sorted({node for node, _ in used})
-    kind = f" with {', '.join(sorted(hardware))} devices" if hardware else ""
-    return (
-        f"waiting for a live node{kind}: node(s) {', '.join(dead)} stopped heartbeating; "
-        "it starts again once one is back (no restart budget is spent meanwhile)"
-    )
+    if not any(not hardware or d.hardware_type in hardware for d in live):
+        kind = f" with {', '.join(sorted(hardware))} devices" if hardware else ""
+        return (
+            f"waiting for a live node{kind}: node(s) {', '.join(sorted(on))} stopped "
+            "heartbeating; it starts again once one is back (no restart budget is spent "
+            "meanwhile)"
+        )
+    dead = sorted(n.node_id for n in nodes if not n.alive and n.node_id in on)
+    if dead:
+        return (
+            f"waiting for node(s) {', '.join(dead)}: stopped heartbeating, and the live "
+            "nodes cannot hold it now; it starts again once they are back or there is "
+            "room (no restart budget is spent meanwhile)"
+        )
+    return ""
 
 
 def placements_to_try(

@@ -18,6 +18,7 @@ from deploy_svc.healing import (
     placements_to_try,
     restore,
     served_again_note,
+    waiting_for_nodes,
 )
 from deploy_svc.reconciler import Reconciler
 from services.aio import cancel_and_wait
@@ -147,6 +148,34 @@ def test_nothing_to_try_when_no_live_device_has_room():
     tries = placements_to_try(model(), CONFIG, placed_on("node0", "cpu0"), [small], [], 128)
     # The old placement is still offered (the reservation will say it has no room).
     assert [devices_of(p) for p in tries] == [["node0/cpu0"]]
+
+
+def test_a_replica_across_nodes_waits_for_a_dead_one_while_the_live_ones_cannot_hold_it():
+    """Pipeline stages on node0 and node1; node1 stops heartbeating and node0 alone has
+    no room for both stages. That is a wait for node1 (which may come back: an agent
+    restarting), not a failed restart to spend the budget on, until node1's record is
+    forgotten; a replica whose nodes all live lacks room, and its restarts count."""
+    across = common.Placement(
+        stages=[
+            common.StagePlacement(
+                stage=i,
+                first_layer=i,
+                layer_count=1,
+                devices=[common.DeviceRef(node_id=f"node{i}", device_id="cpu0")],
+                reserved_bytes=[RANK_BYTES],
+            )
+            for i in (0, 1)
+        ]
+    )
+    dead = node(1, node_id="node1")
+    dead.alive = False
+    live = node(1, node_id="node0")
+    why = waiting_for_nodes(across, [live, dead])
+    assert why.startswith("waiting for node(s) node1: stopped heartbeating, and the live ")
+    assert "no restart budget is spent meanwhile" in why
+    assert waiting_for_nodes(across, [live]) == ""  # node1 forgotten: room is what lacks
+    back = node(1, node_id="node1")
+    assert waiting_for_nodes(across, [live, back]) == ""
 
 
 # ---- the controller restarting a replica (Redis, fake agent) -----------------------------
