@@ -177,6 +177,9 @@ class DeploymentController:
         for node in nodes:
             for dev in node.devices:
                 dev.deployment_ids.extend(where.get((dev.ref.node_id, dev.ref.device_id), []))
+                if not node.alive:
+                    # Its last figures stay, but nothing can be placed there.
+                    dev.free_bytes = 0
         return deploy_pb.GetClusterStateResponse(nodes=nodes, deployments=deployments)
 
     # ---- planning -------------------------------------------------------------------

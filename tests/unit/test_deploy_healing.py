@@ -646,3 +646,21 @@ def test_a_replica_whose_only_node_is_dead_waits_for_it_spending_no_budget(run, 
         assert await nothing_left(store)
 
     run(scenario)
+
+
+def test_a_dead_nodes_devices_show_nothing_free(run):
+    """Its last figures stay (what it held when it stopped), but nothing can be placed
+    there: a reader of the cluster state must not count its free bytes."""
+    from services.state import keys
+
+    async def scenario(store):
+        controller = await controller_on(store, FakeAgent(), 2, 2)
+        [before] = (await controller.cluster_state()).nodes
+        assert before.alive and all(d.free_bytes > 0 for d in before.devices)
+        await store.redis.delete(keys.node_heartbeat("node0"))
+        [dead] = (await controller.cluster_state()).nodes
+        assert not dead.alive
+        assert [d.free_bytes for d in dead.devices] == [0, 0]
+        assert [d.total_bytes for d in dead.devices] == [d.total_bytes for d in before.devices]
+
+    run(scenario)
