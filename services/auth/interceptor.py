@@ -102,12 +102,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     f"cannot check the token: token registry unreachable ({type(exc).__name__})",
                 )
             if principal is None:
-                await refuse(
-                    context,
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    "invalid or revoked token",
-                    "invalid or revoked token",
-                )
+                unknown = self.authenticator.unknown
+                await refuse(context, grpc.StatusCode.UNAUTHENTICATED, unknown, unknown)
             if principal.role not in roles:
                 allowed = ", ".join(sorted(policy.role_name(r) for r in roles))
                 await refuse(

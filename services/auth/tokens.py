@@ -194,6 +194,9 @@ class TokenRecords(Protocol):
 
 
 class Authenticator(Protocol):
+    # What a refused caller is told of a token this authenticator does not know.
+    unknown: str
+
     async def authenticate(self, token: str) -> Principal | None: ...
 
 
@@ -203,6 +206,8 @@ class StoreAuthenticator:
     A token found valid is remembered for ``cache_s`` seconds (by its hash), so a client
     streaming many requests costs one Redis read a second, not one per call: a revoked
     token is refused within that time. Tokens not found are never remembered."""
+
+    unknown = "invalid or revoked token"
 
     def __init__(self, records: TokenRecords, cache_s: float = CACHE_S, clock=time.monotonic):
         self.records = records
@@ -232,6 +237,11 @@ class StoreAuthenticator:
 
 class ServiceTokenAuthenticator:
     """Knows only the service token (workers, which hold no connection to Redis)."""
+
+    unknown = (
+        "not the stack's service token: a worker answers only the services "
+        "(ISERVE_SERVICE_TOKEN); clients generate through the scheduler or the gateway"
+    )
 
     def __init__(self, service_token: str):
         self._hash = digest(service_token)

@@ -303,10 +303,13 @@ def wait_for_restored(
 
 def write_stack_tokens(settings: Settings) -> list[Path]:
     """Create the stack's admin and service tokens (mode 0600) where the environment
-    gives none and no file holds one; returns the files written."""
+    gives none and no file holds one; returns the files written. A token file that
+    others may read (placed there by hand, say) is made the owner's alone, as written."""
     written = []
     for name, given in (("admin", settings.admin_token), ("service", settings.service_token)):
         path = token_file(settings.state_dir, name)
+        if path.exists() and path.stat().st_mode & 0o077:
+            path.chmod(0o600)
         if given or path.exists():
             continue
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

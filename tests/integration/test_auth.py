@@ -25,10 +25,12 @@ from services.api import (
     inference_service_pb2_grpc,
     model_service_pb2_grpc,
     token_service_pb2_grpc,
+    worker_service_pb2_grpc,
 )
 from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import token_service_pb2 as token_pb
+from services.api import worker_service_pb2 as worker_pb
 from services.auth import policy
 from services.cli import stack as launcher
 from services.models.checkpoint import create_checkpoint
@@ -223,6 +225,14 @@ def test_every_rpc_refuses_every_role_the_policy_does_not_list(deployed):
         _call(s.settings.address("deploy"), "/iserve.v1.DeploymentService/ListDeployments", forged)
         == grpc.StatusCode.UNAUTHENTICATED
     )
+    # A worker knows only the service token, and says so of any other.
+    code, details = _refusal(
+        lambda: worker_service_pb2_grpc.WorkerServiceStub(
+            grpc.insecure_channel(s.worker_address)
+        ).GetWorkerStats(worker_pb.GetWorkerStatsRequest(), metadata=_md(s.tokens["admin"]))
+    )
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert details.startswith("not the stack's service token: a worker answers only the services")
     # The walk changed nothing the deployment needs: it still serves.
     _generate(s, s.tokens["app-user"], deployment_id=s.deployment_id)
 

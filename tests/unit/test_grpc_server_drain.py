@@ -170,6 +170,8 @@ def test_a_second_signal_ends_the_drain_at_once():
 class OneToken:
     """Knows one app-user token, ``user-token``."""
 
+    unknown = "invalid or revoked token"
+
     async def authenticate(self, token: str) -> Principal | None:
         return Principal("t1", "app", policy.APP_USER, ("*",)) if token == "user-token" else None
 

@@ -259,3 +259,19 @@ def test_tls_files_that_are_not_what_they_claim_are_named_at_load(tmp_path):
     for env, message in cases:
         with pytest.raises(ValueError, match=message):
             load_settings({**base, **env})
+
+
+def test_a_token_file_others_may_read_is_made_the_owners_alone(tmp_path):
+    from services.cli.stack import write_stack_tokens
+
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    admin = tokens / "admin"
+    admin.write_text("admin-token-placed-by-hand-0123\n")
+    admin.chmod(0o644)
+    settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_AUTH": "on"})
+    written = write_stack_tokens(settings)
+    assert written == [tokens / "service"]
+    assert oct(admin.stat().st_mode & 0o777) == "0o600"
+    assert oct((tokens / "service").stat().st_mode & 0o777) == "0o600"
+    assert admin.read_text() == "admin-token-placed-by-hand-0123\n"
