@@ -31,7 +31,13 @@ against ~4 MB of the rest at 16 prompt tokens; at 64 prompt tokens (the profiler
 default) the activations grow to ~8 MB and the bound falls to ~14.8×. A wider model
 would raise the bound but the full model would no longer profile in minutes on 2 cores.
 
+On a machine with NVIDIA GPUs the agent finds them through NVML and the same jobs run
+there (the references the node's devices allow; with one GPU, (1,1) at batch 1 and 2).
+A Llama-2-7B-shaped model on one GPU: ``--hidden 4096 --heads 32 --kv-heads 32
+--intermediate 11008 --dtype bfloat16`` (13 GB of weights).
+
 Run: .venv/bin/python bench/profiling_cost.py [--input-tokens 16] [--hidden 1024]
+     [--intermediate N] [--dtype float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -154,6 +160,15 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument(
+        "--intermediate", type=int, default=None, help="MLP width (default: derived)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the checkpoint's dtype (CUDA serves it in that dtype, CPUs in float32)",
+    )
     parser.add_argument("--input-tokens", type=int, default=16, help="prompt tokens (default 16)")
     parser.add_argument("--output-tokens", default="8,16", help="output lengths (default 8,16)")
     parser.add_argument("--timed-runs", type=int, default=3)
@@ -189,6 +204,8 @@ def main() -> int:
             num_layers=LAYERS,
             num_heads=args.heads,
             num_kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate,
+            dtype=args.dtype,
             tie_word_embeddings=True,
         )
         models = model_service_pb2_grpc.ModelServiceStub(
@@ -200,7 +217,9 @@ def main() -> int:
         cluster = deployment_service_pb2_grpc.DeploymentServiceStub(
             grpc.insecure_channel(settings.address("deploy"))
         ).GetClusterState(deploy_pb.GetClusterStateRequest())
-        device_ids = sorted(d.ref.device_id for n in cluster.nodes for d in n.devices)
+        devices = [d for n in cluster.nodes for d in n.devices]
+        device_ids = sorted(d.ref.device_id for d in devices)
+        on = f"{len(devices)} x {devices[0].name} ({devices[0].hardware_type})"
         print("profiling the fingerprints ...", file=sys.stderr)
         profile, fp_wall, fp_gen, fp_jobs = profile_fingerprints(settings, models, profiling)
         print("profiling the full model ...", file=sys.stderr)
@@ -225,7 +244,7 @@ def main() -> int:
         f"profiling cost: {LAYERS}-layer Llama (hidden {shape.hidden_size}, "
         f"{shape.num_attention_heads} heads / {shape.num_kv_heads} KV, MLP "
         f"{shape.intermediate_size}, vocab {shape.vocab_size} tied; "
-        f"{shape.weight_bytes / MIB:.0f} MiB of weights) on 2 virtual CPU devices, "
+        f"{shape.weight_bytes / MIB:.0f} MiB of weights, {args.dtype}) on {on}, "
         f"{os.cpu_count()} cores"
     )
     print(
