@@ -179,9 +179,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                             max_tokens=request.max_tokens,
                             max_tokens_is_bound=max_tokens_is_bound,
                             sampling=request.sampling,
-                            max_prompt_tokens=prompt_token_limit(deployment, max_tokens_is_bound)[
-                                0
-                            ],
+                            max_prompt_tokens=prompt_token_limit(
+                                deployment, request.max_tokens, max_tokens_is_bound
+                            )[0],
                         )
                     )
                     # Headers now, while the worker computes, so the first token travels

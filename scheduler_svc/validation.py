@@ -51,18 +51,23 @@ def resolve_max_tokens(
 
 
 def prompt_token_limit(
-    deployment: deploy_pb.Deployment, max_tokens_is_bound: bool
+    deployment: deploy_pb.Deployment, max_tokens: int, max_tokens_is_bound: bool
 ) -> tuple[int, str]:
     """The most prompt tokens a request may have on ``deployment`` (0: no limit is
-    recorded) and what the limit is. With ``max_tokens_is_bound`` (the client set no
+    recorded) and what the limit is: OpenAI's rule, prompt plus max_tokens within the
+    sequence a worker holds (max_input_tokens + max_output_tokens), so that asking for
+    fewer tokens leaves a longer prompt room, and max_input_tokens is the prompt room
+    left at the longest output. With ``max_tokens_is_bound`` (the client set no
     max_tokens) a prompt may take the whole sequence but one token."""
     prompt_limit, limit = deployment.max_input_tokens, deployment.max_output_tokens
-    if max_tokens_is_bound and prompt_limit and limit:
-        return (
-            sequence_length(prompt_limit, limit) - 1,
-            "max_input_tokens + max_output_tokens - 1, max_tokens being unset",
-        )
-    return prompt_limit, "max_input_tokens"
+    if not (prompt_limit and limit):
+        return prompt_limit, "max_input_tokens"
+    sequence = sequence_length(prompt_limit, limit)
+    if max_tokens_is_bound:
+        return sequence - 1, "max_input_tokens + max_output_tokens - 1, max_tokens being unset"
+    if not 0 < max_tokens <= limit:
+        return prompt_limit, "max_input_tokens"
+    return sequence - max_tokens, "max_input_tokens + max_output_tokens - max_tokens"
 
 
 def predicted_prompt_tokens(
@@ -77,7 +82,7 @@ def predicted_prompt_tokens(
     prefills more: one guessed longer gets the worker's 400 for being too long, not a
     predicted-deadline refusal."""
     tokens = len(request.prompt_token_ids) or tokens_of_chars(len(request.prompt))
-    limit = prompt_token_limit(deployment, max_tokens_is_bound)[0]
+    limit = prompt_token_limit(deployment, request.max_tokens, max_tokens_is_bound)[0]
     return min(tokens, limit) if limit else tokens
 
 
@@ -95,7 +100,7 @@ def check_for_deployment(
             f"max_tokens {request.max_tokens} exceeds max_output_tokens {limit} "
             f"of deployment {deployment.deployment_id}"
         )
-    prompt_limit, what = prompt_token_limit(deployment, max_tokens_is_bound)
+    prompt_limit, what = prompt_token_limit(deployment, request.max_tokens, max_tokens_is_bound)
     if prompt_limit and len(request.prompt_token_ids) > prompt_limit:
         raise InvalidArgument(
             f"prompt has {len(request.prompt_token_ids)} tokens; deployment "

@@ -172,8 +172,8 @@ def test_a_method_a_path_does_not_take_is_a_405_naming_those_it_does(
 def test_without_max_tokens_a_long_chat_gets_what_the_sequence_leaves(gateway_url):
     # A prompt longer than the deployment's max_input_tokens (CONTEXT - MAX_OUTPUT) is
     # served up to the context, as OpenAI's API serves a chat without max_tokens; with
-    # max_tokens given, the same prompt is refused (the worker, which encodes it, holds
-    # it to max_input_tokens, saying how many tokens it has).
+    # max_tokens given, OpenAI's rule: prompt + max_tokens within the context (the
+    # worker, which encodes it, says how many tokens it has).
     def chat(words: int, **fields) -> httpx.Response:
         body = {
             "model": MODEL,
@@ -184,7 +184,7 @@ def test_without_max_tokens_a_long_chat_gets_what_the_sequence_leaves(gateway_ur
         return httpx.post(f"{gateway_url}/v1/chat/completions", json=body, timeout=60)
 
     def prompt_tokens(words: int) -> int:
-        reply = chat(words, max_tokens=1)
+        reply = chat(words, max_tokens=MAX_OUTPUT)
         if reply.status_code == 200:
             return reply.json()["usage"]["prompt_tokens"]
         message = reply.json()["error"]["message"]
@@ -198,9 +198,12 @@ def test_without_max_tokens_a_long_chat_gets_what_the_sequence_leaves(gateway_ur
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == CONTEXT - prompt
     assert reply.json()["choices"][0]["finish_reason"] == "length"
-    refused = chat(words, max_tokens=1)
+    fits = chat(words, max_tokens=CONTEXT - prompt)
+    assert fits.status_code == 200, fits.text
+    assert fits.json()["usage"]["completion_tokens"] == CONTEXT - prompt
+    refused = chat(words, max_tokens=CONTEXT - prompt + 1)
     assert refused.status_code == 400
-    assert f"accepts at most {CONTEXT - MAX_OUTPUT}" in refused.json()["error"]["message"]
+    assert f"accepts at most {prompt - 1}" in refused.json()["error"]["message"]
     # The field a service's refusal is about is OpenAI's param (it was null).
     assert refused.json()["error"]["param"] == "messages"
     over = chat(1, max_completion_tokens=MAX_OUTPUT + 1)

@@ -226,16 +226,17 @@ def test_hostile_generate_requests_are_refused_and_the_worker_lives_on(stack, se
     deployment = stack.deployments.GetDeployment(
         deploy_pb.GetDeploymentRequest(deployment_id=served.deployment_id)
     ).deployment
-    max_input = deployment.max_input_tokens
+    room = deployment.max_input_tokens + deployment.max_output_tokens - 4
     vocab = build_tokenizer().get_vocab_size()  # create_checkpoint's default vocabulary
     cases = [
         (dict(prompt_token_ids=[1, vocab]), f"outside [0, {vocab})"),
         (dict(prompt_token_ids=[1, vocab + 10, 2]), f"outside [0, {vocab})"),
         (dict(prompt_token_ids=[2**32 - 1]), f"outside [0, {vocab})"),
-        (dict(prompt_token_ids=[1] * (max_input + 1)), f"accepts at most {max_input}"),
+        # max_tokens 4 (below) leaves a prompt the rest of the sequence (OpenAI's rule).
+        (dict(prompt_token_ids=[1] * (room + 1)), f"accepts at most {room}"),
         # The same bound on a text prompt, which only the worker encodes.
-        (dict(prompt=_text_of_tokens(max_input + 2)), f"accepts at most {max_input}"),
-        (dict(prompt="word " * 4000), f"accepts at most {max_input}"),
+        (dict(prompt=_text_of_tokens(room + 2)), f"accepts at most {room}"),
+        (dict(prompt="word " * 4000), f"accepts at most {room}"),
         (dict(prompt="hi", max_tokens=2**32 - 1), "max_output_tokens"),
         (dict(prompt="hi", sampling=common.SamplingParams(temperature=math.nan)), "temperature"),
         (dict(prompt="hi", sampling=common.SamplingParams(temperature=math.inf)), "temperature"),

@@ -348,8 +348,16 @@ def test_oversized_requests_for_a_deployment_are_invalid_argument():
     deployment = deploy_pb.Deployment(
         deployment_id="m-0123abcd", max_input_tokens=16, max_output_tokens=8
     )
-    message = _refused(check_for_deployment, _generate(prompt_token_ids=[1] * 17), deployment)
-    assert "accepts at most 16" in message
+    # OpenAI's rule: prompt + max_tokens within the sequence (16 + 8): max_input_tokens
+    # at the longest output, more where fewer tokens are asked for.
+    longest = _generate(prompt_token_ids=[1] * 17, max_tokens=8)
+    message = _refused(check_for_deployment, longest, deployment)
+    assert "accepts at most 16 (max_input_tokens + max_output_tokens - max_tokens)" in message
+    check_for_deployment(_generate(prompt_token_ids=[1] * 20, max_tokens=4), deployment)
+    message = _refused(
+        check_for_deployment, _generate(prompt_token_ids=[1] * 21, max_tokens=4), deployment
+    )
+    assert "accepts at most 20 (max_input_tokens + max_output_tokens - max_tokens)" in message
     message = _refused(check_for_deployment, _generate(max_tokens=2**32 - 1), deployment)
     assert "exceeds max_output_tokens 8" in message
     # With max_tokens unset, a prompt may fill the sequence but one token (the worker
