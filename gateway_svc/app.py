@@ -337,6 +337,23 @@ async def _open(
     return _Generation(call, None if first is grpc.aio.EOF else first)
 
 
+async def _open_all(
+    backend: Backend, requests: list[inference_pb.GenerateRequest], metadata: tuple = ()
+) -> list[_Generation]:
+    """Every request's generation, opened together (one per prompt of a completions
+    request); when one is refused, the others are cancelled and its error is raised."""
+    tasks = [asyncio.ensure_future(_open(backend, r, metadata)) for r in requests]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        for result in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(result, _Generation):
+                result.call.cancel()
+        raise
+
+
 # nginx's status for a request whose client closed the connection first (never sent).
 CLIENT_CLOSED_REQUEST = 499
 
@@ -679,12 +696,15 @@ def create_app(
     async def completions(body: CompletionBody, http: Request):
         served_model_id(body.model)
         caller = backend.caller(http)
-        if body.max_tokens_given:
-            request = _generate_request(body, body.prompt, body.max_tokens)
-        else:  # OpenAI's 16, as far as the deployment allows
-            request = _generate_request(body, body.prompt, None)
-            request.max_tokens_default = COMPLETION_MAX_TOKENS
-        return await _respond(body, request, caller, http, chat=False)
+        requests = []
+        for prompt in body.prompt:  # a generation, and a choice, per prompt
+            if body.max_tokens_given:
+                request = _generate_request(body, prompt, body.max_tokens)
+            else:  # OpenAI's 16, as far as the deployment allows
+                request = _generate_request(body, prompt, None)
+                request.max_tokens_default = COMPLETION_MAX_TOKENS
+            requests.append(request)
+        return await _respond(body, requests, caller, http, chat=False)
 
     @app.post("/v1/chat/completions", responses=_GENERATION_REPLIES)
     async def chat_completions(body: ChatBody, http: Request):
@@ -702,31 +722,31 @@ def create_app(
         request = _generate_request(body, prompt, body.max_completion_tokens or body.max_tokens)
         # The template wrote the special tokens (BOS) it wants; the tokenizer adds none.
         request.prompt_has_special_tokens = True
-        return await _respond(body, request, caller, http, chat=True)
+        return await _respond(body, [request], caller, http, chat=True)
 
     async def _respond(
         body: GenerationBody,
-        request: inference_pb.GenerateRequest,
+        requests: list[inference_pb.GenerateRequest],
         caller: tuple,
         http: Request,
         chat: bool,
     ):
         async def reply():
             try:
-                gen = await _open(backend, request, caller)
+                gens = await _open_all(backend, requests, caller)
             except GatewayError as exc:
                 if exc.status == 400 and exc.param is None:
                     exc.param = refused_param(exc.message, body, chat)
                 raise
-            ident = ("chatcmpl-" if chat else "cmpl-") + request.request_id
+            ident = ("chatcmpl-" if chat else "cmpl-") + requests[0].request_id
             created = int(time.time())
             if body.stream:
                 usage_too = bool(body.stream_options and body.stream_options.include_usage)
-                events = _stream(gen, body, ident, created, chat, usage_too)
+                events = _stream(gens, body, ident, created, chat, usage_too)
                 return EventSourceResponse(
                     events, ping=15, sep="\n", shutdown_grace_period=stream_grace_s
                 )
-            return await _complete(gen, body, ident, created, chat)
+            return await _complete(gens, body, ident, created, chat)
 
         answer = await _unless_client_gone(http, reply())
         return Response(status_code=CLIENT_CLOSED_REQUEST) if answer is None else answer
@@ -781,7 +801,17 @@ def _usage(final: inference_pb.GenerateFinal | None, seen: _Count) -> dict[str, 
     }
 
 
-async def _complete(gen: _Generation, body: GenerationBody, ident: str, created: int, chat: bool):
+def _usage_of(ends: list[tuple[inference_pb.GenerateFinal | None, _Count]]) -> dict[str, int]:
+    """The usage of every generation of a request together."""
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for final, seen in ends:
+        for key, value in _usage(final, seen).items():
+            total[key] += value
+    return total
+
+
+async def _collect(gen: _Generation) -> tuple[str, inference_pb.GenerateFinal | None, _Count]:
+    """A generation's whole text, final message and token counts."""
     text, final, seen = [], None, _Count()
     try:
         async for reply in _replies(gen):
@@ -792,37 +822,67 @@ async def _complete(gen: _Generation, body: GenerationBody, ident: str, created:
                 final = reply.final
     except grpc.aio.AioRpcError as exc:
         raise GatewayError.from_rpc(exc) from None
-    reason = _finish_reason(final)
-    content = "".join(text)
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": content}
-    else:
-        choice["text"] = content
+    return "".join(text), final, seen
+
+
+async def _complete(
+    gens: list[_Generation], body: GenerationBody, ident: str, created: int, chat: bool
+):
+    tasks = [asyncio.ensure_future(_collect(gen)) for gen in gens]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:  # a failed generation fails the request: stop the others
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    choices = []
+    for index, (content, final, _seen) in enumerate(results):
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": None,
+            "finish_reason": _finish_reason(final),
+        }
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        choices.append(choice)
     return {
         "id": ident,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": body.model,
-        "choices": [choice],
-        "usage": _usage(final, seen),
+        "choices": choices,
+        "usage": _usage_of([(final, seen) for _, final, seen in results]),
     }
 
 
 async def _stream(
-    gen: _Generation, body: GenerationBody, ident: str, created: int, chat: bool, usage_too: bool
+    gens: list[_Generation],
+    body: GenerationBody,
+    ident: str,
+    created: int,
+    chat: bool,
+    usage_too: bool,
 ) -> AsyncIterator[str]:
-    """The SSE events of one streamed generation (sse-starlette adds ``data: ``)."""
+    """The SSE events of a request's streamed generations (sse-starlette adds
+    ``data: ``): each generation's chunks carry its ``index``, in the order they come."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
+    def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> str:
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": None,
+                "finish_reason": reason,
+            }
         return json.dumps(
             {
                 "id": ident,
@@ -833,35 +893,61 @@ async def _stream(
             }
         )
 
-    final, seen = None, _Count()
-    if chat:
-        yield chunk("", None, role=True)
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen: _Generation) -> None:
+        final, seen = None, _Count()
+        try:
+            async for reply in _replies(gen):
+                if reply.HasField("delta"):
+                    seen.add(reply.delta)
+                    if reply.delta.text:
+                        await events.put(("text", index, reply.delta.text))
+                elif reply.HasField("final"):
+                    final = reply.final
+        except grpc.aio.AioRpcError as exc:
+            await events.put(("error", index, exc))
+            return
+        await events.put(("end", index, (final, seen)))
+
+    tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
     try:
-        async for reply in _replies(gen):
-            if reply.HasField("delta"):
-                seen.add(reply.delta)
-                if reply.delta.text:
-                    yield chunk(reply.delta.text, None)
-            elif reply.HasField("final"):
-                final = reply.final
-    except grpc.aio.AioRpcError as exc:
-        status, kind_ = http_status(exc.code())
-        yield json.dumps(
-            {"error": {"message": exc.details(), "type": kind_, "param": None, "code": status}}
-        )
+        if chat:
+            yield chunk(0, "", None, role=True)
+        ends: dict[int, tuple] = {}
+        while len(ends) < len(gens):
+            what, index, value = await events.get()
+            if what == "text":
+                yield chunk(index, value, None)
+            elif what == "end":
+                ends[index] = value
+                yield chunk(index, None if chat else "", _finish_reason(value[0]))
+            else:
+                status, kind_ = http_status(value.code())
+                yield json.dumps(
+                    {
+                        "error": {
+                            "message": value.details(),
+                            "type": kind_,
+                            "param": None,
+                            "code": status,
+                        }
+                    }
+                )
+                yield "[DONE]"
+                return
+        if usage_too:
+            yield json.dumps(
+                {
+                    "id": ident,
+                    "object": kind,
+                    "created": created,
+                    "model": body.model,
+                    "choices": [],
+                    "usage": _usage_of([ends[i] for i in range(len(gens))]),
+                }
+            )
         yield "[DONE]"
-        return
-    reason = _finish_reason(final)
-    yield chunk(None if chat else "", reason)
-    if usage_too:
-        yield json.dumps(
-            {
-                "id": ident,
-                "object": kind,
-                "created": created,
-                "model": body.model,
-                "choices": [],
-                "usage": _usage(final, seen),
-            }
-        )
-    yield "[DONE]"
+    finally:
+        for task in tasks:  # the client went away, or one generation failed
+            task.cancel()

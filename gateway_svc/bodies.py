@@ -339,9 +339,13 @@ class GenerationBody(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-# OpenAI's four forms of a completion prompt: text, token ids, and a list of either,
-# which here holds one prompt (one choice per request, as n = 1). An empty prompt gives
-# the model nothing to continue: the scheduler refuses it too.
+# The most prompts one completions request may list: each is a generation of its own,
+# queued as a request (LangChain's legacy OpenAI LLM sends up to 20 at a time).
+MAX_PROMPTS = 32
+
+# OpenAI's four forms of a completion prompt: text, token ids, and a list of either
+# (a choice per prompt, ``index`` its place in the list). An empty prompt gives the
+# model nothing to continue: the scheduler refuses it too.
 _PROMPT = WithJsonSchema(
     {
         "anyOf": [
@@ -351,13 +355,13 @@ _PROMPT = WithJsonSchema(
                 "type": "array",
                 "items": {"type": "string", "minLength": 1},
                 "minItems": 1,
-                "maxItems": 1,
+                "maxItems": MAX_PROMPTS,
             },
             {
                 "type": "array",
                 "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1},
                 "minItems": 1,
-                "maxItems": 1,
+                "maxItems": MAX_PROMPTS,
             },
         ]
     }
@@ -392,24 +396,31 @@ class CompletionBody(GenerationBody):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        """The prompt as text or token ids."""
+    def _prompts(cls, prompt: Any) -> list[str | list[int]]:
+        """Every prompt, as text or token ids, in the order given."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            # A list of prompts (texts, or token id lists): one per request.
-            if len(prompt) > 1:
-                raise ValueError(f"one prompt per request (n = 1), got a list of {len(prompt)}")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt
-        ids = _token_ids(prompt) if isinstance(prompt, list) else None
-        if not ids:
-            raise ValueError(
-                "the prompt must be text, token ids (integers from 0 to 2^32-1), or a list "
-                "of one of those; it is empty or holds something else"
-            )
-        return ids
+            # A list of prompts (texts, or token id lists): a choice for each.
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(
+                    f"at most {MAX_PROMPTS} prompts per request, got a list of {len(prompt)}"
+                )
+            return [_one_prompt(p) for p in prompt]
+        return [_one_prompt(prompt)]
+
+
+def _one_prompt(prompt: Any) -> str | list[int]:
+    """A prompt as text or token ids; ValueError for an empty or malformed one."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
+    ids = _token_ids(prompt) if isinstance(prompt, list) else None
+    if not ids:
+        raise ValueError(
+            "the prompt must be text, token ids (integers from 0 to 2^32-1), or a list "
+            "of one of those; it is empty or holds something else"
+        )
+    return ids
 
 
 class ChatMessage(BaseModel):

@@ -16,6 +16,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway_svc.app import MAX_BODY_BYTES
+from gateway_svc.bodies import MAX_PROMPTS
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -309,7 +310,8 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "invalid_request_error", "log-probabilities"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "invalid_request_error", "log-probabilities"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "invalid_request_error", "log-probabilities"),
-        ("/v1/completions", {"model": MODEL, "prompt": ["one", "two"]}, 400, "invalid_request_error", "one prompt per request"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["one"] * (MAX_PROMPTS + 1)}, 400, "invalid_request_error", f"at most {MAX_PROMPTS} prompts"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["one", ""]}, 400, "invalid_request_error", "the prompt is empty"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, 400, "invalid_request_error", "token ids"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**6], "max_tokens": 2}, 400, "invalid_request_error", "prompt_token_ids outside [0, 640)"),
         # Parameters whose effect the server does not have: ignored, they would change the
@@ -603,6 +605,48 @@ def test_a_completion_prompt_may_be_token_ids_or_a_list_of_one_prompt(stack, gat
         replies.append(reply.json())
     assert len({r["choices"][0]["text"] for r in replies}) == 1
     assert {r["usage"]["prompt_tokens"] for r in replies} == {len(ids)}
+
+
+def test_several_prompts_get_a_choice_each_as_their_own_completions(client, stack):
+    # OpenAI's list of prompts (LangChain's legacy LLM batches them): a choice per
+    # prompt, index its place, each what that prompt alone gets; the usage adds up.
+    prompts = ["The quick brown fox", "Once upon a time", "In a hole in the ground"]
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+        for p in prompts
+    ]
+    together = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.text for c in together.choices] == [a.choices[0].text for a in alone]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert getattr(together.usage, key) == sum(getattr(a.usage, key) for a in alone)
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompts,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = {i: "" for i in range(len(prompts))}
+    ends = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                ends[choice.index] = choice.finish_reason
+    assert [texts[i] for i in range(3)] == [a.choices[0].text for a in alone]
+    assert ends == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].usage.completion_tokens == 18
+
+    # One prompt refused refuses the request, and leaves nothing running.
+    too_long = [1] * 2100  # beyond the sequence (and the 2048-position context)
+    with pytest.raises(openai.BadRequestError, match="prompt has"):
+        client.completions.create(model=MODEL, prompt=[[5, 6, 7], too_long], max_tokens=2)
+    assert _until(lambda: _running(stack) == 0)
 
 
 def test_a_body_above_the_limit_is_a_413_whether_its_length_is_given_or_not(gateway):
