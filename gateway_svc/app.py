@@ -429,8 +429,10 @@ def _generate_request(
         stop=body.stop_strings(),
         ignore_eos=body.ignore_eos,
     )
+    if body.top_p == 0:  # only the likeliest token: greedy (top_p 0 reads as unset)
+        sampling.temperature, sampling.top_p = 0.0, 1.0
     if body.seed is not None:
-        sampling.seed = body.seed
+        sampling.seed = body.seed % 2**64  # an int64's two's complement
     return inference_pb.GenerateRequest(
         request_id=uuid.uuid4().hex,
         model_id=body.model,

@@ -206,8 +206,11 @@ class GenerationBody(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     # OpenAI's nullable fields: null is the default (clients send None for "not set").
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    # OpenAI takes 0 to 1: 0 keeps only the likeliest token (served greedy, as the
+    # request's proto3 0 would read as unset).
+    top_p: float | None = Field(default=1.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    # OpenAI's seed is an int64: a negative one is its 64-bit pattern (still reproducible).
+    seed: int | None = Field(default=None, ge=-(2**63), le=UINT64_MAX)
     # The validators below give the clear messages; the json_schema_extra say the same
     # in the OpenAPI document, so that a request it calls valid is one the gateway takes.
     stop: str | list[str] | None = Field(default=None, json_schema_extra=_STOP_SCHEMA)

@@ -676,3 +676,24 @@ def test_a_sampling_number_that_is_not_finite_is_named_so(gateway, number):
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["message"] == f"{field.decode()}: Input should be a finite number", error
+
+
+def test_openais_top_p_zero_and_negative_seeds_are_served(client):
+    # OpenAI takes top_p in [0, 1] (0: only the likeliest token, greedy) and an int64
+    # seed; both were 400s.
+    greedy = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0
+    )
+    top0 = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=1.0, top_p=0
+    )
+    assert top0.choices[0].text == greedy.choices[0].text
+    seeded = [
+        client.completions.create(
+            model=MODEL, prompt="Once", max_tokens=8, temperature=1.0, seed=seed
+        )
+        .choices[0]
+        .text
+        for seed in (-1, -1, 2**64 - 1)
+    ]
+    assert seeded[0] == seeded[1] == seeded[2]  # -1 is 2^64 - 1's bit pattern
