@@ -384,6 +384,22 @@ def write_stack_file(state_dir: Path, stack: dict) -> None:
         out.write(json.dumps(stack, indent=2))
 
 
+def _address(variable: str, value: str | None) -> str | None:
+    """``value`` (an ISERVE_*_ADDR) when it is ``host:port`` with a port from 0 to 65535
+    (0: any free one); ValueError naming the variable otherwise (an out-of-range port
+    used to wrap around to another, a word to fail later with a bare int() message)."""
+    if not value:
+        return value
+    value = value.strip()
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(
+            f"{variable}={value!r}: not host:port with a port from 0 to 65535 "
+            "(e.g. 127.0.0.1:50051, 0.0.0.0:50051, [::1]:50051)"
+        )
+    return value
+
+
 def _redis_url(url: str | None) -> str | None:
     """``url`` when redis-py (which connects with it) can parse it; ValueError naming
     REDIS_URL, its password hidden, otherwise (a bad scheme or port used to end in a
@@ -442,7 +458,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         variables: Mapping[str, str], recorded: Mapping[str, str], ports: Mapping[str, int]
     ):
         return {
-            name: pick(env.get(variables[name]), recorded.get(name), f"{host}:{port}")
+            name: pick(
+                _address(variables[name], env.get(variables[name])),
+                recorded.get(name),
+                f"{host}:{port}",
+            )
             for name, port in ports.items()
         }
 
@@ -483,7 +503,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             )
         ),
         gateway_address=pick(
-            env.get(GATEWAY_ENV), stack.get("gateway_address"), DEFAULT_GATEWAY_ADDR
+            _address(GATEWAY_ENV, env.get(GATEWAY_ENV)),
+            stack.get("gateway_address"),
+            DEFAULT_GATEWAY_ADDR,
         ),
         cors_origins=cors_origins(env.get(CORS_ENV, "")),
         auth=_flag(env, AUTH_ENV, False),

@@ -284,7 +284,10 @@ def test_the_agent_does_not_import_torch():
 
 @pytest.mark.parametrize(
     ("address", "why"),
-    [("127.0.0.1:not-a-port", "cannot serve metrics on 127.0.0.1:not-a-port"), ("busy", "")],
+    [
+        ("127.0.0.1:not-a-port", "ISERVE_AGENT_METRICS_ADDR='127.0.0.1:not-a-port': not host:port"),
+        ("busy", ""),
+    ],
 )
 def test_a_metrics_address_that_cannot_be_served_stops_the_agent_with_its_name(
     redis_url, models_root, tmp_path, address, why

@@ -113,6 +113,9 @@ def test_the_drain_timeout_may_be_a_fraction_of_a_second(tmp_path):
         ({"ISERVE_ADMIN_TOKEN": "admin-token-with-an-accent-é-0123"}, "ISERVE_ADMIN_TOKEN"),
         ({"ISERVE_TLS_CERT": "/nonexistent/cert.pem"}, "ISERVE_TLS_CERT"),
         ({"REDIS_URL": "localhost:6379"}, "REDIS_URL.*schemes"),
+        # A port past 65535 used to wrap around to another (99999 - 65536).
+        ({"ISERVE_MODEL_ADDR": "127.0.0.1:99999"}, "ISERVE_MODEL_ADDR.*port from 0 to 65535"),
+        ({"ISERVE_GATEWAY_ADDR": "bogus"}, "ISERVE_GATEWAY_ADDR.*not host:port"),
         ({"ISERVE_TLS_CLIENT_AUTH": "on"}, "ISERVE_TLS_CLIENT_AUTH"),
     ],
 )
