@@ -806,7 +806,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _replace_what_the_terminal_cannot_show() -> None:
+    """A terminal whose encoding is not UTF-8 (``LANG=C``, ``PYTHONIOENCODING=ascii``)
+    gets ``?`` for what it cannot show: model output and paths are anyone's text, and
+    printing them must not fail the command after it did its work."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", "") or "").lower().replace("-", "")
+        if encoding != "utf8" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _replace_what_the_terminal_cannot_show()
     try:
         return _run(argv)
     except BrokenPipeError:

@@ -182,3 +182,41 @@ def test_an_id_list_with_an_empty_entry_is_refused(text):
         "a",
         "b",
     ]
+
+
+def test_a_terminal_that_is_not_utf8_gets_question_marks_not_an_error(tmp_path):
+    # The checkpoint's path (a model's output likewise) is text the terminal cannot show:
+    # the command did its work and says so, instead of failing as if an argument were bad.
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "modèle"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "model",
+            "create",
+            "tiny",
+            "--arch",
+            "llama",
+            "--hidden",
+            "64",
+            "--layers",
+            "2",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--out",
+            str(out),
+        ],
+        env={**os.environ, "PYTHONIOENCODING": "ascii"},
+        capture_output=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert b"mod?le" in result.stdout
+    assert (out / "config.json").is_file()
