@@ -88,11 +88,29 @@ def request_target(args) -> dict:
                 pruning=PRUNINGS[args.pruning or "none"],
             )
         }
-    kind = INTENTS[args.intent or "min-cost"]
+    name = args.intent or "min-cost"
+    kind = INTENTS[name]
     if kind == common.INTENT_KIND_LATENCY_SLO and not args.slo_ms:
         usage_error("iserve deploy: --intent latency-slo needs --slo-ms")
     if kind == common.INTENT_KIND_COST_SLO and not args.budget:
         usage_error("iserve deploy: --intent cost-slo needs --budget")
+    # A flag the intent does not use would be ignored in silence: say so instead.
+    if args.slo_ms and kind != common.INTENT_KIND_LATENCY_SLO:
+        usage_error(f"iserve deploy: --slo-ms goes with --intent latency-slo, not {name}")
+    if args.budget and kind != common.INTENT_KIND_COST_SLO:
+        usage_error(f"iserve deploy: --budget goes with --intent cost-slo, not {name}")
+    costed = (
+        common.INTENT_KIND_MIN_COST,
+        common.INTENT_KIND_COST_SLO,
+        common.INTENT_KIND_LATENCY_SLO,
+    )
+    if args.cost and kind not in costed:
+        usage_error(
+            f"iserve deploy: --cost goes with --intent min-cost, cost-slo or latency-slo "
+            f"(what they rank by), not {name}"
+        )
+    if args.best_available and args.min_accuracy is None:
+        usage_error("iserve deploy: --best-available goes with --min-accuracy")
     intent = common.Intent(
         kind=kind,
         cost_formula=COST_FORMULAS.get(args.cost, 0),

@@ -220,3 +220,33 @@ def test_a_terminal_that_is_not_utf8_gets_question_marks_not_an_error(tmp_path):
     assert result.returncode == 0, result.stderr
     assert b"mod?le" in result.stdout
     assert (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--best-available"], "--best-available goes with --min-accuracy"),
+        (["--budget", "5"], "--budget goes with --intent cost-slo, not min-cost"),
+        (["--intent", "min-latency", "--cost", "memory"], "--cost goes with --intent min-cost"),
+        (["--intent", "min-cost", "--slo-ms", "100"], "--slo-ms goes with --intent latency-slo"),
+    ],
+)
+def test_a_deploy_flag_its_intent_does_not_use_is_refused_not_ignored(flags, says, capsys):
+    # They used to be dropped in silence, and --best-available alone launched a deployment.
+    from services.cli.deploying import request_target
+
+    with pytest.raises(SystemExit) as exited:
+        request_target(build_parser().parse_args(["deploy", "m", *flags]))
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_the_flags_an_intent_uses_pass():
+    from services.cli.deploying import request_target
+
+    for flags in (
+        ["--intent", "cost-slo", "--budget", "5", "--cost", "memory"],
+        ["--intent", "latency-slo", "--slo-ms", "900", "--cost", "device-hours"],
+        ["--min-accuracy", "95", "--best-available"],
+    ):
+        assert "intent" in request_target(build_parser().parse_args(["deploy", "m", *flags]))
