@@ -355,7 +355,17 @@ def cmd_register(settings: Settings, args) -> int:
             f"({model_pb.ModelState.Name(model.state)})"
         )
     if model.state == model_pb.MODEL_STATE_PROFILING and not args.no_wait:
-        _watch_profiling(stub, model.model_id)
+        try:
+            _watch_profiling(stub, model.model_id)
+        except KeyboardInterrupt:
+            # Only the watching stops: the model service profiles on.
+            print(
+                f"\nstopped watching; {model.model_id} is still being profiled on the "
+                f"stack (`iserve models` shows its state; `iserve model delete "
+                f"{model.model_id}` stops it)",
+                file=sys.stderr,
+            )
+            return 130
         model = stub.GetModel(
             model_pb.GetModelRequest(request_id=_rid(), model_id=model.model_id)
         ).model
@@ -719,7 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_register)
 
     p = sub.add_parser("models", help="list registered models")
-    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object per model, one per line (JSON Lines)"
+    )
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser(
@@ -759,7 +771,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("deployments", help="list deployments")
     p.add_argument("--model", help="only this model's deployments")
-    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per deployment, one per line (JSON Lines; none: no line)",
+    )
     p.set_defaults(func=cmd_deployments)
 
     p = sub.add_parser("generate", help="stream a generation from a model or deployment")

@@ -250,3 +250,28 @@ def test_the_flags_an_intent_uses_pass():
         ["--min-accuracy", "95", "--best-available"],
     ):
         assert "intent" in request_target(build_parser().parse_args(["deploy", "m", *flags]))
+
+
+def test_ctrl_c_while_register_watches_says_profiling_goes_on(monkeypatch, tmp_path, capsys):
+    import types
+
+    from services.api import model_service_pb2 as model_pb
+    from services.cli import main as cli_main
+    from services.settings import load_settings
+
+    profiling = model_pb.Model(model_id="m", state=model_pb.MODEL_STATE_PROFILING)
+    stub = types.SimpleNamespace(
+        RegisterModel=lambda request: model_pb.RegisterModelResponse(model=profiling)
+    )
+    monkeypatch.setattr(cli_main, "_stub", lambda *_: stub)
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "_watch_profiling", interrupted)
+    (tmp_path / "models" / "ckpt").mkdir(parents=True)
+    settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
+    args = build_parser().parse_args(["register", "m", str(tmp_path / "models" / "ckpt")])
+    assert cli_main.cmd_register(settings, args) == 130
+    err = capsys.readouterr().err
+    assert "m is still being profiled on the stack (`iserve models` shows its state" in err
