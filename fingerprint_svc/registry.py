@@ -85,9 +85,13 @@ def check_variants(variants: list[common.CompressionVariant]) -> None:
 
 
 def check_accuracy_score(score: float, what: str) -> None:
-    """An accuracy score (MMLU-style, higher is better) is a finite number."""
-    if not math.isfinite(score):
-        raise InvalidArgument(f"{what}: accuracy_score must be a finite number, got {score}")
+    """An accuracy score (MMLU-style, higher is better) is a finite number, 0 or more:
+    what an intent's min_accuracy is compared with (services.intents)."""
+    if not (math.isfinite(score) and score >= 0):
+        raise InvalidArgument(
+            f"{what}: accuracy_score must be a finite number, 0 or more (e.g. an MMLU score "
+            f"or % of the uncompressed model's), got {score}"
+        )
 
 
 # Input widths the engine's derived compressions need every projection's to be divisible

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -183,7 +184,11 @@ def _watch_status(settings: Settings, args) -> int:
 
 
 def cmd_model_create(settings: Settings, args) -> int:
-    from services.models.checkpoint import CheckpointDirectoryNotEmpty, validate_checkpoint
+    from services.models.checkpoint import (
+        CheckpointDirectoryNotEmpty,
+        InvalidConfig,
+        validate_checkpoint,
+    )
 
     try:
         with _writing_progress() as progress:
@@ -192,6 +197,10 @@ def cmd_model_create(settings: Settings, args) -> int:
         raise FileExistsError(
             f"{str(exc.directory)!r} is not empty; give --force to replace it"
         ) from None
+    except InvalidConfig as exc:  # the shape the flags gave: say it in flags
+        raise ValueError(_in_flags(str(exc))) from None
+    except (FileExistsError, NotADirectoryError, PermissionError) as exc:
+        raise ValueError(f"--out {args.out}: cannot write there ({exc.strerror})") from None
     checked = validate_checkpoint(out)
     spec = checked.spec
     print(
@@ -200,6 +209,28 @@ def cmd_model_create(settings: Settings, args) -> int:
         f"{spec.torch_dtype}"
     )
     return 0
+
+
+# The config fields `iserve model create`'s flags set, for its errors.
+_FLAG_OF_FIELD = {
+    "num_attention_heads": "--heads",
+    "num_key_value_heads": "--kv-heads",
+    "num_kv_heads": "--kv-heads",
+    "hidden_size": "--hidden",
+    "num_hidden_layers": "--layers",
+    "intermediate_size": "--intermediate",
+    "vocab_size": "--vocab",
+    "max_position_embeddings": "--max-positions",
+}
+
+
+def _in_flags(message: str) -> str:
+    """A config error about the shape, naming the flags that set each field."""
+    return re.sub(
+        r"\b(" + "|".join(_FLAG_OF_FIELD) + r")\b",
+        lambda m: _FLAG_OF_FIELD[m.group(1)],
+        message,
+    )
 
 
 @contextlib.contextmanager
@@ -242,7 +273,9 @@ def _create_checkpoint(args, progress):
         if given:
             raise ValueError(f"--preset fixes the model's shape; drop {', '.join(given)}")
         if args.preset not in PRESETS:
-            raise ValueError(f"unknown preset {args.preset!r}; known presets: {sorted(PRESETS)}")
+            raise ValueError(
+                f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}"
+            )
         out = create_preset_checkpoint(
             args.out,
             args.preset,

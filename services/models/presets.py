@@ -238,7 +238,9 @@ def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise KeyError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}") from None
+        raise KeyError(
+            f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
+        ) from None
 
 
 def preset_config(

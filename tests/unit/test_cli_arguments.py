@@ -275,3 +275,16 @@ def test_ctrl_c_while_register_watches_says_profiling_goes_on(monkeypatch, tmp_p
     assert cli_main.cmd_register(settings, args) == 130
     err = capsys.readouterr().err
     assert "m is still being profiled on the stack (`iserve models` shows its state" in err
+
+
+def test_model_create_names_its_flags_not_config_fields(tmp_path, capsys):
+    from services.cli.main import main
+
+    shape = ["--arch", "llama", "--hidden", "64", "--layers", "2", "--heads", "4"]
+    out = str(tmp_path / "ckpt")
+    assert main(["model", "create", "x", *shape, "--kv-heads", "8", "--out", out]) == 1
+    assert "--heads (4) is not divisible by --kv-heads (8)" in capsys.readouterr().err
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert main(["model", "create", "x", *shape, "--out", str(a_file / "ckpt")]) == 1
+    assert "cannot write there (Not a directory)" in capsys.readouterr().err

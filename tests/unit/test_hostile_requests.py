@@ -253,6 +253,7 @@ def _variant(**fields) -> common.CompressionVariant:
         (dict(name="x" * 1000), "1000 characters"),
         (dict(accuracy_score=math.nan), "accuracy_score must be a finite number"),
         (dict(accuracy_score=-math.inf), "accuracy_score must be a finite number"),
+        (dict(accuracy_score=-1.0), "accuracy_score must be a finite number, 0 or more"),
         (dict(structured_prune_fraction=math.nan), "structured_prune_fraction"),
     ],
 )
