@@ -635,7 +635,9 @@ PRESET_NAMES = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="iserve", description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1]
+        prog="iserve",
+        description=_plain(__doc__.splitlines()[0]),
+        epilog=_plain(__doc__.split("\n\n", 1)[1]),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -852,7 +854,26 @@ def build_parser() -> argparse.ArgumentParser:
     estimation.add_commands(sub)
     tokens.add_commands(sub)
     plan.add_command(sub)
+    _describe_subcommands(parser)
     return parser
+
+
+def _plain(text: str) -> str:
+    """Docstring text for a terminal: ``code`` without its reStructuredText quotes."""
+    return text.replace("``", "`")
+
+
+def _describe_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand's own --help the line its parent's list shows for it (a
+    subparser's ``help`` appears only in the parent's list), recursively."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        helps = {choice.dest: choice.help for choice in action._choices_actions}
+        for name, subparser in action.choices.items():
+            if subparser.description is None and helps.get(name):
+                subparser.description = helps[name]
+            _describe_subcommands(subparser)
 
 
 def _replace_what_the_terminal_cannot_show() -> None:

@@ -288,3 +288,17 @@ def test_model_create_names_its_flags_not_config_fields(tmp_path, capsys):
     a_file.write_text("")
     assert main(["model", "create", "x", *shape, "--out", str(a_file / "ckpt")]) == 1
     assert "cannot write there (Not a directory)" in capsys.readouterr().err
+
+
+def test_every_subcommands_help_says_what_it_does():
+    # A subparser's help= shows only in its parent's list; its own --help had no line.
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, subparser in action.choices.items():
+                    yield (*path, name), subparser
+                    yield from walk(subparser, (*path, name))
+
+    undescribed = [" ".join(p) for p, sub in walk(build_parser(), ()) if not sub.description]
+    assert undescribed == []
+    assert "``" not in build_parser().format_help()
