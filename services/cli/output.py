@@ -52,9 +52,17 @@ def rich_table(
     title: str | None, headers: Sequence[str], rows: Sequence[Sequence[object]]
 ) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
-    for header in headers:
+    for i, header in enumerate(headers):
         numeric = any(word in header for word in ("MiB", "GiB", " ms", "TP", "PP", "BATCH", "LOAD"))
-        table.add_column(header, justify="right" if numeric else "left", overflow="fold")
+        table.add_column(
+            header,
+            justify="right" if numeric else "left",
+            overflow="fold",
+            # The first column names the row (a model, deployment or node id): whole,
+            # so it can be copied, however narrow the terminal; the others give way.
+            no_wrap=i == 0,
+            min_width=len(header) if i == 0 else None,
+        )
     for row in rows:
         cells = [str(c) for c in row]
         table.add_row(*(f"[{STYLES[c]}]{c}[/]" if c in STYLES else c for c in cells))

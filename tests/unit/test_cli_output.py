@@ -138,3 +138,13 @@ def test_profile_show_marks_what_an_imported_row_does_not_carry(capsys):
 )
 def test_an_unreached_stack_says_what_to_check(details, tls, says):
     assert says in cli_main._unreached_hint(details, tls)
+
+
+def test_a_rows_id_stays_whole_on_a_narrow_terminal():
+    # At COLUMNS=40 an id folded over four lines could not be copied.
+    from services.cli.output import rich_table
+
+    out = Console(file=io.StringIO(), width=40, force_terminal=True, color_system=None)
+    headers = ["ID", "MODEL", "STATE", "TP", "PP", "ADDRESS"]
+    out.print(rich_table(None, headers, [["prof1-c10f7b44", "prof1", "READY", 1, 1, "h:1"]]))
+    assert "prof1-c10f7b44" in out.file.getvalue()
