@@ -56,6 +56,7 @@ from gateway_svc.chat import (
 )
 from gateway_svc.render_pool import RenderPool
 from services import transport
+from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import (
@@ -346,11 +347,10 @@ async def _open_all(
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
-        for task in tasks:
-            task.cancel()
-        for result in await asyncio.gather(*tasks, return_exceptions=True):
-            if isinstance(result, _Generation):
-                result.call.cancel()
+        await cancel_and_wait(tasks)
+        for task in tasks:  # opened before the refusal: close its call
+            if not task.cancelled() and task.exception() is None:
+                task.result().call.cancel()
         raise
 
 
@@ -833,10 +833,8 @@ async def _complete(
     tasks = [asyncio.ensure_future(_collect(gen)) for gen in gens]
     try:
         results = await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:  # a failed generation fails the request: stop the others
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    except BaseException:  # a failed generation fails the request: stop the others
+        await cancel_and_wait(tasks)
         raise
     choices = []
     for index, (content, final, _seen) in enumerate(results):

@@ -3,8 +3,8 @@
 An operator needs to see token guessing and misconfigured clients, but a client retrying
 in a loop must not flood the log. So each (client host, reason) is logged at most once
 per ``interval_s`` for each thing it asked for; the refusals in between are counted
-into its next line. No secret is
-logged: the reason names a token id at most, never a token.
+into its next line. No secret is logged: the reason names a token id at most, never a
+token.
 """
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ def _writing_progress():
 def _create_checkpoint(args, progress):
     """The checkpoint ``iserve model create`` asks for, written; its directory."""
     from services.models.checkpoint import create_checkpoint
-    from services.models.presets import PRESETS, create_preset_checkpoint
+    from services.models.presets import create_preset_checkpoint, get_preset
 
     if args.preset is not None:
         shape_flags = {
@@ -272,10 +272,10 @@ def _create_checkpoint(args, progress):
         given = [flag for flag, value in shape_flags.items() if value is not None]
         if given:
             raise ValueError(f"--preset fixes the model's shape; drop {', '.join(given)}")
-        if args.preset not in PRESETS:
-            raise ValueError(
-                f"unknown preset {args.preset!r}; known presets: {', '.join(sorted(PRESETS))}"
-            )
+        try:
+            get_preset(args.preset)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
         out = create_preset_checkpoint(
             args.out,
             args.preset,
