@@ -184,7 +184,7 @@ def test_the_gateway_reaches_the_services_over_mutual_tls(tls_stack, tls_deploye
     with httpx.Client(timeout=60) as client:
         reply = client.post(
             f"http://{settings.gateway_address}/v1/completions",
-            json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
             headers={"Authorization": f"Bearer {admin}"},
         )
     assert reply.status_code == 200, reply.text
