@@ -135,7 +135,8 @@ def profile_full_model(settings, models, agent, device_ids, profiling: Profiling
             checkpoint_path=full.checkpoint_path,
             config=job.config(),
             workers=job.worker_specs(device_ids[: job.ranks]),
-            input_tokens=profiling.input_tokens,
+            input_tokens=profiling.input_tokens[0],
+            extra_input_tokens=profiling.input_tokens[1:],
             output_tokens=profiling.output_tokens,
             warmup_runs=profiling.warmup_runs,
             timed_runs=profiling.timed_runs,
@@ -169,7 +170,11 @@ def main() -> int:
         choices=("float32", "bfloat16", "float16"),
         help="the checkpoint's dtype (CUDA serves it in that dtype, CPUs in float32)",
     )
-    parser.add_argument("--input-tokens", type=int, default=16, help="prompt tokens (default 16)")
+    parser.add_argument(
+        "--input-tokens",
+        default="16",
+        help="prompt lengths, comma-separated (default 16; the service profiles 64,256)",
+    )
     parser.add_argument("--output-tokens", default="8,16", help="output lengths (default 8,16)")
     parser.add_argument("--timed-runs", type=int, default=3)
     parser.add_argument("--warmup-runs", type=int, default=1)
@@ -182,7 +187,7 @@ def main() -> int:
     args = parser.parse_args()
 
     profile_env = {
-        "ISERVE_PROFILE_INPUT_TOKENS": str(args.input_tokens),
+        "ISERVE_PROFILE_INPUT_TOKENS": args.input_tokens,
         "ISERVE_PROFILE_OUTPUT_TOKENS": args.output_tokens,
         "ISERVE_PROFILE_BATCH_SIZES": "1,2",
         "ISERVE_PROFILE_WARMUP_RUNS": str(args.warmup_runs),
@@ -248,9 +253,10 @@ def main() -> int:
         f"{os.cpu_count()} cores"
     )
     print(
-        f"references (1,1) (1,2) (2,1) x batch 1,2; prompt {profiling.input_tokens} tokens, "
+        f"references (1,1) (1,2) (2,1) x batch 1,2; prompts "
+        f"{','.join(map(str, profiling.input_tokens))} tokens, "
         f"outputs {','.join(map(str, profiling.output_tokens))}; {profiling.warmup_runs} warm-up "
-        f"+ {profiling.timed_runs} timed runs per output length; device-seconds = sum of "
+        f"+ {profiling.timed_runs} timed runs per prompt and output length; device-seconds = sum of "
         "devices x RunProfilingJob wall time; peak = largest per-rank peak"
     )
     if profile.skipped:

@@ -144,14 +144,28 @@ class ModelReferences:
             "as lower bounds"
         )
 
+    def _extends(self, input_tokens: int) -> bool:
+        """Whether :meth:`at_input` extrapolates to ``input_tokens`` along the line
+        through the two longest recorded prompt lengths."""
+        lengths = [p.input_tokens for p in self.prompts]
+        return input_tokens > lengths[-1] and len(lengths) >= 2 and lengths[-2] > 0
+
     def prompt_note(self, input_tokens: int) -> str | None:
         """What an estimate for an ``input_tokens`` prompt outside the profiled prompt
         lengths stands on (None inside them): see :meth:`at_input`."""
         lengths = [p.input_tokens for p in self.prompts]
         if lengths[0] <= input_tokens <= lengths[-1]:
             return None
-        nearest = lengths[0] if input_tokens < lengths[0] else lengths[-1]
         profiled = ", ".join(str(n) for n in lengths)
+        if self._extends(input_tokens):
+            return (
+                f"a {input_tokens}-token prompt is longer than the prompts profiled "
+                f"({profiled} tokens): TTFT is extrapolated along the line through the "
+                f"{lengths[-2]}- and {lengths[-1]}-token prompts' (attention's quadratic share "
+                "of prefill makes a very long prompt's TTFT a lower bound); TPOT is the "
+                "profiled prompts' fit"
+            )
+        nearest = lengths[0] if input_tokens < lengths[0] else lengths[-1]
         return (
             f"a {input_tokens}-token prompt is outside the prompt lengths profiled "
             f"({profiled} tokens): TTFT and TPOT are the {nearest}-token prompt's, not "
@@ -161,13 +175,24 @@ class ModelReferences:
     def at_input(self, input_tokens: int) -> tuple[VariantProfile, ...]:
         """Variant profiles for a prompt of ``input_tokens`` tokens.
 
-        Between two profiled prompt lengths every figure is interpolated linearly;
-        outside them the nearest profiled length is used as it is (prefill time does
-        not extrapolate safely in either direction).
+        Between two profiled prompt lengths every figure is interpolated linearly.
+        Beyond the longest, with two recorded lengths, every figure follows the line
+        through the two longest (prefill's compute grows with the prompt; TPOT terms are
+        shared by the prompt labels, so TPOT moves only by what the floor of
+        :func:`_at_least_measured` lifted), never below the longest's own figure: a
+        longer prompt is no faster, and noise must not make it so. Below the shortest, and beyond a single length, the
+        nearest profiled length is used as it is.
         """
         lengths = [p.input_tokens for p in self.prompts]
         if input_tokens <= lengths[0]:
             return self.prompts[0].profiles
+        if self._extends(input_tokens):
+            low, high = self.prompts[-2], self.prompts[-1]
+            weight = (input_tokens - low.input_tokens) / (high.input_tokens - low.input_tokens)
+            return tuple(
+                _blend_variant(a, b, weight, floor=True)
+                for a, b in zip(low.profiles, high.profiles, strict=True)
+            )
         if input_tokens >= lengths[-1]:
             return self.prompts[-1].profiles
         upper = next(i for i, n in enumerate(lengths) if n >= input_tokens)
@@ -178,22 +203,37 @@ class ModelReferences:
         )
 
 
-def _blend(a: ReferenceProfile, b: ReferenceProfile, weight: float) -> ReferenceProfile:
+def _blend(
+    a: ReferenceProfile, b: ReferenceProfile, weight: float, floor: bool = False
+) -> ReferenceProfile:
+    """``a`` and ``b`` mixed by ``weight`` (beyond 1: extrapolated past ``b``); with
+    ``floor``, no figure below ``b``'s (NaN stays NaN)."""
+
     def mix(x: tuple[float, ...], y: tuple[float, ...]) -> tuple[float, ...]:
-        return tuple(float(v) for v in (1 - weight) * np.asarray(x) + weight * np.asarray(y))
+        mixed = (1 - weight) * np.asarray(x) + weight * np.asarray(y)
+        if floor:
+            mixed = np.where(mixed < np.asarray(y), y, mixed)
+        return tuple(float(v) for v in mixed)
 
     return ReferenceProfile(
         a.layouts, mix(a.ttft_s, b.ttft_s), mix(a.tpot_s, b.tpot_s), mix(a.memory_gib, b.memory_gib)
     )
 
 
-def _blend_variant(a: VariantProfile, b: VariantProfile, weight: float) -> VariantProfile:
+def _blend_variant(
+    a: VariantProfile, b: VariantProfile, weight: float, floor: bool = False
+) -> VariantProfile:
     batch2 = None
     if a.batch2 is not None and b.batch2 is not None:
-        batch2 = _blend(a.batch2, b.batch2, weight)
+        batch2 = _blend(a.batch2, b.batch2, weight, floor)
     tokens = round((1 - weight) * a.kv_tokens_profiled + weight * b.kv_tokens_profiled)
+    if floor:
+        tokens = max(tokens, b.kv_tokens_profiled)
     return replace(
-        a, batch1=_blend(a.batch1, b.batch1, weight), batch2=batch2, kv_tokens_profiled=tokens
+        a,
+        batch1=_blend(a.batch1, b.batch1, weight, floor),
+        batch2=batch2,
+        kv_tokens_profiled=tokens,
     )
 
 
@@ -391,7 +431,11 @@ def model_references(
 
     prompts = []
     for n in recorded:
-        memory, kv_tokens, slopes = _memory_groups(fingerprints, layouts, n)
+        # iserve's profiler runs a job's prompt lengths in one worker whose static cache
+        # holds the longest prompt and output, longest last: the peaks of every prompt
+        # are that worker's, and its longest prompt's rows say what they hold.
+        memory_prompt = recorded[-1] if not split else n
+        memory, kv_tokens, slopes = _memory_groups(fingerprints, layouts, memory_prompt)
         refs = extrapolate_references(
             shape.num_layers, latency, memory, (n, 1), layouts, ladder_phases, slopes
         )

@@ -1,18 +1,19 @@
 """Profiling jobs on this node: start a checkpoint's workers, time generations, stop them.
 
 One RunProfilingJob request profiles one checkpoint (usually a fingerprint) under one
-configuration (tp, pp, compression, batch size) at one prompt length and one or more
-output lengths:
+configuration (tp, pp, compression, batch size) at one or more prompt lengths
+(``input_tokens``, then ``extra_input_tokens`` in ascending order) and one or more output
+lengths:
 
 1. The workers start as a temporary deployment ``profile-<uuid>`` through the same path
    as a deployment (:func:`monitor_agent.launch.build_plan` and the supervisor), with the
    request's WorkerSpecs (ranks, stages and layer ranges; every rank on this node, so the
    supervisor picks the rendezvous port), ``max_batch`` = the config's batch size and
-   ``max_seq_len`` = prompt + longest output, so the static KV cache holds exactly the
-   tokens profiled.
-2. For each output length: ``warmup_runs`` untimed runs, then ``timed_runs`` timed ones.
+   ``max_seq_len`` = longest prompt + longest output, so the static KV cache holds
+   exactly the tokens profiled.
+2. For each prompt length, shortest first, and each output length: ``warmup_runs`` untimed runs, then ``timed_runs`` timed ones.
    A run opens ``batch_size`` Generate streams on rank 0 at once (the worker batches
-   them continuously), each with the same prompt of ``input_tokens`` token ids, greedy
+   them continuously), each with the same prompt of that many token ids, greedy
    sampling and ``ignore_eos``, so every stream yields exactly the output length.
    Per stream, from the agent's own timestamps (``time.perf_counter`` at the call and at
    each message's arrival): TTFT = first token − call start, TPOT = mean gap between
@@ -22,7 +23,8 @@ output lengths:
    layer clock (``GetWorkerStats``): the time one decoder layer took in the run's
    prefill and decode steps, measured inside the worker. The ProfiledRun holds the
    medians over timed runs.
-3. Peak memory per rank, read after each output length's runs. Rank 0: its
+3. Peak memory per rank, read after each output length's runs (a peak: it covers the
+   runs before it, which is why prompts go shortest first). Rank 0: its
    ``GetWorkerStats.peak_memory_bytes`` (the engine's account of weights, KV cache and
    peak activations on CPU; the CUDA allocator's peak on GPUs). Other ranks serve no
    RPCs, so their figure is built from what the agent can see, in the same terms as
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import random
 import statistics
@@ -80,7 +83,7 @@ _PROMPT_SEED = 20240531
 class JobSpec:
     """What a RunProfilingJob request asks for, checked."""
 
-    input_tokens: int
+    input_tokens: tuple[int, ...]  # ascending, distinct
     output_tokens: tuple[int, ...]
     warmup_runs: int
     timed_runs: int
@@ -88,7 +91,7 @@ class JobSpec:
 
     @property
     def max_seq_len(self) -> int:
-        return self.input_tokens + max(self.output_tokens)
+        return max(self.input_tokens) + max(self.output_tokens)
 
 
 @dataclass(frozen=True)
@@ -104,19 +107,29 @@ def check_job(request: agent_pb.RunProfilingJobRequest) -> JobSpec:
     """The job ``request`` describes; InvalidArgument for what a caller got wrong.
     ``timed_runs`` 0 means DEFAULT_TIMED_RUNS and ``config.batch_size`` 0 means 1."""
     require(request.input_tokens >= 1, "input_tokens must be at least 1")
+    require(
+        all(n >= 1 for n in request.extra_input_tokens),
+        "every extra_input_tokens value must be at least 1",
+    )
+    prompts = (request.input_tokens, *request.extra_input_tokens)
+    require(
+        list(prompts) == sorted(set(prompts)),
+        "input_tokens then extra_input_tokens must ascend without repeats "
+        f"(got {', '.join(map(str, prompts))}): a run's peak memory covers the runs before it",
+    )
     require(len(request.output_tokens) > 0, "output_tokens is empty: give at least one length")
     require(
         all(o >= 1 for o in request.output_tokens), "every output_tokens value must be at least 1"
     )
     # The sequence length travels as a uint32 (StartWorkersRequest.max_seq_len); the
     # model's own context is checked once its config is read.
-    longest = request.input_tokens + max(request.output_tokens)
+    longest = max(prompts) + max(request.output_tokens)
     require(
         longest <= UINT32_MAX,
-        f"input_tokens + the longest output ({longest}) exceeds any sequence length",
+        f"the longest prompt + the longest output ({longest}) exceeds any sequence length",
     )
     return JobSpec(
-        input_tokens=request.input_tokens,
+        input_tokens=prompts,
         output_tokens=tuple(request.output_tokens),
         warmup_runs=request.warmup_runs,
         timed_runs=request.timed_runs or DEFAULT_TIMED_RUNS,
@@ -279,14 +292,14 @@ class ProfilingJobs:
         spec = parse_config(read_config(plan.checkpoint_dir))
         require(
             job.max_seq_len <= spec.max_position_embeddings,
-            f"input_tokens + the longest output ({job.max_seq_len}) exceeds the model's "
-            f"max_position_embeddings ({spec.max_position_embeddings})",
+            f"the longest prompt + the longest output ({job.max_seq_len}) exceeds the "
+            f"model's max_position_embeddings ({spec.max_position_embeddings})",
         )
-        prompt = prompt_token_ids(job.input_tokens, spec)
+        prompts = [prompt_token_ids(n, spec) for n in job.input_tokens]
         log.info("profiling job %s: %s", deployment_id, request.checkpoint_path)
         try:
             workers = await self.supervisor.start_workers(plan)
-            return await self._measure(job, prompt, workers)
+            return await self._measure(job, prompts, workers)
         finally:
             # Shielded: a cancelled call must still stop its workers.
             await asyncio.shield(self._stop(deployment_id))
@@ -296,14 +309,14 @@ class ProfilingJobs:
         await self.supervisor.store.delete_workers(deployment_id)
 
     async def _measure(
-        self, job: JobSpec, prompt: list[int], workers: list[agent_pb.WorkerInfo]
+        self, job: JobSpec, prompts: list[list[int]], workers: list[agent_pb.WorkerInfo]
     ) -> list[agent_pb.ProfiledRun]:
         workers = sorted(workers, key=lambda w: w.rank)
         at_ready = {w.rank: self._process_peak(w) for w in workers[1:]}
         async with channel(workers[0].address) as ch:
             stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
             results = []
-            for output_tokens in job.output_tokens:
+            for prompt, output_tokens in itertools.product(prompts, job.output_tokens):
                 for _ in range(job.warmup_runs):
                     await self._batch(stub, prompt, output_tokens, job.batch_size)
                 # Each timed run's layer time: the clock read after it, less the reading
@@ -316,7 +329,9 @@ class ProfilingJobs:
                     stats = await self._worker_stats(stub)
                     layer_ms.append(LayerCounters.of(stats).layer_ms_since(before))
                 peaks = self._peaks(stats, workers, at_ready)
-                results.append(summarise(output_tokens, timed, peaks, layer_ms))
+                run = summarise(output_tokens, timed, peaks, layer_ms)
+                run.input_tokens = len(prompt)
+                results.append(run)
         return results
 
     @staticmethod

@@ -82,7 +82,7 @@ The ModelService's profiling jobs (:class:`ProfilingSettings`):
 ==================================  ===============================  =======
 variable                            meaning                          default
 ==================================  ===============================  =======
-``ISERVE_PROFILE_INPUT_TOKENS``     prompt length, tokens            64
+``ISERVE_PROFILE_INPUT_TOKENS``     prompt lengths, comma-separated  64,256
 ``ISERVE_PROFILE_OUTPUT_TOKENS``    output lengths, comma-separated  8,16
 ``ISERVE_PROFILE_BATCH_SIZES``      batch sizes, comma-separated     1,2
 ``ISERVE_PROFILE_WARMUP_RUNS``      untimed runs before timing       1
@@ -598,7 +598,10 @@ def _int_list(env: Mapping[str, str], name: str, default: tuple[int, ...]) -> tu
 
 @dataclass(frozen=True)
 class ProfilingSettings:
-    input_tokens: int = 64
+    # Two prompt lengths, so that estimates for longer prompts extrapolate TTFT and TPOT
+    # along a measured line (estimator_svc.model_references.ModelReferences.at_input)
+    # instead of keeping one length's figures. Ascending: one worker runs them in turn.
+    input_tokens: tuple[int, ...] = (64, 256)
     output_tokens: tuple[int, ...] = (8, 16)
     batch_sizes: tuple[int, ...] = (1, 2)
     warmup_runs: int = 1
@@ -609,7 +612,9 @@ class ProfilingSettings:
         """Settings from ``env`` (default: ``os.environ``); ValueError names a bad variable."""
         env = os.environ if env is None else env
         return cls(
-            input_tokens=int(_number(env, "ISERVE_PROFILE_INPUT_TOKENS", cls.input_tokens)),
+            input_tokens=tuple(
+                sorted(_int_list(env, "ISERVE_PROFILE_INPUT_TOKENS", cls.input_tokens))
+            ),
             output_tokens=_int_list(env, "ISERVE_PROFILE_OUTPUT_TOKENS", cls.output_tokens),
             batch_sizes=_int_list(env, "ISERVE_PROFILE_BATCH_SIZES", cls.batch_sizes),
             warmup_runs=int(_number(env, "ISERVE_PROFILE_WARMUP_RUNS", cls.warmup_runs, minimum=0)),
@@ -619,13 +624,13 @@ class ProfilingSettings:
     @property
     def max_seq_len(self) -> int:
         """Tokens of KV cache a profiling worker holds per sequence."""
-        return self.input_tokens + max(self.output_tokens)
+        return max(self.input_tokens) + max(self.output_tokens)
 
     def fitted(self, max_positions: int) -> ProfilingSettings:
         """These lengths, shortened for a model whose context of ``max_positions``
-        (0: unknown) cannot hold the prompt and the longest output: the outputs get at
-        most half the context, scaled down in proportion (distinct, at least 1 token),
-        and the prompt what is left, at most its own length. ValueError below 2
+        (0: unknown) cannot hold the longest prompt and output: the outputs get at most
+        half the context, scaled down in proportion (distinct, at least 1 token), and
+        each prompt what is left, at most its own length (distinct). ValueError below 2
         positions, which hold no prompt and output."""
         if not max_positions or self.max_seq_len <= max_positions:
             return self
@@ -636,5 +641,6 @@ class ProfilingSettings:
         longest = max(self.output_tokens)
         budget = min(longest, max_positions // 2)
         outputs = tuple(dict.fromkeys(max(1, o * budget // longest) for o in self.output_tokens))
-        prompt = min(self.input_tokens, max_positions - max(outputs))
-        return replace(self, input_tokens=prompt, output_tokens=outputs)
+        room = max_positions - max(outputs)
+        prompts = tuple(sorted({min(n, room) for n in self.input_tokens}))
+        return replace(self, input_tokens=prompts, output_tokens=outputs)

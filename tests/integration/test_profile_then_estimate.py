@@ -117,6 +117,31 @@ def test_profiled_model_has_an_estimate_for_every_configuration(stack, estimator
             assert e.memory_per_device_bytes * devices >= e.memory_total_bytes * 0.999, e
             if e.config.variant_name == "kv8":
                 assert e.config.kv_quant == common.KV_QUANT_INT8, e
+
+        # The profile holds two prompt lengths; a longer prompt's TTFT follows their line.
+        assert {m.input_tokens for m in profile.measurements} == {64, 256}
+
+        def base_ttft(prompt: int) -> tuple[float, list[str]]:
+            reply = estimator.EstimateConfigs(
+                estimator_pb.EstimateConfigsRequest(
+                    request_id=rid(),
+                    model_id="pte-llama",
+                    hardware_type=HARDWARE,
+                    workload=estimator_pb.Workload(
+                        input_tokens=prompt, output_tokens=OUTPUT_TOKENS
+                    ),
+                    device_count=1,
+                ),
+                timeout=60,
+            )
+            [base] = [e for e in reply.estimates if not e.config.variant_name]
+            return base.ttft_ms, list(reply.notes)
+
+        at_256, notes = base_ttft(256)
+        assert not any("prompt" in n for n in notes), notes
+        at_1024, notes = base_ttft(1024)
+        assert at_1024 >= at_256
+        assert any("extrapolated along the line through the 64- and 256-token" in n for n in notes)
     finally:
         stack.models.DeleteModel(
             model_pb.DeleteModelRequest(request_id=rid(), model_id="pte-llama")

@@ -219,7 +219,79 @@ def test_prompt_lengths_are_interpolated_between_profiled_ones():
     low = refs.at_input(32)[0].batch1.ttft_s[0]
     assert refs.at_input(160)[0].batch1.ttft_s[0] == pytest.approx(1.5 * low)
     assert refs.at_input(10)[0].batch1.ttft_s[0] == pytest.approx(low)
-    assert refs.at_input(4000)[0].batch1.ttft_s[0] == pytest.approx(2 * low)
+    # Beyond the longest: along the line through the two (+low per 256 tokens).
+    assert refs.at_input(4000)[0].batch1.ttft_s[0] == pytest.approx(low * (1 + 3968 / 256))
+    assert "extrapolated along the line" in refs.prompt_note(4000)
+    assert "not extrapolated" in refs.prompt_note(10)
+
+
+def _linear_in_prompt(lengths, ttft_per_token, tpot_per_token, layer_mib=100):
+    """Profiler rows at each prompt length whose TTFT and TPOT grow by the given
+    seconds per prompt token (per layer and in the 'other' term alike), memory by
+    ``layer_mib`` per layer at every length."""
+    rows = []
+    for n in lengths:
+        for m in profiler_rows("", common.WEIGHT_QUANT_NONE, input_tokens=n, layer_mib=layer_mib):
+            m.ttft_ms += 1e3 * ttft_per_token * n * (m.num_layers + 1)
+            m.tpot_ms += 1e3 * tpot_per_token * n * (m.num_layers + 1)
+            rows.append(m)
+    return rows
+
+
+def test_a_longer_prompt_recovers_the_line_the_profiled_prompts_lie_on():
+    """TTFT linear in the prompt (prefill compute): two profiled lengths give the
+    line, and a prompt 16 times the longer one is on it. TPOT terms are shared by the
+    prompt labels (docs/estimation.md), so every length gets their fit: the mean
+    prompt's."""
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    a_ttft, a_tpot = 2e-5, 1e-6
+    rows = _linear_in_prompt((64, 256), a_ttft, a_tpot)
+    refs = model_references.model_references(
+        shape,
+        profiles.estimation_variants(model, rows),
+        [profiles.sample_from_measurement(m) for m in rows],
+    )
+    f_layer, f_other, p_layer, p_other = TRUTH[(1, 1)]
+    for n in (64, 256, 1024, 4096):
+        base = refs.at_input(n)[0].batch1
+        assert base.ttft_s[0] == pytest.approx(8 * f_layer + f_other + a_ttft * n * 9)
+        assert base.tpot_s[0] == pytest.approx(8 * p_layer + p_other + a_tpot * 160 * 9)
+
+
+def test_a_longer_prompt_is_never_estimated_faster_than_the_longest_profiled():
+    # Noise that timed the longer prompt faster must not extrapolate downwards.
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    rows = _linear_in_prompt((64, 256), -1e-6, -1e-7)
+    refs = model_references.model_references(
+        shape,
+        profiles.estimation_variants(model, rows),
+        [profiles.sample_from_measurement(m) for m in rows],
+    )
+    longest = refs.at_input(256)[0].batch1
+    beyond = refs.at_input(2048)[0].batch1
+    assert beyond.ttft_s == pytest.approx(longest.ttft_s)
+    assert beyond.tpot_s == pytest.approx(longest.tpot_s)
+
+
+def test_memory_of_every_prompt_is_the_worker_s_that_ran_them_all():
+    """The profiler runs a job's prompts in one worker sized for the longest: the
+    shorter prompt's peak already holds that cache, so memory comes from the longest
+    prompt's rows with the tokens they hold, for every prompt length."""
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    rows = _linear_in_prompt((64,), 0, 0, layer_mib=100) + _linear_in_prompt(
+        (256,), 0, 0, layer_mib=120
+    )
+    refs = model_references.model_references(
+        shape,
+        profiles.estimation_variants(model, rows),
+        [profiles.sample_from_measurement(m) for m in rows],
+    )
+    for prompt in refs.prompts:
+        assert prompt.kv_tokens_profiled == 256 + 16
+        assert prompt.profiles[0].batch1.memory_gib[0] == pytest.approx((8 * 120 + 500) / 1024)
 
 
 def test_references_need_fingerprints_at_the_base_layout():

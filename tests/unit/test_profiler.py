@@ -63,12 +63,14 @@ def measured(request: agent_pb.RunProfilingJobRequest) -> list[agent_pb.Profiled
     batch = request.config.batch_size
     return [
         agent_pb.ProfiledRun(
+            input_tokens=n,
             output_tokens=o,
-            ttft_ms=2.0 * layers * batch,
+            ttft_ms=2.0 * layers * batch * n / 64,
             tpot_ms=1.0 * layers,
-            latency_ms=2.0 * layers * batch + o * layers,
+            latency_ms=2.0 * layers * batch * n / 64 + o * layers,
             peak_memory_bytes_per_rank=[(10 + layers + batch) * MIB] * len(request.workers),
         )
+        for n in (request.input_tokens, *request.extra_input_tokens)
         for o in request.output_tokens
     ]
 
@@ -162,6 +164,7 @@ def test_profiles_every_job_and_stores_the_raw_measurements(redis_url, models_ro
     assert sorted(len(r.workers) for r, _ in calls) == [1, 1, 1, 1, 2, 2]
     for request, held in calls:
         assert list(request.output_tokens) == [4, 8] and request.input_tokens == 64
+        assert list(request.extra_input_tokens) == [256]  # the default's second prompt
         assert (request.warmup_runs, request.timed_runs) == (0, 2)
         [(owner, devices)] = held.items()  # reserved before the call, by one owner
         assert owner.startswith("profile-tiny-") and len(devices) == len(request.workers)
@@ -171,16 +174,17 @@ def test_profiles_every_job_and_stores_the_raw_measurements(redis_url, models_ro
     assert singles[2].checkpoint_path.endswith("/L2")
     assert (models_root / singles[0].checkpoint_path / "model.safetensors").is_file()
 
-    assert len(profile.measurements) == 8
+    assert len(profile.measurements) == 16
     first = profile.measurements[0]
     assert (first.variant_name, first.num_layers, first.full_model) == ("base", 1, False)
     assert (first.config.tensor_parallel, first.config.pipeline_parallel) == (1, 1)
     assert (first.input_tokens, first.output_tokens, first.repetitions) == (64, 4, 2)
     assert first.ttft_ms == 2.0 and first.latency_ms == 6.0 and first.hardware_type == "cpu-test"
     assert list(first.stage_layers) == [1]
-    assert {(m.num_layers, m.config.batch_size, m.output_tokens) for m in profile.measurements} == {
-        (n, b, o) for n in (1, 2) for b in (1, 2) for o in (4, 8)
-    }
+    assert {
+        (m.num_layers, m.config.batch_size, m.input_tokens, m.output_tokens)
+        for m in profile.measurements
+    } == {(n, b, p, o) for n in (1, 2) for b in (1, 2) for p in (64, 256) for o in (4, 8)}
     assert len(profile.skipped) == 2
     assert all(
         "FAILED_PRECONDITION: workers on this node run tp = pp = 1 only" in s

@@ -52,6 +52,11 @@ def test_check_job_fills_defaults_and_refuses_bad_requests():
         ({"output_tokens": [4, 0]}, "at least 1"),
         # Beyond the uint32 sequence length (an INTERNAL "Value out of range" before).
         ({"input_tokens": 256, "output_tokens": [1024, 2**32 - 1]}, "exceeds any sequence"),
+        ({"extra_input_tokens": [0]}, "every extra_input_tokens value must be at least 1"),
+        # A shorter prompt after a longer one would read the longer one's peak memory.
+        ({"extra_input_tokens": [4]}, r"must ascend without repeats \(got 8, 4\)"),
+        ({"extra_input_tokens": [8]}, "must ascend without repeats"),
+        ({"extra_input_tokens": [16, 2**32 - 1]}, "exceeds any sequence"),
     ]:
         with pytest.raises(InvalidArgument, match=message):
             check_job(_request(**fields))
@@ -257,6 +262,18 @@ def test_a_job_times_its_streams_and_stops_its_workers(tmp_path, monkeypatch):
     assert plan.max_seq_len == 8 + 5
     assert plan.engine == "pytorch" and plan.time_layers
     assert supervisor.stopped == [plan.deployment_id] == supervisor.store.deleted
+
+
+def test_a_job_runs_every_prompt_length_in_one_worker_shortest_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(profiling, "time", StreamClock(first_s=0.05, gap_s=0.02))
+    worker = FakeWorker(first_s=0.0, gap_s=0.0)
+    runs, supervisor = _run_job(
+        tmp_path, worker, _request(extra_input_tokens=[24], warmup_runs=0, timed_runs=1)
+    )
+    assert [(r.input_tokens, r.output_tokens) for r in runs] == [(8, 3), (8, 5), (24, 3), (24, 5)]
+    assert [len(r.prompt_token_ids) for r in worker.requests] == [8, 8, 24, 24]
+    [plan] = supervisor.plans  # one worker, its cache sized for the longest prompt
+    assert plan.max_seq_len == 24 + 5
 
 
 def test_other_ranks_report_their_account_plus_measured_growth(tmp_path):

@@ -65,18 +65,20 @@ def test_settings_from_the_environment():
     settings = ProfilingSettings.from_env(
         {
             "ISERVE_PROFILE_OUTPUT_TOKENS": "4, 12",
-            "ISERVE_PROFILE_INPUT_TOKENS": "32",
+            "ISERVE_PROFILE_INPUT_TOKENS": "96, 32",
             "ISERVE_PROFILE_WARMUP_RUNS": "0",
             "ISERVE_PROFILE_TIMED_RUNS": "5",
         }
     )
-    assert settings.output_tokens == (4, 12) and settings.input_tokens == 32
-    assert (settings.warmup_runs, settings.timed_runs, settings.max_seq_len) == (0, 5, 44)
+    # Prompts ascend whatever the order given: one worker runs them shortest first.
+    assert settings.output_tokens == (4, 12) and settings.input_tokens == (32, 96)
+    assert (settings.warmup_runs, settings.timed_runs, settings.max_seq_len) == (0, 5, 108)
     for env, message in [
         ({"ISERVE_PROFILE_OUTPUT_TOKENS": "8,x"}, "comma-separated integers"),
         ({"ISERVE_PROFILE_OUTPUT_TOKENS": "0"}, "at least 1"),
         ({"ISERVE_PROFILE_TIMED_RUNS": "0"}, "at least 1"),
-        ({"ISERVE_PROFILE_INPUT_TOKENS": "many"}, "not an integer"),
+        ({"ISERVE_PROFILE_INPUT_TOKENS": "many"}, "comma-separated integers"),
+        ({"ISERVE_PROFILE_INPUT_TOKENS": "64,0"}, "at least 1"),
     ]:
         with pytest.raises(ValueError, match=message):
             ProfilingSettings.from_env(env)

@@ -217,14 +217,16 @@ def test_metrics_urls_say_https_where_the_processes_serve_tls(tmp_path):
 @pytest.mark.parametrize(
     ("max_positions", "prompt", "outputs"),
     [
-        (0, 64, (8, 16)),  # unknown: unchanged
-        (2048, 64, (8, 16)),
-        (80, 64, (8, 16)),  # exactly fits
-        (79, 63, (8, 16)),
-        (32, 16, (8, 16)),
-        (20, 10, (5, 10)),
-        (3, 2, (1,)),
-        (2, 1, (1,)),
+        (0, (64, 256), (8, 16)),  # unknown: unchanged
+        (2048, (64, 256), (8, 16)),
+        (272, (64, 256), (8, 16)),  # exactly fits
+        (271, (64, 255), (8, 16)),
+        (80, (64,), (8, 16)),  # both prompts at what is left: one length
+        (79, (63,), (8, 16)),
+        (32, (16,), (8, 16)),
+        (20, (10,), (5, 10)),
+        (3, (2,), (1,)),
+        (2, (1,), (1,)),
     ],
 )
 def test_profiling_lengths_shrink_to_a_short_context(max_positions, prompt, outputs):

@@ -134,7 +134,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class RunProfilingJobRequest(_message.Message):
-    __slots__ = ("request_id", "checkpoint_path", "config", "workers", "input_tokens", "output_tokens", "warmup_runs", "timed_runs")
+    __slots__ = ("request_id", "checkpoint_path", "config", "workers", "input_tokens", "output_tokens", "warmup_runs", "timed_runs", "extra_input_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class RunProfilingJobRequest(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WARMUP_RUNS_FIELD_NUMBER: _ClassVar[int]
     TIMED_RUNS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     checkpoint_path: str
     config: _common_pb2.DeploymentConfig
@@ -151,7 +152,8 @@ class RunProfilingJobRequest(_message.Message):
     output_tokens: _containers.RepeatedScalarFieldContainer[int]
     warmup_runs: int
     timed_runs: int
-    def __init__(self, request_id: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerSpec, _Mapping]]] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[_Iterable[int]] = ..., warmup_runs: _Optional[int] = ..., timed_runs: _Optional[int] = ...) -> None: ...
+    extra_input_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerSpec, _Mapping]]] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[_Iterable[int]] = ..., warmup_runs: _Optional[int] = ..., timed_runs: _Optional[int] = ..., extra_input_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RunProfilingJobResponse(_message.Message):
     __slots__ = ("request_id", "runs")
@@ -162,7 +164,7 @@ class RunProfilingJobResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[ProfiledRun, _Mapping]]] = ...) -> None: ...
 
 class ProfiledRun(_message.Message):
-    __slots__ = ("output_tokens", "ttft_ms", "tpot_ms", "latency_ms", "peak_memory_bytes_per_rank", "ttft_layer_ms", "tpot_layer_ms")
+    __slots__ = ("output_tokens", "ttft_ms", "tpot_ms", "latency_ms", "peak_memory_bytes_per_rank", "ttft_layer_ms", "tpot_layer_ms", "input_tokens")
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +172,7 @@ class ProfiledRun(_message.Message):
     PEAK_MEMORY_BYTES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     TTFT_LAYER_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_LAYER_MS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     output_tokens: int
     ttft_ms: float
     tpot_ms: float
@@ -177,4 +180,5 @@ class ProfiledRun(_message.Message):
     peak_memory_bytes_per_rank: _containers.RepeatedScalarFieldContainer[int]
     ttft_layer_ms: float
     tpot_layer_ms: float
-    def __init__(self, output_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., ttft_layer_ms: _Optional[float] = ..., tpot_layer_ms: _Optional[float] = ...) -> None: ...
+    input_tokens: int
+    def __init__(self, output_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., ttft_layer_ms: _Optional[float] = ..., tpot_layer_ms: _Optional[float] = ..., input_tokens: _Optional[int] = ...) -> None: ...
