@@ -133,42 +133,48 @@ def dtype_name(cfg: Mapping[str, Any]) -> str:
     return value
 
 
-def _rope_blocks(cfg: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], str]]:
-    """(field name, block, RoPE type) of each RoPE block the config has: transformers 5
+def _rope_block(cfg: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
+    """(field name, block) of the RoPE block transformers reads, or None: transformers 5
     writes ``rope_parameters: {"rope_theta", "rope_type", ...}``; transformers 4 wrote
     ``rope_theta`` at top level plus an optional ``rope_scaling`` dict ("type" before
-    4.45, "rope_type" since). Types other than unscaled, linear and llama3 are refused."""
-    blocks = []
-    for name in ("rope_parameters", "rope_scaling"):
+    4.45, "rope_type" since). As transformers 5 has it (``convert_rope_params_to_dict``),
+    a non-empty ``rope_scaling`` replaces ``rope_parameters`` whole, theta included."""
+    for name in ("rope_scaling", "rope_parameters"):
         block = cfg.get(name)
         if block is None:
             continue
         if not isinstance(block, Mapping):
             raise InvalidConfig(f"config field {name!r} must be an object, got {shown(block)}")
-        rope_type = block.get("rope_type", block.get("type")) or "default"
-        if rope_type != "default" and rope_type not in ROPE_SCALING_KINDS:
-            engine_cannot_run(
-                f"{name} type {shown(rope_type)} is not supported; supported: default (unscaled), "
-                + ", ".join(ROPE_SCALING_KINDS)
-            )
-            continue  # read for the shape alone: as if unscaled
-        blocks.append((name, block, rope_type))
-    return blocks
+        if block:
+            return name, block
+    return None
 
 
 def rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     """(base of the rotary frequencies, their scaling or None for unscaled RoPE), read
-    from the config's RoPE blocks once (see :func:`_rope_blocks`)."""
-    blocks = _rope_blocks(cfg)
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+    from the block transformers uses (:func:`_rope_block`): its ``rope_theta``, else the
+    top-level one, else 10000 (transformers' ``default_theta`` for every family here).
+    Types other than unscaled, linear and llama3, and partial rotary embeddings, are
+    refused."""
+    found = _rope_block(cfg)
+    name, block = found if found else ("rope_parameters", {})
+    partial = block.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
         engine_cannot_run("partial rotary embeddings are not supported for this family")
-    params = cfg.get("rope_parameters")
-    if isinstance(params, Mapping) and params.get("rope_theta") is not None:
-        theta = positive_float(params, "rope_theta", 10000.0)
+    if block.get("rope_theta") is not None:
+        theta = positive_float(block, "rope_theta", 10000.0)
     else:
         theta = positive_float(cfg, "rope_theta", 10000.0)
-    scaled = [block for block in blocks if block[2] != "default"]
-    return theta, (_rope_scaling(cfg, *scaled[0]) if scaled else None)
+    rope_type = block.get("rope_type", block.get("type")) or "default"
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ROPE_SCALING_KINDS:
+        engine_cannot_run(
+            f"{name} type {shown(rope_type)} is not supported; supported: default (unscaled), "
+            + ", ".join(ROPE_SCALING_KINDS)
+        )
+        return theta, None  # read for the shape alone: as if unscaled
+    return theta, _rope_scaling(cfg, name, block, rope_type)
 
 
 def _rope_scaling(

@@ -323,3 +323,47 @@ def test_config_must_be_an_object() -> None:
 def test_errors_are_value_errors() -> None:
     assert issubclass(InvalidConfig, ValueError)
     assert issubclass(UnsupportedArchitecture, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("changes", "theta", "scaling"),
+    [
+        # A transformers-4 rope_scaling added to a transformers-5 config (as older guides
+        # extend a context): it replaces rope_parameters whole, theta included, so theta
+        # is the top-level one, else 10000. iserve took rope_parameters' theta before.
+        (
+            {
+                "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+                "rope_scaling": {"type": "linear", "factor": 4.0},
+            },
+            10000.0,
+            RopeScaling("linear", 4.0),
+        ),
+        (
+            {
+                "rope_theta": 2e4,
+                "rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0},
+                "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            },
+            2e4,
+            RopeScaling("linear", 4.0),
+        ),
+        # An empty rope_scaling replaces nothing.
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": {}},
+            5e5,
+            None,
+        ),
+    ],
+)
+def test_rope_blocks_take_the_precedence_transformers_gives_them(
+    changes: dict[str, Any], theta: float, scaling: RopeScaling | None
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = with_changes(LLAMA2_7B_TF4, **changes)
+    spec = parse_config(config)
+    assert (spec.rope_theta, spec.rope_scaling) == (theta, scaling)
+    # transformers' own reading of the same config.json.
+    theirs = transformers.LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    assert theirs.rope_parameters["rope_theta"] == theta
+    assert theirs.rope_parameters.get("factor") == (scaling.factor if scaling else None)
