@@ -288,12 +288,16 @@ class DeploymentController:
         if unprofiled:
             decision = planning.with_note(decision, unprofiled)
         else:
-            batch1 = await self._estimate_of(request, prepared, hardware_type, decision.config, 1)
+            batch1 = await self._estimate_of(
+                request, prepared, nodes, hardware_type, decision.config, 1
+            )
         if batch1 is not None:
-            batch2 = await self._estimate_of(request, prepared, hardware_type, decision.config, 2)
+            batch2 = await self._estimate_of(
+                request, prepared, nodes, hardware_type, decision.config, 2
+            )
         if prepared.auto_batch:
             decision = planning.size_batch(
-                prepared, decision, nodes, batch1, batch2, prepared.objectives.tpot_slo_ms
+                prepared, decision, nodes, batch1, batch2, prepared.objectives
             )
         return decision, latency_model(batch1, batch2, prepared.limits.max_input_tokens)
 
@@ -301,12 +305,15 @@ class DeploymentController:
         self,
         request,
         prepared: planning.Prepared,
+        nodes: list[common.NodeState],
         hardware_type: str,
         config: common.DeploymentConfig,
         batch: int,
     ) -> estimator_pb.ConfigEstimate | None:
         """The estimator's figures for ``config`` at ``batch`` on ``hardware_type``; None
-        when the model is not profiled there."""
+        when the model is not profiled there. Asked for ``nodes``' devices of that type,
+        as the ranking was: by default the estimator scores the live cluster's, and a
+        plan on more simulated devices chose configurations beyond them."""
         try:
             reply = await self.estimator.EstimateConfigs(
                 estimator_pb.EstimateConfigsRequest(
@@ -318,6 +325,8 @@ class DeploymentController:
                         output_tokens=prepared.limits.max_output_tokens,
                         batch_size=batch,
                     ),
+                    device_count=dict(planning.hardware_order(nodes)).get(hardware_type, 0),
+                    device_memory_bytes=largest_device_bytes(nodes, hardware_type),
                 ),
                 timeout=RANK_TIMEOUT_S,
             )

@@ -6,10 +6,12 @@
 - :func:`latency_model`: the scheduler's starting prediction of prefill and decode times,
   from the deployment's estimates at batch 1 and batch 2 (MaverIQ Eq. 6:
   ``TPOT(B) = TPOT(1) + (B - 1) * O_BS``). The scheduler corrects it online.
-- :func:`tpot_batch_bound` and :func:`largest_fitting`: the batch size chosen when a
-  Deploy leaves it 0: the largest batch whose estimated TPOT meets the TPOT SLO (or stays
-  within ``UNBOUNDED_TPOT_FACTOR`` x the batch-1 TPOT when there is none) and whose KV
-  cache still fits the devices.
+- :func:`batch_bound` and :func:`largest_fitting`: the batch size chosen when a Deploy
+  leaves it 0: the largest batch whose estimated TPOT meets the TPOT SLO (or stays within
+  ``UNBOUNDED_TPOT_FACTOR`` x the batch-1 TPOT when there is none), whose estimated TTFT
+  and end-to-end latency meet the TTFT SLO and the default deadline (a LATENCY_SLO
+  intent's target) when set, and whose KV cache still fits the devices. Every figure at
+  batch B is Eq. 6's line through the estimates at batch 1 and 2.
 
 Pure: no gRPC, no Redis.
 """
@@ -85,10 +87,58 @@ def latency_model(
 
 @dataclass(frozen=True)
 class BatchBound:
-    """The largest batch the TPOT objective allows, and why."""
+    """The largest batch an objective allows, and why."""
 
     batch: int
     reason: str
+
+
+def _slo_batch_bound(what: str, at_1: float, per_sequence: float, limit: float) -> BatchBound:
+    """Largest B <= MAX_AUTO_BATCH with ``at_1 + (B - 1) * per_sequence`` within
+    ``limit`` (ms): ``what``'s objective."""
+    if at_1 > limit:
+        return BatchBound(1, f"{what} is missed even at batch 1 (estimated {at_1:.1f} ms)")
+    if per_sequence <= 0:
+        return BatchBound(MAX_AUTO_BATCH, f"the cap of {MAX_AUTO_BATCH} ({what} does not grow)")
+    batch = min(MAX_AUTO_BATCH, 1 + math.floor((limit - at_1) / per_sequence + 1e-9))
+    if batch == MAX_AUTO_BATCH:
+        return BatchBound(batch, f"the cap of {MAX_AUTO_BATCH}")
+    estimated = at_1 + (batch - 1) * per_sequence
+    return BatchBound(batch, f"{what} (estimated {estimated:.1f} ms at batch {batch})")
+
+
+def batch_bound(
+    batch1: estimator_pb.ConfigEstimate,
+    batch2: estimator_pb.ConfigEstimate,
+    objectives: common.ServiceObjectives,
+) -> BatchBound:
+    """The tightest of the TPOT bound (:func:`tpot_batch_bound`) and, when set, the
+    TTFT SLO's and the default deadline's on the estimated end-to-end latency: each
+    figure at batch B on Eq. 6's line through ``batch1`` and ``batch2``. Without them a
+    batch chosen for TPOT alone could break a LATENCY_SLO intent's target, which the
+    decision was ranked to meet at batch 1."""
+    bounds = [
+        tpot_batch_bound(batch1.tpot_ms, per_sequence_ms(batch1, batch2), objectives.tpot_slo_ms)
+    ]
+    if objectives.ttft_slo_ms:
+        bounds.append(
+            _slo_batch_bound(
+                f"TTFT SLO {objectives.ttft_slo_ms} ms",
+                batch1.ttft_ms,
+                batch2.ttft_ms - batch1.ttft_ms,
+                objectives.ttft_slo_ms,
+            )
+        )
+    if objectives.default_deadline_ms:
+        bounds.append(
+            _slo_batch_bound(
+                f"latency {objectives.default_deadline_ms} ms (the default deadline)",
+                batch1.latency_ms,
+                batch2.latency_ms - batch1.latency_ms,
+                objectives.default_deadline_ms,
+            )
+        )
+    return min(bounds, key=lambda b: b.batch)  # the first of equals: TPOT's
 
 
 def tpot_batch_bound(tpot1_ms: float, per_sequence: float, tpot_slo_ms: int) -> BatchBound:

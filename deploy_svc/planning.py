@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from deploy_svc import placement
 from deploy_svc.explicit import ExplicitPlan, resolve_explicit
-from deploy_svc.objectives import BatchBound, largest_fitting, per_sequence_ms, tpot_batch_bound
+from deploy_svc.objectives import BatchBound, batch_bound, largest_fitting
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
@@ -318,25 +318,26 @@ def size_batch(
     nodes: Sequence[common.NodeState],
     batch1: estimator_pb.ConfigEstimate | None,
     batch2: estimator_pb.ConfigEstimate | None,
-    tpot_slo_ms: int,
+    objectives: common.ServiceObjectives,
 ) -> deploy_pb.DeploymentDecision:
     """``decision`` (made at batch 1) at the batch size the deployer chooses for a
-    Deploy that left it 0: the largest batch whose estimated TPOT meets the objective
-    (:func:`deploy_svc.objectives.tpot_batch_bound`) and whose KV cache still fits the
-    devices it was placed on, placed again on them; its note says which bound decided.
-    ``batch1``/``batch2`` are the chosen configuration's estimates at batch 1 and 2
-    (None: not profiled on this hardware). Without both, or without batch-2 profiles,
-    the batch stays 1: a batch's cost is unknown."""
+    Deploy that left it 0: the largest batch whose estimates meet the ``objectives``
+    (:func:`deploy_svc.objectives.batch_bound`) and whose KV cache still fits the
+    devices it was placed on, placed again on them, with its estimate's times and costs
+    at that batch; its note says which bound decided. ``batch1``/``batch2`` are the
+    chosen configuration's estimates at batch 1 and 2 (None: not profiled on this
+    hardware). Without both, or without batch-2 profiles, the batch stays 1: a batch's
+    cost is unknown."""
     if batch1 is None:
         return with_note(decision, "batch 1: no estimate of this configuration's TPOT")
     if batch2 is None or not batch2.batch_measured:
         return with_note(decision, "batch 1: the model was not profiled at batch 2")
-    bound = tpot_batch_bound(batch1.tpot_ms, per_sequence_ms(batch1, batch2), tpot_slo_ms)
+    bound = batch_bound(batch1, batch2, objectives)
     decisions: dict[int, deploy_pb.DeploymentDecision] = {1: decision}
 
     def at(batch: int) -> deploy_pb.DeploymentDecision | None:
         if batch not in decisions:
-            decisions[batch] = _decide_batch(prepared, decision, nodes, batch1, batch)
+            decisions[batch] = _decide_batch(prepared, decision, nodes, batch1, batch2, batch)
         return decisions[batch]
 
     batch = largest_fitting(bound.batch, lambda b: at(b) is not None)
@@ -345,23 +346,50 @@ def size_batch(
     return with_note(chosen, _batch_reason(batch, bound))
 
 
+def at_batch(
+    batch1: estimator_pb.ConfigEstimate, batch2: estimator_pb.ConfigEstimate, batch: int
+) -> estimator_pb.ConfigEstimate:
+    """``batch1`` at ``batch`` sequences as the estimator scores it (MaverIQ Eq. 6): TTFT,
+    TPOT and latency on the line through the batch-1 and batch-2 estimates, never below
+    batch 1's; memory grows by one sequence's KV cache per extra sequence; the costs and
+    throughput follow (device-hours and GB x s scale with latency, throughput with
+    batch / latency)."""
+    out = estimator_pb.ConfigEstimate()
+    out.CopyFrom(batch1)
+    out.config.batch_size = batch
+    extra = batch - 1
+    for field in ("ttft_ms", "tpot_ms", "latency_ms"):
+        one, two = getattr(batch1, field), getattr(batch2, field)
+        setattr(out, field, one + extra * max(0.0, two - one))
+    out.memory_total_bytes = batch1.memory_total_bytes + extra * batch1.kv_cache_bytes
+    out.kv_cache_bytes = batch1.kv_cache_bytes * batch
+    if batch1.latency_ms > 0 and batch1.memory_total_bytes > 0:
+        slower = out.latency_ms / batch1.latency_ms
+        bigger = out.memory_total_bytes / batch1.memory_total_bytes
+        out.cost_device_hours = batch1.cost_device_hours * slower
+        out.cost_memory = batch1.cost_memory * bigger
+        out.cost_memory_latency = batch1.cost_memory_latency * slower * bigger
+        out.throughput_tokens_per_second_per_device = (
+            batch1.throughput_tokens_per_second_per_device * batch / slower
+        )
+    return out
+
+
 def _decide_batch(
     prepared: Prepared,
     decision: deploy_pb.DeploymentDecision,
     nodes: Sequence[common.NodeState],
     batch1: estimator_pb.ConfigEstimate,
+    batch2: estimator_pb.ConfigEstimate,
     batch: int,
 ) -> deploy_pb.DeploymentDecision | None:
     """The decision's configuration at ``batch``, placed anew; None when it does not fit.
-    The estimate's memory grows by one sequence's KV cache per extra sequence."""
+    Its estimate is :func:`at_batch`'s."""
     config = common.DeploymentConfig()
     config.CopyFrom(decision.config)
     config.batch_size = batch
-    estimate = estimator_pb.ConfigEstimate()
-    estimate.CopyFrom(batch1)
+    estimate = at_batch(batch1, batch2, batch)
     estimate.config.CopyFrom(config)
-    estimate.memory_total_bytes += (batch - 1) * batch1.kv_cache_bytes
-    estimate.kv_cache_bytes *= batch
     limits = ExplicitPlan(
         config, prepared.limits.max_input_tokens, prepared.limits.max_output_tokens
     )

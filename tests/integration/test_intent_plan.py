@@ -389,3 +389,19 @@ def test_deploying_an_imported_model_says_how_to_deploy_it_and_reserves_nothing(
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "register its checkpoint under another model id" in err.value.details()
     assert reserved_by_device(stack) == before
+
+
+def test_a_plan_on_more_devices_than_the_cluster_sizes_the_batch_of_what_it_chose(stack, imported):
+    """The chosen configuration's batch-1 and batch-2 estimates were asked for the live
+    cluster's device count: on 16 simulated devices an 8x2 choice found none and stayed
+    at batch 1 with a false "no estimate" note."""
+    sized = plan(
+        stack,
+        common.Intent(kind=common.INTENT_KIND_MIN_LATENCY),
+        model_id="llama-2-70b",
+        batch_size=0,
+        devices=devices((0.0,) * 16),
+    )
+    assert devices_of(sized) > 8, sized.note  # beyond the default count of 8
+    assert "no estimate" not in sized.note
+    assert sized.config.batch_size > 1, sized.note

@@ -87,7 +87,7 @@ def test_largest_fitting_finds_the_edge():
     assert largest_fitting(1, lambda b: True) == 1
 
 
-def _prepared(nodes, options, auto_batch=True, tpot_slo=0) -> planning.Prepared:
+def _prepared(nodes, options, auto_batch=True, tpot_slo=0, **objectives) -> planning.Prepared:
     return planning.Prepared(
         model(),
         LIMITS,
@@ -97,7 +97,7 @@ def _prepared(nodes, options, auto_batch=True, tpot_slo=0) -> planning.Prepared:
         None,
         "ranked",
         nodes,
-        common.ServiceObjectives(scheduling=EDF, tpot_slo_ms=tpot_slo),
+        common.ServiceObjectives(scheduling=EDF, tpot_slo_ms=tpot_slo, **objectives),
         auto_batch,
     )
 
@@ -119,11 +119,19 @@ def _estimates(kv_bytes: int):
     config = common.DeploymentConfig(
         tensor_parallel=1, pipeline_parallel=1, variant_name="fp32", batch_size=1
     )
+    # 16 output tokens: latency = TTFT + 15 TPOT.
     batch1 = estimator_pb.ConfigEstimate(
-        config=config, ttft_ms=100, tpot_ms=20, kv_cache_bytes=kv_bytes, memory_total_bytes=GIB
+        config=config,
+        ttft_ms=100,
+        tpot_ms=20,
+        latency_ms=400,
+        kv_cache_bytes=kv_bytes,
+        memory_total_bytes=GIB,
+        cost_device_hours=400 / 3.6e6,
+        throughput_tokens_per_second_per_device=16 / 0.4,
     )
     batch2 = estimator_pb.ConfigEstimate(
-        config=config, ttft_ms=180, tpot_ms=22, batch_measured=True
+        config=config, ttft_ms=180, tpot_ms=22, latency_ms=510, batch_measured=True
     )
     return config, batch1, batch2
 
@@ -133,11 +141,44 @@ def test_the_batch_is_the_largest_the_tpot_slo_allows_when_memory_is_plenty():
     nodes = _nodes(64)
     prepared = _prepared(nodes, [planning.Option(1, config, batch1)], tpot_slo=30)
     decision = planning.decide_on(prepared, nodes)
-    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, 30)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, prepared.objectives)
     assert sized.config.batch_size == 6  # 20 + 5 * 2 = 30 ms
     assert "batch 6: bounded by TPOT SLO 30 ms" in sized.note
     assert (
         sized.placement.stages[0].reserved_bytes[0] > decision.placement.stages[0].reserved_bytes[0]
+    )
+
+
+@pytest.mark.parametrize(
+    ("objectives", "batch", "phrase"),
+    [
+        # The latency SLO intent's target: 400 + (B - 1) * 110 <= 800 (TPOT alone: 6).
+        ({"default_deadline_ms": 800}, 4, "latency 800 ms (the default deadline) (estimated 730.0"),
+        ({"ttft_slo_ms": 300}, 3, "TTFT SLO 300 ms (estimated 260.0 ms at batch 3)"),
+        ({"ttft_slo_ms": 90}, 1, "TTFT SLO 90 ms is missed even at batch 1"),
+        ({"default_deadline_ms": 10_000, "ttft_slo_ms": 10_000}, 6, "1.5x the batch-1 TPOT"),
+    ],
+)
+def test_the_batch_keeps_the_ttft_and_latency_objectives(objectives, batch, phrase):
+    """A batch sized for TPOT alone broke a LATENCY_SLO intent's target that the
+    configuration was ranked to meet at batch 1, and the decision showed batch 1's
+    TTFT and latency beside the larger batch."""
+    config, batch1, batch2 = _estimates(kv_bytes=1 << 20)
+    nodes = _nodes(64)
+    prepared = _prepared(nodes, [planning.Option(1, config, batch1)], **objectives)
+    decision = planning.decide_on(prepared, nodes)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, prepared.objectives)
+    assert sized.config.batch_size == batch
+    assert phrase in sized.note
+    e = sized.estimate
+    assert e.config.batch_size == batch
+    assert e.ttft_ms == pytest.approx(100 + (batch - 1) * 80)
+    assert e.tpot_ms == pytest.approx(20 + (batch - 1) * 2)
+    assert e.latency_ms == pytest.approx(400 + (batch - 1) * 110)
+    assert e.memory_total_bytes == GIB + (batch - 1) * (1 << 20)
+    assert e.cost_device_hours == pytest.approx(e.latency_ms / 3.6e6)
+    assert e.throughput_tokens_per_second_per_device == pytest.approx(
+        batch * 16 / (e.latency_ms / 1e3)
     )
 
 
@@ -146,13 +187,13 @@ def test_the_batch_stops_where_the_kv_cache_no_longer_fits():
     nodes = _nodes(2.5)
     prepared = _prepared(nodes, [planning.Option(1, config, batch1)])
     decision = planning.decide_on(prepared, nodes)
-    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, 0)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, prepared.objectives)
     batch = sized.config.batch_size
     assert 1 < batch < 6  # 1.5x TPOT would allow 6 (20 + 5 * 2 = 30 ms)
     assert f"the KV cache of batch {batch + 1} does not fit" in sized.note
     reserved = sized.placement.stages[0].reserved_bytes[0]
     assert reserved <= 2.5 * GIB
-    bigger = planning._decide_batch(prepared, decision, nodes, batch1, batch + 1)
+    bigger = planning._decide_batch(prepared, decision, nodes, batch1, batch2, batch + 1)
     assert bigger is None
 
 
@@ -161,7 +202,7 @@ def test_without_an_estimate_the_batch_stays_1_and_says_why():
     nodes = _nodes(64)
     prepared = _prepared(nodes, [planning.Option(1, config, None)])
     decision = planning.decide_on(prepared, nodes)
-    sized = planning.size_batch(prepared, decision, nodes, None, None, 0)
+    sized = planning.size_batch(prepared, decision, nodes, None, None, prepared.objectives)
     assert sized.config.batch_size == 1
     assert "no estimate" in sized.note
 
@@ -172,7 +213,7 @@ def test_without_batch_2_profiles_the_batch_stays_1_and_says_why():
     nodes = _nodes(64)
     prepared = _prepared(nodes, [planning.Option(1, config, batch1)])
     decision = planning.decide_on(prepared, nodes)
-    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, 0)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, prepared.objectives)
     assert sized.config.batch_size == 1
     assert "not profiled at batch 2" in sized.note
 
@@ -182,7 +223,7 @@ def test_a_bigger_batch_stays_on_the_devices_first_placed():
     nodes = _nodes(2.5, 2.0)  # the second device could hold more layers, but was not chosen
     prepared = _prepared(nodes, [planning.Option(1, config, batch1)])
     decision = planning.decide_on(prepared, nodes)
-    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, 0)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, prepared.objectives)
     first = {(d.node_id, d.device_id) for s in decision.placement.stages for d in s.devices}
     after = {(d.node_id, d.device_id) for s in sized.placement.stages for d in s.devices}
     assert after == first
