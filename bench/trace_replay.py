@@ -47,7 +47,8 @@ Other traces: ``--trace PATH`` (repeatable) reads any file ``bench/traces.py`` r
 (the Azure 2024 week-long traces, BurstGPT, Mooncake with ``--time-unit ms``), beside
 or instead of (``--traces ''``) the two above. Results are named by file name, so two
 files with one name are refused. A window without two distinct arrival times has no rate
-to scale; it is refused, as are bad load factors, before the stack starts.
+to scale; it is refused before the stack starts, as are a trace file that cannot be read,
+bad load factors and other out-of-range numbers (``--repeats 0``, ``--batch 0``, ...).
 
 Run: .venv/bin/python bench/trace_replay.py [--requests 200] [--traces code,conv]
      [--trace PATH ...] [--factors 0.5,1,2] [--repeats 1] [--ttft-slo-ms N]
@@ -62,6 +63,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import _stack_harness as harness
@@ -87,7 +89,8 @@ def window_jobs(
     relative to the window's first (unscaled seconds)."""
     scale_in = scaler([r.context_tokens for r in rows], max_input)
     scale_out = scaler([r.generated_tokens for r in rows], max_output)
-    start = random.Random(seed).randrange(max(1, len(rows) - count))
+    # Starts 0..len(rows) - count, each whole window in the trace; 0 for a short trace.
+    start = random.Random(seed).randrange(max(0, len(rows) - count) + 1)
     window = rows[start : start + count]
     t0 = window[0].arrival_s
     return [
@@ -166,6 +169,32 @@ def window_size(text: str) -> int:
     return count
 
 
+def whole_number(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            number = minimum - 1
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {minimum}")
+        return number
+
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a positive, finite number."""
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return number
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES)
@@ -196,7 +225,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--factors", type=load_factors, default="0.5,1,2", help="load factors x capacity"
     )
-    parser.add_argument("--repeats", type=int, default=1, help="runs per point (median)")
+    parser.add_argument(
+        "--repeats", type=whole_number(1), default=1, help="runs per point (median)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="picks each trace's window")
     parser.add_argument(
         "--rate-basis",
@@ -204,12 +235,18 @@ def parse_args() -> argparse.Namespace:
         default="mean",
         help="which rate the load factor sets: the window's mean, or its busiest tenth's",
     )
-    parser.add_argument("--ttft-slo-ms", type=int, default=0, help="0: slo-multiple x unloaded")
-    parser.add_argument("--slo-multiple", type=float, default=10.0)
-    parser.add_argument("--batch", type=int, default=8, help="KV slots of each deployment")
-    parser.add_argument("--max-input", type=int, default=512)
-    parser.add_argument("--max-output", type=int, default=128)
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="per-request client timeout")
+    parser.add_argument(
+        "--ttft-slo-ms", type=whole_number(0), default=0, help="0: slo-multiple x unloaded"
+    )
+    parser.add_argument("--slo-multiple", type=positive_number, default=10.0)
+    parser.add_argument(
+        "--batch", type=whole_number(1), default=8, help="KV slots of each deployment"
+    )
+    parser.add_argument("--max-input", type=whole_number(1), default=512)
+    parser.add_argument("--max-output", type=whole_number(1), default=128)
+    parser.add_argument(
+        "--timeout-s", type=positive_number, default=120.0, help="per-request client timeout"
+    )
     parser.add_argument("--skip-profiling", action="store_true")
     return parser.parse_args()
 

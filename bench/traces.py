@@ -15,11 +15,19 @@ Mooncake (JSON lines)  timestamp, input_length,         milliseconds: ``time_uni
 =====================  ===============================  ==============================
 
 Column names are matched without regard to case, spaces or underscores, so
-``input_tokens``/``output_tokens`` and ``prompt_tokens``/``completion_tokens`` work too.
-A date and time without a zone is read as UTC (a naive local reading would shift at a
-daylight-saving change). Rows are returned in arrival order, times relative to the first.
-Bad input raises ValueError naming the file, line and column; a JSON array is refused
-(one JSON object per line is what Mooncake publishes).
+``input_tokens``/``output_tokens`` and ``prompt_tokens``/``completion_tokens`` work too;
+two columns that both match one of these (``Timestamp`` and ``timestamp``, or ``arrival``
+and ``timestamp``) are refused rather than one picked. A date and time without a zone is
+read as UTC (a naive local reading would shift at a daylight-saving change); a column that
+mixes dates and times with numbers is refused. Rows are returned in arrival order, times
+relative to the first.
+
+Files are UTF-8 text (a byte order mark aside), or gzip-compressed UTF-8 as public traces
+are often shipped (read as is, whatever the file's name). Blank lines are skipped. A CSV
+row with more fields than its header is refused, since its values cannot be placed in
+columns. Bad input raises ValueError naming the file, line (as an editor numbers them:
+only ``\n``, ``\r\n`` and ``\r`` end a line) and column; a JSON array is refused (one JSON
+object per line is what Mooncake publishes).
 
 Rates of a list of arrival times: the mean (first to last) and the peak (the busiest
 ``PEAK_SHARE`` of them, see :func:`peak_rate`). Neither exists without two distinct
@@ -32,9 +40,12 @@ peak rate measures such a span as one step and stays finite.
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import itertools
 import json
 import math
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -55,6 +66,8 @@ TIME_UNITS = {"s": 1.0, "ms": 1e-3}
 _ARRIVAL = ("timestamp", "time", "arrivaltime", "arrival")
 _PROMPT = ("contexttokens", "requesttokens", "inputlength", "inputtokens", "prompttokens")
 _OUTPUT = ("generatedtokens", "responsetokens", "outputlength", "outputtokens", "completiontokens")
+# The first bytes of gzip data (RFC 1952), whatever the file is named.
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass(frozen=True)
@@ -69,15 +82,26 @@ def _key(name: str) -> str:
 
 
 def _column(names: list[str], wanted: tuple[str, ...], what: str, source: str) -> str:
-    by_key = {_key(name): name for name in names}
-    for key in wanted:
-        if key in by_key:
-            return by_key[key]
-    raise ValueError(
-        f"{source}: no {what} column among {names}; expected one of "
-        + ", ".join(wanted)
-        + " (case, spaces and underscores aside)"
-    )
+    """The one column of ``names`` that ``wanted`` names; ValueError for none or several."""
+    matches = [name for name in names if _key(name) in wanted]
+    if len(matches) > 1:
+        raise ValueError(
+            f"{source}: {len(matches)} {what} columns ({', '.join(map(repr, matches))}); "
+            "expected one"
+        )
+    if not matches:
+        raise ValueError(
+            f"{source}: no {what} column among {names}; expected one of "
+            + ", ".join(wanted)
+            + " (case, spaces and underscores aside)"
+        )
+    return matches[0]
+
+
+def _shown(value: object) -> str:
+    """The value's repr, cut short so that an error about it stays one readable line."""
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 def _present(value: object, column: str) -> object:
@@ -88,75 +112,148 @@ def _present(value: object, column: str) -> object:
     return value
 
 
-def _seconds(value: object, column: str, unit: float) -> float:
+# The kinds of timestamp, which one column must not mix: an epoch number beside a date
+# would put the two 1.7e9 s apart.
+_NUMBER = "a number"
+_DATE_TIME = "a date and time"
+
+
+def _seconds(value: object, column: str, unit: float) -> tuple[float, str]:
+    """The timestamp in seconds (a number in ``unit`` seconds, or an ISO 8601 date and
+    time, UTC unless it names a zone) and its kind, ``_NUMBER`` or ``_DATE_TIME``."""
     value = _present(value, column)
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"{column} {value!r} is not a time")
+        raise ValueError(f"{column} {_shown(value)} is not a time")
+    kind = _NUMBER
     try:
         seconds = float(value) * unit
+    except OverflowError:  # an int beyond a float's range, as a string of it reads
+        seconds = math.inf
     except ValueError:  # a string, and not a number: a date and time, or neither
         try:
             stamp = datetime.fromisoformat(str(value).strip())
         except ValueError:
             raise ValueError(
-                f"{column} {value!r} is neither a number nor an ISO 8601 date and time"
+                f"{column} {_shown(value)} is neither a number nor an ISO 8601 date and time"
             ) from None
         if stamp.tzinfo is None:
             stamp = stamp.replace(tzinfo=UTC)
-        seconds = stamp.timestamp()
+        seconds, kind = stamp.timestamp(), _DATE_TIME
     if not math.isfinite(seconds):
-        raise ValueError(f"{column} {value!r} is not finite")
-    return seconds
+        raise ValueError(f"{column} {_shown(value)} is not finite")
+    return seconds, kind
 
 
 def _tokens(value: object, column: str) -> int:
     value = _present(value, column)
-    if isinstance(value, bool):
-        raise ValueError(f"{column} {value!r} is not a token count")
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{column} {_shown(value)} is not a token count")
     try:
-        number = value if isinstance(value, int) else float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{column} {value!r} is not a token count") from None
-    if not (math.isfinite(number) and number >= 0 and number == int(number)):
-        raise ValueError(f"{column} {value!r} is not a token count")
-    return int(number)
+        number = float(value)
+    except (OverflowError, ValueError):  # an int beyond a float's range; not a number
+        raise ValueError(f"{column} {_shown(value)} is not a token count") from None
+    if not (math.isfinite(number) and number >= 0 and number.is_integer()):
+        raise ValueError(f"{column} {_shown(value)} is not a token count")
+    return value if isinstance(value, int) else int(number)
+
+
+def _text(path: Path) -> str:
+    """The file's text: UTF-8, a byte order mark dropped, decompressed first when it is
+    gzip data. ValueError naming the file when it cannot be read or is not UTF-8."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:  # missing, a directory, not permitted
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if data.startswith(_GZIP_MAGIC):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise ValueError(f"{path.name}: gzip data that does not decompress ({exc})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(
+            f"{path.name}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); the trace "
+            "must be saved as UTF-8"
+        ) from None
+
+
+def _json_lines(text: str, source: str) -> tuple[list[str], Iterator[tuple[int, dict]]]:
+    """(keys of the first object, (line number, object) pairs) of JSON lines."""
+    records = []
+    # Only \n ends a JSON line (a \r before it is JSON whitespace): U+2028, U+0085 and
+    # the like may stand unescaped inside JSON strings.
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:  # also an integer too long to convert
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            raise ValueError(f"{source}:{number}: not JSON ({reason})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{source}:{number}: expected a JSON object per line")
+        records.append((number, record))
+    return list(records[0][1]), iter(records)
+
+
+def _csv_rows(text: str, source: str) -> Iterator[tuple[int, list[str]]]:
+    """(first line number, fields) of each CSV record that is not a blank line."""
+    # newline="": the csv module finds the line ends itself (\n, \r\n or \r, and none
+    # inside quotes), so its line numbers are the ones an editor shows.
+    reader = csv.reader(io.StringIO(text, newline=""))
+    end = 0
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise ValueError(f"{source}:{reader.line_num}: not CSV ({exc})") from None
+        start, end = end + 1, reader.line_num
+        if len(row) > 1 or "".join(row).strip():
+            yield start, row
+
+
+def _csv_records(
+    names: list[str], header_line: int, rows: Iterator[tuple[int, list[str]]], source: str
+) -> Iterator[tuple[int, dict]]:
+    """(line number, record) pairs of the CSV rows under the header ``names``; a short
+    row lacks the last columns' values, a long one is refused."""
+    for number, row in rows:
+        if len(row) > len(names):
+            raise ValueError(
+                f"{source}:{number}: {len(row)} fields, but the header (line {header_line}) "
+                f"names {len(names)} columns"
+            )
+        yield number, dict(zip(names, row, strict=False))
 
 
 def _records(path: Path) -> tuple[list[str], Iterator[tuple[int, dict]]]:
     """(column names, (line number, record) pairs) of a CSV or JSON-lines file."""
-    text = path.read_text(encoding="utf-8-sig")
-    first = next((line for line in text.splitlines() if line.strip()), "").lstrip()
-    if first.startswith("["):
+    text = _text(path)
+    opening = text.lstrip()[:1]
+    if not opening:
+        raise ValueError(f"{path.name}: the file is empty")
+    if opening == "[":
         raise ValueError(
             f"{path.name}: a JSON array; expected JSON lines (one object per line, as "
             "Mooncake's traces)"
         )
-    if first.startswith("{"):
-        records = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path.name}:{number}: not JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path.name}:{number}: expected a JSON object per line")
-            records.append((number, record))
-        names = list(records[0][1]) if records else []
-        return names, iter(records)
-    reader = csv.DictReader(text.splitlines())
-    names = list(reader.fieldnames or [])
-    # Line numbers count the header as line 1, as an editor shows them.
-    return names, ((number, row) for number, row in enumerate(reader, start=2))
+    if opening == "{":
+        return _json_lines(text, path.name)
+    rows = _csv_rows(text, path.name)
+    header_line, names = next(rows)  # the text is not blank, so some row is not
+    return names, _csv_records(names, header_line, rows, path.name)
 
 
 def load_trace(path: str | Path, time_unit: str = "s") -> list[TraceRow]:
     """The trace's requests in arrival order, arrivals in seconds since the first.
 
     ``time_unit`` is the unit of numeric timestamps ("s" or "ms"); dates and times are
-    read as such. ValueError names the file and line of a bad row, or the columns a file
-    lacks.
+    read as such. ValueError names the file and line of a bad row, the columns a file
+    lacks or has twice, or a file that cannot be read as UTF-8 text.
     """
     path = Path(path)
     if time_unit not in TIME_UNITS:
@@ -166,11 +263,19 @@ def load_trace(path: str | Path, time_unit: str = "s") -> list[TraceRow]:
     prompt = _column(names, _PROMPT, "prompt token", path.name)
     output = _column(names, _OUTPUT, "output token", path.name)
     rows = []
+    first: tuple[str, int] | None = None  # the first timestamp's kind and line
     for number, record in records:
         try:
+            seconds, kind = _seconds(record.get(arrival), arrival, TIME_UNITS[time_unit])
+            first = first or (kind, number)
+            if kind != first[0]:
+                raise ValueError(
+                    f"{arrival} {_shown(record.get(arrival))} is {kind}, but line {first[1]}'s "
+                    f"is {first[0]}; one column cannot mix the two"
+                )
             rows.append(
                 TraceRow(
-                    _seconds(record.get(arrival), arrival, TIME_UNITS[time_unit]),
+                    seconds,
                     _tokens(record.get(prompt), prompt),
                     _tokens(record.get(output), output),
                 )

@@ -4,6 +4,7 @@ how a load factor sets a window's arrival times."""
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def _trace(path: Path, arrivals: list[float]) -> Path:
     [
         ([0.0], 200),  # a one-row trace
         ([5.0, 5.0, 5.0], 200),  # every request at one time
-        ([0.0, 1.0, 1.0, 1.0], 2),  # the seeded window (start 1 of 0..1) has one time
+        ([0.0, 1.0, 1.0, 1.0], 2),  # the seeded window (start 1 of 0..2) has one time
         ([0.0, 1.0, 2.0], 1),  # a one-request window
     ],
 )
@@ -92,3 +93,45 @@ def test_peak_basis_sets_whole_second_traces_by_the_load_factor(trace_replay):
         assert [j.at_s for j in jobs] == pytest.approx([t / rate_per_s for t in times])
     mean = trace_replay.at_rate(window, 1.0, "mean")
     assert [j.at_s for j in mean] == pytest.approx([t * 9 / 15 for t in times])
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--repeats", "0"),
+        ("--repeats", "-1"),
+        ("--batch", "0"),
+        ("--max-input", "0"),
+        ("--max-output", "-3"),
+        ("--ttft-slo-ms", "-1"),
+        ("--slo-multiple", "0"),
+        ("--timeout-s", "nan"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_before_the_stack_starts(
+    trace_replay, monkeypatch, capsys, tmp_path, flag, value
+):
+    path = _trace(tmp_path / "t.csv", [0.0, 1.0])
+    with pytest.raises(SystemExit):
+        _run(monkeypatch, trace_replay, "--trace", str(path), flag, value)
+    assert f"argument {flag}: '{value}'" in capsys.readouterr().err
+
+
+def test_a_trace_that_cannot_be_read_is_named_before_the_stack_starts(
+    trace_replay, monkeypatch, tmp_path
+):
+    for path in (tmp_path / "nosuch.csv", tmp_path):
+        with pytest.raises(SystemExit, match=re.escape(f"{path}: cannot read it")):
+            _run(monkeypatch, trace_replay, "--trace", str(path))
+    argv = ["trace_replay.py", "--traces-dir", str(tmp_path), "--traces", "nosuch"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit, match="AzureLLMInferenceTrace_nosuch.csv: cannot read it"):
+        trace_replay.main()
+
+
+def test_every_whole_window_can_be_drawn(trace_replay):
+    """Windows of 2 of the rows at 0, 1 and 3 s start at the first row or the second (the
+    last whole window): their spans are 1 s and 2 s."""
+    rows = [trace_replay.TraceRow(t, 100, 10) for t in (0.0, 1.0, 3.0)]
+    spans = {trace_replay.window_jobs(rows, 2, seed, 512, 128)[-1].at_s for seed in range(32)}
+    assert spans == {1.0, 2.0}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
 
 import pytest
 
@@ -138,3 +140,147 @@ def test_a_positive_span_is_never_floored():
     arrivals = [0.0, 0.001, 0.5, 2.0, 2.0005, 3.0, 4.0, 5.0, 6.0, 7.0]
     assert timestamp_resolution_s(arrivals) == pytest.approx(0.0005)
     assert peak_rate(arrivals) == pytest.approx(1 / 0.0005)
+
+
+def test_a_csv_row_with_more_fields_than_its_header_is_refused(tmp_path):
+    # BurstGPT's columns, and a row whose model name took two fields: its values would
+    # land one column to the right (4 prompt tokens, 1087 output tokens).
+    path = _write(
+        tmp_path,
+        "t.csv",
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "0,ChatGPT,472,18,490,Conversation log\n"
+        "1,GPT,4,1087,247,1334,API log\n",
+    )
+    with pytest.raises(ValueError, match=r"t.csv:3: 7 fields, but the header \(line 1\) names 6"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("timestamp,input_tokens,output_tokens\n0,1,1\n\n\n1,x,1\n", 5),  # blank lines
+        ("timestamp,input_tokens,output_tokens\r\n0,1,1\r\n\r\n1,x,1\r\n", 4),
+        ("timestamp,input_tokens,output_tokens\r0,1,1\r\r1,x,1\r", 4),  # old Mac line ends
+        ('timestamp,input_tokens,output_tokens,model\n0,1,1,"a\nb\nc"\n1,x,1,c\n', 5),
+        ("\n\ntimestamp,input_tokens,output_tokens\n0,1,1\n1,x,1\n", 5),  # before the header
+        ("timestamp,input_tokens,output_tokens\n0,1,1\n   \n1,x,1\n", 4),  # spaces only
+    ],
+)
+def test_csv_errors_name_the_line_an_editor_shows(tmp_path, text, line):
+    with pytest.raises(ValueError, match=f"t.csv:{line}: input_tokens 'x' is not a token count"):
+        load_trace(_write(tmp_path, "t.csv", text))
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\x85", "\x0c"])
+def test_only_newlines_and_carriage_returns_end_a_csv_line(tmp_path, separator):
+    """str.splitlines() also breaks at these; a CSV reader must not, or the row splits."""
+    path = _write(
+        tmp_path,
+        "t.csv",
+        f"timestamp,input_tokens,output_tokens,model\n0,1{separator},1,a{separator}b\n1,2,2,c\n",
+    )
+    assert load_trace(path) == [TraceRow(0.0, 1, 1), TraceRow(1.0, 2, 2)]
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n"])
+def test_an_empty_file_is_named_as_such(tmp_path, text):
+    with pytest.raises(ValueError, match="t.csv: the file is empty"):
+        load_trace(_write(tmp_path, "t.csv", text))
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (
+            "Timestamp,timestamp,input_tokens,output_tokens",
+            "arrival time columns ('Timestamp', 'timestamp')",
+        ),
+        (
+            "timestamp,input_tokens,input_tokens,output_tokens",
+            "prompt token columns ('input_tokens', 'input_tokens')",
+        ),
+        (
+            "arrival,timestamp,input_tokens,output_tokens",
+            "arrival time columns ('arrival', 'timestamp')",
+        ),
+    ],
+)
+def test_two_columns_for_one_value_are_refused(tmp_path, header, message):
+    path = _write(tmp_path, "t.csv", f"{header}\n0,100,1,1\n1,200,1,1\n")
+    with pytest.raises(ValueError, match=re.escape(f"t.csv: 2 {message}; expected one")):
+        load_trace(path)
+
+
+def test_a_column_mixing_dates_and_numbers_is_refused(tmp_path):
+    path = _write(
+        tmp_path,
+        "t.csv",
+        "timestamp,input_tokens,output_tokens\n2024-05-10 00:00:00,1,1\n5,1,1\n",
+    )
+    with pytest.raises(
+        ValueError,
+        match="t.csv:3: timestamp '5' is a number, but line 2's is a date and time",
+    ):
+        load_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (f'{{"timestamp": 0, "input_length": {10**400}, "output_length": 1}}', "input_length "),
+        (f'{{"timestamp": {10**400}, "input_length": 1, "output_length": 1}}', "timestamp "),
+        ('{"timestamp": 0, "input_length": 1' + "0" * 5000 + ', "output_length": 1}', "not JSON"),
+    ],
+)
+def test_json_integers_too_large_for_a_float_name_the_file_and_line(tmp_path, line, message):
+    with pytest.raises(ValueError, match=f"t.jsonl:1: {message}"):
+        load_trace(_write(tmp_path, "t.jsonl", line + "\n"))
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\x85"])
+def test_json_lines_end_only_at_a_newline(tmp_path, separator):
+    lines = [
+        f'{{"timestamp": 0, "input_length": 1, "output_length": 1, "note": "a{separator}b"}}',
+        '{"timestamp": 5, "input_length": 2, "output_length": 2}',
+    ]
+    path = _write(tmp_path, "t.jsonl", "\r\n".join(lines) + "\r\n")
+    assert load_trace(path) == [TraceRow(0.0, 1, 1), TraceRow(5.0, 2, 2)]
+
+
+def test_a_file_that_cannot_be_read_is_named(tmp_path):
+    for path, reason in [
+        (tmp_path / "nosuch.csv", "No such file or directory"),
+        (tmp_path, "Is a directory"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"{path}: cannot read it ({reason})")):
+            load_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("data", "line"),
+    [
+        ("timestamp,input_tokens,output_tokens\n0,1,1\n1,1,1 café\n".encode("latin-1"), 3),
+        ("timestamp,input_tokens,output_tokens\n0,1,1\n".encode("utf-16"), 1),
+    ],
+)
+def test_text_not_in_utf8_is_named_as_such(tmp_path, data, line):
+    path = tmp_path / "t.csv"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=f"t.csv:{line}: not UTF-8 text"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("name", ["t.csv.gz", "t.csv"])
+def test_gzip_compressed_traces_are_read_as_published(tmp_path, name):
+    text = "timestamp,input_tokens,output_tokens\n0,10,1\n2,20,2\n"
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(text.encode("utf-8")))
+    assert load_trace(path) == [TraceRow(0.0, 10, 1), TraceRow(2.0, 20, 2)]
+
+
+def test_a_damaged_gzip_file_is_named_as_such(tmp_path):
+    path = tmp_path / "t.csv.gz"
+    path.write_bytes(gzip.compress(b"timestamp,input_tokens,output_tokens\n0,1,1\n")[:20])
+    with pytest.raises(ValueError, match="t.csv.gz: gzip data that does not decompress"):
+        load_trace(path)
