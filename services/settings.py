@@ -82,7 +82,7 @@ The ModelService's profiling jobs (:class:`ProfilingSettings`):
 ==================================  ===============================  =======
 variable                            meaning                          default
 ==================================  ===============================  =======
-``ISERVE_PROFILE_INPUT_TOKENS``     prompt lengths, comma-separated  64,256
+``ISERVE_PROFILE_INPUT_TOKENS``     prompt lengths, comma-separated  64,256,1024
 ``ISERVE_PROFILE_OUTPUT_TOKENS``    output lengths, comma-separated  8,16
 ``ISERVE_PROFILE_BATCH_SIZES``      batch sizes, comma-separated     1,2
 ``ISERVE_PROFILE_WARMUP_RUNS``      untimed runs before timing       1
@@ -598,10 +598,11 @@ def _int_list(env: Mapping[str, str], name: str, default: tuple[int, ...]) -> tu
 
 @dataclass(frozen=True)
 class ProfilingSettings:
-    # Two prompt lengths, so that estimates for longer prompts extrapolate TTFT and TPOT
-    # along a measured line (estimator_svc.model_references.ModelReferences.at_input)
-    # instead of keeping one length's figures. Ascending: one worker runs them in turn.
-    input_tokens: tuple[int, ...] = (64, 256)
+    # Three prompt lengths, so that estimates for other prompts follow prefill's measured
+    # curve (weights linear in the prompt, attention quadratic: the parabola through
+    # them, estimator_svc.model_references.ModelReferences.at_input) instead of keeping
+    # one length's figures. Ascending: one worker runs them in turn.
+    input_tokens: tuple[int, ...] = (64, 256, 1024)
     output_tokens: tuple[int, ...] = (8, 16)
     batch_sizes: tuple[int, ...] = (1, 2)
     warmup_runs: int = 1

@@ -118,8 +118,8 @@ def test_profiled_model_has_an_estimate_for_every_configuration(stack, estimator
             if e.config.variant_name == "kv8":
                 assert e.config.kv_quant == common.KV_QUANT_INT8, e
 
-        # The profile holds two prompt lengths; a longer prompt's TTFT follows their line.
-        assert {m.input_tokens for m in profile.measurements} == {64, 256}
+        # The profile holds three prompt lengths; a longer prompt's TTFT follows them.
+        assert {m.input_tokens for m in profile.measurements} == {64, 256, 1024}
 
         def base_ttft(prompt: int) -> tuple[float, list[str]]:
             reply = estimator.EstimateConfigs(
@@ -137,11 +137,11 @@ def test_profiled_model_has_an_estimate_for_every_configuration(stack, estimator
             [base] = [e for e in reply.estimates if not e.config.variant_name]
             return base.ttft_ms, list(reply.notes)
 
-        at_256, notes = base_ttft(256)
-        assert not any("prompt" in n for n in notes), notes
         at_1024, notes = base_ttft(1024)
-        assert at_1024 >= at_256
-        assert any("extrapolated along the line through the 64- and 256-token" in n for n in notes)
+        assert not any("prompt" in n for n in notes), notes
+        at_1500, notes = base_ttft(1500)
+        assert at_1500 >= at_1024
+        assert any("parabola through the 64-, 256- and 1024-token" in n for n in notes), notes
     finally:
         stack.models.DeleteModel(
             model_pb.DeleteModelRequest(request_id=rid(), model_id="pte-llama")

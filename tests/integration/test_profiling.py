@@ -116,10 +116,10 @@ def test_register_profiles_the_fingerprints(stack):
         for m in profile.measurements
         if (m.config.tensor_parallel, m.config.pipeline_parallel) == (1, 1)
     ]
-    # Two prompt lengths, so that a longer prompt's TTFT follows a measured line.
+    # Three prompt lengths, so that another prompt's TTFT follows a measured curve.
     assert {
         (m.num_layers, m.config.batch_size, m.input_tokens, m.output_tokens) for m in single
-    } == {(n, b, p, o) for n in (1, 2) for b in (1, 2) for p in (64, 256) for o in (8, 16)}
+    } == {(n, b, p, o) for n in (1, 2) for b in (1, 2) for p in (64, 256, 1024) for o in (8, 16)}
     for m in profile.measurements:
         assert m.variant_name == "base" and not m.full_model
         assert m.repetitions == 3 and m.hardware_type in hardware

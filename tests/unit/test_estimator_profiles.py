@@ -225,17 +225,54 @@ def test_prompt_lengths_are_interpolated_between_profiled_ones():
     assert "not extrapolated" in refs.prompt_note(10)
 
 
-def _linear_in_prompt(lengths, ttft_per_token, tpot_per_token, layer_mib=100):
+def _linear_in_prompt(lengths, ttft_per_token, tpot_per_token, layer_mib=100, ttft_per_pair=0.0):
     """Profiler rows at each prompt length whose TTFT and TPOT grow by the given
-    seconds per prompt token (per layer and in the 'other' term alike), memory by
-    ``layer_mib`` per layer at every length."""
+    seconds per prompt token (per layer and in the 'other' term alike), TTFT also by
+    ``ttft_per_pair`` per pair of prompt tokens (attention's quadratic share), memory
+    by ``layer_mib`` per layer at every length."""
     rows = []
     for n in lengths:
         for m in profiler_rows("", common.WEIGHT_QUANT_NONE, input_tokens=n, layer_mib=layer_mib):
-            m.ttft_ms += 1e3 * ttft_per_token * n * (m.num_layers + 1)
+            m.ttft_ms += 1e3 * (ttft_per_token * n + ttft_per_pair * n * n) * (m.num_layers + 1)
             m.tpot_ms += 1e3 * tpot_per_token * n * (m.num_layers + 1)
             rows.append(m)
     return rows
+
+
+def _references(rows):
+    return model_references.model_references(
+        ModelShape("tiny", 8, 8, 4, 16),
+        profiles.estimation_variants(model_pb.Model(model_id="tiny"), rows),
+        [profiles.sample_from_measurement(m) for m in rows],
+    )
+
+
+def test_three_prompt_lengths_recover_prefill_s_linear_and_quadratic_terms():
+    """TTFT = fixed + a * prompt + b * prompt^2 (weights, then attention): the parabola
+    through the three profiled lengths is the curve, between them and beyond."""
+    a, b = 2e-5, 3e-8
+    refs = _references(_linear_in_prompt((64, 256, 1024), a, 0.0, ttft_per_pair=b))
+    f_layer, f_other, _, _ = TRUTH[(1, 1)]
+    for n in (100, 512, 1024, 2048, 8192):
+        ttft = refs.at_input(n)[0].batch1.ttft_s[0]
+        assert ttft == pytest.approx(8 * f_layer + f_other + (a * n + b * n * n) * 9), n
+    assert "parabola through the 64-, 256- and 1024-token" in refs.prompt_note(8192)
+    assert refs.prompt_note(512) is None
+
+
+def test_a_parabola_that_bends_down_is_held_to_the_line_and_between_its_neighbours():
+    # Noise that curves the other way (b < 0): beyond the longest no lower than the line
+    # through the two longest; between two lengths within their figures.
+    refs = _references(_linear_in_prompt((64, 256, 1024), 2e-5, 0.0, ttft_per_pair=-1e-8))
+    at = {n: refs.at_input(n)[0].batch1.ttft_s[0] for n in (256, 1024, 4096)}
+    line = at[1024] + (at[1024] - at[256]) * (4096 - 1024) / (1024 - 256)
+    assert at[4096] == pytest.approx(line)
+    # A parabola whose lowest point (160 tokens) lies between two profiled lengths that
+    # measured the same: held there, not dipped below them.
+    dip = _references(_linear_in_prompt((64, 256, 1024), -3.2e-5, 0.0, ttft_per_pair=1e-7))
+    ends = [dip.at_input(n)[0].batch1.ttft_s[0] for n in (64, 256)]
+    assert ends[0] == pytest.approx(ends[1])
+    assert dip.at_input(160)[0].batch1.ttft_s[0] == pytest.approx(ends[0])
 
 
 def test_a_longer_prompt_recovers_the_line_the_profiled_prompts_lie_on():

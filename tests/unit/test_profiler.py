@@ -164,7 +164,7 @@ def test_profiles_every_job_and_stores_the_raw_measurements(redis_url, models_ro
     assert sorted(len(r.workers) for r, _ in calls) == [1, 1, 1, 1, 2, 2]
     for request, held in calls:
         assert list(request.output_tokens) == [4, 8] and request.input_tokens == 64
-        assert list(request.extra_input_tokens) == [256]  # the default's second prompt
+        assert list(request.extra_input_tokens) == [256, 1024]  # the default's others
         assert (request.warmup_runs, request.timed_runs) == (0, 2)
         [(owner, devices)] = held.items()  # reserved before the call, by one owner
         assert owner.startswith("profile-tiny-") and len(devices) == len(request.workers)
@@ -174,7 +174,7 @@ def test_profiles_every_job_and_stores_the_raw_measurements(redis_url, models_ro
     assert singles[2].checkpoint_path.endswith("/L2")
     assert (models_root / singles[0].checkpoint_path / "model.safetensors").is_file()
 
-    assert len(profile.measurements) == 16
+    assert len(profile.measurements) == 24
     first = profile.measurements[0]
     assert (first.variant_name, first.num_layers, first.full_model) == ("base", 1, False)
     assert (first.config.tensor_parallel, first.config.pipeline_parallel) == (1, 1)
@@ -184,7 +184,7 @@ def test_profiles_every_job_and_stores_the_raw_measurements(redis_url, models_ro
     assert {
         (m.num_layers, m.config.batch_size, m.input_tokens, m.output_tokens)
         for m in profile.measurements
-    } == {(n, b, p, o) for n in (1, 2) for b in (1, 2) for p in (64, 256) for o in (4, 8)}
+    } == {(n, b, p, o) for n in (1, 2) for b in (1, 2) for p in (64, 256, 1024) for o in (4, 8)}
     assert len(profile.skipped) == 2
     assert all(
         "FAILED_PRECONDITION: workers on this node run tp = pp = 1 only" in s

@@ -217,9 +217,11 @@ def test_metrics_urls_say_https_where_the_processes_serve_tls(tmp_path):
 @pytest.mark.parametrize(
     ("max_positions", "prompt", "outputs"),
     [
-        (0, (64, 256), (8, 16)),  # unknown: unchanged
-        (2048, (64, 256), (8, 16)),
-        (272, (64, 256), (8, 16)),  # exactly fits
+        (0, (64, 256, 1024), (8, 16)),  # unknown: unchanged
+        (2048, (64, 256, 1024), (8, 16)),
+        (1040, (64, 256, 1024), (8, 16)),  # exactly fits
+        (1039, (64, 256, 1023), (8, 16)),
+        (272, (64, 256), (8, 16)),  # the two longest at what is left: one length
         (271, (64, 255), (8, 16)),
         (80, (64,), (8, 16)),  # both prompts at what is left: one length
         (79, (63,), (8, 16)),
