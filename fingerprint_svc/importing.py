@@ -23,11 +23,14 @@ before anything is written); :func:`import_profiles` then writes:
 * where the rows came from (format, files, date) per hardware type, for provenance.
 
 Rows are checked against the model they are for, naming file and line: a tensor
-parallelism its heads cannot split (or outside TENSOR_PARALLEL_DEGREES) and a prompt plus
-output beyond its context are refused, as are, in any model, a latency over a day and
-memory over a pebibyte (``services.importers.maveriq``). A shape-only record whose
-imported shape changes (a corrected ``--model-config``) takes the new shape when the
-import replaces every row it has; a registered checkpoint's shape never changes.
+parallelism its heads cannot split (or outside TENSOR_PARALLEL_DEGREES), a prompt plus
+output beyond its context and a batch size the estimator cannot extrapolate (a
+fingerprint beyond batch 2, a batch above 1 in a file of batch-1 runs) are refused, as
+are, in any model, a row with more fields than the header, a latency over a day, memory
+over a pebibyte and a batch above MAX_BATCH_SIZE (``services.importers.maveriq``). A
+shape-only record whose imported shape changes (a corrected ``--model-config``) takes
+the new shape when the import replaces every row it has; a registered checkpoint's shape
+never changes.
 
 How a CSV row maps to a :class:`ProfileMeasurement`: latency is end to end
 (``latency_ms``; TTFT and TPOT stay 0, MaverIQ did not time tokens); the memory figure
@@ -94,6 +97,14 @@ _WEIGHT_QUANTS = {
 }
 # MaverIQ ran every model in float16.
 _MAVERIQ_DTYPE = "float16"
+# The batch sizes the estimator extrapolates fingerprints at: the references at batch 1,
+# the per-sequence overhead of MaverIQ's batch model at batch 2
+# (estimator_svc.model_references, which this service may not import). An imported row
+# is timed end to end, so a fingerprint at another batch size shares the TPOT terms of
+# batch 1 and adds a prompt label of its own, whose terms a few such rows leave
+# undetermined: every estimate of the model then fails. MaverIQ's fingerprints are at
+# batch 1 and 2; full-model rows may hold any batch.
+_FINGERPRINT_BATCH_SIZES = (1, 2)
 
 
 def variant_name(weight_quant: str, int8_kv_cache: bool) -> str:
@@ -321,12 +332,27 @@ def plan_maveriq_import(
 
 def _check_row(row: maveriq.Measurement, prompt: int, model_id: str, spec: ArchSpec) -> None:
     """InvalidArgument naming the row's file and line when it cannot be a run of the model
-    ``spec`` describes: more layers than it has, a tensor parallelism its heads cannot
-    split, or a prompt plus output beyond its context."""
+    ``spec`` describes (more layers than it has, a tensor parallelism its heads cannot
+    split, or a prompt plus output beyond its context) or has a batch size the estimator
+    cannot use: a fingerprint beyond batch 2, or a batch above 1 in a file of batch-1
+    runs (``maveriq.BATCH_FILES``)."""
     where = f"{row.where}: {model_id}"
     if row.layers > spec.num_layers:
         raise InvalidArgument(
             f"{where}: the row holds {row.layers} layers, the model has {spec.num_layers}"
+        )
+    if row.layers < spec.num_layers and row.batch_size not in _FINGERPRINT_BATCH_SIZES:
+        raise InvalidArgument(
+            f"{where}: a fingerprint ({row.layers} of {spec.num_layers} layers) at batch "
+            f"{row.batch_size}; the estimator extrapolates fingerprints run at batch "
+            f"{' and '.join(map(str, _FINGERPRINT_BATCH_SIZES))} only (larger batches are "
+            "estimated from those)"
+        )
+    if row.batch_size != 1 and row.source in maveriq.BATCH_FILES:
+        # A prompt label of its own, (923, batch), whose few rows determine nothing.
+        raise InvalidArgument(
+            f"{where}: batch {row.batch_size} in a file of batch-1 runs with a {prompt}-token "
+            f"prompt; runs at other batch sizes belong in {maveriq.BATCH_FILES[row.source]}"
         )
     problem = tensor_parallel_problem(
         row.tp,

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from services.errors import shown
 from services.proto_limits import UINT32_MAX
+from services.token_limits import MAX_BATCH_SIZE
 
 __all__ = [
     "AccuracyKey",
@@ -55,6 +56,9 @@ BATCH_SCALING = "BS_scaling_data.csv"
 # Prompt length (tokens) of the files whose README states it; the others used short
 # prompts of unrecorded length.
 PROMPT_TOKENS = {FINGERPRINTS: 923, FULL_MODELS: 923}
+# The same two files ran every row at batch 1; runs at other batch sizes are the _BS
+# files' (whose prompts are short).
+BATCH_FILES = {FINGERPRINTS: FINGERPRINTS_BATCH, FULL_MODELS: FULL_MODELS_BATCH}
 
 # Bounds of a believable row: a timed run longer than a day, or more memory than a
 # pebibyte over the deployment's GPUs, is a unit or typing error, and one such row would
@@ -163,9 +167,19 @@ def _parse_bool(text: str, where: str) -> bool:
     return text == "True"
 
 
-def _parse_row(row: dict[str, str], source: str, line: int) -> Measurement:
+def _parse_row(columns: list[str], fields: list[str], source: str, line: int) -> Measurement:
     where = f"{source}:{line}"
-    empty = [c for c in _REQUIRED_COLUMNS if not (row.get(c) or "").strip()]
+    # Fields beyond the header's columns mean values may sit under the wrong columns (a
+    # decimal comma, "1,38983", would store 1 GiB of memory): no measurement.
+    if len(fields) > len(columns):
+        surplus = ",".join(fields[len(columns) :])
+        raise ValueError(
+            f"{where}: {len(fields)} fields, the header has {len(columns)} columns (beyond "
+            f"them: {shown(surplus)}); a decimal comma or an unquoted comma in a value "
+            "shifts every field after it"
+        )
+    row = dict(zip(columns, fields, strict=False))
+    empty = [c for c in _REQUIRED_COLUMNS if not row.get(c, "").strip()]
     if empty:
         raise ValueError(f"{where}: no value for {empty}")
     try:
@@ -215,6 +229,11 @@ def _measurement(row: dict[str, str], source: str, where: str, line: int) -> Mea
     counts = (measurement.output_tokens, measurement.batch_size)
     if not all(1 <= n <= UINT32_MAX for n in counts):
         raise ValueError(f"{where}: Output_Lenght and Batch_Size must be from 1 to {UINT32_MAX}")
+    if measurement.batch_size > MAX_BATCH_SIZE:
+        raise ValueError(
+            f"{where}: Batch_Size must be at most {MAX_BATCH_SIZE}, the most sequences a "
+            f"deployment holds and an estimate is made for, got {measurement.batch_size}"
+        )
     if not 0 < measurement.latency_s <= MAX_LATENCY_S:
         raise ValueError(
             f"{where}: Latency must be a positive number of seconds up to {MAX_LATENCY_S:g} "
@@ -233,16 +252,24 @@ def parse_measurements(text: str, source: str) -> tuple[Measurement, ...]:
     """Parse the text of one MaverIQ CSV named ``source`` (a base name, e.g.
     ``full_model_data_collection.csv``); raises ValueError naming the file and line of a
     bad row."""
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    missing = [c for c in _REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
-    if missing:
-        raise ValueError(f"{source}: missing columns {missing}")
+    lines = csv.reader(io.StringIO(text, newline=""))
+    measurements = []
     try:
-        # Line numbers count the header as line 1, as an editor shows them.
-        return tuple(_parse_row(row, source, n) for n, row in enumerate(reader, start=2))
+        columns = next(lines, [])
+        missing = [c for c in _REQUIRED_COLUMNS if c not in columns]
+        if missing:
+            raise ValueError(f"{source}: missing columns {missing}")
+        # A row's line is the one it starts on (a quoted field may span lines), the
+        # header being line 1 as an editor shows it; blank lines come as no fields.
+        start = lines.line_num + 1
+        for fields in lines:
+            if fields:
+                measurements.append(_parse_row(columns, fields, source, start))
+            start = lines.line_num + 1
     except csv.Error as exc:
-        # The csv reader's own count: the DictReader's is the line of the last good row.
-        raise ValueError(f"{source}:{reader.reader.line_num}: {exc}") from None
+        # The line the reader was on when it failed.
+        raise ValueError(f"{source}:{lines.line_num}: {exc}") from None
+    return tuple(measurements)
 
 
 def load_measurements(path: str | Path) -> tuple[Measurement, ...]:

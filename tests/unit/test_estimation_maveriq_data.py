@@ -93,6 +93,25 @@ def test_bad_rows_name_the_file_and_line(tmp_path):
     bad.write_text("Model,TP\nx,1\n")
     with pytest.raises(ValueError, match="missing columns"):
         load_measurements(bad)
+    # After a blank line (which the csv reader skips) the line is still the file's.
+    good = "llama-2-7b,1,1,32,float16,False,10,1,0.3,13.0,13.5\n"
+    bad.write_text(header + good + "\n" + good.replace("float16", "bfloat8"))
+    with pytest.raises(ValueError, match="bad.csv:4: unknown DTYPE 'bfloat8'"):
+        load_measurements(bad)
+
+
+def test_a_row_with_more_fields_than_the_header_is_refused_not_shifted(tmp_path):
+    # A decimal comma in Memory-After-Run ("13,5"): stored, it would read 13 GiB and
+    # every later column would be its neighbour's.
+    header = "Model,TP,PP,PP_Map,DTYPE,INT8_KV_Cache,Output_Lenght,Batch_Size,Latency,Memory-Pre-Run,Memory-After-Run\n"
+    bad = tmp_path / "bad.csv"
+    bad.write_text(header + "llama-2-7b,1,1,32,float16,False,10,1,0.3,13.0,13,5\n")
+    with pytest.raises(
+        ValueError,
+        match=r"bad.csv:2: 12 fields, the header has 11 columns \(beyond them: '5'\); a decimal "
+        "comma or an unquoted comma in a value shifts every field after it",
+    ):
+        load_measurements(bad)
 
 
 def test_llama_2_7b_references_land_near_the_measured_full_model(data):

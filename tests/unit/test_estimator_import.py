@@ -389,6 +389,43 @@ def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_re
             "full_model_data_collection.csv:2: llama-2-7b: 6 GiB of memory is less than the "
             "12.06 GiB the weights of its 32 decoder layers take in fp16",
         ),
+        # A row with more fields than the header: every value after the surplus comma
+        # would sit under the wrong column (here the memory would read 1 GiB).
+        (
+            {"fingerprint_data_collection.csv": FINGERPRINTS.replace(",1.6,1.75,", ",1.6,1,75,")},
+            "fingerprint_data_collection.csv:3: 14 fields, the header has 13 columns "
+            "(beyond them: '5'); a decimal comma",
+        ),
+        # Batch sizes the estimator cannot use: every estimate of the model would fail.
+        (
+            {"fingerprint_data_collection_BS.csv": BATCH.replace(",10,2,", ",10,3,")},
+            "fingerprint_data_collection_BS.csv:2: llama-2-7b: a fingerprint (1 of 32 layers) "
+            "at batch 3; the estimator extrapolates fingerprints run at batch 1 and 2 only",
+        ),
+        (
+            {
+                "fingerprint_data_collection.csv": FINGERPRINTS.replace(
+                    "llama-2-7b,1,1,2,float16,False,10,1,", "llama-2-7b,1,1,2,float16,False,10,2,"
+                )
+            },
+            "fingerprint_data_collection.csv:3: llama-2-7b: batch 2 in a file of batch-1 runs "
+            "with a 923-token prompt; runs at other batch sizes belong in "
+            "fingerprint_data_collection_BS.csv",
+        ),
+        (
+            {"full_model_data_collection.csv": FULL.replace(",100,1,", ",100,8,")},
+            "full_model_data_collection.csv:2: llama-2-7b: batch 8 in a file of batch-1 runs "
+            "with a 923-token prompt; runs at other batch sizes belong in "
+            "full_model_data_collection_BS.csv",
+        ),
+        *(
+            (
+                {"full_model_data_collection_BS.csv": FULL.replace(",100,1,", f",100,{bad},")},
+                "full_model_data_collection_BS.csv:2: Batch_Size must be at most 256, the most "
+                f"sequences a deployment holds and an estimate is made for, got {bad}",
+            )
+            for bad in (257, 4294967295)
+        ),
         # The line the csv module was reading when it failed, not the last good row's.
         (
             {
@@ -633,6 +670,22 @@ def test_bad_requests_write_nothing(run):
             await import_profiles(store, bad_config)
         assert await store.list_models() == []
         assert await store.get_profile("llama-2-7b") is None
+
+    run(scenario)
+
+
+def test_a_row_the_estimator_cannot_use_leaves_a_working_model_as_it_was(run):
+    async def scenario(store: StateStore):
+        await import_profiles(store, request(DATA_SET))
+        before = await _snapshot(store)
+        bad_batch = FINGERPRINTS.replace(
+            "llama-2-7b,1,1,2,float16,False,10,1,", "llama-2-7b,1,1,2,float16,False,10,3,"
+        )
+        shifted = FINGERPRINTS.replace(",1.6,1.75,", ",1.6,1,75,")
+        for text, where in ((bad_batch, ":3: llama-2-7b: a fingerprint"), (shifted, ":3: 14")):
+            with pytest.raises(InvalidArgument, match=f"fingerprint_data_collection.csv{where}"):
+                await import_profiles(store, request({"fingerprint_data_collection.csv": text}))
+            assert await _snapshot(store) == before
 
     run(scenario)
 
