@@ -48,6 +48,7 @@ from services.models.checkpoint import (
     CONFIG_FILE,
     read_config,
     read_safetensors_index,
+    weight_files,
 )
 from services.models.families import config_with_layers, parse_config
 from services.models.safetensors_format import (
@@ -96,7 +97,9 @@ def content_hash(checkpoint_dir: Path) -> str:
     digest = hashlib.sha256(b"iserve-fingerprint-v1\0")
     config = read_config(checkpoint_dir)
     digest.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    for shard in sorted(checkpoint_dir.glob("*.safetensors")):
+    # The files transformers loads, not leftovers beside them (a re-save with another
+    # shard size leaves them), which would change the key without changing the model.
+    for shard in weight_files(checkpoint_dir):
         size = shard.stat().st_size
         digest.update(f"\0shard {shard.name} {size}\0".encode())
         with shard.open("rb") as f:

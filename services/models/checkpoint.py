@@ -1,11 +1,13 @@
 """Hugging Face checkpoint directories: read, validate and (for tests) create them.
 
-A checkpoint directory holds ``config.json``, one or more ``*.safetensors`` files and a
-``tokenizer.json``. Validation reads the config and the safetensors headers, and tensor
-data only where a config ties the LM head over a checkpoint that also holds one (the
-two are compared chunk by chunk, see services.models.tied_head), so it is cheap enough
-to run when a model is registered and again before a worker loads it. At registration
-it also loads the tokenizer and compiles the chat template (tokenizer_files).
+A checkpoint directory holds ``config.json``, the safetensors weights transformers loads
+from it (:func:`weight_files`: ``model.safetensors``, or the shards
+``model.safetensors.index.json`` names) and a ``tokenizer.json``. Validation reads the
+config and the safetensors headers, and tensor data only where a config ties the LM head
+over a checkpoint that also holds one (the two are compared chunk by chunk, see
+services.models.tied_head), so it is cheap enough to run when a model is registered and
+again before a worker loads it. At registration it also loads the tokenizer and compiles
+the chat template (tokenizer_files).
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from services.models.arch import ArchSpec
+from services.models.checkpoint_files import (
+    CONFIG_FILE,
+    EXPLICIT_WEIGHTS_FIELD,
+    SHARD_INDEX_FILE,
+    read_config_file,
+    read_safetensors_index,
+    weight_files,
+    weights_dtype,
+)
 from services.models.errors import InvalidCheckpoint, InvalidConfig, UnsupportedArchitecture
 from services.models.families import FAMILIES, ConfigRequest, parse_config
 from services.models.random_weights import RandomWeights
@@ -26,7 +37,6 @@ from services.models.safetensors_format import (
     CONFIG_TO_SAFETENSORS_DTYPE,
     FLOAT_DTYPES,
     TensorInfo,
-    read_safetensors_header,
     write_safetensors,
 )
 from services.models.special_tokens import GENERATION_CONFIG_FILE
@@ -50,11 +60,9 @@ __all__ = [
     "weights_dtype",
     "read_safetensors_index",
     "validate_checkpoint",
+    "weight_files",
     "write_checkpoint",
 ]
-
-CONFIG_FILE = "config.json"
-SHARD_INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointDirectoryNotEmpty(FileExistsError):
@@ -78,82 +86,18 @@ class ValidatedCheckpoint:
 
 def read_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     """The parsed ``config.json`` of a checkpoint directory; a config that names no dtype
-    gets the weights' (:func:`weights_dtype`), as transformers loads it."""
+    gets the weights' (:func:`weights_dtype`), as transformers loads it. Without
+    ``transformers_weights``, which says where this directory's weights lie (see
+    :func:`weight_files`), not what the model is: transformers' ``save_pretrained`` drops
+    it too, so a config written from this one (a fingerprint's) names no missing file."""
     directory = Path(checkpoint_dir)
-    if not directory.is_dir():
-        raise InvalidCheckpoint(f"checkpoint directory {str(directory)!r} does not exist")
-    path = directory / CONFIG_FILE
-    if not path.is_file():
-        raise InvalidCheckpoint(f"{CONFIG_FILE} is missing from {str(directory)!r}")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidCheckpoint(
-            f"{CONFIG_FILE} in {str(directory)!r} is not valid JSON: {exc}"
-        ) from exc
-    if not isinstance(config, dict):
-        raise InvalidCheckpoint(f"{CONFIG_FILE} in {str(directory)!r} is not a JSON object")
+    config = read_config_file(directory)
+    config.pop(EXPLICIT_WEIGHTS_FIELD, None)
     if config.get("dtype") is None and config.get("torch_dtype") is None:
         found = weights_dtype(directory)
         if found is not None:
             config["dtype"] = found
     return config
-
-
-_CONFIG_DTYPE_OF = {code: name for name, code in CONFIG_TO_SAFETENSORS_DTYPE.items()}
-
-
-def weights_dtype(checkpoint_dir: str | Path) -> str | None:
-    """The dtype transformers' ``from_pretrained`` (whose default is ``dtype="auto"``)
-    loads a checkpoint in when its config names none: the first floating-point tensor's
-    of the first weights file (``model.safetensors``, or the first shard by name), in
-    the order safetensors' ``keys()`` lists them (by name). None without weights files
-    or a float tensor iserve reads (then the config's default, float32, stands)."""
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        return None
-    header = read_safetensors_header(files[0])
-    for name in sorted(header):
-        if header[name].dtype in _CONFIG_DTYPE_OF:
-            return _CONFIG_DTYPE_OF[header[name].dtype]
-    return None
-
-
-def read_safetensors_index(checkpoint_dir: str | Path) -> dict[str, TensorInfo]:
-    """Every tensor in the directory's ``*.safetensors`` files, from their headers only.
-
-    Raises InvalidCheckpoint when there is no safetensors file, a header is corrupt or
-    truncated, a tensor appears in two files, or a shard named by
-    ``model.safetensors.index.json`` is missing.
-    """
-    directory = Path(checkpoint_dir)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise InvalidCheckpoint(f"no *.safetensors files in {str(directory)!r}")
-    _check_shard_index(directory, {f.name for f in files})
-    tensors: dict[str, TensorInfo] = {}
-    for path in files:
-        for name, info in read_safetensors_header(path).items():
-            if name in tensors:
-                raise InvalidCheckpoint(
-                    f"tensor {name!r} appears in both {tensors[name].file} and {info.file}"
-                )
-            tensors[name] = info
-    return tensors
-
-
-def _check_shard_index(directory: Path, present: set[str]) -> None:
-    index_path = directory / SHARD_INDEX_FILE
-    if not index_path.is_file():
-        return
-    try:
-        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        wanted = set(weight_map.values())
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise InvalidCheckpoint(f"{SHARD_INDEX_FILE} is malformed: {exc}") from exc
-    missing = sorted(wanted - present)
-    if missing:
-        raise InvalidCheckpoint(f"shards named in {SHARD_INDEX_FILE} are missing: {missing}")
 
 
 # The files of transformers' slow tokenizers, which its converter turns into tokenizer.json.

@@ -21,6 +21,9 @@ what users compare iserve's outputs with. Read from its source and checked again
   (``services.models.tokenizer_files.as_transformers_runs_it``), which the engines'
   loader applies.
 
+The EOS ids a generation stops on are ``generation_config.json``'s whenever that file is
+read, even when it names none, and ``config.json``'s only without it (:func:`stop_eos_ids`).
+
 Special-token ids in ``config.json`` or ``generation_config.json`` outside the model's
 vocabulary (Hugging Face's GPT-J config carries 50256 whatever the vocabulary) name no
 row of the embedding or the LM head, so the model can neither read nor emit them. They
@@ -112,31 +115,52 @@ def ids_in_vocabulary(source: str, ids: Iterable[int], vocab_size: int) -> tuple
 
 
 def generation_eos_ids(checkpoint_dir: Path, vocab_size: int) -> frozenset[int] | None:
-    """EOS ids from ``generation_config.json`` (chat models often list more than
-    ``config.json``), those outside the vocabulary dropped; None when there is no such
-    file or it names no ``eos_token_id``.
+    """The EOS ids of the checkpoint's ``generation_config.json`` (see
+    :func:`stop_eos_ids`), those outside the vocabulary dropped: its ``eos_token_id`` (an
+    id or a list), and none (an empty set) when the key is absent or null. None when
+    there is no such file, or it is not JSON (transformers then ignores it, and iserve
+    warns).
 
-    InvalidCheckpoint when the file is not a JSON object."""
+    InvalidCheckpoint when the file is JSON but not an object, which transformers'
+    ``from_pretrained`` fails on."""
     path = checkpoint_dir / GENERATION_CONFIG_FILE
     if not path.is_file():
         return None
     try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-        raise InvalidCheckpoint(f"{GENERATION_CONFIG_FILE} is malformed: {exc}") from exc
+        generation = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        log.warning(
+            "%s is not valid JSON (%s); ignoring it and stopping on config.json's EOS ids, "
+            "as transformers does",
+            GENERATION_CONFIG_FILE,
+            exc,
+        )
+        return None
+    if not isinstance(generation, dict):
+        raise InvalidCheckpoint(f"{GENERATION_CONFIG_FILE} is malformed: not a JSON object")
+    value = generation.get("eos_token_id")
     values = value if isinstance(value, list) else [value]
     ids = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-    if not ids:
-        return None
     return frozenset(ids_in_vocabulary(f"{GENERATION_CONFIG_FILE} eos_token_id", ids, vocab_size))
 
 
 def stop_eos_ids(
     config_eos_ids: Iterable[int], checkpoint_dir: Path, vocab_size: int
 ) -> frozenset[int]:
-    """The EOS ids a generation stops on, as transformers' ``generate`` has them:
-    ``generation_config.json``'s when it names any (those alone, as the model's
-    generation config is read from that file), else ``config.json``'s
-    (``config_eos_ids``, already within the vocabulary)."""
+    """The EOS ids a generation stops on, as transformers' (5.x) ``generate`` has them.
+
+    ``from_pretrained`` reads the model's generation config from
+    ``generation_config.json`` (``GenerationConfig.from_pretrained``), and ``generate``
+    stops on its ``eos_token_id`` alone. Only when that file is missing or is not JSON
+    does it build one from ``config.json`` (``_from_model_config``, which copies its
+    ``eos_token_id``), so:
+
+    - no ``generation_config.json`` (or one that is not JSON): ``config.json``'s ids
+      (``config_eos_ids``, already within the vocabulary);
+    - a ``generation_config.json`` naming ``eos_token_id``: those ids alone, whatever
+      ``config.json`` says;
+    - a ``generation_config.json`` without ``eos_token_id``, or with it null: none; the
+      generation runs to its token limit.
+    """
     generation = generation_eos_ids(checkpoint_dir, vocab_size)
     return frozenset(config_eos_ids) if generation is None else generation

@@ -242,9 +242,11 @@ def test_profiling_without_room_fails_and_holds_nothing(stack):
 
 def test_a_failing_job_fails_the_model_until_registered_again(stack):
     path = make_checkpoint(stack, "prof-broken", **TINY)
-    # Registration does not read generation_config.json; the worker does, and fails.
+    # Registration does not read generation_config.json; the worker does, and fails on
+    # JSON that is not an object, as transformers' from_pretrained does (text that is not
+    # JSON at all transformers passes over, and so does iserve).
     generation = stack.models_root / path / "generation_config.json"
-    generation.write_text("{ not json")
+    generation.write_text("[1, 2]")
 
     # `iserve register` waits for profiling, drawing its progress on stderr.
     out = _cli(stack, "register", "prof-broken", path)
@@ -255,7 +257,7 @@ def test_a_failing_job_fails_the_model_until_registered_again(stack):
     model = stack.models.GetModel(model_pb.GetModelRequest(model_id="prof-broken")).model
     assert model.state_reason.startswith("base fingerprint(1 layer) tp=1 pp=1 batch=1: ")
     assert "exited with code 1 before it was ready" in model.state_reason
-    assert "generation_config.json is malformed" in model.state_reason
+    assert "generation_config.json is malformed: not a JSON object" in model.state_reason
     assert _profile_owners(stack) == set() and _profile_workers(stack) == []
 
     other = make_checkpoint(stack, "prof-other", **TINY)

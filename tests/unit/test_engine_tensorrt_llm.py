@@ -428,6 +428,10 @@ def test_end_id_is_the_checkpoints_first_eos_id(stand_in):
     assert mapping.sampling_params(api, request, frozenset({7, 3}), (7,)).kwargs["end_id"] == 7
     assert mapping.sampling_params(api, request, frozenset({7, 3})).kwargs["end_id"] == 3
     assert mapping.sampling_params(api, request, frozenset()).kwargs["end_id"] is None
+    # generation_config.json names other EOS ids than config.json's, or none: config.json's
+    # first is no end then (it used to stop TensorRT-LLM where the PyTorch engine goes on).
+    assert mapping.sampling_params(api, request, frozenset({9}), (7,)).kwargs["end_id"] == 9
+    assert mapping.sampling_params(api, request, frozenset(), (7,)).kwargs["end_id"] is None
 
 
 def test_stop_tokens_and_ignore_eos(stand_in):

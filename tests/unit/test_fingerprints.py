@@ -151,6 +151,11 @@ def test_content_hash_follows_config_weights_and_tokenizer(root, tmp_path):
     last_shard.write_bytes(bytes(data))
     assert content_hash(tmp_path / "w") != base
 
+    # A file transformers does not load (a leftover of an earlier save) is not the model.
+    shutil.copytree(root / "llama", tmp_path / "x")
+    (tmp_path / "x" / "model-old.safetensors").write_bytes(last_shard.read_bytes())
+    assert content_hash(tmp_path / "x") == base
+
 
 def test_full_layer_count_is_the_model_itself(root):
     cache = FingerprintCache(root)

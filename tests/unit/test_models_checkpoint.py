@@ -334,14 +334,27 @@ def test_header_with_bad_offsets(checkpoint: Path) -> None:
 
 def test_no_safetensors_files(checkpoint: Path) -> None:
     (checkpoint / "model.safetensors").unlink()
-    with pytest.raises(InvalidCheckpoint, match=r"no \*.safetensors"):
+    with pytest.raises(
+        InvalidCheckpoint, match=r"no \*.safetensors files in .* that transformers loads"
+    ):
         validate_checkpoint(checkpoint)
 
 
-def test_tensor_in_two_files(checkpoint: Path) -> None:
-    save_file({"model.norm.weight": np.ones(32, np.float32)}, str(checkpoint / "extra.safetensors"))
-    with pytest.raises(InvalidCheckpoint, match="'model.norm.weight' appears in both"):
-        read_safetensors_index(checkpoint)
+def test_weights_under_another_name_are_not_read(checkpoint: Path) -> None:
+    # transformers loads model.safetensors or the index's shards, no other file.
+    (checkpoint / "model.safetensors").rename(checkpoint / "weights.safetensors")
+    with pytest.raises(InvalidCheckpoint, match="not weights.safetensors unless config.json names"):
+        validate_checkpoint(checkpoint)
+
+
+def test_tensor_in_two_shards(tmp_path: Path) -> None:
+    directory = create_checkpoint(tmp_path / "sharded", **SMALL, max_shard_bytes=40_000)
+    last = sorted(directory.glob("model-*.safetensors"))[-1]
+    tensors = load_file(str(last))
+    tensors["model.embed_tokens.weight"] = np.zeros((4, 32), np.float32)
+    save_file(tensors, str(last))
+    with pytest.raises(InvalidCheckpoint, match="'model.embed_tokens.weight' appears in both"):
+        read_safetensors_index(directory)
 
 
 def test_missing_tokenizer(checkpoint: Path) -> None:

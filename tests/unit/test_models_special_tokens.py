@@ -249,7 +249,7 @@ def test_gptj_with_special_ids_outside_the_vocabulary_registers_and_serves(
     assert all(0 <= step.token_id < spec.vocab_size for step in outputs)
 
 
-def test_generation_config_eos_ids(tmp_path) -> None:
+def test_generation_config_eos_ids(tmp_path, caplog) -> None:
     assert generation_eos_ids(tmp_path, VOCAB_SIZE) is None
     assert stop_eos_ids([EOS_ID, 33], tmp_path, VOCAB_SIZE) == frozenset({EOS_ID, 33})
     path = tmp_path / "generation_config.json"
@@ -257,15 +257,75 @@ def test_generation_config_eos_ids(tmp_path) -> None:
     assert generation_eos_ids(tmp_path, VOCAB_SIZE) == frozenset({EOS_ID, 7})
     path.write_text(json.dumps({"eos_token_id": 5}))
     assert generation_eos_ids(tmp_path, VOCAB_SIZE) == frozenset({5})
-    # As transformers' generate: generation_config.json's ids alone when it names any
+    # As transformers' generate: generation_config.json's ids alone when it is read
     # (config.json's 33 is not a stop then; the union stopped on it), else config.json's.
     assert stop_eos_ids([EOS_ID, 33], tmp_path, VOCAB_SIZE) == frozenset({5})
-    path.write_text(json.dumps({"do_sample": True}))
-    assert generation_eos_ids(tmp_path, VOCAB_SIZE) is None
-    assert stop_eos_ids([EOS_ID, 33], tmp_path, VOCAB_SIZE) == frozenset({EOS_ID, 33})
+    # A generation config naming no EOS stops on none, not on config.json's.
+    for no_eos in ({"do_sample": True}, {"eos_token_id": None}):
+        path.write_text(json.dumps(no_eos))
+        assert generation_eos_ids(tmp_path, VOCAB_SIZE) == frozenset()
+        assert stop_eos_ids([EOS_ID, 33], tmp_path, VOCAB_SIZE) == frozenset()
+    # One transformers cannot parse it ignores, building the generation config from config.json.
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="iserve.models"):
+        assert stop_eos_ids([EOS_ID, 33], tmp_path, VOCAB_SIZE) == frozenset({EOS_ID, 33})
+    assert "generation_config.json is not valid JSON" in caplog.text
     path.write_text("[1, 2]")
     with pytest.raises(InvalidCheckpoint, match="generation_config.json is malformed"):
         generation_eos_ids(tmp_path, VOCAB_SIZE)
+
+
+# generation_config.json as written, or None for none; config.json names EOS ids 1 and 33.
+GENERATION_CONFIGS: dict[str, str | None] = {
+    "absent": None,
+    "an id": json.dumps({"eos_token_id": 5}),
+    "a list": json.dumps({"eos_token_id": [1, 7]}),
+    "null": json.dumps({"eos_token_id": None, "do_sample": False}),
+    "no key": json.dumps({"bos_token_id": 0, "do_sample": False}),
+    "not JSON": "{not json",
+}
+
+
+@pytest.mark.parametrize("case", GENERATION_CONFIGS)
+def test_the_engine_stops_on_the_eos_ids_transformers_generates_with(tmp_path, case) -> None:
+    transformers = pytest.importorskip("transformers")
+    directory = create_checkpoint(tmp_path / "ckpt", hidden_size=32, num_layers=1, num_heads=4)
+    config = json.loads((directory / "config.json").read_text())
+    config["eos_token_id"] = [1, 33]
+    (directory / "config.json").write_text(json.dumps(config))
+    generation = GENERATION_CONFIGS[case]
+    if generation is None:
+        (directory / "generation_config.json").unlink()
+    else:
+        (directory / "generation_config.json").write_text(generation)
+    eos = transformers.AutoModelForCausalLM.from_pretrained(
+        directory
+    ).generation_config.eos_token_id
+    expected = frozenset() if eos is None else frozenset(eos if isinstance(eos, list) else [eos])
+    assert Engine(directory, max_seq_len=64).eos_token_ids == expected
+
+
+def test_a_generation_config_without_eos_runs_to_the_token_limit(tmp_path) -> None:
+    """config.json's EOS is the first token the model emits; generation_config.json names
+    none, so transformers' generate does not stop on it, and neither does the engine."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    directory = create_checkpoint(tmp_path / "ckpt", hidden_size=32, num_layers=1, num_heads=4)
+    prompt = [0, 17, 42, 99]
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.inference_mode():
+        first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    config = json.loads((directory / "config.json").read_text())
+    config["eos_token_id"] = first
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6)[0, len(prompt) :]
+    engine = Engine(directory, max_seq_len=64)
+    served = [step.token_id for step in engine.generate(prompt, 6, SamplingConfig())]
+    assert served == expected.tolist()
+    assert len(served) == 6 and served[0] == first
 
 
 @settings(max_examples=150, deadline=None)

@@ -269,8 +269,10 @@ def sampling_params(
     """``tensorrt_llm.SamplingParams`` for one request.
 
     TensorRT-LLM runs without its tokenizer (``skip_tokenizer_init``), so ``end_id`` is
-    the checkpoint's first EOS id (``config_eos_ids``, else the smallest of
-    ``eos_token_ids``; unset when it has none) and no text is asked for. Greedy requests
+    the checkpoint's first EOS id among those that stop it (``config_eos_ids`` that are
+    in ``eos_token_ids``, the stop set of ``services.models.special_tokens``, else the
+    smallest of that set; unset when it is empty, as when ``generation_config.json``
+    names no EOS) and no text is asked for. Greedy requests
     (temperature below the engine's greedy threshold) get ``top_k=1``, which TensorRT-LLM
     decodes greedily; others their temperature, top_k (0: unset, all tokens) and top_p.
     Unless ``ignore_eos``, every EOS id of the checkpoint stops the request as it stops
@@ -280,7 +282,11 @@ def sampling_params(
     stop_ids = set(sampling.stop_token_ids)
     if not sampling.ignore_eos:
         stop_ids |= eos_token_ids
-    end_id = config_eos_ids[0] if config_eos_ids else min(eos_token_ids, default=None)
+    # config.json's first EOS where it stops generation (generation_config.json may name
+    # others, or none: then nothing is an end).
+    end_id = next(
+        (i for i in config_eos_ids if i in eos_token_ids), min(eos_token_ids, default=None)
+    )
     kwargs: dict[str, Any] = {
         "end_id": end_id,
         "detokenize": False,

@@ -1,0 +1,198 @@
+"""Which files of a Hugging Face checkpoint directory hold its config and its weights, as
+transformers' ``from_pretrained`` (5.x) chooses them, and what those files say: the raw
+``config.json``, the weight files in transformers' order (:func:`weight_files`), their
+tensors' headers (:func:`read_safetensors_index`) and the dtype transformers loads them
+in when the config names none (:func:`weights_dtype`). Every reader of a checkpoint's
+weights in iserve goes through :func:`weight_files`, so leftovers beside them (a re-save
+with another shard size leaves the previous ``model.safetensors`` or index behind) are
+ignored everywhere, as transformers ignores them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from services.models.errors import InvalidCheckpoint
+from services.models.safetensors_format import (
+    CONFIG_TO_SAFETENSORS_DTYPE,
+    TensorInfo,
+    read_safetensors_header,
+)
+
+__all__ = [
+    "CONFIG_FILE",
+    "EXPLICIT_WEIGHTS_FIELD",
+    "SHARD_INDEX_FILE",
+    "WEIGHTS_FILE",
+    "read_config_file",
+    "read_safetensors_index",
+    "weight_files",
+    "weights_dtype",
+]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+SHARD_INDEX_FILE = "model.safetensors.index.json"
+# The config.json field naming the weights file or shard index transformers loads instead
+# of WEIGHTS_FILE and SHARD_INDEX_FILE (from_pretrained's transformers_explicit_filename).
+EXPLICIT_WEIGHTS_FIELD = "transformers_weights"
+_INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def read_config_file(directory: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of ``directory`` as it is on disk; InvalidCheckpoint
+    when the directory or file is missing or the file is not a JSON object."""
+    if not directory.is_dir():
+        raise InvalidCheckpoint(f"checkpoint directory {str(directory)!r} does not exist")
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise InvalidCheckpoint(f"{CONFIG_FILE} is missing from {str(directory)!r}")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidCheckpoint(
+            f"{CONFIG_FILE} in {str(directory)!r} is not valid JSON: {exc}"
+        ) from exc
+    if not isinstance(config, dict):
+        raise InvalidCheckpoint(f"{CONFIG_FILE} in {str(directory)!r} is not a JSON object")
+    return config
+
+
+_CONFIG_DTYPE_OF = {code: name for name, code in CONFIG_TO_SAFETENSORS_DTYPE.items()}
+
+
+def weights_dtype(checkpoint_dir: str | Path) -> str | None:
+    """The dtype transformers' ``from_pretrained`` (whose default is ``dtype="auto"``)
+    loads a checkpoint in when its config names none: the ``dtype`` in the metadata of
+    the shard index it loads, where there is one, else the first floating-point tensor's
+    of the first file it loads (:func:`weight_files`), in the order safetensors'
+    ``keys()`` lists them (by name). None without such weights or a float tensor iserve
+    reads (then the config's default, float32, stands)."""
+    directory = Path(checkpoint_dir)
+    chosen = _chosen_weights(directory)
+    if chosen is None:
+        return None
+    if isinstance(chosen.index_metadata.get("dtype"), str):
+        return chosen.index_metadata["dtype"]
+    header = read_safetensors_header(directory / chosen.files[0])
+    for name in sorted(header):
+        if header[name].dtype in _CONFIG_DTYPE_OF:
+            return _CONFIG_DTYPE_OF[header[name].dtype]
+    return None
+
+
+def weight_files(checkpoint_dir: str | Path) -> list[Path]:
+    """The safetensors files transformers' ``from_pretrained`` (5.x,
+    ``_get_resolved_checkpoint_files``) loads from a checkpoint directory, in its order,
+    whatever other files lie beside them (a re-save with another shard size leaves the
+    previous ``model.safetensors`` or index behind, and transformers ignores it): the
+    file or shard index that ``config.json``'s ``transformers_weights`` names, else
+    ``model.safetensors``, else the shards ``model.safetensors.index.json`` names, sorted
+    by name. Every reader of a checkpoint's weights goes through this.
+
+    Raises InvalidCheckpoint when there is none of these, ``transformers_weights`` names
+    something else, or the index is malformed or names a missing shard.
+    """
+    directory = Path(checkpoint_dir)
+    return [directory / name for name in _required_weights(directory).files]
+
+
+@dataclass(frozen=True)
+class _ChosenWeights:
+    files: tuple[str, ...]  # relative to the checkpoint directory, in transformers' order
+    index_metadata: dict[str, Any]  # the shard index's "metadata"; empty for one file
+
+
+def _required_weights(directory: Path) -> _ChosenWeights:
+    chosen = _chosen_weights(directory)
+    if chosen is None:
+        others = sorted(path.name for path in directory.glob("*.safetensors"))
+        raise InvalidCheckpoint(
+            f"no *.safetensors files in {str(directory)!r} that transformers loads: it "
+            f"reads {WEIGHTS_FILE}, or the shards {SHARD_INDEX_FILE} names"
+            + (
+                f", not {', '.join(others)} unless {CONFIG_FILE} names the file in "
+                f"{EXPLICIT_WEIGHTS_FIELD}"
+                if others
+                else ""
+            )
+        )
+    return chosen
+
+
+def _chosen_weights(directory: Path) -> _ChosenWeights | None:
+    """What :func:`weight_files` promises, None where transformers finds no weights."""
+    explicit = read_config_file(directory).get(EXPLICIT_WEIGHTS_FIELD)
+    if explicit is not None:
+        source = _explicit_weights(directory, explicit)
+    elif (directory / WEIGHTS_FILE).is_file():
+        source = WEIGHTS_FILE
+    elif (directory / SHARD_INDEX_FILE).is_file():
+        source = SHARD_INDEX_FILE
+    else:
+        return None
+    if source.endswith(_INDEX_SUFFIX):
+        return _read_shard_index(directory, source)
+    return _ChosenWeights((source,), {})
+
+
+def _explicit_weights(directory: Path, name: Any) -> str:
+    """``transformers_weights``, checked as transformers checks it, and present."""
+    field = f"{CONFIG_FILE}'s {EXPLICIT_WEIGHTS_FIELD}"
+    if not isinstance(name, str) or not name.endswith((".safetensors", _INDEX_SUFFIX)):
+        raise InvalidCheckpoint(
+            f"{field} must name a *.safetensors file or a *{_INDEX_SUFFIX} index, got {name!r}"
+        )
+    base = os.path.abspath(directory)
+    if os.path.commonpath([base, os.path.abspath(directory / name)]) != base:
+        raise InvalidCheckpoint(f"{field} {name!r} is outside the checkpoint directory")
+    if not (directory / name).is_file():
+        raise InvalidCheckpoint(f"{field} names {name!r}, which is missing")
+    return name
+
+
+def _read_shard_index(directory: Path, index_name: str) -> _ChosenWeights:
+    try:
+        index = json.loads((directory / index_name).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidCheckpoint(f"{index_name} is not valid JSON: {exc}") from exc
+    # transformers reads index["metadata"] and the shards index["weight_map"] names.
+    fields = index if isinstance(index, dict) else {}
+    metadata, weight_map = fields.get("metadata"), fields.get("weight_map")
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else []
+    if not isinstance(metadata, dict) or not names or not all(isinstance(n, str) for n in names):
+        raise InvalidCheckpoint(
+            f'{index_name} is malformed: it needs a "metadata" object and a "weight_map" '
+            "from tensor names to shard files"
+        )
+    shards = tuple(sorted(set(names)))
+    missing = [name for name in shards if not (directory / name).is_file()]
+    if missing:
+        raise InvalidCheckpoint(f"shards named in {index_name} are missing: {missing}")
+    return _ChosenWeights(shards, metadata)
+
+
+def read_safetensors_index(checkpoint_dir: str | Path) -> dict[str, TensorInfo]:
+    """Every tensor in the weights transformers loads (:func:`weight_files`), from their
+    headers only; files beside them are not read.
+
+    Raises InvalidCheckpoint as :func:`weight_files` does, and when a header is corrupt
+    or truncated or a tensor appears in two of those files.
+    """
+    directory = Path(checkpoint_dir)
+    tensors: dict[str, TensorInfo] = {}
+    for file in _required_weights(directory).files:
+        for name, info in read_safetensors_header(directory / file).items():
+            # The name as chosen (a shard may sit in a subdirectory), which readers join
+            # to the directory.
+            info = replace(info, file=file)
+            if name in tensors:
+                raise InvalidCheckpoint(
+                    f"tensor {name!r} appears in both {tensors[name].file} and {info.file}"
+                )
+            tensors[name] = info
+    return tensors
