@@ -25,6 +25,7 @@ import numpy as np
 from estimator_svc.profiles import Sample
 from services.estimation.extrapolate import LatencySample
 from services.estimation.latency import BASE, PIPELINE, REFERENCE_LAYOUTS, TENSOR
+from services.estimation.prompt_curve import profiles_at
 from services.estimation.references import (
     ReferenceProfile,
     VariantProfile,
@@ -180,107 +181,15 @@ class ModelReferences:
         )
 
     def at_input(self, input_tokens: int) -> tuple[VariantProfile, ...]:
-        """Variant profiles for a prompt of ``input_tokens`` tokens.
-
-        Prefill's time is the prompt's weight products, linear in its length, plus its
-        attention, quadratic. With three or more recorded lengths every figure follows
-        the parabola through the three profiled lengths nearest ``input_tokens``: between
-        two of them it stays within their two figures, and beyond the longest it is no
-        lower than the line through the two longest (a parabola bending down is noise).
-        With two, every figure follows their line. Beyond the longest, no figure falls
-        below the longest's own: a longer prompt is no faster. TPOT terms are shared by
-        the prompt labels, so TPOT moves only by what the floor of
-        :func:`_at_least_measured` lifted. Below the shortest, and with a single length,
-        the nearest profiled length is used as it is.
-        """
-        lengths = [p.input_tokens for p in self.prompts]
-        if input_tokens <= lengths[0]:
-            return self.prompts[0].profiles
-        recorded = self._recorded()
-        if input_tokens >= lengths[-1] and len(recorded) < 2:
-            return self.prompts[-1].profiles
-        beyond = input_tokens > lengths[-1]
-        upper = next((i for i, n in enumerate(lengths) if n >= input_tokens), len(lengths) - 1)
-        low, high = self.prompts[max(upper - 1, 0)], self.prompts[upper]
-        line = _line_weights(low.input_tokens, high.input_tokens, input_tokens)
-        pairs = zip(low.profiles, high.profiles, strict=True)
-        if len(recorded) < 3:
-            if not beyond:
-                return tuple(_combine((a, b), line) for a, b in pairs)
-            return tuple(_combine((a, b), line, at_least=(b,)) for a, b in pairs)
-        first = min(max(upper - 1, 0), len(lengths) - 3)
-        three = self.prompts[first : first + 3]
-        curve = _parabola_weights([p.input_tokens for p in three], input_tokens)
-        out = []
-        for i, (a, b) in enumerate(pairs):
-            points = [p.profiles[i] for p in three]
-            if beyond:
-                straight = _combine((a, b), line)
-                out.append(_combine(points, curve, at_least=(b, straight)))
-            else:
-                out.append(_combine(points, curve, between=(a, b)))
-        return tuple(out)
-
-
-def _line_weights(low: int, high: int, x: int) -> tuple[float, float]:
-    """Weights of the figures at ``low`` and ``high`` for the line through them at ``x``."""
-    t = (x - low) / (high - low)
-    return (1.0 - t, t)
-
-
-def _parabola_weights(points: Sequence[int], x: int) -> tuple[float, ...]:
-    """Lagrange weights of the figures at three ``points`` for the parabola through them
-    at ``x``."""
-    weights = []
-    for i, p in enumerate(points):
-        w = 1.0
-        for j, q in enumerate(points):
-            if j != i:
-                w *= (x - q) / (p - q)
-        weights.append(w)
-    return tuple(weights)
-
-
-def _combine(
-    variants: Sequence[VariantProfile],
-    weights: Sequence[float],
-    at_least: Sequence[VariantProfile] = (),
-    between: Sequence[VariantProfile] = (),
-) -> VariantProfile:
-    """Every figure of ``variants`` (batch 1 and 2 references, and the KV tokens held)
-    summed with ``weights``, then raised to the largest of the ``at_least`` profiles'
-    and kept within the smallest and largest of the ``between`` ones' (each when
-    given). NaN (a TP-ladder figure left to Eq. 2) stays NaN."""
-
-    def figure(values: Sequence, low: Sequence, bounds: Sequence) -> np.ndarray:
-        out = sum(w * np.asarray(v, dtype=float) for w, v in zip(weights, values, strict=True))
-        if low:  # np.maximum and np.minimum keep NaN
-            out = np.maximum(out, np.max(np.asarray(low, dtype=float), axis=0))
-        if bounds:
-            bounds = np.asarray(bounds, dtype=float)
-            out = np.minimum(np.maximum(out, bounds.min(axis=0)), bounds.max(axis=0))
-        return out
-
-    def reference(pick) -> ReferenceProfile:
-        groups = [[pick(v) for v in group] for group in (variants, at_least, between)]
-        fields = {
-            name: tuple(float(x) for x in figure(*([getattr(p, name) for p in g] for g in groups)))
-            for name in ("ttft_s", "tpot_s", "memory_gib")
-        }
-        return ReferenceProfile(groups[0][0].layouts, **fields)
-
-    batch2 = None
-    if all(v.batch2 is not None for v in (*variants, *at_least, *between)):
-        batch2 = reference(lambda v: v.batch2)
-    tokens = figure(
-        *([v.kv_tokens_profiled for v in group] for group in (variants, at_least, between))
-    )
-    return replace(
-        variants[0],
-        batch1=reference(lambda v: v.batch1),
-        batch2=batch2,
-        kv_tokens_profiled=round(float(tokens)),
-    )
+        """Variant profiles for a prompt of ``input_tokens`` tokens, along the profiled
+        prompt lengths' curve (:func:`services.estimation.prompt_curve.profiles_at`).
+        TPOT terms are shared by the prompt labels, so TPOT moves only by what the floor
+        of :func:`_at_least_measured` lifted."""
+        return profiles_at(
+            [p.input_tokens for p in self.prompts],
+            [p.profiles for p in self.prompts],
+            input_tokens,
+        )
 
 
 def _ladder_layouts(fingerprints: Sequence[Sample]) -> tuple[Layout, ...]:
