@@ -68,7 +68,7 @@ from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
-from services.errors import InvalidArgument, shown
+from services.errors import REASON_KEY, InvalidArgument, shown
 from services.ids import check_model_id
 from services.metrics import new_registry
 from services.settings import MAX_TOKEN_LENGTH, MIN_TOKEN_LENGTH
@@ -97,15 +97,46 @@ def http_status(code: grpc.StatusCode) -> tuple[int, str]:
     return _STATUS.get(code, (500, "internal_error"))
 
 
+# OpenAI's error codes for what iserve can tell apart by status alone; others come from
+# the services' error reason (services.errors.REASON_KEY), or are null.
+_CODES = {401: "invalid_api_key", 429: "rate_limit_exceeded"}
+# Seconds a client is told to wait before retrying a refusal that passes (a full queue, a
+# service restarting): the OpenAI SDKs honour Retry-After and back off blindly without it.
+RETRY_AFTER_S = 1
+
+
+def openai_code(status: int, param: str | None = None, reason: str = "") -> str | None:
+    """OpenAI's ``error.code`` (a string or null): the services' reason when they gave
+    one (``context_length_exceeded``, ``model_not_found``), ``model_not_found`` for a
+    404 about the model, else by status."""
+    if reason:
+        return reason
+    if status == 404 and param == "model":
+        return "model_not_found"
+    return _CODES.get(status)
+
+
 def error_response(
     status: int,
     kind: str,
     message: str,
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
+    """OpenAI's error body; ``code`` defaults to :func:`openai_code` of the status. A
+    429 or 503 says when to retry (Retry-After)."""
+    if status in (429, 503):
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
     return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}},
+        {
+            "error": {
+                "message": message,
+                "type": kind,
+                "param": param,
+                "code": code or openai_code(status, param),
+            }
+        },
         status_code=status,
         headers=headers,
     )
@@ -116,7 +147,9 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None
-    code: int
+    # OpenAI's code: context_length_exceeded, model_not_found, invalid_api_key,
+    # rate_limit_exceeded, or null.
+    code: str | None
 
 
 class ErrorBody(BaseModel):
@@ -157,14 +190,39 @@ _GENERATION_REPLIES: dict[int | str, dict[str, Any]] = {
 
 
 class GatewayError(Exception):
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        kind: str,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.kind, self.message, self.param = status, kind, message, param
+        self.code = code or openai_code(status, param)
 
     @classmethod
     def from_rpc(cls, exc: grpc.aio.AioRpcError) -> GatewayError:
         status, kind = http_status(exc.code())
-        return cls(status, kind, exc.details() or exc.code().name)
+        reason = rpc_reason(exc)
+        param = "model" if reason == "model_not_found" else None
+        return cls(
+            status,
+            kind,
+            exc.details() or exc.code().name,
+            param,
+            openai_code(status, param, reason),
+        )
+
+
+def rpc_reason(exc: grpc.aio.AioRpcError) -> str:
+    """The error's reason the service sent beside its status (services.errors.REASON_KEY),
+    or ""."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == REASON_KEY and isinstance(value, str):
+            return value
+    return ""
 
 
 # ---- stop strings ---------------------------------------------------------------------
@@ -564,7 +622,9 @@ def create_app(
             CORSMiddleware,
             allow_origins=list(cors_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type"],
+            # Any header a client sends (the OpenAI SDKs add x-stainless-*): the origins
+            # are the allow-list, and no credentials (cookies) are allowed.
+            allow_headers=["*"],
             max_age=600,
         )
     registry = new_registry()
@@ -611,7 +671,9 @@ def create_app(
         # A 401 names the scheme it wants (RFC 6750), as clients that retry with a token
         # expect.
         challenge = {"WWW-Authenticate": 'Bearer realm="iserve"'} if exc.status == 401 else None
-        return error_response(exc.status, exc.kind, exc.message, exc.param, headers=challenge)
+        return error_response(
+            exc.status, exc.kind, exc.message, exc.param, headers=challenge, code=exc.code
+        )
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request: Request, exc: RequestValidationError):
@@ -659,10 +721,11 @@ def create_app(
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def served_models(http: Request) -> dict[str, int]:
-        """Model id -> creation time (s) of its earliest ready deployment."""
+        """Model id -> creation time (s) of its earliest ready deployment that the caller
+        may generate on (as OpenAI lists the models a key may use)."""
         try:
             reply = await backend.deployments.ListDeployments(
-                deploy_pb.ListDeploymentsRequest(),
+                deploy_pb.ListDeploymentsRequest(usable_only=True),
                 timeout=backend.rpc_timeout_s,
                 metadata=backend.caller(http),
             )
@@ -924,13 +987,14 @@ async def _stream(
                 yield chunk(index, None if chat else "", _finish_reason(value[0]))
             else:
                 status, kind_ = http_status(value.code())
+                reason = rpc_reason(value)
                 yield json.dumps(
                     {
                         "error": {
                             "message": value.details(),
                             "type": kind_,
-                            "param": None,
-                            "code": status,
+                            "param": "model" if reason == "model_not_found" else None,
+                            "code": openai_code(status, None, reason),
                         }
                     }
                 )

@@ -14,7 +14,13 @@ from collections.abc import Awaitable, Callable
 from services import replicas
 from services.api import deployment_service_pb2 as deploy_pb
 from services.auth import access
-from services.errors import FailedPrecondition, NotFound, PermissionDenied, Unavailable
+from services.errors import (
+    FailedPrecondition,
+    ModelNotFound,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from services.ids import check_deployment_id, check_model_id
 from services.state.store import StateStore
 
@@ -120,7 +126,7 @@ class Router:
             found = access.visible(found)
             ready = [d for d in found if d.state == READY]
             if not found:
-                raise NotFound(f"model {model_id} has no deployment")
+                raise ModelNotFound(f"model {model_id} has no deployment")
             if not ready:
                 states = "; ".join(describe_state(d) for d in found)
                 # A model being deployed, redeployed or restarted serves again soon: a

@@ -427,7 +427,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         if code in GONE_CODES:
             await self._worker_gone(deployment, replica, f"{code.name}: {details}", streamed)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
-            raise errors.InvalidArgument(details)
+            refused = errors.InvalidArgument(details)
+            refused.reason = exc.reason  # what the client may act on (context length)
+            raise refused
         error = PASSED_THROUGH.get(code, errors.IServeError)
         raise error(
             f"worker of deployment {deployment.deployment_id} failed: {code.name}: {details}"

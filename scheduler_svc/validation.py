@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
-from services.errors import InvalidArgument
+from services.errors import ContextLengthExceeded, InvalidArgument
 from services.ids import check_request_id
 from services.stop_strings import check_stop_strings
 from services.token_limits import DEFAULT_MAX_OUTPUT_TOKENS, sequence_length
@@ -102,7 +102,7 @@ def check_for_deployment(
         )
     prompt_limit, what = prompt_token_limit(deployment, request.max_tokens, max_tokens_is_bound)
     if prompt_limit and len(request.prompt_token_ids) > prompt_limit:
-        raise InvalidArgument(
+        raise ContextLengthExceeded(
             f"prompt has {len(request.prompt_token_ids)} tokens; deployment "
             f"{deployment.deployment_id} accepts at most {prompt_limit} ({what})"
         )

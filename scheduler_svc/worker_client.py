@@ -31,10 +31,11 @@ SessionRequest = worker_pb.WorkerServiceSessionRequest
 class WorkerStreamError(Exception):
     """A generation failed on the worker (its status) or with its session (the call's)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = ""):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.reason = reason  # services.errors.IServeError.reason of the worker's error
 
 
 class WorkerStream:
@@ -146,7 +147,7 @@ class WorkerSession:
                 else:
                     error = message.error
                     code = STATUS_BY_NUMBER.get(error.status_code, grpc.StatusCode.UNKNOWN)
-                    stream.deliver(WorkerStreamError(code, error.message))
+                    stream.deliver(WorkerStreamError(code, error.message, error.reason))
         except grpc.aio.AioRpcError as exc:
             ended = WorkerStreamError(exc.code(), exc.details() or "")
         except asyncio.CancelledError:

@@ -5,19 +5,38 @@ from __future__ import annotations
 
 import grpc
 
+# Trailing metadata key of an error's machine-readable reason (IServeError.reason).
+REASON_KEY = "iserve-reason"
+
 
 class IServeError(Exception):
-    """Base class; ``code`` is the gRPC status the client receives."""
+    """Base class; ``code`` is the gRPC status the client receives. ``reason``, when
+    set, travels beside it as trailing metadata (REASON_KEY), so that a client can tell
+    one refusal from another of the same status without reading the message (the
+    gateway turns it into OpenAI's error code)."""
 
     code = grpc.StatusCode.INTERNAL
+    reason = ""
 
 
 class InvalidArgument(IServeError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class ContextLengthExceeded(InvalidArgument):
+    """A prompt (with its output) longer than the deployment takes."""
+
+    reason = "context_length_exceeded"
+
+
 class NotFound(IServeError):
     code = grpc.StatusCode.NOT_FOUND
+
+
+class ModelNotFound(NotFound):
+    """A model with no deployment (or none the caller may see)."""
+
+    reason = "model_not_found"
 
 
 class AlreadyExists(IServeError):

@@ -31,7 +31,7 @@ from services import transport
 from services.aio import cancel_and_wait
 from services.auth.interceptor import AuthInterceptor
 from services.auth.tokens import Authenticator
-from services.errors import IServeError
+from services.errors import REASON_KEY, IServeError
 from services.metrics import RpcMetrics
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 from services.transport import CHANNEL_OPTIONS, Transport
@@ -59,7 +59,8 @@ async def _abort_for(
     rid = _request_id(request)
     if isinstance(exc, IServeError):
         log.info("%s request_id=%s -> %s: %s", method, rid, exc.code.name, exc)
-        await context.abort(exc.code, str(exc))
+        reason = ((REASON_KEY, exc.reason),) if exc.reason else ()
+        await context.abort(exc.code, str(exc), trailing_metadata=reason)
     log.exception("%s request_id=%s failed", method, rid)
     await context.abort(
         grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"

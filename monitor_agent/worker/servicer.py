@@ -31,7 +31,7 @@ from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
 from services.drain import InFlight
-from services.errors import InvalidArgument, Unavailable, require
+from services.errors import ContextLengthExceeded, InvalidArgument, Unavailable, require
 
 FINISH_REASONS = {"length": common.FINISH_REASON_LENGTH, "stop": common.FINISH_REASON_STOP}
 
@@ -84,11 +84,11 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
                     request.prompt, add_special_tokens=not request.prompt_has_special_tokens
                 )
             limit = request.max_prompt_tokens
-            require(
-                not limit or len(prompt_ids) <= limit,
-                f"prompt has {len(prompt_ids)} tokens; deployment "
-                f"{self.identity.deployment_id} accepts at most {limit}",
-            )
+            if limit and len(prompt_ids) > limit:
+                raise ContextLengthExceeded(
+                    f"prompt has {len(prompt_ids)} tokens; deployment "
+                    f"{self.identity.deployment_id} accepts at most {limit}"
+                )
             return self.runner.parse(
                 prompt_ids, request.max_tokens, sampling, request.max_tokens_is_bound
             )

@@ -42,10 +42,14 @@ def status_number(code: grpc.StatusCode) -> int:
     return code.value[0]
 
 
-def error_response(stream_id: int, code: grpc.StatusCode, message: str) -> SessionResponse:
+def error_response(
+    stream_id: int, code: grpc.StatusCode, message: str, reason: str = ""
+) -> SessionResponse:
     return SessionResponse(
         stream_id=stream_id,
-        error=worker_pb.WorkerServiceSessionError(status_code=status_number(code), message=message),
+        error=worker_pb.WorkerServiceSessionError(
+            status_code=status_number(code), message=message, reason=reason
+        ),
     )
 
 
@@ -110,7 +114,9 @@ class _Session:
                         error_response(stream_id, grpc.StatusCode.UNAVAILABLE, NO_FINAL_MESSAGE),
                     )
             except IServeError as exc:
-                await self._write(generation, error_response(stream_id, exc.code, str(exc)))
+                await self._write(
+                    generation, error_response(stream_id, exc.code, str(exc), exc.reason)
+                )
             except (asyncio.CancelledError, _Cancelled):
                 raise
             except Exception as exc:  # noqa: BLE001 - the caller gets INTERNAL, as from Generate

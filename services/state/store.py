@@ -27,7 +27,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import token_service_pb2 as token_pb
-from services.errors import NotFound, Unavailable
+from services.errors import ModelNotFound, Unavailable
 from services.ids import check_model_id, replica_group_id
 from services.state import keys
 from services.state.capacity import FREE_BYTES_LUA, free_bytes
@@ -198,7 +198,7 @@ class StateStore:
         check_model_id(model_id)
         model = await self.get_model(model_id)
         if model is None:
-            raise NotFound(f"model {model_id!r} is not registered")
+            raise ModelNotFound(f"model {model_id!r} is not registered")
         return model
 
     async def list_models(self) -> list[model_pb.Model]:

@@ -591,6 +591,31 @@ def test_the_gateway_forwards_the_client_token(deployed):
         assert [m["id"] for m in models.json()["data"]] == [MODEL]
 
 
+def test_the_gateway_lists_only_models_the_key_may_generate_on(deployed):
+    """An application developer reads every deployment but generates only on its own:
+    /v1/models listed another developer's model, on which every generation then got 403
+    (clients that pick a model from the list failed)."""
+    s = deployed
+    with grpc.insecure_channel(s.settings.address("deploy")) as ch:
+        other = (
+            token_service_pb2_grpc.TokenServiceStub(ch)
+            .CreateToken(
+                token_pb.CreateTokenRequest(subject="olga", role=policy.APP_DEVELOPER),
+                metadata=_md(s.tokens["admin"]),
+            )
+            .secret
+        )
+    base = f"http://{s.settings.gateway_address}/v1"
+
+    def get(path: str, token: str) -> httpx.Response:
+        return httpx.get(f"{base}{path}", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    assert [m["id"] for m in get("/models", s.tokens["app-developer"]).json()["data"]] == [MODEL]
+    assert get("/models", other).json()["data"] == []
+    assert get(f"/models/{MODEL}", other).status_code == 404
+    assert get(f"/models/{MODEL}", s.tokens["app-developer"]).status_code == 200
+
+
 def _chat(s: AuthStack, token: str, model: str) -> httpx.Response:
     # ignore_eos: a random model may sample its end-of-text token before max_tokens.
     body = {
@@ -642,7 +667,7 @@ def test_a_gateway_chat_tells_of_no_model_the_caller_may_not_use(deployed):
                     "message": "invalid or revoked token",
                     "type": "authentication_error",
                     "param": None,
-                    "code": 401,
+                    "code": "invalid_api_key",
                 }
                 # A user whose token grants none of its deployments: as if unknown.
                 hidden = _chat(s, elsewhere, model)

@@ -51,6 +51,19 @@ def test_a_listed_origin_may_call_and_another_may_not(cors_gateway):
     assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
     assert "access-control-allow-credentials" not in allowed.headers
 
+    # The headers the OpenAI SDKs send from a browser (openai-node's x-stainless-*): a
+    # preflight naming them was refused (400 Disallowed CORS headers), so the SDK failed.
+    sdk = {
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "accept,authorization,content-type,"
+        "x-stainless-arch,x-stainless-lang,x-stainless-os,x-stainless-package-version,"
+        "x-stainless-retry-count,x-stainless-runtime,x-stainless-runtime-version,"
+        "x-stainless-timeout",
+    }
+    from_sdk = httpx.options(url, headers={"origin": PAGE, **sdk}, timeout=10)
+    assert from_sdk.status_code == 200, from_sdk.text
+    assert from_sdk.headers["access-control-allow-origin"] == PAGE
+
     refused = httpx.options(url, headers={"origin": "http://evil.test", **PREFLIGHT}, timeout=10)
     assert refused.status_code == 400
     assert "access-control-allow-origin" not in refused.headers

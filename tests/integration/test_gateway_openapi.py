@@ -189,6 +189,8 @@ def test_without_max_tokens_a_long_chat_gets_what_the_sequence_leaves(gateway_ur
             return reply.json()["usage"]["prompt_tokens"]
         message = reply.json()["error"]["message"]
         assert reply.status_code == 400 and "accepts at most" in message, message
+        # OpenAI's code, which clients key their fallbacks on (the worker's refusal).
+        assert reply.json()["error"]["code"] == "context_length_exceeded"
         return int(re.search(r"prompt has (\d+) tokens", message).group(1))
 
     words = next(w for w in range(10, CONTEXT) if prompt_tokens(w) > CONTEXT - MAX_OUTPUT + 8)

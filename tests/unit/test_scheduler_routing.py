@@ -16,6 +16,7 @@ from services.auth.tokens import Principal
 from services.errors import (
     FailedPrecondition,
     InvalidArgument,
+    ModelNotFound,
     NotFound,
     PermissionDenied,
     Unavailable,
@@ -194,7 +195,7 @@ def test_a_user_is_refused_what_its_token_does_not_grant_as_if_it_did_not_exist(
             for target in ("d2", "d3"):
                 assert await refusal(router.by_deployment_id, target) == unknown
             unknown = await refusal(router.by_model_id, "m9")
-            assert unknown == (NotFound, "model <id> has no deployment")
+            assert unknown == (ModelNotFound, "model <id> has no deployment")
             for target in ("m2", "m3"):  # READY, and only STARTING
                 assert await refusal(router.by_model_id, target) == unknown
         finally:

@@ -187,12 +187,14 @@ class GetDeploymentResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., deployment: _Optional[_Union[Deployment, _Mapping]] = ...) -> None: ...
 
 class ListDeploymentsRequest(_message.Message):
-    __slots__ = ("request_id", "model_id")
+    __slots__ = ("request_id", "model_id", "usable_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    USABLE_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
+    usable_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., usable_only: _Optional[bool] = ...) -> None: ...
 
 class ListDeploymentsResponse(_message.Message):
     __slots__ = ("request_id", "deployments")

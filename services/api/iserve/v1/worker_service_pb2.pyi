@@ -70,12 +70,14 @@ class WorkerServiceSessionResponse(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., generate: _Optional[_Union[WorkerServiceGenerateResponse, _Mapping]] = ..., error: _Optional[_Union[WorkerServiceSessionError, _Mapping]] = ...) -> None: ...
 
 class WorkerServiceSessionError(_message.Message):
-    __slots__ = ("status_code", "message")
+    __slots__ = ("status_code", "message", "reason")
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     status_code: int
     message: str
-    def __init__(self, status_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, status_code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GetWorkerStatsRequest(_message.Message):
     __slots__ = ("request_id",)
