@@ -15,11 +15,19 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 stamp=".venv/.iserve-installed-$extras"
+# pip, its output less the warnings of local indexes this machine's pip config names but
+# may lack; exits with pip's status (a failed install must not be marked as done).
+pip_quietly() {
+  local status=0
+  .venv/bin/python -m pip "$@" > .venv/pip.log 2>&1 || status=$?
+  grep -v "^WARNING: Location" .venv/pip.log || true
+  return "$status"
+}
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "== installing iserve[$extras] (torch==2.13.0 CPU comes from the local wheel when present)"
-  # This machine's pip config names local indexes that may be absent; hide that noise.
-  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -m pip install -q -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+  rm -f "$stamp"
+  pip_quietly install -q --upgrade pip || echo "(pip itself was not upgraded; going on)" >&2
+  pip_quietly install -q -e ".[$extras]" || { echo "installation of iserve[$extras] failed" >&2; exit 1; }
   .venv/bin/python -c "import services, grpc, torch" || { echo "installation failed" >&2; exit 1; }
   touch "$stamp"
 fi

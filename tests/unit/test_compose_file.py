@@ -317,3 +317,11 @@ def test_control_plane_imports_no_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert reply.returncode == 0, reply.stdout + reply.stderr
+
+
+def test_services_that_drain_on_sigterm_get_the_time_to(resolved):
+    """The scheduler and the gateway let streams run for ISERVE_DRAIN_TIMEOUT_S (30 s)
+    on SIGTERM: Docker's default 10 s before SIGKILL cut the gateway's streams."""
+    for name in ("scheduler", "gateway"):
+        grace = resolved["services"][name].get("stop_grace_period", "10s")
+        assert grace.endswith("s") and float(grace[:-1]) > 30, (name, grace)

@@ -154,10 +154,15 @@ def test_top_level_kustomization_applies_the_base():
     assert top["resources"] == ["base"]
     overlay = yaml.safe_load((HOSTNETWORK / "kustomization.yaml").read_text())
     assert overlay["resources"] == ["../base"]
-    for patch in overlay["patches"]:
+    files = [patch for patch in overlay["patches"] if "path" in patch]
+    for patch in files:
         (doc,) = documents(HOSTNETWORK / patch["path"])
         assert (doc["kind"], doc["metadata"]["name"]) == ("DaemonSet", "agent")
         assert doc["spec"]["template"]["spec"]["hostNetwork"] is True
+    # The other patch deletes Redis's NetworkPolicy (see test_rendered_kustomization_is_valid).
+    (inline,) = [patch for patch in overlay["patches"] if "path" not in patch]
+    assert inline["target"] == {"kind": "NetworkPolicy", "name": "redis"}
+    assert "$patch: delete" in inline["patch"]
 
 
 def _kustomize(folder: Path) -> list[dict]:
@@ -172,7 +177,11 @@ def _kustomize(folder: Path) -> list[dict]:
 @pytest.mark.parametrize("folder", [DEPLOY, HOSTNETWORK], ids=["base", "hostnetwork"])
 def test_rendered_kustomization_is_valid(folder):
     rendered = _kustomize(folder)
-    assert len(rendered) == len(all_objects()) - 1  # all but the Secret example
+    # All but the Secret example; the host-network variant drops Redis's NetworkPolicy,
+    # whose pod selector would shut out agents on the nodes' network.
+    policies = {d["metadata"]["name"] for d in rendered if d["kind"] == "NetworkPolicy"}
+    assert policies == (set() if folder == HOSTNETWORK else {"redis"})
+    assert len(rendered) == len(all_objects()) - 1 - (folder == HOSTNETWORK)
     for doc in rendered:
         assert not validation_errors(doc), (doc["kind"], doc["metadata"]["name"])
         if doc["kind"] != "Namespace":
