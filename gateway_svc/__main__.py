@@ -15,10 +15,14 @@ import uvicorn
 from gateway_svc.app import Backend, create_app
 from services import transport
 from services.grpc_server import configure_logging
+from services.service_main import command_line
 from services.settings import load_settings
 
 
-def main() -> int:
+def main(args: list[str] | None = None) -> int:
+    """Run the gateway; ``args`` are the command line's (None: ``sys.argv``'s), of which
+    it takes none (``iserve gateway`` passes [])."""
+    command_line("python -m gateway_svc", __doc__, args)
     settings = load_settings()
     configure_logging(settings.log_level, "gateway")
     # The gateway is one of iserve's processes: model records are read with the service

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,20 @@ class ServiceParts:
 REDIS_WAIT_S = 10.0
 
 
+def command_line(program: str, summary: str | None, args: list[str] | None = None) -> None:
+    """The command line of a service's process, which takes no arguments: everything is
+    set by environment variables. ``--help`` says so and exits; any argument is a usage
+    error (status 2), not ignored while the service starts as if it were not given."""
+    parser = argparse.ArgumentParser(
+        prog=program,
+        description=(summary or "").strip() or None,
+        epilog="Takes no arguments: ISERVE_* variables and REDIS_URL configure it (the "
+        "README's table; services/settings.py).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.parse_args(args)
+
+
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -68,6 +83,10 @@ async def connect_store(settings: Settings) -> StateStore:
 
 def serve_service(name: str, build: Callable[[Settings, StateStore], ServiceParts]) -> None:
     """Run service ``name`` (a key of ``settings.addresses``) until SIGTERM/SIGINT."""
+    main = sys.modules.get("__main__")
+    command_line(
+        f"python -m {(getattr(main, '__package__', None) or name)}", main.__doc__ if main else None
+    )
     try:
         settings = load_settings()
         if settings.auth:

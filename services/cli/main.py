@@ -137,7 +137,7 @@ def cmd_gateway(settings: Settings, args) -> int:
     """Run the OpenAI-compatible gateway in the foreground (``iserve up`` starts one)."""
     from gateway_svc.__main__ import main as gateway_main
 
-    return gateway_main()
+    return gateway_main([])  # its options are iserve's, already parsed
 
 
 def cmd_status(settings: Settings, args) -> int:
