@@ -63,11 +63,12 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-import _stack_harness as harness
+import _stack_harness as harness  # puts the repository on sys.path
 from traces import RATE_BASES, TIME_UNITS, TraceRow, load_trace, mean_rate, peak_rate
+
+from services.cli.arguments import positive_number, whole_number
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACES = REPO.parent / "shared" / "data" / "azure-llm-traces"
@@ -167,32 +168,6 @@ def window_size(text: str) -> int:
     if count < 2:
         raise argparse.ArgumentTypeError(f"{text!r}: a window needs at least 2 requests")
     return count
-
-
-def whole_number(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            number = int(text)
-        except ValueError:
-            number = minimum - 1
-        if number < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {minimum}")
-        return number
-
-    return parse
-
-
-def positive_number(text: str) -> float:
-    """An argparse type: a positive, finite number."""
-    try:
-        number = float(text)
-    except ValueError:
-        number = math.nan
-    if not (math.isfinite(number) and number > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return number
 
 
 def parse_args() -> argparse.Namespace:

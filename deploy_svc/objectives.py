@@ -93,18 +93,24 @@ class BatchBound:
     reason: str
 
 
-def _slo_batch_bound(what: str, at_1: float, per_sequence: float, limit: float) -> BatchBound:
+def _slo_batch_bound(
+    what: str, at_1: float, per_sequence: float, limit: float, figure: str = ""
+) -> BatchBound:
     """Largest B <= MAX_AUTO_BATCH with ``at_1 + (B - 1) * per_sequence`` within
-    ``limit`` (ms): ``what``'s objective."""
+    ``limit`` (ms): ``what``'s objective on the estimated ``figure`` ("TPOT", or the
+    objective's own)."""
     if at_1 > limit:
         return BatchBound(1, f"{what} is missed even at batch 1 (estimated {at_1:.1f} ms)")
     if per_sequence <= 0:
-        return BatchBound(MAX_AUTO_BATCH, f"the cap of {MAX_AUTO_BATCH} ({what} does not grow)")
+        return BatchBound(
+            MAX_AUTO_BATCH, f"the cap of {MAX_AUTO_BATCH} ({figure or what} does not grow)"
+        )
     batch = min(MAX_AUTO_BATCH, 1 + math.floor((limit - at_1) / per_sequence + 1e-9))
     if batch == MAX_AUTO_BATCH:
         return BatchBound(batch, f"the cap of {MAX_AUTO_BATCH}")
     estimated = at_1 + (batch - 1) * per_sequence
-    return BatchBound(batch, f"{what} (estimated {estimated:.1f} ms at batch {batch})")
+    label = f"{figure} " if figure else ""
+    return BatchBound(batch, f"{what} (estimated {label}{estimated:.1f} ms at batch {batch})")
 
 
 def batch_bound(
@@ -146,18 +152,10 @@ def tpot_batch_bound(tpot1_ms: float, per_sequence: float, tpot_slo_ms: int) -> 
     TPOT SLO, or within UNBOUNDED_TPOT_FACTOR x ``tpot1_ms`` when the SLO is 0."""
     if tpot_slo_ms:
         limit, what = float(tpot_slo_ms), f"TPOT SLO {tpot_slo_ms} ms"
-        if tpot1_ms > limit:
-            return BatchBound(1, f"{what} is missed even at batch 1 (estimated {tpot1_ms:.1f} ms)")
     else:
         limit = UNBOUNDED_TPOT_FACTOR * tpot1_ms
         what = f"{UNBOUNDED_TPOT_FACTOR}x the batch-1 TPOT ({limit:.1f} ms)"
-    if per_sequence <= 0:
-        return BatchBound(MAX_AUTO_BATCH, f"the cap of {MAX_AUTO_BATCH} (TPOT does not grow)")
-    batch = min(MAX_AUTO_BATCH, 1 + math.floor((limit - tpot1_ms) / per_sequence + 1e-9))
-    if batch == MAX_AUTO_BATCH:
-        return BatchBound(batch, f"the cap of {MAX_AUTO_BATCH}")
-    estimated = tpot1_ms + (batch - 1) * per_sequence
-    return BatchBound(batch, f"{what} (estimated TPOT {estimated:.1f} ms at batch {batch})")
+    return _slo_batch_bound(what, tpot1_ms, per_sequence, limit, "TPOT")
 
 
 def largest_fitting(upper: int, fits: Callable[[int], bool]) -> int:
