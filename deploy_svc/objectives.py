@@ -126,24 +126,17 @@ def batch_bound(
     bounds = [
         tpot_batch_bound(batch1.tpot_ms, per_sequence_ms(batch1, batch2), objectives.tpot_slo_ms)
     ]
-    if objectives.ttft_slo_ms:
-        bounds.append(
-            _slo_batch_bound(
-                f"TTFT SLO {objectives.ttft_slo_ms} ms",
-                batch1.ttft_ms,
-                batch2.ttft_ms - batch1.ttft_ms,
-                objectives.ttft_slo_ms,
-            )
-        )
-    if objectives.default_deadline_ms:
-        bounds.append(
-            _slo_batch_bound(
-                f"latency {objectives.default_deadline_ms} ms (the default deadline)",
-                batch1.latency_ms,
-                batch2.latency_ms - batch1.latency_ms,
-                objectives.default_deadline_ms,
-            )
-        )
+    for limit, what, figure in (
+        (objectives.ttft_slo_ms, f"TTFT SLO {objectives.ttft_slo_ms} ms", "ttft_ms"),
+        (
+            objectives.default_deadline_ms,
+            f"latency {objectives.default_deadline_ms} ms (the default deadline)",
+            "latency_ms",
+        ),
+    ):
+        if limit:
+            one, two = getattr(batch1, figure), getattr(batch2, figure)
+            bounds.append(_slo_batch_bound(what, one, two - one, limit))
     return min(bounds, key=lambda b: b.batch)  # the first of equals: TPOT's
 
 
