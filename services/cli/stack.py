@@ -11,6 +11,7 @@ addresses and pids so that other ``iserve`` commands (and ``down``) find them. L
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import signal
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
+import redis
 
 from services import replicas, transport
 from services.api import deployment_service_pb2 as deploy_pb
@@ -45,6 +47,7 @@ from services.settings import (
     token_file,
     write_stack_file,
 )
+from services.state import keys
 
 # Start order; ``down`` stops them in reverse (agent last, so it can stop its workers).
 SERVICES = [
@@ -80,27 +83,68 @@ def port_in_use(address: str) -> bool:
     return not bindable(host or "127.0.0.1", int(port))
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs: a zombie (exited, its parent not yet told, as the children
-    of a foreground ``iserve up`` while another process runs ``iserve down``) does not."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None
+    without procfs or such a process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field 22):
+    with the pid, what names one process, since the system reuses pids. None without
+    procfs."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def _alive(pid: int, started: int | None = None) -> bool:
+    """Whether ``pid`` runs and is the process that started at ``started`` (when known:
+    after a crash or a reboot the pid may belong to another process now). A zombie
+    (exited, its parent not yet told, as the children of a foreground ``iserve up`` while
+    another process runs ``iserve down``) does not run."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return started is None  # someone else's process: not ours if we know ours
+    fields = _stat(pid)
+    if fields is None:
         return True  # no procfs: signal 0 is all there is
-    return state != "Z"
+    if started is not None and start_time(pid) not in (started, None):
+        return False
+    return fields[0] != "Z"
+
+
+def _ours(stack: Mapping) -> dict[str, tuple[int, int | None]]:
+    """Each recorded process of ``stack``: (pid, start time or None when not recorded)."""
+    started = stack.get("started", {})
+    return {name: (pid, started.get(name)) for name, pid in stack.get("pids", {}).items()}
 
 
 def stack_running(settings: Settings) -> dict:
     """The recorded stack if any of its processes is still alive, else ``{}``."""
     stack = read_stack_file(settings.state_dir)
-    pids = list(stack.get("pids", {}).values())
-    return stack if any(_alive(p) for p in pids) else {}
+    return stack if any(_alive(*p) for p in _ours(stack).values()) else {}
+
+
+@contextlib.contextmanager
+def _starting(state_dir: Path) -> Iterator[None]:
+    """Held while ``iserve up`` starts a stack in ``state_dir``: a second ``up`` at the
+    same time is refused, instead of starting a second Redis on the same data."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / "up.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"another `iserve up` is starting the stack from {state_dir}; wait for it "
+                "(`iserve status`)"
+            ) from None
+        yield
 
 
 def with_chosen_ports(settings: Settings) -> Settings:
@@ -121,16 +165,26 @@ def with_chosen_ports(settings: Settings) -> Settings:
 
 def up(settings: Settings, options: UpOptions, log=print) -> dict:
     """Start the stack; returns what was written to stack.json. Raises RuntimeError."""
+    with _starting(settings.state_dir):
+        return _up(settings, options, log)
+
+
+def _up(settings: Settings, options: UpOptions, log) -> dict:
     settings = with_chosen_ports(settings)
     running = stack_running(settings)
     if running:
-        dead = sorted(name for name, pid in running.get("pids", {}).items() if not _alive(pid))
+        dead = sorted(name for name, p in _ours(running).items() if not _alive(*p))
         if dead:
+            budget = (
+                "restores the deployments (Redis exited too, so each restore counts "
+                "against its deployment's restart budget)"
+                if "redis" in dead
+                else "restores the deployments without spending their restart budget"
+            )
             raise RuntimeError(
                 f"the stack from {settings.state_dir} is running without its "
                 f"{', '.join(dead)} (exited; logs in {settings.state_dir / 'logs'}): "
-                "`iserve down`, then `iserve up` starts it all again, and restores the "
-                "deployments without spending their restart budget"
+                f"`iserve down`, then `iserve up` starts it all again, and {budget}"
             )
         raise RuntimeError(
             f"a stack is already running from {settings.state_dir} (see `iserve status`, or `iserve down`)"
@@ -162,6 +216,7 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
     stack: dict = {
         "state_dir": str(settings.state_dir),
         "pids": {},
+        "started": {},
         "addresses": {},
         "metrics_addresses": dict(settings.metrics_addresses),
     }
@@ -172,6 +227,7 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
     else:
         redis_proc, redis_url = start_redis(settings.state_dir / "redis")
         stack["pids"]["redis"] = redis_proc.pid
+        stack["started"]["redis"] = start_time(redis_proc.pid)
         stack["embedded_redis"] = True
         log(f"started embedded redis-server at {redacted_url(redis_url)}")
     stack["redis_url"] = redis_url
@@ -185,6 +241,7 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         for name, module in SERVICES:
             procs[name] = _spawn(module, env, logs / f"{name}.log")
             stack["pids"][name] = procs[name].pid
+            stack["started"][name] = start_time(procs[name].pid)
             stack["addresses"][name] = settings.address(name)
         deadline = time.monotonic() + READY_TIMEOUT_S
         for name, _ in SERVICES:
@@ -197,6 +254,7 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
             )
         procs[GATEWAY] = _spawn(GATEWAY_MODULE, env, logs / f"{GATEWAY}.log")
         stack["pids"][GATEWAY] = procs[GATEWAY].pid
+        stack["started"][GATEWAY] = start_time(procs[GATEWAY].pid)
         stack["gateway_address"] = settings.gateway_address
         if not wait_http(f"http://{settings.gateway_address}/health", deadline, procs[GATEWAY]):
             tail = _tail(logs / f"{GATEWAY}.log")
@@ -207,7 +265,8 @@ def up(settings: Settings, options: UpOptions, log=print) -> dict:
         )
     except BaseException:
         _stop_pids(
-            {n: p.pid for n, p in procs.items()} | ({"redis": redis_proc.pid} if redis_proc else {})
+            {n: (p.pid, None) for n, p in procs.items()}
+            | ({"redis": (redis_proc.pid, None)} if redis_proc else {})
         )
         raise
     stack["started_at_unix_ms"] = int(time.time() * 1000)
@@ -363,19 +422,20 @@ def restart_service(settings: Settings, name: str, *, kill: bool = False) -> int
     modules = dict(SERVICES)
     if not stack or name not in modules:
         raise RuntimeError(f"no running stack with a {name!r} service in {settings.state_dir}")
-    pid = stack["pids"][name]
-    if kill and _alive(pid):
+    pid, started = _ours(stack)[name]
+    if kill and _alive(pid, started):
         os.kill(pid, signal.SIGKILL)
-        while _alive(pid):
+        while _alive(pid, started):
             _reap(pid)
             time.sleep(0.02)
     else:
-        _stop_pids({name: pid}, timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s)
+        _stop_pids({name: (pid, started)}, timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s)
     log_path = settings.state_dir / "logs" / f"{name}.log"
     proc = _spawn(modules[name], _service_env(settings, stack["redis_url"], UpOptions()), log_path)
     if not wait_serving(settings.address(name), time.monotonic() + READY_TIMEOUT_S, proc):
         raise RuntimeError(f"{name} did not come back; last log lines:\n{_tail(log_path)}")
     stack["pids"][name] = proc.pid
+    stack.setdefault("started", {})[name] = start_time(proc.pid)
     write_stack_file(settings.state_dir, stack)
     return proc.pid
 
@@ -385,13 +445,20 @@ def down(settings: Settings, log=print) -> bool:
     stack = read_stack_file(settings.state_dir)
     if not stack:
         return False
-    pids = stack.get("pids", {})
+    ours = _ours(stack)
     order = [GATEWAY, *(name for name, _ in reversed(SERVICES)), "redis"]
+    deployer_crashed = "deploy" in ours and not _alive(*ours["deploy"])
     _stop_pids(
-        {name: pids[name] for name in order if name in pids},
+        {name: ours[name] for name in order if name in ours and name != "redis"},
         log,
         timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
     )
+    if deployer_crashed:
+        # A deployer that exited cleanly records that it did, and its deployments are
+        # restored without spending their restart budget; one that crashed could not.
+        # This stop is the operator's: record it for it while Redis answers.
+        _record_planned_stop(stack.get("redis_url", ""), log)
+    _stop_pids({"redis": ours["redis"]} if "redis" in ours else {}, log)
     (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
     return True
 
@@ -440,21 +507,43 @@ def _restore_environment(saved: Mapping[str, str | None]) -> None:
             os.environ[key] = value
 
 
+def _record_planned_stop(redis_url: str, log) -> None:
+    """Mark in Redis that the deployer stopped on purpose (what it marks itself when it
+    exits cleanly), so that the next start restores its deployments as after a clean
+    stop; nothing when Redis does not answer."""
+    try:
+        client = redis.Redis.from_url(redis_url, socket_timeout=5)
+        try:
+            client.set(keys.deployer_stopped(), str(int(time.time() * 1000)))
+        finally:
+            client.close()
+    except (redis.RedisError, ValueError) as exc:
+        log(
+            f"the deployer had exited and Redis did not answer ({exc}): the next `iserve up` counts each restore against its deployment's restart budget"
+        )
+
+
 def _stop_pids(
-    pids: dict[str, int], log=lambda _msg: None, timeout_s: float = STOP_TIMEOUT_S
+    pids: dict[str, tuple[int, int | None]],
+    log=lambda _msg: None,
+    timeout_s: float = STOP_TIMEOUT_S,
 ) -> None:
-    """SIGTERM each process in turn; SIGKILL one still alive ``timeout_s`` seconds later."""
-    for name, pid in pids.items():
-        if _alive(pid):
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while _alive(pid) and time.monotonic() < deadline:
-                _reap(pid)
-                time.sleep(0.05)
+    """SIGTERM each process (pid, start time or None) in turn; SIGKILL one still alive
+    ``timeout_s`` seconds later. A pid another process holds now is left alone."""
+    for name, (pid, started) in pids.items():
+        if not _alive(pid, started):
             if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-                _reap(pid)
-            log(f"stopped {name} (pid {pid})")
+                log(f"{name} is gone; pid {pid} is another process now, left alone")
+            continue
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid, started) and time.monotonic() < deadline:
+            _reap(pid)
+            time.sleep(0.05)
+        if _alive(pid, started):
+            os.kill(pid, signal.SIGKILL)
+            _reap(pid)
+        log(f"stopped {name} (pid {pid})")
 
 
 def reap_children() -> None:

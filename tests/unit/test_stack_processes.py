@@ -1,0 +1,79 @@
+"""Which processes `iserve up`/`down` take for the stack's (services.cli.stack): a pid
+names a process only with its start time, since the system reuses pids after a crash or
+a reboot; and two `up`s at once on one state directory are one too many."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from services.cli import stack
+from services.cli.stack import UpOptions, _alive, _record_planned_stop, _stop_pids, start_time
+from services.settings import load_settings
+from services.state import keys
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait(10)
+
+
+def test_a_reused_pid_is_not_the_stack_s_process(sleeper):
+    started = start_time(sleeper.pid)
+    assert started is not None
+    assert _alive(sleeper.pid, started) and _alive(sleeper.pid)
+    assert not _alive(sleeper.pid, started + 1)  # the pid, another process's now
+
+
+def test_down_leaves_alone_a_process_that_took_a_recorded_pid(sleeper):
+    """A stale stack.json (every process killed, then the pid reused): `down` killed
+    whatever held the pid now."""
+    said = []
+    _stop_pids({"gateway": (sleeper.pid, start_time(sleeper.pid) + 1)}, said.append)
+    assert sleeper.poll() is None
+    assert said == [f"gateway is gone; pid {sleeper.pid} is another process now, left alone"]
+    _stop_pids({"gateway": (sleeper.pid, start_time(sleeper.pid))}, said.append, timeout_s=10)
+    assert sleeper.wait(10) is not None
+
+
+def test_a_stale_stack_file_does_not_block_up(sleeper, tmp_path, monkeypatch):
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+    (tmp_path / "stack.json").write_text(
+        json.dumps(
+            {"pids": {"gateway": sleeper.pid}, "started": {"gateway": start_time(sleeper.pid) + 1}}
+        )
+    )
+    assert stack.stack_running(load_settings()) == {}
+
+
+def test_a_second_up_while_one_starts_is_refused(tmp_path, monkeypatch):
+    """Two `iserve up` at once started two Redis servers on one append-only file, and
+    the second took the first's services for its own."""
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+    with open(tmp_path / "up.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RuntimeError, match="another `iserve up` is starting the stack"):
+            stack.up(load_settings(), UpOptions(), log=lambda _m: None)
+    assert not (tmp_path / "stack.json").exists()
+
+
+def test_down_records_the_planned_stop_a_crashed_deployer_could_not(redis_url):
+    """Without the mark, the next start counted each restore against its deployment's
+    restart budget, though `up` had said it would not."""
+    said = []
+    _record_planned_stop(redis_url, said.append)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.getdel(keys.deployer_stopped()) is not None
+    finally:
+        client.close()
+    _record_planned_stop("redis://127.0.0.1:1/0", said.append)
+    assert "counts each restore against its deployment's restart budget" in said[-1]
