@@ -173,7 +173,7 @@ def main() -> int:
     parser.add_argument(
         "--input-tokens",
         default="16",
-        help="prompt lengths, comma-separated (default 16; the service profiles 64,256)",
+        help="prompt lengths, comma-separated (default 16; the service profiles 64,256,1024)",
     )
     parser.add_argument("--output-tokens", default="8,16", help="output lengths (default 8,16)")
     parser.add_argument("--timed-runs", type=int, default=3)

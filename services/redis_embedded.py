@@ -93,7 +93,9 @@ def start_redis(
             with socket.create_connection((host, port), timeout=0.2) as sock:
                 sock.sendall(f"AUTH {password}\r\nPING\r\n".encode())
                 if b"+PONG" in _read_lines(sock, 2):
-                    return proc, f"redis://:{password}@{host}:{port}/0"
+                    # The user named (Redis's "default"): redis-cli -u sends an empty
+                    # one otherwise, which Redis refuses.
+                    return proc, f"redis://default:{password}@{host}:{port}/0"
         except OSError:
             time.sleep(0.05)
     proc.kill()

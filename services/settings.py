@@ -39,7 +39,7 @@ variable                    meaning                                         defa
 ``ISERVE_LOG_LEVEL``        logging level                                   ``INFO``
 ``ISERVE_CPU_COLLECTIVES``  how CPU ranks of one host exchange: ``shm``     ``shm``
                             (shared memory) or ``gloo``
-``ISERVE_GATEWAY_ADDR``     the OpenAI-compatible HTTP gateway              ``127.0.0.1:8000``
+``ISERVE_GATEWAY_ADDR``     the OpenAI-compatible HTTP gateway              ``$ISERVE_HOST:8000``
 ``ISERVE_CORS_ORIGINS``     web origins whose pages may call the gateway     none
                             (CORS), comma-separated: ``*`` or
                             ``http(s)://host[:port]``
@@ -137,7 +137,8 @@ MAX_VIRTUAL_DEVICES = 256
 GIB = 1 << 30
 GATEWAY_ENV = "ISERVE_GATEWAY_ADDR"
 CORS_ENV = "ISERVE_CORS_ORIGINS"
-DEFAULT_GATEWAY_ADDR = "127.0.0.1:8000"
+DEFAULT_GATEWAY_PORT = 8000
+DEFAULT_GATEWAY_ADDR = f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
 DRAIN_TIMEOUT_ENV = "ISERVE_DRAIN_TIMEOUT_S"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # The deployer's restart policy (deploy_svc.healing.RestartPolicy's defaults too).
@@ -505,7 +506,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         gateway_address=pick(
             _address(GATEWAY_ENV, env.get(GATEWAY_ENV)),
             stack.get("gateway_address"),
-            DEFAULT_GATEWAY_ADDR,
+            f"{host}:{DEFAULT_GATEWAY_PORT}",  # ISERVE_HOST's, as every default address
         ),
         cors_origins=cors_origins(env.get(CORS_ENV, "")),
         auth=_flag(env, AUTH_ENV, False),

@@ -15,17 +15,43 @@ const FILES = [
   "estimator_service.proto",
 ].map((name) => path.join("iserve", "v1", name));
 
-// Where each service listens: the same variables and defaults as services/settings.py.
+// Where each service listens, found as services/settings.py finds it: its ISERVE_*_ADDR
+// variable, else what `iserve up` recorded in $ISERVE_STATE_DIR/stack.json (the ports it
+// chose for host:0), else the default port on ISERVE_HOST.
 const ADDRESSES = {
-  model: ["ISERVE_MODEL_ADDR", "127.0.0.1:50061"],
-  deploy: ["ISERVE_DEPLOY_ADDR", "127.0.0.1:50063"],
-  scheduler: ["ISERVE_SCHEDULER_ADDR", "127.0.0.1:50064"],
-  estimator: ["ISERVE_ESTIMATOR_ADDR", "127.0.0.1:50062"],
+  model: ["ISERVE_MODEL_ADDR", 50061],
+  deploy: ["ISERVE_DEPLOY_ADDR", 50063],
+  scheduler: ["ISERVE_SCHEDULER_ADDR", 50064],
+  estimator: ["ISERVE_ESTIMATOR_ADDR", 50062],
 };
 
+function stateDir() {
+  return process.env.ISERVE_STATE_DIR || path.join(require("node:os").homedir(), ".iserve");
+}
+
+function recordedStack() {
+  try {
+    return JSON.parse(fs.readFileSync(path.join(stateDir(), "stack.json"), "utf8"));
+  } catch {
+    return {}; // no stack started from here (or not readable): the defaults
+  }
+}
+
 function address(service) {
-  const [variable, fallback] = ADDRESSES[service];
-  return process.env[variable] || fallback;
+  const [variable, port] = ADDRESSES[service];
+  const recorded = (recordedStack().addresses || {})[service];
+  return process.env[variable] || recorded || `${process.env.ISERVE_HOST || "127.0.0.1"}:${port}`;
+}
+
+// ISERVE_TOKEN, else the administrator token `iserve up` wrote for the CLI with
+// authentication on ($ISERVE_STATE_DIR/tokens/admin), as the Python CLI takes it.
+function token() {
+  if (process.env.ISERVE_TOKEN) return process.env.ISERVE_TOKEN;
+  try {
+    return fs.readFileSync(path.join(stateDir(), "tokens", "admin"), "utf8").trim() || null;
+  } catch {
+    return null;
+  }
 }
 
 function load() {
@@ -66,20 +92,20 @@ function channelCredentials() {
   return grpc.credentials.createSsl(ca, key, cert);
 }
 
-// Every call carries `authorization: Bearer <ISERVE_TOKEN>` when the variable is set
-// (authentication on; docs/security.md).
+// Every call carries `authorization: Bearer <token>` when there is one (token() above;
+// authentication on, docs/security.md).
 function clientOptions() {
   const options = {};
   if (process.env.ISERVE_TLS_SERVER_NAME) {
     options["grpc.ssl_target_name_override"] = process.env.ISERVE_TLS_SERVER_NAME;
   }
-  const token = process.env.ISERVE_TOKEN;
-  if (token) {
+  const bearer = token();
+  if (bearer) {
     options.interceptors = [
       (callOptions, nextCall) =>
         new grpc.InterceptingCall(nextCall(callOptions), {
           start(metadata, listener, next) {
-            metadata.set("authorization", `Bearer ${token}`);
+            metadata.set("authorization", `Bearer ${bearer}`);
             next(metadata, listener);
           },
         }),

@@ -6,6 +6,7 @@ dependencies are installed from its committed package-lock.json with ``npm ci``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -77,3 +78,25 @@ def test_the_node_client_registers_deploys_and_streams_with_timings(stack, node_
         timeout=60,
     )
     assert bad.returncode == 1 and "RegisterModel: " in bad.stderr, bad.stderr
+
+
+def test_the_node_client_finds_the_stack_as_the_cli_does(stack, node_client):
+    """Without ISERVE_*_ADDR, the addresses `iserve up` recorded in stack.json (here
+    its free ports), as the Python CLI finds them: the client called the default ports
+    before, another stack's if one ran there."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")}
+    env["ISERVE_STATE_DIR"] = stack.env["ISERVE_STATE_DIR"]
+    script = (
+        'const { connect, unary } = require("./iserve");'
+        '(async () => { const r = await unary(connect().deployments, "GetClusterState", {});'
+        " console.log(JSON.stringify(r.nodes.map((n) => n.node_id))); })()"
+        ".catch((e) => { console.error(e.message); process.exit(1); });"
+    )
+    run = subprocess.run(
+        [node_client, "-e", script], cwd=CLIENT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    cluster = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
+    assert run.stdout.strip() == json.dumps(
+        [n.node_id for n in cluster.nodes], separators=(",", ":")
+    )

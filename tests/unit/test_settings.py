@@ -26,6 +26,14 @@ def test_defaults(tmp_path):
     assert s.redis_url is None
     assert s.virtual_devices == 2 and s.device_memory_bytes == 4 * GIB
     assert s.drain_timeout_s == 30.0
+    assert s.gateway_address == "127.0.0.1:8000"
+
+
+def test_iserve_host_is_the_host_of_every_default_address(tmp_path):
+    """The gateway's too: ISERVE_HOST=0.0.0.0 left the gateway on loopback alone."""
+    s = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_HOST": "0.0.0.0"})
+    assert s.address("deploy") == f"0.0.0.0:{DEFAULT_PORTS['deploy']}"
+    assert s.gateway_address == "0.0.0.0:8000"
 
 
 def test_environment_beats_stack_file_beats_defaults(tmp_path):
