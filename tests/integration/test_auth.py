@@ -761,8 +761,10 @@ def test_profiling_runs_on_service_tokens(auth_stack):
     assert events[-1].state == model_pb.MODEL_STATE_PROFILED, events[-1]
 
 
-def test_the_node_client_sends_iserve_token(auth_stack):
-    """clients/node with authentication on: refused without ISERVE_TOKEN, served with it."""
+def test_the_node_client_sends_iserve_token(auth_stack, tmp_path):
+    """clients/node with authentication on: refused without a token, served with
+    ISERVE_TOKEN, or with the admin token `iserve up` wrote into the state directory (as
+    the Python CLI takes it)."""
     from tests.integration.test_node_client import CLIENT
 
     node = shutil.which("node")
@@ -778,18 +780,14 @@ def test_the_node_client_sends_iserve_token(auth_stack):
     create_checkpoint(s.settings.models_root / "auth-node", **TINY, overwrite=True)
     env = {**os.environ, **s.env}
     env.pop("ISERVE_TOKEN", None)
+    elsewhere = {**env, "ISERVE_STATE_DIR": str(tmp_path)}  # no token files there
     command = [node, str(CLIENT / "demo.js"), "auth-node", "auth-node", "hi", "--max-tokens", "4"]
-    refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(command, env=elsewhere, capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr + refused.stdout
-    served = subprocess.run(
-        command,
-        env={**env, "ISERVE_TOKEN": s.tokens["admin"]},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert served.returncode == 0, served.stderr + served.stdout
-    assert "registered auth-node" in served.stdout
+    for given in ({**elsewhere, "ISERVE_TOKEN": s.tokens["admin"]}, env):
+        served = subprocess.run(command, env=given, capture_output=True, text=True, timeout=240)
+        assert served.returncode == 0, served.stderr + served.stdout
+        assert "deployed auth-node-" in served.stdout and "removed auth-node-" in served.stdout
 
 
 def test_refused_callers_are_logged_and_named_without_their_token(deployed):
