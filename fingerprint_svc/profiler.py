@@ -84,7 +84,12 @@ OWNER_PREFIX = "profile-"
 
 
 class JobFailed(Exception):
-    """A job could not run or failed; the message says why."""
+    """A job could not run or failed; the message says why. ``agent_gone``: its agent
+    stopped answering (killed, restarted), so registering again may complete it."""
+
+    def __init__(self, message: str, agent_gone: bool = False):
+        super().__init__(message)
+        self.agent_gone = agent_gone
 
 
 class ProfilingFailed(Exception):
@@ -100,6 +105,8 @@ class ProfileRecord:
     device_seconds: float = 0.0
     peak_device_bytes: int = 0
     runs_total: int = 0
+    # Jobs skipped because their agent stopped answering: the profile is incomplete.
+    agent_gone: int = 0
 
 
 def _owner(model_id: str) -> str:
@@ -201,7 +208,15 @@ class Profiler:
             model_pb.MODEL_STATE_PROFILED,
         )
         current.state = model_pb.MODEL_STATE_PROFILED
-        current.state_reason = ""
+        # An agent lost mid-profiling leaves references unmeasured that a run with it back
+        # would measure: say so where the model's state is read, not only in the profile.
+        current.state_reason = (
+            f"incomplete: {record.agent_gone} profiling job(s) failed because an agent "
+            "stopped answering (the profile's skipped list names them); register the model "
+            "again once the agent is back to complete it"
+            if record.agent_gone
+            else ""
+        )
         await self.store.put_model(current)
         log.info("profiled %s in %.1f s", model_id, profile.cost.wall_time_ms / 1e3)
 
@@ -230,6 +245,7 @@ class Profiler:
                     await self._progress(model_id, done, len(jobs), job.describe(), "running")
                     await self._run_job(model, job, record, profiling)
             except JobFailed as exc:
+                record.agent_gone += exc.agent_gone
                 if reference == (1, 1) and job.variant.is_base:
                     raise ProfilingFailed(f"{job.describe()}: {exc}") from exc
                 if reference == (1, 1):
@@ -287,9 +303,10 @@ class Profiler:
                     )
                 except grpc.RpcError as exc:
                     said = f"{exc.code().name}: {exc.details()}"
-                    if exc.code() == grpc.StatusCode.UNAVAILABLE and not await asyncio.to_thread(
-                        health.check, choice.agent_address, AGENT_CHECK_S
-                    ):
+                    gone = exc.code() == grpc.StatusCode.UNAVAILABLE and not (
+                        await asyncio.to_thread(health.check, choice.agent_address, AGENT_CHECK_S)
+                    )
+                    if gone:
                         # The agent itself is gone (killed, restarted): say which, and
                         # that registering again retries once it is back.
                         said = (
@@ -297,7 +314,7 @@ class Profiler:
                             f"stopped answering ({said}); register the model again once "
                             "it is back"
                         )
-                    raise JobFailed(said) from exc
+                    raise JobFailed(said, agent_gone=gone) from exc
             wall_s = time.perf_counter() - started
         finally:
             await self.store.release(owner)

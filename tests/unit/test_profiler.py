@@ -232,6 +232,28 @@ def test_an_agent_that_stops_answering_is_named_in_the_models_reason(redis_url, 
     assert model.state_reason.endswith("register the model again once it is back")
 
 
+def test_a_profile_an_agent_left_incomplete_says_so_in_the_models_reason(redis_url, models_root):
+    """The agent gone after (1,1) was measured: the model is PROFILED on what was, and its
+    reason says the profile is incomplete and how to complete it (it read as complete,
+    only the profile's skipped list telling otherwise)."""
+
+    def gone_after_one_rank(request):
+        if len(request.workers) > 1:  # the fake agent has no health service: "gone"
+            return (grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        return measured(request)
+
+    model, profile, *_ = run_profiler(redis_url, models_root, gone_after_one_rank)
+    assert model.state == model_pb.MODEL_STATE_PROFILED
+    assert model.state_reason.startswith(
+        "incomplete: 2 profiling job(s) failed because an agent stopped answering"
+    ), model.state_reason
+    assert "register the model again once the agent is back" in model.state_reason
+    assert len(profile.skipped) == 2 and all("stopped answering" in s for s in profile.skipped)
+    # Skipped for the cluster's shape alone, a profile is complete: no reason.
+    model, *_ = run_profiler(redis_url, models_root, single_rank_only)
+    assert model.state == model_pb.MODEL_STATE_PROFILED and model.state_reason == ""
+
+
 def test_no_device_with_room_fails_the_model_without_calling_the_agent(redis_url, models_root):
     model, profile, _, calls, owners = run_profiler(
         redis_url, models_root, measured, device_bytes=300 * MIB
