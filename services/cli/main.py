@@ -409,6 +409,8 @@ def cmd_register(settings: Settings, args) -> int:
     if model.state == model_pb.MODEL_STATE_FAILED:
         print(f"error: profiling {model.model_id} failed: {model.state_reason}", file=sys.stderr)
         return 1
+    if model.state_reason:  # profiled, but not all of it (an agent stopped answering)
+        print(f"note: {model.model_id}: {model.state_reason}", file=sys.stderr)
     return 0
 
 
