@@ -32,7 +32,7 @@ class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
         deployments = await self.controller.store.list_deployments(request.model_id)
         deployments = access.visible(deployments)
         if request.usable_only:
-            deployments = [d for d in deployments if access.may_use(d.deployment_id, d.owner)]
+            deployments = access.usable(deployments)
         return deploy_pb.ListDeploymentsResponse(
             request_id=request.request_id, deployments=deployments
         )

@@ -986,15 +986,14 @@ async def _stream(
                 ends[index] = value
                 yield chunk(index, None if chat else "", _finish_reason(value[0]))
             else:
-                status, kind_ = http_status(value.code())
-                reason = rpc_reason(value)
+                error = GatewayError.from_rpc(value)
                 yield json.dumps(
                     {
                         "error": {
                             "message": value.details(),
-                            "type": kind_,
-                            "param": "model" if reason == "model_not_found" else None,
-                            "code": openai_code(status, None, reason),
+                            "type": error.kind,
+                            "param": error.param,
+                            "code": error.code,
                         }
                     }
                 )

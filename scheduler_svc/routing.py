@@ -133,7 +133,7 @@ class Router:
                 # client should retry (503), not give up (400).
                 error = Unavailable if any(_passing(d) for d in found) else FailedPrecondition
                 raise error(f"model {model_id} has no READY deployment ({states})")
-        usable = [d for d in ready if access.may_use(d.deployment_id, d.owner)]
+        usable = access.usable(ready)
         if not usable:
             raise PermissionDenied(
                 f"{access.caller().describe()} may use no deployment of model {model_id}"

@@ -77,9 +77,15 @@ def check_use(deployment_id: str, owner_subject: str, *, unknown: IServeError) -
     )
 
 
+def usable(deployments: Iterable) -> list:
+    """The deployments (records with ``deployment_id`` and ``owner``) the caller may
+    generate on (:func:`may_use`)."""
+    return [d for d in deployments if may_use(d.deployment_id, d.owner)]
+
+
 def visible(deployments: Iterable) -> list:
     """The deployments (records with ``deployment_id`` and ``owner``) the caller may see:
     all for developers, administrators and services; the granted ones for users."""
     if caller().role != policy.APP_USER:
         return list(deployments)
-    return [d for d in deployments if may_use(d.deployment_id, d.owner)]
+    return usable(deployments)

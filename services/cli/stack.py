@@ -10,6 +10,7 @@ addresses and pids so that other ``iserve`` commands (and ``down``) find them. L
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -47,7 +48,7 @@ from services.settings import (
     token_file,
     write_stack_file,
 )
-from services.state import keys
+from services.state.store import StateStore, StateStoreUnavailable
 
 # Start order; ``down`` stops them in reverse (agent last, so it can stop its workers).
 SERVICES = [
@@ -92,12 +93,15 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-def start_time(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field 22):
-    with the pid, what names one process, since the system reuses pids. None without
-    procfs."""
-    fields = _stat(pid)
+def _started(fields: list[str] | None) -> int | None:
+    """The start time in ``/proc/<pid>/stat`` fields (:func:`_stat`): field 22."""
     return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot: with the pid, what names one
+    process, since the system reuses pids. None without procfs."""
+    return _started(_stat(pid))
 
 
 def _alive(pid: int, started: int | None = None) -> bool:
@@ -114,9 +118,16 @@ def _alive(pid: int, started: int | None = None) -> bool:
     fields = _stat(pid)
     if fields is None:
         return True  # no procfs: signal 0 is all there is
-    if started is not None and start_time(pid) not in (started, None):
+    if started is not None and _started(fields) not in (started, None):
         return False
     return fields[0] != "Z"
+
+
+def _record(stack: dict, name: str, pid: int) -> None:
+    """Note ``pid`` as the stack's ``name`` process in ``stack`` (for stack.json), with its
+    start time."""
+    stack["pids"][name] = pid
+    stack.setdefault("started", {})[name] = start_time(pid)
 
 
 def _ours(stack: Mapping) -> dict[str, tuple[int, int | None]]:
@@ -216,7 +227,6 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
     stack: dict = {
         "state_dir": str(settings.state_dir),
         "pids": {},
-        "started": {},
         "addresses": {},
         "metrics_addresses": dict(settings.metrics_addresses),
     }
@@ -226,8 +236,7 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         log(f"using Redis at {redacted_url(redis_url)}")
     else:
         redis_proc, redis_url = start_redis(settings.state_dir / "redis")
-        stack["pids"]["redis"] = redis_proc.pid
-        stack["started"]["redis"] = start_time(redis_proc.pid)
+        _record(stack, "redis", redis_proc.pid)
         stack["embedded_redis"] = True
         log(f"started embedded redis-server at {redacted_url(redis_url)}")
     stack["redis_url"] = redis_url
@@ -240,8 +249,7 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
     try:
         for name, module in SERVICES:
             procs[name] = _spawn(module, env, logs / f"{name}.log")
-            stack["pids"][name] = procs[name].pid
-            stack["started"][name] = start_time(procs[name].pid)
+            _record(stack, name, procs[name].pid)
             stack["addresses"][name] = settings.address(name)
         deadline = time.monotonic() + READY_TIMEOUT_S
         for name, _ in SERVICES:
@@ -253,8 +261,7 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
                 f"(metrics {settings.metrics_url(name)})"
             )
         procs[GATEWAY] = _spawn(GATEWAY_MODULE, env, logs / f"{GATEWAY}.log")
-        stack["pids"][GATEWAY] = procs[GATEWAY].pid
-        stack["started"][GATEWAY] = start_time(procs[GATEWAY].pid)
+        _record(stack, GATEWAY, procs[GATEWAY].pid)
         stack["gateway_address"] = settings.gateway_address
         if not wait_http(f"http://{settings.gateway_address}/health", deadline, procs[GATEWAY]):
             tail = _tail(logs / f"{GATEWAY}.log")
@@ -434,8 +441,7 @@ def restart_service(settings: Settings, name: str, *, kill: bool = False) -> int
     proc = _spawn(modules[name], _service_env(settings, stack["redis_url"], UpOptions()), log_path)
     if not wait_serving(settings.address(name), time.monotonic() + READY_TIMEOUT_S, proc):
         raise RuntimeError(f"{name} did not come back; last log lines:\n{_tail(log_path)}")
-    stack["pids"][name] = proc.pid
-    stack.setdefault("started", {})[name] = start_time(proc.pid)
+    _record(stack, name, proc.pid)
     write_stack_file(settings.state_dir, stack)
     return proc.pid
 
@@ -511,13 +517,17 @@ def _record_planned_stop(redis_url: str, log) -> None:
     """Mark in Redis that the deployer stopped on purpose (what it marks itself when it
     exits cleanly), so that the next start restores its deployments as after a clean
     stop; nothing when Redis does not answer."""
-    try:
-        client = redis.Redis.from_url(redis_url, socket_timeout=5)
+
+    async def mark() -> None:
+        store = StateStore.from_url(redis_url)
         try:
-            client.set(keys.deployer_stopped(), str(int(time.time() * 1000)))
+            await store.mark_deployer_stopped(int(time.time() * 1000))
         finally:
-            client.close()
-    except (redis.RedisError, ValueError) as exc:
+            await store.close()
+
+    try:
+        asyncio.run(mark())
+    except (StateStoreUnavailable, redis.RedisError, ValueError) as exc:
         log(
             f"the deployer had exited and Redis did not answer ({exc}): the next `iserve up` counts each restore against its deployment's restart budget"
         )
