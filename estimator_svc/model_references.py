@@ -24,8 +24,14 @@ import numpy as np
 
 from estimator_svc.profiles import Sample
 from services.estimation.extrapolate import LatencySample
-from services.estimation.latency import BASE, PIPELINE, REFERENCE_LAYOUTS, TENSOR
-from services.estimation.prompt_curve import profiles_at
+from services.estimation.latency import (
+    BASE,
+    PIPELINE,
+    REFERENCE_BATCHES,
+    REFERENCE_LAYOUTS,
+    TENSOR,
+)
+from services.estimation.prompt_curve import profiles_at, recorded
 from services.estimation.references import (
     ReferenceProfile,
     VariantProfile,
@@ -145,11 +151,6 @@ class ModelReferences:
             "as lower bounds"
         )
 
-    def _recorded(self) -> list[int]:
-        """The prompt lengths profiled, when every one was recorded (none is 0)."""
-        lengths = [p.input_tokens for p in self.prompts]
-        return lengths if lengths[0] > 0 else []
-
     def prompt_note(self, input_tokens: int) -> str | None:
         """What an estimate for an ``input_tokens`` prompt outside the profiled prompt
         lengths stands on (None inside them): see :meth:`at_input`."""
@@ -157,7 +158,8 @@ class ModelReferences:
         if lengths[0] <= input_tokens <= lengths[-1]:
             return None
         profiled = ", ".join(str(n) for n in lengths)
-        if input_tokens > lengths[-1] and len(self._recorded()) >= 3:
+        known = len(recorded(lengths))
+        if input_tokens > lengths[-1] and known >= 3:
             return (
                 f"a {input_tokens}-token prompt is longer than the prompts profiled "
                 f"({profiled} tokens): TTFT is extrapolated along the parabola through the "
@@ -165,7 +167,7 @@ class ModelReferences:
                 "weights grow linearly with the prompt, its attention quadratically), no "
                 "lower than the line through the two longest; TPOT is the profiled prompts' fit"
             )
-        if input_tokens > lengths[-1] and len(self._recorded()) == 2:
+        if input_tokens > lengths[-1] and known == 2:
             return (
                 f"a {input_tokens}-token prompt is longer than the prompts profiled "
                 f"({profiled} tokens): TTFT is extrapolated along the line through the "
@@ -378,18 +380,19 @@ def model_references(
     kv_per_token = _kv_gib_per_token(fingerprints, shape.num_layers)
     ladder_phases = ("ttft", "tpot") if ladder_direct else ("ttft",)
 
-    lengths = _prompts_of_every_variant(fingerprints, keys, batch=1)
+    one, two = REFERENCE_BATCHES
+    lengths = _prompts_of_every_variant(fingerprints, keys, batch=one)
     if not lengths:
         raise ValueError("no prompt length was profiled at tp=1 pp=1 batch 1 for every variant")
-    recorded = sorted(n for n in lengths if n > 0) or [0]
-    batch_lengths = lengths & _prompts_of_every_variant(fingerprints, keys, batch=2)
+    prompt_lengths = sorted(n for n in lengths if n > 0) or [0]
+    batch_lengths = lengths & _prompts_of_every_variant(fingerprints, keys, batch=two)
 
     prompts = []
-    for n in recorded:
+    for n in prompt_lengths:
         # iserve's profiler runs a job's prompt lengths in one worker whose static cache
         # holds the longest prompt and output, longest last: the peaks of every prompt
         # are that worker's, and its longest prompt's rows say what they hold.
-        memory_prompt = recorded[-1] if not split else n
+        memory_prompt = prompt_lengths[-1] if not split else n
         memory, kv_tokens, slopes = _memory_groups(fingerprints, layouts, memory_prompt)
         refs = extrapolate_references(
             shape.num_layers, latency, memory, (n, 1), layouts, ladder_phases, slopes

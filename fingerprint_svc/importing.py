@@ -53,6 +53,7 @@ from services.api import model_service_pb2 as model_pb
 from services.auth import access
 from services.engine_rules import tensor_parallel_problem
 from services.errors import InvalidArgument, shown
+from services.estimation.latency import REFERENCE_BATCHES
 from services.estimation.memory import GIB
 from services.ids import ID_RULE, check_hardware_type, check_model_id, is_valid_id
 from services.importers import maveriq
@@ -97,14 +98,6 @@ _WEIGHT_QUANTS = {
 }
 # MaverIQ ran every model in float16.
 _MAVERIQ_DTYPE = "float16"
-# The batch sizes the estimator extrapolates fingerprints at: the references at batch 1,
-# the per-sequence overhead of MaverIQ's batch model at batch 2
-# (estimator_svc.model_references, which this service may not import). An imported row
-# is timed end to end, so a fingerprint at another batch size shares the TPOT terms of
-# batch 1 and adds a prompt label of its own, whose terms a few such rows leave
-# undetermined: every estimate of the model then fails. MaverIQ's fingerprints are at
-# batch 1 and 2; full-model rows may hold any batch.
-_FINGERPRINT_BATCH_SIZES = (1, 2)
 
 
 def variant_name(weight_quant: str, int8_kv_cache: bool) -> str:
@@ -341,11 +334,15 @@ def _check_row(row: maveriq.Measurement, prompt: int, model_id: str, spec: ArchS
         raise InvalidArgument(
             f"{where}: the row holds {row.layers} layers, the model has {spec.num_layers}"
         )
-    if row.layers < spec.num_layers and row.batch_size not in _FINGERPRINT_BATCH_SIZES:
+    # The estimator extrapolates fingerprints at REFERENCE_BATCHES alone. An imported row
+    # is timed end to end, so a fingerprint at another batch size shares the TPOT terms
+    # of batch 1 and adds a prompt label of its own, whose terms a few such rows leave
+    # undetermined: every estimate of the model then fails. Full-model rows may hold any.
+    if row.layers < spec.num_layers and row.batch_size not in REFERENCE_BATCHES:
         raise InvalidArgument(
             f"{where}: a fingerprint ({row.layers} of {spec.num_layers} layers) at batch "
             f"{row.batch_size}; the estimator extrapolates fingerprints run at batch "
-            f"{' and '.join(map(str, _FINGERPRINT_BATCH_SIZES))} only (larger batches are "
+            f"{' and '.join(map(str, REFERENCE_BATCHES))} only (larger batches are "
             "estimated from those)"
         )
     if row.batch_size != 1 and row.source in maveriq.BATCH_FILES:

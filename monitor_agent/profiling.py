@@ -11,7 +11,8 @@ lengths:
    supervisor picks the rendezvous port), ``max_batch`` = the config's batch size and
    ``max_seq_len`` = longest prompt + longest output, so the static KV cache holds
    exactly the tokens profiled.
-2. For each prompt length, shortest first, and each output length: ``warmup_runs`` untimed runs, then ``timed_runs`` timed ones.
+2. For each prompt length, shortest first, and each output length: ``warmup_runs``
+   untimed runs, then ``timed_runs`` timed ones.
    A run opens ``batch_size`` Generate streams on rank 0 at once (the worker batches
    them continuously), each with the same prompt of that many token ids, greedy
    sampling and ``ignore_eos``, so every stream yields exactly the output length.

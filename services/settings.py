@@ -601,7 +601,7 @@ def _int_list(env: Mapping[str, str], name: str, default: tuple[int, ...]) -> tu
 class ProfilingSettings:
     # Three prompt lengths, so that estimates for other prompts follow prefill's measured
     # curve (weights linear in the prompt, attention quadratic: the parabola through
-    # them, estimator_svc.model_references.ModelReferences.at_input) instead of keeping
+    # them, services.estimation.prompt_curve.profiles_at) instead of keeping
     # one length's figures. Ascending: one worker runs them in turn.
     input_tokens: tuple[int, ...] = (64, 256, 1024)
     output_tokens: tuple[int, ...] = (8, 16)

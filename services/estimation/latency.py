@@ -36,6 +36,7 @@ import numpy as np
 __all__ = [
     "BASE",
     "PIPELINE",
+    "REFERENCE_BATCHES",
     "REFERENCE_LAYOUTS",
     "TENSOR",
     "O_PP_FROM_BASE",
@@ -54,6 +55,10 @@ __all__ = [
 BASE, TENSOR, PIPELINE = (1, 1), (2, 1), (1, 2)
 # The references of Eq. 2, in the order every reference triple of this package uses.
 REFERENCE_LAYOUTS: tuple[tuple[int, int], ...] = (BASE, TENSOR, PIPELINE)
+# The batch sizes fingerprints are extrapolated at: the references at batch 1, the
+# per-sequence overhead of MaverIQ's batch model (Eq. 6) from batch 2; larger batches
+# are estimated from those two.
+REFERENCE_BATCHES: tuple[int, int] = (1, 2)
 
 
 def decode_steps(output_tokens, end_to_end_split=False) -> np.ndarray:

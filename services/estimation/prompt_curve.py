@@ -15,7 +15,13 @@ import numpy as np
 
 from services.estimation.references import ReferenceProfile, VariantProfile
 
-__all__ = ["profiles_at"]
+__all__ = ["profiles_at", "recorded"]
+
+
+def recorded(lengths: Sequence[int]) -> Sequence[int]:
+    """``lengths`` (ascending) when every one was recorded, else none: a single 0 stands
+    for a prompt length not recorded, which no curve goes through."""
+    return lengths if lengths[0] > 0 else []
 
 
 def profiles_at(
@@ -37,15 +43,15 @@ def profiles_at(
     """
     if input_tokens <= lengths[0]:
         return profiles[0]
-    recorded = lengths if lengths[0] > 0 else []
-    if input_tokens >= lengths[-1] and len(recorded) < 2:
+    known = len(recorded(lengths))
+    if input_tokens >= lengths[-1] and known < 2:
         return profiles[-1]
     beyond = input_tokens > lengths[-1]
     upper = next((i for i, n in enumerate(lengths) if n >= input_tokens), len(lengths) - 1)
     low, high = max(upper - 1, 0), upper
     line = _line_weights(lengths[low], lengths[high], input_tokens)
     pairs = zip(profiles[low], profiles[high], strict=True)
-    if len(recorded) < 3:
+    if known < 3:
         if not beyond:
             return tuple(_combine((a, b), line) for a, b in pairs)
         return tuple(_combine((a, b), line, at_least=(b,)) for a, b in pairs)
