@@ -3,8 +3,8 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` become one
 ``InferenceService.Generate`` call each (the scheduler picks the deployment, queues and
 streams: the gateway schedules nothing of its own); ``GET /v1/models`` lists the models
-with a ready deployment; ``GET /health`` and ``GET /metrics`` (Prometheus text) serve
-operators. FastAPI parses and validates the bodies, ``sse-starlette`` frames the streams
+with a ready deployment; ``GET /health`` (the process answers), ``GET /ready`` (the
+services behind it answer too) and ``GET /metrics`` (Prometheus text) serve operators. FastAPI parses and validates the bodies, ``sse-starlette`` frames the streams
 (``data: {json}`` events, ``data: [DONE]`` last); when a streaming client disconnects, the
 gRPC call is cancelled and with it the worker's generation.
 
@@ -32,6 +32,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import HealthStub
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import (
     BaseModel,
@@ -103,6 +105,8 @@ _CODES = {401: "invalid_api_key", 429: "rate_limit_exceeded"}
 # Seconds a client is told to wait before retrying a refusal that passes (a full queue, a
 # service restarting): the OpenAI SDKs honour Retry-After and back off blindly without it.
 RETRY_AFTER_S = 1
+# The services the gateway calls, in the order of Backend.channels.
+BACKEND_SERVICES = ("scheduler", "deploy", "model")
 
 
 def openai_code(status: int, param: str | None = None, reason: str = "") -> str | None:
@@ -322,6 +326,20 @@ class Backend:
     async def close(self) -> None:
         for channel in self.channels:
             await channel.close()
+
+    async def readiness(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """Each service the gateway calls -> its gRPC health status (``SERVING``,
+        ``NOT_SERVING`` while it drains, ...) or ``UNREACHABLE``, asked at once."""
+
+        async def status(channel: grpc.aio.Channel) -> str:
+            try:
+                reply = await HealthStub(channel).Check(HealthCheckRequest(), timeout=timeout_s)
+            except grpc.RpcError:
+                return "UNREACHABLE"
+            return HealthCheckResponse.ServingStatus.Name(reply.status)
+
+        answers = await asyncio.gather(*(status(channel) for channel in self.channels))
+        return dict(zip(BACKEND_SERVICES, answers, strict=True))
 
     async def check_deployed_for(self, model_id: str, caller: Metadata) -> None:
         """Returns when the caller may see a deployment of ``model_id``, or authentication
@@ -714,7 +732,24 @@ def create_app(
 
     @app.get("/health")
     async def health():
+        """Liveness: the process answers (a restart would not help a service behind it)."""
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: 200 while the scheduler, which every generation goes through, is
+        SERVING; 503 (with Retry-After) while it is unreachable or draining. The body gives
+        each service's status; the deployment and model services being down leaves
+        generations working (the listing and new chat templates wait for them)."""
+        services = await backend.readiness()
+        if services["scheduler"] != "SERVING":
+            return JSONResponse(
+                {"status": "unavailable", "services": services},
+                status_code=503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        degraded = any(status != "SERVING" for status in services.values())
+        return {"status": "degraded" if degraded else "ready", "services": services}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

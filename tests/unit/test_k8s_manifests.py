@@ -223,6 +223,23 @@ def test_each_service_probes_its_grpc_health(name, port):
     assert {p["port"] for p in service["spec"]["ports"]} >= {port}
 
 
+def test_the_gateway_is_ready_on_ready_and_alive_on_health():
+    """Readiness follows the scheduler (GET /ready); liveness only the process, so a
+    scheduler restart takes the gateway out of the Service without restarting it."""
+    from gateway_svc.app import create_app
+
+    routes = {route.path for route in create_app(lambda: None).routes}
+    (container,) = containers(all_objects()[("Deployment", "gateway")])
+    port = {p["name"]: p["containerPort"] for p in container["ports"]}["http"]
+    assert env_of(container)["ISERVE_GATEWAY_ADDR"]["value"] == f"0.0.0.0:{port}"
+    probes = {name: container[name]["httpGet"] for name in ("readinessProbe", "livenessProbe")}
+    assert probes["readinessProbe"]["path"] == "/ready"
+    assert probes["livenessProbe"]["path"] == "/health"
+    for probe in probes.values():
+        assert probe["path"] in routes
+        assert probe["port"] == "http"
+
+
 def test_agent_is_a_daemonset_on_gpu_nodes():
     agent = all_objects()[("DaemonSet", "agent")]
     spec = agent["spec"]["template"]["spec"]
