@@ -27,7 +27,8 @@ lengths:
 3. Peak memory per rank, read after each output length's runs (a peak: it covers the
    runs before it, which is why prompts go shortest first). Rank 0: its
    ``GetWorkerStats.peak_memory_bytes`` (the engine's account of weights, KV cache and
-   peak activations on CPU; the CUDA allocator's peak on GPUs). Other ranks serve no
+   peak activations on CPU, the activations measured with torch's profiler; the CUDA
+   allocator's peak on GPUs). Other ranks serve no
    RPCs, so their figure is built from what the agent can see, in the same terms as
    rank 0's: the rank's own account of its weights and KV cache, which it writes into
    its ready file (``WorkerInfo.resident_bytes``), plus how much its process's memory

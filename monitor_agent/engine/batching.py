@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +39,11 @@ from torch import nn
 
 from monitor_agent.engine.detokenizer import IncrementalDetokenizer
 from monitor_agent.engine.kv_cache import LayerKVCache
-from monitor_agent.engine.memory import MemoryAccount, forward_activation_bytes
+from monitor_agent.engine.memory import (
+    MemoryAccount,
+    forward_activation_bytes,
+    measure_peak_allocation,
+)
 from monitor_agent.engine.sampling import SamplingConfig, make_generator, sample_token
 
 __all__ = [
@@ -300,8 +304,12 @@ class BatchEngine:
             device=self.device,
         )
         ids, positions, slots = columns[:, 0:1], columns[:, 1:2], columns[:, 2]
-        logits = self.model(ids, positions, slots, last_token_only=True)[:, -1]
-        self._observe(len(batch), 1, max(h._position for h in batch) + 1)
+        logits = self._forward(
+            lambda: self.model(ids, positions, slots, last_token_only=True),
+            rows=len(batch),
+            tokens_per_row=1,
+            kv_len=max(h._position for h in batch) + 1,
+        )[:, -1]
         for handle in batch:
             handle._position += 1
         return self._advance(batch, logits)
@@ -316,13 +324,17 @@ class BatchEngine:
             positions.append([*range(len(prompt), longest), *range(len(prompt))])
             handle._position = len(prompt)
         device = self.device
-        logits = self.model(
+        inputs = (
             torch.tensor(rows, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             torch.tensor([h.slot for h in group], dtype=torch.long, device=device),
-            last_token_only=True,
+        )
+        logits = self._forward(
+            lambda: self.model(*inputs, last_token_only=True),
+            rows=len(group),
+            tokens_per_row=longest,
+            kv_len=longest,
         )[:, -1]
-        self._observe(len(group), longest, longest)
         return self._advance(group, logits)
 
     def _advance(
@@ -357,17 +369,27 @@ class BatchEngine:
         assert handle.slot is not None
         self._free_slots.append(handle.slot)
 
-    def _observe(self, rows: int, tokens_per_row: int, kv_len: int) -> None:
-        self.memory.observe_forward(
-            forward_activation_bytes(
-                self.spec,
-                self._dtype_bytes,
-                rows=rows,
-                tokens_per_row=tokens_per_row,
-                kv_len=kv_len,
-                logit_rows=rows,
-            )
+    def _forward(
+        self, run: Callable[[], torch.Tensor], *, rows: int, tokens_per_row: int, kv_len: int
+    ) -> torch.Tensor:
+        """``run()`` (one forward pass of this shape); on CPU, a pass that could set a new
+        activation peak is measured (monitor_agent.engine.memory)."""
+        if self.device.type != "cpu":
+            return run()  # the CUDA allocator keeps its own peak
+        shape = forward_activation_bytes(
+            self.spec,
+            self._dtype_bytes,
+            rows=rows,
+            tokens_per_row=tokens_per_row,
+            kv_len=kv_len,
+            logit_rows=rows,
         )
+        if not self.memory.should_measure(shape):
+            return run()
+        logits, peak = measure_peak_allocation(run)
+        if peak is not None:
+            self.memory.observe_measured(shape, peak)
+        return logits
 
 
 def _slot_of(handle: SequenceHandle) -> int:

@@ -186,7 +186,10 @@ class MLP(nn.Module):
         if self.gate_proj is None:
             inner = self.act(self.up_proj.forward(x))
         else:
-            inner = self.act(self.gate_proj.forward(x)) * self.up_proj.forward(x)
+            # The product in place of the activation's output (a fresh tensor): a prefill
+            # holds two [tokens, inner] tensors at once, not three.
+            inner = self.act(self.gate_proj.forward(x))
+            inner.mul_(self.up_proj.forward(x))
         return self.reduce(self.down_proj.forward(inner))
 
 

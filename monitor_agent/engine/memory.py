@@ -1,6 +1,6 @@
 """The memory a worker reports: weights + KV cache + peak activations, in bytes.
 
-On CPU nothing measures tensor memory for us (the process RSS also holds the Python
+On CPU torch keeps no allocator statistics (the process RSS also holds the Python
 interpreter, torch's libraries and allocator slack), so the engine keeps its own
 account:
 
@@ -8,31 +8,66 @@ account:
   tables), each storage counted once;
 * KV cache: the bytes of every LayerKVCache buffer (int8 values and their scales when
   quantized);
-* activations: for every forward pass the engine runs, an estimate of the bytes live at
-  its peak, computed from the pass's shape (:func:`forward_activation_bytes`); the
-  account keeps the largest seen. It assumes activations in the model dtype with
-  attention scores and sampled logits in float32, and counts within one layer the
-  residual stream plus the larger of the attention block (q, k, v before and after RoPE,
-  the keys/values read back from the cache, scores and mask) and the MLP block (gate, up
-  and their product), or, after the last layer, the logits. Temporaries inside a single
-  kernel are not counted.
+* activations: **measured**. A forward pass that could set a new peak runs under torch's
+  profiler with memory profiling on (:func:`measure_peak_allocation`), which records
+  every CPU tensor allocation and free of the pass; the largest running total is the
+  pass's peak, and the account keeps the largest seen. Which passes could: those whose
+  shape is larger, by :func:`forward_activation_bytes` (an estimate from the pass's
+  shape, used only to rank shapes), than any pass measured so far by at least
+  :data:`REMEASURE_GROWTH`, so a worker measures a few passes (each prompt length's
+  first prefill, a batch larger than before, decodes far longer than before), not every
+  step. Temporaries inside a single kernel (oneDNN's scratch) are not seen.
 
 On CUDA the worker reports ``torch.cuda.max_memory_allocated`` as its peak instead,
-which measures the same things exactly.
+which measures the same things, and nothing runs under the profiler.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import torch
 from torch import nn
+from torch.autograd import DeviceType, profiler
 
 from monitor_agent.engine.kv_cache import kv_cache_bytes
 from services.models.arch import ArchSpec
 
 _FLOAT32_BYTES = 4
+# A pass is measured when its shape's estimate exceeds the largest measured one by this
+# factor (the first pass always is): a decode whose context grows a token a step is
+# measured again each time it has grown a tenth, not at every step.
+REMEASURE_GROWTH = 1.1
+
+T = TypeVar("T")
+
+
+def measure_peak_allocation(run: Callable[[], T]) -> tuple[T, int | None]:
+    """``run()``'s result and the peak bytes of CPU tensors it had allocated at once
+    (allocations less frees, in the order torch's profiler recorded them; frees of
+    tensors older than the call do not lower it below 0; a kernel's own scratch that
+    bypasses torch's allocator is not seen). None, with ``run()`` run
+    plainly, while a profiler is already on (a user profiling the worker)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return run(), None
+    with profiler.profile(profile_memory=True, record_shapes=False, with_stack=False) as prof:
+        result = run()
+    # The profiler's raw events: each allocation (+bytes) and free (-bytes) as one
+    # "[memory]" event at its own time, inside an op or not.
+    changes = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in prof.kineto_results.events()
+        if event.name() == "[memory]" and event.device_type() == DeviceType.CPU
+    )
+    live = peak = 0
+    for _, nbytes in changes:
+        live += nbytes
+        peak = max(peak, live)
+    return result, peak
 
 
 def forward_activation_bytes(
@@ -46,7 +81,12 @@ def forward_activation_bytes(
 ) -> int:
     """Estimated peak bytes of activations of one forward pass of ``rows`` sequences of
     ``tokens_per_row`` new tokens each, attending to ``kv_len`` positions, that returns
-    logits for ``logit_rows`` tokens. See the module docstring for what is counted."""
+    logits for ``logit_rows`` tokens: the size of a pass's shape, which decides which
+    passes are measured (never reported itself). It assumes activations in the model
+    dtype with attention scores and sampled logits in float32, and counts within one
+    layer the residual stream plus the larger of the attention block (q, k, v before and
+    after RoPE, the keys/values read back from the cache, scores and mask) and the MLP
+    block (gate, up and their product), or, after the last layer, the logits."""
     tokens = rows * tokens_per_row
     q_dim = spec.num_heads * spec.head_dim
     kv_dim = spec.num_kv_heads * spec.head_dim
@@ -99,6 +139,17 @@ class MemoryAccount:
     weight_bytes: int  # parameters and non-cache buffers
     kv_cache_bytes: int
     peak_activation_bytes: int = 0
+    # The largest shape estimate (forward_activation_bytes) of a pass measured so far.
+    measured_shape_bytes: int = 0
+
+    def should_measure(self, shape_bytes: int) -> bool:
+        """Whether a pass of this shape estimate could set a new peak (module docstring)."""
+        return shape_bytes > self.measured_shape_bytes * REMEASURE_GROWTH
+
+    def observe_measured(self, shape_bytes: int, peak_bytes: int) -> None:
+        """Record a measured pass: its shape estimate and the peak it allocated."""
+        self.measured_shape_bytes = max(self.measured_shape_bytes, shape_bytes)
+        self.observe_forward(peak_bytes)
 
     @classmethod
     def of_model(cls, model: nn.Module) -> MemoryAccount:
@@ -111,5 +162,5 @@ class MemoryAccount:
 
     @property
     def resident_bytes(self) -> int:
-        """Weights + KV cache + the largest activation estimate so far."""
+        """Weights + KV cache + the largest activation peak so far."""
         return self.weight_bytes + self.kv_cache_bytes + self.peak_activation_bytes

@@ -7,8 +7,8 @@ Both refuse new generations with UNAVAILABLE once the worker drains (on SIGTERM,
 :mod:`services.drain`): the generations in flight are counted here, not the calls,
 because the scheduler's Session call stays open for as long as the worker lives.
 
-GetWorkerStats reports the engine's memory account (weights + KV cache + peak activation
-estimate, see monitor_agent.engine.memory) as resident_bytes, and as peak_memory_bytes
+GetWorkerStats reports the engine's memory account (weights + KV cache + measured peak
+activations, see monitor_agent.engine.memory) as resident_bytes, and as peak_memory_bytes
 whatever the worker's probe measures (the same account on CPU, the CUDA allocator's peak
 on GPUs).
 """

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from monitor_agent.engine import batching
 from monitor_agent.engine.batching import (
     BatchEngine,
     GenerationRequest,
@@ -15,7 +16,7 @@ from monitor_agent.engine.batching import (
     plan_prefill_groups,
 )
 from monitor_agent.engine.engine import Engine, SamplingConfig
-from monitor_agent.engine.memory import forward_activation_bytes
+from monitor_agent.engine.memory import measure_peak_allocation
 from services.models.checkpoint import create_checkpoint
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
@@ -197,19 +198,38 @@ def test_requests_are_validated_once_where_they_enter(engine: Engine, core) -> N
     assert not core.has_work and not engine.batch.has_work
 
 
-def test_memory_account_tracks_the_largest_forward(engine: Engine, core, tmp_path: Path) -> None:
+def test_memory_account_measures_the_passes_that_could_set_a_peak(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Activations are measured on CPU: the prefill's at least what its MLP must hold at
+    once (the activation, the up projection and their product, in float32), and only
+    passes larger than any measured before run under the profiler (not every decode)."""
+    checkpoint = create_checkpoint(tmp_path / "ckpt", **SMALL, seed=5)
+    engine = Engine(checkpoint, max_seq_len=128, max_batch=4, num_threads=1)
+    measured = []
+
+    def counted(run):
+        result, peak = measure_peak_allocation(run)
+        measured.append(peak)
+        return result, peak
+
+    monkeypatch.setattr(batching, "measure_peak_allocation", counted)
     memory = engine.memory
     assert memory.weight_bytes + memory.kv_cache_bytes == engine.resident_bytes()
     assert memory.kv_cache_bytes == engine.spec.kv_cache_bytes(128, 4, 4)
-    req = request(engine, TEXTS[4], 2)
+    assert memory.peak_activation_bytes == 0
+    core = engine.batch
+    req = request(engine, TEXTS[4], 20)
     drive(core, {0: [req]})
     n = len(req.prompt_ids)
-    prefill = forward_activation_bytes(
-        engine.spec, 4, rows=1, tokens_per_row=n, kv_len=n, logit_rows=1
-    )
-    assert memory.peak_activation_bytes >= prefill > 0
+    mlp = 3 * n * engine.spec.intermediate_size * 4
+    assert measured == [memory.peak_activation_bytes]  # the prefill; no decode step
+    assert memory.peak_activation_bytes >= mlp
     assert memory.resident_bytes == engine.resident_bytes() + memory.peak_activation_bytes
-    bigger = forward_activation_bytes(
-        engine.spec, 4, rows=4, tokens_per_row=n, kv_len=n, logit_rows=4
-    )
-    assert bigger > prefill
+    alone = memory.peak_activation_bytes
+
+    drive(core, {0: [request(engine, TEXTS[4], 2) for _ in range(3)]})  # one 3-row prefill
+    assert len(measured) == 2
+    assert memory.peak_activation_bytes >= 3 * mlp > alone
+    drive(core, {0: [req]})  # nothing larger: nothing measured
+    assert len(measured) == 2

@@ -280,7 +280,7 @@ def test_four_concurrent_streams_are_batched_and_match_single_requests(batch_wor
         assert 0 < last.timings.ttft_ms <= last.timings.total_ms and last.timings.tpot_ms > 0
     stats = _stats(stub)
     assert stats.requests_served == 8 and stats.tokens_generated == 2 * sum(lengths)
-    # resident = weights + KV cache (what the ready file said) + the peak activation estimate
+    # resident = weights + KV cache (what the ready file said) + the measured activation peak
     assert stats.resident_bytes > ready["resident_bytes"]
     assert stats.peak_memory_bytes == stats.resident_bytes
 
