@@ -166,7 +166,8 @@ class Healer:
             await self.replica_failed(deployment, index, error)
 
     async def _note_waiting(self, deployment_id: str, index: int, why: str) -> None:
-        """Say in the replica's record (once) that its restart waits for a node."""
+        """Say in the replica's record (once), and the deployment's when it is not
+        serving, that its restart waits for a node."""
         async with self.lock(deployment_id):
             deployment = await self.store.get_deployment(deployment_id)
             if not self._still_restarting(deployment, index):
@@ -174,7 +175,8 @@ class Healer:
             replica = next(r for r in deployment.replicas if r.index == index)
             if replica.state_reason != why:
                 log.warning("deployment %s replica %d: %s", deployment_id, index, why)
-                replica.state_reason = why
+                # The deployment says so too while no other replica serves it.
+                replicas.restarting(deployment, index, why)
                 await self.store.put_deployment(deployment)
 
     @staticmethod

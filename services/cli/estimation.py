@@ -100,7 +100,7 @@ def estimate_record(estimate: estimator_pb.ConfigEstimate) -> dict:
     return {
         "tp": config.tensor_parallel,
         "pp": config.pipeline_parallel,
-        "variant": config.variant_name,
+        "variant": config.variant_name or "base",  # as the table and `plan --json` say
         "weight_quant": _enum_name(common.WeightQuant, config.weight_quant, "WEIGHT_QUANT_"),
         "kv_quant": _enum_name(common.KvQuant, config.kv_quant, "KV_QUANT_"),
         "pruning": _enum_name(common.Pruning, config.pruning, "PRUNING_"),
@@ -150,7 +150,7 @@ def cmd_estimate(settings: Settings, args) -> int:
         [
             r["tp"],
             r["pp"],
-            r["variant"] or "base",
+            r["variant"],
             r["batch_size"],
             f"{r['memory_total_bytes'] / GIB:.2f}",
             f"{r['memory_per_device_bytes'] / GIB:.2f}",

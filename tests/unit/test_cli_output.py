@@ -148,3 +148,13 @@ def test_a_rows_id_stays_whole_on_a_narrow_terminal():
     headers = ["ID", "MODEL", "STATE", "TP", "PP", "ADDRESS"]
     out.print(rich_table(None, headers, [["prof1-c10f7b44", "prof1", "READY", 1, 1, "h:1"]]))
     assert "prof1-c10f7b44" in out.file.getvalue()
+
+
+def test_estimate_json_names_the_base_variant_as_the_table_and_plan_do():
+    from services.api import estimator_service_pb2 as estimator_pb
+    from services.cli.estimation import estimate_record
+
+    base = estimator_pb.ConfigEstimate(config=common.DeploymentConfig(tensor_parallel=1))
+    named = estimator_pb.ConfigEstimate(config=common.DeploymentConfig(variant_name="int8"))
+    assert estimate_record(base)["variant"] == "base"
+    assert estimate_record(named)["variant"] == "int8"

@@ -637,6 +637,8 @@ def test_a_replica_whose_only_node_is_dead_waits_for_it_spending_no_budget(run, 
             "waiting for a live node with cpu devices: node(s) node0 stopped heartbeating; "
             "it starts again once one is back (no restart budget is spent meanwhile)"
         )
+        # What the CLI and the gateway's 503 show: the wait, not the first restart's note.
+        assert waiting.state_reason == waiting.replicas[0].state_reason
         record = await controller.healer.record_of(deployment_id)
         assert record.in_a_row == 1  # the node's loss itself, nothing more
         await store.register_node(node(2), ttl_s=60)  # the agent is back
