@@ -18,7 +18,7 @@ Method: start the real stack (embedded redis-server, every service, one node age
 Both sides are counted as the profiler counts: device-seconds = Σ over jobs of the
 job's devices × the RunProfilingJob call's wall time (worker start-up and stop
 included), peak memory = the largest per-rank peak any run reported (on CPU the
-worker's account of weights + KV cache + peak activations). The breakdown splits
+worker's account of weights + KV cache + its measured peak activations). The breakdown splits
 device-seconds into generation (Σ over output lengths of the median run latency ×
 (warm-up + timed runs) × devices) and the rest (starting the workers, loading weights,
 stopping them, RPCs).
@@ -27,8 +27,10 @@ Why this width: the per-rank peak of the fingerprint runs is that of the 2-layer
 fingerprint at (1,1), so the memory ratio is at most about 32/2 = 16 and only comes near
 it when a layer dwarfs what every rank holds whatever its layer count (embeddings, LM
 head, activations). Hidden 1024 with the small tied vocabulary makes a layer ~46 MB
-against ~4 MB of the rest at 16 prompt tokens; at 64 prompt tokens (the profiler's
-default) the activations grow to ~8 MB and the bound falls to ~14.8×. A wider model
+against a few MB of the rest at 16 prompt tokens. The service's default prompts (64, 256
+and 1024 tokens) make the activations of a 1024-token prompt at batch 2 (~70 MB measured)
+bigger than the fingerprint's two layers, and the ratio falls to ~10× whatever the
+fingerprints do: at this width the default only shows the device-seconds. A wider model
 would raise the bound but the full model would no longer profile in minutes on 2 cores.
 
 On a machine with NVIDIA GPUs the agent finds them through NVML and the same jobs run
@@ -173,7 +175,8 @@ def main() -> int:
     parser.add_argument(
         "--input-tokens",
         default="16",
-        help="prompt lengths, comma-separated (default 16; the service profiles 64,256,1024)",
+        help="prompt lengths, comma-separated (default 16; the service profiles 64,256,1024: "
+        "pass that for its cost, about 20 minutes)",
     )
     parser.add_argument("--output-tokens", default="8,16", help="output lengths (default 8,16)")
     parser.add_argument("--timed-runs", type=int, default=3)
