@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,7 +15,10 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
+from services.health import wait_http
 from services.models.checkpoint import create_checkpoint
+from services.ports import free_port
+from services.settings import GATEWAY_ENV
 
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
@@ -139,3 +143,22 @@ def settled_devices(stack, timeout_s: float = 15.0) -> list[common.DeviceState]:
         if time.monotonic() > deadline:
             raise AssertionError(f"device states not republished within {timeout_s} s")
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def own_gateway(stack, env: dict[str, str]):
+    """A gateway process of its own, on a free port, with the stack's settings and ``env``
+    over them; yields its base URL once /health answers, stops it after."""
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway_svc"],
+        env={**os.environ, **stack.env, GATEWAY_ENV: address, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert wait_http(f"http://{address}/health", time.monotonic() + 60, proc)
+        yield f"http://{address}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -3,17 +3,11 @@ those origins only; the stack's own gateway (no origins set) sends no CORS heade
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 
-from services.health import wait_http
-from services.ports import free_port
-from services.settings import CORS_ENV, GATEWAY_ENV
+from services.settings import CORS_ENV
+from tests.integration.helpers import own_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -26,20 +20,8 @@ PREFLIGHT = {
 
 @pytest.fixture(scope="module")
 def cors_gateway(stack):
-    address = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, **stack.env, GATEWAY_ENV: address, CORS_ENV: f"{PAGE}, https://x.test"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway_svc"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        assert wait_http(f"http://{address}/health", time.monotonic() + 60, proc)
-        yield f"http://{address}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with own_gateway(stack, {CORS_ENV: f"{PAGE}, https://x.test"}) as url:
+        yield url
 
 
 def test_a_listed_origin_may_call_and_another_may_not(cors_gateway):
