@@ -187,9 +187,11 @@ def placements_to_try(
 ) -> list[common.Placement]:
     """Where a replica may start again, best first: its old placement while every node
     of it is alive, then a fresh placement (hybrid policy) on alive devices of the same
-    hardware type that no other replica (``others``) uses, nor the old placement when
-    that was offered, each rank reserving what a rank of the old placement reserved per
-    layer. Empty when nothing fits."""
+    hardware type that no other replica (``others``) uses, away from the old devices when
+    the old placement was offered (should starting there fail, a device may be broken),
+    else on any of them too (one filled up meanwhile: the others may still serve), each
+    rank reserving what a rank of the old placement reserved per layer. Empty when
+    nothing fits."""
     alive = {n.node_id for n in nodes if n.alive}
     found: list[common.Placement] = []
     if {node for node, _ in _devices(old)} <= alive:
@@ -202,25 +204,27 @@ def placements_to_try(
         if (d.ref.node_id, d.ref.device_id) in _devices(old)
     }
     taken = set().union(*(_devices(p) for p in others)) if others else set()
-    if found:
-        # The alternative to the old devices, should starting there fail, is elsewhere.
-        taken |= _devices(old)
     fixed, _ = memory_blocks(model.shape, config, max_seq_len)
     block = max(0, first.reserved_bytes[0] - fixed) // max(1, first.layer_count)
-    left = [
-        c
-        for c in placement.candidates(nodes)
-        if (c.node_id, c.device_id) not in taken and (not hardware or c.hardware_type in hardware)
-    ]
-    choice = placement.place(
-        left,
-        tp=config.tensor_parallel,
-        pp=config.pipeline_parallel,
-        num_layers=model.shape.num_layers,
-        fixed_bytes=fixed,
-        layer_bytes=block,
-        policy="hybrid",
-    )
-    if choice is not None:
-        found.append(placement_of(choice))
+    for excluded in (taken | _devices(old), taken) if found else (taken,):
+        left = [
+            c
+            for c in placement.candidates(nodes)
+            if (c.node_id, c.device_id) not in excluded
+            and (not hardware or c.hardware_type in hardware)
+        ]
+        choice = placement.place(
+            left,
+            tp=config.tensor_parallel,
+            pp=config.pipeline_parallel,
+            num_layers=model.shape.num_layers,
+            fixed_bytes=fixed,
+            layer_bytes=block,
+            policy="hybrid",
+        )
+        if choice is not None:
+            fresh = placement_of(choice)
+            if _devices(fresh) != _devices(old):
+                found.append(fresh)
+                break
     return found

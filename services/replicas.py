@@ -76,6 +76,7 @@ def take_out(deployment: deploy_pb.Deployment, index: int, reason: str) -> bool:
         if replica.index == index:
             replica.state = FAILED
             replica.state_reason = reason
+            replica.worker_address = ""  # its workers are stopped
     deployment.placement.CopyFrom(others[0].placement)
     deployment.worker_address = others[0].worker_address
     return True
@@ -161,3 +162,4 @@ def fail_all(deployment: deploy_pb.Deployment, reason: str) -> None:
         if replica.state != FAILED:
             replica.state = FAILED
             replica.state_reason = reason
+            replica.worker_address = ""

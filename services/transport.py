@@ -130,18 +130,23 @@ class Transport:
             options.append(("grpc.ssl_target_name_override", self.tls.server_name))
         return options
 
-    def aio_channel(self, address: str, *, token: str | None = None) -> grpc.aio.Channel:
+    def aio_channel(
+        self, address: str, *, token: str | None = None, own_connections: bool = False
+    ) -> grpc.aio.Channel:
         """A ``grpc.aio`` channel to ``address`` whose calls carry ``token`` (default: the
-        process's)."""
+        process's). ``own_connections``: the channel shares no connection (gRPC's
+        subchannels, with their reconnect backoff) with other channels to the address,
+        so a new one connects at once even while an older one waits out its backoff."""
         token = self.token if token is None else token
         interceptors = [kind(token) for kind in _AIO_BEARERS] if token else None
+        options = self.options()
+        if own_connections:
+            options.append(("grpc.use_local_subchannel_pool", 1))
         credentials = self.channel_credentials()
         if credentials is None:
-            return grpc.aio.insecure_channel(
-                address, options=self.options(), interceptors=interceptors
-            )
+            return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         return grpc.aio.secure_channel(
-            address, credentials, options=self.options(), interceptors=interceptors
+            address, credentials, options=options, interceptors=interceptors
         )
 
     def sync_channel(self, address: str, *, token: str | None = None) -> grpc.Channel:

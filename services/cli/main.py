@@ -62,8 +62,10 @@ from services.settings import MAX_VIRTUAL_DEVICES, Settings, load_settings, read
 
 def _unreached(details: str) -> bool:
     """Whether an UNAVAILABLE is gRPC's own "no connection" (the service is not there),
-    not a service's answer (a deployment starting, Redis down, a server draining)."""
-    return "failed to connect" in details or "Connection refused" in details
+    not a service's answer (a deployment starting, Redis down, a server draining, or a
+    peer of the service's that it could not reach, whose connection error it quotes
+    after its own words)."""
+    return details.startswith(("failed to connect", "Connection refused"))
 
 
 def _unreached_hint(details: str, tls_configured: bool) -> str:

@@ -45,6 +45,13 @@ def test_the_is_the_stack_up_hint_follows_only_a_connection_that_failed():
     # A service that answered: the hint would send the user looking in the wrong place.
     assert not _unreached("deployment big-1 is STARTING: restart 1 in 1 s after: x")
     assert not _unreached("state store (Redis) unreachable at 127.0.0.1:6379")
+    # A service that could not reach its own peer (an agent with a certificate of another
+    # CA): the CLI's TLS settings are not the fault (found by a probe).
+    assert not _unreached(
+        "starting workers of m-1.r2 on node node2: failed to connect to all addresses; "
+        "last error: UNKNOWN: ipv4:127.0.0.1:18751: Ssl handshake failed: SSL_ERROR_SSL: "
+        "CERTIFICATE_VERIFY_FAILED"
+    )
 
 
 def test_status_lists_a_dead_node_with_when_it_was_last_seen():

@@ -150,6 +150,35 @@ def test_nothing_to_try_when_no_live_device_has_room():
     assert [devices_of(p) for p in tries] == [["node0/cpu0"]]
 
 
+def test_a_replica_whose_old_device_filled_up_may_go_on_another_of_its_old_devices():
+    """Stages on node0 and node2; meanwhile node0 filled up (another replica healed onto
+    it). Leaving out every old device from the alternative left only node1, which cannot
+    hold two stages, so node0 + node2 was the only try and the restart failed until the
+    budget was spent, though node1 + node2 had room (found by a probe)."""
+    pp2 = common.DeploymentConfig(
+        tensor_parallel=1, pipeline_parallel=2, batch_size=1, dtype=common.PRECISION_FLOAT32
+    )
+    fixed, block = memory_blocks(model().shape, pp2, 128)
+    old = common.Placement(
+        stages=[
+            common.StagePlacement(
+                stage=i,
+                first_layer=i,
+                layer_count=1,
+                devices=[common.DeviceRef(node_id=where, device_id="cpu0")],
+                reserved_bytes=[fixed + block],
+            )
+            for i, where in enumerate(("node0", "node2"))
+        ]
+    )
+    full = node(0.0001, node_id="node0")
+    nodes = [full, node(1, node_id="node1"), node(1, node_id="node2")]
+    tries = placements_to_try(model(), pp2, old, nodes, [], 128)
+    assert [devices_of(p) for p in tries][0] == ["node0/cpu0", "node2/cpu0"]
+    assert sorted(devices_of(tries[-1])) == ["node1/cpu0", "node2/cpu0"]
+    assert len(tries) == 2
+
+
 def test_a_replica_across_nodes_waits_for_a_dead_one_while_the_live_ones_cannot_hold_it():
     """Pipeline stages on node0 and node1; node1 stops heartbeating and node0 alone has
     no room for both stages. That is a wait for node1 (which may come back: an agent

@@ -69,6 +69,7 @@ def test_take_out_keeps_the_others_and_repoints_the_record():
     assert [r.index for r in replicas.serving(dep)] == [1, 2]
     out = dep.replicas[0]
     assert (out.state, out.state_reason) == (FAILED, "worker rank 0 exited (-9)")
+    assert out.worker_address == ""  # no worker of it answers there any more
     # The record's own placement and address are the first replica still serving.
     assert dep.worker_address == "127.0.0.1:5001"
     assert dep.placement == _placement("cpu1")
@@ -91,9 +92,9 @@ def test_fail_all_marks_what_still_serves():
     dep = _deployment(2)
     replicas.take_out(dep, 0, "first")
     replicas.fail_all(dep, "second")
-    assert [(r.state, r.state_reason) for r in dep.replicas] == [
-        (FAILED, "first"),
-        (FAILED, "second"),
+    assert [(r.state, r.state_reason, r.worker_address) for r in dep.replicas] == [
+        (FAILED, "first", ""),
+        (FAILED, "second", ""),
     ]
 
 
