@@ -122,6 +122,22 @@ def placed_on(node_id: str, device_id: str) -> common.Placement:
     )
 
 
+def stages_on(node_ids: tuple[str, ...], rank_bytes: int) -> common.Placement:
+    """A pipeline of one single-layer stage per node, on each node's cpu0."""
+    return common.Placement(
+        stages=[
+            common.StagePlacement(
+                stage=i,
+                first_layer=i,
+                layer_count=1,
+                devices=[common.DeviceRef(node_id=node_id, device_id="cpu0")],
+                reserved_bytes=[rank_bytes],
+            )
+            for i, node_id in enumerate(node_ids)
+        ]
+    )
+
+
 def test_the_old_devices_come_first_while_their_node_lives():
     nodes = [node(1, 1)]
     tries = placements_to_try(model(), CONFIG, placed_on("node0", "cpu1"), nodes, [], 128)
@@ -159,18 +175,7 @@ def test_a_replica_whose_old_device_filled_up_may_go_on_another_of_its_old_devic
         tensor_parallel=1, pipeline_parallel=2, batch_size=1, dtype=common.PRECISION_FLOAT32
     )
     fixed, block = memory_blocks(model().shape, pp2, 128)
-    old = common.Placement(
-        stages=[
-            common.StagePlacement(
-                stage=i,
-                first_layer=i,
-                layer_count=1,
-                devices=[common.DeviceRef(node_id=where, device_id="cpu0")],
-                reserved_bytes=[fixed + block],
-            )
-            for i, where in enumerate(("node0", "node2"))
-        ]
-    )
+    old = stages_on(("node0", "node2"), fixed + block)
     full = node(0.0001, node_id="node0")
     nodes = [full, node(1, node_id="node1"), node(1, node_id="node2")]
     tries = placements_to_try(model(), pp2, old, nodes, [], 128)
@@ -184,18 +189,7 @@ def test_a_replica_across_nodes_waits_for_a_dead_one_while_the_live_ones_cannot_
     no room for both stages. That is a wait for node1 (which may come back: an agent
     restarting), not a failed restart to spend the budget on, until node1's record is
     forgotten; a replica whose nodes all live lacks room, and its restarts count."""
-    across = common.Placement(
-        stages=[
-            common.StagePlacement(
-                stage=i,
-                first_layer=i,
-                layer_count=1,
-                devices=[common.DeviceRef(node_id=f"node{i}", device_id="cpu0")],
-                reserved_bytes=[RANK_BYTES],
-            )
-            for i in (0, 1)
-        ]
-    )
+    across = stages_on(("node0", "node1"), RANK_BYTES)
     dead = node(1, node_id="node1")
     dead.alive = False
     live = node(1, node_id="node0")
