@@ -206,15 +206,10 @@ def placements_to_try(
     taken = set().union(*(_devices(p) for p in others)) if others else set()
     fixed, _ = memory_blocks(model.shape, config, max_seq_len)
     block = max(0, first.reserved_bytes[0] - fixed) // max(1, first.layer_count)
+    usable = [c for c in placement.candidates(nodes) if not hardware or c.hardware_type in hardware]
     for excluded in (taken | _devices(old), taken) if found else (taken,):
-        left = [
-            c
-            for c in placement.candidates(nodes)
-            if (c.node_id, c.device_id) not in excluded
-            and (not hardware or c.hardware_type in hardware)
-        ]
         choice = placement.place(
-            left,
+            [c for c in usable if (c.node_id, c.device_id) not in excluded],
             tp=config.tensor_parallel,
             pp=config.pipeline_parallel,
             num_layers=model.shape.num_layers,

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy_svc.agents import AgentClients
 from deploy_svc.controller import DeploymentController
@@ -24,6 +23,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.grpc_server import channel
+from services.health import serving_status
 from services.ids import replica_group_id, split_group_id
 from services.state.store import StateStore, StateStoreUnavailable
 
@@ -33,13 +33,7 @@ HEALTH_TIMEOUT_S = 1.0
 
 async def worker_answers(address: str) -> bool:
     async with channel(address) as ch:
-        try:
-            reply = await health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S
-            )
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return await serving_status(ch, HEALTH_TIMEOUT_S) == "SERVING"
 
 
 # Reservations and workers of profiling jobs (fingerprint_svc.profiler) are not ours.

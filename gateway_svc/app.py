@@ -4,7 +4,8 @@
 ``InferenceService.Generate`` call each (the scheduler picks the deployment, queues and
 streams: the gateway schedules nothing of its own); ``GET /v1/models`` lists the models
 with a ready deployment; ``GET /health`` (the process answers), ``GET /ready`` (the
-services behind it answer too) and ``GET /metrics`` (Prometheus text) serve operators. FastAPI parses and validates the bodies, ``sse-starlette`` frames the streams
+services behind it answer too) and ``GET /metrics`` (Prometheus text) serve operators.
+FastAPI parses and validates the bodies, ``sse-starlette`` frames the streams
 (``data: {json}`` events, ``data: [DONE]`` last); when a streaming client disconnects, the
 gRPC call is cancelled and with it the worker's generation.
 
@@ -32,8 +33,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
-from grpc_health.v1.health_pb2_grpc import HealthStub
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import (
     BaseModel,
@@ -71,6 +70,7 @@ from services.api import model_service_pb2 as model_pb
 from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
 from services.errors import REASON_KEY, InvalidArgument, shown
+from services.health import serving_status
 from services.ids import check_model_id
 from services.metrics import new_registry
 from services.settings import MAX_TOKEN_LENGTH, MIN_TOKEN_LENGTH
@@ -331,14 +331,9 @@ class Backend:
         """Each service the gateway calls -> its gRPC health status (``SERVING``,
         ``NOT_SERVING`` while it drains, ...) or ``UNREACHABLE``, asked at once."""
 
-        async def status(channel: grpc.aio.Channel) -> str:
-            try:
-                reply = await HealthStub(channel).Check(HealthCheckRequest(), timeout=timeout_s)
-            except grpc.RpcError:
-                return "UNREACHABLE"
-            return HealthCheckResponse.ServingStatus.Name(reply.status)
-
-        answers = await asyncio.gather(*(status(channel) for channel in self.channels))
+        answers = await asyncio.gather(
+            *(serving_status(channel, timeout_s) for channel in self.channels)
+        )
         return dict(zip(BACKEND_SERVICES, answers, strict=True))
 
     async def check_deployed_for(self, model_id: str, caller: Metadata) -> None:

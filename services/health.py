@@ -1,5 +1,5 @@
-"""Health checks used by the CLI, the launcher and tests: gRPC health for the services,
-an HTTP 200 for the gateway."""
+"""Health checks: gRPC health for the services and workers (the CLI, the launcher, the
+deployer's worker checks, the gateway's readiness, tests), an HTTP 200 for the gateway."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import transport
+
+
+async def serving_status(channel: grpc.aio.Channel, timeout_s: float) -> str:
+    """The gRPC health status the server behind ``channel`` answers (``SERVING``,
+    ``NOT_SERVING`` while it drains, ...), or ``UNREACHABLE``."""
+    try:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=timeout_s
+        )
+    except grpc.RpcError:
+        return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def check(address: str, timeout_s: float = 2.0, service: str = "") -> bool:

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
 from torch import nn
 from torch.autograd import DeviceType, profiler
 
@@ -48,11 +47,12 @@ T = TypeVar("T")
 
 def measure_peak_allocation(run: Callable[[], T]) -> tuple[T, int | None]:
     """``run()``'s result and the peak bytes of CPU tensors it had allocated at once
-    (allocations less frees, in the order torch's profiler recorded them; frees of
-    tensors older than the call do not lower it below 0; a kernel's own scratch that
-    bypasses torch's allocator is not seen). None, with ``run()`` run
-    plainly, while a profiler is already on (a user profiling the worker)."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    (allocations less frees, in the order torch's profiler recorded them; the profiler
+    reports no free of a block allocated before it started, so tensors older than the
+    call do not lower it; a kernel's own scratch that bypasses torch's allocator is not
+    seen). None, with ``run()`` run plainly, while a profiler is already on (a user
+    profiling the worker)."""
+    if profiler._is_profiler_enabled:
         return run(), None
     with profiler.profile(profile_memory=True, record_shapes=False, with_stack=False) as prof:
         result = run()
