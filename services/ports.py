@@ -5,7 +5,8 @@ that binds it a moment later. Any outgoing connection opened meanwhile, by anyon
 machine, takes its source port from the kernel's ephemeral range, so a port drawn from
 that range (what binding port 0 returns) can be a connection's by the time the child
 binds it. ``free_port`` therefore draws outside that range, as the default service and
-metrics ports do, and never hands out the same port twice in one process.
+metrics ports do, and never hands out the same port twice in one process, nor a port
+``reserve`` was told of (one the configuration names for a server that starts later).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import random
 import socket
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 # Linux's range for connections' source ports; elsewhere the range is not read and the
@@ -63,6 +65,13 @@ def _kernel_choice(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def reserve(ports: Iterable[int]) -> None:
+    """Never hand out ``ports``: they are named for servers not bound yet (an address the
+    operator set), so ``bindable`` cannot see that they are taken."""
+    with _lock:
+        _issued.update(port for port in ports if port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

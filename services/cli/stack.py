@@ -32,7 +32,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
 from services.cli import deploying
 from services.health import check, wait_http, wait_serving
-from services.ports import bindable, free_port
+from services.ports import bindable, free_port, reserve
 from services.redis_embedded import start_redis
 from services.settings import (
     GATEWAY_ENV,
@@ -160,7 +160,15 @@ def _starting(state_dir: Path) -> Iterator[None]:
 
 def with_chosen_ports(settings: Settings) -> Settings:
     """``settings`` with each ``host:0`` address (any free port) naming a free port chosen
-    now, so that every process, stack.json and ``iserve status`` say the same port."""
+    now, so that every process, stack.json and ``iserve status`` say the same port. The
+    ports the settings name are reserved first: their servers start later, so nothing is
+    bound there yet, and neither a chosen port nor the embedded Redis's may be one of them."""
+    named = [
+        *settings.addresses.values(),
+        *settings.metrics_addresses.values(),
+        settings.gateway_address,
+    ]
+    reserve(int(port) for _, _, port in (a.rpartition(":") for a in named) if port.isdigit())
 
     def chosen(address: str) -> str:
         host, _, port = address.rpartition(":")

@@ -67,7 +67,7 @@ def test_any_free_port_is_chosen_once_and_reported(tmp_path):
         text=True,
     )
     try:
-        assert wait_for(lambda: run_cli(env, "status").returncode == 0, timeout=180), up.poll()
+        assert wait_for(lambda: run_cli(env, "status").returncode == 0, timeout=180), _exited(up)
         status = run_cli(env, "status", "--json")
         assert status.returncode == 0, status.stderr
         services = json.loads(status.stdout)["services"]
@@ -105,6 +105,13 @@ def test_any_free_port_is_chosen_once_and_reported(tmp_path):
         up.kill()
         raise
     assert up.returncode == 0 and "the stack was stopped (iserve down)" in out, out
+
+
+def _exited(proc: subprocess.Popen) -> str:
+    """What a process that should be running printed, if it exited."""
+    if proc.poll() is None:
+        return "still running"
+    return f"exited {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}"
 
 
 def _answers(url: str) -> bool:

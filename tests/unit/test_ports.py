@@ -77,3 +77,31 @@ def test_bindable_tells_a_listening_port_from_a_closed_one() -> None:
         port = server.getsockname()[1]
         assert not ports.bindable(host, port)
     assert ports.bindable(host, port)
+
+
+def test_up_never_chooses_a_port_the_configuration_names(monkeypatch, tmp_path) -> None:
+    """`iserve up` with the scheduler at a given port and other servers at "host:0": that
+    port is bound only later, by the scheduler, so neither a chosen port nor the embedded
+    Redis's may be it (the scheduler could not bind it then, and `up` failed)."""
+    from services.cli.stack import with_chosen_ports
+    from services.settings import GATEWAY_ENV, METRICS_ENV, SERVICE_ENV, load_settings
+
+    named = ports.free_port()
+    env = {
+        "ISERVE_STATE_DIR": str(tmp_path),
+        **{var: "127.0.0.1:0" for var in (*SERVICE_ENV.values(), *METRICS_ENV.values())},
+        SERVICE_ENV["scheduler"]: f"127.0.0.1:{named}",
+        GATEWAY_ENV: "127.0.0.1:0",
+    }
+    monkeypatch.setattr(ports, "_issued", set())  # as in a fresh `up` process
+    # Every draw offers the named port first, as an unlucky draw would.
+    monkeypatch.setattr(ports, "drawable_ports", lambda _eph: [range(named, named + 1)])
+    settings = with_chosen_ports(load_settings(env))
+    chosen = [
+        *settings.addresses.values(),
+        *settings.metrics_addresses.values(),
+        settings.gateway_address,
+    ]
+    assert settings.address("scheduler") == f"127.0.0.1:{named}"
+    assert sum(a.endswith(f":{named}") for a in chosen) == 1, chosen
+    assert ports.free_port() != named  # the embedded Redis's, drawn after
