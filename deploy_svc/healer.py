@@ -21,6 +21,7 @@ from services import replicas
 from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
+from services.errors import CHECKPOINT_UNUSABLE
 from services.ids import replica_group_id
 from services.state.store import ReservationError, StateStore
 from services.token_limits import sequence_length
@@ -34,6 +35,13 @@ class NoLiveNode(str):
     """Why a restart cannot start for want of any live node with devices like its own:
     tried again every NODE_WAIT_POLL_S, spending no restart budget (a node agent down
     for half a minute made every deployment on it FAILED for good)."""
+
+
+class Refused(str):
+    """Why a restart was refused for good: every place tried refused it for its
+    checkpoint (services.errors.CHECKPOINT_UNUSABLE), which no retry changes (a model
+    whose weights were deleted while the stack was down spent the whole restart budget,
+    half a minute, before it was FAILED)."""
 
 
 GONE = (deploy_pb.DEPLOYMENT_STATE_FAILED, deploy_pb.DEPLOYMENT_STATE_REMOVING)
@@ -81,20 +89,28 @@ class Healer:
         return None if raw is None else healing.RestartRecord.from_json(raw)
 
     async def replica_failed(
-        self, deployment: deploy_pb.Deployment, index: int, error: str, *, planned: bool = False
+        self,
+        deployment: deploy_pb.Deployment,
+        index: int,
+        error: str,
+        *,
+        planned: bool = False,
+        final: bool = False,
     ) -> None:
         """Replica ``index`` of ``deployment`` (the caller holds its lock) failed with
         ``error``: schedule its restart, or when the budget is spent take it out for good
         (the deployment FAILED when no other replica serves). ``planned``: its workers
         were stopped on purpose; it starts again at once, its restart record unchanged
-        (kept, so a restart of the deployer resumes it)."""
+        (kept, so a restart of the deployer resumes it). ``final``: no restart could
+        succeed (see Refused); it is taken out at once."""
         deployment_id = deployment.deployment_id
         record = await self.record_of(deployment_id)
-        step = (
-            healing.restore(record, error)
-            if planned
-            else healing.after_failure(self.policy, record, error, _now_ms())
-        )
+        if planned:
+            step = healing.restore(record, error)
+        elif final:
+            step = healing.refused(record, error, _now_ms())
+        else:
+            step = healing.after_failure(self.policy, record, error, _now_ms())
         await self.store.put_restarts(deployment_id, step.record.to_json())
         replica = next(r for r in replicas.replicas_of(deployment) if r.index == index)
         if isinstance(step, healing.GiveUp):
@@ -163,7 +179,7 @@ class Healer:
             deployment = await self.store.get_deployment(deployment_id)
             if not self._still_restarting(deployment, index):
                 return
-            await self.replica_failed(deployment, index, error)
+            await self.replica_failed(deployment, index, error, final=isinstance(error, Refused))
 
     async def _note_waiting(self, deployment_id: str, index: int, why: str) -> None:
         """Say in the replica's record (once), and the deployment's when it is not
@@ -212,7 +228,7 @@ class Healer:
                     return NoLiveNode(waiting)
                 return "no live devices with room to start it again"
             group = replica_group_id(deployment_id, index)
-            refused, failed = [], []
+            refused, failed, for_good = [], [], True
             # Best first; a start that fails (its old devices broken, say) tries the next
             # place in the same attempt rather than the same place at every restart.
             for chosen in tries:
@@ -227,9 +243,12 @@ class Healer:
                 except Exception as exc:  # noqa: BLE001 - any failed launch is retried
                     await self.workers.teardown_replica(deployment_id, replica)
                     failed.append(f"on {healing.where(chosen)}: {exc}")
+                    for_good &= getattr(exc, "reason", "") == CHECKPOINT_UNUSABLE
                     continue
                 break
             else:
+                if failed and for_good and not refused:
+                    return Refused("restart refused " + "; ".join(failed))
                 if failed:
                     return "restart failed " + "; ".join(failed)
                 return "could not reserve memory to start it again: " + "; ".join(refused)

@@ -7,7 +7,9 @@ exponential backoff (:meth:`RestartPolicy.backoff_s`), its old devices first. A
 deployment gets ``max_restarts`` restarts in a row; a failure more than
 ``reset_after_s`` after the one before starts a fresh run (it served in between). A
 failed restart counts as a failure. Once the budget is spent the replica stays out, and
-when no other replica serves the deployment is FAILED saying why.
+when no other replica serves the deployment is FAILED saying why. A start refused for a
+reason no retry changes (its checkpoint gone from the models root, or rewritten as another
+model) takes the replica out at once.
 """
 
 from __future__ import annotations
@@ -115,6 +117,16 @@ def after_failure(
         )
     nth = in_a_row + 1
     return Restart(policy.backoff_s(nth), RestartRecord(nth, record.total + 1, error, now_ms))
+
+
+def refused(record: RestartRecord | None, error: str, now_ms: int) -> GiveUp:
+    """A start refused for a reason no restart changes (``error``: its checkpoint gone or
+    rewritten as another model): the replica is taken out at once, the budget unspent."""
+    record = record or RestartRecord()
+    return GiveUp(
+        f"not restarted: {error} (every restart would be refused the same way)",
+        RestartRecord(record.in_a_row, record.total, error, now_ms),
+    )
 
 
 def restore(record: RestartRecord | None, why: str) -> Restart:

@@ -69,7 +69,7 @@ from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
-from services.errors import REASON_KEY, InvalidArgument, shown
+from services.errors import InvalidArgument, rpc_reason, shown
 from services.health import serving_status
 from services.ids import check_model_id
 from services.metrics import new_registry
@@ -218,15 +218,6 @@ class GatewayError(Exception):
             param,
             openai_code(status, param, reason),
         )
-
-
-def rpc_reason(exc: grpc.aio.AioRpcError) -> str:
-    """The error's reason the service sent beside its status (services.errors.REASON_KEY),
-    or ""."""
-    for key, value in exc.trailing_metadata() or ():
-        if key == REASON_KEY and isinstance(value, str):
-            return value
-    return ""
 
 
 # ---- stop strings ---------------------------------------------------------------------

@@ -33,7 +33,7 @@ from services.engine_rules import (
     default_dtype,
     resolve_checkpoint,
 )
-from services.errors import FailedPrecondition, require
+from services.errors import CheckpointChanged, require
 from services.ids import check_deployment_id
 from services.models.arch import unlike_model
 from services.models.checkpoint import InvalidCheckpoint, read_config
@@ -315,7 +315,7 @@ _SHAPE_FIELDS = {"num_heads": "num_attention_heads", "family": ""}
 
 
 def check_still_the_model(checkpoint_path: str, config: dict, shape: model_pb.ModelShape) -> None:
-    """FailedPrecondition when the checkpoint's config.json describes another model than
+    """CheckpointChanged when the checkpoint's config.json describes another model than
     ``shape``, the model as registered (the checkpoint was rewritten since): the
     deployer reserved memory for that shape. A config that does not parse is left to
     the worker, which says why it cannot load it."""
@@ -330,7 +330,7 @@ def check_still_the_model(checkpoint_path: str, config: dict, shape: model_pb.Mo
 
     unlike = unlike_model(spec, registered)
     if unlike is not None:
-        raise FailedPrecondition(
+        raise CheckpointChanged(
             f"checkpoint {checkpoint_path!r} is no longer the model registered from it: "
             f"{unlike}; register it again (as a new model id, or after `iserve model "
             "delete`)"
@@ -348,9 +348,12 @@ def build_plan(
 ) -> LaunchPlan:
     """Validate ``request`` against this node and turn it into a LaunchPlan.
 
-    Raises InvalidArgument for malformed requests (unknown devices, a checkpoint outside
-    the models root, duplicate ranks, ranks or layers that do not form a tp × pp group, a
-    configuration TensorRT-LLM cannot map when it was asked for), FailedPrecondition for
+    Raises CheckpointUnusable (an InvalidArgument) for a checkpoint path that names no
+    checkpoint under the models root and CheckpointChanged (a FailedPrecondition) for a
+    checkpoint rewritten as another model since it was registered; InvalidArgument for
+    other malformed requests (unknown devices, duplicate ranks, ranks or layers that do
+    not form a tp × pp group, a configuration TensorRT-LLM cannot map when it was asked
+    for), FailedPrecondition for
     requests this node cannot serve (TensorRT-LLM asked for without its package, on a
     device that is not a CUDA GPU, or for part of a group) and Unimplemented for GPTQ/AWQ
     weights on the PyTorch engine. The engine is

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.api import common_pb2 as common
-from services.errors import InvalidArgument, Unimplemented, shown
+from services.errors import CheckpointUnusable, InvalidArgument, Unimplemented, shown
 
 TENSOR_PARALLEL_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 MAX_PIPELINE_PARALLEL = 8
@@ -110,11 +110,12 @@ def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
     """The checkpoint directory for ``checkpoint_path`` (relative to the models root or
     absolute inside it); InvalidArgument when it is empty or not a path, escapes the root
     (through ``..`` or a symlink), is not a directory, or holds a link to a file outside
-    the root (a weight file linked to /etc/shadow is read as surely as the directory)."""
+    the root (a weight file linked to /etc/shadow is read as surely as the directory).
+    The error is CheckpointUnusable: a start from that path fails the same way each time."""
     if not checkpoint_path:
-        raise InvalidArgument("checkpoint_path is empty")
+        raise CheckpointUnusable("checkpoint_path is empty")
     if "\0" in checkpoint_path:
-        raise InvalidArgument(f"checkpoint_path {shown(checkpoint_path)} contains a NUL byte")
+        raise CheckpointUnusable(f"checkpoint_path {shown(checkpoint_path)} contains a NUL byte")
     root = models_root.resolve()
     candidate = Path(checkpoint_path)
     try:
@@ -125,16 +126,16 @@ def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
         # A name too long, a link loop (RuntimeError before Python 3.13), a directory it
         # may not list.
         reason = getattr(exc, "strerror", None) or exc
-        raise InvalidArgument(
+        raise CheckpointUnusable(
             f"checkpoint_path {shown(checkpoint_path)} cannot be read: {reason}"
         ) from exc
     if not resolved.is_relative_to(root):
-        raise InvalidArgument(
+        raise CheckpointUnusable(
             f"checkpoint_path {shown(checkpoint_path)} is outside the models root "
             f"{str(root)!r}; iserve only reads checkpoints under ISERVE_MODELS_ROOT"
         )
     if not resolved.is_dir():
-        raise InvalidArgument(
+        raise CheckpointUnusable(
             f"checkpoint_path {shown(checkpoint_path)} is not a directory: it does not exist "
             f"under {str(root)!r}"
         )
@@ -142,10 +143,11 @@ def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
 
 
 def _check_entries_inside(checkpoint_path: str, directory: Path, root: Path) -> None:
-    """InvalidArgument when an entry of ``directory`` is a link resolving outside ``root``."""
+    """CheckpointUnusable when an entry of ``directory`` is a link resolving outside
+    ``root``."""
     for entry in directory.iterdir():
         if entry.is_symlink() and not entry.resolve().is_relative_to(root):
-            raise InvalidArgument(
+            raise CheckpointUnusable(
                 f"checkpoint_path {shown(checkpoint_path)}: {entry.name} links outside the "
                 f"models root {str(root)!r}; iserve only reads checkpoints under "
                 "ISERVE_MODELS_ROOT"

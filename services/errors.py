@@ -29,6 +29,17 @@ class ContextLengthExceeded(InvalidArgument):
     reason = "context_length_exceeded"
 
 
+# The reason of a checkpoint a node cannot start workers from: every start from it would
+# be refused the same way until someone puts it right, so the deployer does not retry.
+CHECKPOINT_UNUSABLE = "checkpoint_unusable"
+
+
+class CheckpointUnusable(InvalidArgument):
+    """A checkpoint path that names no readable checkpoint under the models root."""
+
+    reason = CHECKPOINT_UNUSABLE
+
+
 class NotFound(IServeError):
     code = grpc.StatusCode.NOT_FOUND
 
@@ -45,6 +56,12 @@ class AlreadyExists(IServeError):
 
 class FailedPrecondition(IServeError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class CheckpointChanged(FailedPrecondition):
+    """A checkpoint rewritten since its model was registered (another shape)."""
+
+    reason = CHECKPOINT_UNUSABLE
 
 
 class ResourceExhausted(IServeError):
@@ -94,15 +111,26 @@ def require(condition: bool, message: str) -> None:
 class RemoteError(IServeError):
     """An error another iserve service returned, passed on with its status code."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = ""):
         super().__init__(message)
         self.code = code
+        self.reason = reason
+
+
+def rpc_reason(exc: grpc.RpcError) -> str:
+    """The reason (REASON_KEY) a service sent beside an error's status, or ""."""
+    metadata = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in metadata or ():
+        if key == REASON_KEY and isinstance(value, str):
+            return value
+    return ""
 
 
 def from_rpc_error(exc: grpc.RpcError, what: str) -> IServeError:
-    """Wrap a failed call to another service, keeping its status and naming ``what`` failed."""
+    """Wrap a failed call to another service, keeping its status and reason and naming
+    ``what`` failed."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(f"{what}: unreachable ({details})")
-    return RemoteError(code, f"{what}: {details}")
+    return RemoteError(code, f"{what}: {details}", rpc_reason(exc))

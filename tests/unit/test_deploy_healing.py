@@ -25,6 +25,7 @@ from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.drain import worker_stop_s
+from services.errors import CHECKPOINT_UNUSABLE
 from services.reservation import memory_blocks
 from services.state.store import StateStore
 from tests.unit.test_deploy_replicas import (
@@ -320,11 +321,14 @@ def test_a_restart_that_keeps_failing_spends_the_budget_and_fails_the_deployment
 
 
 class BrokenDeviceAgent(FakeAgent):
-    """Workers on a device in ``broken`` fail to start (a GPU gone bad, say)."""
+    """Workers on a device in ``broken`` fail to start (a GPU gone bad, say); on one in
+    ``no_checkpoint`` they are refused as the agent refuses a checkpoint gone from its
+    models root."""
 
     def __init__(self):
         super().__init__()
         self.broken: set[str] = set()
+        self.no_checkpoint: set[str] = set()
         self.devices_tried: list[list[str]] = []
 
     async def StartWorkers(self, request, timeout: float):
@@ -333,7 +337,61 @@ class BrokenDeviceAgent(FakeAgent):
         if self.broken.intersection(devices):
             self.started.append(request.deployment_id)
             raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "worker rank 0 exited (1)")
+        if self.no_checkpoint.intersection(devices):
+            self.started.append(request.deployment_id)
+            raise FakeRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "checkpoint_path 'tiny' is not a directory: it does not exist",
+                CHECKPOINT_UNUSABLE,
+            )
         return await super().StartWorkers(request, timeout)
+
+
+def test_a_replica_whose_checkpoint_is_gone_is_taken_out_at_once(run):
+    """Every place refuses it for its checkpoint: no restart could succeed, so it fails
+    at the first (the budget, half a minute of retries, was spent before)."""
+
+    async def scenario(store):
+        agent = BrokenDeviceAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        deployment_id = dep.deployment_id
+        agent.no_checkpoint.update({"cpu0", "cpu1"})
+        assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
+        final = await settle(store, deployment_id)
+        assert final.state == FAILED
+        assert final.state_reason.startswith("not restarted: restart refused on "), final
+        assert "does not exist" in final.state_reason
+        assert "every restart would be refused the same way" in final.state_reason
+        # The deploy, then one attempt that tried both devices.
+        assert agent.started == [deployment_id] * 3
+        assert set((await reserved(store)).values()) == {0}
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_checkpoint_refused_on_one_device_and_a_crash_on_the_other_is_retried(run):
+    """Only a refusal everywhere is final: a worker that crashed elsewhere may start
+    there next time, so the budget is spent as before."""
+
+    async def scenario(store):
+        agent = BrokenDeviceAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        deployment_id = dep.deployment_id
+        agent.no_checkpoint.add("cpu0")
+        agent.broken.add("cpu1")
+        assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
+        final = await settle(store, deployment_id)
+        assert final.state == FAILED
+        assert final.state_reason.startswith("gave up after 2 restart(s) in a row"), final
+        assert agent.started == [deployment_id] * 5
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
 
 
 def test_a_restart_that_fails_on_its_old_devices_starts_elsewhere_in_the_same_attempt(run):

@@ -20,7 +20,13 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
-from services.errors import FailedPrecondition, InvalidArgument, IServeError, ResourceExhausted
+from services.errors import (
+    REASON_KEY,
+    FailedPrecondition,
+    InvalidArgument,
+    IServeError,
+    ResourceExhausted,
+)
 from services.reservation import memory_blocks
 
 GIB = 1 << 30
@@ -145,8 +151,11 @@ def test_pipeline_replicas_keep_their_stage_memory():
 
 
 class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        self._code, self._details = code, details
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = ""):
+        self._code, self._details, self._reason = code, details, reason
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((REASON_KEY, self._reason),) if self._reason else ()
 
     def code(self) -> grpc.StatusCode:
         return self._code
