@@ -336,7 +336,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             deployment.objectives,
             request.deadline_ms,
             request.max_tokens,
-            predictor.decode_step_s(queue.running + 1),
+            # Its decode runs beside at most a batch of others, however many wait.
+            predictor.decode_step_s(min(queue.running + 1, queue.slots)),
         )
         entry = QueueEntry(
             request.request_id,

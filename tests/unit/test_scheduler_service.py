@@ -961,3 +961,38 @@ def test_an_edf_queue_predicts_a_text_prompt_at_most_at_the_prompt_limit(redis_u
         assert [r.request_id for r in worker.received] == ["warm", "long"]
 
     run(redis_url, scenario)
+
+
+def test_an_edf_deadline_prices_decode_at_no_more_sequences_than_the_batch_runs(redis_url):
+    """A request behind one running on a batch-1 deployment decodes alone when its turn
+    comes: its last-token deadline less its decode is priced at one sequence, not two
+    (a decode step of two sequences that batch 1 never runs refused requests that met
+    their deadlines when sent without one)."""
+
+    async def scenario(h: Harness):
+        worker = FakeWorker(gate=asyncio.Event())
+        await h.add_deployment(
+            "d1",
+            worker,
+            batch_size=1,
+            objectives=common.ServiceObjectives(scheduling=common.SCHEDULING_POLICY_EDF),
+            latency_model=common.LatencyModel(
+                decode_step_ms=10.0, decode_ms_per_extra_sequence=1000.0
+            ),
+        )
+        worker.gate.set()
+        await h.collect(request_id="warm", deployment_id="d1", max_tokens=1)
+        worker.gate.clear()
+        running = h.generate(request_id="running", deployment_id="d1", max_tokens=1)
+        await running.read()
+        # 2 decode steps: 20 ms at one sequence; 2 s at two.
+        behind = asyncio.create_task(
+            h.collect(request_id="behind", deployment_id="d1", max_tokens=3, deadline_ms=1000)
+        )
+        await h.until_waiting("d1", 1)
+        worker.gate.set()
+        replies = await behind
+        assert replies[-1].HasField("final")
+        assert [r.request_id for r in worker.received] == ["warm", "running", "behind"]
+
+    run(redis_url, scenario)
