@@ -145,6 +145,14 @@ class LatencyPredictor:
         # Mean time a request holds a slot (admission to last token), seconds; None
         # until a request has finished.
         self._mean_service_s: float | None = None
+        self._decode_estimated = model.decode_step_ms > 0
+
+    @property
+    def evidence(self) -> float:
+        """How much this predictor knows of a request's service time: the requests it
+        has measured, or ESTIMATE_SAMPLES for the deployment's estimate before any (0:
+        neither, and ``service_s`` predicts nothing but zeros)."""
+        return max(self.decode.samples, ESTIMATE_SAMPLES if self._decode_estimated else 0.0)
 
     @property
     def service_measured(self) -> bool:

@@ -81,20 +81,46 @@ class DeploymentQueue:
         self._slots = slots_for(slots)
         self._dispatch()
 
-    def expected_wait_s(self, unmeasured_service_s: float = 1.0) -> float:
-        """How long a request arriving now would wait for its first token, in seconds:
-        the predicted prefill of the prompts queued ahead of it, plus the running work
-        that must end before a slot frees (requests ahead of it beyond the free slots,
-        each taking the mean service time observed so far, ``slots`` at a time; before
-        any request has finished here, ``unmeasured_service_s``)."""
-        predictor = self.predictor
-        if predictor is None:
+    def expected_wait_s(
+        self, unmeasured_service_s: float = 1.0, predictor: LatencyPredictor | None = None
+    ) -> float:
+        """How long a request arriving now would wait for a slot, in seconds: the
+        requests running here hold their slots until their predicted ends, those waiting
+        each take the first slot to free in turn (as the EDF check plays them), and it
+        takes the first slot to free after them.
+
+        Each request holds its slot for its own predicted service, its prompt and
+        max_tokens priced by ``predictor`` (default this queue's: the deployment's
+        estimate, corrected by the requests finished here). One without max_tokens, or
+        under a predictor that knows nothing yet (no estimate, nothing finished), holds
+        it for the mean service time measured here, or ``unmeasured_service_s`` before
+        any request has finished. Without any predictor: the requests here."""
+        own = self.predictor
+        if own is None:
             return float(self._running + len(self._waiters))
-        queued = [entry.prompt_tokens for entry in self._waiters]
-        prefill = predictor.prefill_s(queued) if queued else 0.0
-        service_s = predictor.mean_service_s if predictor.service_measured else unmeasured_service_s
-        ahead = max(0, len(self._running) + len(queued) - self._slots + 1)
-        return prefill + ahead / self._slots * service_s
+        predictor = predictor or own
+
+        def service(entry: QueueEntry) -> float:
+            if entry.max_tokens > 0 and predictor.evidence > 0:
+                return predictor.service_s(entry.prompt_tokens, entry.max_tokens, self._slots)
+            return own.mean_service_s if own.service_measured else unmeasured_service_s
+
+        now = self._clock()
+        free = self._slot_free_times(now, service)
+        for entry in self._waiters:
+            heapq.heapreplace(free, free[0] + service(entry))
+        return free[0] - now
+
+    def _slot_free_times(self, now: float, service: Callable[[QueueEntry], float]) -> list[float]:
+        """A heap of the times the slots free: each running request holds its slot until
+        its admission plus its ``service``, and not before ``now``; a free slot frees
+        ``now``. More running than slots (the batch size was lowered): the first to end
+        free none."""
+        slots = self._slots
+        ends = sorted(max(now, admitted + service(e)) for e, admitted in self._running.items())
+        free = ends[-slots:] if len(ends) >= slots else ends + [now] * (slots - len(ends))
+        heapq.heapify(free)
+        return free
 
     async def acquire(self, entry: QueueEntry) -> None:
         """Wait until ``entry`` holds a slot, in policy order.
@@ -144,14 +170,12 @@ class DeploymentQueue:
         predictor = self.predictor
         if predictor is None or not predictor.service_measured:
             return []
-        now, slots = self._clock(), self._slots
-        ends = sorted(
-            max(now, admitted + predictor.service_s(e.prompt_tokens, e.max_tokens, slots))
-            for e, admitted in self._running.items()
-        )
-        # More running than slots (the batch size was lowered): the first to end free none.
-        free = ends[-slots:] if len(ends) >= slots else ends + [now] * (slots - len(ends))
-        heapq.heapify(free)
+        slots = self._slots
+
+        def service(entry: QueueEntry) -> float:
+            return predictor.service_s(entry.prompt_tokens, entry.max_tokens, slots)
+
+        free = self._slot_free_times(self._clock(), service)
         missed = []
         for entry in ordered:
             start = free[0]
@@ -160,8 +184,7 @@ class DeploymentQueue:
                 entry.predicted_first_token_s = first_token
                 missed.append(entry)
                 continue
-            service = predictor.service_s(entry.prompt_tokens, entry.max_tokens, slots)
-            heapq.heapreplace(free, start + service)
+            heapq.heapreplace(free, start + service(entry))
         return missed
 
     def release(self, entry: QueueEntry) -> None:
@@ -319,27 +342,34 @@ class QueueRegistry:
 
     def shortest_wait(self, deployment: deploy_pb.Deployment) -> tuple[float, int]:
         """(expected wait in seconds, replica index) of the deployment's serving replica
-        a request should go to: the one with the shortest expected wait; on equal waits
-        the one with fewer requests running and waiting, then the lowest index. (inf, 0)
-        when no replica serves.
+        a request should go to: the one with the shortest expected wait
+        (:meth:`DeploymentQueue.expected_wait_s`: each request there priced by its own
+        max_tokens, under the predictor of the replica that knows most, as every replica
+        runs the same configuration); on equal waits the one with fewer requests running and waiting,
+        then the lowest index. (inf, 0) when no replica serves.
 
         A full queue waits forever (a request there would be refused while another copy
-        has room), and a copy where no request has finished yet is charged the slowest
-        service time measured on the model's other copies (1 s when none is): counting
-        its queue as free would send every request to a fresh copy."""
+        has room). A request without max_tokens on a copy where none has finished yet is
+        charged the slowest mean service time measured on the model's other copies (1 s
+        when none is). Mean service times alone priced a copy whose first request was
+        short as 10-20x faster than it is, and it took most requests while the other
+        idled."""
         choices = []
         unmeasured: float | None = None  # the model's slowest measured, when first needed
-        for replica in replicas.serving(deployment):
-            queue = self.queue_for(deployment, replica.index)
+        queues = [(r, self.queue_for(deployment, r.index)) for r in replicas.serving(deployment)]
+        # The replicas run one configuration: the predictor that knows most prices them all.
+        informed = [q.predictor for _, q in queues if q.predictor is not None]
+        shared = max(informed, key=lambda p: p.evidence, default=None)
+        for replica, queue in queues:
             load = queue.running + queue.waiting
             if queue.waiting >= self.capacity:
                 wait_s = float("inf")
             elif queue.predictor is not None and not queue.predictor.service_measured:
                 if unmeasured is None:
                     unmeasured = self._unmeasured_service_s(deployment.model_id)
-                wait_s = queue.expected_wait_s(unmeasured)
+                wait_s = queue.expected_wait_s(unmeasured, shared)
             else:
-                wait_s = queue.expected_wait_s()
+                wait_s = queue.expected_wait_s(predictor=shared)
             choices.append((wait_s, load, replica.index))
         wait_s, _, index = min(choices, default=(float("inf"), 0, 0))
         return wait_s, index

@@ -37,6 +37,16 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+class ManualClock:
+    """A clock that moves only when told: waits computed from it are exact."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Load:
     """Requests held on replicas' queues: running ones hold a slot, the rest wait."""
 
@@ -44,9 +54,14 @@ class Load:
         self.registry, self.dep = registry, dep
         self.tasks: list[asyncio.Task] = []
 
-    async def add(self, replica: int, prompt_tokens: int = 1) -> None:
+    async def add(self, replica: int, prompt_tokens: int = 1, max_tokens: int = 0) -> None:
         queue = self.registry.queue_for(self.dep, replica)
-        entry = QueueEntry(f"r{replica}-{len(self.tasks)}", 0.0, prompt_tokens=prompt_tokens)
+        entry = QueueEntry(
+            f"r{replica}-{len(self.tasks)}",
+            0.0,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+        )
         self.tasks.append(asyncio.create_task(queue.acquire(entry)))
         await settle()
 
@@ -58,7 +73,7 @@ class Load:
 
 def scenario(body):
     async def main():
-        registry = QueueRegistry(capacity=8)
+        registry = QueueRegistry(capacity=8, clock=ManualClock())
         dep = deployment()
         load = Load(registry, dep)
         try:
@@ -97,7 +112,7 @@ def test_a_busy_replica_loses_to_an_idle_one_before_any_service_time_is_known():
     scenario(body)
 
 
-def test_running_work_counts_the_mean_service_time():
+def test_running_work_without_max_tokens_counts_the_mean_service_time():
     async def body(registry, dep, load):
         registry.queue_for(dep, 0).predictor.mean_service_s = 1.0
         registry.queue_for(dep, 1).predictor.mean_service_s = 4.0
@@ -108,34 +123,74 @@ def test_running_work_counts_the_mean_service_time():
         assert registry.queue_for(dep, 1).expected_wait_s() == pytest.approx(4.0)
         assert registry.shortest_wait(dep) == (pytest.approx(1.0), 0)
         await load.add(0)
-        await load.add(0)  # two waiting behind the running one: 3 s ahead, and prefills
-        assert registry.shortest_wait(dep) == (pytest.approx(3.002), 0)
-        await load.add(0)  # 4 s ahead and three prefills: the slower replica now wins
+        await load.add(0)  # two waiting behind the running one: 3 s ahead
+        assert registry.shortest_wait(dep) == (pytest.approx(3.0), 0)
+        await load.add(0)  # 4 s ahead, as on the slower replica: the fewer requests win
+        assert registry.shortest_wait(dep) == (pytest.approx(4.0), 1)
+        await load.add(0)
         assert registry.shortest_wait(dep) == (pytest.approx(4.0), 1)
 
     scenario(body)
 
 
-def test_queued_prompt_tokens_count_their_predicted_prefill():
+def test_each_request_is_priced_by_its_own_prompt_and_max_tokens():
+    """A request holds its slot for its prefill and a decode step per token after the
+    first: 1 ms a prompt token, 5 ms a step (LATENCY)."""
+
     async def body(registry, dep, load):
-        for replica in (0, 1):
-            registry.queue_for(dep, replica).predictor.mean_service_s = 1.0
-            await load.add(replica)  # running
-        await load.add(0, prompt_tokens=400)
-        await load.add(1, prompt_tokens=10)
+        await load.add(0, prompt_tokens=10, max_tokens=101)  # running: 0.01 + 0.5 s
+        await load.add(0, prompt_tokens=400, max_tokens=1)  # waiting: 0.4 s
+        await load.add(1, prompt_tokens=10, max_tokens=21)  # running: 0.01 + 0.1 s
+        await load.add(1, prompt_tokens=10, max_tokens=21)  # waiting: 0.11 s
         wait0 = registry.queue_for(dep, 0).expected_wait_s()
         wait1 = registry.queue_for(dep, 1).expected_wait_s()
-        predictor = registry.queue_for(dep, 0).predictor
-        assert wait0 == pytest.approx(predictor.prefill_s([400]) + 2 * 1.0)
-        assert wait1 < wait0
+        assert wait0 == pytest.approx(0.51 + 0.4)
+        assert wait1 == pytest.approx(0.11 + 0.11)
         assert registry.shortest_wait(dep) == (pytest.approx(wait1), 1)
 
     scenario(body)
 
 
+def test_a_replica_whose_first_request_was_short_is_not_taken_for_a_fast_one():
+    """Replica 0 finished one 4-token request; replica 1 none, and another deployment of
+    the model is slow. Six 64-token requests split 3 / 3: priced by their max_tokens
+    under the predictor that knows most, not by replica 0's short mean against the
+    model's slowest (replica 0 took five of six while replica 1 idled)."""
+
+    async def main():
+        registry = QueueRegistry(capacity=8, clock=ManualClock())
+        dep, other = deployment(), deployment(count=1)
+        other.deployment_id = "m-slow"
+        load, slow = Load(registry, dep), Load(registry, other)
+        try:
+            registry.queue_for(other, 0).predictor.mean_service_s = 5.0
+            await slow.add(0)
+            first = registry.queue_for(dep, 0).predictor
+            first.observe(
+                prompt_tokens=4,
+                prompt_chars=16,
+                first_token_s=0.004,
+                tpot_s=0.005,
+                running=1,
+                service_s=0.02,
+                output_share=1.0,
+            )
+            chosen = []
+            for _ in range(6):
+                _, index = registry.shortest_wait(dep)
+                chosen.append(index)
+                await load.add(index, prompt_tokens=4, max_tokens=64)
+            assert sorted(chosen) == [0, 0, 0, 1, 1, 1], chosen
+        finally:
+            await load.close()
+            await slow.close()
+
+    asyncio.run(main())
+
+
 def test_free_slots_mean_no_wait_for_running_work():
     async def main():
-        registry = QueueRegistry(capacity=8)
+        registry = QueueRegistry(capacity=8, clock=ManualClock())
         dep = deployment(count=1, batch_size=4)
         load = Load(registry, dep)
         registry.queue_for(dep, 0).predictor.mean_service_s = 2.0
@@ -143,8 +198,8 @@ def test_free_slots_mean_no_wait_for_running_work():
             await load.add(0)
         assert registry.queue_for(dep, 0).expected_wait_s() == 0.0  # a fourth slot is free
         await load.add(0)
-        # Four running on four slots: one must end, a quarter of the slots' work.
-        assert registry.queue_for(dep, 0).expected_wait_s() == pytest.approx(2.0 / 4)
+        # Four running on four slots since the same moment: the first to end frees one.
+        assert registry.queue_for(dep, 0).expected_wait_s() == pytest.approx(2.0)
         await load.close()
 
     asyncio.run(main())
@@ -190,7 +245,7 @@ def test_a_copy_with_nothing_finished_is_charged_the_slowest_measured_service_ti
 
 def test_a_full_queue_is_not_chosen_while_another_copy_has_room():
     async def main():
-        registry = QueueRegistry(capacity=2)
+        registry = QueueRegistry(capacity=2, clock=ManualClock())
         dep = deployment()
         load = Load(registry, dep)
         try:
