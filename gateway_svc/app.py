@@ -26,10 +26,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -491,7 +491,10 @@ def _generate_request(
         stop=body.stop_strings(),
         ignore_eos=body.ignore_eos,
     )
-    if body.top_p == 0:  # only the likeliest token: greedy (top_p 0 reads as unset)
+    # Only the likeliest token: greedy, as the message's top_p 0 reads as unset. Asked of
+    # the float32 the message holds: a top_p below 7e-46 is 0 there (it sampled from the
+    # whole vocabulary).
+    if body.top_p is not None and sampling.top_p == 0:
         sampling.temperature, sampling.top_p = 0.0, 1.0
     if body.seed is not None:
         sampling.seed = body.seed % 2**64  # an int64's two's complement
@@ -593,6 +596,17 @@ class BodyLimit:
 UNMATCHED = "unmatched"
 
 
+def _caller(http: Request) -> Metadata:
+    """The caller's token as gRPC metadata (``Backend.caller``), as a dependency: FastAPI
+    solves it before it validates the body, so a request without a token gets its 401
+    before any work on its body (a 32 MiB body of small items is a second of it), and
+    first, as OpenAI answers."""
+    return http.app.state.backend.caller(http)
+
+
+Caller = Annotated[Metadata, Depends(_caller)]
+
+
 def create_app(
     connect: Callable[[], Backend],
     cors_origins: tuple[str, ...] = (),
@@ -611,6 +625,7 @@ def create_app(
     async def lifespan(_app: FastAPI):
         nonlocal backend
         backend = connect()
+        _app.state.backend = backend  # for the Caller dependency
         try:
             yield
         finally:
@@ -779,9 +794,8 @@ def create_app(
         return model_object(model_id, served[model_id])
 
     @app.post("/v1/completions", responses=_GENERATION_REPLIES)
-    async def completions(body: CompletionBody, http: Request):
+    async def completions(body: CompletionBody, http: Request, caller: Caller):
         served_model_id(body.model)
-        caller = backend.caller(http)
         requests = []
         for prompt in body.prompt:  # a generation, and a choice, per prompt
             if body.max_tokens_given:
@@ -793,9 +807,8 @@ def create_app(
         return await _respond(body, requests, caller, http, chat=False)
 
     @app.post("/v1/chat/completions", responses=_GENERATION_REPLIES)
-    async def chat_completions(body: ChatBody, http: Request):
+    async def chat_completions(body: ChatBody, http: Request, caller: Caller):
         served_model_id(body.model)
-        caller = backend.caller(http)
         template, tokens = await backend.chat_template(body.model, caller)
         try:
             prompt = await renders.render(

@@ -32,6 +32,7 @@ from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
 from services.drain import InFlight
 from services.errors import ContextLengthExceeded, InvalidArgument, Unavailable, require
+from services.models.special_tokens import PromptTooLong
 
 FINISH_REASONS = {"length": common.FINISH_REASON_LENGTH, "stop": common.FINISH_REASON_STOP}
 
@@ -92,6 +93,9 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
             return self.runner.parse(
                 prompt_ids, request.max_tokens, sampling, request.max_tokens_is_bound
             )
+        except PromptTooLong as exc:
+            # As a counted prompt over the limit: clients trim on this reason.
+            raise ContextLengthExceeded(str(exc)) from exc
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
 

@@ -74,8 +74,12 @@ def max_prompt_chars(tokenizer: Tokenizer, max_tokens: int) -> int:
     return _NORMALIZER_FOLD * max_tokens * max(longest, _UNKNOWN_WORD_CHARS)
 
 
+class PromptTooLong(ValueError):
+    """A prompt text longer than any sequence of the deployment, whatever it says."""
+
+
 class PromptEncoder:
-    """A deployment's prompts to token ids: :func:`encode_prompt`, refusing (ValueError,
+    """A deployment's prompts to token ids: :func:`encode_prompt`, refusing (PromptTooLong,
     without tokenizing) a text too long for ``max_seq_len`` tokens whatever it says; a
     tokenizer takes seconds on megabytes, and the worker would wait meanwhile. Both
     engines encode through one."""
@@ -89,7 +93,7 @@ class PromptEncoder:
         if self._max_chars is None:
             self._max_chars = max_prompt_chars(self.tokenizer, self.max_seq_len)
         if len(text) > self._max_chars:
-            raise ValueError(
+            raise PromptTooLong(
                 f"prompt of {len(text)} characters cannot fit the {self.max_seq_len} tokens "
                 f"this deployment holds per sequence (at most {self._max_chars} "
                 "characters with this tokenizer)"

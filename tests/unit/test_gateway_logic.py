@@ -561,3 +561,62 @@ def test_a_chat_is_not_refused_while_the_model_service_does_not_answer(tmp_path)
         assert gone.value.status == 404
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "messages": "not a list"},
+        {"model": "Meta/x", "messages": [{"role": "user", "content": "hi"}]},
+        {"model": "m", "prompt": [-1] * 10},
+    ],
+)
+def test_with_authentication_on_a_request_without_a_token_is_refused_before_its_body(body):
+    """OpenAI answers 401 first; here a body was validated (seconds of work for a 32 MiB
+    one) and refused with 400 or 404 before the missing token was noticed."""
+    backend = _TemplateBackend("{{ messages }}")
+    backend.auth = True
+    app = create_app(lambda: backend)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with TestClient(app) as client:
+        reply = client.post(path, json=body)
+        assert reply.status_code == 401, reply.text
+        assert reply.json()["error"]["type"] == "authentication_error"
+        # With a token, the body is judged as before.
+        reply = client.post(path, json=body, headers={"Authorization": "Bearer EMPTY"})
+        assert reply.status_code == 401  # "EMPTY" cannot be an iserve token
+
+
+def test_a_chat_of_more_messages_or_content_parts_than_the_limit_is_refused_at_once():
+    from gateway_svc.bodies import MAX_MESSAGES
+
+    app = create_app(lambda: _TemplateBackend("{{ messages }}"))
+    many = [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)
+    parts = [{"type": "text", "text": "a"}] * (MAX_MESSAGES // 2 + 1)
+    with TestClient(app) as client:
+        reply = client.post("/v1/chat/completions", json={"model": "m", "messages": many})
+        assert reply.status_code == 400, reply.text
+        assert f"at most {MAX_MESSAGES} messages per request" in reply.json()["error"]["message"]
+        split = [{"role": "user", "content": parts}, {"role": "user", "content": parts}]
+        reply = client.post("/v1/chat/completions", json={"model": "m", "messages": split})
+        assert reply.status_code == 400, reply.text
+        assert f"at most {MAX_MESSAGES} content parts" in reply.json()["error"]["message"]
+
+
+def test_token_ids_checked_in_bulk_refuse_what_the_item_check_refuses():
+    from gateway_svc.bodies import _token_ids
+
+    assert _token_ids([0, 5, 2**32 - 1]) == [0, 5, 2**32 - 1]
+    assert _token_ids([1, 7.0]) == [1, 7]
+    for bad in ([1, -1], [2**32], [True, 1], [1, 2.5], [1, "2"], [None]):
+        assert _token_ids(bad) is None, bad
+
+
+@pytest.mark.parametrize("top_p", [0, 1e-46, 5e-324])
+def test_a_top_p_too_small_for_the_messages_float32_is_greedy(top_p):
+    """top_p 0 and any positive top_p that float32 rounds to 0 keep the likeliest token
+    only: greedy. 1e-46 reached the worker as 0, "unset", and sampled from everything."""
+    sent = _sent(*COMPLETION[:1], {**COMPLETION[1], "top_p": top_p, "temperature": 1.0})
+    assert (sent.sampling.temperature, sent.sampling.top_p) == (0.0, 1.0)
+    kept = _sent(*COMPLETION[:1], {**COMPLETION[1], "top_p": 1e-30, "temperature": 1.0})
+    assert kept.sampling.temperature == 1.0 and 0 < kept.sampling.top_p < 1e-29

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
+from services.errors import rpc_reason
 from services.models.checkpoint import create_checkpoint
 
 MAX_SEQ_LEN = 512
@@ -415,5 +416,7 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_without_tokenizing(st
         _generate(stub, prompt=huge, max_tokens=4)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "characters cannot fit" in err.value.details()
+    # The reason clients trim on, as for a prompt counted over the limit.
+    assert rpc_reason(err.value) == "context_length_exceeded"
     assert time.monotonic() - start < 10  # refused by length, not after encoding it all
     assert len(_generate(stub, prompt=PROMPT, max_tokens=2)) == 2  # and the worker serves on
