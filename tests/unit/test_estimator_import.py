@@ -187,6 +187,7 @@ def test_a_given_config_json_shapes_a_model_no_preset_knows_and_overrides_a_pres
                 "model_type": "qwen2",
                 "architectures": ["Qwen2ForCausalLM"],
                 "use_sliding_window": True,
+                "max_window_layers": 12,
                 "partial_rotary_factor": 0.5,
             },
             ["use_sliding_window: true", "partial rotary"],

@@ -34,6 +34,39 @@ def test_family_names_match_the_registry() -> None:
     assert families == {"llama", "mistral", "qwen2", "falcon", "gptj"}
 
 
+def test_defaults_of_keys_a_config_leaves_out_are_transformers_own() -> None:
+    """MistralConfig attends within 4096 positions and takes 131072, Qwen2Config 32768,
+    LlamaConfig 2048, when config.json does not say: a Mistral config without
+    sliding_window was served without a window, its tokens past 4096 not transformers'."""
+    mistral = dict(PRESETS["mistral-7b"].config)
+    for key in ("sliding_window", "max_position_embeddings"):
+        mistral.pop(key)
+    spec = parse_config(mistral)
+    assert (spec.sliding_window, spec.max_position_embeddings) == (4096, 131072)
+    assert parse_config({**mistral, "sliding_window": None}).sliding_window is None
+    qwen = with_changes(QWEN2_7B, max_position_embeddings=...)
+    assert parse_config(qwen).max_position_embeddings == 32768
+    llama = with_changes(dict(PRESETS["llama-2-7b"].config), max_position_embeddings=...)
+    assert parse_config(llama).max_position_embeddings == 2048
+
+
+def test_qwen2_sliding_windows_from_past_the_last_layer_are_no_windows() -> None:
+    """transformers windows the layers from max_window_layers on (default 28): from the
+    last layer on, every layer attends in full, as served."""
+    layers = QWEN2_7B["num_hidden_layers"]
+    for from_layer in (layers, layers + 10):
+        spec = parse_config(
+            with_changes(QWEN2_7B, use_sliding_window=True, max_window_layers=from_layer)
+        )
+        assert spec.sliding_window is None
+    with pytest.raises(UnsupportedArchitecture, match="max_window_layers 27 below the 28"):
+        parse_config(with_changes(QWEN2_7B, use_sliding_window=True, max_window_layers=27))
+
+
+def test_swish_is_silu_as_transformers_reads_it() -> None:
+    assert parse_config(with_changes(QWEN2_7B, hidden_act="swish")).family == "qwen2"
+
+
 def test_qwen2_biases_only_query_key_value() -> None:
     spec = parse_config(QWEN2_7B)
     assert (spec.qkv_bias, spec.attn_out_bias, spec.mlp_bias) == (True, False, False)
@@ -144,7 +177,7 @@ def test_rotary_dim_defaults_to_the_whole_head() -> None:
         (GPTJ_6B, {"tie_word_embeddings": True}, "tied"),
         (GPTJ_6B, {"rotary_dim": None}, "rotary_dim"),
         (GPTJ_6B, {"activation_function": "relu"}, "relu"),
-        (QWEN2_7B, {"use_sliding_window": True}, "use_sliding_window"),
+        (QWEN2_7B, {"use_sliding_window": True, "max_window_layers": 4}, "use_sliding_window"),
         (QWEN2_7B, {"hidden_act": "gelu"}, "hidden_act"),
         (QWEN2_7B, {"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM"),
     ],
@@ -275,3 +308,31 @@ def test_gptj_mask_buffers_are_ignorable() -> None:
     assert spec.is_ignorable_tensor("transformer.h.0.attn.masked_bias")
     assert spec.is_ignorable_tensor("transformer.h.0.attn.bias")
     assert not spec.is_ignorable_tensor("transformer.h.0.mlp.fc_in.bias")
+
+
+@pytest.mark.parametrize(
+    ("family", "config_class"),
+    [("llama", "LlamaConfig"), ("mistral", "MistralConfig"), ("qwen2", "Qwen2Config")],
+)
+def test_the_defaults_are_those_of_transformers_config_classes(family, config_class) -> None:
+    """Asked of transformers itself: what its config class takes for the keys a minimal
+    config.json leaves out is what iserve takes."""
+    transformers = pytest.importorskip("transformers")
+    theirs = getattr(transformers, config_class)()
+    minimal = {
+        "model_type": family,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+    }
+    ours = parse_config(minimal)
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert ours.norm_eps == theirs.rms_norm_eps
+    assert ours.tie_word_embeddings == theirs.tie_word_embeddings
+    window = getattr(theirs, "sliding_window", None)
+    if family == "qwen2":  # windowed only with use_sliding_window, off by default
+        window = window if theirs.use_sliding_window else None
+    assert ours.sliding_window == window

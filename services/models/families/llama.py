@@ -22,13 +22,21 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+# What transformers' config class of each family takes for a key config.json leaves out
+# (LlamaConfig, MistralConfig, Qwen2Config): a model served with another default would
+# differ from it in silence (a Mistral config without sliding_window attends within 4096
+# positions in transformers; read as "no window", its tokens past 4096 differed).
+_CONTEXT_DEFAULT = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+_MISTRAL_WINDOW_DEFAULT = 4096
+# transformers' activations that are SiLU (ACT2FN maps "swish" to nn.SiLU too).
+_SILU = ("silu", "swish")
 
 
 def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
     fields.reject_quantized(cfg)
     hidden_act = cfg.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        engine_cannot_run(f"hidden_act {hidden_act!r} is not supported; need 'silu'")
+    if hidden_act not in _SILU:
+        engine_cannot_run(f"hidden_act {hidden_act!r} is not supported; need 'silu' (or 'swish')")
     hidden_size = fields.positive_int(cfg, "hidden_size")
     num_heads = fields.positive_int(cfg, "num_attention_heads")
     num_kv_heads = fields.kv_heads_dividing(
@@ -42,10 +50,18 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
         head_dim = fields.positive_int(cfg, "head_dim")
     if head_dim % 2:
         raise InvalidConfig(f"head_dim ({head_dim}) must be even for rotary embeddings")
+    num_layers = fields.positive_int(cfg, "num_hidden_layers")
     if family == "qwen2":
-        if fields.flag(cfg, "use_sliding_window"):
+        # transformers gives layers from max_window_layers on a sliding window (its
+        # default 28); from the last layer on, none has one.
+        windowed_from = cfg.get("max_window_layers", 28)
+        if fields.flag(cfg, "use_sliding_window") and not (
+            isinstance(windowed_from, int) and windowed_from >= num_layers
+        ):
             engine_cannot_run(
-                "Qwen2 sliding-window layers (use_sliding_window: true) are not supported"
+                "Qwen2 sliding-window layers (use_sliding_window: true, and "
+                f"max_window_layers {windowed_from!r} below the {num_layers} layers) are "
+                "not supported"
             )
         qkv_bias, out_bias, mlp_bias = True, False, False
     else:
@@ -53,19 +69,23 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
         qkv_bias, out_bias = attention_bias, attention_bias
         mlp_bias = fields.flag(cfg, "mlp_bias")
     sliding_window = None
-    if family == "mistral" and cfg.get("sliding_window") is not None:
+    if family == "mistral" and "sliding_window" not in cfg:
+        sliding_window = _MISTRAL_WINDOW_DEFAULT
+    elif family == "mistral" and cfg["sliding_window"] is not None:
         sliding_window = fields.positive_int(cfg, "sliding_window")
     rope_theta, rope_scaling = fields.rope(cfg)
     return ArchSpec(
         family=family,
         hidden_size=hidden_size,
-        num_layers=fields.positive_int(cfg, "num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         intermediate_size=fields.positive_int(cfg, "intermediate_size"),
         vocab_size=fields.positive_int(cfg, "vocab_size"),
-        max_position_embeddings=fields.positive_int(cfg, "max_position_embeddings", 2048),
+        max_position_embeddings=fields.positive_int(
+            cfg, "max_position_embeddings", _CONTEXT_DEFAULT[family]
+        ),
         norm_eps=fields.positive_float(cfg, "rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
