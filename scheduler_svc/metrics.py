@@ -81,6 +81,7 @@ class RequestRecord:
     deployment_id: str = ""
     objectives: common.ServiceObjectives | None = None
     admitted_s: float | None = None
+    # When it first joined a queue (kept when it moves on to another deployment).
     enqueued_s: float | None = None
     token_times: list[float] = field(default_factory=list)
     prompt_tokens: int = 0

@@ -348,7 +348,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             max_tokens=request.max_tokens,
             objective=due.objective,
         )
-        record.enqueued_s = clock()
+        if record.enqueued_s is None:  # a request moved on keeps its first queue's wait
+            record.enqueued_s = clock()
         await queue.acquire(entry)
         record.admitted_s = clock()
         return deployment, replica, queue, entry

@@ -996,3 +996,32 @@ def test_an_edf_deadline_prices_decode_at_no_more_sequences_than_the_batch_runs(
         assert [r.request_id for r in worker.received] == ["warm", "running", "behind"]
 
     run(redis_url, scenario)
+
+
+def test_the_queue_time_of_a_request_moved_on_counts_its_wait_where_it_was_first(redis_url):
+    """A model's request waits 2 s on d1, which is removed, then 0.5 s on d2: its
+    queue_ms is 2.5 s, not the 0.5 s since it joined d2's queue."""
+    clock = ManualClock()
+
+    async def scenario(h: Harness):
+        first, second = FakeWorker(gate=asyncio.Event()), FakeWorker(gate=asyncio.Event())
+        d1 = await h.add_deployment("d1", first, batch_size=1)
+        await h.add_deployment("d2", second, batch_size=1)
+        running = [h.generate(request_id=f"run{i}", deployment_id=f"d{i}") for i in (1, 2)]
+        for call in running:
+            await call.read()
+        moved = asyncio.create_task(h.collect(request_id="moved", model_id="m"))
+        await h.until_waiting("d1", 1)
+        clock.advance(2.0)
+        await h.mark_removing(d1)
+        await h.until_waiting("d2", 1)
+        clock.advance(0.5)
+        second.gate.set()
+        messages = await moved
+        assert messages[-1].final.deployment_id == "d2"
+        assert messages[-1].final.timings.queue_ms == pytest.approx(2500.0)
+        first.gate.set()
+        for call in running:
+            await read_rest(call)
+
+    run(redis_url, scenario, clock=clock)
