@@ -100,7 +100,7 @@ def _slo_batch_bound(
     ``limit`` (ms): ``what``'s objective on the estimated ``figure`` ("TPOT", or the
     objective's own)."""
     if at_1 > limit:
-        return BatchBound(1, f"{what} is missed even at batch 1 (estimated {at_1:.1f} ms)")
+        return BatchBound(1, f"{what}, missed even at batch 1 (estimated {at_1:.1f} ms)")
     if per_sequence <= 0:
         return BatchBound(
             MAX_AUTO_BATCH, f"the cap of {MAX_AUTO_BATCH} ({figure or what} does not grow)"

@@ -64,8 +64,8 @@ def request_target(args) -> dict:
         flag
         for flag, given in (
             ("--intent", args.intent),
-            ("--slo-ms", args.slo_ms),
-            ("--budget", args.budget),
+            ("--slo-ms", args.slo_ms is not None),
+            ("--budget", args.budget is not None),
             ("--min-accuracy", args.min_accuracy is not None),
             ("--cost", args.cost),
         )
@@ -90,14 +90,15 @@ def request_target(args) -> dict:
         }
     name = args.intent or "min-cost"
     kind = INTENTS[name]
-    if kind == common.INTENT_KIND_LATENCY_SLO and not args.slo_ms:
+    # A target given as 0 reaches the service, which says why it cannot be one.
+    if kind == common.INTENT_KIND_LATENCY_SLO and args.slo_ms is None:
         usage_error("iserve deploy: --intent latency-slo needs --slo-ms")
-    if kind == common.INTENT_KIND_COST_SLO and not args.budget:
+    if kind == common.INTENT_KIND_COST_SLO and args.budget is None:
         usage_error("iserve deploy: --intent cost-slo needs --budget")
     # A flag the intent does not use would be ignored in silence: say so instead.
-    if args.slo_ms and kind != common.INTENT_KIND_LATENCY_SLO:
+    if args.slo_ms is not None and kind != common.INTENT_KIND_LATENCY_SLO:
         usage_error(f"iserve deploy: --slo-ms goes with --intent latency-slo, not {name}")
-    if args.budget and kind != common.INTENT_KIND_COST_SLO:
+    if args.budget is not None and kind != common.INTENT_KIND_COST_SLO:
         usage_error(f"iserve deploy: --budget goes with --intent cost-slo, not {name}")
     costed = (
         common.INTENT_KIND_MIN_COST,

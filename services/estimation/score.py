@@ -283,11 +283,14 @@ def _nothing_fits(e: Estimates) -> str:
     estimable = np.flatnonzero(e.estimable)
     least = estimable[np.argmin(e.memory_per_device_gib[estimable])]
     space = e.space
+    gib = float(e.memory_per_device_gib[least])
+    # A small model's need in MiB: "0.0 GiB" said nothing.
+    need = f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB"
+    variant = space.variants[space.variant[least]].name or "the checkpoint as stored"
     return (
-        "no configuration fits the device memory: the least any needs is "
-        f"{e.memory_per_device_gib[least]:.1f} GiB per device "
-        f"({space.variants[space.variant[least]].name} at tp={space.tp[least]} "
-        f"pp={space.pp[least]}, {space.device_count[least]} devices)"
+        f"no configuration fits the device memory: the least any needs is {need} per "
+        f"device ({variant} at tp={space.tp[least]} pp={space.pp[least]}, "
+        f"{space.device_count[least]} devices)"
     )
 
 

@@ -302,3 +302,19 @@ def test_every_subcommands_help_says_what_it_does():
     undescribed = [" ".join(p) for p, sub in walk(build_parser(), ()) if not sub.description]
     assert undescribed == []
     assert "``" not in build_parser().format_help()
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--intent", "cost-slo", "--budget", "0"], "cost_budget"),
+        (["--intent", "latency-slo", "--slo-ms", "0"], "latency_slo_ms"),
+    ],
+)
+def test_a_target_of_zero_is_sent_for_the_service_to_judge_not_called_missing(flags, field):
+    """`--budget 0` was refused as "needs --budget"; the deployer says why 0 cannot be a
+    target ("needs a positive cost_budget")."""
+    from services.cli.deploying import request_target
+
+    target = request_target(build_parser().parse_args(["deploy", "m", *flags]))
+    assert getattr(target["intent"], field) == 0

@@ -155,7 +155,7 @@ def test_the_batch_is_the_largest_the_tpot_slo_allows_when_memory_is_plenty():
         # The latency SLO intent's target: 400 + (B - 1) * 110 <= 800 (TPOT alone: 6).
         ({"default_deadline_ms": 800}, 4, "latency 800 ms (the default deadline) (estimated 730.0"),
         ({"ttft_slo_ms": 300}, 3, "TTFT SLO 300 ms (estimated 260.0 ms at batch 3)"),
-        ({"ttft_slo_ms": 90}, 1, "TTFT SLO 90 ms is missed even at batch 1"),
+        ({"ttft_slo_ms": 90}, 1, "TTFT SLO 90 ms, missed even at batch 1"),
         ({"default_deadline_ms": 10_000, "ttft_slo_ms": 10_000}, 6, "1.5x the batch-1 TPOT"),
     ],
 )

@@ -234,3 +234,13 @@ def test_the_kv_cache_is_sized_in_the_dtype_the_profile_was_stored_in():
         space, profiles, Calibration(LINEAR), output_tokens=10, max_seq_len=2048
     )
     np.testing.assert_allclose(unknown.kv_cache_gib, 2048 * fp32 / 2)
+
+
+def test_a_small_models_least_need_is_said_in_mib():
+    """A need under 1 GiB read "0.0 GiB per device"."""
+    from services.estimation.score import _nothing_fits
+
+    space, profiles = small_space()
+    est = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=100)
+    est.memory_per_device_gib[:] = 0.0123
+    assert "the least any needs is 13 MiB per device (" in _nothing_fits(est)
