@@ -46,6 +46,59 @@ class Stack:
         return StateStore.from_url(self.redis_url)
 
 
+# How long processes the tests started may take to exit once the session is over.
+LEFT_BEHIND_GRACE_S = 15.0
+
+
+def processes_under(root: Path) -> dict[int, str]:
+    """Live processes other than this one that run in ``root`` or were given a state or
+    models directory under it (a test's redis-server, service, agent or worker): pid ->
+    command line. Empty without procfs."""
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        if pid == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(entry / "cwd")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        if state == "Z" or "from multiprocessing." in command:
+            # Exited, waiting to be reaped; or this interpreter's own multiprocessing
+            # helper (resource tracker, forkserver), which ends with it.
+            continue
+        dirs = [
+            v.split(b"=", 1)[1].decode(errors="replace")
+            for v in environ
+            if v.startswith((b"ISERVE_STATE_DIR=", b"ISERVE_MODELS_ROOT="))
+        ]
+        if any(Path(d).is_relative_to(root) for d in (cwd, *dirs) if d.startswith("/")):
+            found[pid] = command.strip()
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_running(tmp_path_factory) -> Iterator[None]:
+    """After the whole session (torn down last, after every stack), no process the tests
+    started is left: a stack's embedded Redis restarted by a test outlived the run
+    before. What is left fails the session, and is killed."""
+    yield
+    import signal
+    import time
+
+    root = tmp_path_factory.getbasetemp().resolve()
+    deadline = time.monotonic() + LEFT_BEHIND_GRACE_S
+    while (left := processes_under(root)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes the tests started are still running: {left}"
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     with running_stack(tmp_path_factory.mktemp("iserve-state")) as running:

@@ -347,7 +347,10 @@ def test_redis_down_is_unavailable_streams_go_on_and_state_survives_a_restart(
         time.sleep(6)  # past the heartbeat TTL: the agent could not renew it
     finally:
         redis, _ = start_redis(stack.settings.state_dir / "redis", port=port)
+        # With its start time, or `iserve down` takes the new pid for another process's
+        # and leaves this Redis running after the test.
         recorded["pids"]["redis"] = redis.pid
+        recorded["started"]["redis"] = launcher.start_time(redis.pid)
         (stack.settings.state_dir / "stack.json").write_text(json.dumps(recorded))
     # The stream in flight never needed Redis.
     stream.thread.join(240)
