@@ -478,7 +478,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         host=host,
         addresses=addresses,
         metrics_addresses=metrics_addresses,
-        node_id=env.get("ISERVE_NODE_ID", "node0"),
+        node_id=node_id(env),
         virtual_devices=int(_number(env, "ISERVE_DEVICES", 2, maximum=MAX_VIRTUAL_DEVICES)),
         device_memory_bytes=int(_number(env, "ISERVE_DEVICE_MEMORY_GIB", 4.0, float) * GIB),
         queue_capacity=int(_number(env, "ISERVE_QUEUE_CAPACITY", 64)),
@@ -517,6 +517,30 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     )
 
 
+def check_node_settings(env: Mapping[str, str] | None = None) -> None:
+    """ValueError naming a bad ``ISERVE_ENGINE`` or ``ISERVE_CPU_COLLECTIVES``, which the
+    agent reads only when it starts workers: at `iserve up` rather than at every deploy."""
+    engine_choice(env)
+    cpu_collectives(env)
+
+
+# A node id is a part of Redis keys and of worker group names: a DNS name's characters
+# (a Kubernetes node name fits), at most 253 of them.
+_NODE_ID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,252})")
+
+
+def node_id(env: Mapping[str, str]) -> str:
+    """``ISERVE_NODE_ID`` (default node0); ValueError naming it when it is not a DNS
+    name's characters (an empty id or one with ':' stopped the agent with a traceback)."""
+    value = env.get("ISERVE_NODE_ID", "node0")
+    if not _NODE_ID.fullmatch(value):
+        raise ValueError(
+            f"ISERVE_NODE_ID must be letters, digits, '.', '_' or '-' (at most 253, "
+            f"starting with a letter or digit), got {value!r}"
+        )
+    return value
+
+
 _ORIGIN = re.compile(
     r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?"
 )
@@ -547,10 +571,17 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ValueError(f"{name} must be 1 or 0, got {raw!r}")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def log_level(env: Mapping[str, str] | None = None) -> str:
-    """``ISERVE_LOG_LEVEL``, upper-cased (default INFO)."""
+    """``ISERVE_LOG_LEVEL``, upper-cased (default INFO); ValueError naming it for a level
+    neither logging nor uvicorn knows (the gateway died of uvicorn's KeyError)."""
     env = os.environ if env is None else env
-    return env.get("ISERVE_LOG_LEVEL", "INFO").upper()
+    level = env.get("ISERVE_LOG_LEVEL", "INFO").strip().upper() or "INFO"
+    if level not in LOG_LEVELS:
+        raise ValueError(f"ISERVE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    return level
 
 
 def drain_timeout_s(env: Mapping[str, str] | None = None) -> float:

@@ -57,7 +57,13 @@ from services.cli.arguments import (
 )
 from services.cli.status import collect_status, print_status, status_header, status_tables
 from services.proto_limits import UINT64_MAX
-from services.settings import MAX_VIRTUAL_DEVICES, Settings, load_settings, read_stack_file
+from services.settings import (
+    MAX_VIRTUAL_DEVICES,
+    Settings,
+    check_node_settings,
+    load_settings,
+    read_stack_file,
+)
 
 
 def _unreached(details: str) -> bool:
@@ -105,6 +111,7 @@ def _to_json(message) -> dict:
 
 # ---- commands ------------------------------------------------------------------------
 def cmd_up(settings: Settings, args) -> int:
+    check_node_settings()  # the agent's, read only when it starts workers
     options = stack.UpOptions(devices=args.devices, device_memory_gib=args.device_memory)
     info = stack.up(settings, options)
     print(f"iserve is up (state in {settings.state_dir}); `iserve status` shows it")

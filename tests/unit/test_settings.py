@@ -290,3 +290,37 @@ def test_a_token_file_others_may_read_is_made_the_owners_alone(tmp_path):
     assert oct(admin.stat().st_mode & 0o777) == "0o600"
     assert oct((tokens / "service").stat().st_mode & 0o777) == "0o600"
     assert admin.read_text() == "admin-token-placed-by-hand-0123\n"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("ISERVE_LOG_LEVEL", "bogus", "ISERVE_LOG_LEVEL must be one of"),
+        ("ISERVE_NODE_ID", "", "ISERVE_NODE_ID must be"),
+        ("ISERVE_NODE_ID", "a:b", "ISERVE_NODE_ID must be"),
+        ("ISERVE_NODE_ID", "a b/c", "ISERVE_NODE_ID must be"),
+    ],
+)
+def test_a_bad_log_level_or_node_id_is_refused_naming_it(variable, value, says, tmp_path):
+    """The gateway died of uvicorn's KeyError on a bad level, the agent of a traceback on
+    an empty node id; both now stop `iserve up` with the variable named."""
+    from services.settings import load_settings
+
+    with pytest.raises(ValueError, match=says):
+        load_settings({"ISERVE_STATE_DIR": str(tmp_path), variable: value})
+    assert load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_LOG_LEVEL": "debug"})
+    node = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_NODE_ID": "gpu-07.rack2"})
+    assert node.node_id == "gpu-07.rack2"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("ISERVE_ENGINE", "foo"), ("ISERVE_CPU_COLLECTIVES", "mpi")]
+)
+def test_the_agents_engine_settings_are_checked_before_up(variable, value):
+    """Read only when workers start, a bad value let `iserve up` come up healthy and
+    failed every deploy."""
+    from services.settings import check_node_settings
+
+    with pytest.raises(ValueError, match=variable):
+        check_node_settings({variable: value})
+    check_node_settings({})
