@@ -387,7 +387,8 @@ def _given_configs(
     model_configs: Mapping[str, str], by_name: Mapping[str, object]
 ) -> dict[str, dict]:
     """The given config.json texts, parsed, by lower-case model name; raises
-    InvalidArgument for one that is not a JSON object or names no model of the rows."""
+    InvalidArgument for one that is not a JSON object, names no model of the rows, or
+    names the same model as another in another case."""
     names = {name.lower() for name in by_name}
     configs: dict[str, dict] = {}
     for name, text in sorted(model_configs.items()):
@@ -402,6 +403,13 @@ def _given_configs(
             raise InvalidArgument(f"{name}: its config.json is not JSON ({exc})") from None
         if not isinstance(config, dict):
             raise InvalidArgument(f"{name}: its config.json must be a JSON object")
+        if name.lower() in configs:
+            # Names are read in any case: two would be one model, and one config dropped.
+            same = [n for n in model_configs if n.lower() == name.lower()]
+            raise InvalidArgument(
+                f"config.json texts are given for {', '.join(map(shown, sorted(same)))}, "
+                "one model (names are read in any case); give one"
+            )
         configs[name.lower()] = config
     return configs
 

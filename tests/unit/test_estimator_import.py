@@ -250,6 +250,14 @@ def test_outside_an_import_the_same_features_are_refused():
             {"llama-2-7b": json.dumps(dict(MYSTERY_CONFIG, rope_theta=10**400))},
             "llama-2-7b: its config.json: config field 'rope_theta' must be a positive finite",
         ),
+        # One model named in two cases: one config was dropped in silence.
+        (
+            {
+                "LLAMA-2-7B": json.dumps(MYSTERY_CONFIG),
+                "llama-2-7b": json.dumps(dict(MYSTERY_CONFIG, num_hidden_layers=48)),
+            },
+            "config.json texts are given for 'LLAMA-2-7B', 'llama-2-7b', one model",
+        ),
         # The rows hold a 2-layer fingerprint of a model the config gives 1 layer.
         (
             {"llama-2-7b": json.dumps(dict(MYSTERY_CONFIG, num_hidden_layers=1))},
