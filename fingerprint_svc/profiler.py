@@ -5,7 +5,9 @@
 models' jobs never share the CPU and spoil each other's timings. For each job:
 
 1. the fingerprint is cut, or found in the cache (:mod:`fingerprint_svc.fingerprints`),
-   in a thread so the event loop keeps serving;
+   in a thread so the event loop keeps serving, and checked to be a cut of the model as
+   registered (a checkpoint rewritten or deleted mid-profiling fails the model, or drops
+   the variant whose own checkpoint it was, with the reason);
 2. devices are chosen on one live node (idle first: lowest load, then most free) and the
    memory each rank needs is reserved with owner ``profile-<model>-<hex>``;
 3. ``AgentService.RunProfilingJob`` runs it on that node's agent;
@@ -57,10 +59,12 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.engine_rules import default_dtype
+from services.engine_rules import check_still_the_model, default_dtype
+from services.errors import CheckpointChanged
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
-from services.models.checkpoint import served_spec
+from services.models.checkpoint import read_config, served_spec
+from services.models.families import parse_config
 from services.reservation import (
     fingerprint_rank_bytes,
     layer_kv_bytes_per_token,
@@ -92,6 +96,12 @@ class JobFailed(Exception):
         self.agent_gone = agent_gone
 
 
+class CheckpointMoved(JobFailed):
+    """The checkpoint a job cuts its fingerprint from can no longer be read, or is now
+    another model than the one registered from it (rewritten or deleted mid-profiling):
+    what the rest of the profile would measure is not that model."""
+
+
 class ProfilingFailed(Exception):
     """The model cannot be profiled; the message becomes its ``state_reason``."""
 
@@ -107,6 +117,27 @@ class ProfileRecord:
     runs_total: int = 0
     # Jobs skipped because their agent stopped answering: the profile is incomplete.
     agent_gone: int = 0
+    # Variants dropped because their own checkpoint moved: the profile is incomplete.
+    moved: list[str] = field(default_factory=list)
+
+
+def _incomplete(record: ProfileRecord) -> str:
+    """A PROFILED model's reason: what its profile lacks that profiling again (once the
+    cause is gone) would measure; empty for a complete profile."""
+    parts = []
+    if record.agent_gone:
+        parts.append(
+            f"{record.agent_gone} profiling job(s) failed because an agent stopped answering "
+            "(the profile's skipped list names them); register the model again once the "
+            "agent is back to complete it"
+        )
+    if record.moved:
+        parts.append(
+            f"variant(s) {', '.join(sorted(set(record.moved)))} dropped because their "
+            "checkpoint was rewritten or removed during profiling (the profile's skipped "
+            "list says how); register the model again to profile them"
+        )
+    return f"incomplete: {'; '.join(parts)}" if parts else ""
 
 
 def _owner(model_id: str) -> str:
@@ -210,13 +241,7 @@ class Profiler:
         current.state = model_pb.MODEL_STATE_PROFILED
         # An agent lost mid-profiling leaves references unmeasured that a run with it back
         # would measure: say so where the model's state is read, not only in the profile.
-        current.state_reason = (
-            f"incomplete: {record.agent_gone} profiling job(s) failed because an agent "
-            "stopped answering (the profile's skipped list names them); register the model "
-            "again once the agent is back to complete it"
-            if record.agent_gone
-            else ""
-        )
+        current.state_reason = _incomplete(record)
         await self.store.put_model(current)
         log.info("profiled %s in %.1f s", model_id, profile.cost.wall_time_ms / 1e3)
 
@@ -246,9 +271,12 @@ class Profiler:
                     await self._run_job(model, job, record, profiling)
             except JobFailed as exc:
                 record.agent_gone += exc.agent_gone
-                if reference == (1, 1) and job.variant.is_base:
+                moved = isinstance(exc, CheckpointMoved)
+                if (reference == (1, 1) or moved) and job.variant.is_base:
                     raise ProfilingFailed(f"{job.describe()}: {exc}") from exc
-                if reference == (1, 1):
+                if moved:
+                    record.moved.append(variant)
+                if reference == (1, 1) or moved:
                     dropped_variants.add(variant)
                     record.skipped.append(f"variant {variant}: {job.describe()} failed: {exc}")
                 else:
@@ -259,13 +287,40 @@ class Profiler:
                 log.info("profiling %s: %s skipped: %s", model_id, job.describe(), exc)
         return record
 
-    async def _fingerprint(self, variant: VariantTarget, num_layers: int) -> Fingerprint:
+    async def _fingerprint(
+        self, model: model_pb.Model, variant: VariantTarget, num_layers: int
+    ) -> Fingerprint:
+        return await asyncio.to_thread(self._cut_from_the_model, model, variant, num_layers)
+
+    def _cut_from_the_model(
+        self, model: model_pb.Model, variant: VariantTarget, num_layers: int
+    ) -> Fingerprint:
+        """The fingerprint, checked to be a cut of the model as registered: its checkpoint
+        is read afresh for every job (a cached fingerprint is keyed by the checkpoint's
+        content), so one rewritten or deleted since registering is found at the next job
+        (CheckpointMoved) instead of being measured as the model."""
+        path = variant.checkpoint_path
+        again = "register the model again (after `iserve model delete`, or as a new model id)"
         try:
-            return await asyncio.to_thread(
-                self.fingerprints.fingerprint, variant.checkpoint_path, num_layers
-            )
+            parse_config(read_config(self.settings.models_root / path))
+        except (OSError, ValueError) as exc:
+            raise CheckpointMoved(
+                f"checkpoint {path!r} can no longer be read ({exc}): it was moved, deleted "
+                f"or rewritten since the model was registered; {again}"
+            ) from exc
+        try:
+            fingerprint = self.fingerprints.fingerprint(path, num_layers)
+            cut = read_config(self.settings.models_root / fingerprint.checkpoint_path)
         except (OSError, ValueError) as exc:
             raise JobFailed(f"cannot cut the fingerprint: {exc}") from exc
+        registered = model_pb.ModelShape()
+        registered.CopyFrom(model.shape)
+        registered.num_layers = fingerprint.num_layers  # a cut has fewer; the rest is the same
+        try:
+            check_still_the_model(path, cut, registered)
+        except CheckpointChanged as exc:
+            raise CheckpointMoved(str(exc)) from exc
+        return fingerprint
 
     async def _run_job(
         self,
@@ -274,7 +329,7 @@ class Profiler:
         record: ProfileRecord,
         profiling: ProfilingSettings,
     ) -> None:
-        fingerprint = await self._fingerprint(job.variant, job.num_layers)
+        fingerprint = await self._fingerprint(model, job.variant, job.num_layers)
         spec = await asyncio.to_thread(self._spec_of, fingerprint)
         owner = _owner(model.model_id)
         self._owners.add(owner)

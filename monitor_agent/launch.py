@@ -25,20 +25,18 @@ from monitor_agent.engine.trtllm.selection import PYTORCH, TENSORRT_LLM
 from monitor_agent.launch_engine import resolve_engine
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
-from services.api import model_service_pb2 as model_pb
 from services.engine_rules import (
     TENSOR_PARALLEL_DEGREES,
     check_dtype,
+    check_still_the_model,
     check_weight_quant,
     default_dtype,
     resolve_checkpoint,
 )
-from services.errors import CheckpointChanged, require
+from services.errors import require
 from services.ids import check_deployment_id
-from services.models.arch import unlike_model
 from services.models.checkpoint import InvalidCheckpoint, read_config
 from services.models.compression import DEFAULT_PRUNE_FRACTION
-from services.models.families import parse_config
 
 log = logging.getLogger("iserve.agent.launch")
 
@@ -308,33 +306,6 @@ def compression_args(config: common.DeploymentConfig, engine: str = PYTORCH) -> 
         # every structured deployment drops the default share.
         args += ["--prune-fraction", str(DEFAULT_PRUNE_FRACTION)]
     return tuple(args)
-
-
-# ModelShape's names of ArchSpec's fields; the family (an enum there) is not compared.
-_SHAPE_FIELDS = {"num_heads": "num_attention_heads", "family": ""}
-
-
-def check_still_the_model(checkpoint_path: str, config: dict, shape: model_pb.ModelShape) -> None:
-    """CheckpointChanged when the checkpoint's config.json describes another model than
-    ``shape``, the model as registered (the checkpoint was rewritten since): the
-    deployer reserved memory for that shape. A config that does not parse is left to
-    the worker, which says why it cannot load it."""
-    try:
-        spec = parse_config(config)
-    except ValueError:
-        return
-
-    def registered(name: str) -> object:
-        field = _SHAPE_FIELDS.get(name, name)
-        return (getattr(shape, field) or None) if field else None
-
-    unlike = unlike_model(spec, registered)
-    if unlike is not None:
-        raise CheckpointChanged(
-            f"checkpoint {checkpoint_path!r} is no longer the model registered from it: "
-            f"{unlike}; register it again (as a new model id, or after `iserve model "
-            "delete`)"
-        )
 
 
 def build_plan(

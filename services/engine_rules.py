@@ -14,7 +14,8 @@ wherever it happens. Torch-free (the worker reads it before torch starts its thr
   deployment computes in the checkpoint's dtype on CUDA devices and in float32 on CPUs
   (``default_dtype``), as profiling jobs do, so estimates describe what is served.
 - Pre-quantized (GPTQ/AWQ) checkpoints are not loaded; int8/int4 quantize at load time.
-- Checkpoints are read only from under the models root.
+- Checkpoints are read only from under the models root, and a deployment or a profiling
+  job only from one that is still the model registered from it (``check_still_the_model``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.api import common_pb2 as common
-from services.errors import CheckpointUnusable, InvalidArgument, Unimplemented, shown
+from services.api import model_service_pb2 as model_pb
+from services.errors import (
+    CheckpointChanged,
+    CheckpointUnusable,
+    InvalidArgument,
+    Unimplemented,
+    shown,
+)
+from services.models.arch import unlike_model
+from services.models.families import parse_config
 
 TENSOR_PARALLEL_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 MAX_PIPELINE_PARALLEL = 8
@@ -152,3 +162,30 @@ def _check_entries_inside(checkpoint_path: str, directory: Path, root: Path) -> 
                 f"models root {str(root)!r}; iserve only reads checkpoints under "
                 "ISERVE_MODELS_ROOT"
             )
+
+
+# ModelShape's names of ArchSpec's fields; the family (an enum there) is not compared.
+_SHAPE_FIELDS = {"num_heads": "num_attention_heads", "family": ""}
+
+
+def check_still_the_model(checkpoint_path: str, config: dict, shape: model_pb.ModelShape) -> None:
+    """CheckpointChanged when the checkpoint's config.json describes another model than
+    ``shape``, the model as registered (the checkpoint was rewritten since): the
+    deployer reserved memory for that shape, and the profiler measures for it. A config
+    that does not parse is left to the caller (the worker says why it cannot load it)."""
+    try:
+        spec = parse_config(config)
+    except ValueError:
+        return
+
+    def registered(name: str) -> object:
+        field = _SHAPE_FIELDS.get(name, name)
+        return (getattr(shape, field) or None) if field else None
+
+    unlike = unlike_model(spec, registered)
+    if unlike is not None:
+        raise CheckpointChanged(
+            f"checkpoint {checkpoint_path!r} is no longer the model registered from it: "
+            f"{unlike}; register it again (as a new model id, or after `iserve model "
+            "delete`)"
+        )

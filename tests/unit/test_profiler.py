@@ -254,6 +254,87 @@ def test_a_profile_an_agent_left_incomplete_says_so_in_the_models_reason(redis_u
     assert model.state == model_pb.MODEL_STATE_PROFILED and model.state_reason == ""
 
 
+def _tiny(model_id: str, path: str) -> model_pb.Model:
+    return model_pb.Model(
+        model_id=model_id,
+        checkpoint_path=path,
+        shape=model_pb.ModelShape(
+            num_layers=3, num_attention_heads=4, num_kv_heads=2, intermediate_size=192,
+            hidden_size=64,
+        ),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("change", ["rewritten", "deleted"])
+def test_a_checkpoint_changed_mid_profiling_fails_the_model(redis_url, models_root, change):
+    """The checkpoint rewritten as another model, or deleted, after the first job: the
+    model ends FAILED with the reason (it ended PROFILED, in silence, on measurements
+    of another model or with the rest skipped)."""
+    import shutil
+
+    path = f"tiny-{change}"
+    create_checkpoint(models_root / path, **SHAPE)
+
+    def change_after_first(request):
+        if (models_root / path).exists():
+            shutil.rmtree(models_root / path)
+            if change == "rewritten":
+                create_checkpoint(models_root / path, **{**SHAPE, "hidden_size": 128})
+            elif change == "deleted":
+                pass
+        return measured(request)
+
+    model, profile, progress, calls, owners = run_profiler(
+        redis_url, models_root, change_after_first, model=_tiny(f"m-{change}", path)
+    )
+    assert model.state == model_pb.MODEL_STATE_FAILED, model.state_reason
+    assert model.state_reason.startswith("base fingerprint(1 layer) tp=1 pp=1 batch=2: ")
+    if change == "rewritten":
+        assert (
+            f"checkpoint '{path}' is no longer the model registered from it: its checkpoint "
+            "has hidden_size 128, the model has 64" in model.state_reason
+        ), model.state_reason
+    else:
+        assert f"checkpoint '{path}' can no longer be read (" in model.state_reason
+        assert "register the model again" in model.state_reason
+    assert len(calls) == 1 and owners == set() and profile is None
+    assert progress.state == model_pb.MODEL_STATE_FAILED
+
+
+def test_a_variant_whose_own_checkpoint_goes_is_dropped_and_named(redis_url, models_root):
+    """A variant's own checkpoint deleted mid-profiling: the variant is dropped and the
+    PROFILED model's reason says the profile is incomplete and why."""
+    import shutil
+
+    create_checkpoint(models_root / "tiny-own", **SHAPE)
+    model = _tiny("tiny-own-v", "tiny")
+    model.variants.append(
+        common.CompressionVariant(
+            name="int8",
+            weight_quant=common.WEIGHT_QUANT_INT8,
+            kv_quant=common.KV_QUANT_NONE,
+            pruning=common.PRUNING_NONE,
+            checkpoint_path="tiny-own",
+        )
+    )
+
+    def drop_own(request):
+        if request.config.variant_name == "int8":
+            shutil.rmtree(models_root / "tiny-own", ignore_errors=True)
+        return measured(request)
+
+    stored, profile, *_ = run_profiler(redis_url, models_root, drop_own, devices=1, model=model)
+    assert stored.state == model_pb.MODEL_STATE_PROFILED
+    assert stored.state_reason.startswith(
+        "incomplete: variant(s) int8 dropped because their checkpoint was rewritten or "
+        "removed during profiling"
+    ), stored.state_reason
+    assert any(
+        s.startswith("variant int8: ") and "can no longer be read" in s for s in profile.skipped
+    )
+    assert {m.variant_name for m in profile.measurements} == {"base", "int8"}
+
+
 def test_no_device_with_room_fails_the_model_without_calling_the_agent(redis_url, models_root):
     model, profile, _, calls, owners = run_profiler(
         redis_url, models_root, measured, device_bytes=300 * MIB
