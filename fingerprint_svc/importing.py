@@ -27,7 +27,9 @@ parallelism its heads cannot split (or outside TENSOR_PARALLEL_DEGREES), a promp
 output beyond its context and a batch size the estimator cannot extrapolate (a
 fingerprint beyond batch 2, a batch above 1 in a file of batch-1 runs) are refused, as
 are, in any model, a row with more fields than the header, a latency over a day, memory
-over a pebibyte and a batch above MAX_BATCH_SIZE (``services.importers.maveriq``). A
+over a pebibyte and a batch above MAX_BATCH_SIZE (``services.importers.maveriq``), and an
+import that would leave a model with more than ``services.importers.MAX_PROFILE_MEASUREMENTS``
+rows. A
 shape-only record whose imported shape changes (a corrected ``--model-config``) takes
 the new shape when the import replaces every row it has; a registered checkpoint's shape
 never changes.
@@ -48,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fingerprint_svc.registry import model_shape
+from services import importers
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.auth import access
@@ -623,6 +626,14 @@ async def import_profiles(
             imported.measurements,
             plan.files,
         )
+        if len(profile.measurements) > importers.MAX_PROFILE_MEASUREMENTS:
+            raise InvalidArgument(
+                f"model {imported.model_id!r} would hold {len(profile.measurements):,} "
+                f"measurements after this import ({len(imported.measurements):,} of them "
+                f"imported now); a profile holds at most {importers.MAX_PROFILE_MEASUREMENTS:,} (the "
+                "whole MaverIQ data set is under 5,000 rows, five models together): import "
+                "the rows the estimates need, or import again into a new model id"
+            )
         # The rows kept come first, the imported ones after them.
         kept = profile.measurements[: len(profile.measurements) - len(imported.measurements)]
         model = merge_model(existing, imported, now_ms, kept_rows=len(kept), owner=access.owner())

@@ -21,6 +21,7 @@ from services.api import estimator_service_pb2_grpc, model_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.cli.arguments import id_list, whole_number
 from services.cli.output import show_tables
+from services.importers import MAX_PROFILE_MEASUREMENTS
 from services.settings import Settings
 
 GIB = float(1 << 30)
@@ -66,11 +67,25 @@ def _file_content(path: str) -> bytes:
         raise ValueError(f"cannot read {path!r}: {exc.strerror or exc}") from None
 
 
+# What one ImportProfiles request may carry besides its files (names, model configs).
+_IMPORT_HEADROOM_BYTES = 1 << 20
+
+
 def cmd_profile_import(settings: Settings, args) -> int:
     files = [
         model_pb.ProfileFile(name=Path(path).name, content=_file_content(path))
         for path in args.files
     ]
+    total = sum(len(f.content) for f in files)
+    most = transport.MAX_MESSAGE_BYTES - _IMPORT_HEADROOM_BYTES
+    if total > most:
+        # gRPC's own refusal said only RESOURCE_EXHAUSTED and two byte counts.
+        raise ValueError(
+            f"the files are {total / (1 << 20):.1f} MiB together; one import carries at most "
+            f"{most / (1 << 20):.0f} MiB: import them a file at a time (each file's rows "
+            "replace only that file's rows), and keep to the rows the estimates need (a "
+            f"model's profile holds at most {MAX_PROFILE_MEASUREMENTS:,})"
+        )
     reply = _models(settings).ImportProfiles(
         model_pb.ImportProfilesRequest(
             request_id=_rid(),

@@ -31,7 +31,7 @@ from services.errors import ModelNotFound, Unavailable
 from services.ids import check_model_id, replica_group_id
 from services.state import keys
 from services.state.capacity import FREE_BYTES_LUA, free_bytes
-from services.state.records import decode, encode
+from services.state.records import decode, encode, encode_compact
 
 EVENTS_MAXLEN = 10_000
 # A call to a Redis that is down fails after these (seconds) instead of hanging; longer
@@ -237,8 +237,9 @@ class StateStore:
 
     # ---- profiles and calibrations -------------------------------------------------
     async def put_profile(self, profile: model_pb.GetProfileResponse) -> None:
-        """Store a model's raw profiling record (measurements, cost, skipped references)."""
-        await self.redis.set(keys.profile(profile.model_id), encode(profile))
+        """Store a model's raw profiling record (measurements, cost, skipped references),
+        in the compact form every estimate reads fast (``records.encode_compact``)."""
+        await self.redis.set(keys.profile(profile.model_id), encode_compact(profile))
 
     async def get_profile(self, model_id: str) -> model_pb.GetProfileResponse | None:
         raw = await self.redis.get(keys.profile(model_id))

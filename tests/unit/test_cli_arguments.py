@@ -150,6 +150,23 @@ def test_a_profile_file_that_cannot_be_read_is_named_and_nothing_is_sent(tmp_pat
         assert err.startswith(f"error: cannot read '{path}': {reason}"), err
 
 
+def test_profile_files_beyond_one_message_are_refused_before_sending(tmp_path, capsys):
+    """Files larger together than one gRPC message: a clear error saying what to do, not
+    gRPC's "RESOURCE_EXHAUSTED: Sent message larger than max"."""
+    from services.cli.main import main
+
+    big = tmp_path / "fingerprint_data_collection.csv"
+    with big.open("wb") as out:
+        out.truncate(64 << 20)  # sparse: no 64 MiB written
+    code = main(["profile", "import", "--format", "maveriq", "--hardware", "h", str(big)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "error: the files are 64.0 MiB together; one import carries at most 63 MiB"
+    )
+    assert "import them a file at a time" in err
+
+
 def test_a_checkpoint_relative_to_the_current_directory_is_sent_absolute(tmp_path, monkeypatch):
     """`iserve model create --out DIR` writes DIR relative to the current directory, and
     `iserve register ID DIR` reads paths relative to the models root: a directory found
