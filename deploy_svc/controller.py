@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf import json_format
 
 from deploy_svc import healing, planning
 from deploy_svc.agents import AgentClients
@@ -53,6 +54,7 @@ from services.ids import (
 from services.intents import check_intent, with_default
 from services.settings import Settings
 from services.state.capacity import largest_device_bytes
+from services.state.records import decode, encode
 from services.state.store import ReservationError, StateStore
 
 log = logging.getLogger("iserve.deploy")
@@ -379,7 +381,10 @@ class DeploymentController:
         """Deploy as ``deployment_id``, or answer what an earlier Deploy with the same
         request id answers."""
         if request.request_id:
-            earlier = await self.store.claim_deploy_request(request.request_id, deployment_id)
+            asked = _asked(request)
+            earlier = await self.store.claim_deploy_request(
+                request.request_id, deployment_id, asked
+            )
             if earlier is not None:
                 existing = await self._outcome_of(request.request_id, earlier)
                 if existing is not None:
@@ -396,6 +401,17 @@ class DeploymentController:
                             f"model {existing.model_id} (deployment "
                             f"{existing.deployment_id}); give this Deploy of "
                             f"{request.model_id} a request id of its own"
+                        )
+                    before = await self.store.deploy_request_asked(request.request_id)
+                    differ = _fields_that_differ(before, asked) if before else []
+                    if differ:
+                        # The same key for another request returned the first one's
+                        # deployment, as if this one had been carried out.
+                        raise FailedPrecondition(
+                            f"request_id {request.request_id!r} was used by another Deploy "
+                            f"(deployment {existing.deployment_id}), which asked for other "
+                            f"{', '.join(differ)}; a repeat must ask the same: give this "
+                            "Deploy a request id of its own"
                         )
                     return deploy_pb.DeployResponse(
                         request_id=request.request_id, deployment=existing
@@ -679,3 +695,27 @@ class DeploymentController:
                 return False
             await self.healer.replica_failed(deployment, index, reason, planned=planned)
             return True
+
+
+def _asked(request: deploy_pb.DeployRequest) -> str:
+    """What a Deploy asks for, as a repeat of it must ask too: the request without its
+    request id and its wait (a retry may wait longer for the same deployment)."""
+    asked = deploy_pb.DeployRequest()
+    asked.CopyFrom(request)
+    asked.request_id = ""
+    asked.ready_timeout_ms = 0
+    return encode(asked)
+
+
+def _fields_that_differ(before: str, now: str) -> list[str]:
+    """The DeployRequest fields in which two :func:`_asked` records differ."""
+    try:
+        first = decode(deploy_pb.DeployRequest, before)
+    except json_format.Error:
+        return []  # unreadable: not a reason to refuse a repeat
+    second = decode(deploy_pb.DeployRequest, now)
+    return [
+        field.name
+        for field in deploy_pb.DeployRequest.DESCRIPTOR.fields
+        if getattr(first, field.name) != getattr(second, field.name)
+    ]

@@ -80,6 +80,12 @@ def deploy_request(request_id: str) -> str:
     return f"{PREFIX}deploy-request:{_part(request_id)}"
 
 
+def deploy_request_asked(request_id: str) -> str:
+    """What the Deploy that claimed a request id asked (JSON of its DeployRequest, the
+    request id and the wait cleared): a repeat must ask the same."""
+    return f"{PREFIX}deploy-request-asked:{_part(request_id)}"
+
+
 def node(node_id: str) -> str:
     return f"{PREFIX}node:{_part(node_id)}"
 

@@ -312,7 +312,10 @@ class StateStore:
             )
             pipe.srem(keys.deployment_index(), deployment.deployment_id)
             if deployment.request_id:
-                pipe.delete(keys.deploy_request(deployment.request_id))
+                pipe.delete(
+                    keys.deploy_request(deployment.request_id),
+                    keys.deploy_request_asked(deployment.request_id),
+                )
             await pipe.execute()
 
     async def get_restarts(self, deployment_id: str) -> str | None:
@@ -333,18 +336,29 @@ class StateStore:
         raw = await self.redis.getdel(keys.deployer_stopped())
         return None if raw is None else int(raw)
 
-    async def claim_deploy_request(self, request_id: str, deployment_id: str) -> str | None:
-        """Bind ``request_id`` to ``deployment_id``; returns the earlier binding if any."""
+    async def claim_deploy_request(
+        self, request_id: str, deployment_id: str, asked: str = ""
+    ) -> str | None:
+        """Bind ``request_id`` to ``deployment_id`` and what its Deploy ``asked``; returns
+        the earlier binding if any."""
         if await self.redis.set(keys.deploy_request(request_id), deployment_id, nx=True):
+            await self.redis.set(keys.deploy_request_asked(request_id), asked)
             return None
         return await self.redis.get(keys.deploy_request(request_id))
+
+    async def deploy_request_asked(self, request_id: str) -> str | None:
+        """What the Deploy bound to ``request_id`` asked; None when nothing is bound, or
+        the binding predates this record (or is being made)."""
+        return await self.redis.get(keys.deploy_request_asked(request_id)) or None
 
     async def deploy_request(self, request_id: str) -> str | None:
         """The deployment id ``request_id`` is bound to, if any."""
         return await self.redis.get(keys.deploy_request(request_id))
 
     async def forget_deploy_request(self, request_id: str) -> None:
-        await self.redis.delete(keys.deploy_request(request_id))
+        await self.redis.delete(
+            keys.deploy_request(request_id), keys.deploy_request_asked(request_id)
+        )
 
     # ---- nodes and devices --------------------------------------------------------
     async def register_node(self, node: common.NodeState, ttl_s: float) -> None:

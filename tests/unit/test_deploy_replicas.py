@@ -551,8 +551,8 @@ def test_a_remove_while_the_workers_start_aborts_the_deploy_and_its_repeat(run, 
         claims: list[str | None] = []
         claim = store.claim_deploy_request
 
-        async def recorded_claim(request_id: str, deployment_id: str) -> str | None:
-            earlier = await claim(request_id, deployment_id)
+        async def recorded_claim(request_id: str, deployment_id: str, asked: str) -> str | None:
+            earlier = await claim(request_id, deployment_id, asked)
             claims.append(earlier)
             return earlier
 
@@ -589,7 +589,7 @@ def test_a_remove_while_the_workers_start_aborts_the_deploy_and_its_repeat(run, 
     run(scenario)
 
 
-def test_a_request_id_reused_for_another_model_is_refused_not_answered(run):
+def test_a_request_id_reused_for_another_request_is_refused_not_answered(run):
     """A repeat of a Deploy answers what the first made; a Deploy of another model with
     the same request id is no repeat: refused, the first deployment untouched (before,
     it was handed back as if it were this model's)."""
@@ -609,6 +609,17 @@ def test_a_request_id_reused_for_another_model_is_refused_not_answered(run):
             f"request_id 'rid-1' was used by a Deploy of model m (deployment "
             f"{first.deployment_id}); give this Deploy of m2 a request id of its own"
         )
+        # The same model asked for something else is no repeat either (it was handed the
+        # first deployment, two replicas asked for and one got); a longer wait is.
+        with pytest.raises(FailedPrecondition) as refused:
+            await controller.deploy(deploy_request(2, request_id="rid-1", max_output_tokens=64))
+        assert str(refused.value) == (
+            f"request_id 'rid-1' was used by another Deploy (deployment "
+            f"{first.deployment_id}), which asked for other max_output_tokens, replicas; "
+            "a repeat must ask the same: give this Deploy a request id of its own"
+        )
+        waits = deploy_request(1, request_id="rid-1", ready_timeout_ms=90_000)
+        assert (await controller.deploy(waits)).deployment.deployment_id == first.deployment_id
         assert agent.started == [first.deployment_id]
         assert [d.deployment_id for d in await store.list_deployments()] == [first.deployment_id]
         await controller.remove(first.deployment_id)
