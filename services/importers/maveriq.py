@@ -190,6 +190,31 @@ def _parse_row(columns: list[str], fields: list[str], source: str, line: int) ->
         raise ValueError(f"{where}: {exc}") from None
 
 
+def _int(row: dict[str, str], column: str, where: str, text: str | None = None) -> int:
+    """``row[column]`` (or ``text``, a part of it) as a whole number; ValueError naming
+    the column (Python's "invalid literal for int() with base 10" named none)."""
+    value = row[column] if text is None else text
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{where}: {column} must be a whole number, got {shown(value)}") from None
+
+
+def _float(row: dict[str, str], column: str, where: str) -> float:
+    """``row[column]`` as a number; ValueError naming the column, and saying so where the
+    value has a decimal comma."""
+    value = row[column]
+    try:
+        return float(value)
+    except ValueError:
+        hint = (
+            f" (a decimal comma: write {value.strip().replace(',', '.')})"
+            if value.count(",") == 1
+            else ""
+        )
+        raise ValueError(f"{where}: {column} must be a number, got {shown(value)}{hint}") from None
+
+
 def _measurement(row: dict[str, str], source: str, where: str, line: int) -> Measurement:
     dtype = row["DTYPE"]
     if dtype not in _WEIGHT_QUANT:
@@ -200,8 +225,8 @@ def _measurement(row: dict[str, str], source: str, where: str, line: int) -> Mea
             f"{where}: Model {shown(name)} must be printable and at most "
             f"{MAX_MODEL_NAME_CHARS} characters"
         )
-    pp_map = tuple(int(part) for part in row["PP_Map"].split())
-    tp, pp = int(row["TP"]), int(row["PP"])
+    pp_map = tuple(_int(row, "PP_Map", where, part) for part in row["PP_Map"].split())
+    tp, pp = _int(row, "TP", where), _int(row, "PP", where)
     if len(pp_map) != pp:
         raise ValueError(
             f"{where}: PP_Map {shown(row['PP_Map'])} has {len(pp_map)} stages, PP={pp}"
@@ -216,11 +241,11 @@ def _measurement(row: dict[str, str], source: str, where: str, line: int) -> Mea
         pp_map=pp_map,
         weight_quant=_WEIGHT_QUANT[dtype],
         int8_kv_cache=_parse_bool(row["INT8_KV_Cache"], where),
-        output_tokens=int(row["Output_Lenght"]),
-        batch_size=int(row["Batch_Size"]),
-        latency_s=float(row["Latency"]),
-        memory_gib=float(row["Memory-After-Run"]),
-        memory_pre_run_gib=float(row["Memory-Pre-Run"]),
+        output_tokens=_int(row, "Output_Lenght", where),
+        batch_size=_int(row, "Batch_Size", where),
+        latency_s=_float(row, "Latency", where),
+        memory_gib=_float(row, "Memory-After-Run", where),
+        memory_pre_run_gib=_float(row, "Memory-Pre-Run", where),
         line=line,
     )
     # Counts are stored in uint32 fields (ProfileMeasurement, DeploymentConfig).
@@ -240,7 +265,7 @@ def _measurement(row: dict[str, str], source: str, where: str, line: int) -> Mea
             f"(a day), got {shown(row['Latency'])}"
         )
     for column in ("Memory-After-Run", "Memory-Pre-Run"):
-        if not 0 <= float(row[column]) <= MAX_MEMORY_GIB:
+        if not 0 <= _float(row, column, where) <= MAX_MEMORY_GIB:
             raise ValueError(
                 f"{where}: {column} must be from 0 to {MAX_MEMORY_GIB:.0f} GiB (a pebibyte), "
                 f"got {shown(row[column])}"

@@ -295,7 +295,26 @@ def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_re
     [
         (
             {"full_model_data_collection.csv": FULL.replace("3.5", "fast")},
-            "full_model_data_collection.csv:2: could not convert string to float: 'fast'",
+            "full_model_data_collection.csv:2: Latency must be a number, got 'fast'",
+        ),
+        # Conversions name their column (Python's own messages named none), and a quoted
+        # decimal comma says what it is.
+        (
+            {"full_model_data_collection.csv": FULL.replace(",16.5,", ',"16,5",')},
+            "full_model_data_collection.csv:2: Memory-After-Run must be a number, got "
+            "'16,5' (a decimal comma: write 16.5)",
+        ),
+        (
+            {"full_model_data_collection.csv": FULL.replace(",100,1,", ",100,one,")},
+            "full_model_data_collection.csv:2: Batch_Size must be a whole number, got 'one'",
+        ),
+        (
+            {"full_model_data_collection.csv": FULL.replace("8 8 8 8", "8 8 8 8.0")},
+            "full_model_data_collection.csv:2: PP_Map must be a whole number, got '8.0'",
+        ),
+        (
+            {"full_model_data_collection.csv": FULL.replace("llama-2-7b,2,", "llama-2-7b,two,")},
+            "full_model_data_collection.csv:2: TP must be a whole number, got 'two'",
         ),
         (
             {"fingerprint_data_collection.csv": FINGERPRINTS.replace("1 1,float16", "1,float16")},
