@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -13,8 +14,16 @@ from prometheus_client import CollectorRegistry
 from services.grpc_server import Drain, ServiceBinding, configure_logging, run_server
 from services.metrics import RpcMetrics, new_registry, serve_metrics
 from services.security import metrics_guard, server_security
-from services.settings import METRICS_ENV, Settings, load_settings, redacted_url
+from services.settings import (
+    METRICS_ENV,
+    Settings,
+    load_settings,
+    redacted_url,
+    unknown_variables,
+)
 from services.state.store import StateStore
+
+log = logging.getLogger("iserve.service")
 
 
 @dataclass
@@ -94,6 +103,8 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
     except ValueError as exc:
         fail(str(exc))
     configure_logging(settings.log_level, name)
+    for warning in unknown_variables():
+        log.warning("%s", warning)
 
     async def run() -> None:
         store = await connect_store(settings)

@@ -89,12 +89,17 @@ variable                            meaning                          default
 ``ISERVE_PROFILE_TIMED_RUNS``       timed runs (medians are kept)    3
 ==================================  ===============================  =======
 
+An ``ISERVE_*`` variable that is none of these (nor compose.yaml's) is warned of, with the
+nearest name, by ``iserve up`` and in each service's log: a misspelt one is otherwise
+ignored and its default used.
+
 Addresses not set in the environment are taken from ``$ISERVE_STATE_DIR/stack.json``
 (written by ``iserve up``) when it exists, else the defaults above.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -515,6 +520,39 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         admin_token=_token(env, ADMIN_TOKEN_ENV, state_dir, "admin"),
         tls=_tls(env),
     )
+
+
+# Every ISERVE_* variable an iserve process reads (the tables above); a unit test keeps
+# it in step with the code.
+KNOWN_VARIABLES = frozenset({
+    *SERVICE_ENV.values(), *METRICS_ENV.values(), GATEWAY_ENV, CORS_ENV,
+    "ISERVE_STATE_DIR", "ISERVE_MODELS_ROOT", "ISERVE_HOST", "ISERVE_NODE_ID",
+    "ISERVE_DEVICES", "ISERVE_DEVICE_MEMORY_GIB", "ISERVE_QUEUE_CAPACITY",
+    "ISERVE_READY_TIMEOUT_S", "ISERVE_HEARTBEAT_TTL_S", "ISERVE_MAX_RESTARTS",
+    "ISERVE_RESTART_BACKOFF_S", "ISERVE_NODE_FORGET_AFTER_S", "ISERVE_DRAIN_TIMEOUT_S",
+    "ISERVE_LOG_LEVEL", "ISERVE_CPU_COLLECTIVES", "ISERVE_WORKER_POOL", "ISERVE_ENGINE",
+    "ISERVE_AUTH", "ISERVE_TOKEN", "ISERVE_SERVICE_TOKEN", "ISERVE_ADMIN_TOKEN",
+    "ISERVE_TLS_CERT", "ISERVE_TLS_KEY", "ISERVE_TLS_CA", "ISERVE_TLS_CLIENT_AUTH",
+    "ISERVE_TLS_SERVER_NAME", "ISERVE_PROFILE_INPUT_TOKENS", "ISERVE_PROFILE_OUTPUT_TOKENS",
+    "ISERVE_PROFILE_BATCH_SIZES", "ISERVE_PROFILE_WARMUP_RUNS", "ISERVE_PROFILE_TIMED_RUNS",
+    # compose.yaml's (images, the models directory, the agent image's build) and the
+    # tests' and benches' (../shared/data): set in the same shells, not misspelt.
+    "ISERVE_IMAGE", "ISERVE_AGENT_IMAGE", "ISERVE_TAG", "ISERVE_MODELS_DIR",
+    "ISERVE_TORCH_INDEX", "ISERVE_TENSORRT_LLM", "ISERVE_SHARED_DATA",
+})  # fmt: skip
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each ``ISERVE_*`` variable set that no iserve process reads, with the
+    nearest known name (a misspelt name, ``_S`` left off, was ignored in silence, and
+    the default used)."""
+    env = os.environ if env is None else env
+    warnings = []
+    for name in sorted(n for n in env if n.startswith("ISERVE_") and n not in KNOWN_VARIABLES):
+        near = difflib.get_close_matches(name, sorted(KNOWN_VARIABLES), n=1, cutoff=0.75)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        warnings.append(f"{name} is set but no iserve process reads it{hint}")
+    return warnings
 
 
 def check_node_settings(env: Mapping[str, str] | None = None) -> None:

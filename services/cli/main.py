@@ -63,6 +63,7 @@ from services.settings import (
     check_node_settings,
     load_settings,
     read_stack_file,
+    unknown_variables,
 )
 
 
@@ -112,6 +113,8 @@ def _to_json(message) -> dict:
 # ---- commands ------------------------------------------------------------------------
 def cmd_up(settings: Settings, args) -> int:
     check_node_settings()  # the agent's, read only when it starts workers
+    for warning in unknown_variables():
+        print(f"warning: {warning}", file=sys.stderr)
     options = stack.UpOptions(devices=args.devices, device_memory_gib=args.device_memory)
     info = stack.up(settings, options)
     print(f"iserve is up (state in {settings.state_dir}); `iserve status` shows it")

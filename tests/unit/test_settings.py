@@ -324,3 +324,29 @@ def test_the_agents_engine_settings_are_checked_before_up(variable, value):
     with pytest.raises(ValueError, match=variable):
         check_node_settings({variable: value})
     check_node_settings({})
+
+
+def test_every_iserve_variable_the_code_reads_is_known_and_a_typo_is_named():
+    """An ISERVE_* variable no process reads is warned of at `iserve up` and at each
+    service's start, with the nearest known name (a misspelt one was ignored in silence
+    and its default used); the known list is every name the code spells out."""
+    import re
+    from pathlib import Path
+
+    from services.settings import KNOWN_VARIABLES, unknown_variables
+
+    root = Path(__file__).resolve().parents[2]
+    spelt = set(re.findall(r"ISERVE_[A-Z0-9_]*[A-Z0-9]\b", (root / "compose.yaml").read_text()))
+    for package in ("services", "fingerprint_svc", "estimator_svc", "deploy_svc",
+                    "scheduler_svc", "monitor_agent", "gateway_svc"):  # fmt: skip
+        for path in (root / package).rglob("*.py"):
+            spelt |= set(re.findall(r"ISERVE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    assert spelt - KNOWN_VARIABLES == set()
+    assert "ISERVE_AGENT_METRICS_ADDR" in KNOWN_VARIABLES
+    assert unknown_variables({"ISERVE_READY_TIMEOUT": "5", "ISERVE_READY_TIMEOUT_S": "5"}) == [
+        "ISERVE_READY_TIMEOUT is set but no iserve process reads it; did you mean "
+        "ISERVE_READY_TIMEOUT_S?"
+    ]
+    assert unknown_variables({"ISERVE_ZZZ": "1", "PATH": "/bin"}) == [
+        "ISERVE_ZZZ is set but no iserve process reads it"
+    ]
