@@ -144,6 +144,13 @@ def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
             f"checkpoint_path {shown(checkpoint_path)} is outside the models root "
             f"{str(root)!r}; iserve only reads checkpoints under ISERVE_MODELS_ROOT"
         )
+    if resolved.exists() and not resolved.is_dir():
+        # A file of the checkpoint (its config.json, a weights file) given for it.
+        raise CheckpointUnusable(
+            f"checkpoint_path {shown(checkpoint_path)} is a file, not a directory: a "
+            "checkpoint is the directory that holds config.json and the weights; give "
+            f"{shown(str(Path(checkpoint_path).parent) or '.')}"
+        )
     if not resolved.is_dir():
         raise CheckpointUnusable(
             f"checkpoint_path {shown(checkpoint_path)} is not a directory: it does not exist "

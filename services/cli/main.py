@@ -375,6 +375,13 @@ def checkpoint_argument(checkpoint: str, models_root: Path) -> str:
     directory's absolute path, which the service takes when it is inside its models root
     and otherwise refuses naming the root."""
     given = Path(checkpoint)
+    if given.is_file() and not (models_root / given).exists():
+        # A file here, nothing of that name under the root: the service would say only
+        # that no such directory is under its root.
+        raise ValueError(
+            f"{checkpoint!r} is a file: a checkpoint is the directory that holds config.json "
+            "and the weights (`iserve model create --out DIR` writes one)"
+        )
     if given.is_absolute() or (models_root / given).is_dir() or not given.is_dir():
         return checkpoint
     return str(given.resolve())

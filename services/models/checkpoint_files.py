@@ -46,6 +46,11 @@ _INDEX_SUFFIX = ".safetensors.index.json"
 def read_config_file(directory: Path) -> dict[str, Any]:
     """The parsed ``config.json`` of ``directory`` as it is on disk; InvalidCheckpoint
     when the directory or file is missing or the file is not a JSON object."""
+    if directory.exists() and not directory.is_dir():
+        raise InvalidCheckpoint(
+            f"{str(directory)!r} is a file, not a checkpoint directory: a checkpoint is the "
+            f"directory that holds {CONFIG_FILE} and the weights"
+        )
     if not directory.is_dir():
         raise InvalidCheckpoint(f"checkpoint directory {str(directory)!r} does not exist")
     path = directory / CONFIG_FILE

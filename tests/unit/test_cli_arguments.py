@@ -186,6 +186,11 @@ def test_a_checkpoint_relative_to_the_current_directory_is_sent_absolute(tmp_pat
     assert checkpoint_argument(str(work / "here"), root) == str(work / "here")
     monkeypatch.chdir(root)
     assert checkpoint_argument("both", root) == "both"
+    # A file given for a checkpoint is named as one before anything is sent.
+    (work / "file.json").write_text("{}")
+    monkeypatch.chdir(work)
+    with pytest.raises(ValueError, match="'file.json' is a file: a checkpoint is the directory"):
+        checkpoint_argument("file.json", root)
 
 
 @pytest.mark.parametrize("text", ["", ",", ",,", "a,,b", "a,", " , "])

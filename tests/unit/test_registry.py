@@ -38,6 +38,22 @@ def test_paths_must_stay_in_the_root(root, tmp_path):
             resolve_checkpoint(root, path)
 
 
+def test_a_file_of_the_checkpoint_given_for_it_says_so(root):
+    """`iserve register x tiny/config.json`: the file is named as a file, with the
+    directory to give (it said "is not a directory: it does not exist")."""
+    from services.models.checkpoint import read_config
+
+    for path, parent in (("tiny/config.json", "'tiny'"), ("tiny/model.safetensors", "'tiny'")):
+        with pytest.raises(InvalidArgument) as refused:
+            resolve_checkpoint(root, path)
+        assert str(refused.value) == (
+            f"checkpoint_path {path!r} is a file, not a directory: a checkpoint is the "
+            f"directory that holds config.json and the weights; give {parent}"
+        )
+    with pytest.raises(ValueError, match="is a file, not a checkpoint directory"):
+        read_config(root / "tiny" / "config.json")
+
+
 def test_build_model_reads_the_shape(root):
     model = build_model(
         model_pb.RegisterModelRequest(model_id="tiny", checkpoint_path="tiny"), root
