@@ -417,8 +417,16 @@ def _service_env(settings: Settings, redis_url: str, options: UpOptions) -> dict
     return env
 
 
+# Written to a log before each start of its process: a failure's tail shows this start's
+# lines only (the logs are appended to across runs), and a reader sees where runs begin.
+START_MARK = "==== iserve: starting "
+
+
 def _spawn(module: str, env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as out:
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        out.write(f"{START_MARK}python -m {module} at {when} ====\n".encode())
+        out.flush()
         return subprocess.Popen(
             [sys.executable, "-m", module],
             env=dict(env),
@@ -578,10 +586,15 @@ def _reap(pid: int) -> None:
 
 
 def _tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines the latest start of the process wrote to ``path`` (earlier
+    runs' lines, above its START_MARK, are not this failure's)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return "(no log)"
+    starts = [i for i, line in enumerate(text) if line.startswith(START_MARK)]
+    latest = text[starts[-1] + 1 :] if starts else text
+    return "\n".join(latest[-lines:]) or "(nothing logged)"
 
 
 def describe_memory(gib: float) -> str:

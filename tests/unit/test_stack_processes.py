@@ -77,3 +77,18 @@ def test_down_records_the_planned_stop_a_crashed_deployer_could_not(redis_url):
         client.close()
     _record_planned_stop("redis://127.0.0.1:1/0", said.append)
     assert "counts each restore against its deployment's restart budget" in said[-1]
+
+
+def test_a_failure_shows_the_log_lines_of_this_start_only(tmp_path):
+    """Logs are appended to across runs: a service that failed to start showed the tail
+    of earlier runs' lines (a stale traceback read as this failure's cause)."""
+    log = tmp_path / "model.log"
+    for run, said in enumerate(("old traceback", "this run's error")):
+        proc = stack._spawn("json.tool", {"PATH": "/usr/bin:/bin"}, log)
+        proc.wait(30)
+        with log.open("a") as out:
+            out.write(f"{said} {run}\n")
+    tail = stack._tail(log)
+    assert tail.endswith("this run's error 1") and "old traceback" not in tail
+    assert log.read_text().count(stack.START_MARK) == 2
+    assert stack._tail(tmp_path / "none.log") == "(no log)"
