@@ -100,6 +100,13 @@ def plan_intents(settings: Settings, args) -> list[dict]:
                 "memory_gib": e.memory_total_bytes / GIB,
                 "cost_gb_s": e.cost_memory_latency,
                 "accuracy": e.accuracy_score if e.HasField("accuracy_score") else None,
+                # Where the winner stood in the intent's ranking, and the better-ranked
+                # configurations passed over, with why (as `iserve deploy` prints them).
+                "rank": decision.winner_rank,
+                "skipped": [
+                    {"rank": k.rank, "config": short_config(k.config), "reason": k.reason}
+                    for k in decision.skipped
+                ],
                 "note": decision.note,
             }
         )
@@ -107,16 +114,17 @@ def plan_intents(settings: Settings, args) -> list[dict]:
 
 
 def print_rows(rows: list[dict]) -> None:
-    headers = ["INTENT", "CONFIG (variant tp x pp)", "DEV", "TTFT ms", "TPOT ms"]
+    headers = ["INTENT", "RANK", "CONFIG (variant tp x pp)", "DEV", "TTFT ms", "TPOT ms"]
     headers += ["LATENCY s", "MEMORY GiB", "GB*s", "ACC %"]
     table = []
     for r in rows:
         if "error" in r:
-            table.append([r["intent"], f"none: {r['error']}", "", "", "", "", "", "", ""])
+            table.append([r["intent"], "", f"none: {r['error']}", "", "", "", "", "", "", ""])
             continue
         table.append(
             [
                 r["intent"],
+                f"#{r['rank']}" if r["rank"] else "",
                 r["config"],
                 r["devices"],
                 f"{r['ttft_ms']:.1f}",
@@ -128,6 +136,9 @@ def print_rows(rows: list[dict]) -> None:
             ]
         )
     show_tables([(None, headers, table)])
+    for r in rows:
+        for k in r.get("skipped", ()):
+            print(f"{r['intent']}: skipped #{k['rank']} {k['config']}: {k['reason']}")
     for note in dict.fromkeys(r["note"] for r in rows if r.get("note")):
         print(f"note: {note}")
 

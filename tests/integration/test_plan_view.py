@@ -35,6 +35,12 @@ def test_plan_shows_each_intents_choice_and_draws_the_front(stack, imported, tmp
         assert chosen["min-memory"]["memory_gib"] <= row["memory_gib"] + 1e-6
     # Each choice is placed on as many simulated devices as its layout has ranks.
     assert all(row["devices"] == row["tp"] * row["pp"] for row in chosen.values())
+    # Where it stood in its intent's ranking, and what better-ranked was passed over.
+    for row in chosen.values():
+        assert row["rank"] >= 1 and all(k["rank"] < row["rank"] for k in row["skipped"])
+        assert all(k["reason"] for k in row["skipped"])
+    latency = next(line for line in lines if line.startswith("min-latency"))
+    assert f"#{chosen['min-latency']['rank']}" in latency
 
 
 def test_plan_says_what_estimates_beyond_the_profiled_workload_stand_on(stack, imported):

@@ -165,3 +165,21 @@ def test_estimate_json_names_the_base_variant_as_the_table_and_plan_do():
     named = estimator_pb.ConfigEstimate(config=common.DeploymentConfig(variant_name="int8"))
     assert estimate_record(base)["variant"] == "base"
     assert estimate_record(named)["variant"] == "int8"
+
+
+def test_plan_rows_show_the_winners_rank_and_what_was_passed_over(capsys):
+    """`iserve plan` shows each intent's winner rank and the better-ranked configurations
+    skipped, with why, as `iserve deploy` does (it showed neither)."""
+    from services.cli.plan import print_rows
+
+    row = {
+        "intent": "min-latency", "config": "int4 8x1, batch 1", "devices": 8, "ttft_ms": 1.0,
+        "tpot_ms": 2.0, "latency_ms": 300.0, "memory_gib": 40.0, "cost_gb_s": 12.0,
+        "accuracy": None, "rank": 2, "note": "",
+        "skipped": [{"rank": 1, "config": "int4 4x2, batch 1", "reason": "no room on node0"}],
+    }  # fmt: skip
+    print_rows([row, {"intent": "min-cost", "error": "FAILED_PRECONDITION: nothing fits"}])
+    out = capsys.readouterr().out
+    assert "#2" in next(line for line in out.splitlines() if "min-latency" in line)
+    assert "min-latency: skipped #1 int4 4x2, batch 1: no room on node0" in out
+    assert "none: FAILED_PRECONDITION: nothing fits" in out
