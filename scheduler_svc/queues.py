@@ -4,9 +4,11 @@ policy-ordered wait.
 ``DeploymentQueue`` lets at most ``slots`` requests run on a replica's worker at once
 (the deployment's batch size); the others wait, bounded by the policy's capacity, and are
 admitted in the policy's order as slots free up. Each replica of each deployment has its
-own queue (named by its group id, ``services.ids.replica_group_id``) and nothing is
-shared between queues, so a slow replica never holds up another.
-:meth:`QueueRegistry.shortest_wait` says which replica a request should join.
+own queue (named by its group id, ``services.ids.replica_group_id``), so a slow replica
+never holds up another. :meth:`QueueRegistry.shortest_wait` says which replica a request
+should join; a replica that has a slot free and nothing waiting takes the next request
+waiting on another replica of its deployment (the request's wait was predicted, and a
+replica can free early), and ``acquire`` says which replica admitted it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from services import replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.errors import DeadlineExceeded, ResourceExhausted
-from services.ids import replica_group_id
+from services.ids import replica_group_id, split_group_id
 
 Clock = Callable[[], float]
 # After a waiting request's last start: its prediction then says it misses.
@@ -61,6 +63,12 @@ class DeploymentQueue:
         # What this deployment's requests take; QueueRegistry gives every queue one.
         self.predictor: LatencyPredictor | None = None
         self.model_id = ""  # whose deployment it is (QueueRegistry sets it)
+        # Which replica of which deployment it admits to, and the queues of that
+        # deployment's other replicas (QueueRegistry sets them): whose waiting requests
+        # this one takes when it has a slot free and none of its own waiting.
+        self.replica_index = 0
+        self.siblings: Callable[[], list[DeploymentQueue]] = list
+        self._closed = False
 
     @property
     def waiting(self) -> int:
@@ -122,8 +130,10 @@ class DeploymentQueue:
         heapq.heapify(free)
         return free
 
-    async def acquire(self, entry: QueueEntry) -> None:
-        """Wait until ``entry`` holds a slot, in policy order.
+    async def acquire(self, entry: QueueEntry) -> DeploymentQueue:
+        """Wait until ``entry`` holds a slot, in policy order; returns the queue whose
+        slot it holds (this one, or a sibling replica's that took it while it waited),
+        which its ``release`` goes to.
 
         Raises ResourceExhausted when the queue is full and DeadlineExceeded when the
         policy drops the request. A caller cancelled while waiting leaves the queue and
@@ -143,16 +153,16 @@ class DeploymentQueue:
             raise ResourceExhausted(
                 f"queue of deployment {self.deployment_id} is full ({full.capacity} waiting)"
             ) from None
-        waiter = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[DeploymentQueue] = asyncio.get_running_loop().create_future()
         self._waiters[entry] = waiter
         self._dispatch()
         try:
-            await waiter
+            return await waiter
         except asyncio.CancelledError:
             self._waiters.pop(entry, None)
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 # Admitted in the same loop iteration as the cancellation: hand it back.
-                self.release(entry)
+                waiter.result().release(entry)
             else:
                 self._policy.remove(entry)
             raise
@@ -196,11 +206,11 @@ class DeploymentQueue:
     @contextlib.asynccontextmanager
     async def slot(self, entry: QueueEntry) -> AsyncIterator[None]:
         """``async with queue.slot(entry):`` holds a slot for the body."""
-        await self.acquire(entry)
+        holder = await self.acquire(entry)
         try:
             yield
         finally:
-            self.release(entry)
+            holder.release(entry)
 
     def _dispatch(self) -> None:
         policy = self._policy
@@ -221,16 +231,44 @@ class DeploymentQueue:
                     skipped_cancelled = True  # its slot goes to the next in line
                     continue
                 self._running[entry] = now
-                waiter.set_result(None)
+                waiter.set_result(self)
             if not skipped_cancelled:
                 break
         if isinstance(policy, EdfPolicy):
             self._wake_at_last_start(policy)
+        self._take_from_siblings()
+
+    def _take_from_siblings(self) -> None:
+        """With a slot free and nothing of its own waiting, admit here the requests next
+        in line on the sibling replicas, the longest queue's first."""
+        if self._closed or len(self._policy):
+            return
+        while len(self._running) < self._slots:
+            donors = [q for q in self.siblings() if q is not self and not q._closed and q.waiting]
+            if not donors:
+                return
+            max(donors, key=lambda q: q.waiting)._hand_over_next(self)
+
+    def _hand_over_next(self, taker: DeploymentQueue) -> None:
+        """Admit the request next in this queue's order on ``taker``'s slot (refusing
+        first those the policy drops, as its own dispatch would)."""
+        now = self._clock()
+        admission = self._policy.pop_ready(now, 1)
+        for entry in admission.dropped:
+            self._refuse(entry)
+        for entry in admission.admitted:
+            waiter = self._waiters.pop(entry, None)
+            if waiter is not None and not waiter.done():
+                taker._running[entry] = now
+                waiter.set_result(taker)
+        if isinstance(self._policy, EdfPolicy):
+            self._wake_at_last_start(self._policy)
 
     def close(self) -> None:
         """The replica no longer serves: every waiting request leaves with QueueClosed at
         once (rather than waiting for a slot on a worker that is draining or gone).
         Running requests keep their slots until they end."""
+        self._closed = True
         policy = self._policy
         for entry, waiter in list(self._waiters.items()):
             policy.remove(entry)
@@ -325,6 +363,10 @@ class QueueRegistry:
             )
             queue.predictor = predictor
             queue.model_id = deployment.model_id
+            queue.replica_index = replica
+            queue.siblings = lambda deployment_id=deployment.deployment_id: [
+                q for g, q in self._queues.items() if split_group_id(g)[0] == deployment_id
+            ]
             self._queues[group] = queue
         elif queue.slots != slots_for(batch_size):
             queue.slots = batch_size

@@ -350,8 +350,17 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         )
         if record.enqueued_s is None:  # a request moved on keeps its first queue's wait
             record.enqueued_s = clock()
-        await queue.acquire(entry)
+        holder = await queue.acquire(entry)
         record.admitted_s = clock()
+        if holder is not queue:
+            # Another replica freed a slot first and took the request from this queue.
+            taken = [r for r in replicas.serving(deployment) if r.index == holder.replica_index]
+            if not taken or not taken[0].worker_address:
+                # The records changed since routing (the replica was taken out): it is
+                # not that one's to serve; wait again where it was routed.
+                holder.release(entry)
+                return await self._admit_to(deployment, request, record, max_tokens_is_bound)
+            replica, queue = taken[0], holder
         return deployment, replica, queue, entry
 
     def _finish(

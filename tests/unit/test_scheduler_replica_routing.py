@@ -263,3 +263,41 @@ def test_a_full_queue_is_not_chosen_while_another_copy_has_room():
             await load.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("edf", [False, True])
+def test_a_replica_that_frees_first_takes_the_requests_waiting_on_another(edf):
+    """Requests routed to a replica by its predicted wait stayed there when another
+    replica freed first (its requests ended early) and idled: a replica with a slot free
+    and nothing of its own waiting admits the next request waiting on its siblings, in
+    that queue's order, and acquire says which replica holds it."""
+
+    async def main():
+        registry = QueueRegistry(capacity=8, clock=ManualClock())
+        dep = deployment()
+        if edf:
+            dep.objectives.scheduling = common.SCHEDULING_POLICY_EDF
+        first, second = registry.queue_for(dep, 0), registry.queue_for(dep, 1)
+        held = {name: QueueEntry(name, 0.0, prompt_tokens=1) for name in ("a", "b", "w1", "w2")}
+        assert await first.acquire(held["a"]) is first
+        assert await second.acquire(held["b"]) is second
+        w1 = asyncio.create_task(first.acquire(held["w1"]))
+        w2 = asyncio.create_task(first.acquire(held["w2"]))
+        await settle()
+        assert (first.waiting, second.waiting) == (2, 0)
+
+        second.release(held["b"])  # the second replica frees first
+        assert await asyncio.wait_for(w1, 5) is second  # the first in line moves, says where
+        assert (first.waiting, first.running, second.running) == (1, 1, 1)
+        first.release(held["a"])
+        assert await asyncio.wait_for(w2, 5) is first
+        # A replica taken out (closed) takes nothing; slots go back where they are held.
+        second.close()
+        second.release(held["w1"])
+        late = asyncio.create_task(first.acquire(QueueEntry("late", 0.0, prompt_tokens=1)))
+        await settle()
+        assert first.waiting == 1 and second.running == 0
+        first.release(held["w2"])
+        assert await asyncio.wait_for(late, 5) is first
+
+    asyncio.run(main())
