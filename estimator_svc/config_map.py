@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 # Bump when the map's content or the way it is built changes: stored maps then rebuild.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 def source_hash(

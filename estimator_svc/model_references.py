@@ -385,6 +385,12 @@ def model_references(
     if not lengths:
         raise ValueError("no prompt length was profiled at tp=1 pp=1 batch 1 for every variant")
     prompt_lengths = sorted(n for n in lengths if n > 0) or [0]
+    if prompt_lengths == [0]:
+        notes.append(
+            "the profiled prompt length was not recorded (rows of input_tokens 0, as in "
+            "MaverIQ's short-prompt _BS files): every prompt is estimated as those runs "
+            "measured, not scaled to its length; give the workload's prompt length for its KV cache"
+        )
     batch_lengths = lengths & _prompts_of_every_variant(fingerprints, keys, batch=two)
 
     prompts = []

@@ -85,6 +85,19 @@ def test_the_stored_form_keeps_how_each_variants_phases_were_measured():
         )
 
 
+def test_rows_whose_prompt_was_not_recorded_say_so_in_the_notes():
+    """Rows of input_tokens 0 alone (MaverIQ's _BS files imported without the others)
+    were estimated at any prompt as measured, and at no prompt at all without one given,
+    in silence: a note says the prompt was not recorded."""
+    unrecorded = tiny_rows()
+    for row in unrecorded:
+        row.input_tokens = 0
+    built = build_config_map(tiny_model(), unrecorded, shipped(CPU), CPU, now_ms=7)
+    assert any("prompt length was not recorded" in n for n in built.references.notes)
+    recorded = build_config_map(tiny_model(), tiny_rows(), shipped(CPU), CPU, now_ms=7)
+    assert not any("not recorded" in n for n in recorded.references.notes)
+
+
 def test_the_stored_form_keeps_the_whole_shape():
     # An MLP width that 8 does not divide bars tp = 8, and the context bounds the tokens:
     # a map read back from Redis must know both, as the one it was built as did (before,
