@@ -331,6 +331,7 @@ class QueueRegistry:
 
     ``capacity`` is how many requests may wait per deployment (running ones not counted).
     ``policy_factory``, when given, replaces the deployment's policy (tests).
+    ``move_waiting`` False keeps each request on the replica it joined (a bench's peer).
     """
 
     def __init__(
@@ -338,12 +339,14 @@ class QueueRegistry:
         capacity: int,
         policy_factory: PolicyFactory | None = None,
         clock: Clock = time.perf_counter,
+        move_waiting: bool = True,
     ):
         if capacity < 1:
             raise ValueError(f"queue capacity must be at least 1, got {capacity}")
         self.capacity = capacity
         self._policy_factory = policy_factory
         self._clock = clock
+        self._move_waiting = move_waiting
         self._queues: dict[str, DeploymentQueue] = {}
         # Queues the last prune did not keep.
         self._left_out: set[str] = set()
@@ -364,9 +367,10 @@ class QueueRegistry:
             queue.predictor = predictor
             queue.model_id = deployment.model_id
             queue.replica_index = replica
-            queue.siblings = lambda deployment_id=deployment.deployment_id: [
-                q for g, q in self._queues.items() if split_group_id(g)[0] == deployment_id
-            ]
+            if self._move_waiting:
+                queue.siblings = lambda deployment_id=deployment.deployment_id: [
+                    q for g, q in self._queues.items() if split_group_id(g)[0] == deployment_id
+                ]
             self._queues[group] = queue
         elif queue.slots != slots_for(batch_size):
             queue.slots = batch_size
