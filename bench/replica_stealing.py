@@ -54,6 +54,7 @@ async def one_round(
 ) -> tuple[list[float], list[float]]:
     registry = QueueRegistry(capacity=10_000, move_waiting=move)
     dep = deployment(args.replicas, args.token_ms)
+    registry.set_serving(dep)  # as the scheduler does at each admission
     waits: list[float] = []
     totals: list[float] = []
 

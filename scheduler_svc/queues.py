@@ -71,6 +71,13 @@ class DeploymentQueue:
         self._closed = False
 
     @property
+    def described(self) -> str:
+        """``deployment D``, or ``deployment D (replica i)``: the id a client knows, not
+        the worker group id ``D.r<i>`` a replica's queue is named by."""
+        deployment_id, index = split_group_id(self.deployment_id)
+        return f"deployment {deployment_id}" + (f" (replica {index})" if index else "")
+
+    @property
     def waiting(self) -> int:
         """Requests waiting for a slot."""
         return len(self._policy)
@@ -151,7 +158,7 @@ class DeploymentQueue:
             self._policy.push(entry)
         except QueueFull as full:
             raise ResourceExhausted(
-                f"queue of deployment {self.deployment_id} is full ({full.capacity} waiting)"
+                f"queue of {self.described} is full ({full.capacity} waiting)"
             ) from None
         waiter: asyncio.Future[DeploymentQueue] = asyncio.get_running_loop().create_future()
         self._waiters[entry] = waiter
@@ -274,9 +281,7 @@ class DeploymentQueue:
             policy.remove(entry)
             del self._waiters[entry]
             if not waiter.done():
-                waiter.set_exception(
-                    QueueClosed(f"deployment {self.deployment_id} stopped serving")
-                )
+                waiter.set_exception(QueueClosed(f"{self.described} stopped serving"))
 
     def _refuse(self, entry: QueueEntry) -> None:
         waiter = self._waiters.pop(entry, None)
@@ -302,10 +307,7 @@ class DeploymentQueue:
         )
 
     def _miss_message(self, entry: QueueEntry) -> str:
-        text = (
-            f"request {entry.request_id or '-'} cannot meet its deadline on deployment "
-            f"{self.deployment_id}"
-        )
+        text = f"request {entry.request_id or '-'} cannot meet its deadline on {self.described}"
         if entry.predicted_first_token_s is None or entry.deadline_s is None:
             return text
         predicted_ms = (entry.predicted_first_token_s - entry.arrival_s) * 1e3
@@ -348,6 +350,9 @@ class QueueRegistry:
         self._clock = clock
         self._move_waiting = move_waiting
         self._queues: dict[str, DeploymentQueue] = {}
+        # Deployment id -> the replicas that serve (set_serving), whose queues take
+        # requests waiting on their siblings.
+        self._serving: dict[str, frozenset[int]] = {}
         # Queues the last prune did not keep.
         self._left_out: set[str] = set()
 
@@ -368,13 +373,35 @@ class QueueRegistry:
             queue.model_id = deployment.model_id
             queue.replica_index = replica
             if self._move_waiting:
-                queue.siblings = lambda deployment_id=deployment.deployment_id: [
-                    q for g, q in self._queues.items() if split_group_id(g)[0] == deployment_id
-                ]
+                queue.siblings = lambda me=queue, deployment_id=deployment.deployment_id: (
+                    self._siblings(me, deployment_id)
+                )
             self._queues[group] = queue
         elif queue.slots != slots_for(batch_size):
             queue.slots = batch_size
         return queue
+
+    def set_serving(self, deployment: deploy_pb.Deployment) -> None:
+        """Record which replicas of ``deployment`` serve now (the scheduler's view: its
+        records, less the workers it found gone): only those take requests waiting on
+        another (a replica restarting, or taken out, took them back each time it freed)."""
+        self._serving[deployment.deployment_id] = frozenset(
+            r.index for r in replicas.serving(deployment)
+        )
+
+    def _siblings(self, queue: DeploymentQueue, deployment_id: str) -> list[DeploymentQueue]:
+        """The queues of ``queue``'s deployment whose requests it may take: none unless it
+        serves; those of the other serving replicas."""
+        serving = self._serving.get(deployment_id, frozenset())
+        if queue.replica_index not in serving:
+            return []
+        return [
+            q
+            for g, q in self._queues.items()
+            if q is not queue
+            and split_group_id(g)[0] == deployment_id
+            and q.replica_index in serving
+        ]
 
     def _policy(self, deployment: deploy_pb.Deployment, predictor: LatencyPredictor):
         if self._policy_factory is not None:
@@ -451,3 +478,5 @@ class QueueRegistry:
             if queue.running == 0 and queue.waiting == 0:
                 del self._queues[deployment_id]
         self._left_out = left_out & self._queues.keys()
+        alive = {split_group_id(g)[0] for g in self._queues}
+        self._serving = {d: r for d, r in self._serving.items() if d in alive}

@@ -325,6 +325,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         check_for_deployment(request, deployment, max_tokens_is_bound)
         # Until the deployer takes them out (routing refreshes each second).
         deployment = replicas.avoiding(deployment, self._unreachable)
+        self.queues.set_serving(deployment)
         replica = self._replica_for(deployment)
         queue = self.queues.queue_for(deployment, replica.index)
         predictor = queue.predictor
@@ -356,10 +357,13 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # Another replica freed a slot first and took the request from this queue.
             taken = [r for r in replicas.serving(deployment) if r.index == holder.replica_index]
             if not taken or not taken[0].worker_address:
-                # The records changed since routing (the replica was taken out): it is
-                # not that one's to serve; wait again where it was routed.
+                # Not serving in this request's view of the records (they changed since):
+                # routed afresh once, like a request whose replica stopped serving.
                 holder.release(entry)
-                return await self._admit_to(deployment, request, record, max_tokens_is_bound)
+                raise QueueClosed(
+                    f"replica {holder.replica_index} of deployment {deployment.deployment_id} "
+                    "stopped serving"
+                )
             replica, queue = taken[0], holder
         return deployment, replica, queue, entry
 
@@ -459,6 +463,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         deployment_id = deployment.deployment_id
         self.router.forget(deployment_id)
         self._unreachable.add(replica.worker_address)
+        # Its queue takes no more requests waiting on the other replicas.
+        self.queues.set_serving(replicas.avoiding(deployment, self._unreachable))
         try:
             await asyncio.wait_for(
                 self.store.publish_event(

@@ -278,6 +278,7 @@ def test_a_replica_that_frees_first_takes_the_requests_waiting_on_another(edf):
         if edf:
             dep.objectives.scheduling = common.SCHEDULING_POLICY_EDF
         first, second = registry.queue_for(dep, 0), registry.queue_for(dep, 1)
+        registry.set_serving(dep)
         held = {name: QueueEntry(name, 0.0, prompt_tokens=1) for name in ("a", "b", "w1", "w2")}
         assert await first.acquire(held["a"]) is first
         assert await second.acquire(held["b"]) is second
@@ -301,3 +302,39 @@ def test_a_replica_that_frees_first_takes_the_requests_waiting_on_another(edf):
         assert await asyncio.wait_for(late, 5) is first
 
     asyncio.run(main())
+
+
+def test_a_replica_that_does_not_serve_takes_no_waiting_request():
+    """A replica restarting (not READY in the records) or whose worker the scheduler
+    found gone took the request waiting on another each time it freed; the scheduler
+    then sent it back, and the queue took it again (a RecursionError under load)."""
+
+    async def main():
+        registry = QueueRegistry(capacity=8, clock=ManualClock())
+        dep = deployment()
+        first, second = registry.queue_for(dep, 0), registry.queue_for(dep, 1)
+        dep.replicas[1].state = deploy_pb.DEPLOYMENT_STATE_STARTING  # restarting
+        registry.set_serving(dep)
+        a, b = QueueEntry("a", 0.0), QueueEntry("b", 0.0)
+        await first.acquire(a)
+        await second.acquire(b)
+        waiting = asyncio.create_task(first.acquire(QueueEntry("w", 0.0)))
+        await settle()
+        second.release(b)
+        await settle()
+        assert not waiting.done() and first.waiting == 1 and second.running == 0
+        dep.replicas[1].state = READY  # back: it takes the next one that waits
+        registry.set_serving(dep)
+        await second.acquire(b)
+        second.release(b)
+        assert await asyncio.wait_for(waiting, 5) is second
+
+    asyncio.run(main())
+
+
+def test_a_replicas_refusal_names_the_deployment_a_client_knows():
+    """Refusals said "deployment m-0a1b2c3d.r1", a worker group id no client knows."""
+    registry = QueueRegistry(capacity=8, clock=ManualClock())
+    dep = deployment()
+    assert registry.queue_for(dep, 1).described == "deployment m-0a1b2c3d (replica 1)"
+    assert registry.queue_for(dep, 0).described == "deployment m-0a1b2c3d"
