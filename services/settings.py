@@ -547,10 +547,20 @@ def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
     nearest known name (a misspelt name, ``_S`` left off, was ignored in silence, and
     the default used)."""
     env = os.environ if env is None else env
+    # Matched on what follows the prefix, in upper case: the shared prefix made any name
+    # "near" one (FOO near HOST), and a lower-case AUTH was offered TAG.
+    known = {name.removeprefix("ISERVE_"): name for name in KNOWN_VARIABLES}
     warnings = []
-    for name in sorted(n for n in env if n.startswith("ISERVE_") and n not in KNOWN_VARIABLES):
-        near = difflib.get_close_matches(name, sorted(KNOWN_VARIABLES), n=1, cutoff=0.75)
-        hint = f"; did you mean {near[0]}?" if near else ""
+    for name in sorted(n for n in env if n.upper().startswith("ISERVE_")):
+        if name in KNOWN_VARIABLES:
+            continue
+        rest = name[len("ISERVE_") :].upper()
+        near = known.get(rest) or next(
+            iter(difflib.get_close_matches(rest, sorted(known), n=1, cutoff=0.75)), None
+        )
+        hint = f"; did you mean {known.get(near, near)}?" if near else ""
+        if rest in known:
+            hint += " (names are upper case)"
         warnings.append(f"{name} is set but no iserve process reads it{hint}")
     return warnings
 

@@ -347,6 +347,14 @@ def test_every_iserve_variable_the_code_reads_is_known_and_a_typo_is_named():
         "ISERVE_READY_TIMEOUT is set but no iserve process reads it; did you mean "
         "ISERVE_READY_TIMEOUT_S?"
     ]
-    assert unknown_variables({"ISERVE_ZZZ": "1", "PATH": "/bin"}) == [
-        "ISERVE_ZZZ is set but no iserve process reads it"
+    assert unknown_variables({"ISERVE_ZZZ": "1", "ISERVE_FOO": "1", "PATH": "/bin"}) == [
+        "ISERVE_FOO is set but no iserve process reads it",
+        "ISERVE_ZZZ is set but no iserve process reads it",
+    ]
+    # A name in the wrong case is the one it spells (ISERVE_Auth was offered ISERVE_TAG).
+    assert unknown_variables({"ISERVE_Auth": "on", "iserve_devices": "2"}) == [
+        "ISERVE_Auth is set but no iserve process reads it; did you mean ISERVE_AUTH? "
+        "(names are upper case)",
+        "iserve_devices is set but no iserve process reads it; did you mean ISERVE_DEVICES? "
+        "(names are upper case)",
     ]
