@@ -119,7 +119,8 @@ def print_rows(rows: list[dict]) -> None:
     table = []
     for r in rows:
         if "error" in r:
-            table.append([r["intent"], "", f"none: {r['error']}", "", "", "", "", "", "", ""])
+            # The reason below the table: one of hundreds of characters padded the header.
+            table.append([r["intent"], "", "none (see below)", "", "", "", "", "", "", ""])
             continue
         table.append(
             [
@@ -136,6 +137,12 @@ def print_rows(rows: list[dict]) -> None:
             ]
         )
     show_tables([(None, headers, table)])
+    failed: dict[str, list[str]] = {}
+    for r in rows:
+        if "error" in r:
+            failed.setdefault(r["error"], []).append(r["intent"])
+    for error, intents in failed.items():
+        print(f"{', '.join(intents)}: none: {error}")
     for r in rows:
         for k in r.get("skipped", ()):
             print(f"{r['intent']}: skipped #{k['rank']} {k['config']}: {k['reason']}")

@@ -178,8 +178,17 @@ def test_plan_rows_show_the_winners_rank_and_what_was_passed_over(capsys):
         "accuracy": None, "rank": 2, "note": "",
         "skipped": [{"rank": 1, "config": "int4 4x2, batch 1", "reason": "no room on node0"}],
     }  # fmt: skip
-    print_rows([row, {"intent": "min-cost", "error": "FAILED_PRECONDITION: nothing fits"}])
+    refused = "RESOURCE_EXHAUSTED: nothing fits " + "x" * 500
+    print_rows(
+        [
+            row,
+            {"intent": "min-cost", "error": refused},
+            {"intent": "min-memory", "error": refused},
+        ]
+    )
     out = capsys.readouterr().out
     assert "#2" in next(line for line in out.splitlines() if "min-latency" in line)
     assert "min-latency: skipped #1 int4 4x2, batch 1: no room on node0" in out
-    assert "none: FAILED_PRECONDITION: nothing fits" in out
+    # A long refusal is said once, below the table, for every intent it stopped.
+    assert f"min-cost, min-memory: none: {refused}" in out and out.count(refused) == 1
+    assert max(len(line) for line in out.splitlines() if refused not in line) < 200
