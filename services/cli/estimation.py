@@ -78,6 +78,15 @@ def cmd_profile_import(settings: Settings, args) -> int:
     ]
     total = sum(len(f.content) for f in files)
     most = transport.MAX_MESSAGE_BYTES - _IMPORT_HEADROOM_BYTES
+    for path, f in zip(args.files, files, strict=True):
+        if len(f.content) > most:
+            # Rows are kept by file name, so a file cannot go in parts under its name.
+            raise ValueError(
+                f"{path!r} is {len(f.content) / (1 << 20):.1f} MiB, over the "
+                f"{most / (1 << 20):.0f} MiB one import carries; a model's profile holds at "
+                f"most {MAX_PROFILE_MEASUREMENTS:,} rows (the published data set's files are "
+                "under 1 MiB): keep the rows the estimates need"
+            )
     if total > most:
         # gRPC's own refusal said only RESOURCE_EXHAUSTED and two byte counts.
         raise ValueError(

@@ -161,6 +161,14 @@ def test_profile_files_beyond_one_message_are_refused_before_sending(tmp_path, c
     code = main(["profile", "import", "--format", "maveriq", "--hardware", "h", str(big)])
     assert code == 1
     err = capsys.readouterr().err
+    assert err.startswith(f"error: '{big}' is 64.0 MiB, over the 63 MiB one import carries")
+    halves = [tmp_path / "full_model_data_collection.csv", tmp_path / "BS_scaling_data.csv"]
+    for half in halves:
+        with half.open("wb") as out:
+            out.truncate(32 << 20)
+    code = main(["profile", "import", "--format", "maveriq", "--hardware", "h", *map(str, halves)])
+    assert code == 1
+    err = capsys.readouterr().err
     assert err.startswith(
         "error: the files are 64.0 MiB together; one import carries at most 63 MiB"
     )
