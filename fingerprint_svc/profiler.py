@@ -311,7 +311,14 @@ class Profiler:
         try:
             fingerprint = self.fingerprints.fingerprint(path, num_layers)
             cut = read_config(self.settings.models_root / fingerprint.checkpoint_path)
-        except (OSError, ValueError) as exc:
+        except ValueError as exc:
+            # Its weights no longer read as the checkpoint registered (a file truncated
+            # or rewritten since): not this job's trouble alone.
+            raise CheckpointMoved(
+                f"checkpoint {path!r} no longer reads as registered: cannot cut the "
+                f"fingerprint: {exc}; {again}"
+            ) from exc
+        except OSError as exc:  # the fingerprint cache's disk (full, unwritable)
             raise JobFailed(f"cannot cut the fingerprint: {exc}") from exc
         registered = model_pb.ModelShape()
         registered.CopyFrom(model.shape)

@@ -265,7 +265,7 @@ def _tiny(model_id: str, path: str) -> model_pb.Model:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("change", ["rewritten", "deleted"])
+@pytest.mark.parametrize("change", ["rewritten", "deleted", "truncated"])
 def test_a_checkpoint_changed_mid_profiling_fails_the_model(redis_url, models_root, change):
     """The checkpoint rewritten as another model, or deleted, after the first job: the
     model ends FAILED with the reason (it ended PROFILED, in silence, on measurements
@@ -275,13 +275,18 @@ def test_a_checkpoint_changed_mid_profiling_fails_the_model(redis_url, models_ro
     path = f"tiny-{change}"
     create_checkpoint(models_root / path, **SHAPE)
 
+    changed = []
+
     def change_after_first(request):
-        if (models_root / path).exists():
+        if not changed:
+            changed.append(change)
+            if change == "truncated":
+                weights = models_root / path / "model.safetensors"
+                weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+                return measured(request)
             shutil.rmtree(models_root / path)
             if change == "rewritten":
                 create_checkpoint(models_root / path, **{**SHAPE, "hidden_size": 128})
-            elif change == "deleted":
-                pass
         return measured(request)
 
     model, profile, progress, calls, owners = run_profiler(
@@ -294,9 +299,12 @@ def test_a_checkpoint_changed_mid_profiling_fails_the_model(redis_url, models_ro
             f"checkpoint '{path}' is no longer the model registered from it: its checkpoint "
             "has hidden_size 128, the model has 64" in model.state_reason
         ), model.state_reason
-    else:
+    elif change == "deleted":
         assert f"checkpoint '{path}' can no longer be read (" in model.state_reason
-        assert "register the model again" in model.state_reason
+    else:
+        assert f"checkpoint '{path}' no longer reads as registered: " in model.state_reason
+        assert "truncated" in model.state_reason
+    assert "register" in model.state_reason and "again" in model.state_reason
     assert len(calls) == 1 and owners == set() and profile is None
     assert progress.state == model_pb.MODEL_STATE_FAILED
 
