@@ -221,7 +221,10 @@ def plan_maveriq_import(
     names = [name for name, _ in files]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise InvalidArgument(f"files listed twice: {', '.join(map(shown, twice))}")
+        raise InvalidArgument(
+            f"files listed twice: {', '.join(map(shown, twice))} (a file is known by its "
+            "name, even from another folder: give each name once)"
+        )
     skipped: list[str] = []
     notes: list[str] = []
     rows: list[tuple[maveriq.Measurement, int]] = []
