@@ -458,10 +458,13 @@ def cmd_models(settings: Settings, args) -> int:
         output.show_tables([(None, ["MODEL", "STATE", "LAYERS", "HIDDEN", "CHECKPOINT"], rows)])
         return 0
     for model in reply.models:  # not a terminal: tab-separated lines, for scripts
+        # The state last, so the earlier columns stay where scripts read them (a script
+        # waiting for PROFILED had nothing to poll).
+        state = model_pb.ModelState.Name(model.state).removeprefix("MODEL_STATE_")
         print(
             json.dumps(_to_json(model))
             if args.json
-            else f"{model.model_id}\t{model.checkpoint_path}"
+            else f"{model.model_id}\t{model.checkpoint_path}\t{state}"
         )
     return 0
 

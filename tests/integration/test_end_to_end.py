@@ -124,6 +124,18 @@ def test_cli_status_and_generate_json(stack, served):
     assert body["healthy"] and body["addresses"]["scheduler"] == stack.settings.address("scheduler")
     assert served.deployment_id in [d["deployment_id"] for d in body["deployments"]]
 
+    # Piped, `models` gives scripts each model's state (only id and checkpoint before).
+    models = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "models"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert models.returncode == 0, models.stderr
+    fields = {line.split("\t")[0]: line.split("\t") for line in models.stdout.splitlines()}
+    assert fields[served.model_id][2] in ("REGISTERED", "PROFILED")
+
     out = subprocess.run(
         [
             sys.executable,
