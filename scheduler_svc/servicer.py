@@ -401,6 +401,22 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 service_s=token_times[-1] - admitted,
                 output_share=final.usage.completion_tokens / request.max_tokens,
             )
+        # One line per request served, naming the replica that served it (a request can
+        # move to the replica that frees first), as a serving system's access log does.
+        log.info(
+            "request %s served by %s: %d prompt + %d tokens (%s), queue %.0f ms, "
+            "TTFT %.0f ms, total %.0f ms",
+            request.request_id or "-",
+            queue.described,
+            final.usage.prompt_tokens,
+            final.usage.completion_tokens,
+            common.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+            if final.finish_reason in common.FinishReason.values()
+            else final.finish_reason,
+            timings.queue_ms,
+            timings.ttft_ms,
+            timings.total_ms,
+        )
         return GenerateResponse(
             request_id=request.request_id,
             final=inference_pb.GenerateFinal(

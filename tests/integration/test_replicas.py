@@ -135,6 +135,10 @@ def test_two_replicas_serve_and_one_heals_while_the_other_serves(stack, twin):
     assert all(g > 0 for g in grown), grown
     assert wait_for(lambda: [_active_requests(a) for a in addresses] == [0, 0], timeout=30)
     assert _generate_many(stack, deployment_id, 4) == [24] * 4
+    # The scheduler's log names the replica that served each request.
+    served = (stack.settings.state_dir / "logs" / "scheduler.log").read_text()
+    assert f"served by deployment {deployment_id}: " in served
+    assert f"served by deployment {deployment_id} (replica 1): " in served
 
     # Kill replica 0's worker: the replica is taken out to be restarted while the record
     # points at replica 1; the deployment stays READY. Then replica 0 serves again.
