@@ -126,6 +126,14 @@ class Router:
             found = access.visible(found)
             ready = [d for d in found if d.state == READY]
             if not found:
+                # A deployment's id given where a model's goes (the gateway's `model`):
+                # say whose it is, to a caller who may see it.
+                named = await self._store.get_deployment(model_id)
+                if named is not None and access.visible([named]):
+                    raise ModelNotFound(
+                        f"model {model_id} has no deployment: {model_id} is a deployment of "
+                        f"model {named.model_id}; ask for that model"
+                    )
                 raise ModelNotFound(f"model {model_id} has no deployment")
             if not ready:
                 states = "; ".join(describe_state(d) for d in found)

@@ -138,6 +138,12 @@ def test_model_routing_errors_name_the_states():
         )
         with pytest.raises(NotFound, match="model nothing has no deployment"):
             await router.by_model_id("nothing")
+        # A deployment's id where a model's goes (the gateway's `model`): whose it is.
+        with pytest.raises(NotFound) as named:
+            await router.by_model_id("x")
+        assert str(named.value) == (
+            "model x has no deployment: x is a deployment of model m; ask for that model"
+        )
 
     asyncio.run(scenario())
 
