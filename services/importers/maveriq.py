@@ -181,7 +181,10 @@ def _parse_row(columns: list[str], fields: list[str], source: str, line: int) ->
     row = dict(zip(columns, fields, strict=False))
     empty = [c for c in _REQUIRED_COLUMNS if not row.get(c, "").strip()]
     if empty:
-        raise ValueError(f"{where}: no value for {empty}")
+        raise ValueError(
+            f"{where}: no value for {', '.join(empty)} ({len(fields)} fields, the header "
+            f"has {len(columns)} columns)"
+        )
     try:
         return _measurement(row, source, where, line)
     except ValueError as exc:
@@ -283,7 +286,14 @@ def parse_measurements(text: str, source: str) -> tuple[Measurement, ...]:
         columns = next(lines, [])
         missing = [c for c in _REQUIRED_COLUMNS if c not in columns]
         if missing:
-            raise ValueError(f"{source}: missing columns {missing}")
+            separator = next((c for c in ";\t|" if len(columns) == 1 and c in columns[0]), None)
+            hint = (
+                f" (the header reads as one column: the file is separated by {separator!r}; "
+                "MaverIQ's files are comma-separated)"
+                if separator
+                else ""
+            )
+            raise ValueError(f"{source}: missing columns {', '.join(missing)}{hint}")
         # A row's line is the one it starts on (a quoted field may span lines), the
         # header being line 1 as an editor shows it; blank lines come as no fields.
         start = lines.line_num + 1
