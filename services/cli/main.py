@@ -113,8 +113,17 @@ def _to_json(message) -> dict:
 # ---- commands ------------------------------------------------------------------------
 def cmd_up(settings: Settings, args) -> int:
     check_node_settings()  # the agent's, read only when it starts workers
-    for warning in unknown_variables():
+    warnings = unknown_variables()
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    miscased = [w for w in warnings if w.endswith("(names are upper case)")]
+    if miscased:
+        # ISERVE_Auth=on brought a stack up open: a setting meant and not read is refused
+        # here, where the stack would otherwise start without it.
+        raise ValueError(
+            "a variable iserve reads is set in the wrong case (see the warnings above): "
+            "set it in upper case, or unset it"
+        )
     options = stack.UpOptions(devices=args.devices, device_memory_gib=args.device_memory)
     info = stack.up(settings, options)
     print(f"iserve is up (state in {settings.state_dir}); `iserve status` shows it")

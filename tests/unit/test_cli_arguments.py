@@ -348,3 +348,17 @@ def test_a_target_of_zero_is_sent_for_the_service_to_judge_not_called_missing(fl
 
     target = request_target(build_parser().parse_args(["deploy", "m", *flags]))
     assert getattr(target["intent"], field) == 0
+
+
+def test_up_refuses_a_variable_iserve_reads_set_in_the_wrong_case(tmp_path, monkeypatch, capsys):
+    """ISERVE_Auth=on brought the stack up open (a warning among the start-up lines): a
+    known name in the wrong case stops `iserve up` before anything starts."""
+    from services.cli.main import main
+
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("ISERVE_Auth", "on")
+    assert main(["up", "--detach"]) == 1
+    err = capsys.readouterr().err
+    assert "ISERVE_Auth is set but no iserve process reads it; did you mean ISERVE_AUTH?" in err
+    assert "error: a variable iserve reads is set in the wrong case" in err
+    assert not (tmp_path / "state" / "stack.json").exists()
