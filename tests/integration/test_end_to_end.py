@@ -106,8 +106,18 @@ def test_register_deploy_stream_remove(stack):
 
 
 def test_deploy_is_idempotent_on_request_id(stack, served):
-    again = deploy(stack, served.model_id, request_id=served.request_id)
+    again = deploy(
+        stack,
+        served.model_id,
+        request_id=served.request_id,
+        max_output_tokens=served.max_output_tokens,
+    )
     assert again.deployment.deployment_id == served.deployment_id
+    # The same id asking for something else is no repeat.
+    with pytest.raises(grpc.RpcError) as other:
+        deploy(stack, served.model_id, request_id=served.request_id)
+    assert other.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "asked for other max_output_tokens" in other.value.details()
 
 
 def test_cli_status_and_generate_json(stack, served):
