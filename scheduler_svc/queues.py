@@ -395,13 +395,8 @@ class QueueRegistry:
         serving = self._serving.get(deployment_id, frozenset())
         if queue.replica_index not in serving:
             return []
-        return [
-            q
-            for g, q in self._queues.items()
-            if q is not queue
-            and split_group_id(g)[0] == deployment_id
-            and q.replica_index in serving
-        ]
+        found = (self._queues.get(replica_group_id(deployment_id, i)) for i in serving)
+        return [q for q in found if q is not None and q is not queue]
 
     def _policy(self, deployment: deploy_pb.Deployment, predictor: LatencyPredictor):
         if self._policy_factory is not None:

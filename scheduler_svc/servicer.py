@@ -19,7 +19,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from scheduler_svc.deadlines import first_token_deadline
-from scheduler_svc.metrics import RequestRecord, ServingMetrics
+from scheduler_svc.metrics import FINISH_NAMES, RequestRecord, ServingMetrics
 from scheduler_svc.policies import QueueEntry
 from scheduler_svc.queues import (
     Clock,
@@ -410,9 +410,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             queue.described,
             final.usage.prompt_tokens,
             final.usage.completion_tokens,
-            common.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
-            if final.finish_reason in common.FinishReason.values()
-            else final.finish_reason,
+            FINISH_NAMES.get(final.finish_reason, "unknown"),
             timings.queue_ms,
             timings.ttft_ms,
             timings.total_ms,
