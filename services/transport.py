@@ -165,8 +165,9 @@ class Transport:
 _process: Transport | None = None
 
 
-def configure(transport: Transport) -> None:
-    """Set this process's transport (services do at start, with their service token)."""
+def configure(transport: Transport | None) -> None:
+    """Set this process's transport (services do at start, with their service token);
+    None goes back to a client's from the environment."""
     global _process
     _process = transport
 

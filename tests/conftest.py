@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services import transport
 from services.api import (
     agent_service_pb2_grpc,
     deployment_service_pb2_grpc,
@@ -97,6 +98,15 @@ def nothing_left_running(tmp_path_factory) -> Iterator[None]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert not left, f"processes the tests started are still running: {left}"
+
+
+@pytest.fixture(autouse=True)
+def own_transport() -> Iterator[None]:
+    """Each test starts with the transport a client reads from the environment: one that
+    runs the CLI or a server's start in this process configures the process's transport,
+    which a later test's stack (its TLS, its token) would otherwise inherit."""
+    yield
+    transport.configure(None)
 
 
 @pytest.fixture(scope="session")
