@@ -15,16 +15,21 @@ import uvicorn
 from gateway_svc.app import Backend, create_app
 from services import transport
 from services.grpc_server import configure_logging
-from services.service_main import command_line
-from services.settings import load_settings
+from services.service_main import command_line, fail
+from services.settings import load_settings, tls_warnings, unknown_variables
 
 
 def main(args: list[str] | None = None) -> int:
     """Run the gateway; ``args`` are the command line's (None: ``sys.argv``'s), of which
     it takes none (``iserve gateway`` passes [])."""
     command_line("python -m gateway_svc", __doc__, args)
-    settings = load_settings()
+    try:
+        settings = load_settings()
+    except ValueError as exc:
+        fail(str(exc))
     configure_logging(settings.log_level, "gateway")
+    for warning in [*unknown_variables(), *tls_warnings(settings)]:
+        logging.getLogger("iserve.gateway").warning("%s", warning)
     # The gateway is one of iserve's processes: model records are read with the service
     # token; each client's own token goes with its generations (Backend.connect).
     transport.configure(transport.Transport.for_service(settings))

@@ -19,6 +19,7 @@ from services.settings import (
     Settings,
     load_settings,
     redacted_url,
+    tls_warnings,
     unknown_variables,
 )
 from services.state.store import StateStore
@@ -103,7 +104,7 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
     except ValueError as exc:
         fail(str(exc))
     configure_logging(settings.log_level, name)
-    for warning in unknown_variables():
+    for warning in [*unknown_variables(), *tls_warnings(settings)]:
         log.warning("%s", warning)
 
     async def run() -> None:

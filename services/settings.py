@@ -99,12 +99,14 @@ Addresses not set in the environment are taken from ``$ISERVE_STATE_DIR/stack.js
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import math
 import os
 import re
 import ssl
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -238,6 +240,9 @@ class TlsFiles:
     ca: Path | None = None
     client_auth: bool = False
     server_name: str = ""
+    # When ``cert`` expires (Unix seconds), as the handshake check read it; None without
+    # a certificate.
+    expires_at: float | None = field(default=None, compare=False)
 
     @property
     def serves(self) -> bool:
@@ -310,13 +315,134 @@ def _tls(env: Mapping[str, str]) -> TlsFiles | None:
     if client_auth and (paths["ca"] is None or paths["cert"] is None):
         raise ValueError("ISERVE_TLS_CLIENT_AUTH=on needs ISERVE_TLS_CERT, _KEY and _CA")
     _check_pem(paths["cert"], paths["key"], paths["ca"])
+    if paths["ca"] is not None:
+        _check_ca_dates(paths["ca"])
+    expires_at = None
+    if paths["cert"] is not None and paths["key"] is not None:
+        expires_at = _check_handshake(paths["cert"], paths["key"], paths["ca"], client_auth)
     return TlsFiles(
         paths["cert"],
         paths["key"],
         paths["ca"],
         client_auth,
         env.get("ISERVE_TLS_SERVER_NAME", "").strip(),
+        expires_at,
     )
+
+
+# OpenSSL's X509_V_ERR_* codes of a failed verification that say what to do.
+_CERT_NOT_YET_VALID, _CERT_HAS_EXPIRED = 9, 10
+_UNTRUSTED = {2, 18, 19, 20, 21}  # no issuer found, self-signed, issuer not in the CA file
+
+
+def _check_ca_dates(ca: Path) -> None:
+    """ValueError when no certificate in ISERVE_TLS_CA is valid now (all expired, or
+    not valid yet): no peer's certificate could be verified."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cafile=str(ca))
+    now = time.time()
+    spans = [
+        (ssl.cert_time_to_seconds(c["notBefore"]), ssl.cert_time_to_seconds(c["notAfter"]))
+        for c in context.get_ca_certs()
+        if "notBefore" in c and "notAfter" in c
+    ]
+    if spans and not any(start <= now <= end for start, end in spans):
+        latest = max(end for _, end in spans)
+        state = (
+            f"expired on {_utc(latest)}"
+            if latest < now
+            else f"is not valid before {_utc(min(s for s, _ in spans))}"
+        )
+        raise ValueError(
+            f"ISERVE_TLS_CA={str(ca)!r}: its CA certificate {state}, so no peer can be "
+            "verified: give the CA's current certificate"
+        )
+
+
+def _utc(unix_s: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(unix_s))
+
+
+def _check_handshake(cert: Path, key: Path, ca: Path | None, client_auth: bool) -> float:
+    """When ``cert`` expires (Unix seconds). ValueError when the first handshake between
+    iserve's processes, which present ``cert`` to each other, would fail: the
+    certificate expired or not valid yet, not issued by ISERVE_TLS_CA (the system's roots
+    without it), or not made for TLS servers (nor clients, under mutual TLS). Found by a
+    handshake in memory between the two ends OpenSSL builds from these files (gRPC's
+    BoringSSL checks the same); without it every call fails with an UNAVAILABLE that
+    names no file."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(str(cert), str(key))
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False  # the name is ISERVE_TLS_SERVER_NAME's, per address
+    if ca is None:
+        client.load_default_certs()
+        against = "a CA among the system's root certificates (ISERVE_TLS_CA is not set)"
+    else:
+        client.load_verify_locations(cafile=str(ca))
+        against = f"the CA in ISERVE_TLS_CA={str(ca)!r}"
+    if client_auth:
+        server.verify_mode = ssl.CERT_REQUIRED
+        server.load_verify_locations(cafile=str(ca))
+        client.load_cert_chain(str(cert), str(key))
+    ends = []
+    for role, context in (("server", client), ("client", server)):
+        # ``role`` is what ``cert`` is to the end that verifies it.
+        received, sent = ssl.MemoryBIO(), ssl.MemoryBIO()
+        end = context.wrap_bio(received, sent, server_side=context is server)
+        ends.append([role, end, received, sent, False])
+    try:
+        for _ in range(8):
+            for entry in ends:
+                role, end, _received, _sent, done = entry
+                if not done:
+                    with contextlib.suppress(ssl.SSLWantReadError):
+                        end.do_handshake()
+                        entry[4] = True
+            ends[1][2].write(ends[0][3].read())
+            ends[0][2].write(ends[1][3].read())
+            if ends[0][4] and ends[1][4]:
+                break
+    except ssl.SSLCertVerificationError as exc:
+        name = f"ISERVE_TLS_CERT={str(cert)!r}"
+        if exc.verify_code == _CERT_HAS_EXPIRED:
+            problem = "has expired (or a certificate in its chain has)"
+        elif exc.verify_code == _CERT_NOT_YET_VALID:
+            problem = "is not valid yet (or a certificate in its chain is not)"
+        elif exc.verify_code in _UNTRUSTED:
+            problem = f"is not issued by {against} ({exc.verify_message})"
+        else:
+            problem = f"is refused as a TLS {role} certificate ({exc.verify_message})"
+        raise ValueError(
+            f"{name} {problem}: every connection between iserve's processes, which present "
+            "it to each other, would fail"
+        ) from None
+    except ssl.SSLError as exc:
+        raise ValueError(
+            f"ISERVE_TLS_CERT={str(cert)!r} with ISERVE_TLS_KEY={str(key)!r}: a TLS "
+            f"handshake between two ends with these files fails ({exc})"
+        ) from None
+    return ssl.cert_time_to_seconds(ends[0][1].getpeercert()["notAfter"])
+
+
+# How long before its certificate expires a process says so when it starts.
+TLS_EXPIRY_WARNING_S = 14 * 86400
+
+
+def tls_warnings(settings: Settings, now: float | None = None) -> list[str]:
+    """What to tell an operator about this process's TLS files when it starts: a
+    certificate that expires within TLS_EXPIRY_WARNING_S."""
+    tls = settings.tls
+    if tls is None or tls.expires_at is None:
+        return []
+    left = tls.expires_at - (time.time() if now is None else now)
+    if left > TLS_EXPIRY_WARNING_S:
+        return []
+    return [
+        f"ISERVE_TLS_CERT={str(tls.cert)!r} expires on {_utc(tls.expires_at)} (in "
+        f"{left / 86400:.1f} days): new connections between iserve's processes fail from "
+        "then on; renew it and restart the stack"
+    ]
 
 
 def _check_pem(cert: Path | None, key: Path | None, ca: Path | None) -> None:

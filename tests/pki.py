@@ -27,9 +27,22 @@ def _write_key(key, path: Path) -> None:
     )
 
 
-def make_pki(directory: Path, ca_name: str = "iserve test CA") -> dict[str, Path]:
+DAY = datetime.timedelta(days=1)
+VALID = (-datetime.timedelta(minutes=5), DAY)
+
+
+def make_pki(
+    directory: Path,
+    ca_name: str = "iserve test CA",
+    *,
+    ca_valid: tuple[datetime.timedelta, datetime.timedelta] = VALID,
+    cert_valid: tuple[datetime.timedelta, datetime.timedelta] = VALID,
+    usages: tuple = (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH),
+) -> dict[str, Path]:
     """A CA and one certificate it signs for 127.0.0.1/localhost, usable by servers and
-    clients alike (what each iserve process presents)."""
+    clients alike (what each iserve process presents). ``ca_valid`` and ``cert_valid``
+    are when each is valid from and until, from now; ``usages`` the certificate's
+    extended key usages."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -39,8 +52,8 @@ def make_pki(directory: Path, ca_name: str = "iserve test CA") -> dict[str, Path
         .issuer_name(_name(ca_name))
         .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_before(now + ca_valid[0])
+        .not_valid_after(now + ca_valid[1])
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
@@ -65,8 +78,8 @@ def make_pki(directory: Path, ca_name: str = "iserve test CA") -> dict[str, Path
         .issuer_name(ca.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_before(now + cert_valid[0])
+        .not_valid_after(now + cert_valid[1])
         .add_extension(
             x509.SubjectAlternativeName(
                 [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
@@ -74,9 +87,7 @@ def make_pki(directory: Path, ca_name: str = "iserve test CA") -> dict[str, Path
             critical=False,
         )
         .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
+            x509.ExtendedKeyUsage(list(usages)),
             critical=False,
         )
         .sign(ca_key, hashes.SHA256())

@@ -63,6 +63,7 @@ from services.settings import (
     check_node_settings,
     load_settings,
     read_stack_file,
+    tls_warnings,
     unknown_variables,
 )
 
@@ -124,6 +125,8 @@ def cmd_up(settings: Settings, args) -> int:
             "a variable iserve reads is set in the wrong case (see the warnings above): "
             "set it in upper case, or unset it"
         )
+    for warning in tls_warnings(settings):
+        print(f"warning: {warning}", file=sys.stderr)
     options = stack.UpOptions(devices=args.devices, device_memory_gib=args.device_memory)
     info = stack.up(settings, options)
     print(f"iserve is up (state in {settings.state_dir}); `iserve status` shows it")

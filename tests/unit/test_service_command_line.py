@@ -44,3 +44,17 @@ def test_an_argument_is_a_usage_error(module):
     refused = _run(module, "--port", "9000")
     assert refused.returncode == 2
     assert "unrecognized arguments: --port 9000" in refused.stderr
+
+
+@pytest.mark.parametrize("module", ["scheduler_svc", "gateway_svc"])
+def test_settings_that_do_not_load_stop_it_with_their_reason(module, tmp_path):
+    # The gateway printed a traceback before; both now say what is wrong, status 2.
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("ISERVE_")}
+    env["ISERVE_STATE_DIR"] = str(tmp_path)
+    env["ISERVE_LOG_LEVEL"] = "loud"
+    out = subprocess.run(
+        [sys.executable, "-m", module], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: ISERVE_LOG_LEVEL must be one of"), out.stderr
+    assert "Traceback" not in out.stderr

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import json
 import stat
+import time
 
 import pytest
+from cryptography.x509.oid import ExtendedKeyUsageOID as EKU
 
 from deploy_svc.healing import GiveUp, RestartPolicy, after_failure
 from services.settings import (
@@ -13,9 +15,10 @@ from services.settings import (
     load_settings,
     read_stack_file,
     redacted_url,
+    tls_warnings,
     write_stack_file,
 )
-from tests.pki import make_pki
+from tests.pki import DAY, make_pki
 
 
 def test_defaults(tmp_path):
@@ -274,6 +277,61 @@ def test_tls_files_that_are_not_what_they_claim_are_named_at_load(tmp_path):
     for env, message in cases:
         with pytest.raises(ValueError, match=message):
             load_settings({**base, **env})
+
+
+def _tls_env(tmp_path, pki, mutual: bool, **others) -> dict[str, str]:
+    return {
+        "ISERVE_STATE_DIR": str(tmp_path),
+        "ISERVE_TLS_CERT": str(pki["cert"]),
+        "ISERVE_TLS_KEY": str(pki["key"]),
+        "ISERVE_TLS_CA": str(pki["ca"]),
+        "ISERVE_TLS_CLIENT_AUTH": "on" if mutual else "off",
+        **others,
+    }
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+@pytest.mark.parametrize(
+    ("made", "says"),
+    [
+        ({"cert_valid": (-2 * DAY, -DAY)}, "ISERVE_TLS_CERT=.* has expired"),
+        ({"cert_valid": (DAY, 2 * DAY)}, "ISERVE_TLS_CERT=.* is not valid yet"),
+        ({"ca_valid": (-3 * DAY, -DAY)}, "ISERVE_TLS_CA=.*: its CA certificate expired on"),
+        ({"ca_valid": (DAY, 2 * DAY)}, "ISERVE_TLS_CA=.*: its CA certificate is not valid before"),
+        ({"usages": (EKU.CLIENT_AUTH,)}, "is refused as a TLS server certificate"),
+    ],
+)
+def test_a_certificate_every_handshake_would_refuse_is_named_at_load(tmp_path, made, says, mutual):
+    # Before, the settings loaded and the stack started; each call then failed with
+    # gRPC's UNAVAILABLE "Handshake failed" naming no file.
+    pki = make_pki(tmp_path / "pki", **made)
+    with pytest.raises(ValueError, match=says):
+        load_settings(_tls_env(tmp_path, pki, mutual))
+
+
+def test_a_certificate_is_checked_against_the_ca_and_the_role_it_is_used_in(tmp_path):
+    pki, other = make_pki(tmp_path / "pki"), make_pki(tmp_path / "other", "another CA")
+    for env, says in [
+        ({"ISERVE_TLS_CA": str(other["ca"])}, "is not issued by the CA in ISERVE_TLS_CA="),
+        ({"ISERVE_TLS_CA": ""}, "not issued by a CA among the system's root certificates"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            load_settings(_tls_env(tmp_path, pki, False, **env))
+    # A server-only certificate serves plain TLS, but mutual TLS presents it as a client.
+    server_only = make_pki(tmp_path / "server-only", usages=(EKU.SERVER_AUTH,))
+    assert load_settings(_tls_env(tmp_path, server_only, False)).tls.serves
+    with pytest.raises(ValueError, match="is refused as a TLS client certificate"):
+        load_settings(_tls_env(tmp_path, server_only, True))
+
+
+def test_a_certificate_near_its_end_is_warned_of_at_start(tmp_path):
+    pki = make_pki(tmp_path / "pki", cert_valid=(-DAY, 3 * DAY))
+    settings = load_settings(_tls_env(tmp_path, pki, True))
+    assert settings.tls.expires_at == pytest.approx(time.time() + 3 * 86400, abs=120)
+    [warning] = tls_warnings(settings)
+    assert "expires on" in warning and "(in 3.0 days)" in warning and str(pki["cert"]) in warning
+    assert tls_warnings(settings, now=settings.tls.expires_at - 30 * 86400) == []
+    assert tls_warnings(load_settings({"ISERVE_STATE_DIR": str(tmp_path)})) == []
 
 
 def test_a_token_file_others_may_read_is_made_the_owners_alone(tmp_path):
