@@ -691,11 +691,14 @@ def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
     return warnings
 
 
-def check_node_settings(env: Mapping[str, str] | None = None) -> None:
-    """ValueError naming a bad ``ISERVE_ENGINE`` or ``ISERVE_CPU_COLLECTIVES``, which the
-    agent reads only when it starts workers: at `iserve up` rather than at every deploy."""
+def check_service_settings(env: Mapping[str, str] | None = None) -> None:
+    """ValueError naming a bad variable that ``load_settings`` does not read: the
+    agent's ``ISERVE_ENGINE`` and ``ISERVE_CPU_COLLECTIVES`` (read when it starts
+    workers: at `iserve up` rather than at every deploy), and the model service's
+    ``ISERVE_PROFILE_*`` (at `iserve up` rather than in its log once it failed)."""
     engine_choice(env)
     cpu_collectives(env)
+    ProfilingSettings.from_env(env)
 
 
 # A node id is a part of Redis keys and of worker group names: a DNS name's characters

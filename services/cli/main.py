@@ -60,7 +60,7 @@ from services.proto_limits import UINT64_MAX
 from services.settings import (
     MAX_VIRTUAL_DEVICES,
     Settings,
-    check_node_settings,
+    check_service_settings,
     load_settings,
     read_stack_file,
     tls_warnings,
@@ -113,7 +113,7 @@ def _to_json(message) -> dict:
 
 # ---- commands ------------------------------------------------------------------------
 def cmd_up(settings: Settings, args) -> int:
-    check_node_settings()  # the agent's, read only when it starts workers
+    check_service_settings()  # read by the agent and the model service, not load_settings
     warnings = unknown_variables()
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)

@@ -372,16 +372,24 @@ def test_a_bad_log_level_or_node_id_is_refused_naming_it(variable, value, says, 
 
 
 @pytest.mark.parametrize(
-    ("variable", "value"), [("ISERVE_ENGINE", "foo"), ("ISERVE_CPU_COLLECTIVES", "mpi")]
+    ("variable", "value"),
+    [
+        ("ISERVE_ENGINE", "foo"),
+        ("ISERVE_CPU_COLLECTIVES", "mpi"),
+        ("ISERVE_PROFILE_INPUT_TOKENS", "64,0"),
+        ("ISERVE_PROFILE_BATCH_SIZES", "one"),
+        ("ISERVE_PROFILE_TIMED_RUNS", "0"),
+    ],
 )
-def test_the_agents_engine_settings_are_checked_before_up(variable, value):
-    """Read only when workers start, a bad value let `iserve up` come up healthy and
-    failed every deploy."""
-    from services.settings import check_node_settings
+def test_settings_the_services_read_themselves_are_checked_before_up(variable, value):
+    """Read only when workers start, a bad engine setting let `iserve up` come up healthy
+    and failed every deploy; a bad ISERVE_PROFILE_* stopped the model service, and `up`
+    only showed its log."""
+    from services.settings import check_service_settings
 
     with pytest.raises(ValueError, match=variable):
-        check_node_settings({variable: value})
-    check_node_settings({})
+        check_service_settings({variable: value})
+    check_service_settings({})
 
 
 def test_every_iserve_variable_the_code_reads_is_known_and_a_typo_is_named():
