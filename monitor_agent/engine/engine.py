@@ -35,6 +35,7 @@ from monitor_agent.engine.memory import (
     MemoryAccount,
     parameter_and_buffer_bytes,
     return_freed_memory,
+    start_profiler_here,
 )
 from monitor_agent.engine.model import LayerClock
 from monitor_agent.engine.sampling import SamplingConfig
@@ -105,6 +106,8 @@ class Engine:
         # Before any weight is read: a fused kernel that computes the wrong thing on this
         # machine refuses the engine (KernelCheckFailed) instead of serving garbage.
         check_kernels(weight_quant=weight_quant, device=device, dtype=torch_dtype(dtype))
+        if torch.device(device).type == "cpu":  # CUDA's peaks come from its allocator
+            start_profiler_here()
         # One rank of a tensor/pipeline-parallel group holds its stage's shard, driven in
         # lock-step with the other ranks (see monitor_agent.engine.distributed).
         stage = {} if parallel is None else parallel.load_kwargs()

@@ -25,6 +25,7 @@ which measures the same things, and nothing runs under the profiler.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,18 @@ _FLOAT32_BYTES = 4
 REMEASURE_GROWTH = 1.1
 
 T = TypeVar("T")
+
+
+def start_profiler_here() -> None:
+    """Start torch's profiler library (Kineto) on this thread, the one that loaded torch,
+    with its own log lines off. Started first by the engine's generation thread, Kineto
+    printed "ERROR: External init callback must run in same thread as registerClient"
+    into the worker's log, and "USDT: ... profiler_start/stop" at every measured pass:
+    lines that read as failures and say nothing an operator can act on. Its level is
+    set through ``KINETO_LOG_LEVEL`` (6: above its highest, so none), unless given."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    if not profiler._is_profiler_enabled:
+        measure_peak_allocation(lambda: None)
 
 
 def measure_peak_allocation(run: Callable[[], T]) -> tuple[T, int | None]:

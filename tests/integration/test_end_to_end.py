@@ -270,3 +270,21 @@ def test_a_compressed_deployment_serves_what_the_engine_computes(stack):
         deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
     )
     stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="e2e-int4"))
+
+
+def test_a_worker_log_holds_iserve_lines_not_the_profiler_library_s(stack, served):
+    """torch's profiler library (Kineto), which measures a pass's peak memory on CPU,
+    printed "ERROR: External init callback must run in same thread as registerClient"
+    into every worker's log at its first generation, and a "USDT: ... profiler_start /
+    profiler_stop" pair at every measured pass: lines that read as failures and are none."""
+    # Prompts of lengths not measured before: each first prefill is measured.
+    for words in (3, 40, 90):
+        _, final = generate(
+            stack, deployment_id=served.deployment_id, prompt="tick " * words, max_tokens=4
+        )
+        assert final.usage.completion_tokens == 4
+    log = stack.settings.state_dir / "logs" / f"worker-{served.deployment_id}-r0.log"
+    lines = log.read_text().splitlines()
+    assert lines, log
+    noise = [line for line in lines if "External init callback" in line or "USDT:" in line]
+    assert not noise, noise
