@@ -245,6 +245,21 @@ class DeploymentQueue:
             self._wake_at_last_start(policy)
         self._take_from_siblings()
 
+    def take_waiting(self) -> None:
+        """Admit here, on slots free, requests next in line on the sibling replicas (none
+        while this queue has its own waiting): what a release or an arrival here does,
+        for a replica that has neither, such as one just back in service."""
+        self._take_from_siblings()
+
+    def reopen(self) -> None:
+        """The replica serves again (after :meth:`close`): requests join and leave it as
+        before, and it takes its siblings' waiting requests again."""
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _take_from_siblings(self) -> None:
         """With a slot free and nothing of its own waiting, admit here the requests next
         in line on the sibling replicas, the longest queue's first."""
@@ -377,9 +392,50 @@ class QueueRegistry:
                     self._siblings(me, deployment_id)
                 )
             self._queues[group] = queue
-        elif queue.slots != slots_for(batch_size):
-            queue.slots = batch_size
+        else:
+            if queue.closed:  # asked for again: its replica serves again
+                queue.reopen()
+            if queue.slots != slots_for(batch_size):
+                queue.slots = batch_size
         return queue
+
+    def serving_now(self, deployment: deploy_pb.Deployment) -> None:
+        """:meth:`set_serving`, then each serving replica with a slot free and nothing of
+        its own waiting takes the requests waiting on the others. A replica back in
+        service after a restart has no arrival or release of its own to do so: it stayed
+        idle while its sibling's queue drained one request at a time."""
+        self.set_serving(deployment)
+        if not self._move_waiting:
+            return
+        serving = replicas.serving(deployment)
+        if len(serving) < 2:
+            return
+        queues = [self.queue_for(deployment, r.index) for r in serving]
+        if any(q.waiting for q in queues):
+            for queue in queues:
+                queue.take_waiting()
+
+    def waiting_on(self, deployment_id: str) -> int:
+        """Requests waiting on every replica of ``deployment_id``."""
+        return sum(
+            q.waiting
+            for group, q in self._queues.items()
+            if split_group_id(group)[0] == deployment_id
+        )
+
+    def check_room(self, deployment: deploy_pb.Deployment) -> None:
+        """ResourceExhausted when ``capacity`` requests wait on the deployment's replicas
+        together (a replica's own queue holds at most as many): the capacity is the
+        deployment's, as ISERVE_QUEUE_CAPACITY says, whatever its replicas."""
+        count = len(replicas.replicas_of(deployment))
+        if count < 2:
+            return  # its one queue's policy says so
+        waiting = self.waiting_on(deployment.deployment_id)
+        if waiting >= self.capacity:
+            raise ResourceExhausted(
+                f"queue of deployment {deployment.deployment_id} is full ({waiting} waiting "
+                f"on its {count} replicas)"
+            )
 
     def set_serving(self, deployment: deploy_pb.Deployment) -> None:
         """Record which replicas of ``deployment`` serve now (the scheduler's view: its

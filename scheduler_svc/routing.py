@@ -150,6 +150,11 @@ class Router:
             return usable
         return sorted(usable, key=self._backlog)
 
+    def cached(self, deployment_id: str) -> deploy_pb.Deployment | None:
+        """The newest record of the deployment this router holds (None: none), as the last
+        refresh or lookup read it."""
+        return self._by_id.get(deployment_id)
+
     def forget(self, deployment_id: str) -> None:
         """Drop a cached record, so the next request for it reads Redis."""
         self._by_id.pop(deployment_id, None)

@@ -349,13 +349,18 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             max_tokens=request.max_tokens,
             objective=due.objective,
         )
+        self.queues.check_room(deployment)
         if record.enqueued_s is None:  # a request moved on keeps its first queue's wait
             record.enqueued_s = clock()
         holder = await queue.acquire(entry)
         record.admitted_s = clock()
         if holder is not queue:
-            # Another replica freed a slot first and took the request from this queue.
-            taken = [r for r in replicas.serving(deployment) if r.index == holder.replica_index]
+            # Another replica freed a slot first and took the request from this queue: it
+            # serves in the scheduler's newest view (the request's own record may be of
+            # before that replica's restart, seconds ago).
+            newest = self.router.cached(deployment.deployment_id) or deployment
+            newest = replicas.avoiding(newest, self._unreachable)
+            taken = [r for r in replicas.serving(newest) if r.index == holder.replica_index]
             if not taken or not taken[0].worker_address:
                 # Not serving in this request's view of the records (they changed since):
                 # routed afresh once, like a request whose replica stopped serving.
@@ -503,4 +508,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         self.metrics.forget(d.deployment_id for d in deployments)
         addresses = {r.worker_address for _, r in serving if r.worker_address}
         self._unreachable &= addresses  # taken out of the records: nothing left to avoid
+        for deployment in deployments:
+            # Replicas back in service take requests waiting on the others at once.
+            self.queues.serving_now(replicas.avoiding(deployment, self._unreachable))
         await self.workers.retain(addresses)

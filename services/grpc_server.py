@@ -45,8 +45,21 @@ Drain = Callable[[float], Awaitable[object]]
 """Refuse new calls and wait up to the given seconds for those in flight (``InFlight.drain``)."""
 
 
+# The longest request id a log line shows as it was sent.
+_LOGGED_ID_CHARS = 128
+
+
 def _request_id(request: object) -> str:
-    return getattr(request, "request_id", "") or "-"
+    """The request's id as a log line shows it: as sent when it is printable ASCII (what
+    a valid id is), else escaped (``ascii``) and cut, as the id is logged before it is
+    checked: a newline in it wrote a line of the client's own into the log."""
+    rid = getattr(request, "request_id", "") or "-"
+    if not isinstance(rid, str):
+        return "-"
+    if len(rid) <= _LOGGED_ID_CHARS and rid.isascii() and rid.isprintable():
+        return rid
+    cut = "..." if len(rid) > _LOGGED_ID_CHARS else ""
+    return ascii(rid[:_LOGGED_ID_CHARS]) + cut
 
 
 def _code_of(exc: BaseException) -> grpc.StatusCode:

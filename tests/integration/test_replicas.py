@@ -21,6 +21,7 @@ from services.api import inference_service_pb2 as infer_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
+from tests.conftest import QUEUE_CAPACITY
 from tests.integration.helpers import (
     cli,
     deploy,
@@ -238,3 +239,58 @@ def test_replicas_that_do_not_all_fit_are_resource_exhausted_and_leave_nothing(s
     assert "2 replicas" in planned.stderr
     assert "replica 0 stage 0" in planned.stderr and "replica 1 stage 0" in planned.stderr
     assert _model_deployments(stack) == []
+
+
+def test_a_replica_back_from_a_restart_takes_the_requests_waiting_on_the_other(stack, twin):
+    """Requests sent while replica 0 restarts all go to replica 1. Once replica 0 is
+    back it takes the next of them at once, and they stream from it: it idled before
+    until a new request arrived, and the requests it then took failed with UNAVAILABLE
+    "replica 0 ... stopped serving" (each carried the record of before its restart)."""
+    dep = deploy(stack, twin, replicas=2, batch_size=1, max_output_tokens=HOLD).deployment
+    deployment_id = dep.deployment_id
+    old = [r.worker_address for r in dep.replicas]
+    try:
+        [victim] = _live_workers(stack, deployment_id)  # replica 0's
+        os.kill(victim.pid, signal.SIGKILL)
+        assert wait_for(lambda: _get(stack, deployment_id).replicas[0].state != READY, 20)
+        time.sleep(1.5)  # the scheduler's routing cache sees replica 0 out
+
+        def one(i: int) -> grpc.StatusCode:
+            try:
+                generate(
+                    stack,
+                    timeout=180,
+                    deployment_id=deployment_id,
+                    prompt=f"wait {i}",
+                    max_tokens=HOLD,
+                    sampling=NO_EOS,
+                )
+            except grpc.RpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        # One runs on replica 1, the rest wait there (the stack's queue capacity).
+        count = 1 + QUEUE_CAPACITY
+        with ThreadPoolExecutor(count) as pool:
+            outcomes = list(pool.map(one, range(count)))
+        assert outcomes == [grpc.StatusCode.OK] * count, outcomes
+        again = _get(stack, deployment_id).replicas[0]
+        assert again.state == READY and again.worker_address not in ("", old[0])
+        served = (stack.settings.state_dir / "logs" / "scheduler.log").read_text()
+        by_replica = [
+            len(re.findall(rf"request \S+ served by deployment {deployment_id}{suffix}: ", served))
+            for suffix in ("", r" \(replica 1\)")
+        ]
+        # All arrived while replica 0 was out; it took the last once back.
+        assert sum(by_replica) == count and by_replica[0] >= 1, by_replica
+    finally:
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=deployment_id)
+        )
+        assert wait_for(
+            lambda: (
+                not _live_workers(stack, deployment_id)
+                and not _live_workers(stack, f"{deployment_id}.r1")
+            ),
+            timeout=30,
+        )

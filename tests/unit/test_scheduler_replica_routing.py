@@ -13,6 +13,7 @@ from scheduler_svc.queues import QueueRegistry
 from services import replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
+from services.errors import ResourceExhausted
 
 READY = deploy_pb.DEPLOYMENT_STATE_READY
 # 1 ms per prompt token, so queued prompt work is visible in the expected wait.
@@ -338,3 +339,63 @@ def test_a_replicas_refusal_names_the_deployment_a_client_knows():
     dep = deployment()
     assert registry.queue_for(dep, 1).described == "deployment m-0a1b2c3d (replica 1)"
     assert registry.queue_for(dep, 0).described == "deployment m-0a1b2c3d"
+
+
+def test_a_replica_back_in_service_takes_the_waiting_requests_without_an_arrival():
+    """A replica restarted after its worker died had no arrival or release of its own:
+    it idled while its sibling's queue drained one request at a time, until a new
+    request came. The scheduler's refresh (serving_now) sets it to work; a queue closed
+    while its replica was out opens again."""
+
+    async def main():
+        registry = QueueRegistry(capacity=8, clock=ManualClock())
+        dep = deployment()
+        first, second = registry.queue_for(dep, 0), registry.queue_for(dep, 1)
+        out = deploy_pb.Deployment()
+        out.CopyFrom(dep)
+        out.replicas[1].state = deploy_pb.DEPLOYMENT_STATE_STARTING  # restarting
+        registry.serving_now(out)
+        second.close()  # the scheduler closed its queue while it was out
+        await first.acquire(QueueEntry("a", 0.0))
+        waiting = [asyncio.create_task(first.acquire(QueueEntry(w, 0.0))) for w in "xyz"]
+        await settle()
+        assert (first.waiting, second.running) == (3, 0)
+        registry.serving_now(out)  # still out: nothing moves
+        await settle()
+        assert first.waiting == 3
+        registry.serving_now(dep)  # back in the records
+        assert registry.queue_for(dep, 1) is second and not second.closed
+        assert await asyncio.wait_for(waiting[0], 5) is second  # with no arrival
+        assert (first.waiting, second.running) == (2, 1)
+        for task in waiting[1:]:
+            task.cancel()
+        await asyncio.gather(*waiting[1:], return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_the_queue_capacity_is_the_deployments_whatever_its_replicas():
+    """ISERVE_QUEUE_CAPACITY is waiting requests per deployment; with 2 replicas each
+    queue held that many, so twice as many waited, and the refusal still said 64."""
+
+    async def main():
+        registry = QueueRegistry(capacity=3, clock=ManualClock())
+        dep = deployment()
+        load = Load(registry, dep)
+        try:
+            for replica in (0, 1):
+                await load.add(replica)  # running
+            registry.check_room(dep)
+            for replica in (0, 1, 0):
+                await load.add(replica)  # 3 waiting in all
+            with pytest.raises(ResourceExhausted) as full:
+                registry.check_room(dep)
+            assert str(full.value) == (
+                "queue of deployment m-0a1b2c3d is full (3 waiting on its 2 replicas)"
+            )
+            assert registry.waiting_on(dep.deployment_id) == 3
+            registry.check_room(deployment(count=1))  # one replica: its queue's own limit
+        finally:
+            await load.close()
+
+    asyncio.run(main())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -1025,3 +1026,83 @@ def test_the_queue_time_of_a_request_moved_on_counts_its_wait_where_it_was_first
             await read_rest(call)
 
     run(redis_url, scenario, clock=clock)
+
+
+def test_a_request_taken_by_a_replica_back_in_service_streams_from_it(redis_url):
+    """A request routed afresh once (its replica was taken out while it waited) then
+    taken by the other replica back from a restart failed with UNAVAILABLE "replica 0
+    ... stopped serving": it checked the replica against its own record, read while
+    replica 0 was out. The scheduler's newest record says it serves."""
+
+    async def scenario(h: Harness):
+        gated = [FakeWorker(gate=asyncio.Event()) for _ in range(2)]
+        servers = []
+        for worker in gated:
+            binding = ServiceBinding(
+                worker, worker_grpc.add_WorkerServiceServicer_to_server, "iserve.v1.WorkerService"
+            )
+            server, port, _ = await start_server([binding], "127.0.0.1:0")
+            servers.append((server, f"127.0.0.1:{port}"))
+            h.workers[f"gated{port}"] = server
+        d1 = await h.add_deployment("d1", None, batch_size=1)
+        for index, (_, address) in enumerate(servers):
+            d1.replicas.add(index=index, worker_address=address, state=READY)
+        d1.worker_address = servers[0][1]
+        await h.store.put_deployment(d1)
+        await h.servicer.router.refresh()
+        holding = []
+        for i in range(2):  # replica 0's one slot, then replica 1's
+            holding.append(h.generate(request_id=f"hold{i}", deployment_id="d1"))
+            await holding[-1].read()
+        waiting = h.generate(request_id="moved", deployment_id="d1")
+        await h.until_waiting("d1", 1)  # on replica 0: equal waits, the lower index
+
+        d1.replicas[0].state = deploy_pb.DEPLOYMENT_STATE_STARTING  # taken out
+        await h.store.put_deployment(d1)
+        await h.close_left_out()  # its queue closes: the request goes to replica 1
+        await h.until_waiting("d1.r1", 1)
+        gated[0].gate.set()  # what ran on replica 0 ends (its worker died)
+        await read_rest(holding[0])
+
+        fresh = FakeWorker()
+        binding = ServiceBinding(
+            fresh, worker_grpc.add_WorkerServiceServicer_to_server, "iserve.v1.WorkerService"
+        )
+        server, port, _ = await start_server([binding], "127.0.0.1:0")
+        h.workers["fresh"] = server
+        d1.replicas[0].state = READY  # back, on another worker
+        d1.replicas[0].worker_address = f"127.0.0.1:{port}"
+        await h.store.put_deployment(d1)
+        await h.servicer.router.refresh()
+        await h.servicer._forget_removed(h.servicer.router.deployments())
+
+        messages = [m async for m in waiting]
+        assert messages[-1].final.finish_reason == common.FINISH_REASON_LENGTH
+        assert [r.request_id for r in fresh.received] == ["moved"]
+        gated[1].gate.set()
+        await read_rest(holding[1])
+
+    run(redis_url, scenario)
+
+
+def test_a_request_id_is_logged_escaped_so_a_client_writes_no_line_of_its_own(redis_url, caplog):
+    """The id is logged before it is checked: one holding a newline wrote a forged line
+    into the scheduler's log, and a NUL made the log a binary file to grep."""
+    forged = "x\n2026-11-27 09:00:00,000 INFO scheduler iserve.scheduler: request FORGED\0"
+
+    async def scenario(h: Harness):
+        await h.add_deployment("d1", FakeWorker())
+        error = await h.status_of(deployment_id="d1", request_id=forged)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        long_id = await h.status_of(deployment_id="d1", request_id="\t" * 500)
+        assert long_id.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    with caplog.at_level(logging.INFO, logger="iserve.grpc"):
+        run(redis_url, scenario)
+    logged = [r.getMessage() for r in caplog.records if "request_id=" in r.getMessage()]
+    assert len(logged) == 2, logged
+    for message in logged:
+        head = message.split(" -> ")[0]  # the id as logged, before the status's message
+        assert "\n" not in head and "\0" not in head and "\t" not in head, message
+    assert "request_id='x\\n2026-11-27 09:00:00" in logged[0]
+    assert len(logged[1].split(" -> ")[0]) < 700 and "..." in logged[1]
