@@ -304,6 +304,14 @@ def _tls(env: Mapping[str, str]) -> TlsFiles | None:
         path = Path(raw).expanduser() if raw else None
         if path is not None and not path.is_file():
             raise ValueError(f"{variable}={raw!r}: no such file")
+        if path is not None:
+            try:
+                with path.open("rb") as file:
+                    file.read(1)
+            except OSError as exc:
+                raise ValueError(
+                    f"{variable}={raw!r}: cannot be read ({exc.strerror or exc})"
+                ) from None
         paths[part] = path
     client_auth = _flag(env, "ISERVE_TLS_CLIENT_AUTH", False)
     if not any(paths.values()):
@@ -371,8 +379,9 @@ def _check_handshake(cert: Path, key: Path, ca: Path | None, client_auth: bool) 
     handshake in memory between the two ends OpenSSL builds from these files (gRPC's
     BoringSSL checks the same); without it every call fails with an UNAVAILABLE that
     names no file."""
+    no_passphrase = lambda: b""  # noqa: E731 - never OpenSSL's prompt on the terminal
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.load_cert_chain(str(cert), str(key))
+    server.load_cert_chain(str(cert), str(key), password=no_passphrase)
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.check_hostname = False  # the name is ISERVE_TLS_SERVER_NAME's, per address
     if ca is None:
@@ -384,7 +393,7 @@ def _check_handshake(cert: Path, key: Path, ca: Path | None, client_auth: bool) 
     if client_auth:
         server.verify_mode = ssl.CERT_REQUIRED
         server.load_verify_locations(cafile=str(ca))
-        client.load_cert_chain(str(cert), str(key))
+        client.load_cert_chain(str(cert), str(key), password=no_passphrase)
     ends = []
     for role, context in (("server", client), ("client", server)):
         # ``role`` is what ``cert`` is to the end that verifies it.
@@ -460,6 +469,7 @@ def _check_pem(cert: Path | None, key: Path | None, ca: Path | None) -> None:
             raise ValueError(f"{variable}={str(path)!r}: not a PEM {what} ({exc})") from None
     if cert is None or key is None:
         return
+    _check_key(key)
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
             str(cert), str(key), password=lambda: b""
@@ -474,6 +484,48 @@ def _check_pem(cert: Path | None, key: Path | None, ca: Path | None) -> None:
             f"ISERVE_TLS_KEY={str(key)!r}: not a PEM private key, or an encrypted one "
             f"(gRPC reads unencrypted keys) ({exc})"
         ) from None
+
+
+# The elliptic curves gRPC's TLS (BoringSSL) signs with.
+GRPC_CURVES = ("secp256r1", "secp384r1", "secp521r1")
+
+
+def _check_key(key: Path) -> None:
+    """ValueError when ISERVE_TLS_KEY is a key gRPC's TLS cannot use, though OpenSSL
+    (Python's ``ssl``, which the handshake check runs on) can: an encrypted one (even
+    with an empty passphrase: gRPC reads unencrypted keys, and OpenSSL asked for the
+    passphrase on the terminal), an Ed25519 or Ed448 one (BoringSSL signs no TLS
+    handshake with them: NO_COMMON_SIGNATURE_ALGORITHMS at every call), or an elliptic
+    curve other than P-256, P-384 and P-521. Read by ``cryptography``, the library that
+    parses every key format; a key it cannot read is left to the checks that follow."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519
+
+    name = f"ISERVE_TLS_KEY={str(key)!r}"
+    try:
+        private = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    except TypeError:  # "Password was not given but private key is encrypted"
+        raise ValueError(
+            f"{name}: an encrypted key; gRPC reads unencrypted keys only: write it out "
+            "unencrypted (e.g. `openssl pkey -in KEY -out KEY.plain`) and keep its file "
+            "to this process's user"
+        ) from None
+    except (ValueError, UnsupportedAlgorithm):
+        return
+    if isinstance(private, ed25519.Ed25519PrivateKey | ed448.Ed448PrivateKey | dsa.DSAPrivateKey):
+        kind = type(private).__name__.removesuffix("PrivateKey").lstrip("_")
+        article = "an" if kind[0] in "AEIOU" else "a"
+        raise ValueError(
+            f"{name}: {article} {kind} key; gRPC's TLS signs with RSA and ECDSA (P-256, P-384, "
+            "P-521) keys only, and every handshake would fail: issue the certificate for one"
+        )
+    if isinstance(private, ec.EllipticCurvePrivateKey) and private.curve.name not in GRPC_CURVES:
+        raise ValueError(
+            f"{name}: an elliptic-curve key on {private.curve.name}; gRPC's TLS signs on "
+            "P-256, P-384 and P-521 only, and every handshake would fail: issue the "
+            "certificate for one of those"
+        )
 
 
 def _number(

@@ -1,15 +1,16 @@
 """Test certificates: a CA and a certificate it signs for 127.0.0.1/localhost
-(``cryptography``, a dev dependency), as an operator's PKI would give each process."""
+(``cryptography``), as an operator's PKI would give each process."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import subprocess
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 
@@ -38,11 +39,13 @@ def make_pki(
     ca_valid: tuple[datetime.timedelta, datetime.timedelta] = VALID,
     cert_valid: tuple[datetime.timedelta, datetime.timedelta] = VALID,
     usages: tuple = (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH),
+    key: str = "p256",
 ) -> dict[str, Path]:
     """A CA and one certificate it signs for 127.0.0.1/localhost, usable by servers and
     clients alike (what each iserve process presents). ``ca_valid`` and ``cert_valid``
     are when each is valid from and until, from now; ``usages`` the certificate's
-    extended key usages."""
+    extended key usages; ``key`` its key: ``p256``, ``secp256k1``, ``ed25519`` or
+    ``p256-empty-passphrase`` (encrypted with "")."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -71,7 +74,12 @@ def make_pki(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    key = ec.generate_private_key(ec.SECP256R1())
+    kind = key
+    key = (
+        ed25519.Ed25519PrivateKey.generate()
+        if kind == "ed25519"
+        else ec.generate_private_key(ec.SECP256K1() if kind == "secp256k1" else ec.SECP256R1())
+    )
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name("iserve"))
@@ -100,4 +108,14 @@ def make_pki(
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     _write_key(key, paths["key"])
+    if kind == "p256-empty-passphrase":
+        # cryptography encrypts with no empty passphrase; the openssl command does.
+        plain = directory / "plain-key.pem"
+        paths["key"].rename(plain)
+        subprocess.run(
+            ["openssl", "pkcs8", "-topk8", "-in", str(plain), "-out", str(paths["key"])]
+            + ["-passout", "pass:"],
+            check=True,
+            capture_output=True,
+        )
     return paths

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import stat
 import time
+from pathlib import Path
 
 import pytest
 from cryptography.x509.oid import ExtendedKeyUsageOID as EKU
@@ -322,6 +324,41 @@ def test_a_certificate_is_checked_against_the_ca_and_the_role_it_is_used_in(tmp_
     assert load_settings(_tls_env(tmp_path, server_only, False)).tls.serves
     with pytest.raises(ValueError, match="is refused as a TLS client certificate"):
         load_settings(_tls_env(tmp_path, server_only, True))
+
+
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [
+        ("ed25519", "an Ed25519 key; gRPC's TLS signs with RSA and ECDSA"),
+        ("secp256k1", "an elliptic-curve key on secp256k1"),
+        ("p256-empty-passphrase", "an encrypted key; gRPC reads unencrypted keys only"),
+    ],
+)
+def test_a_key_openssl_takes_and_grpc_cannot_use_is_named_at_load(tmp_path, key, says):
+    """Python's OpenSSL handshakes with these; gRPC's BoringSSL failed every call
+    (Ed25519: NO_COMMON_SIGNATURE_ALGORITHMS), and a key encrypted with an empty
+    passphrase made OpenSSL ask for it on the terminal, where `iserve` then hung."""
+    if key.endswith("passphrase") and shutil.which("openssl") is None:
+        pytest.skip("the openssl command writes the key")
+    pki = make_pki(tmp_path / "pki", key=key)
+    with pytest.raises(ValueError, match=f"ISERVE_TLS_KEY=.*: {says}"):
+        load_settings(_tls_env(tmp_path, pki, True))
+
+
+def test_a_tls_file_that_cannot_be_read_is_named(tmp_path, monkeypatch):
+    # A permission error left the CLI with "[Errno 13] Permission denied", naming
+    # neither the variable nor the file, and the services with a traceback.
+    pki = make_pki(tmp_path / "pki")
+    real_open = Path.open
+
+    def refusing(self, *args, **kwargs):
+        if self == pki["ca"]:
+            raise PermissionError(13, "Permission denied")
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refusing)
+    with pytest.raises(ValueError, match=r"ISERVE_TLS_CA='.*ca.pem': cannot be read \(Permission"):
+        load_settings(_tls_env(tmp_path, pki, True))
 
 
 def test_a_certificate_near_its_end_is_warned_of_at_start(tmp_path):
