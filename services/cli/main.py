@@ -60,6 +60,7 @@ from services.proto_limits import UINT64_MAX
 from services.settings import (
     MAX_VIRTUAL_DEVICES,
     Settings,
+    TlsFiles,
     check_service_settings,
     load_settings,
     read_stack_file,
@@ -76,10 +77,12 @@ def _unreached(details: str) -> bool:
     return details.startswith(("failed to connect", "Connection refused"))
 
 
-def _unreached_hint(details: str, tls_configured: bool) -> str:
-    """What to check when the CLI reached no service: a failed TLS handshake names the
-    TLS files; a connection the server closed at once is what a stack serving TLS does
-    to a plaintext client (or, with mutual TLS, to one without a certificate)."""
+def _unreached_hint(details: str, tls: TlsFiles | None) -> str:
+    """What to check when the CLI reached no service (``tls``: this client's TLS files):
+    a failed TLS handshake names the TLS files; a connection the server closed at once
+    is what a stack serving TLS does to a plaintext client (or, with mutual TLS, to one
+    that presents no certificate: without ISERVE_TLS_CLIENT_AUTH=on it presents none,
+    whatever ISERVE_TLS_CERT says)."""
     lowered = details.lower()
     if any(word in lowered for word in ("handshake", "ssl", "certificate", "tls")):
         return (
@@ -87,11 +90,15 @@ def _unreached_hint(details: str, tls_configured: bool) -> str:
             "and ISERVE_TLS_KEY against the stack's certificates"
         )
     if "socket closed" in lowered:
-        needs = (
-            "with mutual TLS on, ISERVE_TLS_CERT and ISERVE_TLS_KEY too"
-            if tls_configured
-            else "set ISERVE_TLS_CA (and ISERVE_TLS_CERT/_KEY with mutual TLS)"
-        )
+        if tls is None:
+            needs = "set ISERVE_TLS_CA (and ISERVE_TLS_CERT/_KEY with mutual TLS)"
+        elif tls.serves and not tls.client_auth:
+            needs = (
+                "with mutual TLS on, ISERVE_TLS_CLIENT_AUTH=on too (this client presents "
+                "ISERVE_TLS_CERT only then)"
+            )
+        else:
+            needs = "with mutual TLS on, ISERVE_TLS_CERT and ISERVE_TLS_KEY too"
         return (
             "is the stack up? `iserve status`; a stack serving TLS closes connections "
             f"that do not speak it: {needs}"
@@ -966,7 +973,7 @@ def _run(argv: list[str] | None) -> int:
     except grpc.RpcError as exc:
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE and _unreached(exc.details()):
-            hint = _unreached_hint(exc.details(), settings.tls is not None)
+            hint = _unreached_hint(exc.details(), settings.tls)
             print(f"error: UNAVAILABLE: {exc.details()} ({hint})", file=sys.stderr)
         elif code == grpc.StatusCode.UNAUTHENTICATED:
             print(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -10,6 +11,7 @@ from rich.console import Console
 from services.api import common_pb2 as common
 from services.cli import main as cli_main
 from services.cli.output import plain_table, show_tables
+from services.settings import TlsFiles
 
 TABLES = [(None, ["NAME", "STATE", "FREE MiB"], [["dep-a", "READY", 512], ["dep-b", "FAILED", 7]])]
 
@@ -112,6 +114,10 @@ def test_profile_show_marks_what_an_imported_row_does_not_carry(capsys):
     ]
 
 
+CA_ONLY = TlsFiles(ca=Path("ca.pem"))
+NOT_PRESENTED = TlsFiles(Path("cert.pem"), Path("key.pem"), Path("ca.pem"), client_auth=False)
+
+
 @pytest.mark.parametrize(
     ("details", "tls", "says"),
     [
@@ -119,26 +125,33 @@ def test_profile_show_marks_what_an_imported_row_does_not_carry(capsys):
         (
             "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: "
             "Failed to connect to remote host: Connection refused",
-            False,
+            None,
             "is the stack up?",
         ),
         # A plaintext client against a stack serving TLS: the server closes at once.
         (
             "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: "
             "Socket closed",
-            False,
+            None,
             "set ISERVE_TLS_CA",
         ),
         (
             "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: "
             "Socket closed",
-            True,
+            CA_ONLY,
             "ISERVE_TLS_CERT and ISERVE_TLS_KEY too",
+        ),
+        (
+            # Its certificate set, but not presented: ISERVE_TLS_CLIENT_AUTH is off.
+            "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: "
+            "Socket closed",
+            NOT_PRESENTED,
+            "ISERVE_TLS_CLIENT_AUTH=on too",
         ),
         (
             "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Ssl "
             "handshake failed: SSL_ERROR_SSL: CERTIFICATE_VERIFY_FAILED",
-            True,
+            CA_ONLY,
             "TLS handshake",
         ),
     ],
