@@ -1,13 +1,19 @@
-"""Cached AgentService stubs, one channel per agent address."""
+"""Cached AgentService stubs, one channel per agent address; which agents did not answer
+the deployer's last call (``Reachability``)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
 import grpc
 
 from services import transport
 from services.api import agent_service_pb2_grpc
+from services.api import common_pb2 as common
+
+# How much of gRPC's reason a node's "does not answer" keeps.
+REASON_CHARS = 300
 
 
 class AgentClients:
@@ -42,3 +48,43 @@ class AgentClients:
         self._stubs.clear()
         if self._closing:
             await asyncio.gather(*self._closing)
+
+
+class Reachability:
+    """Which agents did not answer the deployer's last call to them (UNAVAILABLE: a TLS
+    handshake they fail, a firewalled port, a process gone before its heartbeat lapsed).
+    Their nodes take no placement until a call succeeds: a node heartbeating to Redis
+    whose agent the deployer could not reach was chosen for every restart and
+    deployment, each failing, until the restart budget was spent."""
+
+    def __init__(self) -> None:
+        # Agent address -> why its last call found it unreachable.
+        self._unanswered: dict[str, str] = {}
+
+    def unreachable(self, address: str, reason: str) -> None:
+        self._unanswered[address] = " ".join(reason.split())[:REASON_CHARS]
+
+    def answered(self, address: str) -> None:
+        self._unanswered.pop(address, None)
+
+    def unanswered(self, nodes: Iterable[common.NodeState]) -> dict[str, str]:
+        """Node id -> why its agent did not answer, for the live ``nodes`` whose agent
+        (at the address it heartbeats now) did not answer the last call."""
+        return {
+            n.node_id: self._unanswered[n.agent_address]
+            for n in nodes
+            if n.alive and n.agent_address in self._unanswered
+        }
+
+    def usable(self, nodes: Iterable[common.NodeState]) -> list[common.NodeState]:
+        """``nodes`` with those whose agent did not answer the last call taken as not
+        alive."""
+        out = []
+        for node in nodes:
+            if node.alive and node.agent_address in self._unanswered:
+                copy = common.NodeState()
+                copy.CopyFrom(node)
+                copy.alive = False
+                node = copy
+            out.append(node)
+        return out

@@ -164,7 +164,8 @@ class DeploymentController:
         return deployment
 
     async def cluster_state(self) -> deploy_pb.GetClusterStateResponse:
-        nodes = await self.store.list_nodes()
+        # A node whose agent does not answer is shown as not alive: nothing goes there.
+        nodes = await self._listed_nodes()
         deployments = await self.store.list_deployments()
         where: dict[tuple[str, str], list[str]] = {}
         for dep in deployments:
@@ -203,7 +204,12 @@ class DeploymentController:
         simulated = list(getattr(request, "devices", []))
         if simulated:
             return planning.simulated_nodes(simulated)
-        return await self.store.list_nodes()
+        return await self._listed_nodes()
+
+    async def _listed_nodes(self) -> list[common.NodeState]:
+        """The nodes in Redis, those whose agent did not answer the deployer's last call
+        taken as not alive (AgentClients.usable): nothing is placed on them."""
+        return self.workers.reach.usable(await self.store.list_nodes())
 
     async def _options(
         self, model: model_pb.Model, request, limits: ExplicitPlan, nodes
@@ -494,7 +500,7 @@ class DeploymentController:
                 if races >= RESERVE_ATTEMPTS:
                     excluded[decision.winner_rank] = f"could not reserve memory: {exc}"
                     races = 0
-                nodes = await self.store.list_nodes()
+                nodes = await self._listed_nodes()
                 continue
             try:
                 more = await self._reserve_replicas(prepared, decision, deployment_id, count)
@@ -505,7 +511,7 @@ class DeploymentController:
                 excluded[decision.winner_rank] = str(exc)
                 last_failure = exc
                 races = 0
-                nodes = await self.store.list_nodes()
+                nodes = await self._listed_nodes()
                 continue
             decision.replica_placements.extend(more)
             try:
@@ -524,7 +530,7 @@ class DeploymentController:
                 excluded[decision.winner_rank] = f"launch failed: {exc}"
                 last_failure = exc
                 races = 0
-                nodes = await self.store.list_nodes()
+                nodes = await self._listed_nodes()
 
     async def _launch(
         self,
@@ -634,7 +640,7 @@ class DeploymentController:
         if count <= 1:
             return []
         for attempt in range(1, RESERVE_ATTEMPTS + 1):
-            nodes = await self.store.list_nodes()
+            nodes = await self._listed_nodes()
             placements = planning.replica_placements(prepared, decision, nodes, count)
             reserved: list[str] = []
             try:

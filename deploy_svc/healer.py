@@ -218,12 +218,16 @@ class Healer:
                 for r in deployment.replicas
                 if r.index != index and r.state != replicas.FAILED
             ]
-            nodes = await self.store.list_nodes()
+            listed = await self.store.list_nodes()
+            # A node whose agent the last call could not reach counts as not alive: it
+            # failed every restart placed on it, each spending the budget.
+            unanswered = self.workers.reach.unanswered(listed)
+            nodes = self.workers.reach.usable(listed)
             tries = healing.placements_to_try(
                 model, deployment.config, replica.placement, nodes, others, max_seq_len
             )
             if not tries:
-                waiting = healing.waiting_for_nodes(replica.placement, nodes)
+                waiting = healing.waiting_for_nodes(replica.placement, nodes, unanswered)
                 if waiting:
                     return NoLiveNode(waiting)
                 return "no live devices with room to start it again"

@@ -15,7 +15,7 @@ model) takes the replica out at once.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from deploy_svc import placement
@@ -153,7 +153,24 @@ def _devices(where: common.Placement) -> set[tuple[str, str]]:
     return {(d.node_id, d.device_id) for stage in where.stages for d in stage.devices}
 
 
-def waiting_for_nodes(old: common.Placement, nodes: Sequence[common.NodeState]) -> str:
+def _out(node_ids: Iterable[str], unanswered: Mapping[str, str]) -> str:
+    """Why ``node_ids`` are out: "node(s) A, B stopped heartbeating", and for each whose
+    agent heartbeats but did not answer the deployer, "node C: its agent does not answer
+    (why)"."""
+    lapsed = sorted(n for n in node_ids if n not in unanswered)
+    parts = [f"node(s) {', '.join(lapsed)} stopped heartbeating"] if lapsed else []
+    parts += [
+        f"node {n}: its agent does not answer ({unanswered[n]})"
+        for n in sorted(set(node_ids) & unanswered.keys())
+    ]
+    return "; ".join(parts)
+
+
+def waiting_for_nodes(
+    old: common.Placement,
+    nodes: Sequence[common.NodeState],
+    unanswered: Mapping[str, str] | None = None,
+) -> str:
     """Why a replica placed on ``old``, for which the live devices have no placement
     now, waits for a node rather than spending its restart budget; "" when it does not.
 
@@ -162,7 +179,9 @@ def waiting_for_nodes(old: common.Placement, nodes: Sequence[common.NodeState]) 
     Once the node's record is forgotten (``ISERVE_NODE_FORGET_AFTER_S``), or while every
     node it ran on lives, it is room that lacks and the restarts count. It also waits
     while no live node has a device of the hardware types it ran on (any device, when
-    its nodes are no longer listed)."""
+    its nodes are no longer listed). ``unanswered``: the nodes taken as not alive because
+    their agents did not answer (node id -> why), as said of them."""
+    unanswered = unanswered or {}
     used = _devices(old)
     on = {node for node, _ in used}
     hardware = {
@@ -175,16 +194,18 @@ def waiting_for_nodes(old: common.Placement, nodes: Sequence[common.NodeState]) 
     if not any(not hardware or d.hardware_type in hardware for d in live):
         kind = f" with {', '.join(sorted(hardware))} devices" if hardware else ""
         return (
-            f"waiting for a live node{kind}: node(s) {', '.join(sorted(on))} stopped "
-            "heartbeating; it starts again once one is back (no restart budget is spent "
-            "meanwhile)"
+            f"waiting for a live node{kind}: {_out(on, unanswered)}; it starts again once "
+            "one is back (no restart budget is spent meanwhile)"
         )
     dead = sorted(n.node_id for n in nodes if not n.alive and n.node_id in on)
     if dead:
+        if unanswered.keys() & set(dead):
+            why = _out(dead, unanswered)
+        else:
+            why = f"node(s) {', '.join(dead)}: stopped heartbeating"
         return (
-            f"waiting for node(s) {', '.join(dead)}: stopped heartbeating, and the live "
-            "nodes cannot hold it now; it starts again once they are back or there is "
-            "room (no restart budget is spent meanwhile)"
+            f"waiting for {why}, and the live nodes cannot hold it now; it starts again "
+            "once they are back or there is room (no restart budget is spent meanwhile)"
         )
     return ""
 

@@ -64,6 +64,8 @@ class Reconciler:
         self.controller = controller
         self.store = store
         self.agents = agents
+        # Node id -> the status its agent last failed with, while it does not answer.
+        self._unanswered_logged: dict[str, grpc.StatusCode] = {}
         # Replicas whose workers were stopped on purpose (the deployer stopped cleanly,
         # then the agents stopped their workers): not yet seen by an answering agent.
         self._stopped_on_purpose: set[str] = set()
@@ -229,10 +231,26 @@ class Reconciler:
         answered: set[str] = set()
         for node, reply in zip(nodes, replies, strict=True):
             if isinstance(reply, grpc.RpcError):
-                log.warning("reconcile: agent of %s did not answer: %s", node.node_id, reply)
+                if reply.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.controller.workers.reach.unreachable(
+                        node.agent_address, reply.details() or ""
+                    )
+                if self._unanswered_logged.get(node.node_id) != reply.code():
+                    # Once per spell (it is asked every few seconds), on one line.
+                    log.warning(
+                        "reconcile: agent of %s at %s did not answer: %s: %s",
+                        node.node_id,
+                        node.agent_address,
+                        reply.code().name,
+                        " ".join((reply.details() or "").split()),
+                    )
+                    self._unanswered_logged[node.node_id] = reply.code()
                 continue
             if isinstance(reply, BaseException):
                 raise reply
+            self.controller.workers.reach.answered(node.agent_address)
+            if self._unanswered_logged.pop(node.node_id, None) is not None:
+                log.info("reconcile: agent of %s answers again", node.node_id)
             answered.add(node.node_id)
             for w in reply.workers:
                 if w.state in (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY):

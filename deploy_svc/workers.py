@@ -17,7 +17,7 @@ import secrets
 
 import grpc
 
-from deploy_svc.agents import AgentClients
+from deploy_svc.agents import AgentClients, Reachability
 from deploy_svc.explicit import checkpoint_for
 from services import replicas
 from services.api import agent_service_pb2 as agent_pb
@@ -55,6 +55,8 @@ class WorkerGroups:
         self.settings = settings
         self.store = store
         self.agents = agents
+        # Shared with the healer, the planner and the reconciler (which asks every agent).
+        self.reach = Reachability()
 
     async def _agent_addresses(self) -> dict[str, str]:
         """Each node's agent address, "" for a node that is not alive (one listing)."""
@@ -148,6 +150,11 @@ class WorkerGroups:
             log.warning("stopping stale workers of %s before starting it again", group)
             await self.stop_on(sorted(by_node), group)
             replies = await start_all()
+        for node, reply in replies:
+            if isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.UNAVAILABLE:
+                self.reach.unreachable(node_addresses[node], reply.details() or "")
+            elif not isinstance(reply, BaseException):
+                self.reach.answered(node_addresses[node])
         node_id, failed = next(
             ((n, r) for n, r in replies if isinstance(r, BaseException)), ("", None)
         )

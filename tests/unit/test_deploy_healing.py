@@ -8,7 +8,9 @@ import asyncio
 import types
 
 import grpc
+import pytest
 
+from deploy_svc.agents import Reachability
 from deploy_svc.healing import (
     GiveUp,
     Restart,
@@ -25,7 +27,7 @@ from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.drain import worker_stop_s
-from services.errors import CHECKPOINT_UNUSABLE
+from services.errors import CHECKPOINT_UNUSABLE, IServeError
 from services.reservation import memory_blocks
 from services.state.store import StateStore
 from tests.unit.test_deploy_replicas import (
@@ -747,3 +749,90 @@ def test_a_dead_nodes_devices_show_nothing_free(run):
         assert [d.total_bytes for d in dead.devices] == [d.total_bytes for d in before.devices]
 
     run(scenario)
+
+
+class UnreachableAgent(FakeAgent):
+    """An agent that heartbeats to Redis but that the deployer cannot reach while
+    ``reachable`` is False (its certificate from another CA, a firewalled port)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reachable = True
+        self.refused = 0
+
+    async def StartWorkers(self, request, timeout: float):
+        if not self.reachable:
+            self.refused += 1
+            raise FakeRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: "
+                "Tls handshake failed (TSI_PROTOCOL_FAILURE): CERTIFICATE_VERIFY_FAILED",
+            )
+        return await super().StartWorkers(request, timeout)
+
+
+def test_a_node_whose_agent_does_not_answer_holds_a_restart_spending_no_budget(run, monkeypatch):
+    """The node heartbeats, so it counted as live: every restart was placed on it and
+    failed UNAVAILABLE, and the budget was spent in seconds (the deployment FAILED for
+    good, though the agent's certificate was all that was wrong). After the first such
+    failure the node counts as not alive until its agent answers (the reconciler asks it
+    every few seconds): the restart waits, saying why, and nothing is placed there."""
+    from deploy_svc import healer
+
+    monkeypatch.setattr(healer, "NODE_WAIT_POLL_S", 0.01)
+
+    async def scenario(store):
+        agent = UnreachableAgent()
+        controller = await controller_on(store, agent, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        deployment_id = dep.deployment_id
+        [listed] = await store.list_nodes()
+        agent.reachable = False
+        assert await controller.fail(deployment_id, "worker rank 0 exited (-9)")
+        await asyncio.sleep(0.5)  # dozens of polls, far beyond FAST's two restarts
+        waiting = await store.get_deployment(deployment_id)
+        assert waiting.state == STARTING, waiting.state_reason
+        assert agent.refused == 1  # the one try that found it unreachable
+        reason = waiting.replicas[0].state_reason
+        assert reason.startswith(
+            "waiting for a live node with cpu devices: node node0: its agent does not "
+            "answer (failed to connect to all addresses;"
+        ), reason
+        assert "no restart budget is spent meanwhile" in reason
+        record = await controller.healer.record_of(deployment_id)
+        assert record.in_a_row == 2  # the worker's death and the one failed try
+        state = await controller.cluster_state()
+        assert [n.alive for n in state.nodes] == [False]  # `iserve status` says so
+        with pytest.raises(IServeError):  # and no deployment is placed there
+            await controller.deploy(deploy_request(1))
+        agent.reachable = True
+        controller.workers.reach.answered(listed.agent_address)  # the reconciler's call
+        served = await settle(store, deployment_id)
+        assert served.state == READY, served.state_reason
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_the_reachability_of_agents_is_by_address_and_answering_clears_it():
+    reach = Reachability()
+    live, other = node(1, node_id="node0"), node(1, node_id="node1")
+    live.agent_address, other.agent_address = "10.0.0.1:50064", "10.0.0.2:50064"
+    reach.unreachable("10.0.0.1:50064", "Tls handshake failed\n  (TSI_PROTOCOL_FAILURE)")
+    assert reach.unanswered([live, other]) == {
+        "node0": "Tls handshake failed (TSI_PROTOCOL_FAILURE)"
+    }
+    assert [n.alive for n in reach.usable([live, other])] == [False, True]
+    assert live.alive  # the records given are not changed
+    moved = node(1, node_id="node0")
+    moved.agent_address = "10.0.0.1:50099"  # restarted on another port: a fresh chance
+    assert reach.usable([moved])[0].alive and reach.unanswered([moved]) == {}
+    reach.answered("10.0.0.1:50064")
+    assert reach.usable([live])[0].alive
+    across = stages_on(("node0", "node1"), RANK_BYTES)
+    reach.unreachable("10.0.0.2:50064", "Connection refused")
+    why = waiting_for_nodes(across, reach.usable([live, other]), reach.unanswered([other]))
+    assert why.startswith(
+        "waiting for node node1: its agent does not answer (Connection refused), and the live"
+    ), why
