@@ -144,6 +144,15 @@ def _seconds(value: object, column: str, unit: float) -> tuple[float, str]:
     return seconds, kind
 
 
+# No model's context comes near this many tokens: a count beyond it is a bad row (a
+# 99999999999999999999 scaled every other row to a 1-token prompt).
+MAX_TRACE_TOKENS = 10_000_000
+# The longest span a trace's arrivals may cover: the public traces cover hours to days;
+# one bad timestamp (1e308) put a request 2e306 s after the others, a replay that never
+# ends.
+MAX_TRACE_SPAN_S = 366 * 86400.0
+
+
 def _tokens(value: object, column: str) -> int:
     value = _present(value, column)
     if isinstance(value, bool) or not isinstance(value, int | float | str):
@@ -154,6 +163,11 @@ def _tokens(value: object, column: str) -> int:
         raise ValueError(f"{column} {_shown(value)} is not a token count") from None
     if not (math.isfinite(number) and number >= 0 and number.is_integer()):
         raise ValueError(f"{column} {_shown(value)} is not a token count")
+    if number > MAX_TRACE_TOKENS:
+        raise ValueError(
+            f"{column} {_shown(value)} is beyond any model's context "
+            f"(at most {MAX_TRACE_TOKENS:,} tokens)"
+        )
     return value if isinstance(value, int) else int(number)
 
 
@@ -263,6 +277,7 @@ def load_trace(path: str | Path, time_unit: str = "s") -> list[TraceRow]:
     prompt = _column(names, _PROMPT, "prompt token", path.name)
     output = _column(names, _OUTPUT, "output token", path.name)
     rows = []
+    lines: dict[int, int] = {}  # id of a row -> its line, to name it in a span error
     first: tuple[str, int] | None = None  # the first timestamp's kind and line
     for number, record in records:
         try:
@@ -280,12 +295,20 @@ def load_trace(path: str | Path, time_unit: str = "s") -> list[TraceRow]:
                     _tokens(record.get(output), output),
                 )
             )
+            lines[id(rows[-1])] = number
         except ValueError as exc:
             raise ValueError(f"{path.name}:{number}: {exc}") from None
     if not rows:
         raise ValueError(f"{path.name}: no requests")
     rows.sort(key=lambda row: row.arrival_s)  # stable: ties keep file order
     first = rows[0].arrival_s
+    if rows[-1].arrival_s - first > MAX_TRACE_SPAN_S:
+        early, late = lines[id(rows[0])], lines[id(rows[-1])]
+        raise ValueError(
+            f"{path.name}: its arrivals span {rows[-1].arrival_s - first:.3g} s, more than "
+            f"a year (lines {early} and {late}, the earliest and the latest): a bad "
+            "timestamp, or timestamps in another unit (time_unit)"
+        )
     return [TraceRow(r.arrival_s - first, r.context_tokens, r.generated_tokens) for r in rows]
 
 

@@ -284,3 +284,29 @@ def test_a_damaged_gzip_file_is_named_as_such(tmp_path):
     path.write_bytes(gzip.compress(b"timestamp,input_tokens,output_tokens\n0,1,1\n")[:20])
     with pytest.raises(ValueError, match="t.csv.gz: gzip data that does not decompress"):
         load_trace(path)
+
+
+def test_absurd_rows_are_refused_not_let_stretch_the_replay(tmp_path):
+    """A timestamp of 1e308 loaded, and a peak-rate replay put that request 2e306 s
+    out, a run that never ends; a count of 10**20 tokens scaled every other row to a
+    1-token prompt."""
+    rows = [
+        '{"timestamp": 0, "input_length": 10, "output_length": 5}',
+        '{"timestamp": 1e308, "input_length": 10, "output_length": 5}',
+        '{"timestamp": 1000, "input_length": 10, "output_length": 5}',
+    ]
+    path = _write(tmp_path, "t.jsonl", "\n".join(rows) + "\n")
+    with pytest.raises(ValueError, match=r"t.jsonl: its arrivals span .* more than a year "):
+        load_trace(path, time_unit="ms")
+    with pytest.raises(ValueError, match=r"\(lines 1 and 2, the earliest and the latest\)"):
+        load_trace(path, time_unit="ms")
+    huge = '{"timestamp": 0, "input_length": 99999999999999999999, "output_length": 5}'
+    with pytest.raises(ValueError, match="t2.jsonl:1: input_length .* beyond any model's"):
+        load_trace(_write(tmp_path, "t2.jsonl", huge + "\n"))
+    # A day of arrivals, and a prompt of a million tokens, are a trace.
+    fine = [
+        '{"timestamp": 0, "input_length": 1000000, "output_length": 5}',
+        '{"timestamp": 86400000, "input_length": 10, "output_length": 5}',
+    ]
+    loaded = load_trace(_write(tmp_path, "t3.jsonl", "\n".join(fine) + "\n"), time_unit="ms")
+    assert loaded == [TraceRow(0.0, 1_000_000, 5), TraceRow(86400.0, 10, 5)]
