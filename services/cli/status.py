@@ -40,6 +40,17 @@ def collect_status(settings: Settings) -> dict:
         "metrics": f"http://{gateway}/metrics",
         "serving": http_ok(f"http://{gateway}/health"),
     }
+    down = [v["address"] for k, v in services.items() if k != "gateway" and not v["serving"]]
+    if down and settings.tls is None and speaks_tls(down[0]):
+        # A plaintext client's health check against a stack serving TLS: the server
+        # closes the connection, which reads as DOWN, metrics URLs as http://.
+        status_error = (
+            f"{down[0]} answers only TLS: this client has no ISERVE_TLS_* set; set "
+            "ISERVE_TLS_CA (and, with mutual TLS, ISERVE_TLS_CERT, ISERVE_TLS_KEY and "
+            "ISERVE_TLS_CLIENT_AUTH=on) as the stack's processes have them"
+        )
+    else:
+        status_error = None
     status: dict = {
         "healthy": all(s["serving"] for s in services.values()),
         "state_dir": str(settings.state_dir),
@@ -51,7 +62,7 @@ def collect_status(settings: Settings) -> dict:
         "deployments": [],
         "models": [],
         # What a serving service could not tell (Redis down, say): the rest still shows.
-        "errors": [],
+        "errors": [status_error] if status_error else [],
     }
     options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
     state = _asked(
@@ -178,6 +189,30 @@ def status_tables(status: dict) -> list[TableSpec]:
 
 def status_header(status: dict) -> str:
     return f"state dir {status['state_dir']}   redis {status['redis_url'] or '(none)'}"
+
+
+def speaks_tls(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether the server at ``address`` ("host:port") completes a TLS handshake (its
+    certificate not checked: only whether it speaks TLS, to say so to a client that
+    does not). With mutual TLS, a client without a certificate completes its side of a
+    TLS 1.3 handshake before the server refuses it."""
+    import socket
+    import ssl
+
+    host, _, port = address.rpartition(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection(
+                (host.strip("[]") or "127.0.0.1", int(port)), timeout_s
+            ) as raw,
+            context.wrap_socket(raw) as tls,
+        ):
+            return tls.version() is not None
+    except (OSError, ValueError):
+        return False
 
 
 def print_status(status: dict) -> None:

@@ -189,3 +189,22 @@ def test_the_gateway_reaches_the_services_over_mutual_tls(tls_stack, tls_deploye
         )
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 3
+
+
+def test_status_without_tls_settings_says_the_stack_answers_only_tls(tls_stack):
+    """A client without ISERVE_TLS_* got every service DOWN and http:// metrics, with no
+    word of TLS, from a stack that serves it."""
+    settings, _pki, _root = tls_stack
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ISERVE_TLS_")}
+    env["ISERVE_STATE_DIR"] = str(settings.state_dir)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1
+    assert "answers only TLS: this client has no ISERVE_TLS_* set; set ISERVE_TLS_CA" in (
+        out.stdout + out.stderr
+    ), out
