@@ -16,7 +16,12 @@ from gateway_svc.app import Backend, create_app
 from services import transport
 from services.grpc_server import configure_logging
 from services.service_main import command_line, fail
-from services.settings import load_settings, tls_warnings, unknown_variables
+from services.settings import (
+    check_tls_identity,
+    load_settings,
+    tls_warnings,
+    unknown_variables,
+)
 
 
 def main(args: list[str] | None = None) -> int:
@@ -24,7 +29,9 @@ def main(args: list[str] | None = None) -> int:
     it takes none (``iserve gateway`` passes [])."""
     command_line("python -m gateway_svc", __doc__, args)
     try:
-        settings = load_settings()
+        # A client of the services (its own HTTP is plain): its certificate, if it
+        # presents one, is a client's.
+        settings = check_tls_identity(load_settings(), serving=False)
     except ValueError as exc:
         fail(str(exc))
     configure_logging(settings.log_level, "gateway")

@@ -17,6 +17,7 @@ from services.security import metrics_guard, server_security
 from services.settings import (
     METRICS_ENV,
     Settings,
+    check_tls_identity,
     load_settings,
     redacted_url,
     tls_warnings,
@@ -98,7 +99,7 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
         f"python -m {(getattr(main, '__package__', None) or name)}", main.__doc__ if main else None
     )
     try:
-        settings = load_settings()
+        settings = check_tls_identity(load_settings(), serving=True)
         if settings.auth:
             settings.require_service_token()
     except ValueError as exc:

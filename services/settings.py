@@ -325,17 +325,29 @@ def _tls(env: Mapping[str, str]) -> TlsFiles | None:
     _check_pem(paths["cert"], paths["key"], paths["ca"])
     if paths["ca"] is not None:
         _check_ca_dates(paths["ca"])
-    expires_at = None
-    if paths["cert"] is not None and paths["key"] is not None:
-        expires_at = _check_handshake(paths["cert"], paths["key"], paths["ca"], client_auth)
     return TlsFiles(
         paths["cert"],
         paths["key"],
         paths["ca"],
         client_auth,
         env.get("ISERVE_TLS_SERVER_NAME", "").strip(),
-        expires_at,
     )
+
+
+def check_tls_identity(settings: Settings, serving: bool) -> Settings:
+    """``settings`` with when the certificate expires (``TlsFiles.expires_at``), once a
+    handshake in memory shows it does what this process uses it for. ``serving``: a
+    process that serves (a service, `iserve up`) presents it as a server and, under
+    mutual TLS, as a client to the others; a client (the CLI, the gateway, which serves
+    plain HTTP) presents it only under mutual TLS, as a client certificate, which may be
+    made for clients alone. ValueError naming what fails (see ``_check_handshake``)."""
+    tls = settings.tls
+    if tls is None or tls.cert is None or tls.key is None:
+        return settings
+    if not serving and not tls.client_auth:
+        return settings  # a client that presents no certificate
+    expires_at = _check_handshake(tls.cert, tls.key, tls.ca, tls.client_auth, serving)
+    return settings.with_overrides(tls=replace(tls, expires_at=expires_at))
 
 
 # OpenSSL's X509_V_ERR_* codes of a failed verification that say what to do.
@@ -371,14 +383,17 @@ def _utc(unix_s: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(unix_s))
 
 
-def _check_handshake(cert: Path, key: Path, ca: Path | None, client_auth: bool) -> float:
+def _check_handshake(
+    cert: Path, key: Path, ca: Path | None, client_auth: bool, serving: bool = True
+) -> float:
     """When ``cert`` expires (Unix seconds). ValueError when the first handshake between
     iserve's processes, which present ``cert`` to each other, would fail: the
     certificate expired or not valid yet, not issued by ISERVE_TLS_CA (the system's roots
     without it), or not made for TLS servers (nor clients, under mutual TLS). Found by a
     handshake in memory between the two ends OpenSSL builds from these files (gRPC's
     BoringSSL checks the same); without it every call fails with an UNAVAILABLE that
-    names no file."""
+    names no file. ``serving`` False: ``cert`` is checked as a client certificate alone
+    (the server end presents it too, unchecked)."""
     no_passphrase = lambda: b""  # noqa: E731 - never OpenSSL's prompt on the terminal
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.load_cert_chain(str(cert), str(key), password=no_passphrase)
@@ -390,6 +405,8 @@ def _check_handshake(cert: Path, key: Path, ca: Path | None, client_auth: bool) 
     else:
         client.load_verify_locations(cafile=str(ca))
         against = f"the CA in ISERVE_TLS_CA={str(ca)!r}"
+    if not serving:
+        client.verify_mode = ssl.CERT_NONE
     if client_auth:
         server.verify_mode = ssl.CERT_REQUIRED
         server.load_verify_locations(cafile=str(ca))
@@ -422,16 +439,21 @@ def _check_handshake(cert: Path, key: Path, ca: Path | None, client_auth: bool) 
             problem = f"is not issued by {against} ({exc.verify_message})"
         else:
             problem = f"is refused as a TLS {role} certificate ({exc.verify_message})"
-        raise ValueError(
-            f"{name} {problem}: every connection between iserve's processes, which present "
-            "it to each other, would fail"
-        ) from None
+        consequence = (
+            "every connection between iserve's processes, which present it to each other, "
+            "would fail"
+            if serving
+            else "the stack's servers would refuse every call this client makes with it"
+        )
+        raise ValueError(f"{name} {problem}: {consequence}") from None
     except ssl.SSLError as exc:
         raise ValueError(
             f"ISERVE_TLS_CERT={str(cert)!r} with ISERVE_TLS_KEY={str(key)!r}: a TLS "
             f"handshake between two ends with these files fails ({exc})"
         ) from None
-    return ssl.cert_time_to_seconds(ends[0][1].getpeercert()["notAfter"])
+    if serving:
+        return ssl.cert_time_to_seconds(ends[0][1].getpeercert()["notAfter"])
+    return ssl.cert_time_to_seconds(ends[1][1].getpeercert()["notAfter"])
 
 
 # How long before its certificate expires a process says so when it starts.

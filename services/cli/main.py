@@ -62,6 +62,7 @@ from services.settings import (
     Settings,
     TlsFiles,
     check_service_settings,
+    check_tls_identity,
     load_settings,
     read_stack_file,
     tls_warnings,
@@ -961,7 +962,9 @@ def _run(argv: list[str] | None) -> int:
         except UnicodeEncodeError as exc:
             return _not_utf8(exc)
     try:
-        settings = load_settings()
+        # `iserve up` starts the processes that serve with these files; any other command
+        # is a client, which may present a certificate made for clients alone.
+        settings = check_tls_identity(load_settings(), serving=args.command == "up")
         if args.command not in SERVER_COMMANDS:  # a client: "host:0" means the port up chose
             settings = settings.as_recorded()
         transport.configure(transport.Transport.for_client(settings))

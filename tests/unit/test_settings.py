@@ -14,6 +14,7 @@ from services.settings import (
     DEFAULT_PORTS,
     GIB,
     STACK_FILE,
+    check_tls_identity,
     load_settings,
     read_stack_file,
     redacted_url,
@@ -281,6 +282,11 @@ def test_tls_files_that_are_not_what_they_claim_are_named_at_load(tmp_path):
             load_settings({**base, **env})
 
 
+def _served(env: dict[str, str]):
+    """The settings of a process that serves with these TLS files, as checked at start."""
+    return check_tls_identity(load_settings(env), serving=True)
+
+
 def _tls_env(tmp_path, pki, mutual: bool, **others) -> dict[str, str]:
     return {
         "ISERVE_STATE_DIR": str(tmp_path),
@@ -308,7 +314,7 @@ def test_a_certificate_every_handshake_would_refuse_is_named_at_load(tmp_path, m
     # gRPC's UNAVAILABLE "Handshake failed" naming no file.
     pki = make_pki(tmp_path / "pki", **made)
     with pytest.raises(ValueError, match=says):
-        load_settings(_tls_env(tmp_path, pki, mutual))
+        _served(_tls_env(tmp_path, pki, mutual))
 
 
 def test_a_certificate_is_checked_against_the_ca_and_the_role_it_is_used_in(tmp_path):
@@ -318,12 +324,33 @@ def test_a_certificate_is_checked_against_the_ca_and_the_role_it_is_used_in(tmp_
         ({"ISERVE_TLS_CA": ""}, "not issued by a CA among the system's root certificates"),
     ]:
         with pytest.raises(ValueError, match=says):
-            load_settings(_tls_env(tmp_path, pki, False, **env))
+            _served(_tls_env(tmp_path, pki, False, **env))
     # A server-only certificate serves plain TLS, but mutual TLS presents it as a client.
     server_only = make_pki(tmp_path / "server-only", usages=(EKU.SERVER_AUTH,))
-    assert load_settings(_tls_env(tmp_path, server_only, False)).tls.serves
+    assert _served(_tls_env(tmp_path, server_only, False)).tls.serves
     with pytest.raises(ValueError, match="is refused as a TLS client certificate"):
-        load_settings(_tls_env(tmp_path, server_only, True))
+        _served(_tls_env(tmp_path, server_only, True))
+
+
+def test_a_client_certificate_is_checked_as_a_clients_only(tmp_path):
+    """An operator's certificate made for clients alone (clientAuth) is what mutual TLS
+    asks of the CLI; only a process that serves presents its certificate as a server."""
+    client_only = make_pki(tmp_path / "client-only", usages=(EKU.CLIENT_AUTH,))
+    env = _tls_env(tmp_path, client_only, True)
+    checked = check_tls_identity(load_settings(env), serving=False)
+    assert checked.tls.expires_at is not None
+    with pytest.raises(ValueError, match="is refused as a TLS server certificate"):
+        _served(env)
+    other = make_pki(tmp_path / "other", "another CA")
+    with pytest.raises(ValueError, match="is not issued by the CA in .*refuse every call"):
+        mixed = _tls_env(tmp_path, client_only, True, ISERVE_TLS_CA=str(other["ca"]))
+        check_tls_identity(load_settings(mixed), serving=False)
+    expired = make_pki(tmp_path / "expired", cert_valid=(-2 * DAY, -DAY))
+    with pytest.raises(ValueError, match="has expired"):
+        check_tls_identity(load_settings(_tls_env(tmp_path, expired, True)), serving=False)
+    # Without mutual TLS a client presents no certificate: nothing to check of it.
+    unused = check_tls_identity(load_settings(_tls_env(tmp_path, expired, False)), serving=False)
+    assert unused.tls.expires_at is None
 
 
 @pytest.mark.parametrize(
@@ -363,7 +390,7 @@ def test_a_tls_file_that_cannot_be_read_is_named(tmp_path, monkeypatch):
 
 def test_a_certificate_near_its_end_is_warned_of_at_start(tmp_path):
     pki = make_pki(tmp_path / "pki", cert_valid=(-DAY, 3 * DAY))
-    settings = load_settings(_tls_env(tmp_path, pki, True))
+    settings = _served(_tls_env(tmp_path, pki, True))
     assert settings.tls.expires_at == pytest.approx(time.time() + 3 * 86400, abs=120)
     [warning] = tls_warnings(settings)
     assert "expires on" in warning and "(in 3.0 days)" in warning and str(pki["cert"]) in warning
