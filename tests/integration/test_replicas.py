@@ -77,6 +77,20 @@ def _model_deployments(stack) -> list[deploy_pb.Deployment]:
     return list(reply.deployments)
 
 
+def _remove_two_replicas(stack, deployment_id: str) -> None:
+    """Remove the deployment; both replicas' workers stop."""
+    stack.deployments.RemoveDeployment(
+        deploy_pb.RemoveDeploymentRequest(deployment_id=deployment_id)
+    )
+    assert wait_for(
+        lambda: (
+            not _live_workers(stack, deployment_id)
+            and not _live_workers(stack, f"{deployment_id}.r1")
+        ),
+        timeout=30,
+    )
+
+
 def _generate_many(stack, deployment_id: str, count: int) -> list[int]:
     """``count`` concurrent generations; the tokens each streamed."""
 
@@ -193,16 +207,7 @@ def test_two_replicas_serve_and_one_heals_while_the_other_serves(stack, twin):
     assert sum(_tokens_generated(a) for a in addresses) > sum(tokens)
 
     # Remove stops every replica and releases every reservation.
-    stack.deployments.RemoveDeployment(
-        deploy_pb.RemoveDeploymentRequest(deployment_id=deployment_id)
-    )
-    assert wait_for(
-        lambda: (
-            not _live_workers(stack, deployment_id)
-            and not _live_workers(stack, f"{deployment_id}.r1")
-        ),
-        timeout=30,
-    )
+    _remove_two_replicas(stack, deployment_id)
     assert reserved_by_device(stack) == before
     assert _model_deployments(stack) == []
 
@@ -284,13 +289,4 @@ def test_a_replica_back_from_a_restart_takes_the_requests_waiting_on_the_other(s
         # All arrived while replica 0 was out; it took the last once back.
         assert sum(by_replica) == count and by_replica[0] >= 1, by_replica
     finally:
-        stack.deployments.RemoveDeployment(
-            deploy_pb.RemoveDeploymentRequest(deployment_id=deployment_id)
-        )
-        assert wait_for(
-            lambda: (
-                not _live_workers(stack, deployment_id)
-                and not _live_workers(stack, f"{deployment_id}.r1")
-            ),
-            timeout=30,
-        )
+        _remove_two_replicas(stack, deployment_id)
