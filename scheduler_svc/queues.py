@@ -243,13 +243,7 @@ class DeploymentQueue:
                 break
         if isinstance(policy, EdfPolicy):
             self._wake_at_last_start(policy)
-        self._take_from_siblings()
-
-    def take_waiting(self) -> None:
-        """Admit here, on slots free, requests next in line on the sibling replicas (none
-        while this queue has its own waiting): what a release or an arrival here does,
-        for a replica that has neither, such as one just back in service."""
-        self._take_from_siblings()
+        self.take_waiting()
 
     def reopen(self) -> None:
         """The replica serves again (after :meth:`close`): requests join and leave it as
@@ -260,9 +254,11 @@ class DeploymentQueue:
     def closed(self) -> bool:
         return self._closed
 
-    def _take_from_siblings(self) -> None:
+    def take_waiting(self) -> None:
         """With a slot free and nothing of its own waiting, admit here the requests next
-        in line on the sibling replicas, the longest queue's first."""
+        in line on the sibling replicas, the longest queue's first. Each release and
+        arrival here does; the registry does it for a replica that has neither, such as
+        one just back in service."""
         if self._closed or len(self._policy):
             return
         while len(self._running) < self._slots:
@@ -415,13 +411,14 @@ class QueueRegistry:
             for queue in queues:
                 queue.take_waiting()
 
-    def waiting_on(self, deployment_id: str) -> int:
-        """Requests waiting on every replica of ``deployment_id``."""
-        return sum(
-            q.waiting
-            for group, q in self._queues.items()
-            if split_group_id(group)[0] == deployment_id
+    def waiting_on(self, deployment: deploy_pb.Deployment) -> int:
+        """Requests waiting on every replica of ``deployment`` (its queues looked up by
+        group id, not by a scan of every queue at each admission)."""
+        groups = (
+            replica_group_id(deployment.deployment_id, r.index)
+            for r in replicas.replicas_of(deployment)
         )
+        return sum(q.waiting for q in map(self._queues.get, groups) if q is not None)
 
     def check_room(self, deployment: deploy_pb.Deployment) -> None:
         """ResourceExhausted when ``capacity`` requests wait on the deployment's replicas
@@ -430,7 +427,7 @@ class QueueRegistry:
         count = len(replicas.replicas_of(deployment))
         if count < 2:
             return  # its one queue's policy says so
-        waiting = self.waiting_on(deployment.deployment_id)
+        waiting = self.waiting_on(deployment)
         if waiting >= self.capacity:
             raise ResourceExhausted(
                 f"queue of deployment {deployment.deployment_id} is full ({waiting} waiting "

@@ -1,8 +1,11 @@
 """Health checks: gRPC health for the services and workers (the CLI, the launcher, the
-deployer's worker checks, the gateway's readiness, tests), an HTTP 200 for the gateway."""
+deployer's worker checks, the gateway's readiness, tests), an HTTP 200 for the gateway,
+and whether a port speaks TLS (to tell a plaintext client so)."""
 
 from __future__ import annotations
 
+import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -45,6 +48,27 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:
             return reply.status == 200
     except (OSError, urllib.error.URLError):
+        return False
+
+
+def speaks_tls(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether the server at ``address`` ("host:port") completes a TLS handshake (its
+    certificate not checked: only whether it speaks TLS, to say so to a client that
+    does not). With mutual TLS, a client without a certificate completes its side of a
+    TLS 1.3 handshake before the server refuses it."""
+    host, _, port = address.rpartition(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection(
+                (host.strip("[]") or "127.0.0.1", int(port)), timeout_s
+            ) as raw,
+            context.wrap_socket(raw) as tls,
+        ):
+            return tls.version() is not None
+    except (OSError, ValueError):
         return False
 
 

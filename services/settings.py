@@ -411,23 +411,20 @@ def _check_handshake(
         server.verify_mode = ssl.CERT_REQUIRED
         server.load_verify_locations(cafile=str(ca))
         client.load_cert_chain(str(cert), str(key), password=no_passphrase)
-    ends = []
-    for role, context in (("server", client), ("client", server)):
-        # ``role`` is what ``cert`` is to the end that verifies it.
-        received, sent = ssl.MemoryBIO(), ssl.MemoryBIO()
-        end = context.wrap_bio(received, sent, server_side=context is server)
-        ends.append([role, end, received, sent, False])
+    client_in, client_out, server_in, server_out = (ssl.MemoryBIO() for _ in range(4))
+    client_end = client.wrap_bio(client_in, client_out)
+    server_end = server.wrap_bio(server_in, server_out, server_side=True)
+    # What ``cert`` is to the end that verifies it -> that end, until its handshake ends.
+    pending = {"server": client_end, "client": server_end}
     try:
         for _ in range(8):
-            for entry in ends:
-                role, end, _received, _sent, done = entry
-                if not done:
-                    with contextlib.suppress(ssl.SSLWantReadError):
-                        end.do_handshake()
-                        entry[4] = True
-            ends[1][2].write(ends[0][3].read())
-            ends[0][2].write(ends[1][3].read())
-            if ends[0][4] and ends[1][4]:
+            for role, end in list(pending.items()):
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    end.do_handshake()
+                    del pending[role]
+            server_in.write(client_out.read())
+            client_in.write(server_out.read())
+            if not pending:
                 break
     except ssl.SSLCertVerificationError as exc:
         name = f"ISERVE_TLS_CERT={str(cert)!r}"
@@ -451,9 +448,8 @@ def _check_handshake(
             f"ISERVE_TLS_CERT={str(cert)!r} with ISERVE_TLS_KEY={str(key)!r}: a TLS "
             f"handshake between two ends with these files fails ({exc})"
         ) from None
-    if serving:
-        return ssl.cert_time_to_seconds(ends[0][1].getpeercert()["notAfter"])
-    return ssl.cert_time_to_seconds(ends[1][1].getpeercert()["notAfter"])
+    verifier = client_end if serving else server_end
+    return ssl.cert_time_to_seconds(verifier.getpeercert()["notAfter"])
 
 
 # How long before its certificate expires a process says so when it starts.

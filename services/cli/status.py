@@ -17,7 +17,7 @@ from services.api import (
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli.output import TableSpec, show_tables
-from services.health import check, http_ok
+from services.health import check, http_ok, speaks_tls
 from services.settings import Settings, redacted_url
 
 MIB = 1 << 20
@@ -189,30 +189,6 @@ def status_tables(status: dict) -> list[TableSpec]:
 
 def status_header(status: dict) -> str:
     return f"state dir {status['state_dir']}   redis {status['redis_url'] or '(none)'}"
-
-
-def speaks_tls(address: str, timeout_s: float = 1.0) -> bool:
-    """Whether the server at ``address`` ("host:port") completes a TLS handshake (its
-    certificate not checked: only whether it speaks TLS, to say so to a client that
-    does not). With mutual TLS, a client without a certificate completes its side of a
-    TLS 1.3 handshake before the server refuses it."""
-    import socket
-    import ssl
-
-    host, _, port = address.rpartition(":")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    try:
-        with (
-            socket.create_connection(
-                (host.strip("[]") or "127.0.0.1", int(port)), timeout_s
-            ) as raw,
-            context.wrap_socket(raw) as tls,
-        ):
-            return tls.version() is not None
-    except (OSError, ValueError):
-        return False
 
 
 def print_status(status: dict) -> None:

@@ -393,7 +393,7 @@ def test_the_queue_capacity_is_the_deployments_whatever_its_replicas():
             assert str(full.value) == (
                 "queue of deployment m-0a1b2c3d is full (3 waiting on its 2 replicas)"
             )
-            assert registry.waiting_on(dep.deployment_id) == 3
+            assert registry.waiting_on(dep) == 3
             registry.check_room(deployment(count=1))  # one replica: its queue's own limit
         finally:
             await load.close()
