@@ -66,7 +66,7 @@ def main(args: list[str] | None = None) -> int:
     # the grace ends a second before uvicorn's own graceful-shutdown timeout.
     stream_grace_s = max(0.0, settings.drain_timeout_s - 1.0)
     uvicorn.run(
-        create_app(connect, settings.cors_origins, stream_grace_s),
+        create_app(connect, settings.cors_origins, stream_grace_s, settings.tls),
         host=host or "127.0.0.1",
         port=int(port),
         log_level=settings.log_level.lower(),

@@ -72,8 +72,8 @@ from services.auth.tokens import bearer, could_be_token
 from services.errors import InvalidArgument, rpc_reason, shown
 from services.health import serving_status
 from services.ids import check_model_id
-from services.metrics import new_registry
-from services.settings import MAX_TOKEN_LENGTH, MIN_TOKEN_LENGTH
+from services.metrics import certificate_expiry, new_registry
+from services.settings import MAX_TOKEN_LENGTH, MIN_TOKEN_LENGTH, TlsFiles
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -611,13 +611,15 @@ def create_app(
     connect: Callable[[], Backend],
     cors_origins: tuple[str, ...] = (),
     stream_grace_s: float = 0.0,
+    tls: TlsFiles | None = None,
 ) -> FastAPI:
     """The app; ``connect`` builds the backend on the server's own event loop (gRPC aio
     channels belong to the loop they were made on). Pages from ``cors_origins`` (``*``:
     any) may call it from a browser (Starlette's CORSMiddleware answers the preflight;
     the token goes in the Authorization header, so no cookies are allowed). A stream in
     flight when the server is told to stop runs on for up to ``stream_grace_s`` seconds
-    (sse-starlette's shutdown grace period; 0 cuts it at once, without its [DONE])."""
+    (sse-starlette's shutdown grace period; 0 cuts it at once, without its [DONE]).
+    ``tls``: the gateway's TLS settings, whose certificate's expiry /metrics shows."""
     backend: Backend | None = None
     renders = RenderPool()  # chat templates run beside the event loop, bounded
 
@@ -647,6 +649,7 @@ def create_app(
             max_age=600,
         )
     registry = new_registry()
+    certificate_expiry(registry, tls)
     requests = Counter(
         "iserve_gateway_requests",
         "HTTP requests by endpoint and status",

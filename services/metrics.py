@@ -24,6 +24,7 @@ from prometheus_client import (
     PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
+    Gauge,
     make_wsgi_app,
 )
 
@@ -41,6 +42,20 @@ def new_registry() -> CollectorRegistry:
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         registry.register(collector)
     return registry
+
+
+def certificate_expiry(registry: CollectorRegistry, tls: TlsFiles | None) -> None:
+    """``iserve_tls_certificate_expiry_timestamp_seconds``: when the certificate this
+    process loaded at start (``ISERVE_TLS_CERT``) expires, as Unix time, so that an alert
+    fires before its connections start failing (the process keeps the certificate it
+    loaded: a renewed file takes a restart). Absent where the process presents none."""
+    if tls is None or tls.expires_at is None:
+        return
+    Gauge(
+        f"{PREFIX}tls_certificate_expiry_timestamp_seconds",
+        "When the TLS certificate this process presents expires (Unix time)",
+        registry=registry,
+    ).set(tls.expires_at)
 
 
 Guard = Callable[[str], bool]

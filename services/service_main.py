@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from services.grpc_server import Drain, ServiceBinding, configure_logging, run_server
-from services.metrics import RpcMetrics, new_registry, serve_metrics
+from services.metrics import RpcMetrics, certificate_expiry, new_registry, serve_metrics
 from services.security import metrics_guard, server_security
 from services.settings import (
     METRICS_ENV,
@@ -120,6 +120,7 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
             await parts.on_start()
 
         registry = parts.registry or new_registry()
+        certificate_expiry(registry, settings.tls)
         rpc_metrics = RpcMetrics(registry)
         try:
             serve_metrics(

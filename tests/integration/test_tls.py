@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import transport
@@ -135,12 +136,26 @@ def test_metrics_are_served_over_https_to_admin_tokens(tls_stack):
     url = f"https://{settings.metrics_address('deploy')}/metrics"
     scraped = scrape(url, admin, client_tls(pki))
     assert b"iserve_grpc_server_handled_total" in scraped
+    # When the certificate it presents expires, for an alert to fire before that: the
+    # gRPC services and the gateway (under mutual TLS it presents one to the services).
+    expires = x509.load_pem_x509_certificate(pki["cert"].read_bytes()).not_valid_after_utc
+    gateway = urllib.request.urlopen(f"http://{settings.gateway_address}/metrics", timeout=10)
+    for text in (scraped, gateway.read()):
+        assert _gauge(text) == expires.timestamp(), text[-2000:]
     # Mutual TLS holds here as on the gRPC ports: no certificate, or one another CA
     # signed, is turned away before the token is read.
     stranger = make_pki(root / "stranger-pki", ca_name="another CA")
     for context in (client_tls(pki, certificate=False), client_tls(pki, presents=stranger)):
         with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
             scrape(url, admin, context)
+
+
+def _gauge(text: bytes) -> float | None:
+    """The value of iserve_tls_certificate_expiry_timestamp_seconds in Prometheus text."""
+    for line in text.decode().splitlines():
+        if line.startswith("iserve_tls_certificate_expiry_timestamp_seconds "):
+            return float(line.split()[1])
+    return None
 
 
 def test_a_silent_connection_does_not_hold_up_the_scrapes(tls_stack):
