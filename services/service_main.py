@@ -16,7 +16,9 @@ from services.metrics import RpcMetrics, certificate_expiry, new_registry, serve
 from services.security import metrics_guard, server_security
 from services.settings import (
     METRICS_ENV,
+    SERVICE_ENV,
     Settings,
+    certificate_name_warnings,
     check_tls_identity,
     load_settings,
     redacted_url,
@@ -105,7 +107,12 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
     except ValueError as exc:
         fail(str(exc))
     configure_logging(settings.log_level, name)
-    for warning in [*unknown_variables(), *tls_warnings(settings)]:
+    own_address = {SERVICE_ENV[name]: settings.address(name)}
+    for warning in [
+        *unknown_variables(),
+        *tls_warnings(settings),
+        *certificate_name_warnings(settings, own_address),
+    ]:
         log.warning("%s", warning)
 
     async def run() -> None:

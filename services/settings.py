@@ -411,22 +411,11 @@ def _check_handshake(
         server.verify_mode = ssl.CERT_REQUIRED
         server.load_verify_locations(cafile=str(ca))
         client.load_cert_chain(str(cert), str(key), password=no_passphrase)
-    client_in, client_out, server_in, server_out = (ssl.MemoryBIO() for _ in range(4))
-    client_end = client.wrap_bio(client_in, client_out)
-    server_end = server.wrap_bio(server_in, server_out, server_side=True)
-    # What ``cert`` is to the end that verifies it -> that end, until its handshake ends.
-    pending = {"server": client_end, "client": server_end}
+    ends = _Ends(client, server)
     try:
-        for _ in range(8):
-            for role, end in list(pending.items()):
-                with contextlib.suppress(ssl.SSLWantReadError):
-                    end.do_handshake()
-                    del pending[role]
-            server_in.write(client_out.read())
-            client_in.write(server_out.read())
-            if not pending:
-                break
+        ends.handshake()
     except ssl.SSLCertVerificationError as exc:
+        role = ends.failed_role
         name = f"ISERVE_TLS_CERT={str(cert)!r}"
         if exc.verify_code == _CERT_HAS_EXPIRED:
             problem = "has expired (or a certificate in its chain has)"
@@ -448,8 +437,92 @@ def _check_handshake(
             f"ISERVE_TLS_CERT={str(cert)!r} with ISERVE_TLS_KEY={str(key)!r}: a TLS "
             f"handshake between two ends with these files fails ({exc})"
         ) from None
-    verifier = client_end if serving else server_end
+    verifier = ends.client if serving else ends.server
     return ssl.cert_time_to_seconds(verifier.getpeercert()["notAfter"])
+
+
+class _Ends:
+    """Two ends of a TLS connection in memory (no socket), built from ``client`` and
+    ``server`` contexts; ``server_hostname`` is the name the client checks, if it does."""
+
+    def __init__(
+        self, client: ssl.SSLContext, server: ssl.SSLContext, server_hostname: str | None = None
+    ):
+        self._bios = [ssl.MemoryBIO() for _ in range(4)]
+        client_in, client_out, server_in, server_out = self._bios
+        self.client = client.wrap_bio(client_in, client_out, server_hostname=server_hostname)
+        self.server = server.wrap_bio(server_in, server_out, server_side=True)
+        self.failed_role = ""
+
+    def handshake(self) -> None:
+        """Run both handshakes to their end; the ssl error of the first that fails, with
+        ``failed_role`` the role of the certificate it refused ("server": the client end
+        refused the server's)."""
+        client_in, client_out, server_in, server_out = self._bios
+        # What the refused certificate is to the end that verifies it -> that end.
+        pending = {"server": self.client, "client": self.server}
+        for _ in range(8):
+            for role, end in list(pending.items()):
+                self.failed_role = role
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    end.do_handshake()
+                    del pending[role]
+            server_in.write(client_out.read())
+            client_in.write(server_out.read())
+            if not pending:
+                return
+
+
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH.
+_NAME_MISMATCH = {62, 64}
+# Bind-everywhere hosts: nobody dials these, so no certificate names them.
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+
+
+def certificate_name_warnings(settings: Settings, dialed: Mapping[str, str]) -> list[str]:
+    """For a process that serves with ``ISERVE_TLS_CERT``: the names in ``dialed`` (the
+    variable that names an address -> that address) that its certificate does not
+    carry, so that every client dialling them fails its hostname check (gRPC:
+    "Hostname Verification Check failed"). The name checked is ISERVE_TLS_SERVER_NAME
+    where it is set, else the address's host; OpenSSL decides the match (Python's
+    ``ssl``, in a handshake in memory, with the name as a client sends it). A warning,
+    not a refusal: on several nodes the names others dial may differ from these."""
+    tls = settings.tls
+    if tls is None or not tls.serves:
+        return []
+    hosts: dict[str, list[str]] = {}
+    for variable, address in dialed.items():
+        host = tls.server_name or address.rpartition(":")[0].strip("[]")
+        if host not in _WILDCARD_HOSTS:
+            hosts.setdefault(host, []).append(variable)
+    warnings = []
+    for host, variables in hosts.items():
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server.load_cert_chain(str(tls.cert), str(tls.key), password=lambda: b"")
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # checks the host name
+        if tls.ca is None:
+            client.load_default_certs()
+        else:
+            client.load_verify_locations(cafile=str(tls.ca))
+        try:
+            _Ends(client, server, server_hostname=host).handshake()
+        except ssl.SSLCertVerificationError as exc:
+            if exc.verify_code not in _NAME_MISMATCH:
+                continue  # refused for another reason, which check_tls_identity names
+            source = (
+                "ISERVE_TLS_SERVER_NAME"
+                if tls.server_name
+                else f"the host of {', '.join(sorted(variables))}"
+            )
+            warnings.append(
+                f"ISERVE_TLS_CERT={str(tls.cert)!r} does not name {host!r} ({source}): "
+                "clients that dial it fail the certificate's hostname check; add it to "
+                "the certificate's subjectAltName, or set ISERVE_TLS_SERVER_NAME to a name "
+                "the certificate has"
+            )
+        except ssl.SSLError:
+            continue
+    return warnings
 
 
 # How long before its certificate expires a process says so when it starts.

@@ -40,12 +40,14 @@ def make_pki(
     cert_valid: tuple[datetime.timedelta, datetime.timedelta] = VALID,
     usages: tuple = (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH),
     key: str = "p256",
+    names: tuple[str, ...] = ("localhost", "127.0.0.1"),
 ) -> dict[str, Path]:
     """A CA and one certificate it signs for 127.0.0.1/localhost, usable by servers and
     clients alike (what each iserve process presents). ``ca_valid`` and ``cert_valid``
     are when each is valid from and until, from now; ``usages`` the certificate's
     extended key usages; ``key`` its key: ``p256``, ``secp256k1``, ``ed25519`` or
-    ``p256-empty-passphrase`` (encrypted with "")."""
+    ``p256-empty-passphrase`` (encrypted with ""); ``names`` the host names and IP
+    addresses in its subjectAltName."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -89,9 +91,7 @@ def make_pki(
         .not_valid_before(now + cert_valid[0])
         .not_valid_after(now + cert_valid[1])
         .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
+            x509.SubjectAlternativeName([_general_name(name) for name in names]),
             critical=False,
         )
         .add_extension(
@@ -119,3 +119,11 @@ def make_pki(
             capture_output=True,
         )
     return paths
+
+
+def _general_name(name: str) -> x509.GeneralName:
+    """An IPAddress entry for an address, else a DNSName."""
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)

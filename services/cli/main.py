@@ -59,8 +59,10 @@ from services.cli.status import collect_status, print_status, status_header, sta
 from services.proto_limits import UINT64_MAX
 from services.settings import (
     MAX_VIRTUAL_DEVICES,
+    SERVICE_ENV,
     Settings,
     TlsFiles,
+    certificate_name_warnings,
     check_service_settings,
     check_tls_identity,
     load_settings,
@@ -133,7 +135,8 @@ def cmd_up(settings: Settings, args) -> int:
             "a variable iserve reads is set in the wrong case (see the warnings above): "
             "set it in upper case, or unset it"
         )
-    for warning in tls_warnings(settings):
+    dialed = {SERVICE_ENV[name]: settings.address(name) for name in SERVICE_ENV}
+    for warning in [*tls_warnings(settings), *certificate_name_warnings(settings, dialed)]:
         print(f"warning: {warning}", file=sys.stderr)
     options = stack.UpOptions(devices=args.devices, device_memory_gib=args.device_memory)
     info = stack.up(settings, options)

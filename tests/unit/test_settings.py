@@ -14,6 +14,7 @@ from services.settings import (
     DEFAULT_PORTS,
     GIB,
     STACK_FILE,
+    certificate_name_warnings,
     check_tls_identity,
     load_settings,
     read_stack_file,
@@ -488,3 +489,38 @@ def test_every_iserve_variable_the_code_reads_is_known_and_a_typo_is_named():
         "iserve_devices is set but no iserve process reads it; did you mean ISERVE_DEVICES? "
         "(names are upper case)",
     ]
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_a_served_address_the_certificate_does_not_name_is_warned_of(tmp_path, mutual):
+    """Before, such a certificate passed every check at start; each call to that address
+    then failed with gRPC's "Hostname Verification Check failed"."""
+    pki = make_pki(tmp_path / "pki", names=("localhost", "127.0.0.1", "*.iserve.internal"))
+    settings = _served(_tls_env(tmp_path, pki, mutual))
+    named = {
+        "ISERVE_MODEL_ADDR": "127.0.0.1:50061",
+        "ISERVE_DEPLOY_ADDR": "localhost:0",
+        "ISERVE_AGENT_ADDR": "node7.iserve.internal:50065",
+        "ISERVE_SCHEDULER_ADDR": "0.0.0.0:50064",  # bound everywhere: nobody dials it
+    }
+    assert certificate_name_warnings(settings, named) == []
+    unnamed = {
+        "ISERVE_MODEL_ADDR": "10.0.0.5:50061",
+        "ISERVE_ESTIMATOR_ADDR": "10.0.0.5:50062",
+        "ISERVE_AGENT_ADDR": "a.b.iserve.internal:50065",  # a wildcard covers one label
+    }
+    first, second = certificate_name_warnings(settings, unnamed)
+    assert (
+        "does not name '10.0.0.5' (the host of ISERVE_ESTIMATOR_ADDR, ISERVE_MODEL_ADDR)" in first
+    )
+    assert str(pki["cert"]) in first and "subjectAltName" in first
+    assert "does not name 'a.b.iserve.internal'" in second
+    # Clients then check ISERVE_TLS_SERVER_NAME instead of each address's host.
+    overridden = _served(_tls_env(tmp_path, pki, mutual, ISERVE_TLS_SERVER_NAME="localhost"))
+    assert certificate_name_warnings(overridden, unnamed) == []
+    wrong = _served(_tls_env(tmp_path, pki, mutual, ISERVE_TLS_SERVER_NAME="gateway.example"))
+    [warning] = certificate_name_warnings(wrong, named)
+    assert "does not name 'gateway.example' (ISERVE_TLS_SERVER_NAME)" in warning
+    assert (
+        certificate_name_warnings(load_settings({"ISERVE_STATE_DIR": str(tmp_path)}), unnamed) == []
+    )
