@@ -815,11 +815,17 @@ def create_app(
         template, tokens = await backend.chat_template(body.model, caller)
         try:
             prompt = await renders.render(
-                template, [m.as_template_input() for m in body.messages], tokens
+                template,
+                [m.as_template_input() for m in body.messages],
+                tokens,
+                body.add_generation_prompt,
+                body.chat_template_kwargs,
             )
         except ChatTemplateError as exc:
             raise GatewayError(400, "invalid_request_error", str(exc), "messages") from None
         except BrokenChatTemplate as exc:
+            # The model's fault, not the client's: the operator has to hear of it.
+            log.error("model %r: %s", body.model, exc)
             raise GatewayError(500, "internal_error", f"model {body.model!r}: {exc}") from None
         request = _generate_request(body, prompt, body.max_completion_tokens or body.max_tokens)
         # The template wrote the special tokens (BOS) it wants; the tokenizer adds none.
@@ -839,6 +845,9 @@ def create_app(
             except GatewayError as exc:
                 if exc.status == 400 and exc.param is None:
                     exc.param = refused_param(exc.message, body, chat)
+                    if exc.param == "max_completion_tokens":
+                        # The scheduler's message names its own field.
+                        exc.message = exc.message.replace("max_tokens", exc.param, 1)
                 raise
             ident = ("chatcmpl-" if chat else "cmpl-") + requests[0].request_id
             created = int(time.time())

@@ -7,6 +7,7 @@ them in the OpenAPI document, so the document and the checks cannot drift apart.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -151,6 +152,16 @@ _DECLINED: _Declined = {
     ),
     # 0 asks for the prompt tokens' own log-probabilities: only null is neutral.
     "prompt_logprobs": (lambda v: False, [], "prompt log-probabilities are"),
+    # vLLM's newer name for guided decoding.
+    "structured_outputs": (lambda v: False, [], "structured outputs (guided decoding) are"),
+    "logits_processors": (
+        lambda v: v == [],
+        [{"type": "array", "maxItems": 0}],
+        "logits processors are",
+    ),
+    "truncate_prompt_tokens": (lambda v: False, [], "truncate_prompt_tokens is"),
+    # The prompt repeated in the answer.
+    "echo": (lambda v: v is False, [{"const": False}], "echo is"),
 }
 _DECLINED_CHAT: _Declined = {
     "response_format": (
@@ -177,9 +188,19 @@ _DECLINED_CHAT: _Declined = {
         "output modalities other than text are",
     ),
     "audio": (lambda v: False, [], "audio output is"),
+    # vLLM's: the reply continues the last (assistant) message instead of starting one.
+    "continue_final_message": (
+        lambda v: v is False,
+        [{"const": False}],
+        "continue_final_message is",
+    ),
+    # vLLM's: a template of the request's own instead of the model's.
+    "chat_template": (lambda v: False, [], "a chat template of the request's own is"),
+    # OpenAI's.
+    "web_search_options": (lambda v: False, [], "web search is"),
+    "verbosity": (lambda v: False, [], "verbosity is"),
 }
 _DECLINED_COMPLETION: _Declined = {
-    "echo": (lambda v: v is False, [{"const": False}], "echo is"),
     "suffix": (lambda v: v == "", [{"type": "string", "maxLength": 0}], "suffixes are"),
     "best_of": (lambda v: _is_number(v, 1), [{"const": 1}], "best_of other than 1 is"),
 }
@@ -250,6 +271,10 @@ class GenerationBody(BaseModel):
     include_stop_str_in_output: Any = _declined(_DECLINED, "include_stop_str_in_output")
     skip_special_tokens: Any = _declined(_DECLINED, "skip_special_tokens")
     prompt_logprobs: Any = _declined(_DECLINED, "prompt_logprobs")
+    structured_outputs: Any = _declined(_DECLINED, "structured_outputs")
+    logits_processors: Any = _declined(_DECLINED, "logits_processors")
+    truncate_prompt_tokens: Any = _declined(_DECLINED, "truncate_prompt_tokens")
+    echo: Any = _declined(_DECLINED, "echo")
 
     # Also the endpoints' own declined fields (check_fields=False: they are declared in
     # the subclasses).
@@ -382,7 +407,6 @@ class CompletionBody(GenerationBody):
     max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1, le=UINT32_MAX)
     logprobs: bool | int | None = Field(default=None, json_schema_extra=_NO_COMPLETION_LOGPROBS)
 
-    echo: Any = _declined(_DECLINED_COMPLETION, "echo")
     suffix: Any = _declined(_DECLINED_COMPLETION, "suffix")
     best_of: Any = _declined(_DECLINED_COMPLETION, "best_of")
 
@@ -463,6 +487,13 @@ class ChatMessage(BaseModel):
 MAX_MESSAGES = 16_384
 
 
+# chat_template_kwargs: how many, and the names the gateway sets itself (the request has
+# its own fields for these).
+MAX_TEMPLATE_VARIABLES = 64
+_RENDER_OWN = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+_TEMPLATE_VARIABLE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+
+
 class ChatBody(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
 
@@ -494,3 +525,47 @@ class ChatBody(GenerationBody):
     function_call: Any = _declined(_DECLINED_CHAT, "function_call")
     modalities: Any = _declined(_DECLINED_CHAT, "modalities")
     audio: Any = _declined(_DECLINED_CHAT, "audio")
+    continue_final_message: Any = _declined(_DECLINED_CHAT, "continue_final_message")
+    chat_template: Any = _declined(_DECLINED_CHAT, "chat_template")
+    web_search_options: Any = _declined(_DECLINED_CHAT, "web_search_options")
+    verbosity: Any = _declined(_DECLINED_CHAT, "verbosity")
+    # vLLM's (as transformers' apply_chat_template takes them): whether the prompt ends
+    # with the template's opening of an assistant turn, and further variables the
+    # template reads (Qwen3's enable_thinking, say), which win over the special tokens'
+    # names as in transformers.
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={
+            "anyOf": [
+                {
+                    "type": "object",
+                    "maxProperties": MAX_TEMPLATE_VARIABLES,
+                    "propertyNames": {
+                        "pattern": _TEMPLATE_VARIABLE.pattern,
+                        "not": {"enum": sorted(_RENDER_OWN)},
+                    },
+                },
+                {"type": "null"},
+            ]
+        },
+    )
+
+    @field_validator("add_generation_prompt", mode="before")
+    @classmethod
+    def _generation_prompt_default(cls, value: Any) -> Any:
+        return True if value is None else value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, variables: dict[str, Any] | None) -> dict[str, Any]:
+        variables = variables or {}
+        if len(variables) > MAX_TEMPLATE_VARIABLES:
+            raise ValueError(f"at most {MAX_TEMPLATE_VARIABLES} template variables")
+        for name in variables:
+            if not _TEMPLATE_VARIABLE.match(name) or name in _RENDER_OWN:
+                raise ValueError(
+                    f"{name[:64]!r} is no variable a request may set: a letter, then "
+                    f"letters, digits or '_', other than {', '.join(sorted(_RENDER_OWN))}"
+                )
+        return variables

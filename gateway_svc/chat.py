@@ -136,14 +136,17 @@ def render(
     messages: Sequence[Mapping[str, object]],
     special_tokens: Mapping[str, str],
     add_generation_prompt: bool = True,
+    variables: Mapping[str, object] | None = None,
 ) -> str:
     """The prompt text of ``messages``; ChatTemplateError when the template refuses them,
-    BrokenChatTemplate when it fails of itself."""
+    BrokenChatTemplate when it fails of itself. ``variables``: the request's further
+    template variables (``chat_template_kwargs``), over the special tokens' names as in
+    transformers."""
     try:
         return compile_template(template).render(
             messages=template_messages(messages, join_text_parts=not loops_over_content(template)),
             add_generation_prompt=add_generation_prompt,
-            **special_tokens,
+            **{**special_tokens, **(variables or {})},
         )
     except TemplateRefusal as exc:
         raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None

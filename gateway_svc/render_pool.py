@@ -38,12 +38,12 @@ def _serve(conn: Connection, memory_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     while True:
         try:
-            template, messages, tokens = conn.recv()
+            template, messages, tokens, generation_prompt, variables = conn.recv()
         except (EOFError, OSError):  # the gateway closed its end, or died
             return
         outcome: Outcome
         try:
-            outcome = ("ok", render(template, messages, tokens))
+            outcome = ("ok", render(template, messages, tokens, generation_prompt, variables))
         except ChatTemplateError as exc:
             outcome = ("refused", str(exc))
         except BrokenChatTemplate as exc:
@@ -120,6 +120,8 @@ class RenderPool:
         template: str,
         messages: Sequence[Mapping[str, Any]],
         special_tokens: Mapping[str, str],
+        add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """``gateway_svc.chat.render`` in a render process: the prompt, or its
         ChatTemplateError or BrokenChatTemplate (a timeout or the memory limit too)."""
@@ -128,7 +130,13 @@ class RenderPool:
             for process in self._processes:
                 self._idle.put_nowait(process)
         process = await self._idle.get()
-        job = (template, [dict(m) for m in messages], dict(special_tokens))
+        job = (
+            template,
+            [dict(m) for m in messages],
+            dict(special_tokens),
+            add_generation_prompt,
+            dict(variables or {}),
+        )
         running = asyncio.ensure_future(asyncio.to_thread(process.call, job, self.timeout_s))
         # Back to the pool when its render ends, even if this request is cancelled first.
         running.add_done_callback(lambda _: self._idle.put_nowait(process))

@@ -211,6 +211,8 @@ def test_without_max_tokens_a_long_chat_gets_what_the_sequence_leaves(gateway_ur
     over = chat(1, max_completion_tokens=MAX_OUTPUT + 1)
     assert over.status_code == 400 and "exceeds max_output_tokens" in over.text, over.text
     assert over.json()["error"]["param"] == "max_completion_tokens"
+    # The scheduler's message names its own field; the client sent the other.
+    assert over.json()["error"]["message"].startswith("max_completion_tokens "), over.text
 
 
 def test_without_max_tokens_a_long_token_id_prompt_gets_what_the_sequence_leaves(

@@ -201,6 +201,17 @@ VLLM_DECLINED = [
     ("include_stop_str_in_output", True, "include_stop_str_in_output is not supported by this server"),
     ("skip_special_tokens", False, "special tokens in the output (skip_special_tokens: false) are not supported by this server"),
     ("prompt_logprobs", 0, "prompt log-probabilities are not supported by this server"),
+    # These were taken and ignored: the answer came back as if they were not sent.
+    ("structured_outputs", {"choice": ["yes", "no"]}, "structured outputs (guided decoding) are not supported by this server"),
+    ("logits_processors", ["some.module:Processor"], "logits processors are not supported by this server"),
+    ("truncate_prompt_tokens", 2, "truncate_prompt_tokens is not supported by this server"),
+    ("echo", True, "echo is not supported by this server"),
+]  # fmt: skip
+CHAT_DECLINED = [
+    ("continue_final_message", True, "continue_final_message is not supported by this server"),
+    ("chat_template", "{{ messages }}", "a chat template of the request's own is not supported by this server"),
+    ("web_search_options", {}, "web search is not supported by this server"),
+    ("verbosity", "low", "verbosity is not supported by this server"),
 ]  # fmt: skip
 NOT_TOKEN_IDS = "stop_token_ids takes token ids (integers from 0 to 2^32-1)"
 NOT_TOP_K = "top_k takes an integer from -1 to 2^32-1"
@@ -211,6 +222,7 @@ NOT_STREAMED = "stream_options is only allowed when stream is true"
     ("path", "body", "field", "value", "message"),
     [
         *[(*endpoint, *declined) for endpoint in (COMPLETION, CHAT) for declined in VLLM_DECLINED],
+        *[(*CHAT, *declined) for declined in CHAT_DECLINED],
         (*COMPLETION, "top_k", -2, "Input should be greater than or equal to -1"),
         (*CHAT, "top_k", 2**32, "Input should be less than or equal to 4294967295"),
         # JSON's true and "3" are no counts, as in stop_token_ids.
@@ -314,6 +326,10 @@ def test_the_neutral_values_of_declined_parameters_are_served(path, body):
         "include_stop_str_in_output": False,
         "skip_special_tokens": True,
         "prompt_logprobs": None,
+        "structured_outputs": None,
+        "logits_processors": [],
+        "truncate_prompt_tokens": None,
+        "echo": False,
         "logprobs": False,
         "top_logprobs": 0,
         "stream_options": None,
@@ -325,6 +341,17 @@ def test_the_neutral_values_of_declined_parameters_are_served(path, body):
     ]
     if path == CHAT[0]:
         served += [{**body, "tool_choice": c, "function_call": c} for c in ("none", "auto", None)]
+        served.append(
+            {
+                **body,
+                "continue_final_message": False,
+                "chat_template": None,
+                "web_search_options": None,
+                "verbosity": None,
+                "add_generation_prompt": None,
+                "chat_template_kwargs": None,
+            }
+        )
     for taken in served:
         _sent(path, taken)
         assert _document_takes(path, taken)
@@ -620,3 +647,60 @@ def test_a_top_p_too_small_for_the_messages_float32_is_greedy(top_p):
     assert (sent.sampling.temperature, sent.sampling.top_p) == (0.0, 1.0)
     kept = _sent(*COMPLETION[:1], {**COMPLETION[1], "top_p": 1e-30, "temperature": 1.0})
     assert kept.sampling.temperature == 1.0 and 0 < kept.sampling.top_p < 1e-29
+
+
+def test_the_chat_template_takes_add_generation_prompt_and_the_request_s_variables():
+    """vLLM's add_generation_prompt and chat_template_kwargs reach the template, as
+    transformers' apply_chat_template passes them (they were taken and ignored)."""
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+        "{{ bos_token | default('') }}"
+    )
+    backend = _TemplateBackend(template)
+    recorder = backend.inference = _Recorder()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(create_app(lambda: backend)) as client:
+        for extra in (
+            {},
+            {"add_generation_prompt": False},
+            {"chat_template_kwargs": {"enable_thinking": False, "bos_token": "<s>"}},
+        ):
+            reply = client.post("/v1/chat/completions", json={**body, **extra})
+            assert reply.status_code == 200, reply.text
+    prompts = [request.prompt for request in recorder.requests]
+    assert prompts == ["<user>hi<assistant>", "<user>hi", "<user>hi<assistant><no-think><s>"]
+
+
+def test_a_broken_chat_template_is_logged_for_the_operator(caplog):
+    """A 500 the model's own template causes reached the client alone."""
+    app = create_app(lambda: _TemplateBackend("{{ messages[0]['content'] }"))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(app) as client, caplog.at_level("ERROR", logger="iserve.gateway"):
+        assert client.post("/v1/chat/completions", json=body).status_code == 500
+    assert any(
+        "model 'm'" in r.getMessage() and "TemplateSyntaxError" in r.getMessage()
+        for r in caplog.records
+    ), caplog.records
+
+
+def test_template_variables_a_request_may_not_set_are_a_400_naming_them():
+    app = create_app(lambda: _TemplateBackend(DEFAULT_CHAT_TEMPLATE))
+    with TestClient(app) as client:
+        for variables in (
+            {"messages": []},
+            {"_private": 1},
+            {"a-b": 1},
+            {f"v{i}": i for i in range(65)},
+        ):
+            body = {**CHAT[1], "chat_template_kwargs": variables}
+            reply = client.post(CHAT[0], json=body)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == "chat_template_kwargs", error
+            assert (
+                "no variable a request may set" in error["message"]
+                or "at most 64" in error["message"]
+            )
+            assert not _document_takes(CHAT[0], body)
