@@ -170,8 +170,8 @@ async def issue(
     subject, role = check_subject(subject), check_role(role)
     if subject in RESERVED_SUBJECTS:
         raise InvalidArgument(
-            f"subject {subject!r} is the stack's own {subject} token's: issue tokens to "
-            "people or teams by their own names"
+            f"subject {subject!r} is reserved for the stack's own {subject} token: issue "
+            "tokens to people or teams by their own names"
         )
     grants = check_grants(role, deployments)
     while True:  # a fresh id: 64 random bits, so a second draw is all but never needed

@@ -11,8 +11,9 @@ import uuid
 from google.protobuf import json_format
 
 from services import transport
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import deployment_service_pb2_grpc, token_service_pb2_grpc
 from services.api import token_service_pb2 as token_pb
-from services.api import token_service_pb2_grpc
 from services.auth import policy
 from services.cli import output
 from services.settings import Settings
@@ -48,6 +49,14 @@ def cmd_create(settings: Settings, args) -> int:
             deployments=args.deployment or [],
         )
     )
+    for grant in _unknown(settings, reply.token.deployments):
+        # Made anyway (a grant is an id, checked for its form only), but such a token
+        # could generate nowhere and said so only at its first request, as a 404.
+        print(
+            f"warning: no deployment {grant} exists (`iserve status` lists their ids; "
+            "`iserve deploy` prints each new one): this token cannot generate on it",
+            file=sys.stderr,
+        )
     if args.json:
         record = json_format.MessageToDict(reply.token, preserving_proto_field_name=True)
         print(json.dumps({**record, "token": reply.secret}))
@@ -59,6 +68,19 @@ def cmd_create(settings: Settings, args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _unknown(settings: Settings, grants) -> list[str]:
+    """The deployment ids of ``grants`` that name no deployment of the stack."""
+    named = [grant for grant in grants if grant != "*"]
+    if not named:
+        return []
+    stub = deployment_service_pb2_grpc.DeploymentServiceStub(
+        transport.sync_channel(settings.address("deploy"))
+    )
+    listed = stub.ListDeployments(deploy_pb.ListDeploymentsRequest(request_id=_rid()))
+    known = {d.deployment_id for d in listed.deployments}
+    return [grant for grant in named if grant not in known]
 
 
 def cmd_list(settings: Settings, args) -> int:

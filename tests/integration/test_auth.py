@@ -520,8 +520,16 @@ def test_the_cli_issues_lists_and_revokes_tokens(deployed):
         "--json",
     )
     assert made.returncode == 0, made.stderr
+    assert "warning" not in made.stderr, made.stderr
     record = json.loads(made.stdout)
     assert record["role"] == "ROLE_APP_USER" and record["token"].startswith("isv_")
+    # An id no deployment has (a typo, or one copied before `iserve deploy` chose it):
+    # made, as the API takes it, and the CLI says the token cannot generate there.
+    stray = _cli(
+        s, "token", "create", "dora", "--role", "app-user", "--deployment", "demo-1a2b3c4d"
+    )
+    assert stray.returncode == 0, stray.stderr
+    assert "warning: no deployment demo-1a2b3c4d exists" in stray.stderr, stray.stderr
     listed = _cli(s, "token", "list", "--json")
     assert record["token_id"] in listed.stdout and record["token"] not in listed.stdout
     denied = _cli(s, "models", token=record["token"])

@@ -262,7 +262,9 @@ def test_issuing_checks_the_request_and_records_only_the_hash():
     assert len(str(cut.value)) < 200
     # The supplied tokens' subjects: records are owned by subject.
     for reserved in ("admin", "iserve"):
-        with pytest.raises(InvalidArgument, match=f"subject '{reserved}' is the stack's own"):
+        with pytest.raises(
+            InvalidArgument, match=f"subject '{reserved}' is reserved for the stack's own"
+        ):
             asyncio.run(issue(records, reserved, policy.MODEL_DEVELOPER, []))
     assert records.rows == {}  # nothing recorded for a refused request
     info, token = asyncio.run(issue(records, "alice", policy.APP_USER, ["d1"]))
