@@ -173,9 +173,19 @@ def _fold_rows(table: CalibrationTable, held: str, train: Sequence[str]):
 
 
 def data_dir() -> Path:
+    """The MaverIQ A6000 data: ``$ISERVE_SHARED_DATA/maveriq-a6000``, else
+    ``../shared/data/maveriq-a6000`` beside the repository; exits saying so when it is
+    not there (a checkout elsewhere)."""
     env = os.environ.get("ISERVE_SHARED_DATA")
     base = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
-    return base / "maveriq-a6000"
+    directory = base / "maveriq-a6000"
+    if not (directory / "fingerprint_data_collection.csv").is_file():
+        where = "ISERVE_SHARED_DATA" if env else "../shared/data beside the repository"
+        sys.exit(
+            f"no MaverIQ data at {directory} ({where}): set ISERVE_SHARED_DATA to the "
+            "directory that holds maveriq-a6000/"
+        )
+    return directory
 
 
 @dataclass(frozen=True)

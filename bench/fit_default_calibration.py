@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import replace
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from google.protobuf import json_format  # noqa: E402
 
+from bench.estimate_a6000 import data_dir  # noqa: E402
 from estimator_svc.calibration_message import SHIPPED_DIR, to_proto  # noqa: E402
 from estimator_svc.hardware_calibration import (  # noqa: E402
     HardwareCalibration,
@@ -48,12 +48,6 @@ from services.api import model_service_pb2 as model_pb  # noqa: E402
 HARDWARE = "rtx-a6000"
 # RTX A6000: 48 GB per GPU (as bench/estimate_a6000.py counts it).
 DEVICE_MEMORY_BYTES = 48_000_000_000
-
-
-def data_dir() -> Path:
-    env = os.environ.get("ISERVE_SHARED_DATA")
-    base = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
-    return base / "maveriq-a6000"
 
 
 def fit_a6000(directory: Path, now_ms: int) -> HardwareCalibration:

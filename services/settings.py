@@ -10,12 +10,12 @@ variable                    meaning                                         defa
 ``ISERVE_MODELS_ROOT``      the only directory checkpoints are read from    ``$ISERVE_STATE_DIR/models``
 ``REDIS_URL``               Redis to use; unset: ``iserve up`` embeds one   from ``stack.json``
 ``ISERVE_HOST``             interface services bind to                      ``127.0.0.1``
-``ISERVE_MODEL_ADDR``       ModelService address                            ``127.0.0.1:50061``
-``ISERVE_ESTIMATOR_ADDR``   EstimatorService address                        ``127.0.0.1:50062``
-``ISERVE_DEPLOY_ADDR``      DeploymentService address                       ``127.0.0.1:50063``
-``ISERVE_SCHEDULER_ADDR``   InferenceService address                        ``127.0.0.1:50064``
-``ISERVE_AGENT_ADDR``       this node's AgentService address                ``127.0.0.1:50065``
-``ISERVE_<S>_METRICS_ADDR``  where service ``<S>`` (MODEL, ESTIMATOR,         ``127.0.0.1:9461``
+``ISERVE_MODEL_ADDR``       ModelService address                            ``$ISERVE_HOST:50061``
+``ISERVE_ESTIMATOR_ADDR``   EstimatorService address                        ``$ISERVE_HOST:50062``
+``ISERVE_DEPLOY_ADDR``      DeploymentService address                       ``$ISERVE_HOST:50063``
+``ISERVE_SCHEDULER_ADDR``   InferenceService address                        ``$ISERVE_HOST:50064``
+``ISERVE_AGENT_ADDR``       this node's AgentService address                ``$ISERVE_HOST:50065``
+``ISERVE_<S>_METRICS_ADDR``  where service ``<S>`` (MODEL, ESTIMATOR,         ``$ISERVE_HOST:9461``
                             DEPLOY, SCHEDULER, AGENT) serves Prometheus      … ``9465``
                             text at ``/metrics`` (port 0: any free port)
 ``ISERVE_NODE_ID``          this node's id                                  ``node0``
@@ -808,6 +808,8 @@ KNOWN_VARIABLES = frozenset({
     # tests' and benches' (../shared/data): set in the same shells, not misspelt.
     "ISERVE_IMAGE", "ISERVE_AGENT_IMAGE", "ISERVE_TAG", "ISERVE_MODELS_DIR",
     "ISERVE_TORCH_INDEX", "ISERVE_TENSORRT_LLM", "ISERVE_SHARED_DATA",
+    # The Node.js client's (clients/node): another protos/ directory.
+    "ISERVE_PROTOS",
 })  # fmt: skip
 
 

@@ -46,8 +46,8 @@ def check_owner(what: str, owner_subject: str) -> None:
     who = caller()
     if who.role in _UNRESTRICTED or (owner_subject and who.subject == owner_subject):
         return
-    owned = f"owned by {owner_subject}" if owner_subject else "with no owner"
-    raise PermissionDenied(f"{what} is {owned}; {who.describe()} may change only its own")
+    owned = f"is owned by {owner_subject}" if owner_subject else "has no owner"
+    raise PermissionDenied(f"{what} {owned}; {who.describe()} may change only its own")
 
 
 def may_use(deployment_id: str, owner_subject: str) -> bool:

@@ -2,7 +2,8 @@
 
 How the CLI finds the services: each address comes from its ``ISERVE_*_ADDR``
 variable when set, else from ``$ISERVE_STATE_DIR/stack.json`` written by ``iserve up``,
-else the default ports 50061-50065 on 127.0.0.1 (see ``services/settings.py``).
+else the default ports 50061-50065 on ``$ISERVE_HOST`` (127.0.0.1 unless set; see
+``services/settings.py``).
 Errors print as ``error: CODE: message`` on stderr with exit status 1 (2 for usage: a
 numeric option outside what its request field carries, e.g. a count below 1, is one).
 Output into a pipe whose reader has gone (``| head``) ends quietly with status 141.
@@ -70,6 +71,10 @@ from services.settings import (
     tls_warnings,
     unknown_variables,
 )
+
+
+def _layers(count: int) -> str:
+    return f"{count} layer" if count == 1 else f"{count} layers"
 
 
 def _unreached(details: str) -> bool:
@@ -239,7 +244,7 @@ def cmd_model_create(settings: Settings, args) -> int:
     checked = validate_checkpoint(out)
     spec = checked.spec
     print(
-        f"wrote {args.name} checkpoint to {out}: {spec.family}, {spec.num_layers} layers, "
+        f"wrote {args.name} checkpoint to {out}: {spec.family}, {_layers(spec.num_layers)}, "
         f"{spec.parameter_count():,} parameters, {checked.weight_bytes / 2**30:.2f} GiB "
         f"{spec.torch_dtype}"
     )
@@ -425,9 +430,9 @@ def cmd_register(settings: Settings, args) -> int:
     if not args.json:
         shape = model.shape
         print(
-            f"registered {model.model_id}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+            f"registered {model.model_id}: {_layers(shape.num_layers)}, hidden {shape.hidden_size}, "
             f"{shape.parameter_count / 1e6:.1f}M parameters, {shape.weight_bytes / 2**20:.1f} MiB "
-            f"({model_pb.ModelState.Name(model.state)})"
+            f"({model_pb.ModelState.Name(model.state).removeprefix('MODEL_STATE_')})"
         )
     if model.state == model_pb.MODEL_STATE_PROFILING and not args.no_wait:
         try:
@@ -445,7 +450,9 @@ def cmd_register(settings: Settings, args) -> int:
             model_pb.GetModelRequest(request_id=_rid(), model_id=model.model_id)
         ).model
         if not args.json:
-            print(f"{model.model_id}: {model_pb.ModelState.Name(model.state)}")
+            print(
+                f"{model.model_id}: {model_pb.ModelState.Name(model.state).removeprefix('MODEL_STATE_')}"
+            )
     if args.json:
         print(json.dumps(_to_json(model)))
     if model.state == model_pb.MODEL_STATE_FAILED:

@@ -316,14 +316,17 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--device-memory",
         type=device_memory_gib,
+        metavar="GIB",
         help="memory of each simulated device, GiB (1 MiB to 1 PiB)",
     )
     add_token_limits(
-        p, "longest prompt (default: Deploy's, 512)", "longest generation (default: Deploy's, 256)"
+        p,
+        "longest prompt (default: Deploy's, 512, or 2/3 of a shorter context)",
+        "longest generation (default: Deploy's, 256, or 1/3 of a shorter context)",
     )
     p.add_argument(
         "--batch", type=whole_number(), default=1, help="batch size to rank at (default 1)"
     )
     p.add_argument("--png", help="write the latency-memory plot here")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=cmd_plan)

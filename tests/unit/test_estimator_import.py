@@ -816,7 +816,7 @@ def test_an_import_changes_only_the_callers_models_and_owns_what_it_creates(run)
         unowned = await store.get_model("llama-2-7b")
         unowned.owner = ""
         await store.put_model(unowned)
-        with pytest.raises(PermissionDenied, match="with no owner"):
+        with pytest.raises(PermissionDenied, match="has no owner"):
             await _import_as(mia, store, llama)
         await _import_as(admin, store, llama)
         assert (await store.get_model("llama-2-7b")).owner == ""
