@@ -32,7 +32,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
 from services.cli import deploying
 from services.health import check, wait_http, wait_serving
-from services.ports import bindable, free_port, reserve
+from services.ports import bindable, ephemeral_range, free_port, reserve
 from services.redis_embedded import start_redis
 from services.settings import (
     GATEWAY_ENV,
@@ -225,8 +225,20 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
     if port_in_use(settings.gateway_address):
         busy.append(f"gateway {settings.gateway_address}")
     if busy:
+        hint = ""
+        ephemeral = ephemeral_range()
+        ports = [int(entry.rpartition(":")[2]) for entry in busy]
+        if ephemeral is not None and any(port in ephemeral for port in ports):
+            # 50061-50065 lie in Linux's usual 32768-60999: a connection of any program
+            # may have drawn one as its own source port, until it closes.
+            hint = (
+                f" (a port in the kernel's range for outgoing connections, "
+                f"{ephemeral.start}-{ephemeral.stop - 1}, may be held by another program's "
+                "connection until it closes: retrying in a minute may find it free)"
+            )
         raise RuntimeError(
-            f"port(s) already in use: {', '.join(busy)}; set ISERVE_*_ADDR or stop what uses them"
+            f"port(s) already in use: {', '.join(busy)}; set ISERVE_*_ADDR or stop what "
+            f"uses them{hint}"
         )
     logs = settings.state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

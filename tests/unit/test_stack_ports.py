@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from services.cli.stack import port_in_use
 
 
@@ -30,3 +32,31 @@ def test_probing_opens_no_connection(monkeypatch) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     assert not port_in_use(f"127.0.0.1:{port}")
+
+
+def test_up_names_busy_ports_and_why_one_in_the_ephemeral_range_may_be(tmp_path, monkeypatch):
+    """A port in the range outgoing connections draw from may be held by another
+    program's connection for a while: `up` says so, where before it only said "in use"."""
+    from services.cli import stack
+    from services.cli.stack import UpOptions
+    from services.ports import ephemeral_range
+    from services.settings import GATEWAY_ENV, METRICS_ENV, SERVICE_ENV, load_settings
+
+    ephemeral = ephemeral_range()
+    if ephemeral is None:
+        pytest.skip("no Linux ephemeral port range here")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))  # the kernel draws from the ephemeral range
+        server.listen()
+        port = server.getsockname()[1]
+        assert port in ephemeral
+        monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+        for variable in (*SERVICE_ENV.values(), *METRICS_ENV.values(), GATEWAY_ENV):
+            monkeypatch.setenv(variable, "127.0.0.1:0")  # only the one below is busy
+        monkeypatch.setenv("ISERVE_ESTIMATOR_ADDR", f"127.0.0.1:{port}")
+        with pytest.raises(RuntimeError) as refused:
+            stack.up(load_settings(), UpOptions(), log=lambda _m: None)
+    message = str(refused.value)
+    assert f"port(s) already in use: estimator 127.0.0.1:{port}" in message
+    assert f"{ephemeral.start}-{ephemeral.stop - 1}" in message and "retrying" in message
+    assert not (tmp_path / "stack.json").exists()
