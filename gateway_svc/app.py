@@ -592,6 +592,13 @@ class BodyLimit:
 
 
 # ---- the app --------------------------------------------------------------------------
+# What a 404 for an unknown path lists.
+_OPENAI_ENDPOINTS = (
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "GET /v1/models",
+    "GET /v1/models/{model}",
+)
 # The /metrics endpoint label of a request no route takes.
 UNMATCHED = "unmatched"
 
@@ -722,11 +729,18 @@ def create_app(
         return error_response(400, "invalid_request_error", message)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException):
         # Unknown paths and methods answer in OpenAI's error body too.
         # A 405 keeps Starlette's Allow header (RFC 9110 requires it).
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            # A client pointed at an endpoint OpenAI has and this server does not
+            # (/v1/embeddings, /v1/responses): say which it has.
+            message = (
+                f"Not Found: {request.url.path[:200]!r} is not served here; the OpenAI "
+                f"endpoints served are {', '.join(_OPENAI_ENDPOINTS)}"
+            )
         if exc.status_code == 400 and exc.__cause__ is not None:
             # FastAPI's "There was an error parsing the body": say what the parser met (a
             # nesting too deep, an integer of thousands of digits, bytes not UTF-8).

@@ -333,7 +333,7 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "invalid_request_error", "logprobs: log-probabilities are not supported"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -2}, 400, "invalid_request_error", "top_k: Input should be greater than or equal to -1"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400, "invalid_request_error", "stop_token_ids: stop_token_ids takes token ids"),
-        ("/v1/embeddings", {"model": MODEL, "input": "x"}, 404, "not_found_error", "Not Found"),
+        ("/v1/embeddings", {"model": MODEL, "input": "x"}, 404, "not_found_error", "Not Found: '/v1/embeddings' is not served here; the OpenAI endpoints served are POST /v1/chat/completions"),
     ],
 )  # fmt: skip
 def test_errors_have_openais_body_and_the_status_of_their_cause(
