@@ -27,6 +27,7 @@ from monitor_agent.monitor import (
     live_holder,
 )
 from monitor_agent.servicer import AgentServicer
+from monitor_agent.shm_files import remove_orphaned_shared_files
 from monitor_agent.supervisor import WorkerSupervisor
 from monitor_agent.worker_pool import WorkerPool
 from services import health
@@ -91,6 +92,8 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
     sampler = (
         NvmlSampler() if any(d.is_cuda for d in devices) else ProcessSampler(supervisor.live_pids)
     )
+    for path in remove_orphaned_shared_files():
+        log.info("removed %s, left by a worker that is gone", path)
     registry = new_registry()
     metrics = AgentMetrics(
         registry, settings.node_id, supervisor.list_workers, supervisor.live_pids

@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from monitor_agent.launch import LaunchPlan, WorkerPlan
+from monitor_agent.shm_files import remove_shared_files
 from monitor_agent.worker_pool import PooledProcess, WorkerPool
 from services.api import agent_service_pb2 as agent_pb
 from services.drain import WORKER_STOP_MARGIN_S
@@ -72,10 +73,20 @@ class WorkerProcess:
     # The process that runs this rank when it has none of its own (a TensorRT-LLM
     # group's ranks other than 0); ``popen`` is then the host's.
     host: WorkerProcess | None = None
+    # Whether what the exited process could not remove itself has been removed.
+    swept: bool = False
 
     @property
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        """Whether the process runs; the first call that finds it exited removes the
+        shared-memory file it may have left (a rank 0 killed while its group set up)."""
+        if self.popen.poll() is None:
+            return True
+        if not self.swept:
+            self.swept = True
+            for path in remove_shared_files(self.popen.pid):
+                log.info("removed %s, left by worker pid %d", path, self.popen.pid)
+        return False
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

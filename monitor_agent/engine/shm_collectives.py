@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from monitor_agent.shm_files import SHM_DIR, new_shared_file_name
 from services.settings import CPU_COLLECTIVES_ENV, cpu_collectives
 
 __all__ = ["SharedGroup", "channel_pairs", "open_shared_group", "shared_memory_wanted"]
@@ -69,7 +70,6 @@ POLL_S = 0.0005
 IDLE_AFTER_S = 1.0  # then polls every IDLE_POLL_S
 IDLE_POLL_S = 0.002
 LIVENESS_S = 0.05
-SHM_DIR = "/dev/shm"
 
 
 def shared_memory_wanted() -> bool:
@@ -293,21 +293,26 @@ def open_shared_group(
     token = secrets.token_bytes(32)
     if rank == 0 and wanted:
         name = _create(size, token)
-    announced = [name, token]
-    dist.broadcast_object_list(announced, src=0)
-    name, token = announced
-    buffer, reason = None, None
-    if not wanted:
-        reason = f"{ENV}=gloo or not x86-64 Linux"
-    elif name is None:
-        reason = "rank 0 could not create the shared file"
-    else:
-        buffer, reason = _map(name, size, token)
-    verdicts: list = [None] * world
-    dist.all_gather_object(verdicts, (os.getpid(), reason))
-    if rank == 0 and name is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(name)
+    created = name
+    try:
+        announced = [name, token]
+        dist.broadcast_object_list(announced, src=0)
+        name, token = announced
+        buffer, reason = None, None
+        if not wanted:
+            reason = f"{ENV}=gloo or not x86-64 Linux"
+        elif name is None:
+            reason = "rank 0 could not create the shared file"
+        else:
+            buffer, reason = _map(name, size, token)
+        verdicts: list = [None] * world
+        dist.all_gather_object(verdicts, (os.getpid(), reason))
+    finally:
+        # Every rank has mapped it, or a peer failed: the name goes either way (a rank 0
+        # killed in between leaves it to the agent, monitor_agent.shm_files).
+        if created is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(created)
     failed = [(r, why) for r, (_, why) in enumerate(verdicts) if why is not None]
     if failed:
         if buffer is not None:
@@ -322,7 +327,7 @@ def open_shared_group(
 
 
 def _create(size: int, token: bytes) -> str | None:
-    name = os.path.join(SHM_DIR, f"iserve-{os.getpid()}-{secrets.token_hex(6)}")
+    name = new_shared_file_name()
     try:
         fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError as exc:

@@ -14,6 +14,8 @@ Scenarios:
   die       rank 1 leaves at once; rank 0 waits for a message from it.
   silent    rank 1 stays but sends nothing; rank 0 waits for a message from it.
   optout    only reports whether the shared group opened.
+  die_in_setup  rank 1 leaves before the shared group is set up; rank 0 reports the
+            error its setup raised.
 """
 
 from __future__ import annotations
@@ -86,6 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world,
         timeout=timedelta(seconds=60),
     )
+    if args.scenario == "die_in_setup":
+        if args.rank == 1:
+            return 0  # gone before the group's shared file is mapped
+        try:
+            open_shared_group(args.rank, args.world, 1, args.timeout_s)
+            failed = {"error": None}
+        except RuntimeError as exc:
+            failed = {"error": str(exc)}
+        (args.out / f"{args.rank}.json").write_text(json.dumps(failed))
+        return 0
     group = open_shared_group(args.rank, args.world, 1, args.timeout_s)
     report: dict = {"opened": group is not None}
     if args.scenario == "optout" or group is None:

@@ -119,6 +119,44 @@ def test_a_peer_that_exits_is_noticed_at_once(tmp_path) -> None:
     assert report["waited_s"] < 10 and time.monotonic() - started < RUN_TIMEOUT_S
 
 
+def test_a_peer_gone_while_the_group_sets_up_leaves_no_file(tmp_path) -> None:
+    """Rank 0 unlinked its file only after every rank had mapped it: a setup that
+    raised left 2 MiB of /dev/shm behind for good."""
+    procs = run_ranks("die_in_setup", 2, tmp_path)
+    assert json.loads((tmp_path / "0.json").read_text())["error"]
+    assert leftover_files(procs) == []
+
+
+def test_the_agent_removes_the_file_of_a_rank_killed_while_setting_up(tmp_path) -> None:
+    """SIGKILL leaves no time for an unlink: the agent, which reaps the process, removes
+    what its pid named (monitor_agent.shm_files)."""
+    from monitor_agent.supervisor import WorkerProcess
+
+    made = tmp_path / "made"
+    code = (
+        "import sys, time; from monitor_agent.shm_files import new_shared_file_name; "
+        "name = new_shared_file_name(); open(name, 'w').close(); "
+        "open(sys.argv[1], 'w').write(name); time.sleep(60)"
+    )
+    popen = subprocess.Popen([sys.executable, "-c", code, str(made)], cwd=PROJECT_ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while not made.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        name = made.read_text()
+        assert os.path.exists(name)
+        worker = WorkerProcess("d", None, popen, tmp_path / "log", tmp_path / "ready", None)
+        assert worker.alive
+        popen.kill()
+        popen.wait()
+        assert not worker.alive
+        assert not os.path.exists(name)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+
+
 def test_a_silent_peer_times_out(tmp_path) -> None:
     run_ranks("silent", 2, tmp_path, timeout_s=0.5)
     report = json.loads((tmp_path / "0.json").read_text())
@@ -134,3 +172,18 @@ def test_a_full_shm_filesystem_means_gloo_and_no_file_left(monkeypatch) -> None:
     before = set(glob.glob(f"/dev/shm/iserve-{os.getpid()}-*"))
     assert shm_collectives._create(1 << 20, b"token") is None
     assert set(glob.glob(f"/dev/shm/iserve-{os.getpid()}-*")) == before
+
+
+def test_files_of_processes_that_are_gone_are_removed_and_live_ones_kept(tmp_path) -> None:
+    """What the agent sweeps at start: files an agent killed with its workers left."""
+    from monitor_agent.shm_files import remove_orphaned_shared_files
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left = tmp_path / f"iserve-{gone.pid}-0123456789ab"
+    live = tmp_path / f"iserve-{os.getpid()}-0123456789ab"
+    other = tmp_path / "iserve-notapid-x"
+    for path in (left, live, other):
+        path.write_bytes(b"x")
+    assert remove_orphaned_shared_files(str(tmp_path)) == [str(left)]
+    assert live.exists() and other.exists() and not left.exists()

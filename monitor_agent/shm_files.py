@@ -1,0 +1,60 @@
+"""The files CPU ranks share memory through (``monitor_agent.engine.shm_collectives``):
+where they lie, how they are named, and the sweep of a dead rank's.
+
+Rank 0 creates ``/dev/shm/iserve-<its pid>-<random>`` and unlinks it once every rank has
+mapped it, so a group that starts leaves nothing behind. A rank 0 killed in between
+(SIGKILL while the group sets up) cannot; the agent, which reaps it, removes what its pid
+named (:func:`remove_shared_files`). Kept apart from the collectives so that the agent
+does not import torch for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+SHM_DIR = "/dev/shm"
+_PREFIX = "iserve-"
+
+
+def new_shared_file_name(pid: int | None = None) -> str:
+    """A fresh path for a group's shared file, naming the process that creates it."""
+    pid = os.getpid() if pid is None else pid
+    return os.path.join(SHM_DIR, f"{_PREFIX}{pid}-{secrets.token_hex(6)}")
+
+
+def remove_shared_files(pid: int, directory: str = SHM_DIR) -> list[str]:
+    """Remove the shared files process ``pid`` created and left (it has exited); the
+    paths removed."""
+    removed = []
+    for path in Path(directory).glob(f"{_PREFIX}{pid}-*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(str(path))
+    return removed
+
+
+def remove_orphaned_shared_files(directory: str = SHM_DIR) -> list[str]:
+    """Remove the shared files of processes that no longer run (an agent killed with its
+    workers left them); the paths removed. Another stack's live workers keep theirs."""
+    removed = []
+    for path in Path(directory).glob(f"{_PREFIX}*-*"):
+        pid = path.name[len(_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(str(path))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
