@@ -44,7 +44,7 @@ from services.api import inference_service_pb2 as inference_pb
 from services.api import inference_service_pb2_grpc as inference_grpc
 from services.api import worker_service_pb2 as worker_pb
 from services.drain import InFlight
-from services.grpc_server import ServiceBinding, ended_by_client
+from services.grpc_server import ServiceBinding, ended_by_client, logged_request_id
 from services.ids import replica_group_id
 from services.metrics import new_registry
 from services.state.store import StateStore
@@ -237,6 +237,14 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # GeneratorExit: the stream was closed at a yield (the client went away
             # between messages): a cancellation, not a success with no finish reason.
             record.code = ended_by_client(context, budget_s)
+            # As the served ones: an operator reading the log sees each request end.
+            log.info(
+                "request %s ended by the client (%s) after %d tokens, %.0f ms",
+                logged_request_id(request),
+                record.code.name,
+                len(record.token_times),
+                (clock() - record.arrival_s) * 1e3,
+            )
             raise
         except Exception:
             record.code = grpc.StatusCode.INTERNAL

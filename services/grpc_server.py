@@ -49,7 +49,7 @@ Drain = Callable[[float], Awaitable[object]]
 _LOGGED_ID_CHARS = 128
 
 
-def _request_id(request: object) -> str:
+def logged_request_id(request: object) -> str:
     """The request's id as a log line shows it: as sent when it is printable ASCII (what
     a valid id is), else escaped (``ascii``) and cut, as the id is logged before it is
     checked: a newline in it wrote a line of the client's own into the log."""
@@ -69,7 +69,7 @@ def _code_of(exc: BaseException) -> grpc.StatusCode:
 async def _abort_for(
     exc: BaseException, method: str, request: object, context: grpc.aio.ServicerContext
 ):
-    rid = _request_id(request)
+    rid = logged_request_id(request)
     if isinstance(exc, IServeError):
         log.info("%s request_id=%s -> %s: %s", method, rid, exc.code.name, exc)
         reason = ((REASON_KEY, exc.reason),) if exc.reason else ()
@@ -147,7 +147,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             log.debug(
                 "%s request_id=%s ok in %.1f ms",
                 method,
-                _request_id(request),
+                logged_request_id(request),
                 (time.perf_counter() - started) * 1e3,
             )
             return response

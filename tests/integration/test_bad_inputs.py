@@ -202,8 +202,9 @@ class _Stream:
     def __init__(self, stack, **fields):
         from services.api import inference_service_pb2 as infer_pb
 
+        self.request_id = rid()
         self.call = stack.inference.Generate(
-            infer_pb.GenerateRequest(request_id=rid(), **fields), timeout=120
+            infer_pb.GenerateRequest(request_id=self.request_id, **fields), timeout=120
         )
         self.first = threading.Event()
         self.error: grpc.RpcError | None = None
@@ -281,6 +282,10 @@ def test_cancel_stops_generation_on_the_worker(stack, served):
     assert wait_for(lambda: _worker_stats(served.worker_address).active_requests == 0, timeout=10)
     after = _worker_stats(served.worker_address).tokens_generated
     assert after - before < served.max_output_tokens // 2
+    # The scheduler's log has a line for it, as for a served request (it had none).
+    log = stack.settings.state_dir / "logs" / "scheduler.log"
+    ended = f"request {stream.request_id} ended by the client (CANCELLED) after"
+    assert wait_for(lambda: ended in log.read_text(errors="replace"), timeout=10)
 
 
 def test_deploying_a_model_without_a_checkpoint_is_failed_precondition(stack):
