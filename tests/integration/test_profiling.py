@@ -185,7 +185,7 @@ def test_register_profiles_the_fingerprints(stack):
 def test_deleting_a_model_stops_its_profiling(stack):
     path = make_checkpoint(stack, "prof-deleted", **TINY)
     out = _cli(stack, "register", "prof-deleted", path, "--no-wait")
-    assert out.returncode == 0 and "MODEL_STATE_PROFILING" in out.stdout, out
+    assert out.returncode == 0 and "(PROFILING)" in out.stdout, out
     assert wait_for(lambda: _profile_workers(stack) != [], timeout=60)  # a job is running
     _delete(stack, "prof-deleted")
     assert wait_for(lambda: _profile_workers(stack) == [], timeout=30)

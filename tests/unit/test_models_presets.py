@@ -153,7 +153,7 @@ def test_cli_custom_shape_for_every_family(tmp_path: Path, capsys) -> None:
         argv = ["model", "create", arch, "--arch", arch, "--hidden", "32", "--layers", "1"]
         assert cli_main([*argv, "--heads", "4", "--out", str(out)]) == 0
         assert validate_checkpoint(out).spec.family == arch
-    assert "gptj, 1 layers" in capsys.readouterr().out
+    assert "gptj, 1 layer," in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
