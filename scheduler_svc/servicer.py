@@ -214,7 +214,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     if attempt or not (
                         gone.others_serve
                         or by_model
-                        or await self._restarted_elsewhere(request, replica.worker_address)
+                        or await self._restarted_elsewhere(request, replica.worker_address, gone)
                     ):
                         raise
                     # Once more: on a replica that still serves, on the worker Redis now
@@ -275,11 +275,18 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         )
 
     async def _restarted_elsewhere(
-        self, request: inference_pb.GenerateRequest, gone_address: str
+        self, request: inference_pb.GenerateRequest, gone_address: str, gone: Exception
     ) -> bool:
         """Whether the deployment ``request`` names, read afresh, serves on a worker other
-        than ``gone_address`` (the router's cached record was of one restarted since)."""
-        fresh = await self.router.by_deployment_id(request.deployment_id)
+        than ``gone_address`` (the router's cached record was of one restarted since).
+        FAILED_PRECONDITION when it was removed since (``gone``: how its worker went), as
+        for a request that waited on it, not the NOT_FOUND of an id that never was."""
+        try:
+            fresh = await self.router.by_deployment_id(request.deployment_id)
+        except errors.NotFound:
+            raise errors.FailedPrecondition(
+                f"{gone}: deployment {request.deployment_id} was removed meanwhile"
+            ) from None
         return any(r.worker_address != gone_address for r in replicas.serving(fresh))
 
     async def _admit(

@@ -733,6 +733,23 @@ def test_a_deployment_request_finds_the_worker_its_deployment_was_restarted_on(r
     run(redis_url, scenario)
 
 
+def test_a_request_whose_deployment_was_removed_as_its_worker_went_is_told_so(redis_url):
+    """The router's cache holds d1 READY; its worker is gone and its record deleted (a
+    remove while requests waited: one admitted as the drain ended): FAILED_PRECONDITION
+    saying so, not NOT_FOUND as for an id that never existed (a probe saw 18 of 30)."""
+
+    async def scenario(h: Harness):
+        removed = await h.add_deployment("d1", None)  # nothing listens: workers stopped
+        await h.servicer.router.refresh()  # the cache: d1 READY
+        await h.store.delete_deployment(removed)
+        error = await h.status_of(request_id="r", deployment_id="d1")
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+        assert error.details().startswith("worker of deployment d1 is gone")
+        assert error.details().endswith("deployment d1 was removed meanwhile")
+
+    run(redis_url, scenario)
+
+
 def test_a_stream_closed_between_messages_is_counted_cancelled(redis_url):
     """gRPC closes a handler's generator at a yield when the client goes away between
     messages: that request failed (CANCELLED), it did not succeed with no finish reason."""
