@@ -734,6 +734,14 @@ def create_app(
         # A 405 keeps Starlette's Allow header (RFC 9110 requires it).
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
+        backend = getattr(request.app.state, "backend", None)
+        if exc.status_code in (404, 405) and request.url.path.startswith("/v1/") and backend:
+            # With authentication on, a request without a token is a 401 before anything
+            # else, on a path this server has or not, as OpenAI answers.
+            try:
+                backend.caller(request)
+            except GatewayError as refused:
+                return await gateway_error(request, refused)
         if exc.status_code == 404 and message == "Not Found":
             # A client pointed at an endpoint OpenAI has and this server does not
             # (/v1/embeddings, /v1/responses): say which it has.

@@ -704,3 +704,23 @@ def test_template_variables_a_request_may_not_set_are_a_400_naming_them():
                 or "at most 64" in error["message"]
             )
             assert not _document_takes(CHAT[0], body)
+
+
+def test_with_authentication_on_a_path_not_served_is_a_401_without_a_token(tmp_path):
+    """OpenAI answers 401 before 404: a client without a key learned which paths exist."""
+    backend = _backend(tmp_path)
+    with TestClient(create_app(lambda: backend)) as client:
+        for method, path in (
+            ("post", "/v1/embeddings"),
+            ("get", "/v1/responses"),
+            ("delete", "/v1/models"),
+        ):
+            refused = client.request(method, path, json={})
+            assert refused.status_code == 401, refused.text
+            assert refused.json()["error"]["type"] == "authentication_error"
+            assert refused.headers["www-authenticate"] == 'Bearer realm="iserve"'
+            keyed = client.request(
+                method, path, json={}, headers={"Authorization": f"Bearer {TOKEN}"}
+            )
+            assert keyed.status_code in (404, 405), keyed.text
+        assert client.get("/nowhere").status_code == 404  # not an OpenAI path: no token asked
