@@ -110,9 +110,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from redis.connection import parse_url
+from redis.connection import ConnectionPool, parse_url
 
 DEFAULT_PORTS = {
     "model": 50061,
@@ -682,8 +682,18 @@ def _redis_url(url: str | None) -> str | None:
     if not url:
         return None
     try:
-        parse_url(url)
-    except ValueError as exc:
+        options = parse_url(url)
+        scheme = urlsplit(url).scheme
+        database = urlsplit(url).path.strip("/")
+        if scheme in ("redis", "rediss") and database and "db" not in options:
+            # redis-py ignores a path it cannot read as a number, and takes database 0:
+            # on a shared Redis, maybe another stack's.
+            raise ValueError(f"its path {database!r} is no database index (a number)")
+        # A query option redis-py passes on that no connection takes ("?dbx=2") failed at
+        # the first connection only; the connection class of the URL's scheme says so now.
+        pool = ConnectionPool.from_url(url)
+        pool.connection_class(**pool.connection_kwargs)
+    except (ValueError, TypeError) as exc:
         raise ValueError(
             f"REDIS_URL={redacted_url(url)!r}: {exc} "
             "(e.g. redis://:PASSWORD@HOST:6379/0, rediss://… with TLS, unix:///PATH)"
@@ -692,8 +702,14 @@ def _redis_url(url: str | None) -> str | None:
 
 
 def redacted_url(url: str) -> str:
-    """``url`` with its password, if any, shown as ``***`` (for logs and status)."""
+    """``url`` with its password, if any, shown as ``***`` (for logs and status): the
+    one before the host and a ``password=`` option (which redis-py takes too)."""
     parts = urlsplit(url)
+    options = parse_qsl(parts.query, keep_blank_values=True)
+    if any(name.lower() == "password" for name, _ in options):
+        query = [(n, "***" if n.lower() == "password" else v) for n, v in options]
+        url = re.sub(r"\?.*$", "?" + urlencode(query, safe="*/:"), url, flags=re.S)
+        parts = urlsplit(url)
     try:
         port = parts.port
     except ValueError:  # not a number: hide whatever stands before the host

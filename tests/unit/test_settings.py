@@ -128,6 +128,13 @@ def test_the_drain_timeout_may_be_a_fraction_of_a_second(tmp_path):
         ({"ISERVE_ADMIN_TOKEN": "admin-token-with-an-accent-é-0123"}, "ISERVE_ADMIN_TOKEN"),
         ({"ISERVE_TLS_CERT": "/nonexistent/cert.pem"}, "ISERVE_TLS_CERT"),
         ({"REDIS_URL": "localhost:6379"}, "REDIS_URL.*schemes"),
+        # redis-py took database 0 for a path it cannot read, and passed an unknown option
+        # on to fail at the first connection, after 10 s of "unreachable".
+        ({"REDIS_URL": "redis://127.0.0.1:6379/5x"}, "REDIS_URL.*'5x' is no database index"),
+        (
+            {"REDIS_URL": "redis://127.0.0.1:6379/0?dbx=2"},
+            "REDIS_URL.*unexpected keyword argument 'dbx'",
+        ),
         # A port past 65535 used to wrap around to another (99999 - 65536).
         ({"ISERVE_MODEL_ADDR": "127.0.0.1:99999"}, "ISERVE_MODEL_ADDR.*port from 0 to 65535"),
         ({"ISERVE_GATEWAY_ADDR": "bogus"}, "ISERVE_GATEWAY_ADDR.*not host:port"),
@@ -199,6 +206,14 @@ def test_cors_origins_are_a_list_of_origins(tmp_path):
         ("redis://:S3cret@redis:6379/0", "redis://:***@redis:6379/0"),
         ("rediss://iserve:p%40ss@[::1]:6380/1", "rediss://iserve:***@[::1]:6380/1"),
         ("unix:///tmp/redis.sock", "unix:///tmp/redis.sock"),
+        ("unix:///tmp/redis.sock?db=2", "unix:///tmp/redis.sock?db=2"),
+        # redis-py takes the password as an option too: it was printed at `up` and in
+        # `iserve status`, and in an agent's log when wrong.
+        (
+            "redis://127.0.0.1:6379/0?username=iserve&password=Is3rve%21pw",
+            "redis://127.0.0.1:6379/0?username=iserve&password=***",
+        ),
+        ("unix:///tmp/r.sock?password=x&db=2", "unix:///tmp/r.sock?password=***&db=2"),
     ],
 )
 def test_a_redis_url_is_shown_without_its_password(url, shown):
