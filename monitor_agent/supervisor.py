@@ -200,7 +200,17 @@ class WorkerSupervisor:
         self._workers[plan.deployment_id] = procs  # claimed now, so stop_all sees them
         try:
             for worker in plan.processes:
-                procs.append(self._spawn(plan, worker))
+                # Beside the event loop: the first fork from the pool waits for it to have
+                # imported torch (seconds from a cold disk), which held the agent's
+                # heartbeat past its lifetime, and its node was taken for dead.
+                spawning = asyncio.ensure_future(asyncio.to_thread(self._spawn, plan, worker))
+                try:
+                    procs.append(await asyncio.shield(spawning))
+                except asyncio.CancelledError:
+                    # The process starts all the same: stopped below with the others.
+                    with contextlib.suppress(Exception):
+                        procs.append(await spawning)
+                    raise
             if len(plan.processes) < len(plan.workers):
                 host = procs[0]  # one process runs the group: the others are its ranks
                 procs[:] = [
