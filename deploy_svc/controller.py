@@ -58,6 +58,9 @@ from services.state.records import decode, encode
 from services.state.store import ReservationError, StateStore
 
 log = logging.getLogger("iserve.deploy")
+
+# How long a Deploy waits for the deployer's start-up pass before it is told why not.
+RECONCILE_WAIT_S = 60.0
 RESERVE_ATTEMPTS = 3
 RANK_TIMEOUT_S = 60.0
 
@@ -128,6 +131,8 @@ class DeploymentController:
         # Set once the reconciler's start-up pass has run; Deploy waits for it so that
         # start-up cleanup never mistakes a reservation of a Deploy in flight for an orphan.
         self.reconciled = asyncio.Event()
+        # Why the start-up pass failed last, while it retries ("" before, or once done).
+        self.reconcile_error = ""
         self.healer = Healer(
             store,
             self.workers,
@@ -366,9 +371,24 @@ class DeploymentController:
             decision.replica_placements.extend(more)
             return decision
 
+    async def _until_reconciled(self) -> None:
+        """Wait for the start-up pass, at most RECONCILE_WAIT_S: UNAVAILABLE with why it
+        has not run after that (a Redis user without a permission it needs made Deploy
+        wait for ever, the reason in the deployer's log alone)."""
+        if self.reconciled.is_set():
+            return
+        try:
+            await asyncio.wait_for(self.reconciled.wait(), RECONCILE_WAIT_S)
+        except TimeoutError:
+            why = f": {self.reconcile_error}" if self.reconcile_error else ""
+            raise Unavailable(
+                "the deployer has not yet matched its records with Redis and the agents "
+                f"since it started{why}"
+            ) from None
+
     # ---- deploy ---------------------------------------------------------------------
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:
-        await self.reconciled.wait()
+        await self._until_reconciled()
         deployment_id = f"{request.model_id}-{secrets.token_hex(4)}"
         check_request_id(request.request_id)
         # Known before the request id is claimed, so that a repeat that finds the claim

@@ -346,9 +346,13 @@ class Reconciler:
                 break
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - retry until Redis and the agents answer
-                log.exception("start-up reconciliation failed; retrying")
+            except Exception as exc:  # noqa: BLE001 - retry until Redis and the agents answer
+                said = f"{type(exc).__name__}: {exc}"
+                if said != self.controller.reconcile_error:  # once, not each second
+                    log.exception("start-up reconciliation failed; retrying each second")
+                self.controller.reconcile_error = said
                 await asyncio.sleep(1.0)
+        self.controller.reconcile_error = ""
         loop = asyncio.get_running_loop()
         workers_checked_at = loop.time()
         # The agents are asked beside the loop, so that one slow to answer (up to

@@ -25,7 +25,7 @@ from services.settings import (
     tls_warnings,
     unknown_variables,
 )
-from services.state.store import StateStore
+from services.state.store import StateStore, StateStoreRefused, eviction_problem
 
 log = logging.getLogger("iserve.service")
 
@@ -85,13 +85,24 @@ async def connect_store(settings: Settings) -> StateStore:
     while True:
         try:
             await store.ping()
-            return store
-        except Exception as exc:  # noqa: BLE001 - any failure means "not reachable yet"
+            break
+        except StateStoreRefused as exc:
+            # Credentials, permissions, a database it does not have: no retry changes it.
+            await store.close()
+            fail(f"Redis at {redacted_url(settings.redis_url)}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - any other failure means "not reachable yet"
             if loop.time() >= deadline:
                 await store.close()
                 # Never the password: this lands in the service's log and terminal.
                 fail(f"cannot reach Redis at {redacted_url(settings.redis_url)}: {exc}")
         await asyncio.sleep(0.1)
+    problem, warning = eviction_problem(await store.eviction_policy())
+    if problem:
+        await store.close()
+        fail(f"Redis at {redacted_url(settings.redis_url)}: {problem}")
+    if warning:
+        log.warning("Redis at %s: %s", redacted_url(settings.redis_url), warning)
+    return store
 
 
 def serve_service(name: str, build: Callable[[Settings, StateStore], ServiceParts]) -> None:

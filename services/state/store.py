@@ -17,9 +17,16 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    WatchError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.exceptions import WatchError
 
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
@@ -83,6 +90,58 @@ class StateStoreUnavailable(Unavailable):
     its data): UNAVAILABLE, and the call may be retried once it is back."""
 
 
+class StateStoreRefused(StateStoreUnavailable):
+    """Redis answers but refuses iserve's commands: its credentials, a permission its
+    ACL user lacks, a full memory under ``noeviction``, a read-only replica, a database
+    index it does not have. UNAVAILABLE like an unreachable Redis (what iserve writes
+    waits, nothing is judged from what it could not write), but with Redis's reason, and
+    a process that starts stops at once rather than retrying."""
+
+
+def _refusal_hint(exc: Exception) -> str:
+    if isinstance(exc, AuthenticationError):
+        return "check the user and password in REDIS_URL"
+    if isinstance(exc, NoPermissionError):
+        return "its ACL user lacks a permission iserve needs (docs/security.md lists them)"
+    if isinstance(exc, OutOfMemoryError):
+        return "it is full (maxmemory) and refuses writes"
+    if isinstance(exc, ReadOnlyError):
+        return "it is a read-only replica: point REDIS_URL at the primary"
+    return "see Redis's message"
+
+
+# Redis's refusals of a command that retrying on another connection does not change
+# (redis-py raises AuthenticationError as a ConnectionError).
+_REFUSALS = (AuthenticationError, NoPermissionError, OutOfMemoryError, ReadOnlyError)
+
+
+def _refused(exc: Exception) -> bool:
+    return isinstance(exc, _REFUSALS) or (
+        isinstance(exc, ResponseError) and str(exc).startswith("DB index is out of range")
+    )
+
+
+def eviction_problem(policy: str | None) -> tuple[str, str]:
+    """(why iserve cannot keep its state in a Redis with ``maxmemory-policy`` ``policy``,
+    a warning about it): a policy that evicts any key would delete models, deployments
+    and reservations once Redis is full (a device's reserved memory then never comes
+    back); one that evicts keys with a lifetime may take agents' heartbeats (a node then
+    looks dead). None: the policy could not be read (an ACL without INFO)."""
+    if policy is None or policy == "noeviction":
+        return "", ""
+    if policy.startswith("allkeys-"):
+        return (
+            f"its maxmemory-policy is {policy}: once full it would evict iserve's records "
+            "(models, deployments, reservations); set maxmemory-policy noeviction, or use "
+            "a Redis of its own for iserve",
+            "",
+        )
+    return "", (
+        f"its maxmemory-policy is {policy}: once full it may evict keys with a lifetime, "
+        "agents' heartbeats among them (their nodes then look dead); noeviction is safer"
+    )
+
+
 class ReservationError(Exception):
     """A reservation could not be made; ``device`` names the device that refused it."""
 
@@ -119,7 +178,14 @@ def _unavailable_when_redis_is_down(method):
     async def call(self: StateStore, *args, **kwargs):
         try:
             return await method(self, *args, **kwargs)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except (RedisConnectionError, RedisTimeoutError, ResponseError) as exc:
+            if _refused(exc):
+                raise StateStoreRefused(
+                    f"state store (Redis) at {self.location} refuses iserve's commands "
+                    f"({_refusal_hint(exc)}): {exc}"
+                ) from exc
+            if isinstance(exc, ResponseError):
+                raise  # an error of the command itself, not of Redis's state
             raise StateStoreUnavailable(
                 f"state store (Redis) unreachable at {self.location}: {exc}"
             ) from exc
@@ -176,6 +242,16 @@ class StateStore:
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
+
+    async def eviction_policy(self) -> str | None:
+        """Redis's ``maxmemory-policy`` (``INFO memory``), None where it cannot be read
+        (an ACL user without INFO, a managed Redis that hides it)."""
+        try:
+            info = await self.redis.info("memory")
+        except ResponseError:
+            return None
+        policy = info.get("maxmemory_policy")
+        return str(policy) if policy else None
 
     # ---- models -------------------------------------------------------------------
     async def create_model(self, model: model_pb.Model) -> bool:

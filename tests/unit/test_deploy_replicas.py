@@ -26,6 +26,7 @@ from services.errors import (
     InvalidArgument,
     IServeError,
     ResourceExhausted,
+    Unavailable,
 )
 from services.reservation import memory_blocks
 
@@ -624,5 +625,24 @@ def test_a_request_id_reused_for_another_request_is_refused_not_answered(run):
         assert [d.deployment_id for d in await store.list_deployments()] == [first.deployment_id]
         await controller.remove(first.deployment_id)
         assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_deploy_before_the_start_up_pass_is_told_why_it_has_not_run(run, monkeypatch):
+    """A Redis user without EVALSHA failed the deployer's start-up pass each second: every
+    Deploy waited for ever, the reason in the deployer's log alone."""
+    from deploy_svc import controller as controller_module
+
+    monkeypatch.setattr(controller_module, "RECONCILE_WAIT_S", 0.2)
+
+    async def scenario(store):
+        controller = await controller_on(store, FakeAgent(), 2)
+        controller.reconciled.clear()
+        controller.reconcile_error = "StateStoreRefused: … lacks a permission iserve needs"
+        with pytest.raises(Unavailable, match="not yet matched its records .*lacks a permission"):
+            await controller.deploy(deploy_request(1))
+        assert await store.list_deployments() == []
+        assert await store.reservation_owners() == set()
 
     run(scenario)

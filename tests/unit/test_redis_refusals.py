@@ -1,0 +1,102 @@
+"""A Redis that answers but refuses: what a process starting on it says, and how the
+store names it (a real redis-server of this module's own, reconfigured per test)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+
+from services.api import model_service_pb2 as model_pb
+from services.service_main import connect_store
+from services.settings import load_settings
+from services.state.store import StateStore, StateStoreRefused, eviction_problem
+
+
+def _connect(tmp_path, url: str) -> None:
+    """What a starting service does with REDIS_URL=``url``: connect_store, then close."""
+    settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "REDIS_URL": url})
+
+    async def main() -> None:
+        await (await connect_store(settings)).close()
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def admin(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 0)
+    client.acl_deluser("limited")
+    client.config_set("requirepass", urlsplit(redis_url).password or "")
+    client.close()
+
+
+def test_a_redis_that_would_evict_iserve_s_records_is_refused_at_start(
+    tmp_path, redis_url, admin, capsys, caplog
+):
+    """allkeys-lru deleted models, deployments and reservations once full (a device's
+    reserved memory never came back); it was taken without a word."""
+    admin.config_set("maxmemory-policy", "allkeys-lru")
+    with pytest.raises(SystemExit) as stopped:
+        _connect(tmp_path, redis_url)
+    assert stopped.value.code == 2
+    assert "maxmemory-policy is allkeys-lru" in capsys.readouterr().err
+    admin.config_set("maxmemory-policy", "volatile-lru")
+    with caplog.at_level(logging.WARNING):
+        _connect(tmp_path, redis_url)
+    assert "agents' heartbeats" in caplog.text
+    assert eviction_problem("noeviction") == ("", "") and eviction_problem(None) == ("", "")
+
+
+@pytest.mark.parametrize("how", ["password changed", "wrong password", "no such database"])
+def test_a_refusal_no_retry_changes_stops_a_starting_process_at_once(
+    tmp_path, redis_url, admin, capsys, how
+):
+    """Each was retried for 10 s and reported as "unreachable"."""
+    parts = urlsplit(redis_url)
+    url = redis_url
+    if how != "no such database":
+        admin.config_set("requirepass", "right-password")
+        if how == "wrong password":
+            url = f"redis://:wrong-password@{parts.hostname}:{parts.port}/0"
+    else:
+        url = f"redis://{parts.hostname}:{parts.port}/99"
+    started = time.monotonic()
+    with pytest.raises(SystemExit):
+        _connect(tmp_path, url)
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err
+    assert "refuses iserve's commands" in err and "unreachable" not in err, err
+    assert "wrong-password" not in err
+
+
+def test_commands_redis_refuses_are_named_with_what_to_do(redis_url, admin):
+    admin.acl_setuser(
+        "limited",
+        enabled=True,
+        passwords=["+limited-pw"],
+        keys=["*"],
+        commands=["+ping", "+get", "+info"],
+    )
+    parts = urlsplit(redis_url)
+
+    async def refused(url: str) -> str:
+        store = StateStore.from_url(url)
+        try:
+            with pytest.raises(StateStoreRefused) as raised:
+                await store.create_model(model_pb.Model(model_id="m"))
+            return str(raised.value)
+        finally:
+            await store.close()
+
+    limited = f"redis://limited:limited-pw@{parts.hostname}:{parts.port}/0"
+    assert "lacks a permission iserve needs" in asyncio.run(refused(limited))
+    admin.config_set("maxmemory", 1)
+    assert "full (maxmemory)" in asyncio.run(refused(redis_url))
