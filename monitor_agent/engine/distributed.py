@@ -38,7 +38,11 @@ the same timeout and still notice a driver that hangs.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -178,6 +182,44 @@ class ParallelContext:
         }
 
 
+def interface_with_address(address: str) -> str | None:
+    """The name of this host's network interface whose IPv4 address is ``address`` (the
+    kernel's answer, SIOCGIFADDR), None when none has it or ``address`` is no IPv4."""
+    try:
+        wanted = socket.inet_aton(address)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _index, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:
+                continue  # no IPv4 address on it
+            if answer[20:24] == wanted:
+                return name
+    return None
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def bind_collectives(bind_host: str, cuda: bool) -> str | None:
+    """Make the collectives' own sockets use the interface of ``bind_host`` (the address
+    this worker serves on), unless the operator named one: gloo and NCCL pick theirs by
+    resolving the host name, which on most hosts maps to a loopback address, and a rank
+    on another node then dialled 127.0.0.1. Returns the interface set, if any."""
+    variable = "NCCL_SOCKET_IFNAME" if cuda else "GLOO_SOCKET_IFNAME"
+    if os.environ.get(variable) or bind_host in ("", "0.0.0.0", "::"):
+        return None
+    if bind_host.startswith("127.") or bind_host == "localhost":
+        return None  # one host: the default works
+    name = interface_with_address(bind_host)
+    if name is not None:
+        os.environ[variable] = name
+    return name
+
+
 def init_parallel(
     layout: ParallelLayout,
     *,
@@ -186,13 +228,18 @@ def init_parallel(
     first_layer: int = 0,
     layer_count: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    bind_host: str = "",
 ) -> ParallelContext:
     """Join the process group at ``rendezvous`` ("host:port", where rank 0 listens) and
     create the tensor-parallel groups. Blocks until every rank has joined (at most
     ``timeout_s``). NCCL when ``device`` is CUDA (which becomes this process's current
-    device), gloo otherwise."""
+    device), gloo otherwise; their sockets on the interface of ``bind_host``
+    (:func:`bind_collectives`)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
+    interface = bind_collectives(bind_host, cuda)
+    if interface is not None:
+        log.info("collectives bound to %s (the interface of %s)", interface, bind_host)
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(

@@ -434,6 +434,7 @@ def join_group(args: argparse.Namespace) -> ParallelContext | None:
         first_layer=args.first_layer,
         layer_count=args.layer_count or None,
         timeout_s=args.collective_timeout_s,
+        bind_host=args.host,
     )
 
 

@@ -1,0 +1,46 @@
+"""Which interface a worker's collectives use (monitor_agent.engine.distributed): the one
+of the address it serves on, asked of the kernel, unless the operator named one."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+
+import pytest
+
+from monitor_agent.engine.distributed import bind_collectives, interface_with_address
+
+
+def _addresses() -> dict[str, str]:
+    """IPv4 address -> interface, as iproute2 lists them (the test's own view)."""
+    listed = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True)
+    found = {}
+    for line in listed.stdout.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[2] == "inet":
+            found[fields[3].split("/")[0]] = fields[1]
+    return found
+
+
+def test_the_interface_of_an_address_is_the_kernel_s():
+    assert interface_with_address("127.0.0.1") is not None  # loopback, whatever its name
+    assert interface_with_address("203.0.113.254") is None  # nobody's here
+    assert interface_with_address("not-an-address") is None
+    for address, name in _addresses().items():
+        if not address.startswith("127."):
+            assert interface_with_address(address) == name
+
+
+def test_a_node_s_address_binds_gloo_to_its_interface_unless_the_operator_named_one(monkeypatch):
+    """Gloo bound where the host name resolves, 127.0.0.1 on most hosts: a rank on
+    another node dialled that, and pipelines across nodes failed to start."""
+    others = [a for a in _addresses() if not a.startswith("127.")]
+    if not others:
+        pytest.skip("no address but loopback here")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert bind_collectives(others[0], cuda=False) == _addresses()[others[0]]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "chosen0")
+    assert bind_collectives(others[0], cuda=False) is None
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    for one_host in ("127.0.0.1", "0.0.0.0", "", "localhost", socket.gethostname()):
+        assert bind_collectives(one_host, cuda=False) is None
