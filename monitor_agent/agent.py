@@ -58,6 +58,16 @@ def advertised_address(address: str) -> str:
     return f"{advertised_host(host)}:{port}" if sep and host in _WILDCARD_HOSTS else address
 
 
+def _resolves_to_loopback(name: str) -> bool:
+    """Whether every address ``name`` resolves to is a loopback one (False when it does
+    not resolve: that is reported where it is dialled)."""
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(name, None)}
+    except OSError:
+        return False
+    return bool(found) and all(_loopback(address) for address in found)
+
+
 def _loopback(host: str) -> bool:
     host = host.strip("[]")
     if host == "localhost":
@@ -102,9 +112,19 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
     if not _loopback(agent_address.rpartition(":")[0]) and _loopback(settings.host):
         log.warning(
             "this agent is reached at %s but its workers bind %s (ISERVE_HOST): other "
-            "hosts cannot reach them; set ISERVE_HOST to this host's address (or 0.0.0.0)",
+            "hosts cannot reach them; set ISERVE_HOST to this host's address",
             agent_address,
             settings.host,
+        )
+    if settings.host in _WILDCARD_HOSTS and _resolves_to_loopback(advertised_host(settings.host)):
+        # Workers bound everywhere are advertised by this host's name; most hosts map it
+        # to a loopback address, and the scheduler on another host then dialled itself.
+        log.warning(
+            "ISERVE_HOST=%s: this agent's workers are advertised as %r, which resolves to "
+            "a loopback address here: processes on other hosts cannot reach them; set "
+            "ISERVE_HOST to this host's address on the cluster's network",
+            settings.host,
+            advertised_host(settings.host),
         )
     monitor = DeviceMonitor(
         node_id=settings.node_id,

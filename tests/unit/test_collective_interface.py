@@ -44,3 +44,13 @@ def test_a_node_s_address_binds_gloo_to_its_interface_unless_the_operator_named_
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     for one_host in ("127.0.0.1", "0.0.0.0", "", "localhost", socket.gethostname()):
         assert bind_collectives(one_host, cuda=False) is None
+
+
+def test_a_host_name_that_resolves_to_loopback_is_told_apart():
+    """An agent with ISERVE_HOST=0.0.0.0 advertises its workers by the host's name; where
+    that resolves to loopback (most hosts' /etc/hosts) it now warns at start."""
+    from monitor_agent.agent import _resolves_to_loopback
+
+    assert _resolves_to_loopback("localhost") and _resolves_to_loopback("127.0.0.1")
+    assert not _resolves_to_loopback("203.0.113.7")
+    assert not _resolves_to_loopback("no-such-host.invalid")
