@@ -329,14 +329,24 @@ class Reconciler:
                     log.warning(
                         "forgot node %s: dead for more than %g s", node.node_id, forget_after_s
                     )
+        lost = []
         for deployment in await self.store.list_deployments():
             for replica in replicas.serving(deployment):
                 dead = set(replicas.nodes_of(replica.placement)) - alive
                 if dead:
-                    await self.controller.fail(
-                        replica_group_id(deployment.deployment_id, replica.index),
-                        f"node agent(s) {', '.join(sorted(dead))} stopped heartbeating",
+                    lost.append(
+                        self.controller.fail(
+                            replica_group_id(deployment.deployment_id, replica.index),
+                            f"node agent(s) {', '.join(sorted(dead))} stopped heartbeating",
+                        )
                     )
+        # Side by side (each under its own deployment's lock): a group whose rank on the
+        # live node cannot drain held every other replica of the dead node in service, to
+        # be routed to, for the length of its stop (35 s and more).
+        outcomes = await asyncio.gather(*lost, return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            raise failures[0]  # as before, to the loop (Redis down: its grace window)
 
     async def run(self) -> None:
         last = await self.store.last_event_id()

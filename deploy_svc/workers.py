@@ -180,8 +180,11 @@ class WorkerGroups:
     async def stop_on(self, node_ids: list[str], deployment_id: str) -> None:
         """Ask the nodes' agents to stop a deployment's workers (best effort)."""
         addresses = await self._agent_addresses()
-        for node_id in node_ids:
-            await self._stop_one(addresses, node_id, deployment_id)
+        # Side by side: a node whose workers drain (or whose agent does not answer) must
+        # not hold up the others'.
+        await asyncio.gather(
+            *(self._stop_one(addresses, node_id, deployment_id) for node_id in node_ids)
+        )
 
     async def _stop_one(self, addresses: dict[str, str], node_id: str, deployment_id: str) -> None:
         try:

@@ -836,3 +836,36 @@ def test_the_reachability_of_agents_is_by_address_and_answering_clears_it():
     assert why.startswith(
         "waiting for node node1: its agent does not answer (Connection refused), and the live"
     ), why
+
+
+def test_the_replicas_of_a_dead_node_are_taken_out_side_by_side(run):
+    """One replica whose stop takes long (its group's rank on a live node cannot drain)
+    held every other replica of the dead node in service, routed to, for its whole stop
+    (a multi-host probe: 41 s)."""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        first = (await controller.deploy(deploy_request(1))).deployment
+        second = (await controller.deploy(deploy_request(1))).deployment
+        stop_on = controller.workers.stop_on
+
+        async def slow_for_the_first(node_ids, group):
+            if group.startswith(first.deployment_id):
+                await asyncio.sleep(2.0)
+            await stop_on(node_ids, group)
+
+        controller.workers.stop_on = slow_for_the_first
+        lapsed = node(2, 2)
+        await store.register_node(lapsed, ttl_s=0.05)
+        await store.publish_devices("node0", lapsed.devices, ttl_s=0.05)
+        await asyncio.sleep(0.3)  # node0's heartbeat lapsed
+        reconciler = Reconciler(controller, store, agent)
+        checking = asyncio.create_task(reconciler.check_nodes())
+        await asyncio.sleep(0.8)
+        assert not checking.done()  # the first one's stop still runs
+        taken_out = await store.get_deployment(second.deployment_id)
+        assert not any(r.state == READY for r in taken_out.replicas), taken_out
+        await checking
+
+    run(scenario)
