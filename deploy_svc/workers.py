@@ -123,6 +123,7 @@ class WorkerGroups:
                             ready_timeout_ms=timeout_ms,
                             rendezvous_address=rendezvous,
                             expected_shape=model.shape,
+                            node_id=node_id,
                         ),
                         timeout=timeout_ms / 1000 + 10,
                     )

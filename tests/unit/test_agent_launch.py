@@ -538,3 +538,19 @@ def test_a_checkpoint_rewritten_as_another_model_is_refused(models_root):
         _plan(_request(checkpoint_path="llama", expected_shape=fewer_heads), models_root)
     # "tiny" has a config that describes no model: left to the worker to explain.
     _plan(_request(expected_shape=wider), models_root)
+
+
+def test_an_agent_refuses_workers_placed_on_another_node(tmp_path):
+    """Two nodes' agents given one address: one node's workers ran on the other, its
+    memory accounted to the wrong node, and nothing said so (a multi-host probe)."""
+    import asyncio
+
+    from monitor_agent.servicer import AgentServicer
+    from services.errors import FailedPrecondition
+    from services.settings import load_settings
+
+    settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_NODE_ID": "c0"})
+    servicer = AgentServicer(settings, [], supervisor=None)
+    request = agent_pb.StartWorkersRequest(deployment_id="d", node_id="n2")
+    with pytest.raises(FailedPrecondition, match="placed on node n2 reached the agent of node c0"):
+        asyncio.run(servicer.StartWorkers(request, None))

@@ -48,7 +48,7 @@ class WorkerSpec(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., device_id: _Optional[str] = ..., stage: _Optional[int] = ..., tensor_rank: _Optional[int] = ..., first_layer: _Optional[int] = ..., layer_count: _Optional[int] = ...) -> None: ...
 
 class StartWorkersRequest(_message.Message):
-    __slots__ = ("request_id", "deployment_id", "checkpoint_path", "config", "workers", "rendezvous_address", "max_seq_len", "engine", "ready_timeout_ms", "expected_shape")
+    __slots__ = ("request_id", "deployment_id", "checkpoint_path", "config", "workers", "rendezvous_address", "max_seq_len", "engine", "ready_timeout_ms", "expected_shape", "node_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class StartWorkersRequest(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     READY_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     deployment_id: str
     checkpoint_path: str
@@ -69,7 +70,8 @@ class StartWorkersRequest(_message.Message):
     engine: EngineKind
     ready_timeout_ms: int
     expected_shape: _model_service_pb2.ModelShape
-    def __init__(self, request_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerSpec, _Mapping]]] = ..., rendezvous_address: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., engine: _Optional[_Union[EngineKind, str]] = ..., ready_timeout_ms: _Optional[int] = ..., expected_shape: _Optional[_Union[_model_service_pb2.ModelShape, _Mapping]] = ...) -> None: ...
+    node_id: str
+    def __init__(self, request_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerSpec, _Mapping]]] = ..., rendezvous_address: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., engine: _Optional[_Union[EngineKind, str]] = ..., ready_timeout_ms: _Optional[int] = ..., expected_shape: _Optional[_Union[_model_service_pb2.ModelShape, _Mapping]] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("deployment_id", "rank", "device_id", "pid", "address", "state", "exit_code", "reason", "resident_bytes")
