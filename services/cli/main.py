@@ -583,13 +583,22 @@ def cmd_deployments(settings: Settings, args) -> int:
     return 0
 
 
+# What a deployment id looks like: its model's id and 8 hex digits (DeploymentController).
+_DEPLOYMENT_ID = re.compile(r".+-[0-9a-f]{8}")
+
+
 def _is_deployment(settings: Settings, target: str) -> bool:
+    """Whether ``target`` names a deployment (else a model), as the deployer knows it;
+    while the deployer cannot answer (Redis down: the scheduler still serves what it
+    knows), by the shape of a deployment's id."""
     stub = _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub)
     try:
         stub.GetDeployment(deploy_pb.GetDeploymentRequest(request_id=_rid(), deployment_id=target))
     except grpc.RpcError as exc:
         if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
             return False
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and not _unreached(exc.details() or ""):
+            return _DEPLOYMENT_ID.fullmatch(target) is not None
         raise
     return True
 

@@ -205,3 +205,28 @@ def test_plan_rows_show_the_winners_rank_and_what_was_passed_over(capsys):
     # A long refusal is said once, below the table, for every intent it stopped.
     assert f"min-cost, min-memory: none: {refused}" in out and out.count(refused) == 1
     assert max(len(line) for line in out.splitlines() if refused not in line) < 200
+
+
+def test_generate_tells_a_deployment_from_a_model_while_redis_is_down(monkeypatch, tmp_path):
+    """The deployer answers UNAVAILABLE while Redis is down, and `iserve generate
+    DEPLOYMENT` failed though the scheduler still served it: the id's shape decides."""
+    import grpc
+
+    from services.cli import main as cli_main
+    from services.settings import load_settings
+
+    class Down(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "state store (Redis) unreachable at 127.0.0.1:6379: Connection refused"
+
+    class Stub:
+        def GetDeployment(self, request):
+            raise Down()
+
+    monkeypatch.setattr(cli_main, "_stub", lambda *_args: Stub())
+    settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
+    assert cli_main._is_deployment(settings, "demo-llama-1a2b3c4d")
+    assert not cli_main._is_deployment(settings, "demo-llama")
