@@ -629,6 +629,7 @@ def cmd_generate(settings: Settings, args) -> int:
     )
     stub = _stub(settings, "scheduler", inference_service_pb2_grpc.InferenceServiceStub)
     final = None
+    text_shown = False  # text on the line, without its newline yet
     try:
         for message in stub.Generate(request):
             if message.HasField("delta"):
@@ -637,9 +638,14 @@ def cmd_generate(settings: Settings, args) -> int:
                 else:
                     sys.stdout.write(message.delta.text)
                     sys.stdout.flush()
+                    text_shown = text_shown or bool(message.delta.text)
             elif message.HasField("final"):
                 final = message.final
     except grpc.RpcError as exc:
+        if text_shown:
+            # The error on a line of its own, not after the last words of the text.
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         if "model_id" in target and exc.code() == grpc.StatusCode.NOT_FOUND:
             # Not a deployment id, and no model of that name is deployed: a mistyped
             # deployment id reads as a model id, so the error names both readings.
