@@ -706,7 +706,9 @@ class DeploymentController:
             await self.store.publish_event("deployment_removed", deployment_id=deployment_id)
         self._locks.pop(deployment_id, None)
 
-    async def fail(self, group_id: str, reason: str, *, planned: bool = False) -> bool:
+    async def fail(
+        self, group_id: str, reason: str, *, planned: bool = False, lost_rank: bool = False
+    ) -> bool:
         """A worker of ``group_id`` (a deployment id, or a replica's group id) is gone:
         take that replica out (stop its workers, release its memory) and start it again
         after a backoff (``deploy_svc.healer``); once the restart budget is spent it
@@ -719,7 +721,9 @@ class DeploymentController:
             deployment = await self.store.get_deployment(deployment_id)
             if deployment is None or index not in {r.index for r in replicas.serving(deployment)}:
                 return False
-            await self.healer.replica_failed(deployment, index, reason, planned=planned)
+            await self.healer.replica_failed(
+                deployment, index, reason, planned=planned, lost_rank=lost_rank
+            )
             return True
 
 

@@ -96,13 +96,15 @@ class Healer:
         *,
         planned: bool = False,
         final: bool = False,
+        lost_rank: bool = False,
     ) -> None:
         """Replica ``index`` of ``deployment`` (the caller holds its lock) failed with
         ``error``: schedule its restart, or when the budget is spent take it out for good
         (the deployment FAILED when no other replica serves). ``planned``: its workers
         were stopped on purpose; it starts again at once, its restart record unchanged
         (kept, so a restart of the deployer resumes it). ``final``: no restart could
-        succeed (see Refused); it is taken out at once."""
+        succeed (see Refused); it is taken out at once. ``lost_rank``: a node of its
+        group is dead, so its ranks elsewhere are stopped without a drain."""
         deployment_id = deployment.deployment_id
         record = await self.record_of(deployment_id)
         if planned:
@@ -118,7 +120,7 @@ class Healer:
                 await self.mark_failed(deployment, step.reason)
                 return
             await self.store.put_deployment(deployment)
-            await self.workers.teardown_replica(deployment_id, replica)
+            await self.workers.teardown_replica(deployment_id, replica, lost_rank=lost_rank)
             await self.store.publish_event(
                 "replica_failed", deployment_id=deployment_id, replica=index, reason=step.reason
             )
@@ -126,7 +128,7 @@ class Healer:
             return
         replicas.restarting(deployment, index, step.note)
         await self.store.put_deployment(deployment)
-        await self.workers.teardown_replica(deployment_id, replica)
+        await self.workers.teardown_replica(deployment_id, replica, lost_rank=lost_rank)
         await self.store.publish_event(
             "replica_restarting",
             deployment_id=deployment_id,

@@ -338,6 +338,7 @@ class Reconciler:
                         self.controller.fail(
                             replica_group_id(deployment.deployment_id, replica.index),
                             f"node agent(s) {', '.join(sorted(dead))} stopped heartbeating",
+                            lost_rank=True,
                         )
                     )
         # Side by side (each under its own deployment's lock): a group whose rank on the

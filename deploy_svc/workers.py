@@ -173,25 +173,33 @@ class WorkerGroups:
         for replica in replicas.replicas_of(deployment):
             await self.teardown_replica(deployment.deployment_id, replica)
 
-    async def teardown_replica(self, deployment_id: str, replica: deploy_pb.Replica) -> None:
+    async def teardown_replica(
+        self, deployment_id: str, replica: deploy_pb.Replica, *, lost_rank: bool = False
+    ) -> None:
+        """Stop the replica's workers and release its memory; ``lost_rank``: a node of
+        its group is dead, so the ranks left are stopped without a drain."""
         group = replica_group_id(deployment_id, replica.index)
-        await self.stop_on(replicas.nodes_of(replica.placement), group)
+        await self.stop_on(replicas.nodes_of(replica.placement), group, lost_rank=lost_rank)
         await self.store.release(group)
 
-    async def stop_on(self, node_ids: list[str], deployment_id: str) -> None:
+    async def stop_on(
+        self, node_ids: list[str], deployment_id: str, *, lost_rank: bool = False
+    ) -> None:
         """Ask the nodes' agents to stop a deployment's workers (best effort)."""
         addresses = await self._agent_addresses()
         # Side by side: a node whose workers drain (or whose agent does not answer) must
         # not hold up the others'.
         await asyncio.gather(
-            *(self._stop_one(addresses, node_id, deployment_id) for node_id in node_ids)
+            *(self._stop_one(addresses, node_id, deployment_id, lost_rank) for node_id in node_ids)
         )
 
-    async def _stop_one(self, addresses: dict[str, str], node_id: str, deployment_id: str) -> None:
+    async def _stop_one(
+        self, addresses: dict[str, str], node_id: str, deployment_id: str, lost_rank: bool = False
+    ) -> None:
         try:
             stub = self.agents.stub(self._address(addresses, node_id))
             await stub.StopWorkers(
-                agent_pb.StopWorkersRequest(deployment_id=deployment_id),
+                agent_pb.StopWorkersRequest(deployment_id=deployment_id, lost_rank=lost_rank),
                 # The agent answers once the workers exited (their streams drained), so
                 # their memory is released only then.
                 timeout=worker_stop_s(self.settings.drain_timeout_s) + WORKER_STOP_MARGIN_S,

@@ -46,7 +46,9 @@ class AgentServicer(agent_service_pb2_grpc.AgentServiceServicer):
     ) -> agent_pb.StopWorkersResponse:
         # Shielded: a caller whose deadline passes while the workers drain must not leave
         # them half stopped (signalled, but never waited for or recorded STOPPED).
-        workers = await asyncio.shield(self.supervisor.stop_workers(request.deployment_id))
+        workers = await asyncio.shield(
+            self.supervisor.stop_workers(request.deployment_id, lost_rank=request.lost_rank)
+        )
         return agent_pb.StopWorkersResponse(request_id=request.request_id, workers=workers)
 
     async def ListWorkers(

@@ -54,6 +54,8 @@ log = logging.getLogger("iserve.agent.supervisor")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 LOG_TAIL_LINES = 12
+# How long a worker of a group that lost a rank on another node gets after SIGTERM.
+LOST_RANK_GRACE_S = 1.0
 _LOG_TAIL_BYTES = 8192
 _POLL_S = 0.05
 
@@ -330,16 +332,21 @@ class WorkerSupervisor:
         proc.info.reason = f"{describe_exit(code)}: {tail}" if tail else describe_exit(code)
 
     # ---- stop -------------------------------------------------------------------------
-    async def stop_workers(self, deployment_id: str) -> list[agent_pb.WorkerInfo]:
+    async def stop_workers(
+        self, deployment_id: str, *, lost_rank: bool = False
+    ) -> list[agent_pb.WorkerInfo]:
         """Stop every worker of ``deployment_id``: SIGTERM, rank 0 first, then SIGKILL for
         a worker still alive ``stop_timeout_s`` seconds (the drain plus a margin) after its
-        SIGTERM. Idempotent: an unknown deployment gives an empty list."""
+        SIGTERM; ``lost_rank`` (a rank of the group on another node is gone: nothing can
+        drain) LOST_RANK_GRACE_S after it. Idempotent: an unknown deployment gives an
+        empty list."""
         procs = self._workers.pop(deployment_id, [])
         for proc in procs:
             proc.stopping = True
+        grace = LOST_RANK_GRACE_S if lost_rank else None
         # Rank 0 drains first: every step of its generations needs the other ranks.
-        await asyncio.gather(*(self._terminate(p) for p in procs if p.info.rank == 0))
-        await asyncio.gather(*(self._terminate(p) for p in procs if p.info.rank != 0))
+        await asyncio.gather(*(self._terminate(p, grace) for p in procs if p.info.rank == 0))
+        await asyncio.gather(*(self._terminate(p, grace) for p in procs if p.info.rank != 0))
         for proc in procs:
             if proc.info.state != agent_pb.WORKER_STATE_FAILED:
                 proc.info.state = agent_pb.WORKER_STATE_STOPPED
@@ -360,7 +367,8 @@ class WorkerSupervisor:
             if isinstance(result, Exception):
                 log.error("stopping deployment %s failed", deployment_id, exc_info=result)
 
-    async def _terminate(self, proc: WorkerProcess) -> None:
+    async def _terminate(self, proc: WorkerProcess, grace_s: float | None = None) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s`` (default ``stop_timeout_s``)."""
         proc.stopping = True
         if proc.host is not None:
             return  # a hosted rank ends with its host's process, terminated on its own
@@ -368,7 +376,7 @@ class WorkerSupervisor:
         if not proc.alive:
             return
         self._signal(proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout_s
+        deadline = time.monotonic() + (self.stop_timeout_s if grace_s is None else grace_s)
         while proc.alive and time.monotonic() < deadline:
             await asyncio.sleep(_POLL_S)
         if proc.alive:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -371,3 +372,20 @@ def test_a_tensorrt_llm_group_that_cannot_start_fails_every_rank(redis_url, tmp_
         assert supervisor.list_workers() == []
 
     run_with(redis_url, tmp_path, None, scenario)
+
+
+def test_a_group_that_lost_a_rank_is_stopped_without_its_drain(run, checkpoint):
+    """A rank blocked on a peer whose node died cannot act on SIGTERM: it was given the
+    whole drain and margin (35 s by default) before SIGKILL, and the dead node's other
+    replicas waited behind it (a multi-host probe)."""
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        supervisor.stop_timeout_s = 30.0  # the default drain's, not this fixture's
+        [info] = await supervisor.start_workers(_plan("dep-lost", checkpoint))
+        os.kill(info.pid, signal.SIGSTOP)  # blocked: it cannot handle SIGTERM
+        started = time.monotonic()
+        [stopped] = await supervisor.stop_workers("dep-lost", lost_rank=True)
+        assert time.monotonic() - started < 10
+        assert stopped.exit_code == -signal.SIGKILL
+
+    run(scenario)

@@ -850,10 +850,10 @@ def test_the_replicas_of_a_dead_node_are_taken_out_side_by_side(run):
         second = (await controller.deploy(deploy_request(1))).deployment
         stop_on = controller.workers.stop_on
 
-        async def slow_for_the_first(node_ids, group):
+        async def slow_for_the_first(node_ids, group, **options):
             if group.startswith(first.deployment_id):
                 await asyncio.sleep(2.0)
-            await stop_on(node_ids, group)
+            await stop_on(node_ids, group, **options)
 
         controller.workers.stop_on = slow_for_the_first
         lapsed = node(2, 2)

@@ -26,17 +26,17 @@ from services.api.iserve.v1 import common_pb2 as iserve_dot_v1_dot_common__pb2
 from services.api.iserve.v1 import model_service_pb2 as iserve_dot_v1_dot_model__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1diserve/v1/agent_service.proto\x12\tiserve.v1\x1a\x16iserve/v1/common.proto\x1a\x1diserve/v1/model_service.proto\"{\n\nWorkerSpec\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x13\n\x0btensor_rank\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x05 \x01(\r\x12\x13\n\x0blayer_count\x18\x06 \x01(\r\"\xe0\x02\n\x13StartWorkersRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63heckpoint_path\x18\x03 \x01(\t\x12+\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12&\n\x07workers\x18\x05 \x03(\x0b\x32\x15.iserve.v1.WorkerSpec\x12\x1a\n\x12rendezvous_address\x18\x06 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x07 \x01(\r\x12%\n\x06\x65ngine\x18\x08 \x01(\x0e\x32\x15.iserve.v1.EngineKind\x12\x18\n\x10ready_timeout_ms\x18\t \x01(\r\x12-\n\x0e\x65xpected_shape\x18\n \x01(\x0b\x32\x15.iserve.v1.ModelShape\x12\x0f\n\x07node_id\x18\x0b \x01(\t\"\xc4\x01\n\nWorkerInfo\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\tdevice_id\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12%\n\x05state\x18\x06 \x01(\x0e\x32\x16.iserve.v1.WorkerState\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x16\n\x0eresident_bytes\x18\t \x01(\x04\"R\n\x14StartWorkersResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07workers\x18\x02 \x03(\x0b\x32\x15.iserve.v1.WorkerInfo\"?\n\x12StopWorkersRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\"Q\n\x13StopWorkersResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07workers\x18\x02 \x03(\x0b\x32\x15.iserve.v1.WorkerInfo\"?\n\x12ListWorkersRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\"Q\n\x13ListWorkersResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07workers\x18\x02 \x03(\x0b\x32\x15.iserve.v1.WorkerInfo\"\x8c\x02\n\x16RunProfilingJobRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63heckpoint_path\x18\x02 \x01(\t\x12+\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12&\n\x07workers\x18\x04 \x03(\x0b\x32\x15.iserve.v1.WorkerSpec\x12\x14\n\x0cinput_tokens\x18\x05 \x01(\r\x12\x15\n\routput_tokens\x18\x06 \x03(\r\x12\x13\n\x0bwarmup_runs\x18\x07 \x01(\r\x12\x12\n\ntimed_runs\x18\x08 \x01(\r\x12\x1a\n\x12\x65xtra_input_tokens\x18\t \x03(\r\"S\n\x17RunProfilingJobResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x04runs\x18\x02 \x03(\x0b\x32\x16.iserve.v1.ProfiledRun\"\xc2\x01\n\x0bProfiledRun\x12\x15\n\routput_tokens\x18\x01 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x12\n\nlatency_ms\x18\x04 \x01(\x01\x12\"\n\x1apeak_memory_bytes_per_rank\x18\x05 \x03(\x04\x12\x15\n\rttft_layer_ms\x18\x06 \x01(\x01\x12\x15\n\rtpot_layer_ms\x18\x07 \x01(\x01\x12\x14\n\x0cinput_tokens\x18\x08 \x01(\r*`\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_KIND_PYTORCH\x10\x01\x12\x1c\n\x18\x45NGINE_KIND_TENSORRT_LLM\x10\x02*\x91\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x18\n\x14WORKER_STATE_STOPPED\x10\x03\x12\x17\n\x13WORKER_STATE_FAILED\x10\x04\x32\xd5\x02\n\x0c\x41gentService\x12O\n\x0cStartWorkers\x12\x1e.iserve.v1.StartWorkersRequest\x1a\x1f.iserve.v1.StartWorkersResponse\x12L\n\x0bStopWorkers\x12\x1d.iserve.v1.StopWorkersRequest\x1a\x1e.iserve.v1.StopWorkersResponse\x12L\n\x0bListWorkers\x12\x1d.iserve.v1.ListWorkersRequest\x1a\x1e.iserve.v1.ListWorkersResponse\x12X\n\x0fRunProfilingJob\x12!.iserve.v1.RunProfilingJobRequest\x1a\".iserve.v1.RunProfilingJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1diserve/v1/agent_service.proto\x12\tiserve.v1\x1a\x16iserve/v1/common.proto\x1a\x1diserve/v1/model_service.proto\"{\n\nWorkerSpec\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x13\n\x0btensor_rank\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x05 \x01(\r\x12\x13\n\x0blayer_count\x18\x06 \x01(\r\"\xe0\x02\n\x13StartWorkersRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63heckpoint_path\x18\x03 \x01(\t\x12+\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12&\n\x07workers\x18\x05 \x03(\x0b\x32\x15.iserve.v1.WorkerSpec\x12\x1a\n\x12rendezvous_address\x18\x06 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x07 \x01(\r\x12%\n\x06\x65ngine\x18\x08 \x01(\x0e\x32\x15.iserve.v1.EngineKind\x12\x18\n\x10ready_timeout_ms\x18\t \x01(\r\x12-\n\x0e\x65xpected_shape\x18\n \x01(\x0b\x32\x15.iserve.v1.ModelShape\x12\x0f\n\x07node_id\x18\x0b \x01(\t\"\xc4\x01\n\nWorkerInfo\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\tdevice_id\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12%\n\x05state\x18\x06 \x01(\x0e\x32\x16.iserve.v1.WorkerState\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x16\n\x0eresident_bytes\x18\t \x01(\x04\"R\n\x14StartWorkersResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07workers\x18\x02 \x03(\x0b\x32\x15.iserve.v1.WorkerInfo\"R\n\x12StopWorkersRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\x12\x11\n\tlost_rank\x18\x03 \x01(\x08\"Q\n\x13StopWorkersResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07workers\x18\x02 \x03(\x0b\x32\x15.iserve.v1.WorkerInfo\"?\n\x12ListWorkersRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\"Q\n\x13ListWorkersResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07workers\x18\x02 \x03(\x0b\x32\x15.iserve.v1.WorkerInfo\"\x8c\x02\n\x16RunProfilingJobRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63heckpoint_path\x18\x02 \x01(\t\x12+\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12&\n\x07workers\x18\x04 \x03(\x0b\x32\x15.iserve.v1.WorkerSpec\x12\x14\n\x0cinput_tokens\x18\x05 \x01(\r\x12\x15\n\routput_tokens\x18\x06 \x03(\r\x12\x13\n\x0bwarmup_runs\x18\x07 \x01(\r\x12\x12\n\ntimed_runs\x18\x08 \x01(\r\x12\x1a\n\x12\x65xtra_input_tokens\x18\t \x03(\r\"S\n\x17RunProfilingJobResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x04runs\x18\x02 \x03(\x0b\x32\x16.iserve.v1.ProfiledRun\"\xc2\x01\n\x0bProfiledRun\x12\x15\n\routput_tokens\x18\x01 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x12\n\nlatency_ms\x18\x04 \x01(\x01\x12\"\n\x1apeak_memory_bytes_per_rank\x18\x05 \x03(\x04\x12\x15\n\rttft_layer_ms\x18\x06 \x01(\x01\x12\x15\n\rtpot_layer_ms\x18\x07 \x01(\x01\x12\x14\n\x0cinput_tokens\x18\x08 \x01(\r*`\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_KIND_PYTORCH\x10\x01\x12\x1c\n\x18\x45NGINE_KIND_TENSORRT_LLM\x10\x02*\x91\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x18\n\x14WORKER_STATE_STOPPED\x10\x03\x12\x17\n\x13WORKER_STATE_FAILED\x10\x04\x32\xd5\x02\n\x0c\x41gentService\x12O\n\x0cStartWorkers\x12\x1e.iserve.v1.StartWorkersRequest\x1a\x1f.iserve.v1.StartWorkersResponse\x12L\n\x0bStopWorkers\x12\x1d.iserve.v1.StopWorkersRequest\x1a\x1e.iserve.v1.StopWorkersResponse\x12L\n\x0bListWorkers\x12\x1d.iserve.v1.ListWorkersRequest\x1a\x1e.iserve.v1.ListWorkersResponse\x12X\n\x0fRunProfilingJob\x12!.iserve.v1.RunProfilingJobRequest\x1a\".iserve.v1.RunProfilingJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'iserve.v1.agent_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINEKIND']._serialized_start=1711
-  _globals['_ENGINEKIND']._serialized_end=1807
-  _globals['_WORKERSTATE']._serialized_start=1810
-  _globals['_WORKERSTATE']._serialized_end=1955
+  _globals['_ENGINEKIND']._serialized_start=1730
+  _globals['_ENGINEKIND']._serialized_end=1826
+  _globals['_WORKERSTATE']._serialized_start=1829
+  _globals['_WORKERSTATE']._serialized_end=1974
   _globals['_WORKERSPEC']._serialized_start=99
   _globals['_WORKERSPEC']._serialized_end=222
   _globals['_STARTWORKERSREQUEST']._serialized_start=225
@@ -46,19 +46,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STARTWORKERSRESPONSE']._serialized_start=778
   _globals['_STARTWORKERSRESPONSE']._serialized_end=860
   _globals['_STOPWORKERSREQUEST']._serialized_start=862
-  _globals['_STOPWORKERSREQUEST']._serialized_end=925
-  _globals['_STOPWORKERSRESPONSE']._serialized_start=927
-  _globals['_STOPWORKERSRESPONSE']._serialized_end=1008
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1010
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1073
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1075
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1156
-  _globals['_RUNPROFILINGJOBREQUEST']._serialized_start=1159
-  _globals['_RUNPROFILINGJOBREQUEST']._serialized_end=1427
-  _globals['_RUNPROFILINGJOBRESPONSE']._serialized_start=1429
-  _globals['_RUNPROFILINGJOBRESPONSE']._serialized_end=1512
-  _globals['_PROFILEDRUN']._serialized_start=1515
-  _globals['_PROFILEDRUN']._serialized_end=1709
-  _globals['_AGENTSERVICE']._serialized_start=1958
-  _globals['_AGENTSERVICE']._serialized_end=2299
+  _globals['_STOPWORKERSREQUEST']._serialized_end=944
+  _globals['_STOPWORKERSRESPONSE']._serialized_start=946
+  _globals['_STOPWORKERSRESPONSE']._serialized_end=1027
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1029
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1092
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1094
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1175
+  _globals['_RUNPROFILINGJOBREQUEST']._serialized_start=1178
+  _globals['_RUNPROFILINGJOBREQUEST']._serialized_end=1446
+  _globals['_RUNPROFILINGJOBRESPONSE']._serialized_start=1448
+  _globals['_RUNPROFILINGJOBRESPONSE']._serialized_end=1531
+  _globals['_PROFILEDRUN']._serialized_start=1534
+  _globals['_PROFILEDRUN']._serialized_end=1728
+  _globals['_AGENTSERVICE']._serialized_start=1977
+  _globals['_AGENTSERVICE']._serialized_end=2318
 # @@protoc_insertion_point(module_scope)

@@ -104,12 +104,14 @@ class StartWorkersResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class StopWorkersRequest(_message.Message):
-    __slots__ = ("request_id", "deployment_id")
+    __slots__ = ("request_id", "deployment_id", "lost_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LOST_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     deployment_id: str
-    def __init__(self, request_id: _Optional[str] = ..., deployment_id: _Optional[str] = ...) -> None: ...
+    lost_rank: bool
+    def __init__(self, request_id: _Optional[str] = ..., deployment_id: _Optional[str] = ..., lost_rank: _Optional[bool] = ...) -> None: ...
 
 class StopWorkersResponse(_message.Message):
     __slots__ = ("request_id", "workers")
