@@ -25,7 +25,12 @@ from services.settings import (
     tls_warnings,
     unknown_variables,
 )
-from services.state.store import StateStore, StateStoreRefused, eviction_problem
+from services.state.store import (
+    STATE_FORMAT,
+    StateStore,
+    StateStoreRefused,
+    eviction_problem,
+)
 
 log = logging.getLogger("iserve.service")
 
@@ -102,6 +107,14 @@ async def connect_store(settings: Settings) -> StateStore:
         fail(f"Redis at {redacted_url(settings.redis_url)}: {problem}")
     if warning:
         log.warning("Redis at %s: %s", redacted_url(settings.redis_url), warning)
+    written = await store.claim_state_format()
+    if written > STATE_FORMAT:
+        await store.close()
+        fail(
+            f"Redis at {redacted_url(settings.redis_url)} holds records of format {written}, "
+            f"written by a newer iserve; this one reads format {STATE_FORMAT} and older: "
+            "run the newer iserve, or give this one another Redis (or database)"
+        )
     return store
 
 

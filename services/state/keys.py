@@ -70,6 +70,12 @@ def deployment_restarts(deployment_id: str) -> str:
     return f"{PREFIX}deployment-restarts:{_part(deployment_id)}"
 
 
+def state_format() -> str:
+    """The newest format of records any iserve has written into this Redis
+    (``services.state.store.STATE_FORMAT``)."""
+    return f"{PREFIX}state-format"
+
+
 def deployer_stopped() -> str:
     """Set when the deployment service stopped cleanly (SIGTERM), taken when it starts."""
     return f"{PREFIX}deployer-stopped"

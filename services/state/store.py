@@ -142,6 +142,13 @@ def eviction_problem(policy: str | None) -> tuple[str, str]:
     )
 
 
+# The format of the records this iserve writes. 2: profiles as binary protobuf
+# (``records.encode_compact``), which an iserve of format 1 cannot read. Raise it with
+# any change an older iserve would misread, so that it refuses this Redis at start
+# instead of failing on a record with a bare parse error.
+STATE_FORMAT = 2
+
+
 class ReservationError(Exception):
     """A reservation could not be made; ``device`` names the device that refused it."""
 
@@ -242,6 +249,16 @@ class StateStore:
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
+
+    async def claim_state_format(self, mine: int = STATE_FORMAT) -> int:
+        """Record that records of format ``mine`` are written here, unless a newer one
+        was (an iserve of a later version used this Redis): the format stored before,
+        0 when none."""
+        key = keys.state_format()
+        stored = int(await self.redis.get(key) or 0)
+        if stored < mine:
+            await self.redis.set(key, mine)
+        return stored
 
     async def eviction_policy(self) -> str | None:
         """Redis's ``maxmemory-policy`` (``INFO memory``), None where it cannot be read

@@ -100,3 +100,22 @@ def test_commands_redis_refuses_are_named_with_what_to_do(redis_url, admin):
     assert "lacks a permission iserve needs" in asyncio.run(refused(limited))
     admin.config_set("maxmemory", 1)
     assert "full (maxmemory)" in asyncio.run(refused(redis_url))
+
+
+def test_a_redis_written_by_a_newer_iserve_is_refused_at_start(tmp_path, redis_url, admin, capsys):
+    """An older iserve on a newer one's records failed each call on a record it could
+    not parse (a bare INTERNAL ParseError) and could not write over it either."""
+    from services.state import keys
+    from services.state.store import STATE_FORMAT
+
+    admin.delete(keys.state_format())
+    _connect(tmp_path, redis_url)
+    assert int(admin.get(keys.state_format())) == STATE_FORMAT  # claimed by this one
+    admin.set(keys.state_format(), STATE_FORMAT + 1)
+    with pytest.raises(SystemExit):
+        _connect(tmp_path, redis_url)
+    assert (
+        f"records of format {STATE_FORMAT + 1}, written by a newer iserve"
+        in capsys.readouterr().err
+    )
+    admin.delete(keys.state_format())
