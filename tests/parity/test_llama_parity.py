@@ -119,6 +119,28 @@ def test_mistral_sliding_window_matches(tmp_path: Path) -> None:
     _assert_prompt_and_steps_match(engine, _hf_logits(hf, ids), ids)
 
 
+def test_a_mistral_whose_layer_types_are_all_full_is_served_without_a_window(
+    tmp_path: Path,
+) -> None:
+    """transformers' AutoModel reads a Mistral config with layer_types as Ministral's,
+    each layer with the attention the list names (MistralForCausalLM itself warns that
+    it ignores it): every layer attends in full. The engine windowed every layer, and
+    its tokens differed from transformers'."""
+    import json
+
+    directory = create_checkpoint(tmp_path / "mistral", arch="mistral", sliding_window=4, **SMALL)
+    config = json.loads((directory / "config.json").read_text())
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    # Ministral's config, which AutoModel reads it as, has no default head_dim.
+    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    (directory / "config.json").write_text(json.dumps(config))
+    engine, hf = Engine(directory, max_seq_len=64), _load_hf(directory, "AutoModelForCausalLM")
+    assert engine.spec.sliding_window is None
+    ids = engine.encode(PROMPT)
+    assert len(ids) > 8
+    _assert_prompt_and_steps_match(engine, _hf_logits(hf, ids), ids)
+
+
 def _assert_prompt_and_steps_match(
     engine: Engine, expected: torch.Tensor, ids: list[int], cached: int = 3
 ) -> None:

@@ -63,6 +63,36 @@ def test_qwen2_sliding_windows_from_past_the_last_layer_are_no_windows() -> None
         parse_config(with_changes(QWEN2_7B, use_sliding_window=True, max_window_layers=27))
 
 
+def test_layer_types_decide_the_window_as_in_transformers() -> None:
+    """transformers gives each layer the attention ``layer_types`` names (it writes the
+    list into every Qwen2 and Mistral config it saves), over sliding_window and
+    max_window_layers: a Mistral listed all full was served windowed, a Qwen2 listing
+    sliding layers served without a window, each in silence (a probe's tokens differed)."""
+    layers = QWEN2_7B["num_hidden_layers"]
+    mistral = {**dict(PRESETS["mistral-7b"].config), "sliding_window": 6}
+    n = mistral["num_hidden_layers"]
+    assert parse_config({**mistral, "layer_types": ["full_attention"] * n}).sliding_window is None
+    windowed = parse_config({**mistral, "layer_types": ["sliding_attention"] * n})
+    assert windowed.sliding_window == 6
+    mixed = ["full_attention", "sliding_attention"] * (n // 2)
+    with pytest.raises(UnsupportedArchitecture, match="layers of both attention kinds"):
+        parse_config({**mistral, "layer_types": mixed})
+    qwen = with_changes(QWEN2_7B, use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    assert parse_config({**qwen, "layer_types": ["full_attention"] * layers}).sliding_window is None
+    assert parse_config({**qwen, "layer_types": ["sliding_attention"] * layers}).sliding_window == 6
+    with pytest.raises(UnsupportedArchitecture, match="layers of both attention kinds"):
+        parse_config(
+            {**qwen, "layer_types": ["sliding_attention"] * 2 + ["full_attention"] * (layers - 2)}
+        )
+    unwindowed = with_changes(QWEN2_7B, use_sliding_window=False)
+    with pytest.raises(InvalidConfig, match="sets no sliding_window"):
+        parse_config({**unwindowed, "layer_types": ["sliding_attention"] * layers})
+    with pytest.raises(InvalidConfig, match="one attention kind per layer"):
+        parse_config({**qwen, "layer_types": ["full_attention"]})
+    with pytest.raises(UnsupportedArchitecture, match="chunked_attention"):
+        parse_config({**qwen, "layer_types": ["chunked_attention"] * layers})
+
+
 def test_swish_is_silu_as_transformers_reads_it() -> None:
     assert parse_config(with_changes(QWEN2_7B, hidden_act="swish")).family == "qwen2"
 

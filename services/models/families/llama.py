@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from services.errors import shown
 from services.models import config_fields as fields
 from services.models.arch import ArchSpec, CheckpointTensor
 from services.models.errors import InvalidConfig, engine_cannot_run
@@ -51,12 +52,17 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
     if head_dim % 2:
         raise InvalidConfig(f"head_dim ({head_dim}) must be even for rotary embeddings")
     num_layers = fields.positive_int(cfg, "num_hidden_layers")
+    # transformers' per-layer attention kinds, which win over the other fields where given
+    # (transformers 5 writes them into every Qwen2 and Mistral config it saves).
+    kinds = _layer_types(cfg, num_layers)
     if family == "qwen2":
         # transformers gives layers from max_window_layers on a sliding window (its
         # default 28); from the last layer on, none has one.
         windowed_from = cfg.get("max_window_layers", 28)
-        if fields.flag(cfg, "use_sliding_window") and not (
-            isinstance(windowed_from, int) and windowed_from >= num_layers
+        if (
+            kinds is None
+            and fields.flag(cfg, "use_sliding_window")
+            and not (isinstance(windowed_from, int) and windowed_from >= num_layers)
         ):
             engine_cannot_run(
                 "Qwen2 sliding-window layers (use_sliding_window: true, and "
@@ -71,8 +77,19 @@ def parse(cfg: Mapping[str, Any], family: str) -> ArchSpec:
     sliding_window = None
     if family == "mistral" and "sliding_window" not in cfg:
         sliding_window = _MISTRAL_WINDOW_DEFAULT
-    elif family == "mistral" and cfg["sliding_window"] is not None:
+    elif (
+        family == "mistral"
+        and cfg["sliding_window"] is not None
+        or (
+            family == "qwen2"
+            and kinds is not None
+            and fields.flag(cfg, "use_sliding_window")
+            and cfg.get("sliding_window") is not None
+        )
+    ):
         sliding_window = fields.positive_int(cfg, "sliding_window")
+    if kinds is not None:
+        sliding_window = _window_of_layers(kinds, sliding_window)
     rope_theta, rope_scaling = fields.rope(cfg)
     return ArchSpec(
         family=family,
@@ -185,3 +202,46 @@ def _family(name: str) -> Family:
 LLAMA = _family("llama")
 MISTRAL = _family("mistral")
 QWEN2 = _family("qwen2")
+
+
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+def _layer_types(cfg: dict, num_layers: int) -> list[str] | None:
+    """``layer_types`` (one attention kind per layer), None when the config has none.
+    InvalidConfig when it is no list of one kind per layer; a kind other than full or
+    sliding attention is one the engine cannot run."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        return None
+    if not isinstance(kinds, list) or len(kinds) != num_layers:
+        raise InvalidConfig(
+            f"layer_types must list one attention kind per layer ({num_layers}), got {shown(kinds)}"
+        )
+    others = sorted({str(k) for k in kinds} - {_FULL, _SLIDING})
+    if others:
+        engine_cannot_run(
+            f"layer_types {others} (attention other than full or sliding) is not supported"
+        )
+    return kinds
+
+
+def _window_of_layers(kinds: list[str], window: int | None) -> int | None:
+    """The one sliding window of every layer, as ``layer_types`` says: none where all
+    attend fully (whatever sliding_window says); ``window`` where all slide. Layers of
+    both kinds are a model the engine cannot run (one window for every layer): served,
+    its tokens would differ from transformers' in silence."""
+    sliding = [i for i, kind in enumerate(kinds) if kind == _SLIDING]
+    if not sliding:
+        return None
+    if window is None:
+        raise InvalidConfig(
+            f"layer_types gives layers {sliding} sliding-window attention, but the config "
+            "sets no sliding_window (with use_sliding_window: true for Qwen2)"
+        )
+    if len(sliding) < len(kinds):
+        engine_cannot_run(
+            f"layers of both attention kinds (layer_types: layers {sliding} on a sliding "
+            "window, the others full) are not supported"
+        )
+    return window
