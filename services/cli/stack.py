@@ -264,6 +264,10 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         for path in write_stack_tokens(settings):
             log(f"authentication on: wrote {path}")
         log(f"authentication on: the CLI uses {token_file(settings.state_dir, 'admin')}")
+    # Read before the deployer starts restoring them: listed later, one that failed or
+    # came back already went unmentioned (a deployment whose checkpoint is gone fails
+    # within a second).
+    kept = _kept_deployments(redis_url)
     env = _service_env(settings, redis_url, options)
     procs: dict[str, subprocess.Popen] = {}
     try:
@@ -298,8 +302,28 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         raise
     stack["started_at_unix_ms"] = int(time.time() * 1000)
     write_stack_file(settings.state_dir, stack)
-    wait_for_restored(settings, log)
+    wait_for_restored(settings, log, kept=kept)
     return stack
+
+
+def _kept_deployments(redis_url: str) -> list[str] | None:
+    """The deployments Redis holds as serving or starting (the deployer restores them
+    when it starts); None when Redis cannot tell (then they are listed later)."""
+    live = (deploy_pb.DEPLOYMENT_STATE_READY, deploy_pb.DEPLOYMENT_STATE_STARTING)
+
+    async def read() -> list[str]:
+        store = StateStore.from_url(redis_url)
+        try:
+            return sorted(
+                d.deployment_id for d in await store.list_deployments() if d.state in live
+            )
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(read())
+    except (StateStoreUnavailable, redis.RedisError, ValueError):
+        return None
 
 
 def _serving(deployment: deploy_pb.Deployment) -> bool:
@@ -328,11 +352,15 @@ def _replicas_out(deployment: deploy_pb.Deployment) -> str:
 
 
 def wait_for_restored(
-    settings: Settings, log=print, timeout_s: float = RESTORE_TIMEOUT_S
+    settings: Settings,
+    log=print,
+    timeout_s: float = RESTORE_TIMEOUT_S,
+    kept: list[str] | None = None,
 ) -> list[str]:
     """Wait until the deployments Redis kept from before are served again (the deployer
     restarts their workers); returns the ids of those that are not, after saying why.
-    Until then, requests for them would get 503s."""
+    Until then, requests for them would get 503s. ``kept``: their ids as read before the
+    deployer started (None: those listed now that do not serve yet)."""
     # The stack's own admin token: the CLI's settings were read before `up` wrote it.
     token = settings.admin_token or stack_token(settings.state_dir, "admin")
     channel = transport.current().sync_channel(
@@ -346,7 +374,11 @@ def wait_for_restored(
         return {d.deployment_id: d for d in reply.deployments}
 
     try:
-        waiting = sorted(i for i, d in listed().items() if d.state in live and not _serving(d))
+        waiting = (
+            sorted(kept)
+            if kept is not None
+            else sorted(i for i, d in listed().items() if d.state in live and not _serving(d))
+        )
     except grpc.RpcError as exc:
         # The stack is up; only the wait is skipped.
         log(f"could not list the deployments kept from before ({exc.code().name}: {exc.details()})")
