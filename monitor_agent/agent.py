@@ -12,7 +12,6 @@ finish its generations). This process never imports torch; workers do.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import socket
@@ -36,17 +35,15 @@ from services.grpc_server import ServiceBinding
 from services.metrics import new_registry
 from services.ports import free_port
 from services.service_main import ServiceParts, fail, serve_service
-from services.settings import SERVICE_ENV, Settings
+from services.settings import SERVICE_ENV, WILDCARD_HOSTS, Settings, is_loopback_host
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.agent")
 
-_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
-
 
 def advertised_host(bind_host: str) -> str:
     """The host other processes use to reach a server bound to ``bind_host``."""
-    return socket.gethostname() if bind_host in _WILDCARD_HOSTS else bind_host
+    return socket.gethostname() if bind_host in WILDCARD_HOSTS else bind_host
 
 
 def advertised_address(address: str) -> str:
@@ -55,7 +52,7 @@ def advertised_address(address: str) -> str:
     for the workers (:func:`advertised_host`); a wildcard means "here" to whoever dials
     it, and a deployer or a remote rank on another host would dial itself."""
     host, sep, port = address.rpartition(":")
-    return f"{advertised_host(host)}:{port}" if sep and host in _WILDCARD_HOSTS else address
+    return f"{advertised_host(host)}:{port}" if sep and host in WILDCARD_HOSTS else address
 
 
 def _resolves_to_loopback(name: str) -> bool:
@@ -65,17 +62,7 @@ def _resolves_to_loopback(name: str) -> bool:
         found = {info[4][0] for info in socket.getaddrinfo(name, None)}
     except OSError:
         return False
-    return bool(found) and all(_loopback(address) for address in found)
-
-
-def _loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return bool(found) and all(is_loopback_host(address) for address in found)
 
 
 async def answers_health(address: str) -> bool:
@@ -109,14 +96,14 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         registry, settings.node_id, supervisor.list_workers, supervisor.live_pids
     )
     agent_address = advertised_address(settings.address("agent"))
-    if not _loopback(agent_address.rpartition(":")[0]) and _loopback(settings.host):
+    if not is_loopback_host(agent_address.rpartition(":")[0]) and is_loopback_host(settings.host):
         log.warning(
             "this agent is reached at %s but its workers bind %s (ISERVE_HOST): other "
             "hosts cannot reach them; set ISERVE_HOST to this host's address",
             agent_address,
             settings.host,
         )
-    if settings.host in _WILDCARD_HOSTS and _resolves_to_loopback(advertised_host(settings.host)):
+    if settings.host in WILDCARD_HOSTS and _resolves_to_loopback(advertised_host(settings.host)):
         # Workers bound everywhere are advertised by this host's name; most hosts map it
         # to a loopback address, and the scheduler on another host then dialled itself.
         log.warning(

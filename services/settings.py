@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import ipaddress
 import json
 import math
 import os
@@ -475,8 +476,21 @@ class _Ends:
 
 # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH.
 _NAME_MISMATCH = {62, 64}
-# Bind-everywhere hosts: nobody dials these, so no certificate names them.
-_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+# Bind-everywhere hosts: a server bound to one listens on every interface, and nobody
+# dials one (no certificate names it; a worker bound so is advertised by the host name).
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an address, ``[::1]`` too, or ``localhost``) is this host's
+    loopback: what processes on other hosts cannot dial."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def certificate_name_warnings(settings: Settings, dialed: Mapping[str, str]) -> list[str]:
@@ -493,7 +507,7 @@ def certificate_name_warnings(settings: Settings, dialed: Mapping[str, str]) -> 
     hosts: dict[str, list[str]] = {}
     for variable, address in dialed.items():
         host = tls.server_name or address.rpartition(":")[0].strip("[]")
-        if host not in _WILDCARD_HOSTS:
+        if host not in WILDCARD_HOSTS:
             hosts.setdefault(host, []).append(variable)
     warnings = []
     for host, variables in hosts.items():

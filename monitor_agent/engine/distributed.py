@@ -56,6 +56,7 @@ from torch import nn
 from monitor_agent.engine.model import Transformer
 from monitor_agent.engine.shm_collectives import SharedGroup, open_shared_group
 from monitor_agent.engine.tensor_parallel import TensorShard
+from services.settings import WILDCARD_HOSTS, is_loopback_host
 
 __all__ = [
     "DistributedModel",
@@ -210,10 +211,8 @@ def bind_collectives(bind_host: str, cuda: bool) -> str | None:
     resolving the host name, which on most hosts maps to a loopback address, and a rank
     on another node then dialled 127.0.0.1. Returns the interface set, if any."""
     variable = "NCCL_SOCKET_IFNAME" if cuda else "GLOO_SOCKET_IFNAME"
-    if os.environ.get(variable) or bind_host in ("", "0.0.0.0", "::"):
-        return None
-    if bind_host.startswith("127.") or bind_host == "localhost":
-        return None  # one host: the default works
+    if os.environ.get(variable) or bind_host in WILDCARD_HOSTS or is_loopback_host(bind_host):
+        return None  # the operator's choice; every interface; one host: the default works
     name = interface_with_address(bind_host)
     if name is not None:
         os.environ[variable] = name
