@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +47,7 @@ from services.grpc_server import channel
 from services.ids import (
     check_deployment_id,
     check_request_id,
+    new_deployment_id,
     replica_group_id,
     split_group_id,
 )
@@ -389,7 +389,7 @@ class DeploymentController:
     # ---- deploy ---------------------------------------------------------------------
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:
         await self._until_reconciled()
-        deployment_id = f"{request.model_id}-{secrets.token_hex(4)}"
+        deployment_id = new_deployment_id(request.model_id)
         check_request_id(request.request_id)
         # Known before the request id is claimed, so that a repeat that finds the claim
         # finds this call too (_outcome_of).

@@ -8,6 +8,7 @@ makes and clients pass back (deployment ids: ``<model id>-<hex>``) and request i
 from __future__ import annotations
 
 import re
+import secrets
 
 from services.errors import InvalidArgument, shown
 
@@ -36,6 +37,21 @@ def check_variant_name(name: str) -> None:
     and appears in deployment configurations)."""
     if not is_valid_id(name):
         raise InvalidArgument(f"invalid compression variant name {shown(name)}: {ID_RULE}")
+
+
+# The ids Deploy gives: the model's id and 8 random hex digits.
+_NEW_DEPLOYMENT_ID = re.compile(r".+-[0-9a-f]{8}")
+
+
+def new_deployment_id(model_id: str) -> str:
+    """A fresh id for a deployment of ``model_id``."""
+    return f"{model_id}-{secrets.token_hex(4)}"
+
+
+def looks_like_deployment_id(value: str) -> bool:
+    """Whether ``value`` has the shape :func:`new_deployment_id` gives (a model's id
+    does not end in 8 hex digits after a '-' unless named so)."""
+    return _NEW_DEPLOYMENT_ID.fullmatch(value) is not None
 
 
 def check_deployment_id(deployment_id: str) -> None:

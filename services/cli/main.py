@@ -57,6 +57,7 @@ from services.cli.arguments import (
     whole_number,
 )
 from services.cli.status import collect_status, print_status, status_header, status_tables
+from services.ids import looks_like_deployment_id
 from services.proto_limits import UINT64_MAX
 from services.settings import (
     MAX_VIRTUAL_DEVICES,
@@ -583,10 +584,6 @@ def cmd_deployments(settings: Settings, args) -> int:
     return 0
 
 
-# What a deployment id looks like: its model's id and 8 hex digits (DeploymentController).
-_DEPLOYMENT_ID = re.compile(r".+-[0-9a-f]{8}")
-
-
 def _is_deployment(settings: Settings, target: str) -> bool:
     """Whether ``target`` names a deployment (else a model), as the deployer knows it;
     while the deployer cannot answer (Redis down: the scheduler still serves what it
@@ -598,7 +595,7 @@ def _is_deployment(settings: Settings, target: str) -> bool:
         if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
             return False
         if exc.code() == grpc.StatusCode.UNAVAILABLE and not _unreached(exc.details() or ""):
-            return _DEPLOYMENT_ID.fullmatch(target) is not None
+            return looks_like_deployment_id(target)
         raise
     return True
 
