@@ -303,7 +303,10 @@ class GenerationBody(BaseModel):
     def _integers(cls, value: Any) -> Any:
         return _integral(value)
 
-    @field_validator("temperature", "top_p", "n", "stream")
+    # Also ChatBody's add_generation_prompt (check_fields=False: declared there).
+    @field_validator(
+        "temperature", "top_p", "n", "stream", "add_generation_prompt", check_fields=False
+    )
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         return cls.model_fields[info.field_name].default if value is None else value
@@ -550,11 +553,6 @@ class ChatBody(GenerationBody):
             ]
         },
     )
-
-    @field_validator("add_generation_prompt", mode="before")
-    @classmethod
-    def _generation_prompt_default(cls, value: Any) -> Any:
-        return True if value is None else value
 
     @field_validator("chat_template_kwargs")
     @classmethod
