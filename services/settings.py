@@ -395,23 +395,18 @@ def _check_handshake(
     BoringSSL checks the same); without it every call fails with an UNAVAILABLE that
     names no file. ``serving`` False: ``cert`` is checked as a client certificate alone
     (the server end presents it too, unchecked)."""
-    no_passphrase = lambda: b""  # noqa: E731 - never OpenSSL's prompt on the terminal
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.load_cert_chain(str(cert), str(key), password=no_passphrase)
-    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    server, client = _handshake_contexts(cert, key, ca)
     client.check_hostname = False  # the name is ISERVE_TLS_SERVER_NAME's, per address
     if ca is None:
-        client.load_default_certs()
         against = "a CA among the system's root certificates (ISERVE_TLS_CA is not set)"
     else:
-        client.load_verify_locations(cafile=str(ca))
         against = f"the CA in ISERVE_TLS_CA={str(ca)!r}"
     if not serving:
         client.verify_mode = ssl.CERT_NONE
     if client_auth:
         server.verify_mode = ssl.CERT_REQUIRED
         server.load_verify_locations(cafile=str(ca))
-        client.load_cert_chain(str(cert), str(key), password=no_passphrase)
+        client.load_cert_chain(str(cert), str(key), password=_no_passphrase)
     ends = _Ends(client, server)
     try:
         ends.handshake()
@@ -440,6 +435,26 @@ def _check_handshake(
         ) from None
     verifier = ends.client if serving else ends.server
     return ssl.cert_time_to_seconds(verifier.getpeercert()["notAfter"])
+
+
+def _no_passphrase() -> bytes:
+    """The passphrase OpenSSL gets instead of prompting on the terminal."""
+    return b""
+
+
+def _handshake_contexts(
+    cert: Path, key: Path, ca: Path | None
+) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts for a handshake in memory: the server presents ``cert``,
+    the client trusts ``ca`` (the system's roots without it) and checks host names."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(str(cert), str(key), password=_no_passphrase)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if ca is None:
+        client.load_default_certs()
+    else:
+        client.load_verify_locations(cafile=str(ca))
+    return server, client
 
 
 class _Ends:
@@ -511,13 +526,7 @@ def certificate_name_warnings(settings: Settings, dialed: Mapping[str, str]) -> 
             hosts.setdefault(host, []).append(variable)
     warnings = []
     for host, variables in hosts.items():
-        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server.load_cert_chain(str(tls.cert), str(tls.key), password=lambda: b"")
-        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # checks the host name
-        if tls.ca is None:
-            client.load_default_certs()
-        else:
-            client.load_verify_locations(cafile=str(tls.ca))
+        server, client = _handshake_contexts(tls.cert, tls.key, tls.ca)
         try:
             _Ends(client, server, server_hostname=host).handshake()
         except ssl.SSLCertVerificationError as exc:
@@ -577,7 +586,7 @@ def _check_pem(cert: Path | None, key: Path | None, ca: Path | None) -> None:
     _check_key(key)
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
-            str(cert), str(key), password=lambda: b""
+            str(cert), str(key), password=_no_passphrase
         )
     except ssl.SSLError as exc:
         if exc.reason == "KEY_VALUES_MISMATCH":
@@ -697,9 +706,9 @@ def _redis_url(url: str | None) -> str | None:
         return None
     try:
         options = parse_url(url)
-        scheme = urlsplit(url).scheme
-        database = urlsplit(url).path.strip("/")
-        if scheme in ("redis", "rediss") and database and "db" not in options:
+        parts = urlsplit(url)
+        database = parts.path.strip("/")
+        if parts.scheme in ("redis", "rediss") and database and "db" not in options:
             # redis-py ignores a path it cannot read as a number, and takes database 0:
             # on a shared Redis, maybe another stack's.
             raise ValueError(f"its path {database!r} is no database index (a number)")
