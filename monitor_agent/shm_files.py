@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 
 SHM_DIR = "/dev/shm"
@@ -28,22 +29,24 @@ def new_shared_file_name(pid: int | None = None) -> str:
 def remove_shared_files(pid: int, directory: str = SHM_DIR) -> list[str]:
     """Remove the shared files process ``pid`` created and left (it has exited); the
     paths removed."""
-    removed = []
-    for path in Path(directory).glob(f"{_PREFIX}{pid}-*"):
-        with contextlib.suppress(OSError):
-            path.unlink()
-            removed.append(str(path))
-    return removed
+    return _unlink(Path(directory).glob(f"{_PREFIX}{pid}-*"))
 
 
 def remove_orphaned_shared_files(directory: str = SHM_DIR) -> list[str]:
     """Remove the shared files of processes that no longer run (an agent killed with its
     workers left them); the paths removed. Another stack's live workers keep theirs."""
-    removed = []
-    for path in Path(directory).glob(f"{_PREFIX}*-*"):
+
+    def orphaned(path: Path) -> bool:
         pid = path.name[len(_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _running(int(pid)):
-            continue
+        return pid.isdigit() and not _running(int(pid))
+
+    return _unlink(filter(orphaned, Path(directory).glob(f"{_PREFIX}*-*")))
+
+
+def _unlink(paths: Iterable[Path]) -> list[str]:
+    """Remove ``paths`` (one gone meanwhile is skipped); those removed."""
+    removed = []
+    for path in paths:
         with contextlib.suppress(OSError):
             path.unlink()
             removed.append(str(path))
