@@ -74,6 +74,11 @@ from services.settings import (
 )
 
 
+def _state_name(state: int) -> str:
+    """A model state as the CLI prints it: ``PROFILED``, not ``MODEL_STATE_PROFILED``."""
+    return model_pb.ModelState.Name(state).removeprefix("MODEL_STATE_")
+
+
 def _layers(count: int) -> str:
     return f"{count} layer" if count == 1 else f"{count} layers"
 
@@ -358,7 +363,7 @@ def render_progress(event: model_pb.WatchModelResponse, width: int = PROGRESS_BA
     total = event.runs_total
     filled = width * event.runs_done // total if total else 0
     bar = "#" * filled + "." * (width - filled)
-    state = model_pb.ModelState.Name(event.state).removeprefix("MODEL_STATE_").lower()
+    state = _state_name(event.state).lower()
     what = event.current or event.message
     return f"[{bar}] {event.runs_done}/{total} {state}" + (f": {what}" if what else "")
 
@@ -387,7 +392,7 @@ def _watch_profiling(stub, model_id: str) -> None:
     with Progress(*columns, console=err, transient=False) as progress:
         task = progress.add_task("", total=None, state="profiling")
         for event in events:
-            state = model_pb.ModelState.Name(event.state).removeprefix("MODEL_STATE_").lower()
+            state = _state_name(event.state).lower()
             progress.update(
                 task,
                 total=event.runs_total or None,
@@ -433,7 +438,7 @@ def cmd_register(settings: Settings, args) -> int:
         print(
             f"registered {model.model_id}: {_layers(shape.num_layers)}, hidden {shape.hidden_size}, "
             f"{shape.parameter_count / 1e6:.1f}M parameters, {shape.weight_bytes / 2**20:.1f} MiB "
-            f"({model_pb.ModelState.Name(model.state).removeprefix('MODEL_STATE_')})"
+            f"({_state_name(model.state)})"
         )
     if model.state == model_pb.MODEL_STATE_PROFILING and not args.no_wait:
         try:
@@ -451,9 +456,7 @@ def cmd_register(settings: Settings, args) -> int:
             model_pb.GetModelRequest(request_id=_rid(), model_id=model.model_id)
         ).model
         if not args.json:
-            print(
-                f"{model.model_id}: {model_pb.ModelState.Name(model.state).removeprefix('MODEL_STATE_')}"
-            )
+            print(f"{model.model_id}: {_state_name(model.state)}")
     if args.json:
         print(json.dumps(_to_json(model)))
     if model.state == model_pb.MODEL_STATE_FAILED:
@@ -479,7 +482,7 @@ def cmd_models(settings: Settings, args) -> int:
         rows = [
             [
                 m.model_id,
-                model_pb.ModelState.Name(m.state).removeprefix("MODEL_STATE_"),
+                _state_name(m.state),
                 m.shape.num_layers,
                 m.shape.hidden_size,
                 m.checkpoint_path,
@@ -491,7 +494,7 @@ def cmd_models(settings: Settings, args) -> int:
     for model in reply.models:  # not a terminal: tab-separated lines, for scripts
         # The state last, so the earlier columns stay where scripts read them (a script
         # waiting for PROFILED had nothing to poll).
-        state = model_pb.ModelState.Name(model.state).removeprefix("MODEL_STATE_")
+        state = _state_name(model.state)
         print(
             json.dumps(_to_json(model))
             if args.json
