@@ -28,7 +28,7 @@ from services.api import model_service_pb2 as model_pb
 from services.cli import stack as launcher
 from services.models.checkpoint import create_checkpoint
 from services.settings import Settings, token_file
-from tests.integration.helpers import TINY, rid
+from tests.integration.helpers import TINY, rid, run_cli
 from tests.pki import make_pki
 
 MODEL = "tls-llama"
@@ -212,13 +212,7 @@ def test_status_without_tls_settings_says_the_stack_answers_only_tls(tls_stack):
     settings, _pki, _root = tls_stack
     env = {k: v for k, v in os.environ.items() if not k.startswith("ISERVE_TLS_")}
     env["ISERVE_STATE_DIR"] = str(settings.state_dir)
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "status"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_cli(env, "status", timeout=120)
     assert out.returncode == 1
     assert "answers only TLS: this client has no ISERVE_TLS_* set; set ISERVE_TLS_CA" in (
         out.stdout + out.stderr
