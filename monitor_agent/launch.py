@@ -33,7 +33,7 @@ from services.engine_rules import (
     default_dtype,
     resolve_checkpoint,
 )
-from services.errors import require
+from services.errors import FailedPrecondition, require
 from services.ids import check_deployment_id
 from services.models.checkpoint import InvalidCheckpoint, read_config
 from services.models.compression import DEFAULT_PRUNE_FRACTION
@@ -316,8 +316,10 @@ def build_plan(
     default_ready_timeout_s: float,
     node_engine_choice: str | None = None,
     tensorrt_llm_installed: bool | None = None,
+    node_id: str = "",
 ) -> LaunchPlan:
-    """Validate ``request`` against this node and turn it into a LaunchPlan.
+    """Validate ``request`` against this node (``node_id``: its id, which a request that
+    names its node must name) and turn it into a LaunchPlan.
 
     Raises CheckpointUnusable (an InvalidArgument) for a checkpoint path that names no
     checkpoint under the models root and CheckpointChanged (a FailedPrecondition) for a
@@ -332,6 +334,12 @@ def build_plan(
     (default ``ISERVE_ENGINE``) and ``tensorrt_llm_installed`` (default: look for the
     package) standing for this node.
     """
+    if request.node_id and node_id and request.node_id != node_id:
+        raise FailedPrecondition(
+            f"workers placed on node {request.node_id} reached the agent of node {node_id}: "
+            f"the address the deployer has for node {request.node_id} is this agent's (set "
+            "each node's ISERVE_AGENT_ADDR to an address only its own agent serves)"
+        )
     deployment_id = request.deployment_id
     check_deployment_id(deployment_id)
     require(len(request.workers) > 0, "workers is empty: give at least one WorkerSpec")

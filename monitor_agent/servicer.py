@@ -12,7 +12,6 @@ from monitor_agent.profiling import ProfilingJobs
 from monitor_agent.supervisor import WorkerSupervisor
 from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
-from services.errors import FailedPrecondition
 from services.settings import Settings
 
 
@@ -25,18 +24,12 @@ class AgentServicer(agent_service_pb2_grpc.AgentServiceServicer):
     async def StartWorkers(
         self, request: agent_pb.StartWorkersRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb.StartWorkersResponse:
-        if request.node_id and request.node_id != self.settings.node_id:
-            raise FailedPrecondition(
-                f"workers placed on node {request.node_id} reached the agent of node "
-                f"{self.settings.node_id}: the address the deployer has for node "
-                f"{request.node_id} is this agent's (set each node's ISERVE_AGENT_ADDR to "
-                "an address only its own agent serves)"
-            )
         plan = build_plan(
             request,
             devices=self.devices,
             models_root=self.settings.models_root,
             default_ready_timeout_s=self.settings.ready_timeout_s,
+            node_id=self.settings.node_id,
         )
         workers = await self.supervisor.start_workers(plan)
         return agent_pb.StartWorkersResponse(request_id=request.request_id, workers=workers)
