@@ -8,6 +8,7 @@ import sys
 import time
 import uuid
 
+import grpc
 from google.protobuf import json_format
 
 from services import transport
@@ -41,7 +42,9 @@ def _row(info: token_pb.TokenInfo) -> list:
 
 
 def cmd_create(settings: Settings, args) -> int:
-    reply = _stub(settings).CreateToken(
+    # TokenService and DeploymentService both serve on the deployer's address.
+    channel = transport.sync_channel(settings.address("deploy"))
+    reply = token_service_pb2_grpc.TokenServiceStub(channel).CreateToken(
         token_pb.CreateTokenRequest(
             request_id=_rid(),
             subject=args.subject,
@@ -49,7 +52,7 @@ def cmd_create(settings: Settings, args) -> int:
             deployments=args.deployment or [],
         )
     )
-    for grant in _unknown(settings, reply.token.deployments):
+    for grant in _unknown(channel, reply.token.deployments):
         # Made anyway (a grant is an id, checked for its form only), but such a token
         # could generate nowhere and said so only at its first request, as a 404.
         print(
@@ -70,14 +73,13 @@ def cmd_create(settings: Settings, args) -> int:
     return 0
 
 
-def _unknown(settings: Settings, grants) -> list[str]:
-    """The deployment ids of ``grants`` that name no deployment of the stack."""
+def _unknown(channel: grpc.Channel, grants) -> list[str]:
+    """The deployment ids of ``grants`` that name no deployment of the stack (asked of
+    the DeploymentService on ``channel``)."""
     named = [grant for grant in grants if grant != "*"]
     if not named:
         return []
-    stub = deployment_service_pb2_grpc.DeploymentServiceStub(
-        transport.sync_channel(settings.address("deploy"))
-    )
+    stub = deployment_service_pb2_grpc.DeploymentServiceStub(channel)
     listed = stub.ListDeployments(deploy_pb.ListDeploymentsRequest(request_id=_rid()))
     known = {d.deployment_id for d in listed.deployments}
     return [grant for grant in named if grant not in known]
