@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import psutil
@@ -51,6 +53,39 @@ def test_a_virtual_device_counts_its_workers_memory_and_cpu_time():
     assert cpu_c - cpu_b >= 0.15  # the spin used its CPU time (psutil counts 10 ms ticks)
     assert least * 0.99 <= second["cpu0"].utilisation <= most * 1.01
     assert second["cpu1"].utilisation == 0.0
+
+
+_BURN = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_worker_spawned_since_the_last_sample_counts_all_its_cpu_time(known):
+    """A worker that starts and finishes its work within one interval shows as load when
+    the agent knows it spawned it since the last sample; one of unknown start counts from
+    its next sample on."""
+    pids: list[int] = []
+    spawned: dict[int, float] = {}
+    sampler = ProcessSampler(lambda d: pids if d == "cpu0" else [], spawned.get)
+    sampler.sample(DEVICES)
+    started_at = time.monotonic()
+    child = psutil.Popen([sys.executable, "-c", _BURN + "input()"], stdin=subprocess.PIPE)
+    try:
+        while True:  # until the child's burn is done
+            used = child.cpu_times().user + child.cpu_times().system
+            if used >= 0.3:
+                break
+            time.sleep(0.02)
+        pids.append(child.pid)
+        if known:
+            spawned[child.pid] = started_at
+        utilisation = sampler.sample(DEVICES)["cpu0"].utilisation
+        if known:
+            assert utilisation > 0.1
+        else:
+            assert utilisation == 0.0
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_vanished_workers_are_skipped():
