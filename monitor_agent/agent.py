@@ -87,9 +87,7 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         pool=pool,
     )
     sampler = (
-        NvmlSampler()
-        if any(d.is_cuda for d in devices)
-        else ProcessSampler(supervisor.live_pids, supervisor.spawned_at)
+        NvmlSampler() if any(d.is_cuda for d in devices) else ProcessSampler(supervisor.live_pids)
     )
     for path in remove_orphaned_shared_files():
         log.info("removed %s, left by a worker that is gone", path)

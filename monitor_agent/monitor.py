@@ -41,27 +41,21 @@ class DeviceSample:
 class ProcessSampler:
     """Samples virtual CPU devices from their workers' processes (psutil).
 
-    ``spawned_at(pid)`` is when the agent started that worker (``time.monotonic``), or
-    None when it does not know. A new process starts with no CPU time, so a worker
-    spawned since the last sample counts all of it: a small model served within one
-    interval of its start (a warm-pool fork) would otherwise never show as load.
+    ``pids_on(device_id)`` lists the workers this agent started; a process starts with no
+    CPU time, and one first seen was not yet listed at the last sample, so all its CPU
+    time counts in the interval it is first seen in. (Counting from its second sample
+    on, a small model that loaded and served within one interval never showed as load.)
     """
 
-    def __init__(
-        self,
-        pids_on: Callable[[str], list[int]],
-        spawned_at: Callable[[int], float | None] = lambda _pid: None,
-    ):
+    def __init__(self, pids_on: Callable[[str], list[int]]):
         self._pids_on = pids_on
-        self._spawned_at = spawned_at
         self._processes: dict[int, psutil.Process] = {}
         self._cpu_seconds: dict[int, float] = {}
         self._last_at: float | None = None
 
     def sample(self, devices: Sequence[DeviceSpec]) -> dict[str, DeviceSample]:
         now = time.monotonic()
-        last_at = self._last_at
-        elapsed = None if last_at is None else now - last_at
+        elapsed = None if self._last_at is None else now - self._last_at
         self._last_at = now
         seen: set[int] = set()
         out = {}
@@ -75,13 +69,7 @@ class ProcessSampler:
                 seen.add(pid)
                 pid_rss, cpu_seconds = measured
                 rss += pid_rss
-                previous = self._cpu_seconds.get(pid)
-                if previous is None:
-                    # First seen: all its CPU time if it was spawned since the last
-                    # sample, else (not known when) from its next sample on.
-                    spawned = self._spawned_at(pid)
-                    fresh = last_at is not None and spawned is not None and spawned >= last_at
-                    previous = 0.0 if fresh else cpu_seconds
+                previous = self._cpu_seconds.get(pid, 0.0)
                 cpu_delta += max(0.0, cpu_seconds - previous)
                 self._cpu_seconds[pid] = cpu_seconds
             capacity = (elapsed or 0.0) * max(1, len(device.cpu_cores))

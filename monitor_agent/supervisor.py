@@ -77,9 +77,6 @@ class WorkerProcess:
     host: WorkerProcess | None = None
     # Whether what the exited process could not remove itself has been removed.
     swept: bool = False
-    # time.monotonic() just before the process was started (the monitor's sampler
-    # counts a worker's CPU time from then).
-    started_at: float | None = None
 
     @property
     def alive(self) -> bool:
@@ -176,14 +173,6 @@ class WorkerSupervisor:
             if w.plan.device.device_id == device_id and w.alive
         ]
 
-    def spawned_at(self, pid: int) -> float | None:
-        """When the agent started the live worker ``pid`` (``time.monotonic``), if it did."""
-        for procs in self._workers.values():
-            for w in procs:
-                if w.popen.pid == pid and w.host is None:
-                    return w.started_at
-        return None
-
     def deployments_on(self, device_id: str) -> list[str]:
         return sorted(
             dep
@@ -256,7 +245,6 @@ class WorkerSupervisor:
         )
         if worker.device.cpu_cores and not worker.device.is_cuda:
             env["OMP_NUM_THREADS"] = str(len(worker.device.cpu_cores))
-        started_at = time.monotonic()
         try:
             if self.pool is not None:
                 popen = self.pool.spawn(argv, env, log_path)
@@ -283,9 +271,7 @@ class WorkerSupervisor:
             pid=popen.pid,
             state=agent_pb.WORKER_STATE_STARTING,
         )
-        return WorkerProcess(
-            plan.deployment_id, worker, popen, log_path, ready_file, info, started_at=started_at
-        )
+        return WorkerProcess(plan.deployment_id, worker, popen, log_path, ready_file, info)
 
     async def _wait_ready(self, plan: LaunchPlan, procs: list[WorkerProcess]) -> None:
         deadline = time.monotonic() + plan.ready_timeout_s

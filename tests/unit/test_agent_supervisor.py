@@ -103,7 +103,6 @@ async def _died_events(store: StateStore, deployment_id: str) -> list[dict]:
 
 def test_workers_start_ready_and_stop_without_leftovers(run, checkpoint, tmp_path):
     async def scenario(supervisor: WorkerSupervisor, store: StateStore):
-        before = time.monotonic()
         [info] = await supervisor.start_workers(_plan("dep-stop", checkpoint))
         assert info.state == agent_pb.WORKER_STATE_READY
         assert info.address.startswith("127.0.0.1:") and info.pid > 0
@@ -116,8 +115,6 @@ def test_workers_start_ready_and_stop_without_leftovers(run, checkpoint, tmp_pat
         assert [w.pid for w in supervisor.list_workers()] == [info.pid]
         assert supervisor.list_workers("other") == []
         assert supervisor.live_pids("cpu0") == [info.pid]
-        assert before <= supervisor.spawned_at(info.pid) <= time.monotonic()
-        assert supervisor.spawned_at(os.getpid()) is None
         assert supervisor.deployments_on("cpu0") == ["dep-stop"]
 
         with pytest.raises(AlreadyExists, match="already has workers"):
