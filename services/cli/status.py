@@ -25,7 +25,9 @@ MIB = 1 << 20
 
 def collect_status(settings: Settings) -> dict:
     """Health of every service plus nodes, devices, models and deployments (when the
-    services answer). ``healthy`` is True only when every service is SERVING."""
+    services answer). ``healthy`` is True only when every service is SERVING; the agent at
+    this host's address may be missing while the cluster has a live node (a control-plane
+    host runs no agent)."""
     services = {
         name: {
             "address": address,
@@ -102,6 +104,16 @@ def collect_status(settings: Settings) -> dict:
     )
     if models is not None:
         status["models"] = [json_format.MessageToDict(m, **options) for m in models.models]
+    agent = services["agent"]
+    live = [n["node_id"] for n in status["nodes"] if n.get("alive")]
+    if not agent["serving"] and live:
+        # Agents are one per node, each reached at the address it records; the address
+        # configured here is only this host's, and a control-plane host runs none. The
+        # cluster's live nodes answer for them.
+        agent["live_nodes"] = live
+        status["healthy"] = not status["errors"] and all(
+            s["serving"] for name, s in services.items() if name != "agent"
+        )
     return status
 
 
@@ -134,7 +146,7 @@ def _dead(node: dict) -> str:
 def status_tables(status: dict) -> list[TableSpec]:
     """The tables ``iserve status`` shows: services, devices, models, deployments."""
     services = [
-        [name, svc["address"], "serving" if svc["serving"] else "DOWN", svc["metrics"]]
+        [name, svc["address"], _service_state(svc), svc["metrics"]]
         for name, svc in status["services"].items()
     ]
     tables: list[TableSpec] = [(None, ["SERVICE", "ADDRESS", "STATE", "METRICS"], services)]
@@ -185,6 +197,15 @@ def status_tables(status: dict) -> list[TableSpec]:
         headers = ["DEPLOYMENT", "MODEL", "TP", "PP", "BATCH", "STATE", "WORKER"]
         tables.append((None, [*headers, "QUEUE", "RUNNING", "TTFT P50/P95 ms", "SLO MET"], rows))
     return tables
+
+
+def _service_state(service: dict) -> str:
+    if service["serving"]:
+        return "serving"
+    live = service.get("live_nodes")
+    if live:
+        return f"none here; live on {', '.join(live)}"
+    return "DOWN"
 
 
 def status_header(status: dict) -> str:

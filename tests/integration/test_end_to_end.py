@@ -16,6 +16,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
+from services.ports import free_port
 from tests.integration.helpers import (
     deploy,
     generate,
@@ -23,6 +24,7 @@ from tests.integration.helpers import (
     register,
     reserved_by_device,
     rid,
+    run_cli,
     wait_for,
 )
 
@@ -133,6 +135,18 @@ def test_cli_status_and_generate_json(stack, served):
     body = json.loads(status.stdout)
     assert body["healthy"] and body["addresses"]["scheduler"] == stack.settings.address("scheduler")
     assert served.deployment_id in [d["deployment_id"] for d in body["deployments"]]
+
+    # A control-plane host runs no agent: the cluster's live nodes answer for agents.
+    nowhere = {**env, "ISERVE_AGENT_ADDR": f"127.0.0.1:{free_port()}"}
+    elsewhere = run_cli(nowhere, "status", "--json")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    agent = json.loads(elsewhere.stdout)["services"]["agent"]
+    assert not agent["serving"] and agent["live_nodes"] == [n["node_id"] for n in body["nodes"]]
+    table = run_cli(nowhere, "status")
+    assert table.returncode == 0 and "none here; live on " in table.stdout
+    # With no live node, a missing agent is a missing agent.
+    alone = run_cli({**nowhere, "ISERVE_DEPLOY_ADDR": f"127.0.0.1:{free_port()}"}, "status")
+    assert alone.returncode == 1 and "DOWN" in alone.stdout
 
     # Piped, `models` gives scripts each model's state (only id and checkpoint before).
     models = subprocess.run(
