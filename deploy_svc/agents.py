@@ -78,13 +78,14 @@ class Reachability:
 
     def usable(self, nodes: Iterable[common.NodeState]) -> list[common.NodeState]:
         """``nodes`` with those whose agent did not answer the last call taken as not
-        alive."""
+        alive, with why (``unreachable``)."""
         out = []
         for node in nodes:
             if node.alive and node.agent_address in self._unanswered:
                 copy = common.NodeState()
                 copy.CopyFrom(node)
                 copy.alive = False
+                copy.unreachable = self._unanswered[node.agent_address]
                 node = copy
             out.append(node)
         return out

@@ -132,9 +132,12 @@ def _asked(settings: Settings, status: dict, service: str, what: str, call):
 
 
 def _dead(node: dict) -> str:
-    """ " (dead, last seen <UTC time>)" for a node whose agent stopped heartbeating."""
+    """ " (dead, last seen <UTC time>)" for a node whose agent stopped heartbeating;
+    " (unreachable: why)" for one whose agent heartbeats but did not answer the deployer."""
     if node.get("alive"):
         return ""
+    if node.get("unreachable"):
+        return f" (unreachable: {node['unreachable']})"
     last_ms = int(node.get("heartbeat_at_unix_ms") or 0)
     if not last_ms:
         return " (dead)"

@@ -75,6 +75,12 @@ def test_status_lists_a_dead_node_with_when_it_was_last_seen():
             # 2026-11-26 05:00:00 UTC, as MessageToDict writes an int64.
             {"node_id": "b", "heartbeat_at_unix_ms": "1795669200000", "devices": [device]},
             {"node_id": "c", "devices": [device]},
+            {
+                "node_id": "d",
+                "heartbeat_at_unix_ms": "1795669200000",
+                "unreachable": "UNAVAILABLE: connection refused",
+                "devices": [device],
+            },
         ],
         "models": [],
         "deployments": [],
@@ -84,6 +90,7 @@ def test_status_lists_a_dead_node_with_when_it_was_last_seen():
         "a",
         "b (dead, last seen 2026-11-26 05:00:00 UTC)",
         "c (dead)",
+        "d (unreachable: UNAVAILABLE: connection refused)",
     ]
 
 

@@ -824,7 +824,12 @@ def test_the_reachability_of_agents_is_by_address_and_answering_clears_it():
         "node0": "Tls handshake failed (TSI_PROTOCOL_FAILURE)"
     }
     assert [n.alive for n in reach.usable([live, other])] == [False, True]
-    assert live.alive  # the records given are not changed
+    # `iserve status` says why, not "dead" of a node heartbeating a moment ago.
+    assert [n.unreachable for n in reach.usable([live, other])] == [
+        "Tls handshake failed (TSI_PROTOCOL_FAILURE)",
+        "",
+    ]
+    assert live.alive and not live.unreachable  # the records given are not changed
     moved = node(1, node_id="node0")
     moved.agent_address = "10.0.0.1:50099"  # restarted on another port: a fresh chance
     assert reach.usable([moved])[0].alive and reach.unanswered([moved]) == {}
