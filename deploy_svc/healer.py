@@ -104,13 +104,16 @@ class Healer:
         were stopped on purpose; it starts again at once, its restart record unchanged
         (kept, so a restart of the deployer resumes it). ``final``: no restart could
         succeed (see Refused); it is taken out at once. ``lost_rank``: a node of its
-        group is dead, so its ranks elsewhere are stopped without a drain."""
+        group is dead, so its ranks elsewhere are stopped without a drain, and it starts
+        again at once spending no budget (``healing.after_node_loss``)."""
         deployment_id = deployment.deployment_id
         record = await self.record_of(deployment_id)
         if planned:
             step = healing.restore(record, error)
         elif final:
             step = healing.refused(record, error, _now_ms())
+        elif lost_rank:
+            step = healing.after_node_loss(record, error)
         else:
             step = healing.after_failure(self.policy, record, error, _now_ms())
         await self.store.put_restarts(deployment_id, step.record.to_json())

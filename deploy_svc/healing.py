@@ -6,10 +6,11 @@ released. Then, as Ray Serve restarts replicas, it is placed and launched again 
 exponential backoff (:meth:`RestartPolicy.backoff_s`), its old devices first. A
 deployment gets ``max_restarts`` restarts in a row; a failure more than
 ``reset_after_s`` after the one before starts a fresh run (it served in between). A
-failed restart counts as a failure. Once the budget is spent the replica stays out, and
-when no other replica serves the deployment is FAILED saying why. A start refused for a
-reason no retry changes (its checkpoint gone from the models root, or rewritten as another
-model) takes the replica out at once.
+failed restart counts as a failure; a node lost (its heartbeat lapsed) is none, and its
+replicas start again at once. Once the budget is spent the replica stays out, and when
+no other replica serves the deployment is FAILED saying why. A start refused for a
+reason no retry changes (its checkpoint gone from the models root, or rewritten as
+another model) takes the replica out at once.
 """
 
 from __future__ import annotations
@@ -76,16 +77,20 @@ RESTORING = "starting again: "
 @dataclass(frozen=True)
 class Restart:
     """Start the replica again after ``delay_s``; ``record`` is to be stored. A
-    ``restore`` is no failure's restart (the stack was stopped on purpose)."""
+    ``restore`` is no failure's restart (the stack was stopped on purpose); a
+    ``node_lost`` restart spends no budget."""
 
     delay_s: float
     record: RestartRecord
     restore: str = ""
+    node_lost: bool = False
 
     @property
     def note(self) -> str:
         if self.restore:
             return f"{RESTORING}{self.restore}"
+        if self.node_lost:
+            return f"restart now after: {self.record.last_error} (no restart budget spent)"
         return (
             f"restart {self.record.in_a_row} in {self.delay_s:g} s after: {self.record.last_error}"
         )
@@ -117,6 +122,17 @@ def after_failure(
         )
     nth = in_a_row + 1
     return Restart(policy.backoff_s(nth), RestartRecord(nth, record.total + 1, error, now_ms))
+
+
+def after_node_loss(record: RestartRecord | None, error: str) -> Restart:
+    """A replica whose node stopped heartbeating (``error``): no fault of the replica's,
+    so it is placed again at once on live devices and spends no budget: it counts in
+    ``total`` (its READY note then names the loss), not in ``in_a_row``, and the time of
+    the last failure stays. Counted, one correlated loss (a rack's nodes at once) took
+    out for good every replica past the budget, though each had room elsewhere."""
+    record = record or RestartRecord()
+    kept = RestartRecord(record.in_a_row, record.total + 1, error, record.last_failure_ms)
+    return Restart(0.0, kept, node_lost=True)
 
 
 def refused(record: RestartRecord | None, error: str, now_ms: int) -> GiveUp:

@@ -17,6 +17,7 @@ from deploy_svc.healing import (
     RestartPolicy,
     RestartRecord,
     after_failure,
+    after_node_loss,
     placements_to_try,
     restore,
     served_again_note,
@@ -70,6 +71,24 @@ def test_restarts_are_counted_until_the_budget_is_spent_then_it_gives_up():
     assert isinstance(step, GiveUp)
     assert step.reason == "gave up after 3 restart(s) in a row (at most 3); last error: e4"
     assert step.record.last_error == "e4" and step.record.total == 3
+
+
+def test_a_node_lost_spends_no_budget_but_is_counted_and_named():
+    spent = RestartRecord(in_a_row=2, total=4, last_error="old", last_failure_ms=1_000)
+    step = after_node_loss(spent, "node agent(s) n1 stopped heartbeating")
+    assert step.delay_s == 0.0
+    assert step.record == RestartRecord(
+        in_a_row=2,
+        total=5,
+        last_error="node agent(s) n1 stopped heartbeating",
+        last_failure_ms=1_000,
+    )
+    assert step.note == (
+        "restart now after: node agent(s) n1 stopped heartbeating (no restart budget spent)"
+    )
+    assert served_again_note(step.record) == (
+        "restarted 5 time(s); last error: node agent(s) n1 stopped heartbeating"
+    )
 
 
 def test_a_failure_long_after_the_last_one_starts_a_fresh_budget():
@@ -841,6 +860,36 @@ def test_the_reachability_of_agents_is_by_address_and_answering_clears_it():
     assert why.startswith(
         "waiting for node node1: its agent does not answer (Connection refused), and the live"
     ), why
+
+
+def test_replicas_lost_with_their_nodes_come_back_however_many(run):
+    """A correlated loss (a rack's nodes at once) failed every replica past the budget
+    for good, though each had room elsewhere: a node lost is no fault of the replica."""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        for _ in range(FAST.max_restarts + 2):
+            assert await controller.fail(
+                dep.deployment_id, "node agent(s) node9 stopped heartbeating", lost_rank=True
+            )
+            served = await settle(store, dep.deployment_id)
+            assert served.state == READY, served.state_reason
+        assert served.state_reason == (
+            f"restarted {FAST.max_restarts + 2} time(s); last error: node agent(s) node9 "
+            "stopped heartbeating"
+        )
+        record = await controller.healer.record_of(dep.deployment_id)
+        assert record.in_a_row == 0
+        # A worker's own death still spends it.
+        assert await controller.fail(dep.deployment_id, "worker exited with code 1")
+        assert (await controller.healer.record_of(dep.deployment_id)).in_a_row == 1
+        await settle(store, dep.deployment_id)
+        await controller.remove(dep.deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
 
 
 def test_the_replicas_of_a_dead_node_are_taken_out_side_by_side(run):
