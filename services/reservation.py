@@ -111,15 +111,21 @@ def memory_blocks(
 ) -> tuple[int, int]:
     """(fixed bytes, bytes per decoder layer) of one rank of ``config``: a rank holding
     ``k`` layers reserves ``fixed + k * block``. ``fixed`` is the runtime's overhead and
-    the embedding and LM head a rank holds; ``block`` is the papers' ``mem_total / (tp *
-    layers)`` of the estimator's figure (``estimate_total_bytes``, 0 for none), never
-    below what the shape says a layer's weights and KV cache take."""
+    the embedding and LM head a rank holds; ``block`` is what the shape says a layer's
+    weights and KV cache take, or, when larger, the estimator's figure
+    (``estimate_total_bytes``, the papers' ``mem_total``, 0 for none) less ``fixed`` on
+    each of its ``tp * pp`` ranks, over ``tp * layers``: the estimate covers the whole
+    rank, so a rank of an even split reserves the estimator's ``mem_total / (tp * pp)``
+    (its ``fixed`` was counted twice, on top of the estimate, and a configuration the
+    estimator said fits was refused room)."""
     layers = max(1, shape.num_layers)
     tp = max(1, config.tensor_parallel)
+    pp = max(1, config.pipeline_parallel)
     whole = rank_memory(shape, config, max_seq_len, layers)
     block = math.ceil((whole.total_bytes - whole.overhead_bytes) / layers)
     if estimate_total_bytes:
-        block = max(block, math.ceil(estimate_total_bytes / (tp * layers)))
+        net = estimate_total_bytes - tp * pp * whole.overhead_bytes
+        block = max(block, math.ceil(net / (tp * layers)))
     return whole.overhead_bytes, block
 
 

@@ -125,7 +125,16 @@ def test_memory_blocks_take_the_larger_of_estimate_and_shape():
     # Fixed: the runtime and the embedding and LM head, whole on each tensor rank.
     assert fixed == RUNTIME_OVERHEAD_BYTES + 2 * 512_000 * 4 and block > 0
     _, bigger = memory_blocks(m.shape, config, 128, 64 * GIB)
-    assert bigger == 64 * GIB // (2 * 8)
+    # The estimate covers whole ranks: a rank of an even split reserves the estimator's
+    # figure per device (fixed was counted on top of it, twice).
+    layers = m.shape.num_layers
+    assert fixed + layers * bigger == pytest.approx(64 * GIB / 2, abs=layers)
+    for pp in (2, 4):
+        staged = common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=pp, batch_size=1)
+        fixed, block = memory_blocks(m.shape, staged, 128, 64 * GIB)
+        assert fixed + layers // pp * block == pytest.approx(64 * GIB / (2 * pp), abs=layers)
+    # An estimate below what the shape says changes nothing.
+    assert memory_blocks(m.shape, config, 128, 1) == memory_blocks(m.shape, config, 128)
 
 
 def test_uneven_maps_are_explained():
