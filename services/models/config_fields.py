@@ -154,13 +154,14 @@ def rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     """(base of the rotary frequencies, their scaling or None for unscaled RoPE), read
     from the block transformers uses (:func:`_rope_block`): its ``rope_theta``, else the
     top-level one, else 10000 (transformers' ``default_theta`` for every family here).
-    Types other than unscaled, linear and llama3, and partial rotary embeddings, are
-    refused."""
+    Types other than unscaled, linear and llama3 are refused, and so is a partial rotary
+    factor on a scaled type. Unscaled, the families here rotate the whole head whatever
+    ``partial_rotary_factor`` says (their own default RoPE never reads it); transformers'
+    linear and llama3 functions apply it (a probe's Llama config carrying 0.5, unscaled,
+    was refused though transformers serves it as plain RoPE)."""
     found = _rope_block(cfg)
     name, block = found if found else ("rope_parameters", {})
     partial = block.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    if partial is not None and partial != 1.0:
-        engine_cannot_run("partial rotary embeddings are not supported for this family")
     if block.get("rope_theta") is not None:
         theta = positive_float(block, "rope_theta", 10000.0)
     else:
@@ -168,6 +169,11 @@ def rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     rope_type = block.get("rope_type", block.get("type")) or "default"
     if rope_type == "default":
         return theta, None
+    if partial is not None and partial != 1.0:
+        engine_cannot_run(
+            f"partial rotary embeddings (partial_rotary_factor {shown(partial)}) with "
+            f"{name} type {shown(rope_type)} are not supported"
+        )
     if rope_type not in ROPE_SCALING_KINDS:
         engine_cannot_run(
             f"{name} type {shown(rope_type)} is not supported; supported: default (unscaled), "

@@ -189,6 +189,7 @@ def test_a_given_config_json_shapes_a_model_no_preset_knows_and_overrides_a_pres
                 "use_sliding_window": True,
                 "max_window_layers": 12,
                 "partial_rotary_factor": 0.5,
+                "rope_scaling": {"rope_type": "linear", "factor": 2.0},
             },
             ["use_sliding_window: true", "partial rotary"],
         ),

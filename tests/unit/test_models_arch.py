@@ -253,10 +253,26 @@ LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0
         ),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, None),
         ({"rope_scaling": {"type": None}}, None),
+        # Unscaled, transformers' Llama rotates the whole head whatever the factor says.
+        ({"partial_rotary_factor": 0.5}, None),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, None),
     ],
 )
 def test_rope_scaling_is_read(changes: dict[str, Any], expected: RopeScaling | None) -> None:
     assert parse_config(with_changes(LLAMA2_7B_TF4, **changes)).rope_scaling == expected
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"partial_rotary_factor": 0.5, "rope_scaling": {"rope_type": "linear", "factor": 2}},
+        {"rope_scaling": {"rope_type": "llama3", "partial_rotary_factor": 0.25, **LLAMA3_SCALING}},
+    ],
+)
+def test_a_partial_rotary_factor_on_a_scaled_rope_is_refused(changes: dict[str, Any]) -> None:
+    # transformers' linear and llama3 functions rotate only that share of the head.
+    with pytest.raises(UnsupportedArchitecture, match="partial rotary embeddings"):
+        parse_config(with_changes(LLAMA2_7B_TF4, **changes))
 
 
 @pytest.mark.parametrize(
