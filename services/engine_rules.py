@@ -99,12 +99,12 @@ def check_dtype(precision: int, *, cuda: bool) -> None:
     served = served_dtypes(cuda=cuda)
     if precision not in served:
         where = "CUDA" if cuda else "CPU"
-        names = " and ".join(
-            common.Precision.Name(p).removeprefix("PRECISION_").lower() for p in served
-        )
-        raise Unimplemented(
-            f"the PyTorch {where} engine serves {names}, not {common.Precision.Name(precision)}"
-        )
+
+        def name(p: int) -> str:
+            return common.Precision.Name(p).removeprefix("PRECISION_").lower()
+
+        names = " and ".join(name(p) for p in served)
+        raise Unimplemented(f"the PyTorch {where} engine serves {names}, not {name(precision)}")
 
 
 def check_weight_quant(weight_quant: int) -> None:
