@@ -38,6 +38,8 @@ def inspect_checkpoint(path: Path, label: str) -> ValidatedCheckpoint:
         return validate_checkpoint(path)
     except (ValueError, OSError) as exc:
         raise InvalidArgument(f"{label}: {exc}") from exc
+    except RecursionError as exc:  # a file nested deeper than a reader of it handles
+        raise InvalidArgument(f"{label}: a file of it is nested too deeply to read") from exc
 
 
 def check_variants(variants: list[common.CompressionVariant]) -> None:

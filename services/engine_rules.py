@@ -20,6 +20,7 @@ wherever it happens. Torch-free (the worker reads it before torch starts its thr
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from services.api import common_pb2 as common
@@ -32,6 +33,7 @@ from services.errors import (
     shown,
 )
 from services.models.arch import unlike_model
+from services.models.checkpoint_files import weight_files
 from services.models.families import parse_config
 
 TENSOR_PARALLEL_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
@@ -160,14 +162,19 @@ def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
 
 
 def _check_entries_inside(checkpoint_path: str, directory: Path, root: Path) -> None:
-    """CheckpointUnusable when an entry of ``directory`` is a link resolving outside
-    ``root``."""
-    for entry in directory.iterdir():
-        if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+    """CheckpointUnusable when an entry of ``directory``, or a weight file it names (in
+    a subdirectory, through a shard index or ``transformers_weights``), is a link
+    resolving outside ``root``. Weights it cannot name yet are left to validation."""
+    entries = list(directory.iterdir())
+    # Weights it cannot name: validation says what is wrong, before any is read.
+    with contextlib.suppress(ValueError, OSError):
+        entries += weight_files(directory)
+    for entry in entries:
+        if not entry.resolve().is_relative_to(root):
             raise CheckpointUnusable(
-                f"checkpoint_path {shown(checkpoint_path)}: {entry.name} links outside the "
-                f"models root {str(root)!r}; iserve only reads checkpoints under "
-                "ISERVE_MODELS_ROOT"
+                f"checkpoint_path {shown(checkpoint_path)}: "
+                f"{entry.relative_to(directory)} links outside the models root "
+                f"{str(root)!r}; iserve only reads checkpoints under ISERVE_MODELS_ROOT"
             )
 
 

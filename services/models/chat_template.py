@@ -37,6 +37,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
+from services.models import json_text
+
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -246,7 +248,7 @@ def _json_object(stamp: tuple[str, int, int] | None, what: str) -> dict[str, Any
     if stamp is None:
         return {}
     try:
-        value = json.loads(_read(stamp, what))
+        value = json_text.loads(_read(stamp, what))
     except json.JSONDecodeError as exc:
         raise NoChatTemplate(f"cannot read {what}: {exc}") from None
     if not isinstance(value, dict):

@@ -39,7 +39,7 @@ from services.models.safetensors_format import (
     TensorInfo,
     write_safetensors,
 )
-from services.models.special_tokens import GENERATION_CONFIG_FILE
+from services.models.special_tokens import GENERATION_CONFIG_FILE, generation_eos_ids
 from services.models.tied_head import is_duplicate_head, resolve_tied_head
 from services.models.tokenizer import BOS_TOKEN, EOS_TOKEN, build_tokenizer
 from services.models.tokenizer_files import TOKENIZER_FILE, check_tokenizer_files
@@ -179,6 +179,9 @@ def validate_checkpoint(
         raise InvalidCheckpoint(
             f"checkpoint has unexpected tensor(s): {', '.join(sorted(extra)[:5])}"
         )
+    # What the worker reads at load: a generation_config.json that is JSON but no
+    # object was registered, and every deploy of it failed.
+    generation_eos_ids(directory, spec.vocab_size)
     has_tokenizer = (directory / TOKENIZER_FILE).is_file()
     if require_tokenizer:
         if not has_tokenizer:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from services.models import json_text
 from services.models.errors import InvalidCheckpoint
 from services.models.safetensors_format import (
     CONFIG_TO_SAFETENSORS_DTYPE,
@@ -57,7 +58,7 @@ def read_config_file(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise InvalidCheckpoint(f"{CONFIG_FILE} is missing from {str(directory)!r}")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json_text.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidCheckpoint(
             f"{CONFIG_FILE} in {str(directory)!r} is not valid JSON: {exc}"
@@ -152,17 +153,25 @@ def _explicit_weights(directory: Path, name: Any) -> str:
         raise InvalidCheckpoint(
             f"{field} must name a *.safetensors file or a *{_INDEX_SUFFIX} index, got {name!r}"
         )
-    base = os.path.abspath(directory)
-    if os.path.commonpath([base, os.path.abspath(directory / name)]) != base:
+    if not _within(name):
         raise InvalidCheckpoint(f"{field} {name!r} is outside the checkpoint directory")
     if not (directory / name).is_file():
         raise InvalidCheckpoint(f"{field} names {name!r}, which is missing")
     return name
 
 
+def _within(name: str) -> bool:
+    """Whether the file name ``name``, joined to a directory, stays inside it (links
+    aside: ``services.engine_rules.resolve_checkpoint`` follows those)."""
+    if not name or "\0" in name or os.path.isabs(name):
+        return False
+    parts = os.path.normpath(name).split(os.sep)
+    return parts[0] not in ("..", ".", "")
+
+
 def _read_shard_index(directory: Path, index_name: str) -> _ChosenWeights:
     try:
-        index = json.loads((directory / index_name).read_text(encoding="utf-8"))
+        index = json_text.loads((directory / index_name).read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidCheckpoint(f"{index_name} is not valid JSON: {exc}") from exc
     # transformers reads index["metadata"] and the shards index["weight_map"] names.
@@ -175,6 +184,14 @@ def _read_shard_index(directory: Path, index_name: str) -> _ChosenWeights:
             "from tensor names to shard files"
         )
     shards = tuple(sorted(set(names)))
+    outside = [name for name in shards if not _within(name)]
+    if outside:
+        # Joined to the directory, an absolute name replaces it, and ".." climbs out: a
+        # probe's index named files elsewhere on the host, which were served, and one
+        # error message quoted a text file's first bytes as a header length.
+        raise InvalidCheckpoint(
+            f"{index_name} names shards outside the checkpoint directory: {outside}"
+        )
     missing = [name for name in shards if not (directory / name).is_file()]
     if missing:
         raise InvalidCheckpoint(f"shards named in {index_name} are missing: {missing}")

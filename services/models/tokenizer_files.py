@@ -24,6 +24,7 @@ from pathlib import Path
 from jinja2 import TemplateSyntaxError
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 
+from services.models import json_text
 from services.models.arch import ArchSpec
 from services.models.chat_template import (
     TOKENIZER_CONFIG,
@@ -59,7 +60,7 @@ def _json_object(path: Path) -> dict:
     """``path``'s JSON object; {} when it is missing or not one (tokenizer_config.json
     is optional; what the chat template needs of it is checked elsewhere)."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json_text.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}

@@ -161,6 +161,97 @@ def test_a_weight_file_linked_outside_the_root_is_refused(root, outside):
     )
 
 
+def _weights_named_by(root, name: str, weights_at: str, *, index: bool) -> None:
+    """A checkpoint ``name`` under ``root`` whose weights are named (by a shard index,
+    or config.json's transformers_weights) at ``weights_at``; it holds none itself."""
+    import json
+    import shutil
+
+    ckpt = root / name
+    shutil.copytree(root / "tiny", ckpt)
+    (ckpt / "model.safetensors").unlink()
+    config = json.loads((ckpt / "config.json").read_text())
+    if index:
+        from services.models.checkpoint_files import read_safetensors_index
+
+        tensors = read_safetensors_index(root / "tiny")
+        weight_map = {tensor: weights_at for tensor in tensors}
+        (ckpt / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
+    else:
+        config["transformers_weights"] = weights_at
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("index", [True, False], ids=["shard-index", "transformers_weights"])
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "linked-subdirectory-file"])
+def test_weights_named_outside_the_checkpoint_are_refused_before_any_is_read(
+    root, outside, tmp_path, index, how
+):
+    """A probe's index named a file elsewhere on the host: it was registered and
+    served, and a text file named as a shard had its first bytes quoted back."""
+    secret = tmp_path / "secret.safetensors"
+    secret.write_bytes(b"SECRET=hunter2 " * 8)
+    name = f"named-{how}-{index}"
+    if how == "absolute":
+        weights_at = str(secret)
+    elif how == "dotdot":
+        weights_at = os.path.relpath(secret, root / name)
+    else:
+        (root / name / "sub").mkdir(parents=True)
+        (root / name / "sub" / "w.safetensors").symlink_to(secret)
+        weights_at = "sub/w.safetensors"
+    if how == "linked-subdirectory-file":
+        import shutil
+
+        sub = root / name / "sub"
+        shutil.move(sub, tmp_path / "sub")
+        shutil.rmtree(root / name)
+        _weights_named_by(root, name, weights_at, index=index)
+        shutil.move(tmp_path / "sub", root / name / "sub")
+    else:
+        _weights_named_by(root, name, weights_at, index=index)
+    request = model_pb.RegisterModelRequest(model_id="x", checkpoint_path=name)
+    message = _refused(build_model, request, root)
+    assert "outside" in message and "SECRET" not in message and "header" not in message
+
+
+def test_deeply_nested_json_files_are_invalid_argument(root):
+    """Python's parser refuses them with RecursionError: registration ended INTERNAL."""
+    import json
+    import shutil
+
+    deep = "[" * 100_000 + "]" * 100_000
+    for file in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        ckpt = root / f"deep-{file}"
+        shutil.copytree(root / "tiny", ckpt)
+        (ckpt / file).write_text(deep)
+        request = model_pb.RegisterModelRequest(model_id="x", checkpoint_path=ckpt.name)
+        if file != "config.json":
+            # Not JSON to Python, as an unparsable one is: the generation config is
+            # ignored (as transformers does), tokenizer_config.json taken as empty.
+            build_model(request, root)
+        else:
+            assert file in _refused(build_model, request, root)
+    ckpt = root / "deep-index"
+    _weights_named_by(root, ckpt.name, "model.safetensors", index=True)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"a": 1})[:-1] + deep + "}")
+    request = model_pb.RegisterModelRequest(model_id="x", checkpoint_path=ckpt.name)
+    assert "index" in _refused(build_model, request, root)
+
+
+def test_a_generation_config_that_is_no_object_is_refused_at_registration(root):
+    """The worker refuses it at load: it registered, and every deploy failed."""
+    import shutil
+
+    ckpt = root / "generation-list"
+    shutil.copytree(root / "tiny", ckpt)
+    (ckpt / "generation_config.json").write_text("[1]")
+    request = model_pb.RegisterModelRequest(model_id="x", checkpoint_path=ckpt.name)
+    assert "generation_config.json is malformed" in _refused(build_model, request, root)
+
+
 def test_links_inside_the_root_are_followed(root):
     inner = root / "inner-links"
     inner.mkdir(exist_ok=True)
