@@ -11,6 +11,7 @@ a tensor-parallel shard reads only its own rows or columns of the sharded tensor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -144,7 +145,31 @@ def _load_parameter(param: nn.Parameter, name: str, path: Path, source: WeightSo
                 f"tensor {source.tensor!r} in {path.name} gives {name} shape "
                 f"{list(tensor.shape)}; expected {list(param.shape)}"
             )
+        _check_values(tensor, f"tensor {source.tensor!r} in {path.name}", param.dtype)
         param.copy_(tensor)
+
+
+# Elements per pass of the values check: its only temporaries are two scalars.
+_CHECK_CHUNK = 1 << 24
+
+
+def _check_values(tensor: torch.Tensor, what: str, served: torch.dtype) -> None:
+    """InvalidCheckpoint when ``tensor`` holds NaN or an infinity, or a value beyond what
+    ``served`` holds (float32 weights past float16's 65504). A probe's checkpoint of NaN
+    weights loaded and served: greedy requests got garbage, and sampled ones failed the
+    whole batch they ran in with an INTERNAL error from torch.multinomial."""
+    limit = torch.finfo(served).max
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _CHECK_CHUNK):
+        low, high = torch.aminmax(flat[start : start + _CHECK_CHUNK])  # NaN propagates
+        low, high = float(low), float(high)
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise InvalidCheckpoint(f"{what} holds NaN or infinite values")
+        if max(-low, high) > limit:
+            raise InvalidCheckpoint(
+                f"{what} holds {max(-low, high):.3g}, beyond the {served} it is served in "
+                f"(at most {limit:.3g}); serve it in another dtype"
+            )
 
 
 def _allocate(part: nn.Module, device: torch.device | str) -> None:

@@ -226,6 +226,32 @@ def test_bad_stage_arguments(checkpoint: Path) -> None:
         load_model(checkpoint, first_layer=2, layer_count=3)
 
 
+@pytest.mark.parametrize(
+    ("value", "dtype", "says"),
+    [
+        (float("nan"), "float32", "holds NaN or infinite values"),
+        (float("-inf"), "bfloat16", "holds NaN or infinite values"),
+        (1e6, "float16", "beyond the torch.float16 it is served in"),
+    ],
+)
+def test_weights_that_are_not_finite_where_served_are_refused_at_load(
+    tmp_path: Path, monkeypatch, value: float, dtype: str, says: str
+) -> None:
+    """NaN weights loaded and served: greedy requests got garbage, sampled ones failed
+    their whole batch with an INTERNAL error from torch.multinomial."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = create_checkpoint(tmp_path / "ckpt", **{**SMALL, **FAMILIES["llama"]})
+    tensors = load_file(ckpt / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][3, 5] = value
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(loader, "_CHECK_CHUNK", 7)  # the value lies in a later chunk
+    with pytest.raises(loader.InvalidCheckpoint, match=f"{name}.*{says}"):
+        load_model(ckpt, dtype=dtype)
+    load_model(ckpt, first_layer=0, layer_count=1)  # a stage without that layer loads
+
+
 # --- tensor parallelism is possible with the hooks and attributes alone --------------------
 
 
