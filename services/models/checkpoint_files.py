@@ -116,7 +116,12 @@ class _ChosenWeights:
 def _required_weights(directory: Path) -> _ChosenWeights:
     chosen = _chosen_weights(directory)
     if chosen is None:
-        others = sorted(path.name for path in directory.glob("*.safetensors"))
+        for name in (WEIGHTS_FILE, SHARD_INDEX_FILE):
+            if (directory / name).exists():  # there, but a directory, FIFO or device
+                raise InvalidCheckpoint(f"{name} in {str(directory)!r} is not a regular file")
+        others = sorted(
+            path.name for path in directory.glob("*.safetensors") if path.name != WEIGHTS_FILE
+        )
         raise InvalidCheckpoint(
             f"no *.safetensors files in {str(directory)!r} that transformers loads: it "
             f"reads {WEIGHTS_FILE}, or the shards {SHARD_INDEX_FILE} names"

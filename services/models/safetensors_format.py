@@ -97,7 +97,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             )
         if header_len > size - _LENGTH_PREFIX_BYTES:
             raise InvalidCheckpoint(
-                f"{path.name}: header claims {header_len} bytes but the file has {size} bytes "
+                f"{path.name}: header claims {header_len} bytes but the file has "
+                f"{size - _LENGTH_PREFIX_BYTES} after its {_LENGTH_PREFIX_BYTES}-byte length "
                 "(truncated or not a safetensors file)"
             )
         raw = f.read(header_len)

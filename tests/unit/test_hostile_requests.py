@@ -241,6 +241,22 @@ def test_deeply_nested_json_files_are_invalid_argument(root):
     assert "index" in _refused(build_model, request, root)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_weights_that_are_no_regular_file_are_named_so(root, kind):
+    import shutil
+
+    ckpt = root / f"weights-{kind}"
+    shutil.copytree(root / "tiny", ckpt)
+    (ckpt / "model.safetensors").unlink()
+    if kind == "fifo":
+        os.mkfifo(ckpt / "model.safetensors")
+    else:
+        (ckpt / "model.safetensors").mkdir()
+    request = model_pb.RegisterModelRequest(model_id="x", checkpoint_path=ckpt.name)
+    message = _refused(build_model, request, root)
+    assert "model.safetensors in" in message and "is not a regular file" in message
+
+
 def test_a_generation_config_that_is_no_object_is_refused_at_registration(root):
     """The worker refuses it at load: it registered, and every deploy failed."""
     import shutil

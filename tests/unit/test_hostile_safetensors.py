@@ -46,7 +46,7 @@ def _json(header) -> bytes:
 
 # (case, header bytes, data bytes, declared header length or None, phrase in the error)
 LYING_HEADERS = [
-    ("length past the end", b"{}", b"", 1000, "header claims 1000 bytes"),
+    ("length past the end", b"{}", b"", 1000, "claims 1000 bytes but the file has 2 after its"),
     ("length of 10^12", b"{}", b"", 10**12, f"more than the {MAX_HEADER_BYTES}"),
     ("length 2^64-1", b"{}", b"", 2**64 - 1, "more than the"),
     ("not JSON", b"{ not json", b"", None, "not valid JSON"),
