@@ -328,6 +328,11 @@ def place(
         for d in devices
         if (c := _capacity(d.free_bytes, fixed_bytes, layer_bytes, num_layers)) >= 1
     ]
+    if len(usable) < tp * pp or pp * max(c for _, c in usable) < num_layers:
+        # No stage holds more than the roomiest device: a bound in one pass, where the
+        # search below builds the node-local groups four times (a plan on 4096 devices
+        # took 17 s, most of it proving that configurations did not fit).
+        return None
     if policy == "hybrid":
         packable = [(d, c) for d, c in usable if d.load < theta]
         tiers = [(packable, _PACKING)]
