@@ -193,7 +193,8 @@ def print_decision(decision: deploy_pb.DeploymentDecision) -> None:
     if e.latency_ms:
         print(
             f"  estimate: latency {e.latency_ms:.1f} ms (TTFT {e.ttft_ms:.2f} ms, TPOT "
-            f"{e.tpot_ms:.2f} ms), memory {e.memory_total_bytes / 1e9:.2f} GB",
+            f"{e.tpot_ms:.2f} ms), memory {e.memory_total_bytes / 2**30:.2f} GiB in all "
+            "(reservations add each worker's runtime)",
             file=out,
         )
     for s in decision.skipped:
