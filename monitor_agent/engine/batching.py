@@ -45,10 +45,12 @@ from monitor_agent.engine.memory import (
     measure_peak_allocation,
 )
 from monitor_agent.engine.sampling import SamplingConfig, make_generator, sample_token
+from services.errors import IServeError
 
 __all__ = [
     "BatchEngine",
     "GenerationRequest",
+    "NonFiniteLogits",
     "SequenceHandle",
     "SequenceState",
     "StepOutput",
@@ -72,12 +74,22 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One generated token and the text it completed."""
+    """One generated token and the text it completed; or, with ``error`` set, the end of
+    a sequence that failed alone (its slot is given back; no token)."""
 
     token_id: int
     text: str  # '' while a multi-byte character is incomplete
     finished: bool
-    finish_reason: str | None  # "length" | "stop" (eos or stop token) | None
+    finish_reason: str | None  # "length" | "stop" (eos or stop token) | "error" | None
+    error: Exception | None = None
+
+
+class NonFiniteLogits(IServeError):
+    """A sequence's logits hold NaN or an infinity: the model overflowed on it (weights
+    or activations past its dtype's range). Only that sequence ends; the others of its
+    batch go on (torch.multinomial failed the whole step)."""
+
+    reason = "non_finite_logits"
 
 
 class SequenceState(enum.Enum):
@@ -340,14 +352,29 @@ class BatchEngine:
     def _advance(
         self, batch: list[SequenceHandle], logits: torch.Tensor
     ) -> list[tuple[SequenceHandle, StepOutput]]:
-        """Sample each row of logits [B, vocab] and emit it for its sequence."""
+        """Sample each row of logits [B, vocab] and emit it for its sequence; a row that
+        is not finite ends its sequence alone (NonFiniteLogits)."""
         tokens = logits.argmax(dim=-1).tolist()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        outputs = []
         for row, handle in enumerate(batch):
+            if not finite[row]:
+                outputs.append((handle, self._fail(handle, logits.dtype)))
+                continue
             if not handle.request.sampling.greedy:
                 tokens[row] = sample_token(logits[row], handle.request.sampling, handle._generator)
-        return [
-            (handle, self._emit(handle, token)) for handle, token in zip(batch, tokens, strict=True)
-        ]
+            outputs.append((handle, self._emit(handle, tokens[row])))
+        return outputs
+
+    def _fail(self, handle: SequenceHandle, dtype: torch.dtype) -> StepOutput:
+        self._release(handle)
+        handle.state = SequenceState.FINISHED
+        error = NonFiniteLogits(
+            f"the model's logits for this request hold NaN or an infinity at token "
+            f"{handle.generated + 1}: it overflows in {str(dtype).removeprefix('torch.')} "
+            "(weights or activations past the dtype's range); the request ends here"
+        )
+        return StepOutput(-1, "", True, "error", error)
 
     def _emit(self, handle: SequenceHandle, token: int) -> StepOutput:
         handle.generated += 1

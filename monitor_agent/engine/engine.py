@@ -210,6 +210,8 @@ class Engine:
                 while not outbox:
                     self._step()
                 output = outbox.popleft()
+                if output.error is not None:
+                    raise output.error
                 yield output
                 if output.finished or should_stop():
                     return

@@ -266,6 +266,13 @@ class EngineRunner:
                 continue  # a stop string ended it earlier in this step's outputs
             if job.clock.admitted is None:
                 job.clock.admitted = handle.admitted_at
+            if output.error is not None:  # this request failed alone; its slot is free
+                del self._jobs[handle]
+                self.requests_served += 1
+                deliveries.setdefault(job.loop, []).append(
+                    (job.queue.put_nowait, _Finished(output.error))
+                )
+                continue
             if job.stops is not None:
                 output = self._cut_at_stop(handle, job.stops, output)
             batch = deliveries.setdefault(job.loop, [])

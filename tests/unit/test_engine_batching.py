@@ -105,6 +105,57 @@ def test_seeded_sampling_does_not_depend_on_the_company(engine: Engine, core) ->
     assert outputs[order[2]] == expected
 
 
+def test_a_sequence_whose_logits_are_not_finite_ends_alone(
+    engine: Engine, core, monkeypatch
+) -> None:
+    """NaN logits (a model overflowing on one request) failed the whole step in
+    torch.multinomial: every request of the batch got INTERNAL."""
+    sampled = SamplingConfig(temperature=0.8, seed=3, ignore_eos=True)
+    expected = [
+        alone(engine, request(engine, t, 6, s))
+        for t, s in ((TEXTS[2], sampled), (TEXTS[1], GREEDY))
+    ]
+    poisoned = core.submit(request(engine, TEXTS[0], 6, sampled))
+    healthy = core.submit(request(engine, TEXTS[2], 6, sampled))
+    greedy = core.submit(request(engine, TEXTS[1], 6))
+    outputs = {h: [] for h in (poisoned, healthy, greedy)}
+    while poisoned.state is not SequenceState.RUNNING:
+        for handle, output in core.step():
+            outputs[handle].append(output)
+    advance = core._advance
+
+    def nan_in_its_row(batch, logits):
+        if poisoned in batch:
+            logits = logits.clone()
+            logits[batch.index(poisoned), 7] = float("nan")
+        return advance(batch, logits)
+
+    monkeypatch.setattr(core, "_advance", nan_in_its_row)
+    while poisoned.state is SequenceState.RUNNING:
+        for handle, output in core.step():
+            outputs[handle].append(output)
+    monkeypatch.undo()
+    *_, failed = outputs[poisoned]
+    assert failed.finished and failed.finish_reason == "error" and failed.token_id == -1
+    assert isinstance(failed.error, batching.NonFiniteLogits)
+    assert f"NaN or an infinity at token {len(outputs[poisoned])}" in str(failed.error)
+    assert poisoned.state is SequenceState.FINISHED and poisoned not in core.running
+    while core.has_work:
+        for handle, output in core.step():
+            outputs[handle].append(output)
+    assert [outputs[healthy], outputs[greedy]] == expected
+
+
+def test_the_engine_raises_a_sequences_own_failure(engine: Engine, monkeypatch) -> None:
+    def nan_logits(batch, logits):
+        return engine.batch.__class__._advance(engine.batch, batch, logits * float("nan"))
+
+    monkeypatch.setattr(engine.batch, "_advance", nan_logits)
+    with pytest.raises(batching.NonFiniteLogits, match="at token 1"):
+        alone(engine, request(engine, TEXTS[0], 3))
+    assert engine.batch.free_slots == engine.max_batch
+
+
 def test_a_finished_sequence_frees_its_slot_for_the_next_step(engine: Engine, core) -> None:
     short = core.submit(request(engine, TEXTS[2], 2))
     long = core.submit(request(engine, TEXTS[0], 6))

@@ -113,6 +113,34 @@ def test_a_failed_step_fails_its_requests_and_the_runner_goes_on(engine, runner,
     assert asyncio.run(scenario()) == alone(engine, prompt, 4)
 
 
+def test_a_request_failing_alone_ends_with_its_error_and_the_other_goes_on(
+    engine, runner, monkeypatch
+):
+    from monitor_agent.engine.batching import NonFiniteLogits
+
+    prompts = [engine.encode(PROMPTS[0]), engine.encode(PROMPTS[1])]
+    expected = alone(engine, prompts[1], 6)
+    advance = engine.batch._advance
+
+    def nan_for_the_first_prompt(batch, logits):
+        rows = [i for i, h in enumerate(batch) if list(h.request.prompt_ids) == prompts[0]]
+        if rows:
+            logits = logits.clone()
+            logits[rows, 0] = float("nan")
+        return advance(batch, logits)
+
+    monkeypatch.setattr(engine.batch, "_advance", nan_for_the_first_prompt)
+
+    async def scenario():
+        return await asyncio.gather(
+            collect(runner, prompts[0], 6), collect(runner, prompts[1], 6), return_exceptions=True
+        )
+
+    failed, served = asyncio.run(scenario())
+    assert isinstance(failed, NonFiniteLogits) and served == expected
+    assert runner.requests_served == 2 and runner.active_requests == 0
+
+
 def test_bad_requests_fail_before_they_are_queued(engine, runner) -> None:
     async def scenario():
         with pytest.raises(ValueError, match="prompt is empty"):
