@@ -50,6 +50,8 @@ class Estimate:
     workload: Workload
     devices: int
     config_map: ConfigMap
+    # The request left input_tokens unset: ``workload`` holds the profiled prompt's.
+    input_defaulted: bool = False
 
     @property
     def usable(self) -> np.ndarray:
@@ -68,7 +70,14 @@ class Estimate:
         """How the profile limits the estimates (and this workload's prompt length), then
         what was left out and why."""
         references = self.config_map.references
+        defaulted = (
+            f"no input_tokens given: estimated for a {self.workload.input_tokens}-token "
+            "prompt, the longest profiled; give the prompt length of your requests"
+            if self.input_defaulted
+            else None
+        )
         extra = (
+            defaulted,
             references.prompt_note(self.workload.input_tokens),
             references.batch_note(self.workload.batch_size),
             self.estimates.unestimable_note(),
@@ -277,4 +286,6 @@ class Estimator:
             known = calibration_message.from_proto(config_map.calibration).device_memory_bytes
             memory_gib = known / GIB if known else None
         estimates, resolved = config_map.estimate(workload, devices, memory_gib)
-        return Estimate(estimates, resolved, devices, config_map)
+        return Estimate(
+            estimates, resolved, devices, config_map, input_defaulted=not workload.input_tokens
+        )

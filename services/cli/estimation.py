@@ -164,8 +164,9 @@ def cmd_estimate(settings: Settings, args) -> int:
         for note in reply.notes:
             print(f"note: {note}", file=sys.stderr)
         return 0
+    prompt = f"{args.input_len}-token prompt" if args.input_len else "the longest profiled prompt"
     print(
-        f"{args.model_id} on {args.hardware}: {len(records)} configurations, "
+        f"{args.model_id} on {args.hardware}: {len(records)} configurations, {prompt}, "
         f"{args.output_len} output tokens, batch {args.batch or 1}"
     )
     headers = ["TP", "PP", "VARIANT", "BATCH", "MEMORY GiB", "PER DEV GiB", "TTFT ms"]
@@ -342,7 +343,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--input-len",
         type=whole_number(),
         default=0,
-        help="prompt tokens (default: the profiled prompt)",
+        help="prompt tokens (default: the longest prompt profiled; a note says which)",
     )
     p.add_argument("--batch", type=whole_number(), default=0, help="batch size (default 1)")
     p.add_argument(

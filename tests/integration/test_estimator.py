@@ -105,7 +105,11 @@ def test_llama_70b_on_8_a6000s_every_configuration_in_sane_ranges(estimator, imp
 def test_cli_estimate_json_lines(stack, imported):
     out = cli(stack, "estimate", "llama-2-70b", "--hardware", HARDWARE, "--output-len", "100")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("llama-2-70b on rtx-a6000: 105 configurations")
+    assert out.stdout.startswith(
+        "llama-2-70b on rtx-a6000: 105 configurations, the longest profiled prompt, "
+    )
+    # A probe read estimates for a 1024-token prompt as its own: the reply says which.
+    assert "note: no input_tokens given: estimated for a 923-token prompt" in out.stdout
     out = cli(
         stack,
         "estimate",
@@ -153,7 +157,10 @@ def test_workloads_the_model_cannot_hold_are_refused_and_odd_prompts_noted(
     # (its KV cache excepted), and the reply says so.
     short = estimate(output_tokens=100, input_tokens=100)
     assert any("a 100-token prompt is outside the prompt lengths" in n for n in short.notes)
-    assert not any("outside the prompt lengths" in n for n in estimate(output_tokens=100).notes)
+    unset = estimate(output_tokens=100).notes
+    assert not any("outside the prompt lengths" in n for n in unset)
+    assert any(n.startswith("no input_tokens given") for n in unset)
+    assert not any(n.startswith("no input_tokens given") for n in short.notes)
 
 
 def test_cli_estimate_into_a_closed_pipe_ends_quietly(stack, imported):
