@@ -589,15 +589,16 @@ def cmd_deployments(settings: Settings, args) -> int:
 
 def _is_deployment(settings: Settings, target: str) -> bool:
     """Whether ``target`` names a deployment (else a model), as the deployer knows it;
-    while the deployer cannot answer (Redis down: the scheduler still serves what it
-    knows), by the shape of a deployment's id."""
+    while the deployer cannot answer (it is down, or Redis is: the scheduler still
+    serves what it knows), by the shape of a deployment's id. A scheduler down too then
+    fails the generation itself, with the "is the stack up?" hint."""
     stub = _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub)
     try:
         stub.GetDeployment(deploy_pb.GetDeploymentRequest(request_id=_rid(), deployment_id=target))
     except grpc.RpcError as exc:
         if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
             return False
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and not _unreached(exc.details() or ""):
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return looks_like_deployment_id(target)
         raise
     return True

@@ -67,6 +67,11 @@ def collect_status(settings: Settings) -> dict:
         "errors": [status_error] if status_error else [],
     }
     options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
+    for name, what in (("deploy", "nodes, devices and deployments"), ("model", "models")):
+        if not services[name]["serving"] and status_error is None:
+            status["errors"].append(
+                f"{name}: not answering at {services[name]['address']}: its {what} are not shown"
+            )
     state = _asked(
         settings,
         status,

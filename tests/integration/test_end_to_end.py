@@ -145,8 +145,16 @@ def test_cli_status_and_generate_json(stack, served):
     table = run_cli(nowhere, "status")
     assert table.returncode == 0 and "none here; live on " in table.stdout
     # With no live node, a missing agent is a missing agent.
-    alone = run_cli({**nowhere, "ISERVE_DEPLOY_ADDR": f"127.0.0.1:{free_port()}"}, "status")
+    no_deployer = {**env, "ISERVE_DEPLOY_ADDR": f"127.0.0.1:{free_port()}"}
+    alone = run_cli({**no_deployer, "ISERVE_AGENT_ADDR": nowhere["ISERVE_AGENT_ADDR"]}, "status")
     assert alone.returncode == 1 and "DOWN" in alone.stdout
+    # What the deployer would have shown is said to be missing, not silently left out.
+    assert "error: deploy: not answering at 127.0.0.1:" in alone.stdout
+    assert "nodes, devices and deployments are not shown" in alone.stdout
+    # Serving needs no deployer: generate by deployment id and by model id still works.
+    for target in (served.deployment_id, served.model_id):
+        out = run_cli(no_deployer, "generate", target, "Hi", "--max-tokens", "2", "--json")
+        assert out.returncode == 0, out.stderr
 
     # Piped, `models` gives scripts each model's state (only id and checkpoint before).
     models = subprocess.run(
