@@ -89,7 +89,7 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
     sampler = (
         NvmlSampler() if any(d.is_cuda for d in devices) else ProcessSampler(supervisor.live_pids)
     )
-    for path in remove_orphaned_shared_files():
+    for path in [*remove_orphaned_shared_files(), *supervisor.remove_stale_ready_files()]:
         log.info("removed %s, left by a worker that is gone", path)
     registry = new_registry()
     metrics = AgentMetrics(

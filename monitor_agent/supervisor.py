@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import psutil
+
 from monitor_agent.launch import LaunchPlan, WorkerPlan
 from monitor_agent.shm_files import remove_shared_files
 from monitor_agent.worker_pool import PooledProcess, WorkerPool
@@ -154,6 +156,20 @@ class WorkerSupervisor:
         self.reap_interval_s = reap_interval_s
         self.pool = pool
         self._workers: dict[str, list[WorkerProcess]] = {}
+
+    def remove_stale_ready_files(self) -> list[Path]:
+        """Remove the ready files of workers that no longer run (an agent killed while a
+        worker started left one for good, naming a pid that may be reused); the files
+        removed. Another agent's live workers keep theirs."""
+        removed = []
+        for path in self.run_dir.glob("*.ready.json"):
+            record = read_ready_file(path)
+            pid = record.get("pid") if record else None
+            if isinstance(pid, int) and not psutil.pid_exists(pid):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    removed.append(path)
+        return removed
 
     # ---- queries ----------------------------------------------------------------------
     def list_workers(self, deployment_id: str = "") -> list[agent_pb.WorkerInfo]:

@@ -389,3 +389,23 @@ def test_a_group_that_lost_a_rank_is_stopped_without_its_drain(run, checkpoint):
         assert stopped.exit_code == -signal.SIGKILL
 
     run(scenario)
+
+
+def test_ready_files_of_workers_gone_are_removed_and_live_ones_kept(tmp_path):
+    """An agent killed while a worker started left its ready file for good, naming a pid
+    that may be reused."""
+    supervisor = WorkerSupervisor(
+        node_id="n", store=None, state_dir=tmp_path, bind_host="127.0.0.1", advertise_host="x"
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    gone = psutil.Popen(["true"])
+    gone.wait()
+    (run / "worker-a-r0.ready.json").write_text(json.dumps({"port": 1, "pid": gone.pid}))
+    (run / "worker-b-r0.ready.json").write_text(json.dumps({"port": 1, "pid": os.getpid()}))
+    (run / "worker-c-r0.ready.json").write_text("{")  # being written: left alone
+    assert supervisor.remove_stale_ready_files() == [run / "worker-a-r0.ready.json"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "worker-b-r0.ready.json",
+        "worker-c-r0.ready.json",
+    ]
