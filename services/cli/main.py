@@ -486,19 +486,23 @@ def cmd_models(settings: Settings, args) -> int:
                 m.shape.num_layers,
                 m.shape.hidden_size,
                 m.checkpoint_path,
+                m.state_reason or "-",
             ]
             for m in reply.models
         ]
-        output.show_tables([(None, ["MODEL", "STATE", "LAYERS", "HIDDEN", "CHECKPOINT"], rows)])
+        headers = ["MODEL", "STATE", "LAYERS", "HIDDEN", "CHECKPOINT", "REASON"]
+        output.show_tables([(None, headers, rows)])
         return 0
     for model in reply.models:  # not a terminal: tab-separated lines, for scripts
-        # The state last, so the earlier columns stay where scripts read them (a script
-        # waiting for PROFILED had nothing to poll).
+        # The state after the earlier columns, so they stay where scripts read them (a
+        # script waiting for PROFILED had nothing to poll); why it FAILED after it.
         state = _state_name(model.state)
+        reason = " ".join(model.state_reason.split())
         print(
             json.dumps(_to_json(model))
             if args.json
             else f"{model.model_id}\t{model.checkpoint_path}\t{state}"
+            + (f"\t{reason}" if reason else "")
         )
     return 0
 

@@ -241,12 +241,16 @@ def test_profiling_without_room_fails_and_holds_nothing(stack):
 
 
 def test_a_failing_job_fails_the_model_until_registered_again(stack):
+    from safetensors.torch import load_file, save_file
+
     path = make_checkpoint(stack, "prof-broken", **TINY)
-    # Registration does not read generation_config.json; the worker does, and fails on
-    # JSON that is not an object, as transformers' from_pretrained does (text that is not
-    # JSON at all transformers passes over, and so does iserve).
-    generation = stack.models_root / path / "generation_config.json"
-    generation.write_text("[1, 2]")
+    # Registration reads the weights' headers; the worker reads their values, and
+    # refuses NaN.
+    weights = stack.models_root / path / "model.safetensors"
+    sound = weights.read_bytes()
+    tensors = load_file(weights)
+    tensors["model.embed_tokens.weight"][1, 2] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
 
     # `iserve register` waits for profiling, drawing its progress on stderr.
     out = _cli(stack, "register", "prof-broken", path)
@@ -257,14 +261,15 @@ def test_a_failing_job_fails_the_model_until_registered_again(stack):
     model = stack.models.GetModel(model_pb.GetModelRequest(model_id="prof-broken")).model
     assert model.state_reason.startswith("base fingerprint(1 layer) tp=1 pp=1 batch=1: ")
     assert "exited with code 1 before it was ready" in model.state_reason
-    assert "generation_config.json is malformed: not a JSON object" in model.state_reason
+    assert "'model.embed_tokens.weight'" in model.state_reason
+    assert "holds NaN or infinite values" in model.state_reason
     assert _profile_owners(stack) == set() and _profile_workers(stack) == []
 
     other = make_checkpoint(stack, "prof-other", **TINY)
     code, details = _code(lambda: _register(stack, "prof-broken", other))
     assert code == grpc.StatusCode.ALREADY_EXISTS and "same checkpoint" in details
 
-    generation.unlink()  # fixed: new content, new fingerprints
+    weights.write_bytes(sound)  # fixed: new content, new fingerprints
     retried = _register(stack, "prof-broken", path, skip_profiling=True)
     assert retried.state == model_pb.MODEL_STATE_REGISTERED
     _delete(stack, "prof-broken")
