@@ -21,7 +21,13 @@ from pydantic import (
 )
 
 from services.proto_limits import UINT32_MAX, UINT64_MAX
-from services.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_stop_strings
+from services.stop_strings import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    check_stop_strings,
+    check_stop_token_ids,
+)
 
 # Strict: a field takes its own JSON type only. pydantic's lax mode would take "5" and
 # true as max_tokens 5 and 1, "yes" as stream true, "0.5" as a temperature: what the
@@ -82,7 +88,12 @@ _TEXT_PARTS = WithJsonSchema(
 
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": UINT32_MAX}
 _STOP_TOKEN_IDS = WithJsonSchema(
-    {"anyOf": [{"type": "array", "items": _TOKEN_ID}, {"type": "null"}]}
+    {
+        "anyOf": [
+            {"type": "array", "items": _TOKEN_ID, "maxItems": MAX_STOP_TOKEN_IDS},
+            {"type": "null"},
+        ]
+    }
 )
 
 
@@ -353,6 +364,8 @@ class GenerationBody(BaseModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_token_ids(cls, values: Any) -> list[int] | None:
+        if isinstance(values, list):
+            check_stop_token_ids(values)  # before the ids are read one by one
         ids = _token_ids(values) if isinstance(values, list) else None
         if values is not None and ids is None:
             raise ValueError("stop_token_ids takes token ids (integers from 0 to 2^32-1)")

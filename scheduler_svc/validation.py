@@ -9,7 +9,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
 from services.errors import ContextLengthExceeded, InvalidArgument
 from services.ids import check_request_id
-from services.stop_strings import check_stop_strings
+from services.stop_strings import check_stop_strings, check_stop_token_ids
 from services.token_limits import DEFAULT_MAX_OUTPUT_TOKENS, sequence_length
 
 
@@ -35,6 +35,10 @@ def check_request(request: inference_pb.GenerateRequest) -> None:
             check_stop_strings(tuple(sampling.stop))
         except ValueError as exc:
             raise InvalidArgument(f"sampling.stop: {exc}") from None
+        try:
+            check_stop_token_ids(sampling.stop_token_ids)
+        except ValueError as exc:
+            raise InvalidArgument(f"sampling.stop_token_ids: {exc}") from None
 
 
 def resolve_max_tokens(

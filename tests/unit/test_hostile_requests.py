@@ -403,6 +403,7 @@ def _generate(**fields) -> infer_pb.GenerateRequest:
         (dict(top_p=-0.1), "top_p"),
         (dict(top_p=1.0001), "top_p"),
         (dict(top_p=math.inf), "top_p"),
+        (dict(stop_token_ids=[7] * 1025), "at most 1024 stop token ids"),
     ],
 )
 def test_absurd_sampling_is_invalid_argument(sampling, phrase):
