@@ -218,11 +218,7 @@ class Healer:
             if model is None:
                 return f"model {deployment.model_id} is no longer registered"
             max_seq_len = sequence_length(deployment.max_input_tokens, deployment.max_output_tokens)
-            others = [
-                r.placement
-                for r in deployment.replicas
-                if r.index != index and r.state != replicas.FAILED
-            ]
+            others = healing.held_placements(deployment, index)
             listed = await self.store.list_nodes()
             # A node whose agent the last call could not reach counts as not alive: it
             # failed every restart placed on it, each spending the budget.

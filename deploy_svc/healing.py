@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from deploy_svc import placement
 from deploy_svc.planning import placement_of
 from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.reservation import memory_blocks
 from services.settings import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF_S
@@ -224,6 +225,19 @@ def waiting_for_nodes(
             "once they are back or there is room (no restart budget is spent meanwhile)"
         )
     return ""
+
+
+def held_placements(deployment: deploy_pb.Deployment, index: int) -> list[common.Placement]:
+    """The placements of the replicas of ``deployment`` other than ``index`` that hold
+    their devices now: those that serve. A replica waiting to restart holds nothing (its
+    memory was released with its workers); counted, two pipeline replicas across a lost
+    node each kept the other off the live node's devices, and the whole deployment
+    waited for the node though one replica had room there (found by a probe)."""
+    return [
+        r.placement
+        for r in deployment.replicas
+        if r.index != index and r.state == deploy_pb.DEPLOYMENT_STATE_READY
+    ]
 
 
 def placements_to_try(

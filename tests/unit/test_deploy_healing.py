@@ -18,6 +18,7 @@ from deploy_svc.healing import (
     RestartRecord,
     after_failure,
     after_node_loss,
+    held_placements,
     placements_to_try,
     restore,
     served_again_note,
@@ -204,6 +205,38 @@ def test_a_replica_whose_old_device_filled_up_may_go_on_another_of_its_old_devic
     assert [devices_of(p) for p in tries][0] == ["node0/cpu0", "node2/cpu0"]
     assert sorted(devices_of(tries[-1])) == ["node1/cpu0", "node2/cpu0"]
     assert len(tries) == 2
+
+
+def test_replicas_waiting_to_restart_hold_no_devices_for_each_other():
+    """Two pipeline replicas across node0 and node1; node1 is lost. Each counted the
+    other's stale placement as taken, so neither could use node0's two devices and the
+    whole deployment waited for node1 (a probe: 275 of 433 requests refused)."""
+    pp2 = common.DeploymentConfig(
+        tensor_parallel=1, pipeline_parallel=2, batch_size=1, dtype=common.PRECISION_FLOAT32
+    )
+    fixed, block = memory_blocks(model().shape, pp2, 128)
+    first = stages_on(("node0", "node1"), fixed + 4 * block)
+    second = common.Placement()
+    second.CopyFrom(first)
+    for stage in second.stages:
+        stage.devices[0].device_id = "cpu1"
+    deployment = deploy_pb.Deployment(
+        replicas=[
+            deploy_pb.Replica(index=0, state=STARTING, placement=first),
+            deploy_pb.Replica(index=1, state=STARTING, placement=second),
+        ]
+    )
+    assert held_placements(deployment, 0) == []
+    lost = node(1, 1, node_id="node1")
+    lost.alive = False
+    nodes = [node(1, 1, node_id="node0"), lost]
+    tries = placements_to_try(model(), pp2, first, nodes, held_placements(deployment, 0), 128)
+    assert [sorted(devices_of(p)) for p in tries] == [["node0/cpu0", "node0/cpu1"]]
+    # A replica that serves keeps its devices to itself.
+    deployment.replicas[1].state = READY
+    deployment.replicas[1].placement.CopyFrom(tries[0])
+    assert held_placements(deployment, 0) == [tries[0]]
+    assert placements_to_try(model(), pp2, first, nodes, held_placements(deployment, 0), 128) == []
 
 
 def test_a_replica_across_nodes_waits_for_a_dead_one_while_the_live_ones_cannot_hold_it():
