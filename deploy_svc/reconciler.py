@@ -39,6 +39,8 @@ async def worker_answers(address: str) -> bool:
 # Reservations and workers of profiling jobs (fingerprint_svc.profiler) are not ours.
 PROFILING_OWNER_PREFIX = "profile-"
 LIST_TIMEOUT_S = 15.0
+# How long the check that a lost worker's nodes live waits for their agents.
+NODE_CHECK_TIMEOUT_S = 2.0
 # How often the agents are asked which workers they run (``Reconciler.check_workers``).
 WORKER_CHECK_INTERVAL_S = 3.0
 
@@ -285,7 +287,51 @@ class Reconciler:
         planned = self._was_stopped_on_purpose(group)
         if planned:
             reason = f"the stack was stopped on purpose ({reason})"
-        await self.controller.fail(group, reason, planned=planned)
+            await self.controller.fail(group, reason, planned=True)
+            return
+        lost = await self._lost_node(group)
+        if lost:
+            reason = f"{lost} ({reason})"
+        await self.controller.fail(group, reason, lost_rank=bool(lost))
+
+    async def _lost_node(self, group: str) -> str:
+        """Why a node of ``group``'s replica is lost ("" when every one lives and its
+        agent answers). A worker's loss often reaches the deployer before its node's
+        heartbeat lapses: the scheduler finds the worker gone, or a surviving rank its
+        pipeline peer, at once, where the lapse takes seconds; counted as the worker's
+        fault, each node loss spent the budget (a probe: 3 of 5 steps in four losses)."""
+        deployment_id, index = split_group_id(group)
+        deployment = await self.store.get_deployment(deployment_id)
+        replica = (
+            next((r for r in replicas.replicas_of(deployment) if r.index == index), None)
+            if deployment is not None
+            else None
+        )
+        if replica is None:
+            return ""
+        on = set(replicas.nodes_of(replica.placement))
+        nodes = [n for n in await self.store.list_nodes() if n.node_id in on]
+        dead = sorted(on - {n.node_id for n in nodes if n.alive})
+        if dead:
+            return f"node agent(s) {', '.join(dead)} stopped heartbeating"
+        replies = await asyncio.gather(
+            *(
+                self.agents.stub(n.agent_address).ListWorkers(
+                    agent_pb.ListWorkersRequest(deployment_id=group), timeout=NODE_CHECK_TIMEOUT_S
+                )
+                for n in nodes
+            ),
+            return_exceptions=True,
+        )
+        gone = []
+        for node, reply in zip(nodes, replies, strict=True):
+            if isinstance(reply, grpc.RpcError) and reply.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                self.controller.workers.reach.unreachable(node.agent_address, reply.details() or "")
+                gone.append(node.node_id)
+        return f"node agent(s) {', '.join(gone)} do not answer" if gone else ""
 
     def _was_stopped_on_purpose(self, group: str) -> bool:
         """Whether ``group``'s workers were stopped on purpose and nothing was heard of

@@ -26,6 +26,7 @@ from deploy_svc.healing import (
 )
 from deploy_svc.reconciler import Reconciler
 from services.aio import cancel_and_wait
+from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.drain import worker_stop_s
@@ -511,7 +512,6 @@ def test_a_restart_cut_off_by_a_deployer_restart_goes_on(run):
         second.reconciled.clear()
 
         async def no_workers(request, timeout):
-            from services.api import agent_service_pb2 as agent_pb
 
             return agent_pb.ListWorkersResponse()
 
@@ -530,7 +530,6 @@ def test_a_replica_whose_agent_no_longer_runs_it_is_restarted(run):
     """An agent restarted on its own (or the whole stack): it answers, with no worker."""
 
     async def scenario(store):
-        from services.api import agent_service_pb2 as agent_pb
 
         agent = FakeAgent()
         controller = await controller_on(store, agent, 2, 2, policy=FAST)
@@ -570,7 +569,6 @@ class ReportingAgent(FakeAgent):
         self.extra: list[str] = []
 
     async def ListWorkers(self, request, timeout):
-        from services.api import agent_service_pb2 as agent_pb
 
         running = [g for g in self.started if g not in self.stopped] + self.extra
         return agent_pb.ListWorkersResponse(
@@ -600,7 +598,6 @@ class OneHungAgent(ReportingAgent):
         return self.node1 if address == "node1:1" else self
 
     async def _node1_workers(self, request, timeout):
-        from services.api import agent_service_pb2 as agent_pb
 
         if self.hang.is_set():
             self.hanging.set()
@@ -742,6 +739,48 @@ def test_a_late_report_about_a_worker_replaced_since_fails_nothing(run):
         assert (await store.get_deployment(deployment_id)).state == STARTING
         assert (await settle(store, deployment_id)).state == READY
         await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_worker_lost_with_its_agent_before_the_heartbeat_lapses_spends_no_budget(run):
+    """The scheduler finds a worker gone (or a pipeline's surviving rank its peer) at
+    once; the node's heartbeat lapses seconds later. Counted as the worker's fault, node
+    losses spent the budget (a probe: 3 of 5 steps in four losses of one node)."""
+
+    class AgentGone(FakeAgent):
+        answering = True
+
+        async def ListWorkers(self, request, timeout: float):
+            if not self.answering:
+                raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Connection refused")
+            return await super().ListWorkers(request, timeout)
+
+    async def scenario(store):
+        agent = AgentGone()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        reconciler = Reconciler(controller, store, agent)
+        event = {"kind": "worker_unreachable", "deployment_id": dep.deployment_id}
+        for _ in range(FAST.max_restarts + 1):
+            agent.answering = False
+            address = (await store.get_deployment(dep.deployment_id)).worker_address
+            await reconciler.handle({**event, "worker_address": address})
+            taken_out = await store.get_deployment(dep.deployment_id)
+            assert taken_out.state_reason.startswith(
+                "restart now after: node agent(s) node0 do not answer (worker unreachable"
+            ), taken_out.state_reason
+            agent.answering = True
+            controller.workers.reach.answered("node0:1")
+            assert (await settle(store, dep.deployment_id)).state == READY
+        assert (await controller.healer.record_of(dep.deployment_id)).in_a_row == 0
+        # Its agent answering, the worker's loss is the worker's: the budget counts it.
+        address = (await store.get_deployment(dep.deployment_id)).worker_address
+        await reconciler.handle({**event, "worker_address": address})
+        assert (await controller.healer.record_of(dep.deployment_id)).in_a_row == 1
+        await settle(store, dep.deployment_id)
+        await controller.remove(dep.deployment_id)
         assert await nothing_left(store)
 
     run(scenario)

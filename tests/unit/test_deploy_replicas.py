@@ -207,6 +207,9 @@ class FakeAgent:
             )
         return agent_pb.StartWorkersResponse(workers=workers)
 
+    async def ListWorkers(self, request: agent_pb.ListWorkersRequest, timeout: float):
+        return agent_pb.ListWorkersResponse()
+
     async def StopWorkers(self, request: agent_pb.StopWorkersRequest, timeout: float):
         self.stopped.append(request.deployment_id)
         self.stop_timeouts.append(timeout)
