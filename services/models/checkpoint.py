@@ -330,7 +330,8 @@ def write_checkpoint(
             "do_sample": False,
         },
     )
-    tokenizer.save(str(directory / TOKENIZER_FILE))
+    # Written here, not by the library, which takes the path as UTF-8 whatever the locale.
+    (directory / TOKENIZER_FILE).write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     _write_json(
         directory / "tokenizer_config.json",
         {

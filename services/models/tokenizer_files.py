@@ -46,7 +46,17 @@ def load_tokenizer(directory: Path, family: str) -> Tokenizer:
     :func:`as_transformers_runs_it`); InvalidCheckpoint naming the file when the
     ``tokenizers`` library cannot read it."""
     try:
-        tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
+        # Read here, not by the library: it takes the path as UTF-8 whatever the locale
+        # says, and a checkpoint under a non-ASCII directory in a Latin-1 locale was
+        # "not a tokenizer" (no such file).
+        text = (directory / TOKENIZER_FILE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidCheckpoint(
+            f"{TOKENIZER_FILE} in {str(directory)!r} is not a tokenizer the tokenizers "
+            f"library can load: {exc}"
+        ) from None
+    try:
+        tokenizer = Tokenizer.from_str(text)
     except Exception as exc:  # the library raises its own Exception for every problem
         raise InvalidCheckpoint(
             f"{TOKENIZER_FILE} in {str(directory)!r} is not a tokenizer the tokenizers "
