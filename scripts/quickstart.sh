@@ -5,6 +5,9 @@
 # with curl from the OpenAI-compatible gateway), show the status,
 # then stop everything (KEEP_UP=1 leaves the stack running).
 set -euo pipefail
+# Python's UTF-8 mode: file names (this checkout's path among them) are UTF-8 whatever the
+# locale says; in a Latin-1 locale pip wrote the launchers with a non-ASCII path mangled.
+export PYTHONUTF8=1
 cd "$(dirname "$0")/.."
 scripts/setup.sh engine
 export PATH="$PWD/.venv/bin:$PATH"

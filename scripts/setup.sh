@@ -2,6 +2,9 @@
 # Create .venv (Python 3.11, for the pinned torch 2.13.0 CPU wheel) and install iserve
 # into it with the given extras, e.g. `scripts/setup.sh engine,dev`. Idempotent.
 set -euo pipefail
+# Python's UTF-8 mode: file names (this checkout's path among them) are UTF-8 whatever the
+# locale says; in a Latin-1 locale pip wrote the launchers with a non-ASCII path mangled.
+export PYTHONUTF8=1
 cd "$(dirname "$0")/.."
 extras=${1:-engine}
 python=${PYTHON:-}

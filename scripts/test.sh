@@ -2,6 +2,9 @@
 # README command 2: set up (with the dev extras) and run lint and the whole test suite.
 # Extra arguments go to pytest, e.g. `scripts/test.sh tests/unit -k store`.
 set -euo pipefail
+# Python's UTF-8 mode: file names (this checkout's path among them) are UTF-8 whatever the
+# locale says; in a Latin-1 locale pip wrote the launchers with a non-ASCII path mangled.
+export PYTHONUTF8=1
 cd "$(dirname "$0")/.."
 scripts/setup.sh engine,dev
 echo "== ruff"
