@@ -8,6 +8,10 @@ set -euo pipefail
 # Python's UTF-8 mode: file names (this checkout's path among them) are UTF-8 whatever the
 # locale says; in a Latin-1 locale pip wrote the launchers with a non-ASCII path mangled.
 export PYTHONUTF8=1
+# Relative state and models paths are the caller's, as every other command takes them.
+for var in ISERVE_STATE_DIR ISERVE_MODELS_ROOT; do
+  case "${!var:-/}" in /*) ;; *) export "$var=$PWD/${!var}" ;; esac
+done
 cd "$(dirname "$0")/.."
 scripts/setup.sh engine
 export PATH="$PWD/.venv/bin:$PATH"
