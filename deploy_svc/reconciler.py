@@ -300,13 +300,7 @@ class Reconciler:
         heartbeat lapses: the scheduler finds the worker gone, or a surviving rank its
         pipeline peer, at once, where the lapse takes seconds; counted as the worker's
         fault, each node loss spent the budget (a probe: 3 of 5 steps in four losses)."""
-        deployment_id, index = split_group_id(group)
-        deployment = await self.store.get_deployment(deployment_id)
-        replica = (
-            next((r for r in replicas.replicas_of(deployment) if r.index == index), None)
-            if deployment is not None
-            else None
-        )
+        replica = await self._replica(group)
         if replica is None:
             return ""
         on = set(replicas.nodes_of(replica.placement))
@@ -340,16 +334,21 @@ class Reconciler:
         self._stopped_on_purpose.discard(group)
         return planned
 
+    async def _replica(self, group: str) -> deploy_pb.Replica | None:
+        """``group``'s replica as Redis holds it now; None when it or its deployment is
+        gone."""
+        deployment_id, index = split_group_id(group)
+        deployment = await self.store.get_deployment(deployment_id)
+        if deployment is None:
+            return None
+        return next((r for r in replicas.replicas_of(deployment) if r.index == index), None)
+
     async def _current(self, group: str, *, node_id: str = "", address: str = "") -> bool:
         """Whether an event about a worker of ``group`` on ``node_id`` (or at ``address``)
         is about the replica as it is now. A late report of a worker the replica had before
         a restart (a scheduler that cached its old address, an agent cut off while the
         replica moved to another node) must not fail the replica that replaced it."""
-        deployment_id, index = split_group_id(group)
-        deployment = await self.store.get_deployment(deployment_id)
-        if deployment is None:
-            return False
-        replica = next((r for r in replicas.replicas_of(deployment) if r.index == index), None)
+        replica = await self._replica(group)
         if replica is None:
             return False
         if address:
