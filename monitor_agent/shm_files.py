@@ -16,6 +16,8 @@ import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
+import psutil
+
 SHM_DIR = "/dev/shm"
 _PREFIX = "iserve-"
 
@@ -38,7 +40,7 @@ def remove_orphaned_shared_files(directory: str = SHM_DIR) -> list[str]:
 
     def orphaned(path: Path) -> bool:
         pid = path.name[len(_PREFIX) :].split("-", 1)[0]
-        return pid.isdigit() and not _running(int(pid))
+        return pid.isdigit() and not psutil.pid_exists(int(pid))
 
     return _unlink(filter(orphaned, Path(directory).glob(f"{_PREFIX}*-*")))
 
@@ -51,13 +53,3 @@ def _unlink(paths: Iterable[Path]) -> list[str]:
             path.unlink()
             removed.append(str(path))
     return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
