@@ -183,6 +183,10 @@ class ParallelContext:
         }
 
 
+# The ioctl that reads an interface's IPv4 address (linux/sockios.h).
+_SIOCGIFADDR = 0x8915
+
+
 def interface_with_address(address: str) -> str | None:
     """The name of this host's network interface whose IPv4 address is ``address`` (the
     kernel's answer, SIOCGIFADDR), None when none has it or ``address`` is no IPv4."""
@@ -200,9 +204,6 @@ def interface_with_address(address: str) -> str | None:
             if answer[20:24] == wanted:
                 return name
     return None
-
-
-_SIOCGIFADDR = 0x8915
 
 
 def bind_collectives(bind_host: str, cuda: bool) -> str | None:
