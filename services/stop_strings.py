@@ -8,6 +8,8 @@ scheduler refuses stop strings beyond the limits before queueing the request.
 
 from __future__ import annotations
 
+from collections.abc import Sized
+
 # OpenAI's limit on stop strings, and a bound on each (the text held back while it could
 # still begin one is at most this long).
 MAX_STOP_STRINGS = 4
@@ -18,7 +20,7 @@ MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 1024
 
 
-def check_stop_token_ids(ids) -> None:
+def check_stop_token_ids(ids: Sized) -> None:
     """ValueError unless there are at most MAX_STOP_TOKEN_IDS ``ids``."""
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(ids)}")

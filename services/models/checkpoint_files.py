@@ -119,9 +119,7 @@ def _required_weights(directory: Path) -> _ChosenWeights:
         for name in (WEIGHTS_FILE, SHARD_INDEX_FILE):
             if (directory / name).exists():  # there, but a directory, FIFO or device
                 raise InvalidCheckpoint(f"{name} in {str(directory)!r} is not a regular file")
-        others = sorted(
-            path.name for path in directory.glob("*.safetensors") if path.name != WEIGHTS_FILE
-        )
+        others = sorted(path.name for path in directory.glob("*.safetensors"))
         raise InvalidCheckpoint(
             f"no *.safetensors files in {str(directory)!r} that transformers loads: it "
             f"reads {WEIGHTS_FILE}, or the shards {SHARD_INDEX_FILE} names"
