@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -59,6 +60,11 @@ def _with_reason(said: str, event: dict) -> str:
     """``said``, then the event's reason after a colon when it gives one."""
     why = str(event.get("reason") or "").strip()
     return f"{said}: {why}" if why else said
+
+
+def _stopped_heartbeating(nodes: Iterable[str]) -> str:
+    """Why a replica on ``nodes`` is lost, in the words the restart record keeps."""
+    return f"node agent(s) {', '.join(sorted(nodes))} stopped heartbeating"
 
 
 class Reconciler:
@@ -307,7 +313,7 @@ class Reconciler:
         nodes = [n for n in await self.store.list_nodes() if n.node_id in on]
         dead = sorted(on - {n.node_id for n in nodes if n.alive})
         if dead:
-            return f"node agent(s) {', '.join(dead)} stopped heartbeating"
+            return _stopped_heartbeating(dead)
         replies = await asyncio.gather(
             *(
                 self.agents.stub(n.agent_address).ListWorkers(
@@ -382,7 +388,7 @@ class Reconciler:
                     lost.append(
                         self.controller.fail(
                             replica_group_id(deployment.deployment_id, replica.index),
-                            f"node agent(s) {', '.join(sorted(dead))} stopped heartbeating",
+                            _stopped_heartbeating(dead),
                             lost_rank=True,
                         )
                     )

@@ -84,6 +84,15 @@ redis.call('SREM', KEYS[2], ARGV[1])
 return #entries / 2
 """
 
+# KEYS: the state-format key.  ARGV: this iserve's format.  Returns the format stored
+# before (0 when none) and stores the larger of the two, in one step: two services of
+# different versions starting together must not leave the older one's number behind.
+_CLAIM_FORMAT = """
+local stored = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+if stored < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+return stored
+"""
+
 
 class StateStoreUnavailable(Unavailable):
     """Redis, which holds iserve's state, cannot be reached (down, restarting, loading
@@ -218,6 +227,7 @@ class StateStore:
         self.redis = client
         self._reserve = client.register_script(_RESERVE)
         self._release = client.register_script(_RELEASE)
+        self._claim_format = client.register_script(_CLAIM_FORMAT)
 
     @classmethod
     def from_url(cls, url: str) -> StateStore:
@@ -254,11 +264,7 @@ class StateStore:
         """Record that records of format ``mine`` are written here, unless a newer one
         was (an iserve of a later version used this Redis): the format stored before,
         0 when none."""
-        key = keys.state_format()
-        stored = int(await self.redis.get(key) or 0)
-        if stored < mine:
-            await self.redis.set(key, mine)
-        return stored
+        return int(await self._claim_format(keys=[keys.state_format()], args=[mine]))
 
     async def eviction_policy(self) -> str | None:
         """Redis's ``maxmemory-policy`` (``INFO memory``), None where it cannot be read

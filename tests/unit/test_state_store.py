@@ -99,6 +99,24 @@ def test_concurrent_reservations_never_oversubscribe(run):
     run(body)
 
 
+def test_the_state_format_claim_keeps_the_newest_when_versions_start_together(run):
+    """Two services of different versions starting on one Redis: each read the stored
+    format, then wrote its own when larger, so the older one could write its number over
+    the newer one's and the newer records went unrefused by the older iserve."""
+
+    async def body(store):
+        for _ in range(5):
+            await store.redis.delete(keys.state_format())
+            claims = [StateStore(store.redis).claim_state_format(f) for f in (7, 6, 5, 7, 6)]
+            before = await asyncio.gather(*claims)
+            assert int(await store.redis.get(keys.state_format())) == 7
+            assert sorted(before)[0] == 0 and all(b in (0, 5, 6, 7) for b in before)
+        assert await store.claim_state_format(3) == 7  # an older one learns of the newer
+        assert int(await store.redis.get(keys.state_format())) == 7
+
+    run(body)
+
+
 def test_measured_use_counts_against_free_memory(run):
     async def body(store):
         node = _node(devices=1)
