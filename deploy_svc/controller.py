@@ -97,7 +97,6 @@ class ModelBeingDeleted(FailedPrecondition):
 class _DeployCall:
     """A Deploy running in this process, as a repeat of its request id waits for it."""
 
-    owner: str
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
 
@@ -393,7 +392,7 @@ class DeploymentController:
         check_request_id(request.request_id)
         # Known before the request id is claimed, so that a repeat that finds the claim
         # finds this call too (_outcome_of).
-        call = self._calls[deployment_id] = _DeployCall(access.owner())
+        call = self._calls[deployment_id] = _DeployCall()
         try:
             return await self._deploy_once(request, deployment_id)
         except DeploymentRemoved:
@@ -409,17 +408,11 @@ class DeploymentController:
         if request.request_id:
             asked = _asked(request)
             earlier = await self.store.claim_deploy_request(
-                request.request_id, deployment_id, asked
+                request.request_id, deployment_id, asked, owner=access.owner()
             )
             if earlier is not None:
                 existing = await self._outcome_of(request.request_id, earlier)
                 if existing is not None:
-                    # Another owner's request id names their deployment: not this caller's.
-                    access.check_owner(
-                        f"request_id {request.request_id!r} names deployment "
-                        f"{existing.deployment_id}, which",
-                        existing.owner,
-                    )
                     if existing.model_id != request.model_id:
                         # A repeat is the same request; this one names another model.
                         raise FailedPrecondition(
@@ -428,7 +421,9 @@ class DeploymentController:
                             f"{existing.deployment_id}); give this Deploy of "
                             f"{request.model_id} a request id of its own"
                         )
-                    before = await self.store.deploy_request_asked(request.request_id)
+                    before = await self.store.deploy_request_asked(
+                        request.request_id, owner=access.owner()
+                    )
                     differ = _fields_that_differ(before, asked) if before else []
                     if differ:
                         # The same key for another request returned the first one's
@@ -450,9 +445,10 @@ class DeploymentController:
             # Only this call's claim: a rollback or a Remove may have freed it already,
             # and another Deploy may have claimed it since.
             if request.request_id and (
-                await self.store.deploy_request(request.request_id) == deployment_id
+                await self.store.deploy_request(request.request_id, owner=access.owner())
+                == deployment_id
             ):
-                await self.store.forget_deploy_request(request.request_id)
+                await self.store.forget_deploy_request(request.request_id, owner=access.owner())
             raise
 
     async def _outcome_of(self, request_id: str, deployment_id: str) -> deploy_pb.Deployment | None:
@@ -469,10 +465,6 @@ class DeploymentController:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(first.ended.wait(), deadline - time.monotonic())
             if first.removed:
-                access.check_owner(
-                    f"request_id {request_id!r} names deployment {deployment_id}, which",
-                    first.owner,
-                )
                 raise DeploymentRemoved(deployment_id)
         while True:
             existing = await self.store.get_deployment(deployment_id)
@@ -482,7 +474,7 @@ class DeploymentController:
                 first_launch = existing.state == deploy_pb.DEPLOYMENT_STATE_STARTING
                 if late or not first_launch or replicas.is_restarting(existing):
                     return existing
-            elif await self.store.deploy_request(request_id) != deployment_id:
+            elif await self.store.deploy_request(request_id, owner=access.owner()) != deployment_id:
                 return None
             elif late:
                 raise Unavailable(

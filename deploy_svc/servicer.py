@@ -21,7 +21,9 @@ class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
 
     async def GetDeployment(self, request, context):
         deployment = await self.controller.get(request.deployment_id)
-        access.check_use(
+        # Read as ListDeployments reads: a developer sees every deployment (the cluster's
+        # state names them all), a user the ones its token grants.
+        access.check_see(
             deployment.deployment_id,
             deployment.owner,
             unknown=unknown_deployment(request.deployment_id),

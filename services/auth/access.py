@@ -77,6 +77,20 @@ def check_use(deployment_id: str, owner_subject: str, *, unknown: IServeError) -
     )
 
 
+def may_see(deployment_id: str, owner_subject: str) -> bool:
+    """Whether the caller may read a deployment's record: every role but application
+    users, which see the deployments their token grants (:func:`may_use`)."""
+    return caller().role != policy.APP_USER or may_use(deployment_id, owner_subject)
+
+
+def check_see(deployment_id: str, owner_subject: str, *, unknown: IServeError) -> None:
+    """Nothing when :func:`may_see`; else ``unknown``, as for a deployment that does
+    not exist (only application users are refused, and they must not learn that it
+    does)."""
+    if not may_see(deployment_id, owner_subject):
+        raise unknown
+
+
 def usable(deployments: Iterable) -> list:
     """The deployments (records with ``deployment_id`` and ``owner``) the caller may
     generate on (:func:`may_use`)."""
@@ -86,6 +100,4 @@ def usable(deployments: Iterable) -> list:
 def visible(deployments: Iterable) -> list:
     """The deployments (records with ``deployment_id`` and ``owner``) the caller may see:
     all for developers, administrators and services; the granted ones for users."""
-    if caller().role != policy.APP_USER:
-        return list(deployments)
-    return usable(deployments)
+    return [d for d in deployments if may_see(d.deployment_id, d.owner)]

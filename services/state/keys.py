@@ -81,15 +81,23 @@ def deployer_stopped() -> str:
     return f"{PREFIX}deployer-stopped"
 
 
-def deploy_request(request_id: str) -> str:
-    """Maps a Deploy request id to its deployment id (idempotency)."""
-    return f"{PREFIX}deploy-request:{_part(request_id)}"
+def _scoped(owner: str, request_id: str) -> str:
+    """A request id within its owner's own keys: a tenant's idempotency key must not
+    claim another's (one tenant could take the keys another retries with). Calls
+    without a subject (authentication off) keep the unscoped name; no subject holds a
+    ':', so the two never meet."""
+    return f"{_part(owner)}:{_part(request_id)}" if owner else _part(request_id)
 
 
-def deploy_request_asked(request_id: str) -> str:
+def deploy_request(request_id: str, owner: str = "") -> str:
+    """Maps an owner's Deploy request id to its deployment id (idempotency)."""
+    return f"{PREFIX}deploy-request:{_scoped(owner, request_id)}"
+
+
+def deploy_request_asked(request_id: str, owner: str = "") -> str:
     """What the Deploy that claimed a request id asked (JSON of its DeployRequest, the
     request id and the wait cleared): a repeat must ask the same."""
-    return f"{PREFIX}deploy-request-asked:{_part(request_id)}"
+    return f"{PREFIX}deploy-request-asked:{_scoped(owner, request_id)}"
 
 
 def node(node_id: str) -> str:

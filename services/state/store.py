@@ -412,8 +412,8 @@ class StateStore:
             pipe.srem(keys.deployment_index(), deployment.deployment_id)
             if deployment.request_id:
                 pipe.delete(
-                    keys.deploy_request(deployment.request_id),
-                    keys.deploy_request_asked(deployment.request_id),
+                    keys.deploy_request(deployment.request_id, deployment.owner),
+                    keys.deploy_request_asked(deployment.request_id, deployment.owner),
                 )
             await pipe.execute()
 
@@ -436,27 +436,28 @@ class StateStore:
         return None if raw is None else int(raw)
 
     async def claim_deploy_request(
-        self, request_id: str, deployment_id: str, asked: str = ""
+        self, request_id: str, deployment_id: str, asked: str = "", *, owner: str = ""
     ) -> str | None:
-        """Bind ``request_id`` to ``deployment_id`` and what its Deploy ``asked``; returns
-        the earlier binding if any."""
-        if await self.redis.set(keys.deploy_request(request_id), deployment_id, nx=True):
-            await self.redis.set(keys.deploy_request_asked(request_id), asked)
+        """Bind ``owner``'s ``request_id`` to ``deployment_id`` and what its Deploy
+        ``asked``; returns the earlier binding if any. Each owner (token subject) has
+        request ids of its own."""
+        if await self.redis.set(keys.deploy_request(request_id, owner), deployment_id, nx=True):
+            await self.redis.set(keys.deploy_request_asked(request_id, owner), asked)
             return None
-        return await self.redis.get(keys.deploy_request(request_id))
+        return await self.redis.get(keys.deploy_request(request_id, owner))
 
-    async def deploy_request_asked(self, request_id: str) -> str | None:
+    async def deploy_request_asked(self, request_id: str, *, owner: str = "") -> str | None:
         """What the Deploy bound to ``request_id`` asked; None when nothing is bound, or
         the binding predates this record (or is being made)."""
-        return await self.redis.get(keys.deploy_request_asked(request_id)) or None
+        return await self.redis.get(keys.deploy_request_asked(request_id, owner)) or None
 
-    async def deploy_request(self, request_id: str) -> str | None:
-        """The deployment id ``request_id`` is bound to, if any."""
-        return await self.redis.get(keys.deploy_request(request_id))
+    async def deploy_request(self, request_id: str, *, owner: str = "") -> str | None:
+        """The deployment id ``owner``'s ``request_id`` is bound to, if any."""
+        return await self.redis.get(keys.deploy_request(request_id, owner))
 
-    async def forget_deploy_request(self, request_id: str) -> None:
+    async def forget_deploy_request(self, request_id: str, *, owner: str = "") -> None:
         await self.redis.delete(
-            keys.deploy_request(request_id), keys.deploy_request_asked(request_id)
+            keys.deploy_request(request_id, owner), keys.deploy_request_asked(request_id, owner)
         )
 
     # ---- nodes and devices --------------------------------------------------------

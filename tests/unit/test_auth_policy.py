@@ -160,6 +160,9 @@ def test_ownership_rules_by_role():
     try:
         with pytest.raises(PermissionDenied, match="may not use deployment d2"):
             access.check_use("d2", "carol", unknown=NotFound("deployment d2 not found"))
+        # ... but reads it, as its listing shows it (GetDeployment refused what
+        # ListDeployments returned).
+        access.check_see("d2", "carol", unknown=NotFound("deployment d2 not found"))
     finally:
         access.reset_caller(token)
 
@@ -172,6 +175,9 @@ def test_ownership_rules_by_role():
         # use is refused as one that does not exist.
         with pytest.raises(NotFound, match="^deployment d2 not found$"):
             access.check_use("d2", "carol", unknown=NotFound("deployment d2 not found"))
+        with pytest.raises(NotFound, match="^deployment d2 not found$"):
+            access.check_see("d2", "carol", unknown=NotFound("deployment d2 not found"))
+        access.check_see("d1", "alice", unknown=NotFound("deployment d1 not found"))
     finally:
         access.reset_caller(token)
 

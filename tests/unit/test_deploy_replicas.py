@@ -555,8 +555,10 @@ def test_a_remove_while_the_workers_start_aborts_the_deploy_and_its_repeat(run, 
         claims: list[str | None] = []
         claim = store.claim_deploy_request
 
-        async def recorded_claim(request_id: str, deployment_id: str, asked: str) -> str | None:
-            earlier = await claim(request_id, deployment_id, asked)
+        async def recorded_claim(
+            request_id: str, deployment_id: str, asked: str, *, owner: str = ""
+        ) -> str | None:
+            earlier = await claim(request_id, deployment_id, asked, owner=owner)
             claims.append(earlier)
             return earlier
 
@@ -628,6 +630,42 @@ def test_a_request_id_reused_for_another_request_is_refused_not_answered(run):
         assert [d.deployment_id for d in await store.list_deployments()] == [first.deployment_id]
         await controller.remove(first.deployment_id)
         assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_request_ids_are_each_owners_own(run):
+    """A request id was one key for all tenants: bob, deploying first with a common key,
+    made alice's Deploy with it fail (PERMISSION_DENIED, naming bob's deployment) until
+    bob removed his. Each subject now has its own keys; a repeat is still a repeat."""
+    from services.auth import access, policy
+    from services.auth.tokens import Principal
+
+    async def as_(who: str, call):
+        token = access.set_caller(Principal(f"t-{who}", who, policy.APP_DEVELOPER))
+        try:
+            return await call()
+        finally:
+            access.reset_caller(token)
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+
+        def deploy():
+            return controller.deploy(deploy_request(1, request_id="deploy-1"))
+
+        bobs = (await as_("bob", deploy)).deployment
+        alices = (await as_("alice", deploy)).deployment
+        assert (bobs.owner, alices.owner) == ("bob", "alice")
+        assert bobs.deployment_id != alices.deployment_id
+        assert (await as_("alice", deploy)).deployment.deployment_id == alices.deployment_id
+        assert (await as_("bob", deploy)).deployment.deployment_id == bobs.deployment_id
+        await controller.remove(bobs.deployment_id)
+        assert (await as_("alice", deploy)).deployment.deployment_id == alices.deployment_id
+        await controller.remove(alices.deployment_id)
+        assert await nothing_left(store)
+        assert [k async for k in store.redis.scan_iter("iserve:deploy-request*")] == []
 
     run(scenario)
 
