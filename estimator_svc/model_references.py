@@ -64,13 +64,22 @@ class PromptReferences:
     profiles: tuple[VariantProfile, ...]
 
 
-def unprofiled_note(layout: Layout) -> str:
+def unprofiled_note(layout: Layout, input_tokens: int | None = None) -> str:
     """The note of a model whose fingerprints were never run at ``layout`` (TENSOR or
-    PIPELINE)."""
+    PIPELINE), or never with a prompt of ``input_tokens``."""
     kind = "tensor" if layout == TENSOR else "pipeline"
+    prompt = "" if input_tokens is None else f" with the {input_tokens}-token prompt"
     return (
-        f"no fingerprint runs at tp={layout[0]} pp={layout[1]}: {kind}-parallel "
-        "configurations are estimated without its communication cost"
+        f"no fingerprint runs at tp={layout[0]} pp={layout[1]}{prompt}: {kind}-parallel "
+        f"configurations are estimated without its communication cost{prompt and ' there'}"
+    )
+
+
+def _profiled_with(fingerprints: Sequence[Sample], layout: Layout, input_tokens: int) -> bool:
+    """Whether ``layout`` was profiled at batch 1 with a prompt of ``input_tokens``
+    (its TTFT terms exist for that prompt)."""
+    return any(
+        s.layout == layout and s.batch == 1 and s.input_tokens == input_tokens for s in fingerprints
     )
 
 
@@ -99,7 +108,10 @@ class ModelReferences:
         whose communication the fingerprints never ran (:func:`unprofiled_note`)."""
         unprofiled = np.zeros(np.shape(tp), dtype=bool)
         for layout, degree in ((TENSOR, tp), (PIPELINE, pp)):
-            if unprofiled_note(layout) in self.notes:
+            # Never profiled there, or not with one of the prompts (estimates between
+            # prompts interpolate through it).
+            said = f"no fingerprint runs at tp={layout[0]} pp={layout[1]}"
+            if any(note.startswith(said) for note in self.notes):
                 unprofiled |= np.asarray(degree) > 1
         return unprofiled
 
@@ -395,6 +407,13 @@ def model_references(
 
     prompts = []
     for n in prompt_lengths:
+        for layout in (TENSOR, PIPELINE):
+            if (
+                layout in runnable
+                and layout in profiled
+                and not _profiled_with(fingerprints, layout, n)
+            ):
+                notes.append(unprofiled_note(layout, n))
         # iserve's profiler runs a job's prompt lengths in one worker whose static cache
         # holds the longest prompt and output, longest last: the peaks of every prompt
         # are that worker's, and its longest prompt's rows say what they hold.

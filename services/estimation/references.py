@@ -128,8 +128,8 @@ def extrapolate_references(
 
     ``latency`` maps (variant, (tp, pp)) to samples; ``memory`` maps the same keys to
     (layer counts, GiB summed over devices). Each variant needs its (1,1) samples;
-    (2,1) and (1,2) may be missing when the model cannot use them (then they are filled
-    so that Eq. 2 charges no overhead for them); a TP-ladder layout a variant lacks is
+    (2,1) and (1,2) may be missing when the model cannot use them, or lack samples with
+    ``prompt`` (then they are filled so that Eq. 2 charges no overhead for them); a TP-ladder layout a variant lacks is
     NaN, which Eq. 2 replaces by its extrapolation. ``prompt`` picks the TTFT terms when
     samples were taken with several prompts. ``layouts`` fixes the layouts of every
     profile (the references first, then TP-ladder layouts); by default they are the
@@ -162,8 +162,17 @@ def extrapolate_references(
         )
         ttft, tpot, mem = [], [], []
         for layout in layouts:
+            terms = None
             if (v, layout) in latency:
-                terms = fit.layer_latency(v, layout, prompt)
+                try:
+                    terms = fit.layer_latency(v, layout, prompt)
+                except KeyError:
+                    if layout == BASE:
+                        raise
+                    # Profiled at this layout, but with other prompts only (a model's
+                    # short-prompt rows at (2,1), its long-prompt ones at (1,1) alone):
+                    # the layout is estimated as one never profiled.
+            if terms is not None:
                 ladder = layout not in REFERENCE_LAYOUTS
                 nan = float("nan")
                 ttft.append(

@@ -225,6 +225,48 @@ def test_prompt_lengths_are_interpolated_between_profiled_ones():
     assert "not extrapolated" in refs.prompt_note(10)
 
 
+def test_a_layout_profiled_with_another_prompt_only_is_estimated_and_said():
+    """Long-prompt rows at (1,1) alone beside short-prompt rows at every layout (a
+    partial import next to MaverIQ's _BS file): every estimate failed with an INTERNAL
+    KeyError for the (2,1) TTFT terms of the long prompt."""
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    short = profiler_rows("", common.WEIGHT_QUANT_NONE, input_tokens=32)
+    long = [
+        m
+        for m in profiler_rows("", common.WEIGHT_QUANT_NONE, input_tokens=288)
+        if m.config.tensor_parallel * m.config.pipeline_parallel == 1
+    ]
+    refs = model_references.model_references(
+        shape,
+        profiles.estimation_variants(model, short),
+        [profiles.sample_from_measurement(m) for m in short + long],
+    )
+    assert [p.input_tokens for p in refs.prompts] == [32, 288]
+    for layout in ("tp=2 pp=1: tensor", "tp=1 pp=2: pipeline"):
+        assert (
+            f"no fingerprint runs at {layout}-parallel configurations are estimated without "
+            "its communication cost" not in refs.notes
+        )
+    assert (
+        "no fingerprint runs at tp=2 pp=1 with the 288-token prompt: tensor-parallel "
+        "configurations are estimated without its communication cost there"
+    ) in refs.notes
+    assert not any("32-token" in n for n in refs.notes)
+    long_refs, short_refs = refs.at_input(288)[0].batch1, refs.at_input(32)[0].batch1
+    # The long prompt's (2,1) and (1,2) carry no overhead of their own: Eq. 2 then charges
+    # none; the short prompt's keep what they measured.
+    assert long_refs.ttft_s[1] == pytest.approx(long_refs.ttft_s[0] / 2)
+    assert long_refs.ttft_s[2] == pytest.approx(long_refs.ttft_s[0])
+    assert short_refs.ttft_s[1] != pytest.approx(short_refs.ttft_s[0] / 2)
+    assert np.all(np.isfinite(long_refs.ttft_s)) and np.all(np.isfinite(long_refs.tpot_s))
+    assert refs.communication_unprofiled(np.array([1, 2, 1]), np.array([1, 1, 2])).tolist() == [
+        False,
+        True,
+        True,
+    ]
+
+
 def _linear_in_prompt(lengths, ttft_per_token, tpot_per_token, layer_mib=100, ttft_per_pair=0.0):
     """Profiler rows at each prompt length whose TTFT and TPOT grow by the given
     seconds per prompt token (per layer and in the 'other' term alike), TTFT also by
