@@ -44,7 +44,7 @@ import psutil
 
 from monitor_agent.launch import LaunchPlan, WorkerPlan
 from monitor_agent.shm_files import remove_shared_files
-from monitor_agent.worker_pool import PooledProcess, WorkerPool
+from monitor_agent.worker_pool import PooledProcess, WorkerPool, worker_environment
 from services.api import agent_service_pb2 as agent_pb
 from services.drain import WORKER_STOP_MARGIN_S
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
@@ -254,7 +254,7 @@ class WorkerSupervisor:
         ready_file.unlink(missing_ok=True)
         argv = plan.worker_argv(worker, self.bind_host, ready_file)
         argv += ["--drain-timeout-s", f"{self.drain_timeout_s:g}"]
-        env = dict(os.environ)
+        env = worker_environment(os.environ)
         env["PYTHONUNBUFFERED"] = "1"  # so the log tail is current when a worker dies
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")])

@@ -27,6 +27,7 @@ import logging
 import multiprocessing
 import os
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 log = logging.getLogger("iserve.agent.pool")
@@ -35,6 +36,29 @@ log = logging.getLogger("iserve.agent.pool")
 # serve a model.
 PRELOAD = ("torch", "monitor_agent.worker.process", "monitor_agent.engine.engine")
 _WORKER_MODULE = ("-m", "monitor_agent.worker")
+# What the agent's environment holds that no worker needs, and no worker should hold:
+# Redis's URL with its password (whoever reaches Redis owns the cluster; a worker loads
+# checkpoints and joins torch collectives that have no authentication) and the tokens a
+# client sends. A worker accepts and sends the service token alone.
+WITHHELD_FROM_WORKERS = ("REDIS_URL", "ISERVE_TOKEN", "ISERVE_ADMIN_TOKEN")
+
+
+def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without what :data:`WITHHELD_FROM_WORKERS` names."""
+    return {k: v for k, v in env.items() if k not in WITHHELD_FROM_WORKERS}
+
+
+@contextlib.contextmanager
+def _withheld_from_the_fork_server() -> Iterator[None]:
+    """The agent's environment without :data:`WITHHELD_FROM_WORKERS` while the fork
+    server may start: it is a new process taking the agent's environment, and a worker
+    forked from it keeps that process's first environment in ``/proc/PID/environ``
+    whatever it sets in ``os.environ`` afterwards."""
+    withheld = {k: os.environ.pop(k) for k in WITHHELD_FROM_WORKERS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(withheld)
 
 
 def _let_go_of_the_fork_server() -> None:
@@ -114,7 +138,8 @@ class WorkerPool:
         """Start the fork server now (it imports ``PRELOAD``), not at the first worker."""
         from multiprocessing import forkserver
 
-        forkserver.ensure_running()
+        with _withheld_from_the_fork_server():
+            forkserver.ensure_running()
         log.info("warm worker pool ready (preloaded %s)", ", ".join(PRELOAD))
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> PooledProcess:
@@ -127,5 +152,6 @@ class WorkerPool:
             name="iserve-worker",
             daemon=True,
         )
-        process.start()
+        with _withheld_from_the_fork_server():  # (re)starts the fork server if it is gone
+            process.start()
         return PooledProcess(process)

@@ -93,6 +93,7 @@ def _stop_agent(proc: subprocess.Popen) -> int | None:
 def agent(redis_url, models_root, tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("state")
     env = _agent_env(state_dir, models_root, redis_url, NODE)
+    env["ISERVE_TOKEN"] = "a-client-token-no-worker-needs"
     proc = _start_agent(env, state_dir / "agent.log")
     with grpc.insecure_channel(env["ISERVE_AGENT_ADDR"]) as channel:
         yield agent_service_pb2_grpc.AgentServiceStub(channel), env
@@ -152,6 +153,16 @@ def test_workers_start_serve_show_up_and_stop(agent, redis_url):
     assert reply.request_id == "start-dep-a"
     [worker] = reply.workers
     assert worker.state == agent_pb.WORKER_STATE_READY and _alive(worker.pid)
+    # Redis's URL (its password) and client tokens stay with the agent: neither the worker
+    # nor the fork server it came from has them, in os.environ or in /proc (a worker's
+    # first environment there is the fork server's).
+    if sys.platform == "linux":
+        parent = psutil.Process(worker.pid).parent()
+        for pid in (worker.pid, parent.pid):
+            names = {
+                e.split(b"=", 1)[0] for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            }
+            assert not names & {b"REDIS_URL", b"ISERVE_TOKEN"}, (pid, names)
 
     listed = stub.ListWorkers(agent_pb.ListWorkersRequest(deployment_id="dep-a"), timeout=10)
     assert [w.address for w in listed.workers] == [worker.address]
