@@ -63,18 +63,6 @@ from estimator_svc.hardware_calibration import (  # noqa: E402
     fit_calibration,
     predict_rows,
 )
-from estimator_svc.model_references import (  # noqa: E402
-    ModelReferences,
-    Workload,
-    estimate,
-    model_references,
-)
-from estimator_svc.profiles import (  # noqa: E402
-    Sample,
-    estimation_shape,
-    estimation_variants,
-    sample_from_measurement,
-)
 from fingerprint_svc.importing import plan_maveriq_import, variant_name  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.estimation.calibrate import calibrate_parallel_constants  # noqa: E402
@@ -84,6 +72,18 @@ from services.estimation.latency import (  # noqa: E402
     REFERENCE_LAYOUTS,
     TENSOR,
     parallel_latency,
+)
+from services.estimation.model_references import (  # noqa: E402
+    ModelReferences,
+    Workload,
+    estimate,
+    model_references,
+)
+from services.estimation.profiles import (  # noqa: E402
+    Sample,
+    estimation_shape,
+    estimation_variants,
+    sample_from_measurement,
 )
 from services.estimation.score import Calibration, Intent, rank  # noqa: E402
 from services.estimation.space import parallel_pairs  # noqa: E402

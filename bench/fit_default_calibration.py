@@ -4,7 +4,7 @@
 ``iserve profile import`` followed by ``iserve calibrate --hardware rtx-a6000`` would on
 a stack holding only that data: the files go through the service's import
 (``fingerprint_svc.importing``), every model's fingerprint runs are extrapolated by
-``estimator_svc.profiles`` and the constants fitted on the full-model runs by
+``services.estimation.profiles`` and the constants fitted on the full-model runs by
 ``estimator_svc.hardware_calibration``.
 
 ``cpu-x86_64.json`` is not written here: ``bench/estimate_cpu.py --write-calibration``
@@ -36,14 +36,14 @@ from estimator_svc.hardware_calibration import (  # noqa: E402
     HardwareCalibration,
     fit_hardware_calibration,
 )
-from estimator_svc.model_references import model_references  # noqa: E402
-from estimator_svc.profiles import (  # noqa: E402
+from fingerprint_svc.importing import plan_maveriq_import  # noqa: E402
+from services.api import model_service_pb2 as model_pb  # noqa: E402
+from services.estimation.model_references import model_references  # noqa: E402
+from services.estimation.profiles import (  # noqa: E402
     estimation_shape,
     estimation_variants,
     sample_from_measurement,
 )
-from fingerprint_svc.importing import plan_maveriq_import  # noqa: E402
-from services.api import model_service_pb2 as model_pb  # noqa: E402
 
 HARDWARE = "rtx-a6000"
 # RTX A6000: 48 GB per GPU (as bench/estimate_a6000.py counts it).

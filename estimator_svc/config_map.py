@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass, replace
 
 from google.protobuf import json_format
 
-from estimator_svc import model_references, profiles
 from estimator_svc.calibration_message import from_proto
-from estimator_svc.model_references import ModelReferences, PromptReferences, Workload
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
+from services.estimation import model_references, profiles
+from services.estimation.model_references import ModelReferences, PromptReferences, Workload
 from services.estimation.references import ReferenceProfile, VariantProfile
 from services.estimation.score import Estimates
 from services.estimation.space import ModelShape, Variant

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from estimator_svc.model_references import ModelReferences
-from estimator_svc.profiles import Sample
 from services.estimation.calibrate import calibrate_latency, calibrate_memory_constants
 from services.estimation.latency import REFERENCE_LAYOUTS, decode_steps, phase_latency
 from services.estimation.memory import MemoryConstants, solve_memory_components, total_memory_gib
+from services.estimation.model_references import ModelReferences
+from services.estimation.profiles import Sample
 from services.estimation.score import Calibration
 
 __all__ = [

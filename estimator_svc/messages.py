@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from estimator_svc.model_references import Workload
 from estimator_svc.ranking import RankedConfigs
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.errors import InvalidArgument
 from services.estimation.memory import GIB
+from services.estimation.model_references import Workload
 from services.estimation.score import Estimates
 from services.token_limits import check_batch_size
 

@@ -19,16 +19,17 @@ from pathlib import Path
 
 import numpy as np
 
-from estimator_svc import calibration_message, model_references, profiles
+from estimator_svc import calibration_message
 from estimator_svc.config_map import ConfigMap, build_config_map, from_json, source_hash
 from estimator_svc.config_map import to_json as config_map_json
 from estimator_svc.hardware_calibration import fit_hardware_calibration
-from estimator_svc.model_references import Workload
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.estimation import model_references, profiles
 from services.estimation.latency import REFERENCE_LAYOUTS
 from services.estimation.memory import GIB
+from services.estimation.model_references import Workload
 from services.estimation.score import Estimates
 from services.ids import check_hardware_type
 from services.state.capacity import largest_device_bytes

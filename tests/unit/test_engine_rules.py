@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deploy_svc.explicit import resolve_explicit
-from estimator_svc.profiles import estimation_shape
 from monitor_agent.devices import DeviceSpec
 from monitor_agent.launch import worker_dtype
 from services.api import common_pb2 as common
@@ -20,6 +19,7 @@ from services.engine_rules import (
     tensor_parallel_problem,
 )
 from services.errors import IServeError, Unimplemented
+from services.estimation.profiles import estimation_shape
 from services.estimation.space import Variant, enumerate_space
 
 

@@ -11,12 +11,12 @@ import pytest
 from estimator_svc import calibration_message as calibrations
 from estimator_svc import service as service_module
 from estimator_svc.config_map import build_config_map, from_json, source_hash, to_json
-from estimator_svc.model_references import Workload
 from estimator_svc.service import DEFAULT_DEVICES, Estimator
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.estimation.model_references import Workload
 from services.state import keys
 from services.state.store import StateStore
 from tests.unit.estimator_data import tiny_model, tiny_rows

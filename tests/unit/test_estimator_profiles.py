@@ -1,4 +1,4 @@
-"""Stored profile measurements to estimation inputs (estimator_svc/profiles.py)."""
+"""Stored profile measurements to estimation inputs (services/estimation/profiles.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import collections
 import numpy as np
 import pytest
 
-from estimator_svc import model_references, profiles
 from estimator_svc.calibration_message import from_proto, load_shipped
 from fingerprint_svc.importing import plan_maveriq_import
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.estimation import model_references, profiles
 from services.estimation.extrapolate import LatencySample
 from services.estimation.latency import REFERENCE_LAYOUTS
 from services.estimation.references import extrapolate_references

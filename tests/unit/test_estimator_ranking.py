@@ -12,12 +12,12 @@ from estimator_svc.messages import (
     ranked_messages,
     workload_from_proto,
 )
-from estimator_svc.model_references import Workload
 from estimator_svc.ranking import formula_cost, rank_for_intent
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.errors import FailedPrecondition, InvalidArgument
 from services.estimation.memory import GIB
+from services.estimation.model_references import Workload
 from services.intents import check_intent
 from tests.unit.estimator_data import tiny_model, tiny_rows
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from estimator_svc.profiles import Sample
 from services.estimation.extrapolate import LatencySample
 from services.estimation.latency import (
     BASE,
@@ -31,6 +30,7 @@ from services.estimation.latency import (
     REFERENCE_LAYOUTS,
     TENSOR,
 )
+from services.estimation.profiles import Sample
 from services.estimation.prompt_curve import profiles_at, recorded
 from services.estimation.references import (
     ReferenceProfile,
