@@ -26,7 +26,10 @@ Rows are checked against the model they are for, naming file and line: a tensor
 parallelism its heads cannot split (or outside TENSOR_PARALLEL_DEGREES), a prompt plus
 output beyond its context and a batch size the estimator cannot extrapolate (a
 fingerprint beyond batch 2, a batch above 1 in a file of batch-1 runs) are refused, as
-are, in any model, a row with more fields than the header, a latency over a day, memory
+are two rows of one run at the same output length or whose latencies no run gives
+(``SERIES_SLACK``), an import that takes every estimate away from a model that had them
+(a note says when a model has none yet), and, in any model, a row with more fields
+than the header, a latency over a day, memory
 over a pebibyte and a batch above MAX_BATCH_SIZE (``services.importers.maveriq``), and an
 import that would leave a model with more than ``services.importers.MAX_PROFILE_MEASUREMENTS``
 rows. A
@@ -56,6 +59,7 @@ from services.api import model_service_pb2 as model_pb
 from services.auth import access
 from services.engine_rules import tensor_parallel_problem
 from services.errors import InvalidArgument, shown
+from services.estimation import model_references, profiles
 from services.estimation.latency import REFERENCE_BATCHES
 from services.estimation.memory import GIB
 from services.ids import ID_RULE, check_hardware_type, check_model_id, is_valid_id
@@ -306,6 +310,7 @@ def plan_maveriq_import(
             )
         for row, prompt in by_model[model_id]:
             _check_row(row, prompt, model_id, spec)
+        _check_series([row for row, _ in by_model[model_id]], model_id)
         measurements = tuple(
             to_measurement(row, hardware_type, spec.num_layers, prompt, shape)
             for row, prompt in by_model[model_id]
@@ -371,6 +376,44 @@ def _check_row(row: maveriq.Measurement, prompt: int, model_id: str, spec: ArchS
             f"{where}: {tokens}{row.output_tokens} output tokens pass the model's context "
             f"of {spec.max_position_embeddings} positions"
         )
+
+
+# How far one run's latency may move between two output lengths before a row is taken for
+# a slip rather than a measurement. End to end, L(o) = TTFT + o * TPOT: more tokens never
+# take less time, nor more than o2/o1 times as long, up to timing noise and a TPOT that
+# grows with the sequence (the A6000 data: 0.97 and 1.15). A factor of two either way
+# leaves room for other machines' noise and still catches a row off by a unit or an
+# exponent (a latency of 1e-300, 80,000 s beside 0.04 s).
+SERIES_SLACK = 2.0
+
+
+def _check_series(rows: Sequence[maveriq.Measurement], model_id: str) -> None:
+    """InvalidArgument naming the rows when two rows of one run (same file, layout, layer
+    map, variant and batch) have the same output length, or when latency moves between
+    two output lengths of a run in a way no measurement does (:data:`SERIES_SLACK`).
+    One such row changed every estimate of its variant, or left most configurations out."""
+    runs: dict[tuple, list[maveriq.Measurement]] = defaultdict(list)
+    for row in rows:
+        key = (row.source, row.tp, row.pp, row.pp_map, row.weight_quant, row.int8_kv_cache)
+        runs[(*key, row.batch_size)].append(row)
+    for series in runs.values():
+        series = sorted(series, key=lambda r: (r.output_tokens, r.line))
+        for a, b in zip(series, series[1:], strict=False):
+            where = f"{a.where} and line {b.line}: {model_id}"
+            if a.output_tokens == b.output_tokens:
+                raise InvalidArgument(
+                    f"{where}: the same run (TP={a.tp}, PP_Map={list(a.pp_map)}, batch "
+                    f"{a.batch_size}, {a.output_tokens} output tokens) twice; keep one row "
+                    "of each run"
+                )
+            longest = SERIES_SLACK * b.output_tokens / a.output_tokens * a.latency_s
+            if not a.latency_s / SERIES_SLACK <= b.latency_s <= longest:
+                raise InvalidArgument(
+                    f"{where}: {a.latency_s:.6g} s for {a.output_tokens} output tokens and "
+                    f"{b.latency_s:.6g} s for {b.output_tokens} (TP={a.tp}, "
+                    f"PP_Map={list(a.pp_map)}, batch {a.batch_size}): no run's latency moves "
+                    "that way with its output length; is one of them mistyped, or in other units?"
+                )
 
 
 def _check_memory(
@@ -599,6 +642,48 @@ def _merged_source(files: Sequence[str], kept_files: set[str], now_ms: int) -> s
     )
 
 
+def _estimable(model: model_pb.Model, rows: Sequence[model_pb.ProfileMeasurement]) -> str:
+    """Why the estimator's own extrapolation cannot estimate ``model`` from ``rows``
+    (one hardware type's); "" when it can."""
+    try:
+        model_references.model_references(
+            profiles.estimation_shape(model),
+            profiles.estimation_variants(model, rows),
+            [profiles.sample_from_measurement(m) for m in rows],
+        )
+    except (ValueError, KeyError) as exc:
+        return str(exc).strip("'\"")
+    return ""
+
+
+def _check_estimable(
+    existing: model_pb.Model | None,
+    before: model_pb.GetProfileResponse | None,
+    model: model_pb.Model,
+    after: model_pb.GetProfileResponse,
+    hardware_type: str,
+) -> str:
+    """A note when ``model``'s rows on ``hardware_type`` after an import give no
+    estimate ("" when they do): fingerprint rows may come a file at a time. An import
+    that takes estimates away from a model that had them is refused (InvalidArgument):
+    it replaced good rows with rows that determine nothing (one output length per run),
+    and every estimate then failed."""
+
+    def rows(profile):
+        return [m for m in profile.measurements if m.hardware_type == hardware_type]
+
+    why = _estimable(model, rows(after))
+    if not why:
+        return ""
+    had = existing is not None and before is not None and rows(before)
+    if had and not _estimable(existing, rows(before)):
+        raise InvalidArgument(
+            f"model {model.model_id!r}: its rows on {hardware_type} give estimates now and "
+            f"would give none after this import ({why}); nothing was imported"
+        )
+    return f"{model.model_id}: no estimates on {hardware_type} yet: {why}"
+
+
 async def import_profiles(
     store: StateStore, request: model_pb.ImportProfilesRequest
 ) -> model_pb.ImportProfilesResponse:
@@ -622,8 +707,9 @@ async def import_profiles(
         existing = await store.get_model(imported.model_id)
         if existing is not None:
             access.check_owner(f"model {imported.model_id!r}", existing.owner)
+        before = await store.get_profile(imported.model_id)
         profile = merge_profile(
-            await store.get_profile(imported.model_id),
+            before,
             imported.model_id,
             plan.hardware_type,
             imported.measurements,
@@ -640,6 +726,9 @@ async def import_profiles(
         # The rows kept come first, the imported ones after them.
         kept = profile.measurements[: len(profile.measurements) - len(imported.measurements)]
         model = merge_model(existing, imported, now_ms, kept_rows=len(kept), owner=access.owner())
+        note = _check_estimable(existing, before, model, profile, plan.hardware_type)
+        if note:
+            notes.append(note)
         kept_files = {m.source_file for m in kept if m.hardware_type == plan.hardware_type}
         source = _merged_source(plan.files, kept_files, now_ms)
         records.append((existing is None, model, profile, source))

@@ -839,7 +839,11 @@ def test_a_model_given_by_its_config_is_stored_with_that_shape_and_a_note(run):
             ),
         )
         assert list(reply.model_ids) == ["mystery-1b"]
-        assert list(reply.notes) == ["Mystery-1B: rows stored under model id 'mystery-1b'"]
+        named, unestimable = reply.notes
+        assert named == "Mystery-1B: rows stored under model id 'mystery-1b'"
+        # One output length per layout determines nothing yet: said, not refused (the
+        # rest of a data set may come in another file).
+        assert unestimable.startswith("mystery-1b: no estimates on rtx-a6000 yet: ")
         model = await store.get_model("mystery-1b")
         assert model.shape.num_layers == 24 and model.shape.hidden_size == 1024
         assert "config.json given with the import" in model.state_reason
@@ -866,3 +870,72 @@ def test_imported_rows_carry_the_layer_bytes_their_engine_format_implies():
     )
     assert fp16.layer_kv_bytes_per_token == 2 * 4096 * 2
     assert int4_kv8.layer_kv_bytes_per_token == 2 * 4096 * 1
+
+
+def _estimable_rows(scale: float = 1.0, outputs: tuple[int, ...] = (10, 20)) -> str:
+    """llama-2-7b fp16 fingerprints at the three references, 1 and 2 layers, enough
+    for estimates: latency 0.02 s + 0.004 s a token per layer (``scale`` times it)."""
+    lines = []
+    for tp, pp, maps in ((1, 1, ("1", "2")), (2, 1, ("1", "2")), (1, 2, ("1 1", "1 2"))):
+        for layer_map in maps:
+            layers = sum(int(n) for n in layer_map.split())
+            for o in outputs:
+                latency = scale * (0.02 + 0.004 * o * layers / tp + 0.001 * (tp + pp))
+                memory = 1.2 + 0.2 * layers
+                lines.append(
+                    f"llama-2-7b,{tp},{pp},{layer_map},float16,False,{o},1,{latency:.6f},"
+                    f"{memory - 0.05:.3f},{memory:.3f},10,5\n"
+                )
+    return HEADER + "".join(lines)
+
+
+def test_rows_of_one_run_that_no_measurement_gives_are_refused_naming_them():
+    """One mistyped row was imported silently: 1e-300 s moved every estimate of its
+    variant by a third; 80,000 s beside 0.04 s left 38 of 45 configurations out; a run
+    given twice (3x apart) was averaged in."""
+    rows = _estimable_rows()
+    assert plan({"fingerprint_data_collection.csv": rows}).models  # the good rows pass
+    lines = rows.splitlines(keepends=True)
+    cases = {
+        "tiny": (2, "0.102000", "1e-300", "0.062 s for 10 output tokens and 1e-300 s for 20"),
+        "huge": (2, "0.102000", "80000", "0.062 s for 10 output tokens and 80000 s for 20"),
+    }
+    for name, (line, old, new, said) in cases.items():
+        changed = lines.copy()
+        # Line numbers count the header as 1: the run's rows are lines 2 and 3.
+        changed[line] = changed[line].replace(old, new)
+        assert changed != lines, name
+        with pytest.raises(InvalidArgument) as refused:
+            plan({"fingerprint_data_collection.csv": "".join(changed)})
+        assert "fingerprint_data_collection.csv:2 and line 3: llama-2-7b" in str(refused.value)
+        assert said in str(refused.value), (name, str(refused.value))
+        assert "mistyped, or in other units" in str(refused.value)
+    twice = "".join(lines) + lines[1].replace("0.062000", "0.186000")
+    with pytest.raises(InvalidArgument, match=r"csv:2 and line 14: llama-2-7b: the same run"):
+        plan({"fingerprint_data_collection.csv": twice})
+
+
+def test_an_import_that_takes_a_models_estimates_away_is_refused_and_changes_nothing(run):
+    """A file of one output length per run replaced a model's good rows: the import was
+    accepted and every estimate then failed (FAILED_PRECONDITION). Partial data on a model
+    without estimates is still taken, with a note, since the rest may come in another file."""
+
+    async def scenario(store: StateStore):
+        good = {"fingerprint_data_collection.csv": _estimable_rows()}
+        reply = await import_profiles(store, request(good))
+        assert not [n for n in reply.notes if "no estimates" in n]
+        before = await store.get_profile("llama-2-7b")
+        one_length = {"fingerprint_data_collection.csv": _estimable_rows(outputs=(10,))}
+        with pytest.raises(InvalidArgument) as refused:
+            await import_profiles(store, request(one_length))
+        assert str(refused.value).startswith(
+            "model 'llama-2-7b': its rows on rtx-a6000 give estimates now and would give "
+            "none after this import (fingerprint samples do not determine"
+        )
+        assert str(refused.value).endswith("; nothing was imported")
+        assert await store.get_profile("llama-2-7b") == before
+        # On another hardware type the model has no estimates to lose: taken, and said.
+        reply = await import_profiles(store, request(one_length, "h100"))
+        assert [n for n in reply.notes if n.startswith("llama-2-7b: no estimates on h100 yet: ")]
+
+    run(scenario)
