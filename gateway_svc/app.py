@@ -71,7 +71,7 @@ from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
 from services.errors import InvalidArgument, rpc_reason, shown
 from services.health import serving_status
-from services.ids import check_model_id
+from services.ids import check_model_id, deployment_given_as_model
 from services.metrics import certificate_expiry, new_registry
 from services.settings import MAX_TOKEN_LENGTH, MIN_TOKEN_LENGTH, TlsFiles
 
@@ -349,7 +349,22 @@ class Backend:
             raise GatewayError.from_rpc(exc) from None
         if reply.deployments:
             return
+        await self._deployment_given_as_model(model_id, caller)
         raise GatewayError(404, "not_found_error", f"model {model_id} has no deployment", "model")
+
+    async def _deployment_given_as_model(self, model_id: str, caller: Metadata) -> None:
+        """The scheduler's 404 for a deployment's id given as ``model`` (whose model to
+        ask for), when it names a deployment the caller may see; else nothing."""
+        try:
+            reply = await self.deployments.GetDeployment(
+                deploy_pb.GetDeploymentRequest(deployment_id=model_id),
+                timeout=self.rpc_timeout_s,
+                metadata=caller,
+            )
+        except grpc.aio.AioRpcError:
+            return  # no such deployment, one the caller may not see, or no answer
+        said = deployment_given_as_model(model_id, reply.deployment.model_id)
+        raise GatewayError(404, "not_found_error", said, "model")
 
     async def chat_template(self, model_id: str, caller: Metadata) -> tuple[str, dict[str, str]]:
         """The chat template of ``model_id``'s checkpoint and its special tokens.
@@ -368,6 +383,8 @@ class Backend:
             # Read fresh each time (a model registered again may have moved), but the
             # path read last will do while the model service does not answer.
             path = self.checkpoint_paths.get(model_id)
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                await self._deployment_given_as_model(model_id, caller)
             if path is None or exc.code() not in _UNANSWERED:
                 raise GatewayError.from_rpc(exc) from None
         try:
@@ -1014,15 +1031,18 @@ async def _stream(
                 "logprobs": None,
                 "finish_reason": reason,
             }
-        return json.dumps(
-            {
-                "id": ident,
-                "object": kind,
-                "created": created,
-                "model": body.model,
-                "choices": [choice],
-            }
-        )
+        event = {
+            "id": ident,
+            "object": kind,
+            "created": created,
+            "model": body.model,
+            "choices": [choice],
+        }
+        if usage_too:
+            # OpenAI's form: with include_usage every chunk has "usage", null until the
+            # last one (a client may read chunk["usage"] on each).
+            event["usage"] = None
+        return json.dumps(event)
 
     events: asyncio.Queue = asyncio.Queue()
 

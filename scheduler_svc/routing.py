@@ -21,7 +21,7 @@ from services.errors import (
     PermissionDenied,
     Unavailable,
 )
-from services.ids import check_deployment_id, check_model_id
+from services.ids import check_deployment_id, check_model_id, deployment_given_as_model
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.scheduler.routing")
@@ -130,10 +130,7 @@ class Router:
                 # say whose it is, to a caller who may see it.
                 named = await self._store.get_deployment(model_id)
                 if named is not None and access.visible([named]):
-                    raise ModelNotFound(
-                        f"model {model_id} has no deployment: {model_id} is a deployment of "
-                        f"model {named.model_id}; ask for that model"
-                    )
+                    raise ModelNotFound(deployment_given_as_model(model_id, named.model_id))
                 raise ModelNotFound(f"model {model_id} has no deployment")
             if not ready:
                 states = "; ".join(describe_state(d) for d in found)

@@ -423,6 +423,51 @@ def test_stream_options_without_a_stream_is_a_400(gateway):
         assert error["message"].endswith("stream_options is only allowed when stream is true")
 
 
+def test_with_include_usage_every_chunk_carries_usage_null_until_the_last(gateway):
+    """OpenAI's stream: with include_usage each chunk has a "usage" key, null but on the
+    last (choices empty); a client reading chunk["usage"] got a KeyError here."""
+    for path, extra in (("completions", {"prompt": "x"}), ("chat/completions", {})):
+        body = {
+            "model": MODEL,
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **(extra or {"messages": [{"role": "user", "content": "hi"}]}),
+        }
+        with httpx.stream("POST", f"{gateway}/v1/{path}", json=body, timeout=60) as reply:
+            assert reply.status_code == 200
+            data = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        chunks = [json.loads(d) for d in data[:-1]]
+        assert len(chunks) >= 3 and all("usage" in c for c in chunks), (path, chunks)
+        assert all(c["usage"] is None and c["choices"] for c in chunks[:-1])
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+        # Without include_usage no chunk has the key (OpenAI's form).
+        body.pop("stream_options")
+        with httpx.stream("POST", f"{gateway}/v1/{path}", json=body, timeout=60) as reply:
+            data = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+        assert not any("usage" in json.loads(d) for d in data[:-1])
+
+
+def test_a_deployment_id_given_as_model_says_whose_it_is_on_every_endpoint(stack, gateway):
+    """Completions said which model a deployment id belongs to; chat said only that the
+    model is not registered."""
+    listed = stack.deployments.ListDeployments(
+        deploy_pb.ListDeploymentsRequest(model_id=MODEL), timeout=10
+    ).deployments
+    named = listed[0].deployment_id
+    said = f"model {named} has no deployment: {named} is a deployment of model {MODEL}"
+    for path, extra in (
+        ("completions", {"prompt": "x"}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        reply = httpx.post(
+            f"{gateway}/v1/{path}", json={"model": named, "max_tokens": 2, **extra}, timeout=60
+        )
+        assert reply.status_code == 404, reply.text
+        assert reply.json()["error"]["message"].startswith(said), (path, reply.text)
+
+
 def test_vllms_top_k_and_stop_token_ids_steer_the_generation(stack, client):
     # Accepted and dropped before: top_k 1 sampled at temperature 1.5, and a stop token
     # id ended nothing.
