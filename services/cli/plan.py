@@ -42,8 +42,36 @@ from services.simulation import MAX_SIMULATED_DEVICES, simulated_devices
 from services.token_limits import token_limits
 
 GIB = float(1 << 30)
-# Every intent of `iserve deploy --intent` that needs no target (the SLO ones do).
+# Every intent of `iserve deploy --intent` that needs no target; the SLO ones are planned
+# when their target is given (--slo-ms, --budget).
 INTENTS = {name: kind for name, kind in deploying.INTENTS.items() if not name.endswith("-slo")}
+COSTED = (common.INTENT_KIND_MIN_COST, common.INTENT_KIND_COST_SLO, common.INTENT_KIND_LATENCY_SLO)
+
+
+def intents_of(args) -> list[tuple[str, common.Intent]]:
+    """(row name, Intent) per intent to plan: every intent without a target, then
+    latency-slo and cost-slo when their targets are given; each with the accuracy floor
+    and, where the intent ranks by cost, the cost formula."""
+    kinds = list(INTENTS.items())
+    if args.slo_ms is not None:
+        kinds.append((f"latency-slo {args.slo_ms:g} ms", common.INTENT_KIND_LATENCY_SLO))
+    if args.budget is not None:
+        kinds.append((f"cost-slo {args.budget:g}", common.INTENT_KIND_COST_SLO))
+    if args.best_available and args.min_accuracy is None:
+        usage_error("iserve plan: --best-available goes with --min-accuracy")
+    planned = []
+    for name, kind in kinds:
+        intent = common.Intent(
+            kind=kind,
+            cost_formula=deploying.COST_FORMULAS.get(args.cost, 0) if kind in COSTED else 0,
+            latency_slo_ms=(args.slo_ms or 0) if kind == common.INTENT_KIND_LATENCY_SLO else 0,
+            cost_budget=(args.budget or 0) if kind == common.INTENT_KIND_COST_SLO else 0,
+            allow_best_available_accuracy=args.best_available,
+        )
+        if args.min_accuracy is not None:
+            intent.min_accuracy = args.min_accuracy
+        planned.append((name, intent))
+    return planned
 
 
 def short_config(config: common.DeploymentConfig) -> str:
@@ -67,13 +95,13 @@ def plan_intents(settings: Settings, args) -> list[dict]:
         simulated_devices(args.hardware, args.devices, args.device_memory) if args.hardware else []
     )
     rows = []
-    for name, kind in INTENTS.items():
+    for name, intent in intents_of(args):
         request = deploy_pb.PlanDeploymentRequest(
             request_id=_rid(),
             model_id=args.model_id,
             max_input_tokens=args.max_input,
             max_output_tokens=args.max_output,
-            intent=common.Intent(kind=kind),
+            intent=intent,
             batch_size=args.batch,
             devices=devices,
         )
@@ -326,6 +354,25 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--batch", type=whole_number(), default=1, help="batch size to rank at (default 1)"
+    )
+    p.add_argument(
+        "--slo-ms", type=float, help="also plan latency-slo: this latency target at --max-output"
+    )
+    p.add_argument(
+        "--budget", type=float, help="also plan cost-slo: this cost budget in the --cost unit"
+    )
+    p.add_argument(
+        "--cost",
+        choices=sorted(deploying.COST_FORMULAS),
+        help="cost formula for min-cost, cost-slo and latency-slo (default memory-latency)",
+    )
+    p.add_argument(
+        "--min-accuracy", type=float, help="accuracy floor over the variants' scores, every intent"
+    )
+    p.add_argument(
+        "--best-available",
+        action="store_true",
+        help="when no variant meets --min-accuracy, take the most accurate instead of failing",
     )
     p.add_argument("--png", help="write the latency-memory plot here")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")

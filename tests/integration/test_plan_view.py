@@ -43,6 +43,35 @@ def test_plan_shows_each_intents_choice_and_draws_the_front(stack, imported, tmp
     assert f"#{chosen['min-latency']['rank']}" in latency
 
 
+def test_plan_plans_the_target_intents_and_an_accuracy_floor(stack, imported):
+    """`iserve plan` left out latency-slo, cost-slo and the accuracy floor: only
+    PlanDeployment over gRPC could show what they would pick on simulated devices."""
+    base = json.loads(cli(stack, "plan", "llama-2-70b", *ARGS, "--json").stdout)["intents"]
+    fastest = next(r for r in base if r["intent"] == "min-latency")
+    cheapest = next(r for r in base if r["intent"] == "min-cost")
+    slo_ms = 1.5 * fastest["latency_ms"]
+    budget = 1.5 * cheapest["cost_gb_s"]
+    out = cli(
+        stack, "plan", "llama-2-70b", *ARGS, "--slo-ms", f"{slo_ms:.0f}", "--budget",
+        f"{budget:.0f}", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = {r["intent"]: r for r in json.loads(out.stdout)["intents"]}
+    latency = rows[f"latency-slo {slo_ms:.0f} ms"]
+    cost = rows[f"cost-slo {budget:.0f}"]
+    # Under its target: the cheapest such; under budget: the fastest such.
+    assert latency["latency_ms"] <= slo_ms and latency["cost_gb_s"] <= fastest["cost_gb_s"]
+    assert cost["cost_gb_s"] <= budget and cost["latency_ms"] <= cheapest["latency_ms"]
+
+    scores = sorted({r["accuracy"] for r in base if r["accuracy"] is not None})
+    floor = scores[-1]
+    out = cli(stack, "plan", "llama-2-70b", *ARGS, "--min-accuracy", f"{floor}", "--json")
+    rows = json.loads(out.stdout)["intents"]
+    assert rows and all(r["accuracy"] >= floor for r in rows), rows
+    refused = cli(stack, "plan", "llama-2-70b", *ARGS, "--best-available")
+    assert refused.returncode == 2 and "--best-available goes with --min-accuracy" in refused.stderr
+
+
 def test_plan_says_what_estimates_beyond_the_profiled_workload_stand_on(stack, imported):
     """A batch and a prompt beyond those profiled: the plan prints the estimator's notes,
     as `iserve estimate` does (before, only the ranking's own note reached it)."""
