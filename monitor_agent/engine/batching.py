@@ -59,6 +59,11 @@ __all__ = [
 
 # A prefill group may spend at most this fraction of its real tokens on padding.
 MAX_PADDING_FRACTION = 0.25
+# A group of prompts of different lengths attends through a [rows, longest, longest]
+# mask (5 bytes an element on CPU: the boolean and its float copy); a group grows only
+# while that stays within this many elements (80 MB), so long prompts are prefilled
+# alone, or with prompts of their length, under a causal mask that costs nothing.
+MAX_PREFILL_MASK_ELEMENTS = 16 << 20
 # The token id fed at pad positions; any id in the vocabulary would do.
 _PAD_TOKEN_ID = 0
 
@@ -144,15 +149,19 @@ def plan_prefill_groups(
     """Indices into ``lengths`` grouped for left-padded batched prefill.
 
     Prompts are taken shortest first; a group grows while its padded size (members ×
-    longest) stays within (1 + max_padding_fraction) × its real tokens.
+    longest) stays within (1 + max_padding_fraction) × its real tokens, and, unless
+    every member has the longest's length, its mask within MAX_PREFILL_MASK_ELEMENTS.
     """
     groups: list[list[int]] = []
     group: list[int] = []
     real_tokens = 0
     for index in sorted(range(len(lengths)), key=lengths.__getitem__):
         length = lengths[index]
-        if group and (len(group) + 1) * length > (1 + max_padding_fraction) * (
-            real_tokens + length
+        members = len(group) + 1
+        padded = real_tokens + length < members * length
+        if group and (
+            members * length > (1 + max_padding_fraction) * (real_tokens + length)
+            or (padded and members * length * length > MAX_PREFILL_MASK_ELEMENTS)
         ):
             groups.append(group)
             group, real_tokens = [], 0

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from monitor_agent.engine.kv_cache import CacheAddress, LayerKVCache
-from monitor_agent.engine.layers import DecoderLayer, make_norm
+from monitor_agent.engine.layers import CAUSAL, DecoderLayer, Mask, make_norm
 from monitor_agent.engine.rope import rope_tables
 from services.models.arch import ArchSpec
 
@@ -195,15 +195,23 @@ class Transformer(nn.Module):
             logits = self.lm_head.forward(x)
         return logits.view(batch, seq, -1)
 
-    def _attention_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
+    def _attention_mask(self, positions: torch.Tensor, kv_len: int) -> Mask:
         """Boolean [B, 1, T, kv_len] mask, True where a query may attend to a key.
 
-        None when one token attends to everything cached so far (the common decode step).
+        None when one token attends to everything cached so far (the common decode step);
+        CAUSAL when every row holds positions 0 … T-1 and attends to those alone (a
+        prefill from an empty cache, of one prompt or of prompts of one length).
         """
         window = self.spec.sliding_window
         batch, seq = positions.shape
         if batch == 1 and seq == 1 and (window is None or kv_len <= window):
             return None
+        if (
+            seq == kv_len
+            and (window is None or seq <= window)
+            and bool((positions == torch.arange(seq, device=positions.device)).all())
+        ):
+            return CAUSAL
         key_positions = torch.arange(kv_len, device=positions.device)
         query_positions = positions[:, :, None]
         allowed = key_positions <= query_positions

@@ -236,6 +236,11 @@ def test_plan_prefill_groups_bounds_padding() -> None:
     # shortest first: 4 and 5 pad to 10 <= 1.25 * 9; adding 12 would make 36 > 26.25
     assert plan_prefill_groups([12, 4, 5, 40]) == [[1, 2], [0], [3]]
     assert plan_prefill_groups([4, 5], max_padding_fraction=0.0) == [[0], [1]]
+    # Long prompts of different lengths would attend through a [2, 4001, 4001] mask (32M
+    # elements, 160 MB): prefilled apart; of one length, together under a causal mask.
+    assert plan_prefill_groups([4000, 4001]) == [[0], [1]]
+    assert plan_prefill_groups([4000, 4000]) == [[0, 1]]
+    assert plan_prefill_groups([1000, 1001]) == [[0, 1]]
 
 
 def test_requests_are_validated_once_where_they_enter(engine: Engine, core) -> None:

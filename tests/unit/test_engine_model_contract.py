@@ -334,3 +334,41 @@ def test_two_way_tensor_parallel_shards_match(checkpoint: Path) -> None:
     for result in results:
         assert result is not None
         torch.testing.assert_close(result, expected, atol=1e-5, rtol=0)
+
+
+def test_a_prefill_from_an_empty_cache_attends_causally_without_a_mask(checkpoint: Path) -> None:
+    """A prompt of T tokens built a boolean [T, T] mask that attention copied to floats:
+    5 T² bytes (1.3 GiB at 16k tokens) that no reservation counted. A prefill from
+    position 0 now attends with is_causal, and gives the logits the mask gave."""
+    from monitor_agent.engine import layers
+
+    model = ready(load_model(checkpoint))
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, attn_mask=None, is_causal=False, **kwargs):
+        seen.append((attn_mask is None, is_causal))
+        return sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    ids = torch.tensor([IDS])
+    original = layers.F.scaled_dot_product_attention
+    layers.F.scaled_dot_product_attention = recording
+    try:
+        causal = step(model, ids, 0)
+        assert seen and all(unmasked and causal_ for unmasked, causal_ in seen)
+        masked_at = model._attention_mask  # noqa: SLF001 - the mask the old path built
+
+        def built(positions, kv_len):
+            keys = torch.arange(kv_len)
+            return (keys <= positions[:, :, None]).unsqueeze(1)
+
+        model._attention_mask = built  # noqa: SLF001
+        explicit = step(model, ids, 0)
+        model._attention_mask = masked_at  # noqa: SLF001
+        # A continuation (positions from 8 on) still needs its mask.
+        seen.clear()
+        step(model, ids[:, :4], 8)
+        assert seen and all(not unmasked for unmasked, _ in seen)
+    finally:
+        layers.F.scaled_dot_product_attention = original
+    torch.testing.assert_close(causal, explicit, atol=ATOL, rtol=0)
