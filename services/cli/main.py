@@ -98,6 +98,13 @@ def _unreached_hint(details: str, tls: TlsFiles | None) -> str:
     that presents no certificate: without ISERVE_TLS_CLIENT_AUTH=on it presents none,
     whatever ISERVE_TLS_CERT says)."""
     lowered = details.lower()
+    not_tls = ("wrong_version_number", "wrong version number", "packet_length_too_long")
+    if any(word in lowered for word in not_tls):
+        # What OpenSSL says when the bytes that came back are not TLS at all.
+        return (
+            "the server does not speak TLS: is the stack running without it? Unset "
+            "ISERVE_TLS_CA (and ISERVE_TLS_CERT/_KEY) for a stack without TLS"
+        )
     if any(word in lowered for word in ("handshake", "ssl", "certificate", "tls")):
         return (
             "the TLS handshake failed: check this client's ISERVE_TLS_CA, ISERVE_TLS_CERT "

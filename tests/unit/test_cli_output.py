@@ -161,6 +161,14 @@ NOT_PRESENTED = TlsFiles(Path("cert.pem"), Path("key.pem"), Path("ca.pem"), clie
             CA_ONLY,
             "TLS handshake",
         ),
+        (
+            # A TLS client meeting a plaintext server: the bytes back are not TLS.
+            "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Tls "
+            "handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:0A00010B:SSL "
+            "routines::WRONG_VERSION_NUMBER",
+            CA_ONLY,
+            "the server does not speak TLS",
+        ),
     ],
 )
 def test_an_unreached_stack_says_what_to_check(details, tls, says):
