@@ -311,6 +311,7 @@ def plan_maveriq_import(
         for row, prompt in by_model[model_id]:
             _check_row(row, prompt, model_id, spec)
         _check_series([row for row, _ in by_model[model_id]], model_id)
+        _check_files_agree([row for row, _ in by_model[model_id]], model_id)
         measurements = tuple(
             to_measurement(row, hardware_type, spec.num_layers, prompt, shape)
             for row, prompt in by_model[model_id]
@@ -413,6 +414,40 @@ def _check_series(rows: Sequence[maveriq.Measurement], model_id: str) -> None:
                     f"{b.latency_s:.6g} s for {b.output_tokens} (TP={a.tp}, "
                     f"PP_Map={list(a.pp_map)}, batch {a.batch_size}): no run's latency moves "
                     "that way with its output length; is one of them mistyped, or in other units?"
+                )
+
+
+# How far a run with the 923-token prompt may stand from the same run (model, layout,
+# layer map, variant, output length, batch 1) in its file's _BS twin, whose prompts are
+# short: the long prompt adds its prefill, so it is not faster (beyond noise), nor
+# slower by more than its prefill can make it. The published data stays within
+# 1.05-2.7x; a file in milliseconds beside one in seconds is 1000x off, and passes
+# every check within one file.
+FILES_SLACK = (0.5, 100.0)
+
+
+def _check_files_agree(rows: Sequence[maveriq.Measurement], model_id: str) -> None:
+    """InvalidArgument naming both rows when a run of a 923-token-prompt file and the
+    same run in its _BS file (``maveriq.BATCH_FILES``) are further apart than
+    :data:`FILES_SLACK` allows: one of the files is in other units."""
+
+    def key(row: maveriq.Measurement) -> tuple:
+        return (row.tp, row.pp, row.pp_map, row.weight_quant, row.int8_kv_cache, row.output_tokens)
+
+    for long_file, short_file in maveriq.BATCH_FILES.items():
+        short = {key(r): r for r in rows if r.source == short_file and r.batch_size == 1}
+        for row in rows:
+            twin = short.get(key(row)) if row.source == long_file else None
+            if twin is None:
+                continue
+            ratio = row.latency_s / twin.latency_s
+            if not FILES_SLACK[0] <= ratio <= FILES_SLACK[1]:
+                raise InvalidArgument(
+                    f"{row.where} and {twin.where}: {model_id}: the same run (TP={row.tp}, "
+                    f"PP_Map={list(row.pp_map)}, {row.output_tokens} output tokens) takes "
+                    f"{row.latency_s:.6g} s with the 923-token prompt and {twin.latency_s:.6g} s "
+                    f"with a short one ({ratio:.3g}x; runs of the published data are "
+                    "1.05-2.7x apart): is one of the files in other units than seconds?"
                 )
 
 

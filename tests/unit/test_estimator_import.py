@@ -939,3 +939,21 @@ def test_an_import_that_takes_a_models_estimates_away_is_refused_and_changes_not
         assert [n for n in reply.notes if n.startswith("llama-2-7b: no estimates on h100 yet: ")]
 
     run(scenario)
+
+
+def test_a_file_in_milliseconds_beside_its_twin_in_seconds_is_refused():
+    """A whole file in milliseconds passes every check within the file (its rows move
+    alike) and was imported: estimates 1000-2600x off. Beside its _BS twin in seconds,
+    the same runs disagree 1000x."""
+    seconds = _estimable_rows()
+    twin = _estimable_rows(scale=0.8)  # short prompts: a little faster
+    files = {"fingerprint_data_collection.csv": seconds, "fingerprint_data_collection_BS.csv": twin}
+    assert plan(files).models
+    milliseconds = _estimable_rows(scale=1000.0)
+    with pytest.raises(InvalidArgument) as refused:
+        plan({**files, "fingerprint_data_collection.csv": milliseconds})
+    said = str(refused.value)
+    assert said.startswith(
+        "fingerprint_data_collection.csv:2 and fingerprint_data_collection_BS.csv:2: llama-2-7b"
+    )
+    assert "(1.25e+03x;" in said and "in other units than seconds?" in said
