@@ -2,7 +2,8 @@
 profiler.
 
 A rank's reservation is a fixed runtime overhead per worker process
-(:data:`RUNTIME_OVERHEAD_BYTES`) plus what its share of the model takes:
+(:data:`RUNTIME_OVERHEAD_BYTES`) plus what its share of the model takes, and, for a
+deployment, the activations of its longest prefill (:func:`prefill_activation_bytes`):
 
 * a deployment's rank (:func:`rank_memory`, :func:`memory_blocks`), from the model's
   shape: its decoder layers' weights split tp ways, the KV cache for every slot at the
@@ -87,8 +88,28 @@ def rank_memory(
         slots,
         _kv_element_bytes(shape, config, served),
     )
-    overhead = RUNTIME_OVERHEAD_BYTES + embedding_rank_bytes(shape, config)
+    overhead = (
+        RUNTIME_OVERHEAD_BYTES
+        + embedding_rank_bytes(shape, config)
+        + prefill_activation_bytes(shape, config, max_seq_len)
+    )
     return RankMemory(int(per_rank_weights), int(kv), overhead)
+
+
+def prefill_activation_bytes(
+    shape: model_pb.ModelShape, config: common.DeploymentConfig, max_seq_len: int
+) -> int:
+    """Transient bytes of one rank's longest prefill: the engine prefills at most
+    ``max_seq_len`` tokens a pass (its default token budget), and a pass holds, within
+    one layer, the residual stream and the larger block's activations, linear in its
+    tokens (attention runs causally without a [T, T] mask, docs/engine.md), as
+    :func:`fingerprint_rank_bytes` counts them; and the last token's logits. A 24k-token
+    prompt of a 256-wide model took 3.6 GiB against 653 MiB reserved while the mask was
+    built; the linear part alone is still several hundred MiB at such lengths."""
+    tp = max(1, config.tensor_parallel)
+    served, _ = _dtype_bytes(shape, config)
+    per_token = 4 * shape.hidden_size + 3 * shape.intermediate_size // tp
+    return int(max_seq_len * per_token * served + shape.vocab_size * 8)
 
 
 def embedding_rank_bytes(shape: model_pb.ModelShape, config: common.DeploymentConfig) -> int:

@@ -11,7 +11,7 @@ from deploy_svc.placement import Candidate, even_layer_map
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument, Unimplemented
-from services.reservation import RUNTIME_OVERHEAD_BYTES, rank_memory
+from services.reservation import RUNTIME_OVERHEAD_BYTES, prefill_activation_bytes, rank_memory
 
 MIB = 1 << 20
 
@@ -258,10 +258,15 @@ def test_rank_memory_counts_quantized_and_pruned_weights():
     def weights(**config) -> int:
         return rank_memory(shape, common.DeploymentConfig(**config), 1024, 32).weights_bytes
 
-    # The embedding and LM head are the rank's fixed part, in the served dtype.
+    # The embedding and LM head are the rank's fixed part, in the served dtype, with the
+    # longest prefill's activations: 1024 tokens of (4 * 4096 + 3 * 11008) values, and
+    # the last token's logits.
+    prefill = 1024 * (4 * 4096 + 3 * 11008) * 2 + 32000 * 8
     for quant in (common.WEIGHT_QUANT_NONE, common.WEIGHT_QUANT_INT4):
-        memory = rank_memory(shape, common.DeploymentConfig(weight_quant=quant), 1024, 32)
-        assert memory.overhead_bytes == RUNTIME_OVERHEAD_BYTES + 2 * embeddings
+        config = common.DeploymentConfig(weight_quant=quant)
+        memory = rank_memory(shape, config, 1024, 32)
+        assert prefill_activation_bytes(shape, config, 1024) == prefill
+        assert memory.overhead_bytes == RUNTIME_OVERHEAD_BYTES + 2 * embeddings + prefill
     assert weights() == 2 * layers
     assert weights(pruning=common.PRUNING_SEMI_STRUCTURED_2_4) == weights()  # dense zeros
     # int8: 1 byte + a bfloat16 scale per 4096-wide row; int4: 0.5 byte + 4 per 128.
@@ -294,7 +299,11 @@ def test_rank_memory_splits_weights_and_kv():
     one = rank_memory(shape, common.DeploymentConfig(tensor_parallel=1, batch_size=1), 1000, 4)
     assert one.weights_bytes == 100 * MIB
     assert one.kv_cache_bytes == 2 * 4 * 4 * 32 * 1000 * 1 * 4
-    assert one.total_bytes == one.weights_bytes + one.kv_cache_bytes + RUNTIME_OVERHEAD_BYTES
+    prefill = prefill_activation_bytes(shape, common.DeploymentConfig(), 1000)
+    assert prefill >= 1000 * 4 * shape.hidden_size * 4  # the residual stream at least
+    assert one.total_bytes == (
+        one.weights_bytes + one.kv_cache_bytes + RUNTIME_OVERHEAD_BYTES + prefill
+    )
     half = rank_memory(shape, common.DeploymentConfig(tensor_parallel=2, batch_size=1), 1000, 2)
     # A quarter of the weights, and the norms and output biases each rank holds whole.
     vectors = 2 * 6 * 256 * 4 // 2

@@ -12,7 +12,7 @@ from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import InvalidArgument, ResourceExhausted
-from services.reservation import RUNTIME_OVERHEAD_BYTES, memory_blocks
+from services.reservation import RUNTIME_OVERHEAD_BYTES, memory_blocks, prefill_activation_bytes
 from services.simulation import MAX_SIMULATED_DEVICES, simulated_devices
 
 GIB = 1 << 30
@@ -122,8 +122,10 @@ def test_memory_blocks_take_the_larger_of_estimate_and_shape():
     m = model()
     config = common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=1, batch_size=1)
     fixed, block = memory_blocks(m.shape, config, 128)
-    # Fixed: the runtime and the embedding and LM head, whole on each tensor rank.
-    assert fixed == RUNTIME_OVERHEAD_BYTES + 2 * 512_000 * 4 and block > 0
+    # Fixed: the runtime, the embedding and LM head, whole on each tensor rank, and the
+    # longest prefill's activations.
+    prefill = prefill_activation_bytes(m.shape, config, 128)
+    assert fixed == RUNTIME_OVERHEAD_BYTES + 2 * 512_000 * 4 + prefill and block > 0
     _, bigger = memory_blocks(m.shape, config, 128, 64 * GIB)
     # The estimate covers whole ranks: a rank of an even split reserves the estimator's
     # figure per device (fixed was counted on top of it, twice).

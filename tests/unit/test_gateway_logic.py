@@ -387,6 +387,18 @@ class _Deployments:
         found = [d for d in self.deployments if request.model_id in ("", d.model_id)]
         return deploy_pb.ListDeploymentsResponse(deployments=found)
 
+    async def GetDeployment(self, request, timeout=None, metadata=()):
+        self.callers.append(metadata)
+        for deployment in self.deployments:
+            if deployment.deployment_id == request.deployment_id:
+                return deploy_pb.GetDeploymentResponse(deployment=deployment)
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.NOT_FOUND,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            details=f"deployment {request.deployment_id} not found",
+        )
+
 
 class _Models:
     """A ModelService stub whose every model's checkpoint is ``checkpoint_path``; it keeps
@@ -420,7 +432,8 @@ def _backend(
 @pytest.mark.parametrize(
     ("model", "status", "says", "asked"),
     [
-        ("zz9", 404, "model zz9 has no deployment", [(("authorization", f"Bearer {TOKEN}"),)]),
+        # Listed, then asked whether zz9 is a deployment's id (whose model to ask for).
+        ("zz9", 404, "model zz9 has no deployment", [(("authorization", f"Bearer {TOKEN}"),)] * 2),
         # No iserve id: not served here, asked of no service (OpenAI's 404, not a 400).
         ("Not/An/Id", 404, "model 'Not/An/Id' does not exist here (invalid model_id", []),
     ],
@@ -591,7 +604,8 @@ def test_a_chat_is_not_refused_while_the_model_service_does_not_answer(tmp_path)
             raise grpc.aio.AioRpcError(self.answer, None, None, details="said so")
 
     models = Models()
-    backend = Backend(None, None, models, tmp_path)
+    # No deployment is named "m" or "other": a NOT_FOUND stays the model service's.
+    backend = Backend(None, _Deployments([]), models, tmp_path)
 
     async def scenario():
         template, _ = await backend.chat_template("m", ())
