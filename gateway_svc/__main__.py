@@ -46,6 +46,7 @@ def main(args: list[str] | None = None) -> int:
             settings.gateway_address,
         )
     host, _, port = settings.gateway_address.rpartition(":")
+    host = host.strip("[]")  # uvicorn takes an IPv6 address bare
 
     # The services it calls: where one is "host:0", the port `iserve up` chose for it.
     services = settings.as_recorded()

@@ -695,6 +695,10 @@ def _address(variable: str, value: str | None) -> str | None:
             f"{variable}={value!r}: not host:port with a port from 0 to 65535 "
             "(e.g. 127.0.0.1:50051, 0.0.0.0:50051, [::1]:50051)"
         )
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        # gRPC cannot bind or dial "::1:50051" ("misformatted domain name"), which a
+        # Kubernetes manifest's $(POD_IP):port becomes on an IPv6 cluster.
+        raise ValueError(f"{variable}={value!r}: an IPv6 address goes in brackets: [{host}]:{port}")
     return value
 
 
@@ -761,7 +765,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     state_dir = Path(env.get("ISERVE_STATE_DIR") or Path.home() / ".iserve").expanduser().resolve()
     models_root = Path(env.get("ISERVE_MODELS_ROOT") or state_dir / "models").expanduser().resolve()
-    host = env.get("ISERVE_HOST", "127.0.0.1")
+    host = env.get("ISERVE_HOST", "127.0.0.1").strip()
+    if ":" in host and not host.startswith("["):
+        # A bare IPv6 address ($(POD_IP) on an IPv6 cluster): in brackets, so that the
+        # "host:port" addresses made from it parse ("fd00::5:50061" binds nothing).
+        host = f"[{host}]"
     stack = read_stack_file(state_dir)
 
     def pick(given: str | None, recorded: str | None, default: str) -> str:

@@ -240,6 +240,20 @@ def test_the_gateway_is_ready_on_ready_and_alive_on_health():
         assert probe["port"] == "http"
 
 
+@pytest.mark.parametrize("name", ["gateway", "scheduler"])
+def test_the_front_services_serve_on_until_their_endpoints_are_gone(name):
+    """A gateway stops listening at SIGTERM, while kube-proxy and ingresses route new
+    connections to it for some seconds more: every rollout refused connections."""
+    deployment = all_objects()[("Deployment", name)]
+    (container,) = containers(deployment)
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and int(command[1]) >= 5
+    config = all_objects()[("ConfigMap", "iserve-config")]["data"]
+    drain = float(config["ISERVE_DRAIN_TIMEOUT_S"])
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert int(command[1]) + drain < grace
+
+
 def test_agent_is_a_daemonset_on_gpu_nodes():
     agent = all_objects()[("DaemonSet", "agent")]
     spec = agent["spec"]["template"]["spec"]

@@ -43,6 +43,23 @@ def test_iserve_host_is_the_host_of_every_default_address(tmp_path):
     assert s.gateway_address == "0.0.0.0:8000"
 
 
+def test_an_ipv6_host_is_bracketed_and_a_bare_ipv6_address_refused(tmp_path):
+    """On an IPv6 cluster $(POD_IP) is a bare address: ISERVE_HOST=fd00::5 made
+    "fd00::5:50061", and ISERVE_AGENT_ADDR=::1:45999 passed the check and then failed to
+    bind ("misformatted domain name")."""
+    s = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_HOST": "fd00::5"})
+    assert s.host == "[fd00::5]"
+    assert s.address("deploy") == f"[fd00::5]:{DEFAULT_PORTS['deploy']}"
+    assert s.gateway_address == "[fd00::5]:8000"
+    given = load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_AGENT_ADDR": "[::1]:7"})
+    assert given.address("agent") == "[::1]:7"
+    with pytest.raises(ValueError) as bare:
+        load_settings({"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_AGENT_ADDR": "::1:45999"})
+    assert str(bare.value) == (
+        "ISERVE_AGENT_ADDR='::1:45999': an IPv6 address goes in brackets: [::1]:45999"
+    )
+
+
 def test_environment_beats_stack_file_beats_defaults(tmp_path):
     (tmp_path / "stack.json").write_text(
         json.dumps({"redis_url": "redis://x:1/0", "addresses": {"model": "h:1", "deploy": "h:2"}})
