@@ -58,6 +58,7 @@ def main(args: list[str] | None = None) -> int:
             services.address("model"),
             settings.models_root,
             auth=settings.auth,
+            drain_timeout_s=settings.drain_timeout_s,
         )
 
     logging.getLogger("iserve.gateway").info(

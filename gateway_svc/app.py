@@ -258,10 +258,24 @@ class Backend:
     checkpoint_paths: dict[str, str] = field(default_factory=dict)
     # The 401s given here, before any call (the services log what they refuse).
     refusals: RefusalLog = field(default_factory=lambda: RefusalLog(log))
+    # The scheduler's address, dialled again when the instance this gateway's connection
+    # reached is draining ("" never), and how long a replaced channel stays open for the
+    # streams on it (the scheduler's own drain, and a margin).
+    scheduler_address: str = ""
+    retire_after_s: float = 60.0
+    _redialled_at: float = field(default=-1e9, repr=False)
+    _retiring: set = field(default_factory=set, repr=False)
 
     @classmethod
     def connect(
-        cls, scheduler: str, deploy: str, model: str, models_root: Path, *, auth: bool = False
+        cls,
+        scheduler: str,
+        deploy: str,
+        model: str,
+        models_root: Path,
+        *,
+        auth: bool = False,
+        drain_timeout_s: float = 30.0,
     ) -> Backend:
         """Channels to the three services; call it on the loop that will use them.
 
@@ -282,7 +296,36 @@ class Backend:
             models_root,
             auth=auth,
             channels=channels,
+            scheduler_address=scheduler,
+            retire_after_s=drain_timeout_s + 10.0,
         )
+
+    async def redial_scheduler(self) -> bool:
+        """A fresh connection to the scheduler when the one this gateway holds reached an
+        instance that is draining. A gateway keeps one connection to the scheduler's
+        address; behind a Kubernetes Service that is one pod, and during a rollout the
+        old pod drains while its successor serves: every new request got the old one's
+        503 and /ready failed, for up to the drain timeout. The replaced channel stays
+        open ``retire_after_s`` for the streams on it. False (nothing done) without an
+        address or within a second of the last redial."""
+        now = time.monotonic()
+        if not self.scheduler_address or now - self._redialled_at < 1.0:
+            return False
+        self._redialled_at = now
+        old = self.channels[0]
+        fresh = transport.current().aio_channel(self.scheduler_address, token="")
+        self.inference = inference_service_pb2_grpc.InferenceServiceStub(fresh)
+        self.channels = (fresh, *self.channels[1:])
+        log.info("the scheduler's instance is draining: dialled %s again", self.scheduler_address)
+
+        async def retire() -> None:
+            await asyncio.sleep(self.retire_after_s)
+            await old.close()
+
+        task = asyncio.ensure_future(retire())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        return True
 
     def caller(self, request: Request) -> Metadata:
         """gRPC metadata carrying the HTTP client's bearer token; 401 when authentication
@@ -325,6 +368,9 @@ class Backend:
         answers = await asyncio.gather(
             *(serving_status(channel, timeout_s) for channel in self.channels)
         )
+        if answers[0] == "NOT_SERVING" and await self.redial_scheduler():
+            # Draining: another instance may serve at the same address (a rollout).
+            answers[0] = await serving_status(self.channels[0], timeout_s)
         return dict(zip(BACKEND_SERVICES, answers, strict=True))
 
     async def check_deployed_for(self, model_id: str, caller: Metadata) -> None:
@@ -402,14 +448,34 @@ class _Generation:
     first: inference_pb.GenerateResponse | None
 
 
+def _draining(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the scheduler refused a call because it is draining (services.drain)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith(
+        "scheduler is draining"
+    )
+
+
 async def _open(
-    backend: Backend, request: inference_pb.GenerateRequest, metadata: tuple = ()
+    backend: Backend,
+    request: inference_pb.GenerateRequest,
+    metadata: tuple = (),
+    *,
+    again: bool = True,
 ) -> _Generation:
-    call = backend.inference.Generate(request, metadata=metadata)
+    stub = backend.inference
+    call = stub.Generate(request, metadata=metadata)
     try:
         first = await call.read()
     except grpc.aio.AioRpcError as exc:
         call.cancel()
+        # Refused by a draining instance before any token: once more over a fresh
+        # connection (another call may have made it already), which may reach another.
+        if (
+            again
+            and _draining(exc)
+            and (backend.inference is not stub or await backend.redial_scheduler())
+        ):
+            return await _open(backend, request, metadata, again=False)
         raise GatewayError.from_rpc(exc) from None
     except asyncio.CancelledError:  # the client went away while the request waited
         call.cancel()

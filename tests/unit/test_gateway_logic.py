@@ -756,3 +756,98 @@ def test_with_authentication_on_a_path_not_served_is_a_401_without_a_token(tmp_p
             )
             assert keyed.status_code in (404, 405), keyed.text
         assert client.get("/nowhere").status_code == 404  # not an OpenAI path: no token asked
+
+
+class _FirstRead:
+    """A Generate call whose first read answers ``reply`` or raises ``error``."""
+
+    def __init__(self, reply=None, error=None) -> None:
+        self.reply, self.error = reply, error
+
+    async def read(self):
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+    def cancel(self) -> None:
+        pass
+
+
+class _FakeChannel:
+    """A channel whose Generate calls are ``calls``, in order."""
+
+    def __init__(self, *calls: _FirstRead) -> None:
+        self.calls, self.closed = list(calls), False
+
+    def unary_stream(self, *args, **kwargs):
+        return lambda request, metadata=(): self.calls.pop(0)
+
+    def unary_unary(self, *args, **kwargs):
+        return None
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def _draining_error() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="scheduler is draining: it is shutting down and takes no new requests; "
+        "retry on another instance or once it is back",
+    )
+
+
+def test_a_draining_scheduler_is_dialled_again_and_the_request_goes_on(tmp_path, monkeypatch):
+    """A gateway keeps one connection to the scheduler's address; during a Kubernetes
+    rollout that reached the old, draining pod, and every new request got its 503 for up
+    to the drain timeout. Refused as draining before any token, a request is sent once
+    more over a fresh connection; the old one stays open for its streams, then closes."""
+    import asyncio
+
+    from gateway_svc import app as app_module
+    from services.api import inference_service_pb2_grpc
+
+    answer = inference_pb.GenerateResponse(request_id="r")
+    old = _FakeChannel(_FirstRead(error=_draining_error()), _FirstRead(error=_draining_error()))
+    fresh = _FakeChannel(_FirstRead(reply=answer))
+    dialled = []
+
+    class Transport:
+        @staticmethod
+        def aio_channel(address, token=None):
+            dialled.append(address)
+            return fresh
+
+    monkeypatch.setattr(app_module.transport, "current", lambda: Transport)
+    request = inference_pb.GenerateRequest(prompt="hi")
+
+    async def scenario():
+        backend = Backend(
+            inference_service_pb2_grpc.InferenceServiceStub(old),
+            _Deployments([]),
+            None,
+            tmp_path,
+            channels=(old, None, None),
+            scheduler_address="scheduler:50064",
+            retire_after_s=0.05,
+        )
+        generation = await app_module._open(backend, request)
+        assert generation.first == answer and dialled == ["scheduler:50064"]
+        assert backend.channels[0] is fresh and not old.closed
+        await asyncio.sleep(0.2)
+        assert old.closed  # after its streams' grace
+        # Without an address to dial again (or again within a second), the 503 stands.
+        stuck = Backend(
+            inference_service_pb2_grpc.InferenceServiceStub(old),
+            _Deployments([]),
+            None,
+            tmp_path,
+            channels=(old, None, None),
+        )
+        with pytest.raises(GatewayError) as refused:
+            await app_module._open(stuck, request)
+        assert refused.value.status == 503 and "draining" in str(refused.value)
+
+    asyncio.run(scenario())
