@@ -33,7 +33,7 @@ from services.settings import (
 )
 
 PREFIX = "isv_"
-_ISSUED = re.compile(r"isv_([0-9a-f]{16})_[A-Za-z0-9_-]{20,}")
+ISSUED_TOKEN = re.compile(r"isv_([0-9a-f]{16})_[A-Za-z0-9_-]{20,}")
 # Issued tokens' ids are 16 hex digits; supplied tokens' "s" and 15 (token_id_of).
 _TOKEN_ID = re.compile(r"[0-9a-fs][0-9a-f]{15}")
 MAX_GRANTS = 256
@@ -52,7 +52,7 @@ def digest(token: str) -> str:
 def token_id_of(token: str) -> str:
     """The public id of ``token``: the one an issued token carries, else one derived from
     its hash (operator-supplied tokens)."""
-    match = _ISSUED.fullmatch(token)
+    match = ISSUED_TOKEN.fullmatch(token)
     return match.group(1) if match else "s" + digest(token)[:15]
 
 
@@ -122,9 +122,22 @@ def check_grants(role: int, deployments) -> list[str]:
 
 
 def check_token_id(token_id: str) -> str:
-    if not _TOKEN_ID.fullmatch(token_id):
-        raise InvalidArgument(f"invalid token id {shown(token_id)}: see `iserve token list`")
-    return token_id
+    """``token_id`` when it is a token's public id; InvalidArgument otherwise, which
+    never quotes a value that may be a token itself (the message is logged: a revoke
+    given the secret it meant to retire wrote it into the log)."""
+    if _TOKEN_ID.fullmatch(token_id):
+        return token_id
+    if ISSUED_TOKEN.fullmatch(token_id):
+        raise InvalidArgument(
+            f"that is a token itself, not its id: its id is {token_id_of(token_id)} "
+            "(the secret was not kept)"
+        )
+    if len(token_id) >= MIN_TOKEN_LENGTH:
+        raise InvalidArgument(
+            f"invalid token id (a {len(token_id)}-character value, not shown: it may be a "
+            "token; an id is 16 hex digits): see `iserve token list`"
+        )
+    raise InvalidArgument(f"invalid token id {shown(token_id)}: see `iserve token list`")
 
 
 def tokens_in_use(settings: Settings) -> dict[str, str]:

@@ -16,6 +16,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc, token_service_pb2_grpc
 from services.api import token_service_pb2 as token_pb
 from services.auth import policy
+from services.auth.tokens import ISSUED_TOKEN, token_id_of
 from services.cli import output
 from services.settings import Settings
 
@@ -97,10 +98,13 @@ def cmd_list(settings: Settings, args) -> int:
 
 
 def cmd_revoke(settings: Settings, args) -> int:
-    _stub(settings).RevokeToken(
-        token_pb.RevokeTokenRequest(request_id=_rid(), token_id=args.token_id)
-    )
-    print(f"revoked {args.token_id}")
+    token_id = args.token_id
+    if ISSUED_TOKEN.fullmatch(token_id):
+        # The token itself, pasted (a leaked one, say): its id is in it; the secret is
+        # not sent anywhere.
+        token_id = token_id_of(token_id)
+    _stub(settings).RevokeToken(token_pb.RevokeTokenRequest(request_id=_rid(), token_id=token_id))
+    print(f"revoked {token_id}")
     return 0
 
 
@@ -130,5 +134,7 @@ def add_commands(sub) -> None:
     p = tokens.add_parser(
         "revoke", help="refuse a token (every process within a second: each caches a check for 1 s)"
     )
-    p.add_argument("token_id", help="the id `iserve token list` shows")
+    p.add_argument(
+        "token_id", help="the id `iserve token list` shows (or the token itself: its id is read)"
+    )
     p.set_defaults(func=cmd_revoke)

@@ -554,6 +554,16 @@ def test_the_cli_issues_lists_and_revokes_tokens(deployed):
     bad_revoke = _cli(s, "token", "revoke", "x:y")
     assert bad_revoke.returncode == 1 and "INVALID_ARGUMENT" in bad_revoke.stderr
     assert _cli(s, "token", "list", "--json").stdout == before  # nothing revoked
+    # A token revoked by pasting the token itself (a leaked one): the CLI reads its id
+    # and sends only that. The secret had been refused and written into deploy.log.
+    leaked = json.loads(_cli(s, "token", "create", "erin", "--role", "admin", "--json").stdout)
+    by_token = _cli(s, "token", "revoke", leaked["token"])
+    assert by_token.returncode == 0, by_token.stderr
+    assert by_token.stdout.strip() == f"revoked {leaked['token_id']}"
+    logs = s.settings.state_dir / "logs"
+    secret = leaked["token"].split("_", 2)[2]
+    assert not any(secret in p.read_text(errors="replace") for p in logs.glob("*.log"))
+    before = _cli(s, "token", "list", "--json").stdout
     # The stack's own tokens, in use by every service and the CLI: refused, with the
     # way to rotate them, and nothing revoked.
     own = {t["subject"]: t["token_id"] for t in map(json.loads, before.splitlines())}

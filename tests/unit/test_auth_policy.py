@@ -249,6 +249,16 @@ def test_grants_are_kept_once_and_token_ids_follow_the_issued_shape():
     for bad in ("", "x:y", token_id + "\n", "0" * 17, "g" * 16):
         with pytest.raises(InvalidArgument, match="invalid token id"):
             check_token_id(bad)
+    # The token itself, given where its id goes (a revoke of a leaked token): the error,
+    # which the service logs, names its id and never the secret.
+    with pytest.raises(InvalidArgument) as given:
+        check_token_id(token)
+    assert str(given.value) == (
+        f"that is a token itself, not its id: its id is {token_id} (the secret was not kept)"
+    )
+    with pytest.raises(InvalidArgument) as given:
+        check_token_id("an-operator-token-of-enough-length")
+    assert "enough" not in str(given.value) and "34-character value, not shown" in str(given.value)
 
 
 def test_issuing_checks_the_request_and_records_only_the_hash():
