@@ -13,7 +13,7 @@ import sys
 from services import replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
-from services.cli.arguments import usage_error, whole_number
+from services.cli.arguments import positive_number, usage_error, whole_number
 
 PRECISIONS = {
     "float32": common.PRECISION_FLOAT32,
@@ -90,7 +90,6 @@ def request_target(args) -> dict:
         }
     name = args.intent or "min-cost"
     kind = INTENTS[name]
-    # A target given as 0 reaches the service, which says why it cannot be one.
     if kind == common.INTENT_KIND_LATENCY_SLO and args.slo_ms is None:
         usage_error("iserve deploy: --intent latency-slo needs --slo-ms")
     if kind == common.INTENT_KIND_COST_SLO and args.budget is None:
@@ -222,8 +221,12 @@ def describe_replicas(deployment: deploy_pb.Deployment) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The intent, policy and explicit-configuration flags of ``iserve deploy``."""
     p.add_argument("--intent", choices=sorted(INTENTS), help="what to optimise (default min-cost)")
-    p.add_argument("--slo-ms", type=float, help="latency target at --max-output (latency-slo)")
-    p.add_argument("--budget", type=float, help="cost budget in the --cost unit (cost-slo)")
+    p.add_argument(
+        "--slo-ms", type=positive_number, help="latency target at --max-output (latency-slo)"
+    )
+    p.add_argument(
+        "--budget", type=positive_number, help="cost budget in the --cost unit (cost-slo)"
+    )
     p.add_argument(
         "--cost",
         choices=sorted(COST_FORMULAS),

@@ -33,6 +33,7 @@ from services.cli import deploying
 from services.cli.arguments import (
     add_token_limits,
     device_memory_gib,
+    positive_number,
     usage_error,
     whole_number,
 )
@@ -356,10 +357,14 @@ def add_command(sub: argparse._SubParsersAction) -> None:
         "--batch", type=whole_number(), default=1, help="batch size to rank at (default 1)"
     )
     p.add_argument(
-        "--slo-ms", type=float, help="also plan latency-slo: this latency target at --max-output"
+        "--slo-ms",
+        type=positive_number,
+        help="also plan latency-slo: this latency target at --max-output",
     )
     p.add_argument(
-        "--budget", type=float, help="also plan cost-slo: this cost budget in the --cost unit"
+        "--budget",
+        type=positive_number,
+        help="also plan cost-slo: this cost budget in the --cost unit",
     )
     p.add_argument(
         "--cost",

@@ -334,20 +334,27 @@ def test_every_subcommands_help_says_what_it_does():
     assert "``" not in build_parser().format_help()
 
 
+@pytest.mark.parametrize("command", [["deploy", "m"], ["plan", "m"]])
 @pytest.mark.parametrize(
-    ("flags", "field"),
+    "flags",
     [
-        (["--intent", "cost-slo", "--budget", "0"], "cost_budget"),
-        (["--intent", "latency-slo", "--slo-ms", "0"], "latency_slo_ms"),
+        ["--intent", "cost-slo", "--budget", "0"],
+        ["--intent", "cost-slo", "--budget", "-1"],
+        ["--intent", "latency-slo", "--slo-ms", "-5"],
+        ["--intent", "latency-slo", "--slo-ms", "nan"],
     ],
 )
-def test_a_target_of_zero_is_sent_for_the_service_to_judge_not_called_missing(flags, field):
-    """`--budget 0` was refused as "needs --budget"; the deployer says why 0 cannot be a
-    target ("needs a positive cost_budget")."""
-    from services.cli.deploying import request_target
-
-    target = request_target(build_parser().parse_args(["deploy", "m", *flags]))
-    assert getattr(target["intent"], field) == 0
+def test_a_target_that_is_no_positive_number_is_a_usage_error_naming_its_flag(
+    command, flags, capsys
+):
+    """`--slo-ms -5` was sent, and refused by the deployer naming its proto field
+    (latency_slo_ms, exit 1); `--budget 0` before that was called missing."""
+    flags = flags if command[0] == "deploy" else flags[2:]
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args([*command, *flags])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flags[-2]}: must be a finite number above 0" in err
 
 
 def test_up_refuses_a_variable_iserve_reads_set_in_the_wrong_case(tmp_path, monkeypatch, capsys):
