@@ -8,6 +8,8 @@ deployment and model services at their configured addresses (``services.settings
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 
 import uvicorn
@@ -61,20 +63,32 @@ def main(args: list[str] | None = None) -> int:
             drain_timeout_s=settings.drain_timeout_s,
         )
 
+    # Bound here, before uvicorn starts: it logged "Application startup complete" and
+    # then exited 3 on a port in use, the address's variable unnamed.
+    try:
+        listener = socket.create_server(
+            (host or "127.0.0.1", int(port)),
+            family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+        )
+    except OSError as exc:
+        fail(
+            f"cannot bind {settings.gateway_address}: "
+            f"{os.strerror(exc.errno) if exc.errno else exc} (set "
+            "ISERVE_GATEWAY_ADDR to a free host:port)"
+        )
     logging.getLogger("iserve.gateway").info(
         "OpenAI-compatible gateway on http://%s/v1", settings.gateway_address
     )
     # Streams in flight at a stop finish within the drain timeout, as the scheduler's do;
     # the grace ends a second before uvicorn's own graceful-shutdown timeout.
     stream_grace_s = max(0.0, settings.drain_timeout_s - 1.0)
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(connect, settings.cors_origins, stream_grace_s, settings.tls),
-        host=host or "127.0.0.1",
-        port=int(port),
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=int(settings.drain_timeout_s),
     )
+    uvicorn.Server(config).run(sockets=[listener])
     return 0
 
 

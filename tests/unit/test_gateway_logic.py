@@ -851,3 +851,29 @@ def test_a_draining_scheduler_is_dialled_again_and_the_request_goes_on(tmp_path,
         assert refused.value.status == 503 and "draining" in str(refused.value)
 
     asyncio.run(scenario())
+
+
+def test_a_gateway_on_a_port_in_use_says_so_naming_its_variable(tmp_path):
+    """uvicorn logged "Application startup complete" and then exited 3 on a port in use;
+    the gateway binds first and stops with the address and the variable to change."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")}
+        env.update(ISERVE_STATE_DIR=str(tmp_path), ISERVE_GATEWAY_ADDR=address)
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway_svc"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stderr
+    assert f"error: cannot bind {address}: Address already in use (set ISERVE_GATEWAY_ADDR" in (
+        done.stderr
+    )
+    assert "startup complete" not in done.stderr
