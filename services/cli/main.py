@@ -218,7 +218,7 @@ def _watch_status(settings: Settings, args) -> int:
                         Group(
                             f"{status_header(status)}   [dim]{stamp}, every {args.watch:g} s; "
                             "Ctrl-C stops[/]",
-                            output.renderable(status_tables(status)),
+                            output.renderable(status_tables(status), out),
                         ),
                         refresh=True,
                     )

@@ -11,8 +11,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from rich.console import Console, Group
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 # Cell values drawn in colour on a terminal.
 STYLES = {
@@ -49,9 +52,20 @@ def plain_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str
 
 
 def rich_table(
-    title: str | None, headers: Sequence[str], rows: Sequence[Sequence[object]]
+    title: str | None,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    compact: bool = False,
 ) -> Table:
-    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
+    """``compact``: no box lines between the columns (three characters a column)."""
+    table = Table(
+        title=title,
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+        box=box.SIMPLE_HEAD if compact else box.HEAVY_HEAD,
+        show_edge=not compact,
+    )
     for i, header in enumerate(headers):
         numeric = any(word in header for word in ("MiB", "GiB", " ms", "TP", "PP", "BATCH", "LOAD"))
         table.add_column(
@@ -69,15 +83,31 @@ def rich_table(
     return table
 
 
-def renderable(tables: Sequence[TableSpec]) -> Group:
-    return Group(*(rich_table(title, headers, rows) for title, headers, rows in tables))
+def fitted(table: TableSpec, out: Console) -> RenderableType:
+    """``table`` as wide as the terminal allows without cutting a value: boxed, else
+    without the lines between columns, else plain aligned text whose long lines the
+    terminal wraps. rich folds a cell narrower than its value mid-word: at 80 columns
+    `iserve status` showed an address over four lines and READY as READ/Y."""
+    title, headers, rows = table
+    for compact in (False, True):
+        candidate = rich_table(title, headers, rows, compact)
+        unbounded = out.options.update_width(1 << 16)  # its natural width, not the terminal's
+        if Measurement.get(out, unbounded, candidate).maximum <= out.width:
+            return candidate
+    text = (f"{title}\n" if title else "") + plain_table(headers, rows)
+    return Text(text, no_wrap=True, overflow="ignore")
+
+
+def renderable(tables: Sequence[TableSpec], out: Console | None = None) -> Group:
+    out = out or console()
+    return Group(*(fitted(table, out) for table in tables))
 
 
 def show_tables(tables: Sequence[TableSpec], out: Console | None = None) -> None:
     """Rich tables on a terminal, plain aligned text otherwise (a blank line between)."""
     out = out or console()
     if out.is_terminal:
-        out.print(renderable(tables))
+        out.print(renderable(tables, out), crop=False)
         return
     chunks = []
     for title, headers, rows in tables:

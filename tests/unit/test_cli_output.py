@@ -245,3 +245,19 @@ def test_generate_tells_a_deployment_from_a_model_while_redis_is_down(monkeypatc
     settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
     assert cli_main._is_deployment(settings, "demo-llama-1a2b3c4d")
     assert not cli_main._is_deployment(settings, "demo-llama")
+
+
+@pytest.mark.parametrize("width", [60, 80, 100, 200])
+def test_no_value_is_cut_on_a_narrow_terminal(width):
+    """At 80 columns `iserve status` folded cells mid-value: a worker address over four
+    lines (127./0.0./1:33/507), READY as READ/Y. Too wide for its box, a table drops the
+    lines between columns, then falls back to the plain text the terminal wraps."""
+    headers = ["DEPLOYMENT", "MODEL", "STATE", "TP", "PP", "BATCH", "WORKER", "TTFT P50/P95 ms"]
+    headers += ["MODEL LOAD", "QUEUE"]
+    row = ["demo-llama-393d7268", "demo-llama", "READY", 1, 1, 8, "127.0.0.1:33507"]
+    row += ["12.5/40.1", "idle", 0]
+    out = Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None)
+    show_tables([("Deployments", headers, [row])], out)
+    text = out.file.getvalue()
+    for value in [*headers, *map(str, row)]:
+        assert value in text, (width, value, text)
