@@ -196,9 +196,14 @@ class Settings:
         return self.metrics_addresses[service]
 
     def metrics_url(self, service: str) -> str:
-        """The URL of ``service``'s metrics: HTTPS where this process serves TLS."""
+        """The URL of ``service``'s metrics: HTTPS where this process serves TLS; "-"
+        where its port is 0 (any free one, chosen when it starts: with no stack
+        recorded, none to show)."""
+        address = self.metrics_address(service)
+        if address.endswith(":0"):
+            return "-"
         scheme = "https" if self.tls is not None and self.tls.serves else "http"
-        return f"{scheme}://{self.metrics_address(service)}/metrics"
+        return f"{scheme}://{address}/metrics"
 
     def as_recorded(self) -> Settings:
         """These settings with each "host:0" address (a server binds any free port) read
@@ -854,7 +859,7 @@ KNOWN_VARIABLES = frozenset({
     # compose.yaml's (images, the models directory, the agent image's build) and the
     # tests' and benches' (../shared/data): set in the same shells, not misspelt.
     "ISERVE_IMAGE", "ISERVE_AGENT_IMAGE", "ISERVE_TAG", "ISERVE_MODELS_DIR",
-    "ISERVE_TORCH_INDEX", "ISERVE_TENSORRT_LLM", "ISERVE_SHARED_DATA",
+    "ISERVE_TORCH_INDEX", "ISERVE_TENSORRT_LLM", "ISERVE_PYTHON_VERSION", "ISERVE_SHARED_DATA",
     # The Node.js client's (clients/node): another protos/ directory.
     "ISERVE_PROTOS",
 })  # fmt: skip

@@ -371,8 +371,15 @@ def render_progress(event: model_pb.WatchModelResponse, width: int = PROGRESS_BA
     filled = width * event.runs_done // total if total else 0
     bar = "#" * filled + "." * (width - filled)
     state = _state_name(event.state).lower()
-    what = event.current or event.message
+    what = _progress_text(event, state)
     return f"[{bar}] {event.runs_done}/{total} {state}" + (f": {what}" if what else "")
+
+
+def _progress_text(event: model_pb.WatchModelResponse, state: str) -> str:
+    """What runs now, or the profiler's message without the state it starts with
+    ("profiled: 60 measurements, …"), which the line already names."""
+    what = event.current or event.message
+    return "" if what.lower() == state else what.removeprefix(f"{state}: ")
 
 
 def _watch_profiling(stub, model_id: str) -> None:
@@ -404,7 +411,7 @@ def _watch_profiling(stub, model_id: str) -> None:
                 task,
                 total=event.runs_total or None,
                 completed=event.runs_done,
-                description=event.current or event.message,
+                description=_progress_text(event, state),
                 state=state,
             )
 

@@ -19,7 +19,11 @@ def test_progress_bar_counts_runs_and_names_the_current_one():
     done = model_pb.WatchModelResponse(
         state=model_pb.MODEL_STATE_PROFILED, runs_done=12, runs_total=12, message="profiled"
     )
-    assert render_progress(done, width=4) == "[####] 12/12 profiled: profiled"
+    assert render_progress(done, width=4) == "[####] 12/12 profiled"
+    done.message = "profiled: 60 measurements, 0 skipped, 41.2 device-seconds"
+    assert render_progress(done, width=4) == (
+        "[####] 12/12 profiled: 60 measurements, 0 skipped, 41.2 device-seconds"
+    )
     assert render_progress(model_pb.WatchModelResponse(), width=2) == "[..] 0/0 unspecified"
 
 

@@ -259,6 +259,12 @@ def test_metrics_urls_say_https_where_the_processes_serve_tls(tmp_path):
         }
     )
     assert tls.metrics_url("deploy") == f"https://{tls.metrics_address('deploy')}/metrics"
+    # Port 0 (any free one) names no URL until a stack records the port it chose:
+    # `iserve status` with the stack down showed http://127.0.0.1:0/metrics.
+    anywhere = load_settings(
+        {"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_DEPLOY_METRICS_ADDR": "127.0.0.1:0"}
+    )
+    assert anywhere.metrics_url("deploy") == "-"
 
 
 @pytest.mark.parametrize(
