@@ -996,9 +996,26 @@ def _not_utf8(exc: UnicodeEncodeError) -> int:
     return 1
 
 
+def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` ran: ``token revoke``'s, ``deploy``'s."""
+    while True:
+        chosen = None
+        for action in parser._actions:  # noqa: SLF001 - argparse keeps subparsers only here
+            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+                name = getattr(args, action.dest, None)
+                chosen = action.choices.get(name) if name else None
+        if chosen is None:
+            return parser
+        parser = chosen
+
+
 def _run(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # Said by the command's own parser, with its usage (the top-level usage said
+        # nothing of what `iserve generate` takes).
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     # Before connecting to anything: no request can carry such an argument.
     for arg in sys.argv[1:] if argv is None else argv:
         try:

@@ -369,3 +369,23 @@ def test_up_refuses_a_variable_iserve_reads_set_in_the_wrong_case(tmp_path, monk
     assert "ISERVE_Auth is set but no iserve process reads it; did you mean ISERVE_AUTH?" in err
     assert "error: a variable iserve reads is set in the wrong case" in err
     assert not (tmp_path / "state" / "stack.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "unknown"),
+    [
+        (["generate", "d", "hi", "--tp", "1"], "usage: iserve generate", "--tp 1"),
+        (["models", "--model", "m"], "usage: iserve models", "--model m"),
+        (["token", "revoke", "abc", "--zz"], "usage: iserve token revoke", "--zz"),
+    ],
+)
+def test_an_unknown_flag_is_refused_with_its_commands_usage(argv, usage, unknown, capsys):
+    """The top-level usage (`iserve [-h] COMMAND ...`) said nothing of what the command
+    takes."""
+    from services.cli.main import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and f"unrecognized arguments: {unknown}\n" in err
