@@ -30,17 +30,14 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from services.settings import WITHHELD_FROM_WORKERS
+
 log = logging.getLogger("iserve.agent.pool")
 
 # Imported once in the fork server: torch and everything a worker imports to load and
 # serve a model.
 PRELOAD = ("torch", "monitor_agent.worker.process", "monitor_agent.engine.engine")
 _WORKER_MODULE = ("-m", "monitor_agent.worker")
-# What the agent's environment holds that no worker needs, and no worker should hold:
-# Redis's URL with its password (whoever reaches Redis owns the cluster; a worker loads
-# checkpoints and joins torch collectives that have no authentication) and the tokens a
-# client sends. A worker accepts and sends the service token alone.
-WITHHELD_FROM_WORKERS = ("REDIS_URL", "ISERVE_TOKEN", "ISERVE_ADMIN_TOKEN")
 
 
 def worker_environment(env: Mapping[str, str]) -> dict[str, str]:

@@ -260,6 +260,11 @@ TOKENS_DIR = "tokens"
 AUTH_ENV = "ISERVE_AUTH"
 SERVICE_TOKEN_ENV = "ISERVE_SERVICE_TOKEN"
 ADMIN_TOKEN_ENV = "ISERVE_ADMIN_TOKEN"
+# What an agent's environment holds that none of its engine workers needs, and none
+# should hold: Redis's URL with its password (whoever reaches Redis owns the cluster; a
+# worker loads checkpoints and joins torch collectives that have no authentication) and
+# the tokens a client sends. A worker accepts and sends the service token alone.
+WITHHELD_FROM_WORKERS = ("REDIS_URL", "ISERVE_TOKEN", ADMIN_TOKEN_ENV)
 
 
 def token_file(state_dir: Path, name: str) -> Path:
