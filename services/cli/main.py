@@ -541,9 +541,19 @@ def cmd_deploy(settings: Settings, args) -> int:
         else:
             deploying.print_decision(reply.decision)
         return 0
-    reply = stub.Deploy(
-        deploy_pb.DeployRequest(**fields, ready_timeout_ms=int(args.timeout * 1000))
-    )
+    try:
+        reply = stub.Deploy(
+            deploy_pb.DeployRequest(**fields, ready_timeout_ms=int(args.timeout * 1000))
+        )
+    except KeyboardInterrupt:
+        # The call is cancelled with the process, and the deployer rolls back a Deploy
+        # cancelled before it answered; it may also have just finished.
+        print(
+            "deploy interrupted: the deployer rolls back a Deploy cancelled before it "
+            "answers; `iserve deployments` shows whether this one had finished",
+            file=sys.stderr,
+        )
+        return 130
     dep = reply.deployment
     if args.json:
         print(json.dumps({"deployment": _to_json(dep), "decision": _to_json(reply.decision)}))

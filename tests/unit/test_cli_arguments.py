@@ -389,3 +389,19 @@ def test_an_unknown_flag_is_refused_with_its_commands_usage(argv, usage, unknown
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(usage) and f"unrecognized arguments: {unknown}\n" in err
+
+
+def test_a_ctrl_c_during_deploy_says_what_became_of_it(tmp_path, monkeypatch, capsys):
+    """It exited 130 in silence, the user left to guess whether something was deployed."""
+    from services.cli import main as cli_main
+
+    class Stub:
+        def Deploy(self, request):
+            raise KeyboardInterrupt
+
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(cli_main, "_stub", lambda *args: Stub())
+    assert cli_main.main(["deploy", "m", "--tp", "1"]) == 130
+    err = capsys.readouterr().err
+    assert "deploy interrupted: the deployer rolls back a Deploy cancelled before it" in err
+    assert "`iserve deployments` shows whether this one had finished" in err
