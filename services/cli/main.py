@@ -705,9 +705,28 @@ def cmd_generate(settings: Settings, args) -> int:
 
 
 def cmd_remove(settings: Settings, args) -> int:
-    _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub).RemoveDeployment(
-        deploy_pb.RemoveDeploymentRequest(request_id=_rid(), deployment_id=args.deployment_id)
-    )
+    stub = _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub)
+    try:
+        stub.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(request_id=_rid(), deployment_id=args.deployment_id)
+        )
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            # A model's id given where a deployment's goes (`generate` takes either).
+            listed = []
+            with contextlib.suppress(grpc.RpcError):  # no model id either: the error stands
+                listed = stub.ListDeployments(
+                    deploy_pb.ListDeploymentsRequest(request_id=_rid(), model_id=args.deployment_id)
+                ).deployments
+            if listed:
+                ids = ", ".join(d.deployment_id for d in listed)
+                print(
+                    f"error: NOT_FOUND: {exc.details()}: {args.deployment_id} is a model; "
+                    f"remove one of its deployments: {ids}",
+                    file=sys.stderr,
+                )
+                return 1
+        raise
     print(f"removed {args.deployment_id}")
     return 0
 

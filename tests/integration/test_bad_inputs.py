@@ -330,4 +330,10 @@ def test_a_short_context_model_deploys_with_limits_that_fit_it(stack):
         stack, deployment_id=deployment_id, prompt_token_ids=[1, 5, 9], max_tokens=8
     )
     assert deltas and final.finish_reason
+    # The model's id where the deployment's goes: said, with the ids to remove.
+    by_model = cli(stack, "remove", "short-ctx")
+    assert by_model.returncode == 1
+    assert (
+        f"short-ctx is a model; remove one of its deployments: {deployment_id}" in by_model.stderr
+    )
     assert cli(stack, "remove", deployment_id).returncode == 0
