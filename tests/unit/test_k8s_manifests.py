@@ -201,6 +201,12 @@ def test_redis_is_a_persistent_append_only_statefulset():
     redis = all_objects()[("StatefulSet", "redis")]
     args = containers(redis)[0]["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
+    # Full, it refuses writes rather than being OOM-killed at its limit (an AOF rewrite's
+    # fork counts twice), and never evicts iserve's records.
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    gib = int(args[args.index("--maxmemory") + 1].removesuffix("gb"))
+    limit = containers(redis)[0]["resources"]["limits"]["memory"]
+    assert 2 * gib <= int(limit.removesuffix("Gi"))
     (claim,) = redis["spec"]["volumeClaimTemplates"]
     mounts = {m["name"]: m["mountPath"] for m in containers(redis)[0]["volumeMounts"]}
     assert mounts[claim["metadata"]["name"]] == "/data"
