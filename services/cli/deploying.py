@@ -53,6 +53,8 @@ POLICIES = {
     "least-loaded": common.PLACEMENT_POLICY_LEAST_LOADED,
 }
 SCHEDULING = {"fcfs": common.SCHEDULING_POLICY_FCFS, "edf": common.SCHEDULING_POLICY_EDF}
+# The intents that rank by cost, and so take a cost formula (--cost).
+COSTED = (common.INTENT_KIND_MIN_COST, common.INTENT_KIND_COST_SLO, common.INTENT_KIND_LATENCY_SLO)
 EXPLICIT_FLAGS = ("tp", "pp", "dtype", "weight_quant", "kv_quant", "pruning", "variant")
 
 
@@ -99,28 +101,31 @@ def request_target(args) -> dict:
         usage_error(f"iserve deploy: --slo-ms goes with --intent latency-slo, not {name}")
     if args.budget is not None and kind != common.INTENT_KIND_COST_SLO:
         usage_error(f"iserve deploy: --budget goes with --intent cost-slo, not {name}")
-    costed = (
-        common.INTENT_KIND_MIN_COST,
-        common.INTENT_KIND_COST_SLO,
-        common.INTENT_KIND_LATENCY_SLO,
-    )
-    if args.cost and kind not in costed:
+    if args.cost and kind not in COSTED:
         usage_error(
             f"iserve deploy: --cost goes with --intent min-cost, cost-slo or latency-slo "
             f"(what they rank by), not {name}"
         )
+    return {"intent": intent_for(kind, args, "iserve deploy")}
+
+
+def intent_for(kind: int, args, command: str) -> common.Intent:
+    """The Intent of ``kind`` with what ``args`` give for it: its target (--slo-ms,
+    --budget) and cost formula (--cost) where ``kind`` uses them, the accuracy floor
+    (--min-accuracy, --best-available) always. ``command`` names the command in a usage
+    error (`iserve deploy`, `iserve plan`)."""
     if args.best_available and args.min_accuracy is None:
-        usage_error("iserve deploy: --best-available goes with --min-accuracy")
+        usage_error(f"{command}: --best-available goes with --min-accuracy")
     intent = common.Intent(
         kind=kind,
-        cost_formula=COST_FORMULAS.get(args.cost, 0),
-        latency_slo_ms=args.slo_ms or 0,
-        cost_budget=args.budget or 0,
+        cost_formula=COST_FORMULAS.get(args.cost, 0) if kind in COSTED else 0,
+        latency_slo_ms=(args.slo_ms or 0) if kind == common.INTENT_KIND_LATENCY_SLO else 0,
+        cost_budget=(args.budget or 0) if kind == common.INTENT_KIND_COST_SLO else 0,
         allow_best_available_accuracy=args.best_available,
     )
     if args.min_accuracy is not None:
         intent.min_accuracy = args.min_accuracy
-    return {"intent": intent}
+    return intent
 
 
 def objectives(args) -> common.ServiceObjectives:

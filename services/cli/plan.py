@@ -46,7 +46,6 @@ GIB = float(1 << 30)
 # Every intent of `iserve deploy --intent` that needs no target; the SLO ones are planned
 # when their target is given (--slo-ms, --budget).
 INTENTS = {name: kind for name, kind in deploying.INTENTS.items() if not name.endswith("-slo")}
-COSTED = (common.INTENT_KIND_MIN_COST, common.INTENT_KIND_COST_SLO, common.INTENT_KIND_LATENCY_SLO)
 
 
 def intents_of(args) -> list[tuple[str, common.Intent]]:
@@ -58,21 +57,7 @@ def intents_of(args) -> list[tuple[str, common.Intent]]:
         kinds.append((f"latency-slo {args.slo_ms:g} ms", common.INTENT_KIND_LATENCY_SLO))
     if args.budget is not None:
         kinds.append((f"cost-slo {args.budget:g}", common.INTENT_KIND_COST_SLO))
-    if args.best_available and args.min_accuracy is None:
-        usage_error("iserve plan: --best-available goes with --min-accuracy")
-    planned = []
-    for name, kind in kinds:
-        intent = common.Intent(
-            kind=kind,
-            cost_formula=deploying.COST_FORMULAS.get(args.cost, 0) if kind in COSTED else 0,
-            latency_slo_ms=(args.slo_ms or 0) if kind == common.INTENT_KIND_LATENCY_SLO else 0,
-            cost_budget=(args.budget or 0) if kind == common.INTENT_KIND_COST_SLO else 0,
-            allow_best_available_accuracy=args.best_available,
-        )
-        if args.min_accuracy is not None:
-            intent.min_accuracy = args.min_accuracy
-        planned.append((name, intent))
-    return planned
+    return [(name, deploying.intent_for(kind, args, "iserve plan")) for name, kind in kinds]
 
 
 def short_config(config: common.DeploymentConfig) -> str:
