@@ -69,11 +69,17 @@ from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
+from services.drain import refused_as_draining
 from services.errors import InvalidArgument, rpc_reason, shown
 from services.health import serving_status
 from services.ids import check_model_id, deployment_given_as_model
 from services.metrics import certificate_expiry, new_registry
-from services.settings import MAX_TOKEN_LENGTH, MIN_TOKEN_LENGTH, TlsFiles
+from services.settings import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    MAX_TOKEN_LENGTH,
+    MIN_TOKEN_LENGTH,
+    TlsFiles,
+)
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -275,7 +281,7 @@ class Backend:
         models_root: Path,
         *,
         auth: bool = False,
-        drain_timeout_s: float = 30.0,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ) -> Backend:
         """Channels to the three services; call it on the loop that will use them.
 
@@ -449,9 +455,9 @@ class _Generation:
 
 
 def _draining(exc: grpc.aio.AioRpcError) -> bool:
-    """Whether the scheduler refused a call because it is draining (services.drain)."""
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith(
-        "scheduler is draining"
+    """Whether the scheduler refused a call because it is draining."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and refused_as_draining(
+        exc.details() or "", "scheduler"
     )
 
 

@@ -33,6 +33,16 @@ def worker_stop_s(drain_timeout_s: float) -> float:
     return 2 * (drain_timeout_s + WORKER_STOP_MARGIN_S)
 
 
+def _draining(server: str) -> str:
+    return f"{server} is draining"
+
+
+def refused_as_draining(details: str, server: str) -> bool:
+    """Whether a call's UNAVAILABLE ``details`` are ``server``'s refusal while it drains
+    (:meth:`InFlight.enter`): another instance at its address may take the call."""
+    return details.startswith(_draining(server))
+
+
 class InFlight:
     """Counts a server's calls in flight; once :meth:`drain` starts, refuses new ones.
 
@@ -50,7 +60,7 @@ class InFlight:
         """Count one more call; Unavailable (nothing counted) once draining."""
         if self.draining:
             raise Unavailable(
-                f"{self.server} is draining: it is shutting down and takes no new "
+                f"{_draining(self.server)}: it is shutting down and takes no new "
                 "requests; retry on another instance or once it is back"
             )
         self.count += 1
