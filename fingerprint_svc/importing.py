@@ -379,6 +379,11 @@ def _check_row(row: maveriq.Measurement, prompt: int, model_id: str, spec: ArchS
         )
 
 
+def _run(row: maveriq.Measurement) -> tuple:
+    """What makes rows of one model runs of one configuration: layout, layer map, variant."""
+    return (row.tp, row.pp, row.pp_map, row.weight_quant, row.int8_kv_cache)
+
+
 # How far one run's latency may move between two output lengths before a row is taken for
 # a slip rather than a measurement. End to end, L(o) = TTFT + o * TPOT: more tokens never
 # take less time, nor more than o2/o1 times as long, up to timing noise and a TPOT that
@@ -395,8 +400,7 @@ def _check_series(rows: Sequence[maveriq.Measurement], model_id: str) -> None:
     One such row changed every estimate of its variant, or left most configurations out."""
     runs: dict[tuple, list[maveriq.Measurement]] = defaultdict(list)
     for row in rows:
-        key = (row.source, row.tp, row.pp, row.pp_map, row.weight_quant, row.int8_kv_cache)
-        runs[(*key, row.batch_size)].append(row)
+        runs[(row.source, *_run(row), row.batch_size)].append(row)
     for series in runs.values():
         series = sorted(series, key=lambda r: (r.output_tokens, r.line))
         for a, b in zip(series, series[1:], strict=False):
@@ -432,7 +436,7 @@ def _check_files_agree(rows: Sequence[maveriq.Measurement], model_id: str) -> No
     :data:`FILES_SLACK` allows: one of the files is in other units."""
 
     def key(row: maveriq.Measurement) -> tuple:
-        return (row.tp, row.pp, row.pp_map, row.weight_quant, row.int8_kv_cache, row.output_tokens)
+        return (*_run(row), row.output_tokens)
 
     for long_file, short_file in maveriq.BATCH_FILES.items():
         short = {key(r): r for r in rows if r.source == short_file and r.batch_size == 1}
@@ -710,8 +714,8 @@ def _check_estimable(
     why = _estimable(model, rows(after))
     if not why:
         return ""
-    had = existing is not None and before is not None and rows(before)
-    if had and not _estimable(existing, rows(before)):
+    had = rows(before) if existing is not None and before is not None else []
+    if had and not _estimable(existing, had):
         raise InvalidArgument(
             f"model {model.model_id!r}: its rows on {hardware_type} give estimates now and "
             f"would give none after this import ({why}); nothing was imported"

@@ -692,6 +692,11 @@ def write_stack_file(state_dir: Path, stack: dict) -> None:
         out.write(json.dumps(stack, indent=2))
 
 
+def _bare_ipv6(host: str) -> bool:
+    """Whether ``host`` is an IPv6 address without the brackets a "host:port" needs."""
+    return ":" in host and not (host.startswith("[") and host.endswith("]"))
+
+
 def _address(variable: str, value: str | None) -> str | None:
     """``value`` (an ISERVE_*_ADDR) when it is ``host:port`` with a port from 0 to 65535
     (0: any free one); ValueError naming the variable otherwise (an out-of-range port
@@ -705,7 +710,7 @@ def _address(variable: str, value: str | None) -> str | None:
             f"{variable}={value!r}: not host:port with a port from 0 to 65535 "
             "(e.g. 127.0.0.1:50051, 0.0.0.0:50051, [::1]:50051)"
         )
-    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+    if _bare_ipv6(host):
         # gRPC cannot bind or dial "::1:50051" ("misformatted domain name"), which a
         # Kubernetes manifest's $(POD_IP):port becomes on an IPv6 cluster.
         raise ValueError(f"{variable}={value!r}: an IPv6 address goes in brackets: [{host}]:{port}")
@@ -776,7 +781,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     state_dir = Path(env.get("ISERVE_STATE_DIR") or Path.home() / ".iserve").expanduser().resolve()
     models_root = Path(env.get("ISERVE_MODELS_ROOT") or state_dir / "models").expanduser().resolve()
     host = env.get("ISERVE_HOST", "127.0.0.1").strip()
-    if ":" in host and not host.startswith("["):
+    if _bare_ipv6(host):
         # A bare IPv6 address ($(POD_IP) on an IPv6 cluster): in brackets, so that the
         # "host:port" addresses made from it parse ("fd00::5:50061" binds nothing).
         host = f"[{host}]"
