@@ -108,8 +108,18 @@ def prefill_activation_bytes(
     built; the linear part alone is still several hundred MiB at such lengths."""
     tp = max(1, config.tensor_parallel)
     served, _ = _dtype_bytes(shape, config)
-    per_token = 4 * shape.hidden_size + 3 * shape.intermediate_size // tp
-    return int(max_seq_len * per_token * served + shape.vocab_size * 8)
+    return int(
+        _layer_activation_bytes(max_seq_len, shape.hidden_size, shape.intermediate_size, tp, served)
+        + shape.vocab_size * 8
+    )
+
+
+def _layer_activation_bytes(
+    tokens: int, hidden_size: int, intermediate_size: int, tp: int, dtype_bytes: int
+) -> int:
+    """Activations one layer holds for ``tokens`` tokens on one of ``tp`` ranks: the
+    residual stream and the larger block's, linear in the tokens."""
+    return tokens * (4 * hidden_size + 3 * intermediate_size // tp) * dtype_bytes
 
 
 def embedding_rank_bytes(shape: model_pb.ModelShape, config: common.DeploymentConfig) -> int:
@@ -176,7 +186,9 @@ def fingerprint_rank_bytes(
         kv = kv_cache_bytes(count, kv_heads, spec.head_dim, max_seq_len, batch_size, compute_bytes)
         tokens = batch_size * max_seq_len
         activations = (
-            tokens * (4 * spec.hidden_size + 3 * spec.intermediate_size // tp) * compute_bytes
+            _layer_activation_bytes(
+                tokens, spec.hidden_size, spec.intermediate_size, tp, compute_bytes
+            )
             + batch_size * spec.num_heads // tp * max_seq_len * max_seq_len * 4
             + batch_size * spec.vocab_size * 8
         )
