@@ -89,9 +89,9 @@ def fitted(table: TableSpec, out: Console) -> RenderableType:
     terminal wraps. rich folds a cell narrower than its value mid-word: at 80 columns
     `iserve status` showed an address over four lines and READY as READ/Y."""
     title, headers, rows = table
+    unbounded = out.options.update_width(1 << 16)  # a table's natural width, not the terminal's
     for compact in (False, True):
         candidate = rich_table(title, headers, rows, compact)
-        unbounded = out.options.update_width(1 << 16)  # its natural width, not the terminal's
         if Measurement.get(out, unbounded, candidate).maximum <= out.width:
             return candidate
     text = (f"{title}\n" if title else "") + plain_table(headers, rows)

@@ -70,9 +70,14 @@ def unprofiled_note(layout: Layout, input_tokens: int | None = None) -> str:
     kind = "tensor" if layout == TENSOR else "pipeline"
     prompt = "" if input_tokens is None else f" with the {input_tokens}-token prompt"
     return (
-        f"no fingerprint runs at tp={layout[0]} pp={layout[1]}{prompt}: {kind}-parallel "
+        f"{_unprofiled_at(layout)}{prompt}: {kind}-parallel "
         f"configurations are estimated without its communication cost{prompt and ' there'}"
     )
+
+
+def _unprofiled_at(layout: Layout) -> str:
+    """How every :func:`unprofiled_note` of ``layout`` starts."""
+    return f"no fingerprint runs at tp={layout[0]} pp={layout[1]}"
 
 
 def _profiled_with(fingerprints: Sequence[Sample], layout: Layout, input_tokens: int) -> bool:
@@ -110,8 +115,7 @@ class ModelReferences:
         for layout, degree in ((TENSOR, tp), (PIPELINE, pp)):
             # Never profiled there, or not with one of the prompts (estimates between
             # prompts interpolate through it).
-            said = f"no fingerprint runs at tp={layout[0]} pp={layout[1]}"
-            if any(note.startswith(said) for note in self.notes):
+            if any(note.startswith(_unprofiled_at(layout)) for note in self.notes):
                 unprofiled |= np.asarray(degree) > 1
         return unprofiled
 
