@@ -449,7 +449,8 @@ def _check_files_agree(rows: Sequence[maveriq.Measurement], model_id: str) -> No
                 raise InvalidArgument(
                     f"{row.where} and {twin.where}: {model_id}: the same run (TP={row.tp}, "
                     f"PP_Map={list(row.pp_map)}, {row.output_tokens} output tokens) takes "
-                    f"{row.latency_s:.6g} s with the 923-token prompt and {twin.latency_s:.6g} s "
+                    f"{row.latency_s:.6g} s with the {maveriq.PROMPT_TOKENS[long_file]}-token "
+                    f"prompt and {twin.latency_s:.6g} s "
                     f"with a short one ({ratio:.3g}x; runs of the published data are "
                     "1.05-2.7x apart): is one of the files in other units than seconds?"
                 )
