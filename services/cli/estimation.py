@@ -19,7 +19,7 @@ from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc, model_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
-from services.cli.arguments import id_list, whole_number
+from services.cli.arguments import id_list, usage_error, whole_number
 from services.cli.output import show_tables
 from services.importers import MAX_PROFILE_MEASUREMENTS
 from services.settings import Settings
@@ -145,7 +145,31 @@ def estimate_record(estimate: estimator_pb.ConfigEstimate) -> dict:
     }
 
 
+def profiled_hardware(settings: Settings, model_id: str) -> str:
+    """The hardware type an ``estimate`` that names none uses: see :func:`only_hardware`."""
+    profile = _models(settings).GetProfile(
+        model_pb.GetProfileRequest(request_id=_rid(), model_id=model_id)
+    )
+    return only_hardware(model_id, {m.hardware_type for m in profile.measurements})
+
+
+def only_hardware(model_id: str, kinds: set[str]) -> str:
+    """The one hardware type of ``kinds`` (those ``model_id`` is profiled on); a usage
+    error listing them when there are several, or saying there are none."""
+    if len(kinds) == 1:
+        return next(iter(kinds))
+    if not kinds:
+        usage_error(
+            f"model {model_id!r} is not profiled yet: profile it (iserve register) or import "
+            "measurements (iserve profile import), then estimate it"
+        )
+    usage_error(
+        f"model {model_id!r} is profiled on {', '.join(sorted(kinds))}: choose one with --hardware"
+    )
+
+
 def cmd_estimate(settings: Settings, args) -> int:
+    args.hardware = args.hardware or profiled_hardware(settings, args.model_id)
     reply = _estimator(settings).EstimateConfigs(
         estimator_pb.EstimateConfigsRequest(
             request_id=_rid(),
@@ -335,7 +359,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("estimate", help="estimate every configuration of a profiled model")
     p.add_argument("model_id")
-    p.add_argument("--hardware", required=True, help="hardware type, e.g. cpu-x86_64")
+    p.add_argument(
+        "--hardware",
+        help="hardware type, e.g. cpu-x86_64 (default: the one the model is profiled on)",
+    )
     p.add_argument(
         "--output-len", type=whole_number(), required=True, help="output tokens per request"
     )

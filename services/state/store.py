@@ -46,6 +46,13 @@ EVENTS_MAXLEN = 10_000
 CONNECT_TIMEOUT_S = 2.0
 REPLY_TIMEOUT_S = 10.0
 RECONNECT_RETRIES = 2
+# Connections one process holds at most. A call beyond them waits for one to come free
+# (up to POOL_WAIT_S) rather than failing at once, as redis-py's default pool does at
+# 100: a burst of a few hundred concurrent calls is load, not an outage.
+POOL_CONNECTIONS = 128
+POOL_WAIT_S = REPLY_TIMEOUT_S
+# redis-py's BlockingConnectionPool says this when POOL_WAIT_S passes with none free.
+_POOL_EXHAUSTED = "No connection available."
 
 # KEYS: reservation, reservation index, device keys…  ARGV: owner, bytes per device…
 # Returns {1} on success, {0, i, free} when device i lacks room, {-1, i} when device i
@@ -202,6 +209,12 @@ def _unavailable_when_redis_is_down(method):
                 ) from exc
             if isinstance(exc, ResponseError):
                 raise  # an error of the command itself, not of Redis's state
+            if str(exc) == _POOL_EXHAUSTED:
+                raise StateStoreUnavailable(
+                    f"state store (Redis) at {self.location}: this service's "
+                    f"{POOL_CONNECTIONS} connections stayed busy for {POOL_WAIT_S:g} s "
+                    "(too many calls at once); try again"
+                ) from exc
             raise StateStoreUnavailable(
                 f"state store (Redis) unreachable at {self.location}: {exc}"
             ) from exc
@@ -231,19 +244,20 @@ class StateStore:
 
     @classmethod
     def from_url(cls, url: str) -> StateStore:
-        return cls(
-            aioredis.Redis.from_url(
-                url,
-                decode_responses=True,
-                socket_connect_timeout=CONNECT_TIMEOUT_S,
-                socket_timeout=REPLY_TIMEOUT_S,
-                # A pooled connection to a Redis that has since restarted fails once
-                # ("Connection closed by server"): try again on a new one. Not on a
-                # timeout, after which the command may have run.
-                retry=Retry(ExponentialBackoff(cap=0.5, base=0.1), RECONNECT_RETRIES),
-                retry_on_error=[RedisConnectionError],
-            )
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=POOL_CONNECTIONS,
+            timeout=POOL_WAIT_S,
+            decode_responses=True,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=REPLY_TIMEOUT_S,
+            # A pooled connection to a Redis that has since restarted fails once
+            # ("Connection closed by server"): try again on a new one. Not on a
+            # timeout, after which the command may have run.
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.1), RECONNECT_RETRIES),
+            retry_on_error=[RedisConnectionError],
         )
+        return cls(aioredis.Redis.from_pool(pool))
 
     @property
     def location(self) -> str:

@@ -133,6 +133,16 @@ def test_cli_estimate_json_lines(stack, imported):
     assert max(line["tp"] * line["pp"] for line in lines) == 4
 
 
+def test_cli_estimate_defaults_to_the_hardware_the_model_is_profiled_on(stack, imported):
+    # A probe: --hardware was required, and argparse's refusal did not say the values.
+    out = cli(stack, "estimate", "llama-2-7b", "--output-len", "10", "--json")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) > 1
+    unprofiled = cli(stack, "estimate", "no-such-model", "--output-len", "10")
+    assert unprofiled.returncode != 0
+    assert "no-such-model" in unprofiled.stderr and "Traceback" not in unprofiled.stderr
+
+
 def test_workloads_the_model_cannot_hold_are_refused_and_odd_prompts_noted(
     stack, estimator, imported
 ):

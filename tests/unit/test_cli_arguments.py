@@ -405,3 +405,16 @@ def test_a_ctrl_c_during_deploy_says_what_became_of_it(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert "deploy interrupted: the deployer rolls back a Deploy cancelled before it" in err
     assert "`iserve deployments` shows whether this one had finished" in err
+
+
+def test_estimate_without_hardware_takes_the_only_profiled_type_or_says_which(capsys):
+    from services.cli.estimation import only_hardware
+
+    assert only_hardware("m", {"cpu-x86_64"}) == "cpu-x86_64"
+    for kinds, says in (
+        (set(), "model 'm' is not profiled yet"),
+        ({"rtx-a6000", "cpu-x86_64"}, "profiled on cpu-x86_64, rtx-a6000: choose one"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            only_hardware("m", kinds)
+        assert exited.value.code == 2 and says in capsys.readouterr().err

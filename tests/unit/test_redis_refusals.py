@@ -119,3 +119,19 @@ def test_a_redis_written_by_a_newer_iserve_is_refused_at_start(tmp_path, redis_u
         in capsys.readouterr().err
     )
     admin.delete(keys.state_format())
+
+
+def test_more_concurrent_calls_than_the_pool_holds_wait_for_a_connection(run):
+    # A probe: 400 concurrent ListDeployments got "Redis unreachable: Too many
+    # connections" from redis-py's default pool (100, failing at once).
+    from services.state.store import POOL_CONNECTIONS
+
+    async def calls(store: StateStore) -> list:
+        # Each read holds its connection for its 0.3 s block.
+        return await asyncio.gather(
+            *(store.read_events(block_ms=300) for _ in range(POOL_CONNECTIONS + 40)),
+            return_exceptions=True,
+        )
+
+    results = run(calls)
+    assert [r for r in results if isinstance(r, BaseException)] == []
