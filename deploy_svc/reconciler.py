@@ -67,6 +67,16 @@ def _stopped_heartbeating(nodes: Iterable[str]) -> str:
     return f"node agent(s) {', '.join(sorted(nodes))} stopped heartbeating"
 
 
+def _restarted(nodes: Iterable[str]) -> str:
+    """Why a replica on ``nodes`` is lost when their agents answer but know nothing of its
+    workers: an agent keeps the record of a worker that died under it (FAILED), so one
+    with none started since, and the workers stopped with the agent before it."""
+    return (
+        f"node agent(s) {', '.join(sorted(nodes))} restarted since its workers started "
+        "(they stopped with the agent)"
+    )
+
+
 class Reconciler:
     def __init__(self, controller: DeploymentController, store: StateStore, agents: AgentClients):
         self.controller = controller
@@ -102,9 +112,9 @@ class Reconciler:
                 for d in deployments
                 for r in replicas.serving(d)
             }
-        running, answered = await self._running_workers()
+        running, answered, known = await self._running_workers()
         actions += await self._fail_missing(
-            deployments, running, answered, "after a deployer restart"
+            deployments, running, answered, known, "after a deployer restart"
         )
         for dep in deployments:
             if dep.state == deploy_pb.DEPLOYMENT_STATE_STARTING:
@@ -151,8 +161,10 @@ class Reconciler:
         Records are read before the agents are asked, so a replica started in between is
         not mistaken for one without workers."""
         deployments = await self.store.list_deployments()
-        running, answered = await self._running_workers()
-        actions = await self._fail_missing(deployments, running, answered, "its agent reports")
+        running, answered, known = await self._running_workers()
+        actions = await self._fail_missing(
+            deployments, running, answered, known, "its agent reports"
+        )
         return actions + await self._stop_unheld(running)
 
     async def _stop_unheld(self, running: dict[str, list[_NodeWorker]]) -> list[str]:
@@ -198,12 +210,17 @@ class Reconciler:
         deployments: list[deploy_pb.Deployment],
         running: dict[str, list[_NodeWorker]],
         answered: set[str],
+        known: set[tuple[str, str]],
         when: str,
     ) -> list[str]:
         """Fail (to be restarted) each serving replica of ``deployments`` missing a rank
         among ``running``; nodes whose agents did not answer are left to the heartbeat
         check. A replica whose workers were stopped on purpose is restored instead,
-        spending no restart budget."""
+        spending no restart budget; so is one lost with a restarted agent (a node whose
+        agent has no record of its workers: ``known``), as a node that stopped
+        heartbeating is. Counted as failures, one power loss spent a step of a
+        deployment's budget per replica: five replicas, five steps, the deployment
+        FAILED."""
         actions = []
         for dep in deployments:
             for replica in replicas.serving(dep):
@@ -213,18 +230,30 @@ class Reconciler:
                 ranks = {w.rank for w in running.get(group, [])}
                 missing = sorted(set(range(_rank_count(replica.placement))) - ranks)
                 planned = self._was_stopped_on_purpose(group)
-                if missing:
-                    reason = f"{when}, rank(s) {missing} are not running"
-                    if planned:
-                        reason = f"the stack was stopped on purpose, rank(s) {missing} with it"
-                    if await self.controller.fail(group, reason, planned=planned):
-                        actions.append(f"failed {group}: {reason}")
+                if not missing:
+                    continue
+                reason = f"{when}, rank(s) {missing} are not running"
+                forgotten = [
+                    node
+                    for node in replicas.nodes_of(replica.placement)
+                    if (group, node) not in known
+                ]
+                if planned:
+                    reason = f"the stack was stopped on purpose, rank(s) {missing} with it"
+                elif forgotten:
+                    reason = f"{_restarted(forgotten)}, rank(s) {missing} with it"
+                lost_rank = bool(forgotten) and not planned
+                if await self.controller.fail(group, reason, planned=planned, lost_rank=lost_rank):
+                    actions.append(f"failed {group}: {reason}")
         return actions
 
-    async def _running_workers(self) -> tuple[dict[str, list[_NodeWorker]], set[str]]:
-        """Live workers by deployment, as the alive nodes' agents report them, and the
-        nodes whose agents answered. The agents are asked together: one that hangs costs
-        its timeout once, not once for every node after it."""
+    async def _running_workers(
+        self,
+    ) -> tuple[dict[str, list[_NodeWorker]], set[str], set[tuple[str, str]]]:
+        """Live workers by deployment, as the alive nodes' agents report them, the nodes
+        whose agents answered, and the (group, node) pairs of every worker record they
+        hold, live or not. The agents are asked together: one that hangs costs its
+        timeout once, not once for every node after it."""
         nodes = [node for node in await self.store.list_nodes() if node.alive]
         replies = await asyncio.gather(
             *(
@@ -237,6 +266,7 @@ class Reconciler:
         )
         running: dict[str, list[_NodeWorker]] = {}
         answered: set[str] = set()
+        known: set[tuple[str, str]] = set()
         for node, reply in zip(nodes, replies, strict=True):
             if isinstance(reply, grpc.RpcError):
                 if reply.code() == grpc.StatusCode.UNAVAILABLE:
@@ -261,11 +291,12 @@ class Reconciler:
                 log.info("reconcile: agent of %s answers again", node.node_id)
             answered.add(node.node_id)
             for w in reply.workers:
+                known.add((w.deployment_id, node.node_id))
                 if w.state in (agent_pb.WORKER_STATE_STARTING, agent_pb.WORKER_STATE_READY):
                     running.setdefault(w.deployment_id, []).append(
                         _NodeWorker(node.node_id, w.rank)
                     )
-        return running, answered
+        return running, answered, known
 
     async def handle(self, event: dict) -> None:
         deployment_id = event.get("deployment_id", "")
@@ -302,7 +333,7 @@ class Reconciler:
 
     async def _lost_node(self, group: str) -> str:
         """Why a node of ``group``'s replica is lost ("" when every one lives and its
-        agent answers). A worker's loss often reaches the deployer before its node's
+        agent answers with a record of the replica's workers). A worker's loss often reaches the deployer before its node's
         heartbeat lapses: the scheduler finds the worker gone, or a surviving rank its
         pipeline peer, at once, where the lapse takes seconds; counted as the worker's
         fault, each node loss spent the budget (a probe: 3 of 5 steps in four losses)."""
@@ -323,7 +354,7 @@ class Reconciler:
             ),
             return_exceptions=True,
         )
-        gone = []
+        gone, forgotten = [], []
         for node, reply in zip(nodes, replies, strict=True):
             if isinstance(reply, grpc.RpcError) and reply.code() in (
                 grpc.StatusCode.UNAVAILABLE,
@@ -331,7 +362,11 @@ class Reconciler:
             ):
                 self.controller.workers.reach.unreachable(node.agent_address, reply.details() or "")
                 gone.append(node.node_id)
-        return f"node agent(s) {', '.join(gone)} do not answer" if gone else ""
+            elif isinstance(reply, agent_pb.ListWorkersResponse) and not reply.workers:
+                forgotten.append(node.node_id)
+        if gone:
+            return f"node agent(s) {', '.join(gone)} do not answer"
+        return _restarted(forgotten) if forgotten else ""
 
     def _was_stopped_on_purpose(self, group: str) -> bool:
         """Whether ``group``'s workers were stopped on purpose and nothing was heard of

@@ -277,6 +277,27 @@ def test_an_agent_killed_until_its_heartbeat_lapses_is_healed_when_it_is_back(
     assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20)
 
 
+def test_an_agent_killed_and_started_again_at_once_spends_no_restart_budget(own_stack, deployment):
+    """A supervisor (systemd, Kubernetes, a power cycle) starts the agent again before its
+    heartbeat lapses. Its workers stopped with it, and the new agent has no record of
+    them: the replica was lost with its node, not by a fault of its own. A probe: one
+    power loss spent a step of the budget per replica, and a five-replica deployment
+    was one step from FAILED."""
+    stack, deployment_id = own_stack, deployment.deployment_id
+    held = reserved_by_device(stack)
+    pids = worker_pids(stack, deployment_id)
+    launcher.restart_service(stack.settings, "agent", kill=True)
+    serving_again(stack, deployment_id, pids)
+    reasons = restart_reasons(stack, deployment_id)
+    assert reasons and reasons[0].startswith(
+        ("node agent(s) node0 restarted since its workers started", "node agent(s) node0 do not")
+    ), reasons
+    record = json.loads(with_store(stack, lambda st: st.get_restarts(deployment_id)))
+    assert record["in_a_row"] == 0, record
+    serves(stack, deployment_id)
+    assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20)
+
+
 def test_workers_an_agent_kept_while_it_was_stopped_are_stopped_when_it_is_back(
     own_stack, deployment
 ):

@@ -5,6 +5,7 @@ Redis with a fake agent (deploy_svc.healer)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import types
 
 import grpc
@@ -527,7 +528,9 @@ def test_a_restart_cut_off_by_a_deployer_restart_goes_on(run):
 
 
 def test_a_replica_whose_agent_no_longer_runs_it_is_restarted(run):
-    """An agent restarted on its own (or the whole stack): it answers, with no worker."""
+    """An agent restarted on its own (or the whole stack): it answers, with no worker and
+    no record of one. The replica went with its node: restarted, spending no budget. An
+    agent that reports the worker FAILED (it died under a live agent) spends a step."""
 
     async def scenario(store):
 
@@ -548,13 +551,33 @@ def test_a_replica_whose_agent_no_longer_runs_it_is_restarted(run):
             return agent_pb.ListWorkersResponse()
 
         agent.ListWorkers = none_running
-        assert await reconciler.check_workers() == [
-            f"failed {deployment_id}: its agent reports, rank(s) [0] are not running"
-        ]
+        [said] = await reconciler.check_workers()
+        assert said.startswith(f"failed {deployment_id}: node agent(s) ")
+        assert said.endswith(
+            " restarted since its workers started (they stopped with the agent), "
+            "rank(s) [0] with it"
+        )
         assert (await store.get_deployment(deployment_id)).state == STARTING
         healed = await settle(store, deployment_id)
         assert healed.state == READY
+        assert json.loads(await store.get_restarts(deployment_id))["in_a_row"] == 0
         assert agent.started == [deployment_id, deployment_id]
+
+        async def died(request, timeout):
+            return agent_pb.ListWorkersResponse(
+                workers=[
+                    agent_pb.WorkerInfo(
+                        deployment_id=deployment_id, state=agent_pb.WORKER_STATE_FAILED
+                    )
+                ]
+            )
+
+        agent.ListWorkers = died
+        assert await reconciler.check_workers() == [
+            f"failed {deployment_id}: its agent reports, rank(s) [0] are not running"
+        ]
+        await settle(store, deployment_id)
+        assert json.loads(await store.get_restarts(deployment_id))["in_a_row"] == 1
         await controller.remove(deployment_id)
         assert await nothing_left(store)
 
@@ -751,10 +774,17 @@ def test_a_worker_lost_with_its_agent_before_the_heartbeat_lapses_spends_no_budg
 
     class AgentGone(FakeAgent):
         answering = True
+        # The agent lived through its worker's death: it keeps the worker's record.
+        kept_record = False
 
         async def ListWorkers(self, request, timeout: float):
             if not self.answering:
                 raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Connection refused")
+            if self.kept_record:
+                failed = agent_pb.WorkerInfo(
+                    deployment_id=request.deployment_id, state=agent_pb.WORKER_STATE_FAILED
+                )
+                return agent_pb.ListWorkersResponse(workers=[failed])
             return await super().ListWorkers(request, timeout)
 
     async def scenario(store):
@@ -775,7 +805,9 @@ def test_a_worker_lost_with_its_agent_before_the_heartbeat_lapses_spends_no_budg
             controller.workers.reach.answered("node0:1")
             assert (await settle(store, dep.deployment_id)).state == READY
         assert (await controller.healer.record_of(dep.deployment_id)).in_a_row == 0
-        # Its agent answering, the worker's loss is the worker's: the budget counts it.
+        # Its agent answering with the dead worker's record, the worker's loss is the
+        # worker's: the budget counts it.
+        agent.kept_record = True
         address = (await store.get_deployment(dep.deployment_id)).worker_address
         await reconciler.handle({**event, "worker_address": address})
         assert (await controller.healer.record_of(dep.deployment_id)).in_a_row == 1

@@ -425,8 +425,9 @@ def test_an_intent_falls_back_to_a_configuration_whose_replicas_all_fit(run):
 
 
 def test_the_reconciler_takes_out_a_replica_whose_workers_are_gone(run):
-    """After a deployer restart: replica 0's worker is not running, replica 1's is; a
-    reservation of a replica no record names is an orphan."""
+    """After a deployer restart: replica 0's worker is not running (it died under its
+    agent, which keeps its record), replica 1's is; a reservation of a replica no record
+    names is an orphan."""
 
     async def scenario(store):
         agent = FakeAgent()
@@ -439,10 +440,15 @@ def test_the_reconciler_takes_out_a_replica_whose_workers_are_gone(run):
             return agent_pb.ListWorkersResponse(
                 workers=[
                     agent_pb.WorkerInfo(
+                        deployment_id=deployment_id,  # replica 0's group
+                        rank=0,
+                        state=agent_pb.WORKER_STATE_FAILED,
+                    ),
+                    agent_pb.WorkerInfo(
                         deployment_id=f"{deployment_id}.r1",
                         rank=0,
                         state=agent_pb.WORKER_STATE_READY,
-                    )
+                    ),
                 ]
             )
 
