@@ -103,6 +103,10 @@ class Reconciler:
         """
         actions: list[str] = []
         deployments = await self.store.list_deployments()
+        actions += [
+            f"moved the Deploy request id of {moved} to its owner's keys"
+            for moved in await self.store.scope_deploy_requests(deployments)
+        ]
         # After a clean stop (iserve down: this service first, then the agents stop their
         # workers) a missing worker is a restore, not a failure: no restart budget spent,
         # whether its agent answers now or only once it has started.

@@ -55,6 +55,9 @@ def start_redis(
     password. The server is ready (answers PING) when this returns.
     """
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Its append-only file holds every record (token hashes among them): the owner's
+    # alone, also in a directory an older iserve made 0755.
+    data_dir.chmod(0o700)
     password = _password(data_dir / PASSWORD_FILE)
     config = data_dir / CONFIG_FILE
     fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

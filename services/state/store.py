@@ -469,6 +469,26 @@ class StateStore:
         """The deployment id ``owner``'s ``request_id`` is bound to, if any."""
         return await self.redis.get(keys.deploy_request(request_id, owner))
 
+    async def scope_deploy_requests(self, deployments: list[deploy_pb.Deployment]) -> list[str]:
+        """Move the request ids of owned ``deployments`` still under their unscoped keys
+        (written before request ids were each owner's own) to their owner's keys, so a
+        Deploy retried after an upgrade finds its deployment instead of making another.
+        Returns the deployment ids moved; idempotent."""
+        moved = []
+        for dep in deployments:
+            if not (dep.owner and dep.request_id):
+                continue
+            old = keys.deploy_request(dep.request_id)
+            if await self.redis.get(old) != dep.deployment_id:
+                continue
+            asked = await self.redis.get(keys.deploy_request_asked(dep.request_id))
+            new = keys.deploy_request(dep.request_id, dep.owner)
+            if await self.redis.set(new, dep.deployment_id, nx=True) and asked is not None:
+                await self.redis.set(keys.deploy_request_asked(dep.request_id, dep.owner), asked)
+            await self.redis.delete(old, keys.deploy_request_asked(dep.request_id))
+            moved.append(dep.deployment_id)
+        return moved
+
     async def forget_deploy_request(self, request_id: str, *, owner: str = "") -> None:
         await self.redis.delete(
             keys.deploy_request(request_id, owner), keys.deploy_request_asked(request_id, owner)

@@ -676,6 +676,44 @@ def test_request_ids_are_each_owners_own(run):
     run(scenario)
 
 
+def test_a_request_id_kept_from_before_it_was_scoped_finds_its_deployment(run):
+    """An upgrade: a Deploy made by an iserve that kept request ids unscoped, retried
+    with the same id after it, made a second deployment (a probe). The deployer's start
+    moves such ids to their owner's keys."""
+    from services.auth import access, policy
+    from services.auth.tokens import Principal
+    from services.state import keys
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        token = access.set_caller(Principal("t-alice", "alice", policy.APP_DEVELOPER))
+        try:
+            first = (await controller.deploy(deploy_request(1, request_id="rid-1"))).deployment
+            # As the older iserve left it: the unscoped keys.
+            for key in (keys.deploy_request, keys.deploy_request_asked):
+                await store.redis.rename(key("rid-1", "alice"), key("rid-1"))
+            actions = await Reconciler(controller, store, agent).reconcile_on_start()
+            assert f"moved the Deploy request id of {first.deployment_id} to its owner's keys" in (
+                actions
+            )
+            again = (await controller.deploy(deploy_request(1, request_id="rid-1"))).deployment
+            assert again.deployment_id == first.deployment_id
+            assert await store.redis.get(keys.deploy_request("rid-1")) is None
+            # A second start moves nothing.
+            assert not any(
+                a.startswith("moved")
+                for a in await Reconciler(controller, store, agent).reconcile_on_start()
+            )
+            await controller.remove(first.deployment_id)
+        finally:
+            access.reset_caller(token)
+        assert await nothing_left(store)
+        assert [k async for k in store.redis.scan_iter("iserve:deploy-request*")] == []
+
+    run(scenario)
+
+
 def test_a_deploy_before_the_start_up_pass_is_told_why_it_has_not_run(run, monkeypatch):
     """A Redis user without EVALSHA failed the deployer's start-up pass each second: every
     Deploy waited for ever, the reason in the deployer's log alone."""

@@ -19,7 +19,11 @@ def stop(proc) -> None:
 
 def test_the_embedded_redis_asks_for_a_password_kept_from_others(tmp_path):
     data = tmp_path / "redis"
+    data.mkdir(mode=0o755)  # as an older iserve made it
+    data.chmod(0o755)
     proc, url = start_redis(data, appendonly=False)
+    # Its data (the append-only file: every record) is the owner's alone.
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
     try:
         password = (data / PASSWORD_FILE).read_text().strip()
         assert f":{password}@" in url
