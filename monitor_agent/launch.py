@@ -34,7 +34,7 @@ from services.engine_rules import (
     resolve_checkpoint,
 )
 from services.errors import FailedPrecondition, require
-from services.ids import check_deployment_id
+from services.ids import check_deployment_id, check_node_id
 from services.models.checkpoint import InvalidCheckpoint, read_config
 from services.models.compression import DEFAULT_PRUNE_FRACTION
 
@@ -334,6 +334,8 @@ def build_plan(
     (default ``ISERVE_ENGINE``) and ``tensorrt_llm_installed`` (default: look for the
     package) standing for this node.
     """
+    if request.node_id:
+        check_node_id(request.node_id)  # it is logged and echoed below
     if request.node_id and node_id and request.node_id != node_id:
         raise FailedPrecondition(
             f"workers placed on node {request.node_id} reached the agent of node {node_id}: "

@@ -31,7 +31,7 @@ from services import transport
 from services.aio import cancel_and_wait
 from services.auth.interceptor import AuthInterceptor
 from services.auth.tokens import Authenticator
-from services.errors import REASON_KEY, IServeError
+from services.errors import REASON_KEY, InvalidArgument, IServeError
 from services.metrics import RpcMetrics
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 from services.transport import CHANNEL_OPTIONS, Transport
@@ -140,6 +140,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 count(method, context.code() or grpc.StatusCode.UNKNOWN)
                 raise
+            except grpc.aio.InternalError:
+                count(method, ended_by_client(context, budget_s))
+                raise  # see _wrap_stream
             except Exception as exc:  # noqa: BLE001 - every error becomes a status
                 count(method, _code_of(exc))
                 await _abort_for(exc, method, request, context)
@@ -172,12 +175,87 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 count(method, context.code() or grpc.StatusCode.UNKNOWN)
                 raise
+            except grpc.aio.InternalError:
+                # grpcio's ExecuteBatchError: an operation on a call its client already
+                # ended (headers sent just after a 1 ms deadline passed, before the
+                # handler is cancelled); grpcio drops it for a closed call. Taken for a
+                # server fault, it was logged with a traceback and counted INTERNAL.
+                count(method, ended_by_client(context, budget_s))
+                raise
             except Exception as exc:  # noqa: BLE001 - every error becomes a status
                 count(method, _code_of(exc))
                 await _abort_for(exc, method, request, context)
             count(method, grpc.StatusCode.OK)
 
         return wrapped
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What a request's bytes became when they are no message of the method's request
+    type (garbage, a truncated message, a string field that is not UTF-8)."""
+
+    error: str
+
+
+def _tolerant(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object] | None:
+    """``deserializer`` returning :class:`Undecodable` where it raises: grpcio answers a
+    deserializer's exception UNKNOWN with protobuf's text, and logs a traceback for each
+    such call, before any check of the caller (a probe: anyone reaching a port could
+    fill the logs)."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> object:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and kin
+            return Undecodable(f"{type(exc).__name__}: {exc}")
+
+    return deserialize
+
+
+def _refuse_undecodable(method: str, request: object) -> None:
+    if isinstance(request, Undecodable):
+        raise InvalidArgument(f"the request is not a valid message for {method}")
+
+
+class DecodeInterceptor(grpc.aio.ServerInterceptor):
+    """The innermost interceptor: a request whose bytes do not decode is refused
+    INVALID_ARGUMENT, after the caller is authenticated (the interceptors outside it
+    run first) and counted and logged as any refused call is (``ErrorInterceptor``)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def unary(request, context):
+                _refuse_undecodable(method, request)
+                return await behavior(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary,
+                request_deserializer=_tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            streaming = handler.unary_stream
+
+            async def stream(request, context):
+                _refuse_undecodable(method, request)
+                async for item in streaming(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream,
+                request_deserializer=_tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        return handler
 
 
 class HealthServicer(health_aio.HealthServicer):
@@ -234,6 +312,7 @@ async def start_server(
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
     if security.authenticator is not None:
         interceptors.append(AuthInterceptor(security.authenticator))
+    interceptors.append(DecodeInterceptor())
     server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -23,6 +23,17 @@ TOKEN_PATTERN = re.compile(r"(?!\.+\Z)[A-Za-z0-9._-]{1,128}")
 _TOKEN_RULE = "1-128 letters, digits, '.', '_' or '-', not dots alone"
 
 
+# A node id (``ISERVE_NODE_ID``) is a part of Redis keys and of worker group names: a
+# DNS name's characters (a Kubernetes node name fits), at most 253 of them.
+NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,252})")
+NODE_ID_RULE = "letters, digits, '.', '_' or '-' (at most 253, starting with a letter or digit)"
+
+
+def check_node_id(node_id: str) -> None:
+    if not NODE_ID_PATTERN.fullmatch(node_id):
+        raise InvalidArgument(f"invalid node_id {shown(node_id)}: {NODE_ID_RULE}")
+
+
 def is_valid_id(value: str) -> bool:
     return ID_PATTERN.fullmatch(value) is not None
 

@@ -115,6 +115,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from redis.connection import ConnectionPool, parse_url
 
+from services.ids import NODE_ID_PATTERN, NODE_ID_RULE
+
 DEFAULT_PORTS = {
     "model": 50061,
     "estimator": 50062,
@@ -908,20 +910,12 @@ def check_service_settings(env: Mapping[str, str] | None = None) -> None:
     ProfilingSettings.from_env(env)
 
 
-# A node id is a part of Redis keys and of worker group names: a DNS name's characters
-# (a Kubernetes node name fits), at most 253 of them.
-_NODE_ID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,252})")
-
-
 def node_id(env: Mapping[str, str]) -> str:
     """``ISERVE_NODE_ID`` (default node0); ValueError naming it when it is not a DNS
     name's characters (an empty id or one with ':' stopped the agent with a traceback)."""
     value = env.get("ISERVE_NODE_ID", "node0")
-    if not _NODE_ID.fullmatch(value):
-        raise ValueError(
-            f"ISERVE_NODE_ID must be letters, digits, '.', '_' or '-' (at most 253, "
-            f"starting with a letter or digit), got {value!r}"
-        )
+    if not NODE_ID_PATTERN.fullmatch(value):
+        raise ValueError(f"ISERVE_NODE_ID must be {NODE_ID_RULE}, got {value!r}")
     return value
 
 

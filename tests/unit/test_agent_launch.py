@@ -554,3 +554,10 @@ def test_an_agent_refuses_workers_placed_on_another_node(tmp_path):
     request = agent_pb.StartWorkersRequest(deployment_id="d", node_id="n2")
     with pytest.raises(FailedPrecondition, match="placed on node n2 reached the agent of node c0"):
         asyncio.run(servicer.StartWorkers(request, None))
+    # A node id no node has is refused as such, shown cut and escaped: a probe's
+    # "a\nb" wrote a line of its own into the agent's log, a megabyte one two.
+    for hostile in ("a\nb INFO fake", "n\x00", "n" * 1_000_000):
+        request = agent_pb.StartWorkersRequest(deployment_id="d", node_id=hostile)
+        with pytest.raises(InvalidArgument, match="invalid node_id ") as refused:
+            asyncio.run(servicer.StartWorkers(request, None))
+        assert "\n" not in str(refused.value) and len(str(refused.value)) < 300

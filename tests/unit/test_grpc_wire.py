@@ -1,0 +1,99 @@
+"""What a real server answers to bytes that are no message, and to a call whose client
+ended it just as the handler wrote (probes sent garbage to every service)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+
+from services.api import inference_service_pb2 as inference_pb
+from services.api import inference_service_pb2_grpc as inference_grpc
+from services.grpc_server import ErrorInterceptor, ServerSecurity, ServiceBinding, start_server
+from tests.unit.test_grpc_server_drain import OneToken, Ticker
+
+GENERATE = "/iserve.v1.InferenceService/Generate"
+HEALTH = "/grpc.health.v1.Health/Check"
+# Not a message: a field tag of wire type 7, a truncated length, a string not UTF-8.
+GARBAGE = (b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x0a\x02\xc3\x28")
+
+
+async def _call_raw(port: int, method: str, data: bytes, metadata=()) -> grpc.StatusCode:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as chan:
+        stream = method == GENERATE
+        make = chan.unary_stream if stream else chan.unary_unary
+        call = make(method, request_serializer=None, response_deserializer=None)
+        try:
+            if stream:
+                async for _ in call(data, metadata=metadata, timeout=5):
+                    pass
+            else:
+                await call(data, metadata=metadata, timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details()
+        return grpc.StatusCode.OK, ""
+
+
+@pytest.mark.parametrize("authenticated", [False, True])
+def test_bytes_that_are_no_message_are_invalid_argument_after_authentication(authenticated, caplog):
+    caplog.set_level(logging.INFO)
+
+    async def scenario():
+        binding = ServiceBinding(
+            Ticker([]), inference_grpc.add_InferenceServiceServicer_to_server, "x"
+        )
+        security = ServerSecurity(authenticator=OneToken()) if authenticated else None
+        server, port, _ = await start_server([binding], "127.0.0.1:0", security=security)
+        token = (("authorization", "Bearer user-token"),)
+        try:
+            answers = {}
+            for method in (GENERATE, HEALTH):
+                for data in GARBAGE:
+                    answers[method, data] = await _call_raw(port, method, data, token)
+                    if authenticated:
+                        anonymous = await _call_raw(port, method, data)
+                        if method == GENERATE:
+                            assert anonymous[0] == grpc.StatusCode.UNAUTHENTICATED, anonymous
+            return answers
+        finally:
+            await server.stop(0)
+
+    answers = asyncio.run(scenario())
+    for (method, _data), (code, details) in answers.items():
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, code, details)
+        assert details == f"the request is not a valid message for {method}"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_write_on_a_call_its_client_ended_counts_as_the_client_s_not_internal(caplog):
+    """grpcio raises ExecuteBatchError (an InternalError) on headers sent just after the
+    client's deadline passed, before the handler is cancelled: counted as the client's
+    ending, no error logged. Driven directly: the race takes 1 call in 500."""
+    from grpc._cython import cygrpc
+
+    counted = []
+
+    class Metrics:
+        def count(self, method, code):
+            counted.append((method, code))
+
+    class Context:
+        def time_remaining(self):
+            return None
+
+    async def behavior(request, context):
+        raise cygrpc.ExecuteBatchError("Failed 'execute_batch': (<grpc_call_error: 8>)")
+        yield  # an async generator, as a streaming handler is
+
+    async def scenario():
+        wrapped = ErrorInterceptor(Metrics())._wrap_stream("/m", behavior)
+        with pytest.raises(cygrpc.ExecuteBatchError):
+            async for _ in wrapped(inference_pb.GenerateRequest(), Context()):
+                pass
+
+    asyncio.run(scenario())
+    assert counted == [("/m", grpc.StatusCode.CANCELLED)]
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
