@@ -85,6 +85,8 @@ class RequestRecord:
     enqueued_s: float | None = None
     token_times: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    # Prompt tokens the worker prefilled with this one's, its own included (0: unknown).
+    prefilled_with: int = 0
     completion_tokens: int = 0
     finish_reason: int = 0
     code: grpc.StatusCode = grpc.StatusCode.OK

@@ -8,7 +8,10 @@ estimate; all zero when it has none). The scheduler predicts
 
 and corrects both lines from every request it serves by recursive least squares with
 exponential forgetting (:class:`OnlineLine`): each finished request adds one sample, its
-measured time from admission to first token against its prompt tokens, and one sample
+measured time from admission to first token against the prompt tokens its worker
+prefilled with it, its own included (requests admitted together wait for each other's
+prefills: fitted against their own prompts alone, a burst of short prompts read as a
+slow fixed cost, and EDF then refused single requests it had time for), and one sample
 of its mean time per output token against the sequences running beside it. Old samples
 weigh ``FORGETTING ** age``, so the model follows a machine whose speed drifts (other
 load, thermal limits) with a memory of about ``1 / (1 - FORGETTING)`` requests. The
@@ -202,13 +205,16 @@ class LatencyPredictor:
         running: float,
         service_s: float = 0.0,
         output_share: float | None = None,
+        prefilled_tokens: int = 0,
     ) -> None:
         """One finished request: ``first_token_s`` from admission to its first token,
+        which waited for the prefill of ``prefilled_tokens`` prompt tokens (its own and
+        those the worker prefilled with it; 0: unknown, its own taken),
         ``tpot_s`` its mean time per output token after the first (None with one
         token), ``running`` the sequences running beside it (itself included; a mean
         where it changed), ``service_s`` from admission to its last token,
         ``output_share`` its output tokens over its max_tokens."""
-        self.prefill.update(prompt_tokens, first_token_s)
+        self.prefill.update(max(prompt_tokens, prefilled_tokens), first_token_s)
         if tpot_s is not None:
             self.decode.update(max(1, running) - 1, tpot_s)
         if service_s > 0:

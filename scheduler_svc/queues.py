@@ -194,13 +194,21 @@ class DeploymentQueue:
 
         free = self._slot_free_times(self._clock(), service)
         missed = []
+        # Requests that start at one time are prefilled together: each first token waits
+        # for every prompt of them, as the worker's step returns them together.
+        together: list[int] = []
+        together_at: float | None = None
         for entry in ordered:
             start = free[0]
-            first_token = start + predictor.prefill_s([entry.prompt_tokens])
+            prompts = (
+                [*together, entry.prompt_tokens] if start == together_at else [entry.prompt_tokens]
+            )
+            first_token = start + predictor.prefill_s(prompts)
             if entry.deadline_s is not None and first_token > entry.deadline_s:
                 entry.predicted_first_token_s = first_token
                 missed.append(entry)
                 continue
+            together, together_at = prompts, start
             heapq.heapreplace(free, start + service(entry))
         return missed
 

@@ -194,6 +194,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     try:
                         while final is None:
                             message = await read()
+                            if message.prefilled_with_tokens:
+                                record.prefilled_with = message.prefilled_with_tokens
                             if message.token_ids or message.text:
                                 token_time(clock())
                                 yield GenerateResponse(
@@ -414,6 +416,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         if deltas:
             queue.predictor.observe(
                 prompt_tokens=final.usage.prompt_tokens,
+                prefilled_tokens=record.prefilled_with,
                 prompt_chars=0 if request.prompt_token_ids else len(request.prompt),
                 first_token_s=first_at - admitted,
                 tpot_s=tpot_s,

@@ -115,6 +115,7 @@ class SequenceHandle:
         "_stop_ids",
         "admitted_at",
         "generated",
+        "prefilled_with",
         "request",
         "slot",
         "state",
@@ -132,6 +133,9 @@ class SequenceHandle:
         self.slot: int | None = None
         self.generated = 0  # tokens produced so far
         self.admitted_at: float | None = None  # time.perf_counter() when it got a slot
+        # Prompt tokens prefilled in the step that admitted it, its own included: its
+        # first token waits for all of them (the step returns its outputs together).
+        self.prefilled_with = 0
         self._stop_ids = stop_ids
         self._generator = generator
         self._detokenizer = detokenizer
@@ -314,6 +318,8 @@ class BatchEngine:
             joined.append(handle)
             self._running.append(handle)
             prompt_tokens += length
+        for handle in joined:
+            handle.prefilled_with = prompt_tokens
         return joined
 
     def _decode(self, batch: list[SequenceHandle]) -> list[tuple[SequenceHandle, StepOutput]]:

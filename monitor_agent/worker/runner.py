@@ -44,6 +44,9 @@ class RequestClock:
 
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
+    # Prompt tokens prefilled in the engine step that admitted it, its own included
+    # (SequenceHandle.prefilled_with); 0 where the engine does not say.
+    prefilled_with: int = 0
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
@@ -266,6 +269,7 @@ class EngineRunner:
                 continue  # a stop string ended it earlier in this step's outputs
             if job.clock.admitted is None:
                 job.clock.admitted = handle.admitted_at
+                job.clock.prefilled_with = handle.prefilled_with
             if output.error is not None:  # this request failed alone; its slot is free
                 del self._jobs[handle]
                 self.requests_served += 1

@@ -140,6 +140,7 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
                 )
                 if clock.tokens == 1:
                     response.prompt_tokens = len(generation.prompt_ids)
+                    response.prefilled_with_tokens = clock.prefilled_with
                 if step.finished:
                     response.finish_reason = FINISH_REASONS[step.finish_reason]
                     response.usage.prompt_tokens = len(generation.prompt_ids)

@@ -223,8 +223,11 @@ def test_prefill_token_budget_limits_admissions_per_step(engine: Engine) -> None
     handles = [core.submit(r) for r in reqs]
     core.step()
     assert [h.state for h in handles] == [SequenceState.RUNNING] * 2 + [SequenceState.WAITING]
+    # Each first token waited for the step's every prefill: the scheduler learns from it.
+    assert [h.prefilled_with for h in handles[:2]] == [22, 22]
     core.step()
     assert handles[2].state is SequenceState.RUNNING  # alone it may exceed the budget
+    assert handles[2].prefilled_with == 34
     for handle in handles:
         core.cancel(handle)
 

@@ -338,6 +338,23 @@ def edf_queue(clock: list[float], slots: int = 1) -> DeploymentQueue:
     return queue
 
 
+def test_edf_predicts_requests_starting_together_to_wait_for_each_others_prefill():
+    """Three slots free: three waiting requests start at once, and the worker prefills
+    their prompts in one step, so the third's first token comes after all three
+    (1 ms a token: 0.9 s), past its 0.8 s deadline; alone it would make it (0.3 s)."""
+
+    async def scenario():
+        clock = [0.0]
+        queue = edf_queue(clock, slots=3)
+        waiting = [entry(n, deadline_s=d, prompt_tokens=300) for n, d in (("p", 5.0), ("q", 5.0))]
+        late = entry("late", deadline_s=0.8, prompt_tokens=300)
+        assert queue._predicted_misses([*waiting, late]) == [late]
+        assert late.predicted_first_token_s == pytest.approx(0.9)
+        assert queue._predicted_misses([late]) == []
+
+    asyncio.run(scenario())
+
+
 def test_edf_counts_the_requests_queued_ahead_when_it_refuses_at_once():
     """One slot: the running request and two queued with earlier deadlines each hold it
     ~1 s (100 tokens of 10 ms), so a request due in 2.5 s cannot make it, though the

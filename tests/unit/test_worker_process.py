@@ -138,6 +138,9 @@ def test_greedy_tokens_match_the_engine_in_process(stub, engine):
     assert last.usage.prompt_tokens == len(prompt_ids)
     assert last.usage.completion_tokens == 24
     assert last.request_id == "req"
+    # Alone in its step: its first token waited for its own prefill only.
+    assert responses[0].prompt_tokens == responses[0].prefilled_with_tokens == len(prompt_ids)
+    assert all(r.prefilled_with_tokens == 0 for r in responses[1:])
     t = last.timings
     assert 0 < t.ttft_ms <= t.total_ms
     assert t.tpot_ms > 0 and t.queue_ms >= 0

@@ -54,15 +54,25 @@ class TrtLlmMemory:
 
 
 class TrtLlmSequence:
-    """A submitted request as the core sees it (the runner reads ``state`` and
-    ``admitted_at``, as it does a SequenceHandle)."""
+    """A submitted request as the core sees it (the runner reads ``state``,
+    ``admitted_at`` and ``prefilled_with``, as it does a SequenceHandle)."""
 
-    __slots__ = ("admitted_at", "detokenizer", "generated", "request", "result", "state", "task")
+    __slots__ = (
+        "admitted_at",
+        "detokenizer",
+        "generated",
+        "prefilled_with",
+        "request",
+        "result",
+        "state",
+        "task",
+    )
 
     def __init__(self, request: GenerationRequest, detokenizer: IncrementalDetokenizer) -> None:
         self.request = request
         self.state = SequenceState.RUNNING  # TensorRT-LLM queues it; iserve does not
         self.admitted_at: float | None = time.perf_counter()
+        self.prefilled_with = 0  # TensorRT-LLM's in-flight batching does not say
         self.generated = 0  # tokens handed out so far
         self.detokenizer = detokenizer
         self.result: Any = None  # TensorRT-LLM's RequestOutput, once generate_async returned
