@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -560,9 +561,25 @@ def temporary_stack(
         os.environ.pop("REDIS_URL", None)
         os.environ.update(values)
         settings = load_settings()
-        up(settings, UpOptions(), log=log)
+        _stop_on_sigterm(cleanup)
+        up(settings, UpOptions(), log=log)  # what it started, it stops when it fails
         cleanup.callback(down, settings, lambda _msg: None)
         yield load_settings()
+
+
+def _stop_on_sigterm(cleanup: contextlib.ExitStack) -> None:
+    """While ``cleanup`` is open, SIGTERM ends this process as Ctrl-C would, unwinding
+    it: a benchmark killed by ``timeout`` or its terminal's close left its whole stack
+    running (a probe). Only the main thread may set a handler; elsewhere nothing
+    changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    cleanup.callback(signal.signal, signal.SIGTERM, previous)
 
 
 def _restore_environment(saved: Mapping[str, str | None]) -> None:
