@@ -136,3 +136,15 @@ def test_every_whole_window_can_be_drawn(trace_replay):
     rows = [trace_replay.TraceRow(t, 100, 10) for t in (0.0, 1.0, 3.0)]
     spans = {trace_replay.window_jobs(rows, 2, seed, 512, 128)[-1].at_s for seed in range(32)}
     assert spans == {1.0, 2.0}
+
+
+def test_zero_token_rows_are_replayed_as_one_token_and_said_so(trace_replay, capsys):
+    """A probe: zero-length outputs and prompts were replayed as 1 token without a word."""
+    import argparse
+
+    rows = [trace_replay.TraceRow(t, n, m) for t, n, m in ((0.0, 0, 10), (1.0, 100, 0))]
+    args = argparse.Namespace(requests=2, seed=0, max_input=512, max_output=128)
+    [jobs] = trace_replay.windows({"zeros.csv": rows}, args).values()
+    assert [(j.prompt_tokens, j.output_tokens) for j in jobs] == [(1, 128), (512, 1)]
+    err = capsys.readouterr().err
+    assert "trace zeros.csv: 1 prompt(s) and 1 output(s) of 0 tokens" in err
