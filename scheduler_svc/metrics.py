@@ -276,6 +276,13 @@ class ServingMetrics:
         if r.enqueued_s is not None and r.admitted_s is not None:
             self.queue_time.labels(*labels).observe(r.admitted_s - r.enqueued_s)
         times = r.token_times
+        if times:
+            # Also for a request that ended otherwise after its first token (its client
+            # hung up, its worker died): it got one. Left out, early hang-ups (often the
+            # slow ones) made TTFT look better than it was.
+            ttft_s = times[0] - r.arrival_s
+            tally.recent_ttft_s.append(ttft_s)
+            self.ttft.labels(*labels).observe(ttft_s)
         if r.code != grpc.StatusCode.OK:
             tally.failed += 1
             self.failure.labels(*labels, r.code.name).inc()
@@ -295,9 +302,6 @@ class ServingMetrics:
         self.generation_tokens.labels(*labels).inc(r.completion_tokens)
         if not times:
             return
-        ttft_s = times[0] - r.arrival_s
-        tally.recent_ttft_s.append(ttft_s)
-        self.ttft.labels(*labels).observe(ttft_s)
         self.e2e.labels(*labels).observe(times[-1] - r.arrival_s)
         gaps = self.inter_token.labels(*labels)
         for before, after in zip(times, times[1:], strict=False):

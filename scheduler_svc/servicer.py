@@ -170,6 +170,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 try:
                     # No deadline goes to the worker: when the client's passes, gRPC cancels
                     # this handler and closing the stream cancels the generation.
+                    prompt_limit, prompt_rule = prompt_token_limit(
+                        deployment, request.max_tokens, max_tokens_is_bound
+                    )
                     stream = self.workers.session(replica.worker_address).start(
                         worker_pb.WorkerServiceGenerateRequest(
                             request_id=rid,
@@ -179,9 +182,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                             max_tokens=request.max_tokens,
                             max_tokens_is_bound=max_tokens_is_bound,
                             sampling=request.sampling,
-                            max_prompt_tokens=prompt_token_limit(
-                                deployment, request.max_tokens, max_tokens_is_bound
-                            )[0],
+                            max_prompt_tokens=prompt_limit,
+                            max_prompt_tokens_rule=prompt_rule,
                         )
                     )
                     # Headers now, while the worker computes, so the first token travels

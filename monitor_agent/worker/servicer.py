@@ -86,9 +86,12 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
                 )
             limit = request.max_prompt_tokens
             if limit and len(prompt_ids) > limit:
+                rule = (
+                    f" ({request.max_prompt_tokens_rule})" if request.max_prompt_tokens_rule else ""
+                )
                 raise ContextLengthExceeded(
                     f"prompt has {len(prompt_ids)} tokens; deployment "
-                    f"{self.identity.deployment_id} accepts at most {limit}"
+                    f"{self.identity.deployment_id} accepts at most {limit}{rule}"
                 )
             return self.runner.parse(
                 prompt_ids, request.max_tokens, sampling, request.max_tokens_is_bound

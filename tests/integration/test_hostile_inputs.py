@@ -235,7 +235,12 @@ def test_hostile_generate_requests_are_refused_and_the_worker_lives_on(stack, se
         # max_tokens 4 (below) leaves a prompt the rest of the sequence (OpenAI's rule).
         (dict(prompt_token_ids=[1] * (room + 1)), f"accepts at most {room}"),
         # The same bound on a text prompt, which only the worker encodes.
-        (dict(prompt=_text_of_tokens(room + 2)), f"accepts at most {room}"),
+        # ... saying what the limit is made of, as for token ids (a probe: a chat user
+        # read "at most 752" of a deployment whose max_input_tokens is 512).
+        (
+            dict(prompt=_text_of_tokens(room + 2)),
+            f"accepts at most {room} (max_input_tokens + max_output_tokens - max_tokens)",
+        ),
         (dict(prompt="word " * 4000), f"accepts at most {room}"),
         (dict(prompt="hi", max_tokens=2**32 - 1), "max_output_tokens"),
         (dict(prompt="hi", sampling=common.SamplingParams(temperature=math.nan)), "temperature"),

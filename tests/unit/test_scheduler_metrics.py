@@ -130,6 +130,23 @@ def test_tokens_streamed_before_a_failure_still_count():
     )
 
 
+def test_a_request_ended_after_its_first_token_counts_in_ttft():
+    """A probe: five clients that hung up after the first chunk got a first token, but
+    none was in the TTFT histogram or `iserve status`'s percentiles."""
+    registry, metrics = build()
+    hung_up = served(tokens=(0.4,))
+    hung_up.code = grpc.StatusCode.CANCELLED
+    metrics.record(hung_up)
+    never = RequestRecord("m", 0, 0.0, deployment_id="d1", code=grpc.StatusCode.CANCELLED)
+    metrics.record(never)  # no first token: none counted
+    assert registry.get_sample_value("iserve_time_to_first_token_seconds_count", IDS) == 1
+    assert registry.get_sample_value("iserve_time_to_first_token_seconds_sum", IDS) == (
+        pytest.approx(0.4)
+    )
+    [stats] = metrics.stats()
+    assert stats.ttft_p50_s == pytest.approx(0.4)
+
+
 def test_queue_gauges_sum_replicas_and_status_percentiles():
     queues = [("d1", 2, 3), ("d1.r1", 1, 4), ("d2", 0, 0)]
     registry, metrics = build(queues)

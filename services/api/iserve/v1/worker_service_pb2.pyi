@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerServiceGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_tokens", "sampling", "max_tokens_is_bound", "prompt_has_special_tokens", "max_prompt_tokens")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_tokens", "sampling", "max_tokens_is_bound", "prompt_has_special_tokens", "max_prompt_tokens", "max_prompt_tokens_rule")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class WorkerServiceGenerateRequest(_message.Message):
     MAX_TOKENS_IS_BOUND_FIELD_NUMBER: _ClassVar[int]
     PROMPT_HAS_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_RULE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +26,8 @@ class WorkerServiceGenerateRequest(_message.Message):
     max_tokens_is_bound: bool
     prompt_has_special_tokens: bool
     max_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens_is_bound: _Optional[bool] = ..., prompt_has_special_tokens: _Optional[bool] = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...
+    max_prompt_tokens_rule: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens_is_bound: _Optional[bool] = ..., prompt_has_special_tokens: _Optional[bool] = ..., max_prompt_tokens: _Optional[int] = ..., max_prompt_tokens_rule: _Optional[str] = ...) -> None: ...
 
 class WorkerServiceGenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "prompt_tokens", "prefilled_with_tokens")
