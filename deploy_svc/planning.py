@@ -149,6 +149,9 @@ def unprofiled_dtype(prepared: Prepared, config: common.DeploymentConfig) -> str
     profiled = default_dtype(prepared.model.shape.dtype, cuda=prepared.cuda)
     if config.dtype in (common.PRECISION_UNSPECIFIED, profiled):
         return ""
+    if prepared.model.state != model_pb.MODEL_STATE_PROFILED:
+        # A probe read "was profiled in float32" of a model registered without profiling.
+        return f"no estimate: {prepared.model.model_id} has no profile"
     return (
         f"no estimate: {prepared.model.model_id} was profiled in {_dtype_name(profiled)}, "
         f"this deployment computes in {_dtype_name(config.dtype)}"

@@ -107,6 +107,10 @@ def test_a_dtype_the_profiles_never_computed_in_gets_no_estimate(stored, cuda, a
     m = model()
     m.shape.dtype = stored
     prepared = planning.Prepared(m, LIMITS, "hybrid", cuda, [], None, "", [], None, True)
+    if profiled_in:  # never profiled: it has no profile, in any dtype
+        note = planning.unprofiled_dtype(prepared, common.DeploymentConfig(dtype=asked))
+        assert note == "no estimate: m has no profile"
+    m.state = model_pb.MODEL_STATE_PROFILED
     note = planning.unprofiled_dtype(prepared, common.DeploymentConfig(dtype=asked))
     if profiled_in:
         asked_name = common.Precision.Name(asked).removeprefix("PRECISION_").lower()
