@@ -112,19 +112,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return _rewrapped(
+            handler,
+            lambda behavior: self._wrap_unary(method, behavior),
+            lambda behavior: self._wrap_stream(method, behavior),
+        )
 
     def _wrap_unary(self, method: str, behavior: Callable[..., Awaitable]):
         count = self._count
@@ -230,32 +222,47 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        if handler.unary_unary is not None:
-            behavior = handler.unary_unary
+        if handler.unary_unary is None and not inspect.isasyncgenfunction(handler.unary_stream):
+            return handler  # a stream of requests, or a stream this cannot wrap: as it is
 
-            async def unary(request, context):
+        def unary(behavior):
+            async def checked(request, context):
                 _refuse_undecodable(method, request)
                 return await behavior(request, context)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=_tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            streaming = handler.unary_stream
+            return checked
 
-            async def stream(request, context):
+        def stream(behavior):
+            async def checked(request, context):
                 _refuse_undecodable(method, request)
-                async for item in streaming(request, context):
+                async for item in behavior(request, context):
                     yield item
 
-            return grpc.unary_stream_rpc_method_handler(
-                stream,
-                request_deserializer=_tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
+            return checked
+
+        return _rewrapped(handler, unary, stream, _tolerant)
+
+
+def _rewrapped(
+    handler: grpc.RpcMethodHandler,
+    unary: Callable[[Callable], Callable],
+    stream: Callable[[Callable], Callable],
+    deserializer: Callable[[Callable | None], Callable | None] = lambda d: d,
+) -> grpc.RpcMethodHandler:
+    """``handler`` with its unary or server-streaming behaviour passed through ``unary``
+    or ``stream`` and its request deserializer through ``deserializer``; a handler of
+    another kind as it is."""
+    if handler.unary_unary is not None:
+        make, behavior = grpc.unary_unary_rpc_method_handler, unary(handler.unary_unary)
+    elif handler.unary_stream is not None:
+        make, behavior = grpc.unary_stream_rpc_method_handler, stream(handler.unary_stream)
+    else:
         return handler
+    return make(
+        behavior,
+        request_deserializer=deserializer(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
 
 
 class HealthServicer(health_aio.HealthServicer):
