@@ -15,6 +15,7 @@ import sys
 import uvicorn
 
 from gateway_svc.app import Backend, create_app
+from gateway_svc.protocol import DeadlineH11Protocol
 from services import transport
 from services.grpc_server import configure_logging
 from services.service_main import command_line, fail
@@ -87,6 +88,9 @@ def main(args: list[str] | None = None) -> int:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=int(settings.drain_timeout_s),
+        # A request must arrive whole within a deadline (slow or stalled clients held
+        # their connections for ever).
+        http=DeadlineH11Protocol,
     )
     uvicorn.Server(config).run(sockets=[listener])
     return 0

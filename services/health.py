@@ -4,6 +4,7 @@ and whether a port speaks TLS (to tell a plaintext client so)."""
 
 from __future__ import annotations
 
+import http.client
 import socket
 import ssl
 import subprocess
@@ -47,7 +48,10 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:
             return reply.status == 200
-    except (OSError, urllib.error.URLError):
+    except (OSError, urllib.error.URLError, http.client.HTTPException):
+        # HTTPException: whatever answered does not speak HTTP. Seen once at start-up: the
+        # probe's own source port drawn equal to the gateway's, so it connected to itself
+        # and read its request back (BadStatusLine, a traceback out of `iserve up`).
         return False
 
 

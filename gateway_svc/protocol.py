@@ -1,0 +1,65 @@
+"""The gateway's HTTP/1.1 protocol: uvicorn's h11 one, with a deadline for each request
+to arrive whole.
+
+uvicorn bounds only the idle time between requests (``timeout_keep_alive``): a client
+that sends half a header, or a Content-Length it never delivers, held its connection
+(a file descriptor) for ever. A probe opened 400 such connections and none was closed;
+the process allows 20,000. Here a request, headers and body, must arrive within
+:data:`REQUEST_READ_TIMEOUT_S` of its first chance (the connection made, or the previous
+response sent); a connection whose request has not is closed. An application waiting
+for that body sees the client gone, as for any hang-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+# Seconds a request's headers and body may take to arrive: a 32 MiB body (the largest
+# the gateway takes) at about 0.5 MB/s.
+REQUEST_READ_TIMEOUT_S = 60.0
+# h11's states of the client's side once its request is whole, or the connection ends.
+_ARRIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
+
+
+class DeadlineH11Protocol(H11Protocol):
+    """uvicorn's H11Protocol, closing a connection whose request does not arrive whole
+    within ``read_timeout_s``."""
+
+    read_timeout_s = REQUEST_READ_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._read_deadline: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state in _ARRIVED:
+            self._disarm()  # the request arrived whole (or the connection is ending)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request on this connection gets its own deadline
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._read_deadline = self.loop.call_later(self.read_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        deadline = getattr(self, "_read_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
+            self._read_deadline = None
+
+    def _too_slow(self) -> None:
+        self._read_deadline = None
+        if self.conn.their_state not in _ARRIVED:
+            self.transport.close()
