@@ -794,8 +794,15 @@ def create_app(
         )
 
     @app.exception_handler(RequestValidationError)
-    async def bad_body(_request: Request, exc: RequestValidationError):
+    async def bad_body(request: Request, exc: RequestValidationError):
         errors = exc.errors()
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if errors and not _where(errors[0]) and not media.endswith(("/json", "+json")):
+            # A JSON object sent as a form (curl -d's default) or as text is not read as
+            # JSON: say so, not that the body is no object.
+            said = f"content-type {media!r}" if media else "no content-type"
+            message = f"the body was sent with {said}: send it as application/json"
+            return error_response(415, "invalid_request_error", message)
         if errors and errors[0].get("type") == "json_invalid":
             # Its loc is the character offset, not a field.
             at = errors[0].get("loc", ("body", "?"))[-1]

@@ -361,12 +361,16 @@ def test_errors_have_openais_body_and_the_status_of_their_cause(
         # A body that is not an object (the message had an empty field name before).
         (b"[1, 2]", "application/json", "the body must be a JSON object"),
         (b"", "application/json", "the body is empty"),
-        (b'{"model": "x", "prompt": "y"}', "text/plain", "the body must be a JSON object (content-type: application/json)"),
+        # A JSON object sent as text, or as a form (curl -d's default): the header is what
+        # is wrong (a probe was told the body was no JSON object), a 415.
+        (b'{"model": "x", "prompt": "y"}', "text/plain", "the body was sent with content-type 'text/plain': send it as application/json"),
+        (b'{"model": "x", "prompt": "y"}', "application/x-www-form-urlencoded", "the body was sent with content-type 'application/x-www-form-urlencoded'"),
     ],
 )  # fmt: skip
 def test_a_body_that_is_not_a_json_object_is_a_400_saying_why(gateway, content, content_type, says):
     reply = _post_raw(f"{gateway}/v1/completions", content, content_type=content_type, timeout=30)
-    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+    status = 400 if content_type == "application/json" else 415
+    assert reply.status_code == status and reply.json()["error"]["type"] == "invalid_request_error"
     error = reply.json()["error"]
     assert error["message"].startswith(says), error
     assert error["param"] is None
