@@ -98,6 +98,10 @@ class LaunchPlan:
     rendezvous_address: str = ""
     # Workers keep a layer clock (profiling jobs; see monitor_agent.engine.model).
     time_layers: bool = False
+    # Seconds the workers' records in Redis outlive their last write (0: until they are
+    # stopped): a profiling job's, deleted when it ends, would stay for good after its
+    # agent was killed mid-job (no one else knows its group).
+    records_expire_s: float = 0.0
     # The engine the workers run: "pytorch" (a process per rank) or "tensorrt_llm" (one
     # process, rank 0's, for the whole group, which this node then runs entirely).
     engine: str = PYTORCH

@@ -73,6 +73,9 @@ from services.models.families import parse_config
 from services.proto_limits import UINT32_MAX
 
 log = logging.getLogger("iserve.agent.profiling")
+# A profiling job's worker records expire this long after their last write: longer
+# than any job runs (its workers' start, then its timed runs).
+RECORDS_EXPIRE_S = 3600.0
 
 DEFAULT_TIMED_RUNS = 3
 # Longest a single profiling stream may take before the job gives up.
@@ -290,7 +293,7 @@ class ProfilingJobs:
             models_root=self.models_root,
             default_ready_timeout_s=self.ready_timeout_s,
         )
-        plan = dataclasses.replace(plan, time_layers=True)
+        plan = dataclasses.replace(plan, time_layers=True, records_expire_s=RECORDS_EXPIRE_S)
         spec = parse_config(read_config(plan.checkpoint_dir))
         require(
             job.max_seq_len <= spec.max_position_embeddings,

@@ -156,6 +156,12 @@ class WorkerSupervisor:
         self.reap_interval_s = reap_interval_s
         self.pool = pool
         self._workers: dict[str, list[WorkerProcess]] = {}
+        # Deployment id -> seconds its workers' records outlive their last write
+        # (LaunchPlan.records_expire_s), for the groups that set one.
+        self._records_expire_s: dict[str, float] = {}
+
+    async def _put_worker(self, info: agent_pb.WorkerInfo) -> None:
+        await self.store.put_worker(info, self._records_expire_s.get(info.deployment_id, 0.0))
 
     def remove_stale_ready_files(self) -> list[Path]:
         """Remove the ready files of workers that no longer run (an agent killed while a
@@ -216,6 +222,8 @@ class WorkerSupervisor:
             plan = replace(plan, rendezvous_address=f"127.0.0.1:{free_port()}")
         procs: list[WorkerProcess] = []
         self._workers[plan.deployment_id] = procs  # claimed now, so stop_all sees them
+        if plan.records_expire_s:
+            self._records_expire_s[plan.deployment_id] = plan.records_expire_s
         try:
             for worker in plan.processes:
                 # Beside the event loop: the first fork from the pool waits for it to have
@@ -236,7 +244,7 @@ class WorkerSupervisor:
                     for worker in plan.workers
                 ]
             for proc in procs:
-                await self.store.put_worker(proc.info)
+                await self._put_worker(proc.info)
             await self._wait_ready(plan, procs)
         except BaseException as exc:
             reason = str(exc) if isinstance(exc, Exception) else "start was cancelled"
@@ -310,10 +318,10 @@ class WorkerSupervisor:
                     if int(record["port"]):  # ranks other than 0 serve nothing
                         proc.info.address = f"{self.advertise_host}:{int(record['port'])}"
                     proc.info.resident_bytes = int(record.get("resident_bytes", 0))
-                    await self.store.put_worker(proc.info)
+                    await self._put_worker(proc.info)
                     for hosted in (p for p in procs if p.host is proc):
                         hosted.info.state = agent_pb.WORKER_STATE_READY
-                        await self.store.put_worker(hosted.info)
+                        await self._put_worker(hosted.info)
                     pending.remove(proc)
                     continue
                 code = proc.popen.poll()
@@ -339,7 +347,8 @@ class WorkerSupervisor:
                 proc.info.exit_code = proc.popen.returncode or 0
                 proc.info.reason = f"start of the deployment failed: {reason}"
             with contextlib.suppress(Exception):  # Redis trouble must not hide the cause
-                await self.store.put_worker(proc.info)
+                await self._put_worker(proc.info)
+        self._records_expire_s.pop(deployment_id, None)
 
     @staticmethod
     def _mark_failed(proc: WorkerProcess, code: int, tail: str) -> None:
@@ -367,7 +376,8 @@ class WorkerSupervisor:
             if proc.info.state != agent_pb.WORKER_STATE_FAILED:
                 proc.info.state = agent_pb.WORKER_STATE_STOPPED
                 proc.info.exit_code = proc.popen.returncode or 0
-            await self.store.put_worker(proc.info)
+            await self._put_worker(proc.info)
+        self._records_expire_s.pop(deployment_id, None)
         if procs:
             log.info("deployment %s: %d worker(s) stopped", deployment_id, len(procs))
         return [p.info for p in procs]
@@ -445,8 +455,8 @@ class WorkerSupervisor:
                 hosted = [(p, _hosted_failed(p, failed)) for p in procs if p.host is proc]
                 # Redis first: if it fails, the worker stays READY here and is retried.
                 for _, info in hosted:
-                    await self.store.put_worker(info)
-                await self.store.put_worker(failed)
+                    await self._put_worker(info)
+                await self._put_worker(failed)
                 await self.store.publish_event(
                     "worker_died",
                     node_id=self.node_id,
@@ -485,7 +495,7 @@ class WorkerSupervisor:
             proc.info.state = agent_pb.WORKER_STATE_FAILED
             proc.info.exit_code = proc.popen.returncode or 0
             proc.info.reason = f"stopped because rank {dead_rank} of the deployment died"
-            await self.store.put_worker(proc.info)
+            await self._put_worker(proc.info)
         log.warning(
             "deployment %s: stopped rank(s) %s after rank %d died",
             deployment_id, [p.info.rank for p in survivors], dead_rank,

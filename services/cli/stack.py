@@ -195,16 +195,14 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
     if running:
         dead = sorted(name for name, p in _ours(running).items() if not _alive(*p))
         if dead:
-            budget = (
-                "restores the deployments (Redis exited too, so each restore counts "
-                "against its deployment's restart budget)"
-                if "redis" in dead
-                else "restores the deployments without spending their restart budget"
-            )
+            # Either way no budget is spent: a clean stop is recorded as such, and the
+            # new agent, with no record of the old workers, has them lost with their
+            # node (a probe: the message said Redis's exit would spend it; it did not).
             raise RuntimeError(
                 f"the stack from {settings.state_dir} is running without its "
                 f"{', '.join(dead)} (exited; logs in {settings.state_dir / 'logs'}): "
-                f"`iserve down`, then `iserve up` starts it all again, and {budget}"
+                "`iserve down`, then `iserve up` starts it all again, and restores the "
+                "deployments without spending their restart budget"
             )
         raise RuntimeError(
             f"a stack is already running from {settings.state_dir} (see `iserve status`, or `iserve down`)"

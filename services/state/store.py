@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -699,8 +700,17 @@ class StateStore:
         return set(await self.redis.smembers(keys.reservation_index()))
 
     # ---- workers ------------------------------------------------------------------
-    async def put_worker(self, info: agent_pb.WorkerInfo) -> None:
-        await self.redis.hset(keys.workers(info.deployment_id), str(info.rank), encode(info))
+    async def put_worker(self, info: agent_pb.WorkerInfo, expire_s: float = 0.0) -> None:
+        """Record a worker; with ``expire_s``, its group's records expire that long after
+        this write."""
+        key = keys.workers(info.deployment_id)
+        if not expire_s:
+            await self.redis.hset(key, str(info.rank), encode(info))
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, str(info.rank), encode(info))
+            pipe.expire(key, math.ceil(expire_s))
+            await pipe.execute()
 
     async def list_workers(self, deployment_id: str) -> list[agent_pb.WorkerInfo]:
         raw = await self.redis.hgetall(keys.workers(deployment_id))

@@ -112,6 +112,7 @@ def test_workers_start_ready_and_stop_without_leftovers(run, checkpoint, tmp_pat
 
         [stored] = await store.list_workers("dep-stop")
         assert stored.state == agent_pb.WORKER_STATE_READY and stored.address == info.address
+        assert await store.redis.ttl("iserve:workers:dep-stop") == -1  # kept: no expiry
         assert [w.pid for w in supervisor.list_workers()] == [info.pid]
         assert supervisor.list_workers("other") == []
         assert supervisor.live_pids("cpu0") == [info.pid]
@@ -132,6 +133,22 @@ def test_workers_start_ready_and_stop_without_leftovers(run, checkpoint, tmp_pat
         assert await supervisor.stop_workers("dep-stop") == []
         assert await supervisor.stop_workers("never-started") == []
         assert await _died_events(store, "dep-stop") == []
+
+    run(scenario)
+
+
+def test_a_profiling_jobs_worker_records_expire_should_its_agent_die(run, checkpoint):
+    """A probe killed the agent mid-profiling: the job's worker record (STARTING, its pid
+    long gone) stayed in Redis through restarts and the model's deletion; no one else
+    knows its group. A plan that says so has its records expire."""
+    from dataclasses import replace
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        plan = replace(_plan("profile-expiring", checkpoint), records_expire_s=3600.0)
+        await supervisor.start_workers(plan)
+        assert 3500 < await store.redis.ttl("iserve:workers:profile-expiring") <= 3600
+        await supervisor.stop_workers("profile-expiring")
+        assert 3500 < await store.redis.ttl("iserve:workers:profile-expiring") <= 3600
 
     run(scenario)
 
