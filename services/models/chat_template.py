@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 import jinja2
@@ -215,6 +216,10 @@ def _stamp(path: Path) -> tuple[str, int, int] | None:
         return None
     except OSError as exc:
         raise NoChatTemplate(f"cannot read {path.name}: {exc}") from None
+    if not S_ISREG(stat.st_mode):
+        # A named pipe blocked the reader for ever (the model service, or the gateway's
+        # event loop, every model's requests with it: a probe).
+        raise NoChatTemplate(f"{path.name} is not a regular file")
     return str(path), stat.st_mtime_ns, stat.st_size
 
 

@@ -44,6 +44,11 @@ EXPLICIT_WEIGHTS_FIELD = "transformers_weights"
 _INDEX_SUFFIX = ".safetensors.index.json"
 
 
+# The largest config.json read (4 MiB): transformers' are a few kilobytes, a label map
+# of thousands of classes some hundreds.
+MAX_CONFIG_BYTES = 4 << 20
+
+
 def read_config_file(directory: Path) -> dict[str, Any]:
     """The parsed ``config.json`` of ``directory`` as it is on disk; InvalidCheckpoint
     when the directory or file is missing or the file is not a JSON object."""
@@ -57,6 +62,14 @@ def read_config_file(directory: Path) -> dict[str, Any]:
     path = directory / CONFIG_FILE
     if not path.is_file():
         raise InvalidCheckpoint(f"{CONFIG_FILE} is missing from {str(directory)!r}")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        # Parsed on the model service's event loop: a probe's 40 MB one held every
+        # other model call for 11 s.
+        raise InvalidCheckpoint(
+            f"{CONFIG_FILE} in {str(directory)!r} is {size} bytes, more than "
+            f"{MAX_CONFIG_BYTES}: a model's configuration is a few kilobytes"
+        )
     try:
         config = json_text.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

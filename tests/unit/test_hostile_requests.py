@@ -6,6 +6,7 @@ arbitrary values."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -255,6 +256,55 @@ def test_weights_that_are_no_regular_file_are_named_so(root, kind):
     request = model_pb.RegisterModelRequest(model_id="x", checkpoint_path=ckpt.name)
     message = _refused(build_model, request, root)
     assert "model.safetensors in" in message and "is not a regular file" in message
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.jinja"])
+def test_a_named_pipe_among_the_template_files_is_refused_not_waited_on(root, name):
+    """A probe's FIFO tokenizer_config.json held the model service (and, once deployed,
+    the gateway's event loop) for ever, and the model was recorded after the client had
+    given up."""
+    import shutil
+    import threading
+
+    from services.models.chat_template import NoChatTemplate, read_chat_template
+
+    ckpt = root / f"fifo-{name}"
+    shutil.copytree(root / "tiny", ckpt)
+    (ckpt / name).unlink(missing_ok=True)
+    os.mkfifo(ckpt / name)
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            read_chat_template(ckpt)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # unblock it: it waits on the pipe
+        with open(ckpt / name, "w") as pipe:
+            pipe.write("{}")
+        reader.join(10)
+        pytest.fail(f"reading {name} waited on the pipe")
+    assert isinstance(outcome[0], NoChatTemplate), outcome
+    assert f"{name} is not a regular file" in str(outcome[0])
+
+
+def test_a_config_json_of_megabytes_is_refused_before_it_is_parsed(root):
+    import shutil
+
+    from services.models.checkpoint_files import MAX_CONFIG_BYTES
+
+    ckpt = root / "huge-config"
+    shutil.copytree(root / "tiny", ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["padding"] = "x" * MAX_CONFIG_BYTES
+    (ckpt / "config.json").write_text(json.dumps(config))
+    request = model_pb.RegisterModelRequest(model_id="x", checkpoint_path=ckpt.name)
+    message = _refused(build_model, request, root)
+    assert "config.json in" in message and f"more than {MAX_CONFIG_BYTES}" in message
 
 
 def test_a_generation_config_that_is_no_object_is_refused_at_registration(root):
