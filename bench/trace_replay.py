@@ -90,7 +90,7 @@ def window_jobs(
     relative to the window's first (unscaled seconds)."""
     scale_in = scaler([r.context_tokens for r in rows], max_input)
     scale_out = scaler([r.generated_tokens for r in rows], max_output)
-    window = _window_rows(rows, argparse.Namespace(seed=seed, requests=count))
+    window = _window_rows(rows, count, seed)
     t0 = window[0].arrival_s
     return [
         harness.Job(r.arrival_s - t0, scale_in(r.context_tokens), scale_out(r.generated_tokens))
@@ -266,8 +266,9 @@ def windows(
                 f"(--requests {args.requests}, --seed {args.seed}) {exc}"
             ) from None
         chosen[name] = window
-        empty = sum(1 for r in _window_rows(rows, args) if not r.context_tokens)
-        silent = sum(1 for r in _window_rows(rows, args) if not r.generated_tokens)
+        taken = _window_rows(rows, args.requests, args.seed)
+        empty = sum(1 for r in taken if not r.context_tokens)
+        silent = sum(1 for r in taken if not r.generated_tokens)
         if empty or silent:
             # Replayed as one token (a request needs a prompt and produces a token).
             print(
@@ -278,12 +279,11 @@ def windows(
     return chosen
 
 
-def _window_rows(rows: list[TraceRow], args: argparse.Namespace) -> list[TraceRow]:
-    """The window of ``args.requests`` consecutive rows from a start drawn with
-    ``args.seed`` (0..len(rows) - requests: each whole window in the trace; 0 for a
-    short trace)."""
-    start = random.Random(args.seed).randrange(max(0, len(rows) - args.requests) + 1)
-    return rows[start : start + args.requests]
+def _window_rows(rows: list[TraceRow], count: int, seed: int) -> list[TraceRow]:
+    """``count`` consecutive rows from a start drawn with ``seed`` (0..len(rows) -
+    count: each whole window in the trace; 0 for a short trace)."""
+    start = random.Random(seed).randrange(max(0, len(rows) - count) + 1)
+    return rows[start : start + count]
 
 
 def main() -> int:

@@ -236,17 +236,18 @@ class Reconciler:
                 planned = self._was_stopped_on_purpose(group)
                 if not missing:
                     continue
-                reason = f"{when}, rank(s) {missing} are not running"
                 forgotten = [
                     node
                     for node in replicas.nodes_of(replica.placement)
                     if (group, node) not in known
                 ]
+                lost_rank = bool(forgotten) and not planned
                 if planned:
                     reason = f"the stack was stopped on purpose, rank(s) {missing} with it"
-                elif forgotten:
+                elif lost_rank:
                     reason = f"{_restarted(forgotten)}, rank(s) {missing} with it"
-                lost_rank = bool(forgotten) and not planned
+                else:
+                    reason = f"{when}, rank(s) {missing} are not running"
                 if await self.controller.fail(group, reason, planned=planned, lost_rank=lost_rank):
                     actions.append(f"failed {group}: {reason}")
         return actions
@@ -337,10 +338,11 @@ class Reconciler:
 
     async def _lost_node(self, group: str) -> str:
         """Why a node of ``group``'s replica is lost ("" when every one lives and its
-        agent answers with a record of the replica's workers). A worker's loss often reaches the deployer before its node's
-        heartbeat lapses: the scheduler finds the worker gone, or a surviving rank its
-        pipeline peer, at once, where the lapse takes seconds; counted as the worker's
-        fault, each node loss spent the budget (a probe: 3 of 5 steps in four losses)."""
+        agent answers with a record of the replica's workers). A worker's loss often
+        reaches the deployer before its node's heartbeat lapses: the scheduler finds the
+        worker gone, or a surviving rank its pipeline peer, at once, where the lapse
+        takes seconds; counted as the worker's fault, each node loss spent the budget (a
+        probe: 3 of 5 steps in four losses)."""
         replica = await self._replica(group)
         if replica is None:
             return ""

@@ -29,10 +29,10 @@ class DeadlineH11Protocol(H11Protocol):
     within ``read_timeout_s``."""
 
     read_timeout_s = REQUEST_READ_TIMEOUT_S
+    _read_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._read_deadline: asyncio.TimerHandle | None = None
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -54,9 +54,8 @@ class DeadlineH11Protocol(H11Protocol):
         self._read_deadline = self.loop.call_later(self.read_timeout_s, self._too_slow)
 
     def _disarm(self) -> None:
-        deadline = getattr(self, "_read_deadline", None)
-        if deadline is not None:
-            deadline.cancel()
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
             self._read_deadline = None
 
     def _too_slow(self) -> None:

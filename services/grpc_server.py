@@ -182,16 +182,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
 
-@dataclass(frozen=True)
-class Undecodable:
-    """What a request's bytes became when they are no message of the method's request
-    type (garbage, a truncated message, a string field that is not UTF-8)."""
-
-    error: str
+# What a request's bytes become when they are no message of the method's request type
+# (garbage, a truncated message, a string field that is not UTF-8).
+_UNDECODABLE = object()
 
 
 def _tolerant(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object] | None:
-    """``deserializer`` returning :class:`Undecodable` where it raises: grpcio answers a
+    """``deserializer`` returning ``_UNDECODABLE`` where it raises: grpcio answers a
     deserializer's exception UNKNOWN with protobuf's text, and logs a traceback for each
     such call, before any check of the caller (a probe: anyone reaching a port could
     fill the logs)."""
@@ -201,14 +198,14 @@ def _tolerant(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes
     def deserialize(data: bytes) -> object:
         try:
             return deserializer(data)
-        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and kin
-            return Undecodable(f"{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError and kin
+            return _UNDECODABLE
 
     return deserialize
 
 
 def _refuse_undecodable(method: str, request: object) -> None:
-    if isinstance(request, Undecodable):
+    if request is _UNDECODABLE:
         raise InvalidArgument(f"the request is not a valid message for {method}")
 
 
