@@ -284,9 +284,13 @@ class DeploymentController:
         )
         options, hardware_type, note = await self._options(model, request, limits, nodes)
         auto_batch = not request.batch_size and not (explicit and request.config.batch_size)
+        budget = None
+        if not explicit and request.intent.kind == common.INTENT_KIND_COST_SLO:
+            budget = (request.intent.cost_formula, request.intent.cost_budget)
         return planning.Prepared(
-            model, limits, policy, cuda, options, hardware_type, note, nodes, objectives, auto_batch
-        )
+            model, limits, policy, cuda, options, hardware_type, note, nodes, objectives,
+            auto_batch, budget,
+        )  # fmt: skip
 
     async def _decide(
         self, request, prepared: planning.Prepared, nodes, excluded=None

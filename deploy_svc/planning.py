@@ -29,6 +29,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import default_dtype
 from services.errors import InvalidArgument, IServeError, ResourceExhausted
+from services.intents import COST_UNITS
 from services.reservation import memory_blocks
 from services.simulation import MAX_SIMULATED_DEVICES
 from services.state.capacity import free_bytes
@@ -67,6 +68,8 @@ class Prepared:
     nodes: list[common.NodeState]  # as seen when the request was prepared
     objectives: common.ServiceObjectives
     auto_batch: bool  # the request left the batch size to the deployer
+    # A COST_SLO intent's (cost formula, budget): the batch chosen stays within it.
+    cost_budget: tuple[int, float] | None = None
 
 
 def hardware_order(nodes: Sequence[common.NodeState]) -> list[tuple[str, int]]:
@@ -336,6 +339,9 @@ def size_batch(
     if batch2 is None or not batch2.batch_measured:
         return with_note(decision, "batch 1: the model was not profiled at batch 2")
     bound = batch_bound(batch1, batch2, objectives)
+    if prepared.cost_budget is not None:
+        budget = budget_bound(batch1, batch2, *prepared.cost_budget, bound.batch)
+        bound = budget if budget.batch < bound.batch else bound
     decisions: dict[int, deploy_pb.DeploymentDecision] = {1: decision}
 
     def at(batch: int) -> deploy_pb.DeploymentDecision | None:
@@ -347,6 +353,34 @@ def size_batch(
     chosen = at(batch)
     assert chosen is not None  # batch 1 is the decision itself
     return with_note(chosen, _batch_reason(batch, bound))
+
+
+def formula_cost(estimate: estimator_pb.ConfigEstimate, cost_formula: int) -> float:
+    """``estimate``'s cost under ``cost_formula``, as the estimator ranked it."""
+    if cost_formula == common.COST_FORMULA_MEMORY:
+        return estimate.cost_memory
+    if cost_formula == common.COST_FORMULA_DEVICE_HOURS:
+        return estimate.cost_device_hours
+    return estimate.cost_memory_latency
+
+
+def budget_bound(
+    batch1: estimator_pb.ConfigEstimate,
+    batch2: estimator_pb.ConfigEstimate,
+    cost_formula: int,
+    budget: float,
+    upper: int,
+) -> BatchBound:
+    """The largest batch up to ``upper`` whose cost (:func:`at_batch`'s, which grows
+    with the batch) stays within a COST_SLO intent's ``budget``; 1 when even batch 1's
+    is above it (a fallback, ranked cheapest)."""
+    unit = COST_UNITS.get(cost_formula or common.COST_FORMULA_MEMORY_TIMES_LATENCY, "")
+    what = f"the cost budget of {budget:g} {unit}"
+
+    def within(batch: int) -> bool:
+        return batch == 1 or formula_cost(at_batch(batch1, batch2, batch), cost_formula) <= budget
+
+    return BatchBound(largest_fitting(upper, within), what)
 
 
 def at_batch(

@@ -339,7 +339,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
         "longest generation (default: Deploy's, 256, or 1/3 of a shorter context)",
     )
     p.add_argument(
-        "--batch", type=whole_number(), default=1, help="batch size to rank at (default 1)"
+        "--batch",
+        type=whole_number(),
+        default=0,
+        help="batch size to plan at (default: as `iserve deploy` without --batch sizes it, "
+        "the largest whose TPOT stays within the objective or 1.5x batch 1's)",
     )
     p.add_argument(
         "--slo-ms",

@@ -26,10 +26,11 @@ def test_plan_shows_each_intents_choice_and_draws_the_front(stack, imported, tmp
         assert any(line.startswith(intent) for line in lines), out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
-    data = json.loads(cli(stack, "plan", "llama-2-70b", *ARGS, "--json").stdout)
+    # At one batch, each intent's choice is at least as good as the others' by its own
+    # metric.
+    data = json.loads(cli(stack, "plan", "llama-2-70b", *ARGS, "--batch", "1", "--json").stdout)
     chosen = {row["intent"]: row for row in data["intents"]}
     assert all("error" not in row for row in chosen.values()), chosen
-    # Each intent's choice is at least as good as the others' by its own metric.
     for row in chosen.values():
         assert chosen["min-latency"]["latency_ms"] <= row["latency_ms"] + 1e-6
         assert chosen["min-memory"]["memory_gib"] <= row["memory_gib"] + 1e-6
@@ -39,22 +40,31 @@ def test_plan_shows_each_intents_choice_and_draws_the_front(stack, imported, tmp
     for row in chosen.values():
         assert row["rank"] >= 1 and all(k["rank"] < row["rank"] for k in row["skipped"])
         assert all(k["reason"] for k in row["skipped"])
+    # By default, what `iserve deploy` would deploy: each choice at the batch a Deploy
+    # without --batch sizes it to (the plan said batch 1 where the deploy served 2).
+    sized = json.loads(cli(stack, "plan", "llama-2-70b", *ARGS, "--json").stdout)["intents"]
+    assert len(sized) == len(chosen)
+    for row in sized:
+        at_1 = chosen[row["intent"]]
+        assert (row["variant"], row["tp"], row["pp"]) == (at_1["variant"], at_1["tp"], at_1["pp"])
+        assert f"batch {row['batch']}: " in row["note"], row
+    assert any(row["batch"] > 1 for row in sized), sized
     latency = next(line for line in lines if line.startswith("min-latency"))
-    assert f"#{chosen['min-latency']['rank']}" in latency
+    sized_latency = next(row for row in sized if row["intent"] == "min-latency")
+    assert f"#{sized_latency['rank']}" in latency and f"batch {sized_latency['batch']}" in latency
 
 
 def test_plan_plans_the_target_intents_and_an_accuracy_floor(stack, imported):
     """`iserve plan` left out latency-slo, cost-slo and the accuracy floor: only
     PlanDeployment over gRPC could show what they would pick on simulated devices."""
-    base = json.loads(cli(stack, "plan", "llama-2-70b", *ARGS, "--json").stdout)["intents"]
+    at_1 = [*ARGS, "--batch", "1"]  # every intent ranked at one batch, to compare them
+    base = json.loads(cli(stack, "plan", "llama-2-70b", *at_1, "--json").stdout)["intents"]
     fastest = next(r for r in base if r["intent"] == "min-latency")
     cheapest = next(r for r in base if r["intent"] == "min-cost")
     slo_ms = 1.5 * fastest["latency_ms"]
     budget = 1.5 * cheapest["cost_gb_s"]
-    out = cli(
-        stack, "plan", "llama-2-70b", *ARGS, "--slo-ms", f"{slo_ms:.0f}", "--budget",
-        f"{budget:.0f}", "--json",
-    )  # fmt: skip
+    targets = ["--slo-ms", f"{slo_ms:.0f}", "--budget", f"{budget:.0f}", "--json"]
+    out = cli(stack, "plan", "llama-2-70b", *at_1, *targets)
     assert out.returncode == 0, out.stderr
     rows = {r["intent"]: r for r in json.loads(out.stdout)["intents"]}
     latency = rows[f"latency-slo {slo_ms:.0f} ms"]
@@ -62,6 +72,14 @@ def test_plan_plans_the_target_intents_and_an_accuracy_floor(stack, imported):
     # Under its target: the cheapest such; under budget: the fastest such.
     assert latency["latency_ms"] <= slo_ms and latency["cost_gb_s"] <= fastest["cost_gb_s"]
     assert cost["cost_gb_s"] <= budget and cost["latency_ms"] <= cheapest["latency_ms"]
+    # At the batch a Deploy sizes, the targets still hold: the batch grew past the cost
+    # budget (a plan of 1.5x the cheapest cost chose one 1.009x over it).
+    out = cli(stack, "plan", "llama-2-70b", *ARGS, *targets)
+    rows = {r["intent"]: r for r in json.loads(out.stdout)["intents"]}
+    latency = rows[f"latency-slo {slo_ms:.0f} ms"]
+    cost = rows[f"cost-slo {budget:.0f}"]
+    assert latency["latency_ms"] <= slo_ms and cost["cost_gb_s"] <= budget, rows
+    assert cost["batch"] > 1 and "bounded by the cost budget of" in cost["note"], cost
 
     scores = sorted({r["accuracy"] for r in base if r["accuracy"] is not None})
     floor = scores[-1]
