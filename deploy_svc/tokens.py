@@ -16,6 +16,7 @@ class TokenServicer(token_service_pb2_grpc.TokenServiceServicer):
     def __init__(self, store: StateStore, settings: Settings | None = None):
         self.store = store
         self.in_use = tokens_in_use(settings) if settings is not None else {}
+        self.authentication_off = settings is not None and not settings.auth
 
     def binding(self) -> ServiceBinding:
         return ServiceBinding(
@@ -28,7 +29,10 @@ class TokenServicer(token_service_pb2_grpc.TokenServiceServicer):
         check_request_id(request.request_id)
         info, secret = await issue(self.store, request.subject, request.role, request.deployments)
         return token_pb.CreateTokenResponse(
-            request_id=request.request_id, token=info, secret=secret
+            request_id=request.request_id,
+            token=info,
+            secret=secret,
+            authentication_off=self.authentication_off,
         )
 
     async def ListTokens(self, request, context):
