@@ -793,8 +793,24 @@ def create_app(
             exc.status, exc.kind, exc.message, exc.param, headers=challenge, code=exc.code
         )
 
+    async def unauthenticated(request: Request) -> JSONResponse | None:
+        """With authentication on, a request to an OpenAI path without a token is a 401
+        before anything else, as OpenAI answers: on a path this server has or not, and
+        with a body FastAPI could not parse (it parses before it solves the Caller
+        dependency)."""
+        backend = getattr(request.app.state, "backend", None)
+        if not (request.url.path.startswith("/v1/") and backend):
+            return None
+        try:
+            backend.caller(request)
+        except GatewayError as refused:
+            return await gateway_error(request, refused)
+        return None
+
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError):
+        if refused := await unauthenticated(request):
+            return refused
         errors = exc.errors()
         media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if errors and not _where(errors[0]) and not media.endswith(("/json", "+json")):
@@ -830,14 +846,8 @@ def create_app(
         # A 405 keeps Starlette's Allow header (RFC 9110 requires it).
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
-        backend = getattr(request.app.state, "backend", None)
-        if exc.status_code in (404, 405) and request.url.path.startswith("/v1/") and backend:
-            # With authentication on, a request without a token is a 401 before anything
-            # else, on a path this server has or not, as OpenAI answers.
-            try:
-                backend.caller(request)
-            except GatewayError as refused:
-                return await gateway_error(request, refused)
+        if exc.status_code in (400, 404, 405) and (refused := await unauthenticated(request)):
+            return refused
         if exc.status_code == 404 and message == "Not Found":
             # A client pointed at an endpoint OpenAI has and this server does not
             # (/v1/embeddings, /v1/responses): say which it has.

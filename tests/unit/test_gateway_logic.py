@@ -758,6 +758,30 @@ def test_with_authentication_on_a_path_not_served_is_a_401_without_a_token(tmp_p
         assert client.get("/nowhere").status_code == 404  # not an OpenAI path: no token asked
 
 
+def test_with_authentication_on_a_body_that_is_not_json_is_a_401_without_a_token(tmp_path):
+    """FastAPI parses the JSON before it solves the Caller dependency: the parse error
+    (a 400 saying what the parser met, or a 415 for the content-type) came first, to a
+    client without a key."""
+    backend = _backend(tmp_path)
+    with TestClient(create_app(lambda: backend)) as client:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for body in (b"notjson", b'{"model": '):
+                for media in ("application/json", "text/plain"):  # 415 with a key
+                    refused = client.post(path, content=body, headers={"content-type": media})
+                    assert refused.status_code == 401, refused.text
+                    assert refused.json()["error"]["type"] == "authentication_error"
+                keyed = client.post(
+                    path,
+                    content=body,
+                    headers={
+                        "content-type": "application/json",
+                        "Authorization": f"Bearer {TOKEN}",
+                    },
+                )
+                assert keyed.status_code == 400, keyed.text
+                assert "not valid JSON" in keyed.json()["error"]["message"]
+
+
 class _FirstRead:
     """A Generate call whose first read answers ``reply`` or raises ``error``."""
 
