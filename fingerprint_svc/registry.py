@@ -213,10 +213,16 @@ def build_model(request: model_pb.RegisterModelRequest, models_root: Path) -> mo
     return model
 
 
+def state_name(state: int) -> str:
+    """A model state as messages and the CLI say it: ``REGISTERED``, not
+    ``MODEL_STATE_REGISTERED``."""
+    return model_pb.ModelState.Name(state).removeprefix("MODEL_STATE_")
+
+
 def check_retry(existing: model_pb.Model, model: model_pb.Model, *, profiling: bool) -> None:
     """Registering an id that is taken retries it only when the recorded model FAILED (and
     is not being profiled) with the same checkpoint; anything else is AlreadyExists."""
-    state = model_pb.ModelState.Name(existing.state)
+    state = state_name(existing.state)
     if existing.state != model_pb.MODEL_STATE_FAILED or profiling:
         raise AlreadyExists(f"model {model.model_id!r} is already registered ({state})")
     if existing.checkpoint_path != model.checkpoint_path:

@@ -6,7 +6,7 @@ import asyncio
 
 from fingerprint_svc.importing import import_profiles
 from fingerprint_svc.profiler import Profiler
-from fingerprint_svc.registry import build_model, check_retry
+from fingerprint_svc.registry import build_model, check_retry, state_name
 from services.api import model_service_pb2 as model_pb
 from services.api import model_service_pb2_grpc
 from services.auth import access
@@ -129,7 +129,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         model = await self._model(request.model_id)
         profile = await self.store.get_profile(request.model_id)
         if profile is None:
-            state = model_pb.ModelState.Name(model.state)
+            state = state_name(model.state)
             reason = f": {model.state_reason}" if model.state_reason else ""
             raise FailedPrecondition(
                 f"model {request.model_id!r} is not profiled yet ({state}{reason})"

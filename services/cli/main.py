@@ -53,6 +53,7 @@ from services.cli.arguments import (
     add_token_limits,
     device_memory_gib,
     positive_number,
+    usage_error,
     watch_seconds,
     whole_number,
 )
@@ -324,11 +325,11 @@ def _create_checkpoint(args, progress):
         }
         given = [flag for flag, value in shape_flags.items() if value is not None]
         if given:
-            raise ValueError(f"--preset fixes the model's shape; drop {', '.join(given)}")
+            usage_error(f"--preset fixes the model's shape; drop {', '.join(given)}")
         try:
             get_preset(args.preset)
         except KeyError as exc:
-            raise ValueError(exc.args[0]) from None
+            usage_error(exc.args[0])
         out = create_preset_checkpoint(
             args.out,
             args.preset,
@@ -342,7 +343,7 @@ def _create_checkpoint(args, progress):
         required = {"--hidden": args.hidden, "--layers": args.layers, "--heads": args.heads}
         missing = [flag for flag, value in required.items() if value is None]
         if missing:
-            raise ValueError(f"give --preset, or the model's shape: {', '.join(missing)} missing")
+            usage_error(f"give --preset, or the model's shape: {', '.join(missing)} missing")
         out = create_checkpoint(
             args.out,
             arch=args.arch or "llama",
@@ -670,6 +671,14 @@ def cmd_generate(settings: Settings, args) -> int:
                     text_shown = text_shown or bool(message.delta.text)
             elif message.HasField("final"):
                 final = message.final
+    except KeyboardInterrupt:
+        # The call is cancelled with the process (the scheduler frees its slot); the
+        # shell's prompt on a line of its own, not after the last words of the text.
+        if text_shown:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        print("generation interrupted", file=sys.stderr)
+        return 130
     except grpc.RpcError as exc:
         if text_shown:
             # The error on a line of its own, not after the last words of the text.
@@ -1007,6 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
     _replace_what_the_terminal_cannot_show()
     try:
         return _run(argv)
+    except KeyboardInterrupt:
+        # Anywhere (building the parser, parsing, a command): quietly, as a shell expects.
+        return 130
     except BrokenPipeError:
         # The reader went away (`iserve estimate ... | head`): stop quietly, as a program
         # killed by SIGPIPE would, and keep Python from reporting the unflushed stdout.
@@ -1080,8 +1092,6 @@ def _run(argv: list[str] | None) -> int:
     except (RuntimeError, ValueError, FileExistsError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
 
 
 if __name__ == "__main__":

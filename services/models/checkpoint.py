@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from services.models.arch import ArchSpec
 from services.models.checkpoint_files import (
@@ -360,16 +361,32 @@ def _check_disk_space(directory: Path, weight_bytes: int, stale: list[Path]) -> 
     existing = directory
     while not existing.exists():
         existing = existing.parent
-    free = shutil.disk_usage(existing).free
+    usage = shutil.disk_usage(existing)
+    if usage.total == 0:  # /proc, /sys: "0.0 GiB free" said nothing of why
+        _refuse(
+            errno.EROFS,
+            f"{str(directory)!r} is on a filesystem with no storage ({str(existing)!r} is "
+            "in a kernel pseudo-filesystem such as /proc or /sys): write the checkpoint "
+            "to a disk",
+        )
+    if not os.access(existing, os.W_OK):
+        _refuse(errno.EACCES, f"{str(directory)!r}: {str(existing)!r} is not writable by you")
+    free = usage.free
     free += sum(path.stat().st_size for path in stale if path.is_file())
     needed = weight_bytes + _FILES_MARGIN_BYTES
     if needed > free:
-        full = OSError(
+        _refuse(
+            errno.ENOSPC,
             f"{str(directory)!r}: the checkpoint needs {needed / 2**30:.1f} GiB and its disk "
-            f"has {free / 2**30:.1f} GiB free (--layers writes fewer layers)"
+            f"has {free / 2**30:.1f} GiB free (--layers writes fewer layers)",
         )
-        full.errno = errno.ENOSPC
-        raise full
+
+
+def _refuse(code: int, message: str) -> NoReturn:
+    """An OSError with errno ``code`` whose text is ``message`` alone (no "[Errno n]")."""
+    refused = OSError(message)
+    refused.errno = code
+    raise refused
 
 
 def _write_random_weights(

@@ -304,7 +304,7 @@ def test_profile_and_watch_of_models_without_profiles(stack):
         lambda: stack.models.GetProfile(model_pb.GetProfileRequest(model_id="prof-skipped"))
     )
     assert code == grpc.StatusCode.FAILED_PRECONDITION
-    assert details == "model 'prof-skipped' is not profiled yet (MODEL_STATE_REGISTERED)"
+    assert details == "model 'prof-skipped' is not profiled yet (REGISTERED)"
     shown = _cli(stack, "profile", "show", "prof-skipped")
     assert shown.returncode == 1
     assert "FAILED_PRECONDITION: model 'prof-skipped' is not profiled yet" in shown.stderr

@@ -407,6 +407,39 @@ def test_a_ctrl_c_during_deploy_says_what_became_of_it(tmp_path, monkeypatch, ca
     assert "`iserve deployments` shows whether this one had finished" in err
 
 
+def test_a_ctrl_c_while_the_parser_is_built_ends_with_130_and_no_traceback(monkeypatch):
+    """The quiet Ctrl-C covered the imports and the command, not the parsing between."""
+    from services.cli import main as cli_main
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "build_parser", interrupted)
+    assert cli_main.main(["status"]) == 130
+
+
+def test_a_ctrl_c_during_generate_ends_the_text_line(tmp_path, monkeypatch, capsys):
+    """The shell's prompt came after the last words of the text."""
+    from services.api import inference_service_pb2 as inference_pb
+    from services.cli import main as cli_main
+
+    def stream(request):
+        yield inference_pb.GenerateResponse(delta=inference_pb.TokenDelta(text="Hello"))
+        raise KeyboardInterrupt
+
+    class Stub:
+        Generate = staticmethod(stream)
+
+        def GetDeployment(self, request):  # "d" is a deployment's id
+            return None
+
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(cli_main, "_stub", lambda *args: Stub())
+    assert cli_main.main(["generate", "d", "hi"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "Hello\n" and err == "generation interrupted\n"
+
+
 def test_estimate_without_hardware_takes_the_only_profiled_type_or_says_which(capsys):
     from services.cli.estimation import only_hardware
 

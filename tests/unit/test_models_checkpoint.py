@@ -164,6 +164,17 @@ def test_a_disk_too_small_is_refused_before_anything_is_written(tmp_path, monkey
     assert not (tmp_path / "new").exists()
 
 
+def test_a_pseudo_filesystem_or_a_read_only_directory_is_said_to_be_so(tmp_path, monkeypatch):
+    """/proc said "its disk has 0.0 GiB free", which sent the user looking for space."""
+    with pytest.raises(OSError, match="kernel pseudo-filesystem such as /proc") as refused:
+        create_checkpoint(Path("/proc/iserve-ckpt"), **SMALL)
+    assert refused.value.errno == errno.EROFS
+    monkeypatch.setattr("services.models.checkpoint.os.access", lambda path, mode: False)
+    with pytest.raises(OSError, match="is not writable by you") as refused:
+        create_checkpoint(tmp_path / "new" / "ckpt", **SMALL)
+    assert refused.value.errno == errno.EACCES and not (tmp_path / "new").exists()
+
+
 def test_the_files_an_overwrite_replaces_count_as_free(checkpoint: Path, monkeypatch) -> None:
     stored = validate_checkpoint(checkpoint).weight_bytes
     real = shutil.disk_usage(checkpoint)

@@ -242,7 +242,7 @@ def test_only_a_failed_model_with_the_same_checkpoint_is_retried():
     new = model_pb.Model(model_id="m", checkpoint_path="a")
     failed = model_pb.Model(model_id="m", checkpoint_path="a", state=model_pb.MODEL_STATE_FAILED)
     check_retry(failed, new, profiling=False)
-    with pytest.raises(AlreadyExists, match="PROFILED"):
+    with pytest.raises(AlreadyExists, match=r"already registered \(PROFILED\)$"):
         check_retry(
             model_pb.Model(model_id="m", checkpoint_path="a", state=model_pb.MODEL_STATE_PROFILED),
             new,
