@@ -317,7 +317,7 @@ def plan_maveriq_import(
             for row, prompt in by_model[model_id]
         )
         for (row, _), measurement in zip(by_model[model_id], measurements, strict=True):
-            _check_memory(row, measurement, model_id)
+            _check_memory(row, measurement, model_id, shape)
         rows_of = [row for row, _ in by_model[model_id]]
         models.append(
             ImportedModel(
@@ -456,19 +456,35 @@ def _check_files_agree(rows: Sequence[maveriq.Measurement], model_id: str) -> No
                 )
 
 
+# TensorRT-LLM's weight-only quantization leaves the token embedding and the LM head in
+# float16, the format every MaverIQ engine was built in.
+OUTER_WEIGHT_BYTES = 2
+
+
 def _check_memory(
-    row: maveriq.Measurement, measurement: model_pb.ProfileMeasurement, model_id: str
+    row: maveriq.Measurement,
+    measurement: model_pb.ProfileMeasurement,
+    model_id: str,
+    shape: model_pb.ModelShape,
 ) -> None:
     """InvalidArgument naming the row's file and line when its memory is below what its
-    decoder layers' weights alone take in its format (known from the shape): no run
-    holds its weights in less. MaverIQ's own rows hold at least 1.07 times that."""
-    weights = measurement.layer_weight_bytes * measurement.num_layers
+    weights alone take (known from the shape): its decoder layers' in its format, and
+    the embedding and LM head in float16. No run holds its weights in less; MaverIQ's
+    own rows hold at least 1.07 times that. A model's rows relabelled under a shape
+    with a far larger vocabulary were taken, and estimated the embedding that shape
+    needs as the rows' (32 GiB of a 2^20-token vocabulary as none)."""
+    layers = measurement.layer_weight_bytes * measurement.num_layers
+    if not layers:
+        return  # no shape to judge by
+    outer = max(0, shape.parameter_count - params_per_layer(shape) * shape.num_layers)
+    weights = layers + outer * OUTER_WEIGHT_BYTES
     held = sum(measurement.peak_memory_bytes_per_rank)
-    if weights and held < weights:
+    if held < weights:
         raise InvalidArgument(
             f"{row.where}: {model_id}: {row.memory_gib:g} GiB of memory is less than the "
-            f"{weights / GIB:.2f} GiB the weights of its {row.layers} decoder layers take "
-            f"in {row.weight_quant}; a run cannot hold them in less"
+            f"{weights / GIB:.2f} GiB its weights take ({layers / GIB:.2f} GiB of its "
+            f"{row.layers} decoder layers in {row.weight_quant}, {outer * 2 / GIB:.2f} GiB "
+            "of embedding and LM head in float16); a run cannot hold them in less"
         )
 
 

@@ -111,9 +111,9 @@ def test_unknown_files_and_models_are_skipped_with_a_reason():
 def test_names_in_any_spelling_denote_their_preset_and_pruning_only_its_methods():
     rows = [
         "Llama-2-70B,1,1,1,float16,False,10,1,0.05,3.0,3.1",
-        "meta-llama/Llama-2-70b-hf,1,1,2,float16,False,10,1,0.07,4.0,4.1",
+        "meta-llama/Llama-2-70b-hf,1,1,2,float16,False,10,1,0.07,4.4,4.5",
         "Llama-2-7b-hf,1,1,1,int8,False,10,1,0.04,1.0,1.1",
-        "Meta-Llama-3-70B,1,1,1,float16,False,10,1,0.05,3.0,3.1",
+        "Meta-Llama-3-70B,1,1,1,float16,False,10,1,0.05,5.8,5.9",
         "Llama-2-7B-SparseGPT,1,1,32,float16,False,10,1,0.3,13,13.5",
     ]
     result = plan({"fingerprint_data_collection.csv": HEADER + "\n".join(rows) + "\n"})
@@ -420,7 +420,18 @@ def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_re
         (
             {"full_model_data_collection.csv": FULL.replace(",16,16.5,", ",6,6,")},
             "full_model_data_collection.csv:2: llama-2-7b: 6 GiB of memory is less than the "
-            "12.06 GiB the weights of its 32 decoder layers take in fp16",
+            "12.55 GiB its weights take (12.06 GiB of its 32 decoder layers in fp16, 0.49 "
+            "GiB of embedding and LM head in float16)",
+        ),
+        # A fingerprint above its layer's weights (0.38 GiB) but below those and the
+        # embedding and LM head's (0.49 GiB): taken, it stood for them in every estimate.
+        (
+            {
+                **DATA_SET,
+                "fingerprint_data_collection.csv": FINGERPRINTS.replace(",1.2,1.25,", ",0.6,0.6,"),
+            },
+            "fingerprint_data_collection.csv:2: llama-2-7b: 0.6 GiB of memory is less than "
+            "the 0.87 GiB its weights take",
         ),
         # A row with more fields than the header: every value after the surplus comma
         # would sit under the wrong column (here the memory would read 1 GiB).
