@@ -77,7 +77,7 @@ def rank_for_intent(estimates: Estimates, intent: common.Intent) -> RankedConfig
         cost,
     )
     unit = COST_UNITS[formula]
-    notes.extend(note.replace(" GiB*s", f" {unit}") for note in ranking.notes)
+    notes.extend(note.replace(" GB*s", f" {unit}") for note in ranking.notes)
     chosen = ranking.indices
     meets = np.ones(chosen.size, dtype=bool)
     if floor is not None:

@@ -113,6 +113,8 @@ def plan_intents(settings: Settings, args) -> list[dict]:
                 "latency_ms": e.latency_ms,
                 "memory_gib": e.memory_total_bytes / GIB,
                 "cost_gb_s": e.cost_memory_latency,
+                "cost_gb": e.cost_memory,
+                "cost_device_hours": e.cost_device_hours,
                 "accuracy": e.accuracy_score if e.HasField("accuracy_score") else None,
                 # Where the winner stood in the intent's ranking, and the better-ranked
                 # configurations passed over, with why (as `iserve deploy` prints them).
@@ -127,9 +129,19 @@ def plan_intents(settings: Settings, args) -> list[dict]:
     return rows
 
 
-def print_rows(rows: list[dict]) -> None:
+# --cost -> (the rows' key, the column's header): the cost a budget is compared with.
+COST_COLUMNS = {
+    "memory-latency": ("cost_gb_s", "GB*s"),
+    "memory": ("cost_gb", "GB"),
+    "device-hours": ("cost_device_hours", "DEVICE-H"),
+}
+
+
+def print_rows(rows: list[dict], cost: str | None = None) -> None:
+    """The table of ``rows``; its cost column is ``cost``'s formula (--cost)."""
+    key, header = COST_COLUMNS[cost or "memory-latency"]
     headers = ["INTENT", "RANK", "CONFIG (variant tp x pp)", "DEV", "TTFT ms", "TPOT ms"]
-    headers += ["LATENCY s", "MEMORY GiB", "GB*s", "ACC %"]
+    headers += ["LATENCY s", "MEMORY GiB", header, "ACC %"]
     table = []
     for r in rows:
         if "error" in r:
@@ -146,7 +158,7 @@ def print_rows(rows: list[dict]) -> None:
                 f"{r['tpot_ms']:.2f}",
                 f"{r['latency_ms'] / 1e3:.3f}",
                 f"{r['memory_gib']:.2f}",
-                f"{r['cost_gb_s']:.1f}",
+                f"{r[key]:.3g}",  # a small model's 0.0069 GB*s read "0.0"
                 "-" if r["accuracy"] is None else f"{r['accuracy']:.1f}",
             ]
         )
@@ -258,7 +270,9 @@ def write_png(path: Path, title: str, estimates, rows: list[dict], fits) -> None
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper center")
     fig.tight_layout()
-    fig.savefig(path)
+    # "tight": the figure grows to hold a label that reaches past the axes (a long list
+    # of intents was cut at the right edge).
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -282,7 +296,7 @@ def cmd_plan(settings: Settings, args) -> int:
         print(json.dumps({"model_id": args.model_id, "devices": where, "intents": rows}))
     else:
         print(f"{args.model_id} on {where}: input {limits[0]}, output {limits[1]} tokens")
-        print_rows(rows)
+        print_rows(rows, args.cost)
     if args.png:
         hardware = args.hardware or _live_hardware(settings)
         estimates = all_estimates(settings, args, hardware, limits)
@@ -290,8 +304,9 @@ def cmd_plan(settings: Settings, args) -> int:
         fits = [not memory_bytes or e.memory_per_device_bytes <= memory_bytes for e in estimates]
         write_png(
             Path(args.png),
-            f"{args.model_id} on {where}: {len(estimates)} configurations, "
-            f"output {limits[1]} tokens",
+            f"{args.model_id} on {where}: {len(estimates)} configurations at batch "
+            f"{args.batch or 1}, output {limits[1]} tokens"
+            + ("" if args.batch else "\n(each intent's choice at the batch a deploy sizes it to)"),
             estimates,
             rows,
             fits,

@@ -343,7 +343,7 @@ def rank(estimates: Estimates, intent: Intent, cost: np.ndarray | None = None) -
         if meeting.size:
             return Ranking(_order(meeting, e.latency_s, devices), tuple(notes))
         notes.append(
-            f"no configuration meets the cost budget of {intent.cost_budget:g} GiB*s; "
+            f"no configuration meets the cost budget of {intent.cost_budget:g} GB*s; "
             "falling back to minimum cost"
         )
         kind = "min_cost"

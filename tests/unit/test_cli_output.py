@@ -222,6 +222,27 @@ def test_plan_rows_show_the_winners_rank_and_what_was_passed_over(capsys):
     assert max(len(line) for line in out.splitlines() if refused not in line) < 200
 
 
+def test_plan_rows_show_the_cost_a_budget_is_compared_with(capsys):
+    """With --cost device-hours the table showed GB*s alone, and a small model's
+    0.0069 GB*s read 0.0."""
+    from services.cli.plan import print_rows
+
+    row = {
+        "intent": "cost-slo 0.001", "config": "base 1x1, batch 1", "devices": 1,
+        "ttft_ms": 1.0, "tpot_ms": 2.0, "latency_ms": 300.0, "memory_gib": 0.02,
+        "cost_gb_s": 0.0069, "cost_gb": 0.023, "cost_device_hours": 8.3e-05,
+        "accuracy": None, "rank": 1, "note": "", "skipped": [],
+    }  # fmt: skip
+    for cost, header, shown in (
+        (None, "GB*s", "0.0069"),
+        ("memory", "GB", "0.023"),
+        ("device-hours", "DEVICE-H", "8.3e-05"),
+    ):
+        print_rows([row], cost)
+        head, line = capsys.readouterr().out.splitlines()[:2]
+        assert header in head.split() and shown in line.split(), (head, line)
+
+
 def test_generate_tells_a_deployment_from_a_model_while_redis_is_down(monkeypatch, tmp_path):
     """The deployer answers UNAVAILABLE while Redis is down, and `iserve generate
     DEPLOYMENT` failed though the scheduler still served it: the id's shape decides."""
