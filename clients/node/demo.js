@@ -10,6 +10,9 @@
 
 const { connect, unary } = require("./iserve");
 
+const USAGE = "usage: node demo.js MODEL_ID CHECKPOINT_PATH [PROMPT] [--max-tokens N] [--keep]";
+const UINT32_MAX = 4294967295; // max_tokens is a uint32: protobufjs wraps a larger number
+
 function parse(argv) {
   const args = { positional: [], maxTokens: 24, keep: false };
   for (let i = 0; i < argv.length; i += 1) {
@@ -18,8 +21,13 @@ function parse(argv) {
     else args.positional.push(argv[i]);
   }
   const [modelId, checkpoint, prompt = "Once upon a time"] = args.positional;
-  if (!modelId || !checkpoint || !(args.maxTokens >= 1)) {
-    console.error("usage: node demo.js MODEL_ID CHECKPOINT_PATH [PROMPT] [--max-tokens N] [--keep]");
+  if (!modelId || !checkpoint) {
+    console.error(USAGE);
+    process.exit(2);
+  }
+  // Before anything is deployed: 2.7 was cut to 2 and 2^32 + 1 wrapped to 1.
+  if (!Number.isInteger(args.maxTokens) || args.maxTokens < 1 || args.maxTokens > UINT32_MAX) {
+    console.error(`--max-tokens must be a whole number from 1 to ${UINT32_MAX}\n${USAGE}`);
     process.exit(2);
   }
   return { ...args, modelId, checkpoint, prompt };

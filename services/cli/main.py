@@ -704,10 +704,17 @@ def cmd_generate(settings: Settings, args) -> int:
         reason = (
             common.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
         )
+        # An FCFS deployment serves a request past its deadline (only EDF refuses one it
+        # would miss): say so, as `iserve status` counts it.
+        missed = (
+            f" (past its {args.deadline_ms} ms deadline)"
+            if args.deadline_ms and t.total_ms > args.deadline_ms
+            else ""
+        )
         print(
             f"\n[{final.usage.completion_tokens} tokens, {reason}; queue {t.queue_ms:.1f} ms, "
-            f"TTFT {t.ttft_ms:.1f} ms, TPOT {t.tpot_ms:.2f} ms, total {t.total_ms:.0f} ms; "
-            f"deployment {final.deployment_id}]",
+            f"TTFT {t.ttft_ms:.1f} ms, TPOT {t.tpot_ms:.2f} ms, total {t.total_ms:.0f} ms"
+            f"{missed}; deployment {final.deployment_id}]",
             file=sys.stderr,
         )
     return 0

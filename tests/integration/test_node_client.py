@@ -78,6 +78,13 @@ def test_the_node_client_registers_deploys_and_streams_with_timings(stack, node_
         timeout=60,
     )
     assert bad.returncode == 1 and "RegisterModel: " in bad.stderr, bad.stderr
+    # A --max-tokens the request cannot carry is a usage error before any call (2.7 was
+    # cut to 2, and 2^32 + 1 wrapped to 1 after a deploy).
+    for value in ("2.7", "4294967297", "0", "x"):
+        command = [node_client, str(CLIENT / "demo.js"), "m", "d", "--max-tokens", value]
+        bad = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "--max-tokens must be a whole number" in bad.stderr
+        assert "RegisterModel" not in bad.stderr
 
 
 def test_the_node_client_finds_the_stack_as_the_cli_does(stack, node_client):

@@ -440,6 +440,31 @@ def test_a_ctrl_c_during_generate_ends_the_text_line(tmp_path, monkeypatch, caps
     assert out == "Hello\n" and err == "generation interrupted\n"
 
 
+def test_a_generation_past_its_deadline_says_so(tmp_path, monkeypatch, capsys):
+    """An FCFS deployment served a 1 ms deadline in 1183 ms, and the CLI said nothing."""
+    from services.api import inference_service_pb2 as inference_pb
+    from services.cli import main as cli_main
+
+    def stream(request):
+        yield inference_pb.GenerateResponse(delta=inference_pb.TokenDelta(text="Hi"))
+        final = inference_pb.GenerateFinal(deployment_id="d")
+        final.timings.total_ms = 1183
+        yield inference_pb.GenerateResponse(final=final)
+
+    class Stub:
+        Generate = staticmethod(stream)
+
+        def GetDeployment(self, request):
+            return None
+
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(cli_main, "_stub", lambda *args: Stub())
+    assert cli_main.main(["generate", "d", "hi", "--deadline-ms", "1"]) == 0
+    assert "total 1183 ms (past its 1 ms deadline);" in capsys.readouterr().err
+    assert cli_main.main(["generate", "d", "hi", "--deadline-ms", "2000"]) == 0
+    assert "deadline" not in capsys.readouterr().err
+
+
 def test_estimate_without_hardware_takes_the_only_profiled_type_or_says_which(capsys):
     from services.cli.estimation import only_hardware
 
