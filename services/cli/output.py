@@ -94,13 +94,32 @@ def fitted(table: TableSpec, out: Console) -> RenderableType:
         candidate = rich_table(title, headers, rows, compact)
         if Measurement.get(out, unbounded, candidate).maximum <= out.width:
             return candidate
-    text = (f"{title}\n" if title else "") + plain_table(headers, rows)
-    return Text(text, no_wrap=True, overflow="ignore")
+    text = plain_table(headers, rows)
+    if max(map(len, text.splitlines())) > out.width:
+        # Wrapped lines of a table read as noise (at 80 columns the node and deployment
+        # tables of `iserve status` were 94-108 wide): a block of lines per row instead.
+        text = record_table(headers, rows)
+    return Text((f"{title}\n" if title else "") + text, no_wrap=True, overflow="ignore")
+
+
+def record_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Each row as a block of ``HEADER  value`` lines, a blank line between rows."""
+    width = max(map(len, headers))
+    return "\n\n".join(
+        "\n".join(f"{h.ljust(width)}  {c}".rstrip() for h, c in zip(headers, r, strict=True))
+        for r in rows
+    )
 
 
 def renderable(tables: Sequence[TableSpec], out: Console | None = None) -> Group:
+    """The tables fitted to the terminal, a blank line between them."""
     out = out or console()
-    return Group(*(fitted(table, out) for table in tables))
+    parts: list[RenderableType] = []
+    for table in tables:
+        if parts:
+            parts.append(Text(""))
+        parts.append(fitted(table, out))
+    return Group(*parts)
 
 
 def show_tables(tables: Sequence[TableSpec], out: Console | None = None) -> None:

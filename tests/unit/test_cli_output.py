@@ -278,7 +278,12 @@ def test_no_value_is_cut_on_a_narrow_terminal(width):
     row = ["demo-llama-393d7268", "demo-llama", "READY", 1, 1, 8, "127.0.0.1:33507"]
     row += ["12.5/40.1", "idle", 0]
     out = Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None)
-    show_tables([("Deployments", headers, [row])], out)
+    show_tables([("Deployments", headers, [row, row]), ("Nodes", ["NODE"], [["node0"]])], out)
     text = out.file.getvalue()
     for value in [*headers, *map(str, row)]:
         assert value in text, (width, value, text)
+    # No line wider than the terminal (wrapped, a table read as noise); a blank line
+    # between tables.
+    assert max(map(len, text.splitlines())) <= width, text
+    lines = [line.strip() for line in text.splitlines()]
+    assert lines[lines.index("Nodes") - 1] == "", text
