@@ -177,11 +177,11 @@ def _kustomize(folder: Path) -> list[dict]:
 @pytest.mark.parametrize("folder", [DEPLOY, HOSTNETWORK], ids=["base", "hostnetwork"])
 def test_rendered_kustomization_is_valid(folder):
     rendered = _kustomize(folder)
-    # All but the Secret example; the host-network variant drops Redis's NetworkPolicy,
-    # whose pod selector would shut out agents on the nodes' network.
+    # All but the two Secrets of the example; the host-network variant drops Redis's
+    # NetworkPolicy, whose pod selector would shut out agents on the nodes' network.
     policies = {d["metadata"]["name"] for d in rendered if d["kind"] == "NetworkPolicy"}
     assert policies == (set() if folder == HOSTNETWORK else {"redis"})
-    assert len(rendered) == len(all_objects()) - 1 - (folder == HOSTNETWORK)
+    assert len(rendered) == len(all_objects()) - 2 - (folder == HOSTNETWORK)
     for doc in rendered:
         assert not validation_errors(doc), (doc["kind"], doc["metadata"]["name"])
         if doc["kind"] != "Namespace":
@@ -213,6 +213,26 @@ def test_redis_is_a_persistent_append_only_statefulset():
     assert redis["spec"]["serviceName"] in {
         name for kind, name in all_objects() if kind == "Service"
     }
+
+
+def test_redis_requires_the_password_of_its_secret():
+    """Passwordless, Redis was guarded by a NetworkPolicy alone, which the host-network
+    variant deletes: any pod of the cluster could make itself admin."""
+    objects = all_objects()
+    container = containers(objects[("StatefulSet", "redis")])[0]
+    args, env = container["args"], env_of(container)
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    for name in ("REDIS_PASSWORD", "REDISCLI_AUTH"):  # the server's, and the probe's
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("iserve-redis", "password")
+    # $(VAR) expands only to variables defined in the container.
+    assert set(objects[("Secret", "iserve-redis")]["stringData"]) == {"password"}
+    assert container["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    # The same password in the URL iserve's processes read.
+    url = objects[("Secret", "iserve-tokens")]["stringData"]["REDIS_URL"]
+    assert url.startswith(
+        f"redis://:{objects[('Secret', 'iserve-redis')]['stringData']['password']}@"
+    )
 
 
 @pytest.mark.parametrize(("name", "port"), CONTROL_PLANE.items())
@@ -286,9 +306,11 @@ def test_every_iserve_process_has_the_settings_and_tokens():
     objects = all_objects()
     config = objects[("ConfigMap", "iserve-config")]["data"]
     assert config["ISERVE_AUTH"] == "on"
-    assert config["REDIS_URL"].startswith("redis://redis:")
+    # Redis's URL holds its password: in the Secret, not the ConfigMap.
+    assert "REDIS_URL" not in config
     secret = objects[("Secret", "iserve-tokens")]
-    assert set(secret["stringData"]) == {"ISERVE_ADMIN_TOKEN", "ISERVE_SERVICE_TOKEN"}
+    assert set(secret["stringData"]) == {"ISERVE_ADMIN_TOKEN", "ISERVE_SERVICE_TOKEN", "REDIS_URL"}
+    assert secret["stringData"]["REDIS_URL"].endswith("@redis:6379/0")
     for (kind, name), obj in objects.items():
         if kind not in ("Deployment", "DaemonSet"):
             continue
