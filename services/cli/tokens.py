@@ -53,12 +53,6 @@ def cmd_create(settings: Settings, args) -> int:
             deployments=args.deployment or [],
         )
     )
-    if reply.authentication_off:
-        print(
-            "warning: this stack does not check tokens (authentication is off): the token "
-            "is recorded, and asked for once the stack runs with ISERVE_AUTH=on",
-            file=sys.stderr,
-        )
     for grant in _unknown(channel, reply.token.deployments):
         # Made anyway (a grant is an id, checked for its form only), but such a token
         # could generate nowhere and said so only at its first request, as a 404.

@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1diserve/v1/token_service.proto\x12\tiserve.v1\"~\n\tTokenInfo\x12\x10\n\x08token_id\x18\x01 \x01(\t\x12\x0f\n\x07subject\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.iserve.v1.Role\x12\x13\n\x0b\x64\x65ployments\x18\x04 \x03(\t\x12\x1a\n\x12\x63reated_at_unix_ms\x18\x05 \x01(\x03\"m\n\x12\x43reateTokenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07subject\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.iserve.v1.Role\x12\x13\n\x0b\x64\x65ployments\x18\x04 \x03(\t\"z\n\x13\x43reateTokenResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05token\x18\x02 \x01(\x0b\x32\x14.iserve.v1.TokenInfo\x12\x0e\n\x06secret\x18\x03 \x01(\t\x12\x1a\n\x12\x61uthentication_off\x18\x04 \x01(\x08\"\'\n\x11ListTokensRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"N\n\x12ListTokensResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06tokens\x18\x02 \x03(\x0b\x32\x14.iserve.v1.TokenInfo\":\n\x12RevokeTokenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\t\")\n\x13RevokeTokenResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t*\x83\x01\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0e\n\nROLE_ADMIN\x10\x01\x12\x18\n\x14ROLE_MODEL_DEVELOPER\x10\x02\x12\x16\n\x12ROLE_APP_DEVELOPER\x10\x03\x12\x11\n\rROLE_APP_USER\x10\x04\x12\x10\n\x0cROLE_SERVICE\x10\x05\x32\xf5\x01\n\x0cTokenService\x12L\n\x0b\x43reateToken\x12\x1d.iserve.v1.CreateTokenRequest\x1a\x1e.iserve.v1.CreateTokenResponse\x12I\n\nListTokens\x12\x1c.iserve.v1.ListTokensRequest\x1a\x1d.iserve.v1.ListTokensResponse\x12L\n\x0bRevokeToken\x12\x1d.iserve.v1.RevokeTokenRequest\x1a\x1e.iserve.v1.RevokeTokenResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1diserve/v1/token_service.proto\x12\tiserve.v1\"~\n\tTokenInfo\x12\x10\n\x08token_id\x18\x01 \x01(\t\x12\x0f\n\x07subject\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.iserve.v1.Role\x12\x13\n\x0b\x64\x65ployments\x18\x04 \x03(\t\x12\x1a\n\x12\x63reated_at_unix_ms\x18\x05 \x01(\x03\"m\n\x12\x43reateTokenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07subject\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.iserve.v1.Role\x12\x13\n\x0b\x64\x65ployments\x18\x04 \x03(\t\"d\n\x13\x43reateTokenResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05token\x18\x02 \x01(\x0b\x32\x14.iserve.v1.TokenInfo\x12\x0e\n\x06secret\x18\x03 \x01(\tJ\x04\x08\x04\x10\x05\"\'\n\x11ListTokensRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"N\n\x12ListTokensResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06tokens\x18\x02 \x03(\x0b\x32\x14.iserve.v1.TokenInfo\":\n\x12RevokeTokenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\t\")\n\x13RevokeTokenResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t*\x83\x01\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0e\n\nROLE_ADMIN\x10\x01\x12\x18\n\x14ROLE_MODEL_DEVELOPER\x10\x02\x12\x16\n\x12ROLE_APP_DEVELOPER\x10\x03\x12\x11\n\rROLE_APP_USER\x10\x04\x12\x10\n\x0cROLE_SERVICE\x10\x05\x32\xf5\x01\n\x0cTokenService\x12L\n\x0b\x43reateToken\x12\x1d.iserve.v1.CreateTokenRequest\x1a\x1e.iserve.v1.CreateTokenResponse\x12I\n\nListTokens\x12\x1c.iserve.v1.ListTokensRequest\x1a\x1d.iserve.v1.ListTokensResponse\x12L\n\x0bRevokeToken\x12\x1d.iserve.v1.RevokeTokenRequest\x1a\x1e.iserve.v1.RevokeTokenResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'iserve.v1.token_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=632
-  _globals['_ROLE']._serialized_end=763
+  _globals['_ROLE']._serialized_start=610
+  _globals['_ROLE']._serialized_end=741
   _globals['_TOKENINFO']._serialized_start=44
   _globals['_TOKENINFO']._serialized_end=170
   _globals['_CREATETOKENREQUEST']._serialized_start=172
   _globals['_CREATETOKENREQUEST']._serialized_end=281
   _globals['_CREATETOKENRESPONSE']._serialized_start=283
-  _globals['_CREATETOKENRESPONSE']._serialized_end=405
-  _globals['_LISTTOKENSREQUEST']._serialized_start=407
-  _globals['_LISTTOKENSREQUEST']._serialized_end=446
-  _globals['_LISTTOKENSRESPONSE']._serialized_start=448
-  _globals['_LISTTOKENSRESPONSE']._serialized_end=526
-  _globals['_REVOKETOKENREQUEST']._serialized_start=528
-  _globals['_REVOKETOKENREQUEST']._serialized_end=586
-  _globals['_REVOKETOKENRESPONSE']._serialized_start=588
-  _globals['_REVOKETOKENRESPONSE']._serialized_end=629
-  _globals['_TOKENSERVICE']._serialized_start=766
-  _globals['_TOKENSERVICE']._serialized_end=1011
+  _globals['_CREATETOKENRESPONSE']._serialized_end=383
+  _globals['_LISTTOKENSREQUEST']._serialized_start=385
+  _globals['_LISTTOKENSREQUEST']._serialized_end=424
+  _globals['_LISTTOKENSRESPONSE']._serialized_start=426
+  _globals['_LISTTOKENSRESPONSE']._serialized_end=504
+  _globals['_REVOKETOKENREQUEST']._serialized_start=506
+  _globals['_REVOKETOKENREQUEST']._serialized_end=564
+  _globals['_REVOKETOKENRESPONSE']._serialized_start=566
+  _globals['_REVOKETOKENRESPONSE']._serialized_end=607
+  _globals['_TOKENSERVICE']._serialized_start=744
+  _globals['_TOKENSERVICE']._serialized_end=989
 # @@protoc_insertion_point(module_scope)

@@ -49,16 +49,14 @@ class CreateTokenRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., subject: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., deployments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateTokenResponse(_message.Message):
-    __slots__ = ("request_id", "token", "secret", "authentication_off")
+    __slots__ = ("request_id", "token", "secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
-    AUTHENTICATION_OFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token: TokenInfo
     secret: str
-    authentication_off: bool
-    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[TokenInfo, _Mapping]] = ..., secret: _Optional[str] = ..., authentication_off: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[TokenInfo, _Mapping]] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class ListTokensRequest(_message.Message):
     __slots__ = ("request_id",)
