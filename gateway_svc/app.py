@@ -339,6 +339,12 @@ class Backend:
         header = request.headers.get("authorization", "")
         token = bearer(header)
         client = request.client.host if request.client else "unknown"
+        if self.auth and len(request.headers.getlist("authorization")) > 1:
+            # A proxy in front may act on another of them than the first, which the
+            # services would take: two principals, each the caller to one of them.
+            said = "more than one Authorization header"
+            self.refusals.refused(client, said, request.url.path)
+            raise GatewayError(401, "authentication_error", f"{said}: send one")
         if token and not could_be_token(token):
             if self.auth:
                 self.refusals.refused(client, "not an iserve token", request.url.path)

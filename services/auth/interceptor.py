@@ -21,7 +21,7 @@ import grpc
 
 from services.auth import access, policy
 from services.auth.refusals import RefusalLog, client_host
-from services.auth.tokens import Authenticator, Principal, bearer
+from services.auth.tokens import Authenticator, Principal, authorization_entries, bearer
 from services.errors import IServeError
 
 log = logging.getLogger("iserve.auth")
@@ -81,6 +81,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     grpc.StatusCode.PERMISSION_DENIED,
                     "not in the access policy",
                     f"{method} is not in iserve's access policy",
+                )
+            if authorization_entries(context.invocation_metadata()) > 1:
+                await refuse(
+                    context,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "more than one authorization entry",
+                    f"{method}: the call carries more than one `authorization` entry; send "
+                    "one `authorization: Bearer <token>`",
                 )
             token = bearer(context.invocation_metadata())
             if not token:

@@ -279,6 +279,13 @@ def could_be_token(text: str) -> bool:
     return _TOKEN_SHAPE.fullmatch(text) is not None
 
 
+def authorization_entries(metadata: object) -> int:
+    """How many ``authorization`` entries gRPC metadata carries. More than one is
+    refused: which of them a proxy in front acts on (the last, say) is not the one a
+    service would (the first Bearer), so two principals could each be the caller."""
+    return sum(1 for k, _ in (metadata or ()) if k == "authorization")
+
+
 def bearer(metadata: object) -> str:
     """The token of an ``authorization: Bearer <token>`` entry of gRPC metadata (or an
     HTTP header value), or ""."""

@@ -738,6 +738,31 @@ def test_the_gateway_refuses_what_cannot_be_a_token_with_a_401(deployed, header)
         assert reply.headers["www-authenticate"] == 'Bearer realm="iserve"'
 
 
+def test_two_authorization_entries_are_refused_on_both_paths(deployed):
+    """gRPC took the first Bearer entry and the gateway the first header: a proxy in
+    front acting on the last would authorize another principal than iserve does."""
+    s = deployed
+    alice, admin = s.tokens["app-user"], s.tokens["admin"]
+    two = (("authorization", f"Bearer {alice}"), ("authorization", f"Bearer {admin}"))
+    with grpc.insecure_channel(s.settings.address("deploy")) as channel:
+        stub = deployment_service_pb2_grpc.DeploymentServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ListDeployments(deploy_pb.ListDeploymentsRequest(), metadata=two, timeout=30)
+        basic = (("authorization", "Basic eDp5"), ("authorization", f"Bearer {admin}"))
+        with pytest.raises(grpc.RpcError) as refused_basic:
+            stub.ListDeployments(deploy_pb.ListDeploymentsRequest(), metadata=basic, timeout=30)
+    for error in (refused.value, refused_basic.value):
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "more than one `authorization` entry" in error.details()
+    base = f"http://{s.settings.gateway_address}/v1"
+    headers = [(b"authorization", f"Bearer {alice}".encode())] * 2
+    with httpx.Client(timeout=60, headers=headers) as client:
+        reply = client.get(f"{base}/models")
+    assert reply.status_code == 401 and "more than one Authorization header" in reply.text
+    with httpx.Client(timeout=60, headers=headers[:1]) as client:
+        assert client.get(f"{base}/models").status_code == 200
+
+
 def test_metrics_answer_only_admin_and_service_tokens(deployed):
     s = deployed
     url = f"http://{s.settings.metrics_address('scheduler')}/metrics"
