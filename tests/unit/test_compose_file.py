@@ -207,6 +207,14 @@ def test_redis_persists_append_only_on_a_volume(resolved):
     assert any(v["target"] == "/data" and v["type"] == "volume" for v in redis["volumes"])
 
 
+def test_every_iserve_container_runs_under_an_init(resolved):
+    """A Python service as PID 1 reaps no orphan: the agent's engine workers, orphaned
+    when their fork server dies first, would stay as zombies."""
+    for name, service in resolved["services"].items():
+        if name != "redis":
+            assert service.get("init") is True, name
+
+
 def test_agent_owns_every_gpu(resolved):
     agent = resolved["services"]["agent"]
     (device,) = agent["deploy"]["resources"]["reservations"]["devices"]
