@@ -207,6 +207,17 @@ def test_redis_persists_append_only_on_a_volume(resolved):
     assert any(v["target"] == "/data" and v["type"] == "volume" for v in redis["volumes"])
 
 
+def test_the_services_that_write_no_file_run_as_the_images_user(resolved):
+    """Every container ran as root, the gateway facing clients among them."""
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "useradd --system --uid 10001 --gid 10001" in dockerfile
+    for name, service in resolved["services"].items():
+        expected = (
+            "10001:10001" if name in ("estimator", "deploy", "scheduler", "gateway") else None
+        )
+        assert service.get("user") == expected, name
+
+
 def test_every_iserve_container_runs_under_an_init(resolved):
     """A Python service as PID 1 reaps no orphan: the agent's engine workers, orphaned
     when their fork server dies first, would stay as zombies."""

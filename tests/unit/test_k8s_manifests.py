@@ -215,6 +215,15 @@ def test_redis_is_a_persistent_append_only_statefulset():
     }
 
 
+def test_the_services_that_write_no_file_run_as_the_images_user():
+    objects = all_objects()
+    for name in ("estimator", "deploy", "scheduler", "gateway"):
+        context = containers(objects[("Deployment", name)])[0]["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001, name
+    # The model service writes fingerprints into the models volume; the agent drives GPUs.
+    assert "runAsUser" not in containers(objects[("Deployment", "model")])[0]["securityContext"]
+
+
 def test_redis_requires_the_password_of_its_secret():
     """Passwordless, Redis was guarded by a NetworkPolicy alone, which the host-network
     variant deletes: any pod of the cluster could make itself admin."""
