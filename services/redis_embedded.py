@@ -14,12 +14,13 @@ import time
 from importlib import util
 from pathlib import Path
 
-from services.ports import free_port
+from services.ports import bindable, free_port
 
-# In the data directory: the password (0600) and the config file that gives it to the
-# server.
+# In the data directory: the password (0600), the config file that gives it to the
+# server, and the port it listened on last.
 PASSWORD_FILE = "password"
 CONFIG_FILE = "redis.conf"
+PORT_FILE = "port"
 
 
 def find_redis_server() -> str:
@@ -63,7 +64,7 @@ def start_redis(
     fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(f"requirepass {password}\n")
-    port = port or free_port(host)
+    port = port or _kept_port(data_dir / PORT_FILE, host)
     cmd = [
         find_redis_server(),
         str(config),
@@ -103,6 +104,22 @@ def start_redis(
             time.sleep(0.05)
     proc.kill()
     raise TimeoutError(f"redis-server did not answer on port {port} within {timeout_s} s")
+
+
+def _kept_port(path: Path, host: str) -> int:
+    """The port the server listened on last (kept at ``path``) while it is free, else a
+    free one, kept there. Agents of other nodes reach Redis at the URL they were given:
+    with a port drawn anew at each `iserve up` they were cut off for good after a stack
+    restart (and the deployments on them waited, `iserve up` with them)."""
+    try:
+        kept = int(path.read_text().strip())
+    except (OSError, ValueError):
+        kept = 0
+    if 0 < kept < 65536 and bindable(host, kept):
+        return kept
+    port = free_port(host)
+    path.write_text(f"{port}\n")
+    return port
 
 
 def _password(path: Path) -> str:

@@ -45,3 +45,27 @@ def test_the_embedded_redis_asks_for_a_password_kept_from_others(tmp_path):
         assert redis.Redis.from_url(url_again).ping()
     finally:
         stop(again)
+
+
+def test_the_embedded_redis_listens_on_its_last_port_while_that_is_free(tmp_path):
+    """Drawn anew at each `iserve up`, the port changed across a stack restart: agents of
+    other nodes, given the old URL, were cut off for good."""
+    import socket
+
+    data = tmp_path / "redis"
+    proc, url = start_redis(data, appendonly=False)
+    stop(proc)
+    again, url_again = start_redis(data, appendonly=False)
+    try:
+        assert url_again == url
+    finally:
+        stop(again)
+    port = int(url.rpartition(":")[2].split("/")[0])
+    with socket.socket() as holder:  # another program took it meanwhile: another port
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        moved, url_moved = start_redis(data, appendonly=False)
+        try:
+            assert url_moved != url and redis.Redis.from_url(url_moved).ping()
+        finally:
+            stop(moved)
