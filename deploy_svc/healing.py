@@ -24,6 +24,7 @@ from deploy_svc.planning import placement_of
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
+from services.replicas import WAITING_FOR_NODE
 from services.reservation import memory_blocks
 from services.settings import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF_S
 
@@ -170,12 +171,18 @@ def _devices(where: common.Placement) -> set[tuple[str, str]]:
     return {(d.node_id, d.device_id) for stage in where.stages for d in stage.devices}
 
 
-def _out(node_ids: Iterable[str], unanswered: Mapping[str, str]) -> str:
-    """Why ``node_ids`` are out: "node(s) A, B stopped heartbeating", and for each whose
-    agent heartbeats but did not answer the deployer, "node C: its agent does not answer
-    (why)"."""
-    lapsed = sorted(n for n in node_ids if n not in unanswered)
+def _out(
+    node_ids: Iterable[str], unanswered: Mapping[str, str], stopped: Iterable[str] = ()
+) -> str:
+    """Why ``node_ids`` are out: "node(s) A, B stopped heartbeating", "node(s) D
+    stopped on purpose" for those whose agents stopped cleanly (``stopped``), and for
+    each whose agent heartbeats but did not answer the deployer, "node C: its agent does
+    not answer (why)"."""
+    planned = sorted(set(node_ids) & set(stopped) - unanswered.keys())
+    lapsed = sorted(n for n in node_ids if n not in unanswered and n not in planned)
     parts = [f"node(s) {', '.join(lapsed)} stopped heartbeating"] if lapsed else []
+    if planned:
+        parts.append(f"node(s) {', '.join(planned)} stopped on purpose")
     parts += [
         f"node {n}: its agent does not answer ({unanswered[n]})"
         for n in sorted(set(node_ids) & unanswered.keys())
@@ -199,6 +206,7 @@ def waiting_for_nodes(
     its nodes are no longer listed). ``unanswered``: the nodes taken as not alive because
     their agents did not answer (node id -> why), as said of them."""
     unanswered = unanswered or {}
+    stopped = {n.node_id for n in nodes if not n.alive and n.stopped_at_unix_ms}
     used = _devices(old)
     on = {node for node, _ in used}
     hardware = {
@@ -211,17 +219,18 @@ def waiting_for_nodes(
     if not any(not hardware or d.hardware_type in hardware for d in live):
         kind = f" with {', '.join(sorted(hardware))} devices" if hardware else ""
         return (
-            f"waiting for a live node{kind}: {_out(on, unanswered)}; it starts again once "
+            f"{WAITING_FOR_NODE}a live node{kind}: {_out(on, unanswered, stopped)}; it starts "
+            "again once "
             "one is back (no restart budget is spent meanwhile)"
         )
     dead = sorted(n.node_id for n in nodes if not n.alive and n.node_id in on)
     if dead:
-        if unanswered.keys() & set(dead):
-            why = _out(dead, unanswered)
+        if (unanswered.keys() | stopped) & set(dead):
+            why = _out(dead, unanswered, stopped)
         else:
             why = f"node(s) {', '.join(dead)}: stopped heartbeating"
         return (
-            f"waiting for {why}, and the live nodes cannot hold it now; it starts again "
+            f"{WAITING_FOR_NODE}{why}, and the live nodes cannot hold it now; it starts again "
             "once they are back or there is room (no restart budget is spent meanwhile)"
         )
     return ""
@@ -249,15 +258,18 @@ def placements_to_try(
     max_seq_len: int,
 ) -> list[common.Placement]:
     """Where a replica may start again, best first: its old placement while every node
-    of it is alive, then a fresh placement (hybrid policy) on alive devices of the same
+    of it is alive and no other replica (``others``) serves on one of its devices (one
+    that moved onto them while this one waited for its node: back on its old placement,
+    two replicas shared a device), then a fresh placement (hybrid policy) on alive devices of the same
     hardware type that no other replica (``others``) uses, away from the old devices when
     the old placement was offered (should starting there fail, a device may be broken),
     else on any of them too (one filled up meanwhile: the others may still serve), each
     rank reserving what a rank of the old placement reserved per layer. Empty when
     nothing fits."""
     alive = {n.node_id for n in nodes if n.alive}
+    taken = set().union(*(_devices(p) for p in others)) if others else set()
     found: list[common.Placement] = []
-    if {node for node, _ in _devices(old)} <= alive:
+    if {node for node, _ in _devices(old)} <= alive and not _devices(old) & taken:
         found.append(old)
     first = old.stages[0]
     hardware = {
@@ -266,7 +278,6 @@ def placements_to_try(
         for d in n.devices
         if (d.ref.node_id, d.ref.device_id) in _devices(old)
     }
-    taken = set().union(*(_devices(p) for p in others)) if others else set()
     fixed, _ = memory_blocks(model.shape, config, max_seq_len)
     block = max(0, first.reserved_bytes[0] - fixed) // max(1, first.layer_count)
     usable = [c for c in placement.candidates(nodes) if not hardware or c.hardware_type in hardware]

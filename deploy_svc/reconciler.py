@@ -62,9 +62,21 @@ def _with_reason(said: str, event: dict) -> str:
     return f"{said}: {why}" if why else said
 
 
-def _stopped_heartbeating(nodes: Iterable[str]) -> str:
-    """Why a replica on ``nodes`` is lost, in the words the restart record keeps."""
-    return f"node agent(s) {', '.join(sorted(nodes))} stopped heartbeating"
+def _stopped_heartbeating(nodes: Iterable[str], stopped: Iterable[str] = ()) -> str:
+    """Why a replica on the dead ``nodes`` is lost, in the words the restart record
+    keeps; those among ``stopped`` (their agents stopped cleanly, a planned stop) said
+    to be."""
+    planned = sorted(set(nodes) & set(stopped))
+    lapsed = sorted(set(nodes) - set(planned))
+    parts = [f"node agent(s) {', '.join(lapsed)} stopped heartbeating"] if lapsed else []
+    if planned:
+        parts.append(f"node agent(s) {', '.join(planned)} stopped on purpose")
+    return "; ".join(parts)
+
+
+def _stopped_nodes(nodes: Iterable[common.NodeState]) -> set[str]:
+    """The ids of ``nodes`` whose agents stopped cleanly and have not come back."""
+    return {n.node_id for n in nodes if not n.alive and n.stopped_at_unix_ms}
 
 
 def _restarted(nodes: Iterable[str]) -> str:
@@ -350,7 +362,7 @@ class Reconciler:
         nodes = [n for n in await self.store.list_nodes() if n.node_id in on]
         dead = sorted(on - {n.node_id for n in nodes if n.alive})
         if dead:
-            return _stopped_heartbeating(dead)
+            return _stopped_heartbeating(dead, _stopped_nodes(nodes))
         replies = await asyncio.gather(
             *(
                 self.agents.stub(n.agent_address).ListWorkers(
@@ -409,6 +421,7 @@ class Reconciler:
         was last seen)."""
         nodes = await self.store.list_nodes()
         alive = {n.node_id for n in nodes if n.alive}
+        stopped = _stopped_nodes(nodes)
         forget_after_s = float(getattr(self.controller.settings, "node_forget_after_s", 0.0))
         if forget_after_s > 0:
             unseen_since_ms = int(time.time() * 1000 - forget_after_s * 1000)
@@ -429,7 +442,7 @@ class Reconciler:
                     lost.append(
                         self.controller.fail(
                             replica_group_id(deployment.deployment_id, replica.index),
-                            _stopped_heartbeating(dead),
+                            _stopped_heartbeating(dead, stopped),
                             lost_rank=True,
                         )
                     )

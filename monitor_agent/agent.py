@@ -39,6 +39,8 @@ from services.settings import SERVICE_ENV, WILDCARD_HOSTS, Settings, is_loopback
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.agent")
+# How long the record of a clean stop lasts when dead nodes are never forgotten.
+STOPPED_RECORD_S = 86_400.0
 
 
 def advertised_host(bind_host: str) -> str:
@@ -132,6 +134,18 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
                 "stop that agent or give this one another ISERVE_NODE_ID"
             )
 
+    async def stop() -> None:
+        """Stop every worker, then say in Redis that this node stopped on purpose: the
+        deployer moves its replicas at once and says why, where it waited for the
+        heartbeat to lapse and recorded a lost node ("do not answer")."""
+        await supervisor.stop_all()
+        try:
+            await store.mark_node_stopped(
+                settings.node_id, settings.node_forget_after_s or STOPPED_RECORD_S
+            )
+        except Exception as exc:  # noqa: BLE001 - Redis down: the heartbeat lapses instead
+            log.warning("could not record this node's stop in Redis: %s", exc)
+
     servicer = AgentServicer(settings, devices, supervisor)
     binding = ServiceBinding(
         servicer,
@@ -142,7 +156,7 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         bindings=[binding],
         on_start=refuse_a_node_id_in_use,
         background=[monitor.run, supervisor.reap_forever],
-        on_stop=supervisor.stop_all,
+        on_stop=stop,
         registry=registry,
     )
 

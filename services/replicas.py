@@ -16,6 +16,14 @@ STARTING = deploy_pb.DEPLOYMENT_STATE_STARTING
 READY = deploy_pb.DEPLOYMENT_STATE_READY
 FAILED = deploy_pb.DEPLOYMENT_STATE_FAILED
 MAX_REPLICAS = 16
+# How the reason of a replica waiting for a node that is gone begins (deploy_svc.healing
+# writes it): it holds no device and starts again once the node is back.
+WAITING_FOR_NODE = "waiting for "
+
+
+def waits_for_a_node(replica: deploy_pb.Replica) -> bool:
+    """Whether ``replica`` waits, not started, for a node that is gone to come back."""
+    return replica.state == STARTING and replica.state_reason.startswith(WAITING_FOR_NODE)
 
 
 def reason_summary(reason: str) -> str:

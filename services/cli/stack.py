@@ -326,10 +326,16 @@ def _kept_deployments(redis_url: str) -> list[str] | None:
 
 
 def _serving(deployment: deploy_pb.Deployment) -> bool:
-    """READY, and the worker of every replica not taken out for good answers: a record
-    from before a stop names workers that are gone until the deployer has restarted
-    them. A replica the deployer gave up on (FAILED) is not waited for."""
-    kept = [r for r in replicas.replicas_of(deployment) if r.state != replicas.FAILED]
+    """READY, and the worker of every replica not taken out answers: a record from
+    before a stop names workers that are gone until the deployer has restarted them. A
+    replica the deployer gave up on (FAILED), or one waiting for a node that is gone
+    (another host's agent, which may be down for hours), is not waited for: `iserve up`
+    waited its whole 300 s for one while the deployment served on its other replica."""
+    kept = [
+        r
+        for r in replicas.replicas_of(deployment)
+        if r.state != replicas.FAILED and not replicas.waits_for_a_node(r)
+    ]
     return (
         deployment.state == deploy_pb.DEPLOYMENT_STATE_READY
         and bool(kept)
@@ -341,11 +347,12 @@ def _serving(deployment: deploy_pb.Deployment) -> bool:
 
 
 def _replicas_out(deployment: deploy_pb.Deployment) -> str:
-    """ " (replica N out: reason; …)" for the replicas the deployer gave up on, else ""."""
+    """ " (replica N out: reason; …)" for the replicas the deployer gave up on or that
+    wait for a node that is gone, else ""."""
     out = [
         f"replica {r.index} out: {replicas.reason_summary(r.state_reason)}"
         for r in deployment.replicas
-        if r.state == replicas.FAILED
+        if r.state == replicas.FAILED or replicas.waits_for_a_node(r)
     ]
     return f" ({'; '.join(out)})" if out else ""
 

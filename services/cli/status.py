@@ -138,11 +138,16 @@ def _asked(settings: Settings, status: dict, service: str, what: str, call):
 
 def _dead(node: dict) -> str:
     """ " (dead, last seen <UTC time>)" for a node whose agent stopped heartbeating;
-    " (unreachable: why)" for one whose agent heartbeats but did not answer the deployer."""
+    " (stopped on purpose at <UTC time>)" for one whose agent stopped cleanly; " (unreachable:
+    why)" for one whose agent heartbeats but did not answer the deployer."""
     if node.get("alive"):
         return ""
     if node.get("unreachable"):
         return f" (unreachable: {node['unreachable']})"
+    stopped_ms = int(node.get("stopped_at_unix_ms") or 0)
+    if stopped_ms:  # its agent stopped cleanly: a planned stop, not a lost node
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(stopped_ms / 1000))
+        return f" (stopped on purpose at {when} UTC)"
     last_ms = int(node.get("heartbeat_at_unix_ms") or 0)
     if not last_ms:
         return " (dead)"

@@ -108,6 +108,11 @@ def node_index() -> str:
     return f"{PREFIX}nodes"
 
 
+def node_stopped(node_id: str) -> str:
+    """Set when the node's agent stopped cleanly (SIGTERM), deleted when it registers."""
+    return f"{PREFIX}node-stopped:{_part(node_id)}"
+
+
 def node_heartbeat(node_id: str) -> str:
     """Exists while the node's agent is alive (TTL)."""
     return f"{PREFIX}heartbeat:{_part(node_id)}"

@@ -520,6 +520,7 @@ class StateStore:
                     pipe.multi()
                     pipe.set(keys.node(node_id), encode(static))
                     pipe.sadd(keys.node_index(), node_id)
+                    pipe.delete(keys.node_stopped(node_id))
                     pipe.set(keys.node_heartbeat(node_id), now_ms(), px=int(ttl_s * 1000))
                     pipe.delete(keys.node_devices(node_id))
                     if wanted:
@@ -586,6 +587,9 @@ class StateStore:
         node = decode(common.NodeState, raw)
         beat = await self.redis.get(keys.node_heartbeat(node_id))
         node.alive = beat is not None
+        stopped = await self.redis.get(keys.node_stopped(node_id))
+        if stopped is not None and not node.alive:
+            node.stopped_at_unix_ms = int(stopped)
         device_ids = sorted(await self.redis.smembers(keys.node_devices(node_id)), key=_natural)
         for device_id in device_ids:
             dev = await self.get_device(common.DeviceRef(node_id=node_id, device_id=device_id))
@@ -596,6 +600,16 @@ class StateStore:
         last = max((d.updated_at_unix_ms for d in node.devices), default=0)
         node.heartbeat_at_unix_ms = int(beat) if beat is not None else last
         return node
+
+    async def mark_node_stopped(self, node_id: str, ttl_s: float) -> None:
+        """Record that node ``node_id``'s agent stopped cleanly (its workers with it), and
+        end its heartbeat: the deployer takes its replicas elsewhere at once, saying the
+        stop was planned, where it waited for the heartbeat to lapse and called it lost.
+        The record lasts ``ttl_s`` (or until the node registers again)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.node_stopped(node_id), now_ms(), px=max(1, int(ttl_s * 1000)))
+            pipe.delete(keys.node_heartbeat(node_id))
+            await pipe.execute()
 
     async def forget_node(self, node_id: str, unseen_since_ms: int) -> bool:
         """Delete the records of node ``node_id`` (its entry, its devices) when it is dead,
@@ -629,7 +643,12 @@ class StateStore:
                         return False
                     pipe.multi()
                     pipe.srem(keys.node_index(), node_id)
-                    pipe.delete(keys.node(node_id), keys.node_devices(node_id), *device_keys)
+                    pipe.delete(
+                        keys.node(node_id),
+                        keys.node_devices(node_id),
+                        keys.node_stopped(node_id),
+                        *device_keys,
+                    )
                     await pipe.execute()
                     return True
                 except WatchError:

@@ -298,6 +298,24 @@ def test_an_agent_killed_and_started_again_at_once_spends_no_restart_budget(own_
     assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20)
 
 
+def test_an_agent_stopped_on_purpose_is_said_to_be_and_spends_no_restart_budget(
+    own_stack, deployment
+):
+    """A planned stop (SIGTERM: an upgrade, a drained node) of the agent read "node
+    agent(s) ... do not answer (worker unreachable ...)", as a crash would (a probe)."""
+    stack, deployment_id = own_stack, deployment.deployment_id
+    held = reserved_by_device(stack)
+    pids = worker_pids(stack, deployment_id)
+    launcher.restart_service(stack.settings, "agent")  # SIGTERM, then started again
+    serving_again(stack, deployment_id, pids)
+    reasons = restart_reasons(stack, deployment_id)
+    assert reasons and reasons[0].startswith("node agent(s) node0 stopped on purpose"), reasons
+    record = json.loads(with_store(stack, lambda st: st.get_restarts(deployment_id)))
+    assert record["in_a_row"] == 0, record
+    serves(stack, deployment_id)
+    assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20)
+
+
 def test_workers_an_agent_kept_while_it_was_stopped_are_stopped_when_it_is_back(
     own_stack, deployment
 ):

@@ -81,6 +81,12 @@ def test_status_lists_a_dead_node_with_when_it_was_last_seen():
                 "unreachable": "UNAVAILABLE: connection refused",
                 "devices": [device],
             },
+            {  # its agent stopped cleanly (SIGTERM)
+                "node_id": "e",
+                "heartbeat_at_unix_ms": "1795669200000",
+                "stopped_at_unix_ms": "1795669260000",
+                "devices": [device],
+            },
         ],
         "models": [],
         "deployments": [],
@@ -91,6 +97,7 @@ def test_status_lists_a_dead_node_with_when_it_was_last_seen():
         "b (dead, last seen 2026-11-26 05:00:00 UTC)",
         "c (dead)",
         "d (unreachable: UNAVAILABLE: connection refused)",
+        "e (stopped on purpose at 2026-11-26 05:01:00 UTC)",
     ]
 
 

@@ -241,6 +241,47 @@ def test_replicas_waiting_to_restart_hold_no_devices_for_each_other():
     assert placements_to_try(model(), pp2, first, nodes, held_placements(deployment, 0), 128) == []
 
 
+def test_a_replica_back_with_its_node_does_not_share_a_device_with_another_replica():
+    """Replica 1 healed onto node0's two devices while replica 0 waited for node1; when
+    node1 came back, replica 0 went back to its old placement on node0/cpu0 + node1/cpu0,
+    and node0/cpu0 held both (a probe, through four more losses)."""
+    pp2 = common.DeploymentConfig(
+        tensor_parallel=1, pipeline_parallel=2, batch_size=1, dtype=common.PRECISION_FLOAT32
+    )
+    fixed, block = memory_blocks(model().shape, pp2, 128)
+    old = stages_on(("node0", "node1"), fixed + 4 * block)
+    healed = stages_on(("node0", "node0"), fixed + 4 * block)
+    healed.stages[1].devices[0].device_id = "cpu1"
+    nodes = [node(1, 1, node_id="node0"), node(1, 1, node_id="node1")]
+    tries = placements_to_try(model(), pp2, old, nodes, [healed], 128)
+    assert tries and all(not set(devices_of(p)) & {"node0/cpu0", "node0/cpu1"} for p in tries), [
+        devices_of(p) for p in tries
+    ]
+    assert sorted(devices_of(tries[0])) == ["node1/cpu0", "node1/cpu1"]
+
+
+def test_a_node_stopped_on_purpose_is_said_to_be():
+    """A planned stop (SIGTERM) of nodeb's agent read "node agent(s) nodeb do not answer
+    (worker unreachable ...)", as a crash would."""
+    from deploy_svc.reconciler import _stopped_heartbeating, _stopped_nodes
+
+    stopped = node(1, node_id="node1")
+    stopped.alive, stopped.stopped_at_unix_ms = False, 1
+    lapsed = node(1, node_id="node2")
+    lapsed.alive = False
+    assert _stopped_nodes([stopped, lapsed, node(1)]) == {"node1"}
+    assert _stopped_heartbeating({"node1", "node2"}, {"node1"}) == (
+        "node agent(s) node2 stopped heartbeating; node agent(s) node1 stopped on purpose"
+    )
+    pp2 = common.DeploymentConfig(
+        tensor_parallel=1, pipeline_parallel=2, batch_size=1, dtype=common.PRECISION_FLOAT32
+    )
+    fixed, block = memory_blocks(model().shape, pp2, 128)
+    old = stages_on(("node0", "node1"), fixed + 1000 * block)
+    why = waiting_for_nodes(old, [node(0.001), stopped], {})
+    assert why.startswith("waiting for node(s) node1 stopped on purpose, and the live "), why
+
+
 def test_a_replica_across_nodes_waits_for_a_dead_one_while_the_live_ones_cannot_hold_it():
     """Pipeline stages on node0 and node1; node1 stops heartbeating and node0 alone has
     no room for both stages. That is a wait for node1 (which may come back: an agent

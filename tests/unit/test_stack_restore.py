@@ -58,3 +58,37 @@ def test_a_replica_given_up_is_not_waited_for_and_is_named(worker):
     starting = deployment((READY, worker, ""))
     starting.state = STARTING
     assert not _serving(starting)
+
+
+def test_a_replica_waiting_for_a_node_that_is_gone_is_not_waited_for(worker):
+    """`iserve up` waited its whole 300 s for a replica whose other host's agent was down,
+    while the deployment served on its other replica."""
+    from deploy_svc.healing import waiting_for_nodes
+    from services.api import common_pb2 as common
+
+    old = common.Placement(
+        stages=[
+            common.StagePlacement(devices=[common.DeviceRef(node_id="nodeb", device_id="cpu0")])
+        ]
+    )
+    nodes = [
+        common.NodeState(
+            node_id="nodeb",
+            alive=False,
+            devices=[common.DeviceState(ref=old.stages[0].devices[0], hardware_type="cpu")],
+        ),
+        common.NodeState(
+            node_id="node0",
+            alive=True,
+            devices=[
+                common.DeviceState(
+                    ref=common.DeviceRef(node_id="node0", device_id="cpu0"), hardware_type="cpu"
+                )
+            ],
+        ),
+    ]
+    reason = waiting_for_nodes(old, nodes)
+    assert reason.startswith("waiting for node(s) nodeb: stopped heartbeating")
+    waiting = deployment((READY, worker, ""), (STARTING, "", reason))
+    assert _serving(waiting)
+    assert _replicas_out(waiting).startswith(" (replica 1 out: waiting for node(s) nodeb")

@@ -54,6 +54,26 @@ def test_models_are_created_once(run):
     run(body)
 
 
+def test_a_node_stopped_on_purpose_is_dead_at_once_and_says_so_until_it_registers(run):
+    """A clean stop of an agent (SIGTERM) left its heartbeat to lapse, and the deployer
+    then called the node lost ("do not answer"), as if it had crashed."""
+
+    async def body(store):
+        await store.register_node(_node(), ttl_s=5)
+        assert (await store.get_node("n0")).alive
+        await store.mark_node_stopped("n0", ttl_s=60)
+        stopped = await store.get_node("n0")
+        assert not stopped.alive and stopped.stopped_at_unix_ms > 0
+        assert [n.stopped_at_unix_ms for n in await store.list_nodes()] == [
+            stopped.stopped_at_unix_ms
+        ]
+        await store.register_node(_node(), ttl_s=5)  # back
+        back = await store.get_node("n0")
+        assert back.alive and back.stopped_at_unix_ms == 0
+
+    run(body)
+
+
 def test_reserve_is_all_or_nothing_and_release_is_idempotent(run):
     async def body(store):
         await store.register_node(_node(), ttl_s=5)

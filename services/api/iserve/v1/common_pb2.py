@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16iserve/v1/common.proto\x12\tiserve.v1\"\x87\x02\n\x12\x43ompressionVariant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x0cweight_quant\x18\x02 \x01(\x0e\x32\x16.iserve.v1.WeightQuant\x12$\n\x08kv_quant\x18\x03 \x01(\x0e\x32\x12.iserve.v1.KvQuant\x12#\n\x07pruning\x18\x04 \x01(\x0e\x32\x12.iserve.v1.Pruning\x12!\n\x19structured_prune_fraction\x18\x05 \x01(\x01\x12\x1b\n\x0e\x61\x63\x63uracy_score\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\x0f\x63heckpoint_path\x18\x07 \x01(\tB\x11\n\x0f_accuracy_score\"\x8e\x02\n\x10\x44\x65ploymentConfig\x12\x17\n\x0ftensor_parallel\x18\x01 \x01(\r\x12\x19\n\x11pipeline_parallel\x18\x02 \x01(\r\x12\x14\n\x0cvariant_name\x18\x03 \x01(\t\x12,\n\x0cweight_quant\x18\x04 \x01(\x0e\x32\x16.iserve.v1.WeightQuant\x12$\n\x08kv_quant\x18\x05 \x01(\x0e\x32\x12.iserve.v1.KvQuant\x12#\n\x07pruning\x18\x06 \x01(\x0e\x32\x12.iserve.v1.Pruning\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12#\n\x05\x64type\x18\x08 \x01(\x0e\x32\x14.iserve.v1.Precision\"/\n\tDeviceRef\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\t\"\x88\x01\n\x0eStagePlacement\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x02 \x01(\r\x12\x13\n\x0blayer_count\x18\x03 \x01(\r\x12%\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x14.iserve.v1.DeviceRef\x12\x16\n\x0ereserved_bytes\x18\x05 \x03(\x04\"6\n\tPlacement\x12)\n\x06stages\x18\x01 \x03(\x0b\x32\x19.iserve.v1.StagePlacement\"\xa4\x02\n\x0b\x44\x65viceState\x12!\n\x03ref\x18\x01 \x01(\x0b\x32\x14.iserve.v1.DeviceRef\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.iserve.v1.DeviceKind\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x15\n\rhardware_type\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x12\n\nused_bytes\x18\x06 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x07 \x01(\x04\x12\x12\n\nfree_bytes\x18\x08 \x01(\x04\x12\x0c\n\x04load\x18\t \x01(\x01\x12\x11\n\tcpu_cores\x18\n \x03(\r\x12\x16\n\x0e\x64\x65ployment_ids\x18\x0b \x03(\t\x12\x1a\n\x12updated_at_unix_ms\x18\x0c \x01(\x03\"\x9e\x01\n\tNodeState\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\'\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x16.iserve.v1.DeviceState\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x1c\n\x14heartbeat_at_unix_ms\x18\x05 \x01(\x03\x12\x13\n\x0bunreachable\x18\x06 \x01(\t\"\x8b\x01\n\x11ServiceObjectives\x12/\n\nscheduling\x18\x01 \x01(\x0e\x32\x1b.iserve.v1.SchedulingPolicy\x12\x13\n\x0bttft_slo_ms\x18\x02 \x01(\r\x12\x13\n\x0btpot_slo_ms\x18\x03 \x01(\r\x12\x1b\n\x13\x64\x65\x66\x61ult_deadline_ms\x18\x04 \x01(\r\"\x84\x01\n\x0cLatencyModel\x12\x18\n\x10prefill_fixed_ms\x18\x01 \x01(\x01\x12\x1c\n\x14prefill_ms_per_token\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_step_ms\x18\x03 \x01(\x01\x12$\n\x1c\x64\x65\x63ode_ms_per_extra_sequence\x18\x04 \x01(\x01\"\xdb\x01\n\x06Intent\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.iserve.v1.IntentKind\x12,\n\x0c\x63ost_formula\x18\x02 \x01(\x0e\x32\x16.iserve.v1.CostFormula\x12\x16\n\x0elatency_slo_ms\x18\x03 \x01(\x01\x12\x13\n\x0b\x63ost_budget\x18\x04 \x01(\x01\x12\x19\n\x0cmin_accuracy\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12%\n\x1d\x61llow_best_available_accuracy\x18\x06 \x01(\x08\x42\x0f\n\r_min_accuracy\"\x99\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\tB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"O\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01*\xa7\x01\n\x0bWeightQuant\x12\x1c\n\x18WEIGHT_QUANT_UNSPECIFIED\x10\x00\x12\x15\n\x11WEIGHT_QUANT_NONE\x10\x01\x12\x15\n\x11WEIGHT_QUANT_INT8\x10\x02\x12\x15\n\x11WEIGHT_QUANT_INT4\x10\x03\x12\x1a\n\x16WEIGHT_QUANT_GPTQ_INT4\x10\x04\x12\x19\n\x15WEIGHT_QUANT_AWQ_INT4\x10\x05*I\n\x07KvQuant\x12\x18\n\x14KV_QUANT_UNSPECIFIED\x10\x00\x12\x11\n\rKV_QUANT_NONE\x10\x01\x12\x11\n\rKV_QUANT_INT8\x10\x02*m\n\x07Pruning\x12\x17\n\x13PRUNING_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRUNING_NONE\x10\x01\x12\x1f\n\x1bPRUNING_SEMI_STRUCTURED_2_4\x10\x02\x12\x16\n\x12PRUNING_STRUCTURED\x10\x03*l\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x15\n\x11PRECISION_FLOAT32\x10\x01\x12\x15\n\x11PRECISION_FLOAT16\x10\x02\x12\x16\n\x12PRECISION_BFLOAT16\x10\x03*\xa5\x01\n\x0bModelFamily\x12\x1c\n\x18MODEL_FAMILY_UNSPECIFIED\x10\x00\x12\x16\n\x12MODEL_FAMILY_LLAMA\x10\x01\x12\x16\n\x12MODEL_FAMILY_QWEN2\x10\x02\x12\x17\n\x13MODEL_FAMILY_FALCON\x10\x03\x12\x15\n\x11MODEL_FAMILY_GPTJ\x10\x04\x12\x18\n\x14MODEL_FAMILY_MISTRAL\x10\x05*\xf5\x01\n\nIntentKind\x12\x1b\n\x17INTENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14INTENT_KIND_MIN_COST\x10\x01\x12\x1b\n\x17INTENT_KIND_MIN_LATENCY\x10\x02\x12\x1a\n\x16INTENT_KIND_MIN_MEMORY\x10\x03\x12 \n\x1cINTENT_KIND_MIN_DEVICE_HOURS\x10\x04\x12\x1b\n\x17INTENT_KIND_LATENCY_SLO\x10\x05\x12\x18\n\x14INTENT_KIND_COST_SLO\x10\x06\x12\x1e\n\x1aINTENT_KIND_MAX_THROUGHPUT\x10\x07*\x8a\x01\n\x0b\x43ostFormula\x12\x1c\n\x18\x43OST_FORMULA_UNSPECIFIED\x10\x00\x12%\n!COST_FORMULA_MEMORY_TIMES_LATENCY\x10\x01\x12\x17\n\x13\x43OST_FORMULA_MEMORY\x10\x02\x12\x1d\n\x19\x43OST_FORMULA_DEVICE_HOURS\x10\x03*\x91\x01\n\x0fPlacementPolicy\x12 \n\x1cPLACEMENT_POLICY_UNSPECIFIED\x10\x00\x12\x1b\n\x17PLACEMENT_POLICY_HYBRID\x10\x01\x12\x1c\n\x18PLACEMENT_POLICY_PACKING\x10\x02\x12!\n\x1dPLACEMENT_POLICY_LEAST_LOADED\x10\x03*\\\n\nDeviceKind\x12\x1b\n\x17\x44\x45VICE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44\x45VICE_KIND_CPU_VIRTUAL\x10\x01\x12\x14\n\x10\x44\x45VICE_KIND_CUDA\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*l\n\x10SchedulingPolicy\x12!\n\x1dSCHEDULING_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16SCHEDULING_POLICY_FCFS\x10\x01\x12\x19\n\x15SCHEDULING_POLICY_EDF\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16iserve/v1/common.proto\x12\tiserve.v1\"\x87\x02\n\x12\x43ompressionVariant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x0cweight_quant\x18\x02 \x01(\x0e\x32\x16.iserve.v1.WeightQuant\x12$\n\x08kv_quant\x18\x03 \x01(\x0e\x32\x12.iserve.v1.KvQuant\x12#\n\x07pruning\x18\x04 \x01(\x0e\x32\x12.iserve.v1.Pruning\x12!\n\x19structured_prune_fraction\x18\x05 \x01(\x01\x12\x1b\n\x0e\x61\x63\x63uracy_score\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\x0f\x63heckpoint_path\x18\x07 \x01(\tB\x11\n\x0f_accuracy_score\"\x8e\x02\n\x10\x44\x65ploymentConfig\x12\x17\n\x0ftensor_parallel\x18\x01 \x01(\r\x12\x19\n\x11pipeline_parallel\x18\x02 \x01(\r\x12\x14\n\x0cvariant_name\x18\x03 \x01(\t\x12,\n\x0cweight_quant\x18\x04 \x01(\x0e\x32\x16.iserve.v1.WeightQuant\x12$\n\x08kv_quant\x18\x05 \x01(\x0e\x32\x12.iserve.v1.KvQuant\x12#\n\x07pruning\x18\x06 \x01(\x0e\x32\x12.iserve.v1.Pruning\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12#\n\x05\x64type\x18\x08 \x01(\x0e\x32\x14.iserve.v1.Precision\"/\n\tDeviceRef\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\t\"\x88\x01\n\x0eStagePlacement\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x02 \x01(\r\x12\x13\n\x0blayer_count\x18\x03 \x01(\r\x12%\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x14.iserve.v1.DeviceRef\x12\x16\n\x0ereserved_bytes\x18\x05 \x03(\x04\"6\n\tPlacement\x12)\n\x06stages\x18\x01 \x03(\x0b\x32\x19.iserve.v1.StagePlacement\"\xa4\x02\n\x0b\x44\x65viceState\x12!\n\x03ref\x18\x01 \x01(\x0b\x32\x14.iserve.v1.DeviceRef\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.iserve.v1.DeviceKind\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x15\n\rhardware_type\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x12\n\nused_bytes\x18\x06 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x07 \x01(\x04\x12\x12\n\nfree_bytes\x18\x08 \x01(\x04\x12\x0c\n\x04load\x18\t \x01(\x01\x12\x11\n\tcpu_cores\x18\n \x03(\r\x12\x16\n\x0e\x64\x65ployment_ids\x18\x0b \x03(\t\x12\x1a\n\x12updated_at_unix_ms\x18\x0c \x01(\x03\"\xba\x01\n\tNodeState\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\ragent_address\x18\x02 \x01(\t\x12\'\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x16.iserve.v1.DeviceState\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x1c\n\x14heartbeat_at_unix_ms\x18\x05 \x01(\x03\x12\x13\n\x0bunreachable\x18\x06 \x01(\t\x12\x1a\n\x12stopped_at_unix_ms\x18\x07 \x01(\x03\"\x8b\x01\n\x11ServiceObjectives\x12/\n\nscheduling\x18\x01 \x01(\x0e\x32\x1b.iserve.v1.SchedulingPolicy\x12\x13\n\x0bttft_slo_ms\x18\x02 \x01(\r\x12\x13\n\x0btpot_slo_ms\x18\x03 \x01(\r\x12\x1b\n\x13\x64\x65\x66\x61ult_deadline_ms\x18\x04 \x01(\r\"\x84\x01\n\x0cLatencyModel\x12\x18\n\x10prefill_fixed_ms\x18\x01 \x01(\x01\x12\x1c\n\x14prefill_ms_per_token\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_step_ms\x18\x03 \x01(\x01\x12$\n\x1c\x64\x65\x63ode_ms_per_extra_sequence\x18\x04 \x01(\x01\"\xdb\x01\n\x06Intent\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.iserve.v1.IntentKind\x12,\n\x0c\x63ost_formula\x18\x02 \x01(\x0e\x32\x16.iserve.v1.CostFormula\x12\x16\n\x0elatency_slo_ms\x18\x03 \x01(\x01\x12\x13\n\x0b\x63ost_budget\x18\x04 \x01(\x01\x12\x19\n\x0cmin_accuracy\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12%\n\x1d\x61llow_best_available_accuracy\x18\x06 \x01(\x08\x42\x0f\n\r_min_accuracy\"\x99\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\tB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"O\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01*\xa7\x01\n\x0bWeightQuant\x12\x1c\n\x18WEIGHT_QUANT_UNSPECIFIED\x10\x00\x12\x15\n\x11WEIGHT_QUANT_NONE\x10\x01\x12\x15\n\x11WEIGHT_QUANT_INT8\x10\x02\x12\x15\n\x11WEIGHT_QUANT_INT4\x10\x03\x12\x1a\n\x16WEIGHT_QUANT_GPTQ_INT4\x10\x04\x12\x19\n\x15WEIGHT_QUANT_AWQ_INT4\x10\x05*I\n\x07KvQuant\x12\x18\n\x14KV_QUANT_UNSPECIFIED\x10\x00\x12\x11\n\rKV_QUANT_NONE\x10\x01\x12\x11\n\rKV_QUANT_INT8\x10\x02*m\n\x07Pruning\x12\x17\n\x13PRUNING_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRUNING_NONE\x10\x01\x12\x1f\n\x1bPRUNING_SEMI_STRUCTURED_2_4\x10\x02\x12\x16\n\x12PRUNING_STRUCTURED\x10\x03*l\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x15\n\x11PRECISION_FLOAT32\x10\x01\x12\x15\n\x11PRECISION_FLOAT16\x10\x02\x12\x16\n\x12PRECISION_BFLOAT16\x10\x03*\xa5\x01\n\x0bModelFamily\x12\x1c\n\x18MODEL_FAMILY_UNSPECIFIED\x10\x00\x12\x16\n\x12MODEL_FAMILY_LLAMA\x10\x01\x12\x16\n\x12MODEL_FAMILY_QWEN2\x10\x02\x12\x17\n\x13MODEL_FAMILY_FALCON\x10\x03\x12\x15\n\x11MODEL_FAMILY_GPTJ\x10\x04\x12\x18\n\x14MODEL_FAMILY_MISTRAL\x10\x05*\xf5\x01\n\nIntentKind\x12\x1b\n\x17INTENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14INTENT_KIND_MIN_COST\x10\x01\x12\x1b\n\x17INTENT_KIND_MIN_LATENCY\x10\x02\x12\x1a\n\x16INTENT_KIND_MIN_MEMORY\x10\x03\x12 \n\x1cINTENT_KIND_MIN_DEVICE_HOURS\x10\x04\x12\x1b\n\x17INTENT_KIND_LATENCY_SLO\x10\x05\x12\x18\n\x14INTENT_KIND_COST_SLO\x10\x06\x12\x1e\n\x1aINTENT_KIND_MAX_THROUGHPUT\x10\x07*\x8a\x01\n\x0b\x43ostFormula\x12\x1c\n\x18\x43OST_FORMULA_UNSPECIFIED\x10\x00\x12%\n!COST_FORMULA_MEMORY_TIMES_LATENCY\x10\x01\x12\x17\n\x13\x43OST_FORMULA_MEMORY\x10\x02\x12\x1d\n\x19\x43OST_FORMULA_DEVICE_HOURS\x10\x03*\x91\x01\n\x0fPlacementPolicy\x12 \n\x1cPLACEMENT_POLICY_UNSPECIFIED\x10\x00\x12\x1b\n\x17PLACEMENT_POLICY_HYBRID\x10\x01\x12\x1c\n\x18PLACEMENT_POLICY_PACKING\x10\x02\x12!\n\x1dPLACEMENT_POLICY_LEAST_LOADED\x10\x03*\\\n\nDeviceKind\x12\x1b\n\x17\x44\x45VICE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44\x45VICE_KIND_CPU_VIRTUAL\x10\x01\x12\x14\n\x10\x44\x45VICE_KIND_CUDA\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*l\n\x10SchedulingPolicy\x12!\n\x1dSCHEDULING_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16SCHEDULING_POLICY_FCFS\x10\x01\x12\x19\n\x15SCHEDULING_POLICY_EDF\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'iserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTQUANT']._serialized_start=2072
-  _globals['_WEIGHTQUANT']._serialized_end=2239
-  _globals['_KVQUANT']._serialized_start=2241
-  _globals['_KVQUANT']._serialized_end=2314
-  _globals['_PRUNING']._serialized_start=2316
-  _globals['_PRUNING']._serialized_end=2425
-  _globals['_PRECISION']._serialized_start=2427
-  _globals['_PRECISION']._serialized_end=2535
-  _globals['_MODELFAMILY']._serialized_start=2538
-  _globals['_MODELFAMILY']._serialized_end=2703
-  _globals['_INTENTKIND']._serialized_start=2706
-  _globals['_INTENTKIND']._serialized_end=2951
-  _globals['_COSTFORMULA']._serialized_start=2954
-  _globals['_COSTFORMULA']._serialized_end=3092
-  _globals['_PLACEMENTPOLICY']._serialized_start=3095
-  _globals['_PLACEMENTPOLICY']._serialized_end=3240
-  _globals['_DEVICEKIND']._serialized_start=3242
-  _globals['_DEVICEKIND']._serialized_end=3334
-  _globals['_FINISHREASON']._serialized_start=3337
-  _globals['_FINISHREASON']._serialized_end=3486
-  _globals['_SCHEDULINGPOLICY']._serialized_start=3488
-  _globals['_SCHEDULINGPOLICY']._serialized_end=3596
+  _globals['_WEIGHTQUANT']._serialized_start=2100
+  _globals['_WEIGHTQUANT']._serialized_end=2267
+  _globals['_KVQUANT']._serialized_start=2269
+  _globals['_KVQUANT']._serialized_end=2342
+  _globals['_PRUNING']._serialized_start=2344
+  _globals['_PRUNING']._serialized_end=2453
+  _globals['_PRECISION']._serialized_start=2455
+  _globals['_PRECISION']._serialized_end=2563
+  _globals['_MODELFAMILY']._serialized_start=2566
+  _globals['_MODELFAMILY']._serialized_end=2731
+  _globals['_INTENTKIND']._serialized_start=2734
+  _globals['_INTENTKIND']._serialized_end=2979
+  _globals['_COSTFORMULA']._serialized_start=2982
+  _globals['_COSTFORMULA']._serialized_end=3120
+  _globals['_PLACEMENTPOLICY']._serialized_start=3123
+  _globals['_PLACEMENTPOLICY']._serialized_end=3268
+  _globals['_DEVICEKIND']._serialized_start=3270
+  _globals['_DEVICEKIND']._serialized_end=3362
+  _globals['_FINISHREASON']._serialized_start=3365
+  _globals['_FINISHREASON']._serialized_end=3514
+  _globals['_SCHEDULINGPOLICY']._serialized_start=3516
+  _globals['_SCHEDULINGPOLICY']._serialized_end=3624
   _globals['_COMPRESSIONVARIANT']._serialized_start=38
   _globals['_COMPRESSIONVARIANT']._serialized_end=301
   _globals['_DEPLOYMENTCONFIG']._serialized_start=304
@@ -66,17 +66,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DEVICESTATE']._serialized_start=821
   _globals['_DEVICESTATE']._serialized_end=1113
   _globals['_NODESTATE']._serialized_start=1116
-  _globals['_NODESTATE']._serialized_end=1274
-  _globals['_SERVICEOBJECTIVES']._serialized_start=1277
-  _globals['_SERVICEOBJECTIVES']._serialized_end=1416
-  _globals['_LATENCYMODEL']._serialized_start=1419
-  _globals['_LATENCYMODEL']._serialized_end=1551
-  _globals['_INTENT']._serialized_start=1554
-  _globals['_INTENT']._serialized_end=1773
-  _globals['_SAMPLINGPARAMS']._serialized_start=1776
-  _globals['_SAMPLINGPARAMS']._serialized_end=1929
-  _globals['_USAGE']._serialized_start=1931
-  _globals['_USAGE']._serialized_end=1988
-  _globals['_TIMINGS']._serialized_start=1990
-  _globals['_TIMINGS']._serialized_end=2069
+  _globals['_NODESTATE']._serialized_end=1302
+  _globals['_SERVICEOBJECTIVES']._serialized_start=1305
+  _globals['_SERVICEOBJECTIVES']._serialized_end=1444
+  _globals['_LATENCYMODEL']._serialized_start=1447
+  _globals['_LATENCYMODEL']._serialized_end=1579
+  _globals['_INTENT']._serialized_start=1582
+  _globals['_INTENT']._serialized_end=1801
+  _globals['_SAMPLINGPARAMS']._serialized_start=1804
+  _globals['_SAMPLINGPARAMS']._serialized_end=1957
+  _globals['_USAGE']._serialized_start=1959
+  _globals['_USAGE']._serialized_end=2016
+  _globals['_TIMINGS']._serialized_start=2018
+  _globals['_TIMINGS']._serialized_end=2097
 # @@protoc_insertion_point(module_scope)

@@ -235,20 +235,22 @@ class DeviceState(_message.Message):
     def __init__(self, ref: _Optional[_Union[DeviceRef, _Mapping]] = ..., kind: _Optional[_Union[DeviceKind, str]] = ..., name: _Optional[str] = ..., hardware_type: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., load: _Optional[float] = ..., cpu_cores: _Optional[_Iterable[int]] = ..., deployment_ids: _Optional[_Iterable[str]] = ..., updated_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("node_id", "agent_address", "devices", "alive", "heartbeat_at_unix_ms", "unreachable")
+    __slots__ = ("node_id", "agent_address", "devices", "alive", "heartbeat_at_unix_ms", "unreachable", "stopped_at_unix_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_address: str
     devices: _containers.RepeatedCompositeFieldContainer[DeviceState]
     alive: bool
     heartbeat_at_unix_ms: int
     unreachable: str
-    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., alive: _Optional[bool] = ..., heartbeat_at_unix_ms: _Optional[int] = ..., unreachable: _Optional[str] = ...) -> None: ...
+    stopped_at_unix_ms: int
+    def __init__(self, node_id: _Optional[str] = ..., agent_address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., alive: _Optional[bool] = ..., heartbeat_at_unix_ms: _Optional[int] = ..., unreachable: _Optional[str] = ..., stopped_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ServiceObjectives(_message.Message):
     __slots__ = ("scheduling", "ttft_slo_ms", "tpot_slo_ms", "default_deadline_ms")
