@@ -156,10 +156,17 @@ def restore(record: RestartRecord | None, why: str) -> Restart:
 def served_again_note(record: RestartRecord, restoring_note: str = "") -> str:
     """The state reason of a replica serving again after a restart, or after a restore
     (its STARTING note ``restoring_note`` says which): a restore names no failure, which
-    would be another replica's, or one from before the stop."""
+    would be another replica's, or one from before the stop. A restart names how many
+    restarts in a row count against the budget."""
     if not record.total or restoring_note.startswith(RESTORING):
         return "serves again after a stop of the stack"
-    return f"restarted {record.total} time(s); last error: {record.last_error}"
+    # How many count against the budget: restarts after node losses spend none, and
+    # "restarted 5 time(s)" read as a budget of 5 spent.
+    counted = record.in_a_row or "none"
+    return (
+        f"restarted {record.total} time(s) ({counted} in a row against the restart "
+        f"budget); last error: {record.last_error}"
+    )
 
 
 def where(placement: common.Placement) -> str:

@@ -194,7 +194,8 @@ def test_a_worker_killed_mid_stream_heals_without_a_deploy(own_stack, deployment
             "its agent reports, rank(s) [0] are not running",
         )
     ), reasons
-    assert healed.state_reason == f"restarted {len(reasons)} time(s); last error: {reasons[-1]}"
+    assert healed.state_reason.startswith(f"restarted {len(reasons)} time(s) (")
+    assert healed.state_reason.endswith(f"against the restart budget); last error: {reasons[-1]}")
     assert healed.worker_address
     # Where people look: `iserve deployments` shows the replica's restarts and last error.
     listed = cli(stack, "deployments", "--model", MODEL)

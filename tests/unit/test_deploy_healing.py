@@ -90,7 +90,8 @@ def test_a_node_lost_spends_no_budget_but_is_counted_and_named():
         "restart now after: node agent(s) n1 stopped heartbeating (no restart budget spent)"
     )
     assert served_again_note(step.record) == (
-        "restarted 5 time(s); last error: node agent(s) n1 stopped heartbeating"
+        "restarted 5 time(s) (2 in a row against the restart budget); last error: node "
+        "agent(s) n1 stopped heartbeating"
     )
 
 
@@ -112,7 +113,9 @@ def test_a_restore_spends_no_budget_and_says_why():
     assert step.note == "starting again: the stack stopped"
     assert restore(None, "x").record == RestartRecord()
     assert served_again_note(RestartRecord()) == "serves again after a stop of the stack"
-    assert served_again_note(spent) == "restarted 4 time(s); last error: old"
+    assert served_again_note(spent) == (
+        "restarted 4 time(s) (2 in a row against the restart budget); last error: old"
+    )
     # A restore names no failure: the record's last error was another replica's, or
     # from before the stop.
     assert served_again_note(spent, step.note) == "serves again after a stop of the stack"
@@ -333,7 +336,10 @@ def test_a_dead_worker_is_restarted_on_its_devices_without_a_deploy(run):
         controller.reconciled.set()
         healed = await settle(store, deployment_id)
         assert healed.state == READY
-        assert healed.state_reason == "restarted 1 time(s); last error: worker rank 0 exited (-9)"
+        assert healed.state_reason == (
+            "restarted 1 time(s) (1 in a row against the restart budget); last error: worker "
+            "rank 0 exited (-9)"
+        )
         assert healed.worker_address and healed.worker_address != dep.worker_address
         assert healed.replicas[0].worker_address == healed.worker_address
         assert devices_of(healed.placement) == devices_of(dep.placement)
@@ -1022,8 +1028,8 @@ def test_replicas_lost_with_their_nodes_come_back_however_many(run):
             served = await settle(store, dep.deployment_id)
             assert served.state == READY, served.state_reason
         assert served.state_reason == (
-            f"restarted {FAST.max_restarts + 2} time(s); last error: node agent(s) node9 "
-            "stopped heartbeating"
+            f"restarted {FAST.max_restarts + 2} time(s) (none in a row against the restart "
+            "budget); last error: node agent(s) node9 stopped heartbeating"
         )
         record = await controller.healer.record_of(dep.deployment_id)
         assert record.in_a_row == 0
