@@ -461,6 +461,47 @@ def _check_files_agree(rows: Sequence[maveriq.Measurement], model_id: str) -> No
 OUTER_WEIGHT_BYTES = 2
 
 
+def _check_files_agree_with_kept(
+    imported: Sequence[model_pb.ProfileMeasurement],
+    kept: Sequence[model_pb.ProfileMeasurement],
+    model_id: str,
+) -> None:
+    """:func:`_check_files_agree` across imports: a run of a 923-token-prompt file
+    imported now against the same run in its _BS file imported before (or the other
+    way round). A file in milliseconds imported on its own beside rows in seconds was
+    taken, and put TTFTs at 50 minutes."""
+
+    def key(m: model_pb.ProfileMeasurement) -> tuple:
+        c = m.config
+        return (
+            m.hardware_type, m.variant_name, c.tensor_parallel, c.pipeline_parallel,
+            tuple(m.stage_layers), m.output_tokens,
+        )  # fmt: skip
+
+    for long_file, short_file in maveriq.BATCH_FILES.items():
+        for news, olds in ((imported, kept), (kept, imported)):
+            short = {
+                key(m): m
+                for m in olds
+                if m.source_file == short_file and m.config.batch_size == 1 and m.latency_ms > 0
+            }
+            for row in news:
+                twin = short.get(key(row)) if row.source_file == long_file else None
+                if twin is None:
+                    continue
+                ratio = row.latency_ms / twin.latency_ms
+                if not FILES_SLACK[0] <= ratio <= FILES_SLACK[1]:
+                    raise InvalidArgument(
+                        f"{model_id}: the same run (TP={row.config.tensor_parallel}, "
+                        f"PP_Map={list(row.stage_layers)}, {row.output_tokens} output tokens) "
+                        f"takes {row.latency_ms / 1e3:.6g} s in {long_file} and "
+                        f"{twin.latency_ms / 1e3:.6g} s in {short_file}, one of them "
+                        f"imported before ({ratio:.3g}x; runs of the published data are "
+                        "1.05-2.7x apart): is one of the files in other units than seconds? "
+                        "Nothing was imported"
+                    )
+
+
 def _check_memory(
     row: maveriq.Measurement,
     measurement: model_pb.ProfileMeasurement,
@@ -781,6 +822,7 @@ async def import_profiles(
             )
         # The rows kept come first, the imported ones after them.
         kept = profile.measurements[: len(profile.measurements) - len(imported.measurements)]
+        _check_files_agree_with_kept(imported.measurements, kept, imported.model_id)
         model = merge_model(existing, imported, now_ms, kept_rows=len(kept), owner=access.owner())
         note = _check_estimable(existing, before, model, profile, plan.hardware_type)
         if note:

@@ -968,3 +968,32 @@ def test_a_file_in_milliseconds_beside_its_twin_in_seconds_is_refused():
         "fingerprint_data_collection.csv:2 and fingerprint_data_collection_BS.csv:2: llama-2-7b"
     )
     assert "(1.25e+03x;" in said and "in other units than seconds?" in said
+
+
+def test_a_file_in_milliseconds_imported_after_its_twin_in_seconds_is_refused(run):
+    """The same file alone, its _BS twin imported before: the check within one import
+    did not see the twin, and TTFTs came out at 50 minutes (a probe)."""
+
+    async def scenario(store: StateStore):
+        twin = {"fingerprint_data_collection_BS.csv": _estimable_rows(scale=0.8)}
+        await import_profiles(store, request(twin))
+        before = await store.get_profile("llama-2-7b")
+        milliseconds = {"fingerprint_data_collection.csv": _estimable_rows(scale=1000.0)}
+        with pytest.raises(InvalidArgument) as refused:
+            await import_profiles(store, request(milliseconds))
+        said = str(refused.value)
+        assert said.startswith("llama-2-7b: the same run (TP=1, PP_Map=[1], 10 output tokens)")
+        assert "one of them imported before (1.25e+03x;" in said
+        assert said.endswith("Nothing was imported")
+        assert await store.get_profile("llama-2-7b") == before
+        # In seconds, it is taken; and a _BS file in milliseconds after it is refused too.
+        await import_profiles(
+            store, request({"fingerprint_data_collection.csv": _estimable_rows()})
+        )
+        with pytest.raises(InvalidArgument, match="in other units than seconds"):
+            await import_profiles(
+                store,
+                request({"fingerprint_data_collection_BS.csv": _estimable_rows(scale=800.0)}),
+            )
+
+    run(scenario)
