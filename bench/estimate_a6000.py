@@ -682,7 +682,14 @@ def print_larger_models(
         " full_model_data_collection.csv: read the larger models beside the smaller\nones of"
         " the same file. Measured models: their held-out fold; larger ones: fit on all four."
     )
-    print("estimate / measured - 1, %: latency, memory per batch size (923-token prompt assumed)")
+    print(
+        "estimate / measured - 1, %: latency, memory per batch size (923-token prompt"
+        " assumed; the
+file's batch > 1 runs cannot have had one: llama-2-70b (1,8) grows"
+        " 6.7 s from batch 1 to 64,
+what 64 such prefills take a stage at the A6000's fp16"
+        " peak alone, so only batch 1 checks)"
+    )
     names = [m for m in (*MEASURED, *UNMEASURED) if any(r.model == m for r in runs)]
     batches = sorted({r.batch_size for r in runs})
     print(f"{'':12s} layout | " + " ".join(f"{f'batch {b}':>13s}" for b in batches))

@@ -343,6 +343,6 @@ def test_a_batch_beyond_the_profiled_ones_says_what_it_stands_on(run):
             ), result.notes
         large = await estimator.estimate("tiny", CPU, Workload(20, batch_size=64), 0)
         (note,) = [n for n in large.notes if n.startswith("batch 64")]
-        assert "lower bounds" in note or "no batch-2 profile" in note
+        assert "lower bound" in note or "no batch-2 profile" in note
 
     run(scenario)

@@ -431,3 +431,23 @@ def test_noise_never_makes_the_full_model_faster_than_its_fingerprints():
     )
     # Raised to what the largest fingerprint (2 layers) measured.
     assert refs.prompts[0].profiles[0].batch1.ttft_s[0] == pytest.approx(5e-3)
+
+
+def test_a_further_sequence_of_a_longer_prompt_costs_at_least_its_prefill():
+    """MaverIQ's batch-2 rows are short-prompt runs, whose TTFT overhead per sequence is
+    about nothing: charged to a 923-token prompt it made TTFT flat in the batch (a 70B
+    model prefilling 64 such prompts in 0.44 s on four A6000s)."""
+    from services.estimation.latency import REFERENCE_LAYOUTS
+    from services.estimation.references import ReferenceProfile
+
+    layouts = (*REFERENCE_LAYOUTS, (4, 1))
+    main = ReferenceProfile(layouts, (1.0, 0.6, 1.1, 0.4), (0.1, 0.06, 0.11, 0.04), (1, 1, 1, 1))
+    one = ReferenceProfile(REFERENCE_LAYOUTS, (0.2, 0.12, 0.21), (0.1, 0.06, 0.11), (1, 1, 1))
+    two = ReferenceProfile(REFERENCE_LAYOUTS, (0.19, 0.12, 0.2), (0.1, 0.06, 0.11), (1, 1, 1))
+    same = model_references._batch2(main, one, two)  # the overhead as measured
+    assert same.ttft_s == pytest.approx((0.99, 0.6, 1.09, 0.4))
+    longer = model_references._batch2(main, one, two, longer_prompt=True)
+    # At least main - one at each reference layout; a ladder layout (4,1) the (2,1)
+    # one's share 2/4.
+    assert longer.ttft_s == pytest.approx((1.8, 1.08, 1.99, 0.4 + 0.5 * 0.48))
+    assert longer.tpot_s == main.tpot_s  # decode's overhead is the prompt's own business
