@@ -287,9 +287,10 @@ class DeploymentController:
         budget = None
         if not explicit and request.intent.kind == common.INTENT_KIND_COST_SLO:
             budget = (request.intent.cost_formula, request.intent.cost_budget)
+        latency_first = not explicit and request.intent.kind == common.INTENT_KIND_MIN_LATENCY
         return planning.Prepared(
             model, limits, policy, cuda, options, hardware_type, note, nodes, objectives,
-            auto_batch, budget,
+            auto_batch, budget, latency_first,
         )  # fmt: skip
 
     async def _decide(

@@ -140,6 +140,16 @@ def batch_bound(
     return min(bounds, key=lambda b: b.batch)  # the first of equals: TPOT's
 
 
+def ttft_batch_bound(ttft1_ms: float, ttft2_ms: float) -> BatchBound:
+    """Largest B <= MAX_AUTO_BATCH whose TTFT stays within UNBOUNDED_TPOT_FACTOR x the
+    batch-1 TTFT: a MIN_LATENCY intent without a TTFT objective. Its batch was sized
+    by TPOT alone, and where decode's extra sequence costs nothing measurable (the A6000
+    data) that was 64 sequences whose prefills took a full batch 20 s where one took 0.4 s."""
+    limit = UNBOUNDED_TPOT_FACTOR * ttft1_ms
+    what = f"{UNBOUNDED_TPOT_FACTOR}x the batch-1 TTFT ({limit:.1f} ms, a min-latency intent)"
+    return _slo_batch_bound(what, ttft1_ms, ttft2_ms - ttft1_ms, limit, "TTFT")
+
+
 def tpot_batch_bound(tpot1_ms: float, per_sequence: float, tpot_slo_ms: int) -> BatchBound:
     """Largest B <= MAX_AUTO_BATCH with ``tpot1_ms + (B - 1) * per_sequence`` within the
     TPOT SLO, or within UNBOUNDED_TPOT_FACTOR x ``tpot1_ms`` when the SLO is 0."""

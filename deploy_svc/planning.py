@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from deploy_svc import placement
 from deploy_svc.explicit import ExplicitPlan, resolve_explicit
-from deploy_svc.objectives import BatchBound, batch_bound, largest_fitting
+from deploy_svc.objectives import BatchBound, batch_bound, largest_fitting, ttft_batch_bound
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
@@ -70,6 +70,8 @@ class Prepared:
     auto_batch: bool  # the request left the batch size to the deployer
     # A COST_SLO intent's (cost formula, budget): the batch chosen stays within it.
     cost_budget: tuple[int, float] | None = None
+    # A MIN_LATENCY intent: without a TTFT objective, its batch keeps TTFT near batch 1's.
+    latency_first: bool = False
 
 
 def hardware_order(nodes: Sequence[common.NodeState]) -> list[tuple[str, int]]:
@@ -339,6 +341,9 @@ def size_batch(
     if batch2 is None or not batch2.batch_measured:
         return with_note(decision, "batch 1: the model was not profiled at batch 2")
     bound = batch_bound(batch1, batch2, objectives)
+    if prepared.latency_first and not objectives.ttft_slo_ms:
+        ttft = ttft_batch_bound(batch1.ttft_ms, batch2.ttft_ms)
+        bound = ttft if ttft.batch < bound.batch else bound
     if prepared.cost_budget is not None:
         budget = budget_bound(batch1, batch2, *prepared.cost_budget, bound.batch)
         bound = budget if budget.batch < bound.batch else bound

@@ -237,3 +237,17 @@ def test_matching_estimate_finds_the_configuration():
     assert planning.matching_estimate([other, batch1], config) is batch1
     wanted = common.DeploymentConfig(tensor_parallel=4, pipeline_parallel=1)
     assert planning.matching_estimate([other, batch1], wanted) is None
+
+
+def test_a_min_latency_intent_keeps_ttft_near_batch_1s():
+    """Sized by TPOT alone, a min-latency deployment on the A6000 data (decode's extra
+    sequence costs nothing measurable there) took 64 sequences, whose prefills made the
+    full batch's TTFT 26 s where one took 0.53 s."""
+    from deploy_svc.objectives import ttft_batch_bound
+
+    # Prefill of each further sequence as long as the first's: batch 1 alone.
+    assert ttft_batch_bound(530.0, 1060.0).batch == 1
+    # A short prompt's prefill grows little: the TTFT bound is far off.
+    assert ttft_batch_bound(49.0, 50.9).batch == 13
+    assert ttft_batch_bound(49.0, 49.0).batch == 64  # the cap
+    assert "1.5x the batch-1 TTFT (794.4 ms" in ttft_batch_bound(529.6, 1059.2).reason
