@@ -9,7 +9,10 @@ the last token only), in inference mode. The figure is the process's peak reside
 "mask" runs the same pass through a boolean [T, T] mask built as the engine built it for
 every prefill before (``positions``-based, handed to ``scaled_dot_product_attention``);
 "causal" is the engine's path now (``is_causal``, no mask). Both run in this one
-invocation, alternating, ``--repeats`` times; medians are printed.
+invocation, alternating, ``--repeats`` times; medians are printed. Last, "reserved": what
+a deployment reserves for that prefill (``services.reservation.prefill_activation_bytes``)
+against the causal pass's added memory less the KV cache it writes (the cache is
+reserved on its own): the reservation must hold the pass.
 
 Run: ``python bench/prefill_memory.py [--lengths 4096,8192,16384] [--repeats 3]`` (about
 a minute on two cores).
@@ -72,7 +75,10 @@ def main() -> None:
     if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
         print("note: an address-space limit is set; large prompts may fail", file=sys.stderr)
 
-    from services.models.checkpoint import create_checkpoint
+    from fingerprint_svc.registry import model_shape
+    from services.api import common_pb2 as common
+    from services.models.checkpoint import create_checkpoint, validate_checkpoint
+    from services.reservation import prefill_activation_bytes
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "long"
@@ -84,14 +90,26 @@ def main() -> None:
             num_kv_heads=4,
             max_position_embeddings=32768,
         )
-        print("prompt tokens | added by the prefill, MiB: mask   causal | mask / causal")
+        checkpoint = validate_checkpoint(path)
+        spec = checkpoint.spec
+        shape = model_shape(spec, checkpoint.weight_bytes)
+        config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1)
+        print(
+            "prompt tokens | added by the prefill, MiB: mask   causal | mask / causal |"
+            " causal less KV, reserved MiB, reserved / it"
+        )
         for tokens in lengths:
             runs: dict[str, list[int]] = {"mask": [], "causal": []}
             for _ in range(args.repeats):
                 for mode in runs:
                     runs[mode].append(added_bytes(path, tokens, mode))
             mask, causal = (statistics.median(runs[m]) / MIB for m in ("mask", "causal"))
-            print(f"{tokens:13d} | {mask:40.0f} {causal:8.0f} | {mask / max(causal, 1):6.1f}x")
+            kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * tokens * 4 / MIB
+            reserved = prefill_activation_bytes(shape, config, tokens) / MIB
+            print(
+                f"{tokens:13d} | {mask:40.0f} {causal:8.0f} | {mask / max(causal, 1):12.1f}x |"
+                f" {causal - kv:15.0f} {reserved:12.0f} {reserved / max(causal - kv, 1):14.2f}x"
+            )
 
 
 if __name__ == "__main__":

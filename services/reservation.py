@@ -118,8 +118,12 @@ def _layer_activation_bytes(
     tokens: int, hidden_size: int, intermediate_size: int, tp: int, dtype_bytes: int
 ) -> int:
     """Activations one layer holds for ``tokens`` tokens on one of ``tp`` ranks: the
-    residual stream and the larger block's, linear in the tokens."""
-    return tokens * (4 * hidden_size + 3 * intermediate_size // tp) * dtype_bytes
+    residual stream and the larger block's, linear in the tokens, with what the
+    allocator holds beside them. ``bench/prefill_memory.py`` prints the pass's added
+    memory less the KV cache it writes against this: ``4H + 3I`` held 0.5-0.6 of it on
+    a 256-wide model (a 32k-token prompt's worker went 135-151 MiB past its reservation,
+    a probe), ``8H + 5I`` 1.1-1.4 at 4k-16k tokens."""
+    return tokens * (8 * hidden_size + 5 * intermediate_size // tp) * dtype_bytes
 
 
 def embedding_rank_bytes(shape: model_pb.ModelShape, config: common.DeploymentConfig) -> int:

@@ -259,9 +259,9 @@ def test_rank_memory_counts_quantized_and_pruned_weights():
         return rank_memory(shape, common.DeploymentConfig(**config), 1024, 32).weights_bytes
 
     # The embedding and LM head are the rank's fixed part, in the served dtype, with the
-    # longest prefill's activations: 1024 tokens of (4 * 4096 + 3 * 11008) values, and
+    # longest prefill's activations: 1024 tokens of (8 * 4096 + 5 * 11008) values, and
     # the last token's logits.
-    prefill = 1024 * (4 * 4096 + 3 * 11008) * 2 + 32000 * 8
+    prefill = 1024 * (8 * 4096 + 5 * 11008) * 2 + 32000 * 8
     for quant in (common.WEIGHT_QUANT_NONE, common.WEIGHT_QUANT_INT4):
         config = common.DeploymentConfig(weight_quant=quant)
         memory = rank_memory(shape, config, 1024, 32)
