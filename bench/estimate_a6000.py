@@ -684,10 +684,8 @@ def print_larger_models(
     )
     print(
         "estimate / measured - 1, %: latency, memory per batch size (923-token prompt"
-        " assumed; the
-file's batch > 1 runs cannot have had one: llama-2-70b (1,8) grows"
-        " 6.7 s from batch 1 to 64,
-what 64 such prefills take a stage at the A6000's fp16"
+        " assumed; the\nfile's batch > 1 runs cannot have had one: llama-2-70b (1,8) grows"
+        " 6.7 s from batch 1 to 64,\nwhat 64 such prefills take a stage at the A6000's fp16"
         " peak alone, so only batch 1 checks)"
     )
     names = [m for m in (*MEASURED, *UNMEASURED) if any(r.model == m for r in runs)]
