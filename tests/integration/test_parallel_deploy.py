@@ -171,7 +171,10 @@ def test_a_rank_killed_mid_stream_restarts_the_whole_group(stack):
     d = stack.deployments.GetDeployment(
         deploy_pb.GetDeploymentRequest(deployment_id=dep.deployment_id)
     ).deployment
-    assert re.match(r"restarted \d+ time\(s\); last error: ", d.state_reason)
+    assert re.match(
+        r"restarted \d+ time\(s\) \(\d+ in a row against the restart budget\); last error: ",
+        d.state_reason,
+    )
     assert any(word in d.state_reason for word in ("rank", "unreachable", "reserve"))
     _, final = generate(stack, deployment_id=dep.deployment_id, prompt="again", max_tokens=4)
     assert final.usage.completion_tokens >= 1

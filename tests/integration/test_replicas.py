@@ -182,7 +182,10 @@ def test_two_replicas_serve_and_one_heals_while_the_other_serves(stack, twin):
 
     assert wait_for(replica0_back, timeout=120)
     now = _get(stack, deployment_id)
-    assert re.match(r"restarted \d+ time\(s\); last error: ", now.replicas[0].state_reason)
+    assert re.match(
+        r"restarted \d+ time\(s\) \(\d+ in a row against the restart budget\); last error: ",
+        now.replicas[0].state_reason,
+    )
     assert now.worker_address == now.replicas[0].worker_address
     addresses = [now.replicas[0].worker_address, addresses[1]]
     assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20)
