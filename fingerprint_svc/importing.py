@@ -438,22 +438,42 @@ def _check_files_agree(rows: Sequence[maveriq.Measurement], model_id: str) -> No
     def key(row: maveriq.Measurement) -> tuple:
         return (*_run(row), row.output_tokens)
 
+    for row, twin, ratio in _twins_apart(
+        rows, rows, key, lambda r: r.source, lambda r: r.latency_s, lambda r: r.batch_size
+    ):
+        raise InvalidArgument(
+            f"{row.where} and {twin.where}: {model_id}: "
+            f"{_same_run(row.tp, row.pp_map, row.output_tokens)} takes "
+            f"{row.latency_s:.6g} s with the {maveriq.PROMPT_TOKENS[row.source]}-token "
+            f"prompt and {twin.latency_s:.6g} s with a short one {_apart(ratio)}"
+        )
+
+
+def _twins_apart(news, olds, key, source, latency, batch):
+    """(row, twin, ratio) for each row of ``news`` from a 923-token-prompt file whose
+    run in its _BS file, among ``olds`` at batch 1, is further apart than FILES_SLACK."""
     for long_file, short_file in maveriq.BATCH_FILES.items():
-        short = {key(r): r for r in rows if r.source == short_file and r.batch_size == 1}
-        for row in rows:
-            twin = short.get(key(row)) if row.source == long_file else None
-            if twin is None:
-                continue
-            ratio = row.latency_s / twin.latency_s
-            if not FILES_SLACK[0] <= ratio <= FILES_SLACK[1]:
-                raise InvalidArgument(
-                    f"{row.where} and {twin.where}: {model_id}: the same run (TP={row.tp}, "
-                    f"PP_Map={list(row.pp_map)}, {row.output_tokens} output tokens) takes "
-                    f"{row.latency_s:.6g} s with the {maveriq.PROMPT_TOKENS[long_file]}-token "
-                    f"prompt and {twin.latency_s:.6g} s "
-                    f"with a short one ({ratio:.3g}x; runs of the published data are "
-                    "1.05-2.7x apart): is one of the files in other units than seconds?"
-                )
+        short = {
+            key(r): r for r in olds if source(r) == short_file and batch(r) == 1 and latency(r) > 0
+        }
+        for row in news:
+            twin = short.get(key(row)) if source(row) == long_file else None
+            if twin is not None:
+                ratio = latency(row) / latency(twin)
+                if not FILES_SLACK[0] <= ratio <= FILES_SLACK[1]:
+                    yield row, twin, ratio
+
+
+def _same_run(tp: int, pp_map: Sequence[int], output_tokens: int) -> str:
+    return f"the same run (TP={tp}, PP_Map={list(pp_map)}, {output_tokens} output tokens)"
+
+
+def _apart(ratio: float) -> str:
+    """How far apart two files' runs are, against the published data's spread."""
+    return (
+        f"({ratio:.3g}x; runs of the published data are 1.05-2.7x apart): is one of the "
+        "files in other units than seconds?"
+    )
 
 
 # TensorRT-LLM's weight-only quantization leaves the token embedding and the LM head in
@@ -478,28 +498,21 @@ def _check_files_agree_with_kept(
             tuple(m.stage_layers), m.output_tokens,
         )  # fmt: skip
 
-    for long_file, short_file in maveriq.BATCH_FILES.items():
-        for news, olds in ((imported, kept), (kept, imported)):
-            short = {
-                key(m): m
-                for m in olds
-                if m.source_file == short_file and m.config.batch_size == 1 and m.latency_ms > 0
-            }
-            for row in news:
-                twin = short.get(key(row)) if row.source_file == long_file else None
-                if twin is None:
-                    continue
-                ratio = row.latency_ms / twin.latency_ms
-                if not FILES_SLACK[0] <= ratio <= FILES_SLACK[1]:
-                    raise InvalidArgument(
-                        f"{model_id}: the same run (TP={row.config.tensor_parallel}, "
-                        f"PP_Map={list(row.stage_layers)}, {row.output_tokens} output tokens) "
-                        f"takes {row.latency_ms / 1e3:.6g} s in {long_file} and "
-                        f"{twin.latency_ms / 1e3:.6g} s in {short_file}, one of them "
-                        f"imported before ({ratio:.3g}x; runs of the published data are "
-                        "1.05-2.7x apart): is one of the files in other units than seconds? "
-                        "Nothing was imported"
-                    )
+    for news, olds in ((imported, kept), (kept, imported)):
+        for row, twin, ratio in _twins_apart(
+            news,
+            olds,
+            key,
+            lambda m: m.source_file,
+            lambda m: m.latency_ms,
+            lambda m: m.config.batch_size,
+        ):
+            run = _same_run(row.config.tensor_parallel, row.stage_layers, row.output_tokens)
+            raise InvalidArgument(
+                f"{model_id}: {run} takes {row.latency_ms / 1e3:.6g} s in {row.source_file} "
+                f"and {twin.latency_ms / 1e3:.6g} s in {twin.source_file}, one of them "
+                f"imported before {_apart(ratio)} Nothing was imported"
+            )
 
 
 def _check_memory(
