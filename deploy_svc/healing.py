@@ -24,7 +24,7 @@ from deploy_svc.planning import placement_of
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
-from services.replicas import WAITING_FOR_NODE
+from services.replicas import WAITING_FOR_NODE, stopped_nodes
 from services.reservation import memory_blocks
 from services.settings import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_BACKOFF_S
 
@@ -213,7 +213,7 @@ def waiting_for_nodes(
     its nodes are no longer listed). ``unanswered``: the nodes taken as not alive because
     their agents did not answer (node id -> why), as said of them."""
     unanswered = unanswered or {}
-    stopped = {n.node_id for n in nodes if not n.alive and n.stopped_at_unix_ms}
+    stopped = stopped_nodes(nodes)
     used = _devices(old)
     on = {node for node, _ in used}
     hardware = {

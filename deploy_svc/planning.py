@@ -29,7 +29,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import default_dtype
 from services.errors import InvalidArgument, IServeError, ResourceExhausted
-from services.intents import COST_UNITS
+from services.intents import COST_FIELDS, COST_UNITS
 from services.reservation import memory_blocks
 from services.simulation import MAX_SIMULATED_DEVICES
 from services.state.capacity import free_bytes
@@ -360,15 +360,6 @@ def size_batch(
     return with_note(chosen, _batch_reason(batch, bound))
 
 
-def formula_cost(estimate: estimator_pb.ConfigEstimate, cost_formula: int) -> float:
-    """``estimate``'s cost under ``cost_formula``, as the estimator ranked it."""
-    if cost_formula == common.COST_FORMULA_MEMORY:
-        return estimate.cost_memory
-    if cost_formula == common.COST_FORMULA_DEVICE_HOURS:
-        return estimate.cost_device_hours
-    return estimate.cost_memory_latency
-
-
 def budget_bound(
     batch1: estimator_pb.ConfigEstimate,
     batch2: estimator_pb.ConfigEstimate,
@@ -379,11 +370,12 @@ def budget_bound(
     """The largest batch up to ``upper`` whose cost (:func:`at_batch`'s, which grows
     with the batch) stays within a COST_SLO intent's ``budget``; 1 when even batch 1's
     is above it (a fallback, ranked cheapest)."""
-    unit = COST_UNITS.get(cost_formula or common.COST_FORMULA_MEMORY_TIMES_LATENCY, "")
-    what = f"the cost budget of {budget:g} {unit}"
+    formula = cost_formula or common.COST_FORMULA_MEMORY_TIMES_LATENCY
+    what = f"the cost budget of {budget:g} {COST_UNITS.get(formula, '')}"
+    field = COST_FIELDS[formula]
 
     def within(batch: int) -> bool:
-        return batch == 1 or formula_cost(at_batch(batch1, batch2, batch), cost_formula) <= budget
+        return batch == 1 or getattr(at_batch(batch1, batch2, batch), field) <= budget
 
     return BatchBound(largest_fitting(upper, within), what)
 

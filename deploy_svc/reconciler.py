@@ -74,11 +74,6 @@ def _stopped_heartbeating(nodes: Iterable[str], stopped: Iterable[str] = ()) -> 
     return "; ".join(parts)
 
 
-def _stopped_nodes(nodes: Iterable[common.NodeState]) -> set[str]:
-    """The ids of ``nodes`` whose agents stopped cleanly and have not come back."""
-    return {n.node_id for n in nodes if not n.alive and n.stopped_at_unix_ms}
-
-
 def _restarted(nodes: Iterable[str]) -> str:
     """Why a replica on ``nodes`` is lost when their agents answer but know nothing of its
     workers: an agent keeps the record of a worker that died under it (FAILED), so one
@@ -362,7 +357,7 @@ class Reconciler:
         nodes = [n for n in await self.store.list_nodes() if n.node_id in on]
         dead = sorted(on - {n.node_id for n in nodes if n.alive})
         if dead:
-            return _stopped_heartbeating(dead, _stopped_nodes(nodes))
+            return _stopped_heartbeating(dead, replicas.stopped_nodes(nodes))
         replies = await asyncio.gather(
             *(
                 self.agents.stub(n.agent_address).ListWorkers(
@@ -421,7 +416,7 @@ class Reconciler:
         was last seen)."""
         nodes = await self.store.list_nodes()
         alive = {n.node_id for n in nodes if n.alive}
-        stopped = _stopped_nodes(nodes)
+        stopped = replicas.stopped_nodes(nodes)
         forget_after_s = float(getattr(self.controller.settings, "node_forget_after_s", 0.0))
         if forget_after_s > 0:
             unseen_since_ms = int(time.time() * 1000 - forget_after_s * 1000)

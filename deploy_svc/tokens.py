@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from services.api import token_service_pb2 as token_pb
 from services.api import token_service_pb2_grpc
-from services.auth.tokens import check_revocable, check_token_id, issue, tokens_in_use
-from services.errors import FailedPrecondition, NotFound
+from services.auth.tokens import (
+    check_issuing,
+    check_revocable,
+    check_token_id,
+    issue,
+    tokens_in_use,
+)
+from services.errors import NotFound
 from services.grpc_server import ServiceBinding
 from services.ids import check_request_id
 from services.settings import Settings
@@ -27,15 +33,7 @@ class TokenServicer(token_service_pb2_grpc.TokenServiceServicer):
 
     async def CreateToken(self, request, context):
         check_request_id(request.request_id)
-        if self.authentication_off:
-            # Anyone may call anything on such a stack: a token it issued (an admin's,
-            # to a caller who sent none) would hold once authentication is turned on.
-            raise FailedPrecondition(
-                "this stack does not check tokens (ISERVE_AUTH is off), so it issues none: "
-                "a token issued to anyone who asks would be valid once authentication is "
-                "on; start the stack with ISERVE_AUTH=on and issue tokens with its admin "
-                "token (docs/security.md)"
-            )
+        check_issuing(self.authentication_off)
         info, secret = await issue(self.store, request.subject, request.role, request.deployments)
         return token_pb.CreateTokenResponse(
             request_id=request.request_id, token=info, secret=secret

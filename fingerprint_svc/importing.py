@@ -68,7 +68,7 @@ from services.models.arch import ArchSpec
 from services.models.errors import shape_only
 from services.models.families import parse_config
 from services.models.presets import find_preset, preset_config
-from services.reservation import params_per_layer
+from services.reservation import embedding_rank_bytes, params_per_layer
 from services.state.store import StateStore
 
 __all__ = [
@@ -476,11 +476,6 @@ def _apart(ratio: float) -> str:
     )
 
 
-# TensorRT-LLM's weight-only quantization leaves the token embedding and the LM head in
-# float16, the format every MaverIQ engine was built in.
-OUTER_WEIGHT_BYTES = 2
-
-
 def _check_files_agree_with_kept(
     imported: Sequence[model_pb.ProfileMeasurement],
     kept: Sequence[model_pb.ProfileMeasurement],
@@ -530,14 +525,16 @@ def _check_memory(
     layers = measurement.layer_weight_bytes * measurement.num_layers
     if not layers:
         return  # no shape to judge by
-    outer = max(0, shape.parameter_count - params_per_layer(shape) * shape.num_layers)
-    weights = layers + outer * OUTER_WEIGHT_BYTES
+    # TensorRT-LLM's weight-only quantization leaves the token embedding and the LM head
+    # in float16, the format every MaverIQ engine was built in.
+    outer = embedding_rank_bytes(shape, common.DeploymentConfig(dtype=common.PRECISION_FLOAT16))
+    weights = layers + outer
     held = sum(measurement.peak_memory_bytes_per_rank)
     if held < weights:
         raise InvalidArgument(
             f"{row.where}: {model_id}: {row.memory_gib:g} GiB of memory is less than the "
             f"{weights / GIB:.2f} GiB its weights take ({layers / GIB:.2f} GiB of its "
-            f"{row.layers} decoder layers in {row.weight_quant}, {outer * 2 / GIB:.2f} GiB "
+            f"{row.layers} decoder layers in {row.weight_quant}, {outer / GIB:.2f} GiB "
             "of embedding and LM head in float16); a run cannot hold them in less"
         )
 

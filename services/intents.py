@@ -48,6 +48,12 @@ COST_UNITS = {
     common.COST_FORMULA_MEMORY: "GB",
     common.COST_FORMULA_DEVICE_HOURS: "device-hours",
 }
+# The ConfigEstimate field that holds each formula's cost.
+COST_FIELDS = {
+    common.COST_FORMULA_MEMORY_TIMES_LATENCY: "cost_memory_latency",
+    common.COST_FORMULA_MEMORY: "cost_memory",
+    common.COST_FORMULA_DEVICE_HOURS: "cost_device_hours",
+}
 
 
 def with_default(intent: common.Intent) -> common.Intent:

@@ -8,6 +8,8 @@ nothing of replicas still finds a serving worker. Pure: no gRPC, no Redis.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.errors import InvalidArgument
@@ -19,6 +21,12 @@ MAX_REPLICAS = 16
 # How the reason of a replica waiting for a node that is gone begins (deploy_svc.healing
 # writes it): it holds no device and starts again once the node is back.
 WAITING_FOR_NODE = "waiting for "
+
+
+def stopped_nodes(nodes: Iterable[common.NodeState]) -> set[str]:
+    """The ids of ``nodes`` whose agents stopped cleanly (SIGTERM) and have not come
+    back: a planned stop, said as such, not a lost node."""
+    return {n.node_id for n in nodes if not n.alive and n.stopped_at_unix_ms}
 
 
 def waits_for_a_node(replica: deploy_pb.Replica) -> bool:

@@ -151,6 +151,19 @@ def tokens_in_use(settings: Settings) -> dict[str, str]:
     return {token_id_of(token): setting for setting, token in given if token}
 
 
+def check_issuing(authentication_off: bool) -> None:
+    """FailedPrecondition on a stack that checks no token: anyone may call anything
+    there, and a token it issued (an admin's, to a caller who sent none) would hold once
+    authentication is turned on."""
+    if authentication_off:
+        raise FailedPrecondition(
+            "this stack does not check tokens (ISERVE_AUTH is off), so it issues none: "
+            "a token issued to anyone who asks would be valid once authentication is "
+            "on; start the stack with ISERVE_AUTH=on and issue tokens with its admin "
+            "token (docs/security.md)"
+        )
+
+
 def check_revocable(token_id: str, in_use: dict[str, str]) -> None:
     """FailedPrecondition, saying how to rotate it, for a token the stack runs on."""
     setting = in_use.get(token_id)

@@ -585,9 +585,10 @@ class StateStore:
         if raw is None:
             return None
         node = decode(common.NodeState, raw)
-        beat = await self.redis.get(keys.node_heartbeat(node_id))
+        beat, stopped = await self.redis.mget(
+            keys.node_heartbeat(node_id), keys.node_stopped(node_id)
+        )
         node.alive = beat is not None
-        stopped = await self.redis.get(keys.node_stopped(node_id))
         if stopped is not None and not node.alive:
             node.stopped_at_unix_ms = int(stopped)
         device_ids = sorted(await self.redis.smembers(keys.node_devices(node_id)), key=_natural)

@@ -266,7 +266,8 @@ def test_a_replica_back_with_its_node_does_not_share_a_device_with_another_repli
 def test_a_node_stopped_on_purpose_is_said_to_be():
     """A planned stop (SIGTERM) of nodeb's agent read "node agent(s) nodeb do not answer
     (worker unreachable ...)", as a crash would."""
-    from deploy_svc.reconciler import _stopped_heartbeating, _stopped_nodes
+    from deploy_svc.reconciler import _stopped_heartbeating
+    from services.replicas import stopped_nodes as _stopped_nodes
 
     stopped = node(1, node_id="node1")
     stopped.alive, stopped.stopped_at_unix_ms = False, 1
