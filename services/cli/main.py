@@ -700,6 +700,11 @@ def cmd_generate(settings: Settings, args) -> int:
     if args.json:
         print(json.dumps({"final": _to_json(final)}), flush=True)
     else:
+        if text_shown:
+            # The text ends its line on stdout itself: captured alone (`> out.txt`), it
+            # is a whole line, and the summary on stderr starts a line of its own.
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         t = final.timings
         reason = (
             common.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
@@ -712,7 +717,7 @@ def cmd_generate(settings: Settings, args) -> int:
             else ""
         )
         print(
-            f"\n[{final.usage.completion_tokens} tokens, {reason}; queue {t.queue_ms:.1f} ms, "
+            f"[{final.usage.completion_tokens} tokens, {reason}; queue {t.queue_ms:.1f} ms, "
             f"TTFT {t.ttft_ms:.1f} ms, TPOT {t.tpot_ms:.2f} ms, total {t.total_ms:.0f} ms"
             f"{missed}; deployment {final.deployment_id}]",
             file=sys.stderr,

@@ -460,7 +460,10 @@ def test_a_generation_past_its_deadline_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
     monkeypatch.setattr(cli_main, "_stub", lambda *args: Stub())
     assert cli_main.main(["generate", "d", "hi", "--deadline-ms", "1"]) == 0
-    assert "total 1183 ms (past its 1 ms deadline);" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "total 1183 ms (past its 1 ms deadline);" in err
+    # The text is a whole line on stdout; the summary starts its own line on stderr.
+    assert out == "Hi\n" and err.startswith("[0 tokens, "), (out, err)
     assert cli_main.main(["generate", "d", "hi", "--deadline-ms", "2000"]) == 0
     assert "deadline" not in capsys.readouterr().err
 
