@@ -45,6 +45,9 @@ class QueueEntry:
     objective: str = ""
     # Set by a policy that drops the request: when its first token was predicted.
     predicted_first_token_s: float | None = None
+    # Refused at admission when its first token is predicted past ``deadline_s``, by any
+    # policy (EDF refuses such requests always; FCFS only those marked so).
+    refused_if_late: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,10 @@ class QueuePolicy(Protocol):
         """Forget a waiting request (its client cancelled); False when it is not waiting."""
         ...
 
+    def ahead_of(self, entry: QueueEntry) -> list[QueueEntry]:
+        """The waiting requests that would start before ``entry`` were it pushed now."""
+        ...
+
     def pop_ready(self, now_s: float, free_slots: int) -> Admission:
         """Take out the requests to start now (at most ``free_slots``) and those to drop."""
         ...
@@ -118,6 +125,10 @@ class FcfsPolicy:
         except ValueError:
             return False
         return True
+
+    def ahead_of(self, entry: QueueEntry) -> list[QueueEntry]:
+        """The waiting requests that would start before ``entry`` were it pushed now."""
+        return [*self._priority] if entry.priority else [*self._priority, *self._normal]
 
     def pop_ready(self, now_s: float, free_slots: int) -> Admission:
         if free_slots <= 0 or not (self._priority or self._normal):

@@ -147,11 +147,12 @@ class DeploymentQueue:
         holds no slot.
         """
         policy = self._policy
+        edf = isinstance(policy, EdfPolicy)
         # At once: waiting would only report it when a slot frees, seconds later.
         if (
-            isinstance(policy, EdfPolicy)
+            (edf or entry.refused_if_late)
             and entry.deadline_s is not None
-            and entry in self._predicted_misses([*policy.ahead_of(entry), entry])
+            and entry in self._predicted_misses([*policy.ahead_of(entry), entry], refusing=edf)
         ):
             raise DeadlineExceeded(self._miss_message(entry))
         try:
@@ -174,10 +175,14 @@ class DeploymentQueue:
                 self._policy.remove(entry)
             raise
 
-    def _predicted_misses(self, ordered: list[QueueEntry]) -> list[QueueEntry]:
+    def _predicted_misses(
+        self, ordered: list[QueueEntry], refusing: bool = True
+    ) -> list[QueueEntry]:
         """The requests of ``ordered`` (waiting, in the order they would start) predicted
         to miss their deadlines, each given its predicted first-token time; none before
         a request has finished here (nothing is known of service times yet).
+        ``refusing``: the policy refuses a request predicted to miss (EDF); else (FCFS)
+        it is served late, and holds its slot for those after it.
 
         Each running request holds its slot until its admission plus its predicted
         service (``LatencyPredictor.service_s``: its own prompt and max_tokens), and not
@@ -207,7 +212,8 @@ class DeploymentQueue:
             if entry.deadline_s is not None and first_token > entry.deadline_s:
                 entry.predicted_first_token_s = first_token
                 missed.append(entry)
-                continue
+                if refusing:
+                    continue
             together, together_at = prompts, start
             heapq.heapreplace(free, start + service(entry))
         return missed

@@ -72,6 +72,21 @@ EVENT_TIMEOUT_S = 1.0
 ADMISSION_REFUSALS = (errors.InvalidArgument, errors.ResourceExhausted, errors.DeadlineExceeded)
 
 
+def answered_refusal(
+    refusals: list[tuple[deploy_pb.Deployment, errors.IServeError]], own_deadline: bool
+) -> tuple[deploy_pb.Deployment, errors.IServeError]:
+    """The refusal a model's request gets when every deployment of the model refused it
+    at admission (``refusals``, in the order they were tried): the first, except that a
+    request without a deadline of its own is told of a full queue (RESOURCE_EXHAUSTED,
+    429 with Retry-After: try again later) rather than of an EDF deployment's objective
+    it would miss (DEADLINE_EXCEEDED, 504), which is the same overload."""
+    if not own_deadline:
+        for deployment, refused in refusals:
+            if isinstance(refused, errors.ResourceExhausted):
+                return deployment, refused
+    return refusals[0]
+
+
 class ReplicaGone(errors.Unavailable):
     """A replica's worker died before the request streamed any token."""
 
@@ -306,20 +321,21 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         A model's request goes to its READY deployments in turn, shortest expected wait
         first, until one takes it: one that refuses it at admission (its limits, a full
         queue, a first token its EDF queue predicts late) leaves it to the next. When all
-        refuse, the first one's refusal is raised and recorded."""
+        refuse, :func:`answered_refusal` says which refusal is raised and recorded."""
         if request.HasField("deployment_id"):
             candidates = [await self.router.by_deployment_id(request.deployment_id)]
         else:
             candidates = await self.router.ranked_for_model(request.model_id)
-        first: tuple[deploy_pb.Deployment, errors.IServeError] | None = None
+        refusals: list[tuple[deploy_pb.Deployment, errors.IServeError]] = []
         for deployment in candidates:
             try:
                 return await self._admit_to(deployment, request, record, max_tokens_is_bound)
             except ADMISSION_REFUSALS as refused:
-                first = first or (deployment, refused)
-        assert first is not None  # the router names at least one deployment
-        self._label(record, first[0])
-        raise first[1]
+                refusals.append((deployment, refused))
+        assert refusals  # the router names at least one deployment
+        deployment, refused = answered_refusal(refusals, own_deadline=request.deadline_ms > 0)
+        self._label(record, deployment)
+        raise refused
 
     def _label(self, record: RequestRecord, deployment: deploy_pb.Deployment) -> None:
         record.model_id = deployment.model_id
@@ -351,9 +367,12 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         prompt_tokens = predicted_prompt_tokens(
             request, deployment, max_tokens_is_bound, predictor.prompt_tokens
         )
+        edf = deployment.objectives.scheduling == common.SCHEDULING_POLICY_EDF
         due = first_token_deadline(
             arrival,
-            deployment.objectives,
+            # An FCFS queue checks no objective of the deployment's: only a request's
+            # own deadline, and only when it came by model (see refused_if_late).
+            deployment.objectives if edf else common.ServiceObjectives(),
             request.deadline_ms,
             request.max_tokens,
             # Its decode runs beside at most a batch of others, however many wait.
@@ -367,6 +386,12 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             prompt_tokens=prompt_tokens,
             max_tokens=request.max_tokens,
             objective=due.objective,
+            # By model, the scheduler picks where a request goes: one with a deadline of
+            # its own goes only where its first token is predicted in time. An FCFS
+            # deployment checks that at admission too, so a request EDF found hopeless
+            # is not served late, with success, by an FCFS deployment of the model; by
+            # deployment id, FCFS serves what it takes, however late.
+            refused_if_late=request.deadline_ms > 0 and not request.HasField("deployment_id"),
         )
         self.queues.check_room(deployment)
         if record.enqueued_s is None:  # a request moved on keeps its first queue's wait

@@ -1123,3 +1123,84 @@ def test_a_request_id_is_logged_escaped_so_a_client_writes_no_line_of_its_own(re
         assert "\n" not in head and "\0" not in head and "\t" not in head, message
     assert "request_id='x\\n2026-11-27 09:00:00" in logged[0]
     assert len(logged[1].split(" -> ")[0]) < 700 and "..." in logged[1]
+
+
+def test_a_model_request_edf_finds_hopeless_is_not_served_late_by_an_fcfs_deployment(redis_url):
+    """Routed by model with a deadline of its own, a request the EDF deployment refuses
+    (its decode alone takes longer than the deadline) went on to an FCFS deployment of
+    the model, which served it seconds late with success. By model, an FCFS deployment
+    checks a request's own deadline at admission too; by deployment id it serves what
+    it takes, however late. A request without a deadline is served as before."""
+
+    async def scenario(h: Harness):
+        strict, lenient = FakeWorker(), FakeWorker()
+        slow = common.LatencyModel(decode_step_ms=100.0)
+        await h.add_deployment(
+            "a-edf",
+            strict,
+            objectives=common.ServiceObjectives(scheduling=common.SCHEDULING_POLICY_EDF),
+            latency_model=slow,
+        )
+        await h.add_deployment("b-fcfs", lenient, latency_model=slow)
+        for name in ("a-edf", "b-fcfs"):  # measured: the queues predict from here on
+            await h.collect(request_id=f"warm-{name}", deployment_id=name, max_tokens=1)
+        # 9 decode steps of 100 ms: 0.9 s, past the 300 ms deadline on either.
+        hopeless = dict(model_id="m", max_tokens=10, deadline_ms=300)
+        error = await h.status_of(request_id="hopeless", **hopeless)
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error.details()
+        assert "the decode of max_tokens alone takes longer than the deadline" in error.details()
+        assert [r.request_id for r in lenient.received] == ["warm-b-fcfs"]
+        # By deployment id, FCFS serves it (late); by model without a deadline, too.
+        await h.collect(request_id="direct", deployment_id="b-fcfs", max_tokens=10, deadline_ms=300)
+        messages = await h.collect(request_id="no-deadline", model_id="m", max_tokens=10)
+        assert messages[-1].HasField("final")
+        assert {"direct", "no-deadline"} <= {
+            r.request_id for r in lenient.received + strict.received
+        }
+
+    run(redis_url, scenario)
+
+
+def test_a_model_request_without_a_deadline_refused_everywhere_is_told_the_queue_is_full(
+    redis_url,
+):
+    """An overloaded model whose EDF deployment predicts its TTFT objective missed and
+    whose FCFS deployment's queue is full answered 504 (the EDF one ranked first), which
+    a client cannot tell from a timeout: a request with no deadline of its own now gets
+    the full queue's RESOURCE_EXHAUSTED (429, retry later); one with a deadline of its
+    own keeps the first refusal."""
+    from scheduler_svc.servicer import answered_refusal
+    from services import errors
+
+    a, b = deploy_pb.Deployment(deployment_id="a"), deploy_pb.Deployment(deployment_id="b")
+    late, full = errors.DeadlineExceeded("late"), errors.ResourceExhausted("full")
+    assert answered_refusal([(a, late), (b, full)], own_deadline=False) == (b, full)
+    assert answered_refusal([(a, late), (b, full)], own_deadline=True) == (a, late)
+    too_long = errors.InvalidArgument("too long")
+    assert answered_refusal([(a, too_long), (b, late)], own_deadline=False) == (a, too_long)
+
+    async def scenario(h: Harness):
+        busy, edf_worker = FakeWorker(gate=asyncio.Event()), FakeWorker()
+        await h.add_deployment(
+            "a-edf",
+            edf_worker,
+            max_output_tokens=4,
+            objectives=common.ServiceObjectives(
+                scheduling=common.SCHEDULING_POLICY_EDF, ttft_slo_ms=300
+            ),
+            latency_model=common.LatencyModel(prefill_ms_per_token=1.0),
+        )
+        await h.collect(request_id="warm", deployment_id="a-edf", max_tokens=1)
+        await h.add_deployment("b-fcfs", busy, batch_size=1)
+        running = h.generate(request_id="running", deployment_id="b-fcfs")
+        await running.read()
+        waiting = asyncio.create_task(h.collect(request_id="waiting", deployment_id="b-fcfs"))
+        await h.until_waiting("b-fcfs", 1)
+        # 4000 tokens of prefill: 4 s on a-edf, past its 300 ms; b-fcfs is full.
+        error = await h.status_of(request_id="over", model_id="m", prompt="x" * 16_000)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        busy.gate.set()
+        await read_rest(running)
+        await waiting
+
+    run(redis_url, scenario, queue_capacity=1)
