@@ -50,7 +50,7 @@ from services.drain import WORKER_STOP_MARGIN_S
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
 from services.ports import free_port
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
-from services.state.store import StateStore
+from services.state.store import StateStore, StateStoreUnavailable
 
 log = logging.getLogger("iserve.agent.supervisor")
 
@@ -390,7 +390,16 @@ class WorkerSupervisor:
             *(self.stop_workers(d) for d in deployment_ids), return_exceptions=True
         )
         for deployment_id, result in zip(deployment_ids, results, strict=True):
-            if isinstance(result, Exception):
+            if isinstance(result, StateStoreUnavailable):
+                # The workers are stopped before their records are written: only the
+                # records are missing (the deployer reads the node's stop from its lapsed
+                # heartbeat instead). No traceback for what is not an error of the agent's.
+                log.warning(
+                    "deployment %s: workers stopped, their records not written: %s",
+                    deployment_id,
+                    result,
+                )
+            elif isinstance(result, Exception):
                 log.error("stopping deployment %s failed", deployment_id, exc_info=result)
 
     async def _terminate(self, proc: WorkerProcess, grace_s: float | None = None) -> None:

@@ -247,6 +247,34 @@ def test_a_pooled_worker_is_a_fork_of_the_warm_server_in_a_session_of_its_own(
     run_with(redis_url, tmp_path, pool, scenario)
 
 
+def test_an_agent_stopping_with_redis_gone_stops_its_workers_and_logs_no_traceback(
+    redis_url, tmp_path, checkpoint, caplog
+):
+    """`iserve down` after Redis died: each deployment's stop wrote an ERROR with a
+    traceback (the worker records could not be written), though its workers had
+    stopped. The workers stop, and the missing records are one warning line."""
+    import logging
+
+    from services.state.store import StateStoreUnavailable
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        [info] = await supervisor.start_workers(_plan("dep-redis-gone", checkpoint))
+
+        async def unreachable(*args, **kwargs):
+            raise StateStoreUnavailable("state store (Redis) unreachable at test")
+
+        store.put_worker = unreachable
+        with caplog.at_level(logging.WARNING, logger="iserve.agent.supervisor"):
+            await supervisor.stop_all()
+        assert not _alive(info.pid)
+        records = [r for r in caplog.records if r.name == "iserve.agent.supervisor"]
+        assert [r.levelno for r in records] == [logging.WARNING], records
+        assert records[0].exc_info is None
+        assert "dep-redis-gone: workers stopped, their records not written" in records[0].message
+
+    run_with(redis_url, tmp_path, None, scenario)
+
+
 # --- a TensorRT-LLM group: one process for every rank ----------------------------------
 # No GPU and no TensorRT-LLM here: the worker runs the TensorRT-LLM engine over the
 # stand-in package in trtllm_stand_in/ (put on its PYTHONPATH), on devices the plan calls
