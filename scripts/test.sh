@@ -15,4 +15,5 @@ echo "== pytest"
 # file on one worker so that a module's stack starts once. Most of the suite waits on the
 # processes it starts (the serial run keeps one of 2 cores busy), so two workers take
 # about 2/3 of the serial time.
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+# The 20 slowest tests are listed at the end: the suite is kept well under 15 minutes.
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"
