@@ -32,6 +32,7 @@ from services.estimation.memory import GIB
 from services.estimation.model_references import Workload
 from services.estimation.score import Estimates
 from services.ids import check_hardware_type
+from services.reservation import CPU_RUNTIME_MIB, RUNTIME_OVERHEAD_BYTES
 from services.state.capacity import largest_device_bytes
 from services.state.store import StateStore
 
@@ -77,10 +78,21 @@ class Estimate:
             if self.input_defaulted
             else None
         )
+        # On a CPU the profile's memory is the engine's own account; what the system
+        # shows a worker using (`iserve status` USED) adds its process's runtime.
+        runtime = (
+            "memory is the engine's (weights, KV cache, activations, as profiled); each "
+            f"worker process also holds about {CPU_RUNTIME_MIB} MiB of Python and torch "
+            "runtime, which `iserve status` USED counts (the deployer reserves "
+            f"{RUNTIME_OVERHEAD_BYTES >> 20} MiB a rank for it)"
+            if self.config_map.hardware_type.startswith("cpu")
+            else None
+        )
         extra = (
             defaulted,
             references.prompt_note(self.workload.input_tokens),
             references.batch_note(self.workload.batch_size),
+            runtime,
             self.estimates.unestimable_note(),
         )
         return [*references.notes, *(note for note in extra if note)]

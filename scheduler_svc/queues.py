@@ -57,6 +57,10 @@ class DeploymentQueue:
         self._clock = clock
         # Requests holding a slot, with when each was admitted.
         self._running: dict[QueueEntry, float] = {}
+        # The requests running, integrated over time (sequence-seconds) up to
+        # _occupancy_at: the mean running over any span (see occupancy).
+        self._occupancy = 0.0
+        self._occupancy_at = clock()
         self._waiters: dict[QueueEntry, asyncio.Future[None]] = {}
         # EDF: wakes the queue when a waiting request's last start for its deadline comes.
         self._deadline_timer: asyncio.TimerHandle | None = None
@@ -86,6 +90,19 @@ class DeploymentQueue:
     def running(self) -> int:
         """Requests holding a slot."""
         return len(self._running)
+
+    def occupancy(self) -> float:
+        """The requests holding a slot, integrated over time up to now (sequence-seconds):
+        its difference over a span, divided by the span, is the mean number of sequences
+        the worker ran side by side then."""
+        self._count_occupancy()
+        return self._occupancy
+
+    def _count_occupancy(self) -> None:
+        """Bring the integral up to now; called before every change of ``_running``."""
+        now = self._clock()
+        self._occupancy += len(self._running) * max(0.0, now - self._occupancy_at)
+        self._occupancy_at = max(now, self._occupancy_at)
 
     @property
     def slots(self) -> int:
@@ -220,6 +237,7 @@ class DeploymentQueue:
 
     def release(self, entry: QueueEntry) -> None:
         """Give back the slot ``entry`` took in ``acquire`` and admit whoever is next."""
+        self._count_occupancy()
         if self._running.pop(entry, None) is None:
             raise RuntimeError(f"release without acquire on deployment {self.deployment_id}")
         self._dispatch()
@@ -251,6 +269,7 @@ class DeploymentQueue:
                 if waiter is None or waiter.done():
                     skipped_cancelled = True  # its slot goes to the next in line
                     continue
+                self._count_occupancy()
                 self._running[entry] = now
                 waiter.set_result(self)
             if not skipped_cancelled:
@@ -291,6 +310,7 @@ class DeploymentQueue:
         for entry in admission.admitted:
             waiter = self._waiters.pop(entry, None)
             if waiter is not None and not waiter.done():
+                taker._count_occupancy()
                 taker._running[entry] = now
                 waiter.set_result(taker)
         if isinstance(self._policy, EdfPolicy):

@@ -72,6 +72,17 @@ EVENT_TIMEOUT_S = 1.0
 ADMISSION_REFUSALS = (errors.InvalidArgument, errors.ResourceExhausted, errors.DeadlineExceeded)
 
 
+def mean_running(
+    queue: DeploymentQueue, decode_from: tuple[float, float] | None, now: float
+) -> float:
+    """The mean number of sequences ``queue``'s worker ran from ``decode_from`` (the time
+    and the queue's occupancy at a request's first token) to ``now``, the request itself
+    included; the count now without a span to average over."""
+    if decode_from is None or now <= decode_from[0]:
+        return float(max(1, queue.running))
+    return max(1.0, (queue.occupancy() - decode_from[1]) / (now - decode_from[0]))
+
+
 def answered_refusal(
     refusals: list[tuple[deploy_pb.Deployment, errors.IServeError]], own_deadline: bool
 ) -> tuple[deploy_pb.Deployment, errors.IServeError]:
@@ -177,8 +188,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     raise errors.ResourceExhausted(
                         f"{full} (tried there after: {retried_after})"
                     ) from None
-                # Sequences running beside it, itself included: at admission and at its end.
-                beside = [queue.running]
+                # Sequences running beside it, itself included, over its decode: from the
+                # queue's occupancy at its first token and at its end (the mean of the two
+                # counts at admission and end read a wave of 8 that ran together as 4.5).
+                decode_from: tuple[float, float] | None = None  # (time, occupancy)
                 final: worker_pb.WorkerServiceGenerateResponse | None = None
                 token_times = record.token_times
                 stream: WorkerStream | None = None
@@ -215,6 +228,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                                 record.prefilled_with = message.prefilled_with_tokens
                             if message.token_ids or message.text:
                                 token_time(clock())
+                                if decode_from is None:
+                                    decode_from = (token_times[-1], queue.occupancy())
                                 yield GenerateResponse(
                                     request_id=rid,
                                     delta=TokenDelta(
@@ -245,10 +260,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 finally:
                     if stream is not None:
                         stream.close()  # unless it finished: the client went away
-                    beside.append(queue.running)
+                    running = mean_running(queue, decode_from, clock())
                     queue.release(entry)
                 break
-            yield self._finish(request, record, queue, final, sum(beside) / len(beside))
+            yield self._finish(request, record, queue, final, running)
         except errors.IServeError as exc:
             record.code = exc.code
             raise

@@ -44,7 +44,8 @@ from services.models.compression import (
 
 MIB = 1 << 20
 # Resident memory of an idle PyTorch worker process (interpreter, torch, gRPC), measured
-# at about 330 MiB on CPU; rounded up so reservations cover it.
+# on CPU; rounded up so reservations cover it.
+CPU_RUNTIME_MIB = 330
 RUNTIME_OVERHEAD_BYTES = 512 * MIB
 DTYPE_BYTES = {
     common.PRECISION_FLOAT32: 4,

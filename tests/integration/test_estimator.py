@@ -171,6 +171,8 @@ def test_workloads_the_model_cannot_hold_are_refused_and_odd_prompts_noted(
     assert not any("outside the prompt lengths" in n for n in unset)
     assert any(n.startswith("no input_tokens given") for n in unset)
     assert not any(n.startswith("no input_tokens given") for n in short.notes)
+    # Measured on GPUs, the memory holds the runtime (the CUDA context): no CPU note.
+    assert not any("torch runtime" in n for n in short.notes)
 
 
 def test_cli_estimate_into_a_closed_pipe_ends_quietly(stack, imported):

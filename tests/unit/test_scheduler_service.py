@@ -1204,3 +1204,31 @@ def test_a_model_request_without_a_deadline_refused_everywhere_is_told_the_queue
         await waiting
 
     run(redis_url, scenario, queue_capacity=1)
+
+
+def test_a_wave_decoding_together_is_learned_at_the_batch_it_ran(redis_url, monkeypatch):
+    """The decode line learned each request's TPOT against the mean of the sequences
+    running at its admission and at its end: four requests admitted and decoding
+    together read as about 2.5, and the per-sequence cost came out too high or too low
+    after bursts. Each now counts the sequences running over its own decode, time
+    weighted: 4 for each of a wave of 4."""
+    from scheduler_svc.predictor import LatencyPredictor
+
+    seen: list[float] = []
+    observe = LatencyPredictor.observe
+
+    def recording(self, **kwargs):
+        seen.append(kwargs["running"])
+        observe(self, **kwargs)
+
+    monkeypatch.setattr(LatencyPredictor, "observe", recording)
+
+    async def scenario(h: Harness):
+        worker = FakeWorker(tokens=[(i, "x") for i in range(8)], token_delay_s=0.05)
+        await h.add_deployment("d1", worker, batch_size=4)
+        await asyncio.gather(
+            *(h.collect(request_id=f"r{i}", deployment_id="d1", max_tokens=8) for i in range(4))
+        )
+
+    run(redis_url, scenario)
+    assert len(seen) == 4 and all(3.5 <= r <= 4.001 for r in seen), seen
