@@ -46,7 +46,6 @@ from services.errors import (
 from services.grpc_server import channel
 from services.ids import (
     check_deployment_id,
-    check_request_id,
     new_deployment_id,
     replica_group_id,
     split_group_id,
@@ -394,7 +393,6 @@ class DeploymentController:
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:
         await self._until_reconciled()
         deployment_id = new_deployment_id(request.model_id)
-        check_request_id(request.request_id)
         # Known before the request id is claimed, so that a repeat that finds the claim
         # finds this call too (_outcome_of).
         call = self._calls[deployment_id] = _DeployCall()

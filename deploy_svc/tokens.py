@@ -13,7 +13,6 @@ from services.auth.tokens import (
 )
 from services.errors import NotFound
 from services.grpc_server import ServiceBinding
-from services.ids import check_request_id
 from services.settings import Settings
 from services.state.store import StateStore
 
@@ -32,7 +31,6 @@ class TokenServicer(token_service_pb2_grpc.TokenServiceServicer):
         )
 
     async def CreateToken(self, request, context):
-        check_request_id(request.request_id)
         check_issuing(self.authentication_off)
         info, secret = await issue(self.store, request.subject, request.role, request.deployments)
         return token_pb.CreateTokenResponse(
@@ -40,12 +38,10 @@ class TokenServicer(token_service_pb2_grpc.TokenServiceServicer):
         )
 
     async def ListTokens(self, request, context):
-        check_request_id(request.request_id)
         tokens = await self.store.list_tokens()
         return token_pb.ListTokensResponse(request_id=request.request_id, tokens=tokens)
 
     async def RevokeToken(self, request, context):
-        check_request_id(request.request_id)
         token_id = check_token_id(request.token_id)
         check_revocable(token_id, self.in_use)
         if not await self.store.delete_token(token_id):

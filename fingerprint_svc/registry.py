@@ -13,7 +13,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import resolve_checkpoint
 from services.errors import AlreadyExists, InvalidArgument
-from services.ids import check_model_id, check_request_id, check_variant_name
+from services.ids import check_model_id, check_variant_name
 from services.models.arch import ArchSpec, unlike_model
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
 from services.models.compression import DEFAULT_PRUNE_FRACTION, kept_heads, kept_mlp_channels
@@ -42,7 +42,14 @@ def inspect_checkpoint(path: Path, label: str) -> ValidatedCheckpoint:
         raise InvalidArgument(f"{label}: a file of it is nested too deeply to read") from exc
 
 
+# Every variant is profiled and scored: a few dozen at most make sense (the A6000 data
+# has 12); without a bound, 100,000 were registered and every catalogue read carried them.
+MAX_VARIANTS = 64
+
+
 def check_variants(variants: list[common.CompressionVariant]) -> None:
+    if len(variants) > MAX_VARIANTS:
+        raise InvalidArgument(f"variants: at most {MAX_VARIANTS}, got {len(variants)}")
     seen: set[str] = set()
     for variant in variants:
         if not variant.name:
@@ -175,7 +182,6 @@ def model_shape(spec: ArchSpec, weight_bytes: int) -> model_pb.ModelShape:
 
 def build_model(request: model_pb.RegisterModelRequest, models_root: Path) -> model_pb.Model:
     """Validate everything a RegisterModel request names and return the record to store."""
-    check_request_id(request.request_id)
     check_model_id(request.model_id)
     if request.HasField("accuracy_score"):
         check_accuracy_score(request.accuracy_score, f"model {request.model_id!r}")

@@ -8,16 +8,15 @@ from collections.abc import Callable
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
 from services.errors import ContextLengthExceeded, InvalidArgument
-from services.ids import check_request_id
 from services.stop_strings import check_stop_strings, check_stop_token_ids
 from services.token_limits import DEFAULT_MAX_OUTPUT_TOKENS, sequence_length
 
 
 def check_request(request: inference_pb.GenerateRequest) -> None:
-    """Checks that need no deployment: request id, target, prompt, sampling. (The
-    target's id is checked where it is looked up, by the router; max_tokens, once
-    :func:`resolve_max_tokens` has filled it in, against the deployment.)"""
-    check_request_id(request.request_id)
+    """Checks that need no deployment: target, prompt, sampling. (The request id is
+    checked with every RPC's, by the server (``services.grpc_server``); the target's id
+    where it is looked up, by the router; max_tokens, once :func:`resolve_max_tokens`
+    has filled it in, against the deployment.)"""
     target = request.WhichOneof("target")
     if target is None or not getattr(request, target):
         raise InvalidArgument("set model_id or deployment_id")

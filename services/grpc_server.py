@@ -32,6 +32,7 @@ from services.aio import cancel_and_wait
 from services.auth.interceptor import AuthInterceptor
 from services.auth.tokens import Authenticator
 from services.errors import REASON_KEY, InvalidArgument, IServeError
+from services.ids import check_request_id
 from services.metrics import RpcMetrics
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 from services.transport import CHANNEL_OPTIONS, Transport
@@ -205,12 +206,17 @@ def _tolerant(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes
 
 
 def _refuse_undecodable(method: str, request: object) -> None:
+    """Refuse a request whose bytes did not decode, and one whose request_id breaks the
+    rule every RPC holds it to (the one place that checks it: some RPCs echoed a 1 MB
+    id back, others refused it)."""
     if request is _UNDECODABLE:
         raise InvalidArgument(f"the request is not a valid message for {method}")
+    check_request_id(getattr(request, "request_id", ""))
 
 
 class DecodeInterceptor(grpc.aio.ServerInterceptor):
-    """The innermost interceptor: a request whose bytes do not decode is refused
+    """The innermost interceptor: a request whose bytes do not decode, or whose
+    request_id is not a valid one (``services.ids.check_request_id``), is refused
     INVALID_ARGUMENT, after the caller is authenticated (the interceptors outside it
     run first) and counted and logged as any refused call is (``ErrorInterceptor``)."""
 

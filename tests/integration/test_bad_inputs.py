@@ -337,3 +337,60 @@ def test_a_short_context_model_deploys_with_limits_that_fit_it(stack):
         f"short-ctx is a model; remove one of its deployments: {deployment_id}" in by_model.stderr
     )
     assert cli(stack, "remove", deployment_id).returncode == 0
+
+
+def test_every_rpc_refuses_a_bad_request_id_before_anything_else(stack):
+    """A 1 MB request_id was refused by some RPCs and echoed back whole by others
+    (ListDeployments, GetModel, ListWorkers, StopWorkers...): every RPC of every service
+    that has a request_id now refuses a bad one with INVALID_ARGUMENT, first, whatever
+    else the request holds (an empty one here)."""
+    from google.protobuf import symbol_database
+
+    from services.api import (
+        agent_service_pb2,
+        deployment_service_pb2,
+        estimator_service_pb2,
+        inference_service_pb2,
+        model_service_pb2,
+        token_service_pb2,
+    )
+
+    modules = {
+        "model": [model_service_pb2],
+        "estimator": [estimator_service_pb2],
+        "deploy": [deployment_service_pb2, token_service_pb2],
+        "scheduler": [inference_service_pb2],
+        "agent": [agent_service_pb2],
+    }
+    database = symbol_database.Default()
+    checked = []
+    for name, pb_modules in modules.items():
+        chan = grpc.insecure_channel(stack.settings.address(name))
+        try:
+            for module in pb_modules:
+                for service in module.DESCRIPTOR.services_by_name.values():
+                    for method in service.methods:
+                        request_class = database.GetSymbol(method.input_type.full_name)
+                        if "request_id" not in request_class.DESCRIPTOR.fields_by_name:
+                            continue
+                        path = f"/{service.full_name}/{method.name}"
+                        request = request_class(request_id="x" * (1 << 20))
+                        kind = chan.unary_stream if method.server_streaming else chan.unary_unary
+                        call = kind(
+                            path,
+                            request_serializer=request_class.SerializeToString,
+                            response_deserializer=lambda data: data,
+                        )
+                        with pytest.raises(grpc.RpcError) as refused:
+                            reply = call(request, timeout=30)
+                            if method.server_streaming:
+                                next(iter(reply))
+                        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, path
+                        assert "invalid request_id 'xxx" in refused.value.details(), path
+                        assert len(refused.value.details()) < 300, path
+                        checked.append(method.name)
+        finally:
+            chan.close()
+    assert {"ListDeployments", "GetModel", "ListWorkers", "StopWorkers", "Generate"} <= set(
+        checked
+    ), checked

@@ -290,30 +290,49 @@ def test_issuing_checks_the_request_and_records_only_the_hash():
 
 
 def test_token_rpcs_refuse_a_bad_request_id_before_touching_the_store():
+    """Through a real server: its DecodeInterceptor refuses the id (the one check of it
+    for every RPC), shortened in the message, and the servicer never runs."""
+    import grpc
+
+    from services.api import token_service_pb2_grpc
+    from services.grpc_server import channel, start_server
+
     class Untouched:
         def __getattr__(self, name):
             raise AssertionError(f"the store was asked for {name}")
 
-    servicer = TokenServicer(Untouched())
     request_id = "r" * 100_000
-    calls = [
-        servicer.CreateToken(
-            token_pb.CreateTokenRequest(
-                request_id=request_id, subject="alice", role=policy.APP_USER, deployments=["d1"]
-            ),
-            None,
-        ),
-        servicer.ListTokens(token_pb.ListTokensRequest(request_id=request_id), None),
-        servicer.RevokeToken(
-            token_pb.RevokeTokenRequest(request_id=request_id, token_id="0" * 16), None
-        ),
-    ]
-    for call in calls:
-        with pytest.raises(
-            InvalidArgument, match=r"invalid request_id 'rrr.*\(100000 characters\)"
-        ) as err:
-            asyncio.run(call)
-        assert len(str(err.value)) < 200
+
+    async def main():
+        server, port, _ = await start_server([TokenServicer(Untouched()).binding()], "127.0.0.1:0")
+        try:
+            async with channel(f"127.0.0.1:{port}") as chan:
+                stub = token_service_pb2_grpc.TokenServiceStub(chan)
+                calls = [
+                    lambda: stub.CreateToken(
+                        token_pb.CreateTokenRequest(
+                            request_id=request_id,
+                            subject="alice",
+                            role=policy.APP_USER,
+                            deployments=["d1"],
+                        )
+                    ),
+                    lambda: stub.ListTokens(token_pb.ListTokensRequest(request_id=request_id)),
+                    lambda: stub.RevokeToken(
+                        token_pb.RevokeTokenRequest(request_id=request_id, token_id="0" * 16)
+                    ),
+                ]
+                for call in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call()
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "invalid request_id 'rrr" in err.value.details()
+                    assert "(100000 characters)" in err.value.details()
+                    assert len(err.value.details()) < 200
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
 
 
 def test_a_stack_that_checks_no_token_issues_none():
