@@ -59,6 +59,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.contention import contention_note
 from services.engine_rules import check_still_the_model, default_dtype
 from services.errors import CheckpointChanged
 from services.grpc_server import channel
@@ -240,8 +241,19 @@ class Profiler:
         )
         current.state = model_pb.MODEL_STATE_PROFILED
         # An agent lost mid-profiling leaves references unmeasured that a run with it back
-        # would measure: say so where the model's state is read, not only in the profile.
-        current.state_reason = _incomplete(record)
+        # would measure, and runs other processes slowed measure them high: say so where
+        # the model's state is read, not only in the profile.
+        current.state_reason = "; ".join(
+            part
+            for part in (
+                _incomplete(record),
+                contention_note(
+                    m.other_cpu_share if m.HasField("other_cpu_share") else None
+                    for m in record.measurements
+                ),
+            )
+            if part
+        )
         await self.store.put_model(current)
         log.info("profiled %s in %.1f s", model_id, profile.cost.wall_time_ms / 1e3)
 
@@ -410,6 +422,9 @@ class Profiler:
                     layer_kv_bytes_per_token=layer_kv_bytes_per_token(model.shape, measured),
                     repetitions=profiling.timed_runs,
                     hardware_type=hardware,
+                    other_cpu_share=(
+                        run.other_cpu_share if run.HasField("other_cpu_share") else None
+                    ),
                 )
             )
             record.peak_device_bytes = max(

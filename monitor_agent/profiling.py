@@ -23,7 +23,11 @@ lengths:
    done when its last sequence is). Around each timed run the agent also reads rank 0's
    layer clock (``GetWorkerStats``): the time one decoder layer took in the run's
    prefill and decode steps, measured inside the worker. The ProfiledRun holds the
-   medians over timed runs.
+   medians over timed runs. On CPU devices the agent also reads, around each timed
+   run, how much of the devices' cores other processes used (``/proc/stat`` less the
+   workers' and its own CPU time); a run past ``services.contention.CONTENDED_SHARE`` is
+   taken again, up to RUNS_PER_TIMED_RUN times the timed runs, the runs the others took
+   least from are kept, and their median share is ``other_cpu_share``.
 3. Peak memory per rank, read after each output length's runs (a peak: it covers the
    runs before it, which is why prompts go shortest first). Rank 0: its
    ``GetWorkerStats.peak_memory_bytes`` (the engine's account of weights, KV cache and
@@ -49,10 +53,12 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import random
 import statistics
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +71,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
+from services.contention import CONTENDED_SHARE
 from services.errors import IServeError, RemoteError, require
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
@@ -78,6 +85,10 @@ log = logging.getLogger("iserve.agent.profiling")
 RECORDS_EXPIRE_S = 3600.0
 
 DEFAULT_TIMED_RUNS = 3
+# Runs of one measurement at most, as a multiple of its timed runs, while runs slowed by
+# other processes (services.contention) are taken again.
+RUNS_PER_TIMED_RUN = 2
+_NS_PER_TICK = 1_000_000_000 // os.sysconf("SC_CLK_TCK")  # /proc/stat counts ticks
 # Longest a single profiling stream may take before the job gives up.
 STREAM_TIMEOUT_S = 300.0
 STATS_TIMEOUT_S = 10.0
@@ -218,6 +229,79 @@ def summarise(
     )
 
 
+@dataclass(frozen=True)
+class CpuReading:
+    """Some cores' busy time and some processes' CPU time at one moment (ns)."""
+
+    at_ns: int  # time.monotonic_ns()
+    busy_ns: int  # the cores' time not idle, whoever ran
+    own_ns: int  # the processes' threads' time on a CPU, on whichever cores
+
+
+def cpu_reading(
+    cores: Sequence[int], pids: Sequence[int], proc_root: Path = Path("/proc")
+) -> CpuReading | None:
+    """``cores``' busy time (``/proc/stat``: user, nice, system, irq, softirq, steal) and
+    the CPU time of processes ``pids``' threads (their ``schedstat``); None without cores
+    or where the kernel does not say (no such core, a process gone)."""
+    if not cores:
+        return None
+    wanted = {f"cpu{c}" for c in cores}
+    busy = 0
+    try:
+        lines = (proc_root / "stat").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if fields and fields[0] in wanted:
+            ticks = [int(x) for x in fields[1:9]]
+            busy += sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
+            wanted.discard(fields[0])
+    if wanted:
+        return None
+    own = 0
+    for pid in pids:
+        files = list((proc_root / str(pid) / "task").glob("*/schedstat"))
+        if not files:
+            return None
+        for path in files:
+            try:
+                own += int(path.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that ended meanwhile
+    return CpuReading(time.monotonic_ns(), busy * _NS_PER_TICK, own)
+
+
+def other_share(before: CpuReading | None, after: CpuReading | None, cores: int) -> float | None:
+    """The share of ``cores`` cores' time between two readings that other processes
+    used (their busy time less the stack's own processes'); None unknown."""
+    if before is None or after is None or after.at_ns <= before.at_ns or cores < 1:
+        return None
+    others = (after.busy_ns - before.busy_ns) - (after.own_ns - before.own_ns)
+    return max(0, others) / ((after.at_ns - before.at_ns) * cores)
+
+
+def quiet(share: float | None) -> bool:
+    """Whether a run with this share of other processes counts (not measured: it does)."""
+    return share is None or share <= CONTENDED_SHARE
+
+
+def enough_quiet_runs(shares: Sequence[float | None], wanted: int) -> bool:
+    """Whether the runs so far (their shares of other processes) are enough: ``wanted``
+    quiet ones, or RUNS_PER_TIMED_RUN times ``wanted`` runs in all."""
+    return (
+        sum(1 for r in shares if quiet(r)) >= wanted or len(shares) >= wanted * RUNS_PER_TIMED_RUN
+    )
+
+
+def least_contended(shares: Sequence[float | None], wanted: int) -> list[int]:
+    """Indices of the ``wanted`` runs other processes took least from (the first ones
+    among equals), in the order they ran."""
+    order = sorted(range(len(shares)), key=lambda i: (shares[i] or 0.0, i))
+    return sorted(order[:wanted])
+
+
 def prompt_token_ids(count: int, spec: ArchSpec) -> list[int]:
     """``count`` reproducible pseudo-random token ids of the model's vocabulary that are
     not its BOS or EOS tokens."""
@@ -318,6 +402,16 @@ class ProfilingJobs:
     ) -> list[agent_pb.ProfiledRun]:
         workers = sorted(workers, key=lambda w: w.rank)
         at_ready = {w.rank: self._process_peak(w) for w in workers[1:]}
+        # On CPU devices, what other processes take of their cores during each run: the
+        # cores' busy time less the workers' and this agent's (it times the runs). A
+        # GPU's speed is not its host cores'.
+        on_cpu = not any(self.devices[w.device_id].is_cuda for w in workers)
+        cores = (
+            sorted({c for w in workers for c in self.devices[w.device_id].cpu_cores})
+            if on_cpu
+            else []
+        )
+        pids = sorted({os.getpid(), *(w.pid for w in workers)})
         async with channel(workers[0].address) as ch:
             stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
             results = []
@@ -325,17 +419,36 @@ class ProfilingJobs:
                 for _ in range(job.warmup_runs):
                     await self._batch(stub, prompt, output_tokens, job.batch_size)
                 # Each timed run's layer time: the clock read after it, less the reading
-                # before it (the previous run's).
+                # before it (the previous run's). A run other processes slowed (on CPU
+                # devices: they used much of the devices' cores meanwhile) is taken
+                # again, up to RUNS_PER_TIMED_RUN times the timed runs; the runs they
+                # took least from are kept.
                 stats = await self._worker_stats(stub)
-                timed, layer_ms = [], []
-                for _ in range(job.timed_runs):
-                    before = LayerCounters.of(stats)
+                timed, layer_ms, shares = [], [], []
+                while not enough_quiet_runs(shares, job.timed_runs):
+                    before, cpu_before = LayerCounters.of(stats), cpu_reading(cores, pids)
                     timed.append(await self._batch(stub, prompt, output_tokens, job.batch_size))
+                    shares.append(other_share(cpu_before, cpu_reading(cores, pids), len(cores)))
                     stats = await self._worker_stats(stub)
                     layer_ms.append(LayerCounters.of(stats).layer_ms_since(before))
+                kept = least_contended(shares, job.timed_runs)
+                if len(shares) > job.timed_runs:
+                    log.info(
+                        "profiling: other processes used the devices' cores in %d of %d runs "
+                        "(shares %s); kept the %d they took least from",
+                        len(shares) - sum(1 for r in shares if quiet(r)),
+                        len(shares),
+                        ", ".join(f"{r:.2f}" for r in shares if r is not None),
+                        len(kept),
+                    )
                 peaks = self._peaks(stats, workers, at_ready)
-                run = summarise(output_tokens, timed, peaks, layer_ms)
+                run = summarise(
+                    output_tokens, [timed[i] for i in kept], peaks, [layer_ms[i] for i in kept]
+                )
                 run.input_tokens = len(prompt)
+                measured = [shares[i] for i in kept]
+                if all(r is not None for r in measured):
+                    run.other_cpu_share = statistics.median(measured)
                 results.append(run)
         return results
 

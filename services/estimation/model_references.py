@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from services.contention import contention_note
 from services.estimation.extrapolate import LatencySample
 from services.estimation.latency import (
     BASE,
@@ -461,6 +462,9 @@ def model_references(
         prompts.append(PromptReferences(n, kv_tokens, profiles))
     if not batch_lengths:
         notes.append("batch 2 was not profiled for every variant: latency does not grow with batch")
+    contended = contention_note(s.other_cpu_share for s in fingerprints)
+    if contended:
+        notes.append(contended)
     return ModelReferences(
         shape=shape,
         variants=tuple(variants[v] for v in keys),

@@ -94,6 +94,9 @@ class Sample:
     layer_weight_gib: float = 0.0
     # One token's K and V in one decoder layer, all ranks, GiB (0: unknown).
     layer_kv_gib_per_token: float = 0.0
+    # The share of its devices' cores other processes used meanwhile (None: not
+    # measured; services.contention says when that slowed it).
+    other_cpu_share: float | None = None
 
     @property
     def layout(self) -> Layout:
@@ -171,6 +174,7 @@ def sample_from_measurement(m: model_pb.ProfileMeasurement) -> Sample:
         tpot_layer_s=m.tpot_layer_ms / 1e3,
         layer_weight_gib=m.layer_weight_bytes / GIB,
         layer_kv_gib_per_token=m.layer_kv_bytes_per_token / GIB,
+        other_cpu_share=m.other_cpu_share if m.HasField("other_cpu_share") else None,
     )
 
 

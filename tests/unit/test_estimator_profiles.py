@@ -451,3 +451,28 @@ def test_a_further_sequence_of_a_longer_prompt_costs_at_least_its_prefill():
     # one's share 2/4.
     assert longer.ttft_s == pytest.approx((1.8, 1.08, 1.99, 0.4 + 0.5 * 0.48))
     assert longer.tpot_s == main.tpot_s  # decode's overhead is the prompt's own business
+
+
+def test_a_profile_other_processes_slowed_is_said_with_its_estimates():
+    """Estimates from runs other processes slowed run high: the references
+    say so (the note the estimator's replies carry), and say nothing of quiet runs."""
+    shape = ModelShape("tiny", 8, 8, 4, 16)
+    model = model_pb.Model(model_id="tiny")
+    rows = profiler_rows("", common.WEIGHT_QUANT_NONE)
+    variants = profiles.estimation_variants(model, rows)
+
+    def notes(ratio: float | None) -> tuple[str, ...]:
+        for m in rows:
+            if ratio is None:
+                m.ClearField("other_cpu_share")
+            else:
+                m.other_cpu_share = ratio
+        samples = [profiles.sample_from_measurement(m) for m in rows]
+        return model_references.model_references(shape, variants, samples).notes
+
+    said = "of the devices' CPU cores"
+    assert not any(said in n for n in notes(0.08))
+    assert not any(said in n for n in notes(None))
+    [slowed] = [n for n in notes(0.8) if said in n]
+    assert slowed.startswith(f"{len(rows)} of {len(rows)} profiled measurements")
+    assert "other processes used up to 80% of the devices' CPU cores" in slowed

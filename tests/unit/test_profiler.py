@@ -254,6 +254,34 @@ def test_a_profile_an_agent_left_incomplete_says_so_in_the_models_reason(redis_u
     assert model.state == model_pb.MODEL_STATE_PROFILED and model.state_reason == ""
 
 
+def test_a_profile_other_processes_slowed_says_so_in_the_models_reason(redis_url, models_root):
+    """A profile taken while other processes held the CPUs gave estimates 2-3.5x the
+    measured latencies, and nothing said so. What other processes took of the devices'
+    cores is kept with the measurements, and the model's reason says how many were
+    slowed and what to do."""
+
+    def slowed(request):
+        runs = measured(request)
+        for i, run in enumerate(runs):
+            run.other_cpu_share = 0.6 if i == 0 else 0.05
+        return runs
+
+    model, profile, *_ = run_profiler(redis_url, models_root, slowed)
+    assert model.state == model_pb.MODEL_STATE_PROFILED
+    ratios = [m.other_cpu_share for m in profile.measurements]
+    slowed_count = sum(1 for r in ratios if r > 0.2)
+    assert slowed_count and 0.05 in ratios
+    assert model.state_reason == (
+        f"{slowed_count} of {len(ratios)} profiled measurements were taken while other "
+        "processes used up to 60% of the devices' CPU cores (past 20%): latencies estimated "
+        "from them run high; register the model again on a quiet machine"
+    )
+    # Runs without a ratio (a GPU, a kernel that does not say): nothing is said.
+    model, profile, *_ = run_profiler(redis_url, models_root, measured)
+    assert model.state_reason == ""
+    assert not any(m.HasField("other_cpu_share") for m in profile.measurements)
+
+
 def _tiny(model_id: str, path: str) -> model_pb.Model:
     return model_pb.Model(
         model_id=model_id,

@@ -185,7 +185,14 @@ class FakeSupervisor:
         return []
 
 
-def _run_job(tmp_path, worker: FakeWorker, request: agent_pb.RunProfilingJobRequest):
+def _run_job(
+    tmp_path,
+    worker: FakeWorker,
+    request: agent_pb.RunProfilingJobRequest,
+    cpu=lambda cores, pids: None,
+):
+    """The job against ``worker``; ``cpu`` stands for the kernel's account of the
+    devices' cores (by default none: the worker is this test's process)."""
     create_checkpoint(tmp_path / "tiny", **SHAPE, overwrite=True)
     devices = {
         f"cpu{i}": DeviceSpec(
@@ -201,11 +208,13 @@ def _run_job(tmp_path, worker: FakeWorker, request: agent_pb.RunProfilingJobRequ
         await server.start()
         supervisor = FakeSupervisor(f"127.0.0.1:{port}")
         jobs = ProfilingJobs(supervisor, devices, models_root=tmp_path, ready_timeout_s=5)
+        real_reading, profiling.cpu_reading = profiling.cpu_reading, cpu
         try:
             return await jobs.run(request), supervisor
         except Exception as exc:
             return exc, supervisor
         finally:
+            profiling.cpu_reading = real_reading
             await server.stop(0)
 
     return asyncio.run(main())
@@ -305,3 +314,67 @@ def test_a_prompt_longer_than_the_model_is_refused_before_starting(tmp_path):
     )
     assert isinstance(error, InvalidArgument) and "max_position_embeddings" in str(error)
     assert supervisor.plans == [] and supervisor.stopped == []
+
+
+def test_a_cpu_reading_is_the_cores_busy_time_and_the_processes_own(tmp_path):
+    """The cores' time not idle (ticks, as ns) and the processes' threads' CPU time."""
+    from monitor_agent.profiling import _NS_PER_TICK, CpuReading, cpu_reading, other_share
+
+    (tmp_path / "stat").write_text(
+        "cpu  1 1 1 1 1 1 1 1 0 0\n"
+        "cpu0 100 0 50 900 10 5 5 0 0 0\n"  # busy 160 ticks (idle, iowait left out)
+        "cpu1 200 0 0 800 0 0 0 40 0 0\n"  # busy 240 (steal counts)
+        "cpu2 999 0 0 0 0 0 0 0 0 0\n"
+    )
+    for pid, threads in ((10, {"10": "300 50 7", "11": "100 30 2"}), (20, {"20": "600 20 1"})):
+        for tid, line in threads.items():
+            (tmp_path / str(pid) / "task" / tid).mkdir(parents=True)
+            (tmp_path / str(pid) / "task" / tid / "schedstat").write_text(line + "\n")
+    reading = cpu_reading([0, 1], [10, 20], tmp_path)
+    assert (reading.busy_ns, reading.own_ns) == (400 * _NS_PER_TICK, 1000)
+    assert cpu_reading([0, 7], [10], tmp_path) is None  # no such core
+    assert cpu_reading([0], [10, 30], tmp_path) is None  # a process gone
+    assert cpu_reading([], [10], tmp_path) is None
+    # Over 1 s on 2 cores: 1.5 s busy, 0.5 s of it the stack's own: a half for others.
+    before, after = CpuReading(0, 0, 0), CpuReading(10**9, 15 * 10**8, 5 * 10**8)
+    assert other_share(before, after, 2) == pytest.approx(0.5)
+    assert other_share(before, CpuReading(10**9, 10**8, 5 * 10**8), 2) == 0.0  # own elsewhere
+    assert other_share(before, CpuReading(0, 1, 1), 2) is None  # no time passed
+    assert other_share(None, after, 2) is None
+    # This machine's kernel says it all.
+    mine = cpu_reading([0], [os.getpid()])
+    assert mine is not None and mine.own_ns > 0
+
+
+def test_runs_other_processes_slowed_are_taken_again_and_the_least_slowed_kept(tmp_path):
+    """A profile taken while other processes held the CPUs ran 2-3.5x slow, and every
+    estimate from it with it. Runs during which other processes used more than the
+    contended share of the devices' cores are run again (up to 2x the timed runs); the
+    runs they took least from are kept, and the measurement carries their share."""
+    from monitor_agent.profiling import CpuReading
+
+    # Per run, the share the readings will show: 2 contended runs, then quiet ones for
+    # the first output length; for the second, every run contended.
+    script = iter([0.9, 0.7, 0.05, 0.1, 0.08] + [0.6, 0.9, 0.7, 0.55, 0.8, 0.65])
+    readings = {"at": 0, "busy": 0, "next": None}
+
+    def reading(cores, pids):
+        assert cores == [0] and os.getpid() in pids  # the device's core; the agent's own
+        if readings["next"] is None:  # before a run: the share it will show
+            readings["next"] = next(script)
+        else:  # after it: 1 s later, the scripted share of the core busy with others
+            readings["at"] += 10**9
+            readings["busy"] += int(readings["next"] * 10**9)
+            readings["next"] = None
+        return CpuReading(readings["at"], readings["busy"], 0)
+
+    worker = FakeWorker(first_s=0.0, gap_s=0.0)
+    runs, _ = _run_job(tmp_path, worker, _request(warmup_runs=0, timed_runs=3), cpu=reading)
+    first, second = runs
+    assert first.other_cpu_share == pytest.approx(0.08)  # of 0.05, 0.1, 0.08
+    assert second.other_cpu_share == pytest.approx(0.6)  # 0.55, 0.6, 0.65 of the 6
+    # 5 runs for the first length, 6 (2 x 3, none quiet enough) for the second.
+    assert len(worker.requests) == 5 + 6
+    # Where the kernel says nothing (the default here), 3 runs and no share.
+    runs, _ = _run_job(tmp_path, FakeWorker(0.0, 0.0), _request(timed_runs=3))
+    assert not any(r.HasField("other_cpu_share") for r in runs)

@@ -168,7 +168,7 @@ class RunProfilingJobResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[ProfiledRun, _Mapping]]] = ...) -> None: ...
 
 class ProfiledRun(_message.Message):
-    __slots__ = ("output_tokens", "ttft_ms", "tpot_ms", "latency_ms", "peak_memory_bytes_per_rank", "ttft_layer_ms", "tpot_layer_ms", "input_tokens")
+    __slots__ = ("output_tokens", "ttft_ms", "tpot_ms", "latency_ms", "peak_memory_bytes_per_rank", "ttft_layer_ms", "tpot_layer_ms", "input_tokens", "other_cpu_share")
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class ProfiledRun(_message.Message):
     TTFT_LAYER_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_LAYER_MS_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_CPU_SHARE_FIELD_NUMBER: _ClassVar[int]
     output_tokens: int
     ttft_ms: float
     tpot_ms: float
@@ -185,4 +186,5 @@ class ProfiledRun(_message.Message):
     ttft_layer_ms: float
     tpot_layer_ms: float
     input_tokens: int
-    def __init__(self, output_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., ttft_layer_ms: _Optional[float] = ..., tpot_layer_ms: _Optional[float] = ..., input_tokens: _Optional[int] = ...) -> None: ...
+    other_cpu_share: float
+    def __init__(self, output_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., ttft_layer_ms: _Optional[float] = ..., tpot_layer_ms: _Optional[float] = ..., input_tokens: _Optional[int] = ..., other_cpu_share: _Optional[float] = ...) -> None: ...

@@ -224,7 +224,7 @@ class GetProfileRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class ProfileMeasurement(_message.Message):
-    __slots__ = ("variant_name", "num_layers", "full_model", "config", "stage_layers", "input_tokens", "output_tokens", "ttft_ms", "tpot_ms", "latency_ms", "peak_memory_bytes_per_rank", "repetitions", "hardware_type", "ttft_layer_ms", "tpot_layer_ms", "layer_weight_bytes", "layer_kv_bytes_per_token", "source_file")
+    __slots__ = ("variant_name", "num_layers", "full_model", "config", "stage_layers", "input_tokens", "output_tokens", "ttft_ms", "tpot_ms", "latency_ms", "peak_memory_bytes_per_rank", "repetitions", "hardware_type", "ttft_layer_ms", "tpot_layer_ms", "layer_weight_bytes", "layer_kv_bytes_per_token", "source_file", "other_cpu_share")
     VARIANT_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FULL_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class ProfileMeasurement(_message.Message):
     LAYER_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYER_KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FILE_FIELD_NUMBER: _ClassVar[int]
+    OTHER_CPU_SHARE_FIELD_NUMBER: _ClassVar[int]
     variant_name: str
     num_layers: int
     full_model: bool
@@ -261,7 +262,8 @@ class ProfileMeasurement(_message.Message):
     layer_weight_bytes: float
     layer_kv_bytes_per_token: float
     source_file: str
-    def __init__(self, variant_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., full_model: _Optional[bool] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., stage_layers: _Optional[_Iterable[int]] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., repetitions: _Optional[int] = ..., hardware_type: _Optional[str] = ..., ttft_layer_ms: _Optional[float] = ..., tpot_layer_ms: _Optional[float] = ..., layer_weight_bytes: _Optional[float] = ..., layer_kv_bytes_per_token: _Optional[float] = ..., source_file: _Optional[str] = ...) -> None: ...
+    other_cpu_share: float
+    def __init__(self, variant_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., full_model: _Optional[bool] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., stage_layers: _Optional[_Iterable[int]] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., repetitions: _Optional[int] = ..., hardware_type: _Optional[str] = ..., ttft_layer_ms: _Optional[float] = ..., tpot_layer_ms: _Optional[float] = ..., layer_weight_bytes: _Optional[float] = ..., layer_kv_bytes_per_token: _Optional[float] = ..., source_file: _Optional[str] = ..., other_cpu_share: _Optional[float] = ...) -> None: ...
 
 class ProfilingCost(_message.Message):
     __slots__ = ("wall_time_ms", "device_seconds", "peak_device_memory_bytes")
