@@ -871,6 +871,22 @@ def test_a_request_sent_on_from_a_deployment_gone_to_a_full_queue_says_why(redis
     run(redis_url, scenario, queue_capacity=1)
 
 
+async def _strict_edf(h: Harness, worker: FakeWorker) -> None:
+    """Deployment a-edf of model m: EDF, whose first token of a 4000-token prompt is
+    predicted at 4 s, past its 300 ms TTFT objective (its prefill model says 1 ms a
+    token); one request served, so its predictions count."""
+    await h.add_deployment(
+        "a-edf",
+        worker,
+        max_output_tokens=4,
+        objectives=common.ServiceObjectives(
+            scheduling=common.SCHEDULING_POLICY_EDF, ttft_slo_ms=300
+        ),
+        latency_model=common.LatencyModel(prefill_ms_per_token=1.0),
+    )
+    await h.collect(request_id="warm", deployment_id="a-edf", max_tokens=1)
+
+
 def test_a_model_request_one_deployment_refuses_at_admission_goes_to_another(redis_url):
     """Routed by model id, a request the deployment with the shortest wait refuses at
     admission (a first token its EDF queue predicts late; likewise its limits or a full
@@ -879,18 +895,7 @@ def test_a_model_request_one_deployment_refuses_at_admission_goes_to_another(red
 
     async def scenario(h: Harness):
         strict, lenient = FakeWorker(), FakeWorker()
-        # An EDF deployment whose first token of a 4000-token prompt is predicted at 4 s,
-        # past its 300 ms TTFT objective (its prefill model says 1 ms a token).
-        await h.add_deployment(
-            "a-edf",
-            strict,
-            max_output_tokens=4,
-            objectives=common.ServiceObjectives(
-                scheduling=common.SCHEDULING_POLICY_EDF, ttft_slo_ms=300
-            ),
-            latency_model=common.LatencyModel(prefill_ms_per_token=1.0),
-        )
-        await h.collect(request_id="warm", deployment_id="a-edf", max_tokens=1)  # measured
+        await _strict_edf(h, strict)
         refused = await h.status_of(
             request_id="edf-only", deployment_id="a-edf", prompt="x" * 16_000
         )
@@ -1180,17 +1185,8 @@ def test_a_model_request_without_a_deadline_refused_everywhere_is_told_the_queue
     assert answered_refusal([(a, too_long), (b, late)], own_deadline=False) == (a, too_long)
 
     async def scenario(h: Harness):
-        busy, edf_worker = FakeWorker(gate=asyncio.Event()), FakeWorker()
-        await h.add_deployment(
-            "a-edf",
-            edf_worker,
-            max_output_tokens=4,
-            objectives=common.ServiceObjectives(
-                scheduling=common.SCHEDULING_POLICY_EDF, ttft_slo_ms=300
-            ),
-            latency_model=common.LatencyModel(prefill_ms_per_token=1.0),
-        )
-        await h.collect(request_id="warm", deployment_id="a-edf", max_tokens=1)
+        busy = FakeWorker(gate=asyncio.Event())
+        await _strict_edf(h, FakeWorker())
         await h.add_deployment("b-fcfs", busy, batch_size=1)
         running = h.generate(request_id="running", deployment_id="b-fcfs")
         await running.read()
