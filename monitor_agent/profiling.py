@@ -26,8 +26,10 @@ lengths:
    medians over timed runs. On CPU devices the agent also reads, around each timed
    run, how much of the devices' cores other processes used (``/proc/stat`` less the
    workers' and its own CPU time); a run past ``services.contention.CONTENDED_SHARE`` is
-   taken again, up to RUNS_PER_TIMED_RUN times the timed runs, the runs the others took
-   least from are kept, and their median share is ``other_cpu_share``.
+   taken again, up to RUNS_PER_TIMED_RUN times the timed runs (not after a measurement
+   that got too few quiet runs even so, until one's timed runs are all quiet again),
+   the runs the others took least from are kept, and their median share is
+   ``other_cpu_share``.
 3. Peak memory per rank, read after each output length's runs (a peak: it covers the
    runs before it, which is why prompts go shortest first). Rank 0: its
    ``GetWorkerStats.peak_memory_bytes`` (the engine's account of weights, KV cache and
@@ -287,12 +289,17 @@ def quiet(share: float | None) -> bool:
     return share is None or share <= CONTENDED_SHARE
 
 
-def enough_quiet_runs(shares: Sequence[float | None], wanted: int) -> bool:
+def quiet_runs(shares: Sequence[float | None]) -> int:
+    """How many runs of these shares of other processes count."""
+    return sum(1 for r in shares if quiet(r))
+
+
+def enough_runs(shares: Sequence[float | None], wanted: int, again: bool) -> bool:
     """Whether the runs so far (their shares of other processes) are enough: ``wanted``
-    quiet ones, or RUNS_PER_TIMED_RUN times ``wanted`` runs in all."""
-    return (
-        sum(1 for r in shares if quiet(r)) >= wanted or len(shares) >= wanted * RUNS_PER_TIMED_RUN
-    )
+    quiet ones, or ``wanted`` in all when runs are not taken again (``again`` false),
+    else RUNS_PER_TIMED_RUN times ``wanted``."""
+    most = wanted * (RUNS_PER_TIMED_RUN if again else 1)
+    return quiet_runs(shares) >= wanted or len(shares) >= most
 
 
 def least_contended(shares: Sequence[float | None], wanted: int) -> list[int]:
@@ -412,6 +419,7 @@ class ProfilingJobs:
             else []
         )
         pids = sorted({os.getpid(), *(w.pid for w in workers)})
+        again = True  # runs slowed by other processes are taken again
         async with channel(workers[0].address) as ch:
             stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
             results = []
@@ -423,20 +431,24 @@ class ProfilingJobs:
                 # devices: they used much of the devices' cores meanwhile) is taken
                 # again, up to RUNS_PER_TIMED_RUN times the timed runs; the runs they
                 # took least from are kept.
+                # Not after a measurement that got too few quiet runs even so: the others'
+                # load lasts, and more runs would only cost time; again once a
+                # measurement's timed runs are all quiet.
                 stats = await self._worker_stats(stub)
                 timed, layer_ms, shares = [], [], []
-                while not enough_quiet_runs(shares, job.timed_runs):
+                while not enough_runs(shares, job.timed_runs, again):
                     before, cpu_before = LayerCounters.of(stats), cpu_reading(cores, pids)
                     timed.append(await self._batch(stub, prompt, output_tokens, job.batch_size))
                     shares.append(other_share(cpu_before, cpu_reading(cores, pids), len(cores)))
                     stats = await self._worker_stats(stub)
                     layer_ms.append(LayerCounters.of(stats).layer_ms_since(before))
                 kept = least_contended(shares, job.timed_runs)
-                if len(shares) > job.timed_runs:
+                again = quiet_runs(shares) >= job.timed_runs
+                if len(shares) > quiet_runs(shares):
                     log.info(
                         "profiling: other processes used the devices' cores in %d of %d runs "
                         "(shares %s); kept the %d they took least from",
-                        len(shares) - sum(1 for r in shares if quiet(r)),
+                        len(shares) - quiet_runs(shares),
                         len(shares),
                         ", ".join(f"{r:.2f}" for r in shares if r is not None),
                         len(kept),

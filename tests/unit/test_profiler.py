@@ -269,11 +269,11 @@ def test_a_profile_other_processes_slowed_says_so_in_the_models_reason(redis_url
     model, profile, *_ = run_profiler(redis_url, models_root, slowed)
     assert model.state == model_pb.MODEL_STATE_PROFILED
     ratios = [m.other_cpu_share for m in profile.measurements]
-    slowed_count = sum(1 for r in ratios if r > 0.2)
+    slowed_count = sum(1 for r in ratios if r > 0.25)
     assert slowed_count and 0.05 in ratios
     assert model.state_reason == (
         f"{slowed_count} of {len(ratios)} profiled measurements were taken while other "
-        "processes used up to 60% of the devices' CPU cores (past 20%): latencies estimated "
+        "processes used up to 60% of the devices' CPU cores (past 25%): latencies estimated "
         "from them run high; register the model again on a quiet machine"
     )
     # Runs without a ratio (a GPU, a kernel that does not say): nothing is said.

@@ -353,9 +353,15 @@ def test_runs_other_processes_slowed_are_taken_again_and_the_least_slowed_kept(t
     runs they took least from are kept, and the measurement carries their share."""
     from monitor_agent.profiling import CpuReading
 
-    # Per run, the share the readings will show: 2 contended runs, then quiet ones for
-    # the first output length; for the second, every run contended.
-    script = iter([0.9, 0.7, 0.05, 0.1, 0.08] + [0.6, 0.9, 0.7, 0.55, 0.8, 0.65])
+    # Per run, the share the readings will show, for 4 measurements (prompts 8 and 24,
+    # outputs 3 and 5): 2 slowed runs, then quiet ones; every run slowed, even taken
+    # again (so the next is not); slowed, not taken again; quiet (so again after it).
+    script = iter(
+        [0.9, 0.7, 0.05, 0.1, 0.08]
+        + [0.6, 0.9, 0.7, 0.55, 0.8, 0.65]
+        + [0.7, 0.6, 0.9]
+        + [0.05, 0.1, 0.15]
+    )
     readings = {"at": 0, "busy": 0, "next": None}
 
     def reading(cores, pids):
@@ -369,12 +375,16 @@ def test_runs_other_processes_slowed_are_taken_again_and_the_least_slowed_kept(t
         return CpuReading(readings["at"], readings["busy"], 0)
 
     worker = FakeWorker(first_s=0.0, gap_s=0.0)
-    runs, _ = _run_job(tmp_path, worker, _request(warmup_runs=0, timed_runs=3), cpu=reading)
-    first, second = runs
-    assert first.other_cpu_share == pytest.approx(0.08)  # of 0.05, 0.1, 0.08
-    assert second.other_cpu_share == pytest.approx(0.6)  # 0.55, 0.6, 0.65 of the 6
-    # 5 runs for the first length, 6 (2 x 3, none quiet enough) for the second.
-    assert len(worker.requests) == 5 + 6
+    runs, _ = _run_job(
+        tmp_path,
+        worker,
+        _request(warmup_runs=0, timed_runs=3, extra_input_tokens=[24]),
+        cpu=reading,
+    )
+    shares = [r.other_cpu_share for r in runs]
+    # 0.05, 0.1, 0.08 kept; 0.55, 0.6, 0.65 of the 6; the 3; the 3.
+    assert shares == pytest.approx([0.08, 0.6, 0.7, 0.1])
+    assert len(worker.requests) == 5 + 6 + 3 + 3
     # Where the kernel says nothing (the default here), 3 runs and no share.
     runs, _ = _run_job(tmp_path, FakeWorker(0.0, 0.0), _request(timed_runs=3))
     assert not any(r.HasField("other_cpu_share") for r in runs)
