@@ -211,8 +211,8 @@ class LatencyPredictor:
         which waited for the prefill of ``prefilled_tokens`` prompt tokens (its own and
         those the worker prefilled with it; 0: unknown, its own taken),
         ``tpot_s`` its mean time per output token after the first (None with one
-        token), ``running`` the sequences running beside it (itself included; a mean
-        where it changed), ``service_s`` from admission to its last token,
+        token), ``running`` the sequences running beside it (itself included; its
+        time-weighted mean over the request's decode), ``service_s`` from admission to its last token,
         ``output_share`` its output tokens over its max_tokens."""
         self.prefill.update(max(prompt_tokens, prefilled_tokens), first_token_s)
         if tpot_s is not None:
