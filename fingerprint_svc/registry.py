@@ -230,7 +230,13 @@ def check_retry(existing: model_pb.Model, model: model_pb.Model, *, profiling: b
     is not being profiled) with the same checkpoint; anything else is AlreadyExists."""
     state = state_name(existing.state)
     if existing.state != model_pb.MODEL_STATE_FAILED or profiling:
-        raise AlreadyExists(f"model {model.model_id!r} is already registered ({state})")
+        again = (
+            ""
+            if profiling
+            else f"; to register it again, delete it first (`iserve model delete "
+            f"{model.model_id}`, once no deployment serves it)"
+        )
+        raise AlreadyExists(f"model {model.model_id!r} is already registered ({state}){again}")
     if existing.checkpoint_path != model.checkpoint_path:
         raise AlreadyExists(
             f"model {model.model_id!r} is registered with checkpoint "

@@ -32,6 +32,7 @@ def contention_note(shares: Iterable[float | None]) -> str:
     return (
         f"{len(contended)} of {len(known)} profiled measurements were taken while other "
         f"processes used up to {max(contended):.0%} of the devices' CPU cores (past "
-        f"{CONTENDED_SHARE:.0%}): latencies estimated from them run high; register the model "
-        "again on a quiet machine"
+        f"{CONTENDED_SHARE:.0%}): latencies estimated from them run high; on a quiet machine, "
+        "delete the model (`iserve model delete`, once no deployment serves it) and register "
+        "it again"
     )

@@ -274,7 +274,8 @@ def test_a_profile_other_processes_slowed_says_so_in_the_models_reason(redis_url
     assert model.state_reason == (
         f"{slowed_count} of {len(ratios)} profiled measurements were taken while other "
         "processes used up to 60% of the devices' CPU cores (past 25%): latencies estimated "
-        "from them run high; register the model again on a quiet machine"
+        "from them run high; on a quiet machine, delete the model (`iserve model delete`, once "
+        "no deployment serves it) and register it again"
     )
     # Runs without a ratio (a GPU, a kernel that does not say): nothing is said.
     model, profile, *_ = run_profiler(redis_url, models_root, measured)

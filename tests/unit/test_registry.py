@@ -242,7 +242,13 @@ def test_only_a_failed_model_with_the_same_checkpoint_is_retried():
     new = model_pb.Model(model_id="m", checkpoint_path="a")
     failed = model_pb.Model(model_id="m", checkpoint_path="a", state=model_pb.MODEL_STATE_FAILED)
     check_retry(failed, new, profiling=False)
-    with pytest.raises(AlreadyExists, match=r"already registered \(PROFILED\)$"):
+    # How to register it again is said (a note told to "register the model again", and
+    # the id was taken).
+    with pytest.raises(
+        AlreadyExists,
+        match=r"already registered \(PROFILED\); to register it again, delete it first "
+        r"\(`iserve model delete m`, once no deployment serves it\)$",
+    ):
         check_retry(
             model_pb.Model(model_id="m", checkpoint_path="a", state=model_pb.MODEL_STATE_PROFILED),
             new,
