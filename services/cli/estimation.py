@@ -21,6 +21,7 @@ from services.api import estimator_service_pb2_grpc, model_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.cli.arguments import id_list, usage_error, whole_number
 from services.cli.output import show_tables
+from services.contention import CONTENDED_SHARE
 from services.importers import MAX_PROFILE_MEASUREMENTS
 from services.settings import Settings
 
@@ -292,21 +293,24 @@ def print_profile(profile: model_pb.GetProfileResponse) -> None:
         print(f"  skipped: {reason}")
     print(
         f"{'variant':<10}{'layers':>7} {'tp x pp':>7}{'batch':>6}{'in':>6}{'out':>5}"
-        f"{'TTFT ms':>10}{'TPOT ms':>9}{'total ms':>10}{'layer ms':>16}  memory MiB per rank"
+        f"{'TTFT ms':>10}{'TPOT ms':>9}{'total ms':>10}{'layer ms':>16}{'others':>7}"
+        "  memory MiB per rank"
     )
     for m in profile.measurements:
         layer = f"{m.ttft_layer_ms:.2f}/{m.tpot_layer_ms:.3f}" if m.tpot_layer_ms > 0 else "-"
         layers = f"{m.num_layers}{'*' if m.full_model else ''}"
         memory = " ".join(f"{b / 2**20:.1f}" for b in m.peak_memory_bytes_per_rank if b)
+        others = f"{m.other_cpu_share:.0%}" if m.HasField("other_cpu_share") else "-"
         print(
             f"{m.variant_name or 'base':<10}{layers:>7} {_layout(m.config):>7}"
             f"{max(1, m.config.batch_size):>6}{_known(m.input_tokens, 'd'):>6}"
             f"{m.output_tokens:>5}{_known(m.ttft_ms, '.2f'):>10}{_known(m.tpot_ms, '.3f'):>9}"
-            f"{_known(m.latency_ms, '.1f'):>10}{layer:>16}  {memory or '-'}"
+            f"{_known(m.latency_ms, '.1f'):>10}{layer:>16}{others:>7}  {memory or '-'}"
         )
     print(
         "layers* = full model; layer ms = one decoder layer in prefill / decode (layer "
-        "clock); - = not in the row"
+        "clock); others = the share of the devices' CPU cores other processes used (CPU "
+        f"devices; past {CONTENDED_SHARE:.0%} the runs were slowed); - = not in the row"
     )
 
 

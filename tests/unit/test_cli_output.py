@@ -122,10 +122,15 @@ def test_profile_show_marks_what_an_imported_row_does_not_carry(capsys):
         "m: 1 fingerprint and 0 full-model measurements; no profiling cost recorded; "
         "imported from fingerprint_data_collection.csv"
     )
-    assert out[2].split() == ["base", "1", "2x1", "1", "-", "10", "-", "-", "812.5", "-"] + [
+    assert out[2].split() == ["base", "1", "2x1", "1", "-", "10", "-", "-", "812.5", "-", "-"] + [
         "3072.0",
         "3072.0",
     ]
+    # A CPU profile's share of the cores other processes used (unread before: an
+    # operator could not see which measurements were slowed).
+    profile.measurements[0].other_cpu_share = 0.31
+    print_profile(profile)
+    assert capsys.readouterr().out.splitlines()[2].split()[10] == "31%"
 
 
 CA_ONLY = TlsFiles(ca=Path("ca.pem"))
