@@ -139,6 +139,8 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         deployer moves its replicas at once and says why, where it waited for the
         heartbeat to lapse and recorded a lost node ("do not answer")."""
         await supervisor.stop_all()
+        if pool is not None:  # gone before the agent: `iserve down` waits for the agent
+            await asyncio.to_thread(pool.stop)
         try:
             await store.mark_node_stopped(
                 settings.node_id, settings.node_forget_after_s or STOPPED_RECORD_S

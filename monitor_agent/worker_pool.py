@@ -26,6 +26,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -138,6 +139,24 @@ class WorkerPool:
         with _withheld_from_the_fork_server():
             forkserver.ensure_running()
         log.info("warm worker pool ready (preloaded %s)", ", ".join(PRELOAD))
+
+    def stop(self) -> None:
+        """Stop the fork server and wait for it to exit (the agent's stop, once its
+        workers are stopped). It would exit on its own once the agent is gone, but only
+        after whatever it is doing (importing torch after a restart takes seconds), and
+        `iserve down`, which waits for the agent, returned with it still running.
+        SIGTERM, then multiprocessing's own stop: close its "alive" pipe and reap it."""
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver  # noqa: SLF001 - the pid and stop are private
+        pid = server._forkserver_pid  # noqa: SLF001
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(OSError):
+            server._stop()  # noqa: SLF001
+        log.info("warm worker pool stopped (pid %d)", pid)
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> PooledProcess:
         """Fork a worker for ``argv`` (a ``python -m monitor_agent.worker …`` line)."""

@@ -454,3 +454,20 @@ def test_ready_files_of_workers_gone_are_removed_and_live_ones_kept(tmp_path):
         "worker-b-r0.ready.json",
         "worker-c-r0.ready.json",
     ]
+
+
+def test_a_stopped_pool_leaves_no_fork_server_behind_and_starts_again(pool):
+    """`iserve down` returned while the agent's fork server still ran for seconds (it
+    sees the agent go only after what it is doing). The agent stops it on its way out;
+    a pool stopped and started again forks from a new one."""
+    from multiprocessing import forkserver
+
+    pool.start()
+    first = forkserver._forkserver._forkserver_pid
+    assert first is not None and _alive(first)
+    pool.stop()
+    assert not _alive(first)
+    pool.stop()  # stopped already: nothing to do
+    pool.start()
+    second = forkserver._forkserver._forkserver_pid
+    assert second not in (None, first) and _alive(second)
