@@ -775,6 +775,11 @@ def read_stack_file(state_dir: Path) -> dict:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
+    except OSError as exc:  # the default ~/.iserve under a HOME that cannot hold it
+        raise ValueError(
+            f"state directory {state_dir} cannot be used ({path}: {exc.strerror}): set "
+            "ISERVE_STATE_DIR to a writable directory"
+        ) from None
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:

@@ -479,3 +479,20 @@ def test_estimate_without_hardware_takes_the_only_profiled_type_or_says_which(ca
         with pytest.raises(SystemExit) as exited:
             only_hardware("m", kinds)
         assert exited.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_state_directory_that_cannot_be_made_says_how_to_move_it(tmp_path, monkeypatch, capsys):
+    """With HOME under a regular file, `iserve status` failed with a bare errno naming
+    ~/.iserve/stack.json; it now says to set ISERVE_STATE_DIR."""
+    import os
+
+    from services.cli import main as cli_main
+
+    (tmp_path / "file").write_text("")
+    for name in [n for n in os.environ if n.startswith("ISERVE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path / "file" / "home"))
+    assert cli_main.main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: state directory ") and "(" in err, err
+    assert "Not a directory): set ISERVE_STATE_DIR to a writable directory" in err
