@@ -26,8 +26,9 @@ lengths:
    medians over timed runs. On CPU devices the agent also reads, around each timed
    run, how much of the devices' cores other processes used (``/proc/stat`` less the
    workers' and its own CPU time); a run past ``services.contention.CONTENDED_SHARE`` is
-   taken again, up to RUNS_PER_TIMED_RUN times the timed runs (not after a measurement
-   that got too few quiet runs even so, until one's timed runs are all quiet again),
+   taken again, up to RUNS_PER_TIMED_RUN times the timed runs (not after a measurement,
+   of this job or an earlier one, that got too few quiet runs even so, until one's
+   timed runs are all quiet again),
    the runs the others took least from are kept, and their median share is
    ``other_cpu_share``.
 3. Peak memory per rank, read after each output length's runs (a peak: it covers the
@@ -357,6 +358,11 @@ class ProfilingJobs:
         self.devices = devices
         self.models_root = models_root
         self.ready_timeout_s = ready_timeout_s
+        # Whether runs other processes slowed are taken again: not after a measurement
+        # that got too few quiet runs even so, in this job or the ones after it (a
+        # model's jobs follow each other, and the others' load lasts), until a
+        # measurement's timed runs are all quiet.
+        self._again = True
 
     async def run(self, request: agent_pb.RunProfilingJobRequest) -> list[agent_pb.ProfiledRun]:
         """Profile as the module docstring says; the workers never outlive the call.
@@ -419,7 +425,6 @@ class ProfilingJobs:
             else []
         )
         pids = sorted({os.getpid(), *(w.pid for w in workers)})
-        again = True  # runs slowed by other processes are taken again
         async with channel(workers[0].address) as ch:
             stub = worker_service_pb2_grpc.WorkerServiceStub(ch)
             results = []
@@ -431,19 +436,17 @@ class ProfilingJobs:
                 # devices: they used much of the devices' cores meanwhile) is taken
                 # again, up to RUNS_PER_TIMED_RUN times the timed runs; the runs they
                 # took least from are kept.
-                # Not after a measurement that got too few quiet runs even so: the others'
-                # load lasts, and more runs would only cost time; again once a
-                # measurement's timed runs are all quiet.
+                # Not after a measurement that got too few quiet runs even so (_again).
                 stats = await self._worker_stats(stub)
                 timed, layer_ms, shares = [], [], []
-                while not enough_runs(shares, job.timed_runs, again):
+                while not enough_runs(shares, job.timed_runs, self._again):
                     before, cpu_before = LayerCounters.of(stats), cpu_reading(cores, pids)
                     timed.append(await self._batch(stub, prompt, output_tokens, job.batch_size))
                     shares.append(other_share(cpu_before, cpu_reading(cores, pids), len(cores)))
                     stats = await self._worker_stats(stub)
                     layer_ms.append(LayerCounters.of(stats).layer_ms_since(before))
                 kept = least_contended(shares, job.timed_runs)
-                again = quiet_runs(shares) >= job.timed_runs
+                self._again = quiet_runs(shares) >= job.timed_runs
                 if len(shares) > quiet_runs(shares):
                     log.info(
                         "profiling: other processes used the devices' cores in %d of %d runs "

@@ -210,6 +210,8 @@ def _run_job(
         jobs = ProfilingJobs(supervisor, devices, models_root=tmp_path, ready_timeout_s=5)
         real_reading, profiling.cpu_reading = profiling.cpu_reading, cpu
         try:
+            if isinstance(request, list):  # several jobs, one after another, one agent
+                return [await jobs.run(r) for r in request], supervisor
             return await jobs.run(request), supervisor
         except Exception as exc:
             return exc, supervisor
@@ -388,3 +390,35 @@ def test_runs_other_processes_slowed_are_taken_again_and_the_least_slowed_kept(t
     # Where the kernel says nothing (the default here), 3 runs and no share.
     runs, _ = _run_job(tmp_path, FakeWorker(0.0, 0.0), _request(timed_runs=3))
     assert not any(r.HasField("other_cpu_share") for r in runs)
+
+
+def test_a_load_that_lasts_is_not_run_against_again_in_the_next_job(tmp_path):
+    """A model's jobs follow each other: after a measurement that got too few quiet runs
+    even when taken again, the next job's runs are not taken again either (in CI, where
+    every profile is slowed, each job's first measurement doubled its runs), until a
+    measurement's runs are all quiet."""
+    from monitor_agent.profiling import CpuReading
+
+    # Job 1 (outputs 3, 5): 6 slowed runs, then 3 (not taken again). Job 2: 3 slowed
+    # runs, not taken again; then 3 quiet ones. Job 3: 2 slowed, then quiet: taken again.
+    script = iter([0.9] * 6 + [0.8] * 3 + [0.7] * 3 + [0.1] * 3 + [0.9, 0.9] + [0.1] * 6)
+    readings = {"at": 0, "busy": 0, "next": None}
+
+    def reading(cores, pids):
+        if readings["next"] is None:
+            readings["next"] = next(script)
+        else:
+            readings["at"] += 10**9
+            readings["busy"] += int(readings["next"] * 10**9)
+            readings["next"] = None
+        return CpuReading(readings["at"], readings["busy"], 0)
+
+    worker = FakeWorker(first_s=0.0, gap_s=0.0)
+    request = _request(warmup_runs=0, timed_runs=3)
+    jobs, _ = _run_job(tmp_path, worker, [request] * 3, cpu=reading)
+    assert [[r.other_cpu_share for r in runs] for runs in jobs] == [
+        pytest.approx([0.9, 0.8]),
+        pytest.approx([0.7, 0.1]),
+        pytest.approx([0.1, 0.1]),
+    ]
+    assert len(worker.requests) == (6 + 3) + (3 + 3) + (5 + 3)
