@@ -59,7 +59,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.contention import contention_note
+from services.contention import contention_note, share_of
 from services.engine_rules import check_still_the_model, default_dtype
 from services.errors import CheckpointChanged
 from services.grpc_server import channel
@@ -247,10 +247,7 @@ class Profiler:
             part
             for part in (
                 _incomplete(record),
-                contention_note(
-                    m.other_cpu_share if m.HasField("other_cpu_share") else None
-                    for m in record.measurements
-                ),
+                contention_note(share_of(m) for m in record.measurements),
             )
             if part
         )
@@ -422,9 +419,7 @@ class Profiler:
                     layer_kv_bytes_per_token=layer_kv_bytes_per_token(model.shape, measured),
                     repetitions=profiling.timed_runs,
                     hardware_type=hardware,
-                    other_cpu_share=(
-                        run.other_cpu_share if run.HasField("other_cpu_share") else None
-                    ),
+                    other_cpu_share=share_of(run),
                 )
             )
             record.peak_device_bytes = max(

@@ -25,7 +25,7 @@ lengths:
    prefill and decode steps, measured inside the worker. The ProfiledRun holds the
    medians over timed runs. On CPU devices the agent also reads, around each timed
    run, how much of the devices' cores other processes used (``/proc/stat`` less the
-   workers' and its own CPU time); a run past ``services.contention.CONTENDED_SHARE`` is
+   workers' and its own CPU time); a run ``services.contention.slowed`` says slowed is
    taken again, up to RUNS_PER_TIMED_RUN times the timed runs (not after a measurement,
    of this job or an earlier one, that got too few quiet runs even so, until one's
    timed runs are all quiet again),
@@ -74,7 +74,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
-from services.contention import CONTENDED_SHARE
+from services.contention import slowed
 from services.errors import IServeError, RemoteError, require
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
@@ -285,14 +285,9 @@ def other_share(before: CpuReading | None, after: CpuReading | None, cores: int)
     return max(0, others) / ((after.at_ns - before.at_ns) * cores)
 
 
-def quiet(share: float | None) -> bool:
-    """Whether a run with this share of other processes counts (not measured: it does)."""
-    return share is None or share <= CONTENDED_SHARE
-
-
 def quiet_runs(shares: Sequence[float | None]) -> int:
-    """How many runs of these shares of other processes count."""
-    return sum(1 for r in shares if quiet(r))
+    """How many runs of these shares of other processes count (not slowed)."""
+    return sum(1 for r in shares if not slowed(r))
 
 
 def enough_runs(shares: Sequence[float | None], wanted: int, again: bool) -> bool:

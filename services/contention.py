@@ -16,17 +16,31 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["CONTENDED_SHARE", "contention_note"]
+from google.protobuf.message import Message
+
+__all__ = ["CONTENDED_SHARE", "contention_note", "share_of", "slowed"]
 
 # Past this share of the devices' cores taken by other processes, a run was slowed.
 CONTENDED_SHARE = 0.25
+
+
+def slowed(share: float | None) -> bool:
+    """Whether a run (or a measurement) with this other-process share was slowed; one
+    whose share was not measured was not, as far as is known."""
+    return share is not None and share > CONTENDED_SHARE
+
+
+def share_of(message: Message) -> float | None:
+    """The ``other_cpu_share`` of a ProfiledRun or ProfileMeasurement; None where it was
+    not measured."""
+    return message.other_cpu_share if message.HasField("other_cpu_share") else None
 
 
 def contention_note(shares: Iterable[float | None]) -> str:
     """What a profile whose measurements have these other-process shares (None: not
     measured) says of itself: empty when no measurement was slowed."""
     known = [r for r in shares if r is not None]
-    contended = [r for r in known if r > CONTENDED_SHARE]
+    contended = [r for r in known if slowed(r)]
     if not contended:
         return ""
     return (

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.contention import share_of
 from services.estimation.extrapolate import LatencySample
 from services.estimation.latency import decode_steps
 from services.estimation.memory import GIB
@@ -174,7 +175,7 @@ def sample_from_measurement(m: model_pb.ProfileMeasurement) -> Sample:
         tpot_layer_s=m.tpot_layer_ms / 1e3,
         layer_weight_gib=m.layer_weight_bytes / GIB,
         layer_kv_gib_per_token=m.layer_kv_bytes_per_token / GIB,
-        other_cpu_share=m.other_cpu_share if m.HasField("other_cpu_share") else None,
+        other_cpu_share=share_of(m),
     )
 
 
