@@ -58,7 +58,7 @@ class DeploymentQueue:
         # Requests holding a slot, with when each was admitted.
         self._running: dict[QueueEntry, float] = {}
         # The requests running, integrated over time (sequence-seconds) up to
-        # _occupancy_at: the mean running over any span (see occupancy).
+        # _occupancy_at: the mean running over any span (see mean_running_since).
         self._occupancy = 0.0
         self._occupancy_at = clock()
         self._waiters: dict[QueueEntry, asyncio.Future[None]] = {}
@@ -91,12 +91,24 @@ class DeploymentQueue:
         """Requests holding a slot."""
         return len(self._running)
 
-    def occupancy(self) -> float:
-        """The requests holding a slot, integrated over time up to now (sequence-seconds):
-        its difference over a span, divided by the span, is the mean number of sequences
-        the worker ran side by side then."""
+    @property
+    def edf(self) -> bool:
+        """Whether this queue orders and refuses by deadline (EDF), else FCFS."""
+        return isinstance(self._policy, EdfPolicy)
+
+    def occupancy_mark(self) -> tuple[float, float]:
+        """Now, and the requests holding a slot integrated over time up to now
+        (sequence-seconds): where a span :meth:`mean_running_since` averages starts."""
         self._count_occupancy()
-        return self._occupancy
+        return self._occupancy_at, self._occupancy
+
+    def mean_running_since(self, mark: tuple[float, float] | None) -> float:
+        """The mean number of sequences the worker ran side by side from ``mark`` (an
+        :meth:`occupancy_mark`) to now, time weighted; the count now without a span."""
+        now, occupancy = self.occupancy_mark()
+        if mark is None or now <= mark[0]:
+            return float(max(1, self.running))
+        return max(1.0, (occupancy - mark[1]) / (now - mark[0]))
 
     def _count_occupancy(self) -> None:
         """Bring the integral up to now; called before every change of ``_running``."""
@@ -163,8 +175,7 @@ class DeploymentQueue:
         policy drops the request. A caller cancelled while waiting leaves the queue and
         holds no slot.
         """
-        policy = self._policy
-        edf = isinstance(policy, EdfPolicy)
+        policy, edf = self._policy, self.edf
         # At once: waiting would only report it when a slot frees, seconds later.
         if (
             (edf or entry.refused_if_late)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from services import replicas
+from services import errors, replicas
 from services.api import deployment_service_pb2 as deploy_pb
 from services.auth import access
 from services.errors import (
@@ -58,6 +58,21 @@ def _passing(deployment: deploy_pb.Deployment) -> bool:
     """A state that passes on its own: starting, removing (a successor may be starting),
     or a replica being restarted."""
     return replicas.is_restarting(deployment) or deployment.state in (STARTING, REMOVING)
+
+
+def answered_refusal(
+    refusals: list[tuple[deploy_pb.Deployment, errors.IServeError]], own_deadline: bool
+) -> tuple[deploy_pb.Deployment, errors.IServeError]:
+    """The refusal a model's request gets when every deployment of the model refused it
+    at admission (``refusals``, in the order they were tried): the first, except that a
+    request without a deadline of its own is told of a full queue (RESOURCE_EXHAUSTED,
+    429 with Retry-After: try again later) rather than of an EDF deployment's objective
+    it would miss (DEADLINE_EXCEEDED, 504), which is the same overload."""
+    if not own_deadline:
+        for deployment, refused in refusals:
+            if isinstance(refused, errors.ResourceExhausted):
+                return deployment, refused
+    return refusals[0]
 
 
 class Router:

@@ -28,7 +28,7 @@ from scheduler_svc.queues import (
     QueueClosed,
     QueueRegistry,
 )
-from scheduler_svc.routing import REFRESH_INTERVAL_S, Router
+from scheduler_svc.routing import REFRESH_INTERVAL_S, Router, answered_refusal
 from scheduler_svc.validation import (
     check_for_deployment,
     check_request,
@@ -70,32 +70,6 @@ EVENT_TIMEOUT_S = 1.0
 # What a deployment answers a request it does not take; a model's request then tries its
 # other deployments (SchedulerServicer._admit).
 ADMISSION_REFUSALS = (errors.InvalidArgument, errors.ResourceExhausted, errors.DeadlineExceeded)
-
-
-def mean_running(
-    queue: DeploymentQueue, decode_from: tuple[float, float] | None, now: float
-) -> float:
-    """The mean number of sequences ``queue``'s worker ran from ``decode_from`` (the time
-    and the queue's occupancy at a request's first token) to ``now``, the request itself
-    included; the count now without a span to average over."""
-    if decode_from is None or now <= decode_from[0]:
-        return float(max(1, queue.running))
-    return max(1.0, (queue.occupancy() - decode_from[1]) / (now - decode_from[0]))
-
-
-def answered_refusal(
-    refusals: list[tuple[deploy_pb.Deployment, errors.IServeError]], own_deadline: bool
-) -> tuple[deploy_pb.Deployment, errors.IServeError]:
-    """The refusal a model's request gets when every deployment of the model refused it
-    at admission (``refusals``, in the order they were tried): the first, except that a
-    request without a deadline of its own is told of a full queue (RESOURCE_EXHAUSTED,
-    429 with Retry-After: try again later) rather than of an EDF deployment's objective
-    it would miss (DEADLINE_EXCEEDED, 504), which is the same overload."""
-    if not own_deadline:
-        for deployment, refused in refusals:
-            if isinstance(refused, errors.ResourceExhausted):
-                return deployment, refused
-    return refusals[0]
 
 
 class ReplicaGone(errors.Unavailable):
@@ -189,9 +163,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                         f"{full} (tried there after: {retried_after})"
                     ) from None
                 # Sequences running beside it, itself included, over its decode: from the
-                # queue's occupancy at its first token and at its end (the mean of the two
+                # queue's occupancy at its first token to its end (the mean of the two
                 # counts at admission and end read a wave of 8 that ran together as 4.5).
-                decode_from: tuple[float, float] | None = None  # (time, occupancy)
+                decode_from: tuple[float, float] | None = None
                 final: worker_pb.WorkerServiceGenerateResponse | None = None
                 token_times = record.token_times
                 stream: WorkerStream | None = None
@@ -229,7 +203,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                             if message.token_ids or message.text:
                                 token_time(clock())
                                 if decode_from is None:
-                                    decode_from = (token_times[-1], queue.occupancy())
+                                    decode_from = queue.occupancy_mark()
                                 yield GenerateResponse(
                                     request_id=rid,
                                     delta=TokenDelta(
@@ -260,7 +234,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 finally:
                     if stream is not None:
                         stream.close()  # unless it finished: the client went away
-                    running = mean_running(queue, decode_from, clock())
+                    running = queue.mean_running_since(decode_from)
                     queue.release(entry)
                 break
             yield self._finish(request, record, queue, final, running)
@@ -382,12 +356,11 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         prompt_tokens = predicted_prompt_tokens(
             request, deployment, max_tokens_is_bound, predictor.prompt_tokens
         )
-        edf = deployment.objectives.scheduling == common.SCHEDULING_POLICY_EDF
         due = first_token_deadline(
             arrival,
             # An FCFS queue checks no objective of the deployment's: only a request's
             # own deadline, and only when it came by model (see refused_if_late).
-            deployment.objectives if edf else common.ServiceObjectives(),
+            deployment.objectives if queue.edf else common.ServiceObjectives(),
             request.deadline_ms,
             request.max_tokens,
             # Its decode runs beside at most a batch of others, however many wait.

@@ -1174,7 +1174,7 @@ def test_a_model_request_without_a_deadline_refused_everywhere_is_told_the_queue
     a client cannot tell from a timeout: a request with no deadline of its own now gets
     the full queue's RESOURCE_EXHAUSTED (429, retry later); one with a deadline of its
     own keeps the first refusal."""
-    from scheduler_svc.servicer import answered_refusal
+    from scheduler_svc.routing import answered_refusal
     from services import errors
 
     a, b = deploy_pb.Deployment(deployment_id="a"), deploy_pb.Deployment(deployment_id="b")
