@@ -31,7 +31,7 @@ from services.estimation.latency import REFERENCE_LAYOUTS
 from services.estimation.memory import GIB
 from services.estimation.model_references import Workload
 from services.estimation.score import Estimates
-from services.ids import check_hardware_type
+from services.ids import check_hardware_type, is_cpu_hardware
 from services.reservation import CPU_RUNTIME_MIB, RUNTIME_OVERHEAD_BYTES
 from services.state.capacity import largest_device_bytes
 from services.state.store import StateStore
@@ -85,7 +85,7 @@ class Estimate:
             f"worker process also holds about {CPU_RUNTIME_MIB} MiB of Python and torch "
             "runtime, which `iserve status` USED counts (the deployer reserves "
             f"{RUNTIME_OVERHEAD_BYTES >> 20} MiB a rank for it)"
-            if self.config_map.hardware_type.startswith("cpu")
+            if is_cpu_hardware(self.config_map.hardware_type)
             else None
         )
         extra = (

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.api import common_pb2 as common
+from services.ids import cpu_hardware_type
 from services.settings import Settings
 
 log = logging.getLogger("iserve.agent.devices")
@@ -82,8 +83,7 @@ def virtual_devices(
     count: int, memory_bytes: int, cores: Sequence[int], machine: str
 ) -> list[DeviceSpec]:
     """``count`` virtual CPU devices "cpu0".."cpu{count-1}" with ``memory_bytes`` each."""
-    # Calibration is per hardware type, e.g. "cpu-x86_64" (platform.machine() as is).
-    hardware_type = f"cpu-{machine or 'unknown'}"
+    hardware_type = cpu_hardware_type(machine)
     devices = []
     for i, device_cores in enumerate(split_cores(count, cores)):
         shown = ",".join(str(c) for c in device_cores)

@@ -107,6 +107,17 @@ def check_request_id(request_id: str) -> None:
         raise InvalidArgument(f"invalid request_id {shown(request_id)}: {_TOKEN_RULE}")
 
 
+def cpu_hardware_type(machine: str) -> str:
+    """The hardware type of a machine's CPUs as virtual devices: calibration is per
+    hardware type, e.g. "cpu-x86_64" (``platform.machine()`` as it is)."""
+    return f"cpu-{machine or 'unknown'}"
+
+
+def is_cpu_hardware(hardware_type: str) -> bool:
+    """Whether ``hardware_type`` names CPUs (virtual devices), not GPUs."""
+    return hardware_type.startswith("cpu")
+
+
 def check_hardware_type(hardware_type: str) -> None:
     if not is_valid_id(hardware_type):
         raise InvalidArgument(

@@ -9,6 +9,7 @@ decides on in milliseconds.
 from __future__ import annotations
 
 from services.api import common_pb2 as common
+from services.ids import is_cpu_hardware
 
 __all__ = ["MAX_SIMULATED_DEVICES", "simulated_devices"]
 
@@ -22,7 +23,7 @@ def simulated_devices(hardware: str, count: int, memory_gib: float) -> list[comm
     MAX_SIMULATED_DEVICES."""
     if not 1 <= count <= MAX_SIMULATED_DEVICES:
         raise ValueError(f"simulated devices must number 1 to {MAX_SIMULATED_DEVICES}, got {count}")
-    kind = common.DEVICE_KIND_CPU_VIRTUAL if hardware.startswith("cpu") else common.DEVICE_KIND_CUDA
+    kind = common.DEVICE_KIND_CPU_VIRTUAL if is_cpu_hardware(hardware) else common.DEVICE_KIND_CUDA
     total = int(memory_gib * GIB)
     return [
         common.DeviceState(
