@@ -404,6 +404,45 @@ def print_errors(table: CalibrationTable, results: dict[str, Result], tested: np
     _print_groups(table, results, groups, error_stats, 23)
 
 
+def own_lines(table: CalibrationTable) -> np.ndarray:
+    """Each row's latency on the least-squares line L = a + b * o through the rows of its
+    own (model, variant, layout): what an estimator of Eq. 2's form would give if it
+    knew the held-out rows themselves (NaN where a group has under three rows)."""
+    fitted = np.full(table.size, np.nan)
+    measured = table.latency_s > 0
+    groups = set(zip(table.models, table.variants, table.tp, table.pp, strict=True))
+    for model, variant, tp, pp in groups:
+        rows = (
+            measured
+            & (table.models == model)
+            & (table.variants == variant)
+            & (table.tp == tp)
+            & (table.pp == pp)
+        )
+        if rows.sum() < 3:
+            continue
+        design = np.c_[np.ones(rows.sum()), table.output_tokens[rows]]
+        line = np.linalg.lstsq(design, table.latency_s[rows], rcond=None)[0]
+        fitted[rows] = design @ line
+    return fitted
+
+
+def print_floor(table: CalibrationTable, tested: np.ndarray) -> None:
+    """How far the measured rows themselves are from a line in the output length: the
+    floor under any estimate of the form TTFT + o * TPOT."""
+    lines = own_lines(table)
+    print(
+        "\nThe rows' own floor: each (model, variant, layout)'s least-squares line through"
+        " its own rows, |line / measured - 1| %, median and p90"
+    )
+    for name, rows in (
+        ("  tp <= 2", tested & (table.tp <= 2)),
+        ("  tp = 4", tested & (table.tp == 4)),
+        ("  tp = 8", tested & (table.tp == 8)),
+    ):
+        print(f"{name:16s} | {error_stats(lines, table.latency_s, rows)}  ({rows.sum()} rows)")
+
+
 def print_breakdown(
     table: CalibrationTable, results: dict[str, Result], tested: np.ndarray
 ) -> None:
@@ -783,6 +822,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tested = np.isin(ladder.models, list(split_folds(split)))
         print(f"\n=== Split {split}: {SPLITS[split]} ===")
         print_errors(ladder, results, tested)
+        print_floor(ladder, tested)
         print_breakdown(ladder, results, tested)
         if split == "scale":
             print_regret(models, ladder, results, SCALE_HELD)
