@@ -43,6 +43,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
 from services.api import inference_service_pb2_grpc as inference_grpc
 from services.api import worker_service_pb2 as worker_pb
+from services.auth import access
 from services.drain import InFlight
 from services.grpc_server import ServiceBinding, ended_by_client, logged_request_id
 from services.ids import replica_group_id
@@ -263,6 +264,14 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
     async def GetServingStats(
         self, request: inference_pb.GetServingStatsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb.GetServingStatsResponse:
+        # A developer sees the traffic of the deployments it may generate on (its own),
+        # not other tenants' volumes and latencies; administrators see all.
+        owners = {d.deployment_id: d.owner for d in self.router.deployments()}
+        shown = [
+            s
+            for s in self.metrics.stats()
+            if access.may_use(s.deployment_id, owners.get(s.deployment_id, ""))
+        ]
         return inference_pb.GetServingStatsResponse(
             request_id=request.request_id,
             deployments=[
@@ -278,7 +287,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     slo_attained=s.slo_attained,
                     slo_missed=s.slo_missed,
                 )
-                for s in self.metrics.stats()
+                for s in shown
             ],
         )
 

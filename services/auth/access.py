@@ -101,3 +101,17 @@ def visible(deployments: Iterable) -> list:
     """The deployments (records with ``deployment_id`` and ``owner``) the caller may see:
     all for developers, administrators and services; the granted ones for users."""
     return [d for d in deployments if may_see(d.deployment_id, d.owner)]
+
+
+def may_read_deployments() -> bool:
+    """Whether the caller's role may read deployment records at all (GetDeployment's
+    roles): model developers manage models and see devices, not deployments."""
+    roles = policy.roles_for(policy.READ_DEPLOYMENT) or frozenset()
+    return caller().role in _UNRESTRICTED or caller().role in roles
+
+
+def readable(deployments: Iterable) -> list:
+    """The deployment records the caller may read wherever they appear (a listing, the
+    cluster's state): :func:`visible` ones for a role that may read deployments, none
+    for others."""
+    return visible(deployments) if may_read_deployments() else []

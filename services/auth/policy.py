@@ -43,6 +43,10 @@ _A = "/iserve.v1.AgentService/"
 _W = "/iserve.v1.WorkerService/"
 _T = "/iserve.v1.TokenService/"
 
+# Reading a deployment's record: the roles of this method read deployments wherever
+# their records appear (services.auth.access.readable).
+READ_DEPLOYMENT = _D + "GetDeployment"
+
 POLICY: dict[str, frozenset[int]] = {
     # Model catalogue: registered and deleted (own) by model developers; read by developers.
     _M + "RegisterModel": frozenset({ADMIN, MODEL_DEVELOPER}),
@@ -63,7 +67,7 @@ POLICY: dict[str, frozenset[int]] = {
     _D + "Deploy": frozenset({ADMIN, APP_DEVELOPER}),
     _D + "PlanDeployment": frozenset({ADMIN, APP_DEVELOPER}),
     _D + "RemoveDeployment": frozenset({ADMIN, APP_DEVELOPER}),
-    _D + "GetDeployment": frozenset({ADMIN, APP_DEVELOPER, APP_USER, SERVICE}),
+    READ_DEPLOYMENT: frozenset({ADMIN, APP_DEVELOPER, APP_USER, SERVICE}),
     _D + "ListDeployments": frozenset({ADMIN, APP_DEVELOPER, APP_USER, SERVICE}),
     _D + "GetClusterState": _DEVELOPERS | {SERVICE},
     # Generation: users on granted deployments, developers on their own (access).

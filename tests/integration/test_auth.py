@@ -422,6 +422,57 @@ def test_developers_change_only_what_they_own(deployed):
         assert model.owner == "mia"
 
 
+def test_deployments_and_their_traffic_are_read_only_by_who_may_read_them(deployed):
+    """The cluster's state carries deployment records only to the roles that may read
+    deployments (a model developer sees devices, not whose deployments run there);
+    serving statistics, another tenant's volumes and latencies, only to the owner."""
+    s = deployed
+    assert _generate(s, s.tokens["app-developer"], deployment_id=s.deployment_id) > 0
+    with grpc.insecure_channel(s.settings.address("deploy")) as ch:
+        other_dev = (
+            token_service_pb2_grpc.TokenServiceStub(ch)
+            .CreateToken(
+                token_pb.CreateTokenRequest(subject="olga", role=policy.APP_DEVELOPER),
+                metadata=_md(s.tokens["admin"]),
+            )
+            .secret
+        )
+        deployments = deployment_service_pb2_grpc.DeploymentServiceStub(ch)
+
+        def state(token: str) -> deploy_pb.GetClusterStateResponse:
+            return deployments.GetClusterState(
+                deploy_pb.GetClusterStateRequest(), metadata=_md(token)
+            )
+
+        def ids(reply: deploy_pb.GetClusterStateResponse) -> set[str]:
+            on_devices = {i for n in reply.nodes for d in n.devices for i in d.deployment_ids}
+            return {d.deployment_id for d in reply.deployments} | on_devices
+
+        assert s.deployment_id in ids(state(s.tokens["admin"]))
+        assert s.deployment_id in ids(state(other_dev))  # developers read every deployment
+        as_modeller = state(s.tokens["model-developer"])
+        assert as_modeller.nodes and not ids(as_modeller)
+        # The same rule as ListDeployments, which the model developer may not call.
+        refused = _code(
+            lambda: deployments.ListDeployments(
+                deploy_pb.ListDeploymentsRequest(), metadata=_md(s.tokens["model-developer"])
+            )
+        )
+        assert refused == grpc.StatusCode.PERMISSION_DENIED
+    with s.channel("scheduler") as ch:
+        inference = inference_service_pb2_grpc.InferenceServiceStub(ch)
+
+        def served(token: str) -> set[str]:
+            reply = inference.GetServingStats(
+                infer_pb.GetServingStatsRequest(), metadata=_md(token)
+            )
+            return {d.deployment_id for d in reply.deployments}
+
+        assert s.deployment_id in served(s.tokens["admin"])
+        assert s.deployment_id in served(s.tokens["app-developer"])
+        assert s.deployment_id not in served(other_dev)
+
+
 def test_users_generate_only_on_what_their_token_grants_until_revoked(deployed):
     s = deployed
     with grpc.insecure_channel(s.settings.address("deploy")) as ch:
