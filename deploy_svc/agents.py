@@ -67,9 +67,20 @@ class Reachability:
     def answered(self, address: str) -> None:
         self._unanswered.pop(address, None)
 
+    def forget_lapsed(self, nodes: Iterable[common.NodeState]) -> None:
+        # A node seen without a heartbeat drops its mark: the agent that comes back there
+        # is a new process, and its first call tries it afresh. A mark made while the
+        # old one died ("connection refused") kept the new one, already listening, out
+        # of placement until the reconciler's next call reached it.
+        for node in nodes:
+            if not node.alive:
+                self._unanswered.pop(node.agent_address, None)
+
     def unanswered(self, nodes: Iterable[common.NodeState]) -> dict[str, str]:
         """Node id -> why its agent did not answer, for the live ``nodes`` whose agent
         (at the address it heartbeats now) did not answer the last call."""
+        nodes = list(nodes)
+        self.forget_lapsed(nodes)
         return {
             n.node_id: self._unanswered[n.agent_address]
             for n in nodes
@@ -79,6 +90,8 @@ class Reachability:
     def usable(self, nodes: Iterable[common.NodeState]) -> list[common.NodeState]:
         """``nodes`` with those whose agent did not answer the last call taken as not
         alive, with why (``unreachable``)."""
+        nodes = list(nodes)
+        self.forget_lapsed(nodes)
         out = []
         for node in nodes:
             if node.alive and node.agent_address in self._unanswered:

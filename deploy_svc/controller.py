@@ -170,12 +170,17 @@ class DeploymentController:
         # A node whose agent does not answer is shown as not alive: nothing goes there.
         nodes = await self._listed_nodes()
         deployments = await self.store.list_deployments()
+        # A replica is on the devices it holds memory on: one waiting for a node (its
+        # reservation released) was listed on the devices it had left.
+        holding = await self.store.reservation_owners()
         where: dict[tuple[str, str], list[str]] = {}
         for dep in deployments:
             if dep.state == deploy_pb.DEPLOYMENT_STATE_FAILED:
                 continue
             for replica in replicas.replicas_of(dep):
                 if replica.state == deploy_pb.DEPLOYMENT_STATE_FAILED:
+                    continue
+                if replica_group_id(dep.deployment_id, replica.index) not in holding:
                     continue
                 for stage in replica.placement.stages:
                     for ref in stage.devices:

@@ -266,7 +266,9 @@ class Reconciler:
         whose agents answered, and the (group, node) pairs of every worker record they
         hold, live or not. The agents are asked together: one that hangs costs its
         timeout once, not once for every node after it."""
-        nodes = [node for node in await self.store.list_nodes() if node.alive]
+        listed = await self.store.list_nodes()
+        self.controller.workers.reach.forget_lapsed(listed)
+        nodes = [node for node in listed if node.alive]
         replies = await asyncio.gather(
             *(
                 self.agents.stub(node.agent_address).ListWorkers(

@@ -882,11 +882,19 @@ def test_a_replica_whose_only_node_is_dead_waits_for_it_spending_no_budget(run, 
         controller = await controller_on(store, agent, 2, policy=FAST)
         dep = (await controller.deploy(deploy_request(1))).deployment
         deployment_id = dep.deployment_id
+
+        async def listed_on_devices() -> list[str]:
+            state = await controller.cluster_state()
+            return [i for n in state.nodes for d in n.devices for i in d.deployment_ids]
+
+        assert await listed_on_devices() == [deployment_id]
         await store.redis.delete(keys.node_heartbeat("node0"))  # the agent is gone
         assert await controller.fail(deployment_id, "node agent(s) node0 stopped heartbeating")
         await asyncio.sleep(0.5)  # dozens of polls, far beyond FAST's two restarts
         waiting = await store.get_deployment(deployment_id)
         assert waiting.state == STARTING
+        # It holds no memory while it waits, so `iserve status` shows it on no device.
+        assert await listed_on_devices() == []
         assert waiting.replicas[0].state_reason == (
             "waiting for a live node with cpu devices: node(s) node0 stopped heartbeating; "
             "it starts again once one is back (no restart budget is spent meanwhile)"
@@ -1012,6 +1020,25 @@ def test_the_reachability_of_agents_is_by_address_and_answering_clears_it():
     assert why.startswith(
         "waiting for node node1: its agent does not answer (Connection refused), and the live"
     ), why
+
+
+def test_an_agent_back_after_its_heartbeat_lapsed_is_tried_afresh():
+    """A mark made as the agent died ("connection refused") kept the new agent, already
+    listening on the same address, out of placement with that stale reason until the
+    reconciler's next call reached it."""
+    reach = Reachability()
+    alive = node(1, node_id="nodeb")
+    alive.agent_address = "10.0.0.2:50064"
+    reach.unreachable("10.0.0.2:50064", "failed to connect: Connection refused")
+    assert not reach.usable([alive])[0].alive  # before its heartbeat lapses: out
+    lapsed = common.NodeState()
+    lapsed.CopyFrom(alive)
+    lapsed.alive = False
+    reach.usable([lapsed])  # seen without a heartbeat
+    assert reach.usable([alive])[0].alive and reach.unanswered([alive]) == {}
+    reach.unreachable("10.0.0.2:50064", "failed to connect: Connection refused")
+    reach.forget_lapsed([lapsed])  # the reconciler's listing, which skips dead nodes
+    assert reach.unanswered([alive]) == {}
 
 
 def test_replicas_lost_with_their_nodes_come_back_however_many(run):
