@@ -28,6 +28,8 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -107,6 +109,10 @@ def _run_worker(args: list[str], env: dict[str, str], log_path: str) -> None:
         os._exit(code)
 
 
+def _nothing() -> None:
+    """What :meth:`WorkerPool.start`'s first fork runs."""
+
+
 class PooledProcess:
     """A forked worker, with the part of ``subprocess.Popen`` the supervisor uses."""
 
@@ -133,12 +139,33 @@ class WorkerPool:
         self._context.set_forkserver_preload(list(preload))
 
     def start(self) -> None:
-        """Start the fork server now (it imports ``PRELOAD``), not at the first worker."""
+        """Start the fork server now, not at the first worker. It imports ``PRELOAD``
+        before it forks anything; a thread forks a process that does nothing and says
+        "ready" once that ran, when a worker starts in a fraction of a second (the log
+        said so as the server started, and the first workers on a restarted node then
+        waited 20 s, behind torch's import on a loaded machine)."""
         from multiprocessing import forkserver
 
         with _withheld_from_the_fork_server():
             forkserver.ensure_running()
-        log.info("warm worker pool ready (preloaded %s)", ", ".join(PRELOAD))
+        started = time.monotonic()
+        log.info("warm worker pool starting (preloading %s)", ", ".join(PRELOAD))
+
+        def warmed() -> None:
+            process = self._context.Process(target=_nothing, name="iserve-pool-warm", daemon=True)
+            try:
+                process.start()
+                process.join()
+            except (OSError, EOFError, ValueError) as exc:  # the agent stopping meanwhile
+                log.warning("warm worker pool did not start: %s", exc)
+                return
+            log.info(
+                "warm worker pool ready (preloaded %s; %.1f s)",
+                ", ".join(PRELOAD),
+                time.monotonic() - started,
+            )
+
+        threading.Thread(target=warmed, name="iserve-pool-warm", daemon=True).start()
 
     def stop(self) -> None:
         """Stop the fork server and wait for it to exit (the agent's stop, once its
