@@ -24,7 +24,7 @@ from deploy_svc import healing, planning
 from deploy_svc.agents import AgentClients
 from deploy_svc.explicit import ExplicitPlan, resolve_limits
 from deploy_svc.healer import Healer
-from deploy_svc.objectives import latency_model, resolve_objectives
+from deploy_svc.objectives import fallback_objectives, latency_model, resolve_objectives
 from deploy_svc.workers import WorkerGroups
 from services import replicas
 from services.api import common_pb2 as common
@@ -299,9 +299,10 @@ class DeploymentController:
 
     async def _decide(
         self, request, prepared: planning.Prepared, nodes, excluded=None
-    ) -> tuple[deploy_pb.DeploymentDecision, common.LatencyModel]:
+    ) -> tuple[deploy_pb.DeploymentDecision, common.LatencyModel, common.ServiceObjectives]:
         """planning's decision on ``nodes`` at the batch it chooses (when the request
-        left it 0), and the scheduler's starting latency model for it."""
+        left it 0), the scheduler's starting latency model for it, and the objectives
+        its record keeps (:func:`fallback_objectives`)."""
         decision = planning.decide_on(prepared, nodes, excluded)
         hardware_type = planning.hardware_of(decision, nodes)
         unprofiled = planning.unprofiled_dtype(prepared, decision.config)
@@ -320,7 +321,20 @@ class DeploymentController:
             decision = planning.size_batch(
                 prepared, decision, nodes, batch1, batch2, prepared.objectives
             )
-        return decision, latency_model(batch1, batch2, prepared.limits.max_input_tokens)
+        meets = next(
+            (o.meets_intent for o in prepared.options if o.rank == decision.winner_rank), True
+        )
+        objectives, said = fallback_objectives(
+            prepared.objectives,
+            None if request.HasField("config") else request.intent,
+            request.objectives.default_deadline_ms,
+            meets,
+            decision.estimate.latency_ms,
+        )
+        if said:
+            decision = planning.with_note(decision, said)
+        latency = latency_model(batch1, batch2, prepared.limits.max_input_tokens)
+        return decision, latency, objectives
 
     async def _estimate_of(
         self,
@@ -367,7 +381,7 @@ class DeploymentController:
         count = replicas.count_of(request.replicas)
         excluded: dict[int, str] = {}
         while True:
-            decision, _ = await self._decide(request, prepared, prepared.nodes, excluded)
+            decision, _, _ = await self._decide(request, prepared, prepared.nodes, excluded)
             try:
                 more = planning.replica_placements(prepared, decision, prepared.nodes, count)
             except ResourceExhausted as exc:
@@ -502,7 +516,9 @@ class DeploymentController:
         last_failure: IServeError | None = None
         while True:
             try:
-                decision, latency = await self._decide(request, prepared, nodes, excluded)
+                decision, latency, objectives = await self._decide(
+                    request, prepared, nodes, excluded
+                )
             except ResourceExhausted as exc:
                 if last_failure is None:
                     raise
@@ -535,7 +551,9 @@ class DeploymentController:
                 continue
             decision.replica_placements.extend(more)
             try:
-                return await self._launch(request, deployment_id, prepared, decision, latency)
+                return await self._launch(
+                    request, deployment_id, prepared, decision, latency, objectives
+                )
             except (DeploymentRemoved, ModelBeingDeleted):
                 raise
             except IServeError as exc:
@@ -559,6 +577,7 @@ class DeploymentController:
         prepared: planning.Prepared,
         decision: deploy_pb.DeploymentDecision,
         latency: common.LatencyModel,
+        objectives: common.ServiceObjectives,
     ) -> deploy_pb.DeployResponse:
         """Record, start and wait for the workers of every replica of a reserved decision
         (replica 0 on ``decision.placement``, the others on ``decision.replica_placements``);
@@ -577,7 +596,7 @@ class DeploymentController:
             request_id=request.request_id,
             estimate=decision.estimate,
             owner=access.owner(),
-            objectives=prepared.objectives,
+            objectives=objectives,
             latency_model=latency,
         )
         for index, where in enumerate([decision.placement, *decision.replica_placements]):

@@ -32,6 +32,9 @@ UNBOUNDED_TPOT_FACTOR = 1.5
 # The largest batch the deployer chooses by itself (an explicit batch_size may go up to
 # services.token_limits.MAX_BATCH_SIZE).
 MAX_AUTO_BATCH = 64
+# A LATENCY_SLO intent's fallback: its requests' default deadline, over its estimated
+# latency (fallback_objectives).
+FALLBACK_DEADLINE_FACTOR = 1.5
 
 
 def resolve_objectives(
@@ -54,6 +57,36 @@ def resolve_objectives(
     if latency_slo and not resolved.default_deadline_ms:
         resolved.default_deadline_ms = math.ceil(intent.latency_slo_ms)
     return resolved
+
+
+def fallback_objectives(
+    objectives: common.ServiceObjectives,
+    intent: common.Intent | None,
+    requested_deadline_ms: int,
+    meets_intent: bool,
+    latency_ms: float,
+) -> tuple[common.ServiceObjectives, str]:
+    """``objectives`` for the configuration chosen, and a note when they change: a
+    LATENCY_SLO intent that no configuration meets deploys the fastest as a fallback, and
+    the target it misses as the default deadline refused every request that carried
+    none as late. Such a deployment's requests default to FALLBACK_DEADLINE_FACTOR x
+    the fallback's estimated latency (``latency_ms``; at 1x, the scheduler's prediction,
+    which starts from the same estimate, refused about half as late); a deadline the
+    request set itself stays."""
+    latency_slo = intent is not None and intent.kind == common.INTENT_KIND_LATENCY_SLO
+    if meets_intent or not latency_slo or requested_deadline_ms or latency_ms <= 0:
+        return objectives, ""
+    deadline = math.ceil(FALLBACK_DEADLINE_FACTOR * latency_ms)
+    if deadline <= objectives.default_deadline_ms:
+        return objectives, ""
+    changed = common.ServiceObjectives()
+    changed.CopyFrom(objectives)
+    changed.default_deadline_ms = deadline
+    return changed, (
+        f"requests without a deadline of their own default to {deadline} ms, "
+        f"{FALLBACK_DEADLINE_FACTOR:g}x the fallback's estimated latency (no configuration meets the "
+        f"{intent.latency_slo_ms:g} ms target, which would refuse them all as late)"
+    )
 
 
 def per_sequence_ms(

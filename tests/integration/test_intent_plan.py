@@ -8,6 +8,8 @@ accuracy floor, and the hybrid placement policy at low and high load.
 
 from __future__ import annotations
 
+import math
+
 import grpc
 import pytest
 
@@ -136,6 +138,9 @@ def test_latency_slo_takes_the_cheapest_under_it_or_says_it_falls_back(stack, es
     )
     assert "no configuration meets the latency SLO" in missed.note
     assert missed.estimate.latency_ms == pytest.approx(fastest, rel=1e-9)
+    # Its requests are not all refused as late against the target it misses.
+    deadline = math.ceil(1.5 * missed.estimate.latency_ms)
+    assert f"requests without a deadline of their own default to {deadline} ms" in missed.note
 
 
 def test_cost_slo_takes_the_fastest_within_the_budget(stack, estimates):

@@ -7,7 +7,9 @@ import pytest
 
 from deploy_svc import planning
 from deploy_svc.objectives import (
+    FALLBACK_DEADLINE_FACTOR,
     MAX_AUTO_BATCH,
+    fallback_objectives,
     largest_fitting,
     latency_model,
     resolve_objectives,
@@ -20,6 +22,28 @@ from services.state.capacity import free_bytes
 from tests.unit.test_deploy_planning import GIB, LIMITS, model
 
 EDF, FCFS = common.SCHEDULING_POLICY_EDF, common.SCHEDULING_POLICY_FCFS
+
+
+def test_a_latency_target_no_configuration_meets_leaves_its_fallback_a_deadline_it_can_keep():
+    """Deployed with a 1 ms target as the fastest fallback, every request without a
+    deadline of its own was refused as late: they now default to 1.5x the fallback's
+    estimated latency, and the decision says so."""
+    slo = common.Intent(kind=common.INTENT_KIND_LATENCY_SLO, latency_slo_ms=1)
+    resolved = resolve_objectives(common.ServiceObjectives(), slo)
+    assert resolved.default_deadline_ms == 1
+    changed, note = fallback_objectives(resolved, slo, 0, False, 85.2)
+    assert changed.default_deadline_ms == 128 == -(-FALLBACK_DEADLINE_FACTOR * 85.2 // 1)
+    assert changed.scheduling == EDF and resolved.default_deadline_ms == 1
+    assert "default to 128 ms" in note and "the 1 ms target" in note
+    # A configuration that meets the target, a deadline the request set, another intent:
+    # unchanged, nothing said.
+    for args in (
+        (resolved, slo, 0, True, 85.2),
+        (resolved, slo, 5, False, 85.2),
+        (resolved, common.Intent(kind=common.INTENT_KIND_MIN_COST), 0, False, 85.2),
+        (resolved, None, 0, False, 85.2),
+    ):
+        assert fallback_objectives(*args) == (resolved, "")
 
 
 @pytest.mark.parametrize(
