@@ -230,9 +230,24 @@ class Estimator:
         rows = [m for m in measurements if m.hardware_type == hardware_type]
         if not rows:
             others = sorted({m.hardware_type for m in measurements})
+            if not others:
+                # Said as `iserve estimate` says it: a model still profiling read as one
+                # profiled on "nothing yet".
+                state = model_pb.ModelState.Name(model.state).removeprefix("MODEL_STATE_")
+                what = (
+                    "wait for its profile (`iserve models` shows its progress)"
+                    if model.state == model_pb.MODEL_STATE_PROFILING
+                    else "profile it (iserve register) or import measurements "
+                    "(iserve profile import)"
+                )
+                raise FailedPrecondition(
+                    f"model {model_id!r} is not profiled yet ({state}"
+                    + (f": {model.state_reason}" if model.state_reason else "")
+                    + f"): {what}"
+                )
             raise FailedPrecondition(
                 f"model {model_id!r} is not profiled on {hardware_type}; profiled on: "
-                + (", ".join(others) or "nothing yet")
+                + ", ".join(others)
             )
         try:
             calibration = await self.get_calibration(hardware_type)

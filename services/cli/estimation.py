@@ -169,6 +169,25 @@ def only_hardware(model_id: str, kinds: set[str]) -> str:
     )
 
 
+def estimate_row(r: dict) -> list:
+    """One configuration's row of `iserve estimate`'s table, from its
+    :func:`estimate_record`."""
+    return [
+        r["tp"],
+        r["pp"],
+        r["variant"],
+        r["batch_size"],
+        f"{r['memory_total_bytes'] / GIB:.2f}",
+        f"{r['memory_per_device_bytes'] / GIB:.2f}",
+        f"{r['ttft_ms']:.1f}",
+        f"{r['tpot_ms']:.2f}",
+        f"{r['latency_ms'] / 1e3:.3f}",
+        f"{r['cost_memory_latency']:.3g}",  # a small model's 0.0117 GB*s read "0.0", as plan's did
+        f"{r['throughput_tokens_per_second_per_device']:.2f}",
+        "-" if r["accuracy_score"] is None else f"{r['accuracy_score']:.1f}",
+    ]
+
+
 def cmd_estimate(settings: Settings, args) -> int:
     args.hardware = args.hardware or profiled_hardware(settings, args.model_id)
     reply = _estimator(settings).EstimateConfigs(
@@ -196,23 +215,7 @@ def cmd_estimate(settings: Settings, args) -> int:
     )
     headers = ["TP", "PP", "VARIANT", "BATCH", "MEMORY GiB", "PER DEV GiB", "TTFT ms"]
     headers += ["TPOT ms", "LATENCY s", "GB*s", "TOK/S/DEV", "ACC %"]
-    rows = [
-        [
-            r["tp"],
-            r["pp"],
-            r["variant"],
-            r["batch_size"],
-            f"{r['memory_total_bytes'] / GIB:.2f}",
-            f"{r['memory_per_device_bytes'] / GIB:.2f}",
-            f"{r['ttft_ms']:.1f}",
-            f"{r['tpot_ms']:.2f}",
-            f"{r['latency_ms'] / 1e3:.3f}",
-            f"{r['cost_memory_latency']:.1f}",
-            f"{r['throughput_tokens_per_second_per_device']:.2f}",
-            "-" if r["accuracy_score"] is None else f"{r['accuracy_score']:.1f}",
-        ]
-        for r in records
-    ]
+    rows = [estimate_row(r) for r in records]
     show_tables([(None, headers, rows)])
     for note in reply.notes:
         print(f"note: {note}")

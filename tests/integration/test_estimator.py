@@ -15,7 +15,14 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.estimation.space import ModelShape, Variant, enumerate_space
-from tests.integration.helpers import cli, forget_models, rid, with_store
+from tests.integration.helpers import (
+    cli,
+    forget_models,
+    make_checkpoint,
+    register,
+    rid,
+    with_store,
+)
 from tests.unit.estimator_data import shared_data
 
 pytestmark = pytest.mark.integration
@@ -257,6 +264,20 @@ def test_bad_inputs(stack, estimator, imported):
     for request, code, message in cases:
         got, details = code_of(lambda r=request: estimator.EstimateConfigs(r, timeout=60))
         assert got == code and message in details, details
+    # A model with no profile at all is said to be not profiled yet, with its state (a
+    # model still profiling read as "profiled on: nothing yet").
+    register(stack, "unprofiled", make_checkpoint(stack, "unprofiled"))
+    try:
+        got, details = code_of(
+            lambda: estimator.EstimateConfigs(
+                estimate_request("unprofiled", hardware="cpu-x86_64"), timeout=60
+            )
+        )
+        assert got == grpc.StatusCode.FAILED_PRECONDITION, details
+        assert "'unprofiled' is not profiled yet (REGISTERED" in details, details
+        assert "iserve profile import" in details
+    finally:
+        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="unprofiled"))
     got, details = code_of(
         lambda: estimator.RankConfigs(
             estimator_pb.RankConfigsRequest(

@@ -207,6 +207,18 @@ def test_estimate_json_names_the_base_variant_as_the_table_and_plan_do():
     assert estimate_record(named)["variant"] == "int8"
 
 
+def test_estimate_rows_tell_small_costs_apart():
+    """A 4-layer model's GB*s read 0.0, 0.1, 0.2 in `iserve estimate` (plan showed 0.0117)."""
+    from services.api import estimator_service_pb2 as estimator_pb
+    from services.cli.estimation import estimate_record, estimate_row
+
+    rows = [
+        estimate_row(estimate_record(estimator_pb.ConfigEstimate(cost_memory_latency=cost)))
+        for cost in (0.0117, 0.0123, 1234.5)
+    ]
+    assert [r[9] for r in rows] == ["0.0117", "0.0123", "1.23e+03"]
+
+
 def test_plan_rows_show_the_winners_rank_and_what_was_passed_over(capsys):
     """`iserve plan` shows each intent's winner rank and the better-ranked configurations
     skipped, with why, as `iserve deploy` does (it showed neither)."""
