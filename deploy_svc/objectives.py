@@ -179,7 +179,9 @@ def ttft_batch_bound(ttft1_ms: float, ttft2_ms: float) -> BatchBound:
     by TPOT alone, and where decode's extra sequence costs nothing measurable (the A6000
     data) that was 64 sequences whose prefills took a full batch 20 s where one took 0.4 s."""
     limit = UNBOUNDED_TPOT_FACTOR * ttft1_ms
-    what = f"{UNBOUNDED_TPOT_FACTOR}x the batch-1 TTFT ({limit:.1f} ms, a min-latency intent)"
+    what = (
+        f"{UNBOUNDED_TPOT_FACTOR}x the batch-1 TTFT ({limit:.1f} ms, an intent ranked by latency)"
+    )
     return _slo_batch_bound(what, ttft1_ms, ttft2_ms - ttft1_ms, limit, "TTFT")
 
 

@@ -70,8 +70,11 @@ class Prepared:
     auto_batch: bool  # the request left the batch size to the deployer
     # A COST_SLO intent's (cost formula, budget): the batch chosen stays within it.
     cost_budget: tuple[int, float] | None = None
-    # A MIN_LATENCY intent: without a TTFT objective, its batch keeps TTFT near batch 1's.
+    # An intent ranked by latency (MIN_LATENCY, COST_SLO): without a TTFT objective, its
+    # batch keeps TTFT near batch 1's.
     latency_first: bool = False
+    # A MIN_MEMORY intent: its batch stays 1 (each more sequence's KV cache is memory).
+    memory_first: bool = False
 
 
 def hardware_order(nodes: Sequence[common.NodeState]) -> list[tuple[str, int]]:
@@ -336,6 +339,13 @@ def size_batch(
     chosen configuration's estimates at batch 1 and 2 (None: not profiled on this
     hardware). Without both, or without batch-2 profiles, the batch stays 1: a batch's
     cost is unknown."""
+    if prepared.memory_first:
+        # Sized for TPOT, a min-memory deployment held 64 sequences' KV cache: 22 % more
+        # memory than the footprint it was ranked on.
+        return with_note(
+            decision,
+            "batch 1: a min-memory intent holds one sequence's KV cache (--batch B for more)",
+        )
     if batch1 is None:
         return with_note(decision, "batch 1: no estimate of this configuration's TPOT")
     if batch2 is None or not batch2.batch_measured:
@@ -367,17 +377,20 @@ def budget_bound(
     budget: float,
     upper: int,
 ) -> BatchBound:
-    """The largest batch up to ``upper`` whose cost (:func:`at_batch`'s, which grows
-    with the batch) stays within a COST_SLO intent's ``budget``; 1 when even batch 1's
-    is above it (a fallback, ranked cheapest)."""
+    """The largest batch up to ``upper`` whose cost (:func:`at_batch`'s) stays within a
+    COST_SLO intent's ``budget``; 1 when none does (a fallback, ranked cheapest). A
+    request's GB x s and device-hours fall with the batch while the batch's latency
+    grows slower than its size, then rise; the memory cost only rises. Every batch is
+    looked at (at most MAX_AUTO_BATCH, arithmetic only)."""
     formula = cost_formula or common.COST_FORMULA_MEMORY_TIMES_LATENCY
     what = f"the cost budget of {budget:g} {COST_UNITS.get(formula, '')}"
     field = COST_FIELDS[formula]
-
-    def within(batch: int) -> bool:
-        return batch == 1 or getattr(at_batch(batch1, batch2, batch), field) <= budget
-
-    return BatchBound(largest_fitting(upper, within), what)
+    within = [
+        batch
+        for batch in range(1, upper + 1)
+        if getattr(at_batch(batch1, batch2, batch), field) <= budget
+    ]
+    return BatchBound(max(within, default=1), what)
 
 
 def at_batch(
@@ -387,7 +400,8 @@ def at_batch(
     TPOT and latency on the line through the batch-1 and batch-2 estimates, never below
     batch 1's; memory grows by one sequence's KV cache per extra sequence; the costs and
     throughput follow (device-hours and GB x s scale with latency, throughput with
-    batch / latency)."""
+    batch / latency), each request charged 1/``batch`` of the batch's GB x s and
+    device-hours (services.estimation.score.Estimates)."""
     out = estimator_pb.ConfigEstimate()
     out.CopyFrom(batch1)
     out.config.batch_size = batch
@@ -400,9 +414,9 @@ def at_batch(
     if batch1.latency_ms > 0 and batch1.memory_total_bytes > 0:
         slower = out.latency_ms / batch1.latency_ms
         bigger = out.memory_total_bytes / batch1.memory_total_bytes
-        out.cost_device_hours = batch1.cost_device_hours * slower
+        out.cost_device_hours = batch1.cost_device_hours * slower / batch
         out.cost_memory = batch1.cost_memory * bigger
-        out.cost_memory_latency = batch1.cost_memory_latency * slower * bigger
+        out.cost_memory_latency = batch1.cost_memory_latency * slower * bigger / batch
         out.throughput_tokens_per_second_per_device = (
             batch1.throughput_tokens_per_second_per_device * batch / slower
         )

@@ -63,8 +63,12 @@ class Estimates:
     """Per-configuration estimates, aligned with ``space.configs``.
 
     Memory in GiB, times in seconds; ``cost_memory_latency`` in GiB * s (the papers'
-    default cost), ``cost_device_hours`` in device-hours per request, ``throughput`` in
-    generated tokens per second per device, ``accuracy_pct`` NaN where unknown.
+    default cost) and ``cost_device_hours`` in device-hours, both per request: a batch
+    of B sequences holds the memory and the devices for its latency and serves B
+    requests, so each is charged 1/B of them (as ``throughput`` counts B sequences'
+    tokens; at batch 1 the papers' figures). ``cost_memory_gib`` is the deployment's
+    memory, all of it (a min-memory intent's footprint). ``throughput`` in generated
+    tokens per second per device, ``accuracy_pct`` NaN where unknown.
     """
 
     space: ConfigSpace
@@ -213,9 +217,9 @@ def estimate_space(
         ttft_s=ttft,
         tpot_s=tpot,
         latency_s=latency,
-        cost_memory_latency=memory * latency,
+        cost_memory_latency=memory * latency / batch,
         cost_memory_gib=memory,
-        cost_device_hours=devices * latency / 3600.0,
+        cost_device_hours=devices * latency / 3600.0 / batch,
         throughput_tokens_per_s_per_device=batch * output_tokens / latency / devices,
         accuracy_pct=accuracy,
         fits=fits,

@@ -68,18 +68,22 @@ def test_plan_plans_the_target_intents_and_an_accuracy_floor(stack, imported):
     assert out.returncode == 0, out.stderr
     rows = {r["intent"]: r for r in json.loads(out.stdout)["intents"]}
     latency = rows[f"latency-slo {slo_ms:.0f} ms"]
-    cost = rows[f"cost-slo {budget:.0f}"]
+    cost = cost_at_1 = rows[f"cost-slo {budget:.0f}"]
     # Under its target: the cheapest such; under budget: the fastest such.
     assert latency["latency_ms"] <= slo_ms and latency["cost_gb_s"] <= fastest["cost_gb_s"]
     assert cost["cost_gb_s"] <= budget and cost["latency_ms"] <= cheapest["latency_ms"]
     # At the batch a Deploy sizes, the targets still hold: the batch grew past the cost
-    # budget (a plan of 1.5x the cheapest cost chose one 1.009x over it).
+    # budget (a plan of 1.5x the cheapest cost chose one 1.009x over it). A request's
+    # cost is its share of the batch's, which falls here as the batch grows (decode's
+    # extra sequence costs nothing measurable on the A6000 data); cost-slo ranks by
+    # latency, so its batch keeps TTFT near batch 1's.
     out = cli(stack, "plan", "llama-2-70b", *ARGS, *targets)
     rows = {r["intent"]: r for r in json.loads(out.stdout)["intents"]}
     latency = rows[f"latency-slo {slo_ms:.0f} ms"]
     cost = rows[f"cost-slo {budget:.0f}"]
     assert latency["latency_ms"] <= slo_ms and cost["cost_gb_s"] <= budget, rows
-    assert cost["batch"] > 1 and "bounded by the cost budget of" in cost["note"], cost
+    assert cost["cost_gb_s"] <= cost_at_1["cost_gb_s"] * (1 + 1e-9), (cost, cost_at_1)
+    assert "1.5x the batch-1 TTFT" in cost["note"] and "ranked by latency" in cost["note"]
 
     scores = sorted({r["accuracy"] for r in base if r["accuracy"] is not None})
     floor = scores[-1]

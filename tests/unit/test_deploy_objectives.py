@@ -3,6 +3,8 @@ the deployer chooses when a Deploy leaves it 0 (pure logic)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from deploy_svc import planning
@@ -200,7 +202,8 @@ def test_the_batch_keeps_the_ttft_and_latency_objectives(objectives, batch, phra
     assert e.tpot_ms == pytest.approx(20 + (batch - 1) * 2)
     assert e.latency_ms == pytest.approx(400 + (batch - 1) * 110)
     assert e.memory_total_bytes == GIB + (batch - 1) * (1 << 20)
-    assert e.cost_device_hours == pytest.approx(e.latency_ms / 3.6e6)
+    # Per request: the batch holds the device for its latency and serves `batch` of them.
+    assert e.cost_device_hours == pytest.approx(e.latency_ms / 3.6e6 / batch)
     assert e.throughput_tokens_per_second_per_device == pytest.approx(
         batch * 16 / (e.latency_ms / 1e3)
     )
@@ -275,3 +278,44 @@ def test_a_min_latency_intent_keeps_ttft_near_batch_1s():
     assert ttft_batch_bound(49.0, 50.9).batch == 13
     assert ttft_batch_bound(49.0, 49.0).batch == 64  # the cap
     assert "1.5x the batch-1 TTFT (794.4 ms" in ttft_batch_bound(529.6, 1059.2).reason
+
+
+def test_a_min_memory_intent_keeps_batch_1():
+    """Sized by TPOT, a min-memory deployment of Llama-2-70B took 64 sequences: 41 GiB
+    where the footprint it was ranked on was 33.6."""
+    config, batch1, batch2 = _estimates(kv_bytes=1 << 20)
+    nodes = _nodes(64)
+    prepared = dataclasses.replace(
+        _prepared(nodes, [planning.Option(1, config, batch1)]), memory_first=True
+    )
+    decision = planning.decide_on(prepared, nodes)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, prepared.objectives)
+    assert sized.config.batch_size == 1
+    assert "batch 1: a min-memory intent holds one sequence's KV cache" in sized.note
+
+
+def test_costs_at_a_batch_are_per_request_and_the_budget_takes_the_largest_batch_within():
+    """A batch of B holds the memory and devices for its latency and serves B requests:
+    a request's GB x s and device-hours are 1/B of the batch's. They fall while latency
+    grows slower than the batch (the budget was read against the whole batch's cost,
+    which grows, and a cost-slo deployment stopped at batch 3 where min-cost's showed
+    4.5x batch 1's cost)."""
+    from deploy_svc.planning import at_batch, budget_bound
+
+    _, batch1, batch2 = _estimates(kv_bytes=1 << 20)
+    batch1.cost_memory_latency = 1.0 * 0.4  # 1 GiB (taken as 1 GB here) for 0.4 s
+    costs = {b: at_batch(batch1, batch2, b).cost_memory_latency for b in (1, 2, 4, 64)}
+    for b, cost in costs.items():
+        latency_s = (400 + (b - 1) * 110) / 1e3
+        memory = (GIB + (b - 1) * (1 << 20)) / GIB
+        assert cost == pytest.approx(memory * latency_s / b)
+    assert costs[64] < costs[4] < costs[2] < costs[1]
+    formula = common.COST_FORMULA_MEMORY_TIMES_LATENCY
+    # Within the budget from batch 2 on, not at batch 1: the largest batch within it.
+    assert budget_bound(batch1, batch2, formula, 0.26, 64).batch == 64
+    # A budget that only batch 1 meets, and one none meets (batch 1, the fallback).
+    growing = estimator_pb.ConfigEstimate()
+    growing.CopyFrom(batch2)
+    growing.latency_ms = 1200  # each more sequence adds more than batch 1's latency
+    assert budget_bound(batch1, growing, formula, 0.45, 64).batch == 1
+    assert budget_bound(batch1, growing, formula, 0.01, 64).batch == 1
