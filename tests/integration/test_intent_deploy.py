@@ -9,6 +9,7 @@ held by a reservation the test makes) force an uneven layer map that the workers
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.reservation import memory_blocks
+from tests.conftest import Stack, running_stack
 from tests.integration.helpers import (
     cli,
     deploy,
@@ -45,6 +47,21 @@ INT4 = common.CompressionVariant(
 )
 MAX_INPUT, MAX_OUTPUT = 64, 32
 PROFILE_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    """This module's own stack, profiling on a shorter plan than the default (prompts of
+    16 and 64 tokens, the longest this module asks estimates for, and 2 timed runs):
+    what is tested here is deploying what the estimates rank first, whatever they
+    measured, and the default plan's three prompts made the profile CI's slowest
+    setup (100 s). The default plan is profiled in full by test_profiling."""
+    with running_stack(
+        tmp_path_factory.mktemp("iserve-intent"),
+        ISERVE_PROFILE_INPUT_TOKENS=f"16,{MAX_INPUT}",
+        ISERVE_PROFILE_TIMED_RUNS="2",
+    ) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
