@@ -428,15 +428,8 @@ def test_deployments_and_their_traffic_are_read_only_by_who_may_read_them(deploy
     serving statistics, another tenant's volumes and latencies, only to the owner."""
     s = deployed
     assert _generate(s, s.tokens["app-developer"], deployment_id=s.deployment_id) > 0
+    other_dev = _new_token(s, "olga", policy.APP_DEVELOPER)
     with grpc.insecure_channel(s.settings.address("deploy")) as ch:
-        other_dev = (
-            token_service_pb2_grpc.TokenServiceStub(ch)
-            .CreateToken(
-                token_pb.CreateTokenRequest(subject="olga", role=policy.APP_DEVELOPER),
-                metadata=_md(s.tokens["admin"]),
-            )
-            .secret
-        )
         deployments = deployment_service_pb2_grpc.DeploymentServiceStub(ch)
 
         def state(token: str) -> deploy_pb.GetClusterStateResponse:
@@ -665,15 +658,7 @@ def test_the_gateway_lists_only_models_the_key_may_generate_on(deployed):
     /v1/models listed another developer's model, on which every generation then got 403
     (clients that pick a model from the list failed)."""
     s = deployed
-    with grpc.insecure_channel(s.settings.address("deploy")) as ch:
-        other = (
-            token_service_pb2_grpc.TokenServiceStub(ch)
-            .CreateToken(
-                token_pb.CreateTokenRequest(subject="olga", role=policy.APP_DEVELOPER),
-                metadata=_md(s.tokens["admin"]),
-            )
-            .secret
-        )
+    other = _new_token(s, "olga", policy.APP_DEVELOPER)
     base = f"http://{s.settings.gateway_address}/v1"
 
     def get(path: str, token: str) -> httpx.Response:
