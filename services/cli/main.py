@@ -241,6 +241,7 @@ def cmd_model_create(settings: Settings, args) -> int:
     from services.models.checkpoint import (
         CheckpointDirectoryNotEmpty,
         InvalidConfig,
+        tokenizer_size,
         validate_checkpoint,
     )
 
@@ -262,6 +263,16 @@ def cmd_model_create(settings: Settings, args) -> int:
         f"{spec.parameter_count():,} parameters, {checked.weight_bytes / 2**30:.2f} GiB "
         f"{spec.torch_dtype}"
     )
+    known = tokenizer_size(out)
+    if spec.vocab_size > known:
+        # Random weights sample every id alike, and ids past the tokenizer's decode to
+        # nothing: a generation of a 32000-id model printed no text at all.
+        print(
+            f"note: the vocabulary has {spec.vocab_size} ids and the bundled tokenizer "
+            f"{known}: generations of these random weights are mostly ids past it, which "
+            f"decode to no text (--vocab {known}, or leave --vocab out, for visible text)",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -722,7 +733,20 @@ def cmd_generate(settings: Settings, args) -> int:
             f"{missed}; deployment {final.deployment_id}]",
             file=sys.stderr,
         )
+        for note in generation_notes(final.usage.completion_tokens, text_shown):
+            print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def generation_notes(completion_tokens: int, text_shown: bool) -> list[str]:
+    """What `iserve generate` says after its summary line: why stdout is empty when
+    tokens were generated (an empty stdout with exit 0 read as a failure)."""
+    if completion_tokens and not text_shown:
+        return [
+            f"the {completion_tokens} token(s) generated decode to no text (ids the "
+            "tokenizer has no text for, or an incomplete character; `--json` shows their ids)"
+        ]
+    return []
 
 
 def cmd_remove(settings: Settings, args) -> int:

@@ -204,6 +204,14 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+def tokenizer_size(directory: str | Path) -> int:
+    """How many ids the checkpoint's ``tokenizer.json`` has text for (added tokens
+    included)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(directory) / "tokenizer.json")).get_vocab_size()
+
+
 def create_checkpoint(
     out_dir: str | Path,
     *,

@@ -320,6 +320,32 @@ def test_model_create_names_its_flags_not_config_fields(tmp_path, capsys):
     assert "cannot write there (Not a directory)" in capsys.readouterr().err
 
 
+def test_model_create_says_when_the_vocabulary_outgrows_its_tokenizer(tmp_path, capsys):
+    """A --vocab 32000 model's generations printed no text at all (exit 0): random
+    weights sample ids past the bundled tokenizer's, which decode to nothing."""
+    from services.cli.main import main
+    from services.models.checkpoint import tokenizer_size
+
+    shape = ["--arch", "llama", "--hidden", "64", "--layers", "1", "--heads", "4"]
+    assert main(["model", "create", "x", *shape, "--out", str(tmp_path / "a")]) == 0
+    assert "note:" not in capsys.readouterr().err
+    known = tokenizer_size(tmp_path / "a")
+    argv = ["model", "create", "x", *shape, "--vocab", "32000", "--out", str(tmp_path / "b")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"the vocabulary has 32000 ids and the bundled tokenizer {known}" in err
+    assert "decode to no text" in err
+
+
+def test_generate_says_why_its_output_is_empty():
+    from services.cli.main import generation_notes
+
+    [note] = generation_notes(8, text_shown=False)
+    assert note.startswith("the 8 token(s) generated decode to no text")
+    assert generation_notes(8, text_shown=True) == []
+    assert generation_notes(0, text_shown=False) == []  # nothing generated: nothing to say
+
+
 def test_every_subcommands_help_says_what_it_does():
     # A subparser's help= shows only in its parent's list; its own --help had no line.
     def walk(parser, path):
