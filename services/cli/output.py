@@ -98,17 +98,42 @@ def fitted(table: TableSpec, out: Console) -> RenderableType:
     if max(map(len, text.splitlines())) > out.width:
         # Wrapped lines of a table read as noise (at 80 columns the node and deployment
         # tables of `iserve status` were 94-108 wide): a block of lines per row instead.
-        text = record_table(headers, rows)
+        text = record_table(headers, rows, out.width)
     return Text((f"{title}\n" if title else "") + text, no_wrap=True, overflow="ignore")
 
 
-def record_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Each row as a block of ``HEADER  value`` lines, a blank line between rows."""
-    width = max(map(len, headers))
-    return "\n\n".join(
-        "\n".join(f"{h.ljust(width)}  {c}".rstrip() for h, c in zip(headers, r, strict=True))
-        for r in rows
-    )
+def record_table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], width: int | None = None
+) -> str:
+    """Each row as a block of ``HEADER  value`` lines, a blank line between rows. A
+    comma-separated value longer than ``width`` allows goes on after a comma on lines of
+    its own, under the value (a device's 111-character list of deployments was one line
+    the terminal wrapped mid-id); an id is never cut."""
+    label = max(map(len, headers))
+    room = None if width is None else max(1, width - label - 2)
+    lines = []
+    for r in rows:
+        block = []
+        for h, c in zip(headers, r, strict=True):
+            first, *rest = _after_commas(str(c), room)
+            block.append(f"{h.ljust(label)}  {first}".rstrip())
+            block.extend(f"{'':{label}}  {part}" for part in rest)
+        lines.append("\n".join(block))
+    return "\n\n".join(lines)
+
+
+def _after_commas(value: str, room: int | None) -> list[str]:
+    """``value`` in lines of at most ``room`` characters, broken only after commas."""
+    if room is None or len(value) <= room or "," not in value:
+        return [value]
+    parts = [p + "," for p in value.split(",")]
+    parts[-1] = parts[-1][:-1]
+    out = [""]
+    for part in parts:
+        if out[-1] and len(out[-1]) + len(part) > room:
+            out.append("")
+        out[-1] += part
+    return out
 
 
 def renderable(tables: Sequence[TableSpec], out: Console | None = None) -> Group:

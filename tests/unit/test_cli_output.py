@@ -311,3 +311,20 @@ def test_no_value_is_cut_on_a_narrow_terminal(width):
     assert max(map(len, text.splitlines())) <= width, text
     lines = [line.strip() for line in text.splitlines()]
     assert lines[lines.index("Nodes") - 1] == "", text
+
+
+def test_a_long_list_in_a_narrow_terminal_goes_on_after_a_comma():
+    """At 80 columns one device's DEPLOYMENTS was a 111-character line the terminal
+    wrapped mid-id; the list now goes on under the value, ids whole."""
+    ids = [f"tiny-{i:08x}" for i in range(8)]
+    headers = ["DEVICE", "MEMORY MiB", "FREE MiB", "LOAD", "DEPLOYMENTS"]
+    row = ["node0/cpu0", "2048", "1024", "0.53", ",".join(ids)]
+    out = Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None)
+    show_tables([(None, headers, [row, row, row, row, row, row, row, row])], out)
+    text = out.file.getvalue()
+    assert max(map(len, text.splitlines())) <= 80, text
+    for deployment in ids:
+        assert deployment in text, text
+    assert "".join(
+        line.strip() for line in text.split("DEPLOYMENTS")[1].split("\n\n")[0].splitlines()
+    ) == ",".join(ids)
