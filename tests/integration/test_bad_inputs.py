@@ -165,7 +165,7 @@ def test_deploy_rejects_bad_configurations(stack, served):
     )
     # No configuration: the default intent (min-cost) needs a profile this model lacks.
     assert code == grpc.StatusCode.FAILED_PRECONDITION, details
-    assert "not profiled on cpu-x86_64" in details
+    assert "is not profiled yet (REGISTERED)" in details
     code, details = _code(
         lambda: stack.deployments.Deploy(
             deploy_pb.DeployRequest(
