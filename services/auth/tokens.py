@@ -194,10 +194,12 @@ async def issue(
     """A new token for ``subject`` with ``role`` (checked), recorded hashed in
     ``records``: (what was recorded, the token itself, shown once)."""
     subject, role = check_subject(subject), check_role(role)
-    if subject in RESERVED_SUBJECTS:
+    # In any case: "Admin" owned nothing of admin's, but read as admin in `token list`
+    # and in every refusal that names an owner.
+    if subject.casefold() in RESERVED_SUBJECTS:
         raise InvalidArgument(
-            f"subject {subject!r} is reserved for the stack's own {subject} token: issue "
-            "tokens to people or teams by their own names"
+            f"subject {subject!r} is reserved for the stack's own {subject.casefold()} token: "
+            "issue tokens to people or teams by their own names"
         )
     grants = check_grants(role, deployments)
     while True:  # a fresh id: 64 random bits, so a second draw is all but never needed

@@ -278,7 +278,7 @@ def test_issuing_checks_the_request_and_records_only_the_hash():
         asyncio.run(issue(records, "a" * 10_000, policy.APP_DEVELOPER, []))
     assert len(str(cut.value)) < 200
     # The supplied tokens' subjects: records are owned by subject.
-    for reserved in ("admin", "iserve"):
+    for reserved in ("admin", "iserve", "Admin", "ISERVE"):
         with pytest.raises(
             InvalidArgument, match=f"subject '{reserved}' is reserved for the stack's own"
         ):
