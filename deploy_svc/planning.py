@@ -42,6 +42,9 @@ POLICIES = {
 }
 # Reasons are listed in the error when nothing can be placed; beyond this many, counted.
 MAX_LISTED_REASONS = 5
+# How the estimator's ranking notes the configurations left out for the devices' memory
+# (services.estimation.score.rank; tests/unit/test_deploy_planning.py holds them equal).
+UNFIT_NOTE = "configurations do not fit the device memory"
 
 
 @dataclass(frozen=True)
@@ -257,9 +260,13 @@ def decide(
         f"#{s.rank} {describe(s.config)}: {s.reason}" for s in skipped[:MAX_LISTED_REASONS]
     )
     more = len(skipped) - MAX_LISTED_REASONS
+    # The ranking left out what cannot fit the devices' memory at all; a refusal that
+    # listed the others only read as if those had not been considered.
+    unfit = next((p for p in note.split("; ") if p.endswith(UNFIT_NOTE)), "")
     raise ResourceExhausted(
         f"no configuration of {model.model_id} can be placed on the {len(devices)} "
         f"device(s) available ({listed}{f'; and {more} more' if more > 0 else ''})"
+        + (f"; {unfit}, ranked out" if unfit else "")
         if skipped
         else f"no configuration of {model.model_id} to place" + (f" ({note})" if note else "")
     )

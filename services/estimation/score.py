@@ -48,6 +48,11 @@ __all__ = [
 ]
 
 
+# The note of the configurations left out for the devices' memory (the deployer's
+# refusal repeats it: deploy_svc.planning.UNFIT_NOTE).
+UNFIT_NOTE = "configurations do not fit the device memory"
+
+
 @dataclass(frozen=True)
 class Calibration:
     """The hardware constants scoring needs (see ``calibrate``)."""
@@ -318,7 +323,7 @@ def rank(estimates: Estimates, intent: Intent, cost: np.ndarray | None = None) -
     candidates = np.flatnonzero(e.candidates)
     misfits = int(np.count_nonzero(e.estimable & ~e.fits))
     if misfits:
-        notes.append(f"{misfits} configurations do not fit the device memory")
+        notes.append(f"{misfits} {UNFIT_NOTE}")
     if candidates.size == 0:
         notes.append(_nothing_fits(e) if misfits else "no configuration has a usable estimate")
         return Ranking(candidates, tuple(notes))
