@@ -169,7 +169,9 @@ class DeploymentController:
     async def cluster_state(self) -> deploy_pb.GetClusterStateResponse:
         # A node whose agent does not answer is shown as not alive: nothing goes there.
         nodes = await self._listed_nodes()
-        deployments = await self.store.list_deployments()
+        # The records, and the ids on the devices, of the deployments the caller may read
+        # (a model developer sees the devices and what is free, not deployments).
+        deployments = access.readable(await self.store.list_deployments())
         # A replica is on the devices it holds memory on: one waiting for a node (its
         # reservation released) was listed on the devices it had left.
         holding = await self.store.reservation_owners()

@@ -29,6 +29,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import default_dtype
 from services.errors import InvalidArgument, IServeError, ResourceExhausted
+from services.estimation.score import UNFIT_NOTE
 from services.intents import COST_FIELDS, COST_UNITS
 from services.reservation import memory_blocks
 from services.simulation import MAX_SIMULATED_DEVICES
@@ -42,9 +43,6 @@ POLICIES = {
 }
 # Reasons are listed in the error when nothing can be placed; beyond this many, counted.
 MAX_LISTED_REASONS = 5
-# How the estimator's ranking notes the configurations left out for the devices' memory
-# (services.estimation.score.rank; tests/unit/test_deploy_planning.py holds them equal).
-UNFIT_NOTE = "configurations do not fit the device memory"
 
 
 @dataclass(frozen=True)

@@ -46,15 +46,4 @@ class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
     async def GetClusterState(self, request, context):
         state = await self.controller.cluster_state()
         state.request_id = request.request_id
-        # The records, and the ids on the devices, of the deployments the caller may
-        # read (a model developer sees the devices and what is free, not deployments).
-        readable = access.readable(state.deployments)
-        shown = {d.deployment_id for d in readable}
-        del state.deployments[:]
-        state.deployments.extend(readable)
-        for node in state.nodes:
-            for device in node.devices:
-                ids = [i for i in device.deployment_ids if i in shown]
-                del device.deployment_ids[:]
-                device.deployment_ids.extend(ids)
         return state

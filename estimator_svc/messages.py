@@ -84,7 +84,7 @@ def estimate_messages(
             ttft_ms=e.ttft_s[i] * 1e3,
             tpot_ms=e.tpot_s[i] * 1e3,
             latency_ms=e.latency_s[i] * 1e3,
-            cost_memory_latency=gb[i] * e.latency_s[i] / int(row["batch"]),  # per request
+            cost_memory_latency=e.cost_memory_latency[i] * GIB / 1e9,  # GiB x s to GB x s
             cost_memory=gb[i],
             cost_device_hours=e.cost_device_hours[i],
             throughput_tokens_per_second_per_device=e.throughput_tokens_per_s_per_device[i],

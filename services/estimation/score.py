@@ -49,7 +49,7 @@ __all__ = [
 
 
 # The note of the configurations left out for the devices' memory (the deployer's
-# refusal repeats it: deploy_svc.planning.UNFIT_NOTE).
+# refusal finds it in the ranking's notes: deploy_svc.planning.decide).
 UNFIT_NOTE = "configurations do not fit the device memory"
 
 
