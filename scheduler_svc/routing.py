@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from services import errors, replicas
 from services.api import deployment_service_pb2 as deploy_pb
@@ -200,3 +200,12 @@ class Router:
 
     def _ready_of(self, model_id: str) -> list[deploy_pb.Deployment]:
         return [d for d in self._by_id.values() if d.model_id == model_id and d.state == READY]
+
+
+def stats_for_caller(stats: Iterable, deployments: Iterable[deploy_pb.Deployment]) -> list:
+    """The serving statistics (records with ``deployment_id``) the caller may read: those
+    of the deployments it may generate on (``access.may_use``: a developer its own,
+    administrators all), owners read from ``deployments``. Another tenant's request
+    volumes and latencies are its own business."""
+    owners = {d.deployment_id: d.owner for d in deployments}
+    return [s for s in stats if access.may_use(s.deployment_id, owners.get(s.deployment_id, ""))]

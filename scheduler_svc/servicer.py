@@ -28,7 +28,12 @@ from scheduler_svc.queues import (
     QueueClosed,
     QueueRegistry,
 )
-from scheduler_svc.routing import REFRESH_INTERVAL_S, Router, answered_refusal
+from scheduler_svc.routing import (
+    REFRESH_INTERVAL_S,
+    Router,
+    answered_refusal,
+    stats_for_caller,
+)
 from scheduler_svc.validation import (
     check_for_deployment,
     check_request,
@@ -43,7 +48,6 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
 from services.api import inference_service_pb2_grpc as inference_grpc
 from services.api import worker_service_pb2 as worker_pb
-from services.auth import access
 from services.drain import InFlight
 from services.grpc_server import ServiceBinding, ended_by_client, logged_request_id
 from services.ids import replica_group_id
@@ -264,14 +268,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
     async def GetServingStats(
         self, request: inference_pb.GetServingStatsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb.GetServingStatsResponse:
-        # A developer sees the traffic of the deployments it may generate on (its own),
-        # not other tenants' volumes and latencies; administrators see all.
-        owners = {d.deployment_id: d.owner for d in self.router.deployments()}
-        shown = [
-            s
-            for s in self.metrics.stats()
-            if access.may_use(s.deployment_id, owners.get(s.deployment_id, ""))
-        ]
+        shown = stats_for_caller(self.metrics.stats(), self.router.deployments())
         return inference_pb.GetServingStatsResponse(
             request_id=request.request_id,
             deployments=[
