@@ -44,6 +44,7 @@ import psutil
 
 from monitor_agent.launch import LaunchPlan, WorkerPlan
 from monitor_agent.shm_files import remove_shared_files
+from monitor_agent.worker.exits import EXIT_GROUP_LOST
 from monitor_agent.worker_pool import PooledProcess, WorkerPool, worker_environment
 from services.api import agent_service_pb2 as agent_pb
 from services.drain import WORKER_STOP_MARGIN_S
@@ -58,6 +59,9 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 LOG_TAIL_LINES = 12
 # How long a worker of a group that lost a rank on another node gets after SIGTERM.
 LOST_RANK_GRACE_S = 1.0
+# How long the reaper waits for the rank a group lost to show its exit, once another rank
+# has exited of losing it, so that the cause is reported first.
+CAUSE_WAIT_S = 2.0
 _LOG_TAIL_BYTES = 8192
 _POLL_S = 0.05
 
@@ -159,6 +163,8 @@ class WorkerSupervisor:
         # Deployment id -> seconds its workers' records outlive their last write
         # (LaunchPlan.records_expire_s), for the groups that set one.
         self._records_expire_s: dict[str, float] = {}
+        # Deployment id -> when a rank was first seen exited of a lost peer (_cause_may_follow).
+        self._consequence_seen: dict[str, float] = {}
 
     async def _put_worker(self, info: agent_pb.WorkerInfo) -> None:
         await self.store.put_worker(info, self._records_expire_s.get(info.deployment_id, 0.0))
@@ -349,6 +355,7 @@ class WorkerSupervisor:
             with contextlib.suppress(Exception):  # Redis trouble must not hide the cause
                 await self._put_worker(proc.info)
         self._records_expire_s.pop(deployment_id, None)
+        self._consequence_seen.pop(deployment_id, None)
 
     @staticmethod
     def _mark_failed(proc: WorkerProcess, code: int, tail: str) -> None:
@@ -378,6 +385,7 @@ class WorkerSupervisor:
                 proc.info.exit_code = proc.popen.returncode or 0
             await self._put_worker(proc.info)
         self._records_expire_s.pop(deployment_id, None)
+        self._consequence_seen.pop(deployment_id, None)
         if procs:
             log.info("deployment %s: %d worker(s) stopped", deployment_id, len(procs))
         return [p.info for p in procs]
@@ -444,50 +452,74 @@ class WorkerSupervisor:
 
     async def reap_once(self) -> list[agent_pb.WorkerInfo]:
         """Mark ready workers that have exited FAILED, in Redis with a ``worker_died`` event,
-        and stop the other ranks of their deployments."""
+        and stop the other ranks of their deployments. The rank that died first is reported
+        first: one that exited because its group lost a rank (``EXIT_GROUP_LOST``) comes
+        after the rank it lost, which is given ``CAUSE_WAIT_S`` to be seen exiting too."""
         died = []
         for deployment_id, procs in list(self._workers.items()):
-            dead_rank: int | None = None
-            for proc in procs:
-                if proc.stopping or proc.host is not None:
-                    continue
-                if proc.info.state != agent_pb.WORKER_STATE_READY:
-                    continue
-                code = proc.popen.poll()
-                if code is None:
-                    continue
-                tail = log_tail(proc.log_path)
-                failed = _copy(proc.info)
-                failed.state = agent_pb.WORKER_STATE_FAILED
-                failed.exit_code = code
-                failed.reason = f"{describe_exit(code)}: {tail}" if tail else describe_exit(code)
-                hosted = [(p, _hosted_failed(p, failed)) for p in procs if p.host is proc]
-                # Redis first: if it fails, the worker stays READY here and is retried.
-                for _, info in hosted:
-                    await self._put_worker(info)
-                await self._put_worker(failed)
-                await self.store.publish_event(
-                    "worker_died",
-                    node_id=self.node_id,
-                    deployment_id=deployment_id,
-                    rank=failed.rank,
-                    device_id=failed.device_id,
-                    pid=failed.pid,
-                    exit_code=code,
-                    reason=failed.reason,
-                )
-                proc.info.CopyFrom(failed)
-                for hosted_proc, info in hosted:
-                    hosted_proc.info.CopyFrom(info)
-                log.warning(
-                    "deployment %s rank %d (pid %d) died: %s",
-                    deployment_id, failed.rank, failed.pid, describe_exit(code),
-                )  # fmt: skip
-                died.append(failed)
-                dead_rank = failed.rank if dead_rank is None else dead_rank
-            if dead_rank is not None:
-                await self._stop_survivors(deployment_id, procs, dead_rank)
+            exited = [
+                (proc, code)
+                for proc in procs
+                if not proc.stopping
+                and proc.host is None
+                and proc.info.state == agent_pb.WORKER_STATE_READY
+                and (code := proc.popen.poll()) is not None
+            ]
+            if not exited or self._cause_may_follow(deployment_id, procs, exited):
+                continue
+            self._consequence_seen.pop(deployment_id, None)
+            exited.sort(key=lambda death: death[1] == EXIT_GROUP_LOST)
+            reported = [await self._report_death(deployment_id, procs, *death) for death in exited]
+            died += reported
+            await self._stop_survivors(deployment_id, procs, reported[0].rank)
         return died
+
+    def _cause_may_follow(
+        self, deployment_id: str, procs: list[WorkerProcess], exited: list[tuple]
+    ) -> bool:
+        """Whether every rank seen exited left because it lost another that still runs: a
+        rank that exits of a dead peer can be reaped before the peer's own exit shows."""
+        if not all(code == EXIT_GROUP_LOST for _, code in exited):
+            return False
+        gone = {id(proc) for proc, _ in exited}
+        others = [p for p in procs if id(p) not in gone and p.host is None and not p.stopping]
+        if not any(p.alive for p in others):
+            return False
+        first_seen = self._consequence_seen.setdefault(deployment_id, time.monotonic())
+        return time.monotonic() - first_seen < CAUSE_WAIT_S
+
+    async def _report_death(
+        self, deployment_id: str, procs: list[WorkerProcess], proc: WorkerProcess, code: int
+    ) -> agent_pb.WorkerInfo:
+        """Record ``proc``'s exit (and its hosted ranks') FAILED, then publish it."""
+        tail = log_tail(proc.log_path)
+        failed = _copy(proc.info)
+        failed.state = agent_pb.WORKER_STATE_FAILED
+        failed.exit_code = code
+        failed.reason = f"{describe_exit(code)}: {tail}" if tail else describe_exit(code)
+        hosted = [(p, _hosted_failed(p, failed)) for p in procs if p.host is proc]
+        # Redis first: if it fails, the worker stays READY here and is retried.
+        for _, info in hosted:
+            await self._put_worker(info)
+        await self._put_worker(failed)
+        await self.store.publish_event(
+            "worker_died",
+            node_id=self.node_id,
+            deployment_id=deployment_id,
+            rank=failed.rank,
+            device_id=failed.device_id,
+            pid=failed.pid,
+            exit_code=code,
+            reason=failed.reason,
+        )
+        proc.info.CopyFrom(failed)
+        for hosted_proc, info in hosted:
+            hosted_proc.info.CopyFrom(info)
+        log.warning(
+            "deployment %s rank %d (pid %d) died: %s",
+            deployment_id, failed.rank, failed.pid, describe_exit(code),
+        )  # fmt: skip
+        return failed
 
     async def _stop_survivors(
         self, deployment_id: str, procs: list[WorkerProcess], dead_rank: int

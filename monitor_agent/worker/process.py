@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from monitor_agent.engine.trtllm import mapping as trtllm_mapping
+from monitor_agent.worker.exits import EXIT_BAD_ARGUMENTS, EXIT_ENGINE_FAILED, EXIT_GROUP_LOST
 from services.engine_rules import TENSOR_PARALLEL_DEGREES
 from services.grpc_server import ServiceBinding, configure_logging, run_server
 from services.models.compression import (
@@ -68,9 +69,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("iserve.worker")
 
-EXIT_BAD_ARGUMENTS = 2
-EXIT_ENGINE_FAILED = 1
-EXIT_GROUP_LOST = 3
 PARENT_POLL_S = 1.0
 # After the group lost a rank, generations in flight get this long to send their error.
 LOST_GROUP_DRAIN_S = 1.0

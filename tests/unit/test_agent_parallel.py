@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -14,7 +17,8 @@ import pytest
 
 from monitor_agent.devices import virtual_devices
 from monitor_agent.launch import LaunchPlan, WorkerPlan
-from monitor_agent.supervisor import WorkerSupervisor
+from monitor_agent.supervisor import CAUSE_WAIT_S, WorkerProcess, WorkerSupervisor
+from monitor_agent.worker.exits import EXIT_GROUP_LOST
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
@@ -152,6 +156,75 @@ def test_a_rank_that_dies_takes_its_group_down(run, checkpoint, victim):
         ]
         assert events and events[0]["rank"] == victim
         await supervisor.stop_workers(deployment_id)
+
+    run(scenario)
+
+
+def _group_of(supervisor: WorkerSupervisor, deployment_id: str, tmp_path: Path, *commands):
+    """A ready group whose ranks are the processes running ``commands`` (plain Pythons that
+    sleep or exit with a worker's codes), as the supervisor tracks it."""
+    procs = []
+    for rank, code in enumerate(commands):
+        popen = subprocess.Popen([sys.executable, "-c", code])
+        info = agent_pb.WorkerInfo(
+            deployment_id=deployment_id,
+            rank=rank,
+            pid=popen.pid,
+            state=agent_pb.WORKER_STATE_READY,
+        )
+        plan = WorkerPlan(rank, DEVICES[rank % 2])
+        procs.append(
+            WorkerProcess(
+                deployment_id, plan, popen, tmp_path / f"{rank}.log", tmp_path / "r", info
+            )
+        )
+    supervisor._workers[deployment_id] = procs
+    return procs
+
+
+async def _reap_until_died(supervisor: WorkerSupervisor, seconds: float):
+    for _ in range(int(seconds / 0.05)):
+        if died := await supervisor.reap_once():
+            return died
+        await asyncio.sleep(0.05)
+    return []
+
+
+def test_a_rank_that_left_of_a_lost_peer_is_reported_after_the_peer(run, tmp_path):
+    """The rank that exits because its group lost another can be reaped first; the rank it
+    lost is still reported as the first death, the cause."""
+    sleeper = "import time; time.sleep(60)"
+    group_lost = f"import sys; sys.exit({EXIT_GROUP_LOST})"
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        victim, survivor = _group_of(supervisor, "dep-order", tmp_path, sleeper, group_lost)
+        survivor.popen.wait()
+        assert await supervisor.reap_once() == []  # the cause may still show its exit
+        victim.popen.send_signal(signal.SIGKILL)
+        victim.popen.wait()
+        died = await supervisor.reap_once()
+        assert [(d.rank, d.exit_code) for d in died] == [(0, -signal.SIGKILL), (1, EXIT_GROUP_LOST)]
+        events = await store.read_events("0-0", block_ms=10)
+        ours = [(b["kind"], b["rank"]) for _id, b in events if b["deployment_id"] == "dep-order"]
+        assert ours == [("worker_died", 0), ("worker_died", 1)]
+
+    run(scenario)
+
+
+def test_a_rank_that_left_of_a_lost_peer_is_reported_once_the_peer_keeps_running(run, tmp_path):
+    """Its peer still running past CAUSE_WAIT_S, the rank that left is reported and the
+    peer, which cannot serve alone, is stopped."""
+    sleeper = "import time; time.sleep(60)"
+    group_lost = f"import sys; sys.exit({EXIT_GROUP_LOST})"
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        peer, left = _group_of(supervisor, "dep-wait", tmp_path, sleeper, group_lost)
+        left.popen.wait()
+        started = time.monotonic()
+        died = await _reap_until_died(supervisor, CAUSE_WAIT_S + 5)
+        assert time.monotonic() - started >= CAUSE_WAIT_S
+        assert [(d.rank, d.exit_code) for d in died] == [(1, EXIT_GROUP_LOST)]
+        assert peer.popen.poll() is not None and peer.info.state == agent_pb.WORKER_STATE_FAILED
 
     run(scenario)
 
