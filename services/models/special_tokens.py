@@ -54,8 +54,12 @@ def encode_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool = Tr
     """Token ids of ``text`` with the special tokens ``tokenizer.json``'s post-processor
     adds, and no others (see the module docstring); without any when not
     ``add_special_tokens`` (a rendered chat template holds its own, and transformers'
-    ``apply_chat_template`` encodes it so)."""
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    ``apply_chat_template`` encodes it so); ValueError when the tokenizer cannot encode
+    ``text`` (a word-level vocabulary with no unknown-word token, say)."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    except Exception as exc:  # the tokenizers library raises its own Exception
+        raise ValueError(f"the model's tokenizer cannot encode this prompt: {exc}") from None
 
 
 # Characters one token may stand for at most, beyond the vocabulary's longest piece: an

@@ -5,7 +5,11 @@ template that does not compile would otherwise pass registration and fail later,
 deploy or on every request, with an error that blames the wrong party. Each is refused
 here, naming the file:
 
-- ``tokenizer.json`` must load with the ``tokenizers`` library, as the worker loads it;
+- ``tokenizer.json`` must load with the ``tokenizers`` library, as the worker loads it,
+  and encode plain text (a word-level vocabulary whose unknown-word token is missing
+  loads, then fails every prompt);
+- ``tokenizer_config.json``, where there is one, must be a JSON object (transformers
+  refuses the tokenizer otherwise, and its special tokens would be lost);
 - the highest id of its model's vocabulary must be below the config's ``vocab_size``: a
   smaller one makes ordinary text fail. A larger ``vocab_size`` (rows padded to a round
   number) is fine, and so are added tokens beyond it (a ``<pad>`` appended at 32000 to a
@@ -35,6 +39,9 @@ from services.models.chat_template import (
 from services.models.errors import InvalidCheckpoint
 
 TOKENIZER_FILE = "tokenizer.json"
+# Plain text any tokenizer that serves prompts must encode (one with an unknown-word
+# token or byte fallback encodes anything; one without either fails on its first word).
+SAMPLE_TEXT = "Hello, world. 42"
 # The SentencePiece-style word marker that Metaspace writes for a space.
 _METASPACE = "\u2581"
 
@@ -67,13 +74,24 @@ def load_tokenizer(directory: Path, family: str) -> Tokenizer:
 
 
 def _json_object(path: Path) -> dict:
-    """``path``'s JSON object; {} when it is missing or not one (tokenizer_config.json
-    is optional; what the chat template needs of it is checked elsewhere)."""
+    """``path``'s JSON object, {} when there is no such file (tokenizer_config.json is
+    optional); InvalidCheckpoint naming it when it is there but not one: transformers
+    refuses such a tokenizer, and its special tokens and chat template would be lost."""
     try:
-        value = json_text.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
         return {}
-    return value if isinstance(value, dict) else {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidCheckpoint(f"cannot read {path.name} in {str(path.parent)!r}: {exc}") from None
+    try:
+        value = json_text.loads(text)
+    except ValueError as exc:
+        raise InvalidCheckpoint(
+            f"{path.name} in {str(path.parent)!r} is not valid JSON: {exc}"
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidCheckpoint(f"{path.name} in {str(path.parent)!r} is not a JSON object")
+    return value
 
 
 def as_transformers_runs_it(tokenizer: Tokenizer, family: str, tokenizer_config: dict) -> None:
@@ -144,10 +162,17 @@ def _byte_level(spec: dict) -> bool:
 
 
 def check_tokenizer_files(directory: Path, spec: ArchSpec) -> None:
-    """Refuse (InvalidCheckpoint) a ``tokenizer.json`` that does not load or whose
-    vocabulary holds ids the model's ``vocab_size`` lacks, and a chat template that does
-    not compile."""
+    """Refuse (InvalidCheckpoint) a ``tokenizer.json`` that does not load, cannot encode
+    plain text or whose vocabulary holds ids the model's ``vocab_size`` lacks, and a chat
+    template that does not compile."""
     tokenizer = load_tokenizer(directory, spec.family)
+    try:
+        tokenizer.encode(SAMPLE_TEXT)
+    except Exception as exc:  # the library raises its own Exception for every problem
+        raise InvalidCheckpoint(
+            f"{TOKENIZER_FILE} in {str(directory)!r} loads but cannot encode the text "
+            f"{SAMPLE_TEXT!r}, so no prompt in text could be served: {exc}"
+        ) from None
     vocabulary = tokenizer.get_vocab(with_added_tokens=False)
     highest = max(vocabulary.values(), default=-1)
     if highest >= spec.vocab_size:

@@ -83,6 +83,49 @@ def test_a_tokenizer_json_the_library_cannot_load_is_refused(checkpoint: Path, c
         register(checkpoint)
 
 
+def _word_level(vocabulary: list[str], unknown: str | None) -> str:
+    """A word-level tokenizer.json over ``vocabulary`` whose unknown-word token is
+    ``unknown`` (which the vocabulary may lack)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {word: i for i, word in enumerate(vocabulary)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=unknown))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer.to_str()
+
+
+def test_a_tokenizer_json_that_loads_but_cannot_encode_text_is_refused(checkpoint: Path) -> None:
+    (checkpoint / "tokenizer.json").write_text(_word_level(["a"], "zzz"))
+    with pytest.raises(InvalidArgument, match=r"loads but cannot encode the text.*Missing \[UNK\]"):
+        register(checkpoint)
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_a_value_error() -> None:
+    """The worker turns it into INVALID_ARGUMENT, not an internal error."""
+    from tokenizers import Tokenizer
+
+    from services.models.special_tokens import encode_prompt
+    from services.models.tokenizer_files import SAMPLE_TEXT
+
+    words = ["Hello", ",", "world", ".", "42"]
+    tokenizer = Tokenizer.from_str(_word_level(words, None))
+    assert encode_prompt(tokenizer, SAMPLE_TEXT) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="tokenizer cannot encode this prompt"):
+        encode_prompt(tokenizer, "zebra")
+
+
+@pytest.mark.parametrize("content", ['{"tokenizer_class": "Llama', "not json{", "[1, 2]"])
+def test_a_tokenizer_config_that_is_not_a_json_object_is_refused(checkpoint: Path, content) -> None:
+    (checkpoint / "tokenizer_config.json").write_text(content)
+    with pytest.raises(InvalidArgument, match="tokenizer_config.json in .* is not"):
+        register(checkpoint)
+
+
+def test_a_checkpoint_without_a_tokenizer_config_is_accepted(checkpoint: Path) -> None:
+    (checkpoint / "tokenizer_config.json").unlink()
+    assert register(checkpoint)
+
+
 BROKEN = "{% for m in messages %}{{ m['content'] }{% endfor %}"
 
 
