@@ -77,6 +77,12 @@ EVENT_TIMEOUT_S = 1.0
 ADMISSION_REFUSALS = (errors.InvalidArgument, errors.ResourceExhausted, errors.DeadlineExceeded)
 
 
+def removed_before_serving(deployment_id: str) -> str:
+    """Why a request routed to ``deployment_id`` (the scheduler's records, refreshed each
+    second, still listed it) found its worker stopped and its record deleted."""
+    return f"deployment {deployment_id} was removed; its worker stopped before serving the request"
+
+
 class ReplicaGone(errors.Unavailable):
     """A replica's worker died before the request streamed any token."""
 
@@ -140,6 +146,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # A second attempt only when the replica's worker was gone before any token,
             # or the replica stopped serving while the request waited.
             retried_after = ""  # why the second attempt is made
+            waited = False  # whether it waited on a replica that stopped serving
             for attempt in range(2):
                 try:
                     deployment, replica, queue, entry = await self._admit(
@@ -150,12 +157,16 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     # serves now, or is told at once why nothing does.
                     if attempt:
                         raise errors.Unavailable(str(closed)) from None
-                    retried_after = str(closed)
+                    retried_after, waited = str(closed), True
                     continue
                 except errors.NotFound:
                     if not retried_after or by_model:
                         raise
-                    # The deployment it waited on was removed since: not an unknown id.
+                    # The deployment it was routed to was removed since: not an unknown id.
+                    if not waited:
+                        raise errors.FailedPrecondition(
+                            removed_before_serving(request.deployment_id)
+                        ) from None
                     raise errors.FailedPrecondition(
                         f"{retried_after}: it was removed while the request waited"
                     ) from None
@@ -227,7 +238,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     if attempt or not (
                         gone.others_serve
                         or by_model
-                        or await self._restarted_elsewhere(request, replica.worker_address, gone)
+                        or await self._restarted_elsewhere(request, replica.worker_address)
                     ):
                         raise
                     # Once more: on a replica that still serves, on the worker Redis now
@@ -245,6 +256,11 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             yield self._finish(request, record, queue, final, running)
         except errors.IServeError as exc:
             record.code = exc.code
+            named = self.router.cached(request.deployment_id) if request.deployment_id else None
+            if named is not None and not record.deployment_id:
+                # Refused before it was routed (an empty prompt, say): still a request
+                # the deployment it names failed, as GetServingStats counts them.
+                self._label(record, named)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             # GeneratorExit: the stream was closed at a yield (the client went away
@@ -289,18 +305,17 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         )
 
     async def _restarted_elsewhere(
-        self, request: inference_pb.GenerateRequest, gone_address: str, gone: Exception
+        self, request: inference_pb.GenerateRequest, gone_address: str
     ) -> bool:
         """Whether the deployment ``request`` names, read afresh, serves on a worker other
         than ``gone_address`` (the router's cached record was of one restarted since).
-        FAILED_PRECONDITION when it was removed since (``gone``: how its worker went), as
-        for a request that waited on it, not the NOT_FOUND of an id that never was."""
+        FAILED_PRECONDITION when it was removed since, as for a request that waited on it,
+        not the NOT_FOUND of an id that never was; the removal explains the worker's going,
+        so the client is not shown the connection's error."""
         try:
             fresh = await self.router.by_deployment_id(request.deployment_id)
         except errors.NotFound:
-            raise errors.FailedPrecondition(
-                f"{gone}: deployment {request.deployment_id} was removed meanwhile"
-            ) from None
+            raise errors.FailedPrecondition(removed_before_serving(request.deployment_id)) from None
         return any(r.worker_address != gone_address for r in replicas.serving(fresh))
 
     async def _admit(

@@ -744,8 +744,47 @@ def test_a_request_whose_deployment_was_removed_as_its_worker_went_is_told_so(re
         await h.store.delete_deployment(removed)
         error = await h.status_of(request_id="r", deployment_id="d1")
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
-        assert error.details().startswith("worker of deployment d1 is gone")
-        assert error.details().endswith("deployment d1 was removed meanwhile")
+        assert error.details() == (
+            "deployment d1 was removed; its worker stopped before serving the request"
+        )
+
+    run(redis_url, scenario)
+
+
+def test_a_request_to_a_removed_two_replica_deployment_is_not_said_to_have_waited(redis_url):
+    """Both replicas' workers stopped and the record deleted, the router's cache still
+    holding d1 (a request just after `iserve remove` returned): the request, which never
+    waited, is told the deployment was removed, without the connection's error."""
+
+    async def scenario(h: Harness):
+        removed = await h.add_deployment("d1", None)
+        removed.replicas.add(index=0, worker_address=removed.worker_address, state=READY)
+        removed.replicas.add(index=1, worker_address=f"127.0.0.1:{free_port()}", state=READY)
+        await h.store.put_deployment(removed)
+        await h.servicer.router.refresh()  # the cache: d1 READY on both
+        await h.store.delete_deployment(removed)
+        error = await h.status_of(request_id="r", deployment_id="d1")
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+        assert error.details() == (
+            "deployment d1 was removed; its worker stopped before serving the request"
+        )
+
+    run(redis_url, scenario)
+
+
+def test_a_request_refused_before_routing_counts_against_the_deployment_it_names(redis_url):
+    """An empty prompt is refused before the request is routed; it still failed on d1,
+    as a max_tokens over the limit (refused at admission) does. An id nobody deployed
+    gets no series of its own."""
+
+    async def scenario(h: Harness):
+        await h.add_deployment("d1", FakeWorker())
+        await h.servicer.router.refresh()
+        for fields in ({"prompt": ""}, {"max_tokens": 17}, {"deployment_id": "made-up"}):
+            error = await h.status_of(**{"deployment_id": "d1", **fields})
+            assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+        (tally,) = h.servicer.metrics.stats()
+        assert (tally.deployment_id, tally.completed, tally.failed) == ("d1", 0, 2)
 
     run(redis_url, scenario)
 
