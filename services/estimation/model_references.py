@@ -434,11 +434,17 @@ def model_references(
                 and not _profiled_with(fingerprints, layout, n)
             ):
                 notes.append(unprofiled_note(layout, n))
-        # iserve's profiler runs a job's prompt lengths in one worker whose static cache
-        # holds the longest prompt and output, longest last: the peaks of every prompt
-        # are that worker's, and its longest prompt's rows say what they hold.
-        memory_prompt = prompt_lengths[-1] if not split else n
-        memory, kv_tokens, slopes = _memory_groups(fingerprints, layouts, memory_prompt)
+        if split:
+            memory, kv_tokens, slopes = _memory_groups(fingerprints, layouts, n)
+        else:
+            # iserve's profiler runs a job's prompt lengths in one worker whose static
+            # cache holds the longest prompt and output, shortest prompt first: each
+            # prompt's rows hold that cache (the longest's rows say how many tokens) and
+            # the activations of prompts up to its own, so memory follows the prompt's
+            # length through the profiled ones and beyond (a layout not profiled at
+            # this length keeps the longest's rows).
+            memory, kv_tokens, slopes = _memory_groups(fingerprints, layouts, prompt_lengths[-1])
+            memory = {**memory, **_memory_groups(fingerprints, layouts, n)[0]}
         refs = extrapolate_references(
             shape.num_layers, latency, memory, (n, 1), layouts, ladder_phases, slopes
         )

@@ -1,8 +1,9 @@
 """A model's reference figures at any prompt length, from those profiled at a few.
 
 Prefill's time is the prompt's weight products, linear in its length, plus its
-attention, quadratic; decode's grows with the KV cache it reads. :func:`profiles_at`
-follows that curve through the profiled lengths (iserve's profiler times three: 64, 256
+attention, quadratic; decode's grows with the KV cache it reads; a prefill's
+activations grow linearly. :func:`profiles_at` follows those curves through the
+profiled lengths (iserve's profiler times three: 64, 256
 and 1024 tokens by default). Pure: no I/O.
 """
 
@@ -33,8 +34,9 @@ def profiles_at(
     tuple of variant profiles per profiled prompt length, ``lengths`` ascending; a
     single length 0 stands for one not recorded).
 
-    With three or more recorded lengths every figure follows the parabola through the
-    three profiled lengths nearest ``input_tokens``: between two of them it stays within
+    With three or more recorded lengths every time follows the parabola through the
+    three profiled lengths nearest ``input_tokens`` (memory the line through the two
+    nearest, as with two lengths): between two of them it stays within
     their two figures, and beyond the longest it is no lower than the line through the
     two longest (a parabola bending down is noise). With two, every figure follows their
     line. Beyond the longest, no figure falls below the longest's own: a longer prompt
@@ -61,11 +63,28 @@ def profiles_at(
     for i, (a, b) in enumerate(pairs):
         points = [p[i] for p in profiles[first : first + 3]]
         if beyond:
-            straight = _combine((a, b), line)
-            out.append(_combine(points, curve, at_least=(b, straight)))
+            straight = _combine((a, b), line, at_least=(b,))
+            timed = _combine(points, curve, at_least=(b, straight))
         else:
-            out.append(_combine(points, curve, between=(a, b)))
+            straight = _combine((a, b), line)
+            timed = _combine(points, curve, between=(a, b))
+        out.append(_memory_from(timed, straight))
     return tuple(out)
+
+
+def _memory_from(profile: VariantProfile, linear: VariantProfile) -> VariantProfile:
+    """``profile`` with the memory of ``linear``: a prefill's activations grow linearly
+    with the prompt, and a parabola through three memory figures (a pipeline rank's
+    short prompts hidden under its loading peak) bends up without bound beyond them."""
+
+    def swapped(timed: ReferenceProfile | None, line: ReferenceProfile | None):
+        return None if timed is None else replace(timed, memory_gib=line.memory_gib)
+
+    return replace(
+        profile,
+        batch1=swapped(profile.batch1, linear.batch1),
+        batch2=swapped(profile.batch2, linear.batch2),
+    )
 
 
 def _line_weights(low: int, high: int, x: int) -> tuple[float, float]:

@@ -354,23 +354,31 @@ def test_a_longer_prompt_is_never_estimated_faster_than_the_longest_profiled():
     assert beyond.tpot_s == pytest.approx(longest.tpot_s)
 
 
-def test_memory_of_every_prompt_is_the_worker_s_that_ran_them_all():
-    """The profiler runs a job's prompts in one worker sized for the longest: the
-    shorter prompt's peak already holds that cache, so memory comes from the longest
-    prompt's rows with the tokens they hold, for every prompt length."""
-    shape = ModelShape("tiny", 8, 8, 4, 16)
-    model = model_pb.Model(model_id="tiny")
-    rows = _linear_in_prompt((64,), 0, 0, layer_mib=100) + _linear_in_prompt(
-        (256,), 0, 0, layer_mib=120
-    )
-    refs = model_references.model_references(
-        shape,
-        profiles.estimation_variants(model, rows),
-        [profiles.sample_from_measurement(m) for m in rows],
-    )
-    for prompt in refs.prompts:
-        assert prompt.kv_tokens_profiled == 256 + 16
-        assert prompt.profiles[0].batch1.memory_gib[0] == pytest.approx((8 * 120 + 500) / 1024)
+def test_memory_follows_each_prompt_s_activations_over_the_worker_s_one_cache():
+    """The profiler runs a job's prompts shortest first in one worker whose static cache
+    holds the longest prompt: each prompt's rows hold that cache (the same per layer)
+    and the activations of its prompt (per rank, linear in its tokens). Memory at a
+    prompt is its rows', the cache's tokens the longest's; beyond, the line through the
+    two longest, also where a pipeline rank's short prompt hid under its loading peak
+    (a parabola through the three bends up without bound)."""
+    mib_per_token = 0.01
+    rows = []
+    for n in (64, 256, 1024):
+        for m in profiler_rows("", common.WEIGHT_QUANT_NONE, input_tokens=n):
+            seen = 256 if m.config.pipeline_parallel == 2 and n == 64 else n
+            extra = int(mib_per_token * seen * (1 << 20))
+            m.peak_memory_bytes_per_rank[:] = [b + extra for b in m.peak_memory_bytes_per_rank]
+            rows.append(m)
+    refs = _references(rows)
+    assert {p.kv_tokens_profiled for p in refs.prompts} == {1024 + 16}
+    layouts = refs.prompts[0].profiles[0].batch1.layouts
+    base, pipeline = layouts.index((1, 1)), layouts.index((1, 2))
+    for n in (64, 256, 1024, 4096, 32768):
+        memory_mib = np.asarray(refs.at_input(n)[0].batch1.memory_gib) * 1024
+        assert memory_mib[base] == pytest.approx(8 * 100 + 500 + mib_per_token * n), n
+        # Two ranks, each with its own pass's activations, over the same layers.
+        expected = 8 * 100 + 2 * (500 + mib_per_token * max(n, 256))
+        assert memory_mib[pipeline] == pytest.approx(expected, rel=1e-3), n
 
 
 def test_references_need_fingerprints_at_the_base_layout():
