@@ -951,7 +951,7 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
         return True
     if raw in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name} must be 1 or 0, got {raw!r}")
+    raise ValueError(f"{name} must be on or off (also 1/0, true/false, yes/no), got {raw!r}")
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -141,6 +141,19 @@ def _to_json(message) -> dict:
 
 
 # ---- commands ------------------------------------------------------------------------
+def _flags_over_environment(args) -> None:
+    """`iserve up`'s --devices and --device-memory in place of ISERVE_DEVICES and
+    ISERVE_DEVICE_MEMORY_GIB, before the settings read them: a flag given overrides the
+    variable (a bad variable refused the flag meant to replace it), and the stack's
+    processes inherit the flag's value."""
+    for value, name in (
+        (args.devices, "ISERVE_DEVICES"),
+        (args.device_memory, "ISERVE_DEVICE_MEMORY_GIB"),
+    ):
+        if value is not None:
+            os.environ[name] = repr(value) if isinstance(value, float) else str(value)
+
+
 def cmd_up(settings: Settings, args) -> int:
     check_service_settings()  # read by the agent and the model service, not load_settings
     warnings = unknown_variables()
@@ -1099,6 +1112,8 @@ def _run(argv: list[str] | None) -> int:
             arg.encode("utf-8")
         except UnicodeEncodeError as exc:
             return _not_utf8(exc)
+    if args.command == "up":
+        _flags_over_environment(args)
     try:
         # `iserve up` starts the processes that serve with these files; any other command
         # is a client, which may present a certificate made for clients alone.

@@ -300,6 +300,7 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         )
         raise
     stack["started_at_unix_ms"] = int(time.time() * 1000)
+    stack["models_root"] = str(settings.models_root)  # where the stack reads checkpoints
     write_stack_file(settings.state_dir, stack)
     wait_for_restored(settings, log, kept=kept)
     return stack

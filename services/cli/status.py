@@ -18,7 +18,7 @@ from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli.output import TableSpec, show_tables
 from services.health import check, http_ok, speaks_tls
-from services.settings import Settings, redacted_url
+from services.settings import Settings, read_stack_file, redacted_url
 
 MIB = 1 << 20
 
@@ -56,7 +56,10 @@ def collect_status(settings: Settings) -> dict:
     status: dict = {
         "healthy": all(s["serving"] for s in services.values()),
         "state_dir": str(settings.state_dir),
-        "models_root": str(settings.models_root),
+        # The running stack's (ISERVE_MODELS_ROOT as `iserve up` read it), not this CLI's.
+        "models_root": read_stack_file(settings.state_dir).get(
+            "models_root", str(settings.models_root)
+        ),
         "redis_url": redacted_url(settings.redis_url) if settings.redis_url else None,
         "addresses": dict(settings.addresses),
         "services": services,

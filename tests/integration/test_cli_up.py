@@ -40,6 +40,37 @@ def test_up_with_authentication_on_starts_and_down_stops(tmp_path):
     assert down.returncode == 0 and "stopped" in down.stdout, down.stderr
 
 
+def test_up_s_flags_override_its_variables_and_status_names_the_stack_s_models_root(tmp_path):
+    """`--devices` replaces a bad ISERVE_DEVICES (which refused it before), and `iserve
+    status --json` from a shell without ISERVE_MODELS_ROOT names the root the stack
+    reads checkpoints from, not that shell's default."""
+    import json
+
+    root = tmp_path / "checkpoints"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
+        "ISERVE_STATE_DIR": str(tmp_path / "state"),
+        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+        **{var: "127.0.0.1:0" for var in METRICS_ENV.values()},
+        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
+    }
+    env.pop("REDIS_URL", None)
+    try:
+        up = run_cli(
+            {**env, "ISERVE_DEVICES": "0", "ISERVE_MODELS_ROOT": str(root)},
+            *("up", "--detach", "--devices", "1"),
+        )
+        assert up.returncode == 0, up.stderr
+        status = run_cli(env, "status", "--json")
+        assert status.returncode == 0, status.stderr
+        shown = json.loads(status.stdout)
+        assert shown["models_root"] == str(root)
+        assert [len(node["devices"]) for node in shown["nodes"]] == [1]
+    finally:
+        down = run_cli(env, "down")
+    assert down.returncode == 0, down.stderr
+
+
 def test_any_free_port_is_chosen_once_and_reported(tmp_path):
     """A "host:0" (any free port) for every metrics server, the gateway and a service: `up`
     chooses the ports, and `iserve status` names them and each answers there (status
