@@ -58,7 +58,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.auth import access
 from services.engine_rules import tensor_parallel_problem
-from services.errors import InvalidArgument, shown
+from services.errors import FailedPrecondition, InvalidArgument, shown
 from services.estimation import model_references, profiles
 from services.estimation.latency import REFERENCE_BATCHES
 from services.estimation.memory import GIB
@@ -814,6 +814,14 @@ async def import_profiles(
         existing = await store.get_model(imported.model_id)
         if existing is not None:
             access.check_owner(f"model {imported.model_id!r}", existing.owner)
+            if existing.state == model_pb.MODEL_STATE_PROFILING:
+                # The job writes the whole profile when it ends: rows imported meanwhile
+                # were reported imported, then gone.
+                raise FailedPrecondition(
+                    f"model {imported.model_id!r} is being profiled, and its profiling job "
+                    "replaces the profile when it ends: import once `iserve models` shows it "
+                    "PROFILED or FAILED, or into another model id"
+                )
         before = await store.get_profile(imported.model_id)
         profile = merge_profile(
             before,

@@ -17,7 +17,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.auth import access, policy
 from services.auth.tokens import Principal
-from services.errors import InvalidArgument, PermissionDenied
+from services.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from services.estimation.memory import GIB
 from services.models.errors import UnsupportedArchitecture, engine_cannot_run, shape_only
 from services.models.families import parse_config
@@ -714,6 +714,25 @@ def test_bad_requests_write_nothing(run):
             await import_profiles(store, bad_config)
         assert await store.list_models() == []
         assert await store.get_profile("llama-2-7b") is None
+
+    run(scenario)
+
+
+def test_an_import_into_a_model_being_profiled_is_refused_and_writes_nothing(run):
+    """The profiling job writes the whole profile when it ends: rows imported meanwhile
+    were reported imported, then silently gone (a probe)."""
+
+    async def scenario(store: StateStore):
+        await import_profiles(store, request(DATA_SET))
+        model = await store.get_model("llama-2-7b")
+        model.state = model_pb.MODEL_STATE_PROFILING
+        await store.put_model(model)
+        before = await store.get_profile("llama-2-7b")
+        more = {"full_model_data_collection.csv": FULL}
+        with pytest.raises(FailedPrecondition, match="'llama-2-7b' is being profiled"):
+            await import_profiles(store, request(more, "h100"))
+        assert await store.get_profile("llama-2-7b") == before
+        assert "h100" not in await store.get_profile_sources("llama-2-7b")
 
     run(scenario)
 
