@@ -182,7 +182,9 @@ class ModelReferences:
                 f"({profiled} tokens): TTFT is extrapolated along the parabola through the "
                 f"{lengths[-3]}-, {lengths[-2]}- and {lengths[-1]}-token prompts' (prefill's "
                 "weights grow linearly with the prompt, its attention quadratically), no "
-                "lower than the line through the two longest; TPOT is the profiled prompts' fit"
+                "lower than the line through the two longest; TPOT is the profiled prompts' fit; "
+                "memory follows the line through the two longest (a prefill's activations grow "
+                "with its prompt)"
             )
         if input_tokens > lengths[-1] and known == 2:
             return (
@@ -190,7 +192,7 @@ class ModelReferences:
                 f"({profiled} tokens): TTFT is extrapolated along the line through the "
                 f"{lengths[-2]}- and {lengths[-1]}-token prompts' (attention's quadratic share "
                 "of prefill makes a very long prompt's TTFT a lower bound); TPOT is the "
-                "profiled prompts' fit"
+                "profiled prompts' fit; memory follows the same line"
             )
         nearest = lengths[0] if input_tokens < lengths[0] else lengths[-1]
         return (
