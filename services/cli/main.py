@@ -141,17 +141,8 @@ def _to_json(message) -> dict:
 
 
 # ---- commands ------------------------------------------------------------------------
-def _flags_over_environment(args) -> None:
-    """`iserve up`'s --devices and --device-memory in place of ISERVE_DEVICES and
-    ISERVE_DEVICE_MEMORY_GIB, before the settings read them: a flag given overrides the
-    variable (a bad variable refused the flag meant to replace it), and the stack's
-    processes inherit the flag's value."""
-    for value, name in (
-        (args.devices, "ISERVE_DEVICES"),
-        (args.device_memory, "ISERVE_DEVICE_MEMORY_GIB"),
-    ):
-        if value is not None:
-            os.environ[name] = repr(value) if isinstance(value, float) else str(value)
+def _up_options(args) -> stack.UpOptions:
+    return stack.UpOptions(devices=args.devices, device_memory_gib=args.device_memory)
 
 
 def cmd_up(settings: Settings, args) -> int:
@@ -170,8 +161,7 @@ def cmd_up(settings: Settings, args) -> int:
     dialed = {SERVICE_ENV[name]: settings.address(name) for name in SERVICE_ENV}
     for warning in [*tls_warnings(settings), *certificate_name_warnings(settings, dialed)]:
         print(f"warning: {warning}", file=sys.stderr)
-    options = stack.UpOptions(devices=args.devices, device_memory_gib=args.device_memory)
-    info = stack.up(settings, options)
+    info = stack.up(settings, _up_options(args))
     print(f"iserve is up (state in {settings.state_dir}); `iserve status` shows it")
     if args.detach:
         return 0
@@ -1113,7 +1103,9 @@ def _run(argv: list[str] | None) -> int:
         except UnicodeEncodeError as exc:
             return _not_utf8(exc)
     if args.command == "up":
-        _flags_over_environment(args)
+        # A flag given overrides its variable before the settings read it (a bad variable
+        # refused the flag meant to replace it); the stack's processes inherit it.
+        os.environ.update(stack.flag_variables(_up_options(args)))
     try:
         # `iserve up` starts the processes that serve with these files; any other command
         # is a client, which may present a certificate made for clients alone.

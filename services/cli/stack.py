@@ -461,6 +461,14 @@ def _service_env(settings: Settings, redis_url: str, options: UpOptions) -> dict
     for name, var in METRICS_ENV.items():
         env[var] = settings.metrics_address(name)
     env[GATEWAY_ENV] = settings.gateway_address
+    env.update(flag_variables(options))
+    return env
+
+
+def flag_variables(options: UpOptions) -> dict[str, str]:
+    """The variables `iserve up`'s flags given stand for (``--devices``:
+    ISERVE_DEVICES, ``--device-memory``: ISERVE_DEVICE_MEMORY_GIB)."""
+    env = {}
     if options.devices is not None:
         env["ISERVE_DEVICES"] = str(options.devices)
     if options.device_memory_gib is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -70,8 +71,18 @@ def test_concurrent_requests_share_the_slots_first_in_first_out(engine, runner) 
     assert runner.busy_seconds > 0 and runner.active_requests == 0
 
 
-def test_a_stopped_request_gives_its_slot_to_a_waiting_one(engine, runner) -> None:
+def test_a_stopped_request_gives_its_slot_to_a_waiting_one(engine, runner, monkeypatch) -> None:
     prompt = engine.encode(PROMPTS[0])
+    # Steps of at least 5 ms: the long requests' 100 tokens take 0.5 s, so they still
+    # hold both slots when the third request is checked (this 64-wide model made them
+    # all in under the 50 ms the check waits on a fast or idle core).
+    step = engine.batch.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(engine.batch, "step", slow_step)
 
     async def scenario():
         long_stops = [threading.Event(), threading.Event()]
