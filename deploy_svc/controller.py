@@ -158,6 +158,10 @@ class DeploymentController:
     def lock(self, deployment_id: str) -> asyncio.Lock:
         return self._locks.setdefault(deployment_id, asyncio.Lock())
 
+    def deploying(self, deployment_id: str) -> bool:
+        """Whether a Deploy running in this process creates ``deployment_id``."""
+        return deployment_id in self._calls
+
     # ---- queries --------------------------------------------------------------------
     async def get(self, deployment_id: str) -> deploy_pb.Deployment:
         check_deployment_id(deployment_id)

@@ -32,6 +32,14 @@ log = logging.getLogger("iserve.deploy.reconciler")
 HEALTH_TIMEOUT_S = 1.0
 
 
+# Why a deployment left STARTING with no Deploy behind it is failed (finish_cut_off).
+RESTARTED_WHILE_STARTING = "the deployer restarted while the deployment was starting"
+CUT_OFF = (
+    "the Deploy that started it ended before it was ready and could not undo it (the state "
+    "store was unreachable meanwhile); its workers are stopped and its memory released"
+)
+
+
 async def worker_answers(address: str) -> bool:
     async with channel(address) as ch:
         return await serving_status(ch, HEALTH_TIMEOUT_S) == "SERVING"
@@ -127,17 +135,8 @@ class Reconciler:
         actions += await self._fail_missing(
             deployments, running, answered, known, "after a deployer restart"
         )
-        for dep in deployments:
-            if dep.state == deploy_pb.DEPLOYMENT_STATE_STARTING:
-                if await self.controller.healer.record_of(dep.deployment_id) is not None:
-                    continue  # restarting a replica: resumed below
-                reason = "the deployer restarted while the deployment was starting"
-                await self.controller.mark_failed(dep, reason)
-                actions.append(f"failed {dep.deployment_id}: {reason}")
-            elif dep.state == deploy_pb.DEPLOYMENT_STATE_REMOVING:
-                await self.controller.workers.teardown(dep)
-                await self.store.delete_deployment(dep)
-                actions.append(f"finished removing {dep.deployment_id}")
+        # Restarting a replica: resumed below.
+        actions += await self.finish_cut_off(deployments, RESTARTED_WHILE_STARTING)
         # What still serves holds memory and workers, under each replica's group id.
         holding = {
             replica_group_id(d.deployment_id, r.index)
@@ -176,7 +175,42 @@ class Reconciler:
         actions = await self._fail_missing(
             deployments, running, answered, known, "its agent reports"
         )
+        actions += await self.finish_cut_off(deployments, CUT_OFF)
         return actions + await self._stop_unheld(running)
+
+    async def finish_cut_off(
+        self, deployments: list[deploy_pb.Deployment], reason: str
+    ) -> list[str]:
+        """Fail (for ``reason``) the STARTING deployments that no Deploy here starts and no
+        restart resumes, and finish removing the REMOVING ones that no Remove here
+        removes: what a Deploy or Remove cut off mid-way leaves (by a restart of this
+        service, or the state store going away as it rolled back, so the record, its
+        reservation and any worker stayed). Each is read again under its lock, which the
+        Deploy takes to end and the Remove holds throughout."""
+        actions = []
+        for listed in deployments:
+            deployment_id = listed.deployment_id
+            if listed.state not in (replicas.STARTING, deploy_pb.DEPLOYMENT_STATE_REMOVING):
+                continue
+            if self.controller.deploying(deployment_id):
+                continue
+            async with self.controller.lock(deployment_id):
+                current = await self.store.get_deployment(deployment_id)
+                if current is None or self.controller.deploying(deployment_id):
+                    continue
+                if current.state == deploy_pb.DEPLOYMENT_STATE_REMOVING:
+                    await self.controller.workers.teardown(current)
+                    await self.store.delete_deployment(current)
+                    await self.store.publish_event(
+                        "deployment_removed", deployment_id=deployment_id
+                    )
+                    actions.append(f"finished removing {deployment_id}")
+                elif current.state == replicas.STARTING:
+                    if await self.controller.healer.record_of(deployment_id) is not None:
+                        continue  # a replica restarting
+                    await self.controller.mark_failed(current, reason)
+                    actions.append(f"failed {deployment_id}: {reason}")
+        return actions
 
     async def _stop_unheld(self, running: dict[str, list[_NodeWorker]]) -> list[str]:
         """Stop the workers that no deployment holds on their node, seen so at two checks

@@ -25,7 +25,7 @@ from deploy_svc.healing import (
     served_again_note,
     waiting_for_nodes,
 )
-from deploy_svc.reconciler import Reconciler
+from deploy_svc.reconciler import CUT_OFF, Reconciler
 from services.aio import cancel_and_wait
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
@@ -33,7 +33,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.drain import worker_stop_s
 from services.errors import CHECKPOINT_UNUSABLE, IServeError
 from services.reservation import memory_blocks
-from services.state.store import StateStore
+from services.state.store import StateStore, StateStoreUnavailable
 from tests.unit.test_deploy_replicas import (
     FAILED,
     READY,
@@ -627,6 +627,60 @@ def test_a_replica_whose_agent_no_longer_runs_it_is_restarted(run):
         await settle(store, deployment_id)
         assert json.loads(await store.get_restarts(deployment_id))["in_a_row"] == 1
         await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_deploy_whose_rollback_was_cut_off_is_failed_and_its_memory_released(run):
+    """Its workers failed to start and the state store went away as it rolled back (a
+    probe killed Redis): the record stayed STARTING and its memory reserved, for ever. The
+    next workers check fails it and releases its memory; a Deploy still starting is left
+    alone."""
+
+    async def scenario(store):
+        agent = FakeAgent(fail_group="")
+        controller = await controller_on(store, agent, 2, policy=FAST)
+        reconciler = Reconciler(controller, store, agent)
+        teardown = controller.workers.teardown
+
+        async def unreachable(deployment):
+            controller.workers.teardown = teardown  # once
+            raise StateStoreUnavailable("Redis unreachable (a test)")
+
+        controller.workers.teardown = unreachable
+        agent.gate = asyncio.Event()
+        deploying = asyncio.create_task(controller.deploy(deploy_request(1)))
+        while not agent.started:
+            await asyncio.sleep(0.01)
+        [cut] = await store.list_deployments()
+        agent.fail_group = cut.deployment_id
+        # Its Deploy is starting it: left alone.
+        assert await reconciler.check_workers() == []
+        agent.gate.set()
+        with pytest.raises(StateStoreUnavailable):
+            await deploying
+        [left] = await store.list_deployments()
+        assert left.state == STARTING and await store.reservation_owners()
+        assert await reconciler.check_workers() == [f"failed {left.deployment_id}: {CUT_OFF}"]
+        failed = await store.get_deployment(left.deployment_id)
+        assert (failed.state, failed.state_reason) == (FAILED, CUT_OFF)
+        assert await store.reservation_owners() == set()
+        await controller.remove(left.deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_remove_cut_off_midway_is_finished_by_the_next_workers_check(run):
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        dep.state = deploy_pb.DEPLOYMENT_STATE_REMOVING  # as a Remove cut off leaves it
+        await store.put_deployment(dep)
+        reconciler = Reconciler(controller, store, agent)
+        assert await reconciler.check_workers() == [f"finished removing {dep.deployment_id}"]
         assert await nothing_left(store)
 
     run(scenario)
