@@ -243,6 +243,7 @@ class WorkerSupervisor:
                     with contextlib.suppress(Exception):
                         procs.append(await spawning)
                     raise
+                self._check_claimed(plan.deployment_id, procs)
             if len(plan.processes) < len(plan.workers):
                 host = procs[0]  # one process runs the group: the others are its ranks
                 procs[:] = [
@@ -252,6 +253,7 @@ class WorkerSupervisor:
             for proc in procs:
                 await self._put_worker(proc.info)
             await self._wait_ready(plan, procs)
+            self._check_claimed(plan.deployment_id, procs)
         except BaseException as exc:
             reason = str(exc) if isinstance(exc, Exception) else "start was cancelled"
             await self._abort_start(plan.deployment_id, procs, reason)
@@ -303,10 +305,20 @@ class WorkerSupervisor:
         )
         return WorkerProcess(plan.deployment_id, worker, popen, log_path, ready_file, info)
 
+    def _check_claimed(self, deployment_id: str, procs: list[WorkerProcess]) -> None:
+        """FailedPrecondition when the deployment's workers were stopped while they
+        started (a Remove as it deployed): the ranks spawned after the stop, which it
+        could not see, would otherwise run on untracked (they are stopped with the rest)."""
+        if self._workers.get(deployment_id) is not procs:
+            raise FailedPrecondition(
+                f"the workers of deployment {deployment_id} were stopped while they started"
+            )
+
     async def _wait_ready(self, plan: LaunchPlan, procs: list[WorkerProcess]) -> None:
         deadline = time.monotonic() + plan.ready_timeout_s
         pending = [p for p in procs if p.host is None]
         while pending:
+            self._check_claimed(plan.deployment_id, procs)
             # Before reading the ready files: a worker that became ready after the
             # deadline (forked from the warm pool, a small model can be ready within one
             # poll) is late all the same.
@@ -345,7 +357,8 @@ class WorkerSupervisor:
         self, deployment_id: str, procs: list[WorkerProcess], reason: str
     ) -> None:
         """Stop every worker of a failed start and record them FAILED (no orphans)."""
-        self._workers.pop(deployment_id, None)
+        if self._workers.get(deployment_id) is procs:  # not a start of it made since
+            del self._workers[deployment_id]
         await asyncio.gather(*(self._terminate(p) for p in procs))
         for proc in procs:
             if proc.info.state != agent_pb.WORKER_STATE_FAILED:

@@ -185,6 +185,33 @@ def test_a_killed_worker_is_reported_failed_with_an_event(run, checkpoint):
     run(scenario)
 
 
+@pytest.mark.parametrize("when", ["spawning", "loading"])
+def test_workers_stopped_while_they_start_are_all_stopped(run, checkpoint, when):
+    """A Remove while its deployment started: the agent's stop came while the rank was
+    being spawned, so it found none, and the rank then ran on untracked (a probe found
+    both ranks of a tp = 2 group alive after the Remove, holding memory nothing
+    reserved). The start now fails and leaves no worker."""
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        starting = asyncio.create_task(supervisor.start_workers(_plan("dep-race", checkpoint)))
+
+        def started() -> bool:
+            if when == "loading":  # its rank spawned, loading the model
+                return bool(supervisor._workers.get("dep-race"))
+            return "dep-race" in supervisor._workers  # claimed, the rank being spawned
+
+        while not started():
+            await asyncio.sleep(0.001)
+        await supervisor.stop_workers("dep-race")
+        with pytest.raises(FailedPrecondition):
+            await starting
+        stored = await store.list_workers("dep-race")
+        assert stored and not any(_alive(w.pid) for w in stored)
+        assert supervisor.list_workers() == []
+
+    run(scenario)
+
+
 def test_a_worker_that_cannot_load_fails_the_start_with_its_log_tail(run, checkpoint, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
