@@ -470,19 +470,16 @@ class WorkerSupervisor:
         after the rank it lost, which is given ``CAUSE_WAIT_S`` to be seen exiting too."""
         died = []
         for deployment_id, procs in list(self._workers.items()):
-            exited = [
-                (proc, code)
-                for proc in procs
-                if not proc.stopping
-                and proc.host is None
-                and proc.info.state == agent_pb.WORKER_STATE_READY
-                and (code := proc.popen.poll()) is not None
-            ]
+            exited = _exited(procs)
             if not exited or self._cause_may_follow(deployment_id, procs, exited):
                 continue
             self._consequence_seen.pop(deployment_id, None)
-            exited.sort(key=lambda death: death[1] == EXIT_GROUP_LOST)
-            reported = [await self._report_death(deployment_id, procs, *death) for death in exited]
+            reported = []
+            while exited:  # and those that exit as these are recorded
+                exited.sort(key=lambda death: death[1] == EXIT_GROUP_LOST)
+                for death in exited:
+                    reported.append(await self._report_death(deployment_id, procs, *death))
+                exited = _exited(procs)
             died += reported
             await self._stop_survivors(deployment_id, procs, reported[0].rank)
         return died
@@ -538,8 +535,13 @@ class WorkerSupervisor:
         self, deployment_id: str, procs: list[WorkerProcess], dead_rank: int
     ) -> None:
         """Stop the ranks of ``deployment_id`` still alive after rank ``dead_rank`` died
-        (a parallel group cannot serve without it) and record them FAILED."""
-        survivors = [p for p in procs if not p.stopping and p.alive]
+        (a parallel group cannot serve without it) and record them FAILED, as those that
+        exited of its loss since the reaper looked (one that had would stay READY)."""
+        survivors = [
+            p
+            for p in procs
+            if not p.stopping and p.info.state == agent_pb.WORKER_STATE_READY and p.host is None
+        ]
         if not survivors:
             return
         for proc in survivors:
@@ -554,6 +556,18 @@ class WorkerSupervisor:
             "deployment %s: stopped rank(s) %s after rank %d died",
             deployment_id, [p.info.rank for p in survivors], dead_rank,
         )  # fmt: skip
+
+
+def _exited(procs: list[WorkerProcess]) -> list[tuple[WorkerProcess, int]]:
+    """The ready ranks of ``procs`` whose processes exited unasked, with their codes."""
+    return [
+        (proc, code)
+        for proc in procs
+        if not proc.stopping
+        and proc.host is None
+        and proc.info.state == agent_pb.WORKER_STATE_READY
+        and (code := proc.popen.poll()) is not None
+    ]
 
 
 def hosted_rank(host: WorkerProcess, worker: WorkerPlan) -> WorkerProcess:
