@@ -229,6 +229,39 @@ def test_a_rank_that_left_of_a_lost_peer_is_reported_once_the_peer_keeps_running
     run(scenario)
 
 
+def test_a_rank_that_exits_as_its_peers_death_is_recorded_is_reported_too(run, tmp_path):
+    """Rank 1 exits of rank 0's loss while the reaper writes rank 0's death to Redis:
+    it is reported in the same pass, not left READY (it was neither seen exited nor
+    alive to be stopped)."""
+    failing = "import sys; sys.exit(1)"
+    leaves_on_signal = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGUSR1, lambda *_: sys.exit({EXIT_GROUP_LOST}))\n"
+        "time.sleep(60)"
+    )
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        cause, peer = _group_of(supervisor, "dep-meanwhile", tmp_path, failing, leaves_on_signal)
+        cause.popen.wait()
+        time.sleep(0.5)  # the peer's handler is set
+        put_worker = supervisor._put_worker
+
+        async def peer_leaves_as_it_is_written(info):
+            if info.rank == 0 and peer.popen.poll() is None:
+                peer.popen.send_signal(signal.SIGUSR1)
+                peer.popen.wait()
+            await put_worker(info)
+
+        supervisor._put_worker = peer_leaves_as_it_is_written
+        died = await supervisor.reap_once()
+        assert [(d.rank, d.exit_code) for d in died] == [(0, 1), (1, EXIT_GROUP_LOST)]
+        assert [w.state for w in supervisor.list_workers("dep-meanwhile")] == [
+            agent_pb.WORKER_STATE_FAILED
+        ] * 2
+
+    run(scenario)
+
+
 def test_stages_that_do_not_tile_the_model_fail_the_start(run, checkpoint):
     async def scenario(supervisor: WorkerSupervisor, store: StateStore):
         plan = _plan("dep-gap", checkpoint, 1, 2, [(0, 2), (3, 1)])
