@@ -279,6 +279,9 @@ class WorkerSupervisor:
             env["OMP_NUM_THREADS"] = str(len(worker.device.cpu_cores))
         try:
             if self.pool is not None:
+                # Opened here first, as a fresh process's is: a worker whose log cannot
+                # be opened fails in the fork, and its failure read the last run's log.
+                log_path.open("wb").close()
                 popen = self.pool.spawn(argv, env, log_path)
             else:
                 with log_path.open("wb") as log_file:

@@ -198,9 +198,15 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
             # Either way no budget is spent: a clean stop is recorded as such, and the
             # new agent, with no record of the old workers, has them lost with their
             # node (a probe: the message said Redis's exit would spend it; it did not).
+            logs = [
+                settings.state_dir / "redis" / "redis.log"
+                if name == "redis"
+                else settings.state_dir / "logs" / f"{name}.log"
+                for name in dead
+            ]
             raise RuntimeError(
                 f"the stack from {settings.state_dir} is running without its "
-                f"{', '.join(dead)} (exited; logs in {settings.state_dir / 'logs'}): "
+                f"{', '.join(dead)} (exited; see {', '.join(map(str, logs))}): "
                 "`iserve down`, then `iserve up` starts it all again, and restores the "
                 "deployments without spending their restart budget"
             )

@@ -179,13 +179,16 @@ def test_up_after_the_stack_was_killed_starts_its_embedded_redis_again(tmp_path)
         pids = json.loads((state / "stack.json").read_text())["pids"]
         # One service crashed: `up` names it and says how to bring it back (it said
         # only "a stack is already running").
-        os.kill(pids["estimator"], signal.SIGKILL)
-        assert wait_for(lambda: not _running(pids["estimator"]), timeout=30)
+        # And its Redis: its log is Redis's own, not in logs/ (it said logs/ for both).
+        for name in ("estimator", "redis"):
+            os.kill(pids[name], signal.SIGKILL)
+            assert wait_for(lambda name=name: not _running(pids[name]), timeout=30)
         partial = run_cli(env, "up", "--detach")
         assert partial.returncode == 1
-        assert f"the stack from {state} is running without its estimator (exited;" in (
-            partial.stderr
-        ), partial.stderr
+        assert (
+            f"the stack from {state} is running without its estimator, redis (exited; see "
+            f"{state / 'logs' / 'estimator.log'}, {state / 'redis' / 'redis.log'})"
+        ) in partial.stderr, partial.stderr
         assert "`iserve down`, then `iserve up` starts it all again" in partial.stderr
         for pid in pids.values():
             if _running(pid):

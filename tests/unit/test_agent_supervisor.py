@@ -22,7 +22,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import worker_service_pb2 as worker_pb
 from services.api import worker_service_pb2_grpc
-from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition
+from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
 from services.state.store import StateStore
 
 NODE = "node-t"
@@ -207,6 +207,20 @@ def test_workers_stopped_while_they_start_are_all_stopped(run, checkpoint, when)
             await starting
         stored = await store.list_workers("dep-race")
         assert stored and not any(_alive(w.pid) for w in stored)
+        assert supervisor.list_workers() == []
+
+    run(scenario)
+
+
+def test_a_worker_whose_log_cannot_be_opened_fails_the_start_naming_it(run, checkpoint, tmp_path):
+    """A forked worker opened its log itself: when it could not, it exited 1 and the
+    failure quoted the tail of the log it could not write (a probe saw a previous run's
+    "ready ... stopped" as the reason). The agent opens it first, for both kinds."""
+    (tmp_path / "logs" / "worker-dep-log-r0.log").mkdir(parents=True)
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        with pytest.raises(Unavailable, match=r"cannot start worker rank 0: .*worker-dep-log-r0"):
+            await supervisor.start_workers(_plan("dep-log", checkpoint))
         assert supervisor.list_workers() == []
 
     run(scenario)
