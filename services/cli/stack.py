@@ -246,9 +246,16 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
             f"uses them{hint}"
         )
     logs = settings.state_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    logs.chmod(0o700)  # the services' logs are the operator's to read, no one else's
-    settings.models_root.mkdir(parents=True, exist_ok=True)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        logs.chmod(0o700)  # the services' logs are the operator's to read, no one else's
+        settings.models_root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot prepare the stack's directories under {settings.state_dir} (logs, "
+            f"models root {settings.models_root}): {exc}; set ISERVE_STATE_DIR to a "
+            "directory of this user's"
+        ) from None
     stack: dict = {
         "state_dir": str(settings.state_dir),
         "pids": {},

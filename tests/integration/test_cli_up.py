@@ -71,6 +71,25 @@ def test_up_s_flags_override_its_variables_and_status_names_the_stack_s_models_r
     assert down.returncode == 0, down.stderr
 
 
+def test_up_where_its_log_directory_cannot_be_made_says_what_it_was_doing(tmp_path):
+    """It printed only "[Errno 17] File exists: '.../logs'"."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "logs").write_text("not a directory")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
+        "ISERVE_STATE_DIR": str(state),
+        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+        **{var: "127.0.0.1:0" for var in METRICS_ENV.values()},
+        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
+    }
+    env.pop("REDIS_URL", None)
+    up = run_cli(env, "up", "--detach")
+    assert up.returncode == 1
+    assert f"cannot prepare the stack's directories under {state}" in up.stderr, up.stderr
+    assert "set ISERVE_STATE_DIR" in up.stderr
+
+
 def test_any_free_port_is_chosen_once_and_reported(tmp_path):
     """A "host:0" (any free port) for every metrics server, the gateway and a service: `up`
     chooses the ports, and `iserve status` names them and each answers there (status
