@@ -92,6 +92,14 @@ def _unreached(details: str) -> bool:
     return details.startswith(("failed to connect", "Connection refused"))
 
 
+def _cut_off(details: str) -> bool:
+    """Whether an UNAVAILABLE is gRPC's own word for a call its server ended mid-way
+    (the service stopped, was killed or restarted while it answered)."""
+    return details.startswith(
+        ("Stream removed", "Socket closed", "Cancelling all calls", "Connection reset")
+    )
+
+
 def _unreached_hint(details: str, tls: TlsFiles | None) -> str:
     """What to check when the CLI reached no service (``tls``: this client's TLS files):
     a failed TLS handshake names the TLS files; a connection the server closed at once
@@ -1123,6 +1131,12 @@ def _run(argv: list[str] | None) -> int:
         if code == grpc.StatusCode.UNAVAILABLE and _unreached(exc.details()):
             hint = _unreached_hint(exc.details(), settings.tls)
             print(f"error: UNAVAILABLE: {exc.details()} ({hint})", file=sys.stderr)
+        elif code == grpc.StatusCode.UNAVAILABLE and _cut_off(exc.details()):
+            print(
+                "error: UNAVAILABLE: the service stopped while it answered (was the stack "
+                f"stopped, or the service killed? `iserve status`): {exc.details()}",
+                file=sys.stderr,
+            )
         elif code == grpc.StatusCode.UNAUTHENTICATED:
             print(
                 f"error: UNAUTHENTICATED: {exc.details()} (export ISERVE_TOKEN; an "

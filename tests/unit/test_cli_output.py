@@ -56,6 +56,19 @@ def test_the_is_the_stack_up_hint_follows_only_a_connection_that_failed():
     )
 
 
+def test_a_call_its_service_ended_midway_is_told_apart_from_a_service_s_answer():
+    """gRPC's own words for a server gone mid-call (a probe saw "error: UNAVAILABLE:
+    Stream removed (Socket closed)" alone when the deploy service was killed as it
+    deployed) get a line saying the service stopped; a service's own UNAVAILABLE
+    answer does not."""
+    from services.cli.main import _cut_off
+
+    for details in ("Stream removed", "Socket closed", "Cancelling all calls"):
+        assert _cut_off(details)
+    assert not _cut_off("state store (Redis) unreachable at 127.0.0.1:6379")
+    assert not _cut_off("failed to connect to all addresses; last error: UNKNOWN")
+
+
 def test_status_lists_a_dead_node_with_when_it_was_last_seen():
     from services.cli.status import status_tables
 
