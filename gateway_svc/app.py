@@ -70,7 +70,7 @@ from services.api import model_service_pb2 as model_pb
 from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
 from services.drain import refused_as_draining
-from services.errors import InvalidArgument, rpc_reason, shown
+from services.errors import InvalidArgument, cut_off_midway, rpc_reason, shown, unreached
 from services.health import serving_status
 from services.ids import check_model_id, deployment_given_as_model
 from services.metrics import certificate_expiry, new_registry
@@ -213,17 +213,19 @@ class GatewayError(Exception):
         self.code = code or openai_code(status, param)
 
     @classmethod
-    def from_rpc(cls, exc: grpc.aio.AioRpcError) -> GatewayError:
+    def from_rpc(cls, exc: grpc.aio.AioRpcError, service: str) -> GatewayError:
+        """The HTTP error for a failed call to the iserve ``service`` ("scheduler",
+        "deployment", "model"): its status and words, or, where gRPC itself failed (no
+        connection, or the call cut off), which service and what happened."""
         status, kind = http_status(exc.code())
         reason = rpc_reason(exc)
         param = "model" if reason == "model_not_found" else None
-        return cls(
-            status,
-            kind,
-            exc.details() or exc.code().name,
-            param,
-            openai_code(status, param, reason),
-        )
+        message = exc.details() or exc.code().name
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and unreached(message):
+            message = f"the iserve {service} service is not reachable: {message}"
+        elif exc.code() == grpc.StatusCode.UNAVAILABLE and cut_off_midway(message):
+            message = f"the iserve {service} service stopped while it answered: {message}"
+        return cls(status, kind, message, param, openai_code(status, param, reason))
 
 
 # ---- stop strings ---------------------------------------------------------------------
@@ -404,7 +406,7 @@ class Backend:
                 metadata=caller,
             )
         except grpc.aio.AioRpcError as exc:
-            raise GatewayError.from_rpc(exc) from None
+            raise GatewayError.from_rpc(exc, "deployment") from None
         if reply.deployments:
             return
         await self._deployment_given_as_model(model_id, caller)
@@ -444,7 +446,7 @@ class Backend:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 await self._deployment_given_as_model(model_id, caller)
             if path is None or exc.code() not in _UNANSWERED:
-                raise GatewayError.from_rpc(exc) from None
+                raise GatewayError.from_rpc(exc, "model") from None
         try:
             return read_template(self.models_root / path)
         except NoChatTemplate as exc:
@@ -488,7 +490,7 @@ async def _open(
             and (backend.inference is not stub or await backend.redial_scheduler())
         ):
             return await _open(backend, request, metadata, again=False)
-        raise GatewayError.from_rpc(exc) from None
+        raise GatewayError.from_rpc(exc, "scheduler") from None
     except asyncio.CancelledError:  # the client went away while the request waited
         call.cancel()
         raise
@@ -903,7 +905,7 @@ def create_app(
                 metadata=backend.caller(http),
             )
         except grpc.aio.AioRpcError as exc:
-            raise GatewayError.from_rpc(exc) from None
+            raise GatewayError.from_rpc(exc, "deployment") from None
         served: dict[str, int] = {}
         for d in reply.deployments:
             if d.state == deploy_pb.DEPLOYMENT_STATE_READY:
@@ -1066,7 +1068,7 @@ async def _collect(gen: _Generation) -> tuple[str, inference_pb.GenerateFinal | 
             elif reply.HasField("final"):
                 final = reply.final
     except grpc.aio.AioRpcError as exc:
-        raise GatewayError.from_rpc(exc) from None
+        raise GatewayError.from_rpc(exc, "scheduler") from None
     return "".join(text), final, seen
 
 
@@ -1169,7 +1171,7 @@ async def _stream(
                 ends[index] = value
                 yield chunk(index, None if chat else "", _finish_reason(value[0]))
             else:
-                error = GatewayError.from_rpc(value)
+                error = GatewayError.from_rpc(value, "scheduler")
                 yield json.dumps(
                     {
                         "error": {

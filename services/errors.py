@@ -126,6 +126,22 @@ def rpc_reason(exc: grpc.RpcError) -> str:
     return ""
 
 
+def unreached(details: str) -> bool:
+    """Whether an UNAVAILABLE is gRPC's own "no connection" (the service is not there),
+    not a service's answer (a deployment starting, Redis down, a server draining, or a
+    peer of the service's that it could not reach, whose connection error it quotes
+    after its own words)."""
+    return details.startswith(("failed to connect", "Connection refused"))
+
+
+def cut_off_midway(details: str) -> bool:
+    """Whether an UNAVAILABLE is gRPC's own word for a call its server ended mid-way
+    (the service stopped, was killed or restarted while it answered)."""
+    return details.startswith(
+        ("Stream removed", "Socket closed", "Cancelling all calls", "Connection reset")
+    )
+
+
 def from_rpc_error(exc: grpc.RpcError, what: str) -> IServeError:
     """Wrap a failed call to another service, keeping its status and reason and naming
     ``what`` failed."""

@@ -58,6 +58,8 @@ from services.cli.arguments import (
     whole_number,
 )
 from services.cli.status import collect_status, print_status, status_header, status_tables
+from services.errors import cut_off_midway as _cut_off
+from services.errors import unreached as _unreached
 from services.ids import looks_like_deployment_id
 from services.proto_limits import UINT64_MAX
 from services.settings import (
@@ -82,22 +84,6 @@ def _state_name(state: int) -> str:
 
 def _layers(count: int) -> str:
     return f"{count} layer" if count == 1 else f"{count} layers"
-
-
-def _unreached(details: str) -> bool:
-    """Whether an UNAVAILABLE is gRPC's own "no connection" (the service is not there),
-    not a service's answer (a deployment starting, Redis down, a server draining, or a
-    peer of the service's that it could not reach, whose connection error it quotes
-    after its own words)."""
-    return details.startswith(("failed to connect", "Connection refused"))
-
-
-def _cut_off(details: str) -> bool:
-    """Whether an UNAVAILABLE is gRPC's own word for a call its server ended mid-way
-    (the service stopped, was killed or restarted while it answered)."""
-    return details.startswith(
-        ("Stream removed", "Socket closed", "Cancelling all calls", "Connection reset")
-    )
 
 
 def _unreached_hint(details: str, tls: TlsFiles | None) -> str:

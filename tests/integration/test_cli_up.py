@@ -90,6 +90,35 @@ def test_up_where_its_log_directory_cannot_be_made_says_what_it_was_doing(tmp_pa
     assert "set ISERVE_STATE_DIR" in up.stderr
 
 
+def test_a_gateway_whose_services_are_not_there_names_the_one_it_could_not_reach(tmp_path):
+    """A 503 said only gRPC's "failed to connect to all addresses; ... 127.0.0.1:50064"
+    (a probe, with the scheduler killed): which service is it?"""
+    import httpx
+
+    gateway = f"127.0.0.1:{free_port()}"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
+        "ISERVE_STATE_DIR": str(tmp_path / "state"),
+        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},  # nothing there
+        GATEWAY_ENV: gateway,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "gateway"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert wait_for(lambda: _answers(f"http://{gateway}/health"), timeout=60)
+        reply = httpx.get(f"http://{gateway}/v1/models", timeout=30)
+        assert reply.status_code == 503, reply.text
+        message = reply.json()["error"]["message"]
+        assert message.startswith("the iserve deployment service is not reachable: "), message
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def test_any_free_port_is_chosen_once_and_reported(tmp_path):
     """A "host:0" (any free port) for every metrics server, the gateway and a service: `up`
     chooses the ports, and `iserve status` names them and each answers there (status
