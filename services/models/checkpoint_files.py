@@ -70,15 +70,22 @@ def read_config_file(directory: Path) -> dict[str, Any]:
             f"{CONFIG_FILE} in {str(directory)!r} is {size} bytes, more than "
             f"{MAX_CONFIG_BYTES}: a model's configuration is a few kilobytes"
         )
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in checkpoint file ``path``; InvalidCheckpoint naming the file and
+    its directory when it cannot be read, is not UTF-8 JSON, or holds no object."""
+    where = f"{path.name} in {str(path.parent)!r}"
     try:
-        config = json_text.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidCheckpoint(
-            f"{CONFIG_FILE} in {str(directory)!r} is not valid JSON: {exc}"
-        ) from exc
-    if not isinstance(config, dict):
-        raise InvalidCheckpoint(f"{CONFIG_FILE} in {str(directory)!r} is not a JSON object")
-    return config
+        value = json_text.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise InvalidCheckpoint(f"{where} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise InvalidCheckpoint(f"cannot read {where}: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidCheckpoint(f"{where} is not a JSON object")
+    return value
 
 
 _CONFIG_DTYPE_OF = {code: name for name, code in CONFIG_TO_SAFETENSORS_DTYPE.items()}

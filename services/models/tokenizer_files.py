@@ -28,7 +28,6 @@ from pathlib import Path
 from jinja2 import TemplateSyntaxError
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 
-from services.models import json_text
 from services.models.arch import ArchSpec
 from services.models.chat_template import (
     TOKENIZER_CONFIG,
@@ -36,6 +35,7 @@ from services.models.chat_template import (
     compile_template,
     read_chat_template,
 )
+from services.models.checkpoint_files import read_json_object
 from services.models.errors import InvalidCheckpoint
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -77,21 +77,9 @@ def _json_object(path: Path) -> dict:
     """``path``'s JSON object, {} when there is no such file (tokenizer_config.json is
     optional); InvalidCheckpoint naming it when it is there but not one: transformers
     refuses such a tokenizer, and its special tokens and chat template would be lost."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if not path.exists():
         return {}
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidCheckpoint(f"cannot read {path.name} in {str(path.parent)!r}: {exc}") from None
-    try:
-        value = json_text.loads(text)
-    except ValueError as exc:
-        raise InvalidCheckpoint(
-            f"{path.name} in {str(path.parent)!r} is not valid JSON: {exc}"
-        ) from None
-    if not isinstance(value, dict):
-        raise InvalidCheckpoint(f"{path.name} in {str(path.parent)!r} is not a JSON object")
-    return value
+    return read_json_object(path)
 
 
 def as_transformers_runs_it(tokenizer: Tokenizer, family: str, tokenizer_config: dict) -> None:
