@@ -32,7 +32,7 @@ from services.estimation.latency import (
     TENSOR,
 )
 from services.estimation.profiles import Sample
-from services.estimation.prompt_curve import profiles_at, recorded
+from services.estimation.prompt_curve import attention_share, profiles_at, recorded
 from services.estimation.references import (
     ReferenceProfile,
     VariantProfile,
@@ -176,6 +176,16 @@ class ModelReferences:
             return None
         profiled = ", ".join(str(n) for n in lengths)
         known = len(recorded(lengths))
+        if input_tokens > lengths[-1] and known >= 2 and self.shape.mlp_width > 0:
+            return (
+                f"a {input_tokens}-token prompt is longer than the prompts profiled "
+                f"({profiled} tokens): TTFT is extrapolated from the {lengths[-2]}- and "
+                f"{lengths[-1]}-token prompts' along prefill's shape (its weights' work grows "
+                "linearly with the prompt, its attention's quadratically, in the ratio the "
+                "architecture sets); TPOT is the profiled prompts' fit (decode's growth "
+                "with a longer context is left out); memory follows the line through the "
+                "two longest (a prefill's activations grow with its prompt)"
+            )
         if input_tokens > lengths[-1] and known >= 3:
             return (
                 f"a {input_tokens}-token prompt is longer than the prompts profiled "
@@ -206,10 +216,16 @@ class ModelReferences:
         prompt lengths' curve (:func:`services.estimation.prompt_curve.profiles_at`).
         TPOT terms are shared by the prompt labels, so TPOT moves only by what the floor
         of :func:`_at_least_measured` lifted."""
+        shape = self.shape
+        share = None
+        if shape.mlp_width > 0:
+            hidden = shape.num_heads * shape.head_dim
+            share = attention_share(hidden, shape.num_kv_heads * shape.head_dim, shape.mlp_width)
         return profiles_at(
             [p.input_tokens for p in self.prompts],
             [p.profiles for p in self.prompts],
             input_tokens,
+            share,
         )
 
 

@@ -29,6 +29,7 @@ def profiles_at(
     lengths: Sequence[int],
     profiles: Sequence[Sequence[VariantProfile]],
     input_tokens: int,
+    attention_share: float | None = None,
 ) -> tuple[VariantProfile, ...]:
     """Every variant's profile for an ``input_tokens`` prompt, from ``profiles`` (one
     tuple of variant profiles per profiled prompt length, ``lengths`` ascending; a
@@ -42,6 +43,11 @@ def profiles_at(
     line. Beyond the longest, no figure falls below the longest's own: a longer prompt
     is no faster. Below the shortest, and with a single length, the nearest profiled
     length is used as it is.
+
+    With ``attention_share`` (:func:`attention_share`, from the architecture), TTFT
+    beyond the longest follows prefill's own shape instead, ``a + b (n + k n^2)``
+    through the two longest: the three shortest prompts' curvature is mostly noise, and
+    their parabola overshot a 16k-token prompt's TTFT by 58 % (a probe, hidden 256).
     """
     if input_tokens <= lengths[0]:
         return profiles[0]
@@ -53,10 +59,20 @@ def profiles_at(
     low, high = max(upper - 1, 0), upper
     line = _line_weights(lengths[low], lengths[high], input_tokens)
     pairs = zip(profiles[low], profiles[high], strict=True)
+    if beyond and attention_share is not None:
+        shaped = [n + attention_share * n * n for n in (lengths[-2], lengths[-1], input_tokens)]
+        prefill = _line_weights(*shaped)
     if known < 3:
         if not beyond:
             return tuple(_combine((a, b), line) for a, b in pairs)
-        return tuple(_combine((a, b), line, at_least=(b,)) for a, b in pairs)
+        out = [_combine((a, b), line, at_least=(b,)) for a, b in pairs]
+        if attention_share is not None:
+            pairs = zip(profiles[low], profiles[high], strict=True)
+            out = [
+                _ttft_from(o, _combine((a, b), prefill, at_least=(b,)))
+                for o, (a, b) in zip(out, pairs, strict=True)
+            ]
+        return tuple(out)
     first = min(max(upper - 1, 0), len(lengths) - 3)
     curve = _parabola_weights(lengths[first : first + 3], input_tokens)
     out = []
@@ -65,11 +81,36 @@ def profiles_at(
         if beyond:
             straight = _combine((a, b), line, at_least=(b,))
             timed = _combine(points, curve, at_least=(b, straight))
+            if attention_share is not None:
+                timed = _ttft_from(timed, _combine((a, b), prefill, at_least=(b,)))
         else:
             straight = _combine((a, b), line)
             timed = _combine(points, curve, between=(a, b))
         out.append(_memory_from(timed, straight))
     return tuple(out)
+
+
+def attention_share(hidden: int, kv_width: int, mlp_width: int) -> float:
+    """``k`` of prefill's work per layer, ``P n + H n^2`` up to one factor, over ``P``:
+    ``n`` tokens through the layer's ``P`` weights (2 FLOPs each), and causal
+    attention's ``n^2 / 2`` pairs of query and key at ``4 H`` FLOPs each (scores, then
+    values). ``P`` counts the query and output projections (``H x H``), the key and
+    value ones (``H x kv_width``) and a gated MLP's three ``H x mlp_width`` matrices."""
+    weights = 2 * hidden * hidden + 2 * hidden * kv_width + 3 * hidden * mlp_width
+    return hidden / weights
+
+
+def _ttft_from(profile: VariantProfile, shaped: VariantProfile) -> VariantProfile:
+    """``profile`` with the TTFTs of ``shaped``."""
+
+    def swapped(timed: ReferenceProfile | None, other: ReferenceProfile | None):
+        return None if timed is None else replace(timed, ttft_s=other.ttft_s)
+
+    return replace(
+        profile,
+        batch1=swapped(profile.batch1, shaped.batch1),
+        batch2=swapped(profile.batch2, shaped.batch2),
+    )
 
 
 def _memory_from(profile: VariantProfile, linear: VariantProfile) -> VariantProfile:

@@ -302,6 +302,43 @@ def test_three_prompt_lengths_recover_prefill_s_linear_and_quadratic_terms():
     assert refs.prompt_note(512) is None
 
 
+def test_beyond_the_longest_prompt_ttft_follows_prefill_s_shape_through_the_two_longest():
+    """With the MLP width known, TTFT beyond the longest prompt is a + b (n + k n^2), k
+    from the architecture (attention_share), through the two longest prompts: exact
+    when the profile follows prefill's work, and unmoved by noise at the shortest, which
+    bent the parabola (+58 % at 16k tokens on a probe's hidden-256 model)."""
+    from services.estimation.prompt_curve import attention_share
+
+    shape = ModelShape("tiny", 8, 8, 4, 16, mlp_width=64)
+    share = attention_share(8 * 16, 4 * 16, 64)
+    assert share == pytest.approx(1 / 576)
+    a = 2e-5
+    rows = _linear_in_prompt((64, 256, 1024), a, 0.0, ttft_per_pair=a * share)
+    refs = model_references.model_references(
+        shape,
+        profiles.estimation_variants(model_pb.Model(model_id="tiny"), rows),
+        [profiles.sample_from_measurement(m) for m in rows],
+    )
+    f_layer, f_other, _, _ = TRUTH[(1, 1)]
+    for n in (2048, 8192, 32768):
+        ttft = refs.at_input(n)[0].batch1.ttft_s[0]
+        assert ttft == pytest.approx(8 * f_layer + f_other + (a * n + a * share * n * n) * 9), n
+    assert "along prefill's shape" in refs.prompt_note(8192)
+    # The shortest prompt's TTFT 20 % high: nothing beyond the longest moves.
+    for m in rows:
+        if m.input_tokens == 64:
+            m.ttft_ms *= 1.2
+    noisy = model_references.model_references(
+        shape,
+        profiles.estimation_variants(model_pb.Model(model_id="tiny"), rows),
+        [profiles.sample_from_measurement(m) for m in rows],
+    )
+    for n in (2048, 8192, 32768):
+        assert noisy.at_input(n)[0].batch1.ttft_s[0] == pytest.approx(
+            refs.at_input(n)[0].batch1.ttft_s[0]
+        )
+
+
 def test_a_parabola_that_bends_down_is_held_to_the_line_and_between_its_neighbours():
     # Noise that curves the other way (b < 0): beyond the longest no lower than the line
     # through the two longest; between two lengths within their figures.
