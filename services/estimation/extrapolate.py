@@ -13,7 +13,8 @@ TTFT or TPOT measurements (from token timestamps) and end-to-end latencies at se
 output lengths (what the MaverIQ data holds) can be mixed freely. Samples taken with
 different prompts share the TPOT terms but get TTFT terms of their own (``prompt``
 label), so a profile taken with a short prompt still sharpens the TPOT of one taken with
-the deployment's prompt.
+the deployment's prompt; with layer clocks (iserve's own profiler) each label keeps its
+own TPOT terms too (see :class:`PooledLatencyFit`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class LatencySample:
     ``ttft_layer`` / ``tpot_layer``: the time of one decoder layer in the prefill / a
     decode step, measured inside the run (on a tensor-parallel layout, with its share
     of the all-reduces). ``batch``: the sequences each step carried (the pooled fit
-    shares TPOT terms only between samples of one batch size).
+    shares TPOT terms only between samples of one batch size, and with layer clocks
+    only within one prompt label).
     """
 
     layers: int
@@ -305,10 +307,14 @@ class PooledLatencyFit:
         other TPOT = tpot_other[(tp, pp), b],  other TTFT = ttft_other[(tp, pp), prompt]
 
     where ``b`` is the prompt's decode group. With layer clocks (iserve's profiler) the
-    group is the batch size: a step that carries two sequences is not one that carries
-    one (on this project's CPU devices a decode layer takes 1.3-1.65 ms at batch 2
-    against 0.96-1.08 ms at batch 1; one median over both put the batch-1 TPOT of every
-    full model 10-17 % high, and the batch-2 overhead at zero). From end-to-end timings
+    group is the prompt label itself, one prompt length at one batch size: a step that
+    carries two sequences is not one that carries one (on this project's CPU devices a
+    decode layer takes 1.3-1.65 ms at batch 2 against 0.96-1.08 ms at batch 1; one
+    median over both put the batch-1 TPOT of every full model 10-17 % high, and the
+    batch-2 overhead at zero), and a step that reads a longer context is not one that
+    reads a short one (a hidden-256 model's decode took 1.04 ms after a 200-token prompt,
+    1.87 after 1,024 and 5.77 after 8,192; one median over the profiled 64-1,024 tokens
+    held every prompt's TPOT at 1.2 ms). From end-to-end timings
     alone every prompt shares one group: on the A6000 data batch-2 decode costs what
     batch 1 does within noise, and keeping them apart there made held-out latency worse
     (LOAO 2.2 / 6.5 % -> 2.5 / 6.7 %, scale transfer 2.2 / 5.6 -> 2.6 / 6.4).
@@ -333,7 +339,7 @@ class PooledLatencyFit:
     decode_group: Mapping[Hashable, int]
 
     def batch_of(self, prompt: Hashable) -> int:
-        """The group of ``prompt`` whose TPOT terms it uses: its batch size when the
+        """The group of ``prompt`` whose TPOT terms it uses: the label itself when the
         per-layer terms came from layer clocks, 1 (one group) otherwise."""
         try:
             return self.decode_group[prompt]
@@ -452,18 +458,14 @@ def _clock_terms(
     """
 
     def clocks(samples: Sequence[LatencySample], phase: str, key: Hashable) -> list[float]:
-        # TTFT clocks per prompt, TPOT clocks per batch size.
-        return [
-            s.seconds
-            for s in samples
-            if s.phase == f"{phase}_layer" and (s.batch if phase == "tpot" else s.prompt) == key
-        ]
+        # TTFT and TPOT clocks per prompt label (a label is one prompt length and one
+        # batch size): decode reads the whole context each step, so a longer prompt's
+        # steps take longer.
+        return [s.seconds for s in samples if s.phase == f"{phase}_layer" and s.prompt == key]
 
     def keys_of(samples: Sequence[LatencySample], phase: str) -> set[Hashable]:
-        # The batch sizes a layout's TPOT was timed at, the prompts its TTFT was.
-        if phase == "tpot":
-            return {s.batch for s in samples if s.phase in ("tpot", "end_to_end")}
-        return {s.prompt for s in samples if s.phase in ("ttft", "end_to_end")}
+        # The prompt labels a layout's TPOT or TTFT was timed with.
+        return {s.prompt for s in samples if s.phase in (phase, "end_to_end")}
 
     terms: dict[str, dict] = {name: {} for name in _POOLED_TERMS}
     beyond: dict[tuple, list[float]] = defaultdict(list)
@@ -521,7 +523,7 @@ def fit_pooled_latency(
     # share one set of TPOT terms over every batch size profiled (item 3 of
     # docs/estimation.md: on the A6000 data batch-2 decode costs what batch 1 does
     # within noise, and its samples halve the TPOT noise).
-    groups = batches if clock is not None else dict.fromkeys(batches, 1)
+    groups = {label: label for label in batches} if clock is not None else dict.fromkeys(batches, 1)
     fixed = None if clock is None else _pooled_from_terms(clock, 0.0, 0, groups)
     terms, sse = _solve_pooled(flat, fixed, groups)
     if clock is not None:

@@ -6,7 +6,8 @@ with the batch model's batch-2 references when batch 2 was profiled; :func:`esti
 scores every configuration of one workload from them.
 
 Samples with another prompt label (``(input tokens, batch size)``) than the one
-extrapolated for share the TPOT terms of the fit and have TTFT terms of their own, so a
+extrapolated for share the TPOT terms of the fit (from end-to-end timings; layer clocks
+keep each label's own) and have TTFT terms of their own, so a
 short-prompt profile at batch 1 and 2 sharpens the TPOT of one taken with a long prompt
 and gives the batch model its per-sequence overhead. A label with ``input_tokens = 0``
 (not recorded) never stands for a deployment's prompt when a recorded one exists.
@@ -182,9 +183,9 @@ class ModelReferences:
                 f"({profiled} tokens): TTFT is extrapolated from the {lengths[-2]}- and "
                 f"{lengths[-1]}-token prompts' along prefill's shape (its weights' work grows "
                 "linearly with the prompt, its attention's quadratically, in the ratio the "
-                "architecture sets); TPOT is the profiled prompts' fit (decode's growth "
-                "with a longer context is left out); memory follows the line through the "
-                "two longest (a prefill's activations grow with its prompt)"
+                "architecture sets); TPOT and memory follow the line through the two "
+                "longest (decode reads the whole context each step; a prefill's "
+                "activations grow with its prompt)"
             )
         if input_tokens > lengths[-1] and known >= 3:
             return (
@@ -214,8 +215,10 @@ class ModelReferences:
     def at_input(self, input_tokens: int) -> tuple[VariantProfile, ...]:
         """Variant profiles for a prompt of ``input_tokens`` tokens, along the profiled
         prompt lengths' curve (:func:`services.estimation.prompt_curve.profiles_at`).
-        TPOT terms are shared by the prompt labels, so TPOT moves only by what the floor
-        of :func:`_at_least_measured` lifted."""
+        With layer clocks each profiled prompt has its own TPOT, so TPOT follows the
+        prompt too (the line through the two longest beyond them); from end-to-end
+        timings the labels share one, which moves only by what the floor of
+        :func:`_at_least_measured` lifted."""
         shape = self.shape
         share = None
         if shape.mlp_width > 0:

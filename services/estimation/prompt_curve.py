@@ -35,12 +35,12 @@ def profiles_at(
     tuple of variant profiles per profiled prompt length, ``lengths`` ascending; a
     single length 0 stands for one not recorded).
 
-    With three or more recorded lengths every time follows the parabola through the
+    With three or more recorded lengths TTFT and TPOT follow the parabola through the
     three profiled lengths nearest ``input_tokens`` (memory the line through the two
-    nearest, as with two lengths): between two of them it stays within
-    their two figures, and beyond the longest it is no lower than the line through the
-    two longest (a parabola bending down is noise). With two, every figure follows their
-    line. Beyond the longest, no figure falls below the longest's own: a longer prompt
+    nearest, as with two lengths): between two of them they stay within their two
+    figures; beyond the longest TTFT is no lower than the line through the two longest
+    (a parabola bending down is noise), and TPOT follows that line (a decode step reads
+    the whole context, linear in it). With two, every figure follows their line. Beyond the longest, no figure falls below the longest's own: a longer prompt
     is no faster. Below the shortest, and with a single length, the nearest profiled
     length is used as it is.
 
@@ -69,7 +69,7 @@ def profiles_at(
         if attention_share is not None:
             pairs = zip(profiles[low], profiles[high], strict=True)
             out = [
-                _ttft_from(o, _combine((a, b), prefill, at_least=(b,)))
+                _figures_from(o, _combine((a, b), prefill, at_least=(b,)), "ttft_s")
                 for o, (a, b) in zip(out, pairs, strict=True)
             ]
         return tuple(out)
@@ -82,11 +82,13 @@ def profiles_at(
             straight = _combine((a, b), line, at_least=(b,))
             timed = _combine(points, curve, at_least=(b, straight))
             if attention_share is not None:
-                timed = _ttft_from(timed, _combine((a, b), prefill, at_least=(b,)))
+                timed = _figures_from(timed, _combine((a, b), prefill, at_least=(b,)), "ttft_s")
+            # A decode step reads the whole context: linear in it, as memory is.
+            out.append(_figures_from(timed, straight, "tpot_s", "memory_gib"))
         else:
             straight = _combine((a, b), line)
             timed = _combine(points, curve, between=(a, b))
-        out.append(_memory_from(timed, straight))
+            out.append(_figures_from(timed, straight, "memory_gib"))
     return tuple(out)
 
 
@@ -100,31 +102,19 @@ def attention_share(hidden: int, kv_width: int, mlp_width: int) -> float:
     return hidden / weights
 
 
-def _ttft_from(profile: VariantProfile, shaped: VariantProfile) -> VariantProfile:
-    """``profile`` with the TTFTs of ``shaped``."""
+def _figures_from(profile: VariantProfile, other: VariantProfile, *names: str) -> VariantProfile:
+    """``profile`` with ``other``'s figures ``names`` ("ttft_s", "tpot_s", "memory_gib"),
+    at batch 1 and 2."""
 
-    def swapped(timed: ReferenceProfile | None, other: ReferenceProfile | None):
-        return None if timed is None else replace(timed, ttft_s=other.ttft_s)
-
-    return replace(
-        profile,
-        batch1=swapped(profile.batch1, shaped.batch1),
-        batch2=swapped(profile.batch2, shaped.batch2),
-    )
-
-
-def _memory_from(profile: VariantProfile, linear: VariantProfile) -> VariantProfile:
-    """``profile`` with the memory of ``linear``: a prefill's activations grow linearly
-    with the prompt, and a parabola through three memory figures (a pipeline rank's
-    short prompts hidden under its loading peak) bends up without bound beyond them."""
-
-    def swapped(timed: ReferenceProfile | None, line: ReferenceProfile | None):
-        return None if timed is None else replace(timed, memory_gib=line.memory_gib)
+    def swapped(mine: ReferenceProfile | None, theirs: ReferenceProfile | None):
+        if mine is None:
+            return None
+        return replace(mine, **{name: getattr(theirs, name) for name in names})
 
     return replace(
         profile,
-        batch1=swapped(profile.batch1, linear.batch1),
-        batch2=swapped(profile.batch2, linear.batch2),
+        batch1=swapped(profile.batch1, other.batch1),
+        batch2=swapped(profile.batch2, other.batch2),
     )
 
 

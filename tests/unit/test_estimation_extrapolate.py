@@ -343,10 +343,10 @@ def test_ladder_communication_is_no_less_than_the_tp2_all_reduce_over_more_peers
     assert got.ttft(1) == pytest.approx(_ladder_truth(0.0007, 4, comm).ttft(1), abs=0.001)
 
 
-def _batched_clock_samples(batch_slowdown: float) -> dict:
+def _batched_clock_samples(batch_slowdown: float, second_batch: int = 2) -> dict:
     """Clocked samples of PER_VARIANT at (1,1) and (2,1), at batch 1 (prompt "b1") and
-    batch 2 (prompt "b2"), where a batch-2 decode layer and its 'other' part take
-    ``batch_slowdown`` times the batch-1 ones."""
+    batch ``second_batch`` (prompt "b2"), where the second label's decode layer and its
+    'other' part take ``batch_slowdown`` times the first's."""
     samples = {}
     for name, layer_tpot in PER_VARIANT.items():
         for tp in (1, 2):
@@ -358,7 +358,7 @@ def _batched_clock_samples(batch_slowdown: float) -> dict:
                 one.tpot_other_s * batch_slowdown,
             )
             rows = []
-            for truth, prompt, batch in ((one, "b1", 1), (two, "b2", 2)):
+            for truth, prompt, batch in ((one, "b1", 1), (two, "b2", second_batch)):
                 for n in (1, 2):
                     rows += [
                         LatencySample(n, truth.ttft(n), phase="ttft", prompt=prompt, batch=batch),
@@ -395,6 +395,20 @@ def test_layer_clocks_keep_each_batch_size_its_own_decode_terms():
             assert got.tpot(32) == pytest.approx(one.tpot(32))
             batch2 = fit.layer_latency(name, (tp, 1), "b2")
             assert batch2.tpot(32) == pytest.approx(1.4 * one.tpot(32))
+
+
+def test_layer_clocks_keep_each_prompt_its_own_decode_terms():
+    # Two prompt lengths at batch 1, the longer one's decode steps 1.8 times as long (they
+    # read its whole context): each keeps its own TPOT. One median over both held a
+    # hidden-256 model's TPOT at 1.2 ms for every prompt, against 1.04 ms measured after
+    # 200 tokens and 1.87 after 1,024 (a probe).
+    fit = fit_pooled_latency(_batched_clock_samples(1.8, second_batch=1))
+    for name, layer_tpot in PER_VARIANT.items():
+        for tp in (1, 2):
+            short = _pooled_truth(layer_tpot, tp, 1)
+            assert fit.layer_latency(name, (tp, 1), "b1").tpot(32) == pytest.approx(short.tpot(32))
+            longer = fit.layer_latency(name, (tp, 1), "b2")
+            assert longer.tpot(32) == pytest.approx(1.8 * short.tpot(32))
 
 
 def test_end_to_end_timings_share_one_set_of_decode_terms_over_batch_sizes():
