@@ -162,6 +162,17 @@ class DeploymentController:
         """Whether a Deploy running in this process creates ``deployment_id``."""
         return deployment_id in self._calls
 
+    async def forget_request_of(self, deployment: deploy_pb.Deployment) -> None:
+        """Free the request id of the Deploy that made ``deployment``, which failed
+        before it was ready (cut off): a retry with that id deploys afresh, as after a
+        Deploy that failed while it ran, instead of being answered "deployed" with the
+        FAILED record (a probe)."""
+        request_id, owner = deployment.request_id, deployment.owner
+        if request_id and (
+            await self.store.deploy_request(request_id, owner=owner) == deployment.deployment_id
+        ):
+            await self.store.forget_deploy_request(request_id, owner=owner)
+
     # ---- queries --------------------------------------------------------------------
     async def get(self, deployment_id: str) -> deploy_pb.Deployment:
         check_deployment_id(deployment_id)

@@ -209,6 +209,7 @@ class Reconciler:
                     if await self.controller.healer.record_of(deployment_id) is not None:
                         continue  # a replica restarting
                     await self.controller.mark_failed(current, reason)
+                    await self.controller.forget_request_of(current)
                     actions.append(f"failed {deployment_id}: {reason}")
         return actions
 

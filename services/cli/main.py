@@ -569,6 +569,16 @@ def cmd_deploy(settings: Settings, args) -> int:
         return 0
     if reply.HasField("decision"):
         deploying.print_decision(reply.decision)
+    if dep.state != deploy_pb.DEPLOYMENT_STATE_READY:
+        # A repeat of a request id answers the deployment as it stands now.
+        state = deploy_pb.DeploymentState.Name(dep.state).removeprefix("DEPLOYMENT_STATE_")
+        reason = f": {dep.state_reason}" if dep.state_reason else ""
+        print(
+            f"deployment {dep.deployment_id} of this request id is {state}{reason}",
+            file=sys.stderr,
+        )
+        print(dep.deployment_id)
+        return 0 if dep.state == deploy_pb.DEPLOYMENT_STATE_STARTING else 1
     print(
         f"deployed {dep.model_id} {deploying.describe_config(dep.config)} "
         f"({deploying.describe_objectives(dep.objectives)}); "

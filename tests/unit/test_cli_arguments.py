@@ -433,6 +433,36 @@ def test_a_ctrl_c_during_deploy_says_what_became_of_it(tmp_path, monkeypatch, ca
     assert "`iserve deployments` shows whether this one had finished" in err
 
 
+def test_a_deploy_answered_with_a_failed_deployment_does_not_say_deployed(
+    tmp_path, monkeypatch, capsys
+):
+    """A repeat of a request id is answered with its deployment as it stands: a FAILED
+    one printed "deployed m tp=2 ...; worker " and exit 0 (a probe)."""
+    from services.api import deployment_service_pb2 as deploy_pb
+    from services.cli import main as cli_main
+
+    failed = deploy_pb.Deployment(
+        deployment_id="m-1",
+        model_id="m",
+        state=deploy_pb.DEPLOYMENT_STATE_FAILED,
+        state_reason="the deployer restarted while the deployment was starting",
+    )
+
+    class Stub:
+        def Deploy(self, request):
+            return deploy_pb.DeployResponse(deployment=failed)
+
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(cli_main, "_stub", lambda *args: Stub())
+    assert cli_main.main(["deploy", "m", "--tp", "1", "--request-id", "r-1"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "m-1\n" and "deployed" not in err
+    assert err == (
+        "deployment m-1 of this request id is FAILED: the deployer restarted while the "
+        "deployment was starting\n"
+    )
+
+
 def test_a_ctrl_c_while_the_parser_is_built_ends_with_130_and_no_traceback(monkeypatch):
     """The quiet Ctrl-C covered the imports and the command, not the parsing between."""
     from services.cli import main as cli_main

@@ -672,6 +672,34 @@ def test_a_deploy_whose_rollback_was_cut_off_is_failed_and_its_memory_released(r
     run(scenario)
 
 
+def test_a_deploy_cut_off_by_a_deployer_restart_is_retried_afresh_with_its_request_id(run):
+    """The deployer died while a Deploy with a request id started; the one started after
+    it fails that deployment. The client's retry with the same request id deploys afresh,
+    as after any failed Deploy (it was answered "deployed" with the FAILED record)."""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        first = await controller_on(store, agent, 2, policy=FAST)
+        agent.gate = asyncio.Event()
+        cut = asyncio.create_task(first.deploy(deploy_request(1, request_id="retry-1")))
+        while not agent.started:
+            await asyncio.sleep(0.01)
+        [starting] = await store.list_deployments()
+        second = await controller_on(store, agent, 2, policy=FAST)  # the deployer restarted
+        second.reconciled.clear()
+        actions = await Reconciler(second, store, agent).reconcile_on_start()
+        said = f"failed {starting.deployment_id}: the deployer restarted while the deployment was starting"
+        assert said in actions
+        agent.gate.set()
+        retried = (await second.deploy(deploy_request(1, request_id="retry-1"))).deployment
+        assert retried.deployment_id != starting.deployment_id and retried.state == READY
+        await cancel_and_wait([cut])  # the first deployer's call, dead in real life
+        await second.remove(retried.deployment_id)
+        await second.remove(starting.deployment_id)
+
+    run(scenario)
+
+
 def test_a_remove_cut_off_midway_is_finished_by_the_next_workers_check(run):
     async def scenario(store):
         agent = FakeAgent()
