@@ -283,9 +283,17 @@ class Reconciler:
                     for node in replicas.nodes_of(replica.placement)
                     if (group, node) not in known
                 ]
-                lost_rank = bool(forgotten) and not planned
+                back = set(await self.store.nodes_back_after_a_stop(forgotten))
+                stopped_first = bool(forgotten) and back >= set(forgotten) and not planned
+                lost_rank = bool(forgotten) and not planned and not stopped_first
                 if planned:
                     reason = f"the stack was stopped on purpose, rank(s) {missing} with it"
+                elif stopped_first:
+                    # Its agent stopped cleanly and was back before a node check saw it.
+                    reason = (
+                        f"{_stopped_heartbeating(forgotten, forgotten)}, rank(s) {missing} with it"
+                    )
+                    planned = True
                 elif lost_rank:
                     reason = f"{_restarted(forgotten)}, rank(s) {missing} with it"
                 else:

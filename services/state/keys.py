@@ -113,6 +113,13 @@ def node_stopped(node_id: str) -> str:
     return f"{PREFIX}node-stopped:{_part(node_id)}"
 
 
+def node_back_after_stop(node_id: str) -> str:
+    """Set for a minute when the node's agent registers again after a clean stop (its
+    value the stop's time): the deployer, which checks nodes each second, may not have
+    seen the stop, and an agent started again at once then read as one that crashed."""
+    return f"{PREFIX}node-back-after-stop:{_part(node_id)}"
+
+
 def node_heartbeat(node_id: str) -> str:
     """Exists while the node's agent is alive (TTL)."""
     return f"{PREFIX}heartbeat:{_part(node_id)}"

@@ -102,6 +102,10 @@ return stored
 """
 
 
+# How long a node's return after a clean stop is remembered (keys.node_back_after_stop).
+BACK_AFTER_STOP_MS = 60_000
+
+
 class StateStoreUnavailable(Unavailable):
     """Redis, which holds iserve's state, cannot be reached (down, restarting, loading
     its data): UNAVAILABLE, and the call may be retried once it is back."""
@@ -513,6 +517,7 @@ class StateStore:
                     # Watched so a concurrent registration or release makes this retry.
                     await pipe.watch(keys.node_devices(node_id), keys.reservation_index())
                     registered = set(await pipe.smembers(keys.node_devices(node_id)))
+                    stopped = await pipe.get(keys.node_stopped(node_id))
                     joined = wanted - registered
                     reserved = await self._reserved_by_reservations(
                         pipe, [keys.device(node_id, d) for d in joined]
@@ -521,6 +526,8 @@ class StateStore:
                     pipe.set(keys.node(node_id), encode(static))
                     pipe.sadd(keys.node_index(), node_id)
                     pipe.delete(keys.node_stopped(node_id))
+                    if stopped is not None:  # kept through the agent's later registrations
+                        pipe.set(keys.node_back_after_stop(node_id), stopped, px=BACK_AFTER_STOP_MS)
                     pipe.set(keys.node_heartbeat(node_id), now_ms(), px=int(ttl_s * 1000))
                     pipe.delete(keys.node_devices(node_id))
                     if wanted:
@@ -612,6 +619,15 @@ class StateStore:
             pipe.delete(keys.node_heartbeat(node_id))
             await pipe.execute()
 
+    async def nodes_back_after_a_stop(self, node_ids: Iterable[str]) -> set[str]:
+        """Those of ``node_ids`` whose agents registered again within the last minute
+        after a clean stop (``keys.node_back_after_stop``)."""
+        node_ids = sorted(set(node_ids))
+        if not node_ids:
+            return set()
+        found = await self.redis.mget([keys.node_back_after_stop(n) for n in node_ids])
+        return {n for n, value in zip(node_ids, found, strict=True) if value is not None}
+
     async def forget_node(self, node_id: str, unseen_since_ms: int) -> bool:
         """Delete the records of node ``node_id`` (its entry, its devices) when it is dead,
         was last seen before ``unseen_since_ms`` and no reservation holds memory on its
@@ -648,6 +664,7 @@ class StateStore:
                         keys.node(node_id),
                         keys.node_devices(node_id),
                         keys.node_stopped(node_id),
+                        keys.node_back_after_stop(node_id),
                         *device_keys,
                     )
                     await pipe.execute()

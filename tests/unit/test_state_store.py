@@ -67,9 +67,14 @@ def test_a_node_stopped_on_purpose_is_dead_at_once_and_says_so_until_it_register
         assert [n.stopped_at_unix_ms for n in await store.list_nodes()] == [
             stopped.stopped_at_unix_ms
         ]
+        assert await store.nodes_back_after_a_stop(["n0"]) == set()
         await store.register_node(_node(), ttl_s=5)  # back
         back = await store.get_node("n0")
         assert back.alive and back.stopped_at_unix_ms == 0
+        # Back within a second, before the deployer's node check saw the stop: said so for
+        # a minute, through the agent's later registrations too.
+        await store.register_node(_node(), ttl_s=5)
+        assert await store.nodes_back_after_a_stop(["n0", "n1"]) == {"n0"}
 
     run(body)
 
