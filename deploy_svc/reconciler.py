@@ -283,7 +283,7 @@ class Reconciler:
                     for node in replicas.nodes_of(replica.placement)
                     if (group, node) not in known
                 ]
-                back = set(await self.store.nodes_back_after_a_stop(forgotten))
+                back = await self.store.nodes_back_after_a_stop(forgotten)
                 stopped_first = bool(forgotten) and back >= set(forgotten) and not planned
                 lost_rank = bool(forgotten) and not planned and not stopped_first
                 if planned:

@@ -495,8 +495,7 @@ class WorkerSupervisor:
         if not all(code == EXIT_GROUP_LOST for _, code in exited):
             return False
         gone = {id(proc) for proc, _ in exited}
-        others = [p for p in procs if id(p) not in gone and p.host is None and not p.stopping]
-        if not any(p.alive for p in others):
+        if not any(p.alive for p in _ready_ranks(procs) if id(p) not in gone):
             return False
         first_seen = self._consequence_seen.setdefault(deployment_id, time.monotonic())
         return time.monotonic() - first_seen < CAUSE_WAIT_S
@@ -540,11 +539,7 @@ class WorkerSupervisor:
         """Stop the ranks of ``deployment_id`` still alive after rank ``dead_rank`` died
         (a parallel group cannot serve without it) and record them FAILED, as those that
         exited of its loss since the reaper looked (one that had would stay READY)."""
-        survivors = [
-            p
-            for p in procs
-            if not p.stopping and p.info.state == agent_pb.WORKER_STATE_READY and p.host is None
-        ]
+        survivors = _ready_ranks(procs)
         if not survivors:
             return
         for proc in survivors:
@@ -561,16 +556,19 @@ class WorkerSupervisor:
         )  # fmt: skip
 
 
+def _ready_ranks(procs: list[WorkerProcess]) -> list[WorkerProcess]:
+    """The ranks of ``procs`` with a process of their own that were ready and that the
+    agent has not asked to stop (exited since or not)."""
+    return [
+        p
+        for p in procs
+        if not p.stopping and p.host is None and p.info.state == agent_pb.WORKER_STATE_READY
+    ]
+
+
 def _exited(procs: list[WorkerProcess]) -> list[tuple[WorkerProcess, int]]:
     """The ready ranks of ``procs`` whose processes exited unasked, with their codes."""
-    return [
-        (proc, code)
-        for proc in procs
-        if not proc.stopping
-        and proc.host is None
-        and proc.info.state == agent_pb.WORKER_STATE_READY
-        and (code := proc.popen.poll()) is not None
-    ]
+    return [(p, code) for p in _ready_ranks(procs) if (code := p.popen.poll()) is not None]
 
 
 def hosted_rank(host: WorkerProcess, worker: WorkerPlan) -> WorkerProcess:

@@ -333,12 +333,12 @@ class PooledLatencyFit:
     ttft_per_layer_s: Mapping[tuple[Hashable, Hashable], float]
     tpot_comm_per_layer_s: Mapping[int, float]
     ttft_comm_per_layer_s: Mapping[tuple[int, Hashable], float]
-    tpot_other_s: Mapping[tuple[tuple[int, int], int], float]
+    tpot_other_s: Mapping[tuple[tuple[int, int], Hashable], float]
     ttft_other_s: Mapping[tuple[tuple[int, int], Hashable], float]
     residual_rms_s: float
-    decode_group: Mapping[Hashable, int]
+    decode_group: Mapping[Hashable, Hashable]
 
-    def batch_of(self, prompt: Hashable) -> int:
+    def batch_of(self, prompt: Hashable) -> Hashable:
         """The group of ``prompt`` whose TPOT terms it uses: the label itself when the
         per-layer terms came from layer clocks, 1 (one group) otherwise."""
         try:
@@ -382,7 +382,7 @@ class PooledLatencyFit:
 def _solve_pooled(
     samples: Mapping[tuple[Hashable, tuple[int, int]], Sequence[LatencySample]],
     fixed: PooledLatencyFit | None,
-    decode_group: Mapping[Hashable, int],
+    decode_group: Mapping[Hashable, Hashable],
 ) -> tuple[dict[str, dict], float]:
     """Least squares for the pooled terms; with ``fixed``, per-layer terms come from it.
     ``decode_group`` maps each prompt label to the group whose TPOT terms it shares."""
@@ -565,7 +565,7 @@ def _prompt_batches(
 def _robust_comm_terms(
     flat: Mapping[tuple[Hashable, tuple[int, int]], Sequence[LatencySample]],
     terms: Mapping[str, Mapping],
-    decode_group: Mapping[Hashable, int],
+    decode_group: Mapping[Hashable, Hashable],
 ) -> dict[str, dict]:
     """The communication terms per tensor degree as the median over the variants of
     what each variant's own (tp, 1) fingerprints show beyond its work split tp ways,
@@ -615,7 +615,7 @@ def _robust_comm_terms(
 
 
 def _pooled_from_terms(
-    terms: dict[str, dict], sse: float, count: int, decode_group: Mapping[Hashable, int]
+    terms: dict[str, dict], sse: float, count: int, decode_group: Mapping[Hashable, Hashable]
 ) -> PooledLatencyFit:
     """The fit from its terms; ``decode_group`` maps each prompt to its TPOT group."""
     return PooledLatencyFit(

@@ -177,7 +177,7 @@ class ModelReferences:
             return None
         profiled = ", ".join(str(n) for n in lengths)
         known = len(recorded(lengths))
-        if input_tokens > lengths[-1] and known >= 2 and self.shape.mlp_width > 0:
+        if input_tokens > lengths[-1] and known >= 2 and _attention_share(self.shape):
             return (
                 f"a {input_tokens}-token prompt is longer than the prompts profiled "
                 f"({profiled} tokens): TTFT is extrapolated from the {lengths[-2]}- and "
@@ -219,17 +219,21 @@ class ModelReferences:
         prompt too (the line through the two longest beyond them); from end-to-end
         timings the labels share one, which moves only by what the floor of
         :func:`_at_least_measured` lifted."""
-        shape = self.shape
-        share = None
-        if shape.mlp_width > 0:
-            hidden = shape.num_heads * shape.head_dim
-            share = attention_share(hidden, shape.num_kv_heads * shape.head_dim, shape.mlp_width)
         return profiles_at(
             [p.input_tokens for p in self.prompts],
             [p.profiles for p in self.prompts],
             input_tokens,
-            share,
+            _attention_share(self.shape),
         )
+
+
+def _attention_share(shape: ModelShape) -> float | None:
+    """Prefill's quadratic share for ``shape`` (:func:`attention_share`); None when its
+    MLP width is unknown (a shape imported from measurements alone)."""
+    if shape.mlp_width <= 0:
+        return None
+    hidden = shape.num_heads * shape.head_dim
+    return attention_share(hidden, shape.num_kv_heads * shape.head_dim, shape.mlp_width)
 
 
 def _ladder_layouts(fingerprints: Sequence[Sample]) -> tuple[Layout, ...]:

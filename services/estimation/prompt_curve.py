@@ -40,8 +40,8 @@ def profiles_at(
     nearest, as with two lengths): between two of them they stay within their two
     figures; beyond the longest TTFT is no lower than the line through the two longest
     (a parabola bending down is noise), and TPOT follows that line (a decode step reads
-    the whole context, linear in it). With two, every figure follows their line. Beyond the longest, no figure falls below the longest's own: a longer prompt
-    is no faster. Below the shortest, and with a single length, the nearest profiled
+    the whole context, linear in it). With two, every figure follows their line. Beyond
+    the longest, no figure falls below the longest's own: a longer prompt is no faster. Below the shortest, and with a single length, the nearest profiled
     length is used as it is.
 
     With ``attention_share`` (:func:`attention_share`, from the architecture), TTFT
@@ -58,37 +58,33 @@ def profiles_at(
     upper = next((i for i, n in enumerate(lengths) if n >= input_tokens), len(lengths) - 1)
     low, high = max(upper - 1, 0), upper
     line = _line_weights(lengths[low], lengths[high], input_tokens)
-    pairs = zip(profiles[low], profiles[high], strict=True)
-    if beyond and attention_share is not None:
-        shaped = [n + attention_share * n * n for n in (lengths[-2], lengths[-1], input_tokens)]
-        prefill = _line_weights(*shaped)
+    pairs = list(zip(profiles[low], profiles[high], strict=True))
     if known < 3:
         if not beyond:
             return tuple(_combine((a, b), line) for a, b in pairs)
         out = [_combine((a, b), line, at_least=(b,)) for a, b in pairs]
-        if attention_share is not None:
-            pairs = zip(profiles[low], profiles[high], strict=True)
-            out = [
-                _figures_from(o, _combine((a, b), prefill, at_least=(b,)), "ttft_s")
-                for o, (a, b) in zip(out, pairs, strict=True)
-            ]
-        return tuple(out)
-    first = min(max(upper - 1, 0), len(lengths) - 3)
-    curve = _parabola_weights(lengths[first : first + 3], input_tokens)
-    out = []
-    for i, (a, b) in enumerate(pairs):
-        points = [p[i] for p in profiles[first : first + 3]]
-        if beyond:
-            straight = _combine((a, b), line, at_least=(b,))
-            timed = _combine(points, curve, at_least=(b, straight))
-            if attention_share is not None:
-                timed = _figures_from(timed, _combine((a, b), prefill, at_least=(b,)), "ttft_s")
-            # A decode step reads the whole context: linear in it, as memory is.
-            out.append(_figures_from(timed, straight, "tpot_s", "memory_gib"))
-        else:
-            straight = _combine((a, b), line)
-            timed = _combine(points, curve, between=(a, b))
-            out.append(_figures_from(timed, straight, "memory_gib"))
+    else:
+        first = min(max(upper - 1, 0), len(lengths) - 3)
+        curve = _parabola_weights(lengths[first : first + 3], input_tokens)
+        out = []
+        for i, (a, b) in enumerate(pairs):
+            points = [p[i] for p in profiles[first : first + 3]]
+            if beyond:
+                straight = _combine((a, b), line, at_least=(b,))
+                timed = _combine(points, curve, at_least=(b, straight))
+                # A decode step reads the whole context: linear in it, as memory is.
+                out.append(_figures_from(timed, straight, "tpot_s", "memory_gib"))
+            else:
+                straight = _combine((a, b), line)
+                timed = _combine(points, curve, between=(a, b))
+                out.append(_figures_from(timed, straight, "memory_gib"))
+    if beyond and attention_share is not None:
+        shaped = [n + attention_share * n * n for n in (lengths[-2], lengths[-1], input_tokens)]
+        prefill = _line_weights(*shaped)
+        out = [
+            _figures_from(o, _combine((a, b), prefill, at_least=(b,)), "ttft_s")
+            for o, (a, b) in zip(out, pairs, strict=True)
+        ]
     return tuple(out)
 
 
