@@ -234,16 +234,19 @@ def test_a_rank_that_exits_as_its_peers_death_is_recorded_is_reported_too(run, t
     it is reported in the same pass, not left READY (it was neither seen exited nor
     alive to be stopped)."""
     failing = "import sys; sys.exit(1)"
+    armed = tmp_path / "armed"  # written once the peer's handler is set
     leaves_on_signal = (
-        "import signal, sys, time\n"
+        "import pathlib, signal, sys, time\n"
         f"signal.signal(signal.SIGUSR1, lambda *_: sys.exit({EXIT_GROUP_LOST}))\n"
+        f"pathlib.Path({str(armed)!r}).touch()\n"
         "time.sleep(60)"
     )
 
     async def scenario(supervisor: WorkerSupervisor, store: StateStore):
         cause, peer = _group_of(supervisor, "dep-meanwhile", tmp_path, failing, leaves_on_signal)
         cause.popen.wait()
-        time.sleep(0.5)  # the peer's handler is set
+        while not armed.exists():
+            await asyncio.sleep(0.01)
         put_worker = supervisor._put_worker
 
         async def peer_leaves_as_it_is_written(info):
