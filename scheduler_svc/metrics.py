@@ -39,6 +39,8 @@ from services.api import common_pb2 as common
 from services.ids import split_group_id
 from services.metrics import PREFIX
 
+CLIENT_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+
 LABELS = ("model_id", "deployment_id")
 # vLLM's buckets, with finer ones below 10 ms for CPU deployments of small models.
 TTFT_BUCKETS = (
@@ -288,11 +290,10 @@ class ServingMetrics:
             self.failure.labels(*labels, r.code.name).inc()
             if times:
                 self.generation_tokens.labels(*labels).inc(len(times))
-            # A request refused as invalid was never the deployment's to serve: it fails,
-            # but a client's malformed requests must not lower the deployment's goodput.
-            if r.code != grpc.StatusCode.INVALID_ARGUMENT and has_objective(
-                objectives, r.deadline_ms
-            ):
+            # A request refused as invalid, or as not the caller's to make, was never the
+            # deployment's to serve: it fails, but a client's malformed or unpermitted
+            # requests must not lower the deployment's goodput.
+            if r.code not in CLIENT_FAULTS and has_objective(objectives, r.deadline_ms):
                 tally.missed += 1
                 self.slo_missed.labels(*labels).inc()
             return

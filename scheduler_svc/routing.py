@@ -162,6 +162,14 @@ class Router:
             return usable
         return sorted(usable, key=self._backlog)
 
+    def refused_for_model(self, model_id: str) -> deploy_pb.Deployment | None:
+        """The cached deployment a refusal of ``model_id``'s request is counted against
+        when none took it (none READY): the first the caller may see that is starting or
+        being restarted (the one that will serve it), else the first it may see; None when
+        the caller sees none (an id nobody deployed gets no metric series)."""
+        found = access.visible([d for d in self._by_id.values() if d.model_id == model_id])
+        return next((d for d in found if _passing(d)), found[0] if found else None)
+
     def cached(self, deployment_id: str) -> deploy_pb.Deployment | None:
         """The newest record of the deployment this router holds (None: none), as the last
         refresh or lookup read it."""

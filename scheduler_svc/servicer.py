@@ -256,11 +256,18 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             yield self._finish(request, record, queue, final, running)
         except errors.IServeError as exc:
             record.code = exc.code
-            named = self.router.cached(request.deployment_id) if request.deployment_id else None
-            if named is not None and not record.deployment_id:
-                # Refused before it was routed (an empty prompt, say): still a request
-                # the deployment it names failed, as GetServingStats counts them.
-                self._label(record, named)
+            if not record.deployment_id:
+                # Refused before it was routed (an empty prompt, say, or a model none of
+                # whose deployments is READY while one restarts): still a request the
+                # deployment it names, or its model's, failed, as GetServingStats counts
+                # them; during an outage most of all.
+                named = (
+                    self.router.cached(request.deployment_id)
+                    if request.HasField("deployment_id")
+                    else self.router.refused_for_model(request.model_id)
+                )
+                if named is not None:
+                    self._label(record, named)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             # GeneratorExit: the stream was closed at a yield (the client went away

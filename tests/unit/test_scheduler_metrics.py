@@ -87,15 +87,18 @@ def test_a_refused_request_counts_by_code_and_misses_its_objective():
     assert [s.deployment_id for s in metrics.stats()] == ["d1"]  # "" is not a deployment
 
 
-def test_an_invalid_request_fails_without_missing_an_objective():
-    """A client's malformed requests (max_tokens over the limit) must not lower the
-    deployment's SLO attainment."""
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED]
+)
+def test_a_client_s_own_fault_fails_without_missing_an_objective(code):
+    """A client's malformed requests (max_tokens over the limit), or ones its token does
+    not permit, must not lower the deployment's SLO attainment."""
     registry, metrics = build()
     invalid = RequestRecord("m", 0, 0.0, deployment_id="d1", objectives=TTFT_SLO)
-    invalid.code = grpc.StatusCode.INVALID_ARGUMENT
+    invalid.code = code
     metrics.record(invalid)
     get = registry.get_sample_value
-    assert get("iserve_request_failure_total", {**IDS, "code": "INVALID_ARGUMENT"}) == 1
+    assert get("iserve_request_failure_total", {**IDS, "code": code.name}) == 1
     assert get("iserve_slo_missed_total", IDS) in (None, 0)
     (stats,) = metrics.stats()
     assert (stats.failed, stats.slo_missed) == (1, 0)
