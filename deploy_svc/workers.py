@@ -198,7 +198,7 @@ class WorkerGroups:
     ) -> None:
         try:
             stub = self.agents.stub(self._address(addresses, node_id))
-            await stub.StopWorkers(
+            reply = await stub.StopWorkers(
                 agent_pb.StopWorkersRequest(deployment_id=deployment_id, lost_rank=lost_rank),
                 # The agent answers once the workers exited (their streams drained), so
                 # their memory is released only then.
@@ -206,3 +206,13 @@ class WorkerGroups:
             )
         except (grpc.RpcError, FailedPrecondition) as exc:
             log.warning("could not stop workers of %s on %s: %s", deployment_id, node_id, exc)
+            return
+        # A worker that had died before the stop: its cause (a signal, the OOM killer, its
+        # log's tail), which a death the scheduler reported first ("worker unreachable")
+        # does not give.
+        for worker in reply.workers:
+            if worker.state == agent_pb.WORKER_STATE_FAILED and worker.reason:
+                log.warning(
+                    "workers of %s on %s: rank %d had exited: %s",
+                    deployment_id, node_id, worker.rank, worker.reason,
+                )  # fmt: skip

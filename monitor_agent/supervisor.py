@@ -66,6 +66,14 @@ _LOG_TAIL_BYTES = 8192
 _POLL_S = 0.05
 
 
+def keep_previous_log(log_path: Path) -> None:
+    """Move a worker's log aside to ``<name>.1`` (replacing the one before) before a new
+    process of the same deployment and rank writes it: a replica restarted after a crash,
+    or restored by a new agent, truncated the dead worker's log, its post-mortem."""
+    if log_path.is_file() and log_path.stat().st_size:
+        os.replace(log_path, log_path.with_name(log_path.name + ".1"))
+
+
 @dataclass
 class WorkerProcess:
     """One worker process and what the agent knows about it."""
@@ -83,6 +91,8 @@ class WorkerProcess:
     host: WorkerProcess | None = None
     # Whether what the exited process could not remove itself has been removed.
     swept: bool = False
+    # Set while its death is being recorded, so that it is recorded once.
+    reporting_death: bool = False
 
     @property
     def alive(self) -> bool:
@@ -278,6 +288,7 @@ class WorkerSupervisor:
         if worker.device.cpu_cores and not worker.device.is_cuda:
             env["OMP_NUM_THREADS"] = str(len(worker.device.cpu_cores))
         try:
+            keep_previous_log(log_path)
             if self.pool is not None:
                 # Opened here first, as a fresh process's is: a worker whose log cannot
                 # be opened fails in the fork, and its failure read the last run's log.
@@ -389,6 +400,13 @@ class WorkerSupervisor:
         drain) LOST_RANK_GRACE_S after it. Idempotent: an unknown deployment gives an
         empty list."""
         procs = self._workers.pop(deployment_id, [])
+        # Ranks that died unasked before the reaper saw them are recorded as it would
+        # (log, FAILED with the cause, the reply says it): a worker killed mid-stream is
+        # reported by the scheduler first, and the stop that follows lost its exit code
+        # and log tail. No worker_died event: the stop is the deployer's answer to it.
+        for proc, code in sorted(_exited(procs), key=lambda d: d[1] == EXIT_GROUP_LOST):
+            with contextlib.suppress(StateStoreUnavailable):
+                await self._report_death(deployment_id, procs, proc, code, publish=False)
         for proc in procs:
             proc.stopping = True
         grace = LOST_RANK_GRACE_S if lost_rank else None
@@ -501,9 +519,30 @@ class WorkerSupervisor:
         return time.monotonic() - first_seen < CAUSE_WAIT_S
 
     async def _report_death(
-        self, deployment_id: str, procs: list[WorkerProcess], proc: WorkerProcess, code: int
+        self,
+        deployment_id: str,
+        procs: list[WorkerProcess],
+        proc: WorkerProcess,
+        code: int,
+        *,
+        publish: bool = True,
     ) -> agent_pb.WorkerInfo:
-        """Record ``proc``'s exit (and its hosted ranks') FAILED, then publish it."""
+        """Record ``proc``'s exit (and its hosted ranks') FAILED, then (``publish``) publish
+        it as a ``worker_died`` event."""
+        proc.reporting_death = True
+        try:
+            return await self._record_death(deployment_id, procs, proc, code, publish)
+        finally:
+            proc.reporting_death = False
+
+    async def _record_death(
+        self,
+        deployment_id: str,
+        procs: list[WorkerProcess],
+        proc: WorkerProcess,
+        code: int,
+        publish: bool,
+    ) -> agent_pb.WorkerInfo:
         tail = log_tail(proc.log_path)
         failed = _copy(proc.info)
         failed.state = agent_pb.WORKER_STATE_FAILED
@@ -514,16 +553,17 @@ class WorkerSupervisor:
         for _, info in hosted:
             await self._put_worker(info)
         await self._put_worker(failed)
-        await self.store.publish_event(
-            "worker_died",
-            node_id=self.node_id,
-            deployment_id=deployment_id,
-            rank=failed.rank,
-            device_id=failed.device_id,
-            pid=failed.pid,
-            exit_code=code,
-            reason=failed.reason,
-        )
+        if publish:
+            await self.store.publish_event(
+                "worker_died",
+                node_id=self.node_id,
+                deployment_id=deployment_id,
+                rank=failed.rank,
+                device_id=failed.device_id,
+                pid=failed.pid,
+                exit_code=code,
+                reason=failed.reason,
+            )
         proc.info.CopyFrom(failed)
         for hosted_proc, info in hosted:
             hosted_proc.info.CopyFrom(info)
@@ -568,7 +608,11 @@ def _ready_ranks(procs: list[WorkerProcess]) -> list[WorkerProcess]:
 
 def _exited(procs: list[WorkerProcess]) -> list[tuple[WorkerProcess, int]]:
     """The ready ranks of ``procs`` whose processes exited unasked, with their codes."""
-    return [(p, code) for p in _ready_ranks(procs) if (code := p.popen.poll()) is not None]
+    return [
+        (p, code)
+        for p in _ready_ranks(procs)
+        if not p.reporting_death and (code := p.popen.poll()) is not None
+    ]
 
 
 def hosted_rank(host: WorkerProcess, worker: WorkerPlan) -> WorkerProcess:

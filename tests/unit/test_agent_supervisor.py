@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
 import os
 import signal
 import time
@@ -185,6 +186,31 @@ def test_a_killed_worker_is_reported_failed_with_an_event(run, checkpoint):
     run(scenario)
 
 
+def test_a_worker_dead_before_its_stop_is_recorded_with_its_cause(run, checkpoint, caplog):
+    """A worker killed mid-stream is reported by the scheduler, and the deployer's stop
+    can come before the reaper saw the exit: the stop still records it FAILED with its
+    exit code and logs the death (a probe found only "1 worker(s) stopped"), and
+    publishes no worker_died event (the stop is the deployer's answer to the death)."""
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        [info] = await supervisor.start_workers(_plan("dep-gone", checkpoint))
+        os.kill(info.pid, signal.SIGKILL)
+        while _alive(info.pid):
+            await asyncio.sleep(0.01)
+        with caplog.at_level(logging.WARNING, logger="iserve.agent.supervisor"):
+            [stopped] = await supervisor.stop_workers("dep-gone")
+        assert stopped.state == agent_pb.WORKER_STATE_FAILED
+        assert stopped.exit_code == -signal.SIGKILL and "killed by SIGKILL" in stopped.reason
+        [stored] = await store.list_workers("dep-gone")
+        assert stored.state == agent_pb.WORKER_STATE_FAILED and stored.exit_code == -9
+        assert await _died_events(store, "dep-gone") == []
+        assert any(
+            "dep-gone rank 0" in r.getMessage() and "died" in r.getMessage() for r in caplog.records
+        )
+
+    run(scenario)
+
+
 @pytest.mark.parametrize("when", ["spawning", "loading"])
 def test_workers_stopped_while_they_start_are_all_stopped(run, checkpoint, when):
     """A Remove while its deployment started: the agent's stop came while the rank was
@@ -244,6 +270,28 @@ def test_a_worker_that_cannot_load_fails_the_start_with_its_log_tail(run, checkp
         assert not _alive(stored.pid)
         assert supervisor.list_workers() == []
         assert (tmp_path / "logs" / "worker-dep-broken-r0.log").is_file()
+
+    run(scenario)
+
+
+def test_a_worker_started_again_keeps_its_predecessor_s_log(run, checkpoint, tmp_path):
+    """A replica restarted after a crash (or restored by a new agent) writes the same
+    log: the dead worker's log is moved to ``.1`` first, not truncated (a probe found the
+    post-mortem of a worker killed mid-stream gone within a second)."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (broken / name).write_bytes((checkpoint / name).read_bytes())
+    log_path = tmp_path / "logs" / "worker-dep-again-r0.log"
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        with pytest.raises(FailedPrecondition):
+            await supervisor.start_workers(_plan("dep-again", broken))
+        first = log_path.read_text()
+        assert "no *.safetensors files" in first
+        await supervisor.start_workers(_plan("dep-again", checkpoint))
+        assert log_path.with_name(log_path.name + ".1").read_text() == first
+        assert "no *.safetensors files" not in log_path.read_text()
 
     run(scenario)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import types
 
 import grpc
@@ -349,6 +350,42 @@ def test_a_dead_worker_is_restarted_on_its_devices_without_a_deploy(run):
         await controller.remove(deployment_id)
         assert await nothing_left(store)
         assert await store.get_restarts(deployment_id) is None
+
+    run(scenario)
+
+
+class DeadWorkerAgent(FakeAgent):
+    """Its StopWorkers finds rank 0 already dead, killed by a signal (the agent records
+    an exit it sees at the stop, the reaper not having seen it yet)."""
+
+    async def StopWorkers(self, request, timeout):
+        await super().StopWorkers(request, timeout)
+        dead = agent_pb.WorkerInfo(
+            deployment_id=request.deployment_id,
+            rank=0,
+            state=agent_pb.WORKER_STATE_FAILED,
+            exit_code=-9,
+            reason="killed by SIGKILL: last line of its log",
+        )
+        return agent_pb.StopWorkersResponse(workers=[dead])
+
+
+def test_the_cause_of_a_death_the_scheduler_reported_first_is_logged(run, caplog):
+    """A worker killed mid-stream reaches the deployer as "worker unreachable"; the agent
+    answers the stop with the worker's exit, which the deployer logs (a probe found the
+    cause nowhere)."""
+
+    async def scenario(store):
+        controller = await controller_on(store, DeadWorkerAgent(), 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        with caplog.at_level(logging.WARNING, logger="iserve.deploy.workers"):
+            assert await controller.fail(dep.deployment_id, "worker unreachable: Socket closed")
+        said = [r.getMessage() for r in caplog.records if r.name == "iserve.deploy.workers"]
+        assert any(
+            "rank 0 had exited: killed by SIGKILL: last line of its log" in m for m in said
+        ), said
+        await settle(store, dep.deployment_id)
+        await controller.remove(dep.deployment_id)
 
     run(scenario)
 
