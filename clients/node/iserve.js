@@ -45,13 +45,27 @@ function address(service) {
 
 // ISERVE_TOKEN, else the administrator token `iserve up` wrote for the CLI with
 // authentication on ($ISERVE_STATE_DIR/tokens/admin), as the Python CLI takes it.
+// Checked as the Python CLI checks it (services/settings.py): gRPC metadata carries
+// printable ASCII only, and grpc-js threw from inside the call for anything else.
 function token() {
-  if (process.env.ISERVE_TOKEN) return process.env.ISERVE_TOKEN;
-  try {
-    return fs.readFileSync(path.join(stateDir(), "tokens", "admin"), "utf8").trim() || null;
-  } catch {
-    return null;
+  let value = (process.env.ISERVE_TOKEN || "").trim();
+  let source = "ISERVE_TOKEN";
+  if (!value) {
+    source = path.join(stateDir(), "tokens", "admin");
+    try {
+      value = fs.readFileSync(source, "utf8").trim();
+    } catch {
+      return null;
+    }
+    if (!value) return null;
   }
+  if (value.length < 24 || value.length > 512) {
+    throw new Error(`${source}: a token is 24-512 characters`);
+  }
+  if (!/^[!-~]+$/.test(value)) {
+    throw new Error(`${source}: a token is printable ASCII and has no spaces`);
+  }
+  return value;
 }
 
 function load() {

@@ -107,3 +107,28 @@ def test_the_node_client_finds_the_stack_as_the_cli_does(stack, node_client):
     assert run.stdout.strip() == json.dumps(
         [n.node_id for n in cluster.nodes], separators=(",", ":")
     )
+
+
+@pytest.mark.parametrize(
+    ("token", "said"),
+    [
+        ("abc\u00e9" * 8, "ISERVE_TOKEN: a token is printable ASCII and has no spaces"),
+        ("a" * 20 + "\nmore-of-it", "ISERVE_TOKEN: a token is printable ASCII and has no spaces"),
+        ("short", "ISERVE_TOKEN: a token is 24-512 characters"),
+    ],
+)
+def test_the_node_client_refuses_a_token_grpc_cannot_carry(node_client, tmp_path, token, said):
+    """A token grpc-js cannot put in metadata (not ASCII, a newline) threw from inside the
+    call with grpc-js's own message, crashing a streaming caller; connect() now says what
+    is wrong with ISERVE_TOKEN, as the Python CLI does."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")}
+    env.update(ISERVE_STATE_DIR=str(tmp_path), ISERVE_TOKEN=token)
+    script = (
+        'try { require("./iserve").connect(); console.log("connected"); }'
+        " catch (e) { console.error(e.message); process.exit(2); }"
+    )
+    run = subprocess.run(
+        [node_client, "-e", script], cwd=CLIENT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 2, run.stdout
+    assert run.stderr.strip() == said
