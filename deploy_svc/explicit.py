@@ -10,6 +10,7 @@ from services.engine_rules import (
     check_dtype,
     check_weight_quant,
     default_dtype,
+    deployed_compression_problem,
     parallel_problem,
 )
 from services.errors import InvalidArgument, shown
@@ -66,6 +67,12 @@ def resolve_explicit(
         model, batch_size or config.batch_size, max_input_tokens, max_output_tokens
     )
     check_compression(config)
+    problem = deployed_compression_problem(
+        shape, config.tensor_parallel, weight_quant=config.weight_quant, pruning=config.pruning
+    )
+    if problem:
+        # Refused here, not by a worker that exits after reading the checkpoint.
+        raise InvalidArgument(f"{model.model_id} at tp={config.tensor_parallel}: {problem}")
     check_dtype(config.dtype, cuda=cuda)
     return ExplicitPlan(config, max_in, max_out)
 

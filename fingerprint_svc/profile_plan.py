@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.engine_rules import default_dtype, parallel_problem
+from services.engine_rules import default_dtype, deployed_compression_problem, parallel_problem
 from services.reservation import DTYPE_BYTES
 from services.settings import ProfilingSettings
 from services.state.capacity import free_bytes
@@ -190,13 +190,21 @@ def plan_jobs(
             skipped.append(f"{reference_label(reference)} (every variant): {reason}")
         else:
             allowed.append(reference)
-    jobs = [
-        ProfileJob(variant, tp, pp, layers, batch)
-        for variant in variant_targets(model)
-        for tp, pp in allowed
-        for layers in fingerprint_layers(pp, model.shape.num_layers)
-        for batch in settings.batch_sizes
-    ]
+    jobs = []
+    for variant in variant_targets(model):
+        for tp, pp in allowed:
+            reason = deployed_compression_problem(
+                model.shape, tp, weight_quant=variant.weight_quant, pruning=variant.pruning
+            )
+            if reason:
+                # Its workers would exit at load: not launched, said why.
+                skipped.append(f"variant {variant.name}: {reference_label((tp, pp))}: {reason}")
+                continue
+            jobs += [
+                ProfileJob(variant, tp, pp, layers, batch)
+                for layers in fingerprint_layers(pp, model.shape.num_layers)
+                for batch in settings.batch_sizes
+            ]
     return jobs, skipped
 
 

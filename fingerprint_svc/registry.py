@@ -11,12 +11,12 @@ from pathlib import Path
 from fingerprint_svc.profile_plan import BASE_VARIANT
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.engine_rules import resolve_checkpoint
+from services.engine_rules import compression_problem, resolve_checkpoint
 from services.errors import AlreadyExists, InvalidArgument
 from services.ids import check_model_id, check_variant_name
 from services.models.arch import ArchSpec, unlike_model
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
-from services.models.compression import DEFAULT_PRUNE_FRACTION, kept_heads, kept_mlp_channels
+from services.models.compression import DEFAULT_PRUNE_FRACTION
 
 FAMILIES = {
     "llama": common.MODEL_FAMILY_LLAMA,
@@ -103,25 +103,6 @@ def check_accuracy_score(score: float, what: str) -> None:
         )
 
 
-# Input widths the engine's derived compressions need every projection's to be divisible
-# by: int4 groups of at least 8 inputs (monitor_agent.engine.quantize.int4_group_size),
-# 2:4 pruning groups of 4 inputs (monitor_agent.engine.prune).
-INT4_MIN_GROUP = 8
-SPARSE_2_4_GROUP = 4
-
-
-def projection_inputs(spec: ArchSpec, prune_fraction: float = 0.0) -> dict[str, int]:
-    """The input widths of a decoder layer's projections after structured pruning of
-    ``prune_fraction``: the hidden size (q/k/v, gate/up), the attention output (o) and
-    the MLP width (down)."""
-    heads, _ = kept_heads(spec.num_heads, spec.num_kv_heads, prune_fraction)
-    return {
-        "hidden_size": spec.hidden_size,
-        "attention output (heads x head_dim)": heads * spec.head_dim,
-        "MLP width": kept_mlp_channels(spec.intermediate_size, prune_fraction),
-    }
-
-
 def variant_problem(
     variant: common.CompressionVariant, spec: ArchSpec, base: ArchSpec | None = None
 ) -> str | None:
@@ -140,25 +121,17 @@ def variant_problem(
         fractions = [
             f for f in sorted({DEFAULT_PRUNE_FRACTION, variant.structured_prune_fraction}) if f
         ]
-    needs = []
-    if variant.weight_quant == common.WEIGHT_QUANT_INT4:
-        needs.append(("int4 weight quantization", INT4_MIN_GROUP))
-    if variant.pruning == common.PRUNING_SEMI_STRUCTURED_2_4:
-        needs.append(("2:4 pruning", SPARSE_2_4_GROUP))
-    for fraction in fractions:
-        pruned = f" after structured pruning of {fraction:g}" if fraction else ""
-        widths = projection_inputs(spec, fraction)
-        for name, width in widths.items():
-            if width < 1:
-                return f"the {name}{pruned} would be {width}"
-        for what, multiple in needs:
-            for name, width in widths.items():
-                if width % multiple:
-                    return (
-                        f"{what} needs every projection's input width divisible by "
-                        f"{multiple}; the {name}{pruned} is {width}"
-                    )
-    return None
+    return compression_problem(
+        1,
+        hidden=spec.hidden_size,
+        heads=spec.num_heads,
+        kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        mlp_width=spec.intermediate_size,
+        int4=variant.weight_quant == common.WEIGHT_QUANT_INT4,
+        sparse_2_4=variant.pruning == common.PRUNING_SEMI_STRUCTURED_2_4,
+        prune_fractions=tuple(fractions),
+    )
 
 
 def model_shape(spec: ArchSpec, weight_bytes: int) -> model_pb.ModelShape:

@@ -10,6 +10,9 @@ wherever it happens. Torch-free (the worker reads it before torch starts its thr
   heads than ranks are replicated: a multi-query model runs at tp = 2; see
   ``monitor_agent.engine.tensor_parallel``).
 - Pipeline parallelism: 1 to MAX_PIPELINE_PARALLEL stages, at most one per layer.
+- Derived compressions: int4 weights need every projection's input width on a tensor
+  rank divisible by INT4_MIN_GROUP, 2:4 pruning by SPARSE_2_4_GROUP (each rank
+  quantizes and prunes its own shard; ``compression_problem``).
 - Dtypes: float32 and bfloat16 everywhere, float16 on CUDA devices only. Left unset, a
   deployment computes in the checkpoint's dtype on CUDA devices and in float32 on CPUs
   (``default_dtype``), as profiling jobs do, so estimates describe what is served.
@@ -34,6 +37,7 @@ from services.errors import (
 )
 from services.models.arch import unlike_model
 from services.models.checkpoint_files import weight_files
+from services.models.compression import DEFAULT_PRUNE_FRACTION, kept_heads, kept_mlp_channels
 from services.models.families import parse_config
 
 TENSOR_PARALLEL_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
@@ -41,6 +45,11 @@ MAX_PIPELINE_PARALLEL = 8
 CPU_DTYPES = (common.PRECISION_FLOAT32, common.PRECISION_BFLOAT16)
 CUDA_DTYPES = (*CPU_DTYPES, common.PRECISION_FLOAT16)
 PRE_QUANTIZED = (common.WEIGHT_QUANT_GPTQ_INT4, common.WEIGHT_QUANT_AWQ_INT4)
+# Input widths the engine's derived compressions need every projection's to be divisible
+# by: int4 groups of at least 8 inputs (monitor_agent.engine.quantize.int4_group_size),
+# 2:4 pruning groups of 4 inputs (monitor_agent.engine.prune).
+INT4_MIN_GROUP = 8
+SPARSE_2_4_GROUP = 4
 
 
 def tensor_parallel_problem(tp: int, *, heads: int, kv_heads: int, mlp_width: int) -> str | None:
@@ -74,6 +83,92 @@ def parallel_problem(
     if not 1 <= pp <= limit:
         return f"pipeline_parallel must be 1..{limit} for {num_layers} layers, got {pp}"
     return None
+
+
+def projection_inputs(
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    mlp_width: int,
+    tp: int = 1,
+    prune_fraction: float = 0.0,
+) -> dict[str, int]:
+    """The input widths of a decoder layer's projections on one of ``tp`` tensor ranks,
+    after structured pruning of ``prune_fraction`` (each rank prunes its own shard): the
+    hidden size (q/k/v, gate/up), the rank's attention output (o) and MLP width (down).
+    ``mlp_width`` 0 (unknown) leaves the MLP out."""
+    rank_heads, rank_mlp = heads // tp, mlp_width // tp
+    if prune_fraction:
+        rank_heads, _ = kept_heads(rank_heads, kv_heads_on_rank(kv_heads, tp), prune_fraction)
+        rank_mlp = kept_mlp_channels(rank_mlp, prune_fraction)
+    widths = {"hidden_size": hidden, "attention output (heads x head_dim)": rank_heads * head_dim}
+    if mlp_width:
+        widths["MLP width"] = rank_mlp
+    return widths
+
+
+def compression_problem(
+    tp: int,
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    mlp_width: int,
+    int4: bool,
+    sparse_2_4: bool,
+    prune_fractions: tuple[float, ...] = (0.0,),
+) -> str | None:
+    """Why the engine cannot quantize to int4 (``int4``) or 2:4-prune (``sparse_2_4``) a
+    model split ``tp`` ways after structured pruning of each of ``prune_fractions``, or
+    None: every projection's input width on a rank must be a positive multiple of the
+    group. Call it for a ``tp`` that :func:`tensor_parallel_problem` allows."""
+    if not (int4 or sparse_2_4 or any(prune_fractions)):
+        return None
+    needs = []
+    if int4:
+        needs.append(("int4 weight quantization", INT4_MIN_GROUP))
+    if sparse_2_4:
+        needs.append(("2:4 pruning", SPARSE_2_4_GROUP))
+    shape = {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    for fraction in prune_fractions:
+        pruned = f" after structured pruning of {fraction:g}" if fraction else ""
+        where = f" on each of {tp} tensor ranks" if tp > 1 else ""
+        widths = projection_inputs(**shape, mlp_width=mlp_width, tp=tp, prune_fraction=fraction)
+        for name, width in widths.items():
+            if width < 1:
+                return f"the {name}{where}{pruned} would be {width}"
+        for what, multiple in needs:
+            for name, width in widths.items():
+                if width % multiple:
+                    return (
+                        f"{what} needs every projection's input width divisible by "
+                        f"{multiple}; the {name}{where}{pruned} is {width}"
+                    )
+    return None
+
+
+def deployed_compression_problem(
+    shape: model_pb.ModelShape, tp: int, *, weight_quant: int, pruning: int
+) -> str | None:
+    """:func:`compression_problem` of a registered model's ``shape`` deployed (or
+    profiled) at ``tp`` with ``weight_quant`` (a WeightQuant) and ``pruning`` (a
+    Pruning): structured pruning at the share a deployment prunes
+    (``DEFAULT_PRUNE_FRACTION``: a DeploymentConfig does not carry a variant's own)."""
+    structured = pruning == common.PRUNING_STRUCTURED
+    return compression_problem(
+        tp,
+        hidden=shape.hidden_size or shape.num_attention_heads * shape.head_dim,
+        heads=shape.num_attention_heads,
+        kv_heads=shape.num_kv_heads or shape.num_attention_heads,
+        head_dim=shape.head_dim,
+        mlp_width=shape.intermediate_size,
+        int4=weight_quant == common.WEIGHT_QUANT_INT4,
+        sparse_2_4=pruning == common.PRUNING_SEMI_STRUCTURED_2_4,
+        prune_fractions=(DEFAULT_PRUNE_FRACTION,) if structured else (0.0,),
+    )
 
 
 def served_dtypes(*, cuda: bool) -> tuple[int, ...]:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from monitor_agent.engine.layers import MLP, Attention
+from services.engine_rules import SPARSE_2_4_GROUP
 from services.models.compression import kept_heads, kept_mlp_channels
 
 __all__ = [
@@ -47,7 +48,7 @@ __all__ = [
     "semi_structured_mask",
 ]
 
-_GROUP = 4
+_GROUP = SPARSE_2_4_GROUP  # what services.engine_rules checks before a launch
 _KEPT = 2
 # Rows pruned at a time: bounds the temporaries next to the layer being loaded.
 _CHUNK_ROWS = 256

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine_rules import INT4_MIN_GROUP
+
 __all__ = [
     "INT4_GROUP_SIZES",
     "INT4_LAYOUTS",
@@ -71,7 +73,7 @@ _CHUNK_ROWS = 256
 # Group sizes the CPU int4 kernel takes; smaller groups (inputs not divisible by 32) run
 # on the dequantizing path.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
-_MIN_INT4_GROUP = 8
+_MIN_INT4_GROUP = INT4_MIN_GROUP  # what services.engine_rules checks before a launch
 INT4_LAYOUTS = ("cpu-kernel", "plain")
 
 _aten = torch.ops.aten

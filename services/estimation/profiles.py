@@ -192,6 +192,7 @@ def estimation_shape(model: model_pb.Model) -> ModelShape:
         s.head_dim,
         mlp_width=s.intermediate_size,
         max_positions=s.max_position_embeddings,
+        hidden_size=s.hidden_size,
     )
 
 

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.engine_rules import MAX_PIPELINE_PARALLEL, TENSOR_PARALLEL_DEGREES, parallel_problem
+from services.engine_rules import (
+    MAX_PIPELINE_PARALLEL,
+    TENSOR_PARALLEL_DEGREES,
+    compression_problem,
+    parallel_problem,
+)
+from services.models.compression import DEFAULT_PRUNE_FRACTION
 
 __all__ = [
     "CONFIG_DTYPE",
@@ -50,8 +56,10 @@ class ModelShape:
 
     The heads and the MLP width bound tensor parallelism; ``num_kv_heads`` and
     ``head_dim`` size the KV cache; ``max_positions`` (the model's context) bounds
-    prompt plus output tokens. Values come from the checkpoint's config; ``mlp_width``
-    and ``max_positions`` 0 mean unknown (a shape imported from measurements alone).
+    prompt plus output tokens; the widths (``hidden_size``, heads, MLP) bound the
+    compressions a tensor rank can apply. Values come from the checkpoint's config;
+    ``mlp_width``, ``max_positions`` and ``hidden_size`` 0 mean unknown (a shape imported
+    from measurements alone; the hidden size is then taken as the heads').
     """
 
     name: str
@@ -61,13 +69,14 @@ class ModelShape:
     head_dim: int
     mlp_width: int = 0
     max_positions: int = 0
+    hidden_size: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, field)
             if value <= 0:
                 raise ValueError(f"{self.name}: {field} must be positive, got {value}")
-        for field in ("mlp_width", "max_positions"):
+        for field in ("mlp_width", "max_positions", "hidden_size"):
             value = getattr(self, field)
             if value < 0:
                 raise ValueError(f"{self.name}: {field} must not be negative, got {value}")
@@ -142,6 +151,23 @@ def parallel_pairs(shape: ModelShape, devices: int) -> tuple[tuple[int, int], ..
     )
 
 
+def compression_problem_of(shape: ModelShape, variant: Variant, tp: int) -> str | None:
+    """Why the engine cannot apply ``variant``'s load-time compressions (int4 weights,
+    2:4 or structured pruning) to a model shaped ``shape`` on each of ``tp`` tensor
+    ranks, or None (``engine_rules.compression_problem``)."""
+    return compression_problem(
+        tp,
+        hidden=shape.hidden_size or shape.num_heads * shape.head_dim,
+        heads=shape.num_heads,
+        kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        mlp_width=shape.mlp_width,
+        int4=variant.weight_quant == "int4",
+        sparse_2_4=variant.pruning == "2:4",
+        prune_fractions=(DEFAULT_PRUNE_FRACTION,) if variant.pruning == "structured" else (0.0,),
+    )
+
+
 @dataclass(frozen=True)
 class ConfigSpace:
     """Every configuration of one model as a read-only structured array (``CONFIG_DTYPE``).
@@ -207,5 +233,13 @@ def enumerate_space(
     configs["tp"] = np.tile(np.repeat(pairs[:, 0], n_batch), n_var)
     configs["pp"] = np.tile(np.repeat(pairs[:, 1], n_batch), n_var)
     configs["batch"] = np.tile(batches, n_var * n_pair)
+    # A variant's int4 or 2:4 groups may not divide a tensor rank's share of the widths:
+    # the engine cannot run it there, so it is neither estimated nor ranked.
+    keep = np.ones(configs.size, dtype=bool)
+    for v, variant in enumerate(variants):
+        for tp in sorted({int(t) for t in pairs[:, 0]}):
+            if compression_problem_of(shape, variant, tp):
+                keep &= (configs["variant"] != v) | (configs["tp"] != tp)
+    configs = configs[keep]
     configs.flags.writeable = False
     return ConfigSpace(shape=shape, devices=devices, variants=variants, configs=configs)

@@ -18,7 +18,7 @@ from services.engine_rules import (
     parallel_problem,
     tensor_parallel_problem,
 )
-from services.errors import IServeError, Unimplemented
+from services.errors import InvalidArgument, IServeError, Unimplemented
 from services.estimation.profiles import estimation_shape
 from services.estimation.space import Variant, enumerate_space
 
@@ -81,8 +81,53 @@ def test_the_space_leaves_out_a_tensor_parallel_split_of_the_mlp_the_engine_cann
     assert (2, 1) in pairs and (4, 1) not in pairs
 
 
-def _space(model: model_pb.Model):
-    return enumerate_space(estimation_shape(model), 8, (Variant("fp16"),))
+def _space(model: model_pb.Model, variants: tuple[Variant, ...] = ()):
+    return enumerate_space(estimation_shape(model), 8, variants or (Variant("fp16"),))
+
+
+COMPRESSED = (
+    Variant("fp16"),
+    Variant("int4", weight_quant="int4"),
+    Variant("sparse", pruning="2:4"),
+    Variant("pruned", pruning="structured"),
+    Variant("int4-pruned", weight_quant="int4", pruning="structured"),
+)
+
+
+def _as_config(variant: Variant, tp: int, pp: int) -> common.DeploymentConfig:
+    return common.DeploymentConfig(
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        weight_quant=common.WEIGHT_QUANT_INT4 if variant.weight_quant == "int4" else 0,
+        pruning={
+            "2:4": common.PRUNING_SEMI_STRUCTURED_2_4,
+            "structured": common.PRUNING_STRUCTURED,
+        }.get(variant.pruning or "", 0),
+    )
+
+
+def test_int4_at_a_tensor_split_whose_share_of_the_mlp_its_groups_do_not_divide():
+    """MLP 360 splits into 180 per rank at tp = 2: no int4 group of 8 divides it, so
+    int4 runs at tp = 1 only (a probe saw int4 at tp = 2 estimated at half its tp = 1
+    memory, ranked first by every intent, and launched before failing in the worker);
+    2:4's groups of 4 do divide it. The deployer refuses it before any launch."""
+    model = _model(heads=4, kv_heads=2, mlp_width=360, layers=2)
+    space = _space(model, COMPRESSED)
+    runs = {(space.variants[int(c["variant"])].name, int(c["tp"])) for c in space.configs}
+    assert ("int4", 1) in runs and ("int4", 2) not in runs
+    assert ("fp16", 2) in runs and ("sparse", 2) in runs
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^m at tp=2: int4 weight quantization needs every projection's input width "
+        r"divisible by 8; the MLP width on each of 2 tensor ranks is 180$",
+    ):
+        resolve_explicit(
+            model,
+            _as_config(COMPRESSED[1], 2, 1),
+            batch_size=1,
+            max_input_tokens=0,
+            max_output_tokens=0,
+        )
 
 
 @given(
@@ -98,15 +143,20 @@ def test_every_configuration_the_estimator_ranks_is_one_the_deployer_runs(
     deployer must not skip it for an engine reason."""
     kv_heads = heads // kv_divisor if heads % kv_divisor == 0 else heads
     model = _model(heads, kv_heads, mlp_width, layers)
-    for config in _space(model).configs:
+    space = _space(model, COMPRESSED)
+    for config in space.configs:
         tp, pp = int(config["tp"]), int(config["pp"])
-        requested = common.DeploymentConfig(tensor_parallel=tp, pipeline_parallel=pp)
+        variant = space.variants[int(config["variant"])]
+        requested = _as_config(variant, tp, pp)
         try:
             resolve_explicit(
                 model, requested, batch_size=1, max_input_tokens=0, max_output_tokens=0
             )
         except IServeError as exc:
-            pytest.fail(f"the estimator ranks tp={tp} pp={pp} but the deployer refuses: {exc}")
+            pytest.fail(
+                f"the estimator ranks {variant.name} tp={tp} pp={pp} but the deployer "
+                f"refuses: {exc}"
+            )
     assert (1, 1) in {(int(c["tp"]), int(c["pp"])) for c in _space(model).configs}
 
 

@@ -402,8 +402,13 @@ def test_a_variant_the_agent_refuses_is_skipped(redis_url, models_root):
         model_id="tiny-v",
         checkpoint_path="tiny",
         shape=model_pb.ModelShape(
-            num_layers=3, num_attention_heads=4, num_kv_heads=2, intermediate_size=192
-        ),
+            num_layers=3,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            intermediate_size=192,
+            head_dim=16,
+            hidden_size=64,
+        ),  # fmt: skip
         variants=[
             common.CompressionVariant(
                 name="int4",

@@ -33,6 +33,8 @@ def _model(layers=6, heads=4, kv_heads=2, intermediate=192, variants=()) -> mode
             num_layers=layers,
             num_attention_heads=heads,
             num_kv_heads=kv_heads,
+            head_dim=16,
+            hidden_size=16 * heads,
             intermediate_size=intermediate,
         ),
         variants=list(variants),
@@ -277,3 +279,19 @@ def test_no_room_on_virtual_devices_too_small_says_how_to_size_them():
     )
     # Large enough but busy: waiting helps, and the hint would mislead.
     assert "device-memory" not in no_room_reason([_node(*small)], [3000 * MIB, 3000 * MIB])
+
+
+def test_a_variant_whose_compression_a_tensor_rank_cannot_take_is_not_launched_there():
+    """MLP 360: int4's groups of 8 divide it whole but not a tp = 2 rank's 180, so int4
+    is profiled at (1,1) and (1,2) and skipped at (2,1), saying why; the probe saw its
+    workers launched there, reading the checkpoint, only to exit."""
+    int4 = common.CompressionVariant(name="int4", weight_quant=common.WEIGHT_QUANT_INT4)
+    model = _model(intermediate=360, variants=[int4])
+    jobs, skipped = plan_jobs(model, ProfilingSettings(), node_devices=2)
+    layouts = {(j.variant.name, j.tensor_parallel, j.pipeline_parallel) for j in jobs}
+    assert ("int4", 1, 1) in layouts and ("int4", 1, 2) in layouts
+    assert ("int4", 2, 1) not in layouts and ("base", 2, 1) in layouts
+    assert skipped == [
+        "variant int4: tp=2 pp=1: int4 weight quantization needs every projection's input "
+        "width divisible by 8; the MLP width on each of 2 tensor ranks is 180"
+    ]

@@ -215,21 +215,38 @@ def test_variant_problem_is_pure():
     import tempfile
     from pathlib import Path
 
-    from fingerprint_svc.registry import projection_inputs, variant_problem
+    from fingerprint_svc.registry import variant_problem
+    from services.engine_rules import projection_inputs
     from services.models.checkpoint import read_config
     from services.models.families import parse_config
 
     with tempfile.TemporaryDirectory() as tmp:
         create_checkpoint(Path(tmp) / "m", **{**SHAPE, "intermediate_size": 200})
         spec = parse_config(read_config(Path(tmp) / "m"))
-    assert projection_inputs(spec) == {
+    shape = {
+        "hidden": spec.hidden_size,
+        "heads": spec.num_heads,
+        "kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "mlp_width": spec.intermediate_size,
+    }
+    assert projection_inputs(**shape) == {
         "hidden_size": 64,
         "attention output (heads x head_dim)": 64,
         "MLP width": 200,
     }
-    assert projection_inputs(spec, 0.25)["MLP width"] == 150
+    assert projection_inputs(**shape, prune_fraction=0.25)["MLP width"] == 150
     # GQA (4 heads in 2 groups): each group keeps 2 - floor(0.5 * 2) = 1 query head.
-    assert projection_inputs(spec, 0.5)["attention output (heads x head_dim)"] == 32
+    assert (
+        projection_inputs(**shape, prune_fraction=0.5)["attention output (heads x head_dim)"] == 32
+    )
+    # At tp = 2 each rank's share: 2 heads of 16, 100 MLP channels (the row-parallel
+    # projections' inputs); the hidden size stays whole.
+    assert projection_inputs(**shape, tp=2) == {
+        "hidden_size": 64,
+        "attention output (heads x head_dim)": 32,
+        "MLP width": 100,
+    }
     int4 = _variant("int4", weight_quant=common.WEIGHT_QUANT_INT4)
     assert variant_problem(int4, spec) is None
     assert variant_problem(_variant(), spec, base=spec) is None
