@@ -33,7 +33,12 @@ from services.estimation.latency import (
     TENSOR,
 )
 from services.estimation.profiles import Sample
-from services.estimation.prompt_curve import attention_share, profiles_at, recorded
+from services.estimation.prompt_curve import (
+    attention_share,
+    gated_layer_weights,
+    profiles_at,
+    recorded,
+)
 from services.estimation.references import (
     ReferenceProfile,
     VariantProfile,
@@ -228,12 +233,14 @@ class ModelReferences:
 
 
 def _attention_share(shape: ModelShape) -> float | None:
-    """Prefill's quadratic share for ``shape`` (:func:`attention_share`); None when its
-    MLP width is unknown (a shape imported from measurements alone)."""
-    if shape.mlp_width <= 0:
-        return None
+    """Prefill's quadratic share for ``shape`` (:func:`attention_share`): over the layer's
+    weights as its checkpoint counts them, else (a shape without them) over a gated
+    MLP's; None when neither is known (a shape imported from measurements alone)."""
     hidden = shape.num_heads * shape.head_dim
-    return attention_share(hidden, shape.num_kv_heads * shape.head_dim, shape.mlp_width)
+    weights = shape.layer_weights
+    if weights <= 0 and shape.mlp_width > 0:
+        weights = gated_layer_weights(hidden, shape.num_kv_heads * shape.head_dim, shape.mlp_width)
+    return attention_share(hidden, weights) if weights > 0 else None
 
 
 def _ladder_layouts(fingerprints: Sequence[Sample]) -> tuple[Layout, ...]:

@@ -192,8 +192,19 @@ def estimation_shape(model: model_pb.Model) -> ModelShape:
         s.head_dim,
         mlp_width=s.intermediate_size,
         max_positions=s.max_position_embeddings,
+        layer_weights=_layer_weights(s),
         hidden_size=s.hidden_size,
     )
+
+
+def _layer_weights(shape: model_pb.ModelShape) -> int:
+    """Weights of one decoder layer: the record's parameters less the token embedding and
+    an untied LM head, over the layers (the final norm's few weights count in); 0 when
+    the record does not give them."""
+    if not (shape.parameter_count and shape.vocab_size and shape.hidden_size):
+        return 0
+    heads = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    return max(0, (shape.parameter_count - heads) // shape.num_layers)
 
 
 def _accuracy(model: model_pb.Model, variant_name: str, uncompressed: bool) -> float | None:

@@ -88,14 +88,19 @@ def profiles_at(
     return tuple(out)
 
 
-def attention_share(hidden: int, kv_width: int, mlp_width: int) -> float:
+def attention_share(hidden: int, layer_weights: int) -> float:
     """``k`` of prefill's work per layer, ``P n + H n^2`` up to one factor, over ``P``:
     ``n`` tokens through the layer's ``P`` weights (2 FLOPs each), and causal
     attention's ``n^2 / 2`` pairs of query and key at ``4 H`` FLOPs each (scores, then
-    values). ``P`` counts the query and output projections (``H x H``), the key and
-    value ones (``H x kv_width``) and a gated MLP's three ``H x mlp_width`` matrices."""
-    weights = 2 * hidden * hidden + 2 * hidden * kv_width + 3 * hidden * mlp_width
-    return hidden / weights
+    values), ``H`` the attention's width."""
+    return hidden / layer_weights
+
+
+def gated_layer_weights(hidden: int, kv_width: int, mlp_width: int) -> int:
+    """A decoder layer's weights when only its widths are known: the query and output
+    projections (``H x H``), the key and value ones (``H x kv_width``) and a gated MLP's
+    three ``H x mlp_width`` matrices (a plain MLP has two)."""
+    return 2 * hidden * hidden + 2 * hidden * kv_width + 3 * hidden * mlp_width
 
 
 def _figures_from(profile: VariantProfile, other: VariantProfile, *names: str) -> VariantProfile:

@@ -56,10 +56,12 @@ class ModelShape:
 
     The heads and the MLP width bound tensor parallelism; ``num_kv_heads`` and
     ``head_dim`` size the KV cache; ``max_positions`` (the model's context) bounds
-    prompt plus output tokens; the widths (``hidden_size``, heads, MLP) bound the
-    compressions a tensor rank can apply. Values come from the checkpoint's config;
-    ``mlp_width``, ``max_positions`` and ``hidden_size`` 0 mean unknown (a shape imported
-    from measurements alone; the hidden size is then taken as the heads').
+    prompt plus output tokens; ``layer_weights`` (the weights of one decoder layer, as
+    the checkpoint's tensors count them, whatever the MLP's form) gives prefill's
+    attention share; the widths (``hidden_size``, heads, MLP) bound the compressions a
+    tensor rank can apply. Values come from the checkpoint's config; ``mlp_width``,
+    ``max_positions``, ``layer_weights`` and ``hidden_size`` 0 mean unknown (a shape
+    imported from measurements alone; the hidden size is then taken as the heads').
     """
 
     name: str
@@ -69,6 +71,7 @@ class ModelShape:
     head_dim: int
     mlp_width: int = 0
     max_positions: int = 0
+    layer_weights: int = 0
     hidden_size: int = 0
 
     def __post_init__(self) -> None:
@@ -76,7 +79,7 @@ class ModelShape:
             value = getattr(self, field)
             if value <= 0:
                 raise ValueError(f"{self.name}: {field} must be positive, got {value}")
-        for field in ("mlp_width", "max_positions", "hidden_size"):
+        for field in ("mlp_width", "max_positions", "layer_weights", "hidden_size"):
             value = getattr(self, field)
             if value < 0:
                 raise ValueError(f"{self.name}: {field} must not be negative, got {value}")

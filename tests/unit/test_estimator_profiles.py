@@ -307,10 +307,10 @@ def test_beyond_the_longest_prompt_ttft_follows_prefill_s_shape_through_the_two_
     from the architecture (attention_share), through the two longest prompts: exact
     when the profile follows prefill's work, and unmoved by noise at the shortest, which
     bent the parabola (+58 % at 16k tokens on a probe's hidden-256 model)."""
-    from services.estimation.prompt_curve import attention_share
+    from services.estimation.prompt_curve import attention_share, gated_layer_weights
 
     shape = ModelShape("tiny", 8, 8, 4, 16, mlp_width=64)
-    share = attention_share(8 * 16, 4 * 16, 64)
+    share = attention_share(8 * 16, gated_layer_weights(8 * 16, 4 * 16, 64))
     assert share == pytest.approx(1 / 576)
     a = 2e-5
     rows = _linear_in_prompt((64, 256, 1024), a, 0.0, ttft_per_pair=a * share)
@@ -337,6 +337,75 @@ def test_beyond_the_longest_prompt_ttft_follows_prefill_s_shape_through_the_two_
         assert noisy.at_input(n)[0].batch1.ttft_s[0] == pytest.approx(
             refs.at_input(n)[0].batch1.ttft_s[0]
         )
+
+
+@pytest.mark.parametrize(
+    ("config", "mlp_matrices"),
+    [
+        # GPT-J: a plain MLP (two matrices), untied LM head with a bias.
+        (
+            {
+                "model_type": "gptj",
+                "architectures": ["GPTJForCausalLM"],
+                "n_embd": 256,
+                "n_layer": 3,
+                "n_head": 4,
+                "n_inner": 1024,
+                "n_positions": 2048,
+                "rotary_dim": 16,
+                "vocab_size": 1000,
+                "tie_word_embeddings": False,
+            },
+            2,
+        ),
+        # Falcon: a plain MLP, one KV head, tied embeddings.
+        (
+            {
+                "model_type": "falcon",
+                "architectures": ["FalconForCausalLM"],
+                "hidden_size": 256,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "multi_query": True,
+                "parallel_attn": True,
+                "bias": False,
+                "new_decoder_architecture": False,
+                "vocab_size": 1000,
+            },
+            2,
+        ),
+        # Llama: a gated MLP (three matrices), grouped KV heads.
+        (
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 256,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 688,
+                "vocab_size": 1000,
+                "max_position_embeddings": 2048,
+            },
+            3,
+        ),
+    ],
+)
+def test_prefill_s_attention_share_counts_the_layer_s_own_weights(config, mlp_matrices):
+    """k = H / P with P the decoder layer's weights as the registered record counts them
+    (its parameters less embedding and LM head): a plain MLP's two matrices for GPT-J
+    and Falcon, not a gated MLP's three (which made their k about 25 % low)."""
+    from fingerprint_svc.registry import model_shape
+    from services.models.families import parse_config
+
+    spec = parse_config(config)
+    record = model_pb.Model(model_id="m", shape=model_shape(spec, spec.weight_bytes()))
+    shape = profiles.estimation_shape(record)
+    h, kv, inner = spec.hidden_size, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    weights = 2 * h * h + 2 * h * kv + mlp_matrices * h * inner
+    # Norms and biases: a few H per layer beside the matrices' ~12 H^2.
+    assert shape.layer_weights == pytest.approx(weights, rel=0.01)
+    assert model_references._attention_share(shape) == pytest.approx(h / weights, rel=0.01)
 
 
 def test_a_parabola_that_bends_down_is_held_to_the_line_and_between_its_neighbours():
