@@ -201,9 +201,13 @@ class ServingMetrics:
         registry: CollectorRegistry,
         snapshot: Snapshot,
         predictions: Predictions = lambda: (),
+        known_model: Callable[[str], str] = lambda deployment_id: "",
     ):
         self._snapshot = snapshot
         self._tallies: dict[str, _Tally] = {}
+        # The model of a deployment no request has ended on yet (the router's record):
+        # its queue can be scraped before, and its gauges' model_id changed from "" then.
+        self._known_model = known_model
 
         def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, help_text, LABELS, buckets=buckets, registry=registry)
@@ -248,7 +252,7 @@ class ServingMetrics:
 
     def _model_of(self, deployment_id: str) -> str:
         tally = self._tallies.get(deployment_id)
-        return tally.model_id if tally is not None else ""
+        return tally.model_id if tally is not None else self._known_model(deployment_id)
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the series and tallies of deployments not in ``keep`` (removed ones):

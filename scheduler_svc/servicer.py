@@ -105,8 +105,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         self.store = store
         self.queues = QueueRegistry(queue_capacity, policy_factory, clock)
         self.registry = registry if registry is not None else new_registry()
-        self.metrics = ServingMetrics(self.registry, self.queues.snapshot, self.queues.predictions)
         self.router = Router(store, lambda d: self.queues.shortest_wait(d)[0])
+        self.metrics = ServingMetrics(
+            self.registry, self.queues.snapshot, self.queues.predictions, self._known_model
+        )
         self.workers = WorkerClients()
         self._clock = clock
         # Workers found gone, avoided until their replica leaves the records.
@@ -127,6 +129,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
 
     async def close(self) -> None:
         await self.workers.close()
+
+    def _known_model(self, deployment_id: str) -> str:
+        record = self.router.cached(deployment_id)
+        return record.model_id if record is not None else ""
 
     async def Generate(
         self, request: inference_pb.GenerateRequest, context: grpc.aio.ServicerContext

@@ -253,3 +253,14 @@ def test_a_stream_the_client_closes_between_messages_is_counted_by_the_rpc_count
     labels = {"grpc_service": "iserve.v1.InferenceService", "grpc_method": "Generate"}
     assert get("iserve_grpc_server_handled_total", {**labels, "grpc_code": "CANCELLED"}) == 1
     assert get("iserve_grpc_server_handled_total", {**labels, "grpc_code": "OK"}) == 1
+
+
+def test_a_queue_scraped_before_any_request_ended_is_labelled_with_its_model():
+    """A deployment's queue exists (a request waits on it, or routing looked at it)
+    before any request on it ended: its gauges carry the model the router's record
+    names, not model_id="" that later changes to the model (a dashboard saw two series)."""
+    registry = CollectorRegistry()
+    ServingMetrics(registry, lambda: [("d1", 0, 1)], known_model={"d1": "m"}.get)
+    get = registry.get_sample_value
+    assert get("iserve_num_requests_waiting", IDS) == 1
+    assert get("iserve_num_requests_waiting", {"model_id": "", "deployment_id": "d1"}) is None
