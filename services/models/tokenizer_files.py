@@ -14,7 +14,8 @@ here, naming the file:
   smaller one makes ordinary text fail. A larger ``vocab_size`` (rows padded to a round
   number) is fine, and so are added tokens beyond it (a ``<pad>`` appended at 32000 to a
   32000-row Llama-2, which transformers loads): only a prompt holding one is refused;
-- a Llama or Code Llama tokenizer is run as transformers 5 runs it (below);
+- a tokenizer whose class transformers 5 rebuilds (Llama, Code Llama, Qwen2, GPT-2) is
+  run as it runs it (below);
 - the chat template the gateway renders (:mod:`services.models.chat_template`) must
   compile in the same Jinja environment. A checkpoint without one is fine: its chat
   requests are refused with the reason, and completions work.
@@ -26,7 +27,7 @@ import json
 from pathlib import Path
 
 from jinja2 import TemplateSyntaxError
-from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 
 from services.models.arch import ArchSpec
 from services.models.chat_template import (
@@ -103,11 +104,20 @@ def as_transformers_runs_it(tokenizer: Tokenizer, family: str, tokenizer_config:
     pieces and falls back to bytes. Checked against transformers itself by
     ``tests/unit/test_models_tokenizer_files.py``.
 
-    Left as the file says: a byte-level ``tokenizer.json`` (Llama 3's, whose hub
-    config still names ``LlamaTokenizer``: transformers runs the file); other model
-    types (a ``mistral`` model runs the file whatever class is named); any other class.
+    A BPE ``tokenizer.json`` that transformers runs as ``Qwen2Tokenizer`` or
+    ``GPT2Tokenizer`` (:func:`_byte_level_class`) gets that class's byte-level pipeline
+    (:func:`_as_byte_level_class_runs_it`): a probe's Qwen2 checkpoint with a
+    ``tokenizers``-trained file, no NFC, was encoded to 14 ids where transformers gives 7.
+
+    Left as the file says: a byte-level ``tokenizer.json`` of a llama model (Llama 3's,
+    whose hub config still names ``LlamaTokenizer``: transformers runs the file); a
+    ``mistral`` model's whatever class is named; any other class.
     """
     named = str(tokenizer_config.get("tokenizer_class") or "").removesuffix("Fast")
+    rebuilt_as = _byte_level_class(family, named)
+    if rebuilt_as is not None:
+        _as_byte_level_class_runs_it(tokenizer, rebuilt_as, tokenizer_config)
+        return
     if family != "llama" or named not in ("LlamaTokenizer", "CodeLlamaTokenizer"):
         return
     spec = json.loads(tokenizer.to_str())
@@ -133,6 +143,65 @@ def as_transformers_runs_it(tokenizer: Tokenizer, family: str, tokenizer_config:
     tokenizer.model.fuse_unk = True
     tokenizer.model.byte_fallback = True
     tokenizer.model.dropout = None
+
+
+# Qwen2Tokenizer's split of the text before byte-level BPE (transformers 5).
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _byte_level_class(family: str, named: str) -> str | None:
+    """The byte-level BPE class transformers 5's ``AutoTokenizer`` builds a ``family``
+    model's tokenizer with, ``named`` the ``tokenizer_config.json`` class (without
+    ``Fast``), when that class rebuilds the pipeline around the file's vocabulary: a
+    ``qwen2`` model's is ``Qwen2Tokenizer`` whatever class is named (transformers lists
+    qwen2 among the types whose hub configs name a wrong class); a ``gptj`` model's
+    ``GPT2Tokenizer`` unless another class is named; any other model's the named one of
+    the two. A ``mistral`` model runs the file whatever is named. None: no such class."""
+    if family == "qwen2":
+        return "Qwen2Tokenizer"
+    if family == "mistral":
+        return None
+    if family == "gptj" and not named:
+        return "GPT2Tokenizer"
+    return named if named in ("Qwen2Tokenizer", "GPT2Tokenizer") else None
+
+
+def _as_byte_level_class_runs_it(
+    tokenizer: Tokenizer, class_name: str, tokenizer_config: dict
+) -> None:
+    """``tokenizer`` (a BPE ``tokenizer.json``) with the pipeline transformers 5's
+    ``class_name`` builds around its vocabulary and merges: byte-level BPE with
+    ``add_prefix_space`` from ``tokenizer_config.json`` (default false), a ByteLevel
+    decoder, and for ``Qwen2Tokenizer`` an NFC normalizer and Qwen's split before the
+    bytes (GPT-2's has no normalizer). A file of another model type (WordPiece, Unigram)
+    runs as written: the class would make a merge-less BPE of its vocabulary."""
+    spec = json.loads(tokenizer.to_str())
+    if spec.get("model", {}).get("type") != "BPE":
+        return
+    add_prefix_space = bool(tokenizer_config.get("add_prefix_space") or False)
+    if class_name == "Qwen2Tokenizer":
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False),
+            ]
+        )
+    else:
+        tokenizer.normalizer = None
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
+    tokenizer.decoder = decoders.ByteLevel()
+    model = tokenizer.model
+    model.dropout = None
+    model.continuing_subword_prefix = ""
+    model.end_of_word_suffix = ""
+    model.fuse_unk = False
+    if class_name == "Qwen2Tokenizer":
+        model.unk_token = None
+        model.byte_fallback = False
 
 
 def _byte_level(spec: dict) -> bool:

@@ -250,12 +250,20 @@ def _spm_texts() -> list[str]:
 )
 @pytest.mark.parametrize("legacy", [None, True, False])
 @pytest.mark.parametrize("add_prefix_space", [None, False])
+@pytest.mark.parametrize("ask_transformers", [True, False], ids=["asked", "own-rules"])
 def test_a_sentencepiece_style_tokenizer_encodes_and_decodes_as_transformers_runs_it(
-    tmp_path, spm_tokenizer_json, model_type, tokenizer_class, legacy, add_prefix_space
+    tmp_path,
+    spm_tokenizer_json,
+    model_type,
+    tokenizer_class,
+    legacy,
+    add_prefix_space,
+    ask_transformers,
 ) -> None:
     """transformers 5 rebuilds a llama model's LlamaTokenizer / CodeLlamaTokenizer with
-    the class's own pipeline (services.models.tokenizer_files.as_transformers_runs_it);
-    iserve encoded with the file's normalizer, a "▁" more after each special token."""
+    the class's own pipeline; iserve encoded with the file's normalizer, a "▁" more after
+    each special token. Both ways iserve takes it: asked of transformers, and its own
+    rules where transformers is not installed (as_transformers_runs_it)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     from services.models.special_tokens import encode_prompt
@@ -280,6 +288,92 @@ def test_a_sentencepiece_style_tokenizer_encodes_and_decodes_as_transformers_run
             ids = encode_prompt(tokenizer, text, add_special_tokens=special)
             assert ids == reference(text, add_special_tokens=special)["input_ids"], (text, special)
         ids = encode_prompt(tokenizer, text, add_special_tokens=False)
+        assert tokenizer.decode(ids, skip_special_tokens=True) == reference.decode(
+            ids, skip_special_tokens=True
+        ), text
+
+
+# ---- byte-level BPE files that transformers' own classes rebuild ----------------------
+@pytest.fixture(scope="module")
+def byte_level_tokenizer_json() -> str:
+    """A byte-level BPE trained by the tokenizers library itself, no normalizer: what a
+    user wraps in PreTrainedTokenizerFast and saves beside a model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [
+        "Hello world, the café is open. café 你好世界",
+        "tab\tnew\nline x: a\nb 42 numbers 1234 don't we'll",
+    ] * 50
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer.to_str()
+
+
+BYTE_LEVEL_TEXTS = [
+    "Hello world",
+    "été café",  # decomposed accents: NFC composes them
+    "你好世界，今天",
+    "tab\tnew\nline",
+    "x: a\nb",
+    "  two  spaces",
+    "don't 1234",
+    "<|endoftext|>after",
+]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "tokenizer_config"),
+    [
+        # transformers 5 runs a qwen2 model's tokenizer as Qwen2Tokenizer whatever class is
+        # named (NFC, Qwen's split, add_prefix_space from the config).
+        ("qwen2", {"tokenizer_class": "TokenizersBackend"}),
+        ("qwen2", {"tokenizer_class": "PreTrainedTokenizerFast", "add_prefix_space": True}),
+        ("qwen2", {}),
+        # A gptj model's is GPT2Tokenizer unless another class is named.
+        ("gptj", {}),
+        ("gptj", {"add_prefix_space": True}),
+        # Any model whose config names GPT2Tokenizer or Qwen2Tokenizer.
+        ("llama", {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": True}),
+        ("llama", {"tokenizer_class": "Qwen2TokenizerFast"}),
+        ("falcon", {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": True}),
+        ("qwen2", {"tokenizer_class": "Qwen2Tokenizer", "add_prefix_space": True}),
+        # The file as written: another class named, or a mistral model whatever is named.
+        ("falcon", {"tokenizer_class": "PreTrainedTokenizerFast"}),
+        ("gptj", {"tokenizer_class": "PreTrainedTokenizerFast", "add_prefix_space": True}),
+        ("mistral", {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": True}),
+        ("llama", {"tokenizer_class": "TokenizersBackend"}),
+    ],
+)
+def test_a_byte_level_tokenizer_encodes_as_auto_tokenizer_runs_it(
+    tmp_path, byte_level_tokenizer_json, model_type, tokenizer_config
+) -> None:
+    """A probe found prompts of such checkpoints encoded from the file as written where
+    AutoTokenizer rebuilds it: 14 ids for 7 (no NFC), a prefix space missing, every chat
+    prompt different. iserve runs them as transformers' class does."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    from services.models.special_tokens import encode_prompt
+    from services.models.tokenizer_files import load_tokenizer
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(byte_level_tokenizer_json)
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    config = {"eos_token": "<|endoftext|>", **tokenizer_config}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    tokenizer = load_tokenizer(directory, model_type)
+    for text in BYTE_LEVEL_TEXTS:
+        for special in (True, False):
+            ids = encode_prompt(tokenizer, text, add_special_tokens=special)
+            assert ids == reference(text, add_special_tokens=special)["input_ids"], (text, special)
         assert tokenizer.decode(ids, skip_special_tokens=True) == reference.decode(
             ids, skip_special_tokens=True
         ), text
