@@ -199,9 +199,8 @@ def _as_byte_level_class_runs_it(
     model.continuing_subword_prefix = ""
     model.end_of_word_suffix = ""
     model.fuse_unk = False
-    if class_name == "Qwen2Tokenizer":
-        model.unk_token = None
-        model.byte_fallback = False
+    model.unk_token = None
+    model.byte_fallback = False
 
 
 def _byte_level(spec: dict) -> bool:
