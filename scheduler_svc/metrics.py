@@ -15,7 +15,7 @@ Names follow what vLLM users already scrape, with the ``iserve_`` prefix, labell
 - goodput, which none of vLLM, TGI or Triton exports: ``slo_attained_total`` and
   ``slo_missed_total``, counting requests that had an objective (the deployment's TTFT
   or TPOT SLO, its default deadline or their own ``deadline_ms``); a request that did
-  not complete missed it.
+  not complete missed it, except one its client cancelled before it had missed any.
 
 A request is recorded once, when it ends, from the times the servicer took anyway, so
 the token loop does no metrics work.
@@ -92,6 +92,8 @@ class RequestRecord:
     completion_tokens: int = 0
     finish_reason: int = 0
     code: grpc.StatusCode = grpc.StatusCode.OK
+    # When its client cancelled it (None: it was not cancelled).
+    cancelled_s: float | None = None
 
 
 @dataclass
@@ -181,6 +183,22 @@ class _PredictionGauges(Collector):
             for family, value in zip(families.values(), values, strict=True):
                 family.add_metric(label_values, max(0.0, value))
         yield from families.values()
+
+
+def _missed_before(r: RequestRecord, objectives: common.ServiceObjectives, at_s: float) -> bool:
+    """Whether a request its client cancelled at ``at_s`` had missed an objective by then:
+    no first token within the TTFT SLO, its tokens so far further apart than the TPOT
+    SLO, or its deadline passed. One cancelled in time was neither met nor missed: a
+    client that gives up on an answer it no longer wants does not lower goodput."""
+    times = r.token_times
+    first_s = times[0] if times else at_s
+    if objectives.ttft_slo_ms and (first_s - r.arrival_s) * 1e3 > objectives.ttft_slo_ms:
+        return True
+    gaps_ms = (times[-1] - times[0]) / (len(times) - 1) * 1e3 if len(times) > 1 else 0.0
+    if objectives.tpot_slo_ms and gaps_ms > objectives.tpot_slo_ms:
+        return True
+    deadline_ms = r.deadline_ms or objectives.default_deadline_ms
+    return bool(deadline_ms and (at_s - r.arrival_s) * 1e3 > deadline_ms)
 
 
 def _by_deployment(queues: Iterable[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
@@ -297,7 +315,11 @@ class ServingMetrics:
             # A request refused as invalid, or as not the caller's to make, was never the
             # deployment's to serve: it fails, but a client's malformed or unpermitted
             # requests must not lower the deployment's goodput.
-            if r.code not in CLIENT_FAULTS and has_objective(objectives, r.deadline_ms):
+            if (
+                r.code not in CLIENT_FAULTS
+                and has_objective(objectives, r.deadline_ms)
+                and (r.cancelled_s is None or _missed_before(r, objectives, r.cancelled_s))
+            ):
                 tally.missed += 1
                 self.slo_missed.labels(*labels).inc()
             return

@@ -279,6 +279,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # GeneratorExit: the stream was closed at a yield (the client went away
             # between messages): a cancellation, not a success with no finish reason.
             record.code = ended_by_client(context, budget_s)
+            if record.code == grpc.StatusCode.CANCELLED:
+                record.cancelled_s = clock()
             # As the served ones: an operator reading the log sees each request end.
             log.info(
                 "request %s ended by the client (%s) after %d tokens, %.0f ms",

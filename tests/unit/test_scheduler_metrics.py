@@ -264,3 +264,37 @@ def test_a_queue_scraped_before_any_request_ended_is_labelled_with_its_model():
     get = registry.get_sample_value
     assert get("iserve_num_requests_waiting", IDS) == 1
     assert get("iserve_num_requests_waiting", {"model_id": "", "deployment_id": "d1"}) is None
+
+
+@pytest.mark.parametrize(
+    ("tokens", "cancelled_s", "missed"),
+    [
+        ((), 0.05, 0),  # gave up before its TTFT SLO (100 ms) passed: neither
+        ((), 0.5, 1),  # no first token within it: missed
+        ((0.05, 0.06), 0.07, 0),  # on time so far
+        ((0.3, 0.31), 0.32, 1),  # its first token came late
+    ],
+)
+def test_a_cancelled_request_misses_only_what_it_had_missed(tokens, cancelled_s, missed):
+    """A client that cancels a request still within its objectives does not lower the
+    deployment's goodput (every cancellation counted as a miss); one cancelled after
+    its TTFT SLO passed without a token did miss it. Both count as failed."""
+    registry, metrics = build()
+    record = RequestRecord("m", 0, 0.0, deployment_id="d1", objectives=TTFT_SLO)
+    record.token_times.extend(tokens)
+    record.code = grpc.StatusCode.CANCELLED
+    record.cancelled_s = cancelled_s
+    metrics.record(record)
+    (stats,) = metrics.stats()
+    assert (stats.failed, stats.slo_missed, stats.slo_attained) == (1, missed, 0)
+    assert (registry.get_sample_value("iserve_slo_missed_total", IDS) or 0) == missed
+
+
+def test_a_request_cancelled_past_its_deadline_missed_it():
+    _, metrics = build()
+    record = RequestRecord("m", 200, 0.0, deployment_id="d1")
+    record.code = grpc.StatusCode.CANCELLED
+    record.cancelled_s = 0.3
+    metrics.record(record)
+    (stats,) = metrics.stats()
+    assert stats.slo_missed == 1
