@@ -123,15 +123,30 @@ def _kept_port(path: Path, host: str) -> int:
 
 
 def _password(path: Path) -> str:
-    """The password kept at ``path``, made (URL-safe, 256 bits) when there is none."""
+    """The password kept at ``path``, made (URL-safe, 256 bits) when there is none or the
+    file is empty (a start cut off by a full disk left it so, and every later start
+    failed on Redis's "requirepass" with no argument). Written whole or not at all: a
+    temporary file renamed into place. RuntimeError naming the file for one that holds
+    what Redis's config cannot (spaces, control characters)."""
     try:
-        return path.read_text().strip()
+        kept = path.read_text().strip()
     except FileNotFoundError:
-        pass
+        kept = ""
+    if kept:
+        if not kept.isprintable() or any(c.isspace() for c in kept):
+            raise RuntimeError(
+                f"{path} holds no usable Redis password (spaces or control characters); "
+                "delete it and `iserve up` makes a new one"
+            )
+        return kept
     password = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(password + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, path)
     return password
 
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -125,10 +125,12 @@ def _alive(pid: int, started: int | None = None) -> bool:
 
 
 def _record(stack: dict, name: str, pid: int) -> None:
-    """Note ``pid`` as the stack's ``name`` process in ``stack`` (for stack.json), with its
-    start time."""
+    """Note ``pid`` as the stack's ``name`` process in ``stack`` and in stack.json at once,
+    with its start time: a stack whose ``iserve up`` was killed while it started is
+    still one `iserve down` stops (its processes ran on, recorded nowhere)."""
     stack["pids"][name] = pid
     stack.setdefault("started", {})[name] = start_time(pid)
+    write_stack_file(Path(stack["state_dir"]), stack)
 
 
 def _ours(stack: Mapping) -> dict[str, tuple[int, int | None]]:
@@ -147,8 +149,16 @@ def stack_running(settings: Settings) -> dict:
 def _starting(state_dir: Path) -> Iterator[None]:
     """Held while ``iserve up`` starts a stack in ``state_dir``: a second ``up`` at the
     same time is refused, instead of starting a second Redis on the same data."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    with open(state_dir / "up.lock", "a") as lock:
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(state_dir / "up.lock", "a")  # noqa: SIM115 - held below
+    except OSError as exc:
+        # A read-only or full disk said only "[Errno 30] Read-only file system".
+        raise RuntimeError(
+            f"cannot prepare the stack's state directory {state_dir}: {exc.strerror or exc}; "
+            "set ISERVE_STATE_DIR to a writable directory of this user's with free space"
+        ) from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -184,8 +194,14 @@ def with_chosen_ports(settings: Settings) -> Settings:
 
 
 def up(settings: Settings, options: UpOptions, log=print) -> dict:
-    """Start the stack; returns what was written to stack.json. Raises RuntimeError."""
-    with _starting(settings.state_dir):
+    """Start the stack; returns what was written to stack.json. Raises RuntimeError.
+
+    SIGTERM and SIGHUP while it starts unwind it as Ctrl-C does, stopping what started
+    (a service manager's stop, `timeout` or a closed terminal left the whole stack
+    running, unrecorded); and stack.json names each process as it starts, so that
+    `iserve down` stops them even after a SIGKILL."""
+    with _starting(settings.state_dir), contextlib.ExitStack() as cleanup:
+        _interrupt_on((signal.SIGTERM, signal.SIGHUP), cleanup)
         return _up(settings, options, log)
 
 
@@ -263,26 +279,27 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         "metrics_addresses": dict(settings.metrics_addresses),
     }
     redis_proc = None
-    if settings.redis_url:
-        redis_url = settings.redis_url
-        log(f"using Redis at {redacted_url(redis_url)}")
-    else:
-        redis_proc, redis_url = start_redis(settings.state_dir / "redis")
-        _record(stack, "redis", redis_proc.pid)
-        stack["embedded_redis"] = True
-        log(f"started embedded redis-server at {redacted_url(redis_url)}")
-    stack["redis_url"] = redis_url
-    if settings.auth:
-        for path in write_stack_tokens(settings):
-            log(f"authentication on: wrote {path}")
-        log(f"authentication on: the CLI uses {token_file(settings.state_dir, 'admin')}")
-    # Read before the deployer starts restoring them: listed later, one that failed or
-    # came back already went unmentioned (a deployment whose checkpoint is gone fails
-    # within a second).
-    kept = _kept_deployments(redis_url)
-    env = _service_env(settings, redis_url, options)
     procs: dict[str, subprocess.Popen] = {}
     try:
+        if settings.redis_url:
+            redis_url = settings.redis_url
+            log(f"using Redis at {redacted_url(redis_url)}")
+        else:
+            redis_proc, redis_url = start_redis(settings.state_dir / "redis")
+            stack["embedded_redis"] = True
+            stack["redis_url"] = redis_url
+            _record(stack, "redis", redis_proc.pid)
+            log(f"started embedded redis-server at {redacted_url(redis_url)}")
+        stack["redis_url"] = redis_url
+        if settings.auth:
+            for path in write_stack_tokens(settings):
+                log(f"authentication on: wrote {path}")
+            log(f"authentication on: the CLI uses {token_file(settings.state_dir, 'admin')}")
+        # Read before the deployer starts restoring them: listed later, one that failed
+        # or came back already went unmentioned (a deployment whose checkpoint is gone
+        # fails within a second).
+        kept = _kept_deployments(redis_url)
+        env = _service_env(settings, redis_url, options)
         for name, module in SERVICES:
             procs[name] = _spawn(module, env, logs / f"{name}.log")
             _record(stack, name, procs[name].pid)
@@ -311,6 +328,8 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
             {n: (p.pid, None) for n, p in procs.items()}
             | ({"redis": (redis_proc.pid, None)} if redis_proc else {})
         )
+        if stack["pids"]:  # the record this start wrote (_record), of what it stopped
+            (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
         raise
     stack["started_at_unix_ms"] = int(time.time() * 1000)
     stack["models_root"] = str(settings.models_root)  # where the stack reads checkpoints
@@ -588,25 +607,26 @@ def temporary_stack(
         os.environ.pop("REDIS_URL", None)
         os.environ.update(values)
         settings = load_settings()
-        _stop_on_sigterm(cleanup)
+        _interrupt_on((signal.SIGTERM,), cleanup)
         up(settings, UpOptions(), log=log)  # what it started, it stops when it fails
         cleanup.callback(down, settings, lambda _msg: None)
         yield load_settings()
 
 
-def _stop_on_sigterm(cleanup: contextlib.ExitStack) -> None:
-    """While ``cleanup`` is open, SIGTERM ends this process as Ctrl-C would, unwinding
-    it: a benchmark killed by ``timeout`` or its terminal's close left its whole stack
-    running (a probe). Only the main thread may set a handler; elsewhere nothing
-    changes."""
+def _interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitStack) -> None:
+    """While ``cleanup`` is open, each of ``signals`` ends this process as Ctrl-C would,
+    unwinding it: a benchmark killed by ``timeout`` or its terminal's close left its
+    whole stack running (a probe). Only the main thread may set a handler; elsewhere
+    nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     def interrupt(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    cleanup.callback(signal.signal, signal.SIGTERM, previous)
+    for sig in signals:
+        previous = signal.signal(sig, interrupt)
+        cleanup.callback(signal.signal, sig, previous)
 
 
 def _restore_environment(saved: Mapping[str, str | None]) -> None:

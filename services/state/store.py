@@ -119,8 +119,26 @@ class StateStoreRefused(StateStoreUnavailable):
     a process that starts stops at once rather than retrying."""
 
 
+# What Redis answers a client without the right password. Over a unix socket redis-py's
+# asyncio client raises it as a plain ConnectionError, not AuthenticationError, and a
+# wrong password there read as "unreachable" after 12 s of retries (a probe).
+_AUTH_REFUSALS = (
+    "NOAUTH",
+    "WRONGPASS",
+    "invalid username-password pair",
+    "must be called with the client already authenticated",
+    "Authentication required",
+)
+
+
+def _auth_refused(exc: Exception) -> bool:
+    return isinstance(exc, AuthenticationError) or (
+        isinstance(exc, RedisConnectionError) and any(m in str(exc) for m in _AUTH_REFUSALS)
+    )
+
+
 def _refusal_hint(exc: Exception) -> str:
-    if isinstance(exc, AuthenticationError):
+    if _auth_refused(exc):
         return "check the user and password in REDIS_URL"
     if isinstance(exc, NoPermissionError):
         return "its ACL user lacks a permission iserve needs (docs/security.md lists them)"
@@ -137,8 +155,10 @@ _REFUSALS = (AuthenticationError, NoPermissionError, OutOfMemoryError, ReadOnlyE
 
 
 def _refused(exc: Exception) -> bool:
-    return isinstance(exc, _REFUSALS) or (
-        isinstance(exc, ResponseError) and str(exc).startswith("DB index is out of range")
+    return (
+        isinstance(exc, _REFUSALS)
+        or _auth_refused(exc)
+        or (isinstance(exc, ResponseError) and str(exc).startswith("DB index is out of range"))
     )
 
 

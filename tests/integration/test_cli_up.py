@@ -265,3 +265,62 @@ def _running(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGKILL"])
+def test_up_stopped_while_it_starts_leaves_no_stack_behind(tmp_path, sig):
+    """`iserve up` stopped while its services start (a service manager's stop, `timeout`,
+    a closed terminal): SIGTERM and SIGHUP stop what it started, as Ctrl-C does; after a
+    SIGKILL `iserve down` stops it, stack.json naming each process as it started. A probe
+    found the whole stack running, recorded nowhere, `down` saying there was none."""
+    import json
+    import signal
+    import time
+
+    state = tmp_path / "state"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
+        "ISERVE_STATE_DIR": str(state),
+        "ISERVE_DEVICES": "1",
+        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+        **{var: f"127.0.0.1:{free_port()}" for var in METRICS_ENV.values()},
+        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
+    }
+    env.pop("REDIS_URL", None)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pids: dict = {}
+    try:
+
+        def started() -> bool:
+            nonlocal pids
+            try:
+                pids = json.loads((state / "stack.json").read_text())["pids"]
+            except (OSError, ValueError, KeyError):
+                return False
+            return len(pids) >= 3  # Redis and two services: mid-start
+
+        assert wait_for(started, timeout=120), _exited(up)
+        up.send_signal(getattr(signal, sig))
+        out, _ = up.communicate(timeout=120)
+        assert "iserve is up" not in out, out  # stopped while it started
+        if sig == "SIGKILL":
+            down = run_cli(env, "down")
+            assert down.returncode == 0 and "stopped" in down.stdout, down.stdout
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_running(p) for p in pids.values()):
+            time.sleep(0.1)
+        assert not [n for n, p in pids.items() if _running(p)], (pids, out)
+        assert not (state / "stack.json").exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+        run_cli(env, "down")
+        for pid in pids.values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -69,3 +69,25 @@ def test_the_embedded_redis_listens_on_its_last_port_while_that_is_free(tmp_path
             assert url_moved != url and redis.Redis.from_url(url_moved).ping()
         finally:
             stop(moved)
+
+
+def test_an_empty_password_file_is_made_again(tmp_path):
+    """A first start cut off by a full disk left an empty password file, and every start
+    after failed on Redis's "requirepass" with no argument; it is now made again (and
+    written whole or not at all). One that holds what a config cannot is refused naming
+    the file."""
+    data = tmp_path / "redis"
+    data.mkdir()
+    (data / PASSWORD_FILE).write_text("")
+    proc, url = start_redis(data, appendonly=False)
+    try:
+        password = (data / PASSWORD_FILE).read_text().strip()
+        assert password and f":{password}@" in url
+        assert redis.Redis.from_url(url).ping()
+        assert stat.S_IMODE((data / PASSWORD_FILE).stat().st_mode) == 0o600
+        assert not list(data.glob("*.partial"))
+    finally:
+        stop(proc)
+    (data / PASSWORD_FILE).write_text("two words\n")
+    with pytest.raises(RuntimeError, match=r"redis/password holds no usable Redis password"):
+        start_redis(data, appendonly=False)

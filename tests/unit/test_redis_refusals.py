@@ -135,3 +135,36 @@ def test_more_concurrent_calls_than_the_pool_holds_wait_for_a_connection(run):
 
     results = run(calls)
     assert [r for r in results if isinstance(r, BaseException)] == []
+
+
+@pytest.mark.parametrize("password", ["", ":wrong-password@"])
+def test_a_unix_socket_redis_that_wants_another_password_is_refused_at_once(
+    tmp_path, capsys, password
+):
+    """Over a unix socket redis-py's asyncio client raises a wrong or missing password as a
+    plain ConnectionError: it was retried for 12 s and reported as "unreachable"."""
+    import subprocess
+
+    from services.redis_embedded import find_redis_server
+
+    socket_path = tmp_path / "redis.sock"
+    server = subprocess.Popen(
+        [find_redis_server(), "--port", "0", "--unixsocket", str(socket_path),
+         "--requirepass", "right-password", "--save", "", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while not socket_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        url = f"unix://{password}{socket_path}"
+        started = time.monotonic()
+        with pytest.raises(SystemExit):
+            _connect(tmp_path / "state", url)
+        assert time.monotonic() - started < 5
+        err = capsys.readouterr().err
+        assert "refuses iserve's commands (check the user and password in REDIS_URL)" in err, err
+        assert "unreachable" not in err and "wrong-password" not in err
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
