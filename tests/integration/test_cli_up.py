@@ -138,13 +138,7 @@ def test_any_free_port_is_chosen_once_and_reported(tmp_path):
     }
     env.pop("REDIS_URL", None)
     # In the foreground this time: `iserve down` from another shell ends it too.
-    up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    up = _up_in_the_foreground(env)
     try:
         assert wait_for(lambda: run_cli(env, "status").returncode == 0, timeout=180), _exited(up)
         status = run_cli(env, "status", "--json")
@@ -211,15 +205,7 @@ def test_up_after_the_stack_was_killed_starts_its_embedded_redis_again(tmp_path)
     import signal
 
     state = tmp_path / "state"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
-        "ISERVE_STATE_DIR": str(state),
-        "ISERVE_DEVICES": "1",
-        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
-        **{var: f"127.0.0.1:{free_port()}" for var in METRICS_ENV.values()},
-        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
-    }
-    env.pop("REDIS_URL", None)
+    env = _stack_env(state)
     password = None
     try:
         first = run_cli(env, "up", "--detach")
@@ -256,6 +242,32 @@ def test_up_after_the_stack_was_killed_starts_its_embedded_redis_again(tmp_path)
     assert password is not None and password not in logs
 
 
+def _up_in_the_foreground(env: dict[str, str]) -> subprocess.Popen:
+    """`iserve up` without --detach, its output captured."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _stack_env(state) -> dict[str, str]:
+    """The environment of a stack of one device in ``state`` on ports of its own, with its
+    embedded Redis (no ISERVE_* or REDIS_URL of the caller's)."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
+        "ISERVE_STATE_DIR": str(state),
+        "ISERVE_DEVICES": "1",
+        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+        **{var: f"127.0.0.1:{free_port()}" for var in METRICS_ENV.values()},
+        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
+    }
+    env.pop("REDIS_URL", None)
+    return env
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -278,22 +290,8 @@ def test_up_stopped_while_it_starts_leaves_no_stack_behind(tmp_path, sig):
     import time
 
     state = tmp_path / "state"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
-        "ISERVE_STATE_DIR": str(state),
-        "ISERVE_DEVICES": "1",
-        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
-        **{var: f"127.0.0.1:{free_port()}" for var in METRICS_ENV.values()},
-        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
-    }
-    env.pop("REDIS_URL", None)
-    up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    env = _stack_env(state)
+    up = _up_in_the_foreground(env)
     pids: dict = {}
     try:
 

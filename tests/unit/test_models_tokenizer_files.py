@@ -21,6 +21,7 @@ from services.models.checkpoint import (
     create_checkpoint,
     validate_checkpoint,
 )
+from services.models.special_tokens import encode_prompt
 from services.models.tokenizer import VOCAB_SIZE
 
 SMALL = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
@@ -104,7 +105,6 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_a_value_error() -> None:
     """The worker turns it into INVALID_ARGUMENT, not an internal error."""
     from tokenizers import Tokenizer
 
-    from services.models.special_tokens import encode_prompt
     from services.models.tokenizer_files import SAMPLE_TEXT
 
     words = ["Hello", ",", "world", ".", "42"]
@@ -208,6 +208,22 @@ def llama_2_style_tokenizer_json() -> str:
     return json.dumps(spec)
 
 
+def _beside_transformers(tmp_path, tokenizer_json: str, model_type: str, tokenizer_config):
+    """(iserve's tokenizer, transformers' AutoTokenizer) of a checkpoint directory holding
+    ``tokenizer_json``, a config of ``model_type`` and ``tokenizer_config``."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    from services.models.tokenizer_files import load_tokenizer
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(tokenizer_json)
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    return load_tokenizer(directory, model_type), reference
+
+
 def _spm_texts() -> list[str]:
     """Fixed prompts (leading and repeated spaces, special tokens inside the text, as a
     rendered Llama 2 chat prompt has them, non-ASCII) and random ones from a seeded
@@ -250,29 +266,12 @@ def _spm_texts() -> list[str]:
 )
 @pytest.mark.parametrize("legacy", [None, True, False])
 @pytest.mark.parametrize("add_prefix_space", [None, False])
-@pytest.mark.parametrize("ask_transformers", [True, False], ids=["asked", "own-rules"])
 def test_a_sentencepiece_style_tokenizer_encodes_and_decodes_as_transformers_runs_it(
-    tmp_path,
-    spm_tokenizer_json,
-    model_type,
-    tokenizer_class,
-    legacy,
-    add_prefix_space,
-    ask_transformers,
+    tmp_path, spm_tokenizer_json, model_type, tokenizer_class, legacy, add_prefix_space
 ) -> None:
     """transformers 5 rebuilds a llama model's LlamaTokenizer / CodeLlamaTokenizer with
-    the class's own pipeline; iserve encoded with the file's normalizer, a "▁" more after
-    each special token. Both ways iserve takes it: asked of transformers, and its own
-    rules where transformers is not installed (as_transformers_runs_it)."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    from services.models.special_tokens import encode_prompt
-    from services.models.tokenizer_files import load_tokenizer
-
-    directory = tmp_path / "ckpt"
-    directory.mkdir()
-    (directory / "tokenizer.json").write_text(spm_tokenizer_json)
-    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    the class's own pipeline (services.models.tokenizer_files.as_transformers_runs_it);
+    iserve encoded with the file's normalizer, a "▁" more after each special token."""
     tokenizer_config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     optional = {
         "tokenizer_class": tokenizer_class,
@@ -280,9 +279,9 @@ def test_a_sentencepiece_style_tokenizer_encodes_and_decodes_as_transformers_run
         "add_prefix_space": add_prefix_space,
     }
     tokenizer_config |= {k: v for k, v in optional.items() if v is not None}
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
-    tokenizer = load_tokenizer(directory, model_type)
+    tokenizer, reference = _beside_transformers(
+        tmp_path, spm_tokenizer_json, model_type, tokenizer_config
+    )
     for text in _spm_texts():
         for special in (True, False):  # a chat prompt is encoded without (it holds them)
             ids = encode_prompt(tokenizer, text, add_special_tokens=special)
@@ -357,19 +356,12 @@ def test_a_byte_level_tokenizer_encodes_as_auto_tokenizer_runs_it(
     """A probe found prompts of such checkpoints encoded from the file as written where
     AutoTokenizer rebuilds it: 14 ids for 7 (no NFC), a prefix space missing, every chat
     prompt different. iserve runs them as transformers' class does."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    from services.models.special_tokens import encode_prompt
-    from services.models.tokenizer_files import load_tokenizer
-
-    directory = tmp_path / "ckpt"
-    directory.mkdir()
-    (directory / "tokenizer.json").write_text(byte_level_tokenizer_json)
-    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
-    config = {"eos_token": "<|endoftext|>", **tokenizer_config}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
-    tokenizer = load_tokenizer(directory, model_type)
+    tokenizer, reference = _beside_transformers(
+        tmp_path,
+        byte_level_tokenizer_json,
+        model_type,
+        {"eos_token": "<|endoftext|>", **tokenizer_config},
+    )
     for text in BYTE_LEVEL_TEXTS:
         for special in (True, False):
             ids = encode_prompt(tokenizer, text, add_special_tokens=special)
