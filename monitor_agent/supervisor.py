@@ -49,6 +49,7 @@ from monitor_agent.worker_pool import PooledProcess, WorkerPool, worker_environm
 from services.api import agent_service_pb2 as agent_pb
 from services.drain import WORKER_STOP_MARGIN_S
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
+from services.exits import describe_exit
 from services.ports import free_port
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 from services.state.store import StateStore, StateStoreUnavailable
@@ -118,15 +119,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return ""
     kept = [line for line in text.splitlines() if line.strip()]
     return "\n".join(kept[-lines:])
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def read_ready_file(path: Path) -> dict | None:

@@ -165,7 +165,10 @@ def cmd_up(settings: Settings, args) -> int:
     started = info.get("started_at_unix_ms")
     try:
         while signal.sigtimedwait(stop_signals, 1.0) is None:
-            stack.reap_children()
+            for pid, code in stack.reap_children():
+                warning = stack.exit_warning(info, pid, code)
+                if warning:
+                    print(warning, file=sys.stderr, flush=True)
             # `iserve down` from elsewhere stopped this stack (its record is gone or is
             # another up's): nothing is left to stop, and a stack started since is not ours.
             if read_stack_file(settings.state_dir).get("started_at_unix_ms") != started:

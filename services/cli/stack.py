@@ -32,6 +32,7 @@ from services import replicas, transport
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
 from services.cli import deploying
+from services.exits import describe_exit
 from services.health import check, wait_http, wait_serving
 from services.ports import bindable, ephemeral_range, free_port, reserve
 from services.redis_embedded import start_redis
@@ -680,12 +681,35 @@ def _stop_pids(
         log(f"stopped {name} (pid {pid})")
 
 
-def reap_children() -> None:
+def reap_children() -> list[tuple[int, int]]:
     """Collect the exit status of every child that has exited (the stack's processes,
-    stopped by an ``iserve down`` of another process), so none stays a zombie."""
+    stopped by an ``iserve down`` of another process, or crashed), so none stays a
+    zombie; (pid, exit code as ``subprocess`` gives it) of each."""
+    reaped = []
     with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
+        while True:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            reaped.append((pid, os.waitstatus_to_exitcode(status)))
+    return reaped
+
+
+def exit_warning(stack: Mapping, pid: int, code: int) -> str | None:
+    """What the foreground ``iserve up`` says when the stack's process ``pid`` exited with
+    ``code`` unasked (it said nothing: a dead service showed only in `iserve status`);
+    None for another child, or a clean stop (code 0, SIGTERM: an ``iserve down``)."""
+    name = next((n for n, p in stack.get("pids", {}).items() if p == pid), None)
+    if name is None or code in (0, -signal.SIGTERM):
+        return None
+    state_dir = Path(stack.get("state_dir", "."))
+    log = (
+        state_dir / "redis" / "redis.log" if name == "redis" else state_dir / "logs" / f"{name}.log"
+    )
+    return (
+        f"warning: {name} (pid {pid}) {describe_exit(code)}; see {log}. The stack runs "
+        "without it: `iserve down`, then `iserve up` starts it all again"
+    )
 
 
 def _reap(pid: int) -> None:
