@@ -395,10 +395,13 @@ class WorkerSupervisor:
         # Ranks that died unasked before the reaper saw them are recorded as it would
         # (log, FAILED with the cause, the reply says it): a worker killed mid-stream is
         # reported by the scheduler first, and the stop that follows lost its exit code
-        # and log tail. No worker_died event: the stop is the deployer's answer to it.
-        for proc, code in sorted(_exited(procs), key=lambda d: d[1] == EXIT_GROUP_LOST):
-            with contextlib.suppress(StateStoreUnavailable):
-                await self._report_death(deployment_id, procs, proc, code, publish=False)
+        # and log tail. No worker_died event: the stop is the deployer's answer to it. A
+        # rank that left because its group lost another is that loss's consequence, and
+        # stopped like the rest.
+        for proc, code in _exited(procs):
+            if code != EXIT_GROUP_LOST:
+                with contextlib.suppress(StateStoreUnavailable):
+                    await self._report_death(deployment_id, procs, proc, code, publish=False)
         for proc in procs:
             proc.stopping = True
         grace = LOST_RANK_GRACE_S if lost_rank else None
