@@ -94,9 +94,21 @@ def test_layer_counters_give_the_time_per_layer_pass_between_two_readings():
     after = LayerCounters(
         prefill_seconds=1.03, prefill_passes=20, decode_seconds=2.05, decode_passes=200
     )
-    prefill_ms, decode_ms = after.layer_ms_since(before)
+    # A stage of 10 layers: one prefill forward (a batch of one, or prefilled together).
+    prefill_ms, decode_ms = after.layer_ms_since(before, layers=10)
     assert prefill_ms == pytest.approx(3.0) and decode_ms == pytest.approx(0.5)
-    assert before.layer_ms_since(before) == (0.0, 0.0)  # no passes: not measured
+    assert before.layer_ms_since(before, layers=10) == (0.0, 0.0)  # no passes: not measured
+
+
+@pytest.mark.parametrize(("forwards", "factor"), [(1, 1.0), (2, 1.5), (4, 2.5)])
+def test_prefill_forwards_one_after_another_add_to_the_mean_ttft(forwards, factor):
+    """Two prompts prefilled one after another: the second's first token comes after
+    both forwards, so the run's mean TTFT (what the profile records) holds 1.5 forwards
+    of each layer; per forward alone, batch 2 read as costing batch 1's prefill."""
+    before = LayerCounters()
+    after = LayerCounters(prefill_seconds=0.003 * forwards * 2, prefill_passes=2 * forwards)
+    prefill_ms, _ = after.layer_ms_since(before, layers=2)
+    assert prefill_ms == pytest.approx(3.0 * factor)
 
 
 def test_peak_resident_bytes_reads_vmhwm(tmp_path):
@@ -253,8 +265,11 @@ def test_a_job_times_its_streams_and_stops_its_workers(tmp_path, monkeypatch):
     monkeypatch.setattr(profiling, "time", StreamClock(first_s=0.05, gap_s=0.02))
     worker = FakeWorker(first_s=0.0, gap_s=0.0)
     config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1, batch_size=2)
+    workers = [agent_pb.WorkerSpec(rank=0, device_id="cpu0", layer_count=2)]
     runs, supervisor = _run_job(
-        tmp_path, worker, _request(config=config, warmup_runs=1, timed_runs=2)
+        tmp_path,
+        worker,
+        _request(config=config, warmup_runs=1, timed_runs=2, workers=workers),
     )
     assert [r.output_tokens for r in runs] == [3, 5]
     for run in runs:
@@ -262,8 +277,10 @@ def test_a_job_times_its_streams_and_stops_its_workers(tmp_path, monkeypatch):
         assert run.tpot_ms == pytest.approx(20.0)
         assert run.latency_ms == pytest.approx(50.0 + run.output_tokens * 20.0)
         assert list(run.peak_memory_bytes_per_rank) == [123_456]
-        # The worker's layer clock, read around each timed run.
-        assert run.ttft_layer_ms == pytest.approx(3.0)
+        # The worker's layer clock, read around each timed run: 3 ms a layer for each
+        # of the two prompts, prefilled one after the other; the mean stream's first
+        # token comes after 1.5 of them.
+        assert run.ttft_layer_ms == pytest.approx(4.5)
         assert run.tpot_layer_ms == pytest.approx(0.5)
     # 2 output lengths × (1 warm-up + 2 timed) runs × 2 concurrent streams.
     assert len(worker.requests) == 12
