@@ -193,14 +193,13 @@ class LayerCounters:
         of a stage of ``layers`` layers (0: unknown, taken as one prefill forward); 0 for a
         phase without passes.
 
-        Decode: per layer pass. Prefill: what one layer adds to the run's TTFT, which is
-        the mean of its streams' (``summarise``): with ``n`` prefill forwards in the run,
-        each one layer pass, a stream's first token comes after its own forward, so the
-        mean is one forward's time x (n + 1) / 2. One forward for a batch prefilled
-        together; one per sequence where they are prefilled one after another, as a batch
-        of prompts longer than the engine's token budget is. Per forward alone, a batch of
-        two read as costing batch 1's prefill (a probe: estimated 3.5 s for 6.9 s
-        measured for the second of two 1,024-token prompts)."""
+        Decode: per layer pass. Prefill: what one layer adds to the run's TTFT, its last
+        stream's first token (``summarise``), which comes after every prefill forward of
+        the run: one forward's time x the ``n`` forwards. One forward for a batch
+        prefilled together; one per sequence where they are prefilled one after another,
+        as a batch of prompts longer than the engine's token budget is. Per forward
+        alone, a batch of two read as costing batch 1's prefill (a probe: estimated 3.5 s
+        for 6.9 s measured for the second of two 1,024-token prompts)."""
 
         def per_pass(seconds: float, passes: int) -> float:
             return seconds * 1e3 / passes if passes > 0 else 0.0
@@ -209,7 +208,7 @@ class LayerCounters:
         forwards = prefill_passes / layers if layers > 0 else 1.0
         prefill_ms = per_pass(self.prefill_seconds - before.prefill_seconds, prefill_passes)
         return (
-            prefill_ms * (max(1.0, forwards) + 1) / 2,
+            prefill_ms * max(1.0, forwards),
             per_pass(
                 self.decode_seconds - before.decode_seconds,
                 self.decode_passes - before.decode_passes,
@@ -224,10 +223,16 @@ def summarise(
     layer_ms: list[tuple[float, float]] | None = None,
 ) -> agent_pb.ProfiledRun:
     """Medians over timed ``runs`` (each the streams of one batch) at one output length;
-    ``layer_ms`` holds each run's (prefill, decode) time per layer on rank 0."""
+    ``layer_ms`` holds each run's (prefill, decode) time per layer on rank 0.
+
+    A batch's TTFT is its last stream's first token, as its latency is its last stream's
+    end: a batch's prompts prefilled one after another give the last its first token
+    after all of them, and a TTFT objective holds for a batch only if it holds for that
+    one. (The mean of the streams' read half a prefill short at batch 2, and the latency
+    the estimate builds from TTFT and TPOT a prefill short.) TPOT is the streams' mean."""
     if not runs or not all(runs):
         raise ValueError("every run needs at least one stream")
-    ttft = [statistics.fmean(s.ttft_ms for s in run) for run in runs]
+    ttft = [max(s.ttft_ms for s in run) for run in runs]
     tpot = [statistics.fmean(s.tpot_ms for s in run) for run in runs]
     latency = [max(s.latency_ms for s in run) for run in runs]
     layer_ms = layer_ms or []

@@ -73,14 +73,14 @@ def test_stream_timing_uses_the_token_timestamps():
         stream_timing(0.0, [], 1.0)
 
 
-def test_summarise_takes_medians_of_batch_means():
+def test_summarise_takes_medians_of_each_batch_s_last_first_token_and_mean_tpot():
     runs = [
-        [StreamTiming(10, 2, 30), StreamTiming(20, 4, 50)],  # means 15, 3; latency 50
+        [StreamTiming(10, 2, 30), StreamTiming(20, 4, 50)],  # last TTFT 20, mean TPOT 3; 50
         [StreamTiming(12, 3, 40), StreamTiming(12, 3, 41)],  # 12, 3; 41
         [StreamTiming(90, 9, 99), StreamTiming(90, 9, 99)],  # an outlier the median drops
     ]
     run = summarise(16, runs, [100, 200])
-    assert (run.output_tokens, run.ttft_ms, run.tpot_ms, run.latency_ms) == (16, 15, 3, 50)
+    assert (run.output_tokens, run.ttft_ms, run.tpot_ms, run.latency_ms) == (16, 20, 3, 50)
     assert list(run.peak_memory_bytes_per_rank) == [100, 200]
     assert (run.ttft_layer_ms, run.tpot_layer_ms) == (0.0, 0.0)  # no layer clock read
     clocked = summarise(16, runs, [100], [(4.0, 1.0), (5.0, 0.9), (40.0, 9.0)])
@@ -100,11 +100,11 @@ def test_layer_counters_give_the_time_per_layer_pass_between_two_readings():
     assert before.layer_ms_since(before, layers=10) == (0.0, 0.0)  # no passes: not measured
 
 
-@pytest.mark.parametrize(("forwards", "factor"), [(1, 1.0), (2, 1.5), (4, 2.5)])
-def test_prefill_forwards_one_after_another_add_to_the_mean_ttft(forwards, factor):
-    """Two prompts prefilled one after another: the second's first token comes after
-    both forwards, so the run's mean TTFT (what the profile records) holds 1.5 forwards
-    of each layer; per forward alone, batch 2 read as costing batch 1's prefill."""
+@pytest.mark.parametrize(("forwards", "factor"), [(1, 1.0), (2, 2.0), (4, 4.0)])
+def test_prefill_forwards_one_after_another_add_up_to_the_batch_s_ttft(forwards, factor):
+    """Two prompts prefilled one after another: the second's first token, the batch's
+    TTFT, comes after both forwards; per forward alone, batch 2 read as costing batch
+    1's prefill."""
     before = LayerCounters()
     after = LayerCounters(prefill_seconds=0.003 * forwards * 2, prefill_passes=2 * forwards)
     prefill_ms, _ = after.layer_ms_since(before, layers=2)
@@ -278,9 +278,9 @@ def test_a_job_times_its_streams_and_stops_its_workers(tmp_path, monkeypatch):
         assert run.latency_ms == pytest.approx(50.0 + run.output_tokens * 20.0)
         assert list(run.peak_memory_bytes_per_rank) == [123_456]
         # The worker's layer clock, read around each timed run: 3 ms a layer for each
-        # of the two prompts, prefilled one after the other; the mean stream's first
-        # token comes after 1.5 of them.
-        assert run.ttft_layer_ms == pytest.approx(4.5)
+        # of the two prompts, prefilled one after the other; the last stream's first
+        # token comes after both.
+        assert run.ttft_layer_ms == pytest.approx(6.0)
         assert run.tpot_layer_ms == pytest.approx(0.5)
     # 2 output lengths × (1 warm-up + 2 timed) runs × 2 concurrent streams.
     assert len(worker.requests) == 12
