@@ -470,7 +470,13 @@ class DeploymentController:
                     before = await self.store.deploy_request_asked(
                         request.request_id, owner=access.owner()
                     )
-                    differ = _fields_that_differ(before, asked) if before else []
+                    differ = (
+                        _fields_that_differ(before, asked)
+                        if before
+                        # Bound by an iserve that kept no record of what was asked (the
+                        # record of an upgrade's earlier version): the deployment it made.
+                        else _unlike_deployment(request, existing)
+                    )
                     if differ:
                         # The same key for another request returned the first one's
                         # deployment, as if this one had been carried out.
@@ -778,6 +784,31 @@ def _asked(request: deploy_pb.DeployRequest) -> str:
     asked.request_id = ""
     asked.ready_timeout_ms = 0
     return encode(asked)
+
+
+def _unlike_deployment(
+    request: deploy_pb.DeployRequest, existing: deploy_pb.Deployment
+) -> list[str]:
+    """What ``request`` asks that ``existing`` (the deployment its request id is bound to)
+    does not have, of what the deployment records: its token limits, batch size and
+    explicit configuration, each where the request sets it (what it leaves unset was
+    chosen for it)."""
+    differ = [
+        name
+        for name in ("max_input_tokens", "max_output_tokens")
+        if getattr(request, name) and getattr(request, name) != getattr(existing, name)
+    ]
+    if request.batch_size and request.batch_size != existing.config.batch_size:
+        differ.append("batch_size")
+    if request.HasField("config"):
+        asked, made = request.config, existing.config
+        parallel = ("tensor_parallel", "pipeline_parallel")
+        chosen = ("variant_name", "weight_quant", "kv_quant", "pruning", "dtype")
+        if any((getattr(asked, f) or 1) != (getattr(made, f) or 1) for f in parallel) or any(
+            getattr(asked, f) and getattr(asked, f) != getattr(made, f) for f in chosen
+        ):
+            differ.append("config")
+    return differ
 
 
 def _fields_that_differ(before: str, now: str) -> list[str]:

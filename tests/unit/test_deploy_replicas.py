@@ -601,6 +601,39 @@ def test_a_remove_while_the_workers_start_aborts_the_deploy_and_its_repeat(run, 
     run(scenario)
 
 
+def test_a_request_id_bound_before_the_upgrade_is_checked_against_its_deployment(run):
+    """A request id an older iserve bound kept no record of what its Deploy asked: reused
+    with other limits or another configuration after an upgrade, it was answered with
+    the old deployment as if made (a probe). It is checked against what the deployment
+    has; a true repeat still gets it."""
+    from services.state import keys
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        first = (
+            await controller.deploy(deploy_request(1, request_id="old", max_output_tokens=32))
+        ).deployment
+        await store.redis.delete(keys.deploy_request_asked("old"))  # as an older one left it
+        repeat = deploy_request(1, request_id="old", max_output_tokens=32)
+        assert (await controller.deploy(repeat)).deployment.deployment_id == first.deployment_id
+        assert (
+            await controller.deploy(deploy_request(1, request_id="old"))
+        ).deployment.deployment_id == first.deployment_id  # what it left unset was chosen
+        for other, named in [
+            ({"max_output_tokens": 8}, "max_output_tokens"),
+            ({"batch_size": 4}, "batch_size"),
+            ({"config": common.DeploymentConfig(tensor_parallel=2)}, "config"),
+        ]:
+            with pytest.raises(FailedPrecondition, match=f"which asked for other {named};"):
+                await controller.deploy(deploy_request(1, request_id="old", **other))
+        assert agent.started == [first.deployment_id]
+        await controller.remove(first.deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
 def test_a_request_id_reused_for_another_request_is_refused_not_answered(run):
     """A repeat of a Deploy answers what the first made; a Deploy of another model with
     the same request id is no repeat: refused, the first deployment untouched (before,
