@@ -141,8 +141,10 @@ def apply_variant(model: model_pb.Model, config: common.DeploymentConfig) -> Non
     for field in ("weight_quant", "kv_quant", "pruning"):
         wanted, given = getattr(variant, field), getattr(config, field)
         if given and wanted and given != wanted:
+            enum = common.DeploymentConfig.DESCRIPTOR.fields_by_name[field].enum_type
             raise InvalidArgument(
-                f"config.{field} {given} contradicts variant {variant.name!r} ({wanted})"
+                f"config.{field} {enum.values_by_number[given].name} contradicts variant "
+                f"{variant.name!r} ({enum.values_by_number[wanted].name})"
             )
         setattr(config, field, given or wanted)
 

@@ -85,9 +85,12 @@ def request_target(args) -> dict:
                 pipeline_parallel=args.pp or 1,
                 variant_name=args.variant or "",
                 dtype=PRECISIONS.get(args.dtype, 0),
-                weight_quant=WEIGHT_QUANTS[args.weight_quant or "none"],
-                kv_quant=KV_QUANTS[args.kv_quant or "none"],
-                pruning=PRUNINGS[args.pruning or "none"],
+                # Unset (0) where the flag is not given: the variant's, else none (the
+                # deployer's default). "none" for an absent flag contradicted every
+                # compressed variant named with --variant alone.
+                weight_quant=WEIGHT_QUANTS[args.weight_quant] if args.weight_quant else 0,
+                kv_quant=KV_QUANTS[args.kv_quant] if args.kv_quant else 0,
+                pruning=PRUNINGS[args.pruning] if args.pruning else 0,
             )
         }
     name = args.intent or "min-cost"

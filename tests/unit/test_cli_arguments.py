@@ -118,6 +118,29 @@ def test_every_precision_the_engines_serve_can_be_asked_for(dtype, precision):
     assert request_target(args)["config"].dtype == getattr(common, precision)
 
 
+def test_a_variant_named_alone_leaves_its_compression_to_it():
+    """`--variant int4` without --weight-quant sent weight_quant NONE, which contradicted
+    the variant's INT4: every compressed variant named alone was refused (a probe)."""
+    from deploy_svc.explicit import apply_variant
+    from services.api import common_pb2 as common
+    from services.api import model_service_pb2 as model_pb
+    from services.cli.deploying import request_target
+
+    config = request_target(build_parser().parse_args(["deploy", "m", "--variant", "int4"]))[
+        "config"
+    ]
+    assert (config.weight_quant, config.kv_quant, config.pruning) == (0, 0, 0)
+    int4 = common.CompressionVariant(name="int4", weight_quant=common.WEIGHT_QUANT_INT4)
+    model = model_pb.Model(model_id="m", variants=[int4])
+    apply_variant(model, config)
+    assert config.weight_quant == common.WEIGHT_QUANT_INT4
+    given = request_target(
+        build_parser().parse_args(["deploy", "m", "--variant", "int4", "--weight-quant", "int8"])
+    )["config"]
+    with pytest.raises(Exception, match="WEIGHT_QUANT_INT8 contradicts variant 'int4'"):
+        apply_variant(model, given)
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [
