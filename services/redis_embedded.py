@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from importlib import util
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def start_redis(
     host: str = "127.0.0.1",
     appendonly: bool = True,
     timeout_s: float = 10.0,
+    started: Callable[[int], None] = lambda pid: None,
 ) -> tuple[subprocess.Popen, str]:
     """Start redis-server with its data in ``data_dir``; returns the process and its URL.
 
@@ -53,7 +55,9 @@ def start_redis(
     restarts) and given to the server in a config file, never on its command line: it
     listens on ``host`` only, but any local user could otherwise connect, and whoever
     reaches Redis owns the stack (its token records among the rest). The URL carries the
-    password. The server is ready (answers PING) when this returns.
+    password. The server is ready (answers PING) when this returns; ``started`` is
+    called with its pid as soon as it runs, before that wait (``iserve up`` records it
+    then, so a stop meanwhile does not orphan it).
     """
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Its append-only file holds every record (token hashes among them): the owner's
@@ -86,6 +90,7 @@ def start_redis(
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
+    started(proc.pid)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

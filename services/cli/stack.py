@@ -286,10 +286,12 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
             redis_url = settings.redis_url
             log(f"using Redis at {redacted_url(redis_url)}")
         else:
-            redis_proc, redis_url = start_redis(settings.state_dir / "redis")
             stack["embedded_redis"] = True
+            redis_proc, redis_url = start_redis(
+                settings.state_dir / "redis", started=lambda pid: _record(stack, "redis", pid)
+            )
             stack["redis_url"] = redis_url
-            _record(stack, "redis", redis_proc.pid)
+            write_stack_file(settings.state_dir, stack)
             log(f"started embedded redis-server at {redacted_url(redis_url)}")
         stack["redis_url"] = redis_url
         if settings.auth:
