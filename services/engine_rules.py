@@ -150,14 +150,20 @@ def compression_problem(
     return None
 
 
+def served_prune_fractions(structured: bool) -> tuple[float, ...]:
+    """The structured-pruning shares a deployment (or profiling job) applies: the default
+    one when ``structured`` (a DeploymentConfig does not carry a variant's own), else
+    none."""
+    return (DEFAULT_PRUNE_FRACTION,) if structured else (0.0,)
+
+
 def deployed_compression_problem(
     shape: model_pb.ModelShape, tp: int, *, weight_quant: int, pruning: int
 ) -> str | None:
     """:func:`compression_problem` of a registered model's ``shape`` deployed (or
     profiled) at ``tp`` with ``weight_quant`` (a WeightQuant) and ``pruning`` (a
     Pruning): structured pruning at the share a deployment prunes
-    (``DEFAULT_PRUNE_FRACTION``: a DeploymentConfig does not carry a variant's own)."""
-    structured = pruning == common.PRUNING_STRUCTURED
+    (:func:`served_prune_fractions`)."""
     return compression_problem(
         tp,
         hidden=shape.hidden_size or shape.num_attention_heads * shape.head_dim,
@@ -167,7 +173,7 @@ def deployed_compression_problem(
         mlp_width=shape.intermediate_size,
         int4=weight_quant == common.WEIGHT_QUANT_INT4,
         sparse_2_4=pruning == common.PRUNING_SEMI_STRUCTURED_2_4,
-        prune_fractions=(DEFAULT_PRUNE_FRACTION,) if structured else (0.0,),
+        prune_fractions=served_prune_fractions(pruning == common.PRUNING_STRUCTURED),
     )
 
 

@@ -24,8 +24,8 @@ from services.engine_rules import (
     TENSOR_PARALLEL_DEGREES,
     compression_problem,
     parallel_problem,
+    served_prune_fractions,
 )
-from services.models.compression import DEFAULT_PRUNE_FRACTION
 
 __all__ = [
     "CONFIG_DTYPE",
@@ -167,7 +167,7 @@ def compression_problem_of(shape: ModelShape, variant: Variant, tp: int) -> str 
         mlp_width=shape.mlp_width,
         int4=variant.weight_quant == "int4",
         sparse_2_4=variant.pruning == "2:4",
-        prune_fractions=(DEFAULT_PRUNE_FRACTION,) if variant.pruning == "structured" else (0.0,),
+        prune_fractions=served_prune_fractions(variant.pruning == "structured"),
     )
 
 
