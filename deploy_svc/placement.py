@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.api import common_pb2 as common
+from services.engine_rules import even_stage_layers
 
 MIB = 1 << 20
 POLICIES = ("hybrid", "packing", "least-loaded")
@@ -86,12 +87,8 @@ def candidates(nodes: list[common.NodeState]) -> list[Candidate]:
 
 def even_layer_map(num_layers: int, stages: int) -> list[tuple[int, int]]:
     """(first_layer, layer_count) per stage; earlier stages take the remainder."""
-    if stages < 1 or stages > num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
-    base, extra = divmod(num_layers, stages)
     out, first = [], 0
-    for stage in range(stages):
-        count = base + (1 if stage < extra else 0)
+    for count in even_stage_layers(num_layers, stages):
         out.append((first, count))
         first += count
     return out

@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.engine_rules import default_dtype, deployed_compression_problem, parallel_problem
+from services.engine_rules import (
+    default_dtype,
+    deployed_compression_problem,
+    even_stage_layers,
+    parallel_problem,
+)
 from services.reservation import DTYPE_BYTES
 from services.settings import ProfilingSettings
 from services.state.capacity import free_bytes
@@ -68,14 +73,6 @@ def variant_targets(model: model_pb.Model) -> list[VariantTarget]:
             )
         )
     return targets
-
-
-def even_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
-    """Layers per pipeline stage, split evenly; earlier stages take the remainder."""
-    if not 1 <= stages <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
-    base, extra = divmod(num_layers, stages)
-    return tuple(base + (1 if stage < extra else 0) for stage in range(stages))
 
 
 @dataclass(frozen=True)

@@ -365,6 +365,8 @@ class Profiler:
                 output_tokens=profiling.output_tokens,
                 warmup_runs=profiling.warmup_runs,
                 timed_runs=profiling.timed_runs,
+                # The layers are timed with the full model's cache footprint.
+                model_layers=model.shape.num_layers,
             )
             started = time.perf_counter()
             async with channel(choice.agent_address) as ch:

@@ -31,6 +31,7 @@ from services.engine_rules import (
     check_still_the_model,
     check_weight_quant,
     default_dtype,
+    even_stage_layers,
     resolve_checkpoint,
 )
 from services.errors import FailedPrecondition, require
@@ -98,6 +99,11 @@ class LaunchPlan:
     rendezvous_address: str = ""
     # Workers keep a layer clock (profiling jobs; see monitor_agent.engine.model).
     time_layers: bool = False
+    # With time_layers: the layers of the full model this checkpoint's layers stand for
+    # (a fingerprint's; 0: the checkpoint's own). Each worker is told its stage's share
+    # (--footprint-layers), which its clock times the stage's layers with the cache
+    # footprint of (monitor_agent.engine.footprint).
+    footprint_model_layers: int = 0
     # Seconds the workers' records in Redis outlive their last write (0: until they are
     # stopped): a profiling job's, deleted when it ends, would stay for good after its
     # agent was killed mid-job (no one else knows its group).
@@ -155,7 +161,18 @@ class LaunchPlan:
             "--engine", PYTORCH,
             *self.compression_args,
             *(["--time-layers"] if self.time_layers else []),
+            *self._footprint_args(worker),
         ]  # fmt: skip
+
+    def _footprint_args(self, worker: WorkerPlan) -> list[str]:
+        """``--footprint-layers`` for ``worker``: its stage's share of the full model's
+        layers, split as a deployment splits them; none unless the plan has a model."""
+        model_layers = self.footprint_model_layers
+        if not (self.time_layers and model_layers >= self.pipeline_parallel):
+            return []
+        stage = worker.rank // self.tensor_parallel
+        share = even_stage_layers(model_layers, self.pipeline_parallel)[stage]
+        return ["--footprint-layers", str(share)]
 
     def _group_argv(self, worker: WorkerPlan, host: str, ready_file: Path) -> list[str]:
         """Rank 0's command line for a TensorRT-LLM group: every rank's device in rank

@@ -10,7 +10,11 @@ lengths:
    request's WorkerSpecs (ranks, stages and layer ranges; every rank on this node, so the
    supervisor picks the rendezvous port), ``max_batch`` = the config's batch size and
    ``max_seq_len`` = longest prompt + longest output, so the static KV cache holds
-   exactly the tokens profiled.
+   exactly the tokens profiled. With ``model_layers`` (the profiler sends the
+   registered model's), each worker on a CPU times its stage's layers with the cache
+   footprint of the full model's stage (``monitor_agent.engine.footprint``): a
+   fingerprint's few layers would otherwise sit in the last-level cache, which the full
+   model's do not.
 2. For each prompt length, shortest first, and each output length: ``warmup_runs``
    untimed runs, then ``timed_runs`` timed ones.
    A run opens ``batch_size`` Generate streams on rank 0 at once (the worker batches
@@ -400,12 +404,25 @@ class ProfilingJobs:
             models_root=self.models_root,
             default_ready_timeout_s=self.ready_timeout_s,
         )
-        plan = dataclasses.replace(plan, time_layers=True, records_expire_s=RECORDS_EXPIRE_S)
         spec = parse_config(read_config(plan.checkpoint_dir))
         require(
             job.max_seq_len <= spec.max_position_embeddings,
             f"the longest prompt + the longest output ({job.max_seq_len}) exceeds the "
             f"model's max_position_embeddings ({spec.max_position_embeddings})",
+        )
+        require(
+            request.model_layers == 0 or request.model_layers >= spec.num_layers,
+            f"model_layers ({request.model_layers}) is below the checkpoint's own "
+            f"{spec.num_layers} layers: a fingerprint stands for a model at least its size",
+        )
+        plan = dataclasses.replace(
+            plan,
+            time_layers=True,
+            records_expire_s=RECORDS_EXPIRE_S,
+            # A fingerprint's: the checkpoint's own layers need nothing of the kind.
+            footprint_model_layers=(
+                request.model_layers if request.model_layers > spec.num_layers else 0
+            ),
         )
         prompts = [prompt_token_ids(n, spec) for n in job.input_tokens]
         log.info("profiling job %s: %s", deployment_id, request.checkpoint_path)

@@ -72,6 +72,16 @@ def kv_heads_on_rank(kv_heads: int, tp: int) -> int:
     return max(1, -(-kv_heads // tp))
 
 
+def even_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per pipeline stage, split evenly, the earlier stages taking the remainder:
+    how a deployment, a profiling job and TensorRT-LLM split a model's layers when
+    nothing else decides. ValueError unless 1 <= stages <= num_layers."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
+    base, extra = divmod(num_layers, stages)
+    return tuple(base + (1 if stage < extra else 0) for stage in range(stages))
+
+
 def parallel_problem(
     tp: int, pp: int, *, heads: int, kv_heads: int, mlp_width: int, num_layers: int
 ) -> str | None:

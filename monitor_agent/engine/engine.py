@@ -28,6 +28,7 @@ from monitor_agent.engine.compression import (
     apply_compression,
 )
 from monitor_agent.engine.distributed import DistributedModel, ParallelContext
+from monitor_agent.engine.footprint import time_with_footprint
 from monitor_agent.engine.kernel_checks import check_kernels
 from monitor_agent.engine.kv_cache import kv_cache_quantization
 from monitor_agent.engine.loader import load_model, torch_dtype
@@ -37,7 +38,7 @@ from monitor_agent.engine.memory import (
     return_freed_memory,
     start_profiler_here,
 )
-from monitor_agent.engine.model import LayerClock
+from monitor_agent.engine.model import LayerClock, Transformer
 from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, missing_tokenizer
@@ -65,7 +66,11 @@ class Engine:
     and the other ranks serve through ``model.follow()``.
 
     time_layers keeps a layer clock (for profiling; on CUDA it synchronises the device
-    around the layers of every forward).
+    around the layers of every forward). With it, ``footprint_layers`` (> this stage's
+    layers: a fingerprint's profiling worker) is how many layers the full model's stage
+    holds: on a CPU the forwards then cycle through copies of the stage's layers, so the
+    clock times them with the full model's cache footprint (see
+    :mod:`monitor_agent.engine.footprint`).
 
     weight_quant ("none", "int8", "int4"), pruning ("none", "2:4", "2:4-compact",
     "structured") and prune_fraction (structured only) compress every decoder layer while
@@ -90,6 +95,7 @@ class Engine:
         pruning: str = "none",
         prune_fraction: float = DEFAULT_PRUNE_FRACTION,
         time_layers: bool = False,
+        footprint_layers: int = 0,
     ) -> None:
         directory = Path(checkpoint_dir)
         if num_threads is not None:
@@ -133,6 +139,8 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         with kv_cache_quantization(kv_cache_dtype or "none"):
             self.model.setup_caches(max_batch, max_seq_len)
+        if time_layers and footprint_layers and torch.device(device).type == "cpu":
+            time_with_footprint(self._stage, footprint_layers)
         self.tokenizer = load_tokenizer(directory, self.spec.family)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -153,11 +161,16 @@ class Engine:
         self._outboxes: dict[SequenceHandle, deque[StepOutput]] = {}
 
     @property
+    def _stage(self) -> Transformer:
+        """This rank's layers: the model, or a parallel rank's stage of it."""
+        model = self.model
+        return model.stage if isinstance(model, DistributedModel) else model
+
+    @property
     def layer_clock(self) -> LayerClock | None:
         """Time this rank's decoder layers took (see monitor_agent.engine.model.LayerClock);
         None unless built with ``time_layers``."""
-        model = self.model
-        return model.stage.layer_clock if isinstance(model, DistributedModel) else model.layer_clock
+        return self._stage.layer_clock
 
     @property
     def memory(self) -> MemoryAccount:

@@ -39,6 +39,7 @@ they are applied to this model, never forks of it:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(self.layer_count))
         # Set by Engine(time_layers=True) (profiling workers); None costs nothing.
         self.layer_clock: LayerClock | None = None
+        # Profiling workers of a fingerprint: copies of ``layers`` that forwards run on in
+        # turn, so that the layers are timed with the full model's cache footprint
+        # (monitor_agent.engine.footprint); empty: ``layers`` alone.
+        self.layer_sets: tuple[nn.ModuleList, ...] = ()
+        self._forwards = 0
         self.norm = make_norm(spec, dtype) if self.has_head else None
         # A tied head reuses the embedding when this stage has it (see forward).
         own_head = self.has_head and not (spec.tie_word_embeddings and self.has_embedding)
@@ -150,6 +156,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_table", torch.cat((cos, sin), dim=-1), persistent=False)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
 
+    def use_layer_sets(self, copies: Sequence[nn.ModuleList]) -> None:
+        """Run forwards on ``layers`` and each of ``copies`` in turn (none: the layers
+        alone); copies made after :meth:`setup_caches` share its KV caches
+        (``monitor_agent.engine.footprint.copy_weights``)."""
+        self.layer_sets = (self.layers, *copies) if copies else ()
+
     def forward(
         self,
         inputs: torch.Tensor,
@@ -176,13 +188,17 @@ class Transformer(nn.Module):
             x = self.embed_tokens.forward(inputs.reshape(batch * seq))
         else:
             x = inputs.reshape(batch * seq, -1)
+        layers = self.layers
+        if self.layer_sets:
+            layers = self.layer_sets[self._forwards % len(self.layer_sets)]
+            self._forwards += 1
         clock = self.layer_clock
         if clock is not None:
             started = _clock_now(x)
-        for layer in self.layers:
+        for layer in layers:
             x = layer.forward(x, cos, sin, address, mask)
         if clock is not None:
-            clock.add(seq > 1, _clock_now(x) - started, len(self.layers))
+            clock.add(seq > 1, _clock_now(x) - started, len(layers))
         if self.norm is None:
             return x.view(batch, seq, -1)
         if last_token_only:

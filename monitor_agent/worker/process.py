@@ -143,6 +143,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="keep a layer clock (GetWorkerStats reports it); profiling jobs set this",
     )
+    parser.add_argument(
+        "--footprint-layers",
+        type=int,
+        default=0,
+        help="with --time-layers: the layers the full model's stage holds where this "
+        "checkpoint is its fingerprint; on a CPU the clock then times this stage's layers "
+        "with that stage's cache footprint (0: as they are)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda:N")
     parser.add_argument(
         "--engine",
@@ -460,6 +468,7 @@ def load_engine(
         pruning=args.pruning,
         prune_fraction=args.prune_fraction,
         time_layers=args.time_layers,
+        footprint_layers=args.footprint_layers,
     )
 
 

@@ -166,6 +166,8 @@ def test_profiles_every_job_and_stores_the_raw_measurements(redis_url, models_ro
         assert list(request.output_tokens) == [4, 8] and request.input_tokens == 64
         assert list(request.extra_input_tokens) == [256, 1024]  # the default's others
         assert (request.warmup_runs, request.timed_runs) == (0, 2)
+        # The fingerprint's layers are timed with the full model's cache footprint.
+        assert request.model_layers == model.shape.num_layers > request.workers[0].layer_count
         [(owner, devices)] = held.items()  # reserved before the call, by one owner
         assert owner.startswith("profile-tiny-") and len(devices) == len(request.workers)
         assert all(amount > 512 * MIB for amount in devices.values())

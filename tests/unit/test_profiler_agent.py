@@ -336,6 +336,35 @@ def test_a_prompt_longer_than_the_model_is_refused_before_starting(tmp_path):
     assert supervisor.plans == [] and supervisor.stopped == []
 
 
+def test_a_fingerprint_s_job_plans_its_workers_with_the_full_model_s_stage_layers(tmp_path):
+    config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=2)
+    workers = [
+        agent_pb.WorkerSpec(rank=0, device_id="cpu0", stage=0, first_layer=0, layer_count=1),
+        agent_pb.WorkerSpec(rank=1, device_id="cpu1", stage=1, first_layer=1, layer_count=1),
+    ]
+    _, supervisor = _run_job(
+        tmp_path, FakeWorker(0, 0), _request(config=config, workers=workers, model_layers=25)
+    )
+    [plan] = supervisor.plans
+    assert plan.time_layers and plan.footprint_model_layers == 25
+    argv = [plan.worker_argv(w, "127.0.0.1", tmp_path / "ready") for w in plan.workers]
+    # The full model's 25 layers split as a deployment splits them: 13 and 12.
+    assert [a[a.index("--footprint-layers") + 1] for a in argv] == ["13", "12"]
+
+
+def test_model_layers_below_the_checkpoint_s_own_are_refused_before_starting(tmp_path):
+    error, supervisor = _run_job(tmp_path, FakeWorker(0, 0), _request(model_layers=1))
+    assert isinstance(error, InvalidArgument)
+    assert "model_layers (1) is below the checkpoint's own 2 layers" in str(error)
+    assert supervisor.plans == [] and supervisor.stopped == []
+    # 0 (the checkpoint stands for itself) and its own count time the layers as they are.
+    for layers in (0, 2):
+        _, supervisor = _run_job(tmp_path, FakeWorker(0, 0), _request(model_layers=layers))
+        [plan] = supervisor.plans
+        argv = plan.worker_argv(plan.workers[0], "127.0.0.1", tmp_path / "ready")
+        assert "--footprint-layers" not in argv
+
+
 def test_a_cpu_reading_is_the_cores_busy_time_and_the_processes_own(tmp_path):
     """The cores' time not idle (ticks, as ns) and the processes' threads' CPU time."""
     from monitor_agent.profiling import _NS_PER_TICK, CpuReading, cpu_reading, other_share

@@ -30,6 +30,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from services.engine_rules import even_stage_layers
+
 if TYPE_CHECKING:
     # Not at run time: the worker reads this module before it pins its cores, and the
     # batching module imports torch, whose thread pools must start after the pinning.
@@ -161,12 +163,6 @@ def accepts_argument(api: ModuleType, backend: str, name: str) -> bool:
     return False
 
 
-def even_split(num_layers: int, stages: int) -> list[int]:
-    """``num_layers`` over ``stages`` as evenly as possible, the first stages one more."""
-    base, extra = divmod(num_layers, stages)
-    return [base + (stage < extra) for stage in range(stages)]
-
-
 def plan_llm(config: TrtLlmConfig, num_layers: int, api: ModuleType) -> LlmPlan:
     """The LLM class and arguments that run ``config`` on a model of ``num_layers``
     layers; CannotMap for a configuration that does not map.
@@ -234,7 +230,7 @@ def _pp_partition(
         return None
     if accepts_argument(api, backend, "pp_partition"):
         return stages
-    even = even_split(num_layers, config.pipeline_parallel)
+    even = list(even_stage_layers(num_layers, config.pipeline_parallel))
     if stages != even:
         log.warning(
             "this tensorrt_llm has no pp_partition argument: layer map %s falls back to "

@@ -138,7 +138,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class RunProfilingJobRequest(_message.Message):
-    __slots__ = ("request_id", "checkpoint_path", "config", "workers", "input_tokens", "output_tokens", "warmup_runs", "timed_runs", "extra_input_tokens")
+    __slots__ = ("request_id", "checkpoint_path", "config", "workers", "input_tokens", "output_tokens", "warmup_runs", "timed_runs", "extra_input_tokens", "model_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class RunProfilingJobRequest(_message.Message):
     WARMUP_RUNS_FIELD_NUMBER: _ClassVar[int]
     TIMED_RUNS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     checkpoint_path: str
     config: _common_pb2.DeploymentConfig
@@ -157,7 +158,8 @@ class RunProfilingJobRequest(_message.Message):
     warmup_runs: int
     timed_runs: int
     extra_input_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerSpec, _Mapping]]] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[_Iterable[int]] = ..., warmup_runs: _Optional[int] = ..., timed_runs: _Optional[int] = ..., extra_input_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    model_layers: int
+    def __init__(self, request_id: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerSpec, _Mapping]]] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[_Iterable[int]] = ..., warmup_runs: _Optional[int] = ..., timed_runs: _Optional[int] = ..., extra_input_tokens: _Optional[_Iterable[int]] = ..., model_layers: _Optional[int] = ...) -> None: ...
 
 class RunProfilingJobResponse(_message.Message):
     __slots__ = ("request_id", "runs")
