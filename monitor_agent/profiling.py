@@ -44,11 +44,12 @@ lengths:
    rank 0's: the rank's own account of its weights and KV cache, which it writes into
    its ready file (``WorkerInfo.resident_bytes``), plus how much its process's memory
    peak grew during the runs, measured by the system: on CPU the kernel's peak resident
-   set (``VmHWM`` in ``/proc/<pid>/status``) now minus when the rank became ready; on
-   CUDA the process's device memory as NVML reports it, likewise as growth (the caching
-   allocator keeps its peak segments). The growth covers activations and communication
-   buffers, but not a peak the load itself had already set, so a follower's activations
-   can be undercounted where they stay below its loading peak. Neither figure counts
+   set (``VmHWM`` in ``/proc/<pid>/status``) now minus when the runs started, the peak
+   first reset to the resident set then (``clear_refs``, Linux 4.0 and later), so that a
+   peak the load set (an int8 layer's float weights before quantization) hides no
+   growth below it; on CUDA the process's device memory as NVML reports it, likewise as
+   growth (the caching allocator keeps its peak segments). The growth covers activations,
+   communication buffers and the runtime's first-run allocations. Neither figure counts
    the Python and torch runtime (about 330 MiB per process on CPU).
 4. The workers are stopped and their records deleted whatever happened, also when the
    call is cancelled.
@@ -346,6 +347,17 @@ def peak_resident_bytes(pid: int, proc_root: Path = Path("/proc")) -> int:
     return 0
 
 
+def reset_peak_resident(pid: int, proc_root: Path = Path("/proc")) -> bool:
+    """Reset process ``pid``'s peak resident set (``VmHWM``) to its resident set now, as
+    Linux allows since 4.0 (``5`` into ``/proc/<pid>/clear_refs``); False where it cannot
+    (another kernel, no permission)."""
+    try:
+        (proc_root / str(pid) / "clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def _nvml_process_bytes(cuda_index: int, pid: int) -> int:
     """Device memory NVML attributes to ``pid`` on GPU ``cuda_index`` (0 when none)."""
     import pynvml
@@ -447,7 +459,7 @@ class ProfilingJobs:
         layers: int,
     ) -> list[agent_pb.ProfiledRun]:
         workers = sorted(workers, key=lambda w: w.rank)
-        at_ready = {w.rank: self._process_peak(w) for w in workers[1:]}
+        at_ready = {w.rank: self._process_baseline(w) for w in workers[1:]}
         # On CPU devices, what other processes take of their cores during each run: the
         # cores' busy time less the workers' and this agent's (it times the runs). A
         # GPU's speed is not its host cores'.
@@ -524,6 +536,17 @@ class ProfilingJobs:
                 f"the worker produced {len(token_times)} tokens, {output_tokens} requested"
             )
         return stream_timing(started, token_times, ended)
+
+    def _process_baseline(self, worker: agent_pb.WorkerInfo) -> int:
+        """A rank's figure (``_process_peak``) as its runs start. On CPU its peak
+        resident set is first reset to what it holds now: the peak its load set (an int8
+        layer's float weights before quantization) would otherwise hide any growth
+        below it, and what is timed beside the layers (a fingerprint's copies, see
+        monitor_agent.engine.footprint) would change what it hides."""
+        device = self.devices[worker.device_id]
+        if not device.is_cuda and not reset_peak_resident(worker.pid):
+            log.debug("cannot reset the peak resident set of pid %d", worker.pid)
+        return self._process_peak(worker)
 
     def _process_peak(self, worker: agent_pb.WorkerInfo) -> int:
         """The system's figure for a rank's process: device memory on CUDA, the peak

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from monitor_agent.profiling import (
     check_job,
     peak_resident_bytes,
     prompt_token_ids,
+    reset_peak_resident,
     stream_timing,
     summarise,
 )
@@ -118,6 +121,31 @@ def test_peak_resident_bytes_reads_vmhwm(tmp_path):
     assert peak_resident_bytes(43, tmp_path) == 0
     if os.path.exists("/proc/self/status"):
         assert peak_resident_bytes(os.getpid()) > 1 << 20
+
+
+def test_a_reset_peak_is_the_resident_set_then(tmp_path):
+    """A follower's growth is measured from its resident set as the runs start: the peak
+    its load set (here a child's freed 256 MiB) no longer hides anything below it."""
+    assert not reset_peak_resident(42, tmp_path)  # no such process
+    (tmp_path / "42").mkdir()
+    assert reset_peak_resident(42, tmp_path)
+    assert (tmp_path / "42" / "clear_refs").read_text() == "5"
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("no /proc/<pid>/clear_refs on this system")
+    code = "b = bytearray(256 << 20); del b; print(flush=True); import sys; sys.stdin.read()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        child.stdout.readline()  # allocated and freed
+        loaded = peak_resident_bytes(child.pid)
+        assert loaded > 256 << 20
+        if not reset_peak_resident(child.pid):
+            pytest.skip("this kernel refuses to reset a child's peak resident set")
+        assert peak_resident_bytes(child.pid) < loaded - (200 << 20)
+    finally:
+        child.stdin.close()
+        child.wait(10)
 
 
 def test_prompt_ids_avoid_bos_and_eos(tmp_path):
