@@ -39,6 +39,7 @@ from torch import nn
 
 from monitor_agent.engine.kv_cache import LayerKVCache
 from monitor_agent.engine.model import Transformer
+from services.reservation import CPU_RUNTIME_MIB, MIB, RUNTIME_OVERHEAD_BYTES
 
 log = logging.getLogger("iserve.engine")
 
@@ -48,6 +49,10 @@ log = logging.getLogger("iserve.engine")
 CACHE_MULTIPLE = 2
 # At most this many copies of a stage's layers (a narrow model on a large cache).
 MAX_LAYER_SETS = 64
+# The copies' bytes beyond the layers themselves stay within what a profiling job's
+# reservation allows each rank beyond the measured runtime (services.reservation), so a
+# worker never holds more than its job reserved.
+MAX_COPY_BYTES = RUNTIME_OVERHEAD_BYTES - CPU_RUNTIME_MIB * MIB
 
 _SIZE_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -98,12 +103,14 @@ def layer_sets_for(
     """How many copies of a stage's ``own_layers`` layers (``layer_bytes`` each) a forward
     cycles through so that it touches what the full model's stage of
     ``footprint_layers`` layers does between two uses of a layer, capped at
-    CACHE_MULTIPLE x ``cache_bytes``; 1 (the layers alone) when the stage already holds
-    that many layers or the cache is unknown."""
+    CACHE_MULTIPLE x ``cache_bytes`` and at MAX_COPY_BYTES of copies; 1 (the layers
+    alone) when the stage already holds that many layers or the cache is unknown."""
     if own_layers < 1 or footprint_layers <= own_layers or cache_bytes <= 0 or layer_bytes <= 0:
         return 1
+    stage_bytes = own_layers * layer_bytes
     target = min(footprint_layers * layer_bytes, CACHE_MULTIPLE * cache_bytes)
-    return max(1, min(MAX_LAYER_SETS, math.ceil(target / (own_layers * layer_bytes))))
+    affordable = 1 + int(MAX_COPY_BYTES // stage_bytes)
+    return max(1, min(MAX_LAYER_SETS, affordable, math.ceil(target / stage_bytes)))
 
 
 def copy_weights(module: nn.Module) -> nn.Module:

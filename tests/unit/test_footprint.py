@@ -16,6 +16,7 @@ from monitor_agent.engine import footprint
 from monitor_agent.engine.engine import Engine
 from monitor_agent.engine.footprint import (
     CACHE_MULTIPLE,
+    MAX_COPY_BYTES,
     MAX_LAYER_SETS,
     copy_weights,
     last_level_cache_bytes,
@@ -67,6 +68,8 @@ def test_layer_sets_cover_the_full_stage_up_to_twice_the_cache():
     assert layer_sets_for(1, 60, 400 * MIB, 32 * MIB) == 1
     assert layer_sets_for(1, 60, 1024, 1 << 30) == 60  # the full stage itself
     assert layer_sets_for(1, 200, 1024, 1 << 30) == MAX_LAYER_SETS
+    # A cache larger than the job reserved for copies: as many copies as it holds.
+    assert layer_sets_for(1, 500, 100 * MIB, 1 << 30) == 1 + MAX_COPY_BYTES // (100 * MIB)
 
 
 @given(
@@ -83,7 +86,8 @@ def test_layer_sets_reach_the_target_with_the_fewest_copies(own, extra, each, ca
         assert sets == 1
         return
     assert 1 <= sets <= MAX_LAYER_SETS
-    if sets < MAX_LAYER_SETS:
+    assert (sets - 1) * own * each <= MAX_COPY_BYTES
+    if sets < MAX_LAYER_SETS and sets * own * each <= MAX_COPY_BYTES:
         assert sets * own * each >= target
     assert (sets - 1) * own * each < target or sets == 1
 
