@@ -174,6 +174,15 @@ def test_register_profiles_the_fingerprints(stack):
     as_json = json.loads(_cli(stack, "profile", "show", "prof-llama", "--json").stdout)
     assert len(as_json["measurements"]) == len(profile.measurements)
 
+    # On these CPU devices the fingerprints' layers were timed among copies that give a
+    # forward the full model's cache footprint: its 6 layers at pp = 1, 3 a stage at pp = 2.
+    logs = [
+        p.read_text(errors="replace")
+        for p in (stack.settings.state_dir / "logs").glob("worker-profile-*.log*")
+    ]
+    for stage in ("6-layer", "3-layer"):
+        assert any(f"for the full model's {stage} stage" in text for text in logs), stage
+
     key = content_hash(stack.models_root / path)
     for layers in (1, 2):
         assert (stack.models_root / FINGERPRINTS_DIR / key / f"L{layers}" / "config.json").is_file()
