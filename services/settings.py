@@ -147,6 +147,10 @@ MAX_VIRTUAL_DEVICES = 256
 GIB = 1 << 30
 GATEWAY_ENV = "ISERVE_GATEWAY_ADDR"
 CORS_ENV = "ISERVE_CORS_ORIGINS"
+# Set by `iserve up` in every service's environment (and so in the workers'): the stack
+# a process belongs to, by which `iserve down` finds one no record names (a service
+# started but not yet recorded when `iserve up` was killed). Not for operators to set.
+STACK_ID_ENV = "ISERVE_STACK_ID"
 DEFAULT_GATEWAY_PORT = 8000
 DEFAULT_GATEWAY_ADDR = f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
 DRAIN_TIMEOUT_ENV = "ISERVE_DRAIN_TIMEOUT_S"
@@ -867,7 +871,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
 # Every ISERVE_* variable an iserve process reads (the tables above); a unit test keeps
 # it in step with the code.
 KNOWN_VARIABLES = frozenset({
-    *SERVICE_ENV.values(), *METRICS_ENV.values(), GATEWAY_ENV, CORS_ENV,
+    *SERVICE_ENV.values(), *METRICS_ENV.values(), GATEWAY_ENV, CORS_ENV, STACK_ID_ENV,
     "ISERVE_STATE_DIR", "ISERVE_MODELS_ROOT", "ISERVE_HOST", "ISERVE_NODE_ID",
     "ISERVE_DEVICES", "ISERVE_DEVICE_MEMORY_GIB", "ISERVE_QUEUE_CAPACITY",
     "ISERVE_READY_TIMEOUT_S", "ISERVE_HEARTBEAT_TTL_S", "ISERVE_MAX_RESTARTS",

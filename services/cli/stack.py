@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +43,7 @@ from services.settings import (
     METRICS_ENV,
     SERVICE_ENV,
     STACK_FILE,
+    STACK_ID_ENV,
     Settings,
     load_settings,
     read_stack_file,
@@ -275,6 +277,9 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         ) from None
     stack: dict = {
         "state_dir": str(settings.state_dir),
+        # In every service's environment (STACK_ID_ENV), recorded before any starts: a
+        # service started but not yet recorded when `iserve up` was killed is found by it.
+        "stack_id": uuid.uuid4().hex,
         "pids": {},
         "addresses": {},
         "metrics_addresses": dict(settings.metrics_addresses),
@@ -302,7 +307,7 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         # or came back already went unmentioned (a deployment whose checkpoint is gone
         # fails within a second).
         kept = _kept_deployments(redis_url)
-        env = _service_env(settings, redis_url, options)
+        env = _service_env(settings, redis_url, options, stack["stack_id"])
         for name, module in SERVICES:
             procs[name] = _spawn(module, env, logs / f"{name}.log")
             _record(stack, name, procs[name].pid)
@@ -480,11 +485,14 @@ def write_stack_tokens(settings: Settings) -> list[Path]:
     return written
 
 
-def _service_env(settings: Settings, redis_url: str, options: UpOptions) -> dict[str, str]:
+def _service_env(
+    settings: Settings, redis_url: str, options: UpOptions, stack_id: str
+) -> dict[str, str]:
     """The environment every service of the stack runs with."""
     env = dict(os.environ)
     env.update(
         {
+            STACK_ID_ENV: stack_id,
             "REDIS_URL": redis_url,
             "ISERVE_STATE_DIR": str(settings.state_dir),
             "ISERVE_MODELS_ROOT": str(settings.models_root),
@@ -548,7 +556,8 @@ def restart_service(settings: Settings, name: str, *, kill: bool = False) -> int
     else:
         _stop_pids({name: (pid, started)}, timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s)
     log_path = settings.state_dir / "logs" / f"{name}.log"
-    proc = _spawn(modules[name], _service_env(settings, stack["redis_url"], UpOptions()), log_path)
+    env = _service_env(settings, stack["redis_url"], UpOptions(), stack.get("stack_id", ""))
+    proc = _spawn(modules[name], env, log_path)
     if not wait_serving(settings.address(name), time.monotonic() + READY_TIMEOUT_S, proc):
         raise RuntimeError(f"{name} did not come back; last log lines:\n{_tail(log_path)}")
     _record(stack, name, proc.pid)
@@ -566,6 +575,14 @@ def down(settings: Settings, log=print) -> bool:
     deployer_crashed = "deploy" in ours and not _alive(*ours["deploy"])
     _stop_pids(
         {name: ours[name] for name in order if name in ours and name != "redis"},
+        log,
+        timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
+    )
+    # Processes of this stack no record names: a service `iserve up` started but had not
+    # recorded when it was killed, a worker its agent left behind.
+    strays = unrecorded_processes(stack.get("stack_id", ""), {pid for pid, _ in ours.values()})
+    _stop_pids(
+        {f"unrecorded process {pid}": (pid, start_time(pid)) for pid in strays},
         log,
         timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
     )
@@ -658,6 +675,29 @@ def _record_planned_stop(redis_url: str, log) -> None:
         log(
             f"the deployer had exited and Redis did not answer ({exc}): the next `iserve up` counts each restore against its deployment's restart budget"
         )
+
+
+def unrecorded_processes(
+    stack_id: str, recorded: set[int], proc_root: Path = Path("/proc")
+) -> list[int]:
+    """Pids of this user's processes whose environment names the stack ``stack_id``
+    (STACK_ID_ENV, which every service and the workers its agent starts inherit), other
+    than ``recorded`` and this process; none without an id or procfs."""
+    if not stack_id:
+        return []
+    marker = f"{STACK_ID_ENV}={stack_id}".encode()
+    found = []
+    for entry in proc_root.glob("[0-9]*"):
+        pid = int(entry.name)
+        if pid == os.getpid() or pid in recorded:
+            continue
+        try:
+            environment = (entry / "environ").read_bytes()
+        except OSError:  # another user's, or gone meanwhile
+            continue
+        if marker in environment.split(b"\0"):
+            found.append(pid)
+    return sorted(found)
 
 
 def _stop_pids(

@@ -242,6 +242,36 @@ def test_up_after_the_stack_was_killed_starts_its_embedded_redis_again(tmp_path)
     assert password is not None and password not in logs
 
 
+def test_down_stops_the_stack_s_processes_no_record_names(tmp_path):
+    """`iserve up` SIGKILLed between starting a service and recording it left that
+    service running, found by nothing. Every service carries the stack's id in its
+    environment, recorded before any starts; `down` stops those no record names."""
+    import json
+    import signal
+
+    state = tmp_path / "state"
+    env = _stack_env(state)
+    pids: dict = {}
+    try:
+        first = run_cli(env, "up", "--detach")
+        assert first.returncode == 0, first.stderr
+        stack = json.loads((state / "stack.json").read_text())
+        pids = dict(stack["pids"])
+        # As a kill between their spawn and their record would have left it.
+        for name in ("gateway", "scheduler"):
+            del stack["pids"][name]
+        (state / "stack.json").write_text(json.dumps(stack))
+        down = run_cli(env, "down")
+        assert down.returncode == 0, down.stderr
+        for name in ("gateway", "scheduler"):
+            assert f"stopped unrecorded process {pids[name]}" in down.stdout, down.stdout
+        assert not [n for n, p in pids.items() if _running(p)], pids
+    finally:
+        for pid in pids.values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _up_in_the_foreground(env: dict[str, str]) -> subprocess.Popen:
     """`iserve up` without --detach, its output captured."""
     return subprocess.Popen(

@@ -92,3 +92,22 @@ def test_a_failure_shows_the_log_lines_of_this_start_only(tmp_path):
     assert tail.endswith("this run's error 1") and "old traceback" not in tail
     assert log.read_text().count(stack.START_MARK) == 2
     assert stack._tail(tmp_path / "none.log") == "(no log)"
+
+
+def test_unrecorded_processes_are_this_stack_s_by_their_environment(tmp_path):
+    from services.cli.stack import unrecorded_processes
+
+    def process(pid: int, environ: bytes | None) -> None:
+        (tmp_path / str(pid)).mkdir()
+        if environ is not None:
+            (tmp_path / str(pid) / "environ").write_bytes(environ)
+
+    process(10, b"PATH=/bin\0ISERVE_STACK_ID=abc\0")  # this stack's, unrecorded
+    process(11, b"ISERVE_STACK_ID=abc\0")  # this stack's, recorded
+    process(12, b"ISERVE_STACK_ID=abcd\0")  # another stack's
+    process(13, b"X=ISERVE_STACK_ID=abc\0")  # the id inside another variable
+    process(14, None)  # another user's: unreadable
+    (tmp_path / "self").mkdir()
+    assert unrecorded_processes("abc", {11}, tmp_path) == [10]
+    # A stack.json from before the id was recorded: nothing is looked for.
+    assert unrecorded_processes("", set(), tmp_path) == []
