@@ -106,17 +106,25 @@ def _tokens(engine: Engine) -> list[int]:
     return [o.token_id for o in engine.generate(prompt, 12, greedy)]
 
 
-@pytest.mark.parametrize("weight_quant", ["none", "int8"])
+@pytest.mark.parametrize(
+    ("weight_quant", "pruning", "kv_cache_dtype"),
+    [
+        ("none", "none", None),
+        ("int8", "none", None),
+        ("int4", "none", "int8"),
+        ("none", "2:4", None),
+        ("none", "2:4-compact", None),
+        ("none", "structured", None),
+    ],
+)
 def test_copies_compute_what_the_layers_do_and_stay_outside_the_memory_account(
-    checkpoint, weight_quant, monkeypatch
+    checkpoint, weight_quant, pruning, kv_cache_dtype, monkeypatch
 ):
-    plain = Engine(checkpoint, max_seq_len=64, time_layers=True, weight_quant=weight_quant)
+    variant = dict(weight_quant=weight_quant, pruning=pruning, kv_cache_dtype=kv_cache_dtype)
+    plain = Engine(checkpoint, max_seq_len=64, time_layers=True, **variant)
     expected = _tokens(plain)
     monkeypatch.setattr(footprint, "last_level_cache_bytes", lambda: 1 * MIB)
-    engine = Engine(
-        checkpoint, max_seq_len=64, time_layers=True, weight_quant=weight_quant,
-        footprint_layers=32,
-    )  # fmt: skip
+    engine = Engine(checkpoint, max_seq_len=64, time_layers=True, footprint_layers=32, **variant)
     model = engine.model
     each = layer_bytes(model.layers)
     count = len(model.layer_sets)
