@@ -287,6 +287,10 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
     redis_proc = None
     procs: dict[str, subprocess.Popen] = {}
     try:
+        # The stack id on disk before anything starts: with an operator's Redis the first
+        # record came only after the agent's spawn, and a kill between the two left it
+        # running where `iserve down` found no stack (a probe).
+        write_stack_file(settings.state_dir, stack)
         if settings.redis_url:
             redis_url = settings.redis_url
             log(f"using Redis at {redacted_url(redis_url)}")
@@ -336,8 +340,8 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
             {n: (p.pid, None) for n, p in procs.items()}
             | ({"redis": (redis_proc.pid, None)} if redis_proc else {})
         )
-        if stack["pids"]:  # the record this start wrote (_record), of what it stopped
-            (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
+        # The record this start wrote, of what it stopped.
+        (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
         raise
     stack["started_at_unix_ms"] = int(time.time() * 1000)
     stack["models_root"] = str(settings.models_root)  # where the stack reads checkpoints
@@ -582,7 +586,10 @@ def down(settings: Settings, log=print) -> bool:
     # recorded when it was killed, a worker its agent left behind.
     strays = unrecorded_processes(stack.get("stack_id", ""), {pid for pid, _ in ours.values()})
     _stop_pids(
-        {f"unrecorded process {pid}": (pid, start_time(pid)) for pid in strays},
+        {
+            f"unrecorded process {describe_process(pid) or '?'}": (pid, start_time(pid))
+            for pid in strays
+        },
         log,
         timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
     )
@@ -682,14 +689,16 @@ def unrecorded_processes(
 ) -> list[int]:
     """Pids of this user's processes whose environment names the stack ``stack_id``
     (STACK_ID_ENV, which every service and the workers its agent starts inherit), other
-    than ``recorded`` and this process; none without an id or procfs."""
+    than ``recorded``, this process and the processes above it (a shell that carries
+    the id runs `iserve down`, and is not killed by it); none without an id or procfs."""
     if not stack_id:
         return []
     marker = f"{STACK_ID_ENV}={stack_id}".encode()
+    spared = {*recorded, *_ancestors(os.getpid(), proc_root)}
     found = []
     for entry in proc_root.glob("[0-9]*"):
         pid = int(entry.name)
-        if pid == os.getpid() or pid in recorded:
+        if pid in spared:
             continue
         try:
             environment = (entry / "environ").read_bytes()
@@ -698,6 +707,32 @@ def unrecorded_processes(
         if marker in environment.split(b"\0"):
             found.append(pid)
     return sorted(found)
+
+
+def _ancestors(pid: int, proc_root: Path = Path("/proc")) -> set[int]:
+    """``pid`` and the processes above it (``PPid`` in ``/proc/<pid>/status``)."""
+    seen: set[int] = set()
+    while pid > 0 and pid not in seen:
+        seen.add(pid)
+        try:
+            status = (proc_root / str(pid) / "status").read_text()
+        except OSError:
+            break
+        parent = next(
+            (line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "0"
+        )
+        pid = int(parent) if parent.isdigit() else 0
+    return seen
+
+
+def describe_process(pid: int, proc_root: Path = Path("/proc")) -> str:
+    """A process's command line, shortened, for a message ("" when unreadable)."""
+    try:
+        words = (proc_root / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    text = " ".join(w.decode(errors="replace") for w in words if w)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _stop_pids(

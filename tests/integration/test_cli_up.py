@@ -263,8 +263,9 @@ def test_down_stops_the_stack_s_processes_no_record_names(tmp_path):
         (state / "stack.json").write_text(json.dumps(stack))
         down = run_cli(env, "down")
         assert down.returncode == 0, down.stderr
-        for name in ("gateway", "scheduler"):
-            assert f"stopped unrecorded process {pids[name]}" in down.stdout, down.stdout
+        for name, module in (("gateway", "gateway_svc"), ("scheduler", "scheduler_svc")):
+            said = f"stopped unrecorded process {sys.executable} -m {module} (pid {pids[name]})"
+            assert said in down.stdout, down.stdout
         assert not [n for n, p in pids.items() if _running(p)], pids
     finally:
         for pid in pids.values():

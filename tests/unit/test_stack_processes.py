@@ -109,5 +109,12 @@ def test_unrecorded_processes_are_this_stack_s_by_their_environment(tmp_path):
     process(14, None)  # another user's: unreadable
     (tmp_path / "self").mkdir()
     assert unrecorded_processes("abc", {11}, tmp_path) == [10]
+    # The shell that runs `iserve down` with the id in its environment is spared.
+    import os
+
+    (tmp_path / str(os.getpid())).mkdir()
+    (tmp_path / str(os.getpid()) / "status").write_text("Name:\tiserve\nPPid:\t10\n")
+    (tmp_path / "10" / "status").write_text("Name:\tbash\nPPid:\t1\n")
+    assert unrecorded_processes("abc", {11}, tmp_path) == []
     # A stack.json from before the id was recorded: nothing is looked for.
     assert unrecorded_processes("", set(), tmp_path) == []
