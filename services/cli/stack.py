@@ -70,6 +70,9 @@ RESTORE_TIMEOUT_S = 300.0
 # How long a service gets to exit after SIGTERM before SIGKILL, on top of its drain
 # (``Settings.drain_timeout_s``: the scheduler lets streams in flight finish first).
 STOP_TIMEOUT_S = 20.0
+# How long ``down`` lets a stopped service's helpers exit on their own before it takes
+# those still carrying the stack's id for unrecorded processes.
+STRAY_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -584,7 +587,7 @@ def down(settings: Settings, log=print) -> bool:
     )
     # Processes of this stack no record names: a service `iserve up` started but had not
     # recorded when it was killed, a worker its agent left behind.
-    strays = unrecorded_processes(stack.get("stack_id", ""), {pid for pid, _ in ours.values()})
+    strays = _strays_after_grace(stack.get("stack_id", ""), {pid for pid, _ in ours.values()})
     _stop_pids(
         {
             f"unrecorded process {describe_process(pid) or '?'}": (pid, start_time(pid))
@@ -707,6 +710,20 @@ def unrecorded_processes(
         if marker in environment.split(b"\0"):
             found.append(pid)
     return sorted(found)
+
+
+def _strays_after_grace(stack_id: str, recorded: set[int]) -> list[int]:
+    """``unrecorded_processes`` once the stopped services' own helpers have had
+    STRAY_GRACE_S to exit with them (the agent's multiprocessing resource tracker
+    outlives it by a moment: a clean stop named it as unrecorded, a probe)."""
+    deadline = time.monotonic() + STRAY_GRACE_S
+    strays = unrecorded_processes(stack_id, recorded)
+    while strays and time.monotonic() < deadline:
+        time.sleep(0.1)
+        for pid in strays:
+            _reap(pid)
+        strays = [p for p in unrecorded_processes(stack_id, recorded) if _alive(p)]
+    return strays
 
 
 def _ancestors(pid: int, proc_root: Path = Path("/proc")) -> set[int]:
