@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from monitor_agent.engine.kv_cache import LayerKVCache
+from monitor_agent.engine.kv_cache import LayerKVCache, kv_cache_bytes
+from monitor_agent.engine.memory import parameter_and_buffer_bytes
 from monitor_agent.engine.model import Transformer
 from services.reservation import CPU_RUNTIME_MIB, MIB, RUNTIME_OVERHEAD_BYTES
 
@@ -117,47 +118,43 @@ def copy_weights(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose tensors (parameters, buffers and tensor attributes, such
     as fused or packed weights) are its own, and which shares everything else with it:
     its KV caches (LayerKVCache submodules) and plain attributes (a tensor-parallel
-    all-reduce hook, the spec)."""
+    all-reduce hook, the spec). Tensors that share a storage (q/k/v weights as views of
+    the fused one) share the copy's."""
+    return _copy_weights(module, {})
+
+
+def _copy_weights(module: nn.Module, storages: dict[int, torch.UntypedStorage]) -> nn.Module:
     if isinstance(module, LayerKVCache):
         return module
+
+    def twin_of(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        own = storages.setdefault(storage.data_ptr(), storage.clone())
+        twin = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return twin.set_(own, tensor.storage_offset(), tensor.size(), tensor.stride())
+
     twin = copy.copy(module)
     twin._parameters = {
-        name: None if p is None else nn.Parameter(p.detach().clone(), requires_grad=False)
+        name: None if p is None else nn.Parameter(twin_of(p.detach()), requires_grad=False)
         for name, p in module._parameters.items()
     }
-    twin._buffers = {name: None if b is None else b.clone() for name, b in module._buffers.items()}
+    twin._buffers = {name: None if b is None else twin_of(b) for name, b in module._buffers.items()}
     twin._modules = {
-        name: None if m is None else copy_weights(m) for name, m in module._modules.items()
+        name: None if m is None else _copy_weights(m, storages)
+        for name, m in module._modules.items()
     }
     for name, value in vars(module).items():
         if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-            setattr(twin, name, value.clone())
+            setattr(twin, name, twin_of(value))
     return twin
 
 
 def layer_bytes(layers: nn.ModuleList) -> float:
-    """Mean bytes of one layer's tensors (parameters, buffers, tensor attributes), its KV
-    cache left out: what a forward reads of it."""
-    seen: set[int] = set()
-    total = 0
-    for layer in layers:
-        for module in layer.modules():
-            if isinstance(module, LayerKVCache):
-                continue
-            tensors = [
-                *module._parameters.values(),
-                *module._buffers.values(),
-                *(v for v in vars(module).values() if isinstance(v, torch.Tensor)),
-            ]
-            for t in tensors:
-                if t is None:
-                    continue
-                key = t.untyped_storage().data_ptr()
-                if key in seen:
-                    continue
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-    return total / max(1, len(layers))
+    """Mean bytes of one layer's weights, as the engine's memory account counts them
+    (its parameters and buffers, each storage once, the KV cache left out): what a
+    forward reads of it."""
+    weights = parameter_and_buffer_bytes(layers) - kv_cache_bytes(layers)
+    return weights / max(1, len(layers))
 
 
 def time_with_footprint(stage: Transformer, footprint_layers: int) -> int:
@@ -174,11 +171,11 @@ def time_with_footprint(stage: Transformer, footprint_layers: int) -> int:
             "layer clock: %d layer(s) of %.1f MiB timed among %d copies (%.0f MiB), for the "
             "full model's %d-layer stage and a %.0f MiB last-level cache%s",
             own,
-            each / (1 << 20),
+            each / MIB,
             count,
-            count * own * each / (1 << 20),
+            count * own * each / MIB,
             footprint_layers,
-            cache / (1 << 20),
+            cache / MIB,
             "" if cache else " (unknown: the layers are timed alone)",
         )
     return count
