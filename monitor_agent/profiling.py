@@ -39,18 +39,20 @@ lengths:
    runs before it, which is why prompts go shortest first). Rank 0: its
    ``GetWorkerStats.peak_memory_bytes`` (the engine's account of weights, KV cache and
    peak activations on CPU, the activations measured with torch's profiler; the CUDA
-   allocator's peak on GPUs). Other ranks serve no
-   RPCs, so their figure is built from what the agent can see, in the same terms as
-   rank 0's: the rank's own account of its weights and KV cache, which it writes into
-   its ready file (``WorkerInfo.resident_bytes``), plus how much its process's memory
-   peak grew during the runs, measured by the system: on CPU the kernel's peak resident
-   set (``VmHWM`` in ``/proc/<pid>/status``) now minus when the runs started, the peak
-   first reset to the resident set then (``clear_refs``, Linux 4.0 and later), so that a
-   peak the load set (an int8 layer's float weights before quantization) hides no
-   growth below it; on CUDA the process's device memory as NVML reports it, likewise as
-   growth (the caching allocator keeps its peak segments). The growth covers activations,
-   communication buffers and the runtime's first-run allocations. Neither figure counts
-   the Python and torch runtime (about 330 MiB per process on CPU).
+   allocator's peak on GPUs). The other ranks serve no RPCs; each measures itself the
+   same way and writes the figure into its ready record as its steps run
+   (``peak_memory_bytes``, monitor_agent.worker.follower), so that a split layout's
+   ranks are counted alike: a rank's RSS growth held allocations outside torch's
+   (communication buffers, the allocator's slack) that rank 0's figure leaves out, and
+   read about twice rank 0's figure for the same work. A rank that wrote none (an
+   engine without that record) is measured by what the agent can see: its own account
+   of weights and KV cache (``WorkerInfo.resident_bytes``) plus how much its process's
+   memory peak grew during the runs, on CPU the kernel's peak resident set (``VmHWM``
+   in ``/proc/<pid>/status``) now minus when the runs started, the peak first reset to
+   the resident set then (``clear_refs``, Linux 4.0 and later) so that a peak the load
+   set hides no growth below it; on CUDA the process's device memory as NVML reports it,
+   likewise as growth. Neither figure counts the Python and torch runtime (about
+   330 MiB per process on CPU).
 4. The workers are stopped and their records deleted whatever happened, also when the
    call is cancelled.
 """
@@ -590,6 +592,11 @@ class ProfilingJobs:
         module docstring)."""
         peaks = [int(stats.peak_memory_bytes)]
         for worker in workers[1:]:
+            record = self.supervisor.worker_record(worker.deployment_id, worker.rank) or {}
+            own = record.get("peak_memory_bytes")
+            if isinstance(own, int) and own > 0:
+                peaks.append(own)
+                continue
             growth = max(0, self._process_peak(worker) - at_ready[worker.rank])
             peaks.append(int(worker.resident_bytes) + growth)
         return peaks

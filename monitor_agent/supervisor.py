@@ -194,6 +194,14 @@ class WorkerSupervisor:
             for w in procs
         ]
 
+    def worker_record(self, deployment_id: str, rank: int) -> dict | None:
+        """What rank ``rank`` of the deployment last wrote into its ready record (a
+        follower adds its peak memory as its steps run), or None."""
+        for proc in self._workers.get(deployment_id, []):
+            if proc.info.rank == rank and proc.host is None:
+                return read_ready_file(proc.ready_file)
+        return None
+
     def live_pids(self, device_id: str) -> list[int]:
         """Pids of the live workers (starting or ready) on ``device_id``."""
         return [

@@ -331,7 +331,7 @@ class BatchEngine:
             device=self.device,
         )
         ids, positions, slots = columns[:, 0:1], columns[:, 1:2], columns[:, 2]
-        logits = self._forward(
+        logits = self.forward_measured(
             lambda: self.model(ids, positions, slots, last_token_only=True),
             rows=len(batch),
             tokens_per_row=1,
@@ -356,7 +356,7 @@ class BatchEngine:
             torch.tensor(positions, dtype=torch.long, device=device),
             torch.tensor([h.slot for h in group], dtype=torch.long, device=device),
         )
-        logits = self._forward(
+        logits = self.forward_measured(
             lambda: self.model(*inputs, last_token_only=True),
             rows=len(group),
             tokens_per_row=longest,
@@ -411,11 +411,12 @@ class BatchEngine:
         assert handle.slot is not None
         self._free_slots.append(handle.slot)
 
-    def _forward(
+    def forward_measured(
         self, run: Callable[[], torch.Tensor], *, rows: int, tokens_per_row: int, kv_len: int
     ) -> torch.Tensor:
         """``run()`` (one forward pass of this shape); on CPU, a pass that could set a new
-        activation peak is measured (monitor_agent.engine.memory)."""
+        activation peak is measured (monitor_agent.engine.memory). A follower rank
+        measures its steps through this too (monitor_agent.worker.follower)."""
         if self.device.type != "cpu":
             return run()  # the CUDA allocator keeps its own peak
         shape = forward_activation_bytes(

@@ -295,6 +295,11 @@ def check_layer_map(stage: Transformer, layout: ParallelLayout) -> None:
         )
 
 
+# A follower's wrapper of each step's compute (DistributedModel.follow):
+# around_stage(compute, positions) -> compute()'s output.
+AroundStage = Callable[[Callable[[], torch.Tensor], torch.Tensor], torch.Tensor]
+
+
 class DistributedModel(nn.Module):
     """This rank's stage, stepped in lock-step with the other ranks (module docstring).
 
@@ -408,9 +413,13 @@ class DistributedModel(nn.Module):
         return GroupLost(self.lost)
 
     # ---- other ranks -------------------------------------------------------------------
-    def follow(self) -> None:
+    def follow(self, around_stage: AroundStage | None = None) -> None:
         """Run every step rank 0 broadcasts until it sends STOP. Raises GroupLost when a
-        collective fails (a rank died, or nothing arrived within the group's timeout)."""
+        collective fails (a rank died, or nothing arrived within the group's timeout).
+        ``around_stage(compute, positions)``, if given, runs each step's ``compute()``
+        (the receipt of the previous stage's output and this rank's stage) and returns
+        its output, before this rank passes the output on: how a follower measures its
+        memory as rank 0's batch core does (monitor_agent.worker.follower)."""
         device = self.context.device
         header = torch.empty(4, dtype=torch.long, device=device)
         with torch.inference_mode():
@@ -430,6 +439,7 @@ class DistributedModel(nn.Module):
                         batch[cells : 2 * cells].view(rows, tokens),
                         batch[2 * cells :],
                         bool(last_token_only),
+                        around_stage,
                     )
                 except Exception as exc:
                     raise GroupLost(
@@ -443,17 +453,22 @@ class DistributedModel(nn.Module):
         positions: torch.Tensor,
         slots: torch.Tensor,
         last_token_only: bool,
+        around_stage: AroundStage | None = None,
     ) -> torch.Tensor | None:
         """This rank's part of one step; the logits on rank 0, None elsewhere."""
         layout, stage, device = self.layout, self.stage, self.context.device
         dtype = stage.layers[0].attn_norm.weight.dtype  # the activation dtype
         rows, tokens = positions.shape
-        if stage.has_embedding:
-            x = input_ids
-        else:
-            x = torch.empty(rows, tokens, self.spec.hidden_size, dtype=dtype, device=device)
-            self.context.recv(x, layout.rank_of(layout.stage - 1, layout.tensor_rank))
-        out = stage(x, positions, slots, last_token_only=last_token_only)
+
+        def compute() -> torch.Tensor:
+            if stage.has_embedding:
+                x = input_ids
+            else:
+                x = torch.empty(rows, tokens, self.spec.hidden_size, dtype=dtype, device=device)
+                self.context.recv(x, layout.rank_of(layout.stage - 1, layout.tensor_rank))
+            return stage(x, positions, slots, last_token_only=last_token_only)
+
+        out = compute() if around_stage is None else around_stage(compute, positions)
         if not stage.has_head:
             self.context.send(
                 out.to(dtype).contiguous(), layout.rank_of(layout.stage + 1, layout.tensor_rank)

@@ -18,7 +18,8 @@ group, loads its stage's shard and checks the stages' layer map with the others 
 also waits until every rank has loaded); only then does any rank write its ready file.
 Rank 0 serves WorkerService and drives the steps; the other ranks serve nothing and run
 the steps rank 0 broadcasts (:mod:`monitor_agent.worker.follower`), writing
-``"port": 0`` in their ready files. When the group loses a rank, rank 0 fails the
+``"port": 0`` in their ready files and, as their steps run, their peak memory
+(``"peak_memory_bytes"``, which rank 0 reports through GetWorkerStats instead). When the group loses a rank, rank 0 fails the
 requests in flight with UNAVAILABLE and exits with code 3, the others exit with code 3 as
 well (see :mod:`monitor_agent.engine.distributed`).
 
@@ -38,6 +39,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -506,14 +508,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot load {str(args.checkpoint)!r}: {exc}", file=sys.stderr, flush=True)
         return EXIT_ENGINE_FAILED
     if args.rank != 0:
-        from monitor_agent.worker.follower import run_follower
+        from monitor_agent.worker.follower import FollowerPeak, run_follower
+
+        record = {"port": 0, "pid": os.getpid(), "resident_bytes": engine.memory.resident_bytes}
+        record_lock = threading.Lock()
+
+        def publish(**fields: int) -> None:
+            with record_lock:
+                record.update(fields)
+                write_ready_file(args.ready_file, record)
 
         def announce() -> None:
-            record = {"port": 0, "pid": os.getpid(), "resident_bytes": engine.memory.resident_bytes}
-            write_ready_file(args.ready_file, record)
+            publish()
             log.info("worker %s rank %d ready", args.deployment_id, args.rank)
 
-        stopped = run_follower(engine.model, parent_pid=args.parent_pid, announce=announce)
+        peak = FollowerPeak(
+            engine.batch,
+            peak_memory_probe(engine, args.device, args.engine),
+            lambda n: publish(peak_memory_bytes=n),
+        )
+        stopped = run_follower(
+            engine.model,
+            parent_pid=args.parent_pid,
+            announce=announce,
+            around_stage=peak.around_stage,
+        )
         return 0 if stopped else EXIT_GROUP_LOST
     lost = asyncio.run(serve(args, engine))
     return EXIT_GROUP_LOST if lost else 0

@@ -155,6 +155,13 @@ def test_register_profiles_the_fingerprints(stack):
         )
         reasons = [s for s in profile.skipped if f"tp={tp} pp={pp}" in s]
         assert measured or reasons, (tp, pp, list(profile.skipped))
+    # A tensor-parallel layout's two ranks hold equal shards and run the same steps,
+    # and the follower measures its memory as rank 0 does: their figures agree. (Its RSS
+    # growth, counted before, read about twice rank 0's figure.)
+    for m in profile.measurements:
+        if (m.config.tensor_parallel, m.config.pipeline_parallel) == (2, 1):
+            rank0, rank1 = m.peak_memory_bytes_per_rank
+            assert 0.8 < rank1 / rank0 < 1.25, (m.num_layers, m.input_tokens, rank0, rank1)
     cost = profile.cost
     assert cost.wall_time_ms > 0 and cost.device_seconds > 0 and cost.peak_device_memory_bytes > 0
     print(

@@ -205,6 +205,8 @@ class FakeSupervisor:
     store: FakeStore = field(default_factory=FakeStore)
     plans: list = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
+    # What each rank last wrote into its ready record.
+    records: dict[int, dict] = field(default_factory=dict)
 
     async def start_workers(self, plan):
         self.plans.append(plan)
@@ -225,15 +227,20 @@ class FakeSupervisor:
         self.stopped.append(deployment_id)
         return []
 
+    def worker_record(self, deployment_id: str, rank: int) -> dict | None:
+        return self.records.get(rank)
+
 
 def _run_job(
     tmp_path,
     worker: FakeWorker,
     request: agent_pb.RunProfilingJobRequest,
     cpu=lambda cores, pids: None,
+    records: dict[int, dict] | None = None,
 ):
     """The job against ``worker``; ``cpu`` stands for the kernel's account of the
-    devices' cores (by default none: the worker is this test's process)."""
+    devices' cores (by default none: the worker is this test's process); ``records``, for
+    what the ranks wrote into their ready records (by default nothing beyond readiness)."""
     create_checkpoint(tmp_path / "tiny", **SHAPE, overwrite=True)
     devices = {
         f"cpu{i}": DeviceSpec(
@@ -247,7 +254,7 @@ def _run_job(
         worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        supervisor = FakeSupervisor(f"127.0.0.1:{port}")
+        supervisor = FakeSupervisor(f"127.0.0.1:{port}", records=records or {})
         jobs = ProfilingJobs(supervisor, devices, models_root=tmp_path, ready_timeout_s=5)
         real_reading, profiling.cpu_reading = profiling.cpu_reading, cpu
         try:
@@ -347,6 +354,21 @@ def test_other_ranks_report_their_account_plus_measured_growth(tmp_path):
         rank0, rank1 = run.peak_memory_bytes_per_rank
         # Rank 1 is this test's process: its peak RSS barely moves during the runs.
         assert rank0 == 123_456 and 5000 <= rank1 < 5000 + (64 << 20)
+
+
+def test_other_ranks_that_measured_themselves_report_their_own_figure(tmp_path):
+    """A follower that wrote its peak into its ready record, measured as rank 0 measures
+    its own, is reported with that figure, not with its account plus RSS growth."""
+    config = common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=1)
+    workers = [
+        agent_pb.WorkerSpec(rank=0, device_id="cpu0", tensor_rank=0),
+        agent_pb.WorkerSpec(rank=1, device_id="cpu1", tensor_rank=1),
+    ]
+    records = {1: {"port": 0, "pid": os.getpid(), "resident_bytes": 5000, "peak_memory_bytes": 777}}
+    runs, _ = _run_job(
+        tmp_path, FakeWorker(0.0, 0.0), _request(config=config, workers=workers), records=records
+    )
+    assert [list(run.peak_memory_bytes_per_rank) for run in runs] == [[123_456, 777]] * 2
 
 
 def test_a_failing_job_still_stops_its_workers(tmp_path):
