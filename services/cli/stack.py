@@ -595,6 +595,7 @@ def down(settings: Settings, log=print) -> bool:
         },
         log,
         timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
+        together=True,
     )
     if deployer_crashed:
         # A deployer that exited cleanly records that it did, and its deployments are
@@ -756,23 +757,36 @@ def _stop_pids(
     pids: dict[str, tuple[int, int | None]],
     log=lambda _msg: None,
     timeout_s: float = STOP_TIMEOUT_S,
+    *,
+    together: bool = False,
 ) -> None:
-    """SIGTERM each process (pid, start time or None) in turn; SIGKILL one still alive
-    ``timeout_s`` seconds later. A pid another process holds now is left alone."""
-    for name, (pid, started) in pids.items():
-        if not _alive(pid, started):
-            if _alive(pid):
-                log(f"{name} is gone; pid {pid} is another process now, left alone")
-            continue
-        os.kill(pid, signal.SIGTERM)
+    """SIGTERM each process (pid, start time or None) in turn, or all at once with
+    ``together`` (processes no order matters for: one that ignores SIGTERM then holds up
+    the others for ``timeout_s`` once, not each in turn); SIGKILL one still alive
+    ``timeout_s`` seconds after its SIGTERM. A pid another process holds now is left
+    alone."""
+    items = list(pids.items())
+    for batch in [items] if together else [[item] for item in items]:
+        stopping = []
+        for name, (pid, started) in batch:
+            if not _alive(pid, started):
+                if _alive(pid):
+                    log(f"{name} is gone; pid {pid} is another process now, left alone")
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            stopping.append((name, pid, started))
         deadline = time.monotonic() + timeout_s
-        while _alive(pid, started) and time.monotonic() < deadline:
-            _reap(pid)
+        while time.monotonic() < deadline and any(_alive(p, t) for _, p, t in stopping):
+            for _, pid, _ in stopping:
+                _reap(pid)
             time.sleep(0.05)
-        if _alive(pid, started):
-            os.kill(pid, signal.SIGKILL)
-            _reap(pid)
-        log(f"stopped {name} (pid {pid})")
+        for name, pid, started in stopping:
+            if _alive(pid, started):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                _reap(pid)
+            log(f"stopped {name} (pid {pid})")
 
 
 def reap_children() -> list[tuple[int, int]]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import fcntl
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import redis
@@ -42,6 +44,31 @@ def test_down_leaves_alone_a_process_that_took_a_recorded_pid(sleeper):
     assert said == [f"gateway is gone; pid {sleeper.pid} is another process now, left alone"]
     _stop_pids({"gateway": (sleeper.pid, start_time(sleeper.pid))}, said.append, timeout_s=10)
     assert sleeper.wait(10) is not None
+
+
+def test_processes_stopped_together_wait_out_one_timeout_not_one_each():
+    """`down` stops the unrecorded processes together: three that ignore SIGTERM took
+    three whole stop timeouts, one after another (a probe)."""
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    stubborn = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
+    try:
+        time.sleep(1.0)  # each has set its handler
+        said: list[str] = []
+        started = time.monotonic()
+        _stop_pids(
+            {f"stray {p.pid}": (p.pid, start_time(p.pid)) for p in stubborn},
+            said.append,
+            timeout_s=2.0,
+            together=True,
+        )
+        took = time.monotonic() - started
+        assert all(p.wait(5) == -signal.SIGKILL for p in stubborn)
+        assert said == [f"stopped stray {p.pid} (pid {p.pid})" for p in stubborn]
+        assert 2.0 <= took < 5.0, took  # one timeout; in turn it was 6 s
+    finally:
+        for proc in stubborn:
+            proc.kill()
+            proc.wait(10)
 
 
 def test_a_stale_stack_file_does_not_block_up(sleeper, tmp_path, monkeypatch):
