@@ -300,7 +300,8 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         else:
             stack["embedded_redis"] = True
             redis_proc, redis_url = start_redis(
-                settings.state_dir / "redis", started=lambda pid: _record(stack, "redis", pid)
+                settings.state_dir / "redis",
+                started=lambda pid: _record(stack, "redis", pid),
             )
             stack["redis_url"] = redis_url
             write_stack_file(settings.state_dir, stack)
@@ -587,7 +588,11 @@ def down(settings: Settings, log=print) -> bool:
     )
     # Processes of this stack no record names: a service `iserve up` started but had not
     # recorded when it was killed, a worker its agent left behind.
-    strays = _strays_after_grace(stack.get("stack_id", ""), {pid for pid, _ in ours.values()})
+    strays = _strays_after_grace(
+        stack.get("stack_id", ""),
+        {pid for pid, _ in ours.values()},
+        settings.state_dir / "redis" if stack.get("embedded_redis") else None,
+    )
     _stop_pids(
         {
             f"unrecorded process {describe_process(pid) or '?'}": (pid, start_time(pid))
@@ -689,10 +694,15 @@ def _record_planned_stop(redis_url: str, log) -> None:
 
 
 def unrecorded_processes(
-    stack_id: str, recorded: set[int], proc_root: Path = Path("/proc")
+    stack_id: str,
+    recorded: set[int],
+    proc_root: Path = Path("/proc"),
+    redis_dir: Path | None = None,
 ) -> list[int]:
     """Pids of this user's processes whose environment names the stack ``stack_id``
-    (STACK_ID_ENV, which every service and the workers its agent starts inherit), other
+    (STACK_ID_ENV, which every service and the workers its agent starts inherit), and of
+    the redis-server running in ``redis_dir`` (the embedded one's data directory: it
+    writes its process title over its environment, so no id can be read there), other
     than ``recorded``, this process and the processes above it (a shell that carries
     the id runs `iserve down`, and is not killed by it); none without an id or procfs."""
     if not stack_id:
@@ -708,22 +718,38 @@ def unrecorded_processes(
             environment = (entry / "environ").read_bytes()
         except OSError:  # another user's, or gone meanwhile
             continue
-        if marker in environment.split(b"\0"):
+        if marker in environment.split(b"\0") or _is_redis_in(entry, redis_dir):
             found.append(pid)
     return sorted(found)
 
 
-def _strays_after_grace(stack_id: str, recorded: set[int]) -> list[int]:
+def _is_redis_in(entry: Path, directory: Path | None) -> bool:
+    """Whether the process at ``entry`` (/proc/<pid>) is a redis-server working in
+    ``directory`` (its ``--dir``)."""
+    if directory is None:
+        return False
+    try:
+        command = (entry / "comm").read_text().strip()
+        cwd = os.readlink(entry / "cwd")
+    except OSError:
+        return False
+    return command == "redis-server" and Path(cwd) == directory.resolve()
+
+
+def _strays_after_grace(
+    stack_id: str, recorded: set[int], redis_dir: Path | None = None
+) -> list[int]:
     """``unrecorded_processes`` once the stopped services' own helpers have had
     STRAY_GRACE_S to exit with them (the agent's multiprocessing resource tracker
     outlives it by a moment: a clean stop named it as unrecorded, a probe)."""
     deadline = time.monotonic() + STRAY_GRACE_S
-    strays = unrecorded_processes(stack_id, recorded)
+    strays = unrecorded_processes(stack_id, recorded, redis_dir=redis_dir)
     while strays and time.monotonic() < deadline:
         time.sleep(0.1)
         for pid in strays:
             _reap(pid)
-        strays = [p for p in unrecorded_processes(stack_id, recorded) if _alive(p)]
+        found = unrecorded_processes(stack_id, recorded, redis_dir=redis_dir)
+        strays = [p for p in found if _alive(p)]
     return strays
 
 

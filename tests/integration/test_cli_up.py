@@ -258,7 +258,8 @@ def test_down_stops_the_stack_s_processes_no_record_names(tmp_path):
         stack = json.loads((state / "stack.json").read_text())
         pids = dict(stack["pids"])
         # As a kill between their spawn and their record would have left it.
-        for name in ("gateway", "scheduler"):
+        # The embedded Redis too (it carries the id since it starts first).
+        for name in ("gateway", "scheduler", "redis"):
             del stack["pids"][name]
         (state / "stack.json").write_text(json.dumps(stack))
         down = run_cli(env, "down")
@@ -266,6 +267,11 @@ def test_down_stops_the_stack_s_processes_no_record_names(tmp_path):
         for name, module in (("gateway", "gateway_svc"), ("scheduler", "scheduler_svc")):
             said = f"stopped unrecorded process {sys.executable} -m {module} (pid {pids[name]})"
             assert said in down.stdout, down.stdout
+        said = [line for line in down.stdout.splitlines() if f"(pid {pids['redis']})" in line]
+        assert said and "stopped unrecorded process" in said[0] and "redis" in said[0], (
+            said,
+            down.stdout,
+        )
         assert not [n for n, p in pids.items() if _running(p)], pids
     finally:
         for pid in pids.values():

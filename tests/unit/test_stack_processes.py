@@ -145,3 +145,26 @@ def test_unrecorded_processes_are_this_stack_s_by_their_environment(tmp_path):
     assert unrecorded_processes("abc", {11}, tmp_path) == []
     # A stack.json from before the id was recorded: nothing is looked for.
     assert unrecorded_processes("", set(), tmp_path) == []
+
+
+def test_the_embedded_redis_is_found_by_its_directory(tmp_path):
+    """redis-server writes its process title over its environment, so the stack id it
+    inherited cannot be read; it is the redis-server working in the stack's Redis
+    directory (a shell there is not)."""
+    from services.cli.stack import unrecorded_processes
+
+    proc, redis_dir, elsewhere = tmp_path / "proc", tmp_path / "redis", tmp_path / "other"
+    redis_dir.mkdir()
+    elsewhere.mkdir()
+    for pid, comm, cwd in [
+        (20, "redis-server", redis_dir),  # the stack's, unrecorded
+        (21, "bash", redis_dir),  # an operator's shell in that directory
+        (22, "redis-server", elsewhere),  # another Redis
+        (23, "redis-server", redis_dir),  # the stack's, recorded
+    ]:
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "environ").write_bytes(b"redis-server *:6379\0")
+        (proc / str(pid) / "comm").write_text(comm + "\n")
+        (proc / str(pid) / "cwd").symlink_to(cwd)
+    assert unrecorded_processes("abc", {23}, proc, redis_dir=redis_dir) == [20]
+    assert unrecorded_processes("abc", {23}, proc) == []  # an operator's Redis: none
