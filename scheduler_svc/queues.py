@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
@@ -72,6 +73,9 @@ class DeploymentQueue:
         # this one takes when it has a slot free and none of its own waiting.
         self.replica_index = 0
         self.siblings: Callable[[], list[DeploymentQueue]] = list
+        # When QueueRegistry.choose_replica last sent a request here (its count of
+        # choices; 0: never): ties go to the replica chosen least recently.
+        self.chosen_at = 0
         self._closed = False
 
     @property
@@ -411,6 +415,7 @@ class QueueRegistry:
         self._serving: dict[str, frozenset[int]] = {}
         # Queues the last prune did not keep.
         self._left_out: set[str] = set()
+        self._choices = itertools.count(1)
 
     def queue_for(self, deployment: deploy_pb.Deployment, replica: int = 0) -> DeploymentQueue:
         """The queue of one replica of the deployment (each has its own slots, waiting
@@ -512,7 +517,9 @@ class QueueRegistry:
         (:meth:`DeploymentQueue.expected_wait_s`: each request there priced by its own
         max_tokens, under the predictor of the replica that knows most, as every replica
         runs the same configuration); on equal waits the one with fewer requests running and waiting,
-        then the lowest index. (inf, 0) when no replica serves.
+        then the one :meth:`choose_replica` chose least recently (idle replicas take
+        requests that come one at a time in turn: the lowest index took them all), then
+        the lowest index. (inf, 0) when no replica serves.
 
         A full queue waits forever (a request there would be refused while another copy
         has room). A request without max_tokens on a copy where none has finished yet is
@@ -536,9 +543,15 @@ class QueueRegistry:
                 wait_s = queue.expected_wait_s(unmeasured, shared)
             else:
                 wait_s = queue.expected_wait_s(predictor=shared)
-            choices.append((wait_s, load, replica.index))
-        wait_s, _, index = min(choices, default=(float("inf"), 0, 0))
+            choices.append((wait_s, load, queue.chosen_at, replica.index))
+        wait_s, _, _, index = min(choices, default=(float("inf"), 0, 0, 0))
         return wait_s, index
+
+    def choose_replica(self, deployment: deploy_pb.Deployment) -> int:
+        """The replica a request is sent to (:meth:`shortest_wait`), noted as chosen."""
+        _, index = self.shortest_wait(deployment)
+        self.queue_for(deployment, index).chosen_at = next(self._choices)
+        return index
 
     def _unmeasured_service_s(self, model_id: str) -> float:
         measured = [

@@ -510,7 +510,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         if len(serving) == 1:
             replica = serving[0]
         else:
-            _, index = self.queues.shortest_wait(deployment)
+            index = self.queues.choose_replica(deployment)
             replica = next(r for r in serving if r.index == index)
         if not replica.worker_address:
             raise errors.FailedPrecondition(

@@ -1,4 +1,4 @@
-"""Which replica a request joins: QueueRegistry.shortest_wait and
+"""Which replica a request joins: QueueRegistry.shortest_wait, choose_replica and
 DeploymentQueue.expected_wait_s on a real event loop (no server)."""
 
 from __future__ import annotations
@@ -88,6 +88,21 @@ def scenario(body):
 def test_idle_replicas_tie_and_the_lowest_index_wins():
     async def body(registry, dep, load):
         assert registry.shortest_wait(dep) == (0.0, 0)
+
+    scenario(body)
+
+
+def test_idle_replicas_take_requests_that_come_one_at_a_time_in_turn():
+    """Each request finishes before the next comes: every wait ties at zero, and the
+    replica chosen least recently takes the next (the lowest index took them all, and
+    the other's predictor never measured a request)."""
+
+    async def body(registry, dep, load):
+        chosen = [registry.choose_replica(dep) for _ in range(5)]
+        assert chosen == [0, 1, 0, 1, 0]
+        # Work waiting on a replica still outweighs taking turns.
+        await load.add(0)
+        assert [registry.choose_replica(dep) for _ in range(2)] == [1, 1]
 
     scenario(body)
 
