@@ -19,9 +19,10 @@ also waits until every rank has loaded); only then does any rank write its ready
 Rank 0 serves WorkerService and drives the steps; the other ranks serve nothing and run
 the steps rank 0 broadcasts (:mod:`monitor_agent.worker.follower`), writing
 ``"port": 0`` in their ready files and, as their steps run, their peak memory
-(``"peak_memory_bytes"``, which rank 0 reports through GetWorkerStats instead). When the group loses a rank, rank 0 fails the
-requests in flight with UNAVAILABLE and exits with code 3, the others exit with code 3 as
-well (see :mod:`monitor_agent.engine.distributed`).
+(``"peak_memory_bytes"``, which rank 0 reports through GetWorkerStats instead). When
+the group loses a rank, rank 0 fails the requests in flight with UNAVAILABLE and exits
+with code 3, the others exit with code 3 as well (see
+:mod:`monitor_agent.engine.distributed`).
 
 Engines (``--engine``, default ``ISERVE_ENGINE``, see
 :mod:`monitor_agent.engine.trtllm.selection`): the PyTorch engine, or TensorRT-LLM on
