@@ -345,6 +345,8 @@ class DeploymentController:
             decision = planning.size_batch(
                 prepared, decision, nodes, batch1, batch2, prepared.objectives
             )
+        if batch1 is not None:
+            decision = planning.with_estimate(prepared, decision, nodes, batch1, batch2)
         meets = next(
             (o.meets_intent for o in prepared.options if o.rank == decision.winner_rank), True
         )

@@ -32,6 +32,7 @@ from services.errors import InvalidArgument, IServeError, ResourceExhausted
 from services.estimation.score import UNFIT_NOTE
 from services.intents import COST_FIELDS, COST_UNITS
 from services.reservation import memory_blocks
+from services.settings import GIB
 from services.simulation import MAX_SIMULATED_DEVICES
 from services.state.capacity import free_bytes
 
@@ -301,13 +302,54 @@ def _decision(
     if option.estimate is not None:
         decision.estimate.CopyFrom(option.estimate)
     decision.estimate.config.CopyFrom(config)
-    reserved = [stage.bytes_per_device for stage in choice.stages for _ in stage.devices]
-    decision.estimate.memory_per_device_bytes = max(
-        decision.estimate.memory_per_device_bytes, max(reserved)
-    )
     if not decision.estimate.memory_total_bytes:
+        # No estimate: what the placement reserves, in both figures (the estimator's
+        # are the engine's alone; the reservations add each worker's runtime).
+        reserved = [stage.bytes_per_device for stage in choice.stages for _ in stage.devices]
         decision.estimate.memory_total_bytes = sum(reserved)
+        decision.estimate.memory_per_device_bytes = max(reserved)
     return decision
+
+
+def with_estimate(
+    prepared: Prepared,
+    decision: deploy_pb.DeploymentDecision,
+    nodes: Sequence[common.NodeState],
+    batch1: estimator_pb.ConfigEstimate,
+    batch2: estimator_pb.ConfigEstimate | None,
+) -> deploy_pb.DeploymentDecision:
+    """``decision``, where it has no estimate of its own (an explicit configuration,
+    ranked by nothing), placed again on its devices with the estimator's figures for its
+    configuration at its batch (``batch1`` itself, or :func:`at_batch`'s with a measured
+    ``batch2``): its ranks then reserve what the estimate says, as a ranked choice's do,
+    not the shape's figure alone (an explicit deployment of a profiled model showed no
+    estimate and reserved less than it, a probe). Where the estimate does not fit its
+    devices, the shape's reservations stay and the note says so; where the batch's
+    figures are unknown, it is unchanged."""
+    if decision.estimate.latency_ms:
+        return decision
+    batch = max(1, decision.config.batch_size)
+    if batch > 1 and (batch2 is None or not batch2.batch_measured):
+        return decision
+    placed = _decide_batch(prepared, decision, nodes, batch1, batch2 or batch1, batch)
+    if placed is not None:
+        # The decision's notes (the batch's reason among them), and any the new
+        # placement adds (an uneven layer map).
+        kept = decision.note.split("; ") if decision.note else []
+        added = [n for n in placed.note.split("; ") if n and n not in kept]
+        placed.note = "; ".join(kept + added)
+        return placed
+    estimate = at_batch(batch1, batch2 or batch1, batch)
+    out = deploy_pb.DeploymentDecision()
+    out.CopyFrom(decision)
+    out.estimate.CopyFrom(estimate)
+    out.estimate.config.CopyFrom(decision.config)
+    return with_note(
+        out,
+        f"its estimate ({estimate.memory_per_device_bytes / GIB:.2f} GiB a device) does not "
+        "fit its devices' free memory: they reserve what its shape needs, and it may run "
+        "out of memory",
+    )
 
 
 def placement_of(choice: placement.PlacementChoice) -> common.Placement:

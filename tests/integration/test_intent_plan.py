@@ -412,3 +412,20 @@ def test_a_plan_on_more_devices_than_the_cluster_sizes_the_batch_of_what_it_chos
     assert "no estimate" not in sized.note
     # Sized on the estimates (a min-latency intent keeps TTFT near batch 1's).
     assert f"batch {sized.config.batch_size}: bounded by 1.5x the batch-1 TTFT" in sized.note
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_an_explicit_configuration_shows_the_estimate_of_its_batch(stack, imported, batch):
+    """An explicit configuration at batch 1 (or at a batch it gave) showed no estimate
+    although its model is profiled, and its memory figures mixed the reservations with
+    the estimate (a probe)."""
+    config = common.DeploymentConfig(tensor_parallel=2, pipeline_parallel=2, batch_size=batch)
+    decision = plan(stack, config=config, batch_size=batch)
+    e = decision.estimate
+    assert e.latency_ms > 0 and e.ttft_ms > 0 and e.tpot_ms > 0, decision
+    assert e.config.batch_size == batch
+    reserved = [b for s in decision.placement.stages for b in s.reserved_bytes]
+    # The estimator's figures, the engine's alone; each rank reserves at least that (it
+    # reserved the shape's figure alone, 4.2 GiB against 4.9 estimated).
+    assert 0 < e.memory_per_device_bytes <= min(reserved)
+    assert e.memory_per_device_bytes < e.memory_total_bytes <= sum(reserved)

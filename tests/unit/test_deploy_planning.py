@@ -228,3 +228,95 @@ def test_simulated_devices_are_bounded_on_both_sides_of_the_wire():
     for count in (0, MAX_SIMULATED_DEVICES + 1):
         with pytest.raises(ValueError, match="simulated devices must number 1 to 4096"):
             simulated_devices("rtx-a6000", count, 48)
+
+
+def test_a_decision_s_memory_figures_share_one_basis():
+    """With an estimate, both memory figures are the estimator's (the engine's alone);
+    without one, both are the placement's reservations. The per-device figure used to be
+    raised to the reservation while the total stayed the estimate: a total ten times
+    below one device's figure (a probe)."""
+    ranked = option(1, pp=2, memory_total=50_000_000)
+    ranked.estimate.memory_per_device_bytes = 25_000_000
+    decision = decide(model(), [ranked], devices(2, 2), LIMITS)
+    assert decision.estimate.memory_total_bytes == 50_000_000
+    assert decision.estimate.memory_per_device_bytes == 25_000_000
+    explicit = Option(1, ranked.config, None, True)
+    decision = decide(model(), [explicit], devices(2, 2), LIMITS)
+    reserved = [b for s in decision.placement.stages for b in s.reserved_bytes]
+    assert decision.estimate.memory_total_bytes == sum(reserved)
+    assert decision.estimate.memory_per_device_bytes == max(reserved)
+
+
+def _explicit(config: common.DeploymentConfig, free_gib: float) -> tuple:
+    """An explicit configuration's prepared request and its decision on two CPU devices
+    with ``free_gib`` free each."""
+    cpu = ("cpu-x86_64", common.DEVICE_KIND_CPU_VIRTUAL)
+    node = _node("n", cpu, cpu)
+    for device in node.devices:
+        device.total_bytes = device.free_bytes = int(free_gib * GIB)
+    prepared = planning.Prepared(
+        model=model(),
+        limits=ExplicitPlan(config, 64, 64),
+        policy=policy_name(0),
+        cuda=False,
+        options=[Option(1, config, None, True)],
+        hardware_type=None,
+        note="explicit configuration",
+        nodes=[node],
+        objectives=common.ServiceObjectives(),
+        auto_batch=False,
+    )
+    return prepared, [node], planning.decide_on(prepared, [node])
+
+
+def _estimates(config: common.DeploymentConfig, per_device: int) -> tuple:
+    batch1 = estimator_pb.ConfigEstimate(
+        config=config,
+        ttft_ms=10.0,
+        tpot_ms=2.0,
+        latency_ms=40.0,
+        memory_total_bytes=2 * per_device,
+        memory_per_device_bytes=per_device,
+        kv_cache_bytes=1 << 20,
+    )
+    batch2 = estimator_pb.ConfigEstimate(
+        config=config, ttft_ms=12.0, tpot_ms=2.5, latency_ms=49.5, batch_measured=True
+    )
+    return batch1, batch2
+
+
+def test_an_explicit_configuration_gets_the_estimate_of_its_batch_and_reserves_it():
+    """An explicit configuration (ranked by nothing) at batch 1, or at a batch it gave,
+    showed no estimate although its model was profiled, and its ranks reserved the
+    shape's figure even where the estimate was larger (a probe: 4.2 GiB reserved, 4.9
+    estimated a device)."""
+    config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=2, batch_size=1)
+    prepared, nodes, decision = _explicit(config, free_gib=4)
+    assert not decision.estimate.latency_ms
+    shape_reserved = max(b for st in decision.placement.stages for b in st.reserved_bytes)
+    batch1, batch2 = _estimates(config, per_device=shape_reserved + (200 << 20))
+    at_one = planning.with_estimate(prepared, decision, nodes, batch1, batch2)
+    assert (at_one.estimate.latency_ms, at_one.estimate.tpot_ms) == (40.0, 2.0)
+    assert at_one.estimate.memory_per_device_bytes == batch1.memory_per_device_bytes
+    assert at_one.estimate.config == at_one.config and at_one.config.pipeline_parallel == 2
+    reserved = [b for st in at_one.placement.stages for b in st.reserved_bytes]
+    assert min(reserved) >= batch1.memory_per_device_bytes > shape_reserved
+    assert at_one.note == "explicit configuration"
+    # At a batch the request gave: Eq. 6 from the batch-1 and batch-2 estimates.
+    config4 = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=2, batch_size=4)
+    prepared4, nodes, decision4 = _explicit(config4, free_gib=4)
+    at_four = planning.with_estimate(prepared4, decision4, nodes, *_estimates(config4, 1 << 20))
+    assert at_four.estimate.tpot_ms == pytest.approx(2.0 + 3 * 0.5)
+    assert at_four.estimate.config.batch_size == 4
+    # Unknown at that batch (no batch-2 profile), or already estimated: unchanged.
+    assert planning.with_estimate(prepared4, decision4, nodes, batch1, None) == decision4
+    assert planning.with_estimate(prepared, at_one, nodes, batch2, batch2) == at_one
+
+
+def test_an_explicit_configuration_whose_estimate_does_not_fit_keeps_its_shape_s_room():
+    config = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=2, batch_size=1)
+    prepared, nodes, decision = _explicit(config, free_gib=1)
+    batch1, batch2 = _estimates(config, per_device=3 * GIB)
+    out = planning.with_estimate(prepared, decision, nodes, batch1, batch2)
+    assert out.placement == decision.placement and out.estimate.latency_ms == 40.0
+    assert "its estimate (3.00 GiB a device) does not fit its devices' free memory" in out.note
