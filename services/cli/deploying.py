@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from services import replicas
@@ -31,6 +32,59 @@ PRUNINGS = {
     "2:4": common.PRUNING_SEMI_STRUCTURED_2_4,
     "structured": common.PRUNING_STRUCTURED,
 }
+
+# The keys of `iserve register --variant NAME:KEY=VALUE,...`.
+VARIANT_KEYS = ("weights", "kv", "pruning", "fraction", "accuracy")
+
+
+def variant_argument(text: str) -> common.CompressionVariant:
+    """An argparse ``type`` for `iserve register --variant`:
+    ``NAME:weights=int8|int4,kv=int8,pruning=2:4|structured,fraction=F,accuracy=A``
+    (every key optional: none of that compression) as a CompressionVariant; what the
+    values mean together (a fraction only with structured pruning, a name not "base")
+    the model service checks."""
+    name, sep, rest = text.partition(":")
+    if not name or not sep:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give NAME:KEY=VALUE,... with keys {', '.join(VARIANT_KEYS)} "
+            "(e.g. int8-kv8:weights=int8,kv=int8)"
+        )
+    # A key left out means none of that compression (the service wants each set).
+    variant = common.CompressionVariant(
+        name=name,
+        weight_quant=common.WEIGHT_QUANT_NONE,
+        kv_quant=common.KV_QUANT_NONE,
+        pruning=common.PRUNING_NONE,
+    )
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in VARIANT_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"variant {name!r}: {item!r} is not KEY=VALUE with a key of "
+                f"{', '.join(VARIANT_KEYS)}"
+            )
+        choices = {"weights": WEIGHT_QUANTS, "kv": KV_QUANTS, "pruning": PRUNINGS}.get(key)
+        if choices is not None:
+            if value not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"variant {name!r}: {key} must be one of {', '.join(choices)}, got {value!r}"
+                )
+            field = {"weights": "weight_quant", "kv": "kv_quant", "pruning": "pruning"}[key]
+            setattr(variant, field, choices[value])
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            raise argparse.ArgumentTypeError(
+                f"variant {name!r}: {key} must be a number, got {value!r}"
+            )
+        if key == "fraction":
+            variant.structured_prune_fraction = number
+        else:
+            variant.accuracy_score = number
+    return variant
 
 
 INTENTS = {

@@ -455,6 +455,7 @@ def cmd_register(settings: Settings, args) -> int:
             model_id=args.model_id,
             checkpoint_path=checkpoint_argument(args.checkpoint, settings.models_root),
             skip_profiling=args.skip_profiling,
+            variants=args.variant,
             **({"accuracy_score": args.accuracy} if args.accuracy is not None else {}),
         )
     )
@@ -466,6 +467,8 @@ def cmd_register(settings: Settings, args) -> int:
             f"{shape.parameter_count / 1e6:.1f}M parameters, {shape.weight_bytes / 2**20:.1f} MiB "
             f"({_state_name(model.state)})"
         )
+        if model.variants:
+            print(f"variants: {', '.join(v.name for v in model.variants)}")
     if model.state == model_pb.MODEL_STATE_PROFILING and not args.no_wait:
         try:
             _watch_profiling(stub, model.model_id)
@@ -922,6 +925,16 @@ def build_parser() -> argparse.ArgumentParser:
         "or absolute, inside the models root",
     )
     p.add_argument("--accuracy", type=float, help="accuracy score of the model (e.g. MMLU)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=deploying.variant_argument,
+        metavar="NAME:KEY=VALUE,...",
+        help="a compression variant the model admits, profiled beside the base (repeat for "
+        "more): keys weights=int8|int4, kv=int8, pruning=2:4|structured, fraction=F (of "
+        "heads and MLP channels, structured), accuracy=A; e.g. int8-kv8:weights=int8,kv=int8",
+    )
     p.add_argument(
         "--skip-profiling",
         action="store_true",

@@ -14,6 +14,7 @@ import pytest
 
 from fingerprint_svc.fingerprints import FINGERPRINTS_DIR, content_hash
 from services.api import agent_service_pb2 as agent_pb
+from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.reservation import layer_kv_bytes_per_token, layer_weight_bytes
@@ -343,3 +344,37 @@ def test_profiling_job_requests_are_checked(stack):
     code, details = _code(lambda: stack.agent.RunProfilingJob(request))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside the models root" in details
     assert _profile_workers(stack) == []
+
+
+def test_the_cli_registers_compression_variants(stack):
+    """`iserve register --variant` (the request's variants were reachable only through
+    gRPC, a probe); a variant the service refuses registers nothing."""
+    path = make_checkpoint(stack, "prof-variants", **TINY)
+    bad = _cli(
+        stack, "register", "prof-variants", path, "--skip-profiling", "--variant", "v:fraction=0.3"
+    )
+    assert bad.returncode == 1
+    assert "INVALID_ARGUMENT" in bad.stderr and "structured_prune_fraction" in bad.stderr
+    listed = _cli(stack, "models", "--json")
+    assert "prof-variants" not in listed.stdout
+    out = _cli(
+        stack,
+        "register",
+        "prof-variants",
+        path,
+        "--skip-profiling",
+        "--variant",
+        "int8-kv8:weights=int8,kv=int8,accuracy=41.5",
+        "--variant",
+        "pruned:pruning=structured,fraction=0.25",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "variants: int8-kv8, pruned" in out.stdout
+    model = stack.models.GetModel(model_pb.GetModelRequest(model_id="prof-variants")).model
+    by_name = {v.name: v for v in model.variants}
+    assert by_name["int8-kv8"].weight_quant == common.WEIGHT_QUANT_INT8
+    assert by_name["int8-kv8"].kv_quant == common.KV_QUANT_INT8
+    assert by_name["int8-kv8"].accuracy_score == 41.5
+    assert by_name["pruned"].pruning == common.PRUNING_STRUCTURED
+    assert by_name["pruned"].structured_prune_fraction == 0.25
+    _delete(stack, "prof-variants")

@@ -575,3 +575,52 @@ def test_a_state_directory_that_cannot_be_made_says_how_to_move_it(tmp_path, mon
     err = capsys.readouterr().err
     assert err.startswith("error: state directory ") and "(" in err, err
     assert "Not a directory): set ISERVE_STATE_DIR to a writable directory" in err
+
+
+def test_register_takes_compression_variants():
+    from services.api import common_pb2 as common
+
+    args = build_parser().parse_args(
+        [
+            "register",
+            "m",
+            "ckpt",
+            "--variant",
+            "int8-kv8:weights=int8,kv=int8,accuracy=45.5",
+            "--variant",
+            "pruned:pruning=structured,fraction=0.25",
+            "--variant",
+            "sparse:pruning=2:4",
+        ]
+    )
+    first, second, third = args.variant
+    assert (first.name, first.weight_quant, first.kv_quant) == (
+        "int8-kv8",
+        common.WEIGHT_QUANT_INT8,
+        common.KV_QUANT_INT8,
+    )
+    assert first.accuracy_score == 45.5 and first.HasField("accuracy_score")
+    assert (second.pruning, second.structured_prune_fraction) == (common.PRUNING_STRUCTURED, 0.25)
+    assert not second.HasField("accuracy_score")
+    assert third.pruning == common.PRUNING_SEMI_STRUCTURED_2_4
+    assert build_parser().parse_args(["register", "m", "ckpt"]).variant == []
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("int8", "give NAME:KEY=VALUE"),
+        (":weights=int8", "give NAME:KEY=VALUE"),
+        ("v:weights=int3", "weights must be one of none, int8, int4, got 'int3'"),
+        ("v:kv=int4", "kv must be one of none, int8"),
+        ("v:bits=8", "'bits=8' is not KEY=VALUE"),
+        ("v:weights", "'weights' is not KEY=VALUE"),
+        ("v:fraction=half", "fraction must be a number, got 'half'"),
+        ("v:accuracy=nan", "accuracy must be a number"),
+    ],
+)
+def test_a_malformed_variant_is_a_usage_error(text, says, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["register", "m", "ckpt", "--variant", text])
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
