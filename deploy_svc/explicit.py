@@ -111,7 +111,7 @@ def _limits(
 def check_compression(config: common.DeploymentConfig) -> None:
     """The engine quantizes (int8, int4 weights; int8 KV cache) and prunes (2:4,
     structured) at load time; InvalidArgument for unknown values, Unimplemented for
-    pre-quantized GPTQ/AWQ checkpoints and for deploying a registered variant by name."""
+    pre-quantized GPTQ/AWQ checkpoints."""
     for field, enum in (
         ("weight_quant", common.WeightQuant),
         ("kv_quant", common.KvQuant),

@@ -91,6 +91,16 @@ def check_variants(variants: list[common.CompressionVariant]) -> None:
             raise InvalidArgument(
                 f"variant {variant.name!r}: structured_prune_fraction must be in [0, 1)"
             )
+        if variant.structured_prune_fraction not in (0.0, DEFAULT_PRUNE_FRACTION):
+            # Accepted, it was profiled and served at the default share all the same,
+            # its accuracy score then standing for a model nobody ran.
+            raise InvalidArgument(
+                f"variant {variant.name!r}: structured_prune_fraction "
+                f"{variant.structured_prune_fraction:g} cannot be served: a structured "
+                f"variant is profiled and deployed with {DEFAULT_PRUNE_FRACTION:g} of its "
+                "heads and MLP channels dropped (a DeploymentConfig carries no fraction); "
+                f"give {DEFAULT_PRUNE_FRACTION:g} or leave it unset"
+            )
 
 
 def check_accuracy_score(score: float, what: str) -> None:

@@ -932,8 +932,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=deploying.variant_argument,
         metavar="NAME:KEY=VALUE,...",
         help="a compression variant the model admits, profiled beside the base (repeat for "
-        "more): keys weights=int8|int4, kv=int8, pruning=2:4|structured, fraction=F (of "
-        "heads and MLP channels, structured), accuracy=A; e.g. int8-kv8:weights=int8,kv=int8",
+        "more): keys weights=int8|int4, kv=int8, pruning=2:4|structured, fraction=0.25 (of "
+        "heads and MLP channels, structured: the one share served), accuracy=A; e.g. "
+        "int8-kv8:weights=int8,kv=int8",
     )
     p.add_argument(
         "--skip-profiling",

@@ -351,10 +351,16 @@ def test_the_cli_registers_compression_variants(stack):
     gRPC, a probe); a variant the service refuses registers nothing."""
     path = make_checkpoint(stack, "prof-variants", **TINY)
     bad = _cli(
-        stack, "register", "prof-variants", path, "--skip-profiling", "--variant", "v:fraction=0.3"
+        stack,
+        "register",
+        "prof-variants",
+        path,
+        "--skip-profiling",
+        "--variant",
+        "v:pruning=structured,fraction=0.3",
     )
     assert bad.returncode == 1
-    assert "INVALID_ARGUMENT" in bad.stderr and "structured_prune_fraction" in bad.stderr
+    assert "INVALID_ARGUMENT" in bad.stderr and "fraction 0.3 cannot be served" in bad.stderr
     listed = _cli(stack, "models", "--json")
     assert "prof-variants" not in listed.stdout
     out = _cli(

@@ -152,7 +152,7 @@ def _register(root, checkpoint, *variants):
         ),
         (
             "tiny",
-            _variant("half", structured_prune_fraction=0.5),
+            _variant("half", structured_prune_fraction=0.25),
             "structured_prune_fraction is set but pruning is not PRUNING_STRUCTURED",
         ),
         ("tiny", _variant("narrow", checkpoint_path="narrow"), "hidden_size 32, the model has 64"),
@@ -185,6 +185,17 @@ def test_variants_the_model_cannot_take(odd_root, checkpoint, variant, reason):
     assert reason in message
 
 
+def test_a_structured_fraction_other_than_the_served_one_is_refused(odd_root):
+    """Accepted, a variant pruned at 0.5 was profiled and deployed at the default 0.25
+    (a DeploymentConfig carries no fraction), its accuracy score standing for a model
+    nobody ran."""
+    half = _variant("half", pruning=common.PRUNING_STRUCTURED, structured_prune_fraction=0.5)
+    with pytest.raises(InvalidArgument) as err:
+        _register(odd_root, "tiny", half)
+    assert "structured_prune_fraction 0.5 cannot be served" in str(err.value)
+    assert "give 0.25 or leave it unset" in str(err.value)
+
+
 def test_variants_the_model_can_take(odd_root):
     # The same compressions on widths that take them, and a pre-pruned checkpoint.
     model = _register(
@@ -196,7 +207,7 @@ def test_variants_the_model_can_take(odd_root):
             "pruned-int4",
             weight_quant=common.WEIGHT_QUANT_INT4,
             pruning=common.PRUNING_STRUCTURED,
-            structured_prune_fraction=0.5,
+            structured_prune_fraction=0.25,
         ),
         _variant("slim", pruning=common.PRUNING_NONE, checkpoint_path="slim-mlp"),
     )
