@@ -350,29 +350,18 @@ def test_the_cli_registers_compression_variants(stack):
     """`iserve register --variant` (the request's variants were reachable only through
     gRPC, a probe); a variant the service refuses registers nothing."""
     path = make_checkpoint(stack, "prof-variants", **TINY)
-    bad = _cli(
-        stack,
-        "register",
-        "prof-variants",
-        path,
-        "--skip-profiling",
-        "--variant",
-        "v:pruning=structured,fraction=0.3",
-    )
+
+    def register(*variants: str):
+        flags = [f for v in variants for f in ("--variant", v)]
+        return _cli(stack, "register", "prof-variants", path, "--skip-profiling", *flags)
+
+    bad = register("v:pruning=structured,fraction=0.3")
     assert bad.returncode == 1
     assert "INVALID_ARGUMENT" in bad.stderr and "fraction 0.3 cannot be served" in bad.stderr
     listed = _cli(stack, "models", "--json")
     assert "prof-variants" not in listed.stdout
-    out = _cli(
-        stack,
-        "register",
-        "prof-variants",
-        path,
-        "--skip-profiling",
-        "--variant",
-        "int8-kv8:weights=int8,kv=int8,accuracy=41.5",
-        "--variant",
-        "pruned:pruning=structured,fraction=0.25",
+    out = register(
+        "int8-kv8:weights=int8,kv=int8,accuracy=41.5", "pruned:pruning=structured,fraction=0.25"
     )
     assert out.returncode == 0, out.stderr
     assert "variants: int8-kv8, pruned" in out.stdout
