@@ -398,12 +398,21 @@ def size_batch(
     if batch2 is None or not batch2.batch_measured:
         return with_note(decision, "batch 1: the model was not profiled at batch 2")
     bound = batch_bound(batch1, batch2, objectives)
-    if prepared.latency_first and not objectives.ttft_slo_ms:
-        ttft = ttft_batch_bound(batch1.ttft_ms, batch2.ttft_ms)
-        bound = ttft if ttft.batch < bound.batch else bound
-    if prepared.cost_budget is not None:
-        budget = budget_bound(batch1, batch2, *prepared.cost_budget, bound.batch)
-        bound = budget if budget.batch < bound.batch else bound
+    option = next((o for o in prepared.options if o.rank == decision.winner_rank), None)
+    if prepared.cost_budget is not None and option is not None and not option.meets_intent:
+        # No configuration met the budget at batch 1 (the ranking's batch): a larger
+        # batch shares the devices' cost between its requests, so the smallest that meets
+        # it is taken, else the cheapest. Capped near batch 1's TTFT instead, every
+        # budget below a request's cost at batch 1 was refused, though min-cost's own
+        # choice met it (a probe).
+        bound = budget_reach(batch1, batch2, *prepared.cost_budget, bound.batch)
+    else:
+        if prepared.latency_first and not objectives.ttft_slo_ms:
+            ttft = ttft_batch_bound(batch1.ttft_ms, batch2.ttft_ms)
+            bound = ttft if ttft.batch < bound.batch else bound
+        if prepared.cost_budget is not None:
+            budget = budget_bound(batch1, batch2, *prepared.cost_budget, bound.batch)
+            bound = budget if budget.batch < bound.batch else bound
     decisions: dict[int, deploy_pb.DeploymentDecision] = {1: decision}
 
     def at(batch: int) -> deploy_pb.DeploymentDecision | None:
@@ -440,6 +449,27 @@ def budget_bound(
     return BatchBound(max(within, default=1), what)
 
 
+def budget_reach(
+    batch1: estimator_pb.ConfigEstimate,
+    batch2: estimator_pb.ConfigEstimate,
+    cost_formula: int,
+    budget: float,
+    upper: int,
+) -> BatchBound:
+    """For a COST_SLO intent whose budget no configuration meets at batch 1: the
+    smallest batch up to ``upper`` whose cost (:func:`at_batch`'s) is within
+    ``budget`` (the lowest latency that meets it), else the cheapest batch."""
+    formula = cost_formula or common.COST_FORMULA_MEMORY_TIMES_LATENCY
+    what = f"the cost budget of {budget:g} {COST_UNITS.get(formula, '')}"
+    field = COST_FIELDS[formula]
+    costs = {b: getattr(at_batch(batch1, batch2, b), field) for b in range(1, upper + 1)}
+    within = [b for b, cost in costs.items() if cost <= budget]
+    if within:
+        return BatchBound(min(within), f"{what}, met from this batch on")
+    cheapest = min(costs, key=lambda b: (costs[b], b))
+    return BatchBound(cheapest, f"the least cost per request ({what} is met at no batch)")
+
+
 def at_batch(
     batch1: estimator_pb.ConfigEstimate, batch2: estimator_pb.ConfigEstimate, batch: int
 ) -> estimator_pb.ConfigEstimate:
@@ -457,6 +487,12 @@ def at_batch(
         one, two = getattr(batch1, field), getattr(batch2, field)
         setattr(out, field, one + extra * max(0.0, two - one))
     out.memory_total_bytes = batch1.memory_total_bytes + extra * batch1.kv_cache_bytes
+    # Each device holds its share of the extra sequences' KV cache (the estimator's
+    # per-device figure is the total over tp x pp devices); it stayed batch 1's (a probe).
+    devices = max(1, batch1.config.tensor_parallel) * max(1, batch1.config.pipeline_parallel)
+    out.memory_per_device_bytes = batch1.memory_per_device_bytes + round(
+        extra * batch1.kv_cache_bytes / devices
+    )
     out.kv_cache_bytes = batch1.kv_cache_bytes * batch
     if batch1.latency_ms > 0 and batch1.memory_total_bytes > 0:
         slower = out.latency_ms / batch1.latency_ms

@@ -56,13 +56,23 @@ def variant_argument(text: str) -> common.CompressionVariant:
         kv_quant=common.KV_QUANT_NONE,
         pruning=common.PRUNING_NONE,
     )
-    for item in filter(None, (part.strip() for part in rest.split(","))):
+    items = [part.strip() for part in rest.split(",") if part.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(
+            f"variant {name!r} names no compression (keys {', '.join(VARIANT_KEYS)}): it "
+            "would be the model itself"
+        )
+    given: set[str] = set()
+    for item in items:
         key, eq, value = item.partition("=")
         if not eq or key not in VARIANT_KEYS:
             raise argparse.ArgumentTypeError(
                 f"variant {name!r}: {item!r} is not KEY=VALUE with a key of "
                 f"{', '.join(VARIANT_KEYS)}"
             )
+        if key in given:
+            raise argparse.ArgumentTypeError(f"variant {name!r}: {key} is given twice")
+        given.add(key)
         choices = {"weights": WEIGHT_QUANTS, "kv": KV_QUANTS, "pruning": PRUNINGS}.get(key)
         if choices is not None:
             if value not in choices:

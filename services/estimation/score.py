@@ -352,8 +352,9 @@ def rank(estimates: Estimates, intent: Intent, cost: np.ndarray | None = None) -
         if meeting.size:
             return Ranking(_order(meeting, e.latency_s, devices), tuple(notes))
         notes.append(
-            f"no configuration meets the cost budget of {intent.cost_budget:g} GB*s; "
-            "falling back to minimum cost"
+            f"no configuration meets the cost budget of {intent.cost_budget:g} GB*s at "
+            "this batch; falling back to minimum cost (a deployer that sizes the batch "
+            "looks for one that meets it)"
         )
         kind = "min_cost"
     key = {

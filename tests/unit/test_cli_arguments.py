@@ -617,6 +617,8 @@ def test_register_takes_compression_variants():
         ("v:weights", "'weights' is not KEY=VALUE"),
         ("v:fraction=half", "fraction must be a number, got 'half'"),
         ("v:accuracy=nan", "accuracy must be a number"),
+        ("v:", "variant 'v' names no compression"),
+        ("v:weights=int8,weights=int4", "variant 'v': weights is given twice"),
     ],
 )
 def test_a_malformed_variant_is_a_usage_error(text, says, capsys):

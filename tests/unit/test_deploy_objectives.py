@@ -319,3 +319,45 @@ def test_costs_at_a_batch_are_per_request_and_the_budget_takes_the_largest_batch
     growing.latency_ms = 1200  # each more sequence adds more than batch 1's latency
     assert budget_bound(batch1, growing, formula, 0.45, 64).batch == 1
     assert budget_bound(batch1, growing, formula, 0.01, 64).batch == 1
+
+
+def test_a_budget_no_configuration_meets_at_batch_1_is_met_by_the_smallest_batch_within():
+    """Ranked at batch 1, a cost-slo intent whose budget only batching reaches fell back
+    to min cost at a batch capped near batch 1's TTFT: every budget below a request's
+    batch-1 cost was refused, though min-cost's own choice met it (a probe)."""
+    from deploy_svc.planning import at_batch, budget_reach
+
+    config, batch1, batch2 = _estimates(kv_bytes=1 << 20)
+    batch1.cost_memory_latency = 0.4
+    formula = common.COST_FORMULA_MEMORY_TIMES_LATENCY
+    costs = {b: at_batch(batch1, batch2, b).cost_memory_latency for b in range(1, 65)}
+    # 0.26 is first met at batch 2 (0.255): the smallest batch within, the fastest.
+    first = min(b for b, c in costs.items() if c <= 0.26)
+    assert budget_reach(batch1, batch2, formula, 0.26, 64).batch == first == 2
+    # Met at no batch up to the bound: the cheapest batch.
+    reach = budget_reach(batch1, batch2, formula, 0.01, 64)
+    assert reach.batch == min(costs, key=costs.get) and "is met at no batch" in reach.reason
+    # Through the deployer: the fallback option (it does not meet the intent) is sized
+    # to the budget, past the TTFT cap a met budget keeps.
+    nodes = _nodes(64)
+    fallback = planning.Option(1, config, batch1, meets_intent=False)
+    prepared = dataclasses.replace(
+        _prepared(nodes, [fallback]), cost_budget=(formula, 0.2), latency_first=True
+    )
+    decision = planning.decide_on(prepared, nodes)
+    sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, prepared.objectives)
+    within = min(b for b, c in costs.items() if c <= 0.2)
+    assert sized.config.batch_size == within > 2
+    assert "the cost budget of 0.2" in sized.note and "met from this batch on" in sized.note
+    assert sized.estimate.cost_memory_latency <= 0.2
+
+
+def test_a_batch_s_per_device_memory_holds_its_share_of_the_extra_kv_cache():
+    from deploy_svc.planning import at_batch
+
+    _, batch1, batch2 = _estimates(kv_bytes=1 << 20)
+    batch1.config.tensor_parallel = 2
+    batch1.memory_per_device_bytes = GIB // 2
+    at_8 = at_batch(batch1, batch2, 8)
+    assert at_8.memory_total_bytes == GIB + 7 * (1 << 20)
+    assert at_8.memory_per_device_bytes == GIB // 2 + 7 * (1 << 19)

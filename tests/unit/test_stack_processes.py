@@ -49,26 +49,35 @@ def test_down_leaves_alone_a_process_that_took_a_recorded_pid(sleeper):
 def test_processes_stopped_together_wait_out_one_timeout_not_one_each():
     """`down` stops the unrecorded processes together: three that ignore SIGTERM took
     three whole stop timeouts, one after another (a probe)."""
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
-    stubborn = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    stubborn = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     try:
-        time.sleep(1.0)  # each has set its handler
+        for proc in stubborn:  # each has set its handler (a slow start on a loaded machine)
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         said: list[str] = []
         started = time.monotonic()
         _stop_pids(
             {f"stray {p.pid}": (p.pid, start_time(p.pid)) for p in stubborn},
             said.append,
-            timeout_s=2.0,
+            timeout_s=3.0,
             together=True,
         )
         took = time.monotonic() - started
         assert all(p.wait(5) == -signal.SIGKILL for p in stubborn)
         assert said == [f"stopped stray {p.pid} (pid {p.pid})" for p in stubborn]
-        assert 2.0 <= took < 5.0, took  # one timeout; in turn it was 6 s
+        assert 3.0 <= took < 7.0, took  # one timeout; in turn it was 9 s
     finally:
         for proc in stubborn:
             proc.kill()
             proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 def test_a_stale_stack_file_does_not_block_up(sleeper, tmp_path, monkeypatch):
