@@ -429,3 +429,20 @@ def test_an_explicit_configuration_shows_the_estimate_of_its_batch(stack, import
     # reserved the shape's figure alone, 4.2 GiB against 4.9 estimated).
     assert 0 < e.memory_per_device_bytes <= min(reserved)
     assert e.memory_per_device_bytes < e.memory_total_bytes <= sum(reserved)
+
+
+def test_a_cost_budget_only_batching_reaches_is_met_by_batching(stack, imported, estimates):
+    """Ranked at batch 1, a cost-slo budget below every configuration's batch-1 cost
+    fell back to min cost at a batch capped near batch 1's TTFT, and was reported unmet
+    though min-cost's own deployment met it (a probe)."""
+    cheapest = min(e.cost_memory_latency for e in estimates if e.cost_memory_latency > 0)
+    budget = cheapest / 2
+    intent = common.Intent(
+        kind=common.INTENT_KIND_COST_SLO,
+        cost_budget=budget,
+        cost_formula=common.COST_FORMULA_MEMORY_TIMES_LATENCY,
+    )
+    decision = plan(stack, intent, batch_size=0)
+    assert decision.config.batch_size > 1, decision.note
+    assert decision.estimate.cost_memory_latency <= budget, decision
+    assert "met from this batch on" in decision.note, decision.note
