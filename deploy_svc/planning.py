@@ -405,13 +405,14 @@ def size_batch(
         # it is taken, else the cheapest. Capped near batch 1's TTFT instead, every
         # budget below a request's cost at batch 1 was refused, though min-cost's own
         # choice met it (a probe).
-        bound = budget_reach(batch1, batch2, *prepared.cost_budget, bound.batch)
+        bound = BudgetBatches.of(batch1, batch2, *prepared.cost_budget, bound.batch).reach()
     else:
         if prepared.latency_first and not objectives.ttft_slo_ms:
             ttft = ttft_batch_bound(batch1.ttft_ms, batch2.ttft_ms)
             bound = ttft if ttft.batch < bound.batch else bound
         if prepared.cost_budget is not None:
-            budget = budget_bound(batch1, batch2, *prepared.cost_budget, bound.batch)
+            budgets = BudgetBatches.of(batch1, batch2, *prepared.cost_budget, bound.batch)
+            budget = budgets.largest()
             bound = budget if budget.batch < bound.batch else bound
     decisions: dict[int, deploy_pb.DeploymentDecision] = {1: decision}
 
@@ -426,48 +427,48 @@ def size_batch(
     return with_note(chosen, _batch_reason(batch, bound))
 
 
-def budget_bound(
-    batch1: estimator_pb.ConfigEstimate,
-    batch2: estimator_pb.ConfigEstimate,
-    cost_formula: int,
-    budget: float,
-    upper: int,
-) -> BatchBound:
-    """The largest batch up to ``upper`` whose cost (:func:`at_batch`'s) stays within a
-    COST_SLO intent's ``budget``; 1 when none does (a fallback, ranked cheapest). A
-    request's GB x s and device-hours fall with the batch while the batch's latency
-    grows slower than its size, then rise; the memory cost only rises. Every batch is
-    looked at (at most MAX_AUTO_BATCH, arithmetic only)."""
-    formula = cost_formula or common.COST_FORMULA_MEMORY_TIMES_LATENCY
-    what = f"the cost budget of {budget:g} {COST_UNITS.get(formula, '')}"
-    field = COST_FIELDS[formula]
-    within = [
-        batch
-        for batch in range(1, upper + 1)
-        if getattr(at_batch(batch1, batch2, batch), field) <= budget
-    ]
-    return BatchBound(max(within, default=1), what)
+@dataclass(frozen=True)
+class BudgetBatches:
+    """A request's cost in a COST_SLO intent's formula at each batch from 1 up (its
+    :func:`at_batch` figure), against the intent's budget. A request's GB x s and
+    device-hours fall with the batch while the batch's latency grows slower than its
+    size, then rise; the memory cost only rises. Every batch is looked at (at most
+    MAX_AUTO_BATCH, arithmetic only)."""
 
+    what: str  # the budget, as a note names it
+    costs: dict[int, float]
+    budget: float
 
-def budget_reach(
-    batch1: estimator_pb.ConfigEstimate,
-    batch2: estimator_pb.ConfigEstimate,
-    cost_formula: int,
-    budget: float,
-    upper: int,
-) -> BatchBound:
-    """For a COST_SLO intent whose budget no configuration meets at batch 1: the
-    smallest batch up to ``upper`` whose cost (:func:`at_batch`'s) is within
-    ``budget`` (the lowest latency that meets it), else the cheapest batch."""
-    formula = cost_formula or common.COST_FORMULA_MEMORY_TIMES_LATENCY
-    what = f"the cost budget of {budget:g} {COST_UNITS.get(formula, '')}"
-    field = COST_FIELDS[formula]
-    costs = {b: getattr(at_batch(batch1, batch2, b), field) for b in range(1, upper + 1)}
-    within = [b for b, cost in costs.items() if cost <= budget]
-    if within:
-        return BatchBound(min(within), f"{what}, met from this batch on")
-    cheapest = min(costs, key=lambda b: (costs[b], b))
-    return BatchBound(cheapest, f"the least cost per request ({what} is met at no batch)")
+    @classmethod
+    def of(
+        cls,
+        batch1: estimator_pb.ConfigEstimate,
+        batch2: estimator_pb.ConfigEstimate,
+        cost_formula: int,
+        budget: float,
+        upper: int,
+    ) -> BudgetBatches:
+        formula = cost_formula or common.COST_FORMULA_MEMORY_TIMES_LATENCY
+        field = COST_FIELDS[formula]
+        costs = {b: getattr(at_batch(batch1, batch2, b), field) for b in range(1, upper + 1)}
+        return cls(f"the cost budget of {budget:g} {COST_UNITS.get(formula, '')}", costs, budget)
+
+    @property
+    def within(self) -> list[int]:
+        return [b for b, cost in self.costs.items() if cost <= self.budget]
+
+    def largest(self) -> BatchBound:
+        """The largest batch within the budget; 1 when none is (a fallback, ranked
+        cheapest)."""
+        return BatchBound(max(self.within, default=1), self.what)
+
+    def reach(self) -> BatchBound:
+        """For a budget no configuration meets at batch 1: the smallest batch within it
+        (the lowest latency that meets it), else the cheapest batch."""
+        if self.within:
+            return BatchBound(min(self.within), f"{self.what}, met from this batch on")
+        cheapest = min(self.costs, key=lambda b: (self.costs[b], b))
+        return BatchBound(cheapest, f"the least cost per request ({self.what} is met at no batch)")
 
 
 def at_batch(

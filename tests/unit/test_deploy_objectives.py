@@ -300,7 +300,10 @@ def test_costs_at_a_batch_are_per_request_and_the_budget_takes_the_largest_batch
     grows slower than the batch (the budget was read against the whole batch's cost,
     which grows, and a cost-slo deployment stopped at batch 3 where min-cost's showed
     4.5x batch 1's cost)."""
-    from deploy_svc.planning import at_batch, budget_bound
+    from deploy_svc.planning import BudgetBatches, at_batch
+
+    def budget_bound(*args):
+        return BudgetBatches.of(*args).largest()
 
     _, batch1, batch2 = _estimates(kv_bytes=1 << 20)
     batch1.cost_memory_latency = 1.0 * 0.4  # 1 GiB (taken as 1 GB here) for 0.4 s
@@ -325,7 +328,10 @@ def test_a_budget_no_configuration_meets_at_batch_1_is_met_by_the_smallest_batch
     """Ranked at batch 1, a cost-slo intent whose budget only batching reaches fell back
     to min cost at a batch capped near batch 1's TTFT: every budget below a request's
     batch-1 cost was refused, though min-cost's own choice met it (a probe)."""
-    from deploy_svc.planning import at_batch, budget_reach
+    from deploy_svc.planning import BudgetBatches, at_batch
+
+    def budget_reach(*args):
+        return BudgetBatches.of(*args).reach()
 
     config, batch1, batch2 = _estimates(kv_bytes=1 << 20)
     batch1.cost_memory_latency = 0.4
