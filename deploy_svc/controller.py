@@ -347,9 +347,7 @@ class DeploymentController:
             )
         if batch1 is not None:
             decision = planning.with_estimate(prepared, decision, nodes, batch1, batch2)
-        meets = next(
-            (o.meets_intent for o in prepared.options if o.rank == decision.winner_rank), True
-        )
+        meets = planning.meets_intent(prepared, decision)
         objectives, said = fallback_objectives(
             prepared.objectives,
             None if request.HasField("config") else request.intent,

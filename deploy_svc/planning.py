@@ -370,6 +370,12 @@ def placement_of(choice: placement.PlacementChoice) -> common.Placement:
     )
 
 
+def meets_intent(prepared: Prepared, decision: deploy_pb.DeploymentDecision) -> bool:
+    """Whether the decision's configuration met the intent it was ranked for (False: a
+    fallback; an explicit configuration meets it)."""
+    return next((o.meets_intent for o in prepared.options if o.rank == decision.winner_rank), True)
+
+
 def size_batch(
     prepared: Prepared,
     decision: deploy_pb.DeploymentDecision,
@@ -398,8 +404,7 @@ def size_batch(
     if batch2 is None or not batch2.batch_measured:
         return with_note(decision, "batch 1: the model was not profiled at batch 2")
     bound = batch_bound(batch1, batch2, objectives)
-    option = next((o for o in prepared.options if o.rank == decision.winner_rank), None)
-    if prepared.cost_budget is not None and option is not None and not option.meets_intent:
+    if prepared.cost_budget is not None and not meets_intent(prepared, decision):
         # No configuration met the budget at batch 1 (the ranking's batch): a larger
         # batch shares the devices' cost between its requests, so the smallest that meets
         # it is taken, else the cheapest. Capped near batch 1's TTFT instead, every
@@ -411,8 +416,7 @@ def size_batch(
             ttft = ttft_batch_bound(batch1.ttft_ms, batch2.ttft_ms)
             bound = ttft if ttft.batch < bound.batch else bound
         if prepared.cost_budget is not None:
-            budgets = BudgetBatches.of(batch1, batch2, *prepared.cost_budget, bound.batch)
-            budget = budgets.largest()
+            budget = BudgetBatches.of(batch1, batch2, *prepared.cost_budget, bound.batch).largest()
             bound = budget if budget.batch < bound.batch else bound
     decisions: dict[int, deploy_pb.DeploymentDecision] = {1: decision}
 
@@ -525,8 +529,6 @@ def _decide_batch(
     limits = ExplicitPlan(
         config, prepared.limits.max_input_tokens, prepared.limits.max_output_tokens
     )
-    option = next((o for o in prepared.options if o.rank == decision.winner_rank), None)
-    meets_intent = option.meets_intent if option is not None else True
     placed = _devices_of(decision.placement)
     devices = [
         c
@@ -536,7 +538,7 @@ def _decide_batch(
     try:
         sized = decide(
             prepared.model,
-            [Option(decision.winner_rank, config, estimate, meets_intent)],
+            [Option(decision.winner_rank, config, estimate, meets_intent(prepared, decision))],
             devices,
             limits,
             policy=prepared.policy,

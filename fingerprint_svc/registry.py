@@ -11,12 +11,11 @@ from pathlib import Path
 from fingerprint_svc.profile_plan import BASE_VARIANT
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.engine_rules import compression_problem, resolve_checkpoint
+from services.engine_rules import compression_problem, resolve_checkpoint, served_prune_fractions
 from services.errors import AlreadyExists, InvalidArgument
 from services.ids import check_model_id, check_variant_name
 from services.models.arch import ArchSpec, unlike_model
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
-from services.models.compression import DEFAULT_PRUNE_FRACTION
 
 FAMILIES = {
     "llama": common.MODEL_FAMILY_LLAMA,
@@ -91,15 +90,16 @@ def check_variants(variants: list[common.CompressionVariant]) -> None:
             raise InvalidArgument(
                 f"variant {variant.name!r}: structured_prune_fraction must be in [0, 1)"
             )
-        if variant.structured_prune_fraction not in (0.0, DEFAULT_PRUNE_FRACTION):
+        (served,) = served_prune_fractions(True)
+        if variant.structured_prune_fraction not in (0.0, served):
             # Accepted, it was profiled and served at the default share all the same,
             # its accuracy score then standing for a model nobody ran.
             raise InvalidArgument(
                 f"variant {variant.name!r}: structured_prune_fraction "
                 f"{variant.structured_prune_fraction:g} cannot be served: a structured "
-                f"variant is profiled and deployed with {DEFAULT_PRUNE_FRACTION:g} of its "
+                f"variant is profiled and deployed with {served:g} of its "
                 "heads and MLP channels dropped (a DeploymentConfig carries no fraction); "
-                f"give {DEFAULT_PRUNE_FRACTION:g} or leave it unset"
+                f"give {served:g} or leave it unset"
             )
 
 
@@ -124,13 +124,8 @@ def variant_problem(
             return unlike
     if variant.structured_prune_fraction and variant.pruning != common.PRUNING_STRUCTURED:
         return "structured_prune_fraction is set but pruning is not PRUNING_STRUCTURED"
-    fractions = [0.0]
-    if variant.pruning == common.PRUNING_STRUCTURED:
-        # Deployments drop the default share (a DeploymentConfig does not carry the
-        # variant's fraction, see monitor_agent.launch); the variant's own must work too.
-        fractions = [
-            f for f in sorted({DEFAULT_PRUNE_FRACTION, variant.structured_prune_fraction}) if f
-        ]
+    # What deployments drop (check_variants refuses a variant's own other fraction).
+    fractions = served_prune_fractions(variant.pruning == common.PRUNING_STRUCTURED)
     return compression_problem(
         1,
         hidden=spec.hidden_size,
@@ -140,7 +135,7 @@ def variant_problem(
         mlp_width=spec.intermediate_size,
         int4=variant.weight_quant == common.WEIGHT_QUANT_INT4,
         sparse_2_4=variant.pruning == common.PRUNING_SEMI_STRUCTURED_2_4,
-        prune_fractions=tuple(fractions),
+        prune_fractions=fractions,
     )
 
 

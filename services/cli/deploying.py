@@ -33,8 +33,15 @@ PRUNINGS = {
     "structured": common.PRUNING_STRUCTURED,
 }
 
-# The keys of `iserve register --variant NAME:KEY=VALUE,...`.
-VARIANT_KEYS = ("weights", "kv", "pruning", "fraction", "accuracy")
+# `iserve register --variant NAME:KEY=VALUE,...`: each key's CompressionVariant field and
+# its values by name (None: a number).
+VARIANT_KEYS: dict[str, tuple[str, dict[str, int] | None]] = {
+    "weights": ("weight_quant", WEIGHT_QUANTS),
+    "kv": ("kv_quant", KV_QUANTS),
+    "pruning": ("pruning", PRUNINGS),
+    "fraction": ("structured_prune_fraction", None),
+    "accuracy": ("accuracy_score", None),
+}
 
 
 def variant_argument(text: str) -> common.CompressionVariant:
@@ -43,10 +50,11 @@ def variant_argument(text: str) -> common.CompressionVariant:
     (every key optional: none of that compression) as a CompressionVariant; what the
     values mean together (a fraction only with structured pruning, a name not "base")
     the model service checks."""
+    keys = ", ".join(VARIANT_KEYS)
     name, sep, rest = text.partition(":")
     if not name or not sep:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: give NAME:KEY=VALUE,... with keys {', '.join(VARIANT_KEYS)} "
+            f"{text!r}: give NAME:KEY=VALUE,... with keys {keys} "
             "(e.g. int8-kv8:weights=int8,kv=int8)"
         )
     # A key left out means none of that compression (the service wants each set).
@@ -59,42 +67,37 @@ def variant_argument(text: str) -> common.CompressionVariant:
     items = [part.strip() for part in rest.split(",") if part.strip()]
     if not items:
         raise argparse.ArgumentTypeError(
-            f"variant {name!r} names no compression (keys {', '.join(VARIANT_KEYS)}): it "
-            "would be the model itself"
+            f"variant {name!r} names no compression (keys {keys}): it would be the model itself"
         )
     given: set[str] = set()
     for item in items:
         key, eq, value = item.partition("=")
         if not eq or key not in VARIANT_KEYS:
             raise argparse.ArgumentTypeError(
-                f"variant {name!r}: {item!r} is not KEY=VALUE with a key of "
-                f"{', '.join(VARIANT_KEYS)}"
+                f"variant {name!r}: {item!r} is not KEY=VALUE with a key of {keys}"
             )
         if key in given:
             raise argparse.ArgumentTypeError(f"variant {name!r}: {key} is given twice")
         given.add(key)
-        choices = {"weights": WEIGHT_QUANTS, "kv": KV_QUANTS, "pruning": PRUNINGS}.get(key)
-        if choices is not None:
-            if value not in choices:
-                raise argparse.ArgumentTypeError(
-                    f"variant {name!r}: {key} must be one of {', '.join(choices)}, got {value!r}"
-                )
-            field = {"weights": "weight_quant", "kv": "kv_quant", "pruning": "pruning"}[key]
-            setattr(variant, field, choices[value])
-            continue
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
-        if not math.isfinite(number):
+        field, choices = VARIANT_KEYS[key]
+        if choices is not None and value not in choices:
             raise argparse.ArgumentTypeError(
-                f"variant {name!r}: {key} must be a number, got {value!r}"
+                f"variant {name!r}: {key} must be one of {', '.join(choices)}, got {value!r}"
             )
-        if key == "fraction":
-            variant.structured_prune_fraction = number
-        else:
-            variant.accuracy_score = number
+        setattr(
+            variant, field, choices[value] if choices is not None else _finite(name, key, value)
+        )
     return variant
+
+
+def _finite(name: str, key: str, value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"variant {name!r}: {key} must be a number, got {value!r}")
+    return number
 
 
 INTENTS = {

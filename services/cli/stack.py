@@ -220,12 +220,7 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
             # Either way no budget is spent: a clean stop is recorded as such, and the
             # new agent, with no record of the old workers, has them lost with their
             # node (a probe: the message said Redis's exit would spend it; it did not).
-            logs = [
-                settings.state_dir / "redis" / "redis.log"
-                if name == "redis"
-                else settings.state_dir / "logs" / f"{name}.log"
-                for name in dead
-            ]
+            logs = [_log_of(settings.state_dir, name) for name in dead]
             raise RuntimeError(
                 f"the stack from {settings.state_dir} is running without its "
                 f"{', '.join(dead)} (exited; see {', '.join(map(str, logs))}): "
@@ -300,8 +295,7 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         else:
             stack["embedded_redis"] = True
             redis_proc, redis_url = start_redis(
-                settings.state_dir / "redis",
-                started=lambda pid: _record(stack, "redis", pid),
+                _redis_dir(settings.state_dir), started=lambda pid: _record(stack, "redis", pid)
             )
             stack["redis_url"] = redis_url
             write_stack_file(settings.state_dir, stack)
@@ -591,7 +585,7 @@ def down(settings: Settings, log=print) -> bool:
     strays = _strays_after_grace(
         stack.get("stack_id", ""),
         {pid for pid, _ in ours.values()},
-        settings.state_dir / "redis" if stack.get("embedded_redis") else None,
+        _redis_dir(settings.state_dir) if stack.get("embedded_redis") else None,
     )
     _stop_pids(
         {
@@ -723,6 +717,20 @@ def unrecorded_processes(
     return sorted(found)
 
 
+def _redis_dir(state_dir: Path) -> Path:
+    """The embedded Redis's data directory (its ``--dir``, where its log is too)."""
+    return state_dir / "redis"
+
+
+def _log_of(state_dir: Path, name: str) -> Path:
+    """The log file of the stack's process ``name``."""
+    return (
+        _redis_dir(state_dir) / "redis.log"
+        if name == "redis"
+        else state_dir / "logs" / f"{name}.log"
+    )
+
+
 def _is_redis_in(entry: Path, directory: Path | None) -> bool:
     """Whether the process at ``entry`` (/proc/<pid>) is a redis-server working in
     ``directory`` (its ``--dir``)."""
@@ -837,9 +845,7 @@ def exit_warning(stack: Mapping, pid: int, code: int) -> str | None:
     if name is None or code in (0, -signal.SIGTERM):
         return None
     state_dir = Path(stack.get("state_dir", "."))
-    log = (
-        state_dir / "redis" / "redis.log" if name == "redis" else state_dir / "logs" / f"{name}.log"
-    )
+    log = _log_of(state_dir, name)
     return (
         f"warning: {name} (pid {pid}) {describe_exit(code)}; see {log}. The stack runs "
         "without it: `iserve down`, then `iserve up` starts it all again"
