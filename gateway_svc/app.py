@@ -942,6 +942,7 @@ def create_app(
             else:  # OpenAI's 16, as far as the deployment allows
                 request = _generate_request(body, prompt, None)
                 request.max_tokens_default = COMPLETION_MAX_TOKENS
+            request.prompt_has_special_tokens = not body.add_special_tokens
             requests.append(request)
         return await _respond(body, requests, caller, http, chat=False)
 
@@ -964,8 +965,9 @@ def create_app(
             log.error("model %r: %s", body.model, exc)
             raise GatewayError(500, "internal_error", f"model {body.model!r}: {exc}") from None
         request = _generate_request(body, prompt, body.max_completion_tokens or body.max_tokens)
-        # The template wrote the special tokens (BOS) it wants; the tokenizer adds none.
-        request.prompt_has_special_tokens = True
+        # The template wrote the special tokens (BOS) it wants; the tokenizer adds none
+        # unless asked to (add_special_tokens, vLLM's).
+        request.prompt_has_special_tokens = not body.add_special_tokens
         return await _respond(body, [request], caller, http, chat=True)
 
     async def _respond(

@@ -173,13 +173,14 @@ _DECLINED: _Declined = {
     "truncate_prompt_tokens": (lambda v: False, [], "truncate_prompt_tokens is"),
     # The prompt repeated in the answer.
     "echo": (lambda v: v is False, [{"const": False}], "echo is"),
-}
-_DECLINED_CHAT: _Declined = {
+    # OpenAI's on chats; vLLM takes it on completions too (structured output there).
     "response_format": (
         lambda v: isinstance(v, dict) and v.get("type") == "text",
         [{"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}],
         "response formats other than text (JSON mode, JSON schemas) are",
     ),
+}
+_DECLINED_CHAT: _Declined = {
     "tools": (lambda v: v == [], [{"type": "array", "maxItems": 0}], "tool calling is"),
     # With no tools, "required" or a named function cannot be met: OpenAI answers 400.
     "tool_choice": (
@@ -286,6 +287,7 @@ class GenerationBody(BaseModel):
     logits_processors: Any = _declined(_DECLINED, "logits_processors")
     truncate_prompt_tokens: Any = _declined(_DECLINED, "truncate_prompt_tokens")
     echo: Any = _declined(_DECLINED, "echo")
+    response_format: Any = _declined(_DECLINED, "response_format")
 
     # Also the endpoints' own declined fields (check_fields=False: they are declared in
     # the subclasses).
@@ -314,9 +316,16 @@ class GenerationBody(BaseModel):
     def _integers(cls, value: Any) -> Any:
         return _integral(value)
 
-    # Also ChatBody's add_generation_prompt (check_fields=False: declared there).
+    # Also the endpoints' add_generation_prompt and add_special_tokens (check_fields=False:
+    # declared there).
     @field_validator(
-        "temperature", "top_p", "n", "stream", "add_generation_prompt", check_fields=False
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "add_generation_prompt",
+        "add_special_tokens",
+        check_fields=False,
     )
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
@@ -425,6 +434,9 @@ class CompletionBody(GenerationBody):
 
     suffix: Any = _declined(_DECLINED_COMPLETION, "suffix")
     best_of: Any = _declined(_DECLINED_COMPLETION, "best_of")
+    # vLLM's: whether the tokenizer adds the special tokens it adds to a text (BOS) to a
+    # text prompt (a prompt of token ids is taken as it is).
+    add_special_tokens: bool | None = True
 
     @property
     def max_tokens_given(self) -> bool:
@@ -534,7 +546,6 @@ class ChatBody(GenerationBody):
         return messages
 
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    response_format: Any = _declined(_DECLINED_CHAT, "response_format")
     tools: Any = _declined(_DECLINED_CHAT, "tools")
     tool_choice: Any = _declined(_DECLINED_CHAT, "tool_choice")
     functions: Any = _declined(_DECLINED_CHAT, "functions")
@@ -550,6 +561,9 @@ class ChatBody(GenerationBody):
     # template reads (Qwen3's enable_thinking, say), which win over the special tokens'
     # names as in transformers.
     add_generation_prompt: bool | None = True
+    # vLLM's: special tokens (BOS) added by the tokenizer on top of those the template
+    # wrote (off by default, as in vLLM: the template writes what the model wants).
+    add_special_tokens: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None,
         json_schema_extra={

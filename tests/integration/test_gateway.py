@@ -320,6 +320,9 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
         ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -0.5}, 400, "invalid_request_error", "frequency penalties are not supported"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"7": 100}}, 400, "invalid_request_error", "logit biases are not supported"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400, "invalid_request_error", "response formats other than text"),
+        # vLLM serves it on completions too (structured output): it was ignored there.
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400, "invalid_request_error", "response formats other than text"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "add_special_tokens": "no"}, 400, "invalid_request_error", "add_special_tokens"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "invalid_request_error", "tool calling is not supported"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, 400, "invalid_request_error", "modalities"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "invalid_request_error", "echo is not supported"),
@@ -412,7 +415,13 @@ def test_text_parts_and_declined_logprobs_are_served(client):
     )
     assert reply.choices[0].finish_reason in ("length", "stop")
     reply = client.completions.create(
-        model=MODEL, prompt="Hello", max_tokens=2, echo=False, best_of=1, suffix=""
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=2,
+        echo=False,
+        best_of=1,
+        suffix="",
+        extra_body={"response_format": {"type": "text"}},
     )
     assert reply.choices[0].finish_reason in ("length", "stop")
 
@@ -431,9 +440,13 @@ def test_with_include_usage_every_chunk_carries_usage_null_until_the_last(gatewa
     """OpenAI's stream: with include_usage each chunk has a "usage" key, null but on the
     last (choices empty); a client reading chunk["usage"] got a KeyError here."""
     for path, extra in (("completions", {"prompt": "x"}), ("chat/completions", {})):
+        # Greedy, to the end: a sampled EOS, or sampled byte tokens whose text comes out
+        # together, left fewer chunks now and then.
         body = {
             "model": MODEL,
             "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
             **(extra or {"messages": [{"role": "user", "content": "hi"}]}),
@@ -657,6 +670,31 @@ def test_a_completion_prompt_may_be_token_ids_or_a_list_of_one_prompt(stack, gat
         replies.append(reply.json())
     assert len({r["choices"][0]["text"] for r in replies}) == 1
     assert {r["usage"]["prompt_tokens"] for r in replies} == {len(ids)}
+
+
+def test_add_special_tokens_is_served_as_vllm_serves_it(stack, gateway):
+    # vLLM's add_special_tokens: on by default for a completion's text (the tokenizer's
+    # BOS), off for a chat (its template writes the BOS); either way round when asked.
+    # It was dropped in silence on completions.
+    tokenizer = Tokenizer.from_file(str(stack.models_root / MODEL / "tokenizer.json"))
+    text = "The quick brown fox"
+    plain = len(tokenizer.encode(text, add_special_tokens=False).ids)
+    assert len(tokenizer.encode(text).ids) == plain + 1  # the checkpoint's BOS
+
+    def prompt_tokens(path: str, body: dict) -> int:
+        reply = httpx.post(
+            f"{gateway}/v1/{path}", json={"model": MODEL, "max_tokens": 2, **body}, timeout=60
+        )
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens"]
+
+    completion = {"prompt": text}
+    assert prompt_tokens("completions", completion) == plain + 1
+    assert prompt_tokens("completions", {**completion, "add_special_tokens": None}) == plain + 1
+    assert prompt_tokens("completions", {**completion, "add_special_tokens": False}) == plain
+    chat = {"messages": [{"role": "user", "content": text}]}
+    templated = prompt_tokens("chat/completions", chat)
+    assert prompt_tokens("chat/completions", {**chat, "add_special_tokens": True}) == templated + 1
 
 
 def test_several_prompts_get_a_choice_each_as_their_own_completions(client, stack):
