@@ -206,6 +206,9 @@ _DECLINED_CHAT: _Declined = {
         [{"const": False}],
         "continue_final_message is",
     ),
+    # vLLM's: documents a retrieval template (Command R's) lays out; they never reached
+    # the template here.
+    "documents": (lambda v: v == [], [{"type": "array", "maxItems": 0}], "documents are"),
     # vLLM's: a template of the request's own instead of the model's.
     "chat_template": (lambda v: False, [], "a chat template of the request's own is"),
     # OpenAI's.
@@ -554,6 +557,7 @@ class ChatBody(GenerationBody):
     audio: Any = _declined(_DECLINED_CHAT, "audio")
     continue_final_message: Any = _declined(_DECLINED_CHAT, "continue_final_message")
     chat_template: Any = _declined(_DECLINED_CHAT, "chat_template")
+    documents: Any = _declined(_DECLINED_CHAT, "documents")
     web_search_options: Any = _declined(_DECLINED_CHAT, "web_search_options")
     verbosity: Any = _declined(_DECLINED_CHAT, "verbosity")
     # vLLM's (as transformers' apply_chat_template takes them): whether the prompt ends

@@ -323,6 +323,7 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
         # vLLM serves it on completions too (structured output): it was ignored there.
         ("/v1/completions", {"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400, "invalid_request_error", "response formats other than text"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "add_special_tokens": "no"}, 400, "invalid_request_error", "add_special_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "documents": [{"title": "t", "text": "x"}]}, 400, "invalid_request_error", "documents: documents are not supported"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "invalid_request_error", "tool calling is not supported"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, 400, "invalid_request_error", "modalities"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "invalid_request_error", "echo is not supported"),
