@@ -448,7 +448,7 @@ class Backend:
             if path is None or exc.code() not in _UNANSWERED:
                 raise GatewayError.from_rpc(exc, "model") from None
         try:
-            return read_template(self.models_root / path)
+            return read_template(self.models_root / path, self.models_root)
         except NoChatTemplate as exc:
             raise GatewayError(400, "invalid_request_error", f"model {model_id!r}: {exc}") from None
 

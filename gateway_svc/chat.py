@@ -70,9 +70,10 @@ class BrokenChatTemplate(RuntimeError):
     past the sandbox): the model's fault, not the request's."""
 
 
-def read_template(checkpoint_dir: Path) -> tuple[str, dict[str, str]]:
-    """(chat template, special tokens) of a checkpoint; NoChatTemplate when it has none."""
-    template = read_chat_template(checkpoint_dir)
+def read_template(checkpoint_dir: Path, root: Path | None = None) -> tuple[str, dict[str, str]]:
+    """(chat template, special tokens) of a checkpoint; NoChatTemplate when it has none,
+    or when a file of it resolves outside ``root`` (the models root)."""
+    template = read_chat_template(checkpoint_dir, root)
     return template.text, dict(template.special_tokens)
 
 
@@ -152,7 +153,9 @@ def render(
         raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
     except MemoryError:
         raise  # the render process's limit: the template's fault (gateway_svc.render_pool)
-    except (TemplateSyntaxError, SecurityError) as exc:
+    # A recursion without end, or a range past the sandbox's bound: the template's own
+    # doing whatever the messages (they were answered as the request's fault).
+    except (TemplateSyntaxError, SecurityError, RecursionError, OverflowError) as exc:
         raise BrokenChatTemplate(
             "the model's chat template failed (a fault of the model's template, not of "
             f"the request): {type(exc).__name__}: {exc}"

@@ -271,6 +271,10 @@ ADMIN_TOKEN_ENV = "ISERVE_ADMIN_TOKEN"
 # worker loads checkpoints and joins torch collectives that have no authentication) and
 # the tokens a client sends. A worker accepts and sends the service token alone.
 WITHHELD_FROM_WORKERS = ("REDIS_URL", "ISERVE_TOKEN", ADMIN_TOKEN_ENV)
+# What the gateway's environment need not hold: it reaches Redis never, and the admin
+# token never (it calls the services with the service token); a template file it reads
+# for a chat cannot show them even if it were a link to /proc/self/environ.
+WITHHELD_FROM_GATEWAY = ("REDIS_URL", ADMIN_TOKEN_ENV)
 
 
 def token_file(state_dir: Path, name: str) -> Path:

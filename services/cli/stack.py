@@ -44,6 +44,7 @@ from services.settings import (
     SERVICE_ENV,
     STACK_FILE,
     STACK_ID_ENV,
+    WITHHELD_FROM_GATEWAY,
     Settings,
     load_settings,
     read_stack_file,
@@ -323,7 +324,8 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
                 f"{name:<10} ready on {settings.address(name)} "
                 f"(metrics {settings.metrics_url(name)})"
             )
-        procs[GATEWAY] = _spawn(GATEWAY_MODULE, env, logs / f"{GATEWAY}.log")
+        gateway_env = {k: v for k, v in env.items() if k not in WITHHELD_FROM_GATEWAY}
+        procs[GATEWAY] = _spawn(GATEWAY_MODULE, gateway_env, logs / f"{GATEWAY}.log")
         _record(stack, GATEWAY, procs[GATEWAY].pid)
         stack["gateway_address"] = settings.gateway_address
         if not wait_http(f"http://{settings.gateway_address}/health", deadline, procs[GATEWAY]):

@@ -187,16 +187,31 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+# Statements that load another template: transformers' environment has no loader, so a
+# template holding one fails on every conversation ("no loader for this environment").
+_LOADING = (nodes.Extends, nodes.Include, nodes.Import, nodes.FromImport)
+
+
 @lru_cache(maxsize=64)
 def compile_template(source: str) -> Template:
     """``source`` compiled in transformers' environment (nothing of it runs yet);
-    jinja2's TemplateSyntaxError when it is not a valid template."""
+    jinja2's TemplateSyntaxError when it is not a valid template, or loads another one
+    (``{% include %}``, ``{% import %}``, ``{% extends %}``): it could render nothing.
+    Registration refuses such a template, and the gateway answers it as the model's
+    fault, not the request's."""
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["dict"] = _Dict()
     env.globals["namespace"] = _Namespace
+    loading = next(env.parse(source).find_all(_LOADING), None)
+    if loading is not None:
+        raise jinja2.TemplateSyntaxError(
+            f"the template loads another template ({type(loading).__name__.lower()}), "
+            "which a chat template cannot: there is no template loader",
+            loading.lineno,
+        )
     return env.from_string(source)
 
 
@@ -207,15 +222,25 @@ def _token_text(value: object) -> str | None:
     return None if value is None else str(value)
 
 
-def _stamp(path: Path) -> tuple[str, int, int] | None:
+def _stamp(path: Path, root: Path | None) -> tuple[str, int, int] | None:
     """(path, mtime, size) of a file, None when it is absent: a cache key that changes
-    when the file does."""
+    when the file does. NoChatTemplate when ``root`` is given and the file resolves
+    outside it (a link to a file elsewhere)."""
     try:
         stat = path.stat()
+        inside = root is None or path.resolve().is_relative_to(root)
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a link loop (Python < 3.13)
         raise NoChatTemplate(f"cannot read {path.name}: {exc}") from None
+    if not inside:
+        # Checked at registration too, but a file may be replaced by a link since: the
+        # gateway rendered a link to the stack's token file, or to /proc/self/environ,
+        # into a prompt (a probe).
+        raise NoChatTemplate(
+            f"{path.name} links outside the models root; iserve only reads checkpoints "
+            "under ISERVE_MODELS_ROOT"
+        )
     if not S_ISREG(stat.st_mode):
         # A named pipe blocked the reader for ever (the model service, or the gateway's
         # event loop, every model's requests with it: a probe).
@@ -223,19 +248,21 @@ def _stamp(path: Path) -> tuple[str, int, int] | None:
     return str(path), stat.st_mtime_ns, stat.st_size
 
 
-def read_chat_template(checkpoint_dir: Path) -> ChatTemplate:
+def read_chat_template(checkpoint_dir: Path, root: Path | None = None) -> ChatTemplate:
     """The chat template of a checkpoint; NoChatTemplate when it has none (or its files
-    cannot be read). The sources and their order are transformers' (see the module
-    docstring); the files are read again only when they change."""
+    cannot be read, or one resolves outside ``root``, the models root, when given). The
+    sources and their order are transformers' (see the module docstring); the files are
+    read again only when they change."""
+    root = None if root is None else root.resolve()
     names = []
     template_dir = checkpoint_dir / CHAT_TEMPLATE_DIR
     if template_dir.is_dir():
         names = sorted(p.name for p in template_dir.iterdir() if p.suffix == ".jinja")
     return _parse(
-        _stamp(checkpoint_dir / TOKENIZER_CONFIG),
-        _stamp(checkpoint_dir / SPECIAL_TOKENS_MAP),
-        _stamp(checkpoint_dir / CHAT_TEMPLATE_FILE),
-        tuple(_stamp(template_dir / name) for name in names),
+        _stamp(checkpoint_dir / TOKENIZER_CONFIG, root),
+        _stamp(checkpoint_dir / SPECIAL_TOKENS_MAP, root),
+        _stamp(checkpoint_dir / CHAT_TEMPLATE_FILE, root),
+        tuple(_stamp(template_dir / name, root) for name in names),
     )
 
 

@@ -3,9 +3,11 @@ CLI's own transport (set up before `up` writes the stack's tokens)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +37,17 @@ def test_up_with_authentication_on_starts_and_down_stops(tmp_path):
         assert "iserve is up" in up.stdout and "could not list" not in up.stdout, up.stdout
         status = run_cli(env, "status", "--json")
         assert status.returncode == 0, status.stderr
+        # The gateway never reaches Redis: its environment holds no URL with the
+        # password (a chat template linked to /proc/self/environ showed it), while the
+        # services' does.
+        pids = json.loads((tmp_path / "state" / "stack.json").read_text())["pids"]
+
+        def variables(pid: int) -> set[bytes]:
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+            return {e.split(b"=", 1)[0] for e in raw.split(b"\0")}
+
+        assert b"REDIS_URL" not in variables(pids["gateway"])
+        assert b"REDIS_URL" in variables(pids["model"])
     finally:
         down = run_cli(env, "down")
     assert down.returncode == 0 and "stopped" in down.stdout, down.stderr

@@ -673,6 +673,25 @@ def test_a_completion_prompt_may_be_token_ids_or_a_list_of_one_prompt(stack, gat
     assert {r["usage"]["prompt_tokens"] for r in replies} == {len(ids)}
 
 
+def test_a_template_file_linked_outside_the_models_root_is_not_read(stack, gateway, tmp_path):
+    """A checkpoint's chat_template.jinja made a link to a file outside the models root
+    after registration: the gateway rendered that file (the stack's service token, its
+    own environment with Redis's password) into the prompt (a probe). Now a 400 that
+    says why, and the file's text is nowhere in the reply."""
+    secret = tmp_path / "service-token"
+    secret.write_text("not-a-template-but-a-secret")
+    link = stack.models_root / PLAIN / "chat_template.jinja"
+    link.symlink_to(secret)
+    try:
+        body = {"model": PLAIN, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        reply = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)
+    finally:
+        link.unlink()
+    assert reply.status_code == 400, reply.text
+    assert "links outside the models root" in reply.json()["error"]["message"]
+    assert "secret" not in reply.text
+
+
 def test_add_special_tokens_is_served_as_vllm_serves_it(stack, gateway):
     # vLLM's add_special_tokens: on by default for a completion's text (the tokenizer's
     # BOS), off for a chat (its template writes the BOS); either way round when asked.

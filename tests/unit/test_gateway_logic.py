@@ -86,6 +86,15 @@ def test_no_template_and_a_refusing_template_are_clear_errors(tmp_path):
         # One that does not compile (registration refuses it; one edited since is caught here).
         ("{% for %}", [], "(?i)expected an expression"),
         ("{% for m in messages %}{{ m['content'] }{% endfor %}", [], "unexpected '}'"),
+        # What fails on every conversation (a probe's, answered as the request's fault):
+        # another template loaded with no loader there, a range past the sandbox's bound,
+        # a recursion without end.
+        ("{% include '/etc/passwd' %}", [], "loads another template"),
+        ("{% import 'os' as os %}{{ os }}", [], "loads another template"),
+        ("{% from 'x' import y %}", [], "loads another template"),
+        ("{% extends 'base' %}", [], "loads another template"),
+        ("{% for i in range(10**9) %}x{% endfor %}", [], "OverflowError"),
+        ("{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}", [], "RecursionError"),
     ],
 )
 def test_a_template_failing_of_itself_is_not_the_requests_fault(template, messages, reason):

@@ -292,6 +292,37 @@ def test_a_named_pipe_among_the_template_files_is_refused_not_waited_on(root, na
     assert f"{name} is not a regular file" in str(outcome[0])
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["chat_template.jinja", "tokenizer_config.json", "additional_chat_templates/default.jinja"],
+)
+def test_template_files_linked_outside_the_models_root_are_not_read(root, tmp_path, name):
+    """Registration refuses such a link, but one made since was read by the gateway at
+    every chat: linked to the stack's token file or /proc/self/environ, its text became
+    the prompt (a probe)."""
+    import shutil
+
+    from services.models.chat_template import NoChatTemplate, read_chat_template
+
+    ckpt = root / f"linked-{name.replace('/', '-')}"
+    shutil.copytree(root / "tiny", ckpt)
+    secret = tmp_path / "secret"
+    secret.write_text("{{ 'the service token' }}")
+    (ckpt / name).parent.mkdir(exist_ok=True)
+    (ckpt / name).unlink(missing_ok=True)
+    (ckpt / name).symlink_to(secret)
+    with pytest.raises(NoChatTemplate, match="links outside the models root"):
+        read_chat_template(ckpt, root)
+    # A link that stays inside the root is read (a tokenizer shared by checkpoints).
+    shared = root / f"shared-{name.replace('/', '-')}"
+    shutil.copy(root / "tiny" / "tokenizer_config.json", shared)
+    if name.endswith(".jinja"):
+        shared.write_text("{{ messages[0]['content'] }}")
+    (ckpt / name).unlink()
+    (ckpt / name).symlink_to(shared)
+    assert read_chat_template(ckpt, root).text
+
+
 def test_a_config_json_of_megabytes_is_refused_before_it_is_parsed(root):
     import shutil
 

@@ -141,6 +141,16 @@ def test_a_chat_template_that_does_not_compile_is_refused(checkpoint: Path) -> N
         validate_checkpoint(checkpoint)
 
 
+@pytest.mark.parametrize(
+    "template", ["{% include '/etc/passwd' %}", "{% import 'os' as os %}", "{% extends 'x' %}"]
+)
+def test_a_chat_template_loading_another_is_refused(checkpoint: Path, template: str) -> None:
+    # No loader: it fails on every conversation, once answered as the request's fault.
+    (checkpoint / "chat_template.jinja").write_text(template)
+    with pytest.raises(InvalidArgument, match="does not compile: the template loads another"):
+        register(checkpoint)
+
+
 def test_templates_that_compile_or_are_absent_are_accepted(tmp_path: Path) -> None:
     strict = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
     plain = create_checkpoint(tmp_path / "plain", **SMALL, chat_template=None)
