@@ -60,8 +60,8 @@ from services.api import agent_service_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.contention import contention_note, share_of
-from services.engine_rules import check_still_the_model, default_dtype
-from services.errors import CheckpointChanged
+from services.engine_rules import check_still_the_model, default_dtype, resolve_checkpoint
+from services.errors import CheckpointChanged, CheckpointUnusable
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config, served_spec
@@ -311,8 +311,11 @@ class Profiler:
         path = variant.checkpoint_path
         again = "register the model again (after `iserve model delete`, or as a new model id)"
         try:
+            # Inside the models root still: a file made a link to one outside since
+            # registration was cut into the fingerprint and read.
+            resolve_checkpoint(self.settings.models_root, path)
             parse_config(read_config(self.settings.models_root / path))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, CheckpointUnusable) as exc:
             raise CheckpointMoved(
                 f"checkpoint {path!r} can no longer be read ({exc}): it was moved, deleted "
                 f"or rewritten since the model was registered; {again}"

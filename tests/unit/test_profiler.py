@@ -296,7 +296,7 @@ def _tiny(model_id: str, path: str) -> model_pb.Model:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("change", ["rewritten", "deleted", "truncated"])
+@pytest.mark.parametrize("change", ["rewritten", "deleted", "truncated", "linked"])
 def test_a_checkpoint_changed_mid_profiling_fails_the_model(redis_url, models_root, change):
     """The checkpoint rewritten as another model, or deleted, after the first job: the
     model ends FAILED with the reason (it ended PROFILED, in silence, on measurements
@@ -315,6 +315,12 @@ def test_a_checkpoint_changed_mid_profiling_fails_the_model(redis_url, models_ro
                 weights = models_root / path / "model.safetensors"
                 weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
                 return measured(request)
+            if change == "linked":  # its weights now a link to a file outside the root
+                weights = models_root / path / "model.safetensors"
+                outside = models_root.parent / f"outside-{path}.safetensors"
+                weights.rename(outside)
+                weights.symlink_to(outside)
+                return measured(request)
             shutil.rmtree(models_root / path)
             if change == "rewritten":
                 create_checkpoint(models_root / path, **{**SHAPE, "hidden_size": 128})
@@ -330,8 +336,10 @@ def test_a_checkpoint_changed_mid_profiling_fails_the_model(redis_url, models_ro
             f"checkpoint '{path}' is no longer the model registered from it: its checkpoint "
             "has hidden_size 128, the model has 64" in model.state_reason
         ), model.state_reason
-    elif change == "deleted":
+    elif change in ("deleted", "linked"):
         assert f"checkpoint '{path}' can no longer be read (" in model.state_reason
+        if change == "linked":
+            assert "links outside the models root" in model.state_reason, model.state_reason
     else:
         assert f"checkpoint '{path}' no longer reads as registered: " in model.state_reason
         assert "truncated" in model.state_reason
