@@ -69,7 +69,9 @@ def test_processes_stopped_together_wait_out_one_timeout_not_one_each():
             together=True,
         )
         took = time.monotonic() - started
-        assert all(p.wait(5) == -signal.SIGKILL for p in stubborn)
+        # Killed: -SIGKILL, or 0 where _stop_pids reaped the child first (Popen then finds
+        # no status to read; they sleep for 60 s, so nothing else ends them at once).
+        assert all(p.wait(5) in (-signal.SIGKILL, 0) for p in stubborn)
         assert said == [f"stopped stray {p.pid} (pid {p.pid})" for p in stubborn]
         assert 3.0 <= took < 7.0, took  # one timeout; in turn it was 9 s
     finally:
