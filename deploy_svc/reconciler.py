@@ -104,6 +104,7 @@ class Reconciler:
         self._stopped_on_purpose: set[str] = set()
         # (group, node) of the workers no deployment held at the last workers check.
         self._unheld_seen: set[tuple[str, str]] = set()
+        self._orphaned_seen: set[str] = set()
 
     async def reconcile_on_start(self) -> list[str]:
         """Make Redis and the agents agree after a (re)start of this service; returns what
@@ -176,7 +177,30 @@ class Reconciler:
             deployments, running, answered, known, "its agent reports"
         )
         actions += await self.finish_cut_off(deployments, CUT_OFF)
-        return actions + await self._stop_unheld(running)
+        actions += await self._stop_unheld(running)
+        return actions + await self._forget_orphaned_records()
+
+    async def _forget_orphaned_records(self) -> list[str]:
+        """Delete the worker records of groups of no deployment, seen so at two checks in
+        a row: an agent may write one after the deployment is gone (a start cancelled by
+        a deploy that failed on another node, a worker's exit seen once a hung agent
+        resumed after a remove), and nothing else ever deleted it (a probe). A Deploy
+        under way, or a profiling job (its records expire), is left alone."""
+        known = {d.deployment_id for d in await self.store.list_deployments()}
+        orphaned = {
+            group
+            for group in await self.store.worker_groups()
+            if split_group_id(group)[0] not in known
+            and not self.controller.deploying(split_group_id(group)[0])
+            and not group.startswith(PROFILING_OWNER_PREFIX)
+        }
+        confirmed, self._orphaned_seen = orphaned & self._orphaned_seen, orphaned
+        for group in sorted(confirmed):
+            await self.store.delete_workers(group)
+        return [
+            f"forgot the worker records of {group}: no deployment has them"
+            for group in sorted(confirmed)
+        ]
 
     async def finish_cut_off(
         self, deployments: list[deploy_pb.Deployment], reason: str

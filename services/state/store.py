@@ -776,6 +776,12 @@ class StateStore:
     async def delete_workers(self, deployment_id: str) -> None:
         await self.redis.delete(keys.workers(deployment_id))
 
+    async def worker_groups(self) -> set[str]:
+        """The group ids (deployments, their replicas, profiling jobs) that have worker
+        records."""
+        prefix = keys.workers("_")[:-1]
+        return {key[len(prefix) :] async for key in self.redis.scan_iter(match=f"{prefix}*")}
+
     # ---- events -------------------------------------------------------------------
     async def publish_event(self, kind: str, **fields: object) -> str:
         body = {"kind": kind, "at_ms": now_ms(), **fields}

@@ -864,6 +864,33 @@ def test_workers_no_deployment_holds_are_stopped_at_the_second_check_that_sees_t
     run(scenario)
 
 
+def test_worker_records_of_no_deployment_are_forgotten_at_the_second_check(run):
+    """An agent wrote a record after its deployment was gone (a start cancelled by a
+    deploy that failed on another node; a hung agent that resumed after a remove): it
+    stayed in Redis for good (a probe). Forgotten once two checks saw it; the records
+    of a deployment, of its replicas and of a profiling job stay."""
+
+    async def scenario(store):
+        agent = ReportingAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        deployment_id = (await controller.deploy(deploy_request(2))).deployment.deployment_id
+        reconciler = Reconciler(controller, store, agent)
+        failed = agent_pb.WorkerInfo(rank=1, state=agent_pb.WORKER_STATE_FAILED)
+        for group in ("m-gone0", "m-gone0.r1", "profile-m-0", deployment_id, f"{deployment_id}.r1"):
+            failed.deployment_id = group
+            await store.put_worker(failed)
+        assert await reconciler.check_workers() == []  # seen once: could be a race
+        assert await reconciler.check_workers() == [
+            "forgot the worker records of m-gone0: no deployment has them",
+            "forgot the worker records of m-gone0.r1: no deployment has them",
+        ]
+        assert await store.worker_groups() == {"profile-m-0", deployment_id, f"{deployment_id}.r1"}
+        await controller.remove(deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
 def test_a_node_dead_for_longer_than_the_setting_is_forgotten(run):
     async def scenario(store):
         agent = FakeAgent()
