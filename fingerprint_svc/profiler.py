@@ -35,7 +35,9 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import grpc
 
@@ -61,7 +63,12 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.contention import contention_note, share_of
 from services.engine_rules import check_still_the_model, default_dtype, resolve_checkpoint
-from services.errors import CheckpointChanged, CheckpointUnusable
+from services.errors import (
+    CHECKPOINT_UNUSABLE,
+    CheckpointChanged,
+    CheckpointUnusable,
+    rpc_reason,
+)
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config, served_spec
@@ -95,6 +102,15 @@ class JobFailed(Exception):
     def __init__(self, message: str, agent_gone: bool = False):
         super().__init__(message)
         self.agent_gone = agent_gone
+
+
+class _NoCopy(JobFailed):
+    """A node's agent could not read the job's checkpoint (none under its own models
+    root): another node may have it."""
+
+    def __init__(self, node_id: str, message: str):
+        super().__init__(message)
+        self.node_id = node_id
 
 
 class CheckpointMoved(JobFailed):
@@ -266,6 +282,9 @@ class Profiler:
         record = ProfileRecord(skipped=list(skipped), runs_total=len(jobs))
         given_up: set[tuple[str, tuple[int, int]]] = set()
         dropped_variants: set[str] = set()
+        # Nodes whose agent found no copy of a fingerprint under its models root (one of
+        # its own, not shared with this service's): this model's jobs go elsewhere.
+        lacking: dict[str, str] = {}
         for done, job in enumerate(jobs):
             variant, reference = job.variant.name, job.reference
             if variant in dropped_variants or (variant, reference) in given_up:
@@ -277,7 +296,7 @@ class Profiler:
             try:
                 async with self._turn:
                     await self._progress(model_id, done, len(jobs), job.describe(), "running")
-                    await self._run_job(model, job, record, profiling)
+                    await self._run_job(model, job, record, profiling, lacking)
             except JobFailed as exc:
                 record.agent_gone += exc.agent_gone
                 moved = isinstance(exc, CheckpointMoved)
@@ -347,13 +366,39 @@ class Profiler:
         job: ProfileJob,
         record: ProfileRecord,
         profiling: ProfilingSettings,
+        lacking: dict[str, str],
     ) -> None:
+        """Run ``job`` on a node not in ``lacking``, adding each node found without a
+        copy of the checkpoint to it (node id: its agent's words), and record its runs."""
         fingerprint = await self._fingerprint(model, job.variant, job.num_layers)
         spec = await asyncio.to_thread(self._spec_of, fingerprint)
+        while True:
+            try:
+                reply, choice, wall_s = await self._run_on_a_node(
+                    model, job, fingerprint, spec, profiling, lacking
+                )
+                break
+            except _NoCopy as exc:
+                lacking[exc.node_id] = str(exc)
+                log.info("profiling %s: %s; trying another node", model.model_id, exc)
+        record.device_seconds += wall_s * job.ranks
+        self._record(model, job, fingerprint, profiling, record, reply, choice)
+
+    async def _run_on_a_node(
+        self,
+        model: model_pb.Model,
+        job: ProfileJob,
+        fingerprint,
+        spec: ArchSpec,
+        profiling: ProfilingSettings,
+        lacking: dict[str, str],
+    ):
+        """(reply, device choice, wall seconds) of the job run on devices of a node not
+        in ``lacking``; _NoCopy when that node's agent has no copy of the checkpoint."""
         owner = _owner(model.model_id)
         self._owners.add(owner)
         try:
-            choice = await self._reserve(owner, job, spec, profiling)
+            choice = await self._reserve(owner, job, spec, profiling, lacking)
         except BaseException:
             self._owners.discard(owner)
             raise
@@ -379,6 +424,8 @@ class Profiler:
                     )
                 except grpc.RpcError as exc:
                     said = f"{exc.code().name}: {exc.details()}"
+                    if rpc_reason(exc) == CHECKPOINT_UNUSABLE:
+                        raise _NoCopy(choice.node_id, said) from exc
                     gone = exc.code() == grpc.StatusCode.UNAVAILABLE and not (
                         await asyncio.to_thread(health.check, choice.agent_address, AGENT_CHECK_S)
                     )
@@ -395,7 +442,10 @@ class Profiler:
         finally:
             await self.store.release(owner)
             self._owners.discard(owner)
-        record.device_seconds += wall_s * job.ranks
+        return reply, choice, wall_s
+
+    def _record(self, model, job, fingerprint, profiling, record, reply, choice) -> None:
+        """The job's runs as the record's measurements."""
         hardware = choice.devices[0].hardware_type
         # The precision the workers computed in (the job asks for none): what a layer's
         # weights and a token's KV took, and what this measurement describes.
@@ -436,15 +486,24 @@ class Profiler:
         return served_spec(self.settings.models_root / fingerprint.checkpoint_path)
 
     async def _reserve(
-        self, owner: str, job: ProfileJob, spec: ArchSpec, profiling: ProfilingSettings
+        self,
+        owner: str,
+        job: ProfileJob,
+        spec: ArchSpec,
+        profiling: ProfilingSettings,
+        lacking: Mapping[str, str] = MappingProxyType({}),
     ):
-        """Reserve each rank's memory on the best devices; JobFailed when none fit.
+        """Reserve each rank's memory on the best devices of a node not in ``lacking``
+        (node id: why its agent could not read the checkpoint); JobFailed when none fit.
         Memory in use beyond the reservations (the job before's worker still exiting) is
         waited for, up to SETTLE_WAIT_S; nothing else is."""
         settle_by = time.monotonic() + SETTLE_WAIT_S
         attempt = 0
         while True:
-            nodes = await self.store.list_nodes()
+            nodes = [n for n in await self.store.list_nodes() if n.node_id not in lacking]
+            said = "; ".join(f"node {n}: {why}" for n, why in sorted(lacking.items()))
+            if lacking and not any(n.alive for n in nodes):
+                raise JobFailed(f"no live node has a copy of the checkpoint ({said})")
             compute = compute_bytes_for(nodes, PRECISIONS.get(spec.torch_dtype, 0))
             need = fingerprint_rank_bytes(
                 spec,
@@ -459,7 +518,8 @@ class Profiler:
                 if time.monotonic() < settle_by and room_once_settled(nodes, need):
                     await asyncio.sleep(SETTLE_POLL_S)
                     continue
-                raise JobFailed(no_room_reason(nodes, need))
+                without = f" (and no copy of the checkpoint on {said})" if lacking else ""
+                raise JobFailed(no_room_reason(nodes, need) + without)
             try:
                 await self.store.reserve(
                     owner,

@@ -90,25 +90,33 @@ def run_profiler(
     device_bytes: int = 2 * GIB,
     model: model_pb.Model | None = None,
     before: Callable | None = None,
+    second_node: Callable | None = None,
 ):
     """Profile ``model`` (default: the tiny base model) and return what was left behind:
-    (model, profile, progress, agent calls, reservation owners)."""
+    (model, profile, progress, agent calls, reservation owners). With ``second_node``,
+    a node n1 like n0 whose agent answers with it (its calls are listed after n0's)."""
 
     async def main():
         store = StateStore.from_url(redis_url)
         await store.redis.flushdb()
-        server = grpc.aio.server()
-        agent = FakeAgent(store, answer)
-        agent_service_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
+        servers: list[grpc.aio.Server] = []
+        agents = []
+        for node_id, answers in (("n0", answer), ("n1", second_node)):
+            if answers is None:
+                continue
+            agent = FakeAgent(store, answers)
+            agents.append(agent)
+            servicer = grpc.aio.server()
+            agent_service_pb2_grpc.add_AgentServiceServicer_to_server(agent, servicer)
+            port = servicer.add_insecure_port("127.0.0.1:0")
+            await servicer.start()
+            servers.append(servicer)
             node = common.NodeState(
-                node_id="n0",
+                node_id=node_id,
                 agent_address=f"127.0.0.1:{port}",
                 devices=[
                     common.DeviceState(
-                        ref=common.DeviceRef(node_id="n0", device_id=f"cpu{i}"),
+                        ref=common.DeviceRef(node_id=node_id, device_id=f"cpu{i}"),
                         kind=common.DEVICE_KIND_CPU_VIRTUAL,
                         hardware_type="cpu-test",
                         total_bytes=device_bytes,
@@ -117,6 +125,7 @@ def run_profiler(
                 ],
             )
             await store.register_node(node, ttl_s=60)
+        try:
             settings = load_settings(
                 {"ISERVE_MODELS_ROOT": str(models_root), "ISERVE_STATE_DIR": str(models_root)}
             )
@@ -138,11 +147,12 @@ def run_profiler(
                 await store.get_model(subject.model_id),
                 await store.get_profile(subject.model_id),
                 await store.get_profile_progress(subject.model_id),
-                agent.calls,
+                [call for agent in agents for call in agent.calls],
                 await store.reservation_owners(),
             )
         finally:
-            await server.stop(0)
+            for servicer in servers:
+                await servicer.stop(0)
             await store.close()
 
     return asyncio.run(main())
@@ -380,6 +390,38 @@ def test_a_variant_whose_own_checkpoint_goes_is_dropped_and_named(redis_url, mod
         s.startswith("variant int8: ") and "can no longer be read" in s for s in profile.skipped
     )
     assert {m.variant_name for m in profile.measurements} == {"base", "int8"}
+
+
+def test_a_node_without_a_copy_of_the_checkpoint_passes_the_jobs_to_one_with_it(
+    redis_url, models_root
+):
+    """Nodes with models roots of their own: the fingerprints are cut under the model
+    service's, and a job placed on a node that has no copy failed the whole model (a
+    probe). That node is passed over for the model's other jobs."""
+    from services.errors import CHECKPOINT_UNUSABLE, REASON_KEY
+
+    def no_copy(request):
+        return (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"checkpoint_path {request.checkpoint_path!r} is not a directory",
+            ((REASON_KEY, CHECKPOINT_UNUSABLE),),
+        )
+
+    model, profile, _, calls, owners = run_profiler(
+        redis_url, models_root, no_copy, second_node=single_rank_only
+    )
+    assert model.state == model_pb.MODEL_STATE_PROFILED, model.state_reason
+    assert profile.measurements and owners == set()
+    # n0 (first by name, both idle) was asked once; every job ran, or was refused, on n1.
+    refused = [r for r, held in calls if any("n0" in str(h) for h in held.values())]
+    assert len(refused) == 1, [r.checkpoint_path for r, _ in calls]
+    # With no node holding a copy, the model fails naming each node's reason.
+    model, *_ = run_profiler(redis_url, models_root, no_copy, second_node=no_copy)
+    assert model.state == model_pb.MODEL_STATE_FAILED
+    assert "no live node has a copy of the checkpoint (node n0: INVALID_ARGUMENT" in (
+        model.state_reason
+    ), model.state_reason
+    assert "node n1: INVALID_ARGUMENT" in model.state_reason
 
 
 def test_no_device_with_room_fails_the_model_without_calling_the_agent(redis_url, models_root):
