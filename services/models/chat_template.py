@@ -23,7 +23,9 @@ gateway can run.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -222,30 +224,39 @@ def _token_text(value: object) -> str | None:
     return None if value is None else str(value)
 
 
-def _stamp(path: Path, root: Path | None) -> tuple[str, int, int] | None:
-    """(path, mtime, size) of a file, None when it is absent: a cache key that changes
-    when the file does. NoChatTemplate when ``root`` is given and the file resolves
-    outside it (a link to a file elsewhere)."""
+# A template file as read: (its name in the checkpoint, the path it resolved to, that
+# file's mtime and size, the root it must lie in or ""). A cache key that changes when
+# the file does, or when a link of the checkpoint points elsewhere.
+_Stamp = tuple[str, str, int, int, str]
+
+
+def _outside(path: Path) -> NoChatTemplate:
+    # Checked at registration too, but a file may be replaced by a link since: the
+    # gateway rendered a link to the stack's token file, or to /proc/self/environ, into
+    # a prompt (a probe), also when the link was swapped between a check and the read.
+    return NoChatTemplate(
+        f"{path.name} links outside the models root; iserve only reads checkpoints "
+        "under ISERVE_MODELS_ROOT"
+    )
+
+
+def _stamp(path: Path, root: Path | None) -> _Stamp | None:
+    """The stamp of a file, None when it is absent. NoChatTemplate when ``root`` is
+    given and the file resolves outside it (a link to a file elsewhere)."""
     try:
-        stat = path.stat()
-        inside = root is None or path.resolve().is_relative_to(root)
+        resolved = path.resolve(strict=True)
+        stat = resolved.stat()
     except FileNotFoundError:
         return None
     except (OSError, RuntimeError) as exc:  # RuntimeError: a link loop (Python < 3.13)
         raise NoChatTemplate(f"cannot read {path.name}: {exc}") from None
-    if not inside:
-        # Checked at registration too, but a file may be replaced by a link since: the
-        # gateway rendered a link to the stack's token file, or to /proc/self/environ,
-        # into a prompt (a probe).
-        raise NoChatTemplate(
-            f"{path.name} links outside the models root; iserve only reads checkpoints "
-            "under ISERVE_MODELS_ROOT"
-        )
+    if root is not None and not resolved.is_relative_to(root):
+        raise _outside(path)
     if not S_ISREG(stat.st_mode):
         # A named pipe blocked the reader for ever (the model service, or the gateway's
         # event loop, every model's requests with it: a probe).
         raise NoChatTemplate(f"{path.name} is not a regular file")
-    return str(path), stat.st_mtime_ns, stat.st_size
+    return str(path), str(resolved), stat.st_mtime_ns, stat.st_size, str(root or "")
 
 
 def read_chat_template(checkpoint_dir: Path, root: Path | None = None) -> ChatTemplate:
@@ -266,17 +277,39 @@ def read_chat_template(checkpoint_dir: Path, root: Path | None = None) -> ChatTe
     )
 
 
-def _read(stamp: tuple[str, int, int], what: str) -> str:
-    path, _mtime, size = stamp
-    if size > _MAX_FILE_BYTES:
-        raise NoChatTemplate(f"{what} is {size} bytes, more than {_MAX_FILE_BYTES}")
+def _read(stamp: _Stamp, what: str) -> str:
+    """The text of the file ``stamp`` resolved to, read from the file actually opened:
+    not through a link (a link swapped in since the stamp fails the open), a regular
+    file (a pipe would block), inside the stamp's root, at most _MAX_FILE_BYTES."""
+    name, resolved, _mtime, _size, root = stamp
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        fd = os.open(resolved, flags)
+    except OSError as exc:
+        raise NoChatTemplate(f"cannot read {what}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as file:
+        stat = os.fstat(fd)
+        opened = Path(f"/proc/self/fd/{fd}")
+        # A directory of the path swapped for a link since the stamp: where the file
+        # opened really is.
+        where = Path(os.readlink(opened)) if opened.is_symlink() else Path(resolved)
+        if root and not where.is_relative_to(root):
+            raise _outside(Path(name))
+        if not S_ISREG(stat.st_mode):
+            raise NoChatTemplate(f"{what} is not a regular file")
+        if stat.st_size > _MAX_FILE_BYTES:
+            raise NoChatTemplate(f"{what} is {stat.st_size} bytes, more than {_MAX_FILE_BYTES}")
+        data = file.read(_MAX_FILE_BYTES + 1)
+    if len(data) > _MAX_FILE_BYTES:
+        raise NoChatTemplate(f"{what} is more than {_MAX_FILE_BYTES} bytes")
+    try:
+        # As text mode reads it (transformers opens the file so): newlines translated.
+        return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()
+    except UnicodeDecodeError as exc:
         raise NoChatTemplate(f"cannot read {what}: {exc}") from None
 
 
-def _json_object(stamp: tuple[str, int, int] | None, what: str) -> dict[str, Any]:
+def _json_object(stamp: _Stamp | None, what: str) -> dict[str, Any]:
     if stamp is None:
         return {}
     try:
@@ -297,7 +330,7 @@ def _parse(config_stamp, tokens_map_stamp, file_stamp, named_stamps) -> ChatTemp
     if file_stamp is not None:
         templates["default"] = (CHAT_TEMPLATE_FILE, _read(file_stamp, CHAT_TEMPLATE_FILE))
     for stamp in named_stamps:
-        name = Path(stamp[0]).stem
+        name = Path(stamp[0]).stem  # the checkpoint's name for it, not its target's
         source = f"{CHAT_TEMPLATE_DIR}/{name}.jinja"
         templates[name] = (source, _read(stamp, source))
     if not templates:

@@ -323,6 +323,34 @@ def test_template_files_linked_outside_the_models_root_are_not_read(root, tmp_pa
     assert read_chat_template(ckpt, root).text
 
 
+def test_a_template_link_swapped_after_its_check_is_not_followed(root, tmp_path):
+    """The check and the read were two steps: a tester swapping a chat_template.jinja
+    link between a file inside the root and one outside got the outside one rendered
+    in 4.5 % of 11,000 chats. The read now opens the file the check resolved, never
+    through a link, and checks where the opened file is."""
+    import shutil
+
+    from services.models import chat_template
+    from services.models.chat_template import NoChatTemplate
+
+    ckpt = root / "swapped"
+    shutil.copytree(root / "tiny", ckpt)
+    inside, outside = root / "inside.jinja", tmp_path / "outside.jinja"
+    inside.write_text("INSIDE {{ messages[0]['content'] }}")
+    outside.write_text("SECRET")
+    link = ckpt / "chat_template.jinja"
+    link.unlink(missing_ok=True)
+    link.symlink_to(inside)
+    stamp = chat_template._stamp(link, root.resolve())
+    link.unlink()
+    link.symlink_to(outside)  # swapped after the check: the read does not follow it
+    assert chat_template._read(stamp, link.name).startswith("INSIDE")
+    inside.unlink()
+    inside.symlink_to(outside)  # the checked file itself made a link: refused
+    with pytest.raises(NoChatTemplate, match="cannot read"):
+        chat_template._read(stamp, link.name)
+
+
 def test_a_config_json_of_megabytes_is_refused_before_it_is_parsed(root):
     import shutil
 
