@@ -104,6 +104,7 @@ class Reconciler:
         self._stopped_on_purpose: set[str] = set()
         # (group, node) of the workers no deployment held at the last workers check.
         self._unheld_seen: set[tuple[str, str]] = set()
+        # Groups with worker records and no deployment at the last workers check.
         self._orphaned_seen: set[str] = set()
 
     async def reconcile_on_start(self) -> list[str]:
@@ -178,22 +179,25 @@ class Reconciler:
         )
         actions += await self.finish_cut_off(deployments, CUT_OFF)
         actions += await self._stop_unheld(running)
-        return actions + await self._forget_orphaned_records()
+        return actions + await self._forget_orphaned_records(deployments)
 
-    async def _forget_orphaned_records(self) -> list[str]:
+    async def _forget_orphaned_records(self, deployments: list[deploy_pb.Deployment]) -> list[str]:
         """Delete the worker records of groups of no deployment, seen so at two checks in
         a row: an agent may write one after the deployment is gone (a start cancelled by
         a deploy that failed on another node, a worker's exit seen once a hung agent
         resumed after a remove), and nothing else ever deleted it (a probe). A Deploy
-        under way, or a profiling job (its records expire), is left alone."""
-        known = {d.deployment_id for d in await self.store.list_deployments()}
-        orphaned = {
-            group
-            for group in await self.store.worker_groups()
-            if split_group_id(group)[0] not in known
-            and not self.controller.deploying(split_group_id(group)[0])
-            and not group.startswith(PROFILING_OWNER_PREFIX)
-        }
+        under way, or a profiling job (its records expire), is left alone. ``deployments``
+        were listed before the records are read: one made since is seen at the next check."""
+        known = {d.deployment_id for d in deployments}
+        orphaned = set()
+        for group in await self.store.worker_groups():
+            deployment_id, _ = split_group_id(group)
+            if not (
+                deployment_id in known
+                or self.controller.deploying(deployment_id)
+                or group.startswith(PROFILING_OWNER_PREFIX)
+            ):
+                orphaned.add(group)
         confirmed, self._orphaned_seen = orphaned & self._orphaned_seen, orphaned
         for group in sorted(confirmed):
             await self.store.delete_workers(group)

@@ -43,6 +43,7 @@ import grpc
 
 from fingerprint_svc.fingerprints import Fingerprint, FingerprintCache
 from fingerprint_svc.profile_plan import (
+    DeviceChoice,
     ProfileJob,
     ProfilingSettings,
     VariantTarget,
@@ -388,11 +389,11 @@ class Profiler:
         self,
         model: model_pb.Model,
         job: ProfileJob,
-        fingerprint,
+        fingerprint: Fingerprint,
         spec: ArchSpec,
         profiling: ProfilingSettings,
         lacking: dict[str, str],
-    ):
+    ) -> tuple[agent_pb.RunProfilingJobResponse, DeviceChoice, float]:
         """(reply, device choice, wall seconds) of the job run on devices of a node not
         in ``lacking``; _NoCopy when that node's agent has no copy of the checkpoint."""
         owner = _owner(model.model_id)
@@ -444,7 +445,16 @@ class Profiler:
             self._owners.discard(owner)
         return reply, choice, wall_s
 
-    def _record(self, model, job, fingerprint, profiling, record, reply, choice) -> None:
+    def _record(
+        self,
+        model: model_pb.Model,
+        job: ProfileJob,
+        fingerprint: Fingerprint,
+        profiling: ProfilingSettings,
+        record: ProfileRecord,
+        reply: agent_pb.RunProfilingJobResponse,
+        choice: DeviceChoice,
+    ) -> None:
         """The job's runs as the record's measurements."""
         hardware = choice.devices[0].hardware_type
         # The precision the workers computed in (the job asks for none): what a layer's

@@ -705,6 +705,7 @@ def unrecorded_processes(
         return []
     marker = f"{STACK_ID_ENV}={stack_id}".encode()
     spared = {*recorded, *_ancestors(os.getpid(), proc_root)}
+    redis_dir = None if redis_dir is None else redis_dir.resolve()
     found = []
     for entry in proc_root.glob("[0-9]*"):
         pid = int(entry.name)
@@ -735,7 +736,7 @@ def _log_of(state_dir: Path, name: str) -> Path:
 
 def _is_redis_in(entry: Path, directory: Path | None) -> bool:
     """Whether the process at ``entry`` (/proc/<pid>) is a redis-server working in
-    ``directory`` (its ``--dir``)."""
+    ``directory`` (its ``--dir``, resolved)."""
     if directory is None:
         return False
     try:
@@ -743,7 +744,7 @@ def _is_redis_in(entry: Path, directory: Path | None) -> bool:
         cwd = os.readlink(entry / "cwd")
     except OSError:
         return False
-    return command == "redis-server" and Path(cwd) == directory.resolve()
+    return command == "redis-server" and Path(cwd) == directory
 
 
 def _strays_after_grace(

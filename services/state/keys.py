@@ -143,9 +143,13 @@ def reservation_index() -> str:
     return f"{PREFIX}reservations"
 
 
+# Every worker group's hash key starts so (a scan for them: StateStore.worker_groups).
+WORKERS = f"{PREFIX}workers:"
+
+
 def workers(deployment_id: str) -> str:
     """Hash: rank -> WorkerInfo JSON, written by the agents."""
-    return f"{PREFIX}workers:{_part(deployment_id)}"
+    return f"{WORKERS}{_part(deployment_id)}"
 
 
 def events() -> str:

@@ -779,8 +779,9 @@ class StateStore:
     async def worker_groups(self) -> set[str]:
         """The group ids (deployments, their replicas, profiling jobs) that have worker
         records."""
-        prefix = keys.workers("_")[:-1]
-        return {key[len(prefix) :] async for key in self.redis.scan_iter(match=f"{prefix}*")}
+        return {
+            key[len(keys.WORKERS) :] async for key in self.redis.scan_iter(match=f"{keys.WORKERS}*")
+        }
 
     # ---- events -------------------------------------------------------------------
     async def publish_event(self, kind: str, **fields: object) -> str:
