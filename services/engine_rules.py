@@ -36,7 +36,7 @@ from services.errors import (
     shown,
 )
 from services.models.arch import unlike_model
-from services.models.checkpoint_files import weight_files
+from services.models.checkpoint_files import CHAT_TEMPLATE_DIR, weight_files
 from services.models.compression import DEFAULT_PRUNE_FRACTION, kept_heads, kept_mlp_channels
 from services.models.families import parse_config
 
@@ -273,10 +273,15 @@ def resolve_checkpoint(models_root: Path, checkpoint_path: str) -> Path:
 
 
 def _check_entries_inside(checkpoint_path: str, directory: Path, root: Path) -> None:
-    """CheckpointUnusable when an entry of ``directory``, or a weight file it names (in
-    a subdirectory, through a shard index or ``transformers_weights``), is a link
-    resolving outside ``root``. Weights it cannot name yet are left to validation."""
+    """CheckpointUnusable when an entry of ``directory``, a named chat template in it, or
+    a weight file it names (in a subdirectory, through a shard index or
+    ``transformers_weights``), is a link resolving outside ``root``. Weights it cannot
+    name yet are left to validation."""
     entries = list(directory.iterdir())
+    # The named chat templates too, which registration compiles and the gateway reads.
+    templates = directory / CHAT_TEMPLATE_DIR
+    if templates.is_dir() and templates.resolve().is_relative_to(root):
+        entries += templates.iterdir()
     # Weights it cannot name: validation says what is wrong, before any is read.
     with contextlib.suppress(ValueError, OSError):
         entries += weight_files(directory)

@@ -41,11 +41,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
 from services.models import json_text
+from services.models.checkpoint_files import CHAT_TEMPLATE_DIR
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-CHAT_TEMPLATE_DIR = "additional_chat_templates"
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named tokens a template sees.
 _SPECIAL_TOKENS = (
     "bos_token",

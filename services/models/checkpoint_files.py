@@ -38,6 +38,8 @@ __all__ = [
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
+# Named chat templates, one file each (transformers' save_pretrained writes them here).
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 # The config.json field naming the weights file or shard index transformers loads instead
 # of WEIGHTS_FILE and SHARD_INDEX_FILE (from_pretrained's transformers_explicit_filename).
 EXPLICIT_WEIGHTS_FIELD = "transformers_weights"

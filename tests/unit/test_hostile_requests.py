@@ -143,6 +143,22 @@ def outside(tmp_path_factory):
     )
 
 
+def test_a_named_chat_template_linked_outside_the_root_is_refused(root, tmp_path):
+    """Registration compiles the named templates and the gateway reads them: one in
+    additional_chat_templates/ linked outside the root passed the check of the
+    directory's own entries."""
+    import shutil
+
+    named = root / "linked-named-template"
+    shutil.copytree(root / "tiny", named)
+    (named / "additional_chat_templates").mkdir()
+    secret = tmp_path / "secret.jinja"
+    secret.write_text("{{ 'not the model's' }}")
+    (named / "additional_chat_templates" / "tool_use.jinja").symlink_to(secret)
+    message = _refused(resolve_checkpoint, root, named.name)
+    assert "additional_chat_templates/tool_use.jinja links outside the models root" in message
+
+
 def test_a_weight_file_linked_outside_the_root_is_refused(root, outside):
     """The directory is inside the root, one of its files is a link to a file outside."""
     linked = root / "linked-weights"
