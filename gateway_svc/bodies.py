@@ -18,6 +18,7 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 
 from services.proto_limits import UINT32_MAX, UINT64_MAX
@@ -485,8 +486,22 @@ def _one_prompt(prompt: Any) -> str | list[int]:
     return ids
 
 
+# OpenAI's rule: a message has content, but an assistant's may be left out when it made
+# tool or function calls (a template renders those instead).
+_CALLS = ("tool_calls", "function_call")
+_CONTENT_GIVEN = {
+    "anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        *(
+            {"required": ["role", call], "properties": {"role": {"const": "assistant"}}}
+            for call in _CALLS
+        ),
+    ]
+}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra=_CONTENT_GIVEN)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | Annotated[list[dict[str, Any]], _TEXT_PARTS] | None = None
@@ -504,6 +519,20 @@ class ChatMessage(BaseModel):
                     f"supported, got type {kind!r}"
                 )
         return content
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        # Left out, a user's words rendered as nothing: the model answered a turn nobody
+        # wrote (OpenAI refuses it).
+        extra = self.model_extra or {}
+        if self.content is None and not (
+            self.role == "assistant" and any(extra.get(call) is not None for call in _CALLS)
+        ):
+            raise ValueError(
+                f"a {self.role} message needs content (null or left out is allowed only for "
+                "an assistant message with tool_calls or function_call)"
+            )
+        return self
 
     def as_template_input(self) -> dict[str, Any]:
         # As sent: a template may loop over content parts, as transformers lets it; keys

@@ -910,3 +910,32 @@ def test_a_gateway_on_a_port_in_use_says_so_naming_its_variable(tmp_path):
         done.stderr
     )
     assert "startup complete" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("message", "served"),
+    [
+        ({"role": "user"}, False),
+        ({"role": "user", "content": None}, False),
+        ({"role": "system", "content": None}, False),
+        ({"role": "tool", "tool_call_id": "c1"}, False),
+        ({"role": "assistant"}, False),
+        ({"role": "user", "content": ""}, True),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, True),
+        ({"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}, True),
+    ],
+)  # fmt: skip
+def test_a_message_without_content_is_refused_unless_an_assistant_made_calls(message, served):
+    """OpenAI's rule. A user message without content was served: the template rendered an
+    empty turn and the model answered words nobody wrote."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, message]}
+    assert _document_takes("/v1/chat/completions", body) is served  # the document says so too
+    if served:
+        assert _sent("/v1/chat/completions", body).prompt
+        return
+    with TestClient(create_app(lambda: _TemplateBackend(DEFAULT_CHAT_TEMPLATE))) as client:
+        reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"].startswith(f"messages.1: a {message['role']} message needs content")
+    assert error["param"] == "messages.1"
