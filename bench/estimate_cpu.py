@@ -139,6 +139,12 @@ def use_node(node: dict, devices: int) -> None:
     LAYOUTS = tuple((tp, pp) for tp, pp in ALL_LAYOUTS if tp * pp <= usable)
 
 
+def use_layers(layers: int) -> None:
+    """Write, measure and describe models of ``layers`` decoder layers."""
+    global LAYERS
+    LAYERS = layers
+
+
 def layouts_text() -> str:
     return ", ".join(f"({tp},{pp})" for tp, pp in LAYOUTS)
 
@@ -407,18 +413,26 @@ def _batch1_clocked(rows, variant: str, tp: int, pp: int) -> list:
     ]
 
 
+def _rank0_layers(row) -> int:
+    """Layers of rank 0's stage in a measurement."""
+    return row.stage_layers[0] if row.stage_layers else row.num_layers
+
+
 def print_layer_clocks(fingerprints, full_by_model) -> None:
     """One decoder layer's time inside the runs (the workers' layer clock, rank 0):
-    fingerprints (every size, batch 1) against the full model, per layout."""
+    fingerprints (batch 1; those whose rank 0 ran more than one layer, as the estimator
+    takes them) against the full model, per layout."""
     print(
         "\nOne decoder layer on rank 0, from the worker's layer clock (ms; batch 1, median "
-        "over runs): fingerprints (1-3 layers) / full model"
+        "over runs; a stage's layers after its first): fingerprints (rank 0's stage of 2 "
+        "layers) / full model"
     )
     print(f"{'model':11s} {'variant':7s} tp pp | {'prefill layer':>15s} | {'decode layer':>13s}")
     for model_id in ARCHS:
         for variant in VARIANTS:
             for tp, pp in LAYOUTS:
                 fp = _batch1_clocked(fingerprints[model_id].measurements, variant.name, tp, pp)
+                fp = [r for r in fp if _rank0_layers(r) > 1] or fp
                 full = _batch1_clocked(full_by_model[model_id], variant.name, tp, pp)
                 if not fp or not full:
                     continue
@@ -458,6 +472,13 @@ def main() -> int:
     )
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
     parser.add_argument(
+        "--layers",
+        type=int,
+        default=LAYERS,
+        help=f"decoder layers of each model (default {LAYERS}); the shipped calibration's "
+        "rows then show how it carries to models of another depth",
+    )
+    parser.add_argument(
         "--profile-timed-runs", type=int, default=5, help="fingerprint timed runs (default 5)"
     )
     parser.add_argument(
@@ -491,6 +512,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.devices < 1:
         parser.error("--devices must be at least 1")
+    if args.layers < 4:
+        parser.error("--layers must be at least 4 (the fingerprints keep up to 3)")
+    use_layers(args.layers)
     started = time.perf_counter()
 
     log("starting the stack ...")
@@ -532,6 +556,7 @@ def main() -> int:
                     await store.put_model(m)
 
             run_async(_with_store(settings, put_models))
+            use_layers(next(iter(models.values())).shape.num_layers)
             profile_s = raw.get("profile_s", 0.0)
             measure_s = raw.get("measure_s", 0.0)
             use_node(node, raw.get("devices", 2))

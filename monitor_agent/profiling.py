@@ -75,6 +75,7 @@ from pathlib import Path
 import grpc
 
 from monitor_agent.devices import DeviceSpec
+from monitor_agent.engine.layer_clock import clocked_layers
 from monitor_agent.launch import build_plan
 from monitor_agent.supervisor import WorkerSupervisor
 from services.api import agent_service_pb2 as agent_pb
@@ -197,8 +198,9 @@ class LayerCounters:
 
     def layer_ms_since(self, before: LayerCounters, layers: int = 0) -> tuple[float, float]:
         """(prefill, decode) milliseconds of one layer between ``before`` and this reading
-        of a stage of ``layers`` layers (0: unknown, taken as one prefill forward); 0 for a
-        phase without passes.
+        of a stage of ``layers`` layers (0: unknown, taken as one prefill forward; a
+        forward's clock counts :func:`clocked_layers` of them); 0 for a phase without
+        passes.
 
         Decode: per layer pass. Prefill: what one layer adds to the run's TTFT, its last
         stream's first token (``summarise``), which comes after every prefill forward of
@@ -212,7 +214,8 @@ class LayerCounters:
             return seconds * 1e3 / passes if passes > 0 else 0.0
 
         prefill_passes = self.prefill_passes - before.prefill_passes
-        forwards = prefill_passes / layers if layers > 0 else 1.0
+        timed = clocked_layers(layers) if layers > 0 else 0
+        forwards = prefill_passes / timed if timed > 0 else 1.0
         prefill_ms = per_pass(self.prefill_seconds - before.prefill_seconds, prefill_passes)
         return (
             prefill_ms * max(1.0, forwards),

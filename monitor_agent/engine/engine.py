@@ -31,6 +31,7 @@ from monitor_agent.engine.distributed import DistributedModel, ParallelContext
 from monitor_agent.engine.footprint import time_with_footprint
 from monitor_agent.engine.kernel_checks import check_kernels
 from monitor_agent.engine.kv_cache import kv_cache_quantization
+from monitor_agent.engine.layer_clock import LayerClock
 from monitor_agent.engine.loader import load_model, torch_dtype
 from monitor_agent.engine.memory import (
     MemoryAccount,
@@ -38,7 +39,7 @@ from monitor_agent.engine.memory import (
     return_freed_memory,
     start_profiler_here,
 )
-from monitor_agent.engine.model import LayerClock, Transformer
+from monitor_agent.engine.model import Transformer
 from monitor_agent.engine.sampling import SamplingConfig
 from services.models.arch import ArchSpec
 from services.models.checkpoint import TOKENIZER_FILE, missing_tokenizer

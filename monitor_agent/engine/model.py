@@ -40,44 +40,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from monitor_agent.engine.kv_cache import CacheAddress, LayerKVCache
+from monitor_agent.engine.layer_clock import LayerClock, clocked_layers
 from monitor_agent.engine.layers import CAUSAL, DecoderLayer, Mask, make_norm
 from monitor_agent.engine.rope import rope_tables
 from services.models.arch import ArchSpec
-
-
-@dataclass
-class LayerClock:
-    """Time this stage's decoder layers take, summed since the model was built.
-
-    Kept only by engines built with ``time_layers`` (the agent's profiling workers). A
-    prefill pass is a forward over more than one token per row, a decode pass one token
-    per row; each pass over n layers adds n layer passes. The profiler reads the counters
-    before and after a run (``GetWorkerStats``): seconds / layer passes is the time of one
-    decoder layer measured inside one run, so a fingerprint's per-layer cost needs no
-    difference between two separately timed fingerprints. On CUDA the device is
-    synchronised around the layers so that the clock sees their execution, not their
-    launch.
-    """
-
-    prefill_seconds: float = 0.0
-    prefill_layer_passes: int = 0
-    decode_seconds: float = 0.0
-    decode_layer_passes: int = 0
-
-    def add(self, prefill: bool, seconds: float, layers: int) -> None:
-        if prefill:
-            self.prefill_seconds += seconds
-            self.prefill_layer_passes += layers
-        else:
-            self.decode_seconds += seconds
-            self.decode_layer_passes += layers
 
 
 def _clock_now(x: torch.Tensor) -> float:
@@ -193,12 +165,16 @@ class Transformer(nn.Module):
             layers = self.layer_sets[self._forwards % len(self.layer_sets)]
             self._forwards += 1
         clock = self.layer_clock
-        if clock is not None:
-            started = _clock_now(x)
-        for layer in layers:
-            x = layer.forward(x, cos, sin, address, mask)
-        if clock is not None:
-            clock.add(seq > 1, _clock_now(x) - started, len(layers))
+        if clock is None:
+            for layer in layers:
+                x = layer.forward(x, cos, sin, address, mask)
+        else:
+            timed = clocked_layers(len(layers))
+            for i, layer in enumerate(layers):
+                if i == len(layers) - timed:
+                    started = _clock_now(x)
+                x = layer.forward(x, cos, sin, address, mask)
+            clock.add(seq > 1, _clock_now(x) - started, timed)
         if self.norm is None:
             return x.view(batch, seq, -1)
         if last_token_only:

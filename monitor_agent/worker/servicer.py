@@ -24,7 +24,7 @@ import grpc
 from monitor_agent.engine.batching import GenerationRequest
 from monitor_agent.engine.distributed import GroupLost
 from monitor_agent.engine.engine import SamplingConfig
-from monitor_agent.engine.model import LayerClock
+from monitor_agent.engine.layer_clock import LayerClock
 from monitor_agent.worker.runner import EngineRunner, RequestClock
 from monitor_agent.worker.session import serve_session
 from services.api import common_pb2 as common

@@ -449,7 +449,8 @@ def _clock_terms(
     """Per-layer terms from layer-clock samples alone, or None when they do not cover
     every pp = 1 layout's phases and prompts (then the layer counts decide).
 
-    A variant's per-layer work is the median of its (1,1) clock samples; the
+    A variant's per-layer work is the median of its (1,1) clock samples (of its
+    fingerprints of more than one layer, when it has them); the
     communication term of each tp > 1 is the median, over every variant's (tp, 1)
     samples, of what they show beyond that work split tp ways. Medians and this order,
     not one joint least-squares fit: a tp = 2 layer on two CPU cores (a gloo all-reduce
@@ -460,8 +461,12 @@ def _clock_terms(
     def clocks(samples: Sequence[LatencySample], phase: str, key: Hashable) -> list[float]:
         # TTFT and TPOT clocks per prompt label (a label is one prompt length and one
         # batch size): decode reads the whole context each step, so a longer prompt's
-        # steps take longer.
-        return [s.seconds for s in samples if s.phase == f"{phase}_layer" and s.prompt == key]
+        # steps take longer. A stage of several layers times those after the first (see
+        # monitor_agent.engine.layer_clock), a one-layer stage its one, which also
+        # carries the forward's cold start: the longer stages' clocks when there are any.
+        timed = [s for s in samples if s.phase == f"{phase}_layer" and s.prompt == key]
+        longer = [s.seconds for s in timed if s.layers > 1]
+        return longer or [s.seconds for s in timed]
 
     def keys_of(samples: Sequence[LatencySample], phase: str) -> set[Hashable]:
         # The prompt labels a layout's TPOT or TTFT was timed with.

@@ -233,6 +233,44 @@ def test_layer_clock_samples_set_the_per_layer_terms_and_counts_fit_the_rest():
             assert abs(bad.tpot(32) / want.tpot(32) - 1) > 0.1
 
 
+def test_a_forwards_cold_first_layer_lands_in_other_and_the_longer_stages_clocks_decide():
+    """The worker's clock times a stage's layers after the first; a one-layer stage's
+    clock is its first layer, which carries the forward's cold start (``cold``). The
+    fit takes the per-layer terms from the longer fingerprints' clocks, and the cold
+    start, paid once per forward, comes back in the "other" terms: a 32-layer model
+    is estimated exactly. Taking the one-layer clocks too (the median of both), every
+    layer would carry half of it."""
+    cold_tpot, cold_ttft = 0.0003, 0.002
+
+    def rows_of(truth, layers):
+        rows = []
+        for n in layers:
+            rows += [
+                # The end-to-end phases pay the cold start once per forward.
+                LatencySample(n, truth.ttft(n) + cold_ttft, phase="ttft"),
+                LatencySample(n, truth.tpot(n) + cold_tpot, phase="tpot"),
+                LatencySample(
+                    n, truth.ttft_per_layer_s + (cold_ttft if n == 1 else 0), phase="ttft_layer"
+                ),
+                LatencySample(
+                    n, truth.tpot_per_layer_s + (cold_tpot if n == 1 else 0), phase="tpot_layer"
+                ),
+            ]
+        return rows
+
+    fit = fit_pooled_latency(_pooled_samples(rows_of))
+    for name, layer_tpot in PER_VARIANT.items():
+        for tp in (1, 2):
+            want = _pooled_truth(layer_tpot, tp, 1)
+            got = fit.layer_latency(name, (tp, 1), "default")
+            assert got.tpot_per_layer_s == pytest.approx(want.tpot_per_layer_s)
+            assert got.ttft_per_layer_s == pytest.approx(want.ttft_per_layer_s)
+            assert got.tpot_other_s == pytest.approx(want.tpot_other_s + cold_tpot)
+            assert got.ttft_other_s == pytest.approx(want.ttft_other_s + cold_ttft)
+            assert got.tpot(32) == pytest.approx(want.tpot(32) + cold_tpot)
+            assert got.ttft(32) == pytest.approx(want.ttft(32) + cold_ttft)
+
+
 def test_layer_clock_samples_missing_for_a_layout_leave_the_counts_in_charge():
     truth = _pooled_truth(0.0007, 1, 1)
     two = _pooled_truth(0.0007, 2, 1)

@@ -140,7 +140,7 @@ def test_copies_compute_what_the_layers_do_and_stay_outside_the_memory_account(
         assert torch.equal(a, b), name
         assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr(), name
     assert engine.memory.weight_bytes == plain.memory.weight_bytes
-    assert engine.layer_clock.decode_layer_passes == 11 * 2
+    assert engine.layer_clock.decode_layer_passes == 11 * 1  # of 2 layers, the second
 
 
 def test_a_copy_shares_a_tensor_parallel_hook_and_owns_its_tensor_attributes(checkpoint):

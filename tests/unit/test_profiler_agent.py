@@ -92,12 +92,13 @@ def test_summarise_takes_medians_of_each_batch_s_last_first_token_and_mean_tpot(
 
 def test_layer_counters_give_the_time_per_layer_pass_between_two_readings():
     before = LayerCounters(
-        prefill_seconds=1.0, prefill_passes=10, decode_seconds=2.0, decode_passes=100
+        prefill_seconds=1.0, prefill_passes=9, decode_seconds=2.0, decode_passes=100
     )
     after = LayerCounters(
-        prefill_seconds=1.03, prefill_passes=20, decode_seconds=2.05, decode_passes=200
+        prefill_seconds=1.027, prefill_passes=18, decode_seconds=2.05, decode_passes=200
     )
-    # A stage of 10 layers: one prefill forward (a batch of one, or prefilled together).
+    # A stage of 10 layers, its clock timing the 9 after the first: one prefill forward
+    # (a batch of one, or prefilled together).
     prefill_ms, decode_ms = after.layer_ms_since(before, layers=10)
     assert prefill_ms == pytest.approx(3.0) and decode_ms == pytest.approx(0.5)
     assert before.layer_ms_since(before, layers=10) == (0.0, 0.0)  # no passes: not measured
@@ -110,8 +111,10 @@ def test_prefill_forwards_one_after_another_add_up_to_the_batch_s_ttft(forwards,
     1's prefill."""
     before = LayerCounters()
     after = LayerCounters(prefill_seconds=0.003 * forwards * 2, prefill_passes=2 * forwards)
-    prefill_ms, _ = after.layer_ms_since(before, layers=2)
+    prefill_ms, _ = after.layer_ms_since(before, layers=3)  # 2 timed layers a forward
     assert prefill_ms == pytest.approx(3.0 * factor)
+    one_layer = LayerCounters(prefill_seconds=0.003 * forwards, prefill_passes=forwards)
+    assert one_layer.layer_ms_since(before, layers=1)[0] == pytest.approx(3.0 * factor)
 
 
 def test_peak_resident_bytes_reads_vmhwm(tmp_path):
@@ -163,8 +166,8 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
     def __init__(self, first_s: float, gap_s: float, fail: bool = False):
         self.first_s, self.gap_s, self.fail = first_s, gap_s, fail
         self.requests: list[worker_pb.WorkerServiceGenerateRequest] = []
-        # A layer clock as a 2-layer model keeps it: 3 ms per layer in a prefill, 0.5 ms
-        # per layer in a decode step.
+        # A layer clock as a 2-layer model keeps it (the second layer of each forward,
+        # clocked_layers): 3 ms per layer in a prefill, 0.5 ms per layer in a decode step.
         self.clock = {"prefill_s": 0.0, "prefill": 0, "decode_s": 0.0, "decode": 0}
 
     async def Generate(self, request, context):
@@ -172,13 +175,13 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker gone")
         await asyncio.sleep(self.first_s)
-        self.clock["prefill_s"] += 2 * 0.003
-        self.clock["prefill"] += 2
+        self.clock["prefill_s"] += 0.003
+        self.clock["prefill"] += 1
         for i in range(request.max_tokens):
             if i:
                 await asyncio.sleep(self.gap_s)
-                self.clock["decode_s"] += 2 * 0.0005
-                self.clock["decode"] += 2
+                self.clock["decode_s"] += 0.0005
+                self.clock["decode"] += 1
             yield worker_pb.WorkerServiceGenerateResponse(token_ids=[7])
 
     async def GetWorkerStats(self, request, context):
