@@ -15,8 +15,10 @@ on GPUs).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -71,6 +73,10 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         self.identity = identity
         self.peak_memory_bytes = peak_memory_bytes
         self.in_flight = InFlight(f"worker of deployment {identity.deployment_id}")
+        # Text prompts are encoded here, one at a time, off the event loop: a tokenizer
+        # takes a second on half a megabyte of text, which on the loop froze every other
+        # stream of this worker (a prompt refused as too long after encoding did too).
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
 
     def _parse(self, request: worker_pb.WorkerServiceGenerateRequest) -> GenerationRequest:
         """The engine's request for ``request``, checked once; InvalidArgument saying what
@@ -102,6 +108,20 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
 
+    async def _parsed(
+        self, request: worker_pb.WorkerServiceGenerateRequest, stop: threading.Event
+    ) -> GenerationRequest | None:
+        """:meth:`_parse`, a text prompt's in the encoding thread; None when the request
+        was cancelled while its prompt waited there (a list's other prompts, once one is
+        refused, are not encoded for nothing)."""
+        if request.prompt_token_ids or not request.prompt:
+            return self._parse(request)
+
+        def parse() -> GenerationRequest | None:
+            return None if stop.is_set() else self._parse(request)
+
+        return await asyncio.get_running_loop().run_in_executor(self._encoder, parse)
+
     async def Generate(
         self, request: worker_pb.WorkerServiceGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb.WorkerServiceGenerateResponse]:
@@ -132,9 +152,11 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         self.in_flight.enter()
         try:
             clock = RequestClock()
-            generation = self._parse(request)
             if stop is None:
                 stop = threading.Event()
+            generation = await self._parsed(request, stop)
+            if generation is None:
+                return
             request_id = request.request_id
             async for step in self.runner.generate(generation, stop, clock):
                 clock.token()

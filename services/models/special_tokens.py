@@ -57,7 +57,9 @@ def encode_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool = Tr
     ``apply_chat_template`` encodes it so); ValueError when the tokenizer cannot encode
     ``text`` (a word-level vocabulary with no unknown-word token, say)."""
     try:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode holds it): a worker's
+        # other threads, which step and stream the other sequences, go on meanwhile.
+        return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
     except Exception as exc:  # the tokenizers library raises its own Exception
         raise ValueError(f"the model's tokenizer cannot encode this prompt: {exc}") from None
 
