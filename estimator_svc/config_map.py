@@ -84,20 +84,21 @@ class ConfigMap:
         self, workload: Workload, devices: int, device_memory_gib: float | None = None
     ) -> tuple[Estimates, Workload]:
         """Every configuration on ``devices`` devices for ``workload``, and the workload
-        as estimated (``input_tokens`` resolved to the default prompt length when 0).
+        as estimated (``input_tokens`` resolved to the default prompt length when 0: the
+        longest profiled that leaves room for the output).
 
         InvalidArgument when prompt plus output tokens exceed the model's context."""
         calibration, references = from_proto(self.calibration).for_references(self.references)
-        resolved = replace(
-            workload, input_tokens=workload.input_tokens or references.default_input_tokens()
-        )
+        default = references.default_input_tokens(workload.output_tokens)
+        resolved = replace(workload, input_tokens=workload.input_tokens or default)
         check_positions(
             resolved.input_tokens,
             resolved.output_tokens,
             references.shape.max_positions,
             "workload input_tokens + output_tokens"
             if workload.input_tokens
-            else f"the profiled {resolved.input_tokens}-token prompt + output_tokens",
+            else f"output_tokens leave no prompt room: a {resolved.input_tokens}-token prompt "
+            "+ output_tokens",
         )
         estimates = model_references.estimate(
             references, calibration, resolved, devices, device_memory_gib

@@ -72,9 +72,17 @@ class Estimate:
         """How the profile limits the estimates (and this workload's prompt length), then
         what was left out and why."""
         references = self.config_map.references
+        length = self.workload.input_tokens
+        profiled = any(p.input_tokens == length for p in references.prompts)
         defaulted = (
-            f"no input_tokens given: estimated for a {self.workload.input_tokens}-token "
-            "prompt, the longest profiled; give the prompt length of your requests"
+            f"no input_tokens given: estimated for a {length}-token prompt, "
+            + (
+                "the longest profiled that leaves room for the output"
+                if profiled
+                else "what the model's context leaves beside the output (every profiled "
+                "prompt is longer)"
+            )
+            + "; give the prompt length of your requests"
             if self.input_defaulted
             else None
         )

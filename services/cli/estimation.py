@@ -208,7 +208,9 @@ def cmd_estimate(settings: Settings, args) -> int:
         for note in reply.notes:
             print(f"note: {note}", file=sys.stderr)
         return 0
-    prompt = f"{args.input_len}-token prompt" if args.input_len else "the longest profiled prompt"
+    prompt = (
+        f"{args.input_len}-token prompt" if args.input_len else "the default prompt (see the note)"
+    )
     print(
         f"{args.model_id} on {args.hardware}: {len(records)} configurations, {prompt}, "
         f"{args.output_len} output tokens, batch {args.batch or 1}"
@@ -377,7 +379,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--input-len",
         type=whole_number(),
         default=0,
-        help="prompt tokens (default: the longest prompt profiled; a note says which)",
+        help="prompt tokens (default: the longest prompt profiled that leaves the context "
+        "room for the output; a note says which)",
     )
     p.add_argument("--batch", type=whole_number(), default=0, help="batch size (default 1)")
     p.add_argument(

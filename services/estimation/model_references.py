@@ -130,9 +130,16 @@ class ModelReferences:
     def has_tp_ladder(self) -> bool:
         return len(self.layouts) > len(REFERENCE_LAYOUTS)
 
-    def default_input_tokens(self) -> int:
-        """The prompt length estimates use when the workload gives none: the longest profiled."""
-        return self.prompts[-1].input_tokens
+    def default_input_tokens(self, output_tokens: int = 0) -> int:
+        """The prompt length estimates use when the workload gives none: the longest
+        profiled that leaves the model's context room for ``output_tokens``, else what
+        room there is (at least 1: a context the output fills alone is refused where the
+        positions are checked)."""
+        room = self.shape.max_positions - output_tokens if self.shape.max_positions else None
+        fitting = [p.input_tokens for p in self.prompts if room is None or p.input_tokens <= room]
+        if fitting:
+            return fitting[-1]
+        return max(1, room)
 
     def without_tp_ladder(self) -> ModelReferences:
         """The same references restricted to the three reference layouts."""
@@ -542,7 +549,7 @@ def estimate(
     The KV cache is sized for ``batch_size`` sequences of prompt plus output tokens
     (the profiled KV cache swapped out, see ``score.estimate_space``).
     """
-    input_tokens = workload.input_tokens or references.default_input_tokens()
+    input_tokens = workload.input_tokens or references.default_input_tokens(workload.output_tokens)
     space = enumerate_space(references.shape, devices, references.variants, (workload.batch_size,))
     return estimate_space(
         space,

@@ -113,10 +113,13 @@ def test_cli_estimate_json_lines(stack, imported):
     out = cli(stack, "estimate", "llama-2-70b", "--hardware", HARDWARE, "--output-len", "100")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(
-        "llama-2-70b on rtx-a6000: 105 configurations, the longest profiled prompt, "
+        "llama-2-70b on rtx-a6000: 105 configurations, the default prompt (see the note), "
     )
     # A probe read estimates for a 1024-token prompt as its own: the reply says which.
-    assert "note: no input_tokens given: estimated for a 923-token prompt" in out.stdout
+    assert (
+        "note: no input_tokens given: estimated for a 923-token prompt, the longest profiled "
+        "that leaves room for the output" in out.stdout
+    )
     out = cli(
         stack,
         "estimate",
@@ -161,7 +164,7 @@ def test_workloads_the_model_cannot_hold_are_refused_and_odd_prompts_noted(
     # Llama-2-70B's context is 4096 positions; the deployer's largest batch is 256.
     for workload, phrase in (
         ({"output_tokens": 4000, "input_tokens": 923}, "= 4923 exceeds the model's 4096"),
-        ({"output_tokens": 4000}, "= 4923 exceeds the model's 4096"),  # the profiled prompt
+        ({"output_tokens": 4096}, "no prompt room: a 1-token prompt + output_tokens = 4097"),
         ({"output_tokens": 10, "batch_size": 257}, "batch_size must be at most 256"),
         ({"output_tokens": 10, "batch_size": 2**32 - 1}, "batch_size must be at most 256"),
     ):
@@ -170,6 +173,13 @@ def test_workloads_the_model_cannot_hold_are_refused_and_odd_prompts_noted(
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert phrase in refused.value.details()
     assert len(estimate(output_tokens=4096 - 923).estimates) == 105
+    # No prompt length given and no room for the profiled one beside the output: the
+    # room there is, and the note says so (it was refused).
+    roomless = estimate(output_tokens=4000).notes
+    assert any(
+        n.startswith("no input_tokens given: estimated for a 96-token prompt, what the model's")
+        for n in roomless
+    ), roomless
     # Only a 923-token prompt was profiled: a shorter one is estimated as that prompt
     # (its KV cache excepted), and the reply says so.
     short = estimate(output_tokens=100, input_tokens=100)

@@ -121,11 +121,16 @@ def test_a_workload_longer_than_the_context_is_invalid_argument():
     model.shape.max_position_embeddings = 64
     built = build_config_map(model, tiny_rows(), shipped(CPU), CPU, now_ms=7)
     assert built.estimate(Workload(output_tokens=32), 1)[1].input_tokens == 32  # 64: fits
+    # Without a prompt length given, the profiled one when it leaves room for the output,
+    # else the room there is (a probe's `iserve estimate M --output-len 64` was refused:
+    # the longest profiled prompt, 1,008 tokens, and 64 exceeded 1,024 positions).
+    assert built.estimate(Workload(output_tokens=33), 1)[1].input_tokens == 31
     with pytest.raises(
         InvalidArgument,
-        match="the profiled 32-token prompt \\+ output_tokens = 65 exceeds the model's 64 positions",
+        match="output_tokens leave no prompt room: a 1-token prompt \\+ output_tokens = 65 "
+        "exceeds the model's 64 positions",
     ):
-        built.estimate(Workload(output_tokens=33), 1)
+        built.estimate(Workload(output_tokens=64), 1)
     with pytest.raises(InvalidArgument, match="= 70 exceeds the model's 64 positions"):
         built.estimate(Workload(output_tokens=10, input_tokens=60), 1)
     # A shape without a known context (imported rows alone) is not bounded.
