@@ -62,7 +62,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.contention import contention_note, share_of
+from services.contention import CONTENDED_SHARE, contention_note, share_of
 from services.engine_rules import check_still_the_model, default_dtype, resolve_checkpoint
 from services.errors import (
     CHECKPOINT_UNUSABLE,
@@ -156,6 +156,12 @@ def _incomplete(record: ProfileRecord) -> str:
             "list says how); register the model again to profile them"
         )
     return f"incomplete: {'; '.join(parts)}" if parts else ""
+
+
+def _most_slowed(measurements: list[model_pb.ProfileMeasurement]) -> float:
+    """The largest share of the devices' cores other processes took during these
+    measurements' runs (0 where not measured)."""
+    return max((share_of(m) or 0.0 for m in measurements), default=0.0)
 
 
 def _owner(model_id: str) -> str:
@@ -286,6 +292,8 @@ class Profiler:
         # Nodes whose agent found no copy of a fingerprint under its models root (one of
         # its own, not shared with this service's): this model's jobs go elsewhere.
         lacking: dict[str, str] = {}
+        # Each job's measurements: record.measurements[start:end].
+        spans: dict[int, tuple[int, int]] = {}
         for done, job in enumerate(jobs):
             variant, reference = job.variant.name, job.reference
             if variant in dropped_variants or (variant, reference) in given_up:
@@ -297,7 +305,9 @@ class Profiler:
             try:
                 async with self._turn:
                     await self._progress(model_id, done, len(jobs), job.describe(), "running")
+                    start = len(record.measurements)
                     await self._run_job(model, job, record, profiling, lacking)
+                    spans[done] = (start, len(record.measurements))
             except JobFailed as exc:
                 record.agent_gone += exc.agent_gone
                 moved = isinstance(exc, CheckpointMoved)
@@ -314,7 +324,56 @@ class Profiler:
                         f"{variant} {reference_label(reference)}: {job.describe()} failed: {exc}"
                     )
                 log.info("profiling %s: %s skipped: %s", model_id, job.describe(), exc)
+        await self._measure_slowed_again(model, jobs, spans, record, profiling, lacking)
         return record
+
+    async def _measure_slowed_again(
+        self,
+        model: model_pb.Model,
+        jobs: list[ProfileJob],
+        spans: dict[int, tuple[int, int]],
+        record: ProfileRecord,
+        profiling: ProfilingSettings,
+        lacking: dict[str, str],
+    ) -> None:
+        """Run once more, after the others, each job whose kept runs other processes
+        slowed (the agent takes the quietest of twice its runs, and there were none
+        quiet enough), and keep whichever measurement they slowed less. A slowed job
+        measured alone among quiet ones bends the fit: a probe's contended one-layer
+        fingerprint put a pipeline stage at minus 3 ms, and min-latency deployed the
+        slowest layout it measured."""
+        slowed_jobs = [
+            (i, jobs[i])
+            for i, (start, end) in sorted(spans.items())
+            if _most_slowed(record.measurements[start:end]) > CONTENDED_SHARE
+        ]
+        if not slowed_jobs:
+            return
+        total = len(jobs) + len(slowed_jobs)
+        record.runs_total = total
+        for n, (i, job) in enumerate(slowed_jobs):
+            trial = ProfileRecord()
+            try:
+                async with self._turn:
+                    await self._progress(
+                        model.model_id,
+                        len(jobs) + n,
+                        total,
+                        job.describe(),
+                        "measuring again: other processes slowed its runs",
+                    )
+                    await self._run_job(model, job, trial, profiling, lacking)
+            except JobFailed as exc:  # the first measurement stands
+                log.info("profiling %s: %s not measured again: %s", model.model_id, job, exc)
+                continue
+            record.device_seconds += trial.device_seconds
+            record.peak_device_bytes = max(record.peak_device_bytes, trial.peak_device_bytes)
+            start, end = spans[i]
+            first = record.measurements[start:end]
+            if len(trial.measurements) == len(first) and _most_slowed(
+                trial.measurements
+            ) < _most_slowed(first):
+                record.measurements[start:end] = trial.measurements
 
     async def _fingerprint(
         self, model: model_pb.Model, variant: VariantTarget, num_layers: int

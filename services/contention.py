@@ -46,7 +46,9 @@ def contention_note(shares: Iterable[float | None]) -> str:
     return (
         f"{len(contended)} of {len(known)} profiled measurements were taken while other "
         f"processes used up to {max(contended):.0%} of the devices' CPU cores (past "
-        f"{CONTENDED_SHARE:.0%}): latencies estimated from them run high; on a quiet machine, "
+        f"{CONTENDED_SHARE:.0%}), even when measured again after the other jobs: estimates "
+        "from them run high, and one layout against another can come out the wrong way "
+        "round; on a quiet machine, "
         "delete the model (`iserve model delete`, once no deployment serves it) and register "
         "it again"
     )
