@@ -363,8 +363,13 @@ class Profiler:
                         "measuring again: other processes slowed its runs",
                     )
                     await self._run_job(model, job, trial, profiling, lacking)
+            except CheckpointMoved as exc:
+                # As in the first round: what the rest would measure is not that model.
+                raise ProfilingFailed(f"{job.describe()}: {exc}") from exc
             except JobFailed as exc:  # the first measurement stands
-                log.info("profiling %s: %s not measured again: %s", model.model_id, job, exc)
+                log.info(
+                    "profiling %s: %s not measured again: %s", model.model_id, job.describe(), exc
+                )
                 continue
             record.device_seconds += trial.device_seconds
             record.peak_device_bytes = max(record.peak_device_bytes, trial.peak_device_bytes)

@@ -355,6 +355,48 @@ def _tiny(model_id: str, path: str) -> model_pb.Model:
     )  # fmt: skip
 
 
+def test_a_checkpoint_changed_before_a_job_is_measured_again_fails_the_model(
+    redis_url, models_root
+):
+    """The first round measured the model; it was rewritten before a slowed job ran
+    again: the model ends FAILED, as in the first round, not PROFILED on a mix."""
+    path = "tiny-again"
+    create_checkpoint(models_root / path, **SHAPE)
+    seen: set[str] = set()
+
+    def slowed_first_round(request):
+        key = _job_key(request)
+        again = key in seen
+        seen.add(key)
+        runs = measured(request)
+        for run in runs:
+            run.other_cpu_share = 0.02 if again else 0.6
+        return runs
+
+    async def rewrite_when_measuring_again(store, profiler):
+        progress = profiler._progress
+
+        async def watch(model_id, done, total, current, message, *args, **kwargs):
+            if message.startswith("measuring again") and (models_root / path).exists():
+                import shutil
+
+                shutil.rmtree(models_root / path)
+                create_checkpoint(models_root / path, **{**SHAPE, "hidden_size": 128})
+            return await progress(model_id, done, total, current, message, *args, **kwargs)
+
+        profiler._progress = watch
+
+    model, *_ = run_profiler(
+        redis_url,
+        models_root,
+        slowed_first_round,
+        model=_tiny("m-again", path),
+        before=rewrite_when_measuring_again,
+    )
+    assert model.state == model_pb.MODEL_STATE_FAILED, model.state_reason
+    assert "is no longer the model registered from it" in model.state_reason
+
+
 @pytest.mark.parametrize("change", ["rewritten", "deleted", "truncated", "linked"])
 def test_a_checkpoint_changed_mid_profiling_fails_the_model(redis_url, models_root, change):
     """The checkpoint rewritten as another model, or deleted, after the first job: the
