@@ -62,7 +62,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.contention import CONTENDED_SHARE, contention_note, share_of
+from services.contention import MEASURE_AGAIN_SHARE, contention_note, share_of
 from services.engine_rules import check_still_the_model, default_dtype, resolve_checkpoint
 from services.errors import (
     CHECKPOINT_UNUSABLE,
@@ -337,15 +337,16 @@ class Profiler:
         lacking: dict[str, str],
     ) -> None:
         """Run once more, after the others, each job whose kept runs other processes
-        slowed (the agent takes the quietest of twice its runs, and there were none
-        quiet enough), and keep whichever measurement they slowed less. A slowed job
+        took more than MEASURE_AGAIN_SHARE of the cores from (the agent takes the
+        quietest of up to twice its runs), and keep whichever measurement they slowed
+        less. A slowed job
         measured alone among quiet ones bends the fit: a probe's contended one-layer
         fingerprint put a pipeline stage at minus 3 ms, and min-latency deployed the
         slowest layout it measured."""
         slowed_jobs = [
             (i, jobs[i])
             for i, (start, end) in sorted(spans.items())
-            if _most_slowed(record.measurements[start:end]) > CONTENDED_SHARE
+            if _most_slowed(record.measurements[start:end]) > MEASURE_AGAIN_SHARE
         ]
         if not slowed_jobs:
             return

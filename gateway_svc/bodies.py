@@ -488,13 +488,20 @@ def _one_prompt(prompt: Any) -> str | list[int]:
 
 # OpenAI's rule: a message has content, but an assistant's may be left out when it made
 # tool or function calls (a template renders those instead).
-_CALLS = ("tool_calls", "function_call")
+# What counts as having made calls: a non-empty tool_calls list, or a function_call object.
+_CALLS = {
+    "tool_calls": {"type": "array", "minItems": 1},
+    "function_call": {"type": "object"},
+}
 _CONTENT_GIVEN = {
     "anyOf": [
         {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
         *(
-            {"required": ["role", call], "properties": {"role": {"const": "assistant"}}}
-            for call in _CALLS
+            {
+                "required": ["role", call],
+                "properties": {"role": {"const": "assistant"}, call: schema},
+            }
+            for call, schema in _CALLS.items()
         ),
     ]
 }
@@ -525,12 +532,14 @@ class ChatMessage(BaseModel):
         # Left out, a user's words rendered as nothing: the model answered a turn nobody
         # wrote (OpenAI refuses it).
         extra = self.model_extra or {}
-        if self.content is None and not (
-            self.role == "assistant" and any(extra.get(call) is not None for call in _CALLS)
-        ):
+        called = (isinstance(extra.get("tool_calls"), list) and extra["tool_calls"]) or isinstance(
+            extra.get("function_call"), dict
+        )
+        if self.content is None and not (self.role == "assistant" and called):
+            article = "an" if self.role == "assistant" else "a"
             raise ValueError(
-                f"a {self.role} message needs content (null or left out is allowed only for "
-                "an assistant message with tool_calls or function_call)"
+                f"{article} {self.role} message needs content (null or left out is allowed only "
+                "for an assistant message with tool_calls or function_call)"
             )
         return self
 

@@ -388,9 +388,13 @@ def render_progress(event: model_pb.WatchModelResponse, width: int = PROGRESS_BA
 
 
 def _progress_text(event: model_pb.WatchModelResponse, state: str) -> str:
-    """What runs now, or the profiler's message without the state it starts with
-    ("profiled: 60 measurements, …"), which the line already names."""
-    what = event.current or event.message
+    """What runs now, with what the profiler says of it beyond "running" ("measuring
+    again: …", "waiting for another model's job"), or the profiler's message without the
+    state it starts with ("profiled: 60 measurements, …"), which the line already names."""
+    if event.current:
+        said = event.message
+        return event.current if said in ("", "running") else f"{event.current} ({said})"
+    what = event.message
     return "" if what.lower() == state else what.removeprefix(f"{state}: ")
 
 

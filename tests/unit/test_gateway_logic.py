@@ -920,6 +920,9 @@ def test_a_gateway_on_a_port_in_use_says_so_naming_its_variable(tmp_path):
         ({"role": "system", "content": None}, False),
         ({"role": "tool", "tool_call_id": "c1"}, False),
         ({"role": "assistant"}, False),
+        ({"role": "assistant", "content": None, "tool_calls": None}, False),
+        ({"role": "assistant", "content": None, "tool_calls": []}, False),
+        ({"role": "assistant", "function_call": None}, False),
         ({"role": "user", "content": ""}, True),
         ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, True),
         ({"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}, True),
@@ -937,5 +940,8 @@ def test_a_message_without_content_is_refused_unless_an_assistant_made_calls(mes
         reply = client.post("/v1/chat/completions", json=body)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
-    assert error["message"].startswith(f"messages.1: a {message['role']} message needs content")
+    article = "an" if message["role"] == "assistant" else "a"
+    assert error["message"].startswith(
+        f"messages.1: {article} {message['role']} message needs content"
+    )
     assert error["param"] == "messages.1"

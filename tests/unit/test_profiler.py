@@ -312,11 +312,14 @@ def test_a_job_other_processes_slowed_is_measured_again_after_the_others(redis_u
         key = _job_key(request)
         seen[key] = seen.get(key, 0) + 1
         runs = measured(request)
-        # The (1,1) jobs are slowed the first time only.
+        # The (1,1) jobs are slowed the first time only, some below the share that
+        # names a profile slowed (a tester's 0.24 bent the fit all the same).
         first_at_base = seen[key] == 1 and request.config.tensor_parallel <= 1
         for run in runs:
             run.other_cpu_share = (
-                0.6 if first_at_base and request.config.pipeline_parallel <= 1 else 0.02
+                (0.6 if request.config.batch_size > 1 else 0.2)
+                if first_at_base and request.config.pipeline_parallel <= 1
+                else 0.02
             )
         return runs
 

@@ -25,6 +25,20 @@ def test_progress_bar_counts_runs_and_names_the_current_one():
         "[####] 12/12 profiled: 60 measurements, 0 skipped, 41.2 device-seconds"
     )
     assert render_progress(model_pb.WatchModelResponse(), width=2) == "[..] 0/0 unspecified"
+    # A job run again says so (it read as a first run, the total grown for no reason).
+    again = model_pb.WatchModelResponse(
+        state=model_pb.MODEL_STATE_PROFILING,
+        runs_done=12,
+        runs_total=17,
+        current="base fingerprint(1 layer) tp=1 pp=1 batch=2",
+        message="measuring again: other processes slowed its runs",
+    )
+    assert render_progress(again, width=4) == (
+        "[##..] 12/17 profiling: base fingerprint(1 layer) tp=1 pp=1 batch=2 "
+        "(measuring again: other processes slowed its runs)"
+    )
+    again.message = "running"
+    assert render_progress(again, width=4).endswith("tp=1 pp=1 batch=2")
 
 
 def test_register_waits_unless_told_not_to():
