@@ -199,9 +199,19 @@ def test_reference_extrapolation_rejects_what_it_cannot_use():
         extrapolate_references(32, samples, memory, layouts=[(1, 1), (1, 2)])
 
 
-def test_layer_clock_samples_set_the_per_layer_terms_and_counts_fit_the_rest():
-    per_variant = PER_VARIANT
+def _per_layer_terms_match(fit):
+    """(variant, tp, true terms, fitted terms) at (1,1) and (2,1) of every variant, each
+    fitted pair's per-layer terms checked against the truth's."""
+    for name, layer_tpot in PER_VARIANT.items():
+        for tp in (1, 2):
+            want = _pooled_truth(layer_tpot, tp, 1)
+            got = fit.layer_latency(name, (tp, 1), "default")
+            assert got.tpot_per_layer_s == pytest.approx(want.tpot_per_layer_s)
+            assert got.ttft_per_layer_s == pytest.approx(want.ttft_per_layer_s)
+            yield name, tp, want, got
 
+
+def test_layer_clock_samples_set_the_per_layer_terms_and_counts_fit_the_rest():
     def rows_of(truth, layers):
         rows = []
         for n in layers:
@@ -220,17 +230,12 @@ def test_layer_clock_samples_set_the_per_layer_terms_and_counts_fit_the_rest():
     counted = fit_pooled_latency(
         {k: [s for s in v if s.phase in ("ttft", "tpot")] for k, v in samples.items()}
     )
-    for name, layer_tpot in per_variant.items():
-        for tp in (1, 2):
-            want = _pooled_truth(layer_tpot, tp, 1)
-            got = clocked.layer_latency(name, (tp, 1), "default")
-            assert got.tpot_per_layer_s == pytest.approx(want.tpot_per_layer_s)
-            assert got.ttft_per_layer_s == pytest.approx(want.ttft_per_layer_s)
-            # Extrapolated to 32 layers the clock stays within the slow run's 8 %; the
-            # difference of the two fingerprints multiplies it.
-            assert abs(got.tpot(32) / want.tpot(32) - 1) < 0.08
-            bad = counted.layer_latency(name, (tp, 1), "default")
-            assert abs(bad.tpot(32) / want.tpot(32) - 1) > 0.1
+    for name, tp, want, got in _per_layer_terms_match(clocked):
+        # Extrapolated to 32 layers the clock stays within the slow run's 8 %; the
+        # difference of the two fingerprints multiplies it.
+        assert abs(got.tpot(32) / want.tpot(32) - 1) < 0.08
+        bad = counted.layer_latency(name, (tp, 1), "default")
+        assert abs(bad.tpot(32) / want.tpot(32) - 1) > 0.1
 
 
 def test_a_forwards_cold_first_layer_lands_in_other_and_the_longer_stages_clocks_decide():
@@ -259,16 +264,11 @@ def test_a_forwards_cold_first_layer_lands_in_other_and_the_longer_stages_clocks
         return rows
 
     fit = fit_pooled_latency(_pooled_samples(rows_of))
-    for name, layer_tpot in PER_VARIANT.items():
-        for tp in (1, 2):
-            want = _pooled_truth(layer_tpot, tp, 1)
-            got = fit.layer_latency(name, (tp, 1), "default")
-            assert got.tpot_per_layer_s == pytest.approx(want.tpot_per_layer_s)
-            assert got.ttft_per_layer_s == pytest.approx(want.ttft_per_layer_s)
-            assert got.tpot_other_s == pytest.approx(want.tpot_other_s + cold_tpot)
-            assert got.ttft_other_s == pytest.approx(want.ttft_other_s + cold_ttft)
-            assert got.tpot(32) == pytest.approx(want.tpot(32) + cold_tpot)
-            assert got.ttft(32) == pytest.approx(want.ttft(32) + cold_ttft)
+    for _, _, want, got in _per_layer_terms_match(fit):
+        assert got.tpot_other_s == pytest.approx(want.tpot_other_s + cold_tpot)
+        assert got.ttft_other_s == pytest.approx(want.ttft_other_s + cold_ttft)
+        assert got.tpot(32) == pytest.approx(want.tpot(32) + cold_tpot)
+        assert got.ttft(32) == pytest.approx(want.ttft(32) + cold_ttft)
 
 
 def test_layer_clock_samples_missing_for_a_layout_leave_the_counts_in_charge():

@@ -48,16 +48,21 @@ async def _drain(servicer, request, stop=None) -> None:
         pass
 
 
+async def _encoding(servicer, prompt: str, stop=None) -> asyncio.Task:
+    """A generation of a text prompt started, once the engine is encoding some prompt."""
+    request = worker_pb.WorkerServiceGenerateRequest(prompt=prompt)
+    task = asyncio.create_task(_drain(servicer, request, stop))
+    while not servicer.runner.engine.log:
+        await asyncio.sleep(0.001)
+    return task
+
+
 def test_the_event_loop_runs_while_a_prompt_is_encoded():
     servicer = _servicer()
     engine = servicer.runner.engine
 
     async def main() -> None:
-        task = asyncio.create_task(
-            _drain(servicer, worker_pb.WorkerServiceGenerateRequest(prompt="a"))
-        )
-        while not engine.log:  # the encoding has started
-            await asyncio.sleep(0.001)
+        task = await _encoding(servicer, "a")
         engine.log.append("the loop ran")
         engine.release.set()
         await task
@@ -71,15 +76,11 @@ def test_a_request_cancelled_while_its_prompt_waits_is_not_encoded():
     engine = servicer.runner.engine
 
     async def main() -> None:
-        first = asyncio.create_task(
-            _drain(servicer, worker_pb.WorkerServiceGenerateRequest(prompt="a"))
-        )
+        first = await _encoding(servicer, "a")
         stop = threading.Event()
         second = asyncio.create_task(
             _drain(servicer, worker_pb.WorkerServiceGenerateRequest(prompt="b"), stop)
         )
-        while not engine.log:
-            await asyncio.sleep(0.001)
         await asyncio.sleep(0.01)  # "b" is queued behind "a"
         stop.set()
         engine.release.set()
