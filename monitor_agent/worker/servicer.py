@@ -51,7 +51,7 @@ def sampling_config(params: common.SamplingParams) -> SamplingConfig:
         return SamplingConfig(
             temperature=float(params.temperature),
             top_k=int(params.top_k),
-            top_p=float(params.top_p) if params.top_p > 0 else 1.0,
+            top_p=float(params.top_p) if params.top_p != 0 else 1.0,  # 0: unset
             seed=int(params.seed) if params.HasField("seed") else None,
             stop_token_ids=tuple(params.stop_token_ids),
             ignore_eos=params.ignore_eos,

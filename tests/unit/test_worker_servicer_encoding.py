@@ -95,3 +95,21 @@ def test_token_id_prompts_are_taken_on_the_loop_as_they_are():
     request = worker_pb.WorkerServiceGenerateRequest(prompt_token_ids=[4, 5])
     asyncio.run(_drain(servicer, request))
     assert servicer.runner.engine.log == []
+
+
+def test_a_top_p_that_is_no_probability_is_refused_not_read_as_unset():
+    """0 is proto3's unset (all tokens); NaN, -1 and -inf were read as unset too, where
+    the scheduler refuses them (a fuzzing tester)."""
+    import math
+
+    import pytest
+
+    from monitor_agent.worker.servicer import sampling_config
+    from services.api import common_pb2 as common
+    from services.errors import InvalidArgument
+
+    assert sampling_config(common.SamplingParams(top_p=0)).top_p == 1.0
+    assert sampling_config(common.SamplingParams(top_p=0.5)).top_p == 0.5
+    for bad in (math.nan, -1.0, -math.inf, math.inf):
+        with pytest.raises(InvalidArgument, match="top_p"):
+            sampling_config(common.SamplingParams(top_p=bad))
