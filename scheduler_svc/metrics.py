@@ -89,6 +89,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     # Prompt tokens the worker prefilled with this one's, its own included (0: unknown).
     prefilled_with: int = 0
+    # Seconds its text prompt waited for the worker's encoding thread (the worker says).
+    prompt_wait_s: float = 0.0
     completion_tokens: int = 0
     finish_reason: int = 0
     code: grpc.StatusCode = grpc.StatusCode.OK

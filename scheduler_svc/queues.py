@@ -241,7 +241,11 @@ class DeploymentQueue:
                 [*together, entry.prompt_tokens] if start == together_at else [entry.prompt_tokens]
             )
             first_token = start + predictor.prefill_s(prompts)
-            if entry.deadline_s is not None and first_token > entry.deadline_s:
+            if (
+                entry.deadline_s is not None
+                and not entry.worker_counts
+                and first_token > entry.deadline_s
+            ):
                 entry.predicted_first_token_s = first_token
                 missed.append(entry)
                 if refusing:

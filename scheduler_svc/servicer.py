@@ -222,6 +222,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                             message = await read()
                             if message.prefilled_with_tokens:
                                 record.prefilled_with = message.prefilled_with_tokens
+                            if message.prompt_wait_ms > 0:
+                                record.prompt_wait_s = message.prompt_wait_ms / 1e3
                             if message.token_ids or message.text:
                                 token_time(clock())
                                 if decode_from is None:
@@ -389,7 +391,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         replica = self._replica_for(deployment)
         queue = self.queues.queue_for(deployment, replica.index)
         predictor = queue.predictor
-        prompt_tokens = predicted_prompt_tokens(
+        prompt_tokens, guessed_too_long = predicted_prompt_tokens(
             request, deployment, max_tokens_is_bound, predictor.prompt_tokens
         )
         due = first_token_deadline(
@@ -416,6 +418,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # is not served late, with success, by an FCFS deployment of the model; by
             # deployment id, FCFS serves what it takes, however late.
             refused_if_late=request.deadline_ms > 0 and not request.HasField("deployment_id"),
+            worker_counts=guessed_too_long,
         )
         self.queues.check_room(deployment)
         if record.enqueued_s is None:  # a request moved on keeps its first queue's wait
@@ -469,7 +472,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 prompt_tokens=final.usage.prompt_tokens,
                 prefilled_tokens=record.prefilled_with,
                 prompt_chars=0 if request.prompt_token_ids else len(request.prompt),
-                first_token_s=first_at - admitted,
+                # Less the prompt's wait behind others for the worker's encoding thread:
+                # queueing there is not prefill, and learnt as such it refused normal
+                # requests on an idle deployment afterwards.
+                first_token_s=max(0.0, first_at - admitted - record.prompt_wait_s),
                 tpot_s=tpot_s,
                 running=running,
                 service_s=token_times[-1] - admitted,

@@ -78,15 +78,18 @@ def predicted_prompt_tokens(
     deployment: deploy_pb.Deployment,
     max_tokens_is_bound: bool,
     tokens_of_chars: Callable[[int], int],
-) -> int:
-    """The prompt length a queue predicts the request's prefill by: its token ids'
-    count, or for text the guess ``tokens_of_chars`` makes from its characters, at most
-    the deployment's prompt limit. The worker refuses a longer prompt, so no request
-    prefills more: one guessed longer gets the worker's 400 for being too long, not a
-    predicted-deadline refusal."""
+) -> tuple[int, bool]:
+    """The prompt length a queue predicts the request's prefill by, and whether it is a
+    text prompt guessed longer than the deployment accepts: its token ids' count, or for
+    text the guess ``tokens_of_chars`` makes from its characters, at most the
+    deployment's prompt limit. The worker refuses a longer prompt, so no request
+    prefills more; and one guessed longer is the worker's to count (it gets the
+    worker's 400 for being too long, not a predicted-deadline refusal)."""
     tokens = len(request.prompt_token_ids) or tokens_of_chars(len(request.prompt))
     limit = prompt_token_limit(deployment, request.max_tokens, max_tokens_is_bound)[0]
-    return min(tokens, limit) if limit else tokens
+    if limit and tokens > limit:
+        return limit, not request.prompt_token_ids
+    return tokens, False
 
 
 def check_for_deployment(

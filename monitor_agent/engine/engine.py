@@ -178,12 +178,13 @@ class Engine:
         """Weights, KV cache and peak activation bytes (see monitor_agent.engine.memory)."""
         return self.batch.memory
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int = 0) -> list[int]:
         """Token ids of text, with the special tokens (BOS, EOS) transformers' AutoTokenizer
-        would add for this checkpoint (none unless ``add_special_tokens``); ValueError for
-        a text too long to fit ``max_seq_len`` tokens
-        (services.models.special_tokens.PromptEncoder)."""
-        return self._encode(text, add_special_tokens)
+        would add for this checkpoint (none unless ``add_special_tokens``); PromptTooLong
+        (a ValueError) for a text found longer than ``max_tokens`` tokens, or
+        ``max_seq_len`` (services.models.special_tokens.PromptEncoder), without encoding
+        all of it."""
+        return self._encode(text, add_special_tokens, max_tokens)
 
     def generate(
         self,

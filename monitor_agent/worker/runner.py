@@ -47,6 +47,8 @@ class RequestClock:
     # Prompt tokens prefilled in the engine step that admitted it, its own included
     # (SequenceHandle.prefilled_with); 0 where the engine does not say.
     prefilled_with: int = 0
+    # Seconds its text prompt waited for the worker's encoding thread, behind others.
+    prompt_wait_s: float = 0.0
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0

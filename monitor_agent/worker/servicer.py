@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,11 @@ from services.errors import ContextLengthExceeded, InvalidArgument, Unavailable,
 from services.models.special_tokens import PromptTooLong
 
 FINISH_REASONS = {"length": common.FINISH_REASON_LENGTH, "stop": common.FINISH_REASON_STOP}
+# Text prompts up to this many characters are encoded in a thread of their own: a few
+# milliseconds' work at most, which never waits behind a long prompt's.
+SHORT_PROMPT_CHARS = 16_384
+# Characters of a caller's max_prompt_tokens_rule a refusal repeats.
+MAX_RULE_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -73,10 +79,15 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         self.identity = identity
         self.peak_memory_bytes = peak_memory_bytes
         self.in_flight = InFlight(f"worker of deployment {identity.deployment_id}")
-        # Text prompts are encoded here, one at a time, off the event loop: a tokenizer
-        # takes a second on half a megabyte of text, which on the loop froze every other
-        # stream of this worker (a prompt refused as too long after encoding did too).
-        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+        # Text prompts are encoded off the event loop: a tokenizer takes a second on
+        # half a megabyte of text, which on the loop froze every other stream of this
+        # worker. Short prompts have a thread of their own, so that one client's long
+        # ones (which the encoder reads only as far as it takes to refuse them) do not
+        # hold up everyone's first tokens.
+        self._encoders = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-short"),
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-long"),
+        )
 
     def _parse(self, request: worker_pb.WorkerServiceGenerateRequest) -> GenerationRequest:
         """The engine's request for ``request``, checked once; InvalidArgument saying what
@@ -88,39 +99,59 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
             else:
                 require(bool(request.prompt), "prompt is empty: set prompt or prompt_token_ids")
                 prompt_ids = self.runner.engine.encode(
-                    request.prompt, add_special_tokens=not request.prompt_has_special_tokens
+                    request.prompt,
+                    add_special_tokens=not request.prompt_has_special_tokens,
+                    max_tokens=request.max_prompt_tokens,
                 )
             limit = request.max_prompt_tokens
             if limit and len(prompt_ids) > limit:
-                rule = (
-                    f" ({request.max_prompt_tokens_rule})" if request.max_prompt_tokens_rule else ""
-                )
                 raise ContextLengthExceeded(
-                    f"prompt has {len(prompt_ids)} tokens; deployment "
-                    f"{self.identity.deployment_id} accepts at most {limit}{rule}"
+                    f"prompt has {len(prompt_ids)} tokens; {self._accepts(request)}"
                 )
             return self.runner.parse(
                 prompt_ids, request.max_tokens, sampling, request.max_tokens_is_bound
             )
         except PromptTooLong as exc:
             # As a counted prompt over the limit: clients trim on this reason.
-            raise ContextLengthExceeded(str(exc)) from exc
+            if not exc.chars_read:
+                raise ContextLengthExceeded(str(exc)) from exc
+            raise ContextLengthExceeded(
+                f"prompt has more than {exc.limit} tokens (its first {exc.chars_read} of "
+                f"{exc.chars} characters alone encode to {exc.counted}); "
+                f"{self._accepts(request)}"
+            ) from exc
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
 
+    def _accepts(self, request: worker_pb.WorkerServiceGenerateRequest) -> str:
+        """What the deployment accepts, for a refusal: "deployment D accepts at most N
+        (rule)"."""
+        limit = request.max_prompt_tokens or self.runner.engine.max_seq_len
+        rule = request.max_prompt_tokens_rule[:MAX_RULE_CHARS]
+        return f"deployment {self.identity.deployment_id} accepts at most {limit}" + (
+            f" ({rule})" if rule else ""
+        )
+
     async def _parsed(
-        self, request: worker_pb.WorkerServiceGenerateRequest, stop: threading.Event
+        self,
+        request: worker_pb.WorkerServiceGenerateRequest,
+        stop: threading.Event,
+        clock: RequestClock,
     ) -> GenerationRequest | None:
-        """:meth:`_parse`, a text prompt's in the encoding thread; None when the request
-        was cancelled while its prompt waited there (a list's other prompts, once one is
-        refused, are not encoded for nothing)."""
+        """:meth:`_parse`, a text prompt's in an encoding thread (its wait there, behind
+        other prompts, goes in ``clock.prompt_wait_s``); None when the request was
+        cancelled while its prompt waited (a list's other prompts, once one is refused,
+        are not encoded for nothing)."""
         if request.prompt_token_ids or not request.prompt:
             return self._parse(request)
+        queued = time.perf_counter()
 
         def parse() -> GenerationRequest | None:
+            clock.prompt_wait_s = time.perf_counter() - queued
             return None if stop.is_set() else self._parse(request)
 
-        return await asyncio.get_running_loop().run_in_executor(self._encoder, parse)
+        encoder = self._encoders[len(request.prompt) > SHORT_PROMPT_CHARS]
+        return await asyncio.get_running_loop().run_in_executor(encoder, parse)
 
     async def Generate(
         self, request: worker_pb.WorkerServiceGenerateRequest, context: grpc.aio.ServicerContext
@@ -154,7 +185,7 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
             clock = RequestClock()
             if stop is None:
                 stop = threading.Event()
-            generation = await self._parsed(request, stop)
+            generation = await self._parsed(request, stop, clock)
             if generation is None:
                 return
             request_id = request.request_id
@@ -166,6 +197,7 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
                 if clock.tokens == 1:
                     response.prompt_tokens = len(generation.prompt_ids)
                     response.prefilled_with_tokens = clock.prefilled_with
+                    response.prompt_wait_ms = clock.prompt_wait_s * 1e3
                 if step.finished:
                     response.finish_reason = FINISH_REASONS[step.finish_reason]
                     response.usage.prompt_tokens = len(generation.prompt_ids)

@@ -76,36 +76,123 @@ def max_prompt_chars(tokenizer: Tokenizer, max_tokens: int) -> int:
     ``tokenizer``: no token stands for more characters than the vocabulary's longest
     piece (or an unknown word), allowing for normalizers that fold characters. Lets a
     worker refuse a huge prompt without tokenizing it."""
-    pieces = tokenizer.get_vocab(with_added_tokens=True)
-    longest = max((len(piece) for piece in pieces), default=1)
+    return _chars_bound(longest_piece(tokenizer), max_tokens)
+
+
+def _chars_bound(longest: int, max_tokens: int) -> int:
     return _NORMALIZER_FOLD * max_tokens * max(longest, _UNKNOWN_WORD_CHARS)
 
 
+def longest_piece(tokenizer: Tokenizer) -> int:
+    """Characters of the vocabulary's longest piece, added tokens included."""
+    return max((len(piece) for piece in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
 class PromptTooLong(ValueError):
-    """A prompt text longer than any sequence of the deployment, whatever it says."""
+    """A prompt text longer than ``limit`` tokens, found so without encoding all of it:
+    ``counted`` tokens (more than ``limit``) in its first ``chars_read`` of ``chars``
+    characters (``chars_read`` 0: refused on its length alone, unread)."""
+
+    def __init__(self, message: str, *, limit: int, chars: int, chars_read: int, counted: int):
+        super().__init__(message)
+        self.limit = limit
+        self.chars = chars
+        self.chars_read = chars_read
+        self.counted = counted
+
+
+# A text of up to this many characters per token of its limit is encoded whole at once:
+# English runs about 4 characters a token, so a prompt that fits is within it.
+_WHOLE_CHARS_PER_TOKEN = 8
+# Each longer look at a long text reads this many times the characters of the one before.
+_PREFIX_GROWTH = 4
+# A prefix is cut before a whitespace character found within this many characters of
+# its end, where pre-tokenizers split words anyway; else where it falls.
+_CUT_SEARCH_CHARS = 256
 
 
 class PromptEncoder:
-    """A deployment's prompts to token ids: :func:`encode_prompt`, refusing (PromptTooLong,
-    without tokenizing) a text too long for ``max_seq_len`` tokens whatever it says; a
-    tokenizer takes seconds on megabytes, and the worker would wait meanwhile. Both
-    engines encode through one."""
+    """A deployment's prompts to token ids: :func:`encode_prompt`, refusing a text too
+    long for its limit (PromptTooLong) without encoding all of it. A tokenizer takes
+    about a second on half a megabyte, during which the worker's other prompts wait, so
+    one client's hostile prompts would delay everyone's first tokens:
+
+    - a text longer than any ``max_seq_len`` tokens can stand for
+      (:func:`max_prompt_chars`) is refused unread;
+    - a text longer than ``_WHOLE_CHARS_PER_TOKEN`` characters per token of the limit
+      is read by growing prefixes first. A prefix's tokens, less the few a cut inside
+      the text can add (``cut_slack``: the tokens either side of the cut may encode
+      differently apart), are at most the whole text's, so a prefix that encodes to
+      more than the limit plus that refuses the text. The last prefix is the text
+      itself, whose ids are the answer, so a long text within its limit costs at most
+      a third more to encode (``_PREFIX_GROWTH``).
+
+    Both engines encode through one."""
 
     def __init__(self, tokenizer: Tokenizer, max_seq_len: int):
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self._max_chars: int | None = None  # from the vocabulary, when first needed
+        self._cut_slack: int | None = None
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self._max_chars is None:
-            self._max_chars = max_prompt_chars(self.tokenizer, self.max_seq_len)
-        if len(text) > self._max_chars:
+    def _bounds(self) -> tuple[int, int]:
+        if self._max_chars is None or self._cut_slack is None:
+            longest = longest_piece(self.tokenizer)
+            self._max_chars = _chars_bound(longest, self.max_seq_len)
+            # A cut splits at most the tokens around it, each of at most ``longest``
+            # characters, into pieces of a byte each at worst (byte-level vocabularies);
+            # a normalizer may fold characters across it.
+            self._cut_slack = 2 * _NORMALIZER_FOLD * max(longest, 4)
+        return self._max_chars, self._cut_slack
+
+    @property
+    def cut_slack(self) -> int:
+        """Tokens a prefix may encode to beyond the whole text's share of them."""
+        return self._bounds()[1]
+
+    def __call__(
+        self, text: str, add_special_tokens: bool = True, max_tokens: int = 0
+    ) -> list[int]:
+        """``text``'s ids; PromptTooLong when it surely has more than ``max_tokens``
+        tokens (0, or above ``max_seq_len``: ``max_seq_len``)."""
+        limit = min(max_tokens, self.max_seq_len) if max_tokens > 0 else self.max_seq_len
+        max_chars, slack = self._bounds()
+        chars = len(text)
+        if chars > max_chars:
             raise PromptTooLong(
-                f"prompt of {len(text)} characters cannot fit the {self.max_seq_len} tokens "
-                f"this deployment holds per sequence (at most {self._max_chars} "
-                "characters with this tokenizer)"
+                f"prompt of {chars} characters cannot fit the {self.max_seq_len} tokens "
+                f"this deployment holds per sequence (at most {max_chars} "
+                "characters with this tokenizer)",
+                limit=self.max_seq_len,
+                chars=chars,
+                chars_read=0,
+                counted=0,
             )
+        size = _WHOLE_CHARS_PER_TOKEN * max(limit, 1)
+        while chars > size:
+            cut = _prefix_cut(text, size)
+            counted = len(encode_prompt(self.tokenizer, text[:cut], add_special_tokens))
+            if counted - slack > limit:
+                raise PromptTooLong(
+                    f"prompt has more than {limit} tokens: its first {cut} of {chars} "
+                    f"characters alone encode to {counted}",
+                    limit=limit,
+                    chars=chars,
+                    chars_read=cut,
+                    counted=counted,
+                )
+            size *= _PREFIX_GROWTH
         return encode_prompt(self.tokenizer, text, add_special_tokens)
+
+
+def _prefix_cut(text: str, size: int) -> int:
+    """Where a prefix of about ``size`` characters of ``text`` ends: before the last
+    whitespace character within ``_CUT_SEARCH_CHARS`` of ``size``, else at ``size``."""
+    low = max(1, size - _CUT_SEARCH_CHARS)
+    for at in range(size, low - 1, -1):
+        if text[at].isspace():
+            return at
+    return size
 
 
 def ids_in_vocabulary(source: str, ids: Iterable[int], vocab_size: int) -> tuple[int, ...]:

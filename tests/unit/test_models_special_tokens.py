@@ -375,3 +375,124 @@ def test_encoding_lets_the_other_threads_of_a_worker_run(tmp_path) -> None:
     # Holding the GIL, the encoding lets the counter tick once per switch interval
     # (5 ms) at most; without it the counter ticks about every 0.5 ms.
     assert ticks > 3 * took / 0.005 + 5, (ticks, took)
+
+
+_CORPUS = [
+    "The river runs past the old mill, and under the stone bridge.",
+    "supercalifragilistic words, numbers 12345 and punctuation!?",
+    "東京は日本の首都です。川は古い水車小屋のそばを流れる。",
+    "naïve café — déjà vu, ﬁne ligatures ½ and e\u0301 marks",
+    "    indented(code) == [1, 2, 3]  # comment\n\tnext_line()",
+]
+
+
+@functools.cache
+def _prefix_tokenizers() -> dict[str, Tokenizer]:
+    """One tokenizer of each model kind, trained here, with the pre-tokenizers and
+    normalizers real checkpoints use around them."""
+    from tokenizers import normalizers
+
+    built: dict[str, Tokenizer] = {"byte-level-bpe": _bound_tokenizer()}
+    metaspace = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    metaspace.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>"], show_progress=False)
+    metaspace.train_from_iterator(_CORPUS * 8, trainer=trainer)
+    metaspace.add_tokens([f"<0x{byte:02X}>" for byte in range(256)])
+    built["metaspace-bpe"] = metaspace
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=300, special_tokens=["[UNK]", "[CLS]"], show_progress=False
+    )
+    wordpiece.train_from_iterator(_CORPUS * 8, trainer=trainer)
+    wordpiece.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A", special_tokens=[("[CLS]", wordpiece.token_to_id("[CLS]"))]
+    )
+    built["wordpiece"] = wordpiece
+    unigram = Tokenizer(models.Unigram())
+    unigram.normalizer = normalizers.NFKC()
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=200, special_tokens=["<unk>"], unk_token="<unk>", show_progress=False
+    )
+    unigram.train_from_iterator(_CORPUS * 8, trainer=trainer)
+    built["unigram"] = unigram
+    return built
+
+
+# Characters of the corpus, and runs a cut may fall inside: words, spaces, repeats.
+_PROMPT_TEXT = st.lists(
+    st.sampled_from(
+        [*"".join(_CORPUS), "\U0001f600", "\u200b", "  ", "aaaa", " river", "東京", "\n\n"]
+    ),
+    min_size=1,
+    max_size=300,
+).map("".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=_PROMPT_TEXT,
+    kind=st.sampled_from(["byte-level-bpe", "metaspace-bpe", "wordpiece", "unigram"]),
+)
+def test_a_long_text_within_its_limit_is_never_refused_on_a_prefix(text, kind):
+    """The encoder reads a long text by prefixes and refuses it once a prefix has more
+    tokens than the limit allows for a cut: a text with exactly ``limit`` tokens is
+    never refused, whatever its prefixes encode to, with each kind of tokenizer model.
+    (Prefixes are forced here from the first character per token of the limit.)"""
+    from unittest import mock
+
+    from services.models import special_tokens
+
+    tokenizer = _prefix_tokenizers()[kind]
+    expected = encode_prompt(tokenizer, text)
+    encoder = special_tokens.PromptEncoder(tokenizer, max_seq_len=4096)
+    with mock.patch.object(special_tokens, "_WHOLE_CHARS_PER_TOKEN", 1):
+        assert encoder(text, max_tokens=len(expected)) == expected
+
+
+def test_a_huge_prompt_is_refused_after_reading_a_prefix_only():
+    """Half a megabyte of text, within the bound on characters alone, is refused after
+    its first few thousand characters: encoding it all took 0.7 s in which the worker's
+    other prompts waited (a tester's +1-4 s on other clients' first tokens)."""
+    import time
+
+    from services.models.special_tokens import PromptEncoder, PromptTooLong
+
+    tokenizer = _prefix_tokenizers()["metaspace-bpe"]
+    encoder = PromptEncoder(tokenizer, max_seq_len=1024)
+    for text in ("東京は日本の首都です。" * 40_000, "the river runs past the mill " * 15_000):
+        assert len(text) > 400_000
+        started = time.perf_counter()
+        with pytest.raises(PromptTooLong) as refused:
+            encoder(text, max_tokens=1000)
+        took = time.perf_counter() - started
+        assert 0 < refused.value.chars_read <= 8 * 1000 * 16, refused.value.chars_read
+        assert refused.value.counted > 1000 and refused.value.limit == 1000
+        assert "more than 1000 tokens" in str(refused.value)
+        whole = time.perf_counter()
+        encode_prompt(tokenizer, text)
+        # Reading a prefix is a small part of reading it all (no timing bound: these
+        # machines are noisy; the characters read above are the measure).
+        assert took < time.perf_counter() - whole + 1.0
+
+
+def test_a_long_text_of_long_pieces_within_the_limit_gets_its_exact_ids():
+    """A text of more characters a token than the encoder reads whole (a word the
+    vocabulary has as one piece) is read by prefixes, then whole: its ids are exactly
+    those of encoding it at once."""
+    from services.models.special_tokens import PromptEncoder
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator([" supercalifragilisticexpialidocious"] * 50, trainer=trainer)
+    text = " supercalifragilisticexpialidocious" * 100
+    expected = encode_prompt(tokenizer, text)
+    assert len(text) > 8 * len(expected)
+    assert PromptEncoder(tokenizer, max_seq_len=4096)(text, max_tokens=len(expected)) == expected

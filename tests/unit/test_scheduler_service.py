@@ -41,7 +41,8 @@ class FakeWorker(worker_grpc.WorkerServiceServicer):
     ``before_first``: wait for it before the first token. ``gate``: wait for it after the
     first token. ``steps``: take an item from it before each token after the first.
     ``hang``: after the first token, never finish. ``abort``: fail at once with this (code, details). ``final``: whether to
-    send the final message.
+    send the final message. ``prompt_wait_s``: sleep this long before the first token,
+    saying the prompt waited that long for the worker's encoding thread.
     """
 
     tokens: list[tuple[int, str]] = field(default_factory=lambda: list(TOKENS))
@@ -52,6 +53,7 @@ class FakeWorker(worker_grpc.WorkerServiceServicer):
     hang: bool = False
     abort: tuple[grpc.StatusCode, str] | None = None
     final: bool = True
+    prompt_wait_s: float = 0.0
     received: list[worker_pb.WorkerServiceGenerateRequest] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     sessions: int = 0
@@ -67,13 +69,17 @@ class FakeWorker(worker_grpc.WorkerServiceServicer):
         try:
             if self.before_first is not None:
                 await self.before_first.wait()
+            await asyncio.sleep(self.prompt_wait_s)
             for i, (token_id, text) in enumerate(self.tokens):
                 if i:
                     await asyncio.sleep(self.token_delay_s)
                     if self.steps is not None:
                         await self.steps.get()
                 yield worker_pb.WorkerServiceGenerateResponse(
-                    request_id=request.request_id, token_ids=[token_id], text=text
+                    request_id=request.request_id,
+                    token_ids=[token_id],
+                    text=text,
+                    prompt_wait_ms=self.prompt_wait_s * 1e3 if i == 0 else 0.0,
                 )
                 if i == 0:
                     if self.gate is not None:
@@ -1037,6 +1043,58 @@ def test_an_edf_queue_predicts_a_text_prompt_at_most_at_the_prompt_limit(redis_u
         assert [r.request_id for r in worker.received] == ["warm", "long"]
 
     run(redis_url, scenario)
+
+
+def test_a_prompt_guessed_too_long_is_the_workers_to_refuse_whatever_its_prefill(redis_url):
+    """As above, but the limit's own prefill misses the objective (256 tokens at 10 ms:
+    2.56 s against 2 s): the guess says the worker will refuse the prompt as too long,
+    so it goes there for its 400 rather than getting a predicted-deadline 504, as
+    docs/scheduling.md says (a tester saw the 504)."""
+
+    async def scenario(h: Harness):
+        worker = FakeWorker()
+        await h.add_deployment(
+            "d1",
+            worker,
+            max_output_tokens=4,
+            max_input_tokens=256,
+            objectives=common.ServiceObjectives(
+                scheduling=common.SCHEDULING_POLICY_EDF, ttft_slo_ms=2000
+            ),
+            latency_model=common.LatencyModel(prefill_ms_per_token=10.0),
+        )
+        await h.collect(request_id="warm", deployment_id="d1", max_tokens=1)
+        await h.collect(request_id="long", deployment_id="d1", max_tokens=1, prompt="x" * 16_000)
+        assert [r.request_id for r in worker.received] == ["warm", "long"]
+
+    run(redis_url, scenario)
+
+
+def test_a_prompts_wait_for_the_encoding_thread_is_not_learnt_as_prefill(redis_url, monkeypatch):
+    """A worker encodes text prompts in turn; one that waited behind a client's huge
+    prompts reached its first token seconds after admission. Learnt as prefill, that
+    made the deployment's EDF queue refuse ordinary requests afterwards, idle as it was
+    (a tester: an 800-token prompt predicted at 2,972 ms, served in 50-160). The worker
+    says how long the prompt waited; the predictor learns the rest."""
+    from scheduler_svc.predictor import LatencyPredictor
+
+    seen: list[float] = []
+    observe = LatencyPredictor.observe
+
+    def recording(self, **kwargs):
+        seen.append(kwargs["first_token_s"])
+        observe(self, **kwargs)
+
+    monkeypatch.setattr(LatencyPredictor, "observe", recording)
+
+    async def scenario(h: Harness):
+        await h.add_deployment("d1", FakeWorker(prompt_wait_s=0.4))
+        replies = await h.collect(request_id="r1", deployment_id="d1")
+        # The client's own TTFT counts the wait: it waited.
+        assert replies[-1].final.timings.ttft_ms >= 400
+
+    run(redis_url, scenario)
+    assert len(seen) == 1 and 0 <= seen[0] < 0.2, seen
 
 
 def test_an_edf_deadline_prices_decode_at_no_more_sequences_than_the_batch_runs(redis_url):

@@ -124,11 +124,12 @@ class TrtLlmEngine:
     def memory(self) -> TrtLlmMemory:
         return self.batch.memory
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int = 0) -> list[int]:
         """Token ids of text, as the PyTorch engine encodes them (iserve's tokenizer,
         with the special tokens the checkpoint's tokenizer adds unless not
-        ``add_special_tokens``; a text too long for ``max_seq_len`` tokens refused unread)."""
-        return self._encode(text, add_special_tokens)
+        ``add_special_tokens``; a text found longer than ``max_tokens`` tokens, or
+        ``max_seq_len``, refused without encoding all of it)."""
+        return self._encode(text, add_special_tokens, max_tokens)
 
     def generate(
         self,

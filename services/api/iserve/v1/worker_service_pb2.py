@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.api.iserve.v1 import common_pb2 as iserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eiserve/v1/worker_service.proto\x12\tiserve.v1\x1a\x16iserve/v1/common.proto\"\x98\x02\n\x1cWorkerServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.iserve.v1.SamplingParams\x12\x1b\n\x13max_tokens_is_bound\x18\x06 \x01(\x08\x12!\n\x19prompt_has_special_tokens\x18\x07 \x01(\x08\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\r\x12\x1e\n\x16max_prompt_tokens_rule\x18\t \x01(\t\"\x80\x02\n\x1dWorkerServiceGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.iserve.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.iserve.v1.Usage\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.iserve.v1.Timings\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x1d\n\x15prefilled_with_tokens\x18\x08 \x01(\r\"\xb0\x01\n\x1bWorkerServiceSessionRequest\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12;\n\x08generate\x18\x02 \x01(\x0b\x32\'.iserve.v1.WorkerServiceGenerateRequestH\x00\x12\x37\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32%.iserve.v1.WorkerServiceSessionCancelH\x00\x42\x08\n\x06\x61\x63tion\"\x1c\n\x1aWorkerServiceSessionCancel\"\xaf\x01\n\x1cWorkerServiceSessionResponse\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12<\n\x08generate\x18\x02 \x01(\x0b\x32(.iserve.v1.WorkerServiceGenerateResponseH\x00\x12\x35\n\x05\x65rror\x18\x03 \x01(\x0b\x32$.iserve.v1.WorkerServiceSessionErrorH\x00\x42\x07\n\x05\x65vent\"Q\n\x19WorkerServiceSessionError\x12\x13\n\x0bstatus_code\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"+\n\x15GetWorkerStatsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xde\x02\n\x16GetWorkerStatsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x19\n\x11peak_memory_bytes\x18\x05 \x01(\x04\x12\x17\n\x0frequests_served\x18\x06 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x07 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x08 \x01(\x01\x12\x17\n\x0f\x61\x63tive_requests\x18\t \x01(\r\x12\x1d\n\x15prefill_layer_seconds\x18\n \x01(\x01\x12\x1c\n\x14prefill_layer_passes\x18\x0b \x01(\x04\x12\x1c\n\x14\x64\x65\x63ode_layer_seconds\x18\x0c \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_layer_passes\x18\r \x01(\x04\x32\xa7\x02\n\rWorkerService\x12_\n\x08Generate\x12\'.iserve.v1.WorkerServiceGenerateRequest\x1a(.iserve.v1.WorkerServiceGenerateResponse0\x01\x12^\n\x07Session\x12&.iserve.v1.WorkerServiceSessionRequest\x1a\'.iserve.v1.WorkerServiceSessionResponse(\x01\x30\x01\x12U\n\x0eGetWorkerStats\x12 .iserve.v1.GetWorkerStatsRequest\x1a!.iserve.v1.GetWorkerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eiserve/v1/worker_service.proto\x12\tiserve.v1\x1a\x16iserve/v1/common.proto\"\x98\x02\n\x1cWorkerServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.iserve.v1.SamplingParams\x12\x1b\n\x13max_tokens_is_bound\x18\x06 \x01(\x08\x12!\n\x19prompt_has_special_tokens\x18\x07 \x01(\x08\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\r\x12\x1e\n\x16max_prompt_tokens_rule\x18\t \x01(\t\"\x98\x02\n\x1dWorkerServiceGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.iserve.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.iserve.v1.Usage\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.iserve.v1.Timings\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x1d\n\x15prefilled_with_tokens\x18\x08 \x01(\r\x12\x16\n\x0eprompt_wait_ms\x18\t \x01(\x01\"\xb0\x01\n\x1bWorkerServiceSessionRequest\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12;\n\x08generate\x18\x02 \x01(\x0b\x32\'.iserve.v1.WorkerServiceGenerateRequestH\x00\x12\x37\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32%.iserve.v1.WorkerServiceSessionCancelH\x00\x42\x08\n\x06\x61\x63tion\"\x1c\n\x1aWorkerServiceSessionCancel\"\xaf\x01\n\x1cWorkerServiceSessionResponse\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12<\n\x08generate\x18\x02 \x01(\x0b\x32(.iserve.v1.WorkerServiceGenerateResponseH\x00\x12\x35\n\x05\x65rror\x18\x03 \x01(\x0b\x32$.iserve.v1.WorkerServiceSessionErrorH\x00\x42\x07\n\x05\x65vent\"Q\n\x19WorkerServiceSessionError\x12\x13\n\x0bstatus_code\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"+\n\x15GetWorkerStatsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xde\x02\n\x16GetWorkerStatsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x19\n\x11peak_memory_bytes\x18\x05 \x01(\x04\x12\x17\n\x0frequests_served\x18\x06 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x07 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x08 \x01(\x01\x12\x17\n\x0f\x61\x63tive_requests\x18\t \x01(\r\x12\x1d\n\x15prefill_layer_seconds\x18\n \x01(\x01\x12\x1c\n\x14prefill_layer_passes\x18\x0b \x01(\x04\x12\x1c\n\x14\x64\x65\x63ode_layer_seconds\x18\x0c \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_layer_passes\x18\r \x01(\x04\x32\xa7\x02\n\rWorkerService\x12_\n\x08Generate\x12\'.iserve.v1.WorkerServiceGenerateRequest\x1a(.iserve.v1.WorkerServiceGenerateResponse0\x01\x12^\n\x07Session\x12&.iserve.v1.WorkerServiceSessionRequest\x1a\'.iserve.v1.WorkerServiceSessionResponse(\x01\x30\x01\x12U\n\x0eGetWorkerStats\x12 .iserve.v1.GetWorkerStatsRequest\x1a!.iserve.v1.GetWorkerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSERVICEGENERATEREQUEST']._serialized_start=70
   _globals['_WORKERSERVICEGENERATEREQUEST']._serialized_end=350
   _globals['_WORKERSERVICEGENERATERESPONSE']._serialized_start=353
-  _globals['_WORKERSERVICEGENERATERESPONSE']._serialized_end=609
-  _globals['_WORKERSERVICESESSIONREQUEST']._serialized_start=612
-  _globals['_WORKERSERVICESESSIONREQUEST']._serialized_end=788
-  _globals['_WORKERSERVICESESSIONCANCEL']._serialized_start=790
-  _globals['_WORKERSERVICESESSIONCANCEL']._serialized_end=818
-  _globals['_WORKERSERVICESESSIONRESPONSE']._serialized_start=821
-  _globals['_WORKERSERVICESESSIONRESPONSE']._serialized_end=996
-  _globals['_WORKERSERVICESESSIONERROR']._serialized_start=998
-  _globals['_WORKERSERVICESESSIONERROR']._serialized_end=1079
-  _globals['_GETWORKERSTATSREQUEST']._serialized_start=1081
-  _globals['_GETWORKERSTATSREQUEST']._serialized_end=1124
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=1127
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=1477
-  _globals['_WORKERSERVICE']._serialized_start=1480
-  _globals['_WORKERSERVICE']._serialized_end=1775
+  _globals['_WORKERSERVICEGENERATERESPONSE']._serialized_end=633
+  _globals['_WORKERSERVICESESSIONREQUEST']._serialized_start=636
+  _globals['_WORKERSERVICESESSIONREQUEST']._serialized_end=812
+  _globals['_WORKERSERVICESESSIONCANCEL']._serialized_start=814
+  _globals['_WORKERSERVICESESSIONCANCEL']._serialized_end=842
+  _globals['_WORKERSERVICESESSIONRESPONSE']._serialized_start=845
+  _globals['_WORKERSERVICESESSIONRESPONSE']._serialized_end=1020
+  _globals['_WORKERSERVICESESSIONERROR']._serialized_start=1022
+  _globals['_WORKERSERVICESESSIONERROR']._serialized_end=1103
+  _globals['_GETWORKERSTATSREQUEST']._serialized_start=1105
+  _globals['_GETWORKERSTATSREQUEST']._serialized_end=1148
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=1151
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=1501
+  _globals['_WORKERSERVICE']._serialized_start=1504
+  _globals['_WORKERSERVICE']._serialized_end=1799
 # @@protoc_insertion_point(module_scope)

@@ -30,7 +30,7 @@ class WorkerServiceGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens_is_bound: _Optional[bool] = ..., prompt_has_special_tokens: _Optional[bool] = ..., max_prompt_tokens: _Optional[int] = ..., max_prompt_tokens_rule: _Optional[str] = ...) -> None: ...
 
 class WorkerServiceGenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "prompt_tokens", "prefilled_with_tokens")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "prompt_tokens", "prefilled_with_tokens", "prompt_wait_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class WorkerServiceGenerateResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_WITH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -47,7 +48,8 @@ class WorkerServiceGenerateResponse(_message.Message):
     timings: _common_pb2.Timings
     prompt_tokens: int
     prefilled_with_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., prefilled_with_tokens: _Optional[int] = ...) -> None: ...
+    prompt_wait_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., prefilled_with_tokens: _Optional[int] = ..., prompt_wait_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerServiceSessionRequest(_message.Message):
     __slots__ = ("stream_id", "generate", "cancel")
