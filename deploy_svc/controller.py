@@ -300,6 +300,10 @@ class DeploymentController:
         cuda = planning.on_cuda(nodes)
         limits = resolve_limits(model, request, cuda=cuda)
         explicit = request.HasField("config")
+        if explicit and request.HasField("intent"):
+            # Unused beside a configuration, but not taken malformed (a fuzzing tester's
+            # NaN latency target passed in silence).
+            check_intent(with_default(request.intent))
         objectives = resolve_objectives(
             request.objectives, None if explicit else with_default(request.intent)
         )

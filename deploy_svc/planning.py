@@ -28,8 +28,9 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import default_dtype
-from services.errors import InvalidArgument, IServeError, ResourceExhausted
+from services.errors import InvalidArgument, IServeError, ResourceExhausted, shown
 from services.estimation.score import UNFIT_NOTE
+from services.ids import check_device_id, check_hardware_type, check_node_id
 from services.intents import COST_FIELDS, COST_UNITS
 from services.reservation import memory_blocks
 from services.settings import GIB
@@ -633,13 +634,22 @@ def simulated_nodes(simulated: Sequence[common.DeviceState]) -> list[common.Node
         dev.CopyFrom(given)
         dev.ref.node_id = dev.ref.node_id or "simulated"
         key = (dev.ref.node_id, dev.ref.device_id)
-        name = f"simulated device {key[0]}/{key[1]!r}"
+        # A fuzzing tester's megabyte node id came back whole in the message.
+        check_node_id(key[0])
+        name = f"simulated device {key[0]}/{shown(key[1])}"
         if not dev.ref.device_id or key in seen:
             raise InvalidArgument(f"{name}: every device needs a device_id, unique in its node")
+        check_device_id(dev.ref.device_id)
         if not dev.hardware_type or not dev.total_bytes:
             raise InvalidArgument(f"{name} needs hardware_type and total_bytes")
+        check_hardware_type(dev.hardware_type)
         if not 0.0 <= dev.load <= 1.0:
             raise InvalidArgument(f"{name}: load must be in [0, 1]")
+        for field in ("free_bytes", "used_bytes", "reserved_bytes"):
+            if getattr(dev, field) > dev.total_bytes:
+                raise InvalidArgument(
+                    f"{name}: {field} {getattr(dev, field)} exceeds total_bytes {dev.total_bytes}"
+                )
         seen.add(key)
         if not dev.free_bytes:
             dev.free_bytes = free_bytes(dev.total_bytes, dev.used_bytes, dev.reserved_bytes)

@@ -38,6 +38,7 @@ from services.errors import FailedPrecondition, require
 from services.ids import check_deployment_id, check_node_id
 from services.models.checkpoint import InvalidCheckpoint, read_config
 from services.models.compression import DEFAULT_PRUNE_FRACTION
+from services.token_limits import check_batch_size
 
 log = logging.getLogger("iserve.agent.launch")
 
@@ -366,6 +367,12 @@ def build_plan(
     deployment_id = request.deployment_id
     check_deployment_id(deployment_id)
     require(len(request.workers) > 0, "workers is empty: give at least one WorkerSpec")
+    tp, pp = check_config(request.config)
+    require(
+        len(request.workers) <= tp * pp,
+        f"{len(request.workers)} workers for a group of tp {tp} x pp {pp}",
+    )
+    check_batch_size(request.config.batch_size, "config.batch_size")
     ranks = [w.rank for w in request.workers]
     require(len(set(ranks)) == len(ranks), f"workers repeat a rank: {sorted(ranks)}")
     for spec in request.workers:
@@ -374,7 +381,6 @@ def build_plan(
             f"worker rank {spec.rank}: device {spec.device_id!r} is not on this node "
             f"(devices: {', '.join(devices)})",
         )
-    tp, pp = check_config(request.config)
     check_compression(request.config)
     checkpoint_dir = resolve_checkpoint(models_root, request.checkpoint_path)
     config = _checkpoint_config(checkpoint_dir)

@@ -89,6 +89,8 @@ from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config
 from services.models.families import parse_config
 from services.proto_limits import UINT32_MAX
+from services.settings import MAX_PROFILE_LENGTHS, MAX_PROFILE_RUNS
+from services.token_limits import check_batch_size
 
 log = logging.getLogger("iserve.agent.profiling")
 # A profiling job's worker records expire this long after their last write: longer
@@ -134,6 +136,19 @@ def check_job(request: agent_pb.RunProfilingJobRequest) -> JobSpec:
     """The job ``request`` describes; InvalidArgument for what a caller got wrong.
     ``timed_runs`` 0 means DEFAULT_TIMED_RUNS and ``config.batch_size`` 0 means 1."""
     require(request.input_tokens >= 1, "input_tokens must be at least 1")
+    # Bounds on the work: a fuzzing tester's job of 2^32 runs held its devices until
+    # the caller's deadline.
+    for name, runs in (("warmup_runs", request.warmup_runs), ("timed_runs", request.timed_runs)):
+        require(runs <= MAX_PROFILE_RUNS, f"{name} must be at most {MAX_PROFILE_RUNS}, got {runs}")
+    for name, lengths in (
+        ("output_tokens", request.output_tokens),
+        ("extra_input_tokens", request.extra_input_tokens),
+    ):
+        require(
+            len(lengths) <= MAX_PROFILE_LENGTHS,
+            f"{name} has {len(lengths)} lengths; a job measures at most {MAX_PROFILE_LENGTHS}",
+        )
+    check_batch_size(request.config.batch_size, "config.batch_size")
     require(
         all(n >= 1 for n in request.extra_input_tokens),
         "every extra_input_tokens value must be at least 1",

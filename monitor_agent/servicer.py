@@ -12,6 +12,7 @@ from monitor_agent.profiling import ProfilingJobs
 from monitor_agent.supervisor import WorkerSupervisor
 from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
+from services.ids import check_deployment_id
 from services.settings import Settings
 
 
@@ -37,6 +38,7 @@ class AgentServicer(agent_service_pb2_grpc.AgentServiceServicer):
     async def StopWorkers(
         self, request: agent_pb.StopWorkersRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb.StopWorkersResponse:
+        check_deployment_id(request.deployment_id)  # a malformed id names no workers
         # Shielded: a caller whose deadline passes while the workers drain must not leave
         # them half stopped (signalled, but never waited for or recorded STOPPED).
         workers = await asyncio.shield(
@@ -47,6 +49,8 @@ class AgentServicer(agent_service_pb2_grpc.AgentServiceServicer):
     async def ListWorkers(
         self, request: agent_pb.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb.ListWorkersResponse:
+        if request.deployment_id:  # empty: every deployment's
+            check_deployment_id(request.deployment_id)
         workers = self.supervisor.list_workers(request.deployment_id)
         return agent_pb.ListWorkersResponse(request_id=request.request_id, workers=workers)
 

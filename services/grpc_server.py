@@ -67,17 +67,40 @@ def _code_of(exc: BaseException) -> grpc.StatusCode:
     return exc.code if isinstance(exc, IServeError) else grpc.StatusCode.INTERNAL
 
 
+# Bytes a status message takes on the wire at most (percent-encoded in grpc-message).
+# A client's trailers are limited to 8 KiB by default: a longer message, such as one
+# repeating a megabyte the client sent, reached it as a transport error in place of the
+# status (a fuzzing tester).
+MAX_DETAILS_BYTES = 4096
+
+
+def wire_details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
+    """``message``, cut so that its grpc-message encoding takes at most ``limit`` bytes,
+    saying how much was left out."""
+    used = 0
+    for at, char in enumerate(message):
+        # Printable ASCII but "%" goes as it is; anything else as %XX per UTF-8 byte.
+        used += (
+            1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8", "replace"))
+        )
+        if used > limit - 40:  # room for the note
+            return f"{message[:at]}... ({len(message) - at} more characters)"
+    return message
+
+
 async def _abort_for(
     exc: BaseException, method: str, request: object, context: grpc.aio.ServicerContext
 ):
     rid = logged_request_id(request)
     if isinstance(exc, IServeError):
-        log.info("%s request_id=%s -> %s: %s", method, rid, exc.code.name, exc)
-        reason = ((REASON_KEY, exc.reason),) if exc.reason else ()
-        await context.abort(exc.code, str(exc), trailing_metadata=reason)
+        details = wire_details(str(exc))
+        log.info("%s request_id=%s -> %s: %s", method, rid, exc.code.name, details)
+        reason = ((REASON_KEY, exc.reason[:200]),) if exc.reason else ()
+        await context.abort(exc.code, details, trailing_metadata=reason)
     log.exception("%s request_id=%s failed", method, rid)
     await context.abort(
-        grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+        grpc.StatusCode.INTERNAL,
+        wire_details(f"internal error in {method}: {type(exc).__name__}: {exc}"),
     )
 
 

@@ -34,6 +34,12 @@ def check_node_id(node_id: str) -> None:
         raise InvalidArgument(f"invalid node_id {shown(node_id)}: {NODE_ID_RULE}")
 
 
+def check_device_id(device_id: str) -> None:
+    """A device's id on its node (an agent names them cpu0, cuda0, ...)."""
+    if not TOKEN_PATTERN.fullmatch(device_id):
+        raise InvalidArgument(f"invalid device_id {shown(device_id)}: {_TOKEN_RULE}")
+
+
 def is_valid_id(value: str) -> bool:
     return ID_PATTERN.fullmatch(value) is not None
 

@@ -1010,7 +1010,11 @@ def engine_choice(env: Mapping[str, str] | None = None) -> str:
     return choice
 
 
-def _int_list(env: Mapping[str, str], name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+def _int_list(
+    env: Mapping[str, str], name: str, default: tuple[int, ...], most: int | None = None
+) -> tuple[int, ...]:
+    """``env[name]``'s comma-separated integers (each at least 1, repeats dropped, at
+    most ``most`` of them), ``default`` when unset; ValueError naming the variable."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -1020,7 +1024,16 @@ def _int_list(env: Mapping[str, str], name: str, default: tuple[int, ...]) -> tu
         raise ValueError(f"{name}={raw!r}: give comma-separated integers") from exc
     if not values or any(v < 1 for v in values):
         raise ValueError(f"{name}={raw!r}: every value must be at least 1")
-    return tuple(dict.fromkeys(values))
+    values = tuple(dict.fromkeys(values))
+    if most is not None and len(values) > most:
+        raise ValueError(f"{name}: {len(values)} values; at most {most}")
+    return values
+
+
+# What one profiling job may ask for at most (RunProfilingJob, and so these settings):
+# each length multiplies its runs, and each run holds the job's devices.
+MAX_PROFILE_RUNS = 100
+MAX_PROFILE_LENGTHS = 16
 
 
 @dataclass(frozen=True)
@@ -1039,14 +1052,25 @@ class ProfilingSettings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> ProfilingSettings:
         """Settings from ``env`` (default: ``os.environ``); ValueError names a bad variable."""
         env = os.environ if env is None else env
+        runs = {"maximum": MAX_PROFILE_RUNS}
         return cls(
             input_tokens=tuple(
-                sorted(_int_list(env, "ISERVE_PROFILE_INPUT_TOKENS", cls.input_tokens))
+                sorted(
+                    _int_list(
+                        env, "ISERVE_PROFILE_INPUT_TOKENS", cls.input_tokens, MAX_PROFILE_LENGTHS
+                    )
+                )
             ),
-            output_tokens=_int_list(env, "ISERVE_PROFILE_OUTPUT_TOKENS", cls.output_tokens),
+            output_tokens=_int_list(
+                env, "ISERVE_PROFILE_OUTPUT_TOKENS", cls.output_tokens, MAX_PROFILE_LENGTHS
+            ),
             batch_sizes=_int_list(env, "ISERVE_PROFILE_BATCH_SIZES", cls.batch_sizes),
-            warmup_runs=int(_number(env, "ISERVE_PROFILE_WARMUP_RUNS", cls.warmup_runs, minimum=0)),
-            timed_runs=int(_number(env, "ISERVE_PROFILE_TIMED_RUNS", cls.timed_runs, minimum=1)),
+            warmup_runs=int(
+                _number(env, "ISERVE_PROFILE_WARMUP_RUNS", cls.warmup_runs, minimum=0, **runs)
+            ),
+            timed_runs=int(
+                _number(env, "ISERVE_PROFILE_TIMED_RUNS", cls.timed_runs, minimum=1, **runs)
+            ),
         )
 
     @property

@@ -140,10 +140,18 @@ def test_request_values_override_the_defaults(models_root):
                 "workers": [
                     agent_pb.WorkerSpec(rank=0, device_id="cpu0"),
                     agent_pb.WorkerSpec(rank=0, device_id="cpu1"),
-                ]
+                ],
+                "config": common.DeploymentConfig(tensor_parallel=2),
             },
             "repeat a rank",
         ),
+        # A fuzzing tester: 100k WorkerSpecs, and a batch no deployer would ask for (a
+        # failed 70 TB allocation later, FAILED_PRECONDITION).
+        (
+            {"workers": [agent_pb.WorkerSpec(rank=0, device_id="cpu0")] * 100_000},
+            "100000 workers for a group of tp 1 x pp 1",
+        ),
+        ({"config": common.DeploymentConfig(batch_size=1 << 30)}, "batch_size must be at most 256"),
         ({"checkpoint_path": ""}, "checkpoint_path is empty"),
         ({"checkpoint_path": "../outside"}, "outside the models root"),
         ({"checkpoint_path": "/etc"}, "outside the models root"),
@@ -561,3 +569,37 @@ def test_an_agent_refuses_workers_placed_on_another_node(tmp_path):
         with pytest.raises(InvalidArgument, match="invalid node_id ") as refused:
             asyncio.run(servicer.StartWorkers(request, None))
         assert "\n" not in str(refused.value) and len(str(refused.value)) < 300
+
+
+@pytest.mark.parametrize("deployment_id", ["", "a b", "x" * 100_000, "../etc"])
+def test_stop_and_list_workers_refuse_a_malformed_deployment_id(deployment_id):
+    """A fuzzing tester's malformed ids were taken (and a megabyte one echoed); they name
+    no workers. ListWorkers' empty id is every deployment's."""
+    import asyncio
+
+    from monitor_agent.servicer import AgentServicer
+
+    calls = []
+
+    class Supervisor:
+        async def stop_workers(self, deployment_id, lost_rank=False):
+            calls.append(deployment_id)
+            return []
+
+        def list_workers(self, deployment_id=""):
+            calls.append(deployment_id)
+            return []
+
+    servicer = AgentServicer(None, [], Supervisor())
+    with pytest.raises(InvalidArgument, match="invalid deployment_id"):
+        asyncio.run(
+            servicer.StopWorkers(agent_pb.StopWorkersRequest(deployment_id=deployment_id), None)
+        )
+    request = agent_pb.ListWorkersRequest(deployment_id=deployment_id)
+    if deployment_id:
+        with pytest.raises(InvalidArgument, match="invalid deployment_id"):
+            asyncio.run(servicer.ListWorkers(request, None))
+        assert calls == []
+    else:
+        asyncio.run(servicer.ListWorkers(request, None))
+        assert calls == [""]

@@ -230,6 +230,38 @@ def test_simulated_devices_are_bounded_on_both_sides_of_the_wire():
             simulated_devices("rtx-a6000", count, 48)
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"ref": common.DeviceRef(node_id="n" * 1_000_000, device_id="d0")},
+            "invalid node_id 'nnn",
+        ),
+        ({"ref": common.DeviceRef(device_id="d" * 1_000_000)}, "invalid device_id 'ddd"),
+        ({"ref": common.DeviceRef(device_id="gpu 0")}, "invalid device_id 'gpu 0'"),
+        ({"hardware_type": "RTX A6000\n"}, "invalid hardware_type"),
+        ({"free_bytes": 2 * GIB}, "free_bytes 2147483648 exceeds total_bytes 1073741824"),
+        ({"used_bytes": 2 * GIB}, "used_bytes 2147483648 exceeds total_bytes"),
+        ({"reserved_bytes": 2 * GIB}, "reserved_bytes 2147483648 exceeds total_bytes"),
+    ],
+)
+def test_a_simulated_device_is_checked_as_an_agents_would_be(changes, message):
+    """A fuzzing tester's simulated devices went unchecked: a megabyte node id came back
+    whole in the message (a transport error at the client), and free bytes above the
+    total were planned on."""
+    device = common.DeviceState(
+        ref=common.DeviceRef(device_id="d0"), hardware_type="rtx-a6000", total_bytes=GIB
+    )
+    for name, value in changes.items():
+        if name == "ref":
+            device.ref.CopyFrom(value)
+        else:
+            setattr(device, name, value)
+    with pytest.raises(InvalidArgument, match=message) as refused:
+        planning.simulated_nodes([device])
+    assert len(str(refused.value)) < 300
+
+
 def test_a_decision_s_memory_figures_share_one_basis():
     """With an estimate, both memory figures are the estimator's (the engine's alone);
     without one, both are the placement's reservations. The per-device figure used to be

@@ -5,6 +5,7 @@ fake agents and estimator (no server)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import types
 
 import grpc
@@ -309,6 +310,29 @@ def test_more_than_sixteen_replicas_is_invalid_and_changes_nothing(run):
             await controller.plan(deploy_pb.PlanDeploymentRequest(model_id="m", replicas=17))
         assert agent.started == []
         assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_malformed_intent_beside_a_configuration_is_invalid_and_changes_nothing(run):
+    """The intent goes unused beside an explicit configuration, but a NaN target in it
+    was taken in silence (a fuzzing tester); a well-formed one is still fine there."""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        bad = common.Intent(kind=common.INTENT_KIND_LATENCY_SLO, latency_slo_ms=math.nan)
+        with pytest.raises(InvalidArgument, match="needs a positive latency_slo_ms"):
+            await controller.deploy(deploy_request(1, intent=bad))
+        with pytest.raises(InvalidArgument, match="needs a positive latency_slo_ms"):
+            await controller.plan(
+                deploy_pb.PlanDeploymentRequest(model_id="m", config=EXPLICIT, intent=bad)
+            )
+        assert agent.started == []
+        assert await nothing_left(store)
+        good = common.Intent(kind=common.INTENT_KIND_MIN_LATENCY)
+        reply = await controller.deploy(deploy_request(1, intent=good))
+        assert reply.deployment.config.tensor_parallel == EXPLICIT.tensor_parallel
 
     run(scenario)
 

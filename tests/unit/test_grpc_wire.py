@@ -11,6 +11,7 @@ import pytest
 
 from services.api import inference_service_pb2 as inference_pb
 from services.api import inference_service_pb2_grpc as inference_grpc
+from services.errors import InvalidArgument
 from services.grpc_server import ErrorInterceptor, ServerSecurity, ServiceBinding, start_server
 from tests.unit.test_grpc_server_drain import OneToken, Ticker
 
@@ -97,3 +98,40 @@ def test_a_write_on_a_call_its_client_ended_counts_as_the_client_s_not_internal(
     asyncio.run(scenario())
     assert counted == [("/m", grpc.StatusCode.CANCELLED)]
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+class _Echo(inference_grpc.InferenceServiceServicer):
+    """Refuses every request, repeating its prompt whole, as a careless message would."""
+
+    async def Generate(self, request, context):
+        raise InvalidArgument(f"bad request {request.prompt}")
+        yield
+
+
+@pytest.mark.parametrize("alphabet", ["x", "é%\n"])
+def test_a_message_repeating_a_huge_value_reaches_the_client_as_its_status(alphabet):
+    """A refusal that repeats a megabyte the client sent went over the 8 KiB a client
+    takes in trailers, and the client saw a transport error instead of INVALID_ARGUMENT
+    (a fuzzing tester). Every status message is cut to fit, saying how much was cut,
+    however its characters encode."""
+
+    async def scenario():
+        binding = ServiceBinding(
+            _Echo(), inference_grpc.add_InferenceServiceServicer_to_server, "x"
+        )
+        server, port, _ = await start_server([binding], "127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as chan:
+                stub = inference_grpc.InferenceServiceStub(chan)
+                request = inference_pb.GenerateRequest(prompt=alphabet * 300_000)
+                with pytest.raises(grpc.aio.AioRpcError) as failure:
+                    async for _ in stub.Generate(request, timeout=10):
+                        pass
+                return failure.value
+        finally:
+            await server.stop(None)
+
+    error = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details().startswith("bad request " + alphabet)
+    assert error.details().endswith("more characters)")

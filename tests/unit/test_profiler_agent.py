@@ -61,6 +61,16 @@ def test_check_job_fills_defaults_and_refuses_bad_requests():
         ({"extra_input_tokens": [4]}, r"must ascend without repeats \(got 8, 4\)"),
         ({"extra_input_tokens": [8]}, "must ascend without repeats"),
         ({"extra_input_tokens": [16, 2**32 - 1]}, "exceeds any sequence"),
+        # Work without end that held the job's devices until the caller's deadline (a
+        # fuzzing tester).
+        ({"timed_runs": 2**32 - 1}, "timed_runs must be at most 100"),
+        ({"warmup_runs": 101}, "warmup_runs must be at most 100"),
+        ({"output_tokens": list(range(1, 18))}, "output_tokens has 17 lengths"),
+        ({"extra_input_tokens": list(range(9, 26))}, "extra_input_tokens has 17 lengths"),
+        (
+            {"config": common.DeploymentConfig(batch_size=100_000)},
+            "batch_size must be at most 256",
+        ),
     ]:
         with pytest.raises(InvalidArgument, match=message):
             check_job(_request(**fields))

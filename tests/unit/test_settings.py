@@ -483,6 +483,9 @@ def test_a_bad_log_level_or_node_id_is_refused_naming_it(variable, value, says, 
         ("ISERVE_PROFILE_INPUT_TOKENS", "64,0"),
         ("ISERVE_PROFILE_BATCH_SIZES", "one"),
         ("ISERVE_PROFILE_TIMED_RUNS", "0"),
+        # More than an agent takes in one job (RunProfilingJob's bounds).
+        ("ISERVE_PROFILE_TIMED_RUNS", "101"),
+        ("ISERVE_PROFILE_OUTPUT_TOKENS", ",".join(map(str, range(1, 18)))),
     ],
 )
 def test_settings_the_services_read_themselves_are_checked_before_up(variable, value):
