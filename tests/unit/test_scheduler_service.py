@@ -1020,11 +1020,16 @@ def test_a_request_waiting_on_a_deployment_removed_meanwhile_is_told_so(redis_ur
     run(redis_url, scenario)
 
 
-def test_an_edf_queue_predicts_a_text_prompt_at_most_at_the_prompt_limit(redis_url):
+@pytest.mark.parametrize("prefill_ms_per_token", [1.0, 10.0])
+def test_a_text_prompt_guessed_over_the_limit_gets_the_workers_refusal(
+    redis_url, prefill_ms_per_token
+):
     """A text prompt's token count is guessed from its characters; the worker refuses one
     over the deployment's limit. A 4000-token guess on a deployment taking 256 prompt
-    tokens is predicted as 256 (0.26 s of prefill, inside the 2 s objective): it reaches
-    the worker, which says it is too long, instead of a predicted-deadline refusal."""
+    tokens is predicted as 256 and goes to the worker, which says it is too long,
+    instead of getting a predicted-deadline refusal: at 1 ms a token (0.26 s, inside the
+    2 s objective), and at 10 ms, where the limit's own prefill (2.56 s) misses it, as
+    docs/scheduling.md says (a tester saw a 504 there)."""
 
     async def scenario(h: Harness):
         worker = FakeWorker()
@@ -1036,32 +1041,7 @@ def test_an_edf_queue_predicts_a_text_prompt_at_most_at_the_prompt_limit(redis_u
             objectives=common.ServiceObjectives(
                 scheduling=common.SCHEDULING_POLICY_EDF, ttft_slo_ms=2000
             ),
-            latency_model=common.LatencyModel(prefill_ms_per_token=1.0),
-        )
-        await h.collect(request_id="warm", deployment_id="d1", max_tokens=1)
-        await h.collect(request_id="long", deployment_id="d1", max_tokens=1, prompt="x" * 16_000)
-        assert [r.request_id for r in worker.received] == ["warm", "long"]
-
-    run(redis_url, scenario)
-
-
-def test_a_prompt_guessed_too_long_is_the_workers_to_refuse_whatever_its_prefill(redis_url):
-    """As above, but the limit's own prefill misses the objective (256 tokens at 10 ms:
-    2.56 s against 2 s): the guess says the worker will refuse the prompt as too long,
-    so it goes there for its 400 rather than getting a predicted-deadline 504, as
-    docs/scheduling.md says (a tester saw the 504)."""
-
-    async def scenario(h: Harness):
-        worker = FakeWorker()
-        await h.add_deployment(
-            "d1",
-            worker,
-            max_output_tokens=4,
-            max_input_tokens=256,
-            objectives=common.ServiceObjectives(
-                scheduling=common.SCHEDULING_POLICY_EDF, ttft_slo_ms=2000
-            ),
-            latency_model=common.LatencyModel(prefill_ms_per_token=10.0),
+            latency_model=common.LatencyModel(prefill_ms_per_token=prefill_ms_per_token),
         )
         await h.collect(request_id="warm", deployment_id="d1", max_tokens=1)
         await h.collect(request_id="long", deployment_id="d1", max_tokens=1, prompt="x" * 16_000)
@@ -1076,16 +1056,7 @@ def test_a_prompts_wait_for_the_encoding_thread_is_not_learnt_as_prefill(redis_u
     made the deployment's EDF queue refuse ordinary requests afterwards, idle as it was
     (a tester: an 800-token prompt predicted at 2,972 ms, served in 50-160). The worker
     says how long the prompt waited; the predictor learns the rest."""
-    from scheduler_svc.predictor import LatencyPredictor
-
-    seen: list[float] = []
-    observe = LatencyPredictor.observe
-
-    def recording(self, **kwargs):
-        seen.append(kwargs["first_token_s"])
-        observe(self, **kwargs)
-
-    monkeypatch.setattr(LatencyPredictor, "observe", recording)
+    seen = observed(monkeypatch, "first_token_s")
 
     async def scenario(h: Harness):
         await h.add_deployment("d1", FakeWorker(prompt_wait_s=0.4))
@@ -1313,22 +1284,28 @@ def test_a_model_request_without_a_deadline_refused_everywhere_is_told_the_queue
     run(redis_url, scenario, queue_capacity=1)
 
 
-def test_a_wave_decoding_together_is_learned_at_the_batch_it_ran(redis_url, monkeypatch):
-    """The decode line learned each request's TPOT against the mean of the sequences
-    running at its admission and at its end: four requests admitted and decoding
-    together read as about 2.5, and the per-sequence cost came out too high or too low
-    after bursts. Each now counts the sequences running over its own decode, time
-    weighted: 4 for each of a wave of 4."""
+def observed(monkeypatch, name: str) -> list[float]:
+    """The ``name`` argument of every LatencyPredictor.observe call from now on."""
     from scheduler_svc.predictor import LatencyPredictor
 
     seen: list[float] = []
     observe = LatencyPredictor.observe
 
     def recording(self, **kwargs):
-        seen.append(kwargs["running"])
+        seen.append(kwargs[name])
         observe(self, **kwargs)
 
     monkeypatch.setattr(LatencyPredictor, "observe", recording)
+    return seen
+
+
+def test_a_wave_decoding_together_is_learned_at_the_batch_it_ran(redis_url, monkeypatch):
+    """The decode line learned each request's TPOT against the mean of the sequences
+    running at its admission and at its end: four requests admitted and decoding
+    together read as about 2.5, and the per-sequence cost came out too high or too low
+    after bursts. Each now counts the sequences running over its own decode, time
+    weighted: 4 for each of a wave of 4."""
+    seen = observed(monkeypatch, "running")
 
     async def scenario(h: Harness):
         worker = FakeWorker(tokens=[(i, "x") for i in range(8)], token_delay_s=0.05)
