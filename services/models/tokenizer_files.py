@@ -71,6 +71,13 @@ def load_tokenizer(directory: Path, family: str) -> Tokenizer:
             f"library can load: {exc}"
         ) from None
     as_transformers_runs_it(tokenizer, family, _json_object(directory / TOKENIZER_CONFIG))
+    # A tokenizer.json may carry the padding and truncation of the last batch it encoded
+    # before it was saved (transformers leaves them set on its backend, and
+    # save_pretrained writes them). AutoTokenizer turns both off for a call that asks for
+    # neither, as serving a prompt does: padded, a prompt became 40 ids of which 32 were
+    # padding; truncated, it lost its end.
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
     return tokenizer
 
 

@@ -145,6 +145,24 @@ def test_prompt_encoding_matches_transformers(
     assert starts_with_bos == (post_processor == "bos")
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_tokenizer_saved_with_padding_and_truncation_encodes_as_transformers_does(
+    tmp_path, tokenizer_json, auto_tokenizer, model_type
+) -> None:
+    """transformers leaves the padding and truncation of the last batch it encoded set
+    on its backend, and save_pretrained writes them into tokenizer.json. AutoTokenizer
+    turns both off for a call that asks for neither; iserve padded a prompt to 40 ids
+    and cut it at 8."""
+    raw = Tokenizer.from_str(tokenizer_json)
+    raw.enable_padding(pad_id=EOS_ID, pad_token=EOS, length=40)
+    raw.enable_truncation(max_length=8)
+    tokenizer = write_tokenizer_files(
+        tmp_path / "ckpt", raw.to_str(), model_type=model_type, post_processor="bos"
+    )
+    assert_encodes_like_transformers(tmp_path / "ckpt", tokenizer, auto_tokenizer)
+    assert len(encode_prompt(tokenizer, TEXTS[0])) > 8
+
+
 @pytest.mark.parametrize(
     ("model_type", "post_processor", "tokenizer_config", "special_tokens_map"),
     [
