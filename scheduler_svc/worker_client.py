@@ -28,6 +28,12 @@ STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 SessionRequest = worker_pb.WorkerServiceSessionRequest
 
 
+# What gRPC's asyncio client reports, as INTERNAL, when a call's batch fails in its core
+# (the peer ended a bidirectional call while this side was writing), in place of the
+# status the peer sent.
+CORE_LOST_STATUS = "Internal error from Core"
+
+
 class WorkerStreamError(Exception):
     """A generation failed on the worker (its status) or with its session (the call's)."""
 
@@ -149,7 +155,18 @@ class WorkerSession:
                     code = STATUS_BY_NUMBER.get(error.status_code, grpc.StatusCode.UNKNOWN)
                     stream.deliver(WorkerStreamError(code, error.message, error.reason))
         except grpc.aio.AioRpcError as exc:
-            ended = WorkerStreamError(exc.code(), exc.details() or "")
+            code, details = exc.code(), exc.details() or ""
+            if code == grpc.StatusCode.INTERNAL and details == CORE_LOST_STATUS:
+                # gRPC's client reads this in place of the status when the worker ends
+                # the session while a request is being written to it (a worker draining
+                # or stopping): the session ended, as at EOF. Passed on as INTERNAL, a
+                # request sent to a removed deployment's draining worker failed so,
+                # where it is told the deployment was removed.
+                code, details = (
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the worker ended the session ({details})",
+                )
+            ended = WorkerStreamError(code, details)
         except asyncio.CancelledError:
             ended = WorkerStreamError(grpc.StatusCode.CANCELLED, "the scheduler closed the session")
             raise

@@ -272,3 +272,42 @@ def test_a_cancel_right_behind_its_request_ends_the_generation_before_it_runs():
     asyncio.run(asyncio.wait_for(serve_session(messages(), context, generate), WAIT_S))
     assert started == ["r4"]
     assert [m.stream_id for m in context.written] == [2]
+
+
+def test_a_session_whose_status_grpc_lost_ended_as_the_worker_ending_it():
+    """gRPC's client reads INTERNAL "Internal error from Core" in place of the status
+    when the worker ends the session while a request is being written (a draining
+    worker): the session ended, UNAVAILABLE as at EOF. A request sent to a removed
+    deployment's worker failed INTERNAL, where it is told of the removal (seen once in
+    the fresh-clone CI). A worker's own INTERNAL stays INTERNAL."""
+    from scheduler_svc.worker_client import CORE_LOST_STATUS, WorkerSession
+
+    class Call:
+        def __init__(self, details: str) -> None:
+            self.details = details
+
+        async def read(self):
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), self.details
+            )
+
+        def cancel(self) -> None:
+            pass
+
+    class Stub:
+        def __init__(self, details: str) -> None:
+            self.details = details
+
+        def Session(self):
+            return Call(self.details)
+
+    async def ended(details: str) -> WorkerStreamError:
+        session = WorkerSession(Stub(details))
+        await asyncio.wait_for(asyncio.shield(session._reader), WAIT_S)
+        return session.ended
+
+    lost = asyncio.run(ended(CORE_LOST_STATUS))
+    assert lost.code == grpc.StatusCode.UNAVAILABLE
+    assert lost.details == f"the worker ended the session ({CORE_LOST_STATUS})"
+    own = asyncio.run(ended("the engine failed"))
+    assert (own.code, own.details) == (grpc.StatusCode.INTERNAL, "the engine failed")
