@@ -575,15 +575,16 @@ class QueueRegistry:
         :meth:`snapshot` (a predictor replaces its coefficients in one assignment)."""
         return [(d, q.predictor) for d, q in list(self._queues.items()) if q.predictor]
 
-    def prune(self, keep: Iterable[str]) -> None:
+    def prune(self, keep: Iterable[str], removing: Iterable[str] = ()) -> None:
         """Close the queues of replicas not in ``keep`` two calls in a row (they no longer
-        serve: once alone may be a deployment created while ``keep`` was read), and forget
-        idle queues not in ``keep``."""
-        keep = set(keep)
+        serve: once alone may be a deployment created while ``keep`` was read), at once
+        for the deployments in ``removing`` (their records say so), and forget idle
+        queues not in ``keep``."""
+        keep, removing = set(keep), set(removing)
         left_out = {d for d in self._queues if d not in keep}
         for deployment_id in left_out:
             queue = self._queues[deployment_id]
-            if deployment_id in self._left_out:
+            if deployment_id in self._left_out or split_group_id(deployment_id)[0] in removing:
                 queue.close()
             if queue.running == 0 and queue.waiting == 0:
                 del self._queues[deployment_id]

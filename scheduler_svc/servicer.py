@@ -579,7 +579,15 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
 
     async def _forget_removed(self, deployments: list[deploy_pb.Deployment]) -> None:
         serving = [(d, r) for d in deployments for r in replicas.serving(d)]
-        self.queues.prune(replica_group_id(d.deployment_id, r.index) for d, r in serving)
+        self.queues.prune(
+            (replica_group_id(d.deployment_id, r.index) for d, r in serving),
+            # Being removed: its waiting requests are told at once, not a refresh later.
+            removing=(
+                d.deployment_id
+                for d in deployments
+                if d.state == deploy_pb.DEPLOYMENT_STATE_REMOVING
+            ),
+        )
         self.metrics.forget(d.deployment_id for d in deployments)
         addresses = {r.worker_address for _, r in serving if r.worker_address}
         self._unreachable &= addresses  # taken out of the records: nothing left to avoid

@@ -216,7 +216,8 @@ def test_removing_a_deployment_lets_its_stream_in_flight_finish(stack):
 def test_requests_waiting_when_a_deployment_is_removed_are_told_at_once(stack):
     """One slot: a stream runs, another request waits for the slot. Removing the
     deployment lets the stream finish (the drain) but sends the waiting request away
-    within a refresh or two, not when the stream ends and the worker is gone."""
+    at the next refresh (about a second; a record saying REMOVING closes its queues
+    at once), not when the stream ends and the worker is gone."""
     register(stack, "drain-wait", make_checkpoint(stack, "drain-wait", **SERVED_SHAPE))
     max_tokens = 1500
     dep = deploy(stack, "drain-wait", max_output_tokens=max_tokens, batch_size=1).deployment

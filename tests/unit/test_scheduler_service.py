@@ -174,10 +174,13 @@ class Harness:
             await self.servicer._forget_removed(router.deployments())
 
     async def mark_removing(self, deployment: deploy_pb.Deployment) -> None:
-        """Record ``deployment`` REMOVING and let the scheduler see it."""
+        """Record ``deployment`` REMOVING and let the scheduler see it: one refresh (a
+        record that says REMOVING closes its queues at once)."""
         deployment.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
         await self.store.put_deployment(deployment)
-        await self.close_left_out()
+        router = self.servicer.router
+        await router.refresh()
+        await self.servicer._forget_removed(router.deployments())
 
     async def until_waiting(self, deployment_id: str, count: int) -> None:
         queue = self.servicer.queues.get(deployment_id)
