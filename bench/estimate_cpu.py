@@ -6,8 +6,10 @@ ports. Create three 24-layer checkpoints, Llama-, Falcon- and GPT-J-style, narro
 512 by default) so that runs are fast, and register each with an int8-weight variant and profiling:
 the real profiler cuts fingerprints (1-2 layers at pp = 1, 2-3 at pp = 2) and runs them
 through the agent at (1,1), (1,2), (2,1), batch 1 and 2, 64-token prompt, outputs 8
-and 16. Then every full model (each variant) is measured at every (tp, pp) that 2
-devices allow, (1,1), (2,1), (1,2) ((2,2) needs 4 devices: skipped), by the same path
+and 16. Every full model (each variant) is measured, once before the profiling and
+once after (``--passes``: the two passes bracket the fingerprints' measurements, so
+their disagreement, the floor, spans the machine's drift over that time), at every
+(tp, pp) that 2 devices allow, (1,1), (2,1), (1,2) ((2,2) needs 4 devices: skipped), by the same path
 the profiler uses: ``AgentService.RunProfilingJob`` with the full checkpoint, batch 1,
 the profiler's prompt and output lengths and timed runs. It reports TTFT and TPOT from
 stream timestamps, end-to-end latency, and each rank's peak memory (the workers' own
@@ -150,13 +152,15 @@ def layouts_text() -> str:
 
 
 # ---- profiling and measuring -------------------------------------------------------------
-def register_and_profile(
-    settings, models_stub, hidden: int, dtype: str
-) -> dict[str, model_pb.Model]:
+def write_checkpoints(settings, hidden: int, dtype: str) -> None:
     for model_id, shape in ARCHS.items():
         shape["hidden_size"] = hidden
         log(f"writing {model_id} ({shape['arch']}, {LAYERS} layers, hidden {hidden}, {dtype}) ...")
         create_checkpoint(settings.models_root / model_id, num_layers=LAYERS, dtype=dtype, **shape)
+
+
+def register_and_profile(settings, models_stub) -> dict[str, model_pb.Model]:
+    for model_id, shape in ARCHS.items():
         models_stub.RegisterModel(
             model_pb.RegisterModelRequest(
                 model_id=model_id,
@@ -294,9 +298,10 @@ def combine_passes(passes) -> list[model_pb.ProfileMeasurement]:
 
 
 def repeatability(passes) -> dict[str, tuple[float, float]]:
-    """How far the same full-model job, measured in two passes minutes apart, disagrees
-    with itself, per metric (median, p90 of |pass 2 / pass 1 - 1| %): the floor under any
-    estimate's error against one measurement. Empty with one pass."""
+    """How far the same full-model job, measured in two passes minutes apart (the first
+    before the fingerprints were profiled, the second after), disagrees with itself, per
+    metric (median, p90 of |pass 2 / pass 1 - 1| %): the floor under any estimate's
+    error against one measurement. Empty with one pass."""
     if len(passes) < 2:
         return {}
     a, b = _points(passes[0]), _points(passes[1])
@@ -313,11 +318,16 @@ def repeatability(passes) -> dict[str, tuple[float, float]]:
     return floors
 
 
-def print_repeatability(floors: dict[str, tuple[float, float]]) -> None:
+def print_repeatability(floors: dict[str, tuple[float, float]], bracketed: bool) -> None:
     if not floors:
         return
+    when = (
+        "in pass 1 (before the fingerprints were profiled) and again in pass 2 (after)"
+        if bracketed
+        else "again in pass 2"
+    )
     print(
-        "\nRepeatability: every full-model job measured again in pass 2 (batch 1, 16 output "
+        f"\nRepeatability: every full-model job measured {when} (batch 1, 16 output "
         "tokens), |pass 2 / pass 1 - 1| (median / p90 %)"
     )
     print("  " + ", ".join(f"{k} {m:.1f} / {p:.1f}" for k, (m, p) in floors.items()))
@@ -485,8 +495,9 @@ def main() -> int:
         "--passes",
         type=int,
         default=2,
-        help="times every full model is measured, in separate passes (default 2): the truth "
-        "is the median over passes, and the passes' disagreement is printed",
+        help="times every full model is measured, in separate passes (default 2; the first "
+        "before the fingerprints are profiled, the others after): the truth is the median "
+        "over passes, and the passes' disagreement is printed as the floor",
     )
     parser.add_argument(
         "--devices",
@@ -561,20 +572,31 @@ def main() -> int:
             measure_s = raw.get("measure_s", 0.0)
             use_node(node, raw.get("devices", 2))
             args.dtype = raw.get("dtype", "float32")
+            # Files saved before the passes bracketed the profiling hold passes after it.
+            bracketed = raw.get("bracketed", False)
         else:
-            t0 = time.perf_counter()
             use_node(node, args.devices)
-            models = register_and_profile(settings, models_stub, args.hidden, args.dtype)
+            write_checkpoints(settings, args.hidden, args.dtype)
+            # The first pass of the full models before the fingerprints are profiled, the
+            # others after: the passes bracket the fingerprints' measurements, so their
+            # disagreement (the floor) spans the machine's drift over that time, which
+            # no estimate from the fingerprints can undo.
+            t0 = time.perf_counter()
+            full_passes = [measure_full_models(settings, deploy_stub, args.timed_runs, 0)]
+            measure_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            models = register_and_profile(settings, models_stub)
             profile_s = time.perf_counter() - t0
             fingerprints = {
                 m: models_stub.GetProfile(model_pb.GetProfileRequest(model_id=m)) for m in ARCHS
             }
             t0 = time.perf_counter()
-            full_passes = [
+            full_passes += [
                 measure_full_models(settings, deploy_stub, args.timed_runs, n)
-                for n in range(args.passes)
+                for n in range(1, args.passes)
             ]
-            measure_s = time.perf_counter() - t0
+            measure_s += time.perf_counter() - t0
+            bracketed = True
             if args.save:
                 args.save.write_text(
                     json.dumps(
@@ -591,6 +613,7 @@ def main() -> int:
                             "node": node,
                             "devices": args.devices,
                             "dtype": args.dtype,
+                            "bracketed": bracketed,
                         }
                     )
                 )
@@ -676,7 +699,13 @@ def main() -> int:
     print(
         f"full models: RunProfilingJob at {layouts_text()}, batch 1, prompt {INPUT_TOKENS}, "
         f"outputs {OUTPUT_TOKENS}, 1 warm-up + {args.timed_runs} timed runs (medians), "
-        f"{len(full_passes)} pass(es), the median over passes compared; {measure_s:.0f} s; "
+        f"{len(full_passes)} pass(es) "
+        + (
+            "(the first before the profiling, the others after), "
+            if bracketed
+            else "(after the profiling), "
+        )
+        + f"the median over passes compared; {measure_s:.0f} s; "
         f"(2,2) skipped: needs 4 devices, this node has {usable}"
     )
     print(
@@ -699,7 +728,7 @@ def main() -> int:
     )
     print_table("Calibrated on all three (in-sample, reference only)", errors(est_all, measured))
     floors = repeatability(full_passes)
-    print_repeatability(floors)
+    print_repeatability(floors, bracketed)
     print_points(est_loao, measured)
     print_layer_clocks(fingerprints, full_by_model)
     print("\nCalibrations per fold (TPOT alpha,beta,gamma,delta | scales ttft/tpot | fit %):")
