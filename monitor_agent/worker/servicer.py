@@ -114,7 +114,7 @@ class WorkerServicer(worker_service_pb2_grpc.WorkerServiceServicer):
         except PromptTooLong as exc:
             # As a counted prompt over the limit: clients trim on this reason.
             if not exc.chars_read:
-                raise ContextLengthExceeded(str(exc)) from exc
+                raise ContextLengthExceeded(f"{exc}; {self._accepts(request)}") from exc
             raise ContextLengthExceeded(
                 f"prompt has more than {exc.limit} tokens (its first {exc.chars_read} of "
                 f"{exc.chars} characters alone encode to {exc.counted}); "

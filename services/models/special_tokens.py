@@ -117,8 +117,10 @@ class PromptEncoder:
     about a second on half a megabyte, during which the worker's other prompts wait, so
     one client's hostile prompts would delay everyone's first tokens:
 
-    - a text longer than any ``max_seq_len`` tokens can stand for
-      (:func:`max_prompt_chars`) is refused unread;
+    - a text longer than the limit's tokens can stand for with this vocabulary
+      (:func:`max_prompt_chars`) is refused unread (a cap, since a tokenizer that gives
+      a run of unknown characters one token, or drops whitespace, may encode more
+      characters to a token);
     - a text longer than ``_WHOLE_CHARS_PER_TOKEN`` characters per token of the limit
       is read by growing prefixes first. A prefix's tokens, less the few a cut inside
       the text can add (``cut_slack``: the tokens either side of the cut may encode
@@ -132,23 +134,22 @@ class PromptEncoder:
     def __init__(self, tokenizer: Tokenizer, max_seq_len: int):
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
-        self._max_chars: int | None = None  # from the vocabulary, when first needed
-        self._cut_slack: int | None = None
+        self._longest: int | None = None  # from the vocabulary, when first needed
 
-    def _bounds(self) -> tuple[int, int]:
-        if self._max_chars is None or self._cut_slack is None:
-            longest = longest_piece(self.tokenizer)
-            self._max_chars = _chars_bound(longest, self.max_seq_len)
-            # A cut splits at most the tokens around it, each of at most ``longest``
-            # characters, into pieces of a byte each at worst (byte-level vocabularies);
-            # a normalizer may fold characters across it.
-            self._cut_slack = 2 * _NORMALIZER_FOLD * max(longest, 4)
-        return self._max_chars, self._cut_slack
+    @property
+    def longest(self) -> int:
+        """Characters of the vocabulary's longest piece."""
+        if self._longest is None:
+            self._longest = longest_piece(self.tokenizer)
+        return self._longest
 
     @property
     def cut_slack(self) -> int:
-        """Tokens a prefix may encode to beyond the whole text's share of them."""
-        return self._bounds()[1]
+        """Tokens a prefix may encode to beyond the whole text's share of them: a cut
+        splits at most the tokens around it, each of at most ``longest`` characters,
+        into pieces of a byte each at worst (byte-level vocabularies); a normalizer may
+        fold characters across it."""
+        return 2 * _NORMALIZER_FOLD * max(self.longest, 4)
 
     def __call__(
         self, text: str, add_special_tokens: bool = True, max_tokens: int = 0
@@ -156,14 +157,17 @@ class PromptEncoder:
         """``text``'s ids; PromptTooLong when it surely has more than ``max_tokens``
         tokens (0, or above ``max_seq_len``: ``max_seq_len``)."""
         limit = min(max_tokens, self.max_seq_len) if max_tokens > 0 else self.max_seq_len
-        max_chars, slack = self._bounds()
-        chars = len(text)
+        chars, slack = len(text), self.cut_slack
+        max_chars = _chars_bound(self.longest, limit)
         if chars > max_chars:
+            # A cap more than a proof: a tokenizer that gives a whole run of unknown
+            # characters one token, or drops whitespace, may encode it to fewer.
             raise PromptTooLong(
-                f"prompt of {chars} characters cannot fit the {self.max_seq_len} tokens "
-                f"this deployment holds per sequence (at most {max_chars} "
-                "characters with this tokenizer)",
-                limit=self.max_seq_len,
+                f"prompt of {chars} characters is longer than a prompt of {limit} tokens "
+                f"is read here: at most {max_chars} characters ({_NORMALIZER_FOLD} x "
+                f"{limit} tokens x {max(self.longest, _UNKNOWN_WORD_CHARS)} characters, "
+                "the most this vocabulary's pieces stand for)",
+                limit=limit,
                 chars=chars,
                 chars_read=0,
                 counted=0,

@@ -418,7 +418,9 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_without_tokenizing(st
     with pytest.raises(grpc.RpcError) as err:
         _generate(stub, prompt=huge, max_tokens=4)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "characters cannot fit" in err.value.details()
+    details = err.value.details()
+    assert details.startswith(f"prompt of {len(huge)} characters is longer than a prompt of ")
+    assert " accepts at most " in details  # the deployment's limit, as every refusal says
     # The reason clients trim on, as for a prompt counted over the limit.
     assert rpc_reason(err.value) == "context_length_exceeded"
     assert time.monotonic() - start < 10  # refused by length, not after encoding it all
