@@ -69,6 +69,24 @@ def test_a_drift_at_one_x_is_followed_with_the_memory_forgetting_gives(x):
     assert line.predict(x) == pytest.approx(0.0020 + 0.8 * 0.00165, rel=0.02)
 
 
+def test_samples_at_one_length_without_a_prior_never_price_a_short_prompt_above_them():
+    """A deployment without an estimate whose requests all had 511-512-token prompts
+    (TTFT 17-44 ms): noise made the line fall steeply (3.1 s fixed, -6 ms a token), and
+    a 3-token prompt was predicted at 3 s; its EDF queue refused everything from then
+    on (a tester). A time never falls as the prompt grows: such a line reads flat."""
+    for seed in range(20):
+        rng = random.Random(seed)
+        line = OnlineLine(prior=(0.0, 0.0), prior_samples=0, x_scale=512)
+        for _ in range(12):
+            line.update(rng.choice((511, 512)), rng.uniform(0.017, 0.044))
+        for x in (3, 100, 511, 512):
+            assert 0.0 <= line.predict(x) <= 0.044, (seed, x, line.coefficients)
+    rising = OnlineLine(prior=(0.0, 0.0), prior_samples=0, x_scale=512)
+    for x in (16, 256, 512) * 10:
+        rising.update(x, 0.01 + 0.0001 * x)
+    assert rising.predict(16) == pytest.approx(0.0116, rel=0.01)  # a rising line as it is
+
+
 def test_predictions_never_go_below_zero():
     line = OnlineLine(prior=(-1.0, 0.0), prior_samples=2)
     assert line.predict(1) == 0.0
