@@ -48,10 +48,10 @@ class QueueEntry:
     # Refused at admission when its first token is predicted past ``deadline_s``, by any
     # policy (EDF refuses such requests always; FCFS only those marked so).
     refused_if_late: bool = False
-    # A text prompt guessed longer than the deployment accepts: the worker counts it
-    # and refuses it as too long, so no predicted miss refuses it first (its deadline
-    # still orders it).
-    worker_counts: bool = False
+    # Never refused for a predicted miss (its deadline still orders it): a text prompt
+    # guessed longer than the deployment accepts, which the worker counts and refuses
+    # as too long; or one an idle queue admits to measure again (DeploymentQueue).
+    not_refused_late: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +240,7 @@ class EdfPolicy:
         hopeless = []
         for key in self._heap:
             entry = key.entry
-            if entry.deadline_s is None or entry.worker_counts:
+            if entry.deadline_s is None or entry.not_refused_late:
                 continue
             first_token_s = now_s + self._prefill_s([entry.prompt_tokens])
             if first_token_s > entry.deadline_s:

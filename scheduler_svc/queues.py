@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
@@ -28,6 +29,8 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.errors import DeadlineExceeded, ResourceExhausted
 from services.ids import replica_group_id, split_group_id
 
+log = logging.getLogger("iserve.scheduler")
+
 Clock = Callable[[], float]
 # After a waiting request's last start: its prediction then says it misses.
 _WAKE_MARGIN_S = 1e-3
@@ -36,6 +39,12 @@ PolicyFactory = Callable[[int], QueuePolicy]
 
 class QueueClosed(Exception):
     """The replica stopped serving (removed, or taken out) while the request waited."""
+
+
+# An idle queue that has admitted nothing for this long admits a request it predicts
+# late rather than refuse it: refusing every request, it would never measure that its
+# predictions were too slow (after a burst that slowed the machine, say).
+RELEARN_AFTER_S = 10.0
 
 
 def slots_for(batch_size: int) -> int:
@@ -58,6 +67,7 @@ class DeploymentQueue:
         self._clock = clock
         # Requests holding a slot, with when each was admitted.
         self._running: dict[QueueEntry, float] = {}
+        self._last_admitted = clock()
         # The requests running, integrated over time (sequence-seconds) up to
         # _occupancy_at: the mean running over any span (see mean_running_since).
         self._occupancy = 0.0
@@ -185,6 +195,7 @@ class DeploymentQueue:
             (edf or entry.refused_if_late)
             and entry.deadline_s is not None
             and entry in self._predicted_misses([*policy.ahead_of(entry), entry], refusing=edf)
+            and not self._measures_instead(entry)
         ):
             raise DeadlineExceeded(self._miss_message(entry))
         try:
@@ -206,6 +217,25 @@ class DeploymentQueue:
             else:
                 self._policy.remove(entry)
             raise
+
+    def _measures_instead(self, entry: QueueEntry) -> bool:
+        """Whether ``entry``, predicted late, is admitted to measure again: when nothing
+        runs or waits here and nothing was admitted for RELEARN_AFTER_S."""
+        if (
+            self._running
+            or len(self._policy)
+            or self._clock() - self._last_admitted < RELEARN_AFTER_S
+        ):
+            return False
+        entry.not_refused_late = True
+        log.info(
+            "%s admits request %s although its first token is predicted late: nothing was "
+            "admitted for %.0f s, and it measures again",
+            self.described,
+            entry.request_id or "-",
+            RELEARN_AFTER_S,
+        )
+        return True
 
     def _predicted_misses(
         self, ordered: list[QueueEntry], refusing: bool = True
@@ -243,7 +273,7 @@ class DeploymentQueue:
             first_token = start + predictor.prefill_s(prompts)
             if (
                 entry.deadline_s is not None
-                and not entry.worker_counts
+                and not entry.not_refused_late
                 and first_token > entry.deadline_s
             ):
                 entry.predicted_first_token_s = first_token
@@ -290,6 +320,7 @@ class DeploymentQueue:
                     continue
                 self._count_occupancy()
                 self._running[entry] = now
+                self._last_admitted = now
                 waiter.set_result(self)
             if not skipped_cancelled:
                 break
@@ -331,6 +362,7 @@ class DeploymentQueue:
             if waiter is not None and not waiter.done():
                 taker._count_occupancy()
                 taker._running[entry] = now
+                taker._last_admitted = now
                 waiter.set_result(taker)
         if isinstance(self._policy, EdfPolicy):
             self._wake_at_last_start(self._policy)

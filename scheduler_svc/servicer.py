@@ -418,7 +418,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # is not served late, with success, by an FCFS deployment of the model; by
             # deployment id, FCFS serves what it takes, however late.
             refused_if_late=request.deadline_ms > 0 and not request.HasField("deployment_id"),
-            worker_counts=guessed_too_long,
+            not_refused_late=guessed_too_long,
         )
         self.queues.check_room(deployment)
         if record.enqueued_s is None:  # a request moved on keeps its first queue's wait

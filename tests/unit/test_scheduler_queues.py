@@ -9,7 +9,7 @@ import pytest
 
 from scheduler_svc.policies import EdfPolicy, FcfsPolicy, QueueEntry
 from scheduler_svc.predictor import LatencyPredictor
-from scheduler_svc.queues import DeploymentQueue, QueueClosed, QueueRegistry
+from scheduler_svc.queues import RELEARN_AFTER_S, DeploymentQueue, QueueClosed, QueueRegistry
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.errors import DeadlineExceeded, ResourceExhausted
@@ -480,5 +480,33 @@ def test_a_replica_that_stops_serving_sends_its_waiting_requests_away_at_once():
         queue.release(running)
         registry.prune(keep=[])
         assert registry.get("d1") is None
+
+    asyncio.run(scenario())
+
+
+def test_an_idle_queue_that_refused_for_a_while_admits_one_predicted_late_to_measure():
+    """Predictions too slow (learnt while the machine was busy, say) refuse every
+    request with a deadline, and a refused request teaches nothing: an EDF deployment
+    refused everything, idle, for as long as a tester watched. Idle and with nothing
+    admitted for RELEARN_AFTER_S, a queue admits one such request; before that, and
+    with anything running, it refuses as before."""
+
+    async def scenario():
+        clock = [0.0]
+        queue = edf_queue(clock)  # 1 ms of prefill a token
+        clock[0] = RELEARN_AFTER_S - 1
+        with pytest.raises(DeadlineExceeded):
+            await queue.acquire(entry("early", deadline_s=clock[0] + 0.1, prompt_tokens=300))
+        clock[0] = RELEARN_AFTER_S + 1
+        measured = entry("measured", deadline_s=clock[0] + 0.1, prompt_tokens=300)
+        assert await queue.acquire(measured) is queue
+        assert queue.running == 1
+        # Admitted just now, and running: the next one predicted late is refused.
+        with pytest.raises(DeadlineExceeded):
+            await queue.acquire(entry("next", deadline_s=clock[0] + 0.1, prompt_tokens=300))
+        queue.release(measured)
+        clock[0] += 1
+        with pytest.raises(DeadlineExceeded):
+            await queue.acquire(entry("after", deadline_s=clock[0] + 0.1, prompt_tokens=300))
 
     asyncio.run(scenario())
