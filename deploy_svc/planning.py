@@ -645,11 +645,19 @@ def simulated_nodes(simulated: Sequence[common.DeviceState]) -> list[common.Node
         check_hardware_type(dev.hardware_type)
         if not 0.0 <= dev.load <= 1.0:
             raise InvalidArgument(f"{name}: load must be in [0, 1]")
+        if dev.kind not in common.DeviceKind.values():
+            raise InvalidArgument(f"{name}: kind {dev.kind} is not a DeviceKind")
         for field in ("free_bytes", "used_bytes", "reserved_bytes"):
             if getattr(dev, field) > dev.total_bytes:
                 raise InvalidArgument(
                     f"{name}: {field} {getattr(dev, field)} exceeds total_bytes {dev.total_bytes}"
                 )
+        room = free_bytes(dev.total_bytes, dev.used_bytes, dev.reserved_bytes)
+        if dev.free_bytes > room:
+            raise InvalidArgument(
+                f"{name}: free_bytes {dev.free_bytes} exceeds what used_bytes and "
+                f"reserved_bytes leave of total_bytes ({room})"
+            )
         seen.add(key)
         if not dev.free_bytes:
             dev.free_bytes = free_bytes(dev.total_bytes, dev.used_bytes, dev.reserved_bytes)

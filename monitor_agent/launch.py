@@ -241,6 +241,10 @@ def worker_dtype(precision: int, device: DeviceSpec, checkpoint_dtype: str | Non
     return _DTYPES[default_dtype(stored, cuda=device.is_cuda)]
 
 
+# Pipeline stages a group may have where the checkpoint does not say its layer count.
+MAX_PIPELINE_STAGES = 256
+
+
 def check_config(config: common.DeploymentConfig) -> tuple[int, int]:
     """(tp, pp) of ``config`` (0 read as 1); InvalidArgument for a degree workers cannot run."""
     tp, pp = config.tensor_parallel or 1, config.pipeline_parallel or 1
@@ -387,6 +391,15 @@ def build_plan(
     if request.HasField("expected_shape"):
         check_still_the_model(request.checkpoint_path, config, request.expected_shape)
     num_layers = config.get("num_hidden_layers") or config.get("n_layer")
+    # Every stage holds a layer at least: a group of more stages waits for peers that
+    # cannot exist (a fuzzing tester's pp of 1000 started a worker that did).
+    most = num_layers if isinstance(num_layers, int) and num_layers > 0 else MAX_PIPELINE_STAGES
+    require(
+        pp <= most,
+        f"config.pipeline_parallel {pp} exceeds the model's {most} layers"
+        if most is num_layers
+        else f"config.pipeline_parallel must be at most {MAX_PIPELINE_STAGES}, got {pp}",
+    )
     check_ranks(
         list(request.workers),
         tp,

@@ -152,6 +152,11 @@ def test_request_values_override_the_defaults(models_root):
             "100000 workers for a group of tp 1 x pp 1",
         ),
         ({"config": common.DeploymentConfig(batch_size=1 << 30)}, "batch_size must be at most 256"),
+        # A checkpoint whose config names no layer count: a bound of its own.
+        (
+            {"config": common.DeploymentConfig(pipeline_parallel=1000)},
+            "pipeline_parallel must be at most 256, got 1000",
+        ),
         ({"checkpoint_path": ""}, "checkpoint_path is empty"),
         ({"checkpoint_path": "../outside"}, "outside the models root"),
         ({"checkpoint_path": "/etc"}, "outside the models root"),
@@ -252,6 +257,10 @@ def test_a_parallel_request_becomes_one_process_per_rank(models_root, four_layer
         (1, 2, _ranks(1, 2, [(0, 2), (2, 0)]), "layer_count is required"),
         (1, 2, _ranks(1, 2, [(0, 2), (2, 3)]), "outside the model's 4 layers"),
         (2, 1, _ranks(2, 1, [(0, 4)])[:1], "rendezvous_address is required"),
+        # More stages than layers: a worker waited for peers that cannot exist, or the
+        # group failed in torch's own words (a fuzzing tester).
+        (1, 5, _ranks(1, 1, [(0, 1)]), "pipeline_parallel 5 exceeds the model's 4 layers"),
+        (1, 2**32 - 1, _ranks(1, 1, [(0, 1)]), "exceeds the model's 4 layers"),
     ],
 )
 def test_malformed_parallel_requests_are_invalid(

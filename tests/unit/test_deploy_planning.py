@@ -243,6 +243,11 @@ def test_simulated_devices_are_bounded_on_both_sides_of_the_wire():
         ({"free_bytes": 2 * GIB}, "free_bytes 2147483648 exceeds total_bytes 1073741824"),
         ({"used_bytes": 2 * GIB}, "used_bytes 2147483648 exceeds total_bytes"),
         ({"reserved_bytes": 2 * GIB}, "reserved_bytes 2147483648 exceeds total_bytes"),
+        ({"kind": 999}, "kind 999 is not a DeviceKind"),
+        (
+            {"used_bytes": GIB, "reserved_bytes": GIB, "free_bytes": GIB},
+            r"free_bytes 1073741824 exceeds what used_bytes and reserved_bytes leave .* \(0\)",
+        ),
     ],
 )
 def test_a_simulated_device_is_checked_as_an_agents_would_be(changes, message):

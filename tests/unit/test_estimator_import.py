@@ -503,6 +503,19 @@ def test_a_model_name_the_skipped_lists_would_carry_raw_is_refused_cut(name, sho
     assert len(message) < 200
 
 
+def test_an_import_of_many_files_is_refused_at_once_and_duplicates_found_in_linear_time():
+    """A fuzzing tester's ImportProfiles of 100,000 files held the model service for
+    minutes: the duplicate check was quadratic, on its event loop. At most 1,000 files
+    (MaverIQ's data set has 9), and the duplicates counted, not searched for."""
+    from fingerprint_svc.importing import MAX_IMPORT_FILES
+
+    with pytest.raises(InvalidArgument, match="100000 files to import; at most 1000"):
+        plan_maveriq_import([(f"f{i}.csv", b"") for i in range(100_000)], "rtx-a6000")
+    files = [(f"f{i}.csv", b"") for i in range(MAX_IMPORT_FILES - 1)] + [("f0.csv", b"")]
+    with pytest.raises(InvalidArgument, match="files listed twice: 'f0.csv'"):
+        plan_maveriq_import(files, "rtx-a6000")
+
+
 def test_bad_bytes_names_and_hardware_types():
     with pytest.raises(InvalidArgument, match="not UTF-8"):
         plan_maveriq_import([("full_model_data_collection.csv", b"\xff\xfe")], "rtx-a6000")
