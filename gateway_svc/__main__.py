@@ -15,7 +15,7 @@ import sys
 import uvicorn
 
 from gateway_svc.app import Backend, create_app
-from gateway_svc.protocol import DeadlineH11Protocol
+from gateway_svc.protocol import MAX_REQUEST_HEAD_BYTES, DeadlineH11Protocol
 from services import transport
 from services.grpc_server import configure_logging
 from services.service_main import command_line, fail
@@ -91,6 +91,7 @@ def main(args: list[str] | None = None) -> int:
         # A request must arrive whole within a deadline (slow or stalled clients held
         # their connections for ever).
         http=DeadlineH11Protocol,
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
     )
     uvicorn.Server(config).run(sockets=[listener])
     return 0

@@ -20,6 +20,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 # Seconds a request's headers and body may take to arrive: a 32 MiB body (the largest
 # the gateway takes) at about 0.5 MB/s.
 REQUEST_READ_TIMEOUT_S = 60.0
+# Bytes a request's head (request line and headers) may take. h11's default, 16 KiB,
+# bounds only a head that arrives in pieces: a 60 KB Authorization header was served
+# when it came in one read and reset when TCP split it (the fresh-clone CI, once).
+MAX_REQUEST_HEAD_BYTES = 256 * 1024
 # h11's states of the client's side once its request is whole, or the connection ends.
 _ARRIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
 

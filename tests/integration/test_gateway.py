@@ -569,6 +569,26 @@ def test_with_authentication_off_a_header_that_cannot_be_a_token_is_ignored(gate
         assert served.status_code == 200, served.text
 
 
+def test_a_long_header_that_arrives_in_pieces_is_served_as_one_that_arrives_at_once(gateway):
+    """h11 bounds a request head only while it is incomplete (16 KiB by default): the
+    60 KB header above was served when it came in one read and the connection reset
+    when TCP split it (the fresh-clone CI, once). Sent 1 KB at a time, it is served."""
+    host, port = gateway.removeprefix("http://").rsplit(":", 1)
+    head = (
+        f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer "
+        + "a" * 60_000
+        + "\r\nConnection: close\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        for start in range(0, len(head), 1024):
+            conn.sendall(head[start : start + 1024])
+            time.sleep(0.001)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
 def _hold(gateway: str, model: str, stop: threading.Event, started: list[int]) -> None:
     """A long streamed completion, read until ``stop`` (then the connection closes)."""
     body = {"model": model, "prompt": "hold", "max_tokens": MAX_OUTPUT, "stream": True}
