@@ -219,10 +219,13 @@ class DeploymentQueue:
             raise
 
     def _measures_instead(self, entry: QueueEntry) -> bool:
-        """Whether ``entry``, predicted late, is admitted to measure again: when nothing
-        runs or waits here and nothing was admitted for RELEARN_AFTER_S."""
+        """Whether ``entry``, predicted late, is admitted to measure again: on an EDF
+        queue (where every request has a deadline; FCFS goes on learning from those
+        without) when nothing runs or waits here and nothing was admitted for
+        RELEARN_AFTER_S."""
         if (
-            self._running
+            not self.edf
+            or self._running
             or len(self._policy)
             or self._clock() - self._last_admitted < RELEARN_AFTER_S
         ):
