@@ -26,6 +26,7 @@ from monitor_agent.launch_engine import resolve_engine
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.engine_rules import (
+    MAX_PIPELINE_PARALLEL,
     TENSOR_PARALLEL_DEGREES,
     check_dtype,
     check_still_the_model,
@@ -34,7 +35,7 @@ from services.engine_rules import (
     even_stage_layers,
     resolve_checkpoint,
 )
-from services.errors import FailedPrecondition, require
+from services.errors import FailedPrecondition, InvalidArgument, require
 from services.ids import check_deployment_id, check_node_id
 from services.models.checkpoint import InvalidCheckpoint, read_config
 from services.models.compression import DEFAULT_PRUNE_FRACTION
@@ -241,10 +242,6 @@ def worker_dtype(precision: int, device: DeviceSpec, checkpoint_dtype: str | Non
     return _DTYPES[default_dtype(stored, cuda=device.is_cuda)]
 
 
-# Pipeline stages a group may have where the checkpoint does not say its layer count.
-MAX_PIPELINE_STAGES = 256
-
-
 def check_config(config: common.DeploymentConfig) -> tuple[int, int]:
     """(tp, pp) of ``config`` (0 read as 1); InvalidArgument for a degree workers cannot run."""
     tp, pp = config.tensor_parallel or 1, config.pipeline_parallel or 1
@@ -391,14 +388,16 @@ def build_plan(
     if request.HasField("expected_shape"):
         check_still_the_model(request.checkpoint_path, config, request.expected_shape)
     num_layers = config.get("num_hidden_layers") or config.get("n_layer")
-    # Every stage holds a layer at least: a group of more stages waits for peers that
+    # The engine's rule (services.engine_rules): every stage holds a layer at least, and
+    # there are at most MAX_PIPELINE_PARALLEL; a group of more waits for peers that
     # cannot exist (a fuzzing tester's pp of 1000 started a worker that did).
-    most = num_layers if isinstance(num_layers, int) and num_layers > 0 else MAX_PIPELINE_STAGES
+    if isinstance(num_layers, int) and 0 < num_layers < pp:
+        raise InvalidArgument(
+            f"config.pipeline_parallel {pp} exceeds the model's {num_layers} layers"
+        )
     require(
-        pp <= most,
-        f"config.pipeline_parallel {pp} exceeds the model's {most} layers"
-        if most is num_layers
-        else f"config.pipeline_parallel must be at most {MAX_PIPELINE_STAGES}, got {pp}",
+        pp <= MAX_PIPELINE_PARALLEL,
+        f"config.pipeline_parallel must be at most {MAX_PIPELINE_PARALLEL}, got {pp}",
     )
     check_ranks(
         list(request.workers),

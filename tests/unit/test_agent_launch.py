@@ -155,7 +155,7 @@ def test_request_values_override_the_defaults(models_root):
         # A checkpoint whose config names no layer count: a bound of its own.
         (
             {"config": common.DeploymentConfig(pipeline_parallel=1000)},
-            "pipeline_parallel must be at most 256, got 1000",
+            "pipeline_parallel must be at most 8, got 1000",
         ),
         ({"checkpoint_path": ""}, "checkpoint_path is empty"),
         ({"checkpoint_path": "../outside"}, "outside the models root"),
