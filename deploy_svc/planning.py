@@ -660,7 +660,7 @@ def simulated_nodes(simulated: Sequence[common.DeviceState]) -> list[common.Node
             )
         seen.add(key)
         if not dev.free_bytes:
-            dev.free_bytes = free_bytes(dev.total_bytes, dev.used_bytes, dev.reserved_bytes)
+            dev.free_bytes = room
         node = nodes.setdefault(key[0], common.NodeState(node_id=key[0], alive=True))
         node.devices.append(dev)
     return list(nodes.values())

@@ -1052,7 +1052,6 @@ class ProfilingSettings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> ProfilingSettings:
         """Settings from ``env`` (default: ``os.environ``); ValueError names a bad variable."""
         env = os.environ if env is None else env
-        runs = {"maximum": MAX_PROFILE_RUNS}
         return cls(
             input_tokens=tuple(
                 sorted(
@@ -1066,10 +1065,22 @@ class ProfilingSettings:
             ),
             batch_sizes=_int_list(env, "ISERVE_PROFILE_BATCH_SIZES", cls.batch_sizes),
             warmup_runs=int(
-                _number(env, "ISERVE_PROFILE_WARMUP_RUNS", cls.warmup_runs, minimum=0, **runs)
+                _number(
+                    env,
+                    "ISERVE_PROFILE_WARMUP_RUNS",
+                    cls.warmup_runs,
+                    minimum=0,
+                    maximum=MAX_PROFILE_RUNS,
+                )
             ),
             timed_runs=int(
-                _number(env, "ISERVE_PROFILE_TIMED_RUNS", cls.timed_runs, minimum=1, **runs)
+                _number(
+                    env,
+                    "ISERVE_PROFILE_TIMED_RUNS",
+                    cls.timed_runs,
+                    minimum=1,
+                    maximum=MAX_PROFILE_RUNS,
+                )
             ),
         )
 

@@ -80,7 +80,11 @@ def max_prompt_chars(tokenizer: Tokenizer, max_tokens: int) -> int:
 
 
 def _chars_bound(longest: int, max_tokens: int) -> int:
-    return _NORMALIZER_FOLD * max_tokens * max(longest, _UNKNOWN_WORD_CHARS)
+    return _NORMALIZER_FOLD * max_tokens * _chars_per_token(longest)
+
+
+def _chars_per_token(longest: int) -> int:
+    return max(longest, _UNKNOWN_WORD_CHARS)
 
 
 def longest_piece(tokenizer: Tokenizer) -> int:
@@ -165,7 +169,7 @@ class PromptEncoder:
             raise PromptTooLong(
                 f"prompt of {chars} characters is longer than a prompt of {limit} tokens "
                 f"is read here: at most {max_chars} characters ({_NORMALIZER_FOLD} x "
-                f"{limit} tokens x {max(self.longest, _UNKNOWN_WORD_CHARS)} characters, "
+                f"{limit} tokens x {_chars_per_token(self.longest)} characters, "
                 "the most this vocabulary's pieces stand for)",
                 limit=limit,
                 chars=chars,
