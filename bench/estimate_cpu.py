@@ -474,7 +474,7 @@ def sane(message: est_pb.Calibration) -> tuple[bool, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--save", type=Path, help="write models and measurements here")
+    parser.add_argument("--save", type=Path, help="write models and measurements to this JSON file")
     parser.add_argument("--load", type=Path, help="reuse saved measurements (no profiling)")
     parser.add_argument("--timed-runs", type=int, default=5, help="full-model timed runs")
     parser.add_argument(
@@ -525,6 +525,9 @@ def main() -> int:
         parser.error("--devices must be at least 1")
     if args.layers < 4:
         parser.error("--layers must be at least 4 (the fingerprints keep up to 3)")
+    if args.save and (args.save.is_dir() or not args.save.parent.is_dir()):
+        # Said now, not after minutes of measuring.
+        parser.error(f"--save {args.save}: give a file in an existing directory")
     use_layers(args.layers)
     started = time.perf_counter()
 
