@@ -16,10 +16,10 @@ of a copy a forward touches as many weight bytes as the full model's stage does,
 what the job reserves for them. Evicting the cache is not enough: a decode step over
 weights that miss the cache still costs more the more bytes it streams (page walks and
 DRAM pages). On this project's CPU (32 MB L3, hidden 512 float32, one thread) a layer
-read among 66 MB of weights took 0.41-0.43 ms and among 264 MB 0.44-0.55 ms; with
-copies up to twice the cache the fingerprints' decode layer read 1.04-1.22 times faster
-than the 24-layer models' in two runs of ``bench/estimate_cpu.py``, with the full
-footprint 0.88-1.03. The copies share the layers' KV caches and tensor-parallel
+read among 66 MB of weights took 0.41-0.43 ms and among 264 MB 0.44-0.55 ms. With
+copies up to twice the cache the fingerprints' decode layer read about 6 % faster than
+the 24-layer models' (median over two runs of ``bench/estimate_cpu.py``), with copies up
+to the full stage about the same (0.97 float, 1.01 int8, over three). The copies share the layers' KV caches and tensor-parallel
 hooks, so every copy computes exactly what the original does; they are the engine's
 profiling aid only, outside the memory account (which walks the model's registered
 modules).
