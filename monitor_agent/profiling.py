@@ -89,7 +89,7 @@ from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config
 from services.models.families import parse_config
 from services.proto_limits import UINT32_MAX
-from services.settings import MAX_PROFILE_LENGTHS, MAX_PROFILE_RUNS
+from services.settings import MAX_PROFILE_DECODE_STEPS, MAX_PROFILE_LENGTHS, MAX_PROFILE_RUNS
 from services.token_limits import check_batch_size
 
 log = logging.getLogger("iserve.agent.profiling")
@@ -169,6 +169,14 @@ def check_job(request: agent_pb.RunProfilingJobRequest) -> JobSpec:
     require(
         longest <= UINT32_MAX,
         f"the longest prompt + the longest output ({longest}) exceeds any sequence length",
+    )
+    runs = request.warmup_runs + (request.timed_runs or DEFAULT_TIMED_RUNS)
+    steps = runs * len(prompts) * sum(request.output_tokens)
+    require(
+        steps <= MAX_PROFILE_DECODE_STEPS,
+        f"the job asks for {steps} decode steps ({runs} runs x {len(prompts)} prompts x "
+        f"{sum(request.output_tokens)} output tokens); a job runs at most "
+        f"{MAX_PROFILE_DECODE_STEPS}: split it, or ask for fewer runs or shorter outputs",
     )
     return JobSpec(
         input_tokens=prompts,

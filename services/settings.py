@@ -1034,6 +1034,10 @@ def _int_list(
 # each length multiplies its runs, and each run holds the job's devices.
 MAX_PROFILE_RUNS = 100
 MAX_PROFILE_LENGTHS = 16
+# ... and in all, decode steps over every run, prompt and output length (each bound alone
+# still let a job of 200 runs x 17 prompts x 16 outputs of ~500 tokens ask for 27 million
+# steps, weeks of a device; the defaults take 288).
+MAX_PROFILE_DECODE_STEPS = 100_000
 
 
 @dataclass(frozen=True)

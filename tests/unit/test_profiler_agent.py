@@ -49,6 +49,9 @@ def _request(**fields) -> agent_pb.RunProfilingJobRequest:
 
 def test_check_job_fills_defaults_and_refuses_bad_requests():
     job = check_job(_request())
+    # The default settings' job, and one at the bound, pass.
+    check_job(_request(input_tokens=64, extra_input_tokens=[256, 1024], output_tokens=[8, 16]))
+    check_job(_request(timed_runs=100, output_tokens=[500, 500]))
     assert (job.timed_runs, job.warmup_runs, job.batch_size, job.max_seq_len) == (3, 0, 1, 13)
     for fields, message in [
         ({"input_tokens": 0}, "input_tokens"),
@@ -70,6 +73,16 @@ def test_check_job_fills_defaults_and_refuses_bad_requests():
         (
             {"config": common.DeploymentConfig(batch_size=100_000)},
             "batch_size must be at most 256",
+        ),
+        # Every field within its bound, the whole about 27 million decode steps (a tester).
+        (
+            {
+                "warmup_runs": 100,
+                "timed_runs": 100,
+                "extra_input_tokens": list(range(16, 272, 16)),
+                "output_tokens": list(range(485, 501)),
+            },
+            r"asks for 26792000 decode steps \(200 runs x 17 prompts x 7880 output tokens\)",
         ),
     ]:
         with pytest.raises(InvalidArgument, match=message):
