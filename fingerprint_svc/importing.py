@@ -46,6 +46,7 @@ How a CSV row maps to a :class:`ProfileMeasurement`: latency is end to end
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import Counter, defaultdict
@@ -208,6 +209,10 @@ def _decode(name: str, content: bytes) -> str:
 # Files one ImportProfiles request may carry (MaverIQ's data set has 9): each is parsed
 # on the model service's event loop, and a fuzzing tester's 100,000 held it for minutes.
 MAX_IMPORT_FILES = 1000
+# Measurement rows one import reads, over all its files: five models' full profiles
+# (MAX_PROFILE_MEASUREMENTS each). A 600,000-row file inside the message size held the
+# model service for 15 s before its refusal (a tester); parsing stops at the bound.
+MAX_IMPORT_ROWS = 5 * importers.MAX_PROFILE_MEASUREMENTS
 
 
 def plan_maveriq_import(
@@ -251,7 +256,9 @@ def plan_maveriq_import(
                 accuracy = maveriq.parse_accuracy(_decode(name, content), name)
             elif name in _MEASUREMENT_FILES:
                 prompt = maveriq.PROMPT_TOKENS.get(name, 0)
-                parsed = maveriq.parse_measurements(_decode(name, content), name)
+                parsed = maveriq.parse_measurements(
+                    _decode(name, content), name, max_rows=MAX_IMPORT_ROWS - len(rows)
+                )
                 rows.extend((row, prompt) for row in parsed)
             elif name in _NOT_PROFILES:
                 skipped.append(f"{name}: {_NOT_PROFILES[name]}")
@@ -811,7 +818,10 @@ async def import_profiles(
         raise InvalidArgument("format is unspecified; use PROFILE_FORMAT_MAVERIQ")
     if request.format != model_pb.PROFILE_FORMAT_MAVERIQ:
         raise InvalidArgument(f"unknown profile format {request.format}")
-    plan = plan_maveriq_import(
+    # Off the event loop: parsing tens of thousands of rows takes seconds, during which
+    # the model service would answer nobody.
+    plan = await asyncio.to_thread(
+        plan_maveriq_import,
         [(f.name, f.content) for f in request.files],
         request.hardware_type,
         dict(request.model_configs),

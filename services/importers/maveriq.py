@@ -276,10 +276,10 @@ def _measurement(row: dict[str, str], source: str, where: str, line: int) -> Mea
     return measurement
 
 
-def parse_measurements(text: str, source: str) -> tuple[Measurement, ...]:
+def parse_measurements(text: str, source: str, max_rows: int = 0) -> tuple[Measurement, ...]:
     """Parse the text of one MaverIQ CSV named ``source`` (a base name, e.g.
     ``full_model_data_collection.csv``); raises ValueError naming the file and line of a
-    bad row."""
+    bad row, or as soon as it has more than ``max_rows`` rows (0: no bound)."""
     lines = csv.reader(io.StringIO(text, newline=""))
     measurements = []
     try:
@@ -299,6 +299,11 @@ def parse_measurements(text: str, source: str) -> tuple[Measurement, ...]:
         start = lines.line_num + 1
         for fields in lines:
             if fields:
+                if max_rows and len(measurements) >= max_rows:
+                    raise ValueError(
+                        f"{source}:{start}: more than {max_rows:,} rows; one import reads at "
+                        "most that many (the published data set's files hold under 3,000)"
+                    )
                 measurements.append(_parse_row(columns, fields, source, start))
             start = lines.line_num + 1
     except csv.Error as exc:

@@ -516,6 +516,23 @@ def test_an_import_of_many_files_is_refused_at_once_and_duplicates_found_in_line
         plan_maveriq_import(files, "rtx-a6000")
 
 
+def test_an_import_stops_reading_rows_past_its_bound():
+    """A tester's one file of 600,000 rows (inside the message size) was parsed whole on
+    the model service's event loop, 15 s, before its refusal. Parsing stops at
+    MAX_IMPORT_ROWS over all the files, naming the file and line."""
+    from fingerprint_svc.importing import MAX_IMPORT_ROWS
+
+    row = "llama-2-7b,1,1,1,float16,False,10,1,0.05,1.0,1.1,10,5\n"
+    big = (HEADER + row * (MAX_IMPORT_ROWS + 1)).encode()
+    with pytest.raises(InvalidArgument, match=f"csv:{MAX_IMPORT_ROWS + 2}: more than 100,000 rows"):
+        plan_maveriq_import([("fingerprint_data_collection.csv", big)], "rtx-a6000")
+    # The bound is over the files together.
+    half = (HEADER + row * (MAX_IMPORT_ROWS // 2 + 1)).encode()
+    files = [("fingerprint_data_collection.csv", half), ("full_model_data_collection.csv", half)]
+    with pytest.raises(InvalidArgument, match="full_model_data_collection.csv:.*more than"):
+        plan_maveriq_import(files, "rtx-a6000")
+
+
 def test_bad_bytes_names_and_hardware_types():
     with pytest.raises(InvalidArgument, match="not UTF-8"):
         plan_maveriq_import([("full_model_data_collection.csv", b"\xff\xfe")], "rtx-a6000")
