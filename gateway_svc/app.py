@@ -821,8 +821,10 @@ def create_app(
             return refused
         errors = exc.errors()
         media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if errors and not _where(errors[0]) and not media.endswith(("/json", "+json")):
-            # A JSON object sent as a form (curl -d's default) or as text is not read as
+        parsed = media.startswith("application/") and media.endswith(("/json", "+json"))
+        if errors and not _where(errors[0]) and not parsed:
+            # A JSON object sent as a form (curl -d's default) or as text (text/json too:
+            # FastAPI reads application/json and application/*+json only) is not read as
             # JSON: say so, not that the body is no object.
             said = f"content-type {media!r}" if media else "no content-type"
             message = f"the body was sent with {said}: send it as application/json"

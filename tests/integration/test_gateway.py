@@ -369,6 +369,8 @@ def test_errors_have_openais_body_and_the_status_of_their_cause(
         # is wrong (a probe was told the body was no JSON object), a 415.
         (b'{"model": "x", "prompt": "y"}', "text/plain", "the body was sent with content-type 'text/plain': send it as application/json"),
         (b'{"model": "x", "prompt": "y"}', "application/x-www-form-urlencoded", "the body was sent with content-type 'application/x-www-form-urlencoded'"),
+        # Not read as JSON either, though it says json (a tester was told the object was none).
+        (b'{"model": "x", "prompt": "y"}', "text/json; charset=utf-8", "the body was sent with content-type 'text/json': send it as application/json"),
     ],
 )  # fmt: skip
 def test_a_body_that_is_not_a_json_object_is_a_400_saying_why(gateway, content, content_type, says):
