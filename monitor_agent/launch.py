@@ -26,19 +26,21 @@ from monitor_agent.launch_engine import resolve_engine
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.engine_rules import (
-    MAX_PIPELINE_PARALLEL,
     TENSOR_PARALLEL_DEGREES,
     check_dtype,
     check_still_the_model,
     check_weight_quant,
     default_dtype,
     even_stage_layers,
+    pipeline_parallel_problem,
     resolve_checkpoint,
 )
 from services.errors import FailedPrecondition, InvalidArgument, require
 from services.ids import check_deployment_id, check_node_id
 from services.models.checkpoint import InvalidCheckpoint, read_config
 from services.models.compression import DEFAULT_PRUNE_FRACTION
+from services.models.errors import InvalidConfig, UnsupportedArchitecture
+from services.models.families import parse_config
 from services.token_limits import check_batch_size
 
 log = logging.getLogger("iserve.agent.launch")
@@ -387,30 +389,23 @@ def build_plan(
     config = _checkpoint_config(checkpoint_dir)
     if request.HasField("expected_shape"):
         check_still_the_model(request.checkpoint_path, config, request.expected_shape)
-    num_layers = config.get("num_hidden_layers") or config.get("n_layer")
-    # The engine's rule (services.engine_rules): every stage holds a layer at least, and
-    # there are at most MAX_PIPELINE_PARALLEL; a group of more waits for peers that
-    # cannot exist (a fuzzing tester's pp of 1000 started a worker that did).
-    if isinstance(num_layers, int) and 0 < num_layers < pp:
-        raise InvalidArgument(
-            f"config.pipeline_parallel {pp} exceeds the model's {num_layers} layers"
-        )
-    require(
-        pp <= MAX_PIPELINE_PARALLEL,
-        f"config.pipeline_parallel must be at most {MAX_PIPELINE_PARALLEL}, got {pp}",
-    )
-    check_ranks(
-        list(request.workers),
-        tp,
-        pp,
-        num_layers if isinstance(num_layers, int) else None,
-        request.rendezvous_address,
-    )
+    num_layers = _positive_int(config, "num_hidden_layers", "n_layer")
+    # A fuzzing tester's pp of 1000 started a worker that waited for peers that cannot exist.
+    problem = pipeline_parallel_problem(pp, num_layers)
+    if problem:
+        raise InvalidArgument(f"config.{problem}")
+    check_ranks(list(request.workers), tp, pp, num_layers, request.rendezvous_address)
     workers = tuple(
         WorkerPlan(w.rank, devices[w.device_id], w.first_layer, w.layer_count)
         for w in request.workers
     )
-    max_positions = int(config.get("max_position_embeddings") or DEFAULT_MAX_SEQ_LEN)
+    max_positions = _max_positions(config)
+    # The worker would refuse it at start-up and exit: say so before starting it.
+    require(
+        max_positions is None or request.max_seq_len <= max_positions,
+        f"max_seq_len {request.max_seq_len} (the longest prompt + output a sequence holds) "
+        f"exceeds the model's {max_positions} positions (max_position_embeddings)",
+    )
     ready_timeout_s = (
         request.ready_timeout_ms / 1000 if request.ready_timeout_ms else default_ready_timeout_s
     )
@@ -422,7 +417,8 @@ def build_plan(
             workers[0].device,
             config.get("torch_dtype") or config.get("dtype"),
         ),
-        max_seq_len=request.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, max_positions),
+        max_seq_len=request.max_seq_len
+        or min(DEFAULT_MAX_SEQ_LEN, max_positions or DEFAULT_MAX_SEQ_LEN),
         max_batch=request.config.batch_size or 1,
         tensor_parallel=tp,
         pipeline_parallel=pp,
@@ -435,7 +431,7 @@ def build_plan(
         trtllm_config(plan, request.config),
         devices=[w.device for w in workers],
         node_ranks=len(workers),
-        num_layers=num_layers if isinstance(num_layers, int) else None,
+        num_layers=num_layers,
         node_choice=node_engine_choice,
         installed=tensorrt_llm_installed,
     )
@@ -470,6 +466,24 @@ def trtllm_config(plan: LaunchPlan, config: common.DeploymentConfig) -> TrtLlmCo
         kv_cache_dtype=None if kv_quant == "none" else kv_quant,
         pruning=_PRUNINGS[config.pruning],
     )
+
+
+def _max_positions(config: dict) -> int | None:
+    """The positions the model of ``config`` holds, read as its family reads them (GPT-J
+    names them n_positions), or None when unknown (the worker then reports why)."""
+    try:
+        return parse_config(config).max_position_embeddings
+    except (InvalidConfig, UnsupportedArchitecture):
+        return _positive_int(config, "max_position_embeddings", "n_positions")
+
+
+def _positive_int(config: dict, *names: str) -> int | None:
+    """The first of ``names`` that ``config`` gives as a positive integer, else None."""
+    for name in names:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _checkpoint_config(checkpoint_dir: Path) -> dict:

@@ -87,12 +87,19 @@ def parallel_problem(
 ) -> str | None:
     """Why the engine cannot run a model at (tp, pp), or None when it can."""
     problem = tensor_parallel_problem(tp, heads=heads, kv_heads=kv_heads, mlp_width=mlp_width)
-    if problem:
-        return problem
-    limit = min(MAX_PIPELINE_PARALLEL, num_layers)
-    if not 1 <= pp <= limit:
-        return f"pipeline_parallel must be 1..{limit} for {num_layers} layers, got {pp}"
-    return None
+    return problem or pipeline_parallel_problem(pp, num_layers)
+
+
+def pipeline_parallel_problem(pp: int, num_layers: int | None) -> str | None:
+    """Why the engine cannot split a model of ``num_layers`` layers (None: not known)
+    into ``pp`` stages, or None when it can: every stage holds a layer at least, and
+    there are at most MAX_PIPELINE_PARALLEL (a group of more waits for peers that
+    cannot exist)."""
+    limit = MAX_PIPELINE_PARALLEL if num_layers is None else min(MAX_PIPELINE_PARALLEL, num_layers)
+    if 1 <= pp <= limit:
+        return None
+    layers = "" if num_layers is None else f" for {num_layers} layers"
+    return f"pipeline_parallel must be 1..{limit}{layers}, got {pp}"
 
 
 def projection_inputs(

@@ -16,6 +16,7 @@ from monitor_agent.launch import build_plan
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from services.models.checkpoint import create_checkpoint
 
 DEVICES = {d.device_id: d for d in virtual_devices(2, 1 << 30, [0, 1], "x86_64")}
 GPUS = [
@@ -52,6 +53,26 @@ def _request(**changes) -> agent_pb.StartWorkersRequest:
         else:
             setattr(request, name, value)
     return request
+
+
+def test_the_default_sequence_length_reads_positions_as_the_family_does(models_root, tmp_path):
+    """GPT-J names its positions n_positions: a default of 2048 would start a worker that
+    refuses it; a max_seq_len beyond them is refused before a worker starts."""
+    create_checkpoint(
+        models_root / "gptj",
+        arch="gptj",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        max_position_embeddings=512,
+    )
+    gptj = json.loads((models_root / "gptj" / "config.json").read_text())
+    assert gptj["n_positions"] == 512 and "max_position_embeddings" not in gptj
+    assert _plan(_request(checkpoint_path="gptj"), models_root).max_seq_len == 512
+    with pytest.raises(
+        InvalidArgument, match=r"max_seq_len 513 \(.*\) exceeds the model's 512 positions"
+    ):
+        _plan(_request(checkpoint_path="gptj", max_seq_len=513), models_root)
 
 
 def _plan(request, models_root):
@@ -155,7 +176,12 @@ def test_request_values_override_the_defaults(models_root):
         # A checkpoint whose config names no layer count: a bound of its own.
         (
             {"config": common.DeploymentConfig(pipeline_parallel=1000)},
-            "pipeline_parallel must be at most 8, got 1000",
+            "config.pipeline_parallel must be 1..8, got 1000",
+        ),
+        # The worker refused it at start-up and exited: FAILED_PRECONDITION (a tester).
+        (
+            {"max_seq_len": 2**32 - 1},
+            r"max_seq_len 4294967295 \(.*\) exceeds the model's \d+ positions",
         ),
         ({"checkpoint_path": ""}, "checkpoint_path is empty"),
         ({"checkpoint_path": "../outside"}, "outside the models root"),
@@ -259,8 +285,8 @@ def test_a_parallel_request_becomes_one_process_per_rank(models_root, four_layer
         (2, 1, _ranks(2, 1, [(0, 4)])[:1], "rendezvous_address is required"),
         # More stages than layers: a worker waited for peers that cannot exist, or the
         # group failed in torch's own words (a fuzzing tester).
-        (1, 5, _ranks(1, 1, [(0, 1)]), "pipeline_parallel 5 exceeds the model's 4 layers"),
-        (1, 2**32 - 1, _ranks(1, 1, [(0, 1)]), "exceeds the model's 4 layers"),
+        (1, 5, _ranks(1, 1, [(0, 1)]), "pipeline_parallel must be 1..4 for 4 layers, got 5"),
+        (1, 2**32 - 1, _ranks(1, 1, [(0, 1)]), "must be 1..4 for 4 layers, got 4294967295"),
     ],
 )
 def test_malformed_parallel_requests_are_invalid(

@@ -204,6 +204,12 @@ def test_workers_start_serve_show_up_and_stop(agent, redis_url):
         ),
         ({"checkpoint_path": "../.."}, grpc.StatusCode.INVALID_ARGUMENT, "outside the models root"),
         ({"deployment_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, "invalid deployment_id ''"),
+        # A worker started for it refused it and exited: FAILED_PRECONDITION (a tester).
+        (
+            {"max_seq_len": 2**32 - 1},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "max_seq_len 4294967295 (the longest prompt + output a sequence holds) exceeds",
+        ),
         (
             {"engine": agent_pb.ENGINE_KIND_TENSORRT_LLM},
             grpc.StatusCode.FAILED_PRECONDITION,

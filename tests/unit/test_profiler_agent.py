@@ -408,7 +408,9 @@ def test_a_prompt_longer_than_the_model_is_refused_before_starting(tmp_path):
     error, supervisor = _run_job(
         tmp_path, FakeWorker(0, 0), _request(input_tokens=4000, output_tokens=[16])
     )
-    assert isinstance(error, InvalidArgument) and "max_position_embeddings" in str(error)
+    assert isinstance(error, InvalidArgument)
+    assert "max_seq_len 4016 (the longest prompt + output" in str(error)
+    assert "exceeds the model's 2048 positions (max_position_embeddings)" in str(error)
     assert supervisor.plans == [] and supervisor.stopped == []
 
 
