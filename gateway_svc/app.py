@@ -67,6 +67,7 @@ from services.api import (
 )
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
+from services.auth.policy import role_name, roles_for
 from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
 from services.drain import refused_as_draining
@@ -113,6 +114,19 @@ _CODES = {401: "invalid_api_key", 429: "rate_limit_exceeded"}
 RETRY_AFTER_S = 1
 # The services the gateway calls, in the order of Backend.channels.
 BACKEND_SERVICES = ("scheduler", "deploy", "model")
+
+
+# The roles whose tokens /v1/models answers: those that may read deployments.
+_LISTERS = ", ".join(
+    sorted(
+        role_name(role)
+        for role in roles_for(
+            f"/{deploy_pb.DESCRIPTOR.services_by_name['DeploymentService'].full_name}"
+            "/ListDeployments"
+        )
+        or ()
+    )
+)
 
 
 def openai_code(status: int, param: str | None = None, reason: str = "") -> str | None:
@@ -907,6 +921,12 @@ def create_app(
                 metadata=backend.caller(http),
             )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                # Not the internal method the role may not call: what the caller asked.
+                raise GatewayError(
+                    *http_status(exc.code()),
+                    f"this token may not list models: GET /v1/models is for {_LISTERS} tokens",
+                ) from None
             raise GatewayError.from_rpc(exc, "deployment") from None
         served: dict[str, int] = {}
         for d in reply.deployments:

@@ -651,6 +651,17 @@ def test_the_gateway_forwards_the_client_token(deployed):
             f"{base}/models", headers={"Authorization": f"Bearer {s.tokens['app-user']}"}
         )
         assert [m["id"] for m in models.json()["data"]] == [MODEL]
+        # A model developer generates on nothing: a 403 in the caller's own terms, not
+        # the internal method's (it named DeploymentService/ListDeployments, a tester).
+        for path in ("/models", f"/models/{MODEL}"):
+            refused = client.get(
+                f"{base}{path}", headers={"Authorization": f"Bearer {s.tokens['model-developer']}"}
+            )
+            assert refused.status_code == 403
+            assert refused.json()["error"]["message"] == (
+                "this token may not list models: GET /v1/models is for admin, app-developer, "
+                "app-user, service tokens"
+            )
 
 
 def test_the_gateway_lists_only_models_the_key_may_generate_on(deployed):
