@@ -10,8 +10,9 @@ FastAPI parses and validates the bodies, ``sse-starlette`` frames the streams
 gRPC call is cancelled and with it the worker's generation.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with the
-status of the gRPC code (:func:`http_status`): unknown model 404, bad parameters 400,
-queue full 429, deadline missed 504, worker gone or service down 503.
+status of the gRPC code (:func:`http_status`): unknown model 404, bad parameters 400
+(and a deadline the decode of max_tokens alone would pass), queue full 429, deadline
+missed 504, worker gone or service down 503.
 """
 
 from __future__ import annotations

@@ -52,6 +52,9 @@ class QueueEntry:
     # guessed longer than the deployment accepts, which the worker counts and refuses
     # as too long; or one an idle queue admits to measure again (DeploymentQueue).
     not_refused_late: bool = False
+    # Its deadline falls before its arrival even with its decode predicted alone, in a
+    # batch of one: no queue could meet it (refused as DeadlineUnreachable, not as late).
+    unreachable: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from scheduler_svc.predictor import LatencyPredictor
 from services import replicas
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
-from services.errors import DeadlineExceeded, ResourceExhausted
+from services.errors import DeadlineExceeded, DeadlineUnreachable, ResourceExhausted
 from services.ids import replica_group_id, split_group_id
 
 log = logging.getLogger("iserve.scheduler")
@@ -185,9 +185,10 @@ class DeploymentQueue:
         slot it holds (this one, or a sibling replica's that took it while it waited),
         which its ``release`` goes to.
 
-        Raises ResourceExhausted when the queue is full and DeadlineExceeded when the
-        policy drops the request. A caller cancelled while waiting leaves the queue and
-        holds no slot.
+        Raises ResourceExhausted when the queue is full, DeadlineExceeded when the
+        policy drops the request, and DeadlineUnreachable (an InvalidArgument) for an
+        ``entry.unreachable``. A
+        caller cancelled while waiting leaves the queue and holds no slot.
         """
         policy, edf = self._policy, self.edf
         # At once: waiting would only report it when a slot frees, seconds later.
@@ -197,7 +198,7 @@ class DeploymentQueue:
             and entry in self._predicted_misses([*policy.ahead_of(entry), entry], refusing=edf)
             and not self._measures_instead(entry)
         ):
-            raise DeadlineExceeded(self._miss_message(entry))
+            raise self._miss(entry)
         try:
             self._policy.push(entry)
         except QueueFull as full:
@@ -385,7 +386,13 @@ class DeploymentQueue:
     def _refuse(self, entry: QueueEntry) -> None:
         waiter = self._waiters.pop(entry, None)
         if waiter is not None and not waiter.done():
-            waiter.set_exception(DeadlineExceeded(self._miss_message(entry)))
+            waiter.set_exception(self._miss(entry))
+
+    def _miss(self, entry: QueueEntry) -> DeadlineExceeded | DeadlineUnreachable:
+        """The refusal of ``entry``, whose deadline is predicted missed: DeadlineUnreachable
+        when no queue could meet it (``entry.unreachable``), else DeadlineExceeded."""
+        message = self._miss_message(entry)
+        return (DeadlineUnreachable if entry.unreachable else DeadlineExceeded)(message)
 
     def _wake_at_last_start(self, policy: EdfPolicy) -> None:
         """Dispatch again when the first waiting request's deadline can no longer be met
@@ -414,12 +421,17 @@ class DeploymentQueue:
         why = f" ({entry.objective})" if entry.objective else ""
         # A deadline on the last token less the predicted decode of max_tokens can fall
         # before the arrival: no first token could be on time, whatever the queue.
-        hint = (
-            "; the decode of max_tokens alone takes longer than the deadline: ask for "
-            "fewer tokens or a later deadline"
-            if allowed_ms <= 0
-            else ""
-        )
+        hint = ""
+        if entry.unreachable:
+            hint = (
+                "; the decode of max_tokens alone takes longer than the deadline: ask for "
+                "fewer tokens or a later deadline"
+            )
+        elif allowed_ms <= 0:
+            hint = (
+                "; the decode of max_tokens beside the sequences running now takes longer "
+                "than the deadline: ask for fewer tokens or a later deadline, or retry"
+            )
         return (
             f"{text}: first token predicted {predicted_ms:.0f} ms after arrival, "
             f"allowed {allowed_ms:.0f} ms{why}{hint}"

@@ -394,15 +394,20 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         prompt_tokens, guessed_too_long = predicted_prompt_tokens(
             request, deployment, max_tokens_is_bound, predictor.prompt_tokens
         )
+        # An FCFS queue checks no objective of the deployment's: only a request's own
+        # deadline, and only when it came by model (see refused_if_late).
+        objectives = deployment.objectives if queue.edf else common.ServiceObjectives()
         due = first_token_deadline(
             arrival,
-            # An FCFS queue checks no objective of the deployment's: only a request's
-            # own deadline, and only when it came by model (see refused_if_late).
-            deployment.objectives if queue.edf else common.ServiceObjectives(),
+            objectives,
             request.deadline_ms,
             request.max_tokens,
             # Its decode runs beside at most a batch of others, however many wait.
             predictor.decode_step_s(min(queue.running + 1, queue.slots)),
+        )
+        # Decoded alone, at the fastest this deployment decodes: still due before it came?
+        alone = first_token_deadline(
+            arrival, objectives, request.deadline_ms, request.max_tokens, predictor.decode_step_s(1)
         )
         entry = QueueEntry(
             request.request_id,
@@ -419,6 +424,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # deployment id, FCFS serves what it takes, however late.
             refused_if_late=request.deadline_ms > 0 and not request.HasField("deployment_id"),
             not_refused_late=guessed_too_long,
+            unreachable=alone.first_token_s is not None and alone.first_token_s <= arrival,
         )
         self.queues.check_room(deployment)
         if record.enqueued_s is None:  # a request moved on keeps its first queue's wait

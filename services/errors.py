@@ -72,6 +72,14 @@ class DeadlineExceeded(IServeError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class DeadlineUnreachable(InvalidArgument):
+    """A deadline the predicted decode of the request's own max_tokens alone passes: no
+    queue could meet it, so it is the request to change (a 400, which clients do not
+    retry; the OpenAI SDKs retried a 504 twice, to the same refusal)."""
+
+    reason = "deadline_unreachable"
+
+
 class Unavailable(IServeError):
     code = grpc.StatusCode.UNAVAILABLE
 

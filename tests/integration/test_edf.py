@@ -1,6 +1,7 @@
 """EDF on the live stack: the deployment records its objectives; an impossible deadline
-is refused at once with DEADLINE_EXCEEDED and nothing is queued; feasible requests are
-served in deadline order, not arrival order."""
+is refused at once and nothing is queued (DEADLINE_EXCEEDED when its prefill would be
+late, INVALID_ARGUMENT when the decode of its max_tokens alone passes it); feasible
+requests are served in deadline order, not arrival order."""
 
 from __future__ import annotations
 
@@ -74,7 +75,32 @@ def _waiting(stack, deployment_id: str) -> int:
     return sum(d.requests_waiting for d in stats.deployments if d.deployment_id == deployment_id)
 
 
-def test_an_impossible_deadline_is_refused_at_once(stack, edf):
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "deadline_ms", "code", "said"),
+    [
+        # Its prefill alone passes the deadline: late here, a retry may find room.
+        (
+            " ".join(["late"] * 200),
+            1,
+            1,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "allowed 1 ms (deadline_ms 1 ms less 0 ms of predicted decode)",
+        ),
+        # The decode of its 500 tokens alone does: no queue could meet it, the request is
+        # to change (a 504 before, which the OpenAI SDKs retried twice).
+        (
+            "too late",
+            500,
+            5,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "the decode of max_tokens alone takes longer than the deadline",
+        ),
+    ],
+    ids=["prefill", "decode"],
+)
+def test_an_impossible_deadline_is_refused_at_once(
+    stack, edf, prompt, max_tokens, deadline_ms, code, said
+):
     # One request teaches the deployment's predictor what a token costs here.
     generate(
         stack, deployment_id=edf.deployment_id, prompt="warm up", max_tokens=20,
@@ -88,18 +114,18 @@ def test_an_impossible_deadline_is_refused_at_once(stack, edf):
             infer_pb.GenerateRequest(
                 request_id=rid(),
                 deployment_id=edf.deployment_id,
-                prompt="too late",
-                max_tokens=500,
-                deadline_ms=5,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                deadline_ms=deadline_ms,
                 sampling=GREEDY_NO_EOS,
             ),
             timeout=60,
         ):
             replies.append(message)
     elapsed = time.monotonic() - started
-    assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     details = refused.value.details()
-    assert "predicted" in details and "allowed" in details and "deadline_ms 5 ms" in details
+    assert refused.value.code() == code, details
+    assert "first token predicted" in details and said in details
     # Refused, not served and then found late: nothing came back, the worker generated
     # nothing for it (500 tokens would take seconds), and it did not wait for a slot.
     assert replies == []

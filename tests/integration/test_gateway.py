@@ -632,7 +632,7 @@ def test_a_full_queue_is_429(stack, gateway, slow):
     assert started == [200] * len(holders)
 
 
-def test_a_deadline_edf_cannot_meet_is_504(stack, gateway):
+def test_a_deadline_edf_cannot_meet_is_504_and_one_no_queue_could_meet_400(stack, gateway):
     register(stack, "gw-edf", make_checkpoint(stack, "gw-edf"))
     dep = deploy(
         stack,
@@ -644,10 +644,18 @@ def test_a_deadline_edf_cannot_meet_is_504(stack, gateway):
     try:
         warm = {"model": "gw-edf", "prompt": "warm up", "max_tokens": 20}
         assert httpx.post(f"{gateway}/v1/completions", json=warm, timeout=60).status_code == 200
-        late = {"model": "gw-edf", "prompt": "x", "max_tokens": 500, "deadline_ms": 1}
+        # Its prefill alone passes the deadline: late now (the OpenAI SDKs retry a 504).
+        late = {"model": "gw-edf", "prompt": "x " * 200, "max_tokens": 1, "deadline_ms": 1}
         reply = httpx.post(f"{gateway}/v1/completions", json=late, timeout=60)
         assert reply.status_code == 504, reply.text
         assert reply.json()["error"]["type"] == "timeout_error"
+        # The decode of its max_tokens alone does: the request is to change, not retried.
+        hopeless = {"model": "gw-edf", "prompt": "x", "max_tokens": 500, "deadline_ms": 1}
+        reply = httpx.post(f"{gateway}/v1/completions", json=hopeless, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "deadline_unreachable")
+        assert "ask for fewer tokens or a later deadline" in error["message"]
     finally:
         _remove(stack, dep.deployment_id)
 

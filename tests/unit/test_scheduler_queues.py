@@ -12,7 +12,7 @@ from scheduler_svc.predictor import LatencyPredictor
 from scheduler_svc.queues import RELEARN_AFTER_S, DeploymentQueue, QueueClosed, QueueRegistry
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
-from services.errors import DeadlineExceeded, ResourceExhausted
+from services.errors import DeadlineExceeded, DeadlineUnreachable, ResourceExhausted
 
 
 def entry(name: str, priority: bool = False, **kw) -> QueueEntry:
@@ -215,11 +215,24 @@ def test_an_impossible_deadline_is_refused_at_once_with_predicted_and_allowed_ti
             "long", deadline_s=99.8, prompt_tokens=1, objective="deadline_ms 300 ms less 500 ms"
         )
         decode_bound.arrival_s = 100.0
-        with pytest.raises(DeadlineExceeded) as refused:
+        decode_bound.unreachable = True
+        # No queue could meet it: the request is to change (400, not a retried 504).
+        with pytest.raises(DeadlineUnreachable) as refused:
             await queue.acquire(decode_bound)
         assert str(refused.value).endswith(
             "allowed -200 ms (deadline_ms 300 ms less 500 ms); the decode of max_tokens "
             "alone takes longer than the deadline: ask for fewer tokens or a later deadline"
+        )
+        # Passed only by its decode beside the sequences running now: late, not
+        # unreachable (decoded alone it would be on time; a retry may be).
+        crowded = entry("crowded", deadline_s=99.9, prompt_tokens=1, objective="deadline_ms")
+        crowded.arrival_s = 100.0
+        with pytest.raises(DeadlineExceeded) as refused:
+            await queue.acquire(crowded)
+        assert not isinstance(refused.value, DeadlineUnreachable)
+        assert str(refused.value).endswith(
+            "the decode of max_tokens beside the sequences running now takes longer than the "
+            "deadline: ask for fewer tokens or a later deadline, or retry"
         )
 
     asyncio.run(scenario())
