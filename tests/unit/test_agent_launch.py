@@ -55,7 +55,7 @@ def _request(**changes) -> agent_pb.StartWorkersRequest:
     return request
 
 
-def test_the_default_sequence_length_reads_positions_as_the_family_does(models_root, tmp_path):
+def test_the_default_sequence_length_reads_positions_as_the_family_does(models_root):
     """GPT-J names its positions n_positions: a default of 2048 would start a worker that
     refuses it; a max_seq_len beyond them is refused before a worker starts."""
     create_checkpoint(
