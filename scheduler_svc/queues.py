@@ -424,13 +424,14 @@ class DeploymentQueue:
         hint = ""
         if entry.unreachable:
             hint = (
-                "; the decode of max_tokens alone takes longer than the deadline: ask for "
-                "fewer tokens or a later deadline"
+                f"; the decode of max_tokens ({entry.max_tokens}) alone takes longer than "
+                "the deadline: ask for fewer tokens or a later deadline"
             )
         elif allowed_ms <= 0:
             hint = (
-                "; the decode of max_tokens beside the sequences running now takes longer "
-                "than the deadline: ask for fewer tokens or a later deadline, or retry"
+                f"; the decode of max_tokens ({entry.max_tokens}) beside the sequences "
+                "running now takes longer than the deadline: ask for fewer tokens or a later "
+                "deadline, or retry"
             )
         return (
             f"{text}: first token predicted {predicted_ms:.0f} ms after arrival, "

@@ -93,7 +93,7 @@ def _waiting(stack, deployment_id: str) -> int:
             500,
             5,
             grpc.StatusCode.INVALID_ARGUMENT,
-            "the decode of max_tokens alone takes longer than the deadline",
+            "the decode of max_tokens (500) alone takes longer than the deadline",
         ),
     ],
     ids=["prefill", "decode"],

@@ -212,7 +212,11 @@ def test_an_impossible_deadline_is_refused_at_once_with_predicted_and_allowed_ti
         assert (queue.running, queue.waiting) == (0, 0)  # nothing queued
         # A deadline whose predicted decode alone passes it leaves no time at all: said.
         decode_bound = entry(
-            "long", deadline_s=99.8, prompt_tokens=1, objective="deadline_ms 300 ms less 500 ms"
+            "long",
+            deadline_s=99.8,
+            prompt_tokens=1,
+            max_tokens=51,
+            objective="deadline_ms 300 ms less 500 ms",
         )
         decode_bound.arrival_s = 100.0
         decode_bound.unreachable = True
@@ -220,19 +224,21 @@ def test_an_impossible_deadline_is_refused_at_once_with_predicted_and_allowed_ti
         with pytest.raises(DeadlineUnreachable) as refused:
             await queue.acquire(decode_bound)
         assert str(refused.value).endswith(
-            "allowed -200 ms (deadline_ms 300 ms less 500 ms); the decode of max_tokens "
+            "allowed -200 ms (deadline_ms 300 ms less 500 ms); the decode of max_tokens (51) "
             "alone takes longer than the deadline: ask for fewer tokens or a later deadline"
         )
         # Passed only by its decode beside the sequences running now: late, not
         # unreachable (decoded alone it would be on time; a retry may be).
-        crowded = entry("crowded", deadline_s=99.9, prompt_tokens=1, objective="deadline_ms")
+        crowded = entry(
+            "crowded", deadline_s=99.9, prompt_tokens=1, max_tokens=8, objective="deadline_ms"
+        )
         crowded.arrival_s = 100.0
         with pytest.raises(DeadlineExceeded) as refused:
             await queue.acquire(crowded)
         assert not isinstance(refused.value, DeadlineUnreachable)
         assert str(refused.value).endswith(
-            "the decode of max_tokens beside the sequences running now takes longer than the "
-            "deadline: ask for fewer tokens or a later deadline, or retry"
+            "the decode of max_tokens (8) beside the sequences running now takes longer than "
+            "the deadline: ask for fewer tokens or a later deadline, or retry"
         )
 
     asyncio.run(scenario())

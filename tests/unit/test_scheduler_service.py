@@ -1238,7 +1238,9 @@ def test_a_model_request_edf_finds_hopeless_is_not_served_late_by_an_fcfs_deploy
         hopeless = dict(model_id="m", max_tokens=10, deadline_ms=300)
         error = await h.status_of(request_id="hopeless", **hopeless)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
-        assert "the decode of max_tokens alone takes longer than the deadline" in error.details()
+        assert (
+            "the decode of max_tokens (10) alone takes longer than the deadline" in error.details()
+        )
         assert [r.request_id for r in lenient.received] == ["warm-b-fcfs"]
         # By deployment id, FCFS serves it (late); by model without a deadline, too.
         await h.collect(request_id="direct", deployment_id="b-fcfs", max_tokens=10, deadline_ms=300)
