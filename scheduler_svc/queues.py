@@ -187,8 +187,8 @@ class DeploymentQueue:
 
         Raises ResourceExhausted when the queue is full, DeadlineExceeded when the
         policy drops the request, and DeadlineUnreachable (an InvalidArgument) for an
-        ``entry.unreachable``. A
-        caller cancelled while waiting leaves the queue and holds no slot.
+        ``entry.unreachable``. A caller cancelled while waiting leaves the queue and holds
+        no slot.
         """
         policy, edf = self._policy, self.edf
         # At once: waiting would only report it when a slot frees, seconds later.
@@ -420,7 +420,8 @@ class DeploymentQueue:
         allowed_ms = (entry.deadline_s - entry.arrival_s) * 1e3
         why = f" ({entry.objective})" if entry.objective else ""
         # A deadline on the last token less the predicted decode of max_tokens can fall
-        # before the arrival: no first token could be on time, whatever the queue.
+        # before the arrival: no first token could be on time, whatever the queue (decoded
+        # alone: unreachable), or none beside the sequences running now.
         hint = ""
         if entry.unreachable:
             hint = (
