@@ -55,6 +55,8 @@ class Option:
     config: common.DeploymentConfig
     estimate: estimator_pb.ConfigEstimate | None = None
     meets_intent: bool = True
+    # What of the intent a fallback misses (the estimator's words), or "".
+    shortfall: str = ""
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,9 @@ def policy_name(policy: int) -> str:
 
 
 def options_from_ranking(ranked: Sequence[estimator_pb.RankedConfig]) -> list[Option]:
-    return [Option(r.rank, r.estimate.config, r.estimate, r.meets_intent) for r in ranked]
+    return [
+        Option(r.rank, r.estimate.config, r.estimate, r.meets_intent, r.shortfall) for r in ranked
+    ]
 
 
 def _engine_problem(
@@ -281,7 +285,10 @@ def _decision(
 ) -> deploy_pb.DeploymentDecision:
     notes = [note] if note else []
     if not option.meets_intent:
-        notes.append(f"configuration #{option.rank} is a fallback: it does not meet the intent")
+        notes.append(
+            f"configuration #{option.rank} is a fallback: "
+            + (option.shortfall or "it does not meet the intent")
+        )
     if option.estimate is not None and option.estimate.communication_unprofiled:
         notes.append(
             f"configuration #{option.rank} splits the model a way its fingerprints never "
@@ -375,6 +382,11 @@ def meets_intent(prepared: Prepared, decision: deploy_pb.DeploymentDecision) -> 
     """Whether the decision's configuration met the intent it was ranked for (False: a
     fallback; an explicit configuration meets it)."""
     return next((o.meets_intent for o in prepared.options if o.rank == decision.winner_rank), True)
+
+
+def _shortfall(prepared: Prepared, decision: deploy_pb.DeploymentDecision) -> str:
+    """What of the intent the decision's configuration missed as ranked, or ""."""
+    return next((o.shortfall for o in prepared.options if o.rank == decision.winner_rank), "")
 
 
 def size_batch(
@@ -536,10 +548,17 @@ def _decide_batch(
         for c in candidates_for(nodes, prepared.hardware_type)
         if (c.node_id, c.device_id) in placed
     ]
+    shortfall = _shortfall(prepared, decision)
+    if shortfall:
+        # The ranking's words describe the batch it ranked, not this one.
+        shortfall += f" (as ranked, at batch {batch1.config.batch_size or 1})"
+    option = Option(
+        decision.winner_rank, config, estimate, meets_intent(prepared, decision), shortfall
+    )
     try:
         sized = decide(
             prepared.model,
-            [Option(decision.winner_rank, config, estimate, meets_intent(prepared, decision))],
+            [option],
             devices,
             limits,
             policy=prepared.policy,

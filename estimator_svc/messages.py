@@ -106,12 +106,16 @@ def ranked_messages(
     communication_unprofiled: np.ndarray | None = None,
 ) -> list[estimator_pb.RankedConfig]:
     """``RankedConfig`` messages, rank 1 first."""
+    shortfalls = ranked.shortfalls or ("",) * len(ranked.indices)
     return [
-        estimator_pb.RankedConfig(rank=place, estimate=message, meets_intent=bool(meets))
-        for place, (message, meets) in enumerate(
+        estimator_pb.RankedConfig(
+            rank=place, estimate=message, meets_intent=bool(meets), shortfall=shortfall
+        )
+        for place, (message, meets, shortfall) in enumerate(
             zip(
                 estimate_messages(estimates, workload, ranked.indices, communication_unprofiled),
                 ranked.meets_intent,
+                shortfalls,
                 strict=True,
             ),
             start=1,

@@ -26,11 +26,13 @@ __all__ = ["RankedConfigs", "formula_cost", "rank_for_intent"]
 
 @dataclass(frozen=True)
 class RankedConfigs:
-    """Configuration indices, best first; per entry whether it meets the intent itself."""
+    """Configuration indices, best first; per entry whether it meets the intent itself
+    and, where it does not, what of the intent it misses (``shortfalls``)."""
 
     indices: np.ndarray
     meets_intent: np.ndarray
     notes: tuple[str, ...]
+    shortfalls: tuple[str, ...] = ()
 
     @property
     def note(self) -> str:
@@ -79,11 +81,23 @@ def rank_for_intent(estimates: Estimates, intent: common.Intent) -> RankedConfig
     unit = COST_UNITS[formula]
     notes.extend(note.replace(" GB*s", f" {unit}") for note in ranking.notes)
     chosen = ranking.indices
-    meets = np.ones(chosen.size, dtype=bool)
-    if floor is not None:
-        meets &= accuracy[chosen] >= floor
-    if kind == "latency_slo":
-        meets &= estimates.latency_s[chosen] <= intent.latency_slo_ms / 1e3
-    if kind == "cost_slo":
-        meets &= cost[chosen] <= intent.cost_budget
-    return RankedConfigs(chosen, meets, tuple(notes))
+    missed: list[list[str]] = [[] for _ in chosen]
+    for place, index in enumerate(chosen):
+        if floor is not None and not accuracy[index] >= floor:
+            missed[place].append(
+                f"its accuracy {accuracy[index]:g} is under the floor of {floor:g}"
+                if np.isfinite(accuracy[index])
+                else f"its accuracy is unknown, the floor is {floor:g}"
+            )
+        if kind == "latency_slo" and estimates.latency_s[index] > intent.latency_slo_ms / 1e3:
+            missed[place].append(
+                f"its estimated latency {estimates.latency_s[index] * 1e3:.0f} ms is over "
+                f"the {intent.latency_slo_ms:g} ms SLO"
+            )
+        if kind == "cost_slo" and cost[index] > intent.cost_budget:
+            missed[place].append(
+                f"its estimated cost {cost[index]:.4g} {unit} is over the budget of "
+                f"{intent.cost_budget:g} {unit}"
+            )
+    meets = np.array([not m for m in missed], dtype=bool)
+    return RankedConfigs(chosen, meets, tuple(notes), tuple(" and ".join(m) for m in missed))

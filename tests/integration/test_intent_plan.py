@@ -180,6 +180,9 @@ def test_the_accuracy_floor_excludes_int4_below_it(stack, estimates):
     )
     assert "ranking the most accurate available (100)" in relaxed.note
     assert relaxed.estimate.accuracy_score == 100
+    # The fallback says which part of the intent it misses, through the estimator's
+    # RankedConfig and the deployer's note.
+    assert "is a fallback: its accuracy 100 is under the floor of 100.5" in relaxed.note
 
 
 def chosen_devices(decision) -> set[str]:

@@ -346,7 +346,8 @@ def test_a_budget_no_configuration_meets_at_batch_1_is_met_by_the_smallest_batch
     # Through the deployer: the fallback option (it does not meet the intent) is sized
     # to the budget, past the TTFT cap a met budget keeps.
     nodes = _nodes(64)
-    fallback = planning.Option(1, config, batch1, meets_intent=False)
+    missed = "its estimated cost 0.4 GB*s is over the budget of 0.2 GB*s"
+    fallback = planning.Option(1, config, batch1, meets_intent=False, shortfall=missed)
     prepared = dataclasses.replace(
         _prepared(nodes, [fallback]), cost_budget=(formula, 0.2), latency_first=True
     )
@@ -355,6 +356,8 @@ def test_a_budget_no_configuration_meets_at_batch_1_is_met_by_the_smallest_batch
     within = min(b for b, c in costs.items() if c <= 0.2)
     assert sized.config.batch_size == within > 2
     assert "the cost budget of 0.2" in sized.note and "met from this batch on" in sized.note
+    # The ranking's shortfall is about the batch it ranked, and says so.
+    assert f"is a fallback: {missed} (as ranked, at batch 1)" in sized.note
     assert sized.estimate.cost_memory_latency <= 0.2
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from deploy_svc import planning
@@ -80,7 +82,15 @@ def test_excluded_ranks_are_skipped_with_their_reason_and_fallbacks_are_noted():
     decision = decide(model(), options, devices(2, 2), LIMITS, excluded={1: "launch failed: x"})
     assert decision.winner_rank == 2
     assert decision.skipped[0].reason == "launch failed: x"
-    assert "is a fallback" in decision.note
+    assert decision.note == "configuration #2 is a fallback: it does not meet the intent"
+    # With the estimator's shortfall, the note names what is missed.
+    options[1] = dataclasses.replace(
+        options[1], shortfall="its accuracy 90 is under the floor of 95"
+    )
+    decision = decide(model(), options, devices(2, 2), LIMITS, excluded={1: "launch failed: x"})
+    assert decision.note == (
+        "configuration #2 is a fallback: its accuracy 90 is under the floor of 95"
+    )
 
 
 def test_a_choice_whose_communication_was_never_profiled_says_so():

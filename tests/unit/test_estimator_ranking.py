@@ -80,6 +80,10 @@ def test_a_floor_nobody_meets_fails_or_is_relaxed_with_a_note(estimated):
     )
     assert "ranking the most accurate available (100)" in relaxed.note
     assert set(estimates.accuracy_pct[relaxed.indices]) == {100.0}
+    # Each is kept as a fallback, and says it is the floor it misses (a tester read
+    # "does not meet the intent" and could not tell which part).
+    assert not relaxed.meets_intent.any()
+    assert set(relaxed.shortfalls) == {"its accuracy 100 is under the floor of 101"}
 
 
 def test_latency_slo_keeps_the_cheapest_under_it_or_falls_back(estimated):
@@ -98,6 +102,9 @@ def test_latency_slo_keeps_the_cheapest_under_it_or_falls_back(estimated):
     assert "no configuration meets the latency SLO of 0.001 s" in missed.note
     assert missed.indices[0] == best(estimates, estimates.latency_s)
     assert not missed.meets_intent.any()
+    first_ms = estimates.latency_s[missed.indices[0]] * 1e3
+    assert missed.shortfalls[0] == f"its estimated latency {first_ms:.0f} ms is over the 1 ms SLO"
+    assert met.shortfalls == ("",) * met.indices.size
 
 
 def test_cost_slo_in_the_formulas_unit(estimated):
@@ -118,6 +125,18 @@ def test_cost_slo_in_the_formulas_unit(estimated):
     )
     missed = rank_for_intent(estimates, K.Intent(kind=K.INTENT_KIND_COST_SLO, cost_budget=1e-9))
     assert "cost budget of 1e-09 GB*s" in missed.note
+    assert missed.shortfalls[0].endswith("GB*s is over the budget of 1e-09 GB*s")
+    # Both parts missed: both named.
+    both = rank_for_intent(
+        estimates,
+        K.Intent(
+            kind=K.INTENT_KIND_LATENCY_SLO,
+            latency_slo_ms=1,
+            min_accuracy=101,
+            allow_best_available_accuracy=True,
+        ),
+    )
+    assert " SLO" in both.shortfalls[0] and "under the floor of 101 and " in both.shortfalls[0]
 
 
 @pytest.mark.parametrize(
@@ -155,6 +174,10 @@ def test_messages_carry_units_and_ranks(estimated):
     ranked = rank_for_intent(estimates, K.Intent(kind=K.INTENT_KIND_MIN_LATENCY))
     entries = ranked_messages(estimates, workload, ranked)
     assert [e.rank for e in entries[:3]] == [1, 2, 3]
+    assert all(e.meets_intent and not e.shortfall for e in entries)
+    missed = rank_for_intent(estimates, K.Intent(kind=K.INTENT_KIND_LATENCY_SLO, latency_slo_ms=1))
+    fallbacks = ranked_messages(estimates, workload, missed)
+    assert fallbacks[0].shortfall == missed.shortfalls[0] and not fallbacks[0].meets_intent
     latencies = [e.estimate.latency_ms for e in entries]
     assert latencies == sorted(latencies)
 

@@ -76,14 +76,16 @@ class EstimateConfigsResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., estimates: _Optional[_Iterable[_Union[ConfigEstimate, _Mapping]]] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankedConfig(_message.Message):
-    __slots__ = ("rank", "estimate", "meets_intent")
+    __slots__ = ("rank", "estimate", "meets_intent", "shortfall")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     MEETS_INTENT_FIELD_NUMBER: _ClassVar[int]
+    SHORTFALL_FIELD_NUMBER: _ClassVar[int]
     rank: int
     estimate: ConfigEstimate
     meets_intent: bool
-    def __init__(self, rank: _Optional[int] = ..., estimate: _Optional[_Union[ConfigEstimate, _Mapping]] = ..., meets_intent: _Optional[bool] = ...) -> None: ...
+    shortfall: str
+    def __init__(self, rank: _Optional[int] = ..., estimate: _Optional[_Union[ConfigEstimate, _Mapping]] = ..., meets_intent: _Optional[bool] = ..., shortfall: _Optional[str] = ...) -> None: ...
 
 class RankConfigsRequest(_message.Message):
     __slots__ = ("request_id", "model_id", "hardware_type", "workload", "device_count", "intent", "device_memory_bytes")
