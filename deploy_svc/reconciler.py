@@ -47,6 +47,8 @@ async def worker_answers(address: str) -> bool:
 
 # Reservations and workers of profiling jobs (fingerprint_svc.profiler) are not ours.
 PROFILING_OWNER_PREFIX = "profile-"
+# How check_workers' action list begins a replica restored after a stop on purpose.
+RESTORING = "restoring"
 LIST_TIMEOUT_S = 15.0
 # How long the check that a lost worker's nodes live waits for their agents.
 NODE_CHECK_TIMEOUT_S = 2.0
@@ -327,7 +329,9 @@ class Reconciler:
                 else:
                     reason = f"{when}, rank(s) {missing} are not running"
                 if await self.controller.fail(group, reason, planned=planned, lost_rank=lost_rank):
-                    actions.append(f"failed {group}: {reason}")
+                    # A planned loss is no failure: it is restored at once, on no budget
+                    # (deploy.log read "failed" for deployments that then served again).
+                    actions.append(f"{RESTORING if planned else 'failed'} {group}: {reason}")
         return actions
 
     async def _running_workers(
@@ -574,7 +578,8 @@ class Reconciler:
     async def _check_workers_logged(self) -> None:
         try:
             for line in await self.check_workers():
-                log.warning("reconcile: %s", line)
+                level = logging.INFO if line.startswith(RESTORING) else logging.WARNING
+                log.log(level, "reconcile: %s", line)
         except StateStoreUnavailable as exc:
             log.warning("workers check skipped: %s", exc)
         except Exception:  # noqa: BLE001 - the next check runs all the same

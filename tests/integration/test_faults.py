@@ -425,5 +425,10 @@ def test_the_whole_stack_stopped_and_started_serves_again(own_stack, deployment)
     reasons = restart_reasons(stack, deployment_id)
     assert reasons == ["the stack was stopped on purpose, rank(s) [0] with it"], reasons
     assert healed.state_reason == "serves again after a stop of the stack"
+    # deploy.log says it is restored, not failed (a tester read "reconcile: failed <id>:
+    # the stack was stopped on purpose" for a deployment that then served again).
+    deploy_log = (stack.settings.state_dir / "logs" / "deploy.log").read_text()
+    assert f"reconcile: restoring {deployment_id}: the stack was stopped" in deploy_log
+    assert f"reconcile: failed {deployment_id}" not in deploy_log
     serves(stack, deployment_id)
     assert wait_for(lambda: reserved_by_device(stack) == held, timeout=20)
