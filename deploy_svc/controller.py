@@ -638,11 +638,12 @@ class DeploymentController:
                 index=index, placement=where, state=deploy_pb.DEPLOYMENT_STATE_STARTING
             )
         try:
-            await self.store.put_deployment(deployment)
             # DeleteModel (the model service) marks the model, then looks for its
-            # deployments; this records one, then looks at the model: one of the two sees
-            # the other. A model deleted and registered again since is another model.
-            current = await self.store.get_model_unless_deleting(model.model_id)
+            # deployments; this records one only while the model is unmarked, in one
+            # step: of a Deploy and a Delete racing, only the later is refused (recorded,
+            # then looked at, both were refused when they came within milliseconds).
+            # A model deleted and registered again since is another model.
+            current = await self.store.put_deployment_of_model(deployment)
             if current is None or current.created_at_unix_ms != model.created_at_unix_ms:
                 raise ModelBeingDeleted(model.model_id)
             # Every replica starts at once; all are waited for (none is left starting

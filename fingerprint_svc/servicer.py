@@ -84,8 +84,9 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     async def _mark_deleting(self, model_id: str) -> None:
         """Mark the model as being deleted, then refuse (FailedPrecondition) when it has
         deployments in any state. The deployment service, another process, records a
-        deployment, then looks for the mark (``deploy_svc.controller``): whichever
-        order they run in, one of the two sees the other."""
+        deployment only while the model is unmarked, in one step
+        (``StateStore.put_deployment_of_model``): whichever comes first wins, and only
+        the other is refused."""
         await self.store.mark_model_deleting(model_id, DELETE_MARK_TTL_S)
         deployed = [d.deployment_id for d in await self.store.list_deployments(model_id)]
         if deployed:

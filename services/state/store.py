@@ -101,6 +101,18 @@ if stored < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
 return stored
 """
 
+# KEYS: the model, its deleting mark, the deployment, the deployment index.  ARGV: the
+# encoded deployment, its id.  Records the deployment only while the model exists and no
+# DeleteModel has marked it, in one step, and returns the model's record (nil when it
+# recorded nothing). DeleteModel marks, then looks for deployments: whichever comes
+# first wins, and only one of a Deploy and a Delete racing is refused.
+_PUT_DEPLOYMENT_OF_MODEL = """
+local model = redis.call('GET', KEYS[1])
+if not model or redis.call('EXISTS', KEYS[2]) == 1 then return false end
+redis.call('SET', KEYS[3], ARGV[1])
+redis.call('SADD', KEYS[4], ARGV[2])
+return model
+"""
 
 # How long a node's return after a clean stop is remembered (keys.node_back_after_stop).
 BACK_AFTER_STOP_MS = 60_000
@@ -266,6 +278,7 @@ class StateStore:
         self._reserve = client.register_script(_RESERVE)
         self._release = client.register_script(_RELEASE)
         self._claim_format = client.register_script(_CLAIM_FORMAT)
+        self._put_deployment_of_model = client.register_script(_PUT_DEPLOYMENT_OF_MODEL)
 
     @classmethod
     def from_url(cls, url: str) -> StateStore:
@@ -367,12 +380,6 @@ class StateStore:
     async def clear_model_deleting(self, model_id: str) -> None:
         await self.redis.delete(keys.model_deleting(model_id))
 
-    async def get_model_unless_deleting(self, model_id: str) -> model_pb.Model | None:
-        """The model's record; None when there is none or it is marked as being deleted
-        (both read in one command, so never a record that a delete removed since)."""
-        raw, deleting = await self.redis.mget([keys.model(model_id), keys.model_deleting(model_id)])
-        return None if raw is None or deleting is not None else decode(model_pb.Model, raw)
-
     # ---- profiles and calibrations -------------------------------------------------
     async def put_profile(self, profile: model_pb.GetProfileResponse) -> None:
         """Store a model's raw profiling record (measurements, cost, skipped references),
@@ -428,6 +435,23 @@ class StateStore:
             pipe.set(keys.deployment(deployment.deployment_id), encode(deployment))
             pipe.sadd(keys.deployment_index(), deployment.deployment_id)
             await pipe.execute()
+
+    async def put_deployment_of_model(
+        self, deployment: deploy_pb.Deployment
+    ) -> model_pb.Model | None:
+        """Record a new deployment unless its model is gone or being deleted (marked by
+        :meth:`mark_model_deleting`), in one step: the model's record, or None when the
+        deployment was not recorded."""
+        raw = await self._put_deployment_of_model(
+            keys=[
+                keys.model(deployment.model_id),
+                keys.model_deleting(deployment.model_id),
+                keys.deployment(deployment.deployment_id),
+                keys.deployment_index(),
+            ],
+            args=[encode(deployment), deployment.deployment_id],
+        )
+        return None if raw is None else decode(model_pb.Model, raw)
 
     async def get_deployment(self, deployment_id: str) -> deploy_pb.Deployment | None:
         raw = await self.redis.get(keys.deployment(deployment_id))

@@ -93,6 +93,34 @@ def test_a_deploy_while_a_delete_checks_fails_and_leaves_nothing(run, redis_url)
     run(scenario)
 
 
+def test_a_deploy_and_a_delete_within_milliseconds_refuse_only_one(run, redis_url):
+    """DeleteModel has marked the model and not yet looked for deployments when Deploy
+    comes: Deploy is refused, and records nothing the delete could then find. It recorded
+    its deployment, then looked for the mark, and rolled back: a delete that looked in
+    between was refused too, and neither happened (a tester, deploy and delete 1-6 ms
+    apart)."""
+
+    async def scenario(store):
+        agent, controller, models = await two_processes(store, redis_url)
+        marked, look = pause_before(models.store, "list_deployments")
+        deleting = asyncio.create_task(models.DeleteModel(delete("m"), None))
+        await marked.wait()
+        rolling_back, roll_back = pause_before(controller, "_roll_back")
+        deploying = asyncio.create_task(controller.deploy(deploy_request(1)))
+        await rolling_back.wait()
+        look.set()
+        await deleting  # not refused: no deployment was recorded
+        roll_back.set()
+        with pytest.raises(ModelBeingDeleted, match=r"^model 'm' is being deleted$"):
+            await deploying
+        assert agent.started == []
+        assert await nothing_left(store)
+        assert await keys_of(store, "m") == []
+        await models.store.close()
+
+    run(scenario)
+
+
 def test_a_delete_while_a_deploy_starts_is_refused_and_the_deploy_goes_on(run, redis_url):
     async def scenario(store):
         agent, controller, models = await two_processes(store, redis_url)
