@@ -19,6 +19,7 @@ def build(settings, store) -> ServiceParts:
     agents = AgentClients()
     controller = DeploymentController(settings, store, agents, RestartPolicy.of(settings))
     reconciler = Reconciler(controller, store, agents)
+    servicer = DeploymentServicer(controller)
 
     async def stop() -> None:
         await controller.close()
@@ -32,7 +33,7 @@ def build(settings, store) -> ServiceParts:
     return ServiceParts(
         bindings=[
             ServiceBinding(
-                DeploymentServicer(controller),
+                servicer,
                 deployment_service_pb2_grpc.add_DeploymentServiceServicer_to_server,
                 "iserve.v1.DeploymentService",
             ),
@@ -40,6 +41,7 @@ def build(settings, store) -> ServiceParts:
         ],
         background=[reconciler.run],
         on_stop=stop,
+        drain=servicer.drain,
     )
 
 

@@ -98,6 +98,9 @@ class _DeployCall:
 
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
+    # The task that runs it, and whether the service's stop cut it off (cut_off_deploys).
+    task: asyncio.Future | None = None
+    cut_off: bool = False
 
 
 def _need(placement: common.Placement) -> dict[tuple[str, str], int]:
@@ -443,14 +446,40 @@ class DeploymentController:
         # Known before the request id is claimed, so that a repeat that finds the claim
         # finds this call too (_outcome_of).
         call = self._calls[deployment_id] = _DeployCall()
+        # A task of its own, so that a stop of the service can cut it off (it rolls back)
+        # and this call still answers, with the deployment id (cut_off_deploys).
+        call.task = asyncio.ensure_future(self._deploy_once(request, deployment_id))
         try:
-            return await self._deploy_once(request, deployment_id)
+            return await call.task
+        except asyncio.CancelledError:
+            this = asyncio.current_task()
+            if call.cut_off and not (this is not None and this.cancelling()):
+                raise Unavailable(
+                    f"the deployment service stopped before deployment {deployment_id} of "
+                    f"{request.model_id} was ready: it was rolled back (its workers "
+                    "stopped, its memory released); deploy again once the service is back"
+                ) from None
+            raise
         except DeploymentRemoved:
             call.removed = True
             raise
         finally:
             call.ended.set()
             del self._calls[deployment_id]
+
+    async def cut_off_deploys(self, wait_s: float) -> None:
+        """Cut off every Deploy running here (the service stops and its drain is over):
+        each rolls back and answers UNAVAILABLE naming its deployment; waits up to
+        ``wait_s`` seconds for the rollbacks."""
+        tasks = []
+        for call in list(self._calls.values()):
+            if call.task is not None and not call.task.done():
+                call.cut_off = True
+                call.task.cancel()
+                tasks.append(call.task)
+        if tasks:
+            log.warning("cutting off %d Deploy call(s) still running at the stop", len(tasks))
+            await asyncio.wait(tasks, timeout=wait_s)
 
     async def _deploy_once(self, request, deployment_id: str) -> deploy_pb.DeployResponse:
         """Deploy as ``deployment_id``, or answer what an earlier Deploy with the same

