@@ -24,6 +24,7 @@ __all__ = [
     "COST_UNITS",
     "INTENT_KINDS",
     "MAX_LATENCY_SLO_MS",
+    "MIN_LATENCY_SLO_MS",
     "check_intent",
     "resolve_accuracy_floor",
     "with_default",
@@ -42,6 +43,9 @@ INTENT_KINDS = {
 # A LATENCY_SLO intent's latency becomes its deployment's default request deadline, a
 # uint32 of milliseconds (about 49 days).
 MAX_LATENCY_SLO_MS = UINT32_MAX
+# The shortest: a microsecond. Below about 1e-305 ms the SLO in seconds is 0.0, which
+# estimation.score refuses (it surfaced as INTERNAL; a probe sent 5e-324).
+MIN_LATENCY_SLO_MS = 1e-3
 # Cost formulas and the unit their costs are reported in.
 COST_UNITS = {
     common.COST_FORMULA_MEMORY_TIMES_LATENCY: "GB*s",
@@ -75,6 +79,11 @@ def check_intent(intent: common.Intent) -> None:
         raise InvalidArgument(f"unknown cost formula {intent.cost_formula}")
     if intent.kind == common.INTENT_KIND_LATENCY_SLO and not intent.latency_slo_ms > 0:
         raise InvalidArgument("a LATENCY_SLO intent needs a positive latency_slo_ms")
+    if intent.kind == common.INTENT_KIND_LATENCY_SLO and intent.latency_slo_ms < MIN_LATENCY_SLO_MS:
+        raise InvalidArgument(
+            f"latency_slo_ms must be at least {MIN_LATENCY_SLO_MS:g} (a microsecond), got "
+            f"{intent.latency_slo_ms!r}"
+        )
     if not intent.latency_slo_ms <= MAX_LATENCY_SLO_MS:  # NaN and infinity included
         raise InvalidArgument(
             f"latency_slo_ms must be at most {MAX_LATENCY_SLO_MS} (the longest deadline a "

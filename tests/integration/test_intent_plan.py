@@ -245,6 +245,11 @@ def test_nothing_fits_is_resource_exhausted_with_the_reasons(stack, imported):
             "needs a positive latency_slo_ms",
         ),
         (
+            # In seconds it is 0.0, which the estimator refused as INTERNAL (a probe).
+            {"intent": common.Intent(kind=common.INTENT_KIND_LATENCY_SLO, latency_slo_ms=5e-324)},
+            "latency_slo_ms must be at least 0.001 (a microsecond), got 5e-324",
+        ),
+        (
             {
                 "intent": common.Intent(kind=common.INTENT_KIND_MIN_COST),
                 "devices": [common.DeviceState(total_bytes=1, hardware_type=A6000)],
