@@ -333,6 +333,10 @@ def test_a_malformed_intent_beside_a_configuration_is_invalid_and_changes_nothin
         good = common.Intent(kind=common.INTENT_KIND_MIN_LATENCY)
         reply = await controller.deploy(deploy_request(1, intent=good))
         assert reply.deployment.config.tensor_parallel == EXPLICIT.tensor_parallel
+        # The decision says the intent went unused.
+        assert reply.decision.note.startswith(
+            "explicit configuration (the intent, MIN_LATENCY, is not used)"
+        ), reply.decision.note
 
     run(scenario)
 
