@@ -593,7 +593,13 @@ class DeploymentController:
                     raise
                 # Every configuration left failed to launch: say so with the launch's
                 # own status, and list what was tried.
-                message = f"no configuration could be launched; {exc}"
+                # Each was placed, and its launch failed: not "cannot be placed".
+                tried = exc.tried if isinstance(exc, planning.NothingPlaced) else ""
+                message = (
+                    f"no configuration of {request.model_id} could be launched ({tried})"
+                    if tried
+                    else f"no configuration could be launched; {exc}"
+                )
                 if isinstance(last_failure, RemoteError):
                     raise RemoteError(last_failure.code, message) from last_failure
                 raise type(last_failure)(message) from last_failure

@@ -47,6 +47,14 @@ POLICIES = {
 MAX_LISTED_REASONS = 5
 
 
+class NothingPlaced(ResourceExhausted):
+    """No option could be placed: the message, and ``tried``, each option's reason."""
+
+    def __init__(self, message: str, tried: str = ""):
+        super().__init__(message)
+        self.tried = tried
+
+
 @dataclass(frozen=True)
 class Option:
     """One configuration to try: its 1-based rank and, when ranked, its estimate."""
@@ -267,12 +275,16 @@ def decide(
     # The ranking left out what cannot fit the devices' memory at all; a refusal that
     # listed the others only read as if those had not been considered.
     unfit = next((p for p in note.split("; ") if p.endswith(UNFIT_NOTE)), "")
-    raise ResourceExhausted(
+    tried = f"{listed}{f'; and {more} more' if more > 0 else ''}"
+    ranked_out = f"; {unfit}, ranked out" if unfit else ""
+    if not skipped:
+        raise NothingPlaced(
+            f"no configuration of {model.model_id} to place" + (f" ({note})" if note else "")
+        )
+    raise NothingPlaced(
         f"no configuration of {model.model_id} can be placed on the {len(devices)} "
-        f"device(s) available ({listed}{f'; and {more} more' if more > 0 else ''})"
-        + (f"; {unfit}, ranked out" if unfit else "")
-        if skipped
-        else f"no configuration of {model.model_id} to place" + (f" ({note})" if note else "")
+        f"device(s) available ({tried}){ranked_out}",
+        tried + ranked_out,
     )
 
 
