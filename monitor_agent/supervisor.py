@@ -34,6 +34,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -64,6 +65,11 @@ LOST_RANK_GRACE_S = 1.0
 # has exited of losing it, so that the cause is reported first.
 CAUSE_WAIT_S = 2.0
 _LOG_TAIL_BYTES = 8192
+# A worker's routine log record (services.grpc_server.configure_logging's format): none
+# says why it died. A SIGKILLed worker's reason quoted its "listening on" line (a
+# tester): a death quotes what it wrote after it was ready, less these (a traceback, an
+# error, a warning or faulthandler's dump stay).
+_ROUTINE_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:DEBUG|INFO) ")
 _POLL_S = 0.05
 
 
@@ -94,6 +100,8 @@ class WorkerProcess:
     swept: bool = False
     # Set while its death is being recorded, so that it is recorded once.
     reporting_death: bool = False
+    # How long its log was when it became ready: a death's reason quotes what came after.
+    ready_log_bytes: int = 0
 
     @property
     def alive(self) -> bool:
@@ -108,16 +116,24 @@ class WorkerProcess:
         return False
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` non-empty lines of a log file ('' when there is none)."""
+def log_tail(
+    path: Path, lines: int = LOG_TAIL_LINES, *, since: int = 0, routine: bool = True
+) -> str:
+    """The last ``lines`` non-empty lines of a log file after its first ``since`` bytes
+    ('' when there is none); without ``routine``, leaving out the process's INFO and
+    DEBUG records."""
     try:
         with path.open("rb") as fh:
             fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - _LOG_TAIL_BYTES))
+            fh.seek(max(since, fh.tell() - _LOG_TAIL_BYTES))
             text = fh.read().decode(errors="replace")
     except OSError:
         return ""
-    kept = [line for line in text.splitlines() if line.strip()]
+    kept = [
+        line
+        for line in text.splitlines()
+        if line.strip() and (routine or not _ROUTINE_RECORD.match(line))
+    ]
     return "\n".join(kept[-lines:])
 
 
@@ -346,6 +362,8 @@ class WorkerSupervisor:
             for proc in list(pending):
                 record = read_ready_file(proc.ready_file)
                 if record is not None:
+                    with contextlib.suppress(OSError):
+                        proc.ready_log_bytes = proc.log_path.stat().st_size
                     proc.info.state = agent_pb.WORKER_STATE_READY
                     if int(record["port"]):  # ranks other than 0 serve nothing
                         proc.info.address = f"{self.advertise_host}:{int(record['port'])}"
@@ -546,7 +564,7 @@ class WorkerSupervisor:
         code: int,
         publish: bool,
     ) -> agent_pb.WorkerInfo:
-        tail = log_tail(proc.log_path)
+        tail = log_tail(proc.log_path, since=proc.ready_log_bytes, routine=False)
         failed = _copy(proc.info)
         failed.state = agent_pb.WORKER_STATE_FAILED
         failed.exit_code = code

@@ -17,7 +17,7 @@ import pytest
 
 from monitor_agent.devices import DeviceSpec, virtual_devices
 from monitor_agent.launch import LaunchPlan, WorkerPlan
-from monitor_agent.supervisor import WorkerSupervisor
+from monitor_agent.supervisor import WorkerSupervisor, log_tail
 from monitor_agent.worker_pool import WorkerPool
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
@@ -154,6 +154,26 @@ def test_a_profiling_jobs_worker_records_expire_should_its_agent_die(run, checkp
     run(scenario)
 
 
+def worker_log(supervisor: WorkerSupervisor, deployment_id: str) -> str:
+    [proc] = supervisor._workers[deployment_id]
+    return proc.log_path.read_text(errors="replace")
+
+
+def test_a_death_s_log_tail_keeps_what_is_not_routine(tmp_path):
+    log = tmp_path / "worker.log"
+    log.write_text(
+        "2026-11-29 01:30:27,489 INFO worker[d] iserve.grpc: d listening on 127.0.0.1:0\n"
+        "2026-11-29 01:30:28,000 WARNING worker[d] iserve.engine: KV cache nearly full\n"
+        "Fatal Python error: Segmentation fault\n"
+        "2026-11-29 01:30:29,000 DEBUG worker[d] iserve.engine: step\n"
+    )
+    assert log_tail(log, routine=False) == (
+        "2026-11-29 01:30:28,000 WARNING worker[d] iserve.engine: KV cache nearly full\n"
+        "Fatal Python error: Segmentation fault"
+    )
+    assert log_tail(log).count("\n") == 3
+
+
 def test_a_killed_worker_is_reported_failed_with_an_event(run, checkpoint):
     async def scenario(supervisor: WorkerSupervisor, store: StateStore):
         [info] = await supervisor.start_workers(_plan("dep-kill", checkpoint))
@@ -167,7 +187,10 @@ def test_a_killed_worker_is_reported_failed_with_an_event(run, checkpoint):
         [dead] = died
         assert dead.state == agent_pb.WORKER_STATE_FAILED
         assert dead.exit_code == -signal.SIGKILL
-        assert "killed by SIGKILL" in dead.reason
+        # Its log holds only routine records ("... listening on ..."), which say nothing
+        # of the kill: the reason quotes none of them (a tester).
+        assert "listening on" in worker_log(supervisor, "dep-kill")
+        assert dead.reason == "killed by SIGKILL", dead.reason
 
         [stored] = await store.list_workers("dep-kill")
         assert stored.state == agent_pb.WORKER_STATE_FAILED and stored.exit_code == -9
