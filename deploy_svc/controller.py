@@ -289,7 +289,12 @@ class DeploymentController:
                 continue
             options = planning.options_from_ranking(reply.ranked)
             note = "; ".join(
-                p for p in (f"ranked for {hardware_type} ({device_count} devices)", reply.note) if p
+                p
+                for p in (
+                    f"ranked for {hardware_type} ({device_count} device{'s' if device_count != 1 else ''})",
+                    reply.note,
+                )
+                if p
             )
             return options, hardware_type, note
         raise FailedPrecondition(

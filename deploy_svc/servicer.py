@@ -7,6 +7,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
 from services.auth import access
 from services.drain import InFlight
+from services.ids import check_model_id
 
 # After the drain, how long the Deploys cut off get to roll back before the server stops.
 CUT_OFF_ROLLBACK_S = 10.0
@@ -50,6 +51,9 @@ class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
 
     async def ListDeployments(self, request, context):
         self.in_flight.admit(context)
+        if request.model_id:
+            # Refused as every other call refuses it (it listed nothing, as if valid).
+            check_model_id(request.model_id)
         deployments = await self.controller.store.list_deployments(request.model_id)
         deployments = access.visible(deployments)
         if request.usable_only:

@@ -399,3 +399,12 @@ def test_a_checkpoint_rewritten_as_another_model_is_refused_leaving_nothing(stac
         assert reserved_by_device(stack) == before
     finally:
         stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="rewritten-llama"))
+
+
+def test_listing_by_an_id_no_model_can_have_is_refused(stack):
+    """`iserve deployments --model ☃` listed nothing and exited 0, where every other
+    call refuses the id (a tester)."""
+    with pytest.raises(grpc.RpcError) as err:
+        stack.deployments.ListDeployments(deploy_pb.ListDeploymentsRequest(model_id="☃"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("invalid model_id '☃': ")

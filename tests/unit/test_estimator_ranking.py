@@ -102,8 +102,8 @@ def test_latency_slo_keeps_the_cheapest_under_it_or_falls_back(estimated):
     assert "no configuration meets the latency SLO of 0.001 s" in missed.note
     assert missed.indices[0] == best(estimates, estimates.latency_s)
     assert not missed.meets_intent.any()
-    first_ms = estimates.latency_s[missed.indices[0]] * 1e3
-    assert missed.shortfalls[0] == f"its estimated latency {first_ms:.0f} ms is over the 1 ms SLO"
+    first_s = estimates.latency_s[missed.indices[0]]
+    assert missed.shortfalls[0] == f"its estimated latency {first_s:.3g} s is over the 0.001 s SLO"
     assert met.shortfalls == ("",) * met.indices.size
 
 
