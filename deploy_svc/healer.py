@@ -231,6 +231,12 @@ class Healer:
                 waiting = healing.waiting_for_nodes(replica.placement, nodes, unanswered)
                 if waiting:
                     return NoLiveNode(waiting)
+                gone = healing.gone_devices(replica.placement, nodes)
+                if gone:
+                    return (
+                        f"its device(s) {', '.join(gone)} are gone and no other live device "
+                        "has room to start it again"
+                    )
                 return "no live devices with room to start it again"
             group = replica_group_id(deployment_id, index)
             refused, failed, for_good = [], [], True

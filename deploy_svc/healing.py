@@ -256,6 +256,12 @@ def held_placements(deployment: deploy_pb.Deployment, index: int) -> list[common
     ]
 
 
+def gone_devices(old: common.Placement, nodes: Sequence[common.NodeState]) -> list[str]:
+    """The devices of ``old`` ("node/device") that no alive node has now."""
+    live = {(n.node_id, d.ref.device_id) for n in nodes if n.alive for d in n.devices}
+    return [f"{node}/{device}" for node, device in sorted(_devices(old) - live)]
+
+
 def placements_to_try(
     model: model_pb.Model,
     config: common.DeploymentConfig,
@@ -273,10 +279,12 @@ def placements_to_try(
     else on any of them too (one filled up meanwhile: the others may still serve), each
     rank reserving what a rank of the old placement reserved per layer. Empty when
     nothing fits."""
-    alive = {n.node_id for n in nodes if n.alive}
     taken = set().union(*(_devices(p) for p in others)) if others else set()
     found: list[common.Placement] = []
-    if {node for node, _ in _devices(old)} <= alive and not _devices(old) & taken:
+    # Its devices, not only its nodes: a node back with fewer devices does not have the
+    # old placement to offer (its reservation failed, "device ... is unknown", at every
+    # restart; a tester).
+    if not gone_devices(old, nodes) and not _devices(old) & taken:
         found.append(old)
     first = old.stages[0]
     hardware = {

@@ -195,6 +195,22 @@ def test_nothing_to_try_when_no_live_device_has_room():
     assert [devices_of(p) for p in tries] == [["node0/cpu0"]]
 
 
+def test_a_device_its_node_no_longer_has_is_not_offered_and_is_named():
+    """`iserve up --devices 1` after a stack of two: node0 lives, cpu1 is gone. The old
+    placement was offered, and its reservation refused ("device node0/cpu1 is unknown")
+    at every restart, which then read as the reason (a tester)."""
+    from deploy_svc.healing import gone_devices
+
+    small = node(0.01)  # node0 with cpu0 only, and no room on it
+    old = placed_on("node0", "cpu1")
+    assert placements_to_try(model(), CONFIG, old, [small], [], 128) == []
+    assert gone_devices(old, [small]) == ["node0/cpu1"]
+    assert gone_devices(placed_on("node0", "cpu0"), [small]) == []
+    roomy = node(1)  # with room: it moves to cpu0
+    tries = placements_to_try(model(), CONFIG, old, [roomy], [], 128)
+    assert [devices_of(p) for p in tries] == [["node0/cpu0"]]
+
+
 def test_a_replica_whose_old_device_filled_up_may_go_on_another_of_its_old_devices():
     """Stages on node0 and node2; meanwhile node0 filled up (another replica healed onto
     it). Leaving out every old device from the alternative left only node1, which cannot
