@@ -223,9 +223,12 @@ class DeploymentQueue:
         """Whether ``entry``, predicted late, is admitted to measure again: on an EDF
         queue (where every request has a deadline; FCFS goes on learning from those
         without) when nothing runs or waits here and nothing was admitted for
-        RELEARN_AFTER_S."""
+        RELEARN_AFTER_S. Never one whose own decode passes its deadline (``unreachable``):
+        no measurement makes it reachable, and it held the only slot for seconds before
+        the same request, sent again, was refused (a tester)."""
         if (
             not self.edf
+            or entry.unreachable
             or self._running
             or len(self._policy)
             or self._clock() - self._last_admitted < RELEARN_AFTER_S

@@ -517,6 +517,13 @@ def test_an_idle_queue_that_refused_for_a_while_admits_one_predicted_late_to_mea
         with pytest.raises(DeadlineExceeded):
             await queue.acquire(entry("early", deadline_s=clock[0] + 0.1, prompt_tokens=300))
         clock[0] = RELEARN_AFTER_S + 1
+        # One whose own decode passes its deadline is refused all the same: measuring
+        # would not make it reachable (a tester got 1000 tokens for a 1 ms deadline).
+        hopeless = entry("hopeless", deadline_s=clock[0] + 0.1, prompt_tokens=300)
+        hopeless.unreachable = True
+        with pytest.raises(DeadlineUnreachable):
+            await queue.acquire(hopeless)
+        assert queue.running == 0
         measured = entry("measured", deadline_s=clock[0] + 0.1, prompt_tokens=300)
         assert await queue.acquire(measured) is queue
         assert queue.running == 1
