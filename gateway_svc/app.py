@@ -68,7 +68,7 @@ from services.api import (
 )
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
-from services.auth.policy import role_name, roles_for
+from services.auth.policy import GENERATE, role_name, roles_for
 from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
 from services.drain import refused_as_draining
@@ -117,15 +117,19 @@ RETRY_AFTER_S = 1
 BACKEND_SERVICES = ("scheduler", "deploy", "model")
 
 
-# The roles whose tokens /v1/models answers: those that may read deployments.
+# The roles whose tokens /v1/models answers: those that may read deployments and
+# generate on them.
 _LISTERS = ", ".join(
     sorted(
         role_name(role)
-        for role in roles_for(
-            f"/{deploy_pb.DESCRIPTOR.services_by_name['DeploymentService'].full_name}"
-            "/ListDeployments"
+        for role in (
+            roles_for(
+                f"/{deploy_pb.DESCRIPTOR.services_by_name['DeploymentService'].full_name}"
+                "/ListDeployments"
+            )
+            or frozenset()
         )
-        or ()
+        & (roles_for(GENERATE) or frozenset())
     )
 )
 

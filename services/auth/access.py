@@ -97,6 +97,14 @@ def usable(deployments: Iterable) -> list:
     return [d for d in deployments if may_use(d.deployment_id, d.owner)]
 
 
+def may_generate() -> bool:
+    """Whether the caller's role may generate through the scheduler at all (a service
+    token calls workers, a model developer nothing): only then does any deployment
+    count as one it may use in a listing of them."""
+    roles = policy.roles_for(policy.GENERATE) or frozenset()
+    return caller().role in roles
+
+
 def visible(deployments: Iterable) -> list:
     """The deployments (records with ``deployment_id`` and ``owner``) the caller may see:
     all for developers, administrators and services; the granted ones for users."""

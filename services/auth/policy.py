@@ -46,6 +46,8 @@ _T = "/iserve.v1.TokenService/"
 # Reading a deployment's record: the roles of this method read deployments wherever
 # their records appear (services.auth.access.readable).
 READ_DEPLOYMENT = _D + "GetDeployment"
+# What an application generates through (the scheduler): usable deployments are its.
+GENERATE = _I + "Generate"
 
 POLICY: dict[str, frozenset[int]] = {
     # Model catalogue: registered and deleted (own) by model developers; read by developers.

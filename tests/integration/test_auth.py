@@ -653,15 +653,18 @@ def test_the_gateway_forwards_the_client_token(deployed):
         assert [m["id"] for m in models.json()["data"]] == [MODEL]
         # A model developer generates on nothing: a 403 in the caller's own terms, not
         # the internal method's (it named DeploymentService/ListDeployments, a tester).
-        for path in ("/models", f"/models/{MODEL}"):
-            refused = client.get(
-                f"{base}{path}", headers={"Authorization": f"Bearer {s.tokens['model-developer']}"}
-            )
-            assert refused.status_code == 403
-            assert refused.json()["error"]["message"] == (
-                "this token may not list models: GET /v1/models is for admin, app-developer, "
-                "app-user, service tokens"
-            )
+        # Nor does a service token, which calls workers: it was shown every model, each
+        # of which then refused it generation (a tester).
+        for role in ("model-developer", "service"):
+            for path in ("/models", f"/models/{MODEL}"):
+                refused = client.get(
+                    f"{base}{path}", headers={"Authorization": f"Bearer {s.tokens[role]}"}
+                )
+                assert refused.status_code == 403, (role, refused.text)
+                assert refused.json()["error"]["message"] == (
+                    "this token may not list models: GET /v1/models is for admin, "
+                    "app-developer, app-user tokens"
+                )
 
 
 def test_the_gateway_lists_only_models_the_key_may_generate_on(deployed):
