@@ -758,7 +758,14 @@ def create_app(
             await backend.close()
 
     app = FastAPI(
-        title="iserve OpenAI-compatible gateway", docs_url=None, redoc_url=None, lifespan=lifespan
+        title="iserve OpenAI-compatible gateway",
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+        # No 307 from "/v1/completions/" to the path without the slash: it answered before
+        # the token was checked (a tester), with an absolute http:// URL that a TLS
+        # proxy in front would not serve. A 404 names the path without it instead.
+        redirect_slashes=False,
     )
     app.add_middleware(BodyLimit)
     if cors_origins:
@@ -880,10 +887,15 @@ def create_app(
         if exc.status_code == 404 and message == "Not Found":
             # A client pointed at an endpoint OpenAI has and this server does not
             # (/v1/embeddings, /v1/responses): say which it has.
+            path = request.url.path
             message = (
-                f"Not Found: {request.url.path[:200]!r} is not served here; the OpenAI "
+                f"Not Found: {path[:200]!r} is not served here; the OpenAI "
                 f"endpoints served are {', '.join(_OPENAI_ENDPOINTS)}"
             )
+            if path.endswith("/") and any(
+                route.path == path.rstrip("/") for route in request.app.routes
+            ):
+                message = f"Not Found: {path[:200]!r}: send it without the trailing slash"
         if exc.status_code == 400 and exc.__cause__ is not None:
             # FastAPI's "There was an error parsing the body": say what the parser met (a
             # nesting too deep, an integer of thousands of digits, bytes not UTF-8).

@@ -630,6 +630,19 @@ def test_the_gateway_forwards_the_client_token(deployed):
         assert missing.status_code == 401
         assert missing.json()["error"]["type"] == "authentication_error"
         assert missing.headers["www-authenticate"] == 'Bearer realm="iserve"'
+        # With a trailing slash too: no 307 to the path without it before the token
+        # was checked (a tester); with a token, a 404 that says what to send.
+        slashed = client.post(f"{base}/completions/", json=body)
+        assert slashed.status_code == 401, slashed.text
+        slashed = client.post(
+            f"{base}/completions/",
+            json=body,
+            headers={"Authorization": f"Bearer {s.tokens['app-user']}"},
+        )
+        assert slashed.status_code == 404, slashed.text
+        assert slashed.json()["error"]["message"] == (
+            "Not Found: '/v1/completions/': send it without the trailing slash"
+        )
         wrong = client.post(
             f"{base}/completions", json=body, headers={"Authorization": "Bearer nope-nope"}
         )
