@@ -467,6 +467,10 @@ class CompletionBody(GenerationBody):
                 raise ValueError(
                     f"at most {MAX_PROMPTS} prompts per request, got a list of {len(prompt)}"
                 )
+            if len({type(p) for p in prompt}) > 1:
+                # The schema's forms are a list of texts or a list of token id lists; a
+                # mix was served though the OpenAPI document calls it invalid (a tester).
+                raise ValueError("a list of prompts holds texts or token id lists, not both")
             return [_one_prompt(p) for p in prompt]
         return [_one_prompt(prompt)]
 

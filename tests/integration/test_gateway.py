@@ -312,6 +312,9 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "invalid_request_error", "log-probabilities"),
         ("/v1/completions", {"model": MODEL, "prompt": ["one"] * (MAX_PROMPTS + 1)}, 400, "invalid_request_error", f"at most {MAX_PROMPTS} prompts"),
         ("/v1/completions", {"model": MODEL, "prompt": ["one", ""]}, 400, "invalid_request_error", "the prompt is empty"),
+        # A mix of the two list forms, which the OpenAPI document calls invalid (a tester).
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", [1, 2]]}, 400, "invalid_request_error", "prompt: a list of prompts holds texts or token id lists, not both"),
+        ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], "a"]}, 400, "invalid_request_error", "prompt: a list of prompts holds texts or token id lists, not both"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, 400, "invalid_request_error", "token ids"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**6], "max_tokens": 2}, 400, "invalid_request_error", "prompt_token_ids outside [0, 640)"),
         # Parameters whose effect the server does not have: ignored, they would change the
