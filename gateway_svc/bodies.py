@@ -560,6 +560,33 @@ class ChatMessage(BaseModel):
 MAX_MESSAGES = 16_384
 
 
+# The most JSON values (each object, array, string, number, ... counts one) a chat
+# request's message fields other than role and content may hold over all messages, and
+# its chat_template_kwargs' values: what a template reads (tool_calls, name, ...) takes a
+# few each. Unbounded, 8 million empty objects in one message's field (a 33 MB body)
+# were copied into the render process, which ran out of memory: a 500 blaming the
+# model's template, and the gateway held for 2-3 s (a tester).
+MAX_TEMPLATE_VALUES = 65_536
+
+
+def _more_values_than(values: Any, budget: int) -> bool:
+    """Whether the JSON values in ``values`` (an iterable) number more than ``budget``;
+    stops counting past it, so a huge value costs no more than the budget."""
+    count = 0
+    stack = [iter(values)]
+    while stack:
+        for value in stack[-1]:
+            count += 1
+            if count > budget:
+                return True
+            if isinstance(value, dict | list):
+                stack.append(iter(value.values() if isinstance(value, dict) else value))
+                break
+        else:
+            stack.pop()
+    return False
+
+
 # chat_template_kwargs: how many, and the names the gateway sets itself (the request has
 # its own fields for these).
 MAX_TEMPLATE_VARIABLES = 64
@@ -587,6 +614,18 @@ class ChatBody(GenerationBody):
         if parts > MAX_MESSAGES:
             raise ValueError(
                 f"at most {MAX_MESSAGES} content parts per request (over all messages), got {parts}"
+            )
+        extras = (
+            value
+            for m in messages
+            if isinstance(m, dict)
+            for key, value in m.items()
+            if key not in ("role", "content")
+        )
+        if _more_values_than(extras, MAX_TEMPLATE_VALUES):
+            raise ValueError(
+                f"the messages' fields other than role and content hold more than "
+                f"{MAX_TEMPLATE_VALUES} JSON values"
             )
         return messages
 
@@ -633,6 +672,10 @@ class ChatBody(GenerationBody):
         variables = variables or {}
         if len(variables) > MAX_TEMPLATE_VARIABLES:
             raise ValueError(f"at most {MAX_TEMPLATE_VARIABLES} template variables")
+        if _more_values_than(variables.values(), MAX_TEMPLATE_VALUES):
+            raise ValueError(
+                f"the template variables hold more than {MAX_TEMPLATE_VALUES} JSON values"
+            )
         for name in variables:
             if not _TEMPLATE_VARIABLE.match(name) or name in _RENDER_OWN:
                 raise ValueError(

@@ -671,6 +671,27 @@ def test_a_chat_of_more_messages_or_content_parts_than_the_limit_is_refused_at_o
         assert f"at most {MAX_MESSAGES} content parts" in reply.json()["error"]["message"]
 
 
+def test_a_chat_whose_extra_fields_hold_too_many_values_is_refused_before_its_render():
+    """8 million empty objects in a message's field of its own were copied to a render
+    process, which ran out of memory: a 500 blaming the model's template (a tester)."""
+    from gateway_svc.bodies import MAX_TEMPLATE_VALUES, _more_values_than
+
+    assert not _more_values_than([1, [2, 3], {"a": [4]}], 7)
+    assert _more_values_than([1, [2, 3], {"a": [4]}], 6)
+    app = create_app(lambda: _TemplateBackend("{{ messages }}"))
+    flood = [{}] * MAX_TEMPLATE_VALUES
+    with TestClient(app) as client:
+        for body in (
+            {"messages": [{"role": "user", "content": "hi", "x": flood}]},
+            {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": flood}},
+        ):
+            reply = client.post("/v1/chat/completions", json={"model": "m", **body})
+            assert reply.status_code == 400, reply.text
+            assert (
+                f"more than {MAX_TEMPLATE_VALUES} JSON values" in reply.json()["error"]["message"]
+            )
+
+
 def test_token_ids_checked_in_bulk_refuse_what_the_item_check_refuses():
     from gateway_svc.bodies import _token_ids
 
