@@ -288,13 +288,9 @@ class DeploymentController:
                 refusals.append(exc.details())
                 continue
             options = planning.options_from_ranking(reply.ranked)
+            devices = f"{device_count} device{'s' if device_count != 1 else ''}"
             note = "; ".join(
-                p
-                for p in (
-                    f"ranked for {hardware_type} ({device_count} device{'s' if device_count != 1 else ''})",
-                    reply.note,
-                )
-                if p
+                p for p in (f"ranked for {hardware_type} ({devices})", reply.note) if p
             )
             return options, hardware_type, note
         raise FailedPrecondition(
