@@ -617,7 +617,7 @@ def replica_placements(
         )
         if choice is None:
             why = (
-                f"{len(left)} device(s) left apart from the other replicas', tp={tp} x pp={pp} "
+                f"{len(left)} device(s) not taken by the other replicas, tp={tp} x pp={pp} "
                 f"needs {tp * pp}"
                 if len(left) < tp * pp
                 else placement.explain_no_fit(

@@ -126,7 +126,7 @@ def test_replicas_beyond_the_devices_name_the_replica_without_room():
     with pytest.raises(ResourceExhausted) as failure:
         planning.replica_placements(prepared, decision, nodes, 3)
     assert str(failure.value).startswith("replica 2 of 3 of m (tp=1 pp=1 batch=1")
-    assert "0 device(s) left apart from the other replicas'" in str(failure.value)
+    assert "0 device(s) not taken by the other replicas, tp=1 x pp=1 needs 1" in str(failure.value)
 
 
 def test_a_device_too_small_for_a_replica_is_explained():
