@@ -398,20 +398,21 @@ def _progress_text(event: model_pb.WatchModelResponse, state: str) -> str:
     return "" if what.lower() == state else what.removeprefix(f"{state}: ")
 
 
-def _watch_profiling(stub, model_id: str) -> None:
+def _watch_profiling(stub, model_id: str) -> model_pb.WatchModelResponse | None:
     """Follow WatchModel until profiling ends, drawing its progress on stderr: a rich
     progress bar (runs done, elapsed time, the job now running) on a terminal, a line
-    per change otherwise."""
+    per change otherwise. Returns the last event (None when there was none)."""
     events = stub.WatchModel(model_pb.WatchModelRequest(request_id=_rid(), model_id=model_id))
     err = output.console(stderr=True)
+    last = None
     if not err.is_terminal:
         shown = ""
-        for event in events:
-            line = render_progress(event)
+        for last in events:
+            line = render_progress(last)
             if line != shown:
                 print(line, file=sys.stderr, flush=True)
                 shown = line
-        return
+        return last
     columns = (
         TextColumn("[bold]{task.fields[state]}"),
         BarColumn(),
@@ -421,15 +422,16 @@ def _watch_profiling(stub, model_id: str) -> None:
     )
     with Progress(*columns, console=err, transient=False) as progress:
         task = progress.add_task("", total=None, state="profiling")
-        for event in events:
-            state = _state_name(event.state).lower()
+        for last in events:
+            state = _state_name(last.state).lower()
             progress.update(
                 task,
-                total=event.runs_total or None,
-                completed=event.runs_done,
-                description=_progress_text(event, state),
+                total=last.runs_total or None,
+                completed=last.runs_done,
+                description=_progress_text(last, state),
                 state=state,
             )
+    return last
 
 
 def checkpoint_argument(checkpoint: str, models_root: Path) -> str:
@@ -475,7 +477,7 @@ def cmd_register(settings: Settings, args) -> int:
             print(f"variants: {', '.join(v.name for v in model.variants)}")
     if model.state == model_pb.MODEL_STATE_PROFILING and not args.no_wait:
         try:
-            _watch_profiling(stub, model.model_id)
+            last = _watch_profiling(stub, model.model_id)
         except KeyboardInterrupt:
             # Only the watching stops: the model service profiles on.
             print(
@@ -485,9 +487,23 @@ def cmd_register(settings: Settings, args) -> int:
                 file=sys.stderr,
             )
             return 130
-        model = stub.GetModel(
-            model_pb.GetModelRequest(request_id=_rid(), model_id=model.model_id)
-        ).model
+        try:
+            model = stub.GetModel(
+                model_pb.GetModelRequest(request_id=_rid(), model_id=model.model_id)
+            ).model
+        except grpc.RpcError as exc:
+            profiled = last is not None and last.state == model_pb.MODEL_STATE_PROFILED
+            if not profiled or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            # The watch saw it profiled (and stored); the stack stopped before its record
+            # could be read: that is no failed registration (it exited 1; a tester).
+            model.state = last.state
+            print(
+                f"note: {model.model_id} was profiled, but its record could not be read "
+                f"since (UNAVAILABLE: {exc.details()}; was the stack stopped? `iserve "
+                "models` shows it once the stack is up)",
+                file=sys.stderr,
+            )
         if not args.json:
             print(f"{model.model_id}: {_state_name(model.state)}")
     if args.json:

@@ -330,6 +330,62 @@ def test_ctrl_c_while_register_watches_says_profiling_goes_on(monkeypatch, tmp_p
     assert "m is still being profiled on the stack (`iserve models` shows its state" in err
 
 
+def test_register_whose_stack_stops_right_after_profiling_says_it_was_profiled(
+    monkeypatch, tmp_path, capsys
+):
+    """The watch saw PROFILED, then the stack stopped before GetModel: the model is
+    stored profiled, and register exited 1 with UNAVAILABLE (a tester)."""
+    import types
+
+    import grpc
+
+    from services.api import model_service_pb2 as model_pb
+    from services.cli import main as cli_main
+    from services.settings import load_settings
+
+    class Gone(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "failed to connect to all addresses"
+
+    profiling = model_pb.Model(model_id="m", state=model_pb.MODEL_STATE_PROFILING)
+    answer = [grpc.StatusCode.UNAVAILABLE]
+
+    def get_model(request):
+        raise Gone(answer[0])
+
+    stub = types.SimpleNamespace(
+        RegisterModel=lambda request: model_pb.RegisterModelResponse(model=profiling),
+        GetModel=get_model,
+    )
+    monkeypatch.setattr(cli_main, "_stub", lambda *_: stub)
+    last = [model_pb.WatchModelResponse(state=model_pb.MODEL_STATE_PROFILED)]
+    monkeypatch.setattr(cli_main, "_watch_profiling", lambda *_: last[0])
+    (tmp_path / "models" / "ckpt").mkdir(parents=True)
+    settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
+    args = build_parser().parse_args(["register", "m", str(tmp_path / "models" / "ckpt")])
+    assert cli_main.cmd_register(settings, args) == 0
+    captured = capsys.readouterr()
+    assert "m: PROFILED" in captured.out
+    assert "note: m was profiled, but its record could not be read since (UNAVAILABLE" in (
+        captured.err
+    )
+    # A failure the watch did not see end well, or another status, is the error it was.
+    for watched, code in (
+        (model_pb.MODEL_STATE_FAILED, grpc.StatusCode.UNAVAILABLE),
+        (model_pb.MODEL_STATE_PROFILED, grpc.StatusCode.PERMISSION_DENIED),
+    ):
+        last[0] = model_pb.WatchModelResponse(state=watched)
+        answer[0] = code
+        with pytest.raises(Gone):
+            cli_main.cmd_register(settings, args)
+
+
 def test_model_create_names_its_flags_not_config_fields(tmp_path, capsys):
     from services.cli.main import main
 
