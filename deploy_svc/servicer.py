@@ -7,7 +7,6 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
 from services.auth import access
 from services.drain import InFlight
-from services.errors import PermissionDenied
 from services.ids import check_model_id
 
 # After the drain, how long the Deploys cut off get to roll back before the server stops.
@@ -55,15 +54,10 @@ class DeploymentServicer(deployment_service_pb2_grpc.DeploymentServiceServicer):
         if request.model_id:
             # Refused as every other call refuses it (it listed nothing, as if valid).
             check_model_id(request.model_id)
+        if request.usable_only:
+            access.check_may_generate()
         deployments = await self.controller.store.list_deployments(request.model_id)
         deployments = access.visible(deployments)
-        if request.usable_only and not access.may_generate():
-            # Listed as usable, a service token's were models it is refused generation on
-            # (a tester: GET /v1/models with a service token).
-            raise PermissionDenied(
-                f"{access.caller().describe()} generates on no deployment: usable_only lists "
-                "those the caller may generate on"
-            )
         if request.usable_only:
             deployments = access.usable(deployments)
         return deploy_pb.ListDeploymentsResponse(

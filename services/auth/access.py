@@ -97,12 +97,16 @@ def usable(deployments: Iterable) -> list:
     return [d for d in deployments if may_use(d.deployment_id, d.owner)]
 
 
-def may_generate() -> bool:
-    """Whether the caller's role may generate through the scheduler at all (a service
-    token calls workers, a model developer nothing): only then does any deployment
-    count as one it may use in a listing of them."""
-    roles = policy.roles_for(policy.GENERATE) or frozenset()
-    return caller().role in roles
+def check_may_generate() -> None:
+    """PermissionDenied unless the caller's role may generate through the scheduler at
+    all (a service token calls workers, a model developer nothing): only then does any
+    deployment count as one it may use in a listing of them (a service token's
+    /v1/models listed models each of which then refused it generation; a tester)."""
+    if caller().role not in (policy.roles_for(policy.GENERATE) or frozenset()):
+        raise PermissionDenied(
+            f"{caller().describe()} generates on no deployment: usable_only lists those "
+            "the caller may generate on"
+        )
 
 
 def visible(deployments: Iterable) -> list:

@@ -73,7 +73,7 @@ POLICY: dict[str, frozenset[int]] = {
     _D + "ListDeployments": frozenset({ADMIN, APP_DEVELOPER, APP_USER, SERVICE}),
     _D + "GetClusterState": _DEVELOPERS | {SERVICE},
     # Generation: users on granted deployments, developers on their own (access).
-    _I + "Generate": frozenset({ADMIN, APP_DEVELOPER, APP_USER}),
+    GENERATE: frozenset({ADMIN, APP_DEVELOPER, APP_USER}),
     _I + "GetServingStats": frozenset({ADMIN, APP_DEVELOPER}),
     # A node's agent starts and stops processes: the deployer, the profiler, admins.
     _A + "StartWorkers": frozenset({ADMIN, SERVICE}),
