@@ -18,7 +18,7 @@ Memory of one rank holding ``k`` decoder layers is ``fixed + k * block``, as
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deploy_svc import placement
 from deploy_svc.explicit import ExplicitPlan, resolve_explicit
@@ -390,15 +390,16 @@ def placement_of(choice: placement.PlacementChoice) -> common.Placement:
     )
 
 
+def _winner(prepared: Prepared, decision: deploy_pb.DeploymentDecision) -> Option | None:
+    """The option the decision took, as ranked (None when there is no such rank)."""
+    return next((o for o in prepared.options if o.rank == decision.winner_rank), None)
+
+
 def meets_intent(prepared: Prepared, decision: deploy_pb.DeploymentDecision) -> bool:
     """Whether the decision's configuration met the intent it was ranked for (False: a
     fallback; an explicit configuration meets it)."""
-    return next((o.meets_intent for o in prepared.options if o.rank == decision.winner_rank), True)
-
-
-def _shortfall(prepared: Prepared, decision: deploy_pb.DeploymentDecision) -> str:
-    """What of the intent the decision's configuration missed as ranked, or ""."""
-    return next((o.shortfall for o in prepared.options if o.rank == decision.winner_rank), "")
+    winner = _winner(prepared, decision)
+    return winner is None or winner.meets_intent
 
 
 def size_batch(
@@ -560,13 +561,14 @@ def _decide_batch(
         for c in candidates_for(nodes, prepared.hardware_type)
         if (c.node_id, c.device_id) in placed
     ]
-    shortfall = _shortfall(prepared, decision)
-    if shortfall:
+    winner = _winner(prepared, decision)
+    option = Option(decision.winner_rank, config, estimate)
+    if winner is not None:
         # The ranking's words describe the batch it ranked, not this one.
-        shortfall += f" (as ranked, at batch {batch1.config.batch_size or 1})"
-    option = Option(
-        decision.winner_rank, config, estimate, meets_intent(prepared, decision), shortfall
-    )
+        shortfall = winner.shortfall and (
+            f"{winner.shortfall} (as ranked, at batch {batch1.config.batch_size or 1})"
+        )
+        option = replace(option, meets_intent=winner.meets_intent, shortfall=shortfall)
     try:
         sized = decide(
             prepared.model,
