@@ -81,24 +81,35 @@ def rank_for_intent(estimates: Estimates, intent: common.Intent) -> RankedConfig
     unit = COST_UNITS[formula]
     notes.extend(note.replace(" GB*s", f" {unit}") for note in ranking.notes)
     chosen = ranking.indices
-    missed: list[list[str]] = [[] for _ in chosen]
-    for place, index in enumerate(chosen):
-        if floor is not None and not accuracy[index] >= floor:
-            missed[place].append(
+    # Which part each misses, as arrays over the ranking (it may hold thousands); the
+    # words are written for the fallbacks alone.
+    under_floor = ~(accuracy[chosen] >= floor) if floor is not None else np.zeros(chosen.size, bool)
+    slo_s = intent.latency_slo_ms / 1e3
+    too_slow = estimates.latency_s[chosen] > slo_s if kind == "latency_slo" else None
+    too_dear = cost[chosen] > intent.cost_budget if kind == "cost_slo" else None
+    meets = ~under_floor
+    for missed in (too_slow, too_dear):
+        if missed is not None:
+            meets &= ~missed
+    shortfalls = [""] * chosen.size
+    for place in np.flatnonzero(~meets):
+        index, parts = chosen[place], []
+        if under_floor[place]:
+            parts.append(
                 f"its accuracy {accuracy[index]:g} is under the floor of {floor:g}"
                 if np.isfinite(accuracy[index])
                 else f"its accuracy is unknown, the floor is {floor:g}"
             )
-        if kind == "latency_slo" and estimates.latency_s[index] > intent.latency_slo_ms / 1e3:
-            missed[place].append(
-                # In seconds, as the ranking's note says the SLO (a tester read both).
+        if too_slow is not None and too_slow[place]:
+            # In seconds, as the ranking's note says the SLO (a tester read both).
+            parts.append(
                 f"its estimated latency {estimates.latency_s[index]:.3g} s is over the "
-                f"{intent.latency_slo_ms / 1e3:g} s SLO"
+                f"{slo_s:g} s SLO"
             )
-        if kind == "cost_slo" and cost[index] > intent.cost_budget:
-            missed[place].append(
+        if too_dear is not None and too_dear[place]:
+            parts.append(
                 f"its estimated cost {cost[index]:.4g} {unit} is over the budget of "
                 f"{intent.cost_budget:g} {unit}"
             )
-    meets = np.array([not m for m in missed], dtype=bool)
-    return RankedConfigs(chosen, meets, tuple(notes), tuple(" and ".join(m) for m in missed))
+        shortfalls[place] = " and ".join(parts)
+    return RankedConfigs(chosen, meets, tuple(notes), tuple(shortfalls))
