@@ -34,7 +34,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import time
@@ -51,6 +50,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.drain import WORKER_STOP_MARGIN_S
 from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
 from services.exits import describe_exit
+from services.grpc_server import is_routine_record
 from services.ports import free_port
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 from services.state.store import StateStore, StateStoreUnavailable
@@ -65,11 +65,6 @@ LOST_RANK_GRACE_S = 1.0
 # has exited of losing it, so that the cause is reported first.
 CAUSE_WAIT_S = 2.0
 _LOG_TAIL_BYTES = 8192
-# A worker's routine log record (services.grpc_server.configure_logging's format): none
-# says why it died. A SIGKILLed worker's reason quoted its "listening on" line (a
-# tester): a death quotes what it wrote after it was ready, less these (a traceback, an
-# error, a warning or faulthandler's dump stay).
-_ROUTINE_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:DEBUG|INFO) ")
 _POLL_S = 0.05
 
 
@@ -121,7 +116,9 @@ def log_tail(
 ) -> str:
     """The last ``lines`` non-empty lines of a log file after its first ``since`` bytes
     ('' when there is none); without ``routine``, leaving out the process's INFO and
-    DEBUG records."""
+    DEBUG records: none says why a worker died (a SIGKILLed worker's reason quoted its
+    "listening on" line, a tester), while a traceback, an error, a warning or
+    faulthandler's dump stay."""
     try:
         with path.open("rb") as fh:
             fh.seek(0, os.SEEK_END)
@@ -132,7 +129,7 @@ def log_tail(
     kept = [
         line
         for line in text.splitlines()
-        if line.strip() and (routine or not _ROUTINE_RECORD.match(line))
+        if line.strip() and (routine or not is_routine_record(line))
     ]
     return "\n".join(kept[-lines:])
 

@@ -17,6 +17,7 @@ import contextlib
 import faulthandler
 import inspect
 import logging
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -480,6 +481,16 @@ def configure_logging(level: str, name: str) -> None:
         level=getattr(logging, level, logging.INFO),
         format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
     )
+
+
+# A line configure_logging writes at DEBUG or INFO: its format's asctime and levelname.
+_ROUTINE_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:DEBUG|INFO) ")
+
+
+def is_routine_record(line: str) -> bool:
+    """Whether a log line is one of configure_logging's DEBUG or INFO records (what an
+    agent leaves out when it quotes why a worker died)."""
+    return _ROUTINE_RECORD.match(line) is not None
 
 
 def channel(address: str) -> grpc.aio.Channel:
