@@ -245,8 +245,9 @@ class Estimator:
                 what = (
                     "wait for its profile (`iserve models` shows its progress)"
                     if model.state == model_pb.MODEL_STATE_PROFILING
-                    else "profile it (iserve register) or import measurements "
-                    "(iserve profile import)"
+                    else f"profile it (`iserve register {model_id} "
+                    f"{model.checkpoint_path or 'CHECKPOINT'}` again, without "
+                    "--skip-profiling) or import measurements (iserve profile import)"
                 )
                 raise FailedPrecondition(
                     f"model {model_id!r} is not profiled yet ({state}"

@@ -203,11 +203,15 @@ def state_name(state: int) -> str:
     return model_pb.ModelState.Name(state).removeprefix("MODEL_STATE_")
 
 
-def check_retry(existing: model_pb.Model, model: model_pb.Model, *, profiling: bool) -> None:
-    """Registering an id that is taken retries it only when the recorded model FAILED (and
-    is not being profiled) with the same checkpoint; anything else is AlreadyExists."""
+def check_retry(
+    existing: model_pb.Model, model: model_pb.Model, *, profiling: bool, skip_profiling: bool
+) -> None:
+    """Registering an id that is taken retries it only when the recorded model FAILED, or
+    was registered without profiling and is now to be profiled, with the same checkpoint
+    (and is not being profiled); anything else is AlreadyExists."""
     state = state_name(existing.state)
-    if existing.state != model_pb.MODEL_STATE_FAILED or profiling:
+    unprofiled = existing.state == model_pb.MODEL_STATE_REGISTERED and not skip_profiling
+    if not (existing.state == model_pb.MODEL_STATE_FAILED or unprofiled) or profiling:
         again = (
             ""
             if profiling
@@ -218,6 +222,6 @@ def check_retry(existing: model_pb.Model, model: model_pb.Model, *, profiling: b
     if existing.checkpoint_path != model.checkpoint_path:
         raise AlreadyExists(
             f"model {model.model_id!r} is registered with checkpoint "
-            f"{existing.checkpoint_path!r}; a FAILED model is retried only with the same "
-            "checkpoint (delete it to register another)"
+            f"{existing.checkpoint_path!r}; a {state} model is registered again only with "
+            "the same checkpoint (delete it to register another)"
         )

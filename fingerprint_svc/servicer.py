@@ -40,21 +40,26 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         model.owner = access.owner()
         async with self._register_lock:
             if not await self.store.create_model(model):
-                await self._retry_failed(model)
+                await self._register_again(model, skip_profiling=request.skip_profiling)
             if not request.skip_profiling:
                 await self.profiler.start(model)
         return model_pb.RegisterModelResponse(request_id=request.request_id, model=model)
 
-    async def _retry_failed(self, model: model_pb.Model) -> None:
-        """Overwrite a FAILED record of the same checkpoint with ``model`` (a retry);
-        AlreadyExists for anything else."""
+    async def _register_again(self, model: model_pb.Model, *, skip_profiling: bool) -> None:
+        """Overwrite a FAILED record of the same checkpoint, or an unprofiled one that is
+        now to be profiled, with ``model``; AlreadyExists for anything else."""
         existing = await self.store.get_model(model.model_id)
         if existing is None:  # deleted since create_model looked
             if not await self.store.create_model(model):
                 raise AlreadyExists(f"model {model.model_id!r} is already registered")
             return
         access.check_owner(f"model {model.model_id!r}", existing.owner)
-        check_retry(existing, model, profiling=self.profiler.running(model.model_id))
+        check_retry(
+            existing,
+            model,
+            profiling=self.profiler.running(model.model_id),
+            skip_profiling=skip_profiling,
+        )
         model.created_at_unix_ms = existing.created_at_unix_ms
         await self.store.put_model(model)
 

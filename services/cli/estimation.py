@@ -161,8 +161,9 @@ def only_hardware(model_id: str, kinds: set[str]) -> str:
         return next(iter(kinds))
     if not kinds:
         usage_error(
-            f"model {model_id!r} is not profiled yet: profile it (iserve register) or import "
-            "measurements (iserve profile import), then estimate it"
+            f"model {model_id!r} is not profiled yet: profile it (`iserve register {model_id} "
+            "CHECKPOINT` again, without --skip-profiling) or import measurements (iserve "
+            "profile import), then estimate it"
         )
     usage_error(
         f"model {model_id!r} is profiled on {', '.join(sorted(kinds))}: choose one with --hardware"

@@ -286,6 +286,8 @@ def test_bad_inputs(stack, estimator, imported):
         assert got == grpc.StatusCode.FAILED_PRECONDITION, details
         assert "'unprofiled' is not profiled yet (REGISTERED" in details, details
         assert "iserve profile import" in details
+        # The way to profile it names the command that does (registering it again).
+        assert "profile it (`iserve register unprofiled unprofiled` again, without " in details
     finally:
         stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="unprofiled"))
     got, details = code_of(

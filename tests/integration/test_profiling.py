@@ -327,6 +327,15 @@ def test_profile_and_watch_of_models_without_profiles(stack):
     assert "FAILED_PRECONDITION: model 'prof-skipped' is not profiled yet" in shown.stderr
     shown = _cli(stack, "profile", "show", "nope")
     assert shown.returncode == 1 and "NOT_FOUND" in shown.stderr
+    # Registering it again without --skip-profiling as before changes nothing; with
+    # profiling, it profiles the model the skip left unprofiled (the hint says so).
+    code, details = _code(lambda: _register(stack, "prof-skipped", path, skip_profiling=True))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "(REGISTERED)" in details, details
+    other = make_checkpoint(stack, "prof-skipped-other", **TINY)
+    code, details = _code(lambda: _register(stack, "prof-skipped", other))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "only with the same checkpoint" in details
+    assert _register(stack, "prof-skipped", path).state == model_pb.MODEL_STATE_PROFILING
+    assert _watch(stack, "prof-skipped")[-1].state == model_pb.MODEL_STATE_PROFILED
     _delete(stack, "prof-skipped")
 
 

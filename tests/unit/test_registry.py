@@ -263,13 +263,23 @@ def test_variant_problem_is_pure():
     assert variant_problem(_variant(), spec, base=spec) is None
 
 
-def test_only_a_failed_model_with_the_same_checkpoint_is_retried():
+def test_only_a_failed_or_unprofiled_model_with_the_same_checkpoint_is_registered_again():
     from fingerprint_svc.registry import check_retry
     from services.errors import AlreadyExists
 
     new = model_pb.Model(model_id="m", checkpoint_path="a")
     failed = model_pb.Model(model_id="m", checkpoint_path="a", state=model_pb.MODEL_STATE_FAILED)
-    check_retry(failed, new, profiling=False)
+    check_retry(failed, new, profiling=False, skip_profiling=False)
+    check_retry(failed, new, profiling=False, skip_profiling=True)
+    # A model registered without profiling is profiled by registering it again (the
+    # estimator's "not profiled yet" said so, and the id was taken)...
+    skipped = model_pb.Model(
+        model_id="m", checkpoint_path="a", state=model_pb.MODEL_STATE_REGISTERED
+    )
+    check_retry(skipped, new, profiling=False, skip_profiling=False)
+    # ... but not again without profiling: that would change nothing.
+    with pytest.raises(AlreadyExists, match=r"already registered \(REGISTERED\)"):
+        check_retry(skipped, new, profiling=False, skip_profiling=True)
     # How to register it again is said (a note told to "register the model again", and
     # the id was taken).
     with pytest.raises(
@@ -281,11 +291,17 @@ def test_only_a_failed_model_with_the_same_checkpoint_is_retried():
             model_pb.Model(model_id="m", checkpoint_path="a", state=model_pb.MODEL_STATE_PROFILED),
             new,
             profiling=False,
+            skip_profiling=False,
         )
     with pytest.raises(AlreadyExists, match="already registered"):
-        check_retry(failed, new, profiling=True)
-    with pytest.raises(AlreadyExists, match="same checkpoint"):
-        check_retry(failed, model_pb.Model(model_id="m", checkpoint_path="b"), profiling=False)
+        check_retry(failed, new, profiling=True, skip_profiling=False)
+    other = model_pb.Model(model_id="m", checkpoint_path="b")
+    with pytest.raises(
+        AlreadyExists, match="a FAILED model is registered again only with the same"
+    ):
+        check_retry(failed, other, profiling=False, skip_profiling=False)
+    with pytest.raises(AlreadyExists, match="a REGISTERED model is registered again only"):
+        check_retry(skipped, other, profiling=False, skip_profiling=False)
 
 
 @pytest.mark.parametrize("value", ["", "a:b", "a/b", "x" * 129, "sp ace"])
