@@ -326,10 +326,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", action="store_true", help="show the decision; launch nothing")
     p.add_argument(
         "--replicas",
-        type=whole_number(),
+        type=whole_number(maximum=replicas.MAX_REPLICAS),
         help="independent copies of the configuration behind one deployment id, each on "
         "devices of its own; requests go to the one with the shortest expected wait "
-        "(default 1, at most 16)",
+        f"(default 1, at most {replicas.MAX_REPLICAS})",
     )
     p.add_argument("--tp", type=whole_number(), help="explicit: tensor-parallel degree")
     p.add_argument("--pp", type=whole_number(), help="explicit: pipeline-parallel degree")

@@ -82,6 +82,15 @@ def test_the_parser_names_the_option_and_exits_2(argv, option, capsys):
     assert f"argument {option}: must be a" in capsys.readouterr().err
 
 
+def test_replicas_are_refused_beyond_the_servers_limit_with_that_limit(capsys):
+    """``--replicas 0`` said "from 1 to 4294967295" though 17 is refused by the server."""
+    for count in ("0", "17"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["deploy", "m", "--replicas", count])
+        assert "argument --replicas: must be a whole number from 1 to 16" in capsys.readouterr().err
+    assert build_parser().parse_args(["deploy", "m", "--replicas", "16"]).replicas == 16
+
+
 def test_defaults_still_mean_the_servers_default():
     args = build_parser().parse_args(["estimate", "m", "--hardware", "h", "--output-len", "9"])
     assert (args.input_len, args.batch, args.devices) == (0, 0, 0)
