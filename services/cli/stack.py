@@ -53,7 +53,7 @@ from services.settings import (
     token_file,
     write_stack_file,
 )
-from services.state.store import StateStore, StateStoreUnavailable
+from services.state.store import StateStore, StateStoreRefused, StateStoreUnavailable
 
 # Start order; ``down`` stops them in reverse (agent last, so it can stop its workers).
 SERVICES = [
@@ -66,6 +66,9 @@ SERVICES = [
 # The OpenAI-compatible HTTP gateway starts last (it calls the others) and stops first.
 GATEWAY, GATEWAY_MODULE = "gateway", "gateway_svc"
 READY_TIMEOUT_S = 60.0
+# How long `up` waits for the operator's Redis (REDIS_URL) to answer before it starts
+# anything: it is meant to be running already.
+UP_REDIS_WAIT_S = 3.0
 # How long ``up`` waits for the deployments kept from before to be served again.
 RESTORE_TIMEOUT_S = 300.0
 # How long a service gets to exit after SIGTERM before SIGKILL, on top of its drain
@@ -292,6 +295,7 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         write_stack_file(settings.state_dir, stack)
         if settings.redis_url:
             redis_url = settings.redis_url
+            _check_reachable(redis_url)
             log(f"using Redis at {redacted_url(redis_url)}")
         else:
             stack["embedded_redis"] = True
@@ -348,6 +352,41 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
     write_stack_file(settings.state_dir, stack)
     wait_for_restored(settings, log, kept=kept)
     return stack
+
+
+def _check_reachable(redis_url: str) -> None:
+    """RuntimeError naming ``REDIS_URL`` when the operator's Redis does not answer within
+    UP_REDIS_WAIT_S, or refuses (credentials, a database it lacks). Before, every service
+    waited for it in turn and `up` blamed the first ("agent did not become ready") after
+    some 13 s, the cause in that service's log lines."""
+
+    async def ping() -> None:
+        store = StateStore.from_url(redis_url)
+        deadline = time.monotonic() + UP_REDIS_WAIT_S
+        try:
+            while True:
+                try:
+                    await store.ping()
+                    return
+                except StateStoreRefused:
+                    raise
+                except (StateStoreUnavailable, redis.RedisError, OSError):
+                    if time.monotonic() >= deadline:
+                        raise
+                await asyncio.sleep(0.1)
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(ping())
+    except StateStoreRefused as exc:
+        raise RuntimeError(f"Redis at {redacted_url(redis_url)} (REDIS_URL): {exc}") from None
+    except (StateStoreUnavailable, redis.RedisError, OSError, ValueError) as exc:
+        raise RuntimeError(
+            f"cannot reach Redis at {redacted_url(redis_url)} (REDIS_URL): "
+            f"{str(exc).rstrip('.')}; start it (or fix the URL), or unset REDIS_URL and "
+            "`iserve up` starts an embedded one"
+        ) from None
 
 
 def _kept_deployments(redis_url: str) -> list[str] | None:

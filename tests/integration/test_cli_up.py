@@ -103,6 +103,41 @@ def test_up_where_its_log_directory_cannot_be_made_says_what_it_was_doing(tmp_pa
     assert "set ISERVE_STATE_DIR" in up.stderr
 
 
+def test_up_with_an_operators_redis_that_is_not_there_or_refuses_names_redis_url(tmp_path):
+    """`iserve up` blamed the agent ("agent did not become ready; last log lines: …")
+    some 13 s later, the cause quoted from the agent's log (a probe)."""
+    from services.redis_embedded import start_redis
+
+    state = tmp_path / "state"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
+        "ISERVE_STATE_DIR": str(state),
+        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+        **{var: "127.0.0.1:0" for var in METRICS_ENV.values()},
+        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
+    }
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    up = run_cli({**env, "REDIS_URL": nowhere}, "up", "--detach")
+    assert up.returncode == 1
+    assert f"error: cannot reach Redis at {nowhere} (REDIS_URL): " in up.stderr, up.stderr
+    assert "unset REDIS_URL" in up.stderr and "did not become ready" not in up.stderr
+    assert not (state / "stack.json").exists()  # nothing started, nothing recorded
+
+    (tmp_path / "redis").mkdir()
+    redis_proc, url = start_redis(tmp_path / "redis", appendonly=False)
+    try:
+        wrong = url.replace(url[url.index(":", 8) + 1 : url.index("@")], "wrong")
+        up = run_cli({**env, "REDIS_URL": wrong}, "up", "--detach")
+        assert up.returncode == 1
+        assert "(REDIS_URL): state store (Redis) at" in up.stderr, up.stderr
+        assert "check the user and password in REDIS_URL" in up.stderr
+        assert "wrong" not in up.stderr  # the password is never shown
+        assert not (state / "stack.json").exists()
+    finally:
+        redis_proc.terminate()
+        redis_proc.wait(timeout=10)
+
+
 def test_a_gateway_whose_services_are_not_there_names_the_one_it_could_not_reach(tmp_path):
     """A 503 said only gRPC's "failed to connect to all addresses; ... 127.0.0.1:50064"
     (a probe, with the scheduler killed): which service is it?"""
