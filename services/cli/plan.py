@@ -172,8 +172,27 @@ def print_rows(rows: list[dict], cost: str | None = None) -> None:
     for r in rows:
         for k in r.get("skipped", ()):
             print(f"{r['intent']}: skipped #{k['rank']} {k['config']}: {k['reason']}")
-    for note in dict.fromkeys(r["note"] for r in rows if r.get("note")):
+    for note in note_lines(rows):
         print(f"note: {note}")
+
+
+def note_lines(rows: list[dict]) -> list[str]:
+    """The deployer's notes of ``rows``, each part (they are "; "-joined) said once: the
+    parts every intent's note has on one line, the rest after the intents they are of.
+    Each intent's note repeated the shared parts, a paragraph on CPU models (a probe)."""
+    parts = {r["intent"]: [p for p in r["note"].split("; ") if p] for r in rows if r.get("note")}
+    shared = [
+        p
+        for p in dict.fromkeys(p for ps in parts.values() for p in ps)
+        if all(p in ps for ps in parts.values())
+    ]
+    lines = ["; ".join(shared)] if shared else []
+    rests: dict[str, list[str]] = {}
+    for intent, ps in parts.items():
+        rest = "; ".join(p for p in ps if p not in shared)
+        if rest:
+            rests.setdefault(rest, []).append(intent)
+    return lines + [f"{', '.join(intents)}: {rest}" for rest, intents in rests.items()]
 
 
 def token_limits_of(settings: Settings, args) -> tuple[int, int]:

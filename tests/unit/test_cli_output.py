@@ -259,6 +259,36 @@ def test_plan_rows_show_the_winners_rank_and_what_was_passed_over(capsys):
     assert max(len(line) for line in out.splitlines() if refused not in line) < 200
 
 
+def test_plan_notes_say_each_part_once():
+    """Each intent's note repeated the ranking's shared parts ("ranked for rtx-a6000 (8
+    devices); 8 configurations do not fit …") before its own (a probe)."""
+    from services.cli.plan import note_lines
+
+    shared = "ranked for h (8 devices); 8 configurations do not fit the device memory"
+    rows = [
+        {"intent": "min-cost", "note": f"{shared}; batch 64: bounded by the cap"},
+        {"intent": "min-latency", "note": f"{shared}; batch 1: bounded by 1.5x TTFT"},
+        {"intent": "min-device-hours", "note": f"{shared}; batch 39: KV cache"},
+        {"intent": "max-throughput", "note": f"{shared}; batch 39: KV cache"},
+        {"intent": "min-memory", "note": shared},
+        {"intent": "slo", "error": "nothing"},
+    ]
+    assert note_lines(rows) == [
+        shared,
+        "min-cost: batch 64: bounded by the cap",
+        "min-latency: batch 1: bounded by 1.5x TTFT",
+        "min-device-hours, max-throughput: batch 39: KV cache",
+    ]
+    assert note_lines(rows[:1]) == [rows[0]["note"]]
+    assert note_lines([{"intent": "a", "note": ""}]) == []
+    # Nothing shared by all: each intent's note whole.
+    assert note_lines(rows[:2] + [{"intent": "x", "note": "other"}]) == [
+        f"min-cost: {rows[0]['note']}",
+        f"min-latency: {rows[1]['note']}",
+        "x: other",
+    ]
+
+
 def test_plan_rows_show_the_cost_a_budget_is_compared_with(capsys):
     """With --cost device-hours the table showed GB*s alone, and a small model's
     0.0069 GB*s read 0.0."""
