@@ -283,8 +283,10 @@ def _check_entries_inside(checkpoint_path: str, directory: Path, root: Path) -> 
     """CheckpointUnusable when an entry of ``directory``, a named chat template in it, or
     a weight file it names (in a subdirectory, through a shard index or
     ``transformers_weights``), is a link resolving outside ``root``. Weights it cannot
-    name yet are left to validation."""
-    entries = list(directory.iterdir())
+    name yet are left to validation. Other subdirectories are not read, so where they
+    link is not checked: a models root given as the checkpoint was refused for a linked
+    folder beside the checkpoints rather than for holding no config.json (a probe)."""
+    entries = [entry for entry in directory.iterdir() if not entry.is_dir()]
     # The named chat templates too, which registration compiles and the gateway reads.
     templates = directory / CHAT_TEMPLATE_DIR
     if templates.is_dir() and templates.resolve().is_relative_to(root):

@@ -159,6 +159,24 @@ def test_a_named_chat_template_linked_outside_the_root_is_refused(root, tmp_path
     assert "additional_chat_templates/tool_use.jinja links outside the models root" in message
 
 
+def test_a_linked_folder_the_checkpoint_does_not_read_is_not_what_refuses_it(
+    root, outside, tmp_path
+):
+    """The models root given as the checkpoint ("."), beside a folder linked outside it:
+    refused for that folder, not for holding no config.json (a probe)."""
+    import shutil
+
+    own = tmp_path / "models"
+    shutil.copytree(root / "tiny", own / "tiny")
+    (own / "linked-folder").symlink_to(outside, target_is_directory=True)
+    request = model_pb.RegisterModelRequest(model_id="x", checkpoint_path=".")
+    message = _refused(build_model, request, own)
+    assert "links outside" not in message and "config.json" in message, message
+    # A checkpoint with such a folder beside its files is read as any other.
+    (own / "tiny" / "elsewhere").symlink_to(outside, target_is_directory=True)
+    assert resolve_checkpoint(own, "tiny") == (own / "tiny").resolve()
+
+
 def test_a_weight_file_linked_outside_the_root_is_refused(root, outside):
     """The directory is inside the root, one of its files is a link to a file outside."""
     linked = root / "linked-weights"
