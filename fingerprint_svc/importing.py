@@ -47,18 +47,20 @@ How a CSV row maps to a :class:`ProfileMeasurement`: latency is end to end
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from fingerprint_svc.registry import model_shape
 from services import importers
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.auth import access
-from services.engine_rules import tensor_parallel_problem
+from services.engine_rules import resolve_checkpoint, tensor_parallel_problem
 from services.errors import FailedPrecondition, InvalidArgument, shown
 from services.estimation import model_references, profiles
 from services.estimation.latency import REFERENCE_BATCHES
@@ -219,12 +221,14 @@ def plan_maveriq_import(
     files: Sequence[tuple[str, bytes]],
     hardware_type: str,
     model_configs: Mapping[str, str] | None = None,
+    registered: Mapping[str, Path] | None = None,
 ) -> ImportPlan:
     """Parse MaverIQ files (base name, content) and decide what to store.
 
     A model's shape comes from the config.json text ``model_configs`` gives for its name
     (any case), else from the architecture preset its name denotes (a preset's name or
-    Hugging Face repository, any case). Raises InvalidArgument for a malformed file
+    Hugging Face repository, any case), else from the checkpoint of the registered model
+    of that id (``registered``: model id -> checkpoint directory). Raises InvalidArgument for a malformed file
     (naming file and line), a file listed twice, no measurement file, or a config that
     is not JSON, names no model of the rows or describes a model iserve cannot read;
     files and rows iserve does not import are listed in ``skipped`` with the reason.
@@ -289,10 +293,17 @@ def plan_maveriq_import(
         skipped.append(f"{name}: {count} rows of a pruned variant (no fingerprints); not imported")
 
     configs = _given_configs(model_configs or {}, by_name)
+    checkpoints = {
+        name.lower(): _registered_config(name.lower(), registered[name.lower()])
+        for name in by_name
+        if name.lower() not in configs
+        and name.lower() in (registered or {})
+        and not (maveriq.PRESET_NAMES.get(name) or find_preset(name))
+    }
     by_model: dict[str, list[tuple[maveriq.Measurement, int]]] = defaultdict(list)
     sources: dict[str, tuple[str, dict]] = {}
     for name in sorted(by_name):
-        found = _model_of(name, configs)
+        found = _model_of(name, configs, checkpoints)
         if found is None:
             remedy = (
                 f"give its config.json: --model-config {name}=PATH"
@@ -586,17 +597,40 @@ def _given_configs(
     return configs
 
 
-def _model_of(name: str, configs: Mapping[str, dict]) -> tuple[str, str, dict] | None:
+def _registered_config(model_id: str, checkpoint: Path) -> dict:
+    """The config.json of ``model_id``'s registered checkpoint; InvalidArgument naming
+    the model when it can no longer be read (the rows would otherwise be skipped for
+    want of a shape the model has)."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(
+            f"{model_id}: the config.json of its registered checkpoint cannot be read ({exc}); "
+            f"give one: --model-config {model_id}=PATH"
+        ) from None
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"{model_id}: its registered checkpoint's config.json is no object")
+    return config
+
+
+def _model_of(
+    name: str, configs: Mapping[str, dict], checkpoints: Mapping[str, dict]
+) -> tuple[str, str, dict] | None:
     """(model id, where its shape comes from, its config) of the rows of model ``name``:
-    the config.json given for it, else the architecture preset the name denotes; None
-    when there is neither. The model id is the name in lower case, or the preset's name
-    where that is no valid id (``meta-llama/Llama-2-70b-hf``)."""
+    the config.json given for it, else the architecture preset the name denotes, else
+    the config.json of the registered checkpoint of that id (``checkpoints``); None when
+    there is none. The preset comes before a checkpoint: the rows of a preset's name are
+    that model's, and a checkpoint of that id but another shape is refused, not given
+    them. The model id is the name in lower case, or the preset's name where that is no
+    valid id (``meta-llama/Llama-2-70b-hf``)."""
     model_id = name.lower()
     if model_id in configs:
         check_model_id(model_id)
         return model_id, "config.json given with the import", configs[model_id]
     preset = maveriq.PRESET_NAMES.get(name) or find_preset(name)
     if preset is None:
+        if model_id in checkpoints:
+            return model_id, "registered checkpoint's config.json", checkpoints[model_id]
         return None
     if not is_valid_id(model_id):
         model_id = preset
@@ -779,6 +813,20 @@ def _estimable(model: model_pb.Model, rows: Sequence[model_pb.ProfileMeasurement
     return ""
 
 
+async def _registered_checkpoints(store: StateStore, models_root: Path | None) -> dict[str, Path]:
+    """Model id -> checkpoint directory of the registered models (not shape-only ones)
+    whose checkpoint can still be found under ``models_root``: rows of such a model are
+    imported with its own shape (they were skipped for want of a preset of its name)."""
+    if models_root is None:
+        return {}
+    found = {}
+    for model in await store.list_models():
+        if model.checkpoint_path:
+            with contextlib.suppress(InvalidArgument):
+                found[model.model_id] = resolve_checkpoint(models_root, model.checkpoint_path)
+    return found
+
+
 def _check_estimable(
     existing: model_pb.Model | None,
     before: model_pb.GetProfileResponse | None,
@@ -808,7 +856,7 @@ def _check_estimable(
 
 
 async def import_profiles(
-    store: StateStore, request: model_pb.ImportProfilesRequest
+    store: StateStore, request: model_pb.ImportProfilesRequest, models_root: Path | None = None
 ) -> model_pb.ImportProfilesResponse:
     """Carry out an ImportProfiles request for the caller (services.auth.access), who
     must own every model it changes (an administrator any) and owns those it creates.
@@ -825,6 +873,7 @@ async def import_profiles(
         [(f.name, f.content) for f in request.files],
         request.hardware_type,
         dict(request.model_configs),
+        await _registered_checkpoints(store, models_root),
     )
     now_ms = int(time.time() * 1000)
     records = []

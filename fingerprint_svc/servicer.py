@@ -145,4 +145,4 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
     async def ImportProfiles(self, request, context):
         async with self._register_lock:
-            return await import_profiles(self.store, request)
+            return await import_profiles(self.store, request, self.settings.models_root)

@@ -1046,3 +1046,64 @@ def test_a_file_in_milliseconds_imported_after_its_twin_in_seconds_is_refused(ru
             )
 
     run(scenario)
+
+
+def test_rows_of_a_registered_checkpoint_take_its_shape_without_a_config_given(run, tmp_path):
+    """Rows named as a registered model of no preset's name were skipped ("no architecture
+    preset of that name, so no shape") though iserve holds its checkpoint (a probe)."""
+    from fingerprint_svc.registry import build_model
+    from services.models.checkpoint import create_checkpoint
+
+    root = tmp_path / "models"
+    create_checkpoint(root / "tiny-ckpt", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    rows = FINGERPRINTS.replace("llama-2-7b", "My-Tiny").replace("gtpj-6b", "My-Tiny")
+    rows = "\n".join(line for line in rows.splitlines() if ",2,1,1,int4" not in line) + "\n"
+    named = {"fingerprint_data_collection.csv": rows}
+
+    async def scenario(store: StateStore):
+        registered = build_model(
+            model_pb.RegisterModelRequest(model_id="my-tiny", checkpoint_path="tiny-ckpt"), root
+        )
+        await store.create_model(registered)
+        # Without the models root (as before) there is no shape: nothing is imported.
+        with pytest.raises(InvalidArgument, match="My-Tiny: 4 rows; no architecture preset"):
+            await import_profiles(store, request(named))
+        reply = await import_profiles(store, request(named), root)
+        assert list(reply.model_ids) == ["my-tiny"] and reply.measurements_imported == 4
+        model = await store.get_model("my-tiny")
+        assert model.checkpoint_path == "tiny-ckpt" and model.shape.num_layers == 2
+        assert model.state == registered.state  # a registered model keeps its state
+        profile = await store.get_profile("my-tiny")
+        assert {m.hardware_type for m in profile.measurements} == {"rtx-a6000"}
+        # A config given with the import still comes first, and a registered checkpoint
+        # of another shape is refused, as before.
+        wider = json.dumps(dict(json.loads((root / "tiny-ckpt" / "config.json").read_text()),
+                                hidden_size=128))  # fmt: skip
+        with pytest.raises(InvalidArgument, match="registered checkpoint of another shape"):
+            await import_profiles(store, request(named, model_configs={"My-Tiny": wider}), root)
+        # A checkpoint that can no longer be read says so, naming the remedy.
+        (root / "tiny-ckpt" / "config.json").write_text("{not json")
+        with pytest.raises(InvalidArgument, match="--model-config my-tiny=PATH"):
+            await import_profiles(store, request(named), root)
+
+    run(scenario)
+
+
+def test_rows_of_a_presets_name_keep_the_preset_before_a_registered_checkpoint(run, tmp_path):
+    """A tiny checkpoint registered as llama-2-7b is not given the real model's rows."""
+    from fingerprint_svc.registry import build_model
+    from services.models.checkpoint import create_checkpoint
+
+    root = tmp_path / "models"
+    create_checkpoint(root / "tiny", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+
+    async def scenario(store: StateStore):
+        await store.create_model(
+            build_model(
+                model_pb.RegisterModelRequest(model_id="llama-2-7b", checkpoint_path="tiny"), root
+            )
+        )
+        with pytest.raises(InvalidArgument, match="registered checkpoint of another shape"):
+            await import_profiles(store, request(DATA_SET), root)
+
+    run(scenario)
