@@ -20,7 +20,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc, model_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.cli.arguments import id_list, usage_error, whole_number
-from services.cli.output import show_tables
+from services.cli.output import gib, show_tables
 from services.contention import CONTENDED_SHARE
 from services.importers import MAX_PROFILE_MEASUREMENTS
 from services.settings import Settings
@@ -178,8 +178,8 @@ def estimate_row(r: dict) -> list:
         r["pp"],
         r["variant"],
         r["batch_size"],
-        f"{r['memory_total_bytes'] / GIB:.2f}",
-        f"{r['memory_per_device_bytes'] / GIB:.2f}",
+        gib(r["memory_total_bytes"] / GIB),
+        gib(r["memory_per_device_bytes"] / GIB),
         f"{r['ttft_ms']:.1f}",
         f"{r['tpot_ms']:.2f}",
         f"{r['latency_ms'] / 1e3:.3f}",

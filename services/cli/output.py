@@ -34,6 +34,13 @@ STYLES = {
 TableSpec = tuple[str | None, Sequence[str], Sequence[Sequence[object]]]
 
 
+def gib(value: float) -> str:
+    """A GiB figure for a table: two decimals from 1 GiB up, three significant digits
+    below (a small model's 4.7 MB of memory read "0.00" in every row, so rows could not
+    be compared)."""
+    return f"{value:.2f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"
+
+
 def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False)
 

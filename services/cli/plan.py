@@ -37,7 +37,7 @@ from services.cli.arguments import (
     usage_error,
     whole_number,
 )
-from services.cli.output import show_tables
+from services.cli.output import gib, show_tables
 from services.settings import Settings
 from services.simulation import MAX_SIMULATED_DEVICES, simulated_devices
 from services.token_limits import token_limits
@@ -157,7 +157,7 @@ def print_rows(rows: list[dict], cost: str | None = None) -> None:
                 f"{r['ttft_ms']:.1f}",
                 f"{r['tpot_ms']:.2f}",
                 f"{r['latency_ms'] / 1e3:.3f}",
-                f"{r['memory_gib']:.2f}",
+                gib(r["memory_gib"]),
                 f"{r[key]:.3g}",  # a small model's 0.0069 GB*s read "0.0"
                 "-" if r["accuracy"] is None else f"{r['accuracy']:.1f}",
             ]

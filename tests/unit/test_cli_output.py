@@ -259,6 +259,15 @@ def test_plan_rows_show_the_winners_rank_and_what_was_passed_over(capsys):
     assert max(len(line) for line in out.splitlines() if refused not in line) < 200
 
 
+def test_gib_figures_keep_small_models_apart():
+    """A tiny model's estimates all read "MEMORY GiB 0.00" (a probe)."""
+    from services.cli.output import gib
+
+    assert [gib(x) for x in (50.7049, 1.0, 0.999, 0.02021, 0.00438, 0.0)] == [
+        "50.70", "1.00", "0.999", "0.0202", "0.00438", "0.00",
+    ]  # fmt: skip
+
+
 def test_plan_notes_say_each_part_once():
     """Each intent's note repeated the ranking's shared parts ("ranked for rtx-a6000 (8
     devices); 8 configurations do not fit …") before its own (a probe)."""
