@@ -9,6 +9,8 @@ variable                    meaning                                         defa
                             pids and the embedded Redis's data
 ``ISERVE_MODELS_ROOT``      the only directory checkpoints are read from    ``$ISERVE_STATE_DIR/models``
 ``REDIS_URL``               Redis to use; unset: ``iserve up`` embeds one   from ``stack.json``
+``ISERVE_REDIS_PORT``       the embedded Redis's port (127.0.0.1 only)       a free one, kept
+                                                                            across restarts
 ``ISERVE_HOST``             interface services bind to                      ``127.0.0.1``
 ``ISERVE_MODEL_ADDR``       ModelService address                            ``$ISERVE_HOST:50061``
 ``ISERVE_ESTIMATOR_ADDR``   EstimatorService address                        ``$ISERVE_HOST:50062``
@@ -192,6 +194,8 @@ class Settings:
     service_token: str = field(default="", repr=False)
     admin_token: str = field(default="", repr=False)
     tls: TlsFiles | None = None
+    # The embedded Redis's port (ISERVE_REDIS_PORT); 0: a free one, kept across restarts.
+    redis_port: int = 0
 
     def address(self, service: str) -> str:
         """host:port of ``service`` (one of ``DEFAULT_PORTS``)."""
@@ -869,6 +873,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         service_token=_token(env, SERVICE_TOKEN_ENV, state_dir, "service"),
         admin_token=_token(env, ADMIN_TOKEN_ENV, state_dir, "admin"),
         tls=_tls(env),
+        redis_port=int(_number(env, "ISERVE_REDIS_PORT", 0, minimum=0, maximum=65535)),
     )
 
 
@@ -876,7 +881,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
 # it in step with the code.
 KNOWN_VARIABLES = frozenset({
     *SERVICE_ENV.values(), *METRICS_ENV.values(), GATEWAY_ENV, CORS_ENV, STACK_ID_ENV,
-    "ISERVE_STATE_DIR", "ISERVE_MODELS_ROOT", "ISERVE_HOST", "ISERVE_NODE_ID",
+    "ISERVE_STATE_DIR", "ISERVE_MODELS_ROOT", "ISERVE_HOST", "ISERVE_NODE_ID", "ISERVE_REDIS_PORT",
     "ISERVE_DEVICES", "ISERVE_DEVICE_MEMORY_GIB", "ISERVE_QUEUE_CAPACITY",
     "ISERVE_READY_TIMEOUT_S", "ISERVE_HEARTBEAT_TTL_S", "ISERVE_MAX_RESTARTS",
     "ISERVE_RESTART_BACKOFF_S", "ISERVE_NODE_FORGET_AFTER_S", "ISERVE_DRAIN_TIMEOUT_S",

@@ -69,6 +69,8 @@ READY_TIMEOUT_S = 60.0
 # How long `up` waits for the operator's Redis (REDIS_URL) to answer before it starts
 # anything: it is meant to be running already.
 UP_REDIS_WAIT_S = 3.0
+# The embedded Redis listens here only: the stack's processes on this machine reach it.
+REDIS_HOST = "127.0.0.1"
 # How long ``up`` waits for the deployments kept from before to be served again.
 RESTORE_TIMEOUT_S = 300.0
 # How long a service gets to exit after SIGTERM before SIGKILL, on top of its drain
@@ -250,6 +252,9 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
     ]
     if port_in_use(settings.gateway_address):
         busy.append(f"gateway {settings.gateway_address}")
+    redis_address = f"{REDIS_HOST}:{settings.redis_port}"
+    if not settings.redis_url and settings.redis_port and port_in_use(redis_address):
+        busy.append(f"embedded Redis (ISERVE_REDIS_PORT) {redis_address}")
     if busy:
         hint = ""
         ephemeral = ephemeral_range()
@@ -300,7 +305,10 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         else:
             stack["embedded_redis"] = True
             redis_proc, redis_url = start_redis(
-                _redis_dir(settings.state_dir), started=lambda pid: _record(stack, "redis", pid)
+                _redis_dir(settings.state_dir),
+                settings.redis_port or None,
+                host=REDIS_HOST,
+                started=lambda pid: _record(stack, "redis", pid),
             )
             stack["redis_url"] = redis_url
             write_stack_file(settings.state_dir, stack)

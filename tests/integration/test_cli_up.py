@@ -432,3 +432,32 @@ def test_the_foreground_up_says_when_a_service_of_its_stack_dies(tmp_path):
     ) in out, out
     # The services `iserve down` stopped are not said to have died.
     assert out.count("warning:") == 1, out
+
+
+def test_the_embedded_redis_listens_on_iserve_redis_port_and_a_busy_one_is_refused(tmp_path):
+    """Its port was a free one, named nowhere the operator could set (a probe wrote it
+    into the state directory's redis/port)."""
+    import json
+    import socket
+
+    state = tmp_path / "state"
+    env = _stack_env(state)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        up = run_cli({**env, "ISERVE_REDIS_PORT": str(busy)}, "up", "--detach")
+        assert up.returncode == 1
+        assert f"embedded Redis (ISERVE_REDIS_PORT) 127.0.0.1:{busy}" in up.stderr, up.stderr
+    bad = run_cli({**env, "ISERVE_REDIS_PORT": "70000"}, "up", "--detach")
+    assert bad.returncode != 0 and "ISERVE_REDIS_PORT must be at most 65535" in bad.stderr
+    port = free_port()
+    try:
+        up = run_cli({**env, "ISERVE_REDIS_PORT": str(port)}, "up", "--detach")
+        assert up.returncode == 0, up.stderr
+        assert json.loads((state / "stack.json").read_text())["redis_url"].endswith(
+            f"@127.0.0.1:{port}/0"
+        )
+    finally:
+        down = run_cli(env, "down")
+    assert down.returncode == 0, down.stderr
