@@ -47,7 +47,6 @@ How a CSV row maps to a :class:`ProfileMeasurement`: latency is end to end
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections import Counter, defaultdict
@@ -221,15 +220,16 @@ def plan_maveriq_import(
     files: Sequence[tuple[str, bytes]],
     hardware_type: str,
     model_configs: Mapping[str, str] | None = None,
-    registered: Mapping[str, Path] | None = None,
+    registered: Mapping[str, str] | None = None,
+    models_root: Path | None = None,
 ) -> ImportPlan:
     """Parse MaverIQ files (base name, content) and decide what to store.
 
     A model's shape comes from the config.json text ``model_configs`` gives for its name
     (any case), else from the architecture preset its name denotes (a preset's name or
     Hugging Face repository, any case), else from the checkpoint of the registered model
-    of that id (``registered``: model id -> checkpoint directory). Raises InvalidArgument for a malformed file
-    (naming file and line), a file listed twice, no measurement file, or a config that
+    of that id (``registered``: model id -> checkpoint path under ``models_root``).
+    Raises InvalidArgument for a malformed file (naming file and line), a file listed twice, no measurement file, or a config that
     is not JSON, names no model of the rows or describes a model iserve cannot read;
     files and rows iserve does not import are listed in ``skipped`` with the reason.
     """
@@ -293,8 +293,9 @@ def plan_maveriq_import(
         skipped.append(f"{name}: {count} rows of a pruned variant (no fingerprints); not imported")
 
     configs = _given_configs(model_configs or {}, by_name)
+    registered = registered if models_root is not None else None
     checkpoints = {
-        name.lower(): _registered_config(name.lower(), registered[name.lower()])
+        name.lower(): _registered_config(name.lower(), models_root, registered[name.lower()])
         for name in by_name
         if name.lower() not in configs
         and name.lower() in (registered or {})
@@ -597,13 +598,14 @@ def _given_configs(
     return configs
 
 
-def _registered_config(model_id: str, checkpoint: Path) -> dict:
+def _registered_config(model_id: str, models_root: Path, checkpoint_path: str) -> dict:
     """The config.json of ``model_id``'s registered checkpoint; InvalidArgument naming
     the model when it can no longer be read (the rows would otherwise be skipped for
     want of a shape the model has)."""
     try:
+        checkpoint = resolve_checkpoint(models_root, checkpoint_path)
         config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, InvalidArgument) as exc:
         raise InvalidArgument(
             f"{model_id}: the config.json of its registered checkpoint cannot be read ({exc}); "
             f"give one: --model-config {model_id}=PATH"
@@ -813,20 +815,6 @@ def _estimable(model: model_pb.Model, rows: Sequence[model_pb.ProfileMeasurement
     return ""
 
 
-async def _registered_checkpoints(store: StateStore, models_root: Path | None) -> dict[str, Path]:
-    """Model id -> checkpoint directory of the registered models (not shape-only ones)
-    whose checkpoint can still be found under ``models_root``: rows of such a model are
-    imported with its own shape (they were skipped for want of a preset of its name)."""
-    if models_root is None:
-        return {}
-    found = {}
-    for model in await store.list_models():
-        if model.checkpoint_path:
-            with contextlib.suppress(InvalidArgument):
-                found[model.model_id] = resolve_checkpoint(models_root, model.checkpoint_path)
-    return found
-
-
 def _check_estimable(
     existing: model_pb.Model | None,
     before: model_pb.GetProfileResponse | None,
@@ -873,7 +861,10 @@ async def import_profiles(
         [(f.name, f.content) for f in request.files],
         request.hardware_type,
         dict(request.model_configs),
-        await _registered_checkpoints(store, models_root),
+        # Registered checkpoints (not shape-only records): their rows take their shape
+        # (they were skipped for want of a preset of the name).
+        {m.model_id: m.checkpoint_path for m in await store.list_models() if m.checkpoint_path},
+        models_root,
     )
     now_ms = int(time.time() * 1000)
     records = []
