@@ -37,7 +37,7 @@ class IdleProfiler:
 
 
 def model_service(store: StateStore) -> ModelServicer:
-    return ModelServicer(types.SimpleNamespace(), store, IdleProfiler())
+    return ModelServicer(types.SimpleNamespace(models_root=None), store, IdleProfiler())
 
 
 def delete(model_id: str) -> model_pb.DeleteModelRequest:
