@@ -74,7 +74,7 @@ from services.auth.tokens import bearer, could_be_token
 from services.drain import refused_as_draining
 from services.errors import InvalidArgument, cut_off_midway, rpc_reason, shown, unreached
 from services.health import serving_status
-from services.ids import check_model_id, deployment_given_as_model
+from services.ids import check_model_id
 from services.metrics import certificate_expiry, new_registry
 from services.settings import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -426,24 +426,23 @@ class Backend:
             )
         except grpc.aio.AioRpcError as exc:
             raise GatewayError.from_rpc(exc, "deployment") from None
-        if reply.deployments:
+        if reply.deployments or await self._model_of_deployment(model_id, caller):
             return
-        await self._deployment_given_as_model(model_id, caller)
         raise GatewayError(404, "not_found_error", f"model {model_id} has no deployment", "model")
 
-    async def _deployment_given_as_model(self, model_id: str, caller: Metadata) -> None:
-        """The scheduler's 404 for a deployment's id given as ``model`` (whose model to
-        ask for), when it names a deployment the caller may see; else nothing."""
+    async def _model_of_deployment(self, name: str, caller: Metadata) -> str | None:
+        """The model of deployment ``name`` given as ``model`` (which then names that
+        deployment alone, as the scheduler routes it), when the caller may see it; else
+        None (no such deployment, one hidden from the caller, or no answer)."""
         try:
             reply = await self.deployments.GetDeployment(
-                deploy_pb.GetDeploymentRequest(deployment_id=model_id),
+                deploy_pb.GetDeploymentRequest(deployment_id=name),
                 timeout=self.rpc_timeout_s,
                 metadata=caller,
             )
         except grpc.aio.AioRpcError:
-            return  # no such deployment, one the caller may not see, or no answer
-        said = deployment_given_as_model(model_id, reply.deployment.model_id)
-        raise GatewayError(404, "not_found_error", said, "model")
+            return None
+        return reply.deployment.model_id
 
     async def chat_template(self, model_id: str, caller: Metadata) -> tuple[str, dict[str, str]]:
         """The chat template of ``model_id``'s checkpoint and its special tokens.
@@ -463,7 +462,10 @@ class Backend:
             # path read last will do while the model service does not answer.
             path = self.checkpoint_paths.get(model_id)
             if exc.code() == grpc.StatusCode.NOT_FOUND:
-                await self._deployment_given_as_model(model_id, caller)
+                # A deployment's id: its model's template.
+                model = await self._model_of_deployment(model_id, caller)
+                if model and model != model_id:
+                    return await self.chat_template(model, caller)
             if path is None or exc.code() not in _UNANSWERED:
                 raise GatewayError.from_rpc(exc, "model") from None
         try:

@@ -21,7 +21,7 @@ from services.errors import (
     PermissionDenied,
     Unavailable,
 )
-from services.ids import check_deployment_id, check_model_id, deployment_given_as_model
+from services.ids import check_deployment_id, check_model_id
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.scheduler.routing")
@@ -129,10 +129,17 @@ class Router:
         listing their states; PERMISSION_DENIED when a developer owns none of the READY
         ones. A user's token sees only the deployments it grants (access.visible), so a
         model with none of those is to it a model with no deployment.
+
+        A deployment's id where a model's goes (the gateway's ``model``, which has no
+        field of its own for it) names that deployment alone, as :meth:`by_deployment_id`
+        resolves it: the one way over HTTP to pin a request to one of a model's
+        deployments (another compression of it answers otherwise, a probe).
         """
         if not self._complete:
             await self.refresh()
         ready = access.visible(self._ready_of(model_id))
+        if not ready and model_id in self._by_id:
+            return await self._named_deployment(model_id)
         if not ready:
             check_model_id(model_id)
             found = await self._store.list_deployments(model_id)
@@ -141,11 +148,8 @@ class Router:
             found = access.visible(found)
             ready = [d for d in found if d.state == READY]
             if not found:
-                # A deployment's id given where a model's goes (the gateway's `model`):
-                # say whose it is, to a caller who may see it.
-                named = await self._store.get_deployment(model_id)
-                if named is not None and access.visible([named]):
-                    raise ModelNotFound(deployment_given_as_model(model_id, named.model_id))
+                if await self._store.get_deployment(model_id) is not None:
+                    return await self._named_deployment(model_id)
                 raise ModelNotFound(f"model {model_id} has no deployment")
             if not ready:
                 states = "; ".join(describe_state(d) for d in found)
@@ -161,6 +165,15 @@ class Router:
         if len(usable) == 1:
             return usable
         return sorted(usable, key=self._backlog)
+
+    async def _named_deployment(self, deployment_id: str) -> list[deploy_pb.Deployment]:
+        """[the deployment] a model's id that is a deployment's names; to a caller who may
+        not see it, what a model with no deployment gets (not "deployment … not found",
+        which would tell that one exists)."""
+        try:
+            return [await self.by_deployment_id(deployment_id)]
+        except NotFound:
+            raise ModelNotFound(f"model {deployment_id} has no deployment") from None
 
     def refused_for_model(self, model_id: str) -> deploy_pb.Deployment | None:
         """The cached deployment a refusal of ``model_id``'s request is counted against

@@ -71,15 +71,6 @@ def looks_like_deployment_id(value: str) -> bool:
     return _NEW_DEPLOYMENT_ID.fullmatch(value) is not None
 
 
-def deployment_given_as_model(deployment_id: str, model_id: str) -> str:
-    """What a caller that named deployment ``deployment_id`` (of ``model_id``) where a
-    model's id goes is told (the gateway's ``model``, which takes models only)."""
-    return (
-        f"model {deployment_id} has no deployment: {deployment_id} is a deployment of "
-        f"model {model_id}; ask for that model"
-    )
-
-
 def check_deployment_id(deployment_id: str) -> None:
     if TOKEN_PATTERN.fullmatch(deployment_id) is None:
         raise InvalidArgument(f"invalid deployment_id {shown(deployment_id)}: {_TOKEN_RULE}")

@@ -475,23 +475,29 @@ def test_with_include_usage_every_chunk_carries_usage_null_until_the_last(gatewa
         assert not any("usage" in json.loads(d) for d in data[:-1])
 
 
-def test_a_deployment_id_given_as_model_says_whose_it_is_on_every_endpoint(stack, gateway):
-    """Completions said which model a deployment id belongs to; chat said only that the
-    model is not registered."""
+def test_a_deployment_id_given_as_model_is_served_by_that_deployment(stack, gateway):
+    """`model` is HTTP's only field for what serves a request: a deployment's id there
+    pins it to that deployment (of a model deployed twice, each compressed otherwise,
+    either answered, and a deployment's id was refused: "ask for that model")."""
     listed = stack.deployments.ListDeployments(
         deploy_pb.ListDeploymentsRequest(model_id=MODEL), timeout=10
     ).deployments
     named = listed[0].deployment_id
-    said = f"model {named} has no deployment: {named} is a deployment of model {MODEL}"
     for path, extra in (
         ("completions", {"prompt": "x"}),
         ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ):
-        reply = httpx.post(
-            f"{gateway}/v1/{path}", json={"model": named, "max_tokens": 2, **extra}, timeout=60
-        )
+        body = {"max_tokens": 2, "temperature": 0, "ignore_eos": True, **extra}
+        reply = httpx.post(f"{gateway}/v1/{path}", json={"model": named, **body}, timeout=60)
+        assert reply.status_code == 200, (path, reply.text)
+        answer = reply.json()
+        assert answer["model"] == named and answer["usage"]["completion_tokens"] == 2
+        same = httpx.post(f"{gateway}/v1/{path}", json={"model": MODEL, **body}, timeout=60)
+        assert same.json()["choices"] == answer["choices"], path  # the one deployment
+        gone = f"{MODEL}-00000000"
+        reply = httpx.post(f"{gateway}/v1/{path}", json={"model": gone, **body}, timeout=60)
         assert reply.status_code == 404, reply.text
-        assert reply.json()["error"]["message"].startswith(said), (path, reply.text)
+        assert gone in reply.json()["error"]["message"], reply.text
 
 
 def test_vllms_top_k_and_stop_token_ids_steer_the_generation(stack, client):

@@ -119,6 +119,25 @@ def test_model_routing_picks_the_shortest_expected_wait_among_ready_deployments(
     asyncio.run(scenario())
 
 
+def test_a_deployment_id_given_as_the_model_pins_the_request_to_it():
+    """Two deployments of one model (another compression each) answered a model's
+    request in turn; over HTTP, where `model` is the only field, a deployment's id was
+    refused ("ask for that model"), so no request could choose (a probe)."""
+
+    async def scenario():
+        store = CountingStore(deployment("fast"), deployment("exact"))
+        waits = {"fast": 0.0, "exact": 5.0}
+        router = Router(store, backlog=lambda d: waits[d.deployment_id])
+        assert (await router.by_model_id("m")).deployment_id == "fast"
+        assert [d.deployment_id for d in await router.ranked_for_model("exact")] == ["exact"]
+        reads = store.reads
+        for _ in range(10):  # cached, as by id
+            assert (await router.by_model_id("exact")).deployment_id == "exact"
+        assert store.reads == reads
+
+    asyncio.run(scenario())
+
+
 def test_model_routing_errors_name_the_states():
     async def scenario():
         store = CountingStore(
@@ -138,12 +157,11 @@ def test_model_routing_errors_name_the_states():
         )
         with pytest.raises(NotFound, match="model nothing has no deployment"):
             await router.by_model_id("nothing")
-        # A deployment's id where a model's goes (the gateway's `model`): whose it is.
-        with pytest.raises(NotFound) as named:
+        # A deployment's id where a model's goes (the gateway's `model`) names that
+        # deployment: its state is what is said (it said "ask for model m", and HTTP
+        # could not pin a request to one of a model's deployments).
+        with pytest.raises(FailedPrecondition, match="^deployment x is FAILED: OOM$"):
             await router.by_model_id("x")
-        assert str(named.value) == (
-            "model x has no deployment: x is a deployment of model m; ask for that model"
-        )
 
     asyncio.run(scenario())
 
@@ -203,6 +221,11 @@ def test_a_user_is_refused_what_its_token_does_not_grant_as_if_it_did_not_exist(
             unknown = await refusal(router.by_model_id, "m9")
             assert unknown == (ModelNotFound, "model <id> has no deployment")
             for target in ("m2", "m3"):  # READY, and only STARTING
+                assert await refusal(router.by_model_id, target) == unknown
+            # A deployment's id given as the model's: the one granted serves, the others
+            # answer as a model with no deployment (not "deployment … not found").
+            assert (await router.by_model_id("d1")).deployment_id == "d1"
+            for target in ("d2", "d3"):
                 assert await refusal(router.by_model_id, target) == unknown
         finally:
             access.reset_caller(token)
