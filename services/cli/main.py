@@ -219,7 +219,7 @@ def _watch_status(settings: Settings, args) -> int:
                         Group(
                             f"{status_header(status)}   [dim]{stamp}, every {args.watch:g} s; "
                             "Ctrl-C stops[/]",
-                            output.renderable(status_tables(status), out),
+                            output.renderable(status_tables(status, watching=True), out),
                         ),
                         refresh=True,
                     )

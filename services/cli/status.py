@@ -159,8 +159,11 @@ def _dead(node: dict) -> str:
     )
 
 
-def status_tables(status: dict) -> list[TableSpec]:
-    """The tables ``iserve status`` shows: services, devices, models, deployments."""
+def status_tables(status: dict, *, watching: bool = False) -> list[TableSpec]:
+    """The tables ``iserve status`` shows: services, devices, models, deployments; with
+    ``watching`` (``--watch`` on a terminal, redrawn in place and cut at its height),
+    deployments first, then devices, services and models: on a 24-line terminal the
+    deployments, what one watches, were cut off below the rest (a probe)."""
     services = [
         [name, svc["address"], _service_state(svc), svc["metrics"]]
         for name, svc in status["services"].items()
@@ -212,6 +215,9 @@ def status_tables(status: dict) -> list[TableSpec]:
         ]
         headers = ["DEPLOYMENT", "MODEL", "TP", "PP", "BATCH", "STATE", "WORKER"]
         tables.append((None, [*headers, "QUEUE", "RUNNING", "TTFT P50/P95 ms", "SLO MET"], rows))
+    if watching:
+        order = ("DEPLOYMENT", "NODE", "SERVICE", "MODEL")
+        tables.sort(key=lambda table: order.index(table[1][0]))
     return tables
 
 

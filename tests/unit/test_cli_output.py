@@ -380,3 +380,22 @@ def test_a_long_list_in_a_narrow_terminal_goes_on_after_a_comma():
     assert "".join(
         line.strip() for line in text.split("DEPLOYMENTS")[1].split("\n\n")[0].splitlines()
     ) == ",".join(ids)
+
+
+def test_status_watch_puts_the_deployments_first():
+    """On a 24-line terminal `status --watch` never showed the deployments table: the
+    services, devices and models above it filled the screen (a probe)."""
+    from services.cli.status import status_tables
+
+    status = {
+        "services": {"model": {"address": "a", "serving": True, "metrics": "m"}},
+        "nodes": [],
+        "models": [{"model_id": "m", "state": "MODEL_STATE_REGISTERED", "checkpoint_path": "m"}],
+        "deployments": [
+            {"deployment_id": "m-1", "model_id": "m", "state": "DEPLOYMENT_STATE_READY"}
+        ],
+    }
+    firsts = [headers[0] for _title, headers, _rows in status_tables(status)]
+    assert firsts == ["SERVICE", "MODEL", "DEPLOYMENT"]
+    watched = [headers[0] for _title, headers, _rows in status_tables(status, watching=True)]
+    assert watched == ["DEPLOYMENT", "SERVICE", "MODEL"]
