@@ -173,9 +173,12 @@ def avoiding(deployment: deploy_pb.Deployment, addresses: set[str]) -> deploy_pb
 
 
 def fail_all(deployment: deploy_pb.Deployment, reason: str) -> None:
-    """Mark every replica still serving FAILED with ``reason`` (the deployment fails)."""
+    """Mark every replica still serving FAILED with ``reason`` (the deployment fails),
+    and the record's worker address, "the first replica still serving", empty: a FAILED
+    deployment showed its dead worker's address (a probe)."""
     for replica in deployment.replicas:
         if replica.state != FAILED:
             replica.state = FAILED
             replica.state_reason = reason
             replica.worker_address = ""
+    deployment.worker_address = ""

@@ -96,6 +96,7 @@ def test_fail_all_marks_what_still_serves():
         (FAILED, "first", ""),
         (FAILED, "second", ""),
     ]
+    assert dep.worker_address == ""  # it named the dead worker of the last replica
 
 
 def test_nodes_of_a_placement_are_sorted_and_unique():
