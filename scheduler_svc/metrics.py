@@ -313,12 +313,18 @@ class ServingMetrics:
             tally.failed += 1
             self.failure.labels(*labels, r.code.name).inc()
             if times:
+                # Its prompt was prefilled (it had a first token): both counts, as the
+                # worker did both (the generated tokens alone were counted).
+                self.prompt_tokens.labels(*labels).inc(r.prompt_tokens)
                 self.generation_tokens.labels(*labels).inc(len(times))
             # A request refused as invalid, or as not the caller's to make, was never the
             # deployment's to serve: it fails, but a client's malformed or unpermitted
-            # requests must not lower the deployment's goodput.
+            # requests must not lower the deployment's goodput. Nor did one refused before
+            # any deployment took it (an unknown model with a deadline was a miss of
+            # deployment "").
             if (
-                r.code not in CLIENT_FAULTS
+                r.deployment_id
+                and r.code not in CLIENT_FAULTS
                 and has_objective(objectives, r.deadline_ms)
                 and (r.cancelled_s is None or _missed_before(r, objectives, r.cancelled_s))
             ):

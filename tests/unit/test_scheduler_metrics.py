@@ -104,6 +104,17 @@ def test_a_client_s_own_fault_fails_without_missing_an_objective(code):
     assert (stats.failed, stats.slo_missed) == (1, 0)
 
 
+def test_a_request_no_deployment_took_misses_no_objective():
+    """An unknown model's requests with a deadline counted as SLO misses of deployment
+    "" (a probe: 3 refusals, slo_missed_total{deployment_id=""} 3)."""
+    registry, metrics = build()
+    refused = RequestRecord("", 5, 0.0, code=grpc.StatusCode.NOT_FOUND)
+    metrics.record(refused)
+    ids = {"model_id": "", "deployment_id": ""}
+    assert registry.get_sample_value("iserve_request_failure_total", {**ids, "code": "NOT_FOUND"})
+    assert registry.get_sample_value("iserve_slo_missed_total", ids) in (None, 0)
+
+
 def test_a_removed_deployment_leaves_no_series_or_tally():
     registry, metrics = build()
     metrics.record(served())
@@ -127,6 +138,8 @@ def test_tokens_streamed_before_a_failure_still_count():
     cut.code = grpc.StatusCode.UNAVAILABLE
     metrics.record(cut)
     assert registry.get_sample_value("iserve_generation_tokens_total", IDS) == 3
+    # Its prompt was prefilled too (only the generated tokens were counted, a probe).
+    assert registry.get_sample_value("iserve_prompt_tokens_total", IDS) == 5
     assert (
         registry.get_sample_value("iserve_request_failure_total", {**IDS, "code": "UNAVAILABLE"})
         == 1
