@@ -97,6 +97,7 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
     metrics = AgentMetrics(
         registry, settings.node_id, supervisor.list_workers, supervisor.live_pids
     )
+    supervisor.on_deaths = metrics.count_deaths
     agent_address = advertised_address(settings.address("agent"))
     if not is_loopback_host(agent_address.rpartition(":")[0]) and is_loopback_host(settings.host):
         log.warning(

@@ -7,7 +7,10 @@ Updated each time the device monitor publishes (every second), labelled by
   NVML on GPUs, the workers' resident memory on virtual CPU devices);
 - ``iserve_device_load``: busy fraction over the last 120 s (the load placement reads);
 - ``iserve_device_workers``: live worker processes on the device;
-- ``iserve_workers{node_id, state}``: every worker this agent knows, by state.
+- ``iserve_workers{node_id, state}``: every worker this agent knows, by state;
+- ``iserve_worker_deaths_total{node_id}``: ready workers (ranks) that exited unasked.
+  The deployer stops a dead worker's group and restarts or fails it, so the deaths
+  left no trace in ``iserve_workers`` (a probe: six SIGKILLs, ``state="failed"`` 0).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections.abc import Callable, Sequence
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
@@ -44,6 +47,17 @@ class AgentMetrics:
         self.load = gauge("device_load", "Busy fraction of the device over the last 120 s")
         self.device_workers = gauge("device_workers", "Live worker processes on the device")
         self.workers = gauge("workers", "Workers of this agent by state", ("node_id", "state"))
+        self.deaths = Counter(
+            PREFIX + "worker_deaths",
+            "Ready workers (ranks) of this agent that exited unasked",
+            ("node_id",),
+            registry=registry,
+        )
+        self.deaths.labels(node_id)  # 0 from the start: a rate() sees the first death
+
+    def count_deaths(self, count: int) -> None:
+        """``count`` ranks were found dead unasked."""
+        self.deaths.labels(self.node_id).inc(count)
 
     def update(self, states: Sequence[common.DeviceState]) -> None:
         """Set every gauge from one round of the device monitor."""

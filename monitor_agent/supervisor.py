@@ -37,6 +37,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -174,6 +175,8 @@ class WorkerSupervisor:
         self.stop_timeout_s = drain_timeout_s + WORKER_STOP_MARGIN_S
         self.reap_interval_s = reap_interval_s
         self.pool = pool
+        # Told how many ranks each reaping found dead unasked (the agent's metrics).
+        self.on_deaths: Callable[[int], None] = lambda count: None
         self._workers: dict[str, list[WorkerProcess]] = {}
         # Deployment id -> seconds its workers' records outlive their last write
         # (LaunchPlan.records_expire_s), for the groups that set one.
@@ -521,6 +524,8 @@ class WorkerSupervisor:
                 exited = _exited(procs)
             died += reported
             await self._stop_survivors(deployment_id, procs, reported[0].rank)
+        if died:
+            self.on_deaths(len(died))
         return died
 
     def _cause_may_follow(

@@ -180,6 +180,9 @@ def test_every_service_serves_metrics_and_the_agent_its_devices(stack, served):
         return value(samples, "iserve_workers", node_id=stack.settings.node_id, state="ready")
 
     assert wait_for(lambda: ready_workers() >= 1, timeout=5)
+    # Worker deaths are counted from the start (0 before any), so a rate() sees the first.
+    deaths = ("iserve_worker_deaths_total", frozenset({"node_id": stack.settings.node_id}.items()))
+    assert agent.get(deaths) == 0
     assert any(name == "iserve_device_load" for name, _ in agent)
     deploy = scrape(stack.settings.metrics_address("deploy"))
     assert any(

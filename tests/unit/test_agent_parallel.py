@@ -256,8 +256,11 @@ def test_a_rank_that_exits_as_its_peers_death_is_recorded_is_reported_too(run, t
             await put_worker(info)
 
         supervisor._put_worker = peer_leaves_as_it_is_written
+        counted = []
+        supervisor.on_deaths = counted.append  # the agent's iserve_worker_deaths_total
         died = await supervisor.reap_once()
         assert [(d.rank, d.exit_code) for d in died] == [(0, 1), (1, EXIT_GROUP_LOST)]
+        assert counted == [2]
         assert [w.state for w in supervisor.list_workers("dep-meanwhile")] == [
             agent_pb.WORKER_STATE_FAILED
         ] * 2
