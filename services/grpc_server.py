@@ -419,14 +419,22 @@ async def run_server(
             await result
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # The signal that stopped it, for the log: an operator's kill and `iserve down` read
+    # the same "stopping" otherwise (a probe).
+    received: list[str] = []
+
+    def stop_on(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stop_on, sig)
     tasks = [asyncio.create_task(make(), name=f"{name}:{make.__name__}") for make in background]
     for task in tasks:
         task.add_done_callback(_log_task_death)
     await stop.wait()
-    log.info("%s stopping", name)
+    log.info("%s stopping (%s received)", name, received[0] if received else "stop")
     await health_servicer.enter_graceful_shutdown()
     if drain is not None:
         stop.clear()

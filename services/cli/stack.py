@@ -856,6 +856,8 @@ def _stop_pids(
             if not _alive(pid, started):
                 if _alive(pid):
                     log(f"{name} is gone; pid {pid} is another process now, left alone")
+                else:  # it said nothing of one that had exited (a probe)
+                    log(f"{name} (pid {pid}) had exited already")
                 continue
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)

@@ -149,6 +149,8 @@ def test_a_draining_scheduler_refuses_new_requests_and_finishes_the_stream(
     assert scheduler.proc.wait(EXIT_MARGIN_S) == 0, scheduler.log()
     assert time.monotonic() - signalled < drain_timeout_s + EXIT_MARGIN_S
     log = scheduler.log()
+    # Which signal stopped it (an operator's kill read as `iserve down` did, a probe).
+    assert "scheduler stopping (SIGTERM received)" in log, log
     assert "scheduler draining: waiting up to 120 s for 1 call(s)" in log, log
     assert "scheduler drained" in log and "cancelling them" not in log, log
 

@@ -46,6 +46,15 @@ def test_down_leaves_alone_a_process_that_took_a_recorded_pid(sleeper):
     assert sleeper.wait(10) is not None
 
 
+def test_down_names_a_process_that_had_exited_before_it():
+    """A scheduler dead before `iserve down` went unmentioned among the stopped (a probe)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)
+    said = []
+    _stop_pids({"scheduler": (gone.pid, None)}, said.append)
+    assert said == [f"scheduler (pid {gone.pid}) had exited already"]
+
+
 def test_processes_stopped_together_wait_out_one_timeout_not_one_each():
     """`down` stops the unrecorded processes together: three that ignore SIGTERM took
     three whole stop timeouts, one after another (a probe)."""
