@@ -86,6 +86,9 @@ def main(args: list[str] | None = None) -> int:
     config = uvicorn.Config(
         create_app(connect, settings.cors_origins, stream_grace_s, settings.tls),
         log_level=settings.log_level.lower(),
+        # uvicorn's own records go through configure_logging's handler, in its format
+        # (its default config wrote them without a time: "INFO: Started server process").
+        log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.drain_timeout_s),
         # A request must arrive whole within a deadline (slow or stalled clients held

@@ -821,7 +821,19 @@ def create_app(
         return response
 
     @app.exception_handler(GatewayError)
-    async def gateway_error(_request: Request, exc: GatewayError):
+    async def gateway_error(request: Request, exc: GatewayError):
+        if exc.status >= 500:
+            # The server's side failed (a service unreachable, an internal error): the
+            # operator's to know, and the log said nothing of it (a probe). A client's
+            # own 4xx are its to read, not logged.
+            log.warning(
+                "%s %s -> %d %s: %s",
+                request.method,
+                request.url.path,
+                exc.status,
+                exc.kind,
+                exc.message,
+            )
         # A 401 names the scheme it wants (RFC 6750), as clients that retry with a token
         # expect.
         challenge = {"WWW-Authenticate": 'Bearer realm="iserve"'} if exc.status == 401 else None
@@ -1215,6 +1227,14 @@ async def _stream(
                 yield chunk(index, None if chat else "", _finish_reason(value[0]))
             else:
                 error = GatewayError.from_rpc(value, "scheduler")
+                if error.status >= 500:
+                    log.warning(
+                        "stream %s ended with %d %s: %s",
+                        ident,
+                        error.status,
+                        error.kind,
+                        value.details(),
+                    )
                 yield json.dumps(
                     {
                         "error": {

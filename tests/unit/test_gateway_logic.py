@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import grpc
@@ -966,3 +967,28 @@ def test_a_message_without_content_is_refused_unless_an_assistant_made_calls(mes
         f"messages.1: {article} {message['role']} message needs content"
     )
     assert error["param"] == "messages.1"
+
+
+def test_a_server_side_failure_is_logged_and_a_clients_own_error_is_not(tmp_path, caplog):
+    """The gateway answered 503s (the scheduler down) and wrote nothing of them (a probe)."""
+
+    class Unreachable(_Deployments):
+        async def ListDeployments(self, request, timeout=None, metadata=()):
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details="failed to connect to all addresses",
+            )
+
+    backend = Backend(_Recorder(), Unreachable([]), _Models("ckpt"), tmp_path, auth=False)
+    with (
+        caplog.at_level(logging.WARNING, logger="iserve.gateway"),
+        TestClient(create_app(lambda: backend)) as client,
+    ):
+        assert client.get("/v1/models").status_code == 503
+        assert client.post("/v1/completions", json={"model": "m"}).status_code == 400
+    said = [r.getMessage() for r in caplog.records if r.name == "iserve.gateway"]
+    assert any(m.startswith("GET /v1/models -> 503 ") for m in said), said
+    assert "failed to connect to all addresses" in "".join(said)
+    assert not any("/v1/completions" in m for m in said), said
