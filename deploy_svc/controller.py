@@ -386,7 +386,14 @@ class DeploymentController:
         """The estimator's figures for ``config`` at ``batch`` on ``hardware_type``; None
         when the model is not profiled there. Asked for ``nodes``' devices of that type,
         as the ranking was: by default the estimator scores the live cluster's, and a
-        plan on more simulated devices chose configurations beyond them."""
+        plan on more simulated devices chose configurations beyond them. A model never
+        profiled (or still profiling) is not asked about: each explicit deploy of one
+        left a FAILED_PRECONDITION in the estimator's log and call counts (a probe)."""
+        if prepared.model.state in (
+            model_pb.MODEL_STATE_REGISTERED,
+            model_pb.MODEL_STATE_PROFILING,
+        ):
+            return None
         try:
             reply = await self.estimator.EstimateConfigs(
                 estimator_pb.EstimateConfigsRequest(

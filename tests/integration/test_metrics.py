@@ -189,6 +189,14 @@ def test_every_service_serves_metrics_and_the_agent_its_devices(stack, served):
         name == "iserve_grpc_server_handled_total" and dict(labels)["grpc_code"] == "OK"
         for (name, labels) in deploy
     )
+    # The served model is deployed explicitly, unprofiled: the deployer asks the estimator
+    # nothing of it (each such deploy counted, and logged, a FAILED_PRECONDITION there).
+    estimator = scrape(stack.settings.metrics_address("estimator"))
+    assert not [
+        labels
+        for (name, labels) in estimator
+        if name == "iserve_grpc_server_handled_total" and dict(labels)["grpc_code"] != "OK"
+    ]
 
 
 def test_status_shows_queue_ttft_and_requests_per_deployment(stack, served):
