@@ -387,11 +387,12 @@ class DeploymentController:
         when the model is not profiled there. Asked for ``nodes``' devices of that type,
         as the ranking was: by default the estimator scores the live cluster's, and a
         plan on more simulated devices chose configurations beyond them. A model never
-        profiled (or still profiling) is not asked about: each explicit deploy of one
-        left a FAILED_PRECONDITION in the estimator's log and call counts (a probe)."""
-        if prepared.model.state in (
-            model_pb.MODEL_STATE_REGISTERED,
-            model_pb.MODEL_STATE_PROFILING,
+        profiled (or still profiling), with no measurements imported, is not asked about:
+        each explicit deploy of one left a FAILED_PRECONDITION in the estimator's log and
+        call counts (a probe)."""
+        unprofiled = (model_pb.MODEL_STATE_REGISTERED, model_pb.MODEL_STATE_PROFILING)
+        if prepared.model.state in unprofiled and not await self.store.get_profile_sources(
+            prepared.model.model_id
         ):
             return None
         try:
