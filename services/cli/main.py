@@ -677,12 +677,11 @@ def _is_deployment(settings: Settings, target: str) -> bool:
     return True
 
 
-def cmd_generate(settings: Settings, args) -> int:
-    target = (
-        {"deployment_id": args.target}
-        if _is_deployment(settings, args.target)
-        else {"model_id": args.target}
-    )
+def sampling_of(args) -> common.SamplingParams:
+    """The request's sampling from `iserve generate`'s options. ``--top-p 0`` keeps only
+    the likeliest token, greedy, as the gateway reads OpenAI's ``top_p: 0``: the message's
+    0 means "unset" (the whole distribution), so `--top-p 0` sampled where HTTP's was
+    greedy (a probe)."""
     sampling = common.SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -692,6 +691,18 @@ def cmd_generate(settings: Settings, args) -> int:
     )
     if args.seed is not None:
         sampling.seed = args.seed
+    if sampling.top_p == 0:  # as the float32 field holds it (a tiny P is 0 there too)
+        sampling.temperature, sampling.top_p = 0.0, 1.0
+    return sampling
+
+
+def cmd_generate(settings: Settings, args) -> int:
+    target = (
+        {"deployment_id": args.target}
+        if _is_deployment(settings, args.target)
+        else {"model_id": args.target}
+    )
+    sampling = sampling_of(args)
     request = infer_pb.GenerateRequest(
         request_id=args.request_id or _rid(),
         prompt=args.prompt,
@@ -1030,7 +1041,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-k", type=whole_number(0), default=0, help="sample among the K likeliest (0: all)"
     )
     p.add_argument(
-        "--top-p", type=float, default=1.0, help="sample within probability mass P (default 1)"
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample within probability mass P (default 1; 0: the likeliest token, greedy)",
     )
     p.add_argument("--seed", type=whole_number(0, UINT64_MAX), help="makes sampling repeatable")
     p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")

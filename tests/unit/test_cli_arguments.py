@@ -691,3 +691,20 @@ def test_a_malformed_variant_is_a_usage_error(text, says, capsys):
         build_parser().parse_args(["register", "m", "ckpt", "--variant", text])
     assert exit_info.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_top_p_0_is_greedy_as_over_http():
+    """`--top-p 0` sampled (the message's 0 reads "unset"), where HTTP's top_p 0 is greedy."""
+    from services.cli.main import sampling_of
+
+    def sampling(*options):
+        return sampling_of(build_parser().parse_args(["generate", "d", "hi", *options]))
+
+    hot = ("--temperature", "1", "--seed", "3")
+    assert (sampling(*hot, "--top-p", "0").temperature, sampling(*hot, "--top-p", "0").top_p) == (
+        0.0,
+        1.0,
+    )
+    assert sampling(*hot, "--top-p", "1e-50").temperature == 0.0  # 0 as a float32
+    kept = sampling(*hot, "--top-p", "0.5")
+    assert (kept.temperature, kept.top_p, kept.seed) == (1.0, 0.5, 3)
