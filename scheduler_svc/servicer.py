@@ -50,7 +50,7 @@ from services.api import inference_service_pb2_grpc as inference_grpc
 from services.api import worker_service_pb2 as worker_pb
 from services.drain import InFlight
 from services.grpc_server import ServiceBinding, ended_by_client, logged_request_id
-from services.ids import replica_group_id
+from services.ids import new_request_id, replica_group_id
 from services.metrics import new_registry
 from services.state.store import StateStore
 
@@ -141,6 +141,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         # Labelled by model and deployment only once resolved: ids a client makes up must
         # not become metric series.
         record = RequestRecord("", request.deadline_ms, clock())
+        if not request.request_id:  # one of its own, in every response and log line
+            request.request_id = new_request_id()
         rid = request.request_id
         budget_s = context.time_remaining()
         try:
@@ -492,7 +494,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         log.info(
             "request %s served by %s: %d prompt + %d tokens (%s), queue %.0f ms, "
             "TTFT %.0f ms, total %.0f ms",
-            request.request_id or "-",
+            request.request_id,
             queue.described,
             final.usage.prompt_tokens,
             final.usage.completion_tokens,

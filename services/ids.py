@@ -60,6 +60,13 @@ def check_variant_name(name: str) -> None:
 _NEW_DEPLOYMENT_ID = re.compile(r".+-[0-9a-f]{8}")
 
 
+def new_request_id() -> str:
+    """An id for a request its client sent without one (``srv-`` and 12 hex digits), so
+    that its log lines can be told apart and the client can quote it (they read
+    "request - served …", a probe)."""
+    return f"srv-{secrets.token_hex(6)}"
+
+
 def new_deployment_id(model_id: str) -> str:
     """A fresh id for a deployment of ``model_id``."""
     return f"{model_id}-{secrets.token_hex(4)}"

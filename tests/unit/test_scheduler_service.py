@@ -1321,3 +1321,26 @@ def test_a_wave_decoding_together_is_learned_at_the_batch_it_ran(redis_url, monk
 
     run(redis_url, scenario)
     assert len(seen) == 4 and all(3.5 <= r <= 4.001 for r in seen), seen
+
+
+def test_a_request_sent_without_an_id_gets_one_in_its_responses_and_log(redis_url, caplog):
+    """Its log lines read "request - served …": no two could be told apart (a probe)."""
+
+    async def scenario(h: Harness):
+        await h.add_deployment("d1", FakeWorker())
+        first = await h.collect(deployment_id="d1", request_id="")
+        second = await h.collect(deployment_id="d1", request_id="")
+        ids = [{m.request_id for m in messages} for messages in (first, second)]
+        assert all(len(given) == 1 for given in ids), ids
+        [one], [two] = ids
+        assert one != two and one.startswith("srv-") and two.startswith("srv-")
+        return one
+
+    given = []
+
+    async def kept(h: Harness):
+        given.append(await scenario(h))
+
+    with caplog.at_level(logging.INFO, logger="iserve.scheduler"):
+        run(redis_url, kept)
+    assert any(f"request {given[0]} served by " in r.getMessage() for r in caplog.records)
