@@ -664,9 +664,15 @@ def _is_deployment(settings: Settings, target: str) -> bool:
     """Whether ``target`` names a deployment (else a model), as the deployer knows it;
     while the deployer cannot answer (it is down, or Redis is: the scheduler still
     serves what it knows), by the shape of a deployment's id. A scheduler down too then
-    fails the generation itself, with the "is the stack up?" hint."""
+    fails the generation itself, with the "is the stack up?" hint.
+
+    A model with deployments is found by listing them, which answers OK: asked first
+    whether it was a deployment, each generation by model id left a NOT_FOUND in the
+    deployer's log and call counts (a probe)."""
     stub = _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub)
     try:
+        if _has_deployments(stub, target):
+            return False
         stub.GetDeployment(deploy_pb.GetDeploymentRequest(request_id=_rid(), deployment_id=target))
     except grpc.RpcError as exc:
         if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
@@ -694,6 +700,20 @@ def sampling_of(args) -> common.SamplingParams:
     if sampling.top_p == 0:  # as the float32 field holds it (a tiny P is 0 there too)
         sampling.temperature, sampling.top_p = 0.0, 1.0
     return sampling
+
+
+def _has_deployments(stub, model_id: str) -> bool:
+    """Whether ``model_id`` names a model with deployments the caller may see; False for
+    a name no model can have (INVALID_ARGUMENT: a deployment's id may be longer)."""
+    try:
+        listed = stub.ListDeployments(
+            deploy_pb.ListDeploymentsRequest(request_id=_rid(), model_id=model_id)
+        )
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return False
+        raise
+    return bool(listed.deployments)
 
 
 def cmd_generate(settings: Settings, args) -> int:

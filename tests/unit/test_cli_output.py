@@ -335,6 +335,9 @@ def test_generate_tells_a_deployment_from_a_model_while_redis_is_down(monkeypatc
             return "state store (Redis) unreachable at 127.0.0.1:6379: Connection refused"
 
     class Stub:
+        def ListDeployments(self, request):
+            raise Down()
+
         def GetDeployment(self, request):
             raise Down()
 
@@ -342,6 +345,35 @@ def test_generate_tells_a_deployment_from_a_model_while_redis_is_down(monkeypatc
     settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
     assert cli_main._is_deployment(settings, "demo-llama-1a2b3c4d")
     assert not cli_main._is_deployment(settings, "demo-llama")
+
+
+def test_generate_by_model_asks_no_question_answered_not_found(monkeypatch, tmp_path):
+    """Each `iserve generate MODEL` asked the deployer for a deployment of that id first:
+    a NOT_FOUND in its log and call counts every time (a probe)."""
+    from services.api import deployment_service_pb2 as deploy_pb
+    from services.cli import main as cli_main
+    from services.settings import load_settings
+
+    asked = []
+
+    class Stub:
+        def ListDeployments(self, request):
+            asked.append(("list", request.model_id))
+            listed = [deploy_pb.Deployment(deployment_id="m-1a2b3c4d", model_id="m")]
+            return deploy_pb.ListDeploymentsResponse(
+                deployments=listed if request.model_id == "m" else []
+            )
+
+        def GetDeployment(self, request):
+            asked.append(("get", request.deployment_id))
+            return deploy_pb.GetDeploymentResponse()
+
+    monkeypatch.setattr(cli_main, "_stub", lambda *_args: Stub())
+    settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
+    assert not cli_main._is_deployment(settings, "m")
+    assert asked == [("list", "m")]
+    assert cli_main._is_deployment(settings, "m-1a2b3c4d")
+    assert asked[1:] == [("list", "m-1a2b3c4d"), ("get", "m-1a2b3c4d")]
 
 
 @pytest.mark.parametrize("width", [60, 80, 100, 200])
