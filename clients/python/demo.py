@@ -1,0 +1,143 @@
+"""Register a checkpoint, deploy it, stream one generation and print its timings, then
+remove the deployment: iserve from Python, on grpcio and the committed stubs alone.
+
+    python clients/python/demo.py MODEL_ID CHECKPOINT_PATH [PROMPT] [--max-tokens N] [--keep]
+
+Run from the repository root (the stubs are ``services/api``) or with it on PYTHONPATH.
+CHECKPOINT_PATH is relative to the stack's models root. Addresses come from the
+``ISERVE_*_ADDR`` variables, else the ones ``iserve up`` recorded in
+``$ISERVE_STATE_DIR/stack.json`` (``~/.iserve`` by default), else ``127.0.0.1:50061``
+(models), ``50063`` (deployments) and ``50064`` (inference), as the CLI finds them;
+``ISERVE_TOKEN`` is sent as a bearer token when set. Plaintext only: with TLS on, use the CLI (``iserve``), which reads the stack's
+certificates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+from pathlib import Path
+
+import grpc
+
+from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
+from services.api import deployment_service_pb2_grpc as deploy_grpc
+from services.api import inference_service_pb2 as infer_pb
+from services.api import inference_service_pb2_grpc as infer_grpc
+from services.api import model_service_pb2 as model_pb
+from services.api import model_service_pb2_grpc as model_grpc
+
+ADDRESSES = {
+    "model": ("ISERVE_MODEL_ADDR", "127.0.0.1:50061"),
+    "deploy": ("ISERVE_DEPLOY_ADDR", "127.0.0.1:50063"),
+    "scheduler": ("ISERVE_SCHEDULER_ADDR", "127.0.0.1:50064"),
+}
+UINT32_MAX = 2**32 - 1
+
+
+def recorded_addresses() -> dict[str, str]:
+    """The addresses `iserve up` wrote to its stack.json, by service; none without one."""
+    state = Path(os.environ.get("ISERVE_STATE_DIR") or Path.home() / ".iserve").expanduser()
+    try:
+        return json.loads((state / "stack.json").read_text()).get("addresses", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def channel(service: str) -> grpc.Channel:
+    variable, default = ADDRESSES[service]
+    address = os.environ.get(variable) or recorded_addresses().get(service) or default
+    return grpc.insecure_channel(address)
+
+
+def metadata() -> tuple[tuple[str, str], ...]:
+    token = os.environ.get("ISERVE_TOKEN", "")
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def request_id() -> str:
+    return secrets.token_hex(6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_id")
+    parser.add_argument("checkpoint")
+    parser.add_argument("prompt", nargs="?", default="Once upon a time")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--keep", action="store_true", help="leave the deployment running")
+    args = parser.parse_args(argv)
+    if not 1 <= args.max_tokens <= UINT32_MAX:
+        parser.error(f"--max-tokens must be a whole number from 1 to {UINT32_MAX}")
+    models = model_grpc.ModelServiceStub(channel("model"))
+    deployments = deploy_grpc.DeploymentServiceStub(channel("deploy"))
+    inference = infer_grpc.InferenceServiceStub(channel("scheduler"))
+    try:
+        models.RegisterModel(
+            model_pb.RegisterModelRequest(
+                request_id=request_id(),
+                model_id=args.model_id,
+                checkpoint_path=args.checkpoint,
+                skip_profiling=True,
+            ),
+            metadata=metadata(),
+        )
+        print(f"registered {args.model_id}")
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.ALREADY_EXISTS:
+            raise
+        print(f"{args.model_id} was registered already")
+    deployed = deployments.Deploy(
+        deploy_pb.DeployRequest(
+            request_id=request_id(),
+            model_id=args.model_id,
+            config=common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1),
+        ),
+        metadata=metadata(),
+    ).deployment
+    print(f"deployed {deployed.deployment_id} on {deployed.worker_address}")
+    try:
+        final = None
+        for message in inference.Generate(
+            infer_pb.GenerateRequest(
+                request_id=request_id(),
+                deployment_id=deployed.deployment_id,
+                prompt=args.prompt,
+                max_tokens=args.max_tokens,
+            ),
+            metadata=metadata(),
+        ):
+            if message.HasField("delta"):
+                print(message.delta.text, end="", flush=True)
+            elif message.HasField("final"):
+                final = message.final
+        print()
+        if final is not None:
+            t = final.timings
+            print(
+                f"{final.usage.prompt_tokens} prompt + {final.usage.completion_tokens} "
+                f"tokens: queue {t.queue_ms:.1f} ms, TTFT {t.ttft_ms:.1f} ms, "
+                f"total {t.total_ms:.1f} ms"
+            )
+    finally:
+        if not args.keep:
+            deployments.RemoveDeployment(
+                deploy_pb.RemoveDeploymentRequest(
+                    request_id=request_id(), deployment_id=deployed.deployment_id
+                ),
+                metadata=metadata(),
+            )
+            print(f"removed {deployed.deployment_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except grpc.RpcError as error:
+        print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,54 @@
+"""clients/python against the live stack: register, deploy, stream, timings, remove."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.api import deployment_service_pb2 as deploy_pb
+from tests.integration.helpers import make_checkpoint
+
+pytestmark = pytest.mark.integration
+
+
+PYTHON_CLIENT = Path(__file__).resolve().parents[2] / "clients" / "python" / "demo.py"
+
+
+def test_the_python_client_registers_deploys_streams_and_removes(stack):
+    """clients/python/demo.py: the same steps on grpcio and the committed stubs, finding
+    the stack through its stack.json as the CLI does."""
+    checkpoint = make_checkpoint(stack, "py-llama")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")}
+    env["ISERVE_STATE_DIR"] = stack.env["ISERVE_STATE_DIR"]
+    env["PYTHONPATH"] = str(PYTHON_CLIENT.parents[2])
+    command = [sys.executable, str(PYTHON_CLIENT), "py-llama", checkpoint, "hello"]
+    run = subprocess.run(
+        [*command, "--max-tokens", "8"], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, run.stderr + run.stdout
+    out = run.stdout
+    assert "registered py-llama" in out
+    deployed = re.search(r"deployed (\S+) on \S+:\d+", out)
+    assert deployed, out
+    assert re.search(r"\d+ prompt \+ 8 tokens: queue [\d.]+ ms, TTFT [\d.]+ ms", out), out
+    assert f"removed {deployed[1]}" in out
+    gone = stack.deployments.ListDeployments(deploy_pb.ListDeploymentsRequest(model_id="py-llama"))
+    assert all(d.state != deploy_pb.DEPLOYMENT_STATE_READY for d in gone.deployments)
+    # A bad request is a clear error and exit 1; a bad --max-tokens a usage error (2).
+    bad = subprocess.run(
+        [sys.executable, str(PYTHON_CLIENT), "no-such-model", "no/such/dir"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 1 and "error: INVALID_ARGUMENT: " in bad.stderr, bad.stderr
+    bad = subprocess.run(
+        [*command, "--max-tokens", "0"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "--max-tokens must be a whole number" in bad.stderr
