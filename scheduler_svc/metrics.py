@@ -94,7 +94,7 @@ class RequestRecord:
     completion_tokens: int = 0
     finish_reason: int = 0
     code: grpc.StatusCode = grpc.StatusCode.OK
-    # When its client cancelled it (None: it was not cancelled).
+    # When its client ended it, hanging up or by its call's deadline (None: it did not).
     cancelled_s: float | None = None
 
 

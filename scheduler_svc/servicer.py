@@ -283,8 +283,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # GeneratorExit: the stream was closed at a yield (the client went away
             # between messages): a cancellation, not a success with no finish reason.
             record.code = ended_by_client(context, budget_s)
-            if record.code == grpc.StatusCode.CANCELLED:
-                record.cancelled_s = clock()
+            # Hung up, or its call's deadline passed (the client's, not an objective of
+            # the request's): missed only if by then it had missed one (a timed-out call
+            # whose first token came in 4 ms of a 300 ms TTFT SLO counted as missed).
+            record.cancelled_s = clock()
             # As the served ones: an operator reading the log sees each request end.
             log.info(
                 "request %s ended by the client (%s) after %d tokens, %.0f ms",

@@ -368,6 +368,30 @@ def test_a_model_s_request_refused_while_its_deployment_restarts_counts_against_
     run(redis_url, scenario)
 
 
+def test_a_call_whose_own_deadline_passes_misses_only_an_objective_it_missed(redis_url):
+    """A gRPC timeout (the client's, no objective of the request's) ended a stream whose
+    first token came within the TTFT SLO: counted an SLO miss (a probe). Now it counts as a
+    hang-up does: failed, DEADLINE_EXCEEDED, missed only if an objective was."""
+
+    async def scenario(h: Harness):
+        objectives = common.ServiceObjectives(ttft_slo_ms=5_000)
+        await h.add_deployment("d1", FakeWorker(hang=True), objectives=objectives)
+        request = inference_pb.GenerateRequest(
+            request_id="timed", deployment_id="d1", prompt="hello", max_tokens=3
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async for _message in h.client.Generate(request, timeout=0.5):
+                pass
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await h.until(
+            lambda: any(s.failed for s in h.servicer.metrics.stats()), "the request's record"
+        )
+        (tally,) = h.servicer.metrics.stats()
+        assert (tally.failed, tally.slo_missed) == (1, 0)
+
+    run(redis_url, scenario)
+
+
 def test_a_deployment_that_becomes_ready_is_served_without_waiting_for_a_refresh(redis_url):
     async def scenario(h: Harness):
         record = await h.add_deployment(
