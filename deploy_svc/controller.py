@@ -330,9 +330,13 @@ class DeploymentController:
             common.INTENT_KIND_COST_SLO,
         )
         memory_first = not explicit and request.intent.kind == common.INTENT_KIND_MIN_MEMORY
+        throughput_first = not explicit and request.intent.kind in (
+            common.INTENT_KIND_MAX_THROUGHPUT,
+            common.INTENT_KIND_MIN_DEVICE_HOURS,
+        )
         return planning.Prepared(
             model, limits, policy, cuda, options, hardware_type, note, nodes, objectives,
-            auto_batch, budget, latency_first, memory_first,
+            auto_batch, budget, latency_first, memory_first, throughput_first,
         )  # fmt: skip
 
     async def _decide(

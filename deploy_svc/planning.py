@@ -88,6 +88,9 @@ class Prepared:
     latency_first: bool = False
     # A MIN_MEMORY intent: its batch stays 1 (each more sequence's KV cache is memory).
     memory_first: bool = False
+    # An intent ranked by throughput or device-hours (MAX_THROUGHPUT, MIN_DEVICE_HOURS):
+    # without a TPOT objective its batch is not held near batch 1's TPOT.
+    throughput_first: bool = False
 
 
 def hardware_order(nodes: Sequence[common.NodeState]) -> list[tuple[str, int]]:
@@ -429,7 +432,7 @@ def size_batch(
         return with_note(decision, "batch 1: no estimate of this configuration's TPOT")
     if batch2 is None or not batch2.batch_measured:
         return with_note(decision, "batch 1: the model was not profiled at batch 2")
-    bound = batch_bound(batch1, batch2, objectives)
+    bound = batch_bound(batch1, batch2, objectives, throughput_first=prepared.throughput_first)
     if prepared.cost_budget is not None and not meets_intent(prepared, decision):
         # No configuration met the budget at batch 1 (the ranking's batch): a larger
         # batch shares the devices' cost between its requests, so the smallest that meets

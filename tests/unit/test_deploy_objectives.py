@@ -370,3 +370,39 @@ def test_a_batch_s_per_device_memory_holds_its_share_of_the_extra_kv_cache():
     at_8 = at_batch(batch1, batch2, 8)
     assert at_8.memory_total_bytes == GIB + 7 * (1 << 20)
     assert at_8.memory_per_device_bytes == GIB // 2 + 7 * (1 << 19)
+
+
+def test_a_throughput_intent_is_not_held_to_the_batch_1_tpot_without_a_tpot_objective():
+    """max-throughput and min-device-hours stopped at the 1.5x-TPOT default: on a CPU,
+    where batch 2's TPOT is 1.66x batch 1's, always at batch 1, 18 % below batch 2's
+    estimated throughput (a probe). A TPOT objective still bounds them, and so does the
+    KV cache that fits."""
+    import dataclasses
+
+    config, batch1, batch2 = _estimates(kv_bytes=1 << 20)
+    nodes = _nodes(64)
+    held = _prepared(nodes, [planning.Option(1, config, batch1)])
+    free = dataclasses.replace(held, throughput_first=True)
+    sizes = {}
+    for name, prepared in (("held", held), ("free", free)):
+        decision = planning.decide_on(prepared, nodes)
+        sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, prepared.objectives)
+        sizes[name] = (sized.config.batch_size, sized.note)
+    assert sizes["held"][0] == 6 and "1.5x the batch-1 TPOT" in sizes["held"][1]
+    assert sizes["free"][0] == 64 and "an intent ranked by throughput" in sizes["free"][1]
+    assert sizes["free"][1].endswith("batch 64: bounded by the cap of 64 (an intent ranked by "
+                                     "throughput; no TPOT objective to keep)")  # fmt: skip
+    slo = dataclasses.replace(_prepared(nodes, [planning.Option(1, config, batch1)], tpot_slo=30))
+    slo = dataclasses.replace(slo, throughput_first=True)
+    decision = planning.decide_on(slo, nodes)
+    sized = planning.size_batch(slo, decision, nodes, batch1, batch2, slo.objectives)
+    assert sized.config.batch_size == 6 and "TPOT SLO 30 ms" in sized.note
+    small = _nodes(2.0)  # the KV cache of 5 sequences at most (256 MiB each)
+    config, batch1, batch2 = _estimates(kv_bytes=256 << 20)
+    tight = dataclasses.replace(
+        _prepared(small, [planning.Option(1, config, batch1)]), throughput_first=True
+    )
+    decision = planning.decide_on(tight, small)
+    sized = planning.size_batch(tight, decision, small, batch1, batch2, tight.objectives)
+    assert 1 < sized.config.batch_size < 6
+    assert f"the KV cache of batch {sized.config.batch_size + 1} does not fit" in sized.note
