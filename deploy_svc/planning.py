@@ -630,7 +630,8 @@ def replica_placements(
                 )
             )
             raise ResourceExhausted(
-                f"replica {index} of {count} of {prepared.model.model_id} "
+                # Counted from 1, as read ("replica 1 of 2" named the second).
+                f"replica {index + 1} of {count} of {prepared.model.model_id} "
                 f"({describe(config)}, each replica on devices of its own) cannot be "
                 f"placed: {why}"
             )

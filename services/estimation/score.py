@@ -296,10 +296,11 @@ def _nothing_fits(e: Estimates) -> str:
     # A small model's need in MiB: "0.0 GiB" said nothing.
     need = f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB"
     variant = space.variants[space.variant[least]].name or "the checkpoint as stored"
+    count = int(space.device_count[least])
     return (
         f"no configuration fits the device memory: the least any needs is {need} per "
         f"device ({variant} at tp={space.tp[least]} pp={space.pp[least]}, "
-        f"{space.device_count[least]} devices)"
+        f"{count} device{'' if count == 1 else 's'})"
     )
 
 

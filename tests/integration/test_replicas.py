@@ -238,10 +238,10 @@ def test_more_than_sixteen_replicas_is_invalid_and_creates_nothing(stack, twin):
 def test_replicas_that_do_not_all_fit_are_resource_exhausted_and_leave_nothing(stack, twin):
     code, details = _refused(stack, twin, 3)  # two devices, one replica each at most
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert details.startswith(f"replica 2 of 3 of {MODEL} "), details
+    assert details.startswith(f"replica 3 of 3 of {MODEL} "), details
     planned = cli(stack, "deploy", MODEL, "--tp", "1", "--pp", "1", "--replicas", "3", "--plan")
     assert planned.returncode == 1
-    assert "RESOURCE_EXHAUSTED" in planned.stderr and "replica 2 of 3" in planned.stderr
+    assert "RESOURCE_EXHAUSTED" in planned.stderr and "replica 3 of 3" in planned.stderr
     planned = cli(stack, "deploy", MODEL, "--tp", "1", "--pp", "1", "--replicas", "2", "--plan")
     assert planned.returncode == 0, planned.stderr
     assert "2 replicas" in planned.stderr

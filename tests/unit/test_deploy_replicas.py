@@ -125,7 +125,7 @@ def test_replicas_beyond_the_devices_name_the_replica_without_room():
     decision = planning.decide_on(prepared, nodes)
     with pytest.raises(ResourceExhausted) as failure:
         planning.replica_placements(prepared, decision, nodes, 3)
-    assert str(failure.value).startswith("replica 2 of 3 of m (tp=1 pp=1 batch=1")
+    assert str(failure.value).startswith("replica 3 of 3 of m (tp=1 pp=1 batch=1")
     assert "0 device(s) not taken by the other replicas, tp=1 x pp=1 needs 1" in str(failure.value)
 
 
@@ -133,7 +133,7 @@ def test_a_device_too_small_for_a_replica_is_explained():
     nodes = [node(4, 0.1)]
     prepared = prepared_for(nodes)
     decision = planning.decide_on(prepared, nodes)
-    with pytest.raises(ResourceExhausted, match=r"^replica 1 of 2 of m .*MiB"):
+    with pytest.raises(ResourceExhausted, match=r"^replica 2 of 2 of m .*MiB"):
         planning.replica_placements(prepared, decision, nodes, 2)
 
 
@@ -290,7 +290,7 @@ def test_more_replicas_than_devices_is_resource_exhausted_and_starts_nothing(run
     async def scenario(store):
         agent = FakeAgent()
         controller = await controller_on(store, agent, 2, 2)
-        with pytest.raises(ResourceExhausted, match=r"^replica 2 of 3 of m "):
+        with pytest.raises(ResourceExhausted, match=r"^replica 3 of 3 of m "):
             await controller.deploy(deploy_request(3, request_id="req-3"))
         assert agent.started == []
         assert await nothing_left(store)
@@ -409,7 +409,7 @@ def test_plan_places_every_replica_or_names_the_one_without_room(run):
         )
         assert devices_of(decision.placement) == ["node0/cpu0"]
         assert [devices_of(p) for p in decision.replica_placements] == [["node0/cpu1"]]
-        with pytest.raises(ResourceExhausted, match="^replica 2 of 3 of m"):
+        with pytest.raises(ResourceExhausted, match="^replica 3 of 3 of m"):
             await controller.plan(
                 deploy_pb.PlanDeploymentRequest(model_id="m", config=EXPLICIT, replicas=3)
             )
@@ -443,7 +443,7 @@ def test_an_intent_falls_back_to_a_configuration_whose_replicas_all_fit(run):
         )
         assert reply.decision.winner_rank == 2
         [skipped] = reply.decision.skipped
-        assert skipped.rank == 1 and skipped.reason.startswith("replica 1 of 2 of m")
+        assert skipped.rank == 1 and skipped.reason.startswith("replica 2 of 2 of m")
         assert len(reply.deployment.replicas) == 2
         assert agent.started == [reply.deployment.deployment_id, agent.started[1]]
         await controller.remove(reply.deployment.deployment_id)

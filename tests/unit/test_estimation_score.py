@@ -157,7 +157,8 @@ def test_configurations_that_do_not_fit_are_left_out():
     assert empty.notes[-1].startswith(
         "no configuration fits the device memory: the least any needs is "
         f"{nothing.memory_per_device_gib[least]:.1f} GiB per device ("
-        f"{space.variants[space.variant[least]].name} at tp={tp} pp={pp}, {tp * pp} devices)"
+        f"{space.variants[space.variant[least]].name} at tp={tp} pp={pp}, {tp * pp} device"
+        + ("s)" if tp * pp > 1 else ")")
     )
 
 
@@ -243,4 +244,7 @@ def test_a_small_models_least_need_is_said_in_mib():
     space, profiles = small_space()
     est = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=100)
     est.memory_per_device_gib[:] = 0.0123
-    assert "the least any needs is 13 MiB per device (" in _nothing_fits(est)
+    said = _nothing_fits(est)
+    assert "the least any needs is 13 MiB per device (" in said
+    # One device is one ("1 devices", a probe).
+    assert said.endswith(", 1 device)"), said  # the first estimable is tp = pp = 1
