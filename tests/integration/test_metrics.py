@@ -192,10 +192,11 @@ def test_every_service_serves_metrics_and_the_agent_its_devices(stack, served):
     # The served model is deployed explicitly, unprofiled: the deployer asks the estimator
     # nothing of it (each such deploy counted, and logged, a FAILED_PRECONDITION there).
     estimator = scrape(stack.settings.metrics_address("estimator"))
+    asked = ("iserve_grpc_server_handled_total", "EstimateConfigs", "FAILED_PRECONDITION")
     assert not [
         labels
         for (name, labels) in estimator
-        if name == "iserve_grpc_server_handled_total" and dict(labels)["grpc_code"] != "OK"
+        if (name, dict(labels).get("grpc_method"), dict(labels).get("grpc_code")) == asked
     ]
 
 

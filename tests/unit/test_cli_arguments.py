@@ -564,6 +564,7 @@ def test_a_ctrl_c_while_the_parser_is_built_ends_with_130_and_no_traceback(monke
 
 def test_a_ctrl_c_during_generate_ends_the_text_line(tmp_path, monkeypatch, capsys):
     """The shell's prompt came after the last words of the text."""
+    from services.api import deployment_service_pb2 as deploy_pb
     from services.api import inference_service_pb2 as inference_pb
     from services.cli import main as cli_main
 
@@ -573,6 +574,9 @@ def test_a_ctrl_c_during_generate_ends_the_text_line(tmp_path, monkeypatch, caps
 
     class Stub:
         Generate = staticmethod(stream)
+
+        def ListDeployments(self, request):  # no model "d"
+            return deploy_pb.ListDeploymentsResponse()
 
         def GetDeployment(self, request):  # "d" is a deployment's id
             return None
@@ -586,6 +590,7 @@ def test_a_ctrl_c_during_generate_ends_the_text_line(tmp_path, monkeypatch, caps
 
 def test_a_generation_past_its_deadline_says_so(tmp_path, monkeypatch, capsys):
     """An FCFS deployment served a 1 ms deadline in 1183 ms, and the CLI said nothing."""
+    from services.api import deployment_service_pb2 as deploy_pb
     from services.api import inference_service_pb2 as inference_pb
     from services.cli import main as cli_main
 
@@ -597,6 +602,9 @@ def test_a_generation_past_its_deadline_says_so(tmp_path, monkeypatch, capsys):
 
     class Stub:
         Generate = staticmethod(stream)
+
+        def ListDeployments(self, request):  # no model "d"
+            return deploy_pb.ListDeploymentsResponse()
 
         def GetDeployment(self, request):
             return None
