@@ -925,3 +925,47 @@ def test_refused_callers_are_logged_and_named_without_their_token(deployed):
     text = logged()
     assert text.count("/iserve.v1.DeploymentService/GetClusterState from 127.0.0.1: invalid") == 1
     assert wrong not in text
+
+
+def test_a_deployment_id_as_the_model_serves_only_a_token_that_may_use_it(deployed):
+    """With the gateway's `model` naming a deployment (it pins the request there), a user
+    token that grants it generates, and one that does not is told what an unknown model
+    gets: nothing says the deployment exists."""
+    s = deployed
+    with s.channel("deploy") as ch:
+        stub = token_service_pb2_grpc.TokenServiceStub(ch)
+        granted, elsewhere = (
+            stub.CreateToken(
+                token_pb.CreateTokenRequest(subject=subject, role=policy.APP_USER, deployments=[d]),
+                metadata=_md(s.tokens["admin"]),
+            ).secret
+            for subject, d in (("pinned", s.deployment_id), ("elsewhere", "other-0000"))
+        )
+    base = f"http://{s.settings.gateway_address}/v1"
+    for path, extra in (
+        ("completions", {"prompt": "hi"}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        body = {"model": s.deployment_id, "max_tokens": 2, "ignore_eos": True, **extra}
+        replies = {
+            name: httpx.post(
+                f"{base}/{path}",
+                json=body,
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=60,
+            )
+            for name, token in (("granted", granted), ("elsewhere", elsewhere))
+        }
+        assert replies["granted"].status_code == 200, (path, replies["granted"].text)
+        assert replies["granted"].json()["usage"]["completion_tokens"] == 2
+        refused = replies["elsewhere"]
+        assert refused.status_code == 404, (path, refused.text)
+        unknown = httpx.post(
+            f"{base}/{path}",
+            json={**body, "model": "no-such-model"},
+            headers={"Authorization": f"Bearer {elsewhere}"},
+            timeout=60,
+        )
+        assert refused.json()["error"]["message"] == unknown.json()["error"]["message"].replace(
+            "no-such-model", s.deployment_id
+        ), (refused.text, unknown.text)
