@@ -90,6 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as error:
         if error.code() != grpc.StatusCode.ALREADY_EXISTS:
             raise
+        # Registered already: from this checkpoint, or the demo would serve another one.
+        registered = models.GetModel(
+            model_pb.GetModelRequest(request_id=request_id(), model_id=args.model_id),
+            metadata=metadata(),
+        ).model.checkpoint_path
+        if os.path.normpath(registered) != os.path.normpath(args.checkpoint):
+            print(
+                f"error: model {args.model_id} is registered from checkpoint {registered!r}, "
+                f"not {args.checkpoint!r}: give another model id",
+                file=sys.stderr,
+            )
+            return 1
         print(f"{args.model_id} was registered already")
     deployed = deployments.Deploy(
         deploy_pb.DeployRequest(

@@ -242,6 +242,7 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
         # machine restarted without `iserve down`): gone with it, so started again on
         # its data, not taken for a Redis of the operator's.
         settings = replace(settings, redis_url=None)
+    _check_distinct_addresses(settings)
     busy = [
         f"{name} {addr}"
         for name, addr in [
@@ -360,6 +361,38 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
     write_stack_file(settings.state_dir, stack)
     wait_for_restored(settings, log, kept=kept)
     return stack
+
+
+def _check_distinct_addresses(settings: Settings) -> None:
+    """RuntimeError naming the settings when two of the stack's servers are given one
+    port on one host (or one of them on every interface). gRPC binds with port reuse:
+    two services on one port both started, `up` said the stack was up, and calls went to
+    either at random ("UNIMPLEMENTED: Method not found!", a probe)."""
+    named = [
+        *((f"{name} ({SERVICE_ENV[name]})", addr) for name, addr in settings.addresses.items()),
+        *(
+            (f"{name} metrics ({METRICS_ENV[name]})", addr)
+            for name, addr in settings.metrics_addresses.items()
+        ),
+        (f"gateway ({GATEWAY_ENV})", settings.gateway_address),
+    ]
+    if not settings.redis_url and settings.redis_port:
+        named.append(("embedded Redis (ISERVE_REDIS_PORT)", f"{REDIS_HOST}:{settings.redis_port}"))
+    seen: list[tuple[str, str, str]] = []
+    for label, address in named:
+        host, _, port = address.rpartition(":")
+        if port in ("", "0"):
+            continue  # any free port
+        host = host.strip("[]")
+        for other_label, other_host, other_port in seen:
+            if port == other_port and (
+                host == other_host or {host, other_host} & {"", "0.0.0.0", "::"}
+            ):
+                raise RuntimeError(
+                    f"{label} and {other_label} are both given port {port}: give each "
+                    "server a port of its own"
+                )
+        seen.append((label, host, port))
 
 
 def _check_reachable(redis_url: str) -> None:

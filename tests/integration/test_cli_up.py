@@ -461,3 +461,23 @@ def test_the_embedded_redis_listens_on_iserve_redis_port_and_a_busy_one_is_refus
     finally:
         down = run_cli(env, "down")
     assert down.returncode == 0, down.stderr
+
+
+def test_two_servers_given_one_port_are_refused_before_anything_starts(tmp_path):
+    """Two services on one port both started (gRPC binds with port reuse): `up` said the
+    stack was up, and calls went to either ("UNIMPLEMENTED: Method not found!"); the
+    embedded Redis on a service's port failed later with a traceback (a probe)."""
+    state = tmp_path / "state"
+    env = _stack_env(state)
+    shared = env[SERVICE_ENV["model"]]
+    up = run_cli({**env, SERVICE_ENV["deploy"]: shared}, "up", "--detach")
+    assert up.returncode == 1
+    assert (
+        f"deploy ({SERVICE_ENV['deploy']}) and model ({SERVICE_ENV['model']}) are both given "
+        f"port {shared.rpartition(':')[2]}"
+    ) in up.stderr, up.stderr
+    redis_on_it = run_cli({**env, "ISERVE_REDIS_PORT": shared.rpartition(":")[2]}, "up", "--detach")
+    assert redis_on_it.returncode == 1
+    assert "embedded Redis (ISERVE_REDIS_PORT) and model" in redis_on_it.stderr
+    assert "Traceback" not in redis_on_it.stderr
+    assert not (state / "stack.json").exists()

@@ -52,3 +52,17 @@ def test_the_python_client_registers_deploys_streams_and_removes(stack):
         [*command, "--max-tokens", "0"], env=env, capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "--max-tokens must be a whole number" in bad.stderr
+    # The id registered from another checkpoint: it served that one (a probe).
+    other = make_checkpoint(stack, "py-llama-other")
+    mixed = subprocess.run(
+        [sys.executable, str(PYTHON_CLIENT), "py-llama", other, "hello", "--max-tokens", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert mixed.returncode == 1, mixed.stdout + mixed.stderr
+    assert f"model py-llama is registered from checkpoint '{checkpoint}', not '{other}'" in (
+        mixed.stderr
+    )
+    assert "deployed" not in mixed.stdout
