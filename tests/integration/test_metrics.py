@@ -23,8 +23,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.api import common_pb2 as common
+from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as infer_pb
-from tests.integration.helpers import cli, generate, rid, wait_for
+from services.api import model_service_pb2 as model_pb
+from tests.integration.helpers import (
+    cli,
+    deploy,
+    generate,
+    make_checkpoint,
+    register,
+    rid,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -189,15 +199,26 @@ def test_every_service_serves_metrics_and_the_agent_its_devices(stack, served):
         name == "iserve_grpc_server_handled_total" and dict(labels)["grpc_code"] == "OK"
         for (name, labels) in deploy
     )
-    # The served model is deployed explicitly, unprofiled: the deployer asks the estimator
-    # nothing of it (each such deploy counted, and logged, a FAILED_PRECONDITION there).
-    estimator = scrape(stack.settings.metrics_address("estimator"))
-    asked = ("iserve_grpc_server_handled_total", "EstimateConfigs", "FAILED_PRECONDITION")
-    assert not [
-        labels
-        for (name, labels) in estimator
-        if (name, dict(labels).get("grpc_method"), dict(labels).get("grpc_code")) == asked
-    ]
+
+
+def test_an_explicit_deploy_of_an_unprofiled_model_asks_the_estimator_nothing(stack):
+    """Each such deploy counted, and logged, a FAILED_PRECONDITION of EstimateConfigs."""
+    address = stack.settings.metrics_address("estimator")
+    asked = {
+        "grpc_service": "iserve.v1.EstimatorService",
+        "grpc_method": "EstimateConfigs",
+        "grpc_code": "FAILED_PRECONDITION",
+    }
+    before = value(scrape(address), "iserve_grpc_server_handled_total", **asked)
+    register(stack, "metrics-unprofiled", make_checkpoint(stack, "metrics-unprofiled"))
+    try:
+        deployed = deploy(stack, "metrics-unprofiled").deployment
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=deployed.deployment_id), timeout=60
+        )
+    finally:
+        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="metrics-unprofiled"))
+    assert value(scrape(address), "iserve_grpc_server_handled_total", **asked) == before
 
 
 def test_status_shows_queue_ttft_and_requests_per_deployment(stack, served):
