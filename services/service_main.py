@@ -85,22 +85,15 @@ async def connect_store(settings: Settings) -> StateStore:
             f"{settings.state_dir}/stack.json, or export REDIS_URL)"
         )
     store = StateStore.from_url(settings.redis_url)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + REDIS_WAIT_S
-    while True:
-        try:
-            await store.ping()
-            break
-        except StateStoreRefused as exc:
-            # Credentials, permissions, a database it does not have: no retry changes it.
-            await store.close()
-            fail(f"Redis at {redacted_url(settings.redis_url)}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - any other failure means "not reachable yet"
-            if loop.time() >= deadline:
-                await store.close()
-                # Never the password: this lands in the service's log and terminal.
-                fail(f"cannot reach Redis at {redacted_url(settings.redis_url)}: {exc}")
-        await asyncio.sleep(0.1)
+    try:
+        await store.wait_until_answering(REDIS_WAIT_S)
+    except StateStoreRefused as exc:
+        await store.close()
+        fail(f"Redis at {redacted_url(settings.redis_url)}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - it never answered, for whatever reason
+        await store.close()
+        # Never the password: this lands in the service's log and terminal.
+        fail(f"cannot reach Redis at {redacted_url(settings.redis_url)}: {exc}")
     problem, warning = eviction_problem(await store.eviction_policy())
     if problem:
         await store.close()

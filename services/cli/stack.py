@@ -403,18 +403,8 @@ def _check_reachable(redis_url: str) -> None:
 
     async def ping() -> None:
         store = StateStore.from_url(redis_url)
-        deadline = time.monotonic() + UP_REDIS_WAIT_S
         try:
-            while True:
-                try:
-                    await store.ping()
-                    return
-                except StateStoreRefused:
-                    raise
-                except (StateStoreUnavailable, redis.RedisError, OSError):
-                    if time.monotonic() >= deadline:
-                        raise
-                await asyncio.sleep(0.1)
+            await store.wait_until_answering(UP_REDIS_WAIT_S)
         finally:
             await store.close()
 

@@ -7,6 +7,7 @@ it names and is recorded whole, or changes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
@@ -311,6 +312,22 @@ class StateStore:
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
+
+    async def wait_until_answering(self, wait_s: float) -> None:
+        """Ping until Redis answers, retrying for ``wait_s`` while it starts. Raises
+        StateStoreRefused at once (credentials, permissions, a database it does not have:
+        no retry changes it), else the last failure once ``wait_s`` has passed."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                await self.ping()
+                return
+            except StateStoreRefused:
+                raise
+            except Exception:  # noqa: BLE001 - any other failure means "not reachable yet"
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.1)
 
     async def claim_state_format(self, mine: int = STATE_FORMAT) -> int:
         """Record that records of format ``mine`` are written here, unless a newer one
