@@ -74,7 +74,7 @@ from services.auth.tokens import bearer, could_be_token
 from services.drain import refused_as_draining
 from services.errors import InvalidArgument, cut_off_midway, rpc_reason, shown, unreached
 from services.health import serving_status
-from services.ids import check_model_id
+from services.ids import check_model_id, looks_like_deployment_id, no_deployment
 from services.metrics import certificate_expiry, new_registry
 from services.settings import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -428,7 +428,7 @@ class Backend:
             raise GatewayError.from_rpc(exc, "deployment") from None
         if reply.deployments or await self._model_of_deployment(model_id, caller):
             return
-        raise GatewayError(404, "not_found_error", f"model {model_id} has no deployment", "model")
+        raise GatewayError(404, "not_found_error", no_deployment(model_id), "model")
 
     async def _model_of_deployment(self, name: str, caller: Metadata) -> str | None:
         """The model of deployment ``name`` given as ``model`` (which then names that
@@ -466,6 +466,11 @@ class Backend:
                 model = await self._model_of_deployment(model_id, caller)
                 if model and model != model_id:
                     return await self.chat_template(model, caller)
+                if model is None and looks_like_deployment_id(model_id):
+                    # A removed deployment's id, as likely as an unregistered model's.
+                    raise GatewayError(
+                        404, "not_found_error", no_deployment(model_id), "model"
+                    ) from None
             if path is None or exc.code() not in _UNANSWERED:
                 raise GatewayError.from_rpc(exc, "model") from None
         try:
@@ -942,9 +947,8 @@ def create_app(
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def served_models(http: Request) -> dict[str, int]:
-        """Model id -> creation time (s) of its earliest ready deployment that the caller
-        may generate on (as OpenAI lists the models a key may use)."""
+    async def ready_deployments(http: Request) -> list[deploy_pb.Deployment]:
+        """The READY deployments the caller may generate on."""
         try:
             reply = await backend.deployments.ListDeployments(
                 deploy_pb.ListDeploymentsRequest(usable_only=True),
@@ -959,11 +963,15 @@ def create_app(
                     f"this token may not list models: GET /v1/models is for {_LISTERS} tokens",
                 ) from None
             raise GatewayError.from_rpc(exc, "deployment") from None
+        return [d for d in reply.deployments if d.state == deploy_pb.DEPLOYMENT_STATE_READY]
+
+    def served_models(ready: list[deploy_pb.Deployment]) -> dict[str, int]:
+        """Model id -> creation time (s) of its earliest ready deployment (as OpenAI lists
+        the models a key may use)."""
         served: dict[str, int] = {}
-        for d in reply.deployments:
-            if d.state == deploy_pb.DEPLOYMENT_STATE_READY:
-                created = d.created_at_unix_ms // 1000
-                served[d.model_id] = min(served.get(d.model_id, created), created)
+        for d in ready:
+            created = d.created_at_unix_ms // 1000
+            served[d.model_id] = min(served.get(d.model_id, created), created)
         return served
 
     def model_object(model_id: str, created: int) -> dict[str, Any]:
@@ -971,19 +979,29 @@ def create_app(
 
     @app.get("/v1/models", responses=_error_replies(401, 403, 503))
     async def list_models(http: Request):
-        served = await served_models(http)
+        served = served_models(await ready_deployments(http))
         return {"object": "list", "data": [model_object(m, served[m]) for m in sorted(served)]}
 
     @app.get("/v1/models/{model_id:path}", responses=_error_replies(401, 403, 404, 503))
     async def retrieve_model(model_id: str, http: Request):
         # OpenAI's retrieve. iserve's ids hold no '/', but a hub-style name asked for
         # (meta-llama/Llama-3.1-8B) gets this 404 naming it, not an unknown path's.
-        served = await served_models(http)
-        if model_id not in served:
-            raise GatewayError(
-                404, "not_found_error", f"model {shown(model_id)} has no ready deployment", "model"
-            )
-        return model_object(model_id, served[model_id])
+        ready = await ready_deployments(http)
+        served = served_models(ready)
+        if model_id in served:
+            return model_object(model_id, served[model_id])
+        # A deployment's id, which `model` may name to pin a request to it (not listed:
+        # the list names each model once): its model is the parent, as vLLM lists an
+        # adapter's base model.
+        for d in ready:
+            if d.deployment_id == model_id:
+                return {
+                    **model_object(model_id, d.created_at_unix_ms // 1000),
+                    "parent": d.model_id,
+                }
+        raise GatewayError(
+            404, "not_found_error", f"model {shown(model_id)} has no ready deployment", "model"
+        )
 
     @app.post("/v1/completions", responses=_GENERATION_REPLIES)
     async def completions(body: CompletionBody, http: Request, caller: Caller):

@@ -21,7 +21,7 @@ from services.errors import (
     PermissionDenied,
     Unavailable,
 )
-from services.ids import check_deployment_id, check_model_id
+from services.ids import check_deployment_id, check_model_id, no_deployment
 from services.state.store import StateStore
 
 log = logging.getLogger("iserve.scheduler.routing")
@@ -150,7 +150,7 @@ class Router:
             if not found:
                 if await self._store.get_deployment(model_id) is not None:
                     return await self._named_deployment(model_id)
-                raise ModelNotFound(f"model {model_id} has no deployment")
+                raise ModelNotFound(no_deployment(model_id))
             if not ready:
                 states = "; ".join(describe_state(d) for d in found)
                 # A model being deployed, redeployed or restarted serves again soon: a
@@ -173,7 +173,7 @@ class Router:
         try:
             return [await self.by_deployment_id(deployment_id)]
         except NotFound:
-            raise ModelNotFound(f"model {deployment_id} has no deployment") from None
+            raise ModelNotFound(no_deployment(deployment_id)) from None
 
     def refused_for_model(self, model_id: str) -> deploy_pb.Deployment | None:
         """The cached deployment a refusal of ``model_id``'s request is counted against

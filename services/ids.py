@@ -78,6 +78,16 @@ def looks_like_deployment_id(value: str) -> bool:
     return _NEW_DEPLOYMENT_ID.fullmatch(value) is not None
 
 
+def no_deployment(model_id: str) -> str:
+    """What a request for ``model_id`` gets when nothing serves it. One with a
+    deployment id's shape may be a removed deployment's id (given as ``model`` to pin
+    a request, the gateway's one field for it): the message says it is neither, the
+    same whether such a deployment exists hidden from the caller or not at all."""
+    if looks_like_deployment_id(model_id):
+        return f"model {model_id} has no deployment, and no deployment has that id"
+    return f"model {model_id} has no deployment"
+
+
 def check_deployment_id(deployment_id: str) -> None:
     if TOKEN_PATTERN.fullmatch(deployment_id) is None:
         raise InvalidArgument(f"invalid deployment_id {shown(deployment_id)}: {_TOKEN_RULE}")

@@ -962,10 +962,10 @@ def test_a_deployment_id_as_the_model_serves_only_a_token_that_may_use_it(deploy
         assert refused.status_code == 404, (path, refused.text)
         unknown = httpx.post(
             f"{base}/{path}",
-            json={**body, "model": "no-such-model"},
+            json={**body, "model": "no-such-model-0000beef"},  # a deployment id's shape
             headers={"Authorization": f"Bearer {elsewhere}"},
             timeout=60,
         )
         assert refused.json()["error"]["message"] == unknown.json()["error"]["message"].replace(
-            "no-such-model", s.deployment_id
+            "no-such-model-0000beef", s.deployment_id
         ), (refused.text, unknown.text)

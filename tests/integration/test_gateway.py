@@ -497,7 +497,25 @@ def test_a_deployment_id_given_as_model_is_served_by_that_deployment(stack, gate
         gone = f"{MODEL}-00000000"
         reply = httpx.post(f"{gateway}/v1/{path}", json={"model": gone, **body}, timeout=60)
         assert reply.status_code == 404, reply.text
-        assert gone in reply.json()["error"]["message"], reply.text
+        # Not "has no deployment" alone, which reads as a model's: it is no deployment's.
+        assert reply.json()["error"]["message"] == (
+            f"model {gone} has no deployment, and no deployment has that id"
+        ), reply.text
+    # OpenAI's retrieve answers for what `model` may name: the deployment, its model the
+    # parent (a 404 before); the list names each model once.
+    retrieved = httpx.get(f"{gateway}/v1/models/{named}", timeout=10)
+    assert retrieved.status_code == 200, retrieved.text
+    assert retrieved.json() == {
+        "id": named,
+        "object": "model",
+        "created": listed[0].created_at_unix_ms // 1000,
+        "owned_by": "iserve",
+        "parent": MODEL,
+    }
+    assert named not in {
+        m["id"] for m in httpx.get(f"{gateway}/v1/models", timeout=10).json()["data"]
+    }
+    assert httpx.get(f"{gateway}/v1/models/{MODEL}-00000000", timeout=10).status_code == 404
 
 
 def test_vllms_top_k_and_stop_token_ids_steer_the_generation(stack, client):

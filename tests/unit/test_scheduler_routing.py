@@ -206,6 +206,7 @@ def test_a_user_is_refused_what_its_token_does_not_grant_as_if_it_did_not_exist(
             deployment("d1"),
             deployment("d2", model_id="m2"),
             deployment("d3", deploy_pb.DEPLOYMENT_STATE_STARTING, model_id="m3"),
+            deployment("m2-89abcdef", model_id="m2"),
         )
         for record in store.records.values():
             record.owner = "carol"
@@ -227,6 +228,14 @@ def test_a_user_is_refused_what_its_token_does_not_grant_as_if_it_did_not_exist(
             assert (await router.by_model_id("d1")).deployment_id == "d1"
             for target in ("d2", "d3"):
                 assert await refusal(router.by_model_id, target) == unknown
+            # A deployment id's shape (a removed one's, pinned by a client) is told it
+            # names no deployment either, whether one is hidden under it or none is.
+            shaped = await refusal(router.by_model_id, "m-0123abcd")
+            assert shaped == (
+                ModelNotFound,
+                "model <id> has no deployment, and no deployment has that id",
+            )
+            assert await refusal(router.by_model_id, "m2-89abcdef") == shaped
         finally:
             access.reset_caller(token)
         # A developer may list every deployment: it is told it may not use another's.
