@@ -322,21 +322,9 @@ class DeploymentController:
         budget = None
         if not explicit and request.intent.kind == common.INTENT_KIND_COST_SLO:
             budget = (request.intent.cost_formula, request.intent.cost_budget)
-        # Intents ranked by latency (cost-slo: the fastest within the budget) keep TTFT near
-        # batch 1's: a request's cost falls as the batch grows, and a cost-slo deployment
-        # within its budget at batch 64 took 4x the latency it was ranked first for.
-        latency_first = not explicit and request.intent.kind in (
-            common.INTENT_KIND_MIN_LATENCY,
-            common.INTENT_KIND_COST_SLO,
-        )
-        memory_first = not explicit and request.intent.kind == common.INTENT_KIND_MIN_MEMORY
-        throughput_first = not explicit and request.intent.kind in (
-            common.INTENT_KIND_MAX_THROUGHPUT,
-            common.INTENT_KIND_MIN_DEVICE_HOURS,
-        )
         return planning.Prepared(
             model, limits, policy, cuda, options, hardware_type, note, nodes, objectives,
-            auto_batch, budget, latency_first, memory_first, throughput_first,
+            auto_batch, budget, None if explicit else with_default(request.intent).kind,
         )  # fmt: skip
 
     async def _decide(

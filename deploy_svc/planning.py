@@ -83,14 +83,31 @@ class Prepared:
     auto_batch: bool  # the request left the batch size to the deployer
     # A COST_SLO intent's (cost formula, budget): the batch chosen stays within it.
     cost_budget: tuple[int, float] | None = None
-    # An intent ranked by latency (MIN_LATENCY, COST_SLO): without a TTFT objective, its
-    # batch keeps TTFT near batch 1's.
-    latency_first: bool = False
-    # A MIN_MEMORY intent: its batch stays 1 (each more sequence's KV cache is memory).
-    memory_first: bool = False
-    # An intent ranked by throughput or device-hours (MAX_THROUGHPUT, MIN_DEVICE_HOURS):
-    # without a TPOT objective its batch is not held near batch 1's TPOT.
-    throughput_first: bool = False
+    # The kind of intent the request is ranked by (None: an explicit configuration); what
+    # it asks of the batch size, the properties below say.
+    intent_kind: int | None = None
+
+    @property
+    def latency_first(self) -> bool:
+        """Ranked by latency (MIN_LATENCY; COST_SLO: the fastest within the budget):
+        without a TTFT objective, its batch keeps TTFT near batch 1's (a request's cost
+        falls as the batch grows, and a cost-slo deployment within its budget at batch
+        64 took 4x the latency it was ranked first for)."""
+        return self.intent_kind in (common.INTENT_KIND_MIN_LATENCY, common.INTENT_KIND_COST_SLO)
+
+    @property
+    def memory_first(self) -> bool:
+        """MIN_MEMORY: its batch stays 1 (each more sequence's KV cache is memory)."""
+        return self.intent_kind == common.INTENT_KIND_MIN_MEMORY
+
+    @property
+    def throughput_first(self) -> bool:
+        """Ranked by throughput or device-hours (MAX_THROUGHPUT, MIN_DEVICE_HOURS):
+        without a TPOT objective its batch is not held near batch 1's TPOT."""
+        return self.intent_kind in (
+            common.INTENT_KIND_MAX_THROUGHPUT,
+            common.INTENT_KIND_MIN_DEVICE_HOURS,
+        )
 
 
 def hardware_order(nodes: Sequence[common.NodeState]) -> list[tuple[str, int]]:

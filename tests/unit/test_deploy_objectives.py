@@ -286,7 +286,8 @@ def test_a_min_memory_intent_keeps_batch_1():
     config, batch1, batch2 = _estimates(kv_bytes=1 << 20)
     nodes = _nodes(64)
     prepared = dataclasses.replace(
-        _prepared(nodes, [planning.Option(1, config, batch1)]), memory_first=True
+        _prepared(nodes, [planning.Option(1, config, batch1)]),
+        intent_kind=common.INTENT_KIND_MIN_MEMORY,
     )
     decision = planning.decide_on(prepared, nodes)
     sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, prepared.objectives)
@@ -349,7 +350,9 @@ def test_a_budget_no_configuration_meets_at_batch_1_is_met_by_the_smallest_batch
     missed = "its estimated cost 0.4 GB*s is over the budget of 0.2 GB*s"
     fallback = planning.Option(1, config, batch1, meets_intent=False, shortfall=missed)
     prepared = dataclasses.replace(
-        _prepared(nodes, [fallback]), cost_budget=(formula, 0.2), latency_first=True
+        _prepared(nodes, [fallback]),
+        cost_budget=(formula, 0.2),
+        intent_kind=common.INTENT_KIND_COST_SLO,
     )
     decision = planning.decide_on(prepared, nodes)
     sized = planning.size_batch(prepared, decision, nodes, batch1, batch2, prepared.objectives)
@@ -382,7 +385,7 @@ def test_a_throughput_intent_is_not_held_to_the_batch_1_tpot_without_a_tpot_obje
     config, batch1, batch2 = _estimates(kv_bytes=1 << 20)
     nodes = _nodes(64)
     held = _prepared(nodes, [planning.Option(1, config, batch1)])
-    free = dataclasses.replace(held, throughput_first=True)
+    free = dataclasses.replace(held, intent_kind=common.INTENT_KIND_MAX_THROUGHPUT)
     sizes = {}
     for name, prepared in (("held", held), ("free", free)):
         decision = planning.decide_on(prepared, nodes)
@@ -393,14 +396,15 @@ def test_a_throughput_intent_is_not_held_to_the_batch_1_tpot_without_a_tpot_obje
     assert sizes["free"][1].endswith("batch 64: bounded by the cap of 64 (an intent ranked by "
                                      "throughput; no TPOT objective to keep)")  # fmt: skip
     slo = dataclasses.replace(_prepared(nodes, [planning.Option(1, config, batch1)], tpot_slo=30))
-    slo = dataclasses.replace(slo, throughput_first=True)
+    slo = dataclasses.replace(slo, intent_kind=common.INTENT_KIND_MAX_THROUGHPUT)
     decision = planning.decide_on(slo, nodes)
     sized = planning.size_batch(slo, decision, nodes, batch1, batch2, slo.objectives)
     assert sized.config.batch_size == 6 and "TPOT SLO 30 ms" in sized.note
     small = _nodes(2.0)  # the KV cache of 5 sequences at most (256 MiB each)
     config, batch1, batch2 = _estimates(kv_bytes=256 << 20)
     tight = dataclasses.replace(
-        _prepared(small, [planning.Option(1, config, batch1)]), throughput_first=True
+        _prepared(small, [planning.Option(1, config, batch1)]),
+        intent_kind=common.INTENT_KIND_MAX_THROUGHPUT,
     )
     decision = planning.decide_on(tight, small)
     sized = planning.size_batch(tight, decision, small, batch1, batch2, tight.objectives)
