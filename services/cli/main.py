@@ -57,7 +57,13 @@ from services.cli.arguments import (
     watch_seconds,
     whole_number,
 )
-from services.cli.status import collect_status, print_status, status_header, status_tables
+from services.cli.status import (
+    WATCH_OPTIONAL,
+    collect_status,
+    print_status,
+    status_header,
+    status_tables,
+)
 from services.errors import cut_off_midway as _cut_off
 from services.errors import unreached as _unreached
 from services.ids import looks_like_deployment_id
@@ -219,7 +225,9 @@ def _watch_status(settings: Settings, args) -> int:
                         Group(
                             f"{status_header(status)}   [dim]{stamp}, every {args.watch:g} s; "
                             "Ctrl-C stops[/]",
-                            output.renderable(status_tables(status, watching=True), out),
+                            output.renderable(
+                                status_tables(status, watching=True), out, WATCH_OPTIONAL
+                            ),
                         ),
                         refresh=True,
                     )

@@ -143,14 +143,43 @@ def _after_commas(value: str, room: int | None) -> list[str]:
     return out
 
 
-def renderable(tables: Sequence[TableSpec], out: Console | None = None) -> Group:
-    """The tables fitted to the terminal, a blank line between them."""
+def narrowed(table: TableSpec, width: int, optional: Sequence[str]) -> tuple[TableSpec, list[str]]:
+    """``table`` without as many of its ``optional`` columns, dropped in that order, as
+    its aligned text needs to fit ``width`` (every one of them when it never does), and
+    the headers dropped. The first column, which names the row, always stays."""
+    title, headers, rows = table
+    headers, rows = list(headers), [list(r) for r in rows]
+    dropped: list[str] = []
+    for header in optional:
+        if max(map(len, plain_table(headers, rows).splitlines())) <= width:
+            break
+        if header in headers[1:]:
+            at = headers.index(header, 1)
+            dropped.append(headers.pop(at))
+            for row in rows:
+                row.pop(at)
+    return (title, headers, rows), dropped
+
+
+def renderable(
+    tables: Sequence[TableSpec], out: Console | None = None, optional: Sequence[str] = ()
+) -> Group:
+    """The tables fitted to the terminal, a blank line between them. Headers in
+    ``optional`` (a view redrawn in place, which a table's rows turned into blocks of
+    lines would push off the screen) are left out, in that order, until a table fits
+    the width, and a last line names them."""
     out = out or console()
     parts: list[RenderableType] = []
+    left_out: list[str] = []
     for table in tables:
+        if optional:
+            table, dropped = narrowed(table, out.width, optional)
+            left_out += [h for h in dropped if h not in left_out]
         if parts:
             parts.append(Text(""))
         parts.append(fitted(table, out))
+    if left_out:
+        parts.append(Text(f"left out at {out.width} columns: {', '.join(left_out)}", style="dim"))
     return Group(*parts)
 
 

@@ -221,6 +221,14 @@ def status_tables(status: dict, *, watching: bool = False) -> list[TableSpec]:
     return tables
 
 
+# What `status --watch` leaves out of a table too wide for the terminal, first to last:
+# the figures that stay put (addresses, sizes, layouts) before the ones watched change.
+WATCH_OPTIONAL = (
+    "WORKER", "CHECKPOINT", "METRICS", "ADDRESS", "KIND", "TOTAL MiB", "RESERVED MiB",
+    "USED MiB", "DEPLOYMENTS", "HIDDEN", "LAYERS", "BATCH", "PP", "TP", "MODEL",
+)  # fmt: skip
+
+
 def _service_state(service: dict) -> str:
     if service["serving"]:
         return "serving"

@@ -431,3 +431,48 @@ def test_status_watch_puts_the_deployments_first():
     assert firsts == ["SERVICE", "MODEL", "DEPLOYMENT"]
     watched = [headers[0] for _title, headers, _rows in status_tables(status, watching=True)]
     assert watched == ["DEPLOYMENT", "SERVICE", "MODEL"]
+
+
+def test_status_watch_leaves_out_steady_columns_rather_than_folding_rows():
+    """On a 100-column terminal `status --watch` turned each deployment into a block of
+    eleven lines, so a 24-line screen showed two of five deployments (a probe). It leaves
+    out the columns that do not change (worker address, sizes, layout), says which, and
+    keeps one line per deployment with the figures watched."""
+    from services.cli.output import narrowed, renderable
+    from services.cli.status import WATCH_OPTIONAL, status_tables
+
+    serving = {"requests_waiting": 3, "requests_running": 8, "requests_completed": 10}
+    serving |= {"ttft_p50_ms": 123.4, "ttft_p95_ms": 456.7, "slo_attained": 9, "slo_missed": 1}
+    deployments = [
+        {
+            "deployment_id": f"demo-llama-{i:08x}",
+            "model_id": "demo-llama",
+            "state": "DEPLOYMENT_STATE_READY",
+            "config": {"tensor_parallel": 2, "pipeline_parallel": 1, "batch_size": 8},
+            "worker_address": f"127.0.0.1:{40000 + i}",
+            "serving": serving,
+        }
+        for i in range(5)
+    ]
+    status = {
+        "services": {"model": {"address": "127.0.0.1:50061", "serving": True, "metrics": "m"}},
+        "nodes": [],
+        "models": [],
+        "deployments": deployments,
+    }
+    for width, kept in ((100, 10), (80, 6)):
+        out = Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None)
+        out.print(renderable(status_tables(status, watching=True), out, WATCH_OPTIONAL))
+        text = out.file.getvalue()
+        assert max(map(len, text.splitlines())) <= width, text
+        rows = [line for line in text.splitlines() if "demo-llama-0000000" in line]
+        assert len(rows) == 5, text  # a line each, not a block each
+        assert all("123.4/456.7" in row and "90.0% of 10" in row for row in rows), text
+        assert f"left out at {width} columns: WORKER" in text, text
+        (table,) = [t for t in status_tables(status) if t[1][0] == "DEPLOYMENT"]
+        assert len(narrowed(table, width, WATCH_OPTIONAL)[0][1]) == kept
+    # Wide enough, nothing is left out (nor said to be).
+    out = Console(file=io.StringIO(), width=200, force_terminal=True, color_system=None)
+    out.print(renderable(status_tables(status, watching=True), out, WATCH_OPTIONAL))
+    assert "127.0.0.1:40004" in out.file.getvalue()
+    assert "left out" not in out.file.getvalue()
