@@ -450,6 +450,9 @@ class DeploymentController:
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:
         await self._until_reconciled()
         deployment_id = new_deployment_id(request.model_id)
+        while not await self.store.deployment_id_is_free(deployment_id):
+            # A model may be registered under a deployment id's shape: never share it.
+            deployment_id = new_deployment_id(request.model_id)
         # Known before the request id is claimed, so that a repeat that finds the claim
         # finds this call too (_outcome_of).
         call = self._calls[deployment_id] = _DeployCall()

@@ -871,6 +871,8 @@ async def import_profiles(
     notes = list(plan.notes)
     for imported in plan.models:
         existing = await store.get_model(imported.model_id)
+        if existing is None:
+            await store.refuse_a_deployments_id(imported.model_id)
         if existing is not None:
             access.check_owner(f"model {imported.model_id!r}", existing.owner)
             if existing.state == model_pb.MODEL_STATE_PROFILING:

@@ -39,6 +39,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         model = build_model(request, self.settings.models_root)
         model.owner = access.owner()
         async with self._register_lock:
+            await self.store.refuse_a_deployments_id(model.model_id)
             if not await self.store.create_model(model):
                 await self._register_again(model, skip_profiling=request.skip_profiling)
             if not request.skip_profiling:

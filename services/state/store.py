@@ -36,7 +36,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.api import token_service_pb2 as token_pb
-from services.errors import ModelNotFound, Unavailable
+from services.errors import AlreadyExists, ModelNotFound, Unavailable
 from services.ids import check_model_id, replica_group_id
 from services.state import keys
 from services.state.capacity import FREE_BYTES_LUA, free_bytes
@@ -346,6 +346,24 @@ class StateStore:
         return str(policy) if policy else None
 
     # ---- models -------------------------------------------------------------------
+    async def refuse_a_deployments_id(self, model_id: str) -> None:
+        """AlreadyExists when a deployment has ``model_id`` for its id. A deployment's id
+        stands where a model's does (the gateway's ``model`` pins a request to it), and
+        a model of that id came first there: registered by another tenant, it took the
+        deployment's traffic and refused its owner (a probe). The deployer draws an id
+        no model has (:meth:`deployment_id_is_free`), so the two never meet."""
+        if await self.redis.exists(keys.deployment(model_id)):
+            raise AlreadyExists(
+                f"model id {model_id!r} is a deployment's id (a deployment's id may stand "
+                "where a model's does, so they are never shared); choose another model id"
+            )
+
+    async def deployment_id_is_free(self, deployment_id: str) -> bool:
+        """Whether neither a deployment nor a model has ``deployment_id`` for its id."""
+        return not await self.redis.exists(
+            keys.deployment(deployment_id), keys.model(deployment_id)
+        )
+
     async def create_model(self, model: model_pb.Model) -> bool:
         """Record a new model; False when the id is taken (nothing written)."""
         created = await self.redis.set(keys.model(model.model_id), encode(model), nx=True)

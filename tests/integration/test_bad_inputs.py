@@ -100,6 +100,21 @@ def test_register_twice_is_already_exists(stack):
     stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="twice"))
 
 
+def test_a_model_may_not_take_a_deployments_id(stack, served):
+    """A deployment's id names that deployment where a model's id goes, and a model of
+    the same id came first: another tenant who registered one took the deployment's
+    requests and refused its owner (a probe). Refused, nothing registered."""
+    before = _model_ids(stack)
+    path = make_checkpoint(stack, "id-thief")
+    code, details = _code(lambda: register(stack, served.deployment_id, path))
+    assert code == grpc.StatusCode.ALREADY_EXISTS, details
+    assert f"model id {served.deployment_id!r} is a deployment's id" in details
+    assert _model_ids(stack) == before
+    # The deployment still serves its id.
+    deltas, _ = generate(stack, model_id=served.deployment_id, prompt="hi", max_tokens=2)
+    assert sum(len(d.token_ids) for d in deltas) == 2
+
+
 def test_deploy_needing_more_memory_than_free_is_resource_exhausted(stack):
     path = make_checkpoint(
         stack, "kv-hungry", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8

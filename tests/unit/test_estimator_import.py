@@ -17,7 +17,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.auth import access, policy
 from services.auth.tokens import Principal
-from services.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from services.errors import AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied
 from services.estimation.memory import GIB
 from services.models.errors import UnsupportedArchitecture, engine_cannot_run, shape_only
 from services.models.families import parse_config
@@ -608,6 +608,24 @@ def request(named: dict[str, str], hardware_type: str = "rtx-a6000", **fields):
         files=[model_pb.ProfileFile(name=n, content=t.encode()) for n, t in named.items()],
         **fields,
     )
+
+
+def test_import_refuses_a_new_model_whose_id_is_a_deployments_and_writes_nothing(run):
+    """A model of a deployment's id took that deployment's requests (the id names the
+    model first): importing rows into such an id, as registering one, is refused."""
+    from services.api import deployment_service_pb2 as deploy_pb
+
+    async def scenario(store: StateStore):
+        await store.put_deployment(deploy_pb.Deployment(deployment_id="llama-2-7b", model_id="x"))
+        with pytest.raises(AlreadyExists, match="'llama-2-7b' is a deployment's id"):
+            await import_profiles(store, request(DATA_SET))
+        assert await store.list_models() == []  # not even gptj-6b, listed first
+        assert await store.get_profile("gptj-6b") is None
+        # The deployer draws around both kinds of id.
+        assert not await store.deployment_id_is_free("llama-2-7b")
+        assert await store.deployment_id_is_free("llama-2-7b-0badf00d")
+
+    run(scenario)
 
 
 def test_import_stores_models_profiles_and_sources_and_reimport_replaces(run):
