@@ -34,6 +34,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import (
     BaseModel,
@@ -280,6 +282,8 @@ class Backend:
     auth: bool = False
 
     channels: tuple[grpc.aio.Channel, ...] = ()
+    # gRPC health on the deployment service's channel (check_token).
+    health: health_pb2_grpc.HealthStub | None = None
     # Each model's checkpoint path as last read: a chat is not refused while the model
     # service is unreachable (restarting, say) for a model whose record was read before.
     checkpoint_paths: dict[str, str] = field(default_factory=dict)
@@ -323,6 +327,7 @@ class Backend:
             models_root,
             auth=auth,
             channels=channels,
+            health=health_pb2_grpc.HealthStub(channels[1]),
             scheduler_address=scheduler,
             retire_after_s=drain_timeout_s + 10.0,
         )
@@ -389,6 +394,20 @@ class Backend:
                 )
             return ()
         return (("authorization", f"Bearer {token}"),)
+
+    async def check_token(self, caller: Metadata) -> None:
+        """The services' refusal (401) of a token they do not know, or a revoked one, asked
+        before the gateway works on a body: only its shape was checked before, so a
+        made-up token had 30 MB bodies parsed and validated (seconds of the gateway's
+        one event loop each, stalling every other caller: a probe). One call that any
+        valid token may make (gRPC health's List) to the deployment service, which
+        serves the tokens and which a generation with authentication on asks anyway."""
+        try:
+            await self.health.List(
+                health_pb2.HealthListRequest(), timeout=self.rpc_timeout_s, metadata=caller
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise GatewayError.from_rpc(exc, "deployment") from None
 
     async def close(self) -> None:
         for channel in self.channels:
@@ -737,6 +756,23 @@ def _caller(http: Request) -> Metadata:
 Caller = Annotated[Metadata, Depends(_caller)]
 
 
+class TokenFirst(APIRoute):
+    """A route whose request, with authentication on, has its token checked by the
+    services before its body is read (FastAPI reads and parses a body before it solves
+    any dependency, the Caller one included)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            backend = getattr(request.app.state, "backend", None)
+            if backend is not None and backend.auth and request.method == "POST":
+                await backend.check_token(backend.caller(request))
+            return await handler(request)
+
+        return checked
+
+
 def create_app(
     connect: Callable[[], Backend],
     cors_origins: tuple[str, ...] = (),
@@ -774,6 +810,7 @@ def create_app(
         # proxy in front would not serve. A 404 names the path without it instead.
         redirect_slashes=False,
     )
+    app.router.route_class = TokenFirst
     app.add_middleware(BodyLimit)
     if cors_origins:
         app.add_middleware(

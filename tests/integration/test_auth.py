@@ -741,6 +741,17 @@ def test_a_gateway_chat_tells_of_no_model_the_caller_may_not_use(deployed):
                     .secret
                 )
             forged = "isv_0123456789abcdef_" + "A" * 43  # a token's shape, not a token
+            # The services refuse it before the gateway reads a body (a 400 for this one
+            # came first: a made-up token had 30 MB bodies parsed and validated).
+            for path in ("chat/completions", "completions"):
+                refused = httpx.post(
+                    f"http://{s.settings.gateway_address}/v1/{path}",
+                    json={"model": MODEL, "messages": "not a list", "prompt": [-1]},
+                    headers={"Authorization": f"Bearer {forged}"},
+                    timeout=60,
+                )
+                assert refused.status_code == 401, refused.text
+                assert refused.json()["error"]["message"] == "invalid or revoked token"
             for model in (MODEL, plain, "auth-unknown"):
                 refused = _chat(s, forged, model)
                 assert refused.status_code == 401, refused.text

@@ -436,7 +436,17 @@ def _backend(
         json.dumps({"chat_template": DEFAULT_CHAT_TEMPLATE})
     )
     stubs = (_Recorder(), _Deployments(list(deployments)), _Models("ckpt"))
-    return Backend(*stubs, tmp_path, auth=auth)
+    return Backend(*stubs, tmp_path, auth=auth, health=_Health())
+
+
+class _Health:
+    """gRPC health's List, which the services answer for any token they know: TOKEN."""
+
+    async def List(self, request, timeout, metadata):
+        if dict(metadata).get("authorization") != f"Bearer {TOKEN}":
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAUTHENTICATED, None, None, details="invalid or revoked token"
+            )
 
 
 @pytest.mark.parametrize(
@@ -654,6 +664,37 @@ def test_with_authentication_on_a_request_without_a_token_is_refused_before_its_
         # With a token, the body is judged as before.
         reply = client.post(path, json=body, headers={"Authorization": "Bearer EMPTY"})
         assert reply.status_code == 401  # "EMPTY" cannot be an iserve token
+
+
+def test_with_authentication_on_a_token_the_services_refuse_is_refused_before_its_body():
+    """A token of the right shape that no service knows had its body parsed and
+    validated (four 30 MB ones held the gateway's loop for seconds: a probe); the
+    services are asked first, and the body is judged only for a token they accept."""
+    forged = "isv_0123456789abcdef_" + "A" * 43
+    real = "isv_fedcba9876543210_" + "B" * 43
+
+    class Checked(_TemplateBackend):
+        asked: list[str] = []
+
+        async def check_token(self, caller) -> None:
+            token = dict(caller)["authorization"].removeprefix("Bearer ")
+            self.asked.append(token)
+            if token != real:
+                raise GatewayError(401, "authentication_error", "invalid or revoked token")
+
+    backend = Checked("{{ messages }}")
+    backend.auth = True
+    bad_body = {"model": "m", "messages": "not a list"}
+    with TestClient(create_app(lambda: backend)) as client:
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            refused = client.post(
+                path, json=bad_body, headers={"Authorization": f"Bearer {forged}"}
+            )
+            assert refused.status_code == 401, refused.text
+            assert refused.json()["error"]["message"] == "invalid or revoked token"
+            judged = client.post(path, json=bad_body, headers={"Authorization": f"Bearer {real}"})
+            assert judged.status_code == 400, judged.text
+    assert backend.asked == [forged, real] * 2
 
 
 def test_a_chat_of_more_messages_or_content_parts_than_the_limit_is_refused_at_once():
