@@ -101,12 +101,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 )
             try:
                 principal = await self.authenticator.authenticate(token)
-            except IServeError as exc:
-                await context.abort(exc.code, f"cannot check the token: {exc}")
             except Exception as exc:  # noqa: BLE001 - the registry is unreachable
+                # The log has the whole error; the caller, who has not been authenticated,
+                # its kind only (the store's message named Redis's address: a probe).
                 log.warning("token check failed for %s: %s", method, exc)
+                code = exc.code if isinstance(exc, IServeError) else grpc.StatusCode.UNAVAILABLE
                 await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
+                    code,
                     f"cannot check the token: token registry unreachable ({type(exc).__name__})",
                 )
             if principal is None:

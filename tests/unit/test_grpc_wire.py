@@ -135,3 +135,35 @@ def test_a_message_repeating_a_huge_value_reaches_the_client_as_its_status(alpha
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert error.details().startswith("bad request " + alphabet)
     assert error.details().endswith("more characters)")
+
+
+def test_an_unreachable_token_registry_is_unavailable_without_its_address(caplog):
+    """The state store's error named Redis's host and port to any caller with a token
+    of the right shape, authenticated or not (a probe): the log keeps it, the caller is
+    told the kind."""
+    from services.errors import Unavailable
+
+    class Unreachable(OneToken):
+        async def authenticate(self, token):
+            raise Unavailable("state store (Redis) unreachable at 10.1.2.3:6379: Error 111")
+
+    async def scenario():
+        binding = ServiceBinding(
+            Ticker([]), inference_grpc.add_InferenceServiceServicer_to_server, "x"
+        )
+        security = ServerSecurity(authenticator=Unreachable())
+        server, port, _ = await start_server([binding], "127.0.0.1:0", security=security)
+        try:
+            request = inference_pb.GetServingStatsRequest().SerializeToString()
+            token = (("authorization", "Bearer isv_0123456789abcdef_" + "A" * 43),)
+            return await _call_raw(
+                port, "/iserve.v1.InferenceService/GetServingStats", request, token
+            )
+        finally:
+            await server.stop(0)
+
+    caplog.set_level(logging.WARNING)
+    code, details = asyncio.run(scenario())
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert details == "cannot check the token: token registry unreachable (Unavailable)"
+    assert "10.1.2.3" in caplog.text
