@@ -204,7 +204,13 @@ def _decode(name: str, content: bytes) -> str:
     try:
         return content.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise InvalidArgument(f"{name}: not UTF-8 text (byte {exc.start})") from None
+        # The line as an editor numbers it (\n, \r\n or \r ends one), then the byte.
+        before = content[: exc.start]
+        line = before.replace(b"\r\n", b"\n").replace(b"\r", b"\n").count(b"\n") + 1
+        raise InvalidArgument(
+            f"{name}:{line}: not UTF-8 text (byte {exc.start} of the file: "
+            f"{content[exc.start : exc.start + 1]!r})"
+        ) from None
 
 
 # Files one ImportProfiles request may carry (MaverIQ's data set has 9): each is parsed
@@ -339,6 +345,7 @@ def plan_maveriq_import(
         for row, prompt in by_model[model_id]:
             _check_row(row, prompt, model_id, spec)
         _check_series([row for row, _ in by_model[model_id]], model_id)
+        _check_memory_units([row for row, _ in by_model[model_id]], model_id)
         _check_files_agree([row for row, _ in by_model[model_id]], model_id)
         measurements = tuple(
             to_measurement(row, hardware_type, spec.num_layers, prompt, shape)
@@ -421,6 +428,41 @@ def _run(row: maveriq.Measurement) -> tuple:
 SERIES_SLACK = 2.0
 
 
+# How far one run's memory may move between two output lengths: the weights, buffers and
+# KV cache a run holds hardly change with a few more tokens (the A6000 data: at most
+# 1.26x, batch 64 from 100 to 200 tokens). A memory in MiB among GiB is 1024x off, and
+# the estimate of a variant took it (13.6 GiB became 364).
+MEMORY_SERIES_SLACK = 4.0
+# How far apart two runs of one variant (file, model, format, batch) may hold memory per
+# device: the layouts and layer counts of the A6000 data spread it up to 10.2x (the
+# scaling file's 1 to 32 layers). A run in MiB among runs in GiB is 1024x apart.
+MEMORY_RUNS_SLACK = 100.0
+
+
+def _check_memory_units(rows: Sequence[maveriq.Measurement], model_id: str) -> None:
+    """InvalidArgument naming both rows when two runs of one variant in one file hold
+    memory per device further apart than :data:`MEMORY_RUNS_SLACK` allows: one of them is
+    in other units (MiB, MB). The output lengths of one run are held to
+    :data:`MEMORY_SERIES_SLACK` by :func:`_check_series`."""
+    variants: dict[tuple, list[maveriq.Measurement]] = defaultdict(list)
+    for row in rows:
+        if row.memory_gib > 0:
+            key = (row.source, row.pruning, row.weight_quant, row.int8_kv_cache, row.batch_size)
+            variants[key].append(row)
+    for runs in variants.values():
+        per_device = sorted(runs, key=lambda r: r.memory_gib / (r.tp * r.pp))
+        low, high = per_device[0], per_device[-1]
+        low_gib, high_gib = (r.memory_gib / (r.tp * r.pp) for r in (low, high))
+        if high_gib > MEMORY_RUNS_SLACK * low_gib:
+            raise InvalidArgument(
+                f"{high.where} and line {low.line}: {model_id}: {high_gib:.6g} GiB per device "
+                f"(TP={high.tp}, PP_Map={list(high.pp_map)}) beside {low_gib:.6g} GiB "
+                f"(TP={low.tp}, PP_Map={list(low.pp_map)}) for one variant "
+                f"({high_gib / low_gib:.3g}x; the published data's runs are within 10.2x): is "
+                "one of them in MiB or MB rather than GiB?"
+            )
+
+
 def _check_series(rows: Sequence[maveriq.Measurement], model_id: str) -> None:
     """InvalidArgument naming the rows when two rows of one run (same file, layout, layer
     map, variant and batch) have the same output length, or when latency moves between
@@ -446,6 +488,15 @@ def _check_series(rows: Sequence[maveriq.Measurement], model_id: str) -> None:
                     f"{b.latency_s:.6g} s for {b.output_tokens} (TP={a.tp}, "
                     f"PP_Map={list(a.pp_map)}, batch {a.batch_size}): no run's latency moves "
                     "that way with its output length; is one of them mistyped, or in other units?"
+                )
+            held = sorted(r.memory_gib for r in (a, b))
+            if held[0] > 0 and held[1] > MEMORY_SERIES_SLACK * held[0]:
+                raise InvalidArgument(
+                    f"{where}: Memory-After-Run {a.memory_gib:.6g} GiB for "
+                    f"{a.output_tokens} output tokens and {b.memory_gib:.6g} GiB for "
+                    f"{b.output_tokens} (TP={a.tp}, PP_Map={list(a.pp_map)}, batch "
+                    f"{a.batch_size}): a run's memory hardly moves with its output length; "
+                    "is one of them in MiB or MB rather than GiB?"
                 )
 
 

@@ -198,6 +198,8 @@ def _int(row: dict[str, str], column: str, where: str, text: str | None = None) 
     the column (Python's "invalid literal for int() with base 10" named none)."""
     value = row[column] if text is None else text
     try:
+        if "_" in value:  # Python reads "1_0" as 10; no CSV writer means that
+            raise ValueError(value)
         return int(value)
     except ValueError:
         raise ValueError(f"{where}: {column} must be a whole number, got {shown(value)}") from None
@@ -208,6 +210,8 @@ def _float(row: dict[str, str], column: str, where: str) -> float:
     value has a decimal comma."""
     value = row[column]
     try:
+        if "_" in value:  # Python reads "0_01854" as 1854; no CSV writer means that
+            raise ValueError(value)
         return float(value)
     except ValueError:
         hint = (
@@ -294,6 +298,13 @@ def parse_measurements(text: str, source: str, max_rows: int = 0) -> tuple[Measu
                 else ""
             )
             raise ValueError(f"{source}: missing columns {', '.join(missing)}{hint}")
+        named = [c for c in columns if c.strip()]
+        twice = sorted({c for c in named if named.count(c) > 1})
+        if twice:
+            # Which copy holds the measurement is unknown (the last one was read).
+            at = {c: [i + 1 for i, n in enumerate(columns) if n == c] for c in twice}
+            said = "; ".join(f"{c} (columns {', '.join(map(str, at[c]))})" for c in twice)
+            raise ValueError(f"{source}:1: the header names a column more than once: {said}")
         # A row's line is the one it starts on (a quoted field may span lines), the
         # header being line 1 as an editor shows it; blank lines come as no fields.
         start = lines.line_num + 1

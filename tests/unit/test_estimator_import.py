@@ -326,6 +326,24 @@ def test_a_config_for_a_name_that_is_no_model_id_or_two_shapes_for_one_id_are_re
             "fingerprint_data_collection.csv:7: no value for",
         ),
         ({"full_model_data_collection.csv": "Model,TP\n"}, "missing columns PP, PP_Map"),
+        # A column named twice: the last copy was read, silently (a probe).
+        (
+            {
+                "full_model_data_collection.csv": HEADER.replace("\n", ",Memory-After-Run\n")
+                + "llama-2-7b,2,4,8 8 8 8,float16,False,100,1,3.5,16,16.5,10,5,33\n"
+            },
+            "full_model_data_collection.csv:1: the header names a column more than once: "
+            "Memory-After-Run (columns 11, 14)",
+        ),
+        # Python reads "0_01854" as 1854 (digit separators): no CSV means that.
+        (
+            {"full_model_data_collection.csv": FULL.replace(",3.5,", ",3_5,")},
+            "full_model_data_collection.csv:2: Latency must be a number, got '3_5'",
+        ),
+        (
+            {"full_model_data_collection.csv": FULL.replace(",100,1,", ",1_00,1,")},
+            "full_model_data_collection.csv:2: Output_Lenght must be a whole number, got '1_00'",
+        ),
         (
             {"full_model_data_collection.csv": HEADER.replace(",", ";") + "x;1\n"},
             "the header reads as one column: the file is separated by ';'",
@@ -536,6 +554,14 @@ def test_an_import_stops_reading_rows_past_its_bound():
 def test_bad_bytes_names_and_hardware_types():
     with pytest.raises(InvalidArgument, match="not UTF-8"):
         plan_maveriq_import([("full_model_data_collection.csv", b"\xff\xfe")], "rtx-a6000")
+    # The line, as an editor numbers it (CRLF as MaverIQ's files end them), not only the
+    # byte 59958 of a 2,000-line file.
+    latin1 = (FULL.replace("\n", "\r\n") + "llama-2-7b caf\xe9,1\r\n").encode("latin-1")
+    with pytest.raises(InvalidArgument) as refused:
+        plan_maveriq_import([("full_model_data_collection.csv", latin1)], "rtx-a6000")
+    assert str(refused.value).startswith(
+        "full_model_data_collection.csv:3: not UTF-8 text (byte "
+    ), str(refused.value)
     with pytest.raises(InvalidArgument, match="listed twice"):
         plan_maveriq_import([("full_model_data_collection.csv", FULL.encode())] * 2, "rtx-a6000")
     with pytest.raises(InvalidArgument, match="hardware_type"):
@@ -991,6 +1017,32 @@ def test_rows_of_one_run_that_no_measurement_gives_are_refused_naming_them():
     twice = "".join(lines) + lines[1].replace("0.062000", "0.186000")
     with pytest.raises(InvalidArgument, match=r"csv:2 and line 14: llama-2-7b: the same run"):
         plan({"fingerprint_data_collection.csv": twice})
+
+
+def test_memory_in_other_units_than_gib_is_refused_naming_the_rows():
+    """One row's Memory-After-Run in MiB (1405 for 1.372 GiB) was imported silently: the
+    variant's (1,1) estimate went from 13.6 to 364 GiB and 12 configurations were left
+    out; a whole run in MiB (both output lengths) gave 715 GiB (a probe)."""
+    lines = _estimable_rows().splitlines(keepends=True)
+    one = lines.copy()
+    one[2] = one[2].replace(",1.400,", ",1433.6,")  # line 3: 1.4 GiB in MiB
+    with pytest.raises(InvalidArgument) as refused:
+        plan({"fingerprint_data_collection.csv": "".join(one)})
+    said = str(refused.value)
+    assert "fingerprint_data_collection.csv:2 and line 3: llama-2-7b" in said, said
+    assert "1.4 GiB for 10 output tokens and 1433.6 GiB for 20" in said, said
+    assert "in MiB or MB rather than GiB?" in said
+    run = lines.copy()
+    for line in (3, 4):  # the (1,1) two-layer run, both output lengths
+        run[line] = run[line].replace(",1.600,", ",1638.4,")
+    with pytest.raises(InvalidArgument) as refused:
+        plan({"fingerprint_data_collection.csv": "".join(run)})
+    said = str(refused.value)
+    assert "1638.4 GiB per device (TP=1, PP_Map=[2]) beside" in said, said
+    assert "in MiB or MB rather than GiB?" in said
+    # GB for GiB (7 %) is no slip these can see, nor meant to.
+    gb = "".join(line.replace(",1.600,", ",1.718,") for line in lines)
+    assert plan({"fingerprint_data_collection.csv": gb}).models
 
 
 def test_an_import_that_takes_a_models_estimates_away_is_refused_and_changes_nothing(run):
