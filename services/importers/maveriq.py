@@ -72,6 +72,10 @@ _WEIGHT_QUANT = {"float16": "fp16", "int8": "int8", "int4": "int4", "int4_gptq":
 # (``llama-2-7b-wanda24``); any other name is a model's, whole (``llama-2-70b-hf``).
 _PRUNED = re.compile(r"(?P<model>.+)-(?P<pruning>(?:sparsegpt|wanda)\d*)", re.IGNORECASE)
 _MISSPELLED_MODELS = {"gtpj-6b": "gptj-6b"}
+# The accuracy file's figures are % of the FP16 model's MMLU score: a compressed model
+# may edge past it (noise), never by half again. Above that is a slip, and it made every
+# intent with an accuracy floor pick the variant (a probe's 1e300 % was taken).
+MAX_RELATIVE_ACCURACY_PCT = 150.0
 # Architecture presets (services.models.presets) of the data set's models, where the
 # names differ.
 PRESET_NAMES = {"gptj-6b": "gpt-j-6b"}
@@ -336,14 +340,19 @@ def parse_accuracy(text: str, source: str = ACCURACY) -> dict[AccuracyKey, float
     Source keys look like ``llama-2-7b_int4_gptq_False_None``: model, dtype, int8 KV
     cache, pruning (always ``None`` in the published file).
     """
+
+    def pairs(items: list[tuple[str, object]]) -> list[tuple[str, object]]:
+        return items  # every entry, a key given twice included (a dict keeps the last)
+
     try:
-        entries = json.loads(text)
+        entries = json.loads(text, object_pairs_hook=pairs)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{source}:{exc.lineno}: not JSON ({exc.msg})") from None
-    if not isinstance(entries, dict):
+    if not isinstance(entries, list):
         raise ValueError(f"{source}: expected an object of accuracy figures")
     table: dict[AccuracyKey, float] = {}
-    for key, value in entries.items():
+    given: dict[AccuracyKey, str] = {}
+    for key, value in entries:
         parts = key.split("_", 1)
         fields = parts[1].rsplit("_", 2) if len(parts) == 2 else []
         if len(fields) != 3 or not isinstance(value, int | float) or isinstance(value, bool):
@@ -356,11 +365,26 @@ def parse_accuracy(text: str, source: str = ACCURACY) -> dict[AccuracyKey, float
             accuracy = math.inf
         if not 0 <= accuracy < math.inf:
             raise ValueError(f"{source}: entry {shown(key)}: accuracy must be a finite number >= 0")
-        dtype, kv, _pruning = fields
+        if accuracy > MAX_RELATIVE_ACCURACY_PCT:
+            raise ValueError(
+                f"{source}: entry {shown(key)}: {accuracy:g} % of the FP16 model's score; "
+                f"the figures are relative accuracy, at most {MAX_RELATIVE_ACCURACY_PCT:g}"
+            )
+        dtype, kv, pruning = fields
         if dtype not in _WEIGHT_QUANT:
             raise ValueError(f"{source}: key {shown(key)} has unknown dtype {shown(dtype)}")
-        base, _ = _split_model(parts[0])
-        table[AccuracyKey(base, _WEIGHT_QUANT[dtype], _parse_bool(kv, source))] = accuracy
+        base, pruned = _split_model(parts[0])
+        if pruned or pruning != "None":
+            # A pruned variant's figure (no fingerprints of those are imported) replaced
+            # its dense variant's: a probe's "…_wanda": 50 made fp16's accuracy 50.
+            continue
+        variant = AccuracyKey(base, _WEIGHT_QUANT[dtype], _parse_bool(kv, source))
+        if variant in table and table[variant] != accuracy:
+            raise ValueError(
+                f"{source}: entries {shown(given[variant])} and {shown(key)} give one variant "
+                f"two accuracies ({table[variant]:g} and {accuracy:g}); keep one"
+            )
+        table[variant], given[variant] = accuracy, key
     return table
 
 

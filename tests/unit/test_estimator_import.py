@@ -1177,3 +1177,30 @@ def test_rows_of_a_presets_name_keep_the_preset_before_a_registered_checkpoint(r
             await import_profiles(store, request(DATA_SET), root)
 
     run(scenario)
+
+
+def test_the_accuracy_file_keeps_each_dense_variants_own_figure():
+    """A pruned entry's figure replaced its dense variant's ("llama-2-7b_float16_False_
+    wanda": 50 made fp16's accuracy 50; so did a "llama-2-7b-wanda" name), a key given
+    twice kept the last silently, and 1e300 % made every intent pick int4 (a probe)."""
+    from services.importers.maveriq import AccuracyKey, parse_accuracy
+
+    dense = '"llama-2-7b_float16_False_None": 100, "llama-2-7b_int4_False_None": 87.1'
+    fp16 = AccuracyKey("llama-2-7b", "fp16", False)
+    for pruned in (
+        '"llama-2-7b_float16_False_wanda": 50',
+        '"llama-2-7b-wanda_float16_False_None": 40',
+    ):
+        table = parse_accuracy("{" + f"{dense}, {pruned}" + "}")
+        assert table[fp16] == 100 and len(table) == 2
+    # The same figure twice is one figure; two figures are refused, naming both keys.
+    assert parse_accuracy("{" + f'{dense}, "llama-2-7b_float16_False_None": 100' + "}")[fp16] == 100
+    with pytest.raises(ValueError, match="give one variant two accuracies \\(100 and 12\\)"):
+        parse_accuracy("{" + f'{dense}, "llama-2-7b_float16_False_None": 12' + "}")
+    # The misspelt name and the right one are one model.
+    with pytest.raises(ValueError, match="'gtpj-6b_int8_False_None' and 'gptj-6b_int8_False_None'"):
+        parse_accuracy('{"gtpj-6b_int8_False_None": 99.2, "gptj-6b_int8_False_None": 98}')
+    for slip in ("150.5", "1e300", "8710"):
+        with pytest.raises(ValueError, match="relative accuracy, at most 150"):
+            parse_accuracy("{" + f'{dense}, "llama-2-7b_int8_False_None": {slip}' + "}")
+    assert parse_accuracy('{"llama-2-7b_int8_False_None": 100.4}')  # past FP16 by noise
