@@ -236,6 +236,15 @@ def test_outside_an_import_the_same_features_are_refused():
             {"llama-2-7b": json.dumps({**MYSTERY_CONFIG, "model_type": "mixtral"})},
             "llama-2-7b: its config.json: model_type 'mixtral' is not supported",
         ),
+        # Mixtral's experts under a llama model_type: imported as a dense 7B (a probe).
+        (
+            {
+                "llama-2-7b": json.dumps(
+                    {**MYSTERY_CONFIG, "num_local_experts": 8, "num_experts_per_tok": 2}
+                )
+            },
+            "llama-2-7b: its config.json: a mixture-of-experts config .num_local_experts 8.",
+        ),
         ({"llama-2-7b": "[1, 2]"}, "llama-2-7b: its config.json must be a JSON object"),
         ({"nobody-1b": "{}"}, "a config.json is given for 'nobody-1b', which no row names"),
         (

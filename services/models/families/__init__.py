@@ -75,11 +75,35 @@ def parse_config(cfg: Mapping[str, Any]) -> ArchSpec:
     if not isinstance(cfg, Mapping):
         raise InvalidConfig(f"config must be a JSON object, got {type(cfg).__name__}")
     family = family_of(cfg)
+    _refuse_experts(cfg)
     spec = family.parse(cfg, family.name)
     bos = () if spec.bos_token_id is None else (spec.bos_token_id,)
     bos = ids_in_vocabulary("config bos_token_id", bos, spec.vocab_size)
     eos = ids_in_vocabulary("config eos_token_id", spec.eos_token_ids, spec.vocab_size)
     return replace(spec, bos_token_id=bos[0] if bos else None, eos_token_ids=eos, layout=family)
+
+
+# The fields by which Hugging Face configs give a mixture of experts its experts
+# (Mixtral, Qwen2-MoE and OLMoE, DeepSeek, DBRX-style).
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _refuse_experts(cfg: Mapping[str, Any]) -> None:
+    """UnsupportedArchitecture for a config with more than one expert per layer, whatever
+    its ``model_type``: read as its family's dense decoder (a ``llama`` config with
+    Mixtral's eight experts was imported as a 7B model), its weights, memory and time
+    would be a fraction of the model's. Refused even where only the shape is read."""
+    experts = {
+        key: cfg[key]
+        for key in EXPERT_COUNT_KEYS
+        if isinstance(cfg.get(key), int) and not isinstance(cfg[key], bool) and cfg[key] > 1
+    }
+    if experts:
+        said = ", ".join(f"{key} {value}" for key, value in experts.items())
+        raise UnsupportedArchitecture(
+            f"a mixture-of-experts config ({said}): iserve reads dense decoders only, and "
+            "read as one this model's weights, memory and time would be a fraction of its own"
+        )
 
 
 def config_with_layers(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
