@@ -92,6 +92,7 @@ def estimate_messages(
             communication_unprofiled=(
                 communication_unprofiled is not None and bool(communication_unprofiled[i])
             ),
+            fits_device_memory=bool(e.fits[i]),
         )
         if np.isfinite(e.accuracy_pct[i]):
             message.accuracy_score = float(e.accuracy_pct[i])

@@ -30,7 +30,7 @@ from services.estimation import model_references, profiles
 from services.estimation.latency import REFERENCE_LAYOUTS
 from services.estimation.memory import GIB
 from services.estimation.model_references import Workload
-from services.estimation.score import Estimates
+from services.estimation.score import UNFIT_NOTE, Estimates
 from services.ids import check_hardware_type, is_cpu_hardware
 from services.reservation import CPU_RUNTIME_MIB, RUNTIME_OVERHEAD_BYTES
 from services.state.capacity import largest_device_bytes
@@ -54,6 +54,8 @@ class Estimate:
     config_map: ConfigMap
     # The request left input_tokens unset: ``workload`` holds the profiled prompt's.
     input_defaulted: bool = False
+    # The memory of each device what fits was judged against (None: unknown, all fit).
+    device_memory_gib: float | None = None
 
     @property
     def usable(self) -> np.ndarray:
@@ -104,6 +106,20 @@ class Estimate:
             self.estimates.unestimable_note(),
         )
         return [*references.notes, *(note for note in extra if note)]
+
+    @property
+    def unfit_note(self) -> str | None:
+        """How many usable configurations need more memory per device than a device
+        holds: listed beside the others, they were told apart by nothing (a 405B model's
+        764 GiB per device on 48 GB devices: a probe). A ranking says it on its own."""
+        e = self.estimates
+        unfit = int(np.count_nonzero(e.estimable & ~e.fits))
+        if not unfit or self.device_memory_gib is None:
+            return None
+        return (
+            f"{unfit} {UNFIT_NOTE} of {self.device_memory_gib:.3g} GiB "
+            "(fits_device_memory false; `iserve estimate` marks them)"
+        )
 
 
 def _utc(ms: int) -> str:
@@ -324,5 +340,10 @@ class Estimator:
             memory_gib = known / GIB if known else None
         estimates, resolved = config_map.estimate(workload, devices, memory_gib)
         return Estimate(
-            estimates, resolved, devices, config_map, input_defaulted=not workload.input_tokens
+            estimates,
+            resolved,
+            devices,
+            config_map,
+            input_defaulted=not workload.input_tokens,
+            device_memory_gib=memory_gib,
         )

@@ -7,6 +7,7 @@ from estimator_svc.ranking import rank_for_intent
 from estimator_svc.service import Estimator
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
+from services.estimation.memory import GIB
 from services.ids import check_hardware_type
 from services.intents import check_intent
 
@@ -32,7 +33,8 @@ class EstimatorServicer(estimator_service_pb2_grpc.EstimatorServiceServicer):
                 result.usable,
                 result.communication_unprofiled,
             ),
-            notes=result.notes,
+            notes=[*result.notes, *filter(None, [result.unfit_note])],
+            device_memory_bytes=round((result.device_memory_gib or 0) * GIB),
         )
 
     async def RankConfigs(self, request, context):

@@ -19,7 +19,7 @@ from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc, model_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
-from services.cli.arguments import id_list, usage_error, whole_number
+from services.cli.arguments import device_memory_gib, id_list, usage_error, whole_number
 from services.cli.output import gib, show_tables
 from services.contention import CONTENDED_SHARE
 from services.importers import MAX_PROFILE_MEASUREMENTS
@@ -143,6 +143,9 @@ def estimate_record(estimate: estimator_pb.ConfigEstimate) -> dict:
             estimate.throughput_tokens_per_second_per_device
         ),
         "accuracy_score": estimate.accuracy_score if estimate.HasField("accuracy_score") else None,
+        "fits_device_memory": estimate.fits_device_memory,
+        "batch_measured": estimate.batch_measured,
+        "communication_unprofiled": estimate.communication_unprofiled,
     }
 
 
@@ -186,6 +189,7 @@ def estimate_row(r: dict) -> list:
         f"{r['cost_memory_latency']:.3g}",  # a small model's 0.0117 GB*s read "0.0", as plan's did
         f"{r['throughput_tokens_per_second_per_device']:.2f}",
         "-" if r["accuracy_score"] is None else f"{r['accuracy_score']:.1f}",
+        "yes" if r["fits_device_memory"] else "no",
     ]
 
 
@@ -200,6 +204,7 @@ def cmd_estimate(settings: Settings, args) -> int:
                 input_tokens=args.input_len, output_tokens=args.output_len, batch_size=args.batch
             ),
             device_count=args.devices,
+            device_memory_bytes=round((args.device_memory or 0) * GIB),
         )
     )
     records = [estimate_record(e) for e in reply.estimates]
@@ -212,12 +217,18 @@ def cmd_estimate(settings: Settings, args) -> int:
     prompt = (
         f"{args.input_len}-token prompt" if args.input_len else "the default prompt (see the note)"
     )
+    memory = (
+        f" of {reply.device_memory_bytes / GIB:.3g} GiB"
+        if reply.device_memory_bytes
+        else " (device memory unknown: give --device-memory)"
+    )
     print(
         f"{args.model_id} on {args.hardware}: {len(records)} configurations, {prompt}, "
-        f"{args.output_len} output tokens, batch {args.batch or 1}"
+        f"{args.output_len} output tokens, batch {args.batch or 1}; FITS: per-device "
+        f"memory within a device{memory}; GB*s per request"
     )
     headers = ["TP", "PP", "VARIANT", "BATCH", "MEMORY GiB", "PER DEV GiB", "TTFT ms"]
-    headers += ["TPOT ms", "LATENCY s", "GB*s", "TOK/S/DEV", "ACC %"]
+    headers += ["TPOT ms", "LATENCY s", "GB*s", "TOK/S/DEV", "ACC %", "FITS"]
     rows = [estimate_row(r) for r in records]
     show_tables([(None, headers, rows)])
     for note in reply.notes:
@@ -389,6 +400,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         type=whole_number(),
         default=0,
         help="devices available (default: the cluster's of that type, or 8)",
+    )
+    p.add_argument(
+        "--device-memory",
+        type=device_memory_gib,
+        metavar="GIB",
+        help="memory of each device, which FITS is judged against (default: the largest "
+        "live device of that type, else the hardware calibration's)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per configuration")
     p.set_defaults(func=cmd_estimate)

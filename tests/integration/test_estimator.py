@@ -143,6 +143,33 @@ def test_cli_estimate_json_lines(stack, imported):
     assert max(line["tp"] * line["pp"] for line in lines) == 4
 
 
+def test_cli_estimate_says_which_configurations_do_not_fit_the_devices(stack, imported):
+    """A 405B model's 764 GiB per device was listed on 48 GB devices like the rest, and
+    the JSON had no field to tell them apart (a probe): a FITS column, a JSON field, a
+    note with the count, and --device-memory to ask for other devices."""
+    common = ("estimate", "llama-2-70b", "--hardware", HARDWARE, "--output-len", "100")
+    common += ("--input-len", "923", "--device-memory", "24")
+    out = cli(stack, *common, "--json")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    for line in lines:
+        within = line["memory_per_device_bytes"] <= 24 * (1 << 30)
+        assert line["fits_device_memory"] == within, line
+        assert line["batch_measured"] in (True, False)
+    unfit = sum(not line["fits_device_memory"] for line in lines)
+    assert 0 < unfit < len(lines)
+    assert f"note: {unfit} configurations do not fit the device memory of 24 GiB" in out.stderr
+    table = cli(stack, *common)
+    assert table.returncode == 0, table.stderr
+    assert "FITS: per-device memory within a device of 24 GiB" in table.stdout
+    rows = [
+        r.split()
+        for r in table.stdout.splitlines()
+        if r.split()[:1] in (["1"], ["2"], ["4"], ["8"])
+    ]
+    assert len(rows) == len(lines) and sum(r[-1] == "no" for r in rows) == unfit
+
+
 def test_cli_estimate_defaults_to_the_hardware_the_model_is_profiled_on(stack, imported):
     # A probe: --hardware was required, and argparse's refusal did not say the values.
     out = cli(stack, "estimate", "llama-2-7b", "--output-len", "10", "--json")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.api.iserve.v1 import common_pb2 as iserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!iserve/v1/estimator_service.proto\x12\tiserve.v1\x1a\x16iserve/v1/common.proto\"K\n\x08Workload\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\xb0\x03\n\x0e\x43onfigEstimate\x12+\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\x1a\n\x12memory_total_bytes\x18\x02 \x01(\x04\x12\x1f\n\x17memory_per_device_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x06 \x01(\x01\x12\x12\n\nlatency_ms\x18\x07 \x01(\x01\x12\x1b\n\x13\x63ost_memory_latency\x18\x08 \x01(\x01\x12\x13\n\x0b\x63ost_memory\x18\t \x01(\x01\x12\x19\n\x11\x63ost_device_hours\x18\n \x01(\x01\x12\x1b\n\x0e\x61\x63\x63uracy_score\x18\x0b \x01(\x01H\x00\x88\x01\x01\x12/\n\'throughput_tokens_per_second_per_device\x18\x0c \x01(\x01\x12\x16\n\x0e\x62\x61tch_measured\x18\r \x01(\x08\x12 \n\x18\x63ommunication_unprofiled\x18\x0e \x01(\x08\x42\x11\n\x0f_accuracy_score\"\xaf\x01\n\x16\x45stimateConfigsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rhardware_type\x18\x03 \x01(\t\x12%\n\x08workload\x18\x04 \x01(\x0b\x32\x13.iserve.v1.Workload\x12\x14\n\x0c\x64\x65vice_count\x18\x05 \x01(\r\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x06 \x01(\x04\"j\n\x17\x45stimateConfigsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\testimates\x18\x02 \x03(\x0b\x32\x19.iserve.v1.ConfigEstimate\x12\r\n\x05notes\x18\x03 \x03(\t\"r\n\x0cRankedConfig\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12+\n\x08\x65stimate\x18\x02 \x01(\x0b\x32\x19.iserve.v1.ConfigEstimate\x12\x14\n\x0cmeets_intent\x18\x03 \x01(\x08\x12\x11\n\tshortfall\x18\x04 \x01(\t\"\xce\x01\n\x12RankConfigsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rhardware_type\x18\x03 \x01(\t\x12%\n\x08workload\x18\x04 \x01(\x0b\x32\x13.iserve.v1.Workload\x12\x14\n\x0c\x64\x65vice_count\x18\x05 \x01(\r\x12!\n\x06intent\x18\x06 \x01(\x0b\x32\x11.iserve.v1.Intent\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x07 \x01(\x04\"`\n\x13RankConfigsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06ranked\x18\x02 \x03(\x0b\x32\x17.iserve.v1.RankedConfig\x12\x0c\n\x04note\x18\x03 \x01(\t\"\x99\x02\n\x0b\x43\x61libration\x12\x15\n\rhardware_type\x18\x01 \x01(\t\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x03 \x01(\x01\x12\r\n\x05gamma\x18\x04 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x01\x12;\n\x0b\x65xtra_terms\x18\x06 \x03(\x0b\x32&.iserve.v1.Calibration.ExtraTermsEntry\x12\x12\n\nprovenance\x18\x07 \x01(\t\x12\x19\n\x11\x66itted_at_unix_ms\x18\x08 \x01(\x03\x12\x19\n\x11\x66it_error_percent\x18\t \x01(\x01\x1a\x31\n\x0f\x45xtraTermsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"B\n\x15GetCalibrationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rhardware_type\x18\x02 \x01(\t\"Y\n\x16GetCalibrationResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0b\x32\x16.iserve.v1.Calibration\"P\n\x10\x43\x61librateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rhardware_type\x18\x02 \x01(\t\x12\x11\n\tmodel_ids\x18\x03 \x03(\t\"T\n\x11\x43\x61librateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0b\x32\x16.iserve.v1.Calibration2\xd9\x02\n\x10\x45stimatorService\x12X\n\x0f\x45stimateConfigs\x12!.iserve.v1.EstimateConfigsRequest\x1a\".iserve.v1.EstimateConfigsResponse\x12L\n\x0bRankConfigs\x12\x1d.iserve.v1.RankConfigsRequest\x1a\x1e.iserve.v1.RankConfigsResponse\x12U\n\x0eGetCalibration\x12 .iserve.v1.GetCalibrationRequest\x1a!.iserve.v1.GetCalibrationResponse\x12\x46\n\tCalibrate\x12\x1b.iserve.v1.CalibrateRequest\x1a\x1c.iserve.v1.CalibrateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!iserve/v1/estimator_service.proto\x12\tiserve.v1\x1a\x16iserve/v1/common.proto\"K\n\x08Workload\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\xcc\x03\n\x0e\x43onfigEstimate\x12+\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1b.iserve.v1.DeploymentConfig\x12\x1a\n\x12memory_total_bytes\x18\x02 \x01(\x04\x12\x1f\n\x17memory_per_device_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x06 \x01(\x01\x12\x12\n\nlatency_ms\x18\x07 \x01(\x01\x12\x1b\n\x13\x63ost_memory_latency\x18\x08 \x01(\x01\x12\x13\n\x0b\x63ost_memory\x18\t \x01(\x01\x12\x19\n\x11\x63ost_device_hours\x18\n \x01(\x01\x12\x1b\n\x0e\x61\x63\x63uracy_score\x18\x0b \x01(\x01H\x00\x88\x01\x01\x12/\n\'throughput_tokens_per_second_per_device\x18\x0c \x01(\x01\x12\x16\n\x0e\x62\x61tch_measured\x18\r \x01(\x08\x12 \n\x18\x63ommunication_unprofiled\x18\x0e \x01(\x08\x12\x1a\n\x12\x66its_device_memory\x18\x0f \x01(\x08\x42\x11\n\x0f_accuracy_score\"\xaf\x01\n\x16\x45stimateConfigsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rhardware_type\x18\x03 \x01(\t\x12%\n\x08workload\x18\x04 \x01(\x0b\x32\x13.iserve.v1.Workload\x12\x14\n\x0c\x64\x65vice_count\x18\x05 \x01(\r\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x06 \x01(\x04\"\x87\x01\n\x17\x45stimateConfigsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\testimates\x18\x02 \x03(\x0b\x32\x19.iserve.v1.ConfigEstimate\x12\r\n\x05notes\x18\x03 \x03(\t\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x04 \x01(\x04\"r\n\x0cRankedConfig\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12+\n\x08\x65stimate\x18\x02 \x01(\x0b\x32\x19.iserve.v1.ConfigEstimate\x12\x14\n\x0cmeets_intent\x18\x03 \x01(\x08\x12\x11\n\tshortfall\x18\x04 \x01(\t\"\xce\x01\n\x12RankConfigsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rhardware_type\x18\x03 \x01(\t\x12%\n\x08workload\x18\x04 \x01(\x0b\x32\x13.iserve.v1.Workload\x12\x14\n\x0c\x64\x65vice_count\x18\x05 \x01(\r\x12!\n\x06intent\x18\x06 \x01(\x0b\x32\x11.iserve.v1.Intent\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x07 \x01(\x04\"`\n\x13RankConfigsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06ranked\x18\x02 \x03(\x0b\x32\x17.iserve.v1.RankedConfig\x12\x0c\n\x04note\x18\x03 \x01(\t\"\x99\x02\n\x0b\x43\x61libration\x12\x15\n\rhardware_type\x18\x01 \x01(\t\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x03 \x01(\x01\x12\r\n\x05gamma\x18\x04 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x01\x12;\n\x0b\x65xtra_terms\x18\x06 \x03(\x0b\x32&.iserve.v1.Calibration.ExtraTermsEntry\x12\x12\n\nprovenance\x18\x07 \x01(\t\x12\x19\n\x11\x66itted_at_unix_ms\x18\x08 \x01(\x03\x12\x19\n\x11\x66it_error_percent\x18\t \x01(\x01\x1a\x31\n\x0f\x45xtraTermsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"B\n\x15GetCalibrationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rhardware_type\x18\x02 \x01(\t\"Y\n\x16GetCalibrationResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0b\x32\x16.iserve.v1.Calibration\"P\n\x10\x43\x61librateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rhardware_type\x18\x02 \x01(\t\x12\x11\n\tmodel_ids\x18\x03 \x03(\t\"T\n\x11\x43\x61librateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0b\x32\x16.iserve.v1.Calibration2\xd9\x02\n\x10\x45stimatorService\x12X\n\x0f\x45stimateConfigs\x12!.iserve.v1.EstimateConfigsRequest\x1a\".iserve.v1.EstimateConfigsResponse\x12L\n\x0bRankConfigs\x12\x1d.iserve.v1.RankConfigsRequest\x1a\x1e.iserve.v1.RankConfigsResponse\x12U\n\x0eGetCalibration\x12 .iserve.v1.GetCalibrationRequest\x1a!.iserve.v1.GetCalibrationResponse\x12\x46\n\tCalibrate\x12\x1b.iserve.v1.CalibrateRequest\x1a\x1c.iserve.v1.CalibrateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,29 +37,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKLOAD']._serialized_start=72
   _globals['_WORKLOAD']._serialized_end=147
   _globals['_CONFIGESTIMATE']._serialized_start=150
-  _globals['_CONFIGESTIMATE']._serialized_end=582
-  _globals['_ESTIMATECONFIGSREQUEST']._serialized_start=585
-  _globals['_ESTIMATECONFIGSREQUEST']._serialized_end=760
-  _globals['_ESTIMATECONFIGSRESPONSE']._serialized_start=762
-  _globals['_ESTIMATECONFIGSRESPONSE']._serialized_end=868
-  _globals['_RANKEDCONFIG']._serialized_start=870
-  _globals['_RANKEDCONFIG']._serialized_end=984
-  _globals['_RANKCONFIGSREQUEST']._serialized_start=987
-  _globals['_RANKCONFIGSREQUEST']._serialized_end=1193
-  _globals['_RANKCONFIGSRESPONSE']._serialized_start=1195
-  _globals['_RANKCONFIGSRESPONSE']._serialized_end=1291
-  _globals['_CALIBRATION']._serialized_start=1294
-  _globals['_CALIBRATION']._serialized_end=1575
-  _globals['_CALIBRATION_EXTRATERMSENTRY']._serialized_start=1526
-  _globals['_CALIBRATION_EXTRATERMSENTRY']._serialized_end=1575
-  _globals['_GETCALIBRATIONREQUEST']._serialized_start=1577
-  _globals['_GETCALIBRATIONREQUEST']._serialized_end=1643
-  _globals['_GETCALIBRATIONRESPONSE']._serialized_start=1645
-  _globals['_GETCALIBRATIONRESPONSE']._serialized_end=1734
-  _globals['_CALIBRATEREQUEST']._serialized_start=1736
-  _globals['_CALIBRATEREQUEST']._serialized_end=1816
-  _globals['_CALIBRATERESPONSE']._serialized_start=1818
-  _globals['_CALIBRATERESPONSE']._serialized_end=1902
-  _globals['_ESTIMATORSERVICE']._serialized_start=1905
-  _globals['_ESTIMATORSERVICE']._serialized_end=2250
+  _globals['_CONFIGESTIMATE']._serialized_end=610
+  _globals['_ESTIMATECONFIGSREQUEST']._serialized_start=613
+  _globals['_ESTIMATECONFIGSREQUEST']._serialized_end=788
+  _globals['_ESTIMATECONFIGSRESPONSE']._serialized_start=791
+  _globals['_ESTIMATECONFIGSRESPONSE']._serialized_end=926
+  _globals['_RANKEDCONFIG']._serialized_start=928
+  _globals['_RANKEDCONFIG']._serialized_end=1042
+  _globals['_RANKCONFIGSREQUEST']._serialized_start=1045
+  _globals['_RANKCONFIGSREQUEST']._serialized_end=1251
+  _globals['_RANKCONFIGSRESPONSE']._serialized_start=1253
+  _globals['_RANKCONFIGSRESPONSE']._serialized_end=1349
+  _globals['_CALIBRATION']._serialized_start=1352
+  _globals['_CALIBRATION']._serialized_end=1633
+  _globals['_CALIBRATION_EXTRATERMSENTRY']._serialized_start=1584
+  _globals['_CALIBRATION_EXTRATERMSENTRY']._serialized_end=1633
+  _globals['_GETCALIBRATIONREQUEST']._serialized_start=1635
+  _globals['_GETCALIBRATIONREQUEST']._serialized_end=1701
+  _globals['_GETCALIBRATIONRESPONSE']._serialized_start=1703
+  _globals['_GETCALIBRATIONRESPONSE']._serialized_end=1792
+  _globals['_CALIBRATEREQUEST']._serialized_start=1794
+  _globals['_CALIBRATEREQUEST']._serialized_end=1874
+  _globals['_CALIBRATERESPONSE']._serialized_start=1876
+  _globals['_CALIBRATERESPONSE']._serialized_end=1960
+  _globals['_ESTIMATORSERVICE']._serialized_start=1963
+  _globals['_ESTIMATORSERVICE']._serialized_end=2308
 # @@protoc_insertion_point(module_scope)

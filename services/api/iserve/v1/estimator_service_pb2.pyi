@@ -18,7 +18,7 @@ class Workload(_message.Message):
     def __init__(self, input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class ConfigEstimate(_message.Message):
-    __slots__ = ("config", "memory_total_bytes", "memory_per_device_bytes", "kv_cache_bytes", "ttft_ms", "tpot_ms", "latency_ms", "cost_memory_latency", "cost_memory", "cost_device_hours", "accuracy_score", "throughput_tokens_per_second_per_device", "batch_measured", "communication_unprofiled")
+    __slots__ = ("config", "memory_total_bytes", "memory_per_device_bytes", "kv_cache_bytes", "ttft_ms", "tpot_ms", "latency_ms", "cost_memory_latency", "cost_memory", "cost_device_hours", "accuracy_score", "throughput_tokens_per_second_per_device", "batch_measured", "communication_unprofiled", "fits_device_memory")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_PER_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class ConfigEstimate(_message.Message):
     THROUGHPUT_TOKENS_PER_SECOND_PER_DEVICE_FIELD_NUMBER: _ClassVar[int]
     BATCH_MEASURED_FIELD_NUMBER: _ClassVar[int]
     COMMUNICATION_UNPROFILED_FIELD_NUMBER: _ClassVar[int]
+    FITS_DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     config: _common_pb2.DeploymentConfig
     memory_total_bytes: int
     memory_per_device_bytes: int
@@ -47,7 +48,8 @@ class ConfigEstimate(_message.Message):
     throughput_tokens_per_second_per_device: float
     batch_measured: bool
     communication_unprofiled: bool
-    def __init__(self, config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., memory_total_bytes: _Optional[int] = ..., memory_per_device_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., cost_memory_latency: _Optional[float] = ..., cost_memory: _Optional[float] = ..., cost_device_hours: _Optional[float] = ..., accuracy_score: _Optional[float] = ..., throughput_tokens_per_second_per_device: _Optional[float] = ..., batch_measured: _Optional[bool] = ..., communication_unprofiled: _Optional[bool] = ...) -> None: ...
+    fits_device_memory: bool
+    def __init__(self, config: _Optional[_Union[_common_pb2.DeploymentConfig, _Mapping]] = ..., memory_total_bytes: _Optional[int] = ..., memory_per_device_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., cost_memory_latency: _Optional[float] = ..., cost_memory: _Optional[float] = ..., cost_device_hours: _Optional[float] = ..., accuracy_score: _Optional[float] = ..., throughput_tokens_per_second_per_device: _Optional[float] = ..., batch_measured: _Optional[bool] = ..., communication_unprofiled: _Optional[bool] = ..., fits_device_memory: _Optional[bool] = ...) -> None: ...
 
 class EstimateConfigsRequest(_message.Message):
     __slots__ = ("request_id", "model_id", "hardware_type", "workload", "device_count", "device_memory_bytes")
@@ -66,14 +68,16 @@ class EstimateConfigsRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., hardware_type: _Optional[str] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., device_count: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class EstimateConfigsResponse(_message.Message):
-    __slots__ = ("request_id", "estimates", "notes")
+    __slots__ = ("request_id", "estimates", "notes", "device_memory_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ESTIMATES_FIELD_NUMBER: _ClassVar[int]
     NOTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     estimates: _containers.RepeatedCompositeFieldContainer[ConfigEstimate]
     notes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., estimates: _Optional[_Iterable[_Union[ConfigEstimate, _Mapping]]] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
+    device_memory_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., estimates: _Optional[_Iterable[_Union[ConfigEstimate, _Mapping]]] = ..., notes: _Optional[_Iterable[str]] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class RankedConfig(_message.Message):
     __slots__ = ("rank", "estimate", "meets_intent", "shortfall")
