@@ -119,3 +119,14 @@ def test_plan_refuses_half_described_simulations_and_unknown_models(stack, impor
 def test_the_pareto_front_keeps_only_undominated_points():
     points = [(1.0, 5.0), (2.0, 3.0), (2.5, 4.0), (3.0, 1.0), (4.0, 1.0), (0.5, 9.0)]
     assert pareto_front(points) == [5, 0, 1, 3]
+
+
+def test_plan_fails_when_no_intent_can_be_placed(stack, imported):
+    """Each intent said "none: RESOURCE_EXHAUSTED" for a model no device holds; the
+    command's status says so too (a probe read exit 0 there)."""
+    small = ("--hardware", A6000, "--devices", "2", "--device-memory", "4")
+    out = cli(stack, "plan", "llama-2-70b", *small)
+    assert "none: RESOURCE_EXHAUSTED" in out.stdout, out.stdout
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+    out = cli(stack, "plan", "llama-2-70b", *small, "--json")
+    assert out.returncode == 1 and all("error" in r for r in json.loads(out.stdout)["intents"])
