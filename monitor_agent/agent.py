@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 
 from monitor_agent.devices import discover_devices
@@ -36,7 +37,7 @@ from services.metrics import new_registry
 from services.ports import free_port
 from services.service_main import ServiceParts, fail, serve_service
 from services.settings import SERVICE_ENV, WILDCARD_HOSTS, Settings, is_loopback_host
-from services.state.store import StateStore
+from services.state.store import NodeTakenOver, StateStore
 
 log = logging.getLogger("iserve.agent")
 # How long the record of a clean stop lasts when dead nodes are never forgotten.
@@ -135,13 +136,28 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
                 "stop that agent or give this one another ISERVE_NODE_ID"
             )
 
+    taken_over = asyncio.Event()
+
+    async def give_up_the_node(_exc: NodeTakenOver) -> None:
+        """Another agent took this node id over while this one was frozen: stop its own
+        workers (orphans otherwise, each a deployment's rank run twice) and exit, writing
+        nothing under the node id that agent now holds."""
+        supervisor.disown()
+        taken_over.set()
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent's own graceful stop
+
+    monitor.on_taken_over = give_up_the_node
+
     async def stop() -> None:
         """Stop every worker, then say in Redis that this node stopped on purpose: the
         deployer moves its replicas at once and says why, where it waited for the
-        heartbeat to lapse and recorded a lost node ("do not answer")."""
+        heartbeat to lapse and recorded a lost node ("do not answer"). Not when another
+        agent holds the node now: its stop is not this one's."""
         await supervisor.stop_all()
         if pool is not None:  # gone before the agent: `iserve down` waits for the agent
             await asyncio.to_thread(pool.stop)
+        if taken_over.is_set():
+            return
         try:
             await store.mark_node_stopped(
                 settings.node_id, settings.node_forget_after_s or STOPPED_RECORD_S

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import psutil
 from monitor_agent.devices import DeviceSpec
 from monitor_agent.load import LoadRing
 from services.api import common_pb2 as common
-from services.state.store import StateStore, StateStoreUnavailable
+from services.state.store import NodeTakenOver, StateStore, StateStoreUnavailable
 
 log = logging.getLogger("iserve.agent.monitor")
 
@@ -136,15 +137,25 @@ class DeviceMonitor:
         # Called with each round's figures (the agent's Prometheus gauges).
         self.on_measure = on_measure
         self.loads = {d.device_id: LoadRing() for d in self.devices}
+        # This process's claim on the node id (StateStore.register_node's holder).
+        self.holder = secrets.token_hex(8)
+        self.registered = False
+        # Awaited once when another agent took the node id over (NodeTakenOver): the
+        # agent stops; this loop publishes nothing more.
+        self.on_taken_over: Callable[[NodeTakenOver], Awaitable[None]] | None = None
 
-    async def register(self, *, announce: bool = True) -> None:
+    async def register(self) -> None:
+        """Register the node; the first registration takes the node id (and says so),
+        a later one raises NodeTakenOver when another agent holds it since."""
         node = common.NodeState(
             node_id=self.node_id,
             agent_address=self.agent_address,
             devices=[d.to_state(self.node_id) for d in self.devices],
         )
-        await self.store.register_node(node, self.heartbeat_ttl_s)
-        if announce:
+        first = not self.registered
+        await self.store.register_node(node, self.heartbeat_ttl_s, self.holder, take=first)
+        self.registered = True
+        if first:
             log.info(
                 "node %s registered at %s with %d device(s): %s",
                 self.node_id,
@@ -172,14 +183,23 @@ class DeviceMonitor:
     async def run(self) -> None:
         """Background task: every ``interval_s`` until cancelled, register the node and
         publish its devices' figures (a failed round is logged and tried again)."""
-        registered = False
         failing = False  # the last round failed: the next failure is not logged again
         next_at = time.monotonic()
         while True:
             try:
-                await self.register(announce=not registered)
-                registered = True
+                await self.register()
                 await self.store.publish_devices(self.node_id, self.measure(), self.heartbeat_ttl_s)
+            except NodeTakenOver as exc:
+                # Frozen past the heartbeat, this agent was replaced: two agents under one
+                # id took turns as its holder and ran a deployment's rank twice (a probe).
+                log.error(
+                    "%s while this agent did not answer; it stops its workers and exits, "
+                    "leaving the node's records to that agent",
+                    exc,
+                )
+                if self.on_taken_over is not None:
+                    await self.on_taken_over(exc)
+                return
             except StateStoreUnavailable as exc:
                 # Redis down: one line when it starts, not a traceback every second.
                 if not failing:

@@ -183,8 +183,17 @@ class WorkerSupervisor:
         self._records_expire_s: dict[str, float] = {}
         # Deployment id -> when a rank was first seen exited of a lost peer (_cause_may_follow).
         self._consequence_seen: dict[str, float] = {}
+        self._disowned = False
+
+    def disown(self) -> None:
+        """Write no more worker records or events: another agent holds this node id now
+        (NodeTakenOver), and the records under it are that agent's, which its workers of
+        the same deployments and ranks would have read as stopped."""
+        self._disowned = True
 
     async def _put_worker(self, info: agent_pb.WorkerInfo) -> None:
+        if self._disowned:
+            return
         await self.store.put_worker(info, self._records_expire_s.get(info.deployment_id, 0.0))
 
     def remove_stale_ready_files(self) -> list[Path]:
@@ -576,7 +585,7 @@ class WorkerSupervisor:
         for _, info in hosted:
             await self._put_worker(info)
         await self._put_worker(failed)
-        if publish:
+        if publish and not self._disowned:
             await self.store.publish_event(
                 "worker_died",
                 node_id=self.node_id,

@@ -120,6 +120,12 @@ def node_back_after_stop(node_id: str) -> str:
     return f"{PREFIX}node-back-after-stop:{_part(node_id)}"
 
 
+def node_holder(node_id: str) -> str:
+    """The token of the agent process that registered the node last (a new process
+    takes it over; the one it replaced, registering again, finds another's and stops)."""
+    return f"{PREFIX}node-holder:{_part(node_id)}"
+
+
 def node_heartbeat(node_id: str) -> str:
     """Exists while the node's agent is alive (TTL)."""
     return f"{PREFIX}heartbeat:{_part(node_id)}"

@@ -203,6 +203,18 @@ def eviction_problem(policy: str | None) -> tuple[str, str]:
 STATE_FORMAT = 2
 
 
+class NodeTakenOver(Exception):
+    """Another agent process registered this node id since this one last did: it took
+    the id over while this one did not answer (a hung or frozen agent)."""
+
+    def __init__(self, node_id: str, holder_address: str):
+        super().__init__(
+            f"node id {node_id!r} was taken over by the agent at {holder_address or '?'}"
+        )
+        self.node_id = node_id
+        self.holder_address = holder_address
+
+
 class ReservationError(Exception):
     """A reservation could not be made; ``device`` names the device that refused it."""
 
@@ -579,13 +591,20 @@ class StateStore:
         )
 
     # ---- nodes and devices --------------------------------------------------------
-    async def register_node(self, node: common.NodeState, ttl_s: float) -> None:
+    async def register_node(
+        self, node: common.NodeState, ttl_s: float, holder: str = "", *, take: bool = True
+    ) -> None:
         """Record a node's address and devices, replacing what it registered before.
 
         Atomic: a device the node no longer has leaves its device set and its record is
         deleted, so placement stops seeing it (reservations naming it keep their entry;
         releasing them skips the missing device). A device that joins the set gets its
         ``reserved`` counter from the reservations that still name it.
+
+        ``holder`` names the registering agent process: its first registration
+        (``take``) makes it the node's holder; a later one raises NodeTakenOver, writing
+        nothing, when another process has registered the node since and still
+        heartbeats (one that died since leaves the node to this one again).
         """
         node_id = node.node_id
         static = common.NodeState(node_id=node_id, agent_address=node.agent_address)
@@ -594,7 +613,21 @@ class StateStore:
             while True:
                 try:
                     # Watched so a concurrent registration or release makes this retry.
-                    await pipe.watch(keys.node_devices(node_id), keys.reservation_index())
+                    await pipe.watch(
+                        keys.node_devices(node_id),
+                        keys.reservation_index(),
+                        keys.node_holder(node_id),
+                    )
+                    if holder and not take:
+                        current = await pipe.get(keys.node_holder(node_id))
+                        if (
+                            current is not None
+                            and current != holder
+                            and await pipe.exists(keys.node_heartbeat(node_id))
+                        ):
+                            raw = await pipe.get(keys.node(node_id))
+                            address = decode(common.NodeState, raw).agent_address if raw else ""
+                            raise NodeTakenOver(node_id, address)
                     registered = set(await pipe.smembers(keys.node_devices(node_id)))
                     stopped = await pipe.get(keys.node_stopped(node_id))
                     joined = wanted - registered
@@ -603,6 +636,8 @@ class StateStore:
                     )
                     pipe.multi()
                     pipe.set(keys.node(node_id), encode(static))
+                    if holder:
+                        pipe.set(keys.node_holder(node_id), holder)
                     pipe.sadd(keys.node_index(), node_id)
                     pipe.delete(keys.node_stopped(node_id))
                     if stopped is not None:  # kept through the agent's later registrations
@@ -744,6 +779,7 @@ class StateStore:
                         keys.node_devices(node_id),
                         keys.node_stopped(node_id),
                         keys.node_back_after_stop(node_id),
+                        keys.node_holder(node_id),
                         *device_keys,
                     )
                     await pipe.execute()

@@ -193,3 +193,70 @@ def test_a_node_that_cannot_start_its_ranks_fails_the_deploy_at_once(two_nodes):
         return all(d.reserved_bytes == 0 for n in state.nodes for d in n.devices)
 
     assert wait_for(nothing_reserved, timeout=30)
+
+
+def _agent(settings, root, node_id: str, name: str) -> tuple[subprocess.Popen, str]:
+    """An agent process for ``node_id`` in the two-node cluster's Redis, and its address."""
+    address = f"127.0.0.1:{free_port()}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "monitor_agent"],
+        env={
+            **os.environ,
+            "REDIS_URL": settings.redis_url,
+            "ISERVE_STATE_DIR": str(root / name),
+            "ISERVE_MODELS_ROOT": str(node1_models(settings)),
+            "ISERVE_NODE_ID": node_id,
+            "ISERVE_AGENT_ADDR": address,
+            "ISERVE_AGENT_METRICS_ADDR": f"127.0.0.1:{free_port()}",
+            "ISERVE_HEARTBEAT_TTL_S": "1",
+            "ISERVE_WORKER_POOL": "0",
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / f"{name}.log", "w"),  # noqa: SIM115 - closed with the process
+    )
+    assert wait_serving(address, time.monotonic() + 60, process), (
+        root / f"{name}.log"
+    ).read_text()[-2000:]
+    return process, address
+
+
+def test_an_agent_replaced_while_frozen_exits_instead_of_sharing_its_node_id(two_nodes, tmp_path):
+    """A SIGSTOPped agent did not answer the start-up check, so a new agent took its node
+    id; resumed, the old one registered the id in turn with the new one, and a
+    deployment's rank ran twice on that node (a probe). It now stops and exits, and the
+    node stays the new agent's."""
+    import signal
+
+    from services.state.store import StateStore
+
+    settings = two_nodes
+    old, _ = _agent(settings, tmp_path, "node9", "old")
+    new = None
+    try:
+        old.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)  # past its 1 s heartbeat
+        new, new_address = _agent(settings, tmp_path, "node9", "new")
+        old.send_signal(signal.SIGCONT)
+        assert old.wait(timeout=30) is not None  # it exits of itself
+        said = (tmp_path / "old.log").read_text()
+        assert f"node id 'node9' was taken over by the agent at {new_address}" in said, said
+        assert new.poll() is None
+
+        async def holder() -> str:
+            store = StateStore.from_url(settings.redis_url)
+            try:
+                node = await store.get_node("node9")
+                return node.agent_address if node is not None and node.alive else ""
+            finally:
+                await store.close()
+
+        import asyncio
+
+        time.sleep(1.5)  # a registration of the new agent after the old one left
+        assert asyncio.run(holder()) == new_address
+    finally:
+        for process in (old, new):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.terminate()
+                process.wait(timeout=30)

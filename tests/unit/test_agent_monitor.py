@@ -143,7 +143,7 @@ def test_redis_down_is_one_warning_not_a_traceback_every_round(caplog):
         interval_s=0.001,
     )
 
-    async def register(announce: bool) -> None:
+    async def register() -> None:
         return None
 
     monitor.register = register

@@ -14,7 +14,7 @@ from monitor_agent.monitor import DeviceMonitor, DeviceSample, live_holder
 from services.aio import cancel_and_wait
 from services.api import common_pb2 as common
 from services.state import keys
-from services.state.store import ReservationError
+from services.state.store import NodeTakenOver, ReservationError
 
 MIB = 1 << 20
 # The monitor registers every 50 ms here: a limit for one that never does.
@@ -169,3 +169,47 @@ def test_port_zero_is_pinned_to_a_real_port_before_the_agent_registers():
     env = {"ISERVE_AGENT_ADDR": "127.0.0.1:50065"}
     pin_any_port(env)
     assert env == {"ISERVE_AGENT_ADDR": "127.0.0.1:50065"}
+
+
+def test_an_agent_replaced_while_frozen_stops_rather_than_share_its_node_id(run):
+    """A SIGSTOPped agent's id was taken by a new agent (the frozen one did not answer
+    the start-up check); resumed, both registered the id in turn and a deployment's rank
+    ran twice (a probe). The replaced agent now finds another holder and gives up; one
+    whose replacement died since takes its node back."""
+
+    def monitor(store, address: str) -> DeviceMonitor:
+        return DeviceMonitor(
+            node_id="n0",
+            agent_address=address,
+            devices=virtual_devices(1, 1024 * MIB, [0], "x86_64"),
+            store=store,
+            sampler=_IdleSampler(),
+            heartbeat_ttl_s=5,
+            interval_s=0.05,
+        )
+
+    async def body(store):
+        old, new = monitor(store, "127.0.0.1:1"), monitor(store, "127.0.0.1:2")
+        await old.register()  # its first registration: it holds the id
+        await old.register()
+        await new.register()  # started while the old one was frozen: takes the id
+        given_up = []
+
+        async def give_up(exc: NodeTakenOver) -> None:
+            given_up.append(exc.holder_address)
+
+        old.on_taken_over = give_up
+        before = await store.get_node("n0")
+        await asyncio.wait_for(old.run(), NODE_WAIT_S)  # returns: it gave up
+        assert given_up == ["127.0.0.1:2"]
+        assert (await store.get_node("n0")).agent_address == before.agent_address == "127.0.0.1:2"
+        with pytest.raises(NodeTakenOver, match="taken over by the agent at 127.0.0.1:2"):
+            await old.register()
+        # The new holder died (its heartbeat lapsed): the old one may hold the node again.
+        await store.redis.delete(keys.node_heartbeat("n0"))
+        await old.register()
+        assert (await store.get_node("n0")).agent_address == "127.0.0.1:1"
+        with pytest.raises(NodeTakenOver, match="127.0.0.1:1"):
+            await new.register()
+
+    run(body)
