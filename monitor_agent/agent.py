@@ -149,13 +149,18 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
     monitor.on_taken_over = give_up_the_node
 
     async def stop() -> None:
-        """Stop every worker, then say in Redis that this node stopped on purpose: the
-        deployer moves its replicas at once and says why, where it waited for the
-        heartbeat to lapse and recorded a lost node ("do not answer"). Not when another
-        agent holds the node now: its stop is not this one's."""
+        """Stop every worker, and the warm pool."""
         await supervisor.stop_all()
         if pool is not None:  # gone before the agent: `iserve down` waits for the agent
             await asyncio.to_thread(pool.stop)
+
+    async def record_the_stop() -> None:
+        """Say in Redis that this node stops on purpose, its heartbeat (the monitor's
+        task) already cancelled, before any worker drains: the deployer moves its
+        replicas at once and says why. Recorded after the workers' stop, under traffic a
+        draining worker reached the deployer first, through the scheduler, while this
+        agent no longer answered: "do not answer", a lost node (a probe). Not when
+        another agent holds the node now: its stop is not this one's."""
         if taken_over.is_set():
             return
         try:
@@ -176,6 +181,7 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         on_start=refuse_a_node_id_in_use,
         background=[monitor.run, supervisor.reap_forever],
         on_stop=stop,
+        before_stop=record_the_stop,
         registry=registry,
     )
 

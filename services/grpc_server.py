@@ -378,6 +378,7 @@ async def run_server(
     on_started: Callable[[int], Awaitable[None] | None] | None = None,
     background: Iterable[Callable[[], Awaitable[None]]] = (),
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    before_stop: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 5.0,
     drain: Drain | None = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
@@ -391,7 +392,8 @@ async def run_server(
     flight; a second signal cuts it short); background tasks are cancelled; the server
     stops, giving calls in flight ``grace_s`` seconds, or none after a drain (the drain
     was their grace); then ``on_stop`` runs, after the last call, so no call sees what
-    it closes.
+    it closes. ``before_stop`` runs once the background tasks are cancelled and before
+    the server stops: what a service tells others of its stop before it stops answering.
     """
     server, port, health_servicer = await start_server(bindings, address, metrics, security)
     if security is not None:
@@ -445,6 +447,8 @@ async def run_server(
     faulthandler.dump_traceback_later(grace_s + STOP_STACKS_AFTER_S, exit=False)
     watchdog = loop.call_later(grace_s + STOP_STACKS_AFTER_S, _log_tasks, name)
     await cancel_and_wait(tasks)
+    if before_stop is not None:
+        await before_stop()
     await server.stop(0 if drain is not None else grace_s)
     if on_stop is not None:
         await on_stop()

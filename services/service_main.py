@@ -44,6 +44,9 @@ class ServiceParts:
     # Runs once before the server listens (e.g. loading a cache it serves from).
     on_start: Callable[[], Awaitable[None]] | None = None
     on_stop: Callable[[], Awaitable[None]] | None = None
+    # On SIGTERM, once the background tasks are cancelled and before the server stops
+    # answering (run_server's before_stop).
+    before_stop: Callable[[], Awaitable[None]] | None = None
     # On SIGTERM, awaited with ISERVE_DRAIN_TIMEOUT_S before the server stops (see
     # services.drain); None: calls in flight get run_server's short grace instead.
     drain: Drain | None = None
@@ -168,6 +171,7 @@ def serve_service(name: str, build: Callable[[Settings, StateStore], ServicePart
             settings.address(name),
             background=parts.background,
             on_stop=stop,
+            before_stop=parts.before_stop,
             drain=parts.drain,
             drain_timeout_s=settings.drain_timeout_s,
             metrics=rpc_metrics,

@@ -303,11 +303,29 @@ def test_an_agent_stopped_on_purpose_is_said_to_be_and_spends_no_restart_budget(
     own_stack, deployment
 ):
     """A planned stop (SIGTERM: an upgrade, a drained node) of the agent read "node
-    agent(s) ... do not answer (worker unreachable ...)", as a crash would (a probe)."""
+    agent(s) ... do not answer (worker unreachable ...)", as a crash would (a probe);
+    so did one under traffic after that was fixed: a draining worker's refusal reached
+    the deployer, through the scheduler, before the agent recorded its stop (a probe)."""
     stack, deployment_id = own_stack, deployment.deployment_id
     held = reserved_by_device(stack)
     pids = worker_pids(stack, deployment_id)
-    launcher.restart_service(stack.settings, "agent")  # SIGTERM, then started again
+    stop = threading.Event()
+
+    def traffic() -> None:  # back-to-back short requests, refusals and all
+        while not stop.is_set():
+            with contextlib.suppress(grpc.RpcError, AssertionError):
+                generate(stack, deployment_id=deployment_id, prompt="hi", max_tokens=8)
+
+    senders = [threading.Thread(target=traffic, daemon=True) for _ in range(2)]
+    for sender in senders:
+        sender.start()
+    try:
+        time.sleep(1.0)
+        launcher.restart_service(stack.settings, "agent")  # SIGTERM, then started again
+    finally:
+        stop.set()
+        for sender in senders:
+            sender.join(timeout=60)
     serving_again(stack, deployment_id, pids)
     reasons = restart_reasons(stack, deployment_id)
     assert reasons and reasons[0].startswith("node agent(s) node0 stopped on purpose"), reasons
