@@ -18,6 +18,11 @@ class IServeError(Exception):
     code = grpc.StatusCode.INTERNAL
     reason = ""
 
+    def told_to_tenants(self) -> str:
+        """What a caller that is no administrator is told: the message, unless it names
+        what only the operator should see (an internal address)."""
+        return str(self)
+
 
 class InvalidArgument(IServeError):
     code = grpc.StatusCode.INVALID_ARGUMENT

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from services import transport
 from services.aio import cancel_and_wait
 from services.auth.interceptor import AuthInterceptor
+from services.auth.policy import ADMIN, SERVICE
 from services.auth.tokens import Authenticator
 from services.errors import REASON_KEY, InvalidArgument, IServeError
 from services.ids import check_request_id
@@ -89,6 +90,11 @@ def wire_details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
     return message
 
 
+# The roles told what only the operator should see (services.errors.told_to_tenants);
+# with authentication off every caller is an administrator.
+OPERATORS = frozenset({ADMIN, SERVICE})
+
+
 async def _abort_for(
     exc: BaseException, method: str, request: object, context: grpc.aio.ServicerContext
 ):
@@ -97,6 +103,10 @@ async def _abort_for(
         details = wire_details(str(exc))
         log.info("%s request_id=%s -> %s: %s", method, rid, exc.code.name, details)
         reason = ((REASON_KEY, exc.reason[:200]),) if exc.reason else ()
+        if getattr(exc, "caller_role", ADMIN) not in OPERATORS:
+            # A tenant's token (the auth interceptor, outside this one's reach of the
+            # call's caller, marks its errors): Redis's address was in them (a probe).
+            details = wire_details(exc.told_to_tenants())
         await context.abort(exc.code, details, trailing_metadata=reason)
     log.exception("%s request_id=%s failed", method, rid)
     await context.abort(

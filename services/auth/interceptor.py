@@ -137,6 +137,9 @@ def _guarded(behavior: Callable, check: Callable):
             try:
                 async for item in behavior(request, context):
                     yield item
+            except IServeError as exc:
+                exc.caller_role = principal.role  # what the error interceptor may tell it
+                raise
             finally:
                 # A stream closed from another context (its client went away) cannot
                 # reset; the call's task ends with it anyway.
@@ -150,6 +153,9 @@ def _guarded(behavior: Callable, check: Callable):
         token = access.set_caller(principal)
         try:
             return await behavior(request, context)
+        except IServeError as exc:
+            exc.caller_role = principal.role  # what the error interceptor may tell it
+            raise
         finally:
             access.reset_caller(token)
 

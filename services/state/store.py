@@ -123,6 +123,10 @@ class StateStoreUnavailable(Unavailable):
     """Redis, which holds iserve's state, cannot be reached (down, restarting, loading
     its data): UNAVAILABLE, and the call may be retried once it is back."""
 
+    def told_to_tenants(self) -> str:
+        # The message names Redis's address (the operator's, in the services' logs).
+        return "state store (Redis) unavailable; the call may be retried once it is back"
+
 
 class StateStoreRefused(StateStoreUnavailable):
     """Redis answers but refuses iserve's commands: its credentials, a permission its

@@ -167,3 +167,51 @@ def test_an_unreachable_token_registry_is_unavailable_without_its_address(caplog
     assert code == grpc.StatusCode.UNAVAILABLE
     assert details == "cannot check the token: token registry unreachable (Unavailable)"
     assert "10.1.2.3" in caplog.text
+
+
+def test_an_unreachable_state_store_is_told_to_tenants_without_its_address():
+    """A valid token's call within the second its check is trusted reached the store,
+    whose error named Redis's host and port to any tenant (a probe). Administrators and
+    iserve's own processes still read it whole; the log has it either way."""
+    from services.api import inference_service_pb2 as inference_pb
+    from services.auth import policy
+    from services.auth.tokens import Principal
+    from services.state.store import StateStoreUnavailable
+
+    class Stats(inference_grpc.InferenceServiceServicer):
+        async def GetServingStats(self, request, context):
+            raise StateStoreUnavailable("state store (Redis) unreachable at 10.1.2.3:6379")
+
+    class Tokens:
+        unknown = "invalid or revoked token"
+
+        async def authenticate(self, token):
+            roles = {"admin-token": policy.ADMIN, "dev-token": policy.APP_DEVELOPER}
+            return Principal("t1", "x", roles[token], ("*",)) if token in roles else None
+
+    async def scenario():
+        binding = ServiceBinding(
+            Stats(), inference_grpc.add_InferenceServiceServicer_to_server, "x"
+        )
+        server, port, _ = await start_server(
+            [binding], "127.0.0.1:0", security=ServerSecurity(authenticator=Tokens())
+        )
+        try:
+            request = inference_pb.GetServingStatsRequest().SerializeToString()
+            method = "/iserve.v1.InferenceService/GetServingStats"
+            return {
+                who: await _call_raw(port, method, request, (("authorization", f"Bearer {who}"),))
+                for who in ("admin-token", "dev-token")
+            }
+        finally:
+            await server.stop(0)
+
+    said = asyncio.run(scenario())
+    assert said["admin-token"] == (
+        grpc.StatusCode.UNAVAILABLE,
+        "state store (Redis) unreachable at 10.1.2.3:6379",
+    )
+    assert said["dev-token"] == (
+        grpc.StatusCode.UNAVAILABLE,
+        "state store (Redis) unavailable; the call may be retried once it is back",
+    )
