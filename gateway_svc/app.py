@@ -282,7 +282,7 @@ class Backend:
     auth: bool = False
 
     channels: tuple[grpc.aio.Channel, ...] = ()
-    # gRPC health on the deployment service's channel (check_token).
+    # gRPC health on the scheduler's channel (check_token).
     health: health_pb2_grpc.HealthStub | None = None
     # Each model's checkpoint path as last read: a chat is not refused while the model
     # service is unreachable (restarting, say) for a model whose record was read before.
@@ -327,7 +327,7 @@ class Backend:
             models_root,
             auth=auth,
             channels=channels,
-            health=health_pb2_grpc.HealthStub(channels[1]),
+            health=health_pb2_grpc.HealthStub(channels[0]),
             scheduler_address=scheduler,
             retire_after_s=drain_timeout_s + 10.0,
         )
@@ -347,6 +347,7 @@ class Backend:
         old = self.channels[0]
         fresh = transport.current().aio_channel(self.scheduler_address, token="")
         self.inference = inference_service_pb2_grpc.InferenceServiceStub(fresh)
+        self.health = health_pb2_grpc.HealthStub(fresh)
         self.channels = (fresh, *self.channels[1:])
         log.info("the scheduler's instance is draining: dialled %s again", self.scheduler_address)
 
@@ -400,14 +401,15 @@ class Backend:
         before the gateway works on a body: only its shape was checked before, so a
         made-up token had 30 MB bodies parsed and validated (seconds of the gateway's
         one event loop each, stalling every other caller: a probe). One call that any
-        valid token may make (gRPC health's List) to the deployment service, which
-        serves the tokens and which a generation with authentication on asks anyway."""
+        valid token may make (gRPC health's List) to the scheduler, which every POST
+        needs anyway (asked of the deployment service, a completion failed while it
+        restarted, where it had served before)."""
         try:
             await self.health.List(
                 health_pb2.HealthListRequest(), timeout=self.rpc_timeout_s, metadata=caller
             )
         except grpc.aio.AioRpcError as exc:
-            raise GatewayError.from_rpc(exc, "deployment") from None
+            raise GatewayError.from_rpc(exc, "scheduler") from None
 
     async def close(self) -> None:
         for channel in self.channels:
