@@ -333,6 +333,10 @@ def load_measurements(path: str | Path) -> tuple[Measurement, ...]:
     return parse_measurements(path.read_text(), path.name)
 
 
+class _Entries(list):
+    """A JSON object's (key, value) pairs in order, told apart from a JSON array."""
+
+
 def parse_accuracy(text: str, source: str = ACCURACY) -> dict[AccuracyKey, float]:
     """Relative MMLU accuracy (% of FP16) by model and compression, from the text of
     ``MS_model_acc_MMLU.json``; raises ValueError naming ``source`` when it is malformed.
@@ -341,14 +345,12 @@ def parse_accuracy(text: str, source: str = ACCURACY) -> dict[AccuracyKey, float
     cache, pruning (always ``None`` in the published file).
     """
 
-    def pairs(items: list[tuple[str, object]]) -> list[tuple[str, object]]:
-        return items  # every entry, a key given twice included (a dict keeps the last)
-
     try:
-        entries = json.loads(text, object_pairs_hook=pairs)
+        # Every entry, a key given twice included (a dict keeps the last).
+        entries = json.loads(text, object_pairs_hook=_Entries)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{source}:{exc.lineno}: not JSON ({exc.msg})") from None
-    if not isinstance(entries, list):
+    if not isinstance(entries, _Entries):  # a JSON array is no object (a list of pairs)
         raise ValueError(f"{source}: expected an object of accuracy figures")
     table: dict[AccuracyKey, float] = {}
     given: dict[AccuracyKey, str] = {}

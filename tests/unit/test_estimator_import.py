@@ -1213,3 +1213,17 @@ def test_the_accuracy_file_keeps_each_dense_variants_own_figure():
         with pytest.raises(ValueError, match="relative accuracy, at most 150"):
             parse_accuracy("{" + f'{dense}, "llama-2-7b_int8_False_None": {slip}' + "}")
     assert parse_accuracy('{"llama-2-7b_int8_False_None": 100.4}')  # past FP16 by noise
+    # An array (of pairs, or empty) is no object of figures: it passed for a while.
+    for array in ('[["llama-2-7b_int8_False_None", 99.8]]', "[]"):
+        with pytest.raises(ValueError, match="expected an object of accuracy figures"):
+            parse_accuracy(array)
+
+
+@pytest.mark.parametrize("count", [8, 8.0, "8", 2, "1e1"])
+def test_a_config_with_experts_is_refused_however_it_writes_their_count(count):
+    """num_local_experts 8.0 or "8" under a llama model_type registered as a dense model
+    (only an int was counted: a probe)."""
+    with pytest.raises(UnsupportedArchitecture, match="a mixture-of-experts config"):
+        parse_config({**MYSTERY_CONFIG, "num_local_experts": count})
+    for dense in (1, 0, None, True, "none"):
+        assert parse_config({**MYSTERY_CONFIG, "num_experts": dense}).num_layers == 24

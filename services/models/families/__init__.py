@@ -88,16 +88,23 @@ def parse_config(cfg: Mapping[str, Any]) -> ArchSpec:
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
+def _more_than_one(value: Any) -> bool:
+    """Whether a config's expert count names more than one expert, however it is
+    written (8, 8.0, "8"; a count of 8.0 or "8" passed as none)."""
+    if isinstance(value, bool) or value is None:
+        return False
+    try:
+        return float(value) > 1
+    except (TypeError, ValueError):
+        return False
+
+
 def _refuse_experts(cfg: Mapping[str, Any]) -> None:
     """UnsupportedArchitecture for a config with more than one expert per layer, whatever
     its ``model_type``: read as its family's dense decoder (a ``llama`` config with
     Mixtral's eight experts was imported as a 7B model), its weights, memory and time
     would be a fraction of the model's. Refused even where only the shape is read."""
-    experts = {
-        key: cfg[key]
-        for key in EXPERT_COUNT_KEYS
-        if isinstance(cfg.get(key), int) and not isinstance(cfg[key], bool) and cfg[key] > 1
-    }
+    experts = {key: cfg[key] for key in EXPERT_COUNT_KEYS if _more_than_one(cfg.get(key))}
     if experts:
         said = ", ".join(f"{key} {value}" for key, value in experts.items())
         raise UnsupportedArchitecture(
