@@ -167,19 +167,20 @@ def renderable(
     """The tables fitted to the terminal, a blank line between them. Headers in
     ``optional`` (a view redrawn in place, which a table's rows turned into blocks of
     lines would push off the screen) are left out, in that order, until a table fits
-    the width, and a last line names them."""
+    the width, and a line under the table names them (under the last table, a 24-line
+    screen cut it off: a probe)."""
     out = out or console()
     parts: list[RenderableType] = []
-    left_out: list[str] = []
     for table in tables:
+        dropped: list[str] = []
         if optional:
             table, dropped = narrowed(table, out.width, optional)
-            left_out += [h for h in dropped if h not in left_out]
         if parts:
             parts.append(Text(""))
         parts.append(fitted(table, out))
-    if left_out:
-        parts.append(Text(f"left out at {out.width} columns: {', '.join(left_out)}", style="dim"))
+        if dropped:
+            said = f"left out at {out.width} columns: {', '.join(dropped)}"
+            parts.append(Text(said, style="dim"))
     return Group(*parts)
 
 

@@ -469,6 +469,8 @@ def test_status_watch_leaves_out_steady_columns_rather_than_folding_rows():
         assert len(rows) == 5, text  # a line each, not a block each
         assert all("123.4/456.7" in row and "90.0% of 10" in row for row in rows), text
         assert f"left out at {width} columns: WORKER" in text, text
+        # Said under the deployments, first on the screen, not after every table.
+        assert text.index("left out at") < text.index("SERVICE"), text
         (table,) = [t for t in status_tables(status) if t[1][0] == "DEPLOYMENT"]
         assert len(narrowed(table, width, WATCH_OPTIONAL)[0][1]) == kept
     # Wide enough, nothing is left out (nor said to be).
