@@ -188,3 +188,21 @@ def test_service_time_counts_a_requests_own_max_tokens_times_the_share_generated
     assert predictor.service_s(50, 100, 1) == pytest.approx(0.05 + 24 * 0.01, rel=0.01)
     # Without max_tokens: the measured mean service time.
     assert predictor.service_s(50, 0, 1) == pytest.approx(0.29)
+
+
+def test_short_prompts_weigh_by_their_length_in_the_characters_per_token():
+    """Eight 1-character prompts (2 tokens each, the BOS counted) made the learned ratio
+    about 1 character a token: a 1,079-character prompt of 422 tokens was guessed past
+    the 512 the deployment takes, and EDF never refused it as late (a probe)."""
+    predictor = LatencyPredictor(common.LatencyModel(), max_input_tokens=512, batch_size=4)
+    for _ in range(8):
+        predictor.observe(
+            prompt_tokens=2, prompt_chars=1, first_token_s=0.01, tpot_s=0.01, running=1
+        )
+    assert predictor.prompt_tokens(1079) < 512
+    # Long prompts still teach it their own ratio (2.5 characters a token, say code).
+    for _ in range(40):
+        predictor.observe(
+            prompt_tokens=400, prompt_chars=1000, first_token_s=0.1, tpot_s=0.01, running=1
+        )
+    assert predictor.prompt_tokens(1000) == pytest.approx(400, rel=0.05)
