@@ -46,6 +46,7 @@ from services.errors import (
 from services.grpc_server import channel
 from services.ids import (
     check_deployment_id,
+    is_valid_id,
     new_deployment_id,
     replica_group_id,
     split_group_id,
@@ -450,8 +451,11 @@ class DeploymentController:
     async def deploy(self, request: deploy_pb.DeployRequest) -> deploy_pb.DeployResponse:
         await self._until_reconciled()
         deployment_id = new_deployment_id(request.model_id)
-        while not await self.store.deployment_id_is_free(deployment_id):
-            # A model may be registered under a deployment id's shape: never share it.
+        # A model may be registered under a deployment id's shape: never share it. (An
+        # invalid model id is refused below, and names no key to look at.)
+        while is_valid_id(request.model_id) and not await self.store.deployment_id_is_free(
+            deployment_id
+        ):
             deployment_id = new_deployment_id(request.model_id)
         # Known before the request id is claimed, so that a repeat that finds the claim
         # finds this call too (_outcome_of).
