@@ -226,9 +226,12 @@ async def live_holder(
     answers: Callable[[str], Awaitable[bool]],
 ) -> str | None:
     """The address of another live agent that holds ``node_id``, or None when the id
-    is free: unregistered, not heartbeating, registered at ``agent_address`` (this
-    agent restarting), or held by an agent that does not answer ``answers``."""
+    is free: unregistered, not heartbeating, or held by an agent that does not answer
+    ``answers``. Asked before this agent listens: an answer at its own address (gRPC
+    lets two servers share a port) is another agent's, and a healthy one was pushed
+    off its node that way (a probe); this agent restarting finds none there."""
+    del agent_address  # the holder's address is asked whatever it is
     node = await store.get_node(node_id)
-    if node is None or not node.alive or node.agent_address == agent_address:
+    if node is None or not node.alive:
         return None
     return node.agent_address if await answers(node.agent_address) else None

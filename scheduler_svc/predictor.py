@@ -47,7 +47,8 @@ DEFAULT_CHARS_PER_TOKEN = 4.0
 # prompt's ratio, eight 1-character prompts (2 tokens with the BOS: 0.5) pulled it to
 # about 1, a 1,079-character prompt of 422 tokens was then guessed past the 512 the
 # deployment accepts, and such a guess is never refused as late (EDF turned FCFS: a
-# probe). The default counts as this many tokens of prompt, and each prompt's sums
+# probe). The default counts as this many tokens of prompt, always (decayed with the
+# rest, forty 1-character prompts outweighed it again: a probe), and the prompts' sums
 # are kept at this share before the next is added.
 CHARS_PRIOR_TOKENS = 64.0
 CHARS_DECAY = 0.95
@@ -163,8 +164,8 @@ class LatencyPredictor:
             ESTIMATE_SAMPLES if model.decode_step_ms > 0 else 0.0,
             x_scale=max(1, batch_size - 1),
         )
-        self._prompt_chars = DEFAULT_CHARS_PER_TOKEN * CHARS_PRIOR_TOKENS
-        self._prompt_tokens = CHARS_PRIOR_TOKENS
+        self._prompt_chars = 0.0  # decayed sums over the requests seen
+        self._prompt_tokens = 0.0
         # Mean share of its max_tokens a request generates before it stops (EOS, a stop
         # sequence); 1 until requests have finished.
         self._output_share = 1.0
@@ -216,7 +217,9 @@ class LatencyPredictor:
     def prompt_tokens(self, prompt_chars: int) -> int:
         """Tokens a text prompt of ``prompt_chars`` characters will have (from what this
         deployment's earlier requests reported)."""
-        return max(1, round(prompt_chars * self._prompt_tokens / self._prompt_chars))
+        chars = DEFAULT_CHARS_PER_TOKEN * CHARS_PRIOR_TOKENS + self._prompt_chars
+        tokens = CHARS_PRIOR_TOKENS + self._prompt_tokens
+        return max(1, round(prompt_chars * tokens / chars))
 
     def observe(
         self,

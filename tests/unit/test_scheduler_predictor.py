@@ -195,11 +195,13 @@ def test_short_prompts_weigh_by_their_length_in_the_characters_per_token():
     about 1 character a token: a 1,079-character prompt of 422 tokens was guessed past
     the 512 the deployment takes, and EDF never refused it as late (a probe)."""
     predictor = LatencyPredictor(common.LatencyModel(), max_input_tokens=512, batch_size=4)
-    for _ in range(8):
-        predictor.observe(
-            prompt_tokens=2, prompt_chars=1, first_token_s=0.01, tpot_s=0.01, running=1
-        )
-    assert predictor.prompt_tokens(1079) < 512
+    for count in (8, 200):  # a few, then a long run (which outweighed a decayed prior)
+        for _ in range(count):
+            predictor.observe(
+                prompt_tokens=2, prompt_chars=1, first_token_s=0.01, tpot_s=0.01, running=1
+            )
+        assert predictor.prompt_tokens(1079) < 512
+        assert predictor.prompt_tokens(1250) < 766
     # Long prompts still teach it their own ratio (2.5 characters a token, say code).
     for _ in range(40):
         predictor.observe(
