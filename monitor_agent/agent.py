@@ -129,7 +129,7 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
     )
 
     async def refuse_a_node_id_in_use() -> None:
-        holder = await live_holder(store, settings.node_id, monitor.agent_address, answers_health)
+        holder = await live_holder(store, settings.node_id, answers_health)
         if holder is not None:
             fail(
                 f"node id {settings.node_id!r} is held by a live agent at {holder}; "

@@ -222,7 +222,6 @@ class DeviceMonitor:
 async def live_holder(
     store: StateStore,
     node_id: str,
-    agent_address: str,
     answers: Callable[[str], Awaitable[bool]],
 ) -> str | None:
     """The address of another live agent that holds ``node_id``, or None when the id
@@ -230,7 +229,6 @@ async def live_holder(
     ``answers``. Asked before this agent listens: an answer at its own address (gRPC
     lets two servers share a port) is another agent's, and a healthy one was pushed
     off its node that way (a probe); this agent restarting finds none there."""
-    del agent_address  # the holder's address is asked whatever it is
     node = await store.get_node(node_id)
     if node is None or not node.alive:
         return None

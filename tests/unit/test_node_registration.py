@@ -147,17 +147,17 @@ def test_a_node_id_held_by_a_live_answering_agent_is_refused(run):
         return address == "127.0.0.1:1"
 
     async def body(store):
-        assert await live_holder(store, "n0", "127.0.0.1:2", answers) is None  # unknown
+        assert await live_holder(store, "n0", answers) is None  # unknown
         await store.register_node(_node("127.0.0.1:1", "cpu0"), ttl_s=5)
-        assert await live_holder(store, "n0", "127.0.0.1:2", answers) == "127.0.0.1:1"
+        assert await live_holder(store, "n0", answers) == "127.0.0.1:1"
         # An answer at this agent's own address is another agent's (it asks before it
         # listens: a restart finds none there, and a second one sharing the port was
         # let in and pushed a healthy agent off its node: a probe).
-        assert await live_holder(store, "n0", "127.0.0.1:1", answers) == "127.0.0.1:1"
+        assert await live_holder(store, "n0", answers) == "127.0.0.1:1"
         await store.register_node(_node("127.0.0.1:3", "cpu0"), ttl_s=5)
-        assert await live_holder(store, "n0", "127.0.0.1:2", answers) is None  # silent
+        assert await live_holder(store, "n0", answers) is None  # silent
         await store.redis.delete(keys.node_heartbeat("n0"))
-        assert await live_holder(store, "n0", "127.0.0.1:2", answers) is None  # dead
+        assert await live_holder(store, "n0", answers) is None  # dead
 
     run(body)
     assert asked == ["127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:3"]
