@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from services import transport
 from services.aio import cancel_and_wait
 from services.auth.interceptor import AuthInterceptor
-from services.auth.policy import ADMIN, SERVICE
+from services.auth.policy import ADMIN, OPERATORS
 from services.auth.tokens import Authenticator
 from services.errors import REASON_KEY, InvalidArgument, IServeError
 from services.ids import check_request_id
@@ -88,11 +88,6 @@ def wire_details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
         if used > limit - 40:  # room for the note
             return f"{message[:at]}... ({len(message) - at} more characters)"
     return message
-
-
-# The roles told what only the operator should see (services.errors.told_to_tenants);
-# with authentication off every caller is an administrator.
-OPERATORS = frozenset({ADMIN, SERVICE})
 
 
 async def _abort_for(

@@ -98,9 +98,13 @@ POLICY: dict[str, frozenset[int]] = {
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": _ALL,
 }
 
+# The roles told what only the operator should see (an internal address in an error:
+# services.errors.IServeError.told_to_tenants); with authentication off every caller
+# is an administrator.
+OPERATORS = frozenset({ADMIN, SERVICE})
 # The Prometheus endpoints (ISERVE_<S>_METRICS_ADDR) name models and deployments: with
-# authentication on they answer only these roles' bearer tokens.
-METRICS_ROLES = frozenset({ADMIN, SERVICE})
+# authentication on they answer only the operators' bearer tokens.
+METRICS_ROLES = OPERATORS
 
 
 def roles_for(method: str) -> frozenset[int] | None:
