@@ -33,6 +33,8 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import psutil
+
 from services.settings import WITHHELD_FROM_WORKERS
 
 log = logging.getLogger("iserve.agent.pool")
@@ -41,6 +43,9 @@ log = logging.getLogger("iserve.agent.pool")
 # serve a model.
 PRELOAD = ("torch", "monitor_agent.worker.process", "monitor_agent.engine.engine")
 _WORKER_MODULE = ("-m", "monitor_agent.worker")
+# How long a poll waits for the exit code of a worker the fork server has reaped (its
+# code is on the way through a pipe: milliseconds; this blocks the caller that long at most).
+REAPED_CODE_WAIT_S = 2.0
 
 
 def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
@@ -128,7 +133,26 @@ class PooledProcess:
         return self._process.exitcode
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        """The exit code, or None while the worker runs. The fork server reaps its
+        children and then writes the code to a pipe: a worker already gone (or a zombie
+        about to be reaped) waits up to ``REAPED_CODE_WAIT_S`` for it, so a death the
+        process table shows is never read as "still running" (a stop that came then
+        recorded a killed worker as stopped, its cause lost)."""
+        code = self._process.exitcode
+        if code is None and self.pid and not _running(self.pid):
+            self._process.join(REAPED_CODE_WAIT_S)
+            code = self._process.exitcode
+        return code
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # cannot tell: taken as running, as before
+        return True
 
 
 class WorkerPool:

@@ -209,6 +209,36 @@ def test_a_killed_worker_is_reported_failed_with_an_event(run, checkpoint):
     run(scenario)
 
 
+def test_a_pooled_worker_the_process_table_shows_gone_is_not_read_as_running():
+    """The fork server reaps a worker, then writes its exit code to a pipe: a stop that
+    polled in between read "still running", and recorded a worker killed mid-stream as
+    stopped, its cause lost (a CI run, the test below's pool variant)."""
+    import subprocess
+    import sys
+
+    from monitor_agent.worker_pool import PooledProcess
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)  # reaped: no such process now
+
+    class CodeOnItsWay:  # multiprocessing's process before the pipe was read
+        pid = gone.pid
+        exitcode = None
+
+        def join(self, timeout=None):
+            self.exitcode = -signal.SIGKILL
+
+    assert PooledProcess(CodeOnItsWay()).poll() == -signal.SIGKILL
+
+    class Running(CodeOnItsWay):
+        pid = os.getpid()
+
+        def join(self, timeout=None):
+            raise AssertionError("a running worker is not waited for")
+
+    assert PooledProcess(Running()).poll() is None
+
+
 def test_a_worker_dead_before_its_stop_is_recorded_with_its_cause(run, checkpoint, caplog):
     """A worker killed mid-stream is reported by the scheduler, and the deployer's stop
     can come before the reaper saw the exit: the stop still records it FAILED with its
