@@ -161,30 +161,37 @@ def cmd_up(settings: Settings, args) -> int:
     dialed = {SERVICE_ENV[name]: settings.address(name) for name in SERVICE_ENV}
     for warning in [*tls_warnings(settings), *certificate_name_warnings(settings, dialed)]:
         print(f"warning: {warning}", file=sys.stderr)
-    info = stack.up(settings, _up_options(args))
+    # In the foreground the stop signals stay blocked once it started, for sigtimedwait
+    # below: a SIGTERM between the two ended it by default, its stack left running, and
+    # SIGHUP (the terminal's close) was not waited for at all.
+    info = stack.up(settings, _up_options(args), hold_stop_signals=not args.detach)
     print(f"iserve is up (state in {settings.state_dir}); `iserve status` shows it")
     if args.detach:
         return 0
     print("press Ctrl-C to stop")
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     started = info.get("started_at_unix_ms")
     try:
-        while signal.sigtimedwait(stop_signals, 1.0) is None:
-            for pid, code in stack.reap_children():
-                warning = stack.exit_warning(info, pid, code)
-                if warning:
-                    print(warning, file=sys.stderr, flush=True)
+        while signal.sigtimedwait(stack.STOP_SIGNALS, 1.0) is None:
+            _warn_of_deaths(info)
             # `iserve down` from elsewhere stopped this stack (its record is gone or is
             # another up's): nothing is left to stop, and a stack started since is not ours.
             if read_stack_file(settings.state_dir).get("started_at_unix_ms") != started:
                 print("the stack was stopped (iserve down)")
                 return 0
+        _warn_of_deaths(info)  # one that died since the last look is told before the stop
     except BaseException:
         stack.down(settings)
         raise
     stack.down(settings)
     return 0 if info else 1
+
+
+def _warn_of_deaths(info: dict) -> None:
+    """A warning for each of the foreground stack's processes that exited unasked."""
+    for pid, code in stack.reap_children():
+        warning = stack.exit_warning(info, pid, code)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
 
 
 def cmd_down(settings: Settings, args) -> int:

@@ -66,6 +66,9 @@ SERVICES = [
 # The OpenAI-compatible HTTP gateway starts last (it calls the others) and stops first.
 GATEWAY, GATEWAY_MODULE = "gateway", "gateway_svc"
 READY_TIMEOUT_S = 60.0
+# What stops `iserve up` while it starts, and a foreground `up` once started: Ctrl-C, a
+# service manager's stop, the terminal's close.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # How long `up` waits for the operator's Redis (REDIS_URL) to answer before it starts
 # anything: it is meant to be running already.
 UP_REDIS_WAIT_S = 3.0
@@ -205,19 +208,33 @@ def with_chosen_ports(settings: Settings) -> Settings:
     )
 
 
-def up(settings: Settings, options: UpOptions, log=print) -> dict:
+def up(
+    settings: Settings, options: UpOptions, log=print, *, hold_stop_signals: bool = False
+) -> dict:
     """Start the stack; returns what was written to stack.json. Raises RuntimeError.
 
     SIGTERM and SIGHUP while it starts unwind it as Ctrl-C does, stopping what started
     (a service manager's stop, `timeout` or a closed terminal left the whole stack
     running, unrecorded); and stack.json names each process as it starts, so that
-    `iserve down` stops them even after a SIGKILL."""
+    `iserve down` stops them even after a SIGKILL. A signal ignored when `up` began
+    (``nohup``) stays ignored. ``hold_stop_signals``: once started, STOP_SIGNALS are left
+    blocked for the caller's ``signal.sigtimedwait`` (none is lost between the two)."""
     with _starting(settings.state_dir), contextlib.ExitStack() as cleanup:
-        _interrupt_on((signal.SIGTERM, signal.SIGHUP), cleanup)
-        return _up(settings, options, log)
+        interrupts = _interrupt_on(STOP_SIGNALS, cleanup)
+        if hold_stop_signals:
+            # Run before the handlers are put back (the callbacks run last in, first out).
+            cleanup.push(_hold_on_success)
+        return _up(settings, options, log, interrupts)
 
 
-def _up(settings: Settings, options: UpOptions, log) -> dict:
+def _hold_on_success(exc_type, _exc, _tb) -> bool:
+    """Block STOP_SIGNALS when the start succeeded (an ExitStack exit callback)."""
+    if exc_type is None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    return False
+
+
+def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> dict:
     settings = with_chosen_ports(settings)
     running = stack_running(settings)
     if running:
@@ -348,6 +365,7 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
             f"{GATEWAY:<10} ready on http://{settings.gateway_address}/v1 "
             f"(OpenAI-compatible; metrics http://{settings.gateway_address}/metrics)"
         )
+        interrupts.check()
     except BaseException:
         _stop_pids(
             {n: (p.pid, None) for n, p in procs.items()}
@@ -359,7 +377,13 @@ def _up(settings: Settings, options: UpOptions, log) -> dict:
     stack["started_at_unix_ms"] = int(time.time() * 1000)
     stack["models_root"] = str(settings.models_root)  # where the stack reads checkpoints
     write_stack_file(settings.state_dir, stack)
-    wait_for_restored(settings, log, kept=kept)
+    try:
+        wait_for_restored(settings, log, kept=kept)
+        interrupts.check()
+    except BaseException:
+        # Stopped while it waited for the deployments kept from before: still starting.
+        down(settings, lambda _msg: None)
+        raise
     return stack
 
 
@@ -715,20 +739,38 @@ def temporary_stack(
         yield load_settings()
 
 
-def _interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitStack) -> None:
-    """While ``cleanup`` is open, each of ``signals`` ends this process as Ctrl-C would,
-    unwinding it: a benchmark killed by ``timeout`` or its terminal's close left its
-    whole stack running (a probe). Only the main thread may set a handler; elsewhere
-    nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        return
+class Interrupts:
+    """The stop signals received while a start runs. Each raises KeyboardInterrupt where
+    it lands, but one that lands in a weakref callback or a ``__del__`` is printed as
+    "Exception ignored" and lost (a CI run: a SIGHUP mid-start, and `up` went on to
+    serve): :meth:`check`, at the end of each step, raises it again."""
 
-    def interrupt(signum, _frame):
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def handler(self, signum, _frame) -> None:
+        self.received.append(signum)
         raise KeyboardInterrupt(f"signal {signum}")
 
+    def check(self) -> None:
+        if self.received:
+            raise KeyboardInterrupt(f"signal {self.received[0]}")
+
+
+def _interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitStack) -> Interrupts:
+    """While ``cleanup`` is open, each of ``signals`` ends this process as Ctrl-C would,
+    unwinding it: a benchmark killed by ``timeout`` or its terminal's close left its
+    whole stack running (a probe). A signal ignored now (``nohup``'s SIGHUP) stays
+    ignored. Only the main thread may set a handler; elsewhere nothing changes."""
+    interrupts = Interrupts()
+    if threading.current_thread() is not threading.main_thread():
+        return interrupts
     for sig in signals:
-        previous = signal.signal(sig, interrupt)
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        previous = signal.signal(sig, interrupts.handler)
         cleanup.callback(signal.signal, sig, previous)
+    return interrupts
 
 
 def _restore_environment(saved: Mapping[str, str | None]) -> None:

@@ -411,26 +411,35 @@ def test_up_stopped_while_it_starts_leaves_no_stack_behind(tmp_path, sig):
 
 def test_the_foreground_up_says_when_a_service_of_its_stack_dies(tmp_path):
     """A service killed under a foreground `iserve up` showed only in `iserve status`;
-    up's own output, where an operator watches, said nothing."""
+    up's own output, where an operator watches, said nothing. Its terminal's close
+    (SIGHUP) then stops the stack as Ctrl-C does: it ended `up` alone, the stack left
+    running (`iserve down` from elsewhere is test_any_free_port_is_chosen_once_and_reported's)."""
     import json
     import signal
 
     state = tmp_path / "state"
     env = _stack_env(state)
     up = _up_in_the_foreground(env)
+    pids: dict = {}
     try:
         assert wait_for(lambda: run_cli(env, "status").returncode == 0, timeout=180), _exited(up)
-        pid = json.loads((state / "stack.json").read_text())["pids"]["estimator"]
+        pids = json.loads((state / "stack.json").read_text())["pids"]
+        pid = pids["estimator"]
         os.kill(pid, signal.SIGKILL)
         assert wait_for(lambda: not _running(pid), timeout=30)
+        up.send_signal(signal.SIGHUP)
+        out, _ = up.communicate(timeout=60)
+        assert not (state / "stack.json").exists(), out
+        assert wait_for(lambda: not any(_running(p) for p in pids.values()), timeout=30), out
     finally:
+        if up.poll() is None:
+            up.kill()
         down = run_cli(env, "down")
     assert down.returncode == 0, down.stderr
-    out, _ = up.communicate(timeout=60)
     assert (
         f"warning: estimator (pid {pid}) killed by SIGKILL; see {state / 'logs' / 'estimator.log'}"
     ) in out, out
-    # The services `iserve down` stopped are not said to have died.
+    # The services its stop stopped are not said to have died.
     assert out.count("warning:") == 1, out
 
 

@@ -4,6 +4,7 @@ a reboot; and two `up`s at once on one state directory are one too many."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import signal
@@ -188,3 +189,74 @@ def test_the_embedded_redis_is_found_by_its_directory(tmp_path):
         (proc / str(pid) / "cwd").symlink_to(cwd)
     assert unrecorded_processes("abc", {23}, proc, redis_dir=redis_dir) == [20]
     assert unrecorded_processes("abc", {23}, proc) == []  # an operator's Redis: none
+
+
+@pytest.fixture
+def quiet_stack(tmp_path, monkeypatch, redis_url):
+    """`iserve up` on the test's Redis whose services are sleepers that serve at once:
+    what `up` does around its steps, without starting the services."""
+    from services.settings import GATEWAY_ENV, METRICS_ENV, SERVICE_ENV
+
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    for var in [*SERVICE_ENV.values(), *METRICS_ENV.values(), GATEWAY_ENV]:
+        monkeypatch.setenv(var, "127.0.0.1:0")
+    spawned: list[subprocess.Popen] = []
+
+    def spawn(_module, _env, _log):
+        spawned.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return spawned[-1]
+
+    monkeypatch.setattr(stack, "_spawn", spawn)
+    monkeypatch.setattr(stack, "wait_http", lambda *_a: True)
+    monkeypatch.setattr(stack, "wait_for_restored", lambda *_a, **_k: [])
+    yield spawned
+    for proc in spawned:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_stop_signal_lost_where_it_landed_still_stops_the_start(quiet_stack, monkeypatch):
+    """A signal's KeyboardInterrupt raised inside a weakref callback is printed ("Exception
+    ignored in: ... WeakSet") and lost: a CI run sent SIGHUP to a starting `up`, which went
+    on to serve, the signal gone. The start checks for it after its steps."""
+
+    def swallowing(*_args):
+        with contextlib.suppress(KeyboardInterrupt):  # Python prints "Exception ignored"
+            signal.raise_signal(signal.SIGHUP)
+        return True
+
+    monkeypatch.setattr(stack, "wait_serving", swallowing)
+    settings = load_settings()
+    before = signal.getsignal(signal.SIGHUP)
+    with pytest.raises(KeyboardInterrupt):
+        stack.up(settings, UpOptions(), log=lambda _m: None)
+    assert quiet_stack and all(p.wait(20) is not None for p in quiet_stack)
+    assert not (settings.state_dir / "stack.json").exists()
+    assert signal.getsignal(signal.SIGHUP) is before  # put back
+
+
+def test_a_foreground_up_holds_the_stop_signals_and_nohup_s_stays_ignored(quiet_stack, monkeypatch):
+    """Once started, a foreground `up` waits for its stop signals with sigtimedwait: left
+    unblocked in between, a SIGTERM ended it by default with its stack running. And a
+    SIGHUP that `nohup` ignores stops no start."""
+    monkeypatch.setattr(stack, "wait_serving", lambda *_a: True)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        seen = []
+        monkeypatch.setattr(
+            stack,
+            "_check_distinct_addresses",
+            lambda _s: seen.append(signal.getsignal(signal.SIGHUP)),
+        )
+        settings = load_settings()
+        before = signal.getsignal(signal.SIGTERM)
+        stack.up(settings, UpOptions(), log=lambda _m: None, hold_stop_signals=True)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        assert set(stack.STOP_SIGNALS) <= held, held
+        assert seen == [signal.SIG_IGN]
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stack.STOP_SIGNALS)
+        signal.signal(signal.SIGHUP, previous)
+        stack.down(load_settings(), lambda _m: None)
