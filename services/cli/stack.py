@@ -328,6 +328,7 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
                 host=REDIS_HOST,
                 started=lambda pid: _record(stack, "redis", pid),
             )
+            _STARTED.append(redis_proc)
             stack["redis_url"] = redis_url
             write_stack_file(settings.state_dir, stack)
             log(f"started embedded redis-server at {redacted_url(redis_url)}")
@@ -622,12 +623,18 @@ def flag_variables(options: UpOptions) -> dict[str, str]:
 START_MARK = "==== iserve: starting "
 
 
+# The stack's processes this process started, each kept for as long as it runs: a Popen
+# collected reaps its child if it exited, and a service that died before `up` returned
+# went unmentioned by the foreground `up`'s warnings (reap_children found no status).
+_STARTED: list[subprocess.Popen] = []
+
+
 def _spawn(module: str, env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as out:
         when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         out.write(f"{START_MARK}python -m {module} at {when} ====\n".encode())
         out.flush()
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", module],
             env=dict(env),
             stdout=out,
@@ -635,6 +642,8 @@ def _spawn(module: str, env: Mapping[str, str], log_path: Path) -> subprocess.Po
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+    _STARTED.append(proc)
+    return proc
 
 
 def restart_service(settings: Settings, name: str, *, kill: bool = False) -> int:

@@ -328,14 +328,22 @@ def test_down_stops_the_stack_s_processes_no_record_names(tmp_path):
 
 
 def _up_in_the_foreground(env: dict[str, str]) -> subprocess.Popen:
-    """`iserve up` without --detach, its output captured."""
+    """`iserve up` without --detach, its output captured, on a terminal's SIGHUP: a
+    suite run under `nohup` passes its ignored SIGHUP on, which `up` keeps ignored."""
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli.main", "up"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_default_sighup,
     )
+
+
+def _default_sighup() -> None:
+    import signal
+
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _stack_env(state) -> dict[str, str]:

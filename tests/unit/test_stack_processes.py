@@ -228,12 +228,16 @@ def test_a_stop_signal_lost_where_it_landed_still_stops_the_start(quiet_stack, m
 
     monkeypatch.setattr(stack, "wait_serving", swallowing)
     settings = load_settings()
-    before = signal.getsignal(signal.SIGHUP)
-    with pytest.raises(KeyboardInterrupt):
-        stack.up(settings, UpOptions(), log=lambda _m: None)
+    # A terminal's SIGHUP (a suite run under `nohup` inherits it ignored, and so kept).
+    inherited = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            stack.up(settings, UpOptions(), log=lambda _m: None)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # put back
+    finally:
+        signal.signal(signal.SIGHUP, inherited)
     assert quiet_stack and all(p.wait(20) is not None for p in quiet_stack)
     assert not (settings.state_dir / "stack.json").exists()
-    assert signal.getsignal(signal.SIGHUP) is before  # put back
 
 
 def test_a_foreground_up_holds_the_stop_signals_and_nohup_s_stays_ignored(quiet_stack, monkeypatch):
