@@ -113,6 +113,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from redis.connection import ConnectionPool, parse_url
@@ -784,18 +785,70 @@ def redacted_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
+# What stack.json's fields hold (`iserve up` writes it whole, or not at all): the type of
+# each field, and of the values of those that are maps of a name to a value.
+_STACK_FIELDS: dict[str, tuple[type, Any]] = {
+    "state_dir": (str, None),
+    "stack_id": (str, None),
+    "redis_url": (str, None),
+    "embedded_redis": (bool, None),
+    "gateway_address": (str, None),
+    "models_root": (str, None),
+    "started_at_unix_ms": (int, None),
+    "pids": (dict, int),
+    "started": (dict, (int, float, type(None))),
+    "addresses": (dict, str),
+    "metrics_addresses": (dict, str),
+}
+
+
 def read_stack_file(state_dir: Path) -> dict:
-    """The stack description ``iserve up`` wrote, or ``{}`` when there is none."""
+    """The stack description ``iserve up`` wrote, or ``{}`` when there is none. ValueError
+    naming the file when it is not one (``iserve up`` writes it whole: this one is someone
+    else's): every command crashed on a stack.json of ``null``, and `iserve down` said
+    "no stack recorded" of an undecodable one, its processes left running (a probe)."""
     path = state_dir / STACK_FILE
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        text = path.read_text()
+    except FileNotFoundError:
         return {}
     except OSError as exc:  # the default ~/.iserve under a HOME that cannot hold it
         raise ValueError(
             f"state directory {state_dir} cannot be used ({path}: {exc.strerror}): set "
             "ISERVE_STATE_DIR to a writable directory"
         ) from None
+    try:
+        stack = json.loads(text)
+        problem = _stack_problem(stack)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        problem = f"not JSON: {exc}"
+    if problem:
+        raise ValueError(
+            f"{path} is not a stack record `iserve up` wrote ({problem}): if no stack runs "
+            f"from {state_dir}, remove it; else stop its processes, then remove it"
+        )
+    return stack
+
+
+def _stack_problem(stack: Any) -> str | None:
+    """What makes ``stack`` (stack.json's JSON) not a stack record, or None."""
+    if not isinstance(stack, dict):
+        return f"{json.dumps(stack)[:40]}, not an object"
+    for name, (kind, values) in _STACK_FIELDS.items():
+        if name not in stack:
+            continue
+        value = stack[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"{name!r} is {json.dumps(value)[:40]}"
+        if values is not None:
+            wrong = [
+                key
+                for key, item in value.items()
+                if not isinstance(item, values) or (values is int and isinstance(item, bool))
+            ]
+            if wrong:
+                return f"{name!r}[{wrong[0]!r}] is {json.dumps(value[wrong[0]])[:40]}"
+    return None
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:

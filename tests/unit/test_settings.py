@@ -566,3 +566,31 @@ def test_a_served_address_the_certificate_does_not_name_is_warned_of(tmp_path, m
     assert (
         certificate_name_warnings(load_settings({"ISERVE_STATE_DIR": str(tmp_path)}), unnamed) == []
     )
+
+
+@pytest.mark.parametrize(
+    ("written", "said"),
+    [
+        ("null", "(null, not an object)"),
+        ("[1]", "([1], not an object)"),
+        ('{"addresses": 5}', "('addresses' is 5)"),
+        ('{"addresses": {"model": 5}}', "('addresses'['model'] is 5)"),
+        ('{"pids": {"agent": true}}', "('pids'['agent'] is true)"),
+        ("{bad", "(not JSON: "),
+    ],
+)
+def test_a_stack_file_iserve_up_did_not_write_is_named_not_a_traceback(
+    tmp_path, monkeypatch, capsys, written, said
+):
+    """Every command crashed with an AttributeError on a stack.json of `null`, and `iserve
+    down` said "no stack recorded" of an undecodable one and exited 0 (a probe)."""
+    from services.cli.main import main
+
+    (tmp_path / "stack.json").write_text(written)
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+    for command in (["down"], ["models"]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'stack.json'} is not a stack record `iserve up` wrote {said}" in err
+        assert "Traceback" not in err and err.count("\n") == 1, err
+    assert (tmp_path / "stack.json").read_text() == written  # changes nothing
