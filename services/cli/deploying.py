@@ -305,7 +305,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cost",
         choices=sorted(COST_FORMULAS),
-        help="cost formula for min-cost and cost-slo (default memory-latency: GB x s)",
+        help="cost formula for min-cost, cost-slo and latency-slo (the cheapest that meets "
+        "the target; default memory-latency: GB x s)",
     )
     p.add_argument("--min-accuracy", type=float, help="accuracy floor over the variants' scores")
     p.add_argument(

@@ -351,7 +351,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``profile import``/``show``, ``estimate`` and ``calibrate`` to the CLI's
     subcommands."""
     profile = sub.add_parser("profile", help="model profiles").add_subparsers(
-        dest="profile_command", required=True
+        dest="profile_command", required=True, metavar="ACTION"
     )
     p = profile.add_parser(
         "import", help="load measurements taken elsewhere (e.g. MaverIQ's A6000 data) as profiles"

@@ -928,7 +928,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
 
     model = sub.add_parser("model", help="model checkpoints").add_subparsers(
-        dest="model_command", required=True
+        dest="model_command", required=True, metavar="ACTION"
     )
     p = model.add_parser(
         "create", help="write a checkpoint with random weights (config, safetensors, tokenizer)"
@@ -1071,7 +1071,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-tokens", type=whole_number(), default=64, help="tokens to generate (default 64)"
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)"
+    )
     p.add_argument(
         "--top-k", type=whole_number(0), default=0, help="sample among the K likeliest (0: all)"
     )

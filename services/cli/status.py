@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import grpc
@@ -246,7 +247,8 @@ def print_status(status: dict) -> None:
     print(status_header(status))
     show_tables(status_tables(status))
     for error in status.get("errors", []):
-        print(f"error: {error}")
+        # On stderr, as every command's errors (the README's rule); the tables on stdout.
+        print(f"error: {error}", file=sys.stderr)
 
 
 def _workers(deployment: dict) -> str:

@@ -149,8 +149,9 @@ def test_cli_status_and_generate_json(stack, served):
     alone = run_cli({**no_deployer, "ISERVE_AGENT_ADDR": nowhere["ISERVE_AGENT_ADDR"]}, "status")
     assert alone.returncode == 1 and "DOWN" in alone.stdout
     # What the deployer would have shown is said to be missing, not silently left out.
-    assert "error: deploy: not answering at 127.0.0.1:" in alone.stdout
-    assert "nodes, devices and deployments are not shown" in alone.stdout
+    assert "error: deploy: not answering at 127.0.0.1:" in alone.stderr
+    assert "nodes, devices and deployments are not shown" in alone.stderr
+    assert "error:" not in alone.stdout  # errors on stderr, the tables on stdout
     # Serving needs no deployer: generate by deployment id and by model id still works.
     for target in (served.deployment_id, served.model_id):
         out = run_cli(no_deployer, "generate", target, "Hi", "--max-tokens", "2", "--json")

@@ -401,7 +401,7 @@ def test_redis_down_is_unavailable_streams_go_on_and_state_survives_a_restart(
         # `iserve status` still shows what answers, and says what could not be told.
         said = cli(stack, "status")
         assert said.returncode == 1 and "SERVICE" in said.stdout, said.stderr
-        assert "error: deploy: cluster state: UNAVAILABLE: state store (Redis)" in said.stdout
+        assert "error: deploy: cluster state: UNAVAILABLE: state store (Redis)" in said.stderr
         time.sleep(6)  # past the heartbeat TTL: the agent could not renew it
     finally:
         redis, _ = start_redis(stack.settings.state_dir / "redis", port=port)

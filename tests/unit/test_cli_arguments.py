@@ -716,3 +716,15 @@ def test_top_p_0_is_greedy_as_over_http():
     assert sampling(*hot, "--top-p", "1e-50").temperature == 0.0  # 0 as a float32
     kept = sampling(*hot, "--top-p", "0.5")
     assert (kept.temperature, kept.top_p, kept.seed) == (1.0, 0.5, 3)
+
+
+@pytest.mark.parametrize("command", ["model", "profile", "token"])
+def test_a_command_without_its_action_names_it_as_the_others_do(command, capsys):
+    """`iserve model` alone said "required: model_command", an internal name (a probe)."""
+    from services.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([command])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "the following arguments are required: ACTION" in err and "_command" not in err
