@@ -1183,6 +1183,10 @@ def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentP
 
 def _run(argv: list[str] | None) -> int:
     parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    if given and given[0].startswith("-") and given[0] not in ("-h", "--help"):
+        # argparse said "required: COMMAND" of `iserve --bogus`, not naming the flag.
+        parser.error(f"unrecognized arguments: {given[0]} (a command's options follow it)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # Said by the command's own parser, with its usage (the top-level usage said

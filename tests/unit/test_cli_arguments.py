@@ -728,3 +728,13 @@ def test_a_command_without_its_action_names_it_as_the_others_do(command, capsys)
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "the following arguments are required: ACTION" in err and "_command" not in err
+
+
+def test_an_option_before_any_command_is_named(capsys):
+    """`iserve --bogus` said "required: COMMAND", not naming the flag (a probe)."""
+    from services.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--bogus", "status"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
