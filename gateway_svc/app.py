@@ -74,7 +74,14 @@ from services.auth.policy import GENERATE, role_name, roles_for
 from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
 from services.drain import refused_as_draining
-from services.errors import InvalidArgument, cut_off_midway, rpc_reason, shown, unreached
+from services.errors import (
+    InvalidArgument,
+    NotServing,
+    cut_off_midway,
+    rpc_reason,
+    shown,
+    unreached,
+)
 from services.health import serving_status
 from services.ids import check_model_id, looks_like_deployment_id, no_deployment
 from services.metrics import certificate_expiry, new_registry
@@ -240,6 +247,10 @@ class GatewayError(Exception):
         connection, or the call cut off), which service and what happened."""
         status, kind = http_status(exc.code())
         reason = rpc_reason(exc)
+        if reason == NotServing.reason:
+            # A deployment FAILED or being removed: the server's state, which a client
+            # may retry later, not a fault of its request (a 400 said so; a probe).
+            status, kind = _STATUS[grpc.StatusCode.UNAVAILABLE]
         param = "model" if reason == "model_not_found" else None
         message = exc.details() or exc.code().name
         if exc.code() == grpc.StatusCode.UNAVAILABLE and unreached(message):

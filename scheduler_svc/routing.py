@@ -15,9 +15,9 @@ from services import errors, replicas
 from services.api import deployment_service_pb2 as deploy_pb
 from services.auth import access
 from services.errors import (
-    FailedPrecondition,
     ModelNotFound,
     NotFound,
+    NotServing,
     PermissionDenied,
     Unavailable,
 )
@@ -112,7 +112,7 @@ class Router:
         if replicas.is_restarting(deployment) or deployment.state == STARTING:
             raise Unavailable(describe_state(deployment))  # back soon: worth a retry
         if deployment.state != READY:
-            raise FailedPrecondition(describe_state(deployment))
+            raise NotServing(describe_state(deployment))
         return deployment
 
     async def by_model_id(self, model_id: str) -> deploy_pb.Deployment:
@@ -155,7 +155,7 @@ class Router:
                 states = "; ".join(describe_state(d) for d in found)
                 # A model being deployed, redeployed or restarted serves again soon: a
                 # client should retry (503), not give up (400).
-                error = Unavailable if any(_passing(d) for d in found) else FailedPrecondition
+                error = Unavailable if any(_passing(d) for d in found) else NotServing
                 raise error(f"model {model_id} has no READY deployment ({states})")
         usable = access.usable(ready)
         if not usable:

@@ -172,10 +172,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                         raise
                     # The deployment it was routed to was removed since: not an unknown id.
                     if not waited:
-                        raise errors.FailedPrecondition(
+                        raise errors.NotServing(
                             removed_before_serving(request.deployment_id)
                         ) from None
-                    raise errors.FailedPrecondition(
+                    raise errors.NotServing(
                         f"{retried_after}: it was removed while the request waited"
                     ) from None
                 except errors.ResourceExhausted as full:
@@ -336,7 +336,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         try:
             fresh = await self.router.by_deployment_id(request.deployment_id)
         except errors.NotFound:
-            raise errors.FailedPrecondition(removed_before_serving(request.deployment_id)) from None
+            raise errors.NotServing(removed_before_serving(request.deployment_id)) from None
         return any(r.worker_address != gone_address for r in replicas.serving(fresh))
 
     async def _admit(
@@ -520,16 +520,14 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         weighing waits, when one serves)."""
         serving = replicas.serving(deployment)
         if not serving:
-            raise errors.FailedPrecondition(
-                f"deployment {deployment.deployment_id} has no replica serving"
-            )
+            raise errors.NotServing(f"deployment {deployment.deployment_id} has no replica serving")
         if len(serving) == 1:
             replica = serving[0]
         else:
             index = self.queues.choose_replica(deployment)
             replica = next(r for r in serving if r.index == index)
         if not replica.worker_address:
-            raise errors.FailedPrecondition(
+            raise errors.NotServing(
                 f"deployment {deployment.deployment_id} is READY but replica "
                 f"{replica.index} names no worker address"
             )

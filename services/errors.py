@@ -63,6 +63,13 @@ class FailedPrecondition(IServeError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class NotServing(FailedPrecondition):
+    """A deployment that exists and serves no request (FAILED, being removed, no replica
+    serving): the server's state, not the request's fault (the gateway's 503, not 400)."""
+
+    reason = "deployment_not_serving"
+
+
 class CheckpointChanged(FailedPrecondition):
     """A checkpoint rewritten since its model was registered (another shape)."""
 

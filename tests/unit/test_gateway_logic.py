@@ -40,6 +40,44 @@ def test_grpc_codes_map_to_openai_statuses(code, status):
     assert http_status(code)[0] == status
 
 
+class _Refused(grpc.RpcError):
+    """What a failed call raises: its code, details and trailing metadata."""
+
+    def __init__(self, code, details, reason=""):
+        self._code, self._details, self._reason = code, details, reason
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return (("iserve-reason", self._reason),) if self._reason else ()
+
+
+def test_a_deployment_that_serves_nothing_is_a_503_not_the_clients_400():
+    """A FAILED deployment asked for by id or by model was a 400 invalid_request_error:
+    clients take a 400 for their own fault and do not retry (a probe)."""
+    failed = GatewayError.from_rpc(
+        _Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "deployment d1 is FAILED: gave up after 0 restart(s)",
+            "deployment_not_serving",
+        ),
+        "scheduler",
+    )
+    assert (failed.status, failed.kind, failed.code) == (
+        503,
+        "service_unavailable_error",
+        "deployment_not_serving",
+    )
+    other = GatewayError.from_rpc(
+        _Refused(grpc.StatusCode.FAILED_PRECONDITION, "no chat template"), "scheduler"
+    )
+    assert (other.status, other.kind) == (400, "invalid_request_error")
+
+
 def test_templates_render_as_transformers_does(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps(

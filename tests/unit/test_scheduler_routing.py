@@ -92,8 +92,10 @@ def test_forget_makes_the_next_request_read_redis():
         assert store.reads == reads
         router.forget("d1")
         store.records["d1"] = deployment("d1", deploy_pb.DEPLOYMENT_STATE_FAILED, reason="gone")
-        with pytest.raises(FailedPrecondition, match="^deployment d1 is FAILED: gone$"):
+        with pytest.raises(FailedPrecondition, match="^deployment d1 is FAILED: gone$") as failed:
             await router.by_deployment_id("d1")
+        # The server's state, not the request's fault: the gateway's 503, not a 400.
+        assert failed.value.reason == "deployment_not_serving"
         del store.records["d1"]
         with pytest.raises(NotFound, match="deployment d1 not found"):
             await router.by_deployment_id("d1")
@@ -149,6 +151,7 @@ def test_model_routing_errors_name_the_states():
         with pytest.raises(FailedPrecondition) as failure:
             await router.by_model_id("m")
         assert str(failure.value) == "model m has no READY deployment (deployment x is FAILED: OOM)"
+        assert failure.value.reason == "deployment_not_serving"
         # One being removed may have a successor starting (remove, then deploy again).
         with pytest.raises(Unavailable) as passing:
             await router.by_model_id("n")
