@@ -535,9 +535,16 @@ class QueueRegistry:
             return  # its one queue's policy says so
         waiting = self.waiting_on(deployment)
         if waiting >= self.capacity:
+            serving = len(replicas.serving(deployment))
+            # Those that serve: "on its 2 replicas" of one with a replica FAILED (a probe).
+            on = (
+                f"its {count} replicas"
+                if serving == count
+                else f"{serving} of its {count} replicas serving"
+            )
             raise ResourceExhausted(
                 f"queue of deployment {deployment.deployment_id} is full ({waiting} waiting "
-                f"on its {count} replicas)"
+                f"on {on})"
             )
 
     def set_serving(self, deployment: deploy_pb.Deployment) -> None:

@@ -409,6 +409,13 @@ def test_the_queue_capacity_is_the_deployments_whatever_its_replicas():
                 "queue of deployment m-0a1b2c3d is full (3 waiting on its 2 replicas)"
             )
             assert registry.waiting_on(dep) == 3
+            # A replica FAILED: the message counts those that serve (a probe).
+            dep.replicas[1].state = deploy_pb.DEPLOYMENT_STATE_FAILED
+            with pytest.raises(ResourceExhausted) as full:
+                registry.check_room(dep)
+            assert str(full.value) == (
+                "queue of deployment m-0a1b2c3d is full (3 waiting on 1 of its 2 replicas serving)"
+            )
             registry.check_room(deployment(count=1))  # one replica: its queue's own limit
         finally:
             await load.close()
