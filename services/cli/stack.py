@@ -381,7 +381,7 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
     try:
         wait_for_restored(settings, log, kept=kept)
         interrupts.check()
-    except BaseException:
+    except KeyboardInterrupt:
         # Stopped while it waited for the deployments kept from before: still starting.
         down(settings, lambda _msg: None)
         raise
