@@ -55,7 +55,7 @@ from fingerprint_svc.profile_plan import (
     reference_label,
     room_once_settled,
 )
-from fingerprint_svc.registry import PRECISIONS
+from fingerprint_svc.registry import INCOMPLETE, PRECISIONS
 from services import health
 from services.aio import cancel_and_wait
 from services.api import agent_service_pb2 as agent_pb
@@ -98,11 +98,14 @@ OWNER_PREFIX = "profile-"
 
 class JobFailed(Exception):
     """A job could not run or failed; the message says why. ``agent_gone``: its agent
-    stopped answering (killed, restarted), so registering again may complete it."""
+    stopped answering (killed, restarted); ``worker_gone``: the agent answered that its
+    worker was (UNAVAILABLE: killed, or out of memory): either way registering again may
+    complete it."""
 
-    def __init__(self, message: str, agent_gone: bool = False):
+    def __init__(self, message: str, agent_gone: bool = False, worker_gone: bool = False):
         super().__init__(message)
         self.agent_gone = agent_gone
+        self.worker_gone = worker_gone
 
 
 class _NoCopy(JobFailed):
@@ -135,6 +138,8 @@ class ProfileRecord:
     runs_total: int = 0
     # Jobs skipped because their agent stopped answering: the profile is incomplete.
     agent_gone: int = 0
+    # Jobs skipped because their worker was gone (the agent answering): incomplete too.
+    worker_gone: int = 0
     # Variants dropped because their own checkpoint moved: the profile is incomplete.
     moved: list[str] = field(default_factory=list)
 
@@ -149,13 +154,21 @@ def _incomplete(record: ProfileRecord) -> str:
             "(the profile's skipped list names them); register the model again once the "
             "agent is back to complete it"
         )
+    if record.worker_gone:
+        # A worker killed mid-job read as a complete profile: only the skipped list said
+        # a layout was missing, and registering again was refused (a probe).
+        parts.append(
+            f"{record.worker_gone} profiling job(s) failed because their worker was gone "
+            "(UNAVAILABLE: killed, or out of memory; the profile's skipped list names "
+            "them); register the model again to complete it"
+        )
     if record.moved:
         parts.append(
             f"variant(s) {', '.join(sorted(set(record.moved)))} dropped because their "
             "checkpoint was rewritten or removed during profiling (the profile's skipped "
             "list says how); register the model again to profile them"
         )
-    return f"incomplete: {'; '.join(parts)}" if parts else ""
+    return f"{INCOMPLETE}{'; '.join(parts)}" if parts else ""
 
 
 def _most_slowed(measurements: list[model_pb.ProfileMeasurement]) -> float:
@@ -310,6 +323,7 @@ class Profiler:
                     spans[done] = (start, len(record.measurements))
             except JobFailed as exc:
                 record.agent_gone += exc.agent_gone
+                record.worker_gone += exc.worker_gone
                 moved = isinstance(exc, CheckpointMoved)
                 if (reference == (1, 1) or moved) and job.variant.is_base:
                     raise ProfilingFailed(f"{job.describe()}: {exc}") from exc
@@ -503,7 +517,8 @@ class Profiler:
                             f"stopped answering ({said}); register the model again once "
                             "it is back"
                         )
-                    raise JobFailed(said, agent_gone=gone) from exc
+                    worker_gone = exc.code() == grpc.StatusCode.UNAVAILABLE and not gone
+                    raise JobFailed(said, agent_gone=gone, worker_gone=worker_gone) from exc
             wall_s = time.perf_counter() - started
         finally:
             await self.store.release(owner)

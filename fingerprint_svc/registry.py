@@ -203,15 +203,27 @@ def state_name(state: int) -> str:
     return model_pb.ModelState.Name(state).removeprefix("MODEL_STATE_")
 
 
+# The start of a PROFILED model's reason when its profile lacks jobs that profiling
+# again would measure (an agent or a worker gone mid-job).
+INCOMPLETE = "incomplete: "
+
+
 def check_retry(
     existing: model_pb.Model, model: model_pb.Model, *, profiling: bool, skip_profiling: bool
 ) -> None:
-    """Registering an id that is taken retries it only when the recorded model FAILED, or
-    was registered without profiling and is now to be profiled, with the same checkpoint
-    (and is not being profiled); anything else is AlreadyExists."""
+    """Registering an id that is taken retries it only when the recorded model FAILED, was
+    registered without profiling and is now to be profiled, or was profiled incompletely
+    (its reason says "register the model again": it was refused, a probe), with the same
+    checkpoint (and is not being profiled); anything else is AlreadyExists."""
     state = state_name(existing.state)
     unprofiled = existing.state == model_pb.MODEL_STATE_REGISTERED and not skip_profiling
-    if not (existing.state == model_pb.MODEL_STATE_FAILED or unprofiled) or profiling:
+    incomplete = (
+        existing.state == model_pb.MODEL_STATE_PROFILED
+        and existing.state_reason.startswith(INCOMPLETE)
+        and not skip_profiling
+    )
+    retried = existing.state == model_pb.MODEL_STATE_FAILED or unprofiled or incomplete
+    if not retried or profiling:
         again = (
             ""
             if profiling

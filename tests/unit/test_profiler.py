@@ -91,6 +91,7 @@ def run_profiler(
     model: model_pb.Model | None = None,
     before: Callable | None = None,
     second_node: Callable | None = None,
+    agent_answers_health: bool = False,
 ):
     """Profile ``model`` (default: the tiny base model) and return what was left behind:
     (model, profile, progress, agent calls, reservation owners). With ``second_node``,
@@ -108,6 +109,10 @@ def run_profiler(
             agents.append(agent)
             servicer = grpc.aio.server()
             agent_service_pb2_grpc.add_AgentServiceServicer_to_server(agent, servicer)
+            if agent_answers_health:  # the agent itself is there (SERVING)
+                from grpc_health.v1 import health, health_pb2_grpc
+
+                health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), servicer)
             port = servicer.add_insecure_port("127.0.0.1:0")
             await servicer.start()
             servers.append(servicer)
@@ -264,6 +269,32 @@ def test_a_profile_an_agent_left_incomplete_says_so_in_the_models_reason(redis_u
     # Skipped for the cluster's shape alone, a profile is complete: no reason.
     model, *_ = run_profiler(redis_url, models_root, single_rank_only)
     assert model.state == model_pb.MODEL_STATE_PROFILED and model.state_reason == ""
+
+
+def test_a_profile_a_killed_worker_left_incomplete_says_so_and_may_be_registered_again(
+    redis_url, models_root
+):
+    """A profiling worker killed mid-job (its agent answering UNAVAILABLE): the model read
+    as PROFILED and complete, only the skipped list saying a layout was missing, and
+    registering it again, as a note advised, was refused (a probe)."""
+    from fingerprint_svc.registry import check_retry
+
+    def worker_killed_on_two_ranks(request):
+        if len(request.workers) > 1:
+            return (grpc.StatusCode.UNAVAILABLE, "profiling generation failed: Stream removed")
+        return measured(request)
+
+    model, profile, *_ = run_profiler(
+        redis_url, models_root, worker_killed_on_two_ranks, agent_answers_health=True
+    )
+    assert model.state == model_pb.MODEL_STATE_PROFILED
+    assert model.state_reason.startswith(
+        "incomplete: 2 profiling job(s) failed because their worker was gone"
+    ), model.state_reason
+    assert model.state_reason.endswith("register the model again to complete it")
+    assert len(profile.skipped) == 2 and all("Stream removed" in s for s in profile.skipped)
+    again = model_pb.Model(model_id=model.model_id, checkpoint_path=model.checkpoint_path)
+    check_retry(model, again, profiling=False, skip_profiling=False)
 
 
 def test_a_profile_other_processes_slowed_says_so_in_the_models_reason(redis_url, models_root):

@@ -277,6 +277,19 @@ def test_only_a_failed_or_unprofiled_model_with_the_same_checkpoint_is_registere
         model_id="m", checkpoint_path="a", state=model_pb.MODEL_STATE_REGISTERED
     )
     check_retry(skipped, new, profiling=False, skip_profiling=False)
+    # A profile left incomplete (an agent or a worker gone) is completed by registering
+    # again, as its reason says (that was refused: a probe); not without profiling.
+    incomplete = model_pb.Model(
+        model_id="m",
+        checkpoint_path="a",
+        state=model_pb.MODEL_STATE_PROFILED,
+        state_reason="incomplete: 1 profiling job(s) failed because ...",
+    )
+    check_retry(incomplete, new, profiling=False, skip_profiling=False)
+    with pytest.raises(AlreadyExists, match=r"already registered \(PROFILED\)"):
+        check_retry(incomplete, new, profiling=False, skip_profiling=True)
+    with pytest.raises(AlreadyExists):
+        check_retry(incomplete, new, profiling=True, skip_profiling=False)
     # ... but not again without profiling: that would change nothing.
     with pytest.raises(AlreadyExists, match=r"already registered \(REGISTERED\)"):
         check_retry(skipped, new, profiling=False, skip_profiling=True)
