@@ -413,6 +413,32 @@ def _progress_text(event: model_pb.WatchModelResponse, state: str) -> str:
     return "" if what.lower() == state else what.removeprefix(f"{state}: ")
 
 
+# What the profiling bar's columns other than the job's text take (state, a 24-wide bar,
+# runs done, elapsed and remaining time, their gaps): the text gets the rest.
+_PROFILING_BAR_FIXED = 58
+
+
+def profiling_columns() -> tuple:
+    """The profiling bar's columns: state, bar, runs done, elapsed, time left, the job now
+    running (cut to the terminal by :func:`fitted`)."""
+    return (
+        TextColumn("[bold]{task.fields[state]}"),
+        BarColumn(bar_width=24),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(compact=True),
+        TextColumn("{task.description}"),
+    )
+
+
+def fitted(text: str, width: int) -> str:
+    """``text`` cut with an ellipsis to what a ``width``-column terminal leaves it beside
+    the profiling bar: a long job's text squeezed the bar, the count and the time out of
+    an 80-column line (a probe)."""
+    room = max(8, width - _PROFILING_BAR_FIXED)
+    return text if len(text) <= room else text[: room - 1] + "…"
+
+
 def _watch_profiling(stub, model_id: str) -> model_pb.WatchModelResponse | None:
     """Follow WatchModel until profiling ends, drawing its progress on stderr: a rich
     progress bar (runs done, elapsed time, the job now running) on a terminal, a line
@@ -428,14 +454,7 @@ def _watch_profiling(stub, model_id: str) -> model_pb.WatchModelResponse | None:
                 print(line, file=sys.stderr, flush=True)
                 shown = line
         return last
-    columns = (
-        TextColumn("[bold]{task.fields[state]}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-    )
-    with Progress(*columns, console=err, transient=False) as progress:
+    with Progress(*profiling_columns(), console=err, transient=False) as progress:
         task = progress.add_task("", total=None, state="profiling")
         for last in events:
             state = _state_name(last.state).lower()
@@ -443,7 +462,7 @@ def _watch_profiling(stub, model_id: str) -> model_pb.WatchModelResponse | None:
                 task,
                 total=last.runs_total or None,
                 completed=last.runs_done,
-                description=_progress_text(last, state),
+                description=fitted(_progress_text(last, state), err.width),
                 state=state,
             )
     return last

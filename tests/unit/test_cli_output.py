@@ -478,3 +478,32 @@ def test_status_watch_leaves_out_steady_columns_rather_than_folding_rows():
     out.print(renderable(status_tables(status, watching=True), out, WATCH_OPTIONAL))
     assert "127.0.0.1:40004" in out.file.getvalue()
     assert "left out" not in out.file.getvalue()
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_the_profiling_bar_keeps_its_count_and_times_on_a_narrow_terminal(width):
+    """At 80 columns a long job's text ("measuring again: other processes slowed its
+    runs") squeezed the bar, the n/N count and the elapsed time out (a probe); the time
+    left was never shown."""
+    import io
+    import re
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from services.cli.main import fitted, profiling_columns
+
+    job = (
+        "profiling base fingerprint(1 layer) tp=1 pp=2 batch=2 (measuring again: other "
+        "processes slowed its runs)"
+    )
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=True, color_system=None)
+    with Progress(*profiling_columns(), console=console, auto_refresh=False) as bar:
+        task = bar.add_task(fitted(job, width), total=15, state="profiling")
+        bar.update(task, completed=12)
+        bar.refresh()
+    line = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue()).strip().split("\r")[-1]
+    assert "12/15" in line and "0:00:0" in line and "--:--" in line, line
+    assert line.startswith("profiling ━") and "profili" in line.split("--:--")[1], line
+    assert len(line.rstrip()) <= width, line
