@@ -176,8 +176,8 @@ class ModelReferences:
         return (
             f"batch {batch_size} is extrapolated linearly from the profiled batches 1 and 2 "
             "(MaverIQ Eq. 6), each further sequence's TTFT at least its prompt's prefill "
-            "beyond the batch-2 runs' prompt; a batch-2 TPOT difference within measurement "
-            "noise adds nothing per sequence. Decode's KV-cache reads grow faster than that "
+            "beyond the batch-2 runs' prompt; a parallel layout's per-sequence overhead is at "
+            "least (1,1)'s over its tensor degree. Decode's KV-cache reads grow faster than that "
             "line at large batches: read TPOT beyond a few dozen sequences as a lower bound"
         )
 
@@ -378,15 +378,26 @@ def _batch2(
     prompts in 0.44 s on four A6000s, where the compute alone takes over 10 s)."""
     ttft, tpot = list(main.ttft_s), list(main.tpot_s)
     at = {layout: i for i, layout in enumerate(main.layouts)}
+    # The (1,1) overheads, the other references' floor over their tensor degree: the extra
+    # sequence's work does not vanish in a parallel layout. A layout whose own batch-2
+    # difference timed within noise (about nothing) had batch 64 decode as fast as batch
+    # 1 while (1,1)'s grew 19-fold, and a throughput intent could pick it (a probe).
+    base_ttft = two.ttft_s[0] - one.ttft_s[0]
+    base_tpot = two.tpot_s[0] - one.tpot_s[0]
     for i, layout in enumerate(main.layouts):
         j = REFERENCE_LAYOUTS.index(layout) if layout in REFERENCE_LAYOUTS else 1
         share = 1.0 if layout in REFERENCE_LAYOUTS else TENSOR[0] / layout[0]
-        overhead = two.ttft_s[j] - one.ttft_s[j]
         reference = REFERENCE_LAYOUTS[j]
+        overhead = two.ttft_s[j] - one.ttft_s[j]
+        if j and base_ttft > 0:
+            overhead = max(overhead, base_ttft / reference[0])
         if longer_prompt and reference in at:
             overhead = max(overhead, main.ttft_s[at[reference]] - one.ttft_s[j])
         ttft[i] += share * overhead
-        tpot[i] += share * (two.tpot_s[j] - one.tpot_s[j])
+        decode = two.tpot_s[j] - one.tpot_s[j]
+        tpot[i] += share * (
+            max(decode, base_tpot / reference[0]) if j and base_tpot > 0 else decode
+        )
     return ReferenceProfile(main.layouts, tuple(ttft), tuple(tpot), main.memory_gib)
 
 

@@ -567,6 +567,28 @@ def test_a_further_sequence_of_a_longer_prompt_costs_at_least_its_prefill():
     assert longer.tpot_s == main.tpot_s  # decode's overhead is the prompt's own business
 
 
+def test_a_parallel_layout_s_further_sequence_costs_at_least_its_share_of_1_1_s():
+    """A layout whose batch-2 difference timed within noise (about nothing) decoded batch
+    64 as fast as batch 1 while (1,1)'s grew 19-fold (a probe): the extra sequence's work
+    does not vanish in parallel. Each reference's overhead is at least (1,1)'s over its
+    tensor degree; (1,1)'s own, and one above the floor, are as measured."""
+    from services.estimation.latency import REFERENCE_LAYOUTS
+    from services.estimation.references import ReferenceProfile
+
+    layouts = (*REFERENCE_LAYOUTS, (4, 1))
+    main = ReferenceProfile(layouts, (1.0, 0.6, 1.1, 0.4), (0.1, 0.06, 0.11, 0.04), (1, 1, 1, 1))
+    one = ReferenceProfile(REFERENCE_LAYOUTS, (0.2, 0.12, 0.21), (0.1, 0.06, 0.11), (1, 1, 1))
+    # (1,1): +0.04 s TTFT, +0.02 s TPOT per sequence; (2,1) and (1,2) flat (noise).
+    two = ReferenceProfile(REFERENCE_LAYOUTS, (0.24, 0.12, 0.21), (0.12, 0.06, 0.11), (1, 1, 1))
+    floored = model_references._batch2(main, one, two)
+    assert floored.ttft_s == pytest.approx((1.04, 0.62, 1.14, 0.4 + 0.5 * 0.02))
+    assert floored.tpot_s == pytest.approx((0.12, 0.07, 0.13, 0.04 + 0.5 * 0.01))
+    # Above the floor: as measured.
+    steep = ReferenceProfile(REFERENCE_LAYOUTS, (0.24, 0.2, 0.3), (0.12, 0.1, 0.2), (1, 1, 1))
+    measured = model_references._batch2(main, one, steep)
+    assert measured.tpot_s == pytest.approx((0.12, 0.1, 0.2, 0.04 + 0.5 * 0.04))
+
+
 def test_a_profile_other_processes_slowed_is_said_with_its_estimates():
     """Estimates from runs other processes slowed run high: the references
     say so (the note the estimator's replies carry), and say nothing of quiet runs."""
