@@ -56,6 +56,10 @@ class Estimate:
     input_defaulted: bool = False
     # The memory of each device what fits was judged against (None: unknown, all fit).
     device_memory_gib: float | None = None
+    # The model's reason when its profile is incomplete (profiles.INCOMPLETE): its
+    # estimates stand on fewer layouts than they would (a probe: only `iserve models`
+    # said so, and a plan picked a layout whose communication was never measured).
+    incomplete: str | None = None
 
     @property
     def usable(self) -> np.ndarray:
@@ -105,7 +109,7 @@ class Estimate:
             runtime,
             self.estimates.unestimable_note(),
         )
-        return [*references.notes, *(note for note in extra if note)]
+        return [*filter(None, [self.incomplete]), *references.notes, *(n for n in extra if n)]
 
     @property
     def unfit_note(self) -> str | None:
@@ -339,6 +343,7 @@ class Estimator:
             known = calibration_message.from_proto(config_map.calibration).device_memory_bytes
             memory_gib = known / GIB if known else None
         estimates, resolved = config_map.estimate(workload, devices, memory_gib)
+        reason = (await self._model(model_id)).state_reason
         return Estimate(
             estimates,
             resolved,
@@ -346,4 +351,7 @@ class Estimator:
             config_map,
             input_defaulted=not workload.input_tokens,
             device_memory_gib=memory_gib,
+            incomplete=f"the model's profile is {reason}"
+            if reason.startswith(profiles.INCOMPLETE)
+            else None,
         )

@@ -55,7 +55,7 @@ from fingerprint_svc.profile_plan import (
     reference_label,
     room_once_settled,
 )
-from fingerprint_svc.registry import INCOMPLETE, PRECISIONS
+from fingerprint_svc.registry import PRECISIONS
 from services import health
 from services.aio import cancel_and_wait
 from services.api import agent_service_pb2 as agent_pb
@@ -70,6 +70,7 @@ from services.errors import (
     CheckpointUnusable,
     rpc_reason,
 )
+from services.estimation.profiles import INCOMPLETE
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config, served_spec

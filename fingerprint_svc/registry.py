@@ -13,6 +13,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import compression_problem, resolve_checkpoint, served_prune_fractions
 from services.errors import AlreadyExists, InvalidArgument
+from services.estimation.profiles import INCOMPLETE
 from services.ids import check_model_id, check_variant_name
 from services.models.arch import ArchSpec, unlike_model
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
@@ -201,11 +202,6 @@ def state_name(state: int) -> str:
     """A model state as messages and the CLI say it: ``REGISTERED``, not
     ``MODEL_STATE_REGISTERED``."""
     return model_pb.ModelState.Name(state).removeprefix("MODEL_STATE_")
-
-
-# The start of a PROFILED model's reason when its profile lacks jobs that profiling
-# again would measure (an agent or a worker gone mid-job).
-INCOMPLETE = "incomplete: "
 
 
 def check_retry(

@@ -32,6 +32,11 @@ from services.estimation.latency import decode_steps
 from services.estimation.memory import GIB
 from services.estimation.space import ModelShape, Variant
 
+# The start of a PROFILED model's reason when its profile lacks jobs that profiling again
+# would measure (an agent or a worker gone mid-job): the model service writes it, its
+# registration takes such a model again, and its estimates repeat it.
+INCOMPLETE = "incomplete: "
+
 __all__ = [
     "Sample",
     "estimation_shape",

@@ -316,6 +316,29 @@ def test_a_prompt_outside_the_profiled_lengths_says_what_it_stands_on(run):
     run(scenario)
 
 
+def test_the_estimates_of_an_incomplete_profile_say_so_first(run):
+    """A profile a killed worker left incomplete was said only by `iserve models`; its
+    estimates, and the plan that picked a layout it never measured, said nothing."""
+
+    async def scenario(store: StateStore):
+        estimator = Estimator(store)
+        model = tiny_model()
+        model.state = model_pb.MODEL_STATE_PROFILED
+        model.state_reason = "incomplete: 2 profiling job(s) failed because their worker was gone"
+        await put_tiny(store, model=model)
+        notes = (await estimator.estimate("tiny", CPU, Workload(20), 0)).notes
+        assert notes[0] == (
+            "the model's profile is incomplete: 2 profiling job(s) failed because their "
+            "worker was gone"
+        )
+        model.state_reason = ""
+        await store.put_model(model)
+        notes = (await estimator.estimate("tiny", CPU, Workload(20), 0)).notes
+        assert not any("incomplete" in n for n in notes)
+
+    run(scenario)
+
+
 def test_calibration_lookup_and_calibrate(run):
     async def scenario(store: StateStore):
         estimator = Estimator(store)
