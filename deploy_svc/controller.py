@@ -568,7 +568,16 @@ class DeploymentController:
         while True:
             existing = await self.store.get_deployment(deployment_id)
             late = time.monotonic() > deadline
-            if existing is not None:
+            if existing is not None and existing.state == deploy_pb.DEPLOYMENT_STATE_REMOVING:
+                # Being removed: once it is gone its request id deploys afresh, so the
+                # repeat waits for that (it was answered "deployed" with the REMOVING
+                # record, gone a moment later: a probe).
+                if late:
+                    raise Unavailable(
+                        f"deployment {deployment_id}, which the Deploy with request_id "
+                        f"{request_id!r} made, is being removed; try again once it is gone"
+                    )
+            elif existing is not None:
                 # A restart is not the first call's launch: the deployment served before.
                 first_launch = existing.state == deploy_pb.DEPLOYMENT_STATE_STARTING
                 if late or not first_launch or replicas.is_restarting(existing):

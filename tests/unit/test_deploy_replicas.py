@@ -34,6 +34,7 @@ from services.reservation import memory_blocks
 GIB = 1 << 30
 MIB = 1 << 20
 READY = deploy_pb.DEPLOYMENT_STATE_READY
+REMOVING = deploy_pb.DEPLOYMENT_STATE_REMOVING
 FAILED = deploy_pb.DEPLOYMENT_STATE_FAILED
 EXPLICIT = common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1)
 
@@ -176,6 +177,7 @@ class FakeAgent:
         self.stale: set[str] = set()
         self.stop_timeouts: list[float] = []
         self.gate: asyncio.Event | None = None  # StartWorkers waits for it when set
+        self.stop_gate: asyncio.Event | None = None  # and StopWorkers for this one
         self.started: list[str] = []
         self.engines: list[int] = []
         self.stopped: list[str] = []
@@ -213,6 +215,8 @@ class FakeAgent:
 
     async def StopWorkers(self, request: agent_pb.StopWorkersRequest, timeout: float):
         self.stopped.append(request.deployment_id)
+        if self.stop_gate is not None:  # a drain under way
+            await self.stop_gate.wait()
         self.stop_timeouts.append(timeout)
         self.stale.discard(request.deployment_id)
         return agent_pb.StopWorkersResponse()
@@ -623,6 +627,35 @@ def test_a_remove_while_the_workers_start_aborts_the_deploy_and_its_repeat(run, 
         # The request id is free again: a Deploy with it now deploys afresh.
         again = (await controller.deploy(request)).deployment
         assert again.deployment_id != deployment.deployment_id and again.state == READY
+        await controller.remove(again.deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_repeat_while_its_deployment_is_being_removed_deploys_afresh_once_it_is_gone(run):
+    """A Deploy repeated (same request id) while Remove drained its deployment was
+    answered "deployed" with the REMOVING record, gone a moment later (a probe). A
+    removed deployment's request id deploys afresh: the repeat waits for the removal."""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        request = deploy_request(1, request_id="drained-id")
+        first = (await controller.deploy(request)).deployment
+        agent.stop_gate = asyncio.Event()
+        removing = asyncio.create_task(controller.remove(first.deployment_id))
+        async with asyncio.timeout(10):
+            while not agent.stopped:
+                await asyncio.sleep(0.01)
+        assert (await store.get_deployment(first.deployment_id)).state == REMOVING
+        repeat = asyncio.create_task(controller.deploy(request))
+        await asyncio.sleep(0.3)
+        assert not repeat.done()  # not answered with the deployment being removed
+        agent.stop_gate.set()
+        await removing
+        again = (await repeat).deployment
+        assert again.deployment_id != first.deployment_id and again.state == READY
         await controller.remove(again.deployment_id)
         assert await nothing_left(store)
 
