@@ -80,6 +80,8 @@ class Healer:
         self.reconciled = reconciled
         self.policy = policy
         self._tasks: set[asyncio.Task] = set()
+        # The restart task scheduled for each (deployment id, replica index).
+        self._scheduled: dict[tuple[str, int], asyncio.Task] = {}
 
     async def close(self) -> None:
         await cancel_and_wait(list(self._tasks))
@@ -144,9 +146,24 @@ class Healer:
         self.schedule(deployment_id, index, step.delay_s)
 
     def schedule(self, deployment_id: str, index: int, delay_s: float) -> None:
+        """Restart replica ``index`` in ``delay_s`` seconds, unless a restart of it is
+        already scheduled (by another task than the one asking): after a stack restart
+        the planned restore and the reconciler's resume each queued one, and both chains
+        spent the one budget, a failing replica giving up three times too fast (a probe)."""
+        key = (deployment_id, index)
+        pending = self._scheduled.get(key)
+        if pending is not None and not pending.done() and pending is not asyncio.current_task():
+            log.info("deployment %s replica %d: its restart is already scheduled", *key)
+            return
         task = asyncio.get_running_loop().create_task(self._restart(deployment_id, index, delay_s))
+        self._scheduled[key] = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda done: self._forget_scheduled(key, done))
+
+    def _forget_scheduled(self, key: tuple[str, int], task: asyncio.Task) -> None:
+        if self._scheduled.get(key) is task:
+            del self._scheduled[key]
 
     async def resume(self, deployments: list[deploy_pb.Deployment]) -> list[str]:
         """After a deployer restart: schedule again the restarts that were in progress

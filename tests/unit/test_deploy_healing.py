@@ -628,6 +628,30 @@ def test_a_restart_cut_off_by_a_deployer_restart_goes_on(run):
     run(scenario)
 
 
+def test_a_replica_s_restart_is_scheduled_once_whoever_asks(run):
+    """After a stack restart the planned restore and the reconciler's resume each queued
+    a restart of the same replica; failing, both chains spent its one budget, and it gave
+    up after 10 s where the backoff promised 31 (a probe)."""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        slow = RestartPolicy(first_backoff_s=60.0)
+        controller = await controller_on(store, agent, 2, 2, policy=slow)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        assert await controller.fail(dep.deployment_id, "worker rank 0 exited (-9)")
+        healer = controller.healer
+        assert len(healer._tasks) == 1  # waiting its 60 s backoff
+        restarting = await store.get_deployment(dep.deployment_id)
+        assert await healer.resume([restarting]) == [f"resumed restarting {dep.deployment_id}"]
+        healer.schedule(dep.deployment_id, 0, 0.0)
+        assert len(healer._tasks) == 1
+        await controller.remove(dep.deployment_id)
+        await controller.close()
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
 def test_a_replica_whose_agent_no_longer_runs_it_is_restarted(run):
     """An agent restarted on its own (or the whole stack): it answers, with no worker and
     no record of one. The replica went with its node: restarted, spending no budget. An
