@@ -808,8 +808,19 @@ class DeploymentController:
 
     # ---- remove and fail ------------------------------------------------------------
     async def remove(self, deployment_id: str) -> None:
+        """Drain and stop the deployment's workers, release its devices, drop its record.
+        A Remove that comes while another drains it waits for that one and answers OK
+        (it said NOT_FOUND of a deployment still listed REMOVING: a probe)."""
+        check_deployment_id(deployment_id)
+        before = await self.store.get_deployment(deployment_id)
         async with self.lock(deployment_id):
-            deployment = await self.get(deployment_id)
+            try:
+                deployment = await self.get(deployment_id)
+            except NotFound:
+                if before is None or before.state != deploy_pb.DEPLOYMENT_STATE_REMOVING:
+                    raise
+                access.check_owner(f"deployment {deployment_id}", before.owner)
+                return  # removed by the Remove under way when this one came
             access.check_owner(f"deployment {deployment_id}", deployment.owner)
             deployment.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
             await self.store.put_deployment(deployment)

@@ -26,6 +26,7 @@ from services.errors import (
     FailedPrecondition,
     InvalidArgument,
     IServeError,
+    NotFound,
     ResourceExhausted,
     Unavailable,
 )
@@ -658,6 +659,30 @@ def test_a_repeat_while_its_deployment_is_being_removed_deploys_afresh_once_it_i
         assert again.deployment_id != first.deployment_id and again.state == READY
         await controller.remove(again.deployment_id)
         assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_a_remove_while_another_drains_the_deployment_answers_ok(run):
+    """A second Remove during the first's drain waited for it, then said NOT_FOUND of the
+    deployment the listing still showed REMOVING (a probe)."""
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, 2)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        agent.stop_gate = asyncio.Event()
+        first = asyncio.create_task(controller.remove(dep.deployment_id))
+        async with asyncio.timeout(10):
+            while not agent.stopped:
+                await asyncio.sleep(0.01)
+        second = asyncio.create_task(controller.remove(dep.deployment_id))
+        await asyncio.sleep(0.1)
+        agent.stop_gate.set()
+        await asyncio.gather(first, second)
+        assert await nothing_left(store)
+        with pytest.raises(NotFound):  # once gone, an unknown deployment
+            await controller.remove(dep.deployment_id)
 
     run(scenario)
 
