@@ -8,29 +8,53 @@
 // ISERVE_*_ADDR variables (see README "Configuration"), as for the Python CLI.
 "use strict";
 
-const { connect, unary } = require("./iserve");
+const path = require("node:path");
+const { connect, unary, describe } = require("./iserve");
 
-const USAGE = "usage: node demo.js MODEL_ID CHECKPOINT_PATH [PROMPT] [--max-tokens N] [--keep]";
+const USAGE =
+  "usage: node demo.js MODEL_ID CHECKPOINT_PATH [PROMPT] [--max-tokens N] [--keep] [-- PROMPT]";
 const UINT32_MAX = 4294967295; // max_tokens is a uint32: protobufjs wraps a larger number
+
+function usageError(message) {
+  console.error(message ? `${message}\n${USAGE}` : USAGE);
+  process.exit(2);
+}
 
 function parse(argv) {
   const args = { positional: [], maxTokens: 24, keep: false };
   for (let i = 0; i < argv.length; i += 1) {
-    if (argv[i] === "--max-tokens") args.maxTokens = Number(argv[++i]);
+    if (argv[i] === "--") {
+      args.positional.push(...argv.slice(i + 1)); // a prompt that starts with "--"
+      break;
+    } else if (argv[i] === "--max-tokens") args.maxTokens = Number(argv[++i]);
     else if (argv[i] === "--keep") args.keep = true;
+    // A mistyped flag became the prompt (`--max-token 3` generated 24 tokens of it).
+    else if (argv[i].startsWith("--")) usageError(`unknown option ${argv[i]}`);
     else args.positional.push(argv[i]);
   }
-  const [modelId, checkpoint, prompt = "Once upon a time"] = args.positional;
-  if (!modelId || !checkpoint) {
-    console.error(USAGE);
-    process.exit(2);
-  }
+  const [modelId, checkpoint, prompt = "Once upon a time", ...extra] = args.positional;
+  if (!modelId || !checkpoint) usageError();
+  if (extra.length) usageError(`unexpected argument ${JSON.stringify(extra[0])}`);
   // Before anything is deployed: 2.7 was cut to 2 and 2^32 + 1 wrapped to 1.
   if (!Number.isInteger(args.maxTokens) || args.maxTokens < 1 || args.maxTokens > UINT32_MAX) {
-    console.error(`--max-tokens must be a whole number from 1 to ${UINT32_MAX}\n${USAGE}`);
-    process.exit(2);
+    usageError(`--max-tokens must be a whole number from 1 to ${UINT32_MAX}`);
   }
   return { ...args, modelId, checkpoint, prompt };
+}
+
+// Ctrl-C (or SIGTERM) ends the stream and still removes the deployment: Node's default
+// exit skipped the `finally` below, and the deployment stayed READY.
+const stop = { signal: null, call: null };
+for (const name of ["SIGINT", "SIGTERM"]) {
+  process.on(name, () => {
+    if (stop.signal) process.exit(130); // a second one: leave now
+    stop.signal = name;
+    if (stop.call) stop.call.cancel();
+  });
+}
+
+function checkStopped() {
+  if (stop.signal) throw new Error(`stopped by ${stop.signal}`);
 }
 
 function stream(inference, request) {
@@ -38,6 +62,7 @@ function stream(inference, request) {
     let text = "";
     let final = null;
     const call = inference.Generate(request);
+    stop.call = call;
     call.on("data", (message) => {
       if (message.delta) {
         text += message.delta.text;
@@ -46,8 +71,14 @@ function stream(inference, request) {
         final = message.final;
       }
     });
-    call.on("error", (error) => reject(new Error(`Generate: ${error.details}`)));
-    call.on("end", () => resolve({ text, final }));
+    call.on("error", (error) => {
+      stop.call = null;
+      reject(new Error(stop.signal ? `stopped by ${stop.signal}` : describe("Generate", error)));
+    });
+    call.on("end", () => {
+      stop.call = null;
+      resolve({ text, final });
+    });
   });
 }
 
@@ -67,8 +98,21 @@ async function main() {
       console.log(`registered ${args.modelId}`);
     } catch (error) {
       if (!String(error.message).includes("ALREADY_EXISTS")) throw error;
+      // Registered from another checkpoint: this one would not be what is served.
+      const { model } = await unary(iserve.models, "GetModel", {
+        request_id: requestId(),
+        model_id: args.modelId,
+      });
+      if (path.normalize(model.checkpoint_path) !== path.normalize(args.checkpoint)) {
+        throw new Error(
+          `model ${args.modelId} is registered from checkpoint ` +
+            `${JSON.stringify(model.checkpoint_path)}, not ${JSON.stringify(args.checkpoint)}: ` +
+            "give another model id"
+        );
+      }
       console.log(`${args.modelId} was registered already`);
     }
+    checkStopped();
     const deployed = await unary(iserve.deployments, "Deploy", {
       request_id: requestId(),
       model_id: args.modelId,
@@ -76,6 +120,7 @@ async function main() {
     });
     deploymentId = deployed.deployment.deployment_id;
     console.log(`deployed ${deploymentId} on ${deployed.deployment.worker_address}`);
+    checkStopped();
     const { final } = await stream(iserve.inference, {
       request_id: requestId(),
       deployment_id: deploymentId,
@@ -103,5 +148,5 @@ async function main() {
 
 main().catch((error) => {
   console.error(`error: ${error.message}`);
-  process.exit(1);
+  process.exit(stop.signal ? 130 : 1);
 });

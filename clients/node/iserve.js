@@ -80,14 +80,23 @@ function load() {
   return grpc.loadPackageDefinition(definition).iserve.v1;
 }
 
+// "METHOD: CODE: details" of a failed call, as the Python CLI says it (grpc-js ends the
+// details of an unreachable server with an empty "Resolution note: ").
+function describe(method, error) {
+  const code = Object.keys(grpc.status).find((k) => grpc.status[k] === error.code);
+  const details = String(error.details || "").replace(/\s*Resolution note:\s*$/, "");
+  return `${method}: ${code}: ${details}`;
+}
+
 // Promise wrapper of a unary call that rejects with the gRPC status in the message.
 function unary(client, method, request, deadlineSeconds = 120) {
   return new Promise((resolve, reject) => {
     const deadline = new Date(Date.now() + deadlineSeconds * 1000);
     client[method](request, { deadline }, (error, reply) => {
       if (error) {
-        const code = Object.keys(grpc.status).find((k) => grpc.status[k] === error.code);
-        reject(new Error(`${method}: ${code}: ${error.details}`));
+        const failed = new Error(describe(method, error));
+        failed.code = error.code;
+        reject(failed);
       } else {
         resolve(reply);
       }
@@ -146,4 +155,4 @@ function connect() {
   };
 }
 
-module.exports = { connect, unary, grpc, PROTO_ROOT };
+module.exports = { connect, unary, describe, grpc, PROTO_ROOT };

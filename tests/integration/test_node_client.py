@@ -10,12 +10,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from services.api import deployment_service_pb2 as deploy_pb
+from services.ports import free_port
 from tests.integration.helpers import make_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -85,6 +87,60 @@ def test_the_node_client_registers_deploys_and_streams_with_timings(stack, node_
         bad = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "--max-tokens must be a whole number" in bad.stderr
         assert "RegisterModel" not in bad.stderr
+    # A mistyped flag is a usage error: it became the prompt, and 24 tokens were made.
+    command = [node_client, str(CLIENT / "demo.js"), "m", "d", "--max-token", "3"]
+    bad = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown option --max-token" in bad.stderr, bad.stderr
+    # A model registered from another checkpoint is refused: it deployed and served that
+    # one, exiting 0.
+    elsewhere = make_checkpoint(stack, "node-elsewhere")
+    other = [node_client, str(CLIENT / "demo.js"), "node-llama", elsewhere]
+    bad = subprocess.run(other, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1, bad.stderr + bad.stdout
+    assert (
+        f'model node-llama is registered from checkpoint "{checkpoint}", not "{elsewhere}"'
+        in bad.stderr
+    ), bad.stderr
+    assert "deployed" not in bad.stdout
+
+    # Ctrl-C mid-stream still removes the deployment (Node's default exit skipped it).
+    interrupted = subprocess.Popen(
+        [node_client, str(CLIENT / "demo.js"), "node-llama", checkpoint, "--max-tokens", "400"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert interrupted.stdout is not None
+        line = interrupted.stdout.readline()
+        while line and not line.startswith("deployed "):
+            line = interrupted.stdout.readline()
+        assert line, interrupted.stderr.read() if interrupted.stderr else ""
+        interrupted.send_signal(signal.SIGINT)
+        out, err = interrupted.communicate(timeout=120)
+    finally:
+        if interrupted.poll() is None:
+            interrupted.kill()
+    assert interrupted.returncode == 130, err + out
+    assert f"removed {line.split()[1]}" in out and "stopped by SIGINT" in err, err + out
+    left = stack.deployments.ListDeployments(
+        deploy_pb.ListDeploymentsRequest(model_id="node-llama")
+    )
+    assert all(d.state != deploy_pb.DEPLOYMENT_STATE_READY for d in left.deployments)
+
+    # A stack that is not there: the status and gRPC's words, no dangling "Resolution
+    # note: " grpc-js leaves at their end.
+    nowhere = {**env, "ISERVE_MODEL_ADDR": f"127.0.0.1:{free_port()}"}
+    down = subprocess.run(
+        [node_client, str(CLIENT / "demo.js"), "m", "d"],
+        env=nowhere,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert down.returncode == 1 and "RegisterModel: UNAVAILABLE: " in down.stderr, down.stderr
+    assert not down.stderr.rstrip().endswith("Resolution note:"), down.stderr
 
 
 def test_the_node_client_finds_the_stack_as_the_cli_does(stack, node_client):
