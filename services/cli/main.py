@@ -170,8 +170,9 @@ def cmd_up(settings: Settings, args) -> int:
         return 0
     print("press Ctrl-C to stop")
     started = info.get("started_at_unix_ms")
+    heeded = stack.heeded_stop_signals()
     try:
-        while signal.sigtimedwait(stack.STOP_SIGNALS, 1.0) is None:
+        while signal.sigtimedwait(heeded, 1.0) is None:
             _warn_of_deaths(info)
             # `iserve down` from elsewhere stopped this stack (its record is gone or is
             # another up's): nothing is left to stop, and a stack started since is not ours.

@@ -228,10 +228,17 @@ def up(
 
 
 def _hold_on_success(exc_type, _exc, _tb) -> bool:
-    """Block STOP_SIGNALS when the start succeeded (an ExitStack exit callback)."""
+    """Block the stop signals this process heeds when the start succeeded (an ExitStack
+    exit callback)."""
     if exc_type is None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_BLOCK, heeded_stop_signals())
     return False
+
+
+def heeded_stop_signals() -> tuple[signal.Signals, ...]:
+    """STOP_SIGNALS less those this process ignores (``nohup``'s SIGHUP): a blocked signal
+    is queued even when ignored, and sigtimedwait took nohup's SIGHUP as a stop (a probe)."""
+    return tuple(s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN)
 
 
 def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> dict:
