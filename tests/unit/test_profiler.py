@@ -279,22 +279,47 @@ def test_a_profile_a_killed_worker_left_incomplete_says_so_and_may_be_registered
     registering it again, as a note advised, was refused (a probe)."""
     from fingerprint_svc.registry import check_retry
 
-    def worker_killed_on_two_ranks(request):
+    killed = {
+        # Once it served: the agent's stream to it broke.
+        "ready": (grpc.StatusCode.UNAVAILABLE, "profiling generation failed: Stream removed"),
+        # Before it was ready: the supervisor saw it die (a recheck found this one missed).
+        "starting": (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "worker rank 0 of deployment profile-x killed by SIGKILL before it was ready",
+        ),
+    }
+    for when, refusal in killed.items():
+
+        def worker_killed_on_two_ranks(request, refusal=refusal):
+            return refusal if len(request.workers) > 1 else measured(request)
+
+        model, profile, *_ = run_profiler(
+            redis_url, models_root, worker_killed_on_two_ranks, agent_answers_health=True
+        )
+        assert model.state == model_pb.MODEL_STATE_PROFILED
+        assert model.state_reason.startswith(
+            "incomplete: 2 profiling job(s) failed because their worker was gone"
+        ), (when, model.state_reason)
+        assert model.state_reason.endswith("register the model again to complete it")
+        assert len(profile.skipped) == 2 and all(refusal[1] in s for s in profile.skipped)
+        again = model_pb.Model(model_id=model.model_id, checkpoint_path=model.checkpoint_path)
+        check_retry(model, again, profiling=False, skip_profiling=False)
+
+    # A worker that exits of its own accord fails the same way again: complete as it is.
+    def worker_fails_on_two_ranks(request):
         if len(request.workers) > 1:
-            return (grpc.StatusCode.UNAVAILABLE, "profiling generation failed: Stream removed")
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "worker rank 0 of deployment profile-x exited with code 1 before it was ready",
+            )
         return measured(request)
 
-    model, profile, *_ = run_profiler(
-        redis_url, models_root, worker_killed_on_two_ranks, agent_answers_health=True
+    model, *_ = run_profiler(
+        redis_url, models_root, worker_fails_on_two_ranks, agent_answers_health=True
     )
-    assert model.state == model_pb.MODEL_STATE_PROFILED
-    assert model.state_reason.startswith(
-        "incomplete: 2 profiling job(s) failed because their worker was gone"
-    ), model.state_reason
-    assert model.state_reason.endswith("register the model again to complete it")
-    assert len(profile.skipped) == 2 and all("Stream removed" in s for s in profile.skipped)
-    again = model_pb.Model(model_id=model.model_id, checkpoint_path=model.checkpoint_path)
-    check_retry(model, again, profiling=False, skip_profiling=False)
+    assert model.state == model_pb.MODEL_STATE_PROFILED and not model.state_reason.startswith(
+        "incomplete"
+    )
 
 
 def test_a_profile_other_processes_slowed_says_so_in_the_models_reason(redis_url, models_root):
