@@ -3,7 +3,9 @@ remove the deployment: iserve from Python, on grpcio and the committed stubs alo
 
     python clients/python/demo.py MODEL_ID CHECKPOINT_PATH [PROMPT] [--max-tokens N] [--keep]
 
-Run from the repository root (the stubs are ``services/api``) or with it on PYTHONPATH.
+It needs the ``services`` package, whose ``services/api`` holds the stubs: run it with the
+Python that has iserve installed (``.venv/bin/python clients/python/demo.py ...``), or with
+the repository root on PYTHONPATH. Ctrl-C still removes the deployment (exit 130).
 CHECKPOINT_PATH is relative to the stack's models root. Addresses come from the
 ``ISERVE_*_ADDR`` variables, else the ones ``iserve up`` recorded in
 ``$ISERVE_STATE_DIR/stack.json`` (``~/.iserve`` by default), else ``127.0.0.1:50061``
@@ -153,3 +155,8 @@ if __name__ == "__main__":
     except grpc.RpcError as error:
         print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        # Quietly, as a shell expects (a traceback before); the deployment was removed
+        # on the way out.
+        print("stopped", file=sys.stderr)
+        sys.exit(130)

@@ -105,7 +105,7 @@ def test_the_node_client_registers_deploys_and_streams_with_timings(stack, node_
 
     # Ctrl-C mid-stream still removes the deployment (Node's default exit skipped it).
     interrupted = subprocess.Popen(
-        [node_client, str(CLIENT / "demo.js"), "node-llama", checkpoint, "--max-tokens", "400"],
+        [node_client, str(CLIENT / "demo.js"), "node-llama", checkpoint, "--max-tokens", "250"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -66,3 +66,27 @@ def test_the_python_client_registers_deploys_streams_and_removes(stack):
         mixed.stderr
     )
     assert "deployed" not in mixed.stdout
+    # Ctrl-C mid-stream: the deployment is removed, and the exit is a quiet 130 (a
+    # traceback and -2 before).
+    import signal
+
+    stopped = subprocess.Popen(
+        [*command, "--max-tokens", "250"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert stopped.stdout is not None
+        line = stopped.stdout.readline()
+        while line and not line.startswith("deployed "):
+            line = stopped.stdout.readline()
+        assert line, stopped.stderr.read() if stopped.stderr else ""
+        stopped.send_signal(signal.SIGINT)
+        out, err = stopped.communicate(timeout=120)
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+    assert stopped.returncode == 130 and "Traceback" not in err, err
+    assert f"removed {line.split()[1]}" in out, (out, err)
