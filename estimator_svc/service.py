@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from estimator_svc import calibration_message
 from estimator_svc.config_map import ConfigMap, build_config_map, from_json, source_hash
 from estimator_svc.config_map import to_json as config_map_json
 from estimator_svc.hardware_calibration import fit_hardware_calibration
+from services import contention
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -343,7 +345,12 @@ class Estimator:
             known = calibration_message.from_proto(config_map.calibration).device_memory_bytes
             memory_gib = known / GIB if known else None
         estimates, resolved = config_map.estimate(workload, devices, memory_gib)
-        reason = (await self._model(model_id)).state_reason
+        # Its incomplete part alone: the contention part (after it) is among the notes.
+        reason = re.sub(
+            f"; {contention.NOTE_START}.*$",
+            "",
+            (await self._model(model_id)).state_reason,
+        )
         return Estimate(
             estimates,
             resolved,

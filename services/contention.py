@@ -42,6 +42,11 @@ def share_of(message: Message) -> float | None:
     return message.other_cpu_share if message.HasField("other_cpu_share") else None
 
 
+# What contention_note's text starts with, as a pattern (to tell it apart in a model's
+# reason, where the profiler writes it after what the profile lacks).
+NOTE_START = r"\d+ of \d+ profiled measurements were taken while other "
+
+
 def contention_note(shares: Iterable[float | None]) -> str:
     """What a profile whose measurements have these other-process shares (None: not
     measured) says of itself: empty when no measurement was slowed."""

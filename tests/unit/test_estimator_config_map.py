@@ -320,17 +320,23 @@ def test_the_estimates_of_an_incomplete_profile_say_so_first(run):
     """A profile a killed worker left incomplete was said only by `iserve models`; its
     estimates, and the plan that picked a layout it never measured, said nothing."""
 
+    from services.contention import contention_note
+
     async def scenario(store: StateStore):
         estimator = Estimator(store)
         model = tiny_model()
         model.state = model_pb.MODEL_STATE_PROFILED
-        model.state_reason = "incomplete: 2 profiling job(s) failed because their worker was gone"
+        contended = contention_note([0.6, 0.1])
+        model.state_reason = (
+            "incomplete: 2 profiling job(s) failed because their worker was gone; " + contended
+        )
         await put_tiny(store, model=model)
         notes = (await estimator.estimate("tiny", CPU, Workload(20), 0)).notes
         assert notes[0] == (
             "the model's profile is incomplete: 2 profiling job(s) failed because their "
             "worker was gone"
-        )
+        )  # the contention part, which the reason goes on with, is not said twice
+        assert contended and not any(contended in n for n in notes)
         model.state_reason = ""
         await store.put_model(model)
         notes = (await estimator.estimate("tiny", CPU, Workload(20), 0)).notes
