@@ -162,3 +162,25 @@ def own_gateway(stack, env: dict[str, str]):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def interrupted_once_deployed(command: list[str], env: dict[str, str], sig: int):
+    """Run a client demo ``command`` and send it ``sig`` once it printed its "deployed
+    ID on ADDRESS" line (with its first streamed text); returns (process, deployment id,
+    stdout after that line, stderr)."""
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        while line and not line.startswith("deployed "):
+            line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return proc, line.split()[1], out, err

@@ -18,7 +18,7 @@ import pytest
 
 from services.api import deployment_service_pb2 as deploy_pb
 from services.ports import free_port
-from tests.integration.helpers import make_checkpoint
+from tests.integration.helpers import interrupted_once_deployed, make_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -72,13 +72,11 @@ def test_the_node_client_registers_deploys_and_streams_with_timings(stack, node_
     assert all(d.state != deploy_pb.DEPLOYMENT_STATE_READY for d in gone.deployments)
 
     # A bad request is a clear error and a non-zero exit, not a hang.
-    bad = subprocess.run(
-        [node_client, str(CLIENT / "demo.js"), "no-such-model", "no/such/dir"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    def demo(*args: str, env: dict[str, str] = env) -> subprocess.CompletedProcess:
+        command = [node_client, str(CLIENT / "demo.js"), *args]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+    bad = demo("no-such-model", "no/such/dir")
     assert bad.returncode == 1 and "RegisterModel: " in bad.stderr, bad.stderr
     # A --max-tokens the request cannot carry is a usage error before any call (2.7 was
     # cut to 2, and 2^32 + 1 wrapped to 1 after a deploy).
@@ -88,14 +86,12 @@ def test_the_node_client_registers_deploys_and_streams_with_timings(stack, node_
         assert bad.returncode == 2 and "--max-tokens must be a whole number" in bad.stderr
         assert "RegisterModel" not in bad.stderr
     # A mistyped flag is a usage error: it became the prompt, and 24 tokens were made.
-    command = [node_client, str(CLIENT / "demo.js"), "m", "d", "--max-token", "3"]
-    bad = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    bad = demo("m", "d", "--max-token", "3")
     assert bad.returncode == 2 and "unknown option --max-token" in bad.stderr, bad.stderr
     # A model registered from another checkpoint is refused: it deployed and served that
     # one, exiting 0.
     elsewhere = make_checkpoint(stack, "node-elsewhere")
-    other = [node_client, str(CLIENT / "demo.js"), "node-llama", elsewhere]
-    bad = subprocess.run(other, env=env, capture_output=True, text=True, timeout=60)
+    bad = demo("node-llama", elsewhere)
     assert bad.returncode == 1, bad.stderr + bad.stdout
     assert (
         f'model node-llama is registered from checkpoint "{checkpoint}", not "{elsewhere}"'
@@ -104,26 +100,13 @@ def test_the_node_client_registers_deploys_and_streams_with_timings(stack, node_
     assert "deployed" not in bad.stdout
 
     # Ctrl-C mid-stream still removes the deployment (Node's default exit skipped it).
-    interrupted = subprocess.Popen(
+    interrupted, deployment_id, out, err = interrupted_once_deployed(
         [node_client, str(CLIENT / "demo.js"), "node-llama", checkpoint, "--max-tokens", "250"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        env,
+        signal.SIGINT,
     )
-    try:
-        assert interrupted.stdout is not None
-        line = interrupted.stdout.readline()
-        while line and not line.startswith("deployed "):
-            line = interrupted.stdout.readline()
-        assert line, interrupted.stderr.read() if interrupted.stderr else ""
-        interrupted.send_signal(signal.SIGINT)
-        out, err = interrupted.communicate(timeout=120)
-    finally:
-        if interrupted.poll() is None:
-            interrupted.kill()
     assert interrupted.returncode == 130, err + out
-    assert f"removed {line.split()[1]}" in out and "stopped by SIGINT" in err, err + out
+    assert f"removed {deployment_id}" in out and "stopped by SIGINT" in err, err + out
     left = stack.deployments.ListDeployments(
         deploy_pb.ListDeploymentsRequest(model_id="node-llama")
     )
@@ -132,13 +115,7 @@ def test_the_node_client_registers_deploys_and_streams_with_timings(stack, node_
     # A stack that is not there: the status and gRPC's words, no dangling "Resolution
     # note: " grpc-js leaves at their end.
     nowhere = {**env, "ISERVE_MODEL_ADDR": f"127.0.0.1:{free_port()}"}
-    down = subprocess.run(
-        [node_client, str(CLIENT / "demo.js"), "m", "d"],
-        env=nowhere,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    down = demo("m", "d", env=nowhere)
     assert down.returncode == 1 and "RegisterModel: UNAVAILABLE: " in down.stderr, down.stderr
     assert not down.stderr.rstrip().endswith("Resolution note:"), down.stderr
 

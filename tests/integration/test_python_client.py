@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.api import deployment_service_pb2 as deploy_pb
-from tests.integration.helpers import make_checkpoint
+from tests.integration.helpers import interrupted_once_deployed, make_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -70,23 +70,8 @@ def test_the_python_client_registers_deploys_streams_and_removes(stack):
     # traceback and -2 before).
     import signal
 
-    stopped = subprocess.Popen(
-        [*command, "--max-tokens", "250"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    stopped, deployment_id, out, err = interrupted_once_deployed(
+        [*command, "--max-tokens", "250"], env, signal.SIGINT
     )
-    try:
-        assert stopped.stdout is not None
-        line = stopped.stdout.readline()
-        while line and not line.startswith("deployed "):
-            line = stopped.stdout.readline()
-        assert line, stopped.stderr.read() if stopped.stderr else ""
-        stopped.send_signal(signal.SIGINT)
-        out, err = stopped.communicate(timeout=120)
-    finally:
-        if stopped.poll() is None:
-            stopped.kill()
     assert stopped.returncode == 130 and "Traceback" not in err, err
-    assert f"removed {line.split()[1]}" in out, (out, err)
+    assert f"removed {deployment_id}" in out, (out, err)
