@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -69,10 +68,10 @@ from services.errors import (
     CHECKPOINT_UNUSABLE,
     CheckpointChanged,
     CheckpointUnusable,
+    WorkerKilled,
     rpc_reason,
 )
 from services.estimation.profiles import INCOMPLETE
-from services.exits import describe_exit
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config, served_spec
@@ -521,12 +520,11 @@ class Profiler:
                             "it is back"
                         )
                     # Its worker killed (by hand, or the kernel's out-of-memory killer):
-                    # UNAVAILABLE once it served, FAILED_PRECONDITION before it was ready.
-                    killed = exc.code() == grpc.StatusCode.FAILED_PRECONDITION and any(
-                        f"{describe_exit(-sig)} before it was ready" in said
-                        for sig in (signal.SIGKILL, signal.SIGTERM)
+                    # UNAVAILABLE once it served, WorkerKilled before it was ready.
+                    worker_gone = not gone and (
+                        exc.code() == grpc.StatusCode.UNAVAILABLE
+                        or rpc_reason(exc) == WorkerKilled.reason
                     )
-                    worker_gone = not gone and (exc.code() == grpc.StatusCode.UNAVAILABLE or killed)
                     raise JobFailed(said, agent_gone=gone, worker_gone=worker_gone) from exc
             wall_s = time.perf_counter() - started
         finally:

@@ -49,7 +49,13 @@ from monitor_agent.worker.exits import EXIT_GROUP_LOST
 from monitor_agent.worker_pool import PooledProcess, WorkerPool, worker_environment
 from services.api import agent_service_pb2 as agent_pb
 from services.drain import WORKER_STOP_MARGIN_S
-from services.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Unavailable
+from services.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Unavailable,
+    WorkerKilled,
+)
 from services.exits import describe_exit
 from services.grpc_server import is_routine_record
 from services.ports import free_port
@@ -387,7 +393,8 @@ class WorkerSupervisor:
                 if code is not None:
                     tail = log_tail(proc.log_path)
                     self._mark_failed(proc, code, tail)
-                    raise FailedPrecondition(
+                    killed = code in (-signal.SIGKILL, -signal.SIGTERM)
+                    raise (WorkerKilled if killed else FailedPrecondition)(
                         f"worker rank {proc.info.rank} of deployment {plan.deployment_id} "
                         f"{describe_exit(code)} before it was ready:\n{tail or '(empty log)'}"
                     )

@@ -70,6 +70,13 @@ class NotServing(FailedPrecondition):
     reason = "deployment_not_serving"
 
 
+class WorkerKilled(FailedPrecondition):
+    """A worker killed from outside (SIGKILL, SIGTERM: by hand, or the kernel's
+    out-of-memory killer) before it was ready: a start again may succeed."""
+
+    reason = "worker_killed"
+
+
 class CheckpointChanged(FailedPrecondition):
     """A checkpoint rewritten since its model was registered (another shape)."""
 

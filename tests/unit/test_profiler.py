@@ -17,6 +17,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import agent_service_pb2_grpc
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
+from services.errors import REASON_KEY, WorkerKilled
 from services.models.checkpoint import create_checkpoint
 from services.settings import load_settings
 from services.state.store import StateStore
@@ -286,6 +287,7 @@ def test_a_profile_a_killed_worker_left_incomplete_says_so_and_may_be_registered
         "starting": (
             grpc.StatusCode.FAILED_PRECONDITION,
             "worker rank 0 of deployment profile-x killed by SIGKILL before it was ready",
+            ((REASON_KEY, WorkerKilled.reason),),
         ),
     }
     for when, refusal in killed.items():
