@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from estimator_svc import calibration_message
 from estimator_svc.config_map import ConfigMap, build_config_map, from_json, source_hash
 from estimator_svc.config_map import to_json as config_map_json
 from estimator_svc.hardware_calibration import fit_hardware_calibration
-from services import contention
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -250,11 +248,14 @@ class Estimator:
             return []
         return [m for m in profile.measurements if m.hardware_type == hardware_type]
 
-    async def config_map(self, model_id: str, hardware_type: str) -> ConfigMap:
+    async def config_map(
+        self, model_id: str, hardware_type: str, model: model_pb.Model | None = None
+    ) -> ConfigMap:
         """The model's configuration map on ``hardware_type``: the stored one while its
-        sources are unchanged, else rebuilt and stored."""
+        sources are unchanged, else rebuilt and stored. ``model``: its record, when the
+        caller read it already."""
         check_hardware_type(hardware_type)
-        model = await self._model(model_id)
+        model = model or await self._model(model_id)
         profile = await self.store.get_profile(model_id)
         measurements = list(profile.measurements) if profile is not None else []
         rows = [m for m in measurements if m.hardware_type == hardware_type]
@@ -337,7 +338,8 @@ class Estimator:
     ) -> Estimate:
         """Every configuration of ``model_id`` on ``hardware_type`` for ``workload``, on
         ``device_count`` devices of ``device_memory_bytes`` each (0: see :meth:`devices`)."""
-        config_map = await self.config_map(model_id, hardware_type)
+        model = await self._model(model_id)
+        config_map = await self.config_map(model_id, hardware_type, model)
         devices, memory_gib = await self.devices(hardware_type, device_count)
         if device_memory_bytes:
             memory_gib = device_memory_bytes / GIB
@@ -345,12 +347,7 @@ class Estimator:
             known = calibration_message.from_proto(config_map.calibration).device_memory_bytes
             memory_gib = known / GIB if known else None
         estimates, resolved = config_map.estimate(workload, devices, memory_gib)
-        # Its incomplete part alone: the contention part (after it) is among the notes.
-        reason = re.sub(
-            f"; {contention.NOTE_START}.*$",
-            "",
-            (await self._model(model_id)).state_reason,
-        )
+        incomplete = profiles.incomplete_part(model.state_reason)
         return Estimate(
             estimates,
             resolved,
@@ -358,7 +355,5 @@ class Estimator:
             config_map,
             input_defaulted=not workload.input_tokens,
             device_memory_gib=memory_gib,
-            incomplete=f"the model's profile is {reason}"
-            if reason.startswith(profiles.INCOMPLETE)
-            else None,
+            incomplete=f"the model's profile is {incomplete}" if incomplete else None,
         )

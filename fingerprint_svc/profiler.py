@@ -71,7 +71,7 @@ from services.errors import (
     WorkerKilled,
     rpc_reason,
 )
-from services.estimation.profiles import INCOMPLETE
+from services.estimation.profiles import INCOMPLETE, profiled_reason
 from services.grpc_server import channel
 from services.models.arch import ArchSpec
 from services.models.checkpoint import read_config, served_spec
@@ -281,13 +281,8 @@ class Profiler:
         # An agent lost mid-profiling leaves references unmeasured that a run with it back
         # would measure, and runs other processes slowed measure them high: say so where
         # the model's state is read, not only in the profile.
-        current.state_reason = "; ".join(
-            part
-            for part in (
-                _incomplete(record),
-                contention_note(share_of(m) for m in record.measurements),
-            )
-            if part
+        current.state_reason = profiled_reason(
+            _incomplete(record), contention_note(share_of(m) for m in record.measurements)
         )
         await self.store.put_model(current)
         log.info("profiled %s in %.1f s", model_id, profile.cost.wall_time_ms / 1e3)

@@ -13,7 +13,7 @@ from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import compression_problem, resolve_checkpoint, served_prune_fractions
 from services.errors import AlreadyExists, InvalidArgument
-from services.estimation.profiles import INCOMPLETE
+from services.estimation.profiles import incomplete_part
 from services.ids import check_model_id, check_variant_name
 from services.models.arch import ArchSpec, unlike_model
 from services.models.checkpoint import ValidatedCheckpoint, validate_checkpoint
@@ -215,7 +215,7 @@ def check_retry(
     unprofiled = existing.state == model_pb.MODEL_STATE_REGISTERED and not skip_profiling
     incomplete = (
         existing.state == model_pb.MODEL_STATE_PROFILED
-        and existing.state_reason.startswith(INCOMPLETE)
+        and incomplete_part(existing.state_reason) is not None
         and not skip_profiling
     )
     retried = existing.state == model_pb.MODEL_STATE_FAILED or unprofiled or incomplete

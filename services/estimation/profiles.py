@@ -21,12 +21,13 @@ Pure: no gRPC, Redis or I/O; protobuf messages are only read.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.contention import share_of
+from services.contention import NOTE_START, share_of
 from services.estimation.extrapolate import LatencySample
 from services.estimation.latency import decode_steps
 from services.estimation.memory import GIB
@@ -36,6 +37,21 @@ from services.estimation.space import ModelShape, Variant
 # would measure (an agent or a worker gone mid-job): the model service writes it, its
 # registration takes such a model again, and its estimates repeat it.
 INCOMPLETE = "incomplete: "
+
+
+def profiled_reason(incomplete: str, contended: str) -> str:
+    """A PROFILED model's reason: what its profile lacks (``INCOMPLETE``…), then the
+    contention note of its runs; either may be empty."""
+    return "; ".join(part for part in (incomplete, contended) if part)
+
+
+def incomplete_part(reason: str) -> str | None:
+    """What a PROFILED model's ``reason`` (:func:`profiled_reason`) says its profile
+    lacks, without the contention note that may follow; None for a complete profile."""
+    if not reason.startswith(INCOMPLETE):
+        return None
+    return re.sub(f"; {NOTE_START}.*$", "", reason)
+
 
 __all__ = [
     "Sample",
