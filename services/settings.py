@@ -830,6 +830,11 @@ def read_stack_file(state_dir: Path) -> dict:
     return stack
 
 
+def _of_type(value: Any, kind: Any) -> bool:
+    """``isinstance``, but JSON's true and false are no numbers here."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
 def _stack_problem(stack: Any) -> str | None:
     """What makes ``stack`` (stack.json's JSON) not a stack record, or None."""
     if not isinstance(stack, dict):
@@ -838,14 +843,10 @@ def _stack_problem(stack: Any) -> str | None:
         if name not in stack:
             continue
         value = stack[name]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        if not _of_type(value, kind):
             return f"{name!r} is {json.dumps(value)[:40]}"
         if values is not None:
-            wrong = [
-                key
-                for key, item in value.items()
-                if not isinstance(item, values) or (values is int and isinstance(item, bool))
-            ]
+            wrong = [key for key, item in value.items() if not _of_type(item, values)]
             if wrong:
                 return f"{name!r}[{wrong[0]!r}] is {json.dumps(value[wrong[0]])[:40]}"
     return None

@@ -378,26 +378,26 @@ def _batch2(
     prompts in 0.44 s on four A6000s, where the compute alone takes over 10 s)."""
     ttft, tpot = list(main.ttft_s), list(main.tpot_s)
     at = {layout: i for i, layout in enumerate(main.layouts)}
+
     # The (1,1) overheads, the other references' floor over their tensor degree: the extra
     # sequence's work does not vanish in a parallel layout. A layout whose own batch-2
     # difference timed within noise (about nothing) had batch 64 decode as fast as batch
     # 1 while (1,1)'s grew 19-fold, and a throughput intent could pick it (a probe).
-    base_ttft = two.ttft_s[0] - one.ttft_s[0]
-    base_tpot = two.tpot_s[0] - one.tpot_s[0]
+    def overhead(phase_one: tuple, phase_two: tuple, j: int) -> float:
+        measured, base = phase_two[j] - phase_one[j], phase_two[0] - phase_one[0]
+        if j and base > 0:
+            return max(measured, base / REFERENCE_LAYOUTS[j][0])
+        return measured
+
     for i, layout in enumerate(main.layouts):
         j = REFERENCE_LAYOUTS.index(layout) if layout in REFERENCE_LAYOUTS else 1
         share = 1.0 if layout in REFERENCE_LAYOUTS else TENSOR[0] / layout[0]
         reference = REFERENCE_LAYOUTS[j]
-        overhead = two.ttft_s[j] - one.ttft_s[j]
-        if j and base_ttft > 0:
-            overhead = max(overhead, base_ttft / reference[0])
+        prefill = overhead(one.ttft_s, two.ttft_s, j)
         if longer_prompt and reference in at:
-            overhead = max(overhead, main.ttft_s[at[reference]] - one.ttft_s[j])
-        ttft[i] += share * overhead
-        decode = two.tpot_s[j] - one.tpot_s[j]
-        tpot[i] += share * (
-            max(decode, base_tpot / reference[0]) if j and base_tpot > 0 else decode
-        )
+            prefill = max(prefill, main.ttft_s[at[reference]] - one.ttft_s[j])
+        ttft[i] += share * prefill
+        tpot[i] += share * overhead(one.tpot_s, two.tpot_s, j)
     return ReferenceProfile(main.layouts, tuple(ttft), tuple(tpot), main.memory_gib)
 
 
