@@ -178,7 +178,10 @@ def interrupted_once_deployed(command: list[str], env: dict[str, str], sig: int)
             line = proc.stdout.readline()
         assert line, proc.stderr.read()
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=120)
+        # Read through the stream readline used: communicate() reads the pipe itself,
+        # and the text readline had buffered past its line was lost.
+        out, err = proc.stdout.read(), proc.stderr.read()
+        proc.wait(120)
     finally:
         if proc.poll() is None:
             proc.kill()
