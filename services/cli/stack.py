@@ -755,22 +755,44 @@ def temporary_stack(
         yield load_settings()
 
 
+RESEND_DELAY_S = 0.01
+
+
+class StopSignal(KeyboardInterrupt):
+    """A stop signal (SIGTERM, SIGHUP) unwinding this process as Ctrl-C does."""
+
+
 class Interrupts:
-    """The stop signals received while a start runs. Each raises KeyboardInterrupt where
-    it lands, but one that lands in a weakref callback or a ``__del__`` is printed as
-    "Exception ignored" and lost (a CI run: a SIGHUP mid-start, and `up` went on to
-    serve): :meth:`check`, at the end of each step, raises it again."""
+    """The stop signals received while they are handled. Each raises StopSignal where it
+    lands, but one that lands in a weakref callback or a ``__del__`` is printed as
+    "Exception ignored" and lost (CI runs: a SIGHUP mid-start, and `up` went on to serve;
+    a SIGTERM to a benchmark, and its stack ran on). :meth:`rescue`, the unraisable hook
+    while the handlers are set, delivers it again; :meth:`check`, at the end of each
+    step of a start, raises one received."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
+        self.previous_hook = sys.unraisablehook
 
     def handler(self, signum, _frame) -> None:
         self.received.append(signum)
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise StopSignal(f"signal {signum}")
+
+    def rescue(self, unraisable) -> None:
+        if isinstance(unraisable.exc_value, StopSignal) and self.received:
+            # Sent again by another thread, once this finalizer has returned: one sent
+            # here is handled here, and lost again in this hook. Sent to the main thread,
+            # it also ends a sleep there. Lost again, it comes back here.
+            main, signum = threading.main_thread().ident, self.received[-1]
+            resend = threading.Timer(RESEND_DELAY_S, signal.pthread_kill, (main, signum))
+            resend.daemon = True
+            resend.start()
+            return
+        self.previous_hook(unraisable)
 
     def check(self) -> None:
         if self.received:
-            raise KeyboardInterrupt(f"signal {self.received[0]}")
+            raise StopSignal(f"signal {self.received[0]}")
 
 
 def _interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitStack) -> Interrupts:
@@ -781,6 +803,10 @@ def _interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitSta
     interrupts = Interrupts()
     if threading.current_thread() is not threading.main_thread():
         return interrupts
+    # Put back last (the callbacks run last in, first out): no handler of ours is left
+    # whose lost exception nothing rescues.
+    sys.unraisablehook = interrupts.rescue
+    cleanup.callback(setattr, sys, "unraisablehook", interrupts.previous_hook)
     for sig in signals:
         if signal.getsignal(sig) is signal.SIG_IGN:
             continue

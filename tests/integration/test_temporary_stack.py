@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -41,17 +40,33 @@ def _alive(pid: int) -> bool:
 def test_sigterm_stops_the_temporary_stack(tmp_path):
     state = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(state)], stdout=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        assert holder.stdout.readline().strip() == "up"
-        pids = json.loads((state / "stack.json").read_text())["pids"]
-        assert pids and all(_alive(p) for p in pids.values())
-        holder.send_signal(signal.SIGTERM)
-        holder.wait(timeout=120)
-        assert wait_for(lambda: not any(_alive(p) for p in pids.values()), timeout=30), pids
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-            time.sleep(1)
+    with (tmp_path / "stderr").open("w+") as stderr:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(state)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
+        try:
+            assert holder.stdout.readline().strip() == "up", stderr.read()
+            pids = json.loads((state / "stack.json").read_text())["pids"]
+            assert pids and all(_alive(p) for p in pids.values())
+            holder.send_signal(signal.SIGTERM)
+            try:
+                holder.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                stderr.seek(0)
+                pytest.fail(f"SIGTERM did not end it; it printed: {stderr.read()}")
+            assert wait_for(lambda: not any(_alive(p) for p in pids.values()), timeout=30), pids
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait()
+                # What it left running fails this test alone, not the whole session.
+                subprocess.run(
+                    [sys.executable, "-m", "services.cli.main", "down"],
+                    env={**env, "ISERVE_STATE_DIR": str(state)},
+                    capture_output=True,
+                    timeout=120,
+                )
