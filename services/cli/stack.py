@@ -19,10 +19,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from services import replicas, transport
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import deployment_service_pb2_grpc
 from services.cli import deploying
+from services.cli.interrupts import Interrupts, interrupt_on
 from services.exits import describe_exit
 from services.health import check, wait_http, wait_serving
 from services.ports import bindable, ephemeral_range, free_port, reserve
@@ -220,7 +220,7 @@ def up(
     (``nohup``) stays ignored. ``hold_stop_signals``: once started, STOP_SIGNALS are left
     blocked for the caller's ``signal.sigtimedwait`` (none is lost between the two)."""
     with _starting(settings.state_dir), contextlib.ExitStack() as cleanup:
-        interrupts = _interrupt_on(STOP_SIGNALS, cleanup)
+        interrupts = interrupt_on(STOP_SIGNALS, cleanup)
         if hold_stop_signals:
             # Run before the handlers are put back (the callbacks run last in, first out).
             cleanup.push(_hold_on_success)
@@ -375,6 +375,7 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
         )
         interrupts.check()
     except BaseException:
+        interrupts.hold()  # a second stop signal does not cut this stop short
         _stop_pids(
             {n: (p.pid, None) for n, p in procs.items()}
             | ({"redis": (redis_proc.pid, None)} if redis_proc else {})
@@ -390,6 +391,7 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
         interrupts.check()
     except KeyboardInterrupt:
         # Stopped while it waited for the deployments kept from before: still starting.
+        interrupts.hold()
         down(settings, lambda _msg: None)
         raise
     return stack
@@ -749,70 +751,11 @@ def temporary_stack(
         os.environ.pop("REDIS_URL", None)
         os.environ.update(values)
         settings = load_settings()
-        _interrupt_on((signal.SIGTERM,), cleanup)
+        interrupts = interrupt_on((signal.SIGTERM,), cleanup)
         up(settings, UpOptions(), log=log)  # what it started, it stops when it fails
         cleanup.callback(down, settings, lambda _msg: None)
+        cleanup.callback(interrupts.hold)  # a second SIGTERM does not cut the stop short
         yield load_settings()
-
-
-RESEND_DELAY_S = 0.01
-
-
-class StopSignal(KeyboardInterrupt):
-    """A stop signal (SIGTERM, SIGHUP) unwinding this process as Ctrl-C does."""
-
-
-class Interrupts:
-    """The stop signals received while they are handled. Each raises StopSignal where it
-    lands, but one that lands in a weakref callback or a ``__del__`` is printed as
-    "Exception ignored" and lost (CI runs: a SIGHUP mid-start, and `up` went on to serve;
-    a SIGTERM to a benchmark, and its stack ran on). :meth:`rescue`, the unraisable hook
-    while the handlers are set, delivers it again; :meth:`check`, at the end of each
-    step of a start, raises one received."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.previous_hook = sys.unraisablehook
-
-    def handler(self, signum, _frame) -> None:
-        self.received.append(signum)
-        raise StopSignal(f"signal {signum}")
-
-    def rescue(self, unraisable) -> None:
-        if isinstance(unraisable.exc_value, StopSignal) and self.received:
-            # Sent again by another thread, once this finalizer has returned: one sent
-            # here is handled here, and lost again in this hook. Sent to the main thread,
-            # it also ends a sleep there. Lost again, it comes back here.
-            main, signum = threading.main_thread().ident, self.received[-1]
-            resend = threading.Timer(RESEND_DELAY_S, signal.pthread_kill, (main, signum))
-            resend.daemon = True
-            resend.start()
-            return
-        self.previous_hook(unraisable)
-
-    def check(self) -> None:
-        if self.received:
-            raise StopSignal(f"signal {self.received[0]}")
-
-
-def _interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitStack) -> Interrupts:
-    """While ``cleanup`` is open, each of ``signals`` ends this process as Ctrl-C would,
-    unwinding it: a benchmark killed by ``timeout`` or its terminal's close left its
-    whole stack running (a probe). A signal ignored now (``nohup``'s SIGHUP) stays
-    ignored. Only the main thread may set a handler; elsewhere nothing changes."""
-    interrupts = Interrupts()
-    if threading.current_thread() is not threading.main_thread():
-        return interrupts
-    # Put back last (the callbacks run last in, first out): no handler of ours is left
-    # whose lost exception nothing rescues.
-    sys.unraisablehook = interrupts.rescue
-    cleanup.callback(setattr, sys, "unraisablehook", interrupts.previous_hook)
-    for sig in signals:
-        if signal.getsignal(sig) is signal.SIG_IGN:
-            continue
-        previous = signal.signal(sig, interrupts.handler)
-        cleanup.callback(signal.signal, sig, previous)
-    return interrupts
 
 
 def _restore_environment(saved: Mapping[str, str | None]) -> None:

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import redis
@@ -271,35 +270,3 @@ def test_a_foreground_up_holds_the_stop_signals_and_nohup_s_stays_ignored(quiet_
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stack.STOP_SIGNALS)
         signal.signal(signal.SIGHUP, previous)
         stack.down(load_settings(), lambda _m: None)
-
-
-class _SignalledOnCollection:
-    """Sends this process SIGTERM from its finalizer: the stop lands in a ``__del__``."""
-
-    def __del__(self) -> None:
-        signal.raise_signal(signal.SIGTERM)
-
-
-def test_a_stop_signal_lost_in_a_finalizer_is_delivered_again():
-    """Python prints an exception raised in a ``__del__`` or weakref callback and drops
-    it: a SIGTERM landing there left a benchmark's body running, and its stack with it (a
-    CI run). The handlers' unraisable hook delivers it again where it unwinds."""
-    hook, handler = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as cleanup:
-        interrupts = stack._interrupt_on((signal.SIGTERM,), cleanup)
-        _SignalledOnCollection()  # collected at once: the signal is handled in __del__
-        for _ in range(100):
-            time.sleep(0.01)
-    assert interrupts.received == [signal.SIGTERM, signal.SIGTERM]  # lost once, then raised
-    assert sys.unraisablehook is hook and signal.getsignal(signal.SIGTERM) is handler
-
-
-def test_an_unraisable_exception_not_a_stop_goes_to_the_hook_before():
-    seen = []
-    with contextlib.ExitStack() as cleanup:
-        cleanup.callback(setattr, sys, "unraisablehook", sys.unraisablehook)
-        sys.unraisablehook = seen.append
-        with contextlib.ExitStack() as handled:
-            interrupts = stack._interrupt_on((signal.SIGTERM,), handled)
-            interrupts.rescue(SimpleNamespace(exc_value=ValueError("x")))
-    assert [type(u.exc_value) for u in seen] == [ValueError]

@@ -1,0 +1,100 @@
+"""Stop signals are not lost where CPython would lose them (services.cli.interrupts): in
+a finalizer, and just before the main thread enters a blocking call."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from services.cli.interrupts import interrupt_on
+
+
+class _SignalledOnCollection:
+    """Sends this process SIGTERM from its finalizer: the stop lands in a ``__del__``."""
+
+    def __del__(self) -> None:
+        signal.raise_signal(signal.SIGTERM)
+
+
+def _watchers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "stop-signal-watcher"]
+
+
+def test_a_stop_signal_lost_in_a_finalizer_is_delivered_again():
+    """Python prints an exception raised in a ``__del__`` or weakref callback and drops
+    it: a SIGHUP landing there let `up` go on to serve (a CI run). The unraisable hook
+    sends it again, and it unwinds."""
+    hook, handler = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as cleanup:
+        interrupts = interrupt_on((signal.SIGTERM,), cleanup)
+        _SignalledOnCollection()  # collected at once: the signal is handled in __del__
+        for _ in range(100):
+            time.sleep(0.01)
+    assert interrupts.received == [signal.SIGTERM, signal.SIGTERM]  # lost once, then raised
+    assert sys.unraisablehook is hook and signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_a_stop_signal_the_main_thread_has_not_handled_ends_its_blocking_call():
+    """A signal that arrived just before the main thread entered a blocking call was
+    handled when the call returned: a benchmark sent SIGTERM as it began a long sleep ran
+    on with its stack (a CI run). Here the signal is handled at C level by another thread,
+    as it is when the main thread is past its last check: the sleep ends all the same."""
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as cleanup:
+        interrupt_on((signal.SIGTERM,), cleanup)
+        # Delivered to the timer's thread: CPython trips the handler, the main thread sleeps on.
+        threading.Timer(
+            0.1, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        ).start()
+        time.sleep(60)
+    assert time.monotonic() - started < 30  # not the sleep's 60 s
+
+
+def test_held_stop_signals_are_recorded_not_raised():
+    with contextlib.ExitStack() as cleanup:
+        interrupts = interrupt_on((signal.SIGTERM,), cleanup)
+        interrupts.hold()
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(0.2)  # nothing is sent again either
+    assert interrupts.received == [signal.SIGTERM]
+
+
+def test_the_watcher_stops_and_the_wakeup_fd_is_put_back_with_the_handlers():
+    previous = signal.set_wakeup_fd(-1)
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        with contextlib.ExitStack() as cleanup:
+            interrupt_on((signal.SIGTERM,), cleanup)
+            assert len(_watchers()) == 1
+        assert not _watchers() and signal.set_wakeup_fd(-1) == -1
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        signal.set_wakeup_fd(previous)
+
+
+def test_an_ignored_signal_stays_ignored_and_nothing_watches_it():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with contextlib.ExitStack() as cleanup:
+            interrupt_on((signal.SIGHUP,), cleanup)
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and not _watchers()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_an_unraisable_exception_not_a_stop_goes_to_the_hook_before():
+    seen = []
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(setattr, sys, "unraisablehook", sys.unraisablehook)
+        sys.unraisablehook = seen.append
+        with contextlib.ExitStack() as handled:
+            interrupts = interrupt_on((signal.SIGTERM,), handled)
+            interrupts.rescue(SimpleNamespace(exc_value=ValueError("x")))
+    assert [type(u.exc_value) for u in seen] == [ValueError]
