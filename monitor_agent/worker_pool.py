@@ -180,7 +180,9 @@ class WorkerPool:
             try:
                 process.start()
                 process.join()
-            except (OSError, EOFError, ValueError) as exc:  # the agent stopping meanwhile
+            # The agent stopping meanwhile (TypeError: multiprocessing's stop had cleared
+            # the server's descriptors, a CI run).
+            except (OSError, EOFError, ValueError, TypeError) as exc:
                 log.warning("warm worker pool did not start: %s", exc)
                 return
             log.info(
