@@ -75,13 +75,19 @@ class Interrupts:
             return
         self.previous_hook(unraisable)
 
-    def watch(self, read_fd: int, heeded: frozenset[int]) -> None:
-        """The watcher thread: reads the wakeup fd until _STOP_WATCHING."""
+    def watch(self, read_fd: int, heeded: frozenset[int], forward_fd: int = -1) -> None:
+        """The watcher thread: reads the wakeup fd until _STOP_WATCHING, and passes what
+        it reads on to the wakeup fd it replaced (an asyncio loop's), if any."""
         own = 0  # the signals it sent itself, read back from the wakeup fd
         while True:
             handled = self._handled
             data = os.read(read_fd, 512)
-            if not data or _STOP_WATCHING in data:
+            stopping = not data or _STOP_WATCHING in data
+            data = data.replace(bytes([_STOP_WATCHING]), b"")
+            if data and forward_fd >= 0:
+                with contextlib.suppress(OSError):  # full or closed: as CPython's own write
+                    os.write(forward_fd, data)
+            if stopping:
                 return
             stops = [s for s in data if s in heeded]
             mine = min(own, len(stops))
@@ -117,13 +123,16 @@ def interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitStac
     cleanup.callback(os.close, read_fd)
     cleanup.callback(os.close, write_fd)
     os.set_blocking(write_fd, False)
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     watcher = threading.Thread(
-        target=interrupts.watch, args=(read_fd, heeded), name="stop-signal-watcher", daemon=True
+        target=interrupts.watch,
+        args=(read_fd, heeded, previous_fd),
+        name="stop-signal-watcher",
+        daemon=True,
     )
     watcher.start()
     cleanup.callback(watcher.join)
     cleanup.callback(_stop_watching, write_fd)
-    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     cleanup.callback(signal.set_wakeup_fd, previous_fd)
     sys.unraisablehook = interrupts.rescue
     cleanup.callback(setattr, sys, "unraisablehook", interrupts.previous_hook)

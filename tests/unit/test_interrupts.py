@@ -99,3 +99,20 @@ def test_an_unraisable_exception_not_a_stop_goes_to_the_hook_before():
             interrupts = interrupt_on((signal.SIGTERM,), handled)
             interrupts.rescue(SimpleNamespace(exc_value=ValueError("x")))
     assert [type(u.exc_value) for u in seen] == [ValueError]
+
+
+def test_the_wakeup_fd_it_replaced_still_hears_each_signal():
+    """An asyncio loop's signal handlers read the wakeup fd: what the watcher reads there
+    is passed on to the one it replaced."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd)
+    try:
+        with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as cleanup:
+            interrupt_on((signal.SIGTERM,), cleanup)
+            signal.raise_signal(signal.SIGTERM)
+        assert signal.set_wakeup_fd(previous) == write_fd
+        assert os.read(read_fd, 16) == bytes([signal.SIGTERM])
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
