@@ -11,24 +11,31 @@ a whole stack running (CI runs):
   SIGTERM as it began a 300-second sleep ran on (3 runs in 22 on a loaded machine).
 
 So while the handlers are set, a watcher thread learns of each stop signal as it arrives
-(``signal.set_wakeup_fd``: CPython writes the signal's number there) and, when the
-handler has not run soon after, sends the signal again to the main thread, ending its
-blocking call; and the unraisable hook sends again a stop a finalizer dropped.
+(``signal.set_wakeup_fd``: CPython writes the signal's number there) and, until the
+handler has run, wakes the main thread with a signal of its own (WAKE, whose handler does
+nothing): the blocking call returns, and CPython runs the handlers it had put off. A wake
+never raises, so one too many costs nothing. A stop a finalizer dropped is raised again
+by the watcher (``_thread.interrupt_main``) once the unraisable hook has told it.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterable
 
-# How long the handler is given to run before its signal is sent again to the main thread.
-RESEND_DELAY_S = 0.01
+# After a stop signal, the main thread is woken at these delays until its handler has run.
+WAKE_DELAYS_S = (0.01, 0.1, 1.0)
+# The main thread's wake-up call: a real-time signal nothing else in iserve uses.
+WAKE = signal.SIGRTMIN + 7
 _STOP_WATCHING = 0  # no signal has number 0
+_RAISE_AGAIN = 255  # nor this one: the unraisable hook's word to the watcher
 
 
 class Interrupts:
@@ -40,65 +47,84 @@ class Interrupts:
     def __init__(self) -> None:
         self.received: list[int] = []
         self.holding = False
+        self.held = 0  # received while holding
         self.previous_hook = sys.unraisablehook
         self._handled = 0  # the handler's runs, for the watcher
         self._raised: BaseException | None = None  # the last, for the unraisable hook
-        self._main = threading.main_thread().ident
+        self._write_fd = -1  # the watcher's pipe
+        self._can_wake = False  # WAKE's handler is ours
 
     def handler(self, signum, _frame) -> None:
         self.received.append(signum)
         self._handled += 1
-        if not self.holding:
-            self._raised = KeyboardInterrupt(f"signal {signum}")
-            raise self._raised
+        if self.holding:
+            self.held += 1
+            return
+        self._raised = KeyboardInterrupt(f"signal {signum}")
+        raise self._raised
 
     def hold(self) -> None:
-        """From now on a stop signal is recorded, not raised: a second one (or one sent
-        again) does not cut short the stop the first began."""
+        """From now on a stop signal is recorded, not raised: a second one does not cut
+        short the stop the first began (:meth:`raise_held` raises it after)."""
         self.holding = True
         self._raised = None  # its traceback holds the frames it went through
+
+    def resume(self) -> None:
+        """Undo :meth:`hold`, raising a stop signal held meanwhile."""
+        self.holding = False
+        self.raise_held()
+
+    def raise_held(self) -> None:
+        if self.held:
+            self.held = 0
+            raise KeyboardInterrupt(f"signal {self.received[-1]}")
 
     def check(self) -> None:
         if self.received:
             raise KeyboardInterrupt(f"signal {self.received[0]}")
 
     def rescue(self, unraisable) -> None:
-        """The unraisable hook while the handlers are set."""
+        """The unraisable hook while the handlers are set: a stop a finalizer dropped is
+        raised again by the watcher, once the finalizer has returned (raised from here,
+        it would be lost again in this hook)."""
         if unraisable.exc_value is not None and unraisable.exc_value is self._raised:
-            # Sent again once this finalizer has returned, from another thread: sent from
-            # here, it was handled here and lost again. Lost again, it comes back here.
-            resend = threading.Timer(
-                RESEND_DELAY_S, signal.pthread_kill, (self._main, self.received[-1])
-            )
-            resend.daemon = True
-            resend.start()
+            with contextlib.suppress(OSError):  # a full pipe: the watcher is reading it
+                os.write(self._write_fd, bytes([_RAISE_AGAIN]))
             return
         self.previous_hook(unraisable)
 
-    def watch(self, read_fd: int, heeded: frozenset[int], forward_fd: int = -1) -> None:
+    def watch(self, read_fd: int, heeded: frozenset[int], forward_fd: int) -> None:
         """The watcher thread: reads the wakeup fd until _STOP_WATCHING, and passes what
         it reads on to the wakeup fd it replaced (an asyncio loop's), if any."""
-        own = 0  # the signals it sent itself, read back from the wakeup fd
+        main = threading.main_thread().ident
+        wakes: list[float] = []  # when to wake the main thread, unless handled since
+        handled = self._handled
         while True:
-            handled = self._handled
-            data = os.read(read_fd, 512)
-            stopping = not data or _STOP_WATCHING in data
-            data = data.replace(bytes([_STOP_WATCHING]), b"")
-            if data and forward_fd >= 0:
-                with contextlib.suppress(OSError):  # full or closed: as CPython's own write
-                    os.write(forward_fd, data)
-            if stopping:
-                return
-            stops = [s for s in data if s in heeded]
-            mine = min(own, len(stops))
-            own -= mine
-            if not stops[mine:]:
+            timeout = max(0.0, wakes[0] - time.monotonic()) if wakes else None
+            if not select.select([read_fd], [], [], timeout)[0]:
+                wakes.pop(0)
+                if self._handled == handled and not self.holding and self._can_wake:
+                    signal.pthread_kill(main, WAKE)
+                else:
+                    wakes.clear()
                 continue
-            time.sleep(RESEND_DELAY_S)
-            if self._handled == handled and not self.holding:
-                # Tripped, not handled: the main thread entered a blocking call first.
-                own += 1
-                signal.pthread_kill(self._main, stops[-1])
+            data = os.read(read_fd, 512)
+            ours = data.translate(None, bytes([_STOP_WATCHING, _RAISE_AGAIN]))
+            if ours and forward_fd >= 0:
+                with contextlib.suppress(OSError):  # full or closed: as CPython's own write
+                    os.write(forward_fd, ours)
+            if not data or _STOP_WATCHING in data:
+                return
+            if _RAISE_AGAIN in data and not self.holding:
+                _thread.interrupt_main(self.received[-1])
+            if _RAISE_AGAIN in data or heeded.intersection(data):
+                handled = self._handled
+                now = time.monotonic()
+                wakes = [now + delay for delay in WAKE_DELAYS_S]
+
+
+def _woken(_signum, _frame) -> None:
+    """WAKE's handler: nothing; the main thread's blocking call returned."""
 
 
 def _stop_watching(write_fd: int) -> None:
@@ -110,20 +136,31 @@ def interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitStac
     """While ``cleanup`` is open, each of ``signals`` ends this process as Ctrl-C would,
     unwinding it: a benchmark killed by ``timeout`` or its terminal's close left its
     whole stack running (a probe). A signal ignored now (``nohup``'s SIGHUP) stays
-    ignored. Only the main thread may set a handler; elsewhere nothing changes."""
+    ignored. Only the main thread may set a handler; elsewhere nothing changes. When
+    ``cleanup`` closes, a stop signal is held (recorded) first, and raised at its end."""
     interrupts = Interrupts()
     if threading.current_thread() is not threading.main_thread():
         return interrupts
     heeded = frozenset(int(s) for s in signals if signal.getsignal(s) is not signal.SIG_IGN)
     if not heeded:
         return interrupts
-    # The callbacks run last in, first out: the handlers are put back first, the watcher
-    # stopped last, so that no handler of ours is left that nothing watches.
+    # The callbacks run last in, first out: first the stop signals are held, then the
+    # watcher stopped, then the handlers put back (WAKE's last: the watcher may send it).
+    cleanup.callback(interrupts.raise_held)
     read_fd, write_fd = os.pipe()
     cleanup.callback(os.close, read_fd)
     cleanup.callback(os.close, write_fd)
     os.set_blocking(write_fd, False)
+    interrupts._write_fd = write_fd
+    if signal.getsignal(WAKE) is signal.SIG_DFL:  # else another's: not sent
+        cleanup.callback(signal.signal, WAKE, signal.signal(WAKE, _woken))
+        interrupts._can_wake = True
+    sys.unraisablehook = interrupts.rescue
+    cleanup.callback(setattr, sys, "unraisablehook", interrupts.previous_hook)
+    for sig in heeded:
+        cleanup.callback(signal.signal, sig, signal.signal(sig, interrupts.handler))
     previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    cleanup.callback(signal.set_wakeup_fd, previous_fd)
     watcher = threading.Thread(
         target=interrupts.watch,
         args=(read_fd, heeded, previous_fd),
@@ -133,10 +170,5 @@ def interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitStac
     watcher.start()
     cleanup.callback(watcher.join)
     cleanup.callback(_stop_watching, write_fd)
-    cleanup.callback(signal.set_wakeup_fd, previous_fd)
-    sys.unraisablehook = interrupts.rescue
-    cleanup.callback(setattr, sys, "unraisablehook", interrupts.previous_hook)
-    for sig in heeded:
-        previous = signal.signal(sig, interrupts.handler)
-        cleanup.callback(signal.signal, sig, previous)
+    cleanup.callback(interrupts.hold)
     return interrupts

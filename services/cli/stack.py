@@ -219,12 +219,19 @@ def up(
     `iserve down` stops them even after a SIGKILL. A signal ignored when `up` began
     (``nohup``) stays ignored. ``hold_stop_signals``: once started, STOP_SIGNALS are left
     blocked for the caller's ``signal.sigtimedwait`` (none is lost between the two)."""
-    with _starting(settings.state_dir), contextlib.ExitStack() as cleanup:
-        interrupts = interrupt_on(STOP_SIGNALS, cleanup)
-        if hold_stop_signals:
-            # Run before the handlers are put back (the callbacks run last in, first out).
-            cleanup.push(_hold_on_success)
-        return _up(settings, options, log, interrupts)
+    started = None
+    try:
+        with _starting(settings.state_dir), contextlib.ExitStack() as cleanup:
+            interrupts = interrupt_on(STOP_SIGNALS, cleanup)
+            if hold_stop_signals:
+                # Run before the handlers are put back (the callbacks run last in, first out).
+                cleanup.push(_hold_on_success)
+            started = _up(settings, options, log, interrupts)
+    except KeyboardInterrupt:
+        if started is not None:  # a stop signal held as the start ended: it stops it all
+            down(settings, lambda _msg: None)
+        raise
+    return started
 
 
 def _hold_on_success(exc_type, _exc, _tb) -> bool:
@@ -752,9 +759,13 @@ def temporary_stack(
         os.environ.update(values)
         settings = load_settings()
         interrupts = interrupt_on((signal.SIGTERM,), cleanup)
-        up(settings, UpOptions(), log=log)  # what it started, it stops when it fails
+        # Held until the stop is registered (while it starts, `up`'s own handlers stop it;
+        # what it started, it stops when it fails).
+        interrupts.hold()
+        up(settings, UpOptions(), log=log)
         cleanup.callback(down, settings, lambda _msg: None)
         cleanup.callback(interrupts.hold)  # a second SIGTERM does not cut the stop short
+        interrupts.resume()
         yield load_settings()
 
 

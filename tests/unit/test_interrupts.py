@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.cli.interrupts import interrupt_on
+from services.cli.interrupts import WAKE, interrupt_on
 
 
 class _SignalledOnCollection:
@@ -57,13 +57,44 @@ def test_a_stop_signal_the_main_thread_has_not_handled_ends_its_blocking_call():
     assert time.monotonic() - started < 30  # not the sleep's 60 s
 
 
-def test_held_stop_signals_are_recorded_not_raised():
+def test_a_stop_signal_held_is_raised_once_the_stop_is_over():
+    """A second SIGTERM while a temporary stack stops does not cut its stop short, nor is
+    it forgotten: it is raised once the handlers are put back."""
+    handler, done = signal.getsignal(signal.SIGTERM), []
+    with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as cleanup:
+        interrupts = interrupt_on((signal.SIGTERM,), cleanup)
+        cleanup.callback(done.append, "the stop")  # runs before the raise
+        interrupts.hold()
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(1.5)  # the watcher's wakes do nothing
+        assert interrupts.received == [signal.SIGTERM]
+    assert done == ["the stop"] and signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_a_stop_signal_held_until_resumed_is_raised_then():
     with contextlib.ExitStack() as cleanup:
         interrupts = interrupt_on((signal.SIGTERM,), cleanup)
         interrupts.hold()
         signal.raise_signal(signal.SIGTERM)
-        time.sleep(0.2)  # nothing is sent again either
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.resume()
+        interrupts.resume()  # raised once
     assert interrupts.received == [signal.SIGTERM]
+
+
+def test_the_wake_signal_of_another_is_neither_taken_nor_sent():
+    """WAKE's handler is put in only where nothing else handles that signal."""
+    woken = []
+    previous = signal.signal(WAKE, lambda *_a: woken.append(1))
+    try:
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as cleanup:
+            interrupt_on((signal.SIGTERM,), cleanup)
+            signal.raise_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert not woken and time.monotonic() - started < 30
+    finally:
+        signal.signal(WAKE, previous)
 
 
 def test_the_watcher_stops_and_the_wakeup_fd_is_put_back_with_the_handlers():

@@ -240,6 +240,27 @@ def test_a_stop_signal_lost_where_it_landed_still_stops_the_start(quiet_stack, m
     assert not (settings.state_dir / "stack.json").exists()
 
 
+def test_a_stop_signal_held_as_the_start_ends_stops_what_started(quiet_stack, monkeypatch):
+    """A stop signal that comes as `up` puts its handlers back is held, then raised: `up`
+    stops what it started before it raises (raised after its start, it left the stack
+    running and unrecorded to the caller)."""
+    real = stack._up
+
+    def then_a_stop(settings, options, log, interrupts):
+        started = real(settings, options, log, interrupts)
+        interrupts.hold()  # as the cleanup does first
+        signal.raise_signal(signal.SIGTERM)
+        return started
+
+    monkeypatch.setattr(stack, "_up", then_a_stop)
+    monkeypatch.setattr(stack, "wait_serving", lambda *_a: True)
+    settings = load_settings()
+    with pytest.raises(KeyboardInterrupt):
+        stack.up(settings, UpOptions(), log=lambda _m: None)
+    assert quiet_stack and all(p.wait(20) is not None for p in quiet_stack)
+    assert not (settings.state_dir / "stack.json").exists()
+
+
 def test_a_foreground_up_holds_the_stop_signals_and_nohup_s_stays_ignored(quiet_stack, monkeypatch):
     """Once started, a foreground `up` waits for its stop signals with sigtimedwait: left
     unblocked in between, a SIGTERM ended it by default with its stack running. And a
