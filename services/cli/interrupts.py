@@ -52,7 +52,6 @@ class Interrupts:
         self._handled = 0  # the handler's runs, for the watcher
         self._raised: BaseException | None = None  # the last, for the unraisable hook
         self._write_fd = -1  # the watcher's pipe
-        self._can_wake = False  # WAKE's handler is ours
 
     def handler(self, signum, _frame) -> None:
         self.received.append(signum)
@@ -103,7 +102,9 @@ class Interrupts:
             timeout = max(0.0, wakes[0] - time.monotonic()) if wakes else None
             if not select.select([read_fd], [], [], timeout)[0]:
                 wakes.pop(0)
-                if self._handled == handled and not self.holding and self._can_wake:
+                # Sent only while WAKE's handler is a watcher's (another's may have
+                # been put in since).
+                if self._handled == handled and not self.holding and _wakes():
                     signal.pthread_kill(main, WAKE)
                 else:
                     wakes.clear()
@@ -125,6 +126,10 @@ class Interrupts:
 
 def _woken(_signum, _frame) -> None:
     """WAKE's handler: nothing; the main thread's blocking call returned."""
+
+
+def _wakes() -> bool:
+    return signal.getsignal(WAKE) is _woken
 
 
 def _stop_watching(write_fd: int) -> None:
@@ -152,9 +157,10 @@ def interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitStac
     cleanup.callback(os.close, write_fd)
     os.set_blocking(write_fd, False)
     interrupts._write_fd = write_fd
-    if signal.getsignal(WAKE) is signal.SIG_DFL:  # else another's: not sent
+    # Taken where nothing handles it, or an outer watcher does (a stack's start within a
+    # temporary stack); another's is not sent.
+    if signal.getsignal(WAKE) in (signal.SIG_DFL, _woken):
         cleanup.callback(signal.signal, WAKE, signal.signal(WAKE, _woken))
-        interrupts._can_wake = True
     sys.unraisablehook = interrupts.rescue
     cleanup.callback(setattr, sys, "unraisablehook", interrupts.previous_hook)
     for sig in heeded:

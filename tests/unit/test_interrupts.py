@@ -147,3 +147,21 @@ def test_the_wakeup_fd_it_replaced_still_hears_each_signal():
     finally:
         os.close(read_fd)
         os.close(write_fd)
+
+
+def test_a_stop_within_a_stop_handler_nested_ends_the_inner_body_once():
+    """A stack started within a temporary stack sets its handlers over the outer ones: the
+    signal unwinds the inner body once, and neither watcher raises after (an outer that
+    sent the signal again raised it in the next test: a CI run under load)."""
+    handler, wake = signal.getsignal(signal.SIGTERM), signal.getsignal(WAKE)
+    with contextlib.ExitStack() as outer_cleanup:
+        outer = interrupt_on((signal.SIGTERM,), outer_cleanup)
+        with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as cleanup:
+            inner = interrupt_on((signal.SIGTERM,), cleanup)
+            threading.Timer(
+                0.1, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+            ).start()
+            time.sleep(60)
+        time.sleep(1.5)  # the outer watcher's wakes come and do nothing
+    assert inner.received == [signal.SIGTERM] and outer.received == []
+    assert signal.getsignal(signal.SIGTERM) is handler and signal.getsignal(WAKE) is wake
