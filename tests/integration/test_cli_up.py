@@ -329,21 +329,24 @@ def test_down_stops_the_stack_s_processes_no_record_names(tmp_path):
 
 def _up_in_the_foreground(env: dict[str, str]) -> subprocess.Popen:
     """`iserve up` without --detach, its output captured, on a terminal's SIGHUP: a
-    suite run under `nohup` passes its ignored SIGHUP on, which `up` keeps ignored."""
+    suite run under `nohup` passes its ignored SIGHUP on, which `up` keeps ignored. Set
+    by a Python that then execs `up`, not by a ``preexec_fn``: Python code run between
+    fork and exec in this process, whose gRPC threads run, aborted the child once
+    ("epoll_wait error: Bad file descriptor", a CI run; the subprocess docs warn of it)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up"],
+        [sys.executable, "-c", _WITH_DEFAULT_SIGHUP, "-m", "services.cli.main", "up"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=_default_sighup,
     )
 
 
-def _default_sighup() -> None:
-    import signal
-
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+# Exec's the Python command line that follows with SIGHUP's default action.
+_WITH_DEFAULT_SIGHUP = (
+    "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
 
 
 def _stack_env(state) -> dict[str, str]:
