@@ -98,9 +98,11 @@ class Interrupts:
         main = threading.main_thread().ident
         wakes: list[float] = []  # when to wake the main thread, unless handled since
         handled = self._handled
+        poller = select.poll()  # not select(): no limit on the descriptor's number
+        poller.register(read_fd, select.POLLIN)
         while True:
-            timeout = max(0.0, wakes[0] - time.monotonic()) if wakes else None
-            if not select.select([read_fd], [], [], timeout)[0]:
+            timeout_ms = max(0.0, wakes[0] - time.monotonic()) * 1000 if wakes else None
+            if not poller.poll(timeout_ms):
                 wakes.pop(0)
                 # Sent only while WAKE's handler is a watcher's (another's may have
                 # been put in since).

@@ -165,3 +165,29 @@ def test_a_stop_within_a_stop_handler_nested_ends_the_inner_body_once():
         time.sleep(1.5)  # the outer watcher's wakes come and do nothing
     assert inner.received == [signal.SIGTERM] and outer.received == []
     assert signal.getsignal(signal.SIGTERM) is handler and signal.getsignal(WAKE) is wake
+
+
+def test_a_process_with_over_1024_descriptors_is_watched_too():
+    """select() takes no descriptor numbered 1024 or more: the watcher polls."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open {hard} descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    opened = []
+    try:
+        while not opened or opened[-1] < 1030:
+            opened.append(os.open(os.devnull, os.O_RDONLY))
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as cleanup:
+            interrupt_on((signal.SIGTERM,), cleanup)
+            threading.Timer(
+                0.1, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+            ).start()
+            time.sleep(60)
+        assert time.monotonic() - started < 30
+    finally:
+        for fd in opened:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
