@@ -87,8 +87,14 @@ def start_redis(
         "--logfile",
         str(data_dir / "redis.log"),
     ]
+    # Working in data_dir from its start (not only once it read --dir): a stopped start
+    # finds it there even before it is recorded (`iserve down` finds it so too).
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        cmd,
+        cwd=data_dir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
     )
     started(proc.pid)
     deadline = time.monotonic() + timeout_s

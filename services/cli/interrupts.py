@@ -32,6 +32,9 @@ from collections.abc import Iterable
 
 # After a stop signal, the main thread is woken at these delays until its handler has run.
 WAKE_DELAYS_S = (0.01, 0.1, 1.0)
+# A stop a finalizer dropped is raised again this long after (the main thread leaves the
+# unraisable hook and the finalizer first).
+RAISE_AGAIN_DELAY_S = 0.01
 # The main thread's wake-up call: a real-time signal nothing else in iserve uses.
 WAKE = signal.SIGRTMIN + 7
 _STOP_WATCHING = 0  # no signal has number 0
@@ -52,12 +55,16 @@ class Interrupts:
         self._handled = 0  # the handler's runs, for the watcher
         self._raised: BaseException | None = None  # the last, for the unraisable hook
         self._write_fd = -1  # the watcher's pipe
+        self._rescuing = False  # in the unraisable hook
 
     def handler(self, signum, _frame) -> None:
         self.received.append(signum)
         self._handled += 1
         if self.holding:
             self.held += 1
+            return
+        if self._rescuing:  # raised in the hook, it would be lost there: asked again
+            self._raise_again()
             return
         self._raised = KeyboardInterrupt(f"signal {signum}")
         raise self._raised
@@ -87,22 +94,43 @@ class Interrupts:
         raised again by the watcher, once the finalizer has returned (raised from here,
         it would be lost again in this hook)."""
         if unraisable.exc_value is not None and unraisable.exc_value is self._raised:
-            with contextlib.suppress(OSError):  # a full pipe: the watcher is reading it
-                os.write(self._write_fd, bytes([_RAISE_AGAIN]))
+            self._rescuing = True
+            try:
+                self._raise_again()
+            finally:
+                self._rescuing = False
             return
         self.previous_hook(unraisable)
+
+    def _raise_again(self) -> None:
+        with contextlib.suppress(OSError):  # a full pipe: the watcher is reading it
+            os.write(self._write_fd, bytes([_RAISE_AGAIN]))
 
     def watch(self, read_fd: int, heeded: frozenset[int], forward_fd: int) -> None:
         """The watcher thread: reads the wakeup fd until _STOP_WATCHING, and passes what
         it reads on to the wakeup fd it replaced (an asyncio loop's), if any."""
         main = threading.main_thread().ident
         wakes: list[float] = []  # when to wake the main thread, unless handled since
+        raise_at: float | None = None  # when to raise again a stop a finalizer dropped
         handled = self._handled
         poller = select.poll()  # not select(): no limit on the descriptor's number
         poller.register(read_fd, select.POLLIN)
         while True:
-            timeout_ms = max(0.0, wakes[0] - time.monotonic()) * 1000 if wakes else None
+            due = min([*wakes[:1], *([raise_at] if raise_at is not None else [])], default=None)
+            timeout_ms = None if due is None else max(0.0, due - time.monotonic()) * 1000
             if not poller.poll(timeout_ms):
+                now = time.monotonic()
+                if raise_at is not None and raise_at <= now:
+                    # Raised once the main thread has left the hook and, likely, the
+                    # finalizer: lost again, it is asked again.
+                    raise_at = None
+                    if not self.holding:
+                        handled = self._handled
+                        _thread.interrupt_main(self.received[-1])
+                        wakes = [now + delay for delay in WAKE_DELAYS_S]
+                    continue
+                if not wakes or wakes[0] > now:
+                    continue
                 wakes.pop(0)
                 # Sent only while WAKE's handler is a watcher's (another's may have
                 # been put in since).
@@ -118,9 +146,9 @@ class Interrupts:
                     os.write(forward_fd, ours)
             if not data or _STOP_WATCHING in data:
                 return
-            if _RAISE_AGAIN in data and not self.holding:
-                _thread.interrupt_main(self.received[-1])
-            if _RAISE_AGAIN in data or heeded.intersection(data):
+            if _RAISE_AGAIN in data and raise_at is None:
+                raise_at = time.monotonic() + RAISE_AGAIN_DELAY_S
+            if heeded.intersection(data):
                 handled = self._handled
                 now = time.monotonic()
                 wakes = [now + delay for delay in WAKE_DELAYS_S]

@@ -383,10 +383,20 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
         interrupts.check()
     except BaseException:
         interrupts.hold()  # a second stop signal does not cut this stop short
-        _stop_pids(
-            {n: (p.pid, None) for n, p in procs.items()}
+        started = (
+            {n: (pid, None) for n, pid in stack["pids"].items()}
+            | {n: (p.pid, None) for n, p in procs.items()}
             | ({"redis": (redis_proc.pid, None)} if redis_proc else {})
         )
+        _stop_pids(started)
+        # And what started unrecorded: a stop while the embedded Redis started (before
+        # start_redis returned) left it running, and `iserve down` found no stack (a probe).
+        strays = _strays_after_grace(
+            stack["stack_id"],
+            {pid for pid, _ in started.values()},
+            _redis_dir(settings.state_dir) if stack.get("embedded_redis") else None,
+        )
+        _stop_pids({f"unrecorded {pid}": (pid, start_time(pid)) for pid in strays}, together=True)
         # The record this start wrote, of what it stopped.
         (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
         raise

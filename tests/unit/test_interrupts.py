@@ -28,17 +28,44 @@ def _watchers() -> list[threading.Thread]:
 
 
 def test_a_stop_signal_lost_in_a_finalizer_is_delivered_again():
-    """Python prints an exception raised in a ``__del__`` or weakref callback and drops
-    it: a SIGHUP landing there let `up` go on to serve (a CI run). The unraisable hook
-    sends it again, and it unwinds."""
+    """Python prints an exception raised in a ``__del__`` and drops it: a SIGHUP landing
+    there let `up` go on to serve (a CI run). The unraisable hook has the watcher raise
+    it again, until it lands past the finalizer: a finalizer slow to end took it again,
+    and the hook itself did once (a probe)."""
     hook, handler = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
+    main, started = threading.main_thread().ident, time.monotonic()
     with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as cleanup:
         interrupts = interrupt_on((signal.SIGTERM,), cleanup)
         _SignalledOnCollection()  # collected at once: the signal is handled in __del__
-        for _ in range(100):
-            time.sleep(0.01)
-    assert interrupts.received == [signal.SIGTERM, signal.SIGTERM]  # lost once, then raised
+        threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGTERM)).start()
+        _SlowToCollect()  # the second lands in its __del__, again and again
+        time.sleep(30)
+    assert time.monotonic() - started < 20
+    assert len(interrupts.received) >= 3  # twice lost, then raised
     assert sys.unraisablehook is hook and signal.getsignal(signal.SIGTERM) is handler
+
+
+class _SlowToCollect:
+    def __del__(self) -> None:
+        time.sleep(0.5)
+
+
+def test_a_stop_signal_lost_in_a_weakref_callback_is_raised_again():
+    """A weakref callback of the program's own is not known by its code: the exception
+    dropped there reaches the unraisable hook, and the watcher raises it again."""
+    import weakref
+
+    class Referent:
+        pass
+
+    with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as cleanup:
+        interrupts = interrupt_on((signal.SIGTERM,), cleanup)
+        referent = Referent()
+        ref = weakref.ref(referent, lambda _r: signal.raise_signal(signal.SIGTERM))
+        del referent  # the callback gets the signal
+        for _ in range(500):
+            time.sleep(0.01)
+    assert ref() is None and interrupts.received == [signal.SIGTERM, signal.SIGTERM]
 
 
 def test_a_stop_signal_the_main_thread_has_not_handled_ends_its_blocking_call():

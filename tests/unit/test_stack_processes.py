@@ -261,6 +261,36 @@ def test_a_stop_signal_held_as_the_start_ends_stops_what_started(quiet_stack, mo
     assert not (settings.state_dir / "stack.json").exists()
 
 
+def test_a_stop_while_the_embedded_redis_starts_leaves_no_redis(tmp_path, monkeypatch):
+    """A stop signal after redis-server was started but before `start_redis` returned (its
+    PING wait) left it running, unrecorded, and `iserve down` found no stack (a probe).
+    The stopped start also stops what of its stack it had not recorded."""
+    from services.ports import free_port
+    from services.redis_embedded import find_redis_server
+    from services.settings import GATEWAY_ENV, METRICS_ENV, SERVICE_ENV
+
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    for var in [*SERVICE_ENV.values(), *METRICS_ENV.values(), GATEWAY_ENV]:
+        monkeypatch.setenv(var, "127.0.0.1:0")
+    spawned = []
+
+    def stopped_as_it_starts(data_dir, *_args, **_kwargs):
+        data_dir.mkdir(parents=True, exist_ok=True)
+        command = [find_redis_server(), "--port", str(free_port()), "--save", ""]
+        spawned.append(subprocess.Popen(command, cwd=data_dir, stdout=subprocess.DEVNULL))
+        raise KeyboardInterrupt("signal 15")  # before it is recorded
+
+    monkeypatch.setattr(stack, "start_redis", stopped_as_it_starts)
+    with pytest.raises(KeyboardInterrupt):
+        stack.up(load_settings(), UpOptions(), log=lambda _m: None)
+    try:
+        assert spawned[0].wait(20) is not None
+    finally:
+        spawned[0].kill()
+    assert not (tmp_path / "stack.json").exists()
+
+
 def test_a_foreground_up_holds_the_stop_signals_and_nohup_s_stays_ignored(quiet_stack, monkeypatch):
     """Once started, a foreground `up` waits for its stop signals with sigtimedwait: left
     unblocked in between, a SIGTERM ended it by default with its stack running. And a
