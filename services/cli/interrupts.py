@@ -8,7 +8,7 @@ a whole stack running (CI runs):
   ("Exception ignored in ...") and drops it; a SIGHUP mid-start and `up` went on to serve.
 - a stop arriving just before the main thread enters a blocking call (``time.sleep``, a
   lock, a read): the handler runs when that call returns. A benchmark's process sent
-  SIGTERM as it began a 300-second sleep ran on (3 runs in 22 on a loaded machine).
+  SIGTERM as it began a 300-second sleep ran on (4 runs in 22 on a loaded machine).
 
 So while the handlers are set, a watcher thread learns of each stop signal as it arrives
 (``signal.set_wakeup_fd``: CPython writes the signal's number there) and, until the

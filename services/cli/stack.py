@@ -384,19 +384,14 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
     except BaseException:
         interrupts.hold()  # a second stop signal does not cut this stop short
         started = (
-            {n: (pid, None) for n, pid in stack["pids"].items()}
-            | {n: (p.pid, None) for n, p in procs.items()}
+            {n: (p.pid, None) for n, p in procs.items()}
             | ({"redis": (redis_proc.pid, None)} if redis_proc else {})
+            | _ours(stack)
         )
         _stop_pids(started)
         # And what started unrecorded: a stop while the embedded Redis started (before
         # start_redis returned) left it running, and `iserve down` found no stack (a probe).
-        strays = _strays_after_grace(
-            stack["stack_id"],
-            {pid for pid, _ in started.values()},
-            _redis_dir(settings.state_dir) if stack.get("embedded_redis") else None,
-        )
-        _stop_pids({f"unrecorded {pid}": (pid, start_time(pid)) for pid in strays}, together=True)
+        _stop_strays(settings, stack, {pid for pid, _ in started.values()})
         # The record this start wrote, of what it stopped.
         (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
         raise
@@ -713,19 +708,12 @@ def down(settings: Settings, log=print) -> bool:
     )
     # Processes of this stack no record names: a service `iserve up` started but had not
     # recorded when it was killed, a worker its agent left behind.
-    strays = _strays_after_grace(
-        stack.get("stack_id", ""),
+    _stop_strays(
+        settings,
+        stack,
         {pid for pid, _ in ours.values()},
-        _redis_dir(settings.state_dir) if stack.get("embedded_redis") else None,
-    )
-    _stop_pids(
-        {
-            f"unrecorded process {describe_process(pid) or '?'}": (pid, start_time(pid))
-            for pid in strays
-        },
         log,
-        timeout_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
-        together=True,
+        STOP_TIMEOUT_S + settings.drain_timeout_s,
     )
     if deployer_crashed:
         # A deployer that exited cleanly records that it did, and its deployments are
@@ -863,6 +851,31 @@ def _is_redis_in(entry: Path, directory: Path | None) -> bool:
     except OSError:
         return False
     return command == "redis-server" and Path(cwd) == directory
+
+
+def _stop_strays(
+    settings: Settings,
+    stack: Mapping,
+    recorded: set[int],
+    log=lambda _msg: None,
+    timeout_s: float = STOP_TIMEOUT_S,
+) -> None:
+    """Stop the processes of ``stack`` that no record names (``_strays_after_grace``),
+    all at once."""
+    strays = _strays_after_grace(
+        stack.get("stack_id", ""),
+        recorded,
+        _redis_dir(settings.state_dir) if stack.get("embedded_redis") else None,
+    )
+    _stop_pids(
+        {
+            f"unrecorded process {describe_process(pid) or '?'}": (pid, start_time(pid))
+            for pid in strays
+        },
+        log,
+        timeout_s=timeout_s,
+        together=True,
+    )
 
 
 def _strays_after_grace(
