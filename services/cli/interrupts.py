@@ -35,8 +35,9 @@ WAKE_DELAYS_S = (0.01, 0.1, 1.0)
 # A stop a finalizer dropped is raised again this long after (the main thread leaves the
 # unraisable hook and the finalizer first).
 RAISE_AGAIN_DELAY_S = 0.01
-# The main thread's wake-up call: a real-time signal nothing else in iserve uses.
-WAKE = signal.SIGRTMIN + 7
+# The main thread's wake-up call: a real-time signal nothing else in iserve uses (none
+# where the system has no real-time signals, macOS: no wakes there).
+WAKE = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else None
 _STOP_WATCHING = 0  # no signal has number 0
 _RAISE_AGAIN = 255  # nor this one: the unraisable hook's word to the watcher
 
@@ -159,7 +160,7 @@ def _woken(_signum, _frame) -> None:
 
 
 def _wakes() -> bool:
-    return signal.getsignal(WAKE) is _woken
+    return WAKE is not None and signal.getsignal(WAKE) is _woken
 
 
 def _stop_watching(write_fd: int) -> None:
@@ -189,7 +190,7 @@ def interrupt_on(signals: Iterable[signal.Signals], cleanup: contextlib.ExitStac
     interrupts._write_fd = write_fd
     # Taken where nothing handles it, or an outer watcher does (a stack's start within a
     # temporary stack); another's is not sent.
-    if signal.getsignal(WAKE) in (signal.SIG_DFL, _woken):
+    if WAKE is not None and signal.getsignal(WAKE) in (signal.SIG_DFL, _woken):
         cleanup.callback(signal.signal, WAKE, signal.signal(WAKE, _woken))
     sys.unraisablehook = interrupts.rescue
     cleanup.callback(setattr, sys, "unraisablehook", interrupts.previous_hook)
