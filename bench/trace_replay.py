@@ -27,8 +27,9 @@ requests per second. For each load factor (0.5x, 1x, 2x capacity) the window's
 inter-arrival gaps are multiplied by one constant so that the mean rate is
 factor x capacity (the trace's burstiness stays; it is not made Poisson). With
 ``--rate-basis peak`` the rate of its busiest tenth is set instead (``traces.peak_rate``:
-requests that share a timestamp count as arriving over one step of the timestamps'
-resolution, so whole-second traces such as BurstGPT have a finite peak rate too). The
+both rates spread requests that share a timestamp evenly over one step of the
+timestamps' resolution, so whole-second traces such as BurstGPT have a finite peak rate
+too, and 30 a second read as 30). The
 requests are sent open-loop at those times (one asyncio task per request, a gRPC stream
 each, ``prompt_token_ids`` of the scaled length, ``ignore_eos`` so every output has the
 scaled length) to each policy's deployment in turn (the order alternates per repeat).

@@ -32,9 +32,9 @@ object per line is what Mooncake publishes).
 Rates of a list of arrival times: the mean (first to last) and the peak (the busiest
 ``PEAK_SHARE`` of them, see :func:`peak_rate`). Neither exists without two distinct
 arrival times, and both refuse that with ValueError. Timestamps come in steps of some
-resolution (whole seconds in BurstGPT), and a span shorter than that step is not
-measurable: requests that share a timestamp arrived within one step, not at once, so the
-peak rate measures such a span as one step and stays finite.
+resolution (whole seconds in BurstGPT): requests that share a timestamp arrived within
+one step of it, not at once, so both rates spread them evenly over that step
+(:func:`spread_times`), and stay finite.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import itertools
 import json
 import math
 import zlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -59,6 +60,7 @@ __all__ = [
     "load_trace",
     "mean_rate",
     "peak_rate",
+    "spread_times",
     "timestamp_resolution_s",
 ]
 
@@ -335,29 +337,39 @@ def timestamp_resolution_s(arrivals: Sequence[float]) -> float:
     return min(later - earlier for earlier, later in itertools.pairwise(_distinct_times(arrivals)))
 
 
+def spread_times(arrivals: Sequence[float]) -> list[float]:
+    """The arrival times, ascending, those that share a time spread evenly over the
+    resolution step from it (:func:`timestamp_resolution_s`): m requests stamped t arrived
+    somewhere within [t, t + step), so the i-th of them at t + step x i / m. Distinct
+    times are kept as they are. ValueError without two distinct times."""
+    step_s = timestamp_resolution_s(arrivals)
+    counts = Counter(arrivals)
+    return [t + step_s * i / m for t, m in sorted(counts.items()) for i in range(m)]
+
+
 def mean_rate(arrivals: Sequence[float]) -> float:
-    """Arrivals per second from the first to the last. ValueError without two distinct
-    times."""
-    times = _distinct_times(arrivals)
-    return (len(arrivals) - 1) / (times[-1] - times[0])
+    """Arrivals per second from the first to the last, ties spread over their step
+    (:func:`spread_times`). ValueError without two distinct times."""
+    times = spread_times(arrivals)
+    return (len(times) - 1) / (times[-1] - times[0])
 
 
 def peak_rate(arrivals: Sequence[float]) -> float:
     """Arrivals per second over the busiest ``PEAK_SHARE`` of them: (k - 1) / the shortest
-    span holding k = max(2, round(PEAK_SHARE x n)) consecutive arrivals.
+    span holding k = max(2, round(PEAK_SHARE x n)) consecutive arrivals, ties spread over
+    their step (:func:`spread_times`).
 
-    A span shorter than :func:`timestamp_resolution_s` counts as one resolution step: k
-    requests sharing a timestamp arrived somewhere within that step, not at once. Only a
-    span of zero changes (a positive span holds at least one gap, so is at least the
-    resolution), and the rate stays finite, so stretching the arrivals sets it. The rate
-    scales with the arrivals: multiplying every time by s divides it by s. ValueError
-    without two distinct times.
+    Requests that share a timestamp arrived within one resolution step of it, not at
+    once: 30 requests stamped with each whole second are 30 a second, where measuring k
+    of them that share a second as spanning one step read 19 (k - 1 = 19, below their
+    mean rate), and 10 a second read 19 too. Times that no two requests share are
+    measured as they are. The rate stays finite, and scales with the arrivals:
+    multiplying every time by s divides it by s. ValueError without two distinct times.
     """
-    resolution_s = timestamp_resolution_s(arrivals)
-    ordered = sorted(arrivals)
-    k = max(2, round(len(ordered) * PEAK_SHARE))
-    shortest = min(ordered[i + k - 1] - ordered[i] for i in range(len(ordered) - k + 1))
-    return (k - 1) / max(shortest, resolution_s)
+    times = spread_times(arrivals)
+    k = max(2, round(len(times) * PEAK_SHARE))
+    shortest = min(times[i + k - 1] - times[i] for i in range(len(times) - k + 1))
+    return (k - 1) / shortest
 
 
 # The rates a load factor can set, by the name ``trace_replay.py --rate-basis`` takes.

@@ -83,14 +83,14 @@ def test_load_factors_must_be_positive_numbers(trace_replay, monkeypatch, tmp_pa
 
 
 def test_peak_basis_sets_whole_second_traces_by_the_load_factor(trace_replay):
-    """BurstGPT-style seconds: the busiest tenth (2 of 10) share a second. Its rate is
-    measured over that second, so the factor stretches the gaps instead of every request
-    going at t=0."""
+    """BurstGPT-style seconds: the busiest tenth (2 of 10) share a second. They are
+    spread over it (2 a second), so the factor stretches the gaps instead of every
+    request going at t=0."""
     times = [0, 1, 1, 2, 5, 8, 9, 9, 12, 15]
     window = [trace_replay.harness.Job(float(t), 100, 10) for t in times]
     for rate_per_s in (0.5, 1.0, 2.0):
         jobs = trace_replay.at_rate(window, rate_per_s, "peak")
-        assert [j.at_s for j in jobs] == pytest.approx([t / rate_per_s for t in times])
+        assert [j.at_s for j in jobs] == pytest.approx([t * 2 / rate_per_s for t in times])
     mean = trace_replay.at_rate(window, 1.0, "mean")
     assert [j.at_s for j in mean] == pytest.approx([t * 9 / 15 for t in times])
 

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from bench.traces import TraceRow, load_trace, mean_rate, peak_rate, timestamp_resolution_s
+from bench.traces import (
+    TraceRow,
+    load_trace,
+    mean_rate,
+    peak_rate,
+    spread_times,
+    timestamp_resolution_s,
+)
 from tests.unit.estimator_data import shared_data
 
 
@@ -127,19 +137,47 @@ def test_rates_need_two_distinct_arrival_times(arrivals):
 
 
 def test_the_peak_rate_of_whole_second_ties_is_measured_over_one_second():
-    # 20 requests: the busiest tenth (2) share a second, and 3 share another.
+    # 20 requests: the busiest tenth (2) within one second, where 3 share a second.
     arrivals = [0.0, 1.0, 1.0, 1.0] + [float(t) for t in range(3, 19)]
     assert timestamp_resolution_s(arrivals) == 1.0
-    assert peak_rate(arrivals) == 1.0  # k = 2 within one second, not infinitely fast
+    assert spread_times(arrivals)[:4] == pytest.approx([0, 1, 4 / 3, 5 / 3])
+    assert peak_rate(arrivals) == pytest.approx(3.0)  # 3 a second, not infinitely fast
     assert mean_rate(arrivals) == pytest.approx(19 / 18)
     # Scale-free: stretching the times divides every rate by the stretch.
-    assert peak_rate([t * 4 for t in arrivals]) == 0.25
+    assert peak_rate([t * 4 for t in arrivals]) == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("per_second", [10, 20, 30, 45])
+def test_whole_second_arrivals_peak_at_their_rate(per_second):
+    """BurstGPT stamps whole seconds: 30 a second peaked at 19 a second, below their mean
+    33, and 10 a second at 19 too (k - 1 over one second, k = 20; a tester)."""
+    arrivals = [float(i // per_second) for i in range(per_second * 20)]
+    assert peak_rate(arrivals) == pytest.approx(per_second)
+    assert mean_rate(arrivals) == pytest.approx(per_second)
 
 
 def test_a_positive_span_is_never_floored():
     arrivals = [0.0, 0.001, 0.5, 2.0, 2.0005, 3.0, 4.0, 5.0, 6.0, 7.0]
     assert timestamp_resolution_s(arrivals) == pytest.approx(0.0005)
     assert peak_rate(arrivals) == pytest.approx(1 / 0.0005)
+
+
+@given(
+    st.lists(st.integers(0, 10_000), min_size=2, max_size=300).filter(lambda t: len(set(t)) > 1),
+    st.sampled_from([1.0, 0.001, 7.5]),
+)
+@settings(max_examples=300, deadline=None)
+def test_ties_are_spread_within_their_step_and_rates_scale_with_the_times(ticks, step):
+    arrivals = [t * step for t in ticks]
+    spread = spread_times(arrivals)
+    resolution = timestamp_resolution_s(arrivals)
+    assert all(a < b for a, b in itertools.pairwise(spread))  # distinct, in order
+    for time, original in zip(spread, sorted(arrivals), strict=True):
+        assert original <= time < original + resolution
+    if len(set(arrivals)) == len(arrivals):
+        assert spread == sorted(arrivals)
+    for rate in (mean_rate, peak_rate):
+        assert rate([t * 3 for t in arrivals]) == pytest.approx(rate(arrivals) / 3)
 
 
 def test_a_csv_row_with_more_fields_than_its_header_is_refused(tmp_path):
