@@ -208,6 +208,8 @@ def _json_lines(text: str, source: str) -> tuple[list[str], Iterator[tuple[int, 
         except ValueError as exc:  # also an integer too long to convert
             reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
             raise ValueError(f"{source}:{number}: not JSON ({reason})") from None
+        except RecursionError:  # 100,000 nested brackets: a traceback before
+            raise ValueError(f"{source}:{number}: not JSON (nested too deeply)") from None
         if not isinstance(record, dict):
             raise ValueError(f"{source}:{number}: expected a JSON object per line")
         records.append((number, record))

@@ -123,6 +123,13 @@ def test_a_missing_json_value_names_its_line_and_column(tmp_path, line, message)
         load_trace(_write(tmp_path, "t.jsonl", f"{first}\n{line}\n"))
 
 
+def test_a_json_line_nested_too_deeply_is_named_not_a_traceback(tmp_path):
+    first = '{"timestamp": 1, "input_length": 2, "output_length": 3}'
+    deep = '{"timestamp": 2, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(ValueError, match=r"t.jsonl:2: not JSON \(nested too deeply\)"):
+        load_trace(_write(tmp_path, "t.jsonl", f"{first}\n{deep}\n"))
+
+
 def test_a_json_array_is_named_as_such(tmp_path):
     text = json.dumps([{"timestamp": 0, "input_length": 2, "output_length": 3}], indent=1)
     with pytest.raises(ValueError, match="t.json: a JSON array; expected JSON lines"):
