@@ -167,9 +167,17 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                         raise errors.Unavailable(str(closed)) from None
                     retried_after, waited = str(closed), True
                     continue
-                except errors.NotFound:
-                    if not retried_after or by_model:
+                except errors.NotFound as missing:
+                    if not retried_after:
                         raise
+                    if by_model:
+                        # Accepted, and the model's deployment was removed since: the
+                        # server's state (the gateway's 503), not an unknown model (a
+                        # 404 told queued requests the model had never been deployed).
+                        why = retried_after
+                        if waited:
+                            why += ": it was removed while the request waited"
+                        raise errors.NotServing(f"{missing} now: {why}") from None
                     # The deployment it was routed to was removed since: not an unknown id.
                     if not waited:
                         raise errors.NotServing(

@@ -1047,6 +1047,34 @@ def test_a_request_waiting_on_a_deployment_removed_meanwhile_is_told_so(redis_ur
     run(redis_url, scenario)
 
 
+def test_a_models_request_waiting_on_its_only_deployment_removed_meanwhile_is_told_so(
+    redis_url,
+):
+    """By model, waiting on its only deployment when that is removed: FAILED_PRECONDITION
+    (the gateway's 503) saying so, not NOT_FOUND (a 404 "model m has no deployment",
+    which queued requests got as if the model had never been deployed; a tester)."""
+
+    async def scenario(h: Harness):
+        worker = FakeWorker(gate=asyncio.Event())
+        d1 = await h.add_deployment("d1", worker, batch_size=1)
+        running = h.generate(request_id="run", deployment_id="d1")
+        await running.read()
+        waiting = asyncio.create_task(h.status_of(request_id="waiting", model_id="m"))
+        await h.until_waiting("d1", 1)
+        await h.store.delete_deployment(d1)
+        await h.close_left_out()
+        error = await waiting
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+        assert error.details() == (
+            "model m has no deployment now: deployment d1 stopped serving: it was removed"
+            " while the request waited"
+        )
+        worker.gate.set()
+        await read_rest(running)
+
+    run(redis_url, scenario)
+
+
 @pytest.mark.parametrize("prefill_ms_per_token", [1.0, 10.0])
 def test_a_text_prompt_guessed_over_the_limit_gets_the_workers_refusal(
     redis_url, prefill_ms_per_token
