@@ -777,6 +777,22 @@ def json_structure(body: bytes, bound: int = MAX_BODY_STRUCTURE) -> int:
     return count
 
 
+class HeadAsGet:
+    """ASGI middleware serving HEAD as GET: HTTP servers take HEAD wherever they take GET
+    (RFC 9110, 9.3.2), and FastAPI's routes take only the methods they name (HEAD
+    /v1/models was a 405). The app sees a GET; uvicorn, whose own scope still says HEAD,
+    sends its status and headers and leaves out the body. On a path without GET it is a
+    405 naming the methods the path takes."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        return await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """ASGI middleware refusing a body above ``MAX_BODY_BYTES`` with 413: at once by its
     Content-Length, else once the chunks read pass it; and one whose JSON structure passes
@@ -896,6 +912,7 @@ def create_app(
     )
     app.router.route_class = TokenFirst
     app.add_middleware(BodyLimit)
+    app.add_middleware(HeadAsGet)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -1041,7 +1058,10 @@ def create_app(
             # nesting too deep, an integer of thousands of digits, bytes not UTF-8).
             cause = exc.__cause__
             message = f"the body is not valid JSON ({type(cause).__name__}: {cause})"[:300]
-        return error_response(exc.status_code, kind, message, headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405 and headers and "GET" in headers.get("Allow", "").split(", "):
+            headers = {**headers, "Allow": f"{headers['Allow']}, HEAD"}  # HeadAsGet's
+        return error_response(exc.status_code, kind, message, headers=headers)
 
     @app.get("/health")
     async def health():

@@ -156,8 +156,9 @@ def test_without_max_tokens_a_chat_runs_to_the_limit_and_a_completion_to_16(gate
     ("method", "path", "allowed"),
     [
         ("DELETE", "/v1/completions", "POST"),
-        ("PUT", "/v1/models", "GET"),
-        ("POST", "/health", "GET"),
+        ("PUT", "/v1/models", "GET, HEAD"),
+        ("POST", "/health", "GET, HEAD"),
+        ("HEAD", "/v1/completions", "POST"),
     ],
 )
 def test_a_method_a_path_does_not_take_is_a_405_naming_those_it_does(
@@ -166,7 +167,18 @@ def test_a_method_a_path_does_not_take_is_a_405_naming_those_it_does(
     reply = httpx.request(method, f"{gateway_url}{path}", timeout=30)
     assert reply.status_code == 405
     assert reply.headers["allow"] == allowed  # RFC 9110 requires it
-    assert reply.json()["error"]["type"] == "invalid_request_error"
+    if method != "HEAD":  # a HEAD's reply has no body
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/v1/models", f"/v1/models/{MODEL}", "/health", "/metrics"])
+def test_head_is_served_where_get_is_without_a_body(gateway_url, path):
+    # HTTP requires HEAD wherever GET is taken (RFC 9110); it was a 405 (a tester).
+    got = httpx.get(f"{gateway_url}{path}", timeout=30)
+    head = httpx.head(f"{gateway_url}{path}", timeout=30)
+    assert (head.status_code, got.status_code) == (200, 200), head.text
+    assert head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
 
 
 def test_without_max_tokens_a_long_chat_gets_what_the_sequence_leaves(gateway_url):
