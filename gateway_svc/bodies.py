@@ -524,10 +524,17 @@ class ChatMessage(BaseModel):
         # answered as if the user had not sent it.
         for part in content if isinstance(content, list) else ():
             kind = part.get("type")
-            if kind != "text" or not isinstance(part.get("text"), str):
+            if kind != "text":
                 raise ValueError(
                     f"only text content parts ({{'type': 'text', 'text': ...}}) are "
                     f"supported, got type {kind!r}"
+                )
+            if not isinstance(part.get("text"), str):
+                # A text part without its text said "got type 'text'" (a tester).
+                said = "no text" if "text" not in part else f"text {part['text']!r:.40}"
+                raise ValueError(
+                    f"a text content part needs its text as a string ({{'type': 'text', "
+                    f"'text': ...}}), got {said}"
                 )
         return content
 

@@ -306,7 +306,8 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
         ("/v1/completions", {"model": MODEL, "prompt": "x", "deadline_ms": 2**32}, 400, "invalid_request_error", "deadline_ms"),
         # What would be dropped or answered with null is refused instead.
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "invalid_request_error", "only text content parts"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "invalid_request_error", "only text content parts"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "invalid_request_error", "a text content part needs its text as a string ({'type': 'text', 'text': ...}), got no text"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, 400, "invalid_request_error", "got text None"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "invalid_request_error", "log-probabilities"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "invalid_request_error", "log-probabilities"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "invalid_request_error", "log-probabilities"),
