@@ -45,6 +45,8 @@ def inspect_checkpoint(path: Path, label: str) -> ValidatedCheckpoint:
 # Every variant is profiled and scored: a few dozen at most make sense (the A6000 data
 # has 12); without a bound, 100,000 were registered and every catalogue read carried them.
 MAX_VARIANTS = 64
+# A variant's settings that compress nothing.
+_NO_COMPRESSION = (common.WEIGHT_QUANT_NONE, common.KV_QUANT_NONE, common.PRUNING_NONE)
 
 
 def check_variants(variants: list[common.CompressionVariant]) -> None:
@@ -85,6 +87,18 @@ def check_variants(variants: list[common.CompressionVariant]) -> None:
                     f"variant {variant.name!r}: {field} {getattr(variant, field)} is not a "
                     "known value"
                 )
+        settings = (variant.weight_quant, variant.kv_quant, variant.pruning)
+        if settings == _NO_COMPRESSION and not (
+            variant.checkpoint_path or variant.structured_prune_fraction
+        ):
+            # The CLI refused it, and the API took it: the base model profiled and
+            # deployed again under another name (a tester). A checkpoint of its own (a
+            # model pruned beforehand) is another model.
+            raise InvalidArgument(
+                f"variant {variant.name!r} names no compression (weight_quant, kv_quant and "
+                f"pruning all NONE, no checkpoint of its own): it would be the model "
+                f"itself, {BASE_VARIANT!r}"
+            )
         if variant.HasField("accuracy_score"):
             check_accuracy_score(variant.accuracy_score, f"variant {variant.name!r}")
         if not 0.0 <= variant.structured_prune_fraction < 1.0:

@@ -498,6 +498,7 @@ def _variant(**fields) -> common.CompressionVariant:
         (dict(kv_quant=-1), "kv_quant -1 is not a known value"),
         (dict(pruning=7), "pruning 7 is not a known value"),
         (dict(weight_quant=0), "weight_quant must be set (not UNSPECIFIED)"),
+        (dict(weight_quant=common.WEIGHT_QUANT_NONE), "names no compression"),
         (dict(name="a:b"), "variant name"),
         (dict(name="Int8"), "variant name"),
         (dict(name="x" * 1000), "1000 characters"),
