@@ -13,6 +13,7 @@ for that body sees the client gone, as for any hang-up.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -52,6 +53,34 @@ class DeadlineH11Protocol(H11Protocol):
         super().on_response_complete()
         if not self.transport.is_closing():
             self._arm()  # the next request on this connection gets its own deadline
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse (two Content-Lengths, a bad
+        chunk size, no Host, HTTP/0.9), in OpenAI's error body as every other error of
+        the gateway: it was uvicorn's plain text."""
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"{msg} (the request line, headers or body framing are not "
+                    "HTTP/1.1's); the connection is closed",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+        ).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _arm(self) -> None:
         self._disarm()

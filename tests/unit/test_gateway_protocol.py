@@ -6,6 +6,7 @@ with half-sent requests, and the gateway never closed one)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -110,3 +111,23 @@ def test_a_health_probe_answered_by_something_not_http_is_false_not_a_traceback(
     finally:
         thread.join(5)
         listener.close()
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"GET /echo HTTP/1.1\r\n\r\n",  # no Host
+    ],
+)
+def test_a_request_h11_cannot_parse_is_a_400_in_openais_error_body(server, request_bytes):
+    # uvicorn answered these in plain text, every other error of the gateway in JSON.
+    received, closed_after = _exchange(server, request_bytes, 10)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), received
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and "HTTP/1.1" in error["message"]
+    assert closed_after < 10
