@@ -1023,35 +1023,18 @@ def test_an_unset_max_tokens_is_resolved_again_where_a_request_moves(redis_url):
     run(redis_url, scenario)
 
 
-def test_a_request_waiting_on_a_deployment_removed_meanwhile_is_told_so(redis_url):
-    """By deployment id, waiting on d1 when its record is deleted: FAILED_PRECONDITION
-    saying it was removed, not NOT_FOUND as for an id that never existed."""
-
-    async def scenario(h: Harness):
-        worker = FakeWorker(gate=asyncio.Event())
-        d1 = await h.add_deployment("d1", worker, batch_size=1)
-        running = h.generate(request_id="run", deployment_id="d1")
-        await running.read()
-        waiting = asyncio.create_task(h.status_of(request_id="waiting", deployment_id="d1"))
-        await h.until_waiting("d1", 1)
-        await h.store.delete_deployment(d1)
-        await h.close_left_out()
-        error = await waiting
-        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
-        assert error.details() == (
-            "deployment d1 stopped serving: it was removed while the request waited"
-        )
-        worker.gate.set()
-        await read_rest(running)
-
-    run(redis_url, scenario)
-
-
-def test_a_models_request_waiting_on_its_only_deployment_removed_meanwhile_is_told_so(
-    redis_url,
-):
-    """By model, waiting on its only deployment when that is removed: FAILED_PRECONDITION
-    (the gateway's 503) saying so, not NOT_FOUND (a 404 "model m has no deployment",
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ({"deployment_id": "d1"}, ""),
+        ({"model_id": "m"}, "model m has no deployment now: "),
+    ],
+    ids=["by-deployment", "by-model"],
+)
+def test_a_request_waiting_on_a_deployment_removed_meanwhile_is_told_so(redis_url, target, says):
+    """Waiting on d1 when its record is deleted: FAILED_PRECONDITION (the gateway's 503)
+    saying it was removed, not NOT_FOUND as for an id that never existed; by model, whose
+    only deployment it was, not NOT_FOUND either (a 404 "model m has no deployment",
     which queued requests got as if the model had never been deployed; a tester)."""
 
     async def scenario(h: Harness):
@@ -1059,15 +1042,14 @@ def test_a_models_request_waiting_on_its_only_deployment_removed_meanwhile_is_to
         d1 = await h.add_deployment("d1", worker, batch_size=1)
         running = h.generate(request_id="run", deployment_id="d1")
         await running.read()
-        waiting = asyncio.create_task(h.status_of(request_id="waiting", model_id="m"))
+        waiting = asyncio.create_task(h.status_of(request_id="waiting", **target))
         await h.until_waiting("d1", 1)
         await h.store.delete_deployment(d1)
         await h.close_left_out()
         error = await waiting
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
         assert error.details() == (
-            "model m has no deployment now: deployment d1 stopped serving: it was removed"
-            " while the request waited"
+            f"{says}deployment d1 stopped serving: it was removed while the request waited"
         )
         worker.gate.set()
         await read_rest(running)
