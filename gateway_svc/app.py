@@ -723,7 +723,7 @@ _TOO_LARGE = f"the body is larger than {MAX_BODY_BYTES} bytes"
 # arrays, keys and decimal numbers. Parsing runs on the event loop and holds every other
 # request meanwhile: 32 MiB of those took 1-2.3 s (2.4 million keys, 10 million empty
 # arrays, 8 million decimals; a tester's 4 such bodies held a short completion 21 s),
-# where 32 MiB of text takes 0.02 s and of token ids 0.4-0.7 s. No request comes near
+# where 32 MiB of text takes 0.02 s and of integers 0.4-0.8 s. No request comes near
 # the bound: MAX_MESSAGES messages and parts and twice MAX_TEMPLATE_VALUES template
 # values (in messages and in chat_template_kwargs), a decimal counted twice, hold at most
 # about 330,000 of them.
