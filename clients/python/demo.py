@@ -3,6 +3,7 @@ remove the deployment: iserve from Python, on grpcio and the committed stubs alo
 
     python clients/python/demo.py MODEL_ID CHECKPOINT_PATH [PROMPT] [--max-tokens N] [--keep]
 
+(the options before or after the prompt).
 It needs the ``services`` package, whose ``services/api`` holds the stubs: run it with the
 Python that has iserve installed (``.venv/bin/python clients/python/demo.py ...``), or with
 the repository root on PYTHONPATH. Ctrl-C still removes the deployment (exit 130).
@@ -72,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("prompt", nargs="?", default="Once upon a time")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--keep", action="store_true", help="leave the deployment running")
-    args = parser.parse_args(argv)
+    # Options before or after the prompt, as the Node demo takes them.
+    args = parser.parse_intermixed_args(argv)
+    if tls := sorted(v for v in os.environ if v.startswith("ISERVE_TLS_") and os.environ[v]):
+        parser.error(
+            f"{', '.join(tls)} set: this demo speaks plaintext only; with TLS on, use the "
+            "CLI (iserve), which reads the stack's certificates"
+        )
     if not 1 <= args.max_tokens <= UINT32_MAX:
         parser.error(f"--max-tokens must be a whole number from 1 to {UINT32_MAX}")
     models = model_grpc.ModelServiceStub(channel("model"))
@@ -154,6 +161,11 @@ if __name__ == "__main__":
         sys.exit(main())
     except grpc.RpcError as error:
         print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            print(
+                "(is the stack up, and without TLS? this demo speaks plaintext only)",
+                file=sys.stderr,
+            )
         sys.exit(1)
     except KeyboardInterrupt:
         # Quietly, as a shell expects (a traceback before); the deployment was removed

@@ -27,8 +27,13 @@ def test_the_python_client_registers_deploys_streams_and_removes(stack):
     env["ISERVE_STATE_DIR"] = stack.env["ISERVE_STATE_DIR"]
     env["PYTHONPATH"] = str(PYTHON_CLIENT.parents[2])
     command = [sys.executable, str(PYTHON_CLIENT), "py-llama", checkpoint, "hello"]
+    # An option before the prompt, as the Node demo takes it (it was "unrecognized").
     run = subprocess.run(
-        [*command, "--max-tokens", "8"], env=env, capture_output=True, text=True, timeout=240
+        [*command[:-1], "--max-tokens", "8", "hello"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert run.returncode == 0, run.stderr + run.stdout
     out = run.stdout
@@ -52,6 +57,11 @@ def test_the_python_client_registers_deploys_streams_and_removes(stack):
         [*command, "--max-tokens", "0"], env=env, capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "--max-tokens must be a whole number" in bad.stderr
+    # TLS on: plaintext would fail as an unexplained UNAVAILABLE (a tester).
+    tls = subprocess.run(
+        command, env={**env, "ISERVE_TLS_CA": "ca.pem"}, capture_output=True, text=True, timeout=60
+    )
+    assert tls.returncode == 2 and "ISERVE_TLS_CA set: this demo speaks plaintext" in tls.stderr
     # The id registered from another checkpoint: it served that one (a probe).
     other = make_checkpoint(stack, "py-llama-other")
     mixed = subprocess.run(
