@@ -594,3 +594,26 @@ def test_a_stack_file_iserve_up_did_not_write_is_named_not_a_traceback(
         assert f"{tmp_path / 'stack.json'} is not a stack record `iserve up` wrote {said}" in err
         assert "Traceback" not in err and err.count("\n") == 1, err
     assert (tmp_path / "stack.json").read_text() == written  # changes nothing
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="needs the openssl command")
+def test_the_security_pages_openssl_recipe_makes_files_a_mutual_tls_stack_takes(tmp_path):
+    """docs/security.md's commands, run as written (in a temporary directory): the
+    certificate serves and dials every process under mutual TLS (a tester had no recipe)."""
+    import re
+    import subprocess
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    (block,) = re.findall(r"```bash\n(mkdir -p ~/.iserve/tls.*?)```", page, re.S)
+    script = block.replace("~/.iserve/tls", str(tmp_path)).replace("iserve up\n", "")
+    subprocess.run(["bash", "-ec", script], check=True, capture_output=True, timeout=60)
+    env = {
+        "ISERVE_TLS_CERT": str(tmp_path / "iserve.pem"),
+        "ISERVE_TLS_KEY": str(tmp_path / "iserve.key"),
+        "ISERVE_TLS_CA": str(tmp_path / "ca.pem"),
+        "ISERVE_TLS_CLIENT_AUTH": "on",
+    }
+    for serving in (True, False):
+        checked = check_tls_identity(load_settings(env), serving=serving)
+        assert checked.tls.expires_at > time.time() + 80 * 86400
+    assert tls_warnings(load_settings(env)) == []
