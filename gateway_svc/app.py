@@ -461,6 +461,13 @@ class Backend:
                 metadata=caller,
             )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                # Not the internal method the role may not call (a chat's 403 named
+                # ListDeployments; a tester): what the caller asked.
+                raise GatewayError(
+                    *http_status(exc.code()),
+                    f"this token may not generate: chat completions are for {_LISTERS} tokens",
+                ) from None
             raise GatewayError.from_rpc(exc, "deployment") from None
         if reply.deployments or await self._model_of_deployment(model_id, caller):
             return

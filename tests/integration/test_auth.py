@@ -678,6 +678,17 @@ def test_the_gateway_forwards_the_client_token(deployed):
                     "this token may not list models: GET /v1/models is for admin, "
                     "app-developer, app-user tokens"
                 )
+        # Nor chats (its 403 named ListDeployments too, which the gateway calls first).
+        chat = client.post(
+            f"{base}/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {s.tokens['model-developer']}"},
+        )
+        assert chat.status_code == 403, chat.text
+        assert chat.json()["error"]["message"] == (
+            "this token may not generate: chat completions are for admin, app-developer, "
+            "app-user tokens"
+        )
 
 
 def test_the_gateway_lists_only_models_the_key_may_generate_on(deployed):
