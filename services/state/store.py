@@ -163,7 +163,18 @@ def _refusal_hint(exc: Exception) -> str:
         return "it is full (maxmemory) and refuses writes"
     if isinstance(exc, ReadOnlyError):
         return "it is a read-only replica: point REDIS_URL at the primary"
+    if _cannot_persist(exc):
+        return (
+            "it cannot save to its disk (a full disk, or a snapshot or AOF write that "
+            "failed) and refuses writes until it can: free its disk"
+        )
     return "see Redis's message"
+
+
+def _cannot_persist(exc: Exception) -> bool:
+    """Redis's MISCONF: it refuses writes while it cannot save (an AOF or snapshot write
+    failed; a full disk). Before, a full disk came back INTERNAL, with a traceback."""
+    return isinstance(exc, ResponseError) and str(exc).startswith("MISCONF")
 
 
 # Redis's refusals of a command that retrying on another connection does not change
@@ -176,6 +187,7 @@ def _refused(exc: Exception) -> bool:
         isinstance(exc, _REFUSALS)
         or _auth_refused(exc)
         or (isinstance(exc, ResponseError) and str(exc).startswith("DB index is out of range"))
+        or _cannot_persist(exc)
     )
 
 

@@ -168,3 +168,16 @@ def test_a_unix_socket_redis_that_wants_another_password_is_refused_at_once(
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_a_redis_that_cannot_save_is_a_refusal_saying_to_free_its_disk():
+    """A full disk under Redis (MISCONF) came back INTERNAL, with a traceback (a tester):
+    a refusal, UNAVAILABLE like the others, with what to do."""
+    from redis.exceptions import ResponseError
+
+    from services.state.store import _refusal_hint, _refused
+
+    full = ResponseError("MISCONF Errors writing to the AOF file: No space left on device")
+    assert _refused(full)
+    assert "free its disk" in _refusal_hint(full)
+    assert not _refused(ResponseError("WRONGTYPE Operation against a key"))
