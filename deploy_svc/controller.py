@@ -63,6 +63,8 @@ log = logging.getLogger("iserve.deploy")
 RECONCILE_WAIT_S = 60.0
 RESERVE_ATTEMPTS = 3
 RANK_TIMEOUT_S = 60.0
+# A REMOVING deployment's state_reason.
+REMOVING_REASON = "being removed: its streams finish, then its workers stop"
 
 
 def _now_ms() -> int:
@@ -823,6 +825,9 @@ class DeploymentController:
                 return  # removed by the Remove under way when this one came
             access.check_owner(f"deployment {deployment_id}", deployment.owner)
             deployment.state = deploy_pb.DEPLOYMENT_STATE_REMOVING
+            # What it is doing now: the reason of its last state ("serves again after a
+            # stop of the stack") was told to requests refused while it drained.
+            deployment.state_reason = REMOVING_REASON
             await self.store.put_deployment(deployment)
             await self.workers.teardown(deployment)
             await self.store.delete_deployment(deployment)

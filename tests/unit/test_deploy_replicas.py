@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from deploy_svc import planning
-from deploy_svc.controller import DeploymentController, DeploymentRemoved
+from deploy_svc.controller import REMOVING_REASON, DeploymentController, DeploymentRemoved
 from deploy_svc.explicit import ExplicitPlan
 from deploy_svc.healing import RestartPolicy
 from deploy_svc.reconciler import Reconciler
@@ -671,11 +671,19 @@ def test_a_remove_while_another_drains_the_deployment_answers_ok(run):
         agent = FakeAgent()
         controller = await controller_on(store, agent, 2, 2)
         dep = (await controller.deploy(deploy_request(1))).deployment
+        restored = await store.get_deployment(dep.deployment_id)
+        restored.state_reason = "serves again after a stop of the stack"
+        await store.put_deployment(restored)
         agent.stop_gate = asyncio.Event()
         first = asyncio.create_task(controller.remove(dep.deployment_id))
         async with asyncio.timeout(10):
             while not agent.stopped:
                 await asyncio.sleep(0.01)
+        # Requests refused meanwhile are told it is being removed, not its last reason
+        # (a tester saw "is REMOVING: serves again after a stop of the stack").
+        draining = await store.get_deployment(dep.deployment_id)
+        assert draining.state == deploy_pb.DEPLOYMENT_STATE_REMOVING
+        assert draining.state_reason == REMOVING_REASON
         second = asyncio.create_task(controller.remove(dep.deployment_id))
         await asyncio.sleep(0.1)
         agent.stop_gate.set()
