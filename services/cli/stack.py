@@ -617,6 +617,11 @@ def _service_env(
             "ISERVE_STATE_DIR": str(settings.state_dir),
             "ISERVE_MODELS_ROOT": str(settings.models_root),
             "PYTHONUNBUFFERED": "1",
+            # Paths come over gRPC as Unicode; under a locale that does not decode file
+            # names as UTF-8 (LC_ALL=C with PYTHONUTF8=0) the agent could not name a
+            # checkpoint under "modèles/", and its deployments spent their restart budget
+            # on the UnicodeEncodeError (a tester). UTF-8 mode reads names as UTF-8.
+            "PYTHONUTF8": "1",
         }
     )
     for name, var in SERVICE_ENV.items():

@@ -48,3 +48,26 @@ def test_a_checkpoint_under_a_non_ascii_directory_in_an_ascii_locale(tmp_path):
     )
     assert child.returncode == 0, child.stderr[-2000:]
     assert int(child.stdout.strip()) > 0
+
+
+def test_the_stack_s_processes_read_file_names_as_utf8_whatever_the_locale(monkeypatch, tmp_path):
+    """The agent got a checkpoint path under "demo llama é" over gRPC and could not stat
+    it with LC_ALL=C and PYTHONUTF8=0 (UnicodeEncodeError, 5 restarts; a tester): the
+    stack's processes run in Python's UTF-8 mode."""
+    from services.cli.stack import UpOptions, _service_env
+    from services.settings import load_settings
+
+    monkeypatch.setenv("PYTHONUTF8", "0")
+    monkeypatch.setenv("LC_ALL", "C")
+    env = _service_env(
+        load_settings({"ISERVE_STATE_DIR": str(tmp_path)}), "redis://x", UpOptions(), "s"
+    )
+    assert env["PYTHONUTF8"] == "1"
+    child = subprocess.run(
+        [sys.executable, "-c", "import sys; print(sys.getfilesystemencoding())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.stdout.strip() == "utf-8", child.stderr
