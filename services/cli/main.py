@@ -695,6 +695,10 @@ def cmd_deployments(settings: Settings, args) -> int:
     return 0
 
 
+# Seconds `iserve generate` waits for the deployer to say what its target names.
+RESOLVE_TIMEOUT_S = 5.0
+
+
 def _is_deployment(settings: Settings, target: str) -> bool:
     """Whether ``target`` names a deployment (else a model), as the deployer knows it;
     while the deployer cannot answer (it is down, or Redis is: the scheduler still
@@ -705,10 +709,16 @@ def _is_deployment(settings: Settings, target: str) -> bool:
     whether it was a deployment, each generation by model id left a NOT_FOUND in the
     deployer's log and call counts (a probe)."""
     stub = _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub)
+    # A hung Redis held the deployer's answer, and the generation the scheduler served in
+    # 10 ms, 31 s (a tester): past this, the id's shape decides.
+    deadline = time.monotonic() + RESOLVE_TIMEOUT_S
     try:
-        if _has_deployments(stub, target):
+        if _has_deployments(stub, target, RESOLVE_TIMEOUT_S):
             return False
-        stub.GetDeployment(deploy_pb.GetDeploymentRequest(request_id=_rid(), deployment_id=target))
+        stub.GetDeployment(
+            deploy_pb.GetDeploymentRequest(request_id=_rid(), deployment_id=target),
+            timeout=max(deadline - time.monotonic(), 0.5),
+        )
     except grpc.RpcError as exc:
         if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
             return False
@@ -737,12 +747,13 @@ def sampling_of(args) -> common.SamplingParams:
     return sampling
 
 
-def _has_deployments(stub, model_id: str) -> bool:
+def _has_deployments(stub, model_id: str, timeout_s: float | None = None) -> bool:
     """Whether ``model_id`` names a model with deployments the caller may see; False for
     a name no model can have (INVALID_ARGUMENT: a deployment's id may be longer)."""
     try:
         listed = stub.ListDeployments(
-            deploy_pb.ListDeploymentsRequest(request_id=_rid(), model_id=model_id)
+            deploy_pb.ListDeploymentsRequest(request_id=_rid(), model_id=model_id),
+            timeout=timeout_s,
         )
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:

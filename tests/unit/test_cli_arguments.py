@@ -575,10 +575,10 @@ def test_a_ctrl_c_during_generate_ends_the_text_line(tmp_path, monkeypatch, caps
     class Stub:
         Generate = staticmethod(stream)
 
-        def ListDeployments(self, request):  # no model "d"
+        def ListDeployments(self, request, timeout=None):  # no model "d"
             return deploy_pb.ListDeploymentsResponse()
 
-        def GetDeployment(self, request):  # "d" is a deployment's id
+        def GetDeployment(self, request, timeout=None):  # "d" is a deployment's id
             return None
 
     monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
@@ -603,10 +603,10 @@ def test_a_generation_past_its_deadline_says_so(tmp_path, monkeypatch, capsys):
     class Stub:
         Generate = staticmethod(stream)
 
-        def ListDeployments(self, request):  # no model "d"
+        def ListDeployments(self, request, timeout=None):  # no model "d"
             return deploy_pb.ListDeploymentsResponse()
 
-        def GetDeployment(self, request):
+        def GetDeployment(self, request, timeout=None):
             return None
 
     monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))

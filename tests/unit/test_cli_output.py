@@ -334,17 +334,32 @@ def test_generate_tells_a_deployment_from_a_model_while_redis_is_down(monkeypatc
         def details(self):
             return "state store (Redis) unreachable at 127.0.0.1:6379: Connection refused"
 
+    class Hung(Down):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    timeouts = []
+
     class Stub:
-        def ListDeployments(self, request):
-            raise Down()
+        def __init__(self, error):
+            self.error = error
 
-        def GetDeployment(self, request):
-            raise Down()
+        def ListDeployments(self, request, timeout=None):
+            timeouts.append(timeout)
+            raise self.error()
 
-    monkeypatch.setattr(cli_main, "_stub", lambda *_args: Stub())
+        def GetDeployment(self, request, timeout=None):
+            timeouts.append(timeout)
+            raise self.error()
+
     settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
-    assert cli_main._is_deployment(settings, "demo-llama-1a2b3c4d")
-    assert not cli_main._is_deployment(settings, "demo-llama")
+    # Down, or hung (a frozen Redis held the deployer, and the generation, 31 s; a
+    # tester): each call bounded, then the id's shape decides.
+    for error in (Down, Hung):
+        monkeypatch.setattr(cli_main, "_stub", lambda *_args, e=error: Stub(e))
+        assert cli_main._is_deployment(settings, "demo-llama-1a2b3c4d")
+        assert not cli_main._is_deployment(settings, "demo-llama")
+    assert timeouts and all(0 < t <= cli_main.RESOLVE_TIMEOUT_S for t in timeouts)
 
 
 def test_generate_by_model_asks_no_question_answered_not_found(monkeypatch, tmp_path):
@@ -357,14 +372,14 @@ def test_generate_by_model_asks_no_question_answered_not_found(monkeypatch, tmp_
     asked = []
 
     class Stub:
-        def ListDeployments(self, request):
+        def ListDeployments(self, request, timeout=None):
             asked.append(("list", request.model_id))
             listed = [deploy_pb.Deployment(deployment_id="m-1a2b3c4d", model_id="m")]
             return deploy_pb.ListDeploymentsResponse(
                 deployments=listed if request.model_id == "m" else []
             )
 
-        def GetDeployment(self, request):
+        def GetDeployment(self, request, timeout=None):
             asked.append(("get", request.deployment_id))
             return deploy_pb.GetDeploymentResponse()
 
