@@ -26,6 +26,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.grpc_server import channel
 from services.health import serving_status
 from services.ids import replica_group_id, split_group_id
+from services.state import keys
 from services.state.store import StateStore, StateStoreUnavailable
 
 log = logging.getLogger("iserve.deploy.reconciler")
@@ -180,6 +181,21 @@ class Reconciler:
             deployments, running, answered, known, "its agent reports"
         )
         actions += await self.finish_cut_off(deployments, CUT_OFF)
+        if not await self.store.state_format():
+            # Redis lost every record (FLUSHALL; an empty Redis started in its place):
+            # every worker looks unheld, and stopping them all took down what still
+            # served, with a warning per group as the only trace (a tester).
+            self._unheld_seen = set()
+            serving = sum(len(workers) for workers in running.values())
+            log.error(
+                "the state store (Redis) lost its records (no %s key: flushed, or an "
+                "empty Redis in its place): %d running worker(s) are left alone, not "
+                "stopped as unheld; restore its backup and restart the stack "
+                "(docs/operations.md, Backups of Redis), or stop the stack (iserve down)",
+                keys.state_format(),
+                serving,
+            )
+            return actions
         actions += await self._stop_unheld(running)
         return actions + await self._forget_orphaned_records(deployments)
 

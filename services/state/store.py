@@ -363,6 +363,13 @@ class StateStore:
         0 when none."""
         return int(await self._claim_format(keys=[keys.state_format()], args=[mine]))
 
+    @_unavailable_when_redis_is_down
+    async def state_format(self) -> int:
+        """The format of the records stored here, 0 when no iserve has claimed it: every
+        service claims it at start, so a running stack that reads 0 is on a Redis that
+        lost its records (flushed, or an empty one started in its place)."""
+        return int(await self.redis.get(keys.state_format()) or 0)
+
     async def eviction_policy(self) -> str | None:
         """Redis's ``maxmemory-policy`` (``INFO memory``), None where it cannot be read
         (an ACL user without INFO, a managed Redis that hides it)."""

@@ -35,6 +35,7 @@ def run(redis_url) -> Callable[[Callable[[StateStore], Awaitable[T]]], T]:
         async def main() -> T:
             store = StateStore.from_url(redis_url)
             await store.redis.flushdb()
+            await store.claim_state_format()  # as every service does at start
             try:
                 return await fn(store)
             finally:

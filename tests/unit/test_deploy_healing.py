@@ -904,6 +904,37 @@ def test_workers_no_deployment_holds_are_stopped_at_the_second_check_that_sees_t
     run(scenario)
 
 
+def test_workers_are_left_alone_when_redis_lost_its_records(run, caplog):
+    """FLUSHALL under a running stack: every worker looked unheld, and the deployer
+    stopped them all within seconds, a warning per group its only trace (a tester). The
+    missing state-format key tells a Redis that lost its records: nothing is stopped, and
+    an ERROR says why."""
+    from services.state import keys
+
+    async def scenario(store):
+        agent = ReportingAgent()
+        controller = await controller_on(store, agent, 2, 2, policy=FAST)
+        deployment_id = (await controller.deploy(deploy_request(1))).deployment.deployment_id
+        reconciler = Reconciler(controller, store, agent)
+        await store.redis.flushdb()  # the records and the state-format key gone
+        await store.register_node(node(2, 2), ttl_s=60)  # the agent's next heartbeat
+        agent.extra = ["m-removed0"]
+        with caplog.at_level(logging.ERROR, logger="iserve.deploy"):
+            for _ in range(3):
+                assert await reconciler.check_workers() == []
+        assert "lost its records" in caplog.text
+        assert deployment_id not in agent.stopped and "m-removed0" not in agent.stopped
+        # Claimed again (a restored backup, a restarted stack): unheld workers stop.
+        await store.claim_state_format()
+        assert await reconciler.check_workers() == []
+        assert f"stopped workers of {deployment_id} on node0: no deployment holds them" in (
+            await reconciler.check_workers()
+        )
+        assert not await store.redis.exists(keys.deployment(deployment_id))
+
+    run(scenario)
+
+
 def test_worker_records_of_no_deployment_are_forgotten_at_the_second_check(run):
     """An agent wrote a record after its deployment was gone (a start cancelled by a
     deploy that failed on another node; a hung agent that resumed after a remove): it

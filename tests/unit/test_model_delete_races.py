@@ -14,6 +14,7 @@ from fingerprint_svc.servicer import DELETE_MARK_TTL_S, ModelServicer
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import FailedPrecondition
+from services.state import keys as state_keys
 from services.state.store import StateStore
 from tests.unit.test_deploy_replicas import (
     FakeAgent,
@@ -59,7 +60,10 @@ def pause_before(store: StateStore, method: str) -> tuple[asyncio.Event, asyncio
 
 
 async def keys_of(store: StateStore, model_id: str) -> list[str]:
-    return [k async for k in store.redis.scan_iter(match=f"*{model_id}*")]
+    """The keys whose names hold ``model_id`` (the stack's state-format key aside: "m"
+    is in its name too)."""
+    found = [k async for k in store.redis.scan_iter(match=f"*{model_id}*")]
+    return [k for k in found if k != state_keys.state_format()]
 
 
 async def two_processes(store: StateStore, redis_url: str):
