@@ -297,14 +297,15 @@ def _run_job(
 
 
 class StreamClock:
-    """``time.perf_counter`` as the agent's streams read it on a worker that sends the
-    first token ``first_s`` after the call and the others ``gap_s`` apart.
+    """``time.perf_counter`` as the agent reads it on a worker that sends the first token
+    ``first_s`` after a batch's call and the others ``gap_s`` apart.
 
-    The agent times each stream (a task of its own) by its clock readings: at the call,
-    at each token and at the end. Real timestamps there move with the machine's load (a
-    stall between two tokens' arrivals bunches them); these follow the worker's schedule:
-    a stream's first reading is 0, its next ``first_s``, and each one after ``gap_s``
-    later (its end one gap after its last token)."""
+    The agent reads the clock as a batch starts (its task), then times each stream (a
+    task of its own) by its readings at each token and at its end. Real timestamps there
+    move with the machine's load (a stall between two tokens' arrivals bunches them);
+    these follow the worker's schedule: a batch starts at 0, a stream's first reading is
+    ``first_s`` and each one after ``gap_s`` later (its end one gap after its last
+    token)."""
 
     def __init__(self, first_s: float, gap_s: float) -> None:
         self.first_s, self.gap_s = first_s, gap_s
@@ -312,8 +313,10 @@ class StreamClock:
 
     def perf_counter(self) -> float:
         task = asyncio.current_task()
+        if task is None or task.get_coro().__name__ != "_stream":
+            return 0.0  # a batch's start
         index = self.readings[task] = self.readings.get(task, -1) + 1
-        return 0.0 if index == 0 else self.first_s + (index - 1) * self.gap_s
+        return self.first_s + index * self.gap_s
 
     def __getattr__(self, name: str):  # the rest of the time module, as it is
         return getattr(time, name)
