@@ -155,6 +155,14 @@ def openai_code(status: int, param: str | None = None, reason: str = "") -> str 
     return _CODES.get(status)
 
 
+def openai_error(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error body: what every error of the gateway answers, a response's body
+    or a stream's error event."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def error_response(
     status: int,
     kind: str,
@@ -168,14 +176,7 @@ def error_response(
     if status in (429, 503):
         headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
     return JSONResponse(
-        {
-            "error": {
-                "message": message,
-                "type": kind,
-                "param": param,
-                "code": code or openai_code(status, param),
-            }
-        },
+        openai_error(message, kind, param, code or openai_code(status, param)),
         status_code=status,
         headers=headers,
     )
@@ -1401,16 +1402,7 @@ async def _stream(
                         error.kind,
                         value.details(),
                     )
-                yield json.dumps(
-                    {
-                        "error": {
-                            "message": value.details(),
-                            "type": error.kind,
-                            "param": error.param,
-                            "code": error.code,
-                        }
-                    }
-                )
+                yield json.dumps(openai_error(value.details(), error.kind, error.param, error.code))
                 yield "[DONE]"
                 return
         if usage_too:

@@ -18,6 +18,8 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from gateway_svc.app import openai_error
+
 # Seconds a request's headers and body may take to arrive: a 32 MiB body (the largest
 # the gateway takes) at about 0.5 MB/s.
 REQUEST_READ_TIMEOUT_S = 60.0
@@ -58,17 +60,11 @@ class DeadlineH11Protocol(H11Protocol):
         """uvicorn's answer to a request h11 cannot parse (two Content-Lengths, a bad
         chunk size, no Host, HTTP/0.9), in OpenAI's error body as every other error of
         the gateway: it was uvicorn's plain text."""
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"{msg} (the request line, headers or body framing are not "
-                    "HTTP/1.1's); the connection is closed",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": None,
-                }
-            }
-        ).encode()
+        message = (
+            f"{msg} (the request line, headers or body framing are not HTTP/1.1's); the "
+            "connection is closed"
+        )
+        body = json.dumps(openai_error(message, "invalid_request_error")).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
