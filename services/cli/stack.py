@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import os
 import secrets
@@ -34,6 +35,7 @@ from services.api import deployment_service_pb2_grpc
 from services.cli import deploying
 from services.cli.interrupts import Interrupts, interrupt_on
 from services.exits import describe_exit
+from services.files import write_private
 from services.health import check, wait_http, wait_serving
 from services.ports import bindable, ephemeral_range, free_port, reserve
 from services.redis_embedded import start_redis
@@ -154,6 +156,23 @@ def _ours(stack: Mapping) -> dict[str, tuple[int, int | None]]:
     return {name: (pid, started.get(name)) for name, pid in stack.get("pids", {}).items()}
 
 
+# What to do about a stack running without one of its processes.
+RESTART_ADVICE = (
+    "`iserve down`, then `iserve up` starts it all again, and restores the deployments "
+    "without spending their restart budget"
+)
+
+
+def exited_processes(state_dir: Path, stack: Mapping) -> dict[str, Path]:
+    """The processes recorded in ``stack`` (read from ``state_dir``) that no longer run,
+    each with its log, in name order."""
+    return {
+        name: log_of(state_dir, name)
+        for name, started in sorted(_ours(stack).items())
+        if not _alive(*started)
+    }
+
+
 def stack_running(settings: Settings) -> dict:
     """The recorded stack if any of its processes is still alive, else ``{}``."""
     stack = read_stack_file(settings.state_dir)
@@ -227,11 +246,23 @@ def up(
                 # Run before the handlers are put back (the callbacks run last in, first out).
                 cleanup.push(_hold_on_success)
             started = _up(settings, options, log, interrupts)
+    except OSError as exc:  # what it started is stopped: a file it could not write, say
+        raise RuntimeError(f"the stack did not start: {exc}{_state_dir_hint(exc)}") from None
     except KeyboardInterrupt:
         if started is not None:  # a stop signal held as the start ended: it stops it all
             down(settings, lambda _msg: None)
         raise
     return started
+
+
+def _state_dir_hint(exc: OSError) -> str:
+    """What to do about an OSError of a file under the state directory, where it is one
+    of a full or refusing disk."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "; free space on that disk, or set ISERVE_STATE_DIR to a directory on one with room"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "; set ISERVE_STATE_DIR to a writable directory of this user's"
+    return ""
 
 
 def _hold_on_success(exc_type, _exc, _tb) -> bool:
@@ -252,17 +283,15 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
     settings = with_chosen_ports(settings)
     running = stack_running(settings)
     if running:
-        dead = sorted(name for name, p in _ours(running).items() if not _alive(*p))
+        dead = exited_processes(settings.state_dir, running)
         if dead:
             # Either way no budget is spent: a clean stop is recorded as such, and the
             # new agent, with no record of the old workers, has them lost with their
             # node (a probe: the message said Redis's exit would spend it; it did not).
-            logs = [_log_of(settings.state_dir, name) for name in dead]
             raise RuntimeError(
                 f"the stack from {settings.state_dir} is running without its "
-                f"{', '.join(dead)} (exited; see {', '.join(map(str, logs))}): "
-                "`iserve down`, then `iserve up` starts it all again, and restores the "
-                "deployments without spending their restart budget"
+                f"{', '.join(dead)} (exited; see {', '.join(map(str, dead.values()))}): "
+                f"{RESTART_ADVICE}"
             )
         raise RuntimeError(
             f"a stack is already running from {settings.state_dir} (see `iserve status`, or `iserve down`)"
@@ -598,9 +627,7 @@ def write_stack_tokens(settings: Settings) -> list[Path]:
         if given or path.exists():
             continue
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(32) + "\n")
+        write_private(path, secrets.token_urlsafe(32) + "\n", exclusive=True)
         written.append(path)
     return written
 
@@ -836,7 +863,7 @@ def _redis_dir(state_dir: Path) -> Path:
     return state_dir / "redis"
 
 
-def _log_of(state_dir: Path, name: str) -> Path:
+def log_of(state_dir: Path, name: str) -> Path:
     """The log file of the stack's process ``name``."""
     return (
         _redis_dir(state_dir) / "redis.log"
@@ -986,7 +1013,7 @@ def exit_warning(stack: Mapping, pid: int, code: int) -> str | None:
     if name is None or code in (0, -signal.SIGTERM):
         return None
     state_dir = Path(stack.get("state_dir", "."))
-    log = _log_of(state_dir, name)
+    log = log_of(state_dir, name)
     return (
         f"warning: {name} (pid {pid}) {describe_exit(code)}; see {log}. The stack runs "
         "without it: `iserve down`, then `iserve up` starts it all again"

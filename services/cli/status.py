@@ -18,8 +18,15 @@ from services.api import (
 from services.api import inference_service_pb2 as inference_pb
 from services.api import model_service_pb2 as model_pb
 from services.cli.output import TableSpec, show_tables
+from services.cli.stack import RESTART_ADVICE, exited_processes, log_of
 from services.health import check, http_ok, speaks_tls
-from services.settings import Settings, read_stack_file, redacted_url
+from services.settings import (
+    GATEWAY_ENV,
+    SERVICE_ENV,
+    Settings,
+    read_stack_file,
+    redacted_url,
+)
 
 MIB = 1 << 20
 
@@ -123,7 +130,66 @@ def collect_status(settings: Settings) -> dict:
         status["healthy"] = not status["errors"] and all(
             s["serving"] for name, s in services.items() if name != "agent"
         )
+    status["hints"] = _hints(settings, services) + _node_hints(status["nodes"])
     return status
+
+
+def _node_hints(nodes: list[dict]) -> list[str]:
+    """Each unreachable node's whole reason, where its cell shows it cut."""
+    return [
+        f"node {n['node_id']}'s agent at {n.get('agent_address') or '?'} does not answer "
+        f"the deployer: {n['unreachable']}"
+        for n in nodes
+        if not n.get("alive")
+        and n.get("unreachable")
+        and short_reason(n["unreachable"]) != n["unreachable"]
+    ]
+
+
+def _hints(settings: Settings, services: dict) -> list[str]:
+    """What to do about the services that do not answer, from the stack recorded in the
+    state directory: it showed DOWN and no more, where `iserve up` said which exited and
+    where its log is (a probe)."""
+    down = [name for name, s in services.items() if not s["serving"] and not s.get("live_nodes")]
+    if not down:
+        return []
+    recorded = read_stack_file(settings.state_dir)
+    if not recorded.get("pids"):
+        if len(down) < len(services):
+            return []  # a stack started elsewhere, or by hand: nothing here to tell
+        return [
+            f"no stack is recorded in {settings.state_dir}: `iserve up` starts one; for a "
+            "stack started elsewhere, set ISERVE_STATE_DIR to its state directory, or "
+            "ISERVE_*_ADDR to its addresses"
+        ]
+    exited = exited_processes(settings.state_dir, recorded)
+    hints = [
+        f"{name} exited (see {log}): {RESTART_ADVICE}"
+        for name, log in exited.items()
+        if name in down or name == "redis"
+    ]
+    for name in down:
+        if name in exited or name not in recorded["pids"]:
+            continue
+        asked = settings.gateway_address if name == "gateway" else settings.address(name)
+        kept = (
+            recorded.get("gateway_address")
+            if name == "gateway"
+            else recorded.get("addresses", {}).get(name)
+        )
+        if kept and kept != asked:
+            variable = GATEWAY_ENV if name == "gateway" else SERVICE_ENV[name]
+            hints.append(
+                f"{name}: the stack recorded in {settings.state_dir} serves it at {kept}, "
+                f"not at {asked} (set {variable} as `iserve up` had it, or unset it)"
+            )
+            continue
+        hints.append(
+            f"{name} runs (pid {recorded['pids'][name]}) but does not answer at "
+            f"{services[name]['address']}: starting, stopped (kill -STOP) or stuck; see "
+            f"{log_of(settings.state_dir, name)}"
+        )
+    return hints
 
 
 def _asked(settings: Settings, status: dict, service: str, what: str, call):
@@ -147,7 +213,7 @@ def _dead(node: dict) -> str:
     if node.get("alive"):
         return ""
     if node.get("unreachable"):
-        return f" (unreachable: {node['unreachable']})"
+        return f" (unreachable: {short_reason(node['unreachable'])})"
     stopped_ms = int(node.get("stopped_at_unix_ms") or 0)
     if stopped_ms:  # its agent stopped cleanly: a planned stop, not a lost node
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(stopped_ms / 1000))
@@ -158,6 +224,24 @@ def _dead(node: dict) -> str:
     return (
         f" (dead, last seen {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(last_ms / 1000))} UTC)"
     )
+
+
+# A reason longer than this is cut in a table's cell (whole in the hints and in --json).
+CELL_REASON_CHARS = 48
+
+
+def short_reason(reason: str) -> str:
+    """``reason`` fit for a table's cell: gRPC's "failed to connect to all addresses;
+    last error: UNKNOWN: ipv4:10.0.0.5:50065: Failed to connect to remote host:
+    Connection refused" filled the NODE column (a probe). The last clause, which says
+    what happened, is kept."""
+    if len(reason) <= CELL_REASON_CHARS:
+        return reason
+    last = reason.rstrip().rpartition(": ")[2].strip()
+    if not last or len(last) > CELL_REASON_CHARS - 1:
+        last = reason[: CELL_REASON_CHARS - 1]
+        return f"{last}…"
+    return f"…{last}"
 
 
 def status_tables(status: dict, *, watching: bool = False) -> list[TableSpec]:
@@ -249,6 +333,8 @@ def print_status(status: dict) -> None:
     for error in status.get("errors", []):
         # On stderr, as every command's errors (the README's rule); the tables on stdout.
         print(f"error: {error}", file=sys.stderr)
+    for hint in status.get("hints", []):
+        print(f"hint: {hint}", file=sys.stderr)
 
 
 def _workers(deployment: dict) -> str:

@@ -103,6 +103,47 @@ def test_up_where_its_log_directory_cannot_be_made_says_what_it_was_doing(tmp_pa
     assert "set ISERVE_STATE_DIR" in up.stderr
 
 
+def _working_in(directory: Path) -> list[int]:
+    """The processes whose working directory lies under ``directory``."""
+    found = []
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if os.readlink(cwd).startswith(str(directory)):
+                found.append(int(cwd.parent.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("where", ["stack.json", "redis/redis.conf"])
+def test_up_on_a_full_disk_names_the_file_and_leaves_nothing_running(tmp_path, where):
+    """It printed only "[Errno 28] No space left on device" (a write's error names no
+    file). A full disk is /dev/full linked where the file's temporary copy goes."""
+    state = tmp_path / "state"
+    (state / where).parent.mkdir(parents=True)
+    partial = state / f"{where}.partial"
+    partial.symlink_to("/dev/full")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
+        "ISERVE_STATE_DIR": str(state),
+        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
+        **{var: "127.0.0.1:0" for var in METRICS_ENV.values()},
+        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
+    }
+    env.pop("REDIS_URL", None)
+    up = run_cli(env, "up", "--detach")
+    assert up.returncode == 1
+    assert (
+        f"error: the stack did not start: [Errno 28] No space left on device: '{state / where}'; "
+        "free space on that disk" in up.stderr
+    ), up.stderr
+    assert not os.path.lexists(partial) and not (state / "stack.json").exists()
+    down = run_cli(env, "down")
+    assert "no stack recorded" in down.stdout, down.stdout
+    assert not _working_in(state)  # no embedded Redis (it runs in its data directory)
+
+
 def test_up_with_an_operators_redis_that_is_not_there_or_refuses_names_redis_url(tmp_path):
     """`iserve up` blamed the agent ("agent did not become ready; last log lines: …")
     some 13 s later, the cause quoted from the agent's log (a probe)."""
@@ -272,6 +313,22 @@ def test_up_after_the_stack_was_killed_starts_its_embedded_redis_again(tmp_path)
             f"{state / 'logs' / 'estimator.log'}, {state / 'redis' / 'redis.log'})"
         ) in partial.stderr, partial.stderr
         assert "`iserve down`, then `iserve up` starts it all again" in partial.stderr
+        # `iserve status` says the same, where it showed DOWN and no more; and of one
+        # that runs but does not answer, which.
+        os.kill(pids["scheduler"], signal.SIGSTOP)
+        status = run_cli(env, "status")
+        assert status.returncode == 1
+        log = state / "logs"
+        assert (
+            f"hint: estimator exited (see {log / 'estimator.log'}): `iserve down`, then "
+            "`iserve up` starts it all again"
+        ) in status.stderr, status.stderr
+        assert f"hint: redis exited (see {state / 'redis' / 'redis.log'})" in status.stderr
+        assert (
+            f"hint: scheduler runs (pid {pids['scheduler']}) but does not answer at "
+            f"{env['ISERVE_SCHEDULER_ADDR']}: starting, stopped (kill -STOP) or stuck; see "
+            f"{log / 'scheduler.log'}"
+        ) in status.stderr, status.stderr
         for pid in pids.values():
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)

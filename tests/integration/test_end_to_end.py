@@ -151,6 +151,12 @@ def test_cli_status_and_generate_json(stack, served):
     # What the deployer would have shown is said to be missing, not silently left out.
     assert "error: deploy: not answering at 127.0.0.1:" in alone.stderr
     assert "nodes, devices and deployments are not shown" in alone.stderr
+    # And that the stack recorded in this state directory serves it elsewhere.
+    assert (
+        f"hint: deploy: the stack recorded in {stack.settings.state_dir} serves it at "
+        f"{stack.settings.address('deploy')}, not at {no_deployer['ISERVE_DEPLOY_ADDR']} "
+        "(set ISERVE_DEPLOY_ADDR as `iserve up` had it, or unset it)"
+    ) in alone.stderr, alone.stderr
     assert "error:" not in alone.stdout  # errors on stderr, the tables on stdout
     # Serving needs no deployer: generate by deployment id and by model id still works.
     for target in (served.deployment_id, served.model_id):

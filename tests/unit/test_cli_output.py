@@ -69,18 +69,21 @@ def test_a_call_its_service_ended_midway_is_told_apart_from_a_service_s_answer()
     assert not _cut_off("failed to connect to all addresses; last error: UNKNOWN")
 
 
+_DEVICE = {
+    "ref": {"device_id": "cpu0"},
+    "kind": "DEVICE_KIND_CPU",
+    "total_bytes": "1048576",
+    "used_bytes": "0",
+    "reserved_bytes": "0",
+    "free_bytes": "1048576",
+    "load": 0.0,
+}
+
+
 def test_status_lists_a_dead_node_with_when_it_was_last_seen():
     from services.cli.status import status_tables
 
-    device = {
-        "ref": {"device_id": "cpu0"},
-        "kind": "DEVICE_KIND_CPU",
-        "total_bytes": "1048576",
-        "used_bytes": "0",
-        "reserved_bytes": "0",
-        "free_bytes": "1048576",
-        "load": 0.0,
-    }
+    device = _DEVICE
     status = {
         "services": {},
         "nodes": [
@@ -112,6 +115,29 @@ def test_status_lists_a_dead_node_with_when_it_was_last_seen():
         "d (unreachable: UNAVAILABLE: connection refused)",
         "e (stopped on purpose at 2026-11-26 05:01:00 UTC)",
     ]
+
+
+def test_a_long_unreachable_reason_is_cut_in_the_table_and_whole_in_the_hints():
+    """gRPC's whole error filled the NODE column (a probe)."""
+    from services.cli.status import CELL_REASON_CHARS, _node_hints, short_reason, status_tables
+
+    grpc_said = (
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.5:50065: "
+        "Failed to connect to remote host: Connection refused"
+    )
+    assert short_reason(grpc_said) == "…Connection refused"
+    assert short_reason("UNAVAILABLE: connection refused") == "UNAVAILABLE: connection refused"
+    no_clause = "x" * 200
+    assert short_reason(no_clause) == "x" * (CELL_REASON_CHARS - 1) + "…"
+    node = {"node_id": "n2", "agent_address": "10.0.0.5:50065", "unreachable": grpc_said}
+    [_services, (_title, _headers, [row])] = status_tables(
+        {"services": {}, "nodes": [{**node, "devices": [_DEVICE]}], "models": [], "deployments": []}
+    )
+    assert row[0] == "n2 (unreachable: …Connection refused)"
+    assert _node_hints([node]) == [
+        f"node n2's agent at 10.0.0.5:50065 does not answer the deployer: {grpc_said}"
+    ]
+    assert _node_hints([{**node, "unreachable": "UNAVAILABLE: connection refused"}]) == []
 
 
 def test_profile_show_marks_what_an_imported_row_does_not_carry(capsys):
