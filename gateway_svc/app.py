@@ -585,6 +585,8 @@ async def _open_all(
 
 # nginx's status for a request whose client closed the connection first (never sent).
 CLIENT_CLOSED_REQUEST = 499
+# Every response's request id, as OpenAI's API names it.
+REQUEST_ID_HEADER = "x-request-id"
 
 
 async def _client_gone(http: Request) -> None:
@@ -666,7 +668,6 @@ def _generate_request(
     if body.seed is not None:
         sampling.seed = body.seed % 2**64  # an int64's two's complement
     return inference_pb.GenerateRequest(
-        request_id=uuid.uuid4().hex,
         model_id=body.model,
         **({"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}),
         max_tokens=max_tokens or 0,
@@ -929,6 +930,7 @@ def create_app(
             # Any header a client sends (the OpenAI SDKs add x-stainless-*): the origins
             # are the allow-list, and no credentials (cookies) are allowed.
             allow_headers=["*"],
+            expose_headers=[REQUEST_ID_HEADER],  # a browser's script may read it
             max_age=600,
         )
     registry = new_registry()
@@ -963,7 +965,12 @@ def create_app(
     @app.middleware("http")
     async def count(request: Request, call_next):
         started = time.perf_counter()
+        # OpenAI's x-request-id (its SDKs keep it as the response's _request_id): the id
+        # of the request the scheduler logs and the completion's id carries, so a
+        # client's report finds the services' log lines.
+        request.state.request_id = uuid.uuid4().hex
         response = await call_next(request)
+        response.headers[REQUEST_ID_HEADER] = request.state.request_id
         # Labelled by route, never by the path sent: /metrics is open, and a series per
         # path would name the model ids asked for and grow with every path anyone sends.
         endpoint = endpoint_of(request.scope)
@@ -1197,6 +1204,9 @@ def create_app(
         http: Request,
         chat: bool,
     ):
+        for index, request in enumerate(requests):  # each prompt's: the first's, then -1, -2…
+            request.request_id = http.state.request_id + (f"-{index}" if index else "")
+
         async def reply():
             try:
                 gens = await _open_all(backend, requests, caller)

@@ -120,6 +120,35 @@ def test_the_openai_client_streams_a_chat_and_a_completion_with_usage(client):
     assert chat.usage.completion_tokens == 5
 
 
+def test_every_response_has_an_x_request_id_the_completion_and_the_scheduler_log_carry(
+    stack, client
+):
+    """OpenAI's header (its SDKs keep it as ``_request_id``) was missing: a client's report
+    could not be matched to the services' log lines."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
+    )
+    request_id = raw.headers["x-request-id"]
+    chat = raw.parse()
+    assert chat.id == f"chatcmpl-{request_id}" and chat._request_id == request_id
+    streamed = client.completions.with_raw_response.create(
+        model=MODEL, prompt=["a", "b"], max_tokens=2, stream=True
+    )
+    other = streamed.headers["x-request-id"]
+    assert other != request_id
+    assert {chunk.id for chunk in streamed.parse()} == {f"cmpl-{other}"}
+    log = stack.settings.state_dir / "logs" / "scheduler.log"
+    assert wait_for(
+        lambda: all(
+            f"request {rid} served by" in log.read_text()
+            for rid in (request_id, other, f"{other}-1")
+        ),
+        timeout=10,
+    ), "the scheduler's log names no request by the ids the client was given"
+    refused = httpx.get(f"{client.base_url}models/not-there", timeout=10)
+    assert refused.status_code == 404 and len(refused.headers["x-request-id"]) == 32
+
+
 def test_models_lists_what_is_deployed(client):
     ids = {m.id for m in client.models.list()}
     assert {MODEL, PLAIN} <= ids
