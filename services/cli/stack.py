@@ -280,6 +280,7 @@ def heeded_stop_signals() -> tuple[signal.Signals, ...]:
 
 
 def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> dict:
+    began = time.time()
     settings = with_chosen_ports(settings)
     running = stack_running(settings)
     if running:
@@ -410,7 +411,7 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
             f"(OpenAI-compatible; metrics http://{settings.gateway_address}/metrics)"
         )
         interrupts.check()
-    except BaseException:
+    except BaseException as exc:
         interrupts.hold()  # a second stop signal does not cut this stop short
         started = (
             {n: (p.pid, None) for n, p in procs.items()}
@@ -423,6 +424,13 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
         _stop_strays(settings, stack, {pid for pid, _ in started.values()})
         # The record this start wrote, of what it stopped.
         (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
+        stopper = _stopped_by_down(settings.state_dir, began)
+        if stopper is not None and isinstance(exc, Exception):
+            # What it stopped first reads as a service that "did not become ready", its
+            # log ending "SIGTERM received" (a tester).
+            raise RuntimeError(
+                f"the stack was stopped by `iserve down` (pid {stopper}) while it started"
+            ) from None
         raise
     stack["started_at_unix_ms"] = int(time.time() * 1000)
     stack["models_root"] = str(settings.models_root)  # where the stack reads checkpoints
@@ -725,11 +733,36 @@ def restart_service(settings: Settings, name: str, *, kill: bool = False) -> int
     return proc.pid
 
 
+# Written by `iserve down` as it stops a stack (its pid): an `up` it stopped midway tells
+# a stop from a service that failed.
+DOWN_FILE = "down.pid"
+
+
+def _stopped_by_down(state_dir: Path, since: float) -> int | None:
+    """The pid of an `iserve down` that began stopping the stack in ``state_dir`` at or
+    after ``since`` (a ``time.time()``), if one did."""
+    path = state_dir / DOWN_FILE
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def down(settings: Settings, log=print) -> bool:
     """Stop the recorded stack; False when there was none."""
     stack = read_stack_file(settings.state_dir)
     if not stack:
         return False
+    with contextlib.suppress(OSError):  # only a message depends on it
+        write_private(settings.state_dir / DOWN_FILE, f"{os.getpid()}\n")
+    _down(settings, stack, log)
+    return True
+
+
+def _down(settings: Settings, stack: dict, log) -> None:
+    """Stop ``stack``'s processes, the gateway first and Redis last, and remove its record."""
     ours = _ours(stack)
     order = [GATEWAY, *(name for name, _ in reversed(SERVICES)), "redis"]
     deployer_crashed = "deploy" in ours and not _alive(*ours["deploy"])
@@ -754,7 +787,6 @@ def down(settings: Settings, log=print) -> bool:
         _record_planned_stop(stack.get("redis_url", ""), log)
     _stop_pids({"redis": ours["redis"]} if "redis" in ours else {}, log)
     (settings.state_dir / STACK_FILE).unlink(missing_ok=True)
-    return True
 
 
 @contextlib.contextmanager

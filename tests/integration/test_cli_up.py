@@ -347,6 +347,48 @@ def test_up_after_the_stack_was_killed_starts_its_embedded_redis_again(tmp_path)
     assert password is not None and password not in logs
 
 
+def test_a_down_while_up_starts_is_told_as_a_stop_not_a_service_that_failed(tmp_path):
+    """`up` said "model did not become ready; last log lines: … SIGTERM received"."""
+    import json
+    import signal
+
+    state = tmp_path / "state"
+    env = _stack_env(state)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up", "--detach"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def started_a_service() -> bool:
+            try:
+                return "model" in json.loads((state / "stack.json").read_text())["pids"]
+            except (OSError, ValueError, KeyError):
+                return False
+
+        assert wait_for(started_a_service, timeout=60)
+        # Held while `down` runs: a loaded machine could otherwise finish the start first.
+        up.send_signal(signal.SIGSTOP)
+        try:
+            down = run_cli(env, "down")
+        finally:
+            up.send_signal(signal.SIGCONT)
+        assert down.returncode == 0, down.stderr
+        _out, err = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            run_cli(env, "down")
+    assert up.returncode == 1, err
+    assert "error: the stack was stopped by `iserve down` (pid " in err, err
+    assert "did not become ready" not in err
+    assert not (state / "stack.json").exists()
+    assert not _working_in(state)
+
+
 def test_down_stops_the_stack_s_processes_no_record_names(tmp_path):
     """`iserve up` SIGKILLed between starting a service and recording it left that
     service running, found by nothing. Every service carries the stack's id in its
