@@ -1244,7 +1244,7 @@ def refused_param(message: str, body: GenerationBody, chat: bool) -> str | None:
     message names first, None when it names none."""
     if message.startswith("max_tokens"):
         given = getattr(body, "max_completion_tokens", None)
-        return "max_completion_tokens" if chat and given else "max_tokens"
+        return "max_completion_tokens" if given else "max_tokens"
     if message.startswith("prompt"):
         return "messages" if chat else "prompt"
     sampling = _SAMPLING_FIELD.match(message)

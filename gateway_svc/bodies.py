@@ -442,6 +442,17 @@ class CompletionBody(GenerationBody):
     # text prompt (a prompt of token ids is taken as it is).
     add_special_tokens: bool | None = True
 
+    # OpenAI's newer name, which the chat endpoint takes too; given, it is the limit (it
+    # was ignored here, and 16 tokens generated).
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+
+    @model_validator(mode="after")
+    def _newer_name(self) -> CompletionBody:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+            self.model_fields_set.add("max_tokens")
+        return self
+
     @property
     def max_tokens_given(self) -> bool:
         """Whether the client set max_tokens (null counts as unset). The default of 16

@@ -641,6 +641,17 @@ def test_a_completion_without_max_tokens_sends_openais_16_as_a_default_to_cap():
     assert (sent.max_tokens, sent.max_tokens_default) == (16, 0)
 
 
+def test_max_completion_tokens_is_a_completions_limit_as_it_is_a_chats():
+    """OpenAI's newer name, which the README says both endpoints take: a completion
+    dropped it as an unknown field and generated 16 tokens (a tester)."""
+    for path, body in (COMPLETION, CHAT):
+        given = {k: v for k, v in body.items() if k != "max_tokens"}
+        sent = _sent(path, {**given, "max_completion_tokens": 3})
+        assert (sent.max_tokens, sent.max_tokens_default) == (3, 0)
+        sent = _sent(path, {**given, "max_tokens": 9, "max_completion_tokens": 3})
+        assert sent.max_tokens == 3  # the newer name wins, as a chat's did
+
+
 def test_a_chat_is_not_refused_while_the_model_service_does_not_answer(tmp_path):
     """The chat template is read from the checkpoint the model record names. With the
     model service down (restarting), a model whose record was read before keeps its
