@@ -60,6 +60,7 @@ lengths:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -130,6 +131,26 @@ class StreamTiming:
     ttft_ms: float
     tpot_ms: float
     latency_ms: float
+
+
+# The profiling jobs' worker logs kept, the newest: a registration runs dozens of jobs,
+# and each left its workers' logs in the logs directory for good (a tester counted 65
+# after two registrations).
+KEPT_JOB_LOGS = 64
+
+
+def prune_job_logs(log_dir: Path, keep: int = KEPT_JOB_LOGS) -> list[Path]:
+    """Remove all but the ``keep`` newest profiling-job worker logs in ``log_dir``;
+    returns those removed."""
+    logs = []
+    for path in log_dir.glob("worker-profile-*.log*"):
+        with contextlib.suppress(OSError):  # removed meanwhile
+            logs.append((path.stat().st_mtime_ns, path))
+    logs.sort(reverse=True)
+    removed = [path for _, path in logs[keep:]]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
 
 
 def check_job(request: agent_pb.RunProfilingJobRequest) -> JobSpec:
@@ -469,6 +490,7 @@ class ProfilingJobs:
         finally:
             # Shielded: a cancelled call must still stop its workers.
             await asyncio.shield(self._stop(deployment_id))
+            prune_job_logs(self.supervisor.log_dir)
 
     async def _stop(self, deployment_id: str) -> None:
         await self.supervisor.stop_workers(deployment_id)

@@ -76,6 +76,8 @@ def collect_status(settings: Settings) -> dict:
         "models": [],
         # What a serving service could not tell (Redis down, say): the rest still shows.
         "errors": [status_error] if status_error else [],
+        # What the caller's role may not read (its token's), said, not an error.
+        "not_shown": [],
     }
     options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
     for name, what in (("deploy", "nodes, devices and deployments"), ("model", "models")):
@@ -151,8 +153,6 @@ def _hints(settings: Settings, services: dict) -> list[str]:
     state directory: it showed DOWN and no more, where `iserve up` said which exited and
     where its log is (a probe)."""
     down = [name for name, s in services.items() if not s["serving"] and not s.get("live_nodes")]
-    if not down:
-        return []
     recorded = read_stack_file(settings.state_dir)
     if not recorded.get("pids"):
         if len(down) < len(services):
@@ -166,7 +166,7 @@ def _hints(settings: Settings, services: dict) -> list[str]:
     hints = [
         f"{name} exited (see {log}): {RESTART_ADVICE}"
         for name, log in exited.items()
-        if name in down or name == "redis"
+        if name in down or name == "redis"  # the services answer on without their Redis
     ]
     for name in down:
         if name in exited or name not in recorded["pids"]:
@@ -201,6 +201,11 @@ def _asked(settings: Settings, status: dict, service: str, what: str, call):
         try:
             return call(channel)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                # What this token's role may not read (a model developer's serving stats):
+                # left out, and the stack no less healthy for it (it exited 1 for that role).
+                status["not_shown"].append(f"{service}: {what}: {exc.details()}")
+                return None
             status["errors"].append(f"{service}: {what}: {exc.code().name}: {exc.details()}")
             status["healthy"] = False
             return None
@@ -335,6 +340,8 @@ def print_status(status: dict) -> None:
         print(f"error: {error}", file=sys.stderr)
     for hint in status.get("hints", []):
         print(f"hint: {hint}", file=sys.stderr)
+    for left_out in status.get("not_shown", []):
+        print(f"note: not shown to this token: {left_out}", file=sys.stderr)
 
 
 def _workers(deployment: dict) -> str:

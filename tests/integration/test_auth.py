@@ -617,6 +617,12 @@ def test_the_cli_issues_lists_and_revokes_tokens(deployed):
         assert setting in kept.stderr and "restart" in kept.stderr, kept.stderr
     assert _cli(s, "token", "list", "--json").stdout == before
     assert _cli(s, "status", "--json").returncode == 0
+    # A model developer may not read serving stats: left out with a note, and the
+    # status exits 0 while every service answers (it exited 1, "PERMISSION_DENIED").
+    developer = _cli(s, "status", token=s.tokens["model-developer"])
+    assert developer.returncode == 0, developer.stderr
+    assert "error:" not in developer.stderr, developer.stderr
+    assert "note: not shown to this token: scheduler: serving stats: " in developer.stderr
     bad = _cli(s, "token", "create", "x y", "--role", "admin")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
 

@@ -303,9 +303,16 @@ def test_up_after_the_stack_was_killed_starts_its_embedded_redis_again(tmp_path)
         # One service crashed: `up` names it and says how to bring it back (it said
         # only "a stack is already running").
         # And its Redis: its log is Redis's own, not in logs/ (it said logs/ for both).
-        for name in ("estimator", "redis"):
+        for name in ("redis", "estimator"):
             os.kill(pids[name], signal.SIGKILL)
             assert wait_for(lambda name=name: not _running(pids[name]), timeout=30)
+            if name == "redis":
+                # Every service still answers its health check: the hint names Redis.
+                status = run_cli(env, "status")
+                assert status.returncode == 1
+                assert f"hint: redis exited (see {state / 'redis' / 'redis.log'})" in (
+                    status.stderr
+                ), status.stderr
         partial = run_cli(env, "up", "--detach")
         assert partial.returncode == 1
         assert (

@@ -552,3 +552,23 @@ def test_a_load_that_lasts_is_not_run_against_again_in_the_next_job(tmp_path):
         pytest.approx([0.1, 0.1]),
     ]
     assert len(worker.requests) == (6 + 3) + (3 + 3) + (5 + 3)
+
+
+def test_only_the_newest_profiling_job_logs_are_kept(tmp_path):
+    """Each job left its workers' logs for good: 65 after two registrations (a tester)."""
+    import os
+
+    from monitor_agent.profiling import prune_job_logs
+
+    jobs = [tmp_path / f"worker-profile-{i:03d}-r0.log" for i in range(10)]
+    others = [tmp_path / "agent.log", tmp_path / "worker-demo-1a2b-r0.log"]
+    for age, path in enumerate(reversed([*jobs, *others])):
+        path.write_text("x")
+        os.utime(path, ns=(10**18 - age * 10**9, 10**18 - age * 10**9))  # jobs[-1] newest
+    jobs.append(tmp_path / "worker-profile-009-r0.log.1")
+    jobs[-1].write_text("a worker's earlier log")
+    os.utime(jobs[-1], ns=(1, 1))  # the oldest of all
+    removed = prune_job_logs(tmp_path, keep=4)
+    assert sorted(removed) == sorted([*jobs[:6], jobs[-1]])
+    assert sorted(tmp_path.iterdir()) == sorted([*jobs[6:10], *others])
+    assert prune_job_logs(tmp_path, keep=4) == []
