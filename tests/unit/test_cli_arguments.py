@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 from hypothesis import given
@@ -180,6 +181,37 @@ def test_a_profile_file_that_cannot_be_read_is_named_and_nothing_is_sent(tmp_pat
         assert code == 1
         err = capsys.readouterr().err
         assert err.startswith(f"error: cannot read '{path}': {reason}"), err
+
+
+def test_a_file_that_never_ends_is_refused_before_it_is_read(tmp_path, capsys):
+    """/dev/zero as a profile file grew the CLI to 9.8 GB in 7 s, and as a model config
+    the kernel killed it (a tester): neither is a regular file. A config over its bound
+    or not UTF-8 is named too."""
+    import resource
+
+    from services.cli.main import main
+
+    csv = tmp_path / "full_model_data_collection.csv"
+    csv.write_text("Model\n")
+    big, binary = tmp_path / "big.json", tmp_path / "binary.json"
+    with big.open("wb") as out:
+        out.truncate(5 << 20)
+    binary.write_bytes(b"{\xff}")
+    cases = [
+        ([os.devnull], f"error: the file '{os.devnull}' is not a regular file"),
+        ([str(csv), "--model-config", "m=/dev/zero"], "error: --model-config '/dev/zero' is not"),
+        ([str(csv), "--model-config", f"m={big}"], f"error: --model-config '{big}' is 5.0 MiB"),
+        ([str(csv), "--model-config", f"m={binary}"], f"--model-config '{binary}' is not UTF-8"),
+    ]
+    if os.path.exists("/dev/zero"):
+        cases.append((["/dev/zero"], "error: the file '/dev/zero' is not a regular file"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for argv, says in cases:
+        code = main(["profile", "import", "--format", "maveriq", "--hardware", "h", *argv])
+        assert code == 1
+        err = capsys.readouterr().err
+        assert err.startswith(says) or says in err, err
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
 
 
 def test_profile_files_beyond_one_message_are_refused_before_sending(tmp_path, capsys):
