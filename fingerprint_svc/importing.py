@@ -66,6 +66,7 @@ from services.estimation.latency import REFERENCE_BATCHES
 from services.estimation.memory import GIB
 from services.ids import ID_RULE, check_hardware_type, check_model_id, is_valid_id
 from services.importers import maveriq
+from services.models import json_text
 from services.models.arch import ArchSpec
 from services.models.errors import shape_only
 from services.models.families import parse_config
@@ -633,8 +634,8 @@ def _given_configs(
                 + ", ".join(sorted(by_name))
             )
         try:
-            config = json.loads(text)
-        except ValueError as exc:
+            config = json_text.loads(text)
+        except ValueError as exc:  # a JSONDecodeError, nesting too deep among them
             raise InvalidArgument(f"{name}: its config.json is not JSON ({exc})") from None
         if not isinstance(config, dict):
             raise InvalidArgument(f"{name}: its config.json must be a JSON object")
@@ -655,7 +656,7 @@ def _registered_config(model_id: str, models_root: Path, checkpoint_path: str) -
     want of a shape the model has)."""
     try:
         checkpoint = resolve_checkpoint(models_root, checkpoint_path)
-        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+        config = json_text.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, InvalidArgument) as exc:
         raise InvalidArgument(
             f"{model_id}: the config.json of its registered checkpoint cannot be read ({exc}); "

@@ -14,10 +14,10 @@ import json
 from typing import Any
 
 
-def loads(text: str) -> Any:
-    """``json.loads(text)``; json.JSONDecodeError for any document it refuses."""
+def loads(text: str, **options: Any) -> Any:
+    """``json.loads(text, **options)``; json.JSONDecodeError for any document it refuses."""
     try:
-        return json.loads(text)
+        return json.loads(text, **options)
     except json.JSONDecodeError:
         raise
     except RecursionError:

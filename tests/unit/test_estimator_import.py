@@ -231,6 +231,11 @@ def test_outside_an_import_the_same_features_are_refused():
     ("configs", "message"),
     [
         ({"llama-2-7b": "{"}, "llama-2-7b: its config.json is not JSON"),
+        # INTERNAL, a RecursionError (a tester).
+        (
+            {"llama-2-7b": "[" * 100_000 + "]" * 100_000},
+            "llama-2-7b: its config.json is not JSON .nested too deeply",
+        ),
         # What changes the shape, or is no family iserve reads, is still refused.
         (
             {"llama-2-7b": json.dumps({**MYSTERY_CONFIG, "model_type": "mixtral"})},
@@ -1204,8 +1209,15 @@ def test_the_accuracy_file_keeps_each_dense_variants_own_figure():
         assert table[fp16] == 100 and len(table) == 2
     # The same figure twice is one figure; two figures are refused, naming both keys.
     assert parse_accuracy("{" + f'{dense}, "llama-2-7b_float16_False_None": 100' + "}")[fp16] == 100
-    with pytest.raises(ValueError, match="give one variant two accuracies \\(100 and 12\\)"):
-        parse_accuracy("{" + f'{dense}, "llama-2-7b_float16_False_None": 12' + "}")
+    with pytest.raises(ValueError, match="give one variant two accuracies \\(87.1 and 12\\)"):
+        parse_accuracy("{" + f'{dense}, "llama-2-7b_int4_False_None": 12' + "}")
+    # The reference's own figure is 100: 0 made every hardware's fp16 0 % accurate (a
+    # tester); and a document nested too deeply is named, not an INTERNAL.
+    for reference in (0, 12, 99.9):
+        with pytest.raises(ValueError, match=f"{reference}; the figures are % of the FP16"):
+            parse_accuracy('{"llama-2-7b_float16_False_None": ' + f"{reference}" + "}")
+    with pytest.raises(ValueError, match="not JSON .nested too deeply"):
+        parse_accuracy("[" * 100_000 + "]" * 100_000)
     # The misspelt name and the right one are one model.
     with pytest.raises(ValueError, match="'gtpj-6b_int8_False_None' and 'gptj-6b_int8_False_None'"):
         parse_accuracy('{"gtpj-6b_int8_False_None": 99.2, "gptj-6b_int8_False_None": 98}')
