@@ -371,6 +371,10 @@ def plan_maveriq_import(
     )
 
 
+# The files whose every run holds the whole model.
+FULL_MODEL_FILES = frozenset({maveriq.FULL_MODELS, maveriq.FULL_MODELS_BATCH})
+
+
 def _check_row(row: maveriq.Measurement, prompt: int, model_id: str, spec: ArchSpec) -> None:
     """InvalidArgument naming the row's file and line when it cannot be a run of the model
     ``spec`` describes (more layers than it has, a tensor parallelism its heads cannot
@@ -381,6 +385,15 @@ def _check_row(row: maveriq.Measurement, prompt: int, model_id: str, spec: ArchS
     if row.layers > spec.num_layers:
         raise InvalidArgument(
             f"{where}: the row holds {row.layers} layers, the model has {spec.num_layers}"
+        )
+    if row.source in FULL_MODEL_FILES and row.layers != spec.num_layers:
+        # Taken as a fingerprint of that many layers, a PP_Map slip (40 written 4) turned
+        # 25 GiB runs into 4-layer samples: the calibration's fit error read 154 % and the
+        # model's estimates 12x (a tester).
+        raise InvalidArgument(
+            f"{where}: a run in {row.source} holds the whole model, {spec.num_layers} "
+            f"layers, and this row's PP_Map {':'.join(map(str, row.pp_map))} gives "
+            f"{row.layers}; correct the row (fingerprints belong in {maveriq.FINGERPRINTS})"
         )
     # The estimator extrapolates fingerprints at REFERENCE_BATCHES alone. An imported row
     # is timed end to end, so a fingerprint at another batch size shares the TPOT terms

@@ -879,6 +879,17 @@ def test_a_row_the_estimator_cannot_use_leaves_a_working_model_as_it_was(run):
             with pytest.raises(InvalidArgument, match=f"fingerprint_data_collection.csv{where}"):
                 await import_profiles(store, request({"fingerprint_data_collection.csv": text}))
             assert await _snapshot(store) == before
+        # A full-model row of fewer layers than the model (a PP_Map slip, 8 written 1):
+        # it was stored as a fingerprint, and the estimates went 12x (a tester).
+        slip = FULL.replace(",2,4,8 8 8 8,", ",2,4,8 8 1 8,")
+        with pytest.raises(
+            InvalidArgument,
+            match="full_model_data_collection.csv:2: llama-2-7b: a run in "
+            "full_model_data_collection.csv holds the whole model, 32 layers, and this "
+            "row's PP_Map 8:8:1:8 gives 25",
+        ):
+            await import_profiles(store, request({"full_model_data_collection.csv": slip}))
+        assert await _snapshot(store) == before
 
     run(scenario)
 
