@@ -32,6 +32,7 @@ from services.errors import InvalidArgument, IServeError, ResourceExhausted, sho
 from services.estimation.score import UNFIT_NOTE
 from services.ids import check_device_id, check_hardware_type, check_node_id
 from services.intents import COST_FIELDS, COST_UNITS
+from services.proto_limits import MAX_DEVICE_BYTES
 from services.reservation import memory_blocks
 from services.settings import GIB
 from services.simulation import MAX_SIMULATED_DEVICES
@@ -696,6 +697,11 @@ def simulated_nodes(simulated: Sequence[common.DeviceState]) -> list[common.Node
         check_device_id(dev.ref.device_id)
         if not dev.hardware_type or not dev.total_bytes:
             raise InvalidArgument(f"{name} needs hardware_type and total_bytes")
+        if dev.total_bytes > MAX_DEVICE_BYTES:
+            raise InvalidArgument(
+                f"{name}: total_bytes {dev.total_bytes} is over {MAX_DEVICE_BYTES} (1 PiB), "
+                "more than any device holds"
+            )
         check_hardware_type(dev.hardware_type)
         if not 0.0 <= dev.load <= 1.0:
             raise InvalidArgument(f"{name}: load must be in [0, 1]")

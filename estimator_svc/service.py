@@ -32,6 +32,7 @@ from services.estimation.memory import GIB
 from services.estimation.model_references import Workload
 from services.estimation.score import UNFIT_NOTE, Estimates
 from services.ids import check_hardware_type, is_cpu_hardware
+from services.proto_limits import MAX_DEVICE_BYTES
 from services.reservation import CPU_RUNTIME_MIB, RUNTIME_OVERHEAD_BYTES
 from services.state.capacity import largest_device_bytes
 from services.state.store import StateStore
@@ -338,6 +339,11 @@ class Estimator:
     ) -> Estimate:
         """Every configuration of ``model_id`` on ``hardware_type`` for ``workload``, on
         ``device_count`` devices of ``device_memory_bytes`` each (0: see :meth:`devices`)."""
+        if device_memory_bytes > MAX_DEVICE_BYTES:
+            raise InvalidArgument(
+                f"device_memory_bytes {device_memory_bytes} is over {MAX_DEVICE_BYTES} "
+                "(1 PiB), more than any device holds"
+            )
         model = await self._model(model_id)
         config_map = await self.config_map(model_id, hardware_type, model)
         devices, memory_gib = await self.devices(hardware_type, device_count)

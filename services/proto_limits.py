@@ -8,9 +8,13 @@ the field's name, before building a message.
 
 from __future__ import annotations
 
-__all__ = ["UINT32_MAX", "UINT64_MAX"]
+__all__ = ["MAX_DEVICE_BYTES", "UINT32_MAX", "UINT64_MAX"]
 
 # uint32 fields: token counts, batch sizes, parallel degrees, milliseconds.
 UINT32_MAX = 2**32 - 1
 # uint64 fields: seeds, byte counts.
 UINT64_MAX = 2**64 - 1
+# A device's memory in any request (estimates, plans' simulated devices): 1 PiB, past
+# any device built. 2**64 - 1 bytes, what a uint64 holds, came back from the estimator
+# as 2**64 (a float's rounding), which no reply can carry: INTERNAL (a tester).
+MAX_DEVICE_BYTES = 1 << 50

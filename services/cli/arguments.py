@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from services.proto_limits import UINT32_MAX
+from services.proto_limits import MAX_DEVICE_BYTES, UINT32_MAX
 
 __all__ = [
     "add_token_limits",
@@ -28,7 +28,7 @@ __all__ = [
 # A device's memory in GiB: from 1 MiB (less rounds to nothing) to 1 PiB (a uint64 of
 # bytes holds 16 EiB; no device comes near it).
 MIN_DEVICE_MEMORY_GIB = 1 / 1024
-MAX_DEVICE_MEMORY_GIB = float(1 << 20)
+MAX_DEVICE_MEMORY_GIB = float(MAX_DEVICE_BYTES >> 30)
 
 
 def whole_number(minimum: int = 1, maximum: int = UINT32_MAX) -> Callable[[str], int]:

@@ -298,6 +298,10 @@ def test_bad_inputs(stack, estimator, imported):
         (estimate_request(output=0), grpc.StatusCode.INVALID_ARGUMENT, "output_tokens"),
         (estimate_request(hardware=""), grpc.StatusCode.INVALID_ARGUMENT, "hardware_type"),
     ]
+    # What a uint64 holds came back as INTERNAL ("Value out of range", a tester).
+    huge = estimate_request()
+    huge.device_memory_bytes = 2**64 - 1
+    cases.append((huge, grpc.StatusCode.INVALID_ARGUMENT, "is over 1125899906842624 (1 PiB)"))
     for request, code, message in cases:
         got, details = code_of(lambda r=request: estimator.EstimateConfigs(r, timeout=60))
         assert got == code and message in details, details

@@ -254,6 +254,8 @@ def test_simulated_devices_are_bounded_on_both_sides_of_the_wire():
         ({"used_bytes": 2 * GIB}, "used_bytes 2147483648 exceeds total_bytes"),
         ({"reserved_bytes": 2 * GIB}, "reserved_bytes 2147483648 exceeds total_bytes"),
         ({"kind": 999}, "kind 999 is not a DeviceKind"),
+        # It planned batch 1 on "no estimate of this configuration's TPOT" (a tester).
+        ({"total_bytes": 2**64 - 1}, "total_bytes 18446744073709551615 is over .* .1 PiB."),
         (
             {"used_bytes": GIB, "reserved_bytes": GIB, "free_bytes": GIB},
             r"free_bytes 1073741824 exceeds what used_bytes and reserved_bytes leave .* \(0\)",
