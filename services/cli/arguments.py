@@ -93,6 +93,17 @@ def positive_number(text: str) -> float:
     return value
 
 
+def milliseconds_field_seconds(text: str) -> float:
+    """An argparse ``type``: seconds above 0 that a request's uint32 milliseconds carry
+    (at most 4,294,967 s, 49 days). 1e308 printed a traceback, and 4294968 "Value out of
+    range" without the option's name (a tester)."""
+    value = positive_number(text)
+    most = UINT32_MAX // 1000
+    if value > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most} seconds, got {text!r}")
+    return value
+
+
 def device_memory_gib(text: str) -> float:
     """An argparse ``type``: a device's memory in GiB, from 1 MiB to 1 PiB."""
     value = positive_number(text)

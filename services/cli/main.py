@@ -52,7 +52,7 @@ from services.cli import deploying, estimation, output, plan, stack, tokens
 from services.cli.arguments import (
     add_token_limits,
     device_memory_gib,
-    positive_number,
+    milliseconds_field_seconds,
     usage_error,
     watch_seconds,
     whole_number,
@@ -613,7 +613,7 @@ def cmd_deploy(settings: Settings, args) -> int:
         return 0
     try:
         reply = stub.Deploy(
-            deploy_pb.DeployRequest(**fields, ready_timeout_ms=int(args.timeout * 1000))
+            deploy_pb.DeployRequest(**fields, ready_timeout_ms=round(args.timeout * 1000))
         )
     except KeyboardInterrupt:
         # The call is cancelled with the process, and the deployer rolls back a Deploy
@@ -1078,7 +1078,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=positive_number,
+        type=milliseconds_field_seconds,
         default=0,
         help="seconds to wait for the workers (default: the deployer's "
         "ISERVE_READY_TIMEOUT_S, 120 unless set)",

@@ -503,6 +503,18 @@ def test_a_target_that_is_no_positive_number_is_a_usage_error_naming_its_flag(
     assert f"argument {flags[-2]}: must be a finite number above 0" in err
 
 
+@pytest.mark.parametrize("timeout", ["1e308", "4294968", "0", "inf"])
+def test_a_deploy_timeout_beyond_what_the_request_carries_is_a_usage_error(timeout, capsys):
+    """1e308 printed a traceback (OverflowError) and 4294968 "Value out of range:
+    4294968000" without the flag (a tester)."""
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["deploy", "m", "--timeout", timeout])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --timeout: must be " in err, err
+    assert build_parser().parse_args(["deploy", "m", "--timeout", "4294967"]).timeout == 4294967
+
+
 def test_up_refuses_a_variable_iserve_reads_set_in_the_wrong_case(tmp_path, monkeypatch, capsys):
     """ISERVE_Auth=on brought the stack up open (a warning among the start-up lines): a
     known name in the wrong case stops `iserve up` before anything starts."""
