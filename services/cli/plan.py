@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -291,7 +292,7 @@ def write_png(path: Path, title: str, estimates, rows: list[dict], fits) -> None
     fig.tight_layout()
     # "tight": the figure grows to hold a label that reaches past the axes (a long list
     # of intents was cut at the right edge).
-    fig.savefig(path, bbox_inches="tight")
+    fig.savefig(path, format="png", bbox_inches="tight")  # at the name given, as given
     plt.close(fig)
 
 
@@ -304,6 +305,15 @@ def cmd_plan(settings: Settings, args) -> int:
         usage_error("--device-memory describes simulated devices: give --hardware too")
     if args.hardware and args.device_memory is None:
         usage_error("--hardware needs --device-memory GIB (each simulated device's memory)")
+    if args.png:
+        # matplotlib took the name's suffix for the format, added ".png" to a name with
+        # none, and wrote "/tmp.png" for the directory /tmp, each reported as the name
+        # given (a tester).
+        png = Path(args.png)
+        if png.is_dir() or args.png.endswith(os.sep):
+            usage_error(f"--png {args.png} is a directory: name the file, e.g. {png / 'plan.png'}")
+        if png.suffix and png.suffix.lower() != ".png":
+            usage_error(f"--png writes a PNG image: name a .png file, not {png.name}")
     rows = plan_intents(settings, args)
     limits = token_limits_of(settings, args)
     where = (

@@ -25,6 +25,17 @@ def test_plan_shows_each_intents_choice_and_draws_the_front(stack, imported, tmp
     for intent in ("min-cost", "min-latency", "min-memory", "min-device-hours", "max-throughput"):
         assert any(line.startswith(intent) for line in lines), out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    # Written at the name given, which is reported: "plotfile" was written as
+    # plotfile.png, and the directory tmp_path as tmp_path + ".png" (a tester).
+    bare = tmp_path / "plotfile"
+    out = cli(stack, "plan", "llama-2-70b", *ARGS, "--png", str(bare))
+    assert out.returncode == 0 and f"wrote {bare}" in out.stderr, out.stderr
+    assert bare.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for wrong, says in ((tmp_path, "is a directory"), (tmp_path / "p.pdf", "writes a PNG")):
+        out = cli(stack, "plan", "llama-2-70b", *ARGS, "--png", str(wrong))
+        assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.png", "plotfile"]
+    assert not tmp_path.with_name(tmp_path.name + ".png").exists()
 
     # At one batch, each intent's choice is at least as good as the others' by its own
     # metric.
