@@ -154,7 +154,7 @@ def cmd_profile_import(settings: Settings, args) -> int:
     return 0
 
 
-def estimate_record(estimate: estimator_pb.ConfigEstimate) -> dict:
+def estimate_record(estimate: estimator_pb.ConfigEstimate, memory_known: bool = True) -> dict:
     """One configuration's estimate as a flat JSON object (``iserve estimate --json``)."""
     config = estimate.config
     return {
@@ -178,7 +178,9 @@ def estimate_record(estimate: estimator_pb.ConfigEstimate) -> dict:
             estimate.throughput_tokens_per_second_per_device
         ),
         "accuracy_score": estimate.accuracy_score if estimate.HasField("accuracy_score") else None,
-        "fits_device_memory": estimate.fits_device_memory,
+        # None where the devices' memory is unknown (the reply's true says only that
+        # nothing was judged): it read "FITS yes" for 129 GiB a device (a tester).
+        "fits_device_memory": estimate.fits_device_memory if memory_known else None,
         "batch_measured": estimate.batch_measured,
         "communication_unprofiled": estimate.communication_unprofiled,
     }
@@ -224,7 +226,7 @@ def estimate_row(r: dict) -> list:
         f"{r['cost_memory_latency']:.3g}",  # a small model's 0.0117 GB*s read "0.0", as plan's did
         f"{r['throughput_tokens_per_second_per_device']:.2f}",
         "-" if r["accuracy_score"] is None else f"{r['accuracy_score']:.1f}",
-        "yes" if r["fits_device_memory"] else "no",
+        {True: "yes", False: "no", None: "?"}[r["fits_device_memory"]],
     ]
 
 
@@ -242,7 +244,7 @@ def cmd_estimate(settings: Settings, args) -> int:
             device_memory_bytes=round((args.device_memory or 0) * GIB),
         )
     )
-    records = [estimate_record(e) for e in reply.estimates]
+    records = [estimate_record(e, bool(reply.device_memory_bytes)) for e in reply.estimates]
     if args.json:
         for record in records:
             print(json.dumps(record))

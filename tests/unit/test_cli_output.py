@@ -258,6 +258,20 @@ def test_estimate_rows_tell_small_costs_apart():
     assert [r[9] for r in rows] == ["0.0117", "0.0123", "1.23e+03"]
 
 
+def test_fits_is_unknown_where_the_devices_memory_is():
+    """129 GiB a device read "FITS yes" on a hardware type of unknown memory (a tester):
+    the reply's true says only that nothing was judged."""
+    from services.api import estimator_service_pb2 as estimator_pb
+    from services.cli.estimation import estimate_record, estimate_row
+
+    big = estimator_pb.ConfigEstimate(memory_per_device_bytes=129 << 30, fits_device_memory=True)
+    unknown = estimate_record(big, memory_known=False)
+    assert unknown["fits_device_memory"] is None and estimate_row(unknown)[-1] == "?"
+    assert estimate_row(estimate_record(big))[-1] == "yes"
+    big.fits_device_memory = False
+    assert estimate_row(estimate_record(big))[-1] == "no"
+
+
 def test_plan_rows_show_the_winners_rank_and_what_was_passed_over(capsys):
     """`iserve plan` shows each intent's winner rank and the better-ranked configurations
     skipped, with why, as `iserve deploy` does (it showed neither)."""
