@@ -233,6 +233,9 @@ class FakeSupervisor:
     stopped: list[str] = field(default_factory=list)
     # What each rank last wrote into its ready record.
     records: dict[int, dict] = field(default_factory=dict)
+    # Where the workers' logs would be: none are written here (a job prunes the old ones
+    # in it; a directory that does not exist holds none).
+    log_dir: Path = Path("/nonexistent/iserve-fake-worker-logs")
 
     async def start_workers(self, plan):
         self.plans.append(plan)
