@@ -89,14 +89,7 @@ def test_up_where_its_log_directory_cannot_be_made_says_what_it_was_doing(tmp_pa
     state = tmp_path / "state"
     state.mkdir()
     (state / "logs").write_text("not a directory")
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
-        "ISERVE_STATE_DIR": str(state),
-        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
-        **{var: "127.0.0.1:0" for var in METRICS_ENV.values()},
-        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
-    }
-    env.pop("REDIS_URL", None)
+    env = _stack_env(state)
     up = run_cli(env, "up", "--detach")
     assert up.returncode == 1
     assert f"cannot prepare the stack's directories under {state}" in up.stderr, up.stderr
@@ -124,14 +117,7 @@ def test_up_on_a_full_disk_names_the_file_and_leaves_nothing_running(tmp_path, w
     (state / where).parent.mkdir(parents=True)
     partial = state / f"{where}.partial"
     partial.symlink_to("/dev/full")
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")},
-        "ISERVE_STATE_DIR": str(state),
-        **{var: f"127.0.0.1:{free_port()}" for var in SERVICE_ENV.values()},
-        **{var: "127.0.0.1:0" for var in METRICS_ENV.values()},
-        GATEWAY_ENV: f"127.0.0.1:{free_port()}",
-    }
-    env.pop("REDIS_URL", None)
+    env = _stack_env(state)
     up = run_cli(env, "up", "--detach")
     assert up.returncode == 1
     assert (
