@@ -77,6 +77,14 @@ EVENT_TIMEOUT_S = 1.0
 ADMISSION_REFUSALS = (errors.InvalidArgument, errors.ResourceExhausted, errors.DeadlineExceeded)
 
 
+def pinned(request: inference_pb.GenerateRequest, deployment_id: str) -> bool:
+    """Whether ``request`` names ``deployment_id`` itself: by ``deployment_id``, or by
+    that id where a model's goes (the gateway's ``model``, the one way over HTTP). Such
+    a request is served as a deployment's: an HTTP request pinned so was refused late by
+    FCFS, as a model's request is, where gRPC's deployment_id was served (a tester)."""
+    return request.HasField("deployment_id") or request.model_id == deployment_id
+
+
 def removed_before_serving(deployment_id: str) -> str:
     """Why a request routed to ``deployment_id`` (the scheduler's records, refreshed each
     second, still listed it) found its worker stopped and its record deleted."""
@@ -170,7 +178,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                 except errors.NotFound as missing:
                     if not retried_after:
                         raise
-                    if by_model:
+                    if by_model and not pinned(request, record.deployment_id):
                         # Accepted, and the model's deployment was removed since: the
                         # server's state (the gateway's 503), not an unknown model (a
                         # 404 told queued requests the model had never been deployed).
@@ -181,7 +189,7 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
                     # The deployment it was routed to was removed since: not an unknown id.
                     if not waited:
                         raise errors.NotServing(
-                            removed_before_serving(request.deployment_id)
+                            removed_before_serving(record.deployment_id)
                         ) from None
                     raise errors.NotServing(
                         f"{retried_after}: it was removed while the request waited"
@@ -434,7 +442,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # deployment checks that at admission too, so a request EDF found hopeless
             # is not served late, with success, by an FCFS deployment of the model; by
             # deployment id, FCFS serves what it takes, however late.
-            refused_if_late=request.deadline_ms > 0 and not request.HasField("deployment_id"),
+            refused_if_late=request.deadline_ms > 0
+            and not pinned(request, deployment.deployment_id),
             not_refused_late=guessed_too_long,
             unreachable=alone.first_token_s is not None and alone.first_token_s <= arrival,
         )

@@ -1028,8 +1028,11 @@ def test_an_unset_max_tokens_is_resolved_again_where_a_request_moves(redis_url):
     [
         ({"deployment_id": "d1"}, ""),
         ({"model_id": "m"}, "model m has no deployment now: "),
+        # The deployment's id where a model's goes: told as a deployment's request
+        # ("model d1 has no deployment, and no deployment has that id now", a tester).
+        ({"model_id": "d1"}, ""),
     ],
-    ids=["by-deployment", "by-model"],
+    ids=["by-deployment", "by-model", "by-deployment-id-as-model"],
 )
 def test_a_request_waiting_on_a_deployment_removed_meanwhile_is_told_so(redis_url, target, says):
     """Waiting on d1 when its record is deleted: FAILED_PRECONDITION (the gateway's 503)
@@ -1276,11 +1279,14 @@ def test_a_model_request_edf_finds_hopeless_is_not_served_late_by_an_fcfs_deploy
             "the decode of max_tokens (10) alone takes longer than the deadline" in error.details()
         )
         assert [r.request_id for r in lenient.received] == ["warm-b-fcfs"]
-        # By deployment id, FCFS serves it (late); by model without a deadline, too.
+        # By deployment id, FCFS serves it (late); so it does by that id where a model's
+        # goes (the gateway's "model", which was refused late as a model's request, a
+        # tester); by model without a deadline, too.
         await h.collect(request_id="direct", deployment_id="b-fcfs", max_tokens=10, deadline_ms=300)
+        await h.collect(request_id="pinned", model_id="b-fcfs", max_tokens=10, deadline_ms=300)
         messages = await h.collect(request_id="no-deadline", model_id="m", max_tokens=10)
         assert messages[-1].HasField("final")
-        assert {"direct", "no-deadline"} <= {
+        assert {"direct", "pinned", "no-deadline"} <= {
             r.request_id for r in lenient.received + strict.received
         }
 
