@@ -69,6 +69,7 @@ class OnlineLine:
         prior_samples: float,
         x_scale: float = 1.0,
         forgetting: float = FORGETTING,
+        timed_at_zero: bool = False,
     ):
         if not 0 < forgetting <= 1:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
@@ -76,6 +77,7 @@ class OnlineLine:
             raise ValueError("prior_samples must be >= 0 and x_scale positive")
         self._x_scale = x_scale
         self._forgetting = forgetting
+        self._timed_at_zero = timed_at_zero
         self._theta = [prior[0], prior[1] * x_scale]
         variance = 1.0 / prior_samples if prior_samples > 0 else 1e6
         self._p = [[variance, 0.0], [0.0, variance]]
@@ -87,20 +89,30 @@ class OnlineLine:
 
     @property
     def coefficients(self) -> tuple[float, float]:
-        """(a, b) in the unit of y and y per unit of x."""
-        return self._theta[0], self._theta[1] / self._x_scale
+        """(a, b) in the unit of y and y per unit of x, as :meth:`predict` reads them."""
+        a, b = self._read()
+        return a, b / self._x_scale
 
     def predict(self, x: float) -> float:
         """The line at ``x``, never below 0. A time never falls as x grows (more
         tokens, more sequences): a line fitted falling, as noise makes one of samples
         that all have about the same x, is read flat at the samples' mean x. Read as a
         line, samples of 511- and 512-token prompts (TTFT 17-44 ms) gave a 3-token
-        prompt 3 s, and an EDF deployment refused everything from then on (a tester)."""
+        prompt 3 s, and an EDF deployment refused everything from then on (a tester).
+        With ``timed_at_zero`` (x = 0 is a time of its own: a lone sequence's decode
+        step), a line fitted with a negative intercept is read flat so too: samples near
+        a full batch put a lone sequence's step at 0 s, and EDF admitted any deadline
+        (a tester)."""
+        a, b = self._read()
+        return max(0.0, a + b * (x / self._x_scale))
+
+    def _read(self) -> tuple[float, float]:
+        """(a, b) of the line :meth:`predict` reads, in the scaled x."""
         a, b = self._theta
-        u = x / self._x_scale
-        if b < 0 and self._weight > 0:
-            u = self._weighted_x / self._weight
-        return max(0.0, a + b * u)
+        unreliable = b < 0 or (self._timed_at_zero and a < 0)
+        if unreliable and self._weight > 0:
+            return a + b * self._weighted_x / self._weight, 0.0
+        return a, b
 
     def update(self, x: float, y: float) -> None:
         """Take one sample (``x``, ``y``) into the fit."""
@@ -163,6 +175,7 @@ class LatencyPredictor:
             (model.decode_step_ms / 1e3, model.decode_ms_per_extra_sequence / 1e3),
             ESTIMATE_SAMPLES if model.decode_step_ms > 0 else 0.0,
             x_scale=max(1, batch_size - 1),
+            timed_at_zero=True,  # x = running - 1: at 0, a lone sequence's step
         )
         self._prompt_chars = 0.0  # decayed sums over the requests seen
         self._prompt_tokens = 0.0

@@ -87,6 +87,32 @@ def test_samples_at_one_length_without_a_prior_never_price_a_short_prompt_above_
     assert rising.predict(16) == pytest.approx(0.0116, rel=0.01)  # a rising line as it is
 
 
+def test_a_lone_sequences_decode_step_is_never_read_as_no_time():
+    """Samples near a full batch fitted a negative intercept (-14 ms, +25 ms a sequence):
+    a lone sequence's step, the line at x = 0, read 0 s, and an EDF deployment admitted
+    any deadline; the metrics showed each coefficient clamped alone (a tester). A line
+    whose intercept is a time of its own reads flat at the samples' mean then, as a
+    falling line does; the metrics show what the predictions read."""
+
+    def samples(line: OnlineLine) -> OnlineLine:
+        rng = random.Random(0)
+        for _ in range(28):
+            x = rng.choice([rng.uniform(0.9, 1.0)] * 5 + [rng.uniform(0.3, 1.0)])
+            line.update(x, 0.005 * (1 + 0.3 * x) * rng.choice([1, 1, 1, 1, 1.5, 3]))
+        return line
+
+    loose = samples(OnlineLine((0, 0), 0.0, x_scale=1))
+    assert loose.predict(0) == 0.0  # a line like any: its intercept as fitted (clamped)
+    decode = samples(OnlineLine((0, 0), 0.0, x_scale=1, timed_at_zero=True))
+    step = decode.predict(0)
+    assert 0.005 < step < 0.015 and decode.predict(1) == step
+    assert decode.coefficients == (step, 0.0)
+    # A deployment's decode line is read so (batch 2: x = running - 1 in [0, 1]).
+    predictor = LatencyPredictor(common.LatencyModel(), max_input_tokens=512, batch_size=2)
+    samples(predictor.decode)
+    assert predictor.decode_step_s(1) == pytest.approx(step)
+
+
 def test_predictions_never_go_below_zero():
     line = OnlineLine(prior=(-1.0, 0.0), prior_samples=2)
     assert line.predict(1) == 0.0
