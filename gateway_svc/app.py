@@ -983,8 +983,10 @@ def create_app(
         if exc.status >= 500:
             # The server's side failed (a service unreachable, an internal error): the
             # operator's to know, and the log said nothing of it (a probe). A client's
-            # own 4xx are its to read, not logged.
-            log.warning(
+            # own 4xx are its to read, not logged. A 504 is a deadline's: EDF's
+            # admission control refusing a first token it predicts late, which under
+            # overload is hundreds a minute of the service working as meant (a tester).
+            (log.info if exc.status == 504 else log.warning)(
                 "%s %s -> %d %s: %s",
                 request.method,
                 request.url.path,

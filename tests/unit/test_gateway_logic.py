@@ -1085,6 +1085,27 @@ def test_a_server_side_failure_is_logged_and_a_clients_own_error_is_not(tmp_path
     assert "failed to connect to all addresses" in "".join(said)
     assert not any("/v1/completions" in m for m in said), said
 
+    # A deadline's 504 (EDF refusing a first token it predicts late: admission control
+    # at work) is an INFO line, not one WARNING each, hundreds a minute under overload.
+    class Late(_Deployments):
+        async def ListDeployments(self, request, timeout=None, metadata=()):
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details="request r cannot meet its deadline",
+            )
+
+    caplog.clear()
+    backend = Backend(_Recorder(), Late([]), _Models("ckpt"), tmp_path, auth=False)
+    with (
+        caplog.at_level(logging.INFO, logger="iserve.gateway"),
+        TestClient(create_app(lambda: backend)) as client,
+    ):
+        assert client.get("/v1/models").status_code == 504
+    told = [r for r in caplog.records if "-> 504" in r.getMessage()]
+    assert [r.levelname for r in told] == ["INFO"], caplog.records
+
 
 _JSON_VALUES = st.recursive(
     st.none()
