@@ -57,6 +57,7 @@ from gateway_svc.chat import (
     BrokenChatTemplate,
     ChatTemplateError,
     NoChatTemplate,
+    UnreadableChatTemplate,
     read_template,
 )
 from gateway_svc.render_pool import RenderPool
@@ -519,6 +520,11 @@ class Backend:
                 raise GatewayError.from_rpc(exc, "model") from None
         try:
             return read_template(self.models_root / path, self.models_root)
+        except UnreadableChatTemplate as exc:
+            # The model's files (changed since registration, which refuses them): the
+            # operator's to hear of, not the client's request to blame with a 400.
+            log.error("model %r: %s", model_id, exc)
+            raise GatewayError(500, "internal_error", f"model {model_id!r}: {exc}") from None
         except NoChatTemplate as exc:
             raise GatewayError(400, "invalid_request_error", f"model {model_id!r}: {exc}") from None
 

@@ -43,6 +43,7 @@ from jinja2.exceptions import SecurityError
 from services.models.chat_template import (
     NoChatTemplate,
     TemplateRefusal,
+    UnreadableChatTemplate,
     compile_template,
     read_chat_template,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "BrokenChatTemplate",
     "ChatTemplateError",
     "NoChatTemplate",
+    "UnreadableChatTemplate",
     "read_template",
     "render",
     "template_messages",

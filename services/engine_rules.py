@@ -289,8 +289,12 @@ def _check_entries_inside(checkpoint_path: str, directory: Path, root: Path) -> 
     entries = [entry for entry in directory.iterdir() if not entry.is_dir()]
     # The named chat templates too, which registration compiles and the gateway reads.
     templates = directory / CHAT_TEMPLATE_DIR
-    if templates.is_dir() and templates.resolve().is_relative_to(root):
-        entries += templates.iterdir()
+    if templates.is_dir():
+        # The folder itself, then what is in it: a folder linked outside was passed over,
+        # and every chat then failed on it (a tester).
+        entries.append(templates)
+        if templates.resolve().is_relative_to(root):
+            entries += templates.iterdir()
     # Weights it cannot name: validation says what is wrong, before any is read.
     with contextlib.suppress(ValueError, OSError):
         entries += weight_files(directory)

@@ -93,7 +93,7 @@ def _file_content(path: str, limit: int, what: str) -> bytes:
                     f"{limit / (1 << 20):.0f} MiB it may be",
                     status.st_size,
                 )
-            content = file.read(limit + 1)
+            content = file.read(status.st_size + 1)  # not limit + 1: allocated at once
     except OSError as exc:
         raise ValueError(f"cannot read {path!r}: {exc.strerror or exc}") from None
     if len(content) > limit:  # grown since

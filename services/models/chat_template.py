@@ -57,11 +57,18 @@ _SPECIAL_TOKENS = (
     "mask_token",
 )
 # Files larger than this are not read as templates or tokenizer configs.
-_MAX_FILE_BYTES = 16 << 20
+MAX_TEMPLATE_FILE_BYTES = 16 << 20
 
 
 class NoChatTemplate(ValueError):
     """The checkpoint has no chat template: the chat endpoint cannot lay out messages."""
+
+
+class UnreadableChatTemplate(NoChatTemplate):
+    """A file that holds (or may hold) the checkpoint's chat template is there but cannot
+    be read: not a regular file, not UTF-8, too large, not JSON, or resolving outside the
+    models root. The model's fault, not a request's: registration refuses it (such
+    checkpoints registered, and every chat was then a 400 blaming the client, a tester)."""
 
 
 class TemplateRefusal(TemplateError):
@@ -230,11 +237,11 @@ def _token_text(value: object) -> str | None:
 _Stamp = tuple[str, str, int, int, str]
 
 
-def _outside(path: Path) -> NoChatTemplate:
+def _outside(path: Path) -> UnreadableChatTemplate:
     # Checked at registration too, but a file may be replaced by a link since: the
     # gateway rendered a link to the stack's token file, or to /proc/self/environ, into
     # a prompt (a probe), also when the link was swapped between a check and the read.
-    return NoChatTemplate(
+    return UnreadableChatTemplate(
         f"{path.name} links outside the models root; iserve only reads checkpoints "
         "under ISERVE_MODELS_ROOT"
     )
@@ -249,13 +256,13 @@ def _stamp(path: Path, root: Path | None) -> _Stamp | None:
     except FileNotFoundError:
         return None
     except (OSError, RuntimeError) as exc:  # RuntimeError: a link loop (Python < 3.13)
-        raise NoChatTemplate(f"cannot read {path.name}: {exc}") from None
+        raise UnreadableChatTemplate(f"cannot read {path.name}: {exc}") from None
     if root is not None and not resolved.is_relative_to(root):
         raise _outside(path)
     if not S_ISREG(stat.st_mode):
         # A named pipe blocked the reader for ever (the model service, or the gateway's
         # event loop, every model's requests with it: a probe).
-        raise NoChatTemplate(f"{path.name} is not a regular file")
+        raise UnreadableChatTemplate(f"{path.name} is not a regular file")
     return str(path), str(resolved), stat.st_mtime_ns, stat.st_size, str(root or "")
 
 
@@ -280,13 +287,13 @@ def read_chat_template(checkpoint_dir: Path, root: Path | None = None) -> ChatTe
 def _read(stamp: _Stamp, what: str) -> str:
     """The text of the file ``stamp`` resolved to, read from the file actually opened:
     not through a link (a link swapped in since the stamp fails the open), a regular
-    file (a pipe would block), inside the stamp's root, at most _MAX_FILE_BYTES."""
+    file (a pipe would block), inside the stamp's root, at most MAX_TEMPLATE_FILE_BYTES."""
     name, resolved, _mtime, _size, root = stamp
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(resolved, flags)
     except OSError as exc:
-        raise NoChatTemplate(f"cannot read {what}: {exc.strerror or exc}") from None
+        raise UnreadableChatTemplate(f"cannot read {what}: {exc.strerror or exc}") from None
     with os.fdopen(fd, "rb") as file:
         stat = os.fstat(fd)
         opened = Path(f"/proc/self/fd/{fd}")
@@ -296,17 +303,19 @@ def _read(stamp: _Stamp, what: str) -> str:
         if root and not where.is_relative_to(root):
             raise _outside(Path(name))
         if not S_ISREG(stat.st_mode):
-            raise NoChatTemplate(f"{what} is not a regular file")
-        if stat.st_size > _MAX_FILE_BYTES:
-            raise NoChatTemplate(f"{what} is {stat.st_size} bytes, more than {_MAX_FILE_BYTES}")
-        data = file.read(_MAX_FILE_BYTES + 1)
-    if len(data) > _MAX_FILE_BYTES:
-        raise NoChatTemplate(f"{what} is more than {_MAX_FILE_BYTES} bytes")
+            raise UnreadableChatTemplate(f"{what} is not a regular file")
+        if stat.st_size > MAX_TEMPLATE_FILE_BYTES:
+            raise UnreadableChatTemplate(
+                f"{what} is {stat.st_size} bytes, more than {MAX_TEMPLATE_FILE_BYTES}"
+            )
+        data = file.read(MAX_TEMPLATE_FILE_BYTES + 1)
+    if len(data) > MAX_TEMPLATE_FILE_BYTES:
+        raise UnreadableChatTemplate(f"{what} is more than {MAX_TEMPLATE_FILE_BYTES} bytes")
     try:
         # As text mode reads it (transformers opens the file so): newlines translated.
         return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()
     except UnicodeDecodeError as exc:
-        raise NoChatTemplate(f"cannot read {what}: {exc}") from None
+        raise UnreadableChatTemplate(f"cannot read {what}: {exc}") from None
 
 
 def _json_object(stamp: _Stamp | None, what: str) -> dict[str, Any]:
@@ -315,9 +324,9 @@ def _json_object(stamp: _Stamp | None, what: str) -> dict[str, Any]:
     try:
         value = json_text.loads(_read(stamp, what))
     except json.JSONDecodeError as exc:
-        raise NoChatTemplate(f"cannot read {what}: {exc}") from None
+        raise UnreadableChatTemplate(f"cannot read {what}: {exc}") from None
     if not isinstance(value, dict):
-        raise NoChatTemplate(f"{what} is not a JSON object")
+        raise UnreadableChatTemplate(f"{what} is not a JSON object")
     return value
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,34 @@ _INDEX_SUFFIX = ".safetensors.index.json"
 MAX_CONFIG_BYTES = 4 << 20
 
 
+# The largest of a checkpoint's other JSON and text files read whole (tokenizer.json,
+# a shard index, generation_config.json): a 256k-token vocabulary's tokenizer.json is
+# some 30 MB.
+MAX_CHECKPOINT_TEXT_BYTES = 256 << 20
+
+
+def read_checkpoint_text(path: Path, limit: int = MAX_CHECKPOINT_TEXT_BYTES) -> str:
+    """The UTF-8 text of the checkpoint file ``path``, opened without blocking and read
+    only when it is a regular file of at most ``limit`` bytes: InvalidCheckpoint naming
+    it otherwise. A named pipe as tokenizer_config.json held the model service's event
+    loop, every model call with it, and each worker start for 120 s; a 600 MB one took
+    1.3 GB to register (a tester). OSError (no such file, say) and UnicodeDecodeError as
+    reading raises them."""
+    where = f"{path.name} in {str(path.parent)!r}"
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise InvalidCheckpoint(f"{where} is not a regular file")
+        if status.st_size > limit:
+            raise InvalidCheckpoint(f"{where} is {status.st_size} bytes, more than {limit}")
+        # As large as the file (read(limit + 1) takes that much memory at once).
+        data = file.read(status.st_size + 1)
+    if len(data) > limit:  # grown since
+        raise InvalidCheckpoint(f"{where} is more than {limit} bytes")
+    return data.decode("utf-8")
+
+
 def read_config_file(directory: Path) -> dict[str, Any]:
     """The parsed ``config.json`` of ``directory`` as it is on disk; InvalidCheckpoint
     when the directory or file is missing or the file is not a JSON object."""
@@ -75,12 +104,13 @@ def read_config_file(directory: Path) -> dict[str, Any]:
     return read_json_object(path)
 
 
-def read_json_object(path: Path) -> dict:
-    """The JSON object in checkpoint file ``path``; InvalidCheckpoint naming the file and
-    its directory when it cannot be read, is not UTF-8 JSON, or holds no object."""
+def read_json_object(path: Path, limit: int = MAX_CHECKPOINT_TEXT_BYTES) -> dict:
+    """The JSON object in checkpoint file ``path`` (at most ``limit`` bytes); InvalidCheckpoint
+    naming the file and its directory when it cannot be read, is not UTF-8 JSON, or holds
+    no object."""
     where = f"{path.name} in {str(path.parent)!r}"
     try:
-        value = json_text.loads(path.read_text(encoding="utf-8"))
+        value = json_text.loads(read_checkpoint_text(path, limit))
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise InvalidCheckpoint(f"{where} is not valid JSON: {exc}") from None
     except OSError as exc:
@@ -196,7 +226,7 @@ def _within(name: str) -> bool:
 
 def _read_shard_index(directory: Path, index_name: str) -> _ChosenWeights:
     try:
-        index = json_text.loads((directory / index_name).read_text(encoding="utf-8"))
+        index = json_text.loads(read_checkpoint_text(directory / index_name))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidCheckpoint(f"{index_name} is not valid JSON: {exc}") from exc
     # transformers reads index["metadata"] and the shards index["weight_map"] names.

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.models import json_text
+from services.models.checkpoint_files import read_checkpoint_text
 from services.models.errors import InvalidCheckpoint
 
 if TYPE_CHECKING:
@@ -233,7 +234,7 @@ def generation_eos_ids(checkpoint_dir: Path, vocab_size: int) -> frozenset[int] 
     if not path.is_file():
         return None
     try:
-        generation = json_text.loads(path.read_text(encoding="utf-8"))
+        generation = json_text.loads(read_checkpoint_text(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         log.warning(
             "%s is not valid JSON (%s); ignoring it and stopping on config.json's EOS ids, "

@@ -31,12 +31,14 @@ from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 
 from services.models.arch import ArchSpec
 from services.models.chat_template import (
+    MAX_TEMPLATE_FILE_BYTES,
     TOKENIZER_CONFIG,
     NoChatTemplate,
+    UnreadableChatTemplate,
     compile_template,
     read_chat_template,
 )
-from services.models.checkpoint_files import read_json_object
+from services.models.checkpoint_files import read_checkpoint_text, read_json_object
 from services.models.errors import InvalidCheckpoint
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -57,7 +59,7 @@ def load_tokenizer(directory: Path, family: str) -> Tokenizer:
         # Read here, not by the library: it takes the path as UTF-8 whatever the locale
         # says, and a checkpoint under a non-ASCII directory in a Latin-1 locale was
         # "not a tokenizer" (no such file).
-        text = (directory / TOKENIZER_FILE).read_text(encoding="utf-8")
+        text = read_checkpoint_text(directory / TOKENIZER_FILE)
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidCheckpoint(
             f"{TOKENIZER_FILE} in {str(directory)!r} is not a tokenizer the tokenizers "
@@ -87,7 +89,9 @@ def _json_object(path: Path) -> dict:
     refuses such a tokenizer, and its special tokens and chat template would be lost."""
     if not path.exists():
         return {}
-    return read_json_object(path)
+    # The gateway's bound on it (it reads the chat template there): a larger one
+    # registered, and every chat was then refused.
+    return read_json_object(path, MAX_TEMPLATE_FILE_BYTES)
 
 
 def as_transformers_runs_it(tokenizer: Tokenizer, family: str, tokenizer_config: dict) -> None:
@@ -247,6 +251,8 @@ def check_tokenizer_files(directory: Path, spec: ArchSpec) -> None:
         )
     try:
         template = read_chat_template(directory)
+    except UnreadableChatTemplate as exc:
+        raise InvalidCheckpoint(f"its chat template cannot be read: {exc}") from None
     except NoChatTemplate:
         return
     try:

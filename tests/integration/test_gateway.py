@@ -766,8 +766,9 @@ def test_a_completion_prompt_may_be_token_ids_or_a_list_of_one_prompt(stack, gat
 def test_a_template_file_linked_outside_the_models_root_is_not_read(stack, gateway, tmp_path):
     """A checkpoint's chat_template.jinja made a link to a file outside the models root
     after registration: the gateway rendered that file (the stack's service token, its
-    own environment with Redis's password) into the prompt (a probe). Now a 400 that
-    says why, and the file's text is nowhere in the reply."""
+    own environment with Redis's password) into the prompt (a probe). Now a 500 (the
+    model's files, not the request: registration refuses such a link) that says why, and
+    the file's text is nowhere in the reply."""
     secret = tmp_path / "service-token"
     secret.write_text("not-a-template-but-a-secret")
     link = stack.models_root / PLAIN / "chat_template.jinja"
@@ -777,7 +778,7 @@ def test_a_template_file_linked_outside_the_models_root_is_not_read(stack, gatew
         reply = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)
     finally:
         link.unlink()
-    assert reply.status_code == 400, reply.text
+    assert reply.status_code == 500, reply.text
     assert "links outside the models root" in reply.json()["error"]["message"]
     assert "secret" not in reply.text
 

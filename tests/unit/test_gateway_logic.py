@@ -840,6 +840,27 @@ def test_a_broken_chat_template_is_logged_for_the_operator(caplog):
     ), caplog.records
 
 
+def test_a_template_file_the_gateway_cannot_read_is_the_models_fault(tmp_path, caplog):
+    """A chat_template.jinja made unreadable after registration (which now refuses one)
+    was a 400 blaming the request (a tester): a 500 naming the model, logged."""
+    backend = _backend(tmp_path, auth=False)
+    (tmp_path / "ckpt" / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with (
+        TestClient(create_app(lambda: backend)) as client,
+        caplog.at_level("ERROR", logger="iserve.gateway"),
+    ):
+        reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 500, reply.text
+    assert "model 'm': cannot read chat_template.jinja" in reply.json()["error"]["message"]
+    assert any("cannot read chat_template.jinja" in r.getMessage() for r in caplog.records)
+    # A model with no template at all is still the request's to change: a 400.
+    (tmp_path / "ckpt" / "chat_template.jinja").unlink()
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text("{}")
+    with TestClient(create_app(lambda: backend)) as client:
+        assert client.post("/v1/chat/completions", json=body).status_code == 400
+
+
 def test_template_variables_a_request_may_not_set_are_a_400_naming_them():
     app = create_app(lambda: _TemplateBackend(DEFAULT_CHAT_TEMPLATE))
     with TestClient(app) as client:

@@ -326,6 +326,67 @@ def test_a_named_pipe_among_the_template_files_is_refused_not_waited_on(root, na
     assert f"{name} is not a regular file" in str(outcome[0])
 
 
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.jinja"])
+def test_registration_refuses_a_named_pipe_among_the_tokenizer_files_at_once(root, name):
+    """A FIFO tokenizer_config.json held the model service's event loop, every model call
+    with it, until something wrote into the pipe; once registered, each worker start
+    waited 120 s on it (a tester). A FIFO chat_template.jinja registered (read as no
+    template) and every chat was a 400."""
+    import shutil
+    import threading
+
+    ckpt = root / f"pipe-{name}"
+    shutil.copytree(root / "tiny", ckpt)
+    (ckpt / name).unlink(missing_ok=True)
+    os.mkfifo(ckpt / name)
+    request = model_pb.RegisterModelRequest(model_id="x", checkpoint_path=ckpt.name)
+    said: list[str] = []
+    registering = threading.Thread(
+        target=lambda: said.append(_refused(build_model, request, root)), daemon=True
+    )
+    registering.start()
+    registering.join(20)
+    if registering.is_alive():
+        with open(ckpt / name, "w") as pipe:  # unblock it
+            pipe.write("{}")
+        registering.join(20)
+        pytest.fail(f"registration waited on the pipe {name}")
+    assert said and f"{name}" in said[0] and "is not a regular file" in said[0], said
+
+
+def test_registration_refuses_template_files_the_gateway_cannot_read(root, tmp_path):
+    """Each registered, and every chat was then a 400 blaming the request (a tester): a
+    chat_template.jinja that is not UTF-8, a template folder linked outside the models
+    root, a tokenizer_config.json over the gateway's bound (a 600 MB one took 1.3 GB)."""
+    import shutil
+
+    from services.models.chat_template import MAX_TEMPLATE_FILE_BYTES
+
+    def variant(name: str):
+        ckpt = root / f"unreadable-{name}"
+        shutil.copytree(root / "tiny", ckpt)
+        return ckpt
+
+    binary = variant("binary")
+    (binary / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    linked = variant("linked")
+    elsewhere = tmp_path / "templates"
+    elsewhere.mkdir()
+    (elsewhere / "default.jinja").write_text("{{ messages }}")
+    (linked / "additional_chat_templates").symlink_to(elsewhere)
+    big = variant("big")
+    with (big / "tokenizer_config.json").open("r+b") as config:
+        config.truncate(MAX_TEMPLATE_FILE_BYTES + 1)  # sparse: no 16 MiB written
+    for ckpt, says in (
+        (binary, "chat_template.jinja: 'utf-8' codec can't decode"),
+        (linked, "additional_chat_templates links outside the models root"),
+        (big, f"more than {MAX_TEMPLATE_FILE_BYTES}"),
+    ):
+        request = model_pb.RegisterModelRequest(model_id="x", checkpoint_path=ckpt.name)
+        message = _refused(build_model, request, root)
+        assert says in message, message
+
+
 @pytest.mark.parametrize(
     "name",
     ["chat_template.jinja", "tokenizer_config.json", "additional_chat_templates/default.jinja"],
