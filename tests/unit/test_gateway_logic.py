@@ -1085,16 +1085,20 @@ def test_a_message_without_content_is_refused_unless_an_assistant_made_calls(mes
 def test_a_server_side_failure_is_logged_and_a_clients_own_error_is_not(tmp_path, caplog):
     """The gateway answered 503s (the scheduler down) and wrote nothing of them (a probe)."""
 
-    class Unreachable(_Deployments):
+    class Failing(_Deployments):
+        """Every ListDeployments fails with ``code`` and ``details``."""
+
+        def __init__(self, code: grpc.StatusCode, details: str) -> None:
+            super().__init__([])
+            self.code, self.details = code, details
+
         async def ListDeployments(self, request, timeout=None, metadata=()):
             raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                details="failed to connect to all addresses",
+                self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=self.details
             )
 
-    backend = Backend(_Recorder(), Unreachable([]), _Models("ckpt"), tmp_path, auth=False)
+    unreachable = Failing(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+    backend = Backend(_Recorder(), unreachable, _Models("ckpt"), tmp_path, auth=False)
     with (
         caplog.at_level(logging.WARNING, logger="iserve.gateway"),
         TestClient(create_app(lambda: backend)) as client,
@@ -1108,17 +1112,9 @@ def test_a_server_side_failure_is_logged_and_a_clients_own_error_is_not(tmp_path
 
     # A deadline's 504 (EDF refusing a first token it predicts late: admission control
     # at work) is an INFO line, not one WARNING each, hundreds a minute under overload.
-    class Late(_Deployments):
-        async def ListDeployments(self, request, timeout=None, metadata=()):
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                details="request r cannot meet its deadline",
-            )
-
+    late = Failing(grpc.StatusCode.DEADLINE_EXCEEDED, "request r cannot meet its deadline")
     caplog.clear()
-    backend = Backend(_Recorder(), Late([]), _Models("ckpt"), tmp_path, auth=False)
+    backend = Backend(_Recorder(), late, _Models("ckpt"), tmp_path, auth=False)
     with (
         caplog.at_level(logging.INFO, logger="iserve.gateway"),
         TestClient(create_app(lambda: backend)) as client,
