@@ -282,12 +282,32 @@ def state_name(state: int) -> str:
     return deploy_pb.DeploymentState.Name(state).removeprefix("DEPLOYMENT_STATE_")
 
 
+# A log line quoted in a listing is cut to this many characters.
+LISTED_LOG_LINE_CHARS = 160
+
+
+def listed_reason(reason: str) -> str:
+    """A state reason on one line for the CLI's listings: its first line, and of the log
+    lines a worker's failure carries after it, the last, which names the cause ("the
+    short reason hides it", a tester: "exited with code 1 before it was ready (log lines
+    in the full reason)", the tensor of the wrong shape in --json only). Clients of the
+    gateway and the scheduler get the first line alone (``replicas.reason_summary``)."""
+    first, _, rest = reason.strip().partition("\n")
+    lines = [line.strip() for line in rest.splitlines() if line.strip()]
+    if not lines:
+        return first
+    last = lines[-1]
+    if len(last) > LISTED_LOG_LINE_CHARS:
+        last = last[: LISTED_LOG_LINE_CHARS - 1] + "…"
+    return f"{first.rstrip(':').rstrip()}; its last log line: {last} (all of them in --json)"
+
+
 def describe_replicas(deployment: deploy_pb.Deployment) -> str:
     """``replica 0 READY 127.0.0.1:40001, replica 1 FAILED 127.0.0.1:40002 (why)``."""
     parts = []
     for replica in replicas.replicas_of(deployment):
         state = state_name(replica.state)
-        reason = replicas.reason_summary(replica.state_reason)
+        reason = listed_reason(replica.state_reason)
         why = f" ({reason})" if reason else ""
         parts.append(f"replica {replica.index} {state} {replica.worker_address or '-'}{why}")
     return ", ".join(parts)

@@ -195,3 +195,29 @@ def test_a_reason_shown_to_clients_and_listings_is_its_first_line():
     assert replicas.reason_summary("restarted 1 time(s); last error: x") == (
         "restarted 1 time(s); last error: x"
     )
+
+
+def test_the_clis_listing_quotes_a_failures_last_log_line():
+    """`iserve deployments` said "exited with code 1 before it was ready (log lines in the
+    full reason)": the cause (a tensor of the wrong shape) was in --json only (a tester).
+    The listing quotes the last log line, cut; clients keep the first line alone."""
+    from services.cli.deploying import LISTED_LOG_LINE_CHARS, describe_replicas, listed_reason
+
+    reason = (
+        "worker rank 0 exited with code 1 before it was ready:\nTraceback (most recent call "
+        "last):\n  File x\nInvalidCheckpoint: tensor 'model.embed_tokens.weight' has shape "
+        "[640, 128], config.json says [640, 64]\n\n"
+    )
+    assert listed_reason(reason) == (
+        "worker rank 0 exited with code 1 before it was ready; its last log line: "
+        "InvalidCheckpoint: tensor 'model.embed_tokens.weight' has shape [640, 128], "
+        "config.json says [640, 64] (all of them in --json)"
+    )
+    assert listed_reason("restarted 1 time(s)") == "restarted 1 time(s)"
+    long = listed_reason("x:\n" + "y" * 500)
+    assert long.endswith("y…" + " (all of them in --json)")
+    assert len(long) < LISTED_LOG_LINE_CHARS + 60
+    dep = _deployment(1)
+    dep.replicas[0].state_reason = reason
+    assert "its last log line: InvalidCheckpoint: tensor" in describe_replicas(dep)
+    assert "Traceback" not in replicas.reason_summary(reason)
