@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import stat
 import sys
 import uuid
 from pathlib import Path
@@ -24,6 +22,7 @@ from services.api import model_service_pb2 as model_pb
 from services.cli.arguments import device_memory_gib, id_list, usage_error, whole_number
 from services.cli.output import gib, show_tables
 from services.contention import CONTENDED_SHARE
+from services.files import FileTooLarge, NotRegularFile, read_regular_file
 from services.importers import MAX_PROFILE_MEASUREMENTS
 from services.models.checkpoint_files import MAX_CONFIG_BYTES
 from services.settings import Settings
@@ -59,7 +58,13 @@ def _model_configs(pairs: list[str]) -> dict[str, str]:
             raise ValueError(f"--model-config {pair!r}: use NAME=PATH (the model name of the rows)")
         if name in configs:
             raise ValueError(f"--model-config names {name!r} twice")
-        content = _file_content(path, MAX_CONFIG_BYTES, "--model-config")
+        try:
+            content = _file_content(path, MAX_CONFIG_BYTES, "--model-config")
+        except FileTooLarge as exc:
+            raise ValueError(
+                f"--model-config {path!r} is {exc.size / (1 << 20):.1f} MiB, over the "
+                f"{MAX_CONFIG_BYTES / (1 << 20):.0f} MiB it may be"
+            ) from None
         try:
             configs[name] = content.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -69,38 +74,17 @@ def _model_configs(pairs: list[str]) -> dict[str, str]:
     return configs
 
 
-class _TooLarge(ValueError):
-    """A file over what it may hold, of ``size`` bytes."""
-
-    def __init__(self, message: str, size: int) -> None:
-        super().__init__(message)
-        self.size = size
-
-
 def _file_content(path: str, limit: int, what: str) -> bytes:
-    """The bytes of the regular file ``path``, read only up to ``limit``: ValueError naming
-    it when it is not one to read, _TooLarge when it holds more. Read whole first,
-    /dev/zero grew the CLI to 9.8 GB in 7 s, and a 2 GB file was refused after 13 s at
-    4.2 GB (a tester)."""
+    """The bytes of the regular file ``path`` (:func:`read_regular_file`): ValueError naming
+    it when it is not one to read, FileTooLarge when it holds more than ``limit``. Read
+    whole first, /dev/zero grew the CLI to 9.8 GB in 7 s, and a 2 GB file was refused
+    after 13 s at 4.2 GB (a tester)."""
     try:
-        with open(path, "rb") as file:
-            status = os.fstat(file.fileno())
-            if not stat.S_ISREG(status.st_mode):
-                raise ValueError(f"{what} {path!r} is not a regular file")
-            if status.st_size > limit:
-                raise _TooLarge(
-                    f"{what} {path!r} is {status.st_size / (1 << 20):.1f} MiB, over the "
-                    f"{limit / (1 << 20):.0f} MiB it may be",
-                    status.st_size,
-                )
-            content = file.read(status.st_size + 1)  # not limit + 1: allocated at once
+        return read_regular_file(path, limit)
+    except NotRegularFile:
+        raise ValueError(f"{what} {path!r} is not a regular file") from None
     except OSError as exc:
         raise ValueError(f"cannot read {path!r}: {exc.strerror or exc}") from None
-    if len(content) > limit:  # grown since
-        raise _TooLarge(
-            f"{what} {path!r} is over the {limit / (1 << 20):.0f} MiB it may be", len(content)
-        )
-    return content
 
 
 # What one ImportProfiles request may carry besides its files (names, model configs).
@@ -113,7 +97,7 @@ def cmd_profile_import(settings: Settings, args) -> int:
     for path in args.files:
         try:
             content = _file_content(path, most, "the file")
-        except _TooLarge as exc:
+        except FileTooLarge as exc:
             # Rows are kept by file name, so a file cannot go in parts under its name.
             raise ValueError(
                 f"{path!r} is {exc.size / (1 << 20):.1f} MiB, over the "

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from services.files import FileTooLarge, NotRegularFile, read_regular_file
 from services.models import json_text
 from services.models.errors import InvalidCheckpoint
 from services.models.safetensors_format import (
@@ -59,24 +59,19 @@ MAX_CHECKPOINT_TEXT_BYTES = 256 << 20
 
 
 def read_checkpoint_text(path: Path, limit: int = MAX_CHECKPOINT_TEXT_BYTES) -> str:
-    """The UTF-8 text of the checkpoint file ``path``, opened without blocking and read
-    only when it is a regular file of at most ``limit`` bytes: InvalidCheckpoint naming
-    it otherwise. A named pipe as tokenizer_config.json held the model service's event
-    loop, every model call with it, and each worker start for 120 s; a 600 MB one took
-    1.3 GB to register (a tester). OSError (no such file, say) and UnicodeDecodeError as
+    """The UTF-8 text of the checkpoint file ``path`` (:func:`read_regular_file`):
+    InvalidCheckpoint naming it when it is no regular file or holds more than ``limit``
+    bytes. A named pipe as tokenizer_config.json held the model service's event loop,
+    every model call with it, and each worker start for 120 s; a 600 MB one took 1.3 GB
+    to register (a tester). OSError (no such file, say) and UnicodeDecodeError as
     reading raises them."""
     where = f"{path.name} in {str(path.parent)!r}"
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as file:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise InvalidCheckpoint(f"{where} is not a regular file")
-        if status.st_size > limit:
-            raise InvalidCheckpoint(f"{where} is {status.st_size} bytes, more than {limit}")
-        # As large as the file (read(limit + 1) takes that much memory at once).
-        data = file.read(status.st_size + 1)
-    if len(data) > limit:  # grown since
-        raise InvalidCheckpoint(f"{where} is more than {limit} bytes")
+    try:
+        data = read_regular_file(path, limit)
+    except NotRegularFile:
+        raise InvalidCheckpoint(f"{where} is not a regular file") from None
+    except FileTooLarge as exc:
+        raise InvalidCheckpoint(f"{where} is {exc.size} bytes, more than {limit}") from None
     return data.decode("utf-8")
 
 

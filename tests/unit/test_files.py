@@ -52,3 +52,25 @@ def test_it_writes_the_owner_s_file_replacing_a_wider_one(tmp_path):
     with pytest.raises(FileExistsError, match="token"):
         write_private(tmp_path / "token", "u\n", exclusive=True)
     assert (tmp_path / "token").read_text() == "t\n"
+
+
+def test_a_file_to_read_is_a_regular_one_within_its_bound(tmp_path):
+    """read_regular_file: a named pipe is refused without waiting for a writer (its open
+    blocked the reader for ever), a file over the bound before it is read."""
+    from services.files import FileTooLarge, NotRegularFile, read_regular_file
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(NotRegularFile):
+        read_regular_file(pipe, 10)
+    with pytest.raises(IsADirectoryError):
+        read_regular_file(tmp_path, 10)
+    big = tmp_path / "big"
+    with big.open("wb") as out:
+        out.truncate(11)
+    with pytest.raises(FileTooLarge) as too_large:
+        read_regular_file(big, 10)
+    assert too_large.value.size == 11
+    assert read_regular_file(big, 11) == b"\0" * 11
+    with pytest.raises(FileNotFoundError):
+        read_regular_file(tmp_path / "none", 10)
