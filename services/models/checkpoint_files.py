@@ -106,6 +106,8 @@ def read_json_object(path: Path, limit: int = MAX_CHECKPOINT_TEXT_BYTES) -> dict
     where = f"{path.name} in {str(path.parent)!r}"
     try:
         value = json_text.loads(read_checkpoint_text(path, limit))
+    except InvalidCheckpoint:  # a ValueError too, that says what is wrong already
+        raise
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise InvalidCheckpoint(f"{where} is not valid JSON: {exc}") from None
     except OSError as exc:

@@ -352,6 +352,7 @@ def test_registration_refuses_a_named_pipe_among_the_tokenizer_files_at_once(roo
         registering.join(20)
         pytest.fail(f"registration waited on the pipe {name}")
     assert said and f"{name}" in said[0] and "is not a regular file" in said[0], said
+    assert "not valid JSON" not in said[0]  # it said so of the pipe it did not read
 
 
 def test_registration_refuses_template_files_the_gateway_cannot_read(root, tmp_path):
