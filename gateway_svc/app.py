@@ -1199,7 +1199,7 @@ def create_app(
             # The model's fault, not the client's: the operator has to hear of it.
             log.error("model %r: %s", body.model, exc)
             raise GatewayError(500, "internal_error", f"model {body.model!r}: {exc}") from None
-        request = _generate_request(body, prompt, body.max_completion_tokens or body.max_tokens)
+        request = _generate_request(body, prompt, body.max_tokens)
         # The template wrote the special tokens (BOS) it wants; the tokenizer adds none
         # unless asked to (add_special_tokens, vLLM's).
         request.prompt_has_special_tokens = not body.add_special_tokens

@@ -245,6 +245,9 @@ class GenerationBody(BaseModel):
     # GenerateRequest carries max_tokens and deadline_ms as uint32 and the seed as uint64:
     # a larger number is a 400 here, not a failed message build (a 500).
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    # OpenAI's newer name for it: given, it is the limit, on both endpoints (completions
+    # ignored it, and generated 16 tokens).
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     # OpenAI's nullable fields: null is the default (clients send None for "not set").
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     # OpenAI takes 0 to 1: 0 keeps only the likeliest token (served greedy, as the
@@ -303,7 +306,6 @@ class GenerationBody(BaseModel):
             raise ValueError(f"{what} not supported by this server")
         return value
 
-    # Also ChatBody's max_completion_tokens (check_fields=False: declared there).
     @field_validator(
         "max_tokens",
         "max_completion_tokens",
@@ -319,6 +321,14 @@ class GenerationBody(BaseModel):
     @classmethod
     def _integers(cls, value: Any) -> Any:
         return _integral(value)
+
+    @model_validator(mode="after")
+    def _newer_name(self) -> GenerationBody:
+        """max_completion_tokens, given, is the limit: max_tokens from here on."""
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+            self.model_fields_set.add("max_tokens")
+        return self
 
     # Also the endpoints' add_generation_prompt and add_special_tokens (check_fields=False:
     # declared there).
@@ -441,17 +451,6 @@ class CompletionBody(GenerationBody):
     # vLLM's: whether the tokenizer adds the special tokens it adds to a text (BOS) to a
     # text prompt (a prompt of token ids is taken as it is).
     add_special_tokens: bool | None = True
-
-    # OpenAI's newer name, which the chat endpoint takes too; given, it is the limit (it
-    # was ignored here, and 16 tokens generated).
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-
-    @model_validator(mode="after")
-    def _newer_name(self) -> CompletionBody:
-        if self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
-            self.model_fields_set.add("max_tokens")
-        return self
 
     @property
     def max_tokens_given(self) -> bool:
@@ -647,7 +646,6 @@ class ChatBody(GenerationBody):
             )
         return messages
 
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     tools: Any = _declined(_DECLINED_CHAT, "tools")
     tool_choice: Any = _declined(_DECLINED_CHAT, "tool_choice")
     functions: Any = _declined(_DECLINED_CHAT, "functions")
