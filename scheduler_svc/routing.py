@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from services import errors, replicas
 from services.api import deployment_service_pb2 as deploy_pb
+from services.api import inference_service_pb2 as inference_pb
 from services.auth import access
 from services.errors import (
     ModelNotFound,
@@ -47,6 +48,14 @@ def describe_state(deployment: deploy_pb.Deployment) -> str:
     text = f"deployment {deployment.deployment_id} is {state_name(deployment)}"
     reason = replicas.reason_summary(deployment.state_reason)
     return f"{text}: {reason}" if reason else text
+
+
+def pinned(request: inference_pb.GenerateRequest, deployment_id: str) -> bool:
+    """Whether ``request`` names ``deployment_id`` itself: by ``deployment_id``, or by
+    that id where a model's goes (the gateway's ``model``, the one way over HTTP). Such
+    a request is served as a deployment's: an HTTP request pinned so was refused late by
+    FCFS, as a model's request is, where gRPC's deployment_id was served (a tester)."""
+    return request.HasField("deployment_id") or request.model_id == deployment_id
 
 
 def _unknown(deployment_id: str) -> NotFound:

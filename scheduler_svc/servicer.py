@@ -32,6 +32,7 @@ from scheduler_svc.routing import (
     REFRESH_INTERVAL_S,
     Router,
     answered_refusal,
+    pinned,
     stats_for_caller,
 )
 from scheduler_svc.validation import (
@@ -75,14 +76,6 @@ EVENT_TIMEOUT_S = 1.0
 # What a deployment answers a request it does not take; a model's request then tries its
 # other deployments (SchedulerServicer._admit).
 ADMISSION_REFUSALS = (errors.InvalidArgument, errors.ResourceExhausted, errors.DeadlineExceeded)
-
-
-def pinned(request: inference_pb.GenerateRequest, deployment_id: str) -> bool:
-    """Whether ``request`` names ``deployment_id`` itself: by ``deployment_id``, or by
-    that id where a model's goes (the gateway's ``model``, the one way over HTTP). Such
-    a request is served as a deployment's: an HTTP request pinned so was refused late by
-    FCFS, as a model's request is, where gRPC's deployment_id was served (a tester)."""
-    return request.HasField("deployment_id") or request.model_id == deployment_id
 
 
 def removed_before_serving(deployment_id: str) -> str:
