@@ -29,18 +29,29 @@ A fingerprint is written into a temporary directory next to its final place and 
 into place, so a directory ``L<n>`` is always complete; when two cutters race, the first
 rename wins and the other's copy is discarded. ``fingerprint.json`` records what was cut
 from what, for people.
+
+Each model that profiles on a content's fingerprints is recorded in
+``<content-hash>/users/`` (one file per model id, named by its hash, holding the id)
+before the fingerprint is looked up or cut; :meth:`FingerprintCache.release` takes a
+deleted model's record away and removes the content's fingerprints once no model is
+left in it (they are GBs for a large model: its embedding and LM head are whole in
+each). Both steps hold an exclusive ``flock`` on ``.fingerprints/.lock``, so a release
+in one process never removes what a job in another has just been given.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,8 +70,12 @@ from services.models.safetensors_format import (
 )
 from services.models.tied_head import resolve_tied_head
 
+log = logging.getLogger(__name__)
+
 FINGERPRINTS_DIR = ".fingerprints"
 MANIFEST_FILE = "fingerprint.json"
+USERS_DIR = "users"
+LOCK_FILE = ".lock"
 WEIGHTS_FILE = "model.safetensors"
 # Files copied with the weights: what the engine and tokenizers read besides them.
 TOKENIZER_FILES = (
@@ -178,10 +193,14 @@ class FingerprintCache:
         self.models_root = models_root.resolve()
         self.root = self.models_root / FINGERPRINTS_DIR
 
-    def fingerprint(self, checkpoint_path: str, num_layers: int) -> Fingerprint:
+    def fingerprint(
+        self, checkpoint_path: str, num_layers: int, user: str | None = None
+    ) -> Fingerprint:
         """The ``num_layers``-layer fingerprint of the checkpoint at ``checkpoint_path``
         (relative to the models root), cut now unless the cache holds it. With
-        ``num_layers`` equal to the model's layer count, the checkpoint itself."""
+        ``num_layers`` equal to the model's layer count, the checkpoint itself.
+        ``user``: the model id the fingerprint is for, recorded first so that a
+        :meth:`release` of another model keeps it."""
         source = (self.models_root / checkpoint_path).resolve()
         key = content_hash(source)
         model_layers = parse_config(read_config(source)).num_layers
@@ -189,8 +208,15 @@ class FingerprintCache:
             weights = sum(info.nbytes for info in read_safetensors_index(source).values())
             return Fingerprint(checkpoint_path, num_layers, True, weights, key)
         final = self.root / key / f"L{num_layers}"
+        if user is not None:
+            with self._locked():
+                users = final.parent / USERS_DIR
+                users.mkdir(parents=True, exist_ok=True)
+                (users / _user_file(user)).write_text(user + "\n", encoding="utf-8")
         if not (final / MANIFEST_FILE).is_file():
             self._cut(source, final, key, num_layers)
+            if user is not None:
+                self._check_still_used(final.parent, user)
         manifest = json.loads((final / MANIFEST_FILE).read_text(encoding="utf-8"))
         return Fingerprint(
             str(final.relative_to(self.models_root)),
@@ -199,6 +225,62 @@ class FingerprintCache:
             int(manifest["weight_bytes"]),
             key,
         )
+
+    def release(self, user: str, sources: Iterable[str] = (), kept: Iterable[str] = ()) -> int:
+        """Take model ``user`` off every content's fingerprints and remove those no model
+        is left on. A content without a ``users`` record (cut before they were kept) is
+        removed when its fingerprints were cut from one of ``sources`` (the deleted
+        model's checkpoint paths) and from none of ``kept`` (the remaining models').
+        Returns the bytes freed. A content that cannot be removed (the disk's error) is
+        logged and left; whoever needs it next uses or cuts it again."""
+        if not self.root.is_dir():
+            return 0
+        sources = {_normal(p) for p in sources} - {_normal(p) for p in kept}
+        freed = 0
+        with self._locked():
+            for content in sorted(self.root.iterdir()):
+                if content.is_dir() and not content.is_symlink():
+                    try:
+                        freed += self._release_one(content, user, sources)
+                    except OSError as exc:
+                        log.warning(
+                            "fingerprints %s of model %r not removed: %s", content, user, exc
+                        )
+        return freed
+
+    def _release_one(self, content: Path, user: str, sources: set[str]) -> int:
+        users = content / USERS_DIR
+        if users.is_dir():
+            (users / _user_file(user)).unlink(missing_ok=True)
+            if any(users.iterdir()):
+                return 0
+        elif not sources & _cut_from(content):
+            return 0
+        size = _tree_bytes(content)
+        shutil.rmtree(content)
+        log.info("removed fingerprints %s (%d bytes): no model profiles on them", content, size)
+        return size
+
+    def _check_still_used(self, content: Path, user: str) -> None:
+        """After a cut: when ``user`` was released meanwhile (its model deleted while its
+        job cut), remove what the cut put back unless another model came to use it."""
+        with self._locked():
+            users = content / USERS_DIR
+            if (users / _user_file(user)).is_file():
+                return
+            if not (users.is_dir() and any(users.iterdir())):
+                shutil.rmtree(content, ignore_errors=True)
+        raise FileNotFoundError(f"fingerprints {content} were released while cut for {user!r}")
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def _cut(self, source: Path, final: Path, key: str, num_layers: int) -> None:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -225,3 +307,31 @@ class FingerprintCache:
                 # Another cutter renamed the same fingerprint into place first.
         finally:
             shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _user_file(user: str) -> str:
+    return hashlib.sha256(user.encode("utf-8")).hexdigest()[:_HASH_DIGITS]
+
+
+def _normal(path: str) -> str:
+    return os.path.normpath(path.strip("/"))
+
+
+def _cut_from(content: Path) -> set[str]:
+    """The checkpoint paths (relative to the models root) a content's fingerprints name."""
+    found = set()
+    for manifest in content.glob(f"L*/{MANIFEST_FILE}"):
+        try:
+            found.add(_normal(str(json.loads(manifest.read_text(encoding="utf-8"))["source"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def _tree_bytes(directory: Path) -> int:
+    total = 0
+    for path in directory.rglob("*"):
+        with contextlib.suppress(OSError):
+            if path.is_file() and not path.is_symlink():
+                total += path.stat().st_size
+    return total

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -54,6 +54,7 @@ from fingerprint_svc.profile_plan import (
     plan_jobs,
     reference_label,
     room_once_settled,
+    variant_targets,
 )
 from fingerprint_svc.registry import PRECISIONS
 from services import health
@@ -223,6 +224,13 @@ class Profiler:
         task = self._tasks.get(model_id)
         if task is not None:
             await cancel_and_wait([task])
+
+    async def forget(self, model: model_pb.Model, remaining: Sequence[model_pb.Model]) -> int:
+        """Remove the fingerprints of a deleted ``model`` that none of the ``remaining``
+        models profiles on (:meth:`FingerprintCache.release`); the bytes freed."""
+        sources = {t.checkpoint_path for t in variant_targets(model)}
+        kept = {t.checkpoint_path for m in remaining for t in variant_targets(m)}
+        return await asyncio.to_thread(self.fingerprints.release, model.model_id, sources, kept)
 
     async def close(self) -> None:
         """Stop every profiling task; their models end FAILED (register again to retry)."""
@@ -417,7 +425,7 @@ class Profiler:
                 f"or rewritten since the model was registered; {again}"
             ) from exc
         try:
-            fingerprint = self.fingerprints.fingerprint(path, num_layers)
+            fingerprint = self.fingerprints.fingerprint(path, num_layers, model.model_id)
             cut = read_config(self.settings.models_root / fingerprint.checkpoint_path)
         except ValueError as exc:
             # Its weights no longer read as the checkpoint registered (a file truncated

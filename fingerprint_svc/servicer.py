@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from fingerprint_svc.importing import import_profiles
 from fingerprint_svc.profiler import Profiler
@@ -13,6 +14,8 @@ from services.auth import access
 from services.errors import AlreadyExists, FailedPrecondition, NotFound
 from services.settings import Settings
 from services.state.store import StateStore
+
+log = logging.getLogger(__name__)
 
 # How long a DeleteModel's mark on its model lasts at most (a crash leaves it behind):
 # longer than a delete takes between marking and deleting.
@@ -85,7 +88,16 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
                 await self.store.delete_model(request.model_id)
             finally:
                 await self.store.clear_model_deleting(request.model_id)
+        await self._release_fingerprints(model)
         return model_pb.DeleteModelResponse(request_id=request.request_id)
+
+    async def _release_fingerprints(self, model: model_pb.Model) -> None:
+        """Remove the fingerprints no registered model profiles on any more."""
+        freed = await self.profiler.forget(model, await self.store.list_models())
+        if freed:
+            log.info(
+                "model %s deleted: %.1f MiB of fingerprints removed", model.model_id, freed / 2**20
+            )
 
     async def _mark_deleting(self, model_id: str) -> None:
         """Mark the model as being deleted, then refuse (FailedPrecondition) when it has

@@ -201,6 +201,9 @@ def test_register_profiles_the_fingerprints(stack):
     assert _profile_owners(stack) == set() and _profile_workers(stack) == []
     assert reserved_by_device(stack) == before
     _delete(stack, "prof-llama")
+    # Its fingerprints go with it (GBs for a large model); its checkpoint stays.
+    assert not (stack.models_root / FINGERPRINTS_DIR / key).exists()
+    assert (stack.models_root / path / "config.json").is_file()
 
 
 def test_deleting_a_model_stops_its_profiling(stack):
@@ -211,6 +214,9 @@ def test_deleting_a_model_stops_its_profiling(stack):
     _delete(stack, "prof-deleted")
     assert wait_for(lambda: _profile_workers(stack) == [], timeout=30)
     assert _profile_owners(stack) == set()
+    # A cut still under way when the job was cancelled removes what it made.
+    content = stack.models_root / FINGERPRINTS_DIR / content_hash(stack.models_root / path)
+    assert wait_for(lambda: not content.exists(), timeout=30)
     code, _ = _code(lambda: _watch(stack, "prof-deleted"))
     assert code == grpc.StatusCode.NOT_FOUND
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +164,99 @@ def test_full_layer_count_is_the_model_itself(root):
     full = cache.fingerprint("llama", 6)
     assert full.full_model and full.checkpoint_path == "llama" and full.num_layers == 6
     assert full.weight_bytes == validate_checkpoint(root / "llama").weight_bytes
+
+
+def test_release_removes_a_content_once_no_model_profiles_on_it(root, tmp_path):
+    models = tmp_path / "models"
+    shutil.copytree(root / "llama", models / "a")
+    shutil.copytree(root / "llama", models / "copy-of-a")
+    shutil.copytree(root / "falcon", models / "b")
+    cache = FingerprintCache(models)
+    shared = cache.fingerprint("a", 1, "model-a")
+    assert cache.fingerprint("copy-of-a", 2, "model-copy").checkpoint_path.startswith(
+        shared.checkpoint_path.rsplit("/", 1)[0]
+    )
+    other = cache.fingerprint("b", 1, "model-b")
+    content = models / shared.checkpoint_path / ".."
+
+    # model-copy still profiles on the shared content: nothing goes.
+    assert cache.release("model-a", ["a"], ["copy-of-a", "b"]) == 0
+    assert (models / shared.checkpoint_path / "model.safetensors").is_file()
+    assert cache.release("model-unknown") == 0
+
+    size = sum(f.stat().st_size for f in content.resolve().rglob("*") if f.is_file())
+    # Everything but the released model's own record, removed first.
+    assert cache.release("model-copy", ["copy-of-a"], ["b"]) == size - len("model-copy\n") > 0
+    assert not content.resolve().exists()
+    assert (models / other.checkpoint_path / "model.safetensors").is_file()  # another content
+    assert (models / "a" / "config.json").is_file()  # checkpoints are never touched
+
+    # Used again after a release: cut again.
+    again = cache.fingerprint("a", 1, "model-a2")
+    assert again == shared and (models / again.checkpoint_path / "model.safetensors").is_file()
+
+
+def test_release_of_fingerprints_cut_before_users_were_recorded(root, tmp_path):
+    models = tmp_path / "models"
+    shutil.copytree(root / "llama", models / "a")
+    cache = FingerprintCache(models)
+    legacy = cache.fingerprint("a", 1)  # no user: as cut by an earlier version
+    content = (models / legacy.checkpoint_path).parent
+    assert not (content / "users").exists()
+
+    assert cache.release("model-x", ["elsewhere"]) == 0  # not cut from its checkpoint
+    assert cache.release("model-a", ["a"], kept=["a"]) == 0  # another model still has it
+    assert content.is_dir()
+    assert cache.release("model-a", ["./a/"]) > 0
+    assert not content.exists()
+
+
+def test_release_leaves_what_it_cannot_remove_and_goes_on(root, tmp_path, monkeypatch, caplog):
+    models = tmp_path / "models"
+    shutil.copytree(root / "llama", models / "a")
+    shutil.copytree(root / "falcon", models / "b")
+    cache = FingerprintCache(models)
+    a = cache.fingerprint("a", 1, "m")
+    b = cache.fingerprint("b", 1, "m")
+    real_rmtree = shutil.rmtree
+    stuck = (models / a.checkpoint_path).parent
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path) == stuck:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(fingerprints.shutil, "rmtree", rmtree)
+    assert cache.release("m") > 0
+    assert stuck.is_dir() and not (models / b.checkpoint_path).exists()
+    assert "not removed" in caplog.text and "Permission denied" in caplog.text
+
+
+@pytest.mark.parametrize("when", ["as the cut starts", "while cutting", "after the rename"])
+def test_a_model_released_while_its_fingerprint_is_cut_leaves_nothing(
+    root, tmp_path, monkeypatch, when
+):
+    models = tmp_path / "models"
+    shutil.copytree(root / "llama", models / "a")
+    cache = FingerprintCache(models)
+    real_cut, real_rename = fingerprints.cut_fingerprint, os.rename
+
+    def cut_then_deleted(*args):
+        if when == "as the cut starts":  # the cut then makes the directories again
+            cache.release("model-a", ["a"])
+        written = real_cut(*args)
+        if when == "while cutting":
+            cache.release("model-a", ["a"])
+        return written
+
+    def rename_then_deleted(*args):
+        real_rename(*args)
+        cache.release("model-a", ["a"])
+
+    if when == "after the rename":
+        monkeypatch.setattr(fingerprints.os, "rename", rename_then_deleted)
+    else:
+        monkeypatch.setattr(fingerprints, "cut_fingerprint", cut_then_deleted)
+    with pytest.raises(FileNotFoundError):
+        cache.fingerprint("a", 1, "model-a")
+    assert list((models / FINGERPRINTS_DIR).iterdir()) == [models / FINGERPRINTS_DIR / ".lock"]

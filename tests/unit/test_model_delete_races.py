@@ -36,6 +36,9 @@ class IdleProfiler:
     async def cancel(self, model_id: str) -> None:
         pass
 
+    async def forget(self, model, remaining) -> int:
+        return 0
+
 
 def model_service(store: StateStore) -> ModelServicer:
     return ModelServicer(types.SimpleNamespace(models_root=None), store, IdleProfiler())
