@@ -22,7 +22,7 @@ from google.protobuf import json_format
 
 from deploy_svc import healing, planning
 from deploy_svc.agents import AgentClients
-from deploy_svc.explicit import ExplicitPlan, resolve_limits
+from deploy_svc.explicit import ExplicitPlan, checkpoint_for, resolve_limits
 from deploy_svc.healer import Healer
 from deploy_svc.objectives import fallback_objectives, latency_model, resolve_objectives
 from deploy_svc.workers import WorkerGroups
@@ -34,6 +34,7 @@ from services.api import estimator_service_pb2_grpc
 from services.api import model_service_pb2 as model_pb
 from services.auth import access
 from services.errors import (
+    CHECKPOINT_UNUSABLE,
     FailedPrecondition,
     InvalidArgument,
     IServeError,
@@ -113,6 +114,11 @@ def _need(placement: common.Placement) -> dict[tuple[str, str], int]:
         for stage in placement.stages
         for i, ref in enumerate(stage.devices)
     }
+
+
+def _from_the_model(model: model_pb.Model, config: common.DeploymentConfig) -> bool:
+    """Whether ``config`` is served from the model's own checkpoint (not a variant's)."""
+    return checkpoint_for(model, config) == model.checkpoint_path
 
 
 class DeploymentController:
@@ -652,6 +658,12 @@ class DeploymentController:
                 raise
             except IServeError as exc:
                 if request.HasField("config"):
+                    raise
+                if getattr(exc, "reason", "") == CHECKPOINT_UNUSABLE and _from_the_model(
+                    model, decision.config
+                ):
+                    # Every configuration is served from the model's own checkpoint
+                    # (a variant's own one aside): each would be refused the same way.
                     raise
                 log.warning(
                     "configuration #%d of %s failed to launch, trying the next: %s",

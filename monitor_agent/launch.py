@@ -30,6 +30,7 @@ from services.engine_rules import (
     check_dtype,
     check_still_the_model,
     check_weight_quant,
+    check_weights_still_the_model,
     default_dtype,
     even_stage_layers,
     pipeline_parallel_problem,
@@ -389,6 +390,7 @@ def build_plan(
     config = _checkpoint_config(checkpoint_dir)
     if request.HasField("expected_shape"):
         check_still_the_model(request.checkpoint_path, config, request.expected_shape)
+        check_weights_still_the_model(request.checkpoint_path, checkpoint_dir, config)
     num_layers = _positive_int(config, "num_hidden_layers", "n_layer")
     # A fuzzing tester's pp of 1000 started a worker that waited for peers that cannot exist.
     problem = pipeline_parallel_problem(pp, num_layers)

@@ -18,7 +18,8 @@ wherever it happens. Torch-free (the worker reads it before torch starts its thr
   (``default_dtype``), as profiling jobs do, so estimates describe what is served.
 - Pre-quantized (GPTQ/AWQ) checkpoints are not loaded; int8/int4 quantize at load time.
 - Checkpoints are read only from under the models root, and a deployment or a profiling
-  job only from one that is still the model registered from it (``check_still_the_model``).
+  job only from one that is still the model registered from it (``check_still_the_model``;
+  for a deployment also its weights' headers, ``check_weights_still_the_model``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ from services.errors import (
     shown,
 )
 from services.models.arch import unlike_model
-from services.models.checkpoint_files import CHAT_TEMPLATE_DIR, weight_files
+from services.models.checkpoint_files import (
+    CHAT_TEMPLATE_DIR,
+    read_safetensors_index,
+    weight_files,
+)
 from services.models.compression import DEFAULT_PRUNE_FRACTION, kept_heads, kept_mlp_channels
+from services.models.errors import InvalidCheckpoint
 from services.models.families import parse_config
 
 TENSOR_PARALLEL_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
@@ -332,3 +338,32 @@ def check_still_the_model(checkpoint_path: str, config: dict, shape: model_pb.Mo
             f"{unlike}; register it again (as a new model id, or after `iserve model "
             "delete`)"
         )
+
+
+def check_weights_still_the_model(checkpoint_path: str, directory: Path, config: dict) -> None:
+    """CheckpointChanged when the checkpoint's safetensors headers no longer hold every
+    tensor its config implies in that shape (weights of another model copied over, a
+    shard truncated, since registration checked them): every worker start from it would
+    fail loading, on every device. Reads the headers only. A config that does not parse,
+    or a file that cannot be opened, is left to the worker to report."""
+    try:
+        spec = parse_config(config)
+    except ValueError:
+        return
+    again = "register it again (as a new model id, or after `iserve model delete`)"
+    try:
+        tensors = read_safetensors_index(directory)
+    except InvalidCheckpoint as exc:
+        raise CheckpointChanged(
+            f"checkpoint {checkpoint_path!r} no longer reads as registered: {exc}; {again}"
+        ) from exc
+    except OSError:
+        return
+    for name, shape in spec.expected_tensors().items():
+        info = tensors.get(name)
+        if info is None or info.shape != shape:
+            now = "is missing" if info is None else f"has shape {list(info.shape)} in {info.file}"
+            raise CheckpointChanged(
+                f"checkpoint {checkpoint_path!r} is no longer the model registered from it: "
+                f"tensor {name!r} {now}, its config implies {list(shape)}; {again}"
+            )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -399,6 +400,36 @@ def test_a_checkpoint_rewritten_as_another_model_is_refused_leaving_nothing(stac
         assert reserved_by_device(stack) == before
     finally:
         stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="rewritten-llama"))
+
+
+def test_weights_of_another_shape_copied_over_are_refused_at_once_leaving_nothing(stack):
+    """config.json kept, the weights of a model with a wider MLP copied over it: every
+    start would fail loading them, so the agent refuses from the headers, naming the
+    tensor, before any worker starts (a tester saw 11 starts of such a checkpoint)."""
+    register(stack, "reweighted-llama", make_checkpoint(stack, "reweighted-llama"))
+    before = reserved_by_device(stack)
+    wider = make_checkpoint(stack, "reweighted-llama-wider", intermediate_size=256)
+    target = stack.models_root / "reweighted-llama"
+    for weights in (stack.models_root / wider).glob("*.safetensors*"):
+        shutil.copyfile(weights, target / weights.name)
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            deploy(stack, "reweighted-llama")
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (
+            "checkpoint 'reweighted-llama' is no longer the model registered from it: "
+            "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [256, 64]"
+        ) in refused.value.details()
+        # An intent deploy tries no other configuration: tests/unit/test_deploy_replicas.py.
+        deployments = stack.deployments.ListDeployments(
+            deploy_pb.ListDeploymentsRequest(model_id="reweighted-llama")
+        ).deployments
+        assert list(deployments) == []
+        assert reserved_by_device(stack) == before
+        workers = stack.agent.ListWorkers(agent_pb.ListWorkersRequest()).workers
+        assert not [w for w in workers if w.deployment_id.startswith("reweighted-llama")]
+    finally:
+        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="reweighted-llama"))
 
 
 def test_listing_by_an_id_no_model_can_have_is_refused(stack):

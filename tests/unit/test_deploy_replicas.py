@@ -457,6 +457,45 @@ def test_an_intent_falls_back_to_a_configuration_whose_replicas_all_fit(run):
     run(scenario)
 
 
+@pytest.mark.parametrize("reason", ["checkpoint_unusable", ""])
+def test_a_checkpoint_every_configuration_loads_ends_the_intent_deploy_at_once(run, reason):
+    """The agent refuses the model's own checkpoint for good (rewritten since it was
+    registered): the next configurations load it too, so none is tried. Any other
+    launch failure goes on to the next (a tester saw 11 starts for one such checkpoint)."""
+
+    def ranked(rank: int, weight_quant: int) -> estimator_pb.RankedConfig:
+        config = common.DeploymentConfig(
+            tensor_parallel=1, pipeline_parallel=1, weight_quant=weight_quant, batch_size=1
+        )
+        estimate = estimator_pb.ConfigEstimate(config=config, memory_total_bytes=GIB // 10)
+        return estimator_pb.RankedConfig(rank=rank, estimate=estimate, meets_intent=True)
+
+    async def scenario(store):
+        agent = FakeAgent()
+
+        async def refuse(request, timeout):
+            agent.started.append(request.deployment_id)
+            raise FakeRpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "checkpoint 'm' is no longer the model registered from it: tensor 'x' ...",
+                reason,
+            )
+
+        agent.StartWorkers = refuse
+        estimator = FakeEstimator(
+            [ranked(1, common.WEIGHT_QUANT_NONE), ranked(2, common.WEIGHT_QUANT_INT8)]
+        )
+        controller = await controller_on(store, agent, 4, estimator=estimator)
+        intent = common.Intent(kind=common.INTENT_KIND_MIN_COST)
+        with pytest.raises(IServeError, match="no longer the model registered") as err:
+            await controller.deploy(deploy_pb.DeployRequest(model_id="m", intent=intent))
+        assert len(agent.started) == (1 if reason else 2)
+        assert ("no configuration of m could be launched" in str(err.value)) == (not reason)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
 def test_the_reconciler_takes_out_a_replica_whose_workers_are_gone(run):
     """After a deployer restart: replica 0's worker is not running (it died under its
     agent, which keeps its record), replica 1's is; a reservation of a replica no record

@@ -193,3 +193,35 @@ def test_the_deployer_and_the_worker_default_to_the_same_dtype(stored, cuda):
     worker = worker_dtype(common.PRECISION_UNSPECIFIED, device, stored)
     assert worker == common.Precision.Name(resolved).removeprefix("PRECISION_").lower()
     assert worker == (stored if cuda and stored else "float32")
+
+
+def test_weights_still_the_model_reads_the_headers_it_was_registered_with(tmp_path):
+    import shutil
+
+    from services.engine_rules import check_weights_still_the_model
+    from services.errors import CheckpointChanged
+    from services.models.checkpoint import create_checkpoint, read_config
+
+    shape = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+    create_checkpoint(tmp_path / "m", **shape)
+    config = read_config(tmp_path / "m")
+    check_weights_still_the_model("m", tmp_path / "m", config)  # as registered
+    check_weights_still_the_model("m", tmp_path / "m", {"model_type": "gpt2"})  # the worker's
+
+    create_checkpoint(tmp_path / "wide", **shape, intermediate_size=256)
+    shutil.copyfile(tmp_path / "wide" / "model.safetensors", tmp_path / "m" / "model.safetensors")
+    with pytest.raises(
+        CheckpointChanged,
+        match=r"tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \[256, 64\] in model\.safetensors",
+    ) as err:
+        check_weights_still_the_model("m", tmp_path / "m", config)
+    assert err.value.reason == "checkpoint_unusable"
+
+    create_checkpoint(tmp_path / "one", **{**shape, "num_layers": 1})
+    config_two = read_config(tmp_path / "one") | {"num_hidden_layers": 2}
+    with pytest.raises(CheckpointChanged, match=r"tensor 'model\.layers\.1\..*' is missing"):
+        check_weights_still_the_model("one", tmp_path / "one", config_two)
+
+    (tmp_path / "one" / "model.safetensors").write_bytes(b"\x08\x00")  # truncated header
+    with pytest.raises(CheckpointChanged, match="no longer reads as registered"):
+        check_weights_still_the_model("one", tmp_path / "one", config_two)
