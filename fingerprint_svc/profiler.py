@@ -528,6 +528,12 @@ class Profiler:
                         exc.code() == grpc.StatusCode.UNAVAILABLE
                         or rpc_reason(exc) == WorkerKilled.reason
                     )
+                    if not fingerprint.full_model and fingerprint.checkpoint_path in said:
+                        # The worker names what it loaded: say what that was cut from.
+                        said += (
+                            f" ({fingerprint.checkpoint_path} is the {fingerprint.num_layers}-"
+                            f"layer fingerprint cut from checkpoint {job.variant.checkpoint_path!r})"
+                        )
                     raise JobFailed(said, agent_gone=gone, worker_gone=worker_gone) from exc
             wall_s = time.perf_counter() - started
         finally:

@@ -4,6 +4,7 @@ records, skips and fails on."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -227,6 +228,28 @@ def test_a_failing_base_reference_fails_the_model(redis_url, models_root):
     )
     assert len(calls) == 1 and owners == set() and profile is None
     assert progress.state == model_pb.MODEL_STATE_FAILED and progress.message == model.state_reason
+
+
+def test_a_failure_naming_the_fingerprint_says_which_checkpoint_it_was_cut_from(
+    redis_url, models_root
+):
+    """A worker names the directory it loaded, the fingerprint under .fingerprints/,
+    which the user never wrote (a tester's NaN weights)."""
+
+    def nan_weights(request):
+        return (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"worker rank 0 exited (1): cannot load {request.checkpoint_path}: tensor 'x' in "
+            "model.safetensors holds NaN or infinite values",
+        )
+
+    model, *_ = run_profiler(redis_url, models_root, nan_weights)
+    assert model.state == model_pb.MODEL_STATE_FAILED
+    assert re.search(
+        r"holds NaN or infinite values \(\.fingerprints/[0-9a-f]{32}/L1 is the 1-layer "
+        r"fingerprint cut from checkpoint 'tiny'\)$",
+        model.state_reason,
+    ), model.state_reason
 
 
 def test_an_agent_that_stops_answering_is_named_in_the_models_reason(redis_url, models_root):
