@@ -23,7 +23,9 @@ mixes dates and times with numbers is refused. Rows are returned in arrival orde
 relative to the first.
 
 Files are UTF-8 text (a byte order mark aside), or gzip-compressed UTF-8 as public traces
-are often shipped (read as is, whatever the file's name). Blank lines are skipped. A CSV
+are often shipped (read as is, whatever the file's name), of at most MAX_TRACE_BYTES
+before and after decompressing (a regular file: a pipe is refused, not waited on).
+Blank lines are skipped. A CSV
 row with more fields than its header is refused, since its values cannot be placed in
 columns. Bad input raises ValueError naming the file, line (as an editor numbers them:
 only ``\n``, ``\r\n`` and ``\r`` end a line) and column; a JSON array is refused (one JSON
@@ -51,6 +53,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+
+from services.files import FileTooLarge, NotRegularFile, read_regular_file
 
 __all__ = [
     "PEAK_SHARE",
@@ -149,6 +153,9 @@ def _seconds(value: object, column: str, unit: float) -> tuple[float, str]:
 # No model's context comes near this many tokens: a count beyond it is a bad row (a
 # 99999999999999999999 scaled every other row to a 1-token prompt).
 MAX_TRACE_TOKENS = 10_000_000
+# The most trace text read, before or after decompressing: BurstGPT's 5.3 million rows
+# are about 250 MiB; a gzip file of kilobytes can unpack to gigabytes.
+MAX_TRACE_BYTES = 512 << 20
 # The longest span a trace's arrivals may cover: the public traces cover hours to days;
 # one bad timestamp (1e308) put a request 2e306 s after the others, a replay that never
 # ends.
@@ -175,16 +182,29 @@ def _tokens(value: object, column: str) -> int:
 
 def _text(path: Path) -> str:
     """The file's text: UTF-8, a byte order mark dropped, decompressed first when it is
-    gzip data. ValueError naming the file when it cannot be read or is not UTF-8."""
+    gzip data. ValueError naming the file when it cannot be read, is not a regular file,
+    holds more than MAX_TRACE_BYTES (compressed or not), or is not UTF-8."""
+    too_large = (
+        f"{path.name}: more than {MAX_TRACE_BYTES >> 20} MiB of trace text; replay a part "
+        "of it (its first rows, or a sample)"
+    )
     try:
-        data = path.read_bytes()
+        data = read_regular_file(path, MAX_TRACE_BYTES)
+    except FileTooLarge:
+        raise ValueError(too_large) from None
+    except NotRegularFile:
+        raise ValueError(f"{path}: not a regular file (a pipe or a device)") from None
     except OSError as exc:  # missing, a directory, not permitted
         raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     if data.startswith(_GZIP_MAGIC):
         try:
-            data = gzip.decompress(data)
+            # Read to one byte past the bound: a small file may decompress to gigabytes.
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as unpacked:
+                data = unpacked.read(MAX_TRACE_BYTES + 1)
         except (OSError, EOFError, zlib.error) as exc:
             raise ValueError(f"{path.name}: gzip data that does not decompress ({exc})") from None
+        if len(data) > MAX_TRACE_BYTES:
+            raise ValueError(too_large)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

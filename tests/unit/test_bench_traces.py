@@ -5,12 +5,14 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import os
 import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench import traces
 from bench.traces import (
     TraceRow,
     load_trace,
@@ -329,6 +331,32 @@ def test_a_damaged_gzip_file_is_named_as_such(tmp_path):
     path.write_bytes(gzip.compress(b"timestamp,input_tokens,output_tokens\n0,1,1\n")[:20])
     with pytest.raises(ValueError, match="t.csv.gz: gzip data that does not decompress"):
         load_trace(path)
+
+
+def test_a_gzip_bomb_or_an_oversized_file_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
+    """Kilobytes of gzip unpacked to gigabytes in memory (a tester); the bound holds
+    before and after decompressing. Made small here to stay fast."""
+    monkeypatch.setattr(traces, "MAX_TRACE_BYTES", 1 << 16)
+    header = b"timestamp,input_tokens,output_tokens\n"
+    bomb = tmp_path / "bomb.csv.gz"
+    bomb.write_bytes(gzip.compress(header + b"0,1,1\n" * 20_000))  # 120 kB unpacked
+    assert bomb.stat().st_size < 1 << 12
+    with pytest.raises(ValueError, match=r"^bomb\.csv\.gz: more than 0 MiB of trace text"):
+        load_trace(bomb)
+    plain = tmp_path / "big.csv"
+    plain.write_bytes(header + b"0,1,1\n" * 20_000)
+    with pytest.raises(ValueError, match=r"^big\.csv: more than 0 MiB of trace text"):
+        load_trace(plain)
+    fits = tmp_path / "fits.csv.gz"
+    fits.write_bytes(gzip.compress(header + b"0,1,1\n1,2,2\n"))
+    assert load_trace(fits) == [TraceRow(0.0, 1, 1), TraceRow(1.0, 2, 2)]
+
+
+def test_a_named_pipe_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "trace.csv"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_trace(fifo)
 
 
 def test_absurd_rows_are_refused_not_let_stretch_the_replay(tmp_path):
