@@ -34,10 +34,12 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -73,6 +75,12 @@ LOST_RANK_GRACE_S = 1.0
 CAUSE_WAIT_S = 2.0
 _LOG_TAIL_BYTES = 8192
 _POLL_S = 0.05
+# The worker logs kept of deployment groups no longer running here, the most recently
+# written groups': each deployment ever made left one a rank for good (a tester's 30
+# deploy-and-remove cycles, 30 more files). Profiling jobs' are pruned on their own
+# (monitor_agent.profiling.KEPT_JOB_LOGS).
+KEPT_STOPPED_LOGS = 64
+_WORKER_LOG = re.compile(r"^worker-(?P<group>.+)-r\d+\.log(?:\.\d+)?$")
 
 
 def keep_previous_log(log_path: Path) -> None:
@@ -81,6 +89,36 @@ def keep_previous_log(log_path: Path) -> None:
     or restored by a new agent, truncated the dead worker's log, its post-mortem."""
     if log_path.is_file() and log_path.stat().st_size:
         os.replace(log_path, log_path.with_name(log_path.name + ".1"))
+
+
+def prune_stopped_logs(
+    log_dir: Path, run_dir: Path, running: Collection[str], keep: int = KEPT_STOPPED_LOGS
+) -> list[Path]:
+    """Remove the worker logs of the deployment groups that run nowhere (not in
+    ``running``, this agent's, nor with a ready file in ``run_dir``, which another agent
+    sharing the directory writes for its live workers), all but the ``keep`` most
+    recently written groups'; returns those removed. Profiling jobs' are left alone."""
+    live = set(running)
+    for path in run_dir.glob("worker-*.ready.json"):
+        match = _WORKER_LOG.match(path.name.removesuffix(".ready.json") + ".log")
+        if match:
+            live.add(match["group"])
+    written: dict[str, int] = {}
+    files: dict[str, list[Path]] = defaultdict(list)
+    for path in log_dir.glob("worker-*.log*"):
+        match = _WORKER_LOG.match(path.name)
+        if not match or match["group"] in live or match["group"].startswith("profile-"):
+            continue
+        with contextlib.suppress(OSError):  # removed meanwhile
+            mtime = path.stat().st_mtime_ns
+            files[match["group"]].append(path)
+            written[match["group"]] = max(written.get(match["group"], 0), mtime)
+    removed = []
+    for group in sorted(written, key=written.__getitem__, reverse=True)[keep:]:
+        for path in files[group]:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 @dataclass
@@ -459,6 +497,10 @@ class WorkerSupervisor:
         self._consequence_seen.pop(deployment_id, None)
         if procs:
             log.info("deployment %s: %d worker(s) stopped", deployment_id, len(procs))
+            try:
+                prune_stopped_logs(self.log_dir, self.run_dir, self._workers, KEPT_STOPPED_LOGS)
+            except OSError as exc:  # the logs directory gone or unreadable: not the stop's
+                log.warning("worker logs not pruned: %s", exc)
         return [p.info for p in procs]
 
     async def stop_all(self) -> None:

@@ -15,9 +15,10 @@ import grpc
 import psutil
 import pytest
 
+from monitor_agent import supervisor as supervisor_module
 from monitor_agent.devices import DeviceSpec, virtual_devices
 from monitor_agent.launch import LaunchPlan, WorkerPlan
-from monitor_agent.supervisor import WorkerSupervisor, log_tail
+from monitor_agent.supervisor import WorkerSupervisor, log_tail, prune_stopped_logs
 from monitor_agent.worker_pool import WorkerPool
 from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
@@ -134,6 +135,51 @@ def test_workers_start_ready_and_stop_without_leftovers(run, checkpoint, tmp_pat
         assert await supervisor.stop_workers("dep-stop") == []
         assert await supervisor.stop_workers("never-started") == []
         assert await _died_events(store, "dep-stop") == []
+
+    run(scenario)
+
+
+def test_only_the_newest_stopped_deployments_logs_are_kept(tmp_path):
+    """Every deployment ever made left its workers' logs for good (a tester's 30 cycles);
+    running groups (this agent's, or with another agent's ready file) and profiling
+    jobs' logs are never pruned here, however old."""
+    logs, run_dir = tmp_path / "logs", tmp_path / "run"
+    logs.mkdir()
+    run_dir.mkdir()
+    stopped = [
+        [logs / f"worker-m-{i:02d}-r0.log", logs / f"worker-m-{i:02d}-r1.log"] for i in range(6)
+    ]
+    stopped[0].append(logs / "worker-m-00-r0.log.1")  # a restart's earlier log
+    replica = [logs / "worker-m-05.r1-r0.log"]
+    mine, theirs = logs / "worker-live-a-r0.log", logs / "worker-live-b-r0.log"
+    others = [logs / "agent.log", logs / "worker-profile-0a1b-r0.log", logs / "worker-x.log"]
+    (run_dir / "worker-live-b-r0.ready.json").write_text("{}")
+    ordered = [mine, theirs, *others, *[f for group in stopped for f in group], *replica]
+    for age, path in enumerate(ordered):  # the live ones and the others the oldest
+        path.write_text("x")
+        os.utime(path, ns=(10**18 + age * 10**9, 10**18 + age * 10**9))
+    removed = prune_stopped_logs(logs, run_dir, {"live-a"}, keep=3)
+    # Kept: the replica group m-05.r1, m-05 and m-04 (the newest three groups).
+    assert sorted(removed) == sorted(f for group in stopped[:4] for f in group)
+    assert sorted(logs.iterdir()) == sorted(
+        [mine, theirs, *others, *stopped[4], *stopped[5], *replica]
+    )
+    assert prune_stopped_logs(logs, run_dir, {"live-a"}, keep=3) == []
+
+
+def test_a_stop_prunes_the_logs_of_older_stopped_deployments(run, checkpoint, monkeypatch):
+    monkeypatch.setattr(supervisor_module, "KEPT_STOPPED_LOGS", 1)
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        old = supervisor.log_dir / "worker-gone-1a2b-r0.log"
+        supervisor.log_dir.mkdir(parents=True, exist_ok=True)
+        old.write_text("a deployment removed long ago")
+        os.utime(old, ns=(1, 1))
+        await supervisor.start_workers(_plan("dep-pruned", checkpoint))
+        assert old.is_file()  # a start prunes nothing
+        await supervisor.stop_workers("dep-pruned")
+        assert not old.exists()
+        assert (supervisor.log_dir / "worker-dep-pruned-r0.log").is_file()  # the newest
 
     run(scenario)
 
