@@ -847,14 +847,21 @@ class DeploymentController:
         self._locks.pop(deployment_id, None)
 
     async def fail(
-        self, group_id: str, reason: str, *, planned: bool = False, lost_rank: bool = False
+        self,
+        group_id: str,
+        reason: str,
+        *,
+        planned: bool = False,
+        lost_rank: bool = False,
+        unresponsive: bool = False,
     ) -> bool:
         """A worker of ``group_id`` (a deployment id, or a replica's group id) is gone:
         take that replica out (stop its workers, release its memory) and start it again
         after a backoff (``deploy_svc.healer``); once the restart budget is spent it
         stays out, and the deployment is FAILED when no other replica serves. A
         ``planned`` loss (the stack was stopped on purpose) starts it again at once and
-        spends no budget. Returns False when the deployment is gone, not READY or the
+        spends no budget; an ``unresponsive`` worker's group is stopped without waiting
+        out a drain. Returns False when the deployment is gone, not READY or the
         replica already out."""
         deployment_id, index = split_group_id(group_id)
         async with self.lock(deployment_id):
@@ -862,7 +869,12 @@ class DeploymentController:
             if deployment is None or index not in {r.index for r in replicas.serving(deployment)}:
                 return False
             await self.healer.replica_failed(
-                deployment, index, reason, planned=planned, lost_rank=lost_rank
+                deployment,
+                index,
+                reason,
+                planned=planned,
+                lost_rank=lost_rank,
+                unresponsive=unresponsive,
             )
             return True
 

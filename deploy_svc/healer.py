@@ -99,6 +99,7 @@ class Healer:
         planned: bool = False,
         final: bool = False,
         lost_rank: bool = False,
+        unresponsive: bool = False,
     ) -> None:
         """Replica ``index`` of ``deployment`` (the caller holds its lock) failed with
         ``error``: schedule its restart, or when the budget is spent take it out for good
@@ -107,8 +108,12 @@ class Healer:
         (kept, so a restart of the deployer resumes it). ``final``: no restart could
         succeed (see Refused); it is taken out at once. ``lost_rank``: a node of its
         group is dead, so its ranks elsewhere are stopped without a drain, and it starts
-        again at once spending no budget (``healing.after_node_loss``)."""
+        again at once spending no budget (``healing.after_node_loss``). ``unresponsive``:
+        its worker answers nothing (hung), so its ranks are stopped without a drain too,
+        and the restart counts as any failure's: the backoff the note states starts
+        about when the note is written, not after the drain timeout."""
         deployment_id = deployment.deployment_id
+        no_drain = lost_rank or unresponsive
         record = await self.record_of(deployment_id)
         if planned:
             step = healing.restore(record, error)
@@ -125,7 +130,7 @@ class Healer:
                 await self.mark_failed(deployment, step.reason)
                 return
             await self.store.put_deployment(deployment)
-            await self.workers.teardown_replica(deployment_id, replica, lost_rank=lost_rank)
+            await self.workers.teardown_replica(deployment_id, replica, lost_rank=no_drain)
             await self.store.publish_event(
                 "replica_failed", deployment_id=deployment_id, replica=index, reason=step.reason
             )
@@ -133,7 +138,7 @@ class Healer:
             return
         replicas.restarting(deployment, index, step.note)
         await self.store.put_deployment(deployment)
-        await self.workers.teardown_replica(deployment_id, replica, lost_rank=lost_rank)
+        await self.workers.teardown_replica(deployment_id, replica, lost_rank=no_drain)
         await self.store.publish_event(
             "replica_restarting",
             deployment_id=deployment_id,

@@ -41,9 +41,11 @@ CUT_OFF = (
 )
 
 
-async def worker_answers(address: str) -> bool:
+async def worker_status(address: str) -> str:
+    """The worker's health status: SERVING, NOT_SERVING (draining) or UNREACHABLE (gone,
+    or hung: no answer within HEALTH_TIMEOUT_S)."""
     async with channel(address) as ch:
-        return await serving_status(ch, HEALTH_TIMEOUT_S) == "SERVING"
+        return await serving_status(ch, HEALTH_TIMEOUT_S)
 
 
 # Reservations and workers of profiling jobs (fingerprint_svc.profiler) are not ours.
@@ -417,10 +419,14 @@ class Reconciler:
             address = event.get("worker_address", "")
             if not address or not await self._current(deployment_id, address=address):
                 return
-            if not await worker_answers(address):
-                await self._lost(deployment_id, _with_reason("worker unreachable", event))
+            status = await worker_status(address)
+            if status != "SERVING":
+                # One that does not answer at all (hung: SIGSTOP, a stuck kernel) drains
+                # nothing: its workers are stopped without waiting out the drain.
+                reason = _with_reason("worker unreachable", event)
+                await self._lost(deployment_id, reason, unresponsive=status == "UNREACHABLE")
 
-    async def _lost(self, group: str, reason: str) -> None:
+    async def _lost(self, group: str, reason: str, *, unresponsive: bool = False) -> None:
         """``controller.fail`` for a replica whose worker is gone: a restore, spending no
         restart budget, when its workers were stopped on purpose (a clean stop of the
         stack) and no agent has answered for them since. The scheduler, which still has
@@ -434,7 +440,7 @@ class Reconciler:
         lost = await self._lost_node(group)
         if lost:
             reason = f"{lost} ({reason})"
-        await self.controller.fail(group, reason, lost_rank=bool(lost))
+        await self.controller.fail(group, reason, lost_rank=bool(lost), unresponsive=unresponsive)
 
     async def _lost_node(self, group: str) -> str:
         """Why a node of ``group``'s replica is lost ("" when every one lives and its

@@ -221,6 +221,9 @@ def test_a_worker_that_hangs_mid_stream_fails_its_stream_and_is_replaced(own_sta
         stream.thread.join(60)
         assert not stream.thread.is_alive(), "the stream still waits on a hung worker"
         assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
+        # A worker that answers nothing drains nothing: killed without waiting out the
+        # 30 s drain (the restart's note said "in 1 s" for 36 s, a tester).
+        assert wait_for(lambda: not _alive(pid), timeout=20), "the hung worker was drained"
         serving_again(stack, deployment_id, [pid])
         assert restart_reasons(stack, deployment_id)[0].startswith("worker unreachable")
         serves(stack, deployment_id)
