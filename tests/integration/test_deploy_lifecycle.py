@@ -377,59 +377,50 @@ def test_a_deploy_of_a_model_being_deleted_fails_and_a_deployed_model_is_kept(st
     assert with_store(stack, keys_left) == []
 
 
-def test_a_checkpoint_rewritten_as_another_model_is_refused_leaving_nothing(stack):
-    """Registered, then overwritten with a wider model: the deployer reserved memory for
-    the registered shape, so the agent refuses to load the other model, and the deploy
-    leaves no record, worker or reservation behind."""
-    register(stack, "rewritten-llama", make_checkpoint(stack, "rewritten-llama"))
+REWRITTEN = {
+    # Overwritten with a wider model: the deployer reserved memory for the registered
+    # shape, so the agent refuses to load the other model.
+    "config": (
+        "its checkpoint has hidden_size {wide}, the model has {tiny}".format(
+            wide=2 * TINY["hidden_size"], tiny=TINY["hidden_size"]
+        )
+    ),
+    # config.json kept, the weights of a model with a wider MLP copied over it: every
+    # start would fail loading them, so the agent refuses from the headers, naming the
+    # tensor, before any worker starts (a tester saw 11 starts of such a checkpoint). An
+    # intent deploy then tries no other configuration: tests/unit/test_deploy_replicas.py.
+    "weights": "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [256, 64]",
+}
+
+
+@pytest.mark.parametrize("what", sorted(REWRITTEN))
+def test_a_checkpoint_rewritten_as_another_model_is_refused_leaving_nothing(stack, what):
+    """The deploy leaves no record, worker or reservation behind."""
+    model_id = f"rewritten-{what}"
+    register(stack, model_id, make_checkpoint(stack, model_id))
     before = reserved_by_device(stack)
-    make_checkpoint(stack, "rewritten-llama", hidden_size=2 * TINY["hidden_size"])
+    if what == "config":
+        make_checkpoint(stack, model_id, hidden_size=2 * TINY["hidden_size"])
+    else:
+        wider = make_checkpoint(stack, f"{model_id}-wider", intermediate_size=256)
+        for weights in (stack.models_root / wider).glob("*.safetensors*"):
+            shutil.copyfile(weights, stack.models_root / model_id / weights.name)
     try:
         with pytest.raises(grpc.RpcError) as refused:
-            deploy(stack, "rewritten-llama")
+            deploy(stack, model_id)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert (
-            "checkpoint 'rewritten-llama' is no longer the model registered from it: its "
-            f"checkpoint has hidden_size {2 * TINY['hidden_size']}, the model has "
-            f"{TINY['hidden_size']}"
+            f"checkpoint {model_id!r} is no longer the model registered from it: {REWRITTEN[what]}"
         ) in refused.value.details()
         deployments = stack.deployments.ListDeployments(
             deploy_pb.ListDeploymentsRequest()
         ).deployments
-        assert [d for d in deployments if d.model_id == "rewritten-llama"] == []
-        assert reserved_by_device(stack) == before
-    finally:
-        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="rewritten-llama"))
-
-
-def test_weights_of_another_shape_copied_over_are_refused_at_once_leaving_nothing(stack):
-    """config.json kept, the weights of a model with a wider MLP copied over it: every
-    start would fail loading them, so the agent refuses from the headers, naming the
-    tensor, before any worker starts (a tester saw 11 starts of such a checkpoint)."""
-    register(stack, "reweighted-llama", make_checkpoint(stack, "reweighted-llama"))
-    before = reserved_by_device(stack)
-    wider = make_checkpoint(stack, "reweighted-llama-wider", intermediate_size=256)
-    target = stack.models_root / "reweighted-llama"
-    for weights in (stack.models_root / wider).glob("*.safetensors*"):
-        shutil.copyfile(weights, target / weights.name)
-    try:
-        with pytest.raises(grpc.RpcError) as refused:
-            deploy(stack, "reweighted-llama")
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert (
-            "checkpoint 'reweighted-llama' is no longer the model registered from it: "
-            "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [256, 64]"
-        ) in refused.value.details()
-        # An intent deploy tries no other configuration: tests/unit/test_deploy_replicas.py.
-        deployments = stack.deployments.ListDeployments(
-            deploy_pb.ListDeploymentsRequest(model_id="reweighted-llama")
-        ).deployments
-        assert list(deployments) == []
+        assert [d for d in deployments if d.model_id == model_id] == []
         assert reserved_by_device(stack) == before
         workers = stack.agent.ListWorkers(agent_pb.ListWorkersRequest()).workers
-        assert not [w for w in workers if w.deployment_id.startswith("reweighted-llama")]
+        assert not [w for w in workers if w.deployment_id.startswith(model_id)]
     finally:
-        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="reweighted-llama"))
+        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id=model_id))
 
 
 def test_listing_by_an_id_no_model_can_have_is_refused(stack):
