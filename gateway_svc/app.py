@@ -949,7 +949,7 @@ def create_app(
     )
     latency = Histogram(
         "iserve_gateway_request_seconds",
-        "Time from request to the last byte of a non-streaming reply, or to the stream's start",
+        "Time from request to the reply's last byte (a stream's end), or to the client leaving",
         ["endpoint"],
         registry=registry,
     )
@@ -981,7 +981,18 @@ def create_app(
         # path would name the model ids asked for and grow with every path anyone sends.
         endpoint = endpoint_of(request.scope)
         requests.labels(endpoint, str(response.status_code)).inc()
-        latency.labels(endpoint).observe(time.perf_counter() - started)
+        # Timed to the last byte sent: the body goes out after this returns (all of a
+        # stream's tokens), and a stream was timed to its first (a tester).
+        body = response.body_iterator
+
+        async def timed_body():
+            try:
+                async for chunk in body:
+                    yield chunk
+            finally:
+                latency.labels(endpoint).observe(time.perf_counter() - started)
+
+        response.body_iterator = timed_body()
         return response
 
     @app.exception_handler(GatewayError)

@@ -595,6 +595,33 @@ def test_health_and_metrics(gateway):
     assert "iserve_gateway_requests_total" in metrics
 
 
+def test_a_stream_is_timed_to_its_last_byte(gateway):
+    """iserve_gateway_request_seconds stopped a stream's clock at its first byte (a
+    tester): its sum grew by a few milliseconds for a stream that took most of a second."""
+
+    def summed(client: httpx.Client) -> float:
+        metrics = client.get("/metrics").text
+        prefix = 'iserve_gateway_request_seconds_sum{endpoint="/v1/completions"}'
+        return sum(
+            float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix)
+        )
+
+    body = {"model": MODEL, "prompt": "timed", "max_tokens": 400, "stream": True}
+    with httpx.Client(base_url=gateway, timeout=120) as client:
+        before = summed(client)
+        started = time.perf_counter()
+        with client.stream("POST", "/v1/completions", json={**body, "ignore_eos": True}) as reply:
+            assert reply.status_code == 200
+            chunks = [line for line in reply.iter_lines() if line.startswith("data: ")]
+        elapsed = time.perf_counter() - started
+        assert chunks[-1] == "data: [DONE]" and len(chunks) > 100
+        timed = summed(client) - before
+    # Timed by the server from the request's arrival to the stream's end: most of what the
+    # client waited (the request's way in and the last chunk's way out aside; the
+    # first byte alone is a few per cent of it).
+    assert 0.5 * elapsed <= timed <= elapsed, (timed, elapsed)
+
+
 def test_metrics_count_routes_not_the_paths_asked_for(gateway):
     # /metrics is open: a series per path sent named every model id asked for, and
     # grew without bound (3,000 requests made it 17 MB).
