@@ -19,7 +19,11 @@ compared with the measured TTFT and end-to-end latency at 16 output tokens:
   line     the line through the two profiled prompts nearest (beyond the longest: the
            two longest), what a profile of two prompt lengths gives;
   one      a profile of one prompt (the profiler's default before, 64 tokens): that
-           prompt's figures for every prompt.
+           prompt's figures for every prompt;
+  grown    the service's rule for a profile of one prompt length (an import of one
+           prompt's measurements): that prompt's TTFT grown with prefill's work,
+           n + k n^2 (k from the architecture), all of it counted as such work; the
+           latency moved by as much.
 
 Calibration: whatever the stack ships for the node's hardware type
 (``estimator_svc/calibrations``), fitted on 64-token runs; this bench fits nothing.
@@ -52,6 +56,7 @@ from services.api import deployment_service_pb2 as deploy_pb  # noqa: E402
 from services.api import estimator_service_pb2 as est_pb  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.cli import stack as launcher  # noqa: E402
+from services.estimation import model_references, profiles  # noqa: E402
 from services.models.checkpoint import create_checkpoint  # noqa: E402
 from services.settings import ProfilingSettings  # noqa: E402
 
@@ -166,6 +171,8 @@ def main() -> None:
         rows = []
         for model_id in ARCHS:
             at = {n: estimate(estimator, hardware, model_id, n) for n in (*profiled, *prompts)}
+            record = models.GetModel(model_pb.GetModelRequest(model_id=model_id)).model
+            k = model_references._attention_share(profiles.estimation_shape(record))
             for prompt in prompts:
                 rows.append(
                     (
@@ -175,6 +182,7 @@ def main() -> None:
                         at[prompt],
                         _line(at, profiled, prompt),
                         at[profiled[0]],
+                        _grown(at[profiled[0]], profiled[0], prompt, k),
                     )
                 )
 
@@ -186,11 +194,12 @@ def main() -> None:
     )
     print(
         "estimate / measured - 1, %, of TTFT and latency: the service's rule, the line "
-        f"through two profiled prompts, one profiled prompt ({profiled[0]} tokens)"
+        f"through two profiled prompts, one profiled prompt ({profiled[0]} tokens) as it "
+        "is and grown with prefill's work"
     )
     print(
         f"{'model':<10}{'prompt':>7}{'TTFT ms':>9}{'service':>9}{'line':>8}{'one':>8}"
-        f"{'latency ms':>12}{'service':>9}{'line':>8}{'one':>8}"
+        f"{'grown':>8}{'latency ms':>12}{'service':>9}{'line':>8}{'one':>8}{'grown':>8}"
     )
     unprofiled: dict[str, list[float]] = {}
     for model_id, prompt, m, *rules in rows:
@@ -204,13 +213,26 @@ def main() -> None:
         )
         if prompt not in profiled:
             for name, values in (("TTFT", ttft), ("latency", latency)):
-                for rule, value in zip(("service", "line", "one"), values, strict=True):
+                for rule, value in zip(("service", "line", "one", "grown"), values, strict=True):
                     unprofiled.setdefault(f"{name} {rule}", []).append(abs(value))
     if unprofiled:
         print(
             "prompts not profiled, median |error| %: "
             + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in unprofiled.items())
         )
+
+
+def _grown(one: est_pb.ConfigEstimate, length: int, prompt: int, k: float | None):
+    """The estimate a profile of one ``length``-token prompt gives at ``prompt``
+    (``services.estimation.prompt_curve.profiles_at``): beyond it TTFT times prefill's
+    work ratio, the latency moved by as much; at or below it, as profiled."""
+    out = est_pb.ConfigEstimate()
+    out.CopyFrom(one)
+    if k is not None and prompt > length:
+        grown = one.ttft_ms * (prompt + k * prompt * prompt) / (length + k * length * length)
+        out.latency_ms += grown - one.ttft_ms
+        out.ttft_ms = grown
+    return out
 
 
 def _line(at: dict, profiled: tuple[int, ...], prompt: int) -> est_pb.ConfigEstimate:

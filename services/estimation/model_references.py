@@ -209,6 +209,17 @@ class ModelReferences:
                 "memory follows the line through the two longest (a prefill's activations grow "
                 "with its prompt)"
             )
+        single = sum(1 for n in lengths if n > 0) == 1
+        if input_tokens > lengths[-1] and single and _attention_share(self.shape):
+            return (
+                f"a {input_tokens}-token prompt is longer than the one prompt length profiled "
+                f"({lengths[-1]} tokens): TTFT grows from it with prefill's work (its weights' "
+                "linearly with the prompt, its attention's quadratically, in the ratio the "
+                "architecture sets), all of that TTFT counted as such work, an upper bound; "
+                f"TPOT is the {lengths[-1]}-token prompt's (decode's reads of a longer context "
+                f"are not in it: a lower bound); memory holds the KV cache of {input_tokens} "
+                "tokens plus the output"
+            )
         if input_tokens > lengths[-1] and known == 2:
             return (
                 f"a {input_tokens}-token prompt is longer than the prompts profiled "

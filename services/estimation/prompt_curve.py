@@ -48,10 +48,23 @@ def profiles_at(
     beyond the longest follows prefill's own shape instead, ``a + b (n + k n^2)``
     through the two longest: the three shortest prompts' curvature is mostly noise, and
     their parabola overshot a 16k-token prompt's TTFT by 58 % (a probe, hidden 256).
+    With a single recorded length ``n0`` it follows ``b (n + k n^2)`` through it alone
+    (``a`` 0: an upper bound), TPOT and memory staying the profiled prompt's; a planner
+    read a 3,900-token prompt's TTFT as a 923-token one's (a tester).
     """
     if input_tokens <= lengths[0]:
         return profiles[0]
     known = len(recorded(lengths))
+    single = sum(1 for n in lengths if n > 0) == 1  # beside a 0 (not recorded), or alone
+    if input_tokens > lengths[-1] and single and attention_share is not None:
+        # One profiled length (an import of one prompt's measurements): prefill's work
+        # grows as n + k n^2 from it, and that prompt's TTFT is taken as all work (no
+        # part fixed), an upper bound on what the longer prompt adds.
+        def work(n: int) -> float:
+            return n + attention_share * n * n
+
+        grown = work(input_tokens) / work(lengths[-1])
+        return tuple(_ttft_scaled(p, grown) for p in profiles[-1])
     if input_tokens >= lengths[-1] and known < 2:
         return profiles[-1]
     beyond = input_tokens > lengths[-1]
@@ -117,6 +130,17 @@ def _figures_from(profile: VariantProfile, other: VariantProfile, *names: str) -
         batch1=swapped(profile.batch1, other.batch1),
         batch2=swapped(profile.batch2, other.batch2),
     )
+
+
+def _ttft_scaled(profile: VariantProfile, factor: float) -> VariantProfile:
+    """``profile`` with every TTFT (batch 1 and 2) times ``factor``."""
+
+    def scaled(references: ReferenceProfile | None) -> ReferenceProfile | None:
+        if references is None:
+            return None
+        return replace(references, ttft_s=tuple(t * factor for t in references.ttft_s))
+
+    return replace(profile, batch1=scaled(profile.batch1), batch2=scaled(profile.batch2))
 
 
 def _line_weights(low: int, high: int, x: int) -> tuple[float, float]:

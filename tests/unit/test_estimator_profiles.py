@@ -177,6 +177,17 @@ def test_a6000_llama_70b_estimates_every_configuration_in_the_papers_range(a6000
     assert 30 < memory_gb.min() < 50 and 130 < memory_gb.max() < 180
 
 
+def test_a6000_llama_70b_ttft_grows_beyond_its_923_token_prompt(a6000):
+    """MaverIQ's rows record one prompt length (923) beside the short-prompt batch rows'
+    unrecorded one: a 3,900-token prompt's TTFT is at least 4.2 times the 923-token one's."""
+    refs = references(a6000, "llama-2-70b")
+    assert [p.input_tokens for p in refs.prompts] == [923]
+    at, longer = refs.at_input(923)[0].batch1, refs.at_input(3900)[0].batch1
+    ratios = np.asarray(longer.ttft_s) / np.asarray(at.ttft_s)
+    assert np.all((ratios > 3900 / 923) & (ratios < 1.2 * 3900 / 923)), ratios
+    assert longer.tpot_s == at.tpot_s
+
+
 # ---- the profiler's rows: TTFT and TPOT from token timestamps ----------------------------
 def test_direct_ttft_tpot_rows_extrapolate_to_the_full_model():
     shape = ModelShape("tiny", 8, 8, 4, 16)
@@ -287,6 +298,35 @@ def _references(rows):
         profiles.estimation_variants(model_pb.Model(model_id="tiny"), rows),
         [profiles.sample_from_measurement(m) for m in rows],
     )
+
+
+def test_one_profiled_prompt_length_grows_ttft_with_prefill_s_work_beyond_it():
+    """One prompt length (an import of 923-token measurements) read a 3,900-token
+    prompt's TTFT as the 923-token one's (a tester). Beyond it TTFT now grows as
+    n + k n^2 (k from the architecture), all of the profiled TTFT counted as that work
+    (an upper bound when part of it is fixed); TPOT and memory stay. Without
+    the MLP width (k unknown) nothing is extrapolated, and it is said."""
+    from services.estimation.prompt_curve import attention_share, gated_layer_weights
+
+    shape = ModelShape("tiny", 8, 8, 4, 16, mlp_width=64)
+    k = attention_share(8 * 16, gated_layer_weights(8 * 16, 4 * 16, 64))
+    rows = _linear_in_prompt((512,), 0.0, 0.0)
+    variants = profiles.estimation_variants(model_pb.Model(model_id="tiny"), rows)
+    samples = [profiles.sample_from_measurement(m) for m in rows]
+    refs = model_references.model_references(shape, variants, samples)
+    at = refs.at_input(512)[0]
+    for n in (1024, 8192):
+        grown = refs.at_input(n)[0]
+        factor = (n + k * n * n) / (512 + k * 512 * 512)
+        assert grown.batch1.ttft_s == pytest.approx([t * factor for t in at.batch1.ttft_s]), n
+        assert grown.batch1.tpot_s == at.batch1.tpot_s
+        assert grown.batch1.memory_gib == at.batch1.memory_gib
+        assert "upper bound" in refs.prompt_note(n)
+    assert refs.at_input(100)[0] == at  # below it: as profiled, and said
+    assert "not extrapolated" in refs.prompt_note(100)
+    unknown = model_references.model_references(ModelShape("tiny", 8, 8, 4, 16), variants, samples)
+    assert unknown.at_input(8192)[0].batch1.ttft_s == at.batch1.ttft_s
+    assert "not extrapolated" in unknown.prompt_note(8192)
 
 
 def test_three_prompt_lengths_recover_prefill_s_linear_and_quadratic_terms():
