@@ -112,7 +112,11 @@ def test_plan_says_what_estimates_beyond_the_profiled_workload_stand_on(stack, i
     assert out.returncode == 0, out.stderr
     notes = [line for line in out.stdout.splitlines() if line.startswith("note: ")]
     assert any("batch 64 is extrapolated linearly" in n for n in notes), out.stdout
-    assert any("a 3000-token prompt is outside the prompt lengths profiled" in n for n in notes)
+    assert any(
+        "a 3000-token prompt is longer than the one prompt length profiled (923 tokens): "
+        "TTFT grows from it with prefill's work" in n
+        for n in notes
+    ), notes
 
 
 def test_plan_refuses_half_described_simulations_and_unknown_models(stack, imported):
