@@ -21,9 +21,9 @@ compared with the measured TTFT and end-to-end latency at 16 output tokens:
   one      a profile of one prompt (the profiler's default before, 64 tokens): that
            prompt's figures for every prompt;
   grown    the service's rule for a profile of one prompt length (an import of one
-           prompt's measurements): that prompt's TTFT grown with prefill's work,
-           n + k n^2 (k from the architecture), all of it counted as such work; the
-           latency moved by as much.
+           prompt's measurements): TTFT along prefill's work, n + k n^2 (k from the
+           architecture), on the line through that prompt's TTFT and a one-token
+           prompt's (a decode step: its TPOT); the latency moved by as much.
 
 Calibration: whatever the stack ships for the node's hardware type
 (``estimator_svc/calibrations``), fitted on 64-token runs; this bench fits nothing.
@@ -224,12 +224,18 @@ def main() -> None:
 
 def _grown(one: est_pb.ConfigEstimate, length: int, prompt: int, k: float | None):
     """The estimate a profile of one ``length``-token prompt gives at ``prompt``
-    (``services.estimation.prompt_curve.profiles_at``): beyond it TTFT times prefill's
-    work ratio, the latency moved by as much; at or below it, as profiled."""
+    (``services.estimation.prompt_curve.profiles_at``): beyond it TTFT on the line
+    through it and the TPOT in prefill's work, the latency moved by as much; at or below
+    it, as profiled."""
     out = est_pb.ConfigEstimate()
     out.CopyFrom(one)
     if k is not None and prompt > length:
-        grown = one.ttft_ms * (prompt + k * prompt * prompt) / (length + k * length * length)
+
+        def work(n: int) -> float:
+            return n + k * n * n
+
+        along = (work(prompt) - work(1)) / (work(length) - work(1))
+        grown = one.ttft_ms + (along - 1.0) * max(one.ttft_ms - one.tpot_ms, 0.0)
         out.latency_ms += grown - one.ttft_ms
         out.ttft_ms = grown
     return out

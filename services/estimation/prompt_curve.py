@@ -48,23 +48,24 @@ def profiles_at(
     beyond the longest follows prefill's own shape instead, ``a + b (n + k n^2)``
     through the two longest: the three shortest prompts' curvature is mostly noise, and
     their parabola overshot a 16k-token prompt's TTFT by 58 % (a probe, hidden 256).
-    With a single recorded length ``n0`` it follows ``b (n + k n^2)`` through it alone
-    (``a`` 0: an upper bound), TPOT and memory staying the profiled prompt's; a planner
-    read a 3,900-token prompt's TTFT as a 923-token one's (a tester).
+    With a single recorded length ``n0`` it follows ``a + b (n + k n^2)`` through it and
+    a one-token prompt, whose prefill is a decode step (the layout's TPOT), TPOT and
+    memory staying the profiled prompt's; a planner read a 3,900-token prompt's TTFT as
+    a 923-token one's (a tester).
     """
     if input_tokens <= lengths[0]:
         return profiles[0]
     known = len(recorded(lengths))
     single = sum(1 for n in lengths if n > 0) == 1  # beside a 0 (not recorded), or alone
     if input_tokens > lengths[-1] and single and attention_share is not None:
-        # One profiled length (an import of one prompt's measurements): prefill's work
-        # grows as n + k n^2 from it, and that prompt's TTFT is taken as all work (no
-        # part fixed), an upper bound on what the longer prompt adds.
+        # One profiled length (an import of one prompt's measurements): TTFT follows
+        # prefill's work, n + k n^2, along the line through that prompt and a one-token
+        # prompt, whose prefill is a decode step (its TPOT).
         def work(n: int) -> float:
             return n + attention_share * n * n
 
-        grown = work(input_tokens) / work(lengths[-1])
-        return tuple(_ttft_scaled(p, grown) for p in profiles[-1])
+        along = (work(input_tokens) - work(1)) / (work(lengths[-1]) - work(1))
+        return tuple(_ttft_grown(p, along) for p in profiles[-1])
     if input_tokens >= lengths[-1] and known < 2:
         return profiles[-1]
     beyond = input_tokens > lengths[-1]
@@ -132,15 +133,24 @@ def _figures_from(profile: VariantProfile, other: VariantProfile, *names: str) -
     )
 
 
-def _ttft_scaled(profile: VariantProfile, factor: float) -> VariantProfile:
-    """``profile`` with every TTFT (batch 1 and 2) times ``factor``."""
+def _ttft_grown(profile: VariantProfile, along: float) -> VariantProfile:
+    """``profile`` with every TTFT (batch 1 and 2) moved ``along`` times its rise from
+    the same layout's TPOT (a one-token prompt's prefill) to it: ``t + (along - 1)(t -
+    p)``; a TTFT no higher than its TPOT stays. A layout without a TPOT of its own (the
+    TP ladder's) takes (1,1)'s over its tensor degree."""
 
-    def scaled(references: ReferenceProfile | None) -> ReferenceProfile | None:
+    def grown(references: ReferenceProfile | None) -> ReferenceProfile | None:
         if references is None:
             return None
-        return replace(references, ttft_s=tuple(t * factor for t in references.ttft_s))
+        ttft = np.asarray(references.ttft_s, dtype=float)
+        tpot = np.asarray(references.tpot_s, dtype=float)
+        # A TP-ladder layout has no TPOT of its own (Eq. 2's): (1,1)'s split tp ways, the
+        # least its decode step can take.
+        split = [tpot[0] / tp for tp, _ in references.layouts]
+        rise = np.maximum(ttft - np.nan_to_num(np.where(np.isfinite(tpot), tpot, split)), 0.0)
+        return replace(references, ttft_s=tuple((ttft + (along - 1.0) * rise).tolist()))
 
-    return replace(profile, batch1=scaled(profile.batch1), batch2=scaled(profile.batch2))
+    return replace(profile, batch1=grown(profile.batch1), batch2=grown(profile.batch2))
 
 
 def _line_weights(low: int, high: int, x: int) -> tuple[float, float]:
