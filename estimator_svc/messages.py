@@ -13,6 +13,7 @@ from services.errors import InvalidArgument
 from services.estimation.memory import GIB
 from services.estimation.model_references import Workload
 from services.estimation.score import Estimates
+from services.estimation.space import ConfigSpace
 from services.token_limits import check_batch_size
 
 __all__ = [
@@ -66,18 +67,8 @@ def estimate_messages(
     gb = e.memory_total_gib * GIB / 1e9
     messages = []
     for i in chosen.tolist():
-        row = space.configs[i]
-        variant = space.variants[int(row["variant"])]
         message = estimator_pb.ConfigEstimate(
-            config=common.DeploymentConfig(
-                tensor_parallel=int(row["tp"]),
-                pipeline_parallel=int(row["pp"]),
-                variant_name=variant.name,
-                weight_quant=_WEIGHT_QUANTS[variant.weight_quant],
-                kv_quant=_KV_QUANTS[variant.kv_quant],
-                pruning=_PRUNINGS.get(variant.pruning, common.PRUNING_UNSPECIFIED),
-                batch_size=int(row["batch"]),
-            ),
+            config=config_of(space, i),
             memory_total_bytes=round(e.memory_total_gib[i] * GIB),
             memory_per_device_bytes=round(e.memory_per_device_gib[i] * GIB),
             kv_cache_bytes=round(float(e.kv_cache_gib[i]) * GIB),
@@ -98,6 +89,21 @@ def estimate_messages(
             message.accuracy_score = float(e.accuracy_pct[i])
         messages.append(message)
     return messages
+
+
+def config_of(space: ConfigSpace, index: int) -> common.DeploymentConfig:
+    """The deployment configuration of the space's configuration ``index``."""
+    row = space.configs[index]
+    variant = space.variants[int(row["variant"])]
+    return common.DeploymentConfig(
+        tensor_parallel=int(row["tp"]),
+        pipeline_parallel=int(row["pp"]),
+        variant_name=variant.name,
+        weight_quant=_WEIGHT_QUANTS[variant.weight_quant],
+        kv_quant=_KV_QUANTS[variant.kv_quant],
+        pruning=_PRUNINGS.get(variant.pruning, common.PRUNING_UNSPECIFIED),
+        batch_size=int(row["batch"]),
+    )
 
 
 def ranked_messages(

@@ -165,6 +165,22 @@ def memory_blocks(
     return whole.overhead_bytes, block
 
 
+def even_split_bytes(
+    shape: model_pb.ModelShape,
+    config: common.DeploymentConfig,
+    max_seq_len: int,
+    estimate_total_bytes: int = 0,
+) -> int:
+    """What each device of ``config`` reserves on an even layer map, the stage with the
+    most layers': :func:`memory_blocks`' fixed bytes plus that many layers' blocks. A
+    configuration fits devices alike of that much memory and no less (an uneven map
+    helps only where their free memory differs): the estimator's ``fits`` judged by it
+    says what the deployer will place."""
+    fixed, block = memory_blocks(shape, config, max_seq_len, estimate_total_bytes)
+    stages = max(1, config.pipeline_parallel)
+    return fixed + -(-max(1, shape.num_layers) // stages) * block
+
+
 def fingerprint_rank_bytes(
     spec: ArchSpec,
     *,

@@ -245,8 +245,9 @@ def cmd_estimate(settings: Settings, args) -> int:
     )
     print(
         f"{args.model_id} on {args.hardware}: {len(records)} configurations, {prompt}, "
-        f"{args.output_len} output tokens, batch {args.batch or 1}; FITS: per-device "
-        f"memory within a device{memory}; GB*s per request"
+        f"{args.output_len} output tokens, batch {args.batch or 1}; FITS: what the "
+        f"deployer reserves on each device (an even split's largest stage: at least PER DEV) "
+        f"within a device{memory}; GB*s per request"
     )
     headers = ["TP", "PP", "VARIANT", "BATCH", "MEMORY GiB", "PER DEV GiB", "TTFT ms"]
     headers += ["TPOT ms", "LATENCY s", "GB*s", "TOK/S/DEV", "ACC %", "FITS"]

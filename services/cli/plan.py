@@ -329,8 +329,7 @@ def cmd_plan(settings: Settings, args) -> int:
     if args.png:
         hardware = args.hardware or _live_hardware(settings)
         estimates = all_estimates(settings, args, hardware, limits)
-        memory_bytes = int(args.device_memory * GIB) if args.hardware else 0
-        fits = [not memory_bytes or e.memory_per_device_bytes <= memory_bytes for e in estimates]
+        fits = [e.fits_device_memory for e in estimates]  # as the deployer reserves
         write_png(
             Path(args.png),
             f"{args.model_id} on {where}: {len(estimates)} configurations at batch "

@@ -94,6 +94,10 @@ class Estimates:
     # Whether batches above 1 are charged from batch-2 profiles (Eq. 6); False: no
     # profile was taken at batch 2, and a batch is estimated as free in time.
     batch_measured: bool = False
+    # What each device reserves as the deployer sizes it (an even split's largest stage,
+    # at least memory_per_device_gib; NaN where not known), when ``fits`` was judged by
+    # it (estimator_svc.service.reserved_fits); None: judged by the estimate alone.
+    reserved_per_device_gib: np.ndarray | None = None
 
     @property
     def estimable(self) -> np.ndarray:
@@ -290,16 +294,19 @@ def _nothing_fits(e: Estimates) -> str:
     """Why nothing fits: the least memory per device any configuration needs, and its
     layout (the engine splits a model at most tp x pp ways, however many devices)."""
     estimable = np.flatnonzero(e.estimable)
-    least = estimable[np.argmin(e.memory_per_device_gib[estimable])]
+    reserved = e.reserved_per_device_gib is not None
+    per_device = e.reserved_per_device_gib if reserved else e.memory_per_device_gib
+    least = estimable[np.argmin(per_device[estimable])]
     space = e.space
-    gib = float(e.memory_per_device_gib[least])
+    gib = float(per_device[least])
     # A small model's need in MiB: "0.0 GiB" said nothing.
     need = f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB"
     variant = space.variants[space.variant[least]].name or "the checkpoint as stored"
     count = int(space.device_count[least])
+    how = " as the deployer reserves it" if reserved else ""
     return (
         f"no configuration fits the device memory: the least any needs is {need} per "
-        f"device ({variant} at tp={space.tp[least]} pp={space.pp[least]}, "
+        f"device{how} ({variant} at tp={space.tp[least]} pp={space.pp[least]}, "
         f"{count} device{'' if count == 1 else 's'})"
     )
 

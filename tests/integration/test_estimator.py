@@ -152,16 +152,24 @@ def test_cli_estimate_says_which_configurations_do_not_fit_the_devices(stack, im
     out = cli(stack, *common, "--json")
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
+    gap = 0
     for line in lines:
         within = line["memory_per_device_bytes"] <= 24 * (1 << 30)
-        assert line["fits_device_memory"] == within, line
+        # Judged as the deployer reserves (an even split's largest stage, the runtime,
+        # embedding and prefill beside the layers): never fits where the estimate alone
+        # does not, and some the estimate alone fits do not (a tester: 33.8 GiB "fit" a
+        # 34 GiB device the deployer then refused at 36.1 GiB).
+        assert within or not line["fits_device_memory"], line
+        gap += within and not line["fits_device_memory"]
         assert line["batch_measured"] in (True, False)
+    assert gap > 0
     unfit = sum(not line["fits_device_memory"] for line in lines)
     assert 0 < unfit < len(lines)
     assert f"note: {unfit} configurations do not fit the device memory of 24 GiB" in out.stderr
     table = cli(stack, *common)
     assert table.returncode == 0, table.stderr
-    assert "FITS: per-device memory within a device of 24 GiB" in table.stdout
+    assert "FITS: what the deployer reserves on each device" in table.stdout
+    assert "within a device of 24 GiB" in table.stdout
     rows = [
         r.split()
         for r in table.stdout.splitlines()

@@ -162,6 +162,27 @@ def test_configurations_that_do_not_fit_are_left_out():
     )
 
 
+def test_what_the_deployer_reserves_is_what_nothing_fitting_names():
+    """With ``fits`` judged as the deployer reserves (estimator_svc.service.reserved_fits),
+    the least need named is that reservation: the estimate's own 6.5 GiB on a 6.6 GiB
+    device read as fitting beside "nothing fits" (a tester's 33.8 GiB on 34)."""
+    import dataclasses
+
+    space, profiles = small_space()
+    est = estimate_space(
+        space, profiles, Calibration(LINEAR), output_tokens=100, device_memory_gib=1e6
+    )
+    reserved = est.memory_per_device_gib + 7.0
+    judged = dataclasses.replace(est, fits=reserved <= 6.6, reserved_per_device_gib=reserved)
+    empty = rank(judged, Intent())
+    least = int(np.argmin(reserved))
+    assert empty.best is None
+    assert empty.notes[-1].startswith(
+        "no configuration fits the device memory: the least any needs is "
+        f"{reserved[least]:.1f} GiB per device as the deployer reserves it ("
+    ), empty.notes[-1]
+
+
 def test_configurations_without_a_usable_estimate_are_never_ranked():
     space, profiles = small_space()
     est = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=100)

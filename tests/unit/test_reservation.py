@@ -96,3 +96,35 @@ def test_a_rank_reserves_at_least_the_weights_the_engine_loads_on_it(tmp_path, t
             assert loaded <= reserved, (stage, rank, loaded, reserved)
             # Not wildly above either: at most one unneeded embedding-sized matrix.
             assert reserved - loaded <= 8192 * 32 * 4 + per_stage * block
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "quant", "estimate"),
+    [
+        (1, 1, common.WEIGHT_QUANT_NONE, 0),
+        (2, 1, common.WEIGHT_QUANT_INT4, 0),
+        (1, 3, common.WEIGHT_QUANT_INT8, 0),  # 4 layers over 3 stages: one holds two
+        (2, 2, common.WEIGHT_QUANT_NONE, 64 << 20),  # an estimate above the shape's figure
+    ],
+)
+def test_an_even_split_fits_devices_of_exactly_its_bytes_and_no_fewer(tp, pp, quant, estimate):
+    """even_split_bytes is the estimator's "fits" and the deployer's placement agrees
+    with it both ways (a 70B int4 estimate fitted 34 GiB devices the deployer refused)."""
+    from deploy_svc import placement
+    from services.reservation import even_split_bytes, memory_blocks
+
+    config = common.DeploymentConfig(
+        tensor_parallel=tp, pipeline_parallel=pp, weight_quant=quant, batch_size=2
+    )
+    need = even_split_bytes(SHAPE, config, 512, estimate)
+    fixed, block = memory_blocks(SHAPE, config, 512, estimate)
+    assert need == fixed + -(-SHAPE.num_layers // pp) * block
+
+    def placed(free: int) -> bool:
+        devices = [placement.Candidate("n", f"d{i}", free, 0.0) for i in range(tp * pp)]
+        choice = placement.place(
+            devices, tp=tp, pp=pp, num_layers=SHAPE.num_layers, fixed_bytes=fixed, layer_bytes=block
+        )
+        return choice is not None
+
+    assert placed(need) and not placed(need - 1)
