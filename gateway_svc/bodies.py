@@ -517,7 +517,13 @@ _CONTENT_GIVEN = {
             }
             for call, schema in _CALLS.items()
         ),
-    ]
+    ],
+    # A tool message names the call it answers (ChatMessage._has_content).
+    "if": {"required": ["role"], "properties": {"role": {"const": "tool"}}},
+    "then": {
+        "required": ["tool_call_id"],
+        "properties": {"tool_call_id": {"type": "string", "minLength": 1}},
+    },
 }
 
 
@@ -561,6 +567,14 @@ class ChatMessage(BaseModel):
             raise ValueError(
                 f"{article} {self.role} message needs content (null or left out is allowed only "
                 "for an assistant message with tool_calls or function_call)"
+            )
+        # The call it answers: OpenAI refuses a tool message without it, and a template
+        # that pairs results with calls by it renders nothing or fails without it.
+        call_id = extra.get("tool_call_id")
+        if self.role == "tool" and not (isinstance(call_id, str) and call_id):
+            raise ValueError(
+                "a tool message needs tool_call_id, the id of the assistant's tool call it "
+                "answers (a non-empty string)"
             )
         return self
 

@@ -1082,6 +1082,30 @@ def test_a_message_without_content_is_refused_unless_an_assistant_made_calls(mes
     assert error["param"] == "messages.1"
 
 
+@pytest.mark.parametrize(
+    ("message", "served"),
+    [
+        ({"role": "tool", "content": "42"}, False),
+        ({"role": "tool", "content": "42", "tool_call_id": ""}, False),
+        ({"role": "tool", "content": "42", "tool_call_id": 7}, False),
+        ({"role": "tool", "content": "42", "tool_call_id": "c1"}, True),
+    ],
+)
+def test_a_tool_message_names_the_call_it_answers(message, served):
+    """OpenAI refuses a tool message without tool_call_id; it was served (a tester)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, message]}
+    assert _document_takes("/v1/chat/completions", body) is served  # the document says so too
+    if served:
+        assert _sent("/v1/chat/completions", body).prompt
+        return
+    with TestClient(create_app(lambda: _TemplateBackend(DEFAULT_CHAT_TEMPLATE))) as client:
+        reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"].startswith("messages.1: a tool message needs tool_call_id"), error
+    assert error["param"] == "messages.1"
+
+
 def test_a_server_side_failure_is_logged_and_a_clients_own_error_is_not(tmp_path, caplog):
     """The gateway answered 503s (the scheduler down) and wrote nothing of them (a probe)."""
 
