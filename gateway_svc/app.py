@@ -77,6 +77,7 @@ from services.auth.refusals import RefusalLog
 from services.auth.tokens import bearer, could_be_token
 from services.drain import refused_as_draining
 from services.errors import (
+    DeadlineUnreachable,
     InvalidArgument,
     NotServing,
     cut_off_midway,
@@ -1231,7 +1232,7 @@ def create_app(
                 gens = await _open_all(backend, requests, caller)
             except GatewayError as exc:
                 if exc.status == 400 and exc.param is None:
-                    exc.param = refused_param(exc.message, body, chat)
+                    exc.param = refused_param(exc.message, body, chat, exc.code)
                     if exc.param == "max_completion_tokens":
                         # The scheduler's message names its own field.
                         exc.message = exc.message.replace("max_tokens", exc.param, 1)
@@ -1258,12 +1259,19 @@ def create_app(
 _SAMPLING_FIELD = re.compile(r"sampling[.:]\s*(temperature|top_p|top_k|seed|stop)\b")
 
 
-def refused_param(message: str, body: GenerationBody, chat: bool) -> str | None:
+def refused_param(
+    message: str, body: GenerationBody, chat: bool, code: str | None = None
+) -> str | None:
     """OpenAI's ``param`` for a 400 a service gave a generation: the body field its
-    message names first, None when it names none."""
+    message names first, None when it names none. A deadline no queue could meet is the
+    request's ``deadline_ms`` when it set one, else its token limit (what it can lower:
+    the deployment's objective set the deadline)."""
+    given = getattr(body, "max_completion_tokens", None)
+    limit = "max_completion_tokens" if given else "max_tokens"
+    if code == DeadlineUnreachable.reason:
+        return "deadline_ms" if body.deadline_ms else limit
     if message.startswith("max_tokens"):
-        given = getattr(body, "max_completion_tokens", None)
-        return "max_completion_tokens" if given else "max_tokens"
+        return limit
     if message.startswith("prompt"):
         return "messages" if chat else "prompt"
     sampling = _SAMPLING_FIELD.match(message)

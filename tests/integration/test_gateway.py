@@ -743,6 +743,7 @@ def test_a_deadline_edf_cannot_meet_is_504_and_one_no_queue_could_meet_400(stack
         error = reply.json()["error"]
         assert (error["type"], error["code"]) == ("invalid_request_error", "deadline_unreachable")
         assert "ask for fewer tokens or a later deadline" in error["message"]
+        assert error["param"] == "deadline_ms"  # null before (a tester)
     finally:
         _remove(stack, dep.deployment_id)
 

@@ -1227,3 +1227,19 @@ def test_a_body_of_more_keys_arrays_or_decimals_than_the_bound_is_a_413_before_p
         reply = client.post("/v1/completions", json=inside)
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["message"].startswith("max_tokens"), reply.text
+
+
+def test_a_deadline_no_queue_could_meet_names_the_field_to_change():
+    """OpenAI's param was null for deadline_unreachable (a tester): the request's own
+    deadline_ms when it set one, else its token limit (the objective set the deadline)."""
+    from gateway_svc.app import refused_param
+    from gateway_svc.bodies import CompletionBody
+
+    said = "request r cannot meet its deadline on d: ask for fewer tokens or a later deadline"
+    code = "deadline_unreachable"
+    own = CompletionBody(model="m", prompt="x", deadline_ms=5)
+    assert refused_param(said, own, False, code) == "deadline_ms"
+    assert refused_param(said, CompletionBody(model="m", prompt="x"), False, code) == "max_tokens"
+    newer = CompletionBody(model="m", prompt="x", max_completion_tokens=9)
+    assert refused_param(said, newer, False, code) == "max_completion_tokens"
+    assert refused_param(said, own, False) is None  # another refusal that names no field
