@@ -1047,62 +1047,45 @@ def test_a_gateway_on_a_port_in_use_says_so_naming_its_variable(tmp_path):
     assert "startup complete" not in done.stderr
 
 
+NEEDS_CONTENT = "message needs content"
+NEEDS_CALL_ID = "a tool message needs tool_call_id"
+
+
 @pytest.mark.parametrize(
-    ("message", "served"),
+    ("message", "refused"),
     [
-        ({"role": "user"}, False),
-        ({"role": "user", "content": None}, False),
-        ({"role": "system", "content": None}, False),
-        ({"role": "tool", "tool_call_id": "c1"}, False),
-        ({"role": "assistant"}, False),
-        ({"role": "assistant", "content": None, "tool_calls": None}, False),
-        ({"role": "assistant", "content": None, "tool_calls": []}, False),
-        ({"role": "assistant", "function_call": None}, False),
-        ({"role": "user", "content": ""}, True),
-        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, True),
-        ({"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}, True),
+        ({"role": "user"}, f"a user {NEEDS_CONTENT}"),
+        ({"role": "user", "content": None}, f"a user {NEEDS_CONTENT}"),
+        ({"role": "system", "content": None}, f"a system {NEEDS_CONTENT}"),
+        ({"role": "tool", "tool_call_id": "c1"}, f"a tool {NEEDS_CONTENT}"),
+        ({"role": "assistant"}, f"an assistant {NEEDS_CONTENT}"),
+        ({"role": "assistant", "content": None, "tool_calls": None}, f"an assistant {NEEDS_CONTENT}"),
+        ({"role": "assistant", "content": None, "tool_calls": []}, f"an assistant {NEEDS_CONTENT}"),
+        ({"role": "assistant", "function_call": None}, f"an assistant {NEEDS_CONTENT}"),
+        ({"role": "user", "content": ""}, None),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, None),
+        ({"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}, None),
+        # OpenAI refuses a tool message without the call it answers; it was served (a tester).
+        ({"role": "tool", "content": "42"}, NEEDS_CALL_ID),
+        ({"role": "tool", "content": "42", "tool_call_id": ""}, NEEDS_CALL_ID),
+        ({"role": "tool", "content": "42", "tool_call_id": 7}, NEEDS_CALL_ID),
+        ({"role": "tool", "content": "42", "tool_call_id": "c1"}, None),
     ],
 )  # fmt: skip
-def test_a_message_without_content_is_refused_unless_an_assistant_made_calls(message, served):
+def test_a_message_without_content_is_refused_unless_an_assistant_made_calls(message, refused):
     """OpenAI's rule. A user message without content was served: the template rendered an
     empty turn and the model answered words nobody wrote."""
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, message]}
-    assert _document_takes("/v1/chat/completions", body) is served  # the document says so too
-    if served:
+    # The document says so too.
+    assert _document_takes("/v1/chat/completions", body) is (refused is None)
+    if refused is None:
         assert _sent("/v1/chat/completions", body).prompt
         return
     with TestClient(create_app(lambda: _TemplateBackend(DEFAULT_CHAT_TEMPLATE))) as client:
         reply = client.post("/v1/chat/completions", json=body)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
-    article = "an" if message["role"] == "assistant" else "a"
-    assert error["message"].startswith(
-        f"messages.1: {article} {message['role']} message needs content"
-    )
-    assert error["param"] == "messages.1"
-
-
-@pytest.mark.parametrize(
-    ("message", "served"),
-    [
-        ({"role": "tool", "content": "42"}, False),
-        ({"role": "tool", "content": "42", "tool_call_id": ""}, False),
-        ({"role": "tool", "content": "42", "tool_call_id": 7}, False),
-        ({"role": "tool", "content": "42", "tool_call_id": "c1"}, True),
-    ],
-)
-def test_a_tool_message_names_the_call_it_answers(message, served):
-    """OpenAI refuses a tool message without tool_call_id; it was served (a tester)."""
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, message]}
-    assert _document_takes("/v1/chat/completions", body) is served  # the document says so too
-    if served:
-        assert _sent("/v1/chat/completions", body).prompt
-        return
-    with TestClient(create_app(lambda: _TemplateBackend(DEFAULT_CHAT_TEMPLATE))) as client:
-        reply = client.post("/v1/chat/completions", json=body)
-    assert reply.status_code == 400, reply.text
-    error = reply.json()["error"]
-    assert error["message"].startswith("messages.1: a tool message needs tool_call_id"), error
+    assert error["message"].startswith(f"messages.1: {refused}"), error
     assert error["param"] == "messages.1"
 
 
