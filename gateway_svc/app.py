@@ -578,8 +578,17 @@ async def _open_all(
     backend: Backend, requests: list[inference_pb.GenerateRequest], metadata: tuple = ()
 ) -> list[_Generation]:
     """Every request's generation, opened together (one per prompt of a completions
-    request); when one is refused, the others are cancelled and its error is raised."""
-    tasks = [asyncio.ensure_future(_open(backend, r, metadata)) for r in requests]
+    request); when one is refused, the others are cancelled and its error is raised,
+    its ``prompt_index`` set to which prompt's it was."""
+
+    async def opened(index: int, request: inference_pb.GenerateRequest) -> _Generation:
+        try:
+            return await _open(backend, request, metadata)
+        except GatewayError as exc:
+            exc.prompt_index = index
+            raise
+
+    tasks = [asyncio.ensure_future(opened(i, r)) for i, r in enumerate(requests)]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
@@ -1236,6 +1245,10 @@ def create_app(
                     if exc.param == "max_completion_tokens":
                         # The scheduler's message names its own field.
                         exc.message = exc.message.replace("max_tokens", exc.param, 1)
+                    index = getattr(exc, "prompt_index", None)
+                    if exc.param == "prompt" and len(requests) > 1 and index is not None:
+                        # Which of the list's prompts (a tester could not tell).
+                        exc.message = f"prompt {index} (of {len(requests)}, from 0): {exc.message}"
                 raise
             ident = ("chatcmpl-" if chat else "cmpl-") + requests[0].request_id
             created = int(time.time())

@@ -350,6 +350,8 @@ def test_a_client_that_disconnects_before_any_reply_cancels_its_request(stack, g
         ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], "a"]}, 400, "invalid_request_error", "prompt: a list of prompts holds texts or token id lists, not both"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, 400, "invalid_request_error", "token ids"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**6], "max_tokens": 2}, 400, "invalid_request_error", "prompt_token_ids outside [0, 640)"),
+        # Which prompt of a list is refused (a tester could not tell).
+        ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], [10**6]], "max_tokens": 2}, 400, "invalid_request_error", "prompt 1 (of 2, from 0): prompt_token_ids outside [0, 640)"),
         # Parameters whose effect the server does not have: ignored, they would change the
         # answer in silence.
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1.5}, 400, "invalid_request_error", "presence penalties are not supported"),
