@@ -1250,3 +1250,7 @@ def test_a_config_with_experts_is_refused_however_it_writes_their_count(count):
         parse_config({**MYSTERY_CONFIG, "num_local_experts": count})
     for dense in (1, 0, None, True, "none"):
         assert parse_config({**MYSTERY_CONFIG, "num_experts": dense}).num_layers == 24
+    # DBRX's count one level down (imported as a dense model: a tester).
+    with pytest.raises(UnsupportedArchitecture, match=r"config \(ffn_config.moe_num_experts"):
+        parse_config({**MYSTERY_CONFIG, "ffn_config": {"moe_num_experts": count}})
+    assert parse_config({**MYSTERY_CONFIG, "ffn_config": {"moe_num_experts": 1}}).num_layers == 24

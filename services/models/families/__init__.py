@@ -105,6 +105,15 @@ def _refuse_experts(cfg: Mapping[str, Any]) -> None:
     Mixtral's eight experts was imported as a 7B model), its weights, memory and time
     would be a fraction of the model's. Refused even where only the shape is read."""
     experts = {key: cfg[key] for key in EXPERT_COUNT_KEYS if _more_than_one(cfg.get(key))}
+    # One level down too: DBRX gives its count in ``ffn_config`` (a llama config with it
+    # imported as a dense model: a tester).
+    for name, inner in cfg.items():
+        if isinstance(inner, Mapping):
+            experts.update(
+                (f"{name}.{key}", inner[key])
+                for key in EXPERT_COUNT_KEYS
+                if _more_than_one(inner.get(key))
+            )
     if experts:
         said = ", ".join(f"{key} {value}" for key, value in experts.items())
         raise UnsupportedArchitecture(
