@@ -237,15 +237,18 @@ class FingerprintCache:
             return 0
         sources = {_normal(p) for p in sources} - {_normal(p) for p in kept}
         freed = 0
-        with self._locked():
-            for content in sorted(self.root.iterdir()):
-                if content.is_dir() and not content.is_symlink():
-                    try:
-                        freed += self._release_one(content, user, sources)
-                    except OSError as exc:
-                        log.warning(
-                            "fingerprints %s of model %r not removed: %s", content, user, exc
-                        )
+        try:
+            with self._locked():
+                for content in sorted(self.root.iterdir()):
+                    if content.is_dir() and not content.is_symlink():
+                        try:
+                            freed += self._release_one(content, user, sources)
+                        except OSError as exc:
+                            log.warning(
+                                "fingerprints %s of model %r not removed: %s", content, user, exc
+                            )
+        except OSError as exc:  # the lock file cannot be made (a read-only models root)
+            log.warning("fingerprints of model %r not removed: %s", user, exc)
         return freed
 
     def _release_one(self, content: Path, user: str, sources: set[str]) -> int:

@@ -260,3 +260,23 @@ def test_a_model_released_while_its_fingerprint_is_cut_leaves_nothing(
     with pytest.raises(FileNotFoundError):
         cache.fingerprint("a", 1, "model-a")
     assert list((models / FINGERPRINTS_DIR).iterdir()) == [models / FINGERPRINTS_DIR / ".lock"]
+
+
+def test_a_release_where_the_lock_cannot_be_made_removes_nothing_and_says_so(
+    root, tmp_path, monkeypatch, caplog
+):
+    """A read-only models root: the model's delete must still succeed (the release was
+    outside the lock's try and failed the delete after the record was gone)."""
+    models = tmp_path / "models"
+    shutil.copytree(root / "llama", models / "a")
+    cache = FingerprintCache(models)
+    kept = cache.fingerprint("a", 1, "m")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(models / FINGERPRINTS_DIR / ".lock"))
+
+    monkeypatch.setattr(fingerprints.os, "open", refused)
+    assert cache.release("m", ["a"]) == 0
+    assert "not removed" in caplog.text and "Permission denied" in caplog.text
+    monkeypatch.undo()
+    assert (models / kept.checkpoint_path / "model.safetensors").is_file()
