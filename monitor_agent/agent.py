@@ -88,6 +88,7 @@ def build_agent(settings: Settings, store: StateStore) -> ServiceParts:
         advertise_host=advertised_host(settings.host),
         drain_timeout_s=settings.drain_timeout_s,
         pool=pool,
+        worker_ports=settings.worker_ports,
     )
     sampler = (
         NvmlSampler() if any(d.is_cuda for d in devices) else ProcessSampler(supervisor.live_pids)

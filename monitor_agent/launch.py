@@ -134,10 +134,13 @@ class LaunchPlan:
         """Whether the ranks meet at a torch.distributed store (PyTorch, tp·pp > 1)."""
         return self.engine == PYTORCH and self.world_size > 1
 
-    def worker_argv(self, worker: WorkerPlan, host: str, ready_file: Path) -> list[str]:
-        """Command line of ``worker``'s process (one of :attr:`processes`)."""
+    def worker_argv(
+        self, worker: WorkerPlan, host: str, ready_file: Path, port: int = 0
+    ) -> list[str]:
+        """Command line of ``worker``'s process (one of :attr:`processes`), serving on
+        ``port`` (0: a free one the process picks)."""
         if self.engine == TENSORRT_LLM:
-            return self._group_argv(worker, host, ready_file)
+            return self._group_argv(worker, host, ready_file, port)
         return [
             sys.executable,
             "-m",
@@ -160,7 +163,7 @@ class LaunchPlan:
             "--device", worker.device.torch_device,
             "--cores", ",".join(str(c) for c in worker.device.cpu_cores),
             "--host", host,
-            "--port", "0",
+            "--port", str(port),
             "--ready-file", str(ready_file),
             "--parent-pid", str(os.getpid()),
             "--engine", PYTORCH,
@@ -179,7 +182,9 @@ class LaunchPlan:
         share = even_stage_layers(model_layers, self.pipeline_parallel)[stage]
         return ["--footprint-layers", str(share)]
 
-    def _group_argv(self, worker: WorkerPlan, host: str, ready_file: Path) -> list[str]:
+    def _group_argv(
+        self, worker: WorkerPlan, host: str, ready_file: Path, port: int = 0
+    ) -> list[str]:
         """Rank 0's command line for a TensorRT-LLM group: every rank's device in rank
         order and each stage's layer count; no rendezvous (TensorRT-LLM forms the group).
         It pins to the cores of every device of the group, which the rank processes
@@ -203,7 +208,7 @@ class LaunchPlan:
             "--device", worker.device.torch_device,
             "--cores", ",".join(str(c) for c in cores),
             "--host", host,
-            "--port", "0",
+            "--port", str(port),
             "--ready-file", str(ready_file),
             "--parent-pid", str(os.getpid()),
             "--engine", TENSORRT_LLM,

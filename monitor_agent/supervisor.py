@@ -37,6 +37,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection
@@ -60,7 +61,7 @@ from services.errors import (
 )
 from services.exits import describe_exit
 from services.grpc_server import is_routine_record
-from services.ports import free_port
+from services.ports import free_port, free_port_in
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 from services.state.store import StateStore, StateStoreUnavailable
 
@@ -208,6 +209,7 @@ class WorkerSupervisor:
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         reap_interval_s: float = 0.3,
         pool: WorkerPool | None = None,
+        worker_ports: range | None = None,
     ):
         self.node_id = node_id
         self.store = store
@@ -219,6 +221,12 @@ class WorkerSupervisor:
         self.stop_timeout_s = drain_timeout_s + WORKER_STOP_MARGIN_S
         self.reap_interval_s = reap_interval_s
         self.pool = pool
+        # The ports workers serve on (ISERVE_WORKER_PORTS; None: any), and those handed
+        # to workers of deployments that have not been stopped, port -> deployment id:
+        # handed under the lock, as ranks of several deployments spawn in threads at once.
+        self.worker_ports = worker_ports
+        self._ports_handed: dict[int, str] = {}
+        self._ports_lock = threading.Lock()
         # Told how many ranks each reaping found dead unasked (the agent's metrics).
         self.on_deaths: Callable[[int], None] = lambda count: None
         self._workers: dict[str, list[WorkerProcess]] = {}
@@ -347,7 +355,7 @@ class WorkerSupervisor:
         log_path = self.log_dir / f"{stem}.log"
         ready_file = self.run_dir / f"{stem}.ready.json"
         ready_file.unlink(missing_ok=True)
-        argv = plan.worker_argv(worker, self.bind_host, ready_file)
+        argv = plan.worker_argv(worker, self.bind_host, ready_file, self._port_for(plan))
         argv += ["--drain-timeout-s", f"{self.drain_timeout_s:g}"]
         env = worker_environment(os.environ)
         env["PYTHONUNBUFFERED"] = "1"  # so the log tail is current when a worker dies
@@ -387,6 +395,24 @@ class WorkerSupervisor:
             state=agent_pb.WORKER_STATE_STARTING,
         )
         return WorkerProcess(plan.deployment_id, worker, popen, log_path, ready_file, info)
+
+    def _port_for(self, plan: LaunchPlan) -> int:
+        """A port of ``worker_ports`` for a worker of ``plan`` (0: it picks its own)."""
+        if self.worker_ports is None:
+            return 0
+        with self._ports_lock:
+            try:
+                port = free_port_in(self.worker_ports, self.bind_host, self._ports_handed)
+            except OSError as exc:
+                raise Unavailable(str(exc)) from exc
+            self._ports_handed[port] = plan.deployment_id
+            return port
+
+    def _ports_back(self, deployment_id: str) -> None:
+        """The ports handed to ``deployment_id``'s workers, free for others again."""
+        with self._ports_lock:
+            for port in [p for p, d in self._ports_handed.items() if d == deployment_id]:
+                del self._ports_handed[port]
 
     def _check_claimed(self, deployment_id: str, procs: list[WorkerProcess]) -> None:
         """FailedPrecondition when the deployment's workers were stopped while they
@@ -446,6 +472,7 @@ class WorkerSupervisor:
         if self._workers.get(deployment_id) is procs:  # not a start of it made since
             del self._workers[deployment_id]
         await asyncio.gather(*(self._terminate(p) for p in procs))
+        self._ports_back(deployment_id)
         for proc in procs:
             if proc.info.state != agent_pb.WORKER_STATE_FAILED:
                 proc.info.state = agent_pb.WORKER_STATE_FAILED
@@ -495,6 +522,7 @@ class WorkerSupervisor:
             await self._put_worker(proc.info)
         self._records_expire_s.pop(deployment_id, None)
         self._consequence_seen.pop(deployment_id, None)
+        self._ports_back(deployment_id)
         if procs:
             log.info("deployment %s: %d worker(s) stopped", deployment_id, len(procs))
             try:

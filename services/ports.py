@@ -92,3 +92,20 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _issued.add(port)
                 return port
     raise OSError(f"no free port on {host}")
+
+
+def free_port_in(ports: range, host: str, taken: Iterable[int] = ()) -> int:
+    """A port of ``ports`` free on ``host`` now and not in ``taken`` (those handed to
+    processes that may not have bound them yet), tried in random order. Unlike
+    :func:`free_port` it may hand out a port again once it is free: a configured range
+    (``ISERVE_WORKER_PORTS``) would run out over an agent's life otherwise. OSError
+    naming the range when none is free."""
+    taken = set(taken)
+    with _lock:
+        for port in random.sample(ports, len(ports)):
+            if port not in taken and bindable(host, port):
+                return port
+    raise OSError(
+        f"no free port in {ports.start}-{ports.stop - 1} on {host} (ISERVE_WORKER_PORTS): "
+        "every one is in use"
+    )

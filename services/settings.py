@@ -48,6 +48,9 @@ variable                    meaning                                         defa
 ``ISERVE_WORKER_POOL``      ``1``: the agent forks workers from a warm       ``1``
                             process that has imported torch; ``0``: each
                             worker is a fresh ``python`` process
+``ISERVE_WORKER_PORTS``     the ports the agent's workers serve on, ``LOW-   any free port
+                            HIGH`` (inclusive), for a firewall between
+                            nodes; each worker takes a free one of them
 ``ISERVE_ENGINE``           the engine the agent picks for a deployment's   ``auto``
                             group (``pytorch``, ``tensorrt_llm`` or
                             ``auto``: TensorRT-LLM when ``tensorrt_llm``
@@ -158,6 +161,7 @@ STACK_ID_ENV = "ISERVE_STACK_ID"
 DEFAULT_GATEWAY_PORT = 8000
 DEFAULT_GATEWAY_ADDR = f"127.0.0.1:{DEFAULT_GATEWAY_PORT}"
 DRAIN_TIMEOUT_ENV = "ISERVE_DRAIN_TIMEOUT_S"
+WORKER_PORTS_ENV = "ISERVE_WORKER_PORTS"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # The deployer's restart policy (deploy_svc.healing.RestartPolicy's defaults too).
 DEFAULT_MAX_RESTARTS = 5
@@ -183,6 +187,8 @@ class Settings:
     log_level: str
     drain_timeout_s: float
     worker_pool: bool = True
+    # The ports workers serve on (ISERVE_WORKER_PORTS); None: any free port.
+    worker_ports: range | None = None
     # The deployer's restart policy (deploy_svc.healing.RestartPolicy.of).
     max_restarts: int = DEFAULT_MAX_RESTARTS
     restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
@@ -895,6 +901,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         log_level=log_level(env),
         drain_timeout_s=drain_timeout_s(env),
         worker_pool=_flag(env, "ISERVE_WORKER_POOL", True),
+        worker_ports=worker_ports(env.get(WORKER_PORTS_ENV, "")),
         max_restarts=int(
             _number(env, "ISERVE_MAX_RESTARTS", DEFAULT_MAX_RESTARTS, minimum=0, maximum=1000)
         ),
@@ -935,6 +942,7 @@ KNOWN_VARIABLES = frozenset({
     "ISERVE_READY_TIMEOUT_S", "ISERVE_HEARTBEAT_TTL_S", "ISERVE_MAX_RESTARTS",
     "ISERVE_RESTART_BACKOFF_S", "ISERVE_NODE_FORGET_AFTER_S", "ISERVE_DRAIN_TIMEOUT_S",
     "ISERVE_LOG_LEVEL", "ISERVE_CPU_COLLECTIVES", "ISERVE_WORKER_POOL", "ISERVE_ENGINE",
+    WORKER_PORTS_ENV,
     "ISERVE_AUTH", "ISERVE_TOKEN", "ISERVE_SERVICE_TOKEN", "ISERVE_ADMIN_TOKEN",
     "ISERVE_TLS_CERT", "ISERVE_TLS_KEY", "ISERVE_TLS_CA", "ISERVE_TLS_CLIENT_AUTH",
     "ISERVE_TLS_SERVER_NAME", "ISERVE_PROFILE_INPUT_TOKENS", "ISERVE_PROFILE_OUTPUT_TOKENS",
@@ -1031,6 +1039,29 @@ def log_level(env: Mapping[str, str] | None = None) -> str:
     if level not in LOG_LEVELS:
         raise ValueError(f"ISERVE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
     return level
+
+
+def worker_ports(text: str) -> range | None:
+    """``ISERVE_WORKER_PORTS`` (``LOW-HIGH``, inclusive, within 1024-65535) as a range;
+    None when unset. ValueError naming the variable otherwise."""
+    text = text.strip()
+    if not text:
+        return None
+    low, sep, high = text.partition("-")
+    try:
+        if not sep:
+            raise ValueError
+        first, last = int(low), int(high)
+    except ValueError:
+        raise ValueError(
+            f"{WORKER_PORTS_ENV} must be LOW-HIGH, two port numbers (e.g. 41000-41999), "
+            f"got {text!r}"
+        ) from None
+    if not 1024 <= first <= last <= 65535:
+        raise ValueError(
+            f"{WORKER_PORTS_ENV} must be LOW-HIGH with 1024 <= LOW <= HIGH <= 65535, got {text!r}"
+        )
+    return range(first, last + 1)
 
 
 def drain_timeout_s(env: Mapping[str, str] | None = None) -> float:

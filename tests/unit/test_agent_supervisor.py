@@ -184,6 +184,29 @@ def test_a_stop_prunes_the_logs_of_older_stopped_deployments(run, checkpoint, mo
     run(scenario)
 
 
+def test_workers_serve_on_the_configured_ports_and_give_them_back(run, checkpoint):
+    """ISERVE_WORKER_PORTS, for a firewall between nodes: each worker serves on a port of
+    the range no other live worker holds, and a stopped one's is free again."""
+    from services.ports import free_port
+
+    low = free_port()
+    span = range(low, low + 2)
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        supervisor.worker_ports = span
+        [one] = await supervisor.start_workers(_plan("dep-port-1", checkpoint))
+        [two] = await supervisor.start_workers(_plan("dep-port-2", checkpoint))
+        ports = {int(w.address.rsplit(":", 1)[1]) for w in (one, two)}
+        assert ports == set(span)
+        with pytest.raises(Unavailable, match=f"no free port in {low}-{low + 1}"):
+            await supervisor.start_workers(_plan("dep-port-3", checkpoint))
+        await supervisor.stop_workers("dep-port-1")
+        [three] = await supervisor.start_workers(_plan("dep-port-3", checkpoint))
+        assert three.address == one.address  # given back, and taken again
+
+    run(scenario)
+
+
 def test_a_profiling_jobs_worker_records_expire_should_its_agent_die(run, checkpoint):
     """A probe killed the agent mid-profiling: the job's worker record (STARTING, its pid
     long gone) stayed in Redis through restarts and the model's deletion; no one else

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from services import ports
 
 
@@ -105,3 +107,21 @@ def test_up_never_chooses_a_port_the_configuration_names(monkeypatch, tmp_path) 
     assert settings.address("scheduler") == f"127.0.0.1:{named}"
     assert sum(a.endswith(f":{named}") for a in chosen) == 1, chosen
     assert ports.free_port() != named  # the embedded Redis's, drawn after
+
+
+def test_a_port_of_a_configured_range_is_free_not_taken_and_may_come_back() -> None:
+    """ISERVE_WORKER_PORTS: a free port of the range, never one handed out and not yet
+    given back, and again once it is (free_port's never-again would run a range dry)."""
+    from services.ports import free_port_in
+
+    low = ports.free_port()
+    span = range(low, low + 1)
+    assert ports.free_port_in(span, "127.0.0.1") == low
+    assert free_port_in(span, "127.0.0.1") == low  # handed out again: it is free
+    with pytest.raises(OSError, match=rf"no free port in {low}-{low} on 127.0.0.1"):
+        free_port_in(span, "127.0.0.1", taken={low})
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", low))
+        held.listen()
+        with pytest.raises(OSError, match="every one is in use"):
+            free_port_in(span, "127.0.0.1")

@@ -34,6 +34,11 @@ def test_defaults(tmp_path):
     assert s.virtual_devices == 2 and s.device_memory_bytes == 4 * GIB
     assert s.drain_timeout_s == 30.0
     assert s.gateway_address == "127.0.0.1:8000"
+    assert s.worker_ports is None  # any free port
+    ranged = load_settings(
+        {"ISERVE_STATE_DIR": str(tmp_path), "ISERVE_WORKER_PORTS": " 41000-41999"}
+    )
+    assert ranged.worker_ports == range(41000, 42000)
 
 
 def test_iserve_host_is_the_host_of_every_default_address(tmp_path):
@@ -94,6 +99,11 @@ def test_environment_beats_stack_file_beats_defaults(tmp_path):
         ("ISERVE_CORS_ORIGINS", "localhost:3000"),
         ("ISERVE_CORS_ORIGINS", "http://localhost:3000/"),  # a browser sends no path
         ("ISERVE_CORS_ORIGINS", "http://a.test,ftp://b.test"),
+        ("ISERVE_WORKER_PORTS", "41000"),
+        ("ISERVE_WORKER_PORTS", "41000-40000"),
+        ("ISERVE_WORKER_PORTS", "80-90"),
+        ("ISERVE_WORKER_PORTS", "41000-70000"),
+        ("ISERVE_WORKER_PORTS", "a-b"),
     ],
 )
 def test_bad_values_are_named(tmp_path, name, value):
