@@ -554,7 +554,11 @@ def cmd_register(settings: Settings, args) -> int:
 def cmd_model_delete(settings: Settings, args) -> int:
     stub = _stub(settings, "model", model_service_pb2_grpc.ModelServiceStub)
     stub.DeleteModel(model_pb.DeleteModelRequest(request_id=_rid(), model_id=args.model_id))
-    print(f"deleted {args.model_id} (its record and profiles; checkpoint files are kept)")
+    # An imported model has no checkpoint: "checkpoint files are kept" read as if it had.
+    print(
+        f"deleted {args.model_id} (its record, profiles and the fingerprints no other model "
+        "uses; a checkpoint it was registered from stays on disk)"
+    )
     return 0
 
 

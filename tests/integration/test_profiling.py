@@ -211,7 +211,9 @@ def test_deleting_a_model_stops_its_profiling(stack):
     out = _cli(stack, "register", "prof-deleted", path, "--no-wait")
     assert out.returncode == 0 and "(PROFILING)" in out.stdout, out
     assert wait_for(lambda: _profile_workers(stack) != [], timeout=60)  # a job is running
-    _delete(stack, "prof-deleted")
+    deleted = _cli(stack, "model", "delete", "prof-deleted")
+    assert deleted.returncode == 0, deleted.stderr
+    assert deleted.stdout.startswith("deleted prof-deleted (its record, profiles and the ")
     assert wait_for(lambda: _profile_workers(stack) == [], timeout=30)
     assert _profile_owners(stack) == set()
     # A cut still under way when the job was cancelled removes what it made.
