@@ -332,9 +332,11 @@ def peak_memory_probe(
     return lambda: engine.memory.resident_bytes
 
 
-def parent_watch(parent_pid: int) -> Callable[[], Awaitable[None]]:
+def parent_watch(
+    parent_pid: int, on_orphaned: Callable[[], None] = lambda: None
+) -> Callable[[], Awaitable[None]]:
     """A background task that stops this worker (as SIGTERM would) once ``parent_pid`` is
-    no longer its parent.
+    no longer its parent, telling ``on_orphaned`` first.
 
     Workers run in their own session so the agent can signal them as a group; that also
     means nothing stops them if the agent dies without cleaning up, hence this watch.
@@ -344,9 +346,25 @@ def parent_watch(parent_pid: int) -> Callable[[], Awaitable[None]]:
         while os.getppid() == parent_pid:
             await asyncio.sleep(PARENT_POLL_S)
         log.warning("parent process %d exited; stopping", parent_pid)
+        on_orphaned()
         os.kill(os.getpid(), signal.SIGTERM)
 
     return watch_parent
+
+
+def drain_budget(
+    timeout_s: float, *, group_lost: bool, orphaned: bool, heartbeat_ttl_s: float
+) -> float:
+    """Seconds a stopping worker lets its streams in flight finish: a group that lost a
+    rank finishes nothing (LOST_GROUP_DRAIN_S); a worker whose agent died has until the
+    deployer, once the agent's heartbeat lapses, releases its memory for other workers
+    (a tester: such workers drained 25 s on memory already given away); else
+    ``timeout_s``."""
+    if group_lost:
+        return LOST_GROUP_DRAIN_S
+    if orphaned:
+        return min(timeout_s, heartbeat_ttl_s)
+    return timeout_s
 
 
 async def wait_for_cut_calls(timeout_s: float = CUT_CALLS_WAIT_S) -> None:
@@ -399,22 +417,35 @@ async def serve(args: argparse.Namespace, engine: Engine | TrtLlmEngine) -> bool
         group.on_lost = lambda _reason: os.kill(os.getpid(), signal.SIGTERM)
         group.start_keepalive()
 
+    # The agent's environment: its TLS files and the service token, the only token a
+    # worker accepts (it holds no connection to the registry in Redis).
+    settings = load_settings()
+    security = await server_security(settings, None)
+    orphaned: list[bool] = []
+
     async def drain(timeout_s: float) -> bool:
         # A group that lost a rank finishes nothing: its generations only need the moment
         # it takes to send their UNAVAILABLE.
         lost = group is not None and group.lost is not None
-        return await servicer.in_flight.drain(LOST_GROUP_DRAIN_S if lost else timeout_s)
+        budget = drain_budget(
+            timeout_s,
+            group_lost=lost,
+            orphaned=bool(orphaned),
+            heartbeat_ttl_s=settings.heartbeat_ttl_s,
+        )
+        return await servicer.in_flight.drain(budget)
 
-    # The agent's environment: its TLS files and the service token, the only token a
-    # worker accepts (it holds no connection to the registry in Redis).
-    security = await server_security(load_settings(), None)
     try:
         await run_server(
             f"worker-{args.deployment_id}-r{args.rank}",
             [binding],
             f"{args.host}:{args.port}",
             on_started=announce,
-            background=[parent_watch(args.parent_pid)] if args.parent_pid else [],
+            background=(
+                [parent_watch(args.parent_pid, lambda: orphaned.append(True))]
+                if args.parent_pid
+                else []
+            ),
             drain=drain,
             drain_timeout_s=args.drain_timeout_s,
             security=security,

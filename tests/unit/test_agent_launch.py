@@ -638,3 +638,27 @@ def test_stop_and_list_workers_refuse_a_malformed_deployment_id(deployment_id):
     else:
         asyncio.run(servicer.ListWorkers(request, None))
         assert calls == [""]
+
+
+def test_a_worker_whose_agent_died_drains_only_until_its_memory_is_given_away(monkeypatch):
+    """Its agent SIGKILLed, a worker drained its streams for up to 30 s while the
+    deployer, the agent's heartbeat lapsed (5 s), had released its memory for others (a
+    tester). The parent watch says so before its SIGTERM, and the drain then lasts at
+    most the heartbeat's lifetime."""
+    import asyncio
+    import os
+    import signal
+
+    from monitor_agent.worker import process
+
+    assert process.drain_budget(30.0, group_lost=False, orphaned=False, heartbeat_ttl_s=5.0) == 30.0
+    assert process.drain_budget(30.0, group_lost=False, orphaned=True, heartbeat_ttl_s=5.0) == 5.0
+    assert process.drain_budget(2.0, group_lost=False, orphaned=True, heartbeat_ttl_s=5.0) == 2.0
+    lost = process.drain_budget(30.0, group_lost=True, orphaned=True, heartbeat_ttl_s=5.0)
+    assert lost == process.LOST_GROUP_DRAIN_S
+
+    said, signalled = [], []
+    monkeypatch.setattr(process.os, "kill", lambda pid, sig: signalled.append((pid, sig)))
+    watch = process.parent_watch(os.getppid() + 1, lambda: said.append("orphaned"))
+    asyncio.run(watch())  # not its parent: at once
+    assert said == ["orphaned"] and signalled == [(os.getpid(), signal.SIGTERM)]
