@@ -1134,6 +1134,11 @@ def create_app(
 
     async def ready_deployments(http: Request) -> list[deploy_pb.Deployment]:
         """The READY deployments the caller may generate on."""
+        usable = await usable_deployments(http)
+        return [d for d in usable if d.state == deploy_pb.DEPLOYMENT_STATE_READY]
+
+    async def usable_deployments(http: Request) -> list[deploy_pb.Deployment]:
+        """The deployments the caller may generate on, in any state."""
         try:
             reply = await backend.deployments.ListDeployments(
                 deploy_pb.ListDeploymentsRequest(usable_only=True),
@@ -1148,7 +1153,7 @@ def create_app(
                     f"this token may not list models: GET /v1/models is for {_LISTERS} tokens",
                 ) from None
             raise GatewayError.from_rpc(exc, "deployment") from None
-        return [d for d in reply.deployments if d.state == deploy_pb.DEPLOYMENT_STATE_READY]
+        return list(reply.deployments)
 
     def served_models(ready: list[deploy_pb.Deployment]) -> dict[str, int]:
         """Model id -> creation time (s) of its earliest ready deployment (as OpenAI lists
@@ -1171,7 +1176,8 @@ def create_app(
     async def retrieve_model(model_id: str, http: Request):
         # OpenAI's retrieve. iserve's ids hold no '/', but a hub-style name asked for
         # (meta-llama/Llama-3.1-8B) gets this 404 naming it, not an unknown path's.
-        ready = await ready_deployments(http)
+        usable = await usable_deployments(http)
+        ready = [d for d in usable if d.state == deploy_pb.DEPLOYMENT_STATE_READY]
         served = served_models(ready)
         if model_id in served:
             return model_object(model_id, served[model_id])
@@ -1184,6 +1190,23 @@ def create_app(
                     **model_object(model_id, d.created_at_unix_ms // 1000),
                     "parent": d.model_id,
                 }
+        starting = [
+            d
+            for d in usable
+            if model_id in (d.model_id, d.deployment_id)
+            and d.state == deploy_pb.DEPLOYMENT_STATE_STARTING
+        ]
+        if starting:
+            # As a generation for it is answered (a 503 the SDKs retry), not a 404 that
+            # says it does not exist (a tester).
+            raise GatewayError(
+                503,
+                "service_unavailable_error",
+                f"model {shown(model_id)} has no ready deployment yet: deployment "
+                f"{starting[0].deployment_id} is STARTING"
+                + (f" ({starting[0].state_reason})" if starting[0].state_reason else ""),
+                "model",
+            )
         raise GatewayError(
             404, "not_found_error", f"model {shown(model_id)} has no ready deployment", "model"
         )

@@ -566,6 +566,31 @@ def test_with_authentication_off_what_cannot_be_a_token_is_not_sent_on(tmp_path)
     assert backend.deployments.callers == [(), ()]
 
 
+def test_a_model_whose_deployment_is_starting_is_a_503_to_retrieve_as_to_generate(tmp_path):
+    """models.retrieve was a 404 (not retried by the SDKs) while a chat for the same
+    model was a 503 with Retry-After (a tester); a FAILED deployment is no model here."""
+    starting = deploy_pb.Deployment(
+        deployment_id="m-1a2b3c4d",
+        model_id="m",
+        state=deploy_pb.DEPLOYMENT_STATE_STARTING,
+        state_reason="restart 1 in 1 s after: worker rank 0 exited (-9)",
+    )
+    failed = deploy_pb.Deployment(
+        deployment_id="f-1a2b3c4d", model_id="f", state=deploy_pb.DEPLOYMENT_STATE_FAILED
+    )
+    backend = _backend(tmp_path, (starting, failed), auth=False)
+    with TestClient(create_app(lambda: backend)) as client:
+        for asked in ("m", "m-1a2b3c4d"):
+            reply = client.get(f"/v1/models/{asked}")
+            assert reply.status_code == 503, reply.text
+            assert reply.headers["retry-after"]
+            message = reply.json()["error"]["message"]
+            assert message.startswith(f"model '{asked}' has no ready deployment yet: ")
+            assert "m-1a2b3c4d is STARTING (restart 1 in 1 s after: " in message
+        assert client.get("/v1/models/f").status_code == 404
+        assert client.get("/v1/models").json()["data"] == []  # listed once ready
+
+
 def test_a_model_asked_for_by_a_long_name_is_echoed_cut_in_the_404(tmp_path):
     backend = _backend(tmp_path, auth=False)
     with TestClient(create_app(lambda: backend)) as client:
