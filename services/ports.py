@@ -52,7 +52,8 @@ def bindable(host: str, port: int) -> bool:
     """Whether a server could bind ``host:port`` now (SO_REUSEADDR, as gRPC and Redis
     bind: a closed connection's TIME_WAIT does not count). Binds, never connects: a
     connect to an unused ephemeral port can pick that port as its own source."""
-    with socket.socket() as sock:
+    host, family = _host_and_family(host)
+    with socket.socket(family) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
@@ -61,8 +62,16 @@ def bindable(host: str, port: int) -> bool:
     return True
 
 
+def _host_and_family(host: str) -> tuple[str, socket.AddressFamily]:
+    """``host`` without the brackets an address writes around IPv6 (``[::1]``), and the
+    socket family it binds in: an IPv6 host was never bindable in IPv4's."""
+    host = host.strip("[]")
+    return host, socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _kernel_choice(host: str) -> int:
-    with socket.socket() as sock:
+    host, family = _host_and_family(host)
+    with socket.socket(family) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 

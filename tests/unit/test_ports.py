@@ -125,3 +125,19 @@ def test_a_port_of_a_configured_range_is_free_not_taken_and_may_come_back() -> N
         held.listen()
         with pytest.raises(OSError, match="every one is in use"):
             free_port_in(span, "127.0.0.1")
+
+
+def test_an_ipv6_host_is_bound_in_its_own_family() -> None:
+    """ISERVE_HOST=[::1] (or ::1): every port read as taken, bound in IPv4's family."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = ports.free_port_in(range(ports.free_port(), 65536), "[::1]")
+    assert ports.bindable("::1", port) and ports.bindable("[::1]", port)
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::1", port))
+        held.listen()
+        assert not ports.bindable("[::1]", port)
+    assert ports.free_port("::1") > 0
