@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,6 +58,7 @@ from services.api import estimator_service_pb2 as est_pb  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
 from services.cli import stack as launcher  # noqa: E402
 from services.estimation import model_references, profiles  # noqa: E402
+from services.estimation.prompt_curve import grown_ttft, prefill_along  # noqa: E402
 from services.models.checkpoint import create_checkpoint  # noqa: E402
 from services.settings import ProfilingSettings  # noqa: E402
 
@@ -230,12 +232,8 @@ def _grown(one: est_pb.ConfigEstimate, length: int, prompt: int, k: float | None
     out = est_pb.ConfigEstimate()
     out.CopyFrom(one)
     if k is not None and prompt > length:
-
-        def work(n: int) -> float:
-            return n + k * n * n
-
-        along = (work(prompt) - work(1)) / (work(length) - work(1))
-        grown = one.ttft_ms + (along - 1.0) * max(one.ttft_ms - one.tpot_ms, 0.0)
+        along = prefill_along(length, prompt, k)
+        grown = float(grown_ttft(np.float64(one.ttft_ms), np.float64(one.tpot_ms), along))
         out.latency_ms += grown - one.ttft_ms
         out.ttft_ms = grown
     return out

@@ -398,7 +398,7 @@ def explain_no_fit(
         )
     held = sum(g.capacity for g in groups[:pp])
     if held < num_layers:
-        share = -(-num_layers // pp)
+        share = max(even_stage_layers(num_layers, pp))
         return (
             f"the {pp} roomiest stage(s) of {tp} device(s) hold {held} of {num_layers} layers "
             f"at {fixed_bytes / MIB:.0f} MiB + {layer_bytes / MIB:.0f} MiB per layer per device "

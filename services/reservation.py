@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from services.api import common_pb2 as common
 from services.api import model_service_pb2 as model_pb
-from services.engine_rules import kv_heads_on_rank
+from services.engine_rules import even_stage_layers, kv_heads_on_rank
 from services.models.arch import ArchSpec
 from services.models.compression import (
     DEFAULT_INT4_GROUP_SIZE,
@@ -177,8 +177,9 @@ def even_split_bytes(
     helps only where their free memory differs): the estimator's ``fits`` judged by it
     says what the deployer will place."""
     fixed, block = memory_blocks(shape, config, max_seq_len, estimate_total_bytes)
-    stages = max(1, config.pipeline_parallel)
-    return fixed + -(-max(1, shape.num_layers) // stages) * block
+    layers = max(1, shape.num_layers)
+    stages = min(max(1, config.pipeline_parallel), layers)
+    return fixed + max(even_stage_layers(layers, stages)) * block
 
 
 def fingerprint_rank_bytes(

@@ -421,7 +421,7 @@ async def serve(args: argparse.Namespace, engine: Engine | TrtLlmEngine) -> bool
     # worker accepts (it holds no connection to the registry in Redis).
     settings = load_settings()
     security = await server_security(settings, None)
-    orphaned: list[bool] = []
+    orphaned = asyncio.Event()  # the agent that started this worker is gone
 
     async def drain(timeout_s: float) -> bool:
         # A group that lost a rank finishes nothing: its generations only need the moment
@@ -430,7 +430,7 @@ async def serve(args: argparse.Namespace, engine: Engine | TrtLlmEngine) -> bool
         budget = drain_budget(
             timeout_s,
             group_lost=lost,
-            orphaned=bool(orphaned),
+            orphaned=orphaned.is_set(),
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
         )
         return await servicer.in_flight.drain(budget)
@@ -441,11 +441,7 @@ async def serve(args: argparse.Namespace, engine: Engine | TrtLlmEngine) -> bool
             [binding],
             f"{args.host}:{args.port}",
             on_started=announce,
-            background=(
-                [parent_watch(args.parent_pid, lambda: orphaned.append(True))]
-                if args.parent_pid
-                else []
-            ),
+            background=([parent_watch(args.parent_pid, orphaned.set)] if args.parent_pid else []),
             drain=drain,
             drain_timeout_s=args.drain_timeout_s,
             security=security,

@@ -16,7 +16,7 @@ import numpy as np
 
 from services.estimation.references import ReferenceProfile, VariantProfile
 
-__all__ = ["profiles_at", "recorded"]
+__all__ = ["grown_ttft", "prefill_along", "profiles_at", "recorded"]
 
 
 def recorded(lengths: Sequence[int]) -> Sequence[int]:
@@ -58,13 +58,8 @@ def profiles_at(
     known = len(recorded(lengths))
     single = sum(1 for n in lengths if n > 0) == 1  # beside a 0 (not recorded), or alone
     if input_tokens > lengths[-1] and single and attention_share is not None:
-        # One profiled length (an import of one prompt's measurements): TTFT follows
-        # prefill's work, n + k n^2, along the line through that prompt and a one-token
-        # prompt, whose prefill is a decode step (its TPOT).
-        def work(n: int) -> float:
-            return n + attention_share * n * n
-
-        along = (work(input_tokens) - work(1)) / (work(lengths[-1]) - work(1))
+        # One profiled length (an import of one prompt's measurements).
+        along = prefill_along(lengths[-1], input_tokens, attention_share)
         return tuple(_ttft_grown(p, along) for p in profiles[-1])
     if input_tokens >= lengths[-1] and known < 2:
         return profiles[-1]
@@ -133,6 +128,24 @@ def _figures_from(profile: VariantProfile, other: VariantProfile, *names: str) -
     )
 
 
+def prefill_along(length: int, input_tokens: int, attention_share: float) -> float:
+    """Where an ``input_tokens`` prompt lies on the line from a one-token prompt's
+    prefill (a decode step, at 0) to a ``length``-token one's (at 1), in prefill's work
+    ``n + k n^2`` (``k``: :func:`attention_share`)."""
+
+    def work(n: int) -> float:
+        return n + attention_share * n * n
+
+    return (work(input_tokens) - work(1)) / (work(length) - work(1))
+
+
+def grown_ttft(ttft: np.ndarray, tpot: np.ndarray, along: float) -> np.ndarray:
+    """A TTFT moved ``along`` (:func:`prefill_along`) from its layout's TPOT (a
+    one-token prompt's prefill): ``t + (along - 1)(t - p)``; one no higher than its
+    TPOT stays."""
+    return ttft + (along - 1.0) * np.maximum(ttft - np.nan_to_num(tpot), 0.0)
+
+
 def _ttft_grown(profile: VariantProfile, along: float) -> VariantProfile:
     """``profile`` with every TTFT (batch 1 and 2) moved ``along`` times its rise from
     the same layout's TPOT (a one-token prompt's prefill) to it: ``t + (along - 1)(t -
@@ -147,8 +160,8 @@ def _ttft_grown(profile: VariantProfile, along: float) -> VariantProfile:
         # A TP-ladder layout has no TPOT of its own (Eq. 2's): (1,1)'s split tp ways, the
         # least its decode step can take.
         split = [tpot[0] / tp for tp, _ in references.layouts]
-        rise = np.maximum(ttft - np.nan_to_num(np.where(np.isfinite(tpot), tpot, split)), 0.0)
-        return replace(references, ttft_s=tuple((ttft + (along - 1.0) * rise).tolist()))
+        grown = grown_ttft(ttft, np.where(np.isfinite(tpot), tpot, split), along)
+        return replace(references, ttft_s=tuple(grown.tolist()))
 
     return replace(profile, batch1=grown(profile.batch1), batch2=grown(profile.batch2))
 

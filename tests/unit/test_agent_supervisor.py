@@ -187,9 +187,11 @@ def test_a_stop_prunes_the_logs_of_older_stopped_deployments(run, checkpoint, mo
 def test_workers_serve_on_the_configured_ports_and_give_them_back(run, checkpoint):
     """ISERVE_WORKER_PORTS, for a firewall between nodes: each worker serves on a port of
     the range no other live worker holds, and a stopped one's is free again."""
-    from services.ports import free_port
+    from services.ports import bindable, free_port
 
     low = free_port()
+    while not bindable("127.0.0.1", low + 1):  # two free ports side by side, on any machine
+        low = free_port()
     span = range(low, low + 2)
 
     async def scenario(supervisor: WorkerSupervisor, store: StateStore):
