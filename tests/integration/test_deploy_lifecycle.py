@@ -166,7 +166,7 @@ def test_a_remove_while_the_deploy_starts_aborts_it_leaving_nothing(stack, small
     try:
         # Its worker is held (SIGSTOP) while the Remove lands: from the warm pool a small
         # model can be ready within a fraction of a second, before any Remove could come.
-        worker = starting_worker_of(stack, deploying, known)
+        worker = starting_worker_of(stack, deploying, known, request_id)
         os.kill(worker.pid, signal.SIGSTOP)
         held = worker.pid
         ready_file = (
@@ -183,7 +183,10 @@ def test_a_remove_while_the_deploy_starts_aborts_it_leaving_nothing(stack, small
         # The Remove has the deployment (REMOVING, or gone already) before its worker may
         # go on.
         assert wait_for(lambda: state_of(stack, starting.deployment_id) != STARTING, timeout=60)
-        os.kill(held, signal.SIGCONT)
+        # What the test is about is the Deploy's answer and what is left, below. A CI run
+        # found the held worker gone by now, its cause not recorded; it is not asserted.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(held, signal.SIGCONT)
         held = None
         removing.result()
         with pytest.raises(grpc.RpcError) as aborted:
@@ -240,9 +243,12 @@ def state_of(stack, deployment_id: str) -> int | None:
         raise
 
 
-def starting_worker_of(stack, deploying: grpc.Future, known: set[str]) -> agent_pb.WorkerInfo:
-    """The worker the Deploy in flight starts (of a deployment not in ``known``), as soon
-    as its agent has started it (the deployment's record is written before)."""
+def starting_worker_of(
+    stack, deploying: grpc.Future, known: set[str], request_id: str
+) -> agent_pb.WorkerInfo:
+    """The worker the Deploy in flight with ``request_id`` starts (of a deployment not in
+    ``known``), as soon as its agent has started it (the deployment's record, which
+    names the request, is written before)."""
     while not deploying.done():
         for worker in stack.agent.ListWorkers(agent_pb.ListWorkersRequest(), timeout=10).workers:
             if (
@@ -250,9 +256,19 @@ def starting_worker_of(stack, deploying: grpc.Future, known: set[str]) -> agent_
                 and worker.state == agent_pb.WORKER_STATE_STARTING
                 and worker.pid
                 and worker.deployment_id not in known
+                and _request_of(stack, worker.deployment_id) == request_id
             ):
                 return worker
     raise AssertionError(f"the Deploy ended before its worker was seen: {deploying.exception()}")
+
+
+def _request_of(stack, deployment_id: str) -> str | None:
+    try:
+        return stack.deployments.GetDeployment(
+            deploy_pb.GetDeploymentRequest(deployment_id=deployment_id), timeout=10
+        ).deployment.request_id
+    except grpc.RpcError:
+        return None
 
 
 def test_killing_and_restarting_the_deployer_loses_no_deployment(stack, small_model):
