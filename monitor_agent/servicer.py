@@ -25,7 +25,10 @@ class AgentServicer(agent_service_pb2_grpc.AgentServiceServicer):
     async def StartWorkers(
         self, request: agent_pb.StartWorkersRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb.StartWorkersResponse:
-        plan = build_plan(
+        # Beside the event loop: it reads the checkpoint's config and its weights' headers
+        # (a slow or network disk held the agent's heartbeat and every other call).
+        plan = await asyncio.to_thread(
+            build_plan,
             request,
             devices=self.devices,
             models_root=self.settings.models_root,

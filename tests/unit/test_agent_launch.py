@@ -662,3 +662,30 @@ def test_a_worker_whose_agent_died_drains_only_until_its_memory_is_given_away(mo
     watch = process.parent_watch(os.getppid() + 1, lambda: said.append("orphaned"))
     asyncio.run(watch())  # not its parent: at once
     assert said == ["orphaned"] and signalled == [(os.getpid(), signal.SIGTERM)]
+
+
+def test_start_workers_reads_the_checkpoint_beside_the_event_loop(monkeypatch, models_root):
+    """build_plan reads the checkpoint's config and weight headers: on a slow disk, done on
+    the agent's event loop, it held the heartbeat and every other call."""
+    import asyncio
+    import threading
+
+    from monitor_agent import servicer as agent_servicer
+
+    seen = {}
+
+    def plan(request, **_):
+        seen["thread"] = threading.get_ident()
+        raise InvalidArgument("no plan")
+
+    monkeypatch.setattr(agent_servicer, "build_plan", plan)
+    settings = types.SimpleNamespace(models_root=models_root, ready_timeout_s=5.0, node_id="n")
+    agent = agent_servicer.AgentServicer(settings, list(DEVICES.values()), supervisor=None)
+
+    async def call():
+        seen["loop"] = threading.get_ident()
+        with pytest.raises(InvalidArgument, match="no plan"):
+            await agent.StartWorkers(_request(), context=None)
+
+    asyncio.run(call())
+    assert seen["thread"] != seen["loop"]
