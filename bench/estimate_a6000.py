@@ -87,7 +87,12 @@ from services.estimation.profiles import (  # noqa: E402
 )
 from services.estimation.score import Calibration, Intent, rank  # noqa: E402
 from services.estimation.space import parallel_pairs  # noqa: E402
-from services.importers.maveriq import MaverIQData, Measurement, load_directory  # noqa: E402
+from services.importers.maveriq import (  # noqa: E402
+    RTX_A6000_DEVICE_BYTES,
+    MaverIQData,
+    Measurement,
+    load_directory,
+)  # noqa: E402
 
 MEASURED = ("falcon-7b", "gptj-6b", "llama-2-7b", "llama-2-13b")
 SCALE_TRAIN = ("falcon-7b", "gptj-6b", "llama-2-7b")
@@ -106,7 +111,7 @@ TP_LADDER = REFERENCE_LAYOUTS + ((4, 1), (8, 1))
 # Files the import can do without: the short-prompt fingerprints at batch 1 and 2, and
 # the accuracy table (the regret's intents set no accuracy floor).
 LEAVE_OUT = ("fingerprint_data_collection_BS.csv", "MS_model_acc_MMLU.json")
-DEVICE_GIB = 48.0 * 1e9 / 2**30  # RTX A6000: 48 GB
+DEVICE_GIB = RTX_A6000_DEVICE_BYTES / 2**30  # NVML's total for an RTX A6000
 
 METHOD = """\
 Method (held-out models; nothing of a held-out model's full-model rows is used)
@@ -619,7 +624,7 @@ def print_unmeasured(models: dict[str, ImportedModel], calibration: Calibration)
         fits = estimates.fits
         lat, mem = estimates.latency_s, estimates.memory_total_gib * 2**30 / 1e9
         print(
-            f"  {model:12s} {estimates.space.size:3d} configs, {fits.sum():3d} fit 48 GB/GPU: "
+            f"  {model:12s} {estimates.space.size:3d} configs, {fits.sum():3d} fit {DEVICE_GIB:.1f} GiB/GPU: "
             f"latency {lat[fits].min():5.1f}-{lat[fits].max():5.1f} s, memory "
             f"{mem[fits].min():5.1f}-{mem[fits].max():5.1f} GB (all configs: "
             f"{lat.min():.1f}-{lat.max():.1f} s, {mem.min():.1f}-{mem.max():.1f} GB)"

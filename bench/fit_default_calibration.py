@@ -44,10 +44,11 @@ from services.estimation.profiles import (  # noqa: E402
     estimation_variants,
     sample_from_measurement,
 )
+from services.importers.maveriq import RTX_A6000_DEVICE_BYTES  # noqa: E402
 
 HARDWARE = "rtx-a6000"
-# RTX A6000: 48 GB per GPU (as bench/estimate_a6000.py counts it).
-DEVICE_MEMORY_BYTES = 48_000_000_000
+# RTX A6000, as NVML gives it (as bench/estimate_a6000.py counts it).
+DEVICE_MEMORY_BYTES = RTX_A6000_DEVICE_BYTES
 
 
 def fit_a6000(directory: Path, now_ms: int) -> HardwareCalibration:
@@ -76,7 +77,8 @@ def fit_a6000(directory: Path, now_ms: int) -> HardwareCalibration:
         f"layout on 8 GPUs) of {counts}, against references extrapolated from the same models' "
         f"fingerprints (fingerprint_data_collection.csv, fingerprint_data_collection_BS.csv); "
         f"latency constants with the TP ladder (4,1), (8,1) and with the three references "
-        f"only; device memory 48 GB; {_date(calibration)}"
+        f"only; device memory {DEVICE_MEMORY_BYTES / 2**20:.0f} MiB (NVML's total); "
+        f"{_date(calibration)}"
     )
     return replace(calibration, provenance=provenance)
 

@@ -57,6 +57,10 @@ BATCH_SCALING = "BS_scaling_data.csv"
 # Prompt length (tokens) of the files whose README states it; the others used short
 # prompts of unrecorded length.
 PROMPT_TOKENS = {FINGERPRINTS: 923, FULL_MODELS: 923}
+# Memory of one RTX A6000 (the GPUs the data was measured on) as NVML gives it, which is
+# what an agent on one reports: `nvidia-smi -q` says "Total : 49140 MiB" (ECC off; the
+# card's 48 GiB less 12 MiB). Not the 48 * 10^9 bytes of "48 GB", 3.3 GiB less.
+RTX_A6000_DEVICE_BYTES = 49140 * 2**20
 # The same two files ran every row at batch 1; runs at other batch sizes are the _BS
 # files' (whose prompts are short).
 BATCH_FILES = {FINGERPRINTS: FINGERPRINTS_BATCH, FULL_MODELS: FULL_MODELS_BATCH}

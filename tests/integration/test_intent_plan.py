@@ -1,6 +1,6 @@
 """PlanDeployment by intent against simulated devices, with MaverIQ's A6000 profiles.
 
-Eight simulated 48 GB RTX A6000s, nothing launched. The deployer asks the estimator to
+Eight simulated RTX A6000s (NVML's 49,140 MiB each), nothing launched. The deployer asks the estimator to
 rank the imported model's configurations and places the best one the engine can run;
 these tests check the winner against the estimates themselves (EstimateConfigs), the
 accuracy floor, and the hybrid placement policy at low and high load.
@@ -17,6 +17,7 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import estimator_service_pb2_grpc
+from services.importers.maveriq import RTX_A6000_DEVICE_BYTES
 from tests.integration.conftest import A6000
 from tests.integration.helpers import cli, deploy, reserved_by_device, rid
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "llama-2-7b"
 OUTPUT = 100
-DEVICE_BYTES = 48_000_000_000
+DEVICE_BYTES = RTX_A6000_DEVICE_BYTES
 PRE_QUANTIZED = {common.WEIGHT_QUANT_GPTQ_INT4, common.WEIGHT_QUANT_AWQ_INT4}
 
 
@@ -320,7 +321,7 @@ def test_batch_0_is_sized_by_the_tpot_objective_on_the_placed_devices(stack, imp
 def test_what_fits_is_judged_by_the_simulated_devices_memory(stack, imported):
     """Llama-2-70B in float16 (about 129 GiB) on one simulated device: with 200 GiB it
     fits, so an accuracy floor only fp16 reaches is met; with 48 GiB nothing at that floor
-    fits. The estimator once judged fit by the live devices or the calibration's 48 GB
+    fits. The estimator once judged fit by the live devices or the calibration's device memory
     whatever the simulated devices said."""
     floor = common.Intent(kind=common.INTENT_KIND_MIN_LATENCY, min_accuracy=100)
 

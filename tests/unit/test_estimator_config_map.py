@@ -17,6 +17,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.estimation.model_references import Workload
+from services.importers.maveriq import RTX_A6000_DEVICE_BYTES
 from services.state import keys
 from services.state.store import StateStore
 from tests.unit.estimator_data import tiny_model, tiny_rows
@@ -151,7 +152,7 @@ def test_calibration_message_round_trips():
     message = shipped("rtx-a6000")
     calibration = calibrations.from_proto(message)
     assert calibration.tp_ladder and calibration.three_refs is not None
-    assert calibration.device_memory_bytes == 48_000_000_000
+    assert calibration.device_memory_bytes == RTX_A6000_DEVICE_BYTES
     assert calibration.primary.memory.tp_peer_gib > 0
     # The A6000 box's own TP ladder (O_TP(tp) / O_TP(2) of decode), stored and read back.
     ratios = dict(calibration.primary.latency.tpot.tp_ratio)
