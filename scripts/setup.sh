@@ -13,6 +13,20 @@ if [ -z "$python" ]; then
     if command -v "$candidate" >/dev/null 2>&1; then python=$candidate; break; fi
   done
 fi
+if [ -z "$python" ] || ! command -v "$python" >/dev/null 2>&1; then
+  echo "no Python ${python:-(python3.11 or python3)} found: install Python 3.11 (or set PYTHON to one)" >&2
+  exit 1
+fi
+# iserve needs 3.11 or newer (pyproject.toml); the CPU wheel of torch 2.13.0 this machine
+# kind keeps on disk is for 3.11.
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "$python is $("$python" --version 2>&1); iserve needs Python 3.11 or newer (set PYTHON to one)" >&2
+  exit 1
+fi
+if [ -x .venv/bin/python ] && ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo ".venv's Python is older than 3.11: remove .venv and run this again" >&2
+  exit 1
+fi
 if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv with $($python --version)"
   "$python" -m venv .venv
