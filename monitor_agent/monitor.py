@@ -74,7 +74,10 @@ class ProcessSampler:
                 cpu_delta += max(0.0, cpu_seconds - previous)
                 self._cpu_seconds[pid] = cpu_seconds
             capacity = (elapsed or 0.0) * max(1, len(device.cpu_cores))
-            out[device.device_id] = DeviceSample(rss, cpu_delta / capacity if capacity else 0.0)
+            # At most 1: CPU time comes in clock ticks, so over a short interval one tick
+            # more read as many cores (a CI run: 5,679 % between two samples 1 ms apart).
+            busy = min(1.0, cpu_delta / capacity) if capacity else 0.0
+            out[device.device_id] = DeviceSample(rss, busy)
         for gone in set(self._processes) - seen:
             self._processes.pop(gone, None)
             self._cpu_seconds.pop(gone, None)

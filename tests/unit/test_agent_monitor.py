@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import psutil
 import pytest
 
+from monitor_agent import monitor
 from monitor_agent.devices import virtual_devices
 from monitor_agent.monitor import DeviceMonitor, DeviceSample, ProcessSampler
 
@@ -58,6 +60,28 @@ def test_a_virtual_device_counts_its_workers_memory_and_cpu_time():
 _BURN = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
 
 
+def _until_idle(process: psutil.Process, quiet_s: float = 0.3) -> None:
+    """Return once ``process`` has used no CPU time for ``quiet_s`` seconds."""
+    used = sum(process.cpu_times()[:2])
+    while True:
+        time.sleep(quiet_s)
+        now = sum(process.cpu_times()[:2])
+        if now == used:
+            return
+        used = now
+
+
+def test_utilisation_is_at_most_the_device_s_cores(monkeypatch):
+    """CPU time comes in clock ticks: one tick more between two samples a millisecond
+    apart read as thousands of per cent (a CI run)."""
+    clock = iter([100.0, 100.001])
+    monkeypatch.setattr(monitor, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    sampler = ProcessSampler(lambda d: [os.getpid()] if d == "cpu0" else [])
+    sampler.sample(DEVICES)
+    _spin(0.05)
+    assert sampler.sample(DEVICES)["cpu0"].utilisation == 1.0
+
+
 def test_a_worker_first_seen_counts_all_its_cpu_time():
     """A worker that starts and finishes its work within one interval shows as load: a
     process starts with no CPU time, so all it has was used since the last sample."""
@@ -68,9 +92,11 @@ def test_a_worker_first_seen_counts_all_its_cpu_time():
     try:
         while sum(child.cpu_times()[:2]) < 0.3:  # until its burn is done
             time.sleep(0.02)
+        _until_idle(child)  # and it waits at input(), on a loaded machine too
         pids.append(child.pid)
         assert sampler.sample(DEVICES)["cpu0"].utilisation > 0.1
         # From then on, only what it uses between samples: it now waits, using none.
+        time.sleep(0.2)
         assert sampler.sample(DEVICES)["cpu0"].utilisation < 0.05
     finally:
         child.kill()
