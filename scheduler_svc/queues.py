@@ -547,6 +547,15 @@ class QueueRegistry:
                 f"on {on})"
             )
 
+    def measured(self, deployment: deploy_pb.Deployment) -> bool:
+        """Whether a replica of ``deployment`` predicts from something: requests it
+        measured, or the deployment's estimate (``LatencyPredictor.evidence``)."""
+        groups = (
+            replica_group_id(deployment.deployment_id, r.index)
+            for r in replicas.replicas_of(deployment)
+        )
+        return any(q.predictor.evidence for q in map(self._queues.get, groups) if q is not None)
+
     def set_serving(self, deployment: deploy_pb.Deployment) -> None:
         """Record which replicas of ``deployment`` serve now (the scheduler's view: its
         records, less the workers it found gone): only those take requests waiting on

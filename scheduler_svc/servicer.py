@@ -361,17 +361,31 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         A model's request goes to its READY deployments in turn, shortest expected wait
         first, until one takes it: one that refuses it at admission (its limits, a full
         queue, a first token its EDF queue predicts late) leaves it to the next. When all
-        refuse, :func:`answered_refusal` says which refusal is raised and recorded."""
+        refuse, :func:`answered_refusal` says which refusal is raised and recorded.
+
+        A request with a deadline of its own goes first to the deployments that can
+        judge it (they have measured requests, or have an estimate), and once one found
+        the deadline unreachable (the request's own decode alone passes it), one that
+        can predict nothing refuses it alike: such a request was served late, with
+        success, by a deployment of the model that had measured nothing yet (a tester:
+        64 tokens due in 1 ms, served in 441 ms)."""
         if request.HasField("deployment_id"):
             candidates = [await self.router.by_deployment_id(request.deployment_id)]
         else:
             candidates = await self.router.ranked_for_model(request.model_id)
+            if request.deadline_ms > 0:  # sorted stably: shortest wait first within each
+                candidates = sorted(candidates, key=lambda d: not self.queues.measured(d))
         refusals: list[tuple[deploy_pb.Deployment, errors.IServeError]] = []
+        unreachable: errors.DeadlineUnreachable | None = None
         for deployment in candidates:
             try:
-                return await self._admit_to(deployment, request, record, max_tokens_is_bound)
+                return await self._admit_to(
+                    deployment, request, record, max_tokens_is_bound, unreachable
+                )
             except ADMISSION_REFUSALS as refused:
                 refusals.append((deployment, refused))
+                if isinstance(refused, errors.DeadlineUnreachable) and unreachable is None:
+                    unreachable = refused
         assert refusals  # the router names at least one deployment
         deployment, refused = answered_refusal(refusals, own_deadline=request.deadline_ms > 0)
         self._label(record, deployment)
@@ -389,8 +403,11 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         request: inference_pb.GenerateRequest,
         record: RequestRecord,
         max_tokens_is_bound: bool,
+        unreachable: errors.DeadlineUnreachable | None = None,
     ) -> tuple[deploy_pb.Deployment, deploy_pb.Replica, DeploymentQueue, QueueEntry]:
-        """:meth:`_admit` on ``deployment``."""
+        """:meth:`_admit` on ``deployment``; ``unreachable``: another deployment of the
+        model found the request's deadline so, which this one repeats when it has no
+        measurement of its own to judge by."""
         clock = self._clock
         arrival = record.arrival_s
         self._label(record, deployment)
@@ -404,6 +421,8 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         replica = self._replica_for(deployment)
         queue = self.queues.queue_for(deployment, replica.index)
         predictor = queue.predictor
+        if unreachable is not None and not predictor.evidence:
+            raise unreachable
         prompt_tokens, guessed_too_long = predicted_prompt_tokens(
             request, deployment, max_tokens_is_bound, predictor.prompt_tokens
         )

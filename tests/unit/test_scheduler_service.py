@@ -1384,3 +1384,46 @@ def test_a_request_sent_without_an_id_gets_one_in_its_responses_and_log(redis_ur
     with caplog.at_level(logging.INFO, logger="iserve.scheduler"):
         run(redis_url, kept)
     assert any(f"request {given[0]} served by " in r.getMessage() for r in caplog.records)
+
+
+def test_a_deployment_that_measured_nothing_does_not_serve_what_another_found_hopeless(
+    redis_url,
+):
+    """By model, a request whose deadline a measured EDF deployment found unreachable
+    (its own decode alone passes it) went on to a deployment of the model that had
+    measured nothing yet, and so predicted nothing, and was served late with success (a
+    tester: 64 tokens due in 1 ms, served in 441 ms). Deployments that can judge a
+    deadline now go first, and one that cannot repeats the refusal; with none that can
+    judge it, a deadline request is served (that is how they learn)."""
+
+    async def scenario(h: Harness):
+        judged, cold, alone = FakeWorker(), FakeWorker(), FakeWorker()
+        await h.add_deployment("n-cold", alone, model_id="n")
+        served = await h.collect(request_id="learns", model_id="n", max_tokens=3, deadline_ms=1)
+        assert served[-1].final.deployment_id == "n-cold"
+        # Named to rank first among equals: the cold one would be tried before the other.
+        await h.add_deployment("a-cold", cold)
+        await h.add_deployment(
+            "b-edf",
+            judged,
+            objectives=common.ServiceObjectives(scheduling=common.SCHEDULING_POLICY_EDF),
+            latency_model=common.LatencyModel(decode_step_ms=100.0),
+        )
+        await h.collect(request_id="warm", deployment_id="b-edf", max_tokens=1)
+        await h.servicer.router.refresh()  # both ranked for the model
+        assert {d.deployment_id for d in await h.servicer.router.ranked_for_model("m")} == {
+            "a-cold",
+            "b-edf",
+        }
+        # 9 decode steps of 100 ms on b-edf: 0.9 s, past the 300 ms deadline.
+        error = await h.status_of(
+            request_id="hopeless", model_id="m", max_tokens=10, deadline_ms=300
+        )
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert "alone takes longer than the deadline" in error.details()
+        assert cold.received == []
+        # Without a deadline of its own it goes where it would have.
+        messages = await h.collect(request_id="no-deadline", model_id="m", max_tokens=10)
+        assert messages[-1].HasField("final")
+
+    run(redis_url, scenario)
