@@ -957,6 +957,14 @@ def create_app(
         ["endpoint", "status"],
         registry=registry,
     )
+    streams = Counter(
+        "iserve_gateway_streams",
+        "Streamed replies by endpoint and how they ended: completed ([DONE] after every "
+        "generation's end), failed (an error event: the HTTP status was 200 already) or "
+        "cancelled (the client left first)",
+        ["endpoint", "outcome"],
+        registry=registry,
+    )
     latency = Histogram(
         "iserve_gateway_request_seconds",
         "Time from request to the reply's last byte (a stream's end), or to the client leaving",
@@ -1277,7 +1285,16 @@ def create_app(
             created = int(time.time())
             if body.stream:
                 usage_too = bool(body.stream_options and body.stream_options.include_usage)
-                events = _stream(gens, body, ident, created, chat, usage_too)
+                endpoint = endpoint_of(http.scope)
+                events = _stream(
+                    gens,
+                    body,
+                    ident,
+                    created,
+                    chat,
+                    usage_too,
+                    ended=lambda outcome: streams.labels(endpoint, outcome).inc(),
+                )
                 return EventSourceResponse(
                     events, ping=15, sep="\n", shutdown_grace_period=stream_grace_s
                 )
@@ -1405,9 +1422,12 @@ async def _stream(
     created: int,
     chat: bool,
     usage_too: bool,
+    ended: Callable[[str], None] = lambda _outcome: None,
 ) -> AsyncIterator[str]:
     """The SSE events of a request's streamed generations (sse-starlette adds
-    ``data: ``): each generation's chunks carry its ``index``, in the order they come."""
+    ``data: ``): each generation's chunks carry its ``index``, in the order they come.
+    ``ended`` is told how the stream ended: "completed", "failed" (an error event) or
+    "cancelled" (closed before either: the client left)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> str:
@@ -1454,6 +1474,7 @@ async def _stream(
         await events.put(("end", index, (final, seen)))
 
     tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
+    outcome = "cancelled"  # unless it gets to its end
     try:
         if chat:
             yield chunk(0, "", None, role=True)
@@ -1475,6 +1496,7 @@ async def _stream(
                         error.kind,
                         value.details(),
                     )
+                outcome = "failed"
                 yield json.dumps(openai_error(value.details(), error.kind, error.param, error.code))
                 yield "[DONE]"
                 return
@@ -1489,7 +1511,9 @@ async def _stream(
                     "usage": _usage_of([ends[i] for i in range(len(gens))]),
                 }
             )
+        outcome = "completed"
         yield "[DONE]"
     finally:
+        ended(outcome)
         for task in tasks:  # the client went away, or one generation failed
             task.cancel()

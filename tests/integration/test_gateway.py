@@ -624,6 +624,31 @@ def test_a_stream_is_timed_to_its_last_byte(gateway):
     assert 0.5 * elapsed <= timed <= elapsed, (timed, elapsed)
 
 
+def test_a_stream_s_end_is_counted_as_it_ended(gateway):
+    """A stream's HTTP status is 200 before its first token: one its client left, or that
+    ended in an error event, was counted a 200 like any other (a tester). How each
+    ended is counted on its own."""
+
+    def ended(client: httpx.Client, outcome: str) -> float:
+        metrics = client.get("/metrics").text
+        line = f'iserve_gateway_streams_total{{endpoint="/v1/completions",outcome="{outcome}"}}'
+        return sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(line))
+
+    body = {"model": MODEL, "prompt": "ends", "stream": True}
+    with httpx.Client(base_url=gateway, timeout=120) as client:
+        completed, cancelled = ended(client, "completed"), ended(client, "cancelled")
+        with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 3}) as reply:
+            assert "data: [DONE]" in list(reply.iter_lines())
+        assert wait_for(lambda: ended(client, "completed") == completed + 1, timeout=10)
+        long = {**body, "max_tokens": 400, "ignore_eos": True}
+        with client.stream("POST", "/v1/completions", json=long) as reply:
+            assert reply.status_code == 200
+            next(line for line in reply.iter_lines() if line.startswith("data: "))
+        # Closed after its first event: the client left.
+        assert wait_for(lambda: ended(client, "cancelled") == cancelled + 1, timeout=30)
+        assert ended(client, "completed") == completed + 1
+
+
 def test_metrics_count_routes_not_the_paths_asked_for(gateway):
     # /metrics is open: a series per path sent named every model id asked for, and
     # grew without bound (3,000 requests made it 17 MB).

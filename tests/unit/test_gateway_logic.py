@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -1251,3 +1252,53 @@ def test_a_deadline_no_queue_could_meet_names_the_field_to_change():
     newer = CompletionBody(model="m", prompt="x", max_completion_tokens=9)
     assert refused_param(said, newer, False, code) == "max_completion_tokens"
     assert refused_param(said, own, False) is None  # another refusal that names no field
+
+
+@pytest.mark.parametrize(
+    ("error", "leaves", "outcome"),
+    [(None, False, "completed"), ("gone", False, "failed"), (None, True, "cancelled")],
+)
+def test_a_stream_says_how_it_ended(error, leaves, outcome):
+    """Its HTTP status was 200 before its first token: how it ended is told apart, for
+    iserve_gateway_streams_total (a failed or abandoned stream was counted a plain 200)."""
+    from gateway_svc.app import _Generation, _stream
+    from gateway_svc.bodies import CompletionBody
+    from services.api import inference_service_pb2 as inference_pb
+
+    class Call:
+        def __init__(self):
+            self.replies = [inference_pb.GenerateResponse(delta=inference_pb.TokenDelta(text="a"))]
+
+        async def read(self):
+            if self.replies:
+                return self.replies.pop(0)
+            if error:
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), error
+                )
+            return grpc.aio.EOF
+
+        def cancel(self):
+            pass
+
+    told = []
+
+    async def main():
+        events = _stream(
+            [_Generation(Call(), None)],
+            CompletionBody(model="m", prompt="x", stream=True),
+            "cmpl-1",
+            0,
+            False,
+            False,
+            ended=told.append,
+        )
+        seen = [await anext(events)]
+        if leaves:
+            await events.aclose()
+        else:
+            seen += [event async for event in events]
+            assert seen[-1] == "[DONE]"
+
+    asyncio.run(main())
+    assert told == [outcome]
