@@ -4,14 +4,16 @@ remove the deployment: iserve from Python, on grpcio and the committed stubs alo
     python clients/python/demo.py MODEL_ID CHECKPOINT_PATH [PROMPT] [--max-tokens N] [--keep]
 
 (the options before or after the prompt).
-It needs the ``services`` package, whose ``services/api`` holds the stubs: run it with the
-Python that has iserve installed (``.venv/bin/python clients/python/demo.py ...``), or with
-the repository root on PYTHONPATH. Ctrl-C still removes the deployment (exit 130).
+It needs grpcio and protobuf, and the stubs in this repository's ``services/api`` (found
+beside this file: any Python with those two runs it from a checkout). Ctrl-C or SIGTERM
+still removes the deployment (exit 130).
 CHECKPOINT_PATH is relative to the stack's models root. Addresses come from the
 ``ISERVE_*_ADDR`` variables, else the ones ``iserve up`` recorded in
 ``$ISERVE_STATE_DIR/stack.json`` (``~/.iserve`` by default), else ``127.0.0.1:50061``
 (models), ``50063`` (deployments) and ``50064`` (inference), as the CLI finds them;
-``ISERVE_TOKEN`` is sent as a bearer token when set. Plaintext only: with TLS on, use the CLI (``iserve``), which reads the stack's
+``ISERVE_TOKEN`` is sent as a bearer token, else the administrator token ``iserve up``
+wrote with authentication on (``$ISERVE_STATE_DIR/tokens/admin``), as the CLI and the
+Node client take it. Plaintext only: with TLS on, use the CLI (``iserve``), which reads the stack's
 certificates.
 """
 
@@ -21,10 +23,14 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
 import grpc
+
+# The stubs are the checkout's (services/api), whatever the directory it is run from.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
@@ -42,11 +48,14 @@ ADDRESSES = {
 UINT32_MAX = 2**32 - 1
 
 
+def state_dir() -> Path:
+    return Path(os.environ.get("ISERVE_STATE_DIR") or Path.home() / ".iserve").expanduser()
+
+
 def recorded_addresses() -> dict[str, str]:
     """The addresses `iserve up` wrote to its stack.json, by service; none without one."""
-    state = Path(os.environ.get("ISERVE_STATE_DIR") or Path.home() / ".iserve").expanduser()
     try:
-        return json.loads((state / "stack.json").read_text()).get("addresses", {})
+        return json.loads((state_dir() / "stack.json").read_text()).get("addresses", {})
     except (OSError, ValueError):
         return {}
 
@@ -58,7 +67,12 @@ def channel(service: str) -> grpc.Channel:
 
 
 def metadata() -> tuple[tuple[str, str], ...]:
-    token = os.environ.get("ISERVE_TOKEN", "")
+    token = os.environ.get("ISERVE_TOKEN", "").strip()
+    if not token:
+        try:
+            token = (state_dir() / "tokens" / "admin").read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            token = ""
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
@@ -120,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         metadata=metadata(),
     ).deployment
-    print(f"deployed {deployed.deployment_id} on {deployed.worker_address}")
-    try:
+    try:  # from here on, the deployment is removed however this ends
+        print(f"deployed {deployed.deployment_id} on {deployed.worker_address}")
         final = None
         for message in inference.Generate(
             infer_pb.GenerateRequest(
@@ -157,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM as Ctrl-C: the deployment is removed on the way out (it was left running).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         sys.exit(main())
     except grpc.RpcError as error:

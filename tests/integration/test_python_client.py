@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ def test_the_python_client_registers_deploys_streams_and_removes(stack):
     checkpoint = make_checkpoint(stack, "py-llama")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")}
     env["ISERVE_STATE_DIR"] = stack.env["ISERVE_STATE_DIR"]
-    env["PYTHONPATH"] = str(PYTHON_CLIENT.parents[2])
+    env.pop("PYTHONPATH", None)  # it finds the checkpoint's stubs beside itself
     command = [sys.executable, str(PYTHON_CLIENT), "py-llama", checkpoint, "hello"]
     # An option before the prompt, as the Node demo takes it (it was "unrecognized").
     run = subprocess.run(
@@ -76,3 +77,33 @@ def test_the_python_client_registers_deploys_streams_and_removes(stack):
         mixed.stderr
     )
     assert "deployed" not in mixed.stdout
+
+
+def test_the_python_client_removes_its_deployment_on_sigterm(stack):
+    """SIGTERM (a process manager's stop) left the demo's deployment running; Ctrl-C did
+    not (a tester). Both remove it, exit 130."""
+    checkpoint = make_checkpoint(stack, "py-term")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")}
+    env["ISERVE_STATE_DIR"] = stack.env["ISERVE_STATE_DIR"]
+    demo = subprocess.Popen(
+        [sys.executable, str(PYTHON_CLIENT), "py-term", checkpoint, "hello", "--max-tokens", "400"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("deployed ")):
+            line = demo.stdout.readline()
+            assert line, (lines, demo.stderr.read())
+            lines.append(line)
+        demo.send_signal(signal.SIGTERM)  # as it streams
+        out, err = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 130, (out, err)
+    assert "stopped" in err and "removed py-term-" in out, (out, err)
+    listed = stack.deployments.ListDeployments(deploy_pb.ListDeploymentsRequest(model_id="py-term"))
+    assert all(d.state != deploy_pb.DEPLOYMENT_STATE_READY for d in listed.deployments)
