@@ -909,8 +909,18 @@ PRESET_NAMES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated options (``--max`` for ``--max-tokens``): a script that used one
+    would break, or change meaning, when an option sharing its prefix is added. Every
+    subcommand's parser is one too (``add_subparsers`` makes its own class's)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="iserve",
         description=_plain(__doc__.splitlines()[0]),
         epilog=_plain(__doc__.split("\n\n", 1)[1]),

@@ -74,6 +74,8 @@ def test_a_positive_number_is_finite_and_above_zero(text):
         (["status", "--watch", "-1"], "--watch"),
         (["status", "--watch", "nan"], "--watch"),
         (["status", "--watch", "inf"], "--watch"),
+        # Each refresh asks every service: 1e-9 redrew thousands of times a minute.
+        (["status", "--watch", "1e-9"], "--watch"),
     ],
 )
 def test_the_parser_names_the_option_and_exits_2(argv, option, capsys):
@@ -782,3 +784,14 @@ def test_an_option_before_any_command_is_named(capsys):
         main(["--bogus", "status"])
     assert exited.value.code == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_an_abbreviated_option_is_not_taken(capsys):
+    """``--max`` was taken for ``--max-tokens``: a script using it would break, or change
+    meaning, once another option began so (a tester)."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["generate", "d", "hi", "--max", "3"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --max 3" in capsys.readouterr().err
+    assert build_parser().parse_args(["generate", "d", "hi", "--max-tokens", "3"]).max_tokens == 3
+    assert build_parser().parse_args(["status", "--watch", "0.1"]).watch == 0.1
