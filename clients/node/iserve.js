@@ -40,7 +40,13 @@ function recordedStack() {
 function address(service) {
   const [variable, port] = ADDRESSES[service];
   const recorded = (recordedStack().addresses || {})[service];
-  return process.env[variable] || recorded || `${process.env.ISERVE_HOST || "127.0.0.1"}:${port}`;
+  const given = process.env[variable];
+  // host:port (an IPv6 host in brackets), as the Python side checks it: grpc-js said
+  // "Name resolution failed for target dns:garbage" of a value without a port.
+  if (given && !/^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):\d{1,5}$/.test(given)) {
+    throw new Error(`${variable}=${JSON.stringify(given)}: not host:port`);
+  }
+  return given || recorded || `${process.env.ISERVE_HOST || "127.0.0.1"}:${port}`;
 }
 
 // ISERVE_TOKEN, else the administrator token `iserve up` wrote for the CLI with
@@ -69,6 +75,12 @@ function token() {
 }
 
 function load() {
+  if (!fs.existsSync(path.join(PROTO_ROOT, FILES[0]))) {
+    // A copy of this folder outside the repository finds no protos beside it.
+    throw new Error(
+      `no iserve protos under ${PROTO_ROOT}: set ISERVE_PROTOS to the repository's protos/ folder`,
+    );
+  }
   const definition = protoLoader.loadSync(FILES, {
     includeDirs: [PROTO_ROOT],
     keepCase: true, // field names as in the .proto files (snake_case)
@@ -94,7 +106,10 @@ function unary(client, method, request, deadlineSeconds = 120) {
     const deadline = new Date(Date.now() + deadlineSeconds * 1000);
     client[method](request, { deadline }, (error, reply) => {
       if (error) {
-        const failed = new Error(describe(method, error));
+        // As the Python CLI hints it: most often nothing listens there.
+        const hint =
+          error.code === grpc.status.UNAVAILABLE ? " (is the stack up? `iserve status` says)" : "";
+        const failed = new Error(describe(method, error) + hint);
         failed.code = error.code;
         reject(failed);
       } else {
@@ -107,7 +122,14 @@ function unary(client, method, request, deadlineSeconds = 120) {
 // TLS from the same variables as the Python side (ISERVE_TLS_CA, and ISERVE_TLS_CERT /
 // ISERVE_TLS_KEY for mutual TLS); plaintext when none is set.
 function channelCredentials() {
-  const read = (variable) => (process.env[variable] ? fs.readFileSync(process.env[variable]) : null);
+  const read = (variable) => {
+    if (!process.env[variable]) return null;
+    try {
+      return fs.readFileSync(process.env[variable]);
+    } catch (error) {
+      throw new Error(`${variable}: cannot read ${process.env[variable]}: ${error.code || error.message}`);
+    }
+  };
   const ca = read("ISERVE_TLS_CA");
   const cert = read("ISERVE_TLS_CERT");
   const key = read("ISERVE_TLS_KEY");

@@ -117,6 +117,7 @@ def test_the_node_client_registers_deploys_and_streams_with_timings(stack, node_
     nowhere = {**env, "ISERVE_MODEL_ADDR": f"127.0.0.1:{free_port()}"}
     down = demo("m", "d", env=nowhere)
     assert down.returncode == 1 and "RegisterModel: UNAVAILABLE: " in down.stderr, down.stderr
+    assert "(is the stack up? `iserve status` says)" in down.stderr, down.stderr
     assert not down.stderr.rstrip().endswith("Resolution note:"), down.stderr
 
 
@@ -164,4 +165,35 @@ def test_the_node_client_refuses_a_token_grpc_cannot_carry(node_client, tmp_path
         [node_client, "-e", script], cwd=CLIENT, env=env, capture_output=True, text=True, timeout=60
     )
     assert run.returncode == 2, run.stdout
+    assert run.stderr.strip() == said
+
+
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ({"ISERVE_MODEL_ADDR": "garbage"}, 'ISERVE_MODEL_ADDR="garbage": not host:port'),
+        (
+            {"ISERVE_TLS_CA": "/nonexistent/ca.pem"},
+            "ISERVE_TLS_CA: cannot read /nonexistent/ca.pem: ENOENT",
+        ),
+        (
+            {"ISERVE_PROTOS": "/nonexistent"},
+            "no iserve protos under /nonexistent: set ISERVE_PROTOS to the repository's protos/ folder",
+        ),
+    ],
+)
+def test_the_node_client_names_the_setting_it_cannot_use(node_client, tmp_path, setting, said):
+    """grpc-js's words named none of them ("Name resolution failed for target
+    dns:garbage", a bare ENOENT, a proto-loader warning): the client says which variable
+    to fix, as the Python CLI does (a tester)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ISERVE_")}
+    env.update(ISERVE_STATE_DIR=str(tmp_path), **setting)
+    script = (
+        'try { require("./iserve").connect().models.getChannel(); console.log("connected"); }'
+        " catch (e) { console.error(e.message); process.exit(2); }"
+    )
+    run = subprocess.run(
+        [node_client, "-e", script], cwd=CLIENT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr.strip() == said
