@@ -77,6 +77,26 @@ def watch_seconds(text: str) -> float:
     return value
 
 
+def model_id(text: str) -> str:
+    """An argparse ``type``: a model id (``services.ids``' rule), named as the option."""
+    from services.errors import InvalidArgument
+    from services.ids import check_model_id
+
+    try:
+        check_model_id(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("invalid model_id ")) from None
+    return text
+
+
+def nonempty(text: str) -> str:
+    """An argparse ``type``: any text but the empty one (``--out ""`` wrote into the
+    current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a path, not empty")
+    return text
+
+
 def id_list(text: str) -> list[str]:
     """An argparse ``type``: comma-separated ids, at least one, none empty (``--models
     ,,`` named no model and fell back to every model)."""

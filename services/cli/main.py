@@ -53,9 +53,13 @@ from services.cli.arguments import (
     add_token_limits,
     device_memory_gib,
     milliseconds_field_seconds,
+    nonempty,
     usage_error,
     watch_seconds,
     whole_number,
+)
+from services.cli.arguments import (
+    model_id as model_id_argument,
 )
 from services.cli.status import (
     WATCH_OPTIONAL,
@@ -261,6 +265,8 @@ def cmd_model_create(settings: Settings, args) -> int:
         validate_checkpoint,
     )
 
+    if args.out is None:
+        args.out = str(settings.models_root / args.name)
     try:
         with _writing_progress() as progress:
             out = _create_checkpoint(args, progress)
@@ -978,7 +984,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = model.add_parser(
         "create", help="write a checkpoint with random weights (config, safetensors, tokenizer)"
     )
-    p.add_argument("name")
+    p.add_argument(
+        "name",
+        type=model_id_argument,
+        help="the checkpoint's name, a model id's characters: the directory it goes to "
+        "under the models root unless --out, and the id to register it as",
+    )
     p.add_argument(
         "--preset",
         help="exact shapes of a known model: " + ", ".join(PRESET_NAMES),
@@ -1015,7 +1026,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=whole_number(0, UINT64_MAX), default=0, help="of the random weights"
     )
     p.add_argument(
-        "--out", required=True, help="directory to write (under ISERVE_MODELS_ROOT to register it)"
+        "--out",
+        type=nonempty,
+        help="directory to write (default: NAME under the models root, ISERVE_MODELS_ROOT, "
+        "where register finds it as NAME)",
     )
     p.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     p.set_defaults(func=cmd_model_create)

@@ -314,6 +314,8 @@ def cmd_plan(settings: Settings, args) -> int:
             usage_error(f"--png {args.png} is a directory: name the file, e.g. {png / 'plan.png'}")
         if png.suffix and png.suffix.lower() != ".png":
             usage_error(f"--png writes a PNG image: name a .png file, not {png.name}")
+        if not png.parent.is_dir():  # said "[Errno 2] No such file or directory" at the end
+            usage_error(f"--png {args.png}: there is no directory {png.parent}")
     rows = plan_intents(settings, args)
     limits = token_limits_of(settings, args)
     where = (

@@ -31,7 +31,11 @@ def test_plan_shows_each_intents_choice_and_draws_the_front(stack, imported, tmp
     out = cli(stack, "plan", "llama-2-70b", *ARGS, "--png", str(bare))
     assert out.returncode == 0 and f"wrote {bare}" in out.stderr, out.stderr
     assert bare.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for wrong, says in ((tmp_path, "is a directory"), (tmp_path / "p.pdf", "writes a PNG")):
+    for wrong, says in (
+        (tmp_path, "is a directory"),
+        (tmp_path / "p.pdf", "writes a PNG"),
+        (tmp_path / "no" / "p.png", f"there is no directory {tmp_path / 'no'}"),
+    ):
         out = cli(stack, "plan", "llama-2-70b", *ARGS, "--png", str(wrong))
         assert out.returncode == 2 and says in out.stderr, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.png", "plotfile"]

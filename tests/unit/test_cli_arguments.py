@@ -76,6 +76,7 @@ def test_a_positive_number_is_finite_and_above_zero(text):
         (["status", "--watch", "inf"], "--watch"),
         # Each refresh asks every service: 1e-9 redrew thousands of times a minute.
         (["status", "--watch", "1e-9"], "--watch"),
+        (["model", "create", "x", "--layers", "1", "--out", ""], "--out"),
     ],
 )
 def test_the_parser_names_the_option_and_exits_2(argv, option, capsys):
@@ -795,3 +796,23 @@ def test_an_abbreviated_option_is_not_taken(capsys):
     assert "unrecognized arguments: --max 3" in capsys.readouterr().err
     assert build_parser().parse_args(["generate", "d", "hi", "--max-tokens", "3"]).max_tokens == 3
     assert build_parser().parse_args(["status", "--watch", "0.1"]).watch == 0.1
+
+
+def test_model_create_names_a_checkpoint_by_a_model_id_and_writes_it_under_the_models_root(
+    tmp_path, monkeypatch, capsys
+):
+    """NAME was only printed, so "" and "Bad Name" were taken (a tester): it is the
+    directory under the models root a checkpoint goes to without --out, which register
+    then finds by that name."""
+    from services.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["model", "create", "Bad Name", "--layers", "1"])
+    assert exit_info.value.code == 2
+    assert "argument name: 'Bad Name': use 1-64 lowercase" in capsys.readouterr().err
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("ISERVE_MODELS_ROOT", raising=False)
+    shape = ["--layers", "1", "--hidden", "32", "--heads", "4"]
+    assert main(["model", "create", "tiny-one", *shape]) == 0
+    assert (tmp_path / "state" / "models" / "tiny-one" / "config.json").is_file()
+    assert f"to {tmp_path / 'state' / 'models' / 'tiny-one'}:" in capsys.readouterr().out
