@@ -331,7 +331,7 @@ def _writing_progress():
     columns = (
         TextColumn("writing weights"),
         BarColumn(),
-        DownloadColumn(binary_units=True),
+        DownloadColumn(),  # decimal, as TransferSpeedColumn is (MB beside MB/s)
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
