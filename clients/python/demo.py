@@ -134,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         ),
         metadata=metadata(),
     ).deployment
+    stream = None
     try:  # from here on, the deployment is removed however this ends
         print(f"deployed {deployed.deployment_id} on {deployed.worker_address}")
         final = None
-        for message in inference.Generate(
+        stream = inference.Generate(
             infer_pb.GenerateRequest(
                 request_id=request_id(),
                 deployment_id=deployed.deployment_id,
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_tokens=args.max_tokens,
             ),
             metadata=metadata(),
-        ):
+        )
+        for message in stream:
             if message.HasField("delta"):
                 print(message.delta.text, end="", flush=True)
             elif message.HasField("final"):
@@ -159,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"total {t.total_ms:.1f} ms"
             )
     finally:
+        if stream is not None:
+            # Interrupted, the generation would run on unread, and the removal drain it.
+            stream.cancel()
         if not args.keep:
             deployments.RemoveDeployment(
                 deploy_pb.RemoveDeploymentRequest(

@@ -53,7 +53,8 @@ def test_a_virtual_device_counts_its_workers_memory_and_cpu_time():
     least = (cpu_c - cpu_b) / ((wall_d - wall_a) * cores)
     most = (cpu_d - cpu_a) / ((wall_c - wall_b) * cores)
     assert cpu_c - cpu_b >= 0.15  # the spin used its CPU time (psutil counts 10 ms ticks)
-    assert least * 0.99 <= second["cpu0"].utilisation <= most * 1.01
+    # At most 1: a spin's clock ticks can read a little above (see the test below).
+    assert min(least * 0.99, 1.0) <= second["cpu0"].utilisation <= most * 1.01
     assert second["cpu1"].utilisation == 0.0
 
 
