@@ -864,7 +864,7 @@ _OPENAI_ENDPOINTS = (
     "POST /v1/chat/completions",
     "POST /v1/completions",
     "GET /v1/models",
-    "GET /v1/models/{model}",
+    "GET /v1/models/{model_id}",
 )
 # The /metrics endpoint label of a request no route takes.
 UNMATCHED = "unmatched"

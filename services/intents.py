@@ -126,7 +126,8 @@ def resolve_accuracy_floor(
         raise FailedPrecondition(
             f"no variant that fits reaches the accuracy floor of {floor:g} "
             f"(best available: {best:g}); "
-            "lower min_accuracy or allow the best available"
+            "lower min_accuracy or allow the best available "
+            "(Intent.allow_best_available_accuracy; the CLI's --best-available)"
         )
     return best, (
         f"no configuration reaches the accuracy floor of {floor:g}; "
