@@ -951,6 +951,7 @@ KNOWN_VARIABLES = frozenset({
     # tests' and benches' (../shared/data): set in the same shells, not misspelt.
     "ISERVE_IMAGE", "ISERVE_AGENT_IMAGE", "ISERVE_TAG", "ISERVE_MODELS_DIR",
     "ISERVE_TORCH_INDEX", "ISERVE_TENSORRT_LLM", "ISERVE_PYTHON_VERSION", "ISERVE_SHARED_DATA",
+    "ISERVE_PUBLISH_ADDR", "ISERVE_PIP_EXTRA",
     # The Node.js client's (clients/node): another protos/ directory.
     "ISERVE_PROTOS",
 })  # fmt: skip

@@ -90,20 +90,40 @@ def compose(*args: str, file: Path = COMPOSE_FILE, env_file: Path = ENV_EXAMPLE)
     )
 
 
+REDIS_PASSWORD = "redis-password-of-the-tests-0123456789"
+
+
 @pytest.fixture(scope="module")
-def resolved() -> dict:
+def filled_env(tmp_path_factory) -> Path:
+    """.env.example as an operator fills it in: its empty Redis password given."""
+    path = tmp_path_factory.mktemp("env") / ".env"
+    path.write_text(
+        ENV_EXAMPLE.read_text().replace("REDIS_PASSWORD=\n", f"REDIS_PASSWORD={REDIS_PASSWORD}\n")
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def resolved(filled_env) -> dict:
     """compose.yaml as the binary resolves it (anchors merged, variables interpolated)."""
     if COMPOSE is None:
         pytest.skip("no compose v2 binary")
-    reply = compose("config", "--format", "json")
+    reply = compose("config", "--format", "json", env_file=filled_env)
     assert reply.returncode == 0, reply.stderr
     return json.loads(reply.stdout)
 
 
 @needs_compose
-def test_compose_file_is_valid():
-    reply = compose("config", "--quiet")
+def test_compose_file_is_valid(filled_env):
+    reply = compose("config", "--quiet", env_file=filled_env)
     assert reply.returncode == 0, reply.stderr
+
+
+@needs_compose
+def test_compose_refuses_the_example_until_redis_has_a_password():
+    """Every container on the compose network reached Redis without one."""
+    reply = compose("config", "--quiet")
+    assert reply.returncode != 0 and "set REDIS_PASSWORD in .env" in reply.stderr, reply.stderr
 
 
 def _broken_copy(tmp_path: Path, old: str, new: str) -> Path:
@@ -138,8 +158,8 @@ def _broken_copy(tmp_path: Path, old: str, new: str) -> Path:
     ],
     ids=["missing-service", "unknown-key", "wrong-type", "missing-volume", "bad-condition"],
 )
-def test_compose_rejects_a_broken_file(tmp_path, old, new, why):
-    reply = compose("config", "--quiet", file=_broken_copy(tmp_path, old, new))
+def test_compose_rejects_a_broken_file(tmp_path, filled_env, old, new, why):
+    reply = compose("config", "--quiet", file=_broken_copy(tmp_path, old, new), env_file=filled_env)
     assert reply.returncode != 0, f"compose accepted a file with {why}"
     assert reply.stderr.strip(), "compose failed without saying why"
 
@@ -207,6 +227,24 @@ def test_redis_persists_append_only_on_a_volume(resolved):
     assert any(v["target"] == "/data" and v["type"] == "volume" for v in redis["volumes"])
 
 
+def test_redis_wants_its_password_and_only_the_gateway_lacks_its_url(resolved):
+    """The gateway reaches neither Redis nor needs the admin token (WITHHELD_FROM_GATEWAY,
+    as `iserve up` withholds them); every other process connects with the password."""
+    from services.settings import WITHHELD_FROM_GATEWAY
+
+    redis = resolved["services"]["redis"]
+    assert redis["command"][redis["command"].index("--requirepass") + 1] == REDIS_PASSWORD
+    assert redis["environment"]["REDISCLI_AUTH"] == REDIS_PASSWORD  # its health check's
+    for name, service in resolved["services"].items():
+        if name == "redis":
+            continue
+        env = service["environment"]
+        if name == "gateway":
+            assert all(env[v] == "" for v in WITHHELD_FROM_GATEWAY), env
+        else:
+            assert env["REDIS_URL"] == f"redis://:{REDIS_PASSWORD}@redis:6379/0", name
+
+
 def test_the_services_that_write_no_file_run_as_the_images_user(resolved):
     """Every container ran as root, the gateway facing clients among them."""
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
@@ -254,7 +292,8 @@ def test_authentication_is_on_everywhere(resolved):
             continue
         env = service["environment"]
         assert env["ISERVE_AUTH"] == "on", name
-        assert env["ISERVE_ADMIN_TOKEN"] and env["ISERVE_SERVICE_TOKEN"], name
+        assert env["ISERVE_SERVICE_TOKEN"], name
+        assert bool(env["ISERVE_ADMIN_TOKEN"]) == (name != "gateway"), name
 
 
 def test_ports_and_metrics(resolved):
@@ -265,6 +304,11 @@ def test_ports_and_metrics(resolved):
         metrics = services[name]["environment"][f"ISERVE_{name.upper()}_METRICS_ADDR"]
         assert metrics == f"0.0.0.0:{METRICS_PORTS[name]}", name
     assert {int(p["published"]) for p in services["gateway"]["ports"]} == {8000}
+    # On this host only unless ISERVE_PUBLISH_ADDR says otherwise: Docker's publishing
+    # goes around host firewalls, and every port bound 0.0.0.0 (a tester).
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert port["host_ip"] == "127.0.0.1", (name, port)
 
 
 # ---- the Dockerfile ------------------------------------------------------------------------

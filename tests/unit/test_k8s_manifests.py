@@ -191,9 +191,12 @@ def test_rendered_kustomization_is_valid(folder):
     assert spec.get("hostNetwork", False) is (folder == HOSTNETWORK)
     if folder == HOSTNETWORK:
         assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
-        # The patch adds to the agent's environment; it does not replace it.
+        # The patch keeps the agent's environment, and sets no NCCL_SOCKET_IFNAME: the
+        # agent picks the interface holding the node's address, which a list of
+        # interfaces to leave out overrode, missing some (a tester).
         names = {e["name"] for e in spec["containers"][0]["env"]}
-        assert {"ISERVE_NODE_ID", "ISERVE_AGENT_ADDR", "NCCL_SOCKET_IFNAME"} <= names
+        assert {"ISERVE_NODE_ID", "ISERVE_AGENT_ADDR", "ISERVE_HOST"} <= names
+        assert "NCCL_SOCKET_IFNAME" not in names
 
 
 # ---- what the manifests hold ---------------------------------------------------------------
@@ -333,9 +336,28 @@ def test_every_iserve_process_has_the_settings_and_tokens():
     for (kind, name), obj in objects.items():
         if kind not in ("Deployment", "DaemonSet"):
             continue
-        sources = containers(obj)[0]["envFrom"]
+        container = containers(obj)[0]
+        sources = container["envFrom"]
         assert {"configMapRef": {"name": "iserve-config"}} in sources, name
-        assert {"secretRef": {"name": "iserve-tokens"}} in sources, name
+        if name != "gateway":
+            assert {"secretRef": {"name": "iserve-tokens"}} in sources, name
+            continue
+        # The gateway reaches neither Redis nor needs the admin token
+        # (WITHHELD_FROM_GATEWAY): of the Secret, the service token alone (a tester).
+        assert not any("secretRef" in source for source in sources)
+        env = env_of(container)
+        assert env["ISERVE_SERVICE_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "iserve-tokens",
+            "key": "ISERVE_SERVICE_TOKEN",
+        }
+        assert not {"REDIS_URL", "ISERVE_ADMIN_TOKEN"} & set(env)
+
+
+def test_the_agent_s_workers_are_reaped_by_the_pod_s_init():
+    """compose runs an init; here nothing did, and the agent as PID 1 reaps no worker
+    orphaned to it (a tester)."""
+    spec = all_objects()[("DaemonSet", "agent")]["spec"]["template"]["spec"]
+    assert spec["shareProcessNamespace"] is True
 
 
 def test_secret_example_placeholders_are_refused_by_iserve():
