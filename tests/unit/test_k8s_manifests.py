@@ -223,6 +223,9 @@ def test_the_services_that_write_no_file_run_as_the_images_user():
     for name in ("estimator", "deploy", "scheduler", "gateway"):
         context = containers(objects[("Deployment", name)])[0]["securityContext"]
         assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001, name
+        # PodSecurity "restricted" (a tester): no capability, the runtime's seccomp profile.
+        assert context["capabilities"] == {"drop": ["ALL"]}, name
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
     # The model service writes fingerprints into the models volume; the agent drives GPUs.
     assert "runAsUser" not in containers(objects[("Deployment", "model")])[0]["securityContext"]
 
