@@ -23,7 +23,10 @@ compared with the measured TTFT and end-to-end latency at 16 output tokens:
   grown    the service's rule for a profile of one prompt length (an import of one
            prompt's measurements): TTFT along prefill's work, n + k n^2 (k from the
            architecture), on the line through that prompt's TTFT and a one-token
-           prompt's (a decode step: its TPOT); the latency moved by as much.
+           prompt's (a decode step: its TPOT); the latency moved by as much. From the
+           shortest profiled prompt (64 tokens), so every prompt is at or beyond it;
+  shrunk   the same rule from the longest profiled prompt (1024 tokens) alone: the
+           shorter prompts below it, on the same line (a chord of prefill's time).
 
 Calibration: whatever the stack ships for the node's hardware type
 (``estimator_svc/calibrations``), fitted on 64-token runs; this bench fits nothing.
@@ -185,6 +188,7 @@ def main() -> None:
                         _line(at, profiled, prompt),
                         at[profiled[0]],
                         _grown(at[profiled[0]], profiled[0], prompt, k),
+                        _grown(at[profiled[-1]], profiled[-1], prompt, k),
                     )
                 )
 
@@ -197,13 +201,15 @@ def main() -> None:
     print(
         "estimate / measured - 1, %, of TTFT and latency: the service's rule, the line "
         f"through two profiled prompts, one profiled prompt ({profiled[0]} tokens) as it "
-        "is and grown with prefill's work"
+        f"is and grown with prefill's work, and one ({profiled[-1]} tokens) moved so"
     )
     print(
         f"{'model':<10}{'prompt':>7}{'TTFT ms':>9}{'service':>9}{'line':>8}{'one':>8}"
-        f"{'grown':>8}{'latency ms':>12}{'service':>9}{'line':>8}{'one':>8}{'grown':>8}"
+        f"{'grown':>8}{'shrunk':>8}{'latency ms':>12}{'service':>9}{'line':>8}{'one':>8}"
+        f"{'grown':>8}{'shrunk':>8}"
     )
     unprofiled: dict[str, list[float]] = {}
+    below: dict[str, list[float]] = {}
     for model_id, prompt, m, *rules in rows:
         ttft = [100.0 * (e.ttft_ms / m.ttft_ms - 1.0) for e in rules]
         latency = [100.0 * (e.latency_ms / m.latency_ms - 1.0) for e in rules]
@@ -215,23 +221,35 @@ def main() -> None:
         )
         if prompt not in profiled:
             for name, values in (("TTFT", ttft), ("latency", latency)):
-                for rule, value in zip(("service", "line", "one", "grown"), values, strict=True):
+                rules = ("service", "line", "one", "grown", "shrunk")
+                for rule, value in zip(rules, values, strict=True):
                     unprofiled.setdefault(f"{name} {rule}", []).append(abs(value))
+        if prompt < profiled[-1]:  # below the one prompt "shrunk" was profiled at
+            for name, values in (("TTFT", ttft), ("latency", latency)):
+                below.setdefault(name, []).append(values[-1])
     if unprofiled:
         print(
             "prompts not profiled, median |error| %: "
             + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in unprofiled.items())
         )
+    if below:
+        print(
+            f"shrunk, prompts below {profiled[-1]} tokens, signed error % (min / median / "
+            "max): "
+            + ", ".join(
+                f"{k} {min(v):+.1f} / {statistics.median(v):+.1f} / {max(v):+.1f}"
+                for k, v in below.items()
+            )
+        )
 
 
 def _grown(one: est_pb.ConfigEstimate, length: int, prompt: int, k: float | None):
     """The estimate a profile of one ``length``-token prompt gives at ``prompt``
-    (``services.estimation.prompt_curve.profiles_at``): beyond it TTFT on the line
-    through it and the TPOT in prefill's work, the latency moved by as much; at or below
-    it, as profiled."""
+    (``services.estimation.prompt_curve.profiles_at``): TTFT on the line through it and
+    the TPOT in prefill's work, beyond it or below it, the latency moved by as much."""
     out = est_pb.ConfigEstimate()
     out.CopyFrom(one)
-    if k is not None and prompt > length:
+    if k is not None and prompt != length:
         along = prefill_along(length, prompt, k)
         grown = float(grown_ttft(np.float64(one.ttft_ms), np.float64(one.tpot_ms), along))
         out.latency_ms += grown - one.ttft_ms

@@ -210,6 +210,14 @@ class ModelReferences:
                 "with its prompt)"
             )
         single = sum(1 for n in lengths if n > 0) == 1
+        if 0 < input_tokens < lengths[-1] and single and _attention_share(self.shape):
+            return (
+                f"a {input_tokens}-token prompt is shorter than the one prompt length "
+                f"profiled ({lengths[-1]} tokens): TTFT falls from it with prefill's work "
+                "along the line through it and a one-token prompt, whose prefill is a "
+                f"decode step (TPOT); TPOT is the {lengths[-1]}-token prompt's; memory "
+                f"holds the KV cache of {input_tokens} tokens plus the output"
+            )
         if input_tokens > lengths[-1] and single and _attention_share(self.shape):
             return (
                 f"a {input_tokens}-token prompt is longer than the one prompt length profiled "
