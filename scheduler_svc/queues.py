@@ -549,7 +549,10 @@ class QueueRegistry:
 
     def measured(self, deployment: deploy_pb.Deployment) -> bool:
         """Whether a replica of ``deployment`` predicts from something: requests it
-        measured, or the deployment's estimate (``LatencyPredictor.evidence``)."""
+        measured, or the deployment's estimate (``LatencyPredictor.evidence``; before any
+        request made its queue, the estimate alone)."""
+        if deployment.latency_model.decode_step_ms > 0:
+            return True
         groups = (
             replica_group_id(deployment.deployment_id, r.index)
             for r in replicas.replicas_of(deployment)
