@@ -536,3 +536,20 @@ def test_an_idle_queue_that_refused_for_a_while_admits_one_predicted_late_to_mea
             await queue.acquire(entry("after", deadline_s=clock[0] + 0.1, prompt_tokens=300))
 
     asyncio.run(scenario())
+
+
+def test_a_deployment_can_judge_a_deadline_from_its_estimate_or_its_requests():
+    """What the scheduler tries first for a request with its own deadline: a deployment
+    with an estimate (before any request made its queue) or with a measured request; one
+    with neither predicts nothing."""
+    registry = QueueRegistry(capacity=4)
+    estimated = deployment("est", 1)
+    estimated.latency_model.decode_step_ms = 20.0
+    cold = deployment("cold", 1)
+    assert registry.measured(estimated) and not registry.measured(cold)
+    queue = registry.queue_for(cold)
+    assert not registry.measured(cold)
+    queue.predictor.observe(
+        prompt_tokens=8, prompt_chars=32, first_token_s=0.05, tpot_s=0.02, running=1
+    )
+    assert registry.measured(cold)
