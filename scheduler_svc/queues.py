@@ -397,6 +397,13 @@ class DeploymentQueue:
         message = self._miss_message(entry)
         return (DeadlineUnreachable if entry.unreachable else DeadlineExceeded)(message)
 
+    def unreachable_refusal(self, entry: QueueEntry, first_token_s: float) -> DeadlineUnreachable:
+        """The refusal of ``entry``, whose own decode alone passes its deadline, as another
+        replica of the deployment measured it (this one has measured nothing to predict a
+        miss from): its first token predicted at ``first_token_s``."""
+        entry.predicted_first_token_s = first_token_s
+        return DeadlineUnreachable(self._miss_message(entry))
+
     def _wake_at_last_start(self, policy: EdfPolicy) -> None:
         """Dispatch again when the first waiting request's deadline can no longer be met
         even if it started then (its deadline less its prefill), though nothing arrives
@@ -547,17 +554,15 @@ class QueueRegistry:
                 f"on {on})"
             )
 
-    def measured(self, deployment: deploy_pb.Deployment) -> bool:
-        """Whether a replica of ``deployment`` predicts from something: requests it
-        measured, or the deployment's estimate (``LatencyPredictor.evidence``; before any
-        request made its queue, the estimate alone)."""
-        if deployment.latency_model.decode_step_ms > 0:
-            return True
-        groups = (
-            replica_group_id(deployment.deployment_id, r.index)
-            for r in replicas.replicas_of(deployment)
-        )
-        return any(q.predictor.evidence for q in map(self._queues.get, groups) if q is not None)
+    def best_informed(self, deployment: deploy_pb.Deployment) -> LatencyPredictor | None:
+        """The predictor of ``deployment``'s serving replica that knows most (its requests
+        measured, or the deployment's estimate: ``LatencyPredictor.evidence``): the
+        replicas run one configuration, so it judges for all of them (a replica that had
+        measured nothing served a request its sibling had just found hopeless, late, with
+        success). None when no replica serves."""
+        queues = [self.queue_for(deployment, r.index) for r in replicas.serving(deployment)]
+        informed = [q.predictor for q in queues if q.predictor is not None]
+        return max(informed, key=lambda p: p.evidence, default=None)
 
     def set_serving(self, deployment: deploy_pb.Deployment) -> None:
         """Record which replicas of ``deployment`` serve now (the scheduler's view: its

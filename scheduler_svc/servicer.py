@@ -363,18 +363,24 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         queue, a first token its EDF queue predicts late) leaves it to the next. When all
         refuse, :func:`answered_refusal` says which refusal is raised and recorded.
 
-        A request with a deadline of its own goes first to the deployments that can
-        judge it (they have measured requests, or have an estimate), and once one found
-        the deadline unreachable (the request's own decode alone passes it), one that
-        can predict nothing refuses it alike: such a request was served late, with
-        success, by a deployment of the model that had measured nothing yet (a tester:
-        64 tokens due in 1 ms, served in 441 ms)."""
+        A request with a deadline of its own that a deployment's measurements say its
+        own decode alone passes goes to that deployment first, which refuses it as
+        unreachable; a deployment that can predict nothing (no request measured, no
+        estimate) then refuses it alike: such a request was served late, with success,
+        by a deployment of the model that had measured nothing yet (a tester: 64 tokens
+        due in 1 ms, served in 441 ms). Other requests keep the order of the shortest
+        wait (a new deployment sorted last took no deadline traffic at all)."""
         if request.HasField("deployment_id"):
             candidates = [await self.router.by_deployment_id(request.deployment_id)]
         else:
             candidates = await self.router.ranked_for_model(request.model_id)
-            if request.deadline_ms > 0:  # sorted stably: shortest wait first within each
-                candidates = sorted(candidates, key=lambda d: not self.queues.measured(d))
+            if request.deadline_ms > 0 and len(candidates) > 1:
+                hopeless = {
+                    d.deployment_id
+                    for d in candidates
+                    if self._decode_alone_passes(d, request, max_tokens_is_bound, record)
+                }
+                candidates = sorted(candidates, key=lambda d: d.deployment_id not in hopeless)
         refusals: list[tuple[deploy_pb.Deployment, errors.IServeError]] = []
         unreachable: errors.DeadlineUnreachable | None = None
         for deployment in candidates:
@@ -390,6 +396,33 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         deployment, refused = answered_refusal(refusals, own_deadline=request.deadline_ms > 0)
         self._label(record, deployment)
         raise refused
+
+    def _decode_alone_passes(
+        self,
+        deployment: deploy_pb.Deployment,
+        request: inference_pb.GenerateRequest,
+        max_tokens_is_bound: bool,
+        record: RequestRecord,
+    ) -> bool:
+        """Whether ``deployment``'s measurements say the decode of the request's
+        max_tokens (as it would resolve them), alone, passes the request's own deadline
+        (False where it has nothing to predict from)."""
+        predictor = self.queues.best_informed(deployment)
+        if predictor is None or not predictor.evidence:
+            return False
+        probe = inference_pb.GenerateRequest(
+            max_tokens=0 if max_tokens_is_bound else request.max_tokens,
+            max_tokens_default=request.max_tokens_default,
+        )
+        resolve_max_tokens(probe, deployment)
+        alone = first_token_deadline(
+            record.arrival_s,
+            common.ServiceObjectives(),  # the request's deadline, not the deployment's
+            request.deadline_ms,
+            probe.max_tokens,
+            predictor.decode_step_s(1),
+        )
+        return alone.first_token_s is not None and alone.first_token_s <= record.arrival_s
 
     def _label(self, record: RequestRecord, deployment: deploy_pb.Deployment) -> None:
         record.model_id = deployment.model_id
@@ -421,7 +454,9 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         replica = self._replica_for(deployment)
         queue = self.queues.queue_for(deployment, replica.index)
         predictor = queue.predictor
-        if unreachable is not None and not predictor.evidence:
+        # The replicas run one configuration: the one that knows most judges a deadline.
+        judge = self.queues.best_informed(deployment) or predictor
+        if unreachable is not None and not judge.evidence:
             raise unreachable
         prompt_tokens, guessed_too_long = predicted_prompt_tokens(
             request, deployment, max_tokens_is_bound, predictor.prompt_tokens
@@ -435,11 +470,11 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             request.deadline_ms,
             request.max_tokens,
             # Its decode runs beside at most a batch of others, however many wait.
-            predictor.decode_step_s(min(queue.running + 1, queue.slots)),
+            judge.decode_step_s(min(queue.running + 1, queue.slots)),
         )
         # Decoded alone, at the fastest this deployment decodes: still due before it came?
         alone = first_token_deadline(
-            arrival, objectives, request.deadline_ms, request.max_tokens, predictor.decode_step_s(1)
+            arrival, objectives, request.deadline_ms, request.max_tokens, judge.decode_step_s(1)
         )
         entry = QueueEntry(
             request.request_id,
@@ -459,6 +494,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             not_refused_late=guessed_too_long,
             unreachable=alone.first_token_s is not None and alone.first_token_s <= arrival,
         )
+        if entry.unreachable and judge.service_measured and not predictor.service_measured:
+            # This replica's queue predicts no miss before a request has finished on it;
+            # its sibling's measurements say no queue could meet this one.
+            raise queue.unreachable_refusal(entry, arrival + judge.prefill_s([prompt_tokens]))
         self.queues.check_room(deployment)
         if record.enqueued_s is None:  # a request moved on keeps its first queue's wait
             record.enqueued_s = clock()

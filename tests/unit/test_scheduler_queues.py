@@ -14,6 +14,8 @@ from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.errors import DeadlineExceeded, DeadlineUnreachable, ResourceExhausted
 
+READY = deploy_pb.DEPLOYMENT_STATE_READY
+
 
 def entry(name: str, priority: bool = False, **kw) -> QueueEntry:
     return QueueEntry(request_id=name, arrival_s=0.0, priority=priority, **kw)
@@ -538,18 +540,18 @@ def test_an_idle_queue_that_refused_for_a_while_admits_one_predicted_late_to_mea
     asyncio.run(scenario())
 
 
-def test_a_deployment_can_judge_a_deadline_from_its_estimate_or_its_requests():
-    """What the scheduler tries first for a request with its own deadline: a deployment
-    with an estimate (before any request made its queue) or with a measured request; one
-    with neither predicts nothing."""
+def test_the_best_informed_replica_judges_for_its_deployment():
+    """A deadline is judged by the replica that knows most (its requests, or the
+    deployment's estimate): a replica that had measured nothing served what its sibling
+    had just found hopeless (a tester)."""
     registry = QueueRegistry(capacity=4)
-    estimated = deployment("est", 1)
+    estimated = deployment("est", 1, state=READY)
     estimated.latency_model.decode_step_ms = 20.0
-    cold = deployment("cold", 1)
-    assert registry.measured(estimated) and not registry.measured(cold)
-    queue = registry.queue_for(cold)
-    assert not registry.measured(cold)
-    queue.predictor.observe(
-        prompt_tokens=8, prompt_chars=32, first_token_s=0.05, tpot_s=0.02, running=1
-    )
-    assert registry.measured(cold)
+    assert registry.best_informed(estimated).evidence > 0
+    pair = deployment("pair", 1, state=READY)
+    for index in (0, 1):
+        pair.replicas.add(index=index, worker_address=f"w{index}", state=READY)
+    assert not registry.best_informed(pair).evidence
+    measured = registry.queue_for(pair, 1).predictor
+    measured.observe(prompt_tokens=8, prompt_chars=32, first_token_s=0.05, tpot_s=0.02, running=1)
+    assert registry.best_informed(pair) is measured

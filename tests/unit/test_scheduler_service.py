@@ -1389,12 +1389,13 @@ def test_a_request_sent_without_an_id_gets_one_in_its_responses_and_log(redis_ur
 def test_a_deployment_that_measured_nothing_does_not_serve_what_another_found_hopeless(
     redis_url,
 ):
-    """By model, a request whose deadline a measured EDF deployment found unreachable
-    (its own decode alone passes it) went on to a deployment of the model that had
-    measured nothing yet, and so predicted nothing, and was served late with success (a
-    tester: 64 tokens due in 1 ms, served in 441 ms). Deployments that can judge a
-    deadline now go first, and one that cannot repeats the refusal; with none that can
-    judge it, a deadline request is served (that is how they learn)."""
+    """By model, a request whose deadline a measured deployment finds unreachable (its
+    own decode alone passes it) went on to a deployment of the model that had measured
+    nothing yet, and so predicted nothing, and was served late with success (a tester:
+    64 tokens due in 1 ms, served in 441 ms). The deployment that finds it so is tried
+    first, and one that cannot judge repeats its refusal; with none that can judge it, a
+    deadline request is served (that is how they learn), and a reachable one goes where
+    the wait is shortest, a new deployment too (sorted last, one took none: a tester)."""
 
     async def scenario(h: Harness):
         judged, cold, alone = FakeWorker(), FakeWorker(), FakeWorker()
@@ -1411,10 +1412,8 @@ def test_a_deployment_that_measured_nothing_does_not_serve_what_another_found_ho
         )
         await h.collect(request_id="warm", deployment_id="b-edf", max_tokens=1)
         await h.servicer.router.refresh()  # both ranked for the model
-        assert {d.deployment_id for d in await h.servicer.router.ranked_for_model("m")} == {
-            "a-cold",
-            "b-edf",
-        }
+        ranked = await h.servicer.router.ranked_for_model("m")
+        assert [d.deployment_id for d in ranked] == ["a-cold", "b-edf"]
         # 9 decode steps of 100 ms on b-edf: 0.9 s, past the 300 ms deadline.
         error = await h.status_of(
             request_id="hopeless", model_id="m", max_tokens=10, deadline_ms=300
@@ -1422,8 +1421,46 @@ def test_a_deployment_that_measured_nothing_does_not_serve_what_another_found_ho
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
         assert "alone takes longer than the deadline" in error.details()
         assert cold.received == []
+        # Reachable (1 decode step of 100 ms): where the wait is shortest, the cold one.
+        easy = await h.collect(request_id="easy", model_id="m", max_tokens=2, deadline_ms=60_000)
+        assert easy[-1].final.deployment_id == "a-cold"
         # Without a deadline of its own it goes where it would have.
         messages = await h.collect(request_id="no-deadline", model_id="m", max_tokens=10)
         assert messages[-1].HasField("final")
+
+    run(redis_url, scenario)
+
+
+def test_a_replica_that_measured_nothing_does_not_serve_what_its_sibling_found_hopeless(
+    redis_url,
+):
+    """Replica 1 had measured nothing and served, late and with success, a request
+    replica 0 had just found hopeless (a tester): the replica that knows most judges."""
+
+    async def scenario(h: Harness):
+        first, second = FakeWorker(), FakeWorker()
+        binding = ServiceBinding(
+            second, worker_grpc.add_WorkerServiceServicer_to_server, "iserve.v1.WorkerService"
+        )
+        server, port, _ = await start_server([binding], "127.0.0.1:0")
+        h.workers["pair.r1"] = server
+        pair = await h.add_deployment(
+            "pair",
+            first,
+            objectives=common.ServiceObjectives(scheduling=common.SCHEDULING_POLICY_EDF),
+        )
+        pair.replicas.add(index=0, worker_address=pair.worker_address, state=READY)
+        pair.replicas.add(index=1, worker_address=f"127.0.0.1:{port}", state=READY)
+        await h.store.put_deployment(pair)
+        queue = h.servicer.queues.queue_for(pair, 0)  # replica 0 measured a slow decode
+        queue.predictor.observe(
+            prompt_tokens=4, prompt_chars=16, first_token_s=0.01, tpot_s=0.1, running=1
+        )
+        for n in range(3):
+            error = await h.status_of(
+                request_id=f"hopeless-{n}", deployment_id="pair", max_tokens=10, deadline_ms=300
+            )
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert first.received == [] and second.received == []
 
     run(redis_url, scenario)
