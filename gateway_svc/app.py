@@ -959,9 +959,11 @@ def create_app(
     )
     streams = Counter(
         "iserve_gateway_streams",
-        "Streamed replies by endpoint and how they ended: completed ([DONE] after every "
-        "generation's end), failed (an error event: the HTTP status was 200 already) or "
-        "cancelled (the client left first)",
+        "Streamed replies by endpoint and how they ended: completed (every generation "
+        "ended; its [DONE] sent, or on its way as the client left), failed (an error "
+        "event: the HTTP status was 200 already) or cancelled (the client left first); a "
+        "client that left before the stream's first byte is a 499 of "
+        "iserve_gateway_requests_total only",
         ["endpoint", "outcome"],
         registry=registry,
     )

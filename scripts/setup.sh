@@ -20,7 +20,8 @@ fi
 # iserve needs 3.11 or newer (pyproject.toml); the CPU wheel of torch 2.13.0 this machine
 # kind keeps on disk is for 3.11.
 if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-  echo "$python is $("$python" --version 2>&1); iserve needs Python 3.11 or newer (set PYTHON to one)" >&2
+  version=$("$python" --version 2>&1 | head -n 1 || true)
+  echo "$python is ${version:-not a Python that runs}; iserve needs Python 3.11 or newer (set PYTHON to one)" >&2
   exit 1
 fi
 if [ -x .venv/bin/python ] && ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then

@@ -43,8 +43,9 @@ function address(service) {
   const given = process.env[variable];
   // host:port (an IPv6 host in brackets), as the Python side checks it: grpc-js said
   // "Name resolution failed for target dns:garbage" of a value without a port.
-  if (given && !/^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):\d{1,5}$/.test(given)) {
-    throw new Error(`${variable}=${JSON.stringify(given)}: not host:port`);
+  const parts = given && /^(\[[0-9A-Fa-f:.]+(%[\w.-]+)?\]|[^\s:\[\]]+):(\d{1,5})$/.exec(given);
+  if (given && !(parts && Number(parts[3]) >= 1 && Number(parts[3]) <= 65535)) {
+    throw new Error(`${variable}=${JSON.stringify(given)}: not host:port (a port from 1 to 65535)`);
   }
   return given || recorded || `${process.env.ISERVE_HOST || "127.0.0.1"}:${port}`;
 }

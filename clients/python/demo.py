@@ -81,7 +81,7 @@ def request_id() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("model_id")
     parser.add_argument("checkpoint")
     parser.add_argument("prompt", nargs="?", default="Once upon a time")

@@ -316,6 +316,8 @@ def cmd_plan(settings: Settings, args) -> int:
             usage_error(f"--png writes a PNG image: name a .png file, not {png.name}")
         if not png.parent.is_dir():  # said "[Errno 2] No such file or directory" at the end
             usage_error(f"--png {args.png}: there is no directory {png.parent}")
+        if not os.access(png.parent, os.W_OK):  # before the plan, not after it
+            usage_error(f"--png {args.png}: the directory {png.parent} is not writable")
     rows = plan_intents(settings, args)
     limits = token_limits_of(settings, args)
     where = (

@@ -215,8 +215,10 @@ class ModelReferences:
                 f"a {input_tokens}-token prompt is shorter than the one prompt length "
                 f"profiled ({lengths[-1]} tokens): TTFT falls from it with prefill's work "
                 "along the line through it and a one-token prompt, whose prefill is a "
-                f"decode step (TPOT); TPOT is the {lengths[-1]}-token prompt's; memory "
-                f"holds the KV cache of {input_tokens} tokens plus the output"
+                "decode step (TPOT; a TTFT split out of end-to-end latencies also holds the "
+                "first token's step, so at one token it reads two TPOTs); TPOT is the "
+                f"{lengths[-1]}-token prompt's; memory holds the KV cache of {input_tokens} "
+                "tokens plus the output"
             )
         if input_tokens > lengths[-1] and single and _attention_share(self.shape):
             return (

@@ -171,7 +171,14 @@ def test_the_node_client_refuses_a_token_grpc_cannot_carry(node_client, tmp_path
 @pytest.mark.parametrize(
     ("setting", "said"),
     [
-        ({"ISERVE_MODEL_ADDR": "garbage"}, 'ISERVE_MODEL_ADDR="garbage": not host:port'),
+        (
+            {"ISERVE_MODEL_ADDR": "garbage"},
+            'ISERVE_MODEL_ADDR="garbage": not host:port (a port from 1 to 65535)',
+        ),
+        (
+            {"ISERVE_MODEL_ADDR": "127.0.0.1:99999"},
+            'ISERVE_MODEL_ADDR="127.0.0.1:99999": not host:port (a port from 1 to 65535)',
+        ),
         (
             {"ISERVE_TLS_CA": "/nonexistent/ca.pem"},
             "ISERVE_TLS_CA: cannot read /nonexistent/ca.pem: ENOENT",

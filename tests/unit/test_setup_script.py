@@ -25,6 +25,15 @@ def test_a_missing_interpreter_is_named():
     assert "no Python /nonexistent/python3 found" in done.stderr
 
 
+def test_an_interpreter_that_does_not_run_is_said_so(tmp_path):
+    broken = tmp_path / "python3"
+    broken.write_text("#!/bin/sh\nexit 127\n")
+    broken.chmod(0o755)
+    done = run_setup(str(broken))
+    assert done.returncode == 1
+    assert "is not a Python that runs; iserve needs Python 3.11" in done.stderr, done.stderr
+
+
 def test_an_interpreter_older_than_3_11_is_refused(tmp_path):
     old = tmp_path / "python3.10"
     # Answers as Python 3.10 would: its version, and the version check failing.
