@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 SETUP = Path(__file__).resolve().parents[2] / "scripts" / "setup.sh"
 
 
@@ -25,20 +27,24 @@ def test_a_missing_interpreter_is_named():
     assert "no Python /nonexistent/python3 found" in done.stderr
 
 
-def test_an_interpreter_that_does_not_run_is_said_so(tmp_path):
-    broken = tmp_path / "python3"
-    broken.write_text("#!/bin/sh\nexit 127\n")
-    broken.chmod(0o755)
-    done = run_setup(str(broken))
+@pytest.mark.parametrize(
+    ("name", "script", "said"),
+    [
+        # Does not run at all.
+        ("python3", "exit 127", "is not a Python that runs; iserve needs Python 3.11"),
+        # Answers as Python 3.10 would: its version, and the version check failing.
+        (
+            "python3.10",
+            '[ "$1" = --version ] && echo "Python 3.10.12"\nexit 1',
+            "is Python 3.10.12; iserve needs Python 3.11 or newer",
+        ),
+    ],
+    ids=["not-running", "3.10"],
+)
+def test_an_interpreter_it_cannot_use_is_refused_saying_why(tmp_path, name, script, said):
+    python = tmp_path / name
+    python.write_text(f"#!/bin/sh\n{script}\n")
+    python.chmod(0o755)
+    done = run_setup(str(python))
     assert done.returncode == 1
-    assert "is not a Python that runs; iserve needs Python 3.11" in done.stderr, done.stderr
-
-
-def test_an_interpreter_older_than_3_11_is_refused(tmp_path):
-    old = tmp_path / "python3.10"
-    # Answers as Python 3.10 would: its version, and the version check failing.
-    old.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "Python 3.10.12"\nexit 1\n')
-    old.chmod(0o755)
-    done = run_setup(str(old))
-    assert done.returncode == 1
-    assert "is Python 3.10.12; iserve needs Python 3.11 or newer" in done.stderr
+    assert said in done.stderr, done.stderr
