@@ -55,6 +55,20 @@ def first_token_deadline(
     return Deadline(due, objective)
 
 
+def decode_alone_passes(
+    arrival_s: float,
+    objectives: common.ServiceObjectives,
+    deadline_ms: int,
+    max_tokens: int,
+    decode_step_s: float,
+) -> bool:
+    """Whether the request's first token would be due before it arrived even decoded
+    alone, one step of ``decode_step_s`` per token (the fastest its deployment decodes):
+    no queue could meet it (``deadline_unreachable``)."""
+    alone = first_token_deadline(arrival_s, objectives, deadline_ms, max_tokens, decode_step_s)
+    return alone.first_token_s is not None and alone.first_token_s <= arrival_s
+
+
 def has_objective(objectives: common.ServiceObjectives, deadline_ms: int) -> bool:
     """Whether a request to this deployment has anything to attain."""
     return bool(

@@ -611,8 +611,7 @@ class QueueRegistry:
         unmeasured: float | None = None  # the model's slowest measured, when first needed
         queues = [(r, self.queue_for(deployment, r.index)) for r in replicas.serving(deployment)]
         # The replicas run one configuration: the predictor that knows most prices them all.
-        informed = [q.predictor for _, q in queues if q.predictor is not None]
-        shared = max(informed, key=lambda p: p.evidence, default=None)
+        shared = self.best_informed(deployment)
         for replica, queue in queues:
             load = queue.running + queue.waiting
             if queue.waiting >= self.capacity:

@@ -18,7 +18,7 @@ from typing import NoReturn
 import grpc
 from prometheus_client import CollectorRegistry
 
-from scheduler_svc.deadlines import first_token_deadline
+from scheduler_svc.deadlines import decode_alone_passes, first_token_deadline
 from scheduler_svc.metrics import FINISH_NAMES, RequestRecord, ServingMetrics
 from scheduler_svc.policies import QueueEntry
 from scheduler_svc.queues import (
@@ -415,14 +415,13 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             max_tokens_default=request.max_tokens_default,
         )
         resolve_max_tokens(probe, deployment)
-        alone = first_token_deadline(
+        return decode_alone_passes(
             record.arrival_s,
             common.ServiceObjectives(),  # the request's deadline, not the deployment's
             request.deadline_ms,
             probe.max_tokens,
             predictor.decode_step_s(1),
         )
-        return alone.first_token_s is not None and alone.first_token_s <= record.arrival_s
 
     def _label(self, record: RequestRecord, deployment: deploy_pb.Deployment) -> None:
         record.model_id = deployment.model_id
@@ -472,10 +471,6 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             # Its decode runs beside at most a batch of others, however many wait.
             judge.decode_step_s(min(queue.running + 1, queue.slots)),
         )
-        # Decoded alone, at the fastest this deployment decodes: still due before it came?
-        alone = first_token_deadline(
-            arrival, objectives, request.deadline_ms, request.max_tokens, judge.decode_step_s(1)
-        )
         entry = QueueEntry(
             request.request_id,
             arrival,
@@ -492,7 +487,10 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
             refused_if_late=request.deadline_ms > 0
             and not pinned(request, deployment.deployment_id),
             not_refused_late=guessed_too_long,
-            unreachable=alone.first_token_s is not None and alone.first_token_s <= arrival,
+            # Decoded alone, at the fastest this deployment decodes: due before it came?
+            unreachable=decode_alone_passes(
+                arrival, objectives, request.deadline_ms, request.max_tokens, judge.decode_step_s(1)
+            ),
         )
         if entry.unreachable and judge.service_measured and not predictor.service_measured:
             # This replica's queue predicts no miss before a request has finished on it;
