@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from services.errors import InvalidArgument
+from services.ids import check_model_id
 from services.proto_limits import MAX_DEVICE_BYTES, UINT32_MAX
 
 __all__ = [
@@ -77,11 +79,8 @@ def watch_seconds(text: str) -> float:
     return value
 
 
-def model_id(text: str) -> str:
+def model_id_argument(text: str) -> str:
     """An argparse ``type``: a model id (``services.ids``' rule), named as the option."""
-    from services.errors import InvalidArgument
-    from services.ids import check_model_id
-
     try:
         check_model_id(text)
     except InvalidArgument as exc:

@@ -53,13 +53,11 @@ from services.cli.arguments import (
     add_token_limits,
     device_memory_gib,
     milliseconds_field_seconds,
+    model_id_argument,
     nonempty,
     usage_error,
     watch_seconds,
     whole_number,
-)
-from services.cli.arguments import (
-    model_id as model_id_argument,
 )
 from services.cli.status import (
     WATCH_OPTIONAL,
