@@ -36,6 +36,7 @@ from services.estimation.profiles import Sample
 from services.estimation.prompt_curve import (
     attention_share,
     gated_layer_weights,
+    one_length,
     profiles_at,
     recorded,
 )
@@ -209,28 +210,23 @@ class ModelReferences:
                 "memory follows the line through the two longest (a prefill's activations grow "
                 "with its prompt)"
             )
-        single = sum(1 for n in lengths if n > 0) == 1
-        if 0 < input_tokens < lengths[-1] and single and _attention_share(self.shape):
+        if one_length(lengths) and 0 < input_tokens != lengths[-1] and _attention_share(self.shape):
+            longer = input_tokens > lengths[-1]
             return (
-                f"a {input_tokens}-token prompt is shorter than the one prompt length "
-                f"profiled ({lengths[-1]} tokens): TTFT falls from it with prefill's work "
-                "along the line through it and a one-token prompt, whose prefill is a "
-                "decode step (TPOT; a TTFT split out of end-to-end latencies also holds the "
-                "first token's step, so at one token it reads two TPOTs); TPOT is the "
-                f"{lengths[-1]}-token prompt's; memory holds the KV cache of {input_tokens} "
-                "tokens plus the output"
-            )
-        if input_tokens > lengths[-1] and single and _attention_share(self.shape):
-            return (
-                f"a {input_tokens}-token prompt is longer than the one prompt length profiled "
-                f"({lengths[-1]} tokens): TTFT grows from it with prefill's work (its weights' "
+                f"a {input_tokens}-token prompt is {'longer' if longer else 'shorter'} than "
+                f"the one prompt length profiled ({lengths[-1]} tokens): TTFT "
+                f"{'grows' if longer else 'falls'} from it with prefill's work (its weights' "
                 "linearly with the prompt, its attention's quadratically, in the ratio the "
                 "architecture sets), along the line through it and a one-token prompt, whose "
                 "prefill is a decode step (TPOT; a TTFT split out of end-to-end latencies also "
                 "holds the first token's step, so at one token it reads two TPOTs); "
-                f"TPOT is the {lengths[-1]}-token prompt's (decode's reads of a longer context "
-                f"are not in it: a lower bound); memory holds the KV cache of {input_tokens} "
-                "tokens plus the output"
+                f"TPOT is the {lengths[-1]}-token prompt's"
+                + (
+                    " (decode's reads of a longer context are not in it: a lower bound)"
+                    if longer
+                    else ""
+                )
+                + f"; memory holds the KV cache of {input_tokens} tokens plus the output"
             )
         if input_tokens > lengths[-1] and known == 2:
             return (

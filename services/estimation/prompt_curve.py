@@ -16,13 +16,19 @@ import numpy as np
 
 from services.estimation.references import ReferenceProfile, VariantProfile
 
-__all__ = ["grown_ttft", "prefill_along", "profiles_at", "recorded"]
+__all__ = ["grown_ttft", "one_length", "prefill_along", "profiles_at", "recorded"]
 
 
 def recorded(lengths: Sequence[int]) -> Sequence[int]:
     """``lengths`` (ascending) when every one was recorded, else none: a single 0 stands
     for a prompt length not recorded, which no curve goes through."""
     return lengths if lengths[0] > 0 else []
+
+
+def one_length(lengths: Sequence[int]) -> bool:
+    """Whether ``lengths`` record one prompt length (beside a 0, not recorded, or alone):
+    an import of one prompt's measurements."""
+    return sum(1 for n in lengths if n > 0) == 1
 
 
 def profiles_at(
@@ -55,8 +61,7 @@ def profiles_at(
     (``bench/prompt_lengths.py``, one 1,024-token profile on a CPU: -22 … +23 % of the
     measured TTFT at 64 to 512 tokens, where the profiled figure was 2 to 10 times it).
     """
-    single = sum(1 for n in lengths if n > 0) == 1  # beside a 0 (not recorded), or alone
-    if single and attention_share is not None and 0 < input_tokens != lengths[-1]:
+    if one_length(lengths) and attention_share is not None and 0 < input_tokens != lengths[-1]:
         # One profiled length (an import of one prompt's measurements): TTFT along the
         # line through it and a one-token prompt's, in prefill's work, either way.
         along = prefill_along(lengths[-1], input_tokens, attention_share)
@@ -152,8 +157,9 @@ def grown_ttft(ttft: np.ndarray, tpot: np.ndarray, along: float) -> np.ndarray:
 def _ttft_grown(profile: VariantProfile, along: float) -> VariantProfile:
     """``profile`` with every TTFT (batch 1 and 2) moved ``along`` times its rise from
     the same layout's TPOT (a one-token prompt's prefill) to it: ``t + (along - 1)(t -
-    p)`` (``along`` below 1: a shorter prompt's); a TTFT no higher than its TPOT stays. A layout without a TPOT of its own (the
-    TP ladder's) takes (1,1)'s over its tensor degree."""
+    p)`` (``along`` below 1: a shorter prompt's); a TTFT no higher than its TPOT
+    stays. A layout without a TPOT of its own (the TP ladder's) takes (1,1)'s over its
+    tensor degree."""
 
     def grown(references: ReferenceProfile | None) -> ReferenceProfile | None:
         if references is None:
