@@ -515,6 +515,10 @@ class WorkerSupervisor:
         # Rank 0 drains first: every step of its generations needs the other ranks.
         await asyncio.gather(*(self._terminate(p, grace) for p in procs if p.info.rank == 0))
         await asyncio.gather(*(self._terminate(p, grace) for p in procs if p.info.rank != 0))
+        # A death the reaper is recording as the stop came: its record (FAILED, the cause)
+        # is written first, not overwritten STOPPED (a CI run lost a SIGKILL's cause so).
+        while any(p.reporting_death for p in procs):
+            await asyncio.sleep(_POLL_S)
         for proc in procs:
             if proc.info.state != agent_pb.WORKER_STATE_FAILED:
                 proc.info.state = agent_pb.WORKER_STATE_STOPPED

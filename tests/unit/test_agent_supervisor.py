@@ -310,6 +310,42 @@ def test_a_pooled_worker_the_process_table_shows_gone_is_not_read_as_running():
     assert PooledProcess(Running()).poll() is None
 
 
+def test_a_stop_while_the_reaper_records_a_death_keeps_its_cause(run, checkpoint):
+    """The reaper was writing a SIGKILLed worker's record (FAILED, its cause) when the
+    deployer's stop came: the stop marked it STOPPED over it (a CI run). The stop now
+    waits for that record."""
+
+    async def scenario(supervisor: WorkerSupervisor, store: StateStore):
+        [info] = await supervisor.start_workers(_plan("dep-racing", checkpoint))
+        os.kill(info.pid, signal.SIGKILL)
+        while _alive(info.pid):
+            await asyncio.sleep(0.01)
+        gate, put = asyncio.Event(), store.put_worker
+
+        async def slow_put(record, *args, **kwargs):
+            if record.state == agent_pb.WORKER_STATE_FAILED:
+                await gate.wait()  # the reaper's write, held while the stop comes
+            return await put(record, *args, **kwargs)
+
+        store.put_worker = slow_put
+        reaping = asyncio.ensure_future(supervisor.reap_once())
+        await asyncio.sleep(0.2)
+        stopping = asyncio.ensure_future(supervisor.stop_workers("dep-racing"))
+        answered, _ = await asyncio.wait({stopping}, timeout=1.0)
+        # Answered while the death was still being recorded, it said STOPPED.
+        early = [w.state for w in stopping.result()] if answered else None
+        gate.set()
+        await reaping
+        [stopped] = await stopping
+        assert early in (None, [agent_pb.WORKER_STATE_FAILED]), early
+        assert stopped.state == agent_pb.WORKER_STATE_FAILED
+        assert "killed by SIGKILL" in stopped.reason
+        [stored] = await store.list_workers("dep-racing")
+        assert stored.state == agent_pb.WORKER_STATE_FAILED
+
+    run(scenario)
+
+
 def test_a_worker_dead_before_its_stop_is_recorded_with_its_cause(run, checkpoint, caplog):
     """A worker killed mid-stream is reported by the scheduler, and the deployer's stop
     can come before the reaper saw the exit: the stop still records it FAILED with its
