@@ -148,7 +148,7 @@ class Engine:
         self.kv_cache_dtype = kv_cache_dtype
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
-        self._encode = PromptEncoder(self.tokenizer, max_seq_len)
+        self._encode = PromptEncoder(self.tokenizer, max_seq_len, self.spec.vocab_size)
         self.eos_token_ids = stop_eos_ids(self.spec.eos_token_ids, directory, self.spec.vocab_size)
         self.batch = BatchEngine(
             self.model,

@@ -134,11 +134,16 @@ class PromptEncoder:
       itself, whose ids are the answer, so a long text within its limit costs at most
       a third more to encode (``_PREFIX_GROWTH``).
 
+    With ``vocab_size``, a text that encodes to an id the model has no embedding row for
+    (an added token past config.json's vocab_size, which registration accepts as
+    transformers does) is refused naming that token, not its id alone.
+
     Both engines encode through one."""
 
-    def __init__(self, tokenizer: Tokenizer, max_seq_len: int):
+    def __init__(self, tokenizer: Tokenizer, max_seq_len: int, vocab_size: int | None = None):
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
         self._longest: int | None = None  # from the vocabulary, when first needed
 
     @property
@@ -191,7 +196,23 @@ class PromptEncoder:
                     counted=counted,
                 )
             size *= _PREFIX_GROWTH
-        return encode_prompt(self.tokenizer, text, add_special_tokens)
+        ids = encode_prompt(self.tokenizer, text, add_special_tokens)
+        if self.vocab_size is not None:
+            self._check_vocabulary(ids, self.vocab_size)
+        return ids
+
+    def _check_vocabulary(self, ids: list[int], vocab_size: int) -> None:
+        past = sorted({token for token in ids if not 0 <= token < vocab_size})
+        if not past:
+            return
+        pieces = ", ".join(
+            f"{self.tokenizer.id_to_token(token)!r} ({token})" for token in past[:5]
+        ) + (f" and {len(past) - 5} more" if len(past) > 5 else "")
+        raise ValueError(
+            f"the prompt text holds token(s) {pieces} that the model's vocabulary of "
+            f"{vocab_size} ids has no embedding for: the tokenizer adds them past "
+            "config.json's vocab_size; leave them out of the prompt"
+        )
 
 
 def _prefix_cut(text: str, size: int) -> int:

@@ -514,3 +514,36 @@ def test_a_long_text_of_long_pieces_within_the_limit_gets_its_exact_ids():
     expected = encode_prompt(tokenizer, text)
     assert len(text) > 8 * len(expected)
     assert PromptEncoder(tokenizer, max_seq_len=4096)(text, max_tokens=len(expected)) == expected
+
+
+def test_a_text_holding_an_added_token_past_the_vocabulary_is_refused_naming_it():
+    """Registration accepts a tokenizer that adds tokens past config.json's vocab_size, as
+    transformers does; a prompt text holding one is refused naming the token (the engine's
+    own check named only "prompt_token_ids", which the client never sent)."""
+    from services.models.special_tokens import PromptEncoder
+
+    tokenizer = _bound_tokenizer()
+    vocab_size = tokenizer.get_vocab_size()
+    tokenizer.add_special_tokens(["<|tool|>"])
+    assert tokenizer.token_to_id("<|tool|>") == vocab_size
+    encoder = PromptEncoder(tokenizer, max_seq_len=256, vocab_size=vocab_size)
+    assert max(encoder("the river runs past the mill")) < vocab_size
+    with pytest.raises(ValueError, match=rf"'<\|tool\|>' \({vocab_size}\).* {vocab_size} ids"):
+        encoder("call <|tool|> now")
+    # Without a vocabulary to hold it to, the ids are the tokenizer's.
+    assert vocab_size in PromptEncoder(tokenizer, max_seq_len=256)("call <|tool|> now")
+
+
+def test_the_engine_refuses_a_text_holding_an_added_token_past_the_vocabulary(tmp_path):
+    from services.models.tokenizer import build_tokenizer
+
+    directory = create_checkpoint(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2)
+    tokenizer = build_tokenizer()
+    vocab_size = tokenizer.get_vocab_size()
+    tokenizer.add_special_tokens(["<|tool|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    engine = Engine(directory, max_seq_len=64)
+    assert engine.spec.vocab_size == vocab_size
+    with pytest.raises(ValueError, match=r"'<\|tool\|>'.*leave them out of the prompt"):
+        engine.encode("call <|tool|> now")
+    assert engine.encode("call the tool now")

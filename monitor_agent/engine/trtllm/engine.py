@@ -103,7 +103,7 @@ class TrtLlmEngine:
         self.config = config
         self.tokenizer = load_tokenizer(directory, self.spec.family)
         self.max_seq_len = config.max_seq_len
-        self._encode = PromptEncoder(self.tokenizer, config.max_seq_len)
+        self._encode = PromptEncoder(self.tokenizer, config.max_seq_len, self.spec.vocab_size)
         self.max_batch = config.max_batch
         self.eos_token_ids = stop_eos_ids(self.spec.eos_token_ids, directory, self.spec.vocab_size)
         self.batch = TrtLlmBatch(
