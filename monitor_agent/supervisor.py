@@ -49,7 +49,13 @@ import psutil
 from monitor_agent.launch import LaunchPlan, WorkerPlan
 from monitor_agent.shm_files import remove_shared_files
 from monitor_agent.worker.exits import EXIT_GROUP_LOST
-from monitor_agent.worker_pool import PooledProcess, WorkerPool, worker_environment
+from monitor_agent.worker_pool import (
+    REAPED_CODE_WAIT_S,
+    PooledProcess,
+    WorkerPool,
+    process_running,
+    worker_environment,
+)
 from services.api import agent_service_pb2 as agent_pb
 from services.drain import WORKER_STOP_MARGIN_S
 from services.errors import (
@@ -499,6 +505,7 @@ class WorkerSupervisor:
         drain) LOST_RANK_GRACE_S after it. Idempotent: an unknown deployment gives an
         empty list."""
         procs = self._workers.pop(deployment_id, [])
+        await _exit_codes_readable(procs)
         # Ranks that died unasked before the reaper saw them are recorded as it would
         # (log, FAILED with the cause, the reply says it): a worker killed mid-stream is
         # reported by the scheduler first, and the stop that follows lost its exit code
@@ -717,6 +724,18 @@ def _ready_ranks(procs: list[WorkerProcess]) -> list[WorkerProcess]:
         for p in procs
         if not p.stopping and p.host is None and p.info.state == agent_pb.WORKER_STATE_READY
     ]
+
+
+async def _exit_codes_readable(procs: list[WorkerProcess]) -> None:
+    """Wait, up to ``REAPED_CODE_WAIT_S``, until every ready rank of ``procs`` that the
+    process table shows exited has an exit code to read (:func:`process_running`): a
+    stop that came in between took a killed worker for running, and recorded it STOPPED,
+    its cause lost (a loaded CI run)."""
+    deadline = time.monotonic() + REAPED_CODE_WAIT_S
+    while time.monotonic() < deadline and any(
+        p.popen.poll() is None and not process_running(p.popen.pid) for p in _ready_ranks(procs)
+    ):
+        await asyncio.sleep(_POLL_S / 5)
 
 
 def _exited(procs: list[WorkerProcess]) -> list[tuple[WorkerProcess, int]]:

@@ -139,14 +139,17 @@ class PooledProcess:
         process table shows is never read as "still running" (a stop that came then
         recorded a killed worker as stopped, its cause lost)."""
         code = self._process.exitcode
-        if code is None and self.pid and not _running(self.pid):
+        if code is None and self.pid and not process_running(self.pid):
             self._process.join(REAPED_CODE_WAIT_S)
             code = self._process.exitcode
         return code
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has). A killed worker's
+    main thread is a zombie while its other threads still exit, and waitpid reports
+    nothing until they have: the process table says "exited" before the exit code can be
+    read (tens of milliseconds for a worker holding gigabytes)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -371,6 +371,51 @@ def test_a_worker_dead_before_its_stop_is_recorded_with_its_cause(run, checkpoin
     run(scenario)
 
 
+# A process with threads and a gigabyte of touched memory, as a worker is: killed, its
+# main thread is a zombie while the others still exit, and waitpid has nothing to give.
+_HEAVY = (
+    "import threading, time\n"
+    "ballast = bytearray(1 << 30)\n"
+    "def spin():\n    while True:\n        pass\n"
+    "for _ in range(4):\n    threading.Thread(target=spin, daemon=True).start()\n"
+    "print('up', flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def test_a_stop_reads_the_exit_code_of_a_worker_that_shows_exited_but_cannot_be_waited_for():
+    """The process table shows a killed worker exited (its main thread a zombie) for tens
+    of milliseconds before its exit code can be read: a stop that came then took it for
+    running and recorded it STOPPED, the SIGKILL lost (a loaded CI run of the test
+    above). The stop now waits for the code."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    windows = 0
+    for _ in range(3):
+        popen = subprocess.Popen([sys.executable, "-c", _HEAVY], stdout=subprocess.PIPE)
+        try:
+            assert popen.stdout.readline() == b"up\n"
+            rank = SimpleNamespace(
+                popen=popen,
+                stopping=False,
+                host=None,
+                info=agent_pb.WorkerInfo(state=agent_pb.WORKER_STATE_READY),
+            )
+            popen.kill()
+            while _alive(popen.pid):
+                pass
+            windows += popen.poll() is None  # the process table ahead of waitpid
+            asyncio.run(supervisor_module._exit_codes_readable([rank]))
+            assert popen.poll() == -signal.SIGKILL
+        finally:
+            popen.kill()
+            popen.wait()
+    if not windows:
+        pytest.skip("the exit code was readable at once each time (no window to close)")
+
+
 @pytest.mark.parametrize("when", ["spawning", "loading"])
 def test_workers_stopped_while_they_start_are_all_stopped(run, checkpoint, when):
     """A Remove while its deployment started: the agent's stop came while the rank was
