@@ -317,8 +317,10 @@ class WorkerSupervisor:
                 "stop them first"
             )
         if plan.needs_rendezvous and not plan.rendezvous_address:
-            # build_plan allows this only when every rank runs here.
-            plan = replace(plan, rendezvous_address=f"127.0.0.1:{free_port()}")
+            # build_plan allows this only when every rank runs here: a loopback port, of
+            # ISERVE_WORKER_PORTS where the operator set them (as the ranks' own).
+            port = self._port_for(plan) or free_port()
+            plan = replace(plan, rendezvous_address=f"127.0.0.1:{port}")
         procs: list[WorkerProcess] = []
         self._workers[plan.deployment_id] = procs  # claimed now, so stop_all sees them
         if plan.records_expire_s:

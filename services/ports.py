@@ -62,6 +62,21 @@ def bindable(host: str, port: int) -> bool:
     return True
 
 
+def listening_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (an IPv4 or bracketed or bare IPv6 address,
+    or a name), SO_REUSEADDR as servers bind; OSError when it cannot."""
+    host, family = _host_and_family(host)
+    sock = socket.socket(family)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _host_and_family(host: str) -> tuple[str, socket.AddressFamily]:
     """``host`` without the brackets an address writes around IPv6 (``[::1]``), and the
     socket family it binds in: an IPv6 host was never bindable in IPv4's."""

@@ -56,6 +56,7 @@ from torch import nn
 from monitor_agent.engine.model import Transformer
 from monitor_agent.engine.shm_collectives import SharedGroup, open_shared_group
 from monitor_agent.engine.tensor_parallel import TensorShard
+from services.ports import listening_socket
 from services.settings import WILDCARD_HOSTS, is_loopback_host
 
 __all__ = [
@@ -220,6 +221,47 @@ def bind_collectives(bind_host: str, cuda: bool) -> str | None:
     return name
 
 
+def store_listen_host(rendezvous_host: str, bind_host: str) -> str:
+    """Where rank 0's store listens: the rendezvous's own address when it is a loopback
+    one (every rank on this host), else the address this worker serves on
+    (``bind_host``), and every interface only where that is the operator's choice
+    (``bind_host`` a wildcard, or unset). torch's store listened on every interface
+    whatever the rendezvous named: an unauthenticated key-value server reachable from the
+    network on a stack configured for loopback only (a tester)."""
+    if is_loopback_host(rendezvous_host):
+        return rendezvous_host
+    if bind_host and bind_host not in WILDCARD_HOSTS:
+        return bind_host
+    return "::" if ":" in rendezvous_host.strip("[]") else "0.0.0.0"
+
+
+def rendezvous_store(
+    rendezvous: str, layout: ParallelLayout, timeout_s: float, bind_host: str = ""
+) -> dist.TCPStore:
+    """The group's TCP store at ``rendezvous`` ("host:port"): rank 0 serves it on a socket
+    of its own (:func:`store_listen_host`), the others connect to it."""
+    host, _, port_text = rendezvous.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise ValueError(f"rendezvous {rendezvous!r} is not HOST:PORT")
+    host, port = host.strip("[]"), int(port_text)
+    timeout = timedelta(seconds=timeout_s)
+    if layout.rank != 0:
+        return dist.TCPStore(host, port, layout.world_size, False, timeout)
+    listen_host = store_listen_host(host, bind_host)
+    try:
+        listener = listening_socket(listen_host, port)
+    except OSError as exc:
+        raise RuntimeError(
+            f"rank 0 cannot listen for its group on {listen_host}:{port}: {exc.strerror or exc}"
+        ) from exc
+    fd = listener.detach()  # the store's from now on: it serves on this descriptor
+    try:
+        return dist.TCPStore(host, port, layout.world_size, True, timeout, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def init_parallel(
     layout: ParallelLayout,
     *,
@@ -242,9 +284,10 @@ def init_parallel(
         log.info("collectives bound to %s (the interface of %s)", interface, bind_host)
     if cuda:
         torch.cuda.set_device(device)
+    store = rendezvous_store(rendezvous, layout, timeout_s, bind_host)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
-        init_method=f"tcp://{rendezvous}",
+        store=store,
         rank=layout.rank,
         world_size=layout.world_size,
         timeout=timedelta(seconds=timeout_s),

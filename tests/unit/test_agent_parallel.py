@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import signal
 import subprocess
@@ -124,11 +125,25 @@ def test_a_pipeline_deployment_serves_the_same_tokens_and_stops(run, checkpoint)
         assert [psutil.Process(i.pid).cpu_affinity() for i in infos] == [[0], [1]]
         got = await asyncio.to_thread(_greedy, infos[0].address, prompt, 10)
         assert got == expected
+        # Nothing of the group listens beyond this host (torch's store listened on every
+        # interface: a tester).
+        listening = [
+            (c.laddr.ip, c.laddr.port)
+            for i in infos
+            for c in psutil.Process(i.pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        assert listening and all(_loopback(ip) for ip, _ in listening), listening
         stopped = await supervisor.stop_workers("dep-pp")
         assert [(w.state, w.exit_code) for w in stopped] == [(agent_pb.WORKER_STATE_STOPPED, 0)] * 2
         assert not any(_alive(i.pid) for i in infos)
 
     run(scenario)
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 @pytest.mark.parametrize("victim", [0, 1])

@@ -57,3 +57,34 @@ def test_a_host_name_that_resolves_to_loopback_is_told_apart():
     assert _resolves_to_loopback("localhost") and _resolves_to_loopback("127.0.0.1")
     assert not _resolves_to_loopback("203.0.113.7")
     assert not _resolves_to_loopback("no-such-host.invalid")
+
+
+@pytest.mark.parametrize(
+    ("rendezvous_host", "bind_host", "listens_on"),
+    [
+        ("127.0.0.1", "0.0.0.0", "127.0.0.1"),  # every rank here: loopback, whatever else
+        ("::1", "", "::1"),
+        ("10.0.0.5", "10.0.0.5", "10.0.0.5"),  # a group over nodes: the serving address
+        ("node0.cluster", "10.0.0.5", "10.0.0.5"),
+        ("10.0.0.5", "0.0.0.0", "0.0.0.0"),  # the operator asked for every interface
+        ("10.0.0.5", "", "0.0.0.0"),
+        ("fd00::5", "::", "::"),
+    ],
+)
+def test_rank_0_s_store_listens_where_the_worker_serves(rendezvous_host, bind_host, listens_on):
+    from monitor_agent.engine.distributed import store_listen_host
+
+    assert store_listen_host(rendezvous_host, bind_host) == listens_on
+
+
+def test_a_store_port_in_use_is_named():
+    from monitor_agent.engine.distributed import ParallelLayout, rendezvous_store
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(
+            RuntimeError, match=f"rank 0 cannot listen for its group on 127.0.0.1:{port}"
+        ):
+            rendezvous_store(f"127.0.0.1:{port}", ParallelLayout(1, 2, 0), 5.0, "127.0.0.1")
