@@ -284,6 +284,13 @@ class Healer:
                     return Refused("restart refused " + "; ".join(failed))
                 if failed:
                     return "restart failed " + "; ".join(failed)
+                # Every place it fitted a moment ago was taken since, by another replica
+                # of the same loss moved at once (a tester: the second of a dead node's two
+                # replicas spent its budget so). While a node it ran on may come back, that
+                # is the wait for room it would be had the other reserved first.
+                waiting = healing.waiting_for_nodes(replica.placement, nodes, unanswered)
+                if waiting:
+                    return NoLiveNode(waiting)
                 return "could not reserve memory to start it again: " + "; ".join(refused)
             record = await self.record_of(deployment_id) or healing.RestartRecord()
             note = healing.served_again_note(record, replica.state_reason)

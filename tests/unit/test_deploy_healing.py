@@ -1319,3 +1319,44 @@ def test_the_replicas_of_a_dead_node_are_taken_out_side_by_side(run):
         await checking
 
     run(scenario)
+
+
+def test_a_moved_replica_whose_room_another_took_first_waits_spending_no_budget(run, monkeypatch):
+    """A dead node's replicas are moved at once, side by side: the second found room that
+    the first reserved a moment later, its reservation was refused, and that counted
+    against the budget (a tester: 3 in a row from one node loss). While the dead node
+    may come back it waits for room, as it would had the other reserved first."""
+    from deploy_svc import healer
+    from services.state import keys
+    from services.state.store import ReservationError
+
+    monkeypatch.setattr(healer, "NODE_WAIT_POLL_S", 0.01)
+
+    async def scenario(store):
+        agent = FakeAgent()
+        controller = await controller_on(store, agent, 2, policy=FAST)
+        dep = (await controller.deploy(deploy_request(1))).deployment
+        await store.register_node(node(2, node_id="node1"), ttl_s=60)
+        await store.redis.delete(keys.node_heartbeat("node0"))  # node0 stopped
+        reserve, refusals = store.reserve, []
+
+        async def taken_first(group, need, *args, **kwargs):
+            if not refusals:  # the other replica of the loss got there first, once
+                refusals.append(group)
+                raise ReservationError("device node1/cpu0 has 0 MiB free, 551 MiB needed")
+            return await reserve(group, need, *args, **kwargs)
+
+        store.reserve = taken_first
+        assert await controller.fail(
+            dep.deployment_id, "node agent(s) node0 stopped heartbeating", lost_rank=True
+        )
+        served = await settle(store, dep.deployment_id)
+        assert refusals and served.state == READY, served.state_reason
+        assert [d.node_id for s in served.replicas[0].placement.stages for d in s.devices] == [
+            "node1"
+        ]
+        assert (await controller.healer.record_of(dep.deployment_id)).in_a_row == 0
+        await controller.remove(dep.deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
