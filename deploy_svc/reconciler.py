@@ -198,7 +198,7 @@ class Reconciler:
                 serving,
             )
             return actions
-        actions += await self._stop_unheld(running)
+        actions += await self._stop_unheld(running, known)
         return actions + await self._forget_orphaned_records(deployments)
 
     async def _forget_orphaned_records(self, deployments: list[deploy_pb.Deployment]) -> list[str]:
@@ -261,11 +261,16 @@ class Reconciler:
                     actions.append(f"failed {deployment_id}: {reason}")
         return actions
 
-    async def _stop_unheld(self, running: dict[str, list[_NodeWorker]]) -> list[str]:
+    async def _stop_unheld(
+        self, running: dict[str, list[_NodeWorker]], known: set[tuple[str, str]]
+    ) -> list[str]:
         """Stop the workers that no deployment holds on their node, seen so at two checks
         in a row: what outlived its replica where the agent could not be told to stop it
         (it was stopped or cut off while its deployment was removed, failed, or moved
-        elsewhere), which would otherwise hold memory that is no longer reserved.
+        elsewhere), which would otherwise hold memory that is no longer reserved. So are
+        the agent's records of such workers that exited since (``known``, live or not):
+        nothing else stops them, and the agent kept their ports and ready files for good
+        (a tester).
 
         The records are read after the agents answered, so every worker they reported
         was started under a record read here. A replica that is STARTING (being deployed,
@@ -286,17 +291,22 @@ class Reconciler:
                 group = replica_group_id(dep.deployment_id, replica.index)
                 held.update((group, node) for node in replicas.nodes_of(replica.placement))
         unheld = {
-            (group, worker.node_id)
-            for group, workers in running.items()
-            if group not in held_anywhere and not group.startswith(PROFILING_OWNER_PREFIX)
-            for worker in workers
-            if (group, worker.node_id) not in held
+            (group, node_id)
+            for group, node_id in known
+            if group not in held_anywhere
+            and not group.startswith(PROFILING_OWNER_PREFIX)
+            and (group, node_id) not in held
         }
         confirmed, self._unheld_seen = unheld & self._unheld_seen, unheld
         actions = []
         for group, node_id in sorted(confirmed):
             await self.controller.workers.stop_on([node_id], group)
-            actions.append(f"stopped workers of {group} on {node_id}: no deployment holds them")
+            live = any(w.node_id == node_id for w in running.get(group, []))
+            actions.append(
+                f"stopped workers of {group} on {node_id}: no deployment holds them"
+                if live
+                else f"cleared exited workers of {group} on {node_id}: no deployment holds them"
+            )
         return actions
 
     async def _fail_missing(

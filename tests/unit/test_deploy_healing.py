@@ -797,6 +797,7 @@ class ReportingAgent(FakeAgent):
     def __init__(self):
         super().__init__()
         self.extra: list[str] = []
+        self.exited: list[str] = []  # groups whose worker died here, its record kept
 
     async def ListWorkers(self, request, timeout):
 
@@ -806,11 +807,16 @@ class ReportingAgent(FakeAgent):
                 agent_pb.WorkerInfo(deployment_id=g, rank=0, state=agent_pb.WORKER_STATE_READY)
                 for g in running
             ]
+            + [
+                agent_pb.WorkerInfo(deployment_id=g, rank=0, state=agent_pb.WORKER_STATE_FAILED)
+                for g in self.exited
+            ]
         )
 
     async def StopWorkers(self, request, timeout):
-        if request.deployment_id in self.extra:
-            self.extra.remove(request.deployment_id)
+        for kept in (self.extra, self.exited):
+            if request.deployment_id in kept:
+                kept.remove(request.deployment_id)
         return await super().StopWorkers(request, timeout)
 
 
@@ -1357,6 +1363,30 @@ def test_a_moved_replica_whose_room_another_took_first_waits_spending_no_budget(
         ]
         assert (await controller.healer.record_of(dep.deployment_id)).in_a_row == 0
         await controller.remove(dep.deployment_id)
+        assert await nothing_left(store)
+
+    run(scenario)
+
+
+def test_exited_workers_no_deployment_holds_are_cleared_at_the_second_check(run):
+    """A deployment removed while its node's agent was frozen: its workers exited there,
+    and the agent kept their records, ports and ready files for good, since only live
+    workers were ever stopped as unheld (a tester). What a deployment holds is left."""
+
+    async def scenario(store):
+        agent = ReportingAgent()
+        controller = await controller_on(store, agent, 2, policy=FAST)
+        deployment_id = (await controller.deploy(deploy_request(1))).deployment.deployment_id
+        reconciler = Reconciler(controller, store, agent)
+        agent.exited = ["m-removed0", deployment_id]  # its own dead rank: the healer's
+        assert await reconciler.check_workers() == []
+        assert await reconciler.check_workers() == [
+            "cleared exited workers of m-removed0 on node0: no deployment holds them"
+        ]
+        assert agent.exited == [deployment_id]
+        assert await reconciler.check_workers() == []
+        agent.exited = []
+        await controller.remove(deployment_id)
         assert await nothing_left(store)
 
     run(scenario)
