@@ -597,11 +597,23 @@ class WorkerSupervisor:
     # ---- deaths -----------------------------------------------------------------------
     async def reap_forever(self) -> None:
         """Background task: report ready workers that exit without being asked."""
+        failing = False
         while True:
             try:
                 await self.reap_once()
+            except StateStoreUnavailable as exc:
+                # Redis down: one line when it starts, not a traceback every round (a
+                # tester counted 45 in 20 s).
+                if not failing:
+                    log.warning("reaping workers failed, retrying each round: %s", exc)
+                failing = True
             except Exception:  # noqa: BLE001 - Redis hiccups must not end the reaper
                 log.exception("reaping workers failed; retrying")
+                failing = True
+            else:
+                if failing:
+                    log.info("reaping workers works again")
+                failing = False
             await asyncio.sleep(self.reap_interval_s)
 
     async def reap_once(self) -> list[agent_pb.WorkerInfo]:
