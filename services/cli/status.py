@@ -163,11 +163,18 @@ def _hints(settings: Settings, services: dict) -> list[str]:
             "ISERVE_*_ADDR to its addresses"
         ]
     exited = exited_processes(settings.state_dir, recorded)
-    hints = [
-        f"{name} exited (see {log}): {RESTART_ADVICE}"
+    gone = {
+        name: log
         for name, log in exited.items()
         if name in down or name == "redis"  # the services answer on without their Redis
-    ]
+    }
+    # One line for them all, as `iserve up` says it: the same advice once per process
+    # was seven lines after a SIGKILL of the whole stack (a tester).
+    hints = (
+        [f"{', '.join(gone)} exited (see {', '.join(map(str, gone.values()))}): {RESTART_ADVICE}"]
+        if gone
+        else []
+    )
     for name in down:
         if name in exited or name not in recorded["pids"]:
             continue
