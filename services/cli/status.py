@@ -272,13 +272,16 @@ def status_tables(status: dict, *, watching: bool = False) -> list[TableSpec]:
             dev["ref"]["device_id"],
             dev["kind"].removeprefix("DEVICE_KIND_").lower(),
             f"{int(dev['total_bytes']) / MIB:.0f}",
-            f"{int(dev['used_bytes']) / MIB:.0f}",
+            # A node that stopped heartbeating measures nothing: its last figures were
+            # shown as in use now, though its workers had exited (a tester).
+            "-" if silent else f"{int(dev['used_bytes']) / MIB:.0f}",
             f"{int(dev['reserved_bytes']) / MIB:.0f}",
             f"{int(dev['free_bytes']) / MIB:.0f}",
-            f"{float(dev['load']):.2f}",
+            "-" if silent else f"{float(dev['load']):.2f}",
             ",".join(dev.get("deployment_ids", [])) or "-",
         ]
         for node in status["nodes"]
+        for silent in [not node.get("alive") and not node.get("unreachable")]
         for dev in node.get("devices", [])
     ]
     if devices:

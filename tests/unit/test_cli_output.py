@@ -115,6 +115,15 @@ def test_status_lists_a_dead_node_with_when_it_was_last_seen():
         "d (unreachable: UNAVAILABLE: connection refused)",
         "e (stopped on purpose at 2026-11-26 05:01:00 UTC)",
     ]
+    # What a node that no longer heartbeats last measured is not shown as now.
+    used, load = _headers.index("USED MiB"), _headers.index("LOAD")
+    assert [(row[used], row[load]) for row in rows] == [
+        (f"{int(device['used_bytes']) / 2**20:.0f}", f"{float(device['load']):.2f}"),
+        ("-", "-"),
+        ("-", "-"),
+        (f"{int(device['used_bytes']) / 2**20:.0f}", f"{float(device['load']):.2f}"),
+        ("-", "-"),
+    ]
 
 
 def test_a_long_unreachable_reason_is_cut_in_the_table_and_whole_in_the_hints():
