@@ -151,9 +151,43 @@ def _record(stack: dict, name: str, pid: int) -> None:
 
 
 def _ours(stack: Mapping) -> dict[str, tuple[int, int | None]]:
-    """Each recorded process of ``stack``: (pid, start time or None when not recorded)."""
+    """Each recorded process of ``stack``: (pid, start time, or None when it cannot be
+    told). A record written before start times were (an older iserve) names its process
+    by pid alone, which the system may have given another since (a crash, a reboot):
+    such a pid counts as the stack's only while its command line is that process's
+    (:func:`_pid_start_if_ours`), and an upgraded ``iserve down`` stopped an unrelated
+    process whose pid had been reused otherwise (a tester)."""
     started = stack.get("started", {})
-    return {name: (pid, started.get(name)) for name, pid in stack.get("pids", {}).items()}
+    return {
+        name: (
+            pid,
+            started[name] if started.get(name) is not None else _pid_start_if_ours(name, pid),
+        )
+        for name, pid in stack.get("pids", {}).items()
+    }
+
+
+# What each of the stack's processes runs, as its command line shows it.
+_COMMANDS = {**dict(SERVICES), GATEWAY: GATEWAY_MODULE, "redis": "redis-server"}
+# A start time no process has: the pid's process is not the one recorded.
+_NOT_OURS = -1
+
+
+def _pid_start_if_ours(name: str, pid: int) -> int | None:
+    """``pid``'s start time when its command line runs the stack's ``name`` process,
+    ``_NOT_OURS`` when it runs something else, None without procfs or such a process
+    (nothing to tell it by)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    command = _COMMANDS.get(name, name).encode()
+    # Each argument's first word, its directory left out: redis-server writes its title
+    # ("redis-server 127.0.0.1:6379") over its arguments.
+    words = {arg.split(b" ", 1)[0].rsplit(b"/", 1)[-1] for arg in argv}
+    if command not in words:
+        return _NOT_OURS
+    return start_time(pid)
 
 
 # What to do about a stack running without one of its processes.
@@ -1007,7 +1041,7 @@ def _stop_pids(
                 else:  # it said nothing of one that had exited (a probe)
                     log(f"{name} (pid {pid}) had exited already")
                 continue
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)
             stopping.append((name, pid, started))
         deadline = time.monotonic() + timeout_s
@@ -1017,7 +1051,7 @@ def _stop_pids(
             time.sleep(0.05)
         for name, pid, started in stopping:
             if _alive(pid, started):
-                with contextlib.suppress(ProcessLookupError):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
                 _reap(pid)
             log(f"stopped {name} (pid {pid})")

@@ -102,6 +102,36 @@ def test_a_stale_stack_file_does_not_block_up(sleeper, tmp_path, monkeypatch):
     assert stack.stack_running(load_settings()) == {}
 
 
+def test_a_record_without_start_times_counts_a_pid_only_while_it_runs_that_process(
+    sleeper, tmp_path, monkeypatch
+):
+    """An older iserve recorded pids alone: after a crash, a pid another process took was
+    the stack's to `up`, `status` and `down`, which stopped it (a tester upgrading)."""
+    monkeypatch.setenv("ISERVE_STATE_DIR", str(tmp_path))
+    (tmp_path / "stack.json").write_text(json.dumps({"pids": {"scheduler": sleeper.pid}}))
+    recorded = stack.read_stack_file(tmp_path)
+    assert stack._ours(recorded) == {"scheduler": (sleeper.pid, stack._NOT_OURS)}
+    assert stack.stack_running(load_settings()) == {}
+    said = []
+    _stop_pids(stack._ours(recorded), said.append)
+    assert sleeper.poll() is None
+    assert said == [f"scheduler is gone; pid {sleeper.pid} is another process now, left alone"]
+    # A process that runs the recorded one's command is taken for it, and stopped.
+    service = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "scheduler_svc"]
+    )
+    try:
+        (tmp_path / "stack.json").write_text(json.dumps({"pids": {"scheduler": service.pid}}))
+        recorded = stack.read_stack_file(tmp_path)
+        assert stack._ours(recorded) == {"scheduler": (service.pid, start_time(service.pid))}
+        assert stack.stack_running(load_settings()) == recorded
+        _stop_pids(stack._ours(recorded), said.append, timeout_s=10)
+        assert service.wait(10) is not None
+    finally:
+        service.kill()
+        service.wait(10)
+
+
 def test_a_second_up_while_one_starts_is_refused(tmp_path, monkeypatch):
     """Two `iserve up` at once started two Redis servers on one append-only file, and
     the second took the first's services for its own."""
@@ -321,3 +351,15 @@ def test_a_foreground_up_holds_the_stop_signals_and_nohup_s_stays_ignored(quiet_
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stack.STOP_SIGNALS)
         signal.signal(signal.SIGHUP, previous)
         stack.down(load_settings(), lambda _m: None)
+
+
+def test_redis_is_told_by_the_title_it_writes_over_its_arguments():
+    titled = subprocess.Popen(
+        ["redis-server 127.0.0.1:6379", "60"], executable="/bin/sleep"
+    )  # what redis-server's argv reads once it runs
+    try:
+        assert stack._pid_start_if_ours("redis", titled.pid) == start_time(titled.pid)
+        assert stack._pid_start_if_ours("gateway", titled.pid) == stack._NOT_OURS
+    finally:
+        titled.kill()
+        titled.wait(10)
