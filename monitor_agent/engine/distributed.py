@@ -207,15 +207,25 @@ def interface_with_address(address: str) -> str | None:
     return None
 
 
-def bind_collectives(bind_host: str, cuda: bool) -> str | None:
+def bind_collectives(bind_host: str, cuda: bool, local: bool = False) -> str | None:
     """Make the collectives' own sockets use the interface of ``bind_host`` (the address
     this worker serves on), unless the operator named one: gloo and NCCL pick theirs by
     resolving the host name, which on most hosts maps to a loopback address, and a rank
-    on another node then dialled 127.0.0.1. Returns the interface set, if any."""
+    on another node then dialled 127.0.0.1. gloo's (CPU ranks) take the loopback
+    interface when every rank of the group runs on this host (``local``) or the worker
+    serves on loopback: by the host name's address they listened on the network where
+    that resolves to one (a cloud VM's), on a stack meant for loopback only. Returns the
+    interface set, if any."""
     variable = "NCCL_SOCKET_IFNAME" if cuda else "GLOO_SOCKET_IFNAME"
-    if os.environ.get(variable) or bind_host in WILDCARD_HOSTS or is_loopback_host(bind_host):
-        return None  # the operator's choice; every interface; one host: the default works
-    name = interface_with_address(bind_host)
+    if os.environ.get(variable):
+        return None  # the operator's choice
+    if not cuda and (local or is_loopback_host(bind_host)):
+        address = "127.0.0.1"
+    elif bind_host in WILDCARD_HOSTS or is_loopback_host(bind_host):
+        return None  # every interface; NCCL on one host: the default works
+    else:
+        address = bind_host
+    name = interface_with_address(address)
     if name is not None:
         os.environ[variable] = name
     return name
@@ -279,7 +289,8 @@ def init_parallel(
     (:func:`bind_collectives`)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    interface = bind_collectives(bind_host, cuda)
+    local = is_loopback_host(rendezvous.rpartition(":")[0])
+    interface = bind_collectives(bind_host, cuda, local)
     if interface is not None:
         log.info("collectives bound to %s (the interface of %s)", interface, bind_host)
     if cuda:

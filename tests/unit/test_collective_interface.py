@@ -3,6 +3,7 @@ of the address it serves on, asked of the kernel, unless the operator named one.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -40,13 +41,30 @@ def test_a_node_s_address_binds_gloo_to_its_interface_unless_the_operator_named_
     others = [a for a in _addresses() if not a.startswith("127.")]
     if not others:
         pytest.skip("no address but loopback here")
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # bind_collectives sets the variable itself: this process's environment is a copy,
+    # so no worker a later test spawns inherits it (one did, and its gloo listened on
+    # the network).
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    os.environ.pop("GLOO_SOCKET_IFNAME", None)
     assert bind_collectives(others[0], cuda=False) == _addresses()[others[0]]
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "chosen0")
+    os.environ["GLOO_SOCKET_IFNAME"] = "chosen0"
     assert bind_collectives(others[0], cuda=False) is None
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    for one_host in ("127.0.0.1", "0.0.0.0", "", "localhost", socket.gethostname()):
-        assert bind_collectives(one_host, cuda=False) is None
+    del os.environ["GLOO_SOCKET_IFNAME"]
+    for wildcard in ("0.0.0.0", "", socket.gethostname()):
+        assert bind_collectives(wildcard, cuda=False) is None
+        assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_a_group_on_this_host_binds_gloo_to_loopback(monkeypatch):
+    """Every rank here, or a worker serving on loopback: gloo took the host name's
+    address, the network's where it resolves to one, on a stack meant for loopback."""
+    loopback = interface_with_address("127.0.0.1")
+    for bind_host, local in (("127.0.0.1", False), ("localhost", False), ("0.0.0.0", True)):
+        monkeypatch.setattr(os, "environ", {})
+        assert bind_collectives(bind_host, cuda=False, local=local) == loopback
+        assert os.environ == {"GLOO_SOCKET_IFNAME": loopback}
+    monkeypatch.setattr(os, "environ", {})
+    assert bind_collectives("127.0.0.1", cuda=True) is None  # NCCL keeps its own choice
 
 
 def test_a_host_name_that_resolves_to_loopback_is_told_apart():
