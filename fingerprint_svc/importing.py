@@ -967,6 +967,15 @@ async def import_profiles(
         # The rows kept come first, the imported ones after them.
         kept = profile.measurements[: len(profile.measurements) - len(imported.measurements)]
         _check_files_agree_with_kept(imported.measurements, kept, imported.model_id)
+        replaced = len(before.measurements) - len(kept) if before is not None else 0
+        if replaced > len(imported.measurements):
+            # A copy cut short replaced the whole file's rows without a word (a tester).
+            notes.append(
+                f"{imported.model_id}: this import's {len(imported.measurements)} row(s) "
+                f"replace the {replaced} it had on {plan.hardware_type} from the same "
+                "file(s): fewer than before; if a file was cut short, import the whole "
+                "file again"
+            )
         model = merge_model(existing, imported, now_ms, kept_rows=len(kept), owner=access.owner())
         note = _check_estimable(existing, before, model, profile, plan.hardware_type)
         if note:

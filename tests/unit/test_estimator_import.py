@@ -697,6 +697,25 @@ def test_import_stores_models_profiles_and_sources_and_reimport_replaces(run):
     run(scenario)
 
 
+def test_a_file_imported_again_with_fewer_rows_says_so(run):
+    """A copy cut short replaced the whole file's rows of its models without a word (a
+    tester: `head -n 300` of the full-model file). The same file again says nothing."""
+
+    async def scenario(store: StateStore):
+        await import_profiles(store, request(DATA_SET))
+        again = await import_profiles(store, request({"full_model_data_collection.csv": FULL}))
+        assert not [n for n in again.notes if "replace" in n], again.notes
+        cut = FINGERPRINTS.rsplit("llama-2-7b,1,2", 1)[0]  # its (1,2) rows lost
+        reply = await import_profiles(store, request({"fingerprint_data_collection.csv": cut}))
+        assert (
+            "llama-2-7b: this import's 3 row(s) replace the 4 it had on rtx-a6000 from the "
+            "same file(s): fewer than before; if a file was cut short, import the whole file "
+            "again"
+        ) in reply.notes, reply.notes
+
+    run(scenario)
+
+
 def test_files_imported_one_at_a_time_store_what_importing_them_at_once_stores(run):
     async def scenario(store: StateStore):
         await import_profiles(store, request(DATA_SET))
