@@ -78,6 +78,7 @@ def collect_status(settings: Settings) -> dict:
         "errors": [status_error] if status_error else [],
         # What the caller's role may not read (its token's), said, not an error.
         "not_shown": [],
+        "hints": [],
     }
     options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
     for name, what in (("deploy", "nodes, devices and deployments"), ("model", "models")):
@@ -132,7 +133,7 @@ def collect_status(settings: Settings) -> dict:
         status["healthy"] = not status["errors"] and all(
             s["serving"] for name, s in services.items() if name != "agent"
         )
-    status["hints"] = _hints(settings, services) + _node_hints(status["nodes"])
+    status["hints"] += _hints(settings, services) + _node_hints(status["nodes"])
     return status
 
 
@@ -214,6 +215,13 @@ def _asked(settings: Settings, status: dict, service: str, what: str, call):
                 status["not_shown"].append(f"{service}: {what}: {exc.details()}")
                 return None
             status["errors"].append(f"{service}: {what}: {exc.code().name}: {exc.details()}")
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                # An iserve older than this CLI still runs (an upgrade's first status).
+                status["hints"].append(
+                    f"{service} at {settings.address(service)} has no {what} call: it is "
+                    "an older iserve than this one; `iserve down` (with this iserve), then "
+                    "`iserve up` runs this version on the same state"
+                )
             status["healthy"] = False
             return None
 

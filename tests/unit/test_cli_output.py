@@ -571,3 +571,39 @@ def test_the_profiling_bar_keeps_its_count_and_times_on_a_narrow_terminal(width)
     assert "12/15" in line and "0:00:0" in line and "--:--" in line, line
     assert line.startswith("profiling ━") and "profili" in line.split("--:--")[1], line
     assert len(line.rstrip()) <= width, line
+
+
+def test_status_names_an_older_iserve_that_lacks_a_call(tmp_path):
+    """The new CLI against a stack still running an older iserve said only
+    "UNIMPLEMENTED: Method not found!" (a tester upgrading in place)."""
+    import grpc
+
+    from services.cli.status import _asked
+    from services.settings import load_settings
+
+    class Unimplemented(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNIMPLEMENTED
+
+        def details(self):
+            return "Method not found!"
+
+    def call(channel):
+        raise Unimplemented()
+
+    settings = load_settings({"ISERVE_STATE_DIR": str(tmp_path)})
+    status = {
+        "services": {"scheduler": {"serving": True}},
+        "errors": [],
+        "hints": [],
+        "not_shown": [],
+        "healthy": True,
+    }
+    assert _asked(settings, status, "scheduler", "serving stats", call) is None
+    assert status["errors"] == ["scheduler: serving stats: UNIMPLEMENTED: Method not found!"]
+    assert status["hints"] == [
+        f"scheduler at {settings.address('scheduler')} has no serving stats call: it is an "
+        "older iserve than this one; `iserve down` (with this iserve), then `iserve up` runs "
+        "this version on the same state"
+    ]
+    assert not status["healthy"]
