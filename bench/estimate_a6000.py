@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import csv
 import dataclasses
 import os
 import sys
@@ -59,13 +60,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from estimator_svc.hardware_calibration import (  # noqa: E402
     CalibrationTable,
+    batch_points,
     calibration_table,
     fit_calibration,
     predict_rows,
 )
 from fingerprint_svc.importing import plan_maveriq_import, variant_name  # noqa: E402
 from services.api import model_service_pb2 as model_pb  # noqa: E402
-from services.estimation.calibrate import calibrate_parallel_constants  # noqa: E402
+from services.estimation.calibrate import (  # noqa: E402
+    calibrate_parallel_constants,
+    fit_tpot_batch_growth,
+)
 from services.estimation.extrapolate import LatencySample, fit_layer_latency  # noqa: E402
 from services.estimation.latency import (  # noqa: E402
     O_PP_FROM_BASE,
@@ -778,6 +783,79 @@ def print_larger_models(
         )
 
 
+def print_batch_growth(
+    directory: Path, data: MaverIQData, models: dict[str, ImportedModel]
+) -> None:
+    """Decode's growth per further sequence as the calibration fits it on the data set's
+    one full-model batch sweep (gptj-6b), against the batch sweeps of other models: the
+    even maps of unbalanced_PP_data_collection.csv and BS_scaling_data.csv."""
+    entries = [(name, m.references(use_tp_ladder=True), m.samples) for name, m in models.items()]
+    growth = fit_tpot_batch_growth(batch_points(entries))
+    rates = {(w, tp): r for w, tp, r in growth}
+    print(
+        "\nDecode's growth per further sequence of a batch, r (TPOT(B) = TPOT(1) (1 + r (B-1))),"
+        "\nfitted as the calibration fits it: on the one full-model batch sweep"
+        " (full_model_data_collection_BS.csv,\ngptj-6b, batch 1-64, outputs 50-200; median over"
+        " its layouts of each tensor degree). The\nbatch-2 fingerprints time a second sequence"
+        " within their noise (about nothing):"
+    )
+    tps = sorted({tp for _, tp in rates})
+    print(f"{'weights':10s}| " + " ".join(f"{f'tp {tp}':>8s}" for tp in tps))
+    for weight in sorted({w for w, _ in rates}):
+        cells = [
+            f"{rates[(weight, tp)]:8.4f}" if (weight, tp) in rates else f"{'-':>8s}" for tp in tps
+        ]
+        print(f"{weight:10s}| " + " ".join(cells))
+    # (file, model, weight format, tp, label, latency by batch size)
+    sweeps: list[tuple[str, str, str, int, str, dict[int, float]]] = []
+    runs: dict[tuple, dict[int, float]] = collections.defaultdict(dict)
+    for m in data.unbalanced_pp:
+        if m.pruning is None and len(set(m.pp_map)) == 1:
+            runs[(m.model, m.weight_quant, m.tp, m.pp)][m.batch_size] = m.latency_s
+    for (model, weight, tp, pp), by_batch in sorted(runs.items()):
+        sweeps.append(("unbalanced_PP", model, weight, tp, f"({tp},{pp})", by_batch))
+    scaling = directory / "BS_scaling_data.csv"
+    if scaling.is_file():
+        rows = list(csv.DictReader(scaling.read_text().splitlines()))
+        first = rows[0]
+        weight = {"float16": "fp16"}.get(first["DTYPE"], first["DTYPE"])
+        by_batch = {int(row["Batch_Size"]): float(row["Latency"]) for row in rows}
+        layout = f"({first['TP']},{first['PP']})"
+        sweeps.append(("BS_scaling", first["Model"], weight, int(first["TP"]), layout, by_batch))
+    print(
+        "Other models' sweeps (never fitted; short prompts, 100 output tokens: latency is"
+        " decode's),\nmeasured latency(B) / latency(1) against 1 + r (B-1), and the error of"
+        " each ratio, %:"
+    )
+    errors: dict[str, list[float]] = {"r": [], "flat": []}
+    for source, model, weight, tp, layout, by_batch in sweeps:
+        r = rates.get((weight, tp), 0.0)
+        cells = []
+        for b in sorted(by_batch):
+            if b == 1:
+                continue
+            measured = by_batch[b] / by_batch[1]
+            predicted = 1 + r * (b - 1)
+            errors["r"].append(abs(predicted / measured - 1))
+            errors["flat"].append(abs(1 / measured - 1))
+            cells.append(
+                f"B{b} {measured:.2f}/{predicted:.2f} {(predicted / measured - 1) * 100:+.0f}"
+            )
+        print(f"  {source:13s} {model:12s} {weight} {layout:6s} " + ", ".join(cells))
+    print(
+        "|error| of the ratio, median / p90: with r "
+        + " / ".join(f"{np.percentile(errors['r'], q) * 100:.1f}" for q in (50, 90))
+        + " %; flat (no growth beyond the batch-2 profiles', as before) "
+        + " / ".join(f"{np.percentile(errors['flat'], q) * 100:.1f}" for q in (50, 90))
+        + f" % ({len(errors['r'])} points)"
+    )
+    print(
+        "(the two files disagree on the one model both ran: gptj-6b fp16 (1,4) at batch 64"
+        " takes 1.41x\nits batch-1 decode in the batch sweep, 1.26x its latency in"
+        " unbalanced_PP)"
+    )
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
     """(splits, files iserve's import leaves out)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -836,6 +914,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_unmeasured(models, calibrations[UNMEASURED[0]])
     print_larger_models(data, models, calibrations)
     print_decode_comm(data, models, calibrations[UNMEASURED[0]])
+    print_batch_growth(directory, data, models)
     print(f"\n({time.perf_counter() - started:.0f} s)")
 
 

@@ -6,7 +6,8 @@ lengths); ``extra_terms`` has every constant by name: ``ttft.alpha`` … ``tpot.
 ``scale.ttft.1x1`` … (reference scales; ``scale.ttft.1x1.int8`` … a weight format's own), ``tpot.tp_ratio.8`` … (the hardware's
 measured ``O_TP(tp) / O_TP(2)`` per tensor degree above 2), ``tp_ladder`` (1 when the primary fit used
 the ladder), the same under ``three_refs.`` for the second fit, ``memory.tp_peer_gib``,
-``memory.residual_gib.TPxPP``, ``memory.fit_error_percent`` and ``device_memory_bytes``
+``tpot.batch_growth.<weight>.tp<tp>`` (decode's growth per further sequence of a batch, a
+share of the batch-1 TPOT), ``memory.residual_gib.TPxPP``, ``memory.fit_error_percent`` and ``device_memory_bytes``
 (0 or absent: unknown). A message with no ``ttft.alpha`` (constants from elsewhere)
 applies ``alpha`` … ``delta`` to both phases.
 
@@ -61,6 +62,8 @@ def _latency_terms(calibration: Calibration, prefix: str) -> dict[str, float]:
         for phase, factors in zip(("ttft", "tpot"), per_phase, strict=True):
             for layout, factor in zip(REFERENCE_LAYOUTS, factors, strict=True):
                 terms[f"{prefix}scale.{phase}.{_layout_name(layout)}.{weight}"] = factor
+    for weight, tp, rate in calibration.tpot_batch_growth:
+        terms[f"{prefix}tpot.batch_growth.{weight}.tp{tp}"] = rate
     return terms
 
 
@@ -133,11 +136,19 @@ def _latency_from_terms(
         )
         for weight, factors in sorted(found.items())
     )
+    growth = re.compile(re.escape(prefix) + r"tpot\.batch_growth\.(\w+)\.tp(\d+)")
     return Calibration(
         latency=PhaseConstants(phases["ttft"], phases["tpot"]),
         memory=memory,
         reference_scales=ReferenceScales(
             ttft=scales["ttft"], tpot=scales["tpot"], by_weight=by_weight
+        ),
+        tpot_batch_growth=tuple(
+            sorted(
+                (match[1], int(match[2]), value)
+                for name, value in terms.items()
+                if (match := growth.fullmatch(name))
+            )
         ),
     )
 

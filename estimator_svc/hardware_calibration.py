@@ -18,11 +18,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from services.estimation.calibrate import calibrate_latency, calibrate_memory_constants
+from services.estimation.calibrate import (
+    BatchPoint,
+    calibrate_latency,
+    calibrate_memory_constants,
+    fit_tpot_batch_growth,
+)
 from services.estimation.latency import REFERENCE_LAYOUTS, decode_steps, phase_latency
 from services.estimation.memory import MemoryConstants, solve_memory_components, total_memory_gib
 from services.estimation.model_references import ModelReferences
@@ -295,6 +300,25 @@ class HardwareCalibration:
         return self.three_refs or self.primary, refs.without_tp_ladder()
 
 
+def batch_points(
+    entries: Sequence[tuple[str, ModelReferences, Sequence[Sample]]],
+) -> list[BatchPoint]:
+    """The full-model runs of every entry that ``fit_tpot_batch_growth`` reads, at every
+    batch size: layers split as evenly as they divide, a variant the references cover."""
+    points = []
+    for model_id, refs, samples in entries:
+        for s in samples:
+            if not (s.full_model and s.balanced_stages and s.variant in refs.variant_keys):
+                continue
+            latency = s.end_to_end_s()
+            if latency <= 0:
+                continue
+            weight = refs.variants[refs.variant_keys.index(s.variant)].weight_quant
+            run = (model_id, s.variant, s.layout, s.input_tokens)
+            points.append(BatchPoint(weight, s.tp, run, s.batch, s.output_tokens, latency))
+    return points
+
+
 def fit_hardware_calibration(
     hardware_type: str,
     entries: Sequence[tuple[str, ModelReferences, Sequence[Sample]]],
@@ -312,11 +336,13 @@ def fit_hardware_calibration(
     can be fitted.
     """
     ladder = sorted({layout for _, refs, _ in entries for layout in refs.layouts[3:]})
+    growth = fit_tpot_batch_growth(batch_points(entries))
     three = calibration_table(entries, REFERENCE_LAYOUTS)
     fitted_three = fit_calibration(three, steps=steps)
+    three_refs = replace(fitted_three.calibration, tpot_batch_growth=growth)
     calibration = HardwareCalibration(
         hardware_type=hardware_type,
-        primary=fitted_three.calibration,
+        primary=three_refs,
         device_memory_bytes=device_memory_bytes,
         fit_error_pct=fitted_three.latency_fit_pct,
         memory_fit_error_pct=fitted_three.memory_fit_pct,
@@ -327,13 +353,13 @@ def fit_hardware_calibration(
         return calibration, three
     table = calibration_table(entries, REFERENCE_LAYOUTS + tuple(ladder))
     fitted = fit_calibration(table, steps=steps, memory=fitted_three.calibration.memory)
-    primary = fitted.calibration
+    primary = replace(fitted.calibration, tpot_batch_growth=growth)
     return (
         HardwareCalibration(
             hardware_type=hardware_type,
             primary=primary,
             tp_ladder=True,
-            three_refs=fitted_three.calibration,
+            three_refs=three_refs,
             device_memory_bytes=device_memory_bytes,
             fit_error_pct=fitted.latency_fit_pct,
             memory_fit_error_pct=fitted_three.memory_fit_pct,

@@ -109,7 +109,12 @@ class Estimate:
         extra = (
             defaulted,
             references.prompt_note(self.workload.input_tokens),
-            references.batch_note(self.workload.batch_size),
+            references.batch_note(
+                self.workload.batch_size,
+                measured_growth=any(
+                    ".batch_growth." in name for name in self.config_map.calibration.extra_terms
+                ),
+            ),
             runtime,
             self.estimates.unestimable_note(),
         )

@@ -35,7 +35,9 @@ __all__ = [
     "calibrate_memory_constants",
     "calibrate_parallel_constants",
     "calibrate_phase_constants",
+    "BatchPoint",
     "fit_tp_ratios",
+    "fit_tpot_batch_growth",
     "mape_pct",
     "minimize_mape",
 ]
@@ -175,6 +177,59 @@ def fit_tp_ratios(
             ratio = (np.asarray(measured, dtype=float)[at] - l11[at] / degree) / o_tp2[at]
             ratios.append((degree, float(np.median(ratio))))
     return tuple(ratios)
+
+
+@dataclass(frozen=True)
+class BatchPoint:
+    """One full-model run at some batch size: its weight format and tensor degree, the
+    run it belongs to (``run``: model, variant and layout, any hashable), batch size,
+    output length and end-to-end latency (seconds)."""
+
+    weight: str
+    tp: int
+    run: object
+    batch: int
+    output_tokens: int
+    latency_s: float
+
+
+def fit_tpot_batch_growth(points: Sequence[BatchPoint]) -> tuple[tuple[str, int, float], ...]:
+    """The hardware's decode growth per further sequence of a batch, as a share of the
+    batch-1 TPOT, per (weight format, tensor degree): ``TPOT(B) = TPOT(1) * (1 + r (B-1))``.
+
+    Each run's TPOT at each batch size is the slope of its latency over output lengths
+    (two or more); a run measured at batch 1 and above gives ``r`` by least squares
+    through the origin of ``TPOT(B)/TPOT(1) - 1`` on ``B - 1``, and a (weight, tp) takes
+    the median of its runs' (none below 0). What a batch-2 profile cannot show: on the
+    A6000 a second sequence's decode costs what the first's does within the timing
+    noise, while 64 take 1.4x (float16) to 2.5x (int4) the time of one on the same
+    layout, linearly up to 512 sequences (MaverIQ's batch sweeps).
+    """
+    tpots: dict[tuple, list[tuple[int, float]]] = {}
+    for p in points:
+        tpots.setdefault((p.weight, p.tp, p.run, p.batch), []).append(
+            (p.output_tokens, p.latency_s)
+        )
+    slopes: dict[tuple, dict[int, float]] = {}
+    for (weight, tp, run, batch), series in tpots.items():
+        outputs = np.array([o for o, _ in series], dtype=float)
+        if len(set(outputs)) < 2:
+            continue
+        latency = np.array([t for _, t in series], dtype=float)
+        slope = float(np.polyfit(outputs, latency, 1)[0])
+        if slope > 0 and np.isfinite(slope):
+            slopes.setdefault((weight, tp, run), {})[batch] = slope
+    by_format: dict[tuple[str, int], list[float]] = {}
+    for (weight, tp, _run), at in slopes.items():
+        if 1 not in at or len(at) < 2:
+            continue
+        x = np.array([b - 1.0 for b in at if b > 1])
+        y = np.array([at[b] / at[1] - 1.0 for b in at if b > 1])
+        by_format.setdefault((weight, tp), []).append(float(x @ y / (x @ x)))
+    return tuple(
+        (weight, tp, max(0.0, float(np.median(rates))))
+        for (weight, tp), rates in sorted(by_format.items())
+    )
 
 
 def calibrate_phase_constants(

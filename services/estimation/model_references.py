@@ -164,22 +164,36 @@ class ModelReferences:
         )
         return replace(self, layouts=REFERENCE_LAYOUTS, prompts=prompts)
 
-    def batch_note(self, batch_size: int) -> str | None:
+    def batch_note(self, batch_size: int, measured_growth: bool = False) -> str | None:
         """What an estimate for ``batch_size`` sequences stands on, beyond the batches
-        profiled (None for batch 1 and 2)."""
+        profiled (None for batch 1 and 2); ``measured_growth``: the calibration has the
+        hardware's decode growth per further sequence (score.Calibration.tpot_batch_growth)."""
         if batch_size <= 2:
             return None
+        growth = (
+            "; TPOT grows at least by the share per further sequence the hardware's "
+            "full-model batch sweeps measured (its calibration's, where it has one for the "
+            "weight format and tensor degree)"
+            if measured_growth
+            else ""
+        )
         if not all(v.batch2 is not None for p in self.prompts for v in p.profiles):
             return (
                 f"batch {batch_size}: no batch-2 profile, so each further sequence adds "
-                "only its KV cache's memory and nothing to TTFT or TPOT"
+                "only its KV cache's memory and nothing to TTFT"
+                + (growth if measured_growth else " or TPOT")
             )
         return (
             f"batch {batch_size} is extrapolated linearly from the profiled batches 1 and 2 "
             "(MaverIQ Eq. 6), each further sequence's TTFT at least its prompt's prefill "
             "beyond the batch-2 runs' prompt; a parallel layout's per-sequence overhead is at "
-            "least (1,1)'s over its tensor degree. Decode's KV-cache reads grow faster than that "
-            "line at large batches: read TPOT beyond a few dozen sequences as a lower bound"
+            "least (1,1)'s over its tensor degree"
+            + (
+                growth
+                if measured_growth
+                else ". Decode's KV-cache reads grow faster than that line at large batches: "
+                "read TPOT beyond a few dozen sequences as a lower bound"
+            )
         )
 
     def prompt_note(self, input_tokens: int) -> str | None:

@@ -61,6 +61,17 @@ class Calibration:
     memory: MemoryConstants = MemoryConstants()
     reference_scales: ReferenceScales = ReferenceScales()
     o_pp_from: str = O_PP_FROM_PP2
+    # (weight format, tp, r): each further sequence of a batch adds at least r x the
+    # batch-1 TPOT, as the hardware's full-model batch sweeps measured it
+    # (calibrate.fit_tpot_batch_growth); none measured: the batch-2 profiles alone.
+    tpot_batch_growth: tuple[tuple[str, int, float], ...] = ()
+
+    def batch_growth(self, weights: np.ndarray, tp: np.ndarray) -> np.ndarray:
+        """``r`` of each (weight format, tp) pair, 0 where not measured."""
+        table = {(w, t): r for w, t, r in self.tpot_batch_growth}
+        return np.array(
+            [table.get((w, int(t)), 0.0) for w, t in zip(weights, tp, strict=True)], dtype=float
+        )
 
 
 @dataclass(frozen=True)
@@ -170,11 +181,16 @@ def estimate_space(
         return ttft, tpot
 
     ttft, tpot = phases(refs1)
+    # Decode's growth per further sequence as the hardware's batch sweeps measured it:
+    # the floor of the batch-2 profiles' own, which time it within their noise.
+    tpot_growth = c.batch_growth(weights[v], space.tp) * tpot
     if refs2 is not None:
         ttft2, tpot2 = phases(refs2)
         # MaverIQ Eq. 6 per phase; a batch never makes a request faster.
         ttft = ttft + (batch - 1.0) * np.maximum(ttft2 - ttft, 0.0)
-        tpot = tpot + (batch - 1.0) * np.maximum(tpot2 - tpot, 0.0)
+        tpot = tpot + (batch - 1.0) * np.maximum(tpot2 - tpot, tpot_growth)
+    else:
+        tpot = tpot + (batch - 1.0) * tpot_growth
     # A TTFT split out of end-to-end latencies leaves the first token's step in the TPOTs
     # (decode_steps); every estimate's TTFT is the first token's arrival, as streamed.
     latency = ttft + decode_steps(output_tokens, split) * tpot

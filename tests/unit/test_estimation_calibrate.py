@@ -234,3 +234,30 @@ def test_a_format_departure_that_flips_between_models_or_hides_in_their_spread_i
         {"a": 0.85, "b": 1.0, "c": 1.15},
     )
     assert fit_reference_scales(**small).by_weight == ()
+
+
+def test_the_batch_growth_of_decode_is_recovered_from_synthetic_sweeps():
+    """TPOT(B) = TPOT(1) (1 + r (B-1)) per (weight format, tensor degree), each run's
+    TPOT the slope of its latencies over output lengths (its TTFT, however it grows with
+    the batch, drops out); runs of one format and degree agree on r through their
+    median, and a run with no batch-1 series or one output length tells nothing."""
+    from services.estimation.calibrate import BatchPoint, fit_tpot_batch_growth
+
+    truth = {("fp16", 1): 0.006, ("int4", 2): 0.023, ("fp16", 4): 0.04}
+    rng = np.random.default_rng(0)
+    points = []
+    for (weight, tp), r in truth.items():
+        for run, tpot1 in enumerate((0.02, 0.011, 0.035)):
+            for batch in (1, 8, 16, 32, 64):
+                ttft = 0.01 * batch  # prefill grows with the batch: not decode's
+                noise = 1 + rng.normal(0, 0.002)
+                for output in (50, 100, 200):
+                    latency = ttft + output * tpot1 * (1 + r * (batch - 1)) * noise
+                    points.append(BatchPoint(weight, tp, (weight, run), batch, output, latency))
+    points.append(BatchPoint("int8", 1, "one length", 1, 50, 1.0))
+    points.append(BatchPoint("int8", 1, "one length", 8, 50, 1.3))
+    points += [BatchPoint("int8", 2, "no batch 1", 8, o, o * 0.01) for o in (50, 100)]
+    fitted = {(w, tp): r for w, tp, r in fit_tpot_batch_growth(points)}
+    assert set(fitted) == set(truth)
+    for key, r in truth.items():
+        assert fitted[key] == pytest.approx(r, rel=0.05)

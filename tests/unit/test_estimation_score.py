@@ -81,6 +81,41 @@ def test_batch_and_kv_cache_terms():
     )
 
 
+def test_decode_grows_with_the_batch_at_least_as_the_hardware_measured():
+    """A batch-2 profile times a second sequence within its noise (the A6000's: about
+    nothing), and a batch of 64 decoded as fast as one; the calibration's growth per
+    further sequence (r x the batch-1 TPOT) is the floor of the profile's own."""
+    space, profiles = small_space(devices=1, batches=(1, 64))
+    two = [
+        VariantProfile(
+            p.batch1,
+            ReferenceProfile(
+                LAYOUTS,
+                p.batch1.ttft_s,
+                tuple(t + 0.0001 for t in p.batch1.tpot_s),  # about nothing
+                p.batch1.memory_gib,
+            ),
+        )
+        for p in profiles
+    ]
+    grown = Calibration(LINEAR, tpot_batch_growth=(("fp16", 1, 0.006), ("int4", 1, 0.5)))
+    est = estimate_space(space, two, grown, output_tokens=10)
+    named = [space.describe(k) for k in range(space.size)]
+    fp16, int4 = named.index("tp=1 pp=1 fp16 batch=64"), named.index("tp=1 pp=1 int4 batch=64")
+    # fp16: 0.02 x 0.006 = 0.00012 per sequence beats the profile's 0.0001.
+    assert est.tpot_s[fp16] == pytest.approx(0.02 * (1 + 0.006 * 63))
+    assert est.tpot_s[int4] == pytest.approx(0.008 * (1 + 0.5 * 63))
+    at_one = named.index("tp=1 pp=1 fp16 batch=1")
+    assert est.tpot_s[at_one] == pytest.approx(0.02)  # batch 1 untouched
+    # A profile that measured more keeps its own; none measured at all: the floor alone.
+    more = estimate_space(space, two, replace(grown, tpot_batch_growth=(("fp16", 1, 0.001),)), 10)
+    assert more.tpot_s[fp16] == pytest.approx(0.02 + 63 * 0.0001)
+    alone = estimate_space(space, profiles, grown, output_tokens=10)
+    assert alone.tpot_s[fp16] == pytest.approx(0.02 * (1 + 0.006 * 63))
+    flat = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=10)
+    assert flat.tpot_s[fp16] == pytest.approx(0.02)
+
+
 def test_the_kv_cache_a_deployment_adds_counts_the_heads_tensor_ranks_copy():
     """One KV head (multi-query) at tp = 2: each rank stores it, so every token the
     deployment adds beyond the profiled ones costs twice the unsharded K and V."""

@@ -162,6 +162,12 @@ def test_calibration_message_round_trips():
     )
     assert message.alpha == pytest.approx(calibration.primary.latency.tpot.alpha)
     assert "fit_default_calibration.py" in message.provenance
+    # Decode's growth per further sequence of a batch (the A6000's batch sweep), grown
+    # with the tensor degree and the weights' compression.
+    growth = {(w, tp): r for w, tp, r in calibration.primary.tpot_batch_growth}
+    assert calibration.three_refs.tpot_batch_growth == calibration.primary.tpot_batch_growth
+    assert 0 < growth[("fp16", 1)] < growth[("int8", 1)] < growth[("int4", 1)]
+    assert growth[("fp16", 1)] < growth[("fp16", 4)] < growth[("fp16", 8)]
 
 
 def test_per_format_reference_scales_round_trip():
