@@ -37,6 +37,25 @@ def small_space(devices: int = 2, batches=(1,)):
     return enumerate_space(SHAPE, devices, variants, batches), profiles
 
 
+def with_batch2(
+    profiles: list[VariantProfile], tpot_overhead: float, kv_tokens_profiled: int = 0
+) -> list[VariantProfile]:
+    """``profiles`` with a batch-2 profile whose decode costs ``tpot_overhead`` more."""
+    return [
+        VariantProfile(
+            p.batch1,
+            ReferenceProfile(
+                LAYOUTS,
+                p.batch1.ttft_s,
+                tuple(t + tpot_overhead for t in p.batch1.tpot_s),
+                p.batch1.memory_gib,
+            ),
+            kv_tokens_profiled=kv_tokens_profiled,
+        )
+        for p in profiles
+    ]
+
+
 def test_estimates_follow_the_models_by_hand():
     space, profiles = small_space()  # layouts (1,1), (1,2), (2,1) x 2 variants
     est = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=100)
@@ -55,19 +74,7 @@ def test_estimates_follow_the_models_by_hand():
 
 def test_batch_and_kv_cache_terms():
     space, profiles = small_space(devices=1, batches=(1, 4))
-    two = [
-        VariantProfile(
-            p.batch1,
-            ReferenceProfile(
-                LAYOUTS,
-                p.batch1.ttft_s,
-                tuple(t + 0.001 for t in p.batch1.tpot_s),
-                p.batch1.memory_gib,
-            ),
-            kv_tokens_profiled=100,
-        )
-        for p in profiles
-    ]
+    two = with_batch2(profiles, tpot_overhead=0.001, kv_tokens_profiled=100)
     est = estimate_space(space, two, Calibration(LINEAR), output_tokens=10)
     kv_per_token_gib = SHAPE.kv_bytes_per_token() / 2**30
     b1, b4 = 0, 1  # fp16 at (1,1), batch 1 and 4
@@ -86,18 +93,7 @@ def test_decode_grows_with_the_batch_at_least_as_the_hardware_measured():
     nothing), and a batch of 64 decoded as fast as one; the calibration's growth per
     further sequence (r x the batch-1 TPOT) is the floor of the profile's own."""
     space, profiles = small_space(devices=1, batches=(1, 64))
-    two = [
-        VariantProfile(
-            p.batch1,
-            ReferenceProfile(
-                LAYOUTS,
-                p.batch1.ttft_s,
-                tuple(t + 0.0001 for t in p.batch1.tpot_s),  # about nothing
-                p.batch1.memory_gib,
-            ),
-        )
-        for p in profiles
-    ]
+    two = with_batch2(profiles, tpot_overhead=0.0001)  # about nothing
     grown = Calibration(LINEAR, tpot_batch_growth=(("fp16", 1, 0.006), ("int4", 1, 0.5)))
     est = estimate_space(space, two, grown, output_tokens=10)
     named = [space.describe(k) for k in range(space.size)]
