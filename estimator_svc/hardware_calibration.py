@@ -292,6 +292,15 @@ class HardwareCalibration:
     provenance: str = ""
     fitted_at_unix_ms: int = 0
 
+    def with_batch_growth(self, growth: tuple[tuple[str, int, float], ...]) -> HardwareCalibration:
+        """These constants with ``growth`` as decode's batch growth, both fits."""
+        three = self.three_refs
+        return replace(
+            self,
+            primary=replace(self.primary, tpot_batch_growth=growth),
+            three_refs=None if three is None else replace(three, tpot_batch_growth=growth),
+        )
+
     def for_references(self, refs: ModelReferences) -> tuple[Calibration, ModelReferences]:
         """The constants for a model's references, and the references to use them with
         (TP-ladder layouts dropped when these constants were not fitted with them)."""

@@ -199,19 +199,34 @@ class Estimator:
         entries = await self._calibration_entries(hardware_type, model_ids)
         now_ms = int(time.time() * 1000)
         device_memory = await self._device_memory_bytes(hardware_type)
-        if not device_memory:
+        try:
+            current = calibration_message.from_proto(await self.get_calibration(hardware_type))
+        except NotFound:
+            current = None
+        if not device_memory and current is not None:
             # No such devices here (imported measurements): keep what the current one says.
-            try:
-                current = calibration_message.from_proto(await self.get_calibration(hardware_type))
-                device_memory = current.device_memory_bytes
-            except NotFound:
-                pass
+            device_memory = current.device_memory_bytes
         try:
             fitted, table = await asyncio.to_thread(
                 fit_hardware_calibration, hardware_type, entries, "", now_ms, device_memory
             )
         except ValueError as exc:
             raise FailedPrecondition(f"cannot calibrate {hardware_type}: {exc}") from None
+        swept = sorted(
+            {m for m, _, samples in entries if any(s.full_model and s.batch > 1 for s in samples)}
+        )
+        if fitted.primary.tpot_batch_growth:
+            growth_said = f"; decode's batch growth from the batch sweeps of {', '.join(swept)}"
+        elif current is not None and current.primary.tpot_batch_growth:
+            # Runs without a batch sweep say nothing of it: the hardware's measured growth
+            # stays (dropped, a batch of 256 decoded as fast as one again: a tester).
+            fitted = fitted.with_batch_growth(current.primary.tpot_batch_growth)
+            growth_said = (
+                "; decode's batch growth kept from the previous calibration (these runs have "
+                "no batch sweep)"
+            )
+        else:
+            growth_said = "; no batch sweep: decode grows only as batch-2 profiles say"
         counts = {m: int((table.models == m).sum()) for m, _, _ in entries}
         fitted_on = [m for m, n in counts.items() if n]
         sources = set()
@@ -230,6 +245,7 @@ class Estimator:
                 if set(zip(table.tp, table.pp, strict=True)) <= set(REFERENCE_LAYOUTS)
                 else ""
             )
+            + growth_said
             + f"; {_utc(now_ms)}"
         )
         await self.store.put_calibration(message)

@@ -212,14 +212,13 @@ def bind_collectives(bind_host: str, cuda: bool, local: bool = False) -> str | N
     this worker serves on), unless the operator named one: gloo and NCCL pick theirs by
     resolving the host name, which on most hosts maps to a loopback address, and a rank
     on another node then dialled 127.0.0.1. gloo's (CPU ranks) take the loopback
-    interface when every rank of the group runs on this host (``local``) or the worker
-    serves on loopback: by the host name's address they listened on the network where
-    that resolves to one (a cloud VM's), on a stack meant for loopback only. Returns the
-    interface set, if any."""
+    interface when every rank of the group runs on this host (``local``): by the host
+    name's address they listened on the network where that resolves to one (a cloud
+    VM's), on a stack meant for loopback only. Returns the interface set, if any."""
     variable = "NCCL_SOCKET_IFNAME" if cuda else "GLOO_SOCKET_IFNAME"
     if os.environ.get(variable):
         return None  # the operator's choice
-    if not cuda and (local or is_loopback_host(bind_host)):
+    if local and not cuda:
         address = "127.0.0.1"
     elif bind_host in WILDCARD_HOSTS or is_loopback_host(bind_host):
         return None  # every interface; NCCL on one host: the default works
@@ -233,16 +232,21 @@ def bind_collectives(bind_host: str, cuda: bool, local: bool = False) -> str | N
 
 def store_listen_host(rendezvous_host: str, bind_host: str) -> str:
     """Where rank 0's store listens: the rendezvous's own address when it is a loopback
-    one (every rank on this host), else the address this worker serves on
-    (``bind_host``), and every interface only where that is the operator's choice
-    (``bind_host`` a wildcard, or unset). torch's store listened on every interface
-    whatever the rendezvous named: an unauthenticated key-value server reachable from the
-    network on a stack configured for loopback only (a tester)."""
+    one (every rank on this host); every interface where that is the operator's choice
+    (``bind_host`` a wildcard: ``::`` takes IPv6 and IPv4 alike); else the rendezvous's
+    address when it is one of this host's (what the other ranks dial, whatever this
+    worker serves on), else the address this worker serves on. torch's store listened on
+    every interface whatever the rendezvous named: an unauthenticated key-value server
+    reachable from the network on a stack configured for loopback only (a tester)."""
     if is_loopback_host(rendezvous_host):
         return rendezvous_host
-    if bind_host and bind_host not in WILDCARD_HOSTS:
-        return bind_host
-    return "::" if ":" in rendezvous_host.strip("[]") else "0.0.0.0"
+    if bind_host.strip("[]") == "::":
+        return "::"
+    if bind_host in WILDCARD_HOSTS:
+        return "::" if ":" in rendezvous_host.strip("[]") else "0.0.0.0"
+    if interface_with_address(rendezvous_host) is not None:
+        return rendezvous_host
+    return bind_host
 
 
 def rendezvous_store(
@@ -264,12 +268,10 @@ def rendezvous_store(
         raise RuntimeError(
             f"rank 0 cannot listen for its group on {listen_host}:{port}: {exc.strerror or exc}"
         ) from exc
-    fd = listener.detach()  # the store's from now on: it serves on this descriptor
-    try:
-        return dist.TCPStore(host, port, layout.world_size, True, timeout, master_listen_fd=fd)
-    except BaseException:
-        os.close(fd)
-        raise
+    # The store's from now on: it serves on this descriptor and closes it, on a failure
+    # too (closed again here, the failure read "Bad file descriptor": a tester).
+    fd = listener.detach()
+    return dist.TCPStore(host, port, layout.world_size, True, timeout, master_listen_fd=fd)
 
 
 def init_parallel(

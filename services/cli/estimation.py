@@ -277,6 +277,16 @@ def print_calibration(calibration: estimator_pb.Calibration) -> None:
             f"  alpha {calibration.alpha:.3f} beta {calibration.beta:.3f} "
             f"gamma {calibration.gamma:.3f} delta {calibration.delta:.3f}"
         )
+    growth = sorted(
+        (name.removeprefix("tpot.batch_growth."), value)
+        for name, value in terms.items()
+        if name.startswith("tpot.batch_growth.")
+    )
+    if growth:
+        print(
+            "  decode's growth per further sequence of a batch (share of the batch-1 TPOT): "
+            + ", ".join(f"{key} {value:.4f}" for key, value in growth)
+        )
     if "memory.tp_peer_gib" in terms:
         residuals = sum(1 for name in terms if name.startswith("memory.residual_gib."))
         print(

@@ -216,14 +216,29 @@ def _asked(settings: Settings, status: dict, service: str, what: str, call):
                 return None
             status["errors"].append(f"{service}: {what}: {exc.code().name}: {exc.details()}")
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                # An iserve older than this CLI still runs (an upgrade's first status).
-                status["hints"].append(
-                    f"{service} at {settings.address(service)} has no {what} call: it is "
-                    "an older iserve than this one; `iserve down` (with this iserve), then "
-                    "`iserve up` runs this version on the same state"
-                )
+                status["hints"].append(_unimplemented_hint(settings, service, what))
             status["healthy"] = False
             return None
+
+
+def _unimplemented_hint(settings: Settings, service: str, what: str) -> str:
+    """Why ``service`` lacks a call: another service at the address this CLI was given
+    (the stack recorded another), else an iserve older than this CLI (an upgrade's first
+    status)."""
+    asked = settings.address(service)
+    kept = read_stack_file(settings.state_dir).get("addresses", {}).get(service)
+    if kept and kept != asked:
+        variable = f"ISERVE_{service.upper()}_ADDR"
+        return (
+            f"{service} at {asked} has no {what} call, and the stack in "
+            f"{settings.state_dir} recorded {service} at {kept}: {variable} names another "
+            "service"
+        )
+    return (
+        f"{service} at {asked} has no {what} call: it is an older iserve than this one; "
+        "`iserve down` (with this iserve), then `iserve up` runs this version on the same "
+        "state"
+    )
 
 
 def _dead(node: dict) -> str:

@@ -67,11 +67,17 @@ class Calibration:
     tpot_batch_growth: tuple[tuple[str, int, float], ...] = ()
 
     def batch_growth(self, weights: np.ndarray, tp: np.ndarray) -> np.ndarray:
-        """``r`` of each (weight format, tp) pair, 0 where not measured."""
+        """``r`` of each (weight format, tp) pair; a pre-quantized format unmeasured
+        takes its bit width's (``int4_gptq``: ``int4``'s: the same weight-only int4
+        decode; left at 0, a GPTQ batch of 256 decoded as fast as one and was ranked
+        first: a tester); 0 where neither was measured."""
         table = {(w, t): r for w, t, r in self.tpot_batch_growth}
-        return np.array(
-            [table.get((w, int(t)), 0.0) for w, t in zip(weights, tp, strict=True)], dtype=float
-        )
+
+        def rate(weight: str, degree: int) -> float:
+            found = table.get((weight, degree))
+            return table.get((weight.split("_")[0], degree), 0.0) if found is None else found
+
+        return np.array([rate(w, int(t)) for w, t in zip(weights, tp, strict=True)], dtype=float)
 
 
 @dataclass(frozen=True)

@@ -292,6 +292,16 @@ def test_calibrations_shipped_fitted_and_missing(stack, estimator, imported):
         estimator_pb.GetCalibrationRequest(hardware_type=HARDWARE)
     ).calibration
     assert stored.provenance == fitted["provenance"]
+    # falcon-7b ran no batch sweep: the hardware's measured decode growth stays (it was
+    # dropped, and a batch of 256 decoded as fast as one: a tester), and says so.
+    growth = {k: v for k, v in stored.extra_terms.items() if k.startswith("tpot.batch_growth.")}
+    assert growth == {
+        k: v for k, v in shipped.extra_terms.items() if k.startswith("tpot.batch_growth.")
+    }
+    assert growth and "batch growth kept from the previous calibration" in stored.provenance
+    shown = cli(stack, "calibrate", "--hardware", HARDWARE, "--show")
+    assert "decode's growth per further sequence of a batch" in shown.stdout, shown.stdout
+    assert "int4.tp4 0.0815" in shown.stdout
     # The configuration map follows the new calibration.
     assert estimator.EstimateConfigs(estimate_request("falcon-7b"), timeout=60).estimates
 

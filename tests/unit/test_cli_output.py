@@ -607,3 +607,12 @@ def test_status_names_an_older_iserve_that_lacks_a_call(tmp_path):
         "this version on the same state"
     ]
     assert not status["healthy"]
+    # The stack recorded the scheduler elsewhere: the address names another service.
+    (tmp_path / "stack.json").write_text('{"addresses": {"scheduler": "127.0.0.1:1"}}')
+    status["hints"] = []
+    _asked(settings, status, "scheduler", "serving stats", call)
+    assert status["hints"] == [
+        f"scheduler at {settings.address('scheduler')} has no serving stats call, and the "
+        f"stack in {tmp_path} recorded scheduler at 127.0.0.1:1: ISERVE_SCHEDULER_ADDR names "
+        "another service"
+    ]

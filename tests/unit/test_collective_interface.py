@@ -59,12 +59,15 @@ def test_a_group_on_this_host_binds_gloo_to_loopback(monkeypatch):
     """Every rank here, or a worker serving on loopback: gloo took the host name's
     address, the network's where it resolves to one, on a stack meant for loopback."""
     loopback = interface_with_address("127.0.0.1")
-    for bind_host, local in (("127.0.0.1", False), ("localhost", False), ("0.0.0.0", True)):
+    for bind_host in ("127.0.0.1", "localhost", "0.0.0.0", ""):
         monkeypatch.setattr(os, "environ", {})
-        assert bind_collectives(bind_host, cuda=False, local=local) == loopback
+        assert bind_collectives(bind_host, cuda=False, local=True) == loopback
         assert os.environ == {"GLOO_SOCKET_IFNAME": loopback}
+    # A group over hosts whose rank serves on loopback keeps gloo's own choice (the
+    # agent warns of that setup; binding loopback made it fail for sure: a tester).
     monkeypatch.setattr(os, "environ", {})
-    assert bind_collectives("127.0.0.1", cuda=True) is None  # NCCL keeps its own choice
+    assert bind_collectives("127.0.0.1", cuda=False, local=False) is None
+    assert bind_collectives("127.0.0.1", cuda=True, local=True) is None  # NCCL: its own
 
 
 def test_a_host_name_that_resolves_to_loopback_is_told_apart():
@@ -87,12 +90,40 @@ def test_a_host_name_that_resolves_to_loopback_is_told_apart():
         ("10.0.0.5", "0.0.0.0", "0.0.0.0"),  # the operator asked for every interface
         ("10.0.0.5", "", "0.0.0.0"),
         ("fd00::5", "::", "::"),
+        ("node0.cluster", "::", "::"),  # IPv6's wildcard takes IPv4 too, not IPv4 only
+        ("node0.cluster", "[::]", "::"),
     ],
 )
 def test_rank_0_s_store_listens_where_the_worker_serves(rendezvous_host, bind_host, listens_on):
     from monitor_agent.engine.distributed import store_listen_host
 
     assert store_listen_host(rendezvous_host, bind_host) == listens_on
+
+
+def test_rank_0_s_store_listens_on_the_rendezvous_address_where_this_host_has_it():
+    """A group over hosts whose rank 0 serves on loopback: the others dial the
+    rendezvous's node address, which the store must listen on (a tester)."""
+    from monitor_agent.engine.distributed import store_listen_host
+
+    others = [a for a in _addresses() if not a.startswith("127.")]
+    if not others:
+        pytest.skip("no address but loopback here")
+    assert store_listen_host(others[0], "127.0.0.1") == others[0]
+    assert store_listen_host("203.0.113.254", "127.0.0.1") == "127.0.0.1"  # not ours
+
+
+def test_a_failed_store_start_keeps_its_cause():
+    """torch closes the descriptor it was handed when the store fails; closing it again
+    replaced the cause (no peer came) with "Bad file descriptor" (a tester)."""
+    from monitor_agent.engine.distributed import ParallelLayout, rendezvous_store
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(Exception) as failed:  # noqa: PT011 - torch's own error type
+        rendezvous_store(f"127.0.0.1:{port}", ParallelLayout(2, 1, 0), 1.0, "127.0.0.1")
+    assert not isinstance(failed.value, OSError) or failed.value.errno != 9, failed.value
+    assert "Bad file descriptor" not in str(failed.value)
 
 
 def test_a_store_port_in_use_is_named():

@@ -110,6 +110,16 @@ def test_decode_grows_with_the_batch_at_least_as_the_hardware_measured():
     assert alone.tpot_s[fp16] == pytest.approx(0.02 * (1 + 0.006 * 63))
     flat = estimate_space(space, profiles, Calibration(LINEAR), output_tokens=10)
     assert flat.tpot_s[fp16] == pytest.approx(0.02)
+    # A pre-quantized format no sweep measured decodes as its bit width does.
+    rates = Calibration(LINEAR, tpot_batch_growth=(("int4", 2, 0.02), ("int8", 2, 0.01)))
+    weights = np.array(["int4_gptq", "int4", "int8", "fp16", "int4_gptq"], dtype=object)
+    assert rates.batch_growth(weights, np.array([2, 2, 2, 2, 1])).tolist() == [
+        0.02,
+        0.02,
+        0.01,
+        0.0,
+        0.0,
+    ]
 
 
 def test_the_kv_cache_a_deployment_adds_counts_the_heads_tensor_ranks_copy():
