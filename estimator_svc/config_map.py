@@ -33,7 +33,7 @@ from services.api import model_service_pb2 as model_pb
 from services.estimation import model_references, profiles
 from services.estimation.model_references import ModelReferences, PromptReferences, Workload
 from services.estimation.references import ReferenceProfile, VariantProfile
-from services.estimation.score import Estimates
+from services.estimation.score import Calibration, Estimates
 from services.estimation.space import ModelShape, Variant
 from services.token_limits import check_positions
 
@@ -80,6 +80,11 @@ class ConfigMap:
     references: ModelReferences
     calibration: estimator_pb.Calibration
 
+    def constants(self) -> tuple[Calibration, ModelReferences]:
+        """The calibration's constants for these references, and the references to use
+        them with (:meth:`HardwareCalibration.for_references`)."""
+        return from_proto(self.calibration).for_references(self.references)
+
     def estimate(
         self, workload: Workload, devices: int, device_memory_gib: float | None = None
     ) -> tuple[Estimates, Workload]:
@@ -88,7 +93,7 @@ class ConfigMap:
         longest profiled that leaves room for the output).
 
         InvalidArgument when prompt plus output tokens exceed the model's context."""
-        calibration, references = from_proto(self.calibration).for_references(self.references)
+        calibration, references = self.constants()
         default = references.default_input_tokens(workload.output_tokens)
         resolved = replace(workload, input_tokens=workload.input_tokens or default)
         check_positions(

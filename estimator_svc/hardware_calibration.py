@@ -348,10 +348,9 @@ def fit_hardware_calibration(
     growth = fit_tpot_batch_growth(batch_points(entries))
     three = calibration_table(entries, REFERENCE_LAYOUTS)
     fitted_three = fit_calibration(three, steps=steps)
-    three_refs = replace(fitted_three.calibration, tpot_batch_growth=growth)
     calibration = HardwareCalibration(
         hardware_type=hardware_type,
-        primary=three_refs,
+        primary=fitted_three.calibration,
         device_memory_bytes=device_memory_bytes,
         fit_error_pct=fitted_three.latency_fit_pct,
         memory_fit_error_pct=fitted_three.memory_fit_pct,
@@ -359,21 +358,20 @@ def fit_hardware_calibration(
         fitted_at_unix_ms=fitted_at_unix_ms,
     )
     if not ladder:
-        return calibration, three
+        return calibration.with_batch_growth(growth), three
     table = calibration_table(entries, REFERENCE_LAYOUTS + tuple(ladder))
     fitted = fit_calibration(table, steps=steps, memory=fitted_three.calibration.memory)
-    primary = replace(fitted.calibration, tpot_batch_growth=growth)
     return (
         HardwareCalibration(
             hardware_type=hardware_type,
-            primary=primary,
+            primary=fitted.calibration,
             tp_ladder=True,
-            three_refs=three_refs,
+            three_refs=fitted_three.calibration,
             device_memory_bytes=device_memory_bytes,
             fit_error_pct=fitted.latency_fit_pct,
             memory_fit_error_pct=fitted_three.memory_fit_pct,
             provenance=provenance,
             fitted_at_unix_ms=fitted_at_unix_ms,
-        ),
+        ).with_batch_growth(growth),
         table,
     )

@@ -111,9 +111,7 @@ class Estimate:
             references.prompt_note(self.workload.input_tokens),
             references.batch_note(
                 self.workload.batch_size,
-                measured_growth=any(
-                    ".batch_growth." in name for name in self.config_map.calibration.extra_terms
-                ),
+                measured_growth=bool(self.config_map.constants()[0].tpot_batch_growth),
             ),
             runtime,
             self.estimates.unestimable_note(),
@@ -212,10 +210,10 @@ class Estimator:
             )
         except ValueError as exc:
             raise FailedPrecondition(f"cannot calibrate {hardware_type}: {exc}") from None
-        swept = sorted(
-            {m for m, _, samples in entries if any(s.full_model and s.batch > 1 for s in samples)}
-        )
         if fitted.primary.tpot_batch_growth:
+            swept = [
+                m for m, _, samples in entries if any(s.full_model and s.batch > 1 for s in samples)
+            ]
             growth_said = f"; decode's batch growth from the batch sweeps of {', '.join(swept)}"
         elif current is not None and current.primary.tpot_batch_growth:
             # Runs without a batch sweep say nothing of it: the hardware's measured growth

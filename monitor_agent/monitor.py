@@ -23,6 +23,7 @@ import psutil
 from monitor_agent.devices import DeviceSpec
 from monitor_agent.load import LoadRing
 from services.api import common_pb2 as common
+from services.retry_log import RetryLog
 from services.state.store import NodeTakenOver, StateStore, StateStoreUnavailable
 
 log = logging.getLogger("iserve.agent.monitor")
@@ -186,7 +187,7 @@ class DeviceMonitor:
     async def run(self) -> None:
         """Background task: every ``interval_s`` until cancelled, register the node and
         publish its devices' figures (a failed round is logged and tried again)."""
-        failing = False  # the last round failed: the next failure is not logged again
+        failures = RetryLog(log, f"publishing node {self.node_id}")
         next_at = time.monotonic()
         while True:
             try:
@@ -204,19 +205,11 @@ class DeviceMonitor:
                     await self.on_taken_over(exc)
                 return
             except StateStoreUnavailable as exc:
-                # Redis down: one line when it starts, not a traceback every second.
-                if not failing:
-                    log.warning(
-                        "publishing node %s failed, retrying each round: %s", self.node_id, exc
-                    )
-                failing = True
+                failures.unavailable(exc)
             except Exception:  # noqa: BLE001 - a Redis hiccup must not stop the heartbeat
-                log.exception("publishing node %s failed; retrying", self.node_id)
-                failing = True
+                failures.error()
             else:
-                if failing:
-                    log.info("publishing node %s works again", self.node_id)
-                failing = False
+                failures.succeeded()
             # Keep a steady cadence, but never try to catch up on missed ticks.
             next_at = max(next_at + self.interval_s, time.monotonic())
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))

@@ -68,6 +68,7 @@ from services.errors import (
 from services.exits import describe_exit
 from services.grpc_server import is_routine_record
 from services.ports import free_port, free_port_in
+from services.retry_log import RetryLog
 from services.settings import DEFAULT_DRAIN_TIMEOUT_S
 from services.state.store import StateStore, StateStoreUnavailable
 
@@ -597,23 +598,16 @@ class WorkerSupervisor:
     # ---- deaths -----------------------------------------------------------------------
     async def reap_forever(self) -> None:
         """Background task: report ready workers that exit without being asked."""
-        failing = False
+        failures = RetryLog(log, "reaping workers")
         while True:
             try:
                 await self.reap_once()
             except StateStoreUnavailable as exc:
-                # Redis down: one line when it starts, not a traceback every round (a
-                # tester counted 45 in 20 s).
-                if not failing:
-                    log.warning("reaping workers failed, retrying each round: %s", exc)
-                failing = True
+                failures.unavailable(exc)
             except Exception:  # noqa: BLE001 - Redis hiccups must not end the reaper
-                log.exception("reaping workers failed; retrying")
-                failing = True
+                failures.error()
             else:
-                if failing:
-                    log.info("reaping workers works again")
-                failing = False
+                failures.succeeded()
             await asyncio.sleep(self.reap_interval_s)
 
     async def reap_once(self) -> list[agent_pb.WorkerInfo]:

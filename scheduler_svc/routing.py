@@ -11,7 +11,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
+from scheduler_svc.deadlines import decode_alone_passes
+from scheduler_svc.validation import resolve_max_tokens
 from services import errors, replicas
+from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import inference_service_pb2 as inference_pb
 from services.auth import access
@@ -33,8 +36,48 @@ REMOVING = deploy_pb.DEPLOYMENT_STATE_REMOVING
 REFRESH_INTERVAL_S = 1.0
 
 Backlog = Callable[[deploy_pb.Deployment], float]
+DecodeStep = Callable[[deploy_pb.Deployment], float | None]
+"""A deployment's fastest decode step, seconds, as its measurements say (None: nothing to
+say it from)."""
 """How long a request would wait on a deployment, seconds (``QueueRegistry.shortest_wait``)."""
 OnRefresh = Callable[[list[deploy_pb.Deployment]], Awaitable[None]]
+
+
+def unreachable_first(
+    candidates: list[deploy_pb.Deployment],
+    request: inference_pb.GenerateRequest,
+    max_tokens_is_bound: bool,
+    arrival_s: float,
+    decode_step_s: DecodeStep,
+) -> list[deploy_pb.Deployment]:
+    """``candidates`` (a model's, shortest wait first) with those whose measurements say
+    the request's own decode alone passes its own deadline moved first, the order kept
+    otherwise: such a deployment refuses it as unreachable, and one that can predict
+    nothing then repeats that refusal. A request with such a deadline was served late,
+    with success, by a deployment of the model that had measured nothing yet (a tester:
+    64 tokens due in 1 ms, served in 441 ms); a new deployment sorted last for all
+    requests took no deadline traffic at all."""
+    if request.deadline_ms <= 0 or len(candidates) < 2:
+        return candidates
+
+    def hopeless(deployment: deploy_pb.Deployment) -> bool:
+        step = decode_step_s(deployment)
+        if step is None:
+            return False
+        probe = inference_pb.GenerateRequest(
+            max_tokens=0 if max_tokens_is_bound else request.max_tokens,
+            max_tokens_default=request.max_tokens_default,
+        )
+        resolve_max_tokens(probe, deployment)
+        return decode_alone_passes(
+            arrival_s,
+            common.ServiceObjectives(),  # the request's deadline, not the deployment's
+            request.deadline_ms,
+            probe.max_tokens,
+            step,
+        )
+
+    return sorted(candidates, key=lambda d: not hopeless(d))
 
 
 def state_name(deployment: deploy_pb.Deployment) -> str:

@@ -34,6 +34,7 @@ from scheduler_svc.routing import (
     answered_refusal,
     pinned,
     stats_for_caller,
+    unreachable_first,
 )
 from scheduler_svc.validation import (
     check_for_deployment,
@@ -361,26 +362,20 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         A model's request goes to its READY deployments in turn, shortest expected wait
         first, until one takes it: one that refuses it at admission (its limits, a full
         queue, a first token its EDF queue predicts late) leaves it to the next. When all
-        refuse, :func:`answered_refusal` says which refusal is raised and recorded.
-
-        A request with a deadline of its own that a deployment's measurements say its
-        own decode alone passes goes to that deployment first, which refuses it as
-        unreachable; a deployment that can predict nothing (no request measured, no
-        estimate) then refuses it alike: such a request was served late, with success,
-        by a deployment of the model that had measured nothing yet (a tester: 64 tokens
-        due in 1 ms, served in 441 ms). Other requests keep the order of the shortest
-        wait (a new deployment sorted last took no deadline traffic at all)."""
+        refuse, :func:`answered_refusal` says which refusal is raised and recorded. A
+        request whose own deadline a deployment finds unreachable goes there first
+        (:func:`unreachable_first`), and one that can predict nothing repeats that
+        refusal."""
         if request.HasField("deployment_id"):
             candidates = [await self.router.by_deployment_id(request.deployment_id)]
         else:
-            candidates = await self.router.ranked_for_model(request.model_id)
-            if request.deadline_ms > 0 and len(candidates) > 1:
-                hopeless = {
-                    d.deployment_id
-                    for d in candidates
-                    if self._decode_alone_passes(d, request, max_tokens_is_bound, record)
-                }
-                candidates = sorted(candidates, key=lambda d: d.deployment_id not in hopeless)
+            candidates = unreachable_first(
+                await self.router.ranked_for_model(request.model_id),
+                request,
+                max_tokens_is_bound,
+                record.arrival_s,
+                self._fastest_decode_s,
+            )
         refusals: list[tuple[deploy_pb.Deployment, errors.IServeError]] = []
         unreachable: errors.DeadlineUnreachable | None = None
         for deployment in candidates:
@@ -397,31 +392,13 @@ class InferenceServicer(inference_grpc.InferenceServiceServicer):
         self._label(record, deployment)
         raise refused
 
-    def _decode_alone_passes(
-        self,
-        deployment: deploy_pb.Deployment,
-        request: inference_pb.GenerateRequest,
-        max_tokens_is_bound: bool,
-        record: RequestRecord,
-    ) -> bool:
-        """Whether ``deployment``'s measurements say the decode of the request's
-        max_tokens (as it would resolve them), alone, passes the request's own deadline
-        (False where it has nothing to predict from)."""
+    def _fastest_decode_s(self, deployment: deploy_pb.Deployment) -> float | None:
+        """The decode step alone of ``deployment``'s best informed replica, None when
+        it has measured nothing (nor has an estimate)."""
         predictor = self.queues.best_informed(deployment)
         if predictor is None or not predictor.evidence:
-            return False
-        probe = inference_pb.GenerateRequest(
-            max_tokens=0 if max_tokens_is_bound else request.max_tokens,
-            max_tokens_default=request.max_tokens_default,
-        )
-        resolve_max_tokens(probe, deployment)
-        return decode_alone_passes(
-            record.arrival_s,
-            common.ServiceObjectives(),  # the request's deadline, not the deployment's
-            request.deadline_ms,
-            probe.max_tokens,
-            predictor.decode_step_s(1),
-        )
+            return None
+        return predictor.decode_step_s(1)
 
     def _label(self, record: RequestRecord, deployment: deploy_pb.Deployment) -> None:
         record.model_id = deployment.model_id

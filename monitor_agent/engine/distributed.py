@@ -249,15 +249,21 @@ def store_listen_host(rendezvous_host: str, bind_host: str) -> str:
     return bind_host
 
 
+def split_rendezvous(rendezvous: str) -> tuple[str, int]:
+    """``"host:port"`` (``[v6]:port`` too) as (host without brackets, port); ValueError
+    when it is not that."""
+    host, _, port_text = rendezvous.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise ValueError(f"rendezvous {rendezvous!r} is not HOST:PORT")
+    return host.strip("[]"), int(port_text)
+
+
 def rendezvous_store(
     rendezvous: str, layout: ParallelLayout, timeout_s: float, bind_host: str = ""
 ) -> dist.TCPStore:
     """The group's TCP store at ``rendezvous`` ("host:port"): rank 0 serves it on a socket
     of its own (:func:`store_listen_host`), the others connect to it."""
-    host, _, port_text = rendezvous.rpartition(":")
-    if not host or not port_text.isdigit():
-        raise ValueError(f"rendezvous {rendezvous!r} is not HOST:PORT")
-    host, port = host.strip("[]"), int(port_text)
+    host, port = split_rendezvous(rendezvous)
     timeout = timedelta(seconds=timeout_s)
     if layout.rank != 0:
         return dist.TCPStore(host, port, layout.world_size, False, timeout)
@@ -291,7 +297,7 @@ def init_parallel(
     (:func:`bind_collectives`)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    local = is_loopback_host(rendezvous.rpartition(":")[0])
+    local = is_loopback_host(split_rendezvous(rendezvous)[0])
     interface = bind_collectives(bind_host, cuda, local)
     if interface is not None:
         log.info("collectives bound to %s (the interface of %s)", interface, bind_host)
