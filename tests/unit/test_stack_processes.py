@@ -121,6 +121,7 @@ def test_a_record_without_start_times_counts_a_pid_only_while_it_runs_that_proce
         [sys.executable, "-c", "import time; time.sleep(60)", "-m", "scheduler_svc"]
     )
     try:
+        _wait_for_exec(service.pid, sys.executable.encode())
         (tmp_path / "stack.json").write_text(json.dumps({"pids": {"scheduler": service.pid}}))
         recorded = stack.read_stack_file(tmp_path)
         assert stack._ours(recorded) == {"scheduler": (service.pid, start_time(service.pid))}
@@ -358,8 +359,20 @@ def test_redis_is_told_by_the_title_it_writes_over_its_arguments():
         ["redis-server 127.0.0.1:6379", "60"], executable="/bin/sleep"
     )  # what redis-server's argv reads once it runs
     try:
+        _wait_for_exec(titled.pid, b"redis-server 127.0.0.1:6379")
         assert stack._pid_start_if_ours("redis", titled.pid) == start_time(titled.pid)
         assert stack._pid_start_if_ours("gateway", titled.pid) == stack._NOT_OURS
     finally:
         titled.kill()
         titled.wait(10)
+
+
+def _wait_for_exec(pid: int, argv0: bytes, timeout_s: float = 10.0) -> None:
+    """Until ``pid`` runs its own program: a child just forked reads as its parent (the
+    test process's command line) until it has exec'd (a CI run asked in between)."""
+    from pathlib import Path
+
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] != argv0:
+        assert time.monotonic() < deadline, f"pid {pid} did not exec {argv0!r}"
+        time.sleep(0.01)
