@@ -83,6 +83,21 @@ def _llama3(*shape: int) -> dict:
     }
 
 
+def _llama31(*shape: int) -> dict:
+    """Llama 3.1: Llama 3's shapes, its rotary frequencies stretched to 128K positions."""
+    return {
+        **_llama3(*shape),
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+
+
 def _qwen2(*shape: int) -> dict:
     return {
         **_gated("Qwen2", shape),
@@ -115,6 +130,8 @@ _PRESETS = [
     ),
     Preset("llama-3-8b", "meta-llama/Meta-Llama-3-8B", _llama3(4096, 14336, 32, 32, 8)),
     Preset("llama-3-70b", "meta-llama/Meta-Llama-3-70B", _llama3(8192, 28672, 80, 64, 8)),
+    Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", _llama31(4096, 14336, 32, 32, 8)),
+    Preset("llama-3.1-70b", "meta-llama/Llama-3.1-70B", _llama31(8192, 28672, 80, 64, 8)),
     Preset(
         "mistral-7b",
         "mistralai/Mistral-7B-v0.1",
@@ -140,6 +157,17 @@ _PRESETS = [
     ),
     Preset("qwen2-7b", "Qwen/Qwen2-7B", _qwen2(3584, 18944, 28, 28, 4)),
     Preset("qwen2-72b", "Qwen/Qwen2-72B", _qwen2(8192, 29568, 80, 64, 8)),
+    # Qwen2.5: Qwen2's layout; the 7B and 72B keep Qwen2's shapes, the 14B and 32B are new.
+    Preset("qwen2.5-7b", "Qwen/Qwen2.5-7B", _qwen2(3584, 18944, 28, 28, 4)),
+    Preset(
+        "qwen2.5-14b", "Qwen/Qwen2.5-14B", {**_qwen2(5120, 13824, 48, 40, 8), "rms_norm_eps": 1e-5}
+    ),
+    Preset(
+        "qwen2.5-32b", "Qwen/Qwen2.5-32B", {**_qwen2(5120, 27648, 64, 40, 8), "rms_norm_eps": 1e-5}
+    ),
+    Preset(
+        "qwen2.5-72b", "Qwen/Qwen2.5-72B", {**_qwen2(8192, 29568, 80, 64, 8), "rms_norm_eps": 1e-5}
+    ),
     Preset(
         "falcon-7b",
         "tiiuae/falcon-7b",

@@ -20,9 +20,9 @@ from services.models.presets import (
 )
 from services.models.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE
 
-# Published parameter counts. Llama, Code Llama, Mistral, Qwen2: transformers'
+# Published parameter counts. Llama, Code Llama, Mistral, Qwen2 and Qwen2.5: transformers'
 # num_parameters() of the released checkpoints (their authors round them to 7B, 13B, 70B,
-# 8B, 70B, 34B, 7.3B, 7.6B, 72.7B); GPT-J:
+# 8B, 70B, 34B, 7.3B, 7.6B, 72.7B, 14.7B, 32.5B); GPT-J:
 # its model card; Falcon: num_parameters() of the released configs, whose LM head is tied
 # to the embeddings and so counted once (TII rounds them to 7B and 40B).
 PUBLISHED_PARAMETERS = {
@@ -31,10 +31,16 @@ PUBLISHED_PARAMETERS = {
     "llama-2-70b": 68_976_648_192,
     "llama-3-8b": 8_030_261_248,
     "llama-3-70b": 70_553_706_496,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
     "codellama-34b": 33_743_970_304,
     "qwen2-72b": 72_706_203_648,
     "mistral-7b": 7_241_732_096,
     "qwen2-7b": 7_615_616_512,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-14b": 14_770_033_664,
+    "qwen2.5-32b": 32_763_876_352,
+    "qwen2.5-72b": 72_706_203_648,
     "falcon-7b": 6_921_720_704,
     "falcon-40b": 41_303_293_952,
     "gpt-j-6b": 6_053_381_344,
@@ -81,6 +87,10 @@ def test_preset_shapes_equal_transformers_model(name: str) -> None:
         ("EleutherAI/gpt-j-6b", "gpt-j-6b"),
         ("tiiuae/falcon-40b", "falcon-40b"),
         ("mistralai/Mistral-7B-v0.1", "mistral-7b"),
+        ("meta-llama/Llama-3.1-70B", "llama-3.1-70b"),
+        ("Llama-3.1-8B", "llama-3.1-8b"),
+        ("Qwen/Qwen2.5-14B", "qwen2.5-14b"),
+        ("qwen2.5-32b", "qwen2.5-32b"),
         ("llama-2-70", None),
         ("llama-2-70b-chat", None),
         ("", None),
