@@ -10,6 +10,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import uuid
+from collections.abc import Callable
+
+import grpc
 
 from services import replicas
 from services.api import common_pb2 as common
@@ -275,6 +279,48 @@ def print_decision(decision: deploy_pb.DeploymentDecision) -> None:
         print(f"  skipped #{s.rank} {describe_config(s.config)}: {s.reason}", file=out)
     if decision.note:
         print(f"  note: {decision.note}", file=out)
+
+
+def deploy_progress(
+    stub, model_id: str, request_id: str, *, rpc_timeout_s: float = 2.0
+) -> Callable[[float], str]:
+    """What ``iserve deploy`` shows while its Deploy runs: planning until the deployer
+    records the deployment of ``request_id``, then its configuration and devices while
+    the workers start and load the weights, with the time since the request."""
+
+    def describe(elapsed_s: float) -> str:
+        doing = f"deploying {model_id}: planning"
+        if elapsed_s > 0:
+            try:
+                listed = stub.ListDeployments(
+                    deploy_pb.ListDeploymentsRequest(
+                        request_id=uuid.uuid4().hex[:16], model_id=model_id
+                    ),
+                    timeout=rpc_timeout_s,
+                ).deployments
+            except grpc.RpcError:
+                listed = []  # the Deploy's own answer says what went wrong, if anything
+            mine = next((d for d in listed if d.request_id == request_id), None)
+            if mine is not None:
+                doing = f"deploying {mine.deployment_id}: {starting_text(mine)}"
+        return f"{doing} ({elapsed_s:.0f} s; Ctrl-C cancels and rolls back)"
+
+    return describe
+
+
+def starting_text(deployment: deploy_pb.Deployment) -> str:
+    """A deployment being started, in a few words: its configuration and devices."""
+    devices = [
+        f"{d.node_id}/{d.device_id}"
+        for placement in (r.placement for r in deployment.replicas)
+        for stage in placement.stages
+        for d in stage.devices
+    ] or [
+        f"{d.node_id}/{d.device_id}" for stage in deployment.placement.stages for d in stage.devices
+    ]
+    shown = ", ".join(devices[:4]) + (f" and {len(devices) - 4} more" if len(devices) > 4 else "")
+    state = state_name(deployment.state).lower()
+    return f"{state} {describe_config(deployment.config)} on {shown or 'its devices'}"
 
 
 def state_name(state: int) -> str:

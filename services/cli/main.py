@@ -619,9 +619,11 @@ def cmd_deploy(settings: Settings, args) -> int:
         else:
             deploying.print_decision(reply.decision)
         return 0
+    request = deploy_pb.DeployRequest(**fields, ready_timeout_ms=round(args.timeout * 1000))
+    progress = deploying.deploy_progress(stub, args.model_id, request.request_id)
     try:
-        reply = stub.Deploy(
-            deploy_pb.DeployRequest(**fields, ready_timeout_ms=round(args.timeout * 1000))
+        reply = output.call_showing_status(
+            stub.Deploy, request, output.console(stderr=True), progress
         )
     except KeyboardInterrupt:
         # The call is cancelled with the process, and the deployer rolls back a Deploy
@@ -869,9 +871,15 @@ def generation_notes(completion_tokens: int, text_shown: bool) -> list[str]:
 
 def cmd_remove(settings: Settings, args) -> int:
     stub = _stub(settings, "deploy", deployment_service_pb2_grpc.DeploymentServiceStub)
+    request = deploy_pb.RemoveDeploymentRequest(request_id=_rid(), deployment_id=args.deployment_id)
     try:
-        stub.RemoveDeployment(
-            deploy_pb.RemoveDeploymentRequest(request_id=_rid(), deployment_id=args.deployment_id)
+        output.call_showing_status(
+            stub.RemoveDeployment,
+            request,
+            output.console(stderr=True),
+            lambda elapsed: (
+                f"removing {args.deployment_id}: stopping its workers ({elapsed:.0f} s)"
+            ),
         )
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.NOT_FOUND:

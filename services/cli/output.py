@@ -9,7 +9,10 @@ terminal, wraps cells, colours states and redraws ``iserve status --watch`` in p
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -47,6 +50,35 @@ def console(stderr: bool = False) -> Console:
 
 def stdout_is_terminal() -> bool:
     return console().is_terminal
+
+
+def call_showing_status(
+    call: Any,
+    request: Any,
+    err: Console,
+    describe: Callable[[float], str],
+    *,
+    poll_s: float = 1.0,
+) -> Any:
+    """``call(request)`` (a unary gRPC method of a blocking stub). On a terminal the call
+    runs in the background while a status line on ``err`` shows ``describe(elapsed_s)``,
+    asked again every ``poll_s`` (a Deploy that loads a large model takes minutes, and
+    nothing on the screen said it was still at work); Ctrl-C cancels the call, as it
+    does the blocking one. Elsewhere (a pipe, a script) the plain blocking call."""
+    if not err.is_terminal:
+        return call(request)
+    future = call.future(request)
+    ended = threading.Event()
+    future.add_done_callback(lambda _: ended.set())
+    started = time.monotonic()
+    try:
+        with err.status(describe(0.0)) as status:
+            while not ended.wait(poll_s):
+                status.update(describe(time.monotonic() - started))
+    except KeyboardInterrupt:
+        future.cancel()
+        raise
+    return future.result()
 
 
 def plain_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -92,6 +92,39 @@ def run_cli(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess
     )
 
 
+def cli_on_terminal(stack, *args: str, timeout: float = 180) -> tuple[int, str, str]:
+    """``iserve ARGS`` with its stderr on a pseudo-terminal, where the CLI draws its
+    status lines: (exit code, stdout, what the terminal received)."""
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", *args],
+        env={**os.environ, **stack.env, "TERM": "xterm", "COLUMNS": "200"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+    )
+    os.close(slave)
+    received = bytearray()
+
+    def read() -> None:
+        with contextlib.suppress(OSError):  # EIO once the child's end is closed
+            while chunk := os.read(master, 4096):
+                received.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    finally:
+        process.kill()
+        reader.join(timeout=10)
+        os.close(master)
+    return process.returncode, out.decode(), received.decode(errors="replace")
+
+
 def cli(stack, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return run_cli({**os.environ, **stack.env}, *args, timeout=timeout)
 

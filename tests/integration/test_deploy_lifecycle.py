@@ -17,6 +17,7 @@ from services.api import agent_service_pb2 as agent_pb
 from services.api import common_pb2 as common
 from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
+from services.cli import deploying as deploying_cli
 from services.cli import stack as launcher
 from services.reservation import memory_blocks
 from services.state.store import StateStore
@@ -177,6 +178,16 @@ def test_a_remove_while_the_deploy_starts_aborts_it_leaving_nothing(stack, small
             deploy_pb.GetDeploymentRequest(deployment_id=worker.deployment_id)
         ).deployment
         assert starting.state == STARTING
+        # What `iserve deploy` shows on a terminal meanwhile: the deployment its request
+        # made, read from the deployer's listing, and what it starts.
+        shown = deploying_cli.deploy_progress(stack.deployments, "life-llama", request_id)(3.2)
+        assert shown.startswith(
+            f"deploying {starting.deployment_id}: starting tp=1 pp=1 batch=1 on "
+            f"{starting.placement.stages[0].devices[0].node_id}/"
+        ), shown
+        assert shown.endswith("(3 s; Ctrl-C cancels and rolls back)"), shown
+        other = deploying_cli.deploy_progress(stack.deployments, "life-llama", rid())(3.2)
+        assert other.startswith("deploying life-llama: planning (3 s;"), other
         removing = stack.deployments.RemoveDeployment.future(
             deploy_pb.RemoveDeploymentRequest(deployment_id=starting.deployment_id), timeout=120
         )

@@ -18,6 +18,7 @@ from services.api import deployment_service_pb2 as deploy_pb
 from services.api import model_service_pb2 as model_pb
 from services.ports import free_port
 from tests.integration.helpers import (
+    cli_on_terminal,
     deploy,
     generate,
     make_checkpoint,
@@ -105,6 +106,33 @@ def test_register_deploy_stream_remove(stack):
     pid = workers[0].pid
     assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=10)
     stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="e2e-llama"))
+
+
+def test_cli_deploy_and_remove_show_a_status_line_on_a_terminal(stack):
+    """On a terminal `iserve deploy` and `iserve remove` say what they wait for (a large
+    model's Deploy takes minutes); their output on stdout is unchanged."""
+    register(stack, "tty-llama", make_checkpoint(stack, "tty-llama"))
+    try:
+        code, out, screen = cli_on_terminal(
+            stack, "deploy", "tty-llama", "--tp", "1", "--pp", "1", "--max-output", "16"
+        )
+        assert code == 0, screen
+        deployment_id = out.strip()
+        assert deployment_id.startswith("tty-llama"), out
+        assert "deploying tty-llama: planning (0 s; Ctrl-C cancels and rolls back)" in screen
+        assert "deployed tty-llama tp=1 pp=1" in screen
+        code, out, screen = cli_on_terminal(stack, "remove", deployment_id)
+        assert code == 0, screen
+        assert out == f"removed {deployment_id}\n"
+        assert f"removing {deployment_id}: stopping its workers (0 s)" in screen
+    finally:
+        for dep in stack.deployments.ListDeployments(
+            deploy_pb.ListDeploymentsRequest(model_id="tty-llama")
+        ).deployments:
+            stack.deployments.RemoveDeployment(
+                deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
+            )
+        stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="tty-llama"))
 
 
 def test_deploy_is_idempotent_on_request_id(stack, served):

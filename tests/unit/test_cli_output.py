@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from rich.console import Console
 
 from services.api import common_pb2 as common
 from services.cli import main as cli_main
-from services.cli.output import plain_table, show_tables
+from services.cli.output import call_showing_status, plain_table, show_tables
 from services.settings import TlsFiles
 
 TABLES = [(None, ["NAME", "STATE", "FREE MiB"], [["dep-a", "READY", 512], ["dep-b", "FAILED", 7]])]
@@ -616,3 +617,57 @@ def test_status_names_an_older_iserve_that_lacks_a_call(tmp_path):
         f"stack in {tmp_path} recorded scheduler at 127.0.0.1:1: ISERVE_SCHEDULER_ADDR names "
         "another service"
     ]
+
+
+class _Call:
+    """A unary method of a blocking stub, its answer set by the test (pure logic: how
+    the CLI waits on a call, not the call)."""
+
+    def __init__(self) -> None:
+        self.future_ = concurrent.futures.Future()
+        self.blocking = []
+
+    def __call__(self, request):
+        self.blocking.append(request)
+        return "answered"
+
+    def future(self, request):
+        return self.future_
+
+
+def test_a_call_waited_on_a_terminal_shows_its_status_until_it_ends() -> None:
+    call, asked = _Call(), []
+
+    def describe(elapsed: float) -> str:
+        asked.append(elapsed)
+        if len(asked) == 3:
+            call.future_.set_result("done")
+        return f"waiting {len(asked)}"
+
+    buffer = io.StringIO()
+    err = Console(file=buffer, force_terminal=True, color_system=None, width=80)
+    assert call_showing_status(call, "req", err, describe, poll_s=0.01) == "done"
+    assert asked[0] == 0.0 and asked[1:] == sorted(asked[1:]) and len(asked) == 3
+    assert "waiting " in buffer.getvalue() and call.blocking == []
+    # Not a terminal: the plain blocking call, nothing drawn.
+    plain = io.StringIO()
+    assert call_showing_status(call, "req", Console(file=plain), describe) == "answered"
+    assert call.blocking == ["req"] and plain.getvalue() == ""
+
+
+def test_a_call_waited_on_a_terminal_raises_its_error_and_ctrl_c_cancels_it() -> None:
+    failing = _Call()
+    failing.future_.set_exception(RuntimeError("refused"))
+    err = Console(file=io.StringIO(), force_terminal=True, color_system=None)
+    with pytest.raises(RuntimeError, match="refused"):
+        call_showing_status(failing, "req", err, lambda _: "waiting", poll_s=0.01)
+    interrupted = _Call()
+
+    def ctrl_c(elapsed: float) -> str:
+        if elapsed > 0:
+            raise KeyboardInterrupt
+        return "waiting"
+
+    with pytest.raises(KeyboardInterrupt):
+        call_showing_status(interrupted, "req", err, ctrl_c, poll_s=0.01)
+    assert interrupted.future_.cancelled()
