@@ -40,6 +40,7 @@ from services.health import check, wait_http, wait_serving
 from services.ports import bindable, ephemeral_range, free_port, reserve
 from services.redis_embedded import start_redis
 from services.settings import (
+    AUTH_ENV,
     GATEWAY_ENV,
     GIB,
     METRICS_ENV,
@@ -307,6 +308,23 @@ def _hold_on_success(exc_type, _exc, _tb) -> bool:
     return False
 
 
+def _check_auth_kept(settings: Settings) -> None:
+    """Refuse to start open, with ISERVE_AUTH merely unset, a stack whose state directory
+    holds the admin token an earlier `up` with ISERVE_AUTH=on wrote: its models,
+    deployments and token records would be served to anyone who reaches its ports, for
+    want of one variable in a new shell (a probe found it started open, saying so only
+    in its logs). ISERVE_AUTH=off starts it open on purpose."""
+    admin = token_file(settings.state_dir, "admin")
+    if settings.auth or os.environ.get(AUTH_ENV, "").strip() or not admin.exists():
+        return
+    raise RuntimeError(
+        f"the stack of {settings.state_dir} was started with {AUTH_ENV}=on (its admin token "
+        f"is {admin}), and {AUTH_ENV} is not set now: started so, it would take calls from "
+        f"anyone who reaches its ports. Set {AUTH_ENV}=on to start it as before, or "
+        f"{AUTH_ENV}=off to start it open on purpose"
+    )
+
+
 def heeded_stop_signals() -> tuple[signal.Signals, ...]:
     """STOP_SIGNALS less those this process ignores (``nohup``'s SIGHUP): a blocked signal
     is queued even when ignored, and sigtimedwait took nohup's SIGHUP as a stop (a probe)."""
@@ -338,6 +356,7 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
         # its data, not taken for a Redis of the operator's.
         settings = replace(settings, redis_url=None)
     _check_distinct_addresses(settings)
+    _check_auth_kept(settings)
     busy = [
         f"{name} {addr}"
         for name, addr in [

@@ -51,6 +51,26 @@ def test_up_with_authentication_on_starts_and_down_stops(tmp_path):
     finally:
         down = run_cli(env, "down")
     assert down.returncode == 0 and "stopped" in down.stdout, down.stderr
+    # Started again from a shell without ISERVE_AUTH, the stack would take anyone's
+    # calls: refused, nothing started; ISERVE_AUTH=off starts it open on purpose.
+    unset = {k: v for k, v in env.items() if k != "ISERVE_AUTH"}
+    refused = run_cli(unset, "up", "--detach")
+    assert refused.returncode == 1, refused.stdout
+    admin = tmp_path / "state" / "tokens" / "admin"
+    assert refused.stderr.strip() == (
+        f"error: the stack of {tmp_path / 'state'} was started with ISERVE_AUTH=on (its "
+        f"admin token is {admin}), and ISERVE_AUTH is not set now: started so, it would "
+        "take calls from anyone who reaches its ports. Set ISERVE_AUTH=on to start it as "
+        "before, or ISERVE_AUTH=off to start it open on purpose"
+    )
+    assert run_cli(unset, "status").returncode == 1
+    assert not (tmp_path / "state" / "stack.json").exists()
+    try:
+        opened = run_cli({**unset, "ISERVE_AUTH": "off"}, "up", "--detach")
+        assert opened.returncode == 0, opened.stderr
+    finally:
+        down = run_cli(unset, "down")
+    assert down.returncode == 0 and "stopped" in down.stdout, down.stderr
 
 
 def test_up_s_flags_override_its_variables_and_status_names_the_stack_s_models_root(tmp_path):
