@@ -29,7 +29,7 @@ from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
 from services.engine_rules import default_dtype
 from services.errors import InvalidArgument, IServeError, ResourceExhausted, shown
-from services.estimation.score import UNFIT_NOTE
+from services.estimation.score import is_unfit_note
 from services.ids import check_device_id, check_hardware_type, check_node_id
 from services.intents import COST_FIELDS, COST_UNITS
 from services.proto_limits import MAX_DEVICE_BYTES
@@ -295,7 +295,7 @@ def decide(
     more = len(skipped) - MAX_LISTED_REASONS
     # The ranking left out what cannot fit the devices' memory at all; a refusal that
     # listed the others only read as if those had not been considered.
-    unfit = next((p for p in note.split("; ") if p.endswith(UNFIT_NOTE)), "")
+    unfit = next((p for p in note.split("; ") if is_unfit_note(p)), "")
     tried = f"{listed}{f'; and {more} more' if more > 0 else ''}"
     ranked_out = f"; {unfit}, ranked out" if unfit else ""
     if not skipped:

@@ -33,7 +33,7 @@ from services.estimation import model_references, profiles
 from services.estimation.latency import REFERENCE_LAYOUTS
 from services.estimation.memory import GIB
 from services.estimation.model_references import Workload
-from services.estimation.score import UNFIT_NOTE, Estimates
+from services.estimation.score import Estimates, unfit_note
 from services.ids import check_hardware_type, is_cpu_hardware
 from services.proto_limits import MAX_DEVICE_BYTES
 from services.reservation import CPU_RUNTIME_MIB, RUNTIME_OVERHEAD_BYTES, even_split_bytes
@@ -128,7 +128,7 @@ class Estimate:
         if not unfit or self.device_memory_gib is None:
             return None
         return (
-            f"{unfit} {UNFIT_NOTE} of {self.device_memory_gib:.3g} GiB "
+            f"{unfit_note(unfit)} of {self.device_memory_gib:.3g} GiB "
             "(fits_device_memory false; `iserve estimate` marks them)"
         )
 

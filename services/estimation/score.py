@@ -51,6 +51,18 @@ __all__ = [
 # The note of the configurations left out for the devices' memory (the deployer's
 # refusal finds it in the ranking's notes: deploy_svc.planning.decide).
 UNFIT_NOTE = "configurations do not fit the device memory"
+_UNFIT_NOTE_ONE = "configuration does not fit the device memory"
+
+
+def unfit_note(count: int) -> str:
+    """``count`` configurations left out for the devices' memory, in words ("1
+    configurations do not fit" read as a slip)."""
+    return f"{count} {_UNFIT_NOTE_ONE if count == 1 else UNFIT_NOTE}"
+
+
+def is_unfit_note(part: str) -> bool:
+    """Whether one "; "-separated part of a ranking's note is :func:`unfit_note`'s."""
+    return part.endswith((UNFIT_NOTE, _UNFIT_NOTE_ONE))
 
 
 @dataclass(frozen=True)
@@ -353,7 +365,7 @@ def rank(estimates: Estimates, intent: Intent, cost: np.ndarray | None = None) -
     candidates = np.flatnonzero(e.candidates)
     misfits = int(np.count_nonzero(e.estimable & ~e.fits))
     if misfits:
-        notes.append(f"{misfits} {UNFIT_NOTE}")
+        notes.append(unfit_note(misfits))
     if candidates.size == 0:
         notes.append(_nothing_fits(e) if misfits else "no configuration has a usable estimate")
         return Ranking(candidates, tuple(notes))

@@ -9,7 +9,7 @@ import pytest
 from deploy_svc import planning
 from deploy_svc.explicit import ExplicitPlan
 from deploy_svc.placement import Candidate
-from deploy_svc.planning import UNFIT_NOTE, Option, decide, policy_name
+from deploy_svc.planning import Option, decide, policy_name
 from services.api import common_pb2 as common
 from services.api import estimator_service_pb2 as estimator_pb
 from services.api import model_service_pb2 as model_pb
@@ -174,14 +174,18 @@ def test_nothing_placeable_is_resource_exhausted_listing_reasons():
 def test_a_refusal_says_how_many_configurations_the_ranking_left_out_for_memory():
     """A refusal listed the configurations it tried, and read as if tp=1 pp=1, ranked out
     because its KV cache could never fit a device, had not been considered."""
-    from services.estimation import score
+    from services.estimation.score import unfit_note
 
-    assert score.UNFIT_NOTE == UNFIT_NOTE
     options = [option(1, tp=8)]
-    note = f"ranked for cpu (2 devices); 3 {UNFIT_NOTE}; batch 1"
-    with pytest.raises(ResourceExhausted) as err:
-        decide(model(), options, devices(1, 1), LIMITS, note=note)
-    assert str(err.value).endswith(f"; 3 {UNFIT_NOTE}, ranked out"), err.value
+    for count, words in (
+        (3, "3 configurations do not fit the device memory"),
+        (1, "1 configuration does not fit the device memory"),
+    ):
+        assert unfit_note(count) == words
+        note = f"ranked for cpu (2 devices); {words}; batch 1"
+        with pytest.raises(ResourceExhausted) as err:
+            decide(model(), options, devices(1, 1), LIMITS, note=note)
+        assert str(err.value).endswith(f"; {words}, ranked out"), err.value
     with pytest.raises(ResourceExhausted) as err:
         decide(model(), options, devices(1, 1), LIMITS, note="ranked for cpu (2 devices)")
     assert "ranked out" not in str(err.value)

@@ -10,7 +10,7 @@ import pytest
 from services.estimation.latency import ParallelConstants, PhaseConstants
 from services.estimation.memory import MemoryConstants
 from services.estimation.references import ReferenceProfile, VariantProfile
-from services.estimation.score import Calibration, Intent, estimate_space, rank
+from services.estimation.score import Calibration, Intent, estimate_space, rank, unfit_note
 from services.estimation.space import ModelShape, Variant, enumerate_space
 
 SHAPE = ModelShape("toy", num_layers=8, num_heads=8, num_kv_heads=8, head_dim=64)
@@ -186,7 +186,8 @@ def test_configurations_that_do_not_fit_are_left_out():
     )
     ranking = rank(est, Intent("min_latency"))
     assert np.all(est.memory_per_device_gib[ranking.indices] <= 6.6)
-    assert "do not fit" in ranking.notes[0]
+    unfit = int(np.count_nonzero(est.estimable & ~est.fits))
+    assert unfit >= 1 and ranking.notes[0] == unfit_note(unfit)
     nothing = estimate_space(
         space, profiles, Calibration(LINEAR), output_tokens=100, device_memory_gib=0.1
     )
