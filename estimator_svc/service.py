@@ -129,7 +129,7 @@ class Estimate:
             return None
         return (
             f"{unfit_note(unfit)} of {self.device_memory_gib:.3g} GiB "
-            "(fits_device_memory false; `iserve estimate` marks them)"
+            "(fits_device_memory false; `iserve estimate` marks each)"
         )
 
 

@@ -320,7 +320,9 @@ def starting_text(deployment: deploy_pb.Deployment) -> str:
     ]
     shown = ", ".join(devices[:4]) + (f" and {len(devices) - 4} more" if len(devices) > 4 else "")
     state = state_name(deployment.state).lower()
-    return f"{state} {describe_config(deployment.config)} on {shown or 'its devices'}"
+    count = len(deployment.replicas)
+    copies = f", {count} replicas" if count > 1 else ""
+    return f"{state} {describe_config(deployment.config)}{copies} on {shown or 'its devices'}"
 
 
 def state_name(state: int) -> str:

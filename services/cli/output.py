@@ -64,8 +64,11 @@ def call_showing_status(
     runs in the background while a status line on ``err`` shows ``describe(elapsed_s)``,
     asked again every ``poll_s`` (a Deploy that loads a large model takes minutes, and
     nothing on the screen said it was still at work); Ctrl-C cancels the call, as it
-    does the blocking one. Elsewhere (a pipe, a script) the plain blocking call."""
-    if not err.is_terminal:
+    does the blocking one. Elsewhere (a pipe, a file, a script) the plain blocking call:
+    ``err`` must be a terminal in fact, not only by FORCE_COLOR, whose redraws would fill
+    a CI log with a frame every tenth of a second (a tester: 8 KB in 4 s)."""
+    isatty = getattr(err.file, "isatty", None)
+    if not (err.is_terminal and isatty is not None and isatty()):
         return call(request)
     future = call.future(request)
     ended = threading.Event()

@@ -40,11 +40,13 @@ from services.health import check, wait_http, wait_serving
 from services.ports import bindable, ephemeral_range, free_port, reserve
 from services.redis_embedded import start_redis
 from services.settings import (
+    ADMIN_TOKEN_ENV,
     AUTH_ENV,
     GATEWAY_ENV,
     GIB,
     METRICS_ENV,
     SERVICE_ENV,
+    SERVICE_TOKEN_ENV,
     STACK_FILE,
     STACK_ID_ENV,
     WITHHELD_FROM_GATEWAY,
@@ -309,18 +311,27 @@ def _hold_on_success(exc_type, _exc, _tb) -> bool:
 
 
 def _check_auth_kept(settings: Settings) -> None:
-    """Refuse to start open, with ISERVE_AUTH merely unset, a stack whose state directory
-    holds the admin token an earlier `up` with ISERVE_AUTH=on wrote: its models,
-    deployments and token records would be served to anyone who reaches its ports, for
-    want of one variable in a new shell (a probe found it started open, saying so only
-    in its logs). ISERVE_AUTH=off starts it open on purpose."""
-    admin = token_file(settings.state_dir, "admin")
-    if settings.auth or os.environ.get(AUTH_ENV, "").strip() or not admin.exists():
+    """Refuse to start open, with ISERVE_AUTH merely unset, a stack meant to check tokens:
+    one whose state directory holds a token an earlier `up` with ISERVE_AUTH=on wrote
+    (``tokens/admin``, or ``tokens/service`` alone where the environment gave the admin
+    token), or one given ISERVE_ADMIN_TOKEN or ISERVE_SERVICE_TOKEN now. Started open, its
+    models, deployments and token records would be served to anyone who reaches its
+    ports, for want of one variable in a new shell (a probe found it started open,
+    saying so only in its logs). ISERVE_AUTH=off starts it open on purpose."""
+    if settings.auth or os.environ.get(AUTH_ENV, "").strip():
+        return
+    written = (token_file(settings.state_dir, name) for name in ("admin", "service"))
+    kept = next((path for path in written if path.exists()), None)
+    given = [v for v in (ADMIN_TOKEN_ENV, SERVICE_TOKEN_ENV) if os.environ.get(v, "").strip()]
+    if kept is not None:
+        why = f"the stack of {settings.state_dir} was started with {AUTH_ENV}=on (it holds {kept})"
+    elif given:
+        why = f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set"
+    else:
         return
     raise RuntimeError(
-        f"the stack of {settings.state_dir} was started with {AUTH_ENV}=on (its admin token "
-        f"is {admin}), and {AUTH_ENV} is not set now: started so, it would take calls from "
-        f"anyone who reaches its ports. Set {AUTH_ENV}=on to start it as before, or "
+        f"{why}, and {AUTH_ENV} is not set now: started so, it would take calls from "
+        f"anyone who reaches its ports. Set {AUTH_ENV}=on to check tokens, or "
         f"{AUTH_ENV}=off to start it open on purpose"
     )
 
@@ -433,7 +444,14 @@ def _up(settings: Settings, options: UpOptions, log, interrupts: Interrupts) -> 
         if settings.auth:
             for path in write_stack_tokens(settings):
                 log(f"authentication on: wrote {path}")
-            log(f"authentication on: the CLI uses {token_file(settings.state_dir, 'admin')}")
+            if settings.admin_token and not token_file(settings.state_dir, "admin").exists():
+                # Given in the environment, it is in no file the CLI would read.
+                log(
+                    f"authentication on: the admin token is {ADMIN_TOKEN_ENV}'s; give it "
+                    "to the CLI as ISERVE_TOKEN"
+                )
+            else:
+                log(f"authentication on: the CLI uses {token_file(settings.state_dir, 'admin')}")
         # Read before the deployer starts restoring them: listed later, one that failed
         # or came back already went unmentioned (a deployment whose checkpoint is gone
         # fails within a second).

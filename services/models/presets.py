@@ -31,6 +31,8 @@ class Preset:
     name: str
     source: str  # the Hugging Face repository the config comes from
     config: Mapping[str, Any]
+    # Other repositories of the same model, e.g. the name it was first published under.
+    aliases: tuple[str, ...] = ()
 
     @property
     def spec(self) -> ArchSpec:
@@ -130,8 +132,19 @@ _PRESETS = [
     ),
     Preset("llama-3-8b", "meta-llama/Meta-Llama-3-8B", _llama3(4096, 14336, 32, 32, 8)),
     Preset("llama-3-70b", "meta-llama/Meta-Llama-3-70B", _llama3(8192, 28672, 80, 64, 8)),
-    Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", _llama31(4096, 14336, 32, 32, 8)),
-    Preset("llama-3.1-70b", "meta-llama/Llama-3.1-70B", _llama31(8192, 28672, 80, 64, 8)),
+    # Llama 3.1 came out as meta-llama/Meta-Llama-3.1-*, renamed since.
+    Preset(
+        "llama-3.1-8b",
+        "meta-llama/Llama-3.1-8B",
+        _llama31(4096, 14336, 32, 32, 8),
+        ("meta-llama/Meta-Llama-3.1-8B",),
+    ),
+    Preset(
+        "llama-3.1-70b",
+        "meta-llama/Llama-3.1-70B",
+        _llama31(8192, 28672, 80, 64, 8),
+        ("meta-llama/Meta-Llama-3.1-70B",),
+    ),
     Preset(
         "mistral-7b",
         "mistralai/Mistral-7B-v0.1",
@@ -242,9 +255,12 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in _PRESETS}
 
 
 def _spellings(preset: Preset) -> set[str]:
-    repository = preset.source.lower()
-    base = repository.rsplit("/", 1)[-1]
-    return {preset.name, repository, base, base.removesuffix("-hf")}
+    names = {preset.name}
+    for source in (preset.source, *preset.aliases):
+        repository = source.lower()
+        base = repository.rsplit("/", 1)[-1]
+        names |= {repository, base, base.removesuffix("-hf")}
+    return names
 
 
 # Every way a preset is commonly written, lower case: its name, its Hugging Face

@@ -56,15 +56,27 @@ def test_up_with_authentication_on_starts_and_down_stops(tmp_path):
     unset = {k: v for k, v in env.items() if k != "ISERVE_AUTH"}
     refused = run_cli(unset, "up", "--detach")
     assert refused.returncode == 1, refused.stdout
-    admin = tmp_path / "state" / "tokens" / "admin"
+    tokens = tmp_path / "state" / "tokens"
+    advice = (
+        ", and ISERVE_AUTH is not set now: started so, it would take calls from anyone who "
+        "reaches its ports. Set ISERVE_AUTH=on to check tokens, or ISERVE_AUTH=off to start "
+        "it open on purpose"
+    )
     assert refused.stderr.strip() == (
-        f"error: the stack of {tmp_path / 'state'} was started with ISERVE_AUTH=on (its "
-        f"admin token is {admin}), and ISERVE_AUTH is not set now: started so, it would "
-        "take calls from anyone who reaches its ports. Set ISERVE_AUTH=on to start it as "
-        "before, or ISERVE_AUTH=off to start it open on purpose"
+        f"error: the stack of {tmp_path / 'state'} was started with ISERVE_AUTH=on (it "
+        f"holds {tokens / 'admin'}){advice}"
     )
     assert run_cli(unset, "status").returncode == 1
     assert not (tmp_path / "state" / "stack.json").exists()
+    # The admin token given in the environment then: only the service token was written.
+    (tokens / "admin").unlink()
+    refused = run_cli(unset, "up", "--detach")
+    assert refused.returncode == 1 and f"(it holds {tokens / 'service'})" in refused.stderr
+    # A token given now, on a state directory that never checked tokens.
+    fresh = {**unset, "ISERVE_STATE_DIR": str(tmp_path / "fresh"), "ISERVE_ADMIN_TOKEN": "a" * 32}
+    refused = run_cli(fresh, "up", "--detach")
+    assert refused.stderr.strip() == f"error: ISERVE_ADMIN_TOKEN is set{advice}"
+    assert not (tmp_path / "fresh" / "stack.json").exists()
     try:
         opened = run_cli({**unset, "ISERVE_AUTH": "off"}, "up", "--detach")
         assert opened.returncode == 0, opened.stderr

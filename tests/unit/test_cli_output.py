@@ -619,6 +619,11 @@ def test_status_names_an_older_iserve_that_lacks_a_call(tmp_path):
     ]
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 class _Call:
     """A unary method of a blocking stub, its answer set by the test (pure logic: how
     the CLI waits on a call, not the call)."""
@@ -644,21 +649,23 @@ def test_a_call_waited_on_a_terminal_shows_its_status_until_it_ends() -> None:
             call.future_.set_result("done")
         return f"waiting {len(asked)}"
 
-    buffer = io.StringIO()
+    buffer = _Terminal()
     err = Console(file=buffer, force_terminal=True, color_system=None, width=80)
     assert call_showing_status(call, "req", err, describe, poll_s=0.01) == "done"
     assert asked[0] == 0.0 and asked[1:] == sorted(asked[1:]) and len(asked) == 3
     assert "waiting " in buffer.getvalue() and call.blocking == []
-    # Not a terminal: the plain blocking call, nothing drawn.
-    plain = io.StringIO()
-    assert call_showing_status(call, "req", Console(file=plain), describe) == "answered"
-    assert call.blocking == ["req"] and plain.getvalue() == ""
+    # Not a terminal: the plain blocking call, nothing drawn; nor where only FORCE_COLOR
+    # (force_terminal) makes rich take a file for one.
+    for out in (Console(file=io.StringIO()), Console(file=io.StringIO(), force_terminal=True)):
+        call.blocking.clear()
+        assert call_showing_status(call, "req", out, describe) == "answered"
+        assert call.blocking == ["req"] and out.file.getvalue() == ""
 
 
 def test_a_call_waited_on_a_terminal_raises_its_error_and_ctrl_c_cancels_it() -> None:
     failing = _Call()
     failing.future_.set_exception(RuntimeError("refused"))
-    err = Console(file=io.StringIO(), force_terminal=True, color_system=None)
+    err = Console(file=_Terminal(), force_terminal=True, color_system=None)
     with pytest.raises(RuntimeError, match="refused"):
         call_showing_status(failing, "req", err, lambda _: "waiting", poll_s=0.01)
     interrupted = _Call()
@@ -671,3 +678,21 @@ def test_a_call_waited_on_a_terminal_raises_its_error_and_ctrl_c_cancels_it() ->
     with pytest.raises(KeyboardInterrupt):
         call_showing_status(interrupted, "req", err, ctrl_c, poll_s=0.01)
     assert interrupted.future_.cancelled()
+
+
+def test_the_deploy_status_line_names_the_replicas_and_their_devices() -> None:
+    from services.api import deployment_service_pb2 as deploy_pb
+    from services.cli.deploying import starting_text
+
+    deployment = deploy_pb.Deployment(
+        state=deploy_pb.DEPLOYMENT_STATE_STARTING,
+        config=common.DeploymentConfig(tensor_parallel=1, pipeline_parallel=1, batch_size=1),
+    )
+    for device in ("cpu0", "cpu1"):
+        replica = deployment.replicas.add()
+        replica.placement.stages.add().devices.add(node_id="node0", device_id=device)
+    assert starting_text(deployment) == (
+        "starting tp=1 pp=1 batch=1, 2 replicas on node0/cpu0, node0/cpu1"
+    )
+    del deployment.replicas[1]
+    assert starting_text(deployment) == "starting tp=1 pp=1 batch=1 on node0/cpu0"

@@ -89,6 +89,8 @@ def test_preset_shapes_equal_transformers_model(name: str) -> None:
         ("mistralai/Mistral-7B-v0.1", "mistral-7b"),
         ("meta-llama/Llama-3.1-70B", "llama-3.1-70b"),
         ("Llama-3.1-8B", "llama-3.1-8b"),
+        ("Meta-Llama-3.1-8B", "llama-3.1-8b"),
+        ("meta-llama/Meta-Llama-3.1-70B", "llama-3.1-70b"),
         ("Qwen/Qwen2.5-14B", "qwen2.5-14b"),
         ("qwen2.5-32b", "qwen2.5-32b"),
         ("llama-2-70", None),
