@@ -49,6 +49,15 @@ def deploy(stack, model_id: str, **fields) -> deploy_pb.DeployResponse:
     )
 
 
+def remove_deployments_of(stack, model_id: str) -> None:
+    """Remove every deployment of ``model_id`` (a test's cleanup)."""
+    listed = stack.deployments.ListDeployments(deploy_pb.ListDeploymentsRequest(model_id=model_id))
+    for dep in listed.deployments:
+        stack.deployments.RemoveDeployment(
+            deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
+        )
+
+
 def reserved_by_device(stack) -> dict[str, int]:
     state = stack.deployments.GetClusterState(deploy_pb.GetClusterStateRequest())
     return {

@@ -28,6 +28,7 @@ from tests.integration.helpers import (
     live_devices,
     make_checkpoint,
     register,
+    remove_deployments_of,
     reserved_by_device,
     rid,
     settled_devices,
@@ -113,12 +114,7 @@ def test_concurrent_deploys_never_oversubscribe(stack, small_model):
             _, final = generate(stack, deployment_id=dep.deployment_id, prompt="hi", max_tokens=2)
             assert final.usage.completion_tokens >= 1
     finally:
-        for dep in stack.deployments.ListDeployments(
-            deploy_pb.ListDeploymentsRequest(model_id="life-llama")
-        ).deployments:
-            stack.deployments.RemoveDeployment(
-                deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
-            )
+        remove_deployments_of(stack, "life-llama")
         with_store(stack, lambda s: s.release(owner))
     assert reserved_by_device(stack) == {k: v - filler_of(filler, k) for k, v in before.items()}
 

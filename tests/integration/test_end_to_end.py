@@ -23,6 +23,7 @@ from tests.integration.helpers import (
     generate,
     make_checkpoint,
     register,
+    remove_deployments_of,
     reserved_by_device,
     rid,
     run_cli,
@@ -126,12 +127,7 @@ def test_cli_deploy_and_remove_show_a_status_line_on_a_terminal(stack):
         assert out == f"removed {deployment_id}\n"
         assert f"removing {deployment_id}: stopping its workers (0 s)" in screen
     finally:
-        for dep in stack.deployments.ListDeployments(
-            deploy_pb.ListDeploymentsRequest(model_id="tty-llama")
-        ).deployments:
-            stack.deployments.RemoveDeployment(
-                deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
-            )
+        remove_deployments_of(stack, "tty-llama")
         stack.models.DeleteModel(model_pb.DeleteModelRequest(model_id="tty-llama"))
 
 

@@ -28,6 +28,7 @@ from tests.integration.helpers import (
     live_devices,
     make_checkpoint,
     register,
+    remove_deployments_of,
     reserved_by_device,
     rid,
     settled_devices,
@@ -81,12 +82,7 @@ def profiled(stack) -> model_pb.Model:
     )
     assert events[-1].state == model_pb.MODEL_STATE_PROFILED, events[-1]
     yield stack.models.GetModel(model_pb.GetModelRequest(model_id=MODEL)).model
-    for dep in stack.deployments.ListDeployments(
-        deploy_pb.ListDeploymentsRequest(model_id=MODEL)
-    ).deployments:
-        stack.deployments.RemoveDeployment(
-            deploy_pb.RemoveDeploymentRequest(deployment_id=dep.deployment_id)
-        )
+    remove_deployments_of(stack, MODEL)
     stack.models.DeleteModel(model_pb.DeleteModelRequest(request_id=rid(), model_id=MODEL))
 
 
