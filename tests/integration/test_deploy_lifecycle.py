@@ -176,13 +176,19 @@ def test_a_remove_while_the_deploy_starts_aborts_it_leaving_nothing(stack, small
         assert starting.state == STARTING
         # What `iserve deploy` shows on a terminal meanwhile: the deployment its request
         # made, read from the deployer's listing, and what it starts.
-        shown = deploying_cli.deploy_progress(stack.deployments, "life-llama", request_id)(3.2)
+        # (A listing slower than the CLI's 2 s read as "planning": a loaded run's margin.)
+        progress = deploying_cli.deploy_progress(
+            stack.deployments, "life-llama", request_id, rpc_timeout_s=30
+        )
+        shown = progress(3.2)
         assert shown.startswith(
             f"deploying {starting.deployment_id}: starting tp=1 pp=1 batch=1 on "
             f"{starting.placement.stages[0].devices[0].node_id}/"
         ), shown
         assert shown.endswith("(3 s; Ctrl-C cancels and rolls back)"), shown
-        other = deploying_cli.deploy_progress(stack.deployments, "life-llama", rid())(3.2)
+        other = deploying_cli.deploy_progress(
+            stack.deployments, "life-llama", rid(), rpc_timeout_s=30
+        )(3.2)
         assert other.startswith("deploying life-llama: planning (3 s;"), other
         removing = stack.deployments.RemoveDeployment.future(
             deploy_pb.RemoveDeploymentRequest(deployment_id=starting.deployment_id), timeout=120
