@@ -19,6 +19,7 @@ variant was not profiled at) are ``null``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -80,9 +81,10 @@ class ConfigMap:
     references: ModelReferences
     calibration: estimator_pb.Calibration
 
+    @functools.cached_property
     def constants(self) -> tuple[Calibration, ModelReferences]:
         """The calibration's constants for these references, and the references to use
-        them with (:meth:`HardwareCalibration.for_references`)."""
+        them with (:meth:`HardwareCalibration.for_references`); parsed once per map."""
         return from_proto(self.calibration).for_references(self.references)
 
     def estimate(
@@ -93,7 +95,7 @@ class ConfigMap:
         longest profiled that leaves room for the output).
 
         InvalidArgument when prompt plus output tokens exceed the model's context."""
-        calibration, references = self.constants()
+        calibration, references = self.constants
         default = references.default_input_tokens(workload.output_tokens)
         resolved = replace(workload, input_tokens=workload.input_tokens or default)
         check_positions(

@@ -111,7 +111,7 @@ class Estimate:
             references.prompt_note(self.workload.input_tokens),
             references.batch_note(
                 self.workload.batch_size,
-                measured_growth=bool(self.config_map.constants()[0].tpot_batch_growth),
+                measured_growth=bool(self.config_map.constants[0].tpot_batch_growth),
             ),
             runtime,
             self.estimates.unestimable_note(),

@@ -36,10 +36,10 @@ REMOVING = deploy_pb.DEPLOYMENT_STATE_REMOVING
 REFRESH_INTERVAL_S = 1.0
 
 Backlog = Callable[[deploy_pb.Deployment], float]
+"""How long a request would wait on a deployment, seconds (``QueueRegistry.shortest_wait``)."""
 DecodeStep = Callable[[deploy_pb.Deployment], float | None]
 """A deployment's fastest decode step, seconds, as its measurements say (None: nothing to
 say it from)."""
-"""How long a request would wait on a deployment, seconds (``QueueRegistry.shortest_wait``)."""
 OnRefresh = Callable[[list[deploy_pb.Deployment]], Awaitable[None]]
 
 

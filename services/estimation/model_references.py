@@ -174,8 +174,6 @@ class ModelReferences:
             "; TPOT grows at least by the share per further sequence the hardware's "
             "full-model batch sweeps measured (its calibration's, where it has one for the "
             "weight format and tensor degree)"
-            if measured_growth
-            else ""
         )
         if not all(v.batch2 is not None for p in self.prompts for v in p.profiles):
             return (
